@@ -1,0 +1,164 @@
+"""Learning-rate scaling rules for a global batch that changes by ``ratio = new / old``.
+
+- ``"sqrt"``: LR * sqrt(ratio), the rule for Adam (Merrill et al. 2025 double the batch and
+  multiply the LR by sqrt(2)).
+- ``"linear"``: LR * ratio, the rule for SGD (Goyal et al. 2017).
+- ``"none"``: LR unchanged.
+- ``"adam_sde"``: the square-root SDE scaling rule for Adam (Malladi et al. 2022): LR * sqrt(ratio),
+  1 - beta_i -> ratio * (1 - beta_i), eps -> eps / sqrt(ratio).
+- any callable ``ratio -> factor``.
+
+``scale_learning_rate`` multiplies the LR where the optimizer and every supported LR scheduler keep
+it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim import lr_scheduler as torch_sched
+
+
+class LRRule:
+    """A rule turning a batch ratio (new / old global batch) into an LR factor."""
+
+    def __init__(self, name: str, factor: Callable[[float], float]):
+        self.name = name
+        self._factor = factor
+
+    def lr_factor(self, ratio: float) -> float:
+        if not ratio > 0:
+            raise ValueError(f"batch ratio must be > 0, got {ratio}")
+        factor = float(self._factor(ratio))
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"LR rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
+        return factor
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: Iterable[float]) -> None:
+        """Raise before training if the rule cannot be applied to ``optimizer`` at these ratios."""
+
+    def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
+        """Change hyperparameters other than the LR (none for plain LR rules)."""
+
+    def __repr__(self) -> str:
+        return f"LRRule({self.name!r})"
+
+
+class AdamSDERule(LRRule):
+    """Malladi et al. 2022: LR * sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k)."""
+
+    def __init__(self):
+        super().__init__("adam_sde", math.sqrt)
+
+    @staticmethod
+    def _scaled_betas(betas, ratio: float) -> tuple[float, ...]:
+        return tuple(1.0 - ratio * (1.0 - b) for b in betas)
+
+    def check_optimizer(self, optimizer, ratios):
+        for i, group in enumerate(optimizer.param_groups):
+            if "betas" not in group or "eps" not in group:
+                raise TypeError(
+                    f"lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
+                    f"{type(optimizer).__name__} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
+                )
+        # Ratios compose: check the betas reached after every change in turn.
+        betas = [tuple(g["betas"]) for g in optimizer.param_groups]
+        for ratio in ratios:
+            betas = [self._scaled_betas(b, ratio) for b in betas]
+            for b in betas:
+                if not all(0.0 <= x < 1.0 for x in b):
+                    raise ValueError(
+                        f"lr_rule='adam_sde' would set Adam betas to {b} at batch ratio {ratio:g} (needs 0 <= beta < 1); "
+                        "start from larger betas, use smaller batch steps, or use lr_rule='sqrt'"
+                    )
+
+    def adjust_optimizer(self, optimizer, ratio):
+        for group in optimizer.param_groups:
+            group["betas"] = self._scaled_betas(group["betas"], ratio)
+            group["eps"] = group["eps"] / math.sqrt(ratio)
+
+
+LR_RULES = {
+    "sqrt": lambda: LRRule("sqrt", math.sqrt),
+    "linear": lambda: LRRule("linear", lambda r: r),
+    "none": lambda: LRRule("none", lambda r: 1.0),
+    "adam_sde": AdamSDERule,
+}
+
+
+def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
+    """Resolve ``rule`` (a name in ``LR_RULES``, an ``LRRule`` or a callable ratio -> factor)."""
+    if isinstance(rule, LRRule):
+        return rule
+    if isinstance(rule, str):
+        if rule not in LR_RULES:
+            raise ValueError(f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor")
+        return LR_RULES[rule]()
+    if callable(rule):
+        return LRRule(getattr(rule, "__name__", repr(rule)), rule)
+    raise TypeError(f"lr_rule must be a name in {sorted(LR_RULES)} or a callable ratio -> factor, got {rule!r}")
+
+
+# Schedulers whose LR is either base_lrs * f(step) or chained multiplicatively on the optimizer's
+# current LR: scaling the group LR, base_lrs and absolute floors by a factor scales every later LR
+# by exactly that factor.
+_PROPORTIONAL = (
+    torch_sched.LambdaLR,
+    torch_sched.MultiplicativeLR,
+    torch_sched.StepLR,
+    torch_sched.MultiStepLR,
+    torch_sched.ConstantLR,
+    torch_sched.LinearLR,
+    torch_sched.ExponentialLR,
+    torch_sched.PolynomialLR,
+    torch_sched.CosineAnnealingLR,
+    torch_sched.ReduceLROnPlateau,
+)
+_CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
+
+
+def _is_token_scheduler(scheduler) -> bool:
+    from lit_cbs.lr_schedules import TokenLRScheduler
+
+    return isinstance(scheduler, TokenLRScheduler)
+
+
+def check_scheduler_supported(scheduler) -> None:
+    """Raise TypeError if ``scale_learning_rate`` cannot compose with ``scheduler`` exactly."""
+    if isinstance(scheduler, _CONTAINERS):
+        for inner in scheduler._schedulers:
+            check_scheduler_supported(inner)
+        return
+    if isinstance(scheduler, _PROPORTIONAL) or _is_token_scheduler(scheduler):
+        return
+    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.lr_schedules.TokenLRScheduler"]
+    raise TypeError(
+        f"{type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
+        f"use one of {supported}"
+    )
+
+
+def _scale_scheduler(scheduler, factor: float) -> None:
+    if isinstance(scheduler, _CONTAINERS):
+        for inner in scheduler._schedulers:
+            _scale_scheduler(inner, factor)
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    if getattr(scheduler, "_last_lr", None) is not None:
+        scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]
+    if isinstance(scheduler, torch_sched.CosineAnnealingLR):
+        scheduler.eta_min *= factor
+    if isinstance(scheduler, torch_sched.ReduceLROnPlateau):
+        scheduler.min_lrs = [lr * factor for lr in scheduler.min_lrs]
+
+
+def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, factor: float) -> None:
+    """Multiply the LR by ``factor`` now and in everything the schedulers will compute from it."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * factor
+    for scheduler in schedulers:
+        _scale_scheduler(scheduler, factor)

@@ -1,0 +1,138 @@
+"""LR schedules indexed by tokens seen, so a batch-size change does not shift them.
+
+A step-indexed schedule (e.g. cosine over ``trainer.estimated_stepping_batches``) assumes a
+constant number of tokens per step; once the batch grows, each step covers more tokens and the
+schedule ends too late. Here a schedule is a multiplier of the base LR as a function of tokens
+(``schedule(tokens) -> float``), and ``TokenLRScheduler`` applies it as a regular PyTorch /
+Lightning LR scheduler. ``BatchWarmup`` feeds it the global token count before every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim.lr_scheduler import LRScheduler
+
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
+
+
+def _check_tokens(name: str, value, allow_zero: bool = True) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of tokens, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
+    return value
+
+
+def _check_ratio(name: str, value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
+    return float(value)
+
+
+def _warmup(tokens: int, warmup_tokens: int) -> float:
+    return 1.0 if tokens >= warmup_tokens else (tokens + 1) / (warmup_tokens + 1)
+
+
+class WarmupStableDecay:
+    """Linear warmup over ``warmup_tokens``, constant, then decay over the last ``decay_tokens``.
+
+    The multiplier falls from 1 to ``min_lr_ratio`` between ``total_tokens - decay_tokens`` and
+    ``total_tokens`` (``decay_shape``: linear, cosine or 1 - sqrt) and stays there afterwards.
+    ``decay_tokens=0`` gives warmup then constant (the stable phase the E(S) analysis uses).
+    """
+
+    def __init__(
+        self,
+        warmup_tokens: int,
+        total_tokens: int,
+        decay_tokens: int = 0,
+        min_lr_ratio: float = 0.0,
+        decay_shape: str = "linear",
+    ):
+        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        self.decay_tokens = _check_tokens("decay_tokens", decay_tokens)
+        if warmup_tokens + decay_tokens > total_tokens:
+            raise ValueError(
+                f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
+                "shorten the warmup or the decay"
+            )
+        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
+        if decay_shape not in DECAY_SHAPES:
+            raise ValueError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
+        self.decay_shape = decay_shape
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return _warmup(tokens, self.warmup_tokens)
+        decay_start = self.total_tokens - self.decay_tokens
+        if self.decay_tokens == 0 or tokens < decay_start:
+            return 1.0
+        progress = min(1.0, (tokens - decay_start) / self.decay_tokens)
+        if self.decay_shape == "linear":
+            remaining = 1.0 - progress
+        elif self.decay_shape == "cosine":
+            remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            remaining = 1.0 - math.sqrt(progress)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * remaining
+
+    def __repr__(self) -> str:
+        return (
+            f"WarmupStableDecay(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
+            f"decay_tokens={self.decay_tokens}, min_lr_ratio={self.min_lr_ratio}, decay_shape={self.decay_shape!r})"
+        )
+
+
+class CosineSchedule:
+    """Linear warmup over ``warmup_tokens``, then cosine from 1 to ``min_lr_ratio`` at ``total_tokens``."""
+
+    def __init__(self, warmup_tokens: int, total_tokens: int, min_lr_ratio: float = 0.1):
+        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        if warmup_tokens >= total_tokens:
+            raise ValueError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
+        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return _warmup(tokens, self.warmup_tokens)
+        progress = min(1.0, (tokens - self.warmup_tokens) / (self.total_tokens - self.warmup_tokens))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def __repr__(self) -> str:
+        return (
+            f"CosineSchedule(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
+            f"min_lr_ratio={self.min_lr_ratio})"
+        )
+
+
+class TokenLRScheduler(LRScheduler):
+    """LR = base LR * ``schedule(tokens_seen)``, a PyTorch LR scheduler for Lightning's ``interval="step"``.
+
+    ``tokens_seen`` (global tokens trained on, all ranks) must be set before each ``step()``:
+    ``BatchWarmup`` does it (use ``ConstantBatch`` for a run with a fixed batch); a plain PyTorch
+    loop sets the attribute itself. Stepping without it raises rather than freezing the LR.
+    """
+
+    def __init__(self, optimizer, schedule, last_epoch: int = -1):
+        if not callable(schedule):
+            raise TypeError(f"schedule must be callable tokens -> LR multiplier, got {schedule!r}")
+        self.schedule = schedule
+        self.tokens_seen: int | None = None
+        super().__init__(optimizer, last_epoch)
+
+    def step(self, epoch=None):
+        # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
+        if self.last_epoch >= 0 and self.tokens_seen is None:
+            raise RuntimeError(
+                "TokenLRScheduler.step() was called but tokens_seen was never set: add "
+                "lit_cbs.BatchWarmup to the Trainer's callbacks (ConstantBatch for a fixed batch), "
+                "or set scheduler.tokens_seen before each step"
+            )
+        super().step(epoch)
+
+    def get_lr(self) -> list[float]:
+        multiplier = self.schedule(self.tokens_seen or 0)
+        return [base_lr * multiplier for base_lr in self.base_lrs]

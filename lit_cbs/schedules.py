@@ -1,0 +1,188 @@
+"""Global batch-size schedules: amount consumed (samples or tokens) -> global batch (samples).
+
+Pure Python, no Lightning. Every schedule has ``unit`` ("samples" or "tokens": what ``consumed``
+counts) and ``batch_size(consumed) -> int``, the global batch in samples (sequences) to use once
+``consumed`` samples or tokens have been trained on. ``sizes(consumed)`` lists every batch size
+the schedule can still return from ``consumed`` on, so a trainer can check them all before the
+first step and pick a micro-batch that divides every size still to come.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+UNITS = ("samples", "tokens")
+
+
+def _check_unit(unit: str) -> str:
+    if unit not in UNITS:
+        raise ValueError(f"unit={unit!r} is not supported; use one of {UNITS}")
+    return unit
+
+
+def _check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (samples), got {value!r} of type {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be a positive number of samples (>= 1)")
+    return value
+
+
+def _check_consumed(consumed) -> None:
+    if consumed < 0:
+        raise ValueError(f"consumed={consumed} must be >= 0")
+
+
+class BatchSchedule(ABC):
+    """Base class: subclasses set ``unit`` and implement ``batch_size`` and ``sizes``."""
+
+    unit: str
+
+    @abstractmethod
+    def batch_size(self, consumed: int) -> int:
+        """Global batch (samples) once ``consumed`` samples or tokens (``unit``) were trained on."""
+
+    @abstractmethod
+    def sizes(self, consumed: int = 0) -> list[int]:
+        """Every global batch size (samples) this schedule can return from ``consumed`` on, ascending."""
+
+    @property
+    def is_constant(self) -> bool:
+        return len(self.sizes()) == 1
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+
+class ConstantBatch(BatchSchedule):
+    """The same global batch (samples) throughout: the control run, with BatchWarmup's logging."""
+
+    def __init__(self, batch_size: int, unit: str = "samples"):
+        self.size = _check_positive_int("batch_size", batch_size)
+        self.unit = _check_unit(unit)
+
+    def batch_size(self, consumed: int) -> int:
+        _check_consumed(consumed)
+        return self.size
+
+    def sizes(self, consumed: int = 0) -> list[int]:
+        return [self.size]
+
+
+class PiecewiseBatch(BatchSchedule):
+    """``batch_sizes[i]`` samples from ``thresholds[i]`` consumed on (OLMo-core style).
+
+    ``thresholds`` are in ``unit`` (samples or tokens), start at 0 and strictly increase. Covers
+    the doubling schedule of Merrill et al. 2025 (1024 -> 2048 at 168B tokens -> 4096 at 503B
+    tokens) and Qwen3-style growth (Zhou et al. 2026: 2M -> 4M -> 5M -> 6M tokens per batch).
+    """
+
+    def __init__(self, batch_sizes: Sequence[int], thresholds: Sequence[int], unit: str = "tokens"):
+        batch_sizes, thresholds = list(batch_sizes), list(thresholds)
+        if not batch_sizes:
+            raise ValueError("batch_sizes is empty; give at least one global batch size (samples)")
+        if len(batch_sizes) != len(thresholds):
+            raise ValueError(
+                f"batch_sizes has {len(batch_sizes)} entries but thresholds has {len(thresholds)}; "
+                "give one threshold (where each size starts) per batch size"
+            )
+        for i, b in enumerate(batch_sizes):
+            _check_positive_int(f"batch_sizes[{i}]", b)
+        if thresholds[0] != 0:
+            raise ValueError(f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start")
+        for i in range(1, len(thresholds)):
+            if not thresholds[i] > thresholds[i - 1]:
+                raise ValueError(
+                    f"thresholds must strictly increase, but thresholds[{i}]={thresholds[i]} <= "
+                    f"thresholds[{i - 1}]={thresholds[i - 1]}"
+                )
+        self.batch_sizes = batch_sizes
+        self.thresholds = thresholds
+        self.unit = _check_unit(unit)
+
+    def batch_size(self, consumed: int) -> int:
+        _check_consumed(consumed)
+        return self.batch_sizes[bisect.bisect_right(self.thresholds, consumed) - 1]
+
+    def sizes(self, consumed: int = 0) -> list[int]:
+        start = bisect.bisect_right(self.thresholds, consumed) - 1
+        return sorted(set(self.batch_sizes[start:]))
+
+
+class LinearRamp(BatchSchedule):
+    """Megatron-LM ``--rampup-batch-size START INCR RAMP`` (GPT-3 style linear ramp).
+
+    batch = start + floor(consumed / per_increment) * increment, with
+    per_increment = ramp * increment / (final - start), until ``ramp`` consumed; ``final`` after.
+    Megatron counts samples; ``unit="tokens"`` reads ``ramp`` in tokens instead.
+    """
+
+    def __init__(self, start: int, increment: int, ramp: int, final: int, unit: str = "samples"):
+        _check_positive_int("start", start)
+        _check_positive_int("increment", increment)
+        _check_positive_int("final", final)
+        if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp <= 0:
+            raise ValueError(f"ramp={ramp!r} must be a positive int ({unit} over which the batch grows)")
+        if final <= start:
+            raise ValueError(f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise")
+        if (final - start) % increment:
+            raise ValueError(
+                f"final - start = {final - start} must be a multiple of increment={increment} (Megatron's rule); "
+                f"e.g. final={start + (final - start) // increment * increment} or "
+                f"{start + ((final - start) // increment + 1) * increment}"
+            )
+        self.start, self.increment, self.ramp, self.final = start, increment, ramp, final
+        self.unit = _check_unit(unit)
+        self._per_increment = ramp * increment / (final - start)
+
+    def batch_size(self, consumed: int) -> int:
+        _check_consumed(consumed)
+        if consumed >= self.ramp:
+            return self.final
+        steps = int(consumed // self._per_increment)
+        return min(self.final, self.start + steps * self.increment)
+
+    def sizes(self, consumed: int = 0) -> list[int]:
+        return list(range(self.batch_size(consumed), self.final + 1, self.increment))
+
+
+class ExponentialRamp(BatchSchedule):
+    """Geometric growth from ``start`` to ``final`` over ``ramp`` consumed.
+
+    The exact size start * (final/start) ** (consumed/ramp) is rounded down to a multiple of
+    ``multiple_of`` (samples; give micro-batch x world size so every size is reachable) and
+    never falls below ``start`` nor rises above ``final``; ``final`` from ``ramp`` on.
+    """
+
+    def __init__(self, start: int, final: int, ramp: int, unit: str = "tokens", multiple_of: int = 1):
+        _check_positive_int("start", start)
+        _check_positive_int("final", final)
+        _check_positive_int("multiple_of", multiple_of)
+        if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp <= 0:
+            raise ValueError(f"ramp={ramp!r} must be a positive int ({unit} over which the batch grows)")
+        if final <= start:
+            raise ValueError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
+        for name, v in (("start", start), ("final", final)):
+            if v % multiple_of:
+                raise ValueError(
+                    f"{name}={v} must be a multiple of multiple_of={multiple_of}; "
+                    f"nearest: {v // multiple_of * multiple_of or multiple_of} or {(v // multiple_of + 1) * multiple_of}"
+                )
+        self.start, self.final, self.ramp, self.multiple_of = start, final, ramp, multiple_of
+        self.unit = _check_unit(unit)
+
+    def batch_size(self, consumed: int) -> int:
+        _check_consumed(consumed)
+        if consumed >= self.ramp:
+            return self.final
+        exact = self.start * (self.final / self.start) ** (consumed / self.ramp)
+        rounded = int(math.floor(exact / self.multiple_of + 1e-9)) * self.multiple_of
+        return min(self.final, max(self.start, rounded))
+
+    def sizes(self, consumed: int = 0) -> list[int]:
+        # Sizes grow monotonically through every multiple between here and final.
+        return list(range(self.batch_size(consumed), self.final + 1, self.multiple_of))

@@ -1,0 +1,380 @@
+"""``BatchWarmup``: grow the global batch during training by a schedule in samples or tokens.
+
+global batch (samples) = micro-batch x accumulate x world size. The micro-batch is the
+datamodule's (or LightningModule's) ``batch_size``; BatchWarmup changes ``accumulate``
+(``trainer.accumulate_grad_batches``), which Lightning reads at every batch to decide when to
+step, when to zero gradients and how to divide the loss. A change to accumulate N' is applied
+right after an optimizer step, and only when the micro-batches consumed this epoch are divisible
+by N', so every later step averages over exactly the scheduled samples and the data order is
+that of a run without the change (DESIGN.md "How a batch change happens"). An increase by an
+integer ratio r therefore waits at most r - 1 steps; ``history`` records when each change was
+asked for and when it happened. At epoch boundaries the micro-batch itself may also change
+(``max_micro_batch_size``), which reloads the train loader.
+
+Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its schedulers
+keep it (lit_cbs.lr_rules), so it composes with the user's LR schedule; the applied state is in
+the checkpoint, so a resumed run never applies a change twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils._pytree import tree_leaves
+
+from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
+from lit_cbs.lr_schedules import TokenLRScheduler
+from lit_cbs.schedules import BatchSchedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BatchChange:
+    """One applied change of the global batch. Batches in samples, consumed counts global."""
+
+    step: int  # optimizer steps taken before the new batch's first step
+    epoch: int
+    samples_seen: int
+    tokens_seen: int
+    old_global_batch: int
+    new_global_batch: int
+    old_accumulate: int
+    new_accumulate: int
+    old_micro_batch_size: int
+    new_micro_batch_size: int
+    lr_factor: float  # this change's LR multiplier, lr_rule(new / old)
+    requested_at_samples: int  # where the schedule first asked for this new batch (and micro-batch)
+    requested_at_tokens: int
+
+
+def _nearest_multiples(value: int, unit: int) -> str:
+    lower = value // unit * unit
+    upper = lower + unit
+    return f"{lower} or {upper}" if lower > 0 else f"{upper}"
+
+
+def _first_2d_tensor_length(batch: Any) -> int | None:
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 2:
+            return int(leaf.shape[1])
+    return None
+
+
+class BatchWarmup(Callback):
+    """Change the global batch size (and scale the LR) during training by ``schedule``.
+
+    Args:
+        schedule: a ``lit_cbs.schedules`` schedule: consumed samples or tokens -> global batch (samples).
+        lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
+        max_tokens: stop training once this many tokens (all ranks) were trained on.
+        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
+            else dim 1 of the first 2-D tensor of the first batch.
+        max_micro_batch_size: if given, at epoch boundaries the micro-batch becomes the largest size
+            (samples per rank, at most this) that divides every global batch still to come, and
+            the train loader is reloaded.
+        log_every_step: log ``batch/global_size``, ``batch/accumulate``, ``tokens_seen`` and the LR
+            after every optimizer step.
+
+    Attributes:
+        history: ``BatchChange`` records, in order.
+        samples_seen, tokens_seen: global counts trained on so far.
+    """
+
+    def __init__(
+        self,
+        schedule: BatchSchedule,
+        lr_rule="sqrt",
+        max_tokens: int | None = None,
+        seq_len: int | None = None,
+        max_micro_batch_size: int | None = None,
+        log_every_step: bool = True,
+    ):
+        if not isinstance(schedule, BatchSchedule):
+            raise TypeError(
+                f"schedule must be a lit_cbs.schedules schedule (ConstantBatch, PiecewiseBatch, LinearRamp, "
+                f"ExponentialRamp, ...), got {schedule!r}"
+            )
+        for name, value in (("max_tokens", max_tokens), ("seq_len", seq_len), ("max_micro_batch_size", max_micro_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name}={value!r} must be a positive int or None")
+        self.schedule = schedule
+        self.lr_rule = get_lr_rule(lr_rule)
+        self.max_tokens = max_tokens
+        self.seq_len = seq_len
+        self.max_micro_batch_size = max_micro_batch_size
+        self.log_every_step = log_every_step
+
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self.global_batch: int | None = None
+        self.accumulate: int | None = None
+        self.micro_batch_size: int | None = None
+        self.lr_factor = 1.0  # product of all changes' LR factors
+        self.history: list[BatchChange] = []
+        # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
+        self._requested_at: tuple[tuple[int, int], int, int] | None = None
+        self._trainer: pl.Trainer | None = None
+        self._world_size = 1
+        self._token_schedulers: list[TokenLRScheduler] = []
+        self._fsdp_modules: list = []
+        self._gradient_sync: bool | None = None
+
+    # ------------------------------------------------------------------ validation and setup
+    @property
+    def consumed(self) -> int:
+        """What the schedule is indexed by: samples or tokens seen (global)."""
+        return self.tokens_seen if self.schedule.unit == "tokens" else self.samples_seen
+
+    @staticmethod
+    def _micro_batch_holder(trainer: pl.Trainer, pl_module: pl.LightningModule):
+        datamodule = trainer.datamodule
+        if datamodule is not None and hasattr(datamodule, "batch_size"):
+            return datamodule, "batch_size"
+        if hasattr(pl_module, "batch_size"):
+            return pl_module, "batch_size"
+        if "batch_size" in getattr(pl_module, "hparams", {}):
+            return pl_module.hparams, "batch_size"
+        raise ValueError(
+            "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
+            "`batch_size` attribute that its train_dataloader uses"
+        )
+
+    def _get_micro(self, trainer, pl_module) -> int:
+        holder, attr = self._micro_batch_holder(trainer, pl_module)
+        value = holder[attr] if isinstance(holder, dict) else getattr(holder, attr)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"batch_size={value!r} (the micro-batch, samples per rank) must be a positive int")
+        return value
+
+    def _set_micro(self, trainer, pl_module, value: int) -> None:
+        holder, attr = self._micro_batch_holder(trainer, pl_module)
+        if isinstance(holder, dict):
+            holder[attr] = value
+        else:
+            setattr(holder, attr, value)
+
+    def _pick_micro(self, consumed: int, current_micro: int) -> int:
+        """Largest micro-batch <= max_micro_batch_size dividing every global batch still to come."""
+        if self.max_micro_batch_size is None:
+            return current_micro
+        sizes = self.schedule.sizes(consumed)
+        for micro in range(self.max_micro_batch_size, 0, -1):
+            if all(size % (micro * self._world_size) == 0 for size in sizes):
+                return micro
+        raise AssertionError("micro-batch 1 divides every size checked in setup")  # pragma: no cover
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        self._world_size = trainer.world_size
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "BatchWarmup needs automatic optimization (it changes accumulate_grad_batches); "
+                "set `self.automatic_optimization = True` or remove BatchWarmup"
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise ValueError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy) and not self.schedule.is_constant:
+            raise ValueError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
+
+        micro = self._get_micro(trainer, pl_module)
+        unit = micro * self._world_size
+        for size in self.schedule.sizes(0):
+            if size % unit:
+                raise ValueError(
+                    f"scheduled global batch {size} is not a multiple of micro-batch {micro} x world size "
+                    f"{self._world_size} = {unit} samples; nearest valid sizes: {_nearest_multiples(size, unit)}"
+                )
+        if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
+            raise ValueError(
+                f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
+                f"batch_size={micro}; raise it or lower the batch_size"
+            )
+        self.micro_batch_size = self._pick_micro(0, micro)
+        self.global_batch = self.schedule.batch_size(0)
+        self.accumulate = self.global_batch // (self.micro_batch_size * self._world_size)
+        if trainer.accumulate_grad_batches not in (1, self.accumulate):
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
+                f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
+            )
+        self._apply_to_trainer(trainer, pl_module)
+
+    def _apply_to_trainer(self, trainer, pl_module) -> None:
+        trainer.accumulate_grad_batches = self.accumulate
+        self._set_micro(trainer, pl_module, self.micro_batch_size)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self._token_schedulers = [s for s in schedulers if isinstance(s, TokenLRScheduler)]
+        if not self.schedule.is_constant:
+            for config in trainer.lr_scheduler_configs:
+                check_scheduler_supported(config.scheduler)
+                if config.interval == "step" and not isinstance(config.scheduler, TokenLRScheduler):
+                    rank_zero_warn(
+                        f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
+                        "the tokens per step, so the schedule will stretch in tokens (and "
+                        "trainer.estimated_stepping_batches assumes a constant batch); use "
+                        "lit_cbs.lr_schedules.TokenLRScheduler"
+                    )
+            sizes = self.schedule.sizes(self.consumed)
+            ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
+            for optimizer in trainer.optimizers:
+                self.lr_rule.check_optimizer(optimizer, ratios)
+        if self.seq_len is None and trainer.datamodule is not None:
+            for attr in ("tokens_per_sample", "seq_len"):
+                if isinstance(getattr(trainer.datamodule, attr, None), int):
+                    self.seq_len = getattr(trainer.datamodule, attr)
+                    break
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._fsdp_modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
+        self._gradient_sync = None
+
+    # ------------------------------------------------------------------ per batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self.seq_len is None:
+            self.seq_len = _first_2d_tensor_length(batch)
+            if self.seq_len is None and (self.schedule.unit == "tokens" or self.max_tokens is not None):
+                raise ValueError(
+                    "BatchWarmup counts tokens (schedule unit='tokens' or max_tokens) but the sequence length is "
+                    "unknown: pass BatchWarmup(seq_len=...) or give the datamodule a `tokens_per_sample` attribute"
+                )
+        samples = extract_batch_size(batch) * self._world_size
+        self.samples_seen += samples
+        self.tokens_seen += samples * (self.seq_len or 0)
+        for scheduler in self._token_schedulers:
+            scheduler.tokens_seen = self.tokens_seen
+        if self._fsdp_modules:
+            self._set_fsdp_gradient_sync(not trainer.fit_loop.epoch_loop._should_accumulate())
+
+    def _set_fsdp_gradient_sync(self, sync: bool) -> None:
+        # Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
+        # reduce-scatter is deferred to the micro-batch that steps.
+        if sync != self._gradient_sync:
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(sync, recurse=False)
+            self._gradient_sync = sync
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if epoch_loop._should_accumulate():
+            return  # no optimizer step this batch
+        if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
+            trainer.should_stop = True
+        ready = epoch_loop.batch_progress.current.ready
+        self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
+        if self.log_every_step:
+            self._log(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Between epochs any accumulation fits (the next epoch starts at batch 0), and the
+        # micro-batch may change because the train loader can be rebuilt.
+        self._maybe_change(trainer, pl_module, lambda new_accumulate: True, epoch_boundary=True)
+
+    def _maybe_change(self, trainer, pl_module, fits, epoch_boundary: bool = False) -> None:
+        target = self.schedule.batch_size(self.consumed)
+        new_micro = self._pick_micro(self.consumed, self.micro_batch_size) if epoch_boundary else self.micro_batch_size
+        if target == self.global_batch and new_micro == self.micro_batch_size:
+            self._requested_at = None
+            return
+        if self._requested_at is None or self._requested_at[0] != (target, new_micro):
+            self._requested_at = ((target, new_micro), self.samples_seen, self.tokens_seen)
+        new_accumulate = target // (new_micro * self._world_size)
+        if not fits(new_accumulate):
+            return
+        self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
+
+    def _apply_change(self, trainer, pl_module, target: int, new_accumulate: int, new_micro: int) -> None:
+        factor = 1.0
+        if target != self.global_batch:
+            ratio = target / self.global_batch
+            factor = self.lr_rule.lr_factor(ratio)
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            for optimizer in trainer.optimizers:
+                scale_learning_rate(optimizer, schedulers, factor)
+                self.lr_rule.adjust_optimizer(optimizer, ratio)
+        change = BatchChange(
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            samples_seen=self.samples_seen,
+            tokens_seen=self.tokens_seen,
+            old_global_batch=self.global_batch,
+            new_global_batch=target,
+            old_accumulate=self.accumulate,
+            new_accumulate=new_accumulate,
+            old_micro_batch_size=self.micro_batch_size,
+            new_micro_batch_size=new_micro,
+            lr_factor=factor,
+            requested_at_samples=self._requested_at[1],
+            requested_at_tokens=self._requested_at[2],
+        )
+        self.history.append(change)
+        self._requested_at = None
+        self.global_batch, self.accumulate, self.lr_factor = target, new_accumulate, self.lr_factor * factor
+        if new_micro != self.micro_batch_size:
+            self.micro_batch_size = new_micro
+            trainer.fit_loop._combined_loader = None  # rebuilt with the new batch_size at the next epoch start
+        self._apply_to_trainer(trainer, pl_module)
+        rank_zero_info(
+            f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
+            f"(micro {change.old_micro_batch_size} -> {new_micro}, accumulate {change.old_accumulate} -> "
+            f"{new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
+            f"LR x{factor:.4g}"
+        )
+
+    def _log(self, trainer, pl_module) -> None:
+        metrics = {
+            "batch/global_size": float(self.global_batch),
+            "batch/accumulate": float(self.accumulate),
+            "batch/lr_factor": self.lr_factor,
+            "samples_seen": float(self.samples_seen),
+            "tokens_seen": float(self.tokens_seen),
+        }
+        if trainer.optimizers:
+            metrics["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=bool(trainer.loggers), prog_bar=False)
+        pl_module.log("tokens", float(self.tokens_seen), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "global_batch": self.global_batch,
+            "accumulate": self.accumulate,
+            "micro_batch_size": self.micro_batch_size,
+            "lr_factor": self.lr_factor,
+            "seq_len": self.seq_len,
+            "requested_at": self._requested_at,
+            "history": [dataclasses.asdict(change) for change in self.history],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.samples_seen = state_dict["samples_seen"]
+        self.tokens_seen = state_dict["tokens_seen"]
+        self.global_batch = state_dict["global_batch"]
+        self.accumulate = state_dict["accumulate"]
+        self.micro_batch_size = state_dict["micro_batch_size"]
+        self.lr_factor = state_dict["lr_factor"]
+        self.seq_len = self.seq_len or state_dict["seq_len"]
+        requested_at = state_dict["requested_at"]
+        self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
+        self.history = [BatchChange(**change) for change in state_dict["history"]]
+        # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
+        if self._trainer is not None:
+            self._apply_to_trainer(self._trainer, self._trainer.lightning_module)
+

@@ -1,0 +1,345 @@
+"""BatchWarmup on a real Trainer: DESIGN.md invariants 1-4 and 6 (single process)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+
+from lit_cbs import BatchWarmup, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
+from lit_cbs.schedules import ExponentialRamp
+from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+
+
+def fit(schedule, *, n=96, micro=2, epochs=1, lr_rule="linear", callbacks=(), module=None, data=None, **kwargs):
+    pl.seed_everything(0, verbose=False)
+    data = data or RegressionData(n=n, batch_size=micro)
+    module = module or RegressionModule()
+    warmup = BatchWarmup(schedule, lr_rule=lr_rule, **kwargs)
+    trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=epochs))
+    trainer.fit(module, data)
+    return trainer, module, data, warmup
+
+
+def size_in_effect(warmup: BatchWarmup, step: int) -> int:
+    """Global batch the callback says it used for optimizer step ``step`` (0-based)."""
+    size = warmup.history[0].old_global_batch if warmup.history else warmup.global_batch
+    for change in warmup.history:
+        if step >= change.step:
+            size = change.new_global_batch
+    return size
+
+
+def assert_exact_steps(module, data, warmup):
+    """Invariant 1: each full step averages exactly the scheduled samples, gradient included."""
+    for number, step in enumerate(module.steps):
+        expected = mean_gradient(data.dataset, step["indices"], step["weight"])
+        size = size_in_effect(warmup, number)
+        if len(step["indices"]) == size:
+            torch.testing.assert_close(step["grad"], expected, rtol=1e-10, atol=1e-12)
+        else:
+            # Only the last, partial window of an epoch may be short (Lightning steps on the final batch).
+            assert len(step["indices"]) < size
+            assert number + 1 == len(module.steps) or module.steps[number + 1]["epoch"] > step["epoch"]
+    assert all(len(s["indices"]) > 0 for s in module.steps)
+
+
+def test_gradient_is_mean_over_exactly_the_scheduled_samples():
+    schedule = PiecewiseBatch([2, 4, 8], [0, 10, 40], unit="samples")
+    trainer, module, data, warmup = fit(schedule, epochs=2)
+    sizes = [len(s["indices"]) for s in module.steps]
+    # 96 samples/epoch: 2-sample steps until >= 10 samples, then 4 from the first even batch count, then 8.
+    assert sizes[:6] == [2] * 6 and sizes[6] == 4
+    assert set(sizes[-12:]) == {8}
+    assert_exact_steps(module, data, warmup)
+    assert [(c.old_global_batch, c.new_global_batch) for c in warmup.history] == [(2, 4), (4, 8)]
+    assert warmup.samples_seen == 192 and trainer.global_step == len(module.steps)
+    # Every step after a change uses the new size: counts match history exactly.
+    for number, step in enumerate(module.steps):
+        assert len(step["indices"]) == size_in_effect(warmup, number)
+
+
+def test_increase_by_ratio_r_waits_at_most_r_minus_1_steps():
+    # 2 -> 8 (ratio 4) asked for at 6 samples = after step 3; must land by step 3 + 3.
+    schedule = PiecewiseBatch([2, 8], [0, 6], unit="samples")
+    _, module, _, warmup = fit(schedule)
+    (change,) = warmup.history
+    requested_step = change.requested_at_samples // 2
+    assert change.requested_at_samples == 6
+    assert 0 <= change.step - requested_step <= 3
+    assert change.step % 4 == 0  # micro-batches consumed divisible by the new accumulate
+
+
+def test_change_happens_at_the_first_possible_step():
+    schedule = PiecewiseBatch([2, 4], [0, 8], unit="samples")
+    _, _, _, warmup = fit(schedule)
+    (change,) = warmup.history
+    assert (change.step, change.samples_seen, change.requested_at_samples) == (4, 8, 8)
+
+
+SIZES = st.sampled_from([2, 4, 6, 8, 12, 16])
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(SIZES, min_size=1, max_size=4),
+    gaps=st.lists(st.integers(min_value=1, max_value=60), min_size=3, max_size=3),
+    epochs=st.integers(min_value=1, max_value=2),
+)
+def test_random_schedules_lose_and_repeat_no_sample(sizes, gaps, epochs):
+    thresholds = [0]
+    for gap in gaps[: len(sizes) - 1]:
+        thresholds.append(thresholds[-1] + gap)
+    schedule = PiecewiseBatch(sizes, thresholds, unit="samples")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, module, data, warmup = fit(schedule, n=60, micro=2, epochs=epochs)
+    seen = [i for micro_batch in module.micro_batches for i in micro_batch]
+    expected = [i for epoch in range(epochs) for i in data.epoch_order(epoch)]
+    assert seen == expected  # invariant 2: same order as without any change, each sample once per epoch
+    assert_exact_steps(module, data, warmup)
+    for change in warmup.history:
+        assert change.new_global_batch == schedule.batch_size(change.requested_at_samples)
+        wait_bound = math.lcm(change.old_accumulate, change.new_accumulate) // change.old_accumulate - 1
+        waited = (change.samples_seen - change.requested_at_samples) // change.old_global_batch
+        assert waited <= wait_bound or change.samples_seen % 60 == 0  # or it landed at an epoch boundary
+
+
+def test_linear_ramp_matches_megatron_formula_on_a_trainer():
+    schedule = LinearRamp(start=2, increment=2, ramp=60, final=8, unit="samples")
+    _, module, data, warmup = fit(schedule, n=120)
+    assert [c.new_global_batch for c in warmup.history] == [4, 6, 8]
+    for change in warmup.history:
+        per_increment = 60 * 2 / (8 - 2)
+        expected = min(8, 2 + int(change.requested_at_samples // per_increment) * 2)
+        assert change.new_global_batch == expected
+    assert_exact_steps(module, data, warmup)
+
+
+def test_exponential_ramp_in_tokens_with_seq_len_argument():
+    schedule = ExponentialRamp(start=2, final=8, ramp=300, unit="tokens", multiple_of=2)
+    _, module, data, warmup = fit(schedule, n=96, seq_len=4)
+    assert warmup.tokens_seen == 96 * 4
+    assert [c.new_global_batch for c in warmup.history] == [4, 6, 8]
+    assert_exact_steps(module, data, warmup)
+
+
+def test_micro_batch_grows_at_epoch_boundary_and_loader_reloads():
+    schedule = PiecewiseBatch([2, 8], [0, 40], unit="samples")
+    trainer, module, data, warmup = fit(schedule, n=48, epochs=3, max_micro_batch_size=8)
+    # The schedule's sizes 2 and 8 allow micro 2 at first; from the epoch after the jump, micro 8.
+    assert warmup.history[-1].new_micro_batch_size == 8 and warmup.history[-1].new_accumulate == 1
+    assert data.batch_size == 8
+    assert max(len(mb) for mb in module.micro_batches) == 8
+    seen = [i for micro_batch in module.micro_batches for i in micro_batch]
+    assert seen == data.epoch_order(0) + data.epoch_order(1) + data.epoch_order(2)
+    assert_exact_steps(module, data, warmup)
+
+
+def test_max_tokens_stops_training():
+    trainer, module, _, warmup = fit(ConstantBatch(4), n=96, epochs=5, max_tokens=100, seq_len=4)
+    # 4 samples x 4 tokens = 16 tokens per step: stops after the step that reaches 100 tokens.
+    assert warmup.tokens_seen == 112 and trainer.global_step == 7
+
+
+# ---------------------------------------------------------------- invariant 3: LR after changes
+SCHEDULERS = {
+    "none": None,
+    "lambda": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.05 * s)),
+    "cosine": lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40, eta_min=0.01),
+    "sequential": lambda opt: torch.optim.lr_scheduler.SequentialLR(
+        opt,
+        [
+            torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=5),
+            torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=30, eta_min=0.001),
+        ],
+        milestones=[5],
+    ),
+    "tokens": lambda opt: TokenLRScheduler(opt, WarmupStableDecay(warmup_tokens=40, total_tokens=384, decay_tokens=200)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULERS))
+@pytest.mark.parametrize("rule", ["sqrt", "linear"])
+def test_lr_after_each_change_is_rule_times_user_schedule(name, rule):
+    """LR at each step = the user's schedule (from a constant-batch run) x product of rule factors."""
+    factory = SCHEDULERS[name]
+    schedule = PiecewiseBatch([2, 4, 8], [0, 20, 60], unit="samples")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, module, _, warmup = fit(schedule, lr_rule=rule, module=RegressionModule(scheduler_factory=factory), seq_len=4)
+    assert len(warmup.history) == 2
+    # The same scheduler, stepped once per optimizer step, on a constant batch, with the token
+    # count the warmup run had at each step.
+    reference = RegressionModule(scheduler_factory=factory)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=reference.lr)
+    scheduler = factory(optimizer) if factory else None
+    tokens = 0
+    for number, step in enumerate(module.steps):
+        factor = math.prod(c.lr_factor for c in warmup.history if number >= c.step)
+        expected_factor = math.prod(
+            (c.new_global_batch / c.old_global_batch) ** (0.5 if rule == "sqrt" else 1.0)
+            for c in warmup.history
+            if number >= c.step
+        )
+        assert factor == pytest.approx(expected_factor)
+        assert step["lr"] == pytest.approx(optimizer.param_groups[0]["lr"] * factor, rel=1e-9)
+        tokens += len(step["indices"]) * 4
+        if scheduler is not None:
+            if isinstance(scheduler, TokenLRScheduler):
+                scheduler.tokens_seen = tokens
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                scheduler.step()
+
+
+def test_step_indexed_scheduler_with_changing_batch_warns():
+    module = RegressionModule(scheduler_factory=SCHEDULERS["cosine"])
+    with pytest.warns(UserWarning, match="TokenLRScheduler"):
+        fit(PiecewiseBatch([2, 4], [0, 20], unit="samples"), module=module)
+
+
+def test_token_scheduler_without_batch_warmup_raises():
+    module = RegressionModule(scheduler_factory=SCHEDULERS["tokens"])
+    trainer = pl.Trainer(**trainer_kwargs())
+    with pytest.raises(RuntimeError, match="BatchWarmup"):
+        trainer.fit(module, RegressionData(n=16, batch_size=2))
+
+
+def test_adam_sde_rule_rescales_betas_and_eps():
+    module = RegressionModule(optimizer="adam", lr=0.01)
+    schedule = PiecewiseBatch([2, 4], [0, 20], unit="samples")
+    trainer, _, _, warmup = fit(schedule, lr_rule="adam_sde", module=module)
+    group = trainer.optimizers[0].param_groups[0]
+    assert group["lr"] == pytest.approx(0.01 * math.sqrt(2))
+    assert group["betas"] == pytest.approx((1 - 2 * 0.1, 1 - 2 * 0.001))
+    assert group["eps"] == pytest.approx(1e-8 / math.sqrt(2))
+
+
+# ---------------------------------------------------------------- invariant 4: resume
+def test_resume_mid_warmup_matches_uninterrupted_run_bitwise(tmp_path):
+    """Checkpoint at each epoch end while the warmup is under way; resume from each one."""
+    schedule = PiecewiseBatch([2, 4, 8], [0, 50, 140], unit="samples")
+    scheduler = SCHEDULERS["sequential"]
+    full_module = RegressionModule(scheduler_factory=scheduler)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_epochs=1, filename="{epoch}")
+    pl.seed_everything(0, verbose=False)
+    full_warmup = BatchWarmup(schedule, lr_rule="sqrt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = pl.Trainer(
+            callbacks=[full_warmup, checkpoint], **trainer_kwargs(max_epochs=4, enable_checkpointing=True)
+        )
+        trainer.fit(full_module, RegressionData(n=40, batch_size=2))
+    assert [c.new_global_batch for c in full_warmup.history] == [4, 8]
+    # Epoch 1 ends at 80 samples: after the first change, before the second.
+    for epoch in (0, 1, 2):
+        resumed_module = RegressionModule(scheduler_factory=scheduler)
+        resumed_warmup = BatchWarmup(schedule, lr_rule="sqrt")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = pl.Trainer(callbacks=[resumed_warmup], **trainer_kwargs(max_epochs=4))
+            trainer.fit(resumed_module, RegressionData(n=40, batch_size=2), ckpt_path=tmp_path / f"epoch={epoch}.ckpt")
+        assert torch.equal(resumed_module.layer.weight, full_module.layer.weight)
+        assert [s["lr"] for s in resumed_module.steps] == [s["lr"] for s in full_module.steps[-len(resumed_module.steps):]]
+        assert resumed_warmup.history == full_warmup.history  # no change applied twice
+        assert resumed_warmup.samples_seen == full_warmup.samples_seen
+
+
+# ---------------------------------------------------------------- invariant 6: bad configuration
+class ManualModule(RegressionModule):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+
+
+class NoBatchSizeData(pl.LightningDataModule):
+    def __init__(self):
+        super().__init__()
+        self.inner = RegressionData(n=16, batch_size=2)
+
+    def train_dataloader(self):
+        return self.inner.train_dataloader()
+
+
+def _fit_expecting(error, match, schedule=None, module=None, data=None, trainer_args=None, callbacks=(), **kwargs):
+    module = module or RegressionModule()
+    warmup = BatchWarmup(schedule or PiecewiseBatch([2, 4], [0, 8], unit="samples"), **kwargs)
+    trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(**(trainer_args or {})))
+    with pytest.raises(error, match=match):
+        trainer.fit(module, data or RegressionData(n=16, batch_size=2))
+    assert not module.steps  # failed before the first optimizer step
+
+
+def test_batch_not_multiple_of_micro_batch_names_nearest_valid_sizes():
+    _fit_expecting(ValueError, r"scheduled global batch 6 is not a multiple of .* = 4 samples; nearest valid sizes: 4 or 8",
+                   schedule=PiecewiseBatch([4, 6], [0, 8], unit="samples"), data=RegressionData(n=16, batch_size=4))
+
+
+def test_manual_optimization_is_refused():
+    _fit_expecting(ValueError, "automatic optimization", module=ManualModule())
+
+
+def test_conflicting_trainer_accumulation_is_refused():
+    _fit_expecting(ValueError, r"accumulate_grad_batches=3\) conflicts", trainer_args={"accumulate_grad_batches": 3})
+
+
+def test_gradient_accumulation_scheduler_is_refused():
+    _fit_expecting(ValueError, "GradientAccumulationScheduler", callbacks=[GradientAccumulationScheduler({0: 2})])
+
+
+def test_missing_micro_batch_size_is_refused():
+    _fit_expecting(ValueError, "batch_size", data=NoBatchSizeData())
+
+
+class ScalarFeatureData(RegressionData):
+    """Batches hold only 1-D tensors: no sequence length can be read off them."""
+
+    def train_dataloader(self):
+        samples = [{"idx": i, "x": self.dataset.x[i, 0], "y": self.dataset.y[i, 0]} for i in range(len(self.dataset))]
+        return torch.utils.data.DataLoader(samples, batch_size=self.batch_size)
+
+
+def test_token_units_without_sequence_length_are_refused():
+    _fit_expecting(ValueError, "sequence length is unknown", schedule=PiecewiseBatch([2, 4], [0, 64], unit="tokens"),
+                   data=ScalarFeatureData(n=16, batch_size=2))
+
+
+def test_max_micro_batch_below_micro_batch_is_refused():
+    _fit_expecting(ValueError, "max_micro_batch_size=1", max_micro_batch_size=1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(lr_rule="cubic"), ValueError, "lr_rule='cubic' is unknown"),
+        (dict(max_tokens=0), ValueError, "max_tokens=0"),
+        (dict(seq_len=-4), ValueError, "seq_len=-4"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        BatchWarmup(ConstantBatch(2), **kwargs)
+
+
+def test_schedule_must_be_a_schedule():
+    with pytest.raises(TypeError, match="lit_cbs.schedules"):
+        BatchWarmup([2, 4])
+
+
+def test_unsupported_scheduler_is_refused_before_training():
+    module = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100))
+    _fit_expecting(TypeError, "OneCycleLR", module=module)

@@ -1,0 +1,115 @@
+"""A tiny regression workload whose exact full-batch gradient is known in closed form.
+
+Module-level classes so ddp_spawn can pickle them. Every sample carries its dataset index, so a
+test sees which samples each optimizer step averaged over.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+DIM = 4
+
+
+class IndexedRegression(Dataset):
+    def __init__(self, n: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, DIM, generator=g, dtype=torch.float64)
+        w_true = torch.randn(DIM, 1, generator=g, dtype=torch.float64)
+        self.y = self.x @ w_true + 0.5 * torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return {"idx": i, "x": self.x[i], "y": self.y[i]}
+
+
+def mean_gradient(dataset: IndexedRegression, indices, weight: torch.Tensor) -> torch.Tensor:
+    """d/dW of mean_i (x_i W^T - y_i)^2 over ``indices``: the exact full-batch gradient."""
+    idx = torch.as_tensor(list(indices))
+    x, y = dataset.x[idx], dataset.y[idx]
+    residual = x @ weight.T - y
+    return 2.0 * (residual * x).mean(dim=0, keepdim=True)
+
+
+class RegressionData(pl.LightningDataModule):
+    """Shuffled by a seeded DistributedSampler (per-epoch order, sharded across ranks)."""
+
+    def __init__(self, n: int = 96, batch_size: int = 2, seed: int = 0):
+        super().__init__()
+        self.dataset = IndexedRegression(n)
+        self.batch_size = batch_size
+        self.seed = seed
+
+    def sampler(self):
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return DistributedSampler(self.dataset, shuffle=True, seed=self.seed, drop_last=True)
+        return DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler(), drop_last=True)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        sampler = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+
+class RegressionModule(pl.LightningModule):
+    """Linear regression with SGD; records, per optimizer step, the samples and the gradient."""
+
+    def __init__(self, lr: float = 0.05, scheduler_factory=None, optimizer: str = "sgd"):
+        super().__init__()
+        self.layer = torch.nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
+        self.lr = lr
+        self.scheduler_factory = scheduler_factory
+        self.optimizer_name = optimizer
+        self.pending: list[int] = []
+        self.steps: list[dict] = []  # one per optimizer step
+        self.micro_batches: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        indices = batch["idx"].tolist()
+        self.pending.extend(indices)
+        self.micro_batches.append(indices)
+        prediction = self.layer(batch["x"])
+        return torch.nn.functional.mse_loss(prediction, batch["y"])
+
+    def on_before_optimizer_step(self, optimizer):
+        self.steps.append(
+            {
+                "indices": list(self.pending),
+                "grad": self.layer.weight.grad.detach().clone(),
+                "weight": self.layer.weight.detach().clone(),
+                "lr": optimizer.param_groups[0]["lr"],
+                "epoch": self.current_epoch,
+            }
+        )
+        self.pending = []
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "adam":
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        else:
+            optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+
+
+def trainer_kwargs(**overrides):
+    kwargs = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        max_epochs=1,
+    )
+    kwargs.update(overrides)
+    return kwargs
