@@ -116,9 +116,11 @@ class PiecewiseBatch(BatchSchedule):
 class LinearRamp(BatchSchedule):
     """Megatron-LM ``--rampup-batch-size START INCR RAMP`` (GPT-3 style linear ramp).
 
-    batch = start + floor(consumed / per_increment) * increment, with
-    per_increment = ramp * increment / (final - start), until ``ramp`` consumed; ``final`` after.
-    Megatron counts samples; ``unit="tokens"`` reads ``ramp`` in tokens instead.
+    batch = start + floor(consumed / per_increment) * increment while consumed <= ramp, with
+    per_increment = ramp / ((final - start) / increment) (= ramp * increment / (final - start));
+    ``final`` once more than ``ramp`` was consumed. The same float arithmetic as Megatron-LM, so
+    both switch at the same sample. Megatron counts samples; ``unit="tokens"`` reads ``ramp`` in
+    tokens instead.
     """
 
     def __init__(self, start: int, increment: int, ramp: int, final: int, unit: str = "samples"):
@@ -137,14 +139,13 @@ class LinearRamp(BatchSchedule):
             )
         self.start, self.increment, self.ramp, self.final = start, increment, ramp, final
         self.unit = _check_unit(unit)
-        self._per_increment = ramp * increment / (final - start)
+        self._per_increment = ramp / ((final - start) // increment)
 
     def batch_size(self, consumed: int) -> int:
         _check_consumed(consumed)
-        if consumed >= self.ramp:
+        if consumed > self.ramp:
             return self.final
-        steps = int(consumed // self._per_increment)
-        return min(self.final, self.start + steps * self.increment)
+        return self.start + int(consumed / self._per_increment) * self.increment
 
     def sizes(self, consumed: int = 0) -> list[int]:
         return list(range(self.batch_size(consumed), self.final + 1, self.increment))

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelChec
 
 from lit_cbs import BatchWarmup, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
 from lit_cbs.schedules import ExponentialRamp
+from test_schedules import megatron_reference
 from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 
@@ -116,8 +117,7 @@ def test_linear_ramp_matches_megatron_formula_on_a_trainer():
     _, module, data, warmup = fit(schedule, n=120)
     assert [c.new_global_batch for c in warmup.history] == [4, 6, 8]
     for change in warmup.history:
-        per_increment = 60 * 2 / (8 - 2)
-        expected = min(8, 2 + int(change.requested_at_samples // per_increment) * 2)
+        expected = megatron_reference(change.requested_at_samples, start=2, increment=2, ramp=60, final=8)
         assert change.new_global_batch == expected
     assert_exact_steps(module, data, warmup)
 

@@ -1,0 +1,68 @@
+"""Token-indexed LR schedules."""
+
+import math
+
+import pytest
+import torch
+
+from lit_cbs.lr_schedules import CosineSchedule, TokenLRScheduler, WarmupStableDecay
+
+
+def test_wsd_shape():
+    wsd = WarmupStableDecay(warmup_tokens=100, total_tokens=1000, decay_tokens=200, min_lr_ratio=0.1)
+    assert wsd(0) == pytest.approx(1 / 101)
+    assert wsd(99) == pytest.approx(100 / 101)
+    assert wsd(100) == wsd(500) == wsd(800) == 1.0
+    assert wsd(900) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert wsd(1000) == wsd(5000) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("shape, midpoint", [("linear", 0.5), ("cosine", 0.5), ("sqrt", 1 - math.sqrt(0.5))])
+def test_wsd_decay_shapes(shape, midpoint):
+    wsd = WarmupStableDecay(warmup_tokens=0, total_tokens=100, decay_tokens=100, decay_shape=shape)
+    assert wsd(50) == pytest.approx(midpoint)
+
+
+def test_cosine_shape():
+    cosine = CosineSchedule(warmup_tokens=10, total_tokens=110, min_lr_ratio=0.1)
+    assert cosine(10) == pytest.approx(1.0)
+    assert cosine(60) == pytest.approx(0.55)
+    assert cosine(110) == cosine(10_000) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: WarmupStableDecay(600, 1000, 500), "exceeds total_tokens=1000"),
+        (lambda: WarmupStableDecay(0, 0), "total_tokens=0"),
+        (lambda: WarmupStableDecay(0, 100, min_lr_ratio=1.5), "min_lr_ratio=1.5"),
+        (lambda: WarmupStableDecay(0, 100, 10, decay_shape="step"), "decay_shape='step'"),
+        (lambda: CosineSchedule(100, 100), "warmup_tokens=100 must be < total_tokens=100"),
+        (lambda: CosineSchedule(-1, 100), "warmup_tokens=-1"),
+    ],
+)
+def test_bad_schedules(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_token_scheduler_follows_tokens_not_steps():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.2)
+    scheduler = TokenLRScheduler(optimizer, WarmupStableDecay(warmup_tokens=0, total_tokens=1000, decay_tokens=1000))
+    for tokens in (100, 300, 700):  # uneven tokens per step, as after a batch change
+        optimizer.step()
+        scheduler.tokens_seen = tokens
+        scheduler.step()
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2 * (1 - tokens / 1000))
+    state = scheduler.state_dict()
+    restored = TokenLRScheduler(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.2), state["schedule"])
+    restored.load_state_dict(state)
+    assert restored.tokens_seen == 700 and restored.get_last_lr() == scheduler.get_last_lr()
+
+
+def test_token_scheduler_refuses_to_step_blind():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.2)
+    scheduler = TokenLRScheduler(optimizer, CosineSchedule(10, 100))
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="BatchWarmup"):
+        scheduler.step()
