@@ -187,3 +187,61 @@ class ExponentialRamp(BatchSchedule):
     def sizes(self, consumed: int = 0) -> list[int]:
         # Sizes grow monotonically through every multiple between here and final.
         return list(range(self.batch_size(consumed), self.final + 1, self.multiple_of))
+
+
+class CBSAdaptive(BatchSchedule):
+    """Closed-loop batch warmup: double the batch when the measured CBS reaches ``factor`` x the batch.
+
+    Merrill et al. 2025 (section 2 of SCIENCE.md) double the batch, with the LR times sqrt(2),
+    once the CBS exceeds twice the current batch; they read the thresholds off a CBS curve by
+    hand. Here ``CBSProbeCallback`` calls ``observe`` with each measurement (the lower end of its
+    CBS interval, k* x B, in samples), and the schedule doubles at most once per measurement,
+    never past ``final``. ``batch_size(consumed)`` replays the recorded decisions, so it is a
+    deterministic function of consumed and survives a resume through ``state_dict``.
+    """
+
+    def __init__(self, start: int, final: int, factor: float = 2.0, unit: str = "tokens"):
+        _check_positive_int("start", start)
+        _check_positive_int("final", final)
+        if final < start:
+            raise ValueError(f"final={final} must be >= start={start}")
+        doublings = math.log2(final / start)
+        if abs(doublings - round(doublings)) > 1e-9:
+            raise ValueError(
+                f"final={final} must be start={start} times a power of 2 (the batch doubles); "
+                f"nearest: {start * 2 ** math.floor(doublings)} or {start * 2 ** math.ceil(doublings)}"
+            )
+        if not factor >= 1:
+            raise ValueError(f"factor={factor} must be >= 1 (double once the CBS is factor x the batch)")
+        self.start, self.final, self.factor = start, final, float(factor)
+        self.unit = _check_unit(unit)
+        self.decisions: list[tuple[int, int]] = []  # (consumed, new global batch), in order
+
+    def batch_size(self, consumed: int) -> int:
+        _check_consumed(consumed)
+        size = self.start
+        for at, new_size in self.decisions:
+            if consumed >= at:
+                size = new_size
+        return size
+
+    def sizes(self, consumed: int = 0) -> list[int]:
+        size, sizes = self.batch_size(consumed), []
+        while size <= self.final:
+            sizes.append(size)
+            size *= 2
+        return sizes
+
+    def observe(self, consumed: int, cbs: float) -> bool:
+        """Record a CBS measurement (samples) made at ``consumed``; return True if the batch doubles."""
+        current = self.batch_size(consumed)
+        if cbs >= self.factor * current and current * 2 <= self.final:
+            self.decisions.append((consumed, current * 2))
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"decisions": [list(d) for d in self.decisions]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.decisions = [tuple(d) for d in state_dict["decisions"]]

@@ -124,7 +124,7 @@ class BatchWarmup(Callback):
         self._trainer: pl.Trainer | None = None
         self._world_size = 1
         self._token_schedulers: list[TokenLRScheduler] = []
-        self._fsdp_modules: list = []
+        self.fsdp_modules: list = []  # FSDP2 modules whose gradient reduction waits for the stepping micro-batch
         self._gradient_sync: bool | None = None
 
     # ------------------------------------------------------------------ validation and setup
@@ -241,7 +241,7 @@ class BatchWarmup(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self._fsdp_modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
+        self.fsdp_modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
         self._gradient_sync = None
 
     # ------------------------------------------------------------------ per batch
@@ -258,14 +258,19 @@ class BatchWarmup(Callback):
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
             scheduler.tokens_seen = self.tokens_seen
-        if self._fsdp_modules:
-            self._set_fsdp_gradient_sync(not trainer.fit_loop.epoch_loop._should_accumulate())
+        if self.fsdp_modules:
+            self.set_gradient_sync(not trainer.fit_loop.epoch_loop._should_accumulate())
 
-    def _set_fsdp_gradient_sync(self, sync: bool) -> None:
-        # Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
-        # reduce-scatter is deferred to the micro-batch that steps.
+    def set_gradient_sync(self, sync: bool | None) -> None:
+        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
+
+        Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
+        reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
+        """
+        if sync is None:
+            sync, self._gradient_sync = True, None
         if sync != self._gradient_sync:
-            for module in self._fsdp_modules:
+            for module in self.fsdp_modules:
                 module.set_requires_gradient_sync(sync, recurse=False)
             self._gradient_sync = sync
 
@@ -361,6 +366,8 @@ class BatchWarmup(Callback):
             "seq_len": self.seq_len,
             "requested_at": self._requested_at,
             "history": [dataclasses.asdict(change) for change in self.history],
+            # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
+            "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -374,6 +381,8 @@ class BatchWarmup(Callback):
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
+        if state_dict.get("schedule") is not None:
+            self.schedule.load_state_dict(state_dict["schedule"])
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self._trainer is not None:
             self._apply_to_trainer(self._trainer, self._trainer.lightning_module)

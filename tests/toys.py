@@ -64,6 +64,8 @@ class RegressionModule(pl.LightningModule):
     def __init__(self, lr: float = 0.05, scheduler_factory=None, optimizer: str = "sgd"):
         super().__init__()
         self.layer = torch.nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
+        with torch.no_grad():  # the same start in every test, whatever the global RNG did before
+            self.layer.weight.copy_(torch.randn(1, DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
         self.lr = lr
         self.scheduler_factory = scheduler_factory
         self.optimizer_name = optimizer
@@ -71,10 +73,13 @@ class RegressionModule(pl.LightningModule):
         self.steps: list[dict] = []  # one per optimizer step
         self.micro_batches: list[list[int]] = []
 
-    def training_step(self, batch, batch_idx):
+    def on_train_batch_start(self, batch, batch_idx):
+        # Recorded here, not in training_step, which CBS probe branches also call.
         indices = batch["idx"].tolist()
         self.pending.extend(indices)
         self.micro_batches.append(indices)
+
+    def training_step(self, batch, batch_idx):
         prediction = self.layer(batch["x"])
         return torch.nn.functional.mse_loss(prediction, batch["y"])
 

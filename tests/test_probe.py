@@ -1,0 +1,302 @@
+"""CBSProbeCallback: the k* rule, branches that leave the main run untouched, faults, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
+from lit_cbs.probe import cbs_interval, critical_multiplier, ema_last
+from lit_cbs.schedules import CBSAdaptive
+from toys import RegressionData, RegressionModule, trainer_kwargs
+
+SEQ = 4  # the toy's "tokens per sample": BatchWarmup reads dim 1 of x
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_dir(tmp_path, monkeypatch):
+    """Without a logger the probe writes its JSONL and plot to the trainer's root dir, the cwd."""
+    monkeypatch.chdir(tmp_path)
+
+
+# ---------------------------------------------------------------------------- the rule, by hand
+@pytest.mark.parametrize(
+    "losses, epsilon, expected",
+    [
+        ({1: 3.00, 2: 3.005, 4: 3.02, 8: 3.2}, 0.01, 2),  # 4 is 0.02 above k=1
+        ({1: 3.00, 2: 3.01, 4: 3.02}, 0.01, 2),  # a tie at exactly epsilon counts as recovered
+        ({1: 3.00, 2: 3.00, 4: 3.00, 8: 3.00}, 0.0, 8),  # ties with epsilon 0
+        ({1: 3.00, 2: 3.05, 4: 3.00}, 0.01, 4),  # the paper's rule: largest k within eps of all smaller
+        ({1: 3.00, 2: float("nan"), 4: 3.005}, 0.01, 4),  # a failed branch constrains nothing
+        ({1: 3.00, 2: 3.001, 4: float("inf")}, 0.01, 2),  # and is never chosen
+        ({0.25: 3.4, 0.5: 3.2, 1: 3.0, 2: 2.99}, 0.01, 2),  # fractional k: larger is better early on
+        ({0.25: 3.0, 0.5: 3.2, 1: 3.3}, 0.01, 0.25),  # at initialisation, tiny batches win
+        ({1: float("nan"), 2: float("nan")}, 0.01, 1),  # all failed: the smallest k
+    ],
+)
+def test_critical_multiplier_on_hand_made_tables(losses, epsilon, expected):
+    assert critical_multiplier(losses, epsilon) == expected
+
+
+def test_cbs_interval_and_geometric_mean():
+    assert cbs_interval(2, [1, 2, 4, 8], 16) == (32, 64, math.sqrt(32 * 64))
+    assert cbs_interval(8, [1, 2, 4, 8], 16) == (128, None, 128)  # top of the grid: a lower bound
+    assert cbs_interval(0.25, [0.25, 0.5, 1], 16) == (4, 8, math.sqrt(32))
+
+
+def test_ema_matches_the_paper_alpha():
+    assert ema_last([4.0, 2.0, 1.0], 0.5) == pytest.approx(0.5 * 1 + 0.5 * (0.5 * 2 + 0.5 * 4))
+    assert ema_last([4.0, 2.0], 1.0) == 2.0
+
+
+def test_critical_multiplier_refuses_bad_input():
+    with pytest.raises(ValueError, match="empty"):
+        critical_multiplier({}, 0.01)
+    with pytest.raises(ValueError, match="epsilon=-0.1"):
+        critical_multiplier({1: 1.0}, -0.1)
+
+
+# ---------------------------------------------------------------------------- on a real Trainer
+def run(*, probe=None, schedule=None, epochs=2, n=96, micro=2, module=None, callbacks=(), max_tokens=None, ckpt=None, **fit):
+    pl.seed_everything(0, verbose=False)
+    module = module or RegressionModule(lr=0.05, optimizer="adam")
+    data = RegressionData(n=n, batch_size=micro)
+    warmup = BatchWarmup(schedule or ConstantBatch(4), lr_rule="sqrt", seq_len=SEQ, max_tokens=max_tokens)
+    cbs = [warmup] + ([probe] if probe is not None else []) + list(callbacks)
+    trainer = pl.Trainer(callbacks=cbs, **trainer_kwargs(max_epochs=epochs, **fit))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data, ckpt_path=ckpt)
+    return trainer, module, warmup
+
+
+def optimizer_state(trainer):
+    opt = trainer.optimizers[0]
+    return {k: v.clone() if torch.is_tensor(v) else v for state in opt.state.values() for k, v in state.items()}
+
+
+def assert_same_main_run(a, b):
+    (trainer_a, module_a, warmup_a), (trainer_b, module_b, warmup_b) = a, b
+    assert torch.equal(module_a.layer.weight, module_b.layer.weight)
+    state_a, state_b = optimizer_state(trainer_a), optimizer_state(trainer_b)
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(torch.as_tensor(state_a[key]), torch.as_tensor(state_b[key])), key
+    assert module_a.micro_batches == module_b.micro_batches  # data order
+    assert [s["lr"] for s in module_a.steps] == [s["lr"] for s in module_b.steps]
+    assert [len(s["indices"]) for s in module_a.steps] == [len(s["indices"]) for s in module_b.steps]
+    assert trainer_a.global_step == trainer_b.global_step
+    assert warmup_a.tokens_seen == warmup_b.tokens_seen
+
+
+def grid_probe(**kwargs):
+    defaults = dict(every_tokens=160, multipliers=(1, 2, 4), window_tokens=128, epsilon=0.01)
+    defaults.update(kwargs)
+    return CBSProbeCallback(**defaults)
+
+
+def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
+    plain = run()
+    rng_plain = torch.get_rng_state()
+    probe = grid_probe(output_dir=tmp_path)
+    probed = run(probe=probe)
+    assert torch.equal(torch.get_rng_state(), rng_plain)
+    assert_same_main_run(plain, probed)
+    assert len(probe.history) >= 3
+    for record in probe.history:
+        # The k=1 branch trains from the snapshot on the recorded window: it repeats the main run's
+        # computation exactly (the losses differ at most in float64 rounding of the bookkeeping).
+        assert record["losses"]["1"] == pytest.approx(record["main_loss"], rel=1e-12)
+        assert record["branches_trained"] == [1.0, 2.0, 4.0]
+        assert record["tokens_spent"] == 3 * record["window_tokens"]
+    lines = (tmp_path / "cbs_probe.jsonl").read_text().splitlines()
+    assert [json.loads(line)["k_star"] for line in lines] == [r["k_star"] for r in probe.history]
+    assert (tmp_path / "cbs_curve.png").stat().st_size > 10_000
+    assert probe.tokens_spent == sum(r["tokens_spent"] for r in probe.history)
+
+
+def test_bisect_finds_the_grid_answer_for_fewer_tokens():
+    grid = grid_probe(multipliers=(1, 2, 4, 8, 16), window_tokens=256, every_tokens=256)
+    bisect = grid_probe(multipliers=(1, 2, 4, 8, 16), window_tokens=256, every_tokens=256, strategy="bisect")
+    run(probe=grid, n=128, epochs=3)
+    run(probe=bisect, n=128, epochs=3)
+    assert len(grid.history) == len(bisect.history) >= 3
+    for g, b in zip(grid.history, bisect.history):
+        ks = [1, 2, 4, 8, 16]
+        # Same tokens, same k*, within one grid step (exactly, where recovery is monotone).
+        assert abs(ks.index(g["k_star"]) - ks.index(b["k_star"])) <= 1
+        assert 1.0 not in b["branches_trained"] and len(b["branches_trained"]) <= 3
+        for k, loss in b["losses"].items():  # every branch bisect trained matches the grid's
+            assert loss == g["losses"][k]
+    assert bisect.tokens_spent * 5 <= grid.tokens_spent * 3
+
+
+def test_diverging_branches_are_recorded_as_failed_and_main_goes_on():
+    explode = lambda ratio: 1.0 if ratio < 4 else 1e200  # noqa: E731 - an LR rule that blows up k >= 4
+    plain = run()
+    probe = grid_probe(lr_rule=explode)
+    probed = run(probe=probe)
+    assert_same_main_run(plain, probed)
+    for record in probe.history:
+        assert record["failed"] == [4.0]
+        assert record["losses"]["4"] is None
+        assert record["k_star"] in (1.0, 2.0)
+
+
+def in_branch(module) -> bool:
+    """Branches run with the module's logging muted (an instance attribute shadows .log)."""
+    return "log" in vars(module)
+
+
+class RaisingInBranch(RegressionModule):
+    def training_step(self, batch, batch_idx):
+        if in_branch(self):
+            raise RuntimeError("boom inside a branch")
+        return super().training_step(batch, batch_idx)
+
+
+def test_exception_inside_a_branch_restores_main_state_before_saving(tmp_path):
+    module = RaisingInBranch(lr=0.05, optimizer="adam")
+    probe = grid_probe()
+    on_exception = OnExceptionCheckpoint(dirpath=tmp_path, filename="on_exception")
+    with pytest.raises(RuntimeError, match="boom inside a branch"):
+        run(probe=probe, module=module, callbacks=[on_exception], enable_checkpointing=True)
+    steps_done = len(module.steps)
+    # The checkpoint written on the exception holds the main run's state at that step, not a branch's.
+    reference = run(max_tokens=steps_done * 4 * SEQ)
+    saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=False)
+    assert torch.equal(saved["state_dict"]["layer.weight"], reference[1].layer.weight)
+    assert torch.equal(module.layer.weight, reference[1].layer.weight)
+    assert saved["global_step"] == steps_done
+
+
+def test_sigterm_during_a_probe_restores_main_state(tmp_path):
+    class SigtermInBranch(RegressionModule):
+        def training_step(self, batch, batch_idx):
+            if in_branch(self):
+                self.trainer._signal_connector.received_sigterm = True  # what Lightning's SIGTERM handler sets
+            return super().training_step(batch, batch_idx)
+
+    module = SigtermInBranch(lr=0.05, optimizer="adam")
+    probe = grid_probe()
+    with pytest.raises(SystemExit):
+        run(probe=probe, module=module)
+    reference = run(max_tokens=len(module.steps) * 4 * SEQ)
+    assert torch.equal(module.layer.weight, reference[1].layer.weight)
+    assert not probe.history  # the aborted probe is not recorded
+
+
+def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
+    # 80 samples x 4 tokens = 320 tokens per epoch; probe windows [288, 352], [576, 640], [864, 928].
+    def probe():
+        return grid_probe(every_tokens=288, window_tokens=64)
+
+    full_probe = probe()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+    full = run(probe=full_probe, callbacks=[checkpoint], n=80, epochs=3, enable_checkpointing=True)
+    assert [r["tokens"] for r in full_probe.history] == [288, 576, 864]
+
+    # Between windows (640 tokens): the resumed run continues exactly, probes included.
+    resumed_probe = probe()
+    resumed = run(probe=resumed_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=1.ckpt")
+    assert torch.equal(full[1].layer.weight, resumed[1].layer.weight)
+    assert resumed_probe.history == full_probe.history
+    assert resumed_probe.tokens_spent == full_probe.tokens_spent
+
+    # Inside the first window (320 tokens): that probe is taken again once the resumed run steps.
+    inside_probe = probe()
+    inside = run(probe=inside_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=0.ckpt")
+    assert torch.equal(full[1].layer.weight, inside[1].layer.weight)
+    assert [r["tokens"] for r in inside_probe.history] == [336, 576, 864]  # after the first resumed step
+
+
+def test_heldout_evaluation_and_overhead_budget():
+    probe = grid_probe(evaluate="heldout", heldout_batches=2)
+
+    class WithVal(RegressionData):
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(self.dataset, batch_size=8)
+
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), probe],
+        **trainer_kwargs(max_epochs=2, limit_val_batches=0),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), WithVal(n=96, batch_size=2))
+    assert probe.history and all(r["evaluate"] == "heldout" for r in probe.history)
+    assert all(r["losses"]["1"] == pytest.approx(r["main_loss"], rel=1e-12) for r in probe.history)
+
+    budget = grid_probe(max_overhead=0.5)
+    run(probe=budget)
+    assert budget.history and budget.tokens_spent / (2 * 96 * SEQ) <= 0.5 + 1e-9
+    assert all(r["overhead"] <= 0.5 for r in budget.history)
+
+
+def test_cbs_adaptive_doubles_when_probe_says_so():
+    schedule = CBSAdaptive(start=2, final=16, factor=2, unit="tokens")
+    probe = grid_probe(multipliers=(1, 2, 4), window_tokens=64, every_tokens=96)
+    trainer, module, warmup = run(probe=probe, schedule=schedule, epochs=3, micro=2)
+    moves = [r["adaptive_batch"] for r in probe.history if r["adaptive_batch"] is not None]
+    assert moves and moves == [size for _, size in schedule.decisions]
+    for record in probe.history:  # doubled exactly when the measured CBS reached twice the batch
+        if record["adaptive_batch"] is not None:
+            assert record["cbs_lower"] >= record["adaptive_batch"]
+    assert [c.new_global_batch for c in warmup.history] == moves
+    assert all(c.lr_factor == pytest.approx(math.sqrt(2)) for c in warmup.history)
+
+
+def test_cbs_adaptive_rule_unit():
+    schedule = CBSAdaptive(start=16, final=64)
+    assert not schedule.observe(100, 31.9) and schedule.batch_size(100) == 16
+    assert schedule.observe(200, 32) and schedule.batch_size(199) == 16 and schedule.batch_size(200) == 32
+    assert schedule.observe(300, 1000) and schedule.batch_size(300) == 64
+    assert not schedule.observe(400, 10_000)  # never past final
+    restored = CBSAdaptive(start=16, final=64)
+    restored.load_state_dict(schedule.state_dict())
+    assert restored.batch_size(250) == 32 and restored.sizes(0) == [16, 32, 64]
+    with pytest.raises(ValueError, match="power of 2"):
+        CBSAdaptive(start=16, final=48)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(multipliers=()), "non-empty"),
+        (dict(multipliers=(1, -2)), "positive"),
+        (dict(epsilon=-0.01), "epsilon=-0.01"),
+        (dict(ema_alpha=0.0), "ema_alpha=0.0"),
+        (dict(ema_alpha=1.5), "ema_alpha=1.5"),
+        (dict(window_tokens=0), "window_tokens=0"),
+        (dict(strategy="random"), "strategy='random'"),
+        (dict(strategy="bisect", multipliers=(2, 4)), "include 1"),
+        (dict(every_tokens=None), "exactly one"),
+        (dict(at_tokens=[100]), "exactly one"),
+    ],
+)
+def test_bad_probe_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        grid_probe(**kwargs)
+
+
+def test_window_smaller_than_one_large_branch_step_is_refused():
+    with pytest.raises(ValueError, match="smaller than one step of the largest branch"):
+        run(probe=grid_probe(multipliers=(1, 8), window_tokens=64))
+
+
+def test_probe_schedule_outside_the_run_is_refused():
+    with pytest.raises(ValueError, match="no probe point lies inside the run"):
+        run(probe=grid_probe(at_tokens=[10_000], every_tokens=None), max_tokens=200)
+
+
+def test_probe_needs_batch_warmup():
+    trainer = pl.Trainer(callbacks=[grid_probe()], **trainer_kwargs())
+    with pytest.raises(ValueError, match="needs BatchWarmup"):
+        trainer.fit(RegressionModule(), RegressionData(n=16))
