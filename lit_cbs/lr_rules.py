@@ -80,10 +80,19 @@ class AdamSDERule(LRRule):
             group["eps"] = group["eps"] / math.sqrt(ratio)
 
 
+def _linear(ratio: float) -> float:
+    return ratio
+
+
+def _unchanged(ratio: float) -> float:
+    return 1.0
+
+
+# Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
 LR_RULES = {
     "sqrt": lambda: LRRule("sqrt", math.sqrt),
-    "linear": lambda: LRRule("linear", lambda r: r),
-    "none": lambda: LRRule("none", lambda r: 1.0),
+    "linear": lambda: LRRule("linear", _linear),
+    "none": lambda: LRRule("none", _unchanged),
     "adam_sde": AdamSDERule,
 }
 

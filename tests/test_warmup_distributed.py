@@ -168,15 +168,7 @@ def test_fsdp2_accumulates_without_sync_and_steps_on_exact_global_batches(tmp_pa
             torch.testing.assert_close(grad, expected_grad, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize(
-    "lr_rule",
-    [
-        "sqrt",
-        "adam_sde",
-        pytest.param("linear", marks=pytest.mark.xfail(strict=True, reason="lr_rules.LR_RULES builds it from a lambda")),
-        pytest.param("none", marks=pytest.mark.xfail(strict=True, reason="lr_rules.LR_RULES builds it from a lambda")),
-    ],
-)
+@pytest.mark.parametrize("lr_rule", ["sqrt", "adam_sde", "linear", "none"])
 def test_batch_warmup_pickles_for_ddp_spawn(lr_rule):
     """ddp_spawn pickles the Trainer and its callbacks into every child process."""
     pickle.dumps(BatchWarmup(ConstantBatch(4), lr_rule=lr_rule))
