@@ -316,6 +316,7 @@ class CBSProbeCallback(Callback):
         self._warmup: BatchWarmup | None = None
         self._window: dict[str, Any] | None = None  # the probe whose window the main run is training
         self._heldout: list | None = None
+        self._resolved_output_dir: Path | None = None
 
     # ------------------------------------------------------------------ probe points
     def probe_point(self, index: int) -> int:
@@ -363,6 +364,8 @@ class CBSProbeCallback(Callback):
             )
         if self.evaluate == "heldout":
             self._heldout = self._load_heldout(trainer)
+        # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once.
+        self._resolved_output_dir = self.output_dir or Path(trainer.log_dir or trainer.default_root_dir)
 
     def _load_heldout(self, trainer) -> list:
         datamodule = trainer.datamodule
@@ -405,11 +408,9 @@ class CBSProbeCallback(Callback):
             rank_zero_warn(f"CBS probe at {self._window['tokens']:,} tokens dropped: training ended inside its window")
             self._window = None
         if trainer.is_global_zero and self.history:
-            plot_cbs_curve(self.history, self._warmup.history, self._output_dir(trainer) / "cbs_curve.png")
+            plot_cbs_curve(self.history, self._warmup.history, self._resolved_output_dir / "cbs_curve.png")
 
     # ------------------------------------------------------------------ probing
-    def _output_dir(self, trainer) -> Path:
-        return self.output_dir or Path(trainer.log_dir or trainer.default_root_dir)
 
     def _usable_multipliers(self, batch_size: int, unit: int, window_samples: int) -> list[float]:
         usable = []
@@ -642,7 +643,7 @@ class CBSProbeCallback(Callback):
             f"CBS in [{record['cbs_lower']:g}, {upper}] samples; {losses}; probe overhead {record['overhead']:.2f}"
         )
         if trainer.is_global_zero:
-            out = self._output_dir(trainer)
+            out = self._resolved_output_dir
             out.mkdir(parents=True, exist_ok=True)
             with open(out / "cbs_probe.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")

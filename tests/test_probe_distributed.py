@@ -1,0 +1,64 @@
+"""CBSProbeCallback under DDP with 2 CPU processes (ddp_spawn, gloo).
+
+Every rank runs every branch together; branch losses are averaged over ranks, so both ranks
+must read the same k* and CBS, and the main run must end where a run without the probe ends.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
+from toys import RegressionData, RegressionModule, trainer_kwargs
+
+
+class SaveRankResult(Callback):
+    """ddp_spawn returns no callback state: each rank saves its probe history and final weights."""
+
+    def __init__(self, outdir: Path):
+        self.outdir = outdir
+
+    def on_train_end(self, trainer, pl_module):
+        probes = [cb for cb in trainer.callbacks if isinstance(cb, CBSProbeCallback)]
+        torch.save(
+            {
+                "history": probes[0].history if probes else None,
+                "weight": pl_module.layer.weight.detach().clone(),
+                "micro_batches": pl_module.micro_batches,
+            },
+            self.outdir / f"rank{trainer.global_rank}.pt",
+        )
+
+
+def fit_ddp(outdir: Path, probe: bool) -> list[dict]:
+    outdir.mkdir()
+    callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), SaveRankResult(outdir)]
+    if probe:
+        callbacks.insert(1, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
+    return [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
+    probed = fit_ddp(tmp_path / "probed", probe=True)
+    plain = fit_ddp(tmp_path / "plain", probe=False)
+    history0, history1 = probed[0]["history"], probed[1]["history"]
+    assert len(history0) >= 2
+    assert history0 == history1  # same losses, k*, interval on both ranks
+    for record in history0:
+        assert record["batch_size"] == 8 and record["branches_trained"] == [1.0, 2.0, 4.0]
+        assert record["losses"]["1"] == pytest.approx(record["main_loss"], rel=1e-12)
+    for rank in range(2):
+        assert torch.equal(probed[rank]["weight"], plain[rank]["weight"])
+        assert probed[rank]["micro_batches"] == plain[rank]["micro_batches"]
