@@ -4,7 +4,8 @@ Both runs use the same batch growth, 4 -> 8 -> 16 global samples with micro-batc
 (accumulate 1 -> 2 -> 4), over 2 epochs of 96 samples. Each rank saves what it recorded; the test
 joins the ranks and checks DESIGN.md invariants 1 and 2 on global quantities: every optimizer step
 averages exactly the scheduled global batch, split across ranks with no overlap, in the sampler's
-order, and the gradient both ranks step with is the exact mean over those samples.
+order, and the gradient both ranks step with is the exact mean over those samples; the LR follows
+lr_rule="linear" (invariant 3) identically on both ranks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SAMPLES = 96  # per epoch, both ranks together
 MICRO_BATCH_SIZE = 2  # samples per rank
 EPOCHS = 2
 SEQ_LEN = 4  # tokens per sample
+BASE_LR = 0.05  # both modules' SGD learning rate; lr_rule="linear" scales it with the global batch
 # Global batch per optimizer step (samples): 4 until 40 samples; 8 from step 10; 16 asked for at
 # 120 samples (step 20, 6 micro-batches into epoch 1, not divisible by accumulate 4), applied at step 21.
 EXPECTED_GLOBAL_BATCHES = [4] * 10 + [8] * 11 + [16] * 4
@@ -50,7 +52,9 @@ class SaveRecords(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: RegressionModule) -> None:
         warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
-        steps = [{"indices": s["indices"], "grads": [s["grad"]], "weights": [s["weight"]]} for s in pl_module.steps]
+        steps = [
+            {"indices": s["indices"], "grads": [s["grad"]], "weights": [s["weight"]], "lr": s["lr"]} for s in pl_module.steps
+        ]
         records = {
             "steps": steps,
             "history": warmup.state_dict()["history"],
@@ -73,8 +77,10 @@ def sampler_order(dataset, rank: int, epoch: int) -> list[int]:
 
 
 def assert_global_steps(ranks: list[dict], dataset) -> list[list[int]]:
-    """Checks counts, history and data order across ranks; returns each step's global sample indices."""
+    """Checks counts, LR, history and data order across ranks; returns each step's global sample indices."""
+    expected_lrs = [pytest.approx(BASE_LR * size / EXPECTED_GLOBAL_BATCHES[0]) for size in EXPECTED_GLOBAL_BATCHES]
     for records in ranks:
+        assert [step["lr"] for step in records["steps"]] == expected_lrs
         assert records["samples_seen"] == EPOCHS * SAMPLES
         assert records["tokens_seen"] == EPOCHS * SAMPLES * SEQ_LEN
         assert records["global_step"] == len(records["steps"]) == len(EXPECTED_GLOBAL_BATCHES)
@@ -116,7 +122,7 @@ def test_ddp_steps_on_exact_global_batches(tmp_path):
     data = RegressionData(n=SAMPLES, batch_size=MICRO_BATCH_SIZE)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        callbacks=[BatchWarmup(schedule, lr_rule="sqrt", seq_len=SEQ_LEN), SaveRecords(tmp_path)],
+        callbacks=[BatchWarmup(schedule, lr_rule="linear", seq_len=SEQ_LEN), SaveRecords(tmp_path)],
         **trainer_kwargs(devices=WORLD_SIZE, strategy="ddp_spawn", max_epochs=EPOCHS),
     )
     with warnings.catch_warnings():

@@ -38,7 +38,7 @@ class FactoredRegression(pl.LightningModule):
 
     Records per micro-batch whether its backward reduce-scattered gradients (a sharded ``.grad``
     exists only after a synced backward, since Lightning zeroes gradients to None) and per
-    optimizer step the sample indices of this rank, the gathered gradients and weights.
+    optimizer step the sample indices of this rank, the gathered gradients and weights, and the LR.
     """
 
     def __init__(self, lr: float = 0.05):
@@ -71,6 +71,7 @@ class FactoredRegression(pl.LightningModule):
                 "indices": list(self.pending),
                 "grads": [p.grad.full_tensor().detach().clone() for p in self.parameters()],
                 "weights": [p.full_tensor().detach().clone() for p in self.parameters()],
+                "lr": optimizer.param_groups[0]["lr"],
             }
         )
         self.pending = []
