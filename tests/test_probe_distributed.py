@@ -42,7 +42,9 @@ def fit_ddp(outdir: Path, probe: bool) -> list[dict]:
     if probe:
         callbacks.insert(1, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2))
+    trainer = pl.Trainer(
+        callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, default_root_dir=outdir)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
