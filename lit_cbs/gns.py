@@ -1,0 +1,434 @@
+"""``GradientNoiseScale``: the simple noise scale B_simple = tr(Sigma) / |G|^2, measured online.
+
+McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training" (arXiv
+1812.06162), appendix A.1: a gradient averaged over a batch of B samples has
+E|G_B|^2 = |G|^2 + tr(Sigma) / B (G: the true gradient, Sigma: the per-sample gradient
+covariance). Two measured squared norms at batch sizes B_small < B_big give unbiased estimates
+
+    |G|^2     = (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
+    tr(Sigma) = (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
+
+whose ratio is B_simple. Both are noisy (|G|^2 can come out negative), so each is averaged by its
+own bias-corrected exponential moving average and B_simple is the ratio of the two averages, not
+an average of per-step ratios.
+
+Here the big batch is the global batch of an optimizer step (after gradient accumulation and the
+DDP all-reduce) and the small batch is one micro-batch on one rank: its gradient is read off as
+the change of the accumulated ``.grad`` across its backward pass (times ``accumulate``, because
+Lightning divides the loss by ``accumulate_grad_batches``), and for the micro-batch whose backward
+all-reduces under DDP from inside a DDP communication hook, before the all-reduce. Per-example
+mode (Gray et al. 2023, "nanoGNS") takes B_small = 1 from per-sample gradients computed with
+``torch.func``. Batch sizes are counted in samples from each micro-batch (Lightning's
+``extract_batch_size``), so the estimate stays right when ``BatchWarmup`` changes the accumulation
+or an epoch ends on a short micro-batch.
+
+Merrill et al. 2025 find that under Adam this noise scale underestimates the critical batch size
+by orders of magnitude: log it as a monitor next to ``CBSProbeCallback``, not as the CBS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
+
+
+def two_batch_estimates(
+    small_grad_sq: torch.Tensor | float,
+    big_grad_sq: torch.Tensor | float,
+    small_batch_size: torch.Tensor | float,
+    big_batch_size: torch.Tensor | float,
+) -> tuple[Any, Any]:
+    """Unbiased estimates ``(|G|^2, tr(Sigma))`` from squared gradient norms at two batch sizes.
+
+    McCandlish et al. 2018, eqs. A.2-A.3. ``small_grad_sq`` is |G_small|^2 (averaged over however
+    many small batches were measured), ``big_grad_sq`` is |G_big|^2; batch sizes in samples, with
+    ``small_batch_size < big_batch_size``. For unequal micro-batches use the effective sizes
+    1 / E[1/b] that make E|G_b|^2 = |G|^2 + tr(Sigma) / b hold (see ``GradientNoiseScale``).
+    """
+    inv_small, inv_big = 1.0 / small_batch_size, 1.0 / big_batch_size
+    trace_sigma = (small_grad_sq - big_grad_sq) / (inv_small - inv_big)
+    grad_sq = (inv_small * big_grad_sq - inv_big * small_grad_sq) / (inv_small - inv_big)
+    return grad_sq, trace_sigma
+
+
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """|tensor|^2 as float32; half-precision tensors are reduced in float32 so their norm is not rounded."""
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(tensor, dtype=torch.float32) ** 2
+    return torch.linalg.vector_norm(tensor).float() ** 2
+
+
+@dataclasses.dataclass
+class NoiseMeasurement:
+    """One optimizer step's raw measurement; tensors hold one entry per optimizer parameter group.
+
+    ``small_grad_sq``: mean squared norm of the small-batch gradients; ``big_grad_sq``: squared norm
+    of the step's gradient (the mean over the global batch); ``small_batch_size`` and
+    ``big_batch_size``: effective sizes in samples (1 / E[1/b] for the small batches,
+    M^2 / sum(1/b_i) over the step's M micro-batches for the big one); ``grad_sq`` and
+    ``trace_sigma``: this step's unbiased estimates before averaging.
+    """
+
+    small_grad_sq: torch.Tensor
+    big_grad_sq: torch.Tensor
+    small_batch_size: float
+    big_batch_size: float
+    grad_sq: torch.Tensor
+    trace_sigma: torch.Tensor
+
+
+class _LossOfBatch(torch.nn.Module):
+    """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its parameters."""
+
+    def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], torch.Tensor]):
+        super().__init__()
+        self.module = module
+        self.loss = loss
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.loss(self.module, batch)
+
+
+class GradientNoiseScale(Callback):
+    """Log the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), in samples.
+
+    Small batch: one micro-batch on one rank (under gradient accumulation, or each rank's batch
+    under DDP without accumulation); big batch: the global batch of the optimizer step. So at least
+    one of ``accumulate_grad_batches >= 2`` or 2+ DDP processes is needed, or per-example mode
+    (``per_example_loss``, B_small = 1). Steps with a single micro-batch in all (e.g. while
+    ``BatchWarmup`` still runs at accumulate 1 on one process) are not measured. The loss must be
+    the mean over the micro-batch's samples (as ``training_step`` returns it for Lightning's
+    accumulation), and ``automatic_optimization`` must be on.
+
+    Logged after every optimizer step (before gradient clipping, after AMP unscaling):
+    ``gns/b_simple`` (samples), ``gns/trace_sigma`` and ``gns/grad_sq`` (squared gradient norms,
+    per sample and true respectively), from bias-corrected EMAs; with ``per_param_group`` also
+    ``gns/<metric>/<group>`` per optimizer parameter group (the group's ``"name"``, else ``pg<i>``).
+    Steps whose gradients are not finite (an AMP overflow) leave the averages unchanged.
+
+    Cost. Memory: when a rank accumulates 2+ micro-batches per step, one copy of the gradients of
+    the optimizer's parameters, in the gradients' own dtype (fp32 under ``bf16-mixed``, bf16 under
+    ``bf16-true``); nothing extra under DDP without accumulation. Time: per micro-batch one
+    subtraction, one norm and one copy over the gradients (about three gradient-sized memory
+    passes); per step one norm over the gradients, one host synchronisation (to leave non-finite
+    steps out) and, under DDP, one all-reduce of a few scalars.
+    Per-example mode instead holds ``micro_batch_size`` (or ``per_example_chunk_size``)
+    per-example gradients at once and costs one extra forward and backward per micro-batch.
+
+    Args:
+        ema_decay: decay of the EMAs of |G|^2 and tr(Sigma) per optimizer step, in [0, 1).
+        per_param_group: also log the three metrics per optimizer parameter group.
+        per_example_loss: turns on per-example mode: ``per_example_loss(module, batch)`` must return
+            the training loss of ``batch`` (a scalar) without logging or side effects. It is called
+            through ``torch.func.vmap`` with every tensor of the micro-batch cut to one sample
+            (leading dimension 1), with the parameters swapped by ``torch.func.functional_call``.
+        per_example_chunk_size: samples per ``vmap`` chunk in per-example mode (None: the whole
+            micro-batch at once); lowers the memory of per-example mode.
+
+    Attributes:
+        last_measurement: the latest ``NoiseMeasurement`` (None before the first measured step).
+        num_updates: optimizer steps measured so far.
+    """
+
+    def __init__(
+        self,
+        ema_decay: float = 0.99,
+        per_param_group: bool = False,
+        per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+        per_example_chunk_size: int | None = None,
+    ):
+        if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay={ema_decay!r} must be a float in [0, 1) (decay per optimizer step)")
+        if per_example_loss is not None and not callable(per_example_loss):
+            raise TypeError(f"per_example_loss must be a callable (module, batch) -> loss, got {per_example_loss!r}")
+        if per_example_chunk_size is not None and (
+            isinstance(per_example_chunk_size, bool) or not isinstance(per_example_chunk_size, int) or per_example_chunk_size <= 0
+        ):
+            raise ValueError(f"per_example_chunk_size={per_example_chunk_size!r} must be a positive int (samples) or None")
+        if per_example_chunk_size is not None and per_example_loss is None:
+            raise ValueError("per_example_chunk_size only applies to per-example mode: also pass per_example_loss")
+        self.ema_decay = float(ema_decay)
+        self.per_param_group = per_param_group
+        self.per_example_loss = per_example_loss
+        self.per_example_chunk_size = per_example_chunk_size
+
+        self.num_updates = 0
+        self.last_measurement: NoiseMeasurement | None = None
+        self._ema_grad_sq: torch.Tensor | None = None  # per group, not bias-corrected
+        self._ema_trace_sigma: torch.Tensor | None = None
+
+        self._group_names: list[str] = []
+        self._group_of: dict[torch.Tensor, int] = {}  # parameter -> optimizer param group index
+        self._named_params: dict[str, torch.Tensor] = {}
+        self._loss_module: _LossOfBatch | None = None
+        self._world_size = 1
+        self._device = torch.device("cpu")
+        # The current optimizer step's window of micro-batches (this rank).
+        self._accumulated: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> copy of its accumulated .grad
+        self._held: set[torch.Tensor] = set()  # parameters whose copy holds this window's accumulated gradient
+        self._micro_batch_size = 0
+        self._pending_small: torch.Tensor | None = None  # per-example mode: squared norms summed per group
+        self._hook_grad_sq: torch.Tensor | None = None  # DDP hook: the syncing micro-batch's squared norms
+        self._window: torch.Tensor | None = None
+        self._local_micro_batches = 0
+
+    # ------------------------------------------------------------------ validation and setup
+    @property
+    def per_example(self) -> bool:
+        return self.per_example_loss is not None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if not pl_module.automatic_optimization:
+            raise ValueError(
+                "GradientNoiseScale needs automatic optimization (it reads Lightning's gradient accumulation); "
+                "set `self.automatic_optimization = True` or remove GradientNoiseScale"
+            )
+        strategy = trainer.strategy
+        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+            raise ValueError(
+                f"GradientNoiseScale supports single-device and DDP strategies, got {type(strategy).__name__}: "
+                "it reads whole local gradients, which sharded strategies (FSDP, DeepSpeed, model parallel) split "
+                "across ranks; use strategy='ddp' or a single device"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._world_size = trainer.world_size
+        if not self.per_example and self._world_size == 1 and not self._accumulation_will_exceed_one(trainer):
+            raise ValueError(
+                f"GradientNoiseScale needs two batch sizes, but accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches} on {self._world_size} process gives one: set "
+                "Trainer(accumulate_grad_batches=2 or more), train on 2+ DDP processes, or pass "
+                "per_example_loss=... for per-example mode (B_small = 1 sample)"
+            )
+        (optimizer,) = trainer.optimizers  # automatic optimization: exactly one
+        self._group_names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
+        self._group_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+        self._device = pl_module.device
+        if self._ema_grad_sq is None:
+            self._ema_grad_sq = torch.zeros(len(self._group_names), device=self._device)
+            self._ema_trace_sigma = torch.zeros(len(self._group_names), device=self._device)
+        else:  # restored from a checkpoint before the strategy's setup
+            self._check_groups(self._ema_grad_sq)
+            self._ema_grad_sq = self._ema_grad_sq.to(self._device)
+            self._ema_trace_sigma = self._ema_trace_sigma.to(self._device)
+        self._reset_window()
+        if self.per_example:
+            self._named_params = {f"module.{n}": p for n, p in pl_module.named_parameters() if p in self._group_of}
+            self._loss_module = _LossOfBatch(pl_module, self.per_example_loss)
+        elif isinstance(trainer.strategy, DDPStrategy):
+            self._register_comm_hook(trainer.strategy.model)
+
+    @staticmethod
+    def _accumulation_will_exceed_one(trainer: pl.Trainer) -> bool:
+        """True if accumulation is or will become >= 2 (the trainer's, a BatchWarmup or a GradientAccumulationScheduler)."""
+        from lit_cbs.warmup import BatchWarmup
+
+        if trainer.accumulate_grad_batches > 1:
+            return True
+        for callback in trainer.callbacks:
+            if isinstance(callback, BatchWarmup) and max(callback.schedule.sizes(callback.consumed)) > callback.micro_batch_size:
+                return True
+            if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
+                return True
+        return False
+
+    def _register_comm_hook(self, model: DistributedDataParallel) -> None:
+        try:
+            model.register_comm_hook(state=model.process_group, hook=self._comm_hook)
+        except RuntimeError as error:
+            raise ValueError(
+                "GradientNoiseScale installs a DDP communication hook to read each rank's gradient before the all-reduce, "
+                "but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or GradientNoiseScale"
+            ) from error
+
+    # ------------------------------------------------------------------ per micro-batch
+    def _reset_window(self) -> None:
+        # Per group: small-batch squared norms; then small-batch count, sum of 1/b over small batches,
+        # micro-batch count, sum of 1/b over micro-batches (b in samples).
+        self._window = torch.zeros(len(self._group_names) + 4, device=self._device)
+        self._local_micro_batches = 0
+        self._held.clear()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._micro_batch_size = extract_batch_size(batch)
+        if self.per_example:
+            self._pending_small = self._per_example_grad_sq(batch)
+
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self._held.clear()  # the accumulated gradient restarts from zero
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        groups = len(self._group_names)
+        b = float(self._micro_batch_size)
+        window = self._window
+        if self.per_example:
+            window[:groups] += self._pending_small
+            window[groups] += b
+            window[groups + 1] += b  # b samples, each a batch of 1
+        else:
+            if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
+                grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
+            else:
+                more_follow = trainer.fit_loop._should_accumulate()
+                grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), keep=more_follow)
+            # Lightning divided this micro-batch's loss by accumulate_grad_batches.
+            window[:groups] += grad_sq * trainer.accumulate_grad_batches**2
+            window[groups] += 1.0
+            window[groups + 1] += 1.0 / b
+        window[groups + 2] += 1.0
+        window[groups + 3] += 1.0 / b
+        self._local_micro_batches += 1
+
+    def _micro_batch_grad_sq(self, params_and_grads, keep: bool) -> torch.Tensor:
+        """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy."""
+        grad_sq = torch.zeros(len(self._group_names), device=self._device)
+        for param, grad in params_and_grads:
+            if grad is None:
+                continue
+            copy = self._accumulated.get(param)
+            if param in self._held:
+                copy.sub_(grad)  # minus this micro-batch's contribution, without a temporary
+                grad_sq[self._group_of[param]] += _squared_norm(copy)
+            else:
+                grad_sq[self._group_of[param]] += _squared_norm(grad)
+            if keep:
+                if copy is None:
+                    self._accumulated[param] = grad.detach().clone()
+                else:
+                    copy.copy_(grad)
+                self._held.add(param)
+        return grad_sq
+
+    def _comm_hook(self, process_group, bucket):
+        """DDP communication hook: measure this rank's last micro-batch in ``bucket``, then all-reduce as DDP would.
+
+        Unannotated: DDP compares annotations with ``dist.GradBucket``, and this module's are strings.
+        """
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if p in self._group_of]
+        grad_sq = self._micro_batch_grad_sq(pairs, keep=False)
+        self._hook_grad_sq = grad_sq if self._hook_grad_sq is None else self._hook_grad_sq + grad_sq
+        return allreduce_hook(process_group, bucket)
+
+    def _per_example_grad_sq(self, batch: Any) -> torch.Tensor:
+        """Sum over the micro-batch's samples of each sample's squared gradient norm, per group."""
+        size = self._micro_batch_size
+        names = list(self._named_params)
+        params = {name: p.detach() for name, p in self._named_params.items()}
+        group_index = torch.tensor([self._group_of[self._named_params[n]] for n in names], device=self._device)
+
+        def sample_grad_sq(params, sample):
+            grads = torch.func.grad(lambda p: torch.func.functional_call(self._loss_module, p, (sample,), strict=False))(params)
+            norms = torch.stack([_squared_norm(grads[n]) for n in names])
+            return torch.zeros(len(self._group_names), device=norms.device).index_add(0, group_index, norms)
+
+        def per_sample(leaf):
+            return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == size
+
+        # vmap over dim 0 of every per-sample tensor, each sample kept as a batch of one.
+        samples = tree_map(lambda leaf: leaf.unsqueeze(1) if per_sample(leaf) else leaf, batch)
+        in_dims = tree_map(lambda leaf: 0 if per_sample(leaf) else None, batch)
+        devices = [self._device.index or 0] if self._device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # dropout here must not move the training RNG streams
+            per_sample_sq = torch.func.vmap(
+                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.per_example_chunk_size
+            )(params, samples)
+        return per_sample_sq.sum(0)
+
+    # ------------------------------------------------------------------ per optimizer step
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        groups = len(self._group_names)
+        window, local_micro_batches = self._window, self._local_micro_batches
+        self._reset_window()
+        if not self.per_example and self._world_size * local_micro_batches < 2:
+            return  # one micro-batch on one process: no second batch size this step
+        big_grad_sq = torch.zeros(groups, device=self._device)
+        for param, group in self._group_of.items():
+            if param.grad is not None:
+                big_grad_sq[group] += _squared_norm(param.grad)
+        # A short last window of an epoch is still divided by accumulate_grad_batches: rescale to the mean.
+        big_grad_sq *= (trainer.accumulate_grad_batches / local_micro_batches) ** 2
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and not self.per_example:
+            window[:groups] /= scaler.get_scale() ** 2  # micro-batch gradients were read before unscaling
+        if self._world_size > 1:
+            window = trainer.strategy.reduce(window, reduce_op="sum")
+        small_count, small_inv_sum, micro_count, micro_inv_sum = window[groups:]
+        small_grad_sq = window[:groups] / small_count
+        small_batch_size = small_count / small_inv_sum
+        big_batch_size = micro_count**2 / micro_inv_sum
+        grad_sq, trace_sigma = two_batch_estimates(small_grad_sq, big_grad_sq, small_batch_size, big_batch_size)
+        self.last_measurement = NoiseMeasurement(
+            small_grad_sq=small_grad_sq,
+            big_grad_sq=big_grad_sq,
+            small_batch_size=float(small_batch_size),
+            big_batch_size=float(big_batch_size),
+            grad_sq=grad_sq,
+            trace_sigma=trace_sigma,
+        )
+        if not bool(torch.isfinite(grad_sq).all() & torch.isfinite(trace_sigma).all()):
+            return  # an AMP overflow: the optimizer skips this step, the averages skip it too
+        self._ema_grad_sq = self.ema_decay * self._ema_grad_sq + (1 - self.ema_decay) * grad_sq
+        self._ema_trace_sigma = self.ema_decay * self._ema_trace_sigma + (1 - self.ema_decay) * trace_sigma
+        self.num_updates += 1
+        self._log(pl_module)
+
+    def _log(self, pl_module: pl.LightningModule) -> None:
+        correction = 1.0 - self.ema_decay**self.num_updates  # bias correction of EMAs started at zero
+        grad_sq = self._ema_grad_sq / correction
+        trace_sigma = self._ema_trace_sigma / correction
+        metrics = {
+            "gns/b_simple": trace_sigma.sum() / grad_sq.sum(),
+            "gns/trace_sigma": trace_sigma.sum(),
+            "gns/grad_sq": grad_sq.sum(),
+        }
+        if self.per_param_group:
+            for i, name in enumerate(self._group_names):
+                metrics[f"gns/b_simple/{name}"] = trace_sigma[i] / grad_sq[i]
+                metrics[f"gns/trace_sigma/{name}"] = trace_sigma[i]
+                metrics[f"gns/grad_sq/{name}"] = grad_sq[i]
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, prog_bar=False)
+
+    @property
+    def b_simple(self) -> float | None:
+        """The current estimate of B_simple in samples (None before the first measured step)."""
+        if not self.num_updates:
+            return None
+        return float(self._ema_trace_sigma.sum() / self._ema_grad_sq.sum())
+
+    # ------------------------------------------------------------------ checkpointing
+    def _check_groups(self, ema: torch.Tensor) -> None:
+        if self._group_names and len(ema) != len(self._group_names):
+            raise ValueError(
+                f"the checkpoint's GradientNoiseScale state has {len(ema)} parameter groups but the optimizer has "
+                f"{len(self._group_names)}; resume with the same optimizer parameter groups"
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._ema_grad_sq is None:
+            return {}
+        return {
+            "num_updates": self.num_updates,
+            "ema_grad_sq": self._ema_grad_sq.detach().cpu(),
+            "ema_trace_sigma": self._ema_trace_sigma.detach().cpu(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        self._check_groups(state_dict["ema_grad_sq"])
+        self.num_updates = state_dict["num_updates"]
+        self._ema_grad_sq = state_dict["ema_grad_sq"].to(self._device, torch.float32)
+        self._ema_trace_sigma = state_dict["ema_trace_sigma"].to(self._device, torch.float32)
