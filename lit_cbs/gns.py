@@ -1,7 +1,7 @@
 """``GradientNoiseScale``: the simple noise scale B_simple = tr(Sigma) / |G|^2, measured online.
 
 McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training" (arXiv
-1812.06162), appendix A.1: a gradient averaged over a batch of B samples has
+1812.06162), appendix A: a gradient averaged over a batch of B samples has
 E|G_B|^2 = |G|^2 + tr(Sigma) / B (G: the true gradient, Sigma: the per-sample gradient
 covariance). Two measured squared norms at batch sizes B_small < B_big give unbiased estimates
 
@@ -49,7 +49,7 @@ def two_batch_estimates(
 ) -> tuple[Any, Any]:
     """Unbiased estimates ``(|G|^2, tr(Sigma))`` from squared gradient norms at two batch sizes.
 
-    McCandlish et al. 2018, eqs. A.2-A.3. ``small_grad_sq`` is |G_small|^2 (averaged over however
+    McCandlish et al. 2018, appendix A. ``small_grad_sq`` is |G_small|^2 (averaged over however
     many small batches were measured), ``big_grad_sq`` is |G_big|^2; batch sizes in samples, with
     ``small_batch_size < big_batch_size``. For unequal micro-batches use the effective sizes
     1 / E[1/b] that make E|G_b|^2 = |G|^2 + tr(Sigma) / b hold (see ``GradientNoiseScale``).

@@ -11,7 +11,7 @@ for a = b, so per coordinate j:
     Sigma_jj     = E[g_j^2] - G_j^2 = 4 (|delta|^2 + delta_j^2 + s^2)
 
 so |G|^2 = 4 |delta|^2, tr(Sigma) = 4 ((d + 1) |delta|^2 + d s^2) and
-B_simple = tr(Sigma) / |G|^2 = d + 1 + d s^2 / |delta|^2 (McCandlish et al. 2018, eq. 2.7). Summing
+B_simple = tr(Sigma) / |G|^2 = d + 1 + d s^2 / |delta|^2 (McCandlish et al. 2018). Summing
 over a subset of coordinates gives the same quantities for one parameter group.
 
 The datasets are finite (a few 10^4 samples), so the estimates carry sampling noise of about

@@ -1,0 +1,54 @@
+"""E(S) analysis of constant-batch sweeps: loss curves from metrics CSVs, McCandlish et al. 2018 and
+Zhou et al. 2026 fits, a B_opt-following batch schedule, and plots. Pure numpy/scipy/matplotlib:
+no Lightning."""
+
+from lit_cbs.analysis.curves import (
+    Crossing,
+    ProbePoint,
+    RunCurve,
+    default_targets,
+    ema,
+    find_crossings,
+    read_probe,
+    read_run,
+    read_sweep,
+    rolling_mean,
+    smooth,
+)
+from lit_cbs.analysis.fits import (
+    McCandlishFit,
+    TargetFit,
+    WSDFit,
+    fit_mccandlish,
+    fit_targets,
+    fit_wsd,
+    propose_schedule,
+    schedule_yaml,
+    write_schedule_yaml,
+)
+from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
+
+__all__ = [
+    "Crossing",
+    "McCandlishFit",
+    "ProbePoint",
+    "RunCurve",
+    "TargetFit",
+    "WSDFit",
+    "default_targets",
+    "ema",
+    "find_crossings",
+    "fit_mccandlish",
+    "fit_targets",
+    "fit_wsd",
+    "plot_batch_sizes",
+    "plot_es",
+    "propose_schedule",
+    "read_probe",
+    "read_run",
+    "read_sweep",
+    "rolling_mean",
+    "schedule_yaml",
+    "smooth",
+    "write_schedule_yaml",
+]

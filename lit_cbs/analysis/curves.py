@@ -1,0 +1,433 @@
+"""Loss curves of constant-batch runs, read from their metrics CSVs, and where they reach a target loss.
+
+A run is a folder holding one metrics CSV (Lightning's ``CSVLogger`` ``metrics.csv``: one row per
+logging call, empty cells for metrics not logged in that row) or the CSV itself. A sweep is a
+Hydra multirun folder (one subfolder per run) or a list of run folders. Per run this module
+takes the loss column (``train/loss`` by default, or ``val/loss``), the tokens seen (all ranks)
+and the optimizer step; for each target loss it finds the tokens E and steps S the run needed
+(McCandlish et al. 2018, arXiv 1812.06162; Zhou et al. 2026, arXiv 2601.05034).
+
+Units: tokens are counted as the run logged them; S is the tokens E divided by the run's constant
+tokens per optimizer step (read off the token and step columns), so E / S is exactly the run's
+global batch in tokens. ``tokens_per_sample`` (the sequence length) comes from the batch column
+(global batch in samples) where it is logged. numpy and scipy only: no Lightning, no plotting.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy.signal import lfilter
+
+TOKENS_COLUMN = "tokens_seen"
+STEP_COLUMN = "step"
+LOSS_COLUMN = "train/loss"
+BATCH_COLUMN = "batch/global_size"
+GNS_COLUMN = "gns/b_simple"
+METRICS_FILE = "metrics.csv"
+# Tokens per step may vary this much (relative) between logged rows before a run counts as not constant-batch.
+CONSTANT_BATCH_TOLERANCE = 0.01
+
+PathLike = str | os.PathLike
+
+
+@dataclass
+class RunCurve:
+    """One constant-batch run's loss curve.
+
+    Attributes:
+        name: the run's label in messages and plots (folder name, plus Hydra overrides if any).
+        path: the metrics CSV it was read from.
+        steps: optimizer steps at each loss value (tokens / tokens_per_step).
+        tokens: tokens seen (all ranks) at each loss value.
+        loss: the loss column's values, unsmoothed.
+        tokens_per_step: the run's global batch in tokens.
+        batch_size: the run's global batch in samples, if the batch column is logged.
+        gns_tokens, gns: tokens seen and the gradient noise scale B_simple (samples) where the GNS
+            column is logged (empty otherwise).
+    """
+
+    name: str
+    path: Path
+    steps: np.ndarray
+    tokens: np.ndarray
+    loss: np.ndarray
+    tokens_per_step: float
+    batch_size: int | None = None
+    gns_tokens: np.ndarray = field(default_factory=lambda: np.empty(0))
+    gns: np.ndarray = field(default_factory=lambda: np.empty(0))
+
+    @property
+    def tokens_per_sample(self) -> float | None:
+        """Tokens per sample (the sequence length), if the batch column is logged."""
+        return None if self.batch_size is None else self.tokens_per_step / self.batch_size
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """Where one run's smoothed loss first reaches one target loss (linear interpolation between logged points).
+
+    ``steps`` in optimizer steps, ``tokens`` in tokens; ``tokens / steps`` is the run's
+    ``tokens_per_step``; ``batch_size`` in samples when the run logs it.
+    """
+
+    run: str
+    target: float
+    steps: float
+    tokens: float
+    tokens_per_step: float
+    batch_size: int | None
+
+
+@dataclass(frozen=True)
+class ProbePoint:
+    """One record of ``CBSProbeCallback``'s ``cbs_probe.jsonl``: the CBS bracket (samples) at ``tokens`` seen.
+
+    ``upper`` is None when the largest multiplier tried did not hurt the loss (open-ended bracket).
+    """
+
+    tokens: float
+    lower: float
+    upper: float | None
+    estimate: float
+
+
+def _cell(value: str | None) -> float | None:
+    """A CSV cell as a float; None where the row did not log the metric (empty cell)."""
+    if value is None or value == "":
+        return None
+    return float(value)
+
+
+def _natural_key(path: Path) -> tuple:
+    """Sorts Hydra's ``2_name`` before ``10_name``."""
+    head = path.name.split("_", 1)[0]
+    return (0, int(head), path.name) if head.isdigit() else (1, 0, path.name)
+
+
+def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
+    """The one metrics CSV of a run: ``run`` itself if it is a file, else the only ``metrics_file`` under it."""
+    run = Path(run)
+    if run.is_file():
+        return run
+    if not run.is_dir():
+        raise ValueError(f"run folder {run} does not exist")
+    found = sorted(run.rglob(metrics_file))
+    if not found:
+        raise ValueError(f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise")
+    if len(found) > 1:
+        listed = ", ".join(str(p.relative_to(run)) for p in found)
+        raise ValueError(f"run folder {run} holds {len(found)} {metrics_file} files ({listed}); pass each run's own folder or CSV")
+    return found[0]
+
+
+def _run_label(folder: Path) -> str:
+    """The folder's name, with the Hydra overrides that made the run when ``.hydra/overrides.yaml`` is there."""
+    overrides = folder / ".hydra" / "overrides.yaml"
+    if overrides.is_file():
+        import yaml
+
+        items = yaml.safe_load(overrides.read_text()) or []
+        if items:
+            return f"{folder.name} ({' '.join(map(str, items))})"
+    return folder.name
+
+
+def read_run(
+    run: PathLike,
+    *,
+    name: str | None = None,
+    loss_column: str = LOSS_COLUMN,
+    tokens_column: str = TOKENS_COLUMN,
+    step_column: str = STEP_COLUMN,
+    batch_column: str = BATCH_COLUMN,
+    gns_column: str = GNS_COLUMN,
+    metrics_file: str = METRICS_FILE,
+) -> RunCurve:
+    """Read one constant-batch run's loss curve from its metrics CSV (``run``: the folder or the CSV).
+
+    Rows of the loss column without a token count (e.g. ``val/loss`` rows) get the tokens of their
+    step from the run's constant tokens per step. A NaN loss ends the curve there (with a warning).
+
+    Raises:
+        ValueError: a column is missing, a token count is NaN or decreases, fewer than two rows log
+            tokens, or the tokens per step (or the batch column) change during the run.
+    """
+    csv_path = find_metrics_file(run, metrics_file)
+    run_path = Path(run)
+    name = name or _run_label(run_path.parent if run_path.is_file() else run_path)
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    for column, argument in ((step_column, "step_column"), (tokens_column, "tokens_column"), (loss_column, "loss_column")):
+        if column not in header:
+            raise ValueError(f"run {name}: {csv_path} has no {column!r} column (columns: {header}); pass {argument}=...")
+
+    token_steps, token_counts = [], []
+    for row in rows:
+        tokens, step = _cell(row[tokens_column]), _cell(row[step_column])
+        if tokens is None:
+            continue
+        if step is None or not math.isfinite(tokens):
+            raise ValueError(f"run {name}: {tokens_column}={tokens} at {step_column}={step} in {csv_path}; token counts and steps must be finite")
+        if token_counts and tokens < token_counts[-1]:
+            raise ValueError(
+                f"run {name}: {tokens_column} decreases from {token_counts[-1]:g} to {tokens:g} at {step_column} {step:g} "
+                f"in {csv_path} (a restarted run appending to the same CSV?); give each run its own folder"
+            )
+        token_steps.append(step)
+        token_counts.append(tokens)
+    token_steps, token_counts = np.asarray(token_steps), np.asarray(token_counts)
+    if len(np.unique(token_steps)) < 2:
+        raise ValueError(f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; the tokens per step are unknown")
+    if np.any(np.diff(token_steps) < 0):
+        raise ValueError(f"run {name}: {step_column} decreases in {csv_path}; give each run its own folder")
+    tokens_per_step = (token_counts[-1] - token_counts[0]) / (token_steps[-1] - token_steps[0])
+    advancing = np.diff(token_steps) > 0
+    per_row = np.diff(token_counts)[advancing] / np.diff(token_steps)[advancing]
+    if tokens_per_step <= 0 or np.any(np.abs(per_row / tokens_per_step - 1) > CONSTANT_BATCH_TOLERANCE):
+        raise ValueError(
+            f"run {name} is not a constant-batch run: tokens per step range from {per_row.min():g} to {per_row.max():g}; "
+            "E(S) fits need runs at one global batch"
+        )
+    tokens_at_step_zero = float(np.median(token_counts - tokens_per_step * token_steps))
+
+    def tokens_of(row) -> float:
+        tokens = _cell(row[tokens_column])
+        return tokens if tokens is not None else tokens_at_step_zero + tokens_per_step * _cell(row[step_column])
+
+    loss_tokens, losses = [], []
+    for row in rows:
+        loss = _cell(row[loss_column])
+        if loss is None:
+            continue
+        if not math.isfinite(loss):
+            warnings.warn(f"run {name}: {loss_column} is {loss} from {step_column} {row[step_column]} on; its curve ends there")
+            break
+        loss_tokens.append(tokens_of(row))
+        losses.append(loss)
+    if not losses:
+        raise ValueError(f"run {name}: {csv_path} logs no {loss_column} values")
+    order = np.argsort(loss_tokens, kind="stable")
+    tokens = np.asarray(loss_tokens)[order]
+
+    batch_size = None
+    if batch_column in header:
+        sizes = sorted({v for v in (_cell(row[batch_column]) for row in rows) if v is not None})
+        if len(sizes) > 1:
+            raise ValueError(
+                f"run {name} is not a constant-batch run: {batch_column} takes the values {sizes}; E(S) fits need runs at one global batch"
+            )
+        batch_size = int(sizes[0]) if sizes else None
+
+    gns_tokens, gns = [], []
+    if gns_column in header:
+        for row in rows:
+            value = _cell(row[gns_column])
+            if value is not None and math.isfinite(value):
+                gns_tokens.append(tokens_of(row))
+                gns.append(value)
+    return RunCurve(
+        name=name,
+        path=csv_path,
+        steps=tokens / tokens_per_step,
+        tokens=tokens,
+        loss=np.asarray(losses)[order],
+        tokens_per_step=float(tokens_per_step),
+        batch_size=batch_size,
+        gns_tokens=np.asarray(gns_tokens),
+        gns=np.asarray(gns),
+    )
+
+
+def read_sweep(source: PathLike | Sequence[PathLike], metrics_file: str = METRICS_FILE, **columns) -> list[RunCurve]:
+    """Read every run of a sweep: a Hydra multirun folder (each subfolder holding a metrics CSV) or a list of runs.
+
+    ``columns`` go to ``read_run`` (``loss_column=``, ``tokens_column=``, ...).
+
+    Raises:
+        ValueError: no run is found, or runs disagree on tokens per sample (mismatched units).
+    """
+    if isinstance(source, (str, os.PathLike)):
+        folder = Path(source)
+        if not folder.is_dir():
+            raise ValueError(f"sweep folder {folder} does not exist")
+        run_paths = sorted(
+            (p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.rglob(metrics_file))),
+            key=_natural_key,
+        )
+        if not run_paths:
+            raise ValueError(f"sweep folder {folder} has no subfolders holding a {metrics_file}")
+    else:
+        run_paths = [Path(p) for p in source]
+        if not run_paths:
+            raise ValueError("no runs given")
+    runs = [read_run(p, metrics_file=metrics_file, **columns) for p in run_paths]
+    check_units(runs)
+    return runs
+
+
+def check_units(runs: Sequence[RunCurve]) -> float | None:
+    """The sweep's tokens per sample (sequence length); None if no run logs its batch in samples.
+
+    Raises:
+        ValueError: runs have different tokens per sample (tokens and samples counted inconsistently).
+    """
+    known = {run.name: run.tokens_per_sample for run in runs if run.tokens_per_sample is not None}
+    if not known:
+        return None
+    values = list(known.values())
+    if max(values) > min(values) * (1 + CONSTANT_BATCH_TOLERANCE):
+        listed = ", ".join(f"{name}: {value:g}" for name, value in known.items())
+        raise ValueError(
+            f"mismatched units: tokens per sample (tokens per step / global batch in samples) differ between runs ({listed}); "
+            "every run must count tokens in tokens and its batch in samples of the same sequence length"
+        )
+    missing = [run.name for run in runs if run.tokens_per_sample is None]
+    if missing:
+        warnings.warn(f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others")
+    return float(np.mean(values))
+
+
+def ema(values: np.ndarray, decay: float) -> np.ndarray:
+    """Exponential moving average s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0.
+
+    Lags a trend by about decay / (1 - decay) logged points, which shifts every crossing later.
+    """
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay={decay} must be in [0, 1)")
+    values = np.asarray(values, dtype=float)
+    if not len(values):
+        return values
+    smoothed, _ = lfilter([1.0 - decay], [1.0, -decay], values, zi=[decay * values[0]])
+    return smoothed
+
+
+def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
+    """Centered mean over ``window`` logged points (odd), over fewer at the ends: no lag on a linear trend."""
+    if window < 1 or window % 2 == 0:
+        raise ValueError(f"window={window} must be a positive odd number of logged points")
+    values = np.asarray(values, dtype=float)
+    half = window // 2
+    cumulative = np.concatenate([[0.0], np.cumsum(values)])
+    index = np.arange(len(values))
+    lo, hi = np.maximum(index - half, 0), np.minimum(index + half + 1, len(values))
+    return (cumulative[hi] - cumulative[lo]) / (hi - lo)
+
+
+def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, decay: float = 0.9) -> np.ndarray:
+    """``method``: "rolling" (``rolling_mean`` over ``window`` points), "ema" (``ema`` with ``decay``) or None."""
+    if method == "rolling":
+        return rolling_mean(values, window)
+    if method == "ema":
+        return ema(values, decay)
+    if method is None:
+        return np.asarray(values, dtype=float)
+    raise ValueError(f"smoothing method={method!r} is not supported; use 'rolling', 'ema' or None")
+
+
+def find_crossings(
+    runs: Sequence[RunCurve],
+    targets: Sequence[float],
+    *,
+    smoothing: str | None = "rolling",
+    window: int = 9,
+    decay: float = 0.9,
+) -> dict[float, list[Crossing]]:
+    """For each target loss, where each run's smoothed loss first reaches it (``smooth`` gives the options).
+
+    Runs that never reach a target, or are already below it at their first logged point (where it
+    was crossed is unknown), are left out of that target with a warning that names them.
+    """
+    result: dict[float, list[Crossing]] = {float(t): [] for t in targets}
+    never: dict[float, list[str]] = {float(t): [] for t in targets}
+    for run in runs:
+        smoothed = smooth(run.loss, smoothing, window=window, decay=decay)
+        for target in result:
+            reached = np.nonzero(smoothed <= target)[0]
+            if not reached.size:
+                never[target].append(f"{run.name} (lowest smoothed loss {smoothed.min():.4g})")
+                continue
+            i = int(reached[0])
+            if i == 0:
+                warnings.warn(
+                    f"target loss {target:g}: run {run.name} is already at or below it at its first logged point, so where it "
+                    "crossed is unknown; left out (log the loss from the start of training)"
+                )
+                continue
+            fraction = (smoothed[i - 1] - target) / (smoothed[i - 1] - smoothed[i])
+            tokens = run.tokens[i - 1] + fraction * (run.tokens[i] - run.tokens[i - 1])
+            result[target].append(
+                Crossing(run.name, target, tokens / run.tokens_per_step, float(tokens), run.tokens_per_step, run.batch_size)
+            )
+    for target, names in never.items():
+        if not names:
+            continue
+        if len(names) == len(runs):
+            warnings.warn(f"target loss {target:g}: no run reaches it: {'; '.join(names)}")
+        else:
+            warnings.warn(f"target loss {target:g}: left out runs that never reach it: {'; '.join(names)}")
+    return result
+
+
+def read_probe(path: PathLike) -> list[ProbePoint]:
+    """Read ``CBSProbeCallback``'s JSONL: one record per probe with ``tokens``, and ``cbs_lower``,
+    ``cbs_upper`` (null when open-ended) and ``cbs_estimate`` in samples.
+
+    Raises:
+        ValueError: a line is not JSON or lacks one of those keys; the message names the line.
+    """
+    points = []
+    with open(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                upper = record["cbs_upper"]
+                point = ProbePoint(
+                    float(record["tokens"]),
+                    float(record["cbs_lower"]),
+                    None if upper is None else float(upper),
+                    float(record["cbs_estimate"]),
+                )
+            except (ValueError, KeyError, TypeError) as error:  # json.JSONDecodeError is a ValueError
+                raise ValueError(
+                    f"{path}:{number}: not a CBS probe record ({error!r}); each line needs numbers tokens, cbs_lower, "
+                    "cbs_estimate and cbs_upper (number or null)"
+                ) from error
+            points.append(point)
+    return points
+
+
+def default_targets(
+    runs: Sequence[RunCurve],
+    count: int = 6,
+    min_runs: int = 8,
+    *,
+    smoothing: str | None = "rolling",
+    window: int = 9,
+    decay: float = 0.9,
+) -> list[float]:
+    """``count`` target losses, evenly spaced from below the highest loss every run starts at down to the
+    lowest loss that ``min_runs`` runs (or all, if fewer) reach, highest first."""
+    if not runs:
+        raise ValueError("no runs to pick target losses from")
+    curves = [smooth(run.loss, smoothing, window=window, decay=decay) for run in runs]
+    start = min(curve[0] for curve in curves)
+    lowest_reached = sorted(curve.min() for curve in curves)[min(min_runs, len(runs)) - 1]
+    if not lowest_reached < start:
+        raise ValueError(
+            f"the runs' smoothed losses give no target range: {min(min_runs, len(runs))} runs reach at best "
+            f"{lowest_reached:.4g} but some run starts at {start:.4g}; pass targets explicitly"
+        )
+    return [float(t) for t in np.linspace(start, lowest_reached, count + 1)[1:]]

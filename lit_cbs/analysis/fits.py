@@ -1,0 +1,383 @@
+"""E(S) fits: how the steps S and tokens E of constant-batch runs reaching one target loss trade off.
+
+- McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", arXiv 1812.06162):
+  (S / S_min - 1)(E / E_min - 1) = 1, i.e. E = E_min S / (S - S_min); the critical batch
+  B_crit = E_min / S_min.
+- Zhou et al. 2026 ("How to Set the Batch Size for Large-Scale Pre-training?", arXiv 2601.05034),
+  for the stable phase of a warmup-stable-decay LR schedule, where loss curves of different batch
+  sizes cross (SCIENCE.md section 4):
+
+      E(S) = B_-1 / (S - S_min) + B_0     S_min < S < S_1      (hyperbolic)
+           = C (S - S_opt)^2 + E_min      S_1 <= S < S_2       (quadratic)
+           = A_1 S + A_0                  S >= S_2             (linear)
+
+  fitted with E continuous at S_1 and S_2. B_min = A_1 (below it the target is never reached)
+  and B_opt = E_min / S_opt (the batch that needs the fewest tokens).
+
+Units: S in optimizer steps, E in tokens, so every batch size a fit returns is in tokens per step;
+``TargetFit`` converts to samples (sequences) with the runs' tokens per sample. Pure numpy/scipy.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from scipy.optimize import least_squares, minimize, nnls
+from scipy.special import expit, softmax
+
+from lit_cbs.analysis.curves import Crossing
+from lit_cbs.schedules import PiecewiseBatch
+
+MCCANDLISH_MIN_RUNS = 3
+MCCANDLISH_POOR_FIT = 0.05  # rms of log(E / fitted E) above which fit_targets warns that B_crit is unreliable
+WSD_FREE_PARAMETERS = 8  # S_min, S_1, S_opt, S_2, B_-1, C, E_min, A_1 (B_0 and A_0 follow from continuity)
+
+
+def _points(steps, tokens, minimum: int, fit: str) -> tuple[np.ndarray, np.ndarray]:
+    steps, tokens = np.asarray(steps, dtype=float), np.asarray(tokens, dtype=float)
+    if steps.ndim != 1 or steps.shape != tokens.shape:
+        raise ValueError(f"{fit}: steps and tokens must be 1-D and of equal length, got shapes {steps.shape} and {tokens.shape}")
+    if len(steps) < minimum:
+        raise ValueError(f"{fit} needs at least {minimum} runs reaching the target loss, got {len(steps)}")
+    if not (np.all(np.isfinite(steps)) and np.all(np.isfinite(tokens)) and np.all(steps > 0) and np.all(tokens > 0)):
+        raise ValueError(f"{fit}: steps and tokens must be finite and > 0, got steps={steps.tolist()} tokens={tokens.tolist()}")
+    return steps, tokens
+
+
+# ---------------------------------------------------------------------- McCandlish et al. 2018
+@dataclass(frozen=True)
+class McCandlishFit:
+    """(S / S_min - 1)(E / E_min - 1) = 1. ``s_min`` in steps, ``e_min`` in tokens.
+
+    ``rms_log_residual``: root mean square of log(E / fitted E) over the points.
+    """
+
+    s_min: float
+    e_min: float
+    rms_log_residual: float
+
+    @property
+    def b_crit(self) -> float:
+        """The critical batch E_min / S_min, in tokens per step."""
+        return self.e_min / self.s_min
+
+    def tokens(self, steps) -> np.ndarray:
+        """E(S) = E_min S / (S - S_min) in tokens, for S > S_min steps (NaN elsewhere)."""
+        steps = np.asarray(steps, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(steps > self.s_min, self.e_min * steps / (steps - self.s_min), np.nan)
+
+
+def fit_mccandlish(steps, tokens) -> McCandlishFit:
+    """Fit McCandlish et al.'s E(S) to (steps, tokens) of runs reaching one target loss.
+
+    Least squares on log E, started from the linear form E_min / E + S_min / S = 1.
+
+    Raises:
+        ValueError: fewer than 3 points, or non-positive or non-finite values.
+    """
+    steps, tokens = _points(steps, tokens, MCCANDLISH_MIN_RUNS, "fit_mccandlish")
+    s_low = steps.min()
+    (e_start, s_start), *_ = np.linalg.lstsq(np.column_stack([1 / tokens, 1 / steps]), np.ones(len(steps)), rcond=None)
+    if not (0 < s_start < s_low and 0 < e_start < tokens.min()):
+        e_start, s_start = 0.5 * tokens.min(), 0.5 * s_low
+
+    def log_residuals(x):
+        e_min, s_min = np.exp(x[0]), x[1] * s_low
+        return np.log(tokens) - np.log(e_min * steps / (steps - s_min))
+
+    result = least_squares(log_residuals, [np.log(e_start), s_start / s_low], bounds=([-np.inf, 0.0], [np.inf, 1 - 1e-9]))
+    rms = float(np.sqrt(np.mean(result.fun**2)))
+    return McCandlishFit(s_min=float(result.x[1] * s_low), e_min=float(np.exp(result.x[0])), rms_log_residual=rms)
+
+
+# ---------------------------------------------------------------------- Zhou et al. 2026 (WSD)
+@dataclass(frozen=True)
+class WSDFit:
+    """The piecewise E(S) of Zhou et al. 2026. Steps in steps, E in tokens, B_-1 in tokens x steps,
+    C in tokens / steps^2, A_1 in tokens per step.
+
+    ``points_per_segment``: how many fitted points fall in the hyperbolic, quadratic and linear
+    parts; ``rms_log_residual``: root mean square of log(E / fitted E).
+    """
+
+    s_min: float
+    b_minus1: float
+    b_0: float
+    s_1: float
+    c: float
+    s_opt: float
+    e_min: float
+    s_2: float
+    a_1: float
+    a_0: float
+    points_per_segment: tuple[int, int, int]
+    rms_log_residual: float
+
+    @property
+    def b_min(self) -> float:
+        """A_1: the smallest batch that reaches the target at all, in tokens per step."""
+        return self.a_1
+
+    @property
+    def b_opt(self) -> float:
+        """E_min / S_opt: the batch that reaches the target with the fewest tokens, in tokens per step."""
+        return self.e_min / self.s_opt
+
+    def tokens(self, steps) -> np.ndarray:
+        """E(S) in tokens for S > S_min steps (NaN elsewhere)."""
+        steps = np.asarray(steps, dtype=float)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            hyperbolic = self.b_minus1 / (steps - self.s_min) + self.b_0
+        quadratic = self.c * (steps - self.s_opt) ** 2 + self.e_min
+        linear = self.a_1 * steps + self.a_0
+        values = np.where(steps < self.s_1, hyperbolic, np.where(steps < self.s_2, quadratic, linear))
+        return np.where(steps > self.s_min, values, np.nan)
+
+
+def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: float) -> np.ndarray:
+    """E = X @ (B_-1, C, E_min, A_1), with B_0 and A_0 eliminated by continuity at S_1 and S_2."""
+    design = np.zeros((len(steps), 4))
+    hyperbolic, linear = steps < s_1, steps >= s_2
+    quadratic = ~hyperbolic & ~linear
+    design[hyperbolic, 0] = 1 / (steps[hyperbolic] - s_min) - 1 / (s_1 - s_min)
+    design[hyperbolic, 1] = (s_1 - s_opt) ** 2
+    design[quadratic, 1] = (steps[quadratic] - s_opt) ** 2
+    design[linear, 1] = (s_2 - s_opt) ** 2
+    design[linear, 3] = steps[linear] - s_2
+    design[:, 2] = 1.0
+    return design
+
+
+def fit_wsd(steps, tokens) -> WSDFit:
+    """Fit Zhou et al.'s piecewise E(S) to (steps, tokens) of runs reaching one target loss.
+
+    Variable projection: for given S_min < min(S) and breakpoints min(S) < S_1 < S_opt < S_2 < max(S)
+    (so every part holds data and E_min is the minimum of the quadratic part), B_-1, C, E_min and
+    A_1 >= 0 follow from a non-negative least-squares fit of the relative residuals; those four
+    positions are then searched on a grid and refined with Nelder-Mead.
+
+    Raises:
+        ValueError: fewer than 8 points (the fit's free parameters), or non-positive or non-finite values.
+    """
+    steps, tokens = _points(steps, tokens, WSD_FREE_PARAMETERS, "fit_wsd")
+    s_low, log_low, log_span = steps.min(), np.log(steps.min()), np.log(steps.max() / steps.min())
+    if log_span <= 0:
+        raise ValueError(f"fit_wsd needs runs at different step counts, got steps={steps.tolist()}")
+    weighted_rhs = np.ones(len(steps))
+
+    def positions(u):
+        s_min = s_low * expit(u[0])
+        fractions = np.cumsum(softmax([u[1], u[2], u[3], 0.0]))[:3]
+        s_1, s_opt, s_2 = np.exp(log_low + log_span * fractions)
+        return s_min, s_1, s_opt, s_2
+
+    def solve(u):
+        design = _wsd_design(steps, *positions(u))
+        coefficients, residual_norm = nnls(design / tokens[:, None], weighted_rhs)
+        return coefficients, residual_norm**2
+
+    def start(s_min_fraction, t_1, t_opt, t_2):
+        fractions = np.array([t_1, t_opt - t_1, t_2 - t_opt, 1 - t_2])
+        return np.concatenate([[np.log(s_min_fraction / (1 - s_min_fraction))], np.log(fractions[:3] / fractions[3])])
+
+    t_grid = np.linspace(0.05, 0.95, 10)
+    starts = [
+        start(s, t_1, t_opt, t_2)
+        for s in (0.3, 0.7, 0.95)
+        for t_1, t_opt, t_2 in itertools.combinations(t_grid, 3)
+    ]
+    costs = [solve(u)[1] for u in starts]
+    best = None
+    for index in np.argsort(costs)[:4]:
+        result = minimize(lambda u: solve(u)[1], starts[index], method="Nelder-Mead", options={"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000})
+        if best is None or result.fun < best.fun:
+            best = result
+    s_min, s_1, s_opt, s_2 = positions(best.x)
+    (b_minus1, c, e_min, a_1), _ = solve(best.x)
+    fitted = WSDFit(
+        s_min=float(s_min),
+        b_minus1=float(b_minus1),
+        b_0=float(c * (s_1 - s_opt) ** 2 + e_min - b_minus1 / (s_1 - s_min)),
+        s_1=float(s_1),
+        c=float(c),
+        s_opt=float(s_opt),
+        e_min=float(e_min),
+        s_2=float(s_2),
+        a_1=float(a_1),
+        a_0=float(c * (s_2 - s_opt) ** 2 + e_min - a_1 * s_2),
+        points_per_segment=(int(np.sum(steps < s_1)), int(np.sum((steps >= s_1) & (steps < s_2))), int(np.sum(steps >= s_2))),
+        rms_log_residual=0.0,
+    )
+    rms = float(np.sqrt(np.mean(np.log(tokens / fitted.tokens(steps)) ** 2)))
+    return WSDFit(**{**fitted.__dict__, "rms_log_residual": rms})
+
+
+# ---------------------------------------------------------------------- per target loss
+@dataclass(frozen=True)
+class TargetFit:
+    """Both fits for one target loss, with the batch sizes in samples (sequences).
+
+    ``tokens_per_sample`` converts the fits' tokens per step to samples; when it is None (the runs
+    log no batch in samples) ``b_crit``, ``b_min`` and ``b_opt`` stay in tokens per step and
+    ``unit`` says so. A fit that could not be made is None and its batch sizes NaN.
+    """
+
+    target: float
+    crossings: tuple[Crossing, ...]
+    tokens_per_sample: float | None
+    mccandlish: McCandlishFit | None
+    wsd: WSDFit | None
+
+    @property
+    def unit(self) -> str:
+        return "tokens per step" if self.tokens_per_sample is None else "samples"
+
+    @property
+    def runs(self) -> list[str]:
+        return [c.run for c in self.crossings]
+
+    @property
+    def steps(self) -> np.ndarray:
+        return np.array([c.steps for c in self.crossings])
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.array([c.tokens for c in self.crossings])
+
+    def _in_unit(self, tokens_per_step: float | None) -> float:
+        if tokens_per_step is None:
+            return float("nan")
+        return tokens_per_step if self.tokens_per_sample is None else tokens_per_step / self.tokens_per_sample
+
+    @property
+    def b_crit(self) -> float:
+        """McCandlish et al.'s E_min / S_min, in ``unit``."""
+        return self._in_unit(self.mccandlish.b_crit if self.mccandlish else None)
+
+    @property
+    def b_min(self) -> float:
+        """Zhou et al.'s A_1, in ``unit``."""
+        return self._in_unit(self.wsd.b_min if self.wsd else None)
+
+    @property
+    def b_opt(self) -> float:
+        """Zhou et al.'s E_min / S_opt, in ``unit``."""
+        return self._in_unit(self.wsd.b_opt if self.wsd else None)
+
+
+def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float | None = None) -> list[TargetFit]:
+    """Fit both models for every target loss that at least 3 runs reach, highest target (earliest in training) first.
+
+    McCandlish's fit needs 3 runs, the WSD fit 8 (its free parameters); a target with too few runs
+    for a fit gets a warning naming the target and the runs it has, and that fit is None. Kept with
+    a warning: a McCandlish fit whose rms log residual exceeds 5% (E(S) not monotone, B_crit
+    unreliable) and a WSD fit with fewer than 2 runs in some part (B_min or B_opt rests on 1 run).
+    """
+    fits = []
+    for target in sorted(crossings, reverse=True):
+        points = tuple(crossings[target])
+        names = ", ".join(c.run for c in points) or "none"
+        if len(points) < MCCANDLISH_MIN_RUNS:
+            warnings.warn(
+                f"target loss {target:g}: only {len(points)} runs reach it ({names}); E(S) fits need at least "
+                f"{MCCANDLISH_MIN_RUNS}: left out"
+            )
+            continue
+        steps = [c.steps for c in points]
+        tokens = [c.tokens for c in points]
+        mccandlish = fit_mccandlish(steps, tokens)
+        if mccandlish.rms_log_residual > MCCANDLISH_POOR_FIT:
+            warnings.warn(
+                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); "
+                "E(S) is probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
+            )
+        wsd = None
+        if len(points) < WSD_FREE_PARAMETERS:
+            warnings.warn(
+                f"target loss {target:g}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has "
+                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: B_min and B_opt left out"
+            )
+        else:
+            wsd = fit_wsd(steps, tokens)
+            thin = [part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2]
+            if thin:
+                warnings.warn(
+                    f"target loss {target:g}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) "
+                    f"(runs per part: {wsd.points_per_segment}); B_min and B_opt are poorly determined there"
+                )
+        fits.append(TargetFit(target, points, tokens_per_sample, mccandlish, wsd))
+    return fits
+
+
+def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
+    """A batch schedule in tokens that follows B_opt (Zhou et al. 2026) as the loss falls.
+
+    Targets are taken from the highest loss down: the batch is B_opt of the first target from the
+    start, and B_opt of each next target from E_min tokens of the previous one on (the tokens its
+    optimal batch needs to reach it), i.e. while training heads for a target it uses that target's
+    optimal batch. Sizes are in samples, rounded to a multiple of ``multiple_of`` (give micro-batch
+    x world size) and never decrease (a smaller B_opt keeps the previous size, with a warning); a
+    target whose E_min is not above the previous target's is dropped with a warning.
+
+    Raises:
+        ValueError: no target has a WSD fit, or the batch is known only in tokens per step.
+    """
+    if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
+        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
+    usable = sorted((f for f in target_fits if f.wsd is not None), key=lambda f: f.target, reverse=True)
+    if not usable:
+        raise ValueError("no target loss has a WSD fit (B_opt): it needs at least 8 runs that reach the target")
+    if any(f.tokens_per_sample is None for f in usable):
+        raise ValueError(
+            "mismatched units: B_opt is known only in tokens per step because the runs log no global batch in samples; "
+            "log batch/global_size (BatchWarmup does) so the schedule can be given in samples"
+        )
+    kept: list[TargetFit] = []
+    for fit in usable:
+        if kept and fit.wsd.e_min <= kept[-1].wsd.e_min:
+            warnings.warn(
+                f"target loss {fit.target:g}: E_min {fit.wsd.e_min:.4g} tokens is not above the previous target's "
+                f"({kept[-1].wsd.e_min:.4g}); target dropped from the schedule"
+            )
+            continue
+        kept.append(fit)
+    sizes: list[int] = []
+    thresholds: list[int] = []
+    for starts_at, fit in zip([0.0] + [f.wsd.e_min for f in kept[:-1]], kept):
+        size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
+        if sizes and size < sizes[-1]:
+            warnings.warn(f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; kept at {sizes[-1]}")
+            size = sizes[-1]
+        if not sizes or size != sizes[-1]:
+            sizes.append(size)
+            thresholds.append(int(round(starts_at)))
+    return PiecewiseBatch(sizes, thresholds, unit="tokens")
+
+
+def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
+    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule`` to ``schedule``."""
+    lines = ["# @package _global_"]
+    lines += [f"# {line}" if line else "#" for line in comment.splitlines()]
+    lines += [
+        "batch:",
+        "  schedule:",
+        f"    _target_: {type(schedule).__module__}.{type(schedule).__qualname__}",
+        f"    batch_sizes: [{', '.join(str(b) for b in schedule.batch_sizes)}]",
+        f"    thresholds: [{', '.join(str(t) for t in schedule.thresholds)}]",
+        f"    unit: {schedule.unit}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike, comment: str = "") -> Path:
+    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``)."""
+    path = Path(path)
+    path.write_text(schedule_yaml(schedule, comment))
+    return path

@@ -1,0 +1,122 @@
+"""PNG plots of the E(S) fits and of the batch sizes they imply, next to the probe's CBS and the noise scale.
+
+Drawn on matplotlib ``Figure`` objects with the Agg canvas, so nothing touches pyplot's global
+state or needs a display.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from lit_cbs.analysis.curves import ProbePoint, RunCurve
+from lit_cbs.analysis.fits import MCCANDLISH_POOR_FIT, TargetFit
+
+
+def _save(figure: Figure, path: str | os.PathLike) -> Path:
+    path = Path(path)
+    FigureCanvasAgg(figure)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
+    """E (tokens) vs S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed)
+    and the WSD fit (solid) where it was made."""
+    if not target_fits:
+        raise ValueError("no target fits to plot")
+    figure = Figure(figsize=(7, 5))
+    ax = figure.add_subplot()
+    colors = colormaps["viridis"](np.linspace(0, 0.9, len(target_fits)))
+    for fit, color in zip(target_fits, colors):
+        steps, tokens = fit.steps, fit.tokens
+        ax.scatter(steps, tokens, color=color, label=f"loss {fit.target:.4g} ({len(steps)} runs)", zorder=3)
+        grid = np.geomspace(steps.min() / 1.5, steps.max() * 1.5, 200)
+        if fit.mccandlish is not None:
+            ax.plot(grid, fit.mccandlish.tokens(grid), "--", color=color, lw=1)
+        if fit.wsd is not None:
+            ax.plot(grid, fit.wsd.tokens(grid), "-", color=color, lw=1.5)
+            ax.scatter([fit.wsd.s_opt], [fit.wsd.e_min], marker="*", s=120, color=color, edgecolor="k", zorder=4)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer steps S to reach the target")
+    ax.set_ylabel("tokens E to reach the target")
+    ax.set_title("E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)", fontsize=9)
+    ax.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def plot_batch_sizes(
+    target_fits: Sequence[TargetFit],
+    path: str | os.PathLike,
+    probe: Sequence[ProbePoint] = (),
+    gns_runs: Sequence[RunCurve] = (),
+) -> Path:
+    """B_crit, B_min and B_opt against the target loss (left) and against the tokens at which the
+    target is reached (right: E_min of each fit), where the CBS probe's brackets and each run's
+    gradient noise scale (all in samples) are overlaid when given. B_crit is drawn only where
+    McCandlish's E(S) fits the runs (rms of log E within 5%).
+
+    Raises:
+        ValueError: no fits, or probe/noise-scale data (samples) with fits known only in tokens per step.
+    """
+    if not target_fits:
+        raise ValueError("no target fits to plot")
+    unit = target_fits[0].unit
+    gns_runs = [run for run in gns_runs if len(run.gns)]
+    if unit != "samples" and (probe or gns_runs):
+        raise ValueError(
+            "mismatched units: the probe's CBS and the noise scale are in samples, but the fits are in tokens per step "
+            "because the runs log no global batch in samples; log batch/global_size"
+        )
+    figure = Figure(figsize=(12, 5))
+    by_loss, by_tokens = figure.subplots(1, 2)
+    targets = np.array([f.target for f in target_fits])
+    # B_crit only where McCandlish's E(S) fits (fit_targets warns about the others).
+    reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= MCCANDLISH_POOR_FIT for f in target_fits]
+    series = (
+        (
+            f"B_crit (McCandlish, fits within {MCCANDLISH_POOR_FIT:.0%})",
+            "o--",
+            [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
+            [f.mccandlish.e_min if ok else np.nan for f, ok in zip(target_fits, reliable)],
+        ),
+        ("B_min (WSD)", "v-", [f.b_min for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits]),
+        ("B_opt (WSD)", "s-", [f.b_opt for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits]),
+    )
+    for label, style, sizes, tokens in series:
+        sizes, tokens = np.array(sizes, dtype=float), np.array(tokens, dtype=float)
+        if np.all(np.isnan(sizes)):
+            continue
+        by_loss.plot(targets, sizes, style, label=label)
+        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min")
+    if probe:
+        tokens = np.array([p.tokens for p in probe])
+        estimate = np.array([p.estimate for p in probe])
+        closed = np.array([p.upper is not None for p in probe])
+        lower = estimate - np.array([p.lower for p in probe])
+        upper = np.array([(p.upper if p.upper is not None else p.estimate) for p in probe]) - estimate
+        by_tokens.errorbar(tokens[closed], estimate[closed], yerr=[lower[closed], upper[closed]], fmt="D", color="k", capsize=3, label="CBS probe")
+        if np.any(~closed):
+            by_tokens.scatter(tokens[~closed], [p.lower for p, c in zip(probe, closed) if not c], marker="^", color="k", label="CBS probe (>= lower)")
+    for i, run in enumerate(gns_runs):
+        label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
+        by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=label)
+    by_loss.invert_xaxis()  # training moves to lower losses
+    by_loss.set_xlabel("target loss (training goes right)")
+    by_tokens.set_xscale("log")
+    by_tokens.set_xlabel("tokens")
+    for ax in (by_loss, by_tokens):
+        ax.set_yscale("log")
+        ax.set_ylabel(f"batch size ({unit})")
+        ax.legend(fontsize=7)
+    by_loss.set_title("batch sizes implied by the E(S) fits", fontsize=9)
+    by_tokens.set_title("over training: fits at E_min, probe CBS, gradient noise scale", fontsize=9)
+    return _save(figure, path)
