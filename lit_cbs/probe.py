@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_map
 from lit_cbs.lr_rules import get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import CBSAdaptive
-from lit_cbs.warmup import BatchWarmup
+from lit_cbs.warmup import BatchWarmup, data_parallel_size
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +342,7 @@ class CBSProbeCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         warmup = self._warmup
         seq_len = warmup.seq_len
-        unit = warmup.micro_batch_size * trainer.world_size
+        unit = warmup.micro_batch_size * data_parallel_size(trainer)
         if seq_len is not None:
             largest_step = max(self.multipliers) * warmup.global_batch * seq_len
             if self.window_tokens < largest_step:
@@ -426,7 +426,7 @@ class CBSProbeCallback(Callback):
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= warmup.tokens_seen:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
-        batch_size, micro, world = warmup.global_batch, warmup.micro_batch_size, trainer.world_size
+        batch_size, micro, world = warmup.global_batch, warmup.micro_batch_size, data_parallel_size(trainer)
         seq_len = warmup.seq_len or 1
         window_samples = self.window_tokens // seq_len
         ks = self._usable_multipliers(batch_size, micro * world, window_samples)
@@ -557,7 +557,7 @@ class CBSProbeCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         micro_per_step = int(round(k * window["accumulate"]))
         batches = window["batches"][: window["samples_per_rank"] // window["micro_samples"]]
-        world = trainer.world_size
+        world = data_parallel_size(trainer)
         tokens = window["tokens"]
         step_losses = []
         pl_module.train()

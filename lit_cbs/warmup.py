@@ -1,6 +1,6 @@
 """``BatchWarmup``: grow the global batch during training by a schedule in samples or tokens.
 
-global batch (samples) = micro-batch x accumulate x world size. The micro-batch is the
+global batch (samples) = micro-batch x accumulate x data-parallel size. The micro-batch is the
 datamodule's (or LightningModule's) ``batch_size``; BatchWarmup changes ``accumulate``
 (``trainer.accumulate_grad_batches``), which Lightning reads at every batch to decide when to
 step, when to zero gradients and how to divide the loss. A change to accumulate N' is applied
@@ -61,6 +61,12 @@ def _nearest_multiples(value: int, unit: int) -> str:
     return f"{lower} or {upper}" if lower > 0 else f"{upper}"
 
 
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    return int(kwargs["num_replicas"]) if kwargs else 1
+
+
 def _first_2d_tensor_length(batch: Any) -> int | None:
     for leaf in tree_leaves(batch):
         if isinstance(leaf, torch.Tensor) and leaf.ndim >= 2:
@@ -80,8 +86,10 @@ class BatchWarmup(Callback):
         max_micro_batch_size: if given, at epoch boundaries the micro-batch becomes the largest size
             (samples per rank, at most this) that divides every global batch still to come, and
             the train loader is reloaded.
-        log_every_step: log ``batch/global_size``, ``batch/accumulate``, ``tokens_seen`` and the LR
-            after every optimizer step.
+        log_every_step: send ``batch/global_size``, ``batch/accumulate``, ``batch/lr_factor``,
+            ``samples_seen``, ``tokens_seen`` and ``lr`` to the trainer's loggers at its
+            ``log_every_n_steps``, and show ``tokens`` in the progress bar. Written after an
+            optimizer step: the counts so far, and the batch and LR the next step uses.
 
     Attributes:
         history: ``BatchChange`` records, in order.
@@ -122,7 +130,7 @@ class BatchWarmup(Callback):
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
         self._trainer: pl.Trainer | None = None
-        self._world_size = 1
+        self._data_parallel_size = 1
         self._token_schedulers: list[TokenLRScheduler] = []
         self.fsdp_modules: list = []  # FSDP2 modules whose gradient reduction waits for the stepping micro-batch
         self._gradient_sync: bool | None = None
@@ -167,7 +175,7 @@ class BatchWarmup(Callback):
             return current_micro
         sizes = self.schedule.sizes(consumed)
         for micro in range(self.max_micro_batch_size, 0, -1):
-            if all(size % (micro * self._world_size) == 0 for size in sizes):
+            if all(size % (micro * self._data_parallel_size) == 0 for size in sizes):
                 return micro
         raise AssertionError("micro-batch 1 divides every size checked in setup")  # pragma: no cover
 
@@ -175,7 +183,7 @@ class BatchWarmup(Callback):
         if stage != "fit":
             return
         self._trainer = trainer
-        self._world_size = trainer.world_size
+        self._data_parallel_size = data_parallel_size(trainer)
         if not pl_module.automatic_optimization:
             raise ValueError(
                 "BatchWarmup needs automatic optimization (it changes accumulate_grad_batches); "
@@ -189,12 +197,12 @@ class BatchWarmup(Callback):
             raise ValueError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
 
         micro = self._get_micro(trainer, pl_module)
-        unit = micro * self._world_size
+        unit = micro * self._data_parallel_size
         for size in self.schedule.sizes(0):
             if size % unit:
                 raise ValueError(
-                    f"scheduled global batch {size} is not a multiple of micro-batch {micro} x world size "
-                    f"{self._world_size} = {unit} samples; nearest valid sizes: {_nearest_multiples(size, unit)}"
+                    f"scheduled global batch {size} is not a multiple of micro-batch {micro} x data-parallel size "
+                    f"{self._data_parallel_size} = {unit} samples; nearest valid sizes: {_nearest_multiples(size, unit)}"
                 )
         if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
             raise ValueError(
@@ -203,7 +211,7 @@ class BatchWarmup(Callback):
             )
         self.micro_batch_size = self._pick_micro(0, micro)
         self.global_batch = self.schedule.batch_size(0)
-        self.accumulate = self.global_batch // (self.micro_batch_size * self._world_size)
+        self.accumulate = self.global_batch // (self.micro_batch_size * self._data_parallel_size)
         if trainer.accumulate_grad_batches not in (1, self.accumulate):
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
@@ -253,7 +261,7 @@ class BatchWarmup(Callback):
                     "BatchWarmup counts tokens (schedule unit='tokens' or max_tokens) but the sequence length is "
                     "unknown: pass BatchWarmup(seq_len=...) or give the datamodule a `tokens_per_sample` attribute"
                 )
-        samples = extract_batch_size(batch) * self._world_size
+        samples = extract_batch_size(batch) * self._data_parallel_size
         self.samples_seen += samples
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
@@ -298,7 +306,7 @@ class BatchWarmup(Callback):
             return
         if self._requested_at is None or self._requested_at[0] != (target, new_micro):
             self._requested_at = ((target, new_micro), self.samples_seen, self.tokens_seen)
-        new_accumulate = target // (new_micro * self._world_size)
+        new_accumulate = target // (new_micro * self._data_parallel_size)
         if not fits(new_accumulate):
             return
         self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
@@ -342,6 +350,12 @@ class BatchWarmup(Callback):
         )
 
     def _log(self, trainer, pl_module) -> None:
+        if trainer.progress_bar_callback is not None:
+            pl_module.log("tokens", float(self.tokens_seen), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+        # Straight to the loggers, as LearningRateMonitor does: self.log per metric and step costs
+        # milliseconds, a few percent of a small model's step.
+        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+            return
         metrics = {
             "batch/global_size": float(self.global_batch),
             "batch/accumulate": float(self.accumulate),
@@ -351,8 +365,9 @@ class BatchWarmup(Callback):
         }
         if trainer.optimizers:
             metrics["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
-        pl_module.log_dict(metrics, on_step=True, on_epoch=False, logger=bool(trainer.loggers), prog_bar=False)
-        pl_module.log("tokens", float(self.tokens_seen), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

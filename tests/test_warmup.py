@@ -343,3 +343,24 @@ def test_schedule_must_be_a_schedule():
 def test_unsupported_scheduler_is_refused_before_training():
     module = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100))
     _fit_expecting(TypeError, "OneCycleLR", module=module)
+
+
+def test_metrics_reach_the_logger_at_its_interval(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    pl.seed_everything(0, verbose=False)
+    warmup = BatchWarmup(PiecewiseBatch([2, 4], [0, 40], unit="samples"), lr_rule="linear", seq_len=4)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer = pl.Trainer(callbacks=[warmup], **trainer_kwargs(logger=logger, log_every_n_steps=5))
+    trainer.fit(RegressionModule(), RegressionData(n=96, batch_size=2))
+    import csv
+
+    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")) if r["tokens_seen"]]
+    assert [int(r["step"]) for r in rows] == list(range(4, trainer.global_step, 5))
+    for row in rows:
+        step = int(row["step"])
+        # Row s is written after optimizer step s (0-based): counts so far, batch and LR of the next step.
+        size = 4 if step + 1 >= warmup.history[0].step else 2
+        assert float(row["batch/global_size"]) == size and float(row["batch/accumulate"]) == size // 2
+        assert float(row["lr"]) == pytest.approx(0.05 * size / 2)
+    assert float(rows[-1]["tokens_seen"]) == 4 * float(rows[-1]["samples_seen"])
