@@ -1,0 +1,264 @@
+"""``CausalLM``: next-token training of the OLMo-style decoder as a LightningModule.
+
+The model is built in ``configure_model``, so one module serves every strategy. Under Lightning's
+``ModelParallelStrategy`` (FSDP2) the decoder is built on the meta device, each block and then
+the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards are materialized
+and initialised; on one device or under DDP it is built directly.
+
+Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks),
+``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, wall
+time between optimizer steps outside validation) and, when ``peak_flops_per_device`` is given,
+``perf/mfu`` = model FLOPs per token x tokens/s / (peak x devices), with FLOPs per token from
+``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation recomputation not counted).
+The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``), so the Trainer needs
+``lit_cbs.BatchWarmup`` among its callbacks (``ConstantBatch`` for a fixed batch) to feed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lit_cbs.lr_schedules import TokenLRScheduler
+from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
+
+OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
+
+
+def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoConfig:
+    """The ``OLMoConfig`` that ``config`` describes.
+
+    ``config`` is a preset name (``lit_cbs.models.PRESETS``), an ``OLMoConfig``, or a mapping:
+    ``{"preset": name, **fields}`` takes the preset and replaces the given fields (e.g.
+    ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without ``preset`` gives every field.
+    """
+    if isinstance(config, OLMoConfig):
+        return config
+    if isinstance(config, str):
+        return get_config(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"model config must be a preset name, an OLMoConfig or a mapping of its fields, got {config!r}")
+    fields = dict(config)
+    preset = fields.pop("preset", None)
+    unknown = sorted(set(fields) - set(OLMO_FIELDS))
+    if unknown:
+        raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(OLMO_FIELDS)}")
+    if preset is None:
+        missing = [name for name in OLMO_FIELDS if name not in fields and name not in ("rope_theta", "init_std")]
+        if missing:
+            raise ValueError(f"model config without a preset must give {missing}; or name a preset, e.g. preset: tiny")
+        return OLMoConfig(**fields)
+    return dataclasses.replace(get_config(preset), **fields)
+
+
+class CausalLM(pl.LightningModule):
+    """Train an OLMo-style decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+
+    Args:
+        config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of fields.
+        lr: base learning rate of AdamW, before the LR schedule's multiplier and BatchWarmup's factors.
+        betas, eps: AdamW's.
+        weight_decay: AdamW's decoupled weight decay on the weight matrices; embeddings and every
+            parameter with fewer than 2 dimensions (norms, biases) are not decayed.
+        lr_schedule: tokens seen (global) -> LR multiplier, e.g. ``lit_cbs.lr_schedules.WarmupStableDecay``;
+            None keeps the base LR.
+        activation_checkpointing: recompute each block's activations in the backward pass (less
+            memory, about a third more compute).
+        peak_flops_per_device: peak FLOP/s of one device at the training precision (e.g. 989e12 for
+            an H100/H200 SXM in dense bf16); None: do not log ``perf/mfu``.
+    """
+
+    def __init__(
+        self,
+        config: str | OLMoConfig | Mapping[str, Any] = "tiny",
+        lr: float = 3e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.1,
+        eps: float = 1e-8,
+        lr_schedule: Callable[[int], float] | None = None,
+        activation_checkpointing: bool = False,
+        peak_flops_per_device: float | None = None,
+    ):
+        super().__init__()
+        self.config = resolve_model_config(config)
+        betas = tuple(float(beta) for beta in betas)
+        if not lr > 0:
+            raise ValueError(f"lr={lr} must be > 0")
+        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        if not eps > 0:
+            raise ValueError(f"eps={eps} must be > 0")
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
+        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
+            raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be > 0 FLOP/s, or None")
+        self.lr = lr
+        self.betas = betas
+        self.weight_decay = weight_decay
+        self.eps = eps
+        self.lr_schedule = lr_schedule
+        self.activation_checkpointing = activation_checkpointing
+        self.peak_flops_per_device = peak_flops_per_device
+        self.save_hyperparameters(ignore=["lr_schedule"])
+        self.hparams["config"] = dataclasses.asdict(self.config)  # reloadable without the preset table
+        self.hparams["betas"] = list(betas)
+
+        self.model: OLMo | None = None  # built in configure_model
+        self.train_loss = MeanMetric()
+        self.val_loss = MeanMetric()
+        self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
+        self._last_global_step = 0
+        self._step_timer_start = 0.0
+        self._tokens_since_step = 0
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
+            return
+        mesh = self._data_parallel_mesh()
+        with torch.device("meta") if mesh is not None else nullcontext():
+            model = OLMo(self.config)
+        if self.activation_checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+            for index, block in enumerate(model.blocks):
+                model.blocks[index] = checkpoint_wrapper(block)
+        if mesh is not None:
+            self._fully_shard(model, mesh)
+            # Materialize only the local shards, then draw the initial weights into them.
+            model.to_empty(device=self.trainer.strategy.root_device)
+            model.reset_parameters()
+        self.model = model
+
+    def _data_parallel_mesh(self):
+        """The mesh to shard over under ModelParallelStrategy, else None (no sharding)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return None
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(
+                f"CausalLM shards with FSDP2 only, but the strategy's tensor_parallel_size is "
+                f"{mesh['tensor_parallel'].size()}; set tensor_parallel_size=1 and data_parallel_size to the "
+                "number of processes (trainer=fsdp does this)"
+            )
+        return mesh["data_parallel"]
+
+    def _fully_shard(self, model: OLMo, mesh) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if self.trainer.precision == "bf16-mixed":
+            # Gather and compute in bf16, reduce gradients in fp32; autocast covers the rest.
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        last = len(model.blocks) - 1
+        for index, block in enumerate(model.blocks):
+            # The last block's parameters are needed again right at the start of backward: keep them.
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < last)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
+        return self.model(input_ids)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats per token) of a batch [B, seq_len + 1]."""
+        logits = self.model(batch[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch)
+        self.train_loss.update(loss.detach())
+        self._tokens_since_step += batch[:, 1:].numel()
+        return loss
+
+    def on_train_start(self) -> None:
+        self._last_global_step = self.trainer.global_step
+        self._restart_step_timer()
+
+    def on_validation_end(self) -> None:
+        self._restart_step_timer()  # validation time does not count as training throughput
+
+    def _restart_step_timer(self) -> None:
+        self._step_timer_start = time.perf_counter()
+        self._tokens_since_step = 0
+
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.trainer.global_step == self._last_global_step:
+            return  # accumulating: no optimizer step after this micro-batch
+        self._last_global_step = self.trainer.global_step
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self._step_timer_start
+        tokens = self._tokens_since_step * self.trainer.world_size
+        self.log("train/loss", self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
+        self.train_loss.reset()
+        if elapsed > 0:
+            tokens_per_s = tokens / elapsed
+            self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
+            if self.peak_flops_per_device is not None:
+                peak = self.peak_flops_per_device * self.trainer.world_size
+                mfu = model_flops_utilization(self.flops_per_token(batch.shape[1] - 1), tokens_per_s, peak)
+                self.log("perf/mfu", mfu, on_step=True, on_epoch=False)
+        self._restart_step_timer()
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at ``seq_len`` tokens per sequence (``OLMo.flops_per_token``)."""
+        if seq_len not in self._flops_per_token:
+            # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
+            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
+        return self._flops_per_token[seq_len]
+
+    # ------------------------------------------------------------------ validation
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self._loss(batch), weight=batch[:, 1:].numel())
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+
+    # ------------------------------------------------------------------ optimizer
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """AdamW groups: weight matrices decayed; embeddings and 0/1-dimensional parameters not."""
+        embedding_params = {
+            id(param) for module in self.model.modules() if isinstance(module, nn.Embedding) for param in module.parameters()
+        }
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
+        return [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=self.lr, betas=self.betas, eps=self.eps)
+        if self.lr_schedule is None:
+            return optimizer
+        scheduler = TokenLRScheduler(optimizer, self.lr_schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def num_parameters(self) -> int:
+        """Parameters of the model (built on the meta device if ``configure_model`` has not run)."""
+        if self.model is not None:
+            return self.model.num_parameters()
+        with torch.device("meta"):
+            return OLMo(self.config).num_parameters()
+
+
+def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """MFU: achieved model FLOP/s (``flops_per_token`` x ``tokens_per_s``) over ``peak_flops`` FLOP/s."""
+    if not peak_flops > 0:
+        raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s")
+    return flops_per_token * tokens_per_s / peak_flops

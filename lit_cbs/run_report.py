@@ -1,0 +1,123 @@
+"""What a training run leaves in its folder besides checkpoints: the batch/LR history and plots.
+
+``write_batch_history`` saves ``BatchWarmup``'s record as JSON; ``read_metrics_csv`` reads
+Lightning's ``CSVLogger`` file (one row per logging call, empty cells for metrics not logged
+in it); ``plot_run`` draws the loss, global batch and LR against tokens seen. matplotlib is
+imported only when plotting, so this module loads where matplotlib is not installed.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from lit_cbs.warmup import BatchWarmup
+
+TOKENS = "tokens_seen"
+BATCH = "batch/global_size"
+
+
+def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
+    """Write ``warmup``'s batch changes and final counts as JSON to ``path``; return what was written.
+
+    Each change has the optimizer step it took effect after, the samples/tokens seen then, the old
+    and new global batch (samples), accumulation and micro-batch, and its LR factor.
+    """
+    record = {
+        "schedule": repr(warmup.schedule),
+        "lr_rule": repr(warmup.lr_rule),
+        "changes": [dataclasses.asdict(change) for change in warmup.history],
+        "final": {
+            "samples_seen": warmup.samples_seen,
+            "tokens_seen": warmup.tokens_seen,
+            "global_batch": warmup.global_batch,
+            "accumulate": warmup.accumulate,
+            "micro_batch_size": warmup.micro_batch_size,
+            "lr_factor": warmup.lr_factor,
+        },
+    }
+    Path(path).write_text(json.dumps(record, indent=2))
+    return record
+
+
+def read_metrics_csv(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each metric of a CSVLogger file as (steps, values), in file order; empty cells skipped."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            step = float(row["step"])
+            for name, cell in row.items():
+                if name in ("step", "epoch") or cell in ("", None):
+                    continue
+                steps, values = series.setdefault(name, ([], []))
+                steps.append(step)
+                values.append(float(cell))
+    return {name: (np.asarray(steps), np.asarray(values)) for name, (steps, values) in series.items()}
+
+
+def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarray) -> np.ndarray:
+    """Tokens seen at each of ``steps`` (optimizer steps), interpolated from the logged ``tokens_seen``.
+
+    Exact at logged steps (every step with ``log_every_n_steps=1``).
+    """
+    logged_steps, tokens = metrics[TOKENS]
+    return np.interp(steps, logged_steps, tokens)
+
+
+def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
+    """Write ``loss_vs_tokens.png`` and ``batch_lr_vs_tokens.png`` into ``output_dir``; return their paths.
+
+    Needs ``tokens_seen`` in the CSV (logged by BatchWarmup); plots whichever of ``train/loss``,
+    ``val/loss``, ``batch/global_size`` and ``lr`` are there, with a dotted line where the global
+    batch changed. Drawn on ``Figure`` objects with the Agg canvas: no pyplot state, no display.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    metrics = read_metrics_csv(metrics_csv)
+    if TOKENS not in metrics:
+        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS} column: add lit_cbs.BatchWarmup to the callbacks")
+    batch_changes = []
+    if BATCH in metrics:
+        steps, sizes = metrics[BATCH]
+        # A size is logged after the step that precedes it: the change takes effect past that token count.
+        batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0]))
+
+    def save(figure: Figure, name: str) -> Path:
+        path = Path(output_dir) / name
+        FigureCanvasAgg(figure)
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        return path
+
+    figure = Figure(figsize=(7, 4.5))
+    ax = figure.add_subplot()
+    for name, style in (("train/loss", dict(lw=0.8, alpha=0.6)), ("val/loss", dict(marker="o", lw=1.5))):
+        if name in metrics:
+            steps, values = metrics[name]
+            ax.plot(tokens_at(metrics, steps), values, label=name, **style)
+    for tokens in batch_changes:
+        ax.axvline(tokens, color="gray", ls=":", lw=1)
+    ax.set(xlabel="tokens seen", ylabel="loss (nats per token)", title=f"{title} loss".strip())
+    ax.legend()
+    ax.grid(alpha=0.3)
+    written = [save(figure, "loss_vs_tokens.png")]
+
+    panels = [(name, label) for name, label in ((BATCH, "global batch (samples)"), ("lr", "learning rate")) if name in metrics]
+    if panels:
+        figure = Figure(figsize=(7, 2.6 * len(panels)))
+        axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+        for ax, (name, label) in zip(axes, panels):
+            steps, values = metrics[name]
+            ax.step(tokens_at(metrics, steps), values, where="post")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+        axes[-1].set_xlabel("tokens seen")
+        axes[0].set_title(f"{title} batch size and LR".strip())
+        written.append(save(figure, "batch_lr_vs_tokens.png"))
+    return written

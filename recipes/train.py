@@ -1,0 +1,223 @@
+"""Train an OLMo-style language model with batch size warmup: the Hydra entry point (config: ../conf).
+
+    python recipes/train.py                                  # tiny_warmup: tiny model, stdlib corpus, CPU
+    python recipes/train.py +recipe=olmo7b_warmup data.path=/data/tokens trainer.num_nodes=8
+    python recipes/train.py -m +recipe=tiny_small_batch,tiny_warmup,tiny_large_batch
+    torchrun --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup data.path=... hydra.run.dir=outputs/run1
+
+The configuration is checked before any model is built; a bad setting ends the run with one
+line that names it (set HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the
+resolved config (resolved_config.yaml), metrics.csv, batch_history.json (BatchWarmup's
+changes), loss_vs_tokens.png, batch_lr_vs_tokens.png and checkpoints/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from pathlib import Path
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lit_cbs import BatchWarmup
+from lit_cbs.data import TokenDataModule
+from lit_cbs.lm import CausalLM, resolve_model_config
+from lit_cbs.run_report import plot_run, write_batch_history
+
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
+CONFIG_ERRORS = (ValueError, TypeError, MisconfigurationException, InstantiationException, OmegaConfBaseException)
+
+
+def world_size(devices, num_nodes) -> int:
+    """Processes in the job: devices per node (a count or a list of device ids) x nodes."""
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and devices > 0:
+        count = devices
+    elif isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        count = len(devices)
+    else:
+        raise ValueError(
+            f"trainer.devices={devices!r} must be the number of devices per node for trainer=fsdp "
+            "(it sets the data-parallel size); e.g. trainer.devices=8"
+        )
+    return count * int(num_nodes)
+
+
+def register_resolvers() -> None:
+    OmegaConf.register_new_resolver("lit_cbs.world_size", world_size, replace=True)
+
+
+register_resolvers()
+# The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
+warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+
+
+class ConfigError(ValueError):
+    """A setting that stops the run before training; the message names the setting and the fix."""
+
+
+@dataclasses.dataclass
+class Run:
+    trainer: pl.Trainer
+    model: CausalLM
+    datamodule: TokenDataModule
+    batch_warmup: BatchWarmup
+
+
+def instantiate_named(group: DictConfig | None, what: str) -> list:
+    """Instantiate every non-null entry of a dict of named configs (callbacks, loggers)."""
+    objects = []
+    for name, node in (group or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise ConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
+        objects.append(instantiate(node))
+    return objects
+
+
+def check_global_batch(warmup: BatchWarmup, micro_batch_size: int, processes: int) -> None:
+    unit = micro_batch_size * processes
+    for size in warmup.schedule.sizes(0):
+        if size % unit:
+            raise ConfigError(
+                f"global batch {size} (batch.schedule) is not divisible by data.batch_size={micro_batch_size} x "
+                f"{processes} processes = {unit} samples; change data.batch_size, the device count, or the schedule "
+                f"so every global batch is a multiple of micro-batch x processes"
+            )
+
+
+def build_run(cfg: DictConfig) -> Run:
+    """Check the configuration and build the run; nothing here builds the model's weights.
+
+    Order: model and optimizer settings, data settings, trainer (it knows the process count), the global batch
+    against micro-batch x processes, then the data source (prepared here once per node if needed)
+    and its vocabulary against the model's.
+    """
+    if cfg.ckpt_path is not None and cfg.ckpt_path not in LIGHTNING_CHECKPOINT_NAMES and not Path(cfg.ckpt_path).exists():
+        raise ConfigError(
+            f"ckpt_path={cfg.ckpt_path!r} does not exist; give a checkpoint from a run's checkpoints/ folder "
+            "(a .ckpt file, or a .ckpt folder under trainer=fsdp), or ckpt_path=null to start afresh"
+        )
+    try:
+        model_config = resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
+    except ValueError as error:
+        raise ConfigError(f"model.config: {error}") from error
+    if not cfg.allow_default_corpus and cfg.data.path is None and cfg.data.input_dir is None:
+        raise ConfigError(
+            "this recipe trains on your tokens, not the embedded corpus (allow_default_corpus=false): set "
+            "data.path=<folder prepared by lit_cbs.data.prepare>, or data.input_dir=<folder of text files> "
+            "data.tokenizer=<tokenizer.json>"
+        )
+    model = instantiate(
+        cfg.model,
+        lr_schedule=instantiate(cfg.lr_schedule) if cfg.get("lr_schedule") is not None else None,
+        **OmegaConf.to_container(cfg.optimizer, resolve=True),
+    )  # CausalLM builds the decoder in configure_model, during fit
+    datamodule = instantiate(cfg.data)
+    datamodule.check_context(model_config.context_length)
+
+    callbacks = instantiate_named(cfg.callbacks, "callbacks")
+    warmups = [callback for callback in callbacks if isinstance(callback, BatchWarmup)]
+    if len(warmups) != 1:
+        raise ConfigError(
+            f"callbacks hold {len(warmups)} BatchWarmup callbacks; keep exactly one (callbacks.batch_warmup): "
+            "it feeds the token-indexed LR schedule and stops the run at max_tokens"
+        )
+    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate_named(cfg.get("logger"), "logger") or False)
+    check_global_batch(warmups[0], datamodule.batch_size, trainer.world_size)
+
+    # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
+    if trainer.local_rank == 0:
+        datamodule.prepare_data()
+    if datamodule.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"the data's token ids go up to {datamodule.vocab_size - 1} but the model's vocab_size is "
+            f"{model_config.vocab_size}; use a larger model.config.vocab_size or the model's tokenizer (data.tokenizer)"
+        )
+    return Run(trainer, model, datamodule, warmups[0])
+
+
+def one_line(error: BaseException) -> str:
+    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating)."""
+    while isinstance(error, InstantiationException) and error.__cause__ is not None:
+        error = error.__cause__
+    message = getattr(error, "msg", None) or str(error)
+    return " ".join(message.split())
+
+
+def describe(run: Run, cfg: DictConfig) -> str:
+    model = run.model
+    return (
+        f"lit_cbs: {cfg.run_name}: model {model.config.n_layers} layers x d_model {model.config.d_model} "
+        f"({model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {cfg.trainer.accelerator}, "
+        f"precision {run.trainer.precision}, micro-batch {run.datamodule.batch_size} x {run.datamodule.seq_len} tokens, "
+        f"global batch {run.batch_warmup.schedule.sizes(0)} samples ({run.batch_warmup.schedule.unit} schedule), "
+        f"budget {cfg.max_tokens:,} tokens; output {cfg.output_dir}"
+    )
+
+
+def summarize(run: Run, fit_seconds: float) -> str:
+    warmup, trainer = run.batch_warmup, run.trainer
+    steps = trainer.global_step
+    seq_len = warmup.seq_len or run.datamodule.seq_len
+    first_batch = warmup.history[0].old_global_batch if warmup.history else warmup.global_batch
+    steps_at_first_batch = warmup.tokens_seen / (first_batch * seq_len)
+    changes = ", ".join(
+        f"{c.old_global_batch} -> {c.new_global_batch} after step {c.step} ({c.tokens_seen:,} tokens, LR x{c.lr_factor:.3g})"
+        for c in warmup.history
+    ) or "none"
+    val_loss = trainer.callback_metrics.get("val/loss")
+    lines = [
+        f"tokens           {warmup.tokens_seen:,} ({warmup.tokens_seen / fit_seconds:,.0f} tokens/s over the whole fit)",
+        f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch {first_batch})",
+        f"batch changes    {changes}",
+        f"final val/loss   {float(val_loss):.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
+        f"wall time        {fit_seconds:.1f} s (trainer.fit)",
+    ]
+    return "\n".join(lines)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> float | None:
+    """Train; return the final val/loss (for Hydra sweepers)."""
+    torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
+    pl.seed_everything(cfg.seed, workers=True)
+    try:
+        run = build_run(cfg)
+    except CONFIG_ERRORS as error:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(f"error: {one_line(error)}") from None
+    output_dir = Path(cfg.output_dir)
+    if run.trainer.is_global_zero:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        print(describe(run, cfg), flush=True)
+
+    started = time.perf_counter()
+    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    fit_seconds = time.perf_counter() - started
+
+    val_loss = run.trainer.callback_metrics.get("val/loss")
+    if run.trainer.is_global_zero:
+        write_batch_history(output_dir / "batch_history.json", run.batch_warmup)
+        metrics_csv = output_dir / "metrics.csv"
+        if cfg.plots and metrics_csv.is_file():
+            plot_run(metrics_csv, output_dir, title=cfg.run_name)
+        print(f"lit_cbs: {cfg.run_name} done\n{summarize(run, fit_seconds)}\noutputs          {output_dir}", flush=True)
+    return float(val_loss) if val_loss is not None else None
+
+
+if __name__ == "__main__":
+    main()

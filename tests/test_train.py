@@ -1,0 +1,172 @@
+"""recipes/train.py end to end in subprocesses, on a small text folder: outputs, preparing data
+from the folder, resuming from a checkpoint, DDP and FSDP2 with 2 CPU processes under torchrun,
+and benchmarks/gpu_check.py on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+from lit_cbs.run_report import read_metrics_csv
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = str(ROOT / "recipes" / "train.py")
+pytestmark = pytest.mark.slow
+
+# 12 optimizer steps of 8 then 16 samples (micro-batch 4) of 128 tokens: the batch doubles at 4,096
+# tokens, validation every 4 micro-batches, a checkpoint every 2 steps.
+SMALL_RUN = [
+    "data.batch_size=4",
+    "batch.schedule.batch_sizes=[8,16]",
+    "batch.schedule.thresholds=[0,4096]",
+    "max_tokens=12288",
+    "lr_schedule.warmup_tokens=1024",
+    "trainer.val_check_interval=4",
+    "callbacks.checkpoint.every_n_train_steps=2",
+    "callbacks.progress_bar=null",
+    "trainer.enable_progress_bar=false",
+]
+CPU_PROCESSES = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2"]
+
+
+def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
+    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, TRAIN, *SMALL_RUN, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+
+
+def torchrun_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN]
+    return run([*command, *SMALL_RUN, *CPU_PROCESSES, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory) -> Path:
+    """About 170 kB of Python source: a few standard-library files."""
+    folder = tmp_path_factory.mktemp("texts")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("argparse.py", "textwrap.py", "string.py", "json/decoder.py", "json/encoder.py"):
+        (folder / name.replace("/", "_")).write_bytes((stdlib / name).read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, text_folder):
+    """One run that prepares its data from the text folder; later tests train on that preparation."""
+    base = tmp_path_factory.mktemp("runs")
+    cache = base / "cache"
+    result = train(base / "first", f"data.input_dir={text_folder}", f"data.cache_dir={cache}")
+    (prepared,) = cache.iterdir()
+    return base / "first", prepared, result.stdout
+
+
+def test_run_outputs(first_run):
+    run_dir, _, stdout = first_run
+    assert "batch changes    8 -> 16 after step 4 (4,096 tokens" in stdout
+    assert "optimizer steps  8 " in stdout and "final val/loss" in stdout
+    metrics = read_metrics_csv(run_dir / "metrics.csv")
+    assert {"train/loss", "val/loss", "tokens_seen", "batch/global_size", "lr", "perf/tokens_per_s"} <= set(metrics)
+    assert list(metrics["tokens_seen"][1]) == [1024.0 * (k + 1) for k in range(4)] + [4096.0 + 2048 * k for k in range(1, 5)]
+    assert list(metrics["batch/global_size"][1]) == [8.0] * 3 + [16.0] * 5  # logged after each step: the next step's
+    history = json.loads((run_dir / "batch_history.json").read_text())
+    assert [(c["step"], c["new_global_batch"]) for c in history["changes"]] == [(4, 16)]
+    assert history["final"]["tokens_seen"] == 12288
+    for name in ("loss_vs_tokens.png", "batch_lr_vs_tokens.png", "resolved_config.yaml", "checkpoints/last.ckpt"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "loss_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prepared_from_text_folder(first_run, text_folder):
+    _, prepared, _ = first_run
+    metadata = json.loads((prepared / "lit_cbs.json").read_text())
+    source_bytes = sum(path.stat().st_size for path in text_folder.iterdir())
+    assert metadata["source_bytes"] == source_bytes and metadata["num_documents"] == 5
+    assert metadata["train_tokens"] + metadata["val_tokens"] == source_bytes + 5  # bytes plus one EOS per file
+
+
+def test_resume_continues_exactly(first_run):
+    run_dir, prepared, _ = first_run
+    resumed = run_dir.parent / "resumed"
+    result = train(resumed, f"data.path={prepared}", f"ckpt_path={run_dir / 'checkpoints' / 'step0000004.ckpt'}")
+    assert "optimizer steps  8 " in result.stdout
+    metrics = read_metrics_csv(resumed / "metrics.csv")
+    assert metrics["tokens_seen"][1][0] == 6144  # the first step after the checkpoint
+    uninterrupted = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    continued = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert uninterrupted.keys() == continued.keys()
+    assert all(torch.equal(uninterrupted[key], continued[key]) for key in uninterrupted)
+
+
+def test_torchrun_ddp(first_run):
+    run_dir, prepared, _ = first_run
+    ddp_dir = run_dir.parent / "ddp"
+    result = torchrun_train(ddp_dir, "trainer=ddp", f"data.path={prepared}")
+    assert "2 process(es)" in result.stdout
+    metrics = read_metrics_csv(ddp_dir / "metrics.csv")
+    # Two ranks of 4 samples: 8 samples (1,024 tokens) per step, accumulation 2 after the change.
+    assert metrics["tokens_seen"][1][0] == 1024 and metrics["batch/accumulate"][1][-1] == 2
+    assert metrics["tokens_seen"][1][-1] == 12288
+
+
+def test_torchrun_fsdp_with_activation_checkpointing(first_run):
+    run_dir, prepared, _ = first_run
+    fsdp_dir = run_dir.parent / "fsdp"
+    torchrun_train(fsdp_dir, "trainer=fsdp", "model.activation_checkpointing=true", f"data.path={prepared}")
+    metrics = read_metrics_csv(fsdp_dir / "metrics.csv")
+    assert metrics["tokens_seen"][1][-1] == 12288 and metrics["batch/accumulate"][1][-1] == 2
+    assert 0 < metrics["val/loss"][1][-1] < metrics["train/loss"][1][0]
+    checkpoint = fsdp_dir / "checkpoints" / "last.ckpt"
+    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
+
+
+def test_configuration_error_is_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("HYDRA_FULL_ERROR", None)
+    result = subprocess.run(
+        [sys.executable, TRAIN, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: model.config: unknown model preset 'olmo_3b'; known presets: olmo_1b, olmo_7b, tiny"
+    )
+
+
+def test_gpu_check_imports_nothing_the_gpu_machine_lacks():
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='gpu_check');"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'litdata'}));"
+        "print(sorted(m for m in sys.modules if m.startswith('lit_cbs')))"
+    )
+    result = run([sys.executable, "-c", code, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT)
+    forbidden, lit_cbs_modules = result.stdout.strip().splitlines()[-2:]
+    assert forbidden == "[]"
+    assert not any(name.startswith(("'lit_cbs.data", "'lit_cbs.run_report")) for name in lit_cbs_modules[1:-1].split(", "))
+
+
+def test_gpu_check_runs_on_cpu(tmp_path):
+    output = tmp_path / "gpu_check.json"
+    run(
+        [
+            sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--output", str(output),
+            "--accelerator", "cpu", "--precision", "32-true", "--preset", "tiny", "--seq-len", "128",
+            "--micro-batch-size", "4", "--steps-before-change", "4", "--steps-after-change", "2", "--skip-steps", "1",
+        ],
+        cwd=tmp_path,
+    )
+    result = json.loads(output.read_text())
+    assert [(c["step"], c["new_global_batch"]) for c in result["batch_changes"]] == [(4, 8)]
+    assert result["optimizer_steps"] == 6 and result["tokens_trained"] == 4 * 512 + 2 * 1024
+    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_flops_per_device"] == 989e12
