@@ -1,0 +1,162 @@
+"""LightningDataModule over litdata token chunks.
+
+A sample is ``seq_len + 1`` consecutive tokens (litdata's TokensLoader cuts the stream into
+non-overlapping blocks); a batch is an int64 tensor [batch_size, seq_len + 1]. The model
+reads ``batch[:, :-1]`` and is trained to predict ``batch[:, 1:]``, so each sample gives
+``seq_len`` predictions (``tokens_per_sample``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningDataModule
+from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
+
+from lit_cbs.data.prepare import read_metadata, resolve_data
+from lit_cbs.data.tokenizers import load_tokenizer
+
+
+def stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
+    """Collate token blocks (stored as uint8/uint16/int32) into the int64 ids embeddings take."""
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
+class FirstBatches:
+    """The first ``num_batches`` batches of a loader, re-iterable (a fixed validation subset)."""
+
+    def __init__(self, loader: StreamingDataLoader, num_batches: int):
+        self.loader = loader
+        self.num_batches = num_batches
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return itertools.islice(iter(self.loader), self.num_batches)
+
+    def __len__(self) -> int:
+        return min(self.num_batches, len(self.loader))
+
+
+class TokenDataModule(LightningDataModule):
+    """Token batches for language-model training, from a prepared folder, a folder of text
+    files, or (default) the embedded stdlib corpus; see ``lit_cbs.data.prepare.resolve_data``.
+
+    seq_len: tokens the model reads per sample. batch_size: the micro-batch, in samples
+    (sequences); public and mutable: change it, then have the trainer reload the train loader
+    (only the train loader follows it; validation keeps the batch size given here so the
+    validation set stays the same). num_workers: DataLoader worker processes. seed, shuffle:
+    the train order, reshuffled each epoch by litdata from (seed, epoch). tokenizer:
+    ``"bytes"`` or a tokenizer.json path. val_batches: validate on only the first
+    ``val_batches`` batches (per process) of the validation split; None: all of it.
+    val_fraction: share of the text held out when preparing.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike | None = None,
+        input_dir: str | os.PathLike | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        seq_len: int = 128,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        seed: int = 42,
+        shuffle: bool = True,
+        tokenizer: str | os.PathLike = "bytes",
+        val_batches: int | None = None,
+        val_fraction: float = 0.01,
+    ):
+        super().__init__()
+        checks = [("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)]
+        if val_batches is not None:
+            checks.append(("val_batches", val_batches, 1))
+        for name, value, minimum in checks:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"data.{name}={value!r} must be an int >= {minimum}")
+        self.path = path
+        self.input_dir = input_dir
+        self.cache_dir = cache_dir
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.shuffle = shuffle
+        self.tokenizer = tokenizer
+        self.val_batches = val_batches
+        self.val_fraction = val_fraction
+        self.train_dataset: StreamingDataset | None = None
+        self.val_dataset: StreamingDataset | None = None
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Tokens each sample is trained on (predictions per sample): ``seq_len``."""
+        return self.seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids lie in [0, vocab_size): from a prepared folder's metadata, else the tokenizer's."""
+        metadata = read_metadata(self.path) if self.path is not None else None
+        if metadata is not None:
+            return metadata["vocab_size"]
+        return load_tokenizer(self.tokenizer).vocab_size
+
+    def check_context(self, context_length: int) -> None:
+        """Raise if samples are longer than a model's ``context_length`` (tokens)."""
+        if self.seq_len > context_length:
+            raise ValueError(
+                f"data.seq_len={self.seq_len} exceeds the model's context_length={context_length}; "
+                f"set data.seq_len <= {context_length} or use a model with a longer context"
+            )
+
+    def _data_dir(self) -> Path:
+        return resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
+
+    def prepare_data(self) -> None:
+        """Build the token cache (Lightning calls this on one process per node)."""
+        self._data_dir()
+
+    def setup(self, stage: str | None = None) -> None:
+        data_dir = self._data_dir()
+        # drop_last: every process and loader worker gets the same number of samples (DDP, FSDP).
+        self.train_dataset = StreamingDataset(
+            str(data_dir / "train"),
+            item_loader=TokensLoader(block_size=self.seq_len + 1),
+            shuffle=self.shuffle,
+            seed=self.seed,
+            drop_last=True,
+        )
+        self.val_dataset = StreamingDataset(
+            str(data_dir / "val"), item_loader=TokensLoader(block_size=self.seq_len + 1), shuffle=False
+        )
+        for split, dataset, needed in (("train", self.train_dataset, self.batch_size), ("val", self.val_dataset, 1)):
+            if len(dataset) < needed:
+                raise ValueError(
+                    f"the {split} split of {str(data_dir)!r} holds {len(dataset)} samples of seq_len+1="
+                    f"{self.seq_len + 1} tokens, fewer than {needed}; lower data.seq_len or data.batch_size, "
+                    "or give more text"
+                )
+
+    def train_dataloader(self) -> StreamingDataLoader:
+        """Micro-batches of ``batch_size`` samples; an incomplete last batch is dropped."""
+        loader = StreamingDataLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            drop_last=True,
+            collate_fn=stack_as_int64,
+        )
+        if self.trainer is not None:
+            # A reloaded loader (e.g. after a batch_size change) continues the epoch count, so it
+            # does not replay the first epoch's order; a checkpoint's loader state overrides this.
+            loader.current_epoch = self.trainer.current_epoch
+        return loader
+
+    def val_dataloader(self) -> StreamingDataLoader | FirstBatches:
+        loader = StreamingDataLoader(
+            self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=stack_as_int64
+        )
+        return loader if self.val_batches is None else FirstBatches(loader, self.val_batches)

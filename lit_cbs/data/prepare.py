@@ -1,0 +1,333 @@
+"""Tokenize text files into litdata token chunks, and cache the result.
+
+Layout of a prepared folder::
+
+    <folder>/train/index.json, chunk-*.bin   litdata chunks for TokensLoader
+    <folder>/val/index.json, chunk-*.bin
+    <folder>/lit_cbs.json                     metadata: tokenizer, vocab size, token counts, fingerprint
+
+Token stream: the files in the given order, each followed by the tokenizer's ``eos_id``
+(the NUL byte for the byte tokenizer), so the stream is ``doc1 EOS doc2 EOS ...``. Files are
+read as UTF-8 (invalid bytes become U+FFFD). Split: the last ``val_fraction`` of the source
+bytes is the validation set, cut at a UTF-8 character boundary, possibly inside a file; for
+the byte tokenizer this is the last ``val_fraction`` of the token stream (up to one EOS per
+document). Nothing is shuffled at this stage, so a preparation is reproducible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import traceback
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from litdata import TokensLoader, optimize
+
+from lit_cbs.data.corpus import stdlib_python_files
+from lit_cbs.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+METADATA_FILE = "lit_cbs.json"
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+DEFAULT_CHUNK_TOKENS = 2**24
+# optimize starts a worker process and, in ordered mode, a helper process per worker. Under
+# spawn each re-imports torch (about 5 s each here; the stdlib corpus took 30 s), under fork none
+# does (1 s). The forked code is litdata's and _tokenize_piece, which stays in numpy (no torch
+# threads). Elsewhere (macOS) spawn: scripts that prepare data need `if __name__ == "__main__":`.
+OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
+
+Tokenizer = ByteTokenizer | HFTokenizer
+# (path, first byte, end byte, whether the piece ends its document)
+Piece = tuple[str, int, int, bool]
+
+
+def default_cache_dir() -> Path:
+    """``$LIT_CBS_CACHE`` if set, else ``~/.cache/lit_cbs``."""
+    return Path(os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs"))
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest integer dtype that holds every id below ``vocab_size``: 1 byte per token for bytes."""
+    if vocab_size <= 2**8:
+        return np.dtype(np.uint8)
+    if vocab_size <= 2**16:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def split_pieces(files: Sequence[str | os.PathLike], val_fraction: float) -> tuple[list[Piece], list[Piece]]:
+    """Train and val pieces of ``files``: val is the last ``val_fraction`` of the bytes."""
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    if total == 0:
+        raise ValueError(f"the {len(files)} input files are all empty; give files that hold text")
+    val_start = total - math.ceil(total * val_fraction)  # byte offset in the concatenated files
+    train: list[Piece] = []
+    val: list[Piece] = []
+    offset = 0
+    for path, size in zip(map(str, files), sizes):
+        if offset + size <= val_start:
+            train.append((path, 0, size, True))
+        elif offset >= val_start:
+            val.append((path, 0, size, True))
+        else:
+            cut = _character_start(path, val_start - offset)
+            if cut > 0:
+                train.append((path, 0, cut, False))
+            val.append((path, cut, size, True))
+        offset += size
+    return train, val
+
+
+def _character_start(path: str, position: int) -> int:
+    """``position`` moved back to the first byte of the UTF-8 character it falls in."""
+    with open(path, "rb") as f:
+        f.seek(max(0, position - 3))
+        window = f.read(position - max(0, position - 3) + 1)
+    index = len(window) - 1
+    while index > 0 and window[index] & 0xC0 == 0x80:  # 10xxxxxx: a continuation byte
+        index -= 1
+    return position - (len(window) - 1 - index)
+
+
+def _tokenize_piece(
+    piece: Piece, tokenizer: Tokenizer, dtype: np.dtype, max_item_tokens: int, error_dir: str
+) -> Iterator[np.ndarray]:
+    """litdata ``optimize`` fn: the piece's tokens (plus EOS at a document end), in items of at
+    most ``max_item_tokens`` tokens (a litdata item may not exceed a chunk).
+
+    A failure is written to ``error_dir`` for ``prepare`` to raise, not raised here: litdata
+    answers an exception by killing its worker, which orphans the worker's helper process.
+    """
+    path, start, end, ends_document = piece
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read(end - start).decode("utf-8", errors="replace")
+        ids = tokenizer.encode(text)
+    except Exception:
+        Path(error_dir, f"{os.getpid()}-{start}-{Path(path).name}.txt").write_text(
+            f"{path}: {traceback.format_exc()}"
+        )
+        return
+    if ends_document:
+        ids.append(tokenizer.eos_id)
+    tokens = np.asarray(ids, dtype=dtype)
+    for first in range(0, len(tokens), max_item_tokens):
+        yield tokens[first : first + max_item_tokens]
+
+
+@contextlib.contextmanager
+def _isolated_optimize_run() -> Iterator[Path]:
+    """A private scratch folder for litdata's optimize; restores the multiprocessing start method.
+
+    optimize wipes its scratch folders (under the system temp dir by default) when it starts,
+    which breaks a concurrent preparation, and it sets the global start method to its own.
+    """
+    previous_start_method = multiprocessing.get_start_method(allow_none=True)
+    scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
+    previous_env = {name: os.environ.get(name) for name in scratch_vars}
+    with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch:
+        for name in scratch_vars:
+            os.environ[name] = os.path.join(scratch, name.lower())
+        try:
+            yield Path(scratch)
+        finally:
+            for name, value in previous_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            multiprocessing.set_start_method(previous_start_method, force=True)
+
+
+def _default_num_workers(pieces: Sequence[Piece]) -> int:
+    # Byte tokenization runs at >10 MB/s in one process: more workers pay off only on large inputs
+    # or slow tokenizers. One per 8 MB of text, at most one per core.
+    num_bytes = sum(end - start for _, start, end, _ in pieces)
+    return max(1, min(os.cpu_count() or 1, num_bytes // (8 * 2**20)))
+
+
+def read_token_count(split_dir: str | os.PathLike) -> int:
+    """Tokens stored in a litdata TokensLoader folder, from its index.json."""
+    with open(Path(split_dir, "index.json")) as f:
+        return sum(chunk["dim"] for chunk in json.load(f)["chunks"])
+
+
+def prepare(
+    files: Sequence[str | os.PathLike],
+    output_dir: str | os.PathLike,
+    tokenizer: Tokenizer,
+    val_fraction: float = 0.01,
+    num_workers: int | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    fingerprint: str | None = None,
+) -> dict:
+    """Tokenize ``files`` into ``output_dir``/train and /val (litdata TokensLoader chunks).
+
+    val_fraction: share of the source bytes held out, in (0, 1). num_workers: optimize
+    processes (default: one per 8 MB of text, at most one per core). chunk_tokens: tokens per
+    litdata chunk (TokensLoader samples never cross a chunk boundary, so up to seq_len tokens
+    per chunk go unused). fingerprint: recorded in the metadata (see ``source_fingerprint``).
+    Returns the metadata also written to ``output_dir``/lit_cbs.json.
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
+    if not files:
+        raise ValueError("files is empty; give at least one text file to prepare")
+    output_dir = Path(output_dir)
+    if any((output_dir / split).exists() for split in SPLITS):
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} already holds train/ or val/; remove them or pick another folder"
+        )
+    dtype = token_dtype(tokenizer.vocab_size)
+    pieces = dict(zip(SPLITS, split_pieces(files, val_fraction)))
+    with _isolated_optimize_run() as scratch:
+        error_dir = scratch / "errors"
+        error_dir.mkdir()
+        fn = functools.partial(
+            _tokenize_piece, tokenizer=tokenizer, dtype=dtype, max_item_tokens=chunk_tokens, error_dir=str(error_dir)
+        )
+        for split, split_pieces_ in pieces.items():
+            optimize(
+                fn=fn,
+                inputs=split_pieces_,
+                output_dir=str(output_dir / split),
+                chunk_size=chunk_tokens,
+                item_loader=TokensLoader(),
+                num_workers=num_workers or _default_num_workers(split_pieces_),
+                # Static, in-order work slices: chunk order = token-stream order, on every run.
+                reorder_files=False,
+                keep_data_ordered=True,
+                start_method=OPTIMIZE_START_METHOD,
+                verbose=False,
+            )
+            errors = sorted(error_dir.iterdir())
+            if errors:
+                raise RuntimeError(
+                    f"tokenizing failed for {len(errors)} piece(s) of the text; the first: {errors[0].read_text()}"
+                )
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.name,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+        "token_dtype": dtype.name,
+        "val_fraction": val_fraction,
+        "num_documents": len(files),
+        "source_bytes": sum(os.path.getsize(f) for f in files),
+        "train_tokens": read_token_count(output_dir / "train"),
+        "val_tokens": read_token_count(output_dir / "val"),
+        "source_fingerprint": fingerprint,
+    }
+    (output_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
+    return metadata
+
+
+def source_fingerprint(
+    files: Sequence[str | os.PathLike], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
+) -> str:
+    """sha256 over what determines a preparation: each file's path, size and modification time
+    (not its content, so checking a large corpus stays cheap), the tokenizer and the split."""
+    stats = []
+    for f in files:
+        stat = os.stat(f)
+        stats.append((str(Path(f).resolve()), stat.st_size, stat.st_mtime_ns))
+    key = [FORMAT_VERSION, tokenizer.name, tokenizer.vocab_size, tokenizer.eos_id, val_fraction, chunk_tokens, stats]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+
+
+def read_metadata(data_dir: str | os.PathLike) -> dict | None:
+    """The lit_cbs.json of a prepared folder, or None for a folder prepared by other tools."""
+    path = Path(data_dir, METADATA_FILE)
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def text_files(input_dir: str | os.PathLike) -> list[Path]:
+    """Every file under ``input_dir``, recursively, skipping hidden files and folders; sorted."""
+    files = []
+    for directory, subdirs, names in os.walk(input_dir):
+        subdirs[:] = [name for name in subdirs if not name.startswith(".")]
+        files.extend(Path(directory, name) for name in names if not name.startswith("."))
+    return sorted(files)
+
+
+def resolve_data(
+    path: str | os.PathLike | None = None,
+    input_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    tokenizer: str | os.PathLike = "bytes",
+    val_fraction: float = 0.01,
+    num_workers: int | None = None,
+) -> Path:
+    """The prepared folder (holding train/ and val/) to train on, preparing it if needed.
+
+    path: a folder already prepared (by ``prepare`` or litgpt); used as is. input_dir: a
+    folder of text files, prepared on first use into ``cache_dir`` under a key from
+    ``source_fingerprint``, so a changed source or tokenizer prepares afresh. Neither: the
+    embedded stdlib corpus, prepared once into ``cache_dir`` (default ``default_cache_dir()``).
+    """
+    if path is not None and input_dir is not None:
+        raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
+    if path is not None:
+        path = Path(path)
+        if not path.is_dir():
+            raise ValueError(
+                f"data.path={str(path)!r} is not a folder; point it at a prepared dataset (train/ and val/ with "
+                "index.json) or set data.input_dir to a folder of text files instead"
+            )
+        missing = [f"{split}/index.json" for split in SPLITS if not (path / split / "index.json").is_file()]
+        if missing:
+            raise ValueError(
+                f"data.path={str(path)!r} has no litdata index {', '.join(missing)}; point it at a folder written by "
+                "lit_cbs.data.prepare, or set data.input_dir to a folder of text files to prepare one"
+            )
+        return path
+    if input_dir is not None:
+        if not Path(input_dir).is_dir():
+            raise ValueError(f"data.input_dir={str(input_dir)!r} is not a folder; give a folder of text files")
+        files = text_files(input_dir)
+        if not files:
+            raise ValueError(
+                f"data.input_dir={str(input_dir)!r} holds no files; put text files in it, "
+                "or leave data.input_dir unset to train on the embedded stdlib corpus"
+            )
+        label = Path(input_dir).resolve().name
+    else:
+        files = stdlib_python_files()
+        label = "stdlib"
+    tokenizer_ = load_tokenizer(tokenizer)
+    fingerprint = source_fingerprint(files, tokenizer_, val_fraction, DEFAULT_CHUNK_TOKENS)
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = cache_dir / f"{label}-{fingerprint[:16]}"
+    if _is_prepared(target, fingerprint):
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Prepare beside the target and rename, so an interrupted run never looks like a cache hit.
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
+    try:
+        prepare(files, staging, tokenizer_, val_fraction, num_workers=num_workers, fingerprint=fingerprint)
+        try:
+            os.rename(staging, target)
+        except OSError:  # target exists: another process finished first (keep it), or it is broken
+            if not _is_prepared(target, fingerprint):
+                shutil.rmtree(target)
+                os.rename(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _is_prepared(data_dir: Path, fingerprint: str) -> bool:
+    metadata = read_metadata(data_dir)
+    return metadata is not None and metadata.get("source_fingerprint") == fingerprint

@@ -1,0 +1,77 @@
+"""Tokenizers: raw UTF-8 bytes by default, or a Hugging Face ``tokenizer.json``.
+
+Every tokenizer has ``name`` (recorded in a prepared dataset's metadata), ``vocab_size``
+(ids are in [0, vocab_size)), ``eos_id`` (the id written after each document) and
+``encode(text) -> list[int]`` / ``decode(ids) -> str``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: vocabulary 256, no training, no files.
+
+    Documents are separated by the NUL byte (id 0), which does not occur in text files.
+    """
+
+    name = "bytes"
+    vocab_size = 256
+    eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file.
+
+    ``eos_token`` names the document separator; by default the first of
+    ``<|endoftext|>``, ``</s>``, ``<eos>``, ``<|end_of_text|>`` that the vocabulary holds.
+    """
+
+    DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+    def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as error:
+            raise ImportError(
+                f"HFTokenizer({str(path)!r}) needs the Hugging Face tokenizers package: pip install tokenizers"
+            ) from error
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"tokenizer file {str(path)!r} does not exist; give the path of a tokenizer.json")
+        self.path = path
+        self.name = str(path.resolve())
+        self._tokenizer = Tokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        candidates = (eos_token,) if eos_token is not None else self.DEFAULT_EOS_TOKENS
+        for token in candidates:
+            token_id = self._tokenizer.token_to_id(token)
+            if token_id is not None:
+                self.eos_id = token_id
+                break
+        else:
+            raise ValueError(
+                f"{str(path)!r} has none of the tokens {list(candidates)}; "
+                "pass eos_token=<the tokenizer's end-of-document token>"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
+    """``"bytes"`` -> ByteTokenizer; anything else is read as the path of a tokenizer.json."""
+    if str(spec) == "bytes":
+        return ByteTokenizer()
+    return HFTokenizer(spec)
