@@ -13,6 +13,11 @@ Prints, and writes to --output, JSON with tokens/s over the optimizer steps afte
 peak used (--peak-tflops, default 989: dense bf16 of an H100/H200 SXM), peak memory and the
 batch change. Takes about a minute after start-up on an H200.
 
+``--probe`` also attaches ``CBSProbeCallback`` (grid k = 1, 2 over a window of
+--probe-window-steps steps, snapshots on the CPU) right after the batch change, and reports the
+branch losses, the difference between the k = 1 branch and the main run over the same window
+(0 where the GPU kernels are deterministic) and the probe's seconds and tokens.
+
 Imports only torch, lightning, torchmetrics and lit_cbs modules that need nothing else, so it
 runs where hydra-core, omegaconf and litdata are not installed. ``--accelerator cpu --preset tiny``
 runs the same path on a CPU (tests/test_train.py does, as a smoke test).
@@ -35,6 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_cbs.lm import CausalLM, model_flops_utilization
 from lit_cbs.lr_schedules import WarmupStableDecay
+from lit_cbs.probe import CBSProbeCallback
 from lit_cbs.schedules import PiecewiseBatch
 from lit_cbs.warmup import BatchWarmup
 
@@ -94,6 +100,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
+    parser.add_argument("--probe", action="store_true", help="also run a CBS probe (k = 1, 2) after the change")
+    parser.add_argument("--probe-window-steps", type=int, default=4, help="probe window, in steps at the doubled batch")
     return parser.parse_args()
 
 
@@ -121,6 +129,20 @@ def main() -> dict:
     data = RandomTokenData(model.config.vocab_size, args.seq_len, args.micro_batch_size)
     warmup = BatchWarmup(PiecewiseBatch([first_batch, 2 * first_batch], [0, change_at], unit="tokens"), max_tokens=max_tokens)
     clock = StepClock(warmup)
+    callbacks = [warmup, clock]
+    probe = None
+    if args.probe:
+        window = args.probe_window_steps * 2 * first_batch * args.seq_len
+        if change_at + 4 * first_batch * args.seq_len + window > max_tokens:
+            raise SystemExit("error: --steps-after-change leaves no room for the probe window; raise it")
+        probe = CBSProbeCallback(
+            at_tokens=[change_at + 4 * first_batch * args.seq_len],  # a few steps after the change
+            multipliers=(1, 2),
+            window_tokens=window,
+            strategy="grid",
+            output_dir=args.output.parent,
+        )
+        callbacks.insert(1, probe)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=1,
@@ -134,7 +156,7 @@ def main() -> dict:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[warmup, clock],
+        callbacks=callbacks,
     )
     if args.accelerator == "gpu":
         torch.cuda.reset_peak_memory_stats()
@@ -169,6 +191,16 @@ def main() -> dict:
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
         "wall_s": time.perf_counter() - started,
     }
+    if probe is not None:
+        # Steps that contain probe branches are slow by design: leave them out of nothing, report them.
+        gaps = [b[1] - a[1] for a, b in zip(clock.records, clock.records[1:])]
+        result["probe"] = {
+            "history": probe.history,
+            "k1_minus_main_loss": [r["losses"]["1"] - r["main_loss"] for r in probe.history],
+            "slowest_step_s": max(gaps),
+            "median_step_s": sorted(gaps)[len(gaps) // 2],
+            "tokens_spent": probe.tokens_spent,
+        }
     text = json.dumps(result, indent=2)
     args.output.write_text(text)
     print(text)
