@@ -220,7 +220,8 @@ class CBSProbeCallback(Callback):
         every_tokens: probe every this many tokens (global).
         at_tokens: probe at these token counts.
         geometric: ``(first_tokens, ratio)``: probe at first, first*ratio, ... (dense early, where
-            the CBS moves fast). Exactly one of the three must be given.
+            the CBS moves fast). Exactly one of the three must be given. A point passed while
+            another probe's window runs is probed as soon as that window ends.
         multipliers: the grid of k (batch k*B for each branch); fractions below 1 are used where
             k*B is a whole number of micro-batches on every rank, skipped (and said) otherwise.
         window_tokens: Delta, the tokens every branch trains on (rounded down to a whole number
