@@ -36,7 +36,7 @@ from lit_cbs.analysis import (
     write_schedule_yaml,
 )
 from lit_cbs.analysis.curves import BATCH_COLUMN, GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, STEP_COLUMN, TOKENS_COLUMN, check_units
-from lit_cbs.analysis.fits import MCCANDLISH_POOR_FIT, WSD_FREE_PARAMETERS
+from lit_cbs.analysis.fits import POOR_FIT, WSD_FREE_PARAMETERS
 
 PROBE_FILE = "cbs_probe.jsonl"
 
@@ -63,14 +63,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def format_table(fits) -> str:
     """One row per target loss: B_crit, B_min, B_opt (nan: no fit) and how many runs reached it."""
-    lines = [f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>10}  {'B_opt':>10}  {'runs':>4}   (batch sizes in {fits[0].unit})"]
+    lines = [f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   (batch sizes in {fits[0].unit})"]
     poor = False
     for fit in fits:
-        mark = "*" if fit.mccandlish.rms_log_residual > MCCANDLISH_POOR_FIT else " "
-        poor = poor or mark == "*"
-        lines.append(f"{fit.target:>11.4g}  {fit.b_crit:>10.4g}{mark}  {fit.b_min:>10.4g}  {fit.b_opt:>10.4g}  {len(fit.crossings):>4}")
+        crit_mark = "*" if fit.mccandlish.rms_log_residual > POOR_FIT else " "
+        wsd_mark = "*" if fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT else " "
+        poor = poor or "*" in crit_mark + wsd_mark
+        lines.append(
+            f"{fit.target:>11.4g}  {fit.b_crit:>10.4g}{crit_mark}  {fit.b_min:>10.4g}{wsd_mark} {fit.b_opt:>10.4g}{wsd_mark} "
+            f"{len(fit.crossings):>4}"
+        )
     if poor:
-        lines.append(f"* McCandlish's E(S) misses those runs by more than {MCCANDLISH_POOR_FIT:.0%} (rms of log E): B_crit unreliable")
+        lines.append(f"* that E(S) fit misses the runs by more than {POOR_FIT:.0%} (rms of log E): unreliable")
     return "\n".join(lines)
 
 

@@ -182,6 +182,16 @@ def test_fit_wsd_recovers_every_parameter_without_noise():
     assert fit.rms_log_residual < 1e-6
 
 
+def test_fit_wsd_survives_the_pole_reaching_the_first_run():
+    # Crossings of a real 131k-token tiny sweep (target 4.95): the best S_min approaches the smallest
+    # S, where the hyperbola's pole would divide by zero. The fit must stay finite (and be poor).
+    steps = [7.0663, 6.007, 5.1997, 3.9858, 3.2094, 2.4869, 2.0259, 3.6863]
+    tokens = [7235.9, 9226.7, 10649.0, 12244.3, 13145.7, 15279.5, 16596.3, 45297.3]
+    fit = fit_wsd(steps, tokens)
+    assert 0 < fit.s_min < min(steps) and np.isfinite(fit.e_min) and np.isfinite(fit.b_opt)
+    assert fit.rms_log_residual > 0.05
+
+
 def test_fits_refuse_too_few_or_bad_points():
     with pytest.raises(ValueError, match="fit_mccandlish needs at least 3 runs reaching the target loss, got 2"):
         fit_mccandlish([100, 200], [1e6, 8e5])
@@ -351,7 +361,7 @@ def test_nan_loss_ends_the_curve_with_a_warning(tmp_path):
 def test_mismatched_units_between_runs_are_refused(tmp_path):
     write_run(tmp_path / "0_a", 1000, mccandlish_crossing_steps, lowest_target=3.0)
     write_run(tmp_path / "1_b", 1000, mccandlish_crossing_steps, seq_len=1, lowest_target=3.0)
-    with pytest.raises(ValueError, match=r"mismatched units: tokens per sample .* \(0_a .*: 100, 1_b .*: 1\)"):
+    with pytest.raises(ValueError, match=r"mismatched units: tokens per sample .* \(0_a: 100, 1_b: 1\)"):
         read_sweep(tmp_path)
 
 

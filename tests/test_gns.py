@@ -285,19 +285,19 @@ def test_per_example_mode_leaves_training_rng_untouched():
 def test_resumed_run_continues_the_averages_exactly(tmp_path):
     n, micro = 8 * 4 * 20, 8
 
-    def run(epochs, ckpt_path=None, checkpoint=False):
+    def run(epochs, ckpt_path=None, checkpoint_dir=None):
         pl.seed_everything(0, verbose=False)
         data = GaussianRegressionData(n, micro)
         module = FixedRegression(data.dataset.w_true)
         gns = GradientNoiseScale(ema_decay=0.9)
-        callbacks = [gns] + ([ModelCheckpoint(dirpath=tmp_path, save_last=True)] if checkpoint else [])
-        kwargs = trainer_kwargs(max_epochs=epochs, accumulate_grad_batches=4, enable_checkpointing=checkpoint)
+        callbacks = [gns] + ([ModelCheckpoint(dirpath=checkpoint_dir, save_last=True)] if checkpoint_dir else [])
+        kwargs = trainer_kwargs(max_epochs=epochs, accumulate_grad_batches=4, enable_checkpointing=checkpoint_dir is not None)
         pl.Trainer(callbacks=callbacks, **kwargs).fit(module, data, ckpt_path=ckpt_path)
         return gns
 
     uninterrupted = run(2)
-    run(1, checkpoint=True)
-    resumed = run(2, ckpt_path=tmp_path / "last.ckpt")
+    run(1, checkpoint_dir=tmp_path / "first")
+    resumed = run(2, ckpt_path=tmp_path / "first" / "last.ckpt", checkpoint_dir=tmp_path / "resumed")
     assert resumed.num_updates == uninterrupted.num_updates == 40
     for key in ("ema_grad_sq", "ema_trace_sigma"):
         torch.testing.assert_close(resumed.state_dict()[key], uninterrupted.state_dict()[key], rtol=0, atol=0)

@@ -44,7 +44,8 @@ class RunCurve:
     """One constant-batch run's loss curve.
 
     Attributes:
-        name: the run's label in messages and plots (folder name, plus Hydra overrides if any).
+        name: the run's label in messages and plots: the folder name, plus its Hydra overrides if any
+            (in a sweep, those that differ between runs).
         path: the metrics CSV it was read from.
         steps: optimizer steps at each loss value (tokens / tokens_per_step).
         tokens: tokens seen (all ranks) at each loss value.
@@ -129,16 +130,20 @@ def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
     return found[0]
 
 
-def _run_label(folder: Path) -> str:
-    """The folder's name, with the Hydra overrides that made the run when ``.hydra/overrides.yaml`` is there."""
+def _hydra_overrides(folder: Path) -> list[str]:
+    """The command-line overrides of the Hydra job that made the run in ``folder`` (none if not a Hydra run)."""
     overrides = folder / ".hydra" / "overrides.yaml"
-    if overrides.is_file():
-        import yaml
+    if not overrides.is_file():
+        return []
+    import yaml
 
-        items = yaml.safe_load(overrides.read_text()) or []
-        if items:
-            return f"{folder.name} ({' '.join(map(str, items))})"
-    return folder.name
+    return [str(item) for item in yaml.safe_load(overrides.read_text()) or []]
+
+
+def _run_label(folder: Path, common: Sequence[str] = ()) -> str:
+    """The folder's name, with the Hydra overrides that made the run other than ``common`` ones."""
+    own = [item for item in _hydra_overrides(folder) if item not in common]
+    return f"{folder.name} ({' '.join(own)})" if own else folder.name
 
 
 def read_run(
@@ -271,7 +276,11 @@ def read_sweep(source: PathLike | Sequence[PathLike], metrics_file: str = METRIC
         run_paths = [Path(p) for p in source]
         if not run_paths:
             raise ValueError("no runs given")
-    runs = [read_run(p, metrics_file=metrics_file, **columns) for p in run_paths]
+    # Label runs by the overrides that differ between them (e.g. the batch size), not the shared ones.
+    overrides = [set(_hydra_overrides(p if p.is_dir() else p.parent)) for p in run_paths]
+    common = set.intersection(*overrides) if len(run_paths) > 1 else set()
+    names = [_run_label(p if p.is_dir() else p.parent, sorted(common)) for p in run_paths]
+    runs = [read_run(p, name=name, metrics_file=metrics_file, **columns) for p, name in zip(run_paths, names)]
     check_units(runs)
     return runs
 

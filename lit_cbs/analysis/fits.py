@@ -35,7 +35,7 @@ from lit_cbs.analysis.curves import Crossing
 from lit_cbs.schedules import PiecewiseBatch
 
 MCCANDLISH_MIN_RUNS = 3
-MCCANDLISH_POOR_FIT = 0.05  # rms of log(E / fitted E) above which fit_targets warns that B_crit is unreliable
+POOR_FIT = 0.05  # rms of log(E / fitted E) above which fit_targets warns that a fit's batch sizes are unreliable
 WSD_FREE_PARAMETERS = 8  # S_min, S_1, S_opt, S_2, B_-1, C, E_min, A_1 (B_0 and A_0 follow from continuity)
 
 
@@ -159,7 +159,8 @@ def fit_wsd(steps, tokens) -> WSDFit:
     """Fit Zhou et al.'s piecewise E(S) to (steps, tokens) of runs reaching one target loss.
 
     Variable projection: for given S_min < min(S) and breakpoints min(S) < S_1 < S_opt < S_2 < max(S)
-    (so every part holds data and E_min is the minimum of the quadratic part), B_-1, C, E_min and
+    with at least one run in [S_1, S_2) (so every part holds data and E_min is the minimum of the
+    quadratic part), B_-1, C, E_min and
     A_1 >= 0 follow from a non-negative least-squares fit of the relative residuals; those four
     positions are then searched on a grid and refined with Nelder-Mead.
 
@@ -179,8 +180,12 @@ def fit_wsd(steps, tokens) -> WSDFit:
         return s_min, s_1, s_opt, s_2
 
     def solve(u):
-        design = _wsd_design(steps, *positions(u))
-        coefficients, residual_norm = nnls(design / tokens[:, None], weighted_rhs)
+        s_min, s_1, s_opt, s_2 = positions(u)
+        if not s_min < s_low:  # expit rounded to 1: the hyperbola's pole reached the first run
+            return None, np.inf
+        if not np.any((steps >= s_1) & (steps < s_2)):  # an empty quadratic part could dip anywhere
+            return None, np.inf
+        coefficients, residual_norm = nnls(_wsd_design(steps, s_min, s_1, s_opt, s_2) / tokens[:, None], weighted_rhs)
         return coefficients, residual_norm**2
 
     def start(s_min_fraction, t_1, t_opt, t_2):
@@ -277,8 +282,9 @@ def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample
 
     McCandlish's fit needs 3 runs, the WSD fit 8 (its free parameters); a target with too few runs
     for a fit gets a warning naming the target and the runs it has, and that fit is None. Kept with
-    a warning: a McCandlish fit whose rms log residual exceeds 5% (E(S) not monotone, B_crit
-    unreliable) and a WSD fit with fewer than 2 runs in some part (B_min or B_opt rests on 1 run).
+    a warning: a fit whose rms log residual exceeds ``POOR_FIT`` (5%; for McCandlish's, E(S) is
+    probably not monotone) and a WSD fit with fewer than 2 runs in some part (B_min or B_opt rests
+    on 1 run).
     """
     fits = []
     for target in sorted(crossings, reverse=True):
@@ -293,7 +299,7 @@ def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample
         steps = [c.steps for c in points]
         tokens = [c.tokens for c in points]
         mccandlish = fit_mccandlish(steps, tokens)
-        if mccandlish.rms_log_residual > MCCANDLISH_POOR_FIT:
+        if mccandlish.rms_log_residual > POOR_FIT:
             warnings.warn(
                 f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); "
                 "E(S) is probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
@@ -306,6 +312,11 @@ def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample
             )
         else:
             wsd = fit_wsd(steps, tokens)
+            if wsd.rms_log_residual > POOR_FIT:
+                warnings.warn(
+                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), "
+                    "so B_min and B_opt are unreliable"
+                )
             thin = [part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2]
             if thin:
                 warnings.warn(

@@ -16,7 +16,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lit_cbs.analysis.curves import ProbePoint, RunCurve
-from lit_cbs.analysis.fits import MCCANDLISH_POOR_FIT, TargetFit
+from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 
 
 def _save(figure: Figure, path: str | os.PathLike) -> Path:
@@ -80,10 +80,10 @@ def plot_batch_sizes(
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
     # B_crit only where McCandlish's E(S) fits (fit_targets warns about the others).
-    reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= MCCANDLISH_POOR_FIT for f in target_fits]
+    reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     series = (
         (
-            f"B_crit (McCandlish, fits within {MCCANDLISH_POOR_FIT:.0%})",
+            f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
             "o--",
             [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
             [f.mccandlish.e_min if ok else np.nan for f, ok in zip(target_fits, reliable)],
@@ -93,6 +93,8 @@ def plot_batch_sizes(
     )
     for label, style, sizes, tokens in series:
         sizes, tokens = np.array(sizes, dtype=float), np.array(tokens, dtype=float)
+        sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
+        tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
             continue
         by_loss.plot(targets, sizes, style, label=label)
