@@ -1,22 +1,36 @@
-"""lit_cbs: batch size warmup and critical-batch-size tools for PyTorch Lightning."""
+"""lit_cbs: batch size warmup and critical-batch-size tools for PyTorch Lightning.
 
-from lit_cbs.probe import CBSProbeCallback
-from lit_cbs.lr_schedules import CosineSchedule, TokenLRScheduler, WarmupStableDecay
-from lit_cbs.schedules import CBSAdaptive, ConstantBatch, ExponentialRamp, LinearRamp, PiecewiseBatch
-from lit_cbs.warmup import BatchChange, BatchWarmup
+The names below load on first use (PEP 562), so ``import lit_cbs.analysis`` or
+``lit_cbs.schedules`` does not pay for importing Lightning.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BatchChange",
-    "BatchWarmup",
-    "CBSAdaptive",
-    "CBSProbeCallback",
-    "ConstantBatch",
-    "CosineSchedule",
-    "ExponentialRamp",
-    "LinearRamp",
-    "PiecewiseBatch",
-    "TokenLRScheduler",
-    "WarmupStableDecay",
-]
+_EXPORTS = {
+    "BatchChange": "lit_cbs.warmup",
+    "BatchWarmup": "lit_cbs.warmup",
+    "CBSAdaptive": "lit_cbs.schedules",
+    "CBSProbeCallback": "lit_cbs.probe",
+    "ConstantBatch": "lit_cbs.schedules",
+    "CosineSchedule": "lit_cbs.lr_schedules",
+    "ExponentialRamp": "lit_cbs.schedules",
+    "GradientNoiseScale": "lit_cbs.gns",
+    "LinearRamp": "lit_cbs.schedules",
+    "PiecewiseBatch": "lit_cbs.schedules",
+    "TokenLRScheduler": "lit_cbs.lr_schedules",
+    "WarmupStableDecay": "lit_cbs.lr_schedules",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lit_cbs' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
