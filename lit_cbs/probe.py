@@ -45,6 +45,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils._pytree import tree_map
+from torchmetrics import Metric
 
 from lit_cbs.lr_rules import get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
@@ -120,7 +121,8 @@ class TrainingSnapshot:
 
     Parameters, buffers and optimizer state are copied rank-locally (FSDP2 shards stay shards);
     schedulers and the grad scaler through their state_dicts; RNG states of torch (CPU and CUDA),
-    numpy and random.
+    numpy and random; the states of torchmetrics metrics in the module (a training_step that
+    updates a metric would otherwise count the branches' batches).
     """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: str | torch.device = "cpu"):
@@ -138,6 +140,11 @@ class TrainingSnapshot:
         self.scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
         self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
         self.training = pl_module.training
+        self.metrics = [
+            (metric, copy.deepcopy(metric.metric_state), metric._update_count)
+            for metric in pl_module.modules()
+            if isinstance(metric, Metric)
+        ]
 
     @staticmethod
     def _module_tensors(pl_module) -> list[torch.Tensor]:
@@ -172,6 +179,11 @@ class TrainingSnapshot:
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
         _set_rng_states(self.rng)
+        for metric, state, update_count in self.metrics:
+            for name, value in state.items():
+                setattr(metric, name, copy.deepcopy(value))
+            metric._update_count = update_count
+            metric._computed = None
         pl_module.train(self.training)
 
 

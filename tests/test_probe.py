@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from torchmetrics import MeanMetric
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.probe import cbs_interval, critical_multiplier, ema_last
@@ -119,6 +120,33 @@ def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
     assert [json.loads(line)["k_star"] for line in lines] == [r["k_star"] for r in probe.history]
     assert (tmp_path / "cbs_curve.png").stat().st_size > 10_000
     assert probe.tokens_spent == sum(r["tokens_spent"] for r in probe.history)
+
+
+class MetricInTrainingStep(RegressionModule):
+    """Updates a torchmetrics metric in training_step, which branches also call."""
+
+    def __init__(self):
+        super().__init__(lr=0.05, optimizer="adam")
+        self.train_loss = MeanMetric()
+        self.logged: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.train_loss.update(loss.detach())
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if not self.trainer.fit_loop.epoch_loop._should_accumulate():
+            self.logged.append(float(self.train_loss.compute()))
+            self.train_loss.reset()
+
+
+def test_metric_state_updated_by_branches_is_restored():
+    plain = run(module=MetricInTrainingStep())
+    probe = grid_probe()
+    probed = run(probe=probe, module=MetricInTrainingStep())
+    assert probe.history
+    assert probed[1].logged == plain[1].logged
 
 
 def test_bisect_finds_the_grid_answer_for_fewer_tokens():
