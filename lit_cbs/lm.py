@@ -32,6 +32,9 @@ from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 
 OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
+REQUIRED_OLMO_FIELDS = tuple(
+    field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
+)
 
 
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoConfig:
@@ -53,7 +56,7 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoCo
     if unknown:
         raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(OLMO_FIELDS)}")
     if preset is None:
-        missing = [name for name in OLMO_FIELDS if name not in fields and name not in ("rope_theta", "init_std")]
+        missing = [name for name in REQUIRED_OLMO_FIELDS if name not in fields]
         if missing:
             raise ValueError(f"model config without a preset must give {missing}; or name a preset, e.g. preset: tiny")
         return OLMoConfig(**fields)

@@ -13,8 +13,15 @@ changes), loss_vs_tokens.png, batch_lr_vs_tokens.png and checkpoints/.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+
+# OpenMP threads that spin while they wait stall each other when other jobs share the cores: the
+# tiny job's step on 2 shared cores ran 15-40x slower spinning than waiting passively (1-2k vs 25k
+# tokens/s). On idle cores passive waiting costs about a third (25k vs 40k tokens/s); set
+# OMP_WAIT_POLICY=ACTIVE on a machine of your own. Read when torch loads OpenMP: set before importing it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import dataclasses
 import time
 import warnings
 from pathlib import Path
@@ -162,7 +169,7 @@ def describe(run: Run, cfg: DictConfig) -> str:
         f"lit_cbs: {cfg.run_name}: model {model.config.n_layers} layers x d_model {model.config.d_model} "
         f"({model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {cfg.trainer.accelerator}, "
         f"precision {run.trainer.precision}, micro-batch {run.datamodule.batch_size} x {run.datamodule.seq_len} tokens, "
-        f"global batch {run.batch_warmup.schedule.sizes(0)} samples ({run.batch_warmup.schedule.unit} schedule), "
+        f"global batch {' -> '.join(map(str, run.batch_warmup.schedule.sizes(0)))} samples, "
         f"budget {cfg.max_tokens:,} tokens; output {cfg.output_dir}"
     )
 

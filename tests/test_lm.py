@@ -1,0 +1,97 @@
+"""CausalLM's pieces without a Trainer: model configs, weight-decay groups, loss, checkpointing, MFU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lit_cbs.lm import CausalLM, model_flops_utilization, resolve_model_config
+from lit_cbs.models import OLMoConfig, get_config
+
+
+def built(**kwargs) -> CausalLM:
+    module = CausalLM(**kwargs)
+    module.configure_model()
+    return module
+
+
+def test_model_config_forms():
+    assert resolve_model_config("tiny") == get_config("tiny")
+    assert resolve_model_config({"preset": "olmo_1b", "n_layers": 2}).n_layers == 2
+    assert resolve_model_config({"preset": "olmo_1b", "n_layers": 2}).d_model == 2048
+    fields = vars(get_config("tiny"))
+    assert resolve_model_config(fields) == get_config("tiny")
+    assert resolve_model_config(get_config("tiny")) == get_config("tiny")
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("olmo_3b", "unknown model preset 'olmo_3b'"),
+        ({"preset": "tiny", "layers": 2}, r"\['layers'\] are not OLMoConfig fields"),
+        ({"d_model": 64}, "model config without a preset must give"),
+    ],
+)
+def test_bad_model_config(config, message):
+    with pytest.raises(ValueError, match=message):
+        CausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"lr": 0}, "lr=0"), ({"betas": (0.9, 1.0)}, "betas"), ({"weight_decay": -1}, "weight_decay"),
+     ({"peak_flops_per_device": 0}, "peak_flops_per_device")],
+)
+def test_bad_optimizer_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CausalLM("tiny", **kwargs)
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_weight_decay_only_on_matrices(tie_embeddings):
+    config = OLMoConfig(**{**vars(get_config("tiny")), "tie_embeddings": tie_embeddings})
+    module = built(config=config, weight_decay=0.1)
+    decay, no_decay = module.parameter_groups()
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
+    assert no_decay["params"] == [module.model.embedding.weight]
+    named = dict(module.model.named_parameters())
+    assert len(decay["params"]) == len(named) - 1 and all(p.ndim == 2 for p in decay["params"])
+    assert (module.model.lm_head is not None) == (not tie_embeddings)
+
+
+def test_loss_is_next_token_cross_entropy():
+    torch.manual_seed(0)
+    module = built()
+    batch = torch.randint(0, 256, (3, 17))
+    logits = module(batch[:, :-1])
+    expected = F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+    assert torch.allclose(module._loss(batch), expected)
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    batch = torch.randint(0, 256, (2, 33))
+    gradients = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        module = built(activation_checkpointing=checkpointing)
+        module._loss(batch).backward()
+        gradients.append([p.grad for p in module.model.parameters()])
+    assert "CheckpointWrapper" in type(module.model.blocks[0]).__name__
+    assert all(torch.allclose(a, b) for a, b in zip(*gradients))
+
+
+def test_optimizer_and_token_schedule():
+    module = built(lr=1e-3, lr_schedule=lambda tokens: 0.5)
+    config = module.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
+    assert config["lr_scheduler"]["interval"] == "step"
+    assert [group["lr"] for group in optimizer.param_groups] == [5e-4, 5e-4]
+    assert isinstance(built().configure_optimizers(), torch.optim.AdamW)  # no schedule: the base LR
+
+
+def test_mfu():
+    assert model_flops_utilization(1e9, 1e5, 1e15) == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="peak_flops"):
+        model_flops_utilization(1e9, 1e5, 0)
