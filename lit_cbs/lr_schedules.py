@@ -133,6 +133,14 @@ class TokenLRScheduler(LRScheduler):
             )
         super().step(epoch)
 
+    def state_dict(self) -> dict:
+        """The scheduler's counters without ``schedule`` (configuration, rebuilt with the scheduler),
+        so a checkpoint holds plain values only and loads with ``torch.load(weights_only=True)``."""
+        return {key: value for key, value in super().state_dict().items() if key != "schedule"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({**state_dict, "schedule": self.schedule})
+
     def get_lr(self) -> list[float]:
         multiplier = self.schedule(self.tokens_seen or 0)
         return [base_lr * multiplier for base_lr in self.base_lrs]

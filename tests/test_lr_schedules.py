@@ -55,7 +55,8 @@ def test_token_scheduler_follows_tokens_not_steps():
         scheduler.step()
         assert optimizer.param_groups[0]["lr"] == pytest.approx(0.2 * (1 - tokens / 1000))
     state = scheduler.state_dict()
-    restored = TokenLRScheduler(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.2), state["schedule"])
+    assert "schedule" not in state  # configuration, rebuilt with the scheduler: plain values only
+    restored = TokenLRScheduler(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.2), scheduler.schedule)
     restored.load_state_dict(state)
     assert restored.tokens_seen == 700 and restored.get_last_lr() == scheduler.get_last_lr()
 

@@ -55,7 +55,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 @pytest.mark.parametrize(
-    "name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 217_088)]
+    "name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472)]
 )
 def test_preset_parameter_counts_on_meta_device(name, expected):
     with torch.device("meta"):
@@ -69,9 +69,9 @@ def test_tiny_parameter_count_exact():
     model = OLMo(config)
     d, h, layers, vocab = 64, 176, 4, 256
     per_block = 4 * d * d + 3 * d * h
-    assert model.num_parameters() == vocab * d + layers * per_block == 217_088
+    assert model.num_parameters() == 2 * vocab * d + layers * per_block == 233_472
     assert model.num_parameters(exclude_embeddings=True) == layers * per_block
-    assert config.tie_embeddings and model.lm_head is None
+    assert not config.tie_embeddings and model.lm_head is not None
 
 
 def test_untied_counts_both_embeddings_and_flops_formula():

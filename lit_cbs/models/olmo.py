@@ -80,10 +80,10 @@ class OLMoConfig:
 
 
 PRESETS: dict[str, OLMoConfig] = {
-    # REFERENCE.md's CPU model. mlp_hidden = 4 * 64 * 2/3 rounded up to a multiple of 16. 217,088
-    # parameters; REFERENCE.md's "233k" is this shape untied (233,472), or tied counted twice.
+    # REFERENCE.md's CPU model: 233,472 parameters (its "233k"), with an untied output head.
+    # mlp_hidden = 4 * 64 * 2/3 rounded up to a multiple of 16.
     "tiny": OLMoConfig(
-        vocab_size=256, d_model=64, n_layers=4, n_heads=4, mlp_hidden=176, context_length=128, tie_embeddings=True
+        vocab_size=256, d_model=64, n_layers=4, n_heads=4, mlp_hidden=176, context_length=128, tie_embeddings=False
     ),
     # OLMo-1B (vocab 50280 padded to a multiple of 128).
     "olmo_1b": OLMoConfig(
