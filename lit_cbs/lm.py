@@ -186,8 +186,11 @@ class CausalLM(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch)
         self.train_loss.update(loss.detach())
-        self._tokens_since_step += batch[:, 1:].numel()
         return loss
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # Counted in a hook, not in training_step, which CBS probe branches call too.
+        self._tokens_since_step += batch[:, 1:].numel()
 
     def on_train_start(self) -> None:
         self._last_global_step = self.trainer.global_step
