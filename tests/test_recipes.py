@@ -201,3 +201,29 @@ def test_slurm_launcher_follows_the_trainer():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (4, 8, 8)
+
+
+@pytest.mark.parametrize(
+    "recipe, probed",
+    [
+        ("tiny_warmup", True), ("tiny_cbs_curve", True), ("tiny_adaptive", True), ("olmo1b_cbs_probe", True),
+        ("tiny_small_batch", False), ("tiny_large_batch", False), ("tiny_es_sweep", False),
+        ("olmo1b_warmup", False), ("olmo1b_small_batch", False), ("olmo7b_warmup", False),
+    ],
+)
+def test_which_recipes_probe_the_cbs(recipe, probed):
+    from lit_cbs import CBSProbeCallback
+    from lit_cbs.schedules import CBSAdaptive
+
+    cfg = compose_config(f"+recipe={recipe}")
+    callbacks = train.instantiate_named(cfg.callbacks, "callbacks")
+    probes = [c for c in callbacks if isinstance(c, CBSProbeCallback)]
+    assert len(probes) == int(probed)
+    if recipe == "olmo1b_cbs_probe":  # the paper's protocol
+        (probe,) = probes
+        assert probe.strategy == "grid" and probe.evaluate == "train_ema" and probe.epsilon == 0.01
+        assert probe.window_tokens == 2_000_000_000 and len(probe.at_tokens) == 14 and min(probe.multipliers) < 1
+    if recipe == "tiny_adaptive":
+        warmup = next(c for c in callbacks if isinstance(c, BatchWarmup))
+        assert isinstance(warmup.schedule, CBSAdaptive) and probes[0].multipliers == [1.0, 2.0]
+
