@@ -110,6 +110,19 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
+def _reshard(pl_module) -> None:
+    """Put FSDP2 parameters back into their sharded form.
+
+    A forward without backward (held-out loss) leaves modules built with
+    reshard_after_forward=False unsharded; snapshots copy and restore the shards.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in pl_module.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _copy_to(value, device):
     if isinstance(value, torch.Tensor):
         return _local(value).detach().to(device, copy=True)
@@ -127,6 +140,7 @@ class TrainingSnapshot:
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
+        _reshard(pl_module)
         self.tensors = [_copy_to(t, self.device) for t in self._module_tensors(pl_module)]
         self.optimizers = [
             (
@@ -152,6 +166,7 @@ class TrainingSnapshot:
 
     @torch.no_grad()
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _reshard(pl_module)
         for live, saved in zip(self._module_tensors(pl_module), self.tensors):
             _local(live).copy_(saved)
         for opt, (states, groups) in zip(trainer.optimizers, self.optimizers):

@@ -5,7 +5,6 @@ and benchmarks/gpu_check.py on the CPU."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import sysconfig
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch import subprocess_env
 from lit_cbs.run_report import read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,7 +21,8 @@ TRAIN = str(ROOT / "recipes" / "train.py")
 pytestmark = pytest.mark.slow
 
 # 12 optimizer steps of 8 then 16 samples (micro-batch 4) of 128 tokens: the batch doubles at 4,096
-# tokens, validation every 4 micro-batches, a checkpoint every 2 steps.
+# tokens, validation every 4 micro-batches, a checkpoint every 2 steps, CBS probes (k = 1, 2) over
+# windows of 4,096 tokens from 2,048 and 8,192 tokens.
 SMALL_RUN = [
     "data.batch_size=4",
     "batch.schedule.batch_sizes=[8,16]",
@@ -32,12 +33,16 @@ SMALL_RUN = [
     "callbacks.checkpoint.every_n_train_steps=2",
     "callbacks.progress_bar=null",
     "trainer.enable_progress_bar=false",
+    "callbacks.cbs_probe.geometric=[2048,4.0]",
+    "callbacks.cbs_probe.window_tokens=4096",
+    "callbacks.cbs_probe.multipliers=[1,2]",
+    "callbacks.cbs_probe.heldout_batches=2",
 ]
 CPU_PROCESSES = ["trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2"]
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
+    env = subprocess_env(PYTHONPATH=str(ROOT), HYDRA_FULL_ERROR="1")
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
@@ -86,6 +91,10 @@ def test_run_outputs(first_run):
     for name in ("loss_vs_tokens.png", "batch_lr_vs_tokens.png", "resolved_config.yaml", "checkpoints/last.ckpt"):
         assert (run_dir / name).is_file(), name
     assert (run_dir / "loss_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
+    probes = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines()]
+    # The first window spans the batch change, so the main run is no k=1 baseline: k=1 is trained.
+    assert [(p["tokens"], p["batch_size"], p["branches_trained"]) for p in probes] == [(2048, 8, [1.0, 2.0]), (8192, 16, [2.0])]
+    assert (run_dir / "cbs_curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_prepared_from_text_folder(first_run, text_folder):
@@ -132,7 +141,7 @@ def test_torchrun_fsdp_with_activation_checkpointing(first_run):
 
 
 def test_configuration_error_is_one_line(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = subprocess_env(PYTHONPATH=str(ROOT))
     env.pop("HYDRA_FULL_ERROR", None)
     result = subprocess.run(
         [sys.executable, TRAIN, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}"],

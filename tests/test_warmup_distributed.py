@@ -23,6 +23,7 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DistributedSampler
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from launch import subprocess_env
 from toys import IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 WORLD_SIZE = 2
@@ -155,6 +156,7 @@ def test_fsdp2_accumulates_without_sync_and_steps_on_exact_global_batches(tmp_pa
         capture_output=True,
         text=True,
         timeout=180,
+        env=subprocess_env(),
     )
     assert result.returncode == 0, result.stderr
 
