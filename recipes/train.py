@@ -35,7 +35,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lit_cbs import BatchWarmup
+from lit_cbs import BatchWarmup, CBSProbeCallback
 from lit_cbs.data import TokenDataModule
 from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.run_report import plot_run, write_batch_history
@@ -192,6 +192,18 @@ def summarize(run: Run, fit_seconds: float) -> str:
         f"final val/loss   {float(val_loss):.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
         f"wall time        {fit_seconds:.1f} s (trainer.fit)",
     ]
+    probes = [callback for callback in trainer.callbacks if isinstance(callback, CBSProbeCallback)]
+    if probes and probes[0].history:
+        readings = ", ".join(
+            f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}"
+            for r in probes[0].history
+        )
+        at = ", ".join(f"{r['tokens']:,}" for r in probes[0].history)
+        lines.insert(
+            3,
+            f"CBS (samples)    {readings} at {at} tokens; probes trained {probes[0].tokens_spent:,} tokens "
+            f"({probes[0].tokens_spent / warmup.tokens_seen:.0%} of training)",
+        )
     return "\n".join(lines)
 
 

@@ -81,6 +81,7 @@ def test_run_outputs(first_run):
     run_dir, _, stdout = first_run
     assert "batch changes    8 -> 16 after step 4 (4,096 tokens" in stdout
     assert "optimizer steps  8 " in stdout and "final val/loss" in stdout
+    assert "CBS (samples)    " in stdout and "at 2,048, 8,192 tokens" in stdout
     metrics = read_metrics_csv(run_dir / "metrics.csv")
     assert {"train/loss", "val/loss", "tokens_seen", "batch/global_size", "lr", "perf/tokens_per_s"} <= set(metrics)
     assert list(metrics["tokens_seen"][1]) == [1024.0 * (k + 1) for k in range(4)] + [4096.0 + 2048 * k for k in range(1, 5)]
