@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs.gns import GradientNoiseScale, two_batch_estimates
+from toys import trainer_kwargs
 
 DIM = 4
 NOISE_STD = 1.0
@@ -156,21 +157,6 @@ class RecordSteps(Callback):
             gns = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScale))
             records = {"steps": self.steps, "b_simple": gns.b_simple, "state": gns.state_dict(), "weight": pl_module.weight}
             torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
-
-
-def trainer_kwargs(**overrides):
-    kwargs = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        max_epochs=1,
-    )
-    kwargs.update(overrides)
-    return kwargs
 
 
 def fit(n, micro, *, gns=None, callbacks=(), two_groups=False, **trainer_overrides):
