@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import lr_scheduler as torch_sched
 
+from lit_cbs.lr_schedules import TokenLRScheduler
+
 
 class LRRule:
     """A rule turning a batch ratio (new / old global batch) into an LR factor."""
@@ -128,19 +130,13 @@ _PROPORTIONAL = (
 _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
 
-def _is_token_scheduler(scheduler) -> bool:
-    from lit_cbs.lr_schedules import TokenLRScheduler
-
-    return isinstance(scheduler, TokenLRScheduler)
-
-
 def check_scheduler_supported(scheduler) -> None:
     """Raise TypeError if ``scale_learning_rate`` cannot compose with ``scheduler`` exactly."""
     if isinstance(scheduler, _CONTAINERS):
         for inner in scheduler._schedulers:
             check_scheduler_supported(inner)
         return
-    if isinstance(scheduler, _PROPORTIONAL) or _is_token_scheduler(scheduler):
+    if isinstance(scheduler, (*_PROPORTIONAL, TokenLRScheduler)):
         return
     supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.lr_schedules.TokenLRScheduler"]
     raise TypeError(

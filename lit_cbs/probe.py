@@ -450,7 +450,6 @@ class CBSProbeCallback(Callback):
 
     def _start_probe(self, trainer, pl_module) -> None:
         warmup = self._warmup
-        point = self.probe_point(self.probes_started)
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= warmup.tokens_seen:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
@@ -463,6 +462,7 @@ class CBSProbeCallback(Callback):
             return
         # Every branch trains on the same whole number of its own steps.
         window_samples = int(window_samples // (max(ks) * batch_size) * (max(ks) * batch_size))
+        # Bisection trains at most one baseline branch plus ceil(log2(len(ks))) others.
         expected_branches = len(ks) if self.strategy == "grid" else 1 + math.ceil(math.log2(max(2, len(ks))))
         expected_cost = expected_branches * window_samples * seq_len
         if self.max_overhead is not None:
@@ -474,7 +474,6 @@ class CBSProbeCallback(Callback):
                 )
                 return
         self._window = {
-            "point": point,
             "tokens": warmup.tokens_seen,
             "step": trainer.global_step,
             "batch_size": batch_size,
