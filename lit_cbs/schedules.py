@@ -31,6 +31,11 @@ def _check_positive_int(name: str, value) -> int:
     return value
 
 
+def _check_ramp(ramp, unit: str) -> None:
+    if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp <= 0:
+        raise ValueError(f"ramp={ramp!r} must be a positive int ({unit} over which the batch grows)")
+
+
 def _check_consumed(consumed) -> None:
     if consumed < 0:
         raise ValueError(f"consumed={consumed} must be >= 0")
@@ -127,8 +132,7 @@ class LinearRamp(BatchSchedule):
         _check_positive_int("start", start)
         _check_positive_int("increment", increment)
         _check_positive_int("final", final)
-        if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp <= 0:
-            raise ValueError(f"ramp={ramp!r} must be a positive int ({unit} over which the batch grows)")
+        _check_ramp(ramp, unit)
         if final <= start:
             raise ValueError(f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise")
         if (final - start) % increment:
@@ -163,8 +167,7 @@ class ExponentialRamp(BatchSchedule):
         _check_positive_int("start", start)
         _check_positive_int("final", final)
         _check_positive_int("multiple_of", multiple_of)
-        if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp <= 0:
-            raise ValueError(f"ramp={ramp!r} must be a positive int ({unit} over which the batch grows)")
+        _check_ramp(ramp, unit)
         if final <= start:
             raise ValueError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
         for name, v in (("start", start), ("final", final)):
