@@ -283,6 +283,28 @@ def test_same_seed_same_order_different_seed_different_order(text_dir, cache_dir
     assert train_order(unshuffled)[0] == [stream[0], stream[16], stream[32], stream[48]]
 
 
+def test_a_batch_draws_from_the_whole_split_not_from_neighbouring_samples(tmp_path):
+    # 4,000 numbered lines of 8 bytes: every 16-byte sample is unique, so its position is known.
+    text_dir = tmp_path / "numbers"
+    text_dir.mkdir()
+    (text_dir / "lines.txt").write_text("".join(f"{index:07d}\n" for index in range(4000)))
+    datamodule = make_datamodule(text_dir, tmp_path / "cache", val_fraction=0.05, batch_size=16)
+    in_order = StreamingDataset(
+        str(datamodule._data_dir() / "train"), item_loader=TokensLoader(block_size=16), shuffle=False
+    )
+    position = {bytes(np.asarray(sample, dtype=np.uint8)): index for index, sample in enumerate(in_order)}
+    assert len(position) == len(in_order) > 1500
+    batches = iter(datamodule.train_dataloader())
+    spans = []
+    for _ in range(8):
+        batch = next(batches)
+        rows = [position[bytes(row.to(torch.uint8).tolist())] for row in batch]
+        spans.append(max(rows) - min(rows))
+    # A uniform draw of 16 from ~1,900 spans ~90% of them; litdata's default 256-sample window
+    # would keep every batch within 256 neighbouring samples.
+    assert min(spans) > len(position) // 2
+
+
 def test_loader_state_dict_resumes_at_the_next_batch(text_dir, cache_dir, prepared):
     loader = make_datamodule(text_dir, cache_dir, seed=3).train_dataloader()
     iterator = iter(loader)

@@ -49,7 +49,10 @@ class TokenDataModule(LightningDataModule):
     (sequences); public and mutable: change it, then have the trainer reload the train loader
     (only the train loader follows it; validation keeps the batch size given here so the
     validation set stays the same). num_workers: DataLoader worker processes. seed, shuffle:
-    the train order, reshuffled each epoch by litdata from (seed, epoch). tokenizer:
+    the train order, reshuffled each epoch by litdata from (seed, epoch): the chunks' order and a
+    full permutation of the samples inside each chunk, so a batch draws from the whole chunk
+    (2^24 tokens by default; the embedded corpus is one chunk) rather than from a few
+    neighbouring files. tokenizer:
     ``"bytes"`` or a tokenizer.json path. val_batches: validate on only the first
     ``val_batches`` batches (per process) of the validation split; None: all of it.
     val_fraction: share of the text held out when preparing.
@@ -128,6 +131,10 @@ class TokenDataModule(LightningDataModule):
             shuffle=self.shuffle,
             seed=self.seed,
             drop_last=True,
+            # litdata >= 0.2.74 permutes samples only within windows of 256 by default: every batch
+            # would then come from ~33k neighbouring tokens (a file or two), which makes batches
+            # strongly correlated and the loss spiky. "full" permutes the whole chunk.
+            item_shuffle_window="full",
         )
         self.val_dataset = StreamingDataset(
             str(data_dir / "val"), item_loader=TokensLoader(block_size=self.seq_len + 1), shuffle=False
