@@ -8,7 +8,8 @@
 The configuration is checked before any model is built; a bad setting ends the run with one
 line that names it (set HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the
 resolved config (resolved_config.yaml), metrics.csv, batch_history.json (BatchWarmup's
-changes), loss_vs_tokens.png, batch_lr_vs_tokens.png and checkpoints/.
+changes), summary.json (what the run did, also printed at its end), loss_vs_tokens.png,
+batch_lr_vs_tokens.png and checkpoints/.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses
+import json
 import time
 import warnings
 from pathlib import Path
@@ -174,35 +176,77 @@ def describe(run: Run, cfg: DictConfig) -> str:
     )
 
 
-def summarize(run: Run, fit_seconds: float) -> str:
+def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
+    """What the run did, as written to summary.json: tokens, optimizer steps, batch changes, final
+    val/loss, wall time and, with a CBS probe, its readings and what the probe branches cost (their
+    tokens and optimizer steps, which the main run's step count does not include)."""
     warmup, trainer = run.batch_warmup, run.trainer
-    steps = trainer.global_step
     seq_len = warmup.seq_len or run.datamodule.seq_len
-    first_batch = warmup.history[0].old_global_batch if warmup.history else warmup.global_batch
-    steps_at_first_batch = warmup.tokens_seen / (first_batch * seq_len)
-    changes = ", ".join(
-        f"{c.old_global_batch} -> {c.new_global_batch} after step {c.step} ({c.tokens_seen:,} tokens, LR x{c.lr_factor:.3g})"
-        for c in warmup.history
-    ) or "none"
     val_loss = trainer.callback_metrics.get("val/loss")
-    lines = [
-        f"tokens           {warmup.tokens_seen:,} ({warmup.tokens_seen / fit_seconds:,.0f} tokens/s over the whole fit)",
-        f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch {first_batch})",
-        f"batch changes    {changes}",
-        f"final val/loss   {float(val_loss):.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
-        f"wall time        {fit_seconds:.1f} s (trainer.fit)",
-    ]
+    summary = {
+        "run_name": run_name,
+        "tokens": warmup.tokens_seen,
+        "optimizer_steps": trainer.global_step,
+        "first_batch": warmup.history[0].old_global_batch if warmup.history else warmup.global_batch,
+        "final_batch": warmup.global_batch,
+        "seq_len": seq_len,
+        "batch_changes": [
+            {"step": c.step, "tokens": c.tokens_seen, "old": c.old_global_batch, "new": c.new_global_batch,
+             "lr_factor": c.lr_factor}
+            for c in warmup.history
+        ],
+        "final_val_loss": float(val_loss) if val_loss is not None else None,
+        "fit_seconds": fit_seconds,
+        "probe": None,
+    }
     probes = [callback for callback in trainer.callbacks if isinstance(callback, CBSProbeCallback)]
-    if probes and probes[0].history:
+    if probes:
+        history = probes[0].history
+        summary["probe"] = {
+            "tokens": probes[0].tokens_spent,
+            "optimizer_steps": sum(
+                round(record["window_tokens"] / (float(k) * record["batch_size"] * seq_len))
+                for record in history
+                for k in record["branches_trained"]
+            ),
+            "readings": [
+                {"tokens": r["tokens"], "batch_size": r["batch_size"], "k_star": r["k_star"],
+                 "cbs_lower": r["cbs_lower"], "cbs_upper": r["cbs_upper"]}
+                for r in history
+            ],
+        }
+    return summary
+
+
+def summarize(summary: dict) -> str:
+    """summary.json as the lines printed at the end of a run."""
+    steps, tokens = summary["optimizer_steps"], summary["tokens"]
+    steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
+    changes = ", ".join(
+        f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, LR x{c['lr_factor']:.3g})"
+        for c in summary["batch_changes"]
+    ) or "none"
+    val_loss = summary["final_val_loss"]
+    seconds = summary["fit_seconds"]
+    lines = [
+        f"tokens           {tokens:,} ({tokens / seconds:,.0f} tokens/s over the whole fit)",
+        f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch "
+        f"{summary['first_batch']})",
+        f"batch changes    {changes}",
+        f"final val/loss   {val_loss:.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
+        f"wall time        {seconds:.1f} s (trainer.fit)",
+    ]
+    probe = summary["probe"]
+    if probe and probe["readings"]:
         readings = ", ".join(
             f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}"
-            for r in probes[0].history
+            for r in probe["readings"]
         )
-        at = ", ".join(f"{r['tokens']:,}" for r in probes[0].history)
+        at = ", ".join(f"{r['tokens']:,}" for r in probe["readings"])
         lines.insert(
             3,
-            f"CBS (samples)    {readings} at {at} tokens; probes trained {probes[0].tokens_spent:,} tokens "
-            f"({probes[0].tokens_spent / warmup.tokens_seen:.0%} of training)",
+            f"CBS (samples)    {readings} at {at} tokens; probes trained {probe['tokens']:,} tokens "
+            f"({probe['tokens'] / tokens:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps",
         )
     return "\n".join(lines)
 
@@ -231,10 +275,12 @@ def main(cfg: DictConfig) -> float | None:
     val_loss = run.trainer.callback_metrics.get("val/loss")
     if run.trainer.is_global_zero:
         write_batch_history(output_dir / "batch_history.json", run.batch_warmup)
+        summary = run_summary(run, cfg.run_name, fit_seconds)
+        (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         metrics_csv = output_dir / "metrics.csv"
         if cfg.plots and metrics_csv.is_file():
             plot_run(metrics_csv, output_dir, title=cfg.run_name)
-        print(f"lit_cbs: {cfg.run_name} done\n{summarize(run, fit_seconds)}\noutputs          {output_dir}", flush=True)
+        print(f"lit_cbs: {cfg.run_name} done\n{summarize(summary)}\noutputs          {output_dir}", flush=True)
     return float(val_loss) if val_loss is not None else None
 
 

@@ -96,6 +96,13 @@ def test_run_outputs(first_run):
     # The first window spans the batch change, so the main run is no k=1 baseline: k=1 is trained.
     assert [(p["tokens"], p["batch_size"], p["branches_trained"]) for p in probes] == [(2048, 8, [1.0, 2.0]), (8192, 16, [2.0])]
     assert (run_dir / "cbs_curve.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["tokens"], summary["optimizer_steps"], summary["first_batch"], summary["final_batch"]) == (12288, 8, 8, 16)
+    assert summary["batch_changes"] == [{"step": 4, "tokens": 4096, "old": 8, "new": 16, "lr_factor": 2**0.5}]
+    assert f"final val/loss   {summary['final_val_loss']:.4f}" in stdout
+    # Branch steps: k=1 and k=2 at batch 8 (4 and 2 steps of a 4,096-token window), k=2 at batch 16 (1 step).
+    assert summary["probe"]["tokens"] == 3 * 4096 and summary["probe"]["optimizer_steps"] == 4 + 2 + 1
+    assert [r["k_star"] for r in summary["probe"]["readings"]] == [p["k_star"] for p in probes]
 
 
 def test_prepared_from_text_folder(first_run, text_folder):
