@@ -40,6 +40,7 @@ from omegaconf.errors import OmegaConfBaseException
 from lit_cbs import BatchWarmup, CBSProbeCallback
 from lit_cbs.data import TokenDataModule
 from lit_cbs.lm import CausalLM, resolve_model_config
+from lit_cbs.lr_rules import get_lr_rule
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
@@ -62,8 +63,16 @@ def world_size(devices, num_nodes) -> int:
     return count * int(num_nodes)
 
 
+def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
+    """``lr`` tuned at ``base_batch_size``, scaled to ``batch_size`` by an LR rule (lit_cbs.lr_rules):
+    ``${lit_cbs.scaled_lr:3e-3,${batch.schedule.batch_size},16}`` in a config gives each run of a
+    batch-size sweep the LR BatchWarmup would give that batch."""
+    return float(lr) * get_lr_rule(rule).lr_factor(float(batch_size) / float(base_batch_size))
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("lit_cbs.world_size", world_size, replace=True)
+    OmegaConf.register_new_resolver("lit_cbs.scaled_lr", scaled_lr, replace=True)
 
 
 register_resolvers()

@@ -75,6 +75,15 @@ def test_tiny_controls(recipe, batch, lr):
     assert cfg.run_name == recipe and cfg.max_tokens == 4_194_304
 
 
+@pytest.mark.parametrize(("batch", "rule", "lr"), [(128, None, 3e-3 * 8**0.5), (32, "linear", 6e-3), (8, "none", 3e-3)])
+def test_scaled_lr_follows_the_swept_batch(batch, rule, lr):
+    # The large-batch control and the E(S) sweep take their LR from the batch by an LR rule.
+    cfg = compose_config("+recipe=tiny_large_batch", f"batch.schedule.batch_size={batch}")
+    if rule is not None:
+        cfg.optimizer.lr = f"${{lit_cbs.scaled_lr:3e-3,${{batch.schedule.batch_size}},16,{rule}}}"
+    assert cfg.optimizer.lr == pytest.approx(lr)
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_builds_on_meta(recipe):
     cfg = compose_config(f"+recipe={recipe}")
