@@ -6,8 +6,10 @@
 
 For each target loss it finds the tokens E and steps S every run needed (smoothed loss, linear
 interpolation), fits both models, prints a table (target, B_crit, B_min, B_opt, runs used; the
-runs left out of a target are named in warnings) and
-writes into --out (default SWEEP/fit_es): es_fits.png (E vs S with the fits), batch_sizes.png
+runs left out of a target are named in warnings) and, where the runs logged a noise scale or a
+probe file is given, the same targets side by side with the runs' median gradient noise scale at
+that loss and the CBS probe's reading nearest it (lit_cbs.analysis.compare; also side_by_side.md).
+It writes into --out (default SWEEP/fit_es): es_fits.png (E vs S with the fits), batch_sizes.png
 (the batch sizes vs target loss and vs tokens, with the CBS probe's brackets and the runs'
 gradient noise scale where logged), fits.json (every fitted parameter) and schedule.yaml, a
 `# @package _global_` recipe whose PiecewiseBatch follows B_opt (copy it to conf/recipe/ and run
@@ -33,6 +35,8 @@ from lit_cbs.analysis import (
     propose_schedule,
     read_probe,
     read_sweep,
+    side_by_side,
+    side_by_side_markdown,
     write_schedule_yaml,
 )
 from lit_cbs.analysis.curves import BATCH_COLUMN, GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, STEP_COLUMN, TOKENS_COLUMN, check_units
@@ -119,8 +123,17 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         print(f"{len(runs)} runs, {len(fits)} target losses; tokens per sample: {tokens_per_sample}")
         print(format_table(fits))
+        compared = side_by_side(fits, runs, probe)
+        if probe or any(row.b_simple_runs for row in compared):
+            table = side_by_side_markdown(compared)
+            print("side by side (samples):\n" + table)
+            (out / "side_by_side.md").write_text(table + "\n")
         written = [plot_es(fits, out / "es_fits.png"), plot_batch_sizes(fits, out / "batch_sizes.png", probe=probe, gns_runs=runs)]
-        (out / "fits.json").write_text(json.dumps(fits_record(fits), indent=2))
+        record = fits_record(fits)
+        for entry, row in zip(record, compared):
+            entry["b_simple"] = row.b_simple
+            entry["probe"] = None if row.probe is None else {**dataclasses.asdict(row.probe), "run_tokens": row.probe_run_tokens}
+        (out / "fits.json").write_text(json.dumps(record, indent=2))
         written.append(out / "fits.json")
         try:
             schedule = propose_schedule(fits, multiple_of=args.multiple_of)

@@ -41,6 +41,8 @@ from lit_cbs.analysis import (
     read_sweep,
     rolling_mean,
     schedule_yaml,
+    side_by_side,
+    side_by_side_markdown,
     smooth,
     write_schedule_yaml,
 )
@@ -112,7 +114,7 @@ def write_run(folder: Path, batch_size: int, crossing_steps, *, seq_len=SEQ_LEN,
         writer = csv.writer(f)
         writer.writerow(["epoch", "step", "train/loss", "tokens_seen", "batch/global_size", "gns/b_simple", "val/loss"])
         for s, value in zip(steps, loss):
-            gns_cell = gns if gns is not None and s % 10 == 0 else ""
+            gns_cell = (gns(value) if callable(gns) else gns) if gns is not None and s % 10 == 0 else ""
             writer.writerow([0, s - 1, value, tokens_per_step * s, batch_size, gns_cell, ""])
             if s % val_every == 0:
                 writer.writerow([0, s - 1, "", "", "", "", value])
@@ -458,6 +460,47 @@ def test_plot_refuses_samples_overlay_on_token_units(wsd_sweep, tmp_path):
         plot_batch_sizes(fits, tmp_path / "b.png", gns_runs=runs)
 
 
+def noise_scale_of_loss(loss: float) -> float:
+    """A noise scale that grows as the loss falls, as B_simple does in training (samples)."""
+    return 100.0 * math.exp(2.0 * (3.6 - loss))
+
+
+def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path):
+    sweep = write_sweep(tmp_path / "sweep", gns=noise_scale_of_loss)
+    runs = read_sweep(sweep)
+    fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN))
+    # The run at batch 1000 reaches each target at these tokens; readings at 0.5x, 1.1x and 3x of the
+    # first, one at another batch size and one without a batch size.
+    reach = {t: float(wsd_crossing_steps(1000 * SEQ_LEN, np.array([t]))[0]) * 1000 * SEQ_LEN for t in WSD_TARGETS}
+    records = [
+        {"tokens": reach[3.0] * 0.5, "batch_size": 1000, "cbs_lower": 1000, "cbs_upper": 2000, "cbs_estimate": 1414.0},
+        {"tokens": reach[3.0] * 1.1, "batch_size": 1000, "cbs_lower": 2000, "cbs_upper": 4000, "cbs_estimate": 2828.0},
+        {"tokens": reach[3.0] * 3.0, "batch_size": 1000, "cbs_lower": 4000, "cbs_upper": None, "cbs_estimate": 4000.0},
+        {"tokens": reach[3.0], "batch_size": 777, "cbs_lower": 1, "cbs_upper": 2, "cbs_estimate": 1.4},
+        {"tokens": reach[3.0], "cbs_lower": 1, "cbs_upper": 2, "cbs_estimate": 1.4},
+    ]
+    (tmp_path / "cbs_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    probe = read_probe(tmp_path / "cbs_probe.jsonl")
+    rows = side_by_side(fits, runs, probe)
+    assert [row.target for row in rows] == WSD_TARGETS
+    for row, fit in zip(rows, fits):
+        assert (row.b_crit, row.b_min, row.b_opt) == (fit.b_crit, fit.b_min, fit.b_opt)
+        assert row.b_simple == pytest.approx(noise_scale_of_loss(row.target), rel=0.01)
+        assert row.b_simple_runs == len(fit.crossings)
+        assert row.probe_run_tokens == pytest.approx(reach[row.target], rel=1e-3)
+    assert rows[0].probe == probe[1]  # nearest in log-tokens to where the batch-1000 run reached 3.0
+    table = side_by_side_markdown(rows)
+    assert "| 3 |" in table and "[2000, 4000] (at " in table and f"{rows[0].b_simple:.3g} (13)" in table
+
+    token_fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=None))
+    with pytest.raises(ValueError, match="mismatched units"):
+        side_by_side(token_fits, runs, probe)
+    no_noise_scale = read_sweep(write_sweep(tmp_path / "plain"))
+    plain_fits, _ = recorded(lambda: fit_targets(find_crossings(no_noise_scale, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN))
+    (row, *_) = side_by_side(plain_fits, no_noise_scale)
+    assert math.isnan(row.b_simple) and row.b_simple_runs == 0 and row.probe is None
+
+
 # ---------------------------------------------------------------------- recipes/fit_es.py
 def run_fit_es(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "recipes" / "fit_es.py"), *map(str, args)], capture_output=True, text=True, timeout=300)
@@ -484,6 +527,8 @@ def test_fit_es_cli_prints_the_table_and_writes_plots_and_schedule(wsd_sweep, tm
         assert (out / name).read_bytes().startswith(b"\x89PNG")
     fits = json.loads((out / "fits.json").read_text())
     assert [f["target"] for f in fits] == WSD_TARGETS and fits[0]["wsd"]["points_per_segment"] == [3, 7, 3]
+    assert [f["b_simple"] for f in fits] == [250.0] * 3  # the fixture logs a constant noise scale
+    assert "side by side (samples):" in result.stdout and (out / "side_by_side.md").read_text().count("| 250 (") == 3
     schedule = yaml.safe_load((out / "schedule.yaml").read_text())["batch"]["schedule"]
     assert schedule["_target_"] == "lit_cbs.schedules.PiecewiseBatch" and schedule["unit"] == "tokens"
     assert schedule["batch_sizes"] == sorted(schedule["batch_sizes"]) and schedule["thresholds"][0] == 0

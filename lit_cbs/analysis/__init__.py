@@ -1,7 +1,9 @@
 """E(S) analysis of constant-batch sweeps: loss curves from metrics CSVs, McCandlish et al. 2018 and
-Zhou et al. 2026 fits, a B_opt-following batch schedule, and plots. Pure numpy/scipy/matplotlib:
+Zhou et al. 2026 fits, a B_opt-following batch schedule, the fits side by side with the noise scale
+and the probe's CBS, and plots. Pure numpy/scipy/matplotlib:
 no Lightning."""
 
+from lit_cbs.analysis.compare import SideBySide, side_by_side, side_by_side_markdown
 from lit_cbs.analysis.curves import (
     Crossing,
     ProbePoint,
@@ -33,6 +35,7 @@ __all__ = [
     "McCandlishFit",
     "ProbePoint",
     "RunCurve",
+    "SideBySide",
     "TargetFit",
     "WSDFit",
     "default_targets",
@@ -49,6 +52,8 @@ __all__ = [
     "read_sweep",
     "rolling_mean",
     "schedule_yaml",
+    "side_by_side",
+    "side_by_side_markdown",
     "smooth",
     "write_schedule_yaml",
 ]

@@ -93,12 +93,14 @@ class ProbePoint:
     """One record of ``CBSProbeCallback``'s ``cbs_probe.jsonl``: the CBS bracket (samples) at ``tokens`` seen.
 
     ``upper`` is None when the largest multiplier tried did not hurt the loss (open-ended bracket).
+    ``batch_size``: the main run's global batch (samples) at the probe, when the record has it.
     """
 
     tokens: float
     lower: float
     upper: float | None
     estimate: float
+    batch_size: int | None = None
 
 
 def _cell(value: str | None) -> float | None:
@@ -408,6 +410,7 @@ def read_probe(path: PathLike) -> list[ProbePoint]:
                     float(record["cbs_lower"]),
                     None if upper is None else float(upper),
                     float(record["cbs_estimate"]),
+                    None if record.get("batch_size") is None else int(record["batch_size"]),
                 )
             except (ValueError, KeyError, TypeError) as error:  # json.JSONDecodeError is a ValueError
                 raise ValueError(

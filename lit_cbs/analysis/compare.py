@@ -1,0 +1,110 @@
+"""The three batch-size measures side by side at each target loss: the E(S) fits' B_crit, B_min and
+B_opt, the gradient noise scale B_simple, and the branched probe's CBS.
+
+They are measured differently, so they are lined up by the loss the model has reached:
+
+- B_crit, B_min, B_opt: the fits for that target (``TargetFit``).
+- B_simple: each run's logged noise scale where its smoothed loss first reached the target (the
+  noise scale is a property of the model's state, not of the batch it trains with), interpolated
+  in tokens; the median over the runs that logged it.
+- probe CBS: the probe readings come from a run at one batch size. The sweep's run at that batch
+  size says at how many tokens it reached the target; the reading nearest that token count is
+  shown with its own token count, so a reader sees how close the match is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from lit_cbs.analysis.curves import ProbePoint, RunCurve
+from lit_cbs.analysis.fits import TargetFit
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """One target loss. Batch sizes in samples; NaN / None where there is nothing to show.
+
+    ``b_simple_runs``: how many runs' noise scales make the median. ``probe_run_tokens``: tokens at
+    which the sweep's run at the probe's batch size reached the target; ``probe``: the reading
+    nearest it (None: no probe, or no run at its batch size reached the target).
+    """
+
+    target: float
+    b_crit: float
+    b_min: float
+    b_opt: float
+    b_simple: float
+    b_simple_runs: int
+    probe_run_tokens: float | None
+    probe: ProbePoint | None
+
+
+def noise_scale_at_target(fit: TargetFit, runs: Sequence[RunCurve]) -> tuple[float, int]:
+    """Median over runs of B_simple at the tokens where each run reached ``fit.target``; and how many runs."""
+    by_name = {run.name: run for run in runs}
+    values = []
+    for crossing in fit.crossings:
+        run = by_name.get(crossing.run)
+        if run is None or len(run.gns) == 0:
+            continue
+        finite = np.isfinite(run.gns)
+        tokens, gns = run.gns_tokens[finite], run.gns[finite]
+        if len(tokens) and tokens[0] <= crossing.tokens <= tokens[-1]:
+            values.append(float(np.interp(crossing.tokens, tokens, gns)))
+    return (float(np.median(values)) if values else math.nan), len(values)
+
+
+def probe_at_target(fit: TargetFit, probe: Sequence[ProbePoint]) -> tuple[float | None, ProbePoint | None]:
+    """(tokens at which the run at the probe's batch size reached the target, the reading nearest them)."""
+    for crossing in fit.crossings:
+        readings = [p for p in probe if p.batch_size is not None and p.batch_size == crossing.batch_size]
+        if readings:
+            return crossing.tokens, min(readings, key=lambda p: abs(math.log(p.tokens / crossing.tokens)))
+    return None, None
+
+
+def side_by_side(fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Sequence[ProbePoint] = ()) -> list[SideBySide]:
+    """One ``SideBySide`` per fit, in the fits' order.
+
+    Raises:
+        ValueError: the fits are in tokens per step (the runs logged no batch in samples) while the
+            noise scale and the probe are in samples.
+    """
+    if fits and fits[0].unit != "samples" and (probe or any(len(run.gns) for run in runs)):
+        raise ValueError(
+            "mismatched units: the fits are in tokens per step but the noise scale and the probe's CBS are in samples; "
+            "log batch/global_size in the sweep's runs (BatchWarmup does)"
+        )
+    rows = []
+    for fit in fits:
+        b_simple, count = noise_scale_at_target(fit, runs)
+        run_tokens, reading = probe_at_target(fit, probe)
+        rows.append(SideBySide(fit.target, fit.b_crit, fit.b_min, fit.b_opt, b_simple, count, run_tokens, reading))
+    return rows
+
+
+def _size(value: float) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:.3g}"
+
+
+def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
+    """The rows as a markdown table (batch sizes in samples)."""
+    lines = [
+        "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) | probe CBS (at tokens; run reached target at) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row.probe is None:
+            probe = "-"
+        else:
+            bracket = f"[{row.probe.lower:g}, {row.probe.upper:g}]" if row.probe.upper is not None else f">= {row.probe.lower:g}"
+            probe = f"{bracket} (at {row.probe.tokens:,.0f}; {row.probe_run_tokens:,.0f})"
+        lines.append(
+            f"| {row.target:.4g} | {_size(row.b_crit)} | {_size(row.b_min)} | {_size(row.b_opt)} "
+            f"| {_size(row.b_simple)} ({row.b_simple_runs}) | {probe} |"
+        )
+    return "\n".join(lines)
