@@ -1,25 +1,51 @@
-"""What BatchWarmup costs on a small language-model workload, side by side in one run.
+"""What lit_cbs's callbacks cost on a small language-model workload, side by side in one run.
 
 Workload: the tiny OLMo preset (d_model 64, 4 layers, byte vocabulary) on random token batches
-of 16 sequences x 128 tokens, AdamW, one Lightning Trainer per fit on CPU, a CSVLogger every 10 steps.
-Configurations are interleaved and repeated so that load changes on the machine hit them alike;
-the results are ratios. Every step is timed by two clocks: wall (``time.perf_counter``) and this
-process's CPU time (``time.process_time``), which other jobs on shared cores disturb less.
+of 16 sequences x 128 tokens (the micro-batch), AdamW, one Lightning Trainer per fit on CPU, a
+CSVLogger every 10 steps. Every callback is compared with the same Trainer without it. The fits of
+each part are interleaved, in an order that rotates with the repeat, and every part runs once per
+repeat, so load changes on the machine hit the configurations alike; the results are ratios.
+Every step is timed by two clocks: wall (``time.perf_counter``) and this process's CPU time
+(``time.process_time``), which other jobs on shared cores disturb less.
 
-(a) idle overhead: ms per optimizer step of a plain Trainer vs the same Trainer with
+(a) BatchWarmup idle: ms per optimizer step of a plain Trainer vs the same Trainer with
     ``BatchWarmup(ConstantBatch(16))``, with and without its per-step logging, and the time
     spent inside BatchWarmup's per-batch hooks;
 (b) change cost: a fit whose global batch grows 16 -> 32 samples (accumulate 1 -> 2) mid-epoch:
     the extra time of the step that ends with the change and of the first step at the new size,
     over the steady step time of each one's size, counted in steps at the new size;
-(c) loader rebuilds: ``train_dataloader()`` calls per fit in every configuration.
+(c) loader rebuilds: ``train_dataloader()`` calls per fit in every configuration;
+(d) GradientNoiseScale: ms per optimizer step of 32 samples = 2 micro-batches
+    (``BatchWarmup(ConstantBatch(32))``, accumulate 2) vs the same plus ``GradientNoiseScale()``,
+    the time inside its four hooks (per micro-batch and per step), and the bytes of the gradient
+    copy it keeps (its docstring: one copy of the optimizer's gradients, in their dtype);
+(e1) CBSProbeCallback between probes: the (a) Trainer with ``BatchWarmup(ConstantBatch(16))``
+    plus a probe whose only point lies beyond the fit (the fits stop at ``max_steps``, without
+    ``BatchWarmup(max_tokens=...)``, so the probe does not ask for a point inside them), fitted in
+    the rotation of (a); its per-batch hooks are timed as in (a). Between probes those hooks are
+    all it runs, whether the next point lies in the fit or beyond it;
+(e2) one probe: a fit with one probe after step 3 (multipliers 1, 2, 4, 8; a window of 8 steps,
+    the least that holds one step of k = 8; ``evaluate="train_ema"``) with ``strategy="grid"`` and
+    with ``strategy="bisect"``, vs the same fit without the probe: the extra time of the whole
+    ``trainer.fit``, also in steps of the fit without it and per branch trained, the part of it in
+    the probe's ``on_train_end`` (the CBS curve plot, once per fit), and the probe tokens
+    (``tokens_spent``). The tokens are random, so the branches' losses and k* mean nothing:
+    (e2) measures cost only.
 
-Usage: ``python benchmarks/overhead.py [--repeats 8] [--threads 1] [--output docs/benchmarks/overhead.md]``
+``--quick`` runs 2 repeats and fewer steps in (a), (b), (d) and (e1) (the probe's window cannot
+shrink): a smoke run, not numbers to read; it writes markdown only where --output / --results say.
+
+Usage::
+
+    python benchmarks/overhead.py [--repeats 8] [--threads 1]   # ~3 minutes on 2 quiet cores
+        # writes docs/benchmarks/overhead.md and the section "overhead" of docs/RESULTS.md
+    python benchmarks/overhead.py --quick --output /tmp/overhead.md --results /tmp/RESULTS.md
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import logging
@@ -32,6 +58,7 @@ import tempfile
 import time
 import warnings
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -41,25 +68,130 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
-from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.models.olmo import OLMo, get_config
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import replace_section  # noqa: E402
+
+TITLE = "Overhead of lit_cbs's callbacks"
 MICRO_BATCH_SIZE = 16  # sequences per micro-batch
 SEQ_LEN = 128  # tokens per sequence trained on
-IDLE_STEPS = 30  # optimizer steps per fit in (a)
-STEADY_STEPS = 12  # optimizer steps at each of the two batch sizes in (b)
-SKIPPED_STEPS = 3  # first steps of every fit left out of the steady medians (allocator, caches)
+SKIPPED_STEPS = 3  # first steps of every fit left out of the step medians (allocator, caches)
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # seconds
-# (a): BatchWarmup keyword arguments per configuration; None: a plain Trainer.
-IDLE_CONFIGS = {
-    "plain Trainer": None,
-    "+ BatchWarmup(ConstantBatch(16))": {},
-    "+ BatchWarmup(ConstantBatch(16), log_every_step=False)": {"log_every_step": False},
-}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """Optimizer steps per fit."""
+
+    idle: int  # (a) and (e1)
+    steady: int  # (b): at each of the two batch sizes
+    noise_scale: int  # (d)
+
+
+FULL = StepCounts(idle=30, steady=12, noise_scale=12)
+QUICK = StepCounts(idle=8, steady=6, noise_scale=6)  # (b) needs steady >= 6 for a step median at 16
+
+# (e2): one probe, started after PROBE_AFTER_STEPS steps at batch 16; its window is the fewest
+# tokens that hold one step of the largest branch, 8 x 16 samples = 8 steps of the main run.
+PROBE_MULTIPLIERS = (1, 2, 4, 8)
+PROBE_AFTER_STEPS = 3
+PROBE_WINDOW_STEPS = max(PROBE_MULTIPLIERS)
+PROBE_WINDOW_TOKENS = PROBE_WINDOW_STEPS * MICRO_BATCH_SIZE * SEQ_LEN
+PROBE_FIT_STEPS = PROBE_AFTER_STEPS + PROBE_WINDOW_STEPS + 1  # one step after the probe ends
+
 PER_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
-OVERHEAD = "(a) {}: overhead, % of a plain step"
-HOOK_SHARE = "(a) {}: time inside its per-batch hooks, % of a plain step"
+NOISE_SCALE_HOOKS = ("on_train_batch_start", "on_before_zero_grad", "on_after_backward", "on_before_optimizer_step")
+PLAIN = "plain Trainer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One fit's callbacks; the last of them is the one the configuration measures."""
+
+    part: str  # "(a)", "(d)", ...
+    name: str
+    callbacks: Callable[[], list[Callback]]  # fresh callbacks for every fit
+    baseline: str | None = None  # the configuration without the measured callback, same rotation
+    hooks: tuple[str, ...] = ()  # the measured callback's hooks to time
+
+    @property
+    def label(self) -> str:
+        return f"{self.part} {self.name}"
+
+    @property
+    def base_step(self) -> str:
+        return "a plain step" if self.baseline == PLAIN else "a step without it"
+
+    @property
+    def hooks_kind(self) -> str:
+        return "per-batch hooks" if self.hooks == PER_BATCH_HOOKS else "hooks"
+
+
+def warmup_at(global_batch: int, **kwargs) -> BatchWarmup:
+    return BatchWarmup(ConstantBatch(global_batch), **kwargs)
+
+
+def probe(**kwargs) -> CBSProbeCallback:
+    return CBSProbeCallback(multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_TOKENS, evaluate="train_ema", **kwargs)
+
+
+WARMUP_16 = "+ BatchWarmup(ConstantBatch(16))"
+IDLE_PROBE = "+ BatchWarmup(ConstantBatch(16)) + CBSProbeCallback between probes"
+IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
+    Config("(a)", PLAIN, lambda: []),
+    Config("(a)", WARMUP_16, lambda: [warmup_at(16)], PLAIN, PER_BATCH_HOOKS),
+    Config(
+        "(a)",
+        "+ BatchWarmup(ConstantBatch(16), log_every_step=False)",
+        lambda: [warmup_at(16, log_every_step=False)],
+        PLAIN,
+        PER_BATCH_HOOKS,
+    ),
+    # Its only probe point lies beyond the fit: between probes its hooks only look for the next one.
+    Config("(e1)", IDLE_PROBE, lambda: [warmup_at(16), probe(at_tokens=[10**15])], WARMUP_16, PER_BATCH_HOOKS),
+]
+ACCUMULATE_2 = "BatchWarmup(ConstantBatch(32)), accumulate 2"
+NOISE_SCALE = "+ GradientNoiseScale()"
+NOISE_SCALE_CONFIGS = [  # (d)
+    Config("(d)", ACCUMULATE_2, lambda: [warmup_at(32)]),
+    Config("(d)", NOISE_SCALE, lambda: [warmup_at(32), GradientNoiseScale()], ACCUMULATE_2, NOISE_SCALE_HOOKS),
+]
+
+
+def probed_once(strategy: str) -> list[Callback]:
+    return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * MICRO_BATCH_SIZE * SEQ_LEN], strategy=strategy)]
+
+
+PROBE_BASELINE = "BatchWarmup(ConstantBatch(16)), no probe"
+PROBE_STRATEGIES = ("grid", "bisect")
+PROBE_CONFIGS = [  # (e2)
+    Config("(e2)", PROBE_BASELINE, lambda: [warmup_at(16)]),
+    *(
+        Config(
+            "(e2)",
+            f"+ CBSProbeCallback(strategy={strategy!r})",
+            functools.partial(probed_once, strategy),
+            PROBE_BASELINE,
+            ("on_train_end",),
+        )
+        for strategy in PROBE_STRATEGIES
+    ),
+]
+
 CHANGE_COST = "(b) extra cost of the change, steps at 32 samples"
+PROBE_STEPS = "(e2) {}: extra fit time, steps without it"
+GRID_OVER_BISECT = "(e2) extra fit time, grid / bisect"
+
+
+def overhead_measure(config: Config) -> str:
+    return f"{config.label}: overhead, % of {config.base_step}"
+
+
+def hook_share_measure(config: Config) -> str:
+    return f"{config.label}: time inside its {config.hooks_kind}, % of {config.base_step}"
 
 
 class RandomTokens(Dataset):
@@ -122,6 +254,10 @@ class StepTimer(Callback):
         ends = self.step_ends[clock]
         return [end - start for start, end in zip(ends, ends[1:])]
 
+    def steady_ms(self, clock: str) -> float:
+        """Median ms per step, leaving out the first SKIPPED_STEPS steps."""
+        return 1000 * statistics.median(self.step_durations(clock)[SKIPPED_STEPS:])
+
 
 def time_hooks(callback: Callback, hook_names: tuple[str, ...]) -> dict[str, float]:
     """Wrap ``callback``'s hooks; the returned dict adds up the seconds spent in them, per clock."""
@@ -143,10 +279,24 @@ def time_hooks(callback: Callback, hook_names: tuple[str, ...]) -> dict[str, flo
     return seconds
 
 
-def fit(max_steps: int, warmup: BatchWarmup | None) -> tuple[StepTimer, TokenData]:
+@dataclasses.dataclass
+class Fit:
+    """What one fit leaves to measure."""
+
+    callbacks: list[Callback]
+    timer: StepTimer
+    data: TokenData
+    module: TinyLM
+    seconds: dict[str, float]  # of trainer.fit, per clock
+    hook_seconds: dict[str, float] | None  # inside the timed hooks, per clock
+
+
+def fit(max_steps: int, callbacks: list[Callback], hooks: tuple[str, ...] = ()) -> Fit:
+    """One fit of ``max_steps`` optimizer steps; ``hooks`` of the last callback are timed."""
     pl.seed_everything(0, verbose=False)
     module = TinyLM()
     data = TokenData(samples=max_steps * 2 * MICRO_BATCH_SIZE, vocab_size=module.model.config.vocab_size)
+    hook_seconds = time_hooks(callbacks[-1], hooks) if hooks else None
     timer = StepTimer()
     log_dir = tempfile.mkdtemp(prefix="lit_cbs_overhead_")
     trainer = pl.Trainer(
@@ -154,63 +304,69 @@ def fit(max_steps: int, warmup: BatchWarmup | None) -> tuple[StepTimer, TokenDat
         devices=1,
         max_steps=max_steps,
         max_epochs=1,
-        callbacks=[warmup, timer] if warmup else [timer],  # the timer's hook runs after BatchWarmup's
-        # Every configuration logs to CSV every 10 steps, so BatchWarmup's logging is paid for too.
+        callbacks=[*callbacks, timer],  # the timer's hook runs after theirs
+        # Every configuration logs to CSV every 10 steps, so the callbacks' logging is paid for too.
         logger=CSVLogger(log_dir, name="fit"),
         log_every_n_steps=10,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    starts = {clock: read() for clock, read in CLOCKS.items()}
     trainer.fit(module, data)
+    seconds = {clock: read() - starts[clock] for clock, read in CLOCKS.items()}
     shutil.rmtree(log_dir)
-    return timer, data
+    return Fit(callbacks, timer, data, module, seconds, hook_seconds)
 
 
 class Results:
-    """Per measure and clock, one value per repeat; loader builds per configuration."""
+    """Per measure and clock, one value per repeat; counts that do not depend on a clock beside them."""
 
     def __init__(self):
         self.values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.loader_builds: dict[str, list[int]] = defaultdict(list)
+        self.probe_tokens: dict[str, list[int]] = defaultdict(list)  # (e2) tokens_spent per strategy
+        self.probe_branches: dict[str, list[float]] = {}  # (e2) multipliers trained per strategy
+        self.gradient_copy_bytes: int | None = None  # (d)
+        self.gradient_bytes: int | None = None
 
     def add(self, measure: str, clock: str, value: float) -> None:
         self.values[measure][clock].append(value)
 
 
-def time_idle(results: Results, repeat: int) -> None:
-    """(a): every idle configuration once, in an order that rotates with ``repeat``."""
-    names = list(IDLE_CONFIGS)
-    shift = repeat % len(names)
-    step_ms, hook_ms = {}, {}
-    for name in names[shift:] + names[:shift]:
-        config = IDLE_CONFIGS[name]
-        warmup = None if config is None else BatchWarmup(ConstantBatch(MICRO_BATCH_SIZE), **config)
-        hook_seconds = None if warmup is None else time_hooks(warmup, PER_BATCH_HOOKS)
-        timer, data = fit(IDLE_STEPS, warmup)
-        results.loader_builds[name].append(data.loader_builds)
-        step_ms[name] = {clock: 1000 * statistics.median(timer.step_durations(clock)[SKIPPED_STEPS:]) for clock in CLOCKS}
-        if hook_seconds is not None:
-            hook_ms[name] = {clock: 1000 * seconds / IDLE_STEPS for clock, seconds in hook_seconds.items()}
-    plain = step_ms[names[0]]
-    for name in names:  # rows grouped per configuration, whatever order the fits ran in
+def rotated(configs: list[Config], repeat: int) -> list[Config]:
+    shift = repeat % len(configs)
+    return configs[shift:] + configs[:shift]
+
+
+def time_steps(results: Results, configs: list[Config], steps: int, repeat: int) -> dict[str, Fit]:
+    """(a), (d), (e1): every configuration once, in an order that rotates with ``repeat``."""
+    fits = {config.name: fit(steps, config.callbacks(), config.hooks) for config in rotated(configs, repeat)}
+    for config in configs:  # rows grouped per configuration, whatever order the fits ran in
+        run = fits[config.name]
+        results.loader_builds[config.label].append(run.data.loader_builds)
         for clock in CLOCKS:
-            results.add(f"(a) {name}: ms per step", clock, step_ms[name][clock])
-            if name in hook_ms:
-                results.add(OVERHEAD.format(name), clock, 100 * (step_ms[name][clock] / plain[clock] - 1))
-                results.add(f"(a) {name}: ms per step inside its per-batch hooks", clock, hook_ms[name][clock])
-                results.add(HOOK_SHARE.format(name), clock, 100 * hook_ms[name][clock] / plain[clock])
+            step_ms = run.timer.steady_ms(clock)
+            results.add(f"{config.label}: ms per step", clock, step_ms)
+            if config.baseline is None:
+                continue
+            base_ms = fits[config.baseline].timer.steady_ms(clock)
+            hook_ms = 1000 * run.hook_seconds[clock] / steps
+            results.add(overhead_measure(config), clock, 100 * (step_ms / base_ms - 1))
+            results.add(f"{config.label}: ms per step inside its {config.hooks_kind}", clock, hook_ms)
+            results.add(hook_share_measure(config), clock, 100 * hook_ms / base_ms)
+    return fits
 
 
-def time_change(results: Results) -> None:
-    """(b): one fit whose global batch grows 16 -> 32 samples after STEADY_STEPS steps."""
-    threshold = STEADY_STEPS * MICRO_BATCH_SIZE
+def time_change(results: Results, steady_steps: int) -> None:
+    """(b): one fit whose global batch grows 16 -> 32 samples after ``steady_steps`` steps."""
+    threshold = steady_steps * MICRO_BATCH_SIZE
     warmup = BatchWarmup(PiecewiseBatch([MICRO_BATCH_SIZE, 2 * MICRO_BATCH_SIZE], [0, threshold], unit="samples"))
-    timer, data = fit(2 * STEADY_STEPS, warmup)
-    results.loader_builds["16 -> 32 samples by accumulation"].append(data.loader_builds)
+    run = fit(2 * steady_steps, [warmup])
+    results.loader_builds["(b) 16 -> 32 samples by accumulation"].append(run.data.loader_builds)
     (change,) = warmup.history
     for clock in CLOCKS:
-        durations = timer.step_durations(clock)  # durations[k - 1] is 0-based step k
+        durations = run.timer.step_durations(clock)  # durations[k - 1] is 0-based step k
         # The change is applied at the end of step change.step - 1 (0-based), so that step's time
         # includes it; step change.step is the first at the new size.
         changed, first_new = durations[change.step - 2], durations[change.step - 1]
@@ -224,23 +380,72 @@ def time_change(results: Results) -> None:
         results.add(CHANGE_COST, clock, extra_steps)
 
 
+def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
+    """(d): steps of 2 micro-batches with and without GradientNoiseScale; the bytes it keeps."""
+    fits = time_steps(results, NOISE_SCALE_CONFIGS, steps, repeat)
+    run = fits[NOISE_SCALE]
+    noise_scale = run.callbacks[-1]
+    # Its gradient copies (a private attribute: the docstring states the size, this checks it).
+    results.gradient_copy_bytes = sum(t.nbytes for t in noise_scale._accumulated.values())
+    results.gradient_bytes = sum(p.grad.nbytes for p in run.module.parameters() if p.grad is not None)
+
+
+def time_probe(results: Results, repeat: int) -> None:
+    """(e2): the fit without a probe and with one probe of each strategy, in a rotating order."""
+    fits = {config.name: fit(PROBE_FIT_STEPS, config.callbacks(), config.hooks) for config in rotated(PROBE_CONFIGS, repeat)}
+    base = fits[PROBE_BASELINE]
+    results.loader_builds[PROBE_CONFIGS[0].label].append(base.data.loader_builds)
+    for clock in CLOCKS:
+        results.add(f"{PROBE_CONFIGS[0].label}: ms per step", clock, base.timer.steady_ms(clock))
+    extra_seconds = {}
+    for config in PROBE_CONFIGS[1:]:
+        run = fits[config.name]
+        probe_callback = run.callbacks[-1]
+        (record,) = probe_callback.history  # exactly one probe ran, and finished
+        results.loader_builds[config.label].append(run.data.loader_builds)
+        results.probe_tokens[config.name].append(probe_callback.tokens_spent)
+        results.probe_branches[config.name] = record["branches_trained"]
+        for clock in CLOCKS:
+            base_step = base.timer.steady_ms(clock) / 1000
+            extra = run.seconds[clock] - base.seconds[clock]
+            extra_seconds[config.name, clock] = extra
+            results.add(f"{config.label}: extra fit time, s", clock, extra)
+            results.add(PROBE_STEPS.format(config.name), clock, extra / base_step)
+            per_branch = extra / base_step / len(record["branches_trained"])
+            results.add(f"{config.label}: extra fit time per branch trained, steps without it", clock, per_branch)
+            results.add(f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock])
+    grid, bisect = (config.name for config in PROBE_CONFIGS[1:])
+    for clock in CLOCKS:
+        results.add(GRID_OVER_BISECT, clock, extra_seconds[grid, clock] / extra_seconds[bisect, clock])
+
+
+def part_of(label: str) -> str:
+    """The part a measure or configuration belongs to: "(a)" of "(a) plain Trainer: ms per step"."""
+    return label.split(" ")[0]
+
+
 def summary(values: list[float]) -> str:
     """median [min, max]"""
     return f"{statistics.median(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
 
 
+def idle_verdict(config: Config, results: Results, what: str) -> str:
+    hooks = statistics.median(results.values[hook_share_measure(config)]["cpu"])
+    overall = statistics.median(results.values[overhead_measure(config)]["cpu"])
+    met = "met" if hooks <= 1 else "missed"
+    return (
+        f"- {config.part} {what}: {hooks:.2f} % of a step inside its {config.hooks_kind}, "
+        f"{overall:.2f} % end to end; goal <= 1 %: {met}"
+    )
+
+
 def verdicts(results: Results) -> str:
     """The goals checked against the cpu-clock medians (steadier than wall time on shared cores)."""
-    lines = []
-    for name, config in IDLE_CONFIGS.items():
-        if config is None:
-            continue
-        hooks = statistics.median(results.values[HOOK_SHARE.format(name)]["cpu"])
-        overall = statistics.median(results.values[OVERHEAD.format(name)]["cpu"])
-        met = "met" if hooks <= 1 else "missed"
-        lines.append(
-            f"- (a) {name}: {hooks:.2f} % of a step inside its hooks, {overall:.2f} % end to end; goal <= 1 %: {met}"
-        )
+    by_name = {config.name: config for config in IDLE_CONFIGS + NOISE_SCALE_CONFIGS}
+    lines = [idle_verdict(config, results, config.name.removeprefix("+ ")) for config in IDLE_CONFIGS[1:3]]
+    noise_scale = "GradientNoiseScale (it works every step: this is its cost when nothing else happens)"
+    lines.append(idle_verdict(by_name[NOISE_SCALE], results, noise_scale))
+    lines.append(idle_verdict(by_name[IDLE_PROBE], results, "CBSProbeCallback between probes"))
     cost = results.values[CHANGE_COST]["cpu"]
     met = "met" if max(cost) <= 1 else "missed"
     lines.append(
@@ -248,32 +453,57 @@ def verdicts(results: Results) -> str:
     )
     rebuilt = [name for name, counts in results.loader_builds.items() if max(counts) > 1]
     lines.append(f"- (c) train loader rebuilt during a fit in: {', '.join(rebuilt) if rebuilt else 'no configuration'}")
+    lines.append(
+        f"- (d) GradientNoiseScale keeps {results.gradient_copy_bytes:,} bytes of gradient copies = "
+        f"{results.gradient_copy_bytes / results.gradient_bytes:.2f} x the gradients ({results.gradient_bytes:,} bytes); "
+        "its docstring: one copy of the gradients when a rank accumulates 2+ micro-batches"
+    )
+    grid, bisect = (config.name for config in PROBE_CONFIGS[1:])
+    spent = {name: statistics.median(results.probe_tokens[name]) for name in (grid, bisect)}
+    steps = {name: statistics.median(results.values[PROBE_STEPS.format(name)]["cpu"]) for name in (grid, bisect)}
+    branches = {name: ", ".join(f"{k:g}" for k in results.probe_branches[name]) for name in (grid, bisect)}
+    time_ratio = statistics.median(results.values[GRID_OVER_BISECT]["cpu"])
+    lines.append(
+        f"- (e2) one probe (k = {', '.join(map(str, PROBE_MULTIPLIERS))}, window {PROBE_WINDOW_TOKENS:,} tokens = "
+        f"{PROBE_WINDOW_STEPS} steps): grid trains k = {branches[grid]}, {spent[grid]:,.0f} tokens, "
+        f"{steps[grid]:.1f} steps of extra time; bisect trains k = {branches[bisect]}, {spent[bisect]:,.0f} tokens, "
+        f"{steps[bisect]:.1f} steps"
+    )
+    lines.append(
+        f"- (e2) probe tokens grid / bisect: {spent[grid] / spent[bisect]:.2f} (probe.py: bisect trains about "
+        f"log2({len(PROBE_MULTIPLIERS)}) branches instead of {len(PROBE_MULTIPLIERS)}); "
+        f"extra time grid / bisect: {time_ratio:.2f}"
+    )
     return "\n".join(lines)
 
 
-def report(results: Results, args: argparse.Namespace, seconds: float, load_before, load_after) -> str:
+def report(results: Results, args: argparse.Namespace, steps: StepCounts, seconds: float, load_before, load_after) -> str:
+    """The markdown report without its title."""
     width = max(len(measure) for measure in results.values)
     header = f"| {'measure':<{width}} | " + " | ".join(f"{clock}: median [min, max]" for clock in CLOCKS) + " |"
     rule = f"|{'-' * (width + 2)}|" + "|".join("-" * (len(clock) + 23) for clock in CLOCKS) + "|"
+    measures = sorted(results.values, key=part_of)  # sorted() keeps the order within a part
     rows = [
-        f"| {measure:<{width}} | " + " | ".join(summary(by_clock[clock]) for clock in CLOCKS) + " |"
-        for measure, by_clock in results.values.items()
+        f"| {measure:<{width}} | " + " | ".join(summary(results.values[measure][clock]) for clock in CLOCKS) + " |"
+        for measure in measures
     ]
     builds = "\n".join(
-        f"| {name} | {', '.join(map(str, sorted(set(counts))))} |" for name, counts in results.loader_builds.items()
+        f"| {name} | {', '.join(map(str, sorted(set(results.loader_builds[name]))))} |"
+        for name in sorted(results.loader_builds, key=part_of)
     )
     command = " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
     loads = [", ".join(f"{x:.2f}" for x in load) for load in (load_before, load_after)]
     # This benchmark adds about 1 (one torch thread); more before it started means other jobs.
     shared_note = " (other jobs shared the cores: the cpu column is the steadier)" if load_before[0] >= 1 else ""
-    return f"""# BatchWarmup overhead
-
-Measured by `benchmarks/overhead.py` (its docstring has the method). Workload: tiny OLMo (d_model
-64, 4 layers, byte vocabulary), random token batches of {MICRO_BATCH_SIZE} x {SEQ_LEN}, AdamW, one
-Lightning Trainer per fit on CPU, CSVLogger every 10 steps. {args.repeats} repeats; within each, the (a) fits run in
-an order that rotates per repeat. Step medians leave out the first {SKIPPED_STEPS} steps of every fit.
-wall: `time.perf_counter`; cpu: `time.process_time` of the benchmark process.
-
+    quick_note = "\n**A `--quick` smoke run: too few repeats and steps to read numbers from.**\n" if args.quick else ""
+    return f"""Measured by `benchmarks/overhead.py` (its docstring has the method). Workload: tiny OLMo (d_model
+64, 4 layers, byte vocabulary), random token micro-batches of {MICRO_BATCH_SIZE} x {SEQ_LEN}, AdamW, one
+Lightning Trainer per fit on CPU, CSVLogger every 10 steps. Every callback is compared with the same
+Trainer without it. {args.repeats} repeats; within each, the fits of (a) + (e1), of (d) and of (e2) run in
+orders that rotate per repeat. Steps per fit: (a) and (e1) {steps.idle}, (b) {steps.steady} + {steps.steady},
+(d) {steps.noise_scale} of 2 micro-batches, (e2) {PROBE_FIT_STEPS}. Step medians leave out the first
+{SKIPPED_STEPS} steps of every fit. wall: `time.perf_counter`; cpu: `time.process_time` of the benchmark process.
+{quick_note}
 - command: `{command}`
 - date: {datetime.date.today().isoformat()}
 - machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, Python {platform.python_version()}, torch {torch.__version__}, lightning {pl.__version__}
@@ -282,12 +512,25 @@ wall: `time.perf_counter`; cpu: `time.process_time` of the benchmark process.
 
 {verdicts(results)}
 
-Reading the table: the time inside BatchWarmup's hooks is measured directly and is steady; the
+Reading the table: the time inside a callback's hooks is measured directly and is steady; the
 end-to-end overhead is the difference of two fits' medians, so fit-to-fit noise (the min/max
-spread of the plain Trainer's row) bounds how small a difference it can show. Every fit logs to a
+spread of the baseline's row) bounds how small a difference it can show. Every fit logs to a
 CSVLogger every 10 steps; with `log_every_step=True` (the default) BatchWarmup writes its six
 metrics straight to the loggers at that interval (as LearningRateMonitor does), a cost that does
 not grow with the model.
+
+(d) GradientNoiseScale's hooks pass over the gradients about three times per micro-batch and once
+per step, and log three metrics every step through `self.log`: a cost in proportion to the
+parameters, while the step's compute grows with parameters x tokens, so its share of a step falls
+as the micro-batch holds more tokens than these {MICRO_BATCH_SIZE * SEQ_LEN:,}.
+
+(e1) is the probe's cost on every step outside a probe: its per-batch hooks only check whether the
+next probe point is reached. (e2) is one whole probe, from the snapshot at its start to the main
+state restored after its branches, plus the CBS curve plot at the end of the fit (shown apart).
+A branch of multiplier k trains the window's {PROBE_WINDOW_STEPS} micro-batches in {PROBE_WINDOW_STEPS} / k optimizer steps,
+so it should cost about {PROBE_WINDOW_STEPS} steps' time. The tokens are random, so the branches'
+losses and k* mean nothing here: (e2) measures cost only. Which multipliers bisect trains depends
+on which of them pass, so on real data it may train others than here (and up to one more).
 
 {header}
 {rule}
@@ -299,24 +542,50 @@ not grow with the model.
 """
 
 
+def preload_plotting() -> None:
+    """Import what the probe's curve plot needs, so the first probed fit does not pay the one-off import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # noqa: F401
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=8, help="fits per configuration")
+    parser.add_argument("--repeats", type=int, default=None, help="fits per configuration (default 8; --quick: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
-    parser.add_argument("--output", type=Path, default=Path("docs/benchmarks/overhead.md"), help="markdown report")
+    parser.add_argument("--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="write the section 'overhead' of this file (default: docs/RESULTS.md; --quick: none)")
     args = parser.parse_args()
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 8
+    if args.repeats < 1 or args.threads < 1:
+        parser.error(f"--repeats={args.repeats} and --threads={args.threads} must be >= 1")
+    if not args.quick:
+        args.output = args.output or ROOT / "docs" / "benchmarks" / "overhead.md"
+        args.results = args.results or ROOT / "docs" / "RESULTS.md"
+    steps = QUICK if args.quick else FULL
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # one Trainer per fit: no banners
+    preload_plotting()
     load_before, start = os.getloadavg(), time.perf_counter()
     results = Results()
     for repeat in range(args.repeats):
-        time_idle(results, repeat)
-        time_change(results)
-    markdown = report(results, args, time.perf_counter() - start, load_before, os.getloadavg())
-    print(markdown)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(markdown)
+        time_steps(results, IDLE_CONFIGS, steps.idle, repeat)
+        time_change(results, steps.steady)
+        time_noise_scale(results, steps.noise_scale, repeat)
+        time_probe(results, repeat)
+    body = report(results, args, steps, time.perf_counter() - start, load_before, os.getloadavg())
+    print(f"# {TITLE}\n\n{body}")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(f"# {TITLE}\n\n{body}")
+    if args.results:
+        replace_section(args.results, "overhead", f"## {TITLE}\n\n{body}")  # under the file's own "# Results"
 
 
 if __name__ == "__main__":
