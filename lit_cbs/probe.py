@@ -462,6 +462,13 @@ class CBSProbeCallback(Callback):
             return
         # Every branch trains on the same whole number of its own steps.
         window_samples = int(window_samples // (max(ks) * batch_size) * (max(ks) * batch_size))
+        if warmup.max_tokens is not None and warmup.tokens_seen + window_samples * seq_len > warmup.max_tokens:
+            # The main run would stop inside the window and take its snapshot and data with it.
+            rank_zero_info(
+                f"CBS probe at {warmup.tokens_seen:,} tokens not started: its window of {window_samples * seq_len:,} "
+                f"tokens would end past max_tokens={warmup.max_tokens:,}"
+            )
+            return
         # Bisection trains at most one baseline branch plus ceil(log2(len(ks))) others.
         expected_branches = len(ks) if self.strategy == "grid" else 1 + math.ceil(math.log2(max(2, len(ks))))
         expected_cost = expected_branches * window_samples * seq_len

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import warnings
 
@@ -322,6 +323,22 @@ def test_window_smaller_than_one_large_branch_step_is_refused():
 def test_probe_schedule_outside_the_run_is_refused():
     with pytest.raises(ValueError, match="no probe point lies inside the run"):
         run(probe=grid_probe(at_tokens=[10_000], every_tokens=None), max_tokens=200)
+
+
+def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
+    # 96 samples of SEQ tokens per epoch; points every 160 tokens with 128-token windows: the window
+    # from 640 tokens ends at 768 <= max_tokens and runs; the one from 800 would pass 832 and never starts.
+    probe = grid_probe()
+    pl.seed_everything(0, verbose=False)
+    warmup = BatchWarmup(ConstantBatch(4), lr_rule="sqrt", seq_len=SEQ, max_tokens=832)
+    trainer = pl.Trainer(callbacks=[warmup, probe], **trainer_kwargs(max_epochs=10))
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
+        warnings.simplefilter("always")
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
+    assert warmup.tokens_seen == 832
+    assert [r["tokens"] for r in probe.history] == [160, 320, 480, 640]
+    assert not [w for w in caught if "dropped" in str(w.message)]
+    assert "CBS probe at 800 tokens not started: its window of 128 tokens would end past max_tokens=832" in caplog.text
 
 
 def test_probe_needs_batch_warmup():
