@@ -21,10 +21,13 @@ measures is checked separately, step by step, against closed-form micro-batch gr
 
 from __future__ import annotations
 
+import csv
+
 import math
 from pathlib import Path
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -201,12 +204,19 @@ def test_analytic_b_simple_matches_formula():
     assert analytic_b_simple() == pytest.approx(DIM + 1 + DIM * NOISE_STD**2 / delta_sq)
 
 
-def test_accumulation_matches_analytic_noise_scale_per_group():
-    # 400 steps of 8 micro-batches of 8 samples.
+def test_accumulation_matches_analytic_noise_scale_per_group(tmp_path):
+    # 400 steps of 8 micro-batches of 8 samples; the metrics reach a CSVLogger every 50 steps.
     gns = GradientNoiseScale(ema_decay=0.999, per_param_group=True)
-    trainer, gns, recorder, data, module = fit(8 * 8 * 400, 8, gns=gns, two_groups=True, accumulate_grad_batches=8)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    trainer, gns, recorder, data, module = fit(
+        8 * 8 * 400, 8, gns=gns, two_groups=True, accumulate_grad_batches=8, logger=logger, log_every_n_steps=50
+    )
     assert gns.num_updates == 400
-    metrics = trainer.callback_metrics
+    with open(tmp_path / "run" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["gns/b_simple"]]
+    assert [int(row["step"]) for row in rows] == list(range(49, 400, 50))  # the rows of steps 50, 100, ...
+    metrics = rows[-1]
+    assert {name: float(value) for name, value in metrics.items() if name.startswith("gns/")} == pytest.approx(gns.metrics())
     expected = analytic_b_simple()
     assert gns.b_simple == pytest.approx(expected, rel=TOLERANCE)
     assert float(metrics["gns/b_simple"]) == pytest.approx(gns.b_simple, rel=1e-5)
