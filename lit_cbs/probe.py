@@ -436,7 +436,9 @@ class CBSProbeCallback(Callback):
             rank_zero_warn(f"CBS probe at {self._window['tokens']:,} tokens dropped: training ended inside its window")
             self._window = None
         if trainer.is_global_zero and self.history:
-            plot_cbs_curve(self.history, self._warmup.history, self._resolved_output_dir / "cbs_curve.png")
+            plot_cbs_curve(
+                self.history, self._warmup.history, self._resolved_output_dir / "cbs_curve.png", self._warmup.tokens_seen
+            )
 
     # ------------------------------------------------------------------ probing
 
@@ -702,8 +704,11 @@ def _detach(value):
     return value.detach() if isinstance(value, torch.Tensor) else value
 
 
-def plot_cbs_curve(history: list[dict], batch_changes: list, path: str | os.PathLike) -> Path:
-    """CBS interval per probe vs tokens, with the global batch the run actually used (PNG)."""
+def plot_cbs_curve(
+    history: list[dict], batch_changes: list, path: str | os.PathLike, end_tokens: float | None = None
+) -> Path:
+    """CBS interval per probe vs tokens, with the global batch the run actually used up to
+    ``end_tokens`` (default: just past the last probe) (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -728,7 +733,7 @@ def plot_cbs_curve(history: list[dict], batch_changes: list, path: str | os.Path
         for change in batch_changes:
             xs += [change.tokens_seen, change.tokens_seen]
             ys += [ys[-1], change.new_global_batch]
-        xs.append(max(tokens) * 1.05)
+        xs.append(max(end_tokens or 0, max(tokens) * 1.05))
         ys.append(ys[-1])
         ax.plot(xs, ys, color="tab:orange", drawstyle="default", label="global batch used")
     ax.set_xlabel("tokens seen")
