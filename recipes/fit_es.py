@@ -124,11 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(runs)} runs, {len(fits)} target losses; tokens per sample: {tokens_per_sample}")
         print(format_table(fits))
         compared = side_by_side(fits, runs, probe)
-        if probe or any(row.b_simple_runs for row in compared):
+        has_comparison = bool(probe) or any(row.b_simple_runs for row in compared)
+        if has_comparison:
             table = side_by_side_markdown(compared)
             print("side by side (samples):\n" + table)
             (out / "side_by_side.md").write_text(table + "\n")
-        written = [plot_es(fits, out / "es_fits.png"), plot_batch_sizes(fits, out / "batch_sizes.png", probe=probe, gns_runs=runs)]
+        written = [plot_es(fits, out / "es_fits.png"), plot_batch_sizes(fits, out / "batch_sizes.png", probe=probe, gns_runs=runs, compared=compared if has_comparison else ())]
         record = fits_record(fits)
         for entry, row in zip(record, compared):
             entry["b_simple"] = row.b_simple

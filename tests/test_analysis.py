@@ -447,7 +447,14 @@ def test_plots_are_written_as_png(wsd_sweep, tmp_path):
     probe_path.write_text("".join(json.dumps(r) + "\n" for r in records))
     probe = read_probe(probe_path)
     assert probe[1].upper is None
-    for path in (plot_es(fits, tmp_path / "es.png"), plot_batch_sizes(fits, tmp_path / "b.png", probe=probe, gns_runs=runs)):
+    compared = side_by_side(fits, runs)
+    plots = (
+        plot_es(fits, tmp_path / "es.png"),
+        plot_batch_sizes(fits, tmp_path / "b.png", probe=probe, gns_runs=runs),
+        plot_batch_sizes(fits, tmp_path / "compared.png", probe=probe, gns_runs=runs, compared=compared),
+    )
+    assert plots[2].read_bytes() != plots[1].read_bytes()  # the noise scale per target is drawn too
+    for path in plots:
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
 

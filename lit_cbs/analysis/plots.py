@@ -6,6 +6,7 @@ state or needs a display.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from lit_cbs.analysis.compare import SideBySide
 from lit_cbs.analysis.curves import ProbePoint, RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 
@@ -58,11 +60,14 @@ def plot_batch_sizes(
     path: str | os.PathLike,
     probe: Sequence[ProbePoint] = (),
     gns_runs: Sequence[RunCurve] = (),
+    compared: Sequence[SideBySide] = (),
 ) -> Path:
     """B_crit, B_min and B_opt against the target loss (left) and against the tokens at which the
     target is reached (right: E_min of each fit), where the CBS probe's brackets and each run's
-    gradient noise scale (all in samples) are overlaid when given. B_crit is drawn only where
-    McCandlish's E(S) fits the runs (rms of log E within 5%).
+    gradient noise scale (all in samples) are overlaid when given. B_crit is drawn filled where
+    McCandlish's E(S) fits the runs (rms of log E within 5%), hollow where it does not.
+    ``compared`` (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each
+    target loss to the left panel.
 
     Raises:
         ValueError: no fits, or probe/noise-scale data (samples) with fits known only in tokens per step.
@@ -81,12 +86,19 @@ def plot_batch_sizes(
     targets = np.array([f.target for f in target_fits])
     # B_crit only where McCandlish's E(S) fits (fit_targets warns about the others).
     reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
+    unreliable = [f.mccandlish is not None and not ok for f, ok in zip(target_fits, reliable)]
     series = (
         (
             f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
             "o--",
             [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
             [f.mccandlish.e_min if ok else np.nan for f, ok in zip(target_fits, reliable)],
+        ),
+        (
+            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
+            "o:",
+            [f.b_crit if bad else np.nan for f, bad in zip(target_fits, unreliable)],
+            [f.mccandlish.e_min if bad else np.nan for f, bad in zip(target_fits, unreliable)],
         ),
         ("B_min (WSD)", "v-", [f.b_min for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits]),
         ("B_opt (WSD)", "s-", [f.b_opt for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits]),
@@ -97,8 +109,19 @@ def plot_batch_sizes(
         tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
             continue
-        by_loss.plot(targets, sizes, style, label=label)
-        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min")
+        hollow = {"markerfacecolor": "none"} if "miss" in label else {}
+        by_loss.plot(targets, sizes, style, label=label, **hollow)
+        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **hollow)
+    if compared:
+        rows = [row for row in compared if math.isfinite(row.b_simple)]
+        if rows:
+            by_loss.plot([r.target for r in rows], [r.b_simple for r in rows], "x-", color="tab:gray",
+                         label="noise scale B_simple (median of runs at the target)")
+        rows = [row for row in compared if row.probe is not None]
+        for i, row in enumerate(rows):
+            top = row.probe.upper if row.probe.upper is not None else row.probe.lower * 2
+            by_loss.vlines(row.target, row.probe.lower, top, color="k", lw=3, alpha=0.5,
+                           label="CBS probe bracket (reading nearest the target)" if i == 0 else None)
     if probe:
         tokens = np.array([p.tokens for p in probe])
         estimate = np.array([p.estimate for p in probe])
