@@ -13,6 +13,7 @@ B_min, B_opt with kappa / sigma. The McCandlish family has S = S_min(l) + E_min(
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -498,6 +499,12 @@ def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path
     assert rows[0].probe == probe[1]  # nearest in log-tokens to where the batch-1000 run reached 3.0
     table = side_by_side_markdown(rows)
     assert "| 3 |" in table and "[2000, 4000] (at " in table and f"{rows[0].b_simple:.3g} (13)" in table
+    # A WSD-shaped E(S): the WSD fit is exact, McCandlish's hyperbola is not, and the table says so.
+    assert all(row.b_crit_poor and not row.wsd_poor for row in rows)
+    assert f"| {rows[0].b_crit:.3g}* | {rows[0].b_min:.3g} | {rows[0].b_opt:.3g} |" in table
+    assert "misses the runs by more than 5%" in table
+    good = dataclasses.replace(rows[0], b_crit_poor=False)
+    assert "*" not in side_by_side_markdown([good]) and "misses" not in side_by_side_markdown([good])
 
     token_fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=None))
     with pytest.raises(ValueError, match="mismatched units"):

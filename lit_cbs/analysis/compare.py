@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lit_cbs.analysis.curves import ProbePoint, RunCurve
-from lit_cbs.analysis.fits import TargetFit
+from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class SideBySide:
     ``b_simple_runs``: how many runs' noise scales make the median. ``probe_run_tokens``: tokens at
     which the sweep's run at the probe's batch size reached the target; ``probe``: the reading
     nearest it (None: no probe, or no run at its batch size reached the target).
+    ``b_crit_poor`` / ``wsd_poor``: that fit misses the runs by more than ``POOR_FIT`` (rms of log E).
     """
 
     target: float
@@ -41,6 +42,8 @@ class SideBySide:
     b_simple_runs: int
     probe_run_tokens: float | None
     probe: ProbePoint | None
+    b_crit_poor: bool = False
+    wsd_poor: bool = False
 
 
 def noise_scale_at_target(fit: TargetFit, runs: Sequence[RunCurve]) -> tuple[float, int]:
@@ -83,16 +86,23 @@ def side_by_side(fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Seq
     for fit in fits:
         b_simple, count = noise_scale_at_target(fit, runs)
         run_tokens, reading = probe_at_target(fit, probe)
-        rows.append(SideBySide(fit.target, fit.b_crit, fit.b_min, fit.b_opt, b_simple, count, run_tokens, reading))
+        rows.append(SideBySide(
+            fit.target, fit.b_crit, fit.b_min, fit.b_opt, b_simple, count, run_tokens, reading,
+            b_crit_poor=fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT,
+            wsd_poor=fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT,
+        ))
     return rows
 
 
-def _size(value: float) -> str:
-    return "-" if value is None or not math.isfinite(value) else f"{value:.3g}"
+def _size(value: float, poor: bool = False) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{value:.3g}" + ("*" if poor else "")
 
 
 def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
-    """The rows as a markdown table (batch sizes in samples)."""
+    """The rows as a markdown table (batch sizes in samples; * marks a fit that misses the runs by
+    more than ``POOR_FIT``, with a note under the table)."""
     lines = [
         "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) | probe CBS (at tokens; run reached target at) |",
         "|---|---|---|---|---|---|",
@@ -104,7 +114,9 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
             bracket = f"[{row.probe.lower:g}, {row.probe.upper:g}]" if row.probe.upper is not None else f">= {row.probe.lower:g}"
             probe = f"{bracket} (at {row.probe.tokens:,.0f}; {row.probe_run_tokens:,.0f})"
         lines.append(
-            f"| {row.target:.4g} | {_size(row.b_crit)} | {_size(row.b_min)} | {_size(row.b_opt)} "
-            f"| {_size(row.b_simple)} ({row.b_simple_runs}) | {probe} |"
+            f"| {row.target:.4g} | {_size(row.b_crit, row.b_crit_poor)} | {_size(row.b_min, row.wsd_poor)} "
+            f"| {_size(row.b_opt, row.wsd_poor)} | {_size(row.b_simple)} ({row.b_simple_runs}) | {probe} |"
         )
+    if any(row.b_crit_poor or row.wsd_poor for row in rows):
+        lines += ["", f"\\* that E(S) fit misses the runs by more than {POOR_FIT:.0%} (rms of log E): unreliable"]
     return "\n".join(lines)
