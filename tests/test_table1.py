@@ -112,3 +112,19 @@ def test_gpu_variant_composes_a_25m_model_with_thresholds_at_the_same_share(key,
     if key == "warmup":  # 16 -> 32 -> 64 at about 30% and 60% of the budget, on whole batches of 64
         assert schedule.thresholds[1] / table1.GPU_TOKENS == pytest.approx(1_245_184 / 4_194_304, abs=0.01)
         assert all(t % (64 * table1.GPU_SEQ_LEN) == 0 for t in schedule.thresholds)
+
+
+def test_from_json_redoes_the_report_without_training(result, tmp_path):
+    out, outcome = result
+    again = table1.main([
+        "--from-json", str(out / "runs" / "table1.json"), "--markdown", str(tmp_path / "R.md"),
+        "--plot", str(tmp_path / "t.png"), "--out", str(tmp_path / "runs"),
+    ])
+    assert again["rows"] == json.loads(json.dumps(outcome["rows"]))
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*_seed*"))  # nothing trained
+
+    def section(path):
+        return path.read_text().split("<!-- table1:start -->")[1].split("<!-- table1:end -->")[0]
+
+    # The same report, but for the plot's path (relative to each markdown file).
+    assert section(tmp_path / "R.md").replace("(t.png)", "(table1.png)") == section(out / "RESULTS.md")
