@@ -172,6 +172,7 @@ class GradientNoiseScale(Callback):
 
         self._group_names: list[str] = []
         self._group_of: dict[torch.Tensor, int] = {}  # parameter -> optimizer param group index
+        self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
         self._named_params: dict[str, torch.Tensor] = {}
         self._loss_module: _LossOfBatch | None = None
         self._world_size = 1
@@ -218,6 +219,7 @@ class GradientNoiseScale(Callback):
         (optimizer,) = trainer.optimizers  # automatic optimization: exactly one
         self._group_names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
         self._group_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+        self._group_index = {}
         self._device = pl_module.device
         if self._ema_grad_sq is None:
             self._ema_grad_sq = torch.zeros(len(self._group_names), device=self._device)
@@ -295,23 +297,49 @@ class GradientNoiseScale(Callback):
         self._local_micro_batches += 1
 
     def _micro_batch_grad_sq(self, params_and_grads, keep: bool) -> torch.Tensor:
-        """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy."""
-        grad_sq = torch.zeros(len(self._group_names), device=self._device)
+        """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
+
+        Fused over the parameters (``torch._foreach_*``): per-parameter kernels cost more than the
+        arithmetic on a small model.
+        """
+        held, fresh = [], []  # (param, grad): with a copy of the gradient before this backward, or the first one
         for param, grad in params_and_grads:
-            if grad is None:
-                continue
-            copy = self._accumulated.get(param)
-            if param in self._held:
-                copy.sub_(grad)  # minus this micro-batch's contribution, without a temporary
-                grad_sq[self._group_of[param]] += _squared_norm(copy)
-            else:
-                grad_sq[self._group_of[param]] += _squared_norm(grad)
-            if keep:
+            if grad is not None:
+                (held if param in self._held else fresh).append((param, grad))
+        held_copies = [self._accumulated[param] for param, _ in held]
+        if held:
+            torch._foreach_sub_(held_copies, [grad for _, grad in held])  # minus this micro-batch's contribution
+        grad_sq = self._group_squared_norms(
+            [param for param, _ in held] + [param for param, _ in fresh], held_copies + [grad for _, grad in fresh]
+        )
+        if keep:
+            if held:
+                torch._foreach_copy_(held_copies, [grad for _, grad in held])
+            for param, grad in fresh:
+                copy = self._accumulated.get(param)
                 if copy is None:
                     self._accumulated[param] = grad.detach().clone()
                 else:
                     copy.copy_(grad)
                 self._held.add(param)
+        return grad_sq
+
+    def _group_squared_norms(self, params: list, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Per optimizer group, the sum of the squared norms of ``tensors`` (``tensors[i]`` belongs to
+        ``params[i]``), in float32; half-precision tensors are reduced in float32 so their norm is not rounded."""
+        grad_sq = torch.zeros(len(self._group_names), device=self._device)
+        half = [i for i, tensor in enumerate(tensors) if tensor.dtype in (torch.float16, torch.bfloat16)]
+        full = [i for i, tensor in enumerate(tensors) if tensor.dtype not in (torch.float16, torch.bfloat16)]
+        for indices, dtype in ((half, {"dtype": torch.float32}), (full, {})):
+            if not indices:
+                continue
+            norms = torch._foreach_norm([tensors[i] for i in indices], 2, **dtype)
+            key = tuple(id(params[i]) for i in indices)
+            index = self._group_index.get(key)
+            if index is None:
+                index = torch.tensor([self._group_of[params[i]] for i in indices], device=self._device)
+                self._group_index[key] = index
+            grad_sq.index_add_(0, index, torch.stack(norms).float().square())
         return grad_sq
 
     def _comm_hook(self, process_group, bucket):
@@ -358,10 +386,8 @@ class GradientNoiseScale(Callback):
         self._reset_window()
         if not self.per_example and self._world_size * local_micro_batches < 2:
             return  # one micro-batch on one process: no second batch size this step
-        big_grad_sq = torch.zeros(groups, device=self._device)
-        for param, group in self._group_of.items():
-            if param.grad is not None:
-                big_grad_sq[group] += _squared_norm(param.grad)
+        params = [param for param in self._group_of if param.grad is not None]
+        big_grad_sq = self._group_squared_norms(params, [param.grad for param in params])
         # A short last window of an epoch is still divided by accumulate_grad_batches: rescale to the mean.
         big_grad_sq *= (trainer.accumulate_grad_batches / local_micro_batches) ** 2
         scaler = getattr(trainer.precision_plugin, "scaler", None)
