@@ -123,8 +123,6 @@ def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool
         "callbacks.progress_bar=null",
         "callbacks.checkpoint=null",
         "plots=false",
-        *extra,
-        f"hydra.run.dir={run_dir}",
     ]
     for name, tokens in config.scaled.items():
         if isinstance(tokens, list):
@@ -132,6 +130,7 @@ def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool
         else:
             value = str(scale_tokens(tokens, scale, quantum))
         overrides.append(f"{name}={value}")
+    overrides += [*extra, f"hydra.run.dir={run_dir}"]
     return [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides]
 
 
@@ -263,7 +262,7 @@ def plot(runs: dict[str, list[dict]], labels: dict[str, str], path: Path) -> Pat
     by_tokens.set_ylim(first - 0.05, first + 0.8)
     for axis in (by_tokens, by_steps):
         axis.grid(alpha=0.3)
-    by_tokens.legend(fontsize=7)
+    by_tokens.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -299,7 +298,8 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         "",
         "Runs (train.py overrides):",
         "",
-        *[f"- {labels[key]}: `{' '.join(overrides[:-1])}`" for key, overrides in commands.items()],
+        *[f"- {labels[key]}: `{' '.join(o for o in overrides if not o.startswith('hydra.run.dir='))}`"
+          for key, overrides in commands.items()],
     ]
     adaptive = runs.get("adaptive")
     if adaptive:
