@@ -520,9 +520,9 @@ metrics straight to the loggers at that interval (as LearningRateMonitor does), 
 not grow with the model.
 
 (d) GradientNoiseScale's hooks pass over the gradients about three times per micro-batch and once
-per step, and log three metrics every step through `self.log`: a cost in proportion to the
-parameters, while the step's compute grows with parameters x tokens, so its share of a step falls
-as the micro-batch holds more tokens than these {MICRO_BATCH_SIZE * SEQ_LEN:,}.
+per step (fused over the parameters), and write three metrics to the loggers at their interval: a
+cost in proportion to the parameters, while the step's compute grows with parameters x tokens, so
+its share of a step falls as the micro-batch holds more tokens than these {MICRO_BATCH_SIZE * SEQ_LEN:,}.
 
 (e1) is the probe's cost on every step outside a probe: its per-batch hooks only check whether the
 next probe point is reached. (e2) is one whole probe, from the snapshot at its start to the main
