@@ -53,6 +53,7 @@ from results_md import replace_section  # noqa: E402
 REFERENCE_TOKENS = 4_194_304  # the recipes' budget; token counts below are at this budget
 SEQ_LEN = 128
 SMALL = "small"
+SAVED_ARGS = ("tokens", "seeds", "last_evals", "configs", "argv", "date", "gpu", "load")  # what --from-json restores
 GOALS = {
     "warmup_loss_gap": 0.02,  # nats at most worse than the small-batch control
     "warmup_steps_saved": 0.45,
@@ -271,7 +272,7 @@ def plot(runs: dict[str, list[dict]], labels: dict[str, str], path: Path) -> Pat
 
 
 def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdown_path: Path, seconds: float) -> str:
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    load = ", ".join(f"{x:.2f}" for x in args.load)
     import torch
 
     relative_plot = os.path.relpath(plot_path, markdown_path.parent)
@@ -336,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
     saved = None
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
-        for name in ("tokens", "seeds", "last_evals", "configs", "argv", "date", "gpu"):
+        for name in SAVED_ARGS:
             setattr(args, name, saved["args"][name])
     if args.tokens is None:
         args.tokens = GPU_TOKENS if args.gpu else REFERENCE_TOKENS // 4 if args.quick else REFERENCE_TOKENS
@@ -386,6 +387,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
     if saved is None:
         seconds = time.perf_counter() - started
+        args.load = os.getloadavg()  # as the runs end
     runs = {key: runs[key] for key in keys}
     labels = {c.key: c.label for c in CONFIGS}
     rows = aggregate(runs, args.last_evals)
@@ -394,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     for text, ok in checks:
         print(f"{text}: {'met' if ok else 'MISSED'}")
     plot(runs, labels, args.plot)
-    saved_args = {name: getattr(args, name) for name in ("tokens", "seeds", "last_evals", "configs", "argv", "date", "gpu")}
+    saved_args = {name: getattr(args, name) for name in SAVED_ARGS}
     result = {"args": saved_args, "rows": rows, "goals": [{"goal": text, "met": ok} for text, ok in checks],
               "runs": runs, "commands": commands, "seconds": seconds}
     args.json.parent.mkdir(parents=True, exist_ok=True)
