@@ -84,7 +84,7 @@ def plot_batch_sizes(
     figure = Figure(figsize=(12, 5))
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
-    # B_crit only where McCandlish's E(S) fits (fit_targets warns about the others).
+    # B_crit filled where McCandlish's E(S) fits, hollow where it misses (fit_targets warns about those).
     reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     unreliable = [f.mccandlish is not None and not ok for f, ok in zip(target_fits, reliable)]
     series = (
@@ -93,25 +93,26 @@ def plot_batch_sizes(
             "o--",
             [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
             [f.mccandlish.e_min if ok else np.nan for f, ok in zip(target_fits, reliable)],
+            {},
         ),
         (
             f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
             "o:",
             [f.b_crit if bad else np.nan for f, bad in zip(target_fits, unreliable)],
             [f.mccandlish.e_min if bad else np.nan for f, bad in zip(target_fits, unreliable)],
+            {"markerfacecolor": "none"},  # hollow: a poor fit
         ),
-        ("B_min (WSD)", "v-", [f.b_min for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits]),
-        ("B_opt (WSD)", "s-", [f.b_opt for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits]),
+        ("B_min (WSD)", "v-", [f.b_min for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits], {}),
+        ("B_opt (WSD)", "s-", [f.b_opt for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits], {}),
     )
-    for label, style, sizes, tokens in series:
+    for label, style, sizes, tokens, marker in series:
         sizes, tokens = np.array(sizes, dtype=float), np.array(tokens, dtype=float)
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
             continue
-        hollow = {"markerfacecolor": "none"} if "miss" in label else {}
-        by_loss.plot(targets, sizes, style, label=label, **hollow)
-        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **hollow)
+        by_loss.plot(targets, sizes, style, label=label, **marker)
+        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
     if compared:
         rows = [row for row in compared if math.isfinite(row.b_simple)]
         if rows:
