@@ -40,6 +40,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
+from lit_cbs.warmup import log_to_loggers
+
 
 def two_batch_estimates(
     small_grad_sq: torch.Tensor | float,
@@ -420,12 +422,7 @@ class GradientNoiseScale(Callback):
         if not self._stepped:
             return
         self._stepped = False
-        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
-            return
-        metrics = self.metrics()
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        log_to_loggers(trainer, lambda _: self.metrics())
 
     def metrics(self) -> dict[str, float]:
         """The logged metrics' current values (empty before the first measured step)."""

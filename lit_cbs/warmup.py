@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -72,6 +73,21 @@ def _first_2d_tensor_length(batch: Any) -> int | None:
         if isinstance(leaf, torch.Tensor) and leaf.ndim >= 2:
             return int(leaf.shape[1])
     return None
+
+
+def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]]) -> None:
+    """Write ``metrics(trainer)`` straight to the trainer's loggers, in the row of the optimizer step
+    just taken, on logging steps only (``log_every_n_steps``); call it after an optimizer step.
+
+    This is what LearningRateMonitor does: ``self.log`` per metric and step costs milliseconds, a
+    few percent of a small model's step. ``metrics`` is called only when something is written.
+    """
+    if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+        return
+    values = metrics(trainer)
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    for logger in trainer.loggers:
+        logger.log_metrics(values, step=step)
 
 
 class BatchWarmup(Callback):
@@ -352,10 +368,9 @@ class BatchWarmup(Callback):
     def _log(self, trainer, pl_module) -> None:
         if trainer.progress_bar_callback is not None:
             pl_module.log("tokens", float(self.tokens_seen), on_step=True, on_epoch=False, logger=False, prog_bar=True)
-        # Straight to the loggers, as LearningRateMonitor does: self.log per metric and step costs
-        # milliseconds, a few percent of a small model's step.
-        if not trainer.loggers or not trainer._logger_connector.should_update_logs:
-            return
+        log_to_loggers(trainer, self._metrics)
+
+    def _metrics(self, trainer) -> dict[str, float]:
         metrics = {
             "batch/global_size": float(self.global_batch),
             "batch/accumulate": float(self.accumulate),
@@ -365,9 +380,7 @@ class BatchWarmup(Callback):
         }
         if trainer.optimizers:
             metrics["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
-        step = trainer.fit_loop.epoch_loop._batches_that_stepped
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        return metrics
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
