@@ -18,6 +18,7 @@ _EXPORTS = {
     "ExponentialRamp": "lit_cbs.schedules",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.schedules",
+    "OneCycle": "lit_cbs.lr_schedules",
     "PiecewiseBatch": "lit_cbs.schedules",
     "TokenLRScheduler": "lit_cbs.lr_schedules",
     "WarmupStableDecay": "lit_cbs.lr_schedules",

@@ -139,6 +139,13 @@ def check_scheduler_supported(scheduler) -> None:
     if isinstance(scheduler, (*_PROPORTIONAL, TokenLRScheduler)):
         return
     supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.lr_schedules.TokenLRScheduler"]
+    if isinstance(scheduler, torch_sched.OneCycleLR):
+        raise TypeError(
+            f"OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
+            f"the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.lr_schedules.OneCycle("
+            f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
+            "OneCycleLR arguments (momentum is not cycled)"
+        )
     raise TypeError(
         f"{type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
         f"use one of {supported}"

@@ -108,6 +108,64 @@ class CosineSchedule:
         )
 
 
+class OneCycle:
+    """PyTorch's ``OneCycleLR`` LR curve as a multiplier of ``max_lr``, for ``LambdaLR`` (indexed by
+    steps) or ``TokenLRScheduler`` (indexed by tokens).
+
+    ``OneCycleLR`` writes absolute LRs at every step, so a batch change cannot rescale it; the
+    optimizer's ``lr`` set to ``max_lr`` and ``LambdaLR(optimizer, OneCycle(total=...))`` give the
+    same LRs (without momentum cycling) and compose with ``BatchWarmup``. Arguments as in
+    ``OneCycleLR``; ``total`` is its ``total_steps`` (or a token count with ``TokenLRScheduler``).
+    Past ``total`` the multiplier stays at its final value.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        pct_start: float = 0.3,
+        anneal_strategy: str = "cos",
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+    ):
+        self.total = _check_tokens("total", total, allow_zero=False)
+        if not 0.0 < pct_start < 1.0:
+            raise ValueError(f"pct_start={pct_start} must lie in (0, 1)")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
+        if div_factor <= 0 or final_div_factor <= 0:
+            raise ValueError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
+        self.pct_start, self.anneal_strategy = pct_start, anneal_strategy
+        self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
+        initial, peak = 1.0 / div_factor, 1.0
+        final = initial / final_div_factor
+        up_end = float(pct_start * total) - 1
+        if three_phase:  # (end step, start multiplier, end multiplier), as OneCycleLR's phases
+            self._phases = [(up_end, initial, peak), (float(2 * pct_start * total) - 2, peak, initial), (total - 1, initial, final)]
+        else:
+            self._phases = [(up_end, initial, peak), (total - 1, peak, final)]
+
+    def _anneal(self, start: float, end: float, progress: float) -> float:
+        if self.anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * progress) + 1)
+        return (end - start) * progress + start
+
+    def __call__(self, step: int) -> float:
+        step = min(step, self.total - 1)
+        phase_start = 0.0
+        for number, (phase_end, start, end) in enumerate(self._phases):
+            if step <= phase_end or number == len(self._phases) - 1:
+                return self._anneal(start, end, (step - phase_start) / (phase_end - phase_start))
+            phase_start = phase_end
+        raise AssertionError("the last phase always returns")  # pragma: no cover
+
+    def __repr__(self) -> str:
+        return (
+            f"OneCycle(total={self.total}, pct_start={self.pct_start}, anneal_strategy={self.anneal_strategy!r}, "
+            f"div_factor={self.div_factor}, final_div_factor={self.final_div_factor}, three_phase={self.three_phase})"
+        )
+
+
 class TokenLRScheduler(LRScheduler):
     """LR = base LR * ``schedule(tokens_seen)``, a PyTorch LR scheduler for Lightning's ``interval="step"``.
 

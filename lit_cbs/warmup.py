@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils._pytree import tree_leaves
 
 from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
@@ -68,11 +70,20 @@ def data_parallel_size(trainer: pl.Trainer) -> int:
     return int(kwargs["num_replicas"]) if kwargs else 1
 
 
-def _first_2d_tensor_length(batch: Any) -> int | None:
+def token_sequence_length(batch: Any) -> int | None:
+    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None.
+
+    Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
+    """
     for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim >= 2:
-            return int(leaf.shape[1])
+        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not leaf.is_floating_point() and not leaf.is_complex():
+            if leaf.dtype != torch.bool:
+                return int(leaf.shape[1])
     return None
+
+
+def _lcm(values) -> int:
+    return math.lcm(*values) if values else 1
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]]) -> None:
@@ -98,14 +109,18 @@ class BatchWarmup(Callback):
         lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
         max_tokens: stop training once this many tokens (all ranks) were trained on.
         seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
-            else dim 1 of the first 2-D tensor of the first batch.
+            else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
+            token ids (float features) has no tokens: ``tokens_seen`` stays 0 and token-based
+            settings (``unit="tokens"``, ``max_tokens``) are refused.
         max_micro_batch_size: if given, at epoch boundaries the micro-batch becomes the largest size
             (samples per rank, at most this) that divides every global batch still to come, and
             the train loader is reloaded.
         log_every_step: send ``batch/global_size``, ``batch/accumulate``, ``batch/lr_factor``,
             ``samples_seen``, ``tokens_seen`` and ``lr`` to the trainer's loggers at its
-            ``log_every_n_steps``, and show ``tokens`` in the progress bar. Written after an
-            optimizer step: the counts so far, and the batch and LR the next step uses.
+            ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
+            progress bar. Each row describes the optimizer step it belongs to, as Lightning's
+            LearningRateMonitor does: the batch, accumulation and LR that step trained with, and
+            the counts including it.
 
     Attributes:
         history: ``BatchChange`` records, in order.
@@ -150,6 +165,9 @@ class BatchWarmup(Callback):
         self._token_schedulers: list[TokenLRScheduler] = []
         self.fsdp_modules: list = []  # FSDP2 modules whose gradient reduction waits for the stepping micro-batch
         self._gradient_sync: bool | None = None
+        self._check_micro_batch = True
+        self._seq_len_resolved = False
+        self._step_lr: float | None = None
 
     # ------------------------------------------------------------------ validation and setup
     @property
@@ -267,23 +285,91 @@ class BatchWarmup(Callback):
 
         self.fsdp_modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
         self._gradient_sync = None
+        self._warn_checkpoints_inside_accumulation(trainer, pl_module)
+        # A change the schedule asked for after a run's last step was not applied then (no step used
+        # it); a run resumed from there with a larger budget applies it now, where it would have been.
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
+
+    def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
+        accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
+        unit = self.micro_batch_size * self._data_parallel_size
+        step = _lcm(sorted({size // unit for size in self.schedule.sizes(self.consumed)} | {self.accumulate}))
+        if step == 1:
+            return
+        validation_batch = trainer.val_check_batch
+        validates_inside_epoch = (
+            isinstance(validation_batch, int)
+            and trainer.limit_val_batches != 0
+            and is_overridden("validation_step", pl_module)
+            and (validation_batch < trainer.num_training_batches or trainer.check_val_every_n_epoch is None)
+        )
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint):
+                continue
+            if callback._train_time_interval is not None:
+                reason = f"train_time_interval={callback._train_time_interval} can fall on any micro-batch"
+            elif callback._every_n_epochs >= 1 and validates_inside_epoch and validation_batch % step:
+                reason = (
+                    f"it saves after validation, which runs every {validation_batch} micro-batches (val_check_interval), "
+                    f"not a multiple of the accumulation {step}"
+                )
+            else:
+                continue
+            aligned = -(-validation_batch // step) * step if isinstance(validation_batch, int) else step
+            rank_zero_warn(
+                f"ModelCheckpoint may save inside an accumulation window ({reason}); a run resumed from such a "
+                f"checkpoint loses the half-accumulated gradient. Checkpoint on optimizer steps with "
+                f"ModelCheckpoint(every_n_train_steps=...), or set val_check_interval to a multiple of {step} "
+                f"micro-batches (e.g. {aligned})"
+            )
 
     # ------------------------------------------------------------------ per batch
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_micro_batch = True  # the loader may have been (re)built for this epoch
+
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.seq_len is None:
-            self.seq_len = _first_2d_tensor_length(batch)
-            if self.seq_len is None and (self.schedule.unit == "tokens" or self.max_tokens is not None):
-                raise ValueError(
-                    "BatchWarmup counts tokens (schedule unit='tokens' or max_tokens) but the sequence length is "
-                    "unknown: pass BatchWarmup(seq_len=...) or give the datamodule a `tokens_per_sample` attribute"
-                )
-        samples = extract_batch_size(batch) * self._data_parallel_size
+        micro = extract_batch_size(batch)
+        if self._check_micro_batch:
+            self._check_received_micro_batch(trainer, micro)
+        if not self._seq_len_resolved:
+            self._resolve_seq_len(batch)
+        samples = micro * self._data_parallel_size
         self.samples_seen += samples
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
             scheduler.tokens_seen = self.tokens_seen
         if self.fsdp_modules:
             self.set_gradient_sync(not trainer.fit_loop.epoch_loop._should_accumulate())
+
+    def _check_received_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
+        """The first batch of an epoch must hold ``batch_size`` samples: a loader that ignores it
+        would make every count, the global batch and the LR rule silently wrong."""
+        self._check_micro_batch = False
+        if micro == self.micro_batch_size:
+            return
+        if micro < self.micro_batch_size and trainer.num_training_batches == 1:
+            return  # an epoch shorter than one micro-batch (drop_last=False)
+        where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
+        raise ValueError(
+            f"BatchWarmup counts micro-batches of batch_size={self.micro_batch_size} samples, but the train "
+            f"loader's first batch this epoch holds {micro}: build train_dataloader() with "
+            f"DataLoader(..., batch_size=self.batch_size) from {where} `batch_size`, read when the loader is "
+            "created (BatchWarmup sets it and reloads the loader when the micro-batch changes)"
+        )
+
+    def _resolve_seq_len(self, batch: Any) -> None:
+        self._seq_len_resolved = True
+        if self.seq_len is None:
+            self.seq_len = token_sequence_length(batch)
+        if self.seq_len is None and (self.schedule.unit == "tokens" or self.max_tokens is not None):
+            setting = "schedule unit='tokens'" if self.schedule.unit == "tokens" else f"max_tokens={self.max_tokens}"
+            raise ValueError(
+                f"BatchWarmup has {setting} but the batches hold no token ids (no 2-D integer tensor), so it "
+                "cannot count tokens: use unit='samples' and no max_tokens for such data, or pass "
+                "BatchWarmup(seq_len=...) / give the datamodule a `tokens_per_sample` attribute if it is token data"
+            )
 
     def set_gradient_sync(self, sync: bool | None) -> None:
         """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
@@ -298,21 +384,34 @@ class BatchWarmup(Callback):
                 module.set_requires_gradient_sync(sync, recurse=False)
             self._gradient_sync = sync
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         if epoch_loop._should_accumulate():
             return  # no optimizer step this batch
         if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
             trainer.should_stop = True
+        if self.log_every_step:
+            self._log(trainer, pl_module)  # before any change: this row is the step just taken
+        if self._no_step_follows(trainer):
+            return
         ready = epoch_loop.batch_progress.current.ready
         self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
-        if self.log_every_step:
-            self._log(trainer, pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Between epochs any accumulation fits (the next epoch starts at batch 0), and the
         # micro-batch may change because the train loader can be rebuilt.
+        if self._no_step_follows(trainer) or trainer.current_epoch + 1 == trainer.max_epochs:
+            return
         self._maybe_change(trainer, pl_module, lambda new_accumulate: True, epoch_boundary=True)
+
+    @staticmethod
+    def _no_step_follows(trainer: pl.Trainer) -> bool:
+        """True after the run's final optimizer step: a change there would be recorded, logged and
+        checkpointed although no step uses it."""
+        return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
 
     def _maybe_change(self, trainer, pl_module, fits, epoch_boundary: bool = False) -> None:
         target = self.schedule.batch_size(self.consumed)
@@ -367,7 +466,8 @@ class BatchWarmup(Callback):
 
     def _log(self, trainer, pl_module) -> None:
         if trainer.progress_bar_callback is not None:
-            pl_module.log("tokens", float(self.tokens_seen), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+            name, value = ("tokens", self.tokens_seen) if self.seq_len else ("samples", self.samples_seen)
+            pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
         log_to_loggers(trainer, self._metrics)
 
     def _metrics(self, trainer) -> dict[str, float]:
@@ -378,8 +478,10 @@ class BatchWarmup(Callback):
             "samples_seen": float(self.samples_seen),
             "tokens_seen": float(self.tokens_seen),
         }
-        if trainer.optimizers:
-            metrics["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
+        if self._step_lr is not None:
+            metrics["lr"] = self._step_lr
+        if self.seq_len is None:
+            del metrics["tokens_seen"]  # data without token ids
         return metrics
 
     # ------------------------------------------------------------------ checkpointing

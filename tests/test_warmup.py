@@ -305,17 +305,10 @@ def test_missing_micro_batch_size_is_refused():
     _fit_expecting(ValueError, "batch_size", data=NoBatchSizeData())
 
 
-class ScalarFeatureData(RegressionData):
-    """Batches hold only 1-D tensors: no sequence length can be read off them."""
-
-    def train_dataloader(self):
-        samples = [{"idx": i, "x": self.dataset.x[i, 0], "y": self.dataset.y[i, 0]} for i in range(len(self.dataset))]
-        return torch.utils.data.DataLoader(samples, batch_size=self.batch_size)
-
-
-def test_token_units_without_sequence_length_are_refused():
-    _fit_expecting(ValueError, "sequence length is unknown", schedule=PiecewiseBatch([2, 4], [0, 64], unit="tokens"),
-                   data=ScalarFeatureData(n=16, batch_size=2))
+@pytest.mark.parametrize("kwargs", [dict(schedule=PiecewiseBatch([2, 4], [0, 64], unit="tokens")), dict(max_tokens=64)])
+def test_token_settings_on_data_without_tokens_are_refused(kwargs):
+    # x is a float [batch, 4] feature tensor: 4 is no sequence length.
+    _fit_expecting(ValueError, "hold no token ids", **kwargs)
 
 
 def test_max_micro_batch_below_micro_batch_is_refused():
@@ -359,8 +352,8 @@ def test_metrics_reach_the_logger_at_its_interval(tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(4, trainer.global_step, 5))
     for row in rows:
         step = int(row["step"])
-        # Row s is written after optimizer step s (0-based): counts so far, batch and LR of the next step.
-        size = 4 if step + 1 >= warmup.history[0].step else 2
+        # Row s describes optimizer step s (0-based): its batch and LR, the counts including it.
+        size = 4 if step >= warmup.history[0].step else 2
         assert float(row["batch/global_size"]) == size and float(row["batch/accumulate"]) == size // 2
         assert float(row["lr"]) == pytest.approx(0.05 * size / 2)
     assert float(rows[-1]["tokens_seen"]) == 4 * float(rows[-1]["samples_seen"])
