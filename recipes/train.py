@@ -24,6 +24,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses
 import json
+import logging
+import re
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -31,7 +34,10 @@ from pathlib import Path
 import hydra
 import lightning.pytorch as pl
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
@@ -70,9 +76,23 @@ def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
     return float(lr) * get_lr_rule(rule).lr_factor(float(batch_size) / float(base_batch_size))
 
 
+def sweep_subdir(job_number, run_name, job_overrides) -> str:
+    """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line
+    sweeps (``batch.schedule.batch_size=8,16`` -> ``..._batch.schedule.batch_size=16``). The recipe is
+    in ``run_name``; keys set to one value for every job would only lengthen every name."""
+    swept = {
+        override.key_or_group
+        for override in OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+        if override.is_sweep_override()
+    }
+    own = [item for item in job_overrides if item.split("=", 1)[0].lstrip("+~") in swept - {"recipe"}]
+    return "_".join([f"{job_number}_{run_name}", *own])
+
+
 def register_resolvers() -> None:
     OmegaConf.register_new_resolver("lit_cbs.world_size", world_size, replace=True)
     OmegaConf.register_new_resolver("lit_cbs.scaled_lr", scaled_lr, replace=True)
+    OmegaConf.register_new_resolver("lit_cbs.sweep_subdir", sweep_subdir, replace=True)
 
 
 register_resolvers()
@@ -80,8 +100,53 @@ register_resolvers()
 warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
 
 
+log = logging.getLogger("lit_cbs.train")
+
+
 class ConfigError(ValueError):
     """A setting that stops the run before training; the message names the setting and the fix."""
+
+
+_INTERPOLATION = re.compile(r"^\$\{([\w.]+)\}$")
+
+
+def config_keys(cfg: DictConfig, key: str) -> dict[str, tuple[str, str | None]]:
+    """Argument name -> (the Hydra key that sets it, the key it is interpolated from or None), for the
+    node at ``key`` and the nodes it interpolates (``callbacks.batch_warmup.schedule`` is ``${batch.schedule}``)."""
+    keys: dict[str, tuple[str, str | None]] = {}
+    node = OmegaConf.select(cfg, key)
+    raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
+    for name, value in raw.items():
+        source = _INTERPOLATION.match(value).group(1) if isinstance(value, str) and _INTERPOLATION.match(value) else None
+        if source is not None and OmegaConf.is_dict(OmegaConf.select(cfg, source)):
+            keys.update({k: v for k, v in config_keys(cfg, source).items() if k not in keys})
+        elif isinstance(value, dict):
+            keys.update({k: v for k, v in config_keys(cfg, f"{key}.{name}").items() if k not in keys})
+        if not name.startswith("_"):
+            keys[name] = (f"{key}.{name}", source)
+    return keys
+
+
+def name_the_keys(cfg: DictConfig, key: str, message: str) -> str:
+    """``message`` with the arguments it names written as the Hydra keys that set them, e.g.
+    ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``."""
+    for name, (full_key, source) in sorted(config_keys(cfg, key).items(), key=lambda item: -len(item[0])):
+        if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?=", message):
+            continue  # a plain word such as `unit` may be prose; `unit=` or `warmup_tokens` is the argument
+        note = f" ({source})" if source is not None and not isinstance(OmegaConf.select(cfg, source), DictConfig) else ""
+        message = re.sub(rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?", lambda m: f"{full_key}{m.group(1) or ''}{note}", message, count=1)
+        message = re.sub(rf"(?<![\w.]){re.escape(name)}\b", full_key, message)
+    return message
+
+
+def instantiate_key(cfg: DictConfig, key: str, **kwargs):
+    """``instantiate(cfg.<key>)``; a configuration error names the keys it is about."""
+    try:
+        return instantiate(OmegaConf.select(cfg, key), **kwargs)
+    except CONFIG_ERRORS as error:
+        message = one_line(error)
+        named = name_the_keys(cfg, key, message)
+        raise ConfigError(named if named != message else f"{key}: {message}") from error
 
 
 @dataclasses.dataclass
@@ -92,16 +157,35 @@ class Run:
     batch_warmup: BatchWarmup
 
 
-def instantiate_named(group: DictConfig | None, what: str) -> list:
-    """Instantiate every non-null entry of a dict of named configs (callbacks, loggers)."""
+def instantiate_named(cfg: DictConfig, what: str) -> list:
+    """Instantiate every non-null entry of a dict of named configs (``callbacks``, ``logger``)."""
     objects = []
-    for name, node in (group or {}).items():
+    for name, node in (cfg.get(what) or {}).items():
         if node is None:
             continue
         if "_target_" not in node:
             raise ConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
-        objects.append(instantiate(node))
+        objects.append(instantiate_key(cfg, f"{what}.{name}"))
     return objects
+
+
+def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: list) -> list:
+    """A CBS probe none of whose windows fits in max_tokens would stop the run once the model is
+    built; warn now, naming the keys, and train without it."""
+    kept = []
+    for callback in callbacks:
+        if isinstance(callback, CBSProbeCallback):
+            first = callback.probe_point(0)
+            if first + callback.window_tokens > cfg.max_tokens:
+                name = next(n for n, node in cfg.callbacks.items() if node is not None and node.get("_target_", "").endswith("CBSProbeCallback"))
+                log.warning(
+                    f"warning: callbacks.{name}: the first probe ({first:,} tokens + window_tokens={callback.window_tokens:,}) ends past "
+                    f"max_tokens={cfg.max_tokens:,}, so it never runs; training without it. Probe earlier "
+                    f"(callbacks.{name}.geometric / at_tokens / every_tokens), raise max_tokens, or set callbacks.{name}=null"
+                )
+                continue
+        kept.append(callback)
+    return kept
 
 
 def check_global_batch(warmup: BatchWarmup, micro_batch_size: int, processes: int) -> None:
@@ -137,22 +221,23 @@ def build_run(cfg: DictConfig) -> Run:
             "data.path=<folder prepared by lit_cbs.data.prepare>, or data.input_dir=<folder of text files> "
             "data.tokenizer=<tokenizer.json>"
         )
-    model = instantiate(
-        cfg.model,
-        lr_schedule=instantiate(cfg.lr_schedule) if cfg.get("lr_schedule") is not None else None,
+    model = instantiate_key(
+        cfg,
+        "model",
+        lr_schedule=instantiate_key(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None,
         **OmegaConf.to_container(cfg.optimizer, resolve=True),
     )  # CausalLM builds the decoder in configure_model, during fit
-    datamodule = instantiate(cfg.data)
+    datamodule = instantiate_key(cfg, "data")
     datamodule.check_context(model_config.context_length)
 
-    callbacks = instantiate_named(cfg.callbacks, "callbacks")
+    callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
     warmups = [callback for callback in callbacks if isinstance(callback, BatchWarmup)]
     if len(warmups) != 1:
         raise ConfigError(
             f"callbacks hold {len(warmups)} BatchWarmup callbacks; keep exactly one (callbacks.batch_warmup): "
             "it feeds the token-indexed LR schedule and stops the run at max_tokens"
         )
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=instantiate_named(cfg.get("logger"), "logger") or False)
+    trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=instantiate_named(cfg, "logger") or False)
     check_global_batch(warmups[0], datamodule.batch_size, trainer.world_size)
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
@@ -260,9 +345,36 @@ def summarize(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def send_lightning_logs_to_the_job_log() -> None:
+    """Lightning's messages (and BatchWarmup's) go to Hydra's handlers, so ``train.log`` holds them too.
+
+    Imported before Hydra configured logging, Lightning found no root handler, added its own console
+    handler and stopped propagating; undo that now that Hydra's console and file handlers exist.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lightning_logger = logging.getLogger(name)
+        for handler in list(lightning_logger.handlers):
+            lightning_logger.removeHandler(handler)
+        lightning_logger.propagate = True
+
+
+def stop_on_config_error(error: BaseException) -> None:
+    """End the job with one line naming the setting. A single run exits; in a multirun the job fails
+    and Hydra goes on with the other jobs, then reports the failure once they are done."""
+    message = f"error: {one_line(error)}"
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        log.error(message)
+        raise ConfigError(one_line(error)) from None
+    for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None))
+    raise SystemExit(message) from None
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train; return the final val/loss (for Hydra sweepers)."""
+    send_lightning_logs_to_the_job_log()
     torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     pl.seed_everything(cfg.seed, workers=True)
     try:
@@ -270,12 +382,12 @@ def main(cfg: DictConfig) -> float | None:
     except CONFIG_ERRORS as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        raise SystemExit(f"error: {one_line(error)}") from None
+        stop_on_config_error(error)
     output_dir = Path(cfg.output_dir)
     if run.trainer.is_global_zero:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        print(describe(run, cfg), flush=True)
+        log.info(describe(run, cfg))
 
     started = time.perf_counter()
     run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
@@ -289,7 +401,7 @@ def main(cfg: DictConfig) -> float | None:
         metrics_csv = output_dir / "metrics.csv"
         if cfg.plots and metrics_csv.is_file():
             plot_run(metrics_csv, output_dir, title=cfg.run_name)
-        print(f"lit_cbs: {cfg.run_name} done\n{summarize(summary)}\noutputs          {output_dir}", flush=True)
+        log.info(f"lit_cbs: {cfg.run_name} done\n{summarize(summary)}\noutputs          {output_dir}")
     return float(val_loss) if val_loss is not None else None
 
 

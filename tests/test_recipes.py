@@ -75,13 +75,17 @@ def test_tiny_controls(recipe, batch, lr):
     assert cfg.run_name == recipe and cfg.max_tokens == 4_194_304
 
 
-@pytest.mark.parametrize(("batch", "rule", "lr"), [(128, None, 3e-3 * 8**0.5), (32, "linear", 6e-3), (8, "none", 3e-3)])
-def test_scaled_lr_follows_the_swept_batch(batch, rule, lr):
-    # The large-batch control and the E(S) sweep take their LR from the batch by an LR rule.
-    cfg = compose_config("+recipe=tiny_large_batch", f"batch.schedule.batch_size={batch}")
-    if rule is not None:
-        cfg.optimizer.lr = f"${{lit_cbs.scaled_lr:3e-3,${{batch.schedule.batch_size}},16,{rule}}}"
-    assert cfg.optimizer.lr == pytest.approx(lr)
+@pytest.mark.parametrize("recipe, base_lr, base_batch", [
+    ("tiny_small_batch", 3e-3, 16), ("tiny_large_batch", 3e-3, 16), ("tiny_es_sweep", 3e-3, 16),
+    ("olmo1b_small_batch", 4e-4, 1024), ("olmo1b_large_batch", 4e-4, 1024),
+])
+@pytest.mark.parametrize("rule, factor", [("sqrt", math.sqrt), ("linear", float), ("none", lambda r: 1.0)])
+def test_every_constant_batch_recipe_scales_the_lr_by_the_batch_rule(recipe, base_lr, base_batch, rule, factor):
+    # One rule for batch overrides: the LR BatchWarmup would give that batch, whichever control is overridden.
+    cfg = compose_config(f"+recipe={recipe}", f"batch.schedule.batch_size={4 * base_batch}", f"batch.lr_rule={rule}")
+    assert cfg.optimizer.lr == pytest.approx(base_lr * factor(4))
+    warmup = instantiate(cfg.callbacks.batch_warmup)
+    assert warmup.lr_rule.lr_factor(4) == pytest.approx(factor(4))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -168,6 +172,11 @@ def text_folder(tmp_path_factory):
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
         (["+recipe=olmo1b_warmup"], "this recipe trains on your tokens"),
         (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"], "trainer.devices='auto' must be the number"),
+        (["max_tokens=65536"], "lr_schedule.warmup_tokens + lr_schedule.decay_tokens = 262144 exceeds "
+                               "lr_schedule.total_tokens=65536 (max_tokens); shorten the warmup or the decay"),
+        (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
+        (["batch.schedule.unit=token"], "batch.schedule.unit='token' is not supported"),
+        (["callbacks.cbs_probe.strategy=binary"], "callbacks.cbs_probe.strategy='binary'"),
     ],
 )
 def test_bad_settings_stop_before_the_model(overrides, message):
@@ -176,6 +185,18 @@ def test_bad_settings_stop_before_the_model(overrides, message):
         train.build_run(cfg)
     assert message in train.one_line(error.value)
     assert "\n" not in train.one_line(error.value)
+
+
+def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
+    cfg = compose_config("max_tokens=600000", "lr_schedule.warmup_tokens=16384")  # first probe: 524,288 + 131,072 tokens
+    with caplog.at_level("WARNING", logger="lit_cbs.train"):
+        run = train.build_run(cfg)
+    from lit_cbs import CBSProbeCallback
+
+    assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
+    (record,) = caplog.records
+    assert record.message.startswith("warning: callbacks.cbs_probe: the first probe (524,288 tokens + window_tokens=131,072)")
+    assert "\n" not in record.message
 
 
 def test_data_folder_without_chunks(tmp_path):
@@ -225,7 +246,7 @@ def test_which_recipes_probe_the_cbs(recipe, probed):
     from lit_cbs.schedules import CBSAdaptive
 
     cfg = compose_config(f"+recipe={recipe}")
-    callbacks = train.instantiate_named(cfg.callbacks, "callbacks")
+    callbacks = train.instantiate_named(cfg, "callbacks")
     probes = [c for c in callbacks if isinstance(c, CBSProbeCallback)]
     assert len(probes) == int(probed)
     if recipe == "olmo1b_cbs_probe":  # the paper's protocol

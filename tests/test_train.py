@@ -85,7 +85,7 @@ def test_run_outputs(first_run):
     metrics = read_metrics_csv(run_dir / "metrics.csv")
     assert {"train/loss", "val/loss", "tokens_seen", "batch/global_size", "lr", "perf/tokens_per_s"} <= set(metrics)
     assert list(metrics["tokens_seen"][1]) == [1024.0 * (k + 1) for k in range(4)] + [4096.0 + 2048 * k for k in range(1, 5)]
-    assert list(metrics["batch/global_size"][1]) == [8.0] * 3 + [16.0] * 5  # logged after each step: the next step's
+    assert list(metrics["batch/global_size"][1]) == [8.0] * 4 + [16.0] * 4  # each row: the batch of its own step
     history = json.loads((run_dir / "batch_history.json").read_text())
     assert [(c["step"], c["new_global_batch"]) for c in history["changes"]] == [(4, 16)]
     assert history["final"]["tokens_seen"] == 12288
@@ -146,6 +146,24 @@ def test_torchrun_fsdp_with_activation_checkpointing(first_run):
     assert 0 < metrics["val/loss"][1][-1] < metrics["train/loss"][1][0]
     checkpoint = fsdp_dir / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one shard per process
+
+
+def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
+    _, prepared, _ = first_run
+    env = subprocess_env(PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    result = subprocess.run(
+        [sys.executable, TRAIN, "-m", *SMALL_RUN, f"data.path={prepared}", "callbacks.cbs_probe=null",
+         "data.batch_size=5,4", f"hydra.sweep.dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
+    failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
+    done = tmp_path / "1_tiny_warmup_data.batch_size=4"
+    assert "error: global batch 8 (batch.schedule) is not divisible by data.batch_size=5" in (failed / "train.log").read_text()
+    assert json.loads((done / "summary.json").read_text())["optimizer_steps"] == 8
+    log = (done / "train.log").read_text()
+    assert "BatchWarmup: global batch 8 -> 16 samples" in log and "lit_cbs: tiny_warmup done" in log
 
 
 def test_configuration_error_is_one_line(tmp_path):

@@ -144,7 +144,7 @@ def _hydra_overrides(folder: Path) -> list[str]:
 
 def _run_label(folder: Path, common: Sequence[str] = ()) -> str:
     """The folder's name, with the Hydra overrides that made the run other than ``common`` ones."""
-    own = [item for item in _hydra_overrides(folder) if item not in common]
+    own = [item for item in _hydra_overrides(folder) if item not in common and item not in folder.name]
     return f"{folder.name} ({' '.join(own)})" if own else folder.name
 
 
