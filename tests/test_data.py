@@ -1,5 +1,6 @@
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from litdata import StreamingDataset, TokensLoader
 
@@ -116,6 +117,19 @@ def test_prepare_writes_several_chunks_in_stream_order(tmp_path, text_dir):
     assert max(chunk["dim"] for chunk in index["chunks"]) <= 500
     assert sum(chunk["dim"] for chunk in index["chunks"]) == metadata["train_tokens"]
     assert read_tokens(tmp_path / "out" / "train") + read_tokens(tmp_path / "out" / "val") == source_stream(text_dir)
+
+
+def test_preparing_leaves_the_global_random_generators_alone(tmp_path, text_dir):
+    # A run seeds, then prepares its data, then initialises its model: the first draws after
+    # preparing must be those the seed gives, as in a run that finds its data prepared.
+    def draws() -> tuple:
+        return torch.rand(4).tolist(), np.random.rand(4).tolist(), [random.random() for _ in range(4)]
+
+    seed_everything(1234)
+    expected = draws()
+    seed_everything(1234)
+    prepare(text_files(text_dir), tmp_path / "out", ByteTokenizer(), val_fraction=0.2)
+    assert draws() == expected
 
 
 def test_prepare_reports_a_tokenizer_failure(tmp_path, text_dir):

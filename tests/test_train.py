@@ -1,6 +1,6 @@
 """recipes/train.py end to end in subprocesses, on a small text folder: outputs, preparing data
-from the folder, resuming from a checkpoint, DDP and FSDP2 with 2 CPU processes under torchrun,
-and benchmarks/gpu_check.py on the CPU."""
+from the folder (and training the same weights as a run that finds it prepared), resuming from a
+checkpoint, DDP and FSDP2 with 2 CPU processes under torchrun, and benchmarks/gpu_check.py on the CPU."""
 
 from __future__ import annotations
 
@@ -111,6 +111,23 @@ def test_prepared_from_text_folder(first_run, text_folder):
     source_bytes = sum(path.stat().st_size for path in text_folder.iterdir())
     assert metadata["source_bytes"] == source_bytes and metadata["num_documents"] == 5
     assert metadata["train_tokens"] + metadata["val_tokens"] == source_bytes + 5  # bytes plus one EOS per file
+
+
+def test_a_run_that_prepares_its_data_equals_a_run_that_finds_it_prepared(first_run, text_folder):
+    """Same seed, same config: the first run prepares the folder into the empty cache, the second
+    finds it there. Both must train the same weights on the same batches."""
+    run_dir, prepared, _ = first_run
+    cached = run_dir.parent / "cached"
+    train(cached, f"data.input_dir={text_folder}", f"data.cache_dir={prepared.parent}")
+    assert list(prepared.parent.iterdir()) == [prepared]  # a cache hit: nothing prepared again
+    first, second = (read_metrics_csv(folder / "metrics.csv") for folder in (run_dir, cached))
+    for name in ("train/loss", "val/loss"):
+        assert first[name][1].tolist() == second[name][1].tolist(), name
+    prepared_weights, cached_weights = (
+        torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for folder in (run_dir, cached)
+    )
+    assert prepared_weights.keys() == cached_weights.keys()
+    assert all(torch.equal(prepared_weights[key], cached_weights[key]) for key in prepared_weights)
 
 
 def test_resume_continues_exactly(first_run):

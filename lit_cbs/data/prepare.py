@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from lightning.pytorch.utilities.seed import isolate_rng
 from litdata import TokensLoader, optimize
 
 from lit_cbs.data.corpus import stdlib_python_files
@@ -129,15 +130,21 @@ def _tokenize_piece(
 
 @contextlib.contextmanager
 def _isolated_optimize_run() -> Iterator[Path]:
-    """A private scratch folder for litdata's optimize; restores the multiprocessing start method.
+    """A private scratch folder for litdata's optimize; restores the multiprocessing start method
+    and the global random states.
 
     optimize wipes its scratch folders (under the system temp dir by default) when it starts,
-    which breaks a concurrent preparation, and it sets the global start method to its own.
+    which breaks a concurrent preparation, and it sets the global start method to its own. It
+    also seeds Python's, numpy's and torch's (CPU and CUDA) global generators with a fixed 42: a
+    run that prepares its data after seeding would otherwise initialise its model from 42
+    instead of its own seed, unlike every later run, which finds the data prepared.
     """
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
     scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
     previous_env = {name: os.environ.get(name) for name in scratch_vars}
-    with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch:
+    # Where CUDA is available, isolate_rng starts it here to read its state: until CUDA starts,
+    # torch.manual_seed only queues a CUDA seed, and optimize's 42 would replace the user's.
+    with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch, isolate_rng():
         for name in scratch_vars:
             os.environ[name] = os.path.join(scratch, name.lower())
         try:
@@ -179,7 +186,8 @@ def prepare(
     processes (default: one per 8 MB of text, at most one per core). chunk_tokens: tokens per
     litdata chunk (TokensLoader samples never cross a chunk boundary, so up to seq_len tokens
     per chunk go unused). fingerprint: recorded in the metadata (see ``source_fingerprint``).
-    Returns the metadata also written to ``output_dir``/lit_cbs.json.
+    Returns the metadata also written to ``output_dir``/lit_cbs.json. The global random
+    generators (Python, numpy, torch) are left as they were.
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
