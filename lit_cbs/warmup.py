@@ -28,8 +28,8 @@ import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.utils._pytree import tree_leaves
 
+from lit_cbs._internals import logging_step, logs_this_step, reload_train_dataloader, should_accumulate, tree_leaves
 from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule
@@ -82,10 +82,10 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str
     This is what LearningRateMonitor does: ``self.log`` per metric and step costs milliseconds, a
     few percent of a small model's step. ``metrics`` is called only when something is written.
     """
-    if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+    if not trainer.loggers or not logs_this_step(trainer):
         return
     values = metrics(trainer)
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = logging_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
 
@@ -283,7 +283,7 @@ class BatchWarmup(Callback):
         for scheduler in self._token_schedulers:
             scheduler.tokens_seen = self.tokens_seen
         if self.fsdp_modules:
-            self.set_gradient_sync(not trainer.fit_loop.epoch_loop._should_accumulate())
+            self.set_gradient_sync(not should_accumulate(trainer))
 
     def set_gradient_sync(self, sync: bool | None) -> None:
         """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
@@ -300,7 +300,7 @@ class BatchWarmup(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
             trainer.should_stop = True
@@ -356,7 +356,7 @@ class BatchWarmup(Callback):
         self.global_batch, self.accumulate, self.lr_factor = target, new_accumulate, self.lr_factor * factor
         if new_micro != self.micro_batch_size:
             self.micro_batch_size = new_micro
-            trainer.fit_loop._combined_loader = None  # rebuilt with the new batch_size at the next epoch start
+            reload_train_dataloader(trainer)  # rebuilt with the new batch_size at the next epoch start
         self._apply_to_trainer(trainer, pl_module)
         rank_zero_info(
             f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
