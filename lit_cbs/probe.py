@@ -110,6 +110,12 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
     return float("nan") if ema is None else float(ema)
 
 
+def max_branches(strategy: str, multipliers: int) -> int:
+    """Branches one probe trains at most: every multiplier for "grid"; for "bisect", one baseline
+    branch plus ceil(log2(multipliers)) others."""
+    return multipliers if strategy == "grid" else 1 + math.ceil(math.log2(max(2, multipliers)))
+
+
 # ---------------------------------------------------------------------------- state snapshots
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a tensor (a DTensor's shard under FSDP2)."""
@@ -475,9 +481,7 @@ class CBSProbeCallback(Callback):
                 f"tokens would end past max_tokens={warmup.max_tokens:,}"
             )
             return
-        # Bisection trains at most one baseline branch plus ceil(log2(len(ks))) others.
-        expected_branches = len(ks) if self.strategy == "grid" else 1 + math.ceil(math.log2(max(2, len(ks))))
-        expected_cost = expected_branches * window_samples * seq_len
+        expected_cost = max_branches(self.strategy, len(ks)) * window_samples * seq_len
         if self.max_overhead is not None:
             overhead = (self.tokens_spent + expected_cost) / max(1, warmup.tokens_seen + window_samples * seq_len)
             if overhead > self.max_overhead:
