@@ -16,6 +16,7 @@ _EXPORTS = {
     "ConstantBatch": "lit_cbs.schedules",
     "CosineSchedule": "lit_cbs.lr_schedules",
     "ExponentialRamp": "lit_cbs.schedules",
+    "FinalStateCheckpoint": "lit_cbs.checkpoint",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.schedules",
     "PiecewiseBatch": "lit_cbs.schedules",

@@ -20,12 +20,14 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils._pytree import tree_leaves, tree_map
 
 # What each function below reaches, as dotted paths from a module or from a live object (trainer.,
-# metric., sequential_lr. or lr_scheduler.): tests/test_internals.py resolves every path.
+# model_checkpoint., metric., sequential_lr. or lr_scheduler.): tests/test_internals.py resolves every path.
 PRIVATE_ATTRIBUTES = {
     "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
     "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),
     "logs_this_step": ("trainer._logger_connector.should_update_logs",),
     "reload_train_dataloader": ("trainer.fit_loop._combined_loader",),
+    "last_saved_step": ("model_checkpoint._last_global_step_saved",),
+    "set_last_saved_step": ("model_checkpoint._last_global_step_saved",),
     "collect_rng_states": ("lightning.fabric.utilities.seed._collect_rng_states",),
     "set_rng_states": ("lightning.fabric.utilities.seed._set_rng_states",),
     "block_ddp_gradient_sync": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
@@ -75,6 +77,16 @@ def block_ddp_gradient_sync(strategy, block: bool) -> AbstractContextManager:
     """Context in which DDP's backward does not all-reduce gradients (``block=True``), as Lightning's
     own accumulation does; a no-op for other strategies."""
     return _block_parallel_sync_behavior(strategy, block=block)
+
+
+def last_saved_step(checkpoint) -> int:
+    """The optimizer step a ``ModelCheckpoint`` last saved at (0: none yet)."""
+    return checkpoint._last_global_step_saved
+
+
+def set_last_saved_step(checkpoint, step: int) -> None:
+    """Tell a ``ModelCheckpoint`` that ``step`` is saved, so it does not save that step again."""
+    checkpoint._last_global_step_saved = step
 
 
 # ---------------------------------------------------------------------- RNG and metric state

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.optim.lr_scheduler import ConstantLR, LinearLR, SequentialLR
 
 from lit_cbs import _internals
@@ -45,7 +46,8 @@ def live_objects():
     sequential = SequentialLR(optimizer, [ConstantLR(optimizer, 0.5, total_iters=2), LinearLR(optimizer)], milestones=[2])
     optimizer.step()
     sequential.step()
-    roots = {"trainer": trainer, "metric": metric, "sequential_lr": sequential, "lr_scheduler": sequential}
+    roots = {"trainer": trainer, "metric": metric, "sequential_lr": sequential, "lr_scheduler": sequential,
+             "model_checkpoint": ModelCheckpoint()}
     return roots, record
 
 
