@@ -20,6 +20,7 @@ _EXPORTS = {
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.schedules",
     "PiecewiseBatch": "lit_cbs.schedules",
+    "RunProgressBar": "lit_cbs.progress",
     "TokenLRScheduler": "lit_cbs.lr_schedules",
     "WarmupStableDecay": "lit_cbs.lr_schedules",
 }
