@@ -167,7 +167,8 @@ def device_memory(
 
     if strategy == "fsdp":
         gathered = (shape.root_parameters + min(3, config.n_layers) * shape.block_parameters) * act
-        working = gathered + shape.block_parameters * (act + 4) if shards > 1 else 0
+        # One rank gathers nothing, but still casts to the low-precision parameter dtype.
+        working = gathered + shape.block_parameters * (act + 4) if shards > 1 or act < param_bytes else 0
     else:
         working = parameters if strategy == "ddp" else 0  # DDP's gradient buckets
         if act < param_bytes:  # autocast's copies; with checkpointing, of one block's weights at a time
@@ -377,8 +378,9 @@ class RunPlan:
         lines = [
             f"lit_cbs plan: {self.name} (nothing trained, no data read)",
             f"model            {c.n_layers} layers x d_model {c.d_model}, {self.shape.parameters:,} parameters, "
-            f"{self.shape.flops_per_token(self.seq_len) / 1e9:,.2f} GFLOPs per token (training) at {self.seq_len:,} tokens",
-            f"processes        {self.processes} ({self.num_nodes} node(s) x {self.devices_per_node} {self.accelerator}), "
+            f"{self.shape.flops_per_token(self.seq_len):.3g} FLOPs per token (training) at {self.seq_len:,} tokens",
+            f"processes        {self.processes} ({self.num_nodes} node{'s' if self.num_nodes > 1 else ''} x "
+            f"{self.devices_per_node} {'GPU' if self.accelerator in ('gpu', 'cuda') else self.accelerator}), "
             f"{strategy}, precision {self.precision}",
             f"tokens           {self.tokens:,} in {sum(p.optimizer_steps for p in self.phases):,} optimizer steps "
             f"(max_tokens={self.max_tokens:,})",
@@ -395,9 +397,10 @@ class RunPlan:
         chosen = "on" if self.activation_checkpointing else "off"
         micro = self.phases[0].micro_batch if self.phases else 0
         working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[self.strategy]
+        unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         lines += [
             "",
-            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} (GiB) at micro-batch {micro} x "
+            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} ({unit}) at micro-batch {micro} x "
             f"{self.seq_len:,} tokens; activation checkpointing {chosen} (model.activation_checkpointing)",
             f"  {'':<24} {'AC on':>8} {'AC off':>8}",
         ]
@@ -410,7 +413,7 @@ class RunPlan:
             ("activations (peak add)", on.activation_peak_extra, off.activation_peak_extra),
             ("total", on.total, off.total),
         ]
-        lines += [f"  {label:<24} {a / GIB:>8.2f} {b / GIB:>8.2f}" for label, a, b in rows]
+        lines += [f"  {label:<24} {a / size:>8.2f} {b / size:>8.2f}" for label, a, b in rows]
         lines.append(f"  (plus CUDA context, communication buffers and fragmentation; limit plan_for.gpu_memory_gib="
                      f"{self.limits.gpu_memory_gib:g})")
         lines.append("")
@@ -431,15 +434,18 @@ class RunPlan:
         lines += [
             "",
             f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
-            f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device), "
+            f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
+            f"plan_for.peak_flops_per_device), "
             f"{self.processes * seconds / 3600:,.0f} device-hours",
         ]
         warnings = self.warnings()
-        lines += [f"WARNING: {w}" for w in warnings] or ["fits           memory per device and host memory within the limits"]
+        lines += [f"WARNING: {w}" for w in warnings] or ["fits             memory per device and host memory within plan_for's limits"]
         return "\n".join(lines)
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
     if seconds >= 2 * 86400:
         return f"{seconds / 86400:,.1f} days"
     if seconds >= 2 * 3600:

@@ -331,11 +331,11 @@ def summarize(summary: dict) -> str:
 def main(cfg: DictConfig) -> float | None:
     """Train; return the final val/loss (for Hydra sweepers)."""
     torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
-    pl.seed_everything(cfg.seed, workers=True)
     try:
         if cfg.plan:
             print(plan_of(cfg).report(), flush=True)
             return None
+        pl.seed_everything(cfg.seed, workers=True)
         run = build_run(cfg)
     except CONFIG_ERRORS as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
