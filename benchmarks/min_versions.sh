@@ -19,7 +19,7 @@ shift || true
 TESTS=("$@")
 [ ${#TESTS[@]} -eq 0 ] && TESTS=(tests)
 
-TORCH="${TORCH:-2.6.0}"
+TORCH="${TORCH:-2.7.1}"
 LIGHTNING="${LIGHTNING:-2.5.0}"
 TORCHMETRICS="${TORCHMETRICS:-1.4.0}"
 HYDRA="${HYDRA:-1.3.0}"
