@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lit_cbs.lm import CausalLM, model_flops_utilization
 from lit_cbs.lr_schedules import WarmupStableDecay
+from lit_cbs.plan import GIB, ModelShape, device_memory
 from lit_cbs.probe import CBSProbeCallback
 from lit_cbs.schedules import PiecewiseBatch
 from lit_cbs.warmup import BatchWarmup
@@ -189,6 +190,11 @@ def main() -> dict:
         "last_logged_mfu": float(trainer.callback_metrics["perf/mfu"]),
         "last_train_loss": float(trainer.callback_metrics["train/loss"]),
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
+        # What `plan=true` estimates for this run (lit_cbs.plan), to hold against the measured peak above.
+        "planned_memory_gib": device_memory(
+            ModelShape.of(model.config), args.micro_batch_size, args.seq_len, args.precision, "fsdp", 1,
+            model.activation_checkpointing,
+        ).total / GIB,
         "wall_s": time.perf_counter() - started,
     }
     if probe is not None:

@@ -16,10 +16,12 @@ _EXPORTS = {
     "ConstantBatch": "lit_cbs.schedules",
     "CosineSchedule": "lit_cbs.lr_schedules",
     "ExponentialRamp": "lit_cbs.schedules",
+    "FinalStateCheckpoint": "lit_cbs.checkpoint",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.schedules",
     "OneCycle": "lit_cbs.lr_schedules",
     "PiecewiseBatch": "lit_cbs.schedules",
+    "RunProgressBar": "lit_cbs.progress",
     "TokenLRScheduler": "lit_cbs.lr_schedules",
     "WarmupStableDecay": "lit_cbs.lr_schedules",
 }

@@ -38,8 +38,8 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_map
 
+from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
 from lit_cbs.warmup import log_to_loggers
 
 
@@ -288,7 +288,7 @@ class GradientNoiseScale(Callback):
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
             else:
-                more_follow = trainer.fit_loop._should_accumulate()
+                more_follow = should_accumulate(trainer)
                 grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), keep=more_follow)
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
             window[:groups] += grad_sq * trainer.accumulate_grad_batches**2
@@ -301,7 +301,7 @@ class GradientNoiseScale(Callback):
     def _micro_batch_grad_sq(self, params_and_grads, keep: bool) -> torch.Tensor:
         """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
 
-        Fused over the parameters (``torch._foreach_*``): per-parameter kernels cost more than the
+        Fused over the parameters (torch's ``_foreach_*`` kernels): per-parameter kernels cost more than the
         arithmetic on a small model.
         """
         held, fresh = [], []  # (param, grad): with a copy of the gradient before this backward, or the first one
@@ -310,13 +310,13 @@ class GradientNoiseScale(Callback):
                 (held if param in self._held else fresh).append((param, grad))
         held_copies = [self._accumulated[param] for param, _ in held]
         if held:
-            torch._foreach_sub_(held_copies, [grad for _, grad in held])  # minus this micro-batch's contribution
+            foreach_sub_(held_copies, [grad for _, grad in held])  # minus this micro-batch's contribution
         grad_sq = self._group_squared_norms(
             [param for param, _ in held] + [param for param, _ in fresh], held_copies + [grad for _, grad in fresh]
         )
         if keep:
             if held:
-                torch._foreach_copy_(held_copies, [grad for _, grad in held])
+                foreach_copy_(held_copies, [grad for _, grad in held])
             for param, grad in fresh:
                 copy = self._accumulated.get(param)
                 if copy is None:
@@ -335,7 +335,7 @@ class GradientNoiseScale(Callback):
         for indices, dtype in ((half, {"dtype": torch.float32}), (full, {})):
             if not indices:
                 continue
-            norms = torch._foreach_norm([tensors[i] for i in indices], 2, **dtype)
+            norms = foreach_norm([tensors[i] for i in indices], 2, **dtype)
             key = tuple(id(params[i]) for i in indices)
             index = self._group_index.get(key)
             if index is None:

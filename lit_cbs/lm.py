@@ -133,7 +133,7 @@ class CausalLM(pl.LightningModule):
         with torch.device("meta") if mesh is not None else nullcontext():
             model = OLMo(self.config)
         if self.activation_checkpointing:
-            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+            from lit_cbs._internals import checkpoint_wrapper
 
             for index, block in enumerate(model.blocks):
                 model.blocks[index] = checkpoint_wrapper(block)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import lr_scheduler as torch_sched
 
+from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.lr_schedules import TokenLRScheduler
 
 
@@ -133,7 +134,7 @@ _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 def check_scheduler_supported(scheduler) -> None:
     """Raise TypeError if ``scale_learning_rate`` cannot compose with ``scheduler`` exactly."""
     if isinstance(scheduler, _CONTAINERS):
-        for inner in scheduler._schedulers:
+        for inner in inner_schedulers(scheduler):
             check_scheduler_supported(inner)
         return
     if isinstance(scheduler, (*_PROPORTIONAL, TokenLRScheduler)):
@@ -154,12 +155,11 @@ def check_scheduler_supported(scheduler) -> None:
 
 def _scale_scheduler(scheduler, factor: float) -> None:
     if isinstance(scheduler, _CONTAINERS):
-        for inner in scheduler._schedulers:
+        for inner in inner_schedulers(scheduler):
             _scale_scheduler(inner, factor)
     if hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
-    if getattr(scheduler, "_last_lr", None) is not None:
-        scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]
+    scale_last_lr(scheduler, factor)
     if isinstance(scheduler, torch_sched.CosineAnnealingLR):
         scheduler.eta_min *= factor
     if isinstance(scheduler, torch_sched.ReduceLROnPlateau):

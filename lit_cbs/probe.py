@@ -40,13 +40,19 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
+from lit_cbs._internals import (
+    block_ddp_gradient_sync,
+    collect_rng_states,
+    metric_update_count,
+    set_metric_update_count,
+    set_rng_states,
+    should_accumulate,
+    tree_map,
+)
 from lit_cbs.lr_rules import get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import CBSAdaptive
@@ -104,6 +110,12 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
     return float("nan") if ema is None else float(ema)
 
 
+def max_branches(strategy: str, multipliers: int) -> int:
+    """Branches one probe trains at most: every multiplier for "grid"; for "bisect", one baseline
+    branch plus ceil(log2(multipliers)) others."""
+    return multipliers if strategy == "grid" else 1 + math.ceil(math.log2(max(2, multipliers)))
+
+
 # ---------------------------------------------------------------------------- state snapshots
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a tensor (a DTensor's shard under FSDP2)."""
@@ -152,10 +164,10 @@ class TrainingSnapshot:
         self.schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
-        self.rng = _collect_rng_states(include_cuda=torch.cuda.is_available())
+        self.rng = collect_rng_states(include_cuda=torch.cuda.is_available())
         self.training = pl_module.training
         self.metrics = [
-            (metric, copy.deepcopy(metric.metric_state), metric._update_count)
+            (metric, copy.deepcopy(metric.metric_state), metric_update_count(metric))
             for metric in pl_module.modules()
             if isinstance(metric, Metric)
         ]
@@ -193,12 +205,11 @@ class TrainingSnapshot:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
-        _set_rng_states(self.rng)
+        set_rng_states(self.rng)
         for metric, state, update_count in self.metrics:
             for name, value in state.items():
                 setattr(metric, name, copy.deepcopy(value))
-            metric._update_count = update_count
-            metric._computed = None
+            set_metric_update_count(metric, update_count)
         pl_module.train(self.training)
 
 
@@ -415,11 +426,10 @@ class CBSProbeCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         window = self._window
-        epoch_loop = trainer.fit_loop.epoch_loop
         if window is not None:
             # Lightning hands back the loss divided by accumulate; undo it for the micro-batch's mean.
             window["micro_losses"].append(float(_loss_of(outputs).detach()) * trainer.accumulate_grad_batches)
-        if epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return
         if window is not None:
             window["step_losses"].append(sum(window["micro_losses"]) / len(window["micro_losses"]))
@@ -471,9 +481,7 @@ class CBSProbeCallback(Callback):
                 f"tokens would end past max_tokens={warmup.max_tokens:,}"
             )
             return
-        # Bisection trains at most one baseline branch plus ceil(log2(len(ks))) others.
-        expected_branches = len(ks) if self.strategy == "grid" else 1 + math.ceil(math.log2(max(2, len(ks))))
-        expected_cost = expected_branches * window_samples * seq_len
+        expected_cost = max_branches(self.strategy, len(ks)) * window_samples * seq_len
         if self.max_overhead is not None:
             overhead = (self.tokens_spent + expected_cost) / max(1, warmup.tokens_seen + window_samples * seq_len)
             if overhead > self.max_overhead:
@@ -605,7 +613,7 @@ class CBSProbeCallback(Callback):
                     last = i == micro_per_step - 1
                     batch = move_data_to_device(batches[start + i], strategy.root_device)
                     self._warmup.set_gradient_sync(last)
-                    with _block_parallel_sync_behavior(strategy, block=not last):
+                    with block_ddp_gradient_sync(strategy, block=not last):
                         loss = _loss_of(strategy.training_step(batch, start + i))
                         scaled = loss / micro_per_step
                         (scaler.scale(scaled) if scaler is not None else scaled).backward()

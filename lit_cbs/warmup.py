@@ -30,8 +30,8 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler,
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch.utils._pytree import tree_leaves
 
+from lit_cbs._internals import checkpoint_triggers, logging_step, logs_this_step, reload_train_dataloader, should_accumulate, tree_leaves
 from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule
@@ -93,10 +93,10 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str
     This is what LearningRateMonitor does: ``self.log`` per metric and step costs milliseconds, a
     few percent of a small model's step. ``metrics`` is called only when something is written.
     """
-    if not trainer.loggers or not trainer._logger_connector.should_update_logs:
+    if not trainer.loggers or not logs_this_step(trainer):
         return
     values = metrics(trainer)
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    step = logging_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
 
@@ -286,10 +286,14 @@ class BatchWarmup(Callback):
         self.fsdp_modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
         self._gradient_sync = None
         self._warn_checkpoints_inside_accumulation(trainer, pl_module)
+        if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
+            trainer.should_stop = True  # resumed from a run's final state: no step is left to train
+            return
         # A change the schedule asked for after a run's last step was not applied then (no step used
         # it); a run resumed from there with a larger budget applies it now, where it would have been.
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
+        if not self._no_step_follows(trainer):
+            self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
 
     def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
@@ -308,9 +312,10 @@ class BatchWarmup(Callback):
         for callback in trainer.checkpoint_callbacks:
             if not isinstance(callback, ModelCheckpoint):
                 continue
-            if callback._train_time_interval is not None:
-                reason = f"train_time_interval={callback._train_time_interval} can fall on any micro-batch"
-            elif callback._every_n_epochs >= 1 and validates_inside_epoch and validation_batch % step:
+            time_interval, every_n_epochs = checkpoint_triggers(callback)
+            if time_interval is not None:
+                reason = f"train_time_interval={time_interval} can fall on any micro-batch"
+            elif every_n_epochs >= 1 and validates_inside_epoch and validation_batch % step:
                 reason = (
                     f"it saves after validation, which runs every {validation_batch} micro-batches (val_check_interval), "
                     f"not a multiple of the accumulation {step}"
@@ -341,7 +346,7 @@ class BatchWarmup(Callback):
         for scheduler in self._token_schedulers:
             scheduler.tokens_seen = self.tokens_seen
         if self.fsdp_modules:
-            self.set_gradient_sync(not trainer.fit_loop.epoch_loop._should_accumulate())
+            self.set_gradient_sync(not should_accumulate(trainer))
 
     def _check_received_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
         """The first batch of an epoch must hold ``batch_size`` samples: a loader that ignores it
@@ -389,7 +394,7 @@ class BatchWarmup(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
-        if epoch_loop._should_accumulate():
+        if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
             trainer.should_stop = True
@@ -455,7 +460,7 @@ class BatchWarmup(Callback):
         self.global_batch, self.accumulate, self.lr_factor = target, new_accumulate, self.lr_factor * factor
         if new_micro != self.micro_batch_size:
             self.micro_batch_size = new_micro
-            trainer.fit_loop._combined_loader = None  # rebuilt with the new batch_size at the next epoch start
+            reload_train_dataloader(trainer)  # rebuilt with the new batch_size at the next epoch start
         self._apply_to_trainer(trainer, pl_module)
         rank_zero_info(
             f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "

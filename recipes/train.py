@@ -3,9 +3,12 @@
     python recipes/train.py                                  # tiny_warmup: tiny model, stdlib corpus, CPU
     python recipes/train.py +recipe=olmo7b_warmup data.path=/data/tokens trainer.num_nodes=8
     python recipes/train.py -m +recipe=tiny_small_batch,tiny_warmup,tiny_large_batch
+    python recipes/train.py +recipe=olmo7b_warmup plan=true trainer.devices=8 trainer.num_nodes=8
     torchrun --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup data.path=... hydra.run.dir=outputs/run1
 
-The configuration is checked before any model is built; a bad setting ends the run with one
+``plan=true`` prints what the run will need (steps per batch phase, memory per device, the CBS
+probe's host memory and tokens, wall time at an assumed MFU) and exits: no data, no accelerator,
+no training (lit_cbs.plan). The configuration is checked before any model is built; a bad setting ends the run with one
 line that names it (set HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the
 resolved config (resolved_config.yaml), metrics.csv, batch_history.json (BatchWarmup's
 changes), summary.json (what the run did, also printed at its end), loss_vs_tokens.png,
@@ -47,6 +50,8 @@ from lit_cbs import BatchWarmup, CBSProbeCallback
 from lit_cbs.data import TokenDataModule
 from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.lr_rules import get_lr_rule
+from lit_cbs.models.olmo import OLMoConfig
+from lit_cbs.plan import Limits, RunPlan, plan_run
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
@@ -199,6 +204,75 @@ def check_global_batch(warmup: BatchWarmup, micro_batch_size: int, processes: in
             )
 
 
+def model_config_of(cfg: DictConfig) -> OLMoConfig:
+    try:
+        return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
+    except ValueError as error:
+        raise ConfigError(f"model.config: {error}") from error
+
+
+def batch_warmup_of(callbacks: list) -> BatchWarmup:
+    warmups = [callback for callback in callbacks if isinstance(callback, BatchWarmup)]
+    if len(warmups) != 1:
+        raise ConfigError(
+            f"callbacks hold {len(warmups)} BatchWarmup callbacks; keep exactly one (callbacks.batch_warmup): "
+            "it feeds the token-indexed LR schedule and stops the run at max_tokens"
+        )
+    return warmups[0]
+
+
+def check_accelerator(cfg: DictConfig) -> None:
+    """A GPU recipe on a machine without one stops here, before any data is prepared."""
+    if str(cfg.trainer.accelerator) in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no CUDA GPU; add plan=true to see "
+            "this run's plan (memory per GPU, steps, wall time) here, or train a tiny recipe on the CPU "
+            "(python recipes/train.py, or +recipe=tiny_warmup)"
+        )
+
+
+def plan_of(cfg: DictConfig) -> RunPlan:
+    """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
+    model_config = model_config_of(cfg)
+    datamodule = instantiate_key(cfg, "data")
+    datamodule.check_context(model_config.context_length)
+    callbacks = instantiate_named(cfg, "callbacks")
+    warmup = batch_warmup_of(callbacks)
+    devices, num_nodes = cfg.trainer.devices, int(cfg.trainer.num_nodes)
+    if not (isinstance(devices, int) or str(devices).isdigit()):
+        raise ConfigError(f"plan=true needs trainer.devices as a number of devices per node, got {devices!r}; e.g. trainer.devices=8")
+    devices = int(devices)
+    check_global_batch(warmup, datamodule.batch_size, devices * num_nodes)
+    strategy = cfg.trainer.get("strategy", "auto")
+    target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
+    if target.endswith(("ModelParallelStrategy", "FSDPStrategy")) or target.startswith("fsdp"):
+        kind = "fsdp"
+    else:
+        kind = "ddp" if devices * num_nodes > 1 else "single"
+    probes = [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)]
+    limits = OmegaConf.to_container(cfg.plan_for, resolve=True)
+    if cfg.model.get("peak_flops_per_device"):
+        limits["peak_flops_per_device"] = float(cfg.model.peak_flops_per_device)
+    return plan_run(
+        name=cfg.run_name,
+        config=model_config,
+        schedule=warmup.schedule,
+        lr_factor=warmup.lr_rule.lr_factor,
+        max_tokens=int(cfg.max_tokens),
+        seq_len=datamodule.seq_len,
+        micro_batch=datamodule.batch_size,
+        val_micro_batch=datamodule.val_batch_size,
+        precision=str(cfg.trainer.precision),
+        strategy=kind,
+        accelerator=str(cfg.trainer.accelerator),
+        devices_per_node=devices,
+        num_nodes=num_nodes,
+        activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
+        probe=probes[0] if probes else None,
+        limits=Limits(**limits),
+    )
+
+
 def build_run(cfg: DictConfig) -> Run:
     """Check the configuration and build the run; nothing here builds the model's weights.
 
@@ -206,15 +280,13 @@ def build_run(cfg: DictConfig) -> Run:
     against micro-batch x processes, then the data source (prepared here once per node if needed)
     and its vocabulary against the model's.
     """
+    check_accelerator(cfg)
     if cfg.ckpt_path is not None and cfg.ckpt_path not in LIGHTNING_CHECKPOINT_NAMES and not Path(cfg.ckpt_path).exists():
         raise ConfigError(
             f"ckpt_path={cfg.ckpt_path!r} does not exist; give a checkpoint from a run's checkpoints/ folder "
             "(a .ckpt file, or a .ckpt folder under trainer=fsdp), or ckpt_path=null to start afresh"
         )
-    try:
-        model_config = resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
-    except ValueError as error:
-        raise ConfigError(f"model.config: {error}") from error
+    model_config = model_config_of(cfg)
     if not cfg.allow_default_corpus and cfg.data.path is None and cfg.data.input_dir is None:
         raise ConfigError(
             "this recipe trains on your tokens, not the embedded corpus (allow_default_corpus=false): set "
@@ -231,14 +303,9 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule.check_context(model_config.context_length)
 
     callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
-    warmups = [callback for callback in callbacks if isinstance(callback, BatchWarmup)]
-    if len(warmups) != 1:
-        raise ConfigError(
-            f"callbacks hold {len(warmups)} BatchWarmup callbacks; keep exactly one (callbacks.batch_warmup): "
-            "it feeds the token-indexed LR schedule and stops the run at max_tokens"
-        )
+    warmup = batch_warmup_of(callbacks)
     trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=instantiate_named(cfg, "logger") or False)
-    check_global_batch(warmups[0], datamodule.batch_size, trainer.world_size)
+    check_global_batch(warmup, datamodule.batch_size, trainer.world_size)
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
     if trainer.local_rank == 0:
@@ -248,7 +315,7 @@ def build_run(cfg: DictConfig) -> Run:
             f"the data's token ids go up to {datamodule.vocab_size - 1} but the model's vocab_size is "
             f"{model_config.vocab_size}; use a larger model.config.vocab_size or the model's tokenizer (data.tokenizer)"
         )
-    return Run(trainer, model, datamodule, warmups[0])
+    return Run(trainer, model, datamodule, warmup)
 
 
 def one_line(error: BaseException) -> str:
@@ -376,8 +443,11 @@ def main(cfg: DictConfig) -> float | None:
     """Train; return the final val/loss (for Hydra sweepers)."""
     send_lightning_logs_to_the_job_log()
     torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
-    pl.seed_everything(cfg.seed, workers=True)
     try:
+        if cfg.plan:
+            log.info(plan_of(cfg).report())
+            return None
+        pl.seed_everything(cfg.seed, workers=True)
         run = build_run(cfg)
     except CONFIG_ERRORS as error:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

@@ -170,7 +170,7 @@ def text_folder(tmp_path_factory):
         (["data.path=/nonexistent/tokens"], "data.path='/nonexistent/tokens' is not a folder"),
         (["data.batch_size=5"], "global batch 16 (batch.schedule) is not divisible by data.batch_size=5"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
-        (["+recipe=olmo1b_warmup"], "this recipe trains on your tokens"),
+        (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
         (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"], "trainer.devices='auto' must be the number"),
         (["max_tokens=65536"], "lr_schedule.warmup_tokens + lr_schedule.decay_tokens = 262144 exceeds "
                                "lr_schedule.total_tokens=65536 (max_tokens); shorten the warmup or the decay"),

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every GPU measurement of this project in one run, for a machine with one GPU (about 15 minutes on
+# an H200): installs the project, then
+#   1. benchmarks/gpu_check.py: OLMo-1B shape, FSDP2, bf16, activation checkpointing, a batch
+#      change: tokens/s, MFU, peak memory beside what `plan=true` estimates for the same run;
+#   2. the same with a CBS probe (k = 1, 2): the probe's cost, and k = 1 against the main run;
+#   3. benchmarks/table1.py --gpu: Table 1 on a 25M-parameter model in bf16, one seed.
+# Results go to $OUT (default gpu_results/): the JSON files, table1.md, table1.png, nvidia-smi.txt.
+# Put the figures in docs/RESULTS.md. Each step has its own time limit, so one that hangs does not
+# take the others with it.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_run.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu_results}"
+mkdir -p "$OUT"
+status=0
+step() {  # step SECONDS NAME COMMAND...: run one measurement, keep going if it fails
+    local seconds=$1 name=$2
+    shift 2
+    echo "== $name"
+    timeout "$seconds" "$@" > "$OUT/$name.log" 2>&1 || { echo "   failed (exit $?), see $OUT/$name.log"; status=1; }
+    tail -n 3 "$OUT/$name.log"
+}
+
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || { echo "no nvidia-smi: is this the GPU machine?"; exit 1; }
+pip install --quiet -e . || exit 1
+step 240 gpu_check python benchmarks/gpu_check.py --output "$OUT/gpu_check.json"
+step 300 gpu_check_probe python benchmarks/gpu_check.py --probe --steps-after-change 16 --output "$OUT/gpu_check_probe.json"
+step 900 table1_gpu python benchmarks/table1.py --gpu --out "$OUT/table1" --markdown "$OUT/table1.md" --plot "$OUT/table1.png"
+exit $status

@@ -1,0 +1,130 @@
+"""Every private Lightning, torch and torchmetrics attribute lit_cbs uses, each behind one named function.
+
+Lightning has no public API for some things a callback that changes the batch mid-run must know or
+do (is this micro-batch the one that steps? which step does the logger's row belong to? rebuild the
+train loader), and the CBS probe must snapshot and restore what a branch changes (RNG states,
+metric update counts, ...). Keeping every such access here means a release that moves one breaks
+this module alone; ``PRIVATE_ATTRIBUTES`` lists them, and tests/test_internals.py checks each
+against the installed versions and names what moved.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils._pytree import tree_leaves, tree_map
+
+# What each function below reaches, as dotted paths from a module or from a live object (trainer.,
+# model_checkpoint., metric., sequential_lr. or lr_scheduler.): tests/test_internals.py resolves every path.
+PRIVATE_ATTRIBUTES = {
+    "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
+    "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),
+    "logs_this_step": ("trainer._logger_connector.should_update_logs",),
+    "reload_train_dataloader": ("trainer.fit_loop._combined_loader",),
+    "last_saved_step": ("model_checkpoint._last_global_step_saved",),
+    "set_last_saved_step": ("model_checkpoint._last_global_step_saved",),
+    "checkpoint_triggers": ("model_checkpoint._train_time_interval", "model_checkpoint._every_n_epochs"),
+    "collect_rng_states": ("lightning.fabric.utilities.seed._collect_rng_states",),
+    "set_rng_states": ("lightning.fabric.utilities.seed._set_rng_states",),
+    "block_ddp_gradient_sync": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
+    "metric_update_count": ("metric._update_count",),
+    "set_metric_update_count": ("metric._update_count", "metric._computed"),
+    "inner_schedulers": ("sequential_lr._schedulers",),
+    "scale_last_lr": ("lr_scheduler._last_lr",),
+    "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",),
+    "tree_map": ("torch.utils._pytree.tree_map",),
+    "tree_leaves": ("torch.utils._pytree.tree_leaves",),
+    "foreach_sub_": ("torch._foreach_sub_",),
+    "foreach_copy_": ("torch._foreach_copy_",),
+    "foreach_norm": ("torch._foreach_norm",),
+}
+
+__all__ = [*PRIVATE_ATTRIBUTES, "PRIVATE_ATTRIBUTES"]
+
+# torch's fused multi-tensor kernels (what torch.optim's foreach implementations use).
+foreach_sub_ = torch._foreach_sub_
+foreach_copy_ = torch._foreach_copy_
+foreach_norm = torch._foreach_norm
+
+
+# ---------------------------------------------------------------------- Lightning's training loop
+def should_accumulate(trainer) -> bool:
+    """True while the current micro-batch is not the last of its optimizer step (Lightning will not step)."""
+    return trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def logging_step(trainer) -> int:
+    """The logger step (row) that ``self.log`` writes to now; in the hooks of a micro-batch that stepped,
+    the step just taken, numbered from 0."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
+def logs_this_step(trainer) -> bool:
+    """Whether Lightning writes logs at this step (``log_every_n_steps``)."""
+    return trainer._logger_connector.should_update_logs
+
+
+def reload_train_dataloader(trainer) -> None:
+    """Make the fit loop rebuild the train loader (reading the new ``batch_size``) at the next epoch start."""
+    trainer.fit_loop._combined_loader = None
+
+
+def block_ddp_gradient_sync(strategy, block: bool) -> AbstractContextManager:
+    """Context in which DDP's backward does not all-reduce gradients (``block=True``), as Lightning's
+    own accumulation does; a no-op for other strategies."""
+    return _block_parallel_sync_behavior(strategy, block=block)
+
+
+def last_saved_step(checkpoint) -> int:
+    """The optimizer step a ``ModelCheckpoint`` last saved at (0: none yet)."""
+    return checkpoint._last_global_step_saved
+
+
+def set_last_saved_step(checkpoint, step: int) -> None:
+    """Tell a ``ModelCheckpoint`` that ``step`` is saved, so it does not save that step again."""
+    checkpoint._last_global_step_saved = step
+
+
+def checkpoint_triggers(checkpoint) -> tuple[Any, int]:
+    """A ``ModelCheckpoint``'s ``train_time_interval`` (None if unset) and ``every_n_epochs`` as it
+    resolved them (``every_n_epochs`` >= 1 saves after validation and at epoch ends)."""
+    return checkpoint._train_time_interval, checkpoint._every_n_epochs
+
+
+# ---------------------------------------------------------------------- RNG and metric state
+def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
+    """The torch, numpy and Python RNG states (and CUDA's with ``include_cuda``), as Lightning checkpoints them."""
+    return _collect_rng_states(include_cuda=include_cuda)
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Restore RNG states taken by ``collect_rng_states``."""
+    _set_rng_states(states)
+
+
+def metric_update_count(metric) -> int:
+    """How many times a torchmetrics ``Metric`` was updated since its last reset."""
+    return metric._update_count
+
+
+def set_metric_update_count(metric, count: int) -> None:
+    """Set a ``Metric``'s update count after its states were restored, and drop its cached result."""
+    metric._update_count = count
+    metric._computed = None
+
+
+# ---------------------------------------------------------------------- LR schedulers
+def inner_schedulers(scheduler) -> list:
+    """The schedulers a ``SequentialLR`` or ``ChainedScheduler`` runs."""
+    return list(scheduler._schedulers)
+
+
+def scale_last_lr(scheduler, factor: float) -> None:
+    """Multiply the LRs a scheduler last set (``get_last_lr()``) by ``factor``, if it has set any."""
+    if getattr(scheduler, "_last_lr", None) is not None:
+        scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]

@@ -1,0 +1,212 @@
+"""lit_cbs.plan: memory counted by hand on a model small enough to count, against what torch really
+allocates on the CPU, the batch phases against a real BatchWarmup run, and `plan=true` end to end."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from launch import subprocess_env
+from lit_cbs import BatchWarmup, PiecewiseBatch
+from lit_cbs._internals import checkpoint_wrapper
+from lit_cbs.lm import CausalLM
+from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
+from lit_cbs.plan import ModelShape, batch_phases, device_memory, probe_plan
+from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
+from toys import RegressionData, RegressionModule, trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
+COUNTABLE = OLMoConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidden=8, context_length=4, tie_embeddings=False)
+
+
+def test_countable_model_by_hand():
+    shape = ModelShape.of(COUNTABLE)
+    # embedding 8x4 = 32; q, k, v, out 4 x 4x4 = 64; gate, up, down 3 x 4x8 = 96; head 8x4 = 32.
+    assert (shape.parameters, shape.block_parameters, shape.root_parameters) == (224, 160, 64)
+    assert shape.parameter_tensors == 1 + 4 + 3 + 1
+
+    # One sequence of 2 tokens, fp32, one process.
+    memory = device_memory(shape, micro_batch=1, seq_len=2, precision="32-true", strategy="single",
+                           data_parallel_size=1, activation_checkpointing=False)
+    assert (memory.parameters, memory.gradients, memory.working_buffers) == (224 * 4, 224 * 4, 0)
+    assert memory.optimizer_state == 2 * 224 * 4 + 9 * 4  # exp_avg, exp_avg_sq, and one fp32 step per tensor
+    # The block, 2 tokens: 8 d-wide (block input, 2 LayerNorm outputs, q, k, v, attention output, residual)
+    # and 4 f-wide (gate, up, silu, product) fp32 vectors per token; mean and rstd of 2 LayerNorms per
+    # token, and a log-sum-exp per head and token.
+    block = 4 * 2 * (8 * 4 + 4 * 8) + 4 * (2 * 2 * 2 + 2 * 2)
+    # Outside it: ids [1, 3] (the input a view of them) and the targets [2] as int64; cos and sin [2, 2];
+    # the final LayerNorm's input, mean and rstd, and output; log-softmax [2, 8]; the loss.
+    outside = 8 * 3 + 8 * 2 + 2 * 4 * 2 * 2 + (4 * 2 * 4 + 4 * 2 * 2 + 4 * 2 * 4) + 4 * 2 * 8 + 4
+    assert memory.activations == block + outside == 560 + 220
+    assert memory.activation_peak_extra == 2 * 8 * (4 + 4)  # the logits and their fp32 copy
+
+    checkpointed = device_memory(shape, 1, 2, "32-true", "single", 1, activation_checkpointing=True)
+    assert checkpointed.activations == 4 * 2 * 4 + outside  # the block keeps only its input
+    assert checkpointed.activation_peak_extra == block + 2 * 8 * 8  # backward recomputes it
+
+    # FSDP2 over 2 ranks: model state halves; gathered: root + the one block in bf16, the block's grad + fp32 buffer.
+    sharded = device_memory(shape, 1, 2, "bf16-mixed", "fsdp", 2, activation_checkpointing=False)
+    assert (sharded.parameters, sharded.optimizer_state) == (112 * 4, 2 * 112 * 4 + 9 * 4)
+    assert sharded.working_buffers == (64 + 160) * 2 + 160 * (2 + 4)
+    # DDP: a bucket copy of the gradients, and autocast's bf16 copies of the matmul weights (all but the embedding).
+    ddp = device_memory(shape, 1, 2, "bf16-mixed", "ddp", 2, activation_checkpointing=False)
+    assert ddp.parameters == 224 * 4 and ddp.working_buffers == 224 * 4 + (224 - 32) * 2
+    ddp_checkpointed = device_memory(shape, 1, 2, "bf16-mixed", "ddp", 2, activation_checkpointing=True)
+    assert ddp_checkpointed.working_buffers == ddp.working_buffers  # one block: all of them here
+
+
+def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool):
+    """Bytes autograd saves for backward in one forward, and the bytes of parameters, gradients and
+    AdamW state after a real optimizer step, on the CPU."""
+    torch.manual_seed(0)
+    model = OLMo(config)
+    if checkpointing:
+        for index, block in enumerate(model.blocks):
+            model.blocks[index] = checkpoint_wrapper(block)
+    parameter_storage = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storage:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    loss.backward()
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.step()
+    parameters = sum(p.nbytes for p in model.parameters())
+    gradients = sum(p.grad.nbytes for p in model.parameters())
+    state = sum(value.nbytes for per_param in optimizer.state.values() for value in per_param.values())
+    return sum(saved.values()), parameters, gradients, state
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
+    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, mlp_hidden=80, context_length=64,
+                        tie_embeddings=False)
+    saved, parameters, gradients, state = measured_step(config, 3, 24, precision == "bf16-mixed", checkpointing)
+    shape = ModelShape.of(config)
+    memory = device_memory(shape, 3, 24, precision, "single", 1, checkpointing)
+    assert (memory.parameters, memory.gradients, memory.optimizer_state) == (parameters, gradients, state)
+    # Autocast's weight copies are saved for backward too: the plan counts them as working buffers,
+    # with checkpointing also the copies of the block being recomputed, which forward does not save.
+    autocast_copies = memory.working_buffers - (2 * shape.block_parameters if checkpointing and precision == "bf16-mixed" else 0)
+    assert memory.activations + autocast_copies == saved
+
+
+def test_tied_embeddings_are_one_tensor():
+    shape = ModelShape.of(get_config("olmo_1b"))
+    assert shape.parameters == 1_176_764_416 and shape.autocast_weights == shape.parameters
+
+
+class RandomTokens(pl.LightningDataModule):
+    def __init__(self, batch_size: int = 4, seq_len: int = 16, vocab: int = 256):
+        super().__init__()
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.tokens = torch.randint(0, vocab, (64, seq_len + 1), generator=torch.Generator().manual_seed(0))
+
+    def train_dataloader(self):
+        return DataLoader(self.tokens, batch_size=self.batch_size)
+
+    def val_dataloader(self):
+        return DataLoader(self.tokens[:8], batch_size=self.batch_size)
+
+
+class Snapshot(pl.Callback):
+    """Takes the CBS probe's snapshot after the second optimizer step, as a probe would."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 2:
+            self.snapshot = TrainingSnapshot(trainer, pl_module, "cpu")
+
+
+def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
+    config = get_config("tiny")
+    snapshot = Snapshot()
+    trainer = pl.Trainer(**trainer_kwargs(max_steps=2, callbacks=[BatchWarmup(PiecewiseBatch([4], [0])), snapshot]))
+    trainer.fit(CausalLM(config), datamodule=RandomTokens())
+    taken = snapshot.snapshot
+    real = sum(t.nbytes for t in taken.tensors) + sum(
+        value.nbytes for states, _ in taken.optimizers for state in states.values() for value in state.values()
+    )
+    probe = CBSProbeCallback(at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect",
+                             evaluate="heldout", heldout_batches=2)
+    plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
+                      seq_len=16, max_tokens=1024)
+    assert plan.snapshot_bytes == real
+    assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
+    assert plan.window_bytes == 256 // 16 * 17 * 8 and plan.heldout_bytes == 2 * 4 * 17 * 8
+    assert plan.max_branches == 1 + math.ceil(math.log2(3)) and plan.tokens == 2 * 3 * 256
+
+
+def test_batch_phases_match_a_real_batch_warmup_run():
+    # Samples as tokens (seq_len 1): 4 samples per step until 24 samples, then 8, stopping at 64.
+    schedule = PiecewiseBatch([4, 8], [0, 24], unit="samples")
+    warmup = BatchWarmup(schedule, lr_rule="sqrt", max_tokens=64, seq_len=1)
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[warmup]))
+    trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2))
+    phases = batch_phases(schedule, max_tokens=64, seq_len=1, micro_batch=2, data_parallel_size=1,
+                          lr_factor=warmup.lr_rule.lr_factor)
+    assert [(p.global_batch, p.accumulate) for p in phases] == [(4, 2), (8, 4)]
+    assert phases[1].start_tokens == warmup.history[0].tokens_seen == 24
+    assert phases[0].optimizer_steps == warmup.history[0].step == 6
+    assert sum(p.optimizer_steps for p in phases) == trainer.global_step == 6 + 5
+    assert phases[-1].end_tokens == warmup.tokens_seen == 64
+    assert phases[1].lr_factor == pytest.approx(warmup.lr_factor) == pytest.approx(2**0.5)
+
+
+def run_train(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = subprocess_env(PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides, f"hydra.run.dir={cwd / 'run'}"],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_plan_of_olmo7b_reads_no_data_and_warns_what_does_not_fit(tmp_path):
+    result = run_train("+recipe=olmo7b_warmup", "plan=true", "trainer.devices=8", "model.activation_checkpointing=false",
+                       f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "6,888,095,744 parameters" in result.stdout
+    # The table: 1024 -> 2048 -> 4096 sequences, micro-batch 4 on 8 GPUs, LR x sqrt(2) per doubling.
+    rows = [line.split() for line in lines[lines.index(next(l for l in lines if "from tokens" in l)) + 1:][:3]]
+    assert [(row[2], row[3], row[4], row[6]) for row in rows] == [
+        ("1,024", "4", "32", "1"), ("2,048", "4", "64", "1.41"), ("4,096", "4", "128", "2")
+    ]
+    assert any(line.startswith("WARNING:") and "set model.activation_checkpointing=true" in line for line in lines)
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_recipe_without_gpu_fails_before_data_work(tmp_path):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text " * 100)
+    result = run_train("+recipe=olmo1b_warmup", f"data.input_dir={texts}", f"data.cache_dir={tmp_path / 'cache'}",
+                       cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "error: trainer.accelerator=gpu but this machine has no CUDA GPU; add plan=true"
+    )
+    assert not (tmp_path / "cache").exists()

@@ -1,0 +1,40 @@
+"""RunProgressBar on a real Trainer: the bar counts the run's tokens or optimizer steps and ends full."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from lit_cbs import BatchWarmup, PiecewiseBatch
+from lit_cbs.progress import RunProgressBar
+from toys import RegressionData, RegressionModule, trainer_kwargs
+
+
+def fit(bar: RunProgressBar, *callbacks, **trainer_args) -> pl.Trainer:
+    args = trainer_kwargs(enable_progress_bar=True, max_epochs=5, callbacks=[bar, *callbacks])
+    args.update(trainer_args)
+    trainer = pl.Trainer(**args)
+    trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2))
+    return trainer
+
+
+def test_bar_counts_tokens_to_max_tokens_across_epochs():
+    # 4 then 8 samples of 3 "tokens" per step; 96 samples per epoch, so the run spans 2 epochs.
+    warmup = BatchWarmup(PiecewiseBatch([4, 8], [0, 120]), max_tokens=400, seq_len=3)
+    bar = RunProgressBar(refresh_rate=5)
+    trainer = fit(bar, warmup)
+    assert trainer.current_epoch >= 1 and warmup.tokens_seen >= 400
+    progress = bar.train_progress_bar
+    assert (progress.n, progress.total, progress.unit) == (warmup.tokens_seen, warmup.tokens_seen, "tokens")
+
+
+def test_bar_counts_optimizer_steps_to_max_steps():
+    bar = RunProgressBar(refresh_rate=3)
+    trainer = fit(bar, BatchWarmup(PiecewiseBatch([4], [0], unit="samples")), max_steps=30)
+    progress = bar.train_progress_bar
+    assert (progress.n, progress.total, progress.unit) == (30, 30, "steps") and trainer.global_step == 30
+
+
+def test_bar_without_a_run_wide_count_is_lightnings():
+    bar = RunProgressBar()
+    fit(bar, max_epochs=1)
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (48, 48)  # micro-batches of the epoch
