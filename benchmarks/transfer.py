@@ -10,7 +10,7 @@ user runs (``recipes/train.py`` and ``recipes/schedule_from_probe.py``, one subp
    Alongside, the tiny4x small-batch control ``+recipe=tiny4x_small_batch`` (seed 1).
 2. Two schedules by ``schedule_from_probe.py --start 16 --final 64``: from both tiny seeds' readings
    (at a point read twice the smaller bound counts) and from tiny4x's own, each trained as
-   ``+recipe=tiny4x_warmup batch=<schedule>`` (seed 1, no probe).
+   ``+recipe=tiny4x_warmup batch=<schedule>`` (seed 1, no probe) as soon as its curves are done.
 
 Reported: every reading (CBS bracket, samples), the schedules, each tiny4x run's held-out loss at the
 end of the budget (its last evaluation) and optimizer steps, and the issue's goals: the two models'
@@ -42,7 +42,7 @@ import platform
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -388,21 +388,26 @@ def main(argv: list[str] | None = None) -> dict:
     def save() -> None:  # after every run: a stopped benchmark keeps what finished
         (args.out / "transfer.json").write_text(json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2))
 
-    def phase(batch: list[Run]) -> None:
+    def train_all() -> None:
+        """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
+        waiting = list(SCHEDULED)
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = {pool.submit(train, run, args.settings, args.out, threads): run for run in batch}
-            for future in as_completed(futures):
-                runs[futures[future].key] = future.result()
-                save()
+            pending = {pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, CONTROL]}
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    runs[pending.pop(future).key] = future.result()
+                    save()
+                for run in [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]:
+                    waiting.remove(run)
+                    execute(schedule_command(run.schedule, args.out), args.out / "logs" / f"schedule_{run.schedule}.log", threads)
+                    pending[pool.submit(train, run, args.settings, args.out, threads)] = run
 
     started = time.perf_counter()
     if args.report_only:
         runs.update({run.key: load(run, args.out) for run in [*CURVES, *TRAINED] if (args.out / run.key / "summary.json").exists()})
     else:
-        phase([*CURVES, CONTROL])  # independent of each other
-        for key in SCHEDULES:
-            execute(schedule_command(key, args.out), args.out / "logs" / f"schedule_{key}.log", threads)
-        phase(SCHEDULED)
+        train_all()
     schedules = {key: read_schedule(key, args.out) for key in SCHEDULES}
     points, rows = agreement(runs), outcomes(runs)
     checks = goals(points, rows)
