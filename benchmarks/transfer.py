@@ -166,6 +166,7 @@ def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
 
 
 def load(run: Run, out: Path) -> dict:
+    """A finished run's summary, loss curve and (for a curve) readings."""
     run_dir = out / run.key
     result = {**read_run(run_dir), **asdict(run), "run_dir": str(run_dir)}
     wall = run_dir / "wall_seconds.txt"
@@ -176,6 +177,14 @@ def load(run: Run, out: Path) -> dict:
     print(f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
           f"tokens, {result['optimizer_steps']:,} steps", flush=True)
     return result
+
+
+def load_unfinished_curve(run: Run, out: Path) -> dict:
+    """The readings a curve run still training has written so far (--report-only on a benchmark cut short)."""
+    with open(probe_file(out / run.key)) as f:
+        readings = [json.loads(line) for line in f if line.strip()]
+    print(f"[transfer] {run.label}: unfinished, {len(readings)} readings so far", flush=True)
+    return {**asdict(run), "run_dir": str(out / run.key), "readings": readings, "unfinished": True}
 
 
 def read_schedule(key: str, out: Path) -> dict | None:
@@ -279,7 +288,7 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
     for index, (key, schedule) in enumerate(schedules.items()):
         if schedule is None:
             continue
-        end = max(r["tokens"] for r in runs.values())
+        end = max(run.get("tokens", 0) for run in runs.values()) or 2 * schedule["thresholds"][-1]
         cbs_axis.step([*schedule["thresholds"], end], [*schedule["batch_sizes"], schedule["batch_sizes"][-1]], where="post",
                       color=f"C{index + 3}", ls="--", label=f"schedule {key}")
     cbs_axis.set(xscale="log", yscale="log", xlabel="tokens", ylabel="global batch / CBS (samples of 128 tokens)",
@@ -315,6 +324,7 @@ def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markd
     s = args.settings
     relative_plot = os.path.relpath(plot_path, markdown_path.parent)
     missing = [run.label for run in [*CURVES, *TRAINED] if run.key not in runs]
+    unfinished = [run.label for run in CURVES if runs.get(run.key, {}).get("unfinished")]
     lines = [
         "## Measure small, train big: does the tiny model's CBS curve carry to tiny4x?",
         "",
@@ -333,6 +343,8 @@ def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markd
     ]
     if missing:
         lines += [f"**Incomplete: not run (yet): {', '.join(missing)}.**", ""]
+    if unfinished:
+        lines += [f"**Unfinished when reported (its readings so far are shown): {', '.join(unfinished)}.**", ""]
     lines += ["CBS brackets (samples of 128 tokens) at each probe point:", "",
               "| tokens | tiny seed 1 | tiny seed 2 | tiny4x seed 1 | grid steps apart (tiny seeds vs tiny4x) | within one step |",
               "|---|---|---|---|---|---|"]
@@ -350,10 +362,12 @@ def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markd
             row = rows[run.key]
             lines.append(f"| {run.label} | {row['loss']:.4f} | {row.get('loss_vs_control', 0):+.4f} | {row['steps']:,} "
                          f"| {row.get('steps_saved', 0):.0%} | {row['final_batch']} | {row['wall_seconds'] or 0:.0f} |")
-    cost = [f"{runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s" for run in CURVES if run.key in runs]
+    cost = [f"{runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
+            for run in CURVES if run.key in runs and not runs[run.key].get("unfinished")]
+    finished_curves = [r for r in CURVES if r.key in runs and not runs[r.key].get("unfinished")]
     lines += ["", "What the curves cost (probe branch tokens on top of the budget, wall time of the run): "
-              + "; ".join(f"{run.label}: {c}" for run, c in zip([r for r in CURVES if r.key in runs], cost)) + ".", ""]
-    if "tiny4x_curve_seed1" in runs and CONTROL.key in runs:
+              + "; ".join(f"{run.label}: {c}" for run, c in zip(finished_curves, cost)) + ".", ""]
+    if "tiny4x_curve_seed1" in runs and not runs["tiny4x_curve_seed1"].get("unfinished") and CONTROL.key in runs:
         gap = runs["tiny4x_curve_seed1"]["val_curve"][-1]["val_loss"] - runs[CONTROL.key]["val_curve"][-1]["val_loss"]
         lines += [f"The probed tiny4x run's main run against the unprobed control (same seed and batch): held-out loss "
                   f"{gap:+.4f} nats apart (a probe must leave the main run untouched).", ""]
@@ -405,7 +419,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     if args.report_only:
-        runs.update({run.key: load(run, args.out) for run in [*CURVES, *TRAINED] if (args.out / run.key / "summary.json").exists()})
+        for run in [*CURVES, *TRAINED]:
+            if (args.out / run.key / "summary.json").exists():
+                runs[run.key] = load(run, args.out)
+            elif run in CURVES and any((args.out / run.key).rglob("cbs_probe.jsonl")):
+                runs[run.key] = load_unfinished_curve(run, args.out)
     else:
         train_all()
     schedules = {key: read_schedule(key, args.out) for key in SCHEDULES}
