@@ -4,6 +4,7 @@ schedule_from_probe.py, and its numbers, JSON, plot and markdown agree with what
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -76,3 +77,16 @@ def test_report_only_rebuilds_from_finished_runs(result, tmp_path):
     out, outcome = result
     again = transfer.main(["--report-only", "--quick", "--out", str(out / "runs"), "--plot", str(tmp_path / "again.png")])
     assert again["rows"] == outcome["rows"] and again["points"] == outcome["points"]
+
+
+def test_report_only_keeps_the_readings_of_a_curve_cut_short(result, tmp_path):
+    out, outcome = result
+    shutil.copytree(out / "runs", tmp_path / "runs")
+    (tmp_path / "runs" / "tiny4x_curve_seed1" / "summary.json").unlink()  # as while it still trains
+    shutil.rmtree(tmp_path / "runs" / "tiny4x_from_tiny4x")
+    markdown = tmp_path / "RESULTS.md"
+    cut = transfer.main(["--report-only", "--quick", "--out", str(tmp_path / "runs"), "--markdown", str(markdown)])
+    assert cut["points"] == outcome["points"] and "tiny4x_from_tiny4x" not in cut["rows"]
+    text = markdown.read_text()
+    assert "Incomplete: not run (yet): tiny4x, schedule from its own curve." in text
+    assert "Unfinished when reported (its readings so far are shown): tiny4x CBS curve, seed 1." in text
