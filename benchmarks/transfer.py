@@ -46,6 +46,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from lit_cbs.analysis import schedule_from_probe
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_md import replace_section  # noqa: E402
@@ -355,6 +357,8 @@ def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markd
                      f"| {bracket(b.get('tiny4x_curve_seed1'))} | {apart} | {'yes' if point['agree'] else 'no'} |")
     lines += ["", "Schedules (`recipes/schedule_from_probe.py --start 16 --final 64`; global batch, samples):", ""]
     lines += [f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()]
+    alone = [(run, schedule_from_probe(runs[run.key]["readings"], START, final=FINAL)) for run in CURVES[:2] if run.key in runs]
+    lines += [f"- (not trained) {run.label} alone: {schedule_text(vars(schedule))}" for run, schedule in alone]
     lines += ["", "tiny4x trained three ways (seed 1, same tokens):", "",
               "| run | held-out loss | vs control | optimizer steps | steps saved | final batch | wall s |", "|---|---|---|---|---|---|---|"]
     for run in TRAINED:
