@@ -20,13 +20,13 @@ schedule from tiny's curve saving >= 40% of the control's optimizer steps at a h
 keeps what finished), a PNG and the section "transfer" of docs/RESULTS.md.
 
 The budget is 1,048,576 tokens per run (a quarter of the tiny recipes' 4.2M, so the whole benchmark
-fits in about 50 minutes on 2 shared CPU cores), LR warmup 65,536 tokens, probe points 65k, 131k,
+fits in about 40 minutes on 2 shared CPU cores with --jobs 4), LR warmup 65,536 tokens, probe points 65k, 131k,
 262k, 524k tokens with windows of 131,072 tokens (a point passed inside a window is probed when it
 ends), 8 held-out evaluations per run on 64 micro-batches of the validation split.
 
 Usage::
 
-    python benchmarks/transfer.py --jobs 4                  # ~50 minutes on 2 cores, writes docs/
+    python benchmarks/transfer.py --jobs 4                  # ~40 minutes on 2 cores, writes docs/
     python benchmarks/transfer.py --quick --out /tmp/transfer
     python benchmarks/transfer.py --report-only             # the report from the runs finished in OUT
 """
