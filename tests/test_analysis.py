@@ -395,7 +395,7 @@ def test_too_few_runs_for_the_wsd_fit_keep_mccandlish(wsd_sweep):
 def test_bad_probe_line_is_named(tmp_path):
     path = tmp_path / "cbs_probe.jsonl"
     path.write_text(json.dumps({"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}) + "\n{\"tokens\": 5}\n")
-    with pytest.raises(ValueError, match=r"cbs_probe.jsonl:2: not a CBS probe record"):
+    with pytest.raises(ValueError, match=r"cbs_probe.jsonl: record 2 is not a CBS probe record"):
         read_probe(path)
 
 

@@ -55,7 +55,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 @pytest.mark.parametrize(
-    "name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472)]
+    "name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472), ("tiny4x", 868_352)]
 )
 def test_preset_parameter_counts_on_meta_device(name, expected):
     with torch.device("meta"):
@@ -72,6 +72,18 @@ def test_tiny_parameter_count_exact():
     assert model.num_parameters() == 2 * vocab * d + layers * per_block == 233_472
     assert model.num_parameters(exclude_embeddings=True) == layers * per_block
     assert not config.tie_embeddings and model.lm_head is not None
+
+
+def test_tiny4x_is_about_four_tiny_models_with_tinys_shape():
+    tiny, tiny4x = get_config("tiny"), get_config("tiny4x")
+    model = OLMo(tiny4x)
+    d, h, layers, vocab = 128, 352, 4, 256
+    assert model.num_parameters() == 2 * vocab * d + layers * (4 * d * d + 3 * d * h) == 868_352
+    assert 3.5 < model.num_parameters() / OLMo(tiny).num_parameters() < 4
+    # Same depth, head size, context and vocabulary: only the width differs.
+    assert (tiny4x.n_layers, tiny4x.d_model // tiny4x.n_heads, tiny4x.context_length, tiny4x.vocab_size) == (
+        tiny.n_layers, tiny.d_model // tiny.n_heads, tiny.context_length, tiny.vocab_size
+    )
 
 
 def test_untied_counts_both_embeddings_and_flops_formula():
@@ -149,9 +161,9 @@ def test_non_int_config_field_raises_type_error():
 
 
 def test_unknown_preset_lists_known_ones():
-    with pytest.raises(ValueError, match="olmo_1b, olmo_7b, tiny"):
+    with pytest.raises(ValueError, match="olmo_1b, olmo_7b, tiny, tiny4x"):
         get_config("olmo_3b")
-    assert set(PRESETS) == {"tiny", "olmo_1b", "olmo_7b"}
+    assert set(PRESETS) == {"tiny", "tiny4x", "olmo_1b", "olmo_7b"}
 
 
 def test_get_config_returns_a_copy():

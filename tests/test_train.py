@@ -192,7 +192,7 @@ def test_configuration_error_is_one_line(tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        "error: model.config: unknown model preset 'olmo_3b'; known presets: olmo_1b, olmo_7b, tiny"
+        "error: model.config: unknown model preset 'olmo_3b'; known presets: olmo_1b, olmo_7b, tiny, tiny4x"
     )
 
 

@@ -1,6 +1,6 @@
 """E(S) analysis of constant-batch sweeps: loss curves from metrics CSVs, McCandlish et al. 2018 and
 Zhou et al. 2026 fits, a B_opt-following batch schedule, the fits side by side with the noise scale
-and the probe's CBS, and plots. Pure numpy/scipy/matplotlib:
+and the probe's CBS, a warmup schedule from a measured CBS curve, and plots. Pure numpy/scipy/matplotlib:
 no Lightning."""
 
 from lit_cbs.analysis.compare import SideBySide, side_by_side, side_by_side_markdown
@@ -18,6 +18,7 @@ from lit_cbs.analysis.curves import (
     smooth,
 )
 from lit_cbs.analysis.fits import (
+    batch_group_yaml,
     McCandlishFit,
     TargetFit,
     WSDFit,
@@ -29,8 +30,10 @@ from lit_cbs.analysis.fits import (
     write_schedule_yaml,
 )
 from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
+from lit_cbs.analysis.probe_schedule import read_probe_records, schedule_from_probe
 
 __all__ = [
+    "batch_group_yaml",
     "Crossing",
     "McCandlishFit",
     "ProbePoint",
@@ -48,9 +51,11 @@ __all__ = [
     "plot_es",
     "propose_schedule",
     "read_probe",
+    "read_probe_records",
     "read_run",
     "read_sweep",
     "rolling_mean",
+    "schedule_from_probe",
     "schedule_yaml",
     "side_by_side",
     "side_by_side_markdown",

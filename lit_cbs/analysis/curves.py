@@ -16,7 +16,6 @@ global batch in tokens. ``tokens_per_sample`` (the sequence length) comes from t
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import warnings
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 from scipy.signal import lfilter
+
+from lit_cbs.analysis.probe_schedule import read_probe_records
 
 TOKENS_COLUMN = "tokens_seen"
 STEP_COLUMN = "step"
@@ -395,29 +396,26 @@ def read_probe(path: PathLike) -> list[ProbePoint]:
     ``cbs_upper`` (null when open-ended) and ``cbs_estimate`` in samples.
 
     Raises:
-        ValueError: a line is not JSON or lacks one of those keys; the message names the line.
+        ValueError: the file is unreadable or empty, or a record is not JSON or lacks one of those keys;
+            the message names the record.
     """
     points = []
-    with open(path) as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                upper = record["cbs_upper"]
-                point = ProbePoint(
-                    float(record["tokens"]),
-                    float(record["cbs_lower"]),
-                    None if upper is None else float(upper),
-                    float(record["cbs_estimate"]),
-                    None if record.get("batch_size") is None else int(record["batch_size"]),
-                )
-            except (ValueError, KeyError, TypeError) as error:  # json.JSONDecodeError is a ValueError
-                raise ValueError(
-                    f"{path}:{number}: not a CBS probe record ({error!r}); each line needs numbers tokens, cbs_lower, "
-                    "cbs_estimate and cbs_upper (number or null)"
-                ) from error
-            points.append(point)
+    for number, record in enumerate(read_probe_records(path), start=1):
+        try:
+            upper = record["cbs_upper"]
+            point = ProbePoint(
+                float(record["tokens"]),
+                float(record["cbs_lower"]),
+                None if upper is None else float(upper),
+                float(record["cbs_estimate"]),
+                None if record.get("batch_size") is None else int(record["batch_size"]),
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"{path}: record {number} is not a CBS probe record ({error!r}); each record needs numbers tokens, "
+                "cbs_lower, cbs_estimate and cbs_upper (number or null)"
+            ) from error
+        points.append(point)
     return points
 
 

@@ -372,18 +372,30 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     return PiecewiseBatch(sizes, thresholds, unit="tokens")
 
 
+def _piecewise_lines(schedule: PiecewiseBatch, indent: str) -> list[str]:
+    """``schedule`` as the YAML lines of a ``_target_`` node, each prefixed by ``indent``."""
+    return [
+        f"{indent}_target_: {type(schedule).__module__}.{type(schedule).__qualname__}",
+        f"{indent}batch_sizes: [{', '.join(str(b) for b in schedule.batch_sizes)}]",
+        f"{indent}thresholds: [{', '.join(str(t) for t in schedule.thresholds)}]",
+        f"{indent}unit: {schedule.unit}",
+    ]
+
+
+def _comment_lines(comment: str) -> list[str]:
+    return [f"# {line}" if line else "#" for line in comment.splitlines()]
+
+
 def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
     """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule`` to ``schedule``."""
-    lines = ["# @package _global_"]
-    lines += [f"# {line}" if line else "#" for line in comment.splitlines()]
-    lines += [
-        "batch:",
-        "  schedule:",
-        f"    _target_: {type(schedule).__module__}.{type(schedule).__qualname__}",
-        f"    batch_sizes: [{', '.join(str(b) for b in schedule.batch_sizes)}]",
-        f"    thresholds: [{', '.join(str(t) for t in schedule.thresholds)}]",
-        f"    unit: {schedule.unit}",
-    ]
+    lines = ["# @package _global_", *_comment_lines(comment), "batch:", "  schedule:", *_piecewise_lines(schedule, "    ")]
+    return "\n".join(lines) + "\n"
+
+
+def batch_group_yaml(schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt") -> str:
+    """A ``conf/batch/`` group option (like ``batch/warmup.yaml``) running ``schedule``, the LR following
+    each change by ``lr_rule``: save it as ``conf/batch/NAME.yaml`` and select it with ``batch=NAME``."""
+    lines = [*_comment_lines(comment), "schedule:", *_piecewise_lines(schedule, "  "), f"lr_rule: {lr_rule}", "max_micro_batch_size: null"]
     return "\n".join(lines) + "\n"
 
 

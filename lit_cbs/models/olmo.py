@@ -85,6 +85,12 @@ PRESETS: dict[str, OLMoConfig] = {
     "tiny": OLMoConfig(
         vocab_size=256, d_model=64, n_layers=4, n_heads=4, mlp_hidden=176, context_length=128, tie_embeddings=False
     ),
+    # The tiny model 3.7x over (868,352 parameters): twice the width at the same depth, head size
+    # (16) and context, to check on a CPU whether a CBS curve measured on tiny carries to a larger model.
+    # mlp_hidden = 4 * 128 * 2/3 rounded up to a multiple of 16.
+    "tiny4x": OLMoConfig(
+        vocab_size=256, d_model=128, n_layers=4, n_heads=8, mlp_hidden=352, context_length=128, tie_embeddings=False
+    ),
     # OLMo-1B (vocab 50280 padded to a multiple of 128).
     "olmo_1b": OLMoConfig(
         vocab_size=50304, d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192, context_length=4096,

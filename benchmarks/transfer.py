@@ -1,0 +1,452 @@
+"""Measure small, train big: does a CBS curve measured on the tiny model set the warmup of a larger one?
+
+Merrill et al. 2025 found nearly the same CBS curve for OLMo 1B and 7B, so a cheap model's curve can
+set an expensive model's batch warmup. This benchmark checks that at CPU scale, with the recipes a
+user runs (``recipes/train.py`` and ``recipes/schedule_from_probe.py``, one subprocess each):
+
+1. CBS curves at the same probe points, tokens and probe settings: ``+recipe=tiny_cbs_curve``
+   (tiny, 233k parameters, seeds 1 and 2) and ``+recipe=tiny4x_cbs_curve`` (tiny4x, 868k parameters,
+   seed 1), each a batch-16 run with probes (bisection over k = 1..16, held-out loss, epsilon 0.02).
+   Alongside, the tiny4x small-batch control ``+recipe=tiny4x_small_batch`` (seed 1).
+2. Two schedules by ``schedule_from_probe.py --start 16 --final 64``: from both tiny seeds' readings
+   (at a point read twice the smaller bound counts) and from tiny4x's own, each trained as
+   ``+recipe=tiny4x_warmup batch=<schedule>`` (seed 1, no probe) as soon as its curves are done.
+
+Reported: every reading (CBS bracket, samples), the schedules, each tiny4x run's held-out loss at the
+end of the budget (its last evaluation) and optimizer steps, and the issue's goals: the two models'
+brackets within one grid step (a factor 2) at >= 3 of 4 probe points, for every tiny seed; the
+schedule from tiny's curve saving >= 40% of the control's optimizer steps at a held-out loss at most
+0.02 nats above it. Output: OUT/transfer.json (rewritten after every run, so a stopped benchmark
+keeps what finished), a PNG and the section "transfer" of docs/RESULTS.md.
+
+The budget is 1,048,576 tokens per run (a quarter of the tiny recipes' 4.2M, so the whole benchmark
+fits in about 40 minutes on 2 shared CPU cores with --jobs 4), LR warmup 65,536 tokens, probe points 65k, 131k,
+262k, 524k tokens with windows of 131,072 tokens (a point passed inside a window is probed when it
+ends), 8 held-out evaluations per run on 64 micro-batches of the validation split.
+
+Usage::
+
+    python benchmarks/transfer.py --jobs 4                  # ~40 minutes on 2 cores, writes docs/
+    python benchmarks/transfer.py --quick --out /tmp/transfer
+    python benchmarks/transfer.py --report-only             # the report from the runs finished in OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from lit_cbs.analysis import schedule_from_probe
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_md import replace_section  # noqa: E402
+from table1 import read_run  # noqa: E402
+
+SEQ_LEN = 128
+START, FINAL = 16, 64  # samples: the schedules' first and largest global batch
+GOALS = {"agreeing_points": 3, "steps_saved": 0.40, "loss_gap": 0.02}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Token counts (tokens) and batch counts (micro-batches of 16 x 128 tokens) of every run."""
+
+    tokens: int  # budget per run
+    warmup_tokens: int  # LR warmup
+    probe_first: int  # first probe point; then x2
+    window_tokens: int  # tokens every probe branch trains on
+    multipliers: tuple[int, ...]
+    heldout_batches: int  # the probe's held-out micro-batches
+    evaluations: int  # held-out evaluations per run
+    val_batches: int  # micro-batches per evaluation
+
+
+FULL = Settings(1_048_576, 65_536, 65_536, 131_072, (1, 2, 4, 8, 16), 32, 8, 64)
+QUICK = Settings(32_768, 4_096, 4_096, 8_192, (1, 2, 4), 2, 4, 2)
+
+
+@dataclass(frozen=True)
+class Run:
+    key: str
+    label: str
+    recipe: str
+    seed: int
+    schedule: str | None = None  # key of the schedule (conf/batch/<key>.yaml under OUT) it trains with
+
+
+CURVES = [
+    Run("tiny_curve_seed1", "tiny CBS curve, seed 1", "tiny_cbs_curve", 1),
+    Run("tiny_curve_seed2", "tiny CBS curve, seed 2", "tiny_cbs_curve", 2),
+    Run("tiny4x_curve_seed1", "tiny4x CBS curve, seed 1", "tiny4x_cbs_curve", 1),
+]
+CONTROL = Run("tiny4x_control", "tiny4x small batch (16), control", "tiny4x_small_batch", 1)
+SCHEDULES = {  # schedule key -> the curve runs it is read from
+    "from_tiny": ["tiny_curve_seed1", "tiny_curve_seed2"],
+    "from_tiny4x": ["tiny4x_curve_seed1"],
+}
+SCHEDULED = [
+    Run("tiny4x_from_tiny", "tiny4x, schedule from tiny's curve", "tiny4x_warmup", 1, "from_tiny"),
+    Run("tiny4x_from_tiny4x", "tiny4x, schedule from its own curve", "tiny4x_warmup", 1, "from_tiny4x"),
+]
+TRAINED = [CONTROL, *SCHEDULED]  # the three ways tiny4x is trained
+
+
+def train_command(run: Run, settings: Settings, out: Path) -> list[str]:
+    """recipes/train.py's command line for ``run``."""
+    micro_tokens = 16 * SEQ_LEN
+    overrides = [
+        f"+recipe={run.recipe}",
+        f"seed={run.seed}",
+        f"max_tokens={settings.tokens}",
+        f"lr_schedule.warmup_tokens={settings.warmup_tokens}",
+        f"trainer.val_check_interval={settings.tokens // (settings.evaluations * micro_tokens)}",
+        f"data.val_batches={settings.val_batches}",
+        "trainer.enable_progress_bar=false",
+        "callbacks.progress_bar=null",
+        "callbacks.checkpoint=null",
+        "plots=false",
+    ]
+    if "curve" in run.recipe:
+        overrides += [
+            f"callbacks.cbs_probe.geometric=[{settings.probe_first},2.0]",
+            f"callbacks.cbs_probe.window_tokens={settings.window_tokens}",
+            f"callbacks.cbs_probe.multipliers=[{','.join(map(str, settings.multipliers))}]",
+            f"callbacks.cbs_probe.heldout_batches={settings.heldout_batches}",
+        ]
+    if run.schedule is not None:
+        overrides += [f"batch={run.schedule}", f"hydra.searchpath=[file://{(out / 'conf').resolve()}]"]
+    overrides.append(f"hydra.run.dir={(out / run.key).resolve()}")
+    return [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides]
+
+
+def schedule_command(key: str, out: Path) -> list[str]:
+    """recipes/schedule_from_probe.py's command line writing OUT/conf/batch/<key>.yaml."""
+    probes = [str(probe_file(out / curve)) for curve in SCHEDULES[key]]
+    target = out / "conf" / "batch" / f"{key}.yaml"
+    return [sys.executable, str(ROOT / "recipes" / "schedule_from_probe.py"), *probes,
+            "--start", str(START), "--final", str(FINAL), "--out", str(target)]
+
+
+def probe_file(run_dir: Path) -> Path:
+    found = sorted(run_dir.rglob("cbs_probe.jsonl"))
+    if len(found) != 1:
+        raise SystemExit(f"[transfer] {run_dir} holds {len(found)} cbs_probe.jsonl files, expected 1")
+    return found[0]
+
+
+def execute(command: list[str], log_path: Path, threads: int) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    with open(log_path, "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-20:])
+        raise SystemExit(f"[transfer] {' '.join(command[1:3])} ... failed ({done.returncode}); {log_path}:\n{tail}")
+
+
+def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
+    """Train ``run`` (or reuse its finished folder) and return its summary, readings and loss curve."""
+    run_dir = out / run.key
+    if not (run_dir / "summary.json").exists():
+        command = train_command(run, settings, out)
+        print(f"[transfer] {run.label}: {' '.join(command[1:])}", flush=True)
+        started = time.perf_counter()
+        execute(command, out / "logs" / f"{run.key}.log", threads)
+        (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+    return load(run, out)
+
+
+def load(run: Run, out: Path) -> dict:
+    """A finished run's summary, loss curve and (for a curve) readings."""
+    run_dir = out / run.key
+    result = {**read_run(run_dir), **asdict(run), "run_dir": str(run_dir)}
+    wall = run_dir / "wall_seconds.txt"
+    result["wall_seconds"] = float(wall.read_text()) if wall.exists() else None
+    if "curve" in run.recipe:
+        with open(probe_file(run_dir)) as f:
+            result["readings"] = [json.loads(line) for line in f if line.strip()]
+    print(f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
+          f"tokens, {result['optimizer_steps']:,} steps", flush=True)
+    return result
+
+
+def load_unfinished_curve(run: Run, out: Path) -> dict:
+    """The readings a curve run still training has written so far (--report-only on a benchmark cut short)."""
+    with open(probe_file(out / run.key)) as f:
+        readings = [json.loads(line) for line in f if line.strip()]
+    print(f"[transfer] {run.label}: unfinished, {len(readings)} readings so far", flush=True)
+    return {**asdict(run), "run_dir": str(out / run.key), "readings": readings, "unfinished": True}
+
+
+def read_schedule(key: str, out: Path) -> dict | None:
+    from omegaconf import OmegaConf
+
+    path = out / "conf" / "batch" / f"{key}.yaml"
+    if not path.exists():
+        return None
+    schedule = OmegaConf.load(path).schedule
+    return {"batch_sizes": list(schedule.batch_sizes), "thresholds": list(schedule.thresholds), "path": str(path)}
+
+
+def agreement(runs: dict[str, dict]) -> list[dict]:
+    """Per probe point (tokens): each curve's bracket and whether every tiny seed's lower bound is within
+    one grid step (a factor 2) of tiny4x's."""
+    curves = {run.key: runs[run.key]["readings"] for run in CURVES if run.key in runs}
+    points = sorted({r["tokens"] for readings in curves.values() for r in readings})
+    rows = []
+    for tokens in points:
+        at = {key: next((r for r in readings if r["tokens"] == tokens), None) for key, readings in curves.items()}
+        big = at.get("tiny4x_curve_seed1")
+        tiny = [at[key] for key in ("tiny_curve_seed1", "tiny_curve_seed2") if key in at]
+        steps = [None if big is None or r is None else math.log2(r["cbs_lower"] / big["cbs_lower"]) for r in tiny]
+        rows.append({
+            "tokens": tokens,
+            "brackets": {key: None if r is None else [r["cbs_lower"], r["cbs_upper"]] for key, r in at.items()},
+            "grid_steps_apart": steps,
+            "agree": bool(steps) and all(s is not None and abs(s) <= 1 for s in steps),
+        })
+    return rows
+
+
+def outcomes(runs: dict[str, dict]) -> dict[str, dict]:
+    """Per tiny4x training run: final held-out loss, optimizer steps, and both against the control."""
+    rows = {}
+    for run in TRAINED:
+        if run.key not in runs:
+            continue
+        result = runs[run.key]
+        rows[run.key] = {"loss": result["val_curve"][-1]["val_loss"], "steps": result["optimizer_steps"],
+                         "tokens": result["tokens"], "final_batch": result["final_batch"], "wall_seconds": result["wall_seconds"]}
+    control = rows.get(CONTROL.key)
+    for row in rows.values():
+        if control is not None:
+            row["loss_vs_control"] = row["loss"] - control["loss"]
+            row["steps_saved"] = 1 - row["steps"] / control["steps"]
+    return rows
+
+
+def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
+    checks = []
+    if points:
+        agreeing = sum(point["agree"] for point in points)
+        checks.append((
+            f"brackets of tiny (every seed) and tiny4x within one grid step at {agreeing} of {len(points)} probe points "
+            f"(goal >= {GOALS['agreeing_points']} of 4)",
+            agreeing >= GOALS["agreeing_points"],
+        ))
+    transferred = rows.get("tiny4x_from_tiny")
+    if transferred is not None and "steps_saved" in transferred:
+        checks.append((
+            f"schedule from tiny's curve: {transferred['steps_saved']:.1%} fewer optimizer steps than the control "
+            f"(goal >= {GOALS['steps_saved']:.0%}) at held-out loss {transferred['loss_vs_control']:+.4f} nats "
+            f"(goal <= +{GOALS['loss_gap']})",
+            transferred["steps_saved"] >= GOALS["steps_saved"] and transferred["loss_vs_control"] <= GOALS["loss_gap"],
+        ))
+    return checks
+
+
+def bracket(pair) -> str:
+    if pair is None:
+        return "-"
+    lower, upper = pair
+    return f"[{lower:g}, {'beyond' if upper is None else f'{upper:g}'}]"
+
+
+def schedule_text(schedule: dict | None) -> str:
+    if schedule is None:
+        return "not written"
+    steps = [f"{b} from {t:,}" for b, t in zip(schedule["batch_sizes"], schedule["thresholds"])]
+    return ", ".join(steps) + " tokens"
+
+
+def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cbs_axis, tokens_axis, steps_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for index, run in enumerate(CURVES):
+        if run.key not in runs:
+            continue
+        readings = runs[run.key]["readings"]
+        shift = 1.04 ** (index - 1)  # side by side at each point
+        for r in readings:
+            upper = r["cbs_upper"] if r["cbs_upper"] is not None else 2 * r["cbs_lower"]
+            cbs_axis.plot([r["tokens"] * shift] * 2, [r["cbs_lower"], upper], color=f"C{index}", lw=3, alpha=0.7,
+                          ls="-" if r["cbs_upper"] is not None else ":")
+        cbs_axis.plot([], [], color=f"C{index}", lw=3, label=f"{run.label} (bracket)")
+    for index, (key, schedule) in enumerate(schedules.items()):
+        if schedule is None:
+            continue
+        end = max(run.get("tokens", 0) for run in runs.values()) or 2 * schedule["thresholds"][-1]
+        cbs_axis.step([*schedule["thresholds"], end], [*schedule["batch_sizes"], schedule["batch_sizes"][-1]], where="post",
+                      color=f"C{index + 3}", ls="--", label=f"schedule {key}")
+    cbs_axis.set(xscale="log", yscale="log", xlabel="tokens", ylabel="global batch / CBS (samples of 128 tokens)",
+                 title="CBS brackets and the schedules read off them")
+    cbs_axis.set_yticks([8, 16, 32, 64, 128, 256, 512], labels=["8", "16", "32", "64", "128", "256", "512"])
+    cbs_axis.minorticks_off()
+    cbs_axis.legend(fontsize=7)
+    for run, style in zip(TRAINED, ("ko-", "rs--", "b^:")):
+        if run.key not in runs:
+            continue
+        curve = runs[run.key]["val_curve"]
+        tokens_axis.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, ms=4, label=run.label)
+        steps_axis.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, ms=4)
+    tokens_axis.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="tiny4x: loss vs tokens")
+    steps_axis.set(xlabel="optimizer steps", xscale="log", title="tiny4x: loss vs optimizer steps")
+    tokens_axis.legend(fontsize=7)
+    finals = [runs[run.key]["val_curve"][-1]["val_loss"] for run in TRAINED if run.key in runs]
+    if finals:
+        for axis in (tokens_axis, steps_axis):
+            axis.set_ylim(min(finals) - 0.05, min(finals) + 0.6)
+    for axis in (cbs_axis, tokens_axis, steps_axis):
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markdown_path: Path) -> str:
+    import torch
+
+    s = args.settings
+    relative_plot = os.path.relpath(plot_path, markdown_path.parent)
+    missing = [run.label for run in [*CURVES, *TRAINED] if run.key not in runs]
+    unfinished = [run.label for run in CURVES if runs.get(run.key, {}).get("unfinished")]
+    lines = [
+        "## Measure small, train big: does the tiny model's CBS curve carry to tiny4x?",
+        "",
+        f"Command: `python benchmarks/transfer.py {' '.join(args.argv)}`".rstrip()
+        + f" ({args.date}; {platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end, torch {torch.__version__}).",
+        "",
+        f"Budget: {s.tokens:,} tokens per run, batch 16 x 128 tokens (the schedules grow it to at most {FINAL}), LR 3e-3 "
+        f"(x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the embedded stdlib corpus. "
+        f"tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: points from "
+        f"{s.probe_first:,} tokens doubling, windows of {s.window_tokens:,} tokens, k = {', '.join(map(str, s.multipliers))} "
+        f"by bisection, held-out loss on {s.heldout_batches} micro-batches, epsilon 0.02 nats; the same for both models. "
+        f"Held-out loss below: the last of {s.evaluations} evaluations ({s.val_batches} micro-batches of the validation "
+        "split), at the end of the budget.",
+        "",
+    ]
+    if missing:
+        lines += [f"**Incomplete: not run (yet): {', '.join(missing)}.**", ""]
+    if unfinished:
+        lines += [f"**Unfinished when reported (its readings so far are shown): {', '.join(unfinished)}.**", ""]
+    lines += ["CBS brackets (samples of 128 tokens) at each probe point:", "",
+              "| tokens | tiny seed 1 | tiny seed 2 | tiny4x seed 1 | grid steps apart (tiny seeds vs tiny4x) | within one step |",
+              "|---|---|---|---|---|---|"]
+    for point in points:
+        b = point["brackets"]
+        apart = ", ".join("-" if x is None else f"{x:+.0f}" for x in point["grid_steps_apart"])
+        lines.append(f"| {point['tokens']:,} | {bracket(b.get('tiny_curve_seed1'))} | {bracket(b.get('tiny_curve_seed2'))} "
+                     f"| {bracket(b.get('tiny4x_curve_seed1'))} | {apart} | {'yes' if point['agree'] else 'no'} |")
+    lines += ["", "Schedules (`recipes/schedule_from_probe.py --start 16 --final 64`; global batch, samples):", ""]
+    lines += [f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()]
+    alone = [(run, schedule_from_probe(runs[run.key]["readings"], START, final=FINAL)) for run in CURVES[:2] if run.key in runs]
+    lines += [f"- (not trained) {run.label} alone: {schedule_text(vars(schedule))}" for run, schedule in alone]
+    lines += ["", "tiny4x trained three ways (seed 1, same tokens):", "",
+              "| run | held-out loss | vs control | optimizer steps | steps saved | final batch | wall s |", "|---|---|---|---|---|---|---|"]
+    for run in TRAINED:
+        if run.key in rows:
+            row = rows[run.key]
+            lines.append(f"| {run.label} | {row['loss']:.4f} | {row.get('loss_vs_control', 0):+.4f} | {row['steps']:,} "
+                         f"| {row.get('steps_saved', 0):.0%} | {row['final_batch']} | {row['wall_seconds'] or 0:.0f} |")
+    cost = [f"{runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
+            for run in CURVES if run.key in runs and not runs[run.key].get("unfinished")]
+    finished_curves = [r for r in CURVES if r.key in runs and not runs[r.key].get("unfinished")]
+    lines += ["", "What the curves cost (probe branch tokens on top of the budget, wall time of the run): "
+              + "; ".join(f"{run.label}: {c}" for run, c in zip(finished_curves, cost)) + ".", ""]
+    if "tiny4x_curve_seed1" in runs and not runs["tiny4x_curve_seed1"].get("unfinished") and CONTROL.key in runs:
+        gap = runs["tiny4x_curve_seed1"]["val_curve"][-1]["val_loss"] - runs[CONTROL.key]["val_curve"][-1]["val_loss"]
+        lines += [f"The probed tiny4x run's main run against the unprobed control (same seed and batch): held-out loss "
+                  f"{gap:+.4f} nats apart (a probe must leave the main run untouched).", ""]
+    lines += ["Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks], "",
+              f"![CBS brackets, schedules and tiny4x's loss]({relative_plot})"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results")
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer", help="folder for the runs and transfer.json")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the section 'transfer' of this file (default: docs/RESULTS.md, none with --quick)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/transfer.png next to --markdown, else OUT)")
+    parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.date = str(datetime.date.today())
+    args.settings = QUICK if args.quick else FULL
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs} must be >= 1")
+    if args.markdown is None and not args.quick:
+        args.markdown = ROOT / "docs" / "RESULTS.md"
+    if args.plot is None:
+        args.plot = (args.markdown.parent / "transfer.png") if args.markdown else args.out / "transfer.png"
+    args.out.mkdir(parents=True, exist_ok=True)
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    runs: dict[str, dict] = {}
+
+    def save() -> None:  # after every run: a stopped benchmark keeps what finished
+        (args.out / "transfer.json").write_text(json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2))
+
+    def train_all() -> None:
+        """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
+        waiting = list(SCHEDULED)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            pending = {pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, CONTROL]}
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    runs[pending.pop(future).key] = future.result()
+                    save()
+                for run in [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]:
+                    waiting.remove(run)
+                    execute(schedule_command(run.schedule, args.out), args.out / "logs" / f"schedule_{run.schedule}.log", threads)
+                    pending[pool.submit(train, run, args.settings, args.out, threads)] = run
+
+    started = time.perf_counter()
+    if args.report_only:
+        for run in [*CURVES, *TRAINED]:
+            if (args.out / run.key / "summary.json").exists():
+                runs[run.key] = load(run, args.out)
+            elif run in CURVES and any((args.out / run.key).rglob("cbs_probe.jsonl")):
+                runs[run.key] = load_unfinished_curve(run, args.out)
+    else:
+        train_all()
+    schedules = {key: read_schedule(key, args.out) for key in SCHEDULES}
+    points, rows = agreement(runs), outcomes(runs)
+    checks = goals(points, rows)
+    result = {"settings": asdict(args.settings), "schedules": schedules, "points": points, "rows": rows,
+              "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": time.perf_counter() - started}
+    (args.out / "transfer.json").write_text(json.dumps(result, indent=2))
+    for key, schedule in schedules.items():
+        print(f"[transfer] schedule {key}: {schedule_text(schedule)}")
+    for text, ok in checks:
+        print(f"[transfer] {text}: {'met' if ok else 'MISSED'}")
+    plot(runs, schedules, args.plot)
+    if args.markdown:
+        replace_section(args.markdown, "transfer", markdown(runs, schedules, points, rows, checks, args, args.plot, args.markdown))
+    print(f"[transfer] {result['seconds'] / 60:.1f} minutes; {args.out / 'transfer.json'}; plot {args.plot}"
+          + (f"; markdown {args.markdown}" if args.markdown else ""), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Write a batch size warmup read off a measured CBS curve as a Hydra batch config: measure on a small
+model, train the big one with no probe.
+
+    python recipes/train.py +recipe=tiny_cbs_curve hydra.run.dir=runs/tiny_curve
+    python recipes/schedule_from_probe.py runs/tiny_curve/cbs_probe.jsonl --start 16 --final 64 --out conf/batch/measured.yaml
+    python recipes/train.py +recipe=tiny4x_warmup batch=measured
+
+The batch starts at --start samples and grows by --factor at the token count of each probe reading
+whose CBS lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at
+--final, undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds)
+are read together; at a token count read twice the smaller lower bound counts. --seq-len converts a
+curve measured at another sequence length (--measured-seq-len) through tokens. The output is a
+conf/batch/ option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a
+PiecewiseBatch (tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...). Bad input ends the run with one line
+naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lit_cbs.analysis import batch_group_yaml, read_probe_records, schedule_from_probe
+from lit_cbs.lr_rules import LR_RULES
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("probe", nargs="+", type=Path, help="cbs_probe.jsonl files written by CBSProbeCallback")
+    parser.add_argument("--start", type=int, required=True, help="the target run's first global batch, samples")
+    parser.add_argument("--factor", type=int, default=2, help="ratio between consecutive batch sizes (default: 2)")
+    parser.add_argument("--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)")
+    parser.add_argument("--margin", type=float, default=1.0, help="move to batch B only where the CBS lower bound >= margin x B (default: 1)")
+    parser.add_argument("--seq-len", type=int, help="the target run's data.seq_len, tokens (default: the measured run's)")
+    parser.add_argument("--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens")
+    parser.add_argument("--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)")
+    parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        if args.out.suffix != ".yaml":
+            raise ValueError(f"--out {args.out} must end in .yaml (Hydra reads conf/batch/NAME.yaml as batch=NAME)")
+        records = [record for path in args.probe for record in read_probe_records(path)]
+        schedule = schedule_from_probe(
+            records, args.start, factor=args.factor, final=args.final, margin=args.margin,
+            seq_len=args.seq_len, measured_seq_len=args.measured_seq_len,
+        )
+    except ValueError as error:
+        print(f"schedule_from_probe.py: {error}", file=sys.stderr)
+        return 2
+    sources = ", ".join(str(path) for path in args.probe)
+    options = f"start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}"
+    if args.seq_len is not None:
+        measured = args.measured_seq_len or "the records' seq_len"
+        options += f", seq_len {args.seq_len} from {measured}"
+    comment = (
+        f"Batch size warmup read off a measured CBS curve by recipes/schedule_from_probe.py ({options})\n"
+        f"from {sources}.\nGlobal batches in samples, thresholds in tokens. Use: python recipes/train.py +recipe=... batch={args.out.stem}"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(batch_group_yaml(schedule, comment, args.lr_rule))
+    print(f"{schedule} from {len(records)} probe records; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
