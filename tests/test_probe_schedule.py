@@ -171,10 +171,17 @@ def test_command_writes_a_batch_config_train_py_composes_with(tmp_path):
     assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 524_288, 1_048_576]
 
 
-def test_command_bad_input_is_one_line(tmp_path):
+def test_command_bad_input_is_one_line(tmp_path, capsys):
+    # In-process (the command's main), so the check does not pay for a Python start per case.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("schedule_from_probe_cli", ROOT / "recipes" / "schedule_from_probe.py")
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
     probe = write_jsonl(tmp_path / "cbs_probe.jsonl", [reading(100, 64)])
-    done = run_command(probe, "--start", 16, "--final", 48, "--out", tmp_path / "measured.yaml")
-    assert done.returncode == 2 and not (tmp_path / "measured.yaml").exists()
-    assert done.stderr.strip() == "schedule_from_probe.py: final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"
-    done = run_command(tmp_path / "nothing.jsonl", "--start", 16, "--out", tmp_path / "measured.yaml")
-    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "cannot read CBS probe records" in done.stderr
+    assert command.main([str(probe), "--start", "16", "--final", "48", "--out", str(tmp_path / "measured.yaml")]) == 2
+    assert not (tmp_path / "measured.yaml").exists()
+    assert capsys.readouterr().err.strip() == "schedule_from_probe.py: final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"
+    assert command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read CBS probe records" in err
