@@ -76,14 +76,10 @@ def token_sequence_length(batch: Any) -> int | None:
     Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
     """
     for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not leaf.is_floating_point() and not leaf.is_complex():
+        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not (leaf.is_floating_point() or leaf.is_complex()):
             if leaf.dtype != torch.bool:
                 return int(leaf.shape[1])
     return None
-
-
-def _lcm(values) -> int:
-    return math.lcm(*values) if values else 1
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]]) -> None:
@@ -299,7 +295,7 @@ class BatchWarmup(Callback):
         """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
         accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
         unit = self.micro_batch_size * self._data_parallel_size
-        step = _lcm(sorted({size // unit for size in self.schedule.sizes(self.consumed)} | {self.accumulate}))
+        step = math.lcm(*{size // unit for size in self.schedule.sizes(self.consumed)}, self.accumulate)
         if step == 1:
             return
         validation_batch = trainer.val_check_batch
