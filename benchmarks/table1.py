@@ -1,7 +1,7 @@
 """The paper's Table 1 at small scale: does batch warmup save optimizer steps at no loss?
 
 Runs ``recipes/train.py`` (one subprocess per run, the recipes a user runs) on the tiny workload of
-../shared/REFERENCE.md: the tiny OLMo (233k parameters) on the embedded stdlib corpus, a budget of
+docs/tiny_workload.md: the tiny OLMo (233k parameters) on the embedded stdlib corpus, a budget of
 4,194,304 tokens, base batch 16 x 128 tokens, LR 3e-3 tuned once for the small batch, for each seed:
 
 - small batch (16): ``+recipe=tiny_small_batch``, the control;

@@ -17,7 +17,7 @@ How lit_cbs runs it inside one Trainer, without re-entering Lightning's loops:
    recorded micro-batches with batch k*B through the strategy's wrapped model (DDP/FSDP reduce
    gradients as in training), the trainer's precision context, gradient clipping and grad
    scaler, stepping the LR schedulers as the main run does. Every branch sees exactly the
-   tokens the main run saw. Then restore S1: the main run is untouched (DESIGN.md invariant 5).
+   tokens the main run saw. Then restore S1: the main run is untouched (its parameters, optimizer state, RNG streams and data position).
 
 ``strategy="grid"`` trains every k in ``multipliers`` (the paper's protocol, k = 1 included).
 ``strategy="bisect"`` is cheaper for the same answer when recovery is monotone in k: it takes the
@@ -264,7 +264,7 @@ class CBSProbeCallback(Callback):
             k*B is a whole number of micro-batches on every rank, skipped (and said) otherwise.
         window_tokens: Delta, the tokens every branch trains on (rounded down to a whole number
             of steps of the largest branch).
-        epsilon: tolerance in nats of the k* rule (the paper: 0.01; see REFERENCE.md for the noise
+        epsilon: tolerance in nats of the k* rule (the paper: 0.01; see docs/tiny_workload.md for the noise
             floor of small runs).
         ema_alpha: weight of the newest step loss in the EMA (the paper: 0.5).
         lr_rule: LR factor for batch ratio k ("sqrt" for Adam, "linear" for SGD, ...).

@@ -195,7 +195,7 @@ class ExponentialRamp(BatchSchedule):
 class CBSAdaptive(BatchSchedule):
     """Closed-loop batch warmup: double the batch when the measured CBS reaches ``factor`` x the batch.
 
-    Merrill et al. 2025 (section 2 of SCIENCE.md) double the batch, with the LR times sqrt(2),
+    Merrill et al. 2025 (arXiv 2505.23971) double the batch, with the LR times sqrt(2),
     once the CBS exceeds twice the current batch; they read the thresholds off a CBS curve by
     hand. Here ``CBSProbeCallback`` calls ``observe`` with each measurement (the lower end of its
     CBS interval, k* x B, in samples), and the schedule doubles at most once per measurement,

@@ -6,7 +6,7 @@ datamodule's (or LightningModule's) ``batch_size``; BatchWarmup changes ``accumu
 step, when to zero gradients and how to divide the loss. A change to accumulate N' is applied
 right after an optimizer step, and only when the micro-batches consumed this epoch are divisible
 by N', so every later step averages over exactly the scheduled samples and the data order is
-that of a run without the change (DESIGN.md "How a batch change happens"). An increase by an
+that of a run without the change. An increase by an
 integer ratio r therefore waits at most r - 1 steps; ``history`` records when each change was
 asked for and when it happened. At epoch boundaries the micro-batch itself may also change
 (``max_micro_batch_size``), which reloads the train loader.

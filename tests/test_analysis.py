@@ -4,7 +4,7 @@ A synthetic sweep is a Hydra-multirun-like folder of constant-batch runs, each w
 CSVLogger-style metrics.csv. Its loss curves are built backwards from a known E(S) per target
 loss: the run with a batch of b tokens per step reaches loss l at the step S where E_l(S) / S = b
 (E_l(S) / S, the batch size along the curve, falls monotonically from infinity at S_min to B_min).
-The WSD family scales one base curve of Zhou et al.'s shape (SCIENCE.md section 4):
+The WSD family scales one base curve of Zhou et al.'s shape (Zhou et al. 2026):
 E_l(S) = kappa(l) E_base(S / sigma(l)), so S_min, S_opt scale with sigma, E_min with kappa and
 B_min, B_opt with kappa / sigma. The McCandlish family has S = S_min(l) + E_min(l) / b
 (McCandlish et al. 2018's (S / S_min - 1)(E / E_min - 1) = 1 solved for S at E = b S).

@@ -28,7 +28,7 @@ def test_piecewise_olmo_doubling_schedule():
 
 
 def megatron_reference(consumed, start, increment, ramp, final):
-    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from SCIENCE.md 5."""
+    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from Megatron-LM's num_microbatches_calculator."""
     if consumed > ramp:
         return final
     per_increment = ramp / ((final - start) // increment)

@@ -1,4 +1,4 @@
-"""BatchWarmup on a real Trainer: DESIGN.md invariants 1-4 and 6 (single process)."""
+"""BatchWarmup on a real Trainer: exact steps, no sample lost, LR after changes, resume, bad configuration (single process)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Both runs use the same batch growth, 4 -> 8 -> 16 global samples with micro-batch 2 on 2 ranks
 (accumulate 1 -> 2 -> 4), over 2 epochs of 96 samples. Each rank saves what it recorded; the test
-joins the ranks and checks DESIGN.md invariants 1 and 2 on global quantities: every optimizer step
+joins the ranks and checks the invariants that every step averages exactly the scheduled samples and none is lost on global quantities: every optimizer step
 averages exactly the scheduled global batch, split across ranks with no overlap, in the sampler's
 order, and the gradient both ranks step with is the exact mean over those samples; the LR follows
 lr_rule="linear" (invariant 3) identically on both ranks.

@@ -5,7 +5,7 @@
   B_crit = E_min / S_min.
 - Zhou et al. 2026 ("How to Set the Batch Size for Large-Scale Pre-training?", arXiv 2601.05034),
   for the stable phase of a warmup-stable-decay LR schedule, where loss curves of different batch
-  sizes cross (SCIENCE.md section 4):
+  sizes cross (Zhou et al. 2026, arXiv 2601.05034):
 
       E(S) = B_-1 / (S - S_min) + B_0     S_min < S < S_1      (hyperbolic)
            = C (S - S_opt)^2 + E_min      S_1 <= S < S_2       (quadratic)
