@@ -162,27 +162,26 @@ class Run:
     batch_warmup: BatchWarmup
 
 
-def instantiate_named(cfg: DictConfig, what: str) -> list:
-    """Instantiate every non-null entry of a dict of named configs (``callbacks``, ``logger``)."""
-    objects = []
+def instantiate_named(cfg: DictConfig, what: str) -> dict:
+    """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), instantiated, by name."""
+    objects = {}
     for name, node in (cfg.get(what) or {}).items():
         if node is None:
             continue
         if "_target_" not in node:
             raise ConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
-        objects.append(instantiate_key(cfg, f"{what}.{name}"))
+        objects[name] = instantiate_key(cfg, f"{what}.{name}")
     return objects
 
 
-def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: list) -> list:
-    """A CBS probe none of whose windows fits in max_tokens would stop the run once the model is
-    built; warn now, naming the keys, and train without it."""
+def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: dict) -> list:
+    """The callbacks, less any CBS probe none of whose windows fits in max_tokens: it would stop the
+    run once the model is built, so warn now, naming its keys, and train without it."""
     kept = []
-    for callback in callbacks:
+    for name, callback in callbacks.items():
         if isinstance(callback, CBSProbeCallback):
             first = callback.probe_point(0)
             if first + callback.window_tokens > cfg.max_tokens:
-                name = next(n for n, node in cfg.callbacks.items() if node is not None and node.get("_target_", "").endswith("CBSProbeCallback"))
                 log.warning(
                     f"warning: callbacks.{name}: the first probe ({first:,} tokens + window_tokens={callback.window_tokens:,}) ends past "
                     f"max_tokens={cfg.max_tokens:,}, so it never runs; training without it. Probe earlier "
@@ -236,7 +235,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     model_config = model_config_of(cfg)
     datamodule = instantiate_key(cfg, "data")
     datamodule.check_context(model_config.context_length)
-    callbacks = instantiate_named(cfg, "callbacks")
+    callbacks = list(instantiate_named(cfg, "callbacks").values())
     warmup = batch_warmup_of(callbacks)
     devices, num_nodes = cfg.trainer.devices, int(cfg.trainer.num_nodes)
     if not (isinstance(devices, int) or str(devices).isdigit()):
@@ -304,7 +303,7 @@ def build_run(cfg: DictConfig) -> Run:
 
     callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
     warmup = batch_warmup_of(callbacks)
-    trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=instantiate_named(cfg, "logger") or False)
+    trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=list(instantiate_named(cfg, "logger").values()) or False)
     check_global_batch(warmup, datamodule.batch_size, trainer.world_size)
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.

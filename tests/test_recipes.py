@@ -246,7 +246,7 @@ def test_which_recipes_probe_the_cbs(recipe, probed):
     from lit_cbs.schedules import CBSAdaptive
 
     cfg = compose_config(f"+recipe={recipe}")
-    callbacks = train.instantiate_named(cfg, "callbacks")
+    callbacks = list(train.instantiate_named(cfg, "callbacks").values())
     probes = [c for c in callbacks if isinstance(c, CBSProbeCallback)]
     assert len(probes) == int(probed)
     if recipe == "olmo1b_cbs_probe":  # the paper's protocol
