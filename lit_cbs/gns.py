@@ -40,7 +40,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
-from lit_cbs.warmup import log_to_loggers
+from lit_cbs.logs import log_to_loggers
 
 
 def two_batch_estimates(

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,8 +30,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import checkpoint_triggers, logging_step, logs_this_step, reload_train_dataloader, should_accumulate, tree_leaves
+from lit_cbs._internals import checkpoint_triggers, reload_train_dataloader, should_accumulate, tree_leaves
 from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
+from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule
 
@@ -80,21 +80,6 @@ def token_sequence_length(batch: Any) -> int | None:
             if leaf.dtype != torch.bool:
                 return int(leaf.shape[1])
     return None
-
-
-def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]]) -> None:
-    """Write ``metrics(trainer)`` straight to the trainer's loggers, in the row of the optimizer step
-    just taken, on logging steps only (``log_every_n_steps``); call it after an optimizer step.
-
-    This is what LearningRateMonitor does: ``self.log`` per metric and step costs milliseconds, a
-    few percent of a small model's step. ``metrics`` is called only when something is written.
-    """
-    if not trainer.loggers or not logs_this_step(trainer):
-        return
-    values = metrics(trainer)
-    step = logging_step(trainer)
-    for logger in trainer.loggers:
-        logger.log_metrics(values, step=step)
 
 
 class BatchWarmup(Callback):

@@ -1,0 +1,46 @@
+"""Configuration errors: one exception type and the checks every lit_cbs class runs on its arguments.
+
+Every setting lit_cbs cannot train with raises ``LitCBSConfigError`` before training starts (in a
+constructor, or in ``setup`` for what depends on the Trainer), with one line naming the setting,
+the value given and the fix. It subclasses ValueError, so ``except ValueError`` catches it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+class LitCBSConfigError(ValueError):
+    """A setting lit_cbs cannot train with; the message names the setting and the fix."""
+
+
+def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) -> int | None:
+    """``value`` if it is an int >= 1 (``None`` too when ``optional``); else LitCBSConfigError.
+
+    ``unit`` says what the number counts ("samples", "tokens", ...) in the message.
+    """
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        accepted = "a positive int" + (" or None" if optional else "")
+        raise LitCBSConfigError(f"{name}={value!r} must be {accepted} ({unit})")
+    return value
+
+
+def positive_number(name: str, value: Any, unit: str, *, optional: bool = False) -> float | None:
+    """``value`` as a float if it is a finite number > 0 (``None`` too when ``optional``); else LitCBSConfigError."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        accepted = "a finite number > 0" + (" or None" if optional else "")
+        raise LitCBSConfigError(f"{name}={value!r} must be {accepted} ({unit})")
+    return float(value)
+
+
+def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
+    """``value`` if it is one of ``choices``; else LitCBSConfigError listing them."""
+    if value not in choices:
+        raise LitCBSConfigError(f"{name}={value!r} is not supported; use one of {tuple(choices)}")
+    return value
