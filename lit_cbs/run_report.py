@@ -76,8 +76,9 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     ``val/loss``, ``batch/global_size`` and ``lr`` are there, with a dotted line where the global
     batch changed. Drawn on ``Figure`` objects with the Agg canvas: no pyplot state, no display.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+
+    from lit_cbs.analysis.plots import save_figure
 
     metrics = read_metrics_csv(metrics_csv)
     if TOKENS not in metrics:
@@ -89,11 +90,7 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
         batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0]))
 
     def save(figure: Figure, name: str) -> Path:
-        path = Path(output_dir) / name
-        FigureCanvasAgg(figure)
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-        return path
+        return save_figure(figure, Path(output_dir) / name)
 
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()

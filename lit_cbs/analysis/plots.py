@@ -21,8 +21,11 @@ from lit_cbs.analysis.curves import ProbePoint, RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 
 
-def _save(figure: Figure, path: str | os.PathLike) -> Path:
+def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
+    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, which
+    leaves pyplot's backend and global state alone (a notebook keeps its own)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -52,7 +55,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
     ax.set_ylabel("tokens E to reach the target")
     ax.set_title("E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)", fontsize=9)
     ax.legend(fontsize=8)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_batch_sizes(
@@ -145,4 +148,4 @@ def plot_batch_sizes(
         ax.legend(fontsize=7)
     by_loss.set_title("batch sizes implied by the E(S) fits", fontsize=9)
     by_tokens.set_title("over training: fits at E_min, probe CBS, gradient noise scale", fontsize=9)
-    return _save(figure, path)
+    return save_figure(figure, path)

@@ -1,0 +1,273 @@
+"""``BatchAccounting``: how large the batch is and how much the run has trained on.
+
+Every lit_cbs callback needs the same few numbers: the global batch (samples per optimizer step)
+= micro-batch (samples per rank) x accumulation (micro-batches per step) x data-parallel size,
+and the samples and tokens trained on so far. ``BatchAccounting`` is the one place that keeps
+them, counted from the batches the train loader actually yields. It also feeds the token count to
+``TokenLRScheduler``s, stops the run at a token budget, and defers FSDP2's gradient
+reduce-scatter to the micro-batch that steps.
+
+One instance serves a Trainer: ``BatchAccounting.of(trainer)`` returns it, and attaches one the
+first time a callback (or ``CausalLM``) asks, so a run needs no accounting callback of its own:
+``callbacks=[CBSProbeCallback(...)]`` works on a fixed-batch run. Add ``BatchAccounting(...)``
+yourself only to give it ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Its hooks run
+before every other callback's, so they all read the counts including the current micro-batch.
+
+Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer's
+``accumulate_grad_batches``); everything else reads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+
+from lit_cbs._internals import should_accumulate, tree_leaves
+from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.lr_schedules import TokenLRScheduler
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    return int(kwargs["num_replicas"]) if kwargs else 1
+
+
+def token_sequence_length(batch: Any) -> int | None:
+    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None.
+
+    Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
+    """
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not (leaf.is_floating_point() or leaf.is_complex()):
+            if leaf.dtype != torch.bool:
+                return int(leaf.shape[1])
+    return None
+
+
+def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
+    """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
+    LitCBSConfigError naming ``name`` and the nearest valid sizes."""
+    unit = micro_batch_size * data_parallel
+    if global_batch % unit:
+        lower = global_batch // unit * unit
+        nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        raise LitCBSConfigError(
+            f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}"
+        )
+    return global_batch // unit
+
+
+def micro_batch_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any, str] | None:
+    """Where the micro-batch size lives: the datamodule's or the module's ``batch_size`` (attribute
+    or hparam), as (object, name); None if neither has one."""
+    datamodule = trainer.datamodule
+    if datamodule is not None and hasattr(datamodule, "batch_size"):
+        return datamodule, "batch_size"
+    if hasattr(pl_module, "batch_size"):
+        return pl_module, "batch_size"
+    if "batch_size" in getattr(pl_module, "hparams", {}):
+        return pl_module.hparams, "batch_size"
+    return None
+
+
+class BatchAccounting(Callback):
+    """The batch sizes and the samples and tokens trained on, for every lit_cbs callback to read.
+
+    Args:
+        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
+            else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
+            token ids (float features) has no tokens: ``tokens_seen`` stays 0.
+        max_tokens: stop training after the optimizer step that reaches this many tokens (all ranks).
+
+    Read-only attributes (all counts global, over every data-parallel rank):
+        micro_batch_size: samples per micro-batch and rank.
+        accumulate: micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``).
+        data_parallel_size: ranks that read their own micro-batches.
+        global_batch: samples per optimizer step.
+        samples_seen, tokens_seen: trained on so far, including the current micro-batch.
+    """
+
+    def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
+        self.seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
+        self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self._trainer: pl.Trainer | None = None
+        self._micro_batch_size: int | None = None
+        self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
+        self._first_batch_of_epoch = True
+        self._seq_len_resolved = False
+        self._token_schedulers: list[TokenLRScheduler] = []
+        self._fsdp_modules: list = []
+        self._gradient_sync: bool | None = None
+
+    # ------------------------------------------------------------------ finding the trainer's accounting
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> BatchAccounting:
+        """The Trainer's accounting; one is attached (first among the callbacks) if it has none."""
+        found = [callback for callback in trainer.callbacks if isinstance(callback, cls)]
+        if len(found) > 1:
+            raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
+        accounting = found[0] if found else cls()
+        if trainer.callbacks[:1] != [accounting]:
+            # A new list, not an insertion: Lightning may be iterating the old one (in setup).
+            trainer.callbacks = [accounting] + [callback for callback in trainer.callbacks if callback is not accounting]
+        if accounting._trainer is not trainer and trainer.lightning_module is not None:
+            accounting.setup(trainer, trainer.lightning_module, "fit")
+        return accounting
+
+    # ------------------------------------------------------------------ read-only view
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch and rank (None before the first batch if nothing says it)."""
+        return self._micro_batch_size
+
+    @property
+    def accumulate(self) -> int:
+        return self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return data_parallel_size(self._trainer) if self._trainer is not None else 1
+
+    @property
+    def global_batch(self) -> int | None:
+        """Samples per optimizer step, all ranks (None while the micro-batch is unknown)."""
+        if self._micro_batch_size is None:
+            return None
+        return self._micro_batch_size * self.accumulate * self.data_parallel_size
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the data is token ids (so ``tokens_seen`` counts)."""
+        return self.seq_len is not None
+
+    @property
+    def budget_reached(self) -> bool:
+        """True once ``max_tokens`` were trained on."""
+        return self.max_tokens is not None and self.tokens_seen >= self.max_tokens
+
+    # ------------------------------------------------------------------ the one writer: BatchWarmup
+    def set_micro_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: int) -> None:
+        """Set the micro-batch the train loader must yield (written to the datamodule's or module's
+        ``batch_size``, read when the loader is built); from then on a loader that yields another
+        size stops training at the first batch of an epoch."""
+        holder = micro_batch_holder(trainer, pl_module)
+        if holder is None:
+            raise LitCBSConfigError(
+                "changing the batch needs the micro-batch size: give the datamodule (or the LightningModule) a "
+                "`batch_size` attribute that its train_dataloader uses"
+            )
+        owner, name = holder
+        if isinstance(owner, dict):  # the module's hparams
+            owner[name] = value
+        else:
+            setattr(owner, name, value)
+        self._micro_batch_size = value
+        self._micro_batch_set = True
+
+    def set_gradient_sync(self, sync: bool | None) -> None:
+        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
+
+        Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
+        reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
+        """
+        if sync is None:
+            sync, self._gradient_sync = True, None
+        if sync != self._gradient_sync:
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(sync, recurse=False)
+            self._gradient_sync = sync
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._trainer is trainer:
+            return
+        self._trainer = trainer
+        holder = micro_batch_holder(trainer, pl_module)
+        if holder is not None and not self._micro_batch_set:
+            owner, name = holder
+            value = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                self._micro_batch_size = value
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._token_schedulers = [
+            config.scheduler for config in trainer.lr_scheduler_configs if isinstance(config.scheduler, TokenLRScheduler)
+        ]
+        if self.seq_len is None and trainer.datamodule is not None:
+            for name in ("tokens_per_sample", "seq_len"):
+                value = getattr(trainer.datamodule, name, None)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    self.seq_len = value
+                    break
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._fsdp_modules = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
+        self._gradient_sync = None
+        if self.budget_reached:
+            trainer.should_stop = True  # resumed from a run's final state: no step is left to train
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._first_batch_of_epoch = True  # the loader may have been (re)built for this epoch
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        micro = extract_batch_size(batch)
+        if self._first_batch_of_epoch:
+            self._first_batch_of_epoch = False
+            self._check_micro_batch(trainer, micro)
+        if not self._seq_len_resolved:
+            self._seq_len_resolved = True
+            self.seq_len = self.seq_len or token_sequence_length(batch)
+            if self.seq_len is None and self.max_tokens is not None:
+                raise LitCBSConfigError(
+                    f"max_tokens={self.max_tokens} but the batches hold no token ids (no 2-D integer tensor), so "
+                    "tokens cannot be counted: stop by max_steps or max_epochs, or give seq_len=... (or the "
+                    "datamodule a `tokens_per_sample` attribute) if it is token data"
+                )
+        samples = micro * self.data_parallel_size
+        self.samples_seen += samples
+        self.tokens_seen += samples * (self.seq_len or 0)
+        for scheduler in self._token_schedulers:
+            scheduler.tokens_seen = self.tokens_seen
+        if self._fsdp_modules:
+            self.set_gradient_sync(not should_accumulate(trainer))
+
+    def _check_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
+        """The first batch of an epoch must hold the micro-batch that was set: a loader that ignores
+        ``batch_size`` would make every count, the global batch and the LR rule silently wrong."""
+        if not self._micro_batch_set:
+            self._micro_batch_size = micro  # nobody sets it: the loader's batches say what it is
+            return
+        if micro == self._micro_batch_size:
+            return
+        if micro < self._micro_batch_size and trainer.num_training_batches == 1:
+            return  # an epoch shorter than one micro-batch (drop_last=False)
+        where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
+        raise LitCBSConfigError(
+            f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
+            f"loader's first batch this epoch holds {micro}: build train_dataloader() with "
+            f"DataLoader(..., batch_size=self.batch_size) from {where} `batch_size`, read when the loader is "
+            "created (BatchWarmup sets it and reloads the loader when the micro-batch changes)"
+        )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.budget_reached and not should_accumulate(trainer):
+            trainer.should_stop = True
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen, "seq_len": self.seq_len}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.samples_seen = state_dict["samples_seen"]
+        self.tokens_seen = state_dict["tokens_seen"]
+        self.seq_len = self.seq_len or state_dict["seq_len"]
