@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
+from lit_cbs.accounting import BatchAccounting
 from lit_cbs.logs import log_to_loggers
 
 
@@ -244,8 +245,10 @@ class GradientNoiseScale(Callback):
 
         if trainer.accumulate_grad_batches > 1:
             return True
+        accounting = BatchAccounting.of(trainer)
+        one_micro_batch = (accounting.micro_batch_size or 1) * accounting.data_parallel_size
         for callback in trainer.callbacks:
-            if isinstance(callback, BatchWarmup) and max(callback.schedule.sizes(callback.consumed)) > callback.micro_batch_size:
+            if isinstance(callback, BatchWarmup) and max(callback.schedule.sizes(callback.consumed)) > one_micro_batch:
                 return True
             if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
                 return True
