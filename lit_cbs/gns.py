@@ -22,6 +22,10 @@ mode (Gray et al. 2024, arXiv:2411.00999) takes B_small = 1 from per-sample grad
 ``extract_batch_size``), so the estimate stays right when ``BatchWarmup`` changes the accumulation
 or an epoch ends on a short micro-batch.
 
+Both squared norms are sums over the parameters, so the estimates split over groups of
+parameters (``groups=``): each group's |G|^2 and tr(Sigma) are its parameters' share, they add up
+to the whole model's, and each group has its own B_simple.
+
 Merrill et al. 2025 find that under Adam this noise scale underestimates the critical batch size
 by orders of magnitude: log it as a monitor next to ``CBSProbeCallback``, not as the CBS.
 """
@@ -29,7 +33,8 @@ by orders of magnitude: log it as a monitor next to ``CBSProbeCallback``, not as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -71,9 +76,98 @@ def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(tensor).float() ** 2
 
 
+GROUP_PRESETS = ("param_groups", "blocks")
+# A transformer block's parameters in "blocks" mode: "<prefix>.blocks.<i>.<rest>" (lit_cbs.models.olmo.OLMo's layout).
+_BLOCK_PARAMETER = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
+_SHOWN_NAMES = 6  # parameter names an error message lists
+
+
+def _some_names(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN_NAMES])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else shown
+
+
+def block_groups(names: list[str]) -> dict[str, list[str]]:
+    """``groups="blocks"``: parameter names -> {group: names}, one group ``block<i>`` per transformer block.
+
+    A parameter whose name holds ``blocks.<i>.`` belongs to ``block<i>`` (so
+    ``model.blocks.3._checkpoint_wrapped_module.mlp.up_proj.weight`` is in ``block3``); every other
+    parameter belongs to the group named by its module's path below the blocks' parent
+    (``model.embedding.weight`` -> ``embedding``, ``model.lm_head.weight`` -> ``lm_head``, a final
+    norm's weight -> its module's name). Groups come in the order of ``names``.
+    """
+    matches = [_BLOCK_PARAMETER.search(name) for name in names]
+    first = next((match for match in matches if match), None)
+    if first is None:
+        raise LitCBSConfigError(
+            f"groups='blocks' looks for transformer blocks in parameter names ('<prefix>.blocks.<i>.<...>', as in "
+            f"lit_cbs.models.olmo.OLMo), but none of the trained parameters has one: {_some_names(names)}; "
+            "pass groups={name: regex} instead"
+        )
+    prefix = first.string[: first.start()] + ("." if first.start() else "")
+    groups: dict[str, list[str]] = {}
+    for name, match in zip(names, matches):
+        if match:
+            group = f"block{match.group(1)}"
+        else:
+            relative = name.removeprefix(prefix)
+            group = relative.rpartition(".")[0] or relative  # the module's path; a parameter of the root: its own name
+        groups.setdefault(group, []).append(name)
+    return groups
+
+
+def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[str, list[str]]:
+    """``groups={group: regex}``: parameter names -> {group: names}, a name in a group when ``regex.search`` finds it.
+
+    Every group must match a parameter and no parameter two groups; names matched by none are in
+    no group (they count in the whole-model metrics only).
+    """
+    groups = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
+    for group, members in groups.items():
+        if not members:
+            raise LitCBSConfigError(
+                f"groups[{group!r}]={patterns[group].pattern!r} matches none of the trained parameters "
+                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
+            )
+    for name in names:
+        owners = [group for group, members in groups.items() if name in members]
+        if len(owners) > 1:
+            raise LitCBSConfigError(
+                f"parameter {name!r} is matched by groups {owners} ("
+                + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
+                + "); a parameter may be in one group only: make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
+            )
+    return groups
+
+
+def _checked_groups(groups: Any) -> str | dict[str, re.Pattern] | None:
+    """The ``groups`` argument validated: None, a preset, or {group: compiled regex}."""
+    if groups is None or (isinstance(groups, str) and groups in GROUP_PRESETS):
+        return groups
+    if not isinstance(groups, Mapping) or not groups:
+        raise LitCBSConfigError(
+            f"groups={groups!r} is not supported; use None, one of {GROUP_PRESETS} or a non-empty dict of "
+            "group name -> regex over parameter names"
+        )
+    compiled = {}
+    for group, pattern in groups.items():
+        if not isinstance(group, str) or not group:
+            raise LitCBSConfigError(f"groups has the name {group!r}; group names must be non-empty strings")
+        if not isinstance(pattern, str):
+            raise LitCBSConfigError(f"groups[{group!r}]={pattern!r} must be a regex string over parameter names")
+        try:
+            compiled[group] = re.compile(pattern)
+        except re.error as error:
+            raise LitCBSConfigError(f"groups[{group!r}]={pattern!r} is not a valid regex: {error}") from error
+    return compiled
+
+
 @dataclasses.dataclass
 class NoiseMeasurement:
-    """One optimizer step's raw measurement; tensors hold one entry per optimizer parameter group.
+    """One optimizer step's raw measurement; tensors hold one entry per measured group.
+
+    The entries follow ``GradientNoiseScale.group_names``: the groups, then (entry ``None``) the
+    parameters in no group, if any; without ``groups`` the single entry is the whole model.
 
     ``small_grad_sq``: mean squared norm of the small-batch gradients; ``big_grad_sq``: squared norm
     of the step's gradient (the mean over the global batch); ``small_batch_size`` and
@@ -118,22 +212,37 @@ class GradientNoiseScale(Callback):
     other metrics (as LearningRateMonitor does; cheaper than ``self.log`` at every step):
     ``gns/b_simple`` (samples), ``gns/trace_sigma`` and
     ``gns/grad_sq`` (squared gradient norms, per sample and true respectively), from bias-corrected
-    EMAs; with ``per_param_group`` also ``gns/<metric>/<group>`` per optimizer parameter group (the
-    group's ``"name"``, else ``pg<i>``). ``b_simple`` and ``metrics()`` give the current values.
-    Steps whose gradients are not finite (an AMP overflow) leave the averages unchanged.
+    EMAs; with ``groups`` also ``gns/<group>/b_simple``, ``gns/<group>/trace_sigma`` and
+    ``gns/<group>/grad_sq`` per group of parameters (the groups' ``grad_sq`` and ``trace_sigma`` add
+    up to the whole model's when the groups hold every trained parameter). ``b_simple`` and
+    ``metrics()`` give the current values. Steps whose gradients are not finite (an AMP overflow)
+    leave the averages unchanged.
 
     Cost. Memory: when a rank accumulates 2+ micro-batches per step, one copy of the gradients of
     the optimizer's parameters, in the gradients' own dtype (fp32 under ``bf16-mixed``, bf16 under
     ``bf16-true``); nothing extra under DDP without accumulation. Time: per micro-batch one
     subtraction, one norm and one copy over the gradients (about three gradient-sized memory
     passes); per step one norm over the gradients, one host synchronisation (to leave non-finite
-    steps out) and, under DDP, one all-reduce of a few scalars.
+    steps out) and, under DDP, one all-reduce of a few scalars. Groups add no kernels: every norm
+    above is one fused ``torch._foreach_norm`` whose results land in their groups by one
+    ``index_add_``, so per micro-batch groups cost the same passes and only the per-step scalars
+    (three per group) grow.
     Per-example mode instead holds ``micro_batch_size`` (or ``per_example_chunk_size``)
     per-example gradients at once and costs one extra forward and backward per micro-batch.
 
     Args:
         ema_decay: decay of the EMAs of |G|^2 and tr(Sigma) per optimizer step, in [0, 1).
-        per_param_group: also log the three metrics per optimizer parameter group.
+        groups: also measure per group of the optimizer's parameters. None: the whole model only.
+            ``"param_groups"``: one group per optimizer parameter group, named by its ``"name"``
+            (else ``pg<i>``). ``"blocks"``: for ``lit_cbs.models.olmo.OLMo`` (and any model whose
+            blocks are named ``blocks.<i>``): ``block0``, ``block1``, ... per transformer block, and
+            one group per other module holding parameters (``embedding``, ``lm_head``; see
+            ``block_groups``). A dict ``{group: regex}``: a parameter (by its name in
+            ``named_parameters()`` of the LightningModule, e.g. ``model.blocks.0.mlp.up_proj.weight``)
+            is in a group when ``re.search(regex, name)`` finds a match (anchor with ``^``/``$`` for
+            whole names); a group that matches no trained parameter, or a parameter matched by two
+            groups, stops the fit before training; parameters matched by none count in the
+            whole-model metrics only.
         per_example_loss: turns on per-example mode: ``per_example_loss(module, batch)`` must return
             the training loss of ``batch`` (a scalar) without logging or side effects. It is called
             through ``torch.func.vmap`` with every tensor of the micro-batch cut to one sample
@@ -144,12 +253,14 @@ class GradientNoiseScale(Callback):
     Attributes:
         last_measurement: the latest ``NoiseMeasurement`` (None before the first measured step).
         num_updates: optimizer steps measured so far.
+        group_names: the measured groups in the order of ``NoiseMeasurement``'s entries (set when
+            the fit starts); ``None`` stands for the parameters in no group.
     """
 
     def __init__(
         self,
         ema_decay: float = 0.99,
-        per_param_group: bool = False,
+        groups: str | Mapping[str, str] | None = None,
         per_example_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
         per_example_chunk_size: int | None = None,
     ):
@@ -161,7 +272,8 @@ class GradientNoiseScale(Callback):
         if per_example_chunk_size is not None and per_example_loss is None:
             raise LitCBSConfigError("per_example_chunk_size only applies to per-example mode: also pass per_example_loss")
         self.ema_decay = float(ema_decay)
-        self.per_param_group = per_param_group
+        self.groups = groups
+        self._patterns = _checked_groups(groups)
         self.per_example_loss = per_example_loss
         self.per_example_chunk_size = per_example_chunk_size
 
@@ -171,8 +283,9 @@ class GradientNoiseScale(Callback):
         self._ema_grad_sq: torch.Tensor | None = None  # per group, not bias-corrected
         self._ema_trace_sigma: torch.Tensor | None = None
 
-        self._group_names: list[str] = []
-        self._group_of: dict[torch.Tensor, int] = {}  # parameter -> optimizer param group index
+        self.group_names: list[str | None] = []
+        self._restored_group_names: list[str | None] | None = None  # from a checkpoint, checked when the fit starts
+        self._group_of: dict[torch.Tensor, int] = {}  # parameter -> index in group_names
         self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
         self._named_params: dict[str, torch.Tensor] = {}
         self._loss_module: _LossOfBatch | None = None
@@ -218,15 +331,14 @@ class GradientNoiseScale(Callback):
                 "per_example_loss=... for per-example mode (B_small = 1 sample)"
             )
         (optimizer,) = trainer.optimizers  # automatic optimization: exactly one
-        self._group_names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
-        self._group_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+        self.group_names, self._group_of = self._assign_groups(optimizer, pl_module)
         self._group_index = {}
         self._device = pl_module.device
         if self._ema_grad_sq is None:
-            self._ema_grad_sq = torch.zeros(len(self._group_names), device=self._device)
-            self._ema_trace_sigma = torch.zeros(len(self._group_names), device=self._device)
+            self._ema_grad_sq = torch.zeros(len(self.group_names), device=self._device)
+            self._ema_trace_sigma = torch.zeros(len(self.group_names), device=self._device)
         else:  # restored from a checkpoint before the strategy's setup
-            self._check_groups(self._ema_grad_sq)
+            self._check_restored_groups()
             self._ema_grad_sq = self._ema_grad_sq.to(self._device)
             self._ema_trace_sigma = self._ema_trace_sigma.to(self._device)
         self._reset_window()
@@ -235,6 +347,34 @@ class GradientNoiseScale(Callback):
             self._loss_module = _LossOfBatch(pl_module, self.per_example_loss)
         elif isinstance(trainer.strategy, DDPStrategy):
             self._register_comm_hook(trainer.strategy.model)
+
+    def _assign_groups(
+        self, optimizer: torch.optim.Optimizer, pl_module: pl.LightningModule
+    ) -> tuple[list[str | None], dict[torch.Tensor, int]]:
+        """The measured groups' names and each trained parameter's index among them."""
+        trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        if self.groups == "param_groups":
+            names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:
+                raise LitCBSConfigError(
+                    f"groups='param_groups' names each group by its optimizer parameter group's 'name', but {repeated} "
+                    "name more than one group: give the parameter groups distinct names"
+                )
+            group_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+            return names, group_of
+        if self.groups is None:
+            return [None], dict.fromkeys(trained, 0)
+        trained_ids = {id(p) for p in trained}
+        by_name = {name: p for name, p in pl_module.named_parameters() if id(p) in trained_ids}
+        names = list(by_name)
+        members = block_groups(names) if self.groups == "blocks" else regex_groups(self._patterns, names)
+        group_names: list[str | None] = list(members)
+        group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
+        if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete
+            group_names.append(None)
+            group_of.update({p: len(members) for p in trained if p not in group_of})
+        return group_names, group_of
 
     @staticmethod
     def _accumulation_will_exceed_one(trainer: pl.Trainer) -> bool:
@@ -265,7 +405,7 @@ class GradientNoiseScale(Callback):
     def _reset_window(self) -> None:
         # Per group: small-batch squared norms; then small-batch count, sum of 1/b over small batches,
         # micro-batch count, sum of 1/b over micro-batches (b in samples).
-        self._window = torch.zeros(len(self._group_names) + 4, device=self._device)
+        self._window = torch.zeros(len(self.group_names) + 4, device=self._device)
         self._local_micro_batches = 0
         self._held.clear()
 
@@ -278,7 +418,7 @@ class GradientNoiseScale(Callback):
         self._held.clear()  # the accumulated gradient restarts from zero
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        groups = len(self._group_names)
+        groups = len(self.group_names)
         b = float(self._micro_batch_size)
         window = self._window
         if self.per_example:
@@ -330,7 +470,7 @@ class GradientNoiseScale(Callback):
     def _group_squared_norms(self, params: list, tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per optimizer group, the sum of the squared norms of ``tensors`` (``tensors[i]`` belongs to
         ``params[i]``), in float32; half-precision tensors are reduced in float32 so their norm is not rounded."""
-        grad_sq = torch.zeros(len(self._group_names), device=self._device)
+        grad_sq = torch.zeros(len(self.group_names), device=self._device)
         half = [i for i, tensor in enumerate(tensors) if tensor.dtype in (torch.float16, torch.bfloat16)]
         full = [i for i, tensor in enumerate(tensors) if tensor.dtype not in (torch.float16, torch.bfloat16)]
         for indices, dtype in ((half, {"dtype": torch.float32}), (full, {})):
@@ -367,7 +507,7 @@ class GradientNoiseScale(Callback):
         def sample_grad_sq(params, sample):
             grads = torch.func.grad(lambda p: torch.func.functional_call(self._loss_module, p, (sample,), strict=False))(params)
             norms = torch.stack([_squared_norm(grads[n]) for n in names])
-            return torch.zeros(len(self._group_names), device=norms.device).index_add(0, group_index, norms)
+            return torch.zeros(len(self.group_names), device=norms.device).index_add(0, group_index, norms)
 
         def per_sample(leaf):
             return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == size
@@ -384,7 +524,7 @@ class GradientNoiseScale(Callback):
 
     # ------------------------------------------------------------------ per optimizer step
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        groups = len(self._group_names)
+        groups = len(self.group_names)
         window, local_micro_batches = self._window, self._local_micro_batches
         self._reset_window()
         if not self.per_example and self._world_size * local_micro_batches < 2:
@@ -437,11 +577,11 @@ class GradientNoiseScale(Callback):
             "gns/trace_sigma": trace_sigma.sum(),
             "gns/grad_sq": grad_sq.sum(),
         }
-        if self.per_param_group:
-            for i, name in enumerate(self._group_names):
-                metrics[f"gns/b_simple/{name}"] = trace_sigma[i] / grad_sq[i]
-                metrics[f"gns/trace_sigma/{name}"] = trace_sigma[i]
-                metrics[f"gns/grad_sq/{name}"] = grad_sq[i]
+        for i, name in enumerate(self.group_names):
+            if name is not None:
+                metrics[f"gns/{name}/b_simple"] = trace_sigma[i] / grad_sq[i]
+                metrics[f"gns/{name}/trace_sigma"] = trace_sigma[i]
+                metrics[f"gns/{name}/grad_sq"] = grad_sq[i]
         return {name: float(value) for name, value in metrics.items()}
 
     @property
@@ -452,17 +592,20 @@ class GradientNoiseScale(Callback):
         return float(self._ema_trace_sigma.sum() / self._ema_grad_sq.sum())
 
     # ------------------------------------------------------------------ checkpointing
-    def _check_groups(self, ema: torch.Tensor) -> None:
-        if self._group_names and len(ema) != len(self._group_names):
+    def _check_restored_groups(self) -> None:
+        restored = self._restored_group_names
+        if restored is not None and restored != self.group_names:
             raise LitCBSConfigError(
-                f"the checkpoint's GradientNoiseScale state has {len(ema)} parameter groups but the optimizer has "
-                f"{len(self._group_names)}; resume with the same optimizer parameter groups"
+                f"the checkpoint's GradientNoiseScale measured the groups {restored} but groups={self.groups!r} "
+                f"gives {self.group_names} (None: the parameters in no group); resume with the groups the "
+                "checkpoint was written with"
             )
 
     def state_dict(self) -> dict[str, Any]:
         if self._ema_grad_sq is None:
             return {}
         return {
+            "group_names": list(self.group_names),
             "num_updates": self.num_updates,
             "ema_grad_sq": self._ema_grad_sq.detach().cpu(),
             "ema_trace_sigma": self._ema_trace_sigma.detach().cpu(),
@@ -471,7 +614,9 @@ class GradientNoiseScale(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        self._check_groups(state_dict["ema_grad_sq"])
+        self._restored_group_names = list(state_dict["group_names"])
+        if self.group_names:  # loaded after the fit started: check now
+            self._check_restored_groups()
         self.num_updates = state_dict["num_updates"]
         self._ema_grad_sq = state_dict["ema_grad_sq"].to(self._device, torch.float32)
         self._ema_trace_sigma = state_dict["ema_trace_sigma"].to(self._device, torch.float32)
