@@ -2,7 +2,8 @@
 
 ``write_batch_history`` saves ``BatchWarmup``'s record as JSON; ``read_metrics_csv`` reads
 Lightning's ``CSVLogger`` file (one row per logging call, empty cells for metrics not logged
-in it); ``plot_run`` draws the loss, global batch and LR against tokens seen. matplotlib is
+in it); ``plot_run`` draws the loss, global batch and LR against tokens seen, and the noise scale
+per group of parameters where ``GradientNoiseScale(groups=...)`` logged it. matplotlib is
 imported only when plotting, so this module loads where matplotlib is not installed.
 """
 
@@ -12,6 +13,7 @@ import csv
 import dataclasses
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ from lit_cbs.warmup import BatchWarmup
 
 TOKENS = "tokens_seen"
 BATCH = "batch/global_size"
+GROUP_B_SIMPLE = re.compile(r"gns/(.+)/b_simple")  # GradientNoiseScale(groups=...)'s per-group B_simple
 
 
 def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
@@ -69,8 +72,30 @@ def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarr
     return np.interp(steps, logged_steps, tokens)
 
 
+def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
+    """B_simple (samples) of every group ``gns/<group>/b_simple`` and of the whole model against tokens
+    seen, as a matplotlib ``Figure``; None when the metrics hold no per-group noise scale."""
+    from matplotlib.figure import Figure
+
+    groups = [(match[1], metrics[name]) for name in metrics if (match := GROUP_B_SIMPLE.fullmatch(name))]
+    if not groups:
+        return None
+    # In number order (block2 before block10): CSVLogger sorts its columns as text.
+    groups.sort(key=lambda group: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", group[0])])
+    figure = Figure(figsize=(7, 4.5))
+    ax = figure.add_subplot()
+    for label, (steps, values), style in [*((group, series, dict(lw=1)) for group, series in groups),
+                                          ("whole model", metrics["gns/b_simple"], dict(color="black", ls="--", lw=1.5))]:
+        ax.plot(tokens_at(metrics, steps), values, label=label, **style)
+    ax.set(xlabel="tokens seen", ylabel="B_simple (samples)", title=f"{title} gradient noise scale per group".strip())
+    ax.legend(fontsize="small", ncol=1 + len(groups) // 8)
+    ax.grid(alpha=0.3)
+    return figure
+
+
 def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
-    """Write ``loss_vs_tokens.png`` and ``batch_lr_vs_tokens.png`` into ``output_dir``; return their paths.
+    """Write ``loss_vs_tokens.png``, ``batch_lr_vs_tokens.png`` and ``gns_groups_vs_tokens.png`` (see
+    ``group_noise_scale_figure``) into ``output_dir``; return the paths of those written.
 
     Needs ``tokens_seen`` in the CSV (logged by BatchWarmup); plots whichever of ``train/loss``,
     ``val/loss``, ``batch/global_size`` and ``lr`` are there, with a dotted line where the global
@@ -117,4 +142,8 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
         axes[-1].set_xlabel("tokens seen")
         axes[0].set_title(f"{title} batch size and LR".strip())
         written.append(save(figure, "batch_lr_vs_tokens.png"))
+
+    figure = group_noise_scale_figure(metrics, title)
+    if figure is not None:
+        written.append(save(figure, "gns_groups_vs_tokens.png"))
     return written
