@@ -27,16 +27,19 @@ import re
 from pathlib import Path
 
 import lightning.pytorch as pl
-from lightning.pytorch.loggers import CSVLogger
+import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_cbs import BatchWarmup, PiecewiseBatch
+from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
 from lit_cbs.gns import GradientNoiseScale, two_batch_estimates
+from lit_cbs.lm import CausalLM
+from lit_cbs.run_report import group_noise_scale_figure, plot_run, read_metrics_csv
 from toys import trainer_kwargs
 
 DIM = 4
@@ -232,6 +235,119 @@ def test_accumulation_matches_analytic_noise_scale_per_group(tmp_path):
     assert measured == 400
 
 
+def logged_gns_rows(csv_path: Path) -> list[dict[str, float]]:
+    """The CSVLogger rows that hold GradientNoiseScale's metrics, gns/* columns only."""
+    with open(csv_path, newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["gns/b_simple"]]
+    return [{name: float(value) for name, value in row.items() if name.startswith("gns/")} for row in rows]
+
+
+def test_regex_groups_equal_optimizer_groups_and_add_up_to_the_whole_model(tmp_path):
+    # The same two halves of the weight, once as two optimizer groups and once as regexes over the
+    # parameter names of a single optimizer group: the same numbers, and they add up to the model's.
+    _, by_optimizer, _, _, _ = fit(8 * 4 * 50, 8, gns=GradientNoiseScale(groups="param_groups"), two_groups=True,
+                                   accumulate_grad_batches=4)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _, by_name, recorder, data, module = fit(8 * 4 * 50, 8, gns=GradientNoiseScale(groups=HALVES), accumulate_grad_batches=4,
+                                             logger=logger, log_every_n_steps=10)
+    assert by_name.group_names == by_optimizer.group_names == ["first", "second"]
+    metrics = by_name.metrics()
+    assert metrics == by_optimizer.metrics()
+    for metric in ("grad_sq", "trace_sigma"):
+        assert metrics[f"gns/first/{metric}"] + metrics[f"gns/second/{metric}"] == pytest.approx(metrics[f"gns/{metric}"], rel=1e-6)
+    rows = logged_gns_rows(tmp_path / "run" / "version_0" / "metrics.csv")
+    assert len(rows) == 5 and rows[-1] == pytest.approx(metrics)
+    assert set(rows[-1]) == {f"gns/{group}{metric}" for group in ("", "first/", "second/") for metric in ("b_simple", "grad_sq", "trace_sigma")}
+    assert assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values())) == 50
+
+
+def test_one_group_of_everything_is_the_whole_model_and_unmatched_parameters_stay_in_it():
+    _, everything, _, _, _ = fit(8 * 4 * 30, 8, gns=GradientNoiseScale(groups={"all": ".*"}), accumulate_grad_batches=4)
+    metrics = everything.metrics()
+    assert everything.group_names == ["all"]
+    assert [metrics[f"gns/all/{m}"] for m in ("b_simple", "grad_sq", "trace_sigma")] == [
+        metrics[f"gns/{m}"] for m in ("b_simple", "grad_sq", "trace_sigma")
+    ]
+    _, first_only, recorder, data, module = fit(8 * 4 * 30, 8, gns=GradientNoiseScale(groups={"first": r"^first\."}),
+                                                accumulate_grad_batches=4)
+    assert first_only.group_names == ["first", None]  # second.weight: in no group, still in the whole model
+    partial = first_only.metrics()
+    assert set(partial) == {f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "grad_sq", "trace_sigma")}
+    assert partial["gns/b_simple"] == pytest.approx(metrics["gns/b_simple"], rel=1e-6)
+    assert assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values())) == 30
+
+
+class RandomTokens(pl.LightningDataModule):
+    """Random token sequences [samples, seq_len + 1] in micro-batches of ``batch_size`` (BatchWarmup reads it)."""
+
+    def __init__(self, samples: int, seq_len: int, vocab_size: int, batch_size: int):
+        super().__init__()
+        self.tokens = torch.randint(0, vocab_size, (samples, seq_len + 1), generator=torch.Generator().manual_seed(0))
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(self.tokens, batch_size=self.batch_size)
+
+
+def fit_tiny_olmo(tmp_path: Path, groups, tie_embeddings: bool = False, activation_checkpointing: bool = False):
+    """8 steps of 2 micro-batches of 4 sequences of 16 tokens on a 2-block OLMo, every step logged to CSV."""
+    pl.seed_everything(0, verbose=False)
+    config = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64, context_length=16, tie_embeddings=tie_embeddings)
+    module = CausalLM(config, activation_checkpointing=activation_checkpointing)
+    gns = GradientNoiseScale(groups=groups)
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callbacks = [BatchWarmup(ConstantBatch(8), lr_rule="none"), gns]
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=8, logger=logger, log_every_n_steps=1))
+    trainer.fit(module, RandomTokens(64, 16, 64, batch_size=4))
+    return gns, tmp_path / "run" / "version_0" / "metrics.csv"
+
+
+@pytest.mark.parametrize("tie_embeddings, activation_checkpointing", [(False, False), (True, True)])
+def test_blocks_on_a_tiny_olmo(tmp_path, tie_embeddings, activation_checkpointing):
+    gns, metrics_csv = fit_tiny_olmo(tmp_path, "blocks", tie_embeddings, activation_checkpointing)
+    assert gns.group_names == ["embedding", "block0", "block1"] + ([] if tie_embeddings else ["lm_head"])
+    rows = logged_gns_rows(metrics_csv)
+    assert len(rows) == gns.num_updates == 8
+    for row in rows:
+        for metric in ("grad_sq", "trace_sigma"):
+            groups_sum = sum(row[f"gns/{group}/{metric}"] for group in gns.group_names)
+            assert groups_sum == pytest.approx(row[f"gns/{metric}"], rel=1e-5, abs=1e-9)
+        for group in gns.group_names:
+            assert row[f"gns/{group}/b_simple"] == pytest.approx(row[f"gns/{group}/trace_sigma"] / row[f"gns/{group}/grad_sq"], rel=1e-5)
+
+
+def test_run_report_plots_b_simple_per_group(tmp_path):
+    gns, metrics_csv = fit_tiny_olmo(tmp_path, "blocks")
+    written = plot_run(metrics_csv, tmp_path / "plots")
+    assert [path.name for path in written] == ["loss_vs_tokens.png", "batch_lr_vs_tokens.png", "gns_groups_vs_tokens.png"]
+    figure = group_noise_scale_figure(read_metrics_csv(metrics_csv))
+    (ax,) = figure.axes
+    lines = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
+    assert gns.group_names == ["embedding", "block0", "block1", "lm_head"]
+    assert list(lines) == ["block0", "block1", "embedding", "lm_head", "whole model"]
+    rows = logged_gns_rows(metrics_csv)
+    np.testing.assert_allclose(lines["block1"], [row["gns/block1/b_simple"] for row in rows])
+    # Without groups there is nothing to draw per group.
+    _, plain_csv = fit_tiny_olmo(tmp_path / "plain", None)
+    assert "gns_groups_vs_tokens.png" not in [path.name for path in plot_run(plain_csv, tmp_path / "plain_plots")]
+
+
+@pytest.mark.parametrize(
+    "groups, message",
+    [
+        ({"first": r"^first\.", "third": r"^third\."},
+         r"groups['third']='^third\\.' matches none of the trained parameters (first.weight, second.weight)"),
+        ({"weights": "weight", "first": r"^first\."}, "parameter 'first.weight' is matched by groups ['weights', 'first']"),
+        ("blocks", "groups='blocks' looks for transformer blocks in parameter names ('<prefix>.blocks.<i>.<...>'"),
+    ],
+)
+def test_groups_that_match_nothing_or_overlap_are_refused_before_training(groups, message):
+    gns = GradientNoiseScale(groups=groups)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fit(64, 8, gns=gns, accumulate_grad_batches=2)
+    assert gns.num_updates == 0 and gns.last_measurement is None
+
+
 def test_batch_warmup_changing_accumulation_mid_run():
     # Global batch 32 (accumulate 4) for 6400 samples, then 64 (accumulate 8). The dataset ends with a
     # short window: one full micro-batch of 8 and one of 5 samples, so sizes differ within that step.
@@ -250,7 +366,7 @@ def test_batch_warmup_changing_accumulation_mid_run():
 
 
 def test_per_example_mode_without_accumulation():
-    gns = GradientNoiseScale(ema_decay=0.999, per_example_loss=squared_error, per_example_chunk_size=8)
+    gns = GradientNoiseScale(ema_decay=0.999, per_example_loss=squared_error, per_example_chunk_size=8, groups=HALVES)
     trainer, gns, recorder, data, module = fit(16 * 300, 16, gns=gns)
     assert gns.num_updates == 300
     weight = module.weight
@@ -258,8 +374,9 @@ def test_per_example_mode_without_accumulation():
         (indices,) = step["micro_batches"]
         per_sample = torch.stack([data.dataset.micro_batch_gradient([i], weight) for i in indices])
         m = step["measurement"]
-        assert m["small_grad_sq"] == pytest.approx([float((per_sample**2).sum(1).mean())], rel=1e-5)
-        assert m["big_grad_sq"] == pytest.approx([float((per_sample.mean(0) ** 2).sum())], rel=1e-5)
+        groups = GROUPS.values()
+        assert m["small_grad_sq"] == pytest.approx([float((per_sample[:, g] ** 2).sum(1).mean()) for g in groups], rel=1e-5)
+        assert m["big_grad_sq"] == pytest.approx([float((per_sample.mean(0)[g] ** 2).sum()) for g in groups], rel=1e-5)
         assert (m["small_batch_size"], m["big_batch_size"]) == (1.0, 16.0)
     expected = analytic_b_simple()
     print(f"per-example: B_simple {gns.b_simple:.3f} vs analytic {expected:.3f}")
@@ -279,14 +396,15 @@ def test_per_example_mode_leaves_training_rng_untouched():
     torch.testing.assert_close(with_gns, draw_after_one_step([]))
 
 
-def test_resumed_run_continues_the_averages_exactly(tmp_path):
+@pytest.mark.parametrize("groups", [None, HALVES])
+def test_resumed_run_continues_the_averages_exactly(tmp_path, groups):
     n, micro = 8 * 4 * 20, 8
 
     def run(epochs, ckpt_path=None, checkpoint_dir=None):
         pl.seed_everything(0, verbose=False)
         data = GaussianRegressionData(n, micro)
         module = FixedRegression(data.dataset.w_true)
-        gns = GradientNoiseScale(ema_decay=0.9)
+        gns = GradientNoiseScale(ema_decay=0.9, groups=groups)
         callbacks = [gns] + ([ModelCheckpoint(dirpath=checkpoint_dir, save_last=True)] if checkpoint_dir else [])
         kwargs = trainer_kwargs(max_epochs=epochs, accumulate_grad_batches=4, enable_checkpointing=checkpoint_dir is not None)
         pl.Trainer(callbacks=callbacks, **kwargs).fit(module, data, ckpt_path=ckpt_path)
@@ -296,6 +414,7 @@ def test_resumed_run_continues_the_averages_exactly(tmp_path):
     run(1, checkpoint_dir=tmp_path / "first")
     resumed = run(2, ckpt_path=tmp_path / "first" / "last.ckpt", checkpoint_dir=tmp_path / "resumed")
     assert resumed.num_updates == uninterrupted.num_updates == 40
+    assert resumed.state_dict()["group_names"] == (["first", "second"] if groups else [None])
     for key in ("ema_grad_sq", "ema_trace_sigma"):
         torch.testing.assert_close(resumed.state_dict()[key], uninterrupted.state_dict()[key], rtol=0, atol=0)
 
@@ -335,7 +454,8 @@ def test_ddp_matches_analytic_noise_scale(tmp_path):
     data = GaussianRegressionData(DDP_SAMPLES, DDP_MICRO)
     module = FixedRegression(data.dataset.w_true)
     # lr_rule="sqrt" (math.sqrt) pickles for ddp_spawn; with lr=0 every rule leaves the weights fixed.
-    callbacks = [BatchWarmup(DDP_SCHEDULE, lr_rule="sqrt"), GradientNoiseScale(ema_decay=0.999), RecordSteps(tmp_path)]
+    gns = GradientNoiseScale(ema_decay=0.999, groups=HALVES)  # per group through the comm hook too
+    callbacks = [BatchWarmup(DDP_SCHEDULE, lr_rule="sqrt"), gns, RecordSteps(tmp_path)]
     trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=WORLD_SIZE))
     trainer.fit(module, data)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
@@ -345,10 +465,14 @@ def test_ddp_matches_analytic_noise_scale(tmp_path):
         for a, b in zip(ranks[0]["steps"], ranks[1]["steps"])
     ]
     assert [len(step["micro_batches"]) for step in steps] == [2] * 80 + [8] * 400
-    assert assert_exact_measurements(steps, data.dataset, ranks[0]["weight"]) == 480
+    assert assert_exact_measurements(steps, data.dataset, ranks[0]["weight"], groups=list(GROUPS.values())) == 480
     expected = analytic_b_simple()
     print(f"DDP x2 (accumulate 1 -> 4): B_simple {ranks[0]['b_simple']:.3f} vs analytic {expected:.3f}")
     assert ranks[0]["b_simple"] == pytest.approx(expected, rel=TOLERANCE)
+    state = ranks[0]["state"]  # bias correction cancels in a group's ratio of EMAs
+    for i, coordinates in enumerate(GROUPS.values()):
+        group_b_simple = float(state["ema_trace_sigma"][i] / state["ema_grad_sq"][i])
+        assert group_b_simple == pytest.approx(analytic_b_simple(coordinates), rel=TOLERANCE)
 
 
 # ---------------------------------------------------------------------- bad configurations
@@ -418,6 +542,11 @@ def test_manual_optimization_is_refused():
         ({"per_example_loss": "mse"}, TypeError, "per_example_loss must be a callable"),
         ({"per_example_chunk_size": 4}, ValueError, "also pass per_example_loss"),
         ({"per_example_loss": squared_error, "per_example_chunk_size": 0}, ValueError, "positive int"),
+        ({"groups": "layers"}, ValueError, r"groups='layers' is not supported; use None, one of \('param_groups', 'blocks'\)"),
+        ({"groups": {}}, ValueError, "a non-empty dict of group name -> regex"),
+        ({"groups": {"attention": "("}}, ValueError, r"groups\['attention'\]='\(' is not a valid regex"),
+        ({"groups": {"attention": 3}}, TypeError, "must be a regex string over parameter names"),
+        ({"groups": {"": "weight"}}, ValueError, "group names must be non-empty strings"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, match):
