@@ -122,28 +122,30 @@ def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[s
     Every group must match a parameter and no parameter two groups; names matched by none are in
     no group (they count in the whole-model metrics only).
     """
-    groups = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
-    for group, members in groups.items():
-        if not members:
-            raise LitCBSConfigError(
-                f"groups[{group!r}]={patterns[group].pattern!r} matches none of the trained parameters "
-                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
-            )
+    groups: dict[str, list[str]] = {group: [] for group in patterns}
     for name in names:
-        owners = [group for group, members in groups.items() if name in members]
+        owners = [group for group, pattern in patterns.items() if pattern.search(name)]
         if len(owners) > 1:
             raise LitCBSConfigError(
                 f"parameter {name!r} is matched by groups {owners} ("
                 + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
                 + "); a parameter may be in one group only: make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
             )
+        for group in owners:
+            groups[group].append(name)
+    for group, members in groups.items():
+        if not members:
+            raise LitCBSConfigError(
+                f"groups[{group!r}]={patterns[group].pattern!r} matches none of the trained parameters "
+                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
+            )
     return groups
 
 
-def _checked_groups(groups: Any) -> str | dict[str, re.Pattern] | None:
-    """The ``groups`` argument validated: None, a preset, or {group: compiled regex}."""
+def _compiled_groups(groups: Any) -> dict[str, re.Pattern] | None:
+    """The ``groups`` argument checked: {group: compiled regex} for a dict, None for None or a preset."""
     if groups is None or (isinstance(groups, str) and groups in GROUP_PRESETS):
-        return groups
+        return None
     if not isinstance(groups, Mapping) or not groups:
         raise LitCBSConfigError(
             f"groups={groups!r} is not supported; use None, one of {GROUP_PRESETS} or a non-empty dict of "
@@ -273,7 +275,7 @@ class GradientNoiseScale(Callback):
             raise LitCBSConfigError("per_example_chunk_size only applies to per-example mode: also pass per_example_loss")
         self.ema_decay = float(ema_decay)
         self.groups = groups
-        self._patterns = _checked_groups(groups)
+        self._patterns = _compiled_groups(groups)
         self.per_example_loss = per_example_loss
         self.per_example_chunk_size = per_example_chunk_size
 
@@ -468,7 +470,7 @@ class GradientNoiseScale(Callback):
         return grad_sq
 
     def _group_squared_norms(self, params: list, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """Per optimizer group, the sum of the squared norms of ``tensors`` (``tensors[i]`` belongs to
+        """Per measured group (``group_names``), the sum of the squared norms of ``tensors`` (``tensors[i]`` belongs to
         ``params[i]``), in float32; half-precision tensors are reduced in float32 so their norm is not rounded."""
         grad_sq = torch.zeros(len(self.group_names), device=self._device)
         half = [i for i, tensor in enumerate(tensors) if tensor.dtype in (torch.float16, torch.bfloat16)]
