@@ -201,8 +201,8 @@ def main() -> dict:
         # Steps that contain probe branches are slow by design: leave them out of nothing, report them.
         gaps = [b[1] - a[1] for a, b in zip(clock.records, clock.records[1:])]
         result["probe"] = {
-            "history": probe.history,
-            "k1_minus_main_loss": [r["losses"]["1"] - r["main_loss"] for r in probe.history],
+            "history": [dataclasses.asdict(r) for r in probe.history],
+            "k1_minus_main_loss": [r.losses["1"] - r.main_loss for r in probe.history],
             "slowest_step_s": max(gaps),
             "median_step_s": sorted(gaps)[len(gaps) // 2],
             "tokens_spent": probe.tokens_spent,

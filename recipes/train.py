@@ -364,14 +364,10 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
         history = probes[0].history
         summary["probe"] = {
             "tokens": probes[0].tokens_spent,
-            "optimizer_steps": sum(
-                round(record["window_tokens"] / (float(k) * record["batch_size"] * seq_len))
-                for record in history
-                for k in record["branches_trained"]
-            ),
+            "optimizer_steps": sum(reading.branch_steps for reading in history),
             "readings": [
-                {"tokens": r["tokens"], "batch_size": r["batch_size"], "k_star": r["k_star"],
-                 "cbs_lower": r["cbs_lower"], "cbs_upper": r["cbs_upper"]}
+                {"tokens": r.tokens, "batch_size": r.batch_size, "k_star": r.k_star,
+                 "cbs_lower": r.cbs_lower, "cbs_upper": r.cbs_upper}
                 for r in history
             ],
         }

@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
+from lit_cbs.accounting import BatchAccounting
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 
@@ -38,9 +39,9 @@ class SaveRankResult(Callback):
 
 def fit_ddp(outdir: Path, probe: bool) -> list[dict]:
     outdir.mkdir()
-    callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), SaveRankResult(outdir)]
+    callbacks = [BatchAccounting(seq_len=4), BatchWarmup(ConstantBatch(8)), SaveRankResult(outdir)]
     if probe:
-        callbacks.insert(1, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
+        callbacks.insert(2, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, default_root_dir=outdir)
@@ -59,8 +60,8 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
     assert len(history0) >= 2
     assert history0 == history1  # same losses, k*, interval on both ranks
     for record in history0:
-        assert record["batch_size"] == 8 and record["branches_trained"] == [1.0, 2.0, 4.0]
-        assert record["losses"]["1"] == pytest.approx(record["main_loss"], rel=1e-12)
+        assert record.batch_size == 8 and record.branches_trained == [1.0, 2.0, 4.0]
+        assert record.losses["1"] == pytest.approx(record.main_loss, rel=1e-12)
     for rank in range(2):
         assert torch.equal(probed[rank]["weight"], plain[rank]["weight"])
         assert probed[rank]["micro_batches"] == plain[rank]["micro_batches"]
