@@ -6,6 +6,8 @@ import dataclasses
 import json
 import logging
 import math
+import subprocess
+import sys
 import warnings
 
 import lightning.pytorch as pl
@@ -124,6 +126,12 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     # The record carries its seq_len, so another sequence length needs no measured_seq_len.
     assert schedule_from_probe(path, 16, seq_len=64).batch_size(4096) == 16
     assert schedule_from_probe(path, 16, seq_len=16).batch_size(4096) == 64
+
+
+def test_the_rule_loads_without_lightning():
+    code = "import sys, lit_cbs.probe.reading; print(sorted(m for m in ('lightning', 'torch') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
 
 
 def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):

@@ -89,8 +89,9 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: torch.OutOfMemoryError from the CUDA (or other accelerator) caching
-    allocator; the CPU allocator raises a plain RuntimeError, recognised by its message."""
+    """An allocation failure: torch.OutOfMemoryError from an accelerator's caching allocator, or the
+    CPU allocator's refusal, which torch raises as a plain RuntimeError (a c10::Error without a
+    type of its own), so only its message tells it from any other error."""
     return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
 
 
