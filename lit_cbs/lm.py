@@ -10,8 +10,8 @@ Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all 
 time between optimizer steps outside validation) and, when ``peak_flops_per_device`` is given,
 ``perf/mfu`` = model FLOPs per token x tokens/s / (peak x devices), with FLOPs per token from
 ``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation recomputation not counted).
-The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``), so the Trainer needs
-``lit_cbs.BatchWarmup`` among its callbacks (``ConstantBatch`` for a fixed batch) to feed it.
+The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``): the Trainer's
+``lit_cbs.accounting.BatchAccounting`` (attached in ``setup``) feeds it the token count.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_cbs.accounting import BatchAccounting
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 
@@ -124,6 +125,10 @@ class CausalLM(pl.LightningModule):
         self._last_global_step = 0
         self._step_timer_start = 0.0
         self._tokens_since_step = 0
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            BatchAccounting.of(self.trainer)  # counts the tokens the LR schedule is indexed by
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
