@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
-from lit_cbs.accounting import BatchAccounting
 from lit_cbs.analysis.curves import read_probe
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.errors import LitCBSConfigError
@@ -35,7 +34,7 @@ from lit_cbs.probe import (
 from lit_cbs.schedules import CBSAdaptive
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
-SEQ = 4  # the toy's "tokens per sample", given to BatchAccounting (its x is float, not token ids)
+SEQ = 4  # the toy's "tokens per sample", given to BatchWarmup (its x is float, not token ids)
 
 
 @pytest.fixture(autouse=True)
@@ -159,18 +158,13 @@ def run(*, probe=None, schedule=None, epochs=2, n=96, micro=2, module=None, call
     pl.seed_everything(0, verbose=False)
     module = module or RegressionModule(lr=0.05, optimizer="adam")
     data = RegressionData(n=n, batch_size=micro)
-    accounting = BatchAccounting(seq_len=SEQ, max_tokens=max_tokens)
-    warmup = BatchWarmup(schedule or ConstantBatch(4), lr_rule="sqrt", seq_len=SEQ)
-    cbs = [accounting, warmup] + ([probe] if probe is not None else []) + list(callbacks)
+    warmup = BatchWarmup(schedule or ConstantBatch(4), lr_rule="sqrt", seq_len=SEQ, max_tokens=max_tokens)
+    cbs = [warmup] + ([probe] if probe is not None else []) + list(callbacks)
     trainer = pl.Trainer(callbacks=cbs, **trainer_kwargs(max_epochs=epochs, **fit))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(module, data, ckpt_path=ckpt)
     return trainer, module, warmup
-
-
-def tokens_seen(trainer) -> int:
-    return BatchAccounting.of(trainer).tokens_seen
 
 
 def optimizer_state(trainer):
@@ -189,7 +183,7 @@ def assert_same_main_run(a, b):
     assert [s["lr"] for s in module_a.steps] == [s["lr"] for s in module_b.steps]
     assert [len(s["indices"]) for s in module_a.steps] == [len(s["indices"]) for s in module_b.steps]
     assert trainer_a.global_step == trainer_b.global_step
-    assert tokens_seen(trainer_a) == tokens_seen(trainer_b)
+    assert warmup_a.tokens_seen == warmup_b.tokens_seen
 
 
 def grid_probe(**kwargs):
@@ -372,7 +366,7 @@ def test_heldout_evaluation_and_overhead_budget():
 
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        callbacks=[BatchAccounting(seq_len=SEQ), BatchWarmup(ConstantBatch(4)), probe],
+        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), probe],
         **trainer_kwargs(max_epochs=2, limit_val_batches=0),
     )
     with warnings.catch_warnings():
@@ -454,12 +448,12 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
     # from 640 tokens ends at 768 <= max_tokens and runs; the one from 800 would pass 832 and never starts.
     probe = grid_probe()
     pl.seed_everything(0, verbose=False)
-    accounting = BatchAccounting(seq_len=SEQ, max_tokens=832)
-    trainer = pl.Trainer(callbacks=[accounting, BatchWarmup(ConstantBatch(4)), probe], **trainer_kwargs(max_epochs=10))
+    warmup = BatchWarmup(ConstantBatch(4), lr_rule="sqrt", seq_len=SEQ, max_tokens=832)
+    trainer = pl.Trainer(callbacks=[warmup, probe], **trainer_kwargs(max_epochs=10))
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
-    assert accounting.tokens_seen == 832
+    assert warmup.tokens_seen == 832
     assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
     assert "CBS probe at 800 tokens not started: its window of 128 tokens would end past max_tokens=832" in caplog.text
@@ -525,6 +519,6 @@ def test_probe_alone_measures_a_fixed_batch_token_run(tmp_path):
 def test_probe_refuses_batches_without_token_ids():
     module = RegressionModule(lr=0.05, optimizer="adam")
     trainer = pl.Trainer(callbacks=[grid_probe()], **trainer_kwargs())
-    with pytest.raises(LitCBSConfigError, match="no token ids.*BatchAccounting\\(seq_len=...\\)"):
+    with pytest.raises(LitCBSConfigError, match="no token ids.*give seq_len=... to BatchAccounting or BatchWarmup"):
         trainer.fit(module, RegressionData(n=16))
     assert module.steps == []

@@ -15,7 +15,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
-from lit_cbs.accounting import BatchAccounting
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 
@@ -39,9 +38,9 @@ class SaveRankResult(Callback):
 
 def fit_ddp(outdir: Path, probe: bool) -> list[dict]:
     outdir.mkdir()
-    callbacks = [BatchAccounting(seq_len=4), BatchWarmup(ConstantBatch(8)), SaveRankResult(outdir)]
+    callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), SaveRankResult(outdir)]
     if probe:
-        callbacks.insert(2, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
+        callbacks.insert(1, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, default_root_dir=outdir)

@@ -60,8 +60,9 @@ class CBSProbeCallback(Callback):
     """Measure the critical batch size at intervals by branched mini-fits from in-memory copies.
 
     Reads the global batch B, the micro-batch and the token count from the Trainer's
-    ``BatchAccounting`` (attached if absent), so it needs no other callback. The batches must hold
-    token ids (or give ``BatchAccounting(seq_len=...)``): probe points and windows are in tokens.
+    ``BatchAccounting`` (attached if absent), so it needs no other callback. Probe points and windows
+    are in tokens: the batches must hold token ids, or ``seq_len`` be given (to ``BatchAccounting``
+    or ``BatchWarmup``).
 
     Args:
         every_tokens: probe every this many tokens (global).
@@ -207,7 +208,8 @@ class CBSProbeCallback(Callback):
         if seq_len is None:
             raise LitCBSConfigError(
                 "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
-                "integer tensor): give BatchAccounting(seq_len=...) (or the datamodule a `tokens_per_sample` attribute)"
+                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a `tokens_per_sample` "
+                "attribute)"
             )
         largest_step = max(self.multipliers) * batch * seq_len
         if self.window_tokens < largest_step:
