@@ -350,6 +350,16 @@ def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     assert all(isinstance(r, ProbeReading) for r in resumed_probe.history)  # rebuilt from the checkpoint's dicts
     assert resumed_probe.tokens_spent == full_probe.tokens_spent
 
+    # A lit_cbs 0.1 checkpoint (readings without seq_len) resumes alike.
+    state = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)
+    (key,) = [key for key in state["callbacks"] if key.startswith("CBSProbeCallback")]
+    for reading in state["callbacks"][key]["history"]:
+        del reading["seq_len"]
+    torch.save(state, tmp_path / "v0.1.ckpt")
+    old_probe = probe()
+    run(probe=old_probe, n=80, epochs=3, ckpt=tmp_path / "v0.1.ckpt")
+    assert old_probe.history == full_probe.history
+
     # Inside the first window (320 tokens): that probe is taken again once the resumed run steps.
     inside_probe = probe()
     inside = run(probe=inside_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=0.ckpt")

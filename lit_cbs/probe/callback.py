@@ -218,6 +218,9 @@ class CBSProbeCallback(Callback):
                 f"(k={max(self.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
                 "raise window_tokens or drop the largest multipliers"
             )
+        for reading in self.history:
+            if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
+                reading.seq_len = seq_len
         unit = accounting.micro_batch_size * accounting.data_parallel_size
         too_small = [k for k in self.multipliers if (k * batch) % unit]
         if too_small:
@@ -417,6 +420,7 @@ class CBSProbeCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.history = [ProbeReading(**copy.deepcopy(reading)) for reading in state_dict["history"]]
+        # lit_cbs 0.1 readings carry no seq_len; the first batch tells it (_check_batch).
+        self.history = [ProbeReading(**{"seq_len": None, **copy.deepcopy(reading)}) for reading in state_dict["history"]]
         self.tokens_spent = state_dict["tokens_spent"]
         self.probes_started = state_dict["probes_started"]
