@@ -162,7 +162,7 @@ def train_branch(
         lr_rule.adjust_optimizer(optimizer, k)
     optimizer = optimizers[0]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    micro_per_step = int(round(k * window.accumulate))
+    micro_per_step = round(k * window.accumulate)
     batches = window.batches[: window.samples_per_rank // window.micro_batch_size]
     tokens_per_step = micro_per_step * window.micro_batch_size * window.data_parallel_size * window.seq_len
     tokens = window.tokens

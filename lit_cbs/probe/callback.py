@@ -165,7 +165,7 @@ class CBSProbeCallback(Callback):
         if self.at_tokens is not None:
             return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
         first, ratio = self.geometric
-        return int(round(first * ratio**index))
+        return round(first * ratio**index)
 
     # ------------------------------------------------------------------ checks before training
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -208,8 +208,8 @@ class CBSProbeCallback(Callback):
         if seq_len is None:
             raise LitCBSConfigError(
                 "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
-                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a `tokens_per_sample` "
-                "attribute)"
+                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
+                "`tokens_per_sample` attribute)"
             )
         largest_step = max(self.multipliers) * batch * seq_len
         if self.window_tokens < largest_step:
