@@ -2,7 +2,7 @@
 
 - ``reading``: the k* rule, the CBS interval, bisection and ``ProbeReading`` (one measurement); no Lightning.
 - ``snapshot``: ``TrainingSnapshot``, the in-memory copy of the training state a branch starts from.
-- ``branch``: trains batch k*B on the main run's ``RecordedWindow`` and scores it.
+- ``branch``: ``BranchTrainer`` trains batch k*B on the main run's ``RecordedWindow`` and scores it.
 - ``callback``: ``CBSProbeCallback``, which places the probes in a Trainer and reports them.
 - ``plot``: ``plot_cbs_curve``, the readings against tokens.
 
@@ -13,6 +13,7 @@ import importlib
 
 _EXPORTS = {
     "BranchFailed": "lit_cbs.probe.branch",
+    "BranchTrainer": "lit_cbs.probe.branch",
     "CBSProbeCallback": "lit_cbs.probe.callback",
     "ProbeAborted": "lit_cbs.probe.branch",
     "ProbeReading": "lit_cbs.probe.reading",

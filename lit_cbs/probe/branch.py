@@ -1,8 +1,8 @@
 """A probe branch: train batch k*B on the main run's recorded window from its start, and score it.
 
-Input: a ``RecordedWindow`` (the start snapshot, the micro-batches the main run trained on over the
-window, its step losses) and a multiplier k. Output: the branch's per-step losses, scored like the
-main run's (``train_ema_loss``) or by the held-out loss at its end (``heldout_loss``). A branch runs
+``BranchTrainer.loss(window, k)``: input, a ``RecordedWindow`` (the start snapshot and the
+micro-batches the main run trained on over the window) and a multiplier k; output, the branch's
+loss, scored as the main run's window is (``BranchTrainer.score``). A branch runs
 inside the Trainer without re-entering Lightning's loops: through the strategy's wrapped model
 (DDP/FSDP reduce gradients as in training), the precision plugin's grad scaler and gradient clipping,
 stepping the step-interval LR schedulers as the main run does.
@@ -118,64 +118,70 @@ def rank_mean(trainer: pl.Trainer, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def train_ema_loss(trainer: pl.Trainer, step_losses: list[float], alpha: float) -> float:
-    """The paper's score of a window: the EMA of its step losses (mean over ranks) at its last step."""
-    return ema_last(rank_mean(trainer, step_losses), alpha)
+@dataclass
+class BranchTrainer:
+    """Trains a probe's branches inside ``trainer`` and scores each like the main run's window.
 
-
-@torch.no_grad()
-def heldout_loss(trainer: pl.Trainer, pl_module: pl.LightningModule, batches: list[Any]) -> float:
-    """The mean training_step loss over held-out ``batches`` (mean over ranks), in eval mode."""
-    was_training = pl_module.training
-    pl_module.eval()
-    total = 0.0
-    with logging_muted(pl_module), trainer.precision_plugin.forward_context():
-        for i, batch in enumerate(batches):
-            batch = move_data_to_device(batch, trainer.strategy.root_device)
-            total += float(loss_of(pl_module.training_step(batch, i)))
-    pl_module.train(was_training)
-    return rank_mean(trainer, [total / len(batches)])[0]
-
-
-def train_branch(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    window: RecordedWindow,
-    k: float,
-    lr_rule: LRRule,
-    accounting: BatchAccounting,
-) -> list[float]:
-    """Train batch k*B (LR scaled by ``lr_rule`` for ratio k) over the recorded window from its start
-    snapshot; return this rank's per-step losses (nats). The model is left in the branch's end state.
-
-    Raises:
-        BranchFailed: a non-finite step loss on any rank, or out of memory.
-        ProbeAborted: SIGTERM arrived on any rank.
+    A window's loss (nats, the mean over ranks, so every rank reaches the same k*) is the EMA of its
+    step losses at its last step (``evaluate="train_ema"``, the paper's) or the mean loss of the
+    model at the window's end on ``heldout`` batches (``evaluate="heldout"``).
     """
-    window.start.restore(trainer, pl_module)
-    strategy = trainer.strategy
-    optimizers = trainer.optimizers
-    schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
-    factor = lr_rule.lr_factor(k)
-    for optimizer in optimizers:
-        scale_learning_rate(optimizer, [c.scheduler for c in trainer.lr_scheduler_configs], factor)
-        lr_rule.adjust_optimizer(optimizer, k)
-    optimizer = optimizers[0]
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    micro_per_step = round(k * window.accumulate)
-    batches = window.batches[: window.samples_per_rank // window.micro_batch_size]
-    tokens_per_step = micro_per_step * window.micro_batch_size * window.data_parallel_size * window.seq_len
-    tokens = window.tokens
-    step_losses: list[float] = []
-    pl_module.train()
-    try:
+
+    trainer: pl.Trainer
+    pl_module: pl.LightningModule
+    accounting: BatchAccounting
+    lr_rule: LRRule  # LR factor (and optimizer adjustment) for batch ratio k
+    evaluate: str
+    ema_alpha: float  # weight of the newest step loss in the EMA
+    heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
+
+    def score(self, step_losses: list[float]) -> float:
+        """The loss of a window this rank trained with ``step_losses``, the model now at its end."""
+        if self.evaluate == "heldout":
+            return self._heldout_loss()
+        return ema_last(rank_mean(self.trainer, step_losses), self.ema_alpha)
+
+    def loss(self, window: RecordedWindow, k: float) -> float:
+        """Train batch k*B over ``window`` from its start snapshot and score it. The model is left in
+        the branch's end state.
+
+        Raises:
+            BranchFailed: a non-finite step loss on any rank, or out of memory.
+            ProbeAborted: SIGTERM arrived on any rank.
+        """
+        try:
+            step_losses = self._train(window, k)
+        except RuntimeError as error:
+            if is_out_of_memory(error):
+                raise BranchFailed("out of memory") from error
+            raise
+        return self.score(step_losses)
+
+    def _train(self, window: RecordedWindow, k: float) -> list[float]:
+        """This rank's per-step losses (nats) of batch k*B (LR scaled by ``lr_rule`` for ratio k)."""
+        trainer, strategy = self.trainer, self.trainer.strategy
+        window.start.restore(trainer, self.pl_module)
+        optimizers = trainer.optimizers
+        schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
+        factor = self.lr_rule.lr_factor(k)
+        for optimizer in optimizers:
+            scale_learning_rate(optimizer, [c.scheduler for c in trainer.lr_scheduler_configs], factor)
+            self.lr_rule.adjust_optimizer(optimizer, k)
+        optimizer = optimizers[0]
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        micro_per_step = round(k * window.accumulate)
+        batches = window.batches[: window.samples_per_rank // window.micro_batch_size]
+        tokens_per_step = micro_per_step * window.micro_batch_size * window.data_parallel_size * window.seq_len
+        tokens = window.tokens
+        step_losses: list[float] = []
+        self.pl_module.train()
         for start in range(0, len(batches) - micro_per_step + 1, micro_per_step):
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
             for i in range(micro_per_step):
                 last = i == micro_per_step - 1
                 batch = move_data_to_device(batches[start + i], strategy.root_device)
-                accounting.set_gradient_sync(last)
+                self.accounting.set_gradient_sync(last)
                 with block_ddp_gradient_sync(strategy, block=not last):
                     loss = loss_of(strategy.training_step(batch, start + i))
                     scaled = loss / micro_per_step
@@ -203,8 +209,17 @@ def train_branch(
             step_losses.append(float(step_loss))
             if strategy.reduce_boolean_decision(trainer.received_sigterm, all=False):
                 raise ProbeAborted()
-    except RuntimeError as error:
-        if is_out_of_memory(error):
-            raise BranchFailed("out of memory") from error
-        raise
-    return step_losses
+        return step_losses
+
+    @torch.no_grad()
+    def _heldout_loss(self) -> float:
+        pl_module, trainer = self.pl_module, self.trainer
+        was_training = pl_module.training
+        pl_module.eval()
+        total = 0.0
+        with logging_muted(pl_module), trainer.precision_plugin.forward_context():
+            for i, batch in enumerate(self.heldout):
+                batch = move_data_to_device(batch, trainer.strategy.root_device)
+                total += float(loss_of(pl_module.training_step(batch, i)))
+        pl_module.train(was_training)
+        return rank_mean(trainer, [total / len(self.heldout)])[0]

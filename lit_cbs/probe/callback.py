@@ -36,16 +36,7 @@ from lit_cbs._internals import should_accumulate
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.lr_rules import get_lr_rule
-from lit_cbs.probe.branch import (
-    BranchFailed,
-    ProbeAborted,
-    RecordedWindow,
-    heldout_loss,
-    logging_muted,
-    loss_of,
-    train_branch,
-    train_ema_loss,
-)
+from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, RecordedWindow, logging_muted, loss_of
 from lit_cbs.probe.plot import plot_cbs_curve
 from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, ProbeReading, max_branches, measure_losses
 from lit_cbs.probe.snapshot import TrainingSnapshot
@@ -315,16 +306,14 @@ class CBSProbeCallback(Callback):
             start=TrainingSnapshot(trainer, pl_module, self.snapshot_device),
         )
 
-    def _window_loss(self, trainer, pl_module, step_losses: list[float]) -> float:
-        if self.evaluate == "heldout":
-            return heldout_loss(trainer, pl_module, self._heldout)
-        return train_ema_loss(trainer, step_losses, self.ema_alpha)
-
     def _finish_probe(self, trainer, pl_module) -> None:
         window, self._window = self._window, None
         accounting = self._accounting
         main_changed_batch = accounting.global_batch != window.batch_size
-        main_loss = self._window_loss(trainer, pl_module, window.step_losses)
+        branches = BranchTrainer(
+            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout
+        )
+        main_loss = branches.score(window.step_losses)
         after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
         failed: list[float] = []
         trained: list[float] = []
@@ -334,12 +323,11 @@ class CBSProbeCallback(Callback):
                 return main_loss  # the main run trained batch B on this very window
             trained.append(k)
             try:
-                step_losses = train_branch(trainer, pl_module, window, k, self.lr_rule, accounting)
+                return branches.loss(window, k)
             except BranchFailed as error:
                 rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
                 failed.append(k)
                 return math.inf
-            return self._window_loss(trainer, pl_module, step_losses)
 
         try:
             with logging_muted(pl_module):
