@@ -2,9 +2,9 @@
 
 ``BranchTrainer.loss(window, k)``: input, a ``RecordedWindow`` (the start snapshot and the
 micro-batches the main run trained on over the window) and a multiplier k; output, the branch's
-loss, scored as the main run's window is (``BranchTrainer.score``). A branch runs
-inside the Trainer without re-entering Lightning's loops: through the strategy's wrapped model
-(DDP/FSDP reduce gradients as in training), the precision plugin's grad scaler and gradient clipping,
+loss, scored as the main run's window is (``BranchTrainer.score``). A branch runs inside the
+Trainer without re-entering Lightning's loops: through the strategy's wrapped model (DDP/FSDP
+reduce gradients as in training), the precision plugin's grad scaler and gradient clipping,
 stepping the step-interval LR schedulers as the main run does.
 """
 
@@ -69,6 +69,7 @@ class RecordedWindow:
         return len(self.batches) * self.micro_batch_size >= self.samples_per_rank
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
+        """Keep a micro-batch the main run trains on, detached, on ``device``."""
         self.batches.append(move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device))
 
     def record_micro_loss(self, loss: float) -> None:
