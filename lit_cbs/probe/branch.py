@@ -90,10 +90,16 @@ def loss_of(output: Any) -> torch.Tensor:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: torch.OutOfMemoryError from an accelerator's caching allocator, or the
-    CPU allocator's refusal, which torch raises as a plain RuntimeError (a c10::Error without a
-    type of its own), so only its message tells it from any other error."""
-    return isinstance(error, torch.OutOfMemoryError) or "DefaultCPUAllocator: can't allocate memory" in str(error)
+    """An allocation failure: torch.OutOfMemoryError from an accelerator's caching allocator; the CPU
+    allocator's refusal, which torch raises as a plain RuntimeError (a c10::Error without a type of
+    its own, so only its message tells it from other errors); or a CUDA API call that ran out of
+    memory outside the caching allocator (cuBLAS workspaces, NCCL buffers), raised with CUDA's text."""
+    message = str(error)
+    return (
+        isinstance(error, torch.OutOfMemoryError)
+        or "DefaultCPUAllocator: can't allocate memory" in message
+        or "CUDA error: out of memory" in message
+    )
 
 
 @contextlib.contextmanager
