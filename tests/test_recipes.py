@@ -168,7 +168,7 @@ def text_folder(tmp_path_factory):
         (["model.config.preset=olmo_3b"], "model.config: unknown model preset 'olmo_3b'"),
         (["data.seq_len=256"], "data.seq_len=256 exceeds the model's context_length=128"),
         (["data.path=/nonexistent/tokens"], "data.path='/nonexistent/tokens' is not a folder"),
-        (["data.batch_size=5"], "global batch 16 (batch.schedule) is not divisible by data.batch_size=5"),
+        (["data.batch_size=5"], "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
         (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
         (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"], "trainer.devices='auto' must be the number"),

@@ -177,7 +177,7 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
     failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
     done = tmp_path / "1_tiny_warmup_data.batch_size=4"
-    assert "error: global batch 8 (batch.schedule) is not divisible by data.batch_size=5" in (failed / "train.log").read_text()
+    assert "error: global batch (batch.schedule) 8 is not a multiple of micro-batch 5" in (failed / "train.log").read_text()
     assert json.loads((done / "summary.json").read_text())["optimizer_steps"] == 8
     log = (done / "train.log").read_text()
     assert "BatchWarmup: global batch 8 -> 16 samples" in log and "lit_cbs: tiny_warmup done" in log
