@@ -42,7 +42,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from lit_cbs import BatchWarmup, CBSProbeCallback
 from lit_cbs.accounting import check_divisible
@@ -51,7 +51,7 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
 from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.models.olmo import OLMoConfig
-from lit_cbs.plan import Limits, RunPlan, plan_run
+from lit_cbs.plan import Limits, OptimizerState, RunPlan, plan_run
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
@@ -183,6 +183,7 @@ def check_accelerator(cfg: DictConfig) -> None:
 def plan_of(cfg: DictConfig) -> RunPlan:
     """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
     model_config = model_config_of(cfg)
+    model = instantiate_key(cfg, "model")  # checks model.optimizer; builds no weights
     datamodule = instantiate_key(cfg, "data")
     datamodule.check_context(model_config.context_length)
     callbacks = list(instantiate_named(cfg, "callbacks").values())
@@ -217,13 +218,14 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
         probe=probes[0] if probes else None,
         limits=Limits(**limits),
+        optimizer=OptimizerState.of(model.optimizer_factory),
     )
 
 
 def build_run(cfg: DictConfig) -> Run:
     """Check the configuration and build the run; nothing here builds the model's weights.
 
-    Order: model and optimizer settings, data settings, trainer (it knows the process count), the global batch
+    Order: model and optimizer settings (CausalLM builds model.optimizer on a stand-in parameter), data settings, trainer (it knows the process count), the global batch
     against micro-batch x processes, then the data source (prepared here once per node if needed)
     and its vocabulary against the model's.
     """
@@ -240,12 +242,8 @@ def build_run(cfg: DictConfig) -> Run:
             "data.path=<folder prepared by lit_cbs.data.prepare>, or data.input_dir=<folder of text files> "
             "data.tokenizer=<tokenizer.json>"
         )
-    model = instantiate_key(
-        cfg,
-        "model",
-        lr_schedule=instantiate_key(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None,
-        **OmegaConf.to_container(cfg.optimizer, resolve=True),
-    )  # CausalLM builds the decoder in configure_model, during fit
+    lr_schedule = instantiate_key(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
+    model = instantiate_key(cfg, "model", lr_schedule=lr_schedule)  # the decoder is built in configure_model, during fit
     datamodule = instantiate_key(cfg, "data")
     datamodule.check_context(model_config.context_length)
 
@@ -266,10 +264,13 @@ def build_run(cfg: DictConfig) -> Run:
 
 
 def one_line(error: BaseException) -> str:
-    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating)."""
+    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating,
+    OmegaConf prefixes those its resolvers raise)."""
     while isinstance(error, InstantiationException) and error.__cause__ is not None:
         error = error.__cause__
     message = getattr(error, "msg", None) or str(error)
+    if isinstance(error, InterpolationResolutionError):
+        message = re.sub(r"^\w+ raised while resolving interpolation: ", "", message)
     return " ".join(message.split())
 
 

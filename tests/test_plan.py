@@ -3,6 +3,7 @@ allocates on the CPU, the batch phases against a real BatchWarmup run, and `plan
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs._internals import checkpoint_wrapper
 from lit_cbs.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
-from lit_cbs.plan import ModelShape, batch_phases, device_memory, probe_plan
+from lit_cbs.plan import ADAMW_STATE, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
@@ -65,9 +66,10 @@ def test_countable_model_by_hand():
     assert ddp_checkpointed.working_buffers == ddp.working_buffers  # one block: all of them here
 
 
-def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool):
+def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool,
+                  optimizer_factory=torch.optim.AdamW):
     """Bytes autograd saves for backward in one forward, and the bytes of parameters, gradients and
-    AdamW state after a real optimizer step, on the CPU."""
+    optimizer state after a real optimizer step, on the CPU."""
     torch.manual_seed(0)
     model = OLMo(config)
     if checkpointing:
@@ -88,7 +90,7 @@ def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: 
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = optimizer_factory(model.parameters())
     optimizer.step()
     parameters = sum(p.nbytes for p in model.parameters())
     gradients = sum(p.grad.nbytes for p in model.parameters())
@@ -109,6 +111,23 @@ def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
     # with checkpointing also the copies of the block being recomputed, which forward does not save.
     autocast_copies = memory.working_buffers - (2 * shape.block_parameters if checkpointing and precision == "bf16-mixed" else 0)
     assert memory.activations + autocast_copies == saved
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "state"),
+    [
+        (torch.optim.AdamW, ADAMW_STATE),
+        (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), OptimizerState("SGD", 1, 0)),  # momentum buffer
+        (functools.partial(torch.optim.SGD, lr=0.1), OptimizerState("SGD", 0, 0)),
+        (torch.optim.Adagrad, OptimizerState("Adagrad", 1, 4)),  # sum of squares, step
+    ],
+)
+def test_optimizer_state_is_measured_and_matches_real_allocation(optimizer, state):
+    assert OptimizerState.of(optimizer) == state
+    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=True)
+    _, _, _, allocated = measured_step(config, 2, 16, autocast=False, checkpointing=False, optimizer_factory=optimizer)
+    memory = device_memory(ModelShape.of(config), 2, 16, "32-true", "single", 1, False, optimizer=state)
+    assert memory.optimizer_state == allocated
 
 
 def test_tied_embeddings_are_one_tensor():
