@@ -225,9 +225,10 @@ def plan_of(cfg: DictConfig) -> RunPlan:
 def build_run(cfg: DictConfig) -> Run:
     """Check the configuration and build the run; nothing here builds the model's weights.
 
-    Order: model and optimizer settings (CausalLM builds model.optimizer on a stand-in parameter), data settings, trainer (it knows the process count), the global batch
-    against micro-batch x processes, then the data source (prepared here once per node if needed)
-    and its vocabulary against the model's.
+    Order: model and optimizer settings (CausalLM builds model.optimizer on a stand-in parameter),
+    data settings, trainer (it knows the process count), the global batch against micro-batch x
+    processes, then the data source (prepared here once per node if needed) and its vocabulary
+    against the model's.
     """
     check_accelerator(cfg)
     if cfg.ckpt_path is not None and cfg.ckpt_path not in LIGHTNING_CHECKPOINT_NAMES and not Path(cfg.ckpt_path).exists():
