@@ -405,7 +405,12 @@ def main(cfg: DictConfig) -> float | None:
         log.info(describe(run, cfg))
 
     started = time.perf_counter()
-    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        stop_on_config_error(error)
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")
