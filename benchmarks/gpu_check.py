@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import platform
 import time
@@ -38,7 +39,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_cbs.lm import CausalLM, model_flops_utilization
+from lit_cbs.lm import ADAMW, CausalLM, model_flops_utilization
 from lit_cbs.lr_schedules import WarmupStableDecay
 from lit_cbs.plan import GIB, ModelShape, device_memory
 from lit_cbs.probe import CBSProbeCallback
@@ -122,7 +123,7 @@ def main() -> dict:
     max_tokens = change_at + args.steps_after_change * 2 * first_batch * args.seq_len
     model = CausalLM(
         config,
-        lr=4e-4,
+        optimizer=functools.partial(ADAMW, lr=4e-4),
         lr_schedule=WarmupStableDecay(warmup_tokens=change_at // 2, total_tokens=max_tokens),
         activation_checkpointing=not args.no_activation_checkpointing,
         peak_flops_per_device=args.peak_tflops * 1e12,
@@ -201,8 +202,8 @@ def main() -> dict:
         # Steps that contain probe branches are slow by design: leave them out of nothing, report them.
         gaps = [b[1] - a[1] for a, b in zip(clock.records, clock.records[1:])]
         result["probe"] = {
-            "history": probe.history,
-            "k1_minus_main_loss": [r["losses"]["1"] - r["main_loss"] for r in probe.history],
+            "history": [dataclasses.asdict(r) for r in probe.history],
+            "k1_minus_main_loss": [r.losses["1"] - r.main_loss for r in probe.history],
             "slowest_step_s": max(gaps),
             "median_step_s": sorted(gaps)[len(gaps) // 2],
             "tokens_spent": probe.tokens_spent,

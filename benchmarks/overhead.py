@@ -404,14 +404,14 @@ def time_probe(results: Results, repeat: int) -> None:
         (record,) = probe_callback.history  # exactly one probe ran, and finished
         results.loader_builds[config.label].append(run.data.loader_builds)
         results.probe_tokens[config.name].append(probe_callback.tokens_spent)
-        results.probe_branches[config.name] = record["branches_trained"]
+        results.probe_branches[config.name] = record.branches_trained
         for clock in CLOCKS:
             base_step = base.timer.steady_ms(clock) / 1000
             extra = run.seconds[clock] - base.seconds[clock]
             extra_seconds[config.name, clock] = extra
             results.add(f"{config.label}: extra fit time, s", clock, extra)
             results.add(PROBE_STEPS.format(config.name), clock, extra / base_step)
-            per_branch = extra / base_step / len(record["branches_trained"])
+            per_branch = extra / base_step / len(record.branches_trained)
             results.add(f"{config.label}: extra fit time per branch trained, steps without it", clock, per_branch)
             results.add(f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock])
     grid, bisect = (config.name for config in PROBE_CONFIGS[1:])

@@ -96,7 +96,7 @@ GPU_OVERRIDES = [
     f"+model.config.context_length={GPU_SEQ_LEN}",
     f"data.seq_len={GPU_SEQ_LEN}",
     "data.num_workers=4",
-    "optimizer.lr=2.0e-3",  # not tuned: chosen for the width; every configuration scales it alike
+    "model.optimizer.lr=2.0e-3",  # not tuned: chosen for the width; every configuration scales it alike
 ]
 
 

@@ -17,8 +17,9 @@ The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``): the Trainer's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -29,6 +30,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_cbs.accounting import BatchAccounting
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 
@@ -36,6 +38,10 @@ OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
 REQUIRED_OLMO_FIELDS = tuple(
     field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
 )
+
+OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
+# OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 
 
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoConfig:
@@ -69,10 +75,12 @@ class CausalLM(pl.LightningModule):
 
     Args:
         config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of fields.
-        lr: base learning rate of AdamW, before the LR schedule's multiplier and BatchWarmup's factors.
-        betas, eps: AdamW's.
-        weight_decay: AdamW's decoupled weight decay on the weight matrices; embeddings and every
-            parameter with fewer than 2 dimensions (norms, biases) are not decayed.
+        optimizer: parameter groups -> ``torch.optim.Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`` (Hydra: ``_partial_: true``).
+            Its ``lr`` is the base LR, before the LR schedule's multiplier and BatchWarmup's factors;
+            its ``weight_decay`` applies to the weight matrices only (``parameter_groups``). Default:
+            AdamW, LR 3e-3, betas (0.9, 0.95), weight decay 0.1, eps 1e-8. Checked here by building
+            it on a stand-in parameter.
         lr_schedule: tokens seen (global) -> LR multiplier, e.g. ``lit_cbs.lr_schedules.WarmupStableDecay``;
             None keeps the base LR.
         activation_checkpointing: recompute each block's activations in the backward pass (less
@@ -84,39 +92,25 @@ class CausalLM(pl.LightningModule):
     def __init__(
         self,
         config: str | OLMoConfig | Mapping[str, Any] = "tiny",
-        lr: float = 3e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        weight_decay: float = 0.1,
-        eps: float = 1e-8,
+        optimizer: OptimizerFactory = ADAMW,
         lr_schedule: Callable[[int], float] | None = None,
         activation_checkpointing: bool = False,
         peak_flops_per_device: float | None = None,
     ):
         super().__init__()
         self.config = resolve_model_config(config)
-        betas = tuple(float(beta) for beta in betas)
-        if not lr > 0:
-            raise ValueError(f"lr={lr} must be > 0")
-        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
-        if not eps > 0:
-            raise ValueError(f"eps={eps} must be > 0")
+        check_optimizer(optimizer)
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
         if peak_flops_per_device is not None and not peak_flops_per_device > 0:
             raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be > 0 FLOP/s, or None")
-        self.lr = lr
-        self.betas = betas
-        self.weight_decay = weight_decay
-        self.eps = eps
+        self.optimizer_factory = optimizer
         self.lr_schedule = lr_schedule
         self.activation_checkpointing = activation_checkpointing
         self.peak_flops_per_device = peak_flops_per_device
-        self.save_hyperparameters(ignore=["lr_schedule"])
+        # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
+        self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
         self.hparams["config"] = dataclasses.asdict(self.config)  # reloadable without the preset table
-        self.hparams["betas"] = list(betas)
 
         self.model: OLMo | None = None  # built in configure_model
         self.train_loss = MeanMetric()
@@ -241,20 +235,18 @@ class CausalLM(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: weight matrices decayed; embeddings and 0/1-dimensional parameters not."""
+        """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
+        0/1-dimensional parameters (norms, biases), without."""
         embedding_params = {
             id(param) for module in self.model.modules() if isinstance(module, nn.Embedding) for param in module.parameters()
         }
         decay, no_decay = [], []
         for param in self.model.parameters():
             (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
-        return [
-            {"params": decay, "weight_decay": self.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=self.lr, betas=self.betas, eps=self.eps)
+        optimizer = self.optimizer_factory(self.parameter_groups())
         if self.lr_schedule is None:
             return optimizer
         scheduler = TokenLRScheduler(optimizer, self.lr_schedule)
@@ -266,6 +258,33 @@ class CausalLM(pl.LightningModule):
             return self.model.num_parameters()
         with torch.device("meta"):
             return OLMo(self.config).num_parameters()
+
+
+def check_optimizer(optimizer: OptimizerFactory) -> None:
+    """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups
+    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training)."""
+    if not callable(optimizer):
+        raise LitCBSConfigError(
+            f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
+            "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
+        )
+    stand_ins = [{"params": [nn.Parameter(torch.zeros(2, 2))]}, {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    try:
+        built = optimizer(stand_ins)
+    except (TypeError, ValueError) as error:
+        raise LitCBSConfigError(f"optimizer {describe_optimizer(optimizer)} cannot be built: {error}") from error
+    if not isinstance(built, torch.optim.Optimizer):
+        raise LitCBSConfigError(
+            f"optimizer {describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
+        )
+
+
+def describe_optimizer(optimizer: OptimizerFactory) -> str:
+    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
+    if not isinstance(optimizer, functools.partial):
+        return repr(optimizer)
+    arguments = [repr(arg) for arg in optimizer.args] + [f"{name}={value!r}" for name, value in optimizer.keywords.items()]
+    return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"
 
 
 def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_cbs.lm import CausalLM, model_flops_utilization, resolve_model_config
+from lit_cbs.lm import ADAMW, CausalLM, model_flops_utilization, resolve_model_config
 from lit_cbs.models import OLMoConfig, get_config
 
 
@@ -40,7 +42,10 @@ def test_bad_model_config(config, message):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"lr": 0}, "lr=0"), ({"betas": (0.9, 1.0)}, "betas"), ({"weight_decay": -1}, "weight_decay"),
+    [({"optimizer": functools.partial(ADAMW, lr=-1.0)}, r"AdamW\(lr=-1.0, .*\) cannot be built: Invalid learning rate"),
+     ({"optimizer": functools.partial(ADAMW, betas=(0.9, 1.0))}, "Invalid beta parameter at index 1"),
+     ({"optimizer": functools.partial(torch.optim.SGD, lr=0.1, betas=(0.9, 0.95))}, "unexpected keyword argument 'betas'"),
+     ({"optimizer": "adamw"}, "optimizer='adamw' must be a callable"),
      ({"peak_flops_per_device": 0}, "peak_flops_per_device")],
 )
 def test_bad_optimizer_settings(kwargs, message):
@@ -51,8 +56,10 @@ def test_bad_optimizer_settings(kwargs, message):
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_weight_decay_only_on_matrices(tie_embeddings):
     config = OLMoConfig(**{**vars(get_config("tiny")), "tie_embeddings": tie_embeddings})
-    module = built(config=config, weight_decay=0.1)
-    decay, no_decay = module.parameter_groups()
+    module = built(config=config, optimizer=functools.partial(torch.optim.SGD, lr=0.1, weight_decay=0.1))
+    optimizer = module.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.SGD)
+    decay, no_decay = optimizer.param_groups
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert no_decay["params"] == [module.model.embedding.weight]
     named = dict(module.model.named_parameters())
@@ -82,7 +89,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_optimizer_and_token_schedule():
-    module = built(lr=1e-3, lr_schedule=lambda tokens: 0.5)
+    module = built(optimizer=functools.partial(ADAMW, lr=1e-3), lr_schedule=lambda tokens: 0.5)
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
