@@ -94,7 +94,9 @@ def block_groups(names: list[str]) -> dict[str, list[str]]:
     ``model.blocks.3._checkpoint_wrapped_module.mlp.up_proj.weight`` is in ``block3``); every other
     parameter belongs to the group named by its module's path below the blocks' parent
     (``model.embedding.weight`` -> ``embedding``, ``model.lm_head.weight`` -> ``lm_head``, a final
-    norm's weight -> its module's name). Groups come in the order of ``names``.
+    norm's weight -> its module's name). The parent is that of the first block; blocks under another
+    parent keep its path (``decoder.block0``), so two stacks never share a group. Groups come in the
+    order of ``names``.
     """
     matches = [_BLOCK_PARAMETER.search(name) for name in names]
     first = next((match for match in matches if match), None)
@@ -104,11 +106,15 @@ def block_groups(names: list[str]) -> dict[str, list[str]]:
             f"lit_cbs.models.olmo.OLMo), but none of the trained parameters has one: {_some_names(names)}; "
             "pass groups={name: regex} instead"
         )
-    prefix = first.string[: first.start()] + ("." if first.start() else "")
+    parent = first.string[: first.start()]
+    prefix = parent + "." if parent else ""
     groups: dict[str, list[str]] = {}
     for name, match in zip(names, matches):
         if match:
+            block_parent = name[: match.start()]
             group = f"block{match.group(1)}"
+            if block_parent != parent:
+                group = f"{block_parent.removeprefix(prefix)}.{group}"
         else:
             relative = name.removeprefix(prefix)
             group = relative.rpartition(".")[0] or relative  # the module's path; a parameter of the root: its own name

@@ -84,9 +84,10 @@ def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], 
     groups.sort(key=lambda group: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", group[0])])
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()
-    for label, (steps, values), style in [*((group, series, dict(lw=1)) for group, series in groups),
-                                          ("whole model", metrics["gns/b_simple"], dict(color="black", ls="--", lw=1.5))]:
-        ax.plot(tokens_at(metrics, steps), values, label=label, **style)
+    for group, (steps, values) in groups:
+        ax.plot(tokens_at(metrics, steps), values, lw=1, label=group)
+    steps, values = metrics["gns/b_simple"]
+    ax.plot(tokens_at(metrics, steps), values, color="black", ls="--", lw=1.5, label="whole model")
     ax.set(xlabel="tokens seen", ylabel="B_simple (samples)", title=f"{title} gradient noise scale per group".strip())
     ax.legend(fontsize="small", ncol=1 + len(groups) // 8)
     ax.grid(alpha=0.3)

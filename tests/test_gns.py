@@ -35,12 +35,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from toys import trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
-from lit_cbs.gns import GradientNoiseScale, two_batch_estimates
+from lit_cbs.gns import GradientNoiseScale, block_groups, two_batch_estimates
 from lit_cbs.lm import CausalLM
 from lit_cbs.run_report import group_noise_scale_figure, plot_run, read_metrics_csv
-from toys import trainer_kwargs
 
 DIM = 4
 NOISE_STD = 1.0
@@ -50,7 +50,7 @@ HALVES = {"first": r"^first\.", "second": r"^second\."}  # the same two groups, 
 TOLERANCE = 0.10  # relative, the issue's bound
 
 
-def analytic_noise(coordinates: list[int]) -> tuple[float, float]:
+def analytic_noise(coordinates) -> tuple[float, float]:
     """(|G|^2, tr(Sigma)) restricted to ``coordinates``, from the derivation in the module docstring."""
     delta_sq = sum(d * d for d in DELTA)
     grad_sq = sum(4 * DELTA[j] ** 2 for j in coordinates)
@@ -58,7 +58,7 @@ def analytic_noise(coordinates: list[int]) -> tuple[float, float]:
     return grad_sq, trace_sigma
 
 
-def analytic_b_simple(coordinates: list[int] = list(range(DIM))) -> float:
+def analytic_b_simple(coordinates: tuple[int, ...] = tuple(range(DIM))) -> float:
     grad_sq, trace_sigma = analytic_noise(coordinates)
     return trace_sigma / grad_sq
 
@@ -126,7 +126,10 @@ class FixedRegression(pl.LightningModule):
 
     def configure_optimizers(self):
         if self.two_groups:
-            groups = [{"params": self.first.parameters(), "name": "first"}, {"params": self.second.parameters(), "name": "second"}]
+            groups = [
+                {"params": self.first.parameters(), "name": "first"},
+                {"params": self.second.parameters(), "name": "second"},
+            ]
             return torch.optim.SGD(groups, lr=0.0)
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
@@ -229,8 +232,10 @@ def test_accumulation_matches_analytic_noise_scale_per_group(tmp_path):
     assert float(metrics["gns/trace_sigma"]) == pytest.approx(trace_sigma, rel=TOLERANCE)
     for name, coordinates in GROUPS.items():
         assert float(metrics[f"gns/{name}/b_simple"]) == pytest.approx(analytic_b_simple(coordinates), rel=TOLERANCE)
-    print(f"accumulation: B_simple {gns.b_simple:.3f} vs analytic {expected:.3f}; per group "
-          + ", ".join(f"{n} {float(metrics[f'gns/{n}/b_simple']):.3f} vs {analytic_b_simple(c):.3f}" for n, c in GROUPS.items()))
+    print(
+        f"accumulation: B_simple {gns.b_simple:.3f} vs analytic {expected:.3f}; per group "
+        + ", ".join(f"{n} {float(metrics[f'gns/{n}/b_simple']):.3f} vs {analytic_b_simple(c):.3f}" for n, c in GROUPS.items())
+    )
     measured = assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values()))
     assert measured == 400
 
@@ -245,19 +250,25 @@ def logged_gns_rows(csv_path: Path) -> list[dict[str, float]]:
 def test_regex_groups_equal_optimizer_groups_and_add_up_to_the_whole_model(tmp_path):
     # The same two halves of the weight, once as two optimizer groups and once as regexes over the
     # parameter names of a single optimizer group: the same numbers, and they add up to the model's.
-    _, by_optimizer, _, _, _ = fit(8 * 4 * 50, 8, gns=GradientNoiseScale(groups="param_groups"), two_groups=True,
-                                   accumulate_grad_batches=4)
+    _, by_optimizer, _, _, _ = fit(
+        8 * 4 * 50, 8, gns=GradientNoiseScale(groups="param_groups"), two_groups=True, accumulate_grad_batches=4
+    )
     logger = CSVLogger(tmp_path, name="run", version=0)
-    _, by_name, recorder, data, module = fit(8 * 4 * 50, 8, gns=GradientNoiseScale(groups=HALVES), accumulate_grad_batches=4,
-                                             logger=logger, log_every_n_steps=10)
+    _, by_name, recorder, data, module = fit(
+        8 * 4 * 50, 8, gns=GradientNoiseScale(groups=HALVES), accumulate_grad_batches=4, logger=logger, log_every_n_steps=10
+    )
     assert by_name.group_names == by_optimizer.group_names == ["first", "second"]
     metrics = by_name.metrics()
     assert metrics == by_optimizer.metrics()
     for metric in ("grad_sq", "trace_sigma"):
-        assert metrics[f"gns/first/{metric}"] + metrics[f"gns/second/{metric}"] == pytest.approx(metrics[f"gns/{metric}"], rel=1e-6)
+        assert metrics[f"gns/first/{metric}"] + metrics[f"gns/second/{metric}"] == pytest.approx(
+            metrics[f"gns/{metric}"], rel=1e-6
+        )
     rows = logged_gns_rows(tmp_path / "run" / "version_0" / "metrics.csv")
     assert len(rows) == 5 and rows[-1] == pytest.approx(metrics)
-    assert set(rows[-1]) == {f"gns/{group}{metric}" for group in ("", "first/", "second/") for metric in ("b_simple", "grad_sq", "trace_sigma")}
+    assert set(rows[-1]) == {
+        f"gns/{group}{metric}" for group in ("", "first/", "second/") for metric in ("b_simple", "grad_sq", "trace_sigma")
+    }
     assert assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values())) == 50
 
 
@@ -268,8 +279,9 @@ def test_one_group_of_everything_is_the_whole_model_and_unmatched_parameters_sta
     assert [metrics[f"gns/all/{m}"] for m in ("b_simple", "grad_sq", "trace_sigma")] == [
         metrics[f"gns/{m}"] for m in ("b_simple", "grad_sq", "trace_sigma")
     ]
-    _, first_only, recorder, data, module = fit(8 * 4 * 30, 8, gns=GradientNoiseScale(groups={"first": r"^first\."}),
-                                                accumulate_grad_batches=4)
+    _, first_only, recorder, data, module = fit(
+        8 * 4 * 30, 8, gns=GradientNoiseScale(groups={"first": r"^first\."}), accumulate_grad_batches=4
+    )
     assert first_only.group_names == ["first", None]  # second.weight: in no group, still in the whole model
     partial = first_only.metrics()
     assert set(partial) == {f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "grad_sq", "trace_sigma")}
@@ -292,7 +304,9 @@ class RandomTokens(pl.LightningDataModule):
 def fit_tiny_olmo(tmp_path: Path, groups, tie_embeddings: bool = False, activation_checkpointing: bool = False):
     """8 steps of 2 micro-batches of 4 sequences of 16 tokens on a 2-block OLMo, every step logged to CSV."""
     pl.seed_everything(0, verbose=False)
-    config = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64, context_length=16, tie_embeddings=tie_embeddings)
+    config = dict(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64, context_length=16, tie_embeddings=tie_embeddings
+    )
     module = CausalLM(config, activation_checkpointing=activation_checkpointing)
     gns = GradientNoiseScale(groups=groups)
     logger = CSVLogger(tmp_path, name="run", version=0)
@@ -313,7 +327,20 @@ def test_blocks_on_a_tiny_olmo(tmp_path, tie_embeddings, activation_checkpointin
             groups_sum = sum(row[f"gns/{group}/{metric}"] for group in gns.group_names)
             assert groups_sum == pytest.approx(row[f"gns/{metric}"], rel=1e-5, abs=1e-9)
         for group in gns.group_names:
-            assert row[f"gns/{group}/b_simple"] == pytest.approx(row[f"gns/{group}/trace_sigma"] / row[f"gns/{group}/grad_sq"], rel=1e-5)
+            assert row[f"gns/{group}/b_simple"] == pytest.approx(
+                row[f"gns/{group}/trace_sigma"] / row[f"gns/{group}/grad_sq"], rel=1e-5
+            )
+
+
+def test_blocks_of_two_stacks_stay_apart():
+    names = ["embed.weight", "encoder.blocks.0.w", "encoder.blocks.1.w", "decoder.blocks.0.w", "decoder.norm.weight"]
+    assert block_groups(names) == {
+        "embed": ["embed.weight"],
+        "block0": ["encoder.blocks.0.w"],
+        "block1": ["encoder.blocks.1.w"],
+        "decoder.block0": ["decoder.blocks.0.w"],
+        "decoder.norm": ["decoder.norm.weight"],
+    }
 
 
 def test_run_report_plots_b_simple_per_group(tmp_path):
@@ -335,8 +362,10 @@ def test_run_report_plots_b_simple_per_group(tmp_path):
 @pytest.mark.parametrize(
     "groups, message",
     [
-        ({"first": r"^first\.", "third": r"^third\."},
-         r"groups['third']='^third\\.' matches none of the trained parameters (first.weight, second.weight)"),
+        (
+            {"first": r"^first\.", "third": r"^third\."},
+            r"groups['third']='^third\\.' matches none of the trained parameters (first.weight, second.weight)",
+        ),
         ({"weights": "weight", "first": r"^first\."}, "parameter 'first.weight' is matched by groups ['weights', 'first']"),
         ("blocks", "groups='blocks' looks for transformer blocks in parameter names ('<prefix>.blocks.<i>.<...>'"),
     ],
@@ -557,7 +586,11 @@ def test_bad_arguments_fail_at_construction(kwargs, error, match):
 def test_resume_with_other_groups_is_refused(tmp_path):
     first = {"first": r"^first\."}
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
-    fit(64, 8, gns=GradientNoiseScale(groups=HALVES), callbacks=[checkpoint], accumulate_grad_batches=2, enable_checkpointing=True)
-    expected = f"the checkpoint's GradientNoiseScale measured the groups ['first', 'second'] but groups={first!r} gives ['first', None]"
+    fit(
+        64, 8, gns=GradientNoiseScale(groups=HALVES), callbacks=[checkpoint], accumulate_grad_batches=2, enable_checkpointing=True
+    )
+    expected = (
+        f"the checkpoint's GradientNoiseScale measured the groups ['first', 'second'] but groups={first!r} gives ['first', None]"
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         fit(128, 8, gns=GradientNoiseScale(groups=first), accumulate_grad_batches=2, ckpt_path=tmp_path / "last.ckpt")
