@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, IterableDataset
 
-from lit_cbs.lm import CausalLM, model_flops_utilization
+from lit_cbs.lm import CausalLM
 from lit_cbs.lr_schedules import WarmupStableDecay
 from lit_cbs.plan import GIB, ModelShape, device_memory
 from lit_cbs.probe import CBSProbeCallback
@@ -185,7 +185,7 @@ def main() -> dict:
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,
         "peak_flops_per_device": args.peak_tflops * 1e12,
-        "mfu": model_flops_utilization(flops_per_token, tokens_per_s, args.peak_tflops * 1e12),
+        "mfu": flops_per_token * tokens_per_s / (args.peak_tflops * 1e12),
         "last_logged_tokens_per_s": float(trainer.callback_metrics["perf/tokens_per_s"]),
         "last_logged_mfu": float(trainer.callback_metrics["perf/mfu"]),
         "last_train_loss": float(trainer.callback_metrics["train/loss"]),

@@ -6,10 +6,13 @@ the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards 
 and initialised; on one device or under DDP it is built directly.
 
 Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks),
-``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, wall
-time between optimizer steps outside validation) and, when ``peak_flops_per_device`` is given,
-``perf/mfu`` = model FLOPs per token x tokens/s / (peak x devices), with FLOPs per token from
+``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
+wall time of the last optimizer step, validation excluded) and, when the peak FLOP/s of a device
+is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs per token from
 ``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation recomputation not counted).
+Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
+optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
+table for the device and precision (none on a CPU).
 The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``), so the Trainer needs
 ``lit_cbs.BatchWarmup`` among its callbacks (``ConstantBatch`` for a fixed batch) to feed it.
 """
@@ -25,6 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from torch import nn
 from torchmetrics import MeanMetric
 
@@ -35,6 +39,9 @@ OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
 REQUIRED_OLMO_FIELDS = tuple(
     field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
 )
+# Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                  "16-true": torch.float16, "64-true": torch.float64}
 
 
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoConfig:
@@ -77,7 +84,10 @@ class CausalLM(pl.LightningModule):
         activation_checkpointing: recompute each block's activations in the backward pass (less
             memory, about a third more compute).
         peak_flops_per_device: peak FLOP/s of one device at the training precision (e.g. 989e12 for
-            an H100/H200 SXM in dense bf16); None: do not log ``perf/mfu``.
+            an H100/H200 SXM in dense bf16); None: Lightning's ``get_available_flops`` for the
+            device, and no ``perf/mfu`` where it knows none (CPUs, GPUs missing from its table).
+            Set it on an H200: Lightning's table does not match the name torch reports for it
+            and lists its sparse bf16 figure (2e15), twice the dense peak.
     """
 
     def __init__(
@@ -121,9 +131,14 @@ class CausalLM(pl.LightningModule):
         self.train_loss = MeanMetric()
         self.val_loss = MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
+        self._throughput: Throughput | None = None  # from on_train_start
         self._last_global_step = 0
-        self._step_timer_start = 0.0
-        self._tokens_since_step = 0
+        self._steps = 0  # optimizer steps since on_train_start
+        self._samples = 0  # sequences this rank trained on since on_train_start
+        self._tokens = 0  # tokens this rank trained on since on_train_start
+        self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
+        self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
+        self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -190,37 +205,51 @@ class CausalLM(pl.LightningModule):
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         # Counted in a hook, not in training_step, which CBS probe branches call too.
-        self._tokens_since_step += batch[:, 1:].numel()
+        tokens = batch[:, 1:].numel()
+        self._samples += batch.shape[0]
+        self._tokens += tokens
+        self._step_flops += self.flops_per_token(batch.shape[1] - 1) * tokens
 
     def on_train_start(self) -> None:
+        peak = self.peak_flops_per_device
+        if peak is None:
+            peak = get_available_flops(self.device, COMPUTE_DTYPES.get(str(self.trainer.precision), torch.float32))
+        # A window of 2 updates: each logged rate covers the last optimizer step alone.
+        self._throughput = Throughput(available_flops=peak, world_size=self.trainer.world_size, window_size=2)
         self._last_global_step = self.trainer.global_step
-        self._restart_step_timer()
+        self._steps = self._samples = self._tokens = self._step_flops = 0
+        self._training_seconds = 0.0
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
+        self._stretch_start = time.perf_counter()
+
+    def on_validation_start(self) -> None:
+        if self._stretch_start is not None:  # not in the sanity check before training
+            self._training_seconds += time.perf_counter() - self._stretch_start
 
     def on_validation_end(self) -> None:
-        self._restart_step_timer()  # validation time does not count as training throughput
-
-    def _restart_step_timer(self) -> None:
-        self._step_timer_start = time.perf_counter()
-        self._tokens_since_step = 0
+        if self._stretch_start is not None:
+            self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self._step_timer_start
-        tokens = self._tokens_since_step * self.trainer.world_size
         self.log("train/loss", self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
         self.train_loss.reset()
-        if elapsed > 0:
-            tokens_per_s = tokens / elapsed
-            self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
-            if self.peak_flops_per_device is not None:
-                peak = self.peak_flops_per_device * self.trainer.world_size
-                mfu = model_flops_utilization(self.flops_per_token(batch.shape[1] - 1), tokens_per_s, peak)
-                self.log("perf/mfu", mfu, on_step=True, on_epoch=False)
-        self._restart_step_timer()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._steps += 1
+        seconds = self._training_seconds + time.perf_counter() - self._stretch_start
+        self._throughput.update(
+            time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
+        )
+        self._step_flops = 0
+        rates = self._throughput.compute()
+        # Throughput's rates are per device; every rank trains micro-batches of the same shape.
+        tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
+        self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
+        if "device/mfu" in rates:
+            self.log("perf/mfu", rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` tokens per sequence (``OLMo.flops_per_token``)."""
@@ -262,9 +291,3 @@ class CausalLM(pl.LightningModule):
         with torch.device("meta"):
             return OLMo(self.config).num_parameters()
 
-
-def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
-    """MFU: achieved model FLOP/s (``flops_per_token`` x ``tokens_per_s``) over ``peak_flops`` FLOP/s."""
-    if not peak_flops > 0:
-        raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s")
-    return flops_per_token * tokens_per_s / peak_flops
