@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LambdaLR
 
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
@@ -166,12 +166,13 @@ class OneCycle:
         )
 
 
-class TokenLRScheduler(LRScheduler):
-    """LR = base LR * ``schedule(tokens_seen)``, a PyTorch LR scheduler for Lightning's ``interval="step"``.
+class TokenLRScheduler(LambdaLR):
+    """``LambdaLR`` whose multiplier is ``schedule(tokens_seen)``: LR = base LR * ``schedule(tokens_seen)``.
 
     ``tokens_seen`` (global tokens trained on, all ranks) must be set before each ``step()``:
     ``BatchWarmup`` does it (use ``ConstantBatch`` for a run with a fixed batch); a plain PyTorch
     loop sets the attribute itself. Stepping without it raises rather than freezing the LR.
+    Lightning steps it with ``interval="step"``.
     """
 
     def __init__(self, optimizer, schedule, last_epoch: int = -1):
@@ -179,7 +180,11 @@ class TokenLRScheduler(LRScheduler):
             raise TypeError(f"schedule must be callable tokens -> LR multiplier, got {schedule!r}")
         self.schedule = schedule
         self.tokens_seen: int | None = None
-        super().__init__(optimizer, last_epoch)
+        super().__init__(optimizer, self._multiplier, last_epoch)
+
+    def _multiplier(self, step: int) -> float:
+        """LambdaLR passes the step count; the multiplier follows the tokens instead."""
+        return self.schedule(self.tokens_seen or 0)
 
     def step(self, epoch=None):
         # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
@@ -198,7 +203,3 @@ class TokenLRScheduler(LRScheduler):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict({**state_dict, "schedule": self.schedule})
-
-    def get_lr(self) -> list[float]:
-        multiplier = self.schedule(self.tokens_seen or 0)
-        return [base_lr * multiplier for base_lr in self.base_lrs]
