@@ -137,7 +137,7 @@ def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool
 
 def read_run(run_dir: Path) -> dict:
     """A finished run's summary.json plus its held-out loss curve (tokens, steps, loss)."""
-    from lit_cbs.run_report import read_metrics_csv
+    from lit_cbs.analysis.curves import read_metrics_csv
 
     summary = json.loads((run_dir / "summary.json").read_text())
     series = read_metrics_csv(run_dir / "metrics.csv")

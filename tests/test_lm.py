@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
 
-from lit_cbs.run_report import read_metrics_csv
+from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.models import OLMoConfig, get_config
 from lit_cbs.synthetic import RandomTokenData
