@@ -32,6 +32,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_cbs.errors import positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 
@@ -114,8 +115,7 @@ class CausalLM(pl.LightningModule):
             raise ValueError(f"eps={eps} must be > 0")
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-            raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be > 0 FLOP/s, or None")
+        positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
         self.lr = lr
         self.betas = betas
         self.weight_decay = weight_decay

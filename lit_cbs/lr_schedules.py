@@ -13,20 +13,22 @@ import math
 
 from torch.optim.lr_scheduler import LambdaLR
 
+from lit_cbs.errors import LitCBSConfigError
+
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 
 def _check_tokens(name: str, value, allow_zero: bool = True) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of tokens, got {value!r}")
+        raise LitCBSConfigError(f"{name}={value!r} must be an int number of tokens")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
+        raise LitCBSConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
     return value
 
 
 def _check_ratio(name: str, value: float) -> float:
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
+        raise LitCBSConfigError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
     return float(value)
 
 
@@ -54,13 +56,13 @@ class WarmupStableDecay:
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
         self.decay_tokens = _check_tokens("decay_tokens", decay_tokens)
         if warmup_tokens + decay_tokens > total_tokens:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
                 "shorten the warmup or the decay"
             )
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
         if decay_shape not in DECAY_SHAPES:
-            raise ValueError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
+            raise LitCBSConfigError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
         self.decay_shape = decay_shape
 
     def __call__(self, tokens: int) -> float:
@@ -92,7 +94,7 @@ class CosineSchedule:
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
         if warmup_tokens >= total_tokens:
-            raise ValueError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
+            raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
 
     def __call__(self, tokens: int) -> float:
@@ -130,11 +132,11 @@ class OneCycle:
     ):
         self.total = _check_tokens("total", total, allow_zero=False)
         if not 0.0 < pct_start < 1.0:
-            raise ValueError(f"pct_start={pct_start} must lie in (0, 1)")
+            raise LitCBSConfigError(f"pct_start={pct_start} must lie in (0, 1)")
         if anneal_strategy not in ("cos", "linear"):
-            raise ValueError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
+            raise LitCBSConfigError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
         if div_factor <= 0 or final_div_factor <= 0:
-            raise ValueError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
+            raise LitCBSConfigError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
         self.pct_start, self.anneal_strategy = pct_start, anneal_strategy
         self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
         initial, peak = 1.0 / div_factor, 1.0
