@@ -9,6 +9,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "BatchAccounting": "lit_cbs.accounting",
     "BatchChange": "lit_cbs.warmup",
     "BatchWarmup": "lit_cbs.warmup",
     "CBSAdaptive": "lit_cbs.schedules",
@@ -19,6 +20,7 @@ _EXPORTS = {
     "FinalStateCheckpoint": "lit_cbs.checkpoint",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.schedules",
+    "LitCBSConfigError": "lit_cbs.errors",
     "OneCycle": "lit_cbs.lr_schedules",
     "PiecewiseBatch": "lit_cbs.schedules",
     "RunProgressBar": "lit_cbs.progress",

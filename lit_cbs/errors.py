@@ -2,7 +2,9 @@
 
 Every setting lit_cbs cannot train with raises ``LitCBSConfigError`` before training starts (in a
 constructor, or in ``setup`` for what depends on the Trainer), with one line naming the setting,
-the value given and the fix. It subclasses ValueError, so ``except ValueError`` catches it.
+the value given and the fix. It subclasses both ValueError and TypeError (a setting of the wrong
+type is as much a configuration error as one out of range), so existing ``except ValueError`` or
+``except TypeError`` handlers catch it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 
-class LitCBSConfigError(ValueError):
+class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with; the message names the setting and the fix."""
 
 

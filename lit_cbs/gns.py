@@ -17,7 +17,7 @@ DDP all-reduce) and the small batch is one micro-batch on one rank: its gradient
 the change of the accumulated ``.grad`` across its backward pass (times ``accumulate``, because
 Lightning divides the loss by ``accumulate_grad_batches``), and for the micro-batch whose backward
 all-reduces under DDP from inside a DDP communication hook, before the all-reduce. Per-example
-mode (Gray et al. 2023, "nanoGNS") takes B_small = 1 from per-sample gradients computed with
+mode (Gray et al. 2024, arXiv:2411.00999) takes B_small = 1 from per-sample gradients computed with
 ``torch.func``. Batch sizes are counted in samples from each micro-batch (Lightning's
 ``extract_batch_size``), so the estimate stays right when ``BatchWarmup`` changes the accumulation
 or an epoch ends on a short micro-batch.
@@ -40,6 +40,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
+from lit_cbs.accounting import BatchAccounting
+from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.logs import log_to_loggers
 
 
@@ -113,8 +115,8 @@ class GradientNoiseScale(Callback):
 
     Measured at every optimizer step (before gradient clipping, after AMP unscaling) and written
     straight to the trainer's loggers every ``log_every_n_steps`` steps, in the row of the step's
-    other metrics (as LearningRateMonitor does: ``self.log`` per step costs milliseconds, a few
-    percent of a small model's step): ``gns/b_simple`` (samples), ``gns/trace_sigma`` and
+    other metrics (as LearningRateMonitor does; cheaper than ``self.log`` at every step):
+    ``gns/b_simple`` (samples), ``gns/trace_sigma`` and
     ``gns/grad_sq`` (squared gradient norms, per sample and true respectively), from bias-corrected
     EMAs; with ``per_param_group`` also ``gns/<metric>/<group>`` per optimizer parameter group (the
     group's ``"name"``, else ``pg<i>``). ``b_simple`` and ``metrics()`` give the current values.
@@ -152,15 +154,12 @@ class GradientNoiseScale(Callback):
         per_example_chunk_size: int | None = None,
     ):
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
-            raise ValueError(f"ema_decay={ema_decay!r} must be a float in [0, 1) (decay per optimizer step)")
+            raise LitCBSConfigError(f"ema_decay={ema_decay!r} must be a float in [0, 1) (decay per optimizer step)")
         if per_example_loss is not None and not callable(per_example_loss):
-            raise TypeError(f"per_example_loss must be a callable (module, batch) -> loss, got {per_example_loss!r}")
-        if per_example_chunk_size is not None and (
-            isinstance(per_example_chunk_size, bool) or not isinstance(per_example_chunk_size, int) or per_example_chunk_size <= 0
-        ):
-            raise ValueError(f"per_example_chunk_size={per_example_chunk_size!r} must be a positive int (samples) or None")
+            raise LitCBSConfigError(f"per_example_loss must be a callable (module, batch) -> loss, got {per_example_loss!r}")
+        positive_int("per_example_chunk_size", per_example_chunk_size, "samples", optional=True)
         if per_example_chunk_size is not None and per_example_loss is None:
-            raise ValueError("per_example_chunk_size only applies to per-example mode: also pass per_example_loss")
+            raise LitCBSConfigError("per_example_chunk_size only applies to per-example mode: also pass per_example_loss")
         self.ema_decay = float(ema_decay)
         self.per_param_group = per_param_group
         self.per_example_loss = per_example_loss
@@ -197,13 +196,13 @@ class GradientNoiseScale(Callback):
         if stage != "fit":
             return
         if not pl_module.automatic_optimization:
-            raise ValueError(
+            raise LitCBSConfigError(
                 "GradientNoiseScale needs automatic optimization (it reads Lightning's gradient accumulation); "
                 "set `self.automatic_optimization = True` or remove GradientNoiseScale"
             )
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"GradientNoiseScale supports single-device and DDP strategies, got {type(strategy).__name__}: "
                 "it reads whole local gradients, which sharded strategies (FSDP, DeepSpeed, model parallel) split "
                 "across ranks; use strategy='ddp' or a single device"
@@ -212,7 +211,7 @@ class GradientNoiseScale(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
         if not self.per_example and self._world_size == 1 and not self._accumulation_will_exceed_one(trainer):
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"GradientNoiseScale needs two batch sizes, but accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches} on {self._world_size} process gives one: set "
                 "Trainer(accumulate_grad_batches=2 or more), train on 2+ DDP processes, or pass "
@@ -244,8 +243,10 @@ class GradientNoiseScale(Callback):
 
         if trainer.accumulate_grad_batches > 1:
             return True
+        accounting = BatchAccounting.of(trainer)
+        one_micro_batch = (accounting.micro_batch_size or 1) * accounting.data_parallel_size
         for callback in trainer.callbacks:
-            if isinstance(callback, BatchWarmup) and max(callback.schedule.sizes(callback.consumed)) > callback.micro_batch_size:
+            if isinstance(callback, BatchWarmup) and max(callback.schedule.sizes(callback.consumed)) > one_micro_batch:
                 return True
             if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
                 return True
@@ -255,7 +256,7 @@ class GradientNoiseScale(Callback):
         try:
             model.register_comm_hook(state=model.process_group, hook=self._comm_hook)
         except RuntimeError as error:
-            raise ValueError(
+            raise LitCBSConfigError(
                 "GradientNoiseScale installs a DDP communication hook to read each rank's gradient before the all-reduce, "
                 "but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or GradientNoiseScale"
             ) from error
@@ -453,7 +454,7 @@ class GradientNoiseScale(Callback):
     # ------------------------------------------------------------------ checkpointing
     def _check_groups(self, ema: torch.Tensor) -> None:
         if self._group_names and len(ema) != len(self._group_names):
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"the checkpoint's GradientNoiseScale state has {len(ema)} parameter groups but the optimizer has "
                 f"{len(self._group_names)}; resume with the same optimizer parameter groups"
             )

@@ -13,8 +13,8 @@ is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs per token fr
 Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
 optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
 table for the device and precision (none on a CPU).
-The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``), so the Trainer needs
-``lit_cbs.BatchWarmup`` among its callbacks (``ConstantBatch`` for a fixed batch) to feed it.
+The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``): the Trainer's
+``lit_cbs.accounting.BatchAccounting`` (attached in ``setup``) feeds it the token count.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
@@ -139,6 +140,10 @@ class CausalLM(pl.LightningModule):
         self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
         self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
         self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            BatchAccounting.of(self.trainer)  # counts the tokens the LR schedule is indexed by
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:

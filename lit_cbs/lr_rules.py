@@ -21,6 +21,7 @@ import torch
 from torch.optim import lr_scheduler as torch_sched
 
 from lit_cbs._internals import inner_schedulers, scale_last_lr
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lr_schedules import TokenLRScheduler
 
 
@@ -33,10 +34,10 @@ class LRRule:
 
     def lr_factor(self, ratio: float) -> float:
         if not ratio > 0:
-            raise ValueError(f"batch ratio must be > 0, got {ratio}")
+            raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
         factor = float(self._factor(ratio))
         if not (math.isfinite(factor) and factor > 0):
-            raise ValueError(f"LR rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
+            raise LitCBSConfigError(f"LR rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
         return factor
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: Iterable[float]) -> None:
@@ -62,7 +63,7 @@ class AdamSDERule(LRRule):
     def check_optimizer(self, optimizer, ratios):
         for i, group in enumerate(optimizer.param_groups):
             if "betas" not in group or "eps" not in group:
-                raise TypeError(
+                raise LitCBSConfigError(
                     f"lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
                     f"{type(optimizer).__name__} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
                 )
@@ -72,7 +73,7 @@ class AdamSDERule(LRRule):
             betas = [self._scaled_betas(b, ratio) for b in betas]
             for b in betas:
                 if not all(0.0 <= x < 1.0 for x in b):
-                    raise ValueError(
+                    raise LitCBSConfigError(
                         f"lr_rule='adam_sde' would set Adam betas to {b} at batch ratio {ratio:g} (needs 0 <= beta < 1); "
                         "start from larger betas, use smaller batch steps, or use lr_rule='sqrt'"
                     )
@@ -106,11 +107,11 @@ def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
         return rule
     if isinstance(rule, str):
         if rule not in LR_RULES:
-            raise ValueError(f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor")
+            raise LitCBSConfigError(f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor")
         return LR_RULES[rule]()
     if callable(rule):
         return LRRule(getattr(rule, "__name__", repr(rule)), rule)
-    raise TypeError(f"lr_rule must be a name in {sorted(LR_RULES)} or a callable ratio -> factor, got {rule!r}")
+    raise LitCBSConfigError(f"lr_rule must be a name in {sorted(LR_RULES)} or a callable ratio -> factor, got {rule!r}")
 
 
 # Schedulers whose LR is either base_lrs * f(step) or chained multiplicatively on the optimizer's
@@ -141,13 +142,13 @@ def check_scheduler_supported(scheduler) -> None:
         return
     supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.lr_schedules.TokenLRScheduler"]
     if isinstance(scheduler, torch_sched.OneCycleLR):
-        raise TypeError(
+        raise LitCBSConfigError(
             f"OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
             f"the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.lr_schedules.OneCycle("
             f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
             "OneCycleLR arguments (momentum is not cycled)"
         )
-    raise TypeError(
+    raise LitCBSConfigError(
         f"{type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
         f"use one of {supported}"
     )

@@ -56,7 +56,8 @@ from lit_cbs._internals import (
 from lit_cbs.lr_rules import get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import CBSAdaptive
-from lit_cbs.warmup import BatchWarmup, data_parallel_size
+from lit_cbs.accounting import data_parallel_size
+from lit_cbs.warmup import BatchWarmup
 
 log = logging.getLogger(__name__)
 
@@ -541,7 +542,7 @@ class CBSProbeCallback(Callback):
             return
         finally:
             after_window.restore(trainer, pl_module)
-            self._warmup.set_gradient_sync(None)
+            self._warmup.accounting.set_gradient_sync(None)
         k_star = critical_multiplier(losses, self.epsilon)
         lower, upper, estimate = cbs_interval(k_star, window["multipliers"], window["batch_size"])
         spent = len(trained) * window["window_samples"] * window["seq_len"]
@@ -612,7 +613,7 @@ class CBSProbeCallback(Callback):
                 for i in range(micro_per_step):
                     last = i == micro_per_step - 1
                     batch = move_data_to_device(batches[start + i], strategy.root_device)
-                    self._warmup.set_gradient_sync(last)
+                    self._warmup.accounting.set_gradient_sync(last)
                     with block_ddp_gradient_sync(strategy, block=not last):
                         loss = _loss_of(strategy.training_step(batch, start + i))
                         scaled = loss / micro_per_step

@@ -3,7 +3,7 @@
 Lightning's bar counts the micro-batches of one epoch, but a run that BatchWarmup stops at
 ``max_tokens`` ends wherever the budget runs out (the default job at 37% of its first epoch's bar),
 and with accumulation a micro-batch is not a step. This bar spans the whole run instead: tokens
-out of ``BatchWarmup.max_tokens``, else optimizer steps out of ``Trainer(max_steps=...)``, and ends
+out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else optimizer steps out of ``Trainer(max_steps=...)``, and ends
 at 100%. Without either it is Lightning's bar.
 """
 
@@ -14,31 +14,31 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from lit_cbs.warmup import BatchWarmup
+from lit_cbs.accounting import BatchAccounting
 
 
 class RunProgressBar(TQDMProgressBar):
-    """One training bar for the whole run, in tokens (``BatchWarmup.max_tokens``) or optimizer steps
+    """One training bar for the whole run, in tokens (the token budget ``max_tokens``) or optimizer steps
     (``max_steps``); same arguments as ``TQDMProgressBar`` (``refresh_rate`` in micro-batches)."""
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False):
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
-        self._warmup: BatchWarmup | None = None
+        self._accounting: BatchAccounting | None = None
         self._micro_batches = 0
 
     def progress(self, trainer: pl.Trainer) -> tuple[int, int, str] | None:
         """(done, total, unit) for the whole run, or None where Lightning's per-epoch count applies."""
-        warmup = self._warmup
-        if warmup is not None and warmup.max_tokens is not None:
+        accounting = self._accounting
+        if accounting is not None and accounting.max_tokens is not None:
             # The last step may pass the budget: the bar then ends at what was trained.
-            return warmup.tokens_seen, max(warmup.max_tokens, warmup.tokens_seen), "tokens"
+            return accounting.tokens_seen, max(accounting.max_tokens, accounting.tokens_seen), "tokens"
         if trainer.max_steps is not None and trainer.max_steps > 0:
             return trainer.global_step, trainer.max_steps, "steps"
         return None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._warmup = next((cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup)), None)
+        self._accounting = next((cb for cb in trainer.callbacks if isinstance(cb, BatchAccounting)), None)
         self._micro_batches = 0
         self._show(trainer, pl_module)
 

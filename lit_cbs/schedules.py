@@ -14,26 +14,21 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from lit_cbs.errors import LitCBSConfigError, one_of, positive_int
+
 UNITS = ("samples", "tokens")
 
 
 def _check_unit(unit: str) -> str:
-    if unit not in UNITS:
-        raise ValueError(f"unit={unit!r} is not supported; use one of {UNITS}")
-    return unit
+    return one_of("unit", unit, UNITS)
 
 
 def _check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (samples), got {value!r} of type {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name}={value} must be a positive number of samples (>= 1)")
-    return value
+    return positive_int(name, value, "samples")
 
 
 def _check_ramp(ramp, unit: str) -> None:
-    if isinstance(ramp, bool) or not isinstance(ramp, int) or ramp <= 0:
-        raise ValueError(f"ramp={ramp!r} must be a positive int ({unit} over which the batch grows)")
+    positive_int("ramp", ramp, f"{unit} over which the batch grows")
 
 
 def _check_consumed(consumed) -> None:
@@ -89,19 +84,19 @@ class PiecewiseBatch(BatchSchedule):
     def __init__(self, batch_sizes: Sequence[int], thresholds: Sequence[int], unit: str = "tokens"):
         batch_sizes, thresholds = list(batch_sizes), list(thresholds)
         if not batch_sizes:
-            raise ValueError("batch_sizes is empty; give at least one global batch size (samples)")
+            raise LitCBSConfigError("batch_sizes is empty; give at least one global batch size (samples)")
         if len(batch_sizes) != len(thresholds):
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"batch_sizes has {len(batch_sizes)} entries but thresholds has {len(thresholds)}; "
                 "give one threshold (where each size starts) per batch size"
             )
         for i, b in enumerate(batch_sizes):
             _check_positive_int(f"batch_sizes[{i}]", b)
         if thresholds[0] != 0:
-            raise ValueError(f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start")
+            raise LitCBSConfigError(f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start")
         for i in range(1, len(thresholds)):
             if not thresholds[i] > thresholds[i - 1]:
-                raise ValueError(
+                raise LitCBSConfigError(
                     f"thresholds must strictly increase, but thresholds[{i}]={thresholds[i]} <= "
                     f"thresholds[{i - 1}]={thresholds[i - 1]}"
                 )
@@ -134,9 +129,9 @@ class LinearRamp(BatchSchedule):
         _check_positive_int("final", final)
         _check_ramp(ramp, unit)
         if final <= start:
-            raise ValueError(f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise")
+            raise LitCBSConfigError(f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise")
         if (final - start) % increment:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"final - start = {final - start} must be a multiple of increment={increment} (Megatron's rule); "
                 f"e.g. final={start + (final - start) // increment * increment} or "
                 f"{start + ((final - start) // increment + 1) * increment}"
@@ -169,10 +164,10 @@ class ExponentialRamp(BatchSchedule):
         _check_positive_int("multiple_of", multiple_of)
         _check_ramp(ramp, unit)
         if final <= start:
-            raise ValueError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
+            raise LitCBSConfigError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
         for name, v in (("start", start), ("final", final)):
             if v % multiple_of:
-                raise ValueError(
+                raise LitCBSConfigError(
                     f"{name}={v} must be a multiple of multiple_of={multiple_of}; "
                     f"nearest: {v // multiple_of * multiple_of or multiple_of} or {(v // multiple_of + 1) * multiple_of}"
                 )
@@ -207,15 +202,15 @@ class CBSAdaptive(BatchSchedule):
         _check_positive_int("start", start)
         _check_positive_int("final", final)
         if final < start:
-            raise ValueError(f"final={final} must be >= start={start}")
+            raise LitCBSConfigError(f"final={final} must be >= start={start}")
         doublings = math.log2(final / start)
         if abs(doublings - round(doublings)) > 1e-9:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"final={final} must be start={start} times a power of 2 (the batch doubles); "
                 f"nearest: {start * 2 ** math.floor(doublings)} or {start * 2 ** math.ceil(doublings)}"
             )
         if not factor >= 1:
-            raise ValueError(f"factor={factor} must be >= 1 (double once the CBS is factor x the batch)")
+            raise LitCBSConfigError(f"factor={factor} must be >= 1 (double once the CBS is factor x the batch)")
         self.start, self.final, self.factor = start, final, float(factor)
         self.unit = _check_unit(unit)
         self.decisions: list[tuple[int, int]] = []  # (consumed, new global batch), in order

@@ -24,15 +24,15 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import checkpoint_triggers, reload_train_dataloader, should_accumulate, tree_leaves
-from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
+from lit_cbs._internals import checkpoint_triggers, reload_train_dataloader, should_accumulate
+from lit_cbs.accounting import BatchAccounting, check_divisible, micro_batch_holder
+from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.logs import log_to_loggers
+from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule
 
@@ -58,37 +58,17 @@ class BatchChange:
     requested_at_tokens: int
 
 
-def _nearest_multiples(value: int, unit: int) -> str:
-    lower = value // unit * unit
-    upper = lower + unit
-    return f"{lower} or {upper}" if lower > 0 else f"{upper}"
-
-
-def data_parallel_size(trainer: pl.Trainer) -> int:
-    """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
-    return int(kwargs["num_replicas"]) if kwargs else 1
-
-
-def token_sequence_length(batch: Any) -> int | None:
-    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None.
-
-    Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
-    """
-    for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not (leaf.is_floating_point() or leaf.is_complex()):
-            if leaf.dtype != torch.bool:
-                return int(leaf.shape[1])
-    return None
-
-
 class BatchWarmup(Callback):
     """Change the global batch size (and scale the LR) during training by ``schedule``.
+
+    The counts it acts on (micro-batch, accumulation, samples and tokens seen) live in the Trainer's
+    ``BatchAccounting`` (``lit_cbs.accounting``); BatchWarmup is the one callback that changes them.
 
     Args:
         schedule: a ``lit_cbs.schedules`` schedule: consumed samples or tokens -> global batch (samples).
         lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
-        max_tokens: stop training once this many tokens (all ranks) were trained on.
+        max_tokens: stop training once this many tokens (all ranks) were trained on
+            (``BatchAccounting.max_tokens``).
         seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
             else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
             token ids (float features) has no tokens: ``tokens_seen`` stays 0 and token-based
@@ -105,7 +85,9 @@ class BatchWarmup(Callback):
 
     Attributes:
         history: ``BatchChange`` records, in order.
-        samples_seen, tokens_seen: global counts trained on so far.
+        global_batch, accumulate, micro_batch_size: the batch now (samples, micro-batches per step,
+            samples per rank).
+        samples_seen, tokens_seen, seq_len: read from the Trainer's ``BatchAccounting``.
     """
 
     def __init__(
@@ -118,22 +100,18 @@ class BatchWarmup(Callback):
         log_every_step: bool = True,
     ):
         if not isinstance(schedule, BatchSchedule):
-            raise TypeError(
+            raise LitCBSConfigError(
                 f"schedule must be a lit_cbs.schedules schedule (ConstantBatch, PiecewiseBatch, LinearRamp, "
                 f"ExponentialRamp, ...), got {schedule!r}"
             )
-        for name, value in (("max_tokens", max_tokens), ("seq_len", seq_len), ("max_micro_batch_size", max_micro_batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name}={value!r} must be a positive int or None")
         self.schedule = schedule
         self.lr_rule = get_lr_rule(lr_rule)
-        self.max_tokens = max_tokens
-        self.seq_len = seq_len
-        self.max_micro_batch_size = max_micro_batch_size
+        self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
+        self._seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
+        self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
         self.log_every_step = log_every_step
 
-        self.samples_seen = 0
-        self.tokens_seen = 0
+        self.accounting: BatchAccounting | None = None  # the Trainer's, from setup on
         self.global_batch: int | None = None
         self.accumulate: int | None = None
         self.micro_batch_size: int | None = None
@@ -142,55 +120,39 @@ class BatchWarmup(Callback):
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
         self._trainer: pl.Trainer | None = None
-        self._data_parallel_size = 1
-        self._token_schedulers: list[TokenLRScheduler] = []
-        self.fsdp_modules: list = []  # FSDP2 modules whose gradient reduction waits for the stepping micro-batch
-        self._gradient_sync: bool | None = None
-        self._check_micro_batch = True
-        self._seq_len_resolved = False
+        self._token_settings_checked = False
         self._step_lr: float | None = None
 
-    # ------------------------------------------------------------------ validation and setup
+    # ------------------------------------------------------------------ counts (the accounting's)
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on so far, all ranks."""
+        return self.accounting.samples_seen if self.accounting is not None else 0
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens trained on so far, all ranks (0 for data without token ids)."""
+        return self.accounting.tokens_seen if self.accounting is not None else 0
+
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per sample (None for data without token ids)."""
+        return self.accounting.seq_len if self.accounting is not None else self._seq_len
+
     @property
     def consumed(self) -> int:
         """What the schedule is indexed by: samples or tokens seen (global)."""
         return self.tokens_seen if self.schedule.unit == "tokens" else self.samples_seen
 
-    @staticmethod
-    def _micro_batch_holder(trainer: pl.Trainer, pl_module: pl.LightningModule):
-        datamodule = trainer.datamodule
-        if datamodule is not None and hasattr(datamodule, "batch_size"):
-            return datamodule, "batch_size"
-        if hasattr(pl_module, "batch_size"):
-            return pl_module, "batch_size"
-        if "batch_size" in getattr(pl_module, "hparams", {}):
-            return pl_module.hparams, "batch_size"
-        raise ValueError(
-            "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
-            "`batch_size` attribute that its train_dataloader uses"
-        )
-
-    def _get_micro(self, trainer, pl_module) -> int:
-        holder, attr = self._micro_batch_holder(trainer, pl_module)
-        value = holder[attr] if isinstance(holder, dict) else getattr(holder, attr)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"batch_size={value!r} (the micro-batch, samples per rank) must be a positive int")
-        return value
-
-    def _set_micro(self, trainer, pl_module, value: int) -> None:
-        holder, attr = self._micro_batch_holder(trainer, pl_module)
-        if isinstance(holder, dict):
-            holder[attr] = value
-        else:
-            setattr(holder, attr, value)
-
+    # ------------------------------------------------------------------ validation and setup
     def _pick_micro(self, consumed: int, current_micro: int) -> int:
         """Largest micro-batch <= max_micro_batch_size dividing every global batch still to come."""
         if self.max_micro_batch_size is None:
             return current_micro
+        data_parallel = self.accounting.data_parallel_size
         sizes = self.schedule.sizes(consumed)
         for micro in range(self.max_micro_batch_size, 0, -1):
-            if all(size % (micro * self._data_parallel_size) == 0 for size in sizes):
+            if all(size % (micro * data_parallel) == 0 for size in sizes):
                 return micro
         raise AssertionError("micro-batch 1 divides every size checked in setup")  # pragma: no cover
 
@@ -198,49 +160,63 @@ class BatchWarmup(Callback):
         if stage != "fit":
             return
         self._trainer = trainer
-        self._data_parallel_size = data_parallel_size(trainer)
         if not pl_module.automatic_optimization:
-            raise ValueError(
+            raise LitCBSConfigError(
                 "BatchWarmup needs automatic optimization (it changes accumulate_grad_batches); "
                 "set `self.automatic_optimization = True` or remove BatchWarmup"
             )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise ValueError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
+            raise LitCBSConfigError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
         from lightning.pytorch.strategies import DeepSpeedStrategy
 
         if isinstance(trainer.strategy, DeepSpeedStrategy) and not self.schedule.is_constant:
-            raise ValueError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
+            raise LitCBSConfigError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
+        accounting = self.accounting = BatchAccounting.of(trainer)
+        for name, value in (("max_tokens", self.max_tokens), ("seq_len", self._seq_len)):
+            if value is None:
+                continue
+            if getattr(accounting, name) not in (None, value):
+                raise LitCBSConfigError(
+                    f"BatchWarmup({name}={value}) conflicts with BatchAccounting({name}={getattr(accounting, name)}); "
+                    "give it to one of them"
+                )
+            setattr(accounting, name, value)
 
         micro = self._get_micro(trainer, pl_module)
-        unit = micro * self._data_parallel_size
         for size in self.schedule.sizes(0):
-            if size % unit:
-                raise ValueError(
-                    f"scheduled global batch {size} is not a multiple of micro-batch {micro} x data-parallel size "
-                    f"{self._data_parallel_size} = {unit} samples; nearest valid sizes: {_nearest_multiples(size, unit)}"
-                )
+            check_divisible(size, micro, accounting.data_parallel_size, name="scheduled global batch")
         if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
                 f"batch_size={micro}; raise it or lower the batch_size"
             )
         self.micro_batch_size = self._pick_micro(0, micro)
         self.global_batch = self.schedule.batch_size(0)
-        self.accumulate = self.global_batch // (self.micro_batch_size * self._data_parallel_size)
+        self.accumulate = check_divisible(self.global_batch, self.micro_batch_size, accounting.data_parallel_size)
         if trainer.accumulate_grad_batches not in (1, self.accumulate):
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
                 f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
             )
         self._apply_to_trainer(trainer, pl_module)
 
+    @staticmethod
+    def _get_micro(trainer, pl_module) -> int:
+        holder = micro_batch_holder(trainer, pl_module)
+        if holder is None:
+            raise LitCBSConfigError(
+                "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
+                "`batch_size` attribute that its train_dataloader uses"
+            )
+        owner, name = holder
+        value = owner[name] if isinstance(owner, dict) else getattr(owner, name)
+        return positive_int("batch_size", value, "the micro-batch, samples per rank")
+
     def _apply_to_trainer(self, trainer, pl_module) -> None:
         trainer.accumulate_grad_batches = self.accumulate
-        self._set_micro(trainer, pl_module, self.micro_batch_size)
+        self.accounting.set_micro_batch_size(trainer, pl_module, self.micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        self._token_schedulers = [s for s in schedulers if isinstance(s, TokenLRScheduler)]
         if not self.schedule.is_constant:
             for config in trainer.lr_scheduler_configs:
                 check_scheduler_supported(config.scheduler)
@@ -255,31 +231,20 @@ class BatchWarmup(Callback):
             ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
             for optimizer in trainer.optimizers:
                 self.lr_rule.check_optimizer(optimizer, ratios)
-        if self.seq_len is None and trainer.datamodule is not None:
-            for attr in ("tokens_per_sample", "seq_len"):
-                if isinstance(getattr(trainer.datamodule, attr, None), int):
-                    self.seq_len = getattr(trainer.datamodule, attr)
-                    break
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        self.fsdp_modules = [m for m in pl_module.modules() if isinstance(m, FSDPModule)]
-        self._gradient_sync = None
         self._warn_checkpoints_inside_accumulation(trainer, pl_module)
-        if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
-            trainer.should_stop = True  # resumed from a run's final state: no step is left to train
-            return
+        if self.accounting.budget_reached:
+            return  # resumed from a run's final state: the accounting stops the run
         # A change the schedule asked for after a run's last step was not applied then (no step used
         # it); a run resumed from there with a larger budget applies it now, where it would have been.
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         if not self._no_step_follows(trainer):
             self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
-
     def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
         accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
-        unit = self.micro_batch_size * self._data_parallel_size
+        unit = self.micro_batch_size * self.accounting.data_parallel_size
         step = math.lcm(*{size // unit for size in self.schedule.sizes(self.consumed)}, self.accumulate)
         if step == 1:
             return
@@ -312,63 +277,16 @@ class BatchWarmup(Callback):
             )
 
     # ------------------------------------------------------------------ per batch
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_micro_batch = True  # the loader may have been (re)built for this epoch
-
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
-        micro = extract_batch_size(batch)
-        if self._check_micro_batch:
-            self._check_received_micro_batch(trainer, micro)
-        if not self._seq_len_resolved:
-            self._resolve_seq_len(batch)
-        samples = micro * self._data_parallel_size
-        self.samples_seen += samples
-        self.tokens_seen += samples * (self.seq_len or 0)
-        for scheduler in self._token_schedulers:
-            scheduler.tokens_seen = self.tokens_seen
-        if self.fsdp_modules:
-            self.set_gradient_sync(not should_accumulate(trainer))
-
-    def _check_received_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
-        """The first batch of an epoch must hold ``batch_size`` samples: a loader that ignores it
-        would make every count, the global batch and the LR rule silently wrong."""
-        self._check_micro_batch = False
-        if micro == self.micro_batch_size:
-            return
-        if micro < self.micro_batch_size and trainer.num_training_batches == 1:
-            return  # an epoch shorter than one micro-batch (drop_last=False)
-        where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
-        raise ValueError(
-            f"BatchWarmup counts micro-batches of batch_size={self.micro_batch_size} samples, but the train "
-            f"loader's first batch this epoch holds {micro}: build train_dataloader() with "
-            f"DataLoader(..., batch_size=self.batch_size) from {where} `batch_size`, read when the loader is "
-            "created (BatchWarmup sets it and reloads the loader when the micro-batch changes)"
-        )
-
-    def _resolve_seq_len(self, batch: Any) -> None:
-        self._seq_len_resolved = True
-        if self.seq_len is None:
-            self.seq_len = token_sequence_length(batch)
-        if self.seq_len is None and (self.schedule.unit == "tokens" or self.max_tokens is not None):
-            setting = "schedule unit='tokens'" if self.schedule.unit == "tokens" else f"max_tokens={self.max_tokens}"
-            raise ValueError(
-                f"BatchWarmup has {setting} but the batches hold no token ids (no 2-D integer tensor), so it "
-                "cannot count tokens: use unit='samples' and no max_tokens for such data, or pass "
-                "BatchWarmup(seq_len=...) / give the datamodule a `tokens_per_sample` attribute if it is token data"
-            )
-
-    def set_gradient_sync(self, sync: bool | None) -> None:
-        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
-
-        Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
-        reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
-        """
-        if sync is None:
-            sync, self._gradient_sync = True, None
-        if sync != self._gradient_sync:
-            for module in self.fsdp_modules:
-                module.set_requires_gradient_sync(sync, recurse=False)
-            self._gradient_sync = sync
+        # The accounting's hook ran first: it has resolved seq_len from this batch.
+        if not self._token_settings_checked:
+            self._token_settings_checked = True
+            if self.schedule.unit == "tokens" and not self.accounting.has_tokens:
+                raise LitCBSConfigError(
+                    "BatchWarmup has schedule unit='tokens' but the batches hold no token ids (no 2-D integer "
+                    "tensor), so it cannot count tokens: use unit='samples' for such data, or pass "
+                    "BatchWarmup(seq_len=...) / give the datamodule a `tokens_per_sample` attribute if it is token data"
+                )
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
@@ -377,8 +295,6 @@ class BatchWarmup(Callback):
         epoch_loop = trainer.fit_loop.epoch_loop
         if should_accumulate(trainer):
             return  # no optimizer step this batch
-        if self.max_tokens is not None and self.tokens_seen >= self.max_tokens:
-            trainer.should_stop = True
         if self.log_every_step:
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
         if self._no_step_follows(trainer):
@@ -407,7 +323,7 @@ class BatchWarmup(Callback):
             return
         if self._requested_at is None or self._requested_at[0] != (target, new_micro):
             self._requested_at = ((target, new_micro), self.samples_seen, self.tokens_seen)
-        new_accumulate = target // (new_micro * self._data_parallel_size)
+        new_accumulate = target // (new_micro * self.accounting.data_parallel_size)
         if not fits(new_accumulate):
             return
         self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
@@ -466,20 +382,17 @@ class BatchWarmup(Callback):
         }
         if self._step_lr is not None:
             metrics["lr"] = self._step_lr
-        if self.seq_len is None:
-            del metrics["tokens_seen"]  # data without token ids
+        if not self.accounting.has_tokens:
+            del metrics["tokens_seen"]
         return metrics
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {
-            "samples_seen": self.samples_seen,
-            "tokens_seen": self.tokens_seen,
             "global_batch": self.global_batch,
             "accumulate": self.accumulate,
             "micro_batch_size": self.micro_batch_size,
             "lr_factor": self.lr_factor,
-            "seq_len": self.seq_len,
             "requested_at": self._requested_at,
             "history": [dataclasses.asdict(change) for change in self.history],
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
@@ -487,19 +400,18 @@ class BatchWarmup(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.samples_seen = state_dict["samples_seen"]
-        self.tokens_seen = state_dict["tokens_seen"]
         self.global_batch = state_dict["global_batch"]
         self.accumulate = state_dict["accumulate"]
         self.micro_batch_size = state_dict["micro_batch_size"]
         self.lr_factor = state_dict["lr_factor"]
-        self.seq_len = self.seq_len or state_dict["seq_len"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
         if state_dict.get("schedule") is not None:
             self.schedule.load_state_dict(state_dict["schedule"])
+        if "samples_seen" in state_dict and self.accounting is not None:
+            # lit_cbs 0.1 checkpoints kept the counts here, before BatchAccounting held them.
+            self.accounting.load_state_dict({key: state_dict[key] for key in ("samples_seen", "tokens_seen", "seq_len")})
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self._trainer is not None:
             self._apply_to_trainer(self._trainer, self._trainer.lightning_module)
-

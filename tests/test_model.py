@@ -144,7 +144,7 @@ def test_sequence_longer_than_context_raises():
     [
         (dict(d_model=30, n_heads=4), "d_model=30 must be divisible by n_heads=4"),
         (dict(d_model=12, n_heads=4), "head dim .* = 3 must be even"),
-        (dict(n_layers=0), "n_layers=0 must be >= 1"),
+        (dict(n_layers=0), "n_layers=0 must be a positive int"),
         (dict(vocab_size=-1), "vocab_size=-1"),
         (dict(rope_theta=0.0), "rope_theta=0.0 must be > 0"),
         (dict(init_std=-0.1), "init_std=-0.1 must be > 0"),
@@ -156,7 +156,7 @@ def test_bad_config_raises_value_error(changes, match):
 
 
 def test_non_int_config_field_raises_type_error():
-    with pytest.raises(TypeError, match="d_model must be an int"):
+    with pytest.raises(TypeError, match="d_model=32.0 must be a positive int"):
         small_config(d_model=32.0)
 
 

@@ -81,7 +81,7 @@ def test_exponential_ramp_is_geometric():
         (lambda: PiecewiseBatch([1, 2], [5, 10]), ValueError, r"thresholds\[0\]=5 must be 0"),
         (lambda: PiecewiseBatch([1, 2, 4], [0, 10, 10]), ValueError, "strictly increase"),
         (lambda: PiecewiseBatch([1, 0], [0, 10]), ValueError, r"batch_sizes\[1\]=0 must be a positive"),
-        (lambda: PiecewiseBatch([1, 2.5], [0, 10]), TypeError, r"batch_sizes\[1\] must be an int"),
+        (lambda: PiecewiseBatch([1, 2.5], [0, 10]), TypeError, r"batch_sizes\[1\]=2.5 must be a positive int"),
         (lambda: PiecewiseBatch([1, 2], [0, 10], unit="steps"), ValueError, "unit='steps'"),
         (lambda: ConstantBatch(-2), ValueError, "batch_size=-2"),
         (lambda: LinearRamp(16, 8, 1000, 16), ValueError, "final=16 must be larger than start=16"),
@@ -92,7 +92,7 @@ def test_exponential_ramp_is_geometric():
     ],
 )
 def test_bad_schedules_fail_with_the_field_named(make, error, match):
-    with pytest.raises(error, match=match):
+    with pytest.raises(error, match=match) as raised:
         make()
 
 

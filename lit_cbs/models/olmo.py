@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lit_cbs.errors import LitCBSConfigError, positive_int
+
 
 @dataclass
 class OLMoConfig:
@@ -52,27 +54,23 @@ class OLMoConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "mlp_hidden", "context_length"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name}={value} must be >= 1")
+            positive_int(name, getattr(self, name), "model config field")
         if not isinstance(self.tie_embeddings, bool):
-            raise TypeError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+            raise LitCBSConfigError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                 f"(d_model % n_heads = {self.d_model % self.n_heads})"
             )
         if (self.d_model // self.n_heads) % 2:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"head dim d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings; "
                 "change d_model or n_heads"
             )
         if not self.rope_theta > 0:
-            raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
+            raise LitCBSConfigError(f"rope_theta={self.rope_theta} must be > 0")
         if not self.init_std > 0:
-            raise ValueError(f"init_std={self.init_std} must be > 0")
+            raise LitCBSConfigError(f"init_std={self.init_std} must be > 0")
 
     @property
     def head_dim(self) -> int:
@@ -106,7 +104,7 @@ PRESETS: dict[str, OLMoConfig] = {
 def get_config(name: str) -> OLMoConfig:
     """The preset called ``name`` (a fresh copy, safe to modify)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+        raise LitCBSConfigError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     return OLMoConfig(**vars(PRESETS[name]))
 
 
