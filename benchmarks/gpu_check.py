@@ -76,6 +76,7 @@ def main() -> dict:
         raise SystemExit("error: no CUDA GPU visible; this check needs one (or --accelerator cpu for a smoke test)")
     if args.skip_steps >= args.steps_before_change + args.steps_after_change - 1:
         raise SystemExit("error: --skip-steps must leave at least two optimizer steps to time")
+    torch.set_float32_matmul_precision("high")  # before the peak lookup: fp32 matmuls then run as TF32
     if args.peak_tflops is not None:
         peak_flops = args.peak_tflops * 1e12
     elif args.accelerator == "gpu":
@@ -86,7 +87,6 @@ def main() -> dict:
         raise SystemExit("error: --accelerator cpu needs --peak-tflops (a CPU's peak is in no table)")
     started = time.perf_counter()
     pl.seed_everything(0)
-    torch.set_float32_matmul_precision("high")
 
     config = {"preset": args.preset} | ({"n_layers": args.n_layers} if args.n_layers else {})
     first_batch = args.micro_batch_size  # one micro-batch per step, then two after the change
