@@ -207,7 +207,7 @@ def test_batch_larger_than_the_train_split_rejected(text_dir, cache_dir, prepare
         make_datamodule(text_dir, cache_dir, batch_size=10_000)
 
 
-@pytest.mark.parametrize("field, value", [("seq_len", 0), ("batch_size", 2.5), ("val_batches", 0)])
+@pytest.mark.parametrize("field, value", [("seq_len", 0), ("batch_size", 2.5), ("num_workers", -1)])
 def test_bad_datamodule_arguments_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"data\.{field}={value}"):
         TokenDataModule(**{field: value})
@@ -270,13 +270,24 @@ def test_train_loader_drops_the_incomplete_last_batch(text_dir, cache_dir, prepa
     assert all(len(batch) == 7 for batch in batches)
 
 
-def test_val_loader_reads_the_val_split_in_order_and_val_batches_limits_it(text_dir, cache_dir, prepared):
+def test_val_loader_reads_the_val_split_in_order(text_dir, cache_dir, prepared):
     datamodule = make_datamodule(text_dir, cache_dir)
     val = torch.cat(list(datamodule.val_dataloader())).flatten()
     stream = read_tokens(prepared / "val")
     assert bytes(val.tolist()) == stream[: len(val)] and len(stream) - len(val) < 16
-    limited = make_datamodule(text_dir, cache_dir, val_batches=2).val_dataloader()
-    assert len(limited) == 2 and len(list(limited)) == 2 and len(list(limited)) == 2
+
+
+def test_limit_val_batches_validates_on_the_same_first_batches_every_time(text_dir, cache_dir, prepared):
+    class RecordsValidation(RecordingModule):
+        def validation_step(self, batch, batch_idx):
+            self.seen.append(batch.clone())
+
+    datamodule, module = make_datamodule(text_dir, cache_dir), RecordsValidation()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    first_two = [batch for batch, _ in zip(datamodule.val_dataloader(), range(2))]
+    assert len(module.seen) == 4 and all(torch.equal(a, b) for a, b in zip(module.seen, first_two + first_two))
 
 
 def test_val_batch_size_stays_when_the_micro_batch_changes(text_dir, cache_dir, prepared):

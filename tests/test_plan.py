@@ -11,7 +11,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs._internals import checkpoint_wrapper
@@ -20,6 +19,7 @@ from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.plan import ADAMW_STATE, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
+from lit_cbs.synthetic import RandomTokenData
 from test_recipes import compose_config, train
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
@@ -132,19 +132,6 @@ def test_tied_embeddings_are_one_tensor():
     assert shape.parameters == 1_176_764_416 and shape.autocast_weights == shape.parameters
 
 
-class RandomTokens(pl.LightningDataModule):
-    def __init__(self, batch_size: int = 4, seq_len: int = 16, vocab: int = 256):
-        super().__init__()
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.tokens = torch.randint(0, vocab, (64, seq_len + 1), generator=torch.Generator().manual_seed(0))
-
-    def train_dataloader(self):
-        return DataLoader(self.tokens, batch_size=self.batch_size)
-
-    def val_dataloader(self):
-        return DataLoader(self.tokens[:8], batch_size=self.batch_size)
-
-
 class Snapshot(pl.Callback):
     """Takes the CBS probe's snapshot after the second optimizer step, as a probe would."""
 
@@ -157,7 +144,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
     config = get_config("tiny")
     snapshot = Snapshot()
     trainer = pl.Trainer(**trainer_kwargs(max_steps=2, callbacks=[BatchWarmup(PiecewiseBatch([4], [0])), snapshot]))
-    trainer.fit(CausalLM(config), datamodule=RandomTokens())
+    trainer.fit(CausalLM(config), datamodule=RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=64))
     taken = snapshot.snapshot
     real = sum(t.nbytes for t in taken.tensors) + sum(
         value.nbytes for states, _ in taken.optimizers for state in states.values() for value in state.values()
