@@ -90,7 +90,7 @@ def test_train_and_val_are_disjoint_and_cover_the_stream_in_order(prepared, text
 
 def test_split_cut_moves_back_to_a_character_start(tmp_path):
     path = tmp_path / "one.txt"
-    path.write_bytes("abcé".encode("utf-8"))  # 61 62 63 c3 a9: the last byte continues 'é'
+    path.write_bytes("abcé".encode())  # 61 62 63 c3 a9: the last byte continues 'é'
     train, val = split_pieces([path], val_fraction=0.2)
     assert train == [(str(path), 0, 3, False)]
     assert val == [(str(path), 3, 5, True)]
@@ -425,7 +425,7 @@ def test_random_token_data_is_seeded_whole_batches_of_token_ids():
     data = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10, seed=3)
     batches = list(data.train_dataloader())
     assert [tuple(b.shape) for b in batches] == [(4, 9), (4, 9)]  # the incomplete last batch is dropped
-    assert all(b.dtype == torch.int64 and 0 <= b.min() and b.max() < 50 for b in batches)
+    assert all(b.dtype == torch.int64 and b.min() >= 0 and b.max() < 50 for b in batches)
     again = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10, seed=3)
     assert torch.equal(torch.cat(batches), torch.cat(list(again.train_dataloader())))
     with pytest.raises(LitCBSConfigError, match="samples=2 must be >= batch_size=4"):

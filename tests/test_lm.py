@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
+from toys import trainer_kwargs
 
 from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.lm import ADAMW, CausalLM, resolve_model_config
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models import OLMoConfig, get_config
 from lit_cbs.synthetic import RandomTokenData
-from toys import trainer_kwargs
 
 
 def built(**kwargs) -> CausalLM:

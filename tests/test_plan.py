@@ -11,17 +11,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from test_recipes import compose_config, train
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs._internals import checkpoint_wrapper
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.plan import ADAMW_STATE, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
-from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
 from lit_cbs.synthetic import RandomTokenData
-from test_recipes import compose_config, train
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
 COUNTABLE = OLMoConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidden=8, context_length=4, tie_embeddings=False)
@@ -82,10 +82,9 @@ def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: 
         return tensor
 
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
     optimizer = optimizer_factory(model.parameters())
     optimizer.step()
