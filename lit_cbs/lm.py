@@ -6,10 +6,13 @@ the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards 
 and initialised; on one device or under DDP it is built directly.
 
 Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks),
-``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, wall
-time between optimizer steps outside validation) and, when ``peak_flops_per_device`` is given,
-``perf/mfu`` = model FLOPs per token x tokens/s / (peak x devices), with FLOPs per token from
+``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
+wall time of the last optimizer step, validation excluded) and, when the peak FLOP/s of a device
+is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs per token from
 ``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation recomputation not counted).
+Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
+optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
+table for the device and precision (none on a CPU).
 The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``): the Trainer's
 ``lit_cbs.accounting.BatchAccounting`` (attached in ``setup``) feeds it the token count.
 """
@@ -26,11 +29,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_cbs.accounting import BatchAccounting
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 
@@ -38,6 +42,9 @@ OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
 REQUIRED_OLMO_FIELDS = tuple(
     field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
 )
+# Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                  "16-true": torch.float16, "64-true": torch.float64}
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 # OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
@@ -86,7 +93,10 @@ class CausalLM(pl.LightningModule):
         activation_checkpointing: recompute each block's activations in the backward pass (less
             memory, about a third more compute).
         peak_flops_per_device: peak FLOP/s of one device at the training precision (e.g. 989e12 for
-            an H100/H200 SXM in dense bf16); None: do not log ``perf/mfu``.
+            an H100/H200 SXM in dense bf16); None: Lightning's ``get_available_flops`` for the
+            device, and no ``perf/mfu`` where it knows none (CPUs, GPUs missing from its table).
+            Set it on an H200: Lightning's table does not match the name torch reports for it
+            and lists its sparse bf16 figure (2e15), twice the dense peak.
     """
 
     def __init__(
@@ -102,8 +112,7 @@ class CausalLM(pl.LightningModule):
         check_optimizer(optimizer)
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-            raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be > 0 FLOP/s, or None")
+        positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
         self.optimizer_factory = optimizer
         self.lr_schedule = lr_schedule
         self.activation_checkpointing = activation_checkpointing
@@ -116,9 +125,14 @@ class CausalLM(pl.LightningModule):
         self.train_loss = MeanMetric()
         self.val_loss = MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
+        self._throughput: Throughput | None = None  # from on_train_start
         self._last_global_step = 0
-        self._step_timer_start = 0.0
-        self._tokens_since_step = 0
+        self._steps = 0  # optimizer steps since on_train_start
+        self._samples = 0  # sequences this rank trained on since on_train_start
+        self._tokens = 0  # tokens this rank trained on since on_train_start
+        self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
+        self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
+        self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -189,37 +203,51 @@ class CausalLM(pl.LightningModule):
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         # Counted in a hook, not in training_step, which CBS probe branches call too.
-        self._tokens_since_step += batch[:, 1:].numel()
+        tokens = batch[:, 1:].numel()
+        self._samples += batch.shape[0]
+        self._tokens += tokens
+        self._step_flops += self.flops_per_token(batch.shape[1] - 1) * tokens
 
     def on_train_start(self) -> None:
+        peak = self.peak_flops_per_device
+        if peak is None:
+            peak = get_available_flops(self.device, COMPUTE_DTYPES.get(str(self.trainer.precision), torch.float32))
+        # A window of 2 updates: each logged rate covers the last optimizer step alone.
+        self._throughput = Throughput(available_flops=peak, world_size=self.trainer.world_size, window_size=2)
         self._last_global_step = self.trainer.global_step
-        self._restart_step_timer()
+        self._steps = self._samples = self._tokens = self._step_flops = 0
+        self._training_seconds = 0.0
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
+        self._stretch_start = time.perf_counter()
+
+    def on_validation_start(self) -> None:
+        if self._stretch_start is not None:  # not in the sanity check before training
+            self._training_seconds += time.perf_counter() - self._stretch_start
 
     def on_validation_end(self) -> None:
-        self._restart_step_timer()  # validation time does not count as training throughput
-
-    def _restart_step_timer(self) -> None:
-        self._step_timer_start = time.perf_counter()
-        self._tokens_since_step = 0
+        if self._stretch_start is not None:
+            self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self._step_timer_start
-        tokens = self._tokens_since_step * self.trainer.world_size
         self.log("train/loss", self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
         self.train_loss.reset()
-        if elapsed > 0:
-            tokens_per_s = tokens / elapsed
-            self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
-            if self.peak_flops_per_device is not None:
-                peak = self.peak_flops_per_device * self.trainer.world_size
-                mfu = model_flops_utilization(self.flops_per_token(batch.shape[1] - 1), tokens_per_s, peak)
-                self.log("perf/mfu", mfu, on_step=True, on_epoch=False)
-        self._restart_step_timer()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._steps += 1
+        seconds = self._training_seconds + time.perf_counter() - self._stretch_start
+        self._throughput.update(
+            time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
+        )
+        self._step_flops = 0
+        rates = self._throughput.compute()
+        # Throughput's rates are per device; every rank trains micro-batches of the same shape.
+        tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
+        self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
+        if "device/mfu" in rates:
+            self.log("perf/mfu", rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` tokens per sequence (``OLMo.flops_per_token``)."""
@@ -285,10 +313,3 @@ def describe_optimizer(optimizer: OptimizerFactory) -> str:
         return repr(optimizer)
     arguments = [repr(arg) for arg in optimizer.args] + [f"{name}={value!r}" for name, value in optimizer.keywords.items()]
     return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"
-
-
-def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
-    """MFU: achieved model FLOP/s (``flops_per_token`` x ``tokens_per_s``) over ``peak_flops`` FLOP/s."""
-    if not peak_flops > 0:
-        raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s")
-    return flops_per_token * tokens_per_s / peak_flops

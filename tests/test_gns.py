@@ -38,9 +38,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from toys import trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.gns import GradientNoiseScale, block_groups, two_batch_estimates
 from lit_cbs.lm import CausalLM
-from lit_cbs.run_report import group_noise_scale_figure, plot_run, read_metrics_csv
+from lit_cbs.run_report import group_noise_scale_figure, plot_run
 
 DIM = 4
 NOISE_STD = 1.0

@@ -1,15 +1,22 @@
-"""CausalLM's pieces without a Trainer: model configs, weight-decay groups, loss, checkpointing, MFU."""
+"""CausalLM: model configs, weight-decay groups, loss, checkpointing without a Trainer; its logged
+throughput in a real fit."""
 
 from __future__ import annotations
 
 import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from toys import trainer_kwargs
 
-from lit_cbs.lm import ADAMW, CausalLM, model_flops_utilization, resolve_model_config
+from lit_cbs.analysis.curves import read_metrics_csv
+from lit_cbs.lm import ADAMW, CausalLM, resolve_model_config
+from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models import OLMoConfig, get_config
+from lit_cbs.synthetic import RandomTokenData
 
 
 def built(**kwargs) -> CausalLM:
@@ -93,12 +100,29 @@ def test_optimizer_and_token_schedule():
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
+    assert isinstance(scheduler, TokenLRScheduler) and scheduler.optimizer is optimizer
     assert config["lr_scheduler"]["interval"] == "step"
     assert [group["lr"] for group in optimizer.param_groups] == [5e-4, 5e-4]
     assert isinstance(built().configure_optimizers(), torch.optim.AdamW)  # no schedule: the base LR
 
 
-def test_mfu():
-    assert model_flops_utilization(1e9, 1e5, 1e15) == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="peak_flops"):
-        model_flops_utilization(1e9, 1e5, 0)
+@pytest.mark.parametrize("peak_flops_per_device", [None, 1e12])
+def test_throughput_is_logged_every_optimizer_step(tmp_path, peak_flops_per_device):
+    # 4 optimizer steps of 2 micro-batches of 4 x 16 tokens; a validation after step 2.
+    module = CausalLM("tiny", lr_schedule=None, peak_flops_per_device=peak_flops_per_device)
+    data = RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=32)
+    data.val_dataloader = lambda: torch.utils.data.DataLoader(data.tokens[:8], batch_size=4)
+    trainer = pl.Trainer(**trainer_kwargs(
+        max_steps=4, accumulate_grad_batches=2, val_check_interval=4, num_sanity_val_steps=0,
+        logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+    ))
+    trainer.fit(module, datamodule=data)
+    metrics = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))
+    steps, tokens_per_s = metrics["perf/tokens_per_s"]
+    assert steps.tolist() == [0, 1, 2, 3] and (tokens_per_s > 0).all()
+    if peak_flops_per_device is None:  # a CPU: Lightning's table knows no peak, so no MFU
+        assert "perf/mfu" not in metrics
+    else:
+        _, mfu = metrics["perf/mfu"]
+        flops_per_token = module.flops_per_token(16)
+        assert mfu == pytest.approx(flops_per_token * tokens_per_s / peak_flops_per_device)

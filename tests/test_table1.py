@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import table1
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import table1  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BUDGET = 262_144  # 128 steps at batch 16: the smallest budget table1 accepts
@@ -33,7 +32,7 @@ def result(tmp_path_factory):
         patch.setenv("LIT_CBS_CACHE", str(out / "cache"))
         outcome = table1.main([
             "--tokens", str(BUDGET), "--seeds", "1", "--configs", "small,warmup,adaptive",
-            "--out", str(out / "runs"), "--markdown", str(markdown), "--override", "data.val_batches=4",
+            "--out", str(out / "runs"), "--markdown", str(markdown), "--override", "trainer.limit_val_batches=4",
         ])
     return out, outcome
 

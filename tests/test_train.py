@@ -1,7 +1,7 @@
 """recipes/train.py end to end in subprocesses, on a small text folder: what a run leaves (metrics.csv,
 summary.json, checkpoints, plots), preparing data from the folder (and training the same weights as a
 run that finds it prepared), resuming from a checkpoint, DDP and FSDP2 with 2 CPU processes under
-torchrun, a sweep past a failing job, and benchmarks/gpu_check.py on the CPU."""
+torchrun, and a sweep past a failing job."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import subprocess_env
-from lit_cbs.run_report import read_metrics_csv
 from test_recipes import train as train_script
+
+from lit_cbs.run_report import read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "recipes" / "train.py")
@@ -193,30 +193,3 @@ def test_configuration_error_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
     assert not (tmp_path / "metrics.csv").exists()
 
-
-def test_gpu_check_imports_nothing_the_gpu_machine_lacks():
-    code = (
-        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='gpu_check');"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'litdata'}));"
-        "print(sorted(m for m in sys.modules if m.startswith('lit_cbs')))"
-    )
-    result = run([sys.executable, "-c", code, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT)
-    forbidden, lit_cbs_modules = result.stdout.strip().splitlines()[-2:]
-    assert forbidden == "[]"
-    assert not any(name.startswith(("'lit_cbs.data", "'lit_cbs.run_report")) for name in lit_cbs_modules[1:-1].split(", "))
-
-
-def test_gpu_check_runs_on_cpu(tmp_path):
-    output = tmp_path / "gpu_check.json"
-    run(
-        [
-            sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--output", str(output),
-            "--accelerator", "cpu", "--precision", "32-true", "--preset", "tiny", "--seq-len", "128",
-            "--micro-batch-size", "4", "--steps-before-change", "4", "--steps-after-change", "2", "--skip-steps", "1",
-        ],
-        cwd=tmp_path,
-    )
-    result = json.loads(output.read_text())
-    assert [(c["step"], c["new_global_batch"]) for c in result["batch_changes"]] == [(4, 8)]
-    assert result["optimizer_steps"] == 6 and result["tokens_trained"] == 4 * 512 + 2 * 1024
-    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_flops_per_device"] == 989e12
