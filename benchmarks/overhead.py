@@ -18,7 +18,9 @@ Every step is timed by two clocks: wall (``time.perf_counter``) and this process
 (d) GradientNoiseScale: ms per optimizer step of 32 samples = 2 micro-batches
     (``BatchWarmup(ConstantBatch(32))``, accumulate 2) vs the same plus ``GradientNoiseScale()``,
     the time inside its four hooks (per micro-batch and per step), and the bytes of the gradient
-    copy it keeps (its docstring: one copy of the optimizer's gradients, in their dtype);
+    copy it keeps (its docstring: one copy of the optimizer's gradients, in their dtype); also
+    ``GradientNoiseScale(groups="blocks")`` (6 groups: embedding, 4 blocks, lm_head) in the same
+    rotation, and the time inside its hooks over that of ``GradientNoiseScale()`` in each repeat;
 (e1) CBSProbeCallback between probes: the (a) Trainer with ``BatchWarmup(ConstantBatch(16))``
     plus a probe whose only point lies beyond the fit (the fits stop at ``max_steps``, without
     ``BatchWarmup(max_tokens=...)``, so the probe does not ask for a point inside them), fitted in
@@ -150,10 +152,19 @@ IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
 ]
 ACCUMULATE_2 = "BatchWarmup(ConstantBatch(32)), accumulate 2"
 NOISE_SCALE = "+ GradientNoiseScale()"
+NOISE_SCALE_BLOCKS = "+ GradientNoiseScale(groups='blocks')"
 NOISE_SCALE_CONFIGS = [  # (d)
     Config("(d)", ACCUMULATE_2, lambda: [warmup_at(32)]),
     Config("(d)", NOISE_SCALE, lambda: [warmup_at(32), GradientNoiseScale()], ACCUMULATE_2, NOISE_SCALE_HOOKS),
+    Config(
+        "(d)",
+        NOISE_SCALE_BLOCKS,
+        lambda: [warmup_at(32), GradientNoiseScale(groups="blocks")],
+        ACCUMULATE_2,
+        NOISE_SCALE_HOOKS,
+    ),
 ]
+BLOCKS_OVER_WHOLE = "(d) time inside its hooks, groups='blocks' / no groups"
 
 
 def probed_once(strategy: str) -> list[Callback]:
@@ -330,6 +341,9 @@ def time_change(results: Results, steady_steps: int) -> None:
 def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
     """(d): steps of 2 micro-batches with and without GradientNoiseScale; the bytes it keeps."""
     fits = time_steps(results, NOISE_SCALE_CONFIGS, steps, repeat)
+    for clock in CLOCKS:
+        blocks, whole = (fits[name].hook_seconds[clock] for name in (NOISE_SCALE_BLOCKS, NOISE_SCALE))
+        results.add(BLOCKS_OVER_WHOLE, clock, blocks / whole)
     run = fits[NOISE_SCALE]
     noise_scale = run.callbacks[-1]
     # Its gradient copies (a private attribute: the docstring states the size, this checks it).
@@ -392,6 +406,13 @@ def verdicts(results: Results) -> str:
     lines = [idle_verdict(config, results, config.name.removeprefix("+ ")) for config in IDLE_CONFIGS[1:3]]
     noise_scale = "GradientNoiseScale (it works every step: this is its cost when nothing else happens)"
     lines.append(idle_verdict(by_name[NOISE_SCALE], results, noise_scale))
+    blocks = "GradientNoiseScale(groups='blocks')"
+    lines.append(idle_verdict(by_name[NOISE_SCALE_BLOCKS], results, blocks))
+    ratio = results.values[BLOCKS_OVER_WHOLE]["cpu"]
+    lines.append(
+        f"- (d) {blocks} spends {statistics.median(ratio):.2f} x (min {min(ratio):.2f}, max {max(ratio):.2f}) the time of "
+        "GradientNoiseScale() inside its hooks: the groups reuse the same fused norms"
+    )
     lines.append(idle_verdict(by_name[IDLE_PROBE], results, "CBSProbeCallback between probes"))
     cost = results.values[CHANGE_COST]["cpu"]
     met = "met" if max(cost) <= 1 else "missed"
@@ -470,6 +491,8 @@ not grow with the model.
 per step (fused over the parameters), and write three metrics to the loggers at their interval: a
 cost in proportion to the parameters, while the step's compute grows with parameters x tokens, so
 its share of a step falls as the micro-batch holds more tokens than these {MICRO_BATCH_SIZE * SEQ_LEN:,}.
+With `groups="blocks"` the same norms are summed per group by one `index_add_` and 18 more metrics
+are written at the logging interval.
 
 (e1) is the probe's cost on every step outside a probe: its per-batch hooks only check whether the
 next probe point is reached. (e2) is one whole probe, from the snapshot at its start to the main
