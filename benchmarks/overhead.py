@@ -70,7 +70,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from benchmarks.common import CLOCKS, ROOT, StepTimer, replace_section
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, PiecewiseBatch
-from lit_cbs.lm import CausalLM
+from lit_cbs.lm import ADAMW, CausalLM
 from lit_cbs.synthetic import RandomTokenData
 
 TITLE = "Overhead of lit_cbs's callbacks"
@@ -252,7 +252,7 @@ class Fit:
 def fit(max_steps: int, callbacks: list[Callback], hooks: tuple[str, ...] = ()) -> Fit:
     """One fit of ``max_steps`` optimizer steps; ``hooks`` of the last callback are timed."""
     pl.seed_everything(0, verbose=False)
-    module = CausalLM("tiny", lr=1e-3, lr_schedule=None)
+    module = CausalLM("tiny", optimizer=functools.partial(ADAMW, lr=1e-3), lr_schedule=None)
     data = CountedTokenData(samples=max_steps * 2 * MICRO_BATCH_SIZE)
     hook_seconds = time_hooks(callbacks[-1], hooks) if hooks else None
     timer = StepTimer()
