@@ -580,17 +580,16 @@ class GradientNoiseScale(Callback):
         correction = 1.0 - self.ema_decay**self.num_updates  # bias correction of EMAs started at zero
         grad_sq = self._ema_grad_sq / correction
         trace_sigma = self._ema_trace_sigma / correction
-        metrics = {
-            "gns/b_simple": trace_sigma.sum() / grad_sq.sum(),
-            "gns/trace_sigma": trace_sigma.sum(),
-            "gns/grad_sq": grad_sq.sum(),
-        }
-        for i, name in enumerate(self.group_names):
-            if name is not None:
-                metrics[f"gns/{name}/b_simple"] = trace_sigma[i] / grad_sq[i]
-                metrics[f"gns/{name}/trace_sigma"] = trace_sigma[i]
-                metrics[f"gns/{name}/grad_sq"] = grad_sq[i]
-        return {name: float(value) for name, value in metrics.items()}
+        whole = torch.stack([trace_sigma.sum() / grad_sq.sum(), trace_sigma.sum(), grad_sq.sum()])
+        per_group = torch.stack([trace_sigma / grad_sq, trace_sigma, grad_sq], dim=1)
+        # One device-to-host copy for all of them, however many groups.
+        rows = torch.cat([whole[None], per_group]).tolist()
+        metrics = {}
+        for group, row in zip(["", *self.group_names], rows):
+            if group is not None:  # None: the parameters in no group, logged in the whole model only
+                prefix = f"gns/{group}/" if group else "gns/"
+                metrics.update({prefix + metric: value for metric, value in zip(("b_simple", "trace_sigma", "grad_sq"), row)})
+        return metrics
 
     @property
     def b_simple(self) -> float | None:
