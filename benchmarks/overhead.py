@@ -17,7 +17,7 @@ Every step is timed by two clocks: wall (``time.perf_counter``) and this process
 (c) loader rebuilds: ``train_dataloader()`` calls per fit in every configuration;
 (d) GradientNoiseScale: ms per optimizer step of 32 samples = 2 micro-batches
     (``BatchWarmup(ConstantBatch(32))``, accumulate 2) vs the same plus ``GradientNoiseScale()``,
-    the time inside its four hooks (per micro-batch and per step), and the bytes of the gradient
+    the time inside its five hooks (per micro-batch and per step), and the bytes of the gradient
     copy it keeps (its docstring: one copy of the optimizer's gradients, in their dtype); also
     ``GradientNoiseScale(groups="blocks")`` (6 groups: embedding, 4 blocks, lm_head) in the same
     rotation, and the time inside its hooks over that of ``GradientNoiseScale()`` in each repeat;
@@ -100,7 +100,13 @@ PROBE_WINDOW_TOKENS = PROBE_WINDOW_STEPS * MICRO_BATCH_SIZE * SEQ_LEN
 PROBE_FIT_STEPS = PROBE_AFTER_STEPS + PROBE_WINDOW_STEPS + 1  # one step after the probe ends
 
 PER_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
-NOISE_SCALE_HOOKS = ("on_train_batch_start", "on_before_zero_grad", "on_after_backward", "on_before_optimizer_step")
+NOISE_SCALE_HOOKS = (
+    "on_train_batch_start",
+    "on_before_zero_grad",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",  # writes its metrics at the logging interval
+)
 PLAIN = "plain Trainer"
 
 
