@@ -139,7 +139,10 @@ class BatchWarmup(Callback):
         self.lr_factor = 1.0  # product of all changes' LR factors
         self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
         self._base_gradient_clip_val: float | None = None  # the Trainer's, before any change
-        self._micro_losses: list[float] = []  # this step's micro-batch losses so far (for the guard)
+        # The guard's sum of this step's micro-batch losses so far (a tensor on the loss's device: no host
+        # sync per micro-batch) and their count.
+        self._step_loss_sum: torch.Tensor | float = 0.0
+        self._step_micro_batches = 0
         self.history: list[BatchChange] = []
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
@@ -332,9 +335,9 @@ class BatchWarmup(Callback):
             return  # no optimizer step this batch
         if self.log_every_step:
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
-        if self.guard is not None and self._micro_losses:
-            self.guard.record(self.consumed, sum(self._micro_losses) / len(self._micro_losses))
-            self._micro_losses = []
+        if self.guard is not None and self._step_micro_batches:
+            self.guard.record(self.consumed, float(self._step_loss_sum) / self._step_micro_batches)
+            self._step_loss_sum, self._step_micro_batches = 0.0, 0
             verdict = self.guard.judge(self.consumed, lambda values: self._mean_over_ranks(trainer, values))
             if verdict is not None:
                 self._report_verdict(trainer, verdict)
@@ -361,7 +364,8 @@ class BatchWarmup(Callback):
         if loss is None:
             return  # training_step returned None: Lightning skipped this micro-batch
         # Lightning hands back the loss divided by the accumulation; undo it for the micro-batch's mean.
-        self._micro_losses.append(float(loss) * trainer.accumulate_grad_batches)
+        self._step_loss_sum = self._step_loss_sum + loss.detach() * trainer.accumulate_grad_batches
+        self._step_micro_batches += 1
 
     @staticmethod
     def _mean_over_ranks(trainer, values: list[float]) -> list[float]:
@@ -407,12 +411,11 @@ class BatchWarmup(Callback):
     def _apply_change(self, trainer, pl_module, target: int, new_accumulate: int, new_micro: int) -> None:
         factor = clip_factor = 1.0
         revert = self.guard is not None and self.guard.revert_to == target
-        restore = None
+        before_increase = self.guard.reverted(self.consumed) if revert else None
         if revert:
             # Back to exactly the LR and clipping threshold of before the increase, whatever the rules.
-            restore = self.guard.reverted(self.consumed)
-            factor = 1.0 / restore["lr_factor_of_change"]
-            clip_factor = 1.0 / restore["clip_factor_of_change"]
+            factor = 1.0 / before_increase["lr_factor_of_change"]
+            clip_factor = 1.0 / before_increase["clip_factor_of_change"]
         elif target != self.global_batch:
             factor = self.lr_rule.lr_factor(target / self.global_batch)
             if self.clip_rule is not None:
@@ -440,23 +443,19 @@ class BatchWarmup(Callback):
             clip_factor=clip_factor,
         )
         if target > self.global_batch and self.guard is not None:
-            restore = {
-                "lr_factor": self.lr_factor,
-                "clip_factor": self.clip_factor,
-                "lr_factor_of_change": factor,
-                "clip_factor_of_change": clip_factor,
-            }
+            # What a revert of this increase puts back.
+            restore = {"lr_factor": self.lr_factor, "clip_factor": self.clip_factor,
+                       "lr_factor_of_change": factor, "clip_factor_of_change": clip_factor}
             if not self.guard.watch(len(self.history), self.consumed, self.global_batch, target, restore):
                 rank_zero_info(
                     f"BatchWarmup guard: {self.global_batch} -> {target} is not judged: fewer than "
                     f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
                 )
-            restore = None
         self.history.append(change)
         self._requested_at = None
         self.global_batch, self.accumulate = target, new_accumulate
-        if restore is not None:
-            self.lr_factor, self.clip_factor = restore["lr_factor"], restore["clip_factor"]
+        if before_increase is not None:
+            self.lr_factor, self.clip_factor = before_increase["lr_factor"], before_increase["clip_factor"]
             if isinstance(self.schedule, CBSAdaptive):
                 self.schedule.withdraw_above(target)  # the doubling proved premature: a new reading must ask again
         else:
@@ -510,7 +509,7 @@ class BatchWarmup(Callback):
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
-            "micro_losses": list(self._micro_losses),
+            "step_loss": [float(self._step_loss_sum), self._step_micro_batches],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -521,7 +520,7 @@ class BatchWarmup(Callback):
         self.clip_factor = state_dict.get("clip_factor", 1.0)
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
-            self._micro_losses = list(state_dict["micro_losses"])
+            self._step_loss_sum, self._step_micro_batches = state_dict["step_loss"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
