@@ -47,11 +47,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
-from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv
+from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens)
 SEEDS = (1, 2)
+SMOOTHING = 15  # optimizer steps in the plotted running mean of the training loss
 GOALS = {"loss_gap": 0.02, "kept_savings": 0.30}
 
 
@@ -187,20 +188,21 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
         curve = run["val_curve"]
         axes[0].plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], color=styles[run["config"]],
                      ls="-" if run["seed"] in (None, SEEDS[0]) else "--", marker="o", ms=3, label=key)
-    axes[0].set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="held-out loss", xscale="log")
+    axes[0].set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="held-out loss")
     axes[0].legend(fontsize=6)
     for axis, (key, verdict) in zip(axes[1:], judged):
         run = runs[key]
         at, window_end = verdict["consumed_at_change"], verdict["decided_at"]
         low, high = at - at // 2, window_end + (window_end - at)
-        tokens, losses = training_loss(run)
-        shown = (tokens > low) & (tokens <= high)
-        axis.plot(tokens[shown], losses[shown], ".", ms=2, color=styles[run["config"]], label=f"{key}: loss per step")
         control_key = f"control_seed{run['seed']}" if run["seed"] is not None else None
-        if control_key in runs:
-            control_tokens, control_losses = training_loss(runs[control_key])
-            shown = (control_tokens > low) & (control_tokens <= high)
-            axis.plot(control_tokens[shown], control_losses[shown], ".", ms=2, color="0.6", label=f"{control_key}")
+        for shown_key, color in ((key, styles[run["config"]]), (control_key, "0.5")):
+            if shown_key not in runs:
+                continue
+            tokens, losses = training_loss(runs[shown_key])
+            shown = (tokens > low) & (tokens <= high)
+            axis.plot(tokens[shown], losses[shown], ".", ms=2, color=color, alpha=0.4)
+            axis.plot(tokens[shown], rolling_mean(losses, SMOOTHING)[shown], color=color, lw=1.2,
+                      label=f"{shown_key} (mean of {SMOOTHING} steps)")
         xs = np.geomspace(low + 1, window_end, 50)
         axis.plot(xs, verdict["trend_intercept"] + verdict["trend_slope"] * np.log(xs), "k--", lw=1, label="trend before it")
         axis.axvspan(at, window_end, color="C1", alpha=0.15, label="window")
