@@ -46,8 +46,20 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
-from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
+from benchmarks.common import (
+    ROOT,
+    machine,
+    read_run,
+    replace_section,
+    run_logged,
+    train_command,
+)
+from lit_cbs.analysis.curves import (
+    LOSS_COLUMN,
+    TOKENS_COLUMN,
+    read_metrics_csv,
+    rolling_mean,
+)
 from lit_cbs.analysis.plots import save_figure
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens)
@@ -156,8 +168,8 @@ def goals(rows: dict[str, dict], runs: dict[str, dict]) -> list[tuple[str, bool]
     if guarded is not None and "kept_savings" in guarded:
         checks.append((f"guarded: held-out loss {guarded['vs_control']:+.4f} nats vs the control (goal <= +{GOALS['loss_gap']})",
                        guarded["vs_control"] <= GOALS["loss_gap"]))
-        checks.append((f"guarded: keeps {guarded['kept_savings']:.0%} of the premature schedule's step savings "
-                       f"(goal >= {GOALS['kept_savings']:.0%})", guarded["kept_savings"] >= GOALS["kept_savings"]))
+        kept = f"guarded: keeps {guarded['kept_savings']:.0%} of the premature schedule's step savings (goal >= {GOALS['kept_savings']:.0%})"
+        checks.append((kept, guarded["kept_savings"] >= GOALS["kept_savings"]))
     default_job = runs.get("default_job_guarded")
     if default_job is not None:
         judged = len(default_job["verdicts"] or [])
@@ -234,14 +246,14 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
         f"Command: `python -m benchmarks.guard {' '.join(args.argv)}`".rstrip()
         + f" ({args.date}, {args.minutes:.1f} minutes; {machine(os.getloadavg())}; cores shared with other jobs).",
         "",
-        f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
+        (f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
         f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per change), "
         f"LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at {s.change_at:,} tokens "
         f"({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` (defaults: window a quarter and "
         "fit the second half of the tokens before each increase, threshold 2 x the per-step loss's spread around "
         "the trend and at least 0.05 nats, 8 steps at least, hold as long as the tokens before the revert). "
         "Held-out loss: the last evaluation (the whole validation split) at the end of the budget; spread = max - min "
-        "over seeds; kept = the share of the premature schedule's step savings (against the control) a run keeps.",
+        "over seeds; kept = the share of the premature schedule's step savings (against the control) a run keeps."),
         "",
         "| run | held-out loss per seed | mean | spread | vs control | optimizer steps per seed | steps saved | kept | reverts |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -268,8 +280,8 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
         lines += ["", f"**Incomplete: not run (yet): {', '.join(missing)}.**"]
     lines += ["", "Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks]]
     if plot_path is not None:
-        lines += ["", f"![held-out loss, and the training loss around each increase the guard judged]"
-                      f"({os.path.relpath(plot_path, markdown_path.parent)})"]
+        image = os.path.relpath(plot_path, markdown_path.parent)
+        lines += ["", f"![held-out loss, and the training loss around each increase the guard judged]({image})"]
     return "\n".join(lines)
 
 

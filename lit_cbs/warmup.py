@@ -31,16 +31,29 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import (
+    Callback,
+    GradientAccumulationScheduler,
+    ModelCheckpoint,
+)
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import checkpoint_triggers, reload_train_dataloader, should_accumulate
+from lit_cbs._internals import (
+    checkpoint_triggers,
+    reload_train_dataloader,
+    should_accumulate,
+)
 from lit_cbs.accounting import BatchAccounting, check_divisible, micro_batch_holder
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
-from lit_cbs.lr_rules import check_scheduler_supported, get_clip_rule, get_lr_rule, scale_learning_rate
+from lit_cbs.lr_rules import (
+    check_scheduler_supported,
+    get_clip_rule,
+    get_lr_rule,
+    scale_learning_rate,
+)
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule, CBSAdaptive
 

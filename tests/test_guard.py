@@ -12,10 +12,17 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-
-from lit_cbs import BatchWarmup, CBSAdaptive, ConstantBatch, LitCBSConfigError, PiecewiseBatch
-from lit_cbs.guard import BatchGuard, fit_trend, loss_rise
 from toys import RegressionData, RegressionModule, trainer_kwargs
+
+from lit_cbs import (
+    BatchWarmup,
+    CBSAdaptive,
+    ConstantBatch,
+    LitCBSConfigError,
+    PiecewiseBatch,
+)
+from lit_cbs._internals import should_accumulate
+from lit_cbs.guard import BatchGuard, fit_trend, loss_rise
 
 # 2 samples per step until 64 samples (32 steps), then 4: the guard fits the trend on samples (32, 64]
 # (16 steps), and with min_steps=8 judges the increase after 8 steps of 4, at 96 samples.
@@ -51,7 +58,9 @@ def fit(warmup, *, module=None, n=96, epochs=3, ckpt_path=None, **trainer_args):
 
 def rows_of(path) -> dict[int, dict[str, float]]:
     rows: dict[int, dict[str, float]] = {}
-    for row in csv.DictReader(open(path)):
+    with open(path) as file:
+        lines = list(csv.DictReader(file))
+    for row in lines:
         rows.setdefault(int(row["step"]), {}).update({k: float(v) for k, v in row.items() if v and k != "step"})
     return rows
 
@@ -69,7 +78,7 @@ def test_trend_and_rise_of_points_on_a_line():
 def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
     logger = CSVLogger(tmp_path, name="run", version=0)
     warmup = BatchWarmup(SCHEDULE, lr_rule="linear", guard={**NO_RETRY, "min_steps": 8})
-    trainer, module = fit(warmup, logger=logger, log_every_n_steps=5)
+    _, module = fit(warmup, logger=logger, log_every_n_steps=5)
     increase, revert = warmup.history
     assert (increase.old_global_batch, increase.new_global_batch, increase.cause) == (2, 4, "schedule")
     assert (revert.old_global_batch, revert.new_global_batch, revert.cause) == (4, 2, "guard")
@@ -96,7 +105,7 @@ def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
 
 def test_a_healthy_increase_is_judged_and_kept():
     warmup = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 64, 160], unit="samples"), lr_rule="linear", guard=True)
-    _, module = fit(warmup, module=SpikeAfterIncrease(jump=0.0), epochs=4)
+    fit(warmup, module=SpikeAfterIncrease(jump=0.0), epochs=4)
     assert [(c.new_global_batch, c.cause) for c in warmup.history] == [(4, "schedule"), (8, "schedule")]
     assert [v.reverted for v in warmup.guard.verdicts] == [False, False]
     assert all(v.rise < v.threshold for v in warmup.guard.verdicts) and warmup.guard.reverts == 0
@@ -167,7 +176,7 @@ class DoubleWhenTold(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
-        if self.at_samples and warmup.samples_seen >= self.at_samples[0] and not trainer.fit_loop.epoch_loop._should_accumulate():
+        if self.at_samples and warmup.samples_seen >= self.at_samples[0] and not should_accumulate(trainer):
             self.at_samples.pop(0)
             warmup.schedule.observe(warmup.consumed, cbs=1_000.0)
 
