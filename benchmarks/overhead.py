@@ -1,8 +1,8 @@
 """What lit_cbs's callbacks cost on a small language-model workload, side by side in one run.
 
-Workload: the tiny OLMo preset (d_model 64, 4 layers, byte vocabulary) on random token batches
-of 16 sequences x 128 tokens (the micro-batch), AdamW, one Lightning Trainer per fit on CPU, a
-CSVLogger every 10 steps. Every callback is compared with the same Trainer without it. The fits of
+Workload: ``CausalLM`` with the tiny OLMo preset (d_model 64, 4 layers, byte vocabulary; AdamW, no
+LR schedule) on ``RandomTokenData`` batches of 16 sequences x 128 tokens (the micro-batch), one
+Lightning Trainer per fit on CPU, a CSVLogger every 10 steps. Every callback is compared with the same Trainer without it. The fits of
 each part are interleaved, in an order that rotates with the repeat, and every part runs once per
 repeat, so load changes on the machine hit the configurations alike; the results are ratios.
 Every step is timed by two clocks: wall (``time.perf_counter``) and this process's CPU time
@@ -37,9 +37,9 @@ shrink): a smoke run, not numbers to read; it writes markdown only where --outpu
 
 Usage::
 
-    python benchmarks/overhead.py [--repeats 8] [--threads 1]   # ~3 minutes on 2 quiet cores
+    python -m benchmarks.overhead [--repeats 8] [--threads 1]
         # writes docs/benchmarks/overhead.md and the section "overhead" of docs/RESULTS.md
-    python benchmarks/overhead.py --quick --output /tmp/overhead.md --results /tmp/RESULTS.md
+    python -m benchmarks.overhead --quick --output /tmp/overhead.md --results /tmp/RESULTS.md
 """
 
 from __future__ import annotations
@@ -63,23 +63,18 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.common import CLOCKS, ROOT, StepTimer, replace_section
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, PiecewiseBatch
-from lit_cbs.models.olmo import OLMo, get_config
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_md import replace_section  # noqa: E402
+from lit_cbs.lm import CausalLM
+from lit_cbs.synthetic import RandomTokenData
 
 TITLE = "Overhead of lit_cbs's callbacks"
 MICRO_BATCH_SIZE = 16  # sequences per micro-batch
 SEQ_LEN = 128  # tokens per sequence trained on
 SKIPPED_STEPS = 3  # first steps of every fit left out of the step medians (allocator, caches)
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,69 +189,21 @@ def hook_share_measure(config: Config) -> str:
     return f"{config.label}: time inside its {config.hooks_kind}, % of {config.base_step}"
 
 
-class RandomTokens(Dataset):
-    """Uniform random byte tokens; sample i is SEQ_LEN + 1 tokens (inputs and shifted targets)."""
+class CountedTokenData(RandomTokenData):
+    """Counts ``train_dataloader()`` calls: (c) checks that a batch change rebuilds no loader."""
 
-    def __init__(self, samples: int, vocab_size: int, seed: int = 0):
-        generator = torch.Generator().manual_seed(seed)
-        self.tokens = torch.randint(0, vocab_size, (samples, SEQ_LEN + 1), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.tokens[i]
-
-
-class TokenData(pl.LightningDataModule):
-    """Exposes ``batch_size`` (the micro-batch, sequences) and counts ``train_dataloader()`` calls."""
-
-    def __init__(self, samples: int, vocab_size: int):
-        super().__init__()
-        self.dataset = RandomTokens(samples, vocab_size)
-        self.batch_size = MICRO_BATCH_SIZE
-        self.seq_len = SEQ_LEN
+    def __init__(self, samples: int):
+        super().__init__(vocab_size=256, seq_len=SEQ_LEN, batch_size=MICRO_BATCH_SIZE, samples=samples)
         self.loader_builds = 0
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self):
         self.loader_builds += 1
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False, drop_last=True)
+        return super().train_dataloader()
 
 
-class TinyLM(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.model = OLMo(get_config("tiny"))
-
-    def training_step(self, tokens: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        logits = self.model(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
-class StepTimer(Callback):
-    """Reads every clock at the end of each optimizer step, after earlier callbacks' hooks."""
-
-    def __init__(self):
-        self.step_ends: dict[str, list[float]] = {clock: [] for clock in CLOCKS}
-        self._steps_taken = 0
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if trainer.global_step != self._steps_taken:
-            self._steps_taken = trainer.global_step
-            for clock, read in CLOCKS.items():
-                self.step_ends[clock].append(read())
-
-    def step_durations(self, clock: str) -> list[float]:
-        """Seconds of 0-based step k at index k - 1: from the end of step k - 1 to the end of step k."""
-        ends = self.step_ends[clock]
-        return [end - start for start, end in zip(ends, ends[1:])]
-
-    def steady_ms(self, clock: str) -> float:
-        """Median ms per step, leaving out the first SKIPPED_STEPS steps."""
-        return 1000 * statistics.median(self.step_durations(clock)[SKIPPED_STEPS:])
+def steady_ms(timer: StepTimer, clock: str) -> float:
+    """Median ms per step, leaving out the first SKIPPED_STEPS steps."""
+    return 1000 * statistics.median(timer.durations(clock)[SKIPPED_STEPS:])
 
 
 def time_hooks(callback: Callback, hook_names: tuple[str, ...]) -> dict[str, float]:
@@ -285,8 +232,8 @@ class Fit:
 
     callbacks: list[Callback]
     timer: StepTimer
-    data: TokenData
-    module: TinyLM
+    data: CountedTokenData
+    module: CausalLM
     seconds: dict[str, float]  # of trainer.fit, per clock
     hook_seconds: dict[str, float] | None  # inside the timed hooks, per clock
 
@@ -294,8 +241,8 @@ class Fit:
 def fit(max_steps: int, callbacks: list[Callback], hooks: tuple[str, ...] = ()) -> Fit:
     """One fit of ``max_steps`` optimizer steps; ``hooks`` of the last callback are timed."""
     pl.seed_everything(0, verbose=False)
-    module = TinyLM()
-    data = TokenData(samples=max_steps * 2 * MICRO_BATCH_SIZE, vocab_size=module.model.config.vocab_size)
+    module = CausalLM("tiny", lr=1e-3, lr_schedule=None)
+    data = CountedTokenData(samples=max_steps * 2 * MICRO_BATCH_SIZE)
     hook_seconds = time_hooks(callbacks[-1], hooks) if hooks else None
     timer = StepTimer()
     log_dir = tempfile.mkdtemp(prefix="lit_cbs_overhead_")
@@ -346,11 +293,11 @@ def time_steps(results: Results, configs: list[Config], steps: int, repeat: int)
         run = fits[config.name]
         results.loader_builds[config.label].append(run.data.loader_builds)
         for clock in CLOCKS:
-            step_ms = run.timer.steady_ms(clock)
+            step_ms = steady_ms(run.timer, clock)
             results.add(f"{config.label}: ms per step", clock, step_ms)
             if config.baseline is None:
                 continue
-            base_ms = fits[config.baseline].timer.steady_ms(clock)
+            base_ms = steady_ms(fits[config.baseline].timer, clock)
             hook_ms = 1000 * run.hook_seconds[clock] / steps
             results.add(overhead_measure(config), clock, 100 * (step_ms / base_ms - 1))
             results.add(f"{config.label}: ms per step inside its {config.hooks_kind}", clock, hook_ms)
@@ -366,7 +313,7 @@ def time_change(results: Results, steady_steps: int) -> None:
     results.loader_builds["(b) 16 -> 32 samples by accumulation"].append(run.data.loader_builds)
     (change,) = warmup.history
     for clock in CLOCKS:
-        durations = run.timer.step_durations(clock)  # durations[k - 1] is 0-based step k
+        durations = run.timer.durations(clock)  # durations[k - 1] is 0-based step k
         # The change is applied at the end of step change.step - 1 (0-based), so that step's time
         # includes it; step change.step is the first at the new size.
         changed, first_new = durations[change.step - 2], durations[change.step - 1]
@@ -396,7 +343,7 @@ def time_probe(results: Results, repeat: int) -> None:
     base = fits[PROBE_BASELINE]
     results.loader_builds[PROBE_CONFIGS[0].label].append(base.data.loader_builds)
     for clock in CLOCKS:
-        results.add(f"{PROBE_CONFIGS[0].label}: ms per step", clock, base.timer.steady_ms(clock))
+        results.add(f"{PROBE_CONFIGS[0].label}: ms per step", clock, steady_ms(base.timer, clock))
     extra_seconds = {}
     for config in PROBE_CONFIGS[1:]:
         run = fits[config.name]
@@ -404,14 +351,14 @@ def time_probe(results: Results, repeat: int) -> None:
         (record,) = probe_callback.history  # exactly one probe ran, and finished
         results.loader_builds[config.label].append(run.data.loader_builds)
         results.probe_tokens[config.name].append(probe_callback.tokens_spent)
-        results.probe_branches[config.name] = record["branches_trained"]
+        results.probe_branches[config.name] = record.branches_trained
         for clock in CLOCKS:
-            base_step = base.timer.steady_ms(clock) / 1000
+            base_step = steady_ms(base.timer, clock) / 1000
             extra = run.seconds[clock] - base.seconds[clock]
             extra_seconds[config.name, clock] = extra
             results.add(f"{config.label}: extra fit time, s", clock, extra)
             results.add(PROBE_STEPS.format(config.name), clock, extra / base_step)
-            per_branch = extra / base_step / len(record["branches_trained"])
+            per_branch = extra / base_step / len(record.branches_trained)
             results.add(f"{config.label}: extra fit time per branch trained, steps without it", clock, per_branch)
             results.add(f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock])
     grid, bisect = (config.name for config in PROBE_CONFIGS[1:])
@@ -491,13 +438,13 @@ def report(results: Results, args: argparse.Namespace, steps: StepCounts, second
         f"| {name} | {', '.join(map(str, sorted(set(results.loader_builds[name]))))} |"
         for name in sorted(results.loader_builds, key=part_of)
     )
-    command = " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    command = " ".join(["python -m benchmarks.overhead", *sys.argv[1:]])
     loads = [", ".join(f"{x:.2f}" for x in load) for load in (load_before, load_after)]
     # This benchmark adds about 1 (one torch thread); more before it started means other jobs.
     shared_note = " (other jobs shared the cores: the cpu column is the steadier)" if load_before[0] >= 1 else ""
     quick_note = "\n**A `--quick` smoke run: too few repeats and steps to read numbers from.**\n" if args.quick else ""
-    return f"""Measured by `benchmarks/overhead.py` (its docstring has the method). Workload: tiny OLMo (d_model
-64, 4 layers, byte vocabulary), random token micro-batches of {MICRO_BATCH_SIZE} x {SEQ_LEN}, AdamW, one
+    return f"""Measured by `benchmarks/overhead.py` (its docstring has the method). Workload: `CausalLM` with the tiny
+OLMo (d_model 64, 4 layers, byte vocabulary), random token micro-batches of {MICRO_BATCH_SIZE} x {SEQ_LEN}, AdamW, one
 Lightning Trainer per fit on CPU, CSVLogger every 10 steps. Every callback is compared with the same
 Trainer without it. {args.repeats} repeats; within each, the fits of (a) + (e1), of (d) and of (e2) run in
 orders that rotate per repeat. Steps per fit: (a) and (e1) {steps.idle}, (b) {steps.steady} + {steps.steady},

@@ -18,7 +18,7 @@ over seeds: the held-out loss averaged over the last ``--last-evals`` evaluation
 the main run and, for the adaptive run, plus the probe branches' steps; steps saved against the
 small-batch control; tokens spent in probes; wall time of the subprocess. Output: a table on stdout,
 ``--json`` (every run's numbers and loss curve), a plot of held-out loss vs tokens and vs steps, and
-``--markdown`` (the section "table1" of docs/RESULTS.md, see benchmarks/results_md.py).
+``--markdown`` (the section "table1" of docs/RESULTS.md, see benchmarks/common.py).
 
 ``--quick`` scales the budget and every token count in the recipes by 1/4 (1,048,576 tokens) and runs
 one seed: a few minutes, to check the pipeline, not to read results from. ``--tokens N`` scales to
@@ -26,8 +26,8 @@ any budget of at least 262,144 tokens (the probe's window must hold one step of 
 
 Usage::
 
-    python benchmarks/table1.py                      # 2 seeds, ~25 minutes on 2 cores, writes docs/
-    python benchmarks/table1.py --quick --out /tmp/table1
+    python -m benchmarks.table1                      # 2 seeds; writes docs/RESULTS.md and docs/table1.png
+    python -m benchmarks.table1 --quick --out /tmp/table1
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,9 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_md import replace_section  # noqa: E402
+from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
 
 REFERENCE_TOKENS = 4_194_304  # the recipes' budget; token counts below are at this budget
 SEQ_LEN = 128
@@ -83,8 +79,8 @@ CONFIGS = [
 
 
 # The GPU variant (--gpu): a 25M-parameter model of the same family (d_model 512, 8 layers, 8 heads)
-# with 512-token sequences, bf16 on one GPU, 2^25 tokens per run; one seed of every configuration
-# should fit in about 10 minutes on one H200 (not measured yet: no GPU was lent while writing this).
+# with 512-token sequences, bf16 on one GPU, 2^25 tokens per run (not measured yet: no GPU was lent
+# while writing this).
 GPU_TOKENS = 2**25
 GPU_SEQ_LEN = 512
 GPU_OVERRIDES = [
@@ -96,7 +92,7 @@ GPU_OVERRIDES = [
     f"+model.config.context_length={GPU_SEQ_LEN}",
     f"data.seq_len={GPU_SEQ_LEN}",
     "data.num_workers=4",
-    "optimizer.lr=2.0e-3",  # not tuned: chosen for the width; every configuration scales it alike
+    "model.optimizer.lr=2.0e-3",  # not tuned: chosen for the width; every configuration scales it alike
 ]
 
 
@@ -132,25 +128,7 @@ def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool
             value = str(scale_tokens(tokens, scale, quantum))
         overrides.append(f"{name}={value}")
     overrides += [*extra, f"hydra.run.dir={run_dir}"]
-    return [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides]
-
-
-def read_run(run_dir: Path) -> dict:
-    """A finished run's summary.json plus its held-out loss curve (tokens, steps, loss)."""
-    from lit_cbs.run_report import read_metrics_csv
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    series = read_metrics_csv(run_dir / "metrics.csv")
-    val_steps, val_loss = series["val/loss"]
-    token_steps, tokens = series["tokens_seen"]
-    # val/loss is logged at the step of the last optimizer step; tokens_seen is logged every step.
-    tokens_at = dict(zip(token_steps.tolist(), tokens.tolist()))
-    curve = [
-        {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss)}
-        for step, loss in zip(val_steps.tolist(), val_loss.tolist())
-        if step in tokens_at
-    ]
-    return {**summary, "val_curve": curve}
+    return train_command(overrides)
 
 
 def final_loss(run: dict, last_evals: int) -> float:
@@ -241,12 +219,12 @@ def table(rows: dict[str, dict], labels: dict[str, str], last_evals: int) -> str
 
 
 def plot(runs: dict[str, list[dict]], labels: dict[str, str], path: Path) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lit_cbs.analysis.plots import save_figure
 
-    fig, (by_tokens, by_steps) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    figure = Figure(figsize=(12, 4.5))
+    by_tokens, by_steps = figure.subplots(1, 2, sharey=True)
     styles = ["-", "--", ":", "-."]
     for index, (key, seeds) in enumerate(runs.items()):
         color = f"C{index}"
@@ -264,24 +242,17 @@ def plot(runs: dict[str, list[dict]], labels: dict[str, str], path: Path) -> Pat
     for axis in (by_tokens, by_steps):
         axis.grid(alpha=0.3)
     by_tokens.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(figure, path)
 
 
 def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdown_path: Path, seconds: float) -> str:
-    load = ", ".join(f"{x:.2f}" for x in args.load)
-    import torch
-
     relative_plot = os.path.relpath(plot_path, markdown_path.parent)
     budget = args.tokens
     lines = [
         "## Table 1 at small scale",
         "",
-        f"Command: `python benchmarks/table1.py {' '.join(args.argv)}`".rstrip() + f" ({seconds / 60:.1f} minutes, {args.date}; "
-        f"{platform.machine()}, {os.cpu_count()} cores, load average {load} at the end, torch {torch.__version__}).",
+        f"Command: `python -m benchmarks.table1 {' '.join(args.argv)}`".rstrip() + f" ({seconds / 60:.1f} minutes, {args.date}; "
+        f"{machine(args.load)}).",
         "",
         f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {budget:,} tokens per run, "
         f"base batch 16 x 128 tokens, LR 3e-3 (batch k x 16 uses 3e-3 x sqrt(k)), seeds {', '.join(map(str, args.seed_list))}. "
@@ -371,13 +342,8 @@ def main(argv: list[str] | None = None) -> dict:
             command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=args.override)
             commands[key] = command[2:]
             print(f"[table1] {config.label}, seed {seed}: {' '.join(command[1:])}", flush=True)
-            run_dir.mkdir(parents=True, exist_ok=True)
             run_started = time.perf_counter()
-            with open(run_dir / "stdout.log", "w") as log:
-                done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            if done.returncode != 0:
-                tail = (run_dir / "stdout.log").read_text().splitlines()[-20:]
-                raise SystemExit(f"[table1] {config.label}, seed {seed} failed ({done.returncode}):\n" + "\n".join(tail))
+            run_logged(command, run_dir / "stdout.log")
             run = read_run(run_dir)
             run.update(seed=seed, wall_seconds=time.perf_counter() - run_started, run_dir=str(run_dir))
             runs.setdefault(key, []).append(run)

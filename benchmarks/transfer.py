@@ -19,16 +19,15 @@ schedule from tiny's curve saving >= 40% of the control's optimizer steps at a h
 0.02 nats above it. Output: OUT/transfer.json (rewritten after every run, so a stopped benchmark
 keeps what finished), a PNG and the section "transfer" of docs/RESULTS.md.
 
-The budget is 1,048,576 tokens per run (a quarter of the tiny recipes' 4.2M, so the whole benchmark
-fits in about 40 minutes on 2 shared CPU cores with --jobs 4), LR warmup 65,536 tokens, probe points 65k, 131k,
+The budget is 1,048,576 tokens per run (a quarter of the tiny recipes' 4.2M), LR warmup 65,536 tokens, probe points 65k, 131k,
 262k, 524k tokens with windows of 131,072 tokens (a point passed inside a window is probed when it
 ends), 8 held-out evaluations per run on 64 micro-batches of the validation split.
 
 Usage::
 
-    python benchmarks/transfer.py --jobs 4                  # ~40 minutes on 2 cores, writes docs/
-    python benchmarks/transfer.py --quick --out /tmp/transfer
-    python benchmarks/transfer.py --report-only             # the report from the runs finished in OUT
+    python -m benchmarks.transfer --jobs 4                  # writes docs/RESULTS.md and docs/transfer.png
+    python -m benchmarks.transfer --quick --out /tmp/transfer
+    python -m benchmarks.transfer --report-only             # the report from the runs finished in OUT
 """
 
 from __future__ import annotations
@@ -38,20 +37,14 @@ import datetime
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
 from lit_cbs.analysis import schedule_from_probe
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from results_md import replace_section  # noqa: E402
-from table1 import read_run  # noqa: E402
 
 SEQ_LEN = 128
 START, FINAL = 16, 64  # samples: the schedules' first and largest global batch
@@ -102,7 +95,7 @@ SCHEDULED = [
 TRAINED = [CONTROL, *SCHEDULED]  # the three ways tiny4x is trained
 
 
-def train_command(run: Run, settings: Settings, out: Path) -> list[str]:
+def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
     """recipes/train.py's command line for ``run``."""
     micro_tokens = 16 * SEQ_LEN
     overrides = [
@@ -127,7 +120,7 @@ def train_command(run: Run, settings: Settings, out: Path) -> list[str]:
     if run.schedule is not None:
         overrides += [f"batch={run.schedule}", f"hydra.searchpath=[file://{(out / 'conf').resolve()}]"]
     overrides.append(f"hydra.run.dir={(out / run.key).resolve()}")
-    return [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides]
+    return train_command(overrides)
 
 
 def schedule_command(key: str, out: Path) -> list[str]:
@@ -145,24 +138,14 @@ def probe_file(run_dir: Path) -> Path:
     return found[0]
 
 
-def execute(command: list[str], log_path: Path, threads: int) -> None:
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(log_path, "w") as log:
-        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    if done.returncode != 0:
-        tail = "\n".join(log_path.read_text().splitlines()[-20:])
-        raise SystemExit(f"[transfer] {' '.join(command[1:3])} ... failed ({done.returncode}); {log_path}:\n{tail}")
-
-
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder) and return its summary, readings and loss curve."""
     run_dir = out / run.key
     if not (run_dir / "summary.json").exists():
-        command = train_command(run, settings, out)
+        command = run_command(run, settings, out)
         print(f"[transfer] {run.label}: {' '.join(command[1:])}", flush=True)
         started = time.perf_counter()
-        execute(command, out / "logs" / f"{run.key}.log", threads)
+        run_logged(command, out / "logs" / f"{run.key}.log", threads)
         (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
     return load(run, out)
 
@@ -271,12 +254,12 @@ def schedule_text(schedule: dict | None) -> str:
 
 
 def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from lit_cbs.analysis.plots import save_figure
 
-    fig, (cbs_axis, tokens_axis, steps_axis) = plt.subplots(1, 3, figsize=(16, 4.5))
+    figure = Figure(figsize=(16, 4.5))
+    cbs_axis, tokens_axis, steps_axis = figure.subplots(1, 3)
     for index, run in enumerate(CURVES):
         if run.key not in runs:
             continue
@@ -313,16 +296,10 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
             axis.set_ylim(min(finals) - 0.05, min(finals) + 0.6)
     for axis in (cbs_axis, tokens_axis, steps_axis):
         axis.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(figure, path)
 
 
 def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markdown_path: Path) -> str:
-    import torch
-
     s = args.settings
     relative_plot = os.path.relpath(plot_path, markdown_path.parent)
     missing = [run.label for run in [*CURVES, *TRAINED] if run.key not in runs]
@@ -330,9 +307,8 @@ def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markd
     lines = [
         "## Measure small, train big: does the tiny model's CBS curve carry to tiny4x?",
         "",
-        f"Command: `python benchmarks/transfer.py {' '.join(args.argv)}`".rstrip()
-        + f" ({args.date}; {platform.machine()}, {os.cpu_count()} cores shared with other jobs, load average "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end, torch {torch.__version__}).",
+        f"Command: `python -m benchmarks.transfer {' '.join(args.argv)}`".rstrip()
+        + f" ({args.date}; {machine(os.getloadavg())}).",
         "",
         f"Budget: {s.tokens:,} tokens per run, batch 16 x 128 tokens (the schedules grow it to at most {FINAL}), LR 3e-3 "
         f"(x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the embedded stdlib corpus. "
@@ -418,7 +394,7 @@ def main(argv: list[str] | None = None) -> dict:
                     save()
                 for run in [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]:
                     waiting.remove(run)
-                    execute(schedule_command(run.schedule, args.out), args.out / "logs" / f"schedule_{run.schedule}.log", threads)
+                    run_logged(schedule_command(run.schedule, args.out), args.out / "logs" / f"schedule_{run.schedule}.log", threads)
                     pending[pool.submit(train, run, args.settings, args.out, threads)] = run
 
     started = time.perf_counter()

@@ -6,10 +6,13 @@ the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards 
 and initialised; on one device or under DDP it is built directly.
 
 Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks),
-``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, wall
-time between optimizer steps outside validation) and, when ``peak_flops_per_device`` is given,
-``perf/mfu`` = model FLOPs per token x tokens/s / (peak x devices), with FLOPs per token from
+``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
+wall time of the last optimizer step, validation excluded) and, when the peak FLOP/s of a device
+is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs per token from
 ``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation recomputation not counted).
+Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
+optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
+table for the device and precision (none on a CPU).
 The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``): the Trainer's
 ``lit_cbs.accounting.BatchAccounting`` (attached in ``setup``) feeds it the token count.
 """
@@ -17,18 +20,21 @@ The LR schedule is indexed by tokens (``lit_cbs.lr_schedules``): the Trainer's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_cbs.accounting import BatchAccounting
+from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 
@@ -36,6 +42,13 @@ OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
 REQUIRED_OLMO_FIELDS = tuple(
     field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
 )
+# Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
+COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
+                  "16-true": torch.float16, "64-true": torch.float64}
+
+OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
+# OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 
 
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoConfig:
@@ -69,62 +82,57 @@ class CausalLM(pl.LightningModule):
 
     Args:
         config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of fields.
-        lr: base learning rate of AdamW, before the LR schedule's multiplier and BatchWarmup's factors.
-        betas, eps: AdamW's.
-        weight_decay: AdamW's decoupled weight decay on the weight matrices; embeddings and every
-            parameter with fewer than 2 dimensions (norms, biases) are not decayed.
+        optimizer: parameter groups -> ``torch.optim.Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`` (Hydra: ``_partial_: true``).
+            Its ``lr`` is the base LR, before the LR schedule's multiplier and BatchWarmup's factors;
+            its ``weight_decay`` applies to the weight matrices only (``parameter_groups``). Default:
+            AdamW, LR 3e-3, betas (0.9, 0.95), weight decay 0.1, eps 1e-8. Checked here by building
+            it on a stand-in parameter.
         lr_schedule: tokens seen (global) -> LR multiplier, e.g. ``lit_cbs.lr_schedules.WarmupStableDecay``;
             None keeps the base LR.
         activation_checkpointing: recompute each block's activations in the backward pass (less
             memory, about a third more compute).
         peak_flops_per_device: peak FLOP/s of one device at the training precision (e.g. 989e12 for
-            an H100/H200 SXM in dense bf16); None: do not log ``perf/mfu``.
+            an H100/H200 SXM in dense bf16); None: Lightning's ``get_available_flops`` for the
+            device, and no ``perf/mfu`` where it knows none (CPUs, GPUs missing from its table).
+            Set it on an H200: Lightning's table does not match the name torch reports for it
+            and lists its sparse bf16 figure (2e15), twice the dense peak.
     """
 
     def __init__(
         self,
         config: str | OLMoConfig | Mapping[str, Any] = "tiny",
-        lr: float = 3e-3,
-        betas: tuple[float, float] = (0.9, 0.95),
-        weight_decay: float = 0.1,
-        eps: float = 1e-8,
+        optimizer: OptimizerFactory = ADAMW,
         lr_schedule: Callable[[int], float] | None = None,
         activation_checkpointing: bool = False,
         peak_flops_per_device: float | None = None,
     ):
         super().__init__()
         self.config = resolve_model_config(config)
-        betas = tuple(float(beta) for beta in betas)
-        if not lr > 0:
-            raise ValueError(f"lr={lr} must be > 0")
-        if len(betas) != 2 or not all(0.0 <= beta < 1.0 for beta in betas):
-            raise ValueError(f"betas={betas} must be two numbers in [0, 1)")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
-        if not eps > 0:
-            raise ValueError(f"eps={eps} must be > 0")
+        check_optimizer(optimizer)
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
-        if peak_flops_per_device is not None and not peak_flops_per_device > 0:
-            raise ValueError(f"peak_flops_per_device={peak_flops_per_device} must be > 0 FLOP/s, or None")
-        self.lr = lr
-        self.betas = betas
-        self.weight_decay = weight_decay
-        self.eps = eps
+        positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
+        self.optimizer_factory = optimizer
         self.lr_schedule = lr_schedule
         self.activation_checkpointing = activation_checkpointing
         self.peak_flops_per_device = peak_flops_per_device
-        self.save_hyperparameters(ignore=["lr_schedule"])
+        # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
+        self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
         self.hparams["config"] = dataclasses.asdict(self.config)  # reloadable without the preset table
-        self.hparams["betas"] = list(betas)
 
         self.model: OLMo | None = None  # built in configure_model
         self.train_loss = MeanMetric()
         self.val_loss = MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
+        self._throughput: Throughput | None = None  # from on_train_start
         self._last_global_step = 0
-        self._step_timer_start = 0.0
-        self._tokens_since_step = 0
+        self._steps = 0  # optimizer steps since on_train_start
+        self._samples = 0  # sequences this rank trained on since on_train_start
+        self._tokens = 0  # tokens this rank trained on since on_train_start
+        self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
+        self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
+        self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -195,37 +203,51 @@ class CausalLM(pl.LightningModule):
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         # Counted in a hook, not in training_step, which CBS probe branches call too.
-        self._tokens_since_step += batch[:, 1:].numel()
+        tokens = batch[:, 1:].numel()
+        self._samples += batch.shape[0]
+        self._tokens += tokens
+        self._step_flops += self.flops_per_token(batch.shape[1] - 1) * tokens
 
     def on_train_start(self) -> None:
+        peak = self.peak_flops_per_device
+        if peak is None:
+            peak = get_available_flops(self.device, COMPUTE_DTYPES.get(str(self.trainer.precision), torch.float32))
+        # A window of 2 updates: each logged rate covers the last optimizer step alone.
+        self._throughput = Throughput(available_flops=peak, world_size=self.trainer.world_size, window_size=2)
         self._last_global_step = self.trainer.global_step
-        self._restart_step_timer()
+        self._steps = self._samples = self._tokens = self._step_flops = 0
+        self._training_seconds = 0.0
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
+        self._stretch_start = time.perf_counter()
+
+    def on_validation_start(self) -> None:
+        if self._stretch_start is not None:  # not in the sanity check before training
+            self._training_seconds += time.perf_counter() - self._stretch_start
 
     def on_validation_end(self) -> None:
-        self._restart_step_timer()  # validation time does not count as training throughput
-
-    def _restart_step_timer(self) -> None:
-        self._step_timer_start = time.perf_counter()
-        self._tokens_since_step = 0
+        if self._stretch_start is not None:
+            self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self._step_timer_start
-        tokens = self._tokens_since_step * self.trainer.world_size
         self.log("train/loss", self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
         self.train_loss.reset()
-        if elapsed > 0:
-            tokens_per_s = tokens / elapsed
-            self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
-            if self.peak_flops_per_device is not None:
-                peak = self.peak_flops_per_device * self.trainer.world_size
-                mfu = model_flops_utilization(self.flops_per_token(batch.shape[1] - 1), tokens_per_s, peak)
-                self.log("perf/mfu", mfu, on_step=True, on_epoch=False)
-        self._restart_step_timer()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._steps += 1
+        seconds = self._training_seconds + time.perf_counter() - self._stretch_start
+        self._throughput.update(
+            time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
+        )
+        self._step_flops = 0
+        rates = self._throughput.compute()
+        # Throughput's rates are per device; every rank trains micro-batches of the same shape.
+        tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
+        self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
+        if "device/mfu" in rates:
+            self.log("perf/mfu", rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` tokens per sequence (``OLMo.flops_per_token``)."""
@@ -241,20 +263,18 @@ class CausalLM(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """AdamW groups: weight matrices decayed; embeddings and 0/1-dimensional parameters not."""
+        """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
+        0/1-dimensional parameters (norms, biases), without."""
         embedding_params = {
             id(param) for module in self.model.modules() if isinstance(module, nn.Embedding) for param in module.parameters()
         }
         decay, no_decay = [], []
         for param in self.model.parameters():
             (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
-        return [
-            {"params": decay, "weight_decay": self.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameter_groups(), lr=self.lr, betas=self.betas, eps=self.eps)
+        optimizer = self.optimizer_factory(self.parameter_groups())
         if self.lr_schedule is None:
             return optimizer
         scheduler = TokenLRScheduler(optimizer, self.lr_schedule)
@@ -268,8 +288,28 @@ class CausalLM(pl.LightningModule):
             return OLMo(self.config).num_parameters()
 
 
-def model_flops_utilization(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
-    """MFU: achieved model FLOP/s (``flops_per_token`` x ``tokens_per_s``) over ``peak_flops`` FLOP/s."""
-    if not peak_flops > 0:
-        raise ValueError(f"peak_flops={peak_flops} must be > 0 FLOP/s")
-    return flops_per_token * tokens_per_s / peak_flops
+def check_optimizer(optimizer: OptimizerFactory) -> None:
+    """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups
+    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training)."""
+    if not callable(optimizer):
+        raise LitCBSConfigError(
+            f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
+            "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
+        )
+    stand_ins = [{"params": [nn.Parameter(torch.zeros(2, 2))]}, {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    try:
+        built = optimizer(stand_ins)
+    except (TypeError, ValueError) as error:
+        raise LitCBSConfigError(f"optimizer {describe_optimizer(optimizer)} cannot be built: {error}") from error
+    if not isinstance(built, torch.optim.Optimizer):
+        raise LitCBSConfigError(
+            f"optimizer {describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
+        )
+
+
+def describe_optimizer(optimizer: OptimizerFactory) -> str:
+    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
+    if not isinstance(optimizer, functools.partial):
+        return repr(optimizer)
+    arguments = [repr(arg) for arg in optimizer.args] + [f"{name}={value!r}" for name, value in optimizer.keywords.items()]
+    return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"

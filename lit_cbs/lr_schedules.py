@@ -11,22 +11,24 @@ from __future__ import annotations
 
 import math
 
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LambdaLR
+
+from lit_cbs.errors import LitCBSConfigError
 
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 
 def _check_tokens(name: str, value, allow_zero: bool = True) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of tokens, got {value!r}")
+        raise LitCBSConfigError(f"{name}={value!r} must be an int number of tokens")
     if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
+        raise LitCBSConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
     return value
 
 
 def _check_ratio(name: str, value: float) -> float:
     if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
+        raise LitCBSConfigError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
     return float(value)
 
 
@@ -54,13 +56,13 @@ class WarmupStableDecay:
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
         self.decay_tokens = _check_tokens("decay_tokens", decay_tokens)
         if warmup_tokens + decay_tokens > total_tokens:
-            raise ValueError(
+            raise LitCBSConfigError(
                 f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
                 "shorten the warmup or the decay"
             )
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
         if decay_shape not in DECAY_SHAPES:
-            raise ValueError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
+            raise LitCBSConfigError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
         self.decay_shape = decay_shape
 
     def __call__(self, tokens: int) -> float:
@@ -92,7 +94,7 @@ class CosineSchedule:
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
         if warmup_tokens >= total_tokens:
-            raise ValueError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
+            raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
 
     def __call__(self, tokens: int) -> float:
@@ -130,11 +132,11 @@ class OneCycle:
     ):
         self.total = _check_tokens("total", total, allow_zero=False)
         if not 0.0 < pct_start < 1.0:
-            raise ValueError(f"pct_start={pct_start} must lie in (0, 1)")
+            raise LitCBSConfigError(f"pct_start={pct_start} must lie in (0, 1)")
         if anneal_strategy not in ("cos", "linear"):
-            raise ValueError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
+            raise LitCBSConfigError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
         if div_factor <= 0 or final_div_factor <= 0:
-            raise ValueError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
+            raise LitCBSConfigError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
         self.pct_start, self.anneal_strategy = pct_start, anneal_strategy
         self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
         initial, peak = 1.0 / div_factor, 1.0
@@ -166,12 +168,13 @@ class OneCycle:
         )
 
 
-class TokenLRScheduler(LRScheduler):
-    """LR = base LR * ``schedule(tokens_seen)``, a PyTorch LR scheduler for Lightning's ``interval="step"``.
+class TokenLRScheduler(LambdaLR):
+    """``LambdaLR`` whose multiplier is ``schedule(tokens_seen)``: LR = base LR * ``schedule(tokens_seen)``.
 
     ``tokens_seen`` (global tokens trained on, all ranks) must be set before each ``step()``:
     ``BatchWarmup`` does it (use ``ConstantBatch`` for a run with a fixed batch); a plain PyTorch
     loop sets the attribute itself. Stepping without it raises rather than freezing the LR.
+    Lightning steps it with ``interval="step"``.
     """
 
     def __init__(self, optimizer, schedule, last_epoch: int = -1):
@@ -179,7 +182,11 @@ class TokenLRScheduler(LRScheduler):
             raise TypeError(f"schedule must be callable tokens -> LR multiplier, got {schedule!r}")
         self.schedule = schedule
         self.tokens_seen: int | None = None
-        super().__init__(optimizer, last_epoch)
+        super().__init__(optimizer, self._multiplier, last_epoch)
+
+    def _multiplier(self, step: int) -> float:
+        """LambdaLR passes the step count; the multiplier follows the tokens instead."""
+        return self.schedule(self.tokens_seen or 0)
 
     def step(self, epoch=None):
         # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
@@ -198,7 +205,3 @@ class TokenLRScheduler(LRScheduler):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict({**state_dict, "schedule": self.schedule})
-
-    def get_lr(self) -> list[float]:
-        multiplier = self.schedule(self.tokens_seen or 0)
-        return [base_lr * multiplier for base_lr in self.base_lrs]

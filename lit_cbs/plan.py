@@ -5,9 +5,13 @@ Pure arithmetic on the model's shape (the decoder is built on the meta device: n
 data, no accelerator). Memory is counted the way the training code allocates it:
 
 - **Model state** per device: parameters and gradients in the parameter dtype (fp32 for
-  ``32-true`` and ``*-mixed``, bf16/fp16 for ``*-true``), AdamW's two moments in that dtype plus
-  one fp32 ``step`` scalar per parameter tensor; under FSDP2 (``ModelParallelStrategy``) all of
-  it is sharded over the data-parallel ranks.
+  ``32-true`` and ``*-mixed``, bf16/fp16 for ``*-true``) and the optimizer's state: AdamW's two
+  moments in that dtype plus one fp32 ``step`` scalar per parameter tensor. Another optimizer's
+  state is measured by one step of it on a small parameter (``OptimizerState.of``): state tensors
+  the size of the parameter count per parameter element, in the parameter's dtype (as torch's
+  optimizers keep them), any other state (a step count) per parameter tensor. Factored or
+  low-precision state (Adafactor's row and column statistics, 8-bit moments) is not modelled
+  exactly. Under FSDP2 (``ModelParallelStrategy``) all of it is sharded over the data-parallel ranks.
 - **Working buffers**: under FSDP2 the gathered (unsharded) parameters of the root module
   (embedding and output head) and of up to three blocks (the one computing, the one prefetched,
   and the last, which CausalLM keeps gathered between forward and backward), plus one block's
@@ -93,6 +97,35 @@ class ModelShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per parameter tensor: ``per_element`` state tensors the size of the
+    parameter (in its dtype), and ``bytes_per_tensor`` bytes besides (e.g. a step count)."""
+
+    name: str
+    per_element: int
+    bytes_per_tensor: int
+
+    @classmethod
+    def of(cls, optimizer: Callable[[list], torch.optim.Optimizer]) -> OptimizerState:
+        """Measured: ``optimizer`` (parameters -> Optimizer, e.g. ``torch.optim.AdamW`` or a partial
+        of it) takes one step on a 4 x 8 fp32 parameter, and its state is counted."""
+        parameter = torch.nn.Parameter(torch.zeros(4, 8))
+        parameter.grad = torch.ones_like(parameter)
+        built = optimizer([parameter])
+        built.step()
+        state = [value for value in built.state[parameter].values() if isinstance(value, torch.Tensor)]
+        like_parameter = [value for value in state if value.numel() == parameter.numel()]
+        return cls(
+            name=type(built).__name__,
+            per_element=sum(value.element_size() for value in like_parameter) // parameter.element_size(),
+            bytes_per_tensor=sum(value.nbytes for value in state if value.numel() != parameter.numel()),
+        )
+
+
+ADAMW_STATE = OptimizerState("AdamW", per_element=2, bytes_per_tensor=4)  # exp_avg, exp_avg_sq; an fp32 step
+
+
+@dataclasses.dataclass(frozen=True)
 class DeviceMemory:
     """Bytes on one device (GPU, or the process's memory on CPU) at the peak of a training step."""
 
@@ -152,6 +185,7 @@ def device_memory(
     strategy: str,
     data_parallel_size: int,
     activation_checkpointing: bool,
+    optimizer: OptimizerState = ADAMW_STATE,
 ) -> DeviceMemory:
     """Peak bytes per device for one training step (see the module docstring for what is counted)."""
     if strategy not in STRATEGIES:
@@ -163,7 +197,7 @@ def device_memory(
     shards = data_parallel_size if strategy == "fsdp" else 1
     local = math.ceil(shape.parameters / shards)
     parameters = local * param_bytes
-    optimizer_state = 2 * local * param_bytes + 4 * shape.parameter_tensors
+    optimizer_state = optimizer.per_element * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
 
     if strategy == "fsdp":
         gathered = (shape.root_parameters + min(3, config.n_layers) * shape.block_parameters) * act
@@ -272,6 +306,7 @@ def probe_plan(
     val_micro_batch: int,
     seq_len: int,
     max_tokens: int,
+    optimizer: OptimizerState = ADAMW_STATE,
 ) -> ProbePlan:
     """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
     from lit_cbs.probe import max_branches
@@ -284,7 +319,8 @@ def probe_plan(
     param_bytes, _ = precision_bytes(precision)
     shards = data_parallel_size if strategy == "fsdp" else 1
     local = math.ceil(shape.parameters / shards)
-    snapshot = 3 * local * param_bytes + 4 * shape.parameter_tensors  # weights, AdamW's moments and steps
+    # The weights and the optimizer's state.
+    snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
     window_samples_per_rank = probe.window_tokens // seq_len // data_parallel_size
     sample_bytes = (seq_len + 1) * TOKEN_BYTES
     heldout = probe.heldout_batches * val_micro_batch * sample_bytes if probe.evaluate == "heldout" else 0
@@ -333,6 +369,7 @@ class RunPlan:
     probe: ProbePlan | None
     limits: Limits
     accelerator: str
+    optimizer: OptimizerState = ADAMW_STATE
 
     @property
     def processes(self) -> int:
@@ -407,7 +444,7 @@ class RunPlan:
         rows = [
             ("parameters", on.parameters, off.parameters),
             ("gradients", on.gradients, off.gradients),
-            ("AdamW state", on.optimizer_state, off.optimizer_state),
+            (f"{self.optimizer.name} state", on.optimizer_state, off.optimizer_state),
             (working, on.working_buffers, off.working_buffers),
             ("activations (saved)", on.activations, off.activations),
             ("activations (peak add)", on.activation_peak_extra, off.activation_peak_extra),
@@ -426,7 +463,7 @@ class RunPlan:
                 f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
                 f"{p.window_tokens:,} tokens each: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} of training)",
                 f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: 2 snapshots of {p.snapshot_bytes / GIB:,.2f} "
-                f"(weights + AdamW state), window batches {p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
+                f"(weights + {self.optimizer.name} state), window batches {p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
                 f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
                 f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})",
             ]
@@ -470,12 +507,14 @@ def plan_run(
     activation_checkpointing: bool,
     probe=None,
     limits: Limits = Limits(),
+    optimizer: OptimizerState = ADAMW_STATE,
 ) -> RunPlan:
-    """The plan of a run; ``probe`` is its CBSProbeCallback, if any. All ranks are data-parallel."""
+    """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
+    keeps (``OptimizerState.of(factory)``). All ranks are data-parallel."""
     shape = ModelShape.of(config)
     processes = devices_per_node * num_nodes
     memory = {
-        checkpointing: device_memory(shape, micro_batch, seq_len, precision, strategy, processes, checkpointing)
+        checkpointing: device_memory(shape, micro_batch, seq_len, precision, strategy, processes, checkpointing, optimizer)
         for checkpointing in (True, False)
     }
     return RunPlan(
@@ -491,8 +530,9 @@ def plan_run(
         phases=batch_phases(schedule, max_tokens, seq_len, micro_batch, processes, lr_factor),
         memory=memory,
         probe=None if probe is None else probe_plan(
-            probe, shape, precision, strategy, processes, micro_batch, val_micro_batch, seq_len, max_tokens
+            probe, shape, precision, strategy, processes, micro_batch, val_micro_batch, seq_len, max_tokens, optimizer
         ),
         limits=limits,
         accelerator=accelerator,
+        optimizer=optimizer,
     )

@@ -1,14 +1,13 @@
 """What a training run leaves in its folder besides checkpoints: the batch/LR history and plots.
 
-``write_batch_history`` saves ``BatchWarmup``'s record as JSON; ``read_metrics_csv`` reads
-Lightning's ``CSVLogger`` file (one row per logging call, empty cells for metrics not logged
-in it); ``plot_run`` draws the loss, global batch and LR against tokens seen. matplotlib is
-imported only when plotting, so this module loads where matplotlib is not installed.
+``write_batch_history`` saves ``BatchWarmup``'s record as JSON; ``plot_run`` draws the loss,
+global batch and LR of Lightning's ``CSVLogger`` file (read by
+``lit_cbs.analysis.curves.read_metrics_csv``) against tokens seen. matplotlib is imported only
+when plotting, so this module loads where matplotlib is not installed.
 """
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import os
@@ -16,10 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lit_cbs.analysis.curves import BATCH_COLUMN, LOSS_COLUMN, LR_COLUMN, TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
 from lit_cbs.warmup import BatchWarmup
-
-TOKENS = "tokens_seen"
-BATCH = "batch/global_size"
 
 
 def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
@@ -48,27 +45,12 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     return record
 
 
-def read_metrics_csv(path: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each metric of a CSVLogger file as (steps, values), in file order; empty cells skipped."""
-    series: dict[str, tuple[list[float], list[float]]] = {}
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            step = float(row["step"])
-            for name, cell in row.items():
-                if name in ("step", "epoch") or cell in ("", None):
-                    continue
-                steps, values = series.setdefault(name, ([], []))
-                steps.append(step)
-                values.append(float(cell))
-    return {name: (np.asarray(steps), np.asarray(values)) for name, (steps, values) in series.items()}
-
-
 def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarray) -> np.ndarray:
     """Tokens seen at each of ``steps`` (optimizer steps), interpolated from the logged ``tokens_seen``.
 
     Exact at logged steps (every step with ``log_every_n_steps=1``).
     """
-    logged_steps, tokens = metrics[TOKENS]
+    logged_steps, tokens = metrics[TOKENS_COLUMN]
     return np.interp(steps, logged_steps, tokens)
 
 
@@ -84,11 +66,11 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     from lit_cbs.analysis.plots import save_figure
 
     metrics = read_metrics_csv(metrics_csv)
-    if TOKENS not in metrics:
-        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS} column: add lit_cbs.BatchWarmup to the callbacks")
+    if TOKENS_COLUMN not in metrics:
+        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column: add lit_cbs.BatchWarmup to the callbacks")
     batch_changes = []
-    if BATCH in metrics:
-        steps, sizes = metrics[BATCH]
+    if BATCH_COLUMN in metrics:
+        steps, sizes = metrics[BATCH_COLUMN]
         # A size is logged after the step that precedes it: the change takes effect past that token count.
         batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0]))
 
@@ -97,7 +79,7 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
 
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()
-    for name, style in (("train/loss", dict(lw=0.8, alpha=0.6)), ("val/loss", dict(marker="o", lw=1.5))):
+    for name, style in ((LOSS_COLUMN, dict(lw=0.8, alpha=0.6)), (VAL_LOSS_COLUMN, dict(marker="o", lw=1.5))):
         if name in metrics:
             steps, values = metrics[name]
             ax.plot(tokens_at(metrics, steps), values, label=name, **style)
@@ -108,7 +90,7 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     ax.grid(alpha=0.3)
     written = [save(figure, "loss_vs_tokens.png")]
 
-    panels = [(name, label) for name, label in ((BATCH, "global batch (samples)"), ("lr", "learning rate")) if name in metrics]
+    panels = [(name, label) for name, label in ((BATCH_COLUMN, "global batch (samples)"), (LR_COLUMN, "learning rate")) if name in metrics]
     if panels:
         figure = Figure(figsize=(7, 2.6 * len(panels)))
         axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]

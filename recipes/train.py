@@ -29,7 +29,6 @@ import dataclasses
 import json
 import logging
 import re
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -38,67 +37,27 @@ import hydra
 import lightning.pytorch as pl
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from lit_cbs import BatchWarmup, CBSProbeCallback
+from lit_cbs.accounting import check_divisible
 from lit_cbs.data import TokenDataModule
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
 from lit_cbs.lm import CausalLM, resolve_model_config
-from lit_cbs.lr_rules import get_lr_rule
 from lit_cbs.models.olmo import OLMoConfig
-from lit_cbs.plan import Limits, RunPlan, plan_run
+from lit_cbs.plan import Limits, OptimizerState, RunPlan, plan_run
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
-CONFIG_ERRORS = (ValueError, TypeError, MisconfigurationException, InstantiationException, OmegaConfBaseException)
-
-
-def world_size(devices, num_nodes) -> int:
-    """Processes in the job: devices per node (a count or a list of device ids) x nodes."""
-    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
-        devices = int(devices)
-    if isinstance(devices, int) and devices > 0:
-        count = devices
-    elif isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
-        count = len(devices)
-    else:
-        raise ValueError(
-            f"trainer.devices={devices!r} must be the number of devices per node for trainer=fsdp "
-            "(it sets the data-parallel size); e.g. trainer.devices=8"
-        )
-    return count * int(num_nodes)
-
-
-def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
-    """``lr`` tuned at ``base_batch_size``, scaled to ``batch_size`` by an LR rule (lit_cbs.lr_rules):
-    ``${lit_cbs.scaled_lr:3e-3,${batch.schedule.batch_size},16}`` in a config gives each run of a
-    batch-size sweep the LR BatchWarmup would give that batch."""
-    return float(lr) * get_lr_rule(rule).lr_factor(float(batch_size) / float(base_batch_size))
-
-
-def sweep_subdir(job_number, run_name, job_overrides) -> str:
-    """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line
-    sweeps (``batch.schedule.batch_size=8,16`` -> ``..._batch.schedule.batch_size=16``). The recipe is
-    in ``run_name``; keys set to one value for every job would only lengthen every name."""
-    swept = {
-        override.key_or_group
-        for override in OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
-        if override.is_sweep_override()
-    }
-    own = [item for item in job_overrides if item.split("=", 1)[0].lstrip("+~") in swept - {"recipe"}]
-    return "_".join([f"{job_number}_{run_name}", *own])
-
-
-def register_resolvers() -> None:
-    OmegaConf.register_new_resolver("lit_cbs.world_size", world_size, replace=True)
-    OmegaConf.register_new_resolver("lit_cbs.scaled_lr", scaled_lr, replace=True)
-    OmegaConf.register_new_resolver("lit_cbs.sweep_subdir", sweep_subdir, replace=True)
-
+# What stops a run as a bad setting: lit_cbs's own LitCBSConfigError (a ValueError), and what torch,
+# Lightning, Hydra and OmegaConf raise for settings they refuse.
+CONFIG_ERRORS = (LitCBSConfigError, ValueError, TypeError, MisconfigurationException, InstantiationException, OmegaConfBaseException)
 
 register_resolvers()
 # The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
@@ -106,10 +65,6 @@ warnings.filterwarnings("ignore", message="Experiment logs directory .* exists a
 
 
 log = logging.getLogger("lit_cbs.train")
-
-
-class ConfigError(ValueError):
-    """A setting that stops the run before training; the message names the setting and the fix."""
 
 
 _INTERPOLATION = re.compile(r"^\$\{([\w.]+)\}$")
@@ -151,7 +106,7 @@ def instantiate_key(cfg: DictConfig, key: str, **kwargs):
     except CONFIG_ERRORS as error:
         message = one_line(error)
         named = name_the_keys(cfg, key, message)
-        raise ConfigError(named if named != message else f"{key}: {message}") from error
+        raise LitCBSConfigError(named if named != message else f"{key}: {message}") from error
 
 
 @dataclasses.dataclass
@@ -169,7 +124,7 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict:
         if node is None:
             continue
         if "_target_" not in node:
-            raise ConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
+            raise LitCBSConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
         objects[name] = instantiate_key(cfg, f"{what}.{name}")
     return objects
 
@@ -193,27 +148,22 @@ def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: dict) -> list:
 
 
 def check_global_batch(warmup: BatchWarmup, micro_batch_size: int, processes: int) -> None:
-    unit = micro_batch_size * processes
+    """Every global batch of the schedule is a whole number of micro-batches on every process."""
     for size in warmup.schedule.sizes(0):
-        if size % unit:
-            raise ConfigError(
-                f"global batch {size} (batch.schedule) is not divisible by data.batch_size={micro_batch_size} x "
-                f"{processes} processes = {unit} samples; change data.batch_size, the device count, or the schedule "
-                f"so every global batch is a multiple of micro-batch x processes"
-            )
+        check_divisible(size, micro_batch_size, processes, "global batch (batch.schedule)")
 
 
 def model_config_of(cfg: DictConfig) -> OLMoConfig:
     try:
         return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
     except ValueError as error:
-        raise ConfigError(f"model.config: {error}") from error
+        raise LitCBSConfigError(f"model.config: {error}") from error
 
 
 def batch_warmup_of(callbacks: list) -> BatchWarmup:
     warmups = [callback for callback in callbacks if isinstance(callback, BatchWarmup)]
     if len(warmups) != 1:
-        raise ConfigError(
+        raise LitCBSConfigError(
             f"callbacks hold {len(warmups)} BatchWarmup callbacks; keep exactly one (callbacks.batch_warmup): "
             "it feeds the token-indexed LR schedule and stops the run at max_tokens"
         )
@@ -223,7 +173,7 @@ def batch_warmup_of(callbacks: list) -> BatchWarmup:
 def check_accelerator(cfg: DictConfig) -> None:
     """A GPU recipe on a machine without one stops here, before any data is prepared."""
     if str(cfg.trainer.accelerator) in ("gpu", "cuda") and not torch.cuda.is_available():
-        raise ConfigError(
+        raise LitCBSConfigError(
             f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no CUDA GPU; add plan=true to see "
             "this run's plan (memory per GPU, steps, wall time) here, or train a tiny recipe on the CPU "
             "(python recipes/train.py, or +recipe=tiny_warmup)"
@@ -233,14 +183,13 @@ def check_accelerator(cfg: DictConfig) -> None:
 def plan_of(cfg: DictConfig) -> RunPlan:
     """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
     model_config = model_config_of(cfg)
+    model = instantiate_key(cfg, "model")  # checks model.optimizer; builds no weights
     datamodule = instantiate_key(cfg, "data")
     datamodule.check_context(model_config.context_length)
     callbacks = list(instantiate_named(cfg, "callbacks").values())
     warmup = batch_warmup_of(callbacks)
-    devices, num_nodes = cfg.trainer.devices, int(cfg.trainer.num_nodes)
-    if not (isinstance(devices, int) or str(devices).isdigit()):
-        raise ConfigError(f"plan=true needs trainer.devices as a number of devices per node, got {devices!r}; e.g. trainer.devices=8")
-    devices = int(devices)
+    devices = devices_per_node(cfg.trainer.devices, "plan=true sizes the run from it")
+    num_nodes = int(cfg.trainer.num_nodes)
     check_global_batch(warmup, datamodule.batch_size, devices * num_nodes)
     strategy = cfg.trainer.get("strategy", "auto")
     target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
@@ -269,35 +218,33 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
         probe=probes[0] if probes else None,
         limits=Limits(**limits),
+        optimizer=OptimizerState.of(model.optimizer_factory),
     )
 
 
 def build_run(cfg: DictConfig) -> Run:
     """Check the configuration and build the run; nothing here builds the model's weights.
 
-    Order: model and optimizer settings, data settings, trainer (it knows the process count), the global batch
-    against micro-batch x processes, then the data source (prepared here once per node if needed)
-    and its vocabulary against the model's.
+    Order: model and optimizer settings (CausalLM builds model.optimizer on a stand-in parameter),
+    data settings, trainer (it knows the process count), the global batch against micro-batch x
+    processes, then the data source (prepared here once per node if needed) and its vocabulary
+    against the model's.
     """
     check_accelerator(cfg)
     if cfg.ckpt_path is not None and cfg.ckpt_path not in LIGHTNING_CHECKPOINT_NAMES and not Path(cfg.ckpt_path).exists():
-        raise ConfigError(
+        raise LitCBSConfigError(
             f"ckpt_path={cfg.ckpt_path!r} does not exist; give a checkpoint from a run's checkpoints/ folder "
             "(a .ckpt file, or a .ckpt folder under trainer=fsdp), or ckpt_path=null to start afresh"
         )
     model_config = model_config_of(cfg)
     if not cfg.allow_default_corpus and cfg.data.path is None and cfg.data.input_dir is None:
-        raise ConfigError(
+        raise LitCBSConfigError(
             "this recipe trains on your tokens, not the embedded corpus (allow_default_corpus=false): set "
             "data.path=<folder prepared by lit_cbs.data.prepare>, or data.input_dir=<folder of text files> "
             "data.tokenizer=<tokenizer.json>"
         )
-    model = instantiate_key(
-        cfg,
-        "model",
-        lr_schedule=instantiate_key(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None,
-        **OmegaConf.to_container(cfg.optimizer, resolve=True),
-    )  # CausalLM builds the decoder in configure_model, during fit
+    lr_schedule = instantiate_key(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
+    model = instantiate_key(cfg, "model", lr_schedule=lr_schedule)  # the decoder is built in configure_model, during fit
     datamodule = instantiate_key(cfg, "data")
     datamodule.check_context(model_config.context_length)
 
@@ -310,7 +257,7 @@ def build_run(cfg: DictConfig) -> Run:
     if trainer.local_rank == 0:
         datamodule.prepare_data()
     if datamodule.vocab_size > model_config.vocab_size:
-        raise ConfigError(
+        raise LitCBSConfigError(
             f"the data's token ids go up to {datamodule.vocab_size - 1} but the model's vocab_size is "
             f"{model_config.vocab_size}; use a larger model.config.vocab_size or the model's tokenizer (data.tokenizer)"
         )
@@ -318,10 +265,13 @@ def build_run(cfg: DictConfig) -> Run:
 
 
 def one_line(error: BaseException) -> str:
-    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating)."""
+    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating,
+    OmegaConf prefixes those its resolvers raise)."""
     while isinstance(error, InstantiationException) and error.__cause__ is not None:
         error = error.__cause__
     message = getattr(error, "msg", None) or str(error)
+    if isinstance(error, InterpolationResolutionError):
+        message = re.sub(r"^\w+ raised while resolving interpolation: ", "", message)
     return " ".join(message.split())
 
 
@@ -364,14 +314,10 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
         history = probes[0].history
         summary["probe"] = {
             "tokens": probes[0].tokens_spent,
-            "optimizer_steps": sum(
-                round(record["window_tokens"] / (float(k) * record["batch_size"] * seq_len))
-                for record in history
-                for k in record["branches_trained"]
-            ),
+            "optimizer_steps": sum(reading.branch_steps for reading in history),
             "readings": [
-                {"tokens": r["tokens"], "batch_size": r["batch_size"], "k_star": r["k_star"],
-                 "cbs_lower": r["cbs_lower"], "cbs_upper": r["cbs_upper"]}
+                {"tokens": r.tokens, "batch_size": r.batch_size, "k_star": r.k_star,
+                 "cbs_lower": r.cbs_lower, "cbs_upper": r.cbs_upper}
                 for r in history
             ],
         }
@@ -430,7 +376,7 @@ def stop_on_config_error(error: BaseException) -> None:
     message = f"error: {one_line(error)}"
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         log.error(message)
-        raise ConfigError(one_line(error)) from None
+        raise LitCBSConfigError(one_line(error)) from None
     for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
         if isinstance(handler, logging.FileHandler):
             handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None))
@@ -459,7 +405,12 @@ def main(cfg: DictConfig) -> float | None:
         log.info(describe(run, cfg))
 
     started = time.perf_counter()
-    run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    try:
+        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+    except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        stop_on_config_error(error)
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")

@@ -329,6 +329,26 @@ def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
 HEADER = ["step", "train/loss", "tokens_seen", "batch/global_size"]
 
 
+def test_metrics_csv_reader_pairs_each_value_with_its_own_row_step(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lit_cbs.analysis.curves import read_metrics_csv
+
+    logger = CSVLogger(tmp_path, name="run")
+    for step in range(3):  # two logging calls per step, as BatchWarmup and the LightningModule make
+        logger.log_metrics({"train/loss": 4.0 - step}, step=step)
+        logger.log_metrics({"tokens_seen": 100 * (step + 1), "batch/global_size": 1}, step=step)
+    logger.log_metrics({"val/loss": 3.5, "epoch": 0}, step=2)
+    logger.save()
+    series = read_metrics_csv(Path(logger.log_dir) / "metrics.csv")
+    assert set(series) == {"train/loss", "tokens_seen", "batch/global_size", "val/loss"}  # no epoch
+    assert [a.tolist() for a in series["tokens_seen"]] == [[0, 1, 2], [100, 200, 300]]
+    assert [a.tolist() for a in series["val/loss"]] == [[2], [3.5]]
+    not_a_log = write_csv(tmp_path / "other.csv", ["iteration", "loss"], [[0, 1.0]])
+    with pytest.raises(ValueError, match="has no 'step' column"):
+        read_metrics_csv(not_a_log)
+
+
 def test_nan_token_count_is_refused_naming_the_run(tmp_path):
     path = write_csv(tmp_path / "b16" / "metrics.csv", HEADER, [[0, 4.0, 100, 1], [1, 3.9, "nan", 1], [2, 3.8, 300, 1]])
     with pytest.raises(ValueError, match="run b16: tokens_seen=nan at step=1"):

@@ -15,6 +15,8 @@ from litdata import StreamingDataset, TokensLoader
 from lit_cbs.data import ByteTokenizer, HFTokenizer, TokenDataModule, load_tokenizer, prepare, resolve_data
 from lit_cbs.data.corpus import SKIPPED_DIRS, stdlib_python_files, stdlib_root
 from lit_cbs.data.prepare import read_metadata, split_pieces, text_files
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.synthetic import RandomTokenData
 
 DOCUMENTS = {
     "a.txt": "def add(a, b):\n    return a + b\n" * 40,
@@ -403,3 +405,17 @@ def test_token_dtype_widens_with_the_vocabulary():
 
     assert [token_dtype(v) for v in (256, 257, 50304, 100_000)] == [np.uint8, np.uint16, np.uint16, np.int32]
     assert math.log2(np.iinfo(np.uint16).max + 1) == 16
+
+
+# ------------------------------------------------------------------ random tokens
+
+
+def test_random_token_data_is_seeded_whole_batches_of_token_ids():
+    data = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10, seed=3)
+    batches = list(data.train_dataloader())
+    assert [tuple(b.shape) for b in batches] == [(4, 9), (4, 9)]  # the incomplete last batch is dropped
+    assert all(b.dtype == torch.int64 and 0 <= b.min() and b.max() < 50 for b in batches)
+    again = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10, seed=3)
+    assert torch.equal(torch.cat(batches), torch.cat(list(again.train_dataloader())))
+    with pytest.raises(LitCBSConfigError, match="samples=2 must be >= batch_size=4"):
+        RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=2)

@@ -1,13 +1,22 @@
-"""CausalLM's pieces without a Trainer: model configs, weight-decay groups, loss, checkpointing, MFU."""
+"""CausalLM: model configs, weight-decay groups, loss, checkpointing without a Trainer; its logged
+throughput in a real fit."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_cbs.lm import CausalLM, model_flops_utilization, resolve_model_config
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+
+from lit_cbs.analysis.curves import read_metrics_csv
+from lit_cbs.lm import ADAMW, CausalLM, resolve_model_config
 from lit_cbs.models import OLMoConfig, get_config
+from lit_cbs.synthetic import RandomTokenData
+from toys import trainer_kwargs
 
 
 def built(**kwargs) -> CausalLM:
@@ -40,7 +49,10 @@ def test_bad_model_config(config, message):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"lr": 0}, "lr=0"), ({"betas": (0.9, 1.0)}, "betas"), ({"weight_decay": -1}, "weight_decay"),
+    [({"optimizer": functools.partial(ADAMW, lr=-1.0)}, r"AdamW\(lr=-1.0, .*\) cannot be built: Invalid learning rate"),
+     ({"optimizer": functools.partial(ADAMW, betas=(0.9, 1.0))}, "Invalid beta parameter at index 1"),
+     ({"optimizer": functools.partial(torch.optim.SGD, lr=0.1, betas=(0.9, 0.95))}, "unexpected keyword argument 'betas'"),
+     ({"optimizer": "adamw"}, "optimizer='adamw' must be a callable"),
      ({"peak_flops_per_device": 0}, "peak_flops_per_device")],
 )
 def test_bad_optimizer_settings(kwargs, message):
@@ -51,8 +63,10 @@ def test_bad_optimizer_settings(kwargs, message):
 @pytest.mark.parametrize("tie_embeddings", [True, False])
 def test_weight_decay_only_on_matrices(tie_embeddings):
     config = OLMoConfig(**{**vars(get_config("tiny")), "tie_embeddings": tie_embeddings})
-    module = built(config=config, weight_decay=0.1)
-    decay, no_decay = module.parameter_groups()
+    module = built(config=config, optimizer=functools.partial(torch.optim.SGD, lr=0.1, weight_decay=0.1))
+    optimizer = module.configure_optimizers()
+    assert isinstance(optimizer, torch.optim.SGD)
+    decay, no_decay = optimizer.param_groups
     assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.1, 0.0)
     assert no_decay["params"] == [module.model.embedding.weight]
     named = dict(module.model.named_parameters())
@@ -82,7 +96,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
 
 
 def test_optimizer_and_token_schedule():
-    module = built(lr=1e-3, lr_schedule=lambda tokens: 0.5)
+    module = built(optimizer=functools.partial(ADAMW, lr=1e-3), lr_schedule=lambda tokens: 0.5)
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
@@ -91,7 +105,23 @@ def test_optimizer_and_token_schedule():
     assert isinstance(built().configure_optimizers(), torch.optim.AdamW)  # no schedule: the base LR
 
 
-def test_mfu():
-    assert model_flops_utilization(1e9, 1e5, 1e15) == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="peak_flops"):
-        model_flops_utilization(1e9, 1e5, 0)
+@pytest.mark.parametrize("peak_flops_per_device", [None, 1e12])
+def test_throughput_is_logged_every_optimizer_step(tmp_path, peak_flops_per_device):
+    # 4 optimizer steps of 2 micro-batches of 4 x 16 tokens; a validation after step 2.
+    module = CausalLM("tiny", lr_schedule=None, peak_flops_per_device=peak_flops_per_device)
+    data = RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=32)
+    data.val_dataloader = lambda: torch.utils.data.DataLoader(data.tokens[:8], batch_size=4)
+    trainer = pl.Trainer(**trainer_kwargs(
+        max_steps=4, accumulate_grad_batches=2, val_check_interval=4, num_sanity_val_steps=0,
+        logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+    ))
+    trainer.fit(module, datamodule=data)
+    metrics = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))
+    steps, tokens_per_s = metrics["perf/tokens_per_s"]
+    assert steps.tolist() == [0, 1, 2, 3] and (tokens_per_s > 0).all()
+    if peak_flops_per_device is None:  # a CPU: Lightning's table knows no peak, so no MFU
+        assert "perf/mfu" not in metrics
+    else:
+        _, mfu = metrics["perf/mfu"]
+        flops_per_token = module.flops_per_token(16)
+        assert mfu == pytest.approx(flops_per_token * tokens_per_s / peak_flops_per_device)

@@ -1,12 +1,11 @@
 """lit_cbs.plan: memory counted by hand on a model small enough to count, against what torch really
-allocates on the CPU, the batch phases against a real BatchWarmup run, and `plan=true` end to end."""
+allocates on the CPU (for AdamW and for the optimizers whose state it measures), the batch phases
+against a real BatchWarmup run, and train.py's plan of a recipe, which reads no data."""
 
 from __future__ import annotations
 
+import functools
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,16 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from launch import subprocess_env
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs._internals import checkpoint_wrapper
 from lit_cbs.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
-from lit_cbs.plan import ModelShape, batch_phases, device_memory, probe_plan
+from lit_cbs.plan import ADAMW_STATE, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
+from test_recipes import compose_config, train
 from toys import RegressionData, RegressionModule, trainer_kwargs
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
 COUNTABLE = OLMoConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidden=8, context_length=4, tie_embeddings=False)
@@ -65,9 +63,10 @@ def test_countable_model_by_hand():
     assert ddp_checkpointed.working_buffers == ddp.working_buffers  # one block: all of them here
 
 
-def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool):
+def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool,
+                  optimizer_factory=torch.optim.AdamW):
     """Bytes autograd saves for backward in one forward, and the bytes of parameters, gradients and
-    AdamW state after a real optimizer step, on the CPU."""
+    optimizer state after a real optimizer step, on the CPU."""
     torch.manual_seed(0)
     model = OLMo(config)
     if checkpointing:
@@ -88,7 +87,7 @@ def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: 
             logits = model(ids[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
-    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer = optimizer_factory(model.parameters())
     optimizer.step()
     parameters = sum(p.nbytes for p in model.parameters())
     gradients = sum(p.grad.nbytes for p in model.parameters())
@@ -109,6 +108,23 @@ def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
     # with checkpointing also the copies of the block being recomputed, which forward does not save.
     autocast_copies = memory.working_buffers - (2 * shape.block_parameters if checkpointing and precision == "bf16-mixed" else 0)
     assert memory.activations + autocast_copies == saved
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "state"),
+    [
+        (torch.optim.AdamW, ADAMW_STATE),
+        (functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9), OptimizerState("SGD", 1, 0)),  # momentum buffer
+        (functools.partial(torch.optim.SGD, lr=0.1), OptimizerState("SGD", 0, 0)),
+        (torch.optim.Adagrad, OptimizerState("Adagrad", 1, 4)),  # sum of squares, step
+    ],
+)
+def test_optimizer_state_is_measured_and_matches_real_allocation(optimizer, state):
+    assert OptimizerState.of(optimizer) == state
+    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=True)
+    _, _, _, allocated = measured_step(config, 2, 16, autocast=False, checkpointing=False, optimizer_factory=optimizer)
+    memory = device_memory(ModelShape.of(config), 2, 16, "32-true", "single", 1, False, optimizer=state)
+    assert memory.optimizer_state == allocated
 
 
 def test_tied_embeddings_are_one_tensor():
@@ -172,41 +188,25 @@ def test_batch_phases_match_a_real_batch_warmup_run():
     assert phases[1].lr_factor == pytest.approx(warmup.lr_factor) == pytest.approx(2**0.5)
 
 
-def run_train(*overrides: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = subprocess_env(PYTHONPATH=str(ROOT))
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides, f"hydra.run.dir={cwd / 'run'}"],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-    )
-
-
-@pytest.mark.slow
 def test_plan_of_olmo7b_reads_no_data_and_warns_what_does_not_fit(tmp_path):
-    result = run_train("+recipe=olmo7b_warmup", "plan=true", "trainer.devices=8", "model.activation_checkpointing=false",
-                       f"data.cache_dir={tmp_path / 'cache'}", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = result.stdout.splitlines()
-    assert "6,888,095,744 parameters" in result.stdout
+    cfg = compose_config("+recipe=olmo7b_warmup", "plan=true", "trainer.devices=8", "model.activation_checkpointing=false",
+                         f"data.cache_dir={tmp_path / 'cache'}")
+    plan = train.plan_of(cfg)
+    lines = plan.report().splitlines()
+    assert plan.shape.parameters == 6_888_095_744
     # The table: 1024 -> 2048 -> 4096 sequences, micro-batch 4 on 8 GPUs, LR x sqrt(2) per doubling.
-    rows = [line.split() for line in lines[lines.index(next(l for l in lines if "from tokens" in l)) + 1:][:3]]
-    assert [(row[2], row[3], row[4], row[6]) for row in rows] == [
-        ("1,024", "4", "32", "1"), ("2,048", "4", "64", "1.41"), ("4,096", "4", "128", "2")
-    ]
+    assert [(p.global_batch, p.micro_batch, p.accumulate) for p in plan.phases] == [(1024, 4, 32), (2048, 4, 64), (4096, 4, 128)]
+    assert [p.lr_factor for p in plan.phases] == pytest.approx([1, 2**0.5, 2])
     assert any(line.startswith("WARNING:") and "set model.activation_checkpointing=true" in line for line in lines)
-    assert not (tmp_path / "cache").exists() and not (tmp_path / "run" / "metrics.csv").exists()
+    assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_gpu_recipe_without_gpu_fails_before_data_work(tmp_path):
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "a.txt").write_text("some text " * 100)
-    result = run_train("+recipe=olmo1b_warmup", f"data.input_dir={texts}", f"data.cache_dir={tmp_path / 'cache'}",
-                       cwd=tmp_path)
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "error: trainer.accelerator=gpu but this machine has no CUDA GPU; add plan=true"
-    )
+    cfg = compose_config("+recipe=olmo1b_warmup", f"data.input_dir={texts}", f"data.cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(LitCBSConfigError, match="^trainer.accelerator=gpu but this machine has no CUDA GPU; add plan=true"):
+        train.build_run(cfg)
     assert not (tmp_path / "cache").exists()

@@ -2,23 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import subprocess
+import sys
 import warnings
 
 import lightning.pytorch as pl
+import matplotlib
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
-from lit_cbs.probe import cbs_interval, critical_multiplier, ema_last
+from lit_cbs.analysis.curves import read_probe
+from lit_cbs.analysis.probe_schedule import schedule_from_probe
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe import (
+    ProbeReading,
+    cbs_interval,
+    critical_multiplier,
+    ema_last,
+    max_branches,
+    measure_losses,
+    plot_cbs_curve,
+)
 from lit_cbs.schedules import CBSAdaptive
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
-SEQ = 4  # the toy's "tokens per sample": BatchWarmup reads dim 1 of x
+SEQ = 4  # the toy's "tokens per sample", given to BatchWarmup (its x is float, not token ids)
 
 
 @pytest.fixture(autouse=True)
@@ -64,8 +80,81 @@ def test_critical_multiplier_refuses_bad_input():
         critical_multiplier({1: 1.0}, -0.1)
 
 
+@pytest.mark.parametrize(
+    "table",
+    [
+        {1: 3.0, 2: 3.005, 4: 3.009, 8: 3.02, 16: 3.1},  # k* = 4
+        {1: 3.0, 2: 3.02, 4: 3.03, 8: 3.04, 16: 3.05},  # k* = 1
+        {1: 3.0, 2: 3.0, 4: 3.0, 8: 3.0, 16: 3.0},  # k* = 16, the top of the grid
+        {1: 3.0, 2: 3.001, 4: float("inf"), 8: float("inf"), 16: float("inf")},  # failed branches: k* = 2
+    ],
+)
+def test_bisect_finds_the_grid_answer_on_monotone_tables(table):
+    calls = []
+
+    def measure(k):
+        calls.append(k)
+        return table[k]
+
+    grid = measure_losses("grid", list(table), measure, 0.01)
+    assert calls == sorted(table) and grid == table
+    calls.clear()
+    bisect = measure_losses("bisect", list(table), measure, 0.01)
+    assert critical_multiplier(bisect, 0.01) == critical_multiplier(grid, 0.01)
+    assert len(calls) == len(set(calls)) <= max_branches("bisect", len(table)) < len(table)
+    assert all(bisect[k] == table[k] for k in calls)
+
+
+def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
+    reading = ProbeReading.decide(
+        {1.0: 3.0, 2.0: 3.004, 4.0: math.inf},
+        0.01,
+        [1.0, 2.0, 4.0],
+        16,
+        tokens=4096, step=8, seq_len=32, window_tokens=8192, strategy="grid", evaluate="train_ema", main_loss=3.0,
+        branches_trained=[1.0, 2.0, 4.0], failed=[4.0], tokens_spent=3 * 8192, overhead=0.5,
+    )
+    assert (reading.k_star, reading.cbs_lower, reading.cbs_upper) == (2.0, 32, 64)
+    assert reading.cbs_estimate == pytest.approx(math.sqrt(32 * 64))
+    assert reading.losses == {"1": 3.0, "2": 3.004, "4": None}  # JSON has no inf: a failed branch is null
+    assert reading.branch_steps == 8192 // (16 * 32) + 8192 // (32 * 32) + 8192 // (64 * 32)
+    path = tmp_path / "cbs_probe.jsonl"
+    path.write_text(json.dumps(dataclasses.asdict(reading)) + "\n")
+    (point,) = read_probe(path)
+    assert (point.tokens, point.lower, point.upper, point.batch_size) == (4096, 32, 64, 16)
+    # The record carries its seq_len, so another sequence length needs no measured_seq_len.
+    assert schedule_from_probe(path, 16, seq_len=64).batch_size(4096) == 16
+    assert schedule_from_probe(path, 16, seq_len=16).batch_size(4096) == 64
+
+
+def test_the_rule_loads_without_lightning():
+    code = "import sys, lit_cbs.probe.reading; print(sorted(m for m in ('lightning', 'torch') if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
+    readings = [
+        ProbeReading.decide(
+            {1.0: 3.0, 2.0: 3.0, 4.0: loss4}, 0.01, [1.0, 2.0, 4.0], 8,
+            tokens=tokens, step=0, seq_len=4, window_tokens=128, strategy="grid", evaluate="train_ema",
+            main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=384, overhead=0.1,
+        )
+        for tokens, loss4 in ((1000, 3.5), (2000, 3.0))  # a closed interval, then the top of the grid
+    ]
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a notebook's or script's own choice
+    try:
+        path = plot_cbs_curve(readings, [], tmp_path / "plots" / "cbs_curve.png", end_tokens=3000)
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ---------------------------------------------------------------------------- on a real Trainer
 def run(*, probe=None, schedule=None, epochs=2, n=96, micro=2, module=None, callbacks=(), max_tokens=None, ckpt=None, **fit):
+    """Fit the toy with global batch 4 (2 micro-batches of 2), or ``schedule``, under BatchWarmup."""
     pl.seed_everything(0, verbose=False)
     module = module or RegressionModule(lr=0.05, optimizer="adam")
     data = RegressionData(n=n, batch_size=micro)
@@ -114,13 +203,15 @@ def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
     for record in probe.history:
         # The k=1 branch trains from the snapshot on the recorded window: it repeats the main run's
         # computation exactly (the losses differ at most in float64 rounding of the bookkeeping).
-        assert record["losses"]["1"] == pytest.approx(record["main_loss"], rel=1e-12)
-        assert record["branches_trained"] == [1.0, 2.0, 4.0]
-        assert record["tokens_spent"] == 3 * record["window_tokens"]
+        assert record.losses["1"] == pytest.approx(record.main_loss, rel=1e-12)
+        assert record.branches_trained == [1.0, 2.0, 4.0]
+        assert record.tokens_spent == 3 * record.window_tokens
+        assert (record.batch_size, record.seq_len) == (4, SEQ)
     lines = (tmp_path / "cbs_probe.jsonl").read_text().splitlines()
-    assert [json.loads(line)["k_star"] for line in lines] == [r["k_star"] for r in probe.history]
+    assert [json.loads(line) for line in lines] == [dataclasses.asdict(r) for r in probe.history]
+    assert [p.lower for p in read_probe(tmp_path / "cbs_probe.jsonl")] == [r.cbs_lower for r in probe.history]
     assert (tmp_path / "cbs_curve.png").stat().st_size > 10_000
-    assert probe.tokens_spent == sum(r["tokens_spent"] for r in probe.history)
+    assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)
 
 
 class MetricInTrainingStep(RegressionModule):
@@ -159,10 +250,10 @@ def test_bisect_finds_the_grid_answer_for_fewer_tokens():
     for g, b in zip(grid.history, bisect.history):
         ks = [1, 2, 4, 8, 16]
         # Same tokens, same k*, within one grid step (exactly, where recovery is monotone).
-        assert abs(ks.index(g["k_star"]) - ks.index(b["k_star"])) <= 1
-        assert 1.0 not in b["branches_trained"] and len(b["branches_trained"]) <= 3
-        for k, loss in b["losses"].items():  # every branch bisect trained matches the grid's
-            assert loss == g["losses"][k]
+        assert abs(ks.index(g.k_star) - ks.index(b.k_star)) <= 1
+        assert 1.0 not in b.branches_trained and len(b.branches_trained) <= 3
+        for k, loss in b.losses.items():  # every branch bisect trained matches the grid's
+            assert loss == g.losses[k]
     assert bisect.tokens_spent * 5 <= grid.tokens_spent * 3
 
 
@@ -173,9 +264,29 @@ def test_diverging_branches_are_recorded_as_failed_and_main_goes_on():
     probed = run(probe=probe)
     assert_same_main_run(plain, probed)
     for record in probe.history:
-        assert record["failed"] == [4.0]
-        assert record["losses"]["4"] is None
-        assert record["k_star"] in (1.0, 2.0)
+        assert record.failed == [4.0]
+        assert record.losses["4"] is None
+        assert record.k_star in (1.0, 2.0)
+
+
+class OutOfMemoryInBranches(RegressionModule):
+    """Every branch asks the CPU allocator for 16 TiB, which it refuses."""
+
+    def training_step(self, batch, batch_idx):
+        if in_branch(self):
+            torch.empty(2**44, dtype=torch.uint8)
+        return super().training_step(batch, batch_idx)
+
+
+def test_branches_out_of_memory_are_recorded_as_failed_and_main_goes_on():
+    plain = run()
+    probe = grid_probe()
+    probed = run(probe=probe, module=OutOfMemoryInBranches(lr=0.05, optimizer="adam"))
+    assert_same_main_run(plain, probed)
+    assert probe.history
+    for record in probe.history:
+        assert record.failed == [1.0, 2.0, 4.0] and set(record.losses.values()) == {None}
+        assert record.k_star == 1.0  # every branch failed: the smallest k
 
 
 def in_branch(module) -> bool:
@@ -229,20 +340,31 @@ def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     full_probe = probe()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
     full = run(probe=full_probe, callbacks=[checkpoint], n=80, epochs=3, enable_checkpointing=True)
-    assert [r["tokens"] for r in full_probe.history] == [288, 576, 864]
+    assert [r.tokens for r in full_probe.history] == [288, 576, 864]
 
     # Between windows (640 tokens): the resumed run continues exactly, probes included.
     resumed_probe = probe()
     resumed = run(probe=resumed_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=1.ckpt")
     assert torch.equal(full[1].layer.weight, resumed[1].layer.weight)
     assert resumed_probe.history == full_probe.history
+    assert all(isinstance(r, ProbeReading) for r in resumed_probe.history)  # rebuilt from the checkpoint's dicts
     assert resumed_probe.tokens_spent == full_probe.tokens_spent
+
+    # A lit_cbs 0.1 checkpoint (readings without seq_len) resumes alike.
+    state = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)
+    (key,) = [key for key in state["callbacks"] if key.startswith("CBSProbeCallback")]
+    for reading in state["callbacks"][key]["history"]:
+        del reading["seq_len"]
+    torch.save(state, tmp_path / "v0.1.ckpt")
+    old_probe = probe()
+    run(probe=old_probe, n=80, epochs=3, ckpt=tmp_path / "v0.1.ckpt")
+    assert old_probe.history == full_probe.history
 
     # Inside the first window (320 tokens): that probe is taken again once the resumed run steps.
     inside_probe = probe()
     inside = run(probe=inside_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=0.ckpt")
     assert torch.equal(full[1].layer.weight, inside[1].layer.weight)
-    assert [r["tokens"] for r in inside_probe.history] == [336, 576, 864]  # after the first resumed step
+    assert [r.tokens for r in inside_probe.history] == [336, 576, 864]  # after the first resumed step
 
 
 def test_heldout_evaluation_and_overhead_budget():
@@ -260,24 +382,24 @@ def test_heldout_evaluation_and_overhead_budget():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), WithVal(n=96, batch_size=2))
-    assert probe.history and all(r["evaluate"] == "heldout" for r in probe.history)
-    assert all(r["losses"]["1"] == pytest.approx(r["main_loss"], rel=1e-12) for r in probe.history)
+    assert probe.history and all(r.evaluate == "heldout" for r in probe.history)
+    assert all(r.losses["1"] == pytest.approx(r.main_loss, rel=1e-12) for r in probe.history)
 
     budget = grid_probe(max_overhead=0.5)
     run(probe=budget)
     assert budget.history and budget.tokens_spent / (2 * 96 * SEQ) <= 0.5 + 1e-9
-    assert all(r["overhead"] <= 0.5 for r in budget.history)
+    assert all(r.overhead <= 0.5 for r in budget.history)
 
 
 def test_cbs_adaptive_doubles_when_probe_says_so():
     schedule = CBSAdaptive(start=2, final=16, factor=2, unit="tokens")
     probe = grid_probe(multipliers=(1, 2, 4), window_tokens=64, every_tokens=96)
     trainer, module, warmup = run(probe=probe, schedule=schedule, epochs=3, micro=2)
-    moves = [r["adaptive_batch"] for r in probe.history if r["adaptive_batch"] is not None]
+    moves = [r.adaptive_batch for r in probe.history if r.adaptive_batch is not None]
     assert moves and moves == [size for _, size in schedule.decisions]
     for record in probe.history:  # doubled exactly when the measured CBS reached twice the batch
-        if record["adaptive_batch"] is not None:
-            assert record["cbs_lower"] >= record["adaptive_batch"]
+        if record.adaptive_batch is not None:
+            assert record.cbs_lower >= record.adaptive_batch
     assert [c.new_global_batch for c in warmup.history] == moves
     assert all(c.lr_factor == pytest.approx(math.sqrt(2)) for c in warmup.history)
 
@@ -308,20 +430,26 @@ def test_cbs_adaptive_rule_unit():
         (dict(strategy="bisect", multipliers=(2, 4)), "include 1"),
         (dict(every_tokens=None), "exactly one"),
         (dict(at_tokens=[100]), "exactly one"),
+        (dict(every_tokens=0), "every_tokens=0"),
+        (dict(evaluate="val"), "evaluate='val'"),
+        (dict(heldout_batches=0), "heldout_batches=0"),
+        (dict(max_overhead=0), "max_overhead=0"),
     ],
 )
 def test_bad_probe_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(LitCBSConfigError, match=match):
         grid_probe(**kwargs)
 
 
-def test_window_smaller_than_one_large_branch_step_is_refused():
-    with pytest.raises(ValueError, match="smaller than one step of the largest branch"):
-        run(probe=grid_probe(multipliers=(1, 8), window_tokens=64))
+def test_window_smaller_than_one_large_branch_step_is_refused_before_a_step():
+    module = RegressionModule(lr=0.05, optimizer="adam")
+    with pytest.raises(LitCBSConfigError, match=r"window_tokens=64 is smaller than one step of the largest branch \(k=8 x batch 4"):
+        run(probe=grid_probe(multipliers=(1, 8), window_tokens=64), module=module)
+    assert module.steps == []
 
 
 def test_probe_schedule_outside_the_run_is_refused():
-    with pytest.raises(ValueError, match="no probe point lies inside the run"):
+    with pytest.raises(LitCBSConfigError, match="no probe point lies inside the run.*max_tokens=200"):
         run(probe=grid_probe(at_tokens=[10_000], every_tokens=None), max_tokens=200)
 
 
@@ -336,12 +464,71 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
         warnings.simplefilter("always")
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
     assert warmup.tokens_seen == 832
-    assert [r["tokens"] for r in probe.history] == [160, 320, 480, 640]
+    assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
     assert "CBS probe at 800 tokens not started: its window of 128 tokens would end past max_tokens=832" in caplog.text
 
 
-def test_probe_needs_batch_warmup():
+class TokenData(pl.LightningDataModule):
+    """Token ids (2-D int64) from a fixed random bigram chain: a plain DataLoader of batch_size samples."""
+
+    def __init__(self, n: int = 64, tokens_per_sample: int = 8, vocab: int = 16, batch_size: int = 4):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        successor = torch.randint(0, vocab, (vocab, 2), generator=g)
+        ids = torch.empty(n, tokens_per_sample, dtype=torch.long)
+        ids[:, 0] = torch.randint(0, vocab, (n,), generator=g)
+        for t in range(1, tokens_per_sample):
+            ids[:, t] = successor[ids[:, t - 1], torch.randint(0, 2, (n,), generator=g)]
+        self.dataset = TensorDataset(ids)
+        self.vocab = vocab
+        self.batch_size = batch_size
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(1))
+
+
+class Bigram(pl.LightningModule):
+    def __init__(self, vocab: int = 16):
+        super().__init__()
+        torch.manual_seed(2)
+        self.logits = torch.nn.Embedding(vocab, vocab)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return torch.nn.functional.cross_entropy(self.logits(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.05)
+
+
+def fit_tokens(callbacks, **trainer_overrides):
+    pl.seed_everything(0, verbose=False)
+    module = Bigram()
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=2, **trainer_overrides))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, TokenData())
+    return trainer, module
+
+
+def test_probe_alone_measures_a_fixed_batch_token_run(tmp_path):
+    # 64 samples x 8 tokens per epoch, batch 4 x accumulate 2 = 8 samples (64 tokens) per step.
+    plain_trainer, plain = fit_tokens([], accumulate_grad_batches=2)
+    probe = CBSProbeCallback(at_tokens=(128, 512), multipliers=(0.5, 1, 2), window_tokens=256, output_dir=tmp_path)
+    trainer, probed = fit_tokens([probe], accumulate_grad_batches=2)
+    assert torch.equal(plain.logits.weight, probed.logits.weight) and trainer.global_step == plain_trainer.global_step
+    assert [r.tokens for r in probe.history] == [128, 512]
+    for record in probe.history:
+        assert (record.batch_size, record.seq_len, record.window_tokens) == (8, 8, 256)
+        assert record.branches_trained == [0.5, 1.0, 2.0]
+        assert record.losses["1"] == pytest.approx(record.main_loss, rel=1e-12)
+    assert len((tmp_path / "cbs_probe.jsonl").read_text().splitlines()) == 2 and (tmp_path / "cbs_curve.png").exists()
+
+
+def test_probe_refuses_batches_without_token_ids():
+    module = RegressionModule(lr=0.05, optimizer="adam")
     trainer = pl.Trainer(callbacks=[grid_probe()], **trainer_kwargs())
-    with pytest.raises(ValueError, match="needs BatchWarmup"):
-        trainer.fit(RegressionModule(), RegressionData(n=16))
+    with pytest.raises(LitCBSConfigError, match="no token ids.*give seq_len=... to BatchAccounting or BatchWarmup"):
+        trainer.fit(module, RegressionData(n=16))
+    assert module.steps == []

@@ -59,8 +59,8 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
     assert len(history0) >= 2
     assert history0 == history1  # same losses, k*, interval on both ranks
     for record in history0:
-        assert record["batch_size"] == 8 and record["branches_trained"] == [1.0, 2.0, 4.0]
-        assert record["losses"]["1"] == pytest.approx(record["main_loss"], rel=1e-12)
+        assert record.batch_size == 8 and record.branches_trained == [1.0, 2.0, 4.0]
+        assert record.losses["1"] == pytest.approx(record.main_loss, rel=1e-12)
     for rank in range(2):
         assert torch.equal(probed[rank]["weight"], plain[rank]["weight"])
         assert probed[rank]["micro_batches"] == plain[rank]["micro_batches"]

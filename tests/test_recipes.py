@@ -1,5 +1,6 @@
-"""The Hydra configuration: every recipe composes, builds its model on the meta device, and
-bad settings stop recipes/train.py's checks with one line that names the setting."""
+"""The Hydra configuration as a user meets it: every recipe builds its model and optimizer on the
+meta device and plans within its limits, the package's resolvers scale LRs and size FSDP, a swapped
+optimizer trains, and bad settings stop recipes/train.py's checks with one line naming the Hydra key."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import MissingConfigException
 from hydra.utils import instantiate
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import OmegaConf
 
-from lit_cbs import BatchWarmup
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.hydra_resolvers import RESOLVERS, register_resolvers
 from lit_cbs.lm import CausalLM
+from lit_cbs.run_report import read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -30,7 +33,7 @@ def load_train_module():
     spec = importlib.util.spec_from_file_location("lit_cbs_train", ROOT / "recipes" / "train.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)  # registers the config's resolvers
+    spec.loader.exec_module(module)
     return module
 
 
@@ -43,36 +46,14 @@ def compose_config(*overrides: str, output_dir: str = "/nonexistent/run"):
         return compose("config", overrides=[f"output_dir={output_dir}", *overrides])
 
 
-def test_recipes_listed():
-    assert {
-        "olmo1b_large_batch", "olmo1b_small_batch", "olmo1b_warmup", "olmo7b_warmup",
-        "tiny_large_batch", "tiny_small_batch", "tiny_warmup",
-    } <= set(RECIPES)
-
-
-def test_default_config_is_tiny_warmup():
-    assert compose_config() == compose_config("+recipe=tiny_warmup")
-
-
-def test_tiny_warmup_is_the_reference_workload():
-    cfg = compose_config()
-    warmup = instantiate(cfg.callbacks.batch_warmup)
-    assert isinstance(warmup, BatchWarmup) and warmup.max_tokens == 4_194_304
-    assert [warmup.schedule.batch_size(t) for t in (0, 1_245_183, 1_245_184, 2_523_136)] == [16, 16, 32, 64]
-    assert warmup.lr_rule.lr_factor(2) == pytest.approx(math.sqrt(2))
-    assert (cfg.data.seq_len, cfg.data.batch_size, cfg.data.path, cfg.data.input_dir) == (128, 16, None, None)
-    assert (cfg.optimizer.lr, list(cfg.optimizer.betas), cfg.optimizer.weight_decay) == (3e-3, [0.9, 0.95], 0.1)
-    assert (cfg.trainer.gradient_clip_val, cfg.trainer.accelerator, cfg.trainer.precision) == (1.0, "cpu", "32-true")
-    schedule = instantiate(cfg.lr_schedule)
-    assert schedule(0) < 0.01 and schedule(262_144) == 1.0 and schedule(4_194_303) == 1.0
-
-
-@pytest.mark.parametrize(("recipe", "batch", "lr"), [("tiny_small_batch", 16, 3e-3), ("tiny_large_batch", 64, 6e-3)])
-def test_tiny_controls(recipe, batch, lr):
-    cfg = compose_config(f"+recipe={recipe}")
-    schedule = instantiate(cfg.batch.schedule)
-    assert schedule.sizes(0) == [batch] and cfg.optimizer.lr == pytest.approx(lr)
-    assert cfg.run_name == recipe and cfg.max_tokens == 4_194_304
+def test_the_package_registers_the_resolvers_once_and_for_all():
+    for name in RESOLVERS:
+        OmegaConf.clear_resolver(name)
+    register_resolvers()
+    register_resolvers()  # a second call (another script, a test) changes nothing
+    cfg = compose_config("+recipe=olmo1b_large_batch", "trainer.num_nodes=4")
+    assert cfg.model.optimizer.lr == pytest.approx(4e-4 * 2)  # 4e-4 at 1024, sqrt rule to 4096
+    assert instantiate(cfg.trainer.strategy)._data_parallel_size == 8 * 4
 
 
 @pytest.mark.parametrize("recipe, base_lr, base_batch", [
@@ -83,54 +64,30 @@ def test_tiny_controls(recipe, batch, lr):
 def test_every_constant_batch_recipe_scales_the_lr_by_the_batch_rule(recipe, base_lr, base_batch, rule, factor):
     # One rule for batch overrides: the LR BatchWarmup would give that batch, whichever control is overridden.
     cfg = compose_config(f"+recipe={recipe}", f"batch.schedule.batch_size={4 * base_batch}", f"batch.lr_rule={rule}")
-    assert cfg.optimizer.lr == pytest.approx(base_lr * factor(4))
+    assert cfg.model.optimizer.lr == pytest.approx(base_lr * factor(4))
     warmup = instantiate(cfg.callbacks.batch_warmup)
     assert warmup.lr_rule.lr_factor(4) == pytest.approx(factor(4))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_builds_on_meta(recipe):
+def test_every_recipe_builds_on_meta_and_plans_within_its_limits(recipe):
     cfg = compose_config(f"+recipe={recipe}")
-    model = instantiate(cfg.model, lr_schedule=instantiate(cfg.lr_schedule), **OmegaConf.to_container(cfg.optimizer))
+    model = instantiate(cfg.model, lr_schedule=instantiate(cfg.lr_schedule))
     assert isinstance(model, CausalLM)
     with torch.device("meta"):
         model.configure_model()  # no trainer: built unsharded, here on the meta device
     assert all(p.is_meta for p in model.parameters())
+    optimizer = model.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [group["weight_decay"] for group in optimizer.param_groups] == [cfg.model.optimizer.weight_decay, 0.0]
     preset = cfg.model.config.preset
     if preset in OLMO_PARAMETERS:
         assert model.num_parameters() == pytest.approx(OLMO_PARAMETERS[preset], rel=0.01)
-    assert cfg.data.seq_len <= model.config.context_length
-
-
-@pytest.mark.parametrize(
-    ("recipe", "preset", "sizes", "micro", "accumulate", "lr"),
-    [
-        ("olmo1b_warmup", "olmo_1b", [1024, 2048, 4096], 8, 16, 4e-4),
-        ("olmo1b_small_batch", "olmo_1b", [1024], 8, 16, 4e-4),
-        ("olmo1b_large_batch", "olmo_1b", [4096], 8, 64, 8e-4),
-        ("olmo7b_warmup", "olmo_7b", [1024, 2048, 4096], 4, 32, 3e-4),
-    ],
-)
-def test_olmo_recipes(recipe, preset, sizes, micro, accumulate, lr):
-    cfg = compose_config(f"+recipe={recipe}", "data.path=/data/tokens")
-    assert cfg.model.config.preset == preset and cfg.model.activation_checkpointing
-    assert (cfg.data.seq_len, cfg.data.batch_size, cfg.optimizer.lr) == (4096, micro, lr)
-    assert cfg.trainer.precision == "bf16-mixed" and cfg.trainer.accelerator == "gpu"
-    strategy = instantiate(cfg.trainer.strategy)
-    assert isinstance(strategy, ModelParallelStrategy)
-    processes = cfg.trainer.devices * cfg.trainer.num_nodes
-    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (processes, 1)
-    warmup = instantiate(cfg.callbacks.batch_warmup)
-    assert warmup.schedule.sizes(0) == sizes
-    if len(sizes) > 1:
-        assert warmup.schedule.unit == "tokens"
-        assert [warmup.schedule.batch_size(t) for t in (167_999_999_999, 168e9, 503e9)] == [1024, 2048, 4096]
-        assert warmup.lr_rule.lr_factor(2) == pytest.approx(math.sqrt(2))
-    assert all(size % (micro * processes) == 0 for size in sizes)
-    assert sizes[0] // (micro * processes) == accumulate  # at the start, on one node of 8 GPUs
-    assert warmup.max_tokens == 658_000_000_000
-    schedule = instantiate(cfg.lr_schedule)
-    assert schedule(608_000_000_000) == 1.0 and schedule(658_000_000_000) == 0.0  # 50B-token anneal
+    # Runnable as configured: global batches divide into micro-batches on every process, the data
+    # fits the context, the probe fits the budget, and memory fits plan_for's limits.
+    plan = train.plan_of(cfg)
+    assert plan.warnings() == []
+    assert plan.tokens >= cfg.max_tokens
 
 
 def test_fsdp_world_size_scales_with_nodes():
@@ -140,7 +97,9 @@ def test_fsdp_world_size_scales_with_nodes():
 
 def test_extra_callback_option_composes():
     cfg = compose_config("callbacks=[default,lr_monitor]")
-    assert set(cfg.callbacks) == {"batch_warmup", "checkpoint", "progress_bar", "lr_monitor"}
+    callbacks = train.instantiate_named(cfg, "callbacks")
+    assert set(callbacks) == {"batch_warmup", "checkpoint", "progress_bar", "lr_monitor"}
+    assert isinstance(callbacks["lr_monitor"], LearningRateMonitor)
 
 
 def test_unknown_recipe_lists_the_recipes():
@@ -168,10 +127,14 @@ def text_folder(tmp_path_factory):
         (["model.config.preset=olmo_3b"], "model.config: unknown model preset 'olmo_3b'"),
         (["data.seq_len=256"], "data.seq_len=256 exceeds the model's context_length=128"),
         (["data.path=/nonexistent/tokens"], "data.path='/nonexistent/tokens' is not a folder"),
-        (["data.batch_size=5"], "global batch 16 (batch.schedule) is not divisible by data.batch_size=5"),
+        (["data.batch_size=5"], "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
         (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
-        (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"], "trainer.devices='auto' must be the number"),
+        (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"],
+         "trainer.devices='auto' must be a number per node (or a list of device ids): trainer=fsdp sets"),
+        (["model.optimizer.lr=-1"], "optimizer AdamW(model.optimizer.lr=-1, "),
+        (["model.optimizer.betas=[0.9,1.0]"], "model.optimizer.betas=[0.9, 1.0]"),
+        (["model.optimizer._target_=torch.optim.SGD"], "unexpected keyword argument 'model.optimizer.betas'"),
         (["max_tokens=65536"], "lr_schedule.warmup_tokens + lr_schedule.decay_tokens = 262144 exceeds "
                                "lr_schedule.total_tokens=65536 (max_tokens); shorten the warmup or the decay"),
         (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
@@ -233,27 +196,45 @@ def test_slurm_launcher_follows_the_trainer():
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (4, 8, 8)
 
 
-@pytest.mark.parametrize(
-    "recipe, probed",
-    [
-        ("tiny_warmup", True), ("tiny_cbs_curve", True), ("tiny_adaptive", True), ("olmo1b_cbs_probe", True),
-        ("tiny_small_batch", False), ("tiny_large_batch", False), ("tiny_es_sweep", False),
-        ("olmo1b_warmup", False), ("olmo1b_small_batch", False), ("olmo7b_warmup", False),
-    ],
-)
-def test_which_recipes_probe_the_cbs(recipe, probed):
-    from lit_cbs import CBSProbeCallback
-    from lit_cbs.schedules import CBSAdaptive
+# A few optimizer steps on the small text folder: micro-batch 4 of 128 tokens, global batch 8 -> 16 at
+# 2,048 tokens, 6,144 tokens in all, a tenth of the text held out, no probe, no progress bar.
+SHORT_RUN = [
+    "data.batch_size=4", "batch.schedule.batch_sizes=[8,16]", "batch.schedule.thresholds=[0,2048]", "max_tokens=6144",
+    "lr_schedule.warmup_tokens=1024", "trainer.val_check_interval=4", "callbacks.cbs_probe=null",
+    "callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "data.val_fraction=0.1",
+]
 
-    cfg = compose_config(f"+recipe={recipe}")
-    callbacks = list(train.instantiate_named(cfg, "callbacks").values())
-    probes = [c for c in callbacks if isinstance(c, CBSProbeCallback)]
-    assert len(probes) == int(probed)
-    if recipe == "olmo1b_cbs_probe":  # the paper's protocol
-        (probe,) = probes
-        assert probe.strategy == "grid" and probe.evaluate == "train_ema" and probe.epsilon == 0.01
-        assert probe.window_tokens == 2_000_000_000 and len(probe.at_tokens) == 14 and min(probe.multipliers) < 1
-    if recipe == "tiny_adaptive":
-        warmup = next(c for c in callbacks if isinstance(c, BatchWarmup))
-        assert isinstance(warmup.schedule, CBSAdaptive) and probes[0].multipliers == [1.0, 2.0]
 
+def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
+    cfg = compose_config(
+        "optimizer=sgd", "model.optimizer.lr=0.05", *SHORT_RUN, f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+    )
+    run = train.build_run(cfg)
+    run.trainer.fit(run.model, datamodule=run.datamodule)
+    (optimizer,) = run.trainer.optimizers
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert run.trainer.global_step == 2 + 2 and run.batch_warmup.tokens_seen == 6144  # 2 steps of 8, 2 of 16
+    metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
+    # The logged LR is SGD's 0.05 after the token warmup, times sqrt(2) after the batch doubled.
+    assert metrics["lr"][1][-1] == pytest.approx(0.05 * 2**0.5)
+    checkpoint = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    (saved,) = checkpoint["optimizer_states"]
+    assert [group["momentum"] for group in saved["param_groups"]] == [0.9, 0.9]
+    assert all("momentum_buffer" in state for state in saved["state"].values())
+
+
+def test_adam_sde_refuses_an_optimizer_without_betas_before_the_first_step(text_folder, tmp_path):
+    cfg = compose_config(
+        "optimizer=sgd", "batch.lr_rule=adam_sde", *SHORT_RUN, f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+    )
+    run = train.build_run(cfg)
+    with pytest.raises(TypeError, match="lr_rule='adam_sde' needs an Adam-type optimizer"):
+        run.trainer.fit(run.model, datamodule=run.datamodule)
+    assert run.trainer.global_step == 0
+
+
+def test_plan_needs_a_device_count():
+    with pytest.raises(LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"):
+        train.plan_of(compose_config("+recipe=olmo1b_warmup", "trainer.devices=auto"))

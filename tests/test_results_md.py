@@ -1,14 +1,10 @@
-"""benchmarks/results_md.py: each benchmark rewrites only its own section of docs/RESULTS.md."""
+"""benchmarks/common.py replace_section: each benchmark rewrites only its own section of docs/RESULTS.md."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from results_md import replace_section  # noqa: E402
+from benchmarks.common import replace_section
 
 
 def test_creates_the_file_with_a_heading_and_the_section(tmp_path):

@@ -92,7 +92,7 @@ def test_exponential_ramp_is_geometric():
     ],
 )
 def test_bad_schedules_fail_with_the_field_named(make, error, match):
-    with pytest.raises(error, match=match) as raised:
+    with pytest.raises(error, match=match):
         make()
 
 

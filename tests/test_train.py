@@ -1,6 +1,7 @@
-"""recipes/train.py end to end in subprocesses, on a small text folder: outputs, preparing data
-from the folder (and training the same weights as a run that finds it prepared), resuming from a
-checkpoint, DDP and FSDP2 with 2 CPU processes under torchrun, and benchmarks/gpu_check.py on the CPU."""
+"""recipes/train.py end to end in subprocesses, on a small text folder: what a run leaves (metrics.csv,
+summary.json, checkpoints, plots), preparing data from the folder (and training the same weights as a
+run that finds it prepared), resuming from a checkpoint, DDP and FSDP2 with 2 CPU processes under
+torchrun, and a sweep past a failing job."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 
 from launch import subprocess_env
 from lit_cbs.run_report import read_metrics_csv
+from test_recipes import train as train_script
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "recipes" / "train.py")
@@ -79,9 +81,6 @@ def first_run(tmp_path_factory, text_folder):
 
 def test_run_outputs(first_run):
     run_dir, _, stdout = first_run
-    assert "batch changes    8 -> 16 after step 4 (4,096 tokens" in stdout
-    assert "optimizer steps  8 " in stdout and "final val/loss" in stdout
-    assert "CBS (samples)    " in stdout and "at 2,048, 8,192 tokens" in stdout
     metrics = read_metrics_csv(run_dir / "metrics.csv")
     assert {"train/loss", "val/loss", "tokens_seen", "batch/global_size", "lr", "perf/tokens_per_s"} <= set(metrics)
     assert list(metrics["tokens_seen"][1]) == [1024.0 * (k + 1) for k in range(4)] + [4096.0 + 2048 * k for k in range(1, 5)]
@@ -99,7 +98,8 @@ def test_run_outputs(first_run):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["tokens"], summary["optimizer_steps"], summary["first_batch"], summary["final_batch"]) == (12288, 8, 8, 16)
     assert summary["batch_changes"] == [{"step": 4, "tokens": 4096, "old": 8, "new": 16, "lr_factor": 2**0.5}]
-    assert f"final val/loss   {summary['final_val_loss']:.4f}" in stdout
+    assert summary["final_val_loss"] == pytest.approx(metrics["val/loss"][1][-1])
+    assert train_script.summarize(summary) in stdout  # the run ends by printing its summary
     # Branch steps: k=1 and k=2 at batch 8 (4 and 2 steps of a 4,096-token window), k=2 at batch 16 (1 step).
     assert summary["probe"]["tokens"] == 3 * 4096 and summary["probe"]["optimizer_steps"] == 4 + 2 + 1
     assert [r["k_star"] for r in summary["probe"]["readings"]] == [p["k_star"] for p in probes]
@@ -133,8 +133,8 @@ def test_a_run_that_prepares_its_data_equals_a_run_that_finds_it_prepared(first_
 def test_resume_continues_exactly(first_run):
     run_dir, prepared, _ = first_run
     resumed = run_dir.parent / "resumed"
-    result = train(resumed, f"data.path={prepared}", f"ckpt_path={run_dir / 'checkpoints' / 'step0000004.ckpt'}")
-    assert "optimizer steps  8 " in result.stdout
+    train(resumed, f"data.path={prepared}", f"ckpt_path={run_dir / 'checkpoints' / 'step0000004.ckpt'}")
+    assert json.loads((resumed / "summary.json").read_text())["optimizer_steps"] == 8
     metrics = read_metrics_csv(resumed / "metrics.csv")
     assert metrics["tokens_seen"][1][0] == 6144  # the first step after the checkpoint
     uninterrupted = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
@@ -146,8 +146,7 @@ def test_resume_continues_exactly(first_run):
 def test_torchrun_ddp(first_run):
     run_dir, prepared, _ = first_run
     ddp_dir = run_dir.parent / "ddp"
-    result = torchrun_train(ddp_dir, "trainer=ddp", f"data.path={prepared}")
-    assert "2 process(es)" in result.stdout
+    torchrun_train(ddp_dir, "trainer=ddp", f"data.path={prepared}")
     metrics = read_metrics_csv(ddp_dir / "metrics.csv")
     # Two ranks of 4 samples: 8 samples (1,024 tokens) per step, accumulation 2 after the change.
     assert metrics["tokens_seen"][1][0] == 1024 and metrics["batch/accumulate"][1][-1] == 2
@@ -177,7 +176,7 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
     failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
     done = tmp_path / "1_tiny_warmup_data.batch_size=4"
-    assert "error: global batch 8 (batch.schedule) is not divisible by data.batch_size=5" in (failed / "train.log").read_text()
+    assert "error: global batch (batch.schedule) 8 is not a multiple of micro-batch 5" in (failed / "train.log").read_text()
     assert json.loads((done / "summary.json").read_text())["optimizer_steps"] == 8
     log = (done / "train.log").read_text()
     assert "BatchWarmup: global batch 8 -> 16 samples" in log and "lit_cbs: tiny_warmup done" in log
@@ -190,35 +189,7 @@ def test_configuration_error_is_one_line(tmp_path):
         [sys.executable, TRAIN, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, env=env, timeout=120,
     )
-    assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1] == (
-        "error: model.config: unknown model preset 'olmo_3b'; known presets: olmo_1b, olmo_7b, tiny, tiny4x"
-    )
+    assert result.returncode == 1  # the last line on stderr names the key, the value and the choices
+    assert result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
+    assert not (tmp_path / "metrics.csv").exists()
 
-
-def test_gpu_check_imports_nothing_the_gpu_machine_lacks():
-    code = (
-        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='gpu_check');"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'litdata'}));"
-        "print(sorted(m for m in sys.modules if m.startswith('lit_cbs')))"
-    )
-    result = run([sys.executable, "-c", code, str(ROOT / "benchmarks" / "gpu_check.py")], cwd=ROOT)
-    forbidden, lit_cbs_modules = result.stdout.strip().splitlines()[-2:]
-    assert forbidden == "[]"
-    assert not any(name.startswith(("'lit_cbs.data", "'lit_cbs.run_report")) for name in lit_cbs_modules[1:-1].split(", "))
-
-
-def test_gpu_check_runs_on_cpu(tmp_path):
-    output = tmp_path / "gpu_check.json"
-    run(
-        [
-            sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--output", str(output),
-            "--accelerator", "cpu", "--precision", "32-true", "--preset", "tiny", "--seq-len", "128",
-            "--micro-batch-size", "4", "--steps-before-change", "4", "--steps-after-change", "2", "--skip-steps", "1",
-        ],
-        cwd=tmp_path,
-    )
-    result = json.loads(output.read_text())
-    assert [(c["step"], c["new_global_batch"]) for c in result["batch_changes"]] == [(4, 8)]
-    assert result["optimizer_steps"] == 6 and result["tokens_trained"] == 4 * 512 + 2 * 1024
-    assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_flops_per_device"] == 989e12

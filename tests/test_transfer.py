@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmarks import transfer
 from lit_cbs.analysis import schedule_from_probe
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import transfer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

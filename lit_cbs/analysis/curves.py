@@ -28,9 +28,12 @@ from scipy.signal import lfilter
 
 from lit_cbs.analysis.probe_schedule import read_probe_records
 
+# The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale) and Lightning's step column.
 TOKENS_COLUMN = "tokens_seen"
 STEP_COLUMN = "step"
 LOSS_COLUMN = "train/loss"
+VAL_LOSS_COLUMN = "val/loss"
+LR_COLUMN = "lr"
 BATCH_COLUMN = "batch/global_size"
 GNS_COLUMN = "gns/b_simple"
 METRICS_FILE = "metrics.csv"
@@ -104,11 +107,33 @@ class ProbePoint:
     batch_size: int | None = None
 
 
-def _cell(value: str | None) -> float | None:
-    """A CSV cell as a float; None where the row did not log the metric (empty cell)."""
-    if value is None or value == "":
-        return None
-    return float(value)
+def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each metric of a ``CSVLogger`` file as (steps, values), in file order; empty cells skipped.
+
+    Metrics logged in separate calls land in separate rows at the same step, so a metric's values
+    are paired with the row's step, not with the other metrics of its row. ``epoch`` is left out.
+
+    Raises:
+        ValueError: the file has no ``step_column``, or a row with a value has no number there.
+    """
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if step_column not in (reader.fieldnames or []):
+            raise ValueError(f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?")
+        for row in reader:
+            cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell not in ("", None)}
+            if not cells:
+                continue
+            try:
+                step = float(row[step_column])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}: {step_column}={row[step_column]!r} in a row logging {sorted(cells)}; steps must be numbers") from None
+            for name, cell in cells.items():
+                steps, values = series.setdefault(name, ([], []))
+                steps.append(step)
+                values.append(float(cell))
+    return {name: (np.asarray(steps), np.asarray(values)) for name, (steps, values) in series.items()}
 
 
 def _natural_key(path: Path) -> tuple:
@@ -172,29 +197,24 @@ def read_run(
     csv_path = find_metrics_file(run, metrics_file)
     run_path = Path(run)
     name = name or _run_label(run_path.parent if run_path.is_file() else run_path)
-    with open(csv_path, newline="") as f:
-        reader = csv.DictReader(f)
-        header = list(reader.fieldnames or [])
-        rows = list(reader)
-    for column, argument in ((step_column, "step_column"), (tokens_column, "tokens_column"), (loss_column, "loss_column")):
-        if column not in header:
-            raise ValueError(f"run {name}: {csv_path} has no {column!r} column (columns: {header}); pass {argument}=...")
+    series = read_metrics_csv(csv_path, step_column)
+    for column, argument in ((tokens_column, "tokens_column"), (loss_column, "loss_column")):
+        if column not in series:
+            raise ValueError(f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)}); pass {argument}=...")
 
-    token_steps, token_counts = [], []
-    for row in rows:
-        tokens, step = _cell(row[tokens_column]), _cell(row[step_column])
-        if tokens is None:
-            continue
-        if step is None or not math.isfinite(tokens):
-            raise ValueError(f"run {name}: {tokens_column}={tokens} at {step_column}={step} in {csv_path}; token counts and steps must be finite")
-        if token_counts and tokens < token_counts[-1]:
-            raise ValueError(
-                f"run {name}: {tokens_column} decreases from {token_counts[-1]:g} to {tokens:g} at {step_column} {step:g} "
-                f"in {csv_path} (a restarted run appending to the same CSV?); give each run its own folder"
-            )
-        token_steps.append(step)
-        token_counts.append(tokens)
-    token_steps, token_counts = np.asarray(token_steps), np.asarray(token_counts)
+    token_steps, token_counts = series[tokens_column]
+    if not np.all(np.isfinite(token_counts)):
+        i = np.nonzero(~np.isfinite(token_counts))[0][0]
+        raise ValueError(
+            f"run {name}: {tokens_column}={token_counts[i]:g} at {step_column}={token_steps[i]:g} in {csv_path}; token counts must be finite"
+        )
+    decreasing = np.nonzero(np.diff(token_counts) < 0)[0]
+    if decreasing.size:
+        i = decreasing[0]
+        raise ValueError(
+            f"run {name}: {tokens_column} decreases from {token_counts[i]:g} to {token_counts[i + 1]:g} at {step_column} "
+            f"{token_steps[i + 1]:g} in {csv_path} (a restarted run appending to the same CSV?); give each run its own folder"
+        )
     if len(np.unique(token_steps)) < 2:
         raise ValueError(f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; the tokens per step are unknown")
     if np.any(np.diff(token_steps) < 0):
@@ -208,42 +228,38 @@ def read_run(
             "E(S) fits need runs at one global batch"
         )
     tokens_at_step_zero = float(np.median(token_counts - tokens_per_step * token_steps))
+    logged_tokens = dict(zip(token_steps.tolist(), token_counts.tolist()))
 
-    def tokens_of(row) -> float:
-        tokens = _cell(row[tokens_column])
-        return tokens if tokens is not None else tokens_at_step_zero + tokens_per_step * _cell(row[step_column])
+    def tokens_of(step: float) -> float:
+        """The tokens logged at ``step``; else (e.g. a ``val/loss`` step) from the constant tokens per step."""
+        return logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step)
 
     loss_tokens, losses = [], []
-    for row in rows:
-        loss = _cell(row[loss_column])
-        if loss is None:
-            continue
+    for step, loss in zip(*series[loss_column]):
         if not math.isfinite(loss):
-            warnings.warn(f"run {name}: {loss_column} is {loss} from {step_column} {row[step_column]} on; its curve ends there")
+            warnings.warn(f"run {name}: {loss_column} is {loss} from {step_column} {step:g} on; its curve ends there")
             break
-        loss_tokens.append(tokens_of(row))
+        loss_tokens.append(tokens_of(step))
         losses.append(loss)
     if not losses:
-        raise ValueError(f"run {name}: {csv_path} logs no {loss_column} values")
+        raise ValueError(f"run {name}: {csv_path} logs no finite {loss_column} values")
     order = np.argsort(loss_tokens, kind="stable")
     tokens = np.asarray(loss_tokens)[order]
 
     batch_size = None
-    if batch_column in header:
-        sizes = sorted({v for v in (_cell(row[batch_column]) for row in rows) if v is not None})
+    if batch_column in series:
+        sizes = sorted(set(series[batch_column][1].tolist()))
         if len(sizes) > 1:
             raise ValueError(
                 f"run {name} is not a constant-batch run: {batch_column} takes the values {sizes}; E(S) fits need runs at one global batch"
             )
-        batch_size = int(sizes[0]) if sizes else None
+        batch_size = int(sizes[0])
 
     gns_tokens, gns = [], []
-    if gns_column in header:
-        for row in rows:
-            value = _cell(row[gns_column])
-            if value is not None and math.isfinite(value):
-                gns_tokens.append(tokens_of(row))
-                gns.append(value)
+    for step, value in zip(*series.get(gns_column, ((), ()))):
+        if math.isfinite(value):
+            gns_tokens.append(tokens_of(step))
+            gns.append(value)
     return RunCurve(
         name=name,
         path=csv_path,

@@ -19,6 +19,7 @@ from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from lit_cbs.data.prepare import read_metadata, resolve_data
+from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.data.tokenizers import load_tokenizer
 
 
@@ -73,12 +74,11 @@ class TokenDataModule(LightningDataModule):
         val_fraction: float = 0.01,
     ):
         super().__init__()
-        checks = [("seq_len", seq_len, 1), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0)]
-        if val_batches is not None:
-            checks.append(("val_batches", val_batches, 1))
-        for name, value, minimum in checks:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"data.{name}={value!r} must be an int >= {minimum}")
+        positive_int("data.seq_len", seq_len, "tokens per sample")
+        positive_int("data.batch_size", batch_size, "samples per device")
+        positive_int("data.val_batches", val_batches, "batches per device", optional=True)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise LitCBSConfigError(f"data.num_workers={num_workers!r} must be an int >= 0 (worker processes)")
         self.path = path
         self.input_dir = input_dir
         self.cache_dir = cache_dir

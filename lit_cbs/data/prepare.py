@@ -42,8 +42,8 @@ FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 DEFAULT_CHUNK_TOKENS = 2**24
 # optimize starts a worker process and, in ordered mode, a helper process per worker. Under
-# spawn each re-imports torch (about 5 s each here; the stdlib corpus took 30 s), under fork none
-# does (1 s). The forked code is litdata's and _tokenize_piece, which stays in numpy (no torch
+# spawn each re-imports torch, which takes longer than tokenizing the stdlib corpus; under fork
+# none does. The forked code is litdata's and _tokenize_piece, which stays in numpy (no torch
 # threads). Elsewhere (macOS) spawn: scripts that prepare data need `if __name__ == "__main__":`.
 OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 

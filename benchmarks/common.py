@@ -1,0 +1,142 @@
+"""What the benchmarks share: timing optimizer steps, running the recipes, reading their runs, and
+writing each benchmark's own section of docs/RESULTS.md.
+
+A benchmark named ``name`` owns the text between ``<!-- {name}:start -->`` and
+``<!-- {name}:end -->`` of the results file; everything else in it is left as it is, so
+benchmarks run at different times do not overwrite each other's results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # seconds; cpu: this process's CPU time
+
+
+class StepTimer(pl.Callback):
+    """Reads every clock and counts tokens at the end of each optimizer step.
+
+    Put it last among the callbacks: its hook then runs after theirs, so a step's time includes
+    them. On a GPU it synchronizes first, so the time includes the step's kernels. Batches are
+    token tensors [B, seq_len + 1]; ``tokens`` counts this process's predictions (B x seq_len).
+    """
+
+    def __init__(self):
+        self.steps: list[int] = []  # optimizer steps done at each reading
+        self.ends: dict[str, list[float]] = {clock: [] for clock in CLOCKS}  # seconds, per clock
+        self.tokens: list[int] = []  # tokens trained on by this process at each reading
+        self._tokens = 0
+        self._last_step = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._tokens += batch[:, 1:].numel()
+        if trainer.global_step == self._last_step:
+            return  # accumulating: no optimizer step after this micro-batch
+        self._last_step = trainer.global_step
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        for clock, read in CLOCKS.items():
+            self.ends[clock].append(read())
+        self.steps.append(trainer.global_step)
+        self.tokens.append(self._tokens)
+
+    def durations(self, clock: str) -> list[float]:
+        """Seconds of each optimizer step but the first (whose start is not read): end to end."""
+        ends = self.ends[clock]
+        return [end - start for start, end in zip(ends, ends[1:])]
+
+
+def machine(load: tuple[float, float, float] | None = None) -> str:
+    """Where a benchmark ran: architecture, cores, load average (when given), torch."""
+    at_end = f", load average {', '.join(f'{x:.2f}' for x in load)} at the end" if load else ""
+    return f"{platform.machine()}, {os.cpu_count()} cores{at_end}, torch {torch.__version__}"
+
+
+def run_logged(command: list[str], log_path: Path, threads: int | None = None) -> None:
+    """Run ``command`` from the repository root with its output in ``log_path``; exit with its tail if it fails.
+
+    ``threads``: OMP_NUM_THREADS for it (runs trained side by side share the cores).
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    with open(log_path, "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    if done.returncode != 0:
+        tail = "\n".join(log_path.read_text().splitlines()[-20:])
+        raise SystemExit(f"{' '.join(command[1:3])} ... failed ({done.returncode}); {log_path}:\n{tail}")
+
+
+def train_command(overrides: list[str]) -> list[str]:
+    """The command line of ``recipes/train.py`` with Hydra ``overrides``."""
+    return [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides]
+
+
+def read_run(run_dir: Path) -> dict:
+    """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss)."""
+    from lit_cbs.analysis.curves import TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    series = read_metrics_csv(run_dir / "metrics.csv")
+    val_steps, val_loss = series[VAL_LOSS_COLUMN]
+    token_steps, tokens = series[TOKENS_COLUMN]
+    # val/loss is logged at the step of the last optimizer step; tokens_seen is logged every step.
+    tokens_at = dict(zip(token_steps.tolist(), tokens.tolist()))
+    curve = [
+        {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss)}
+        for step, loss in zip(val_steps.tolist(), val_loss.tolist())
+        if step in tokens_at
+    ]
+    return {**summary, "val_curve": curve}
+
+
+def section_markers(name: str) -> tuple[str, str]:
+    """The start and end marker lines of section ``name``."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"section name {name!r} must be letters, digits, '_', '.' or '-' (it goes into an HTML comment)")
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def replace_section(path: str | os.PathLike, name: str, text: str) -> None:
+    """Put ``text`` between the markers of section ``name`` in the markdown file ``path``.
+
+    A missing (or empty) file is created with a ``# Results`` heading and the section; a file
+    without the section gets it appended; otherwise only the text between its markers changes.
+    """
+    path = Path(path)
+    start, end = section_markers(name)
+    if start in text or end in text:
+        raise ValueError(f"the text for section {name!r} contains its own marker {start} or {end}")
+    block = f"{start}\n{text.strip(chr(10))}\n{end}"
+    old = path.read_text() if path.exists() else ""
+    starts, ends = old.count(start), old.count(end)
+    if starts == ends == 0:
+        head = old.rstrip("\n") or "# Results"
+        new = f"{head}\n\n{block}\n"
+    elif starts == ends == 1 and old.index(start) < old.index(end):
+        new = old[: old.index(start)] + block + old[old.index(end) + len(end) :]
+    else:
+        raise ValueError(
+            f"{path} has {starts} '{start}' and {ends} '{end}'; section {name!r} needs one of each, start first: "
+            "fix the markers by hand"
+        )
+    # Write beside it and rename, so a reader never sees half a file.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(new)
+    os.replace(partial, path)

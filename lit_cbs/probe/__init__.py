@@ -1,0 +1,41 @@
+"""Measure the critical batch size (CBS) online by branched training (Merrill et al. 2025, arXiv 2505.23971).
+
+- ``reading``: the k* rule, the CBS interval, bisection and ``ProbeReading`` (one measurement); no Lightning.
+- ``snapshot``: ``TrainingSnapshot``, the in-memory copy of the training state a branch starts from.
+- ``branch``: ``BranchTrainer`` trains batch k*B on the main run's ``RecordedWindow`` and scores it.
+- ``callback``: ``CBSProbeCallback``, which places the probes in a Trainer and reports them.
+- ``plot``: ``plot_cbs_curve``, the readings against tokens.
+
+The names below load on first use (PEP 562), so ``lit_cbs.probe.reading`` does not pay for Lightning.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "BranchFailed": "lit_cbs.probe.branch",
+    "BranchTrainer": "lit_cbs.probe.branch",
+    "CBSProbeCallback": "lit_cbs.probe.callback",
+    "ProbeAborted": "lit_cbs.probe.branch",
+    "ProbeReading": "lit_cbs.probe.reading",
+    "RecordedWindow": "lit_cbs.probe.branch",
+    "TrainingSnapshot": "lit_cbs.probe.snapshot",
+    "cbs_interval": "lit_cbs.probe.reading",
+    "critical_multiplier": "lit_cbs.probe.reading",
+    "ema_last": "lit_cbs.probe.reading",
+    "is_admissible": "lit_cbs.probe.reading",
+    "max_branches": "lit_cbs.probe.reading",
+    "measure_losses": "lit_cbs.probe.reading",
+    "plot_cbs_curve": "lit_cbs.probe.plot",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lit_cbs.probe' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,414 @@
+"""``CBSProbeCallback``: measure the critical batch size (CBS) online by branched training.
+
+How it runs the paper's protocol (``reading.py``) inside one Trainer, without re-entering Lightning's loops:
+
+1. At a probe point (tokens seen), after an optimizer step, snapshot the training state S0
+   (``TrainingSnapshot``: parameters, optimizer, schedulers, grad scaler, RNG and metric states).
+2. The main run goes on for one window; its micro-batches and step losses are recorded as they
+   stream by (``RecordedWindow``): the main run *is* the k = 1 branch.
+3. At the window's end, snapshot the main state S1, then for each k restore S0 and train batch k*B
+   on the recorded micro-batches (``branch.py``): every branch sees exactly the tokens the main run
+   saw. Then restore S1: the main run is untouched (parameters, optimizer state, RNG streams, data).
+4. Apply the k* rule to the branches' losses (``ProbeReading.decide``), log the reading, append it
+   to ``cbs_probe.jsonl``, and feed a ``CBSAdaptive`` batch schedule if one is in use.
+
+The batch and token counts come from ``BatchAccounting``, so the probe runs on a fixed-batch run
+alone; with ``BatchWarmup`` it also feeds ``CBSAdaptive`` and draws the batch changes in its plot.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lit_cbs._internals import should_accumulate
+from lit_cbs.accounting import BatchAccounting
+from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
+from lit_cbs.lr_rules import get_lr_rule
+from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, RecordedWindow, logging_muted, loss_of
+from lit_cbs.probe.plot import plot_cbs_curve
+from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, ProbeReading, max_branches, measure_losses
+from lit_cbs.probe.snapshot import TrainingSnapshot
+from lit_cbs.schedules import CBSAdaptive
+from lit_cbs.warmup import BatchWarmup
+
+JSONL_FILE = "cbs_probe.jsonl"
+PLOT_FILE = "cbs_curve.png"
+
+
+class CBSProbeCallback(Callback):
+    """Measure the critical batch size at intervals by branched mini-fits from in-memory copies.
+
+    Reads the global batch B, the micro-batch and the token count from the Trainer's
+    ``BatchAccounting`` (attached if absent), so it needs no other callback. Probe points and windows
+    are in tokens: the batches must hold token ids, or ``seq_len`` be given (to ``BatchAccounting``
+    or ``BatchWarmup``).
+
+    Args:
+        every_tokens: probe every this many tokens (global).
+        at_tokens: probe at these token counts.
+        geometric: ``(first_tokens, ratio)``: probe at first, first*ratio, ... (dense early, where
+            the CBS moves fast). Exactly one of the three must be given. A point passed while
+            another probe's window runs is probed as soon as that window ends.
+        multipliers: the grid of k (batch k*B for each branch); fractions below 1 are used where
+            k*B is a whole number of micro-batches on every rank, skipped (and said) otherwise.
+        window_tokens: Delta, the tokens every branch trains on (rounded down to a whole number
+            of steps of the largest branch).
+        epsilon: tolerance in nats of the k* rule (the paper: 0.01; see docs/tiny_workload.md for the noise
+            floor of small runs).
+        ema_alpha: weight of the newest step loss in the EMA (the paper: 0.5).
+        lr_rule: LR factor for batch ratio k ("sqrt" for Adam, "linear" for SGD, ...).
+        strategy: "grid" (every k, the paper's protocol) or "bisect" (main run as the k=1
+            baseline, bisection over the rest; assumes recovery is monotone in k).
+        evaluate: "train_ema" (the paper) or "heldout": the loss on the first ``heldout_batches``
+            batches of the datamodule's val_dataloader at the window's end.
+        max_overhead: skip a probe that would bring probe tokens above this fraction of the
+            training tokens.
+        snapshot_device: where snapshots and recorded batches live ("cpu" keeps accelerator
+            memory free).
+        output_dir: where ``cbs_probe.jsonl`` and ``cbs_curve.png`` go (default: the trainer's
+            log_dir or default_root_dir).
+
+    Attributes:
+        history: one ``ProbeReading`` per finished probe.
+        tokens_spent: tokens trained in branches so far (all ranks).
+    """
+
+    def __init__(
+        self,
+        every_tokens: int | None = None,
+        at_tokens: Sequence[int] | None = None,
+        geometric: tuple[int, float] | None = None,
+        multipliers: Sequence[float] = (1, 2, 4, 8),
+        window_tokens: int = 1_000_000,
+        epsilon: float = 0.01,
+        ema_alpha: float = 0.5,
+        lr_rule="sqrt",
+        strategy: str = "grid",
+        evaluate: str = "train_ema",
+        heldout_batches: int = 8,
+        max_overhead: float | None = None,
+        snapshot_device: str = "cpu",
+        output_dir: str | os.PathLike | None = None,
+    ):
+        if sum(x is not None for x in (every_tokens, at_tokens, geometric)) != 1:
+            raise LitCBSConfigError("give exactly one of every_tokens, at_tokens or geometric=(first_tokens, ratio)")
+        self.every_tokens = positive_int("every_tokens", every_tokens, "tokens", optional=True)
+        if at_tokens is not None:
+            at_tokens = sorted(int(t) for t in at_tokens)
+            if not at_tokens or at_tokens[0] <= 0:
+                raise LitCBSConfigError(f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
+        if geometric is not None:
+            first, ratio = geometric
+            if not (first > 0 and ratio > 1):
+                raise LitCBSConfigError(f"geometric={geometric!r} needs first_tokens > 0 and ratio > 1")
+        multipliers = list(multipliers)
+        if not multipliers or any(isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers):
+            raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
+        if len(set(multipliers)) != len(multipliers):
+            raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
+        if epsilon < 0:
+            raise LitCBSConfigError(f"epsilon={epsilon} must be >= 0 (nats)")
+        if not 0 < ema_alpha <= 1:
+            raise LitCBSConfigError(f"ema_alpha={ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
+        self.strategy = one_of("strategy", strategy, STRATEGIES)
+        if strategy == "bisect" and 1 not in multipliers:
+            raise LitCBSConfigError("strategy='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
+        self.at_tokens = at_tokens
+        self.geometric = tuple(geometric) if geometric is not None else None
+        self.multipliers = sorted(float(k) for k in multipliers)
+        self.window_tokens = positive_int("window_tokens", window_tokens, "tokens")
+        self.epsilon = float(epsilon)
+        self.ema_alpha = float(ema_alpha)
+        self.lr_rule = get_lr_rule(lr_rule)
+        self.evaluate = one_of("evaluate", evaluate, EVALUATIONS)
+        self.heldout_batches = positive_int("heldout_batches", heldout_batches, "validation batches")
+        self.max_overhead = positive_number("max_overhead", max_overhead, "probe tokens / training tokens", optional=True)
+        self.snapshot_device = snapshot_device
+        self.output_dir = Path(output_dir) if output_dir is not None else None
+
+        self.history: list[ProbeReading] = []
+        self.tokens_spent = 0
+        self.probes_started = 0
+        self._accounting: BatchAccounting | None = None
+        self._warmup: BatchWarmup | None = None  # only for CBSAdaptive and the batch changes in the plot
+        self._window: RecordedWindow | None = None  # the probe whose window the main run is training
+        self._heldout: list | None = None
+        self._batch_checked = False
+        self._resolved_output_dir: Path | None = None
+
+    # ------------------------------------------------------------------ probe points
+    def probe_point(self, index: int) -> float:
+        """Token count of the index-th probe (0-based); inf past the last of ``at_tokens``."""
+        if self.every_tokens is not None:
+            return self.every_tokens * (index + 1)
+        if self.at_tokens is not None:
+            return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
+        first, ratio = self.geometric
+        return round(first * ratio**index)
+
+    # ------------------------------------------------------------------ checks before training
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._accounting = BatchAccounting.of(trainer)
+        self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        max_tokens = self._accounting.max_tokens
+        if max_tokens is not None and self.probe_point(self.probes_started) >= max_tokens:
+            raise LitCBSConfigError(
+                f"no probe point lies inside the run: the first is at {self.probe_point(self.probes_started):g} tokens "
+                f"but max_tokens={max_tokens}; probe earlier"
+            )
+        if self.evaluate == "heldout":
+            self._heldout = self._load_heldout(trainer)
+        self._batch_checked = False
+        # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once.
+        self._resolved_output_dir = self.output_dir or Path(trainer.log_dir or trainer.default_root_dir)
+
+    def _load_heldout(self, trainer: pl.Trainer) -> list:
+        datamodule = trainer.datamodule
+        if datamodule is None or not hasattr(datamodule, "val_dataloader"):
+            raise LitCBSConfigError("evaluate='heldout' needs a datamodule with val_dataloader(); use evaluate='train_ema'")
+        batches = []
+        for batch in datamodule.val_dataloader():
+            batches.append(move_data_to_device(batch, self.snapshot_device))
+            if len(batches) == self.heldout_batches:
+                break
+        if not batches:
+            raise LitCBSConfigError("evaluate='heldout': the val_dataloader yielded no batch")
+        return batches
+
+    def _check_batch(self) -> None:
+        """At the first batch, where the accounting has seen what the loader yields: tokens per
+        sample, and a window that holds a step of the largest branch."""
+        accounting = self._accounting
+        seq_len, batch = accounting.seq_len, accounting.global_batch
+        if seq_len is None:
+            raise LitCBSConfigError(
+                "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
+                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
+                "`tokens_per_sample` attribute)"
+            )
+        largest_step = max(self.multipliers) * batch * seq_len
+        if self.window_tokens < largest_step:
+            raise LitCBSConfigError(
+                f"window_tokens={self.window_tokens} is smaller than one step of the largest branch "
+                f"(k={max(self.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
+                "raise window_tokens or drop the largest multipliers"
+            )
+        for reading in self.history:
+            if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
+                reading.seq_len = seq_len
+        unit = accounting.micro_batch_size * accounting.data_parallel_size
+        too_small = [k for k in self.multipliers if (k * batch) % unit]
+        if too_small:
+            rank_zero_warn(
+                f"multipliers {too_small} give batches that are not a whole number of micro-batches "
+                f"({unit} samples) at batch {batch}; they are skipped while that holds"
+            )
+
+    # ------------------------------------------------------------------ main-run hooks
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if not self._batch_checked:
+            self._batch_checked = True
+            self._check_batch()
+        if self._window is not None:
+            self._window.record_batch(batch, self.snapshot_device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        window = self._window
+        if window is not None:
+            # Lightning hands back the loss divided by accumulate; undo it for the micro-batch's mean.
+            window.record_micro_loss(float(loss_of(outputs).detach()) * trainer.accumulate_grad_batches)
+        if should_accumulate(trainer):
+            return
+        if window is not None:
+            window.end_step()
+            if window.complete:
+                self._finish_probe(trainer, pl_module)
+        elif self._accounting.tokens_seen >= self.probe_point(self.probes_started):
+            self._start_probe(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self._window is not None:
+            rank_zero_warn(f"CBS probe at {self._window.tokens:,} tokens dropped: training ended inside its window")
+            self._window = None
+        if trainer.is_global_zero and self.history:
+            batch_changes = self._warmup.history if self._warmup is not None else []
+            plot_cbs_curve(self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen)
+
+    # ------------------------------------------------------------------ a probe
+    def _usable_multipliers(self, batch_size: int, unit: int, window_samples: int) -> list[float]:
+        """The ks whose batch k*B is a whole number of micro-batch units and fits the window."""
+        usable = []
+        for k in self.multipliers:
+            branch = k * batch_size
+            if abs(branch - round(branch)) < 1e-9 and round(branch) % unit == 0 and branch <= window_samples:
+                usable.append(k)
+        return usable
+
+    def _start_probe(self, trainer, pl_module) -> None:
+        accounting = self._accounting
+        tokens = accounting.tokens_seen
+        self.probes_started += 1
+        while self.probe_point(self.probes_started) <= tokens:
+            self.probes_started += 1  # points passed inside one step (or during an earlier window)
+        batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
+        seq_len = accounting.seq_len
+        window_samples = self.window_tokens // seq_len
+        ks = self._usable_multipliers(batch_size, micro * world, window_samples)
+        if not ks or (self.strategy == "bisect" and 1.0 not in ks):
+            rank_zero_warn(f"CBS probe at {tokens:,} tokens skipped: no multiplier fits batch {batch_size}")
+            return
+        # Every branch trains on the same whole number of its own steps.
+        largest = max(ks) * batch_size
+        window_samples = int(window_samples // largest * largest)
+        window_tokens = window_samples * seq_len
+        if accounting.max_tokens is not None and tokens + window_tokens > accounting.max_tokens:
+            # The main run would stop inside the window and take its snapshot and data with it.
+            rank_zero_info(
+                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens:,} "
+                f"tokens would end past max_tokens={accounting.max_tokens:,}"
+            )
+            return
+        if self.max_overhead is not None:
+            expected_cost = max_branches(self.strategy, len(ks)) * window_tokens
+            overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens)
+            if overhead > self.max_overhead:
+                rank_zero_info(
+                    f"CBS probe at {tokens:,} tokens skipped: it would bring probe overhead to "
+                    f"{overhead:.2f} > max_overhead={self.max_overhead}"
+                )
+                return
+        self._window = RecordedWindow(
+            tokens=tokens,
+            step=trainer.global_step,
+            batch_size=batch_size,
+            accumulate=accounting.accumulate,
+            micro_batch_size=micro,
+            data_parallel_size=world,
+            seq_len=seq_len,
+            multipliers=ks,
+            window_samples=window_samples,
+            start=TrainingSnapshot(trainer, pl_module, self.snapshot_device),
+        )
+
+    def _finish_probe(self, trainer, pl_module) -> None:
+        window, self._window = self._window, None
+        accounting = self._accounting
+        main_changed_batch = accounting.global_batch != window.batch_size
+        branches = BranchTrainer(
+            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout
+        )
+        main_loss = branches.score(window.step_losses)
+        after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
+        failed: list[float] = []
+        trained: list[float] = []
+
+        def measure(k: float) -> float:
+            if k == 1.0 and self.strategy == "bisect" and not main_changed_batch:
+                return main_loss  # the main run trained batch B on this very window
+            trained.append(k)
+            try:
+                return branches.loss(window, k)
+            except BranchFailed as error:
+                rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
+                failed.append(k)
+                return math.inf
+
+        try:
+            with logging_muted(pl_module):
+                losses = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
+        except ProbeAborted:
+            rank_zero_warn(f"CBS probe at {window.tokens:,} tokens aborted by SIGTERM; main state restored")
+            return
+        finally:
+            after_window.restore(trainer, pl_module)
+            accounting.set_gradient_sync(None)
+        spent = len(trained) * window.window_tokens
+        self.tokens_spent += spent
+        reading = ProbeReading.decide(
+            losses,
+            self.epsilon,
+            window.multipliers,
+            window.batch_size,
+            tokens=window.tokens,
+            step=window.step,
+            seq_len=window.seq_len,
+            window_tokens=window.window_tokens,
+            strategy=self.strategy,
+            evaluate=self.evaluate,
+            main_loss=main_loss,
+            branches_trained=trained,
+            failed=failed,
+            tokens_spent=spent,
+            overhead=self.tokens_spent / max(1, accounting.tokens_seen),
+        )
+        self._feed_adaptive_schedule(reading)
+        self.history.append(reading)
+        self._report(trainer, reading)
+
+    def _feed_adaptive_schedule(self, reading: ProbeReading) -> None:
+        """Tell a CBSAdaptive batch schedule the measured CBS lower bound; note the batch it moves to."""
+        schedule = self._warmup.schedule if self._warmup is not None else None
+        if not isinstance(schedule, CBSAdaptive):
+            return
+        accounting = self._accounting
+        consumed = accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
+        if schedule.observe(consumed, reading.cbs_lower):
+            reading.adaptive_batch = schedule.batch_size(consumed)
+            rank_zero_info(f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}")
+
+    # ------------------------------------------------------------------ reporting
+    def _report(self, trainer: pl.Trainer, reading: ProbeReading) -> None:
+        metrics = {
+            "cbs/lower": float(reading.cbs_lower),
+            "cbs/estimate": float(reading.cbs_estimate),
+            "cbs/k_star": float(reading.k_star),
+            "probe/overhead": float(reading.overhead),
+            "probe/tokens_spent": float(self.tokens_spent),
+        }
+        if reading.cbs_upper is not None:
+            metrics["cbs/upper"] = float(reading.cbs_upper)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        losses = ", ".join(f"k={k}: {v:.4f}" if v is not None else f"k={k}: failed" for k, v in reading.losses.items())
+        upper = f"{reading.cbs_upper:g}" if reading.cbs_upper is not None else "beyond the grid"
+        rank_zero_info(
+            f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
+            f"CBS in [{reading.cbs_lower:g}, {upper}] samples; {losses}; probe overhead {reading.overhead:.2f}"
+        )
+        if trainer.is_global_zero:
+            out = self._resolved_output_dir
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / JSONL_FILE, "a") as f:
+                f.write(json.dumps(dataclasses.asdict(reading)) + "\n")
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        # A window in progress cannot be finished after a resume (its start snapshot lives only in
+        # memory), so a checkpoint taken inside one asks the resumed run to probe again at once.
+        return {
+            "history": [dataclasses.asdict(reading) for reading in self.history],
+            "tokens_spent": self.tokens_spent,
+            "probes_started": self.probes_started - (self._window is not None),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # lit_cbs 0.1 readings carry no seq_len; the first batch tells it (_check_batch).
+        self.history = [ProbeReading(**{"seq_len": None, **copy.deepcopy(reading)}) for reading in state_dict["history"]]
+        self.tokens_spent = state_dict["tokens_spent"]
+        self.probes_started = state_dict["probes_started"]

@@ -1,0 +1,37 @@
+"""``RandomTokenData``: uniform random token batches, for runs that measure speed and memory, not learning.
+
+A smoke test of a training stack on a GPU (``CausalLM`` + ``BatchWarmup`` + ``CBSProbeCallback``)
+or a benchmark of the callbacks' cost needs token batches of the right shape, not a prepared
+dataset. Imports only torch and Lightning (no litdata), so it runs where only those are installed.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from lit_cbs.errors import LitCBSConfigError, positive_int
+
+
+class RandomTokenData(pl.LightningDataModule):
+    """``samples`` sequences of ``seq_len + 1`` token ids drawn uniformly from [0, ``vocab_size``), seeded.
+
+    A batch is an int64 tensor [``batch_size``, ``seq_len + 1``] (inputs ``[:, :-1]``, targets
+    ``[:, 1:]``), in a fixed order; an incomplete last batch is dropped. ``batch_size`` (the
+    micro-batch, samples) and ``seq_len`` (tokens per sample) are public, as ``BatchWarmup`` reads
+    them. Training past ``samples`` starts another epoch over the same sequences.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, batch_size: int, samples: int, seed: int = 0):
+        super().__init__()
+        self.vocab_size = positive_int("vocab_size", vocab_size, "token ids")
+        self.seq_len = positive_int("seq_len", seq_len, "tokens per sample")
+        self.batch_size = positive_int("batch_size", batch_size, "samples")
+        if positive_int("samples", samples, "sequences") < batch_size:
+            raise LitCBSConfigError(f"samples={samples} must be >= batch_size={batch_size} (one whole batch)")
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab_size, (samples, seq_len + 1), generator=generator)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.tokens, batch_size=self.batch_size, drop_last=True)
