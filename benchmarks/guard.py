@@ -32,13 +32,10 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
@@ -46,20 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import (
-    ROOT,
-    machine,
-    read_run,
-    replace_section,
-    run_logged,
-    train_command,
-)
-from lit_cbs.analysis.curves import (
-    LOSS_COLUMN,
-    TOKENS_COLUMN,
-    read_metrics_csv,
-    rolling_mean,
-)
+from benchmarks.common import machine, read_run, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
+from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens)
@@ -117,13 +102,7 @@ def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
 
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder); return what the report needs of it."""
-    run_dir = out / run.key
-    if not (run_dir / "summary.json").exists():
-        command = command_of(run, settings, out)
-        print(f"[guard] {run.key}: {' '.join(command[1:])}", flush=True)
-        started = time.perf_counter()
-        run_logged(command, out / "logs" / f"{run.key}.log", threads)
-        (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+    train_unless_done(command_of(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[guard] {run.key}")
     return load(run, out)
 
 
@@ -286,33 +265,15 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.tokens:,} tokens per run: a pipeline check, no results")
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "guard", help="folder for the runs and guard.json")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the section 'guard' of this file (default: docs/RESULTS.md, none with --quick)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/guard.png next to --markdown, else OUT)")
-    parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.date = str(datetime.date.today())
+    args = recipe_benchmark_arguments("guard", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run: a pipeline check, no results", argv)
     args.settings = QUICK if args.quick else FULL
-    if args.jobs < 1:
-        parser.error(f"--jobs={args.jobs} must be >= 1")
-    if args.markdown is None and not args.quick:
-        args.markdown = ROOT / "docs" / "RESULTS.md"
-    if args.plot is None:
-        args.plot = (args.markdown.parent / "guard.png") if args.markdown else args.out / "guard.png"
-    args.out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
     runs: dict[str, dict] = {}
     started = time.perf_counter()
     if args.report_only:
         runs = {run.key: load(run, args.out) for run in runs_of(args.settings) if (args.out / run.key / "summary.json").exists()}
     else:
         with ThreadPoolExecutor(args.jobs) as pool:
-            futures = [pool.submit(train, run, args.settings, args.out, threads) for run in runs_of(args.settings)]
+            futures = [pool.submit(train, run, args.settings, args.out, args.threads) for run in runs_of(args.settings)]
             for future in as_completed(futures):
                 result = future.result()
                 runs[result["key"]] = result
