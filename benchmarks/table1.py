@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu", action="store_true", help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed")
     parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="which runs, comma-separated keys")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a train.py override for every run (repeatable), e.g. data.val_batches=8")
+                        help="a train.py override for every run (repeatable), e.g. trainer.limit_val_batches=8")
     parser.add_argument("--last-evals", type=int, default=2, help="held-out evaluations averaged for the final loss")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "table1", help="folder for the runs")
     parser.add_argument("--json", type=Path, default=None, help="write every number here (default: OUT/table1.json)")

@@ -4,7 +4,7 @@ The names below load on first use (PEP 562), so ``import lit_cbs.analysis`` or
 ``lit_cbs.schedules`` does not pay for importing Lightning.
 """
 
-import importlib
+from lit_cbs._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -30,12 +30,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'lit_cbs' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -16,8 +16,11 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.utils._pytree import tree_leaves, tree_map
+
+# Re-exported for the modules that use them (listed in PRIVATE_ATTRIBUTES).
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as checkpoint_wrapper
+from torch.utils._pytree import tree_leaves as tree_leaves
+from torch.utils._pytree import tree_map as tree_map
 
 # What each function below reaches, as dotted paths from a module or from a live object (trainer.,
 # model_checkpoint., metric., sequential_lr. or lr_scheduler.): tests/test_internals.py resolves every path.

@@ -43,9 +43,9 @@ def token_sequence_length(batch: Any) -> int | None:
     Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
     """
     for leaf in tree_leaves(batch):
-        if isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and not (leaf.is_floating_point() or leaf.is_complex()):
-            if leaf.dtype != torch.bool:
-                return int(leaf.shape[1])
+        integer = isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool)
+        if integer and leaf.ndim == 2:
+            return int(leaf.shape[1])
     return None
 
 

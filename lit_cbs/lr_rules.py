@@ -25,7 +25,6 @@ from torch.optim import lr_scheduler as torch_sched
 
 from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.lr_schedules import TokenLRScheduler
 
 
 class LRRule:
@@ -158,7 +157,7 @@ def check_scheduler_supported(scheduler) -> None:
         for inner in inner_schedulers(scheduler):
             check_scheduler_supported(inner)
         return
-    if isinstance(scheduler, (*_PROPORTIONAL, TokenLRScheduler)):
+    if isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
         return
     supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.lr_schedules.TokenLRScheduler"]
     if isinstance(scheduler, torch_sched.OneCycleLR):

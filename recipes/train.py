@@ -94,7 +94,12 @@ def name_the_keys(cfg: DictConfig, key: str, message: str) -> str:
         if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?=", message):
             continue  # a plain word such as `unit` may be prose; `unit=` or `warmup_tokens` is the argument
         note = f" ({source})" if source is not None and not isinstance(OmegaConf.select(cfg, source), DictConfig) else ""
-        message = re.sub(rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?", lambda m: f"{full_key}{m.group(1) or ''}{note}", message, count=1)
+        message = re.sub(
+            rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?",
+            lambda m, full_key=full_key, note=note: f"{full_key}{m.group(1) or ''}{note}",
+            message,
+            count=1,
+        )
         message = re.sub(rf"(?<![\w.]){re.escape(name)}\b", full_key, message)
     return message
 

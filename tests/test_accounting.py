@@ -7,11 +7,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchAccounting, BatchWarmup, ConstantBatch, GradientNoiseScale, PiecewiseBatch, TokenLRScheduler
 from lit_cbs.accounting import check_divisible
 from lit_cbs.errors import LitCBSConfigError
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 
 class TokenIds(torch.utils.data.Dataset):

@@ -295,7 +295,7 @@ def test_smoothed_noisy_curves_still_give_the_crossings(tmp_path):
     rng = np.random.default_rng(0)
     for run_folder in folder.iterdir():
         path = run_folder / "metrics.csv"
-        rows = list(csv.DictReader(open(path)))
+        rows = list(csv.DictReader(path.read_text().splitlines()))
         for row in rows:
             if row["train/loss"]:
                 row["train/loss"] = str(float(row["train/loss"]) + 0.003 * rng.standard_normal())

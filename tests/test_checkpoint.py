@@ -8,10 +8,10 @@ import signal
 import lightning.pytorch as pl
 import pytest
 import torch
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs.checkpoint import FinalStateCheckpoint
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 
 class SigtermAt(pl.Callback):
@@ -85,9 +85,9 @@ def test_sigterm_after_an_optimizer_step_is_saved(tmp_path):
 
 
 def test_sigterm_inside_an_accumulation_window_keeps_the_last_whole_step(tmp_path):
-    with pytest.warns(UserWarning, match="SIGTERM inside an accumulation window after step 6: not checkpointed.*step 4"):
-        with pytest.raises(SystemExit):
-            fit(tmp_path, SigtermAt(micro_batch=13))
+    warns = pytest.warns(UserWarning, match="SIGTERM inside an accumulation window after step 6: not checkpointed.*step 4")
+    with warns, pytest.raises(SystemExit):
+        fit(tmp_path, SigtermAt(micro_batch=13))
     assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 4
 
 

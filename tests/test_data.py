@@ -90,7 +90,7 @@ def test_train_and_val_are_disjoint_and_cover_the_stream_in_order(prepared, text
 
 def test_split_cut_moves_back_to_a_character_start(tmp_path):
     path = tmp_path / "one.txt"
-    path.write_bytes("abcé".encode("utf-8"))  # 61 62 63 c3 a9: the last byte continues 'é'
+    path.write_bytes("abcé".encode())  # 61 62 63 c3 a9: the last byte continues 'é'
     train, val = split_pieces([path], val_fraction=0.2)
     assert train == [(str(path), 0, 3, False)]
     assert val == [(str(path), 3, 5, True)]
@@ -207,7 +207,7 @@ def test_batch_larger_than_the_train_split_rejected(text_dir, cache_dir, prepare
         make_datamodule(text_dir, cache_dir, batch_size=10_000)
 
 
-@pytest.mark.parametrize("field, value", [("seq_len", 0), ("batch_size", 2.5), ("val_batches", 0)])
+@pytest.mark.parametrize("field, value", [("seq_len", 0), ("batch_size", 2.5), ("num_workers", -1)])
 def test_bad_datamodule_arguments_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"data\.{field}={value}"):
         TokenDataModule(**{field: value})
@@ -270,13 +270,24 @@ def test_train_loader_drops_the_incomplete_last_batch(text_dir, cache_dir, prepa
     assert all(len(batch) == 7 for batch in batches)
 
 
-def test_val_loader_reads_the_val_split_in_order_and_val_batches_limits_it(text_dir, cache_dir, prepared):
+def test_val_loader_reads_the_val_split_in_order(text_dir, cache_dir, prepared):
     datamodule = make_datamodule(text_dir, cache_dir)
     val = torch.cat(list(datamodule.val_dataloader())).flatten()
     stream = read_tokens(prepared / "val")
     assert bytes(val.tolist()) == stream[: len(val)] and len(stream) - len(val) < 16
-    limited = make_datamodule(text_dir, cache_dir, val_batches=2).val_dataloader()
-    assert len(limited) == 2 and len(list(limited)) == 2 and len(list(limited)) == 2
+
+
+def test_limit_val_batches_validates_on_the_same_first_batches_every_time(text_dir, cache_dir, prepared):
+    class RecordsValidation(RecordingModule):
+        def validation_step(self, batch, batch_idx):
+            self.seen.append(batch.clone())
+
+    datamodule, module = make_datamodule(text_dir, cache_dir), RecordsValidation()
+    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    first_two = [batch for batch, _ in zip(datamodule.val_dataloader(), range(2))]
+    assert len(module.seen) == 4 and all(torch.equal(a, b) for a, b in zip(module.seen, first_two + first_two))
 
 
 def test_val_batch_size_stays_when_the_micro_batch_changes(text_dir, cache_dir, prepared):
@@ -414,7 +425,7 @@ def test_random_token_data_is_seeded_whole_batches_of_token_ids():
     data = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10, seed=3)
     batches = list(data.train_dataloader())
     assert [tuple(b.shape) for b in batches] == [(4, 9), (4, 9)]  # the incomplete last batch is dropped
-    assert all(b.dtype == torch.int64 and 0 <= b.min() and b.max() < 50 for b in batches)
+    assert all(b.dtype == torch.int64 and b.min() >= 0 and b.max() < 50 for b in batches)
     again = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10, seed=3)
     assert torch.equal(torch.cat(batches), torch.cat(list(again.train_dataloader())))
     with pytest.raises(LitCBSConfigError, match="samples=2 must be >= batch_size=4"):

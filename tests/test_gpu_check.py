@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from launch import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]

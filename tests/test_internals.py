@@ -12,9 +12,9 @@ import torch
 import torchmetrics
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.optim.lr_scheduler import ConstantLR, LinearLR, SequentialLR
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import _internals
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 VERSIONS = f"lightning {lightning.__version__}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__}"
 

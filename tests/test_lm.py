@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import functools
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-
-import lightning.pytorch as pl
 from lightning.pytorch.loggers import CSVLogger
+from toys import trainer_kwargs
 
 from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.lm import ADAMW, CausalLM, resolve_model_config
+from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models import OLMoConfig, get_config
 from lit_cbs.synthetic import RandomTokenData
-from toys import trainer_kwargs
 
 
 def built(**kwargs) -> CausalLM:
@@ -100,6 +100,7 @@ def test_optimizer_and_token_schedule():
     config = module.configure_optimizers()
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["betas"] == (0.9, 0.95)
+    assert isinstance(scheduler, TokenLRScheduler) and scheduler.optimizer is optimizer
     assert config["lr_scheduler"]["interval"] == "step"
     assert [group["lr"] for group in optimizer.param_groups] == [5e-4, 5e-4]
     assert isinstance(built().configure_optimizers(), torch.optim.AdamW)  # no schedule: the base LR

@@ -11,17 +11,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader
+from test_recipes import compose_config, train
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs._internals import checkpoint_wrapper
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.plan import ADAMW_STATE, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
-from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
-from test_recipes import compose_config, train
-from toys import RegressionData, RegressionModule, trainer_kwargs
+from lit_cbs.synthetic import RandomTokenData
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
 COUNTABLE = OLMoConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidden=8, context_length=4, tie_embeddings=False)
@@ -82,10 +82,9 @@ def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: 
         return tensor
 
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            logits = model(ids[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
     optimizer = optimizer_factory(model.parameters())
     optimizer.step()
@@ -132,19 +131,6 @@ def test_tied_embeddings_are_one_tensor():
     assert shape.parameters == 1_176_764_416 and shape.autocast_weights == shape.parameters
 
 
-class RandomTokens(pl.LightningDataModule):
-    def __init__(self, batch_size: int = 4, seq_len: int = 16, vocab: int = 256):
-        super().__init__()
-        self.batch_size, self.seq_len = batch_size, seq_len
-        self.tokens = torch.randint(0, vocab, (64, seq_len + 1), generator=torch.Generator().manual_seed(0))
-
-    def train_dataloader(self):
-        return DataLoader(self.tokens, batch_size=self.batch_size)
-
-    def val_dataloader(self):
-        return DataLoader(self.tokens[:8], batch_size=self.batch_size)
-
-
 class Snapshot(pl.Callback):
     """Takes the CBS probe's snapshot after the second optimizer step, as a probe would."""
 
@@ -157,7 +143,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
     config = get_config("tiny")
     snapshot = Snapshot()
     trainer = pl.Trainer(**trainer_kwargs(max_steps=2, callbacks=[BatchWarmup(PiecewiseBatch([4], [0])), snapshot]))
-    trainer.fit(CausalLM(config), datamodule=RandomTokens())
+    trainer.fit(CausalLM(config), datamodule=RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=64))
     taken = snapshot.snapshot
     real = sum(t.nbytes for t in taken.tensors) + sum(
         value.nbytes for states, _ in taken.optimizers for state in states.values() for value in state.values()

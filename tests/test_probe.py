@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.analysis.curves import read_probe
@@ -32,7 +33,6 @@ from lit_cbs.probe import (
     plot_cbs_curve,
 )
 from lit_cbs.schedules import CBSAdaptive
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 SEQ = 4  # the toy's "tokens per sample", given to BatchWarmup (its x is float, not token ids)
 

@@ -13,9 +13,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 
 class SaveRankResult(Callback):

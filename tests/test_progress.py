@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs.progress import RunProgressBar
-from toys import RegressionData, RegressionModule, trainer_kwargs
 
 
 def fit(bar: RunProgressBar, *callbacks, **trainer_args) -> pl.Trainer:

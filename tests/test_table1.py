@@ -32,7 +32,7 @@ def result(tmp_path_factory):
         patch.setenv("LIT_CBS_CACHE", str(out / "cache"))
         outcome = table1.main([
             "--tokens", str(BUDGET), "--seeds", "1", "--configs", "small,warmup,adaptive",
-            "--out", str(out / "runs"), "--markdown", str(markdown), "--override", "data.val_batches=4",
+            "--out", str(out / "runs"), "--markdown", str(markdown), "--override", "trainer.limit_val_batches=4",
         ])
     return out, outcome
 

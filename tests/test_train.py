@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import subprocess_env
-from lit_cbs.run_report import read_metrics_csv
 from test_recipes import train as train_script
+
+from lit_cbs.run_report import read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "recipes" / "train.py")

@@ -11,7 +11,6 @@ import pytest
 from benchmarks import transfer
 from lit_cbs.analysis import schedule_from_probe
 
-
 pytestmark = pytest.mark.slow
 
 

@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from test_schedules import megatron_reference
+from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
 from lit_cbs.schedules import ExponentialRamp
-from test_schedules import megatron_reference
-from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 
 def fit(schedule, *, n=96, micro=2, epochs=1, lr_rule="linear", callbacks=(), module=None, data=None, **kwargs):
@@ -348,7 +348,7 @@ def test_metrics_reach_the_logger_at_its_interval(tmp_path):
     trainer.fit(RegressionModule(), RegressionData(n=96, batch_size=2))
     import csv
 
-    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")) if r["tokens_seen"]]
+    rows = [r for r in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()) if r["tokens_seen"]]
     assert [int(r["step"]) for r in rows] == list(range(4, trainer.global_step, 5))
     for row in rows:
         step = int(row["step"])

@@ -19,12 +19,12 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from launch import subprocess_env
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DistributedSampler
+from toys import IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
-from launch import subprocess_env
-from toys import IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 WORLD_SIZE = 2
 SAMPLES = 96  # per epoch, both ranks together

@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
+from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, OneCycle, PiecewiseBatch
-from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 
 def fit(warmup, *, module=None, data=None, **trainer_args):
@@ -126,7 +126,7 @@ def test_logged_rows_agree_with_learning_rate_monitor(tmp_path):
     trainer, module = fit(BatchWarmup(schedule, lr_rule="sqrt"), module=module, logger=logger, log_every_n_steps=1,
                           callbacks=[LearningRateMonitor(logging_interval="step")], max_epochs=2)
     rows = {}
-    for row in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")):
+    for row in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()):
         rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
     assert sorted(rows) == list(range(trainer.global_step))
     for step, row in rows.items():

@@ -18,10 +18,10 @@ from lit_cbs.analysis.curves import (
     smooth,
 )
 from lit_cbs.analysis.fits import (
-    batch_group_yaml,
     McCandlishFit,
     TargetFit,
     WSDFit,
+    batch_group_yaml,
     fit_mccandlish,
     fit_targets,
     fit_wsd,

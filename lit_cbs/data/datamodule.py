@@ -8,9 +8,7 @@ reads ``batch[:, :-1]`` and is trained to predict ``batch[:, 1:]``, so each samp
 
 from __future__ import annotations
 
-import itertools
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,27 +17,13 @@ from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from lit_cbs.data.prepare import read_metadata, resolve_data
-from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.data.tokenizers import load_tokenizer
+from lit_cbs.errors import LitCBSConfigError, positive_int
 
 
 def stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
     """Collate token blocks (stored as uint8/uint16/int32) into the int64 ids embeddings take."""
     return torch.from_numpy(np.stack(samples).astype(np.int64))
-
-
-class FirstBatches:
-    """The first ``num_batches`` batches of a loader, re-iterable (a fixed validation subset)."""
-
-    def __init__(self, loader: StreamingDataLoader, num_batches: int):
-        self.loader = loader
-        self.num_batches = num_batches
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return itertools.islice(iter(self.loader), self.num_batches)
-
-    def __len__(self) -> int:
-        return min(self.num_batches, len(self.loader))
 
 
 class TokenDataModule(LightningDataModule):
@@ -54,8 +38,8 @@ class TokenDataModule(LightningDataModule):
     full permutation of the samples inside each chunk, so a batch draws from the whole chunk
     (2^24 tokens by default; the embedded corpus is one chunk) rather than from a few
     neighbouring files. tokenizer:
-    ``"bytes"`` or a tokenizer.json path. val_batches: validate on only the first
-    ``val_batches`` batches (per process) of the validation split; None: all of it.
+    ``"bytes"`` or a tokenizer.json path. The validation loader reads the held-out split in order,
+    so ``Trainer(limit_val_batches=N)`` validates on its first N batches (per process) every time.
     val_fraction: share of the text held out when preparing.
     """
 
@@ -70,13 +54,11 @@ class TokenDataModule(LightningDataModule):
         seed: int = 42,
         shuffle: bool = True,
         tokenizer: str | os.PathLike = "bytes",
-        val_batches: int | None = None,
         val_fraction: float = 0.01,
     ):
         super().__init__()
         positive_int("data.seq_len", seq_len, "tokens per sample")
         positive_int("data.batch_size", batch_size, "samples per device")
-        positive_int("data.val_batches", val_batches, "batches per device", optional=True)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise LitCBSConfigError(f"data.num_workers={num_workers!r} must be an int >= 0 (worker processes)")
         self.path = path
@@ -89,7 +71,6 @@ class TokenDataModule(LightningDataModule):
         self.seed = seed
         self.shuffle = shuffle
         self.tokenizer = tokenizer
-        self.val_batches = val_batches
         self.val_fraction = val_fraction
         self.train_dataset: StreamingDataset | None = None
         self.val_dataset: StreamingDataset | None = None
@@ -162,8 +143,7 @@ class TokenDataModule(LightningDataModule):
             loader.current_epoch = self.trainer.current_epoch
         return loader
 
-    def val_dataloader(self) -> StreamingDataLoader | FirstBatches:
-        loader = StreamingDataLoader(
+    def val_dataloader(self) -> StreamingDataLoader:
+        return StreamingDataLoader(
             self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=stack_as_int64
         )
-        return loader if self.val_batches is None else FirstBatches(loader, self.val_batches)

@@ -9,7 +9,7 @@
 The names below load on first use (PEP 562), so ``lit_cbs.probe.reading`` does not pay for Lightning.
 """
 
-import importlib
+from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
     "BranchFailed": "lit_cbs.probe.branch",
@@ -30,12 +30,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'lit_cbs.probe' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -21,8 +21,9 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for toys.py
 
-from lit_cbs import BatchWarmup, PiecewiseBatch  # noqa: E402
 from toys import DIM, RegressionData, trainer_kwargs  # noqa: E402
+
+from lit_cbs import BatchWarmup, PiecewiseBatch  # noqa: E402
 
 HIDDEN = 8
 SAMPLES = 96  # per epoch, both ranks together
