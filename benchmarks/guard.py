@@ -201,6 +201,7 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
         axis.set(xlabel="tokens", title=f"{key}: {verdict['old_global_batch']} -> {verdict['new_global_batch']} {outcome}\n"
                  f"rise {verdict['rise']:+.3f} vs threshold {verdict['threshold']:.3f} nats", ylabel="training loss")
         axis.title.set_fontsize(8)
+        axis.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         axis.legend(fontsize=6)
     for axis in axes[columns:]:
         axis.set_visible(False)
@@ -223,7 +224,8 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
         "## The guard on a premature batch increase",
         "",
         f"Command: `python -m benchmarks.guard {' '.join(args.argv)}`".rstrip()
-        + f" ({args.date}, {args.minutes:.1f} minutes; {machine(os.getloadavg())}; cores shared with other jobs).",
+        + (f" (the runs trained by `python -m benchmarks.guard {args.trained_by}`)" if args.report_only and args.trained_by else "")
+        + f" ({args.date}, training {args.minutes:.1f} minutes; {machine(os.getloadavg())}; cores shared with other jobs).",
         "",
         (f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
         f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per change), "
@@ -279,10 +281,12 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[result["key"]] = result
                 (args.out / "guard.json").write_text(json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2))
     runs = {run.key: runs[run.key] for run in runs_of(args.settings) if run.key in runs}  # in the table's order
-    minutes_file = args.out / "minutes.txt"  # the training's wall time, kept for --report-only
+    minutes_file, command_file = args.out / "minutes.txt", args.out / "command.txt"  # the training's, for --report-only
     if not args.report_only:
         minutes_file.write_text(f"{(time.perf_counter() - started) / 60:.1f}\n")
+        command_file.write_text(" ".join(args.argv) + "\n")
     args.minutes = float(minutes_file.read_text()) if minutes_file.exists() else float("nan")
+    args.trained_by = command_file.read_text().strip() if command_file.exists() else None
     rows = table(runs)
     checks = goals(rows, runs)
     result = {"settings": asdict(args.settings), "rows": rows, "goals": [{"goal": t, "met": ok} for t, ok in checks], "runs": runs}
