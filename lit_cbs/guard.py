@@ -20,7 +20,8 @@ default to fractions of what was consumed before the change because loss curves 
 linear in log tokens: the same settings then suit a run of millions of tokens and one of trillions.
 After a revert, no increase is made for ``hold`` (default: as much as was consumed before the
 revert, so the next try comes at twice the tokens), and while a window is open the next increase
-waits for its verdict, so every increase is judged on its own.
+waits for its verdict, so every increase is judged on its own (a schedule that itself lowers the
+batch inside a window ends that window without a verdict).
 
 Each step's loss is the mean of its micro-batches' losses; the guard keeps one float per optimizer
 step of the stretch a future fit may need, and averages them over ranks at each verdict, so every
@@ -218,6 +219,11 @@ class BatchGuard:
             "restore": restore,
         }
         return True
+
+    def forget_watch(self) -> None:
+        """Stop watching the open window without a verdict: the schedule itself moved the batch below the
+        increase watched, so there is nothing left to revert."""
+        self._watch = None
 
     def judge(self, consumed: int, mean_over_ranks: Callable[[list[float]], list[float]]) -> GuardVerdict | None:
         """After a step: if the open window is complete, judge its increase and return the verdict

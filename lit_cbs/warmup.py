@@ -455,6 +455,8 @@ class BatchWarmup(Callback):
             cause="guard" if revert else "schedule",
             clip_factor=clip_factor,
         )
+        if target < self.global_batch and not revert and self.guard is not None and self.guard.watching:
+            self.guard.forget_watch()
         if target > self.global_batch and self.guard is not None:
             # What a revert of this increase puts back.
             restore = {"lr_factor": self.lr_factor, "clip_factor": self.clip_factor,

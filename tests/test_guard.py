@@ -130,6 +130,13 @@ def test_the_next_increase_waits_for_the_window_and_the_hold():
     assert sizes[3][:3] == (8, 2, "guard") and warmup.guard.hold_until == sizes[3][3] + 40
 
 
+def test_a_schedule_decrease_inside_a_window_ends_it_without_a_verdict():
+    warmup = BatchWarmup(PiecewiseBatch([2, 4, 2], [0, 64, 80], unit="samples"), lr_rule="linear", guard=True)
+    fit(warmup)
+    assert [(c.new_global_batch, c.cause) for c in warmup.history] == [(4, "schedule"), (2, "schedule")]
+    assert warmup.guard.verdicts == [] and not warmup.guard.watching
+
+
 # ---------------------------------------------------------------- resume
 @pytest.mark.parametrize("epoch", [0, 1])  # 96 samples: inside the window (64 to 128); 192: inside the hold
 def test_a_run_resumed_around_a_revert_continues_bit_for_bit(tmp_path, epoch):
