@@ -12,7 +12,9 @@ stretch before the change predicts. After each increase the guard:
    rise, in nats;
 3. reverts to the previous batch if the rise exceeds the threshold: ``threshold`` if given, else
    ``noise_multiple`` x the standard deviation of the per-step loss around the trend before the
-   change (the loss's own noise), and at least ``min_threshold``.
+   change (the loss's own noise), and at least ``min_threshold``. The per-step spread, not the
+   standard error of the window's mean: the trend's extrapolation error does not average out over
+   a window, and on healthy runs it reaches a good part of that spread early in training.
 
 Everything is measured in consumed samples or tokens, the schedule's unit, never in steps: a larger
 batch takes fewer steps per token, so only at equal tokens are the two batches comparable. Spans
@@ -23,9 +25,10 @@ revert, so the next try comes at twice the tokens), and while a window is open t
 waits for its verdict, so every increase is judged on its own (a schedule that itself lowers the
 batch inside a window ends that window without a verdict).
 
-Each step's loss is the mean of its micro-batches' losses; the guard keeps one float per optimizer
-step of the stretch a future fit may need, and averages them over ranks at each verdict, so every
-rank decides alike. The pure parts (``loss_rise``) need no Lightning; ``BatchWarmup(guard=...)``
+Each step's loss is the mean of its micro-batches' losses; the guard keeps (consumed, loss) per
+optimizer step of the stretch a future fit may need (with the default ``fit``, the last half of the
+run's steps; they are in the checkpoint too), and averages the losses over ranks at each verdict, so
+every rank decides alike. The pure parts (``loss_rise``) need no Lightning; ``BatchWarmup(guard=...)``
 applies the verdicts.
 """
 
