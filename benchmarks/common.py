@@ -8,6 +8,8 @@ benchmarks run at different times do not overwrite each other's results.
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import platform
@@ -87,6 +89,17 @@ def train_command(overrides: list[str]) -> list[str]:
     return [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides]
 
 
+def train_unless_done(command: list[str], run_dir: Path, log_path: Path, threads: int, label: str) -> None:
+    """Run the train.py ``command`` that writes ``run_dir``, unless a finished run (summary.json) is there
+    already; its wall time (seconds) goes to run_dir/wall_seconds.txt. ``label`` prefixes the line printed."""
+    if (run_dir / "summary.json").exists():
+        return
+    print(f"{label}: {' '.join(command[1:])}", flush=True)
+    started = time.perf_counter()
+    run_logged(command, log_path, threads)
+    (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+
+
 def read_run(run_dir: Path) -> dict:
     """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss)."""
     from lit_cbs.analysis.curves import TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
@@ -103,6 +116,33 @@ def read_run(run_dir: Path) -> dict:
         if step in tokens_at
     ]
     return {**summary, "val_curve": curve}
+
+
+def recipe_benchmark_arguments(name: str, description: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
+    """The command line of a benchmark that trains recipes: --quick, --jobs, --out, --markdown, --plot,
+    --report-only. Resolved: ``out`` (default outputs/<name>), ``markdown`` (docs/RESULTS.md, none with
+    --quick), ``plot`` (docs/<name>.png beside it, else in OUT), ``threads`` per run (cores / jobs),
+    ``argv`` and ``date`` (for the report)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / name, help=f"folder for the runs and {name}.json")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help=f"write the section '{name}' of this file (default: docs/RESULTS.md, none with --quick)")
+    parser.add_argument("--plot", type=Path, default=None, help=f"PNG (default: docs/{name}.png next to --markdown, else OUT)")
+    parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
+    args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs} must be >= 1")
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.date = str(datetime.date.today())
+    if args.markdown is None and not args.quick:
+        args.markdown = ROOT / "docs" / "RESULTS.md"
+    if args.plot is None:
+        args.plot = (args.markdown.parent / f"{name}.png") if args.markdown else args.out / f"{name}.png"
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    return args
 
 
 def section_markers(name: str) -> tuple[str, str]:

@@ -32,8 +32,6 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import math
 import os
@@ -43,7 +41,16 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
+from benchmarks.common import (
+    ROOT,
+    machine,
+    read_run,
+    recipe_benchmark_arguments,
+    replace_section,
+    run_logged,
+    train_command,
+    train_unless_done,
+)
 from lit_cbs.analysis import schedule_from_probe
 
 SEQ_LEN = 128
@@ -140,13 +147,7 @@ def probe_file(run_dir: Path) -> Path:
 
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder) and return its summary, readings and loss curve."""
-    run_dir = out / run.key
-    if not (run_dir / "summary.json").exists():
-        command = run_command(run, settings, out)
-        print(f"[transfer] {run.label}: {' '.join(command[1:])}", flush=True)
-        started = time.perf_counter()
-        run_logged(command, out / "logs" / f"{run.key}.log", threads)
-        (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
+    train_unless_done(run_command(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[transfer] {run.label}")
     return load(run, out)
 
 
@@ -357,26 +358,10 @@ def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markd
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results")
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "transfer", help="folder for the runs and transfer.json")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the section 'transfer' of this file (default: docs/RESULTS.md, none with --quick)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/transfer.png next to --markdown, else OUT)")
-    parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.date = str(datetime.date.today())
+    args = recipe_benchmark_arguments("transfer", __doc__.split("\n\n")[0],
+                                      f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results", argv)
     args.settings = QUICK if args.quick else FULL
-    if args.jobs < 1:
-        parser.error(f"--jobs={args.jobs} must be >= 1")
-    if args.markdown is None and not args.quick:
-        args.markdown = ROOT / "docs" / "RESULTS.md"
-    if args.plot is None:
-        args.plot = (args.markdown.parent / "transfer.png") if args.markdown else args.out / "transfer.png"
-    args.out.mkdir(parents=True, exist_ok=True)
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    threads = args.threads
     runs: dict[str, dict] = {}
 
     def save() -> None:  # after every run: a stopped benchmark keeps what finished

@@ -8,6 +8,9 @@
   1 - beta_i -> ratio * (1 - beta_i), eps -> eps / sqrt(ratio).
 - any callable ``ratio -> factor``.
 
+``get_clip_rule`` resolves the same kind of rule ("sqrt", "linear", "none" or a callable) for the
+gradient-clipping threshold, which ``BatchWarmup(clip_rule=...)`` multiplies at each change.
+
 ``scale_learning_rate`` multiplies the LR where the optimizer and every supported LR scheduler keep
 it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
 """
@@ -36,7 +39,7 @@ class LRRule:
             raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
         factor = float(self._factor(ratio))
         if not (math.isfinite(factor) and factor > 0):
-            raise LitCBSConfigError(f"LR rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
+            raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
         return factor
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: Iterable[float]) -> None:
@@ -111,6 +114,23 @@ def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
     if callable(rule):
         return LRRule(getattr(rule, "__name__", repr(rule)), rule)
     raise LitCBSConfigError(f"lr_rule must be a name in {sorted(LR_RULES)} or a callable ratio -> factor, got {rule!r}")
+
+
+CLIP_RULES = ("sqrt", "linear", "none")
+
+
+def get_clip_rule(rule: str | Callable[[float], float] | None) -> LRRule | None:
+    """The rule for the gradient-clipping threshold at a batch change by ``ratio = new / old``: "sqrt",
+    "linear", or a callable ratio -> factor; None or "none" leave the threshold unchanged (None returned)."""
+    if rule is None or rule == "none":
+        return None
+    if isinstance(rule, str):
+        if rule not in CLIP_RULES:
+            raise LitCBSConfigError(f"clip_rule={rule!r} is unknown; use one of {CLIP_RULES}, a callable ratio -> factor, or None")
+        return get_lr_rule(rule)
+    if callable(rule):
+        return get_lr_rule(rule)
+    raise LitCBSConfigError(f"clip_rule must be one of {CLIP_RULES}, a callable ratio -> factor or None, got {rule!r}")
 
 
 # Schedulers whose LR is either base_lrs * f(step) or chained multiplicatively on the optimizer's

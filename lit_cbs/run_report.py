@@ -36,12 +36,15 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     """Write ``warmup``'s batch changes and final counts as JSON to ``path``; return what was written.
 
     Each change has the optimizer step it took effect after, the samples/tokens seen then, the old
-    and new global batch (samples), accumulation and micro-batch, and its LR factor.
+    and new global batch (samples), accumulation and micro-batch, its LR factor and its cause
+    ("schedule", or "guard" for a revert); ``guard_verdicts`` holds the guard's judgement of each
+    increase (lit_cbs.guard.GuardVerdict), or None without a guard.
     """
     record = {
         "schedule": repr(warmup.schedule),
         "lr_rule": repr(warmup.lr_rule),
         "changes": [dataclasses.asdict(change) for change in warmup.history],
+        "guard_verdicts": [dataclasses.asdict(verdict) for verdict in warmup.guard.verdicts] if warmup.guard else None,
         "final": {
             "samples_seen": warmup.samples_seen,
             "tokens_seen": warmup.tokens_seen,

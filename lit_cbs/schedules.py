@@ -238,6 +238,11 @@ class CBSAdaptive(BatchSchedule):
             return True
         return False
 
+    def withdraw_above(self, batch_size: int) -> None:
+        """Forget every decision that moved the batch above ``batch_size`` (samples): BatchWarmup's
+        guard reverted that increase, so the batch doubles again only on a new measurement."""
+        self.decisions = [d for d in self.decisions if d[1] <= batch_size]
+
     def state_dict(self) -> dict:
         return {"decisions": [list(d) for d in self.decisions]}
 

@@ -13,7 +13,13 @@ asked for and when it happened. At epoch boundaries the micro-batch itself may a
 
 Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its schedulers
 keep it (lit_cbs.lr_rules), so it composes with the user's LR schedule; the applied state is in
-the checkpoint, so a resumed run never applies a change twice.
+the checkpoint, so a resumed run never applies a change twice. ``clip_rule`` likewise rescales
+the Trainer's ``gradient_clip_val``.
+
+With ``guard`` (lit_cbs.guard.BatchGuard) each increase is judged on the training loss after it and
+reverted if the loss rises above its trend: the revert is a change like the others (at an aligned
+step, micro-batch unchanged), recorded with ``cause="guard"``, and it restores the LR and clipping
+threshold of before the increase.
 """
 
 from __future__ import annotations
@@ -24,17 +30,32 @@ import math
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
+import torch
+from lightning.pytorch.callbacks import (
+    Callback,
+    GradientAccumulationScheduler,
+    ModelCheckpoint,
+)
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import checkpoint_triggers, reload_train_dataloader, should_accumulate
+from lit_cbs._internals import (
+    checkpoint_triggers,
+    reload_train_dataloader,
+    should_accumulate,
+)
 from lit_cbs.accounting import BatchAccounting, check_divisible, micro_batch_holder
 from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
-from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learning_rate
+from lit_cbs.lr_rules import (
+    check_scheduler_supported,
+    get_clip_rule,
+    get_lr_rule,
+    scale_learning_rate,
+)
 from lit_cbs.lr_schedules import TokenLRScheduler
-from lit_cbs.schedules import BatchSchedule
+from lit_cbs.schedules import BatchSchedule, CBSAdaptive
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +74,11 @@ class BatchChange:
     new_accumulate: int
     old_micro_batch_size: int
     new_micro_batch_size: int
-    lr_factor: float  # this change's LR multiplier, lr_rule(new / old)
-    requested_at_samples: int  # where the schedule first asked for this new batch (and micro-batch)
+    lr_factor: float  # this change's LR multiplier: lr_rule(new / old), or for a revert 1 / the reverted change's
+    requested_at_samples: int  # where the schedule (or the guard) first asked for this new batch (and micro-batch)
     requested_at_tokens: int
+    cause: str = "schedule"  # "schedule", or "guard" for a revert of an increase (BatchGuard)
+    clip_factor: float = 1.0  # this change's multiplier of the gradient-clipping threshold (clip_rule)
 
 
 class BatchWarmup(Callback):
@@ -67,6 +90,12 @@ class BatchWarmup(Callback):
     Args:
         schedule: a ``lit_cbs.schedules`` schedule: consumed samples or tokens -> global batch (samples).
         lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
+        clip_rule: multiply the Trainer's ``gradient_clip_val`` by ``clip_rule(new / old)`` at each
+            change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
+            grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
+        guard: watch the training loss after each increase and revert an increase after which it rises
+            above its trend: True for the defaults, a dict of settings, or a ``lit_cbs.guard.BatchGuard``
+            (its docstring has the rule and the settings). None or False (default): no guard.
         max_tokens: stop training once this many tokens (all ranks) were trained on
             (``BatchAccounting.max_tokens``).
         seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
@@ -88,6 +117,7 @@ class BatchWarmup(Callback):
         global_batch, accumulate, micro_batch_size: the batch now (samples, micro-batches per step,
             samples per rank).
         samples_seen, tokens_seen, seq_len: read from the Trainer's ``BatchAccounting``.
+        guard: the ``BatchGuard`` or None; ``guard.verdicts`` holds its judgement of each increase.
     """
 
     def __init__(
@@ -98,6 +128,8 @@ class BatchWarmup(Callback):
         seq_len: int | None = None,
         max_micro_batch_size: int | None = None,
         log_every_step: bool = True,
+        clip_rule=None,
+        guard: bool | dict | BatchGuard | None = None,
     ):
         if not isinstance(schedule, BatchSchedule):
             raise LitCBSConfigError(
@@ -106,6 +138,8 @@ class BatchWarmup(Callback):
             )
         self.schedule = schedule
         self.lr_rule = get_lr_rule(lr_rule)
+        self.clip_rule = get_clip_rule(clip_rule)
+        self.guard = BatchGuard.of(guard)
         self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
         self._seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
         self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
@@ -116,6 +150,12 @@ class BatchWarmup(Callback):
         self.accumulate: int | None = None
         self.micro_batch_size: int | None = None
         self.lr_factor = 1.0  # product of all changes' LR factors
+        self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
+        self._base_gradient_clip_val: float | None = None  # the Trainer's, before any change
+        # The guard's sum of this step's micro-batch losses so far (a tensor on the loss's device: no host
+        # sync per micro-batch) and their count.
+        self._step_loss_sum: torch.Tensor | float = 0.0
+        self._step_micro_batches = 0
         self.history: list[BatchChange] = []
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
@@ -150,7 +190,7 @@ class BatchWarmup(Callback):
         if self.max_micro_batch_size is None:
             return current_micro
         data_parallel = self.accounting.data_parallel_size
-        sizes = self.schedule.sizes(consumed)
+        sizes = self.schedule.sizes(consumed) + (self.guard.sizes_needed() if self.guard is not None else [])
         for micro in range(self.max_micro_batch_size, 0, -1):
             if all(size % (micro * data_parallel) == 0 for size in sizes):
                 return micro
@@ -182,6 +222,13 @@ class BatchWarmup(Callback):
                 )
             setattr(accounting, name, value)
 
+        if self.clip_rule is not None and not trainer.gradient_clip_val:
+            raise LitCBSConfigError(
+                f"BatchWarmup(clip_rule={self.clip_rule.name!r}) rescales the gradient-clipping threshold, but "
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val!r}) sets none: set gradient_clip_val "
+                "(e.g. 1.0), or clip_rule=None"
+            )
+        self._base_gradient_clip_val = trainer.gradient_clip_val
         micro = self._get_micro(trainer, pl_module)
         for size in self.schedule.sizes(0):
             check_divisible(size, micro, accounting.data_parallel_size, name="scheduled global batch")
@@ -214,6 +261,8 @@ class BatchWarmup(Callback):
 
     def _apply_to_trainer(self, trainer, pl_module) -> None:
         trainer.accumulate_grad_batches = self.accumulate
+        if self.clip_rule is not None:
+            trainer.gradient_clip_val = self._base_gradient_clip_val * self.clip_factor
         self.accounting.set_micro_batch_size(trainer, pl_module, self.micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -293,10 +342,18 @@ class BatchWarmup(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
+        if self.guard is not None:
+            self._record_micro_loss(trainer, outputs)
         if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.log_every_step:
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
+        if self.guard is not None and self._step_micro_batches:
+            self.guard.record(self.consumed, float(self._step_loss_sum) / self._step_micro_batches)
+            self._step_loss_sum, self._step_micro_batches = 0.0, 0
+            verdict = self.guard.judge(self.consumed, lambda values: self._mean_over_ranks(trainer, values))
+            if verdict is not None:
+                self._report_verdict(trainer, verdict)
         if self._no_step_follows(trainer):
             return
         ready = epoch_loop.batch_progress.current.ready
@@ -315,8 +372,44 @@ class BatchWarmup(Callback):
         checkpointed although no step uses it."""
         return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
 
+    def _record_micro_loss(self, trainer, outputs) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is None:
+            return  # training_step returned None: Lightning skipped this micro-batch
+        # Lightning hands back the loss divided by the accumulation; undo it for the micro-batch's mean.
+        self._step_loss_sum = self._step_loss_sum + loss.detach() * trainer.accumulate_grad_batches
+        self._step_micro_batches += 1
+
+    @staticmethod
+    def _mean_over_ranks(trainer, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+        if trainer.world_size > 1:
+            tensor = trainer.strategy.reduce(tensor, reduce_op="mean")
+        return tensor.tolist()
+
+    def _report_verdict(self, trainer, verdict: GuardVerdict) -> None:
+        unit = self.schedule.unit
+        outcome = (
+            f"reverting to {verdict.old_global_batch} samples"
+            if verdict.reverted
+            else f"keeping {verdict.new_global_batch} samples"
+        )
+        rank_zero_info(
+            f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
+            f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
+            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.window_steps} steps; threshold "
+            f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); {outcome}"
+        )
+        log_to_loggers(
+            trainer,
+            lambda _: {"batch/guard_rise": verdict.rise, "batch/guard_threshold": verdict.threshold},
+            every_step=True,
+        )
+
     def _maybe_change(self, trainer, pl_module, fits, epoch_boundary: bool = False) -> None:
         target = self.schedule.batch_size(self.consumed)
+        if self.guard is not None:
+            target = self.guard.allowed_batch(target, self.global_batch, self.consumed)
         new_micro = self._pick_micro(self.consumed, self.micro_batch_size) if epoch_boundary else self.micro_batch_size
         if target == self.global_batch and new_micro == self.micro_batch_size:
             self._requested_at = None
@@ -329,14 +422,22 @@ class BatchWarmup(Callback):
         self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
 
     def _apply_change(self, trainer, pl_module, target: int, new_accumulate: int, new_micro: int) -> None:
-        factor = 1.0
+        factor = clip_factor = 1.0
+        revert = self.guard is not None and self.guard.revert_to == target
+        before_increase = self.guard.reverted(self.consumed) if revert else None
+        if revert:
+            # Back to exactly the LR and clipping threshold of before the increase, whatever the rules.
+            factor = 1.0 / before_increase["lr_factor_of_change"]
+            clip_factor = 1.0 / before_increase["clip_factor_of_change"]
+        elif target != self.global_batch:
+            factor = self.lr_rule.lr_factor(target / self.global_batch)
+            if self.clip_rule is not None:
+                clip_factor = self.clip_rule.lr_factor(target / self.global_batch)
         if target != self.global_batch:
-            ratio = target / self.global_batch
-            factor = self.lr_rule.lr_factor(ratio)
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
             for optimizer in trainer.optimizers:
                 scale_learning_rate(optimizer, schedulers, factor)
-                self.lr_rule.adjust_optimizer(optimizer, ratio)
+                self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
         change = BatchChange(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
@@ -351,10 +452,29 @@ class BatchWarmup(Callback):
             lr_factor=factor,
             requested_at_samples=self._requested_at[1],
             requested_at_tokens=self._requested_at[2],
+            cause="guard" if revert else "schedule",
+            clip_factor=clip_factor,
         )
+        if target < self.global_batch and not revert and self.guard is not None and self.guard.watching:
+            self.guard.forget_watch()
+        if target > self.global_batch and self.guard is not None:
+            # What a revert of this increase puts back.
+            restore = {"lr_factor": self.lr_factor, "clip_factor": self.clip_factor,
+                       "lr_factor_of_change": factor, "clip_factor_of_change": clip_factor}
+            if not self.guard.watch(len(self.history), self.consumed, self.global_batch, target, restore):
+                rank_zero_info(
+                    f"BatchWarmup guard: {self.global_batch} -> {target} is not judged: fewer than "
+                    f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
+                )
         self.history.append(change)
         self._requested_at = None
-        self.global_batch, self.accumulate, self.lr_factor = target, new_accumulate, self.lr_factor * factor
+        self.global_batch, self.accumulate = target, new_accumulate
+        if before_increase is not None:
+            self.lr_factor, self.clip_factor = before_increase["lr_factor"], before_increase["clip_factor"]
+            if isinstance(self.schedule, CBSAdaptive):
+                self.schedule.withdraw_above(target)  # the doubling proved premature: a new reading must ask again
+        else:
+            self.lr_factor, self.clip_factor = self.lr_factor * factor, self.clip_factor * clip_factor
         if new_micro != self.micro_batch_size:
             self.micro_batch_size = new_micro
             reload_train_dataloader(trainer)  # rebuilt with the new batch_size at the next epoch start
@@ -363,7 +483,8 @@ class BatchWarmup(Callback):
             f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
             f"(micro {change.old_micro_batch_size} -> {new_micro}, accumulate {change.old_accumulate} -> "
             f"{new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
-            f"LR x{factor:.4g}"
+            f"LR x{factor:.4g}" + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
+            + (" (guard: revert)" if revert else "")
         )
 
     def _log(self, trainer, pl_module) -> None:
@@ -382,6 +503,10 @@ class BatchWarmup(Callback):
         }
         if self._step_lr is not None:
             metrics["lr"] = self._step_lr
+        if self.clip_rule is not None:
+            metrics["batch/gradient_clip_val"] = float(trainer.gradient_clip_val)
+        if self.guard is not None:
+            metrics["batch/guard_reverts"] = float(self.guard.reverts)
         if not self.accounting.has_tokens:
             del metrics["tokens_seen"]
         return metrics
@@ -393,10 +518,13 @@ class BatchWarmup(Callback):
             "accumulate": self.accumulate,
             "micro_batch_size": self.micro_batch_size,
             "lr_factor": self.lr_factor,
+            "clip_factor": self.clip_factor,
             "requested_at": self._requested_at,
             "history": [dataclasses.asdict(change) for change in self.history],
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
+            "guard": self.guard.state_dict() if self.guard is not None else None,
+            "step_loss": [float(self._step_loss_sum), self._step_micro_batches],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -404,6 +532,10 @@ class BatchWarmup(Callback):
         self.accumulate = state_dict["accumulate"]
         self.micro_batch_size = state_dict["micro_batch_size"]
         self.lr_factor = state_dict["lr_factor"]
+        self.clip_factor = state_dict.get("clip_factor", 1.0)
+        if self.guard is not None and state_dict.get("guard") is not None:
+            self.guard.load_state_dict(state_dict["guard"])
+            self._step_loss_sum, self._step_micro_batches = state_dict["step_loss"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
