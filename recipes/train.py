@@ -67,7 +67,8 @@ warnings.filterwarnings("ignore", message="Experiment logs directory .* exists a
 log = logging.getLogger("lit_cbs.train")
 
 
-_INTERPOLATION = re.compile(r"^\$\{([\w.]+)\}$")
+# ``${batch.guard}`` or ``${oc.select:batch.guard,null}``: the key a value is taken from.
+_INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
 
 
 def config_keys(cfg: DictConfig, key: str) -> dict[str, tuple[str, str | None]]:
@@ -80,7 +81,10 @@ def config_keys(cfg: DictConfig, key: str) -> dict[str, tuple[str, str | None]]:
         source = _INTERPOLATION.match(value).group(1) if isinstance(value, str) and _INTERPOLATION.match(value) else None
         if source is not None and OmegaConf.is_dict(OmegaConf.select(cfg, source)):
             keys.update({k: v for k, v in config_keys(cfg, source).items() if k not in keys})
-        elif isinstance(value, dict):
+            if not name.startswith("_"):
+                keys[name] = (source, None)  # a group of settings: the user sets it there
+            continue
+        if isinstance(value, dict):
             keys.update({k: v for k, v in config_keys(cfg, f"{key}.{name}").items() if k not in keys})
         if not name.startswith("_"):
             keys[name] = (f"{key}.{name}", source)
@@ -91,8 +95,8 @@ def name_the_keys(cfg: DictConfig, key: str, message: str) -> str:
     """``message`` with the arguments it names written as the Hydra keys that set them, e.g.
     ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``."""
     for name, (full_key, source) in sorted(config_keys(cfg, key).items(), key=lambda item: -len(item[0])):
-        if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?=", message):
-            continue  # a plain word such as `unit` may be prose; `unit=` or `warmup_tokens` is the argument
+        if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?[=.]\S", message):
+            continue  # a plain word such as `unit` may be prose; `unit=`, `guard.window` or `warmup_tokens` is the argument
         note = f" ({source})" if source is not None and not isinstance(OmegaConf.select(cfg, source), DictConfig) else ""
         message = re.sub(
             rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?",
@@ -101,6 +105,15 @@ def name_the_keys(cfg: DictConfig, key: str, message: str) -> str:
             count=1,
         )
         message = re.sub(rf"(?<![\w.]){re.escape(name)}\b", full_key, message)
+    return message
+
+
+def name_the_run_keys(cfg: DictConfig, message: str) -> str:
+    """``message`` of an error raised inside ``trainer.fit`` (by a callback's setup, say) with the
+    Trainer's and the callbacks' arguments written as their Hydra keys."""
+    callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
+    for key in ["trainer", *callbacks]:
+        message = name_the_keys(cfg, key, message)
     return message
 
 
@@ -415,7 +428,7 @@ def main(cfg: DictConfig) -> float | None:
     except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        stop_on_config_error(error)
+        stop_on_config_error(LitCBSConfigError(name_the_run_keys(cfg, one_line(error))))
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")

@@ -140,6 +140,7 @@ def text_folder(tmp_path_factory):
         (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
         (["batch.schedule.unit=token"], "batch.schedule.unit='token' is not supported"),
         (["callbacks.cbs_probe.strategy=binary"], "callbacks.cbs_probe.strategy='binary'"),
+        (["+batch.guard={window:0}"], "batch.guard.window=0 must be a positive int"),
     ],
 )
 def test_bad_settings_stop_before_the_model(overrides, message):
@@ -232,6 +233,19 @@ def test_adam_sde_refuses_an_optimizer_without_betas_before_the_first_step(text_
     run = train.build_run(cfg)
     with pytest.raises(TypeError, match="lr_rule='adam_sde' needs an Adam-type optimizer"):
         run.trainer.fit(run.model, datamodule=run.datamodule)
+    assert run.trainer.global_step == 0
+
+
+def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
+    cfg = compose_config(
+        "batch.clip_rule=sqrt", "trainer.gradient_clip_val=null", *SHORT_RUN, f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+    )
+    run = train.build_run(cfg)
+    with pytest.raises(LitCBSConfigError) as raised:
+        run.trainer.fit(run.model, datamodule=run.datamodule)
+    named = train.name_the_run_keys(cfg, str(raised.value))
+    assert "callbacks.batch_warmup.clip_rule='sqrt' (batch.clip_rule)" in named and "set trainer.gradient_clip_val" in named
     assert run.trainer.global_step == 0
 
 
