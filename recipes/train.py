@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import os
 
-# OpenMP threads that spin while they wait stall each other when other jobs share the cores: the
-# tiny job's step on 2 shared cores ran 15-40x slower spinning than waiting passively (1-2k vs 25k
-# tokens/s). On idle cores passive waiting costs about a third (25k vs 40k tokens/s); set
-# OMP_WAIT_POLICY=ACTIVE on a machine of your own. Read when torch loads OpenMP: set before importing it.
+# OpenMP threads that spin while they wait stall each other when other jobs share the cores, which
+# slows a small model's step by an order of magnitude; waiting passively costs some speed on idle
+# cores, so set OMP_WAIT_POLICY=ACTIVE on a machine of your own (the README gives the measurements).
+# Read when torch loads OpenMP: set before importing it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses
