@@ -37,6 +37,15 @@ def data_parallel_size(trainer: pl.Trainer) -> int:
     return int(kwargs["num_replicas"]) if kwargs else 1
 
 
+def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
+    """``values`` averaged over all ranks (each rank's own on one process), so that a decision taken
+    from them (the probe's k*, the guard's verdict) is the same on every rank."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    if trainer.world_size > 1:
+        tensor = trainer.strategy.reduce(tensor, reduce_op="mean")
+    return tensor.tolist()
+
+
 def token_sequence_length(batch: Any) -> int | None:
     """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None.
 

@@ -44,7 +44,7 @@ from lit_cbs._internals import (
     reload_train_dataloader,
     should_accumulate,
 )
-from lit_cbs.accounting import BatchAccounting, check_divisible, micro_batch_holder
+from lit_cbs.accounting import BatchAccounting, check_divisible, mean_over_ranks, micro_batch_holder
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
@@ -290,6 +290,7 @@ class BatchWarmup(Callback):
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         if not self._no_step_follows(trainer):
             self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
+
     def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
         accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
@@ -351,7 +352,7 @@ class BatchWarmup(Callback):
         if self.guard is not None and self._step_micro_batches:
             self.guard.record(self.consumed, float(self._step_loss_sum) / self._step_micro_batches)
             self._step_loss_sum, self._step_micro_batches = 0.0, 0
-            verdict = self.guard.judge(self.consumed, lambda values: self._mean_over_ranks(trainer, values))
+            verdict = self.guard.judge(self.consumed, lambda values: mean_over_ranks(trainer, values))
             if verdict is not None:
                 self._report_verdict(trainer, verdict)
         if self._no_step_follows(trainer):
@@ -379,13 +380,6 @@ class BatchWarmup(Callback):
         # Lightning hands back the loss divided by the accumulation; undo it for the micro-batch's mean.
         self._step_loss_sum = self._step_loss_sum + loss.detach() * trainer.accumulate_grad_batches
         self._step_micro_batches += 1
-
-    @staticmethod
-    def _mean_over_ranks(trainer, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
-        if trainer.world_size > 1:
-            tensor = trainer.strategy.reduce(tensor, reduce_op="mean")
-        return tensor.tolist()
 
     def _report_verdict(self, trainer, verdict: GuardVerdict) -> None:
         unit = self.schedule.unit

@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 
 from lit_cbs._internals import block_ddp_gradient_sync
-from lit_cbs.accounting import BatchAccounting
+from lit_cbs.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.lr_rules import LRRule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.probe.reading import ema_last
@@ -117,14 +117,6 @@ def logging_muted(pl_module: pl.LightningModule):
         del pl_module.log_dict
 
 
-def rank_mean(trainer: pl.Trainer, values: list[float]) -> list[float]:
-    """``values`` averaged over ranks, so every rank reaches the same k*."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
-    if trainer.world_size > 1:
-        tensor = trainer.strategy.reduce(tensor, reduce_op="mean")
-    return tensor.tolist()
-
-
 @dataclass
 class BranchTrainer:
     """Trains a probe's branches inside ``trainer`` and scores each like the main run's window.
@@ -146,7 +138,7 @@ class BranchTrainer:
         """The loss of a window this rank trained with ``step_losses``, the model now at its end."""
         if self.evaluate == "heldout":
             return self._heldout_loss()
-        return ema_last(rank_mean(self.trainer, step_losses), self.ema_alpha)
+        return ema_last(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
 
     def loss(self, window: RecordedWindow, k: float) -> float:
         """Train batch k*B over ``window`` from its start snapshot and score it. The model is left in
@@ -229,4 +221,4 @@ class BranchTrainer:
                 batch = move_data_to_device(batch, trainer.strategy.root_device)
                 total += float(loss_of(pl_module.training_step(batch, i)))
         pl_module.train(was_training)
-        return rank_mean(trainer, [total / len(self.heldout)])[0]
+        return mean_over_ranks(trainer, [total / len(self.heldout)])[0]
