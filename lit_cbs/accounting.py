@@ -19,6 +19,7 @@ Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,7 +28,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lit_cbs._internals import should_accumulate, tree_leaves
-from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.lr_schedules import TokenLRScheduler
 
 
@@ -72,17 +73,45 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
     return global_batch // unit
 
 
-def micro_batch_holder(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[Any, str] | None:
-    """Where the micro-batch size lives: the datamodule's or the module's ``batch_size`` (attribute
-    or hparam), as (object, name); None if neither has one."""
-    datamodule = trainer.datamodule
-    if datamodule is not None and hasattr(datamodule, "batch_size"):
-        return datamodule, "batch_size"
-    if hasattr(pl_module, "batch_size"):
-        return pl_module, "batch_size"
-    if "batch_size" in getattr(pl_module, "hparams", {}):
-        return pl_module.hparams, "batch_size"
-    return None
+@dataclasses.dataclass(frozen=True)
+class MicroBatchSetting:
+    """Where the micro-batch size (samples per rank) lives: the datamodule's or the module's
+    ``batch_size`` attribute, or the module's ``batch_size`` hparam, read when the train loader is built."""
+
+    owner: Any
+    name: str = "batch_size"
+
+    @classmethod
+    def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
+        """The setting, or None if neither the datamodule nor the module has one."""
+        datamodule = trainer.datamodule
+        if datamodule is not None and hasattr(datamodule, "batch_size"):
+            return cls(datamodule)
+        if hasattr(pl_module, "batch_size"):
+            return cls(pl_module)
+        if "batch_size" in getattr(pl_module, "hparams", {}):
+            return cls(pl_module.hparams)
+        return None
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
+        """The setting, or LitCBSConfigError saying where to put it (changing the batch needs it)."""
+        setting = cls.find(trainer, pl_module)
+        if setting is None:
+            raise LitCBSConfigError(
+                "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
+                "`batch_size` attribute that its train_dataloader uses"
+            )
+        return setting
+
+    def get(self) -> Any:
+        return self.owner[self.name] if isinstance(self.owner, dict) else getattr(self.owner, self.name)
+
+    def set(self, value: int) -> None:
+        if isinstance(self.owner, dict):  # the module's hparams
+            self.owner[self.name] = value
+        else:
+            setattr(self.owner, self.name, value)
 
 
 class BatchAccounting(Callback):
@@ -167,17 +196,7 @@ class BatchAccounting(Callback):
         """Set the micro-batch the train loader must yield (written to the datamodule's or module's
         ``batch_size``, read when the loader is built); from then on a loader that yields another
         size stops training at the first batch of an epoch."""
-        holder = micro_batch_holder(trainer, pl_module)
-        if holder is None:
-            raise LitCBSConfigError(
-                "changing the batch needs the micro-batch size: give the datamodule (or the LightningModule) a "
-                "`batch_size` attribute that its train_dataloader uses"
-            )
-        owner, name = holder
-        if isinstance(owner, dict):  # the module's hparams
-            owner[name] = value
-        else:
-            setattr(owner, name, value)
+        MicroBatchSetting.of(trainer, pl_module).set(value)
         self._micro_batch_size = value
         self._micro_batch_set = True
 
@@ -199,12 +218,9 @@ class BatchAccounting(Callback):
         if stage != "fit" or self._trainer is trainer:
             return
         self._trainer = trainer
-        holder = micro_batch_holder(trainer, pl_module)
-        if holder is not None and not self._micro_batch_set:
-            owner, name = holder
-            value = owner[name] if isinstance(owner, dict) else getattr(owner, name)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                self._micro_batch_size = value
+        setting = MicroBatchSetting.find(trainer, pl_module)
+        if setting is not None and not self._micro_batch_set and is_positive_int(setting.get()):
+            self._micro_batch_size = setting.get()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._token_schedulers = [
@@ -213,7 +229,7 @@ class BatchAccounting(Callback):
         if self.seq_len is None and trainer.datamodule is not None:
             for name in ("tokens_per_sample", "seq_len"):
                 value = getattr(trainer.datamodule, name, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                if is_positive_int(value):
                     self.seq_len = value
                     break
 

@@ -18,6 +18,11 @@ class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with; the message names the setting and the fix."""
 
 
+def is_positive_int(value: Any) -> bool:
+    """True for an int >= 1 (a bool is not an int here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) -> int | None:
     """``value`` if it is an int >= 1 (``None`` too when ``optional``); else LitCBSConfigError.
 
@@ -25,7 +30,7 @@ def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) ->
     """
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    if not is_positive_int(value):
         accepted = "a positive int" + (" or None" if optional else "")
         raise LitCBSConfigError(f"{name}={value!r} must be {accepted} ({unit})")
     return value

@@ -44,7 +44,7 @@ from lit_cbs._internals import (
     reload_train_dataloader,
     should_accumulate,
 )
-from lit_cbs.accounting import BatchAccounting, check_divisible, mean_over_ranks, micro_batch_holder
+from lit_cbs.accounting import BatchAccounting, MicroBatchSetting, check_divisible, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
@@ -249,15 +249,7 @@ class BatchWarmup(Callback):
 
     @staticmethod
     def _get_micro(trainer, pl_module) -> int:
-        holder = micro_batch_holder(trainer, pl_module)
-        if holder is None:
-            raise LitCBSConfigError(
-                "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
-                "`batch_size` attribute that its train_dataloader uses"
-            )
-        owner, name = holder
-        value = owner[name] if isinstance(owner, dict) else getattr(owner, name)
-        return positive_int("batch_size", value, "the micro-batch, samples per rank")
+        return positive_int("batch_size", MicroBatchSetting.of(trainer, pl_module).get(), "the micro-batch, samples per rank")
 
     def _apply_to_trainer(self, trainer, pl_module) -> None:
         trainer.accumulate_grad_batches = self.accumulate
