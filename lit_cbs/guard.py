@@ -39,6 +39,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
 
@@ -65,14 +67,11 @@ def fit_trend(points: Sequence[tuple[float, float]]) -> tuple[float, float, floa
     """Least-squares fit of ``loss = intercept + slope * ln(consumed)`` to (consumed, loss) points (3 or
     more); returns intercept (nats), slope (nats per e-fold of consumed) and the residuals' standard
     deviation (nats, n - 2 degrees of freedom)."""
-    xs = [math.log(consumed) for consumed, _ in points]
-    ys = [loss for _, loss in points]
-    n = len(xs)
-    x_mean, y_mean = sum(xs) / n, sum(ys) / n
-    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
-    intercept = y_mean - slope * x_mean
-    residual_std = math.sqrt(sum((y - intercept - slope * x) ** 2 for x, y in zip(xs, ys)) / (n - 2))
-    return intercept, slope, residual_std
+    log_consumed = np.log([consumed for consumed, _ in points])
+    losses = np.array([loss for _, loss in points])
+    slope, intercept = np.polyfit(log_consumed, losses, 1)
+    residuals = losses - (intercept + slope * log_consumed)
+    return float(intercept), float(slope), float(np.sqrt(residuals @ residuals / (len(points) - 2)))
 
 
 def loss_rise(fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, float]]) -> tuple[float, float, float, float]:
