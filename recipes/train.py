@@ -55,7 +55,7 @@ from lit_cbs.plan import Limits, OptimizerState, RunPlan, plan_run
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
-# What stops a run as a bad setting: lit_cbs's own LitCBSConfigError (a ValueError), and what torch,
+# What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
 # Lightning, Hydra and OmegaConf raise for settings they refuse.
 CONFIG_ERRORS = (LitCBSConfigError, ValueError, TypeError, MisconfigurationException, InstantiationException, OmegaConfBaseException)
 
@@ -388,13 +388,17 @@ def send_lightning_logs_to_the_job_log() -> None:
         lightning_logger.propagate = True
 
 
-def stop_on_config_error(error: BaseException) -> None:
-    """End the job with one line naming the setting. A single run exits; in a multirun the job fails
-    and Hydra goes on with the other jobs, then reports the failure once they are done."""
-    message = f"error: {one_line(error)}"
+def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
+    """End the job with one line naming the setting (``line``, default the error's own). A single run
+    exits; in a multirun the job fails and Hydra goes on with the other jobs, then reports the failure
+    once they are done. With HYDRA_FULL_ERROR=1 the error itself is raised, with its traceback."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    line = line or one_line(error)
+    message = f"error: {line}"
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         log.error(message)
-        raise LitCBSConfigError(one_line(error)) from None
+        raise LitCBSConfigError(line) from None
     for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
         if isinstance(handler, logging.FileHandler):
             handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None))
@@ -413,8 +417,6 @@ def main(cfg: DictConfig) -> float | None:
         pl.seed_everything(cfg.seed, workers=True)
         run = build_run(cfg)
     except CONFIG_ERRORS as error:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
         stop_on_config_error(error)
     output_dir = Path(cfg.output_dir)
     if run.trainer.is_global_zero:
@@ -426,9 +428,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
     except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        stop_on_config_error(LitCBSConfigError(name_the_run_keys(cfg, one_line(error))))
+        stop_on_config_error(error, name_the_run_keys(cfg, one_line(error)))
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")
