@@ -19,7 +19,9 @@ Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -144,6 +146,18 @@ class BatchAccounting(Callback):
         self._token_schedulers: list[TokenLRScheduler] = []
         self._fsdp_modules: list = []
         self._gradient_sync: bool | None = None
+        self.in_branch = False  # True while a CBS probe trains or scores branches
+        self.branch_seconds = 0.0  # wall seconds spent in probe work so far
+
+    @contextlib.contextmanager
+    def branching(self):
+        """Marks probe work: ``in_branch`` inside, and its wall time added to ``branch_seconds``."""
+        started, self.in_branch = time.perf_counter(), True
+        try:
+            yield
+        finally:
+            self.in_branch = False
+            self.branch_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod

@@ -20,10 +20,12 @@ from torchmetrics import MeanMetric
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
+from lit_cbs.accounting import BatchAccounting
 from lit_cbs.analysis.curves import read_probe
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import (
+    BranchScore,
     ProbeReading,
     cbs_interval,
     critical_multiplier,
@@ -94,12 +96,12 @@ def test_bisect_finds_the_grid_answer_on_monotone_tables(table):
 
     def measure(k):
         calls.append(k)
-        return table[k]
+        return BranchScore(table[k])
 
-    grid = measure_losses("grid", list(table), measure, 0.01)
+    grid = {k: s.loss for k, s in measure_losses("grid", list(table), measure, 0.01).items()}
     assert calls == sorted(table) and grid == table
     calls.clear()
-    bisect = measure_losses("bisect", list(table), measure, 0.01)
+    bisect = {k: s.loss for k, s in measure_losses("bisect", list(table), measure, 0.01).items()}
     assert critical_multiplier(bisect, 0.01) == critical_multiplier(grid, 0.01)
     assert len(calls) == len(set(calls)) <= max_branches("bisect", len(table)) < len(table)
     assert all(bisect[k] == table[k] for k in calls)
@@ -107,8 +109,9 @@ def test_bisect_finds_the_grid_answer_on_monotone_tables(table):
 
 def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     reading = ProbeReading.decide(
-        {1.0: 3.0, 2.0: 3.004, 4.0: math.inf},
+        {1.0: BranchScore(3.0), 2.0: BranchScore(3.004), 4.0: BranchScore(math.inf)},
         0.01,
+        0.5,
         [1.0, 2.0, 4.0],
         16,
         tokens=4096, step=8, seq_len=32, window_tokens=8192, strategy="grid", evaluate="train_ema", main_loss=3.0,
@@ -136,7 +139,7 @@ def test_the_rule_loads_without_lightning():
 def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
     readings = [
         ProbeReading.decide(
-            {1.0: 3.0, 2.0: 3.0, 4.0: loss4}, 0.01, [1.0, 2.0, 4.0], 8,
+            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0), 4.0: BranchScore(loss4)}, 0.01, 0.5, [1.0, 2.0, 4.0], 8,
             tokens=tokens, step=0, seq_len=4, window_tokens=128, strategy="grid", evaluate="train_ema",
             main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=384, overhead=0.1,
         )
@@ -290,8 +293,7 @@ def test_branches_out_of_memory_are_recorded_as_failed_and_main_goes_on():
 
 
 def in_branch(module) -> bool:
-    """Branches run with the module's logging muted (an instance attribute shadows .log)."""
-    return "log" in vars(module)
+    return BatchAccounting.of(module.trainer).in_branch
 
 
 class RaisingInBranch(RegressionModule):
@@ -393,7 +395,7 @@ def test_heldout_evaluation_and_overhead_budget():
 
 def test_cbs_adaptive_doubles_when_probe_says_so():
     schedule = CBSAdaptive(start=2, final=16, factor=2, unit="tokens")
-    probe = grid_probe(multipliers=(1, 2, 4), window_tokens=64, every_tokens=96)
+    probe = grid_probe(multipliers=(1, 2, 4), window_tokens=64, every_tokens=96, confidence=0.5)
     trainer, module, warmup = run(probe=probe, schedule=schedule, epochs=3, micro=2)
     moves = [r.adaptive_batch for r in probe.history if r.adaptive_batch is not None]
     assert moves and moves == [size for _, size in schedule.decisions]

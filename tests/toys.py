@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lit_cbs.accounting import BatchAccounting
+
 DIM = 4
 
 
@@ -84,6 +86,9 @@ class RegressionModule(pl.LightningModule):
         return torch.nn.functional.mse_loss(prediction, batch["y"])
 
     def on_before_optimizer_step(self, optimizer):
+        accounting = next((c for c in self.trainer.callbacks if isinstance(c, BatchAccounting)), None)
+        if accounting is not None and accounting.in_branch:
+            return  # a CBS probe branch's step (it runs the module's hooks too), not the run's
         self.steps.append(
             {
                 "indices": list(self.pending),

@@ -12,7 +12,9 @@ The names below load on first use (PEP 562), so ``lit_cbs.probe.reading`` does n
 from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
+    "BranchError": "lit_cbs.probe.branch",
     "BranchFailed": "lit_cbs.probe.branch",
+    "BranchScore": "lit_cbs.probe.reading",
     "BranchTrainer": "lit_cbs.probe.branch",
     "CBSProbeCallback": "lit_cbs.probe.callback",
     "ProbeAborted": "lit_cbs.probe.branch",
@@ -21,6 +23,8 @@ _EXPORTS = {
     "TrainingSnapshot": "lit_cbs.probe.snapshot",
     "cbs_interval": "lit_cbs.probe.reading",
     "critical_multiplier": "lit_cbs.probe.reading",
+    "decide": "lit_cbs.probe.reading",
+    "difference": "lit_cbs.probe.reading",
     "ema_last": "lit_cbs.probe.reading",
     "is_admissible": "lit_cbs.probe.reading",
     "max_branches": "lit_cbs.probe.reading",

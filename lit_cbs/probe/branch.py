@@ -2,36 +2,58 @@
 
 ``BranchTrainer.loss(window, k)``: input, a ``RecordedWindow`` (the start snapshot and the
 micro-batches the main run trained on over the window) and a multiplier k; output, the branch's
-loss, scored as the main run's window is (``BranchTrainer.score``). A branch runs inside the
-Trainer without re-entering Lightning's loops: through the strategy's wrapped model (DDP/FSDP
-reduce gradients as in training), the precision plugin's grad scaler and gradient clipping,
-stepping the step-interval LR schedulers as the main run does.
+``BranchScore``, scored as the main run's window is (``BranchTrainer.score``).
+
+A branch runs inside the Trainer without re-entering Lightning's loops, but through the same hooks
+a training step goes through: the module's ``optimizer_zero_grad``, ``training_step`` (through the
+strategy's wrapped model, so DDP/FSDP reduce gradients as in training), ``backward`` (with
+``on_before_backward``/``on_after_backward`` and the precision plugin's loss scaling),
+``optimizer_step`` (the precision plugin's unscaling, ``on_before_optimizer_step`` and
+``configure_gradient_clipping``) and ``lr_scheduler_step``. Callbacks are hidden from branches:
+none of them (gradient noise scale, LR monitor, checkpointing, the user's) sees a branch step.
+
+A failure in a branch is agreed across ranks before any rank goes on, so that no rank is left
+waiting in a collective the others never reach: out of memory on any rank fails the branch on all
+(the probe goes on with the next k); any other exception aborts the probe on all ranks and is
+raised again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
+from torchmetrics import Metric
 
-from lit_cbs._internals import block_ddp_gradient_sync
+from lit_cbs._internals import (
+    block_ddp_gradient_sync,
+    collect_rng_states,
+    metric_update_count,
+    set_metric_update_count,
+    set_rng_states,
+)
 from lit_cbs.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.lr_rules import LRRule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
-from lit_cbs.probe.reading import ema_last
+from lit_cbs.probe.reading import BranchScore
 from lit_cbs.probe.snapshot import TrainingSnapshot
 
 
 class BranchFailed(Exception):
-    """A branch diverged (non-finite loss) or ran out of memory; it counts as not recovered."""
+    """A branch diverged (non-finite loss) or ran out of memory on some rank; it counts as not recovered."""
 
 
 class ProbeAborted(Exception):
     """SIGTERM arrived during a probe: the main state is restored and Lightning shuts down as usual."""
+
+
+class BranchError(RuntimeError):
+    """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere)."""
 
 
 @dataclass
@@ -81,11 +103,11 @@ class RecordedWindow:
         self.micro_losses = []
 
 
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss tensor of a training_step's output (a tensor or a dict with "loss")."""
-    loss = output["loss"] if isinstance(output, dict) else output
+def loss_of(output: Any, hook: str = "training_step") -> torch.Tensor:
+    """The loss tensor of a step's output (a tensor or a dict with "loss")."""
+    loss = output["loss"] if isinstance(output, dict) and "loss" in output else output
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"training_step must return a loss tensor or a dict with 'loss' for CBS probing, got {output!r}")
+        raise TypeError(f"{hook} must return a loss tensor or a dict with 'loss' for CBS probing, got {output!r}")
     return loss
 
 
@@ -104,7 +126,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def logging_muted(pl_module: pl.LightningModule):
-    """Branches call the user's training_step; its self.log calls must not reach the main run's logs."""
+    """Branches call the user's steps; their self.log calls must not reach the main run's logs."""
     if "log" in vars(pl_module):  # already muted by an enclosing block
         yield
         return
@@ -117,13 +139,81 @@ def logging_muted(pl_module: pl.LightningModule):
         del pl_module.log_dict
 
 
+@contextlib.contextmanager
+def callbacks_hidden(trainer: pl.Trainer):
+    """No callback hook runs inside: branch steps are not the run's steps. Only ``BatchAccounting``
+    stays (it has no step hooks), so that ``BatchAccounting.of(trainer).in_branch`` can be read."""
+    callbacks = trainer.callbacks
+    trainer.callbacks = [c for c in callbacks if isinstance(c, BatchAccounting)]
+    try:
+        yield
+    finally:
+        trainer.callbacks = callbacks
+
+
+@contextlib.contextmanager
+def side_effects_undone(pl_module: pl.LightningModule):
+    """Whatever runs inside leaves the module's torchmetrics states, the RNG streams and its
+    train/eval mode as they were, and logs nothing."""
+    metrics = [(m, {k: v for k, v in m.metric_state.items()}, metric_update_count(m))
+               for m in pl_module.modules() if isinstance(m, Metric)]
+    saved = [(m, {k: (v.clone() if isinstance(v, torch.Tensor) else list(v)) for k, v in state.items()}, count)
+             for m, state, count in metrics]
+    rng = collect_rng_states(include_cuda=torch.cuda.is_available())
+    training = pl_module.training
+    try:
+        with logging_muted(pl_module):
+            yield
+    finally:
+        for metric, state, count in saved:
+            for name, value in state.items():
+                setattr(metric, name, value)
+            set_metric_update_count(metric, count)
+        set_rng_states(rng)
+        pl_module.train(training)
+
+
+def _overrides(pl_module: pl.LightningModule, hook: str) -> bool:
+    return getattr(type(pl_module), hook, None) is not getattr(pl.LightningModule, hook, None)
+
+
+class HeldoutLoss:
+    """The module's loss on one held-out batch, with no side effect on the module.
+
+    Uses, in this order: the module's ``probe_loss(batch)`` if it has one; its ``validation_step``
+    if overridden and it returns a loss (a tensor or a dict with "loss"); else its
+    ``training_step``. Whichever runs, torchmetrics states, RNG streams and logs are left as they
+    were (``side_effects_undone``), in eval mode without gradients.
+    """
+
+    def __init__(self, pl_module: pl.LightningModule):
+        self.pl_module = pl_module
+        if callable(getattr(pl_module, "probe_loss", None)):
+            self.hook = "probe_loss"
+        elif _overrides(pl_module, "validation_step"):
+            self.hook = "validation_step"
+        else:
+            self.hook = "training_step"
+
+    def __call__(self, batch: Any, index: int) -> torch.Tensor:
+        module = self.pl_module
+        if self.hook == "probe_loss":
+            return loss_of(module.probe_loss(batch), "probe_loss")
+        if self.hook == "validation_step":
+            output = module.validation_step(batch, index)
+            if isinstance(output, torch.Tensor) or (isinstance(output, dict) and "loss" in output):
+                return loss_of(output, "validation_step")
+            self.hook = "training_step"  # it returns no loss: its training_step is the loss
+        return loss_of(module.training_step(batch, index))
+
+
 @dataclass
 class BranchTrainer:
     """Trains a probe's branches inside ``trainer`` and scores each like the main run's window.
 
-    A window's loss (nats, the mean over ranks, so every rank reaches the same k*) is the EMA of its
-    step losses at its last step (``evaluate="train_ema"``, the paper's) or the mean loss of the
-    model at the window's end on ``heldout`` batches (``evaluate="heldout"``).
+    A window's score (nats, the mean over ranks, so every rank reaches the same k*) is the EMA of
+    its step losses at its last step (``evaluate="train_ema"``, the paper's) or the model's loss at
+    the window's end on each ``heldout`` batch (``evaluate="heldout"``).
     """
 
     trainer: pl.Trainer
@@ -133,92 +223,113 @@ class BranchTrainer:
     evaluate: str
     ema_alpha: float  # weight of the newest step loss in the EMA
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
+    cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
 
-    def score(self, step_losses: list[float]) -> float:
-        """The loss of a window this rank trained with ``step_losses``, the model now at its end."""
+    def __post_init__(self):
+        self._heldout_loss = HeldoutLoss(self.pl_module)
+
+    def score(self, step_losses: list[float]) -> BranchScore:
+        """The score of a window this rank trained with ``step_losses``, the model now at its end."""
         if self.evaluate == "heldout":
-            return self._heldout_loss()
-        return ema_last(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
+            return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
+        return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
 
-    def loss(self, window: RecordedWindow, k: float) -> float:
+    def loss(self, window: RecordedWindow, k: float) -> BranchScore:
         """Train batch k*B over ``window`` from its start snapshot and score it. The model is left in
         the branch's end state.
 
         Raises:
-            BranchFailed: a non-finite step loss on any rank, or out of memory.
+            BranchFailed: a non-finite step loss, or out of memory, on any rank.
+            BranchError: another rank raised; this rank's own exception is raised as it is.
             ProbeAborted: SIGTERM arrived on any rank.
         """
-        try:
+        with callbacks_hidden(self.trainer):
             step_losses = self._train(window, k)
-        except RuntimeError as error:
-            if is_out_of_memory(error):
-                raise BranchFailed("out of memory") from error
+            return self.score(step_losses)
+
+    def _agreed(self, work):
+        """Run ``work`` on every rank and agree on whether it failed anywhere; raise on every rank if so."""
+        error = None
+        try:
+            result = work()
+        except (BranchFailed, ProbeAborted):
             raise
-        return self.score(step_losses)
+        except Exception as caught:  # noqa: BLE001 - every exception is agreed, then raised again
+            error, result = caught, None
+        flags = mean_over_ranks(self.trainer, [float(error is not None and is_out_of_memory(error)),
+                                               float(error is not None and not is_out_of_memory(error))])
+        if flags[1] > 0:
+            if error is not None:
+                raise error
+            raise BranchError("another rank raised inside a CBS probe branch (its log has the error); probe aborted")
+        if flags[0] > 0:
+            raise BranchFailed("out of memory") from error
+        return result
 
     def _train(self, window: RecordedWindow, k: float) -> list[float]:
         """This rank's per-step losses (nats) of batch k*B (LR scaled by ``lr_rule`` for ratio k)."""
-        trainer, strategy = self.trainer, self.trainer.strategy
-        window.start.restore(trainer, self.pl_module)
-        optimizers = trainer.optimizers
-        schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
-        factor = self.lr_rule.lr_factor(k)
-        for optimizer in optimizers:
-            scale_learning_rate(optimizer, [c.scheduler for c in trainer.lr_scheduler_configs], factor)
+        trainer, strategy, module = self.trainer, self.trainer.strategy, self.pl_module
+        window.start.restore(trainer, module)
+        for optimizer in trainer.optimizers:
+            scale_learning_rate(optimizer, [c.scheduler for c in trainer.lr_scheduler_configs], self.lr_rule.lr_factor(k))
             self.lr_rule.adjust_optimizer(optimizer, k)
-        optimizer = optimizers[0]
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
+        raw_optimizer = trainer.optimizers[0]
+        schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
         micro_per_step = round(k * window.accumulate)
         batches = window.batches[: window.samples_per_rank // window.micro_batch_size]
+        steps = len(batches) // micro_per_step
+        cooldown = round(self.cooldown_fraction * steps)
         tokens_per_step = micro_per_step * window.micro_batch_size * window.data_parallel_size * window.seq_len
         tokens = window.tokens
         step_losses: list[float] = []
-        self.pl_module.train()
-        for start in range(0, len(batches) - micro_per_step + 1, micro_per_step):
-            optimizer.zero_grad(set_to_none=True)
-            total = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
-            for i in range(micro_per_step):
-                last = i == micro_per_step - 1
-                batch = move_data_to_device(batches[start + i], strategy.root_device)
-                self.accounting.set_gradient_sync(last)
-                with block_ddp_gradient_sync(strategy, block=not last):
-                    loss = loss_of(strategy.training_step(batch, start + i))
-                    scaled = loss / micro_per_step
-                    (scaler.scale(scaled) if scaler is not None else scaled).backward()
-                total += loss.detach()
-            step_loss = total / micro_per_step
-            if strategy.reduce_boolean_decision(not bool(torch.isfinite(step_loss)), all=False):
-                raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            if trainer.gradient_clip_val:
-                trainer.precision_plugin.clip_gradients(
-                    optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm"
-                )
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
+        module.train()
+        for step in range(steps):
+            first = step * micro_per_step
+
+            def closure(first=first):
+                total = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+                for i in range(micro_per_step):
+                    last = i == micro_per_step - 1
+                    batch = move_data_to_device(batches[first + i], strategy.root_device)
+                    self.accounting.set_gradient_sync(last)
+                    with block_ddp_gradient_sync(strategy, block=not last):
+                        loss = self._agreed(lambda batch=batch, i=i: loss_of(strategy.training_step(batch, first + i)))
+                        self._agreed(lambda loss=loss: strategy.backward(loss / micro_per_step, raw_optimizer))
+                    total += loss.detach()
+                step_loss = total / micro_per_step
+                if strategy.reduce_boolean_decision(not bool(torch.isfinite(step_loss)), all=False):
+                    raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
+                step_losses.append(float(step_loss))
+                return step_loss
+
+            self._agreed(functools.partial(module.optimizer_zero_grad, trainer.current_epoch, step, optimizer))
+            decay = 1.0 - (step - (steps - cooldown) + 1) / (cooldown + 1) if step >= steps - cooldown else 1.0
+            saved_lrs = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
+            for opt in trainer.optimizers:
+                for group in opt.param_groups:
+                    group["lr"] *= decay
+            self._agreed(functools.partial(module.optimizer_step, trainer.current_epoch, step, optimizer, closure))
+            for opt, lrs in zip(trainer.optimizers, saved_lrs):
+                for group, lr in zip(opt.param_groups, lrs):
+                    group["lr"] = lr
             tokens += tokens_per_step
             for config in schedulers:
                 if isinstance(config.scheduler, TokenLRScheduler):
                     config.scheduler.tokens_seen = tokens
-                config.scheduler.step()
-            step_losses.append(float(step_loss))
+                module.lr_scheduler_step(config.scheduler, None)
             if strategy.reduce_boolean_decision(trainer.received_sigterm, all=False):
                 raise ProbeAborted()
+        module.optimizer_zero_grad(trainer.current_epoch, steps, optimizer)
         return step_losses
 
     @torch.no_grad()
-    def _heldout_loss(self) -> float:
-        pl_module, trainer = self.pl_module, self.trainer
-        was_training = pl_module.training
-        pl_module.eval()
-        total = 0.0
-        with logging_muted(pl_module), trainer.precision_plugin.forward_context():
+    def _local_heldout_losses(self) -> list[float]:
+        """The model's loss (nats) on each of this rank's held-out batches; no side effects."""
+        trainer = self.trainer
+        losses = []
+        with side_effects_undone(self.pl_module), trainer.precision_plugin.forward_context():
+            self.pl_module.eval()
             for i, batch in enumerate(self.heldout):
-                batch = move_data_to_device(batch, trainer.strategy.root_device)
-                total += float(loss_of(pl_module.training_step(batch, i)))
-        pl_module.train(was_training)
-        return mean_over_ranks(trainer, [total / len(self.heldout)])[0]
+                losses.append(float(self._heldout_loss(move_data_to_device(batch, trainer.strategy.root_device), i)))
+        return losses

@@ -32,13 +32,13 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs._internals import should_accumulate
+from lit_cbs._internals import logging_step, should_accumulate
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.lr_rules import get_lr_rule
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, RecordedWindow, logging_muted, loss_of
 from lit_cbs.probe.plot import plot_cbs_curve
-from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, ProbeReading, max_branches, measure_losses
+from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, BranchScore, ProbeReading, max_branches, measure_losses
 from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.schedules import CBSAdaptive
 from lit_cbs.warmup import BatchWarmup
@@ -67,12 +67,23 @@ class CBSProbeCallback(Callback):
             of steps of the largest branch).
         epsilon: tolerance in nats of the k* rule (the paper: 0.01; see docs/tiny_workload.md for the noise
             floor of small runs).
+        confidence: one-sided confidence with which a k must be within ``epsilon`` of every smaller
+            k (and a larger k beyond it) for the reading to be determined; a reading the data cannot
+            decide is recorded as undetermined and CBSAdaptive does not act on it. 0.5 judges by the
+            mean losses alone (every reading determined).
         ema_alpha: weight of the newest step loss in the EMA (the paper: 0.5).
         lr_rule: LR factor for batch ratio k ("sqrt" for Adam, "linear" for SGD, ...).
         strategy: "grid" (every k, the paper's protocol) or "bisect" (main run as the k=1
             baseline, bisection over the rest; assumes recovery is monotone in k).
         evaluate: "train_ema" (the paper) or "heldout": the loss on the first ``heldout_batches``
-            batches of the datamodule's val_dataloader at the window's end.
+            batches of the run's validation data at the window's end, the same batches for every
+            branch (paired standard errors). The loss comes from the module's ``probe_loss(batch)``
+            if it has one, else its ``validation_step`` if that returns a loss, else its
+            ``training_step``; metrics, logs and RNG streams are left as they were.
+        cooldown_fraction: decay every branch's LR linearly towards 0 over this share of its last
+            steps (k = 1 is then trained as a branch too, since the main run does not cool down).
+            Compares branches after an equal short LR decay instead of at a constant LR, where a
+            larger batch gains for a while from its lower gradient noise alone.
         max_overhead: skip a probe that would bring probe tokens above this fraction of the
             training tokens.
         snapshot_device: where snapshots and recorded batches live ("cpu" keeps accelerator
@@ -93,11 +104,13 @@ class CBSProbeCallback(Callback):
         multipliers: Sequence[float] = (1, 2, 4, 8),
         window_tokens: int = 1_000_000,
         epsilon: float = 0.01,
+        confidence: float = 0.9,
         ema_alpha: float = 0.5,
         lr_rule="sqrt",
         strategy: str = "grid",
         evaluate: str = "train_ema",
         heldout_batches: int = 8,
+        cooldown_fraction: float = 0.0,
         max_overhead: float | None = None,
         snapshot_device: str = "cpu",
         output_dir: str | os.PathLike | None = None,
@@ -118,6 +131,14 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
         if len(set(multipliers)) != len(multipliers):
             raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
+        if len(multipliers) < 2:
+            raise LitCBSConfigError(
+                f"multipliers={multipliers!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
+            )
+        if not 0.5 <= confidence < 1:
+            raise LitCBSConfigError(f"confidence={confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)")
+        if not 0 <= cooldown_fraction < 1:
+            raise LitCBSConfigError(f"cooldown_fraction={cooldown_fraction} must lie in [0, 1) (share of a branch's steps)")
         if epsilon < 0:
             raise LitCBSConfigError(f"epsilon={epsilon} must be >= 0 (nats)")
         if not 0 < ema_alpha <= 1:
@@ -130,6 +151,8 @@ class CBSProbeCallback(Callback):
         self.multipliers = sorted(float(k) for k in multipliers)
         self.window_tokens = positive_int("window_tokens", window_tokens, "tokens")
         self.epsilon = float(epsilon)
+        self.confidence = float(confidence)
+        self.cooldown_fraction = float(cooldown_fraction)
         self.ema_alpha = float(ema_alpha)
         self.lr_rule = get_lr_rule(lr_rule)
         self.evaluate = one_of("evaluate", evaluate, EVALUATIONS)
@@ -162,6 +185,11 @@ class CBSProbeCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if not pl_module.automatic_optimization:
+            raise LitCBSConfigError(
+                "CBSProbeCallback trains branches through Lightning's automatic optimization, but this module sets "
+                "automatic_optimization = False; remove the probe or use automatic optimization"
+            )
         self._accounting = BatchAccounting.of(trainer)
         self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
 
@@ -175,8 +203,24 @@ class CBSProbeCallback(Callback):
         if self.evaluate == "heldout":
             self._heldout = self._load_heldout(trainer)
         self._batch_checked = False
-        # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once.
-        self._resolved_output_dir = self.output_dir or Path(trainer.log_dir or trainer.default_root_dir)
+        # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once. Without a logger
+        # and without output_dir the readings stay in `history` (no files in the working directory).
+        log_dir = trainer.log_dir if trainer.loggers else None
+        self._resolved_output_dir = self.output_dir or (Path(log_dir) if log_dir else None)
+        if self._resolved_output_dir is None:
+            rank_zero_info("CBSProbeCallback: no logger and no output_dir; readings are kept in .history only")
+        elif trainer.is_global_zero:
+            self._write_history()
+
+    def _write_history(self) -> None:
+        """Make cbs_probe.jsonl hold exactly ``history``: a resumed run starts it from its checkpoint's
+        readings, so nothing is written twice and no reading after the checkpoint lingers."""
+        path = self._resolved_output_dir / JSONL_FILE
+        if not self.history:
+            path.unlink(missing_ok=True)
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(dataclasses.asdict(reading)) + "\n" for reading in self.history))
 
     def _load_heldout(self, trainer: pl.Trainer) -> list:
         datamodule = trainer.datamodule
@@ -246,7 +290,7 @@ class CBSProbeCallback(Callback):
         if self._window is not None:
             rank_zero_warn(f"CBS probe at {self._window.tokens:,} tokens dropped: training ended inside its window")
             self._window = None
-        if trainer.is_global_zero and self.history:
+        if trainer.is_global_zero and self.history and self._resolved_output_dir is not None:
             batch_changes = self._warmup.history if self._warmup is not None else []
             plot_cbs_curve(self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen)
 
@@ -311,27 +355,29 @@ class CBSProbeCallback(Callback):
         accounting = self._accounting
         main_changed_batch = accounting.global_batch != window.batch_size
         branches = BranchTrainer(
-            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout
+            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout,
+            self.cooldown_fraction,
         )
-        main_loss = branches.score(window.step_losses)
         after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
         failed: list[float] = []
         trained: list[float] = []
 
-        def measure(k: float) -> float:
-            if k == 1.0 and self.strategy == "bisect" and not main_changed_batch:
-                return main_loss  # the main run trained batch B on this very window
+        def measure(k: float) -> BranchScore:
+            if k == 1.0 and self.strategy == "bisect" and not main_changed_batch and not self.cooldown_fraction:
+                return main_score  # the main run trained batch B on this very window
             trained.append(k)
             try:
                 return branches.loss(window, k)
             except BranchFailed as error:
                 rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
                 failed.append(k)
-                return math.inf
+                return BranchScore(math.inf)
 
         try:
-            with logging_muted(pl_module):
-                losses = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
+            with accounting.branching():
+                main_score = branches.score(window.step_losses)
+                with logging_muted(pl_module):
+                    scores = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
         except ProbeAborted:
             rank_zero_warn(f"CBS probe at {window.tokens:,} tokens aborted by SIGTERM; main state restored")
             return
@@ -341,8 +387,9 @@ class CBSProbeCallback(Callback):
         spent = len(trained) * window.window_tokens
         self.tokens_spent += spent
         reading = ProbeReading.decide(
-            losses,
+            scores,
             self.epsilon,
+            self.confidence,
             window.multipliers,
             window.batch_size,
             tokens=window.tokens,
@@ -351,11 +398,12 @@ class CBSProbeCallback(Callback):
             window_tokens=window.window_tokens,
             strategy=self.strategy,
             evaluate=self.evaluate,
-            main_loss=main_loss,
+            main_loss=main_score.loss,
             branches_trained=trained,
             failed=failed,
             tokens_spent=spent,
             overhead=self.tokens_spent / max(1, accounting.tokens_seen),
+            cooldown_fraction=self.cooldown_fraction,
         )
         self._feed_adaptive_schedule(reading)
         self.history.append(reading)
@@ -365,6 +413,9 @@ class CBSProbeCallback(Callback):
         """Tell a CBSAdaptive batch schedule the measured CBS lower bound; note the batch it moves to."""
         schedule = self._warmup.schedule if self._warmup is not None else None
         if not isinstance(schedule, CBSAdaptive):
+            return
+        if not reading.determined:
+            rank_zero_info("CBSAdaptive: the reading is undetermined at this confidence; the batch stays")
             return
         accounting = self._accounting
         consumed = accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
@@ -378,20 +429,26 @@ class CBSProbeCallback(Callback):
             "cbs/lower": float(reading.cbs_lower),
             "cbs/estimate": float(reading.cbs_estimate),
             "cbs/k_star": float(reading.k_star),
+            "cbs/determined": float(reading.determined),
             "probe/overhead": float(reading.overhead),
             "probe/tokens_spent": float(self.tokens_spent),
         }
         if reading.cbs_upper is not None:
             metrics["cbs/upper"] = float(reading.cbs_upper)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        losses = ", ".join(f"k={k}: {v:.4f}" if v is not None else f"k={k}: failed" for k, v in reading.losses.items())
-        upper = f"{reading.cbs_upper:g}" if reading.cbs_upper is not None else "beyond the grid"
+        for logger in trainer.loggers:  # on the row of the step just taken, with the run's own metrics
+            logger.log_metrics(metrics, step=logging_step(trainer))
+        losses = ", ".join(
+            f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={min(reading.losses, key=float)}: "
+                                        f"{reading.loss_se[k]:.4f})" if reading.loss_se.get(k) is not None else "")
+                          if v is not None else "failed")
+            for k, v in reading.losses.items()
+        )
         rank_zero_info(
             f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
-            f"CBS in [{reading.cbs_lower:g}, {upper}] samples; {losses}; probe overhead {reading.overhead:.2f}"
+            f"CBS in {reading.bracket} samples at {reading.confidence:.0%} confidence; {losses}; "
+            f"probe overhead {reading.overhead:.2f}"
         )
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self._resolved_output_dir is not None:
             out = self._resolved_output_dir
             out.mkdir(parents=True, exist_ok=True)
             with open(out / JSONL_FILE, "a") as f:

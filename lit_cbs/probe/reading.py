@@ -5,20 +5,140 @@ with batch B, train each multiplier k of a grid with batch k*B for the same wind
 each branch's loss (an EMA of its step losses, alpha = 0.5) and take k* = the largest k whose loss is
 within ``epsilon`` nats of every smaller k's. The CBS lies in [k* B, next k B] samples.
 
+Every reading carries its uncertainty. With ``evaluate="heldout"`` all branches are scored on the
+same held-out batches, so each comparison L_k - L_j is a mean of paired per-batch differences and
+has a standard error (SE) from their spread. k is *admissible with confidence c* when the upper
+one-sided c-confidence bound of L_k - L_j (Student's t) is at most ``epsilon`` for every smaller j;
+k is *rejected with confidence c* when, for some smaller j, the lower bound exceeds ``epsilon``.
+The reading's k* is the rule applied to the mean losses; the reading is *determined* when k* is
+admissible with confidence and every measured larger k is rejected with confidence, and
+*undetermined* otherwise (the data cannot tell k* from its neighbours at that confidence). With
+``evaluate="train_ema"`` branches train on differently grouped batches and no pairing exists: the
+SE of each branch's EMA comes from the scatter of its step losses (unpaired, approximate).
+
 Everything here works on numbers the callback hands over, so the rule can be checked on tables by
-hand; statistics of a reading (its noise, confidence) belong here too.
+hand.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lit_cbs.analysis.curves import ema
 
 STRATEGIES = ("grid", "bisect")
 EVALUATIONS = ("train_ema", "heldout")
+# How a reading's standard errors were made (ProbeReading.se_method).
+SE_PAIRED = "paired held-out batches"
+SE_STEP_SCATTER = "step-loss scatter (unpaired, approximate)"
+SE_NONE = "none"
+
+
+@dataclass(frozen=True)
+class BranchScore:
+    """One branch's (or the main window's) loss and what its uncertainty is made from.
+
+    ``batch_losses``: its loss on each held-out batch (nats; the same batches for every branch, so
+    differences pair up); empty for ``evaluate="train_ema"``. ``se``: the standard error of ``loss``
+    alone, for unpaired comparisons; None when it cannot be estimated.
+    """
+
+    loss: float  # nats; inf or NaN for a failed branch
+    batch_losses: tuple[float, ...] = ()
+    se: float | None = None
+
+    @classmethod
+    def heldout(cls, batch_losses: Sequence[float]) -> BranchScore:
+        """The mean of per-batch held-out losses (nats)."""
+        values = tuple(float(x) for x in batch_losses)
+        return cls(sum(values) / len(values), values)
+
+    @classmethod
+    def train_ema(cls, step_losses: Sequence[float], alpha: float) -> BranchScore:
+        """The EMA (weight ``alpha`` on the newest) of step losses at the last step, with an SE from
+        their scatter: the step-to-step variance s^2 = mean((x_t - x_{t-1})^2) / 2 (insensitive to a
+        slow trend) times the EMA's variance factor alpha / (2 - alpha). Needs 3 or more steps."""
+        loss = ema_last(step_losses, alpha)
+        if len(step_losses) < 3 or not all(math.isfinite(x) for x in step_losses):
+            return cls(loss)
+        steps = [b - a for a, b in zip(step_losses, step_losses[1:])]
+        variance = sum(d * d for d in steps) / (2 * len(steps))
+        return cls(loss, se=math.sqrt(variance * alpha / (2 - alpha)))
+
+    @property
+    def failed(self) -> bool:
+        return not math.isfinite(self.loss)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """L_k - L_j (nats) with its standard error and the degrees of freedom of its t quantile
+    (inf: normal); ``se`` None when neither pairing nor per-branch SEs exist."""
+
+    mean: float
+    se: float | None
+    dof: float = math.inf
+
+    def bounds(self, confidence: float) -> tuple[float, float]:
+        """The lower and upper one-sided ``confidence`` bounds of the difference (nats)."""
+        if self.se is None:
+            return (-math.inf, math.inf) if confidence > 0.5 else (self.mean, self.mean)
+        from scipy import stats
+
+        quantile = 0.0 if confidence == 0.5 else float(stats.t.ppf(confidence, self.dof))
+        return self.mean - quantile * self.se, self.mean + quantile * self.se
+
+
+def difference(a: BranchScore, b: BranchScore) -> Difference:
+    """L_a - L_b: paired over held-out batches when both have them (SE of the mean per-batch
+    difference, n - 1 degrees of freedom); else from the two SEs (unpaired, normal)."""
+    mean = a.loss - b.loss
+    n = len(a.batch_losses)
+    if n >= 2 and n == len(b.batch_losses):
+        diffs = [x - y for x, y in zip(a.batch_losses, b.batch_losses)]
+        centre = sum(diffs) / n
+        variance = sum((d - centre) ** 2 for d in diffs) / (n - 1)
+        return Difference(mean, math.sqrt(variance / n), n - 1)
+    if a.se is not None and b.se is not None:
+        return Difference(mean, math.hypot(a.se, b.se))
+    return Difference(mean, None)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """k* from the mean losses, whether the data decide it at ``confidence``, and each measured
+    k's SE of L_k - L_base (base: the smallest measured k)."""
+
+    k_star: float
+    determined: bool
+    loss_se: dict[float, float | None] = field(default_factory=dict)
+
+
+def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> Decision:
+    """Apply the k* rule to ``scores`` (per multiplier k) and judge it at ``confidence`` (one-sided,
+    in [0.5, 1); 0.5 judges by the means alone): determined when k* is within ``epsilon`` of every
+    smaller finite k with that confidence and every measured larger k is beyond ``epsilon`` of some
+    smaller k with that confidence (a failed branch is beyond by definition)."""
+    losses = {k: s.loss for k, s in scores.items()}
+    k_star = critical_multiplier(losses, epsilon)
+    base = scores[min(scores)]
+    loss_se = {k: (None if k == min(scores) or s.failed or base.failed else difference(s, base).se)
+               for k, s in sorted(scores.items())}
+    finite = sorted(k for k, s in scores.items() if not s.failed)
+
+    def upper(k, j):
+        return difference(scores[k], scores[j]).bounds(confidence)[1]
+
+    def lower(k, j):
+        return difference(scores[k], scores[j]).bounds(confidence)[0]
+
+    determined = bool(finite) and not scores[k_star].failed
+    determined = determined and all(upper(k_star, j) <= epsilon for j in finite if j < k_star)
+    for k in (k for k in scores if k > k_star and not scores[k].failed):
+        determined = determined and any(lower(k, j) > epsilon for j in finite if j < k)
+    return Decision(k_star, determined, loss_se)
 
 
 def is_admissible(losses: dict[float, float], k: float, epsilon: float) -> bool:
@@ -71,34 +191,37 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
 
 
 def measure_losses(
-    strategy: str, multipliers: Sequence[float], measure: Callable[[float], float], epsilon: float
-) -> dict[float, float]:
-    """The loss (nats) of each multiplier the strategy needs, from ``measure(k)``.
+    strategy: str, multipliers: Sequence[float], measure: Callable[[float], BranchScore], epsilon: float
+) -> dict[float, BranchScore]:
+    """The score of each multiplier the strategy needs, from ``measure(k)``.
 
     "grid" measures every k. "bisect" measures the smallest k, then bisects the rest of the (sorted)
     grid for the largest admissible k, assuming the admissible ks are a prefix of the grid: about
-    log2(len(multipliers)) calls instead of len(multipliers).
+    log2(len(multipliers)) calls instead of len(multipliers). Bisection steers by the mean losses;
+    how sure the answer is, ``decide`` says afterwards.
     """
     ks = sorted(multipliers)
     if strategy == "grid":
         return {k: measure(k) for k in ks}
-    losses = {ks[0]: measure(ks[0])}
+    scores = {ks[0]: measure(ks[0])}
     low, high = 0, len(ks) - 1  # ks[low] is admissible; k* lies in ks[low..high]
     while low < high:
         mid = (low + high + 1) // 2
-        losses[ks[mid]] = measure(ks[mid])
-        if is_admissible(losses, ks[mid], epsilon):
+        scores[ks[mid]] = measure(ks[mid])
+        if is_admissible({k: s.loss for k, s in scores.items()}, ks[mid], epsilon):
             low = mid
         else:
             high = mid - 1
-    return losses
+    return scores
 
 
 @dataclass
 class ProbeReading:
     """One probe's measurement; ``cbs_probe.jsonl`` holds one per line (``dataclasses.asdict``).
 
-    Token counts are global (all ranks); batches and CBS bounds in samples; losses in nats.
+    Token counts are global (all ranks); batches and CBS bounds in samples; losses in nats. Only a
+    ``determined`` reading says where the CBS is; an undetermined one keeps its k* (the rule on the
+    means) for the record, and CBSAdaptive does not act on it.
     """
 
     tokens: int  # tokens seen when the window started
@@ -111,7 +234,7 @@ class ProbeReading:
     losses: dict[str, float | None]  # per multiplier ("2" for k = 2); None for a failed branch
     main_loss: float  # the main run's own loss over the window (the k = 1 run)
     branches_trained: list[float]  # the multipliers trained as branches, in order
-    failed: list[float]  # branches that diverged or ran out of memory
+    failed: list[float]  # branches that diverged, ran out of memory or raised
     k_star: float
     cbs_lower: float  # k* B
     cbs_upper: float | None  # the next multiplier's batch; None at the top of the grid
@@ -119,28 +242,43 @@ class ProbeReading:
     tokens_spent: int  # tokens trained in this probe's branches
     overhead: float  # all probes' branch tokens so far / tokens the main run trained on
     adaptive_batch: int | None = None  # the batch CBSAdaptive moved to on this reading, if any
+    # Readings written before lit_cbs 0.2 lack the fields below; they load as judged by the means.
+    determined: bool = True  # k* is decided at `confidence` (see the module docstring)
+    confidence: float = 0.5  # one-sided confidence of the decision; 0.5 judges by the means alone
+    loss_se: dict[str, float | None] = field(default_factory=dict)  # SE of L_k - L_base (base: smallest k)
+    se_method: str = SE_NONE  # how loss_se was made
+    batch_losses: dict[str, list[float]] = field(default_factory=dict)  # per k, per held-out batch (heldout)
+    cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
 
     @classmethod
     def decide(
         cls,
-        losses: dict[float, float],
+        scores: dict[float, BranchScore],
         epsilon: float,
+        confidence: float,
         multipliers: Sequence[float],
         batch_size: int,
         **fields,
     ) -> ProbeReading:
-        """Apply the k* rule to ``losses`` (per multiplier k, nats; inf or NaN for a failed branch)
-        and bracket the CBS on the grid ``multipliers`` around batch ``batch_size``; ``fields`` gives
-        the rest of the reading."""
-        k_star = critical_multiplier(losses, epsilon)
-        lower, upper, estimate = cbs_interval(k_star, multipliers, batch_size)
+        """Apply the k* rule to ``scores`` (per multiplier k; a failed branch has loss inf or NaN),
+        judge it at ``confidence`` and bracket the CBS on the grid ``multipliers`` around batch
+        ``batch_size``; ``fields`` gives the rest of the reading."""
+        decision = decide(scores, epsilon, confidence)
+        lower, upper, estimate = cbs_interval(decision.k_star, multipliers, batch_size)
+        paired = any(s.batch_losses for s in scores.values())
+        unpaired = any(s.se is not None for s in scores.values())
         return cls(
             batch_size=batch_size,
-            losses={f"{k:g}": (loss if math.isfinite(loss) else None) for k, loss in sorted(losses.items())},
-            k_star=k_star,
+            losses={f"{k:g}": (s.loss if not s.failed else None) for k, s in sorted(scores.items())},
+            k_star=decision.k_star,
             cbs_lower=lower,
             cbs_upper=upper,
             cbs_estimate=estimate,
+            determined=decision.determined,
+            confidence=confidence,
+            loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},
+            se_method=SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
+            batch_losses={f"{k:g}": list(s.batch_losses) for k, s in sorted(scores.items()) if s.batch_losses},
             **fields,
         )
 
@@ -148,3 +286,10 @@ class ProbeReading:
     def branch_steps(self) -> int:
         """Optimizer steps the branches trained (window_tokens / (k B seq_len) for each k)."""
         return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
+
+    @property
+    def bracket(self) -> str:
+        """"[lower, upper]" in samples, "[lower, beyond the grid]" at the top, and "undetermined"
+        after it when the data do not decide k*."""
+        upper = f"{self.cbs_upper:g}" if self.cbs_upper is not None else "beyond the grid"
+        return f"[{self.cbs_lower:g}, {upper}]" + ("" if self.determined else " (undetermined)")
