@@ -10,7 +10,9 @@ docs/tiny_workload.md: the tiny OLMo (233k parameters) on the embedded stdlib co
 - batch warmup: ``+recipe=tiny_warmup`` without its probe: 16 -> 32 at 1,245,184 tokens -> 64 at
   2,523,136 tokens, thresholds read off a measured CBS curve (docs/benchmarks/cbs_probe.md);
 - CBS-adaptive warmup: ``+recipe=tiny_adaptive``: a probe every 524k tokens (k = 1 from the main run,
-  one k = 2 branch of 262k tokens) doubles the batch when the CBS is at least twice it, up to 64.
+  one k = 2 branch over a window of up to 262k tokens, ended at a quarter or a half once the reading
+  is determined at 90% confidence) doubles the batch when the CBS is at least twice it, up to 64,
+  and stops probing there.
 
 Every run validates on the whole held-out split every 128 micro-batches (262,144 tokens), so all
 runs are evaluated at the same token counts. Reported per configuration, mean and spread (max - min)
@@ -54,7 +56,8 @@ GOALS = {
     "warmup_loss_gap": 0.02,  # nats at most worse than the small-batch control
     "warmup_steps_saved": 0.45,
     "large_loss_gap": 0.5,  # the large-batch control worse by more than this
-    "adaptive_steps_saved": 0.30,  # counting probe branch steps
+    "adaptive_steps_saved": 0.45,  # counting probe branch steps
+    "adaptive_probe_share": 0.15,  # probe branch tokens / training tokens, at most
 }
 
 
@@ -192,6 +195,11 @@ def goals(rows: dict[str, dict]) -> list[tuple[str, bool]]:
             ))
     if "adaptive" in rows:
         adaptive = rows["adaptive"]
+        share = adaptive["probe_tokens"] / adaptive["tokens"]
+        checks.append((
+            f"adaptive: probe tokens {share:.1%} of the training tokens (goal <= {GOALS['adaptive_probe_share']:.0%})",
+            share <= GOALS["adaptive_probe_share"],
+        ))
         checks.append((
             f"adaptive: {adaptive['steps_saved_with_probes']:.1%} fewer steps counting probe branches "
             f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} vs small batch "
@@ -278,7 +286,10 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         lines += ["", "CBS-adaptive runs (probe readings, samples):", ""]
         for run in adaptive:
             readings = ", ".join(
-                f"{r['tokens']:,}: batch {r['batch_size']} k*={r['k_star']:g}" for r in run["probe"]["readings"]
+                f"{r['tokens']:,}: batch {r['batch_size']} k*={r['k_star']:g}"
+                + ("" if r.get("determined", True) else " (undetermined)")
+                + (f", window {r['window_tokens']:,}" if "window_tokens" in r else "")
+                for r in run["probe"]["readings"]
             )
             changes = ", ".join(f"{c['old']} -> {c['new']} at {c['tokens']:,}" for c in run["batch_changes"]) or "none"
             lines.append(f"- seed {run['seed']}: {readings}; batch changes {changes}")

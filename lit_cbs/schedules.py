@@ -196,9 +196,12 @@ class CBSAdaptive(BatchSchedule):
     CBS interval, k* x B, in samples), and the schedule doubles at most once per measurement,
     never past ``final``. ``batch_size(consumed)`` replays the recorded decisions, so it is a
     deterministic function of consumed and survives a resume through ``state_dict``.
+
+    Once the batch is at ``final`` no reading can change it, so the probe stops probing there
+    (``probe_after_final=True`` keeps measuring, e.g. to draw the CBS curve on).
     """
 
-    def __init__(self, start: int, final: int, factor: float = 2.0, unit: str = "tokens"):
+    def __init__(self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False):
         _check_positive_int("start", start)
         _check_positive_int("final", final)
         if final < start:
@@ -212,6 +215,7 @@ class CBSAdaptive(BatchSchedule):
         if not factor >= 1:
             raise LitCBSConfigError(f"factor={factor} must be >= 1 (double once the CBS is factor x the batch)")
         self.start, self.final, self.factor = start, final, float(factor)
+        self.probe_after_final = bool(probe_after_final)
         self.unit = _check_unit(unit)
         self.decisions: list[tuple[int, int]] = []  # (consumed, new global batch), in order
 
@@ -229,6 +233,10 @@ class CBSAdaptive(BatchSchedule):
             sizes.append(size)
             size *= 2
         return sizes
+
+    def wants_readings(self, consumed: int) -> bool:
+        """Whether a CBS reading at ``consumed`` could still move the batch (or ``probe_after_final``)."""
+        return self.probe_after_final or self.batch_size(consumed) < self.final
 
     def observe(self, consumed: int, cbs: float) -> bool:
         """Record a CBS measurement (samples) made at ``consumed``; return True if the batch doubles."""

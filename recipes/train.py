@@ -335,7 +335,8 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
             "optimizer_steps": sum(reading.branch_steps for reading in history),
             "readings": [
                 {"tokens": r.tokens, "batch_size": r.batch_size, "k_star": r.k_star,
-                 "cbs_lower": r.cbs_lower, "cbs_upper": r.cbs_upper}
+                 "cbs_lower": r.cbs_lower, "cbs_upper": r.cbs_upper, "determined": r.determined,
+                 "window_tokens": r.window_tokens}
                 for r in history
             ],
         }

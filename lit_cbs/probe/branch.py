@@ -57,6 +57,16 @@ class BranchError(RuntimeError):
 
 
 @dataclass
+class BranchProgress:
+    """A branch trained over the first ``steps`` steps of a window, kept to be trained on from there
+    (a window that ends early if the reading is decided: ``CBSProbeCallback(early_stop=...)``)."""
+
+    state: TrainingSnapshot  # the branch's training state after `steps` steps
+    step_losses: list[float]  # this rank's, one per step
+    steps: int
+
+
+@dataclass
 class RecordedWindow:
     """The main run's window since a probe point, as this rank trained it.
 
@@ -76,6 +86,8 @@ class RecordedWindow:
     batches: list[Any] = field(default_factory=list)  # micro-batches as the main run trained on them
     step_losses: list[float] = field(default_factory=list)  # the main run's, one per optimizer step
     micro_losses: list[float] = field(default_factory=list)  # of the optimizer step in progress
+    checkpoints: list[int] = field(default_factory=list)  # micro-batches (per rank) where the probe may end early
+    progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to a checkpoint
 
     @property
     def window_tokens(self) -> int:
@@ -86,9 +98,23 @@ class RecordedWindow:
         return self.window_samples // self.data_parallel_size
 
     @property
+    def length(self) -> int:
+        """Micro-batches per rank in the whole window."""
+        return self.samples_per_rank // self.micro_batch_size
+
+    @property
     def complete(self) -> bool:
         """Whether the main run has trained on the whole window."""
-        return len(self.batches) * self.micro_batch_size >= self.samples_per_rank
+        return len(self.batches) >= self.length
+
+    @property
+    def at_checkpoint(self) -> bool:
+        """Whether the main run has just reached a point where the probe may end early."""
+        return len(self.batches) in self.checkpoints
+
+    def tokens_of(self, micro_batches: int) -> int:
+        """Tokens (global) in the first ``micro_batches`` micro-batches per rank."""
+        return micro_batches * self.micro_batch_size * self.data_parallel_size * self.seq_len
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
         """Keep a micro-batch the main run trains on, detached, on ``device``."""
@@ -224,6 +250,7 @@ class BranchTrainer:
     ema_alpha: float  # weight of the newest step loss in the EMA
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
     cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
+    tokens_trained: int = 0  # tokens (global) of every branch step taken so far
 
     def __post_init__(self):
         self._heldout_loss = HeldoutLoss(self.pl_module)
@@ -234,9 +261,10 @@ class BranchTrainer:
             return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
         return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
 
-    def loss(self, window: RecordedWindow, k: float) -> BranchScore:
-        """Train batch k*B over ``window`` from its start snapshot and score it. The model is left in
-        the branch's end state.
+    def loss(self, window: RecordedWindow, k: float, keep: bool = False) -> BranchScore:
+        """Train batch k*B over the micro-batches ``window`` has recorded so far, from its start
+        snapshot (or from where this branch stopped at an earlier checkpoint), and score it. The
+        model is left in the branch's end state; ``keep`` saves that state in ``window.progress``.
 
         Raises:
             BranchFailed: a non-finite step loss, or out of memory, on any rank.
@@ -244,7 +272,7 @@ class BranchTrainer:
             ProbeAborted: SIGTERM arrived on any rank.
         """
         with callbacks_hidden(self.trainer):
-            step_losses = self._train(window, k)
+            step_losses = self._train(window, k, keep)
             return self.score(step_losses)
 
     def _agreed(self, work):
@@ -266,25 +294,30 @@ class BranchTrainer:
             raise BranchFailed("out of memory") from error
         return result
 
-    def _train(self, window: RecordedWindow, k: float) -> list[float]:
+    def _train(self, window: RecordedWindow, k: float, keep: bool) -> list[float]:
         """This rank's per-step losses (nats) of batch k*B (LR scaled by ``lr_rule`` for ratio k)."""
         trainer, strategy, module = self.trainer, self.trainer.strategy, self.pl_module
-        window.start.restore(trainer, module)
-        for optimizer in trainer.optimizers:
-            scale_learning_rate(optimizer, [c.scheduler for c in trainer.lr_scheduler_configs], self.lr_rule.lr_factor(k))
-            self.lr_rule.adjust_optimizer(optimizer, k)
+        micro_per_step = round(k * window.accumulate)
+        progress = window.progress.pop(k, None)
+        if progress is not None:
+            progress.state.restore(trainer, module)
+        else:
+            window.start.restore(trainer, module)
+            for opt in trainer.optimizers:
+                scale_learning_rate(opt, [c.scheduler for c in trainer.lr_scheduler_configs], self.lr_rule.lr_factor(k))
+                self.lr_rule.adjust_optimizer(opt, k)
         optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
         raw_optimizer = trainer.optimizers[0]
         schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
-        micro_per_step = round(k * window.accumulate)
-        batches = window.batches[: window.samples_per_rank // window.micro_batch_size]
+        batches = window.batches[: window.length]
         steps = len(batches) // micro_per_step
         cooldown = round(self.cooldown_fraction * steps)
-        tokens_per_step = micro_per_step * window.micro_batch_size * window.data_parallel_size * window.seq_len
-        tokens = window.tokens
-        step_losses: list[float] = []
+        tokens_per_step = window.tokens_of(micro_per_step)
+        first_step = progress.steps if progress is not None else 0
+        tokens = window.tokens + first_step * tokens_per_step
+        step_losses: list[float] = list(progress.step_losses) if progress is not None else []
         module.train()
-        for step in range(steps):
+        for step in range(first_step, steps):
             first = step * micro_per_step
 
             def closure(first=first):
@@ -314,6 +347,7 @@ class BranchTrainer:
                 for group, lr in zip(opt.param_groups, lrs):
                     group["lr"] = lr
             tokens += tokens_per_step
+            self.tokens_trained += tokens_per_step
             for config in schedulers:
                 if isinstance(config.scheduler, TokenLRScheduler):
                     config.scheduler.tokens_seen = tokens
@@ -321,6 +355,8 @@ class BranchTrainer:
             if strategy.reduce_boolean_decision(trainer.received_sigterm, all=False):
                 raise ProbeAborted()
         module.optimizer_zero_grad(trainer.current_epoch, steps, optimizer)
+        if keep:
+            window.progress[k] = BranchProgress(TrainingSnapshot(trainer, module, window.start.device), step_losses, steps)
         return step_losses
 
     @torch.no_grad()

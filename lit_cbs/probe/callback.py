@@ -84,6 +84,10 @@ class CBSProbeCallback(Callback):
             steps (k = 1 is then trained as a branch too, since the main run does not cool down).
             Compares branches after an equal short LR decay instead of at a constant LR, where a
             larger batch gains for a while from its lower gradient noise alone.
+        early_stop: fractions of the window (e.g. ``(0.25, 0.5)``) where the probe is tried before the
+            window's end: the first at which the reading is determined ends the window there; an
+            undetermined one lets the main run go on while the branches resume from where they
+            stopped (their states are kept on ``snapshot_device`` meanwhile, one per branch).
         max_overhead: skip a probe that would bring probe tokens above this fraction of the
             training tokens.
         snapshot_device: where snapshots and recorded batches live ("cpu" keeps accelerator
@@ -111,6 +115,7 @@ class CBSProbeCallback(Callback):
         evaluate: str = "train_ema",
         heldout_batches: int = 8,
         cooldown_fraction: float = 0.0,
+        early_stop: Sequence[float] | None = None,
         max_overhead: float | None = None,
         snapshot_device: str = "cpu",
         output_dir: str | os.PathLike | None = None,
@@ -139,6 +144,13 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(f"confidence={confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)")
         if not 0 <= cooldown_fraction < 1:
             raise LitCBSConfigError(f"cooldown_fraction={cooldown_fraction} must lie in [0, 1) (share of a branch's steps)")
+        early_stop = sorted(float(f) for f in early_stop) if early_stop is not None else []
+        if not all(0 < f < 1 for f in early_stop):
+            raise LitCBSConfigError(f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]")
+        if early_stop and cooldown_fraction:
+            raise LitCBSConfigError(
+                "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
+            )
         if epsilon < 0:
             raise LitCBSConfigError(f"epsilon={epsilon} must be >= 0 (nats)")
         if not 0 < ema_alpha <= 1:
@@ -153,6 +165,7 @@ class CBSProbeCallback(Callback):
         self.epsilon = float(epsilon)
         self.confidence = float(confidence)
         self.cooldown_fraction = float(cooldown_fraction)
+        self.early_stop = early_stop
         self.ema_alpha = float(ema_alpha)
         self.lr_rule = get_lr_rule(lr_rule)
         self.evaluate = one_of("evaluate", evaluate, EVALUATIONS)
@@ -167,6 +180,9 @@ class CBSProbeCallback(Callback):
         self._accounting: BatchAccounting | None = None
         self._warmup: BatchWarmup | None = None  # only for CBSAdaptive and the batch changes in the plot
         self._window: RecordedWindow | None = None  # the probe whose window the main run is training
+        self._branches: BranchTrainer | None = None  # trains and scores that window's branches
+        self._trained: list[float] = []  # multipliers trained as branches in that window
+        self._failed: list[float] = []
         self._heldout: list | None = None
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
@@ -281,7 +297,7 @@ class CBSProbeCallback(Callback):
             return
         if window is not None:
             window.end_step()
-            if window.complete:
+            if window.complete or window.at_checkpoint:
                 self._finish_probe(trainer, pl_module)
         elif self._accounting.tokens_seen >= self.probe_point(self.probes_started):
             self._start_probe(trainer, pl_module)
@@ -310,6 +326,11 @@ class CBSProbeCallback(Callback):
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
+        schedule = self._warmup.schedule if self._warmup is not None else None
+        consumed = tokens if getattr(schedule, "unit", "tokens") == "tokens" else accounting.samples_seen
+        if isinstance(schedule, CBSAdaptive) and not schedule.wants_readings(consumed):
+            rank_zero_info(f"CBS probe at {tokens:,} tokens skipped: CBSAdaptive is at its final batch {schedule.final}")
+            return
         batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
         seq_len = accounting.seq_len
         window_samples = self.window_tokens // seq_len
@@ -337,7 +358,16 @@ class CBSProbeCallback(Callback):
                     f"{overhead:.2f} > max_overhead={self.max_overhead}"
                 )
                 return
+        largest_step = round(max(ks) * accounting.accumulate)  # micro-batches per rank
+        length = window_samples // world // micro
+        checkpoints = sorted({int(f * length) // largest_step * largest_step for f in self.early_stop} - {0, length})
+        self._branches = BranchTrainer(
+            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout,
+            self.cooldown_fraction,
+        )
+        self._trained, self._failed = [], []
         self._window = RecordedWindow(
+            checkpoints=checkpoints,
             tokens=tokens,
             step=trainer.global_step,
             batch_size=batch_size,
@@ -351,26 +381,26 @@ class CBSProbeCallback(Callback):
         )
 
     def _finish_probe(self, trainer, pl_module) -> None:
-        window, self._window = self._window, None
-        accounting = self._accounting
+        """Train and score the branches over the window recorded so far; record the reading if the
+        window is complete or the reading is determined at an early-stop checkpoint."""
+        window, branches, accounting = self._window, self._branches, self._accounting
+        final = window.complete
         main_changed_batch = accounting.global_batch != window.batch_size
-        branches = BranchTrainer(
-            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout,
-            self.cooldown_fraction,
-        )
         after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
-        failed: list[float] = []
-        trained: list[float] = []
+        spent_before = branches.tokens_trained
 
         def measure(k: float) -> BranchScore:
             if k == 1.0 and self.strategy == "bisect" and not main_changed_batch and not self.cooldown_fraction:
                 return main_score  # the main run trained batch B on this very window
-            trained.append(k)
+            if k in self._failed:
+                return BranchScore(math.inf)
+            if k not in self._trained:
+                self._trained.append(k)
             try:
-                return branches.loss(window, k)
+                return branches.loss(window, k, keep=not final)
             except BranchFailed as error:
                 rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
-                failed.append(k)
+                self._failed.append(k)
                 return BranchScore(math.inf)
 
         try:
@@ -380,12 +410,12 @@ class CBSProbeCallback(Callback):
                     scores = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
         except ProbeAborted:
             rank_zero_warn(f"CBS probe at {window.tokens:,} tokens aborted by SIGTERM; main state restored")
+            self._window = None
             return
         finally:
             after_window.restore(trainer, pl_module)
             accounting.set_gradient_sync(None)
-        spent = len(trained) * window.window_tokens
-        self.tokens_spent += spent
+        self.tokens_spent += branches.tokens_trained - spent_before
         reading = ProbeReading.decide(
             scores,
             self.epsilon,
@@ -395,16 +425,20 @@ class CBSProbeCallback(Callback):
             tokens=window.tokens,
             step=window.step,
             seq_len=window.seq_len,
-            window_tokens=window.window_tokens,
+            window_tokens=window.tokens_of(len(window.batches)),
             strategy=self.strategy,
             evaluate=self.evaluate,
             main_loss=main_score.loss,
-            branches_trained=trained,
-            failed=failed,
-            tokens_spent=spent,
+            branches_trained=list(self._trained),
+            failed=list(self._failed),
+            tokens_spent=branches.tokens_trained,
             overhead=self.tokens_spent / max(1, accounting.tokens_seen),
             cooldown_fraction=self.cooldown_fraction,
+            planned_window_tokens=window.window_tokens,
         )
+        if not (final or reading.determined):
+            return  # undetermined at an early-stop checkpoint: the window goes on
+        self._window = None
         self._feed_adaptive_schedule(reading)
         self.history.append(reading)
         self._report(trainer, reading)
@@ -445,7 +479,7 @@ class CBSProbeCallback(Callback):
         )
         rank_zero_info(
             f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
-            f"CBS in {reading.bracket} samples at {reading.confidence:.0%} confidence; {losses}; "
+            f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {losses}; "
             f"probe overhead {reading.overhead:.2f}"
         )
         if trainer.is_global_zero and self._resolved_output_dir is not None:

@@ -249,6 +249,7 @@ class ProbeReading:
     se_method: str = SE_NONE  # how loss_se was made
     batch_losses: dict[str, list[float]] = field(default_factory=dict)  # per k, per held-out batch (heldout)
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
+    planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
 
     @classmethod
     def decide(
