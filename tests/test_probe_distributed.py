@@ -6,6 +6,8 @@ must read the same k* and CBS, and the main run must end where a run without the
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from launch import subprocess_env
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
@@ -64,3 +67,30 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
     for rank in range(2):
         assert torch.equal(probed[rank]["weight"], plain[rank]["weight"])
         assert probed[rank]["micro_batches"] == plain[rank]["micro_batches"]
+
+
+def run_faults(outdir: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """tests/scripts/probe_faults.py with a fault forced on rank 1 in the k = 4 branch; a hang fails at the timeout."""
+    script = Path(__file__).parent / "scripts" / "probe_faults.py"
+    done = subprocess.run([sys.executable, str(script), str(outdir), mode], capture_output=True, text=True,
+                          timeout=150, env=subprocess_env())
+    ranks = [torch.load(path, weights_only=False) for path in sorted(outdir.glob("rank*.pt"))]
+    return done, ranks
+
+
+@pytest.mark.slow
+def test_a_fault_on_one_rank_is_agreed_by_every_rank(tmp_path):
+    plain, plain_ranks = run_faults(tmp_path / "plain", "none")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    # Out of memory on rank 1 only: the k = 4 branch fails on both ranks, the probe and the run go on.
+    oom, oom_ranks = run_faults(tmp_path / "oom", "oom")
+    assert oom.returncode == 0, oom.stderr[-3000:]
+    assert len(oom_ranks) == 2 and oom_ranks[0]["history"] == oom_ranks[1]["history"]
+    assert all(r.failed == [4.0] and r.losses["4"] is None for r in oom_ranks[0]["history"])
+    for plain_rank, oom_rank in zip(plain_ranks, oom_ranks):
+        assert torch.equal(plain_rank["weight"], oom_rank["weight"])  # the main run is untouched
+    assert [r.losses["2"] for r in oom_ranks[0]["history"]] == [r.losses["2"] for r in plain_ranks[0]["history"]]
+    # Any other exception on rank 1 only: every rank stops (none waits in the branch's collectives).
+    error, error_ranks = run_faults(tmp_path / "error", "error")
+    assert error.returncode != 0
+    assert "another rank raised inside a CBS probe branch" in error_ranks[0]["error"]
