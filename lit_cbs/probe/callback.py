@@ -308,7 +308,10 @@ class CBSProbeCallback(Callback):
             self._window = None
         if trainer.is_global_zero and self.history and self._resolved_output_dir is not None:
             batch_changes = self._warmup.history if self._warmup is not None else []
-            plot_cbs_curve(self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen)
+            plot_cbs_curve(
+                self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen,
+                self.epsilon,
+            )
 
     # ------------------------------------------------------------------ a probe
     def _usable_multipliers(self, batch_size: int, unit: int, window_samples: int) -> list[float]:

@@ -1,50 +1,88 @@
-"""``plot_cbs_curve``: the probe's CBS readings against tokens, with the global batch the run used."""
+"""``plot_cbs_curve``: the probe's CBS readings against tokens, with the global batch the run used,
+and below them each branch's loss difference from the base with its error bar."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from lit_cbs.analysis.plots import save_figure
-from lit_cbs.probe.reading import ProbeReading
+from lit_cbs.probe.reading import ProbeReading, one_sided_quantile
 
 
 def plot_cbs_curve(
-    history: Sequence[ProbeReading], batch_changes: Sequence, path: str | os.PathLike, end_tokens: float | None = None
+    history: Sequence[ProbeReading],
+    batch_changes: Sequence,
+    path: str | os.PathLike,
+    end_tokens: float | None = None,
+    epsilon: float | None = None,
 ) -> Path:
-    """CBS interval per reading (samples) vs tokens seen, with the global batch the run actually used
-    up to ``end_tokens`` (default: just past the last reading), as a PNG at ``path``.
+    """Two panels, as a PNG at ``path``:
+
+    - top: the CBS interval per reading (samples) vs tokens seen (filled: determined; hollow and
+      dashed: undetermined at the reading's confidence), with the global batch the run actually used
+      up to ``end_tokens`` (default: just past the last reading);
+    - bottom: L_k - L_base (nats) per multiplier k and reading, with error bars at the reading's
+      one-sided confidence (paired held-out SEs, or step-scatter SEs for train_ema), and ``epsilon``.
 
     ``batch_changes``: BatchWarmup's ``history`` (``BatchChange`` records); empty for a fixed batch.
     """
-    figure = Figure(figsize=(7, 4.2))
-    ax = figure.add_subplot()
-    tokens = [r.tokens for r in history]
-    upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in history]
-    ax.vlines(tokens, [r.cbs_lower for r in history], upper, color="tab:blue", alpha=0.6,
-              label="CBS interval [k* B, next k B]")
-    ax.scatter(tokens, [r.cbs_estimate for r in history], color="tab:blue", zorder=3,
-               label="CBS estimate (geometric mean)")
+    figure = Figure(figsize=(7.5, 7))
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    for determined, style in ((True, dict(color="tab:blue", linestyles="solid")),
+                              (False, dict(color="tab:gray", linestyles="dashed"))):
+        readings = [r for r in history if r.determined == determined]
+        if not readings:
+            continue
+        tokens = [r.tokens for r in readings]
+        upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
+        label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
+        top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
+        top.scatter(tokens, [r.cbs_estimate for r in readings], zorder=3, color=style["color"],
+                    facecolors=style["color"] if determined else "none")
     open_ended = [r for r in history if r.cbs_upper is None]
     if open_ended:
-        ax.scatter([r.tokens for r in open_ended], [r.cbs_lower for r in open_ended], marker="^",
-                   color="tab:red", zorder=4, label="lower bound (top of grid)")
+        top.scatter([r.tokens for r in open_ended], [r.cbs_lower for r in open_ended], marker="^",
+                    color="tab:red", zorder=4, label="lower bound (top of grid)")
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
         xs, ys = [0], [start]
         for change in batch_changes:
             xs += [change.tokens_seen, change.tokens_seen]
             ys += [ys[-1], change.new_global_batch]
-        xs.append(max(end_tokens or 0, max(tokens) * 1.05))
+        xs.append(max(end_tokens or 0, max(r.tokens for r in history) * 1.05))
         ys.append(ys[-1])
-        ax.plot(xs, ys, color="tab:orange", label="global batch used")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("batch size (samples)")
-    ax.set_yscale("log", base=2)
-    ax.set_title("Critical batch size by branched training")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        top.plot(xs, ys, color="tab:orange", label="global batch used")
+    top.set_ylabel("batch size (samples)")
+    top.set_yscale("log", base=2)
+    top.set_title("Critical batch size by branched training")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8)
+
+    multipliers = sorted({float(k) for r in history for k in r.losses})
+    colours = colormaps["viridis"]
+    for i, k in enumerate(multipliers[1:]):
+        points = [(r.tokens, r.losses[f"{k:g}"] - r.losses[min(r.losses, key=float)],
+                   r.loss_se.get(f"{k:g}"), r.confidence, len(r.batch_losses.get(f"{k:g}", ())))
+                  for r in history
+                  if r.losses.get(f"{k:g}") is not None and r.losses[min(r.losses, key=float)] is not None]
+        if not points:
+            continue
+        errors = [se * one_sided_quantile(confidence, n - 1 if n > 1 else math.inf) if se is not None else 0.0
+                  for _, _, se, confidence, n in points]
+        bottom.errorbar([p[0] for p in points], [p[1] for p in points], yerr=errors, fmt="o", capsize=3,
+                        color=colours(i / max(1, len(multipliers) - 2)), label=f"k = {k:g}")
+    if epsilon is not None:
+        bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
+    bottom.axhline(0.0, color="black", linewidth=0.6)
+    bottom.set_xlabel("tokens seen")
+    bottom.set_ylabel("L_k - L_base (nats)\nbars: the confidence bound")
+    bottom.grid(alpha=0.3)
+    if multipliers[1:]:
+        bottom.legend(fontsize=8, ncols=2)
     return save_figure(figure, path)

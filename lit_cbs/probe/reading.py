@@ -85,10 +85,17 @@ class Difference:
         """The lower and upper one-sided ``confidence`` bounds of the difference (nats)."""
         if self.se is None:
             return (-math.inf, math.inf) if confidence > 0.5 else (self.mean, self.mean)
-        from scipy import stats
-
-        quantile = 0.0 if confidence == 0.5 else float(stats.t.ppf(confidence, self.dof))
+        quantile = one_sided_quantile(confidence, self.dof)
         return self.mean - quantile * self.se, self.mean + quantile * self.se
+
+
+def one_sided_quantile(confidence: float, dof: float) -> float:
+    """Student's t quantile at ``confidence`` with ``dof`` degrees of freedom (normal for inf); 0 at 0.5."""
+    if confidence == 0.5:
+        return 0.0
+    from scipy import stats  # loaded on first use: the rule itself needs no scipy
+
+    return float(stats.t.ppf(confidence, dof))
 
 
 def difference(a: BranchScore, b: BranchScore) -> Difference:
