@@ -364,7 +364,8 @@ def summarize(summary: dict) -> str:
     probe = summary["probe"]
     if probe and probe["readings"]:
         readings = ", ".join(
-            f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}"
+            (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
+            + ("" if r.get("determined", True) else " (undetermined)")
             for r in probe["readings"]
         )
         at = ", ".join(f"{r['tokens']:,}" for r in probe["readings"])
