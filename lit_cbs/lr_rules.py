@@ -42,17 +42,12 @@ class LRRule:
             raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
         return factor
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer, who: str) -> None:
-        """LitCBSConfigError, its message starting with ``who``, if the rule cannot be applied to
-        ``optimizer`` at any ratio."""
-
-    def max_ratio(self, optimizer: torch.optim.Optimizer) -> float:
-        """The largest batch ratio (new / old global batch) the rule can apply to ``optimizer`` as it
-        is now, in one change or several compounded; ``math.inf`` if there is no limit."""
-        return math.inf
-
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
         """Change hyperparameters other than the LR (none for plain LR rules)."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: list[float], who: str, compose: bool) -> None:
+        """LitCBSConfigError, its message starting with ``who``, if ``adjust_optimizer`` cannot apply
+        ``ratios`` to ``optimizer`` (``check_ratios`` says how they apply); nothing for plain LR rules."""
 
     def check_ratios(
         self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
@@ -63,27 +58,15 @@ class LRRule:
 
         compose=False: each ratio applies on its own to the optimizer as it is now (a CBS probe's
         branches all start from the main run's state). compose=True: the ratios apply one after
-        another, so their running product must stay within ``max_ratio`` (BatchWarmup's changes).
-        Schedulers are checked only if some ratio changes the LR: a factor of 1 composes with any.
+        another (BatchWarmup's changes). Schedulers are checked only if some ratio changes the LR:
+        a factor of 1 composes with any.
         """
         ratios = list(ratios)
         if any(self.lr_factor(ratio) != 1.0 for ratio in ratios):
             for scheduler in schedulers:
                 check_scheduler_supported(scheduler, who)
-        if not ratios:
-            return
-        self.check_optimizer(optimizer, who)
-        limit = self.max_ratio(optimizer)
-        total = 1.0
-        for ratio in ratios:
-            total = total * ratio if compose else ratio
-            if total > limit:
-                reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
-                raise LitCBSConfigError(f"{who}: {reached} is above {limit:.4g}, {self._limit_text(optimizer, limit)}")
-
-    def _limit_text(self, optimizer: torch.optim.Optimizer, limit: float) -> str:
-        """Why ``max_ratio`` is ``limit`` for ``optimizer`` and what to change, for an error message."""
-        return f"the largest batch ratio lr_rule={self.name!r} allows for this {type(optimizer).__name__}: keep ratios <= {limit:.4g}"
+        if ratios:
+            self.check_optimizer(optimizer, ratios, who, compose)
 
     def __repr__(self) -> str:
         return f"LRRule({self.name!r})"
@@ -103,24 +86,30 @@ class AdamSDERule(LRRule):
     def _scaled_betas(betas, ratio: float) -> tuple[float, ...]:
         return tuple(1.0 - ratio * (1.0 - b) for b in betas)
 
-    def check_optimizer(self, optimizer, who):
+    def max_ratio(self, optimizer: torch.optim.Optimizer) -> float:
+        """The largest batch ratio (new / old global batch) that keeps every beta of ``optimizer``
+        as it is now >= 0, in one change or several compounded."""
+        return min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"])
+
+    def check_optimizer(self, optimizer, ratios, who, compose):
         for i, group in enumerate(optimizer.param_groups):
             if "betas" not in group or "eps" not in group:
                 raise LitCBSConfigError(
                     f"{who}: lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
                     f"{type(optimizer).__name__} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
                 )
-
-    def max_ratio(self, optimizer):
-        return min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"])
-
-    def _limit_text(self, optimizer, limit):
-        betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
-        return (
-            f"the largest safe batch ratio for {type(optimizer).__name__} betas {betas} (beta becomes 1 - ratio x "
-            f"(1 - beta), which must stay >= 0): keep batch ratios <= {limit:.4g}, start from larger betas, "
-            "or use lr_rule='sqrt'"
-        )
+        limit = self.max_ratio(optimizer)
+        total = 1.0
+        for ratio in ratios:
+            total = total * ratio if compose else ratio  # compounded: 1 - beta -> r1 r2 ... (1 - beta)
+            if total > limit:
+                reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
+                betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
+                raise LitCBSConfigError(
+                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {type(optimizer).__name__} "
+                    f"betas {betas} (beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
+                    f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
+                )
 
     def adjust_optimizer(self, optimizer, ratio):
         for group in optimizer.param_groups:

@@ -65,8 +65,8 @@ def test_adam_sde_refuses_an_optimizer_without_betas():
 
 def test_plain_rules_have_no_ratio_limit():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-    assert get_lr_rule("sqrt").max_ratio(optimizer) == math.inf
     get_lr_rule("sqrt").check_ratios(optimizer, [], [1024], "CBSProbeCallback(lr_rule='sqrt')")
+    get_lr_rule("linear").check_ratios(optimizer, [], [1024, 1024], "BatchWarmup(lr_rule='linear')", compose=True)
 
 
 def test_unsupported_scheduler_is_refused_at_every_ratio_that_changes_the_lr():
