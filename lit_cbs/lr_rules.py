@@ -13,6 +13,8 @@ gradient-clipping threshold, which ``BatchWarmup(clip_rule=...)`` multiplies at 
 
 ``scale_learning_rate`` multiplies the LR where the optimizer and every supported LR scheduler keep
 it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
+``LRRule.check_ratios`` refuses, before training, batch ratios a rule cannot apply to an optimizer
+and its LR schedulers (an LR scheduler that keeps absolute LRs; adam_sde beyond its betas' limit).
 """
 
 from __future__ import annotations

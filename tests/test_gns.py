@@ -553,8 +553,10 @@ def test_probe_branches_are_not_measured(tmp_path):
 @pytest.mark.slow
 def test_probe_branches_are_not_measured_under_ddp(tmp_path):
     # The branch's backward all-reduces through GradientNoiseScale's DDP communication hook too.
-    # ddp_fork: the children start as copies of this process, so they need not import it again (a second, not 20).
-    ddp = {"strategy": "ddp_fork", "devices": WORLD_SIZE}
+    # Forked children start as copies of this process and need not import it again (a second, not 20 as
+    # spawned), but a process that initialised CUDA cannot fork.
+    strategy = "ddp_spawn" if torch.cuda.is_initialized() else "ddp_fork"
+    ddp = {"strategy": strategy, "devices": WORLD_SIZE}
     expected = logged_noise_scale(tmp_path / "plain", [], **ddp)
     assert logged_noise_scale(tmp_path / "branched", [BranchLikeWork(step=2)], **ddp) == expected
 
