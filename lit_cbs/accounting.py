@@ -15,6 +15,11 @@ before every other callback's, so they all read the counts including the current
 
 Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer's
 ``accumulate_grad_batches``); everything else reads.
+
+A CBS probe trains and evaluates its branches inside the Trainer, between the main run's steps,
+under ``with accounting.branching():``. Whatever measures the main run (the gradient noise scale,
+``CausalLM``'s tokens/s) reads ``in_branch`` to ignore the branches' gradients and
+``branch_seconds`` to leave their wall time out.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
@@ -131,6 +137,8 @@ class BatchAccounting(Callback):
         data_parallel_size: ranks that read their own micro-batches.
         global_batch: samples per optimizer step.
         samples_seen, tokens_seen: trained on so far, including the current micro-batch.
+        in_branch: True while a CBS probe trains or evaluates branches (``branching``).
+        branch_seconds: wall seconds spent in ``branching`` since the fit started.
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
@@ -146,18 +154,8 @@ class BatchAccounting(Callback):
         self._token_schedulers: list[TokenLRScheduler] = []
         self._fsdp_modules: list = []
         self._gradient_sync: bool | None = None
-        self.in_branch = False  # True while a CBS probe trains or scores branches
-        self.branch_seconds = 0.0  # wall seconds spent in probe work so far
-
-    @contextlib.contextmanager
-    def branching(self):
-        """Marks probe work: ``in_branch`` inside, and its wall time added to ``branch_seconds``."""
-        started, self.in_branch = time.perf_counter(), True
-        try:
-            yield
-        finally:
-            self.in_branch = False
-            self.branch_seconds += time.perf_counter() - started
+        self.in_branch = False
+        self.branch_seconds = 0.0
 
     # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod
@@ -205,6 +203,29 @@ class BatchAccounting(Callback):
         """True once ``max_tokens`` were trained on."""
         return self.max_tokens is not None and self.tokens_seen >= self.max_tokens
 
+    @contextlib.contextmanager
+    def branching(self) -> Iterator[None]:
+        """Mark the work inside as a CBS probe's (``in_branch``) and add its wall seconds to
+        ``branch_seconds``, also when it raises. Nested use counts the time once."""
+        if self.in_branch:
+            yield
+            return
+        # Queued accelerator work belongs to whichever side launched it: wait for it at both ends.
+        self._synchronize()
+        start = time.perf_counter()
+        self.in_branch = True
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self.in_branch = False
+            self.branch_seconds += time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     # ------------------------------------------------------------------ the one writer: BatchWarmup
     def set_micro_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: int) -> None:
         """Set the micro-batch the train loader must yield (written to the datamodule's or module's
@@ -237,6 +258,7 @@ class BatchAccounting(Callback):
             self._micro_batch_size = setting.get()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.branch_seconds = 0.0
         self._token_schedulers = [
             config.scheduler for config in trainer.lr_scheduler_configs if isinstance(config.scheduler, TokenLRScheduler)
         ]

@@ -26,6 +26,9 @@ Both squared norms are sums over the parameters, so the estimates split over gro
 parameters (``groups=``): each group's |G|^2 and tr(Sigma) are its parameters' share, they add up
 to the whole model's, and each group has its own B_simple.
 
+A CBS probe's branches (``BatchAccounting.in_branch``) are not the main run: their backward
+passes and steps, hooks and DDP communication alike, are not measured.
+
 Merrill et al. 2025 find that under Adam this noise scale underestimates the critical batch size
 by orders of magnitude: log it as a monitor next to ``CBSProbeCallback``, not as the CBS.
 """
@@ -299,6 +302,7 @@ class GradientNoiseScale(Callback):
         self._loss_module: _LossOfBatch | None = None
         self._world_size = 1
         self._device = torch.device("cpu")
+        self._accounting: BatchAccounting | None = None  # the Trainer's: says when a CBS probe's branch runs
         # The current optimizer step's window of micro-batches (this rank).
         self._accumulated: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> copy of its accumulated .grad
         self._held: set[torch.Tensor] = set()  # parameters whose copy holds this window's accumulated gradient
@@ -331,6 +335,7 @@ class GradientNoiseScale(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
+        self._accounting = BatchAccounting.of(trainer)
         if not self.per_example and self._world_size == 1 and not self._accumulation_will_exceed_one(trainer):
             raise LitCBSConfigError(
                 f"GradientNoiseScale needs two batch sizes, but accumulate_grad_batches="
@@ -422,10 +427,19 @@ class GradientNoiseScale(Callback):
         if self.per_example:
             self._pending_small = self._per_example_grad_sq(batch)
 
+    @property
+    def _in_branch(self) -> bool:
+        """A CBS probe's branch runs: its gradients, hooks and steps are not the main run's."""
+        return self._accounting is not None and self._accounting.in_branch
+
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self._in_branch:
+            return
         self._held.clear()  # the accumulated gradient restarts from zero
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._in_branch:
+            return
         groups = len(self.group_names)
         b = float(self._micro_batch_size)
         window = self._window
@@ -495,11 +509,14 @@ class GradientNoiseScale(Callback):
 
     def _comm_hook(self, process_group, bucket):
         """DDP communication hook: measure this rank's last micro-batch in ``bucket``, then all-reduce as DDP would.
+        A CBS probe's branch is all-reduced unmeasured.
 
         Unannotated: DDP compares annotations with ``dist.GradBucket``, and this module's are strings.
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+        if self._in_branch:
+            return allreduce_hook(process_group, bucket)
         pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if p in self._group_of]
         grad_sq = self._micro_batch_grad_sq(pairs, keep=False)
         self._hook_grad_sq = grad_sq if self._hook_grad_sq is None else self._hook_grad_sq + grad_sq
@@ -532,6 +549,8 @@ class GradientNoiseScale(Callback):
 
     # ------------------------------------------------------------------ per optimizer step
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if self._in_branch:
+            return
         groups = len(self.group_names)
         window, local_micro_batches = self._window, self._local_micro_batches
         self._reset_window()

@@ -7,9 +7,10 @@ and initialised; on one device or under DDP it is built directly.
 
 Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks),
 ``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
-wall time of the last optimizer step, validation excluded) and, when the peak FLOP/s of a device
-is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs per token from
-``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation recomputation not counted).
+wall time of the last optimizer step, validation and a CBS probe's branches excluded) and, when
+the peak FLOP/s of a device is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs
+per token from ``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation
+recomputation not counted).
 Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
 optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
 table for the device and precision (none on a CPU).
@@ -237,7 +238,10 @@ class CausalLM(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._steps += 1
-        seconds = self._training_seconds + time.perf_counter() - self._stretch_start
+        # A CBS probe's branches run between the main run's steps (branch_seconds counts from the fit's
+        # start, before on_train_start): their time is not the main run's.
+        branch_seconds = BatchAccounting.of(self.trainer).branch_seconds
+        seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
         self._throughput.update(
             time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
         )

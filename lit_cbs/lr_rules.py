@@ -13,6 +13,8 @@ gradient-clipping threshold, which ``BatchWarmup(clip_rule=...)`` multiplies at 
 
 ``scale_learning_rate`` multiplies the LR where the optimizer and every supported LR scheduler keep
 it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
+``LRRule.check_ratios`` refuses, before training, batch ratios a rule cannot apply to an optimizer
+and its LR schedulers (an LR scheduler that keeps absolute LRs; adam_sde beyond its betas' limit).
 """
 
 from __future__ import annotations
@@ -42,18 +44,42 @@ class LRRule:
             raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
         return factor
 
-    def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: Iterable[float]) -> None:
-        """Raise before training if the rule cannot be applied to ``optimizer`` at these ratios."""
-
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
         """Change hyperparameters other than the LR (none for plain LR rules)."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: list[float], who: str, compose: bool) -> None:
+        """LitCBSConfigError, its message starting with ``who``, if ``adjust_optimizer`` cannot apply
+        ``ratios`` to ``optimizer`` (``check_ratios`` says how they apply); nothing for plain LR rules."""
+
+    def check_ratios(
+        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+    ) -> None:
+        """Before training: LitCBSConfigError, its message starting with ``who``, unless the rule can
+        scale ``optimizer`` and every one of its LR ``schedulers`` at each batch ratio (new / old
+        global batch) in ``ratios``.
+
+        compose=False: each ratio applies on its own to the optimizer as it is now (a CBS probe's
+        branches all start from the main run's state). compose=True: the ratios apply one after
+        another (BatchWarmup's changes). Schedulers are checked only if some ratio changes the LR:
+        a factor of 1 composes with any.
+        """
+        ratios = list(ratios)
+        if any(self.lr_factor(ratio) != 1.0 for ratio in ratios):
+            for scheduler in schedulers:
+                check_scheduler_supported(scheduler, who)
+        if ratios:
+            self.check_optimizer(optimizer, ratios, who, compose)
 
     def __repr__(self) -> str:
         return f"LRRule({self.name!r})"
 
 
 class AdamSDERule(LRRule):
-    """Malladi et al. 2022: LR * sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k)."""
+    """Malladi et al. 2022: LR * sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k).
+
+    A beta stays a valid Adam beta (in [0, 1)) while k (1 - beta) <= 1: ``max_ratio`` is
+    1 / (1 - beta) for the smallest beta of any param group (10 for AdamW's betas (0.9, 0.95)).
+    """
 
     def __init__(self):
         super().__init__("adam_sde", math.sqrt)
@@ -62,23 +88,30 @@ class AdamSDERule(LRRule):
     def _scaled_betas(betas, ratio: float) -> tuple[float, ...]:
         return tuple(1.0 - ratio * (1.0 - b) for b in betas)
 
-    def check_optimizer(self, optimizer, ratios):
+    def max_ratio(self, optimizer: torch.optim.Optimizer) -> float:
+        """The largest batch ratio (new / old global batch) that keeps every beta of ``optimizer``
+        as it is now >= 0, in one change or several compounded."""
+        return min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"])
+
+    def check_optimizer(self, optimizer, ratios, who, compose):
         for i, group in enumerate(optimizer.param_groups):
             if "betas" not in group or "eps" not in group:
                 raise LitCBSConfigError(
-                    f"lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
+                    f"{who}: lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
                     f"{type(optimizer).__name__} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
                 )
-        # Ratios compose: check the betas reached after every change in turn.
-        betas = [tuple(g["betas"]) for g in optimizer.param_groups]
+        limit = self.max_ratio(optimizer)
+        total = 1.0
         for ratio in ratios:
-            betas = [self._scaled_betas(b, ratio) for b in betas]
-            for b in betas:
-                if not all(0.0 <= x < 1.0 for x in b):
-                    raise LitCBSConfigError(
-                        f"lr_rule='adam_sde' would set Adam betas to {b} at batch ratio {ratio:g} (needs 0 <= beta < 1); "
-                        "start from larger betas, use smaller batch steps, or use lr_rule='sqrt'"
-                    )
+            total = total * ratio if compose else ratio  # compounded: 1 - beta -> r1 r2 ... (1 - beta)
+            if total > limit:
+                reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
+                betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
+                raise LitCBSConfigError(
+                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {type(optimizer).__name__} "
+                    f"betas {betas} (beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
+                    f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
+                )
 
     def adjust_optimizer(self, optimizer, ratio):
         for group in optimizer.param_groups:
@@ -151,24 +184,25 @@ _PROPORTIONAL = (
 _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
 
-def check_scheduler_supported(scheduler) -> None:
-    """Raise TypeError if ``scale_learning_rate`` cannot compose with ``scheduler`` exactly."""
+def check_scheduler_supported(scheduler, who: str) -> None:
+    """LitCBSConfigError, its message starting with ``who``, if ``scale_learning_rate`` cannot
+    compose with ``scheduler`` exactly."""
     if isinstance(scheduler, _CONTAINERS):
         for inner in inner_schedulers(scheduler):
-            check_scheduler_supported(inner)
+            check_scheduler_supported(inner, who)
         return
     if isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
         return
     supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.lr_schedules.TokenLRScheduler"]
     if isinstance(scheduler, torch_sched.OneCycleLR):
         raise LitCBSConfigError(
-            f"OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
+            f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
             f"the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.lr_schedules.OneCycle("
             f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
             "OneCycleLR arguments (momentum is not cycled)"
         )
     raise LitCBSConfigError(
-        f"{type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
+        f"{who}: {type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
         f"use one of {supported}"
     )
 

@@ -48,12 +48,7 @@ from lit_cbs.accounting import BatchAccounting, MicroBatchSetting, check_divisib
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
-from lit_cbs.lr_rules import (
-    check_scheduler_supported,
-    get_clip_rule,
-    get_lr_rule,
-    scale_learning_rate,
-)
+from lit_cbs.lr_rules import get_clip_rule, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule, CBSAdaptive
 
@@ -258,20 +253,26 @@ class BatchWarmup(Callback):
         self.accounting.set_micro_batch_size(trainer, pl_module, self.micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self.schedule.is_constant:
-            for config in trainer.lr_scheduler_configs:
-                check_scheduler_supported(config.scheduler)
-                if config.interval == "step" and not isinstance(config.scheduler, TokenLRScheduler):
-                    rank_zero_warn(
-                        f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
-                        "the tokens per step, so the schedule will stretch in tokens (and "
-                        "trainer.estimated_stepping_batches assumes a constant batch); use "
-                        "lit_cbs.lr_schedules.TokenLRScheduler"
-                    )
-            sizes = self.schedule.sizes(self.consumed)
-            ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
-            for optimizer in trainer.optimizers:
-                self.lr_rule.check_optimizer(optimizer, ratios)
+        # The changes still to come, from the batch now. A constant schedule the run already trains at
+        # has none: the LR is never rescaled, so any optimizer and LR scheduler (OneCycleLR too) train
+        # exactly as without BatchWarmup. A constant schedule can still change the batch once, when a
+        # run resumes with another batch than its checkpoint's: that change is checked like any other.
+        sizes = self.schedule.sizes(self.consumed)
+        ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        who = f"BatchWarmup(lr_rule={self.lr_rule.name!r})"
+        for optimizer in trainer.optimizers:
+            self.lr_rule.check_ratios(optimizer, schedulers, ratios, who, compose=True)
+        if not ratios:
+            return
+        for config in trainer.lr_scheduler_configs:
+            if config.interval == "step" and not isinstance(config.scheduler, TokenLRScheduler):
+                rank_zero_warn(
+                    f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
+                    "the tokens per step, so the schedule will stretch in tokens (and "
+                    "trainer.estimated_stepping_batches assumes a constant batch); use "
+                    "lit_cbs.lr_schedules.TokenLRScheduler"
+                )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._warn_checkpoints_inside_accumulation(trainer, pl_module)

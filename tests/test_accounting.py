@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
@@ -123,3 +125,46 @@ def test_check_divisible_names_the_setting_and_the_nearest_sizes():
     assert check_divisible(24, 4, 2) == 3
     with pytest.raises(LitCBSConfigError, match=r"data.global_batch 20 is not a multiple of .* = 8 samples; nearest valid sizes: 16 or 24"):
         check_divisible(20, 4, 2, name="data.global_batch")
+
+
+class BranchesAtStep(Callback):
+    """Stands in for a CBS probe: at the end of optimizer step ``step`` (1-based), ``seconds`` of probe work."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+        self.seen_in_branch: list[bool] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            accounting = BatchAccounting.of(trainer)
+            with accounting.branching():
+                self.seen_in_branch.append(accounting.in_branch)
+                time.sleep(self.seconds)
+        self.seen_in_branch.append(BatchAccounting.of(trainer).in_branch)
+
+
+def test_branching_marks_probe_work_and_counts_its_seconds_from_fit_start():
+    probe = BranchesAtStep(step=2, seconds=0.2)
+    trainer, _ = fit(probe, max_steps=3)
+    accounting = accounting_of(trainer)
+    assert probe.seen_in_branch == [False, True, False, False]
+    assert 0.2 <= accounting.branch_seconds < 0.5
+    # A second fit on the same Trainer's callbacks counts afresh.
+    pl.seed_everything(0, verbose=False)
+    again = pl.Trainer(callbacks=[accounting, BranchesAtStep(step=1, seconds=0.1)], **trainer_kwargs(max_steps=1))
+    again.fit(RegressionModule(), TokenData(n=48, batch_size=2))
+    assert 0.1 <= accounting.branch_seconds < 0.3  # not 0.2 from the first fit + 0.1
+
+
+def test_branching_counts_its_seconds_once_and_also_when_it_raises():
+    accounting = BatchAccounting()
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="out of memory"), accounting.branching():
+        with accounting.branching():  # nested: harmless, counted once
+            time.sleep(0.1)
+            assert accounting.in_branch
+        assert accounting.in_branch
+        raise RuntimeError("out of memory")
+    elapsed = time.perf_counter() - start
+    assert not accounting.in_branch
+    assert 0.1 <= accounting.branch_seconds <= elapsed  # twice 0.1 if the nested block counted too

@@ -38,6 +38,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from toys import trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from lit_cbs._internals import should_accumulate
+from lit_cbs.accounting import BatchAccounting
 from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.gns import GradientNoiseScale, block_groups, two_batch_estimates
 from lit_cbs.lm import CausalLM
@@ -503,6 +505,60 @@ def test_ddp_matches_analytic_noise_scale(tmp_path):
     for i, coordinates in enumerate(GROUPS.values()):
         group_b_simple = float(state["ema_trace_sigma"][i] / state["ema_grad_sq"][i])
         assert group_b_simple == pytest.approx(analytic_b_simple(coordinates), rel=TOLERANCE)
+
+
+# ---------------------------------------------------------------------- CBS probe branches
+class BranchLikeWork(Callback):
+    """Stands in for a CBS probe: after optimizer step ``step``, what a branch does through the Trainer's
+    strategy, inside ``BatchAccounting.branching()``: forward and backward of two micro-batches with 1000x
+    the main run's gradients (Lightning's backward hooks and, under DDP, the all-reduce run), an optimizer
+    step (Lightning's on_before_optimizer_step runs; lr=0 keeps the weights), then zeroed gradients."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step != self.step or should_accumulate(trainer):
+            return
+        strategy, optimizer, window = trainer.strategy, trainer.optimizers[0], pl_module.window
+        with BatchAccounting.of(trainer).branching():
+            for i in range(2):
+                strategy.backward(strategy.training_step(batch, i) * 1000.0, optimizer)
+            strategy.optimizer_step(optimizer, closure=lambda: None)
+            optimizer.zero_grad()
+        pl_module.window = window  # the branch's training_step calls are not the main run's micro-batches
+
+
+def logged_noise_scale(tmp_path, callbacks, **trainer_overrides) -> dict[str, tuple[list, list]]:
+    """The gns/* metrics a run of 4 optimizer steps (accumulate 2) logs: name -> (steps, values)."""
+    pl.seed_everything(0, verbose=False)
+    data = GaussianRegressionData(8 * 2 * 4 * trainer_overrides.get("devices", 1), 8)
+    logger = CSVLogger(tmp_path, name="run")
+    trainer = pl.Trainer(
+        callbacks=[*callbacks, GradientNoiseScale(ema_decay=0.5, groups=HALVES)],
+        **trainer_kwargs(accumulate_grad_batches=2, logger=logger, log_every_n_steps=1, **trainer_overrides),
+    )
+    trainer.fit(FixedRegression(data.dataset.w_true), data)
+    metrics = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))
+    logged = {name: (steps.tolist(), values.tolist()) for name, (steps, values) in metrics.items() if name.startswith("gns/")}
+    assert logged["gns/b_simple"][0] == [0, 1, 2, 3]
+    return logged
+
+
+def test_probe_branches_are_not_measured(tmp_path):
+    expected = logged_noise_scale(tmp_path / "plain", [])
+    assert logged_noise_scale(tmp_path / "branched", [BranchLikeWork(step=2)]) == expected
+
+
+@pytest.mark.slow
+def test_probe_branches_are_not_measured_under_ddp(tmp_path):
+    # The branch's backward all-reduces through GradientNoiseScale's DDP communication hook too.
+    # Forked children start as copies of this process and need not import it again (a second, not 20 as
+    # spawned), but a process that initialised CUDA cannot fork.
+    strategy = "ddp_spawn" if torch.cuda.is_initialized() else "ddp_fork"
+    ddp = {"strategy": strategy, "devices": WORLD_SIZE}
+    expected = logged_noise_scale(tmp_path / "plain", [], **ddp)
+    assert logged_noise_scale(tmp_path / "branched", [BranchLikeWork(step=2)], **ddp) == expected
 
 
 # ---------------------------------------------------------------------- bad configurations

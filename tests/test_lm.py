@@ -4,14 +4,20 @@ throughput in a real fit."""
 from __future__ import annotations
 
 import functools
+import time
+from contextlib import nullcontext
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from toys import trainer_kwargs
 
+from lit_cbs._internals import should_accumulate
+from lit_cbs.accounting import BatchAccounting
 from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.lm import ADAMW, CausalLM, resolve_model_config
 from lit_cbs.lr_schedules import TokenLRScheduler
@@ -126,3 +132,42 @@ def test_throughput_is_logged_every_optimizer_step(tmp_path, peak_flops_per_devi
         _, mfu = metrics["perf/mfu"]
         flops_per_token = module.flops_per_token(16)
         assert mfu == pytest.approx(flops_per_token * tokens_per_s / peak_flops_per_device)
+
+
+class SleepsAtStep(Callback):
+    """Stands in for a CBS probe: 0.5 s of work at the end of optimizer step 3, inside the accounting's
+    ``branching()`` (as the probe's branches run) or, to show what it guards against, outside it."""
+
+    def __init__(self, as_branch: bool):
+        self.as_branch = as_branch
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3 and not should_accumulate(trainer):
+            with BatchAccounting.of(trainer).branching() if self.as_branch else nullcontext():
+                time.sleep(0.5)
+
+
+@pytest.fixture
+def one_thread():
+    """Steps of a steady few milliseconds: torch's threads on a loaded machine's cores stall for far longer."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("as_branch", [True, False])
+def test_throughput_leaves_out_the_probes_branches(tmp_path, one_thread, as_branch):
+    # 5 optimizer steps of 2 micro-batches; the "probe" sleeps after step 3 (logged at step index 2).
+    data = RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=40)
+    trainer = pl.Trainer(callbacks=[SleepsAtStep(as_branch)], **trainer_kwargs(
+        max_steps=5, accumulate_grad_batches=2, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
+    ))
+    trainer.fit(CausalLM("tiny", lr_schedule=None), datamodule=data)
+    steps, tokens_per_s = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))["perf/tokens_per_s"]
+    assert steps.tolist() == [0, 1, 2, 3, 4]
+    others = float(np.median(tokens_per_s[[1, 3, 4]]))
+    if as_branch:
+        assert tokens_per_s[2] > 0.25 * others
+    else:  # 0.5 s is tens of steps of this model: the rate falls far below
+        assert tokens_per_s[2] < 0.25 * others

@@ -333,9 +333,42 @@ def test_schedule_must_be_a_schedule():
         BatchWarmup([2, 4])
 
 
+def one_cycle(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)
+
+
 def test_unsupported_scheduler_is_refused_before_training():
-    module = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100))
-    _fit_expecting(TypeError, "OneCycleLR", module=module)
+    _fit_expecting(TypeError, r"^BatchWarmup\(lr_rule='sqrt'\): OneCycleLR", module=RegressionModule(scheduler_factory=one_cycle))
+
+
+def test_adam_sde_beyond_the_betas_limit_is_refused_before_training():
+    # Adam's default beta1 = 0.9 allows the batch to grow 10x in all: 2 -> 32 is 16x.
+    _fit_expecting(ValueError, r"^BatchWarmup\(lr_rule='adam_sde'\): the batch grows 16x over its changes is above 10",
+                   schedule=PiecewiseBatch([2, 8, 32], [0, 8, 16], unit="samples"), lr_rule="adam_sde",
+                   module=RegressionModule(optimizer="adam"), data=RegressionData(n=64, batch_size=2))
+
+
+def test_constant_schedule_trains_one_cycle_lr_as_without_batch_warmup():
+    # A constant schedule never changes the batch, so no LR is rescaled and OneCycleLR's absolute LRs stay right.
+    _, module, _, warmup = fit(ConstantBatch(4), module=RegressionModule(scheduler_factory=one_cycle))
+    pl.seed_everything(0, verbose=False)
+    plain = RegressionModule(scheduler_factory=one_cycle)
+    pl.Trainer(**trainer_kwargs(accumulate_grad_batches=2)).fit(plain, RegressionData(n=96, batch_size=2))
+    assert warmup.history == [] and len(module.steps) == 24
+    assert [step["lr"] for step in module.steps] == [step["lr"] for step in plain.steps]
+
+
+def test_constant_schedule_resumed_at_another_batch_checks_that_change(tmp_path):
+    # The checkpoint trained at 2 samples per step; resumed with ConstantBatch(4), the batch changes once,
+    # which would rescale OneCycleLR's LR: refused before the resumed run's first step.
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, filename="last")
+    first = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2)), checkpoint], **trainer_kwargs(enable_checkpointing=True))
+    first.fit(RegressionModule(scheduler_factory=one_cycle), RegressionData(n=16, batch_size=2))
+    resumed = RegressionModule(scheduler_factory=one_cycle)
+    trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(4))], **trainer_kwargs(max_epochs=2))
+    with pytest.raises(TypeError, match=r"^BatchWarmup\(lr_rule='sqrt'\): OneCycleLR writes absolute LR values"):
+        trainer.fit(resumed, RegressionData(n=16, batch_size=2), ckpt_path=tmp_path / "last.ckpt")
+    assert not resumed.steps
 
 
 def test_metrics_reach_the_logger_at_its_interval(tmp_path):
