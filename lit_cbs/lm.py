@@ -261,6 +261,11 @@ class CausalLM(pl.LightningModule):
         return self._flops_per_token[seq_len]
 
     # ------------------------------------------------------------------ validation
+    def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """The loss a CBS probe scores a branch by on a held-out batch (nats per token): the
+        training loss, without updating ``train_loss``."""
+        return self._loss(batch)
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.val_loss.update(self._loss(batch), weight=batch[:, 1:].numel())
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)

@@ -371,3 +371,21 @@ def test_manual_optimization_is_refused_before_training():
     trainer = pl.Trainer(callbacks=[BatchAccounting(seq_len=SEQ), probe()], **trainer_kwargs())
     with pytest.raises(LitCBSConfigError, match="automatic_optimization = False"):
         trainer.fit(Manual(), WithVal(n=96, batch_size=2))
+
+
+def test_lr_rule_is_checked_for_every_multiplier_before_training():
+    class AdamW(RegressionModule):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95))
+
+    with pytest.raises(LitCBSConfigError, match=r"lr_rule='adam_sde'.*ratio 16 is above 10, the largest safe"):
+        fit(AdamW(), probe(multipliers=(1, 2, 4, 8, 16), lr_rule="adam_sde"))
+
+    class OneCycle(RegressionModule):
+        def configure_optimizers(self):
+            optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+            schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=1000)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    with pytest.raises(LitCBSConfigError, match="CBSProbeCallback.*OneCycleLR"):
+        fit(OneCycle(), probe(), warmup=BatchAccounting(seq_len=SEQ))

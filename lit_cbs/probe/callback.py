@@ -209,6 +209,19 @@ class CBSProbeCallback(Callback):
         self._accounting = BatchAccounting.of(trainer)
         self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before any data is read: every multiplier's LR rule must apply to the optimizer and its schedulers."""
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        ratios = list(self.multipliers)
+        warmup = self._warmup
+        if warmup is not None and warmup.lr_rule.name == self.lr_rule.name == "adam_sde":
+            # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
+            sizes = warmup.schedule.sizes()
+            ratios = [k * max(sizes) / min(sizes) for k in ratios]
+        who = f"CBSProbeCallback(lr_rule={self.lr_rule.name!r}, multipliers={[f'{k:g}' for k in self.multipliers]})"
+        for optimizer in trainer.optimizers:
+            self.lr_rule.check_ratios(optimizer, schedulers, ratios, who)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         max_tokens = self._accounting.max_tokens
         if max_tokens is not None and self.probe_point(self.probes_started) >= max_tokens:
