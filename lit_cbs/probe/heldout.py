@@ -32,9 +32,10 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
     ``val_dataloader`` returns (so it works with ``limit_val_batches=0`` or ``num_sanity_val_steps=0``
     too), with Lightning's distributed sampler injected under DDP (``use_distributed_sampler=True``):
     each rank reads the first ``count`` batches of its own shard. A loader that brings its own
-    ``DistributedSampler`` is read as it is; one without (``use_distributed_sampler=False``) is read
-    whole on every rank. Of several validation loaders, the first is used. Batches are as the
-    loader yields them (before the module's ``on_before_batch_transfer``/``on_after_batch_transfer``).
+    ``DistributedSampler`` is read as it is; with ``use_distributed_sampler=False`` a loader without
+    one gives every rank the same batches. Of several validation loaders, the first is used. Batches
+    are as the loader yields them (before the module's ``on_before_batch_transfer`` and
+    ``on_after_batch_transfer`` hooks).
 
     The global torch (CPU and CUDA), numpy and Python RNG states, and the loader's own generators,
     are the same after the call as before. Call it inside ``fit`` (``on_train_start`` or later),
