@@ -1,4 +1,4 @@
-"""What the CBS probe reads at setup: the held-out batches (lit_cbs.probe.heldout) and the token count
+"""What the CBS probe reads as training starts: the held-out batches (lit_cbs.probe.heldout) and the token count
 at which the run ends (lit_cbs.probe.limits), on real Trainers and DataLoaders."""
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ def fit_quietly(trainer: pl.Trainer, module: pl.LightningModule, **data) -> pl.T
 
 
 # ---------------------------------------------------------------------- held-out batches
+VALIDATION_OFF = {"limit_val_batches": 0, "num_sanity_val_steps": 0}  # nothing prepares the val loader
+
+
 def val_loader(n: int = 10, batch_size: int = 3, **kwargs) -> DataLoader:
     return DataLoader(IndexedRegression(n, seed=1), batch_size=batch_size, **kwargs)
 
@@ -106,7 +109,7 @@ def test_heldout_batches_come_from_each_source_of_validation_data(source, valida
     # "on": Lightning's validation loop has prepared the loader; "off" (limit_val_batches=0 and no sanity
     # check): nothing has, so the loader is requested from the source as Lightning would.
     load = LoadHeldout(count=2)
-    off = {"limit_val_batches": 0, "num_sanity_val_steps": 0} if validation == "off" else {}
+    off = VALIDATION_OFF if validation == "off" else {}
     fit_with([load], source, **off)
     assert load.prepared_by_lightning == (validation == "on")
     assert [batch["idx"].tolist() for batch in load.batches] == [[0, 1, 2], [3, 4, 5]]
@@ -124,7 +127,7 @@ def test_count_larger_than_the_loader_gives_all_of_it():
 def test_reading_leaves_every_random_state_as_it_was(validation):
     # DataWithVal's hook draws from numpy and random; iterating its loader draws from torch.
     load = LoadHeldout(count=2)
-    off = {"limit_val_batches": 0, "num_sanity_val_steps": 0} if validation == "off" else {}
+    off = VALIDATION_OFF if validation == "off" else {}
     fit_with([load], "datamodule", **off)
     assert load.batches and load.rng_before is not None
     assert_same_rng(load.rng_before, load.rng_after)
@@ -147,7 +150,7 @@ def test_reading_does_not_change_the_training_shuffle():
     def micro_batches(callbacks):
         pl.seed_everything(0, verbose=False)
         module = ValidatedRegression()
-        trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=2, limit_val_batches=0, num_sanity_val_steps=0))
+        trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=2, **VALIDATION_OFF))
         fit_quietly(trainer, module, train_dataloaders=DataLoader(IndexedRegression(8), batch_size=2, shuffle=True),
                     val_dataloaders=val_loader())
         return module.micro_batches
@@ -193,8 +196,7 @@ def test_under_ddp_each_rank_reads_its_own_shard(tmp_path):
     # With validation off nothing has prepared the loader: the sampler is injected as Lightning's validation would.
     trainer = pl.Trainer(
         callbacks=[SaveHeldout(tmp_path)],
-        **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=1, use_distributed_sampler=True,
-                         limit_val_batches=0, num_sanity_val_steps=0),
+        **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=1, use_distributed_sampler=True, **VALIDATION_OFF),
     )
     fit_quietly(trainer, ValidatedRegression(), train_dataloaders=DataLoader(IndexedRegression(8), batch_size=2),
                 val_dataloaders=val_loader(n=8, batch_size=2))
