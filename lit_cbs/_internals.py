@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader, _request_dataloader
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 # Re-exported for the modules that use them (listed in PRIVATE_ATTRIBUTES).
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as checkpoint_wrapper
@@ -35,6 +37,11 @@ PRIVATE_ATTRIBUTES = {
     "collect_rng_states": ("lightning.fabric.utilities.seed._collect_rng_states",),
     "set_rng_states": ("lightning.fabric.utilities.seed._set_rng_states",),
     "block_ddp_gradient_sync": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
+    "request_val_dataloaders": (
+        "trainer.fit_loop.epoch_loop.val_loop._data_source",
+        "lightning.pytorch.trainer.connectors.data_connector._request_dataloader",
+    ),
+    "prepare_val_dataloader": ("lightning.pytorch.trainer.connectors.data_connector._process_dataloader",),
     "metric_update_count": ("metric._update_count",),
     "set_metric_update_count": ("metric._update_count", "metric._computed"),
     "inner_schedulers": ("sequential_lr._schedulers",),
@@ -75,6 +82,18 @@ def logs_this_step(trainer) -> bool:
 def reload_train_dataloader(trainer) -> None:
     """Make the fit loop rebuild the train loader (reading the new ``batch_size``) at the next epoch start."""
     trainer.fit_loop._combined_loader = None
+
+
+def request_val_dataloaders(trainer) -> Any:
+    """The validation loader(s) of the fit, from where Lightning's validation loop takes them (the
+    datamodule's or module's ``val_dataloader``, or ``fit(val_dataloaders=...)``); None if there are none."""
+    source = trainer.fit_loop.epoch_loop.val_loop._data_source
+    return _request_dataloader(source) if source.is_defined() else None
+
+
+def prepare_val_dataloader(trainer, dataloader) -> Any:
+    """``dataloader`` as Lightning's validation reads it during fit (under DDP, with a DistributedSampler injected)."""
+    return _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, dataloader)
 
 
 def block_ddp_gradient_sync(strategy, block: bool) -> AbstractContextManager:

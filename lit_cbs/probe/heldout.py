@@ -16,11 +16,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
-from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader, _request_dataloader
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-from lit_cbs._internals import collect_rng_states, set_rng_states
+from lit_cbs._internals import collect_rng_states, prepare_val_dataloader, request_val_dataloaders, set_rng_states
 from lit_cbs.errors import LitCBSConfigError
 
 
@@ -64,8 +62,7 @@ def _first_validation_loader(trainer: pl.Trainer) -> Any:
     loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off (limit_val_batches=0, ...)
     prepared = loaders is not None
     if not prepared:
-        source = trainer.fit_loop.epoch_loop.val_loop._data_source
-        loaders = _request_dataloader(source) if source.is_defined() else None
+        loaders = request_val_dataloaders(trainer)
     if loaders is None:
         flattened = []
     else:
@@ -76,7 +73,7 @@ def _first_validation_loader(trainer: pl.Trainer) -> Any:
             "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
             "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
         )
-    return flattened[0] if prepared else _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, flattened[0])
+    return flattened[0] if prepared else prepare_val_dataloader(trainer, flattened[0])
 
 
 def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list:
