@@ -468,7 +468,7 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
     assert warmup.tokens_seen == 832
     assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
-    assert "CBS probe at 800 tokens not started: its window of 128 tokens would end past max_tokens=832" in caplog.text
+    assert "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end (max_tokens=832, at 832 tokens)" in caplog.text
 
 
 class TokenData(pl.LightningDataModule):

@@ -1,5 +1,5 @@
 """What the CBS probe reads as training starts: the held-out batches (lit_cbs.probe.heldout) and the token count
-at which the run ends (lit_cbs.probe.limits), on real Trainers and DataLoaders."""
+at which the run ends (lit_cbs.probe.limits) and what the probe makes of it, on real Trainers and DataLoaders."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from toys import IndexedRegression, RegressionData, RegressionModule, trainer_kw
 from lit_cbs import BatchWarmup
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe import CBSProbeCallback
 from lit_cbs.probe.heldout import load_heldout_batches
-from lit_cbs.probe.limits import run_end_tokens
+from lit_cbs.probe.limits import run_end
 from lit_cbs.schedules import PiecewiseBatch
 
 
@@ -241,147 +242,80 @@ class Bigram(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-class PredictEnd(Callback):
-    """Asks run_end_tokens before and after every micro-batch; keeps the tokens the run really ended at."""
+class RecordEnds(Callback):
+    """Asks run_end where the probe does (the first micro-batch, then every step boundary); keeps the
+    tokens the run really ended at."""
 
-    def __init__(self, warmup: BatchWarmup | None = None, stop_after_batches: int | None = None):
-        self.warmup = warmup
-        self.stop_after_batches = stop_after_batches
-        self.predictions: list[tuple] = []
-        self.end: int | None = None
+    def __init__(self, largest_batch: int):
+        self.largest_batch = largest_batch
+        self.ends = []
+        self.end = None
 
     def setup(self, trainer, pl_module, stage):
         BatchAccounting.of(trainer)  # attached before training, as the probe's setup does
 
-    def predict(self, trainer):
-        self.predictions.append(run_end_tokens(trainer, BatchAccounting.of(trainer), self.warmup))
-
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.predict(trainer)
+        if not self.ends:
+            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, self.largest_batch))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.predict(trainer)
-        if self.stop_after_batches is not None and len(self.predictions) == 2 * self.stop_after_batches:
-            trainer.should_stop = True
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
+            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, self.largest_batch))
 
     def on_train_end(self, trainer, pl_module):
         self.end = BatchAccounting.of(trainer).tokens_seen
 
 
-def fit_tokens(predict: PredictEnd, callbacks=(), data=None, **overrides) -> PredictEnd:
-    trainer = pl.Trainer(callbacks=[*callbacks, predict], **trainer_kwargs(**overrides))
+def fit_tokens(callbacks, data=None, **overrides):
+    trainer = pl.Trainer(callbacks=list(callbacks), **trainer_kwargs(**overrides))
     given = {"datamodule": data} if isinstance(data, pl.LightningDataModule) else {"train_dataloaders": data}
     fit_quietly(trainer, Bigram(), **given)
-    return predict
+    return trainer
 
 
-# 22 samples in micro-batches of 4: an epoch is 6 micro-batches, the last of 2 samples; accumulate 4
-# makes steps of 16 and 6 samples (64 and 24 tokens), 88 tokens an epoch.
+# 24 samples of 4 tokens in micro-batches of 4, accumulate 2: steps of 8 samples (32 tokens), 96 tokens an epoch.
 @pytest.mark.parametrize(
-    ("limits", "max_tokens", "end", "limit"),
+    ("limits", "max_tokens", "expected", "end"),
     [
-        ({"max_steps": 5, "max_epochs": -1}, None, 4 * (16 + 6 + 16 + 6 + 16), "max_steps"),
-        ({"max_epochs": 2}, None, 2 * 88, "max_epochs"),
-        ({"max_epochs": -1}, 100, 64 + 24 + 64, "max_tokens"),  # the end of the step that reaches the budget
-        ({"max_steps": 5, "max_epochs": 2}, None, 2 * 88, "max_epochs"),
-        ({"max_steps": 3, "max_epochs": 2}, 300, 64 + 24 + 64, "max_steps"),
-        ({"max_steps": 3, "max_epochs": 2}, 100, 64 + 24 + 64, "max_tokens"),  # a tie goes to max_tokens
-        ({"max_epochs": 3, "min_steps": 4}, 60, 64 + 24 + 64 + 24, "max_tokens"),  # min_steps holds the stop off
-        ({"max_epochs": 2, "limit_train_batches": 3}, None, 2 * 48, "max_epochs"),  # 3 full micro-batches an epoch
+        ({"max_steps": 5, "max_epochs": -1}, None, (160, 160, "max_steps=5"), 160),
+        ({"max_epochs": 2}, None, (192, 192, "max_epochs=2"), 192),
+        ({"max_steps": 4, "max_epochs": 2}, None, (128, 128, "max_steps=4"), 128),
+        ({"max_epochs": 2}, 100, (100, 100, "max_tokens=100"), 128),  # the step that reaches the budget ends it
     ],
 )
-def test_run_end_is_the_first_limit_reached(limits, max_tokens, end, limit):
-    callbacks = [BatchAccounting(max_tokens=max_tokens)] if max_tokens else []
-    predict = fit_tokens(PredictEnd(), callbacks, TokenIds(22, 4), accumulate_grad_batches=4, **limits)
-    assert predict.end == end
-    assert set(predict.predictions) == {(end, limit)}  # at every micro-batch, from the first on
+def test_run_end_names_the_first_limit_at_every_step(limits, max_tokens, expected, end):
+    record = RecordEnds(largest_batch=8)
+    fit_tokens([BatchAccounting(max_tokens=max_tokens), record], TokenIds(24, 4), accumulate_grad_batches=2, **limits)
+    assert record.end == end
+    assert {(e.earliest, e.latest, e.limit) for e in record.ends} == {expected}
 
 
-@pytest.mark.parametrize(("max_steps", "samples"), [(5, 16 + 8), (10, 47 + 2 * 16)])
-def test_run_end_under_a_batch_warmup_that_changes_the_batch(max_steps, samples):
-    # 47 samples in micro-batches of 2 (the 24th holds 1). Global batch 4 -> 8 asked for at 12 samples and
-    # applied at 16, after the first step whose micro-batches this epoch (8) divide by accumulate 4; 8 -> 16
-    # asked for at 40 and applied at the epoch's end (20 micro-batches do not divide by 8). Epoch 0: 4
-    # steps of 4 samples, then 4 of 8 (the last 7); epoch 1: steps of 16.
-    warmup = BatchWarmup(PiecewiseBatch([4, 8, 16], thresholds=[0, 12, 40], unit="samples"), lr_rule="none")
-    predict = fit_tokens(PredictEnd(warmup), [warmup], TokenIds(47, 2), max_steps=max_steps, max_epochs=-1)
-    changes = [(16, 8), (47, 16)] if max_steps == 10 else [(16, 8)]
-    assert [(change.samples_seen, change.new_global_batch) for change in warmup.history] == changes
-    assert predict.end == samples * SEQ_LEN
-    assert set(predict.predictions) == {(predict.end, "max_steps")}
-
-
-def test_run_end_under_a_token_schedule_and_a_budget():
-    warmup = BatchWarmup(PiecewiseBatch([4, 8], thresholds=[0, 64], unit="tokens"), lr_rule="none", max_tokens=400)
-    predict = fit_tokens(PredictEnd(warmup), [warmup], TokenIds(47, 2), max_epochs=-1)
-    assert len(warmup.history) == 1 and predict.end >= 400
-    assert set(predict.predictions) == {(predict.end, "max_tokens")}
-
-
-def test_run_end_of_a_run_resumed_mid_epoch(tmp_path):
-    # 24 samples in micro-batches of 4, accumulate 2: 3 steps of 8 samples an epoch. The first fit stops
-    # after step 4, inside an epoch; the resumed one must see the end where a run of max_steps=7 ends,
-    # from its first micro-batch on.
-    first = pl.Trainer(callbacks=[PredictEnd()], **trainer_kwargs(max_steps=4, max_epochs=-1, accumulate_grad_batches=2))
-    fit_quietly(first, Bigram(), datamodule=TokenIds(24, 4))
-    first.save_checkpoint(tmp_path / "step4.ckpt")
-    predict = PredictEnd()
-    trainer = pl.Trainer(callbacks=[predict], **trainer_kwargs(max_steps=7, max_epochs=-1, accumulate_grad_batches=2))
-    fit_quietly(trainer, Bigram(), datamodule=TokenIds(24, 4), ckpt_path=tmp_path / "step4.ckpt")
-    assert trainer.global_step == 7 and predict.end == 7 * 8 * SEQ_LEN
-    assert set(predict.predictions) == {(predict.end, "max_steps")}
+def test_run_end_brackets_a_growing_batch():
+    record = RecordEnds(largest_batch=16)
+    warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 16], unit="samples"))
+    fit_tokens([warmup, record], TokenIds(96, 4), max_steps=6, max_epochs=-1)
+    assert record.end == 4 * (2 * 8 + 4 * 16)  # 2 steps of 8 samples, then 4 of 16
+    assert all(e.earliest <= record.end <= e.latest and e.limit == "max_steps=6" for e in record.ends)
+    assert record.ends[0].earliest == 6 * 8 * 4 and record.ends[0].latest == 6 * 16 * 4
 
 
 def test_run_end_is_unknown_without_a_limit_or_a_length():
-    no_limit = fit_tokens(PredictEnd(stop_after_batches=3), data=TokenIds(22, 4), max_epochs=-1)
-    assert set(no_limit.predictions) == {(None, None)}
-    stream = fit_tokens(PredictEnd(), data=DataLoader(TokenStream(), batch_size=4), max_epochs=1)
-    assert set(stream.predictions) == {(None, None)} and stream.end == 40 * SEQ_LEN
-    # max_steps on a stream is counted as if the stream does not run out first (it does not here).
-    steps = fit_tokens(PredictEnd(), data=DataLoader(TokenStream(), batch_size=4), max_steps=3, max_epochs=1)
-    assert set(steps.predictions) == {(3 * 4 * SEQ_LEN, "max_steps")}
+    record = RecordEnds(largest_batch=4)
+    fit_tokens([record], DataLoader(TokenStream(), batch_size=4), max_epochs=1)
+    assert {(e.earliest, e.latest, e.limit) for e in record.ends} == {(None, None, None)}
 
 
-def test_run_end_without_tokens_is_unknown():
-    predict = PredictEnd()
-    trainer = pl.Trainer(callbacks=[predict], **trainer_kwargs(max_steps=2))
-    fit_quietly(trainer, RegressionModule(), datamodule=RegressionData(n=8))
-    assert set(predict.predictions) == {(None, None)}
+@pytest.mark.parametrize(("limits", "name"), [({"max_steps": 5, "max_epochs": -1}, "max_steps=5"), ({"max_epochs": 1}, "max_epochs=1")])
+def test_a_probe_point_past_the_end_is_refused_naming_the_limit(limits, name):
+    probe = CBSProbeCallback(at_tokens=[200], multipliers=(1, 2), window_tokens=64)
+    with pytest.raises(LitCBSConfigError, match=f"the first is at 200 tokens but the run ends by {name}"):
+        fit_tokens([probe], TokenIds(24, 4), accumulate_grad_batches=2, **limits)
 
 
-def test_a_guarded_warmup_leaves_max_steps_unknown_and_max_epochs_exact():
-    # The guard may hold back or revert an increase after the loss it sees, so the tokens of the steps to
-    # come cannot be known; an epoch's tokens do not depend on the batch.
-    def fit(**limits) -> PredictEnd:
-        warmup = BatchWarmup(PiecewiseBatch([4, 8], thresholds=[0, 16], unit="samples"), lr_rule="none", guard=True)
-        return fit_tokens(PredictEnd(warmup), [warmup], TokenIds(22, 4), **limits)
-
-    assert set(fit(max_steps=3, max_epochs=-1).predictions) == {(None, None)}
-    by_epochs = fit(max_epochs=2)
-    assert by_epochs.end == 2 * 88 and set(by_epochs.predictions) == {(2 * 88, "max_epochs")}
-
-
-class SavePredictions(PredictEnd):
-    """ddp_spawn returns no callback state: each rank saves its predictions and the tokens at the end."""
-
-    def __init__(self, outdir: Path):
-        super().__init__()
-        self.outdir = outdir
-
-    def on_train_end(self, trainer, pl_module):
-        super().on_train_end(trainer, pl_module)
-        torch.save({"predictions": self.predictions, "end": self.end}, self.outdir / f"rank{trainer.global_rank}.pt")
-
-
-@pytest.mark.slow
-def test_run_end_under_ddp_counts_every_rank(tmp_path):
-    # 23 samples dealt to 2 ranks (padded to 12 each) in micro-batches of 5: 3 an epoch, the last of 2.
-    trainer = pl.Trainer(
-        callbacks=[SavePredictions(tmp_path)],
-        **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, accumulate_grad_batches=2, use_distributed_sampler=True),
-    )
-    fit_quietly(trainer, Bigram(), datamodule=TokenIds(23, 5))
-    for rank in range(2):
-        saved = torch.load(tmp_path / f"rank{rank}.pt")
-        assert saved["end"] == 2 * 12 * 2 * SEQ_LEN
-        assert set(saved["predictions"]) == {(saved["end"], "max_epochs")}
+def test_a_window_the_run_would_cut_short_is_not_started(caplog):
+    probe = CBSProbeCallback(every_tokens=64, multipliers=(1, 2), window_tokens=64)
+    with caplog.at_level("INFO"):
+        fit_tokens([probe], TokenIds(24, 4), accumulate_grad_batches=2, max_epochs=2)
+    assert probe.history and all(r.tokens + r.window_tokens <= 192 for r in probe.history)
+    assert "would end past the run's end (max_epochs=2, at 192 tokens)" in caplog.text
+    assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)  # no branch of a dropped window

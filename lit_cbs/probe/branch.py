@@ -367,5 +367,8 @@ class BranchTrainer:
         with side_effects_undone(self.pl_module), trainer.precision_plugin.forward_context():
             self.pl_module.eval()
             for i, batch in enumerate(self.heldout):
-                losses.append(float(self._heldout_loss(move_data_to_device(batch, trainer.strategy.root_device), i)))
+                # As Lightning prepares a batch: the precision's input conversion and the module's
+                # on_before_batch_transfer / transfer_batch_to_device / on_after_batch_transfer.
+                batch = trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(batch))
+                losses.append(float(self._heldout_loss(batch, i)))
         return losses

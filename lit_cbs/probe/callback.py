@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
@@ -37,6 +36,8 @@ from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.lr_rules import get_lr_rule
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, RecordedWindow, logging_muted, loss_of
+from lit_cbs.probe.heldout import load_heldout_batches
+from lit_cbs.probe.limits import RunEnd, run_end
 from lit_cbs.probe.plot import plot_cbs_curve
 from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, BranchScore, ProbeReading, max_branches, measure_losses
 from lit_cbs.probe.snapshot import TrainingSnapshot
@@ -230,7 +231,7 @@ class CBSProbeCallback(Callback):
                 f"but max_tokens={max_tokens}; probe earlier"
             )
         if self.evaluate == "heldout":
-            self._heldout = self._load_heldout(trainer)
+            self._heldout = load_heldout_batches(trainer, self.heldout_batches, self.snapshot_device)
         self._batch_checked = False
         # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once. Without a logger
         # and without output_dir the readings stay in `history` (no files in the working directory).
@@ -251,22 +252,14 @@ class CBSProbeCallback(Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(dataclasses.asdict(reading)) + "\n" for reading in self.history))
 
-    def _load_heldout(self, trainer: pl.Trainer) -> list:
-        datamodule = trainer.datamodule
-        if datamodule is None or not hasattr(datamodule, "val_dataloader"):
-            raise LitCBSConfigError("evaluate='heldout' needs a datamodule with val_dataloader(); use evaluate='train_ema'")
-        batches = []
-        for batch in datamodule.val_dataloader():
-            batches.append(move_data_to_device(batch, self.snapshot_device))
-            if len(batches) == self.heldout_batches:
-                break
-        if not batches:
-            raise LitCBSConfigError("evaluate='heldout': the val_dataloader yielded no batch")
-        return batches
+    def _run_end(self, trainer: pl.Trainer, batch_idx: int) -> RunEnd:
+        """Where the run ends (tokens), by whichever limit ends it first."""
+        sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
+        return run_end(trainer, self._accounting, batch_idx + 1, max(sizes))
 
-    def _check_batch(self) -> None:
+    def _check_batch(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """At the first batch, where the accounting has seen what the loader yields: tokens per
-        sample, and a window that holds a step of the largest branch."""
+        sample, a window that holds a step of the largest branch, and a probe point inside the run."""
         accounting = self._accounting
         seq_len, batch = accounting.seq_len, accounting.global_batch
         if seq_len is None:
@@ -281,6 +274,13 @@ class CBSProbeCallback(Callback):
                 f"window_tokens={self.window_tokens} is smaller than one step of the largest branch "
                 f"(k={max(self.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
                 "raise window_tokens or drop the largest multipliers"
+            )
+        end = self._run_end(trainer, batch_idx)
+        first = self.probe_point(self.probes_started)
+        if end.latest is not None and first >= end.latest:
+            raise LitCBSConfigError(
+                f"no probe point lies inside the run: the first is at {first:,.0f} tokens but the run ends by "
+                f"{end.limit} at {end.latest:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
             )
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
@@ -297,7 +297,7 @@ class CBSProbeCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._batch_checked:
             self._batch_checked = True
-            self._check_batch()
+            self._check_batch(trainer, batch_idx)
         if self._window is not None:
             self._window.record_batch(batch, self.snapshot_device)
 
@@ -313,7 +313,7 @@ class CBSProbeCallback(Callback):
             if window.complete or window.at_checkpoint:
                 self._finish_probe(trainer, pl_module)
         elif self._accounting.tokens_seen >= self.probe_point(self.probes_started):
-            self._start_probe(trainer, pl_module)
+            self._start_probe(trainer, pl_module, batch_idx)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._window is not None:
@@ -336,7 +336,7 @@ class CBSProbeCallback(Callback):
                 usable.append(k)
         return usable
 
-    def _start_probe(self, trainer, pl_module) -> None:
+    def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
         tokens = accounting.tokens_seen
         self.probes_started += 1
@@ -358,11 +358,12 @@ class CBSProbeCallback(Callback):
         largest = max(ks) * batch_size
         window_samples = int(window_samples // largest * largest)
         window_tokens = window_samples * seq_len
-        if accounting.max_tokens is not None and tokens + window_tokens > accounting.max_tokens:
+        end = self._run_end(trainer, batch_idx)
+        if end.earliest is not None and tokens + window_tokens > end.earliest:
             # The main run would stop inside the window and take its snapshot and data with it.
             rank_zero_info(
                 f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens:,} "
-                f"tokens would end past max_tokens={accounting.max_tokens:,}"
+                f"tokens would end past the run's end ({end.describe()})"
             )
             return
         if self.max_overhead is not None:
