@@ -1,10 +1,13 @@
 """Measure the critical batch size (CBS) online by branched training (Merrill et al. 2025, arXiv 2505.23971).
 
-- ``reading``: the k* rule, the CBS interval, bisection and ``ProbeReading`` (one measurement); no Lightning.
+- ``reading``: the k* rule, the CBS interval, bisection, the paired standard errors and the
+  determined/undetermined judgement, and ``ProbeReading`` (one measurement); no Lightning.
 - ``snapshot``: ``TrainingSnapshot``, the in-memory copy of the training state a branch starts from.
 - ``branch``: ``BranchTrainer`` trains batch k*B on the main run's ``RecordedWindow`` and scores it.
 - ``callback``: ``CBSProbeCallback``, which places the probes in a Trainer and reports them.
 - ``plot``: ``plot_cbs_curve``, the readings against tokens.
+- ``heldout``: ``load_heldout_batches``, the validation batches held-out scores use.
+- ``limits``: ``run_end``, where the run ends in tokens, so probes and windows fit inside it.
 
 The names below load on first use (PEP 562), so ``lit_cbs.probe.reading`` does not pay for Lightning.
 """
