@@ -284,11 +284,12 @@ class ProbePlan:
     heldout_bytes: int
     max_branches: int  # branches trained per probe, at most
     window_tokens: int
+    snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
 
     @property
     def host_bytes(self) -> int:
-        """Peak: two snapshots (the probe's start and the main run's state after the window) and the data."""
-        return 2 * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
+        """Peak: the snapshots held at once and the data."""
+        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
 
     @property
     def tokens(self) -> int:
@@ -331,6 +332,7 @@ def probe_plan(
         heldout_bytes=heldout,
         max_branches=max_branches(probe.strategy, len(probe.multipliers)),
         window_tokens=probe.window_tokens,
+        snapshots=2 + (max_branches(probe.strategy, len(probe.multipliers)) if probe.early_stop else 0),
     )
 
 
@@ -462,7 +464,7 @@ class RunPlan:
                 f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
                 f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
                 f"{p.window_tokens:,} tokens each: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} of training)",
-                f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: 2 snapshots of {p.snapshot_bytes / GIB:,.2f} "
+                f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of {p.snapshot_bytes / GIB:,.2f} "
                 f"(weights + {self.optimizer.name} state), window batches {p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
                 f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
                 f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})",

@@ -156,6 +156,13 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
     assert plan.window_bytes == 256 // 16 * 17 * 8 and plan.heldout_bytes == 2 * 4 * 17 * 8
     assert plan.max_branches == 1 + math.ceil(math.log2(3)) and plan.tokens == 2 * 3 * 256
+    assert plan.snapshots == 2 and plan.host_bytes == 2 * real + plan.window_bytes + plan.heldout_bytes
+    # With early stops every branch keeps its state until the window closes.
+    probe = CBSProbeCallback(at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect",
+                             evaluate="heldout", heldout_batches=2, early_stop=[0.5])
+    plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
+                      seq_len=16, max_tokens=1024)
+    assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
 
 
 def test_batch_phases_match_a_real_batch_warmup_run():
