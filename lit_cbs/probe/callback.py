@@ -383,6 +383,8 @@ class CBSProbeCallback(Callback):
             self.cooldown_fraction,
         )
         self._trained, self._failed = [], []
+        with accounting.branching():  # the copy is probe work, not the main run's time
+            start = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
         self._window = RecordedWindow(
             checkpoints=checkpoints,
             tokens=tokens,
@@ -394,7 +396,7 @@ class CBSProbeCallback(Callback):
             seq_len=seq_len,
             multipliers=ks,
             window_samples=window_samples,
-            start=TrainingSnapshot(trainer, pl_module, self.snapshot_device),
+            start=start,
         )
 
     def _finish_probe(self, trainer, pl_module) -> None:
@@ -403,7 +405,6 @@ class CBSProbeCallback(Callback):
         window, branches, accounting = self._window, self._branches, self._accounting
         final = window.complete
         main_changed_batch = accounting.global_batch != window.batch_size
-        after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
         spent_before = branches.tokens_trained
 
         def measure(k: float) -> BranchScore:
@@ -420,18 +421,19 @@ class CBSProbeCallback(Callback):
                 self._failed.append(k)
                 return BranchScore(math.inf)
 
-        try:
-            with accounting.branching():
+        with accounting.branching():  # probe work: not the main run's time or gradients
+            after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
+            try:
                 main_score = branches.score(window.step_losses)
                 with logging_muted(pl_module):
                     scores = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
-        except ProbeAborted:
-            rank_zero_warn(f"CBS probe at {window.tokens:,} tokens aborted by SIGTERM; main state restored")
-            self._window = None
-            return
-        finally:
-            after_window.restore(trainer, pl_module)
-            accounting.set_gradient_sync(None)
+            except ProbeAborted:
+                rank_zero_warn(f"CBS probe at {window.tokens:,} tokens aborted by SIGTERM; main state restored")
+                self._window = None
+                return
+            finally:
+                after_window.restore(trainer, pl_module)
+                accounting.set_gradient_sync(None)
         self.tokens_spent += branches.tokens_trained - spent_before
         reading = ProbeReading.decide(
             scores,
