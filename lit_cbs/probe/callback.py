@@ -345,7 +345,10 @@ class CBSProbeCallback(Callback):
         schedule = self._warmup.schedule if self._warmup is not None else None
         consumed = tokens if getattr(schedule, "unit", "tokens") == "tokens" else accounting.samples_seen
         if isinstance(schedule, CBSAdaptive) and not schedule.wants_readings(consumed):
-            rank_zero_info(f"CBS probe at {tokens:,} tokens skipped: CBSAdaptive is at its final batch {schedule.final}")
+            rank_zero_info(
+                f"CBS probe at {tokens:,} tokens skipped: CBSAdaptive is at its final batch {schedule.final}, where no "
+                "reading can move it (CBSAdaptive(probe_after_final=True) keeps probing)"
+            )
             return
         batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
         seq_len = accounting.seq_len
