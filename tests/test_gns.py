@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from launch import DISTRIBUTED_VARIABLES
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -550,8 +551,16 @@ def test_probe_branches_are_not_measured(tmp_path):
     assert logged_noise_scale(tmp_path / "branched", [BranchLikeWork(step=2)]) == expected
 
 
+def forget_rendezvous(monkeypatch) -> None:
+    """Lightning exports MASTER_PORT (and the rest) into this process; a later multi-process test would
+    reuse that port while this process may still hold its store open. Dropped after the test."""
+    for name in DISTRIBUTED_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.mark.slow
-def test_probe_branches_are_not_measured_under_ddp(tmp_path):
+def test_probe_branches_are_not_measured_under_ddp(tmp_path, monkeypatch):
+    forget_rendezvous(monkeypatch)
     # The branch's backward all-reduces through GradientNoiseScale's DDP communication hook too.
     # Forked children start as copies of this process and need not import it again (a second, not 20 as
     # spawned), but a process that initialised CUDA cannot fork.
@@ -576,8 +585,9 @@ def test_batch_warmup_that_raises_accumulation_later_is_accepted():
 
 
 @pytest.fixture
-def process_group_cleanup():
-    """In-process strategies below initialise a 1-process group; later tests expect none."""
+def process_group_cleanup(monkeypatch):
+    """In-process strategies below initialise a 1-process group; later tests expect none, and a port of their own."""
+    forget_rendezvous(monkeypatch)
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
