@@ -12,7 +12,7 @@ R-curve's run again (seeds 1, 2; 2 threads) probed only at its last two points, 
 2,097,152 tokens, with every branch (k = 1 included) decaying its LR linearly towards 0 over its last
 25% of steps (``cooldown_fraction=0.25``), and compares with R-curve's constant-LR readings there.
 
-Reported (the file docs/benchmarks/probe_repeat_results.md, rewritten, and on the terminal): per
+Reported (the section "probe_repeat" of docs/benchmarks/probe_repeat_results.md, and on the terminal): per
 probe point every run's bracket [cbs_lower, cbs_upper] (samples), whether it is determined at the
 probe's confidence (0.9), the comparisons that decide it (L_k - L_j and its paired held-out SE,
 nats), how many readings are determined and how far apart (grid steps, log2 of the ratio of
@@ -46,7 +46,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import ROOT, machine, train_command, train_unless_done
+from benchmarks.common import ROOT, machine, replace_section, train_command, train_unless_done
 from lit_cbs.probe.reading import BranchScore, difference
 
 SEEDS = (1, 2, 3)
@@ -194,7 +194,7 @@ def decisive(reading: dict) -> list[dict]:
 
 def decisive_text(reading: dict) -> str:
     return "; ".join(f"k={k_text(c['k'])} failed" if c["role"] == "failed" else
-                     f"L{k_text(c['k'])}-L{k_text(c['j'])} = {c['diff']:+.3f} ± {c['se']:.3f}" for c in decisive(reading))
+                     f"L{k_text(c['k'])}-L{k_text(c['j'])} = {c['diff']:+.4f} ± {c['se']:.4f}" for c in decisive(reading))
 
 
 def repeatability(runs: list[dict]) -> list[dict]:
@@ -301,10 +301,13 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
         se = "-" if s["median_se"] is None else f"{s['median_se']:.4f}"
         lines.append(f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} |")
     if threads:
-        gap = max(t["main_loss_gap"] for t in threads)
-        lines += ["", f"Same seed, 1 vs 2 threads: the main run's held-out loss at the probe points differs by at most {gap:.2e} nats "
-                  + ("(the two runs of a seed are the same run: the spread above is over 3 independent runs, not 6)." if gap == 0 else
-                     "(threads change the floating-point sums, so the two runs of a seed drift apart).")]
+        gaps = {}
+        for t in threads:
+            gaps[t["point"]] = max(gaps.get(t["point"], 0.0), t["main_loss_gap"])
+        lines += ["", "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's end "
+                  "(nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
+                  "independent samples while the gap is small): "
+                  + ", ".join(f"{gap:.4f} at {point:,}" for point, gap in gaps.items()) + "."]
     return lines
 
 
@@ -316,7 +319,7 @@ def late_markdown(pairs: list[dict]) -> list[str]:
             v = pair.get(name)
             if v is None:
                 continue
-            diffs = ", ".join(f"k={k}: {d:+.3f} ± {se:.3f}" for k, (d, se) in v["vs_k1"].items())
+            diffs = ", ".join(f"k={k}: {d:+.4f} ± {se:.4f}" for k, (d, se) in v["vs_k1"].items())
             lines.append(f"| {pair['seed']} | {v['tokens']:,} | {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} "
                          f"| {v['main_loss']:.4f} | {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
                          f"| {'yes' if v['monotone'] else 'no'} | {v['tokens_spent']:,} |")
@@ -333,9 +336,9 @@ def late_markdown(pairs: list[dict]) -> list[str]:
     return lines + [""] + verdicts
 
 
-def markdown(results: dict, args: argparse.Namespace) -> str:
+def markdown(results: dict) -> str:
     runs = [run for experiment in results["runs"].values() for run in experiment]
-    lines = ["# Repeatability of the CBS probe, and branch LR cooldown at late probes", "",
+    lines = ["## Setup", "",
              f"Command: `python -m benchmarks.probe_repeat` ({results['date']}, training {results['minutes']} minutes; "
              f"{results['machine']}; 2 cores shared with other jobs); report: `python -m benchmarks.probe_repeat --report-only`.",
              "", (__doc__ or "").split("\n\n")[1].replace("\n", " "), ""]
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "probe_repeat", help="folder for the runs and probe_repeat.json")
     parser.add_argument("--markdown", type=Path, default=ROOT / "docs" / "benchmarks" / "probe_repeat_results.md",
-                        help="the results file (rewritten)")
+                        help="write the section 'probe_repeat' of this file (the text around it is kept)")
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -389,9 +392,8 @@ def main(argv: list[str] | None = None) -> dict:
             rows = repeatability(runs)
             results["repeatability"][experiment] = {"rows": rows, "spread": spread(runs, rows), "threads": thread_effect(experiment, rows)}
     (args.out / "probe_repeat.json").write_text(json.dumps(results, indent=2))
-    text = markdown(results, args)
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(text)
+    text = markdown(results)
+    replace_section(args.markdown, "probe_repeat", text)
     print(text, flush=True)
     print(f"[probe_repeat] {args.out / 'probe_repeat.json'}; {args.markdown}", flush=True)
     return results
