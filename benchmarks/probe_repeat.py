@@ -214,21 +214,26 @@ def repeatability(runs: list[dict]) -> list[dict]:
 
 def spread(runs: list[dict], rows: list[dict]) -> list[dict]:
     """Per probe point and k (measured, not failed, in 3 or more runs): L_k - L_1 in each run, their
-    standard deviation across runs, and the median SE of it the runs reported (nats)."""
+    standard deviation across runs, the median SE of it the runs reported, and the standard deviation
+    within seeds (pooled over the seeds whose two runs, 1 and 2 threads, both measured k:
+    sqrt(mean((d_1 - d_2)^2) / 2)), the spread of a repeat of nearly the same run (nats)."""
     found = []
     for row in rows:
-        readings = [r for r in row["readings"].values() if r is not None and r["losses"].get("1") is not None]
-        ks = sorted({float(k) for r in readings for k, loss in r["losses"].items() if loss is not None} - {1.0})
+        readings = {key: r for key, r in row["readings"].items() if r is not None and r["losses"].get("1") is not None}
+        ks = sorted({float(k) for r in readings.values() for k, loss in r["losses"].items() if loss is not None} - {1.0})
         for k in ks:
-            key = k_text(k)
-            with_k = [r for r in readings if r["losses"].get(key) is not None]
-            if len(with_k) < 3:
+            name = k_text(k)
+            diffs = {key: r["losses"][name] - r["losses"]["1"] for key, r in readings.items() if r["losses"].get(name) is not None}
+            if len(diffs) < 3:
                 continue
-            diffs = [r["losses"][key] - r["losses"]["1"] for r in with_k]
-            ses = [r["loss_se"][key] for r in with_k if r["loss_se"].get(key) is not None]
-            found.append({"point": row["point"], "k": k, "runs": len(with_k), "of": len(row["readings"]), "diffs": diffs,
-                          "mean": statistics.mean(diffs), "std": statistics.stdev(diffs),
-                          "median_se": statistics.median(ses) if ses else None})
+            ses = [readings[key]["loss_se"][name] for key in diffs if readings[key]["loss_se"].get(name) is not None]
+            pairs = [(diffs[key], diffs[twin]) for key in diffs if key.endswith("_t1")
+                     and (twin := key.removesuffix("_t1") + "_t2") in diffs]
+            within = math.sqrt(statistics.mean((a - b) ** 2 for a, b in pairs) / 2) if pairs else None
+            found.append({"point": row["point"], "k": k, "runs": len(diffs), "of": len(row["readings"]), "diffs": diffs,
+                          "mean": statistics.mean(diffs.values()), "std": statistics.stdev(diffs.values()),
+                          "median_se": statistics.median(ses) if ses else None, "within_seed_std": within,
+                          "seed_pairs": len(pairs)})
     return found
 
 
@@ -294,12 +299,14 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
         lines.append(f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} | {'YES' if row['over_one_step'] else 'no'} |")
     lines += ["", "Run-to-run spread of L_k - L_1 against the SE the probe reports (nats; std over the runs that measured k, "
               "n - 1 in the denominator; SE: the median of those runs' loss_se):", "",
-              "| window start (tokens) | k | runs | mean L_k - L_1 | std across runs | median reported SE | std / SE |",
-              "|---|---|---|---|---|---|---|"]
+              "| window start (tokens) | k | runs | mean L_k - L_1 | std across runs | median reported SE | std / SE "
+              "| std within seeds, 1 vs 2 threads (seeds) |",
+              "|---|---|---|---|---|---|---|---|"]
     for s in spreads:
         ratio = "-" if not s["median_se"] else f"{s['std'] / s['median_se']:.1f}"
         se = "-" if s["median_se"] is None else f"{s['median_se']:.4f}"
-        lines.append(f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} |")
+        within = "-" if s["within_seed_std"] is None else f"{s['within_seed_std']:.4f} ({s['seed_pairs']})"
+        lines.append(f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} | {within} |")
     if threads:
         gaps = {}
         for t in threads:
