@@ -37,7 +37,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import statistics
 import threading
 import time
@@ -257,7 +256,7 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
         base = by_key.get(f"curve_s{run['seed']}_t2")
         for reading in run["readings"]:
             point = min(LATE_POINTS, key=lambda p: abs(math.log(reading["tokens"] / p)))
-            constant = None if base is None else reading_at(base, point, list(LATE_POINTS))
+            constant = None if base is None else min(base["readings"], key=lambda r: abs(math.log(r["tokens"] / reading["tokens"])))
             pair = {}
             for name, r in (("constant", constant), ("cooldown", reading)):
                 if r is None:
@@ -347,7 +346,8 @@ def markdown(results: dict) -> str:
     runs = [run for experiment in results["runs"].values() for run in experiment]
     lines = ["## Setup", "",
              f"Command: `python -m benchmarks.probe_repeat` ({results['date']}, training {results['minutes']} minutes; "
-             f"{results['machine']}; 2 cores shared with other jobs); report: `python -m benchmarks.probe_repeat --report-only`.",
+             f"{results['machine']}; 2 cores shared with other jobs, so wall times vary); report: "
+             "`python -m benchmarks.probe_repeat --report-only`.",
              "", (__doc__ or "").split("\n\n")[1].replace("\n", " "), ""]
     lines += ["## Runs", "", "| run | experiment | seed | threads | wall (s) | probes | branch tokens |", "|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -370,7 +370,10 @@ def markdown(results: dict) -> str:
     lines += ["", "## 3. Late inflation (experiment L): branch LR cooldown", "",
               f"tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 included) "
               f"decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's readings of the same "
-              "run at the same window starts (constant branch LR; k = 1 is the main run).", ""]
+              "run at the same window starts (constant branch LR; k = 1 is the main run). `at_tokens` and `cooldown_fraction` are "
+              "not keys of conf/callbacks/cbs_probe.yaml, so the commands add them with `+`. Main run's L: the main run's "
+              "held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with cooldown: "
+              "after its own LR decay).", ""]
     lines += late_markdown(results["late"])
     return "\n".join(lines) + "\n"
 
@@ -390,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
         minutes_file.write_text(f"{(time.perf_counter() - started) / 60:.1f}\n")
     loaded = [run for run in (load(run, args.out) for run in runs_of()) if run is not None]
     by_experiment = {name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")}
-    results = {"date": str(datetime.date.today()), "machine": machine(os.getloadavg()),
+    results = {"date": str(datetime.date.today()), "machine": machine(),
                "minutes": minutes_file.read_text().strip() if minutes_file.exists() else "?", "runs": by_experiment,
                "repeatability": {}, "late": late_inflation(by_experiment["curve"], by_experiment["cooldown"])}
     for experiment in ("default", "curve"):
