@@ -12,7 +12,7 @@ R-curve's run again (seeds 1, 2; 2 threads) probed only at its last two points, 
 2,097,152 tokens, with every branch (k = 1 included) decaying its LR linearly towards 0 over its last
 25% of steps (``cooldown_fraction=0.25``), and compares with R-curve's constant-LR readings there.
 
-Reported (the section "probe_repeat" of docs/benchmarks/probe_repeat_results.md, and on the terminal): per
+Reported (the section "probe_repeat" of docs/benchmarks/cbs_probe.md, and on the terminal): per
 probe point every run's bracket [cbs_lower, cbs_upper] (samples), whether it is determined at the
 probe's confidence (0.9), the comparisons that decide it (L_k - L_j and its paired held-out SE,
 nats), how many readings are determined and how far apart (grid steps, log2 of the ratio of
@@ -72,8 +72,8 @@ def runs_of() -> list[Run]:
     runs = [Run(f"default_s{seed}_t{threads}", "default", seed, threads, (f"max_tokens={DEFAULT_TOKENS}",))
             for threads in (2, 1) for seed in SEEDS]
     runs += [Run(f"curve_s{seed}_t{threads}", "curve", seed, threads, curve) for threads in (1, 2) for seed in SEEDS]
-    late = ("callbacks.cbs_probe.geometric=null", f"+callbacks.cbs_probe.at_tokens=[{','.join(map(str, LATE_POINTS))}]",
-            f"+callbacks.cbs_probe.cooldown_fraction={COOLDOWN}")
+    late = ("callbacks.cbs_probe.geometric=null", f"callbacks.cbs_probe.at_tokens=[{','.join(map(str, LATE_POINTS))}]",
+            f"callbacks.cbs_probe.cooldown_fraction={COOLDOWN}")
     runs += [Run(f"cooldown_s{seed}_t2", "cooldown", seed, 2, (*curve, *late)) for seed in (1, 2)]
     return runs
 
@@ -278,7 +278,7 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
 
 def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], spreads: list[dict], threads: list[dict]) -> list[str]:
     keys = [run["key"] for run in runs]
-    lines = [f"### {title}", "",
+    lines = [f"#### {title}", "",
              "| window start (tokens) | " + " | ".join(f"seed {run['seed']}, {run['threads']} thr" for run in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for row in rows:
@@ -344,12 +344,12 @@ def late_markdown(pairs: list[dict]) -> list[str]:
 
 def markdown(results: dict) -> str:
     runs = [run for experiment in results["runs"].values() for run in experiment]
-    lines = ["## Setup", "",
+    lines = ["### Setup", "",
              f"Command: `python -m benchmarks.probe_repeat` ({results['date']}, training {results['minutes']} minutes; "
              f"{results['machine']}; 2 cores shared with other jobs, so wall times vary); report: "
              "`python -m benchmarks.probe_repeat --report-only`.",
              "", (__doc__ or "").split("\n\n")[1].replace("\n", " "), ""]
-    lines += ["## Runs", "", "| run | experiment | seed | threads | wall (s) | probes | branch tokens |", "|---|---|---|---|---|---|---|"]
+    lines += ["### Runs", "", "| run | experiment | seed | threads | wall (s) | probes | branch tokens |", "|---|---|---|---|---|---|---|"]
     for run in runs:
         wall = "-" if run["wall_seconds"] is None else f"{run['wall_seconds']:.0f}"
         lines.append(f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
@@ -359,7 +359,7 @@ def markdown(results: dict) -> str:
         lines += ["", f"**Incomplete: not finished: {', '.join(missing)}.**"]
     lines += ["", "Commands (from the repository root, `PYTHONPATH=$PWD OMP_NUM_THREADS=<threads>`):", ""]
     lines += [f"- {run['key']}: `python {run['command']}`" for run in runs]
-    lines += ["", "## 1-2. Repeatability (experiment R)", "",
+    lines += ["", "### 1-2. Repeatability (experiment R)", "",
               "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), then the "
               "comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 nats) by, and each "
               "measured larger k against the smaller k it most clearly exceeds epsilon by (paired held-out SE)."]
@@ -367,11 +367,10 @@ def markdown(results: dict) -> str:
         r = results["repeatability"].get(experiment)
         if r:
             lines += [""] + repeatability_markdown(title, results["runs"][experiment], r["rows"], r["spread"], r["threads"])
-    lines += ["", "## 3. Late inflation (experiment L): branch LR cooldown", "",
+    lines += ["", "### 3. Late inflation (experiment L): branch LR cooldown", "",
               f"tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 included) "
               f"decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's readings of the same "
-              "run at the same window starts (constant branch LR; k = 1 is the main run). `at_tokens` and `cooldown_fraction` are "
-              "not keys of conf/callbacks/cbs_probe.yaml, so the commands add them with `+`. Main run's L: the main run's "
+              "run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: the main run's "
               "held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with cooldown: "
               "after its own LR decay).", ""]
     lines += late_markdown(results["late"])
@@ -381,7 +380,7 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "probe_repeat", help="folder for the runs and probe_repeat.json")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs" / "benchmarks" / "probe_repeat_results.md",
+    parser.add_argument("--markdown", type=Path, default=ROOT / "docs" / "benchmarks" / "cbs_probe.md",
                         help="write the section 'probe_repeat' of this file (the text around it is kept)")
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
     args = parser.parse_args(argv)
