@@ -447,7 +447,7 @@ class CBSProbeCallback(Callback):
             tokens=window.tokens,
             step=window.step,
             seq_len=window.seq_len,
-            window_tokens=window.tokens_of(len(window.batches)),
+            window_tokens=window.tokens_of(min(len(window.batches), window.length)),
             strategy=self.strategy,
             evaluate=self.evaluate,
             main_loss=main_score.loss,
