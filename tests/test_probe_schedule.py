@@ -62,14 +62,14 @@ def test_factor_4_and_a_reading_at_zero_tokens_sets_the_first_batch():
 
 
 def test_undetermined_readings_are_skipped():
-    records = [reading(100, 64, decided=False), reading(200, 32, decided=True), reading(300, 256, decided=False), reading(400, 64)]
+    records = [reading(100, 64, determined=False), reading(200, 32, determined=True), reading(300, 256, determined=False), reading(400, 64)]
     schedule = schedule_from_probe(records, start=16)
     assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 200, 400]
 
 
 def test_only_undetermined_readings_keep_start_and_warn():
     with pytest.warns(UserWarning, match="every reading in probe records is undetermined; the schedule stays at start=16"):
-        schedule = schedule_from_probe([reading(100, 64, decided=False)], start=16)
+        schedule = schedule_from_probe([reading(100, 64, determined=False)], start=16)
     assert schedule.batch_sizes == [16] and schedule.thresholds == [0]
 
 
@@ -109,8 +109,8 @@ def test_reads_a_jsonl_file(tmp_path):
     "records, kwargs, message",
     [
         ([], {}, r"source holds no CBS probe record"),
-        ([{"cbs_lower": 32}], {}, r"probe records\[0\]: tokens=None is not a number >= 0; every decided probe record needs tokens"),
-        ([reading(1, 4), {"tokens": 5}], {}, r"probe records\[1\]: cbs_lower=None is not a number >= 0; every decided probe record needs cbs_lower"),
+        ([{"cbs_lower": 32}], {}, r"probe records\[0\]: tokens=None is not a number >= 0; every determined probe record needs tokens"),
+        ([reading(1, 4), {"tokens": 5}], {}, r"probe records\[1\]: cbs_lower=None is not a number >= 0; every determined probe record needs cbs_lower"),
         ([reading(1, 4) | {"cbs_lower": "64"}], {}, r"cbs_lower='64' is not a number"),
         ([reading(1, 4)], {"start": 0}, r"start=0 must be an int >= 1"),
         ([reading(1, 4)], {"factor": 1}, r"factor=1 must be an int >= 2"),

@@ -5,6 +5,7 @@ that change nothing else, and files that mirror the readings."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import warnings
 
@@ -19,6 +20,7 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.accounting import BatchAccounting
+from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import BranchScore, ProbeReading, decide, difference
 from lit_cbs.schedules import CBSAdaptive
@@ -250,6 +252,10 @@ def test_undetermined_readings_do_not_move_the_batch():
     fit(probe=unsure, warmup=BatchWarmup(schedule, seq_len=SEQ), epochs=3)
     assert unsure.history and not any(r.determined for r in unsure.history)
     assert schedule.decisions == [] and all(r.adaptive_batch is None for r in unsure.history)
+    # Nor does a schedule read off those records for another run.
+    with pytest.warns(UserWarning, match="every reading in probe records is undetermined"):
+        carried = schedule_from_probe([dataclasses.asdict(r) for r in unsure.history], start=2)
+    assert carried.batch_sizes == [2]
 
 
 def test_cbs_adaptive_stops_probing_at_its_final_batch():

@@ -53,7 +53,7 @@ def _number(record: dict, key: str, where: str) -> float:
     value = record.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(
-            f"{where}: {key}={value!r} is not a number >= 0; every decided probe record needs {key} "
+            f"{where}: {key}={value!r} is not a number >= 0; every determined probe record needs {key} "
             f"({'tokens seen at the probe' if key == 'tokens' else 'the CBS lower bound, samples'})"
         )
     return float(value)
@@ -86,8 +86,8 @@ def schedule_from_probe(
     Args:
         source: a ``cbs_probe.jsonl`` path, or its records (dicts), in any order. Several runs' records
             may be mixed (e.g. two seeds): readings at the same token count count by their smallest
-            lower bound. Readings with ``decided`` false (the data could not decide k*) are skipped;
-            records without ``decided`` count as decided.
+            lower bound. Readings with ``determined`` false (the data could not decide k*) are skipped;
+            records without it (lit_cbs 0.1) count as determined.
         start: the target run's first global batch (samples).
         factor: the ratio between consecutive batch sizes, an int >= 2 (BatchWarmup changes the batch
             by whole ratios).
@@ -134,7 +134,7 @@ def schedule_from_probe(
         where = f"{name}[{index}]"
         if not isinstance(record, dict):
             raise ValueError(f"{where}: {record!r} is not a probe record (a dict with tokens, cbs_lower, ...)")
-        if record.get("decided", True) is False:
+        if record.get("determined", True) is False:
             skipped += 1
             continue
         tokens, lower = _number(record, "tokens", where), _number(record, "cbs_lower", where)
