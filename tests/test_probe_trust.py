@@ -395,3 +395,11 @@ def test_lr_rule_is_checked_for_every_multiplier_before_training():
 
     with pytest.raises(LitCBSConfigError, match="CBSProbeCallback.*OneCycleLR"):
         fit(OneCycle(), probe(), warmup=BatchAccounting(seq_len=SEQ))
+
+
+def test_train_ema_readings_say_their_se_is_unpaired():
+    callback = probe(strategy="grid", window_tokens=256, every_tokens=320)
+    fit(probe=callback, epochs=3)
+    for reading in callback.history:
+        assert reading.se_method == "step-loss scatter (unpaired, approximate)" and reading.batch_losses == {}
+        assert reading.loss_se["1"] is None and all(reading.loss_se[k] > 0 for k in ("2", "4"))
