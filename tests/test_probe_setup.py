@@ -256,11 +256,12 @@ class RecordEnds(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.ends:
-            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, self.largest_batch))
+            into_step = batch_idx % trainer.accumulate_grad_batches + 1
+            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, into_step, self.largest_batch))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, self.largest_batch))
+            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, 0, self.largest_batch))
 
     def on_train_end(self, trainer, pl_module):
         self.end = BatchAccounting.of(trainer).tokens_seen
@@ -283,9 +284,12 @@ def fit_tokens(callbacks, data=None, **overrides):
         ({"max_epochs": 2}, 100, (100, 100, "max_tokens=100"), 128),  # the step that reaches the budget ends it
     ],
 )
-def test_run_end_names_the_first_limit_at_every_step(limits, max_tokens, expected, end):
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_run_end_names_the_first_limit_at_every_step(limits, max_tokens, expected, end, accumulate):
+    # The same 8-sample steps from 2 micro-batches of 4, or from 1 of 8.
     record = RecordEnds(largest_batch=8)
-    fit_tokens([BatchAccounting(max_tokens=max_tokens), record], TokenIds(24, 4), accumulate_grad_batches=2, **limits)
+    data = TokenIds(24, 4 * (3 - accumulate))
+    fit_tokens([BatchAccounting(max_tokens=max_tokens), record], data, accumulate_grad_batches=accumulate, **limits)
     assert record.end == end
     assert {(e.earliest, e.latest, e.limit) for e in record.ends} == {expected}
 

@@ -384,7 +384,7 @@ def test_lr_rule_is_checked_for_every_multiplier_before_training():
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95))
 
-    with pytest.raises(LitCBSConfigError, match=r"lr_rule='adam_sde'.*ratio 16 is above 10, the largest safe"):
+    with pytest.raises(LitCBSConfigError, match=r"lr_rule='adam_sde', multipliers=\[1, 2, 4, 8, 16\]\): batch ratio 16 is above 10, the largest safe"):
         fit(AdamW(), probe(multipliers=(1, 2, 4, 8, 16), lr_rule="adam_sde"))
 
     class OneCycle(RegressionModule):
@@ -403,3 +403,31 @@ def test_train_ema_readings_say_their_se_is_unpaired():
     for reading in callback.history:
         assert reading.se_method == "step-loss scatter (unpaired, approximate)" and reading.batch_losses == {}
         assert reading.loss_se["1"] is None and all(reading.loss_se[k] > 0 for k in ("2", "4"))
+
+
+def test_an_optimizer_step_that_writes_the_lr_is_refused_naming_the_hook():
+    class ManualWarmup(RegressionModule):  # Lightning's documented manual-warmup pattern
+        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+            optimizer.step(closure=optimizer_closure)
+            for group in optimizer.param_groups:
+                group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 100)
+
+    module = ManualWarmup(lr=0.05, optimizer="adam")
+    with pytest.raises(LitCBSConfigError, match="optimizer_step set the learning rate inside a probe branch"):
+        fit(module, probe())
+    plain = fit(ManualWarmup(lr=0.05, optimizer="adam"), None, max_steps=len(module.steps))[1]
+    assert torch.equal(module.layer.weight, plain.layer.weight)  # the main state was restored first
+
+
+def test_fewer_held_out_batches_than_asked_are_said():
+    class ThreeValBatches(RegressionData):
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(self.dataset, batch_size=32)
+
+    callback = probe(evaluate="heldout", heldout_batches=16)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), callback],
+                         **trainer_kwargs(max_epochs=2, limit_val_batches=0))
+    with pytest.warns(UserWarning, match="heldout_batches=16 but the validation data has 3 batches"):
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), ThreeValBatches(n=96, batch_size=2))
+    assert callback.history and all(len(v) == 3 for v in callback.history[0].batch_losses.values())

@@ -38,6 +38,7 @@ from lit_cbs._internals import (
     set_rng_states,
 )
 from lit_cbs.accounting import BatchAccounting, mean_over_ranks
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lr_rules import LRRule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.probe.reading import BranchScore
@@ -345,6 +346,13 @@ class BranchTrainer:
             self._agreed(functools.partial(module.optimizer_step, trainer.current_epoch, step, optimizer, closure))
             for opt, lrs in zip(trainer.optimizers, saved_lrs):
                 for group, lr in zip(opt.param_groups, lrs):
+                    if group["lr"] != lr * decay:
+                        raise LitCBSConfigError(
+                            f"CBSProbeCallback: the module's optimizer_step set the learning rate inside a probe branch "
+                            f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * decay:.4g}), so the branch would not "
+                            "train at lr_rule(k) x the run's LR and its reading would be wrong: set the LR with an LR "
+                            "scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in optimizer_step"
+                        )
                     group["lr"] = lr
             tokens += tokens_per_step
             self.tokens_trained += tokens_per_step

@@ -93,8 +93,8 @@ class CBSProbeCallback(Callback):
             training tokens.
         snapshot_device: where snapshots and recorded batches live ("cpu" keeps accelerator
             memory free).
-        output_dir: where ``cbs_probe.jsonl`` and ``cbs_curve.png`` go (default: the trainer's
-            log_dir or default_root_dir).
+        output_dir: where ``cbs_probe.jsonl`` and ``cbs_curve.png`` go (default: the logger's
+            log_dir; without a logger nothing is written and the readings stay in ``history``).
 
     Attributes:
         history: one ``ProbeReading`` per finished probe.
@@ -219,7 +219,7 @@ class CBSProbeCallback(Callback):
             # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
             sizes = warmup.schedule.sizes()
             ratios = [k * max(sizes) / min(sizes) for k in ratios]
-        who = f"CBSProbeCallback(lr_rule={self.lr_rule.name!r}, multipliers={[f'{k:g}' for k in self.multipliers]})"
+        who = f"CBSProbeCallback(lr_rule={self.lr_rule.name!r}, multipliers=[{', '.join(f'{k:g}' for k in self.multipliers)}])"
         for optimizer in trainer.optimizers:
             self.lr_rule.check_ratios(optimizer, schedulers, ratios, who)
 
@@ -232,6 +232,11 @@ class CBSProbeCallback(Callback):
             )
         if self.evaluate == "heldout":
             self._heldout = load_heldout_batches(trainer, self.heldout_batches, self.snapshot_device)
+            if len(self._heldout) < self.heldout_batches:
+                rank_zero_warn(
+                    f"CBSProbeCallback: heldout_batches={self.heldout_batches} but the validation data has "
+                    f"{len(self._heldout)} batches (per rank); the readings' error bars rest on those {len(self._heldout)}"
+                )
         self._batch_checked = False
         # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once. Without a logger
         # and without output_dir the readings stay in `history` (no files in the working directory).
@@ -252,10 +257,11 @@ class CBSProbeCallback(Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps(dataclasses.asdict(reading)) + "\n" for reading in self.history))
 
-    def _run_end(self, trainer: pl.Trainer, batch_idx: int) -> RunEnd:
-        """Where the run ends (tokens), by whichever limit ends it first."""
+    def _run_end(self, trainer: pl.Trainer, batch_idx: int, into_step: int) -> RunEnd:
+        """Where the run ends (tokens), by whichever limit ends it first; ``into_step``: micro-batches
+        of the step not yet taken, counted already."""
         sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
-        return run_end(trainer, self._accounting, batch_idx + 1, max(sizes))
+        return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
 
     def _check_batch(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """At the first batch, where the accounting has seen what the loader yields: tokens per
@@ -275,7 +281,7 @@ class CBSProbeCallback(Callback):
                 f"(k={max(self.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
                 "raise window_tokens or drop the largest multipliers"
             )
-        end = self._run_end(trainer, batch_idx)
+        end = self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
         first = self.probe_point(self.probes_started)
         if end.latest is not None and first >= end.latest:
             raise LitCBSConfigError(
@@ -361,7 +367,7 @@ class CBSProbeCallback(Callback):
         largest = max(ks) * batch_size
         window_samples = int(window_samples // largest * largest)
         window_tokens = window_samples * seq_len
-        end = self._run_end(trainer, batch_idx)
+        end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         if end.earliest is not None and tokens + window_tokens > end.earliest:
             # The main run would stop inside the window and take its snapshot and data with it.
             rank_zero_info(

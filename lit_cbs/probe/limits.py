@@ -32,16 +32,18 @@ class RunEnd:
         return f"{self.limit}, at {self.earliest:,} tokens" if self.limit else "no known limit"
 
 
-def run_end(trainer: pl.Trainer, accounting: BatchAccounting, micro_batches_this_epoch: int, largest_batch: int) -> RunEnd:
-    """The run's end, called from a training hook of the current micro-batch (``batch_idx + 1``
-    micro-batches of this epoch read, counted in ``accounting.tokens_seen``) at an optimizer-step
-    boundary or at the run's first micro-batch. ``largest_batch``: the largest global batch (samples)
-    the run may reach."""
+def run_end(
+    trainer: pl.Trainer, accounting: BatchAccounting, micro_batches_this_epoch: int, micro_batches_into_step: int,
+    largest_batch: int,
+) -> RunEnd:
+    """The run's end, called from a training hook of the current micro-batch: ``micro_batches_this_epoch``
+    (``batch_idx + 1``) of this epoch read and counted in ``accounting.tokens_seen``, of which
+    ``micro_batches_into_step`` belong to the optimizer step not yet taken (0 right after a step, 1
+    at the first micro-batch of a step). ``largest_batch``: the largest global batch (samples) the
+    run may reach."""
     seq_len, micro = accounting.seq_len, accounting.micro_batch_size
     per_micro_batch = micro * accounting.data_parallel_size * seq_len  # tokens, all ranks
-    # The current optimizer step started this many tokens ago (one micro-batch at the first batch).
-    into_step = (micro_batches_this_epoch % accounting.accumulate) * per_micro_batch
-    step_start = accounting.tokens_seen - into_step
+    step_start = accounting.tokens_seen - micro_batches_into_step * per_micro_batch
     ends: dict[str, tuple[int, int]] = {}
     if accounting.max_tokens is not None:
         ends[f"max_tokens={accounting.max_tokens}"] = (accounting.max_tokens, accounting.max_tokens)
