@@ -12,7 +12,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from lit_cbs.analysis.plots import save_figure
-from lit_cbs.probe.reading import ProbeReading, one_sided_quantile
+from lit_cbs.probe.reading import BranchScore, ProbeReading, difference, one_sided_quantile
 
 
 def plot_cbs_curve(
@@ -27,8 +27,10 @@ def plot_cbs_curve(
     - top: the CBS interval per reading (samples) vs tokens seen (filled: determined; hollow and
       dashed: undetermined at the reading's confidence), with the global batch the run actually used
       up to ``end_tokens`` (default: just past the last reading);
-    - bottom: L_k - L_base (nats) per multiplier k and reading, with error bars at the reading's
-      one-sided confidence (paired held-out SEs, or step-scatter SEs for train_ema), and ``epsilon``.
+    - bottom: per multiplier k and reading, L_k minus the lowest loss of a smaller k (nats), the
+      quantity the k* rule holds against ``epsilon`` (k is within epsilon of every smaller k when
+      it is), with an error bar at the reading's one-sided confidence (paired held-out SEs; for
+      train_ema, the step-scatter SE against the base k, where that is the lowest).
 
     ``batch_changes``: BatchWarmup's ``history`` (``BatchChange`` records); empty for a fixed batch.
     """
@@ -67,22 +69,37 @@ def plot_cbs_curve(
     multipliers = sorted({float(k) for r in history for k in r.losses})
     colours = colormaps["viridis"]
     for i, k in enumerate(multipliers[1:]):
-        points = [(r.tokens, r.losses[f"{k:g}"] - r.losses[min(r.losses, key=float)],
-                   r.loss_se.get(f"{k:g}"), r.confidence, len(r.batch_losses.get(f"{k:g}", ())))
-                  for r in history
-                  if r.losses.get(f"{k:g}") is not None and r.losses[min(r.losses, key=float)] is not None]
+        points = [point for r in history if (point := _gap_to_smaller(r, k)) is not None]
         if not points:
             continue
-        errors = [se * one_sided_quantile(confidence, n - 1 if n > 1 else math.inf) if se is not None else 0.0
-                  for _, _, se, confidence, n in points]
-        bottom.errorbar([p[0] for p in points], [p[1] for p in points], yerr=errors, fmt="o", capsize=3,
-                        color=colours(i / max(1, len(multipliers) - 2)), label=f"k = {k:g}")
+        bottom.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], fmt="o",
+                        capsize=3, color=colours(i / max(1, len(multipliers) - 2)), label=f"k = {k:g}")
     if epsilon is not None:
         bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
     bottom.axhline(0.0, color="black", linewidth=0.6)
+    bottom.set_yscale("symlog", linthresh=max(0.05, 2 * (epsilon or 0.0)))  # linear near epsilon, early gaps compressed
     bottom.set_xlabel("tokens seen")
-    bottom.set_ylabel("L_k - L_base (nats)\nbars: the confidence bound")
+    bottom.set_ylabel("L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
     bottom.grid(alpha=0.3)
     if multipliers[1:]:
         bottom.legend(fontsize=8, ncols=2)
     return save_figure(figure, path)
+
+
+def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:
+    """(tokens, L_k - min of L_j over the measured j < k, its error bar at the reading's confidence)
+    for a reading that measured k and a smaller k; None otherwise."""
+    losses = {float(j): loss for j, loss in reading.losses.items() if loss is not None}
+    smaller = [j for j in losses if j < k]
+    if k not in losses or not smaller:
+        return None
+    j = min(smaller, key=losses.get)
+    bar = 0.0
+    batch = reading.batch_losses
+    if f"{k:g}" in batch and f"{j:g}" in batch:
+        gap = difference(BranchScore.heldout(batch[f"{k:g}"]), BranchScore.heldout(batch[f"{j:g}"]))
+        if gap.se is not None:
+            bar = gap.se * one_sided_quantile(reading.confidence, gap.dof)
+    elif j == min(losses) and reading.loss_se.get(f"{k:g}") is not None:
+        bar = reading.loss_se[f"{k:g}"] * one_sided_quantile(reading.confidence, math.inf)
+    return reading.tokens, losses[k] - losses[j], bar
