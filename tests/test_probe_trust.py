@@ -431,3 +431,18 @@ def test_fewer_held_out_batches_than_asked_are_said():
     with pytest.warns(UserWarning, match="heldout_batches=16 but the validation data has 3 batches"):
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), ThreeValBatches(n=96, batch_size=2))
     assert callback.history and all(len(v) == 3 for v in callback.history[0].batch_losses.values())
+
+
+def test_the_plot_draws_what_the_rule_holds_against_epsilon():
+    from lit_cbs.probe.plot import _gap_to_smaller
+    from lit_cbs.probe.reading import one_sided_quantile
+
+    scores = {1.0: heldout(3.0, 0.01), 2.0: heldout(2.95, 0.01, seed=2), 4.0: heldout(2.99, 0.01, seed=4)}
+    reading = ProbeReading.decide(
+        scores, 0.02, 0.9, [1.0, 2.0, 4.0], 8, tokens=100, step=0, seq_len=4, window_tokens=64, strategy="grid",
+        evaluate="heldout", main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=192, overhead=0.1,
+    )
+    tokens, gap, bar = _gap_to_smaller(reading, 4.0)  # against k = 2, the lowest smaller loss
+    pair = difference(scores[4.0], scores[2.0])
+    assert (tokens, gap) == (100, pytest.approx(0.04)) and bar == pytest.approx(pair.se * one_sided_quantile(0.9, 15))
+    assert reading.k_star == 2.0  # 4 is 0.04 above k = 2: beyond epsilon, though only 0.01 below k = 1
