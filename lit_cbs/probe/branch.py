@@ -28,21 +28,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
-from torchmetrics import Metric
 
-from lit_cbs._internals import (
-    block_ddp_gradient_sync,
-    collect_rng_states,
-    metric_update_count,
-    set_metric_update_count,
-    set_rng_states,
-)
+from lit_cbs._internals import block_ddp_gradient_sync
 from lit_cbs.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lr_rules import LRRule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.probe.reading import BranchScore
-from lit_cbs.probe.snapshot import TrainingSnapshot
+from lit_cbs.probe.snapshot import ModuleState, TrainingSnapshot
 
 
 class BranchFailed(Exception):
@@ -181,23 +174,13 @@ def callbacks_hidden(trainer: pl.Trainer):
 @contextlib.contextmanager
 def side_effects_undone(pl_module: pl.LightningModule):
     """Whatever runs inside leaves the module's torchmetrics states, the RNG streams and its
-    train/eval mode as they were, and logs nothing."""
-    metrics = [(m, {k: v for k, v in m.metric_state.items()}, metric_update_count(m))
-               for m in pl_module.modules() if isinstance(m, Metric)]
-    saved = [(m, {k: (v.clone() if isinstance(v, torch.Tensor) else list(v)) for k, v in state.items()}, count)
-             for m, state, count in metrics]
-    rng = collect_rng_states(include_cuda=torch.cuda.is_available())
-    training = pl_module.training
+    train/eval mode as they were (``ModuleState``), and logs nothing."""
+    saved = ModuleState(pl_module)
     try:
         with logging_muted(pl_module):
             yield
     finally:
-        for metric, state, count in saved:
-            for name, value in state.items():
-                setattr(metric, name, value)
-            set_metric_update_count(metric, count)
-        set_rng_states(rng)
-        pl_module.train(training)
+        saved.restore(pl_module)
 
 
 def _overrides(pl_module: pl.LightningModule, hook: str) -> bool:

@@ -39,6 +39,29 @@ def _copy_to(value, device):
     return copy.deepcopy(value)
 
 
+class ModuleState:
+    """What a step changes beside tensors: the module's torchmetrics states (and update counts),
+    the RNG streams of torch (CPU and CUDA), numpy and random, and its train/eval mode. Restored in
+    place, as often as needed."""
+
+    def __init__(self, pl_module: pl.LightningModule):
+        self.metrics = [
+            (metric, copy.deepcopy(metric.metric_state), metric_update_count(metric))
+            for metric in pl_module.modules()
+            if isinstance(metric, Metric)
+        ]
+        self.rng = collect_rng_states(include_cuda=torch.cuda.is_available())
+        self.training = pl_module.training
+
+    def restore(self, pl_module: pl.LightningModule) -> None:
+        set_rng_states(self.rng)
+        for metric, state, update_count in self.metrics:
+            for name, value in state.items():
+                setattr(metric, name, copy.deepcopy(value))
+            set_metric_update_count(metric, update_count)
+        pl_module.train(self.training)
+
+
 class TrainingSnapshot:
     """An in-memory copy of everything a training step changes, restored in place.
 
@@ -62,13 +85,7 @@ class TrainingSnapshot:
         self.schedulers = [copy.deepcopy(config.scheduler.state_dict()) for config in trainer.lr_scheduler_configs]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scaler = copy.deepcopy(scaler.state_dict()) if scaler is not None else None
-        self.rng = collect_rng_states(include_cuda=torch.cuda.is_available())
-        self.training = pl_module.training
-        self.metrics = [
-            (metric, copy.deepcopy(metric.metric_state), metric_update_count(metric))
-            for metric in pl_module.modules()
-            if isinstance(metric, Metric)
-        ]
+        self.module_state = ModuleState(pl_module)
 
     @staticmethod
     def _module_tensors(pl_module) -> list[torch.Tensor]:
@@ -103,9 +120,4 @@ class TrainingSnapshot:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
-        set_rng_states(self.rng)
-        for metric, state, update_count in self.metrics:
-            for name, value in state.items():
-                setattr(metric, name, copy.deepcopy(value))
-            set_metric_update_count(metric, update_count)
-        pl_module.train(self.training)
+        self.module_state.restore(pl_module)
