@@ -348,9 +348,8 @@ class CBSProbeCallback(Callback):
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
-        schedule = self._warmup.schedule if self._warmup is not None else None
-        consumed = tokens if getattr(schedule, "unit", "tokens") == "tokens" else accounting.samples_seen
-        if isinstance(schedule, CBSAdaptive) and not schedule.wants_readings(consumed):
+        schedule = self._adaptive_schedule()
+        if schedule is not None and not schedule.wants_readings(self._consumed(schedule)):
             rank_zero_info(
                 f"CBS probe at {tokens:,} tokens skipped: CBSAdaptive is at its final batch {schedule.final}, where no "
                 "reading can move it (CBSAdaptive(probe_after_final=True) keeps probing)"
@@ -471,16 +470,24 @@ class CBSProbeCallback(Callback):
         self.history.append(reading)
         self._report(trainer, reading)
 
+    def _adaptive_schedule(self) -> CBSAdaptive | None:
+        """The run's BatchWarmup schedule if it is a CBSAdaptive the readings drive."""
+        schedule = self._warmup.schedule if self._warmup is not None else None
+        return schedule if isinstance(schedule, CBSAdaptive) else None
+
+    def _consumed(self, schedule: CBSAdaptive) -> int:
+        """What ``schedule`` counts (tokens or samples), trained on so far."""
+        return self._accounting.tokens_seen if schedule.unit == "tokens" else self._accounting.samples_seen
+
     def _feed_adaptive_schedule(self, reading: ProbeReading) -> None:
         """Tell a CBSAdaptive batch schedule the measured CBS lower bound; note the batch it moves to."""
-        schedule = self._warmup.schedule if self._warmup is not None else None
-        if not isinstance(schedule, CBSAdaptive):
+        schedule = self._adaptive_schedule()
+        if schedule is None:
             return
         if not reading.determined:
             rank_zero_info("CBSAdaptive: the reading is undetermined at this confidence; the batch stays")
             return
-        accounting = self._accounting
-        consumed = accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
+        consumed = self._consumed(schedule)
         if schedule.observe(consumed, reading.cbs_lower):
             reading.adaptive_batch = schedule.batch_size(consumed)
             rank_zero_info(f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}")
