@@ -225,11 +225,8 @@ class CBSProbeCallback(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         max_tokens = self._accounting.max_tokens
-        if max_tokens is not None and self.probe_point(self.probes_started) >= max_tokens:
-            raise LitCBSConfigError(
-                f"no probe point lies inside the run: the first is at {self.probe_point(self.probes_started):g} tokens "
-                f"but max_tokens={max_tokens}; probe earlier"
-            )
+        if max_tokens is not None:  # known before any data is read; max_steps and max_epochs at the first batch
+            self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
         if self.evaluate == "heldout":
             self._heldout = load_heldout_batches(trainer, self.heldout_batches, self.snapshot_device)
             if len(self._heldout) < self.heldout_batches:
@@ -263,6 +260,15 @@ class CBSProbeCallback(Callback):
         sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
         return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
 
+    def _check_first_point(self, end: RunEnd) -> None:
+        """Refuse a schedule whose next probe point lies at or past the run's latest end."""
+        first = self.probe_point(self.probes_started)
+        if end.latest is not None and first >= end.latest:
+            raise LitCBSConfigError(
+                f"no probe point lies inside the run: the first is at {first:,.0f} tokens but the run ends by "
+                f"{end.limit} at {end.latest:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
+            )
+
     def _check_batch(self, trainer: pl.Trainer, batch_idx: int) -> None:
         """At the first batch, where the accounting has seen what the loader yields: tokens per
         sample, a window that holds a step of the largest branch, and a probe point inside the run."""
@@ -281,13 +287,7 @@ class CBSProbeCallback(Callback):
                 f"(k={max(self.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
                 "raise window_tokens or drop the largest multipliers"
             )
-        end = self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
-        first = self.probe_point(self.probes_started)
-        if end.latest is not None and first >= end.latest:
-            raise LitCBSConfigError(
-                f"no probe point lies inside the run: the first is at {first:,.0f} tokens but the run ends by "
-                f"{end.limit} at {end.latest:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
-            )
+        self._check_first_point(self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1))
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
