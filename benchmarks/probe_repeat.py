@@ -46,7 +46,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from benchmarks.common import ROOT, machine, replace_section, train_command, train_unless_done
-from lit_cbs.probe.reading import BranchScore, difference
+from lit_cbs.probe.reading import BranchScore, ProbeReading, difference
 
 SEEDS = (1, 2, 3)
 THREADS = (1, 2)
@@ -156,8 +156,7 @@ def reading_at(run: dict, point: int, points: list[int]) -> dict | None:
 
 def scores(reading: dict) -> dict[float, BranchScore]:
     """Each measured k's held-out score (inf loss: a failed branch)."""
-    return {float(k): BranchScore.heldout(reading["batch_losses"][k]) if loss is not None else BranchScore(math.inf)
-            for k, loss in reading["losses"].items()}
+    return ProbeReading(**reading).scores()
 
 
 def k_text(k: float) -> str:

@@ -12,7 +12,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from lit_cbs.analysis.plots import save_figure
-from lit_cbs.probe.reading import BranchScore, ProbeReading, difference, one_sided_quantile
+from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
 
 def plot_cbs_curve(
@@ -95,9 +95,9 @@ def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, floa
         return None
     j = min(smaller, key=losses.get)
     bar = 0.0
-    batch = reading.batch_losses
-    if f"{k:g}" in batch and f"{j:g}" in batch:
-        gap = difference(BranchScore.heldout(batch[f"{k:g}"]), BranchScore.heldout(batch[f"{j:g}"]))
+    scores = reading.scores()
+    if scores[k].batch_losses and scores[j].batch_losses:
+        gap = difference(scores[k], scores[j])
         if gap.se is not None:
             bar = gap.se * one_sided_quantile(reading.confidence, gap.dof)
     elif j == min(losses) and reading.loss_se.get(f"{k:g}") is not None:

@@ -295,6 +295,15 @@ class ProbeReading:
         """Optimizer steps the branches trained (window_tokens / (k B seq_len) for each k)."""
         return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
 
+    def scores(self) -> dict[float, BranchScore]:
+        """Each measured k's score again, from the record: its per-batch held-out losses where it has
+        them, else its loss alone (inf for a failed branch); ``decide`` can judge them anew."""
+        return {
+            float(k): BranchScore.heldout(self.batch_losses[k]) if k in self.batch_losses
+            else BranchScore(loss if loss is not None else math.inf)
+            for k, loss in self.losses.items()
+        }
+
     @property
     def bracket(self) -> str:
         """"[lower, upper]" in samples, "[lower, beyond the grid]" at the top, and "undetermined"
