@@ -31,9 +31,10 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs._internals import logging_step, should_accumulate
+from lit_cbs._internals import should_accumulate
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
+from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_rules import get_lr_rule
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, RecordedWindow, logging_muted, loss_of
 from lit_cbs.probe.heldout import load_heldout_batches
@@ -504,8 +505,7 @@ class CBSProbeCallback(Callback):
         }
         if reading.cbs_upper is not None:
             metrics["cbs/upper"] = float(reading.cbs_upper)
-        for logger in trainer.loggers:  # on the row of the step just taken, with the run's own metrics
-            logger.log_metrics(metrics, step=logging_step(trainer))
+        log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
         losses = ", ".join(
             f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={min(reading.losses, key=float)}: "
                                         f"{reading.loss_se[k]:.4f})" if reading.loss_se.get(k) is not None else "")
