@@ -246,8 +246,9 @@ class CBSProbeCallback(Callback):
             self._write_history()
 
     def _write_history(self) -> None:
-        """Make cbs_probe.jsonl hold exactly ``history``: a resumed run starts it from its checkpoint's
-        readings, so nothing is written twice and no reading after the checkpoint lingers."""
+        """Make cbs_probe.jsonl hold exactly ``history`` (at the start of a fit and after each reading):
+        a resumed run starts it from its checkpoint's readings, so nothing is written twice and no
+        reading after the checkpoint lingers."""
         path = self._resolved_output_dir / JSONL_FILE
         if not self.history:
             path.unlink(missing_ok=True)
@@ -518,10 +519,7 @@ class CBSProbeCallback(Callback):
             f"probe overhead {reading.overhead:.2f}"
         )
         if trainer.is_global_zero and self._resolved_output_dir is not None:
-            out = self._resolved_output_dir
-            out.mkdir(parents=True, exist_ok=True)
-            with open(out / JSONL_FILE, "a") as f:
-                f.write(json.dumps(dataclasses.asdict(reading)) + "\n")
+            self._write_history()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
