@@ -57,12 +57,12 @@ GOALS = {"loss_gap": 0.02, "kept_savings": 0.30}
 class Settings:
     tokens: int  # budget per run of the three configurations (tokens)
     change_at: int  # tokens where the premature schedule jumps to LARGE
-    val_check_interval: int  # micro-batches (16 x 128 tokens) between held-out evaluations
+    val_check_tokens: int  # tokens between held-out evaluations
     default_job_tokens: int  # budget of the default job's run (tokens)
 
 
-FULL = Settings(2_097_152, 2_097_152 // 20, 128, 4_194_304)
-QUICK = Settings(131_072, 131_072 // 20, 16, 262_144)
+FULL = Settings(2_097_152, 2_097_152 // 20, 128 * 16 * 128, 4_194_304)
+QUICK = Settings(131_072, 131_072 // 20, 16 * 16 * 128, 262_144)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ def runs_of(settings: Settings) -> list[Run]:
 def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
     return train_command([
         *run.overrides,
-        f"trainer.val_check_interval={settings.val_check_interval}",
+        f"val_check_tokens={settings.val_check_tokens}",
         "trainer.enable_progress_bar=false",
         "callbacks.progress_bar=null",
         "callbacks.checkpoint=null",

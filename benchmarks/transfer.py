@@ -110,7 +110,7 @@ def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
         f"seed={run.seed}",
         f"max_tokens={settings.tokens}",
         f"lr_schedule.warmup_tokens={settings.warmup_tokens}",
-        f"trainer.val_check_interval={settings.tokens // (settings.evaluations * micro_tokens)}",
+        f"val_check_tokens={settings.tokens // settings.evaluations}",
         f"trainer.limit_val_batches={settings.val_batches}",
         "trainer.enable_progress_bar=false",
         "callbacks.progress_bar=null",

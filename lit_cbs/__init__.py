@@ -18,6 +18,7 @@ _EXPORTS = {
     "CosineSchedule": "lit_cbs.lr_schedules",
     "ExponentialRamp": "lit_cbs.schedules",
     "FinalStateCheckpoint": "lit_cbs.checkpoint",
+    "GlobalOrderLoader": "lit_cbs.loader",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.schedules",
     "LitCBSConfigError": "lit_cbs.errors",
@@ -25,6 +26,7 @@ _EXPORTS = {
     "PiecewiseBatch": "lit_cbs.schedules",
     "RunProgressBar": "lit_cbs.progress",
     "TokenLRScheduler": "lit_cbs.lr_schedules",
+    "TokenValidation": "lit_cbs.validation",
     "WarmupStableDecay": "lit_cbs.lr_schedules",
 }
 

@@ -30,10 +30,15 @@ PRIVATE_ATTRIBUTES = {
     "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
     "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),
     "logs_this_step": ("trainer._logger_connector.should_update_logs",),
-    "reload_train_dataloader": ("trainer.fit_loop._combined_loader",),
+    "set_train_epoch_length": ("trainer.fit_loop.max_batches", "trainer.fit_loop._combined_loader", "trainer.fit_loop._data_fetcher"),
+    "shift_epoch_micro_batches": ("trainer.fit_loop.epoch_loop.batch_progress",),
+    "set_validation_due": ("trainer.val_check_batch", "trainer.fit_loop.epoch_loop.total_batch_idx"),
     "last_saved_step": ("model_checkpoint._last_global_step_saved",),
     "set_last_saved_step": ("model_checkpoint._last_global_step_saved",),
     "checkpoint_triggers": ("model_checkpoint._train_time_interval", "model_checkpoint._every_n_epochs"),
+    "checkpoint_every_n_train_steps": ("model_checkpoint._every_n_train_steps",),
+    "cluster_environment": ("trainer._accelerator_connector.cluster_environment",),
+    "hpc_checkpoint_path": ("trainer._checkpoint_connector._hpc_resume_path",),
     "collect_rng_states": ("lightning.fabric.utilities.seed._collect_rng_states",),
     "set_rng_states": ("lightning.fabric.utilities.seed._set_rng_states",),
     "block_ddp_gradient_sync": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
@@ -79,9 +84,33 @@ def logs_this_step(trainer) -> bool:
     return trainer._logger_connector.should_update_logs
 
 
-def reload_train_dataloader(trainer) -> None:
-    """Make the fit loop rebuild the train loader (reading the new ``batch_size``) at the next epoch start."""
-    trainer.fit_loop._combined_loader = None
+def set_train_epoch_length(trainer, micro_batches: int) -> None:
+    """Tell the fit loop that this epoch has ``micro_batches`` micro-batches after all (the train loader's
+    micro-batch changed mid-epoch): Lightning steps on the last one and ends the epoch there. It reads
+    the length once per epoch, from the loader, into three places."""
+    trainer.fit_loop.max_batches = micro_batches
+    combined_loader = trainer.fit_loop._combined_loader
+    if combined_loader is not None and combined_loader.limits is not None:
+        combined_loader.limits[:] = [micro_batches] * len(combined_loader.limits)  # the running iterator shares the list
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None and fetcher.length is not None:
+        fetcher.length = micro_batches
+
+
+def set_validation_due(trainer, due: bool) -> None:
+    """Make the fit loop validate after this micro-batch, or not: it validates when its count of
+    micro-batches (this epoch's, or all of them with ``check_val_every_n_epoch=None``) is a multiple
+    of ``trainer.val_check_batch``, which it reads after every micro-batch."""
+    loop = trainer.fit_loop.epoch_loop
+    count = (loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx) + 1
+    trainer.val_check_batch = count if due else count + 1
+
+
+def shift_epoch_micro_batches(trainer, delta: int) -> None:
+    """Add ``delta`` to every count of micro-batches the fit loop keeps (this epoch's and the run's), so
+    that a step boundary falls where the accumulation says: Lightning steps when the micro-batches of
+    the epoch are a multiple of ``accumulate_grad_batches``."""
+    trainer.fit_loop.epoch_loop.batch_progress.increment_by(delta)
 
 
 def request_val_dataloaders(trainer) -> Any:
@@ -116,6 +145,22 @@ def checkpoint_triggers(checkpoint) -> tuple[Any, int]:
     """A ``ModelCheckpoint``'s ``train_time_interval`` (None if unset) and ``every_n_epochs`` as it
     resolved them (``every_n_epochs`` >= 1 saves after validation and at epoch ends)."""
     return checkpoint._train_time_interval, checkpoint._every_n_epochs
+
+
+def checkpoint_every_n_train_steps(checkpoint) -> int:
+    """A ``ModelCheckpoint``'s ``every_n_train_steps`` as it resolved it (0: it does not save by steps)."""
+    return checkpoint._every_n_train_steps
+
+
+def cluster_environment(trainer) -> Any:
+    """The cluster environment Lightning detected (``SLURMEnvironment`` on a SLURM job, ...)."""
+    return trainer._accelerator_connector.cluster_environment
+
+
+def hpc_checkpoint_path(trainer) -> str | None:
+    """The newest ``hpc_ckpt_<n>.ckpt`` in the default root dir (what Lightning saved on SLURM's requeue
+    signal, and resumes from on a requeued SLURM job), or None."""
+    return trainer._checkpoint_connector._hpc_resume_path
 
 
 # ---------------------------------------------------------------------- RNG and metric state

@@ -14,12 +14,20 @@ yourself only to give it ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``
 before every other callback's, so they all read the counts including the current micro-batch.
 
 Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer's
-``accumulate_grad_batches``); everything else reads.
+``accumulate_grad_batches``); everything else reads. A new micro-batch reaches the train loader at
+once when it is a ``GlobalOrderLoader`` (between two optimizer steps, mid-epoch); the accounting then
+tells Lightning's fit loop how many micro-batches the epoch has now.
 
 A CBS probe trains and evaluates its branches inside the Trainer, between the main run's steps,
 under ``with accounting.branching():``. Whatever measures the main run (the gradient noise scale,
 ``CausalLM``'s tokens/s) reads ``in_branch`` to ignore the branches' gradients and
 ``branch_seconds`` to leave their wall time out.
+
+Two more facts of the run live here because several callbacks act on them: ``probe_window_step``,
+the optimizer step where an open CBS probe window began (a checkpoint taken inside it could not
+redo the probe exactly), and ``stop_signal``, a stop signal that arrived and waits for the next
+optimizer-step boundary (``FinalStateCheckpoint`` defers SIGTERM and SLURM's requeue signal there; a
+probe branch aborts when it sees one).
 """
 
 from __future__ import annotations
@@ -35,8 +43,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lit_cbs._internals import should_accumulate, tree_leaves
+from lit_cbs._internals import set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
+from lit_cbs.loader import GlobalOrderLoader
 from lit_cbs.lr_schedules import TokenLRScheduler
 
 
@@ -65,6 +74,13 @@ def token_sequence_length(batch: Any) -> int | None:
         if integer and leaf.ndim == 2:
             return int(leaf.shape[1])
     return None
+
+
+def resizable_train_loader(trainer: pl.Trainer) -> GlobalOrderLoader | None:
+    """The fit's train loader if it can change its micro-batch between two optimizer steps and resume on
+    another number of ranks (a ``GlobalOrderLoader``), else None."""
+    loader = trainer.train_dataloader
+    return loader if isinstance(loader, GlobalOrderLoader) else None
 
 
 def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
@@ -139,6 +155,11 @@ class BatchAccounting(Callback):
         samples_seen, tokens_seen: trained on so far, including the current micro-batch.
         in_branch: True while a CBS probe trains or evaluates branches (``branching``).
         branch_seconds: wall seconds spent in ``branching`` since the fit started.
+        fit_seconds: wall seconds since the fit started.
+        probe_window_step: the optimizer step where the CBS probe window in progress began (None:
+            none is open); it stays set when a stop signal interrupted the probe.
+        stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
+        checkpoint_data_parallel_size: the data-parallel size of the run the checkpoint came from.
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
@@ -149,13 +170,17 @@ class BatchAccounting(Callback):
         self._trainer: pl.Trainer | None = None
         self._micro_batch_size: int | None = None
         self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
-        self._first_batch_of_epoch = True
+        self._check_next_batch = True  # the next batch is the first of an epoch, or the first after a change
         self._seq_len_resolved = False
         self._token_schedulers: list[TokenLRScheduler] = []
         self._fsdp_modules: list = []
         self._gradient_sync: bool | None = None
         self.in_branch = False
         self.branch_seconds = 0.0
+        self._fit_start: float | None = None
+        self.checkpoint_data_parallel_size: int | None = None
+        self.probe_window_step: int | None = None
+        self.stop_signal: int | None = None
 
     # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod
@@ -194,6 +219,11 @@ class BatchAccounting(Callback):
         return self._micro_batch_size * self.accumulate * self.data_parallel_size
 
     @property
+    def fit_seconds(self) -> float:
+        """Wall-clock seconds since this ``trainer.fit`` began (validation, probes, checkpoints included)."""
+        return time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
+
+    @property
     def has_tokens(self) -> bool:
         """Whether the data is token ids (so ``tokens_seen`` counts)."""
         return self.seq_len is not None
@@ -228,12 +258,23 @@ class BatchAccounting(Callback):
 
     # ------------------------------------------------------------------ the one writer: BatchWarmup
     def set_micro_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: int) -> None:
-        """Set the micro-batch the train loader must yield (written to the datamodule's or module's
-        ``batch_size``, read when the loader is built); from then on a loader that yields another
-        size stops training at the first batch of an epoch."""
+        """Set the micro-batch the train loader must yield: written to the datamodule's or module's
+        ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
+        yields it from the next micro-batch on. The next batch is checked against it: a loader that
+        yields another size stops training there."""
         MicroBatchSetting.of(trainer, pl_module).set(value)
         self._micro_batch_size = value
         self._micro_batch_set = True
+        self._check_next_batch = True
+        self._sync_loader(trainer)
+
+    def _sync_loader(self, trainer: pl.Trainer) -> None:
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            return
+        if self._micro_batch_set:
+            loader.batch_size = self._micro_batch_size
+        set_train_epoch_length(trainer, len(loader))  # micro-batches of the new size left in this epoch
 
     def set_gradient_sync(self, sync: bool | None) -> None:
         """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
@@ -259,6 +300,7 @@ class BatchAccounting(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.branch_seconds = 0.0
+        self._fit_start = time.perf_counter()
         self._token_schedulers = [
             config.scheduler for config in trainer.lr_scheduler_configs if isinstance(config.scheduler, TokenLRScheduler)
         ]
@@ -278,12 +320,13 @@ class BatchAccounting(Callback):
             trainer.should_stop = True  # resumed from a run's final state: no step is left to train
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._first_batch_of_epoch = True  # the loader may have been (re)built for this epoch
+        self._check_next_batch = True  # the loader may have been (re)built for this epoch
+        self._sync_loader(trainer)  # Lightning counted this epoch's micro-batches at the size of the first
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         micro = extract_batch_size(batch)
-        if self._first_batch_of_epoch:
-            self._first_batch_of_epoch = False
+        if self._check_next_batch:
+            self._check_next_batch = False
             self._check_micro_batch(trainer, micro)
         if not self._seq_len_resolved:
             self._seq_len_resolved = True
@@ -303,8 +346,9 @@ class BatchAccounting(Callback):
             self.set_gradient_sync(not should_accumulate(trainer))
 
     def _check_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
-        """The first batch of an epoch must hold the micro-batch that was set: a loader that ignores
-        ``batch_size`` would make every count, the global batch and the LR rule silently wrong."""
+        """The first batch of an epoch, and the first after a change, must hold the micro-batch that was
+        set: a loader that ignores ``batch_size`` would make every count, the global batch and the LR
+        rule silently wrong."""
         if not self._micro_batch_set:
             self._micro_batch_size = micro  # nobody sets it: the loader's batches say what it is
             return
@@ -315,9 +359,9 @@ class BatchAccounting(Callback):
         where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
         raise LitCBSConfigError(
             f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
-            f"loader's first batch this epoch holds {micro}: build train_dataloader() with "
-            f"DataLoader(..., batch_size=self.batch_size) from {where} `batch_size`, read when the loader is "
-            "created (BatchWarmup sets it and reloads the loader when the micro-batch changes)"
+            f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "
+            f"from {where} `batch_size`, read when the loader is created (or lit_cbs.data.GlobalOrderLoader, which "
+            "BatchWarmup resizes between optimizer steps)"
         )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -326,9 +370,15 @@ class BatchAccounting(Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {"samples_seen": self.samples_seen, "tokens_seen": self.tokens_seen, "seq_len": self.seq_len}
+        return {
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "seq_len": self.seq_len,
+            "data_parallel_size": self.data_parallel_size,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.samples_seen = state_dict["samples_seen"]
         self.tokens_seen = state_dict["tokens_seen"]
         self.seq_len = self.seq_len or state_dict["seq_len"]
+        self.checkpoint_data_parallel_size = state_dict.get("data_parallel_size")

@@ -1,15 +1,22 @@
 """``BatchWarmup``: grow the global batch during training by a schedule in samples or tokens.
 
-global batch (samples) = micro-batch x accumulate x data-parallel size. The micro-batch is the
-datamodule's (or LightningModule's) ``batch_size``; BatchWarmup changes ``accumulate``
-(``trainer.accumulate_grad_batches``), which Lightning reads at every batch to decide when to
-step, when to zero gradients and how to divide the loss. A change to accumulate N' is applied
-right after an optimizer step, and only when the micro-batches consumed this epoch are divisible
-by N', so every later step averages over exactly the scheduled samples and the data order is
-that of a run without the change. An increase by an
-integer ratio r therefore waits at most r - 1 steps; ``history`` records when each change was
-asked for and when it happened. At epoch boundaries the micro-batch itself may also change
-(``max_micro_batch_size``), which reloads the train loader.
+global batch (samples) = micro-batch x accumulate x data-parallel size. At each change BatchWarmup
+picks the micro-batch first (the largest that divides a rank's share of the new batch, up to
+``max_micro_batch_size``; without it the micro-batch stays the datamodule's ``batch_size``) and
+makes up the rest by accumulation (``trainer.accumulate_grad_batches``, which Lightning reads at
+every batch to decide when to step, when to zero gradients and how to divide the loss). A change is
+applied right after an optimizer step, and only when the samples consumed this epoch (all ranks)
+are a multiple of the new global batch, so every later step averages over exactly the scheduled
+samples, and the steps where the batch changes depend on the samples alone, not on the ranks or
+the micro-batch. An increase by an integer ratio r therefore waits at most r - 1 steps; ``history``
+records when each change was asked for and when it happened.
+
+A new micro-batch reaches the train loader between two steps, mid-epoch, when the loader is a
+``lit_cbs.GlobalOrderLoader``: its micro-batches are cut from one global sample order, so the
+data order is that of a run without the change. Another loader cannot change its batch mid-epoch,
+so a schedule that needs another micro-batch is refused with it. The same loader lets a run resume
+on another number of ranks: the micro-batch and accumulation are chosen afresh for the new ranks,
+the global batch, LR and data position continue.
 
 Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its schedulers
 keep it (lit_cbs.lr_rules), so it composes with the user's LR schedule; the applied state is in
@@ -18,13 +25,14 @@ the Trainer's ``gradient_clip_val``.
 
 With ``guard`` (lit_cbs.guard.BatchGuard) each increase is judged on the training loss after it and
 reverted if the loss rises above its trend: the revert is a change like the others (at an aligned
-step, micro-batch unchanged), recorded with ``cause="guard"``, and it restores the LR and clipping
-threshold of before the increase.
+step), recorded with ``cause="guard"``, and it restores the LR and clipping threshold of before the
+increase.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -39,18 +47,15 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import (
-    checkpoint_triggers,
-    reload_train_dataloader,
-    should_accumulate,
-)
-from lit_cbs.accounting import BatchAccounting, MicroBatchSetting, check_divisible, mean_over_ranks
+from lit_cbs._internals import checkpoint_triggers, shift_epoch_micro_batches, should_accumulate
+from lit_cbs.accounting import BatchAccounting, MicroBatchSetting, check_divisible, mean_over_ranks, resizable_train_loader
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_rules import get_clip_rule, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule, CBSAdaptive
+from lit_cbs.validation import TokenValidation
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +102,14 @@ class BatchWarmup(Callback):
             else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
             token ids (float features) has no tokens: ``tokens_seen`` stays 0 and token-based
             settings (``unit="tokens"``, ``max_tokens``) are refused.
-        max_micro_batch_size: if given, at epoch boundaries the micro-batch becomes the largest size
-            (samples per rank, at most this) that divides every global batch still to come, and
-            the train loader is reloaded.
-        log_every_step: send ``batch/global_size``, ``batch/accumulate``, ``batch/lr_factor``,
-            ``samples_seen``, ``tokens_seen`` and ``lr`` to the trainer's loggers at its
+        max_micro_batch_size: if given, the micro-batch (samples per rank) grows with the batch: at
+            every change it becomes the largest size up to this that divides a rank's share of the
+            new global batch, before the accumulation grows. Needs a train loader that changes its
+            batch between optimizer steps (``lit_cbs.data.GlobalOrderLoader``). None (default): the
+            micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
+        log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
+            ``batch/lr_factor``, ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds since the
+            fit began, validation and probes included) and ``lr`` to the trainer's loggers at its
             ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
             progress bar. Each row describes the optimizer step it belongs to, as Lightning's
             LearningRateMonitor does: the batch, accumulation and LR that step trained with, and
@@ -180,16 +188,20 @@ class BatchWarmup(Callback):
         return self.tokens_seen if self.schedule.unit == "tokens" else self.samples_seen
 
     # ------------------------------------------------------------------ validation and setup
-    def _pick_micro(self, consumed: int, current_micro: int) -> int:
-        """Largest micro-batch <= max_micro_batch_size dividing every global batch still to come."""
+    def micro_batch_for(self, global_batch: int) -> int:
+        """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
+        up to ``max_micro_batch_size``; without it, the micro-batch now."""
         if self.max_micro_batch_size is None:
-            return current_micro
-        data_parallel = self.accounting.data_parallel_size
-        sizes = self.schedule.sizes(consumed) + (self.guard.sizes_needed() if self.guard is not None else [])
-        for micro in range(self.max_micro_batch_size, 0, -1):
-            if all(size % (micro * data_parallel) == 0 for size in sizes):
-                return micro
-        raise AssertionError("micro-batch 1 divides every size checked in setup")  # pragma: no cover
+            return self.micro_batch_size
+        share = global_batch // self.accounting.data_parallel_size
+        return max(m for m in range(1, min(self.max_micro_batch_size, share) + 1) if share % m == 0)
+
+    def check_sizes(self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch") -> None:
+        """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every
+        data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
+        only into the ranks. Also for a run's configuration before its Trainer exists."""
+        for size in sizes:
+            check_divisible(size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -225,15 +237,15 @@ class BatchWarmup(Callback):
             )
         self._base_gradient_clip_val = trainer.gradient_clip_val
         micro = self._get_micro(trainer, pl_module)
-        for size in self.schedule.sizes(0):
-            check_divisible(size, micro, accounting.data_parallel_size, name="scheduled global batch")
         if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
             raise LitCBSConfigError(
                 f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
                 f"batch_size={micro}; raise it or lower the batch_size"
             )
-        self.micro_batch_size = self._pick_micro(0, micro)
+        self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
+        self.micro_batch_size = micro
         self.global_batch = self.schedule.batch_size(0)
+        self.micro_batch_size = self.micro_batch_for(self.global_batch)
         self.accumulate = check_divisible(self.global_batch, self.micro_batch_size, accounting.data_parallel_size)
         if trainer.accumulate_grad_batches not in (1, self.accumulate):
             raise LitCBSConfigError(
@@ -275,20 +287,74 @@ class BatchWarmup(Callback):
                 )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_loader_resizes(trainer)
+        if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
+            self._regroup_for_new_ranks(trainer, pl_module)
         self._warn_checkpoints_inside_accumulation(trainer, pl_module)
         if self.accounting.budget_reached:
             return  # resumed from a run's final state: the accounting stops the run
         # A change the schedule asked for after a run's last step was not applied then (no step used
         # it); a run resumed from there with a larger budget applies it now, where it would have been.
-        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
         if not self._no_step_follows(trainer):
-            self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
+            self._maybe_change(trainer, pl_module, functools.partial(self._fits_now, trainer))
+
+    def _sizes_to_come(self) -> list[int]:
+        """Every global batch the run may still train at: the schedule's, and those a guard may revert to."""
+        return sorted({self.global_batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])})
+
+    def _check_loader_resizes(self, trainer: pl.Trainer) -> None:
+        """A schedule whose micro-batch changes needs a loader that can change its batch between steps."""
+        micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
+        if micros == {self.micro_batch_size}:
+            return
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            name = type(trainer.train_dataloader).__name__
+            raise LitCBSConfigError(
+                f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes the micro-batch between "
+                f"optimizer steps ({' -> '.join(map(str, sorted(micros)))} samples per rank), which the train loader "
+                f"({name}) cannot do mid-epoch: build it with lit_cbs.data.GlobalOrderLoader(dataset, "
+                "batch_size=self.batch_size, ...), or set max_micro_batch_size=None to grow the batch by accumulation"
+            )
+        if trainer.limit_train_batches != 1.0:
+            raise LitCBSConfigError(
+                f"Trainer(limit_train_batches={trainer.limit_train_batches}) counts micro-batches, whose size "
+                f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes: stop the run by max_tokens "
+                "or max_steps instead"
+            )
+
+    def _regroup_for_new_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Resumed on another number of data-parallel ranks: the global batch, LR and data position go on;
+        the micro-batch and accumulation are chosen for the ranks now (``_fits_now`` lets the first step
+        after the resume take exactly the new accumulation)."""
+        accounting, before = self.accounting, self.accounting.checkpoint_data_parallel_size
+        ranks = accounting.data_parallel_size
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            raise LitCBSConfigError(
+                f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
+                f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
+                f"skip or repeat samples; build it with lit_cbs.data.GlobalOrderLoader (one order for any number of "
+                f"ranks), or resume on {before} ranks"
+            )
+        self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
+        old = (self.micro_batch_size, self.accumulate)
+        self.micro_batch_size = self.micro_batch_for(self.global_batch)
+        self.accumulate = self.global_batch // (self.micro_batch_size * ranks)
+        self._fits_now(trainer, self.global_batch, self.accumulate)  # true: the position is a multiple of the batch
+        self._apply_to_trainer(trainer, pl_module)
+        rank_zero_info(
+            f"BatchWarmup: resumed on {ranks} data-parallel rank(s) (the checkpoint's run had {before}): global batch "
+            f"{self.global_batch} = micro {self.micro_batch_size} x accumulate {self.accumulate} x {ranks} (was micro "
+            f"{old[0]} x accumulate {old[1]} x {before}), from sample {loader.position:,} of epoch {loader.epoch}"
+        )
 
     def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
         accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
-        unit = self.micro_batch_size * self.accounting.data_parallel_size
-        step = math.lcm(*{size // unit for size in self.schedule.sizes(self.consumed)}, self.accumulate)
+        ranks = self.accounting.data_parallel_size
+        accumulations = {size // (self.micro_batch_for(size) * ranks) for size in self.schedule.sizes(self.consumed)}
+        step = math.lcm(*accumulations, self.accumulate)
         if step == 1:
             return
         validation_batch = trainer.val_check_batch
@@ -297,6 +363,7 @@ class BatchWarmup(Callback):
             and trainer.limit_val_batches != 0
             and is_overridden("validation_step", pl_module)
             and (validation_batch < trainer.num_training_batches or trainer.check_val_every_n_epoch is None)
+            and not any(isinstance(callback, TokenValidation) for callback in trainer.callbacks)  # validates after steps
         )
         for callback in trainer.checkpoint_callbacks:
             if not isinstance(callback, ModelCheckpoint):
@@ -335,7 +402,6 @@ class BatchWarmup(Callback):
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
         if self.guard is not None:
             self._record_micro_loss(trainer, outputs)
         if should_accumulate(trainer):
@@ -350,15 +416,43 @@ class BatchWarmup(Callback):
                 self._report_verdict(trainer, verdict)
         if self._no_step_follows(trainer):
             return
-        ready = epoch_loop.batch_progress.current.ready
-        self._maybe_change(trainer, pl_module, lambda new_accumulate: ready % new_accumulate == 0)
+        self._maybe_change(trainer, pl_module, functools.partial(self._fits_now, trainer))
+
+    def _fits_now(self, trainer: pl.Trainer, global_batch: int, accumulate: int) -> bool:
+        """Whether a step of ``global_batch`` samples (``accumulate`` micro-batches per rank) can start now,
+        right after an optimizer step: when the samples consumed this epoch, over all ranks, are a
+        multiple of it (an increase by an integer ratio r waits at most r - 1 steps). This depends on
+        the samples alone, not on the ranks or the micro-batch, so a run on any number of ranks
+        changes on the same steps, and a token budget of whole batches is met exactly.
+
+        Lightning also needs the epoch's micro-batches to be a multiple of the accumulation. With a
+        ``GlobalOrderLoader`` they need not be (the micro-batch may have changed this epoch, or the ranks
+        on resume): its count of micro-batches is only Lightning's, so it is moved up to the next
+        multiple, here and in the loader. With another loader the micro-batch is fixed, and the
+        samples condition implies it.
+        """
+        loader = resizable_train_loader(trainer)
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        samples = loader.position if loader is not None else ready * self.micro_batch_size * self.accounting.data_parallel_size
+        if samples % global_batch:
+            return False
+        behind = -ready % accumulate
+        if behind:
+            shift_epoch_micro_batches(trainer, behind)
+            loader.micro_batches += behind
+        return True
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            return False
+        shift_epoch_micro_batches(trainer, behind)
+        loader.micro_batches += behind
+        return True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Between epochs any accumulation fits (the next epoch starts at batch 0), and the
-        # micro-batch may change because the train loader can be rebuilt.
+        # Between epochs any accumulation fits: the next epoch starts at batch 0.
         if self._no_step_follows(trainer) or trainer.current_epoch + 1 == trainer.max_epochs:
             return
-        self._maybe_change(trainer, pl_module, lambda new_accumulate: True, epoch_boundary=True)
+        self._maybe_change(trainer, pl_module, lambda global_batch, accumulate: True)
 
     @staticmethod
     def _no_step_follows(trainer: pl.Trainer) -> bool:
@@ -393,18 +487,18 @@ class BatchWarmup(Callback):
             every_step=True,
         )
 
-    def _maybe_change(self, trainer, pl_module, fits, epoch_boundary: bool = False) -> None:
+    def _maybe_change(self, trainer, pl_module, fits) -> None:
         target = self.schedule.batch_size(self.consumed)
         if self.guard is not None:
             target = self.guard.allowed_batch(target, self.global_batch, self.consumed)
-        new_micro = self._pick_micro(self.consumed, self.micro_batch_size) if epoch_boundary else self.micro_batch_size
+        new_micro = self.micro_batch_for(target)
         if target == self.global_batch and new_micro == self.micro_batch_size:
             self._requested_at = None
             return
         if self._requested_at is None or self._requested_at[0] != (target, new_micro):
             self._requested_at = ((target, new_micro), self.samples_seen, self.tokens_seen)
         new_accumulate = target // (new_micro * self.accounting.data_parallel_size)
-        if not fits(new_accumulate):
+        if not fits(target, new_accumulate):
             return
         self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
 
@@ -462,9 +556,7 @@ class BatchWarmup(Callback):
                 self.schedule.withdraw_above(target)  # the doubling proved premature: a new reading must ask again
         else:
             self.lr_factor, self.clip_factor = self.lr_factor * factor, self.clip_factor * clip_factor
-        if new_micro != self.micro_batch_size:
-            self.micro_batch_size = new_micro
-            reload_train_dataloader(trainer)  # rebuilt with the new batch_size at the next epoch start
+        self.micro_batch_size = new_micro  # the loader yields it from the next micro-batch on
         self._apply_to_trainer(trainer, pl_module)
         rank_zero_info(
             f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
@@ -483,10 +575,12 @@ class BatchWarmup(Callback):
     def _metrics(self, trainer) -> dict[str, float]:
         metrics = {
             "batch/global_size": float(self.global_batch),
+            "batch/micro_batch_size": float(self.micro_batch_size),
             "batch/accumulate": float(self.accumulate),
             "batch/lr_factor": self.lr_factor,
             "samples_seen": float(self.samples_seen),
             "tokens_seen": float(self.tokens_seen),
+            "fit_seconds": self.accounting.fit_seconds,
         }
         if self._step_lr is not None:
             metrics["lr"] = self._step_lr

@@ -41,11 +41,11 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from lit_cbs import BatchWarmup, CBSProbeCallback
-from lit_cbs.accounting import check_divisible
 from lit_cbs.data import TokenDataModule
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
@@ -165,12 +165,6 @@ def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: dict) -> list:
     return kept
 
 
-def check_global_batch(warmup: BatchWarmup, micro_batch_size: int, processes: int) -> None:
-    """Every global batch of the schedule is a whole number of micro-batches on every process."""
-    for size in warmup.schedule.sizes(0):
-        check_divisible(size, micro_batch_size, processes, "global batch (batch.schedule)")
-
-
 def model_config_of(cfg: DictConfig) -> OLMoConfig:
     try:
         return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
@@ -208,7 +202,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     warmup = batch_warmup_of(callbacks)
     devices = devices_per_node(cfg.trainer.devices, "plan=true sizes the run from it")
     num_nodes = int(cfg.trainer.num_nodes)
-    check_global_batch(warmup, datamodule.batch_size, devices * num_nodes)
+    warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, devices * num_nodes, "global batch (batch.schedule)")
     strategy = cfg.trainer.get("strategy", "auto")
     target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
     if target.endswith(("ModelParallelStrategy", "FSDPStrategy")) or target.startswith("fsdp"):
@@ -267,9 +261,11 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule.check_context(model_config.context_length)
 
     callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
+    if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
+        callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
     warmup = batch_warmup_of(callbacks)
     trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=list(instantiate_named(cfg, "logger").values()) or False)
-    check_global_batch(warmup, datamodule.batch_size, trainer.world_size)
+    warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)")
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
     if trainer.local_rank == 0:
@@ -320,7 +316,7 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
         "seq_len": seq_len,
         "batch_changes": [
             {"step": c.step, "tokens": c.tokens_seen, "old": c.old_global_batch, "new": c.new_global_batch,
-             "lr_factor": c.lr_factor}
+             "lr_factor": c.lr_factor, "micro_batch_size": c.new_micro_batch_size, "accumulate": c.new_accumulate}
             for c in warmup.history
         ],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
@@ -348,7 +344,8 @@ def summarize(summary: dict) -> str:
     steps, tokens = summary["optimizer_steps"], summary["tokens"]
     steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
     changes = ", ".join(
-        f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, LR x{c['lr_factor']:.3g})"
+        f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
+        f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
         for c in summary["batch_changes"]
     ) or "none"
     val_loss = summary["final_val_loss"]

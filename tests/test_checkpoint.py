@@ -84,11 +84,12 @@ def test_sigterm_after_an_optimizer_step_is_saved(tmp_path):
     assert torch.equal(resumed.layer.weight, uninterrupted.layer.weight)
 
 
-def test_sigterm_inside_an_accumulation_window_keeps_the_last_whole_step(tmp_path):
-    warns = pytest.warns(UserWarning, match="SIGTERM inside an accumulation window after step 6: not checkpointed.*step 4")
-    with warns, pytest.raises(SystemExit):
-        fit(tmp_path, SigtermAt(micro_batch=13))
-    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 4
+def test_sigterm_inside_an_accumulation_window_stops_after_that_step(tmp_path):
+    # Micro-batch 13 is the first of step 7's two: the run finishes step 7, saves it, and stops.
+    with pytest.raises(SystemExit):
+        _, module = fit(tmp_path, SigtermAt(micro_batch=13))
+    last = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert last["global_step"] == 7
 
 
 def test_keeps_the_most_recent_periodic_checkpoints(tmp_path):

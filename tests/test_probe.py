@@ -362,11 +362,14 @@ def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     run(probe=old_probe, n=80, epochs=3, ckpt=tmp_path / "v0.1.ckpt")
     assert old_probe.history == full_probe.history
 
-    # Inside the first window (320 tokens): that probe is taken again once the resumed run steps.
+    # Inside the first window (320 tokens): that probe is taken again where the resumed run starts, and says
+    # where the interrupted one began; the later ones are the uninterrupted run's.
     inside_probe = probe()
     inside = run(probe=inside_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=0.ckpt")
     assert torch.equal(full[1].layer.weight, inside[1].layer.weight)
-    assert [r.tokens for r in inside_probe.history] == [336, 576, 864]  # after the first resumed step
+    assert [r.tokens for r in inside_probe.history] == [320, 576, 864]
+    assert [r.interrupted_at_tokens for r in inside_probe.history] == [288, None, None]
+    assert inside_probe.history[1:] == full_probe.history[1:]
 
 
 def test_heldout_evaluation_and_overhead_budget():

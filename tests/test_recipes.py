@@ -98,7 +98,7 @@ def test_fsdp_world_size_scales_with_nodes():
 def test_extra_callback_option_composes():
     cfg = compose_config("callbacks=[default,lr_monitor]")
     callbacks = train.instantiate_named(cfg, "callbacks")
-    assert set(callbacks) == {"batch_warmup", "checkpoint", "progress_bar", "lr_monitor"}
+    assert set(callbacks) == {"batch_warmup", "checkpoint", "progress_bar", "validation", "lr_monitor"}
     assert isinstance(callbacks["lr_monitor"], LearningRateMonitor)
 
 
@@ -127,7 +127,9 @@ def text_folder(tmp_path_factory):
         (["model.config.preset=olmo_3b"], "model.config: unknown model preset 'olmo_3b'"),
         (["data.seq_len=256"], "data.seq_len=256 exceeds the model's context_length=128"),
         (["data.path=/nonexistent/tokens"], "data.path='/nonexistent/tokens' is not a folder"),
-        (["data.batch_size=5"], "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1"),
+        (["batch.max_micro_batch_size=null", "data.batch_size=5"],
+         "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1"),
+        (["batch.max_micro_batch_size=0"], "max_micro_batch_size=0 (batch.max_micro_batch_size) must be a positive int or None"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
         (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
         (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"],
@@ -201,7 +203,7 @@ def test_slurm_launcher_follows_the_trainer():
 # 2,048 tokens, 6,144 tokens in all, a tenth of the text held out, no probe, no progress bar.
 SHORT_RUN = [
     "data.batch_size=4", "batch.schedule.batch_sizes=[8,16]", "batch.schedule.thresholds=[0,2048]", "max_tokens=6144",
-    "lr_schedule.warmup_tokens=1024", "trainer.val_check_interval=4", "callbacks.cbs_probe=null",
+    "lr_schedule.warmup_tokens=1024", "val_check_tokens=2048", "callbacks.cbs_probe=null",
     "callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "data.val_fraction=0.1",
 ]
 

@@ -106,7 +106,7 @@ def test_gpu_variant_composes_a_25m_model_with_thresholds_at_the_same_share(key,
     with torch.device("meta"):
         model.configure_model()
     assert 20e6 < model.num_parameters() < 30e6
-    assert cfg.trainer.val_check_interval * 16 * table1.GPU_SEQ_LEN * 16 == table1.GPU_TOKENS  # 16 evaluations
+    assert cfg.val_check_tokens * 16 == table1.GPU_TOKENS  # 16 evaluations
     schedule = instantiate(cfg.batch.schedule)
     if key == "warmup":  # 16 -> 32 -> 64 at about 30% and 60% of the budget, on whole batches of 64
         assert schedule.thresholds[1] / table1.GPU_TOKENS == pytest.approx(1_245_184 / 4_194_304, abs=0.01)

@@ -22,8 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "recipes" / "train.py")
 pytestmark = pytest.mark.slow
 
-# 12 optimizer steps of 8 then 16 samples (micro-batch 4) of 128 tokens: the batch doubles at 4,096
-# tokens, validation every 4 micro-batches, a checkpoint every 2 steps, CBS probes (k = 1, 2) over
+# 8 optimizer steps of 8 then 16 samples of 128 tokens: the batch doubles at 4,096 tokens and the
+# micro-batch with it (batch.max_micro_batch_size=64: 8, then 16 samples, accumulation 1; data.batch_size
+# is the start, 4), validation every 2,048 tokens, a checkpoint every 2 steps, CBS probes (k = 1, 2) over
 # windows of 4,096 tokens from 2,048 and 8,192 tokens.
 SMALL_RUN = [
     "data.batch_size=4",
@@ -31,7 +32,7 @@ SMALL_RUN = [
     "batch.schedule.thresholds=[0,4096]",
     "max_tokens=12288",
     "lr_schedule.warmup_tokens=1024",
-    "trainer.val_check_interval=4",
+    "val_check_tokens=2048",
     "callbacks.checkpoint.every_n_train_steps=2",
     "callbacks.progress_bar=null",
     "trainer.enable_progress_bar=false",
@@ -97,7 +98,17 @@ def test_run_outputs(first_run):
     assert (run_dir / "cbs_curve.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["tokens"], summary["optimizer_steps"], summary["first_batch"], summary["final_batch"]) == (12288, 8, 8, 16)
-    assert summary["batch_changes"] == [{"step": 4, "tokens": 4096, "old": 8, "new": 16, "lr_factor": 2**0.5}]
+    assert summary["batch_changes"] == [
+        {"step": 4, "tokens": 4096, "old": 8, "new": 16, "lr_factor": 2**0.5, "micro_batch_size": 16, "accumulate": 1}
+    ]
+    assert list(metrics["batch/micro_batch_size"][1]) == [8.0] * 4 + [16.0] * 4
+    assert list(metrics["batch/accumulate"][1]) == [1.0] * 8
+    seconds = metrics["fit_seconds"][1]
+    assert all(later > earlier > 0 for earlier, later in zip(seconds, seconds[1:]))
+    assert seconds[-1] <= summary["fit_seconds"]
+    # Periodic checkpoints every 2 steps, but not inside a probe window (steps 3-5 and 7-8): last.ckpt held the
+    # window's start while it ran, and holds the final step now.
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step0000002.ckpt", "step0000006.ckpt", "step0000008.ckpt"]
     assert summary["final_val_loss"] == pytest.approx(metrics["val/loss"][1][-1])
     assert train_script.summarize(summary) in stdout  # the run ends by printing its summary
     # Branch steps: k=1 and k=2 at batch 8 (4 and 2 steps of a 4,096-token window), k=2 at batch 16 (1 step).
@@ -133,10 +144,10 @@ def test_a_run_that_prepares_its_data_equals_a_run_that_finds_it_prepared(first_
 def test_resume_continues_exactly(first_run):
     run_dir, prepared, _ = first_run
     resumed = run_dir.parent / "resumed"
-    train(resumed, f"data.path={prepared}", f"ckpt_path={run_dir / 'checkpoints' / 'step0000004.ckpt'}")
+    train(resumed, f"data.path={prepared}", f"ckpt_path={run_dir / 'checkpoints' / 'step0000006.ckpt'}")
     assert json.loads((resumed / "summary.json").read_text())["optimizer_steps"] == 8
     metrics = read_metrics_csv(resumed / "metrics.csv")
-    assert metrics["tokens_seen"][1][0] == 6144  # the first step after the checkpoint
+    assert metrics["tokens_seen"][1][0] == 10240  # the first step after the checkpoint
     uninterrupted = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     continued = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert uninterrupted.keys() == continued.keys()
@@ -148,15 +159,17 @@ def test_torchrun_ddp(first_run):
     ddp_dir = run_dir.parent / "ddp"
     torchrun_train(ddp_dir, "trainer=ddp", f"data.path={prepared}")
     metrics = read_metrics_csv(ddp_dir / "metrics.csv")
-    # Two ranks of 4 samples: 8 samples (1,024 tokens) per step, accumulation 2 after the change.
-    assert metrics["tokens_seen"][1][0] == 1024 and metrics["batch/accumulate"][1][-1] == 2
+    # Two ranks: 8 samples (1,024 tokens) per step, micro-batch 4; after the change micro-batch 8, no accumulation.
+    assert metrics["tokens_seen"][1][0] == 1024 and list(metrics["batch/micro_batch_size"][1][[0, -1]]) == [4, 8]
+    assert set(metrics["batch/accumulate"][1]) == {1}
     assert metrics["tokens_seen"][1][-1] == 12288
 
 
 def test_torchrun_fsdp_with_activation_checkpointing(first_run):
     run_dir, prepared, _ = first_run
     fsdp_dir = run_dir.parent / "fsdp"
-    torchrun_train(fsdp_dir, "trainer=fsdp", "model.activation_checkpointing=true", f"data.path={prepared}")
+    # The micro-batch stays 4 (batch.max_micro_batch_size=4), so FSDP2 accumulates 2 micro-batches after the change.
+    torchrun_train(fsdp_dir, "trainer=fsdp", "model.activation_checkpointing=true", "batch.max_micro_batch_size=4", f"data.path={prepared}")
     metrics = read_metrics_csv(fsdp_dir / "metrics.csv")
     assert metrics["tokens_seen"][1][-1] == 12288 and metrics["batch/accumulate"][1][-1] == 2
     assert 0 < metrics["val/loss"][1][-1] < metrics["train/loss"][1][0]
@@ -170,7 +183,7 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     result = subprocess.run(
         [sys.executable, TRAIN, "-m", *SMALL_RUN, f"data.path={prepared}", "callbacks.cbs_probe=null",
-         "data.batch_size=5,4", f"hydra.sweep.dir={tmp_path}"],
+         "batch.max_micro_batch_size=null", "data.batch_size=5,4", f"hydra.sweep.dir={tmp_path}"],
         cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
     )
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from test_schedules import megatron_reference
-from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
 from lit_cbs.schedules import ExponentialRamp
@@ -130,16 +130,79 @@ def test_exponential_ramp_in_tokens_with_seq_len_argument():
     assert_exact_steps(module, data, warmup)
 
 
-def test_micro_batch_grows_at_epoch_boundary_and_loader_reloads():
-    schedule = PiecewiseBatch([2, 8], [0, 40], unit="samples")
-    trainer, module, data, warmup = fit(schedule, n=48, epochs=3, max_micro_batch_size=8)
-    # The schedule's sizes 2 and 8 allow micro 2 at first; from the epoch after the jump, micro 8.
-    assert warmup.history[-1].new_micro_batch_size == 8 and warmup.history[-1].new_accumulate == 1
-    assert data.batch_size == 8
-    assert max(len(mb) for mb in module.micro_batches) == 8
-    seen = [i for micro_batch in module.micro_batches for i in micro_batch]
-    assert seen == data.epoch_order(0) + data.epoch_order(1) + data.epoch_order(2)
+# ---------------------------------------------------------------- the micro-batch grows between any two steps
+def epochs_read(module: RegressionModule) -> dict[int, list[int]]:
+    """The sample indices the run trained on, per epoch, in order."""
+    read: dict[int, list[int]] = {}
+    for step in module.steps:
+        read.setdefault(step["epoch"], []).extend(step["indices"])
+    return read
+
+
+def test_micro_batch_grows_mid_epoch_with_a_global_order_loader():
+    schedule = PiecewiseBatch([2, 4, 8, 16], [0, 20, 50, 120], unit="samples")
+    trainer, module, data, warmup = fit(schedule, epochs=2, data=GlobalOrderRegressionData(n=96, batch_size=2), max_micro_batch_size=8)
+    # The micro-batch grows first (2 -> 4 -> 8 samples, inside the first epoch), then the accumulation.
+    changes = [(c.step, c.new_global_batch, c.new_micro_batch_size, c.new_accumulate) for c in warmup.history]
+    assert changes == [(10, 4, 4, 1), (19, 8, 8, 1), (28, 16, 8, 2)]
+    assert [len(micro_batch) for micro_batch in module.micro_batches[:24]] == [2] * 10 + [4] * 9 + [8] * 5
+    # A change waits for the samples of the epoch to be a multiple of the new batch: 8 asked at 52, applied at 56.
+    assert [(c.requested_at_samples, c.samples_seen) for c in warmup.history] == [(20, 20), (52, 56), (120, 128)]
+    # The loader's order of each epoch, every sample once.
+    read = epochs_read(module)
+    assert read[0] == data.epoch_order(0) and read[1] == data.epoch_order(1)
     assert_exact_steps(module, data, warmup)
+    assert data.batch_size == 8 and warmup.micro_batch_size == 8
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    sizes=st.lists(SIZES, min_size=1, max_size=4),
+    gaps=st.lists(st.integers(min_value=1, max_value=60), min_size=3, max_size=3),
+    max_micro=st.sampled_from([2, 4, 6]),
+)
+def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(sizes, gaps, max_micro):
+    thresholds = [0]
+    for gap in gaps[: len(sizes) - 1]:
+        thresholds.append(thresholds[-1] + gap)
+    schedule = PiecewiseBatch(sizes, thresholds, unit="samples")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, module, data, warmup = fit(schedule, epochs=2, data=GlobalOrderRegressionData(n=60, batch_size=2), max_micro_batch_size=max_micro)
+    read = epochs_read(module)
+    for epoch, indices in read.items():  # each epoch's order, less a tail of at most one micro-batch
+        assert indices == data.epoch_order(epoch)[: len(indices)] and 60 - len(indices) < max_micro
+    assert_exact_steps(module, data, warmup)
+    for change in warmup.history:
+        assert change.new_global_batch == schedule.batch_size(change.requested_at_samples)
+        assert change.new_micro_batch_size == max(m for m in range(1, max_micro + 1) if change.new_global_batch % m == 0)
+        this_epoch = change.samples_seen - sum(len(read[epoch]) for epoch in range(change.epoch))
+        assert this_epoch % change.new_global_batch == 0 or this_epoch == len(read[change.epoch])  # or at the epoch's end
+
+
+def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_path):
+    schedule = PiecewiseBatch([2, 4, 8, 16], [0, 20, 50, 120], unit="samples")
+    scheduler = SCHEDULERS["lambda"]
+
+    def run(callbacks=(), ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        module, warmup = RegressionModule(scheduler_factory=scheduler), BatchWarmup(schedule, lr_rule="sqrt", max_micro_batch_size=8)
+        trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=2, enable_checkpointing=bool(callbacks)))
+        trainer.fit(module, GlobalOrderRegressionData(n=96, batch_size=2), ckpt_path=ckpt_path)
+        return module, warmup
+
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    full, full_warmup = run([checkpoint])
+    full_order = [i for micro_batch in full.micro_batches for i in micro_batch]
+    paths = sorted(tmp_path.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+    assert [int(path.stem.split("=")[1]) for path in paths] == [4, 8, 12, 16, 20, 24, 28, 32]  # before, between and after the changes
+    for path in paths:
+        resumed, resumed_warmup = run(ckpt_path=path)
+        assert torch.equal(resumed.layer.weight, full.layer.weight), path.name
+        order = [i for micro_batch in resumed.micro_batches for i in micro_batch]
+        assert order == full_order[len(full_order) - len(order):]
+        assert [s["lr"] for s in resumed.steps] == [s["lr"] for s in full.steps[len(full.steps) - len(resumed.steps):]]
+        assert resumed_warmup.history == full_warmup.history
 
 
 def test_max_tokens_stops_training():

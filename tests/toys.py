@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from lit_cbs.accounting import BatchAccounting
+from lit_cbs.loader import GlobalOrderLoader, epoch_order
 
 DIM = 4
 
@@ -58,6 +59,17 @@ class RegressionData(pl.LightningDataModule):
         sampler = DistributedSampler(self.dataset, num_replicas=1, rank=0, shuffle=True, seed=self.seed)
         sampler.set_epoch(epoch)
         return list(sampler)
+
+
+class GlobalOrderRegressionData(RegressionData):
+    """The same data through a ``GlobalOrderLoader``: one seeded order per epoch for any number of ranks,
+    whose micro-batch can change between optimizer steps."""
+
+    def train_dataloader(self):
+        return GlobalOrderLoader(self.dataset, batch_size=self.batch_size, seed=self.seed)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        return epoch_order(len(self.dataset), self.seed, epoch, shuffle=True).tolist()
 
 
 class RegressionModule(pl.LightningModule):

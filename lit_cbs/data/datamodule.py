@@ -4,6 +4,10 @@ A sample is ``seq_len + 1`` consecutive tokens (litdata's TokensLoader cuts the 
 non-overlapping blocks); a batch is an int64 tensor [batch_size, seq_len + 1]. The model
 reads ``batch[:, :-1]`` and is trained to predict ``batch[:, 1:]``, so each sample gives
 ``seq_len`` predictions (``tokens_per_sample``).
+
+Training samples are read by index from litdata's ``StreamingDataset`` in the order of a
+``GlobalOrderLoader``: one permutation of the whole split per epoch, the same for any number of
+ranks, so the micro-batch can change between optimizer steps and a run can resume on other ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 from lit_cbs.data.prepare import read_metadata, resolve_data
 from lit_cbs.data.tokenizers import load_tokenizer
 from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.loader import GlobalOrderLoader
 
 
 def stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
@@ -34,10 +39,9 @@ class TokenDataModule(LightningDataModule):
     (sequences); public and mutable: change it, then have the trainer reload the train loader
     (only the train loader follows it; validation keeps the batch size given here so the
     validation set stays the same). num_workers: DataLoader worker processes. seed, shuffle:
-    the train order, reshuffled each epoch by litdata from (seed, epoch): the chunks' order and a
-    full permutation of the samples inside each chunk, so a batch draws from the whole chunk
-    (2^24 tokens by default; the embedded corpus is one chunk) rather than from a few
-    neighbouring files. tokenizer:
+    the train order, a permutation of the whole split drawn afresh each epoch from (seed, epoch)
+    (``GlobalOrderLoader``), so a batch draws from the whole split rather than from a few
+    neighbouring files, and the order does not depend on the number of ranks. tokenizer:
     ``"bytes"`` or a tokenizer.json path. The validation loader reads the held-out split in order,
     so ``Trainer(limit_val_batches=N)`` validates on its first N batches (per process) every time.
     val_fraction: share of the text held out when preparing.
@@ -105,18 +109,8 @@ class TokenDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         data_dir = self._data_dir()
-        # drop_last: every process and loader worker gets the same number of samples (DDP, FSDP).
-        self.train_dataset = StreamingDataset(
-            str(data_dir / "train"),
-            item_loader=TokensLoader(block_size=self.seq_len + 1),
-            shuffle=self.shuffle,
-            seed=self.seed,
-            drop_last=True,
-            # litdata >= 0.2.74 permutes samples only within windows of 256 by default: every batch
-            # would then come from ~33k neighbouring tokens (a file or two), which makes batches
-            # strongly correlated and the loss spiky. "full" permutes the whole chunk.
-            item_shuffle_window="full",
-        )
+        # Read by index (GlobalOrderLoader orders and splits the samples), so litdata's own order is unused.
+        self.train_dataset = StreamingDataset(str(data_dir / "train"), item_loader=TokensLoader(block_size=self.seq_len + 1))
         self.val_dataset = StreamingDataset(
             str(data_dir / "val"), item_loader=TokensLoader(block_size=self.seq_len + 1), shuffle=False
         )
@@ -128,20 +122,20 @@ class TokenDataModule(LightningDataModule):
                     "or give more text"
                 )
 
-    def train_dataloader(self) -> StreamingDataLoader:
-        """Micro-batches of ``batch_size`` samples; an incomplete last batch is dropped."""
-        loader = StreamingDataLoader(
+    def train_dataloader(self) -> GlobalOrderLoader:
+        """Micro-batches of ``batch_size`` samples per rank; an epoch's tail that fills no micro-batch on
+        every rank is dropped."""
+        # Under Lightning, the strategy's data-parallel ranks (under tensor parallelism, not every process's).
+        ranks = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        return GlobalOrderLoader(
             self.train_dataset,
             batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
             num_workers=self.num_workers,
-            drop_last=True,
             collate_fn=stack_as_int64,
+            **(ranks or {}),
         )
-        if self.trainer is not None:
-            # A reloaded loader (e.g. after a batch_size change) continues the epoch count, so it
-            # does not replay the first epoch's order; a checkpoint's loader state overrides this.
-            loader.current_epoch = self.trainer.current_epoch
-        return loader
 
     def val_dataloader(self) -> StreamingDataLoader:
         return StreamingDataLoader(

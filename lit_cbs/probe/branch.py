@@ -2,7 +2,10 @@
 
 ``BranchTrainer.loss(window, k)``: input, a ``RecordedWindow`` (the start snapshot and the
 micro-batches the main run trained on over the window) and a multiplier k; output, the branch's
-``BranchScore``, scored as the main run's window is (``BranchTrainer.score``).
+``BranchScore``, scored as the main run's window is (``BranchTrainer.score``). The window's samples
+are regrouped into the branch's own micro-batches (``micro_batch_for(k)``: with a BatchWarmup that
+grows the micro-batch, the one it would train batch k*B with), so a branch trains as fast as the
+main run would at its batch, and the main run's micro-batch may change inside the window.
 
 A branch runs inside the Trainer without re-entering Lightning's loops, but through the same hooks
 a training step goes through: the module's ``optimizer_zero_grad``, ``training_step`` (through the
@@ -22,14 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
+from lightning.pytorch.utilities.data import extract_batch_size
 
-from lit_cbs._internals import block_ddp_gradient_sync
+from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lr_rules import LRRule, scale_learning_rate
@@ -43,7 +48,7 @@ class BranchFailed(Exception):
 
 
 class ProbeAborted(Exception):
-    """SIGTERM arrived during a probe: the main state is restored and Lightning shuts down as usual."""
+    """A stop signal arrived during a probe: the main state is restored and the run stops at that step."""
 
 
 class BranchError(RuntimeError):
@@ -71,17 +76,19 @@ class RecordedWindow:
     step: int  # optimizer steps taken at the window's start
     batch_size: int  # the global batch B
     accumulate: int  # micro-batches per rank and optimizer step at B
-    micro_batch_size: int  # samples per micro-batch and rank
+    micro_batch_size: int  # samples per micro-batch and rank at the window's start
     data_parallel_size: int
     seq_len: int  # tokens per sample
     multipliers: list[float]  # the ks whose batch k*B fits this window
     window_samples: int  # samples every branch trains on (global; whole steps of the largest branch)
     start: TrainingSnapshot
     batches: list[Any] = field(default_factory=list)  # micro-batches as the main run trained on them
+    recorded_samples: int = 0  # samples per rank in `batches`
     step_losses: list[float] = field(default_factory=list)  # the main run's, one per optimizer step
     micro_losses: list[float] = field(default_factory=list)  # of the optimizer step in progress
-    checkpoints: list[int] = field(default_factory=list)  # micro-batches (per rank) where the probe may end early
+    checkpoints: list[int] = field(default_factory=list)  # samples (per rank) where the probe may end early
     progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to a checkpoint
+    interrupted_at_tokens: int | None = None  # this probe was stopped once; its first window began there
 
     @property
     def window_tokens(self) -> int:
@@ -92,27 +99,41 @@ class RecordedWindow:
         return self.window_samples // self.data_parallel_size
 
     @property
-    def length(self) -> int:
-        """Micro-batches per rank in the whole window."""
-        return self.samples_per_rank // self.micro_batch_size
-
-    @property
     def complete(self) -> bool:
         """Whether the main run has trained on the whole window."""
-        return len(self.batches) >= self.length
+        return self.recorded_samples >= self.samples_per_rank
 
     @property
     def at_checkpoint(self) -> bool:
         """Whether the main run has just reached a point where the probe may end early."""
-        return len(self.batches) in self.checkpoints
+        return self.recorded_samples in self.checkpoints
 
-    def tokens_of(self, micro_batches: int) -> int:
-        """Tokens (global) in the first ``micro_batches`` micro-batches per rank."""
-        return micro_batches * self.micro_batch_size * self.data_parallel_size * self.seq_len
+    def tokens_of(self, samples_per_rank: int) -> int:
+        """Tokens (global) in ``samples_per_rank`` samples of every rank."""
+        return samples_per_rank * self.data_parallel_size * self.seq_len
+
+    def step_samples(self, k: float) -> int:
+        """Samples per rank in one step of batch k*B."""
+        return round(k * self.batch_size) // self.data_parallel_size
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
         """Keep a micro-batch the main run trains on, detached, on ``device``."""
         self.batches.append(move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device))
+        self.recorded_samples += extract_batch_size(batch)
+
+    def micro_batches(self, size: int, samples: int) -> list[Any]:
+        """The first ``samples`` recorded samples (per rank) as micro-batches of ``size``: the recorded
+        ones where they have that size, else cut anew from them along dim 0."""
+        needed = samples // size
+        if all(extract_batch_size(batch) == size for batch in self.batches[:needed]):
+            return self.batches[:needed]
+        if any(not isinstance(leaf, torch.Tensor) for leaf in tree_leaves(self.batches[0])):
+            raise LitCBSConfigError(
+                "CBSProbeCallback regroups the recorded batches into micro-batches of another size, which needs "
+                "batches of tensors (or collections of them) with the samples along dim 0"
+            )
+        joined = tree_map(lambda *leaves: torch.cat(leaves), *self.batches)
+        return [tree_map(lambda leaf, first=first: leaf[first : first + size], joined) for first in range(0, needed * size, size)]
 
     def record_micro_loss(self, loss: float) -> None:
         self.micro_losses.append(loss)
@@ -232,6 +253,7 @@ class BranchTrainer:
     lr_rule: LRRule  # LR factor (and optimizer adjustment) for batch ratio k
     evaluate: str
     ema_alpha: float  # weight of the newest step loss in the EMA
+    micro_batch_for: Callable[[float], int]  # samples per rank in a micro-batch of branch k
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
     cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
     tokens_trained: int = 0  # tokens (global) of every branch step taken so far
@@ -281,7 +303,8 @@ class BranchTrainer:
     def _train(self, window: RecordedWindow, k: float, keep: bool) -> list[float]:
         """This rank's per-step losses (nats) of batch k*B (LR scaled by ``lr_rule`` for ratio k)."""
         trainer, strategy, module = self.trainer, self.trainer.strategy, self.pl_module
-        micro_per_step = round(k * window.accumulate)
+        step_samples, micro = window.step_samples(k), self.micro_batch_for(k)
+        micro_per_step = step_samples // micro
         progress = window.progress.pop(k, None)
         if progress is not None:
             progress.state.restore(trainer, module)
@@ -293,10 +316,10 @@ class BranchTrainer:
         optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
         raw_optimizer = trainer.optimizers[0]
         schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
-        batches = window.batches[: window.length]
-        steps = len(batches) // micro_per_step
+        steps = min(window.recorded_samples, window.samples_per_rank) // step_samples
+        batches = window.micro_batches(micro, steps * step_samples)
         cooldown = round(self.cooldown_fraction * steps)
-        tokens_per_step = window.tokens_of(micro_per_step)
+        tokens_per_step = window.tokens_of(step_samples)
         first_step = progress.steps if progress is not None else 0
         tokens = window.tokens + first_step * tokens_per_step
         step_losses: list[float] = list(progress.step_losses) if progress is not None else []
@@ -343,7 +366,8 @@ class BranchTrainer:
                 if isinstance(config.scheduler, TokenLRScheduler):
                     config.scheduler.tokens_seen = tokens
                 module.lr_scheduler_step(config.scheduler, None)
-            if strategy.reduce_boolean_decision(trainer.received_sigterm, all=False):
+            stopping = trainer.received_sigterm or self.accounting.stop_signal is not None
+            if strategy.reduce_boolean_decision(stopping, all=False):
                 raise ProbeAborted()
         module.optimizer_zero_grad(trainer.current_epoch, steps, optimizer)
         if keep:

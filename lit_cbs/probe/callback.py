@@ -186,6 +186,8 @@ class CBSProbeCallback(Callback):
         self._trained: list[float] = []  # multipliers trained as branches in that window
         self._failed: list[float] = []
         self._heldout: list | None = None
+        self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
+        self._resumed = False
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
 
@@ -225,6 +227,7 @@ class CBSProbeCallback(Callback):
             self.lr_rule.check_ratios(optimizer, schedulers, ratios, who)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._resumed = trainer.global_step > 0
         max_tokens = self._accounting.max_tokens
         if max_tokens is not None:  # known before any data is read; max_steps and max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
@@ -244,6 +247,10 @@ class CBSProbeCallback(Callback):
             rank_zero_info("CBSProbeCallback: no logger and no output_dir; readings are kept in .history only")
         elif trainer.is_global_zero:
             self._write_history()
+        if self._resumed and not self._accounting.budget_reached and self._accounting.tokens_seen >= self.probe_point(self.probes_started):
+            # Resumed where a probe was due, or inside one that was stopped: it starts here, before the first batch,
+            # as the uninterrupted run started it right after this step.
+            self._start_probe(trainer, pl_module, trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1)
 
     def _write_history(self) -> None:
         """Make cbs_probe.jsonl hold exactly ``history`` (at the start of a fit and after each reading):
@@ -263,9 +270,17 @@ class CBSProbeCallback(Callback):
         return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
 
     def _check_first_point(self, end: RunEnd) -> None:
-        """Refuse a schedule whose next probe point lies at or past the run's latest end."""
+        """Refuse a schedule whose next probe point lies at or past the run's latest end; a resumed run
+        past its last probe point just goes on without one."""
         first = self.probe_point(self.probes_started)
-        if end.latest is not None and first >= end.latest:
+        if end.latest is None or first < end.latest:
+            return
+        if self._resumed:
+            rank_zero_info(
+                f"CBSProbeCallback: no probe point is left in the rest of this run (the next is at {first:,.0f} tokens; "
+                f"the run ends by {end.limit} at {end.latest:,} tokens or sooner)"
+            )
+        else:
             raise LitCBSConfigError(
                 f"no probe point lies inside the run: the first is at {first:,.0f} tokens but the run ends by "
                 f"{end.limit} at {end.latest:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
@@ -293,12 +308,12 @@ class CBSProbeCallback(Callback):
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
-        unit = accounting.micro_batch_size * accounting.data_parallel_size
-        too_small = [k for k in self.multipliers if (k * batch) % unit]
+        too_small = [k for k in self.multipliers if self._branch_micro_batch(k, batch) is None]
         if too_small:
             rank_zero_warn(
                 f"multipliers {too_small} give batches that are not a whole number of micro-batches "
-                f"({unit} samples) at batch {batch}; they are skipped while that holds"
+                f"({accounting.micro_batch_size} samples on each of {accounting.data_parallel_size} ranks) at batch "
+                f"{batch}; they are skipped while that holds"
             )
 
     # ------------------------------------------------------------------ main-run hooks
@@ -325,7 +340,11 @@ class CBSProbeCallback(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._window is not None:
-            rank_zero_warn(f"CBS probe at {self._window.tokens:,} tokens dropped: training ended inside its window")
+            if self._accounting.stop_signal is None:
+                rank_zero_warn(f"CBS probe at {self._window.tokens:,} tokens dropped: training ended inside its window")
+                self._accounting.probe_window_step = None
+            else:  # stopped by a signal: a resumed run redoes it (FinalStateCheckpoint keeps its start)
+                self._interrupted = (self._window.tokens, self._window.step)
             self._window = None
         if trainer.is_global_zero and self.history and self._resolved_output_dir is not None:
             batch_changes = self._warmup.history if self._warmup is not None else []
@@ -335,18 +354,33 @@ class CBSProbeCallback(Callback):
             )
 
     # ------------------------------------------------------------------ a probe
-    def _usable_multipliers(self, batch_size: int, unit: int, window_samples: int) -> list[float]:
-        """The ks whose batch k*B is a whole number of micro-batch units and fits the window."""
-        usable = []
-        for k in self.multipliers:
-            branch = k * batch_size
-            if abs(branch - round(branch)) < 1e-9 and round(branch) % unit == 0 and branch <= window_samples:
-                usable.append(k)
-        return usable
+    def _branch_micro_batch(self, k: float, batch_size: int) -> int | None:
+        """Samples per rank in a micro-batch of branch k at the main batch ``batch_size``: the one BatchWarmup
+        would train batch k*B with (with ``max_micro_batch_size``), else the main run's; None where k*B
+        is no whole number of such micro-batches on every rank."""
+        accounting = self._accounting
+        branch, ranks = k * batch_size, accounting.data_parallel_size
+        if abs(branch - round(branch)) > 1e-9 or round(branch) % ranks:
+            return None
+        if self._warmup is not None and self._warmup.max_micro_batch_size is not None:
+            return self._warmup.micro_batch_for(round(branch))
+        micro = accounting.micro_batch_size
+        return micro if (round(branch) // ranks) % micro == 0 else None
+
+    def _usable_multipliers(self, batch_size: int, window_samples: int) -> list[float]:
+        """The ks whose batch k*B is a whole number of micro-batches on every rank and fits the window."""
+        return [k for k in self.multipliers if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples]
 
     def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
         tokens = accounting.tokens_seen
+        interrupted, self._interrupted = self._interrupted, None
+        if interrupted is not None and interrupted != (tokens, trainer.global_step):
+            rank_zero_warn(
+                f"CBS probe whose window began at {interrupted[0]:,} tokens (step {interrupted[1]}) was stopped and is "
+                f"redone at {tokens:,} tokens (step {trainer.global_step}), where this run resumed: its reading says so "
+                "(interrupted_at_tokens). Resuming from the checkpoint of the probe's start redoes it where it began"
+            )
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
@@ -360,7 +394,7 @@ class CBSProbeCallback(Callback):
         batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
         seq_len = accounting.seq_len
         window_samples = self.window_tokens // seq_len
-        ks = self._usable_multipliers(batch_size, micro * world, window_samples)
+        ks = self._usable_multipliers(batch_size, window_samples)
         if not ks or (self.strategy == "bisect" and 1.0 not in ks):
             rank_zero_warn(f"CBS probe at {tokens:,} tokens skipped: no multiplier fits batch {batch_size}")
             return
@@ -385,12 +419,13 @@ class CBSProbeCallback(Callback):
                     f"{overhead:.2f} > max_overhead={self.max_overhead}"
                 )
                 return
-        largest_step = round(max(ks) * accounting.accumulate)  # micro-batches per rank
-        length = window_samples // world // micro
+        largest_step = round(largest) // world  # samples per rank
+        length = window_samples // world
         checkpoints = sorted({int(f * length) // largest_step * largest_step for f in self.early_stop} - {0, length})
         self._branches = BranchTrainer(
-            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha, self._heldout,
-            self.cooldown_fraction,
+            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha,
+            micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size), heldout=self._heldout,
+            cooldown_fraction=self.cooldown_fraction,
         )
         self._trained, self._failed = [], []
         with accounting.branching():  # the copy is probe work, not the main run's time
@@ -407,7 +442,9 @@ class CBSProbeCallback(Callback):
             multipliers=ks,
             window_samples=window_samples,
             start=start,
+            interrupted_at_tokens=interrupted[0] if interrupted is not None and interrupted[0] != tokens else None,
         )
+        accounting.probe_window_step = trainer.global_step
 
     def _finish_probe(self, trainer, pl_module) -> None:
         """Train and score the branches over the window recorded so far; record the reading if the
@@ -438,8 +475,8 @@ class CBSProbeCallback(Callback):
                 with logging_muted(pl_module):
                     scores = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
             except ProbeAborted:
-                rank_zero_warn(f"CBS probe at {window.tokens:,} tokens aborted by SIGTERM; main state restored")
-                self._window = None
+                rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
+                self._interrupted, self._window = (window.tokens, window.step), None
                 return
             finally:
                 after_window.restore(trainer, pl_module)
@@ -454,7 +491,7 @@ class CBSProbeCallback(Callback):
             tokens=window.tokens,
             step=window.step,
             seq_len=window.seq_len,
-            window_tokens=window.tokens_of(min(len(window.batches), window.length)),
+            window_tokens=window.tokens_of(min(window.recorded_samples, window.samples_per_rank)),
             strategy=self.strategy,
             evaluate=self.evaluate,
             main_loss=main_score.loss,
@@ -464,10 +501,12 @@ class CBSProbeCallback(Callback):
             overhead=self.tokens_spent / max(1, accounting.tokens_seen),
             cooldown_fraction=self.cooldown_fraction,
             planned_window_tokens=window.window_tokens,
+            interrupted_at_tokens=window.interrupted_at_tokens,
         )
         if not (final or reading.determined):
             return  # undetermined at an early-stop checkpoint: the window goes on
         self._window = None
+        accounting.probe_window_step = None
         self._feed_adaptive_schedule(reading)
         self.history.append(reading)
         self._report(trainer, reading)
@@ -524,11 +563,14 @@ class CBSProbeCallback(Callback):
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         # A window in progress cannot be finished after a resume (its start snapshot lives only in
-        # memory), so a checkpoint taken inside one asks the resumed run to probe again at once.
+        # memory), so a checkpoint taken inside one asks the resumed run to probe again at once: at the
+        # same step if the checkpoint is the window's start (FinalStateCheckpoint writes one there).
+        open_window = (self._window.tokens, self._window.step) if self._window is not None else self._interrupted
         return {
             "history": [dataclasses.asdict(reading) for reading in self.history],
             "tokens_spent": self.tokens_spent,
-            "probes_started": self.probes_started - (self._window is not None),
+            "probes_started": self.probes_started - (open_window is not None),
+            "interrupted": list(open_window) if open_window is not None else None,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -536,3 +578,5 @@ class CBSProbeCallback(Callback):
         self.history = [ProbeReading(**{"seq_len": None, **copy.deepcopy(reading)}) for reading in state_dict["history"]]
         self.tokens_spent = state_dict["tokens_spent"]
         self.probes_started = state_dict["probes_started"]
+        interrupted = state_dict.get("interrupted")
+        self._interrupted = tuple(interrupted) if interrupted is not None else None

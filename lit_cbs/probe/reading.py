@@ -257,6 +257,7 @@ class ProbeReading:
     batch_losses: dict[str, list[float]] = field(default_factory=dict)  # per k, per held-out batch (heldout)
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
     planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
+    interrupted_at_tokens: int | None = None  # a stop signal interrupted this probe where its window began, at these tokens
 
     @classmethod
     def decide(

@@ -1,0 +1,266 @@
+"""``GlobalOrderLoader``: micro-batches cut from one global sample order, so that the micro-batch can
+change between any two optimizer steps and a run resumes exactly on any number of ranks.
+
+The order. Each epoch is one permutation of the dataset's samples, seeded by ``(seed, epoch)``
+alone: it does not depend on the number of ranks, the micro-batch or the accumulation. An optimizer
+step with a global batch of B samples trains on the next B samples of that order.
+
+The split. From the position P where the current micro-batch size m took effect, the samples are
+dealt to the W data-parallel ranks in runs of m: micro-batch k of rank r holds positions
+``P + (k W + r) m`` to ``P + (k W + r + 1) m - 1``. A step of N micro-batches per rank therefore takes,
+over all ranks, exactly the positions ``[P', P' + N m W)`` that follow the previous step, whatever
+m, N and W are, as long as ``B = m N W``.
+
+So the data position is one number, the samples consumed so far this epoch over all ranks
+(``position``, in the checkpoint). Changing m at a step boundary (``batch_size = ...``), or
+resuming on another number of ranks, regroups the samples from that position on: none is skipped or
+repeated, and every step still trains on the same samples as a run that never changed. The tail
+of an epoch that does not fill one micro-batch on every rank is dropped, the same on every rank.
+
+Lightning's fit loop reads the loader as it reads a ``DataLoader``: ``len()`` (micro-batches this rank
+yields this epoch) keeps it from fetching ahead, so a new ``batch_size`` applies from the very next
+micro-batch; ``state_dict``/``load_state_dict`` carry the position through checkpoints; and
+``sampler.set_epoch`` (``sampler`` is the loader itself) moves it to the next epoch's order.
+Samples are read with a torch ``DataLoader`` (workers, ``collate_fn``, ``pin_memory``) over the
+index runs, restarted from the current position whenever the micro-batch changes; its worker seeds
+come from a generator of its own, so the global random streams are never drawn from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lit_cbs.errors import LitCBSConfigError, positive_int
+
+
+def global_sample_count(dataset: Any) -> int:
+    """Samples in the whole dataset, over all ranks. A litdata ``StreamingDataset`` reports its own rank's
+    share as ``len()``; its ``region_of_interest`` (item ranges per chunk) gives the whole."""
+    regions = getattr(dataset, "region_of_interest", None)
+    if regions:
+        return int(sum(end - start for start, end in regions))
+    return len(dataset)
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The epoch's global order of sample indices: a permutation seeded by (seed, epoch) alone, or 0..n-1."""
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(num_samples).astype(np.int64, copy=False)
+
+
+def rank_micro_batches(order: np.ndarray, start: int, micro_batch_size: int, rank: int, world: int) -> Iterator[list[int]]:
+    """The sample indices of each micro-batch rank ``rank`` of ``world`` reads from ``start`` on (runs of
+    ``micro_batch_size``, dealt to the ranks in turn); stops where a run would not fill every rank."""
+    stride = micro_batch_size * world
+    first = start + rank * micro_batch_size
+    for base in range(first, start + (len(order) - start) // stride * stride, stride):
+        yield order[base : base + micro_batch_size].tolist()
+
+
+class _ByIndex(Dataset):
+    """A dataset that is iterable-style to torch (litdata's StreamingDataset) read by index, which a
+    DataLoader with a batch sampler requires."""
+
+    def __init__(self, dataset: Any, length: int):
+        self.dataset, self.length = dataset, length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class _IndexRuns:
+    """A batch sampler over fixed index runs (a torch DataLoader takes its index lists from it)."""
+
+    def __init__(self, runs: Callable[[], Iterator[list[int]]], count: int):
+        self.runs, self.count = runs, count
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.runs()
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class GlobalOrderLoader:
+    """Micro-batches of ``batch_size`` samples per rank from one global, world-size independent order.
+
+    Args:
+        dataset: a map-style dataset (``__getitem__`` by index), e.g. a litdata ``StreamingDataset``.
+        batch_size: the micro-batch, samples per rank and forward pass; may be changed between any two
+            optimizer steps (``BatchWarmup`` does, with ``max_micro_batch_size``).
+        shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
+        seed: the order's seed.
+        num_workers, collate_fn, pin_memory: as for ``torch.utils.data.DataLoader``.
+        num_replicas, rank: the data-parallel ranks and this process's rank. Default: the default
+            process group's (torch.distributed), else 1 and 0. ``TokenDataModule`` passes the
+            Lightning strategy's data-parallel ranks.
+
+    Attributes:
+        epoch: the epoch whose order is read.
+        position: samples consumed this epoch, over all ranks (the data position).
+        micro_batches: micro-batches this rank has yielded this epoch.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+    ):
+        self.num_samples = global_sample_count(dataset)
+        # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
+        self.dataset = _ByIndex(dataset, self.num_samples) if isinstance(dataset, IterableDataset) else dataset
+        self._batch_size = positive_int("batch_size", batch_size, "samples per rank")
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise LitCBSConfigError(f"num_workers={num_workers!r} must be an int >= 0 (worker processes)")
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.pin_memory = pin_memory
+        if (num_replicas is None) != (rank is None):
+            raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
+        self._replicas = None if num_replicas is None else (positive_int("num_replicas", num_replicas, "ranks"), int(rank))
+        if self._replicas is not None and not 0 <= rank < num_replicas:
+            raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
+        self.epoch = 0
+        self.position = 0
+        self.micro_batches = 0
+        self._exhausted = False
+        self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
+        self._batches: Iterator | None = None  # the running read, from _run_start on
+        self._run_start = 0
+
+    # ------------------------------------------------------------------ what Lightning and BatchWarmup set
+    @property
+    def batch_size(self) -> int:
+        """Samples per micro-batch and rank."""
+        return self._batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        value = positive_int("batch_size", value, "samples per rank")
+        if value != self._batch_size:
+            self._batch_size = value
+            self._batches = None  # the next micro-batch is read from the position now, in runs of the new size
+
+    @property
+    def sampler(self) -> GlobalOrderLoader:
+        """Where Lightning looks for ``set_epoch`` at the start of every epoch."""
+        return self
+
+    def set_epoch(self, epoch: int) -> None:
+        """Read ``epoch``'s order; from its start, unless the position is already in it (a resumed run)."""
+        if epoch != self.epoch:
+            self.epoch, self.position, self.micro_batches = epoch, 0, 0
+            self._batches = None
+        self._exhausted = False
+
+    def topology(self) -> tuple[int, int]:
+        """(data-parallel ranks, this rank)."""
+        if self._replicas is not None:
+            return self._replicas
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_world_size(), torch.distributed.get_rank()
+        return 1, 0
+
+    # ------------------------------------------------------------------ iteration
+    def _remaining_micro_batches(self) -> int:
+        world, _ = self.topology()
+        return (self.num_samples - self.position) // (self._batch_size * world)
+
+    def __len__(self) -> int:
+        """Micro-batches this rank yields this epoch at the current micro-batch size (those yielded included)."""
+        return self.micro_batches + self._remaining_micro_batches()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._exhausted:  # used outside Lightning, which calls set_epoch: the next epoch follows
+            self.set_epoch(self.epoch + 1)
+        self._batches = None
+        return _Iteration(self)
+
+    def _next(self) -> Any:
+        if self._batches is None:
+            self._batches = self._read_from_position()
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            self._exhausted = True
+            self._batches = None
+            raise
+        world, _ = self.topology()
+        self.micro_batches += 1
+        self.position += self._batch_size * world
+        return batch
+
+    def _read_from_position(self) -> Iterator[Any]:
+        if self._order is None or self._order[0] != self.epoch:
+            self._order = (self.epoch, epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle))
+        order, start, micro = self._order[1], self.position, self._batch_size
+        world, rank = self.topology()
+        runs = _IndexRuns(lambda: rank_micro_batches(order, start, micro, rank, world), self._remaining_micro_batches())
+        # Worker seeds from a generator of the loader's own, so that no global random stream moves.
+        generator = torch.Generator().manual_seed(int(np.random.default_rng([self.seed, self.epoch, start]).integers(2**62)))
+        return iter(
+            DataLoader(
+                self.dataset,
+                batch_sampler=runs,
+                num_workers=self.num_workers,
+                collate_fn=self.collate_fn,
+                pin_memory=self.pin_memory,
+                generator=generator,
+            )
+        )
+
+    # ------------------------------------------------------------------ checkpointing (Lightning's _Stateful)
+    def state_dict(self) -> dict[str, Any]:
+        world, _ = self.topology()
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "micro_batches": self.micro_batches,
+            "num_samples": self.num_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "data_parallel_size": world,
+            "batch_size": self._batch_size,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        for name in ("num_samples", "seed", "shuffle"):
+            if state_dict[name] != getattr(self, name):
+                raise LitCBSConfigError(
+                    f"the checkpoint's train loader read {name}={state_dict[name]!r} but this one has "
+                    f"{name}={getattr(self, name)!r}: resume on the same data and seed, or start afresh"
+                )
+        self.epoch, self.position, self.micro_batches = state_dict["epoch"], state_dict["position"], state_dict["micro_batches"]
+        self._batches = None
+        self._exhausted = False
+
+
+class _Iteration:
+    """The iterator ``iter(loader)`` returns; the position lives in the loader."""
+
+    def __init__(self, loader: GlobalOrderLoader):
+        self.loader = loader
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __next__(self) -> Any:
+        return self.loader._next()
