@@ -104,7 +104,6 @@ TRAINED = [CONTROL, *SCHEDULED]  # the three ways tiny4x is trained
 
 def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
     """recipes/train.py's command line for ``run``."""
-    micro_tokens = 16 * SEQ_LEN
     overrides = [
         f"+recipe={run.recipe}",
         f"seed={run.seed}",

@@ -20,9 +20,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from launch import subprocess_env
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DistributedSampler
-from toys import IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
 
@@ -180,3 +180,96 @@ def test_fsdp2_accumulates_without_sync_and_steps_on_exact_global_batches(tmp_pa
 def test_batch_warmup_pickles_for_ddp_spawn(lr_rule):
     """ddp_spawn pickles the Trainer and its callbacks into every child process."""
     pickle.dumps(BatchWarmup(ConstantBatch(4), lr_rule=lr_rule))
+
+
+# ---------------------------------------------------------------- resume on another number of ranks
+# 4 -> 8 -> 16 samples at 40 and 120 samples, micro-batch at most 4: micro 4 x accumulation 1, 2, 4 on one rank,
+# micro 2, 4, 4 x accumulation 1, 1, 2 on two. Checkpoints every 3 steps; step 18 falls 8 samples into the second
+# epoch, at batch 8: two ranks have taken one micro-batch of 4 there, which one rank's accumulation 2 does not
+# divide, so Lightning's count is moved on, not the data.
+ELASTIC_SCHEDULE = PiecewiseBatch([4, 8, 16], [0, 40, 120], unit="samples")
+
+
+class SaveSteps(Callback):
+    """Saves this rank's per-step sample indices, LRs and final weight to ``outdir/rank{rank}.pt``."""
+
+    def __init__(self, outdir: Path):
+        self.outdir = outdir
+
+    def on_train_end(self, trainer, pl_module):
+        warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
+        records = {"indices": [s["indices"] for s in pl_module.steps], "lrs": [s["lr"] for s in pl_module.steps],
+                   "weight": pl_module.layer.weight.detach().clone(), "history": warmup.state_dict()["history"],
+                   "global_step": trainer.global_step}
+        torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
+
+
+def elastic_run(ranks: int, outdir: Path, ckpt_path: Path | None = None, checkpoints: Path | None = None) -> dict:
+    """A run on ``ranks`` processes; returns the steps joined over the ranks (samples, LR), its weight and history."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    callbacks = [BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=4), SaveSteps(outdir)]
+    if checkpoints is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, filename="{step}"))
+    kwargs = trainer_kwargs(devices=ranks, max_epochs=EPOCHS, enable_checkpointing=checkpoints is not None)
+    if ranks > 1:
+        kwargs["strategy"] = "ddp_spawn"
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(RegressionModule(), GlobalOrderRegressionData(n=SAMPLES, batch_size=2), ckpt_path=ckpt_path)
+    per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
+    steps = [sorted(i for records in per_rank for i in records["indices"][number]) for number in range(len(per_rank[0]["indices"]))]
+    assert all(records["lrs"] == per_rank[0]["lrs"] for records in per_rank)
+    return {"steps": steps, "lrs": per_rank[0]["lrs"], "weight": per_rank[0]["weight"], "history": per_rank[0]["history"]}
+
+
+def batch_changes(history: list[dict]) -> list[tuple]:
+    """What a change is whatever the ranks: where it was asked, where it happened, the global batches, the LR factor."""
+    keys = ("step", "samples_seen", "requested_at_samples", "old_global_batch", "new_global_batch", "lr_factor")
+    return [tuple(change[key] for key in keys) for change in history]
+
+
+@pytest.mark.slow
+def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_path):
+    one = elastic_run(1, tmp_path / "one", checkpoints=tmp_path / "one_ckpt")
+    two = elastic_run(2, tmp_path / "two", checkpoints=tmp_path / "two_ckpt")
+    # The same samples in every step, the same LRs and batch changes, on one rank as on two.
+    assert one["steps"] == two["steps"] and one["lrs"] == pytest.approx(two["lrs"], rel=1e-12)
+    assert batch_changes(one["history"]) == batch_changes(two["history"])
+    assert [len(step) for step in one["steps"]] == [4] * 10 + [8] * 11 + [16] * 4  # 16 asked at 120, applied at 128
+    for ranks, checkpoint in ((1, tmp_path / "two_ckpt" / "step=18.ckpt"), (2, tmp_path / "one_ckpt" / "step=18.ckpt")):
+        resumed = elastic_run(ranks, tmp_path / f"resumed_on_{ranks}", ckpt_path=checkpoint)
+        assert resumed["steps"] == one["steps"][18:] and resumed["lrs"] == pytest.approx(one["lrs"][18:], rel=1e-12)
+        assert batch_changes(resumed["history"]) == batch_changes(one["history"])
+        # Sample ids over the whole run: every one of the 96 exactly once per epoch, as without the resume.
+        counts = torch.bincount(torch.tensor([i for step in one["steps"][:18] + resumed["steps"] for i in step]), minlength=SAMPLES)
+        assert counts.tolist() == [EPOCHS] * SAMPLES
+        torch.testing.assert_close(resumed["weight"], one["weight"], rtol=1e-12, atol=1e-14)
+
+
+def fsdp_elastic_run(outdir: Path, processes: int, ckpt_path: Path | None = None) -> dict:
+    """tests/scripts/fsdp_elastic.py on ``processes`` processes; the steps joined over the ranks."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, str(SCRIPTS / "fsdp_elastic.py"), str(outdir), str(processes), *([str(ckpt_path)] if ckpt_path else [])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    assert result.returncode == 0, result.stderr[-5000:]
+    per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
+    steps = [sorted(i for records in per_rank for i in records["steps"][number]["indices"]) for number in range(len(per_rank[0]["steps"]))]
+    return {"steps": steps, "lrs": [step["lr"] for step in per_rank[0]["steps"]], "last": per_rank[0]["steps"][-1]["weights"],
+            "history": per_rank[0]["history"], "log": result.stdout + result.stderr}
+
+
+@pytest.mark.slow
+def test_fsdp2_resumes_a_distributed_checkpoint_on_another_number_of_processes(tmp_path):
+    two = fsdp_elastic_run(tmp_path / "two", 2)
+    one = fsdp_elastic_run(tmp_path / "one", 1, tmp_path / "two" / "checkpoints" / "step=18.ckpt")
+    assert "resumed on 1 data-parallel rank(s) (the checkpoint's run had 2)" in one["log"]
+    assert one["steps"] == two["steps"][18:] and one["lrs"] == pytest.approx(two["lrs"][18:], rel=1e-12)
+    assert batch_changes(one["history"]) == batch_changes(two["history"])
+    counts = torch.bincount(torch.tensor([i for step in two["steps"][:18] + one["steps"] for i in step]), minlength=SAMPLES)
+    assert counts.tolist() == [EPOCHS] * SAMPLES
+    for resumed, uninterrupted in zip(one["last"], two["last"]):  # the weights the last step started from, resharded
+        torch.testing.assert_close(resumed, uninterrupted, rtol=1e-10, atol=1e-12)
+    back_on_two = fsdp_elastic_run(tmp_path / "back", 2, tmp_path / "one" / "checkpoints" / "step=21.ckpt")
+    assert back_on_two["steps"] == two["steps"][21:]
