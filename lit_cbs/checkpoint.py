@@ -53,10 +53,12 @@ from lit_cbs.accounting import BatchAccounting, mean_over_ranks
 
 class FinalStateCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops
-    (see the module docstring). ``last.ckpt`` needs ``save_last=True``."""
+    (see the module docstring). ``last.ckpt`` needs ``save_last=True``. ``enable_version_counter``
+    defaults to False: a job resumed in the same folder (a requeued SLURM job) overwrites ``last.ckpt``
+    instead of writing ``last-v1.ckpt`` beside a stale one."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
+        super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
         self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
         self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
 

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import logging
 import re
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -42,6 +43,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
@@ -321,6 +323,7 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
         ],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
+        "stopped_by": signal.Signals(warmup.accounting.stop_signal).name if warmup.accounting.stop_signal else None,
         "probe": None,
     }
     probes = [callback for callback in trainer.callbacks if isinstance(callback, CBSProbeCallback)]
@@ -358,6 +361,8 @@ def summarize(summary: dict) -> str:
         f"final val/loss   {val_loss:.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
         f"wall time        {seconds:.1f} s (trainer.fit)",
     ]
+    if summary.get("stopped_by"):
+        lines.append(f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)")
     probe = summary["probe"]
     if probe and probe["readings"]:
         readings = ", ".join(
@@ -424,10 +429,13 @@ def main(cfg: DictConfig) -> float | None:
         log.info(describe(run, cfg))
 
     started = time.perf_counter()
+    terminated = False
     try:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
     except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
         stop_on_config_error(error, name_the_run_keys(cfg, one_line(error)))
+    except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.checkpoint): say so, exit non-zero
+        terminated = True
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")
@@ -438,7 +446,9 @@ def main(cfg: DictConfig) -> float | None:
         metrics_csv = output_dir / "metrics.csv"
         if cfg.plots and metrics_csv.is_file():
             plot_run(metrics_csv, output_dir, title=cfg.run_name)
-        log.info(f"lit_cbs: {cfg.run_name} done\n{summarize(summary)}\noutputs          {output_dir}")
+        log.info(f"lit_cbs: {cfg.run_name} {'stopped' if summary['stopped_by'] else 'done'}\n{summarize(summary)}\noutputs          {output_dir}")
+    if terminated:
+        raise SystemExit(128 + signal.SIGTERM)  # the shell's code for a run ended by SIGTERM, so schedulers do not read "done"
     return float(val_loss) if val_loss is not None else None
 
 
