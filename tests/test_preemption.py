@@ -37,20 +37,6 @@ PROBED_RUN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory) -> Path:
-    """A folder of a few standard-library files, tokenized once."""
-    import sysconfig
-
-    from lit_cbs.data.prepare import resolve_data
-
-    folder = tmp_path_factory.mktemp("texts")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for name in ("argparse.py", "textwrap.py", "string.py"):
-        (folder / name).write_bytes((stdlib / name).read_bytes())
-    return resolve_data(input_dir=folder, cache_dir=tmp_path_factory.mktemp("cache"), val_fraction=0.1)
-
-
 def build(run_dir: Path, prepared: Path, *overrides: str):
     cfg = compose_config(*PROBED_RUN, f"data.path={prepared}", *overrides, output_dir=str(run_dir))
     pl.seed_everything(cfg.seed, workers=True)

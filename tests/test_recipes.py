@@ -78,7 +78,7 @@ def test_every_recipe_builds_on_meta_and_plans_within_its_limits(recipe):
         model.configure_model()  # no trainer: built unsharded, here on the meta device
     assert all(p.is_meta for p in model.parameters())
     optimizer = model.configure_optimizers()["optimizer"]
-    assert isinstance(optimizer, torch.optim.AdamW)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["fused"] is True
     assert [group["weight_decay"] for group in optimizer.param_groups] == [cfg.model.optimizer.weight_decay, 0.0]
     preset = cfg.model.config.preset
     if preset in OLMO_PARAMETERS:
