@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 
 from lit_cbs.models.olmo import OLMo, OLMoConfig
-from lit_cbs.schedules import BatchSchedule
+from lit_cbs.schedules import BatchSchedule, micro_batch_for
 
 GIB = 2**30
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -243,34 +243,84 @@ def batch_phases(
     schedule: BatchSchedule,
     max_tokens: int,
     seq_len: int,
-    micro_batch: int,
+    micro_batch: int | Callable[[int], int],
     data_parallel_size: int,
     lr_factor: Callable[[float], float],
 ) -> list[BatchPhase]:
     """The run's phases, step by step as BatchWarmup takes them: each optimizer step trains on the
-    batch the schedule gives for what was consumed before it, and the run stops after the step
-    that reaches ``max_tokens``. (BatchWarmup may wait up to ``new/old - 1`` steps for a change to
-    fit the accumulation window; the plan applies it at once.)"""
+    batch the schedule gives for what was consumed before it, a change waits for the samples
+    consumed to be a multiple of the new batch (as BatchWarmup does within an epoch; the plan
+    assumes one epoch), and the run stops after the step that reaches ``max_tokens``.
+    ``micro_batch``: samples per rank, or global batch -> micro-batch (BatchWarmup's
+    ``max_micro_batch_size`` rule, ``lit_cbs.schedules.micro_batch_for``)."""
+    micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
     phases: list[BatchPhase] = []
     tokens = samples = steps = 0
     batch, factor, start = None, 1.0, 0
     while tokens < max_tokens:
         new = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
-        if new != batch:
+        if new != batch and (batch is None or samples % new == 0):
             if batch is not None:
-                phases.append(_phase(start, tokens, batch, micro_batch, data_parallel_size, steps, factor))
+                phases.append(_phase(start, tokens, batch, micro_for(batch), data_parallel_size, steps, factor))
                 factor *= lr_factor(new / batch)
             batch, start, steps = new, tokens, 0
         tokens += batch * seq_len
         samples += batch
         steps += 1
     if batch is not None:
-        phases.append(_phase(start, tokens, batch, micro_batch, data_parallel_size, steps, factor))
+        phases.append(_phase(start, tokens, batch, micro_for(batch), data_parallel_size, steps, factor))
     return phases
 
 
 def _phase(start, end, batch, micro_batch, data_parallel_size, steps, factor) -> BatchPhase:
     return BatchPhase(start, end, batch, micro_batch, batch // (micro_batch * data_parallel_size), steps, factor)
+
+
+def largest_micro_batch(limit_bytes: float, largest_share: int, memory_at: Callable[[int], DeviceMemory]) -> int | None:
+    """The largest micro-batch (samples per rank, at most ``largest_share``) whose step fits
+    ``limit_bytes`` by ``memory_at(micro) -> DeviceMemory``; None if one sample does not fit."""
+    fits = None
+    for micro in range(1, largest_share + 1):
+        if memory_at(micro).total > limit_bytes:
+            break  # memory grows with the micro-batch
+        fits = micro
+    return fits
+
+
+# ---------------------------------------------------------------------- growing the cluster with the batch
+@dataclasses.dataclass(frozen=True)
+class ClusterPhase:
+    """One batch phase trained on its own number of ranks (whole nodes)."""
+
+    phase: BatchPhase
+    ranks: int
+    micro_batch: int  # samples per rank
+    accumulate: int
+    end_step: int  # optimizer steps taken when the phase ends (where the run stops to move)
+
+
+def grow_cluster(
+    phases: list[BatchPhase], ranks: int, devices_per_node: int, min_micro_batch_size: int,
+    max_devices: int | None, micro_batch_for: Callable[[int, int], int],
+) -> list[ClusterPhase]:
+    """Per phase, the fewest ranks (whole nodes of ``devices_per_node``) at which a rank's work per step
+    is no more than in the first phase (its share of the batch, batch / ranks, no larger), as long as
+    each rank's micro-batch stays at or above ``min_micro_batch_size`` and the ranks at most
+    ``max_devices``. The first phase keeps the run's ``ranks``. ``micro_batch_for(global batch, ranks)``."""
+    first_share = phases[0].global_batch / ranks
+    planned, end_step = [], 0
+    for phase in phases:
+        batch = phase.global_batch
+        candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
+        if max_devices is not None:
+            candidates = [w for w in candidates if w <= max_devices] or candidates[:1]
+        efficient = [w for w in candidates if micro_batch_for(batch, w) >= min_micro_batch_size] or candidates[:1]
+        enough = [w for w in efficient if batch / w <= first_share]
+        chosen = ranks if not planned else (enough[0] if enough else efficient[-1])
+        micro = micro_batch_for(batch, chosen)
+        end_step += phase.optimizer_steps
+        planned.append(ClusterPhase(phase, chosen, micro, batch // (micro * chosen), end_step))
+    return planned
 
 
 # ---------------------------------------------------------------------- the CBS probe
@@ -353,6 +403,8 @@ class Limits:
     host_memory_gib: float = 1024.0
     mfu: float = 0.4
     peak_flops_per_device: float = 989e12
+    min_micro_batch_size: int = 1  # growing the cluster: no rank's micro-batch below this (samples)
+    max_devices: int | None = None  # growing the cluster: at most this many ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -372,6 +424,9 @@ class RunPlan:
     limits: Limits
     accelerator: str
     optimizer: OptimizerState = ADAMW_STATE
+    micro_batch_limit: int | None = None  # the largest micro-batch whose step fits limits.gpu_memory_gib
+    cluster: list[ClusterPhase] | None = None  # the phases on a cluster grown with the batch
+    command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
 
     @property
     def processes(self) -> int:
@@ -385,8 +440,11 @@ class RunPlan:
     @property
     def wall_seconds(self) -> float:
         tokens = self.tokens + (self.probe.tokens if self.probe else 0)
+        return self._seconds(tokens, self.processes)
+
+    def _seconds(self, tokens: int, devices: int) -> float:
         flops = self.shape.flops_per_token(self.seq_len)
-        return wall_seconds(flops, tokens, self.processes, self.limits.peak_flops_per_device, self.limits.mfu)
+        return wall_seconds(flops, tokens, devices, self.limits.peak_flops_per_device, self.limits.mfu)
 
     def warnings(self) -> list[str]:
         found = []
@@ -434,7 +492,7 @@ class RunPlan:
             )
         on, off = self.memory[True], self.memory[False]
         chosen = "on" if self.activation_checkpointing else "off"
-        micro = self.phases[0].micro_batch if self.phases else 0
+        micro = max(p.micro_batch for p in self.phases) if self.phases else 0  # the peak
         working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[self.strategy]
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         lines += [
@@ -477,9 +535,53 @@ class RunPlan:
             f"plan_for.peak_flops_per_device), "
             f"{self.processes * seconds / 3600:,.0f} device-hours",
         ]
+        if self.micro_batch_limit is not None:
+            lines.append(
+                f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
+                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: each "
+                "phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
+            )
+        lines += self._cluster_report()
         warnings = self.warnings()
         lines += [f"WARNING: {w}" for w in warnings] or ["fits             memory per device and host memory within plan_for's limits"]
         return "\n".join(lines)
+
+    def _cluster_report(self) -> list[str]:
+        """Each phase on the ranks ``grow_cluster`` gives it, against the whole run on the ranks of now."""
+        if not self.cluster or len(self.cluster) < 2:
+            return []
+        per_node = self.devices_per_node
+        grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)
+        fixed = sum(self._seconds(p.phase.tokens, self.processes) for p in self.cluster)
+        cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
+        lines = [
+            "",
+            f"growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share of a step "
+            f"at the first phase's, micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
+            f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6} {'tokens/s':>12} {'wall time':>12} "
+            f"{f'on {self.processes} ranks':>14}",
+        ]
+        for planned in self.cluster:
+            tokens_per_s = planned.phase.tokens / self._seconds(planned.phase.tokens, planned.ranks)
+            lines.append(
+                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
+                f"{planned.accumulate:>6} {tokens_per_s:>12,.0f} {_duration(self._seconds(planned.phase.tokens, planned.ranks)):>12} "
+                f"{_duration(self._seconds(planned.phase.tokens, self.processes)):>14}"
+            )
+        device_hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
+        lines += [
+            f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
+            f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)",
+            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
+        ]
+        for index, planned in enumerate(self.cluster):
+            nodes = planned.ranks // per_node
+            resume = " ckpt_path=<the previous phase's run>/checkpoints/last.ckpt" if index else ""
+            stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
+            lines.append(
+                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{resume}"
+            )
+        return lines
 
 
 def _duration(seconds: float) -> str:
@@ -510,15 +612,26 @@ def plan_run(
     probe=None,
     limits: Limits = Limits(),
     optimizer: OptimizerState = ADAMW_STATE,
+    max_micro_batch_size: int | None = None,
+    command: str = "recipes/train.py",
 ) -> RunPlan:
     """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
-    keeps (``OptimizerState.of(factory)``). All ranks are data-parallel."""
+    keeps (``OptimizerState.of(factory)``). All ranks are data-parallel. ``micro_batch``: the first
+    micro-batch, or with ``max_micro_batch_size`` what BatchWarmup grows it to with each batch."""
     shape = ModelShape.of(config)
     processes = devices_per_node * num_nodes
-    memory = {
-        checkpointing: device_memory(shape, micro_batch, seq_len, precision, strategy, processes, checkpointing, optimizer)
-        for checkpointing in (True, False)
-    }
+
+    def micro_for(global_batch: int, ranks: int) -> int:
+        return micro_batch_for(global_batch, ranks, max_micro_batch_size) if max_micro_batch_size else micro_batch
+
+    phases = batch_phases(schedule, max_tokens, seq_len, lambda batch: micro_for(batch, processes), processes, lr_factor)
+    peak_micro = max(p.micro_batch for p in phases) if phases else micro_batch
+
+    def memory_at(micro: int, checkpointing: bool = activation_checkpointing) -> DeviceMemory:
+        return device_memory(shape, micro, seq_len, precision, strategy, processes, checkpointing, optimizer)
+
+    memory = {checkpointing: memory_at(peak_micro, checkpointing) for checkpointing in (True, False)}
+    largest_share = max(schedule.sizes()) // processes
     return RunPlan(
         name=name,
         shape=shape,
@@ -529,7 +642,7 @@ def plan_run(
         devices_per_node=devices_per_node,
         num_nodes=num_nodes,
         activation_checkpointing=activation_checkpointing,
-        phases=batch_phases(schedule, max_tokens, seq_len, micro_batch, processes, lr_factor),
+        phases=phases,
         memory=memory,
         probe=None if probe is None else probe_plan(
             probe, shape, precision, strategy, processes, micro_batch, val_micro_batch, seq_len, max_tokens, optimizer
@@ -537,4 +650,7 @@ def plan_run(
         limits=limits,
         accelerator=accelerator,
         optimizer=optimizer,
+        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at),
+        cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for) if phases else None,
+        command=command,
     )

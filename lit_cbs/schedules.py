@@ -36,6 +36,14 @@ def _check_consumed(consumed) -> None:
         raise ValueError(f"consumed={consumed} must be >= 0")
 
 
+def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_size: int) -> int:
+    """The micro-batch (samples per rank) BatchWarmup trains ``global_batch`` with when it grows the
+    micro-batch: the largest divisor of a rank's share (global batch / ranks) up to
+    ``max_micro_batch_size``; the accumulation makes up the rest."""
+    share = global_batch // data_parallel_size
+    return max(m for m in range(1, min(max_micro_batch_size, share) + 1) if share % m == 0)
+
+
 class BatchSchedule(ABC):
     """Base class: subclasses set ``unit`` and implement ``batch_size`` and ``sizes``."""
 

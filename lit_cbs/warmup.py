@@ -54,7 +54,7 @@ from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_rules import get_clip_rule, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
-from lit_cbs.schedules import BatchSchedule, CBSAdaptive
+from lit_cbs.schedules import BatchSchedule, CBSAdaptive, micro_batch_for
 from lit_cbs.validation import TokenValidation
 
 log = logging.getLogger(__name__)
@@ -190,11 +190,10 @@ class BatchWarmup(Callback):
     # ------------------------------------------------------------------ validation and setup
     def micro_batch_for(self, global_batch: int) -> int:
         """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
-        up to ``max_micro_batch_size``; without it, the micro-batch now."""
+        up to ``max_micro_batch_size`` (``lit_cbs.schedules.micro_batch_for``); without it, the micro-batch now."""
         if self.max_micro_batch_size is None:
             return self.micro_batch_size
-        share = global_batch // self.accounting.data_parallel_size
-        return max(m for m in range(1, min(self.max_micro_batch_size, share) + 1) if share % m == 0)
+        return micro_batch_for(global_batch, self.accounting.data_parallel_size, self.max_micro_batch_size)
 
     def check_sizes(self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch") -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every

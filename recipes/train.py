@@ -233,7 +233,18 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         probe=probes[0] if probes else None,
         limits=Limits(**limits),
         optimizer=OptimizerState.of(model.optimizer_factory),
+        max_micro_batch_size=warmup.max_micro_batch_size,
+        command=f"recipes/train.py {' '.join(command_line_overrides()) or f'+recipe={cfg.run_name}'}",
     )
+
+
+def command_line_overrides() -> list[str]:
+    """The overrides this job was started with, less plan=true (empty outside a Hydra job)."""
+    try:
+        overrides = list(HydraConfig.get().overrides.task)
+    except ValueError:  # no Hydra job: composed by a script or a test
+        return []
+    return [override for override in overrides if not override.startswith(("plan=", "plan_for.", "trainer.num_nodes=", "ckpt_path="))]
 
 
 def build_run(cfg: DictConfig) -> Run:

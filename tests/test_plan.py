@@ -5,6 +5,7 @@ against a real BatchWarmup run, and train.py's plan of a recipe, which reads no 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import lightning.pytorch as pl
@@ -12,14 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_recipes import compose_config, train
-from toys import RegressionData, RegressionModule, trainer_kwargs
+from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs._internals import checkpoint_wrapper
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
-from lit_cbs.plan import ADAMW_STATE, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
+from lit_cbs.plan import ADAMW_STATE, GIB, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
+from lit_cbs.schedules import micro_batch_for
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
 from lit_cbs.synthetic import RandomTokenData
 
@@ -179,6 +181,37 @@ def test_batch_phases_match_a_real_batch_warmup_run():
     assert sum(p.optimizer_steps for p in phases) == trainer.global_step == 6 + 5
     assert phases[-1].end_tokens == warmup.tokens_seen == 64
     assert phases[1].lr_factor == pytest.approx(warmup.lr_factor) == pytest.approx(2**0.5)
+
+
+def test_batch_phases_with_a_growing_micro_batch_match_a_real_run():
+    # 4 -> 8 -> 16 samples at 40 and 120 samples, micro-batch up to 4: 16 is asked at 120, where 120 samples
+    # are no multiple of 16, and applied one step later, at 128.
+    schedule = PiecewiseBatch([4, 8, 16], [0, 40, 120], unit="samples")
+    warmup = BatchWarmup(schedule, lr_rule="sqrt", max_tokens=192, seq_len=1, max_micro_batch_size=4)
+    trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[warmup]))
+    trainer.fit(RegressionModule(), datamodule=GlobalOrderRegressionData(n=256, batch_size=2))
+    phases = batch_phases(schedule, max_tokens=192, seq_len=1, micro_batch=lambda batch: micro_batch_for(batch, 1, 4),
+                          data_parallel_size=1, lr_factor=warmup.lr_rule.lr_factor)
+    assert [(p.global_batch, p.micro_batch, p.accumulate) for p in phases] == [(4, 4, 1), (8, 4, 2), (16, 4, 4)]
+    assert [p.start_tokens for p in phases[1:]] == [c.tokens_seen for c in warmup.history] == [40, 128]
+    assert [p.optimizer_steps for p in phases] == [10, 11, 4] and trainer.global_step == 25
+
+
+def test_plan_grows_the_cluster_with_the_batch_and_says_how(tmp_path):
+    cfg = compose_config("+recipe=olmo1b_warmup", "plan=true", "trainer.devices=8", "plan_for.max_devices=32",
+                         "plan_for.min_micro_batch_size=8")
+    plan = train.plan_of(cfg)
+    assert [(p.ranks, p.micro_batch, p.accumulate) for p in plan.cluster] == [(8, 8, 16), (16, 8, 16), (32, 8, 16)]
+    assert [p.end_step for p in plan.cluster] == list(itertools.accumulate(p.optimizer_steps for p in plan.phases))
+    report = plan.report()
+    assert "1.76x sooner" in report
+    commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
+    assert commands[0] == f"torchrun --nnodes 1 --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup trainer.num_nodes=1 trainer.max_steps={plan.cluster[0].end_step}"
+    assert commands[2].endswith("trainer.num_nodes=4 ckpt_path=<the previous phase's run>/checkpoints/last.ckpt")
+    # The largest micro-batch whose step fits plan_for.gpu_memory_gib, with activation checkpointing as configured.
+    fits = plan.micro_batch_limit
+    memory = [device_memory(plan.shape, micro, 4096, "bf16-mixed", "fsdp", 8, True).total for micro in (fits, fits + 1)]
+    assert memory[0] <= 80 * GIB < memory[1]
 
 
 def test_plan_of_olmo7b_reads_no_data_and_warns_what_does_not_fit(tmp_path):
