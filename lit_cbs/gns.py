@@ -44,6 +44,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
@@ -304,6 +305,7 @@ class GradientNoiseScale(Callback):
         self._device = torch.device("cpu")
         self._accounting: BatchAccounting | None = None  # the Trainer's: says when a CBS probe's branch runs
         # The current optimizer step's window of micro-batches (this rank).
+        self._said_unmeasured = False  # a step it could not measure was reported
         self._accumulated: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> copy of its accumulated .grad
         self._held: set[torch.Tensor] = set()  # parameters whose copy holds this window's accumulated gradient
         self._micro_batch_size = 0
@@ -396,10 +398,12 @@ class GradientNoiseScale(Callback):
 
         if trainer.accumulate_grad_batches > 1:
             return True
-        accounting = BatchAccounting.of(trainer)
-        one_micro_batch = (accounting.micro_batch_size or 1) * accounting.data_parallel_size
+        ranks = BatchAccounting.of(trainer).data_parallel_size
         for callback in trainer.callbacks:
-            if isinstance(callback, BatchWarmup) and max(callback.schedule.sizes(callback.consumed)) > one_micro_batch:
+            # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
+            if isinstance(callback, BatchWarmup) and any(
+                size // (callback.micro_batch_for(size) * ranks) > 1 for size in callback.schedule.sizes(callback.consumed)
+            ):
                 return True
             if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
                 return True
@@ -555,7 +559,18 @@ class GradientNoiseScale(Callback):
         window, local_micro_batches = self._window, self._local_micro_batches
         self._reset_window()
         if not self.per_example and self._world_size * local_micro_batches < 2:
-            return  # one micro-batch on one process: no second batch size this step
+            if not self._said_unmeasured:  # one micro-batch on one process: no second batch size this step
+                self._said_unmeasured = True
+                why = (
+                    "the micro-batch is the whole batch: cap BatchWarmup's max_micro_batch_size below it, train on 2+ "
+                    "processes, or pass per_example_loss=..." if trainer.accumulate_grad_batches == 1
+                    else "an epoch ended inside the step"
+                )
+                rank_zero_warn(
+                    f"GradientNoiseScale: step {trainer.global_step + 1} is one micro-batch on one process, which leaves no "
+                    f"smaller batch to compare with, so steps like it are not measured ({why})"
+                )
+            return
         params = [param for param in self._group_of if param.grad is not None]
         big_grad_sq = self._group_squared_norms(params, [param.grad for param in params])
         # A short last window of an epoch is still divided by accumulate_grad_batches: rescale to the mean.

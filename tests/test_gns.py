@@ -576,6 +576,16 @@ def test_one_batch_size_is_refused():
         fit(64, 8)
 
 
+def test_a_step_of_one_micro_batch_on_one_process_is_said_once_and_not_measured():
+    # 16 samples in 2 micro-batches of 8, then (from 64 samples) 8 samples in one micro-batch.
+    warmup = BatchWarmup(PiecewiseBatch([16, 8], [0, 64], unit="samples"), lr_rule="none")
+    with pytest.warns(UserWarning, match=r"^GradientNoiseScale: step 5 is one micro-batch on one process.*not measured "
+                                         r"\(the micro-batch is the whole batch: cap BatchWarmup's max_micro_batch_size"):
+        _, gns, recorder, _, _ = fit(96, 8, callbacks=[warmup])
+    assert [step["measurement"] is not None for step in recorder.steps] == [True] * 4 + [False] * 4
+    assert gns.num_updates == 4
+
+
 def test_batch_warmup_that_raises_accumulation_later_is_accepted():
     warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 32], unit="samples"), lr_rule="none")
     _, gns, recorder, _, _ = fit(64, 8, callbacks=[warmup])
