@@ -108,10 +108,12 @@ def read_run(run_dir: Path) -> dict:
     series = read_metrics_csv(run_dir / "metrics.csv")
     val_steps, val_loss = series[VAL_LOSS_COLUMN]
     token_steps, tokens = series[TOKENS_COLUMN]
-    # val/loss is logged at the step of the last optimizer step; tokens_seen is logged every step.
+    # val/loss is logged at the step of the last optimizer step; tokens_seen (and fit_seconds, the wall
+    # clock since the fit began, before that step's validation) every step.
     tokens_at = dict(zip(token_steps.tolist(), tokens.tolist()))
+    seconds_at = dict(zip(*(column.tolist() for column in series["fit_seconds"]))) if "fit_seconds" in series else {}
     curve = [
-        {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss)}
+        {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss), "seconds": seconds_at.get(step)}
         for step, loss in zip(val_steps.tolist(), val_loss.tolist())
         if step in tokens_at
     ]

@@ -104,9 +104,10 @@ def scale_tokens(tokens: int, scale: float, quantum: int) -> int:
     return int(round(tokens * scale / quantum)) * quantum
 
 
-def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool = False, extra=()) -> list[str]:
+def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool = False, extra=(), evaluations: int = 16) -> list[str]:
     """The train.py command line of one run. Token counts (thresholds, probe points and windows,
-    LR warmup) keep their share of the budget; there are 16 evaluations per run, at the same token counts."""
+    LR warmup) keep their share of the budget; there are ``evaluations`` evaluations per run, at the
+    same token counts."""
     seq_len = GPU_SEQ_LEN if gpu else SEQ_LEN
     scale = budget / REFERENCE_TOKENS
     quantum = 64 * seq_len  # the largest batch any threshold or window has to fit
@@ -118,7 +119,7 @@ def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool
         f"seed={seed}",
         f"max_tokens={budget}",
         f"lr_schedule.warmup_tokens={scale_tokens(262_144, scale, micro_tokens)}",
-        f"val_check_tokens={max(1, budget // 16)}",
+        f"val_check_tokens={max(1, budget // evaluations)}",
         "trainer.enable_progress_bar=false",
         "callbacks.progress_bar=null",
         "callbacks.checkpoint=null",

@@ -21,8 +21,8 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.plan import ADAMW_STATE, GIB, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
-from lit_cbs.schedules import micro_batch_for
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
+from lit_cbs.schedules import micro_batch_for
 from lit_cbs.synthetic import RandomTokenData
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
