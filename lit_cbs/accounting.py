@@ -360,7 +360,7 @@ class BatchAccounting(Callback):
         raise LitCBSConfigError(
             f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
             f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "
-            f"from {where} `batch_size`, read when the loader is created (or lit_cbs.data.GlobalOrderLoader, which "
+            f"from {where} `batch_size`, read when the loader is created (or lit_cbs.GlobalOrderLoader, which "
             "BatchWarmup resizes between optimizer steps)"
         )
 

@@ -5,7 +5,10 @@ interrupted:
 
 - **The final state.** ``last.ckpt`` is written again when training ends (``max_tokens``,
   ``max_steps``, a stop signal), so it holds the step the run ended with, not the last multiple of
-  ``every_n_train_steps``.
+  ``every_n_train_steps``. A run that stops inside an epoch (by ``max_tokens`` or ``max_steps``) is
+  saved right after its last step, while Lightning still counts the epoch as unfinished: a run
+  resumed from it, with a larger budget or on other ranks, goes on in that epoch, at the loader's
+  sample (saved when training ends, Lightning would count the epoch done and start the next).
 - **Signals at step boundaries.** Lightning acts on SIGTERM after whichever micro-batch it arrives
   in (a checkpoint there would lose the accumulated gradients), and its SLURM handler saves a
   checkpoint from inside the signal handler, which may run in the middle of a CBS probe's branch.
@@ -160,6 +163,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
                 "inside the probe resumes from there and redoes it"
             )
         self._deliver_stop_signal(trainer)
+        if trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step:
+            self._save_final_state(trainer)  # the run ends after this step: save it while the epoch is unfinished
 
     def _saves_at(self, step: int) -> bool:
         every = checkpoint_every_n_train_steps(self)

@@ -551,29 +551,32 @@ class RunPlan:
         if not self.cluster or len(self.cluster) < 2:
             return []
         per_node = self.devices_per_node
+        timed = self.accelerator in ("gpu", "cuda")  # the times assume a GPU's peak FLOP/s (plan_for.peak_flops_per_device)
         grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)
         fixed = sum(self._seconds(p.phase.tokens, self.processes) for p in self.cluster)
         cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
+        times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
         lines = [
             "",
             f"growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share of a step "
             f"at the first phase's, micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
-            f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6} {'tokens/s':>12} {'wall time':>12} "
-            f"{f'on {self.processes} ranks':>14}",
+            f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
         ]
         for planned in self.cluster:
-            tokens_per_s = planned.phase.tokens / self._seconds(planned.phase.tokens, planned.ranks)
-            lines.append(
-                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
-                f"{planned.accumulate:>6} {tokens_per_s:>12,.0f} {_duration(self._seconds(planned.phase.tokens, planned.ranks)):>12} "
-                f"{_duration(self._seconds(planned.phase.tokens, self.processes)):>14}"
-            )
+            row = (f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
+                   f"{planned.accumulate:>6}")
+            if timed:
+                seconds = self._seconds(planned.phase.tokens, planned.ranks)
+                row += (f" {planned.phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} "
+                        f"{_duration(self._seconds(planned.phase.tokens, self.processes)):>14}")
+            lines.append(row)
         device_hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
-        lines += [
-            f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
-            f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)",
-            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
-        ]
+        if timed:
+            lines.append(
+                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
+                f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)"
+            )
+        lines.append("  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:")
         for index, planned in enumerate(self.cluster):
             nodes = planned.ranks // per_node
             resume = " ckpt_path=<the previous phase's run>/checkpoints/last.ckpt" if index else ""

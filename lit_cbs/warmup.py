@@ -105,7 +105,7 @@ class BatchWarmup(Callback):
         max_micro_batch_size: if given, the micro-batch (samples per rank) grows with the batch: at
             every change it becomes the largest size up to this that divides a rank's share of the
             new global batch, before the accumulation grows. Needs a train loader that changes its
-            batch between optimizer steps (``lit_cbs.data.GlobalOrderLoader``). None (default): the
+            batch between optimizer steps (``lit_cbs.GlobalOrderLoader``). None (default): the
             micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
         log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
             ``batch/lr_factor``, ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds since the
@@ -242,7 +242,7 @@ class BatchWarmup(Callback):
                 f"batch_size={micro}; raise it or lower the batch_size"
             )
         self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
-        self.micro_batch_size = micro
+        self.micro_batch_size = micro  # the datamodule's: where micro_batch_for starts without max_micro_batch_size
         self.global_batch = self.schedule.batch_size(0)
         self.micro_batch_size = self.micro_batch_for(self.global_batch)
         self.accumulate = check_divisible(self.global_batch, self.micro_batch_size, accounting.data_parallel_size)
@@ -312,7 +312,7 @@ class BatchWarmup(Callback):
             raise LitCBSConfigError(
                 f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes the micro-batch between "
                 f"optimizer steps ({' -> '.join(map(str, sorted(micros)))} samples per rank), which the train loader "
-                f"({name}) cannot do mid-epoch: build it with lit_cbs.data.GlobalOrderLoader(dataset, "
+                f"({name}) cannot do mid-epoch: build it with lit_cbs.GlobalOrderLoader(dataset, "
                 "batch_size=self.batch_size, ...), or set max_micro_batch_size=None to grow the batch by accumulation"
             )
         if trainer.limit_train_batches != 1.0:
@@ -333,7 +333,7 @@ class BatchWarmup(Callback):
             raise LitCBSConfigError(
                 f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
                 f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
-                f"skip or repeat samples; build it with lit_cbs.data.GlobalOrderLoader (one order for any number of "
+                f"skip or repeat samples; build it with lit_cbs.GlobalOrderLoader (one order for any number of "
                 f"ranks), or resume on {before} ranks"
             )
         self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
@@ -439,12 +439,6 @@ class BatchWarmup(Callback):
         if behind:
             shift_epoch_micro_batches(trainer, behind)
             loader.micro_batches += behind
-        return True
-        loader = resizable_train_loader(trainer)
-        if loader is None:
-            return False
-        shift_epoch_micro_batches(trainer, behind)
-        loader.micro_batches += behind
         return True
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

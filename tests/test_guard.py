@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from toys import RegressionData, RegressionModule, trainer_kwargs
+from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import (
     BatchWarmup,
@@ -101,6 +101,31 @@ def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
     # The decision's own row (step 39, the window's last step) holds the verdict although 39 % 5 != 4.
     assert rows[39]["batch/guard_rise"] == pytest.approx(verdict.rise) and rows[39]["batch/guard_threshold"] == pytest.approx(verdict.threshold)
     assert [(rows[s]["batch/global_size"], rows[s]["batch/guard_reverts"]) for s in (34, 39, 44)] == [(4, 0), (4, 0), (2, 1)]
+
+
+class SpikeOnLargeMicroBatches(SpikeAfterIncrease):
+    """Reports a loss ``jump`` nats higher on micro-batches above 2 samples (the gradient is the regression's)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = RegressionModule.training_step(self, batch, batch_idx)
+        return loss + self.jump if len(batch["idx"]) > 2 else loss
+
+
+def test_a_revert_brings_the_micro_batch_back_mid_epoch():
+    warmup = BatchWarmup(SCHEDULE, lr_rule="linear", guard={**NO_RETRY, "min_steps": 8}, max_micro_batch_size=4)
+    module, data = SpikeOnLargeMicroBatches(), GlobalOrderRegressionData(n=96, batch_size=2)
+    pl.seed_everything(0, verbose=False)
+    pl.Trainer(callbacks=[warmup], **trainer_kwargs(max_epochs=2)).fit(module, data)
+    increase, revert = warmup.history
+    assert [(c.new_global_batch, c.new_micro_batch_size, c.new_accumulate, c.samples_seen) for c in warmup.history] == [
+        (4, 4, 1, 64), (2, 2, 1, 96)]
+    assert revert.cause == "guard" and warmup.guard.verdicts[0].reverted
+    # The micro-batch grew to 4 with the batch and went back to 2 with the revert, inside the first epoch.
+    assert [len(micro_batch) for micro_batch in module.micro_batches[:42]] == [2] * 32 + [4] * 8 + [2] * 2
+    seen = [i for micro_batch in module.micro_batches for i in micro_batch]
+    assert seen == data.epoch_order(0) + data.epoch_order(1)
+    for step in module.steps:
+        torch.testing.assert_close(step["grad"], mean_gradient(data.dataset, step["indices"], step["weight"]), rtol=1e-10, atol=1e-12)
 
 
 def test_a_healthy_increase_is_judged_and_kept():

@@ -99,6 +99,16 @@ def test_resume_from_every_periodic_checkpoint(uninterrupted, prepared, tmp_path
         assert_same_end(final_state(resumed_dir), end)
 
 
+def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupted, prepared, tmp_path):
+    """How a run moves to other ranks at a phase's end: stopped by trainer.max_steps, resumed without it. The
+    second probe is due after step 6, where the first run stops: it leaves the probe to the resumed run."""
+    _, end = uninterrupted
+    fit(build(tmp_path / "first", prepared, "trainer.max_steps=6"))
+    assert torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    fit(build(tmp_path / "rest", prepared), ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
+    assert_same_end(final_state(tmp_path / "rest"), end)
+
+
 @pytest.mark.parametrize(
     "where, signal_at, branch_step, saved_step",
     [

@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MeanMetric
-from toys import RegressionData, RegressionModule, trainer_kwargs
+from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, trainer_kwargs
 
-from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, PiecewiseBatch
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.analysis.curves import read_probe
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
@@ -537,3 +537,35 @@ def test_probe_refuses_batches_without_token_ids():
     with pytest.raises(LitCBSConfigError, match="no token ids.*give seq_len=... to BatchAccounting or BatchWarmup"):
         trainer.fit(module, RegressionData(n=16))
     assert module.steps == []
+
+
+class RecordsBranchBatches(RegressionModule):
+    """Records the sample indices of every micro-batch a probe branch trains on."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.branch_micro_batches: list[list[int]] = []
+
+    def training_step(self, batch, batch_idx):
+        if in_branch(self):
+            self.branch_micro_batches.append(batch["idx"].tolist())
+        return super().training_step(batch, batch_idx)
+
+
+def test_branches_regroup_the_window_when_the_micro_batch_changes_inside_it():
+    # Batch 4 (micro 4) until 48 samples, then 8 (micro 8); the window covers samples 32-64: the main run
+    # trains micro-batches of 4, 4, 4, 4, 8, 8 there.
+    module, data = RecordsBranchBatches(lr=0.05, optimizer="adam"), GlobalOrderRegressionData(n=96, batch_size=4)
+    warmup = BatchWarmup(PiecewiseBatch([4, 8], [0, 48], unit="samples"), seq_len=SEQ, max_micro_batch_size=8)
+    probe = CBSProbeCallback(at_tokens=[32 * SEQ], multipliers=(1, 2), window_tokens=32 * SEQ, strategy="grid")
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=[warmup, probe], **trainer_kwargs(max_epochs=1))
+    trainer.fit(module, data)
+    (reading,) = probe.history
+    assert reading.branches_trained == [1.0, 2.0] and reading.window_tokens == 32 * SEQ
+    window = data.epoch_order(0)[32:64]
+    assert [len(m) for m in module.micro_batches if set(m) <= set(window)] == [4, 4, 4, 4, 8, 8]
+    # Each branch trains the window's samples in order, in the micro-batches BatchWarmup gives its batch.
+    k1, k2 = module.branch_micro_batches[:8], module.branch_micro_batches[8:]
+    assert [len(m) for m in k1] == [4] * 8 and [len(m) for m in k2] == [8] * 4
+    assert [i for m in k1 for i in m] == [i for m in k2 for i in m] == window

@@ -254,3 +254,11 @@ def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
 def test_plan_needs_a_device_count():
     with pytest.raises(LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"):
         train.plan_of(compose_config("+recipe=olmo1b_warmup", "trainer.devices=auto"))
+
+
+def test_trainer_enable_progress_bar_false_alone_turns_the_bar_off(prepared):
+    from lightning.pytorch.callbacks import ProgressBar
+
+    run = train.build_run(compose_config("trainer.enable_progress_bar=false", f"data.path={prepared}"))
+    assert not any(isinstance(callback, ProgressBar) for callback in run.trainer.callbacks)
+    assert run.trainer.progress_bar_callback is None

@@ -25,6 +25,7 @@ from torch.utils.data import DistributedSampler
 from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from lit_cbs.errors import LitCBSConfigError
 
 WORLD_SIZE = 2
 SAMPLES = 96  # per epoch, both ranks together
@@ -204,10 +205,11 @@ class SaveSteps(Callback):
         torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
 
 
-def elastic_run(ranks: int, outdir: Path, ckpt_path: Path | None = None, checkpoints: Path | None = None) -> dict:
+def elastic_run(ranks: int, outdir: Path, ckpt_path: Path | None = None, checkpoints: Path | None = None,
+                max_micro_batch_size: int | None = 4, data=GlobalOrderRegressionData) -> dict:
     """A run on ``ranks`` processes; returns the steps joined over the ranks (samples, LR), its weight and history."""
     outdir.mkdir(parents=True, exist_ok=True)
-    callbacks = [BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=4), SaveSteps(outdir)]
+    callbacks = [BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=max_micro_batch_size), SaveSteps(outdir)]
     if checkpoints is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, filename="{step}"))
     kwargs = trainer_kwargs(devices=ranks, max_epochs=EPOCHS, enable_checkpointing=checkpoints is not None)
@@ -217,7 +219,7 @@ def elastic_run(ranks: int, outdir: Path, ckpt_path: Path | None = None, checkpo
     trainer = pl.Trainer(callbacks=callbacks, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(RegressionModule(), GlobalOrderRegressionData(n=SAMPLES, batch_size=2), ckpt_path=ckpt_path)
+        trainer.fit(RegressionModule(), data(n=SAMPLES, batch_size=2), ckpt_path=ckpt_path)
     per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
     steps = [sorted(i for records in per_rank for i in records["indices"][number]) for number in range(len(per_rank[0]["indices"]))]
     assert all(records["lrs"] == per_rank[0]["lrs"] for records in per_rank)
@@ -246,6 +248,13 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_p
         counts = torch.bincount(torch.tensor([i for step in one["steps"][:18] + resumed["steps"] for i in step]), minlength=SAMPLES)
         assert counts.tolist() == [EPOCHS] * SAMPLES
         torch.testing.assert_close(resumed["weight"], one["weight"], rtol=1e-12, atol=1e-14)
+    # Where the run cannot go on exactly, it stops before its first step, with the fix.
+    with pytest.raises(LitCBSConfigError, match=r"^the checkpoint was trained on 2 data-parallel ranks and this run has 1: the train "
+                                                 r"loader \(DataLoader\) splits its samples by rank.*GlobalOrderLoader.*or resume on 2 ranks"):
+        elastic_run(1, tmp_path / "refused", tmp_path / "two_ckpt" / "step=3.ckpt", max_micro_batch_size=None, data=RegressionData)
+    # One rank trained micro-batches of 4 at batch 4, which two ranks cannot split without changing the micro-batch.
+    with pytest.raises(Exception, match=r"global batch on 2 ranks 4 is not a multiple of micro-batch 4 x data-parallel size 2"):
+        elastic_run(2, tmp_path / "refused", tmp_path / "one_ckpt" / "step=3.ckpt", max_micro_batch_size=None)
 
 
 def fsdp_elastic_run(outdir: Path, processes: int, ckpt_path: Path | None = None) -> dict:

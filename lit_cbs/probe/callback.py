@@ -188,6 +188,7 @@ class CBSProbeCallback(Callback):
         self._heldout: list | None = None
         self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
         self._resumed = False
+        self._deferred = False  # a due probe whose window the run's end would cut: left to a resumed run
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
 
@@ -227,7 +228,7 @@ class CBSProbeCallback(Callback):
             self.lr_rule.check_ratios(optimizer, schedulers, ratios, who)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._resumed = trainer.global_step > 0
+        self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
         if max_tokens is not None:  # known before any data is read; max_steps and max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
@@ -335,7 +336,7 @@ class CBSProbeCallback(Callback):
             window.end_step()
             if window.complete or window.at_checkpoint:
                 self._finish_probe(trainer, pl_module)
-        elif self._accounting.tokens_seen >= self.probe_point(self.probes_started):
+        elif not self._deferred and self._accounting.tokens_seen >= self.probe_point(self.probes_started):
             self._start_probe(trainer, pl_module, batch_idx)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -381,6 +382,7 @@ class CBSProbeCallback(Callback):
                 f"redone at {tokens:,} tokens (step {trainer.global_step}), where this run resumed: its reading says so "
                 "(interrupted_at_tokens). Resuming from the checkpoint of the probe's start redoes it where it began"
             )
+        pending = self.probes_started
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
@@ -404,11 +406,13 @@ class CBSProbeCallback(Callback):
         window_tokens = window_samples * seq_len
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         if end.earliest is not None and tokens + window_tokens > end.earliest:
-            # The main run would stop inside the window and take its snapshot and data with it.
+            # The main run would stop inside the window and take its snapshot and data with it. The point stays
+            # due: a run resumed from this one's last checkpoint (after trainer.max_steps, say) takes it at its start.
             rank_zero_info(
-                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens:,} "
-                f"tokens would end past the run's end ({end.describe()})"
+                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens:,} tokens would end past the "
+                f"run's end ({end.describe()}); a run resumed from this one's last checkpoint starts it there"
             )
+            self.probes_started, self._deferred = pending, True
             return
         if self.max_overhead is not None:
             expected_cost = max_branches(self.strategy, len(ks)) * window_tokens
