@@ -25,7 +25,6 @@ from torch.utils.data import DistributedSampler
 from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
-from lit_cbs.errors import LitCBSConfigError
 
 WORLD_SIZE = 2
 SAMPLES = 96  # per epoch, both ranks together
@@ -248,10 +247,12 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_p
         counts = torch.bincount(torch.tensor([i for step in one["steps"][:18] + resumed["steps"] for i in step]), minlength=SAMPLES)
         assert counts.tolist() == [EPOCHS] * SAMPLES
         torch.testing.assert_close(resumed["weight"], one["weight"], rtol=1e-12, atol=1e-14)
-    # Where the run cannot go on exactly, it stops before its first step, with the fix.
-    with pytest.raises(LitCBSConfigError, match=r"^the checkpoint was trained on 2 data-parallel ranks and this run has 1: the train "
-                                                 r"loader \(DataLoader\) splits its samples by rank.*GlobalOrderLoader.*or resume on 2 ranks"):
-        elastic_run(1, tmp_path / "refused", tmp_path / "two_ckpt" / "step=3.ckpt", max_micro_batch_size=None, data=RegressionData)
+    # Where the run cannot go on exactly, it stops before its first step, with the fix: a loader that splits its
+    # samples by rank (a DistributedSampler's DataLoader, trained on one rank, resumed on two) ...
+    elastic_run(1, tmp_path / "plain", checkpoints=tmp_path / "plain_ckpt", max_micro_batch_size=None, data=RegressionData)
+    with pytest.raises(Exception, match=r"the checkpoint was trained on 1 data-parallel ranks and this run has 2: the train "
+                                        r"loader \(DataLoader\) splits its samples by rank.*GlobalOrderLoader.*or resume on 1 ranks"):
+        elastic_run(2, tmp_path / "refused", tmp_path / "plain_ckpt" / "step=3.ckpt", max_micro_batch_size=None, data=RegressionData)
     # One rank trained micro-batches of 4 at batch 4, which two ranks cannot split without changing the micro-batch.
     with pytest.raises(Exception, match=r"global batch on 2 ranks 4 is not a multiple of micro-batch 4 x data-parallel size 2"):
         elastic_run(2, tmp_path / "refused", tmp_path / "one_ckpt" / "step=3.ckpt", max_micro_batch_size=None)
