@@ -87,6 +87,14 @@ def test_change_happens_at_the_first_possible_step():
 SIZES = st.sampled_from([2, 4, 6, 8, 12, 16])
 
 
+def random_schedule(sizes: list[int], gaps: list[int]) -> PiecewiseBatch:
+    """``sizes[i]`` from the sum of the first i ``gaps`` samples on."""
+    thresholds = [0]
+    for gap in gaps[: len(sizes) - 1]:
+        thresholds.append(thresholds[-1] + gap)
+    return PiecewiseBatch(sizes, thresholds, unit="samples")
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     sizes=st.lists(SIZES, min_size=1, max_size=4),
@@ -94,10 +102,7 @@ SIZES = st.sampled_from([2, 4, 6, 8, 12, 16])
     epochs=st.integers(min_value=1, max_value=2),
 )
 def test_random_schedules_lose_and_repeat_no_sample(sizes, gaps, epochs):
-    thresholds = [0]
-    for gap in gaps[: len(sizes) - 1]:
-        thresholds.append(thresholds[-1] + gap)
-    schedule = PiecewiseBatch(sizes, thresholds, unit="samples")
+    schedule = random_schedule(sizes, gaps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, module, data, warmup = fit(schedule, n=60, micro=2, epochs=epochs)
@@ -162,10 +167,7 @@ def test_micro_batch_grows_mid_epoch_with_a_global_order_loader():
     max_micro=st.sampled_from([2, 4, 6]),
 )
 def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(sizes, gaps, max_micro):
-    thresholds = [0]
-    for gap in gaps[: len(sizes) - 1]:
-        thresholds.append(thresholds[-1] + gap)
-    schedule = PiecewiseBatch(sizes, thresholds, unit="samples")
+    schedule = random_schedule(sizes, gaps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _, module, data, warmup = fit(schedule, epochs=2, data=GlobalOrderRegressionData(n=60, batch_size=2), max_micro_batch_size=max_micro)
