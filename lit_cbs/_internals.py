@@ -30,8 +30,9 @@ PRIVATE_ATTRIBUTES = {
     "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
     "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),
     "logs_this_step": ("trainer._logger_connector.should_update_logs",),
-    "set_train_epoch_length": ("trainer.fit_loop.max_batches", "trainer.fit_loop._combined_loader", "trainer.fit_loop._data_fetcher"),
-    "shift_epoch_micro_batches": ("trainer.fit_loop.epoch_loop.batch_progress",),
+    "set_train_epoch_length": ("trainer.fit_loop.max_batches", "trainer.fit_loop._combined_loader", "trainer.fit_loop._data_fetcher",
+                               "trainer.fit_loop.epoch_loop.batch_progress"),
+    "shift_epoch_micro_batches": ("trainer.fit_loop.epoch_loop.batch_progress", "trainer.fit_loop._data_fetcher"),
     "set_validation_due": ("trainer.val_check_batch", "trainer.fit_loop.epoch_loop.total_batch_idx"),
     "last_saved_step": ("model_checkpoint._last_global_step_saved",),
     "set_last_saved_step": ("model_checkpoint._last_global_step_saved",),
@@ -87,7 +88,8 @@ def logs_this_step(trainer) -> bool:
 def set_train_epoch_length(trainer, micro_batches: int) -> None:
     """Tell the fit loop that this epoch has ``micro_batches`` micro-batches after all (the train loader's
     micro-batch changed mid-epoch): Lightning steps on the last one and ends the epoch there. It reads
-    the length once per epoch, from the loader, into three places."""
+    the length once per epoch, from the loader, into three places, and tells the epoch's last
+    micro-batch by the data fetcher's count of them against it."""
     trainer.fit_loop.max_batches = micro_batches
     combined_loader = trainer.fit_loop._combined_loader
     if combined_loader is not None and combined_loader.limits is not None:
@@ -95,6 +97,8 @@ def set_train_epoch_length(trainer, micro_batches: int) -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None and fetcher.length is not None:
         fetcher.length = micro_batches
+        if fetcher.fetched >= micro_batches > 0:  # the micro-batch just fetched is the epoch's last after all
+            fetcher.done = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
 
 def set_validation_due(trainer, due: bool) -> None:
@@ -110,7 +114,14 @@ def shift_epoch_micro_batches(trainer, delta: int) -> None:
     """Add ``delta`` to every count of micro-batches the fit loop keeps (this epoch's and the run's), so
     that a step boundary falls where the accumulation says: Lightning steps when the micro-batches of
     the epoch are a multiple of ``accumulate_grad_batches``."""
-    trainer.fit_loop.epoch_loop.batch_progress.increment_by(delta)
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    fetcher = trainer.fit_loop._data_fetcher
+    # The data fetcher tells the epoch's last micro-batch by its count of them against the length.
+    # Inside the epoch it counts what the progress counts; before the epoch loop starts (a resumed
+    # run's on_train_start) it is 0, and the loop adds the progress's count to it then.
+    if fetcher is not None and fetcher.fetched == progress.current.ready:
+        fetcher.fetched += delta
+    progress.increment_by(delta, is_last_batch=progress.is_last_batch)
 
 
 def request_val_dataloaders(trainer) -> Any:

@@ -171,6 +171,7 @@ class BatchAccounting(Callback):
         self._micro_batch_size: int | None = None
         self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
         self._check_next_batch = True  # the next batch is the first of an epoch, or the first after a change
+        self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
         self._seq_len_resolved = False
         self._token_schedulers: list[TokenLRScheduler] = []
         self._fsdp_modules: list = []
@@ -316,6 +317,11 @@ class BatchAccounting(Callback):
 
         self._fsdp_modules = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
         self._gradient_sync = None
+        # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was
+        # restored, and checks the restored count against that length before the first batch; a run
+        # resumed at an epoch's end then moves the loader to the next epoch without on_train_epoch_start.
+        self._sync_loader(trainer)
+        self._sync_at_next_batch = True
         if self.budget_reached:
             trainer.should_stop = True  # resumed from a run's final state: no step is left to train
 
@@ -324,6 +330,9 @@ class BatchAccounting(Callback):
         self._sync_loader(trainer)  # Lightning counted this epoch's micro-batches at the size of the first
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._sync_at_next_batch:
+            self._sync_at_next_batch = False
+            self._sync_loader(trainer)
         micro = extract_batch_size(batch)
         if self._check_next_batch:
             self._check_next_batch = False

@@ -183,21 +183,25 @@ def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(siz
 
 
 def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_path):
+    # 2 -> 4 samples by the micro-batch (2 -> 4), then 8 and 16 by accumulation (2, 4): each of the
+    # two epochs of 100 samples ends in a short step (one micro-batch of 4 where the step wants 2 and 4).
     schedule = PiecewiseBatch([2, 4, 8, 16], [0, 20, 50, 120], unit="samples")
     scheduler = SCHEDULERS["lambda"]
 
     def run(callbacks=(), ckpt_path=None):
         pl.seed_everything(0, verbose=False)
-        module, warmup = RegressionModule(scheduler_factory=scheduler), BatchWarmup(schedule, lr_rule="sqrt", max_micro_batch_size=8)
+        module, warmup = RegressionModule(scheduler_factory=scheduler), BatchWarmup(schedule, lr_rule="sqrt", max_micro_batch_size=4)
         trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=2, enable_checkpointing=bool(callbacks)))
-        trainer.fit(module, GlobalOrderRegressionData(n=96, batch_size=2), ckpt_path=ckpt_path)
+        trainer.fit(module, GlobalOrderRegressionData(n=100, batch_size=2), ckpt_path=ckpt_path)
         return module, warmup
 
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
     full, full_warmup = run([checkpoint])
+    assert [(c.step, c.new_micro_batch_size, c.new_accumulate) for c in full_warmup.history] == [(10, 4, 1), (19, 4, 2), (29, 4, 4)]
+    assert [len(s["indices"]) for s in full.steps if s["epoch"] == 0][-2:] == [8, 4]  # epoch 0's short last step
     full_order = [i for micro_batch in full.micro_batches for i in micro_batch]
     paths = sorted(tmp_path.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
-    assert [int(path.stem.split("=")[1]) for path in paths] == [4, 8, 12, 16, 20, 24, 28, 32]  # before, between and after the changes
+    assert [int(path.stem.split("=")[1]) for path in paths] == list(range(3, 34, 3))  # before, between and after the changes
     for path in paths:
         resumed, resumed_warmup = run(ckpt_path=path)
         assert torch.equal(resumed.layer.weight, full.layer.weight), path.name
