@@ -34,6 +34,7 @@ from __future__ import annotations
 import shutil
 import signal
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,18 @@ class FinalStateCheckpoint(ModelCheckpoint):
             signal.signal(signum, handler)
         self._lightning_handlers = {}
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's, saying in one line what a run resumed into another folder keeps (its own
+        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded."""
+        before = state_dict.get("dirpath", self.dirpath)
+        if before == self.dirpath:
+            super().load_state_dict(state_dict)
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed")
+            super().load_state_dict(state_dict)
+        rank_zero_info(f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}")
+
     # ------------------------------------------------------------------ saving
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         if should_accumulate(trainer):
@@ -163,8 +176,11 @@ class FinalStateCheckpoint(ModelCheckpoint):
                 "inside the probe resumes from there and redoes it"
             )
         self._deliver_stop_signal(trainer)
-        if trainer.should_stop or 0 <= trainer.max_steps <= trainer.global_step:
-            self._save_final_state(trainer)  # the run ends after this step: save it while the epoch is unfinished
+        if trainer.should_stop or trainer.received_sigterm or 0 <= trainer.max_steps <= trainer.global_step:
+            # The run ends after this step: save it here, as the periodic checkpoints are saved, while
+            # Lightning still counts the epoch unfinished (after the epoch's last step it would count the
+            # epoch done but not start the next one's count of micro-batches, and a resumed run would skip it).
+            self._save_final_state(trainer)
 
     def _saves_at(self, step: int) -> bool:
         every = checkpoint_every_n_train_steps(self)

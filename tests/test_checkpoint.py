@@ -8,7 +8,7 @@ import signal
 import lightning.pytorch as pl
 import pytest
 import torch
-from toys import RegressionData, RegressionModule, trainer_kwargs
+from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs.checkpoint import FinalStateCheckpoint
@@ -63,6 +63,19 @@ def test_resuming_from_the_final_state_trains_no_further_step(tmp_path):
     assert torch.equal(resumed.layer.weight, module.layer.weight)
 
 
+def test_a_run_resumed_into_another_folder_says_so_in_one_line(tmp_path, caplog, recwarn):
+    first, second = tmp_path / "first", tmp_path / "second"
+    fit(first, max_steps=5)
+    warmup = BatchWarmup(PiecewiseBatch([4], [0], unit="samples"), seq_len=1)
+    checkpoint = FinalStateCheckpoint(dirpath=second, every_n_train_steps=4, save_last=True)  # the same state key: it loads
+    trainer = pl.Trainer(**trainer_kwargs(enable_checkpointing=True, max_epochs=2, max_steps=9, callbacks=[warmup, checkpoint]))
+    with caplog.at_level("INFO"):
+        trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2), ckpt_path=first / "last.ckpt")
+    assert f"FinalStateCheckpoint: resumed from a run that saved to {first}; this run saves to {second}" in caplog.text
+    assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]  # Lightning's warning, said better above
+    assert torch.load(second / "last.ckpt", weights_only=False)["global_step"] == 9
+
+
 def test_max_steps_stop_is_saved(tmp_path):
     trainer, module = fit(tmp_path, max_steps=7)
     assert_last_holds(tmp_path, module, 7)
@@ -90,6 +103,31 @@ def test_sigterm_inside_an_accumulation_window_stops_after_that_step(tmp_path):
         _, module = fit(tmp_path, SigtermAt(micro_batch=13))
     last = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert last["global_step"] == 7
+
+
+def test_sigterm_on_an_epochs_last_micro_batch_resumes_in_the_next_epoch(tmp_path):
+    # Epoch 0 (100 samples) grows the micro-batch 2 -> 4 and ends in a short step: its 30th and last
+    # micro-batch is one of 4 where the step wants two. SIGTERM there: the resumed run, stopped by
+    # max_steps, trains epoch 1 from its first sample with the LR its epoch-indexed scheduler gives it.
+    def run(*callbacks, ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        warmup = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 20, 50], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4)
+        trainer = pl.Trainer(**trainer_kwargs(enable_checkpointing=bool(callbacks), max_epochs=-1, max_steps=38,
+                                              callbacks=[warmup, *callbacks]))
+        module = RegressionModule(scheduler_factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+                                  scheduler_interval="epoch")
+        trainer.fit(module, datamodule=GlobalOrderRegressionData(n=100, batch_size=2), ckpt_path=ckpt_path)
+        return trainer, module
+
+    _, full = run()
+    assert [len(step["indices"]) for step in full.steps if step["epoch"] == 0][-2:] == [8, 4]
+    with pytest.raises(SystemExit):
+        run(FinalStateCheckpoint(dirpath=tmp_path, save_last=True), SigtermAt(micro_batch=30))
+    trainer, resumed = run(ckpt_path=tmp_path / "last.ckpt")
+    assert [step["epoch"] for step in resumed.steps] == [1] * 13 and trainer.global_step == len(full.steps) == 38
+    assert [s["indices"] for s in resumed.steps] == [s["indices"] for s in full.steps if s["epoch"] == 1]
+    assert [s["lr"] for s in resumed.steps] == [s["lr"] for s in full.steps if s["epoch"] == 1]
+    assert torch.equal(resumed.layer.weight, full.layer.weight)
 
 
 def test_keeps_the_most_recent_periodic_checkpoints(tmp_path):

@@ -75,13 +75,13 @@ class GlobalOrderRegressionData(RegressionData):
 class RegressionModule(pl.LightningModule):
     """Linear regression with SGD; records, per optimizer step, the samples and the gradient."""
 
-    def __init__(self, lr: float = 0.05, scheduler_factory=None, optimizer: str = "sgd"):
+    def __init__(self, lr: float = 0.05, scheduler_factory=None, optimizer: str = "sgd", scheduler_interval: str = "step"):
         super().__init__()
         self.layer = torch.nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
         with torch.no_grad():  # the same start in every test, whatever the global RNG did before
             self.layer.weight.copy_(torch.randn(1, DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
         self.lr = lr
-        self.scheduler_factory = scheduler_factory
+        self.scheduler_factory, self.scheduler_interval = scheduler_factory, scheduler_interval
         self.optimizer_name = optimizer
         self.pending: list[int] = []
         self.steps: list[dict] = []  # one per optimizer step
@@ -119,7 +119,7 @@ class RegressionModule(pl.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": "step"}}
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": self.scheduler_interval}}
 
 
 def trainer_kwargs(**overrides):
