@@ -155,7 +155,9 @@ class BatchAccounting(Callback):
         samples_seen, tokens_seen: trained on so far, including the current micro-batch.
         in_branch: True while a CBS probe trains or evaluates branches (``branching``).
         branch_seconds: wall seconds spent in ``branching`` since the fit started.
-        fit_seconds: wall seconds since the fit started.
+        fit_seconds: wall seconds of training: since this fit started, plus those of the run a
+            checkpoint it resumed from had trained for (the time lost to an interruption is not counted).
+        tokens_at_fit_start, samples_at_fit_start: the counts this fit started from (a resumed run's).
         probe_window_step: the optimizer step where the CBS probe window in progress began (None:
             none is open); it stays set when a stop signal interrupted the probe.
         stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
@@ -179,6 +181,9 @@ class BatchAccounting(Callback):
         self.in_branch = False
         self.branch_seconds = 0.0
         self._fit_start: float | None = None
+        self._seconds_before_fit = 0.0  # fit_seconds of the checkpoint resumed from
+        self.tokens_at_fit_start = 0
+        self.samples_at_fit_start = 0
         self.checkpoint_data_parallel_size: int | None = None
         self.probe_window_step: int | None = None
         self.stop_signal: int | None = None
@@ -221,8 +226,9 @@ class BatchAccounting(Callback):
 
     @property
     def fit_seconds(self) -> float:
-        """Wall-clock seconds since this ``trainer.fit`` began (validation, probes, checkpoints included)."""
-        return time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
+        """Wall-clock seconds of training (validation, probes, checkpoints included): since this
+        ``trainer.fit`` began, plus the checkpoint's own for a resumed run."""
+        return self._seconds_before_fit + (time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0)
 
     @property
     def has_tokens(self) -> bool:
@@ -302,6 +308,7 @@ class BatchAccounting(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.branch_seconds = 0.0
         self._fit_start = time.perf_counter()
+        self.tokens_at_fit_start, self.samples_at_fit_start = self.tokens_seen, self.samples_seen
         self._token_schedulers = [
             config.scheduler for config in trainer.lr_scheduler_configs if isinstance(config.scheduler, TokenLRScheduler)
         ]
@@ -384,6 +391,7 @@ class BatchAccounting(Callback):
             "tokens_seen": self.tokens_seen,
             "seq_len": self.seq_len,
             "data_parallel_size": self.data_parallel_size,
+            "fit_seconds": self.fit_seconds,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -391,3 +399,4 @@ class BatchAccounting(Callback):
         self.tokens_seen = state_dict["tokens_seen"]
         self.seq_len = self.seq_len or state_dict["seq_len"]
         self.checkpoint_data_parallel_size = state_dict.get("data_parallel_size")
+        self._seconds_before_fit = state_dict.get("fit_seconds", 0.0)

@@ -8,7 +8,8 @@ every batch to decide when to step, when to zero gradients and how to divide the
 applied right after an optimizer step, and only when the samples consumed this epoch (all ranks)
 are a multiple of the new global batch, so every later step averages over exactly the scheduled
 samples, and the steps where the batch changes depend on the samples alone, not on the ranks or
-the micro-batch. An increase by an integer ratio r therefore waits at most r - 1 steps; ``history``
+the micro-batch. A change from B to B' therefore waits at most B' / gcd(B, B') - 1 steps (r - 1
+for an integer ratio r); ``history``
 records when each change was asked for and when it happened.
 
 A new micro-batch reaches the train loader between two steps, mid-epoch, when the loader is a
@@ -108,12 +109,14 @@ class BatchWarmup(Callback):
             batch between optimizer steps (``lit_cbs.GlobalOrderLoader``). None (default): the
             micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
         log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
-            ``batch/lr_factor``, ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds since the
-            fit began, validation and probes included) and ``lr`` to the trainer's loggers at its
+            ``batch/lr_factor``, ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds of training
+            since the fit began, validation and probes included; a resumed run goes on from its
+            checkpoint's) and ``lr`` to the trainer's loggers at its
             ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
             progress bar. Each row describes the optimizer step it belongs to, as Lightning's
             LearningRateMonitor does: the batch, accumulation and LR that step trained with, and
-            the counts including it.
+            the counts including it. An epoch's last step, short when the epoch's samples run out
+            before the accumulation does, shows the samples and micro-batches it trained on.
 
     Attributes:
         history: ``BatchChange`` records, in order.
@@ -165,6 +168,7 @@ class BatchWarmup(Callback):
         self._trainer: pl.Trainer | None = None
         self._token_settings_checked = False
         self._step_lr: float | None = None
+        self._samples_before_step: int | None = None  # samples_seen after the previous optimizer step
 
     # ------------------------------------------------------------------ counts (the accounting's)
     @property
@@ -286,6 +290,7 @@ class BatchWarmup(Callback):
                 )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._samples_before_step = self.samples_seen
         self._check_loader_resizes(trainer)
         if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
             self._regroup_for_new_ranks(trainer, pl_module)
@@ -407,6 +412,7 @@ class BatchWarmup(Callback):
             return  # no optimizer step this batch
         if self.log_every_step:
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
+        self._samples_before_step = self.samples_seen
         if self.guard is not None and self._step_micro_batches:
             self.guard.record(self.consumed, float(self._step_loss_sum) / self._step_micro_batches)
             self._step_loss_sum, self._step_micro_batches = 0.0, 0
@@ -420,7 +426,7 @@ class BatchWarmup(Callback):
     def _fits_now(self, trainer: pl.Trainer, global_batch: int, accumulate: int) -> bool:
         """Whether a step of ``global_batch`` samples (``accumulate`` micro-batches per rank) can start now,
         right after an optimizer step: when the samples consumed this epoch, over all ranks, are a
-        multiple of it (an increase by an integer ratio r waits at most r - 1 steps). This depends on
+        multiple of it (from B, at most B' / gcd(B, B') - 1 steps later). This depends on
         the samples alone, not on the ranks or the micro-batch, so a run on any number of ranks
         changes on the same steps, and a token budget of whole batches is met exactly.
 
@@ -566,10 +572,14 @@ class BatchWarmup(Callback):
         log_to_loggers(trainer, self._metrics)
 
     def _metrics(self, trainer) -> dict[str, float]:
+        # What the step trained on: the global batch, but fewer samples in an epoch's short last step.
+        samples = self.global_batch
+        if self._samples_before_step is not None:
+            samples = self.samples_seen - self._samples_before_step
         metrics = {
-            "batch/global_size": float(self.global_batch),
+            "batch/global_size": float(samples),
             "batch/micro_batch_size": float(self.micro_batch_size),
-            "batch/accumulate": float(self.accumulate),
+            "batch/accumulate": float(samples // (self.micro_batch_size * self.accounting.data_parallel_size)),
             "batch/lr_factor": self.lr_factor,
             "samples_seen": float(self.samples_seen),
             "tokens_seen": float(self.tokens_seen),

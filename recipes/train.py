@@ -315,14 +315,16 @@ def describe(run: Run, cfg: DictConfig) -> str:
 
 def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
     """What the run did, as written to summary.json: tokens, optimizer steps, batch changes, final
-    val/loss, wall time and, with a CBS probe, its readings and what the probe branches cost (their
-    tokens and optimizer steps, which the main run's step count does not include)."""
+    val/loss, wall time (this fit's, and the run's over every fit it resumed from) and, with a CBS
+    probe, its readings and what the probe branches cost (their tokens and optimizer steps, which
+    the main run's step count does not include)."""
     warmup, trainer = run.batch_warmup, run.trainer
     seq_len = warmup.seq_len or run.datamodule.seq_len
     val_loss = trainer.callback_metrics.get("val/loss")
     summary = {
         "run_name": run_name,
         "tokens": warmup.tokens_seen,
+        "tokens_this_fit": warmup.tokens_seen - warmup.accounting.tokens_at_fit_start,
         "optimizer_steps": trainer.global_step,
         "first_batch": warmup.history[0].old_global_batch if warmup.history else warmup.global_batch,
         "final_batch": warmup.global_batch,
@@ -334,6 +336,7 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
         ],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
+        "run_seconds": warmup.accounting.fit_seconds,
         "stopped_by": signal.Signals(warmup.accounting.stop_signal).name if warmup.accounting.stop_signal else None,
         "probe": None,
     }
@@ -363,14 +366,19 @@ def summarize(summary: dict) -> str:
         for c in summary["batch_changes"]
     ) or "none"
     val_loss = summary["final_val_loss"]
-    seconds = summary["fit_seconds"]
+    seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
+    resumed = this_fit != tokens
+    wall = f"wall time        {seconds:.1f} s (trainer.fit)"
+    if resumed:
+        wall += f"; {summary['run_seconds']:.1f} s of training since the run began, over the fits it resumed from"
     lines = [
-        f"tokens           {tokens:,} ({tokens / seconds:,.0f} tokens/s over the whole fit)",
+        f"tokens           {tokens:,} ({this_fit / seconds:,.0f} tokens/s over this fit"
+        + (f", which trained {this_fit:,} of them)" if resumed else ")"),
         f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch "
         f"{summary['first_batch']})",
         f"batch changes    {changes}",
         f"final val/loss   {val_loss:.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
-        f"wall time        {seconds:.1f} s (trainer.fit)",
+        wall,
     ]
     if summary.get("stopped_by"):
         lines.append(f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)")

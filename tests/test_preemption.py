@@ -104,9 +104,19 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
     second probe is due after step 6, where the first run stops: it leaves the probe to the resumed run."""
     _, end = uninterrupted
     fit(build(tmp_path / "first", prepared, "trainer.max_steps=6"))
-    assert torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
-    fit(build(tmp_path / "rest", prepared), ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
+    checkpoint = torch.load(tmp_path / "first" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert checkpoint["global_step"] == 6
+    (accounting,) = [state for key, state in checkpoint["callbacks"].items() if key.startswith("BatchAccounting")]
+    rest = build(tmp_path / "rest", prepared)
+    fit(rest, ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
     assert_same_end(final_state(tmp_path / "rest"), end)
+    # The resumed run's clock goes on from the first run's, and its summary says what this fit trained.
+    assert accounting["tokens_seen"] == 8192 and 0 < accounting["fit_seconds"] < BatchAccounting.of(rest.trainer).fit_seconds
+    summary = train_script.run_summary(rest, "rest", fit_seconds=2.0)
+    assert (summary["tokens"], summary["tokens_this_fit"]) == (12288, 4096) and summary["run_seconds"] > accounting["fit_seconds"]
+    text = train_script.summarize(summary)
+    assert "12,288 (2,048 tokens/s over this fit, which trained 4,096 of them)" in text
+    assert f"2.0 s (trainer.fit); {summary['run_seconds']:.1f} s of training since the run began" in text
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import math
 import warnings
 
@@ -11,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from test_schedules import megatron_reference
 from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
@@ -180,6 +182,23 @@ def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(siz
         assert change.new_micro_batch_size == max(m for m in range(1, max_micro + 1) if change.new_global_batch % m == 0)
         this_epoch = change.samples_seen - sum(len(read[epoch]) for epoch in range(change.epoch))
         assert this_epoch % change.new_global_batch == 0 or this_epoch == len(read[change.epoch])  # or at the epoch's end
+        old, new = change.old_global_batch, change.new_global_batch
+        waited = (change.samples_seen - change.requested_at_samples) // old
+        assert waited <= new // math.gcd(old, new) - 1 or this_epoch in (0, len(read[change.epoch]))  # or at an epoch boundary
+
+
+def test_the_logged_row_of_an_epochs_short_last_step_says_what_it_trained_on(tmp_path):
+    # 100 samples: micro-batch 2 -> 4 after 20 samples, then batch 8 (accumulate 2) after 50; the
+    # epoch's samples run out with one micro-batch of 4 left for the last step.
+    warmup = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 20, 50], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4)
+    logger = CSVLogger(tmp_path, name="", version="")
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[warmup], logger=logger, log_every_n_steps=1))
+    trainer.fit(RegressionModule(), GlobalOrderRegressionData(n=100, batch_size=2))
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("batch/global_size")]
+    logged = [(float(row["batch/global_size"]), float(row["batch/micro_batch_size"]), float(row["batch/accumulate"])) for row in rows]
+    assert logged[-2:] == [(8, 4, 2), (4, 4, 1)] and warmup.global_batch == 8
+    assert sum(size for size, _, _ in logged) == float(rows[-1]["samples_seen"]) == 100
 
 
 def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_path):
