@@ -528,13 +528,17 @@ class RunPlan:
                 f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})",
             ]
         seconds = self.wall_seconds
-        lines += [
-            "",
-            f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
-            f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
-            f"plan_for.peak_flops_per_device), "
-            f"{self.processes * seconds / 3600:,.0f} device-hours",
-        ]
+        if self._timed:
+            lines += [
+                "",
+                f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
+                f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
+                f"plan_for.peak_flops_per_device), "
+                f"{self.processes * seconds / 3600:,.0f} device-hours",
+            ]
+        else:
+            lines += ["", f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
+                          "plan_for.peak_flops_per_device)"]
         if self.micro_batch_limit is not None:
             lines.append(
                 f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
@@ -551,7 +555,7 @@ class RunPlan:
         if not self.cluster or len(self.cluster) < 2:
             return []
         per_node = self.devices_per_node
-        timed = self.accelerator in ("gpu", "cuda")  # the times assume a GPU's peak FLOP/s (plan_for.peak_flops_per_device)
+        timed = self._timed
         grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)
         fixed = sum(self._seconds(p.phase.tokens, self.processes) for p in self.cluster)
         cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
@@ -579,12 +583,18 @@ class RunPlan:
         lines.append("  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:")
         for index, planned in enumerate(self.cluster):
             nodes = planned.ranks // per_node
-            resume = " ckpt_path=<the previous phase's run>/checkpoints/last.ckpt" if index else ""
+            run_dir = f" hydra.run.dir=outputs/{self.name}/phase{index + 1}"
+            resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
             lines.append(
-                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{resume}"
+                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
             )
         return lines
+
+    @property
+    def _timed(self) -> bool:
+        """Whether wall times are estimated: they assume a GPU's peak FLOP/s (plan_for.peak_flops_per_device)."""
+        return self.accelerator in ("gpu", "cuda")
 
 
 def _duration(seconds: float) -> str:

@@ -239,12 +239,13 @@ def plan_of(cfg: DictConfig) -> RunPlan:
 
 
 def command_line_overrides() -> list[str]:
-    """The overrides this job was started with, less plan=true (empty outside a Hydra job)."""
+    """The overrides this job was started with, less plan=true and what the plan's commands set (empty outside a Hydra job)."""
     try:
         overrides = list(HydraConfig.get().overrides.task)
     except ValueError:  # no Hydra job: composed by a script or a test
         return []
-    return [override for override in overrides if not override.startswith(("plan=", "plan_for.", "trainer.num_nodes=", "ckpt_path="))]
+    moved = ("plan=", "plan_for.", "trainer.num_nodes=", "trainer.max_steps=", "ckpt_path=", "hydra.run.dir=")
+    return [override for override in overrides if not override.startswith(moved)]
 
 
 def build_run(cfg: DictConfig) -> Run:

@@ -206,12 +206,23 @@ def test_plan_grows_the_cluster_with_the_batch_and_says_how(tmp_path):
     report = plan.report()
     assert "1.76x sooner" in report
     commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
-    assert commands[0] == f"torchrun --nnodes 1 --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup trainer.num_nodes=1 trainer.max_steps={plan.cluster[0].end_step}"
-    assert commands[2].endswith("trainer.num_nodes=4 ckpt_path=<the previous phase's run>/checkpoints/last.ckpt")
+    assert commands[0] == (f"torchrun --nnodes 1 --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup trainer.num_nodes=1 "
+                           f"trainer.max_steps={plan.cluster[0].end_step} hydra.run.dir=outputs/olmo1b_warmup/phase1")
+    assert commands[2].endswith("trainer.num_nodes=4 hydra.run.dir=outputs/olmo1b_warmup/phase3 "
+                                "ckpt_path=outputs/olmo1b_warmup/phase2/checkpoints/last.ckpt")
     # The largest micro-batch whose step fits plan_for.gpu_memory_gib, with activation checkpointing as configured.
     fits = plan.micro_batch_limit
     memory = [device_memory(plan.shape, micro, 4096, "bf16-mixed", "fsdp", 8, True).total for micro in (fits, fits + 1)]
     assert memory[0] <= 80 * GIB < memory[1]
+
+
+def test_plan_on_the_cpu_grows_the_cluster_without_made_up_times():
+    report = train.plan_of(compose_config("plan=true", "plan_for.max_devices=2")).report()
+    assert "wall time        not estimated on cpu" in report and "TFLOP/s" not in report and "device-hours" not in report
+    commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
+    assert commands[1] == ("torchrun --nnodes 2 --nproc_per_node 1 recipes/train.py +recipe=tiny_warmup trainer.num_nodes=2 "
+                           "trainer.max_steps=920 hydra.run.dir=outputs/tiny_warmup/phase2 "
+                           "ckpt_path=outputs/tiny_warmup/phase1/checkpoints/last.ckpt")
 
 
 def test_plan_of_olmo7b_reads_no_data_and_warns_what_does_not_fit(tmp_path):
