@@ -64,6 +64,9 @@ CONFIG_ERRORS = (LitCBSConfigError, ValueError, TypeError, MisconfigurationExcep
 register_resolvers()
 # The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
 warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+# litdata's StreamingDataset has a length and splits its items among a loader's workers itself, which
+# is what Lightning's warning about an IterableDataset with __len__ asks for.
+warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
 
 
 log = logging.getLogger("lit_cbs.train")
@@ -467,6 +470,8 @@ def main(cfg: DictConfig) -> float | None:
         if cfg.plots and metrics_csv.is_file():
             plot_run(metrics_csv, output_dir, title=cfg.run_name)
         log.info(f"lit_cbs: {cfg.run_name} {'stopped' if summary['stopped_by'] else 'done'}\n{summarize(summary)}\noutputs          {output_dir}")
+    if torch.distributed.is_initialized():  # before the interpreter exits: a process group torn down at exit can abort the rank
+        torch.distributed.destroy_process_group()
     if terminated:
         raise SystemExit(128 + signal.SIGTERM)  # the shell's code for a run ended by SIGTERM, so schedulers do not read "done"
     return float(val_loss) if val_loss is not None else None
