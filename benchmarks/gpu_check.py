@@ -1,10 +1,10 @@
 """One-GPU check of the training stack: OLMo-1B shape, FSDP2, bf16, a batch change mid-run.
 
-    python -m benchmarks.gpu_check --output gpu_check.json [--peak-tflops 989]
+    python -m benchmarks.gpu_check --output gpu_check.json [--peak-tflops 989] [--compile]
 
 Trains ``lit_cbs.lm.CausalLM`` (olmo_1b preset, all 16 layers unless --n-layers says fewer)
 through Lightning's ModelParallelStrategy (FSDP2, one process), bf16-mixed, activation
-checkpointing, AdamW and the token-indexed LR schedule, with ``BatchWarmup`` doubling the global
+checkpointing, AdamW (fused on a GPU) and the token-indexed LR schedule, with ``BatchWarmup`` doubling the global
 batch from 8 to 16 sequences of 4096 tokens after --steps-before-change optimizer steps. The
 tokens are random (``lit_cbs.synthetic.RandomTokenData``): this measures speed and memory, not
 learning. Prints, and writes to --output, JSON with tokens/s over the optimizer steps after the
@@ -13,6 +13,11 @@ first --skip-steps (wall time between steps, CUDA-synchronized), MFU = model FLO
 peak used, peak memory and the batch change. The peak is --peak-tflops, else Lightning's
 ``get_available_flops`` for the GPU; that table does not know the name torch reports for an
 H200, so pass ``--peak-tflops 989`` (dense bf16 of an H100/H200 SXM) there.
+
+``--compile`` compiles each transformer block (``CausalLM(compile=True)``: regional compilation
+before FSDP2 sharding), so two runs, one with and one without, give compiled against eager MFU;
+the first timed step comes after the compile (--skip-steps), and the batch change keeps the
+micro-batch, so nothing recompiles inside the timed steps.
 
 ``--probe`` also attaches ``CBSProbeCallback`` (grid k = 1, 2 over a window of
 --probe-window-steps steps, snapshots on the CPU) right after the batch change, and reports the
@@ -39,6 +44,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch._dynamo.utils import counters
 
 from benchmarks.common import StepTimer
 from lit_cbs.lm import ADAMW, COMPUTE_DTYPES, CausalLM
@@ -66,6 +72,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="compile each transformer block (CausalLM(compile=True))")
     parser.add_argument("--probe", action="store_true", help="also run a CBS probe (k = 1, 2) after the change")
     parser.add_argument("--probe-window-steps", type=int, default=4, help="probe window, in steps at the doubled batch")
     return parser.parse_args()
@@ -95,10 +102,11 @@ def main() -> dict:
     max_tokens = change_at + args.steps_after_change * 2 * first_batch * args.seq_len
     model = CausalLM(
         config,
-        optimizer=functools.partial(ADAMW, lr=4e-4),
+        optimizer=functools.partial(ADAMW, lr=4e-4, fused=args.accelerator == "gpu"),
         lr_schedule=WarmupStableDecay(warmup_tokens=change_at // 2, total_tokens=max_tokens),
         activation_checkpointing=not args.no_activation_checkpointing,
         peak_flops_per_device=peak_flops,
+        compile=args.compile,
     )
     data = RandomTokenData(model.config.vocab_size, args.seq_len, args.micro_batch_size, samples=max_tokens // args.seq_len)
     warmup = BatchWarmup(PiecewiseBatch([first_batch, 2 * first_batch], [0, change_at], unit="tokens"), max_tokens=max_tokens)
@@ -146,6 +154,9 @@ def main() -> dict:
         "strategy": "ModelParallelStrategy (FSDP2 fully_shard per block and root), 1 process",
         "precision": args.precision,
         "activation_checkpointing": model.activation_checkpointing,
+        "compile": args.compile,
+        "compiled_graphs": counters["stats"]["unique_graphs"],  # torch's count, over the whole run (the batch change included)
+        "fused_adamw": args.accelerator == "gpu",
         "model": dataclasses.asdict(model.config),
         "parameters": model.num_parameters(),
         "seq_len": args.seq_len,

@@ -3,9 +3,13 @@
 # set PEAK_TFLOPS to its dense peak at bf16): installs the project, then
 #   1. benchmarks/gpu_check.py: OLMo-1B shape, FSDP2, bf16, activation checkpointing, a batch
 #      change: tokens/s, MFU, peak memory beside what `plan=true` estimates for the same run;
-#   2. the same with a CBS probe (k = 1, 2): the probe's cost, and k = 1 against the main run;
-#   3. benchmarks/table1.py --gpu: Table 1 on a 25M-parameter model in bf16, one seed.
-# Results go to $OUT (default gpu_results/): the JSON files, table1.md, table1.png, nvidia-smi.txt.
+#   2. the same compiled (each transformer block, torch.compile): compiled against eager MFU;
+#   3. the same with a CBS probe (k = 1, 2): the probe's cost, and k = 1 against the main run;
+#   4. benchmarks/table1.py --gpu: Table 1 on a 25M-parameter model in bf16, one seed;
+#   5. benchmarks/time_to_loss.py --gpu: the same runs' wall time to a held-out loss, and compiled
+#      against eager tokens/s per batch phase.
+# Results go to $OUT (default gpu_results/): the JSON files, table1.md, table1.png,
+# time_to_loss.md, time_to_loss.png, nvidia-smi.txt.
 # Put the figures in docs/RESULTS.md. Each step has its own time limit, so one that hangs does not
 # take the others with it.
 #
@@ -28,7 +32,10 @@ step() {  # step SECONDS NAME COMMAND...: run one measurement, keep going if it 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1 || { echo "no nvidia-smi: is this the GPU machine?"; exit 1; }
 pip install --quiet -e . || exit 1
 step 240 gpu_check python -m benchmarks.gpu_check --peak-tflops "$PEAK_TFLOPS" --output "$OUT/gpu_check.json"
+step 300 gpu_check_compiled python -m benchmarks.gpu_check --peak-tflops "$PEAK_TFLOPS" --compile --output "$OUT/gpu_check_compiled.json"
 step 300 gpu_check_probe python -m benchmarks.gpu_check --peak-tflops "$PEAK_TFLOPS" --probe --steps-after-change 16 \
     --output "$OUT/gpu_check_probe.json"
 step 900 table1_gpu python -m benchmarks.table1 --gpu --out "$OUT/table1" --markdown "$OUT/table1.md" --plot "$OUT/table1.png"
+step 1200 time_to_loss_gpu python -m benchmarks.time_to_loss --gpu --out "$OUT/time_to_loss" --markdown "$OUT/time_to_loss.md" \
+    --plot "$OUT/time_to_loss.png"
 exit $status

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
 
@@ -271,7 +272,7 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         "",
         table(rows, labels, args.last_evals),
         "",
-        "Goals (issue: Reproduce the paper's Table 1 at small scale):",
+        "Goals:",
         "",
         *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks],
         "",
@@ -335,6 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [key for key in keys if key not in by_key]
     if unknown or not keys:
         parser.error(f"--configs: unknown {unknown}; choose from {list(by_key)}")
+    if args.gpu and saved is None and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA GPU is visible here; run it on the GPU machine (benchmarks/gpu_run.sh)")
     if args.markdown is None and not args.quick and not args.gpu:
         args.markdown = ROOT / "docs" / "RESULTS.md"
     if args.plot is None:

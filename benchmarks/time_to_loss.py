@@ -18,6 +18,10 @@ against eager tokens/s, per phase), and the default job itself, whole (``python 
 probes, validation, checkpoints, plots) against the same job stripped to its training steps
 (``fit_seconds`` of a run without probe, validation, checkpoints and plots).
 
+``--gpu``: the GPU variant of ``benchmarks.table1 --gpu`` (a 25M-parameter model of the same
+family, 512-token sequences, bf16 on one GPU, 2^25 tokens per run), one seed, with the compiled
+run and without the default-job runs; its section goes only where ``--markdown`` says.
+
 Output: a table on stdout, OUT/time_to_loss.json, a plot of held-out loss against wall-clock
 seconds, and the section "time_to_loss" of docs/RESULTS.md (``--markdown``).
 
@@ -25,6 +29,7 @@ Usage::
 
     python -m benchmarks.time_to_loss                  # 2 seeds, about 30 minutes on 2 cores
     python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, no extras
+    python -m benchmarks.time_to_loss --gpu --out /tmp/ttl_gpu --markdown /tmp/ttl_gpu/time_to_loss.md
 """
 
 from __future__ import annotations
@@ -39,9 +44,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
-from benchmarks.table1 import CONFIGS, REFERENCE_TOKENS, run_command
+from benchmarks.table1 import CONFIGS, GPU_SEQ_LEN, GPU_TOKENS, REFERENCE_TOKENS, run_command
 
 KEYS = ("small", "large64", "warmup", "adaptive")
 TARGET_MARGIN = 0.02  # nats above the small-batch control's final held-out loss
@@ -82,7 +88,7 @@ def tokens_per_second_by_phase(run_dir: Path) -> dict[int, float]:
 def run(key: str, seed: int, args, extra: tuple[str, ...] = ()) -> dict:
     config = {c.key: c for c in CONFIGS}[key.removesuffix("_compiled")]
     run_dir = (args.out / f"{key}_seed{seed}").resolve()
-    command = run_command(config, seed, args.tokens, run_dir, extra=[f"trainer.limit_val_batches={VAL_BATCHES}", *extra],
+    command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=[f"trainer.limit_val_batches={VAL_BATCHES}", *extra],
                           evaluations=EVALUATIONS)
     print(f"[time_to_loss] {key}, seed {seed}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
@@ -190,13 +196,19 @@ def plot(runs: dict[str, list[dict]], result: dict, labels: dict[str, str], path
 
 def markdown(result, runs, extras, checks, labels, args, plot_path: Path, seconds: float) -> str:
     relative_plot = os.path.relpath(plot_path, args.markdown.parent)
+    if args.gpu:
+        where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}, torch {torch.__version__}"
+        model = (f"a 25M-parameter model of the tiny OLMo's family (d_model 512, 8 layers, {GPU_SEQ_LEN}-token sequences) "
+                 "in bf16 on one GPU, on the embedded corpus")
+    else:
+        where, model = machine(args.load), "the tiny OLMo on the embedded corpus"
     lines = [
         "## Time to a loss",
         "",
         f"Command: `python -m benchmarks.time_to_loss {' '.join(args.argv)}`".rstrip()
-        + f" ({seconds / 60:.1f} minutes, {args.date}; {machine(args.load)}; one run at a time on every core).",
+        + f" ({seconds / 60:.1f} minutes, {args.date}; {where}; one run at a time).",
         "",
-        f"Workload: the tiny OLMo on the embedded corpus, {args.tokens:,} tokens per run, seeds {', '.join(map(str, args.seed_list))}; "
+        f"Workload: {model}, {args.tokens:,} tokens per run, seeds {', '.join(map(str, args.seed_list))}; "
         "the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on 16 micro-batches every "
         f"{args.tokens // EVALUATIONS:,} tokens. Target: each seed's small-batch final held-out loss + {TARGET_MARGIN} nats "
         f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the fit's "
@@ -210,7 +222,7 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
     if COMPILED in extras:
         eager = runs["warmup"][0]["tokens_per_s"]
         compiled = extras[COMPILED]["tokens_per_s"]
-        lines += ["Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch: "
+        lines += ["Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch (samples): "
                   + ", ".join(f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items())
                   + f"; the compiled run's fit took {extras[COMPILED]['fit_seconds']:.0f} s (cold compile included).", ""]
     if "default_job" in extras:
@@ -219,7 +231,7 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
                   f"validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training steps alone "
                   f"(`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).", ""]
     lines += [
-        "Goals (issue: Time, not steps):",
+        "Goals (on the 2-core CPU; on a GPU, as measured):" if args.gpu else "Goals:",
         "",
         *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks],
         "",
@@ -233,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
     parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)")
     parser.add_argument("--quick", action="store_true", help="1/16 of the budget, one seed, no compiled or default-job runs")
+    parser.add_argument("--gpu", action="store_true",
+                        help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, the compiled run, no default-job runs")
     parser.add_argument("--configs", default=",".join(KEYS), help=f"comma-separated, from {KEYS} (small is needed)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_to_loss", help="folder for the runs")
     parser.add_argument("--markdown", type=Path, default=None, help="the results file (default docs/RESULTS.md; none with --quick)")
@@ -240,15 +254,17 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.date = str(datetime.date.today())
-    args.tokens = args.tokens or (REFERENCE_TOKENS // 16 if args.quick else REFERENCE_TOKENS)
-    if args.quick and "--seeds" not in args.argv:
+    args.tokens = args.tokens or (REFERENCE_TOKENS // 16 if args.quick else GPU_TOKENS if args.gpu else REFERENCE_TOKENS)
+    if (args.quick or args.gpu) and "--seeds" not in args.argv:
         args.seeds = 1
     keys = [key.strip() for key in args.configs.split(",") if key.strip()]
     if "small" not in keys or any(key not in KEYS for key in keys):
         parser.error(f"--configs={args.configs!r}: choose from {KEYS}, with small (the control)")
     if args.tokens < 262_144 or args.seeds < 1:
         parser.error("--tokens must be >= 262144 (the probe window holds one step of its largest branch) and --seeds >= 1")
-    if args.markdown is None and not args.quick:
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA GPU is visible here; run it on the GPU machine (benchmarks/gpu_run.sh)")
+    if args.markdown is None and not args.quick and not args.gpu:
         args.markdown = ROOT / "docs" / "RESULTS.md"
     args.plot = args.plot or ((args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png")
     args.seed_list = list(range(1, args.seeds + 1))
@@ -262,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
     extras: dict[str, dict] = {}
     if not args.quick:
         extras[COMPILED] = run(COMPILED, 1, args, extra=("model.compile=true",))
+    if not args.quick and not args.gpu:  # the default job is the CPU's tiny workload
         extras["default_job"] = default_job(args, stripped=False)
         extras["default_job_training_only"] = default_job(args, stripped=True)
     seconds = time.perf_counter() - started

@@ -34,17 +34,21 @@ def test_gpu_check_imports_nothing_the_gpu_machine_lacks():
     assert not any(name.startswith(("'lit_cbs.data", "'lit_cbs.run_report")) for name in lit_cbs_modules[1:-1].split(", "))
 
 
-def test_gpu_check_runs_on_cpu(tmp_path):
+def test_gpu_check_runs_on_cpu_compiled(tmp_path):
+    # Compiled (as gpu_run.sh's second step), so the CPU runs every line the GPU's two runs do.
     output = tmp_path / "gpu_check.json"
     run_module(
         [
             "-m", "benchmarks.gpu_check", "--output", str(output), "--peak-tflops", "989",
             "--accelerator", "cpu", "--precision", "32-true", "--preset", "tiny", "--seq-len", "128",
             "--micro-batch-size", "4", "--steps-before-change", "4", "--steps-after-change", "2", "--skip-steps", "1",
+            "--compile",
         ],
         cwd=tmp_path,
     )
     result = json.loads(output.read_text())
+    # The micro-batch stays 4 through the batch change, so the blocks compile once or twice (dynamic shapes), no more.
+    assert result["compile"] is True and 1 <= result["compiled_graphs"] <= 2 and result["fused_adamw"] is False
     assert [(c["step"], c["new_global_batch"]) for c in result["batch_changes"]] == [(4, 8)]
     assert result["optimizer_steps"] == 6 and result["tokens_trained"] == 4 * 512 + 2 * 1024
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_flops_per_device"] == 989e12
