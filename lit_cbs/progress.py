@@ -40,6 +40,11 @@ class RunProgressBar(TQDMProgressBar):
         super().on_train_start(trainer, pl_module)
         self._accounting = next((cb for cb in trainer.callbacks if isinstance(cb, BatchAccounting)), None)
         self._micro_batches = 0
+        progress = self.progress(trainer)
+        if progress is not None and not self.train_progress_bar.disable:
+            # A resumed run starts part-way: tqdm's rate then counts from here, not from zero at time 0.
+            self.train_progress_bar.initial = progress[0]
+            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")  # no epoch start on a resume mid-epoch
         self._show(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
