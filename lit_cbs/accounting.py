@@ -281,7 +281,7 @@ class BatchAccounting(Callback):
             return
         if self._micro_batch_set:
             loader.batch_size = self._micro_batch_size
-        set_train_epoch_length(trainer, len(loader))  # micro-batches of the new size left in this epoch
+        set_train_epoch_length(trainer, len(loader))  # this epoch's micro-batches: those yielded, and those left at this size
 
     def set_gradient_sync(self, sync: bool | None) -> None:
         """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).

@@ -5,10 +5,11 @@ interrupted:
 
 - **The final state.** ``last.ckpt`` is written again when training ends (``max_tokens``,
   ``max_steps``, a stop signal), so it holds the step the run ended with, not the last multiple of
-  ``every_n_train_steps``. A run that stops inside an epoch (by ``max_tokens`` or ``max_steps``) is
-  saved right after its last step, while Lightning still counts the epoch as unfinished: a run
-  resumed from it, with a larger budget or on other ranks, goes on in that epoch, at the loader's
-  sample (saved when training ends, Lightning would count the epoch done and start the next).
+  ``every_n_train_steps``. A run that stops inside an epoch (by ``max_tokens``, ``max_steps`` or a
+  stop signal) is saved right after its last step, while Lightning still counts the epoch as
+  unfinished: a run resumed from it, with a larger budget or on other ranks, goes on in that epoch,
+  at the loader's sample (saved when training ends, Lightning would count the epoch done and start
+  the next).
 - **Signals at step boundaries.** Lightning acts on SIGTERM after whichever micro-batch it arrives
   in (a checkpoint there would lose the accumulated gradients), and its SLURM handler saves a
   checkpoint from inside the signal handler, which may run in the middle of a CBS probe's branch.
