@@ -238,6 +238,7 @@ class BatchWarmup(Callback):
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val!r}) sets none: set gradient_clip_val "
                 "(e.g. 1.0), or clip_rule=None"
             )
+        self._check_adaptive_has_a_probe(trainer)
         self._base_gradient_clip_val = trainer.gradient_clip_val
         micro = self._get_micro(trainer, pl_module)
         if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
@@ -256,6 +257,26 @@ class BatchWarmup(Callback):
                 f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
             )
         self._apply_to_trainer(trainer, pl_module)
+
+    def _check_adaptive_has_a_probe(self, trainer: pl.Trainer) -> None:
+        """A ``CBSAdaptive`` schedule moves only on CBS readings: without a probe it would stay at its start
+        batch for the whole run. A resumed run may have none (after its last probe point, the recorded
+        decisions replay from the checkpoint)."""
+        from lit_cbs.probe.callback import CBSProbeCallback  # the probe module imports this one
+
+        schedule = self.schedule
+        if (
+            isinstance(schedule, CBSAdaptive)
+            and schedule.start < schedule.final
+            and trainer.ckpt_path is None
+            and not any(isinstance(callback, CBSProbeCallback) for callback in trainer.callbacks)
+        ):
+            raise LitCBSConfigError(
+                f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
+                "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "
+                f"would stay {schedule.start} for the whole run: add lit_cbs.CBSProbeCallback(...), or use a fixed "
+                "schedule (PiecewiseBatch, ConstantBatch)"
+            )
 
     @staticmethod
     def _get_micro(trainer, pl_module) -> int:

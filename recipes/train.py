@@ -47,7 +47,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
-from lit_cbs import BatchWarmup, CBSProbeCallback
+from lit_cbs import BatchWarmup, CBSAdaptive, CBSProbeCallback
 from lit_cbs.data import TokenDataModule
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
@@ -278,9 +278,18 @@ def build_run(cfg: DictConfig) -> Run:
     datamodule.check_context(model_config.context_length)
 
     callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
+    warmup = batch_warmup_of(callbacks)
+    schedule = warmup.schedule
+    if isinstance(schedule, CBSAdaptive) and schedule.start < schedule.final and cfg.ckpt_path is None and not any(
+        isinstance(callback, CBSProbeCallback) for callback in callbacks
+    ):
+        raise LitCBSConfigError(
+            f"batch.schedule is CBSAdaptive, which grows the batch only on CBS readings, but the run has no probe "
+            f"(callbacks.cbs_probe is null, or its first window ends past max_tokens), so the batch would stay "
+            f"{schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), or a fixed schedule (batch=warmup)"
+        )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
-    warmup = batch_warmup_of(callbacks)
     trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=list(instantiate_named(cfg, "logger").values()) or False)
     warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)")
 

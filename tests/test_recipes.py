@@ -251,6 +251,13 @@ def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
     assert run.trainer.global_step == 0
 
 
+def test_an_adaptive_recipe_without_its_probe_stops_before_any_data_work(tmp_path):
+    cfg = compose_config("+recipe=tiny_adaptive", "callbacks.cbs_probe=null", f"data.cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(LitCBSConfigError, match=r"batch.schedule is CBSAdaptive.*no probe \(callbacks.cbs_probe is null.*set callbacks.cbs_probe"):
+        train.build_run(cfg)
+    assert not (tmp_path / "cache").exists()  # nothing tokenized
+
+
 def test_plan_needs_a_device_count():
     with pytest.raises(LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"):
         train.plan_of(compose_config("+recipe=olmo1b_warmup", "trainer.devices=auto"))

@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import CSVLogger
 from test_schedules import megatron_reference
 from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
-from lit_cbs import BatchWarmup, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
+from lit_cbs import BatchWarmup, CBSAdaptive, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.schedules import ExponentialRamp
 
 
@@ -478,3 +479,15 @@ def test_metrics_reach_the_logger_at_its_interval(tmp_path):
         assert float(row["batch/global_size"]) == size and float(row["batch/accumulate"]) == size // 2
         assert float(row["lr"]) == pytest.approx(0.05 * size / 2)
     assert float(rows[-1]["tokens_seen"]) == 4 * float(rows[-1]["samples_seen"])
+
+
+def test_an_adaptive_schedule_without_a_probe_is_refused_before_the_first_step():
+    # CBSAdaptive moves only on the probe's readings: without one the batch would stay 4 all run.
+    module = RegressionModule()
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 16, unit="samples"))]))
+    with pytest.raises(LitCBSConfigError, match=r"CBSAdaptive\(start=4, final=16\).*no CBSProbeCallback.*would stay 4 for the whole run"):
+        trainer.fit(module, RegressionData(n=96, batch_size=2))
+    assert not module.steps and trainer.global_step == 0
+    # At its final batch already, there is nothing for a probe to decide.
+    pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 4, unit="samples"))])).fit(RegressionModule(), RegressionData(n=96, batch_size=2))
+
