@@ -55,7 +55,7 @@ from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_rules import get_clip_rule, get_lr_rule, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
-from lit_cbs.schedules import BatchSchedule, CBSAdaptive, micro_batch_for
+from lit_cbs.schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
 from lit_cbs.validation import TokenValidation
 
 log = logging.getLogger(__name__)
@@ -259,23 +259,23 @@ class BatchWarmup(Callback):
         self._apply_to_trainer(trainer, pl_module)
 
     def _check_adaptive_has_a_probe(self, trainer: pl.Trainer) -> None:
-        """A ``CBSAdaptive`` schedule moves only on CBS readings: without a probe it would stay at its start
-        batch for the whole run. A resumed run may have none (after its last probe point, the recorded
-        decisions replay from the checkpoint)."""
-        from lit_cbs.probe.callback import CBSProbeCallback  # the probe module imports this one
-
+        """A ``CBSAdaptive`` schedule moves only on CBS readings: without a callback that feeds it
+        (``CBSProbeCallback``, or one of yours that calls ``schedule.observe`` and says so with a class
+        attribute ``feeds_cbs_adaptive = True``) it would stay at its start batch for the whole run. A
+        resumed run may have none (after its last probe point the recorded decisions replay)."""
         schedule = self.schedule
         if (
             isinstance(schedule, CBSAdaptive)
             and schedule.start < schedule.final
             and trainer.ckpt_path is None
-            and not any(isinstance(callback, CBSProbeCallback) for callback in trainer.callbacks)
+            and not any(getattr(callback, "feeds_cbs_adaptive", False) for callback in trainer.callbacks)
         ):
             raise LitCBSConfigError(
                 f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
                 "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "
-                f"would stay {schedule.start} for the whole run: add lit_cbs.CBSProbeCallback(...), or use a fixed "
-                "schedule (PiecewiseBatch, ConstantBatch)"
+                f"would stay {schedule.start} for the whole run: add lit_cbs.CBSProbeCallback(...) (or a callback of "
+                "yours that calls schedule.observe, with feeds_cbs_adaptive = True), or use a fixed schedule "
+                "(PiecewiseBatch, ConstantBatch)"
             )
 
     @staticmethod
@@ -422,6 +422,104 @@ class BatchWarmup(Callback):
                     "tensor), so it cannot count tokens: use unit='samples' for such data, or pass "
                     "BatchWarmup(seq_len=...) / give the datamodule a `tokens_per_sample` attribute if it is token data"
                 )
+            self._warn_unreachable_batches(trainer)
+
+    def _run_limits(self, trainer: pl.Trainer, samples: int) -> list[tuple[str, str, int]]:
+        """What ends the run from here: (setting, unit, amount left) for max_tokens (tokens), max_steps
+        (optimizer steps) and max_epochs (samples, from the loader's length)."""
+        limits = []
+        accounting = self.accounting
+        if accounting.max_tokens is not None and accounting.seq_len:
+            limits.append((f"max_tokens={accounting.max_tokens:,}", "tokens", accounting.max_tokens - self.tokens_seen
+                           + (self.samples_seen - samples) * accounting.seq_len))
+        if trainer.max_steps is not None and trainer.max_steps >= 0:
+            limits.append((f"Trainer(max_steps={trainer.max_steps:,})", "steps", trainer.max_steps - trainer.global_step))
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            loader = resizable_train_loader(trainer)
+            ranks = accounting.data_parallel_size
+            if loader is not None:
+                per_epoch, this_epoch = loader.num_samples, loader.position
+            elif isinstance(trainer.num_training_batches, int):
+                per_epoch = trainer.num_training_batches * self.micro_batch_size * ranks
+                this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready * self.micro_batch_size * ranks
+            else:
+                return limits  # an iterable of unknown length
+            left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - this_epoch + (self.samples_seen - samples)
+            limits.append((f"Trainer(max_epochs={trainer.max_epochs}) ({per_epoch:,} samples per epoch)", "samples", left))
+        return limits
+
+    def _steps_to(self, unit: str, left: int, batch: int) -> int:
+        """Optimizer steps at ``batch`` until ``left`` of ``unit`` are trained (the run stops after the step that reaches it)."""
+        per_step = {"steps": 1, "samples": batch, "tokens": batch * (self.accounting.seq_len or 0)}[unit]
+        return max(0, -(-left // per_step)) if per_step else 0
+
+    def _warn_unreachable_batches(self, trainer: pl.Trainer) -> None:
+        """Warn, before the first step, about every global batch the schedule has to come that the run
+        ends before (by max_tokens, max_steps or max_epochs): those phases never train. The steps are
+        walked phase by phase as BatchWarmup takes them (less its wait for an aligned step)."""
+        if isinstance(self.schedule, CBSAdaptive):
+            return  # its batches come from readings, not from the consumed count
+        seq_len = self.accounting.seq_len if self.accounting.has_tokens else 0
+        samples = self._samples_before_step if self._samples_before_step is not None else self.samples_seen
+        tokens = self.tokens_seen - (self.samples_seen - samples) * seq_len
+        limits = self._run_limits(trainer, samples)
+        if not limits:
+            return
+        batch, reached = self.global_batch, {self.global_batch}
+        used = {"steps": 0, "samples": 0, "tokens": 0}
+        while True:
+            k_limit = min(self._steps_to(unit, left - used[unit], batch) for _, unit, left in limits)
+            steps = self._steps_until_change(samples, tokens, seq_len, batch, k_limit)
+            if steps is None:
+                break
+            samples, tokens = samples + steps * batch, tokens + steps * batch * seq_len
+            for unit, amount in (("steps", steps), ("samples", steps * batch), ("tokens", steps * batch * seq_len)):
+                used[unit] += amount
+            batch = self.schedule.batch_size(tokens if self.schedule.unit == "tokens" else samples)
+            reached.add(batch)
+        never = [size for size in self.schedule.sizes(self.consumed) if size not in reached]
+        if not never:
+            return
+        ending = min(limits, key=lambda limit: self._steps_to(limit[1], limit[2] - used[limit[1]], batch))[0]
+        samples, tokens = samples + k_limit * batch, tokens + k_limit * batch * seq_len  # where the run ends
+        where = self._where_each_starts(never)
+        hint = ""
+        if isinstance(self.schedule, PiecewiseBatch) and self.schedule.unit == "samples" and seq_len:
+            thresholds = [t for t, size in zip(self.schedule.thresholds, self.schedule.batch_sizes) if size in never]
+            if thresholds and thresholds[0] <= tokens:
+                hint = ("; its thresholds are in samples (unit='samples'), but read as tokens they fall inside the run: "
+                        "did you mean unit='tokens'?")
+        at = f"{samples:,} samples" + (f" / {tokens:,} tokens" if seq_len else "")
+        rank_zero_warn(
+            f"BatchWarmup: the run ends by {ending} at {at}, before the schedule's global batch {where}: "
+            f"{'it never trains' if len(never) == 1 else 'they never train'}. Raise the limit, or move the "
+            f"schedule's thresholds{hint}"
+        )
+
+    def _steps_until_change(self, samples: int, tokens: int, seq_len: int, batch: int, most: int) -> int | None:
+        """The fewest steps at ``batch`` after which the schedule asks for another batch, if at most ``most``
+        (galloping, then bisecting: a schedule moves one way with what is consumed)."""
+
+        def changed(steps: int) -> bool:
+            consumed = tokens + steps * batch * seq_len if self.schedule.unit == "tokens" else samples + steps * batch
+            return self.schedule.batch_size(consumed) != batch
+
+        if most == 0 or not changed(most):
+            return None
+        low, high = 0, 1
+        while high < most and not changed(high):
+            low, high = high, min(2 * high, most)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if changed(middle) else (middle, high)
+        return high
+
+    def _where_each_starts(self, sizes: list[int]) -> str:
+        """The batches ``sizes``, each with where the schedule starts it (for a PiecewiseBatch)."""
+        if not isinstance(self.schedule, PiecewiseBatch):
+            return ", ".join(map(str, sizes))
+        starts = {size: at for at, size in zip(self.schedule.thresholds, self.schedule.batch_sizes)}
+        return ", ".join(f"{size} (from {starts[size]:,} {self.schedule.unit})" for size in sizes)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with

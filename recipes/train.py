@@ -53,7 +53,7 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
 from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.models.olmo import OLMoConfig
-from lit_cbs.plan import Limits, OptimizerState, RunPlan, plan_run
+from lit_cbs.plan import Limits, OptimizerState, RunPlan, batch_phases, plan_run
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
@@ -315,13 +315,27 @@ def one_line(error: BaseException) -> str:
     return " ".join(message.split())
 
 
+def batches_reached(schedule, max_tokens: int, seq_len: int) -> str:
+    """The global batches the run trains at within max_tokens, and any of the schedule's it ends before."""
+    sizes = schedule.sizes(0)
+    if isinstance(schedule, CBSAdaptive):  # its batches come from the probe's readings
+        return f"{schedule.start} -> up to {schedule.final} samples (batch.schedule, by CBS readings)"
+    reached = list(dict.fromkeys(phase.global_batch for phase in batch_phases(schedule, max_tokens, seq_len, 1, 1, lambda ratio: 1.0)))
+    text = f"{' -> '.join(map(str, reached))} samples"
+    never = [size for size in sizes if size not in reached]
+    if never:
+        them = "it" if len(never) == 1 else "them"
+        text += f" (not {', '.join(map(str, never))}: batch.schedule asks for {them} after max_tokens={max_tokens:,})"
+    return text
+
+
 def describe(run: Run, cfg: DictConfig) -> str:
     model = run.model
     return (
         f"lit_cbs: {cfg.run_name}: model {model.config.n_layers} layers x d_model {model.config.d_model} "
         f"({model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {cfg.trainer.accelerator}, "
         f"precision {run.trainer.precision}, micro-batch {run.datamodule.batch_size} x {run.datamodule.seq_len} tokens, "
-        f"global batch {' -> '.join(map(str, run.batch_warmup.schedule.sizes(0)))} samples, "
+        f"global batch {batches_reached(run.batch_warmup.schedule, cfg.max_tokens, run.datamodule.seq_len)}, "
         f"budget {cfg.max_tokens:,} tokens; output {cfg.output_dir}"
     )
 

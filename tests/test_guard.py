@@ -203,6 +203,8 @@ class DoubleWhenTold(Callback):
     """Tells a CBSAdaptive schedule, at the given samples, that the CBS is far above the batch (as
     CBSProbeCallback does after a probe)."""
 
+    feeds_cbs_adaptive = True  # what BatchWarmup looks for beside a CBSAdaptive schedule
+
     def __init__(self, at_samples):
         self.at_samples = list(at_samples)
 

@@ -258,6 +258,14 @@ def test_an_adaptive_recipe_without_its_probe_stops_before_any_data_work(tmp_pat
     assert not (tmp_path / "cache").exists()  # nothing tokenized
 
 
+def test_the_run_header_names_the_batches_a_short_budget_never_reaches():
+    from hydra.utils import instantiate
+
+    schedule = instantiate(compose_config("max_tokens=262144").batch.schedule)
+    assert train.batches_reached(schedule, 262_144, 128) == "16 samples (not 32, 64: batch.schedule asks for them after max_tokens=262,144)"
+    assert train.batches_reached(schedule, 4_194_304, 128) == "16 -> 32 -> 64 samples"
+
+
 def test_plan_needs_a_device_count():
     with pytest.raises(LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"):
         train.plan_of(compose_config("+recipe=olmo1b_warmup", "trainer.devices=auto"))

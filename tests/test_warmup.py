@@ -491,3 +491,27 @@ def test_an_adaptive_schedule_without_a_probe_is_refused_before_the_first_step()
     # At its final batch already, there is nothing for a probe to decide.
     pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 4, unit="samples"))])).fit(RegressionModule(), RegressionData(n=96, batch_size=2))
 
+
+def never_trains(schedule: PiecewiseBatch, data=None, **trainer_args) -> list[str]:
+    """The warnings of a short run about the schedule's batches it ends before."""
+    warmup = BatchWarmup(schedule, **({"seq_len": trainer_args.pop("seq_len")} if "seq_len" in trainer_args else {}))
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[warmup], **trainer_args))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(RegressionModule(), data or RegressionData(n=96, batch_size=2))
+    return [str(w.message) for w in caught if "never train" in str(w.message)]
+
+
+def test_a_schedule_phase_the_run_ends_before_is_said_before_the_first_step():
+    # One epoch of 96 samples: batch 16 from 400 samples never comes.
+    (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 400], unit="samples"), max_epochs=1)
+    assert said == ("BatchWarmup: the run ends by Trainer(max_epochs=1) (96 samples per epoch) at 96 samples, before the "
+                    "schedule's global batch 16 (from 400 samples): it never trains. Raise the limit, or move the schedule's thresholds")
+    # 20 steps: 10 at 4, then 10 at 8 end at 120 samples, before batch 16 at 150.
+    (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 150], unit="samples"), max_epochs=-1, max_steps=20)
+    assert "ends by Trainer(max_steps=20) at 120 samples, before the schedule's global batch 16 (from 150 samples)" in said
+    assert never_trains(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_epochs=1) == []  # every phase trains
+    # Thresholds written in tokens for a schedule in samples: 3,072 tokens in the epoch, 2,000 "samples" never come.
+    (said,) = never_trains(PiecewiseBatch([4, 8], [0, 2000], unit="samples"), max_epochs=1, seq_len=32)
+    assert "at 96 samples / 3,072 tokens" in said and said.endswith("read as tokens they fall inside the run: did you mean unit='tokens'?")
+

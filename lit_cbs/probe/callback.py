@@ -102,6 +102,8 @@ class CBSProbeCallback(Callback):
         tokens_spent: tokens trained in branches so far (all ranks).
     """
 
+    feeds_cbs_adaptive = True  # BatchWarmup lets a CBSAdaptive schedule start only beside a callback that feeds it
+
     def __init__(
         self,
         every_tokens: int | None = None,
