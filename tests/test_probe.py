@@ -428,6 +428,8 @@ def test_cbs_adaptive_rule_unit():
         (dict(multipliers=()), "non-empty"),
         (dict(multipliers=(1, -2)), "positive"),
         (dict(epsilon=-0.01), "epsilon=-0.01"),
+        (dict(epsilon=2.0), r"epsilon=2.0 must lie in \[0, 0.5\) nats.*every batch recovers"),
+        (dict(multipliers=(2, 4)), "has no k = 1.*include 1"),
         (dict(ema_alpha=0.0), "ema_alpha=0.0"),
         (dict(ema_alpha=1.5), "ema_alpha=1.5"),
         (dict(window_tokens=0), "window_tokens=0"),

@@ -323,3 +323,14 @@ def test_a_window_the_run_would_cut_short_is_not_started(caplog):
     assert probe.history and all(r.tokens + r.window_tokens <= 192 for r in probe.history)
     assert "would end past the run's end (max_epochs=2, at 192 tokens)" in caplog.text
     assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)  # no branch of a dropped window
+
+
+def test_a_grid_of_which_one_batch_fits_is_refused_at_the_first_batch():
+    # Micro-batches of 4, accumulate 2 (batch 8): k = 0.25 gives 2 samples, no whole micro-batch, so only k = 1 fits.
+    probe = CBSProbeCallback(every_tokens=64, multipliers=(0.25, 1), window_tokens=64)
+    record = RecordEnds(largest_batch=8)
+    with pytest.raises(LitCBSConfigError, match=r"multipliers=\['0.25', '1'\]: at most one of them gives a batch .* at the run's "
+                                               r"global batches \[8\], and one batch brackets no CBS"):
+        fit_tokens([probe, record], TokenIds(24, 4), accumulate_grad_batches=2, max_epochs=2)
+    assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
+

@@ -49,6 +49,9 @@ JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"
 
 
+MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
+
+
 class CBSProbeCallback(Callback):
     """Measure the critical batch size at intervals by branched mini-fits from in-memory copies.
 
@@ -63,12 +66,14 @@ class CBSProbeCallback(Callback):
         geometric: ``(first_tokens, ratio)``: probe at first, first*ratio, ... (dense early, where
             the CBS moves fast). Exactly one of the three must be given. A point passed while
             another probe's window runs is probed as soon as that window ends.
-        multipliers: the grid of k (batch k*B for each branch); fractions below 1 are used where
-            k*B is a whole number of micro-batches on every rank, skipped (and said) otherwise.
+        multipliers: the grid of k (batch k*B for each branch), with 1 (the run's own batch) and at
+            least one more; fractions below 1 are used where k*B is a whole number of micro-batches on
+            every rank, skipped (and said) otherwise. A run where fewer than two fit at every batch of
+            its schedule is refused at its first batch.
         window_tokens: Delta, the tokens every branch trains on (rounded down to a whole number
             of steps of the largest branch).
         epsilon: tolerance in nats of the k* rule (the paper: 0.01; see docs/tiny_workload.md for the noise
-            floor of small runs).
+            floor of small runs), below ``MAX_EPSILON`` (0.5).
         confidence: one-sided confidence with which a k must be within ``epsilon`` of every smaller
             k (and a larger k beyond it) for the reading to be determined; a reading the data cannot
             decide is recorded as undetermined and CBSAdaptive does not act on it. 0.5 judges by the
@@ -155,13 +160,23 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(
                 "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
             )
-        if epsilon < 0:
-            raise LitCBSConfigError(f"epsilon={epsilon} must be >= 0 (nats)")
+        if not 0 <= epsilon < MAX_EPSILON:
+            raise LitCBSConfigError(
+                f"epsilon={epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch counts as "
+                f"recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and the reading "
+                "means nothing"
+            )
         if not 0 < ema_alpha <= 1:
             raise LitCBSConfigError(f"ema_alpha={ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
         self.strategy = one_of("strategy", strategy, STRATEGIES)
         if strategy == "bisect" and 1 not in multipliers:
             raise LitCBSConfigError("strategy='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
+        if 1 not in multipliers:
+            raise LitCBSConfigError(
+                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of "
+                "the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves and "
+                "says nothing about the run: include 1"
+            )
         self.at_tokens = at_tokens
         self.geometric = tuple(geometric) if geometric is not None else None
         self.multipliers = sorted(float(k) for k in multipliers)
@@ -311,6 +326,13 @@ class CBSProbeCallback(Callback):
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
+        sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
+        if max(len([k for k in self.multipliers if self._branch_micro_batch(k, size) is not None]) for size in sizes) < 2:
+            raise LitCBSConfigError(
+                f"multipliers={[f'{k:g}' for k in self.multipliers]}: at most one of them gives a batch that is a whole "
+                f"number of micro-batches ({accounting.micro_batch_size} samples on each of {accounting.data_parallel_size} "
+                f"ranks) at the run's global batches {sizes}, and one batch brackets no CBS: give at least two that fit, e.g. [1, 2]"
+            )
         too_small = [k for k in self.multipliers if self._branch_micro_batch(k, batch) is None]
         if too_small:
             rank_zero_warn(
@@ -399,8 +421,8 @@ class CBSProbeCallback(Callback):
         seq_len = accounting.seq_len
         window_samples = self.window_tokens // seq_len
         ks = self._usable_multipliers(batch_size, window_samples)
-        if not ks or (self.strategy == "bisect" and 1.0 not in ks):
-            rank_zero_warn(f"CBS probe at {tokens:,} tokens skipped: no multiplier fits batch {batch_size}")
+        if len(ks) < 2 or 1.0 not in ks:
+            rank_zero_warn(f"CBS probe at {tokens:,} tokens skipped: fewer than two multipliers, k = 1 among them, fit batch {batch_size}")
             return
         # Every branch trains on the same whole number of its own steps.
         largest = max(ks) * batch_size
