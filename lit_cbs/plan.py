@@ -450,7 +450,7 @@ class RunPlan:
         found = []
         device = "GPU" if self.accelerator in ("gpu", "cuda") else "device"
         needed = self.memory[self.activation_checkpointing].total / GIB
-        if needed > self.limits.gpu_memory_gib:
+        if self._on_gpu and needed > self.limits.gpu_memory_gib:
             fixes = "lower data.batch_size"
             if not self.activation_checkpointing and self.memory[True].total / GIB <= self.limits.gpu_memory_gib:
                 fixes = "set model.activation_checkpointing=true, or " + fixes
@@ -511,8 +511,11 @@ class RunPlan:
             ("total", on.total, off.total),
         ]
         lines += [f"  {label:<24} {a / size:>8.2f} {b / size:>8.2f}" for label, a, b in rows]
-        lines.append(f"  (plus CUDA context, communication buffers and fragmentation; limit plan_for.gpu_memory_gib="
-                     f"{self.limits.gpu_memory_gib:g})")
+        if self._on_gpu:
+            lines.append(f"  (plus CUDA context, communication buffers and fragmentation; limit plan_for.gpu_memory_gib="
+                         f"{self.limits.gpu_memory_gib:g})")
+        else:
+            lines.append(f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)")
         lines.append("")
         if self.probe is None:
             lines.append("CBS probe        none")
@@ -528,7 +531,7 @@ class RunPlan:
                 f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})",
             ]
         seconds = self.wall_seconds
-        if self._timed:
+        if self._on_gpu:
             lines += [
                 "",
                 f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
@@ -547,7 +550,8 @@ class RunPlan:
             )
         lines += self._cluster_report()
         warnings = self.warnings()
-        lines += [f"WARNING: {w}" for w in warnings] or ["fits             memory per device and host memory within plan_for's limits"]
+        fits = "memory per device and host memory within plan_for's limits" if self._on_gpu else "host memory within plan_for.host_memory_gib"
+        lines += [f"WARNING: {w}" for w in warnings] or [f"fits             {fits}"]
         return "\n".join(lines)
 
     def _cluster_report(self) -> list[str]:
@@ -555,7 +559,7 @@ class RunPlan:
         if not self.cluster or len(self.cluster) < 2:
             return []
         per_node = self.devices_per_node
-        timed = self._timed
+        timed = self._on_gpu
         grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)
         fixed = sum(self._seconds(p.phase.tokens, self.processes) for p in self.cluster)
         cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
@@ -592,8 +596,9 @@ class RunPlan:
         return lines
 
     @property
-    def _timed(self) -> bool:
-        """Whether wall times are estimated: they assume a GPU's peak FLOP/s (plan_for.peak_flops_per_device)."""
+    def _on_gpu(self) -> bool:
+        """Whether the run trains on GPUs: only then are wall times estimated (they assume a GPU's peak
+        FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib."""
         return self.accelerator in ("gpu", "cuda")
 
 
@@ -663,7 +668,7 @@ def plan_run(
         limits=limits,
         accelerator=accelerator,
         optimizer=optimizer,
-        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at),
+        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at) if accelerator in ("gpu", "cuda") else None,
         cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for) if phases else None,
         command=command,
     )

@@ -302,7 +302,8 @@ class BatchWarmup(Callback):
         if not ratios:
             return
         for config in trainer.lr_scheduler_configs:
-            if config.interval == "step" and not isinstance(config.scheduler, TokenLRScheduler):
+            # ReduceLROnPlateau follows a monitored metric, not the step count: nothing stretches.
+            if config.interval == "step" and not isinstance(config.scheduler, (TokenLRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
                 rank_zero_warn(
                     f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
                     "the tokens per step, so the schedule will stretch in tokens (and "

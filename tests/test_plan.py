@@ -219,6 +219,7 @@ def test_plan_grows_the_cluster_with_the_batch_and_says_how(tmp_path):
 def test_plan_on_the_cpu_grows_the_cluster_without_made_up_times():
     report = train.plan_of(compose_config("plan=true", "plan_for.max_devices=2")).report()
     assert "wall time        not estimated on cpu" in report and "TFLOP/s" not in report and "device-hours" not in report
+    assert "gpu_memory_gib=80" not in report and "plan_for.gpu_memory_gib applies to GPUs only" in report  # no GPU limit on a CPU
     commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
     assert commands[1] == ("torchrun --nnodes 2 --nproc_per_node 1 recipes/train.py +recipe=tiny_warmup trainer.num_nodes=2 "
                            "trainer.max_steps=920 hydra.run.dir=outputs/tiny_warmup/phase2 "

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 import warnings
@@ -34,6 +35,7 @@ from lit_cbs.probe import (
     measure_losses,
     plot_cbs_curve,
 )
+from lit_cbs.probe.plot import cbs_curve_figure
 from lit_cbs.schedules import CBSAdaptive
 
 SEQ = 4  # the toy's "tokens per sample", given to BatchWarmup (its x is float, not token ids)
@@ -153,6 +155,22 @@ def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
     finally:
         matplotlib.use(before)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_gap_panel_labels_its_ticks_as_plain_numbers():
+    readings = [
+        ProbeReading.decide(
+            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0 + gap), 4.0: BranchScore(3.2)}, 0.0241374, 0.5, [1.0, 2.0, 4.0], 8,
+            tokens=tokens, step=0, seq_len=4, window_tokens=128, strategy="grid", evaluate="train_ema",
+            main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=384, overhead=0.1,
+        )
+        for tokens, gap in ((1000, 0.01), (2000, 0.5))
+    ]
+    figure = cbs_curve_figure(readings, [], end_tokens=3000, epsilon=0.0241374)  # symlog threshold 0.0482748
+    figure.canvas.draw()
+    bottom = figure.axes[1]
+    labels = [label.get_text() for label in bottom.get_yticklabels() + bottom.get_yticklabels(minor=True)]
+    assert labels and all(re.fullmatch(r"−?-?[0-9.]+(e[+-]?[0-9]+)?", text) for text in labels if text), labels
 
 
 # ---------------------------------------------------------------------------- on a real Trainer

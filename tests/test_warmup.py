@@ -515,3 +515,27 @@ def test_a_schedule_phase_the_run_ends_before_is_said_before_the_first_step():
     (said,) = never_trains(PiecewiseBatch([4, 8], [0, 2000], unit="samples"), max_epochs=1, seq_len=32)
     assert "at 96 samples / 3,072 tokens" in said and said.endswith("read as tokens they fall inside the run: did you mean unit='tokens'?")
 
+
+class PlateauRegression(RegressionModule):
+    """The regression with ReduceLROnPlateau on its training loss, stepped every optimizer step."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=2)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "train_loss"}}
+
+
+def test_a_plateau_scheduler_is_not_warned_about_as_indexed_by_steps():
+    warmup = BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), lr_rule="linear")
+    trainer = pl.Trainer(**trainer_kwargs(callbacks=[warmup]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(PlateauRegression(), RegressionData(n=96, batch_size=2))
+    assert [c.new_global_batch for c in warmup.history] == [8]
+    assert not [w for w in caught if "indexed by optimizer steps" in str(w.message)]
+

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from matplotlib import colormaps
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
@@ -22,7 +23,17 @@ def plot_cbs_curve(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Path:
-    """Two panels, as a PNG at ``path``:
+    """``cbs_curve_figure`` as a PNG at ``path``."""
+    return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
+
+
+def cbs_curve_figure(
+    history: Sequence[ProbeReading],
+    batch_changes: Sequence,
+    end_tokens: float | None = None,
+    epsilon: float | None = None,
+) -> Figure:
+    """Two panels:
 
     - top: the CBS interval per reading (samples) vs tokens seen (filled: determined; hollow and
       dashed: undetermined at the reading's confidence), with the global batch the run actually used
@@ -78,12 +89,15 @@ def plot_cbs_curve(
         bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
     bottom.axhline(0.0, color="black", linewidth=0.6)
     bottom.set_yscale("symlog", linthresh=max(0.05, 2 * (epsilon or 0.0)))  # linear near epsilon, early gaps compressed
+    # Plain numbers: symlog's default labels the linear threshold in scientific notation (4.82749x10^-2).
+    bottom.yaxis.set_major_formatter(FuncFormatter(lambda value, position: f"{value:.3g}"))
+    bottom.yaxis.set_minor_formatter(NullFormatter())
     bottom.set_xlabel("tokens seen")
     bottom.set_ylabel("L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
     bottom.grid(alpha=0.3)
     if multipliers[1:]:
         bottom.legend(fontsize=8, ncols=2)
-    return save_figure(figure, path)
+    return figure
 
 
 def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:
