@@ -539,3 +539,12 @@ def test_a_plateau_scheduler_is_not_warned_about_as_indexed_by_steps():
     assert [c.new_global_batch for c in warmup.history] == [8]
     assert not [w for w in caught if "indexed by optimizer steps" in str(w.message)]
 
+
+def test_a_batch_decrease_is_said_like_an_increase(caplog):
+    warmup = BatchWarmup(PiecewiseBatch([8, 4], [0, 40], unit="samples"), lr_rule="sqrt")
+    with caplog.at_level("INFO"):
+        pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(RegressionModule(), RegressionData(n=96, batch_size=2))
+    assert [(c.old_global_batch, c.new_global_batch) for c in warmup.history] == [(8, 4)]
+    assert "BatchWarmup: global batch 8 -> 4 samples (micro 2 -> 2, accumulate 4 -> 2) after step 5, 40 samples" in caplog.text
+    assert "LR x0.7071" in caplog.text
+
