@@ -172,8 +172,9 @@ class TokenLRScheduler(LambdaLR):
     """``LambdaLR`` whose multiplier is ``schedule(tokens_seen)``: LR = base LR * ``schedule(tokens_seen)``.
 
     ``tokens_seen`` (global tokens trained on, all ranks) must be set before each ``step()``:
-    ``BatchWarmup`` does it (use ``ConstantBatch`` for a run with a fixed batch); a plain PyTorch
-    loop sets the attribute itself. Stepping without it raises rather than freezing the LR.
+    ``BatchWarmup`` does it, and ``BatchAccounting`` alone for a run with a fixed batch; a plain
+    PyTorch loop sets the attribute itself. Stepping without it raises rather than freezing the LR:
+    under Lightning at the first step, since a scheduler is not told of the Trainer's callbacks.
     Lightning steps it with ``interval="step"``.
     """
 
@@ -191,10 +192,10 @@ class TokenLRScheduler(LambdaLR):
     def step(self, epoch=None):
         # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
         if self.last_epoch >= 0 and self.tokens_seen is None:
-            raise RuntimeError(
-                "TokenLRScheduler.step() was called but tokens_seen was never set: add "
-                "lit_cbs.BatchWarmup to the Trainer's callbacks (ConstantBatch for a fixed batch), "
-                "or set scheduler.tokens_seen before each step"
+            raise LitCBSConfigError(
+                "TokenLRScheduler.step() was called but tokens_seen was never set: add lit_cbs.BatchWarmup (a growing "
+                "batch) or lit_cbs.BatchAccounting(seq_len=...) (a fixed one) to the Trainer's callbacks, or set "
+                "scheduler.tokens_seen before each step in a loop of your own"
             )
         super().step(epoch)
 

@@ -405,18 +405,21 @@ def test_train_ema_readings_say_their_se_is_unpaired():
         assert reading.loss_se["1"] is None and all(reading.loss_se[k] > 0 for k in ("2", "4"))
 
 
-def test_an_optimizer_step_that_writes_the_lr_is_refused_naming_the_hook():
+def test_an_optimizer_step_that_writes_the_lr_fails_the_probe_and_the_run_goes_on():
     class ManualWarmup(RegressionModule):  # Lightning's documented manual-warmup pattern
         def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
             optimizer.step(closure=optimizer_closure)
             for group in optimizer.param_groups:
                 group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 100)
 
-    module = ManualWarmup(lr=0.05, optimizer="adam")
-    with pytest.raises(LitCBSConfigError, match="optimizer_step set the learning rate inside a probe branch"):
-        fit(module, probe())
-    plain = fit(ManualWarmup(lr=0.05, optimizer="adam"), None, max_steps=len(module.steps))[1]
-    assert torch.equal(module.layer.weight, plain.layer.weight)  # the main state was restored first
+    callback = probe()
+    trainer, module = fit(ManualWarmup(lr=0.05, optimizer="adam"), callback)
+    # The first probe (at 160 tokens, step 10) finds it and is recorded as failed; no reading, no later probe.
+    assert [(f["tokens"], f["step"]) for f in callback.failures] == [(160, 10)] and not callback.history
+    assert "optimizer_step set the learning rate inside a probe branch" in callback.failures[0]["reason"]
+    assert trainer.global_step == len(module.steps) == 48  # the whole run: 2 epochs of 96 samples at batch 4
+    plain = fit(ManualWarmup(lr=0.05, optimizer="adam"), None)[1]
+    assert torch.equal(module.layer.weight, plain.layer.weight)  # the main run as if no probe had run
 
 
 def test_fewer_held_out_batches_than_asked_are_said():

@@ -51,6 +51,11 @@ class ProbeAborted(Exception):
     """A stop signal arrived during a probe: the main state is restored and the run stops at that step."""
 
 
+class ProbeUnusable(Exception):
+    """The run cannot be probed as it is (its ``optimizer_step`` writes the LR a branch must train at):
+    no reading can mean anything, now or at a later probe point."""
+
+
 class BranchError(RuntimeError):
     """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere)."""
 
@@ -353,11 +358,11 @@ class BranchTrainer:
             for opt, lrs in zip(trainer.optimizers, saved_lrs):
                 for group, lr in zip(opt.param_groups, lrs):
                     if group["lr"] != lr * decay:
-                        raise LitCBSConfigError(
-                            f"CBSProbeCallback: the module's optimizer_step set the learning rate inside a probe branch "
-                            f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * decay:.4g}), so the branch would not "
-                            "train at lr_rule(k) x the run's LR and its reading would be wrong: set the LR with an LR "
-                            "scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in optimizer_step"
+                        raise ProbeUnusable(
+                            f"the module's optimizer_step set the learning rate inside a probe branch "
+                            f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * decay:.4g}), so no branch trains at "
+                            "lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, "
+                            "TokenLRScheduler) instead of writing param_groups in optimizer_step"
                         )
                     group["lr"] = lr
             tokens += tokens_per_step

@@ -36,7 +36,7 @@ from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_rules import get_lr_rule
-from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, RecordedWindow, logging_muted, loss_of
+from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, ProbeUnusable, RecordedWindow, logging_muted, loss_of
 from lit_cbs.probe.heldout import load_heldout_batches
 from lit_cbs.probe.limits import RunEnd, run_end
 from lit_cbs.probe.plot import plot_cbs_curve
@@ -104,6 +104,8 @@ class CBSProbeCallback(Callback):
 
     Attributes:
         history: one ``ProbeReading`` per finished probe.
+        failures: probes that found the run cannot be probed (an ``optimizer_step`` that writes the
+            LR): tokens, step and reason; the main run goes on and no later probe runs.
         tokens_spent: tokens trained in branches so far (all ranks).
     """
 
@@ -194,6 +196,7 @@ class CBSProbeCallback(Callback):
         self.output_dir = Path(output_dir) if output_dir is not None else None
 
         self.history: list[ProbeReading] = []
+        self.failures: list[dict] = []  # probes that found the run cannot be probed: tokens, step, reason
         self.tokens_spent = 0
         self.probes_started = 0
         self._accounting: BatchAccounting | None = None
@@ -410,6 +413,8 @@ class CBSProbeCallback(Callback):
         self.probes_started += 1
         while self.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
+        if self.failures:
+            return  # a probe found this run cannot be probed: no later one would fare better
         schedule = self._adaptive_schedule()
         if schedule is not None and not schedule.wants_readings(self._consumed(schedule)):
             rank_zero_info(
@@ -505,6 +510,14 @@ class CBSProbeCallback(Callback):
             except ProbeAborted:
                 rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
                 self._interrupted, self._window = (window.tokens, window.step), None
+                return
+            except ProbeUnusable as error:
+                rank_zero_warn(
+                    f"CBS probe at {window.tokens:,} tokens failed: {error}. The main run goes on from its own state; "
+                    "no later probe runs (CBSProbeCallback.failures has the reason)"
+                )
+                self.failures.append({"tokens": window.tokens, "step": window.step, "reason": str(error)})
+                self._window, accounting.probe_window_step = None, None
                 return
             finally:
                 after_window.restore(trainer, pl_module)
