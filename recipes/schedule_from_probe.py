@@ -11,8 +11,8 @@ whose CBS lower bound allows it (lit_cbs.analysis.schedule_from_probe: never dec
 are read together; at a token count read twice the smaller lower bound counts. --seq-len converts a
 curve measured at another sequence length (--measured-seq-len) through tokens. The output is a
 conf/batch/ option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a
-PiecewiseBatch (tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...). Bad input ends the run with one line
-naming it.
+PiecewiseBatch (tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...); the recipes read conf/ of the folder
+they run from beside the package's, so write it there. Bad input ends the run with one line naming it.
 """
 
 from __future__ import annotations

@@ -455,6 +455,34 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
     raise SystemExit(message) from None
 
 
+def remove_hydra_run_dir() -> None:
+    """Take back what Hydra wrote for a job that trains nothing (plan=true): its .hydra/ files and the
+    job log, then the folders left empty, up to the folder the job was started in."""
+    try:
+        config = HydraConfig.get()
+    except ValueError:  # composed by a script or a test: Hydra wrote nothing
+        return
+    if config.mode != RunMode.RUN:
+        return
+    run_dir = Path(config.runtime.output_dir)
+    for handler in logging.getLogger().handlers[:]:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+            handler.close()
+            logging.getLogger().removeHandler(handler)
+            Path(handler.baseFilename).unlink(missing_ok=True)
+    if config.output_subdir is not None:
+        hydra_dir = run_dir / config.output_subdir
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (hydra_dir / name).unlink(missing_ok=True)
+        if hydra_dir.is_dir() and not any(hydra_dir.iterdir()):
+            hydra_dir.rmdir()
+    start = Path(config.runtime.cwd).resolve()
+    folder = run_dir.resolve()
+    while folder != start and start in folder.parents and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train; return the final val/loss (for Hydra sweepers)."""
@@ -463,6 +491,7 @@ def main(cfg: DictConfig) -> float | None:
     try:
         if cfg.plan:
             log.info(plan_of(cfg).report())
+            remove_hydra_run_dir()
             return None
         pl.seed_everything(cfg.seed, workers=True)
         run = build_run(cfg)

@@ -206,3 +206,17 @@ def test_configuration_error_is_one_line(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
     assert not (tmp_path / "metrics.csv").exists()
 
+
+def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(tmp_path):
+    # batch=mine from ./conf/batch/mine.yaml, where the user runs; plan=true leaves no folder behind.
+    (tmp_path / "conf" / "batch").mkdir(parents=True)
+    mine = (ROOT / "conf" / "batch" / "warmup.yaml").read_text().replace("batch_sizes: [16, 32, 64]", "batch_sizes: [16, 32, 128]")
+    assert mine != (ROOT / "conf" / "batch" / "warmup.yaml").read_text()
+    (tmp_path / "conf" / "batch" / "mine.yaml").write_text(mine)
+    result = subprocess.run([sys.executable, TRAIN, "plan=true", "batch=mine"], cwd=tmp_path, capture_output=True, text=True,
+                            env=subprocess_env(PYTHONPATH=str(ROOT)), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line.split() for line in result.stdout.splitlines() + result.stderr.splitlines() if line.strip().startswith("2,523,136")]
+    assert rows and rows[0][2] == "128"  # the phase from 2,523,136 tokens trains at batch 128: the option was read
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["conf"]  # no outputs/ folder, no .hydra, no train.log
+
