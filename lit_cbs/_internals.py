@@ -13,6 +13,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
@@ -34,6 +35,7 @@ PRIVATE_ATTRIBUTES = {
                                "trainer.fit_loop.epoch_loop.batch_progress"),
     "shift_epoch_micro_batches": ("trainer.fit_loop.epoch_loop.batch_progress", "trainer.fit_loop._data_fetcher"),
     "set_validation_due": ("trainer.val_check_batch", "trainer.fit_loop.epoch_loop.total_batch_idx"),
+    "given_train_loader": ("trainer.fit_loop._data_source",),
     "last_saved_step": ("model_checkpoint._last_global_step_saved",),
     "set_last_saved_step": ("model_checkpoint._last_global_step_saved",),
     "checkpoint_triggers": ("model_checkpoint._train_time_interval", "model_checkpoint._every_n_epochs"),
@@ -122,6 +124,13 @@ def shift_epoch_micro_batches(trainer, delta: int) -> None:
     if fetcher is not None and fetcher.fetched == progress.current.ready:
         fetcher.fetched += delta
     progress.increment_by(delta, is_last_batch=progress.is_last_batch)
+
+
+def given_train_loader(trainer) -> Any:
+    """The train loader passed as ``trainer.fit(train_dataloaders=...)``, or None (a datamodule's or the
+    module's ``train_dataloader`` hook builds it)."""
+    source = trainer.fit_loop._data_source.instance
+    return None if isinstance(source, (pl.LightningModule, pl.LightningDataModule)) or source is None else source
 
 
 def request_val_dataloaders(trainer) -> Any:

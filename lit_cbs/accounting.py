@@ -42,8 +42,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import DataLoader
 
-from lit_cbs._internals import set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.loader import GlobalOrderLoader
 from lit_cbs.lr_schedules import TokenLRScheduler
@@ -107,7 +108,8 @@ class MicroBatchSetting:
 
     @classmethod
     def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
-        """The setting, or None if neither the datamodule nor the module has one."""
+        """The setting, or None if neither the datamodule, the module nor a loader given to
+        ``trainer.fit(train_dataloaders=...)`` has one."""
         datamodule = trainer.datamodule
         if datamodule is not None and hasattr(datamodule, "batch_size"):
             return cls(datamodule)
@@ -115,6 +117,9 @@ class MicroBatchSetting:
             return cls(pl_module)
         if "batch_size" in getattr(pl_module, "hparams", {}):
             return cls(pl_module.hparams)
+        loader = given_train_loader(trainer)
+        if isinstance(getattr(loader, "batch_size", None), int):
+            return cls(loader)
         return None
 
     @classmethod
@@ -124,7 +129,8 @@ class MicroBatchSetting:
         if setting is None:
             raise LitCBSConfigError(
                 "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
-                "`batch_size` attribute that its train_dataloader uses"
+                "`batch_size` attribute that its train_dataloader uses, or pass a loader with a batch_size "
+                "(trainer.fit(train_dataloaders=...))"
             )
         return setting
 
@@ -134,6 +140,14 @@ class MicroBatchSetting:
     def set(self, value: int) -> None:
         if isinstance(self.owner, dict):  # the module's hparams
             self.owner[self.name] = value
+        elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
+            if value != self.owner.batch_size:
+                raise LitCBSConfigError(
+                    f"BatchWarmup needs micro-batch {value}, but the train loader given to trainer.fit(train_dataloaders=...) "
+                    f"was built with batch_size={self.owner.batch_size}, which a DataLoader cannot change: pass a "
+                    "lit_cbs.GlobalOrderLoader (resized between steps), or a datamodule whose `batch_size` its "
+                    "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
+                )
         else:
             setattr(self.owner, self.name, value)
 

@@ -3,8 +3,13 @@ resumes anywhere, and the length Lightning reads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+from launch import subprocess_env
 
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.loader import GlobalOrderLoader, epoch_order
@@ -115,3 +120,39 @@ def test_a_checkpoint_of_other_data_is_refused():
 def test_bad_arguments_name_the_field(kwargs, match):
     with pytest.raises(LitCBSConfigError, match=match):
         GlobalOrderLoader(SAMPLES, **kwargs)
+
+
+KILL_RESUME = Path(__file__).resolve().parent / "scripts" / "kill_resume.py"
+
+
+def kill_resume_run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(KILL_RESUME), str(out), *args], capture_output=True, text=True, timeout=300,
+                          env=subprocess_env())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    assert kill_resume_run(out).returncode == 0
+    return torch.load(out / "result.pt", weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill_at", [21, 36])  # micro-batch 21: epoch 0, step 16 of 18; 36: epoch 1, mid-accumulation
+def test_a_map_style_dataset_killed_mid_epoch_resumes_bit_for_bit(uninterrupted, tmp_path, kill_at):
+    # BatchWarmup grows the batch 4 -> 8 -> 16 (accumulation 1 -> 2 -> 4 of micro-batches of 4), a CBS probe
+    # runs at 224 tokens; SIGKILL leaves only the periodic checkpoints (every 3 steps, none inside the probe).
+    full = uninterrupted
+    killed = kill_resume_run(tmp_path / "killed", "--kill-at", str(kill_at))
+    assert killed.returncode == -9  # SIGKILL: nothing saved on the way out
+    checkpoints = sorted((tmp_path / "killed" / "checkpoints").glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+    latest = checkpoints[-1]
+    resumed = kill_resume_run(tmp_path / "resumed", "--resume", str(latest))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    after = torch.load(tmp_path / "resumed" / "result.pt", weights_only=False)
+    step = int(latest.stem.split("=")[1])
+    assert after["step"] == full["step"] == 27 and after["steps"] == full["steps"][step:]  # the same samples in every step
+    assert torch.equal(after["weight"], full["weight"])
+    assert all(torch.equal(a[key], b[key]) for a, b in zip(after["adam"], full["adam"]) for key in a)
+    assert after["readings"] == full["readings"]  # redone from its start, or carried in the checkpoint
+

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from test_schedules import megatron_reference
-from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSAdaptive, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
 from lit_cbs.errors import LitCBSConfigError
@@ -547,4 +547,27 @@ def test_a_batch_decrease_is_said_like_an_increase(caplog):
     assert [(c.old_global_batch, c.new_global_batch) for c in warmup.history] == [(8, 4)]
     assert "BatchWarmup: global batch 8 -> 4 samples (micro 2 -> 2, accumulate 4 -> 2) after step 5, 40 samples" in caplog.text
     assert "LR x0.7071" in caplog.text
+
+
+def test_a_loader_given_to_fit_sets_the_micro_batch_and_is_resized_only_if_it_can_be():
+    from torch.utils.data import DataLoader
+
+    from lit_cbs import GlobalOrderLoader
+
+    schedule = PiecewiseBatch([4, 8], [0, 40], unit="samples")
+    # A DataLoader of 2 samples per batch, no datamodule and no batch_size on the module: accumulation 2, then 4.
+    module, warmup = RegressionModule(), BatchWarmup(schedule)
+    pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2))
+    assert [len(step["indices"]) for step in module.steps] == [4] * 10 + [8] * 7 and warmup.micro_batch_size == 2
+    # Growing the micro-batch needs a loader that can change it: a DataLoader is refused before the first step ...
+    module = RegressionModule()
+    with pytest.raises(LitCBSConfigError, match=r"was built with batch_size=2, which a DataLoader cannot change: pass a lit_cbs.GlobalOrderLoader"):
+        pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_micro_batch_size=4)])).fit(
+            module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2))
+    assert not module.steps
+    # ... and a GlobalOrderLoader given the same way grows it: micro-batch 4, then 8.
+    module, warmup = RegressionModule(), BatchWarmup(schedule, max_micro_batch_size=8)
+    pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(module, train_dataloaders=GlobalOrderLoader(IndexedRegression(96), batch_size=2))
+    assert [len(step["indices"]) for step in module.steps] == [4] * 10 + [8] * 7 and warmup.micro_batch_size == 8
+    assert {len(batch) for batch in module.micro_batches} == {4, 8}
 
