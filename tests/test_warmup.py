@@ -294,13 +294,6 @@ def test_step_indexed_scheduler_with_changing_batch_warns():
         fit(PiecewiseBatch([2, 4], [0, 20], unit="samples"), module=module)
 
 
-def test_token_scheduler_without_batch_warmup_raises():
-    module = RegressionModule(scheduler_factory=SCHEDULERS["tokens"])
-    trainer = pl.Trainer(**trainer_kwargs())
-    with pytest.raises(RuntimeError, match="BatchWarmup"):
-        trainer.fit(module, RegressionData(n=16, batch_size=2))
-
-
 def test_adam_sde_rule_rescales_betas_and_eps():
     module = RegressionModule(optimizer="adam", lr=0.01)
     schedule = PiecewiseBatch([2, 4], [0, 20], unit="samples")
