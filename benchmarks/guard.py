@@ -92,6 +92,7 @@ def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
     return train_command([
         *run.overrides,
         f"val_check_tokens={settings.val_check_tokens}",
+        f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",  # the recipes' 262,144, less in a --quick budget
         "trainer.enable_progress_bar=false",
         "callbacks.progress_bar=null",
         "callbacks.checkpoint=null",

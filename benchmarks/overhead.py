@@ -22,10 +22,10 @@ Every step is timed by two clocks: wall (``time.perf_counter``) and this process
     ``GradientNoiseScale(groups="blocks")`` (6 groups: embedding, 4 blocks, lm_head) in the same
     rotation, and the time inside its hooks over that of ``GradientNoiseScale()`` in each repeat;
 (e1) CBSProbeCallback between probes: the (a) Trainer with ``BatchWarmup(ConstantBatch(16))``
-    plus a probe whose only point lies beyond the fit (the fits stop at ``max_steps``, without
-    ``BatchWarmup(max_tokens=...)``, so the probe does not ask for a point inside them), fitted in
-    the rotation of (a); its per-batch hooks are timed as in (a). Between probes those hooks are
-    all it runs, whether the next point lies in the fit or beyond it;
+    plus a probe every so many tokens (``every_tokens``), whose first point is the fit's last
+    step, where its window no longer fits and is not started: on every step its per-batch hooks do
+    what they do between two probes of a real schedule. Fitted in the rotation of (a), its hooks
+    timed as in (a);
 (e2) one probe: a fit with one probe after step 3 (multipliers 1, 2, 4, 8; a window of 8 steps,
     the least that holds one step of k = 8; ``evaluate="train_ema"``) with ``strategy="grid"`` and
     with ``strategy="bisect"``, vs the same fit without the probe: the extra time of the whole
@@ -116,7 +116,7 @@ class Config:
 
     part: str  # "(a)", "(d)", ...
     name: str
-    callbacks: Callable[[], list[Callback]]  # fresh callbacks for every fit
+    callbacks: Callable[[int], list[Callback]]  # fresh callbacks for every fit of so many optimizer steps
     baseline: str | None = None  # the configuration without the measured callback, same rotation
     hooks: tuple[str, ...] = ()  # the measured callback's hooks to time
 
@@ -144,28 +144,30 @@ def probe(**kwargs) -> CBSProbeCallback:
 WARMUP_16 = "+ BatchWarmup(ConstantBatch(16))"
 IDLE_PROBE = "+ BatchWarmup(ConstantBatch(16)) + CBSProbeCallback between probes"
 IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
-    Config("(a)", PLAIN, lambda: []),
-    Config("(a)", WARMUP_16, lambda: [warmup_at(16)], PLAIN, PER_BATCH_HOOKS),
+    Config("(a)", PLAIN, lambda steps: []),
+    Config("(a)", WARMUP_16, lambda steps: [warmup_at(16)], PLAIN, PER_BATCH_HOOKS),
     Config(
         "(a)",
         "+ BatchWarmup(ConstantBatch(16), log_every_step=False)",
-        lambda: [warmup_at(16, log_every_step=False)],
+        lambda steps: [warmup_at(16, log_every_step=False)],
         PLAIN,
         PER_BATCH_HOOKS,
     ),
-    # Its only probe point lies beyond the fit: between probes its hooks only look for the next one.
-    Config("(e1)", IDLE_PROBE, lambda: [warmup_at(16), probe(at_tokens=[10**15])], WARMUP_16, PER_BATCH_HOOKS),
+    # A probe every (steps - 1) steps' tokens: its first point is the fit's last step, where the window no
+    # longer fits (it is not started), so on every step its hooks do what they do between two probes.
+    Config("(e1)", IDLE_PROBE, lambda steps: [warmup_at(16), probe(every_tokens=(steps - 1) * MICRO_BATCH_SIZE * SEQ_LEN)],
+           WARMUP_16, PER_BATCH_HOOKS),
 ]
 ACCUMULATE_2 = "BatchWarmup(ConstantBatch(32)), accumulate 2"
 NOISE_SCALE = "+ GradientNoiseScale()"
 NOISE_SCALE_BLOCKS = "+ GradientNoiseScale(groups='blocks')"
 NOISE_SCALE_CONFIGS = [  # (d)
-    Config("(d)", ACCUMULATE_2, lambda: [warmup_at(32)]),
-    Config("(d)", NOISE_SCALE, lambda: [warmup_at(32), GradientNoiseScale()], ACCUMULATE_2, NOISE_SCALE_HOOKS),
+    Config("(d)", ACCUMULATE_2, lambda steps: [warmup_at(32)]),
+    Config("(d)", NOISE_SCALE, lambda steps: [warmup_at(32), GradientNoiseScale()], ACCUMULATE_2, NOISE_SCALE_HOOKS),
     Config(
         "(d)",
         NOISE_SCALE_BLOCKS,
-        lambda: [warmup_at(32), GradientNoiseScale(groups="blocks")],
+        lambda steps: [warmup_at(32), GradientNoiseScale(groups="blocks")],
         ACCUMULATE_2,
         NOISE_SCALE_HOOKS,
     ),
@@ -173,14 +175,14 @@ NOISE_SCALE_CONFIGS = [  # (d)
 BLOCKS_OVER_WHOLE = "(d) time inside its hooks, groups='blocks' / no groups"
 
 
-def probed_once(strategy: str) -> list[Callback]:
+def probed_once(strategy: str, steps: int) -> list[Callback]:
     return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * MICRO_BATCH_SIZE * SEQ_LEN], strategy=strategy)]
 
 
 PROBE_BASELINE = "BatchWarmup(ConstantBatch(16)), no probe"
 PROBE_STRATEGIES = ("grid", "bisect")
 PROBE_CONFIGS = [  # (e2)
-    Config("(e2)", PROBE_BASELINE, lambda: [warmup_at(16)]),
+    Config("(e2)", PROBE_BASELINE, lambda steps: [warmup_at(16)]),
     *(
         Config(
             "(e2)",
@@ -305,7 +307,7 @@ def rotated(configs: list[Config], repeat: int) -> list[Config]:
 
 def time_steps(results: Results, configs: list[Config], steps: int, repeat: int) -> dict[str, Fit]:
     """(a), (d), (e1): every configuration once, in an order that rotates with ``repeat``."""
-    fits = {config.name: fit(steps, config.callbacks(), config.hooks) for config in rotated(configs, repeat)}
+    fits = {config.name: fit(steps, config.callbacks(steps), config.hooks) for config in rotated(configs, repeat)}
     for config in configs:  # rows grouped per configuration, whatever order the fits ran in
         run = fits[config.name]
         results.loader_builds[config.label].append(run.data.loader_builds)
@@ -359,7 +361,7 @@ def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
 
 def time_probe(results: Results, repeat: int) -> None:
     """(e2): the fit without a probe and with one probe of each strategy, in a rotating order."""
-    fits = {config.name: fit(PROBE_FIT_STEPS, config.callbacks(), config.hooks) for config in rotated(PROBE_CONFIGS, repeat)}
+    fits = {config.name: fit(PROBE_FIT_STEPS, config.callbacks(PROBE_FIT_STEPS), config.hooks) for config in rotated(PROBE_CONFIGS, repeat)}
     base = fits[PROBE_BASELINE]
     results.loader_builds[PROBE_CONFIGS[0].label].append(base.data.loader_builds)
     for clock in CLOCKS:
