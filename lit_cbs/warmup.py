@@ -493,8 +493,8 @@ class BatchWarmup(Callback):
         at = f"{samples:,} samples" + (f" / {tokens:,} tokens" if seq_len else "")
         rank_zero_warn(
             f"BatchWarmup: the run ends by {ending} at {at}, before the schedule's global batch {where}: "
-            f"{'it never trains' if len(never) == 1 else 'they never train'}. Raise the limit, or move the "
-            f"schedule's thresholds{hint}"
+            f"{'it never trains' if len(never) == 1 else 'they never train'} in this fit. Raise the limit, or move the "
+            f"schedule's thresholds (a run stopped here to resume elsewhere goes on with them){hint}"
         )
 
     def _steps_until_change(self, samples: int, tokens: int, seq_len: int, batch: int, most: int) -> int | None:

@@ -499,7 +499,8 @@ def test_a_schedule_phase_the_run_ends_before_is_said_before_the_first_step():
     # One epoch of 96 samples: batch 16 from 400 samples never comes.
     (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 400], unit="samples"), max_epochs=1)
     assert said == ("BatchWarmup: the run ends by Trainer(max_epochs=1) (96 samples per epoch) at 96 samples, before the "
-                    "schedule's global batch 16 (from 400 samples): it never trains. Raise the limit, or move the schedule's thresholds")
+                    "schedule's global batch 16 (from 400 samples): it never trains in this fit. Raise the limit, or move the "
+                    "schedule's thresholds (a run stopped here to resume elsewhere goes on with them)")
     # 20 steps: 10 at 4, then 10 at 8 end at 120 samples, before batch 16 at 150.
     (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 150], unit="samples"), max_epochs=-1, max_steps=20)
     assert "ends by Trainer(max_steps=20) at 120 samples, before the schedule's global batch 16 (from 150 samples)" in said
