@@ -260,8 +260,10 @@ def main(argv: list[str] | None = None) -> dict:
     keys = [key.strip() for key in args.configs.split(",") if key.strip()]
     if "small" not in keys or any(key not in KEYS for key in keys):
         parser.error(f"--configs={args.configs!r}: choose from {KEYS}, with small (the control)")
-    if args.tokens < 262_144 or args.seeds < 1:
-        parser.error("--tokens must be >= 262144 (the probe window holds one step of its largest branch) and --seeds >= 1")
+    smallest = 262_144 if "adaptive" in keys else 16 * 128 * EVALUATIONS  # a probe window; else a step of the control per evaluation
+    if args.tokens < smallest or args.seeds < 1:
+        parser.error(f"--tokens must be >= {smallest} (with adaptive: the probe window holds one step of its largest branch; "
+                     "else the control steps at least once between evaluations) and --seeds >= 1")
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu: no CUDA GPU is visible here; run it on the GPU machine (benchmarks/gpu_run.sh)")
     if args.markdown is None and not args.quick and not args.gpu:

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import time_to_loss
 
-BUDGET = 262_144  # the smallest budget the benchmark accepts
+BUDGET = 131_072  # 32 evaluations, every 2 steps at batch 16: without the adaptive run's probe, the least it takes
 
 
 def time_to_loss_from_csv(run_dir: Path, target: float) -> float | None:
@@ -43,6 +43,9 @@ def test_bad_arguments_and_a_gpu_run_without_a_gpu_are_refused_before_any_run(tm
     with pytest.raises(SystemExit):
         time_to_loss.main(["--configs", "warmup,adaptive", "--out", str(tmp_path / "a")])
     assert "with small (the control)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        time_to_loss.main(["--tokens", "131072", "--configs", "small,adaptive", "--out", str(tmp_path / "a")])
+    assert "--tokens must be >= 262144 (with adaptive" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             time_to_loss.main(["--gpu", "--out", str(tmp_path / "b")])
@@ -55,7 +58,7 @@ def test_the_table_reads_each_runs_time_to_the_small_batchs_final_loss(tmp_path)
     markdown = tmp_path / "RESULTS.md"
     markdown.write_text("# Results\n\nkept\n")
     outcome = time_to_loss.main([
-        "--quick", "--configs", "small,warmup", "--out", str(tmp_path / "runs"), "--markdown", str(markdown),
+        "--quick", "--tokens", str(BUDGET), "--configs", "small,warmup", "--out", str(tmp_path / "runs"), "--markdown", str(markdown),
         "--plot", str(tmp_path / "time_to_loss.png"),
     ])
     rows, runs = outcome["result"]["rows"], outcome["runs"]
