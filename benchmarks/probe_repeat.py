@@ -29,6 +29,7 @@ Usage::
 
     python -m benchmarks.probe_repeat                # trains what is missing, writes the report
     python -m benchmarks.probe_repeat --report-only  # the report from the runs finished in OUT
+    python -m benchmarks.probe_repeat --quick --out /tmp/repeat   # two short runs, seconds: a pipeline check
 """
 
 from __future__ import annotations
@@ -66,8 +67,18 @@ class Run:
     overrides: tuple[str, ...]
 
 
-def runs_of() -> list[Run]:
-    """Every run in the order they are started: experiment R (default job, then tiny_cbs_curve), then L."""
+# --quick: the default job twice (seeds 1, 2; 1 thread each) on 65,536 tokens, probed (k = 1, 2) at 8,192,
+# 16,384 and 32,768 tokens over windows of 8,192: the pipeline in seconds, no readings to read.
+QUICK_OVERRIDES = ("max_tokens=65536", "lr_schedule.warmup_tokens=8192", "callbacks.cbs_probe.geometric=[8192,2.0]",
+                   "callbacks.cbs_probe.multipliers=[1,2]", "callbacks.cbs_probe.window_tokens=8192",
+                   "callbacks.cbs_probe.early_stop=null", "val_check_tokens=16384")
+
+
+def runs_of(quick: bool = False) -> list[Run]:
+    """Every run in the order they are started: experiment R (default job, then tiny_cbs_curve), then L;
+    with ``quick``, two short runs of the default job."""
+    if quick:
+        return [Run(f"default_s{seed}_t1", "default", seed, 1, QUICK_OVERRIDES) for seed in SEEDS[:2]]
     curve = ("+recipe=tiny_cbs_curve", f"max_tokens={CURVE_TOKENS}")
     runs = [Run(f"default_s{seed}_t{threads}", "default", seed, threads, (f"max_tokens={DEFAULT_TOKENS}",))
             for threads in (2, 1) for seed in SEEDS]
@@ -341,7 +352,7 @@ def late_markdown(pairs: list[dict]) -> list[str]:
     return lines + [""] + verdicts
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, quick: bool = False) -> str:
     runs = [run for experiment in results["runs"].values() for run in experiment]
     lines = ["### Setup", "",
              f"Command: `python -m benchmarks.probe_repeat` ({results['date']}, training {results['minutes']} minutes; "
@@ -353,7 +364,7 @@ def markdown(results: dict) -> str:
         wall = "-" if run["wall_seconds"] is None else f"{run['wall_seconds']:.0f}"
         lines.append(f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
                      f"| {sum(r['tokens_spent'] for r in run['readings']):,} |")
-    missing = [run.key for run in runs_of() if run.key not in {r["key"] for r in runs}]
+    missing = [run.key for run in runs_of(quick) if run.key not in {r["key"] for r in runs}]
     if missing:
         lines += ["", f"**Incomplete: not finished: {', '.join(missing)}.**"]
     lines += ["", "Commands (from the repository root, `PYTHONPATH=$PWD OMP_NUM_THREADS=<threads>`):", ""]
@@ -379,17 +390,22 @@ def markdown(results: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "probe_repeat", help="folder for the runs and probe_repeat.json")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "docs" / "benchmarks" / "cbs_probe.md",
-                        help="write the section 'probe_repeat' of this file (the text around it is kept)")
+    parser.add_argument("--markdown", type=Path, default=None,
+                        help="write the section 'probe_repeat' of this file (the text around it is kept; default "
+                             "docs/benchmarks/cbs_probe.md, none with --quick)")
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
+    parser.add_argument("--quick", action="store_true",
+                        help="two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says")
     args = parser.parse_args(argv)
+    if args.markdown is None and not args.quick:
+        args.markdown = ROOT / "docs" / "benchmarks" / "cbs_probe.md"
     args.out.mkdir(parents=True, exist_ok=True)
     minutes_file = args.out / "minutes.txt"
     if not args.report_only:
         started = time.perf_counter()
-        train_all(runs_of(), args.out)
+        train_all(runs_of(args.quick), args.out)
         minutes_file.write_text(f"{(time.perf_counter() - started) / 60:.1f}\n")
-    loaded = [run for run in (load(run, args.out) for run in runs_of()) if run is not None]
+    loaded = [run for run in (load(run, args.out) for run in runs_of(args.quick)) if run is not None]
     by_experiment = {name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")}
     results = {"date": str(datetime.date.today()), "machine": machine(),
                "minutes": minutes_file.read_text().strip() if minutes_file.exists() else "?", "runs": by_experiment,
@@ -400,10 +416,11 @@ def main(argv: list[str] | None = None) -> dict:
             rows = repeatability(runs)
             results["repeatability"][experiment] = {"rows": rows, "spread": spread(runs, rows), "threads": thread_effect(experiment, rows)}
     (args.out / "probe_repeat.json").write_text(json.dumps(results, indent=2))
-    text = markdown(results)
-    replace_section(args.markdown, "probe_repeat", text)
+    text = markdown(results, args.quick)
+    if args.markdown is not None:
+        replace_section(args.markdown, "probe_repeat", text)
     print(text, flush=True)
-    print(f"[probe_repeat] {args.out / 'probe_repeat.json'}; {args.markdown}", flush=True)
+    print(f"[probe_repeat] {args.out / 'probe_repeat.json'}" + (f"; {args.markdown}" if args.markdown else ""), flush=True)
     return results
 
 

@@ -1,0 +1,39 @@
+"""The recipe benchmarks' --quick modes end to end, so that a documented command cannot break unseen:
+benchmarks.guard and benchmarks.probe_repeat train their runs (one short run each, two at a time)
+and report from them. (benchmarks.table1, time_to_loss, transfer, overhead and gpu_check have
+their own tests.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import guard, probe_repeat
+
+pytestmark = pytest.mark.slow
+
+
+def test_guard_quick_trains_each_configuration_once_and_reports(tmp_path):
+    result = guard.main(["--quick", "--out", str(tmp_path)])
+    runs = result["runs"]
+    assert sorted(runs) == ["control_seed1", "default_job_guarded", "guarded_seed1", "premature_seed1"]
+    assert runs["control_seed1"]["tokens"] == guard.QUICK.tokens and runs["default_job_guarded"]["tokens"] == guard.QUICK.default_job_tokens
+    # The premature schedule jumps 16 -> 128 at 4,096 tokens, so it takes fewer steps than the control.
+    assert runs["premature_seed1"]["optimizer_steps"] < runs["control_seed1"]["optimizer_steps"]
+    assert list(result["rows"]) == ["premature", "guarded", "control"] and len(result["goals"]) == 3
+    assert json.loads((tmp_path / "guard.json").read_text())["rows"].keys() == result["rows"].keys()
+    assert (tmp_path / "guard.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_probe_repeat_quick_compares_two_runs_at_every_probe_point(tmp_path):
+    result = probe_repeat.main(["--quick", "--out", str(tmp_path)])
+    runs = result["runs"]["default"]
+    assert [run["key"] for run in runs] == ["default_s1_t1", "default_s2_t1"]
+    # Points 8,192, 16,384, 32,768; the second falls inside the first window (8,192 tokens of batch 16, then
+    # 32 after the default job's change), so it is probed when that window ends.
+    assert all([reading["tokens"] for reading in run["readings"]] == [8192, 18432, 32768] for run in runs)
+    rows = result["repeatability"]["default"]["rows"]
+    assert [row["point"] for row in rows] == [8192, 18432, 32768]
+    assert all(row["measured"] == 2 for row in rows)  # both runs read every point
+    assert (tmp_path / "probe_repeat.json").exists() and not result["runs"]["curve"]
