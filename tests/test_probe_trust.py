@@ -405,20 +405,47 @@ def test_train_ema_readings_say_their_se_is_unpaired():
         assert reading.loss_se["1"] is None and all(reading.loss_se[k] > 0 for k in ("2", "4"))
 
 
-def test_an_optimizer_step_that_writes_the_lr_fails_the_probe_and_the_run_goes_on():
-    class ManualWarmup(RegressionModule):  # Lightning's documented manual-warmup pattern
-        def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
-            optimizer.step(closure=optimizer_closure)
+class WritesTheLR(RegressionModule):
+    """Lightning's documented manual-warmup pattern, from step ``from_step`` on."""
+
+    def __init__(self, from_step: int = 0, **kwargs):
+        super().__init__(**kwargs)
+        self.from_step = from_step
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+        if self.trainer.global_step >= self.from_step:
             for group in optimizer.param_groups:
                 group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 100)
 
+
+class KeepsTheLR(RegressionModule):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        optimizer.step(closure=optimizer_closure)
+
+
+def test_an_optimizer_step_that_writes_the_lr_is_found_by_a_trial_before_the_first_step():
+    module = WritesTheLR(lr=0.05, optimizer="adam")
+    with pytest.raises(LitCBSConfigError, match=r"optimizer_step sets the learning rate itself \(0.0005 where it was given 0.025, tried "
+                                                r"once on a copy of the run's state\)"):
+        fit(module, probe())
+    assert not module.steps
+    # An override that leaves the LR alone passes the trial, which changes nothing: the same run as without it.
+    callback, plain_probe = probe(), probe()
+    trainer, kept = fit(KeepsTheLR(lr=0.05, optimizer="adam"), callback)
+    _, plain = fit(RegressionModule(lr=0.05, optimizer="adam"), plain_probe)
+    assert torch.equal(kept.layer.weight, plain.layer.weight) and [s["lr"] for s in kept.steps] == [s["lr"] for s in plain.steps]
+    assert [r.losses for r in callback.history] == [r.losses for r in plain_probe.history] and callback.history
+
+
+def test_an_optimizer_step_that_writes_the_lr_later_fails_its_probe_and_the_run_goes_on():
     callback = probe()
-    trainer, module = fit(ManualWarmup(lr=0.05, optimizer="adam"), callback)
+    trainer, module = fit(WritesTheLR(from_step=5, lr=0.05, optimizer="adam"), callback)  # passes the trial at step 0
     # The first probe (at 160 tokens, step 10) finds it and is recorded as failed; no reading, no later probe.
     assert [(f["tokens"], f["step"]) for f in callback.failures] == [(160, 10)] and not callback.history
     assert "optimizer_step set the learning rate inside a probe branch" in callback.failures[0]["reason"]
     assert trainer.global_step == len(module.steps) == 48  # the whole run: 2 epochs of 96 samples at batch 4
-    plain = fit(ManualWarmup(lr=0.05, optimizer="adam"), None)[1]
+    plain = fit(WritesTheLR(from_step=5, lr=0.05, optimizer="adam"), None)[1]
     assert torch.equal(module.layer.weight, plain.layer.weight)  # the main run as if no probe had run
 
 

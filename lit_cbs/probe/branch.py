@@ -213,6 +213,46 @@ def _overrides(pl_module: pl.LightningModule, hook: str) -> bool:
     return getattr(type(pl_module), hook, None) is not getattr(pl.LightningModule, hook, None)
 
 
+LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative to the run's
+
+
+def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> str | None:
+    """Try the module's own ``optimizer_step`` once, on a copy of the run's state: with every group's LR
+    at ``LR_TRIAL_FACTOR`` x its own and zero gradients (no backward runs). Returns what it wrote if
+    it set an LR itself (no probe branch could then train at lr_rule(k) x the LR), else None. What
+    the step changed (weights, optimizer and scheduler state, RNG, metrics) is put back
+    (``TrainingSnapshot``), the gradients are as before, and no callback sees it."""
+    if not _overrides(pl_module, "optimizer_step"):
+        return None
+    accounting = BatchAccounting.of(trainer)
+    snapshot = TrainingSnapshot(trainer, pl_module, "cpu")
+    saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
+    parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
+    gradients = [parameter.grad for parameter in parameters]
+    written = None
+    try:
+        for parameter in parameters:
+            parameter.grad = torch.zeros_like(parameter)  # every optimizer steps on them (some refuse none at all)
+        for optimizer, lrs in zip(trainer.optimizers, saved):
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr * LR_TRIAL_FACTOR
+        with accounting.branching(), callbacks_hidden(trainer), logging_muted(pl_module):
+            pl_module.optimizer_step(trainer.current_epoch, batch_idx, pl_module.optimizers(),
+                                     lambda: torch.zeros((), device=trainer.strategy.root_device))
+        for optimizer, lrs in zip(trainer.optimizers, saved):
+            for group, lr in zip(optimizer.param_groups, lrs):
+                if written is None and group["lr"] != lr * LR_TRIAL_FACTOR:
+                    written = f"{group['lr']:.4g} where it was given {lr * LR_TRIAL_FACTOR:.4g}"
+    finally:
+        for optimizer, lrs in zip(trainer.optimizers, saved):
+            for group, lr in zip(optimizer.param_groups, lrs):
+                group["lr"] = lr
+        snapshot.restore(trainer, pl_module)
+        for parameter, gradient in zip(parameters, gradients):
+            parameter.grad = gradient
+    return written
+
+
 class HeldoutLoss:
     """The module's loss on one held-out batch, with no side effect on the module.
 

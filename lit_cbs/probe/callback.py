@@ -36,7 +36,16 @@ from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.logs import log_to_loggers
 from lit_cbs.lr_rules import get_lr_rule
-from lit_cbs.probe.branch import BranchFailed, BranchTrainer, ProbeAborted, ProbeUnusable, RecordedWindow, logging_muted, loss_of
+from lit_cbs.probe.branch import (
+    BranchFailed,
+    BranchTrainer,
+    ProbeAborted,
+    ProbeUnusable,
+    RecordedWindow,
+    logging_muted,
+    loss_of,
+    optimizer_step_writes_lr,
+)
 from lit_cbs.probe.heldout import load_heldout_batches
 from lit_cbs.probe.limits import RunEnd, run_end
 from lit_cbs.probe.plot import plot_cbs_curve
@@ -307,9 +316,10 @@ class CBSProbeCallback(Callback):
                 f"{end.limit} at {end.latest:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
             )
 
-    def _check_batch(self, trainer: pl.Trainer, batch_idx: int) -> None:
+    def _check_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         """At the first batch, where the accounting has seen what the loader yields: tokens per
-        sample, a window that holds a step of the largest branch, and a probe point inside the run."""
+        sample, an optimizer_step that leaves the LR to the schedulers (tried once on a copy), a window
+        that holds a step of the largest branch, and a probe point inside the run."""
         accounting = self._accounting
         seq_len, batch = accounting.seq_len, accounting.global_batch
         if seq_len is None:
@@ -317,6 +327,14 @@ class CBSProbeCallback(Callback):
                 "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
                 "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
                 "`tokens_per_sample` attribute)"
+            )
+        written = optimizer_step_writes_lr(trainer, pl_module, batch_idx)
+        if written is not None:
+            raise LitCBSConfigError(
+                f"CBSProbeCallback: the module's optimizer_step sets the learning rate itself ({written}, tried once "
+                "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set the LR "
+                "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
+                "optimizer_step, or drop the probe"
             )
         largest_step = max(self.multipliers) * batch * seq_len
         if self.window_tokens < largest_step:
@@ -348,7 +366,7 @@ class CBSProbeCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if not self._batch_checked:
             self._batch_checked = True
-            self._check_batch(trainer, batch_idx)
+            self._check_batch(trainer, pl_module, batch_idx)
         if self._window is not None:
             self._window.record_batch(batch, self.snapshot_device)
 
