@@ -258,18 +258,22 @@ class BatchWarmup(Callback):
             )
         self._apply_to_trainer(trainer, pl_module)
 
-    def _check_adaptive_has_a_probe(self, trainer: pl.Trainer) -> None:
-        """A ``CBSAdaptive`` schedule moves only on CBS readings: without a callback that feeds it
-        (``CBSProbeCallback``, or one of yours that calls ``schedule.observe`` and says so with a class
-        attribute ``feeds_cbs_adaptive = True``) it would stay at its start batch for the whole run. A
-        resumed run may have none (after its last probe point the recorded decisions replay)."""
+    def lacks_a_feeder(self, callbacks: list, resumed: bool) -> bool:
+        """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings
+        (``CBSProbeCallback``, or a callback of yours that calls ``schedule.observe`` and says so with a
+        class attribute ``feeds_cbs_adaptive = True``): it would stay at its start batch for the whole
+        run. A resumed run may have none (after its last probe point the recorded decisions replay)."""
         schedule = self.schedule
-        if (
+        return (
             isinstance(schedule, CBSAdaptive)
             and schedule.start < schedule.final
-            and trainer.ckpt_path is None
-            and not any(getattr(callback, "feeds_cbs_adaptive", False) for callback in trainer.callbacks)
-        ):
+            and not resumed
+            and not any(getattr(callback, "feeds_cbs_adaptive", False) for callback in callbacks)
+        )
+
+    def _check_adaptive_has_a_probe(self, trainer: pl.Trainer) -> None:
+        if self.lacks_a_feeder(trainer.callbacks, resumed=trainer.ckpt_path is not None):
+            schedule = self.schedule
             raise LitCBSConfigError(
                 f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
                 "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "

@@ -279,14 +279,11 @@ def build_run(cfg: DictConfig) -> Run:
 
     callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
     warmup = batch_warmup_of(callbacks)
-    schedule = warmup.schedule
-    if isinstance(schedule, CBSAdaptive) and schedule.start < schedule.final and cfg.ckpt_path is None and not any(
-        isinstance(callback, CBSProbeCallback) for callback in callbacks
-    ):
+    if warmup.lacks_a_feeder(callbacks, resumed=cfg.ckpt_path is not None):
         raise LitCBSConfigError(
             f"batch.schedule is CBSAdaptive, which grows the batch only on CBS readings, but the run has no probe "
             f"(callbacks.cbs_probe is null, or its first window ends past max_tokens), so the batch would stay "
-            f"{schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), or a fixed schedule (batch=warmup)"
+            f"{warmup.schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), or a fixed schedule (batch=warmup)"
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
