@@ -448,7 +448,6 @@ class RunPlan:
 
     def warnings(self) -> list[str]:
         found = []
-        device = "GPU" if self.accelerator in ("gpu", "cuda") else "device"
         needed = self.memory[self.activation_checkpointing].total / GIB
         if self._on_gpu and needed > self.limits.gpu_memory_gib:
             fixes = "lower data.batch_size"
@@ -457,7 +456,7 @@ class RunPlan:
             if self.strategy != "fsdp":
                 fixes += ", or shard with trainer=fsdp"
             found.append(
-                f"{needed:,.1f} GiB per {device} exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
+                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
             )
         if self.probe is not None:
             per_node = self.probe.host_bytes * self.devices_per_node / GIB
@@ -597,9 +596,13 @@ class RunPlan:
 
     @property
     def _on_gpu(self) -> bool:
-        """Whether the run trains on GPUs: only then are wall times estimated (they assume a GPU's peak
-        FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib."""
-        return self.accelerator in ("gpu", "cuda")
+        return on_gpu(self.accelerator)
+
+
+def on_gpu(accelerator: str) -> bool:
+    """Whether a run on ``accelerator`` trains on GPUs: only then are wall times estimated (they assume a
+    GPU's peak FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib."""
+    return accelerator in ("gpu", "cuda")
 
 
 def _duration(seconds: float) -> str:
@@ -668,7 +671,7 @@ def plan_run(
         limits=limits,
         accelerator=accelerator,
         optimizer=optimizer,
-        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at) if accelerator in ("gpu", "cuda") else None,
+        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at) if on_gpu(accelerator) else None,
         cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for) if phases else None,
         command=command,
     )

@@ -470,22 +470,26 @@ class BatchWarmup(Callback):
         limits = self._run_limits(trainer, samples)
         if not limits:
             return
-        batch, reached = self.global_batch, {self.global_batch}
-        used = {"steps": 0, "samples": 0, "tokens": 0}
+        batch, reached, steps_taken = self.global_batch, {self.global_batch}, 0
+        start = {"samples": samples, "tokens": tokens}
+
+        def steps_left(limit: tuple[str, str, int]) -> int:  # at ``batch``, until ``limit`` ends the run
+            _, unit, left = limit
+            used = steps_taken if unit == "steps" else {"samples": samples, "tokens": tokens}[unit] - start[unit]
+            return self._steps_to(unit, left - used, batch)
+
         while True:
-            k_limit = min(self._steps_to(unit, left - used[unit], batch) for _, unit, left in limits)
+            k_limit = min(steps_left(limit) for limit in limits)
             steps = self._steps_until_change(samples, tokens, seq_len, batch, k_limit)
             if steps is None:
                 break
-            samples, tokens = samples + steps * batch, tokens + steps * batch * seq_len
-            for unit, amount in (("steps", steps), ("samples", steps * batch), ("tokens", steps * batch * seq_len)):
-                used[unit] += amount
+            samples, tokens, steps_taken = samples + steps * batch, tokens + steps * batch * seq_len, steps_taken + steps
             batch = self.schedule.batch_size(tokens if self.schedule.unit == "tokens" else samples)
             reached.add(batch)
         never = [size for size in self.schedule.sizes(self.consumed) if size not in reached]
         if not never:
             return
-        ending = min(limits, key=lambda limit: self._steps_to(limit[1], limit[2] - used[limit[1]], batch))[0]
+        ending = min(limits, key=steps_left)[0]
         samples, tokens = samples + k_limit * batch, tokens + k_limit * batch * seq_len  # where the run ends
         where = self._where_each_starts(never)
         hint = ""

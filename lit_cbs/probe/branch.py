@@ -244,10 +244,7 @@ def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule,
                 if written is None and group["lr"] != lr * LR_TRIAL_FACTOR:
                     written = f"{group['lr']:.4g} where it was given {lr * LR_TRIAL_FACTOR:.4g}"
     finally:
-        for optimizer, lrs in zip(trainer.optimizers, saved):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr
-        snapshot.restore(trainer, pl_module)
+        snapshot.restore(trainer, pl_module)  # the param groups too: the LRs are the run's again
         for parameter, gradient in zip(parameters, gradients):
             parameter.grad = gradient
     return written
