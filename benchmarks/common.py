@@ -68,6 +68,12 @@ def machine(load: tuple[float, float, float] | None = None) -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores{at_end}, torch {torch.__version__}"
 
 
+def refuse_gpu_run_without_a_gpu(parser: argparse.ArgumentParser) -> None:
+    """For a benchmark's --gpu variant: stop before any run where no CUDA GPU is visible."""
+    if not torch.cuda.is_available():
+        parser.error("--gpu: no CUDA GPU is visible here; run it on the GPU machine (benchmarks/gpu_run.sh)")
+
+
 def run_logged(command: list[str], log_path: Path, threads: int | None = None) -> None:
     """Run ``command`` from the repository root with its output in ``log_path``; exit with its tail if it fails.
 

@@ -45,9 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
-from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
+from benchmarks.common import ROOT, machine, read_run, refuse_gpu_run_without_a_gpu, replace_section, run_logged, train_command
 
 REFERENCE_TOKENS = 4_194_304  # the recipes' budget; token counts below are at this budget
 SEQ_LEN = 128
@@ -336,8 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     unknown = [key for key in keys if key not in by_key]
     if unknown or not keys:
         parser.error(f"--configs: unknown {unknown}; choose from {list(by_key)}")
-    if args.gpu and saved is None and not torch.cuda.is_available():
-        parser.error("--gpu: no CUDA GPU is visible here; run it on the GPU machine (benchmarks/gpu_run.sh)")
+    if args.gpu and saved is None:
+        refuse_gpu_run_without_a_gpu(parser)
     if args.markdown is None and not args.quick and not args.gpu:
         args.markdown = ROOT / "docs" / "RESULTS.md"
     if args.plot is None:

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
+from benchmarks.common import ROOT, machine, read_run, refuse_gpu_run_without_a_gpu, replace_section, run_logged, train_command
 from benchmarks.table1 import CONFIGS, GPU_SEQ_LEN, GPU_TOKENS, REFERENCE_TOKENS, run_command
 
 KEYS = ("small", "large64", "warmup", "adaptive")
@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.tokens < smallest or args.seeds < 1:
         parser.error(f"--tokens must be >= {smallest} (with adaptive: the probe window holds one step of its largest branch; "
                      "else the control steps at least once between evaluations) and --seeds >= 1")
-    if args.gpu and not torch.cuda.is_available():
-        parser.error("--gpu: no CUDA GPU is visible here; run it on the GPU machine (benchmarks/gpu_run.sh)")
+    if args.gpu:
+        refuse_gpu_run_without_a_gpu(parser)
     if args.markdown is None and not args.quick and not args.gpu:
         args.markdown = ROOT / "docs" / "RESULTS.md"
     args.plot = args.plot or ((args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png")
