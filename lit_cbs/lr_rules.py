@@ -15,10 +15,20 @@ gradient-clipping threshold, which ``BatchWarmup(clip_rule=...)`` multiplies at 
 it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
 ``LRRule.check_ratios`` refuses, before training, batch ratios a rule cannot apply to an optimizer
 and its LR schedulers (an LR scheduler that keeps absolute LRs; adam_sde beyond its betas' limit).
+
+Settings beside the LR, each with its own rule (``OptimizerRules`` composes them with the LR rule):
+
+- weight decay, ``"timescale"``: lambda -> lambda * k / f(k), where f(k) is the LR rule's factor. It
+  keeps AdamW's timescale tau = B / (eta * lambda * D) (batch B in samples, D the dataset in
+  samples), whose optimum Bergsma et al. 2025 ("Power Lines") find nearly independent of B at a
+  fixed number of tokens per parameter. Under the sqrt LR rule a doubling gives lambda * sqrt(2).
+- Adam's beta2, ``"half_life"``: beta2 -> beta2 ** k, so the second-moment average keeps its
+  half-life in tokens (Marek et al. 2025): a step of k x B samples weighs as k steps of B.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 
@@ -228,3 +238,177 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, 
             group["initial_lr"] = group["initial_lr"] * factor
     for scheduler in schedulers:
         _scale_scheduler(scheduler, factor)
+
+
+# ---------------------------------------------------------------------- settings beside the LR
+class SettingRule:
+    """A rule for one optimizer setting beside the LR, at a batch change by ``ratio`` = new / old
+    global batch while the LR is multiplied by ``lr_factor``. Subclasses set ``name``, ``key`` (the
+    param-group entry it writes) and ``argument`` (the BatchWarmup / CBSProbeCallback argument)."""
+
+    name: str
+    key: str
+    argument: str
+
+    def apply(self, group: dict, ratio: float, lr_factor: float) -> None:
+        raise NotImplementedError
+
+    def value(self, optimizer: torch.optim.Optimizer) -> float:
+        """The setting now, as logged (``batch/<key>``)."""
+        raise NotImplementedError
+
+    def check(self, optimizer: torch.optim.Optimizer, lr_rule: LRRule, who: str) -> None:
+        """LitCBSConfigError, its message starting with ``who``, if the rule does not apply to ``optimizer``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class WeightDecayTimescale(SettingRule):
+    """lambda -> lambda * k / f(k): AdamW's timescale B / (eta * lambda * D) stays as it was."""
+
+    name, key, argument = "timescale", "weight_decay", "weight_decay_rule"
+
+    def apply(self, group, ratio, lr_factor):
+        group["weight_decay"] = group["weight_decay"] * ratio / lr_factor
+
+    def value(self, optimizer):
+        return float(max(group["weight_decay"] for group in optimizer.param_groups))
+
+    def check(self, optimizer, lr_rule, who):
+        name = type(optimizer).__name__
+        if any("weight_decay" not in group for group in optimizer.param_groups):
+            raise LitCBSConfigError(f"{who}: {name} has no weight_decay to scale; set weight_decay_rule=None")
+        if not any(group["weight_decay"] for group in optimizer.param_groups):
+            raise LitCBSConfigError(
+                f"{who}: every param group of {name} has weight_decay=0, so the rule would change nothing: give the "
+                "optimizer a weight decay (e.g. AdamW(weight_decay=0.1)), or set weight_decay_rule=None"
+            )
+        if isinstance(optimizer, torch.optim.Adam) and not all(group.get("decoupled_weight_decay") for group in optimizer.param_groups):
+            raise LitCBSConfigError(
+                f"{who}: {name}'s weight_decay is an L2 penalty that Adam's normalisation rescales, not the decoupled "
+                "decay whose timescale the rule keeps: use torch.optim.AdamW (or Adam(decoupled_weight_decay=True)), "
+                "or set weight_decay_rule=None"
+            )
+
+
+class Beta2HalfLife(SettingRule):
+    """beta2 -> beta2 ** k: the second-moment average keeps its half-life in tokens."""
+
+    name, key, argument = "half_life", "beta2", "beta2_rule"
+
+    def apply(self, group, ratio, lr_factor):
+        beta1, beta2, *rest = group["betas"]
+        group["betas"] = (beta1, float(beta2) ** ratio, *rest)
+
+    def value(self, optimizer):
+        return float(optimizer.param_groups[0]["betas"][1])
+
+    def check(self, optimizer, lr_rule, who):
+        name = type(optimizer).__name__
+        for i, group in enumerate(optimizer.param_groups):
+            betas = group.get("betas")
+            if betas is None or len(betas) < 2:
+                raise LitCBSConfigError(
+                    f"{who}: param group {i} of {name} has no Adam betas (beta1, beta2) to scale; set beta2_rule=None"
+                )
+            if isinstance(betas[1], torch.Tensor):
+                raise LitCBSConfigError(f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None")
+        if not any(group["betas"][1] for group in optimizer.param_groups):
+            raise LitCBSConfigError(f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None")
+
+
+WEIGHT_DECAY_RULES = {"timescale": WeightDecayTimescale}
+BETA2_RULES = {"half_life": Beta2HalfLife}
+
+
+def _get_setting_rule(argument: str, rule, rules: dict[str, type[SettingRule]]) -> SettingRule | None:
+    if rule is None or rule == "none":
+        return None
+    if isinstance(rule, SettingRule) and isinstance(rule, tuple(rules.values())):
+        return rule
+    if isinstance(rule, str) and rule in rules:
+        return rules[rule]()
+    raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {sorted(rules)} or None (unchanged)")
+
+
+# Entries of a param group that the LR rule (adam_sde) and the setting rules write.
+SETTING_KEYS = ("betas", "eps", "weight_decay")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
+    return [{key: group[key] for key in SETTING_KEYS if key in group} for group in optimizer.param_groups]
+
+
+def restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    for group, saved in zip(optimizer.param_groups, settings):
+        group.update({key: tuple(value) if key == "betas" else value for key, value in saved.items()})
+
+
+@dataclasses.dataclass
+class OptimizerRules:
+    """Everything a batch change by ``ratio`` = new / old moves in an optimizer: the LR (``lr``, which
+    for adam_sde also moves the betas and eps), and, when given, the weight decay and beta2.
+
+    BatchWarmup applies it at every change and a CBS probe to each branch, so a branch at k x B
+    trains as the run would after growing its batch k-fold.
+    """
+
+    lr: LRRule
+    weight_decay: SettingRule | None = None
+    beta2: SettingRule | None = None
+
+    @classmethod
+    def build(cls, lr_rule="sqrt", weight_decay_rule=None, beta2_rule=None) -> OptimizerRules:
+        """From the arguments BatchWarmup and CBSProbeCallback take (names, None, or rule objects)."""
+        rules = cls(
+            get_lr_rule(lr_rule),
+            _get_setting_rule("weight_decay_rule", weight_decay_rule, WEIGHT_DECAY_RULES),
+            _get_setting_rule("beta2_rule", beta2_rule, BETA2_RULES),
+        )
+        if isinstance(rules.lr, AdamSDERule) and rules.beta2 is not None:
+            raise LitCBSConfigError(
+                "lr_rule='adam_sde' already moves beta2 (1 - beta2 -> k (1 - beta2)) and beta2_rule='half_life' would "
+                "move it again: use lr_rule='sqrt' with beta2_rule='half_life', or beta2_rule=None"
+            )
+        return rules
+
+    @property
+    def settings(self) -> list[SettingRule]:
+        """The rules for settings beside the LR."""
+        return [rule for rule in (self.weight_decay, self.beta2) if rule is not None]
+
+    def names(self) -> dict[str, str | None]:
+        """``{"lr_rule": ..., "weight_decay_rule": ..., "beta2_rule": ...}``: the rules by the names users give."""
+        return {"lr_rule": self.lr.name, "weight_decay_rule": getattr(self.weight_decay, "name", None),
+                "beta2_rule": getattr(self.beta2, "name", None)}
+
+    def describe(self) -> str:
+        """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
+        return ", ".join(f"{argument}={name!r}" for argument, name in self.names().items() if name is not None or argument == "lr_rule")
+
+    def check(
+        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+    ) -> None:
+        """Before training: LitCBSConfigError, its message starting with ``who``, unless every rule
+        applies to ``optimizer`` and its LR ``schedulers`` at each batch ratio (``LRRule.check_ratios``)."""
+        ratios = list(ratios)
+        self.lr.check_ratios(optimizer, schedulers, ratios, who, compose)
+        if any(ratio != 1 for ratio in ratios):
+            for rule in self.settings:
+                rule.check(optimizer, self.lr, who)
+
+    def apply(self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratio: float) -> float:
+        """Move every setting for a batch change by ``ratio``; return the LR factor applied."""
+        factor = self.lr.lr_factor(ratio)
+        scale_learning_rate(optimizer, schedulers, factor)
+        self.lr.adjust_optimizer(optimizer, ratio)
+        for rule in self.settings:
+            for group in optimizer.param_groups:
+                rule.apply(group, ratio, factor)
+        return factor
+
+    def values(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """``{"batch/weight_decay": ..., "batch/beta2": ...}`` for the settings these rules move."""
+        return {f"batch/{rule.key}": rule.value(optimizer) for rule in self.settings}

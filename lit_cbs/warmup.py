@@ -20,14 +20,15 @@ on another number of ranks: the micro-batch and accumulation are chosen afresh f
 the global batch, LR and data position continue.
 
 Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its schedulers
-keep it (lit_cbs.lr_rules), so it composes with the user's LR schedule; the applied state is in
-the checkpoint, so a resumed run never applies a change twice. ``clip_rule`` likewise rescales
-the Trainer's ``gradient_clip_val``.
+keep it (lit_cbs.lr_rules), so it composes with the user's LR schedule; ``weight_decay_rule`` and
+``beta2_rule`` move AdamW's weight decay and beta2 with it. The applied state is in the checkpoint
+(the optimizer's param groups), so a resumed run never applies a change twice. ``clip_rule``
+likewise rescales the Trainer's ``gradient_clip_val``.
 
 With ``guard`` (lit_cbs.guard.BatchGuard) each increase is judged on the training loss after it and
 reverted if the loss rises above its trend: the revert is a change like the others (at an aligned
 step), recorded with ``cause="guard"``, and it restores the LR and clipping threshold of before the
-increase.
+increase, and the weight decay, betas and eps of before it, exactly.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from lit_cbs.accounting import BatchAccounting, MicroBatchSetting, check_divisib
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.guard import BatchGuard, GuardVerdict
 from lit_cbs.logs import log_to_loggers
-from lit_cbs.lr_rules import get_clip_rule, get_lr_rule, scale_learning_rate
+from lit_cbs.lr_rules import OptimizerRules, get_clip_rule, optimizer_settings, restore_settings, scale_learning_rate
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
 from lit_cbs.validation import TokenValidation
@@ -91,6 +92,11 @@ class BatchWarmup(Callback):
     Args:
         schedule: a ``lit_cbs.schedules`` schedule: consumed samples or tokens -> global batch (samples).
         lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
+        weight_decay_rule: "timescale": at a change by k = new / old with LR factor f(k), every param
+            group's weight_decay becomes weight_decay * k / f(k), keeping AdamW's timescale
+            B / (eta * lambda * D) (lit_cbs.lr_rules). None (default): unchanged.
+        beta2_rule: "half_life": Adam's beta2 becomes beta2 ** k, keeping its half-life in tokens.
+            None (default): unchanged. Not with lr_rule="adam_sde", which moves beta2 itself.
         clip_rule: multiply the Trainer's ``gradient_clip_val`` by ``clip_rule(new / old)`` at each
             change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
             grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
@@ -109,7 +115,8 @@ class BatchWarmup(Callback):
             batch between optimizer steps (``lit_cbs.GlobalOrderLoader``). None (default): the
             micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
         log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
-            ``batch/lr_factor``, ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds of training
+            ``batch/lr_factor`` (with their rules ``batch/weight_decay``, the largest of the param
+            groups, and ``batch/beta2``, param group 0's), ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds of training
             since the fit began, validation and probes included; a resumed run goes on from its
             checkpoint's) and ``lr`` to the trainer's loggers at its
             ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
@@ -136,6 +143,8 @@ class BatchWarmup(Callback):
         log_every_step: bool = True,
         clip_rule=None,
         guard: bool | dict | BatchGuard | None = None,
+        weight_decay_rule: str | None = None,
+        beta2_rule: str | None = None,
     ):
         if not isinstance(schedule, BatchSchedule):
             raise LitCBSConfigError(
@@ -143,7 +152,7 @@ class BatchWarmup(Callback):
                 f"ExponentialRamp, ...), got {schedule!r}"
             )
         self.schedule = schedule
-        self.lr_rule = get_lr_rule(lr_rule)
+        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
         self.clip_rule = get_clip_rule(clip_rule)
         self.guard = BatchGuard.of(guard)
         self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
@@ -168,7 +177,14 @@ class BatchWarmup(Callback):
         self._trainer: pl.Trainer | None = None
         self._token_settings_checked = False
         self._step_lr: float | None = None
+        self._step_settings: dict[str, float] = {}  # batch/weight_decay, batch/beta2 of the step just taken
+        self._settings_set: list[list[dict]] | None = None  # what the rules last left in each optimizer
         self._samples_before_step: int | None = None  # samples_seen after the previous optimizer step
+
+    @property
+    def lr_rule(self):
+        """The LR rule (``rules.lr``)."""
+        return self.rules.lr
 
     # ------------------------------------------------------------------ counts (the accounting's)
     @property
@@ -300,9 +316,9 @@ class BatchWarmup(Callback):
         sizes = self.schedule.sizes(self.consumed)
         ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        who = f"BatchWarmup(lr_rule={self.lr_rule.name!r})"
+        who = f"BatchWarmup({self.rules.describe()})"
         for optimizer in trainer.optimizers:
-            self.lr_rule.check_ratios(optimizer, schedulers, ratios, who, compose=True)
+            self.rules.check(optimizer, schedulers, ratios, who, compose=True)
         if not ratios:
             return
         for config in trainer.lr_scheduler_configs:
@@ -317,6 +333,7 @@ class BatchWarmup(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._samples_before_step = self.samples_seen
+        self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         self._check_loader_resizes(trainer)
         if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
             self._regroup_for_new_ranks(trainer, pl_module)
@@ -532,6 +549,28 @@ class BatchWarmup(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
+        if self.rules.settings:
+            self._check_settings_kept(trainer, optimizer)
+            self._step_settings = self.rules.values(optimizer)
+
+    def _remember_settings(self, trainer: pl.Trainer) -> None:
+        if self.rules.settings:
+            self._settings_set = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+
+    def _check_settings_kept(self, trainer: pl.Trainer, optimizer) -> None:
+        """LitCBSConfigError if something else (a callback, an LR scheduler, optimizer_step) wrote a
+        setting the rules move since BatchWarmup last did: the rule and the other writer would fight."""
+        index = next(i for i, candidate in enumerate(trainer.optimizers) if candidate is optimizer)
+        for number, (group, saved) in enumerate(zip(optimizer.param_groups, self._settings_set[index])):
+            for rule in self.rules.settings:
+                now, then = (group["weight_decay"], saved["weight_decay"]) if rule.key == "weight_decay" else (
+                    group["betas"][1], saved["betas"][1])
+                if now != then:
+                    raise LitCBSConfigError(
+                        f"BatchWarmup({rule.argument}={rule.name!r}) set {rule.key}={then:.6g} in param group {number}, but "
+                        f"at step {trainer.global_step} it is {now:.6g}: something else writes it (a callback, an LR "
+                        f"scheduler or the module's optimizer_step); remove that writer or set {rule.argument}=None"
+                    )
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if self.guard is not None:
@@ -643,9 +682,16 @@ class BatchWarmup(Callback):
                 clip_factor = self.clip_rule.lr_factor(target / self.global_batch)
         if target != self.global_batch:
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-            for optimizer in trainer.optimizers:
+            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+            for index, optimizer in enumerate(trainer.optimizers):
+                if not revert:
+                    self.rules.apply(optimizer, schedulers, target / self.global_batch)
+                    continue
                 scale_learning_rate(optimizer, schedulers, factor)
-                self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
+                if "optimizer_settings" in before_increase:
+                    restore_settings(optimizer, before_increase["optimizer_settings"][index])
+                else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
+                    self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
         change = BatchChange(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
@@ -668,7 +714,8 @@ class BatchWarmup(Callback):
         if target > self.global_batch and self.guard is not None:
             # What a revert of this increase puts back.
             restore = {"lr_factor": self.lr_factor, "clip_factor": self.clip_factor,
-                       "lr_factor_of_change": factor, "clip_factor_of_change": clip_factor}
+                       "lr_factor_of_change": factor, "clip_factor_of_change": clip_factor,
+                       "optimizer_settings": settings_before}
             if not self.guard.watch(len(self.history), self.consumed, self.global_batch, target, restore):
                 rank_zero_info(
                     f"BatchWarmup guard: {self.global_batch} -> {target} is not judged: fewer than "
@@ -685,11 +732,14 @@ class BatchWarmup(Callback):
             self.lr_factor, self.clip_factor = self.lr_factor * factor, self.clip_factor * clip_factor
         self.micro_batch_size = new_micro  # the loader yields it from the next micro-batch on
         self._apply_to_trainer(trainer, pl_module)
+        self._remember_settings(trainer)
         rank_zero_info(
             f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
             f"(micro {change.old_micro_batch_size} -> {new_micro}, accumulate {change.old_accumulate} -> "
             f"{new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
-            f"LR x{factor:.4g}" + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
+            f"LR x{factor:.4g}" + "".join(f", {key.removeprefix('batch/')} {value:.4g}" for key, value in
+                                          self.rules.values(trainer.optimizers[0]).items())
+            + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
             + (" (guard: revert)" if revert else "")
         )
 
@@ -715,6 +765,7 @@ class BatchWarmup(Callback):
         }
         if self._step_lr is not None:
             metrics["lr"] = self._step_lr
+        metrics.update(self._step_settings)
         if self.clip_rule is not None:
             metrics["batch/gradient_clip_val"] = float(trainer.gradient_clip_val)
         if self.guard is not None:

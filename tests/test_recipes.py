@@ -227,6 +227,34 @@ def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
     assert all("momentum_buffer" in state for state in saved["state"].values())
 
 
+def test_the_weight_decay_and_beta2_rules_move_adamw_at_the_doubling(text_folder, tmp_path):
+    cfg = compose_config(
+        "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life", *SHORT_RUN, f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+    )
+    run = train.build_run(cfg)
+    run.trainer.fit(run.model, datamodule=run.datamodule)
+    metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
+    assert metrics["batch/weight_decay"][1] == pytest.approx([0.1, 0.1, 0.1 * 2**0.5, 0.1 * 2**0.5])  # 8, 8, 16, 16
+    assert metrics["batch/beta2"][1] == pytest.approx([0.95, 0.95, 0.95**2, 0.95**2])
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert [group["weight_decay"] for group in saved] == pytest.approx([0.1 * 2**0.5, 0.0])
+    assert [group["betas"][1] for group in saved] == pytest.approx([0.95**2] * 2)
+
+
+def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(text_folder, tmp_path):
+    cfg = compose_config(
+        "optimizer=sgd", "batch.beta2_rule=half_life", *SHORT_RUN, f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+    )
+    run = train.build_run(cfg)
+    with pytest.raises(LitCBSConfigError, match="param group 0 of SGD has no Adam betas") as raised:
+        run.trainer.fit(run.model, datamodule=run.datamodule)
+    named = train.name_the_run_keys(cfg, str(raised.value))
+    assert "callbacks.batch_warmup.beta2_rule='half_life' (batch.beta2_rule)" in named and "set callbacks.batch_warmup.beta2_rule=None" in named
+    assert run.trainer.global_step == 0
+
+
 def test_adam_sde_refuses_an_optimizer_without_betas_before_the_first_step(text_folder, tmp_path):
     cfg = compose_config(
         "optimizer=sgd", "batch.lr_rule=adam_sde", *SHORT_RUN, f"data.input_dir={text_folder}",

@@ -37,7 +37,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.lr_rules import LRRule, scale_learning_rate
+from lit_cbs.lr_rules import OptimizerRules
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.probe.snapshot import ModuleState, TrainingSnapshot
@@ -292,7 +292,7 @@ class BranchTrainer:
     trainer: pl.Trainer
     pl_module: pl.LightningModule
     accounting: BatchAccounting
-    lr_rule: LRRule  # LR factor (and optimizer adjustment) for batch ratio k
+    rules: OptimizerRules  # how the LR (and weight decay, betas) move for batch ratio k
     evaluate: str
     ema_alpha: float  # weight of the newest step loss in the EMA
     micro_batch_for: Callable[[float], int]  # samples per rank in a micro-batch of branch k
@@ -343,7 +343,7 @@ class BranchTrainer:
         return result
 
     def _train(self, window: RecordedWindow, k: float, keep: bool) -> list[float]:
-        """This rank's per-step losses (nats) of batch k*B (LR scaled by ``lr_rule`` for ratio k)."""
+        """This rank's per-step losses (nats) of batch k*B (the optimizer moved by ``rules`` for ratio k)."""
         trainer, strategy, module = self.trainer, self.trainer.strategy, self.pl_module
         step_samples, micro = window.step_samples(k), self.micro_batch_for(k)
         micro_per_step = step_samples // micro
@@ -353,8 +353,7 @@ class BranchTrainer:
         else:
             window.start.restore(trainer, module)
             for opt in trainer.optimizers:
-                scale_learning_rate(opt, [c.scheduler for c in trainer.lr_scheduler_configs], self.lr_rule.lr_factor(k))
-                self.lr_rule.adjust_optimizer(opt, k)
+                self.rules.apply(opt, [c.scheduler for c in trainer.lr_scheduler_configs], k)
         optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
         raw_optimizer = trainer.optimizers[0]
         schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]

@@ -35,7 +35,7 @@ from lit_cbs._internals import should_accumulate
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.logs import log_to_loggers
-from lit_cbs.lr_rules import get_lr_rule
+from lit_cbs.lr_rules import OptimizerRules
 from lit_cbs.probe.branch import (
     BranchFailed,
     BranchTrainer,
@@ -89,6 +89,10 @@ class CBSProbeCallback(Callback):
             mean losses alone (every reading determined).
         ema_alpha: weight of the newest step loss in the EMA (the paper: 0.5).
         lr_rule: LR factor for batch ratio k ("sqrt" for Adam, "linear" for SGD, ...).
+        weight_decay_rule, beta2_rule: how each branch's weight decay and beta2 move for batch ratio
+            k, as in ``BatchWarmup`` ("timescale", "half_life", or None: unchanged). Beside a BatchWarmup
+            whose batch changes, the three rules must be the BatchWarmup's: a branch at k x B measures
+            what the run would train after growing its batch k-fold.
         strategy: "grid" (every k, the paper's protocol) or "bisect" (main run as the k=1
             baseline, bisection over the rest; assumes recovery is monotone in k).
         evaluate: "train_ema" (the paper) or "heldout": the loss on the first ``heldout_batches``
@@ -139,6 +143,8 @@ class CBSProbeCallback(Callback):
         max_overhead: float | None = None,
         snapshot_device: str = "cpu",
         output_dir: str | os.PathLike | None = None,
+        weight_decay_rule: str | None = None,
+        beta2_rule: str | None = None,
     ):
         if sum(x is not None for x in (every_tokens, at_tokens, geometric)) != 1:
             raise LitCBSConfigError("give exactly one of every_tokens, at_tokens or geometric=(first_tokens, ratio)")
@@ -197,7 +203,7 @@ class CBSProbeCallback(Callback):
         self.cooldown_fraction = float(cooldown_fraction)
         self.early_stop = early_stop
         self.ema_alpha = float(ema_alpha)
-        self.lr_rule = get_lr_rule(lr_rule)
+        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
         self.evaluate = one_of("evaluate", evaluate, EVALUATIONS)
         self.heldout_batches = positive_int("heldout_batches", heldout_batches, "validation batches")
         self.max_overhead = positive_number("max_overhead", max_overhead, "probe tokens / training tokens", optional=True)
@@ -221,6 +227,11 @@ class CBSProbeCallback(Callback):
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
 
+    @property
+    def lr_rule(self):
+        """The LR rule (``rules.lr``)."""
+        return self.rules.lr
+
     # ------------------------------------------------------------------ probe points
     def probe_point(self, index: int) -> float:
         """Token count of the index-th probe (0-based); inf past the last of ``at_tokens``."""
@@ -242,6 +253,13 @@ class CBSProbeCallback(Callback):
             )
         self._accounting = BatchAccounting.of(trainer)
         self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
+        warmup = self._warmup
+        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.rules.names():
+            raise LitCBSConfigError(
+                f"CBSProbeCallback({self.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
+                "differently at a batch change, so a branch at k x B would not train as the run does after growing its "
+                "batch k-fold: give both the same lr_rule, weight_decay_rule and beta2_rule"
+            )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before any data is read: every multiplier's LR rule must apply to the optimizer and its schedulers."""
@@ -252,9 +270,9 @@ class CBSProbeCallback(Callback):
             # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
             sizes = warmup.schedule.sizes()
             ratios = [k * max(sizes) / min(sizes) for k in ratios]
-        who = f"CBSProbeCallback(lr_rule={self.lr_rule.name!r}, multipliers=[{', '.join(f'{k:g}' for k in self.multipliers)}])"
+        who = f"CBSProbeCallback({self.rules.describe()}, multipliers=[{', '.join(f'{k:g}' for k in self.multipliers)}])"
         for optimizer in trainer.optimizers:
-            self.lr_rule.check_ratios(optimizer, schedulers, ratios, who)
+            self.rules.check(optimizer, schedulers, ratios, who)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed, self._deferred = trainer.global_step > 0, False
@@ -474,7 +492,7 @@ class CBSProbeCallback(Callback):
         length = window_samples // world
         checkpoints = sorted({int(f * length) // largest_step * largest_step for f in self.early_stop} - {0, length})
         self._branches = BranchTrainer(
-            trainer, pl_module, accounting, self.lr_rule, self.evaluate, self.ema_alpha,
+            trainer, pl_module, accounting, self.rules, self.evaluate, self.ema_alpha,
             micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size), heldout=self._heldout,
             cooldown_fraction=self.cooldown_fraction,
         )
