@@ -25,6 +25,8 @@ _EXPORTS = {
     "OneCycle": "lit_cbs.lr_schedules",
     "PiecewiseBatch": "lit_cbs.schedules",
     "RunProgressBar": "lit_cbs.progress",
+    "Seesaw": "lit_cbs.schedules",
+    "StepDecay": "lit_cbs.lr_schedules",
     "TokenLRScheduler": "lit_cbs.lr_schedules",
     "TokenValidation": "lit_cbs.validation",
     "WarmupStableDecay": "lit_cbs.lr_schedules",

@@ -110,6 +110,31 @@ class CosineSchedule:
         )
 
 
+class StepDecay:
+    """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
+    (tokens): 1 until the first, ``gamma`` until the second, ``gamma**2`` ... (``StepLR`` in tokens).
+    ``total_tokens`` is where the run ends (for ``lit_cbs.schedules.Seesaw``)."""
+
+    def __init__(self, warmup_tokens: int, milestones, total_tokens: int, gamma: float = 0.5):
+        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        self.milestones = [_check_tokens(f"milestones[{i}]", m) for i, m in enumerate(milestones)]
+        if self.milestones != sorted(set(self.milestones)) or (self.milestones and self.milestones[0] < warmup_tokens):
+            raise LitCBSConfigError(f"milestones={self.milestones} must strictly increase, from warmup_tokens={warmup_tokens} on")
+        if not 0.0 < gamma < 1.0:
+            raise LitCBSConfigError(f"gamma={gamma} must lie in (0, 1) (the multiplier's factor at each milestone)")
+        self.gamma = float(gamma)
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return _warmup(tokens, self.warmup_tokens)
+        return self.gamma ** sum(tokens >= milestone for milestone in self.milestones)
+
+    def __repr__(self) -> str:
+        return (f"StepDecay(warmup_tokens={self.warmup_tokens}, milestones={self.milestones}, "
+                f"total_tokens={self.total_tokens}, gamma={self.gamma})")
+
+
 class OneCycle:
     """PyTorch's ``OneCycleLR`` LR curve as a multiplier of ``max_lr``, for ``LambdaLR`` (indexed by
     steps) or ``TokenLRScheduler`` (indexed by tokens).

@@ -121,6 +121,85 @@ class PiecewiseBatch(BatchSchedule):
         return sorted(set(self.batch_sizes[start:]))
 
 
+class Seesaw(PiecewiseBatch):
+    """Seesaw (Meterez et al. 2025): turn an LR schedule's decay into batch growth.
+
+    Wherever ``lr_schedule`` (tokens -> LR multiplier, ``lit_cbs.lr_schedules``) first falls to
+    1 / factor, 1 / factor**2, ... of its peak after its warmup, the global batch grows by ``factor``,
+    from ``start`` up to ``max_batch_size`` samples. Run it under ``BatchWarmup(lr_rule="sqrt")`` with
+    the same LR schedule: at each such point the schedule divides the LR by ``factor`` and the
+    rule multiplies it by sqrt(factor), so where the schedule alone would halve the LR, the batch
+    doubles and the LR falls by 1 / sqrt(2) (the paper's rule for Adam; for SGD, where a doubled
+    batch is worth a halved LR, use lr_rule="none"). In between, and once the batch has reached
+    ``max_batch_size``, the LR follows the schedule as before: LR(t) = base x schedule(t) x
+    sqrt(factor) ** (growths so far).
+
+    It is a ``PiecewiseBatch`` in tokens whose thresholds come from the LR schedule, so a change
+    is applied like any other (at an aligned step, resumable, on any number of ranks).
+
+    Args:
+        lr_schedule: the LR multiplier as a function of tokens, non-increasing after its warmup
+            (``warmup_tokens``, if it has one); ``CosineSchedule``, ``WarmupStableDecay`` with a decay,
+            ``StepDecay``.
+        start: the global batch (samples) before the decay.
+        max_batch_size: the batch cap (samples); growth stops at the largest start x factor**j at or below it.
+        factor: how much the LR falls per growth, and the batch grows (2: Seesaw's halving).
+        total_tokens: where to stop looking for the decay; default ``lr_schedule.total_tokens``.
+    """
+
+    def __init__(self, lr_schedule, start: int, max_batch_size: int, factor: int = 2, total_tokens: int | None = None):
+        if not callable(lr_schedule):
+            raise LitCBSConfigError(f"lr_schedule must be callable tokens -> LR multiplier, got {lr_schedule!r}")
+        start = _check_positive_int("start", start)
+        max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+        if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
+            raise LitCBSConfigError(f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)")
+        if max_batch_size < start * factor:
+            raise LitCBSConfigError(
+                f"max_batch_size={max_batch_size} is below start x factor = {start * factor}, so the batch could never "
+                "grow: raise max_batch_size, or use ConstantBatch"
+            )
+        total = total_tokens if total_tokens is not None else getattr(lr_schedule, "total_tokens", None)
+        total = positive_int("total_tokens", total, "tokens (or an lr_schedule with total_tokens)")
+        first = getattr(lr_schedule, "warmup_tokens", 0)
+        peak = lr_schedule(first)
+        sample = [lr_schedule(first + (total - first) * i // 256) for i in range(257)]
+        if not (peak > 0 and all(later <= earlier * (1 + 1e-12) for earlier, later in zip(sample, sample[1:]))):
+            raise LitCBSConfigError(
+                f"Seesaw needs an LR schedule that only decays after its warmup ({first:,} tokens), but {lr_schedule!r} "
+                "rises again: use CosineSchedule, WarmupStableDecay or StepDecay"
+            )
+        sizes, thresholds = [start], [0]
+        size, level = start * factor, peak / factor
+        while size <= max_batch_size:
+            at = _first_token_at_or_below(lr_schedule, level, first, total)
+            if at is None:
+                break
+            if at == thresholds[-1]:  # a step decay past several levels at once: one larger growth
+                sizes[-1] = size
+            else:
+                sizes.append(size)
+                thresholds.append(at)
+            size, level = size * factor, level / factor
+        if len(sizes) == 1:
+            raise LitCBSConfigError(
+                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, so Seesaw would never grow "
+                f"the batch: give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
+            )
+        super().__init__(sizes, thresholds, unit="tokens")
+        self.lr_schedule, self.start, self.max_batch_size, self.factor = lr_schedule, start, max_batch_size, factor
+
+
+def _first_token_at_or_below(schedule, level: float, low: int, high: int) -> int | None:
+    """The first token count in [low, high] where the non-increasing ``schedule`` is <= ``level``, or None."""
+    if schedule(high) > level:
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (middle + 1, high) if schedule(middle) > level else (low, middle)
+    return low
+
+
 class LinearRamp(BatchSchedule):
     """Megatron-LM ``--rampup-batch-size START INCR RAMP`` (GPT-3 style linear ramp).
 

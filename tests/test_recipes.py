@@ -255,6 +255,28 @@ def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(t
     assert run.trainer.global_step == 0
 
 
+def test_batch_seesaw_doubles_the_batch_where_the_cosine_halves_the_lr(text_folder, tmp_path):
+    cfg = compose_config(
+        "batch=seesaw", "lr_schedule=cosine", "lr_schedule.min_lr_ratio=0.0", "batch.schedule.start=8",
+        "batch.schedule.max_batch_size=16", *[o for o in SHORT_RUN if not o.startswith("batch.")],
+        f"data.input_dir={text_folder}", f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+    )
+    run = train.build_run(cfg)
+    run.trainer.fit(run.model, datamodule=run.datamodule)
+    # 1,024 warmup tokens, cosine to 0 at 6,144: half the peak LR at 3,584 tokens, reached by steps of 8 x 128.
+    (change,) = run.batch_warmup.history
+    assert (change.old_global_batch, change.new_global_batch, change.requested_at_tokens) == (8, 16, 4096)
+    metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
+    assert list(metrics["batch/global_size"][1]) == [8, 8, 8, 8, 16]
+
+
+def test_batch_seesaw_without_a_decaying_lr_schedule_stops_before_any_data_work(tmp_path):
+    cfg = compose_config("batch=seesaw", f"data.cache_dir={tmp_path / 'cache'}")  # the default wsd has no decay
+    with pytest.raises(LitCBSConfigError, match=r"never falls to 1/2 of its peak before 4,194,304 tokens.*lr_schedule=cosine"):
+        train.build_run(cfg)
+    assert not (tmp_path / "cache").exists()
+
+
 def test_adam_sde_refuses_an_optimizer_without_betas_before_the_first_step(text_folder, tmp_path):
     cfg = compose_config(
         "optimizer=sgd", "batch.lr_rule=adam_sde", *SHORT_RUN, f"data.input_dir={text_folder}",

@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lit_cbs.schedules import ConstantBatch, ExponentialRamp, LinearRamp, PiecewiseBatch
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.lr_schedules import CosineSchedule, OneCycle, StepDecay, WarmupStableDecay
+from lit_cbs.schedules import ConstantBatch, ExponentialRamp, LinearRamp, PiecewiseBatch, Seesaw
 
 
 def test_piecewise_qwen3_style_token_schedule():
@@ -99,3 +101,41 @@ def test_bad_schedules_fail_with_the_field_named(make, error, match):
 def test_negative_consumed_is_refused():
     with pytest.raises(ValueError, match="consumed=-1"):
         ConstantBatch(4).batch_size(-1)
+
+
+# ---------------------------------------------------------------- Seesaw
+@pytest.mark.parametrize(
+    "lr_schedule",
+    [CosineSchedule(262_144, 4_194_304, min_lr_ratio=0.1), WarmupStableDecay(262_144, 4_194_304, decay_tokens=838_861),
+     WarmupStableDecay(1000, 10_000, decay_tokens=5000, decay_shape="sqrt")],
+)
+def test_seesaw_grows_the_batch_where_the_lr_schedule_first_falls_by_each_factor(lr_schedule):
+    seesaw = Seesaw(lr_schedule, start=16, max_batch_size=128)
+    assert seesaw.unit == "tokens" and seesaw.batch_sizes == [16, 32, 64, 128]
+    for j, threshold in enumerate(seesaw.thresholds[1:], start=1):
+        assert lr_schedule(threshold) <= 2.0**-j < lr_schedule(threshold - 1)
+    assert seesaw.sizes(seesaw.thresholds[2]) == [64, 128]
+
+
+def test_seesaw_stops_at_its_cap_and_a_step_decay_past_two_levels_grows_once():
+    cosine = CosineSchedule(0, 1000, min_lr_ratio=0.0)
+    assert Seesaw(cosine, start=8, max_batch_size=40).batch_sizes == [8, 16, 32]  # 64 > 40
+    step = StepDecay(0, [300, 600], total_tokens=1000, gamma=0.25)
+    seesaw = Seesaw(step, start=8, max_batch_size=64)
+    assert (seesaw.batch_sizes, seesaw.thresholds) == ([8, 32, 64], [0, 300, 600])  # 1/4 at once, then 1/8 (1/16 over the cap)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Seesaw(WarmupStableDecay(100, 1000), 16, 64), r"never falls to 1/2 of its peak before 1,000 tokens.*lr_schedule=cosine"),
+        (lambda: Seesaw(CosineSchedule(0, 1000, min_lr_ratio=0.6), 16, 64), r"never falls to 1/2"),
+        (lambda: Seesaw(OneCycle(1000), 16, 64, total_tokens=1000), r"only decays after its warmup \(0 tokens\)"),
+        (lambda: Seesaw(CosineSchedule(0, 1000), 16, 24), r"max_batch_size=24 is below start x factor = 32"),
+        (lambda: Seesaw(lambda tokens: 1.0, 16, 64), r"total_tokens=None must be"),
+        (lambda: Seesaw(CosineSchedule(0, 1000), 16, 64, factor=1.5), r"factor=1.5 must be an int >= 2"),
+    ],
+)
+def test_bad_seesaw_settings_fail_with_the_field_named(make, match):
+    with pytest.raises(LitCBSConfigError, match=match):
+        make()

@@ -16,7 +16,17 @@ from lightning.pytorch.loggers import CSVLogger
 from test_schedules import megatron_reference
 from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
-from lit_cbs import BatchWarmup, CBSAdaptive, ConstantBatch, LinearRamp, PiecewiseBatch, TokenLRScheduler, WarmupStableDecay
+from lit_cbs import (
+    BatchWarmup,
+    CBSAdaptive,
+    ConstantBatch,
+    CosineSchedule,
+    LinearRamp,
+    PiecewiseBatch,
+    Seesaw,
+    TokenLRScheduler,
+    WarmupStableDecay,
+)
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.schedules import ExponentialRamp
 
@@ -565,3 +575,41 @@ def test_a_loader_given_to_fit_sets_the_micro_batch_and_is_resized_only_if_it_ca
     assert [len(step["indices"]) for step in module.steps] == [4] * 10 + [8] * 7 and warmup.micro_batch_size == 8
     assert {len(batch) for batch in module.micro_batches} == {4, 8}
 
+
+
+# ---------------------------------------------------------------- Seesaw
+SEESAW_LR = CosineSchedule(warmup_tokens=0, total_tokens=576, min_lr_ratio=0.0)  # 3 epochs of 48 samples x 4 tokens
+
+
+def seesaw_fit(ckpt_path=None, callbacks=()):
+    pl.seed_everything(0, verbose=False)
+    module = RegressionModule(optimizer="adam", scheduler_factory=lambda opt: TokenLRScheduler(opt, SEESAW_LR))
+    warmup = BatchWarmup(Seesaw(SEESAW_LR, start=2, max_batch_size=8), lr_rule="sqrt", seq_len=4)
+    trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=3, enable_checkpointing=bool(callbacks)))
+    trainer.fit(module, GlobalOrderRegressionData(n=48, batch_size=2), ckpt_path=ckpt_path)
+    return module, warmup
+
+
+def test_seesaw_doubles_the_batch_where_the_lr_would_halve_and_resumes_exactly(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    module, warmup = seesaw_fit(callbacks=[checkpoint])
+    thresholds = Seesaw(SEESAW_LR, start=2, max_batch_size=8).thresholds  # where the cosine reaches 1/2 and 1/4
+    assert [(c.old_global_batch, c.new_global_batch) for c in warmup.history] == [(2, 4), (4, 8)]
+    for change, threshold in zip(warmup.history, thresholds[1:]):
+        # Asked for at the first step past the threshold, applied within one more step of the old batch.
+        step_tokens = change.old_global_batch * 4
+        assert threshold <= change.requested_at_tokens < threshold + step_tokens
+        assert change.tokens_seen - change.requested_at_tokens <= step_tokens
+    # Every step's LR is the cosine's at the tokens before it, times sqrt(2) per doubling so far:
+    # where the schedule alone halves the LR, the batch doubles and the LR falls by 1/sqrt(2) only.
+    tokens = 0
+    for step in module.steps:
+        batch = len(step["indices"])
+        if SEESAW_LR(tokens) > 0:
+            assert step["lr"] == pytest.approx(0.05 * SEESAW_LR(tokens) * math.sqrt(batch / 2), rel=1e-12)
+        tokens += batch * 4
+    assert tokens == 576 and [len(s["indices"]) for s in module.steps][-1] == 8
+    for step in (5, warmup.history[0].step + 1, warmup.history[1].step + 1):
+        resumed, _ = seesaw_fit(ckpt_path=tmp_path / f"step={step}.ckpt")
+        assert torch.equal(resumed.layer.weight, module.layer.weight)
+        assert [s["lr"] for s in resumed.steps] == [s["lr"] for s in module.steps[step:]]
