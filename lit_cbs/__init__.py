@@ -30,6 +30,7 @@ _EXPORTS = {
     "TokenLRScheduler": "lit_cbs.lr_schedules",
     "TokenValidation": "lit_cbs.validation",
     "WarmupStableDecay": "lit_cbs.lr_schedules",
+    "token_mean_loss": "lit_cbs.token_loss",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,8 +4,10 @@ Every lit_cbs callback needs the same few numbers: the global batch (samples per
 = micro-batch (samples per rank) x accumulation (micro-batches per step) x data-parallel size,
 and the samples and tokens trained on so far. ``BatchAccounting`` is the one place that keeps
 them, counted from the batches the train loader actually yields. It also feeds the token count to
-``TokenLRScheduler``s, stops the run at a token budget, and defers FSDP2's gradient
-reduce-scatter to the micro-batch that steps.
+``TokenLRScheduler``s, stops the run at a token budget, defers FSDP2's gradient
+reduce-scatter to the micro-batch that steps, and, for a module whose ``training_step`` returns
+``lit_cbs.token_mean_loss(...)``, turns the step's gradient into the mean over its tokens
+(``step_tokens``, lit_cbs.token_loss) before any other callback sees it.
 
 One instance serves a Trainer: ``BatchAccounting.of(trainer)`` returns it, and attaches one the
 first time a callback (or ``CausalLM``) asks, so a run needs no accounting callback of its own:
@@ -48,6 +50,7 @@ from lit_cbs._internals import given_train_loader, set_train_epoch_length, shoul
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.loader import GlobalOrderLoader
 from lit_cbs.lr_schedules import TokenLRScheduler
+from lit_cbs.token_loss import StepTokens
 
 
 def data_parallel_size(trainer: pl.Trainer) -> int:
@@ -176,6 +179,7 @@ class BatchAccounting(Callback):
             none is open); it stays set when a stop signal interrupted the probe.
         stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
         checkpoint_data_parallel_size: the data-parallel size of the run the checkpoint came from.
+        step_tokens: the counted tokens of the step under way, from ``lit_cbs.token_mean_loss``.
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
@@ -201,6 +205,7 @@ class BatchAccounting(Callback):
         self.checkpoint_data_parallel_size: int | None = None
         self.probe_window_step: int | None = None
         self.stop_signal: int | None = None
+        self.step_tokens = StepTokens()
 
     # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod
@@ -265,11 +270,13 @@ class BatchAccounting(Callback):
         self._synchronize()
         start = time.perf_counter()
         self.in_branch = True
+        main_step_tokens, self.step_tokens.count = self.step_tokens.count, None  # branches count their own steps'
         try:
             yield
         finally:
             self._synchronize()
             self.in_branch = False
+            self.step_tokens.count = main_step_tokens
             self.branch_seconds += time.perf_counter() - start
 
     def _synchronize(self) -> None:
@@ -393,6 +400,10 @@ class BatchAccounting(Callback):
             f"from {where} `batch_size`, read when the loader is created (or lit_cbs.GlobalOrderLoader, which "
             "BatchWarmup resizes between optimizer steps)"
         )
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if not self.in_branch:  # a branch rescales its own steps (it divides by its own accumulation)
+            self.step_tokens.rescale(trainer, optimizer, trainer.accumulate_grad_batches)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         if self.budget_reached and not should_accumulate(trainer):

@@ -444,6 +444,12 @@ class GradientNoiseScale(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._in_branch:
             return
+        if self._accounting is not None and self._accounting.step_tokens.active:
+            raise LitCBSConfigError(
+                "GradientNoiseScale measures each micro-batch's mean loss, but this training_step returns "
+                "lit_cbs.token_mean_loss(...), whose micro-batch gradients are sums over tokens until the step "
+                "rescales them: remove GradientNoiseScale, or return the micro-batch's mean loss"
+            )
         groups = len(self.group_names)
         b = float(self._micro_batch_size)
         window = self._window

@@ -5,7 +5,12 @@ The model is built in ``configure_model``, so one module serves every strategy. 
 the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards are materialized
 and initialised; on one device or under DDP it is built directly.
 
-Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks),
+With ``ignore_index`` (a padding token id), targets equal to it do not count, and each optimizer
+step's gradient is the mean over every counted token of the step, however the step is split into
+micro-batches, accumulation and ranks (``lit_cbs.token_mean_loss``).
+
+Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks; per counted
+token with ``ignore_index``),
 ``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
 wall time of the last optimizer step, validation and a CBS probe's branches excluded) and, when
 the peak FLOP/s of a device is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs
@@ -38,6 +43,7 @@ from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
+from lit_cbs.token_loss import token_mean_loss
 
 OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
 REQUIRED_OLMO_FIELDS = tuple(
@@ -103,6 +109,10 @@ class CausalLM(pl.LightningModule):
             device, and no ``perf/mfu`` where it knows none (CPUs, GPUs missing from its table).
             Set it on an H200: Lightning's table does not match the name torch reports for it
             and lists its sparse bf16 figure (2e15), twice the dense peak.
+        ignore_index: a token id (padding) whose positions as targets do not count: the loss is the
+            mean over the other targets, and each optimizer step's gradient the mean over every
+            counted token of the step (``lit_cbs.token_mean_loss``). None (default): every target
+            counts, as for packed full sequences.
     """
 
     def __init__(
@@ -113,9 +123,16 @@ class CausalLM(pl.LightningModule):
         activation_checkpointing: bool = False,
         peak_flops_per_device: float | None = None,
         compile: bool | Mapping[str, Any] = False,
+        ignore_index: int | None = None,
     ):
         super().__init__()
         self.config = resolve_model_config(config)
+        if ignore_index is not None and not (isinstance(ignore_index, int) and 0 <= ignore_index < self.config.vocab_size):
+            raise LitCBSConfigError(
+                f"ignore_index={ignore_index!r} must be a token id in [0, {self.config.vocab_size}) (the padding token, "
+                "fed to the model as input and not counted as a target), or None to count every target"
+            )
+        self.ignore_index = ignore_index
         check_optimizer(optimizer)
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
@@ -204,14 +221,29 @@ class CausalLM(pl.LightningModule):
         return self.model(input_ids)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats per token) of a batch [B, seq_len + 1]."""
+        """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
+        if self.ignore_index is None:
+            logits = self.model(batch[:, :-1])
+            return F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), batch[:, 1:].flatten())
+        loss_sum, tokens = self._loss_sum(batch)
+        return loss_sum / tokens.clamp(min=1)
+
+    def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
         logits = self.model(batch[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+        targets = batch[:, 1:].flatten()
+        loss_sum = F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), targets, ignore_index=self.ignore_index, reduction="sum")
+        return loss_sum, (targets != self.ignore_index).sum()
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        loss = self._loss(batch)
-        self.train_loss.update(loss.detach())
+        if self.ignore_index is None:
+            loss = self._loss(batch)
+            self.train_loss.update(loss.detach())
+            return loss
+        loss_sum, tokens = self._loss_sum(batch)
+        loss = token_mean_loss(self, loss_sum, tokens)
+        self.train_loss.update(loss.detach(), weight=tokens)
         return loss
 
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -279,7 +311,8 @@ class CausalLM(pl.LightningModule):
         return self._loss(batch)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        self.val_loss.update(self._loss(batch), weight=batch[:, 1:].numel())
+        counted = batch[:, 1:].numel() if self.ignore_index is None else (batch[:, 1:] != self.ignore_index).sum()
+        self.val_loss.update(self._loss(batch), weight=counted)
         self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
     # ------------------------------------------------------------------ optimizer
@@ -307,6 +340,11 @@ class CausalLM(pl.LightningModule):
             return self.model.num_parameters()
         with torch.device("meta"):
             return OLMo(self.config).num_parameters()
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits in float32 for the softmax; float32 and float64 ("64-true") as they are."""
+    return logits.float() if logits.element_size() < 4 else logits
 
 
 def check_optimizer(optimizer: OptimizerFactory) -> None:

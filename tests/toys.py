@@ -135,3 +135,52 @@ def trainer_kwargs(**overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+class PaddedSequences(Dataset):
+    """Token sequences of ``seq_len + 1`` ids in [1, vocab), each padded with id 0 after a random
+    length (from 2 tokens to full), so micro-batches hold different numbers of counted targets."""
+
+    def __init__(self, n: int = 32, seq_len: int = 8, vocab: int = 32, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(1, vocab, (n, seq_len + 1), generator=g)
+        lengths = torch.randint(2, seq_len + 2, (n,), generator=g)
+        for row, length in zip(self.tokens, lengths):
+            row[length:] = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.tokens[i]
+
+
+class SaveFirstStepGradients(pl.Callback):
+    """Saves the weights at the start and the gradients the first optimizer step takes (after
+    BatchAccounting, first among the callbacks, rescaled them) to ``path`` on rank 0."""
+
+    def __init__(self, path):
+        self.path = path
+        self.initial = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.initial = {name: p.detach().clone() for name, p in pl_module.named_parameters()}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step == 0 and trainer.global_rank == 0:
+            grads = {name: p.grad.detach().clone() for name, p in pl_module.named_parameters() if p.grad is not None}
+            torch.save({"initial": self.initial, "grads": grads}, self.path)
+
+
+class PaddedData(pl.LightningDataModule):
+    """``PaddedSequences`` in order; on ``ranks`` processes rank r reads samples r, r + ranks, ..."""
+
+    def __init__(self, batch_size: int, n: int = 32):
+        super().__init__()
+        self.batch_size, self.n = batch_size, n
+
+    def train_dataloader(self):
+        dataset = PaddedSequences(self.n)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return DataLoader(dataset, batch_size=self.batch_size, sampler=DistributedSampler(dataset, shuffle=False))
+        return DataLoader(dataset, batch_size=self.batch_size)

@@ -188,7 +188,8 @@ def logging_muted(pl_module: pl.LightningModule):
 @contextlib.contextmanager
 def callbacks_hidden(trainer: pl.Trainer):
     """No callback hook runs inside: branch steps are not the run's steps. Only ``BatchAccounting``
-    stays (it has no step hooks), so that ``BatchAccounting.of(trainer).in_branch`` can be read."""
+    stays (its step hook does nothing in a branch), so that ``BatchAccounting.of(trainer).in_branch``
+    can be read."""
     callbacks = trainer.callbacks
     trainer.callbacks = [c for c in callbacks if isinstance(c, BatchAccounting)]
     try:
@@ -378,6 +379,7 @@ class BranchTrainer:
                         loss = self._agreed(lambda batch=batch, i=i: loss_of(strategy.training_step(batch, first + i)))
                         self._agreed(lambda loss=loss: strategy.backward(loss / micro_per_step, raw_optimizer))
                     total += loss.detach()
+                self.accounting.step_tokens.rescale(trainer, raw_optimizer, micro_per_step)  # token_mean_loss
                 step_loss = total / micro_per_step
                 if strategy.reduce_boolean_decision(not bool(torch.isfinite(step_loss)), all=False):
                     raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
