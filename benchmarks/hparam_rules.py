@@ -1,0 +1,252 @@
+"""Beyond the LR: do the weight decay and beta2 rules, and Seesaw, change what the tiny workload reaches?
+
+Runs ``recipes/train.py`` (one subprocess per run, ``--jobs`` at a time) on the tiny workload, the
+default job's 4,194,304 tokens, for each seed:
+
+- the hand-threshold warmup (16 -> 32 -> 64, ``+recipe=tiny_warmup`` without its probe) with the
+  LR rule alone (sqrt), + ``batch.weight_decay_rule=timescale``, + ``batch.beta2_rule=half_life``,
+  + both;
+- the small-batch control (16) with a cosine LR decay (``lr_schedule=cosine``: warmup, then cosine
+  to 0.1 x the LR at the budget), against ``batch=seesaw`` on the same cosine: the batch doubles
+  where the cosine halves the LR, up to 64 (the recipe's cap) and, as a second point, up to 128.
+
+Every run evaluates the same 16 held-out micro-batches at the same 16 token counts. Reported per
+configuration: the final held-out loss (mean over seeds and its standard error), optimizer steps,
+wall seconds of training (``fit_seconds``). The rules are compared with the LR-only warmup seed by
+seed (same data order and initial weights): the mean paired difference and its 95% t-interval
+over seeds; a rule moves the loss "beyond the seed spread" where that interval excludes 0. Seesaw's
+goals: its final loss within 0.01 nats of the cosine control's, with at least 30% fewer optimizer
+steps. Output: a table on stdout, OUT/hparam_rules.json, a plot (held-out loss against tokens for
+the rules, against optimizer steps for Seesaw) and the section "hparam_rules" of docs/RESULTS.md.
+
+Usage::
+
+    python -m benchmarks.hparam_rules                 # 3 seeds, 2 runs at a time: about 40 minutes on 2 cores
+    python -m benchmarks.hparam_rules --quick --out /tmp/hparam   # 1/32 of the budget, one seed: a pipeline check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from scipy import stats
+
+from benchmarks.common import ROOT, machine, read_run, replace_section, train_unless_done
+from benchmarks.table1 import REFERENCE_TOKENS, Config, run_command
+
+WARMUP = ["callbacks.cbs_probe=null"]
+THRESHOLDS = {"batch.schedule.thresholds": [0, 1_245_184, 2_523_136]}
+COSINE = ["lr_schedule=cosine"]
+SEESAW = ["batch=seesaw", *COSINE, *WARMUP]
+CONFIGS = [
+    Config("lr_only", "warmup, LR rule only", "tiny_warmup", WARMUP, THRESHOLDS),
+    Config("weight_decay", "+ weight decay rule", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale"], THRESHOLDS),
+    Config("beta2", "+ beta2 rule", "tiny_warmup", [*WARMUP, "batch.beta2_rule=half_life"], THRESHOLDS),
+    Config("both", "+ both rules", "tiny_warmup",
+           [*WARMUP, "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life"], THRESHOLDS),
+    Config("cosine", "small batch (16), cosine decay", "tiny_small_batch", COSINE),
+    Config("seesaw", "Seesaw 16 -> 64, cosine", "tiny_warmup", SEESAW),
+    Config("seesaw128", "Seesaw 16 -> 128, cosine", "tiny_warmup", [*SEESAW, "batch.schedule.max_batch_size=128"]),
+]
+RULES = ("weight_decay", "beta2", "both")  # compared with lr_only
+SEESAWS = ("seesaw", "seesaw128")  # compared with cosine
+EVALUATIONS, VAL_BATCHES = 16, 16
+GOALS = {"seesaw_loss_gap": 0.01, "seesaw_steps_saved": 0.30}
+
+
+def train(config: Config, seed: int, args) -> dict:
+    run_dir = (args.out / f"{config.key}_seed{seed}").resolve()
+    command = run_command(config, seed, args.tokens, run_dir, extra=[f"trainer.limit_val_batches={VAL_BATCHES}"],
+                          evaluations=EVALUATIONS)
+    train_unless_done(command, run_dir, run_dir.parent / "logs" / f"{run_dir.name}.log", args.threads,
+                      f"[hparam_rules] {config.label}, seed {seed}")
+    result = read_run(run_dir)
+    result.update(key=config.key, seed=seed, run_dir=str(run_dir), overrides=command[2:])
+    return result
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float | None]:
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else None)
+
+
+def paired(runs: dict[str, list[dict]], key: str, base: str) -> dict:
+    """``key`` - ``base`` final held-out loss, seed by seed: mean, 95% t-interval (None for one seed)."""
+    by_seed = {run["seed"]: run["val_curve"][-1]["val_loss"] for run in runs[base]}
+    differences = [run["val_curve"][-1]["val_loss"] - by_seed[run["seed"]] for run in runs[key] if run["seed"] in by_seed]
+    mean, se = mean_and_se(differences)
+    if se is None:
+        return {"differences": differences, "mean": mean, "interval": None, "beyond_spread": None}
+    half = stats.t.ppf(0.975, len(differences) - 1) * se
+    return {"differences": differences, "mean": mean, "interval": [mean - half, mean + half],
+            "beyond_spread": not (mean - half <= 0.0 <= mean + half)}
+
+
+def aggregate(runs: dict[str, list[dict]]) -> dict:
+    rows = {}
+    for key, seeds in runs.items():
+        loss, loss_se = mean_and_se([run["val_curve"][-1]["val_loss"] for run in seeds])
+        rows[key] = {"final_loss": loss, "final_loss_se": loss_se,
+                     "steps": statistics.fmean(run["optimizer_steps"] for run in seeds),
+                     "fit_seconds": statistics.fmean(run["fit_seconds"] for run in seeds)}
+    comparisons = {key: paired(runs, key, "lr_only") for key in RULES if key in runs and "lr_only" in runs}
+    comparisons.update({key: paired(runs, key, "cosine") for key in SEESAWS if key in runs and "cosine" in runs})
+    for key in SEESAWS:
+        if key in comparisons:
+            comparisons[key]["steps_saved"] = 1.0 - rows[key]["steps"] / rows["cosine"]["steps"]
+    return {"rows": rows, "comparisons": comparisons}
+
+
+def goals(result: dict) -> list[tuple[str, bool]]:
+    checks = []
+    for key in SEESAWS:
+        comparison = result["comparisons"].get(key)
+        if comparison is None:
+            continue
+        gap, saved = comparison["mean"], comparison["steps_saved"]
+        checks.append((f"{key}: final held-out loss {gap:+.4f} nats from the cosine control's (goal within "
+                       f"{GOALS['seesaw_loss_gap']}) with {saved:.0%} fewer optimizer steps (goal >= {GOALS['seesaw_steps_saved']:.0%})",
+                       abs(gap) <= GOALS["seesaw_loss_gap"] and saved >= GOALS["seesaw_steps_saved"]))
+    return checks
+
+
+def table(result: dict) -> str:
+    labels = {config.key: config.label for config in CONFIGS}
+    lines = ["| run | final held-out loss (± SE over seeds) | vs its reference, per seed (mean, 95% interval) | "
+             "optimizer steps | fit s |", "|---|---|---|---|---|"]
+    for key, row in result["rows"].items():
+        se = "" if row["final_loss_se"] is None else f" ± {row['final_loss_se']:.4f}"
+        comparison = result["comparisons"].get(key)
+        versus = "reference" if key in ("lr_only", "cosine") else "—"
+        if comparison is not None:
+            reference = "LR only" if key in RULES else "cosine"
+            versus = f"{comparison['mean']:+.4f} vs {reference}"
+            if comparison["interval"] is not None:
+                low, high = comparison["interval"]
+                versus += f" [{low:+.4f}, {high:+.4f}]" + (" beyond the seed spread" if comparison["beyond_spread"] else "")
+            if "steps_saved" in comparison:
+                versus += f"; {comparison['steps_saved']:.0%} fewer steps"
+        lines.append(f"| {labels[key]} | {row['final_loss']:.4f}{se} | {versus} | {row['steps']:,.0f} | {row['fit_seconds']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> Path:
+    from matplotlib.figure import Figure
+
+    from lit_cbs.analysis.plots import save_figure
+
+    labels = {config.key: config.label for config in CONFIGS}
+    figure = Figure(figsize=(12, 4.8))
+    panels = [(figure.add_subplot(1, 2, 1), [k for k in ("lr_only", *RULES) if k in runs], "tokens", "tokens trained"),
+              (figure.add_subplot(1, 2, 2), [k for k in ("cosine", *SEESAWS) if k in runs], "step", "optimizer steps")]
+    for axis, keys, x, xlabel in panels:
+        finals = []
+        for index, key in enumerate(keys):
+            for seed_index, run in enumerate(runs[key]):
+                curve = run["val_curve"]
+                finals.append(curve[-1]["val_loss"])
+                axis.plot([p[x] for p in curve], [p["val_loss"] for p in curve], color=f"C{index}", lw=1, alpha=0.8,
+                          label=labels[key] if seed_index == 0 else None)
+        if finals:
+            axis.set_ylim(min(finals) - 0.05, min(finals) + 0.5)
+        axis.set(xlabel=xlabel, ylabel="held-out loss (nats/token)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    panels[0][0].set_title("optimizer rules at each batch change (one line per seed)")
+    panels[1][0].set_title("Seesaw against the decayed small batch")
+    return save_figure(figure, path)
+
+
+def markdown(result: dict, checks, args, plot_path: Path, seconds: float) -> str:
+    comparisons = result["comparisons"]
+    moved = [key for key in RULES if comparisons.get(key, {}).get("beyond_spread")]
+    within = [key for key in RULES if comparisons.get(key, {}).get("beyond_spread") is False]
+    lines = [
+        "## Optimizer rules and Seesaw",
+        "",
+        f"Command: `python -m benchmarks.hparam_rules {' '.join(args.argv)}`".rstrip()
+        + f" ({seconds / 60:.1f} minutes, {args.date}; {machine(args.load)}; {args.jobs} runs at a time).",
+        "",
+        f"Workload: the tiny OLMo on the embedded corpus, {args.tokens:,} tokens per run, seeds "
+        f"{', '.join(map(str, args.seed_list))}, AdamW (0.9, 0.95), weight decay 0.1, LR 3e-3 at batch 16; held-out loss on "
+        f"{VAL_BATCHES} micro-batches at {EVALUATIONS} token counts. The warmup runs grow 16 -> 32 -> 64 at 1,245,184 and "
+        "2,523,136 tokens (LR x sqrt(2) per doubling); at each doubling the weight decay rule makes it 0.1 x sqrt(2) and the "
+        "beta2 rule 0.95 -> 0.9025. Seesaw runs on the cosine schedule (warmup, then to 0.1 x LR), doubling where it "
+        "halves the LR. Differences are paired by seed (same data order and initial weights).",
+        "",
+        table(result),
+        "",
+        "Rules: " + (f"{', '.join(moved)} moved the final loss beyond the seed spread (95% interval of the paired "
+                     "difference excludes 0)" if moved else "none moved the final loss beyond the seed spread")
+        + (f"; {', '.join(within)} did not" if within and moved else "") + ".",
+        "",
+        "Goals:",
+        "",
+        *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks],
+        "",
+        f"![held-out loss of the rule variants and of Seesaw]({os.path.relpath(plot_path, args.markdown.parent)})",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3; --quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="1/32 of the budget, one seed: a pipeline check, no results")
+    parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys")
+    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "hparam_rules", help="folder for the runs")
+    parser.add_argument("--markdown", type=Path, default=None, help="the results file (default docs/RESULTS.md; none with --quick)")
+    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/hparam_rules.png, else OUT)")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.date = str(datetime.date.today())
+    args.tokens = REFERENCE_TOKENS // 32 if args.quick else REFERENCE_TOKENS
+    if args.quick and "--seeds" not in args.argv:
+        args.seeds = 1
+    keys = [key.strip() for key in args.configs.split(",") if key.strip()]
+    known = [config.key for config in CONFIGS]
+    if not keys or any(key not in known for key in keys) or args.seeds < 1 or args.jobs < 1:
+        parser.error(f"--configs={args.configs!r} must name some of {known}; --seeds and --jobs must be >= 1")
+    if args.markdown is None and not args.quick:
+        args.markdown = ROOT / "docs" / "RESULTS.md"
+    args.plot = args.plot or ((args.markdown.parent / "hparam_rules.png") if args.markdown else args.out / "hparam_rules.png")
+    args.seed_list = list(range(1, args.seeds + 1))
+    args.threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    configs = [config for config in CONFIGS if config.key in keys]
+    jobs = [(config, seed) for seed in args.seed_list for config in configs]  # seeds outermost: a stopped run has each once
+    with ThreadPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(lambda job: train(*job, args), jobs))
+    runs: dict[str, list[dict]] = {config.key: [] for config in configs}
+    for result in results:
+        runs[result["key"]].append(result)
+    seconds = time.perf_counter() - started
+    args.load = os.getloadavg()
+    result = aggregate(runs)
+    checks = goals(result)
+    print(table(result))
+    for text, ok in checks:
+        print(f"[hparam_rules] {text}: {'met' if ok else 'MISSED'}")
+    plot(runs, args.plot)
+    saved = {**result, "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": seconds,
+             "argv": args.argv, "date": args.date, "tokens": args.tokens}
+    (args.out / "hparam_rules.json").write_text(json.dumps(saved, indent=2, default=str))
+    if args.markdown:
+        replace_section(args.markdown, "hparam_rules", markdown(result, checks, args, args.plot, seconds))
+    print(f"[hparam_rules] {seconds / 60:.1f} minutes; {args.out / 'hparam_rules.json'}; plot {args.plot}", flush=True)
+    return saved
+
+
+if __name__ == "__main__":
+    main()
