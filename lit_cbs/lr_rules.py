@@ -244,18 +244,30 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, 
 class SettingRule:
     """A rule for one optimizer setting beside the LR, at a batch change by ``ratio`` = new / old
     global batch while the LR is multiplied by ``lr_factor``. Subclasses set ``name``, ``key`` (the
-    param-group entry it writes) and ``argument`` (the BatchWarmup / CBSProbeCallback argument)."""
+    setting, logged as ``batch/<key>``) and ``argument`` (the BatchWarmup / CBSProbeCallback argument),
+    and implement ``scaled``, which composes: several changes give what one change by the product
+    of their ratios and of their LR factors gives (so a plan can compute any phase at once)."""
 
     name: str
     key: str
     argument: str
 
-    def apply(self, group: dict, ratio: float, lr_factor: float) -> None:
+    def scaled(self, value: float, ratio: float, lr_factor: float) -> float:
+        """The setting after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
         raise NotImplementedError
 
+    def get(self, group: dict) -> float:
+        return group[self.key]
+
+    def set(self, group: dict, value: float) -> None:
+        group[self.key] = value
+
+    def apply(self, group: dict, ratio: float, lr_factor: float) -> None:
+        self.set(group, self.scaled(float(self.get(group)), ratio, lr_factor))
+
     def value(self, optimizer: torch.optim.Optimizer) -> float:
-        """The setting now, as logged (``batch/<key>``)."""
-        raise NotImplementedError
+        """The setting now, as logged: param group 0's."""
+        return float(self.get(optimizer.param_groups[0]))
 
     def check(self, optimizer: torch.optim.Optimizer, lr_rule: LRRule, who: str) -> None:
         """LitCBSConfigError, its message starting with ``who``, if the rule does not apply to ``optimizer``."""
@@ -269,10 +281,11 @@ class WeightDecayTimescale(SettingRule):
 
     name, key, argument = "timescale", "weight_decay", "weight_decay_rule"
 
-    def apply(self, group, ratio, lr_factor):
-        group["weight_decay"] = group["weight_decay"] * ratio / lr_factor
+    def scaled(self, value, ratio, lr_factor):
+        return value * ratio / lr_factor
 
     def value(self, optimizer):
+        """The largest param group's (a group without decay stays at 0)."""
         return float(max(group["weight_decay"] for group in optimizer.param_groups))
 
     def check(self, optimizer, lr_rule, who):
@@ -297,12 +310,15 @@ class Beta2HalfLife(SettingRule):
 
     name, key, argument = "half_life", "beta2", "beta2_rule"
 
-    def apply(self, group, ratio, lr_factor):
-        beta1, beta2, *rest = group["betas"]
-        group["betas"] = (beta1, float(beta2) ** ratio, *rest)
+    def scaled(self, value, ratio, lr_factor):
+        return value**ratio
 
-    def value(self, optimizer):
-        return float(optimizer.param_groups[0]["betas"][1])
+    def get(self, group):
+        return group["betas"][1]
+
+    def set(self, group, value):
+        beta1, _, *rest = group["betas"]
+        group["betas"] = (beta1, value, *rest)
 
     def check(self, optimizer, lr_rule, who):
         name = type(optimizer).__name__

@@ -427,6 +427,13 @@ class RunPlan:
     micro_batch_limit: int | None = None  # the largest micro-batch whose step fits limits.gpu_memory_gib
     cluster: list[ClusterPhase] | None = None  # the phases on a cluster grown with the batch
     command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
+    # Optimizer settings that move with the batch: (batch / the first phase's, LR factor) -> {column: value}
+    settings: Callable[[float, float], dict[str, float]] | None = None
+
+    def _settings_of(self, phase: BatchPhase) -> dict[str, float]:
+        if self.settings is None:
+            return {}
+        return self.settings(phase.global_batch / self.phases[0].global_batch, phase.lr_factor)
 
     @property
     def processes(self) -> int:
@@ -482,12 +489,13 @@ class RunPlan:
             f"(max_tokens={self.max_tokens:,})",
             "",
             "batch schedule   (global batch in samples of seq_len tokens; accumulation = micro-batches per step per rank)",
-            f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}",
+            f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
+            + "".join(f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases),
         ]
         for p in self.phases:
             lines.append(
                 f"  {p.start_tokens:>17,} {p.tokens:>17,} {p.global_batch:>7,} {p.micro_batch:>6} {p.accumulate:>6} "
-                f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}"
+                f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}" + "".join(f" {value:>{max(8, len(column))}.4g}" for column, value in self._settings_of(p).items())
             )
         on, off = self.memory[True], self.memory[False]
         chosen = "on" if self.activation_checkpointing else "off"
@@ -635,6 +643,7 @@ def plan_run(
     optimizer: OptimizerState = ADAMW_STATE,
     max_micro_batch_size: int | None = None,
     command: str = "recipes/train.py",
+    settings: Callable[[float, float], dict[str, float]] | None = None,
 ) -> RunPlan:
     """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
     keeps (``OptimizerState.of(factory)``). All ranks are data-parallel. ``micro_batch``: the first
@@ -674,4 +683,5 @@ def plan_run(
         micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at) if on_gpu(accelerator) else None,
         cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for) if phases else None,
         command=command,
+        settings=settings,
     )

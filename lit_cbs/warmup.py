@@ -320,6 +320,12 @@ class BatchWarmup(Callback):
         for optimizer in trainer.optimizers:
             self.rules.check(optimizer, schedulers, ratios, who, compose=True)
         if not ratios:
+            if self.rules.settings and self.guard is None:
+                rank_zero_warn(
+                    f"{who}: the schedule {self.schedule!r} never changes the batch from {self.global_batch}, so "
+                    f"{' and '.join(rule.argument for rule in self.rules.settings)} never act: give the optimizer the "
+                    "settings for this batch yourself, or drop the rules"
+                )
             return
         for config in trainer.lr_scheduler_configs:
             # ReduceLROnPlateau follows a monitored metric, not the step count: nothing stretches.
@@ -563,8 +569,7 @@ class BatchWarmup(Callback):
         index = next(i for i, candidate in enumerate(trainer.optimizers) if candidate is optimizer)
         for number, (group, saved) in enumerate(zip(optimizer.param_groups, self._settings_set[index])):
             for rule in self.rules.settings:
-                now, then = (group["weight_decay"], saved["weight_decay"]) if rule.key == "weight_decay" else (
-                    group["betas"][1], saved["betas"][1])
+                now, then = rule.get(group), rule.get(saved)
                 if now != then:
                     raise LitCBSConfigError(
                         f"BatchWarmup({rule.argument}={rule.name!r}) set {rule.key}={then:.6g} in param group {number}, but "

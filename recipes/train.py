@@ -238,7 +238,19 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         optimizer=OptimizerState.of(model.optimizer_factory),
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(command_line_overrides()) or f'+recipe={cfg.run_name}'}",
+        settings=moving_settings(warmup, cfg),
     )
+
+
+def moving_settings(warmup: BatchWarmup, cfg: DictConfig):
+    """For the plan: the optimizer settings BatchWarmup's rules move, per phase, from the optimizer's
+    configured values (``model.optimizer``); None if no rule moves one."""
+    optimizer = OmegaConf.to_container(cfg.model.optimizer, resolve=True) if cfg.model.get("optimizer") else {}
+    start = {"weight_decay": optimizer.get("weight_decay"), "beta2": (optimizer.get("betas") or [None, None])[1]}
+    rules = [rule for rule in warmup.rules.settings if start[rule.key] is not None]
+    if not rules:
+        return None
+    return lambda ratio, lr_factor: {rule.key: rule.scaled(float(start[rule.key]), ratio, lr_factor) for rule in rules}
 
 
 def command_line_overrides() -> list[str]:

@@ -158,3 +158,11 @@ def test_another_writer_of_a_ruled_setting_is_caught_at_its_step():
     with pytest.raises(LitCBSConfigError, match=r"BatchWarmup\(weight_decay_rule='timescale'\) set weight_decay=0.1 in param "
                        r"group 0, but at step 3 it is 0.05: something else writes it"):
         fit(BatchWarmup(SCHEDULE, **RULES), callbacks=[WeightDecaySchedule()])
+
+
+def test_rules_beside_a_schedule_that_never_changes_the_batch_are_said_to_do_nothing():
+    with pytest.warns(UserWarning, match=r"ConstantBatch\(size=2, unit='samples'\) never changes the batch from 2, so "
+                      r"weight_decay_rule and beta2_rule never act"):
+        pl.seed_everything(0, verbose=False)
+        pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2), **RULES)], **trainer_kwargs(max_steps=1)).fit(
+            AdamWRegression(), GlobalOrderRegressionData(n=8, batch_size=2))

@@ -248,3 +248,14 @@ def test_gpu_recipe_without_gpu_fails_before_data_work(tmp_path):
     with pytest.raises(LitCBSConfigError, match="^trainer.accelerator=gpu but this machine has no CUDA GPU; add plan=true"):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
+
+
+def test_the_plan_gives_each_phases_weight_decay_and_beta2_as_the_rules_move_them():
+    cfg = compose_config("plan=true", "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life")
+    lines = train.plan_of(cfg).report().splitlines()
+    header = next(i for i, line in enumerate(lines) if "LR x" in line)
+    assert lines[header].split()[-2:] == ["weight_decay", "beta2"]
+    # 16 -> 32 -> 64 under the sqrt rule: AdamW's 0.1 x 2 / sqrt(2) per doubling, 0.95 ** (64 / 16).
+    assert [line.split()[-3:] for line in lines[header + 1 : header + 4]] == [
+        ["1", "0.1", "0.95"], ["1.41", "0.1414", "0.9025"], ["2", "0.2", "0.8145"]]
+    assert "weight_decay" not in train.plan_of(compose_config("plan=true")).report()
