@@ -1,6 +1,6 @@
 """The recipe benchmarks' --quick modes end to end, so that a documented command cannot break unseen:
-benchmarks.guard and benchmarks.probe_repeat train their runs (one short run each, two at a time)
-and report from them. (benchmarks.table1, time_to_loss, transfer, overhead and gpu_check have
+benchmarks.guard, benchmarks.probe_repeat and benchmarks.hparam_rules train their runs (short runs,
+two at a time) and report from them. (benchmarks.table1, time_to_loss, transfer, overhead and gpu_check have
 their own tests.)"""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import guard, probe_repeat
+from benchmarks import guard, hparam_rules, probe_repeat
 
 pytestmark = pytest.mark.slow
 
@@ -37,3 +37,16 @@ def test_probe_repeat_quick_compares_two_runs_at_every_probe_point(tmp_path):
     assert [row["point"] for row in rows] == [8192, 18432, 32768]
     assert all(row["measured"] == 2 for row in rows)  # both runs read every point
     assert (tmp_path / "probe_repeat.json").exists() and not result["runs"]["curve"]
+
+
+def test_hparam_rules_quick_pairs_each_rule_and_seesaw_with_its_reference(tmp_path):
+    result = hparam_rules.main(["--quick", "--configs", "lr_only,both,cosine,seesaw", "--out", str(tmp_path)])
+    rows, comparisons = result["rows"], result["comparisons"]
+    assert list(rows) == ["lr_only", "both", "cosine", "seesaw"] and sorted(comparisons) == ["both", "seesaw"]
+    both = {run["seed"]: run for run in result["runs"]["both"]}[1]
+    assert "batch.weight_decay_rule=timescale" in both["overrides"] and "batch.beta2_rule=half_life" in both["overrides"]
+    # Seesaw doubles the batch where the cosine halves the LR, so it takes fewer steps on the same tokens.
+    assert rows["seesaw"]["steps"] < rows["cosine"]["steps"] and comparisons["seesaw"]["steps_saved"] > 0
+    assert comparisons["both"]["interval"] is None  # one seed: no interval, no claim
+    assert [goal["goal"].split(":")[0] for goal in result["goals"]] == ["seesaw"]
+    assert (tmp_path / "hparam_rules.png").read_bytes()[:4] == b"\x89PNG"

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DistributedSampler
 from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
-from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch, Seesaw, StepDecay
 
 WORLD_SIZE = 2
 SAMPLES = 96  # per epoch, both ranks together
@@ -119,7 +119,9 @@ def assert_ranks_step_with_the_same_tensors(ranks: list[dict]) -> None:
 
 @pytest.mark.slow
 def test_ddp_steps_on_exact_global_batches(tmp_path):
-    schedule = PiecewiseBatch([4, 8, 16], [0, 40 * SEQ_LEN, 120 * SEQ_LEN], unit="tokens")
+    # Seesaw on a step decay that halves the LR at 40 and 120 samples: PiecewiseBatch([4, 8, 16], [0, 160, 480]).
+    schedule = Seesaw(StepDecay(0, [40 * SEQ_LEN, 120 * SEQ_LEN], total_tokens=EPOCHS * SAMPLES * SEQ_LEN), start=4, max_batch_size=16)
+    assert (schedule.batch_sizes, schedule.thresholds) == ([4, 8, 16], [0, 40 * SEQ_LEN, 120 * SEQ_LEN])
     data = RegressionData(n=SAMPLES, batch_size=MICRO_BATCH_SIZE)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
