@@ -60,10 +60,12 @@ class Settings:
     val_check_tokens: int  # tokens between held-out evaluations
     default_job_tokens: int  # budget of the default job's run (tokens)
     seeds: tuple[int, ...] = SEEDS  # of the three configurations
+    val_batches: int | None = None  # held-out micro-batches per evaluation (None: the whole split)
 
 
 FULL = Settings(2_097_152, 2_097_152 // 20, 128 * 16 * 128, 4_194_304)
-QUICK = Settings(65_536, 4_096, 8 * 16 * 128, 131_072, seeds=SEEDS[:1])  # every run once, in seconds: a pipeline check
+# Every run once, in seconds: a pipeline check.
+QUICK = Settings(65_536, 4_096, 8 * 16 * 128, 131_072, seeds=SEEDS[:1], val_batches=4)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
     return train_command([
         *run.overrides,
         f"val_check_tokens={settings.val_check_tokens}",
+        *([f"trainer.limit_val_batches={settings.val_batches}"] if settings.val_batches else []),
         f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",  # the recipes' 262,144, less in a --quick budget
         "trainer.enable_progress_bar=false",
         "callbacks.progress_bar=null",

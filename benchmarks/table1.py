@@ -25,6 +25,7 @@ small-batch control; tokens spent in probes; wall time of the subprocess. Output
 ``--quick`` scales the budget and every token count in the recipes by 1/4 (1,048,576 tokens) and runs
 one seed: a few minutes, to check the pipeline, not to read results from. ``--tokens N`` scales to
 any budget of at least 262,144 tokens (the probe's window must hold one step of its largest branch).
+``--jobs N`` trains N runs at once, each on cores / N threads (their wall times then share the cores).
 
 Usage::
 
@@ -41,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -306,6 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="which runs, comma-separated keys")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a train.py override for every run (repeatable), e.g. trainer.limit_val_batches=8")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs trained at once (default 1: each run's wall time is its own; more share the cores)")
     parser.add_argument("--last-evals", type=int, default=2, help="held-out evaluations averaged for the final loss")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "table1", help="folder for the runs")
     parser.add_argument("--json", type=Path, default=None, help="write every number here (default: OUT/table1.json)")
@@ -343,28 +347,37 @@ def main(argv: list[str] | None = None) -> dict:
         args.plot = (args.markdown.parent / "table1.png") if args.markdown else args.out / "table1.png"
     args.json = args.json or args.out / "table1.json"
     args.seed_list = list(range(1, args.seeds + 1))
+    if args.jobs < 1:
+        parser.error(f"--jobs={args.jobs} must be >= 1")
+    args.threads = None if args.jobs == 1 else max(1, (os.cpu_count() or 1) // args.jobs)
 
     started = time.perf_counter()
     runs: dict[str, list[dict]] = {}
     commands: dict[str, list[str]] = {}  # per configuration: train.py's overrides (the last seed's)
     if saved is not None:
         runs, commands, seconds = saved["runs"], saved["commands"], saved["seconds"]
-    for seed in [] if saved is not None else args.seed_list:  # seeds outermost: a stopped benchmark has every configuration once
-        for key in keys:
-            config = by_key[key]
-            run_dir = (args.out / f"{key}_seed{seed}").resolve()
-            command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=args.override)
-            commands[key] = command[2:]
-            print(f"[table1] {config.label}, seed {seed}: {' '.join(command[1:])}", flush=True)
-            run_started = time.perf_counter()
-            run_logged(command, run_dir / "stdout.log")
-            run = read_run(run_dir)
-            run.update(seed=seed, wall_seconds=time.perf_counter() - run_started, run_dir=str(run_dir))
+
+    def train(key: str, seed: int) -> dict:
+        config = by_key[key]
+        run_dir = (args.out / f"{key}_seed{seed}").resolve()
+        command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=args.override)
+        commands[key] = command[2:]
+        print(f"[table1] {config.label}, seed {seed}: {' '.join(command[1:])}", flush=True)
+        run_started = time.perf_counter()
+        run_logged(command, run_dir / "stdout.log", threads=args.threads)
+        run = read_run(run_dir)
+        run.update(seed=seed, wall_seconds=time.perf_counter() - run_started, run_dir=str(run_dir))
+        print(
+            f"[table1]   {config.label}, seed {seed}: final held-out loss {final_loss(run, args.last_evals):.4f}, "
+            f"{run['optimizer_steps']:,} steps, {run['wall_seconds']:.0f} s", flush=True
+        )
+        return run
+
+    # Seeds outermost: a stopped benchmark has every configuration once.
+    jobs = [(key, seed) for seed in ([] if saved is not None else args.seed_list) for key in keys]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for (key, _), run in zip(jobs, pool.map(lambda job: train(*job), jobs)):
             runs.setdefault(key, []).append(run)
-            print(
-                f"[table1]   final held-out loss {final_loss(run, args.last_evals):.4f}, {run['optimizer_steps']:,} steps, "
-                f"{run['wall_seconds']:.0f} s", flush=True
-            )
     if saved is None:
         seconds = time.perf_counter() - started
         args.load = os.getloadavg()  # as the runs end

@@ -28,7 +28,7 @@ seconds, and the section "time_to_loss" of docs/RESULTS.md (``--markdown``).
 Usage::
 
     python -m benchmarks.time_to_loss                  # 2 seeds, about 30 minutes on 2 cores
-    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, no extras
+    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 4 validation batches, no extras
     python -m benchmarks.time_to_loss --gpu --out /tmp/ttl_gpu --markdown /tmp/ttl_gpu/time_to_loss.md
 """
 
@@ -53,6 +53,7 @@ KEYS = ("small", "large64", "warmup", "adaptive")
 TARGET_MARGIN = 0.02  # nats above the small-batch control's final held-out loss
 EVALUATIONS = 32  # per run: one every 131,072 tokens at the full budget
 VAL_BATCHES = 16
+QUICK_VAL_BATCHES = 4  # --quick checks the pipeline: its evaluations need not be tight
 GOALS = {"warmup": 0.75, "adaptive": 0.75, "default_job_overhead": 1.25}
 COMPILED = "warmup_compiled"
 
@@ -88,7 +89,7 @@ def tokens_per_second_by_phase(run_dir: Path) -> dict[int, float]:
 def run(key: str, seed: int, args, extra: tuple[str, ...] = ()) -> dict:
     config = {c.key: c for c in CONFIGS}[key.removesuffix("_compiled")]
     run_dir = (args.out / f"{key}_seed{seed}").resolve()
-    command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=[f"trainer.limit_val_batches={VAL_BATCHES}", *extra],
+    command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=[f"trainer.limit_val_batches={args.val_batches}", *extra],
                           evaluations=EVALUATIONS)
     print(f"[time_to_loss] {key}, seed {seed}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
@@ -209,7 +210,7 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         + f" ({seconds / 60:.1f} minutes, {args.date}; {where}; one run at a time).",
         "",
         f"Workload: {model}, {args.tokens:,} tokens per run, seeds {', '.join(map(str, args.seed_list))}; "
-        "the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on 16 micro-batches every "
+        f"the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on {args.val_batches} micro-batches every "
         f"{args.tokens // EVALUATIONS:,} tokens. Target: each seed's small-batch final held-out loss + {TARGET_MARGIN} nats "
         f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the fit's "
         "start, validation and probes included), interpolated between evaluations; the ratio is to the control's time to "
@@ -244,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
     parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)")
-    parser.add_argument("--quick", action="store_true", help="1/16 of the budget, one seed, no compiled or default-job runs")
+    parser.add_argument("--quick", action="store_true", help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs")
     parser.add_argument("--gpu", action="store_true",
                         help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, the compiled run, no default-job runs")
     parser.add_argument("--configs", default=",".join(KEYS), help=f"comma-separated, from {KEYS} (small is needed)")
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.markdown = ROOT / "docs" / "RESULTS.md"
     args.plot = args.plot or ((args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png")
     args.seed_list = list(range(1, args.seeds + 1))
+    args.val_batches = QUICK_VAL_BATCHES if args.quick else VAL_BATCHES
     args.out.mkdir(parents=True, exist_ok=True)
 
     started = time.perf_counter()

@@ -31,7 +31,7 @@ def result(tmp_path_factory):
     # The runs share the default data cache (as benchmarks/transfer.py's test does): the embedded
     # corpus is tokenized once per machine, not once per test session.
     outcome = table1.main([
-        "--tokens", str(BUDGET), "--seeds", "1", "--configs", "small,warmup,adaptive",
+        "--tokens", str(BUDGET), "--seeds", "1", "--configs", "small,warmup,adaptive", "--jobs", "2",
         "--out", str(out / "runs"), "--markdown", str(markdown), "--override", "trainer.limit_val_batches=4",
     ])
     return out, outcome
