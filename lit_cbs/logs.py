@@ -1,8 +1,9 @@
-"""Writing lit_cbs's per-step metrics to the trainer's loggers."""
+"""Writing lit_cbs's per-step metrics and its figures to the trainer's loggers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
 
 import lightning.pytorch as pl
 
@@ -24,3 +25,23 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str
     step = logging_step(trainer)
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
+
+
+def log_figures(loggers: Iterable, paths: Iterable[str | os.PathLike], step: int) -> None:
+    """Send each PNG in ``paths`` (named by its file name, without ``.png``) to every logger that takes
+    images, at ``step``: TensorBoard as an image summary, MLflow as an artifact under ``figures/``,
+    W&B as an image. The CSV logger needs nothing: the PNGs are in the run folder beside metrics.csv."""
+    from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
+
+    paths = [os.fspath(path) for path in paths]
+    for logger in loggers:
+        for path in paths:
+            name = os.path.splitext(os.path.basename(path))[0]
+            if isinstance(logger, TensorBoardLogger):
+                from matplotlib.image import imread
+
+                logger.experiment.add_image(name, imread(path)[..., :3], global_step=step, dataformats="HWC")
+            elif isinstance(logger, MLFlowLogger):
+                logger.experiment.log_artifact(logger.run_id, path, artifact_path="figures")
+            elif isinstance(logger, WandbLogger):
+                logger.log_image(key=name, images=[path], step=step)

@@ -26,6 +26,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import re
@@ -43,6 +44,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
@@ -52,6 +54,7 @@ from lit_cbs.data import TokenDataModule
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
 from lit_cbs.lm import CausalLM, resolve_model_config
+from lit_cbs.logs import log_figures
 from lit_cbs.models.olmo import OLMoConfig
 from lit_cbs.plan import Limits, OptimizerState, RunPlan, batch_phases, plan_run
 from lit_cbs.run_report import plot_run, write_batch_history
@@ -150,6 +153,48 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict:
             raise LitCBSConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
         objects[name] = instantiate_key(cfg, f"{what}.{name}")
     return objects
+
+
+# The packages Lightning's loggers need (any one of them), for a one-line error that names the extra.
+LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX"), "MLFlowLogger": ("mlflow",), "WandbLogger": ("wandb",)}
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules as None: its import is blocked
+        return False
+
+
+def loggers_of(cfg: DictConfig) -> list:
+    """The loggers of ``cfg.logger``, before any data work: one whose package is missing stops here,
+    naming the extra, and a CSV logger must be among them (the summary and plots read its metrics.csv)."""
+    nodes = {name: node for name, node in (cfg.get("logger") or {}).items() if node is not None}
+    for name, node in nodes.items():
+        target = str(node.get("_target_", "")).rsplit(".", 1)[-1]
+        packages = LOGGER_PACKAGES.get(target, ())
+        if packages and not any(_installed(package) for package in packages):
+            raise LitCBSConfigError(
+                f"logger.{name}: {target} needs the {packages[0]} package, which is not installed: "
+                f"pip install -e \".[loggers]\" (or pip install {packages[0]}), or drop it (logger=csv)"
+            )
+    loggers = instantiate_named(cfg, "logger")
+    if loggers and not any(isinstance(logger, CSVLogger) for logger in loggers.values()):
+        raise LitCBSConfigError(
+            f"logger has {', '.join(loggers)} but no csv: the run's summary and plots read metrics.csv, which the CSV "
+            f"logger writes; keep it beside them, e.g. logger=[csv,{next(iter(loggers))}]"
+        )
+    return list(loggers.values())
+
+
+def finish_loggers(loggers: list) -> None:
+    """End each logger's run once the figures are in: W&B's (else a sweep's next job would log into it, and
+    its record file is written after the process exits), TensorBoard's writer (reopened by the figures)."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.finish()
+        elif isinstance(logger, TensorBoardLogger):
+            logger.experiment.close()
 
 
 def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: dict) -> list:
@@ -299,7 +344,7 @@ def build_run(cfg: DictConfig) -> Run:
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
-    trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=list(instantiate_named(cfg, "logger").values()) or False)
+    trainer = instantiate_key(cfg, "trainer", callbacks=callbacks, logger=loggers_of(cfg) or False)
     warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)")
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
@@ -529,7 +574,8 @@ def main(cfg: DictConfig) -> float | None:
         (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         metrics_csv = output_dir / "metrics.csv"
         if cfg.plots and metrics_csv.is_file():
-            plot_run(metrics_csv, output_dir, title=cfg.run_name)
+            log_figures(run.trainer.loggers, plot_run(metrics_csv, output_dir, title=cfg.run_name), run.trainer.global_step)
+        finish_loggers(run.trainer.loggers)
         log.info(f"lit_cbs: {cfg.run_name} {'stopped' if summary['stopped_by'] else 'done'}\n{summarize(summary)}\noutputs          {output_dir}")
     if torch.distributed.is_initialized():  # before the interpreter exits: a process group torn down at exit can abort the rank
         torch.distributed.destroy_process_group()

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cbs._internals import should_accumulate
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
-from lit_cbs.logs import log_to_loggers
+from lit_cbs.logs import log_figures, log_to_loggers
 from lit_cbs.lr_rules import OptimizerRules
 from lit_cbs.probe.branch import (
     BranchFailed,
@@ -412,10 +412,11 @@ class CBSProbeCallback(Callback):
             self._window = None
         if trainer.is_global_zero and self.history and self._resolved_output_dir is not None:
             batch_changes = self._warmup.history if self._warmup is not None else []
-            plot_cbs_curve(
+            path = plot_cbs_curve(
                 self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen,
                 self.epsilon,
             )
+            log_figures(trainer.loggers, [path], trainer.global_step)
 
     # ------------------------------------------------------------------ a probe
     def _branch_micro_batch(self, k: float, batch_size: int) -> int | None:
@@ -622,6 +623,12 @@ class CBSProbeCallback(Callback):
         }
         if reading.cbs_upper is not None:
             metrics["cbs/upper"] = float(reading.cbs_upper)
+        base = min(reading.losses, key=float)
+        for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
+            if k != base and loss is not None and reading.losses[base] is not None:
+                metrics[f"cbs/gap_k{k}"] = float(loss - reading.losses[base])
+                if reading.loss_se.get(k) is not None:
+                    metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
         log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
         losses = ", ".join(
             f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={min(reading.losses, key=float)}: "
