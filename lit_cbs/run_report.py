@@ -122,7 +122,8 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     for tokens in batch_changes:
         ax.axvline(tokens, color="gray", ls=":", lw=1)
     ax.set(xlabel="tokens seen", ylabel="loss (nats per token)", title=f"{title} loss".strip())
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     ax.grid(alpha=0.3)
     written = [save(figure, "loss_vs_tokens.png")]
 

@@ -12,7 +12,7 @@ no training (lit_cbs.plan). The configuration is checked before any model is bui
 line that names it (set HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the
 resolved config (resolved_config.yaml), metrics.csv, batch_history.json (BatchWarmup's
 changes), summary.json (what the run did, also printed at its end), loss_vs_tokens.png,
-batch_lr_vs_tokens.png and checkpoints/.
+batch_lr_vs_tokens.png, report.html (all of it on one page, lit_cbs.report) and checkpoints/.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.logs import log_figures
 from lit_cbs.models.olmo import OLMoConfig
 from lit_cbs.plan import Limits, OptimizerState, RunPlan, batch_phases, plan_run
+from lit_cbs.report import write_report
 from lit_cbs.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
@@ -575,6 +576,7 @@ def main(cfg: DictConfig) -> float | None:
         metrics_csv = output_dir / "metrics.csv"
         if cfg.plots and metrics_csv.is_file():
             log_figures(run.trainer.loggers, plot_run(metrics_csv, output_dir, title=cfg.run_name), run.trainer.global_step)
+            write_report(output_dir)  # report.html: the run on one page, readable offline
         finish_loggers(run.trainer.loggers)
         log.info(f"lit_cbs: {cfg.run_name} {'stopped' if summary['stopped_by'] else 'done'}\n{summarize(summary)}\noutputs          {output_dir}")
     if torch.distributed.is_initialized():  # before the interpreter exits: a process group torn down at exit can abort the rank

@@ -103,7 +103,7 @@ def test_a_recipe_with_every_logger_sends_its_loss_throughput_and_figures_to_eac
     assert wanted <= metrics and artifacts == {"figures/loss_vs_tokens.png", "figures/batch_lr_vs_tokens.png"}
     keys, images = wandb_of(run_dir)
     assert wanted <= keys and images == {"loss", "batch"}
-    assert (run_dir / "metrics.csv").is_file() and (run_dir / "summary.json").is_file()
+    assert (run_dir / "metrics.csv").is_file() and 'data-figures="3"' in (run_dir / "report.html").read_text()
 
 
 def test_a_logger_whose_package_is_missing_stops_before_any_data_work(monkeypatch, tmp_path):
