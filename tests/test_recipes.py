@@ -208,12 +208,15 @@ SHORT_RUN = [
 ]
 
 
+def short_run(text_folder, tmp_path, *overrides: str):
+    """The config and the built run of SHORT_RUN on the small text folder with ``overrides``, its output in tmp_path/run."""
+    cfg = compose_config(*overrides, *SHORT_RUN, f"data.input_dir={text_folder}", f"data.cache_dir={tmp_path / 'cache'}",
+                         output_dir=str(tmp_path / "run"))
+    return cfg, train.build_run(cfg)
+
+
 def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
-    cfg = compose_config(
-        "optimizer=sgd", "model.optimizer.lr=0.05", *SHORT_RUN, f"data.input_dir={text_folder}",
-        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
-    )
-    run = train.build_run(cfg)
+    _, run = short_run(text_folder, tmp_path, "optimizer=sgd", "model.optimizer.lr=0.05")
     run.trainer.fit(run.model, datamodule=run.datamodule)
     (optimizer,) = run.trainer.optimizers
     assert isinstance(optimizer, torch.optim.SGD)
@@ -228,11 +231,7 @@ def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
 
 
 def test_the_weight_decay_and_beta2_rules_move_adamw_at_the_doubling(text_folder, tmp_path):
-    cfg = compose_config(
-        "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life", *SHORT_RUN, f"data.input_dir={text_folder}",
-        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
-    )
-    run = train.build_run(cfg)
+    _, run = short_run(text_folder, tmp_path, "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life")
     run.trainer.fit(run.model, datamodule=run.datamodule)
     metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
     assert metrics["batch/weight_decay"][1] == pytest.approx([0.1, 0.1, 0.1 * 2**0.5, 0.1 * 2**0.5])  # 8, 8, 16, 16
@@ -243,11 +242,7 @@ def test_the_weight_decay_and_beta2_rules_move_adamw_at_the_doubling(text_folder
 
 
 def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(text_folder, tmp_path):
-    cfg = compose_config(
-        "optimizer=sgd", "batch.beta2_rule=half_life", *SHORT_RUN, f"data.input_dir={text_folder}",
-        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
-    )
-    run = train.build_run(cfg)
+    cfg, run = short_run(text_folder, tmp_path, "optimizer=sgd", "batch.beta2_rule=half_life")
     with pytest.raises(LitCBSConfigError, match="param group 0 of SGD has no Adam betas") as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
     named = train.name_the_run_keys(cfg, str(raised.value))
@@ -278,22 +273,14 @@ def test_batch_seesaw_without_a_decaying_lr_schedule_stops_before_any_data_work(
 
 
 def test_adam_sde_refuses_an_optimizer_without_betas_before_the_first_step(text_folder, tmp_path):
-    cfg = compose_config(
-        "optimizer=sgd", "batch.lr_rule=adam_sde", *SHORT_RUN, f"data.input_dir={text_folder}",
-        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
-    )
-    run = train.build_run(cfg)
+    _, run = short_run(text_folder, tmp_path, "optimizer=sgd", "batch.lr_rule=adam_sde")
     with pytest.raises(TypeError, match="lr_rule='adam_sde' needs an Adam-type optimizer"):
         run.trainer.fit(run.model, datamodule=run.datamodule)
     assert run.trainer.global_step == 0
 
 
 def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
-    cfg = compose_config(
-        "batch.clip_rule=sqrt", "trainer.gradient_clip_val=null", *SHORT_RUN, f"data.input_dir={text_folder}",
-        f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
-    )
-    run = train.build_run(cfg)
+    cfg, run = short_run(text_folder, tmp_path, "batch.clip_rule=sqrt", "trainer.gradient_clip_val=null")
     with pytest.raises(LitCBSConfigError) as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
     named = train.name_the_run_keys(cfg, str(raised.value))
