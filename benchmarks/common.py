@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -126,12 +127,23 @@ def read_run(run_dir: Path) -> dict:
     return {**summary, "val_curve": curve}
 
 
-def recipe_benchmark_arguments(name: str, description: str, quick_help: str, argv: list[str] | None) -> argparse.Namespace:
+def recipe_benchmark_arguments(
+    name: str,
+    description: str,
+    quick_help: str,
+    argv: list[str] | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    resolve: Callable[[argparse.Namespace], str | None] | None = None,
+) -> argparse.Namespace:
     """The command line of a benchmark that trains recipes: --quick, --jobs, --out, --markdown, --plot,
-    --report-only. Resolved: ``out`` (default outputs/<name>), ``markdown`` (docs/RESULTS.md, none with
-    --quick), ``plot`` (docs/<name>.png beside it, else in OUT), ``threads`` per run (cores / jobs),
-    ``argv`` and ``date`` (for the report)."""
+    --report-only, and what ``add_arguments`` adds. Resolved: ``out`` (default outputs/<name>), ``markdown``
+    (docs/RESULTS.md, none with --quick), ``plot`` (docs/<name>.png beside it, else in OUT), ``threads``
+    per run (cores / jobs), ``argv`` and ``date`` (for the report); then ``resolve(args)`` fills in the
+    benchmark's own defaults and returns what is wrong with them (the usage error), or None. OUT is
+    created once the arguments are valid."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / name, help=f"folder for the runs and {name}.json")
@@ -148,8 +160,11 @@ def recipe_benchmark_arguments(name: str, description: str, quick_help: str, arg
         args.markdown = ROOT / "docs" / "RESULTS.md"
     if args.plot is None:
         args.plot = (args.markdown.parent / f"{name}.png") if args.markdown else args.out / f"{name}.png"
-    args.out.mkdir(parents=True, exist_ok=True)
     args.threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    problem = resolve(args) if resolve is not None else None
+    if problem:
+        parser.error(problem)
+    args.out.mkdir(parents=True, exist_ok=True)
     return args
 
 

@@ -23,23 +23,22 @@ Usage::
 
     python -m benchmarks.hparam_rules                 # 3 seeds, 2 runs at a time: about 30 minutes on 2 cores
     python -m benchmarks.hparam_rules --quick --out /tmp/hparam   # 1/32 of the budget, one seed: a pipeline check
+    python -m benchmarks.hparam_rules --report-only    # report the runs finished in outputs/hparam_rules, train nothing
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from scipy import stats
 
-from benchmarks.common import ROOT, machine, read_run, replace_section, train_unless_done
+from benchmarks.common import machine, read_run, recipe_benchmark_arguments, replace_section, train_unless_done
 from benchmarks.table1 import REFERENCE_TOKENS, Config, run_command
 
 WARMUP = ["callbacks.cbs_probe=null"]
@@ -66,6 +65,8 @@ def train(config: Config, seed: int, args) -> dict:
     run_dir = (args.out / f"{config.key}_seed{seed}").resolve()
     command = run_command(config, seed, args.tokens, run_dir, extra=[f"trainer.limit_val_batches={VAL_BATCHES}"],
                           evaluations=EVALUATIONS)
+    if args.report_only and not (run_dir / "summary.json").exists():
+        return None  # not finished: left out of the report
     train_unless_done(command, run_dir, run_dir.parent / "logs" / f"{run_dir.name}.log", args.threads,
                       f"[hparam_rules] {config.label}, seed {seed}")
     result = read_run(run_dir)
@@ -228,34 +229,31 @@ def seesaw_notes(result: dict, args) -> list[str]:
     ]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3; --quick: 1)")
-    parser.add_argument("--quick", action="store_true", help="1/32 of the budget, one seed: a pipeline check, no results")
     parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/32)")
     parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys")
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "hparam_rules", help="folder for the runs")
-    parser.add_argument("--markdown", type=Path, default=None, help="the results file (default docs/RESULTS.md; none with --quick)")
-    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/hparam_rules.png, else OUT)")
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.date = str(datetime.date.today())
+
+
+def resolve(args: argparse.Namespace) -> str | None:
+    """The budget, seeds and configurations; what is wrong with them, or None."""
     args.tokens = args.tokens or (REFERENCE_TOKENS // 32 if args.quick else REFERENCE_TOKENS)
     if args.quick and "--seeds" not in args.argv:
         args.seeds = 1
-    keys = [key.strip() for key in args.configs.split(",") if key.strip()]
+    args.keys = [key.strip() for key in args.configs.split(",") if key.strip()]
     known = [config.key for config in CONFIGS]
-    if not keys or any(key not in known for key in keys) or args.seeds < 1 or args.jobs < 1:
-        parser.error(f"--configs={args.configs!r} must name some of {known}; --seeds and --jobs must be >= 1")
+    if not args.keys or any(key not in known for key in args.keys) or args.seeds < 1:
+        return f"--configs={args.configs!r} must name some of {known}; --seeds must be >= 1"
     if args.tokens < 64 * 128 * EVALUATIONS:
-        parser.error(f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations")
-    if args.markdown is None and not args.quick:
-        args.markdown = ROOT / "docs" / "RESULTS.md"
-    args.plot = args.plot or ((args.markdown.parent / "hparam_rules.png") if args.markdown else args.out / "hparam_rules.png")
+        return f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations"
     args.seed_list = list(range(1, args.seeds + 1))
-    args.threads = max(1, (os.cpu_count() or 1) // args.jobs)
-    args.out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = recipe_benchmark_arguments("hparam_rules", __doc__.split("\n\n")[0], "1/32 of the budget, one seed: a pipeline check, no results",
+                                      argv, add_arguments, resolve)
+    keys = args.keys
 
     started = time.perf_counter()
     configs = [config for config in CONFIGS if config.key in keys]
@@ -263,8 +261,9 @@ def main(argv: list[str] | None = None) -> dict:
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: train(*job, args), jobs))
     runs: dict[str, list[dict]] = {config.key: [] for config in configs}
-    for result in results:
+    for result in filter(None, results):
         runs[result["key"]].append(result)
+    runs = {key: seeds for key, seeds in runs.items() if seeds}  # --report-only: the configurations that have a run
     seconds = time.perf_counter() - started
     args.load = os.getloadavg()
     result = aggregate(runs)
