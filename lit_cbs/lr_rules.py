@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 import torch
@@ -241,7 +242,7 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, 
 
 
 # ---------------------------------------------------------------------- settings beside the LR
-class SettingRule:
+class SettingRule(ABC):
     """A rule for one optimizer setting beside the LR, at a batch change by ``ratio`` = new / old
     global batch while the LR is multiplied by ``lr_factor``. Subclasses set ``name``, ``key`` (the
     setting, logged as ``batch/<key>``) and ``argument`` (the BatchWarmup / CBSProbeCallback argument),
@@ -252,9 +253,9 @@ class SettingRule:
     key: str
     argument: str
 
+    @abstractmethod
     def scaled(self, value: float, ratio: float, lr_factor: float) -> float:
         """The setting after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
-        raise NotImplementedError
 
     def get(self, group: dict) -> float:
         return group[self.key]
@@ -269,7 +270,8 @@ class SettingRule:
         """The setting now, as logged: param group 0's."""
         return float(self.get(optimizer.param_groups[0]))
 
-    def check(self, optimizer: torch.optim.Optimizer, lr_rule: LRRule, who: str) -> None:
+    @abstractmethod
+    def check(self, optimizer: torch.optim.Optimizer, who: str) -> None:
         """LitCBSConfigError, its message starting with ``who``, if the rule does not apply to ``optimizer``."""
 
     def __repr__(self) -> str:
@@ -288,7 +290,7 @@ class WeightDecayTimescale(SettingRule):
         """The largest param group's (a group without decay stays at 0)."""
         return float(max(group["weight_decay"] for group in optimizer.param_groups))
 
-    def check(self, optimizer, lr_rule, who):
+    def check(self, optimizer, who):
         name = type(optimizer).__name__
         if any("weight_decay" not in group for group in optimizer.param_groups):
             raise LitCBSConfigError(f"{who}: {name} has no weight_decay to scale; set weight_decay_rule=None")
@@ -320,7 +322,7 @@ class Beta2HalfLife(SettingRule):
         beta1, _, *rest = group["betas"]
         group["betas"] = (beta1, value, *rest)
 
-    def check(self, optimizer, lr_rule, who):
+    def check(self, optimizer, who):
         name = type(optimizer).__name__
         for i, group in enumerate(optimizer.param_groups):
             betas = group.get("betas")
@@ -413,7 +415,7 @@ class OptimizerRules:
         self.lr.check_ratios(optimizer, schedulers, ratios, who, compose)
         if any(ratio != 1 for ratio in ratios):
             for rule in self.settings:
-                rule.check(optimizer, self.lr, who)
+                rule.check(optimizer, who)
 
     def apply(self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratio: float) -> float:
         """Move every setting for a batch change by ``ratio``; return the LR factor applied."""
