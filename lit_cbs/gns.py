@@ -81,8 +81,6 @@ def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
 
 
 GROUP_PRESETS = ("param_groups", "blocks")
-# A transformer block's parameters in "blocks" mode: "<prefix>.blocks.<i>.<rest>" (lit_cbs.models.olmo.OLMo's layout).
-_BLOCK_PARAMETER = re.compile(r"(?:^|\.)blocks\.(\d+)\.")
 _SHOWN_NAMES = 6  # parameter names an error message lists
 
 
@@ -91,39 +89,75 @@ def _some_names(names: list[str]) -> str:
     return f"{shown}, ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else shown
 
 
-def block_groups(names: list[str]) -> dict[str, list[str]]:
+def layer_stacks(module: torch.nn.Module) -> list[str]:
+    """The paths of ``module``'s stacks of transformer blocks: each ``nn.ModuleList`` whose entries are
+    all of one class and all hold parameters, outside any other such stack, in definition order.
+
+    ``["model.blocks"]`` for ``CausalLM`` on lit_cbs's OLMo, ``["model.lm.model.layers"]`` on a
+    transformers Llama, ``["model.transformer.h"]`` for a GPT-2 held as ``self.model``. Found from the
+    modules, not the names: activation checkpointing, ``torch.compile`` and FSDP2 keep both.
+    """
+    stacks: list[str] = []
+    for path, child in module.named_modules():
+        if any(path.startswith(stack + ".") for stack in stacks):
+            continue
+        if (
+            isinstance(child, torch.nn.ModuleList)
+            and len(child) > 0
+            and len({type(entry) for entry in child}) == 1
+            and all(any(True for _ in entry.parameters()) for entry in child)
+        ):
+            stacks.append(path)
+    return stacks
+
+
+def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     """``groups="blocks"``: parameter names -> {group: names}, one group ``block<i>`` per transformer block.
 
-    A parameter whose name holds ``blocks.<i>.`` belongs to ``block<i>`` (so
+    ``stacks`` are the paths of the block stacks (``layer_stacks``). A parameter under
+    ``<stack>.<i>.`` belongs to ``block<i>`` (so
     ``model.blocks.3._checkpoint_wrapped_module.mlp.up_proj.weight`` is in ``block3``); every other
-    parameter belongs to the group named by its module's path below the blocks' parent
-    (``model.embedding.weight`` -> ``embedding``, ``model.lm_head.weight`` -> ``lm_head``, a final
-    norm's weight -> its module's name). The parent is that of the first block; blocks under another
-    parent keep its path (``decoder.block0``), so two stacks never share a group. Groups come in the
-    order of ``names``.
+    parameter belongs to the group named by its module's path below the first stack's parent
+    (``model.embedding.weight`` -> ``embedding``, a final norm's weight -> its module's name), or,
+    outside that parent, below the path all parameters share (a transformers model's
+    ``model.lm.lm_head.weight`` -> ``lm_head``). Blocks of a later stack keep its path below the
+    first stack's parent (``decoder.block0``), so two stacks never share a group. Groups come in
+    the order of ``names``.
     """
-    matches = [_BLOCK_PARAMETER.search(name) for name in names]
-    first = next((match for match in matches if match), None)
-    if first is None:
+    if not stacks:
         raise LitCBSConfigError(
-            f"groups='blocks' looks for transformer blocks in parameter names ('<prefix>.blocks.<i>.<...>', as in "
-            f"lit_cbs.models.olmo.OLMo), but none of the trained parameters has one: {_some_names(names)}; "
-            "pass groups={name: regex} instead"
+            "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one class, "
+            f"as lit_cbs's OLMo.blocks or a transformers model's model.layers), but the LightningModule has none; parameters: "
+            f"{_some_names(names)}; pass groups={{name: regex}} instead"
         )
-    parent = first.string[: first.start()]
+    parent = stacks[0].rpartition(".")[0]
     prefix = parent + "." if parent else ""
+    shared = _shared_prefix(names)
+    patterns = [(stack, re.compile(rf"^{re.escape(stack)}\.(\d+)\.")) for stack in stacks]
     groups: dict[str, list[str]] = {}
-    for name, match in zip(names, matches):
+    for name in names:
+        match = next(((stack, found) for stack, pattern in patterns if (found := pattern.match(name))), None)
         if match:
-            block_parent = name[: match.start()]
-            group = f"block{match.group(1)}"
-            if block_parent != parent:
-                group = f"{block_parent.removeprefix(prefix)}.{group}"
+            stack, found = match
+            group = f"block{found.group(1)}"
+            if stack != stacks[0]:
+                group = f"{stack.removeprefix(prefix).rpartition('.')[0] or stack}.{group}"
         else:
-            relative = name.removeprefix(prefix)
+            relative = name.removeprefix(prefix) if name.startswith(prefix) else name.removeprefix(shared)
             group = relative.rpartition(".")[0] or relative  # the module's path; a parameter of the root: its own name
         groups.setdefault(group, []).append(name)
     return groups
+
+
+def _shared_prefix(names: list[str]) -> str:
+    """The longest dotted path (ending in ".") that starts every name."""
+    parts = [name.split(".")[:-1] for name in names]
+    shared = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        shared.append(level[0])
+    return ".".join(shared) + "." if shared else ""
 
 
 def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[str, list[str]]:
@@ -246,10 +280,10 @@ class GradientNoiseScale(Callback):
         ema_decay: decay of the EMAs of |G|^2 and tr(Sigma) per optimizer step, in [0, 1).
         groups: also measure per group of the optimizer's parameters. None: the whole model only.
             ``"param_groups"``: one group per optimizer parameter group, named by its ``"name"``
-            (else ``pg<i>``). ``"blocks"``: for ``lit_cbs.models.olmo.OLMo`` (and any model whose
-            blocks are named ``blocks.<i>``): ``block0``, ``block1``, ... per transformer block, and
-            one group per other module holding parameters (``embedding``, ``lm_head``; see
-            ``block_groups``). A dict ``{group: regex}``: a parameter (by its name in
+            (else ``pg<i>``). ``"blocks"``: ``block0``, ``block1``, ... per transformer block of the
+            model's stack of blocks (an ``nn.ModuleList`` of one class: ``OLMo.blocks``, a
+            transformers model's decoder layers; see ``layer_stacks``), and one group per other
+            module holding parameters (``embedding``, ``lm_head``; see ``block_groups``). A dict ``{group: regex}``: a parameter (by its name in
             ``named_parameters()`` of the LightningModule, e.g. ``model.blocks.0.mlp.up_proj.weight``)
             is in a group when ``re.search(regex, name)`` finds a match (anchor with ``^``/``$`` for
             whole names); a group that matches no trained parameter, or a parameter matched by two
@@ -383,7 +417,7 @@ class GradientNoiseScale(Callback):
         trained_ids = {id(p) for p in trained}
         by_name = {name: p for name, p in pl_module.named_parameters() if id(p) in trained_ids}
         names = list(by_name)
-        members = block_groups(names) if self.groups == "blocks" else regex_groups(self._patterns, names)
+        members = block_groups(names, layer_stacks(pl_module)) if self.groups == "blocks" else regex_groups(self._patterns, names)
         group_names: list[str | None] = list(members)
         group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
         if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete

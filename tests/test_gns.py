@@ -42,7 +42,7 @@ from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
 from lit_cbs._internals import should_accumulate
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.analysis.curves import read_metrics_csv
-from lit_cbs.gns import GradientNoiseScale, block_groups, two_batch_estimates
+from lit_cbs.gns import GradientNoiseScale, block_groups, layer_stacks, two_batch_estimates
 from lit_cbs.lm import CausalLM
 from lit_cbs.run_report import group_noise_scale_figure, plot_run
 
@@ -346,12 +346,22 @@ def test_compiled_blocks_measure_the_noise_scale_of_the_eager_model(tmp_path):
 
 
 def test_blocks_of_two_stacks_stay_apart():
-    names = ["embed.weight", "encoder.blocks.0.w", "encoder.blocks.1.w", "decoder.blocks.0.w", "decoder.norm.weight"]
-    assert block_groups(names) == {
+    def stack(blocks: int) -> torch.nn.Module:
+        module = torch.nn.Module()
+        module.blocks = torch.nn.ModuleList(torch.nn.Linear(2, 2, bias=False) for _ in range(blocks))
+        return module
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(4, 2)
+    model.encoder, model.decoder = stack(2), stack(1)
+    model.decoder.norm = torch.nn.LayerNorm(2, bias=False)
+    names = [name for name, _ in model.named_parameters()]
+    assert layer_stacks(model) == ["encoder.blocks", "decoder.blocks"]
+    assert block_groups(names, layer_stacks(model)) == {
         "embed": ["embed.weight"],
-        "block0": ["encoder.blocks.0.w"],
-        "block1": ["encoder.blocks.1.w"],
-        "decoder.block0": ["decoder.blocks.0.w"],
+        "block0": ["encoder.blocks.0.weight"],
+        "block1": ["encoder.blocks.1.weight"],
+        "decoder.block0": ["decoder.blocks.0.weight"],
         "decoder.norm": ["decoder.norm.weight"],
     }
 
@@ -380,7 +390,7 @@ def test_run_report_plots_b_simple_per_group(tmp_path):
             r"groups['third']='^third\\.' matches none of the trained parameters (first.weight, second.weight)",
         ),
         ({"weights": "weight", "first": r"^first\."}, "parameter 'first.weight' is matched by groups ['weights', 'first']"),
-        ("blocks", "groups='blocks' looks for transformer blocks in parameter names ('<prefix>.blocks.<i>.<...>'"),
+        ("blocks", "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one class"),
     ],
 )
 def test_groups_that_match_nothing_or_overlap_are_refused_before_training(groups, message):
