@@ -1,9 +1,10 @@
-"""``CausalLM``: next-token training of the OLMo-style decoder as a LightningModule.
+"""``CausalLM``: next-token training of a decoder as a LightningModule: lit_cbs's OLMo-style
+decoder, or a Hugging Face ``transformers`` causal LM built from its config.
 
 The model is built in ``configure_model``, so one module serves every strategy. Under Lightning's
-``ModelParallelStrategy`` (FSDP2) the decoder is built on the meta device, each block and then
-the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards are materialized
-and initialised; on one device or under DDP it is built directly.
+``ModelParallelStrategy`` (FSDP2) the decoder is built on the meta device, each block (decoder
+layer) and then the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards are
+materialized and initialised; on one device or under DDP it is built directly.
 
 With ``ignore_index`` (a padding token id), targets equal to it do not count, and each optimizer
 step's gradient is the mean over every counted token of the step, however the step is split into
@@ -14,7 +15,7 @@ token with ``ignore_index``),
 ``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
 wall time of the last optimizer step, validation and a CBS probe's branches excluded) and, when
 the peak FLOP/s of a device is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs
-per token from ``OLMo.flops_per_token`` (PaLM's 6N + attention estimate, activation
+per token from the decoder's ``flops_per_token`` (PaLM's 6N + attention estimate, activation
 recomputation not counted).
 Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
 optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
@@ -42,7 +43,9 @@ from torchmetrics import MeanMetric
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
-from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
+from lit_cbs.models.decoder import DecoderDims, build_decoder, config_as_dict, decoder_dims
+from lit_cbs.models.hf import hf_config, is_hf_config
+from lit_cbs.models.olmo import OLMoConfig, get_config
 from lit_cbs.token_loss import token_mean_loss
 
 OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
@@ -58,19 +61,25 @@ OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
 
 
-def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoConfig:
-    """The ``OLMoConfig`` that ``config`` describes.
+def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> OLMoConfig | Any:
+    """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes.
 
-    ``config`` is a preset name (``lit_cbs.models.PRESETS``), an ``OLMoConfig``, or a mapping:
+    ``config`` is a preset name (``lit_cbs.models.PRESETS``), an ``OLMoConfig``, a ``transformers``
+    config, or a mapping: ``{"model_type": name, **fields}`` is a ``transformers`` config
+    (``lit_cbs.models.hf.hf_config``, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``);
     ``{"preset": name, **fields}`` takes the preset and replaces the given fields (e.g.
-    ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without ``preset`` gives every field.
+    ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without either gives every OLMoConfig field.
     """
-    if isinstance(config, OLMoConfig):
+    if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
     if isinstance(config, str):
         return get_config(config)
     if not isinstance(config, Mapping):
-        raise TypeError(f"model config must be a preset name, an OLMoConfig or a mapping of its fields, got {config!r}")
+        raise TypeError(
+            f"model config must be a preset name, an OLMoConfig, a transformers config or a mapping of their fields, got {config!r}"
+        )
+    if "model_type" in config:
+        return hf_config(config)
     fields = dict(config)
     preset = fields.pop("preset", None)
     unknown = sorted(set(fields) - set(OLMO_FIELDS))
@@ -85,10 +94,13 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any]) -> OLMoCo
 
 
 class CausalLM(pl.LightningModule):
-    """Train an OLMo-style decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+    """Train a decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
     Args:
-        config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of fields.
+        config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of its
+            fields for lit_cbs's OLMo-style decoder; a ``transformers`` config, or a mapping with
+            ``model_type``, for a Hugging Face causal LM (``lit_cbs.models.hf.HFDecoder``, built from
+            the config with fresh weights; ``pip install -e ".[hf]"``).
         optimizer: parameter groups -> ``torch.optim.Optimizer``, e.g.
             ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`` (Hydra: ``_partial_: true``).
             Its ``lr`` is the base LR, before the LR schedule's multiplier and BatchWarmup's factors;
@@ -117,7 +129,7 @@ class CausalLM(pl.LightningModule):
 
     def __init__(
         self,
-        config: str | OLMoConfig | Mapping[str, Any] = "tiny",
+        config: str | OLMoConfig | Mapping[str, Any] | Any = "tiny",
         optimizer: OptimizerFactory = ADAMW,
         lr_schedule: Callable[[int], float] | None = None,
         activation_checkpointing: bool = False,
@@ -127,9 +139,11 @@ class CausalLM(pl.LightningModule):
     ):
         super().__init__()
         self.config = resolve_model_config(config)
-        if ignore_index is not None and not (isinstance(ignore_index, int) and 0 <= ignore_index < self.config.vocab_size):
+        self.dims: DecoderDims = decoder_dims(self.config)
+        vocab_size = self.dims.vocab_size
+        if ignore_index is not None and not (isinstance(ignore_index, int) and 0 <= ignore_index < vocab_size):
             raise LitCBSConfigError(
-                f"ignore_index={ignore_index!r} must be a token id in [0, {self.config.vocab_size}) (the padding token, "
+                f"ignore_index={ignore_index!r} must be a token id in [0, {vocab_size}) (the padding token, "
                 "fed to the model as input and not counted as a target), or None to count every target"
             )
         self.ignore_index = ignore_index
@@ -146,9 +160,9 @@ class CausalLM(pl.LightningModule):
         self.compile_options = dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
         # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
         self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
-        self.hparams["config"] = dataclasses.asdict(self.config)  # reloadable without the preset table
+        self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
 
-        self.model: OLMo | None = None  # built in configure_model
+        self.model: nn.Module | None = None  # OLMo or HFDecoder, built in configure_model
         self.train_loss = MeanMetric()
         self.val_loss = MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
@@ -171,7 +185,7 @@ class CausalLM(pl.LightningModule):
             return
         mesh = self._data_parallel_mesh()
         with torch.device("meta") if mesh is not None else nullcontext():
-            model = OLMo(self.config)
+            model = build_decoder(self.config)
         if self.activation_checkpointing:
             from lit_cbs._internals import checkpoint_wrapper
 
@@ -202,7 +216,7 @@ class CausalLM(pl.LightningModule):
             )
         return mesh["data_parallel"]
 
-    def _fully_shard(self, model: OLMo, mesh) -> None:
+    def _fully_shard(self, model: nn.Module, mesh) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.trainer.precision == "bf16-mixed":
@@ -298,7 +312,7 @@ class CausalLM(pl.LightningModule):
             self.log("perf/mfu", rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len`` tokens per sequence (``OLMo.flops_per_token``)."""
+        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``)."""
         if seq_len not in self._flops_per_token:
             # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
             self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
@@ -339,7 +353,7 @@ class CausalLM(pl.LightningModule):
         if self.model is not None:
             return self.model.num_parameters()
         with torch.device("meta"):
-            return OLMo(self.config).num_parameters()
+            return build_decoder(self.config).num_parameters()
 
 
 def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:

@@ -19,9 +19,13 @@ data, no accelerator). Memory is counted the way the training code allocates it:
   the gradients); under ``*-mixed`` autocast without FSDP2, the low-precision copies of the
   matmul weights that autocast keeps for the step (with activation checkpointing, of the blocks
   only the one being recomputed).
-- **Activations**: the tensors autograd saves for backward, counted per block for this decoder
-  (flash-style attention: queries, keys, values, output and a log-sum-exp per head and position,
-  no T x T matrix), plus the loss's log-softmax over the vocabulary. With activation
+- **Activations**: the tensors autograd saves for backward, counted per block for lit_cbs's OLMo
+  block (flash-style attention: queries, keys, values, output and a log-sum-exp per head and
+  position, no T x T matrix), plus the loss's log-softmax over the vocabulary. A transformers
+  model's layers are counted as that block at the model's sizes (Llama-style: attention, then a
+  gated MLP of ``intermediate_size``); parameters are counted exactly from its meta-device build,
+  its activations only as closely as its layers resemble that block (grouped-query attention's
+  smaller keys and values are counted full size). With activation
   checkpointing a block saves only its fp32 input, and backward recomputes one block at a time,
   so the peak adds one block's activations. The peak also adds the logits (the low-precision
   matmul output and its fp32 copy) that live while the loss is computed.
@@ -38,7 +42,8 @@ from collections.abc import Callable
 
 import torch
 
-from lit_cbs.models.olmo import OLMo, OLMoConfig
+from lit_cbs.models.decoder import DecoderDims, build_decoder, decoder_dims
+from lit_cbs.models.olmo import OLMoConfig
 from lit_cbs.schedules import BatchSchedule, micro_batch_for
 
 GIB = 2**30
@@ -64,35 +69,40 @@ def precision_bytes(precision: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """Parameter counts (elements) of a decoder, read from a meta-device build."""
+    """Parameter counts (elements) of a decoder, read from a meta-device build (lit_cbs's OLMo or a
+    transformers model: ``lit_cbs.models.decoder.build_decoder``)."""
 
-    config: OLMoConfig
+    config: DecoderDims
     parameters: int  # all of them
     parameter_tensors: int
     block_parameters: int  # one block's
     root_parameters: int  # outside the blocks: embedding and untied output head
     autocast_weights: int  # matmul weights autocast casts each step: all but the embedding (tied: it is also the head)
-    model: OLMo = dataclasses.field(repr=False, compare=False)  # on the meta device
+    model: torch.nn.Module = dataclasses.field(repr=False, compare=False)  # on the meta device
 
     @classmethod
-    def of(cls, config: OLMoConfig) -> ModelShape:
+    def of(cls, config: OLMoConfig | object) -> ModelShape:
+        """The shape of the decoder ``config`` describes (an ``OLMoConfig`` or a transformers config)."""
         with torch.device("meta"):
-            model = OLMo(config)
+            model = build_decoder(config)
+        dims = decoder_dims(config)
         block = sum(p.numel() for p in model.blocks[0].parameters())
-        embedding = model.embedding.weight.numel()
+        embeddings = sum(
+            {id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}.values()
+        )
         total = model.num_parameters()
         return cls(
-            config=config,
+            config=dims,
             parameters=total,
             parameter_tensors=len(list(model.parameters())),
             block_parameters=block,
-            root_parameters=total - config.n_layers * block,
-            autocast_weights=total - (0 if config.tie_embeddings else embedding),
+            root_parameters=total - dims.n_layers * block,
+            autocast_weights=total - (0 if dims.tie_embeddings else embeddings),
             model=model,
         )
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (``OLMo.flops_per_token``: 6N + attention)."""
+        """Training FLOPs per token (the decoder's ``flops_per_token``: 6N + attention)."""
         return self.model.flops_per_token(seq_len)
 
 
@@ -145,7 +155,7 @@ class DeviceMemory:
         return self.model_state + self.working_buffers + self.activations + self.activation_peak_extra
 
 
-def block_activation_bytes(config: OLMoConfig, micro_batch: int, seq_len: int, precision: str) -> int:
+def block_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, precision: str) -> int:
     """Bytes one block saves for backward for a micro-batch of ``micro_batch`` x ``seq_len`` tokens.
 
     fp32 throughout: the block input and the residual after attention (the two LayerNorm inputs),
@@ -165,7 +175,7 @@ def block_activation_bytes(config: OLMoConfig, micro_batch: int, seq_len: int, p
     return residual + act * tokens * (9 * d + 4 * f) + small
 
 
-def loss_activation_bytes(config: OLMoConfig, micro_batch: int, seq_len: int, precision: str) -> int:
+def loss_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, precision: str) -> int:
     """Bytes saved outside the blocks: input ids (with the target column), RoPE's cos and sin, the
     final LayerNorm's input, statistics and output, the targets and the fp32 log-softmax."""
     _, act = precision_bytes(precision)
@@ -625,7 +635,7 @@ def _duration(seconds: float) -> str:
 
 def plan_run(
     name: str,
-    config: OLMoConfig,
+    config: OLMoConfig | object,
     schedule: BatchSchedule,
     lr_factor: Callable[[float], float],
     max_tokens: int,

@@ -55,7 +55,6 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
 from lit_cbs.lm import CausalLM, resolve_model_config
 from lit_cbs.logs import log_figures
-from lit_cbs.models.olmo import OLMoConfig
 from lit_cbs.plan import Limits, OptimizerState, RunPlan, batch_phases, plan_run
 from lit_cbs.report import write_report
 from lit_cbs.run_report import plot_run, write_batch_history
@@ -216,7 +215,8 @@ def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: dict) -> list:
     return kept
 
 
-def model_config_of(cfg: DictConfig) -> OLMoConfig:
+def model_config_of(cfg: DictConfig):
+    """model.config as an OLMoConfig or a transformers config; its errors name the key."""
     try:
         return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
     except ValueError as error:
@@ -248,7 +248,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     model_config = model_config_of(cfg)
     model = instantiate_key(cfg, "model")  # checks model.optimizer; builds no weights
     datamodule = instantiate_key(cfg, "data")
-    datamodule.check_context(model_config.context_length)
+    datamodule.check_context(model.dims.context_length)
     callbacks = list(instantiate_named(cfg, "callbacks").values())
     warmup = batch_warmup_of(callbacks)
     devices = devices_per_node(cfg.trainer.devices, "plan=true sizes the run from it")
@@ -323,7 +323,7 @@ def build_run(cfg: DictConfig) -> Run:
             f"ckpt_path={cfg.ckpt_path!r} does not exist; give a checkpoint from a run's checkpoints/ folder "
             "(a .ckpt file, or a .ckpt folder under trainer=fsdp), or ckpt_path=null to start afresh"
         )
-    model_config = model_config_of(cfg)
+    model_config_of(cfg)  # a bad model.config fails here, naming its key, before the data settings
     if not cfg.allow_default_corpus and cfg.data.path is None and cfg.data.input_dir is None:
         raise LitCBSConfigError(
             "this recipe trains on your tokens, not the embedded corpus (allow_default_corpus=false): set "
@@ -333,7 +333,7 @@ def build_run(cfg: DictConfig) -> Run:
     lr_schedule = instantiate_key(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
     model = instantiate_key(cfg, "model", lr_schedule=lr_schedule)  # the decoder is built in configure_model, during fit
     datamodule = instantiate_key(cfg, "data")
-    datamodule.check_context(model_config.context_length)
+    datamodule.check_context(model.dims.context_length)
 
     callbacks = drop_probes_outside_the_budget(cfg, instantiate_named(cfg, "callbacks"))
     warmup = batch_warmup_of(callbacks)
@@ -351,10 +351,10 @@ def build_run(cfg: DictConfig) -> Run:
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
     if trainer.local_rank == 0:
         datamodule.prepare_data()
-    if datamodule.vocab_size > model_config.vocab_size:
+    if datamodule.vocab_size > model.dims.vocab_size:
         raise LitCBSConfigError(
             f"the data's token ids go up to {datamodule.vocab_size - 1} but the model's vocab_size is "
-            f"{model_config.vocab_size}; use a larger model.config.vocab_size or the model's tokenizer (data.tokenizer)"
+            f"{model.dims.vocab_size}; use a larger model.config.vocab_size or the model's tokenizer (data.tokenizer)"
         )
     return Run(trainer, model, datamodule, warmup)
 
@@ -387,7 +387,7 @@ def batches_reached(schedule, max_tokens: int, seq_len: int) -> str:
 def describe(run: Run, cfg: DictConfig) -> str:
     model = run.model
     return (
-        f"lit_cbs: {cfg.run_name}: model {model.config.n_layers} layers x d_model {model.config.d_model} "
+        f"lit_cbs: {cfg.run_name}: model {model.dims.n_layers} layers x d_model {model.dims.d_model} "
         f"({model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {cfg.trainer.accelerator}, "
         f"precision {run.trainer.precision}, micro-batch {run.datamodule.batch_size} x {run.datamodule.seq_len} tokens, "
         f"global batch {batches_reached(run.batch_warmup.schedule, cfg.max_tokens, run.datamodule.seq_len)}, "

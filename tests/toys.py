@@ -6,6 +6,9 @@ test sees which samples each optimizer step averaged over.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -184,3 +187,25 @@ class PaddedData(pl.LightningDataModule):
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return DataLoader(dataset, batch_size=self.batch_size, sampler=DistributedSampler(dataset, shuffle=False))
         return DataLoader(dataset, batch_size=self.batch_size)
+
+
+class RecordShardedModules(pl.Callback):
+    """Writes to ``path`` (JSON, rank 0) when the fit starts (after sharding, before any forward pass,
+    which leaves the modules FSDP2 does not reshard after forward unsharded): the paths of the LightningModule's
+    modules that FSDP2 sharded, the class of each block of ``pl_module.model.blocks``, and the
+    parameters that are not sharded DTensors. Added to a recipe run as ``+callbacks.<name>._target_``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_fit_start(self, trainer, pl_module):
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        if trainer.global_rank == 0:
+            record = {
+                "sharded": [name for name, module in pl_module.named_modules() if isinstance(module, FSDPModule)],
+                "block_classes": [type(block).__name__ for block in pl_module.model.blocks],
+                "not_dtensors": [name for name, p in pl_module.named_parameters() if not isinstance(p, DTensor)],
+            }
+            Path(self.path).write_text(json.dumps(record))

@@ -1,0 +1,167 @@
+"""Hugging Face ``transformers`` causal LMs as lit_cbs decoders, built from a config (no weights downloaded).
+
+``hf_config({"model_type": "llama", "hidden_size": 64, ...})`` checks the fields against that
+model type's config class (a misspelt field is an error here, where ``transformers`` would keep it
+as an unused attribute) and ``HFDecoder(config)`` builds ``AutoModelForCausalLM.from_config(config)``
+behind the interface ``lit_cbs.lm.CausalLM`` trains through, the one ``lit_cbs.models.olmo.OLMo``
+has: ``forward(input_ids) -> logits``, ``blocks`` (the decoder layers, the unit FSDP2 shards,
+activation checkpointing recomputes and ``torch.compile`` compiles), ``reset_parameters()`` after
+a meta-device build (``transformers``' own ``init_weights``: its weight initialisation, and the
+rotary embedding's buffers recomputed), ``num_parameters()`` and ``flops_per_token(seq_len)``.
+
+``transformers`` is an optional dependency (``pip install -e ".[hf]"``); it is imported only here,
+when a config names a ``model_type``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from lit_cbs.errors import LitCBSConfigError
+
+HF_EXTRA = 'pip install -e ".[hf]"'
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as error:
+        raise LitCBSConfigError(
+            f"a model config with model_type builds a Hugging Face transformers model, but transformers is not "
+            f"installed: {HF_EXTRA} (or pip install transformers)"
+        ) from error
+    return transformers
+
+
+def is_hf_config(config: Any) -> bool:
+    """True for a ``transformers`` model config (without importing transformers if it is not loaded)."""
+    return any(
+        cls.__name__ in ("PreTrainedConfig", "PretrainedConfig") and cls.__module__.startswith("transformers")
+        for cls in type(config).__mro__
+    )
+
+
+def hf_config(fields: Mapping[str, Any]) -> Any:
+    """The ``transformers`` config that ``{"model_type": name, **fields}`` describes.
+
+    ``model_type`` is any model type ``AutoModelForCausalLM`` builds (``llama``, ``olmo2``,
+    ``qwen2``, ``mistral``, ``gpt2``, ...); the other fields are that config class's, e.g.
+    ``LlamaConfig``'s ``hidden_size``, ``num_hidden_layers``; a field the class does not know, a
+    model type without a causal LM, or a missing ``transformers`` is a LitCBSConfigError.
+    """
+    transformers = _transformers()
+    fields = dict(fields)
+    model_type = fields.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(transformers.CONFIG_MAPPING.keys()), n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise LitCBSConfigError(
+            f"model_type={model_type!r} is not a transformers model type{hint}; use one AutoModelForCausalLM builds, "
+            "e.g. llama, olmo2, qwen2, mistral, gpt2"
+        )
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    if config_class not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise LitCBSConfigError(
+            f"model_type={model_type!r} has no causal language model in transformers (AutoModelForCausalLM); "
+            "use a decoder such as llama, olmo2, qwen2, mistral or gpt2"
+        )
+    known = set(config_class().to_dict()) | set(config_class.attribute_map)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise LitCBSConfigError(
+            f"field(s) {unknown} are not {config_class.__name__} fields (transformers would keep them unused); "
+            f"its fields include {', '.join(sorted(name for name in known if not name.startswith('_'))[:24])}, ..."
+        )
+    return config_class(**fields)
+
+
+class HFDecoder(nn.Module):
+    """A ``transformers`` causal LM built from ``config``, as the decoder ``lit_cbs.lm.CausalLM`` trains.
+
+    Its parameters are named ``lm.<the transformers model's own names>`` (e.g.
+    ``lm.model.layers.0.self_attn.q_proj.weight`` for Llama), so a state dict maps onto
+    ``AutoModelForCausalLM``'s by removing the ``lm.`` prefix.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        transformers = _transformers()
+        self.config = config
+        self.lm = transformers.AutoModelForCausalLM.from_config(config)
+        self._layers_path = _decoder_layers_path(self.lm, config)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The decoder layers (``model.layers`` in Llama-like models, ``transformer.h`` in GPT-2)."""
+        return self.lm.get_submodule(self._layers_path)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (causal attention, positions 0..T-1, no cache)."""
+        return self.lm(input_ids=input_ids, use_cache=False).logits
+
+    def reset_parameters(self) -> None:
+        """(Re-)initialise every weight and buffer the transformers way; call after ``to_empty()`` on a
+        model built on the meta device."""
+        self.lm.init_weights()
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (a tied output head counted once); ``exclude_embeddings`` leaves out the
+        token (and position) embeddings and an untied output head."""
+        total = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            total -= sum(p.numel() for p in _embedding_parameters(self))
+            head = self.lm.get_output_embeddings()
+            if head is not None and not _is_tied(self.lm):
+                total -= head.weight.numel()
+        return total
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at ``seq_len`` tokens: 6 x the weights used in a matmul (every
+        ``nn.Linear``, the output head among them, once even if tied) + 12 x layers x attention width x
+        seq_len (PaLM's estimate, as ``OLMo.flops_per_token``)."""
+        matmul_weights = sum({id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values())
+        dims = hf_dims(self.config)
+        return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
+
+
+def _embedding_parameters(module: nn.Module) -> list[nn.Parameter]:
+    return list({id(p): p for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}.values())
+
+
+def _is_tied(lm: nn.Module) -> bool:
+    head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
+    return head is not None and head.weight is embedding.weight
+
+
+def _decoder_layers_path(lm: nn.Module, config: Any) -> str:
+    """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers."""
+    n_layers = config.num_hidden_layers
+    for path, module in lm.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == n_layers and len({type(layer) for layer in module}) == 1:
+            return path
+    raise LitCBSConfigError(
+        f"{type(lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers (num_hidden_layers), which "
+        "lit_cbs shards, checkpoints and compiles one by one; use a decoder such as llama, olmo2, qwen2 or gpt2"
+    )
+
+
+def hf_dims(config: Any):
+    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; GPT-2's are aliased by transformers)."""
+    from lit_cbs.models.decoder import DecoderDims
+
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return DecoderDims(
+        vocab_size=config.vocab_size,
+        d_model=hidden,
+        n_layers=config.num_hidden_layers,
+        n_heads=heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        mlp_hidden=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        context_length=config.max_position_embeddings,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
