@@ -174,6 +174,7 @@ class CausalLM(pl.LightningModule):
         self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
         self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
         self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
+        self._branch_seconds_before = 0.0  # the accounting's branch_seconds at on_train_start
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -276,6 +277,8 @@ class CausalLM(pl.LightningModule):
         self._last_global_step = self.trainer.global_step
         self._steps = self._samples = self._tokens = self._step_flops = 0
         self._training_seconds = 0.0
+        # A probe resumed inside its window starts in its own on_train_start, which Lightning calls before this one.
+        self._branch_seconds_before = BatchAccounting.of(self.trainer).branch_seconds
         self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
         self._stretch_start = time.perf_counter()
 
@@ -296,9 +299,9 @@ class CausalLM(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._steps += 1
-        # A CBS probe's branches run between the main run's steps (branch_seconds counts from the fit's
-        # start, before on_train_start): their time is not the main run's.
-        branch_seconds = BatchAccounting.of(self.trainer).branch_seconds
+        # A CBS probe's branches run between the main run's steps: their time is not the main run's
+        # (branch_seconds counts from the fit's start; what ran before on_train_start is left out).
+        branch_seconds = BatchAccounting.of(self.trainer).branch_seconds - self._branch_seconds_before
         seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
         self._throughput.update(
             time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
