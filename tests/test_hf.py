@@ -141,15 +141,10 @@ def test_a_misspelt_key_in_the_recipe_stops_before_the_data_is_prepared(tmp_path
     assert not (tmp_path / "cache").exists()
 
 
-def test_without_transformers_a_model_type_names_the_extra_to_install():
-    code = (
-        "import sys\n"
-        "from lit_cbs.lm import CausalLM\n"  # Lightning's torchmetrics imports transformers where it is installed
-        "sys.modules['transformers'] = None\n"  # from here on, `import transformers` fails as if it were not
-        "try:\n    CausalLM({'model_type': 'llama'})\nexcept ValueError as error:\n    print(error)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=subprocess_env())
-    assert 'but transformers is not installed: pip install -e ".[hf]"' in result.stdout, result.stderr
+def test_without_transformers_a_model_type_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails as if it were not installed
+    with pytest.raises(LitCBSConfigError, match=re.escape('but transformers is not installed: pip install -e ".[hf]"')):
+        CausalLM({"model_type": "llama"})
 
 
 def test_the_readme_example_warms_up_the_batch_of_a_plain_lightning_llama():
@@ -191,6 +186,8 @@ def test_two_fsdp2_processes_shard_each_decoder_layer_and_train_with_a_probe_and
     assert sharded["block_classes"] == ["FSDPCheckpointWrapper"] * 4 and sharded["not_dtensors"] == []
     metrics = read_metrics_csv(run_dir / "metrics.csv")
     assert metrics["tokens_seen"][1][-1] == 49152 and 0 < metrics["val/loss"][1][-1] < metrics["train/loss"][1][0]
+    # The micro-batch stays 4 (batch.max_micro_batch_size=4): at 16 samples each rank accumulates 2.
+    assert set(metrics["batch/accumulate"][1]) == {1, 2}
     (reading,) = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines()]
     assert reading["tokens"] == 16384 and set(reading["losses"]) == {"1", "2"}
     log = (run_dir / "train.log").read_text()
