@@ -258,6 +258,7 @@ class ProbeReading:
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
     planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
     interrupted_at_tokens: int | None = None  # a stop signal interrupted this probe where its window began, at these tokens
+    epsilon: float | None = None  # nats, the k* rule's tolerance (readings before lit_cbs 0.3: None, the default 0.01)
 
     @classmethod
     def decide(
@@ -288,6 +289,7 @@ class ProbeReading:
             loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},
             se_method=SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
             batch_losses={f"{k:g}": list(s.batch_losses) for k, s in sorted(scores.items()) if s.batch_losses},
+            epsilon=epsilon,
             **fields,
         )
 
