@@ -1,6 +1,7 @@
 """E(S) analysis of constant-batch sweeps: loss curves from metrics CSVs, McCandlish et al. 2018 and
 Zhou et al. 2026 fits, a B_opt-following batch schedule, the fits side by side with the noise scale
-and the probe's CBS, a warmup schedule from a measured CBS curve, and plots. Pure numpy/scipy/matplotlib:
+and the probe's CBS, a warmup schedule from a measured CBS curve, a CBS forecast fitted to probe
+brackets, and plots. Pure numpy/scipy/matplotlib:
 no Lightning."""
 
 from lit_cbs.analysis.compare import SideBySide, side_by_side, side_by_side_markdown
@@ -29,11 +30,18 @@ from lit_cbs.analysis.fits import (
     schedule_yaml,
     write_schedule_yaml,
 )
-from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
+from lit_cbs.analysis.forecast import Bracket, CBSForecast, brackets_from_records, forecast_cbs, supported_interval
+from lit_cbs.analysis.plots import plot_batch_sizes, plot_es, plot_forecast
 from lit_cbs.analysis.probe_schedule import read_probe_records, schedule_from_probe
 
 __all__ = [
     "batch_group_yaml",
+    "Bracket",
+    "brackets_from_records",
+    "CBSForecast",
+    "forecast_cbs",
+    "plot_forecast",
+    "supported_interval",
     "Crossing",
     "McCandlishFit",
     "ProbePoint",

@@ -149,3 +149,50 @@ def plot_batch_sizes(
     by_loss.set_title("batch sizes implied by the E(S) fits", fontsize=9)
     by_tokens.set_title("over training: fits at E_min, probe CBS, gradient noise scale", fontsize=9)
     return save_figure(figure, path)
+
+
+def plot_forecast(
+    forecast,
+    path: str | os.PathLike,
+    tokens_to: float | None = None,
+    noise_scale: tuple[Sequence[float], Sequence[float]] | None = None,
+) -> Path:
+    """The brackets a ``CBSForecast`` was fitted on (a bar per reading from lower to upper, dashed when
+    undetermined, an arrow when it has no upper end), the fitted curve and its band, out to
+    ``tokens_to`` (default: the last reading); with ``noise_scale`` = (tokens, B_simple), the
+    gradient noise scale over tokens beside it. Log-log."""
+    brackets = forecast.brackets
+    last = max(b.tokens for b in brackets)
+    end = max(tokens_to or last, last)
+    figure = Figure(figsize=(7, 5))
+    ax = figure.add_subplot()
+    runs = sorted({b.run for b in brackets})
+    colors = dict(zip(runs, colormaps["tab10"](np.arange(len(runs)) % 10)))
+    for index, run in enumerate(runs):
+        members = [b for b in brackets if b.run == run]
+        shift = 1.04 ** (index - (len(runs) - 1) / 2)  # runs read at the same tokens side by side
+        for number, bracket in enumerate(members):
+            top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
+            x = bracket.tokens * shift
+            ax.plot([x, x], [bracket.lower, top], "-" if bracket.determined else "--", color=colors[run], lw=2,
+                    label=run if number == 0 else None)
+            if not math.isfinite(bracket.upper):
+                ax.annotate("", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]})
+    grid = np.geomspace(min(b.tokens for b in brackets) / 1.2, end * 1.2, 200)
+    low, high = forecast.band(grid)
+    ax.fill_between(grid, low, high, color="0.6", alpha=0.3, label=f"{forecast.coverage:.0%} band")
+    ax.plot(grid, forecast.predict(grid), "k-", lw=1.2, label=f"{forecast.model} fit")
+    if end > last:
+        ax.axvline(last, color="0.4", ls=":", lw=1)
+        ax.text(last, ax.get_ylim()[1], " last reading", fontsize=7, va="top")
+    if noise_scale is not None:
+        tokens, b_simple = (np.asarray(values, dtype=float) for values in noise_scale)
+        keep = np.isfinite(b_simple) & (b_simple > 0) & (tokens > 0)
+        ax.plot(tokens[keep], b_simple[keep], color="tab:purple", lw=1, label="noise scale B_simple")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens seen D")
+    ax.set_ylabel("critical batch size (samples)")
+    ax.set_title(forecast.describe(), fontsize=7, wrap=True)
+    ax.legend(fontsize=8)
+    return save_figure(figure, path)
