@@ -5,7 +5,10 @@ model, train the big one with no probe.
     python recipes/schedule_from_probe.py runs/tiny_curve/cbs_probe.jsonl --start 16 --final 64 --out conf/batch/measured.yaml
     python recipes/train.py +recipe=tiny4x_warmup batch=measured
 
-The batch starts at --start samples and grows by --factor at the token count of each probe reading
+With --forecast-to TOKENS the schedule reaches past the last probe: a CBS curve is fitted to the
+readings' brackets (lit_cbs.analysis.forecast_cbs: a power law, or one with a plateau, by held-out
+likelihood) and the batch follows the lower edge of its --coverage band up to TOKENS; --plot draws
+the brackets, the curve and the band. Otherwise the batch starts at --start samples and grows by --factor at the token count of each probe reading
 whose CBS lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at
 --final, undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds)
 are read together; at a token count read twice the smaller lower bound counts. --seq-len converts a
@@ -21,7 +24,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from lit_cbs.analysis import batch_group_yaml, read_probe_records, schedule_from_probe
+from lit_cbs.analysis import (
+    batch_group_yaml,
+    brackets_from_records,
+    forecast_cbs,
+    plot_forecast,
+    read_probe_records,
+    schedule_from_probe,
+)
+from lit_cbs.analysis.forecast import schedule_from_forecast
 from lit_cbs.lr_rules import LR_RULES
 
 
@@ -36,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens")
     parser.add_argument("--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)")
     parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
+    parser.add_argument("--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens")
+    parser.add_argument("--coverage", type=float, default=0.8, help="--forecast-to: the band's coverage; the batch follows its lower edge (default 0.8)")
+    parser.add_argument("--plot", type=Path, help="--forecast-to: write the forecast plot here (e.g. forecast.png)")
     return parser.parse_args(argv)
 
 
@@ -44,7 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out.suffix != ".yaml":
             raise ValueError(f"--out {args.out} must end in .yaml (Hydra reads conf/batch/NAME.yaml as batch=NAME)")
+        if args.forecast_to is not None and args.seq_len is not None:
+            raise ValueError("--forecast-to fits the curve at the measured sequence length; leave out --seq-len")
+        if args.forecast_to is None and args.plot is not None:
+            raise ValueError("--plot draws the forecast: give --forecast-to TOKENS too")
         records = [record for path in args.probe for record in read_probe_records(path)]
+        if args.forecast_to is not None:
+            return write_forecast(args)
         schedule = schedule_from_probe(
             records, args.start, factor=args.factor, final=args.final, margin=args.margin,
             seq_len=args.seq_len, measured_seq_len=args.measured_seq_len,
@@ -64,6 +84,29 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(batch_group_yaml(schedule, comment, args.lr_rule))
     print(f"{schedule} from {len(records)} probe records; wrote {args.out}")
+    return 0
+
+
+def write_forecast(args: argparse.Namespace) -> int:
+    """--forecast-to: fit the curve to every file's brackets (one run per file), write the schedule and the plot."""
+    brackets = [bracket for path in args.probe for bracket in brackets_from_records(read_probe_records(path), run=str(path))]
+    forecast = forecast_cbs(brackets, coverage=args.coverage)
+    schedule, changes = schedule_from_forecast(
+        forecast, args.start, args.forecast_to, factor=args.factor, final=args.final, margin=args.margin
+    )
+    at_changes = "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes) or "none"
+    comment = (
+        f"Batch size warmup forecast by recipes/schedule_from_probe.py --forecast-to {args.forecast_to:,} "
+        f"(start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}, coverage {args.coverage:g})\n"
+        f"from {len(brackets)} readings of {', '.join(str(path) for path in args.probe)}:\n{forecast.describe()}.\n"
+        f"The batch follows the band's lower edge; changes: {at_changes}.\n"
+        f"Global batches in samples, thresholds in tokens. Use: python recipes/train.py +recipe=... batch={args.out.stem}"
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(batch_group_yaml(schedule, comment, args.lr_rule))
+    if args.plot is not None:
+        plot_forecast(forecast, args.plot, tokens_to=args.forecast_to)
+    print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     return 0
 
 
