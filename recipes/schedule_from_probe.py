@@ -8,7 +8,8 @@ model, train the big one with no probe.
 With --forecast-to TOKENS the schedule reaches past the last probe: a CBS curve is fitted to the
 readings' brackets (lit_cbs.analysis.forecast_cbs: a power law, or one with a plateau, by held-out
 likelihood) and the batch follows the lower edge of its --coverage band up to TOKENS; --plot draws
-the brackets, the curve and the band. Otherwise the batch starts at --start samples and grows by --factor at the token count of each probe reading
+the brackets, the curve and the band, and --noise-scale METRICS_CSV adds a run's GradientNoiseScale
+B_simple over tokens to the plot and prints its growth exponent beside the CBS's. Otherwise the batch starts at --start samples and grows by --factor at the token count of each probe reading
 whose CBS lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at
 --final, undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds)
 are read together; at a token count read twice the smaller lower bound counts. --seq-len converts a
@@ -32,7 +33,7 @@ from lit_cbs.analysis import (
     read_probe_records,
     schedule_from_probe,
 )
-from lit_cbs.analysis.forecast import schedule_from_forecast
+from lit_cbs.analysis.forecast import growth_exponent, noise_scale_over_tokens, schedule_from_forecast
 from lit_cbs.lr_rules import LR_RULES
 
 
@@ -50,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens")
     parser.add_argument("--coverage", type=float, default=0.8, help="--forecast-to: the band's coverage; the batch follows its lower edge (default 0.8)")
     parser.add_argument("--plot", type=Path, help="--forecast-to: write the forecast plot here (e.g. forecast.png)")
+    parser.add_argument("--noise-scale", type=Path, help="--forecast-to: a metrics.csv with gns/b_simple: its growth beside the CBS's, and on the plot")
     return parser.parse_args(argv)
 
 
@@ -60,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out} must end in .yaml (Hydra reads conf/batch/NAME.yaml as batch=NAME)")
         if args.forecast_to is not None and args.seq_len is not None:
             raise ValueError("--forecast-to fits the curve at the measured sequence length; leave out --seq-len")
-        if args.forecast_to is None and args.plot is not None:
-            raise ValueError("--plot draws the forecast: give --forecast-to TOKENS too")
+        if args.forecast_to is None and (args.plot is not None or args.noise_scale is not None):
+            raise ValueError("--plot and --noise-scale go with the forecast: give --forecast-to TOKENS too")
         records = [record for path in args.probe for record in read_probe_records(path)]
         if args.forecast_to is not None:
             return write_forecast(args)
@@ -102,11 +104,14 @@ def write_forecast(args: argparse.Namespace) -> int:
         f"The batch follows the band's lower edge; changes: {at_changes}.\n"
         f"Global batches in samples, thresholds in tokens. Use: python recipes/train.py +recipe=... batch={args.out.stem}"
     )
+    noise = noise_scale_over_tokens(args.noise_scale) if args.noise_scale is not None else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(batch_group_yaml(schedule, comment, args.lr_rule))
     if args.plot is not None:
-        plot_forecast(forecast, args.plot, tokens_to=args.forecast_to)
+        plot_forecast(forecast, args.plot, tokens_to=args.forecast_to, noise_scale=noise)
     print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
+    if noise is not None:
+        print(f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); the CBS fit as D^{forecast.exponent:.3f}")
     return 0
 
 

@@ -9,14 +9,27 @@ import json
 import math
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
+from toys import trainer_kwargs
 
-from lit_cbs.analysis.forecast import Bracket, brackets_from_records, forecast_cbs, supported_interval
+from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale
+from lit_cbs.analysis.forecast import (
+    Bracket,
+    brackets_from_records,
+    forecast_cbs,
+    growth_exponent,
+    noise_scale_over_tokens,
+    supported_interval,
+)
+from lit_cbs.lm import CausalLM
 from lit_cbs.probe.reading import BranchScore, ProbeReading
+from lit_cbs.synthetic import RandomTokenData
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = [2**j for j in range(16)]  # the batches probes bracket with: 1, 2, 4, ... samples
@@ -183,4 +196,34 @@ def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys):
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps(run_records(1)[0]) + "\n")
     assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
-    assert capsys.readouterr().err.strip() == "schedule_from_probe.py: --plot draws the forecast: give --forecast-to TOKENS too"
+    assert capsys.readouterr().err.strip() == "schedule_from_probe.py: --plot and --noise-scale go with the forecast: give --forecast-to TOKENS too"
+    assert not (tmp_path / "a.yaml").exists()
+
+
+def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys):
+    # 12 steps of 2 micro-batches of 4 sequences of 16 tokens, GradientNoiseScale and tokens_seen logged every step.
+    pl.seed_everything(0, verbose=False)
+    model = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_hidden": 64, "context_length": 16, "tie_embeddings": False}
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callbacks = [BatchWarmup(ConstantBatch(8), lr_rule="none"), GradientNoiseScale(ema_decay=0.5)]
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=12, logger=logger, log_every_n_steps=1))
+    trainer.fit(CausalLM(model), RandomTokenData(vocab_size=64, seq_len=16, batch_size=4, samples=256))
+    metrics_csv = tmp_path / "run" / "version_0" / "metrics.csv"
+    tokens, b_simple = noise_scale_over_tokens(metrics_csv)
+    assert len(tokens) == 12 and list(tokens) == [128.0 * step for step in range(1, 13)] and np.all(np.isfinite(b_simple))
+
+    files = []
+    for seed in (1, 2):
+        path = tmp_path / f"seed{seed}.jsonl"
+        path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
+        files.append(str(path))
+    command = load_command()
+    done = command.main([*files, "--start", "16", "--forecast-to", "4194304", "--out", str(tmp_path / "f.yaml"),
+                         "--plot", str(tmp_path / "f.png"), "--noise-scale", str(metrics_csv)])
+    assert done == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert f"noise scale B_simple grows as D^{growth_exponent(tokens, b_simple):.3f}" in printed and "the CBS fit as D^" in printed
+    without = tmp_path / "without_gns.csv"  # the same run's steps and tokens, no noise scale
+    without.write_text("step,tokens_seen\n" + "".join(f"{step},{int(t)}\n" for step, t in enumerate(tokens)))
+    with pytest.raises(ValueError, match="has no 'gns/b_simple'; pass the metrics.csv of a run with GradientNoiseScale"):
+        noise_scale_over_tokens(without)

@@ -355,3 +355,31 @@ def schedule_from_forecast(
             thresholds.append(int(tokens))
             changes.append(ForecastChange(int(tokens), batch, float(lo), float(hi)))
     return PiecewiseBatch(sizes, thresholds, unit="tokens"), changes
+
+
+def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, B_simple) from a run's metrics.csv: ``gns/b_simple`` at each step it was logged,
+    against that step's ``tokens_seen``. Raises ValueError naming the missing column."""
+    from lit_cbs.analysis.curves import read_metrics_csv
+
+    series = read_metrics_csv(metrics_csv)
+    for name in ("gns/b_simple", "tokens_seen"):
+        if name not in series:
+            raise ValueError(f"{metrics_csv} has no {name!r}; pass the metrics.csv of a run with GradientNoiseScale and BatchWarmup")
+    tokens_at = dict(zip(*series["tokens_seen"]))
+    steps, b_simple = series["gns/b_simple"]
+    kept = [(tokens_at[step], value) for step, value in zip(steps, b_simple) if step in tokens_at]
+    if not kept:
+        raise ValueError(f"{metrics_csv}: no step logs both gns/b_simple and tokens_seen")
+    tokens, values = zip(*kept)
+    return np.array(tokens, dtype=float), np.array(values, dtype=float)
+
+
+def growth_exponent(tokens, values) -> float:
+    """The slope of log(values) against log(tokens) (least squares) over positive finite points: the x
+    in values ~ tokens^x. For the noise scale beside ``CBSForecast.exponent``. ValueError under 2 points."""
+    tokens, values = np.asarray(tokens, dtype=float), np.asarray(values, dtype=float)
+    keep = np.isfinite(tokens) & np.isfinite(values) & (tokens > 0) & (values > 0)
+    if len(set(tokens[keep])) < 2:
+        raise ValueError(f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); a growth exponent needs 2")
+    return float(np.polyfit(np.log(tokens[keep]), np.log(values[keep]), 1)[0])
