@@ -26,6 +26,7 @@ from lit_cbs.plan import ModelShape
 from lit_cbs.run_report import read_metrics_csv
 from lit_cbs.synthetic import RandomTokenData
 
+pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[hf]"')
 
 ROOT = Path(__file__).resolve().parents[1]
