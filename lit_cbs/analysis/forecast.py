@@ -4,8 +4,10 @@ A probe reading does not measure the CBS; it brackets it: the CBS at D tokens li
 [lower, upper] samples. ``supported_interval`` reads that interval off a record at the record's own
 confidence: ``lower`` is the largest batch k B whose loss is within epsilon of every smaller k's
 with that confidence, ``upper`` the smallest k B that is beyond epsilon of a smaller k's with that
-confidence (none measured: no upper end). For a determined reading that is its bracket
-[k* B, next k B]; an undetermined one gets the wider interval its data support.
+confidence (none measured: no upper end). For a determined reading of the grid strategy that is
+its bracket [k* B, next k B] (bisection measures fewer k, so there the upper end is the next
+measured k, which the data support, not the next k of the grid); an undetermined one gets the
+wider interval its data support.
 
 ``forecast_cbs`` fits log CBS(D) = mu(D) + noise, noise ~ Normal(0, s), to those intervals by
 maximum likelihood (s at least ``MIN_SPREAD``): each interval contributes P(log lower < log CBS < log upper) =
