@@ -18,7 +18,15 @@ import json
 import tempfile
 from pathlib import Path
 
-from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
+from lit_cbs.analysis.curves import (
+    GNS_COLUMN,
+    LOSS_COLUMN,
+    METRICS_FILE,
+    TOKENS_COLUMN,
+    VAL_LOSS_COLUMN,
+    read_metrics_csv,
+    tokens_at,
+)
 
 REPORT_FILE = "report.html"
 SECONDS_COLUMN = "fit_seconds"
@@ -66,8 +74,7 @@ def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
     if SECONDS_COLUMN not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
         return None
     seconds = dict(zip(*(column.tolist() for column in metrics[SECONDS_COLUMN])))
-    tokens = dict(zip(*(column.tolist() for column in metrics[TOKENS_COLUMN]))) if TOKENS_COLUMN in metrics else {}
-    panels = [name for name in (GNS_COLUMN,) if name in metrics and tokens]
+    panels = [name for name in (GNS_COLUMN,) if name in metrics and TOKENS_COLUMN in metrics]
     figure = Figure(figsize=(7, 3.6 * (1 + len(panels))))
     axes = figure.subplots(1 + len(panels), 1, squeeze=False)[:, 0]
     for name, style in ((LOSS_COLUMN, dict(lw=0.8, alpha=0.6)), (VAL_LOSS_COLUMN, dict(marker="o", lw=1.5))):
@@ -81,8 +88,7 @@ def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
     axes[0].grid(alpha=0.3)
     for axis, name in zip(axes[1:], panels):
         steps, values = metrics[name]
-        pairs = [(tokens[step], value) for step, value in zip(steps.tolist(), values.tolist()) if step in tokens]
-        axis.plot([p[0] for p in pairs], [p[1] for p in pairs])
+        axis.plot(tokens_at(metrics, steps), values)
         axis.set(xlabel="tokens seen", ylabel="gradient noise scale B_simple (samples)", yscale="log")
         axis.grid(alpha=0.3)
     return save_figure(figure, path)

@@ -25,6 +25,7 @@ from lit_cbs.analysis.curves import (
     TOKENS_COLUMN,
     VAL_LOSS_COLUMN,
     read_metrics_csv,
+    tokens_at,
 )
 from lit_cbs.warmup import BatchWarmup
 
@@ -56,15 +57,6 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     }
     Path(path).write_text(json.dumps(record, indent=2))
     return record
-
-
-def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarray) -> np.ndarray:
-    """Tokens seen at each of ``steps`` (optimizer steps), interpolated from the logged ``tokens_seen``.
-
-    Exact at logged steps (every step with ``log_every_n_steps=1``).
-    """
-    logged_steps, tokens = metrics[TOKENS_COLUMN]
-    return np.interp(steps, logged_steps, tokens)
 
 
 def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):

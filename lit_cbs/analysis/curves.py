@@ -136,6 +136,14 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
     return {name: (np.asarray(steps), np.asarray(values)) for name, (steps, values) in series.items()}
 
 
+def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarray) -> np.ndarray:
+    """Tokens seen at each of ``steps`` (optimizer steps) of ``read_metrics_csv``'s series, interpolated
+    from the logged ``tokens_seen``. Exact at logged steps (every step with ``log_every_n_steps=1``).
+    """
+    logged_steps, tokens = metrics[TOKENS_COLUMN]
+    return np.interp(steps, logged_steps, tokens)
+
+
 def _natural_key(path: Path) -> tuple:
     """Sorts Hydra's ``2_name`` before ``10_name``."""
     head = path.name.split("_", 1)[0]

@@ -361,20 +361,15 @@ def schedule_from_forecast(
 
 def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, B_simple) from a run's metrics.csv: ``gns/b_simple`` at each step it was logged,
-    against that step's ``tokens_seen``. Raises ValueError naming the missing column."""
-    from lit_cbs.analysis.curves import read_metrics_csv
+    against the tokens seen at that step (``curves.tokens_at``). Raises ValueError naming the missing column."""
+    from lit_cbs.analysis.curves import GNS_COLUMN, TOKENS_COLUMN, read_metrics_csv, tokens_at
 
     series = read_metrics_csv(metrics_csv)
-    for name in ("gns/b_simple", "tokens_seen"):
+    for name in (GNS_COLUMN, TOKENS_COLUMN):
         if name not in series:
             raise ValueError(f"{metrics_csv} has no {name!r}; pass the metrics.csv of a run with GradientNoiseScale and BatchWarmup")
-    tokens_at = dict(zip(*series["tokens_seen"]))
-    steps, b_simple = series["gns/b_simple"]
-    kept = [(tokens_at[step], value) for step, value in zip(steps, b_simple) if step in tokens_at]
-    if not kept:
-        raise ValueError(f"{metrics_csv}: no step logs both gns/b_simple and tokens_seen")
-    tokens, values = zip(*kept)
-    return np.array(tokens, dtype=float), np.array(values, dtype=float)
+    steps, b_simple = series[GNS_COLUMN]
+    return tokens_at(series, steps), np.asarray(b_simple, dtype=float)
 
 
 def growth_exponent(tokens, values) -> float:
