@@ -70,7 +70,7 @@ def supported_interval(record: Mapping, where: str = "record") -> tuple[float, f
     Uses the per-batch held-out losses when the record has them (``evaluate="heldout"``); a record
     without them keeps its own bracket when determined, and an undetermined one without them
     supports only [smallest k B, no upper end)."""
-    from lit_cbs.probe.reading import BranchScore, difference
+    from lit_cbs.probe.reading import BranchScore, judged_multipliers
 
     batch = _number(record, "batch_size", where)
     losses = record.get("losses")
@@ -88,13 +88,7 @@ def supported_interval(record: Mapping, where: str = "record") -> tuple[float, f
             return lower, math.inf if upper is None else float(upper)
         return ks[0] * batch, math.inf
     scores = {k: BranchScore.heldout(batch_losses[f"{k:g}"]) if losses[f"{k:g}"] is not None else BranchScore(math.inf) for k in ks}
-    finite = [k for k in ks if not scores[k].failed]
-
-    def bounds(k: float, j: float) -> tuple[float, float]:
-        return difference(scores[k], scores[j]).bounds(confidence)
-
-    admissible = [k for k in finite if all(bounds(k, j)[1] <= epsilon for j in finite if j < k)]
-    rejected = [k for k in ks if scores[k].failed or any(bounds(k, j)[0] > epsilon for j in finite if j < k)]
+    admissible, rejected = judged_multipliers(scores, epsilon, confidence)
     lower = max(admissible, default=ks[0]) * batch
     above = [k for k in rejected if k * batch > lower]
     return lower, (min(above) * batch if above else math.inf)

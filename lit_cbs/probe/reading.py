@@ -133,19 +133,23 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     base = scores[min(scores)]
     loss_se = {k: (None if k == min(scores) or s.failed or base.failed else difference(s, base).se)
                for k, s in sorted(scores.items())}
+    admissible, rejected = judged_multipliers(scores, epsilon, confidence)
+    determined = k_star in admissible and all(k in rejected for k in scores if k > k_star)
+    return Decision(k_star, determined, loss_se)
+
+
+def judged_multipliers(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> tuple[list[float], list[float]]:
+    """(admissible, rejected), each sorted: the finite k within ``epsilon`` of every smaller finite k
+    with ``confidence`` (upper one-sided bound of L_k - L_j), and the k beyond ``epsilon`` of some
+    smaller finite k with ``confidence`` (lower bound), a failed branch among them by definition."""
     finite = sorted(k for k, s in scores.items() if not s.failed)
 
-    def upper(k, j):
-        return difference(scores[k], scores[j]).bounds(confidence)[1]
+    def bounds(k: float, j: float) -> tuple[float, float]:
+        return difference(scores[k], scores[j]).bounds(confidence)
 
-    def lower(k, j):
-        return difference(scores[k], scores[j]).bounds(confidence)[0]
-
-    determined = bool(finite) and not scores[k_star].failed
-    determined = determined and all(upper(k_star, j) <= epsilon for j in finite if j < k_star)
-    for k in (k for k in scores if k > k_star and not scores[k].failed):
-        determined = determined and any(lower(k, j) > epsilon for j in finite if j < k)
-    return Decision(k_star, determined, loss_se)
+    admissible = [k for k in finite if all(bounds(k, j)[1] <= epsilon for j in finite if j < k)]
+    rejected = [k for k in sorted(scores) if scores[k].failed or any(bounds(k, j)[0] > epsilon for j in finite if j < k)]
+    return admissible, rejected
 
 
 def is_admissible(losses: dict[float, float], k: float, epsilon: float) -> bool:
