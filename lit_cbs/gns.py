@@ -52,6 +52,7 @@ from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.logs import log_to_loggers
+from lit_cbs.models.decoder import layer_stacks
 
 
 def two_batch_estimates(
@@ -87,28 +88,6 @@ _SHOWN_NAMES = 6  # parameter names an error message lists
 def _some_names(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOWN_NAMES])
     return f"{shown}, ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else shown
-
-
-def layer_stacks(module: torch.nn.Module) -> list[str]:
-    """The paths of ``module``'s stacks of transformer blocks: each ``nn.ModuleList`` whose entries are
-    all of one class and all hold parameters, outside any other such stack, in definition order.
-
-    ``["model.blocks"]`` for ``CausalLM`` on lit_cbs's OLMo, ``["model.lm.model.layers"]`` on a
-    transformers Llama, ``["model.transformer.h"]`` for a GPT-2 held as ``self.model``. Found from the
-    modules, not the names: activation checkpointing, ``torch.compile`` and FSDP2 keep both.
-    """
-    stacks: list[str] = []
-    for path, child in module.named_modules():
-        if any(path.startswith(stack + ".") for stack in stacks):
-            continue
-        if (
-            isinstance(child, torch.nn.ModuleList)
-            and len(child) > 0
-            and len({type(entry) for entry in child}) == 1
-            and all(any(True for _ in entry.parameters()) for entry in child)
-        ):
-            stacks.append(path)
-    return stacks
 
 
 def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:

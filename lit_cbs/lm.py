@@ -43,7 +43,7 @@ from torchmetrics import MeanMetric
 from lit_cbs.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.lr_schedules import TokenLRScheduler
-from lit_cbs.models.decoder import DecoderDims, build_decoder, config_as_dict, decoder_dims
+from lit_cbs.models.decoder import DecoderDims, build_decoder, config_as_dict, decoder_dims, embedding_parameters
 from lit_cbs.models.hf import hf_config, is_hf_config
 from lit_cbs.models.olmo import OLMoConfig, get_config
 from lit_cbs.token_loss import token_mean_loss
@@ -336,9 +336,7 @@ class CausalLM(pl.LightningModule):
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
         0/1-dimensional parameters (norms, biases), without."""
-        embedding_params = {
-            id(param) for module in self.model.modules() if isinstance(module, nn.Embedding) for param in module.parameters()
-        }
+        embedding_params = {id(param) for param in embedding_parameters(self.model)}
         decay, no_decay = [], []
         for param in self.model.parameters():
             (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from lit_cbs.models.decoder import DecoderDims, build_decoder, decoder_dims
+from lit_cbs.models.decoder import DecoderDims, build_decoder, decoder_dims, embedding_parameters
 from lit_cbs.models.olmo import OLMoConfig
 from lit_cbs.schedules import BatchSchedule, micro_batch_for
 
@@ -87,9 +87,7 @@ class ModelShape:
             model = build_decoder(config)
         dims = decoder_dims(config)
         block = sum(p.numel() for p in model.blocks[0].parameters())
-        embeddings = sum(
-            {id(p): p.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}.values()
-        )
+        embeddings = sum(p.numel() for p in embedding_parameters(model))
         total = model.num_parameters()
         return cls(
             config=dims,

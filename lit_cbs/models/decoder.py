@@ -2,7 +2,9 @@
 
 A model config is either an ``OLMoConfig`` (lit_cbs's own decoder, ``lit_cbs.models.olmo.OLMo``) or
 a ``transformers`` config (``lit_cbs.models.hf.HFDecoder``); ``build_decoder`` builds either, and
-``DecoderDims`` holds the sizes both have under one set of names.
+``DecoderDims`` holds the sizes both have under one set of names. ``layer_stacks`` and
+``embedding_parameters`` find, in any model, what the sharding, the noise scale's groups, the
+weight decay and the plan treat apart: the stacks of blocks and the embeddings.
 """
 
 from __future__ import annotations
@@ -58,3 +60,30 @@ def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:
     if isinstance(config, OLMoConfig):
         return dataclasses.asdict(config)
     return config.to_diff_dict()
+
+
+def layer_stacks(module: nn.Module) -> list[str]:
+    """The paths of ``module``'s stacks of transformer blocks: each ``nn.ModuleList`` whose entries are
+    all of one class and all hold parameters, outside any other such stack, in definition order.
+
+    ``["model.blocks"]`` for ``CausalLM`` on lit_cbs's OLMo, ``["model.lm.model.layers"]`` on a
+    transformers Llama, ``["model.transformer.h"]`` for a GPT-2 held as ``self.model``. Found from the
+    modules, not the names: activation checkpointing, ``torch.compile`` and FSDP2 keep both.
+    """
+    stacks: list[str] = []
+    for path, child in module.named_modules():
+        if any(path.startswith(stack + ".") for stack in stacks):
+            continue
+        if (
+            isinstance(child, nn.ModuleList)
+            and len(child) > 0
+            and len({type(entry) for entry in child}) == 1
+            and all(any(True for _ in entry.parameters()) for entry in child)
+        ):
+            stacks.append(path)
+    return stacks
+
+
+def embedding_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``module``'s ``nn.Embedding`` layers (token and position embeddings), each once."""
+    return list({id(p): p for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}.values())

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.models.decoder import DecoderDims, embedding_parameters, layer_stacks
 
 HF_EXTRA = 'pip install -e ".[hf]"'
 
@@ -114,7 +115,7 @@ class HFDecoder(nn.Module):
         token (and position) embeddings and an untied output head."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
-            total -= sum(p.numel() for p in _embedding_parameters(self))
+            total -= sum(p.numel() for p in embedding_parameters(self))
             head = self.lm.get_output_embeddings()
             if head is not None and not _is_tied(self.lm):
                 total -= head.weight.numel()
@@ -129,10 +130,6 @@ class HFDecoder(nn.Module):
         return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 
 
-def _embedding_parameters(module: nn.Module) -> list[nn.Parameter]:
-    return list({id(p): p for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}.values())
-
-
 def _is_tied(lm: nn.Module) -> bool:
     head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
     return head is not None and head.weight is embedding.weight
@@ -141,8 +138,8 @@ def _is_tied(lm: nn.Module) -> bool:
 def _decoder_layers_path(lm: nn.Module, config: Any) -> str:
     """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers."""
     n_layers = config.num_hidden_layers
-    for path, module in lm.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) == n_layers and len({type(layer) for layer in module}) == 1:
+    for path in layer_stacks(lm):
+        if len(lm.get_submodule(path)) == n_layers:
             return path
     raise LitCBSConfigError(
         f"{type(lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers (num_hidden_layers), which "
@@ -152,8 +149,6 @@ def _decoder_layers_path(lm: nn.Module, config: Any) -> str:
 
 def hf_dims(config: Any):
     """The ``DecoderDims`` of a ``transformers`` config (Llama's names; GPT-2's are aliased by transformers)."""
-    from lit_cbs.models.decoder import DecoderDims
-
     hidden, heads = config.hidden_size, config.num_attention_heads
     return DecoderDims(
         vocab_size=config.vocab_size,
