@@ -631,7 +631,7 @@ class CBSProbeCallback(Callback):
                     metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
         log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
         losses = ", ".join(
-            f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={min(reading.losses, key=float)}: "
+            f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={base}: "
                                         f"{reading.loss_se[k]:.4f})" if reading.loss_se.get(k) is not None else "")
                           if v is not None else "failed")
             for k, v in reading.losses.items()
