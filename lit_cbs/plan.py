@@ -338,10 +338,11 @@ class ProbePlan:
 
     points: list[int]  # token counts of the probes that fit before max_tokens
     snapshot_bytes: int  # one copy of the rank's parameters and optimizer state
-    window_bytes: int  # the recorded micro-batches of one window
+    window_bytes: int  # the recorded micro-batches of one probe's windows
     heldout_bytes: int
     max_branches: int  # branches trained per probe, at most
     window_tokens: int
+    replicates: int = 1  # data windows each branch's k trains on
     snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
 
     @property
@@ -352,7 +353,7 @@ class ProbePlan:
     @property
     def tokens(self) -> int:
         """Tokens trained in branches over the run, at most."""
-        return len(self.points) * self.max_branches * self.window_tokens
+        return len(self.points) * self.max_branches * self.window_tokens * self.replicates
 
 
 def probe_plan(
@@ -372,7 +373,7 @@ def probe_plan(
 
     points = []
     index = 0
-    while (point := probe.probe_point(index)) + probe.window_tokens <= max_tokens:
+    while (point := probe.probe_point(index)) + probe.span_tokens <= max_tokens:
         points.append(int(point))
         index += 1
     param_bytes, _ = precision_bytes(precision)
@@ -380,7 +381,7 @@ def probe_plan(
     local = math.ceil(shape.parameters / shards)
     # The weights and the optimizer's state.
     snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
-    window_samples_per_rank = probe.window_tokens // seq_len // data_parallel_size
+    window_samples_per_rank = probe.span_tokens // seq_len // data_parallel_size
     sample_bytes = (seq_len + 1) * TOKEN_BYTES
     heldout = probe.heldout_batches * val_micro_batch * sample_bytes if probe.evaluate == "heldout" else 0
     return ProbePlan(
@@ -390,6 +391,7 @@ def probe_plan(
         heldout_bytes=heldout,
         max_branches=max_branches(probe.strategy, len(probe.multipliers)),
         window_tokens=probe.window_tokens,
+        replicates=probe.replicates,
         snapshots=2 + (max_branches(probe.strategy, len(probe.multipliers)) if probe.early_stop else 0),
     )
 
@@ -539,7 +541,7 @@ class RunPlan:
             lines += [
                 f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
                 f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
-                f"{p.window_tokens:,} tokens each: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} of training)",
+                f"{p.window_tokens:,} tokens each{f' on each of {p.replicates} data windows' if p.replicates > 1 else ''}: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} of training)",
                 f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of {p.snapshot_bytes / GIB:,.2f} "
                 f"(weights + {self.optimizer.name} state), window batches {p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
                 f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "

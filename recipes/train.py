@@ -204,9 +204,10 @@ def drop_probes_outside_the_budget(cfg: DictConfig, callbacks: dict) -> list:
     for name, callback in callbacks.items():
         if isinstance(callback, CBSProbeCallback):
             first = callback.probe_point(0)
-            if first + callback.window_tokens > cfg.max_tokens:
+            if first + callback.span_tokens > cfg.max_tokens:
+                windows = f"{callback.replicates} x " if callback.replicates > 1 else ""
                 log.warning(
-                    f"warning: callbacks.{name}: the first probe ({first:,} tokens + window_tokens={callback.window_tokens:,}) ends past "
+                    f"warning: callbacks.{name}: the first probe ({first:,} tokens + {windows}window_tokens={callback.window_tokens:,}) ends past "
                     f"max_tokens={cfg.max_tokens:,}, so it never runs; training without it. Probe earlier "
                     f"(callbacks.{name}.geometric / at_tokens / every_tokens), raise max_tokens, or set callbacks.{name}=null"
                 )

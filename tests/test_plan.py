@@ -165,6 +165,12 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
     plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
                       seq_len=16, max_tokens=1024)
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
+    # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
+    probe = CBSProbeCallback(at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect",
+                             evaluate="heldout", heldout_batches=2, replicates=2)
+    plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
+                      seq_len=16, max_tokens=1024)
+    assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 
 
 def test_batch_phases_match_a_real_batch_warmup_run():

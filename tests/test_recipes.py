@@ -142,6 +142,8 @@ def text_folder(tmp_path_factory):
         (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
         (["batch.schedule.unit=token"], "batch.schedule.unit='token' is not supported"),
         (["callbacks.cbs_probe.strategy=binary"], "callbacks.cbs_probe.strategy='binary'"),
+        (["callbacks.cbs_probe.replicates=2", "callbacks.cbs_probe.evaluate=train_ema"],
+         "callbacks.cbs_probe.replicates=2 compares each k on the same held-out batches"),
         (["+batch.guard={window:0}"], "batch.guard.window=0 must be a positive int"),
     ],
 )
@@ -163,6 +165,19 @@ def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
     (record,) = caplog.records
     assert record.message.startswith("warning: callbacks.cbs_probe: the first probe (524,288 tokens + window_tokens=131,072)")
     assert "\n" not in record.message
+
+
+def test_replicate_windows_count_in_the_probes_span(caplog):
+    # 524,288 + 131,072 fits in 700,000 tokens; two windows (786,432) do not.
+    with caplog.at_level("WARNING", logger="lit_cbs.train"):
+        train.build_run(compose_config("max_tokens=700000", "lr_schedule.warmup_tokens=16384"))
+        assert not caplog.records
+        run = train.build_run(compose_config("max_tokens=700000", "lr_schedule.warmup_tokens=16384", "callbacks.cbs_probe.replicates=2"))
+    from lit_cbs import CBSProbeCallback
+
+    assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
+    (record,) = caplog.records
+    assert record.message.startswith("warning: callbacks.cbs_probe: the first probe (524,288 tokens + 2 x window_tokens=131,072)")
 
 
 def test_data_folder_without_chunks(tmp_path):

@@ -67,10 +67,11 @@ def _number(record: Mapping, key: str, where: str, minimum: float = 0.0) -> floa
 def supported_interval(record: Mapping, where: str = "record") -> tuple[float, float]:
     """(lower, upper) in samples: where the CBS lies at the record's confidence (see the module docstring).
 
-    Uses the per-batch held-out losses when the record has them (``evaluate="heldout"``); a record
-    without them keeps its own bracket when determined, and an undetermined one without them
-    supports only [smallest k B, no upper end)."""
-    from lit_cbs.probe.reading import BranchScore, judged_multipliers
+    Uses the per-batch held-out losses when the record has them (``evaluate="heldout"``; with
+    replicate windows, their spread too, as the probe judged them); a record without them keeps its
+    own bracket when determined, and an undetermined one without them supports only [smallest k B,
+    no upper end)."""
+    from lit_cbs.probe.reading import judged_multipliers, record_scores
 
     batch = _number(record, "batch_size", where)
     losses = record.get("losses")
@@ -87,7 +88,7 @@ def supported_interval(record: Mapping, where: str = "record") -> tuple[float, f
             upper = record.get("cbs_upper")
             return lower, math.inf if upper is None else float(upper)
         return ks[0] * batch, math.inf
-    scores = {k: BranchScore.heldout(batch_losses[f"{k:g}"]) if losses[f"{k:g}"] is not None else BranchScore(math.inf) for k in ks}
+    scores = record_scores(losses, batch_losses, record.get("replicate_batch_losses") or {})
     admissible, rejected = judged_multipliers(scores, epsilon, confidence)
     lower = max(admissible, default=ks[0]) * batch
     above = [k for k in rejected if k * batch > lower]

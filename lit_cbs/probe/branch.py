@@ -87,6 +87,7 @@ class RecordedWindow:
     multipliers: list[float]  # the ks whose batch k*B fits this window
     window_samples: int  # samples every branch trains on (global; whole steps of the largest branch)
     start: TrainingSnapshot
+    replicates: int = 1  # disjoint windows of window_samples recorded one after the other, each trained from `start`
     batches: list[Any] = field(default_factory=list)  # micro-batches as the main run trained on them
     recorded_samples: int = 0  # samples per rank in `batches`
     step_losses: list[float] = field(default_factory=list)  # the main run's, one per optimizer step
@@ -105,8 +106,13 @@ class RecordedWindow:
 
     @property
     def complete(self) -> bool:
-        """Whether the main run has trained on the whole window."""
-        return self.recorded_samples >= self.samples_per_rank
+        """Whether the main run has trained on every replicate's window."""
+        return self.recorded_samples >= self.samples_per_rank * self.replicates
+
+    @property
+    def first_window_complete(self) -> bool:
+        """Whether the main run has just finished the first replicate's window (of 2 or more)."""
+        return self.replicates > 1 and self.recorded_samples == self.samples_per_rank
 
     @property
     def at_checkpoint(self) -> bool:
@@ -126,19 +132,25 @@ class RecordedWindow:
         self.batches.append(move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device))
         self.recorded_samples += extract_batch_size(batch)
 
-    def micro_batches(self, size: int, samples: int) -> list[Any]:
-        """The first ``samples`` recorded samples (per rank) as micro-batches of ``size``: the recorded
-        ones where they have that size, else cut anew from them along dim 0."""
+    def micro_batches(self, size: int, samples: int, offset: int = 0) -> list[Any]:
+        """``samples`` recorded samples (per rank) from the ``offset``-th on, as micro-batches of ``size``:
+        the recorded ones where they have that size, else cut anew from them along dim 0."""
         needed = samples // size
-        if all(extract_batch_size(batch) == size for batch in self.batches[:needed]):
-            return self.batches[:needed]
+        first, seen = 0, 0
+        while seen < offset and first < len(self.batches):
+            seen += extract_batch_size(self.batches[first])
+            first += 1
+        chosen = self.batches[first : first + needed]
+        if seen == offset and len(chosen) == needed and all(extract_batch_size(batch) == size for batch in chosen):
+            return chosen
         if any(not isinstance(leaf, torch.Tensor) for leaf in tree_leaves(self.batches[0])):
             raise LitCBSConfigError(
                 "CBSProbeCallback regroups the recorded batches into micro-batches of another size, which needs "
                 "batches of tensors (or collections of them) with the samples along dim 0"
             )
         joined = tree_map(lambda *leaves: torch.cat(leaves), *self.batches)
-        return [tree_map(lambda leaf, first=first: leaf[first : first + size], joined) for first in range(0, needed * size, size)]
+        return [tree_map(lambda leaf, first=first: leaf[first : first + size], joined)
+                for first in range(offset, offset + needed * size, size)]
 
     def record_micro_loss(self, loss: float) -> None:
         self.micro_losses.append(loss)
@@ -310,10 +322,11 @@ class BranchTrainer:
             return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
         return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
 
-    def loss(self, window: RecordedWindow, k: float, keep: bool = False) -> BranchScore:
-        """Train batch k*B over the micro-batches ``window`` has recorded so far, from its start
-        snapshot (or from where this branch stopped at an earlier checkpoint), and score it. The
-        model is left in the branch's end state; ``keep`` saves that state in ``window.progress``.
+    def loss(self, window: RecordedWindow, k: float, keep: bool = False, replicate: int = 0) -> BranchScore:
+        """Train batch k*B over the micro-batches ``window`` has recorded so far (of its ``replicate``-th
+        window of data), from its start snapshot (or from where this branch stopped at an earlier
+        checkpoint), and score it. The model is left in the branch's end state; ``keep`` saves that
+        state in ``window.progress``.
 
         Raises:
             BranchFailed: a non-finite step loss, or out of memory, on any rank.
@@ -321,7 +334,7 @@ class BranchTrainer:
             ProbeAborted: SIGTERM arrived on any rank.
         """
         with callbacks_hidden(self.trainer):
-            step_losses = self._train(window, k, keep)
+            step_losses = self._train(window, k, keep, replicate)
             return self.score(step_losses)
 
     def _agreed(self, work):
@@ -343,7 +356,7 @@ class BranchTrainer:
             raise BranchFailed("out of memory") from error
         return result
 
-    def _train(self, window: RecordedWindow, k: float, keep: bool) -> list[float]:
+    def _train(self, window: RecordedWindow, k: float, keep: bool, replicate: int) -> list[float]:
         """This rank's per-step losses (nats) of batch k*B (the optimizer moved by ``rules`` for ratio k)."""
         trainer, strategy, module = self.trainer, self.trainer.strategy, self.pl_module
         step_samples, micro = window.step_samples(k), self.micro_batch_for(k)
@@ -358,8 +371,9 @@ class BranchTrainer:
         optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
         raw_optimizer = trainer.optimizers[0]
         schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
-        steps = min(window.recorded_samples, window.samples_per_rank) // step_samples
-        batches = window.micro_batches(micro, steps * step_samples)
+        offset = replicate * window.samples_per_rank
+        steps = min(window.recorded_samples - offset, window.samples_per_rank) // step_samples
+        batches = window.micro_batches(micro, steps * step_samples, offset)
         cooldown = round(self.cooldown_fraction * steps)
         tokens_per_step = window.tokens_of(step_samples)
         first_step = progress.steps if progress is not None else 0

@@ -108,6 +108,13 @@ class CBSProbeCallback(Callback):
             window's end: the first at which the reading is determined ends the window there; an
             undetermined one lets the main run go on while the branches resume from where they
             stopped (their states are kept on ``snapshot_device`` meanwhile, one per branch).
+        replicates: train each measured k on this many disjoint windows of the run's data, one after
+            the other in its order, each from the same start (``window_tokens`` each, so the probe's
+            window runs ``replicates`` x ``window_tokens`` of the main run and its branches cost about
+            ``replicates`` times as much; k = 1 trains as a branch on every window but the first).
+            Each comparison's standard error then adds how much it moves from one window of data to
+            the next, which the held-out SE alone does not cover; its share is in the reading's
+            ``replicate_se``. 1 (the default) turns it off. Needs ``evaluate="heldout"``.
         max_overhead: skip a probe that would bring probe tokens above this fraction of the
             training tokens.
         snapshot_device: where snapshots and recorded batches live ("cpu" keeps accelerator
@@ -145,6 +152,7 @@ class CBSProbeCallback(Callback):
         output_dir: str | os.PathLike | None = None,
         weight_decay_rule: str | None = None,
         beta2_rule: str | None = None,
+        replicates: int = 1,
     ):
         if sum(x is not None for x in (every_tokens, at_tokens, geometric)) != 1:
             raise LitCBSConfigError("give exactly one of every_tokens, at_tokens or geometric=(first_tokens, ratio)")
@@ -206,6 +214,17 @@ class CBSProbeCallback(Callback):
         self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
         self.evaluate = one_of("evaluate", evaluate, EVALUATIONS)
         self.heldout_batches = positive_int("heldout_batches", heldout_batches, "validation batches")
+        self.replicates = positive_int("replicates", replicates, "data windows per measured k")
+        if self.replicates > 1 and self.evaluate != "heldout":
+            raise LitCBSConfigError(
+                f"replicates={replicates} compares each k on the same held-out batches across data windows: set "
+                "evaluate='heldout' (or replicates=1)"
+            )
+        if self.replicates > 1 and early_stop:
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} and replicates={replicates} cannot be combined (a reading cut short has not "
+                "trained its later windows): drop one"
+            )
         self.max_overhead = positive_number("max_overhead", max_overhead, "probe tokens / training tokens", optional=True)
         self.snapshot_device = snapshot_device
         self.output_dir = Path(output_dir) if output_dir is not None else None
@@ -221,11 +240,17 @@ class CBSProbeCallback(Callback):
         self._trained: list[float] = []  # multipliers trained as branches in that window
         self._failed: list[float] = []
         self._heldout: list | None = None
+        self._first_window_main: BranchScore | None = None  # the main run's score after a replicated probe's first window
         self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
         self._resumed = False
         self._deferred = False  # a due probe whose window the run's end would cut: left to a resumed run
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
+
+    @property
+    def span_tokens(self) -> int:
+        """Tokens of the main run one probe records (``replicates`` windows of ``window_tokens``, at most)."""
+        return self.window_tokens * self.replicates
 
     @property
     def lr_rule(self):
@@ -397,6 +422,9 @@ class CBSProbeCallback(Callback):
             return
         if window is not None:
             window.end_step()
+            if window.first_window_complete and self._accounting.global_batch == window.batch_size:
+                with self._accounting.branching():  # the main run is the k = 1 branch of the first window
+                    self._first_window_main = self._branches.score(window.step_losses)
             if window.complete or window.at_checkpoint:
                 self._finish_probe(trainer, pl_module)
         elif not self._deferred and self._accounting.tokens_seen >= self.probe_point(self.probes_started):
@@ -471,18 +499,18 @@ class CBSProbeCallback(Callback):
         window_samples = int(window_samples // largest * largest)
         window_tokens = window_samples * seq_len
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
-        if end.earliest is not None and tokens + window_tokens > end.earliest:
+        if end.earliest is not None and tokens + window_tokens * self.replicates > end.earliest:
             # The main run would stop inside the window and take its snapshot and data with it. The point stays
             # due: a run resumed from this one's last checkpoint (after trainer.max_steps, say) takes it at its start.
             rank_zero_info(
-                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens:,} tokens would end past the "
+                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens * self.replicates:,} tokens would end past the "
                 f"run's end ({end.describe()}); a run resumed from this one's last checkpoint starts it there"
             )
             self.probes_started, self._deferred = pending, True
             return
         if self.max_overhead is not None:
-            expected_cost = max_branches(self.strategy, len(ks)) * window_tokens
-            overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens)
+            expected_cost = max_branches(self.strategy, len(ks)) * window_tokens * self.replicates
+            overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens * self.replicates)
             if overhead > self.max_overhead:
                 rank_zero_info(
                     f"CBS probe at {tokens:,} tokens skipped: it would bring probe overhead to "
@@ -497,7 +525,7 @@ class CBSProbeCallback(Callback):
             micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size), heldout=self._heldout,
             cooldown_fraction=self.cooldown_fraction,
         )
-        self._trained, self._failed = [], []
+        self._trained, self._failed, self._first_window_main = [], [], None
         with accounting.branching():  # the copy is probe work, not the main run's time
             start = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
         self._window = RecordedWindow(
@@ -512,6 +540,7 @@ class CBSProbeCallback(Callback):
             multipliers=ks,
             window_samples=window_samples,
             start=start,
+            replicates=self.replicates,
             interrupted_at_tokens=interrupted[0] if interrupted is not None and interrupted[0] != tokens else None,
         )
         accounting.probe_window_step = trainer.global_step
@@ -524,19 +553,31 @@ class CBSProbeCallback(Callback):
         main_changed_batch = accounting.global_batch != window.batch_size
         spent_before = branches.tokens_trained
 
-        def measure(k: float) -> BranchScore:
-            if k == 1.0 and self.strategy == "bisect" and not main_changed_batch and not self.cooldown_fraction:
-                return main_score  # the main run trained batch B on this very window
-            if k in self._failed:
-                return BranchScore(math.inf)
-            if k not in self._trained:
+        main_is_baseline = self.strategy == "bisect" and not self.cooldown_fraction
+
+        def measure_window(k: float, replicate: int) -> BranchScore:
+            if k == 1.0 and main_is_baseline and replicate == 0:
+                if window.replicates == 1 and not main_changed_batch:
+                    return main_score  # the main run trained batch B on this very window
+                if self._first_window_main is not None:
+                    return self._first_window_main  # ... on the first of the replicates' windows
+            if replicate > 0 or k not in self._trained:  # once per window trained (early stop goes on with one)
                 self._trained.append(k)
             try:
-                return branches.loss(window, k, keep=not final)
+                return branches.loss(window, k, keep=not final, replicate=replicate)
             except BranchFailed as error:
                 rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
                 self._failed.append(k)
                 return BranchScore(math.inf)
+
+        def measure(k: float) -> BranchScore:
+            """k's score over every replicate window (a failed window fails k)."""
+            scores = []
+            for replicate in range(window.replicates):
+                if k in self._failed:
+                    return BranchScore(math.inf)
+                scores.append(measure_window(k, replicate))
+            return BranchScore.replicated(scores)
 
         with accounting.branching():  # probe work: not the main run's time or gradients
             after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
@@ -580,6 +621,7 @@ class CBSProbeCallback(Callback):
             cooldown_fraction=self.cooldown_fraction,
             planned_window_tokens=window.window_tokens,
             interrupted_at_tokens=window.interrupted_at_tokens,
+            replicates=window.replicates,
         )
         if not (final or reading.determined):
             return  # undetermined at an early-stop checkpoint: the window goes on
@@ -630,16 +672,20 @@ class CBSProbeCallback(Callback):
                 if reading.loss_se.get(k) is not None:
                     metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
         log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
+        def between_windows(k: str) -> str:
+            return f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}" if k in reading.replicate_se else ""
+
         losses = ", ".join(
             f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={base}: "
-                                        f"{reading.loss_se[k]:.4f})" if reading.loss_se.get(k) is not None else "")
+                                        f"{reading.loss_se[k]:.4f}{between_windows(k)})" if reading.loss_se.get(k) is not None else "")
                           if v is not None else "failed")
             for k, v in reading.losses.items()
         )
         rank_zero_info(
             f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
             f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {losses}; "
-            f"probe overhead {reading.overhead:.2f}"
+            f"{reading.tokens_spent:,} branch tokens" + (f" over {reading.replicates} data windows" if reading.replicates > 1 else "")
+            + f"; probe overhead {reading.overhead:.2f}"
         )
         if trainer.is_global_zero and self._resolved_output_dir is not None:
             self._write_history()

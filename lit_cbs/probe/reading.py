@@ -12,7 +12,13 @@ one-sided c-confidence bound of L_k - L_j (Student's t) is at most ``epsilon`` f
 k is *rejected with confidence c* when, for some smaller j, the lower bound exceeds ``epsilon``.
 The reading's k* is the rule applied to the mean losses; the reading is *determined* when k* is
 admissible with confidence and every measured larger k is rejected with confidence, and
-*undetermined* otherwise (the data cannot tell k* from its neighbours at that confidence). With
+*undetermined* otherwise (the data cannot tell k* from its neighbours at that confidence).
+
+The held-out SE covers the held-out batches, not the data the branches trained on: another run,
+or the next window of data, moves L_k - L_j by more than it (several times more on small models).
+With replicates, each measured k trains on R disjoint windows of the run's data from the same
+start, and every comparison's SE adds the spread between windows (``difference``), so a reading's
+confidence is not that of the one window of data it happened to train on. With
 ``evaluate="train_ema"`` branches train on differently grouped batches and no pairing exists: the
 SE of each branch's EMA comes from the scatter of its step losses (unpaired, approximate).
 
@@ -23,7 +29,7 @@ hand.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lit_cbs.analysis.curves import ema
@@ -32,6 +38,7 @@ STRATEGIES = ("grid", "bisect")
 EVALUATIONS = ("train_ema", "heldout")
 # How a reading's standard errors were made (ProbeReading.se_method).
 SE_PAIRED = "paired held-out batches"
+SE_REPLICATED = "paired held-out batches and replicate data windows"
 SE_STEP_SCATTER = "step-loss scatter (unpaired, approximate)"
 SE_NONE = "none"
 
@@ -48,12 +55,29 @@ class BranchScore:
     loss: float  # nats; inf or NaN for a failed branch
     batch_losses: tuple[float, ...] = ()
     se: float | None = None
+    replicate_losses: tuple[tuple[float, ...], ...] = ()  # per replicate window, its batch_losses (2+ replicates)
 
     @classmethod
     def heldout(cls, batch_losses: Sequence[float]) -> BranchScore:
         """The mean of per-batch held-out losses (nats)."""
         values = tuple(float(x) for x in batch_losses)
         return cls(sum(values) / len(values), values)
+
+    @classmethod
+    def replicated(cls, replicates: Sequence[BranchScore]) -> BranchScore:
+        """One multiplier measured on several disjoint data windows, each scored on the same held-out
+        batches: its loss is the mean over windows and batches, ``batch_losses`` the per-batch means
+        over windows, and ``replicate_losses`` keeps each window's, from which ``difference`` estimates
+        how much a comparison moves from one window of data to the next. Failed if any window failed."""
+        if len(replicates) == 1:
+            return replicates[0]
+        if any(score.failed for score in replicates):
+            return cls(math.inf)
+        per_window = tuple(tuple(score.batch_losses) for score in replicates)
+        if not per_window[0] or any(len(losses) != len(per_window[0]) for losses in per_window):
+            raise ValueError("replicated scores need held-out losses on the same batches in every window")
+        means = tuple(sum(column) / len(column) for column in zip(*per_window))
+        return cls(sum(means) / len(means), means, replicate_losses=per_window)
 
     @classmethod
     def train_ema(cls, step_losses: Sequence[float], alpha: float) -> BranchScore:
@@ -75,11 +99,13 @@ class BranchScore:
 @dataclass(frozen=True)
 class Difference:
     """L_k - L_j (nats) with its standard error and the degrees of freedom of its t quantile
-    (inf: normal); ``se`` None when neither pairing nor per-branch SEs exist."""
+    (inf: normal); ``se`` None when neither pairing nor per-branch SEs exist. ``replicate_se``: the
+    part of ``se`` that comes from the spread between data windows (replicated scores only)."""
 
     mean: float
     se: float | None
     dof: float = math.inf
+    replicate_se: float | None = None
 
     def bounds(self, confidence: float) -> tuple[float, float]:
         """The lower and upper one-sided ``confidence`` bounds of the difference (nats)."""
@@ -98,16 +124,34 @@ def one_sided_quantile(confidence: float, dof: float) -> float:
     return float(stats.t.ppf(confidence, dof))
 
 
+def _variance(values: Sequence[float]) -> float:
+    centre = sum(values) / len(values)
+    return sum((v - centre) ** 2 for v in values) / (len(values) - 1)
+
+
 def difference(a: BranchScore, b: BranchScore) -> Difference:
     """L_a - L_b: paired over held-out batches when both have them (SE of the mean per-batch
-    difference, n - 1 degrees of freedom); else from the two SEs (unpaired, normal)."""
+    difference, n - 1 degrees of freedom); else from the two SEs (unpaired, normal).
+
+    Replicated scores (R data windows, the same H held-out batches) add the spread between windows:
+    SE^2 = var_h(mean over windows of the batch's difference) / H + var_r(window's mean difference) / R,
+    the first the held-out sampling error, the second what a run on other data would move the
+    comparison by. The second counts a share of the batch noise again (var_r holds it / H), so the
+    sum errs on the wide side. Degrees of freedom: Welch-Satterthwaite's, from H - 1 and R - 1.
+    """
     mean = a.loss - b.loss
     n = len(a.batch_losses)
+    replicates = len(a.replicate_losses)
+    if replicates >= 2 and replicates == len(b.replicate_losses) and n >= 2 and n == len(b.batch_losses):
+        window_means = [sum(x - y for x, y in zip(wa, wb)) / n for wa, wb in zip(a.replicate_losses, b.replicate_losses)]
+        batch_part = _variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n
+        window_part = _variance(window_means) / replicates
+        total = batch_part + window_part
+        parts = batch_part**2 / (n - 1) + window_part**2 / (replicates - 1)
+        dof = total**2 / parts if parts > 0 else math.inf
+        return Difference(mean, math.sqrt(total), dof, math.sqrt(window_part))
     if n >= 2 and n == len(b.batch_losses):
-        diffs = [x - y for x, y in zip(a.batch_losses, b.batch_losses)]
-        centre = sum(diffs) / n
-        variance = sum((d - centre) ** 2 for d in diffs) / (n - 1)
-        return Difference(mean, math.sqrt(variance / n), n - 1)
+        return Difference(mean, math.sqrt(_variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n), n - 1)
     if a.se is not None and b.se is not None:
         return Difference(mean, math.hypot(a.se, b.se))
     return Difference(mean, None)
@@ -121,6 +165,7 @@ class Decision:
     k_star: float
     determined: bool
     loss_se: dict[float, float | None] = field(default_factory=dict)
+    replicate_se: dict[float, float | None] = field(default_factory=dict)  # the windows' share of loss_se
 
 
 def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> Decision:
@@ -131,11 +176,11 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     losses = {k: s.loss for k, s in scores.items()}
     k_star = critical_multiplier(losses, epsilon)
     base = scores[min(scores)]
-    loss_se = {k: (None if k == min(scores) or s.failed or base.failed else difference(s, base).se)
-               for k, s in sorted(scores.items())}
+    gaps = {k: (None if k == min(scores) or s.failed or base.failed else difference(s, base)) for k, s in sorted(scores.items())}
     admissible, rejected = judged_multipliers(scores, epsilon, confidence)
     determined = k_star in admissible and all(k in rejected for k in scores if k > k_star)
-    return Decision(k_star, determined, loss_se)
+    return Decision(k_star, determined, {k: None if gap is None else gap.se for k, gap in gaps.items()},
+                    {k: gap.replicate_se for k, gap in gaps.items() if gap is not None and gap.replicate_se is not None})
 
 
 def judged_multipliers(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> tuple[list[float], list[float]]:
@@ -226,6 +271,26 @@ def measure_losses(
     return scores
 
 
+def record_scores(
+    losses: Mapping[str, float | None],
+    batch_losses: Mapping[str, Sequence[float]],
+    replicate_batch_losses: Mapping[str, Sequence[Sequence[float]]],
+) -> dict[float, BranchScore]:
+    """Each measured k's score from a reading's fields (``ProbeReading`` or its JSON record): its
+    per-window and per-batch held-out losses where it has them, else its loss alone (inf for a
+    failed branch)."""
+    def score(k: str, loss: float | None) -> BranchScore:
+        if loss is None:
+            return BranchScore(math.inf)
+        if k in replicate_batch_losses:
+            return BranchScore.replicated([BranchScore.heldout(window) for window in replicate_batch_losses[k]])
+        if k in batch_losses:
+            return BranchScore.heldout(batch_losses[k])
+        return BranchScore(loss)
+
+    return {float(k): score(k, loss) for k, loss in losses.items()}
+
+
 @dataclass
 class ProbeReading:
     """One probe's measurement; ``cbs_probe.jsonl`` holds one per line (``dataclasses.asdict``).
@@ -244,7 +309,7 @@ class ProbeReading:
     evaluate: str  # "train_ema" or "heldout"
     losses: dict[str, float | None]  # per multiplier ("2" for k = 2); None for a failed branch
     main_loss: float  # the main run's own loss over the window (the k = 1 run)
-    branches_trained: list[float]  # the multipliers trained as branches, in order
+    branches_trained: list[float]  # the multipliers trained as branches, in order (once per data window)
     failed: list[float]  # branches that diverged, ran out of memory or raised
     k_star: float
     cbs_lower: float  # k* B
@@ -263,6 +328,9 @@ class ProbeReading:
     planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
     interrupted_at_tokens: int | None = None  # a stop signal interrupted this probe where its window began, at these tokens
     epsilon: float | None = None  # nats, the k* rule's tolerance (readings before lit_cbs 0.3: None, the default 0.01)
+    replicates: int = 1  # disjoint data windows each measured k trained on (window_tokens each)
+    replicate_se: dict[str, float] = field(default_factory=dict)  # the windows' share of loss_se (replicates >= 2)
+    replicate_batch_losses: dict[str, list[list[float]]] = field(default_factory=dict)  # per k, per window, per batch
 
     @classmethod
     def decide(
@@ -280,6 +348,7 @@ class ProbeReading:
         decision = decide(scores, epsilon, confidence)
         lower, upper, estimate = cbs_interval(decision.k_star, multipliers, batch_size)
         paired = any(s.batch_losses for s in scores.values())
+        replicated = any(s.replicate_losses for s in scores.values())
         unpaired = any(s.se is not None for s in scores.values())
         return cls(
             batch_size=batch_size,
@@ -291,8 +360,11 @@ class ProbeReading:
             determined=decision.determined,
             confidence=confidence,
             loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},
-            se_method=SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
+            se_method=SE_REPLICATED if replicated else SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
             batch_losses={f"{k:g}": list(s.batch_losses) for k, s in sorted(scores.items()) if s.batch_losses},
+            replicate_se={f"{k:g}": se for k, se in decision.replicate_se.items()},
+            replicate_batch_losses={f"{k:g}": [list(w) for w in s.replicate_losses] for k, s in sorted(scores.items())
+                                    if s.replicate_losses},
             epsilon=epsilon,
             **fields,
         )
@@ -303,13 +375,8 @@ class ProbeReading:
         return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
 
     def scores(self) -> dict[float, BranchScore]:
-        """Each measured k's score again, from the record: its per-batch held-out losses where it has
-        them, else its loss alone (inf for a failed branch); ``decide`` can judge them anew."""
-        return {
-            float(k): BranchScore.heldout(self.batch_losses[k]) if k in self.batch_losses
-            else BranchScore(loss if loss is not None else math.inf)
-            for k, loss in self.losses.items()
-        }
+        """Each measured k's score again, from the record (``record_scores``); ``decide`` can judge them anew."""
+        return record_scores(self.losses, self.batch_losses, self.replicate_batch_losses)
 
     @property
     def bracket(self) -> str:
