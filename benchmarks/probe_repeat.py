@@ -79,7 +79,8 @@ def runs_of(quick: bool = False) -> list[Run]:
     with ``quick``, two short runs of the default job."""
     if quick:
         return [Run(f"default_s{seed}_t1", "default", seed, 1, QUICK_OVERRIDES) for seed in SEEDS[:2]]
-    curve = ("+recipe=tiny_cbs_curve", f"max_tokens={CURVE_TOKENS}")
+    # One data window per k, as these experiments were run (tiny_cbs_curve now trains each k on 2).
+    curve = ("+recipe=tiny_cbs_curve", f"max_tokens={CURVE_TOKENS}", "callbacks.cbs_probe.replicates=1")
     runs = [Run(f"default_s{seed}_t{threads}", "default", seed, threads, (f"max_tokens={DEFAULT_TOKENS}",))
             for threads in (2, 1) for seed in SEEDS]
     runs += [Run(f"curve_s{seed}_t{threads}", "curve", seed, threads, curve) for threads in (1, 2) for seed in SEEDS]
