@@ -1,6 +1,6 @@
 """The recipe benchmarks' --quick modes end to end, so that a documented command cannot break unseen:
-benchmarks.guard, benchmarks.probe_repeat and benchmarks.hparam_rules train their runs (short runs,
-two at a time) and report from them. (benchmarks.table1, time_to_loss, transfer, overhead and gpu_check have
+benchmarks.guard, benchmarks.probe_repeat, benchmarks.calibration and benchmarks.hparam_rules train their
+runs (short runs, two at a time) and report from them. (benchmarks.table1, time_to_loss, transfer, overhead and gpu_check have
 their own tests.)"""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from benchmarks import guard, hparam_rules, probe_repeat
+from benchmarks import calibration, guard, hparam_rules, probe_repeat
+from lit_cbs.probe import BranchScore, difference
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +66,36 @@ def test_hparam_rules_pairs_each_run_with_its_reference_seed_by_seed():
     assert result["comparisons"]["seesaw"]["steps_saved"] == pytest.approx(0.35)
     ((text, met),) = hparam_rules.goals(result)
     assert met and text.startswith("seesaw: final held-out loss +0.0050 nats") and "35% fewer" in text
+
+
+def test_calibration_quick_judges_every_reading_both_ways_and_reports(tmp_path):
+    markdown = tmp_path / "RESULTS.md"
+    result = calibration.main(["--quick", "--out", str(tmp_path / "runs"), "--markdown", str(markdown)])
+    runs = result["runs"]
+    assert [run["key"] for run in runs] == ["default_s1", "default_s2", "default_s3"]
+    for run in runs:
+        summary = json.loads((tmp_path / "runs" / run["key"] / "summary.json").read_text())
+        assert result["costs"][run["key"]]["tokens"] == summary["probe"]["tokens"]
+        for reading in run["readings"]:
+            assert reading["replicates"] == 2 and set(reading["replicate_batch_losses"]) == set(reading["losses"])
+            alone = calibration.first_window(reading, run["multipliers"])
+            # The first window alone: each k's loss is its first window's mean held-out loss, judged without the second.
+            for k, windows in reading["replicate_batch_losses"].items():
+                assert alone["losses"][k] == pytest.approx(sum(windows[0]) / len(windows[0]))
+            base = reading["replicate_batch_losses"]["1"][0]
+            for k, se in alone["loss_se"].items():  # the paired held-out SE of the first window alone
+                if k != "1":
+                    first = difference(BranchScore.heldout(reading["replicate_batch_losses"][k][0]), BranchScore.heldout(base))
+                    assert se == pytest.approx(first.se)
+            assert alone["replicate_se"] == {}
+    rows = result["rows"]
+    assert len(rows) == sum(len(run["readings"]) for run in runs)
+    for row in rows:  # the two-window judgement is the probe's own
+        reading = next(r for run in runs if run["seed"] == row["seed"] for r in run["readings"] if r["tokens"] == row["tokens"])
+        assert (row["two"]["lower"], row["two"]["determined"]) == (reading["cbs_lower"], reading["determined"])
+        assert row["two"]["interval"][0] <= reading["cbs_lower"] or not reading["determined"]
+    assert json.loads((tmp_path / "runs" / "calibration.json").read_text())["goals"] == result["goals"]
+    text = markdown.read_text()
+    assert "<!-- calibration:start -->" in text and (tmp_path / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+    for goal in result["goals"]:
+        assert f"- {goal['goal']}: {'met' if goal['met'] else 'MISSED'}" in text

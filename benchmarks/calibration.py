@@ -1,0 +1,461 @@
+"""Do the CBS probe's readings, and forecasts fitted to them, hold on runs and data they did not see?
+
+The held-out SE of a reading covers the held-out batches, not the data the branches trained on, so
+readings of the same point by runs of other seeds disagreed by more than their error bars said
+(docs/benchmarks/cbs_probe.md). ``CBSProbeCallback(replicates=2)`` trains each measured k on two
+disjoint windows of data and adds their spread to every comparison's SE. This benchmark measures
+what that buys, with the recipes a user runs (``recipes/train.py``, one subprocess each):
+
+- default: the default job, ``callbacks.cbs_probe.replicates=2`` (probes at 524,288 and
+  2,097,152 tokens, windows of 131,072), cut at 2,621,440 tokens, after its last probe.
+- curve: ``+recipe=tiny_cbs_curve`` (batch 16, k = 1..16 over windows of 524,288 tokens, replicates
+  2: readings at 65,536, ~1.1M and ~2.2M tokens), cut at 3,276,800 tokens, after its last probe.
+
+each with seeds 1, 2, 3 and 1234. Before any batch change the readings do not depend on the budget
+(constant LR after warmup, absolute thresholds), so they are those of the full 4,194,304-token runs.
+
+Reported (the section "calibration" of docs/RESULTS.md):
+
+1. Readings, per probe point and seed: the bracket as the probe judged it (both windows) and as the
+   first window alone judges it (the data a probe with ``replicates=1`` has, up to bisection's
+   choice of k), each with its 90% interval (``lit_cbs.analysis.forecast.supported_interval``: a
+   determined reading's bracket; an undetermined one's wider interval). Goals: determined readings
+   of the same point within one grid step of each other (all), and the 90% interval holding the
+   across-seed median bracket (the medians of the seeds' lower and upper ends; geometric mean of
+   the middle two for an even count) in >= 85% of cases. Beside them, the standard deviation across
+   seeds of L_k - L_1 against the median SE the readings reported, both ways, and what the second
+   window cost in branch tokens.
+2. Forecasts, on readings they did not see: per group of runs of one recipe (and, with ``--transfer
+   OUT``, the curves of ``benchmarks.transfer``: tiny and tiny4x), ``forecast_cbs`` fitted to the
+   readings of the first half of the probe points of every seed's run, its 80% band against the
+   later readings' 90% intervals (covered: they overlap); and tiny's whole curves against tiny4x's.
+   Goal: >= 80% of held-out readings covered.
+
+Raw numbers: OUT/calibration.json. Budget: about 50 minutes on 2 CPU cores (8 runs, 2 at a time
+with one thread each); a finished run (summary.json in its folder) is not trained again.
+
+Usage::
+
+    python -m benchmarks.calibration --transfer outputs/transfer   # trains what is missing, writes the report
+    python -m benchmarks.calibration --report-only
+    python -m benchmarks.calibration --quick --out /tmp/calibration   # short runs, seconds: a pipeline check
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from benchmarks.common import machine, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
+
+SEEDS = (1, 2, 3, 1234)
+CONFIDENCE = 0.9  # the readings' own (the recipes' default)
+GOALS = {"agreement_steps": 1, "median_held": 0.85, "forecast_covered": 0.80}
+FORECAST_COVERAGE = 0.8
+
+
+@dataclass(frozen=True)
+class Run:
+    key: str
+    experiment: str  # default or curve
+    seed: int
+    overrides: tuple[str, ...]
+
+
+EXPERIMENTS = {
+    "default": ("max_tokens=2621440", "callbacks.cbs_probe.replicates=2"),
+    "curve": ("+recipe=tiny_cbs_curve", "max_tokens=3276800"),
+}
+# --quick: the default job on 65,536 tokens, probed (k = 1, 2, 4) at 8,192 and 32,768 tokens over two windows of 8,192.
+QUICK = ("max_tokens=65536", "lr_schedule.warmup_tokens=8192", "callbacks.cbs_probe.geometric=[8192,4.0]",
+         "callbacks.cbs_probe.multipliers=[1,2,4]", "callbacks.cbs_probe.window_tokens=8192",
+         "callbacks.cbs_probe.heldout_batches=4", "callbacks.cbs_probe.replicates=2", "val_check_tokens=32768",
+         "trainer.limit_val_batches=2")
+
+
+def runs_of(quick: bool) -> list[Run]:
+    if quick:
+        return [Run(f"default_s{seed}", "default", seed, QUICK) for seed in SEEDS[:3]]
+    return [Run(f"{name}_s{seed}", name, seed, overrides) for name, overrides in EXPERIMENTS.items() for seed in SEEDS]
+
+
+def command_of(run: Run, out: Path) -> list[str]:
+    return train_command([*run.overrides, f"seed={run.seed}", f"hydra.run.dir={(out / run.key).resolve()}",
+                          "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "callbacks.checkpoint=null",
+                          "plots=false"])
+
+
+def train(run: Run, out: Path, threads: int) -> None:
+    train_unless_done(command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[calibration] {run.key}")
+    print(f"[calibration] {run.key} done", flush=True)
+
+
+def read_readings(run_dir: Path) -> list[dict]:
+    found = sorted(run_dir.rglob("cbs_probe.jsonl"))
+    if len(found) != 1:
+        raise SystemExit(f"[calibration] {run_dir} holds {len(found)} cbs_probe.jsonl files, expected 1")
+    return [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
+
+
+def load(run: Run, out: Path) -> dict | None:
+    run_dir = out / run.key
+    if not (run_dir / "summary.json").exists():
+        return None
+    summary = json.loads((run_dir / "summary.json").read_text())
+    wall = run_dir / "wall_seconds.txt"
+    multipliers = OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.multipliers
+    return {**asdict(run), "readings": read_readings(run_dir), "tokens": summary["tokens"],
+            "multipliers": [float(k) for k in multipliers], "command": " ".join(command_of(run, out)[1:]),
+            "wall_seconds": float(wall.read_text()) if wall.exists() else None}
+
+
+# ---------------------------------------------------------------------------- 1. readings
+def first_window(reading: dict, multipliers: list[float]) -> dict:
+    """``reading`` as its first data window alone judges it: the record a probe with ``replicates=1``
+    would have written from the same branches."""
+    from lit_cbs.probe.reading import BranchScore, ProbeReading
+
+    windows = reading["replicate_batch_losses"]
+    scores = {float(k): BranchScore.heldout(windows[k][0]) if k in windows else BranchScore(math.inf)
+              for k, loss in reading["losses"].items()}
+    fields = {key: reading[key] for key in ("tokens", "step", "seq_len", "window_tokens", "strategy", "evaluate", "main_loss",
+                                            "failed", "tokens_spent", "overhead")}
+    judged = ProbeReading.decide(scores, reading["epsilon"], reading["confidence"], multipliers, reading["batch_size"],
+                                 branches_trained=sorted(set(reading["branches_trained"])), **fields)
+    return asdict(judged)
+
+
+def interval(reading: dict) -> tuple[float, float]:
+    """The reading's 90% interval (samples): where its data place the CBS at its confidence."""
+    from lit_cbs.analysis.forecast import supported_interval
+
+    return supported_interval(reading)
+
+
+def probe_points(runs: list[dict]) -> list[int]:
+    """The probe points of ``runs`` (tokens): readings within 10% of each other are one point."""
+    groups: list[list[int]] = []
+    for tokens in sorted(r["tokens"] for run in runs for r in run["readings"]):
+        if groups and tokens <= 1.1 * groups[-1][0]:
+            groups[-1].append(tokens)
+        else:
+            groups.append([tokens])
+    return [int(statistics.median(group)) for group in groups]
+
+
+def nearest(reading: dict, points: list[int]) -> int:
+    """The probe point ``reading`` belongs to."""
+    return min(points, key=lambda p: abs(math.log(reading["tokens"] / p)))
+
+
+def at_point(run: dict, point: int, points: list[int]) -> dict | None:
+    return next((r for r in run["readings"] if nearest(r, points) == point), None)
+
+
+def median_bracket(readings: list[dict]) -> tuple[float, float]:
+    """The medians of the readings' lower and upper ends (samples; no upper end counts as inf;
+    the geometric mean of the middle two for an even count)."""
+    def median(values: list[float]) -> float:
+        values = sorted(values)
+        middle = len(values) // 2
+        if len(values) % 2:
+            return values[middle]
+        a, b = values[middle - 1], values[middle]
+        return math.inf if math.isinf(b) else math.sqrt(a * b)
+
+    return (median([r["cbs_lower"] for r in readings]),
+            median([math.inf if r["cbs_upper"] is None else r["cbs_upper"] for r in readings]))
+
+
+def judge_readings(runs: list[dict]) -> list[dict]:
+    """Per experiment and probe point: each seed's reading judged over both windows and over the first
+    alone, its 90% interval, and whether that interval holds the median bracket of the other seeds'
+    two-window readings."""
+    rows = []
+    for experiment in EXPERIMENTS:
+        group = [run for run in runs if run["experiment"] == experiment]
+        points = probe_points(group)
+        for point in points:
+            readings = {run["seed"]: at_point(run, point, points) for run in group}
+            readings = {seed: r for seed, r in readings.items() if r is not None}
+            for seed, reading in readings.items():
+                others = [r for s, r in readings.items() if s != seed]
+                reference = median_bracket(others) if others else None
+                row = {"experiment": experiment, "point": point, "seed": seed, "tokens": reading["tokens"],
+                       "reference": reference}
+                multipliers = next(run["multipliers"] for run in group if run["seed"] == seed)
+                for name, judged in (("two", reading), ("one", first_window(reading, multipliers))):
+                    low, high = interval(judged)
+                    row[name] = {"lower": judged["cbs_lower"], "upper": judged["cbs_upper"], "determined": judged["determined"],
+                                 "interval": [low, high],
+                                 "holds": None if reference is None else low <= reference[0] and reference[1] <= high}
+                rows.append(row)
+    return rows
+
+
+def agreement(rows: list[dict], judgement: str) -> list[dict]:
+    """Per experiment and point: the determined readings and how far apart they lie (grid steps, log2)."""
+    found = []
+    for key in sorted({(row["experiment"], row["point"]) for row in rows}, key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1])):
+        lowers = [row[judgement]["lower"] for row in rows if (row["experiment"], row["point"]) == key and row[judgement]["determined"]]
+        found.append({"experiment": key[0], "point": key[1], "determined": len(lowers),
+                      "of": sum((row["experiment"], row["point"]) == key for row in rows),
+                      "steps": math.log2(max(lowers) / min(lowers)) if lowers else None})
+    return found
+
+
+def spread(runs: list[dict]) -> list[dict]:
+    """Per experiment, point and k measured by 3+ seeds: the standard deviation across seeds of L_k - L_1
+    against the median SE the readings report for it, over both windows and over the first alone (nats)."""
+    found = []
+    for experiment in EXPERIMENTS:
+        group = [run for run in runs if run["experiment"] == experiment]
+        points = probe_points(group)
+        for point in points:
+            readings = [r for run in group if (r := at_point(run, point, points)) is not None]
+            judged = {"two": readings, "one": [first_window(r, group[0]["multipliers"]) for r in readings]}
+            ks = sorted({float(k) for r in readings for k, loss in r["losses"].items() if loss is not None} - {1.0})
+            for k in ks:
+                name = f"{k:g}"
+                row = {"experiment": experiment, "point": point, "k": k}
+                for way, records in judged.items():
+                    diffs = [r["losses"][name] - r["losses"]["1"] for r in records
+                             if r["losses"].get(name) is not None and r["losses"].get("1") is not None]
+                    ses = [r["loss_se"][name] for r in records if r["loss_se"].get(name) is not None]
+                    if len(diffs) < 3 or not ses:
+                        break
+                    row[way] = {"runs": len(diffs), "mean": statistics.mean(diffs), "std": statistics.stdev(diffs),
+                                "median_se": statistics.median(ses)}
+                else:
+                    found.append(row)
+    return found
+
+
+def cost(run: dict) -> dict:
+    """Branch tokens the run's probes spent, and what their first windows alone spent."""
+    spent = sum(r["tokens_spent"] for r in run["readings"])
+    first = sum(sum(1 for k in set(r["branches_trained"]) if r["branches_trained"].count(k) == r["replicates"]) * r["window_tokens"]
+                for r in run["readings"])
+    return {"tokens": spent, "first_window_tokens": first, "main_tokens": run["tokens"]}
+
+
+# ---------------------------------------------------------------------------- 2. forecasts
+def validation_groups(runs: list[dict], transfer_out: Path | None) -> dict[str, list[dict]]:
+    """Runs of one recipe whose readings a forecast is checked on: name -> [{"key", "readings"}]."""
+    groups = {experiment: [{"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment]
+              for experiment in EXPERIMENTS}
+    if transfer_out is not None:
+        for model in ("tiny", "tiny4x"):
+            found = sorted(transfer_out.glob(f"{model}_curve_seed*/summary.json"))
+            groups[f"transfer {model}"] = [{"key": path.parent.name, "readings": read_readings(path.parent)} for path in found]
+    return {name: group for name, group in groups.items() if group}
+
+
+def check_forecast(name: str, train: list[dict], test: list[dict], what: str) -> dict:
+    """Fit ``forecast_cbs`` to the brackets of ``train`` (runs' readings), and count the brackets of
+    ``test`` its band covers."""
+    from lit_cbs.analysis import brackets_from_records, forecast_cbs
+
+    row = {"group": name, "what": what, "train": sum(len(run["readings"]) for run in train),
+           "test": sum(len(run["readings"]) for run in test)}
+    try:
+        forecast = forecast_cbs([b for run in train for b in brackets_from_records(run["readings"], run=run["key"])],
+                                coverage=FORECAST_COVERAGE)
+    except ValueError as error:
+        return {**row, "error": str(error)}
+    held_out = [b for run in test for b in brackets_from_records(run["readings"], run=run["key"])]
+    covered = [forecast.covers(b) for b in held_out]
+    return {**row, "description": forecast.describe(), "covered": sum(covered), "checked": len(covered),
+            "misses": [{"run": b.run, "tokens": b.tokens, "interval": [b.lower, b.upper],
+                        "band": [float(x[0]) for x in forecast.band(b.tokens)]} for b, ok in zip(held_out, covered) if not ok]}
+
+
+def forecast_checks(groups: dict[str, list[dict]]) -> list[dict]:
+    """Fit on the first half of every group's probe points, predict the rest; and tiny's whole curves
+    against tiny4x's (the transfer benchmark's)."""
+    checks = []
+    for name, group in groups.items():
+        points = probe_points(group)
+        early = set(points[: math.ceil(len(points) / 2)])
+        train = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) in early]} for run in group]
+        test = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) not in early]} for run in group]
+        checks.append(check_forecast(name, train, [run for run in test if run["readings"]],
+                                     f"first {len(early)} of {len(points)} probe points -> the later ones"))
+    if "transfer tiny" in groups and "transfer tiny4x" in groups:
+        checks.append(check_forecast("transfer tiny -> tiny4x", groups["transfer tiny"], groups["transfer tiny4x"],
+                                     "every tiny reading -> every tiny4x reading"))
+    return checks
+
+
+# ---------------------------------------------------------------------------- report
+def goals(rows: list[dict], agreed: list[dict], checks: list[dict]) -> list[tuple[str, bool]]:
+    found = []
+    apart = [a["steps"] for a in agreed if a["steps"] is not None]
+    found.append((f"determined readings of a point at most {GOALS['agreement_steps']} grid step apart at "
+                  f"{sum(x <= GOALS['agreement_steps'] + 1e-9 for x in apart)} of {len(apart)} points (goal: all)",
+                  all(x <= GOALS["agreement_steps"] + 1e-9 for x in apart)))
+    judged = [row["two"]["holds"] for row in rows if row["two"]["holds"] is not None]
+    if judged:
+        share = sum(judged) / len(judged)
+        found.append((f"90% interval holds the other seeds' median bracket in {sum(judged)} of {len(judged)} readings "
+                      f"({share:.0%}; goal >= {GOALS['median_held']:.0%})", share >= GOALS["median_held"]))
+    fitted = [c for c in checks if "checked" in c]
+    if fitted:
+        covered, checked = sum(c["covered"] for c in fitted), sum(c["checked"] for c in fitted)
+        found.append((f"forecast {FORECAST_COVERAGE:.0%} bands cover {covered} of {checked} held-out readings "
+                      f"({covered / max(1, checked):.0%}; goal >= {GOALS['forecast_covered']:.0%})",
+                      checked > 0 and covered / checked >= GOALS["forecast_covered"]))
+    return found
+
+
+def span(pair) -> str:
+    low, high = pair
+    return f"[{low:g}, {'inf' if high is None or math.isinf(high) else f'{high:g}'}]"
+
+
+def cell(judged: dict) -> str:
+    text = span([judged["lower"], judged["upper"]]) + ("" if judged["determined"] else " ?")
+    mark = {True: "holds", False: "**misses**", None: "-"}[judged["holds"]]
+    return f"{text}; 90%: {span(judged['interval'])} {mark}"
+
+
+def markdown(runs: list[dict], rows: list[dict], agreed: dict[str, list[dict]], spreads: list[dict], costs: dict,
+             checks: list[dict], found: list[tuple[str, bool]], args, plot_path: Path) -> str:
+    lines = ["## Are the probe's readings and forecasts calibrated across runs?", "",
+             f"Command: `python -m benchmarks.calibration {' '.join(args.argv)}`".rstrip()
+             + f" ({args.date}; {machine(os.getloadavg())}).", "",
+             __doc__.split("\n\n")[1].replace("\n", " "), "",
+             "Runs (commands from the repository root, `OMP_NUM_THREADS=1`, two at a time):", ""]
+    lines += [f"- {run['key']}: `python {run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`"
+              .replace("python train.py", "python recipes/train.py") for run in runs]
+    lines += ["", "### 1. Readings", "",
+              "Each cell: the bracket (samples; `?` undetermined at 90%), then its 90% interval and whether that holds "
+              "the median bracket of the other seeds' two-window readings. *Two windows*: as the probe judged it "
+              "(replicates=2); *first window*: its first window's data alone, as a probe with replicates=1 has them.", ""]
+    seeds = sorted({row["seed"] for row in rows})
+    for experiment in EXPERIMENTS:
+        mine = [row for row in rows if row["experiment"] == experiment]
+        if not mine:
+            continue
+        lines += [f"#### {experiment}", "", "| point (tokens) | judged on | " + " | ".join(f"seed {s}" for s in seeds) + " | median of all |",
+                  "|---|---|" + "---|" * (len(seeds) + 1)]
+        for point in sorted({row["point"] for row in mine}):
+            here = {row["seed"]: row for row in mine if row["point"] == point}
+            overall = median_bracket([{"cbs_lower": r["two"]["lower"], "cbs_upper": r["two"]["upper"]} for r in here.values()])
+            for way, label in (("two", "two windows"), ("one", "first window")):
+                lines.append(f"| {point:,} | {label} | " + " | ".join(cell(here[s][way]) if s in here else "-" for s in seeds)
+                             + f" | {span(overall) if way == 'two' else ''} |")
+        lines += [""]
+    lines += ["Determined readings of a point, and how far apart (grid steps, log2 of the ratio of lower ends):", "",
+              "| experiment | point (tokens) | two windows: determined, apart | first window: determined, apart |", "|---|---|---|---|"]
+    for two, one in zip(agreed["two"], agreed["one"]):
+        def text(a):
+            return f"{a['determined']} of {a['of']}, " + ("-" if a["steps"] is None else f"{a['steps']:.0f}")
+        lines.append(f"| {two['experiment']} | {two['point']:,} | {text(two)} | {text(one)} |")
+    held = {way: [row[way]["holds"] for row in rows if row[way]["holds"] is not None] for way in ("two", "one")}
+    lines += ["", "The 90% interval holds the other seeds' median bracket: "
+              + "; ".join(f"{label}: {sum(held[way])} of {len(held[way])}" for way, label in (("two", "two windows"), ("one", "first window alone")))
+              + ".", "",
+              "Run-to-run spread of L_k - L_1 against the SE the readings report (nats; std across seeds, n - 1; SE: their median):", "",
+              "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE | first window: std | median SE | std / SE |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in spreads:
+        two, one = row["two"], row["one"]
+        lines.append(f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} | {two['std']:.4f} "
+                     f"| {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} | {one['median_se']:.4f} "
+                     f"| {one['std'] / one['median_se']:.1f} |")
+    lines += ["", "What the second window costs (branch tokens of all probes of a run; the main run's tokens beside them):", "",
+              "| run | branch tokens | of which the first windows | main-run tokens | wall s |", "|---|---|---|---|---|"]
+    for run in runs:
+        c = costs[run["key"]]
+        lines.append(f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} | {run['wall_seconds'] or 0:.0f} |")
+    lines += ["", "### 2. Forecasts on readings they did not see", "",
+              f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each held-out "
+              "reading's 90% interval (covered: they overlap).", "",
+              "| group | fitted on -> checked on | readings fitted | held-out covered | fit |", "|---|---|---|---|---|"]
+    for c in checks:
+        result = f"{c['covered']} of {c['checked']}" if "checked" in c else "not fitted"
+        lines.append(f"| {c['group']} | {c['what']} | {c['train']} | {result} | {c.get('description', c.get('error'))} |")
+    misses = [(c["group"], m) for c in checks for m in c.get("misses", [])]
+    if misses:
+        lines += ["", "Held-out readings outside the band: " + "; ".join(
+            f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band {span(m['band'])}"
+            for group, m in misses) + "."]
+    lines += ["", "Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found], "",
+              f"![90% intervals of every seed's readings, two windows and one]({os.path.relpath(plot_path, args.markdown.parent)})"
+              if args.markdown else ""]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Per experiment: every seed's 90% interval at each point, over the first window alone and over both."""
+    from matplotlib.figure import Figure
+
+    from lit_cbs.analysis.plots import save_figure
+
+    experiments = [e for e in EXPERIMENTS if any(row["experiment"] == e for row in rows)]
+    figure = Figure(figsize=(6.5 * len(experiments), 4.5))
+    axes = figure.subplots(1, len(experiments), squeeze=False)[0]
+    seeds = sorted({row["seed"] for row in rows})
+    for axis, experiment in zip(axes, experiments):
+        mine = [row for row in rows if row["experiment"] == experiment]
+        top = 2 * max(max(r[w]["interval"][0] for w in ("one", "two")) for r in mine)
+        for row in mine:
+            index = seeds.index(row["seed"])
+            for way, offset, width in (("one", -0.5, 1.5), ("two", 0.5, 4)):
+                x = row["point"] * 1.08 ** (index - (len(seeds) - 1) / 2 + offset * 0.3)
+                low, high = row[way]["interval"]
+                axis.plot([x, x], [low, min(high, top)], color=f"C{index}", lw=width, alpha=0.45 if way == "one" else 0.9,
+                          ls="-" if math.isfinite(high) else ":")
+            if row["reference"] is not None:
+                axis.plot(row["point"] * 1.08 ** (index - (len(seeds) - 1) / 2), row["reference"][0], "k_", ms=10)
+        for index, seed in enumerate(seeds):
+            axis.plot([], [], color=f"C{index}", lw=4, label=f"seed {seed}: two windows (thick), first window (thin)")
+        axis.plot([], [], "k_", ms=10, label="lower end of the other seeds' median bracket")
+        axis.set(xscale="log", yscale="log", xlabel="tokens at the probe", ylabel="CBS, samples (90% interval)", title=experiment)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=6)
+    return save_figure(figure, path)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    def add_arguments(parser) -> None:
+        parser.add_argument("--transfer", type=Path, help="the OUT folder of benchmarks.transfer: check forecasts on its curves too")
+
+    args = recipe_benchmark_arguments("calibration", __doc__.split("\n\n")[0], "3 short runs of the default job: a pipeline check, "
+                                      "no results", argv, add_arguments)
+    planned = runs_of(args.quick)
+    started = time.perf_counter()
+    if not args.report_only:
+        with ThreadPoolExecutor(args.jobs) as pool:
+            for future in [pool.submit(train, run, args.out, args.threads) for run in planned]:
+                future.result()
+    runs = [run for run in (load(run, args.out) for run in planned) if run is not None]
+    rows = judge_readings(runs)
+    agreed = {way: agreement(rows, way) for way in ("two", "one")}
+    spreads = spread(runs)
+    costs = {run["key"]: cost(run) for run in runs}
+    checks = forecast_checks(validation_groups(runs, args.transfer))
+    found = goals(rows, agreed["two"], checks)
+    result = {"rows": rows, "agreement": agreed, "spread": spreads, "costs": costs, "forecasts": checks,
+              "goals": [{"goal": text, "met": ok} for text, ok in found], "runs": runs, "seconds": time.perf_counter() - started}
+    (args.out / "calibration.json").write_text(json.dumps(result, indent=2, default=float))
+    for text, ok in found:
+        print(f"[calibration] {text}: {'met' if ok else 'MISSED'}")
+    plot(rows, args.plot)
+    if args.markdown:
+        replace_section(args.markdown, "calibration", markdown(runs, rows, agreed, spreads, costs, checks, found, args, args.plot))
+    print(f"[calibration] {result['seconds'] / 60:.1f} minutes; {args.out / 'calibration.json'}; plot {args.plot}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
