@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -51,11 +52,11 @@ from benchmarks.common import (
     train_command,
     train_unless_done,
 )
-from lit_cbs.analysis import schedule_from_probe
 
 SEQ_LEN = 128
 START, FINAL = 16, 64  # samples: the schedules' first and largest global batch
-GOALS = {"agreeing_points": 3, "steps_saved": 0.40, "loss_gap": 0.02}
+GOALS = {"agreeing_points": 0.75, "steps_saved": 0.40, "loss_gap": 0.02}
+COVERAGE = 0.8  # the forecast band the schedule follows the lower edge of
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,11 @@ class Settings:
     heldout_batches: int  # the probe's held-out micro-batches
     evaluations: int  # held-out evaluations per run
     val_batches: int  # micro-batches per evaluation
+    replicates: int  # data windows each measured k trains on
 
 
-FULL = Settings(1_048_576, 65_536, 65_536, 131_072, (1, 2, 4, 8, 16), 32, 8, 64)
-QUICK = Settings(32_768, 4_096, 4_096, 8_192, (1, 2, 4), 2, 4, 2)
+FULL = Settings(4_194_304, 262_144, 65_536, 131_072, (1, 2, 4, 8, 16), 32, 8, 64, 2)
+QUICK = Settings(32_768, 4_096, 4_096, 4_096, (1, 2), 2, 4, 2, 2)
 
 
 @dataclass(frozen=True)
@@ -85,21 +87,20 @@ class Run:
     schedule: str | None = None  # key of the schedule (conf/batch/<key>.yaml under OUT) it trains with
 
 
-CURVES = [
-    Run("tiny_curve_seed1", "tiny CBS curve, seed 1", "tiny_cbs_curve", 1),
-    Run("tiny_curve_seed2", "tiny CBS curve, seed 2", "tiny_cbs_curve", 2),
-    Run("tiny4x_curve_seed1", "tiny4x CBS curve, seed 1", "tiny4x_cbs_curve", 1),
-]
-CONTROL = Run("tiny4x_control", "tiny4x small batch (16), control", "tiny4x_small_batch", 1)
-SCHEDULES = {  # schedule key -> the curve runs it is read from
-    "from_tiny": ["tiny_curve_seed1", "tiny_curve_seed2"],
-    "from_tiny4x": ["tiny4x_curve_seed1"],
-}
-SCHEDULED = [
-    Run("tiny4x_from_tiny", "tiny4x, schedule from tiny's curve", "tiny4x_warmup", 1, "from_tiny"),
-    Run("tiny4x_from_tiny4x", "tiny4x, schedule from its own curve", "tiny4x_warmup", 1, "from_tiny4x"),
-]
-TRAINED = [CONTROL, *SCHEDULED]  # the three ways tiny4x is trained
+SEEDS = (1, 2)
+CURVES = [Run(f"{model}_curve_seed{seed}", f"{model} CBS curve, seed {seed}", f"{model}_cbs_curve", seed)
+          for model in ("tiny", "tiny4x") for seed in SEEDS]
+TINY_CURVES = [run.key for run in CURVES if run.recipe == "tiny_cbs_curve"]
+TINY4X_CURVES = [run.key for run in CURVES if run.recipe == "tiny4x_cbs_curve"]
+# tiny's small-batch run measured by GradientNoiseScale (micro-batch 4, so 4 micro-batches per step give
+# the small batch): its B_simple over tokens beside the CBS forecast.
+NOISE = Run("tiny_noise_scale_seed1", "tiny small batch, gradient noise scale, seed 1", "tiny_small_batch", 1)
+CONTROLS = [Run(f"tiny4x_control_seed{seed}", f"tiny4x small batch (16), control, seed {seed}", "tiny4x_small_batch", seed)
+            for seed in SEEDS]
+SCHEDULES = {"from_tiny": TINY_CURVES}  # schedule key -> the curve runs it is forecast from
+SCHEDULED = [Run(f"tiny4x_from_tiny_seed{seed}", f"tiny4x, schedule forecast from tiny's curve, seed {seed}", "tiny4x_warmup",
+                 seed, "from_tiny") for seed in SEEDS]
+TRAINED = [*CONTROLS, *SCHEDULED]  # the ways tiny4x is trained
 
 
 def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
@@ -122,19 +123,24 @@ def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
             f"callbacks.cbs_probe.window_tokens={settings.window_tokens}",
             f"callbacks.cbs_probe.multipliers=[{','.join(map(str, settings.multipliers))}]",
             f"callbacks.cbs_probe.heldout_batches={settings.heldout_batches}",
+            f"callbacks.cbs_probe.replicates={settings.replicates}",
         ]
+    if run == NOISE:
+        overrides += ["data.batch_size=4", "batch.max_micro_batch_size=4", "+callbacks.gns={_target_:lit_cbs.GradientNoiseScale}"]
     if run.schedule is not None:
         overrides += [f"batch={run.schedule}", f"hydra.searchpath=[file://{(out / 'conf').resolve()}]"]
     overrides.append(f"hydra.run.dir={(out / run.key).resolve()}")
     return train_command(overrides)
 
 
-def schedule_command(key: str, out: Path) -> list[str]:
-    """recipes/schedule_from_probe.py's command line writing OUT/conf/batch/<key>.yaml."""
+def schedule_command(key: str, settings: Settings, out: Path) -> list[str]:
+    """recipes/schedule_from_probe.py's command line writing OUT/conf/batch/<key>.yaml: the schedule
+    forecast to the whole budget from the band's lower edge (coverage COVERAGE)."""
     probes = [str(probe_file(out / curve)) for curve in SCHEDULES[key]]
     target = out / "conf" / "batch" / f"{key}.yaml"
     return [sys.executable, str(ROOT / "recipes" / "schedule_from_probe.py"), *probes,
-            "--start", str(START), "--final", str(FINAL), "--out", str(target)]
+            "--start", str(START), "--final", str(FINAL), "--out", str(target),
+            "--forecast-to", str(settings.tokens), "--coverage", str(COVERAGE)]
 
 
 def probe_file(run_dir: Path) -> Path:
@@ -184,15 +190,14 @@ def read_schedule(key: str, out: Path) -> dict | None:
 
 def agreement(runs: dict[str, dict]) -> list[dict]:
     """Per probe point (tokens): each curve's bracket and whether every tiny seed's lower bound is within
-    one grid step (a factor 2) of tiny4x's."""
+    one grid step (a factor 2) of every tiny4x seed's."""
     curves = {run.key: runs[run.key]["readings"] for run in CURVES if run.key in runs}
     points = sorted({r["tokens"] for readings in curves.values() for r in readings})
     rows = []
     for tokens in points:
         at = {key: next((r for r in readings if r["tokens"] == tokens), None) for key, readings in curves.items()}
-        big = at.get("tiny4x_curve_seed1")
-        tiny = [at[key] for key in ("tiny_curve_seed1", "tiny_curve_seed2") if key in at]
-        steps = [None if big is None or r is None else math.log2(r["cbs_lower"] / big["cbs_lower"]) for r in tiny]
+        steps = [None if at.get(big) is None or at.get(tiny) is None else math.log2(at[tiny]["cbs_lower"] / at[big]["cbs_lower"])
+                 for tiny in TINY_CURVES for big in TINY4X_CURVES if tiny in at and big in at]
         rows.append({
             "tokens": tokens,
             "brackets": {key: None if r is None else [r["cbs_lower"], r["cbs_upper"]] for key, r in at.items()},
@@ -203,16 +208,16 @@ def agreement(runs: dict[str, dict]) -> list[dict]:
 
 
 def outcomes(runs: dict[str, dict]) -> dict[str, dict]:
-    """Per tiny4x training run: final held-out loss, optimizer steps, and both against the control."""
+    """Per tiny4x training run: final held-out loss, optimizer steps, and both against its seed's control."""
     rows = {}
     for run in TRAINED:
         if run.key not in runs:
             continue
         result = runs[run.key]
-        rows[run.key] = {"loss": result["val_curve"][-1]["val_loss"], "steps": result["optimizer_steps"],
+        rows[run.key] = {"seed": run.seed, "loss": result["val_curve"][-1]["val_loss"], "steps": result["optimizer_steps"],
                          "tokens": result["tokens"], "final_batch": result["final_batch"], "wall_seconds": result["wall_seconds"]}
-    control = rows.get(CONTROL.key)
     for row in rows.values():
+        control = rows.get(f"tiny4x_control_seed{row['seed']}")
         if control is not None:
             row["loss_vs_control"] = row["loss"] - control["loss"]
             row["steps_saved"] = 1 - row["steps"] / control["steps"]
@@ -224,19 +229,34 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
     if points:
         agreeing = sum(point["agree"] for point in points)
         checks.append((
-            f"brackets of tiny (every seed) and tiny4x within one grid step at {agreeing} of {len(points)} probe points "
-            f"(goal >= {GOALS['agreeing_points']} of 4)",
-            agreeing >= GOALS["agreeing_points"],
+            f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} of {len(points)} probe "
+            f"points (goal >= {GOALS['agreeing_points']:.0%} of them)",
+            agreeing >= GOALS["agreeing_points"] * len(points),
         ))
-    transferred = rows.get("tiny4x_from_tiny")
-    if transferred is not None and "steps_saved" in transferred:
+    paired = [rows[run.key] for run in SCHEDULED if "steps_saved" in rows.get(run.key, {})]
+    if paired:
+        saved = statistics.mean(row["steps_saved"] for row in paired)
+        gap = statistics.mean(row["loss_vs_control"] for row in paired)
         checks.append((
-            f"schedule from tiny's curve: {transferred['steps_saved']:.1%} fewer optimizer steps than the control "
-            f"(goal >= {GOALS['steps_saved']:.0%}) at held-out loss {transferred['loss_vs_control']:+.4f} nats "
+            f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer steps than "
+            f"the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) at held-out loss {gap:+.4f} nats "
             f"(goal <= +{GOALS['loss_gap']})",
-            transferred["steps_saved"] >= GOALS["steps_saved"] and transferred["loss_vs_control"] <= GOALS["loss_gap"],
+            saved >= GOALS["steps_saved"] and gap <= GOALS["loss_gap"],
         ))
     return checks
+
+
+def forecast_of(runs: dict[str, dict], settings: Settings, out: Path):
+    """The forecast the schedule was read from (the same fit schedule_from_probe.py makes: tiny's curves,
+    one run per file) and, when the noise-scale run finished, its B_simple over tokens."""
+    from lit_cbs.analysis import brackets_from_records, forecast_cbs
+    from lit_cbs.analysis.forecast import noise_scale_over_tokens
+
+    if not all(key in runs for key in TINY_CURVES):
+        return None, None
+    brackets = [b for key in TINY_CURVES for b in brackets_from_records(runs[key]["readings"], run=str(probe_file(out / key)))]
+    noise = noise_scale_over_tokens(out / NOISE.key / "metrics.csv") if NOISE.key in runs else None
+    return forecast_cbs(brackets, coverage=COVERAGE), noise
 
 
 def bracket(pair) -> str:
@@ -264,32 +284,34 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
         if run.key not in runs:
             continue
         readings = runs[run.key]["readings"]
-        shift = 1.04 ** (index - 1)  # side by side at each point
+        shift = 1.04 ** (index - 1.5)  # side by side at each point
         for r in readings:
             upper = r["cbs_upper"] if r["cbs_upper"] is not None else 2 * r["cbs_lower"]
             cbs_axis.plot([r["tokens"] * shift] * 2, [r["cbs_lower"], upper], color=f"C{index}", lw=3, alpha=0.7,
-                          ls="-" if r["cbs_upper"] is not None else ":")
-        cbs_axis.plot([], [], color=f"C{index}", lw=3, label=f"{run.label} (bracket)")
+                          ls="-" if r["cbs_upper"] is not None and r["determined"] else ":")
+        cbs_axis.plot([], [], color=f"C{index}", lw=3, label=f"{run.label} (bracket; dotted: undetermined)")
     for index, (key, schedule) in enumerate(schedules.items()):
         if schedule is None:
             continue
         end = max(run.get("tokens", 0) for run in runs.values()) or 2 * schedule["thresholds"][-1]
         cbs_axis.step([*schedule["thresholds"], end], [*schedule["batch_sizes"], schedule["batch_sizes"][-1]], where="post",
-                      color=f"C{index + 3}", ls="--", label=f"schedule {key}")
+                      color=f"C{index + 4}", ls="--", label=f"schedule {key}")
     cbs_axis.set(xscale="log", yscale="log", xlabel="tokens", ylabel="global batch / CBS (samples of 128 tokens)",
-                 title="CBS brackets and the schedules read off them")
+                 title="CBS brackets and the forecast schedule")
     cbs_axis.set_yticks([8, 16, 32, 64, 128, 256, 512], labels=["8", "16", "32", "64", "128", "256", "512"])
     cbs_axis.minorticks_off()
-    cbs_axis.legend(fontsize=7)
-    for run, style in zip(TRAINED, ("ko-", "rs--", "b^:")):
+    cbs_axis.legend(fontsize=6)
+    for run in TRAINED:
         if run.key not in runs:
             continue
         curve = runs[run.key]["val_curve"]
-        tokens_axis.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, ms=4, label=run.label)
-        steps_axis.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, ms=4)
+        style = ("-" if run in CONTROLS else "--") + ("o" if run.seed == SEEDS[0] else "s")
+        color = "k" if run in CONTROLS else "tab:red"
+        tokens_axis.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4, label=run.label)
+        steps_axis.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4)
     tokens_axis.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="tiny4x: loss vs tokens")
     steps_axis.set(xlabel="optimizer steps", xscale="log", title="tiny4x: loss vs optimizer steps")
-    tokens_axis.legend(fontsize=7)
+    tokens_axis.legend(fontsize=6)
     finals = [runs[run.key]["val_curve"][-1]["val_loss"] for run in TRAINED if run.key in runs]
     if finals:
         for axis in (tokens_axis, steps_axis):
@@ -299,60 +321,78 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
     return save_figure(figure, path)
 
 
-def markdown(runs, schedules, points, rows, checks, args, plot_path: Path, markdown_path: Path) -> str:
+def markdown(runs, schedules, points, rows, checks, forecast, noise, args, plot_path: Path, forecast_path: Path | None,
+             markdown_path: Path) -> str:
+    from lit_cbs.analysis.forecast import growth_exponent
+
     s = args.settings
-    relative_plot = os.path.relpath(plot_path, markdown_path.parent)
-    missing = [run.label for run in [*CURVES, *TRAINED] if run.key not in runs]
+    missing = [run.label for run in [*CURVES, NOISE, *TRAINED] if run.key not in runs]
     unfinished = [run.label for run in CURVES if runs.get(run.key, {}).get("unfinished")]
     lines = [
-        "## Measure small, train big: does the tiny model's CBS curve carry to tiny4x?",
+        "## Measure small, train big: does the tiny model's CBS forecast carry to tiny4x?",
         "",
         f"Command: `python -m benchmarks.transfer {' '.join(args.argv)}`".rstrip()
         + f" ({args.date}; {machine(os.getloadavg())}).",
         "",
-        f"Budget: {s.tokens:,} tokens per run, batch 16 x 128 tokens (the schedules grow it to at most {FINAL}), LR 3e-3 "
-        f"(x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the embedded stdlib corpus. "
-        f"tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: points from "
-        f"{s.probe_first:,} tokens doubling, windows of {s.window_tokens:,} tokens, k = {', '.join(map(str, s.multipliers))} "
-        f"by bisection, held-out loss on {s.heldout_batches} micro-batches, epsilon 0.02 nats; the same for both models. "
-        f"Held-out loss below: the last of {s.evaluations} evaluations ({s.val_batches} micro-batches of the validation "
-        "split), at the end of the budget.",
+        f"Budget: {s.tokens:,} tokens per run (the recipes'), batch 16 x 128 tokens (the forecast schedule grows it to at "
+        f"most {FINAL}), LR 3e-3 (x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the "
+        f"embedded stdlib corpus. tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: "
+        f"points from {s.probe_first:,} tokens doubling, windows of {s.window_tokens:,} tokens, each k trained on "
+        f"{s.replicates} disjoint data windows, k = {', '.join(map(str, s.multipliers))} by bisection, held-out loss on "
+        f"{s.heldout_batches} micro-batches, epsilon 0.02 nats, confidence 0.9; the same for both models. Seeds "
+        f"{', '.join(map(str, SEEDS))} for every model and way of training. Held-out loss below: the last of "
+        f"{s.evaluations} evaluations ({s.val_batches} micro-batches of the validation split), at the end of the budget.",
         "",
     ]
     if missing:
         lines += [f"**Incomplete: not run (yet): {', '.join(missing)}.**", ""]
     if unfinished:
         lines += [f"**Unfinished when reported (its readings so far are shown): {', '.join(unfinished)}.**", ""]
-    lines += ["CBS brackets (samples of 128 tokens) at each probe point:", "",
-              "| tokens | tiny seed 1 | tiny seed 2 | tiny4x seed 1 | grid steps apart (tiny seeds vs tiny4x) | within one step |",
-              "|---|---|---|---|---|---|"]
+    curve_keys = [run.key for run in CURVES]
+    lines += ["CBS brackets (samples of 128 tokens; `?`: undetermined at 90%) at each probe point:", "",
+              "| tokens | " + " | ".join(run.label.replace(" CBS curve", "") for run in CURVES)
+              + " | grid steps apart (tiny vs tiny4x) | within one step |",
+              "|---|" + "---|" * (len(CURVES) + 2)]
     for point in points:
-        b = point["brackets"]
+        cells = []
+        for key in curve_keys:
+            reading = next((r for r in runs.get(key, {}).get("readings", []) if r["tokens"] == point["tokens"]), None)
+            cells.append("-" if reading is None else bracket(point["brackets"][key]) + ("" if reading["determined"] else " ?"))
         apart = ", ".join("-" if x is None else f"{x:+.0f}" for x in point["grid_steps_apart"])
-        lines.append(f"| {point['tokens']:,} | {bracket(b.get('tiny_curve_seed1'))} | {bracket(b.get('tiny_curve_seed2'))} "
-                     f"| {bracket(b.get('tiny4x_curve_seed1'))} | {apart} | {'yes' if point['agree'] else 'no'} |")
-    lines += ["", "Schedules (`recipes/schedule_from_probe.py --start 16 --final 64`; global batch, samples):", ""]
+        lines.append(f"| {point['tokens']:,} | {' | '.join(cells)} | {apart} | {'yes' if point['agree'] else 'no'} |")
+    lines += [""]
+    if forecast is not None:
+        lines += [f"The forecast (`recipes/schedule_from_probe.py {' '.join(TINY_CURVES)} --forecast-to {s.tokens} "
+                  f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."]
+        if noise is not None:
+            lines += [f"The noise scale B_simple of tiny's small-batch run (seed 1, micro-batch 4) grows as "
+                      f"D^{growth_exponent(*noise):.3f} over the run, the CBS fit as D^{forecast.exponent:.3f}; at the end "
+                      f"B_simple = {noise[1][-1]:.1f} samples, the fitted CBS {float(forecast.predict(noise[0][-1])):.1f}."]
+        lines += [""]
+    lines += ["Schedules (global batch, samples):", ""]
     lines += [f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()]
-    alone = [(run, schedule_from_probe(runs[run.key]["readings"], START, final=FINAL)) for run in CURVES[:2] if run.key in runs]
-    lines += [f"- (not trained) {run.label} alone: {schedule_text(vars(schedule))}" for run, schedule in alone]
-    lines += ["", "tiny4x trained three ways (seed 1, same tokens):", "",
+    lines += ["", "tiny4x trained two ways, each seed against the control of the same seed:", "",
               "| run | held-out loss | vs control | optimizer steps | steps saved | final batch | wall s |", "|---|---|---|---|---|---|---|"]
     for run in TRAINED:
         if run.key in rows:
             row = rows[run.key]
             lines.append(f"| {run.label} | {row['loss']:.4f} | {row.get('loss_vs_control', 0):+.4f} | {row['steps']:,} "
                          f"| {row.get('steps_saved', 0):.0%} | {row['final_batch']} | {row['wall_seconds'] or 0:.0f} |")
-    cost = [f"{runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
-            for run in CURVES if run.key in runs and not runs[run.key].get("unfinished")]
     finished_curves = [r for r in CURVES if r.key in runs and not runs[r.key].get("unfinished")]
-    lines += ["", "What the curves cost (probe branch tokens on top of the budget, wall time of the run): "
-              + "; ".join(f"{run.label}: {c}" for run, c in zip(finished_curves, cost)) + ".", ""]
-    if "tiny4x_curve_seed1" in runs and not runs["tiny4x_curve_seed1"].get("unfinished") and CONTROL.key in runs:
-        gap = runs["tiny4x_curve_seed1"]["val_curve"][-1]["val_loss"] - runs[CONTROL.key]["val_curve"][-1]["val_loss"]
-        lines += [f"The probed tiny4x run's main run against the unprobed control (same seed and batch): held-out loss "
-                  f"{gap:+.4f} nats apart (a probe must leave the main run untouched).", ""]
+    cost = [f"{run.label}: {runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
+            for run in finished_curves]
+    lines += ["", "What the curves cost (probe branch tokens on top of the budget, wall time of the run): " + "; ".join(cost) + ".", ""]
+    gaps = [runs[f"tiny4x_curve_seed{seed}"]["val_curve"][-1]["val_loss"] - runs[f"tiny4x_control_seed{seed}"]["val_curve"][-1]["val_loss"]
+            for seed in SEEDS if f"tiny4x_control_seed{seed}" in runs and f"tiny4x_curve_seed{seed}" in runs
+            and not runs[f"tiny4x_curve_seed{seed}"].get("unfinished")]
+    if gaps:
+        lines += [f"The probed tiny4x runs' main runs against the unprobed controls (same seed and batch): held-out loss "
+                  f"{', '.join(f'{g:+.4f}' for g in gaps)} nats apart (a probe must leave the main run untouched).", ""]
     lines += ["Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks], "",
-              f"![CBS brackets, schedules and tiny4x's loss]({relative_plot})"]
+              f"![CBS brackets, schedules and tiny4x's loss]({os.path.relpath(plot_path, markdown_path.parent)})"]
+    if forecast_path is not None:
+        lines += ["", f"![The forecast from tiny's readings, its 80% band and the noise scale]"
+                      f"({os.path.relpath(forecast_path, markdown_path.parent)})"]
     return "\n".join(lines)
 
 
@@ -370,20 +410,22 @@ def main(argv: list[str] | None = None) -> dict:
         """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
         waiting = list(SCHEDULED)
         with ThreadPoolExecutor(args.jobs) as pool:
-            pending = {pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, CONTROL]}
+            pending = {pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, NOISE, *CONTROLS]}
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     runs[pending.pop(future).key] = future.result()
                     save()
-                for run in [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]:
+                ready = [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]
+                for key in {run.schedule for run in ready}:
+                    run_logged(schedule_command(key, args.settings, args.out), args.out / "logs" / f"schedule_{key}.log", threads)
+                for run in ready:
                     waiting.remove(run)
-                    run_logged(schedule_command(run.schedule, args.out), args.out / "logs" / f"schedule_{run.schedule}.log", threads)
                     pending[pool.submit(train, run, args.settings, args.out, threads)] = run
 
     started = time.perf_counter()
     if args.report_only:
-        for run in [*CURVES, *TRAINED]:
+        for run in [*CURVES, NOISE, *TRAINED]:
             if (args.out / run.key / "summary.json").exists():
                 runs[run.key] = load(run, args.out)
             elif run in CURVES and any((args.out / run.key).rglob("cbs_probe.jsonl")):
@@ -393,16 +435,24 @@ def main(argv: list[str] | None = None) -> dict:
     schedules = {key: read_schedule(key, args.out) for key in SCHEDULES}
     points, rows = agreement(runs), outcomes(runs)
     checks = goals(points, rows)
+    forecast, noise = forecast_of(runs, args.settings, args.out)
     result = {"settings": asdict(args.settings), "schedules": schedules, "points": points, "rows": rows,
-              "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": time.perf_counter() - started}
+              "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": time.perf_counter() - started,
+              "forecast": None if forecast is None else {"description": forecast.describe(), "exponent": forecast.exponent}}
     (args.out / "transfer.json").write_text(json.dumps(result, indent=2))
     for key, schedule in schedules.items():
         print(f"[transfer] schedule {key}: {schedule_text(schedule)}")
     for text, ok in checks:
         print(f"[transfer] {text}: {'met' if ok else 'MISSED'}")
     plot(runs, schedules, args.plot)
+    forecast_path = None
+    if forecast is not None:
+        from lit_cbs.analysis import plot_forecast
+
+        forecast_path = plot_forecast(forecast, args.plot.with_name("forecast.png"), tokens_to=args.settings.tokens, noise_scale=noise)
     if args.markdown:
-        replace_section(args.markdown, "transfer", markdown(runs, schedules, points, rows, checks, args, args.plot, args.markdown))
+        replace_section(args.markdown, "transfer", markdown(runs, schedules, points, rows, checks, forecast, noise, args,
+                                                            args.plot, forecast_path, args.markdown))
     print(f"[transfer] {result['seconds'] / 60:.1f} minutes; {args.out / 'transfer.json'}; plot {args.plot}"
           + (f"; markdown {args.markdown}" if args.markdown else ""), flush=True)
     return result
