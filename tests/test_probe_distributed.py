@@ -39,34 +39,48 @@ class SaveRankResult(Callback):
         )
 
 
-def fit_ddp(outdir: Path, probe: bool) -> list[dict]:
+class RegressionDataWithVal(RegressionData):
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.dataset, batch_size=4)
+
+
+def fit_ddp(outdir: Path, probe: CBSProbeCallback | None) -> list[dict]:
     outdir.mkdir()
     callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), SaveRankResult(outdir)]
-    if probe:
-        callbacks.insert(1, CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
+    if probe is not None:
+        callbacks.insert(1, probe)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, default_root_dir=outdir)
+        callbacks=callbacks,
+        **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, default_root_dir=outdir, limit_val_batches=0),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionDataWithVal(n=96, batch_size=2))
     return [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
 @pytest.mark.slow
 def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
-    probed = fit_ddp(tmp_path / "probed", probe=True)
-    plain = fit_ddp(tmp_path / "plain", probe=False)
+    probed = fit_ddp(tmp_path / "probed", CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
+    replicated = fit_ddp(tmp_path / "replicated", CBSProbeCallback(
+        every_tokens=256, multipliers=(1, 2), window_tokens=64, strategy="bisect", evaluate="heldout", heldout_batches=2,
+        replicates=2))
+    plain = fit_ddp(tmp_path / "plain", None)
     history0, history1 = probed[0]["history"], probed[1]["history"]
     assert len(history0) >= 2
     assert history0 == history1  # same losses, k*, interval on both ranks
     for record in history0:
         assert record.batch_size == 8 and record.branches_trained == [1.0, 2.0, 4.0]
         assert record.losses["1"] == pytest.approx(record.main_loss, rel=1e-12)
+    # Replicate windows: both ranks train and score every window together and read the same SEs.
+    assert len(replicated[0]["history"]) >= 2 and replicated[0]["history"] == replicated[1]["history"]
+    for record in replicated[0]["history"]:
+        assert record.replicates == 2 and record.branches_trained == [1.0, 2.0, 2.0] and record.replicate_se.keys() == {"2"}
     for rank in range(2):
-        assert torch.equal(probed[rank]["weight"], plain[rank]["weight"])
-        assert probed[rank]["micro_batches"] == plain[rank]["micro_batches"]
+        for run in (probed, replicated):
+            assert torch.equal(run[rank]["weight"], plain[rank]["weight"])
+            assert run[rank]["micro_batches"] == plain[rank]["micro_batches"]
 
 
 def run_faults(outdir: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

@@ -672,6 +672,7 @@ class CBSProbeCallback(Callback):
                 if reading.loss_se.get(k) is not None:
                     metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
         log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
+
         def between_windows(k: str) -> str:
             return f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}" if k in reading.replicate_se else ""
 
