@@ -408,21 +408,30 @@ def plot(rows: list[dict], path: Path) -> Path:
     for axis, experiment in zip(axes, experiments):
         mine = [row for row in rows if row["experiment"] == experiment]
         top = 2 * max(max(r[w]["interval"][0] for w in ("one", "two")) for r in mine)
+        slots = 2 * len(seeds)  # per point: each seed's first window, then its two windows, side by side
         for row in mine:
             index = seeds.index(row["seed"])
-            for way, offset, width in (("one", -0.5, 1.5), ("two", 0.5, 4)):
-                x = row["point"] * 1.08 ** (index - (len(seeds) - 1) / 2 + offset * 0.3)
+            for way, slot, width, alpha in (("one", 2 * index, 2, 0.45), ("two", 2 * index + 1, 4, 0.95)):
+                x = row["point"] * 1.05 ** (slot - (slots - 1) / 2)
                 low, high = row[way]["interval"]
-                axis.plot([x, x], [low, min(high, top)], color=f"C{index}", lw=width, alpha=0.45 if way == "one" else 0.9,
-                          ls="-" if math.isfinite(high) else ":")
-            if row["reference"] is not None:
-                axis.plot(row["point"] * 1.08 ** (index - (len(seeds) - 1) / 2), row["reference"][0], "k_", ms=10)
+                axis.plot([x, x], [low, min(high, top)], color=f"C{index}", lw=width, alpha=alpha,
+                          ls="-" if math.isfinite(high) else ":", solid_capstyle="butt")
+        for point in sorted({row["point"] for row in mine}):
+            here = [row for row in mine if row["point"] == point]
+            overall = median_bracket([{"cbs_lower": r["two"]["lower"], "cbs_upper": r["two"]["upper"]} for r in here])
+            edges = [point * 1.05 ** (-(slots + 1) / 2), point * 1.05 ** ((slots + 1) / 2)]
+            axis.fill_between(edges, [overall[0]] * 2, [min(overall[1], top)] * 2, color="0.5", alpha=0.15, lw=0)
         for index, seed in enumerate(seeds):
-            axis.plot([], [], color=f"C{index}", lw=4, label=f"seed {seed}: two windows (thick), first window (thin)")
-        axis.plot([], [], "k_", ms=10, label="lower end of the other seeds' median bracket")
-        axis.set(xscale="log", yscale="log", xlabel="tokens at the probe", ylabel="CBS, samples (90% interval)", title=experiment)
+            axis.plot([], [], color=f"C{index}", lw=4, label=f"seed {seed}")
+        axis.plot([], [], color="0.3", lw=2, alpha=0.45, label="thin: first window alone; thick: two windows")
+        axis.fill_between([], [], [], color="0.5", alpha=0.15, label="median bracket of all seeds (two windows)")
+        ticks = [2**n for n in range(3, 12) if 2**n <= top * 1.5]
+        axis.set(xscale="log", yscale="log", xlabel="tokens at the probe", ylabel="CBS, samples: each reading's 90% interval",
+                 title=f"{experiment}: where each seed's reading places the CBS")
+        axis.set_yticks(ticks, labels=[str(t) for t in ticks])
+        axis.minorticks_off()
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=6)
+        axis.legend(fontsize=6, loc="upper left")
     return save_figure(figure, path)
 
 
