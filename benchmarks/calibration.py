@@ -387,7 +387,7 @@ def markdown(runs: list[dict], rows: list[dict], agreed: dict[str, list[dict]], 
     misses = [(c["group"], m) for c in checks for m in c.get("misses", [])]
     if misses:
         lines += ["", "Held-out readings outside the band: " + "; ".join(
-            f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band {span(m['band'])}"
+            f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
             for group, m in misses) + "."]
     lines += ["", "Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found], "",
               f"![90% intervals of every seed's readings, two windows and one]({os.path.relpath(plot_path, args.markdown.parent)})"

@@ -247,14 +247,14 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
 
 
 def forecast_of(runs: dict[str, dict], settings: Settings, out: Path):
-    """The forecast the schedule was read from (the same fit schedule_from_probe.py makes: tiny's curves,
-    one run per file) and, when the noise-scale run finished, its B_simple over tokens."""
+    """The forecast the schedule was read from (the fit schedule_from_probe.py makes: tiny's curves, one
+    run per file, here named by their runs) and, when the noise-scale run finished, its B_simple over tokens."""
     from lit_cbs.analysis import brackets_from_records, forecast_cbs
     from lit_cbs.analysis.forecast import noise_scale_over_tokens
 
     if not all(key in runs for key in TINY_CURVES):
         return None, None
-    brackets = [b for key in TINY_CURVES for b in brackets_from_records(runs[key]["readings"], run=str(probe_file(out / key)))]
+    brackets = [b for key in TINY_CURVES for b in brackets_from_records(runs[key]["readings"], run=key)]
     noise = noise_scale_over_tokens(out / NOISE.key / "metrics.csv") if NOISE.key in runs else None
     return forecast_cbs(brackets, coverage=COVERAGE), noise
 
@@ -362,7 +362,7 @@ def markdown(runs, schedules, points, rows, checks, forecast, noise, args, plot_
         lines.append(f"| {point['tokens']:,} | {' | '.join(cells)} | {apart} | {'yes' if point['agree'] else 'no'} |")
     lines += [""]
     if forecast is not None:
-        lines += [f"The forecast (`recipes/schedule_from_probe.py {' '.join(TINY_CURVES)} --forecast-to {s.tokens} "
+        lines += [f"The forecast (`recipes/schedule_from_probe.py {' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
                   f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."]
         if noise is not None:
             lines += [f"The noise scale B_simple of tiny's small-batch run (seed 1, micro-batch 4) grows as "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -193,6 +194,6 @@ def plot_forecast(
     ax.set_yscale("log")
     ax.set_xlabel("tokens seen D")
     ax.set_ylabel("critical batch size (samples)")
-    ax.set_title(forecast.describe(), fontsize=7, wrap=True)
+    ax.set_title(textwrap.fill(forecast.describe(), 100), fontsize=7)  # matplotlib's wrap=True overflows a log axis
     ax.legend(fontsize=8)
     return save_figure(figure, path)
