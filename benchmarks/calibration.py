@@ -31,7 +31,7 @@ Reported (the section "calibration" of docs/RESULTS.md):
    later readings' 90% intervals (covered: they overlap); and tiny's whole curves against tiny4x's.
    Goal: >= 80% of held-out readings covered.
 
-Raw numbers: OUT/calibration.json. Budget: about 50 minutes on 2 CPU cores (8 runs, 2 at a time
+Raw numbers: OUT/calibration.json. Budget: about 45-60 minutes on 2 CPU cores (8 runs, 2 at a time
 with one thread each); a finished run (summary.json in its folder) is not trained again.
 
 Usage::

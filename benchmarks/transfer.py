@@ -1,31 +1,36 @@
-"""Measure small, train big: does a CBS curve measured on the tiny model set the warmup of a larger one?
+"""Measure small, train big: does a CBS forecast from the tiny model set the warmup of a larger one?
 
 Merrill et al. 2025 found nearly the same CBS curve for OLMo 1B and 7B, so a cheap model's curve can
-set an expensive model's batch warmup. This benchmark checks that at CPU scale, with the recipes a
-user runs (``recipes/train.py`` and ``recipes/schedule_from_probe.py``, one subprocess each):
+set an expensive model's batch warmup, and a run too big to probe needs its schedule forecast past
+the proxy's last probe. This benchmark checks that at CPU scale, with the recipes a user runs
+(``recipes/train.py`` and ``recipes/schedule_from_probe.py``, one subprocess each):
 
-1. CBS curves at the same probe points, tokens and probe settings: ``+recipe=tiny_cbs_curve``
-   (tiny, 233k parameters, seeds 1 and 2) and ``+recipe=tiny4x_cbs_curve`` (tiny4x, 868k parameters,
-   seed 1), each a batch-16 run with probes (bisection over k = 1..16, held-out loss, epsilon 0.02).
-   Alongside, the tiny4x small-batch control ``+recipe=tiny4x_small_batch`` (seed 1).
-2. Two schedules by ``schedule_from_probe.py --start 16 --final 64``: from both tiny seeds' readings
-   (at a point read twice the smaller bound counts) and from tiny4x's own, each trained as
-   ``+recipe=tiny4x_warmup batch=<schedule>`` (seed 1, no probe) as soon as its curves are done.
+1. CBS curves at the same probe points, tokens and probe settings: ``+recipe=tiny_cbs_curve`` (tiny,
+   233k parameters) and ``+recipe=tiny4x_cbs_curve`` (tiny4x, 868k), seeds 1 and 2 each, batch-16
+   runs with probes (bisection over k = 1..16, 2 replicate windows, held-out loss, epsilon 0.02).
+   Alongside: the tiny4x small-batch control ``+recipe=tiny4x_small_batch`` (seeds 1, 2), and tiny's
+   small-batch run measured by ``GradientNoiseScale`` (micro-batch 4, seed 1).
+2. The schedule ``schedule_from_probe.py --forecast-to BUDGET --coverage 0.8 --start 16 --final 64``
+   forecasts from both tiny seeds' readings, trained as ``+recipe=tiny4x_warmup batch=from_tiny``
+   (seeds 1, 2, no probe) as soon as tiny's curves are done.
 
-Reported: every reading (CBS bracket, samples), the schedules, each tiny4x run's held-out loss at the
-end of the budget (its last evaluation) and optimizer steps, and the issue's goals: the two models'
-brackets within one grid step (a factor 2) at >= 3 of 4 probe points, for every tiny seed; the
-schedule from tiny's curve saving >= 40% of the control's optimizer steps at a held-out loss at most
-0.02 nats above it. Output: OUT/transfer.json (rewritten after every run, so a stopped benchmark
-keeps what finished), a PNG and the section "transfer" of docs/RESULTS.md.
+Reported: every reading (CBS bracket, samples), the forecast and its schedule, the noise scale's
+growth exponent beside the CBS fit's, each tiny4x run's held-out loss at the end of the budget (its
+last evaluation) and optimizer steps against the control of its seed, and the goals: every tiny
+seed's brackets within one grid step (a factor 2) of every tiny4x seed's at >= 75% of the probe
+points; the forecast schedule saving >= 40% of the control's optimizer steps at a held-out loss at
+most 0.02 nats above it (means over the seeds). Output: OUT/transfer.json (rewritten after every
+run, so a stopped benchmark keeps what finished), two PNGs (the runs; the forecast with the noise
+scale, forecast.png beside the first) and the section "transfer" of docs/RESULTS.md.
 
-The budget is 1,048,576 tokens per run (a quarter of the tiny recipes' 4.2M), LR warmup 65,536 tokens, probe points 65k, 131k,
-262k, 524k tokens with windows of 131,072 tokens (a point passed inside a window is probed when it
-ends), 8 held-out evaluations per run on 64 micro-batches of the validation split.
+The budget is the recipes' 4,194,304 tokens per run, LR warmup 262,144 tokens, probe points from
+65,536 tokens doubling with windows of 131,072 tokens (2 per k; a point passed inside a probe is
+probed when it ends), 8 held-out evaluations per run on 64 micro-batches of the validation split.
+About 45-60 minutes on 2 cores.
 
 Usage::
 
-    python -m benchmarks.transfer --jobs 4                  # writes docs/RESULTS.md and docs/transfer.png
+    python -m benchmarks.transfer --jobs 2                  # writes docs/RESULTS.md, docs/transfer.png, docs/forecast.png
     python -m benchmarks.transfer --quick --out /tmp/transfer
     python -m benchmarks.transfer --report-only             # the report from the runs finished in OUT
 """
