@@ -55,6 +55,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from benchmarks.common import machine, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
+from benchmarks.probe_repeat import probe_points, reading_at
+from lit_cbs.analysis.forecast import supported_interval
 
 SEEDS = (1, 2, 3, 1234)
 CONFIDENCE = 0.9  # the readings' own (the recipes' default)
@@ -133,31 +135,9 @@ def first_window(reading: dict, multipliers: list[float]) -> dict:
     return asdict(judged)
 
 
-def interval(reading: dict) -> tuple[float, float]:
-    """The reading's 90% interval (samples): where its data place the CBS at its confidence."""
-    from lit_cbs.analysis.forecast import supported_interval
-
-    return supported_interval(reading)
-
-
-def probe_points(runs: list[dict]) -> list[int]:
-    """The probe points of ``runs`` (tokens): readings within 10% of each other are one point."""
-    groups: list[list[int]] = []
-    for tokens in sorted(r["tokens"] for run in runs for r in run["readings"]):
-        if groups and tokens <= 1.1 * groups[-1][0]:
-            groups[-1].append(tokens)
-        else:
-            groups.append([tokens])
-    return [int(statistics.median(group)) for group in groups]
-
-
 def nearest(reading: dict, points: list[int]) -> int:
-    """The probe point ``reading`` belongs to."""
+    """The probe point (``probe_repeat.probe_points``) ``reading`` belongs to."""
     return min(points, key=lambda p: abs(math.log(reading["tokens"] / p)))
-
-
-def at_point(run: dict, point: int, points: list[int]) -> dict | None:
-    return next((r for r in run["readings"] if nearest(r, points) == point), None)
 
 
 def median_bracket(readings: list[dict]) -> tuple[float, float]:
@@ -184,7 +164,7 @@ def judge_readings(runs: list[dict]) -> list[dict]:
         group = [run for run in runs if run["experiment"] == experiment]
         points = probe_points(group)
         for point in points:
-            readings = {run["seed"]: at_point(run, point, points) for run in group}
+            readings = {run["seed"]: reading_at(run, point, points) for run in group}
             readings = {seed: r for seed, r in readings.items() if r is not None}
             for seed, reading in readings.items():
                 others = [r for s, r in readings.items() if s != seed]
@@ -193,7 +173,7 @@ def judge_readings(runs: list[dict]) -> list[dict]:
                        "reference": reference}
                 multipliers = next(run["multipliers"] for run in group if run["seed"] == seed)
                 for name, judged in (("two", reading), ("one", first_window(reading, multipliers))):
-                    low, high = interval(judged)
+                    low, high = supported_interval(judged)
                     row[name] = {"lower": judged["cbs_lower"], "upper": judged["cbs_upper"], "determined": judged["determined"],
                                  "interval": [low, high],
                                  "holds": None if reference is None else low <= reference[0] and reference[1] <= high}
@@ -220,7 +200,7 @@ def spread(runs: list[dict]) -> list[dict]:
         group = [run for run in runs if run["experiment"] == experiment]
         points = probe_points(group)
         for point in points:
-            readings = [r for run in group if (r := at_point(run, point, points)) is not None]
+            readings = [r for run in group if (r := reading_at(run, point, points)) is not None]
             judged = {"two": readings, "one": [first_window(r, group[0]["multipliers"]) for r in readings]}
             ks = sorted({float(k) for r in readings for k, loss in r["losses"].items() if loss is not None} - {1.0})
             for k in ks:
