@@ -10,6 +10,7 @@ import json
 import pytest
 
 from benchmarks import calibration, guard, hparam_rules, probe_repeat
+from lit_cbs.analysis import brackets_from_records, forecast_cbs
 from lit_cbs.probe import BranchScore, difference
 
 pytestmark = pytest.mark.slow
@@ -94,6 +95,13 @@ def test_calibration_quick_judges_every_reading_both_ways_and_reports(tmp_path):
         reading = next(r for run in runs if run["seed"] == row["seed"] for r in run["readings"] if r["tokens"] == row["tokens"])
         assert (row["two"]["lower"], row["two"]["determined"]) == (reading["cbs_lower"], reading["determined"])
         assert row["two"]["interval"][0] <= reading["cbs_lower"] or not reading["determined"]
+    # A forecast checked on readings: every held-out bracket counted once, covered as the band says.
+    group = [{"key": run["key"], "readings": run["readings"]} for run in runs]
+    check = calibration.check_forecast("quick", group[:2], group[2:], "seeds 1, 2 -> seed 3")
+    held_out = brackets_from_records(runs[2]["readings"], run=runs[2]["key"])
+    forecast = forecast_cbs([b for run in group[:2] for b in brackets_from_records(run["readings"], run=run["key"])])
+    assert check["checked"] == len(held_out) and check["covered"] == sum(forecast.covers(b) for b in held_out)
+    assert len(check["misses"]) == check["checked"] - check["covered"] and check["description"] == forecast.describe()
     assert json.loads((tmp_path / "runs" / "calibration.json").read_text())["goals"] == result["goals"]
     text = markdown.read_text()
     assert "<!-- calibration:start -->" in text and (tmp_path / "calibration.png").read_bytes()[:4] == b"\x89PNG"
