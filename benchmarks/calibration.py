@@ -56,10 +56,11 @@ from omegaconf import OmegaConf
 
 from benchmarks.common import machine, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
 from benchmarks.probe_repeat import probe_points, reading_at
+from benchmarks.transfer import probe_file
+from lit_cbs.analysis import read_probe_records
 from lit_cbs.analysis.forecast import supported_interval
 
 SEEDS = (1, 2, 3, 1234)
-CONFIDENCE = 0.9  # the readings' own (the recipes' default)
 GOALS = {"agreement_steps": 1, "median_held": 0.85, "forecast_covered": 0.80}
 FORECAST_COVERAGE = 0.8
 
@@ -101,21 +102,20 @@ def train(run: Run, out: Path, threads: int) -> None:
 
 
 def read_readings(run_dir: Path) -> list[dict]:
-    found = sorted(run_dir.rglob("cbs_probe.jsonl"))
-    if len(found) != 1:
-        raise SystemExit(f"[calibration] {run_dir} holds {len(found)} cbs_probe.jsonl files, expected 1")
-    return [json.loads(line) for line in found[0].read_text().splitlines() if line.strip()]
+    return read_probe_records(probe_file(run_dir))
 
 
 def load(run: Run, out: Path) -> dict | None:
+    """A finished run's readings, each also as its first window alone judges it (``alone``, by tokens)."""
     run_dir = out / run.key
     if not (run_dir / "summary.json").exists():
         return None
     summary = json.loads((run_dir / "summary.json").read_text())
     wall = run_dir / "wall_seconds.txt"
-    multipliers = OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.multipliers
-    return {**asdict(run), "readings": read_readings(run_dir), "tokens": summary["tokens"],
-            "multipliers": [float(k) for k in multipliers], "command": " ".join(command_of(run, out)[1:]),
+    multipliers = [float(k) for k in OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.multipliers]
+    readings = read_readings(run_dir)
+    return {**asdict(run), "readings": readings, "alone": {r["tokens"]: first_window(r, multipliers) for r in readings},
+            "multipliers": multipliers, "tokens": summary["tokens"], "command": " ".join(command_of(run, out)[1:]),
             "wall_seconds": float(wall.read_text()) if wall.exists() else None}
 
 
@@ -164,15 +164,14 @@ def judge_readings(runs: list[dict]) -> list[dict]:
         group = [run for run in runs if run["experiment"] == experiment]
         points = probe_points(group)
         for point in points:
-            readings = {run["seed"]: reading_at(run, point, points) for run in group}
-            readings = {seed: r for seed, r in readings.items() if r is not None}
+            found = {run["seed"]: (run, reading_at(run, point, points)) for run in group}
+            readings = {seed: reading for seed, (_, reading) in found.items() if reading is not None}
             for seed, reading in readings.items():
                 others = [r for s, r in readings.items() if s != seed]
                 reference = median_bracket(others) if others else None
                 row = {"experiment": experiment, "point": point, "seed": seed, "tokens": reading["tokens"],
                        "reference": reference}
-                multipliers = next(run["multipliers"] for run in group if run["seed"] == seed)
-                for name, judged in (("two", reading), ("one", first_window(reading, multipliers))):
+                for name, judged in (("two", reading), ("one", found[seed][0]["alone"][reading["tokens"]])):
                     low, high = supported_interval(judged)
                     row[name] = {"lower": judged["cbs_lower"], "upper": judged["cbs_upper"], "determined": judged["determined"],
                                  "interval": [low, high],
@@ -200,8 +199,9 @@ def spread(runs: list[dict]) -> list[dict]:
         group = [run for run in runs if run["experiment"] == experiment]
         points = probe_points(group)
         for point in points:
-            readings = [r for run in group if (r := reading_at(run, point, points)) is not None]
-            judged = {"two": readings, "one": [first_window(r, group[0]["multipliers"]) for r in readings]}
+            measured = [(run, r) for run in group if (r := reading_at(run, point, points)) is not None]
+            readings = [r for _, r in measured]
+            judged = {"two": readings, "one": [run["alone"][r["tokens"]] for run, r in measured]}
             ks = sorted({float(k) for r in readings for k, loss in r["losses"].items() if loss is not None} - {1.0})
             for k in ks:
                 name = f"{k:g}"

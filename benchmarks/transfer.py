@@ -251,7 +251,7 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
     return checks
 
 
-def forecast_of(runs: dict[str, dict], settings: Settings, out: Path):
+def forecast_of(runs: dict[str, dict], out: Path):
     """The forecast the schedule was read from (the fit schedule_from_probe.py makes: tiny's curves, one
     run per file, here named by their runs) and, when the noise-scale run finished, its B_simple over tokens."""
     from lit_cbs.analysis import brackets_from_records, forecast_cbs
@@ -440,7 +440,7 @@ def main(argv: list[str] | None = None) -> dict:
     schedules = {key: read_schedule(key, args.out) for key in SCHEDULES}
     points, rows = agreement(runs), outcomes(runs)
     checks = goals(points, rows)
-    forecast, noise = forecast_of(runs, args.settings, args.out)
+    forecast, noise = forecast_of(runs, args.out)
     result = {"settings": asdict(args.settings), "schedules": schedules, "points": points, "rows": rows,
               "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": time.perf_counter() - started,
               "forecast": None if forecast is None else {"description": forecast.describe(), "exponent": forecast.exponent}}
