@@ -78,10 +78,17 @@ EXPERIMENTS = {
     "curve": ("+recipe=tiny_cbs_curve", "max_tokens=3276800"),
 }
 # --quick: the default job on 65,536 tokens, probed (k = 1, 2, 4) at 8,192 and 32,768 tokens over two windows of 8,192.
-QUICK = ("max_tokens=65536", "lr_schedule.warmup_tokens=8192", "callbacks.cbs_probe.geometric=[8192,4.0]",
-         "callbacks.cbs_probe.multipliers=[1,2,4]", "callbacks.cbs_probe.window_tokens=8192",
-         "callbacks.cbs_probe.heldout_batches=4", "callbacks.cbs_probe.replicates=2", "val_check_tokens=32768",
-         "trainer.limit_val_batches=2")
+QUICK = (
+    "max_tokens=65536",
+    "lr_schedule.warmup_tokens=8192",
+    "callbacks.cbs_probe.geometric=[8192,4.0]",
+    "callbacks.cbs_probe.multipliers=[1,2,4]",
+    "callbacks.cbs_probe.window_tokens=8192",
+    "callbacks.cbs_probe.heldout_batches=4",
+    "callbacks.cbs_probe.replicates=2",
+    "val_check_tokens=32768",
+    "trainer.limit_val_batches=2",
+)
 
 
 def runs_of(quick: bool) -> list[Run]:
@@ -91,9 +98,17 @@ def runs_of(quick: bool) -> list[Run]:
 
 
 def command_of(run: Run, out: Path) -> list[str]:
-    return train_command([*run.overrides, f"seed={run.seed}", f"hydra.run.dir={(out / run.key).resolve()}",
-                          "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "callbacks.checkpoint=null",
-                          "plots=false"])
+    return train_command(
+        [
+            *run.overrides,
+            f"seed={run.seed}",
+            f"hydra.run.dir={(out / run.key).resolve()}",
+            "trainer.enable_progress_bar=false",
+            "callbacks.progress_bar=null",
+            "callbacks.checkpoint=null",
+            "plots=false",
+        ]
+    )
 
 
 def train(run: Run, out: Path, threads: int) -> None:
@@ -114,9 +129,15 @@ def load(run: Run, out: Path) -> dict | None:
     wall = run_dir / "wall_seconds.txt"
     multipliers = [float(k) for k in OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.multipliers]
     readings = read_readings(run_dir)
-    return {**asdict(run), "readings": readings, "alone": {r["tokens"]: first_window(r, multipliers) for r in readings},
-            "multipliers": multipliers, "tokens": summary["tokens"], "command": " ".join(command_of(run, out)[1:]),
-            "wall_seconds": float(wall.read_text()) if wall.exists() else None}
+    return {
+        **asdict(run),
+        "readings": readings,
+        "alone": {r["tokens"]: first_window(r, multipliers) for r in readings},
+        "multipliers": multipliers,
+        "tokens": summary["tokens"],
+        "command": " ".join(command_of(run, out)[1:]),
+        "wall_seconds": float(wall.read_text()) if wall.exists() else None,
+    }
 
 
 # ---------------------------------------------------------------------------- 1. readings
@@ -126,12 +147,34 @@ def first_window(reading: dict, multipliers: list[float]) -> dict:
     from lit_cbs.probe.reading import BranchScore, ProbeReading
 
     windows = reading["replicate_batch_losses"]
-    scores = {float(k): BranchScore.heldout(windows[k][0]) if k in windows else BranchScore(math.inf)
-              for k, loss in reading["losses"].items()}
-    fields = {key: reading[key] for key in ("tokens", "step", "seq_len", "window_tokens", "strategy", "evaluate", "main_loss",
-                                            "failed", "tokens_spent", "overhead")}
-    judged = ProbeReading.decide(scores, reading["epsilon"], reading["confidence"], multipliers, reading["batch_size"],
-                                 branches_trained=sorted(set(reading["branches_trained"])), **fields)
+    scores = {
+        float(k): BranchScore.heldout(windows[k][0]) if k in windows else BranchScore(math.inf)
+        for k, loss in reading["losses"].items()
+    }
+    fields = {
+        key: reading[key]
+        for key in (
+            "tokens",
+            "step",
+            "seq_len",
+            "window_tokens",
+            "strategy",
+            "evaluate",
+            "main_loss",
+            "failed",
+            "tokens_spent",
+            "overhead",
+        )
+    }
+    judged = ProbeReading.decide(
+        scores,
+        reading["epsilon"],
+        reading["confidence"],
+        multipliers,
+        reading["batch_size"],
+        branches_trained=sorted(set(reading["branches_trained"])),
+        **fields,
+    )
     return asdict(judged)
 
 
@@ -143,6 +186,7 @@ def nearest(reading: dict, points: list[int]) -> int:
 def median_bracket(readings: list[dict]) -> tuple[float, float]:
     """The medians of the readings' lower and upper ends (samples; no upper end counts as inf;
     the geometric mean of the middle two for an even count)."""
+
     def median(values: list[float]) -> float:
         values = sorted(values)
         middle = len(values) // 2
@@ -151,8 +195,10 @@ def median_bracket(readings: list[dict]) -> tuple[float, float]:
         a, b = values[middle - 1], values[middle]
         return math.inf if math.isinf(b) else math.sqrt(a * b)
 
-    return (median([r["cbs_lower"] for r in readings]),
-            median([math.inf if r["cbs_upper"] is None else r["cbs_upper"] for r in readings]))
+    return (
+        median([r["cbs_lower"] for r in readings]),
+        median([math.inf if r["cbs_upper"] is None else r["cbs_upper"] for r in readings]),
+    )
 
 
 def judge_readings(runs: list[dict]) -> list[dict]:
@@ -169,13 +215,22 @@ def judge_readings(runs: list[dict]) -> list[dict]:
             for seed, reading in readings.items():
                 others = [r for s, r in readings.items() if s != seed]
                 reference = median_bracket(others) if others else None
-                row = {"experiment": experiment, "point": point, "seed": seed, "tokens": reading["tokens"],
-                       "reference": reference}
+                row = {
+                    "experiment": experiment,
+                    "point": point,
+                    "seed": seed,
+                    "tokens": reading["tokens"],
+                    "reference": reference,
+                }
                 for name, judged in (("two", reading), ("one", found[seed][0]["alone"][reading["tokens"]])):
                     low, high = supported_interval(judged)
-                    row[name] = {"lower": judged["cbs_lower"], "upper": judged["cbs_upper"], "determined": judged["determined"],
-                                 "interval": [low, high],
-                                 "holds": None if reference is None else low <= reference[0] and reference[1] <= high}
+                    row[name] = {
+                        "lower": judged["cbs_lower"],
+                        "upper": judged["cbs_upper"],
+                        "determined": judged["determined"],
+                        "interval": [low, high],
+                        "holds": None if reference is None else low <= reference[0] and reference[1] <= high,
+                    }
                 rows.append(row)
     return rows
 
@@ -184,10 +239,18 @@ def agreement(rows: list[dict], judgement: str) -> list[dict]:
     """Per experiment and point: the determined readings and how far apart they lie (grid steps, log2)."""
     found = []
     for key in sorted({(row["experiment"], row["point"]) for row in rows}, key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1])):
-        lowers = [row[judgement]["lower"] for row in rows if (row["experiment"], row["point"]) == key and row[judgement]["determined"]]
-        found.append({"experiment": key[0], "point": key[1], "determined": len(lowers),
-                      "of": sum((row["experiment"], row["point"]) == key for row in rows),
-                      "steps": math.log2(max(lowers) / min(lowers)) if lowers else None})
+        lowers = [
+            row[judgement]["lower"] for row in rows if (row["experiment"], row["point"]) == key and row[judgement]["determined"]
+        ]
+        found.append(
+            {
+                "experiment": key[0],
+                "point": key[1],
+                "determined": len(lowers),
+                "of": sum((row["experiment"], row["point"]) == key for row in rows),
+                "steps": math.log2(max(lowers) / min(lowers)) if lowers else None,
+            }
+        )
     return found
 
 
@@ -207,13 +270,20 @@ def spread(runs: list[dict]) -> list[dict]:
                 name = f"{k:g}"
                 row = {"experiment": experiment, "point": point, "k": k}
                 for way, records in judged.items():
-                    diffs = [r["losses"][name] - r["losses"]["1"] for r in records
-                             if r["losses"].get(name) is not None and r["losses"].get("1") is not None]
+                    diffs = [
+                        r["losses"][name] - r["losses"]["1"]
+                        for r in records
+                        if r["losses"].get(name) is not None and r["losses"].get("1") is not None
+                    ]
                     ses = [r["loss_se"][name] for r in records if r["loss_se"].get(name) is not None]
                     if len(diffs) < 3 or not ses:
                         break
-                    row[way] = {"runs": len(diffs), "mean": statistics.mean(diffs), "std": statistics.stdev(diffs),
-                                "median_se": statistics.median(ses)}
+                    row[way] = {
+                        "runs": len(diffs),
+                        "mean": statistics.mean(diffs),
+                        "std": statistics.stdev(diffs),
+                        "median_se": statistics.median(ses),
+                    }
                 else:
                     found.append(row)
     return found
@@ -222,16 +292,20 @@ def spread(runs: list[dict]) -> list[dict]:
 def cost(run: dict) -> dict:
     """Branch tokens the run's probes spent, and what their first windows alone spent."""
     spent = sum(r["tokens_spent"] for r in run["readings"])
-    first = sum(sum(1 for k in set(r["branches_trained"]) if r["branches_trained"].count(k) == r["replicates"]) * r["window_tokens"]
-                for r in run["readings"])
+    first = sum(
+        sum(1 for k in set(r["branches_trained"]) if r["branches_trained"].count(k) == r["replicates"]) * r["window_tokens"]
+        for r in run["readings"]
+    )
     return {"tokens": spent, "first_window_tokens": first, "main_tokens": run["tokens"]}
 
 
 # ---------------------------------------------------------------------------- 2. forecasts
 def validation_groups(runs: list[dict], transfer_out: Path | None) -> dict[str, list[dict]]:
     """Runs of one recipe whose readings a forecast is checked on: name -> [{"key", "readings"}]."""
-    groups = {experiment: [{"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment]
-              for experiment in EXPERIMENTS}
+    groups = {
+        experiment: [{"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment]
+        for experiment in EXPERIMENTS
+    }
     if transfer_out is not None:
         for model in ("tiny", "tiny4x"):
             found = sorted(transfer_out.glob(f"{model}_curve_seed*/summary.json"))
@@ -244,18 +318,36 @@ def check_forecast(name: str, train: list[dict], test: list[dict], what: str) ->
     ``test`` its band covers."""
     from lit_cbs.analysis import brackets_from_records, forecast_cbs
 
-    row = {"group": name, "what": what, "train": sum(len(run["readings"]) for run in train),
-           "test": sum(len(run["readings"]) for run in test)}
+    row = {
+        "group": name,
+        "what": what,
+        "train": sum(len(run["readings"]) for run in train),
+        "test": sum(len(run["readings"]) for run in test),
+    }
     try:
-        forecast = forecast_cbs([b for run in train for b in brackets_from_records(run["readings"], run=run["key"])],
-                                coverage=FORECAST_COVERAGE)
+        forecast = forecast_cbs(
+            [b for run in train for b in brackets_from_records(run["readings"], run=run["key"])], coverage=FORECAST_COVERAGE
+        )
     except ValueError as error:
         return {**row, "error": str(error)}
     held_out = [b for run in test for b in brackets_from_records(run["readings"], run=run["key"])]
     covered = [forecast.covers(b) for b in held_out]
-    return {**row, "description": forecast.describe(), "covered": sum(covered), "checked": len(covered),
-            "misses": [{"run": b.run, "tokens": b.tokens, "interval": [b.lower, b.upper],
-                        "band": [float(x[0]) for x in forecast.band(b.tokens)]} for b, ok in zip(held_out, covered) if not ok]}
+    return {
+        **row,
+        "description": forecast.describe(),
+        "covered": sum(covered),
+        "checked": len(covered),
+        "misses": [
+            {
+                "run": b.run,
+                "tokens": b.tokens,
+                "interval": [b.lower, b.upper],
+                "band": [float(x[0]) for x in forecast.band(b.tokens)],
+            }
+            for b, ok in zip(held_out, covered)
+            if not ok
+        ],
+    }
 
 
 def forecast_checks(groups: dict[str, list[dict]]) -> list[dict]:
@@ -267,11 +359,23 @@ def forecast_checks(groups: dict[str, list[dict]]) -> list[dict]:
         early = set(points[: math.ceil(len(points) / 2)])
         train = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) in early]} for run in group]
         test = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) not in early]} for run in group]
-        checks.append(check_forecast(name, train, [run for run in test if run["readings"]],
-                                     f"first {len(early)} of {len(points)} probe points -> the later ones"))
+        checks.append(
+            check_forecast(
+                name,
+                train,
+                [run for run in test if run["readings"]],
+                f"first {len(early)} of {len(points)} probe points -> the later ones",
+            )
+        )
     if "transfer tiny" in groups and "transfer tiny4x" in groups:
-        checks.append(check_forecast("transfer tiny -> tiny4x", groups["transfer tiny"], groups["transfer tiny4x"],
-                                     "every tiny reading -> every tiny4x reading"))
+        checks.append(
+            check_forecast(
+                "transfer tiny -> tiny4x",
+                groups["transfer tiny"],
+                groups["transfer tiny4x"],
+                "every tiny reading -> every tiny4x reading",
+            )
+        )
     return checks
 
 
@@ -279,20 +383,33 @@ def forecast_checks(groups: dict[str, list[dict]]) -> list[dict]:
 def goals(rows: list[dict], agreed: list[dict], checks: list[dict]) -> list[tuple[str, bool]]:
     found = []
     apart = [a["steps"] for a in agreed if a["steps"] is not None]
-    found.append((f"determined readings of a point at most {GOALS['agreement_steps']} grid step apart at "
-                  f"{sum(x <= GOALS['agreement_steps'] + 1e-9 for x in apart)} of {len(apart)} points (goal: all)",
-                  all(x <= GOALS["agreement_steps"] + 1e-9 for x in apart)))
+    found.append(
+        (
+            f"determined readings of a point at most {GOALS['agreement_steps']} grid step apart at "
+            f"{sum(x <= GOALS['agreement_steps'] + 1e-9 for x in apart)} of {len(apart)} points (goal: all)",
+            all(x <= GOALS["agreement_steps"] + 1e-9 for x in apart),
+        )
+    )
     judged = [row["two"]["holds"] for row in rows if row["two"]["holds"] is not None]
     if judged:
         share = sum(judged) / len(judged)
-        found.append((f"90% interval holds the other seeds' median bracket in {sum(judged)} of {len(judged)} readings "
-                      f"({share:.0%}; goal >= {GOALS['median_held']:.0%})", share >= GOALS["median_held"]))
+        found.append(
+            (
+                f"90% interval holds the other seeds' median bracket in {sum(judged)} of {len(judged)} readings "
+                f"({share:.0%}; goal >= {GOALS['median_held']:.0%})",
+                share >= GOALS["median_held"],
+            )
+        )
     fitted = [c for c in checks if "checked" in c]
     if fitted:
         covered, checked = sum(c["covered"] for c in fitted), sum(c["checked"] for c in fitted)
-        found.append((f"forecast {FORECAST_COVERAGE:.0%} bands cover {covered} of {checked} held-out readings "
-                      f"({covered / max(1, checked):.0%}; goal >= {GOALS['forecast_covered']:.0%})",
-                      checked > 0 and covered / checked >= GOALS["forecast_covered"]))
+        found.append(
+            (
+                f"forecast {FORECAST_COVERAGE:.0%} bands cover {covered} of {checked} held-out readings "
+                f"({covered / max(1, checked):.0%}; goal >= {GOALS['forecast_covered']:.0%})",
+                checked > 0 and covered / checked >= GOALS["forecast_covered"],
+            )
+        )
     return found
 
 
@@ -307,71 +424,144 @@ def cell(judged: dict) -> str:
     return f"{text}; 90%: {span(judged['interval'])} {mark}"
 
 
-def markdown(runs: list[dict], rows: list[dict], agreed: dict[str, list[dict]], spreads: list[dict], costs: dict,
-             checks: list[dict], found: list[tuple[str, bool]], args, plot_path: Path) -> str:
-    lines = ["## Are the probe's readings and forecasts calibrated across runs?", "",
-             f"Command: `python -m benchmarks.calibration {' '.join(args.argv)}`".rstrip()
-             + f" ({args.date}; {machine(os.getloadavg())}).", "",
-             __doc__.split("\n\n")[1].replace("\n", " "), "",
-             "Runs (commands from the repository root, `OMP_NUM_THREADS=1`, two at a time):", ""]
-    lines += [f"- {run['key']}: `python {run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`"
-              .replace("python train.py", "python recipes/train.py") for run in runs]
-    lines += ["", "### 1. Readings", "",
-              "Each cell: the bracket (samples; `?` undetermined at 90%), then its 90% interval and whether that holds "
-              "the median bracket of the other seeds' two-window readings. *Two windows*: as the probe judged it "
-              "(replicates=2); *first window*: its first window's data alone, as a probe with replicates=1 has them.", ""]
+def markdown(
+    runs: list[dict],
+    rows: list[dict],
+    agreed: dict[str, list[dict]],
+    spreads: list[dict],
+    costs: dict,
+    checks: list[dict],
+    found: list[tuple[str, bool]],
+    args,
+    plot_path: Path,
+) -> str:
+    lines = [
+        "## Are the probe's readings and forecasts calibrated across runs?",
+        "",
+        f"Command: `python -m benchmarks.calibration {' '.join(args.argv)}`".rstrip()
+        + f" ({args.date}; {machine(os.getloadavg())}).",
+        "",
+        __doc__.split("\n\n")[1].replace("\n", " "),
+        "",
+        "Runs (commands from the repository root, `OMP_NUM_THREADS=1`, two at a time):",
+        "",
+    ]
+    lines += [
+        f"- {run['key']}: `python {run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`".replace(
+            "python train.py", "python recipes/train.py"
+        )
+        for run in runs
+    ]
+    lines += [
+        "",
+        "### 1. Readings",
+        "",
+        "Each cell: the bracket (samples; `?` undetermined at 90%), then its 90% interval and whether that holds "
+        "the median bracket of the other seeds' two-window readings. *Two windows*: as the probe judged it "
+        "(replicates=2); *first window*: its first window's data alone, as a probe with replicates=1 has them.",
+        "",
+    ]
     seeds = sorted({row["seed"] for row in rows})
     for experiment in EXPERIMENTS:
         mine = [row for row in rows if row["experiment"] == experiment]
         if not mine:
             continue
-        lines += [f"#### {experiment}", "", "| point (tokens) | judged on | " + " | ".join(f"seed {s}" for s in seeds) + " | median of all |",
-                  "|---|---|" + "---|" * (len(seeds) + 1)]
+        lines += [
+            f"#### {experiment}",
+            "",
+            "| point (tokens) | judged on | " + " | ".join(f"seed {s}" for s in seeds) + " | median of all |",
+            "|---|---|" + "---|" * (len(seeds) + 1),
+        ]
         for point in sorted({row["point"] for row in mine}):
             here = {row["seed"]: row for row in mine if row["point"] == point}
             overall = median_bracket([{"cbs_lower": r["two"]["lower"], "cbs_upper": r["two"]["upper"]} for r in here.values()])
             for way, label in (("two", "two windows"), ("one", "first window")):
-                lines.append(f"| {point:,} | {label} | " + " | ".join(cell(here[s][way]) if s in here else "-" for s in seeds)
-                             + f" | {span(overall) if way == 'two' else ''} |")
+                lines.append(
+                    f"| {point:,} | {label} | "
+                    + " | ".join(cell(here[s][way]) if s in here else "-" for s in seeds)
+                    + f" | {span(overall) if way == 'two' else ''} |"
+                )
         lines += [""]
-    lines += ["Determined readings of a point, and how far apart (grid steps, log2 of the ratio of lower ends):", "",
-              "| experiment | point (tokens) | two windows: determined, apart | first window: determined, apart |", "|---|---|---|---|"]
+    lines += [
+        "Determined readings of a point, and how far apart (grid steps, log2 of the ratio of lower ends):",
+        "",
+        "| experiment | point (tokens) | two windows: determined, apart | first window: determined, apart |",
+        "|---|---|---|---|",
+    ]
     for two, one in zip(agreed["two"], agreed["one"]):
+
         def text(a):
             return f"{a['determined']} of {a['of']}, " + ("-" if a["steps"] is None else f"{a['steps']:.0f}")
+
         lines.append(f"| {two['experiment']} | {two['point']:,} | {text(two)} | {text(one)} |")
     held = {way: [row[way]["holds"] for row in rows if row[way]["holds"] is not None] for way in ("two", "one")}
-    lines += ["", "The 90% interval holds the other seeds' median bracket: "
-              + "; ".join(f"{label}: {sum(held[way])} of {len(held[way])}" for way, label in (("two", "two windows"), ("one", "first window alone")))
-              + ".", "",
-              "Run-to-run spread of L_k - L_1 against the SE the readings report (nats; std across seeds, n - 1; SE: their median):", "",
-              "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE | first window: std | median SE | std / SE |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "The 90% interval holds the other seeds' median bracket: "
+        + "; ".join(
+            f"{label}: {sum(held[way])} of {len(held[way])}"
+            for way, label in (("two", "two windows"), ("one", "first window alone"))
+        )
+        + ".",
+        "",
+        "Run-to-run spread of L_k - L_1 against the SE the readings report (nats; std across seeds, n - 1; SE: their median):",
+        "",
+        "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE | first window: std | median SE | std / SE |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row in spreads:
         two, one = row["two"], row["one"]
-        lines.append(f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} | {two['std']:.4f} "
-                     f"| {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} | {one['median_se']:.4f} "
-                     f"| {one['std'] / one['median_se']:.1f} |")
-    lines += ["", "What the second window costs (branch tokens of all probes of a run; the main run's tokens beside them):", "",
-              "| run | branch tokens | of which the first windows | main-run tokens | wall s |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} | {two['std']:.4f} "
+            f"| {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} | {one['median_se']:.4f} "
+            f"| {one['std'] / one['median_se']:.1f} |"
+        )
+    lines += [
+        "",
+        "What the second window costs (branch tokens of all probes of a run; the main run's tokens beside them):",
+        "",
+        "| run | branch tokens | of which the first windows | main-run tokens | wall s |",
+        "|---|---|---|---|---|",
+    ]
     for run in runs:
         c = costs[run["key"]]
-        lines.append(f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} | {run['wall_seconds'] or 0:.0f} |")
-    lines += ["", "### 2. Forecasts on readings they did not see", "",
-              f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each held-out "
-              "reading's 90% interval (covered: they overlap).", "",
-              "| group | fitted on -> checked on | readings fitted | held-out covered | fit |", "|---|---|---|---|---|"]
+        lines.append(
+            f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} | {run['wall_seconds'] or 0:.0f} |"
+        )
+    lines += [
+        "",
+        "### 2. Forecasts on readings they did not see",
+        "",
+        f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each held-out "
+        "reading's 90% interval (covered: they overlap).",
+        "",
+        "| group | fitted on -> checked on | readings fitted | held-out covered | fit |",
+        "|---|---|---|---|---|",
+    ]
     for c in checks:
         result = f"{c['covered']} of {c['checked']}" if "checked" in c else "not fitted"
         lines.append(f"| {c['group']} | {c['what']} | {c['train']} | {result} | {c.get('description', c.get('error'))} |")
     misses = [(c["group"], m) for c in checks for m in c.get("misses", [])]
     if misses:
-        lines += ["", "Held-out readings outside the band: " + "; ".join(
-            f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
-            for group, m in misses) + "."]
-    lines += ["", "Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found], "",
-              f"![90% intervals of every seed's readings, two windows and one]({os.path.relpath(plot_path, args.markdown.parent)})"
-              if args.markdown else ""]
+        lines += [
+            "",
+            "Held-out readings outside the band: "
+            + "; ".join(
+                f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
+                for group, m in misses
+            )
+            + ".",
+        ]
+    lines += [
+        "",
+        "Goals:",
+        "",
+        *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found],
+        "",
+        f"![90% intervals of every seed's readings, two windows and one]({os.path.relpath(plot_path, args.markdown.parent)})"
+        if args.markdown
+        else "",
+    ]
     return "\n".join(lines)
 
 
@@ -394,8 +584,15 @@ def plot(rows: list[dict], path: Path) -> Path:
             for way, slot, width, alpha in (("one", 2 * index, 2, 0.45), ("two", 2 * index + 1, 4, 0.95)):
                 x = row["point"] * 1.05 ** (slot - (slots - 1) / 2)
                 low, high = row[way]["interval"]
-                axis.plot([x, x], [low, min(high, top)], color=f"C{index}", lw=width, alpha=alpha,
-                          ls="-" if math.isfinite(high) else ":", solid_capstyle="butt")
+                axis.plot(
+                    [x, x],
+                    [low, min(high, top)],
+                    color=f"C{index}",
+                    lw=width,
+                    alpha=alpha,
+                    ls="-" if math.isfinite(high) else ":",
+                    solid_capstyle="butt",
+                )
         for point in sorted({row["point"] for row in mine}):
             here = [row for row in mine if row["point"] == point]
             overall = median_bracket([{"cbs_lower": r["two"]["lower"], "cbs_upper": r["two"]["upper"]} for r in here])
@@ -406,8 +603,13 @@ def plot(rows: list[dict], path: Path) -> Path:
         axis.plot([], [], color="0.3", lw=2, alpha=0.45, label="thin: first window alone; thick: two windows")
         axis.fill_between([], [], [], color="0.5", alpha=0.15, label="median bracket of all seeds (two windows)")
         ticks = [2**n for n in range(3, 12) if 2**n <= top * 1.5]
-        axis.set(xscale="log", yscale="log", xlabel="tokens at the probe", ylabel="CBS, samples: each reading's 90% interval",
-                 title=f"{experiment}: where each seed's reading places the CBS")
+        axis.set(
+            xscale="log",
+            yscale="log",
+            xlabel="tokens at the probe",
+            ylabel="CBS, samples: each reading's 90% interval",
+            title=f"{experiment}: where each seed's reading places the CBS",
+        )
         axis.set_yticks(ticks, labels=[str(t) for t in ticks])
         axis.minorticks_off()
         axis.grid(alpha=0.3)
@@ -417,10 +619,17 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> dict:
     def add_arguments(parser) -> None:
-        parser.add_argument("--transfer", type=Path, help="the OUT folder of benchmarks.transfer: check forecasts on its curves too")
+        parser.add_argument(
+            "--transfer", type=Path, help="the OUT folder of benchmarks.transfer: check forecasts on its curves too"
+        )
 
-    args = recipe_benchmark_arguments("calibration", __doc__.split("\n\n")[0], "3 short runs of the default job: a pipeline check, "
-                                      "no results", argv, add_arguments)
+    args = recipe_benchmark_arguments(
+        "calibration",
+        __doc__.split("\n\n")[0],
+        "3 short runs of the default job: a pipeline check, no results",
+        argv,
+        add_arguments,
+    )
     planned = runs_of(args.quick)
     started = time.perf_counter()
     if not args.report_only:
@@ -434,14 +643,24 @@ def main(argv: list[str] | None = None) -> dict:
     costs = {run["key"]: cost(run) for run in runs}
     checks = forecast_checks(validation_groups(runs, args.transfer))
     found = goals(rows, agreed["two"], checks)
-    result = {"rows": rows, "agreement": agreed, "spread": spreads, "costs": costs, "forecasts": checks,
-              "goals": [{"goal": text, "met": ok} for text, ok in found], "runs": runs, "seconds": time.perf_counter() - started}
+    result = {
+        "rows": rows,
+        "agreement": agreed,
+        "spread": spreads,
+        "costs": costs,
+        "forecasts": checks,
+        "goals": [{"goal": text, "met": ok} for text, ok in found],
+        "runs": runs,
+        "seconds": time.perf_counter() - started,
+    }
     (args.out / "calibration.json").write_text(json.dumps(result, indent=2, default=float))
     for text, ok in found:
         print(f"[calibration] {text}: {'met' if ok else 'MISSED'}")
     plot(rows, args.plot)
     if args.markdown:
-        replace_section(args.markdown, "calibration", markdown(runs, rows, agreed, spreads, costs, checks, found, args, args.plot))
+        replace_section(
+            args.markdown, "calibration", markdown(runs, rows, agreed, spreads, costs, checks, found, args, args.plot)
+        )
     print(f"[calibration] {result['seconds'] / 60:.1f} minutes; {args.out / 'calibration.json'}; plot {args.plot}", flush=True)
     return result
 

@@ -147,8 +147,12 @@ def recipe_benchmark_arguments(
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / name, help=f"folder for the runs and {name}.json")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help=f"write the section '{name}' of this file (default: docs/RESULTS.md, none with --quick)")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help=f"write the section '{name}' of this file (default: docs/RESULTS.md, none with --quick)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help=f"PNG (default: docs/{name}.png next to --markdown, else OUT)")
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
     args = parser.parse_args(argv)

@@ -66,9 +66,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps-before-change", type=int, default=10, help="optimizer steps at the first batch")
     parser.add_argument("--steps-after-change", type=int, default=10, help="optimizer steps at the doubled batch")
     parser.add_argument("--skip-steps", type=int, default=3, help="first optimizer steps left out of tokens/s")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak TFLOP/s of one device at this precision, for MFU (default: Lightning's table; "
-                             "989 for an H100/H200 SXM in dense bf16)")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak TFLOP/s of one device at this precision, for MFU (default: Lightning's table; "
+        "989 for an H100/H200 SXM in dense bf16)",
+    )
     parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
@@ -175,9 +179,15 @@ def main() -> dict:
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
         # What `plan=true` estimates for this run (lit_cbs.plan), to hold against the measured peak above.
         "planned_memory_gib": device_memory(
-            ModelShape.of(model.config), args.micro_batch_size, args.seq_len, args.precision, "fsdp", 1,
+            ModelShape.of(model.config),
+            args.micro_batch_size,
+            args.seq_len,
+            args.precision,
+            "fsdp",
+            1,
             model.activation_checkpointing,
-        ).total / GIB,
+        ).total
+        / GIB,
         "wall_s": time.perf_counter() - started,
     }
     if probe is not None:

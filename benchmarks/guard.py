@@ -79,10 +79,21 @@ class Run:
 def runs_of(settings: Settings) -> list[Run]:
     """Every run, the longest first (they are trained --jobs at a time)."""
     budget = f"max_tokens={settings.tokens}"
-    premature = ("+recipe=tiny_warmup", "callbacks.cbs_probe=null", f"batch.schedule.batch_sizes=[{SMALL},{LARGE}]",
-                 f"batch.schedule.thresholds=[0,{settings.change_at}]", budget)
-    runs = [Run("default_job_guarded", "default_job", None,
-                ("batch.guard=true", "callbacks.cbs_probe=null", f"max_tokens={settings.default_job_tokens}"))]
+    premature = (
+        "+recipe=tiny_warmup",
+        "callbacks.cbs_probe=null",
+        f"batch.schedule.batch_sizes=[{SMALL},{LARGE}]",
+        f"batch.schedule.thresholds=[0,{settings.change_at}]",
+        budget,
+    )
+    runs = [
+        Run(
+            "default_job_guarded",
+            "default_job",
+            None,
+            ("batch.guard=true", "callbacks.cbs_probe=null", f"max_tokens={settings.default_job_tokens}"),
+        )
+    ]
     for seed in settings.seeds:
         runs.append(Run(f"control_seed{seed}", "control", seed, ("+recipe=tiny_small_batch", budget, f"seed={seed}")))
     for seed in settings.seeds:
@@ -92,34 +103,46 @@ def runs_of(settings: Settings) -> list[Run]:
 
 
 def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
-    return train_command([
-        *run.overrides,
-        f"val_check_tokens={settings.val_check_tokens}",
-        *([f"trainer.limit_val_batches={settings.val_batches}"] if settings.val_batches else []),
-        f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",  # the recipes' 262,144, less in a --quick budget
-        "trainer.enable_progress_bar=false",
-        "callbacks.progress_bar=null",
-        "callbacks.checkpoint=null",
-        "plots=false",
-        f"hydra.run.dir={(out / run.key).resolve()}",
-    ])
+    return train_command(
+        [
+            *run.overrides,
+            f"val_check_tokens={settings.val_check_tokens}",
+            *([f"trainer.limit_val_batches={settings.val_batches}"] if settings.val_batches else []),
+            f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",  # the recipes' 262,144, less in a --quick budget
+            "trainer.enable_progress_bar=false",
+            "callbacks.progress_bar=null",
+            "callbacks.checkpoint=null",
+            "plots=false",
+            f"hydra.run.dir={(out / run.key).resolve()}",
+        ]
+    )
 
 
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder); return what the report needs of it."""
-    train_unless_done(command_of(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[guard] {run.key}")
+    train_unless_done(
+        command_of(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[guard] {run.key}"
+    )
     return load(run, out)
 
 
 def load(run: Run, out: Path) -> dict:
     run_dir = out / run.key
     history = json.loads((run_dir / "batch_history.json").read_text())
-    result = {**read_run(run_dir), **asdict(run), "run_dir": str(run_dir), "verdicts": history["guard_verdicts"],
-              "reverts": sum(change["cause"] == "guard" for change in history["changes"])}
+    result = {
+        **read_run(run_dir),
+        **asdict(run),
+        "run_dir": str(run_dir),
+        "verdicts": history["guard_verdicts"],
+        "reverts": sum(change["cause"] == "guard" for change in history["changes"]),
+    }
     wall = run_dir / "wall_seconds.txt"
     result["wall_seconds"] = float(wall.read_text()) if wall.exists() else None
-    print(f"[guard] {run.key}: held-out loss {result['val_curve'][-1]['val_loss']:.4f}, "
-          f"{result['optimizer_steps']:,} steps, {result['reverts']} revert(s)", flush=True)
+    print(
+        f"[guard] {run.key}: held-out loss {result['val_curve'][-1]['val_loss']:.4f}, "
+        f"{result['optimizer_steps']:,} steps, {result['reverts']} revert(s)",
+        flush=True,
+    )
     return result
 
 
@@ -133,16 +156,24 @@ def table(runs: dict[str, dict]) -> dict[str, dict]:
             continue
         losses = [run["val_curve"][-1]["val_loss"] for run in done]
         steps = [run["optimizer_steps"] for run in done]
-        rows[config] = {"seeds": [run["seed"] for run in done], "losses": losses, "steps": steps,
-                        "reverts": [run["reverts"] for run in done], "loss": statistics.mean(losses),
-                        "spread": max(losses) - min(losses), "mean_steps": statistics.mean(steps)}
+        rows[config] = {
+            "seeds": [run["seed"] for run in done],
+            "losses": losses,
+            "steps": steps,
+            "reverts": [run["reverts"] for run in done],
+            "loss": statistics.mean(losses),
+            "spread": max(losses) - min(losses),
+            "mean_steps": statistics.mean(steps),
+        }
     control, premature = rows.get("control"), rows.get("premature")
     for row in rows.values():
         if control is not None:
             row["vs_control"] = row["loss"] - control["loss"]
             row["steps_saved"] = 1 - row["mean_steps"] / control["mean_steps"]
             if premature is not None:
-                row["kept_savings"] = (control["mean_steps"] - row["mean_steps"]) / (control["mean_steps"] - premature["mean_steps"])
+                row["kept_savings"] = (control["mean_steps"] - row["mean_steps"]) / (
+                    control["mean_steps"] - premature["mean_steps"]
+                )
     return rows
 
 
@@ -150,15 +181,23 @@ def goals(rows: dict[str, dict], runs: dict[str, dict]) -> list[tuple[str, bool]
     checks = []
     guarded = rows.get("guarded")
     if guarded is not None and "kept_savings" in guarded:
-        checks.append((f"guarded: held-out loss {guarded['vs_control']:+.4f} nats vs the control (goal <= +{GOALS['loss_gap']})",
-                       guarded["vs_control"] <= GOALS["loss_gap"]))
+        checks.append(
+            (
+                f"guarded: held-out loss {guarded['vs_control']:+.4f} nats vs the control (goal <= +{GOALS['loss_gap']})",
+                guarded["vs_control"] <= GOALS["loss_gap"],
+            )
+        )
         kept = f"guarded: keeps {guarded['kept_savings']:.0%} of the premature schedule's step savings (goal >= {GOALS['kept_savings']:.0%})"
         checks.append((kept, guarded["kept_savings"] >= GOALS["kept_savings"]))
     default_job = runs.get("default_job_guarded")
     if default_job is not None:
         judged = len(default_job["verdicts"] or [])
-        checks.append((f"default job: {default_job['reverts']} revert(s) in {judged} judged increase(s) (goal: 0)",
-                       default_job["reverts"] == 0))
+        checks.append(
+            (
+                f"default job: {default_job['reverts']} revert(s) in {judged} judged increase(s) (goal: 0)",
+                default_job["reverts"] == 0,
+            )
+        )
     return checks
 
 
@@ -172,8 +211,12 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
     trend the guard fit before the increase and extrapolated over the window, and its verdict."""
     from matplotlib.figure import Figure
 
-    judged = [(key, verdict) for key in (*(f"guarded_seed{s}" for s in SEEDS), "default_job_guarded") if key in runs
-              for verdict in runs[key]["verdicts"] or []]
+    judged = [
+        (key, verdict)
+        for key in (*(f"guarded_seed{s}" for s in SEEDS), "default_job_guarded")
+        if key in runs
+        for verdict in runs[key]["verdicts"] or []
+    ]
     if not runs:
         return None
     columns = 1 + len(judged)
@@ -182,8 +225,15 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
     styles = {"premature": "C3", "guarded": "C0", "control": "k", "default_job": "C2"}
     for key, run in runs.items():
         curve = run["val_curve"]
-        axes[0].plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], color=styles[run["config"]],
-                     ls="-" if run["seed"] in (None, SEEDS[0]) else "--", marker="o", ms=3, label=key)
+        axes[0].plot(
+            [p["tokens"] for p in curve],
+            [p["val_loss"] for p in curve],
+            color=styles[run["config"]],
+            ls="-" if run["seed"] in (None, SEEDS[0]) else "--",
+            marker="o",
+            ms=3,
+            label=key,
+        )
     axes[0].set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="held-out loss")
     axes[0].legend(fontsize=6)
     for axis, (key, verdict) in zip(axes[1:], judged):
@@ -197,14 +247,23 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
             tokens, losses = training_loss(runs[shown_key])
             shown = (tokens > low) & (tokens <= high)
             axis.plot(tokens[shown], losses[shown], ".", ms=2, color=color, alpha=0.4)
-            axis.plot(tokens[shown], rolling_mean(losses, SMOOTHING)[shown], color=color, lw=1.2,
-                      label=f"{shown_key} (mean of {SMOOTHING} steps)")
+            axis.plot(
+                tokens[shown],
+                rolling_mean(losses, SMOOTHING)[shown],
+                color=color,
+                lw=1.2,
+                label=f"{shown_key} (mean of {SMOOTHING} steps)",
+            )
         xs = np.geomspace(low + 1, window_end, 50)
         axis.plot(xs, verdict["trend_intercept"] + verdict["trend_slope"] * np.log(xs), "k--", lw=1, label="trend before it")
         axis.axvspan(at, window_end, color="C1", alpha=0.15, label="window")
         outcome = "reverted" if verdict["reverted"] else "kept"
-        axis.set(xlabel="tokens", title=f"{key}: {verdict['old_global_batch']} -> {verdict['new_global_batch']} {outcome}\n"
-                 f"rise {verdict['rise']:+.3f} vs threshold {verdict['threshold']:.3f} nats", ylabel="training loss")
+        axis.set(
+            xlabel="tokens",
+            title=f"{key}: {verdict['old_global_batch']} -> {verdict['new_global_batch']} {outcome}\n"
+            f"rise {verdict['rise']:+.3f} vs threshold {verdict['threshold']:.3f} nats",
+            ylabel="training loss",
+        )
         axis.title.set_fontsize(8)
         axis.ticklabel_format(axis="x", style="sci", scilimits=(0, 0))
         axis.legend(fontsize=6)
@@ -229,17 +288,23 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
         "## The guard on a premature batch increase",
         "",
         f"Command: `python -m benchmarks.guard {' '.join(args.argv)}`".rstrip()
-        + (f" (the runs trained by `python -m benchmarks.guard {args.trained_by}`)" if args.report_only and args.trained_by else "")
+        + (
+            f" (the runs trained by `python -m benchmarks.guard {args.trained_by}`)"
+            if args.report_only and args.trained_by
+            else ""
+        )
         + f" ({args.date}, training {args.minutes:.1f} minutes; {machine(os.getloadavg())}; cores shared with other jobs).",
         "",
-        (f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
-        f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per change), "
-        f"LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at {s.change_at:,} tokens "
-        f"({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` (defaults: window a quarter and "
-        "fit the second half of the tokens before each increase, threshold 2 x the per-step loss's spread around "
-        "the trend and at least 0.05 nats, 8 steps at least, hold as long as the tokens before the revert). "
-        "Held-out loss: the last evaluation (the whole validation split) at the end of the budget; spread = max - min "
-        "over seeds; kept = the share of the premature schedule's step savings (against the control) a run keeps."),
+        (
+            f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
+            f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per change), "
+            f"LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at {s.change_at:,} tokens "
+            f"({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` (defaults: window a quarter and "
+            "fit the second half of the tokens before each increase, threshold 2 x the per-step loss's spread around "
+            "the trend and at least 0.05 nats, 8 steps at least, hold as long as the tokens before the revert). "
+            "Held-out loss: the last evaluation (the whole validation split) at the end of the budget; spread = max - min "
+            "over seeds; kept = the share of the premature schedule's step savings (against the control) a run keeps."
+        ),
         "",
         "| run | held-out loss per seed | mean | spread | vs control | optimizer steps per seed | steps saved | kept | reverts |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -272,7 +337,9 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = recipe_benchmark_arguments("guard", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run: a pipeline check, no results", argv)
+    args = recipe_benchmark_arguments(
+        "guard", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run: a pipeline check, no results", argv
+    )
     args.settings = QUICK if args.quick else FULL
     runs: dict[str, dict] = {}
     started = time.perf_counter()
@@ -294,15 +361,23 @@ def main(argv: list[str] | None = None) -> dict:
     args.trained_by = command_file.read_text().strip() if command_file.exists() else None
     rows = table(runs)
     checks = goals(rows, runs)
-    result = {"settings": asdict(args.settings), "rows": rows, "goals": [{"goal": t, "met": ok} for t, ok in checks], "runs": runs}
+    result = {
+        "settings": asdict(args.settings),
+        "rows": rows,
+        "goals": [{"goal": t, "met": ok} for t, ok in checks],
+        "runs": runs,
+    }
     (args.out / "guard.json").write_text(json.dumps(result, indent=2))
     for text, ok in checks:
         print(f"[guard] {text}: {'met' if ok else 'MISSED'}")
     plot_path = plot(runs, args.settings, args.plot)
     if args.markdown:
         replace_section(args.markdown, "guard", markdown(runs, rows, checks, args, plot_path, args.markdown))
-    print(f"[guard] {args.minutes:.1f} minutes; {args.out / 'guard.json'}; plot {plot_path}"
-          + (f"; markdown {args.markdown}" if args.markdown else ""), flush=True)
+    print(
+        f"[guard] {args.minutes:.1f} minutes; {args.out / 'guard.json'}; plot {plot_path}"
+        + (f"; markdown {args.markdown}" if args.markdown else ""),
+        flush=True,
+    )
     return result
 
 

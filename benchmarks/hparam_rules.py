@@ -49,8 +49,13 @@ CONFIGS = [
     Config("lr_only", "warmup, LR rule only", "tiny_warmup", WARMUP, THRESHOLDS),
     Config("weight_decay", "+ weight decay rule", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale"], THRESHOLDS),
     Config("beta2", "+ beta2 rule", "tiny_warmup", [*WARMUP, "batch.beta2_rule=half_life"], THRESHOLDS),
-    Config("both", "+ both rules", "tiny_warmup",
-           [*WARMUP, "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life"], THRESHOLDS),
+    Config(
+        "both",
+        "+ both rules",
+        "tiny_warmup",
+        [*WARMUP, "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life"],
+        THRESHOLDS,
+    ),
     Config("cosine", "small batch (16), cosine decay", "tiny_small_batch", COSINE),
     Config("seesaw", "Seesaw 16 -> 64, cosine", "tiny_warmup", SEESAW),
     Config("seesaw128", "Seesaw 16 -> 128, cosine", "tiny_warmup", [*SEESAW, "batch.schedule.max_batch_size=128"]),
@@ -63,15 +68,26 @@ GOALS = {"seesaw_loss_gap": 0.01, "seesaw_steps_saved": 0.30}
 
 def train(config: Config, seed: int, args) -> dict:
     run_dir = (args.out / f"{config.key}_seed{seed}").resolve()
-    command = run_command(config, seed, args.tokens, run_dir, extra=[f"trainer.limit_val_batches={VAL_BATCHES}"],
-                          evaluations=EVALUATIONS)
+    command = run_command(
+        config, seed, args.tokens, run_dir, extra=[f"trainer.limit_val_batches={VAL_BATCHES}"], evaluations=EVALUATIONS
+    )
     if args.report_only and not (run_dir / "summary.json").exists():
         return None  # not finished: left out of the report
-    train_unless_done(command, run_dir, run_dir.parent / "logs" / f"{run_dir.name}.log", args.threads,
-                      f"[hparam_rules] {config.label}, seed {seed}")
+    train_unless_done(
+        command,
+        run_dir,
+        run_dir.parent / "logs" / f"{run_dir.name}.log",
+        args.threads,
+        f"[hparam_rules] {config.label}, seed {seed}",
+    )
     result = read_run(run_dir)
-    result.update(key=config.key, seed=seed, run_dir=str(run_dir), overrides=command[2:],
-                  wall_seconds=float((run_dir / "wall_seconds.txt").read_text()))
+    result.update(
+        key=config.key,
+        seed=seed,
+        run_dir=str(run_dir),
+        overrides=command[2:],
+        wall_seconds=float((run_dir / "wall_seconds.txt").read_text()),
+    )
     return result
 
 
@@ -96,17 +112,24 @@ def paired(runs: dict[str, list[dict]], key: str, base: str) -> dict:
     if se is None:
         return {"differences": differences, "mean": mean, "interval": None, "beyond_spread": None}
     half = stats.t.ppf(0.975, len(differences) - 1) * se
-    return {"differences": differences, "mean": mean, "interval": [mean - half, mean + half],
-            "beyond_spread": not (mean - half <= 0.0 <= mean + half)}
+    return {
+        "differences": differences,
+        "mean": mean,
+        "interval": [mean - half, mean + half],
+        "beyond_spread": not (mean - half <= 0.0 <= mean + half),
+    }
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict:
     rows = {}
     for key, seeds in runs.items():
         loss, loss_se = mean_and_se([run["val_curve"][-1]["val_loss"] for run in seeds])
-        rows[key] = {"final_loss": loss, "final_loss_se": loss_se,
-                     "steps": statistics.fmean(run["optimizer_steps"] for run in seeds),
-                     "fit_seconds": statistics.fmean(run["fit_seconds"] for run in seeds)}
+        rows[key] = {
+            "final_loss": loss,
+            "final_loss_se": loss_se,
+            "steps": statistics.fmean(run["optimizer_steps"] for run in seeds),
+            "fit_seconds": statistics.fmean(run["fit_seconds"] for run in seeds),
+        }
     comparisons = {key: paired(runs, key, "lr_only") for key in RULES if key in runs and "lr_only" in runs}
     comparisons.update({key: paired(runs, key, "cosine") for key in SEESAWS if key in runs and "cosine" in runs})
     for key in SEESAWS:
@@ -122,16 +145,23 @@ def goals(result: dict) -> list[tuple[str, bool]]:
         if comparison is None:
             continue
         gap, saved = comparison["mean"], comparison["steps_saved"]
-        checks.append((f"{key}: final held-out loss {gap:+.4f} nats from the cosine control's (goal within "
-                       f"{GOALS['seesaw_loss_gap']}) with {saved:.0%} fewer optimizer steps (goal >= {GOALS['seesaw_steps_saved']:.0%})",
-                       abs(gap) <= GOALS["seesaw_loss_gap"] and saved >= GOALS["seesaw_steps_saved"]))
+        checks.append(
+            (
+                f"{key}: final held-out loss {gap:+.4f} nats from the cosine control's (goal within "
+                f"{GOALS['seesaw_loss_gap']}) with {saved:.0%} fewer optimizer steps (goal >= {GOALS['seesaw_steps_saved']:.0%})",
+                abs(gap) <= GOALS["seesaw_loss_gap"] and saved >= GOALS["seesaw_steps_saved"],
+            )
+        )
     return checks
 
 
 def table(result: dict) -> str:
     labels = {config.key: config.label for config in CONFIGS}
-    lines = ["| run | final held-out loss (± SE over seeds) | vs its reference, per seed (mean, 95% interval) | "
-             "optimizer steps | fit s |", "|---|---|---|---|---|"]
+    lines = [
+        "| run | final held-out loss (± SE over seeds) | vs its reference, per seed (mean, 95% interval) | "
+        "optimizer steps | fit s |",
+        "|---|---|---|---|---|",
+    ]
     for key, row in result["rows"].items():
         se = "" if row["final_loss_se"] is None else f" ± {row['final_loss_se']:.4f}"
         comparison = result["comparisons"].get(key)
@@ -144,7 +174,9 @@ def table(result: dict) -> str:
                 versus += f" [{low:+.4f}, {high:+.4f}]" + (" beyond the seed spread" if comparison["beyond_spread"] else "")
             if "steps_saved" in comparison:
                 versus += f"; {comparison['steps_saved']:.0%} fewer steps"
-        lines.append(f"| {labels[key]} | {row['final_loss']:.4f}{se} | {versus} | {row['steps']:,.0f} | {row['fit_seconds']:.0f} |")
+        lines.append(
+            f"| {labels[key]} | {row['final_loss']:.4f}{se} | {versus} | {row['steps']:,.0f} | {row['fit_seconds']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -155,16 +187,24 @@ def plot(runs: dict[str, list[dict]], path: Path) -> Path:
 
     labels = {config.key: config.label for config in CONFIGS}
     figure = Figure(figsize=(12, 4.8))
-    panels = [(figure.add_subplot(1, 2, 1), [k for k in ("lr_only", *RULES) if k in runs], "tokens", "tokens trained"),
-              (figure.add_subplot(1, 2, 2), [k for k in ("cosine", *SEESAWS) if k in runs], "step", "optimizer steps")]
+    panels = [
+        (figure.add_subplot(1, 2, 1), [k for k in ("lr_only", *RULES) if k in runs], "tokens", "tokens trained"),
+        (figure.add_subplot(1, 2, 2), [k for k in ("cosine", *SEESAWS) if k in runs], "step", "optimizer steps"),
+    ]
     for axis, keys, x, xlabel in panels:
         finals = []
         for index, key in enumerate(keys):
             for seed_index, run in enumerate(runs[key]):
                 curve = run["val_curve"]
                 finals.append(curve[-1]["val_loss"])
-                axis.plot([p[x] for p in curve], [p["val_loss"] for p in curve], color=f"C{index}", lw=1, alpha=0.8,
-                          label=labels[key] if seed_index == 0 else None)
+                axis.plot(
+                    [p[x] for p in curve],
+                    [p["val_loss"] for p in curve],
+                    color=f"C{index}",
+                    lw=1,
+                    alpha=0.8,
+                    label=labels[key] if seed_index == 0 else None,
+                )
         if finals:
             axis.set_ylim(min(finals) - 0.05, min(finals) + 0.5)
         axis.set(xlabel=xlabel, ylabel="held-out loss (nats/token)")
@@ -195,9 +235,14 @@ def markdown(result: dict, runs, checks, args, plot_path: Path) -> str:
         "",
         table(result),
         "",
-        "Rules: " + (f"{', '.join(moved)} moved the final loss beyond the seed spread (95% interval of the paired "
-                     "difference excludes 0)" if moved else "none moved the final loss beyond the seed spread")
-        + (f"; {', '.join(within)} did not" if within and moved else "") + ".",
+        "Rules: "
+        + (
+            f"{', '.join(moved)} moved the final loss beyond the seed spread (95% interval of the paired difference excludes 0)"
+            if moved
+            else "none moved the final loss beyond the seed spread"
+        )
+        + (f"; {', '.join(within)} did not" if within and moved else "")
+        + ".",
         "",
         *seesaw_notes(result, args),
         "Goals:",
@@ -245,14 +290,22 @@ def resolve(args: argparse.Namespace) -> str | None:
     if not args.keys or any(key not in known for key in args.keys) or args.seeds < 1:
         return f"--configs={args.configs!r} must name some of {known}; --seeds must be >= 1"
     if args.tokens < 64 * 128 * EVALUATIONS:
-        return f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations"
+        return (
+            f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations"
+        )
     args.seed_list = list(range(1, args.seeds + 1))
     return None
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = recipe_benchmark_arguments("hparam_rules", __doc__.split("\n\n")[0], "1/32 of the budget, one seed: a pipeline check, no results",
-                                      argv, add_arguments, resolve)
+    args = recipe_benchmark_arguments(
+        "hparam_rules",
+        __doc__.split("\n\n")[0],
+        "1/32 of the budget, one seed: a pipeline check, no results",
+        argv,
+        add_arguments,
+        resolve,
+    )
     keys = args.keys
 
     started = time.perf_counter()
@@ -272,8 +325,15 @@ def main(argv: list[str] | None = None) -> dict:
     for text, ok in checks:
         print(f"[hparam_rules] {text}: {'met' if ok else 'MISSED'}")
     plot(runs, args.plot)
-    saved = {**result, "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": seconds,
-             "argv": args.argv, "date": args.date, "tokens": args.tokens}
+    saved = {
+        **result,
+        "goals": [{"goal": text, "met": ok} for text, ok in checks],
+        "runs": runs,
+        "seconds": seconds,
+        "argv": args.argv,
+        "date": args.date,
+        "tokens": args.tokens,
+    }
     (args.out / "hparam_rules.json").write_text(json.dumps(saved, indent=2, default=str))
     if args.markdown:
         replace_section(args.markdown, "hparam_rules", markdown(result, runs, checks, args, args.plot))

@@ -155,8 +155,13 @@ IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
     ),
     # A probe every (steps - 1) steps' tokens: its first point is the fit's last step, where the window no
     # longer fits (it is not started), so on every step its hooks do what they do between two probes.
-    Config("(e1)", IDLE_PROBE, lambda steps: [warmup_at(16), probe(every_tokens=(steps - 1) * MICRO_BATCH_SIZE * SEQ_LEN)],
-           WARMUP_16, PER_BATCH_HOOKS),
+    Config(
+        "(e1)",
+        IDLE_PROBE,
+        lambda steps: [warmup_at(16), probe(every_tokens=(steps - 1) * MICRO_BATCH_SIZE * SEQ_LEN)],
+        WARMUP_16,
+        PER_BATCH_HOOKS,
+    ),
 ]
 ACCUMULATE_2 = "BatchWarmup(ConstantBatch(32)), accumulate 2"
 NOISE_SCALE = "+ GradientNoiseScale()"
@@ -361,7 +366,10 @@ def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
 
 def time_probe(results: Results, repeat: int) -> None:
     """(e2): the fit without a probe and with one probe of each strategy, in a rotating order."""
-    fits = {config.name: fit(PROBE_FIT_STEPS, config.callbacks(PROBE_FIT_STEPS), config.hooks) for config in rotated(PROBE_CONFIGS, repeat)}
+    fits = {
+        config.name: fit(PROBE_FIT_STEPS, config.callbacks(PROBE_FIT_STEPS), config.hooks)
+        for config in rotated(PROBE_CONFIGS, repeat)
+    }
     base = fits[PROBE_BASELINE]
     results.loader_builds[PROBE_CONFIGS[0].label].append(base.data.loader_builds)
     for clock in CLOCKS:
@@ -533,10 +541,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="fits per configuration (default 8; --quick: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
     parser.add_argument("--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read")
-    parser.add_argument("--output", type=Path, default=None,
-                        help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)")
-    parser.add_argument("--results", type=Path, default=None,
-                        help="write the section 'overhead' of this file (default: docs/RESULTS.md; --quick: none)")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)"
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="write the section 'overhead' of this file (default: docs/RESULTS.md; --quick: none)",
+    )
     args = parser.parse_args()
     if args.repeats is None:
         args.repeats = 2 if args.quick else 8

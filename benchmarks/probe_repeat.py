@@ -69,9 +69,15 @@ class Run:
 
 # --quick: the default job twice (seeds 1, 2; 1 thread each) on 65,536 tokens, probed (k = 1, 2) at 8,192,
 # 16,384 and 32,768 tokens over windows of 8,192: the pipeline in seconds, no readings to read.
-QUICK_OVERRIDES = ("max_tokens=65536", "lr_schedule.warmup_tokens=8192", "callbacks.cbs_probe.geometric=[8192,2.0]",
-                   "callbacks.cbs_probe.multipliers=[1,2]", "callbacks.cbs_probe.window_tokens=8192",
-                   "callbacks.cbs_probe.early_stop=null", "val_check_tokens=16384")
+QUICK_OVERRIDES = (
+    "max_tokens=65536",
+    "lr_schedule.warmup_tokens=8192",
+    "callbacks.cbs_probe.geometric=[8192,2.0]",
+    "callbacks.cbs_probe.multipliers=[1,2]",
+    "callbacks.cbs_probe.window_tokens=8192",
+    "callbacks.cbs_probe.early_stop=null",
+    "val_check_tokens=16384",
+)
 
 
 def runs_of(quick: bool = False) -> list[Run]:
@@ -81,25 +87,33 @@ def runs_of(quick: bool = False) -> list[Run]:
         return [Run(f"default_s{seed}_t1", "default", seed, 1, QUICK_OVERRIDES) for seed in SEEDS[:2]]
     # One data window per k, as these experiments were run (tiny_cbs_curve now trains each k on 2).
     curve = ("+recipe=tiny_cbs_curve", f"max_tokens={CURVE_TOKENS}", "callbacks.cbs_probe.replicates=1")
-    runs = [Run(f"default_s{seed}_t{threads}", "default", seed, threads, (f"max_tokens={DEFAULT_TOKENS}",))
-            for threads in (2, 1) for seed in SEEDS]
+    runs = [
+        Run(f"default_s{seed}_t{threads}", "default", seed, threads, (f"max_tokens={DEFAULT_TOKENS}",))
+        for threads in (2, 1)
+        for seed in SEEDS
+    ]
     runs += [Run(f"curve_s{seed}_t{threads}", "curve", seed, threads, curve) for threads in (1, 2) for seed in SEEDS]
-    late = ("callbacks.cbs_probe.geometric=null", f"callbacks.cbs_probe.at_tokens=[{','.join(map(str, LATE_POINTS))}]",
-            f"callbacks.cbs_probe.cooldown_fraction={COOLDOWN}")
+    late = (
+        "callbacks.cbs_probe.geometric=null",
+        f"callbacks.cbs_probe.at_tokens=[{','.join(map(str, LATE_POINTS))}]",
+        f"callbacks.cbs_probe.cooldown_fraction={COOLDOWN}",
+    )
     runs += [Run(f"cooldown_s{seed}_t2", "cooldown", seed, 2, (*curve, *late)) for seed in (1, 2)]
     return runs
 
 
 def command_of(run: Run, out: Path) -> list[str]:
-    return train_command([
-        *run.overrides,
-        f"seed={run.seed}",
-        f"hydra.run.dir={(out / run.key).resolve()}",
-        "trainer.enable_progress_bar=false",
-        "callbacks.progress_bar=null",
-        "callbacks.checkpoint=null",
-        "plots=false",
-    ])
+    return train_command(
+        [
+            *run.overrides,
+            f"seed={run.seed}",
+            f"hydra.run.dir={(out / run.key).resolve()}",
+            "trainer.enable_progress_bar=false",
+            "callbacks.progress_bar=null",
+            "callbacks.checkpoint=null",
+            "plots=false",
+        ]
+    )
 
 
 def train_all(runs: list[Run], out: Path) -> None:
@@ -110,8 +124,9 @@ def train_all(runs: list[Run], out: Path) -> None:
 
     def train(run: Run) -> None:
         try:
-            train_unless_done(command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", run.threads,
-                              f"[probe_repeat] {run.key}")
+            train_unless_done(
+                command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", run.threads, f"[probe_repeat] {run.key}"
+            )
             wall = out / run.key / "wall_seconds.txt"
             print(f"[probe_repeat] {run.key} done ({wall.read_text().strip() if wall.exists() else '?'} s)", flush=True)
         except BaseException as error:  # noqa: BLE001 - reported after the others finish
@@ -144,9 +159,13 @@ def load(run: Run, out: Path) -> dict | None:
         return None
     readings = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines() if line.strip()]
     wall = run_dir / "wall_seconds.txt"
-    return {**asdict(run), "command": " ".join(command_of(run, out)[1:]).replace(str(ROOT) + "/", ""),
-            "epsilon": float(OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.epsilon),
-            "wall_seconds": float(wall.read_text()) if wall.exists() else None, "readings": readings}
+    return {
+        **asdict(run),
+        "command": " ".join(command_of(run, out)[1:]).replace(str(ROOT) + "/", ""),
+        "epsilon": float(OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.epsilon),
+        "wall_seconds": float(wall.read_text()) if wall.exists() else None,
+        "readings": readings,
+    }
 
 
 def probe_points(runs: list[dict]) -> list[int]:
@@ -203,8 +222,12 @@ def decisive(reading: dict) -> list[dict]:
 
 
 def decisive_text(reading: dict) -> str:
-    return "; ".join(f"k={k_text(c['k'])} failed" if c["role"] == "failed" else
-                     f"L{k_text(c['k'])}-L{k_text(c['j'])} = {c['diff']:+.4f} ± {c['se']:.4f}" for c in decisive(reading))
+    return "; ".join(
+        f"k={k_text(c['k'])} failed"
+        if c["role"] == "failed"
+        else f"L{k_text(c['k'])}-L{k_text(c['j'])} = {c['diff']:+.4f} ± {c['se']:.4f}"
+        for c in decisive(reading)
+    )
 
 
 def repeatability(runs: list[dict]) -> list[dict]:
@@ -216,9 +239,16 @@ def repeatability(runs: list[dict]) -> list[dict]:
         readings = {run["key"]: reading_at(run, point, points) for run in runs}
         lowers = [r["cbs_lower"] for r in readings.values() if r is not None and r["determined"]]
         steps = math.log2(max(lowers) / min(lowers)) if lowers else None
-        rows.append({"point": point, "readings": readings, "determined": len(lowers),
-                     "measured": sum(r is not None for r in readings.values()), "max_steps": steps,
-                     "over_one_step": steps is not None and steps > 1 + 1e-9})
+        rows.append(
+            {
+                "point": point,
+                "readings": readings,
+                "determined": len(lowers),
+                "measured": sum(r is not None for r in readings.values()),
+                "max_steps": steps,
+                "over_one_step": steps is not None and steps > 1 + 1e-9,
+            }
+        )
     return rows
 
 
@@ -233,17 +263,32 @@ def spread(runs: list[dict], rows: list[dict]) -> list[dict]:
         ks = sorted({float(k) for r in readings.values() for k, loss in r["losses"].items() if loss is not None} - {1.0})
         for k in ks:
             name = k_text(k)
-            diffs = {key: r["losses"][name] - r["losses"]["1"] for key, r in readings.items() if r["losses"].get(name) is not None}
+            diffs = {
+                key: r["losses"][name] - r["losses"]["1"] for key, r in readings.items() if r["losses"].get(name) is not None
+            }
             if len(diffs) < 3:
                 continue
             ses = [readings[key]["loss_se"][name] for key in diffs if readings[key]["loss_se"].get(name) is not None]
-            pairs = [(diffs[key], diffs[twin]) for key in diffs if key.endswith("_t1")
-                     and (twin := key.removesuffix("_t1") + "_t2") in diffs]
+            pairs = [
+                (diffs[key], diffs[twin])
+                for key in diffs
+                if key.endswith("_t1") and (twin := key.removesuffix("_t1") + "_t2") in diffs
+            ]
             within = math.sqrt(statistics.mean((a - b) ** 2 for a, b in pairs) / 2) if pairs else None
-            found.append({"point": row["point"], "k": k, "runs": len(diffs), "of": len(row["readings"]), "diffs": diffs,
-                          "mean": statistics.mean(diffs.values()), "std": statistics.stdev(diffs.values()),
-                          "median_se": statistics.median(ses) if ses else None, "within_seed_std": within,
-                          "seed_pairs": len(pairs)})
+            found.append(
+                {
+                    "point": row["point"],
+                    "k": k,
+                    "runs": len(diffs),
+                    "of": len(row["readings"]),
+                    "diffs": diffs,
+                    "mean": statistics.mean(diffs.values()),
+                    "std": statistics.stdev(diffs.values()),
+                    "median_se": statistics.median(ses) if ses else None,
+                    "within_seed_std": within,
+                    "seed_pairs": len(pairs),
+                }
+            )
     return found
 
 
@@ -254,7 +299,9 @@ def thread_effect(experiment: str, rows: list[dict]) -> list[dict]:
         for seed in SEEDS:
             pair = [row["readings"].get(f"{experiment}_s{seed}_t{threads}") for threads in THREADS]
             if all(r is not None for r in pair):
-                found.append({"point": row["point"], "seed": seed, "main_loss_gap": abs(pair[0]["main_loss"] - pair[1]["main_loss"])})
+                found.append(
+                    {"point": row["point"], "seed": seed, "main_loss_gap": abs(pair[0]["main_loss"] - pair[1]["main_loss"])}
+                )
     return found
 
 
@@ -267,7 +314,9 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
         base = by_key.get(f"curve_s{run['seed']}_t2")
         for reading in run["readings"]:
             point = min(LATE_POINTS, key=lambda p: abs(math.log(reading["tokens"] / p)))
-            constant = None if base is None else min(base["readings"], key=lambda r: abs(math.log(r["tokens"] / reading["tokens"])))
+            constant = (
+                None if base is None else min(base["readings"], key=lambda r: abs(math.log(r["tokens"] / reading["tokens"])))
+            )
             pair = {}
             for name, r in (("constant", constant), ("cooldown", reading)):
                 if r is None:
@@ -275,23 +324,42 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
                 measured = scores(r)
                 one = measured.get(1.0)
                 pair[name] = {
-                    "tokens": r["tokens"], "bracket": bracket(r), "cbs_lower": r["cbs_lower"], "determined": r["determined"],
-                    "tokens_spent": r["tokens_spent"], "main_loss": r["main_loss"], "losses": {k_text(k): s.loss for k, s in sorted(measured.items())},
-                    "vs_k1": {k_text(k): ((d := difference(s, one)).mean, d.se) for k, s in sorted(measured.items())
-                              if k != 1.0 and one is not None and not s.failed},
-                    "monotone": all(b.loss >= a.loss for (_, a), (_, b) in zip(sorted(measured.items()), sorted(measured.items())[1:])),
+                    "tokens": r["tokens"],
+                    "bracket": bracket(r),
+                    "cbs_lower": r["cbs_lower"],
+                    "determined": r["determined"],
+                    "tokens_spent": r["tokens_spent"],
+                    "main_loss": r["main_loss"],
+                    "losses": {k_text(k): s.loss for k, s in sorted(measured.items())},
+                    "vs_k1": {
+                        k_text(k): ((d := difference(s, one)).mean, d.se)
+                        for k, s in sorted(measured.items())
+                        if k != 1.0 and one is not None and not s.failed
+                    },
+                    "monotone": all(
+                        b.loss >= a.loss for (_, a), (_, b) in zip(sorted(measured.items()), sorted(measured.items())[1:])
+                    ),
                     "decisive": decisive_text(r),
                 }
-            found.append({"seed": run["seed"], "point": point, **pair,
-                          "same_window": constant is not None and constant["tokens"] == reading["tokens"]})
+            found.append(
+                {
+                    "seed": run["seed"],
+                    "point": point,
+                    **pair,
+                    "same_window": constant is not None and constant["tokens"] == reading["tokens"],
+                }
+            )
     return found
 
 
 def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], spreads: list[dict], threads: list[dict]) -> list[str]:
     keys = [run["key"] for run in runs]
-    lines = [f"#### {title}", "",
-             "| window start (tokens) | " + " | ".join(f"seed {run['seed']}, {run['threads']} thr" for run in runs) + " |",
-             "|---|" + "---|" * len(runs)]
+    lines = [
+        f"#### {title}",
+        "",
+        "| window start (tokens) | " + " | ".join(f"seed {run['seed']}, {run['threads']} thr" for run in runs) + " |",
+        "|---|" + "---|" * len(runs),
+    ]
     for row in rows:
         cells = []
         for key in keys:
@@ -302,101 +370,154 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
             at = "" if r["tokens"] == row["point"] else f" (at {r['tokens']:,})"
             cells.append(f"{bracket(r)}{at}<br>{decisive_text(r)}")
         lines.append(f"| {row['point']:,} | " + " | ".join(cells) + " |")
-    lines += ["", "| window start (tokens) | determined | largest disagreement (grid steps) | two determined readings > 1 step apart |",
-              "|---|---|---|---|"]
+    lines += [
+        "",
+        "| window start (tokens) | determined | largest disagreement (grid steps) | two determined readings > 1 step apart |",
+        "|---|---|---|---|",
+    ]
     for row in rows:
         steps = "-" if row["max_steps"] is None else f"{row['max_steps']:.0f}"
-        lines.append(f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} | {'YES' if row['over_one_step'] else 'no'} |")
-    lines += ["", "Run-to-run spread of L_k - L_1 against the SE the probe reports (nats; std over the runs that measured k, "
-              "n - 1 in the denominator; SE: the median of those runs' loss_se):", "",
-              "| window start (tokens) | k | runs | mean L_k - L_1 | std across runs | median reported SE | std / SE "
-              "| std within seeds, 1 vs 2 threads (seeds) |",
-              "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} | {'YES' if row['over_one_step'] else 'no'} |"
+        )
+    lines += [
+        "",
+        "Run-to-run spread of L_k - L_1 against the SE the probe reports (nats; std over the runs that measured k, "
+        "n - 1 in the denominator; SE: the median of those runs' loss_se):",
+        "",
+        "| window start (tokens) | k | runs | mean L_k - L_1 | std across runs | median reported SE | std / SE "
+        "| std within seeds, 1 vs 2 threads (seeds) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for s in spreads:
         ratio = "-" if not s["median_se"] else f"{s['std'] / s['median_se']:.1f}"
         se = "-" if s["median_se"] is None else f"{s['median_se']:.4f}"
         within = "-" if s["within_seed_std"] is None else f"{s['within_seed_std']:.4f} ({s['seed_pairs']})"
-        lines.append(f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} | {within} |")
+        lines.append(
+            f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} | {within} |"
+        )
     if threads:
         gaps = {}
         for t in threads:
             gaps[t["point"]] = max(gaps.get(t["point"], 0.0), t["main_loss_gap"])
-        lines += ["", "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's end "
-                  "(nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
-                  "independent samples while the gap is small): "
-                  + ", ".join(f"{gap:.4f} at {point:,}" for point, gap in gaps.items()) + "."]
+        lines += [
+            "",
+            "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's end "
+            "(nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
+            "independent samples while the gap is small): "
+            + ", ".join(f"{gap:.4f} at {point:,}" for point, gap in gaps.items())
+            + ".",
+        ]
     return lines
 
 
 def late_markdown(pairs: list[dict]) -> list[str]:
-    lines = ["| seed | window start (tokens) | branch LR | main run's L | L_1 | L_k - L_1 ± SE | reading | decisive | L monotone in k | tokens spent |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| seed | window start (tokens) | branch LR | main run's L | L_1 | L_k - L_1 ± SE | reading | decisive | L monotone in k | tokens spent |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for pair in pairs:
         for name in ("constant", "cooldown"):
             v = pair.get(name)
             if v is None:
                 continue
             diffs = ", ".join(f"k={k}: {d:+.4f} ± {se:.4f}" for k, (d, se) in v["vs_k1"].items())
-            lines.append(f"| {pair['seed']} | {v['tokens']:,} | {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} "
-                         f"| {v['main_loss']:.4f} | {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
-                         f"| {'yes' if v['monotone'] else 'no'} | {v['tokens_spent']:,} |")
+            lines.append(
+                f"| {pair['seed']} | {v['tokens']:,} | {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} "
+                f"| {v['main_loss']:.4f} | {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
+                f"| {'yes' if v['monotone'] else 'no'} | {v['tokens_spent']:,} |"
+            )
     verdicts = []
     for pair in pairs:
         c, d = pair.get("constant"), pair.get("cooldown")
         if c is None or d is None:
             continue
         change = "smaller" if d["cbs_lower"] < c["cbs_lower"] else "larger" if d["cbs_lower"] > c["cbs_lower"] else "the same"
-        verdicts.append(f"- seed {pair['seed']}, {pair['point']:,} tokens: with cooldown the reading is {change} "
-                        f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} with cooldown, "
-                        f"{'yes' if c['monotone'] else 'no'} without; cost {d['tokens_spent']:,} vs {c['tokens_spent']:,} tokens"
-                        + ("" if pair["same_window"] else "; **the window starts differ**"))
+        verdicts.append(
+            f"- seed {pair['seed']}, {pair['point']:,} tokens: with cooldown the reading is {change} "
+            f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} with cooldown, "
+            f"{'yes' if c['monotone'] else 'no'} without; cost {d['tokens_spent']:,} vs {c['tokens_spent']:,} tokens"
+            + ("" if pair["same_window"] else "; **the window starts differ**")
+        )
     return lines + [""] + verdicts
 
 
 def markdown(results: dict, quick: bool = False) -> str:
     runs = [run for experiment in results["runs"].values() for run in experiment]
-    lines = ["### Setup", "",
-             f"Command: `python -m benchmarks.probe_repeat` ({results['date']}, training {results['minutes']} minutes; "
-             f"{results['machine']}; 2 cores shared with other jobs, so wall times vary); report: "
-             "`python -m benchmarks.probe_repeat --report-only`.",
-             "", (__doc__ or "").split("\n\n")[1].replace("\n", " "), ""]
-    lines += ["### Runs", "", "| run | experiment | seed | threads | wall (s) | probes | branch tokens |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "### Setup",
+        "",
+        f"Command: `python -m benchmarks.probe_repeat` ({results['date']}, training {results['minutes']} minutes; "
+        f"{results['machine']}; 2 cores shared with other jobs, so wall times vary); report: "
+        "`python -m benchmarks.probe_repeat --report-only`.",
+        "",
+        (__doc__ or "").split("\n\n")[1].replace("\n", " "),
+        "",
+    ]
+    lines += [
+        "### Runs",
+        "",
+        "| run | experiment | seed | threads | wall (s) | probes | branch tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for run in runs:
         wall = "-" if run["wall_seconds"] is None else f"{run['wall_seconds']:.0f}"
-        lines.append(f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
-                     f"| {sum(r['tokens_spent'] for r in run['readings']):,} |")
+        lines.append(
+            f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
+            f"| {sum(r['tokens_spent'] for r in run['readings']):,} |"
+        )
     missing = [run.key for run in runs_of(quick) if run.key not in {r["key"] for r in runs}]
     if missing:
         lines += ["", f"**Incomplete: not finished: {', '.join(missing)}.**"]
     lines += ["", "Commands (from the repository root, `PYTHONPATH=$PWD OMP_NUM_THREADS=<threads>`):", ""]
     lines += [f"- {run['key']}: `python {run['command']}`" for run in runs]
-    lines += ["", "### 1-2. Repeatability (experiment R)", "",
-              "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), then the "
-              "comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 nats) by, and each "
-              "measured larger k against the smaller k it most clearly exceeds epsilon by (paired held-out SE)."]
+    lines += [
+        "",
+        "### 1-2. Repeatability (experiment R)",
+        "",
+        "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), then the "
+        "comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 nats) by, and each "
+        "measured larger k against the smaller k it most clearly exceeds epsilon by (paired held-out SE).",
+    ]
     for experiment, title in (("default", "R-default: the default job"), ("curve", "R-curve: +recipe=tiny_cbs_curve")):
         r = results["repeatability"].get(experiment)
         if r:
             lines += [""] + repeatability_markdown(title, results["runs"][experiment], r["rows"], r["spread"], r["threads"])
-    lines += ["", "### 3. Late inflation (experiment L): branch LR cooldown", "",
-              f"tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 included) "
-              f"decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's readings of the same "
-              "run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: the main run's "
-              "held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with cooldown: "
-              "after its own LR decay).", ""]
+    lines += [
+        "",
+        "### 3. Late inflation (experiment L): branch LR cooldown",
+        "",
+        f"tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 included) "
+        f"decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's readings of the same "
+        "run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: the main run's "
+        "held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with cooldown: "
+        "after its own LR decay).",
+        "",
+    ]
     lines += late_markdown(results["late"])
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "probe_repeat", help="folder for the runs and probe_repeat.json")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the section 'probe_repeat' of this file (the text around it is kept; default "
-                             "docs/benchmarks/cbs_probe.md, none with --quick)")
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "outputs" / "probe_repeat", help="folder for the runs and probe_repeat.json"
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write the section 'probe_repeat' of this file (the text around it is kept; default "
+        "docs/benchmarks/cbs_probe.md, none with --quick)",
+    )
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
-    parser.add_argument("--quick", action="store_true",
-                        help="two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says",
+    )
     args = parser.parse_args(argv)
     if args.markdown is None and not args.quick:
         args.markdown = ROOT / "docs" / "benchmarks" / "cbs_probe.md"
@@ -408,14 +529,23 @@ def main(argv: list[str] | None = None) -> dict:
         minutes_file.write_text(f"{(time.perf_counter() - started) / 60:.1f}\n")
     loaded = [run for run in (load(run, args.out) for run in runs_of(args.quick)) if run is not None]
     by_experiment = {name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")}
-    results = {"date": str(datetime.date.today()), "machine": machine(),
-               "minutes": minutes_file.read_text().strip() if minutes_file.exists() else "?", "runs": by_experiment,
-               "repeatability": {}, "late": late_inflation(by_experiment["curve"], by_experiment["cooldown"])}
+    results = {
+        "date": str(datetime.date.today()),
+        "machine": machine(),
+        "minutes": minutes_file.read_text().strip() if minutes_file.exists() else "?",
+        "runs": by_experiment,
+        "repeatability": {},
+        "late": late_inflation(by_experiment["curve"], by_experiment["cooldown"]),
+    }
     for experiment in ("default", "curve"):
         runs = by_experiment[experiment]
         if runs:
             rows = repeatability(runs)
-            results["repeatability"][experiment] = {"rows": rows, "spread": spread(runs, rows), "threads": thread_effect(experiment, rows)}
+            results["repeatability"][experiment] = {
+                "rows": rows,
+                "spread": spread(runs, rows),
+                "threads": thread_effect(experiment, rows),
+            }
     (args.out / "probe_repeat.json").write_text(json.dumps(results, indent=2))
     text = markdown(results, args.quick)
     if args.markdown is not None:

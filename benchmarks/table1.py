@@ -76,10 +76,20 @@ CONFIGS = [
     Config(SMALL, "small batch (16)", "tiny_small_batch", []),
     Config("large64", "large batch (64)", "tiny_large_batch", []),
     Config("large128", "large batch (128)", "tiny_large_batch", ["batch.schedule.batch_size=128"]),
-    Config("warmup", "batch warmup (hand thresholds)", "tiny_warmup", ["callbacks.cbs_probe=null"],
-           {"batch.schedule.thresholds": [0, 1_245_184, 2_523_136]}),
-    Config("adaptive", "CBS-adaptive warmup", "tiny_adaptive", [],
-           {"callbacks.cbs_probe.every_tokens": 524_288, "callbacks.cbs_probe.window_tokens": 262_144}),
+    Config(
+        "warmup",
+        "batch warmup (hand thresholds)",
+        "tiny_warmup",
+        ["callbacks.cbs_probe=null"],
+        {"batch.schedule.thresholds": [0, 1_245_184, 2_523_136]},
+    ),
+    Config(
+        "adaptive",
+        "CBS-adaptive warmup",
+        "tiny_adaptive",
+        [],
+        {"callbacks.cbs_probe.every_tokens": 524_288, "callbacks.cbs_probe.window_tokens": 262_144},
+    ),
 ]
 
 
@@ -106,7 +116,9 @@ def scale_tokens(tokens: int, scale: float, quantum: int) -> int:
     return int(round(tokens * scale / quantum)) * quantum
 
 
-def run_command(config: Config, seed: int, budget: int, run_dir: Path, gpu: bool = False, extra=(), evaluations: int = 16) -> list[str]:
+def run_command(
+    config: Config, seed: int, budget: int, run_dir: Path, gpu: bool = False, extra=(), evaluations: int = 16
+) -> list[str]:
     """The train.py command line of one run. Token counts (thresholds, probe points and windows,
     LR warmup) keep their share of the budget; there are ``evaluations`` evaluations per run, at the
     same token counts."""
@@ -180,36 +192,46 @@ def goals(rows: dict[str, dict]) -> list[tuple[str, bool]]:
         warmup = rows["warmup"]
         gap = warmup["loss_vs_small"]
         spread = max(small_spread, warmup["loss_spread"])
-        checks.append((
-            f"warmup: loss {gap:+.4f} vs small batch (goal <= +{GOALS['warmup_loss_gap']} and within the seeds' "
-            f"spread {spread:.4f})",
-            gap <= GOALS["warmup_loss_gap"] and gap <= spread,
-        ))
-        checks.append((
-            f"warmup: {warmup['steps_saved']:.1%} fewer optimizer steps (goal >= {GOALS['warmup_steps_saved']:.0%})",
-            warmup["steps_saved"] >= GOALS["warmup_steps_saved"],
-        ))
+        checks.append(
+            (
+                f"warmup: loss {gap:+.4f} vs small batch (goal <= +{GOALS['warmup_loss_gap']} and within the seeds' "
+                f"spread {spread:.4f})",
+                gap <= GOALS["warmup_loss_gap"] and gap <= spread,
+            )
+        )
+        checks.append(
+            (
+                f"warmup: {warmup['steps_saved']:.1%} fewer optimizer steps (goal >= {GOALS['warmup_steps_saved']:.0%})",
+                warmup["steps_saved"] >= GOALS["warmup_steps_saved"],
+            )
+        )
     for key in ("large64", "large128"):
         if key in rows:
             gap = rows[key]["loss_vs_small"]
-            checks.append((
-                f"{key}: loss {gap:+.4f} vs small batch at the same tokens (goal > +{GOALS['large_loss_gap']})",
-                gap > GOALS["large_loss_gap"],
-            ))
+            checks.append(
+                (
+                    f"{key}: loss {gap:+.4f} vs small batch at the same tokens (goal > +{GOALS['large_loss_gap']})",
+                    gap > GOALS["large_loss_gap"],
+                )
+            )
     if "adaptive" in rows:
         adaptive = rows["adaptive"]
         share = adaptive["probe_tokens"] / adaptive["tokens"]
-        checks.append((
-            f"adaptive: probe tokens {share:.1%} of the training tokens (goal <= {GOALS['adaptive_probe_share']:.0%})",
-            share <= GOALS["adaptive_probe_share"],
-        ))
-        checks.append((
-            f"adaptive: {adaptive['steps_saved_with_probes']:.1%} fewer steps counting probe branches "
-            f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} vs small batch "
-            f"(goal <= +{GOALS['warmup_loss_gap']})",
-            adaptive["steps_saved_with_probes"] >= GOALS["adaptive_steps_saved"]
-            and adaptive["loss_vs_small"] <= GOALS["warmup_loss_gap"],
-        ))
+        checks.append(
+            (
+                f"adaptive: probe tokens {share:.1%} of the training tokens (goal <= {GOALS['adaptive_probe_share']:.0%})",
+                share <= GOALS["adaptive_probe_share"],
+            )
+        )
+        checks.append(
+            (
+                f"adaptive: {adaptive['steps_saved_with_probes']:.1%} fewer steps counting probe branches "
+                f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} vs small batch "
+                f"(goal <= +{GOALS['warmup_loss_gap']})",
+                adaptive["steps_saved_with_probes"] >= GOALS["adaptive_steps_saved"]
+                and adaptive["loss_vs_small"] <= GOALS["warmup_loss_gap"],
+            )
+        )
     return checks
 
 
@@ -269,7 +291,7 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         f"base batch 16 x 128 tokens, LR 3e-3 (batch k x 16 uses 3e-3 x sqrt(k)), seeds {', '.join(map(str, args.seed_list))}. "
         f"Held-out loss: the whole validation split, averaged over each run's last {args.last_evals} evaluations "
         f"(one every {budget // 16:,} tokens); spread = max - min over seeds. Steps saved are against the small-batch "
-        "control; \"incl. probes\" adds every optimizer step the probe's branches took.",
+        'control; "incl. probes" adds every optimizer step the probe\'s branches took.',
         "",
         table(rows, labels, args.last_evals),
         "",
@@ -281,8 +303,10 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         "",
         "Runs (train.py overrides):",
         "",
-        *[f"- {labels[key]}: `{' '.join(o for o in overrides if not o.startswith('hydra.run.dir='))}`"
-          for key, overrides in commands.items()],
+        *[
+            f"- {labels[key]}: `{' '.join(o for o in overrides if not o.startswith('hydra.run.dir='))}`"
+            for key, overrides in commands.items()
+        ],
     ]
     adaptive = runs.get("adaptive")
     if adaptive:
@@ -302,22 +326,44 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
-    parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: a quarter)")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: a quarter)"
+    )
     parser.add_argument("--quick", action="store_true", help="a quarter of the budget, one seed: a few minutes")
-    parser.add_argument("--gpu", action="store_true", help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed")
+    parser.add_argument(
+        "--gpu", action="store_true", help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed"
+    )
     parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="which runs, comma-separated keys")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="a train.py override for every run (repeatable), e.g. trainer.limit_val_batches=8")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="runs trained at once (default 1: each run's wall time is its own; more share the cores)")
+    parser.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a train.py override for every run (repeatable), e.g. trainer.limit_val_batches=8",
+    )
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs trained at once (default 1: each run's wall time is its own; more share the cores)",
+    )
     parser.add_argument("--last-evals", type=int, default=2, help="held-out evaluations averaged for the final loss")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "table1", help="folder for the runs")
     parser.add_argument("--json", type=Path, default=None, help="write every number here (default: OUT/table1.json)")
-    parser.add_argument("--markdown", type=Path, default=None,
-                        help="write the section 'table1' of this file (default: docs/RESULTS.md, none with --quick)")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        help="write the section 'table1' of this file (default: docs/RESULTS.md, none with --quick)",
+    )
     parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/table1.png next to --markdown, else OUT)")
-    parser.add_argument("--from-json", type=Path, default=None, metavar="PATH",
-                        help="train nothing: redo the table, goals, plot and markdown from a table1.json written earlier")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="train nothing: redo the table, goals, plot and markdown from a table1.json written earlier",
+    )
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.date = str(datetime.date.today())
@@ -369,7 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
         run.update(seed=seed, wall_seconds=time.perf_counter() - run_started, run_dir=str(run_dir))
         print(
             f"[table1]   {config.label}, seed {seed}: final held-out loss {final_loss(run, args.last_evals):.4f}, "
-            f"{run['optimizer_steps']:,} steps, {run['wall_seconds']:.0f} s", flush=True
+            f"{run['optimizer_steps']:,} steps, {run['wall_seconds']:.0f} s",
+            flush=True,
         )
         return run
 
@@ -390,15 +437,23 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{text}: {'met' if ok else 'MISSED'}")
     plot(runs, labels, args.plot)
     saved_args = {name: getattr(args, name) for name in SAVED_ARGS}
-    result = {"args": saved_args, "rows": rows, "goals": [{"goal": text, "met": ok} for text, ok in checks],
-              "runs": runs, "commands": commands, "seconds": seconds}
+    result = {
+        "args": saved_args,
+        "rows": rows,
+        "goals": [{"goal": text, "met": ok} for text, ok in checks],
+        "runs": runs,
+        "commands": commands,
+        "seconds": seconds,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     if args.markdown:
         text = markdown(rows, labels, checks, runs, args, commands, args.plot, args.markdown, seconds)
         replace_section(args.markdown, "table1", text)
-    print(f"[table1] {seconds / 60:.1f} minutes; json {args.json}; plot {args.plot}"
-          + (f"; markdown {args.markdown}" if args.markdown else ""))
+    print(
+        f"[table1] {seconds / 60:.1f} minutes; json {args.json}; plot {args.plot}"
+        + (f"; markdown {args.markdown}" if args.markdown else "")
+    )
     return result
 
 

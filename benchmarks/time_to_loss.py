@@ -89,14 +89,27 @@ def tokens_per_second_by_phase(run_dir: Path) -> dict[int, float]:
 def run(key: str, seed: int, args, extra: tuple[str, ...] = ()) -> dict:
     config = {c.key: c for c in CONFIGS}[key.removesuffix("_compiled")]
     run_dir = (args.out / f"{key}_seed{seed}").resolve()
-    command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=[f"trainer.limit_val_batches={args.val_batches}", *extra],
-                          evaluations=EVALUATIONS)
+    command = run_command(
+        config,
+        seed,
+        args.tokens,
+        run_dir,
+        gpu=args.gpu,
+        extra=[f"trainer.limit_val_batches={args.val_batches}", *extra],
+        evaluations=EVALUATIONS,
+    )
     print(f"[time_to_loss] {key}, seed {seed}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
     run_logged(command, run_dir / "stdout.log")
     result = read_run(run_dir)
-    result.update(key=key, seed=seed, process_seconds=time.perf_counter() - started, run_dir=str(run_dir),
-                  tokens_per_s=tokens_per_second_by_phase(run_dir), overrides=command[2:])
+    result.update(
+        key=key,
+        seed=seed,
+        process_seconds=time.perf_counter() - started,
+        run_dir=str(run_dir),
+        tokens_per_s=tokens_per_second_by_phase(run_dir),
+        overrides=command[2:],
+    )
     return result
 
 
@@ -104,7 +117,11 @@ def default_job(args, stripped: bool) -> dict:
     """The default job as a user runs it, or stripped to its training steps."""
     name = "default_job_training_only" if stripped else "default_job"
     run_dir = (args.out / name).resolve()
-    extra = ["callbacks.cbs_probe=null", "trainer.limit_val_batches=0", "callbacks.checkpoint=null", "plots=false"] if stripped else []
+    extra = (
+        ["callbacks.cbs_probe=null", "trainer.limit_val_batches=0", "callbacks.checkpoint=null", "plots=false"]
+        if stripped
+        else []
+    )
     command = train_command([*extra, f"hydra.run.dir={run_dir}"])
     print(f"[time_to_loss] {name}: {' '.join(command[1:])}", flush=True)
     started = time.perf_counter()
@@ -130,8 +147,10 @@ def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "fit_seconds": statistics.fmean(run["fit_seconds"] for run in seeds),
             "steps": statistics.fmean(run["optimizer_steps"] for run in seeds),
             "probe_tokens": statistics.fmean(run["probe"]["tokens"] if run["probe"] else 0 for run in seeds),
-            "tokens_per_s": {batch: statistics.fmean(run["tokens_per_s"][batch] for run in seeds if batch in run["tokens_per_s"])
-                             for batch in sorted({b for run in seeds for b in run["tokens_per_s"]})},
+            "tokens_per_s": {
+                batch: statistics.fmean(run["tokens_per_s"][batch] for run in seeds if batch in run["tokens_per_s"])
+                for batch in sorted({b for run in seeds for b in run["tokens_per_s"]})
+            },
         }
     return {"rows": rows, "targets": targets, "control_seconds": control}
 
@@ -162,12 +181,22 @@ def goals(result: dict, extras: dict) -> list[tuple[str, bool]]:
     for key in ("warmup", "adaptive"):
         if key in rows:
             ratio = rows[key]["ratio"]
-            checks.append((f"{key}: reaches the target in {'never' if ratio is None else f'{ratio:.2f}x'} the control's time "
-                           f"(goal <= {GOALS[key]}x)", ratio is not None and ratio <= GOALS[key]))
+            checks.append(
+                (
+                    f"{key}: reaches the target in {'never' if ratio is None else f'{ratio:.2f}x'} the control's time "
+                    f"(goal <= {GOALS[key]}x)",
+                    ratio is not None and ratio <= GOALS[key],
+                )
+            )
     if "default_job" in extras:
         overhead = extras["default_job"]["process_seconds"] / extras["default_job_training_only"]["fit_seconds"]
-        checks.append((f"the default job's whole wall time is {overhead:.2f}x its training time (goal <= "
-                       f"{GOALS['default_job_overhead']}x)", overhead <= GOALS["default_job_overhead"]))
+        checks.append(
+            (
+                f"the default job's whole wall time is {overhead:.2f}x its training time (goal <= "
+                f"{GOALS['default_job_overhead']}x)",
+                overhead <= GOALS["default_job_overhead"],
+            )
+        )
     return checks
 
 
@@ -182,14 +211,22 @@ def plot(runs: dict[str, list[dict]], result: dict, labels: dict[str, str], path
     for index, (key, seeds) in enumerate(runs.items()):
         for seed_index, run in enumerate(seeds):
             curve = [p for p in run["val_curve"] if p["seconds"] is not None]
-            axis.plot([p["seconds"] for p in curve], [p["val_loss"] for p in curve], styles[seed_index % 3], color=f"C{index}",
-                      label=f"{labels[key]}, seed {run['seed']}")
+            axis.plot(
+                [p["seconds"] for p in curve],
+                [p["val_loss"] for p in curve],
+                styles[seed_index % 3],
+                color=f"C{index}",
+                label=f"{labels[key]}, seed {run['seed']}",
+            )
     for seed_index, (_, target) in enumerate(sorted(result["targets"].items())):
         axis.axhline(target, color="gray", ls=styles[seed_index % 3], lw=0.8)
     finals = [run["val_curve"][-1]["val_loss"] for seeds in runs.values() for run in seeds]
     axis.set_ylim(min(finals) - 0.05, min(finals) + 0.6)
-    axis.set(xlabel="wall-clock seconds since the fit began (validation and probes included)", ylabel="held-out loss (nats/token)",
-             title="held-out loss against time; gray: each seed's target (small batch's final + 0.02)")
+    axis.set(
+        xlabel="wall-clock seconds since the fit began (validation and probes included)",
+        ylabel="held-out loss (nats/token)",
+        title="held-out loss against time; gray: each seed's target (small batch's final + 0.02)",
+    )
     axis.grid(alpha=0.3)
     axis.legend(fontsize=7)
     return save_figure(figure, path)
@@ -199,8 +236,10 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
     relative_plot = os.path.relpath(plot_path, args.markdown.parent)
     if args.gpu:
         where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}, torch {torch.__version__}"
-        model = (f"a 25M-parameter model of the tiny OLMo's family (d_model 512, 8 layers, {GPU_SEQ_LEN}-token sequences) "
-                 "in bf16 on one GPU, on the embedded corpus")
+        model = (
+            f"a 25M-parameter model of the tiny OLMo's family (d_model 512, 8 layers, {GPU_SEQ_LEN}-token sequences) "
+            "in bf16 on one GPU, on the embedded corpus"
+        )
     else:
         where, model = machine(args.load), "the tiny OLMo on the embedded corpus"
     lines = [
@@ -223,14 +262,20 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
     if COMPILED in extras:
         eager = runs["warmup"][0]["tokens_per_s"]
         compiled = extras[COMPILED]["tokens_per_s"]
-        lines += ["Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch (samples): "
-                  + ", ".join(f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items())
-                  + f"; the compiled run's fit took {extras[COMPILED]['fit_seconds']:.0f} s (cold compile included).", ""]
+        lines += [
+            "Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch (samples): "
+            + ", ".join(f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items())
+            + f"; the compiled run's fit took {extras[COMPILED]['fit_seconds']:.0f} s (cold compile included).",
+            "",
+        ]
     if "default_job" in extras:
         whole, training = extras["default_job"], extras["default_job_training_only"]
-        lines += [f"The default job (`python recipes/train.py`): {whole['process_seconds']:.0f} s for the whole process (probes, "
-                  f"validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training steps alone "
-                  f"(`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).", ""]
+        lines += [
+            f"The default job (`python recipes/train.py`): {whole['process_seconds']:.0f} s for the whole process (probes, "
+            f"validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training steps alone "
+            f"(`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).",
+            "",
+        ]
     lines += [
         "Goals (on the 2-core CPU; on a GPU, as measured):" if args.gpu else "Goals:",
         "",
@@ -245,12 +290,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
     parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)")
-    parser.add_argument("--quick", action="store_true", help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs")
-    parser.add_argument("--gpu", action="store_true",
-                        help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, the compiled run, no default-job runs")
+    parser.add_argument(
+        "--quick", action="store_true", help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs"
+    )
+    parser.add_argument(
+        "--gpu",
+        action="store_true",
+        help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, the compiled run, no default-job runs",
+    )
     parser.add_argument("--configs", default=",".join(KEYS), help=f"comma-separated, from {KEYS} (small is needed)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_to_loss", help="folder for the runs")
-    parser.add_argument("--markdown", type=Path, default=None, help="the results file (default docs/RESULTS.md; none with --quick)")
+    parser.add_argument(
+        "--markdown", type=Path, default=None, help="the results file (default docs/RESULTS.md; none with --quick)"
+    )
     parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/time_to_loss.png, else OUT)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -261,10 +313,14 @@ def main(argv: list[str] | None = None) -> dict:
     keys = [key.strip() for key in args.configs.split(",") if key.strip()]
     if "small" not in keys or any(key not in KEYS for key in keys):
         parser.error(f"--configs={args.configs!r}: choose from {KEYS}, with small (the control)")
-    smallest = 262_144 if "adaptive" in keys else 16 * 128 * EVALUATIONS  # a probe window; else a step of the control per evaluation
+    smallest = (
+        262_144 if "adaptive" in keys else 16 * 128 * EVALUATIONS
+    )  # a probe window; else a step of the control per evaluation
     if args.tokens < smallest or args.seeds < 1:
-        parser.error(f"--tokens must be >= {smallest} (with adaptive: the probe window holds one step of its largest branch; "
-                     "else the control steps at least once between evaluations) and --seeds >= 1")
+        parser.error(
+            f"--tokens must be >= {smallest} (with adaptive: the probe window holds one step of its largest branch; "
+            "else the control steps at least once between evaluations) and --seeds >= 1"
+        )
     if args.gpu:
         refuse_gpu_run_without_a_gpu(parser)
     if args.markdown is None and not args.quick and not args.gpu:
@@ -294,8 +350,15 @@ def main(argv: list[str] | None = None) -> dict:
     for text, ok in checks:
         print(f"{text}: {'met' if ok else 'MISSED'}")
     plot(runs, result, labels, args.plot)
-    saved = {"result": result, "runs": runs, "extras": extras, "goals": [{"goal": t, "met": ok} for t, ok in checks],
-             "seconds": seconds, "argv": args.argv, "date": args.date}
+    saved = {
+        "result": result,
+        "runs": runs,
+        "extras": extras,
+        "goals": [{"goal": t, "met": ok} for t, ok in checks],
+        "seconds": seconds,
+        "argv": args.argv,
+        "date": args.date,
+    }
     (args.out / "time_to_loss.json").write_text(json.dumps(saved, indent=2, default=str))
     if args.markdown:
         replace_section(args.markdown, "time_to_loss", markdown(result, runs, extras, checks, labels, args, args.plot, seconds))

@@ -93,18 +93,31 @@ class Run:
 
 
 SEEDS = (1, 2)
-CURVES = [Run(f"{model}_curve_seed{seed}", f"{model} CBS curve, seed {seed}", f"{model}_cbs_curve", seed)
-          for model in ("tiny", "tiny4x") for seed in SEEDS]
+CURVES = [
+    Run(f"{model}_curve_seed{seed}", f"{model} CBS curve, seed {seed}", f"{model}_cbs_curve", seed)
+    for model in ("tiny", "tiny4x")
+    for seed in SEEDS
+]
 TINY_CURVES = [run.key for run in CURVES if run.recipe == "tiny_cbs_curve"]
 TINY4X_CURVES = [run.key for run in CURVES if run.recipe == "tiny4x_cbs_curve"]
 # tiny's small-batch run measured by GradientNoiseScale (micro-batch 4, so 4 micro-batches per step give
 # the small batch): its B_simple over tokens beside the CBS forecast.
 NOISE = Run("tiny_noise_scale_seed1", "tiny small batch, gradient noise scale, seed 1", "tiny_small_batch", 1)
-CONTROLS = [Run(f"tiny4x_control_seed{seed}", f"tiny4x small batch (16), control, seed {seed}", "tiny4x_small_batch", seed)
-            for seed in SEEDS]
+CONTROLS = [
+    Run(f"tiny4x_control_seed{seed}", f"tiny4x small batch (16), control, seed {seed}", "tiny4x_small_batch", seed)
+    for seed in SEEDS
+]
 SCHEDULES = {"from_tiny": TINY_CURVES}  # schedule key -> the curve runs it is forecast from
-SCHEDULED = [Run(f"tiny4x_from_tiny_seed{seed}", f"tiny4x, schedule forecast from tiny's curve, seed {seed}", "tiny4x_warmup",
-                 seed, "from_tiny") for seed in SEEDS]
+SCHEDULED = [
+    Run(
+        f"tiny4x_from_tiny_seed{seed}",
+        f"tiny4x, schedule forecast from tiny's curve, seed {seed}",
+        "tiny4x_warmup",
+        seed,
+        "from_tiny",
+    )
+    for seed in SEEDS
+]
 TRAINED = [*CONTROLS, *SCHEDULED]  # the ways tiny4x is trained
 
 
@@ -143,9 +156,21 @@ def schedule_command(key: str, settings: Settings, out: Path) -> list[str]:
     forecast to the whole budget from the band's lower edge (coverage COVERAGE)."""
     probes = [str(probe_file(out / curve)) for curve in SCHEDULES[key]]
     target = out / "conf" / "batch" / f"{key}.yaml"
-    return [sys.executable, str(ROOT / "recipes" / "schedule_from_probe.py"), *probes,
-            "--start", str(START), "--final", str(FINAL), "--out", str(target),
-            "--forecast-to", str(settings.tokens), "--coverage", str(COVERAGE)]
+    return [
+        sys.executable,
+        str(ROOT / "recipes" / "schedule_from_probe.py"),
+        *probes,
+        "--start",
+        str(START),
+        "--final",
+        str(FINAL),
+        "--out",
+        str(target),
+        "--forecast-to",
+        str(settings.tokens),
+        "--coverage",
+        str(COVERAGE),
+    ]
 
 
 def probe_file(run_dir: Path) -> Path:
@@ -157,7 +182,9 @@ def probe_file(run_dir: Path) -> Path:
 
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder) and return its summary, readings and loss curve."""
-    train_unless_done(run_command(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[transfer] {run.label}")
+    train_unless_done(
+        run_command(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[transfer] {run.label}"
+    )
     return load(run, out)
 
 
@@ -170,8 +197,11 @@ def load(run: Run, out: Path) -> dict:
     if "curve" in run.recipe:
         with open(probe_file(run_dir)) as f:
             result["readings"] = [json.loads(line) for line in f if line.strip()]
-    print(f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
-          f"tokens, {result['optimizer_steps']:,} steps", flush=True)
+    print(
+        f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
+        f"tokens, {result['optimizer_steps']:,} steps",
+        flush=True,
+    )
     return result
 
 
@@ -201,14 +231,20 @@ def agreement(runs: dict[str, dict]) -> list[dict]:
     rows = []
     for tokens in points:
         at = {key: next((r for r in readings if r["tokens"] == tokens), None) for key, readings in curves.items()}
-        steps = [None if at.get(big) is None or at.get(tiny) is None else math.log2(at[tiny]["cbs_lower"] / at[big]["cbs_lower"])
-                 for tiny in TINY_CURVES for big in TINY4X_CURVES if tiny in at and big in at]
-        rows.append({
-            "tokens": tokens,
-            "brackets": {key: None if r is None else [r["cbs_lower"], r["cbs_upper"]] for key, r in at.items()},
-            "grid_steps_apart": steps,
-            "agree": bool(steps) and all(s is not None and abs(s) <= 1 for s in steps),
-        })
+        steps = [
+            None if at.get(big) is None or at.get(tiny) is None else math.log2(at[tiny]["cbs_lower"] / at[big]["cbs_lower"])
+            for tiny in TINY_CURVES
+            for big in TINY4X_CURVES
+            if tiny in at and big in at
+        ]
+        rows.append(
+            {
+                "tokens": tokens,
+                "brackets": {key: None if r is None else [r["cbs_lower"], r["cbs_upper"]] for key, r in at.items()},
+                "grid_steps_apart": steps,
+                "agree": bool(steps) and all(s is not None and abs(s) <= 1 for s in steps),
+            }
+        )
     return rows
 
 
@@ -219,8 +255,14 @@ def outcomes(runs: dict[str, dict]) -> dict[str, dict]:
         if run.key not in runs:
             continue
         result = runs[run.key]
-        rows[run.key] = {"seed": run.seed, "loss": result["val_curve"][-1]["val_loss"], "steps": result["optimizer_steps"],
-                         "tokens": result["tokens"], "final_batch": result["final_batch"], "wall_seconds": result["wall_seconds"]}
+        rows[run.key] = {
+            "seed": run.seed,
+            "loss": result["val_curve"][-1]["val_loss"],
+            "steps": result["optimizer_steps"],
+            "tokens": result["tokens"],
+            "final_batch": result["final_batch"],
+            "wall_seconds": result["wall_seconds"],
+        }
     for row in rows.values():
         control = rows.get(f"tiny4x_control_seed{row['seed']}")
         if control is not None:
@@ -233,21 +275,25 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
     checks = []
     if points:
         agreeing = sum(point["agree"] for point in points)
-        checks.append((
-            f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} of {len(points)} probe "
-            f"points (goal >= {GOALS['agreeing_points']:.0%} of them)",
-            agreeing >= GOALS["agreeing_points"] * len(points),
-        ))
+        checks.append(
+            (
+                f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} of {len(points)} probe "
+                f"points (goal >= {GOALS['agreeing_points']:.0%} of them)",
+                agreeing >= GOALS["agreeing_points"] * len(points),
+            )
+        )
     paired = [rows[run.key] for run in SCHEDULED if "steps_saved" in rows.get(run.key, {})]
     if paired:
         saved = statistics.mean(row["steps_saved"] for row in paired)
         gap = statistics.mean(row["loss_vs_control"] for row in paired)
-        checks.append((
-            f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer steps than "
-            f"the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) at held-out loss {gap:+.4f} nats "
-            f"(goal <= +{GOALS['loss_gap']})",
-            saved >= GOALS["steps_saved"] and gap <= GOALS["loss_gap"],
-        ))
+        checks.append(
+            (
+                f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer steps than "
+                f"the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) at held-out loss {gap:+.4f} nats "
+                f"(goal <= +{GOALS['loss_gap']})",
+                saved >= GOALS["steps_saved"] and gap <= GOALS["loss_gap"],
+            )
+        )
     return checks
 
 
@@ -292,17 +338,34 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
         shift = 1.04 ** (index - 1.5)  # side by side at each point
         for r in readings:
             upper = r["cbs_upper"] if r["cbs_upper"] is not None else 2 * r["cbs_lower"]
-            cbs_axis.plot([r["tokens"] * shift] * 2, [r["cbs_lower"], upper], color=f"C{index}", lw=3, alpha=0.7,
-                          ls="-" if r["cbs_upper"] is not None and r["determined"] else ":")
+            cbs_axis.plot(
+                [r["tokens"] * shift] * 2,
+                [r["cbs_lower"], upper],
+                color=f"C{index}",
+                lw=3,
+                alpha=0.7,
+                ls="-" if r["cbs_upper"] is not None and r["determined"] else ":",
+            )
         cbs_axis.plot([], [], color=f"C{index}", lw=3, label=f"{run.label} (bracket; dotted: undetermined)")
     for index, (key, schedule) in enumerate(schedules.items()):
         if schedule is None:
             continue
         end = max(run.get("tokens", 0) for run in runs.values()) or 2 * schedule["thresholds"][-1]
-        cbs_axis.step([*schedule["thresholds"], end], [*schedule["batch_sizes"], schedule["batch_sizes"][-1]], where="post",
-                      color=f"C{index + 4}", ls="--", label=f"schedule {key}")
-    cbs_axis.set(xscale="log", yscale="log", xlabel="tokens", ylabel="global batch / CBS (samples of 128 tokens)",
-                 title="CBS brackets and the forecast schedule")
+        cbs_axis.step(
+            [*schedule["thresholds"], end],
+            [*schedule["batch_sizes"], schedule["batch_sizes"][-1]],
+            where="post",
+            color=f"C{index + 4}",
+            ls="--",
+            label=f"schedule {key}",
+        )
+    cbs_axis.set(
+        xscale="log",
+        yscale="log",
+        xlabel="tokens",
+        ylabel="global batch / CBS (samples of 128 tokens)",
+        title="CBS brackets and the forecast schedule",
+    )
     cbs_axis.set_yticks([8, 16, 32, 64, 128, 256, 512], labels=["8", "16", "32", "64", "128", "256", "512"])
     cbs_axis.minorticks_off()
     cbs_axis.legend(fontsize=6)
@@ -326,8 +389,9 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
     return save_figure(figure, path)
 
 
-def markdown(runs, schedules, points, rows, checks, forecast, noise, args, plot_path: Path, forecast_path: Path | None,
-             markdown_path: Path) -> str:
+def markdown(
+    runs, schedules, points, rows, checks, forecast, noise, args, plot_path: Path, forecast_path: Path | None, markdown_path: Path
+) -> str:
     from lit_cbs.analysis.forecast import growth_exponent
 
     s = args.settings
@@ -354,10 +418,14 @@ def markdown(runs, schedules, points, rows, checks, forecast, noise, args, plot_
     if unfinished:
         lines += [f"**Unfinished when reported (its readings so far are shown): {', '.join(unfinished)}.**", ""]
     curve_keys = [run.key for run in CURVES]
-    lines += ["CBS brackets (samples of 128 tokens; `?`: undetermined at 90%) at each probe point:", "",
-              "| tokens | " + " | ".join(run.label.replace(" CBS curve", "") for run in CURVES)
-              + " | grid steps apart (tiny vs tiny4x) | within one step |",
-              "|---|" + "---|" * (len(CURVES) + 2)]
+    lines += [
+        "CBS brackets (samples of 128 tokens; `?`: undetermined at 90%) at each probe point:",
+        "",
+        "| tokens | "
+        + " | ".join(run.label.replace(" CBS curve", "") for run in CURVES)
+        + " | grid steps apart (tiny vs tiny4x) | within one step |",
+        "|---|" + "---|" * (len(CURVES) + 2),
+    ]
     for point in points:
         cells = []
         for key in curve_keys:
@@ -367,43 +435,77 @@ def markdown(runs, schedules, points, rows, checks, forecast, noise, args, plot_
         lines.append(f"| {point['tokens']:,} | {' | '.join(cells)} | {apart} | {'yes' if point['agree'] else 'no'} |")
     lines += [""]
     if forecast is not None:
-        lines += [f"The forecast (`recipes/schedule_from_probe.py {' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
-                  f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."]
+        lines += [
+            f"The forecast (`recipes/schedule_from_probe.py {' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
+            f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."
+        ]
         if noise is not None:
-            lines += [f"The noise scale B_simple of tiny's small-batch run (seed 1, micro-batch 4) grows as "
-                      f"D^{growth_exponent(*noise):.3f} over the run, the CBS fit as D^{forecast.exponent:.3f}; at the end "
-                      f"B_simple = {noise[1][-1]:.1f} samples, the fitted CBS {float(forecast.predict(noise[0][-1])):.1f}."]
+            lines += [
+                f"The noise scale B_simple of tiny's small-batch run (seed 1, micro-batch 4) grows as "
+                f"D^{growth_exponent(*noise):.3f} over the run, the CBS fit as D^{forecast.exponent:.3f}; at the end "
+                f"B_simple = {noise[1][-1]:.1f} samples, the fitted CBS {float(forecast.predict(noise[0][-1])):.1f}."
+            ]
         lines += [""]
     lines += ["Schedules (global batch, samples):", ""]
     lines += [f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()]
-    lines += ["", "tiny4x trained two ways, each seed against the control of the same seed:", "",
-              "| run | held-out loss | vs control | optimizer steps | steps saved | final batch | wall s |", "|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "tiny4x trained two ways, each seed against the control of the same seed:",
+        "",
+        "| run | held-out loss | vs control | optimizer steps | steps saved | final batch | wall s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for run in TRAINED:
         if run.key in rows:
             row = rows[run.key]
-            lines.append(f"| {run.label} | {row['loss']:.4f} | {row.get('loss_vs_control', 0):+.4f} | {row['steps']:,} "
-                         f"| {row.get('steps_saved', 0):.0%} | {row['final_batch']} | {row['wall_seconds'] or 0:.0f} |")
+            lines.append(
+                f"| {run.label} | {row['loss']:.4f} | {row.get('loss_vs_control', 0):+.4f} | {row['steps']:,} "
+                f"| {row.get('steps_saved', 0):.0%} | {row['final_batch']} | {row['wall_seconds'] or 0:.0f} |"
+            )
     finished_curves = [r for r in CURVES if r.key in runs and not runs[r.key].get("unfinished")]
-    cost = [f"{run.label}: {runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
-            for run in finished_curves]
-    lines += ["", "What the curves cost (probe branch tokens on top of the budget, wall time of the run): " + "; ".join(cost) + ".", ""]
-    gaps = [runs[f"tiny4x_curve_seed{seed}"]["val_curve"][-1]["val_loss"] - runs[f"tiny4x_control_seed{seed}"]["val_curve"][-1]["val_loss"]
-            for seed in SEEDS if f"tiny4x_control_seed{seed}" in runs and f"tiny4x_curve_seed{seed}" in runs
-            and not runs[f"tiny4x_curve_seed{seed}"].get("unfinished")]
+    cost = [
+        f"{run.label}: {runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
+        for run in finished_curves
+    ]
+    lines += [
+        "",
+        "What the curves cost (probe branch tokens on top of the budget, wall time of the run): " + "; ".join(cost) + ".",
+        "",
+    ]
+    gaps = [
+        runs[f"tiny4x_curve_seed{seed}"]["val_curve"][-1]["val_loss"]
+        - runs[f"tiny4x_control_seed{seed}"]["val_curve"][-1]["val_loss"]
+        for seed in SEEDS
+        if f"tiny4x_control_seed{seed}" in runs
+        and f"tiny4x_curve_seed{seed}" in runs
+        and not runs[f"tiny4x_curve_seed{seed}"].get("unfinished")
+    ]
     if gaps:
-        lines += [f"The probed tiny4x runs' main runs against the unprobed controls (same seed and batch): held-out loss "
-                  f"{', '.join(f'{g:+.4f}' for g in gaps)} nats apart (a probe must leave the main run untouched).", ""]
-    lines += ["Goals:", "", *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks], "",
-              f"![CBS brackets, schedules and tiny4x's loss]({os.path.relpath(plot_path, markdown_path.parent)})"]
+        lines += [
+            f"The probed tiny4x runs' main runs against the unprobed controls (same seed and batch): held-out loss "
+            f"{', '.join(f'{g:+.4f}' for g in gaps)} nats apart (a probe must leave the main run untouched).",
+            "",
+        ]
+    lines += [
+        "Goals:",
+        "",
+        *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in checks],
+        "",
+        f"![CBS brackets, schedules and tiny4x's loss]({os.path.relpath(plot_path, markdown_path.parent)})",
+    ]
     if forecast_path is not None:
-        lines += ["", f"![The forecast from tiny's readings, its 80% band and the noise scale]"
-                      f"({os.path.relpath(forecast_path, markdown_path.parent)})"]
+        lines += [
+            "",
+            f"![The forecast from tiny's readings, its 80% band and the noise scale]"
+            f"({os.path.relpath(forecast_path, markdown_path.parent)})",
+        ]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = recipe_benchmark_arguments("transfer", __doc__.split("\n\n")[0],
-                                      f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results", argv)
+    args = recipe_benchmark_arguments(
+        "transfer", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results", argv
+    )
     args.settings = QUICK if args.quick else FULL
     threads = args.threads
     runs: dict[str, dict] = {}
@@ -441,9 +543,16 @@ def main(argv: list[str] | None = None) -> dict:
     points, rows = agreement(runs), outcomes(runs)
     checks = goals(points, rows)
     forecast, noise = forecast_of(runs, args.out)
-    result = {"settings": asdict(args.settings), "schedules": schedules, "points": points, "rows": rows,
-              "goals": [{"goal": text, "met": ok} for text, ok in checks], "runs": runs, "seconds": time.perf_counter() - started,
-              "forecast": None if forecast is None else {"description": forecast.describe(), "exponent": forecast.exponent}}
+    result = {
+        "settings": asdict(args.settings),
+        "schedules": schedules,
+        "points": points,
+        "rows": rows,
+        "goals": [{"goal": text, "met": ok} for text, ok in checks],
+        "runs": runs,
+        "seconds": time.perf_counter() - started,
+        "forecast": None if forecast is None else {"description": forecast.describe(), "exponent": forecast.exponent},
+    }
     (args.out / "transfer.json").write_text(json.dumps(result, indent=2))
     for key, schedule in schedules.items():
         print(f"[transfer] schedule {key}: {schedule_text(schedule)}")
@@ -454,12 +563,20 @@ def main(argv: list[str] | None = None) -> dict:
     if forecast is not None:
         from lit_cbs.analysis import plot_forecast
 
-        forecast_path = plot_forecast(forecast, args.plot.with_name("forecast.png"), tokens_to=args.settings.tokens, noise_scale=noise)
+        forecast_path = plot_forecast(
+            forecast, args.plot.with_name("forecast.png"), tokens_to=args.settings.tokens, noise_scale=noise
+        )
     if args.markdown:
-        replace_section(args.markdown, "transfer", markdown(runs, schedules, points, rows, checks, forecast, noise, args,
-                                                            args.plot, forecast_path, args.markdown))
-    print(f"[transfer] {result['seconds'] / 60:.1f} minutes; {args.out / 'transfer.json'}; plot {args.plot}"
-          + (f"; markdown {args.markdown}" if args.markdown else ""), flush=True)
+        replace_section(
+            args.markdown,
+            "transfer",
+            markdown(runs, schedules, points, rows, checks, forecast, noise, args, args.plot, forecast_path, args.markdown),
+        )
+    print(
+        f"[transfer] {result['seconds'] / 60:.1f} minutes; {args.out / 'transfer.json'}; plot {args.plot}"
+        + (f"; markdown {args.markdown}" if args.markdown else ""),
+        flush=True,
+    )
     return result
 
 

@@ -74,7 +74,9 @@ def token_sequence_length(batch: Any) -> int | None:
     Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
     """
     for leaf in tree_leaves(batch):
-        integer = isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool)
+        integer = isinstance(leaf, torch.Tensor) and not (
+            leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool
+        )
         if integer and leaf.ndim == 2:
             return int(leaf.shape[1])
     return None

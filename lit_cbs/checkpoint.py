@@ -135,7 +135,9 @@ class FinalStateCheckpoint(ModelCheckpoint):
         """Make the checkpoint Lightning just saved at the requeue signal hold the open probe's start instead."""
         if hpc_path is not None and trainer.is_global_zero:
             _copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
-            rank_zero_info(f"{Path(hpc_path).name} holds step {BatchAccounting.of(trainer).probe_window_step}, where the CBS probe began")
+            rank_zero_info(
+                f"{Path(hpc_path).name} holds step {BatchAccounting.of(trainer).probe_window_step}, where the CBS probe began"
+            )
         trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
     def _restore_lightning_handlers(self) -> None:

@@ -582,7 +582,8 @@ class GradientNoiseScale(Callback):
                 self._said_unmeasured = True
                 why = (
                     "the micro-batch is the whole batch: cap BatchWarmup's max_micro_batch_size below it, train on 2+ "
-                    "processes, or pass per_example_loss=..." if trainer.accumulate_grad_batches == 1
+                    "processes, or pass per_example_loss=..."
+                    if trainer.accumulate_grad_batches == 1
                     else "an epoch ended inside the step"
                 )
                 rank_zero_warn(

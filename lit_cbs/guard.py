@@ -239,7 +239,7 @@ class BatchGuard:
             return None
         losses = mean_over_ranks([loss for _, loss in fit + window])
         fit = [(at, loss) for (at, _), loss in zip(fit, losses)]
-        window = [(at, loss) for (at, _), loss in zip(window, losses[len(fit):])]
+        window = [(at, loss) for (at, _), loss in zip(window, losses[len(fit) :])]
         rise, intercept, slope, residual_std = loss_rise(fit, window)
         threshold = self.threshold if self.threshold is not None else max(self.noise_multiple * residual_std, self.min_threshold)
         reverted = not rise <= threshold  # a non-finite loss counts as a rise

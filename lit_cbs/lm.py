@@ -49,12 +49,15 @@ from lit_cbs.models.olmo import OLMoConfig, get_config
 from lit_cbs.token_loss import token_mean_loss
 
 OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
-REQUIRED_OLMO_FIELDS = tuple(
-    field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
-)
+REQUIRED_OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING)
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
-COMPUTE_DTYPES = {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16,
-                  "16-true": torch.float16, "64-true": torch.float64}
+COMPUTE_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+}
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 # OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
@@ -247,7 +250,9 @@ class CausalLM(pl.LightningModule):
         """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
         logits = self.model(batch[:, :-1])
         targets = batch[:, 1:].flatten()
-        loss_sum = F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), targets, ignore_index=self.ignore_index, reduction="sum")
+        loss_sum = F.cross_entropy(
+            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=self.ignore_index, reduction="sum"
+        )
         return loss_sum, (targets != self.ignore_index).sum()
 
     # ------------------------------------------------------------------ training

@@ -170,7 +170,9 @@ def get_clip_rule(rule: str | Callable[[float], float] | None) -> LRRule | None:
         return None
     if isinstance(rule, str):
         if rule not in CLIP_RULES:
-            raise LitCBSConfigError(f"clip_rule={rule!r} is unknown; use one of {CLIP_RULES}, a callable ratio -> factor, or None")
+            raise LitCBSConfigError(
+                f"clip_rule={rule!r} is unknown; use one of {CLIP_RULES}, a callable ratio -> factor, or None"
+            )
         return get_lr_rule(rule)
     if callable(rule):
         return get_lr_rule(rule)
@@ -299,7 +301,9 @@ class WeightDecayTimescale(SettingRule):
                 f"{who}: every param group of {name} has weight_decay=0, so the rule would change nothing: give the "
                 "optimizer a weight decay (e.g. AdamW(weight_decay=0.1)), or set weight_decay_rule=None"
             )
-        if isinstance(optimizer, torch.optim.Adam) and not all(group.get("decoupled_weight_decay") for group in optimizer.param_groups):
+        if isinstance(optimizer, torch.optim.Adam) and not all(
+            group.get("decoupled_weight_decay") for group in optimizer.param_groups
+        ):
             raise LitCBSConfigError(
                 f"{who}: {name}'s weight_decay is an L2 penalty that Adam's normalisation rescales, not the decoupled "
                 "decay whose timescale the rule keeps: use torch.optim.AdamW (or Adam(decoupled_weight_decay=True)), "
@@ -333,7 +337,9 @@ class Beta2HalfLife(SettingRule):
             if isinstance(betas[1], torch.Tensor):
                 raise LitCBSConfigError(f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None")
         if not any(group["betas"][1] for group in optimizer.param_groups):
-            raise LitCBSConfigError(f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None")
+            raise LitCBSConfigError(
+                f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None"
+            )
 
 
 WEIGHT_DECAY_RULES = {"timescale": WeightDecayTimescale}
@@ -399,12 +405,17 @@ class OptimizerRules:
 
     def names(self) -> dict[str, str | None]:
         """``{"lr_rule": ..., "weight_decay_rule": ..., "beta2_rule": ...}``: the rules by the names users give."""
-        return {"lr_rule": self.lr.name, "weight_decay_rule": getattr(self.weight_decay, "name", None),
-                "beta2_rule": getattr(self.beta2, "name", None)}
+        return {
+            "lr_rule": self.lr.name,
+            "weight_decay_rule": getattr(self.weight_decay, "name", None),
+            "beta2_rule": getattr(self.beta2, "name", None),
+        }
 
     def describe(self) -> str:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
-        return ", ".join(f"{argument}={name!r}" for argument, name in self.names().items() if name is not None or argument == "lr_rule")
+        return ", ".join(
+            f"{argument}={name!r}" for argument, name in self.names().items() if name is not None or argument == "lr_rule"
+        )
 
     def check(
         self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False

@@ -131,8 +131,10 @@ class StepDecay:
         return self.gamma ** sum(tokens >= milestone for milestone in self.milestones)
 
     def __repr__(self) -> str:
-        return (f"StepDecay(warmup_tokens={self.warmup_tokens}, milestones={self.milestones}, "
-                f"total_tokens={self.total_tokens}, gamma={self.gamma})")
+        return (
+            f"StepDecay(warmup_tokens={self.warmup_tokens}, milestones={self.milestones}, "
+            f"total_tokens={self.total_tokens}, gamma={self.gamma})"
+        )
 
 
 class OneCycle:
@@ -168,7 +170,11 @@ class OneCycle:
         final = initial / final_div_factor
         up_end = float(pct_start * total) - 1
         if three_phase:  # (end step, start multiplier, end multiplier), as OneCycleLR's phases
-            self._phases = [(up_end, initial, peak), (float(2 * pct_start * total) - 2, peak, initial), (total - 1, initial, final)]
+            self._phases = [
+                (up_end, initial, peak),
+                (float(2 * pct_start * total) - 2, peak, initial),
+                (total - 1, initial, final),
+            ]
         else:
             self._phases = [(up_end, initial, peak), (total - 1, peak, final)]
 

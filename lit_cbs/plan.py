@@ -308,8 +308,12 @@ class ClusterPhase:
 
 
 def grow_cluster(
-    phases: list[BatchPhase], ranks: int, devices_per_node: int, min_micro_batch_size: int,
-    max_devices: int | None, micro_batch_for: Callable[[int, int], int],
+    phases: list[BatchPhase],
+    ranks: int,
+    devices_per_node: int,
+    min_micro_batch_size: int,
+    max_devices: int | None,
+    micro_batch_for: Callable[[int, int], int],
 ) -> list[ClusterPhase]:
     """Per phase, the fewest ranks (whole nodes of ``devices_per_node``) at which a rank's work per step
     is no more than in the first phase (its share of the batch, batch / ranks, no larger), as long as
@@ -472,9 +476,7 @@ class RunPlan:
                 fixes = "set model.activation_checkpointing=true, or " + fixes
             if self.strategy != "fsdp":
                 fixes += ", or shard with trainer=fsdp"
-            found.append(
-                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
-            )
+            found.append(f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}")
         if self.probe is not None:
             per_node = self.probe.host_bytes * self.devices_per_node / GIB
             if per_node > self.limits.host_memory_gib:
@@ -505,7 +507,8 @@ class RunPlan:
         for p in self.phases:
             lines.append(
                 f"  {p.start_tokens:>17,} {p.tokens:>17,} {p.global_batch:>7,} {p.micro_batch:>6} {p.accumulate:>6} "
-                f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}" + "".join(f" {value:>{max(8, len(column))}.4g}" for column, value in self._settings_of(p).items())
+                f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}"
+                + "".join(f" {value:>{max(8, len(column))}.4g}" for column, value in self._settings_of(p).items())
             )
         on, off = self.memory[True], self.memory[False]
         chosen = "on" if self.activation_checkpointing else "off"
@@ -529,8 +532,10 @@ class RunPlan:
         ]
         lines += [f"  {label:<24} {a / size:>8.2f} {b / size:>8.2f}" for label, a, b in rows]
         if self._on_gpu:
-            lines.append(f"  (plus CUDA context, communication buffers and fragmentation; limit plan_for.gpu_memory_gib="
-                         f"{self.limits.gpu_memory_gib:g})")
+            lines.append(
+                f"  (plus CUDA context, communication buffers and fragmentation; limit plan_for.gpu_memory_gib="
+                f"{self.limits.gpu_memory_gib:g})"
+            )
         else:
             lines.append(f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)")
         lines.append("")
@@ -557,8 +562,11 @@ class RunPlan:
                 f"{self.processes * seconds / 3600:,.0f} device-hours",
             ]
         else:
-            lines += ["", f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
-                          "plan_for.peak_flops_per_device)"]
+            lines += [
+                "",
+                f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
+                "plan_for.peak_flops_per_device)",
+            ]
         if self.micro_batch_limit is not None:
             lines.append(
                 f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
@@ -567,7 +575,11 @@ class RunPlan:
             )
         lines += self._cluster_report()
         warnings = self.warnings()
-        fits = "memory per device and host memory within plan_for's limits" if self._on_gpu else "host memory within plan_for.host_memory_gib"
+        fits = (
+            "memory per device and host memory within plan_for's limits"
+            if self._on_gpu
+            else "host memory within plan_for.host_memory_gib"
+        )
         lines += [f"WARNING: {w}" for w in warnings] or [f"fits             {fits}"]
         return "\n".join(lines)
 
@@ -588,12 +600,16 @@ class RunPlan:
             f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
         ]
         for planned in self.cluster:
-            row = (f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
-                   f"{planned.accumulate:>6}")
+            row = (
+                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
+                f"{planned.accumulate:>6}"
+            )
             if timed:
                 seconds = self._seconds(planned.phase.tokens, planned.ranks)
-                row += (f" {planned.phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} "
-                        f"{_duration(self._seconds(planned.phase.tokens, self.processes)):>14}")
+                row += (
+                    f" {planned.phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} "
+                    f"{_duration(self._seconds(planned.phase.tokens, self.processes)):>14}"
+                )
             lines.append(row)
         device_hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
         if timed:
@@ -684,14 +700,20 @@ def plan_run(
         activation_checkpointing=activation_checkpointing,
         phases=phases,
         memory=memory,
-        probe=None if probe is None else probe_plan(
+        probe=None
+        if probe is None
+        else probe_plan(
             probe, shape, precision, strategy, processes, micro_batch, val_micro_batch, seq_len, max_tokens, optimizer
         ),
         limits=limits,
         accelerator=accelerator,
         optimizer=optimizer,
-        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at) if on_gpu(accelerator) else None,
-        cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for) if phases else None,
+        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at)
+        if on_gpu(accelerator)
+        else None,
+        cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for)
+        if phases
+        else None,
         command=command,
         settings=settings,
     )

@@ -61,8 +61,10 @@ def _table(rows: list[list], header: list[str]) -> str:
 
 def _figure(path: Path, caption: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return (f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-            f"<figcaption>{html.escape(caption)}</figcaption></figure>")
+    return (
+        f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
 
 
 def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
@@ -126,38 +128,80 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     probe_file = next(iter(sorted(run_dir.rglob("cbs_probe.jsonl"))), None)
     readings = []
     if probe_file is not None:
-        readings = [ProbeReading(**{"seq_len": None, **json.loads(line)}) for line in probe_file.read_text().splitlines() if line.strip()]
+        readings = [
+            ProbeReading(**{"seq_len": None, **json.loads(line)}) for line in probe_file.read_text().splitlines() if line.strip()
+        ]
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
     parts = []
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
-        captions = {"loss_vs_tokens": "Loss against tokens (dotted: batch changes)",
-                    "batch_lr_vs_tokens": "Global batch and LR against tokens",
-                    "gns_groups_vs_tokens": "Noise scale per group of parameters"}
-        figures = [(path, captions.get(path.stem, path.stem)) for path in plot_run(metrics_csv, scratch, title=summary.get("run_name", ""))]
+        captions = {
+            "loss_vs_tokens": "Loss against tokens (dotted: batch changes)",
+            "batch_lr_vs_tokens": "Global batch and LR against tokens",
+            "gns_groups_vs_tokens": "Noise scale per group of parameters",
+        }
+        figures = [
+            (path, captions.get(path.stem, path.stem))
+            for path in plot_run(metrics_csv, scratch, title=summary.get("run_name", ""))
+        ]
         wall = _wall_clock_figure(metrics, scratch / "wall_clock.png")
         if wall is not None:
             noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
             figures.insert(1, (wall, f"Loss against wall-clock seconds{noise}"))
         if readings:
             changes = history.get("changes", [])
-            curve = plot_cbs_curve(readings, [BatchChange(**change) for change in changes], scratch / "cbs_curve.png",
-                                   summary.get("tokens"), _probe_epsilon(run_dir))
-            figures.append((curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars"))
+            curve = plot_cbs_curve(
+                readings,
+                [BatchChange(**change) for change in changes],
+                scratch / "cbs_curve.png",
+                summary.get("tokens"),
+                _probe_epsilon(run_dir),
+            )
+            figures.append(
+                (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
+            )
         parts += [_figure(path, caption) for path, caption in figures]
     if summary:  # its lists and dicts (batch changes, probe readings) have tables of their own below
-        parts.insert(0, "<h2>Summary</h2>" + _table([[key, value] for key, value in summary.items()
-                                                   if not isinstance(value, (dict, list))], ["", "value"]))
+        parts.insert(
+            0,
+            "<h2>Summary</h2>"
+            + _table([[key, value] for key, value in summary.items() if not isinstance(value, (dict, list))], ["", "value"]),
+        )
     if history.get("changes"):
-        parts.append("<h2>Batch changes</h2>" + _table(
-            [[c["step"], f"{c['tokens_seen']:,}", f"{c['old_global_batch']} -> {c['new_global_batch']}",
-              f"{c['new_micro_batch_size']} x {c['new_accumulate']}", f"{c['lr_factor']:.4g}", c.get("cause", "schedule")]
-             for c in history["changes"]], ["after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause"]))
+        parts.append(
+            "<h2>Batch changes</h2>"
+            + _table(
+                [
+                    [
+                        c["step"],
+                        f"{c['tokens_seen']:,}",
+                        f"{c['old_global_batch']} -> {c['new_global_batch']}",
+                        f"{c['new_micro_batch_size']} x {c['new_accumulate']}",
+                        f"{c['lr_factor']:.4g}",
+                        c.get("cause", "schedule"),
+                    ]
+                    for c in history["changes"]
+                ],
+                ["after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause"],
+            )
+        )
     if readings:
-        parts.append("<h2>CBS readings</h2>" + _table(
-            [[f"{r.tokens:,}", r.batch_size, f"{r.k_star:g}", f"[{r.cbs_lower:g}, {'open' if r.cbs_upper is None else f'{r.cbs_upper:g}'}]",
-              "yes" if r.determined else "no"] for r in readings],
-            ["tokens", "batch", "k*", "CBS (samples)", "determined"]))
+        parts.append(
+            "<h2>CBS readings</h2>"
+            + _table(
+                [
+                    [
+                        f"{r.tokens:,}",
+                        r.batch_size,
+                        f"{r.k_star:g}",
+                        f"[{r.cbs_lower:g}, {'open' if r.cbs_upper is None else f'{r.cbs_upper:g}'}]",
+                        "yes" if r.determined else "no",
+                    ]
+                    for r in readings
+                ],
+                ["tokens", "batch", "k*", "CBS (samples)", "determined"],
+            )
+        )
     page = PAGE.format(title=html.escape(title), count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts))
     out = Path(out) if out is not None else run_dir / REPORT_FILE
     out.write_text(page)

@@ -119,7 +119,11 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     ax.grid(alpha=0.3)
     written = [save(figure, "loss_vs_tokens.png")]
 
-    panels = [(name, label) for name, label in ((BATCH_COLUMN, "global batch (samples)"), (LR_COLUMN, "learning rate")) if name in metrics]
+    panels = [
+        (name, label)
+        for name, label in ((BATCH_COLUMN, "global batch (samples)"), (LR_COLUMN, "learning rate"))
+        if name in metrics
+    ]
     if panels:
         figure = Figure(figsize=(7, 2.6 * len(panels)))
         axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]

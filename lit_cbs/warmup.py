@@ -215,7 +215,9 @@ class BatchWarmup(Callback):
             return self.micro_batch_size
         return micro_batch_for(global_batch, self.accounting.data_parallel_size, self.max_micro_batch_size)
 
-    def check_sizes(self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch") -> None:
+    def check_sizes(
+        self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
+    ) -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every
         data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
         only into the ranks. Also for a run's configuration before its Trainer exists."""
@@ -329,7 +331,9 @@ class BatchWarmup(Callback):
             return
         for config in trainer.lr_scheduler_configs:
             # ReduceLROnPlateau follows a monitored metric, not the step count: nothing stretches.
-            if config.interval == "step" and not isinstance(config.scheduler, (TokenLRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            if config.interval == "step" and not isinstance(
+                config.scheduler, (TokenLRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            ):
                 rank_zero_warn(
                     f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
                     "the tokens per step, so the schedule will stretch in tokens (and "
@@ -353,7 +357,9 @@ class BatchWarmup(Callback):
 
     def _sizes_to_come(self) -> list[int]:
         """Every global batch the run may still train at: the schedule's, and those a guard may revert to."""
-        return sorted({self.global_batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])})
+        return sorted(
+            {self.global_batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])}
+        )
 
     def _check_loader_resizes(self, trainer: pl.Trainer) -> None:
         """A schedule whose micro-batch changes needs a loader that can change its batch between steps."""
@@ -458,8 +464,13 @@ class BatchWarmup(Callback):
         limits = []
         accounting = self.accounting
         if accounting.max_tokens is not None and accounting.seq_len:
-            limits.append((f"max_tokens={accounting.max_tokens:,}", "tokens", accounting.max_tokens - self.tokens_seen
-                           + (self.samples_seen - samples) * accounting.seq_len))
+            limits.append(
+                (
+                    f"max_tokens={accounting.max_tokens:,}",
+                    "tokens",
+                    accounting.max_tokens - self.tokens_seen + (self.samples_seen - samples) * accounting.seq_len,
+                )
+            )
         if trainer.max_steps is not None and trainer.max_steps >= 0:
             limits.append((f"Trainer(max_steps={trainer.max_steps:,})", "steps", trainer.max_steps - trainer.global_step))
         if trainer.max_epochs is not None and trainer.max_epochs >= 0:
@@ -519,8 +530,10 @@ class BatchWarmup(Callback):
         if isinstance(self.schedule, PiecewiseBatch) and self.schedule.unit == "samples" and seq_len:
             thresholds = [t for t, size in zip(self.schedule.thresholds, self.schedule.batch_sizes) if size in never]
             if thresholds and thresholds[0] <= tokens:
-                hint = ("; its thresholds are in samples (unit='samples'), but read as tokens they fall inside the run: "
-                        "did you mean unit='tokens'?")
+                hint = (
+                    "; its thresholds are in samples (unit='samples'), but read as tokens they fall inside the run: "
+                    "did you mean unit='tokens'?"
+                )
         at = f"{samples:,} samples" + (f" / {tokens:,} tokens" if seq_len else "")
         rank_zero_warn(
             f"BatchWarmup: the run ends by {ending} at {at}, before the schedule's global batch {where}: "
@@ -718,9 +731,13 @@ class BatchWarmup(Callback):
             self.guard.forget_watch()
         if target > self.global_batch and self.guard is not None:
             # What a revert of this increase puts back.
-            restore = {"lr_factor": self.lr_factor, "clip_factor": self.clip_factor,
-                       "lr_factor_of_change": factor, "clip_factor_of_change": clip_factor,
-                       "optimizer_settings": settings_before}
+            restore = {
+                "lr_factor": self.lr_factor,
+                "clip_factor": self.clip_factor,
+                "lr_factor_of_change": factor,
+                "clip_factor_of_change": clip_factor,
+                "optimizer_settings": settings_before,
+            }
             if not self.guard.watch(len(self.history), self.consumed, self.global_batch, target, restore):
                 rank_zero_info(
                     f"BatchWarmup guard: {self.global_batch} -> {target} is not judged: fewer than "
@@ -742,8 +759,10 @@ class BatchWarmup(Callback):
             f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
             f"(micro {change.old_micro_batch_size} -> {new_micro}, accumulate {change.old_accumulate} -> "
             f"{new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
-            f"LR x{factor:.4g}" + "".join(f", {key.removeprefix('batch/')} {value:.4g}" for key, value in
-                                          self.rules.values(trainer.optimizers[0]).items())
+            f"LR x{factor:.4g}"
+            + "".join(
+                f", {key.removeprefix('batch/')} {value:.4g}" for key, value in self.rules.values(trainer.optimizers[0]).items()
+            )
             + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
             + (" (guard: revert)" if revert else "")
         )

@@ -47,7 +47,9 @@ PROBE_FILE = "cbs_probe.jsonl"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sweep", nargs="+", type=Path, help="a Hydra multirun folder (one subfolder per run), or several run folders")
+    parser.add_argument(
+        "sweep", nargs="+", type=Path, help="a Hydra multirun folder (one subfolder per run), or several run folders"
+    )
     parser.add_argument("--targets", type=float, nargs="+", help="target losses (default: --num-targets evenly spaced ones)")
     parser.add_argument("--num-targets", type=int, default=6, help="how many default targets (default: 6)")
     parser.add_argument("--out", type=Path, help="output folder (default: SWEEP/fit_es, or ./fit_es for a list of runs)")
@@ -57,11 +59,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-column", default=BATCH_COLUMN, help=f"global batch column, samples (default: {BATCH_COLUMN})")
     parser.add_argument("--gns-column", default=GNS_COLUMN, help=f"noise scale column, samples (default: {GNS_COLUMN})")
     parser.add_argument("--metrics-file", default=METRICS_FILE, help=f"metrics CSV name in each run (default: {METRICS_FILE})")
-    parser.add_argument("--smoothing", choices=("rolling", "ema", "none"), default="rolling", help="loss smoothing (default: rolling)")
+    parser.add_argument(
+        "--smoothing", choices=("rolling", "ema", "none"), default="rolling", help="loss smoothing (default: rolling)"
+    )
     parser.add_argument("--window", type=int, default=9, help="rolling: centered window, logged points, odd (default: 9)")
     parser.add_argument("--ema-decay", type=float, default=0.9, help="ema: decay per logged point (default: 0.9)")
     parser.add_argument("--probe", type=Path, nargs="*", help=f"CBS probe JSONL files (default: every {PROBE_FILE} under SWEEP)")
-    parser.add_argument("--multiple-of", type=int, default=1, help="round scheduled batch sizes to this many samples (micro x world)")
+    parser.add_argument(
+        "--multiple-of", type=int, default=1, help="round scheduled batch sizes to this many samples (micro x world)"
+    )
     return parser.parse_args(argv)
 
 
@@ -129,7 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             table = side_by_side_markdown(compared)
             print("side by side (samples):\n" + table)
             (out / "side_by_side.md").write_text(table + "\n")
-        written = [plot_es(fits, out / "es_fits.png"), plot_batch_sizes(fits, out / "batch_sizes.png", probe=probe, gns_runs=runs, compared=compared if has_comparison else ())]
+        written = [
+            plot_es(fits, out / "es_fits.png"),
+            plot_batch_sizes(
+                fits, out / "batch_sizes.png", probe=probe, gns_runs=runs, compared=compared if has_comparison else ()
+            ),
+        ]
         record = fits_record(fits)
         for entry, row in zip(record, compared):
             entry["b_simple"] = row.b_simple

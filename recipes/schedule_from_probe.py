@@ -43,15 +43,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, required=True, help="the target run's first global batch, samples")
     parser.add_argument("--factor", type=int, default=2, help="ratio between consecutive batch sizes (default: 2)")
     parser.add_argument("--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)")
-    parser.add_argument("--margin", type=float, default=1.0, help="move to batch B only where the CBS lower bound >= margin x B (default: 1)")
+    parser.add_argument(
+        "--margin", type=float, default=1.0, help="move to batch B only where the CBS lower bound >= margin x B (default: 1)"
+    )
     parser.add_argument("--seq-len", type=int, help="the target run's data.seq_len, tokens (default: the measured run's)")
     parser.add_argument("--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens")
-    parser.add_argument("--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)")
+    parser.add_argument(
+        "--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
     parser.add_argument("--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens")
-    parser.add_argument("--coverage", type=float, default=0.8, help="--forecast-to: the band's coverage; the batch follows its lower edge (default 0.8)")
+    parser.add_argument(
+        "--coverage",
+        type=float,
+        default=0.8,
+        help="--forecast-to: the band's coverage; the batch follows its lower edge (default 0.8)",
+    )
     parser.add_argument("--plot", type=Path, help="--forecast-to: write the forecast plot here (e.g. forecast.png)")
-    parser.add_argument("--noise-scale", type=Path, help="--forecast-to: a metrics.csv with gns/b_simple: its growth beside the CBS's, and on the plot")
+    parser.add_argument(
+        "--noise-scale",
+        type=Path,
+        help="--forecast-to: a metrics.csv with gns/b_simple: its growth beside the CBS's, and on the plot",
+    )
     return parser.parse_args(argv)
 
 
@@ -68,8 +81,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.forecast_to is not None:
             return write_forecast(args)
         schedule = schedule_from_probe(
-            records, args.start, factor=args.factor, final=args.final, margin=args.margin,
-            seq_len=args.seq_len, measured_seq_len=args.measured_seq_len,
+            records,
+            args.start,
+            factor=args.factor,
+            final=args.final,
+            margin=args.margin,
+            seq_len=args.seq_len,
+            measured_seq_len=args.measured_seq_len,
         )
     except ValueError as error:
         print(f"schedule_from_probe.py: {error}", file=sys.stderr)
@@ -96,7 +114,9 @@ def write_forecast(args: argparse.Namespace) -> int:
     schedule, changes = schedule_from_forecast(
         forecast, args.start, args.forecast_to, factor=args.factor, final=args.final, margin=args.margin
     )
-    at_changes = "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes) or "none"
+    at_changes = (
+        "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes) or "none"
+    )
     comment = (
         f"Batch size warmup forecast by recipes/schedule_from_probe.py --forecast-to {args.forecast_to:,} "
         f"(start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}, coverage {args.coverage:g})\n"
@@ -111,7 +131,9 @@ def write_forecast(args: argparse.Namespace) -> int:
         plot_forecast(forecast, args.plot, tokens_to=args.forecast_to, noise_scale=noise)
     print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     if noise is not None:
-        print(f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); the CBS fit as D^{forecast.exponent:.3f}")
+        print(
+            f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); the CBS fit as D^{forecast.exponent:.3f}"
+        )
     return 0
 
 

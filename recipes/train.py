@@ -62,7 +62,14 @@ from lit_cbs.run_report import plot_run, write_batch_history
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
 # What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
 # Lightning, Hydra and OmegaConf raise for settings they refuse.
-CONFIG_ERRORS = (LitCBSConfigError, ValueError, TypeError, MisconfigurationException, InstantiationException, OmegaConfBaseException)
+CONFIG_ERRORS = (
+    LitCBSConfigError,
+    ValueError,
+    TypeError,
+    MisconfigurationException,
+    InstantiationException,
+    OmegaConfBaseException,
+)
 
 register_resolvers()
 # The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
@@ -176,7 +183,7 @@ def loggers_of(cfg: DictConfig) -> list:
         if packages and not any(_installed(package) for package in packages):
             raise LitCBSConfigError(
                 f"logger.{name}: {target} needs the {packages[0]} package, which is not installed: "
-                f"pip install -e \".[loggers]\" (or pip install {packages[0]}), or drop it (logger=csv)"
+                f'pip install -e ".[loggers]" (or pip install {packages[0]}), or drop it (logger=csv)'
             )
     loggers = instantiate_named(cfg, "logger")
     if loggers and not any(isinstance(logger, CSVLogger) for logger in loggers.values()):
@@ -376,7 +383,9 @@ def batches_reached(schedule, max_tokens: int, seq_len: int) -> str:
     sizes = schedule.sizes(0)
     if isinstance(schedule, CBSAdaptive):  # its batches come from the probe's readings
         return f"{schedule.start} -> up to {schedule.final} samples (batch.schedule, by CBS readings)"
-    reached = list(dict.fromkeys(phase.global_batch for phase in batch_phases(schedule, max_tokens, seq_len, 1, 1, lambda ratio: 1.0)))
+    reached = list(
+        dict.fromkeys(phase.global_batch for phase in batch_phases(schedule, max_tokens, seq_len, 1, 1, lambda ratio: 1.0))
+    )
     text = f"{' -> '.join(map(str, reached))} samples"
     never = [size for size in sizes if size not in reached]
     if never:
@@ -413,8 +422,15 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
         "final_batch": warmup.global_batch,
         "seq_len": seq_len,
         "batch_changes": [
-            {"step": c.step, "tokens": c.tokens_seen, "old": c.old_global_batch, "new": c.new_global_batch,
-             "lr_factor": c.lr_factor, "micro_batch_size": c.new_micro_batch_size, "accumulate": c.new_accumulate}
+            {
+                "step": c.step,
+                "tokens": c.tokens_seen,
+                "old": c.old_global_batch,
+                "new": c.new_global_batch,
+                "lr_factor": c.lr_factor,
+                "micro_batch_size": c.new_micro_batch_size,
+                "accumulate": c.new_accumulate,
+            }
             for c in warmup.history
         ],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
@@ -430,9 +446,15 @@ def run_summary(run: Run, run_name: str, fit_seconds: float) -> dict:
             "tokens": probes[0].tokens_spent,
             "optimizer_steps": sum(reading.branch_steps for reading in history),
             "readings": [
-                {"tokens": r.tokens, "batch_size": r.batch_size, "k_star": r.k_star,
-                 "cbs_lower": r.cbs_lower, "cbs_upper": r.cbs_upper, "determined": r.determined,
-                 "window_tokens": r.window_tokens}
+                {
+                    "tokens": r.tokens,
+                    "batch_size": r.batch_size,
+                    "k_star": r.k_star,
+                    "cbs_lower": r.cbs_lower,
+                    "cbs_upper": r.cbs_upper,
+                    "determined": r.determined,
+                    "window_tokens": r.window_tokens,
+                }
                 for r in history
             ],
         }
@@ -443,11 +465,14 @@ def summarize(summary: dict) -> str:
     """summary.json as the lines printed at the end of a run."""
     steps, tokens = summary["optimizer_steps"], summary["tokens"]
     steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
-    changes = ", ".join(
-        f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
-        f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
-        for c in summary["batch_changes"]
-    ) or "none"
+    changes = (
+        ", ".join(
+            f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
+            f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
+            for c in summary["batch_changes"]
+        )
+        or "none"
+    )
     val_loss = summary["final_val_loss"]
     seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
     resumed = this_fit != tokens
@@ -464,7 +489,9 @@ def summarize(summary: dict) -> str:
         wall,
     ]
     if summary.get("stopped_by"):
-        lines.append(f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)")
+        lines.append(
+            f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)"
+        )
     probe = summary["probe"]
     if probe and probe["readings"]:
         readings = ", ".join(
@@ -579,7 +606,9 @@ def main(cfg: DictConfig) -> float | None:
             log_figures(run.trainer.loggers, plot_run(metrics_csv, output_dir, title=cfg.run_name), run.trainer.global_step)
             write_report(output_dir)  # report.html: the run on one page, readable offline
         finish_loggers(run.trainer.loggers)
-        log.info(f"lit_cbs: {cfg.run_name} {'stopped' if summary['stopped_by'] else 'done'}\n{summarize(summary)}\noutputs          {output_dir}")
+        log.info(
+            f"lit_cbs: {cfg.run_name} {'stopped' if summary['stopped_by'] else 'done'}\n{summarize(summary)}\noutputs          {output_dir}"
+        )
     if torch.distributed.is_initialized():  # before the interpreter exits: a process group torn down at exit can abort the rank
         torch.distributed.destroy_process_group()
     if terminated:

@@ -123,7 +123,9 @@ def test_a_checkpoint_of_version_0_1_resumes_with_its_counts(tmp_path):
 
 def test_check_divisible_names_the_setting_and_the_nearest_sizes():
     assert check_divisible(24, 4, 2) == 3
-    with pytest.raises(LitCBSConfigError, match=r"data.global_batch 20 is not a multiple of .* = 8 samples; nearest valid sizes: 16 or 24"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"data.global_batch 20 is not a multiple of .* = 8 samples; nearest valid sizes: 16 or 24"
+    ):
         check_divisible(20, 4, 2, name="data.global_batch")
 
 

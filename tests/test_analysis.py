@@ -58,8 +58,18 @@ LOSS_GRID = np.linspace(3.6, 2.4, 1201)  # the losses each synthetic curve passe
 # Base E(S) of Zhou et al.'s shape, continuous at S_1 and S_2: B_opt = E_min / S_opt = 1e5 and
 # B_min = A_1 = 4e4 tokens per step (1000 and 400 samples of SEQ_LEN tokens).
 BASE = WSDFit(
-    s_min=100.0, b_minus1=3e8, b_0=4e7, s_1=200.0, c=75.0, s_opt=400.0, e_min=4e7, s_2=800.0, a_1=4e4, a_0=2e7,
-    points_per_segment=(0, 0, 0), rms_log_residual=0.0,
+    s_min=100.0,
+    b_minus1=3e8,
+    b_0=4e7,
+    s_1=200.0,
+    c=75.0,
+    s_opt=400.0,
+    e_min=4e7,
+    s_2=800.0,
+    a_1=4e4,
+    a_0=2e7,
+    points_per_segment=(0, 0, 0),
+    rms_log_residual=0.0,
 )
 LOSS_REF, KAPPA, SIGMA = 3.0, 1.5, 0.5  # kappa(l) = exp(KAPPA (LOSS_REF - l)), sigma(l) = exp(SIGMA (LOSS_REF - l))
 WSD_BATCHES = [450, 520, 600, 700, 800, 900, 1000, 1200, 1500, 2000, 3000, 5000, 10000]  # samples
@@ -70,9 +80,18 @@ def wsd_truth(loss: float) -> WSDFit:
     """The WSD parameters of the target ``loss`` in the synthetic family."""
     kappa, sigma = math.exp(KAPPA * (LOSS_REF - loss)), math.exp(SIGMA * (LOSS_REF - loss))
     return WSDFit(
-        s_min=BASE.s_min * sigma, b_minus1=BASE.b_minus1 * kappa * sigma, b_0=BASE.b_0 * kappa, s_1=BASE.s_1 * sigma,
-        c=BASE.c * kappa / sigma**2, s_opt=BASE.s_opt * sigma, e_min=BASE.e_min * kappa, s_2=BASE.s_2 * sigma,
-        a_1=BASE.a_1 * kappa / sigma, a_0=BASE.a_0 * kappa, points_per_segment=(0, 0, 0), rms_log_residual=0.0,
+        s_min=BASE.s_min * sigma,
+        b_minus1=BASE.b_minus1 * kappa * sigma,
+        b_0=BASE.b_0 * kappa,
+        s_1=BASE.s_1 * sigma,
+        c=BASE.c * kappa / sigma**2,
+        s_opt=BASE.s_opt * sigma,
+        e_min=BASE.e_min * kappa,
+        s_2=BASE.s_2 * sigma,
+        a_1=BASE.a_1 * kappa / sigma,
+        a_0=BASE.a_0 * kappa,
+        points_per_segment=(0, 0, 0),
+        rms_log_residual=0.0,
     )
 
 
@@ -280,7 +299,9 @@ def test_mccandlish_sweep_pipeline_recovers_b_crit(tmp_path):
     runs = read_sweep(write_sweep(tmp_path, batches, mccandlish_crossing_steps))
     fits, messages = recorded(fit_targets, find_crossings(runs, [3.0, 2.8], smoothing=None), tokens_per_sample=SEQ_LEN)
     # A monotone hyperbola has no quadratic or linear part: the WSD fit says B_min and B_opt are poorly determined.
-    assert len(messages) == 2 and all("the WSD fit has fewer than 2 runs in its quadratic and linear part(s)" in m for m in messages)
+    assert len(messages) == 2 and all(
+        "the WSD fit has fewer than 2 runs in its quadratic and linear part(s)" in m for m in messages
+    )
     for fit in fits:
         s_min, e_min = mccandlish_truth(fit.target)
         print(f"target {fit.target}: B_crit {fit.b_crit:.1f} samples (true {e_min / s_min / SEQ_LEN:.1f})")
@@ -414,7 +435,7 @@ def test_too_few_runs_for_the_wsd_fit_keep_mccandlish(wsd_sweep):
 
 def test_bad_probe_line_is_named(tmp_path):
     path = tmp_path / "cbs_probe.jsonl"
-    path.write_text(json.dumps({"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}) + "\n{\"tokens\": 5}\n")
+    path.write_text(json.dumps({"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}) + '\n{"tokens": 5}\n')
     with pytest.raises(ValueError, match=r"cbs_probe.jsonl: record 2 is not a CBS probe record"):
         read_probe(path)
 
@@ -530,21 +551,27 @@ def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path
     with pytest.raises(ValueError, match="mismatched units"):
         side_by_side(token_fits, runs, probe)
     no_noise_scale = read_sweep(write_sweep(tmp_path / "plain"))
-    plain_fits, _ = recorded(lambda: fit_targets(find_crossings(no_noise_scale, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN))
+    plain_fits, _ = recorded(
+        lambda: fit_targets(find_crossings(no_noise_scale, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN)
+    )
     (row, *_) = side_by_side(plain_fits, no_noise_scale)
     assert math.isnan(row.b_simple) and row.b_simple_runs == 0 and row.probe is None
 
 
 # ---------------------------------------------------------------------- recipes/fit_es.py
 def run_fit_es(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "recipes" / "fit_es.py"), *map(str, args)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "fit_es.py"), *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_fit_es_cli_prints_the_table_and_writes_plots_and_schedule(wsd_sweep, tmp_path):
     probe = tmp_path / "cbs_probe.jsonl"
     probe.write_text(json.dumps({"tokens": 1e6, "cbs_lower": 256, "cbs_upper": 512, "cbs_estimate": 362.0}) + "\n")
     out = tmp_path / "out"
-    result = run_fit_es(wsd_sweep, "--targets", *WSD_TARGETS, "--smoothing", "none", "--out", out, "--probe", probe, "--multiple-of", 8)
+    result = run_fit_es(
+        wsd_sweep, "--targets", *WSD_TARGETS, "--smoothing", "none", "--out", out, "--probe", probe, "--multiple-of", 8
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.strip().startswith("target loss"))

@@ -29,8 +29,14 @@ class SigtermAt(pl.Callback):
 
 def fit(tmp_path, *callbacks, every_n_train_steps=4, max_tokens=None, **trainer_args):
     """Regression with micro-batch 2, accumulation 2 (4 samples per step); returns trainer and module."""
-    checkpoint = FinalStateCheckpoint(dirpath=tmp_path, filename="step{step}", auto_insert_metric_name=False, every_n_train_steps=every_n_train_steps,
-                                      save_top_k=-1, save_last=True)
+    checkpoint = FinalStateCheckpoint(
+        dirpath=tmp_path,
+        filename="step{step}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=every_n_train_steps,
+        save_top_k=-1,
+        save_last=True,
+    )
     warmup = BatchWarmup(PiecewiseBatch([4], [0], unit="samples"), max_tokens=max_tokens, seq_len=1)
     args = trainer_kwargs(enable_checkpointing=True, max_epochs=2, callbacks=[warmup, checkpoint, *callbacks])
     args.update(trainer_args)
@@ -112,10 +118,12 @@ def test_sigterm_on_an_epochs_last_micro_batch_resumes_in_the_next_epoch(tmp_pat
     def run(*callbacks, ckpt_path=None):
         pl.seed_everything(0, verbose=False)
         warmup = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 20, 50], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4)
-        trainer = pl.Trainer(**trainer_kwargs(enable_checkpointing=bool(callbacks), max_epochs=-1, max_steps=38,
-                                              callbacks=[warmup, *callbacks]))
-        module = RegressionModule(scheduler_factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
-                                  scheduler_interval="epoch")
+        trainer = pl.Trainer(
+            **trainer_kwargs(enable_checkpointing=bool(callbacks), max_epochs=-1, max_steps=38, callbacks=[warmup, *callbacks])
+        )
+        module = RegressionModule(
+            scheduler_factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), scheduler_interval="epoch"
+        )
         trainer.fit(module, datamodule=GlobalOrderRegressionData(n=100, batch_size=2), ckpt_path=ckpt_path)
         return trainer, module
 
@@ -132,8 +140,16 @@ def test_sigterm_on_an_epochs_last_micro_batch_resumes_in_the_next_epoch(tmp_pat
 
 def test_keeps_the_most_recent_periodic_checkpoints(tmp_path):
     # The olmo recipes' setting: by step, the newest save_top_k periodic checkpoints, and last.
-    checkpoint = FinalStateCheckpoint(dirpath=tmp_path, filename="step{step}", auto_insert_metric_name=False, every_n_train_steps=2, save_top_k=2,
-                                      monitor="step", mode="max", save_last=True)
+    checkpoint = FinalStateCheckpoint(
+        dirpath=tmp_path,
+        filename="step{step}",
+        auto_insert_metric_name=False,
+        every_n_train_steps=2,
+        save_top_k=2,
+        monitor="step",
+        mode="max",
+        save_last=True,
+    )
     trainer = pl.Trainer(**trainer_kwargs(enable_checkpointing=True, max_steps=9, callbacks=[checkpoint]))
     trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["last.ckpt", "step6.ckpt", "step8.ckpt"]

@@ -241,9 +241,7 @@ def test_hf_tokenizer_from_a_tokenizer_json(tmp_path):
     assert (loaded.vocab_size, loaded.eos_id) == (4, 3)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "d.txt").write_text("hello world " * 50)
-    data_dir = resolve_data(
-        input_dir=tmp_path / "docs", cache_dir=tmp_path / "cache", tokenizer=tmp_path / "tokenizer.json"
-    )
+    data_dir = resolve_data(input_dir=tmp_path / "docs", cache_dir=tmp_path / "cache", tokenizer=tmp_path / "tokenizer.json")
     metadata = read_metadata(data_dir)
     assert metadata["train_tokens"] + metadata["val_tokens"] == 101
     assert metadata["token_dtype"] == "uint8"
@@ -316,9 +314,7 @@ def test_a_batch_draws_from_the_whole_split_not_from_neighbouring_samples(tmp_pa
     text_dir.mkdir()
     (text_dir / "lines.txt").write_text("".join(f"{index:07d}\n" for index in range(4000)))
     datamodule = make_datamodule(text_dir, tmp_path / "cache", val_fraction=0.05, batch_size=16)
-    in_order = StreamingDataset(
-        str(datamodule._data_dir() / "train"), item_loader=TokensLoader(block_size=16), shuffle=False
-    )
+    in_order = StreamingDataset(str(datamodule._data_dir() / "train"), item_loader=TokensLoader(block_size=16), shuffle=False)
     position = {bytes(np.asarray(sample, dtype=np.uint8)): index for index, sample in enumerate(in_order)}
     assert len(position) == len(in_order) > 1500
     batches = iter(datamodule.train_dataloader())
@@ -366,8 +362,13 @@ class RecordingModule(LightningModule):
 def fit(datamodule, root, ckpt_path=None, **trainer_args) -> RecordingModule:
     module = RecordingModule()
     trainer = Trainer(
-        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
-        limit_val_batches=0, default_root_dir=root, **trainer_args,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        default_root_dir=root,
+        **trainer_args,
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return module
@@ -387,9 +388,7 @@ def test_lightning_checkpoint_restores_the_data_position(text_dir, cache_dir, pr
 def test_reloaded_train_loader_continues_the_epoch_order(text_dir, cache_dir, prepared, tmp_path):
     steps_per_epoch = len(make_datamodule(text_dir, cache_dir).train_dataloader())
     continuous = fit(make_datamodule(text_dir, cache_dir, seed=5), tmp_path, max_epochs=2)
-    reloaded = fit(
-        make_datamodule(text_dir, cache_dir, seed=5), tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1
-    )
+    reloaded = fit(make_datamodule(text_dir, cache_dir, seed=5), tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1)
     assert len(continuous.seen) == 2 * steps_per_epoch
     first_epoch = torch.cat(continuous.seen[:steps_per_epoch])
     second_epoch = torch.cat(continuous.seen[steps_per_epoch:])

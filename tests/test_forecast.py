@@ -91,9 +91,22 @@ def test_the_band_covers_held_out_brackets_at_about_its_coverage():
 def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01) -> dict:
     scores = {k: BranchScore.heldout(losses) for k, losses in batch_losses.items()}
     record = ProbeReading.decide(
-        scores, epsilon, confidence, sorted(batch_losses), 16, tokens=65536, step=10, seq_len=128, window_tokens=8192,
-        strategy="grid", evaluate="heldout", main_loss=3.0, branches_trained=sorted(batch_losses), failed=[],
-        tokens_spent=8192, overhead=0.1,
+        scores,
+        epsilon,
+        confidence,
+        sorted(batch_losses),
+        16,
+        tokens=65536,
+        step=10,
+        seq_len=128,
+        window_tokens=8192,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=sorted(batch_losses),
+        failed=[],
+        tokens_spent=8192,
+        overhead=0.1,
     )
     return dataclasses.asdict(record)
 
@@ -105,10 +118,16 @@ def test_a_determined_record_supports_its_bracket_and_an_undetermined_one_a_wide
     clear = reading({1: list(base), 2: list(base + 0.001), 4: list(base + 0.1)})
     assert clear["determined"] and supported_interval(clear) == (32.0, 64.0) == (clear["cbs_lower"], clear["cbs_upper"])
     # k = 2 and 4 by about epsilon, with batch noise: the means pick k* = 4, the data cannot tell k = 2 from 4.
-    noisy = reading({1: list(base), 2: list(base + 0.009 + rng.normal(0, 0.02, 16)), 4: list(base + 0.011 + rng.normal(0, 0.02, 16))})
+    noisy = reading(
+        {1: list(base), 2: list(base + 0.009 + rng.normal(0, 0.02, 16)), 4: list(base + 0.011 + rng.normal(0, 0.02, 16))}
+    )
     assert not noisy["determined"]
     lower, upper = supported_interval(noisy)
-    assert lower <= noisy["cbs_lower"] and upper >= (noisy["cbs_upper"] or math.inf) and (lower, upper) != (noisy["cbs_lower"], noisy["cbs_upper"])
+    assert (
+        lower <= noisy["cbs_lower"]
+        and upper >= (noisy["cbs_upper"] or math.inf)
+        and (lower, upper) != (noisy["cbs_lower"], noisy["cbs_upper"])
+    )
     (bracket,) = brackets_from_records([noisy], run="seed1")
     assert (bracket.tokens, bracket.lower, bracket.upper, bracket.determined) == (65536.0, lower, upper, False)
 
@@ -141,7 +160,11 @@ def test_records_of_two_sequence_lengths_are_refused():
         ([Bracket(1e6, 16, math.inf, "a"), Bracket(2e6, 32, math.inf, "a")], {}, "no reading has an upper end"),
         ([Bracket(1e6, 32, 16, "a"), Bracket(2e6, 32, 64, "a")], {}, "needs tokens > 0 and 0 < lower < upper"),
         ([Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")], {"coverage": 1.0}, r"coverage=1.0 must lie in \(0, 1\)"),
-        ([Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")], {"model": "plateau"}, "needs readings at 4 or more token counts"),
+        (
+            [Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")],
+            {"model": "plateau"},
+            "needs readings at 4 or more token counts",
+        ),
     ],
 )
 def test_bad_brackets_and_settings_fail_clearly(brackets, kwargs, message):
@@ -178,13 +201,17 @@ def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys):
         path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
         files.append(str(path))
     out, plot = tmp_path / "conf" / "batch" / "forecast.yaml", tmp_path / "forecast.png"
-    done = command.main([*files, "--start", "16", "--final", "256", "--forecast-to", "16777216", "--out", str(out), "--plot", str(plot)])
+    done = command.main(
+        [*files, "--start", "16", "--final", "256", "--forecast-to", "16777216", "--out", str(out), "--plot", str(plot)]
+    )
     assert done == 0, capsys.readouterr().err
     text = out.read_text()
     assert "--forecast-to 16,777,216" in text and "from 12 readings of" in text and "band" in text
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{out.parents[1]}]", "batch=forecast"])
+        cfg = compose(
+            "config", overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{out.parents[1]}]", "batch=forecast"]
+        )
     schedule = instantiate(cfg.callbacks.batch_warmup).schedule
     # Past the last probe (2,097,152 tokens, where the runs read [64, 128]) the forecast goes on growing the batch.
     assert schedule.batch_sizes[0] == 16 and schedule.batch_sizes[-1] >= 128 and schedule.thresholds[-1] > 2_097_152
@@ -196,14 +223,25 @@ def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys):
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps(run_records(1)[0]) + "\n")
     assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
-    assert capsys.readouterr().err.strip() == "schedule_from_probe.py: --plot and --noise-scale go with the forecast: give --forecast-to TOKENS too"
+    assert (
+        capsys.readouterr().err.strip()
+        == "schedule_from_probe.py: --plot and --noise-scale go with the forecast: give --forecast-to TOKENS too"
+    )
     assert not (tmp_path / "a.yaml").exists()
 
 
 def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys):
     # 12 steps of 2 micro-batches of 4 sequences of 16 tokens, GradientNoiseScale and tokens_seen logged every step.
     pl.seed_everything(0, verbose=False)
-    model = {"vocab_size": 64, "d_model": 32, "n_layers": 2, "n_heads": 2, "mlp_hidden": 64, "context_length": 16, "tie_embeddings": False}
+    model = {
+        "vocab_size": 64,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "mlp_hidden": 64,
+        "context_length": 16,
+        "tie_embeddings": False,
+    }
     logger = CSVLogger(tmp_path, name="run", version=0)
     callbacks = [BatchWarmup(ConstantBatch(8), lr_rule="none"), GradientNoiseScale(ema_decay=0.5)]
     trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=12, logger=logger, log_every_n_steps=1))
@@ -218,11 +256,26 @@ def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys
         path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
         files.append(str(path))
     command = load_command()
-    done = command.main([*files, "--start", "16", "--forecast-to", "4194304", "--out", str(tmp_path / "f.yaml"),
-                         "--plot", str(tmp_path / "f.png"), "--noise-scale", str(metrics_csv)])
+    done = command.main(
+        [
+            *files,
+            "--start",
+            "16",
+            "--forecast-to",
+            "4194304",
+            "--out",
+            str(tmp_path / "f.yaml"),
+            "--plot",
+            str(tmp_path / "f.png"),
+            "--noise-scale",
+            str(metrics_csv),
+        ]
+    )
     assert done == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
-    assert f"noise scale B_simple grows as D^{growth_exponent(tokens, b_simple):.3f}" in printed and "the CBS fit as D^" in printed
+    assert (
+        f"noise scale B_simple grows as D^{growth_exponent(tokens, b_simple):.3f}" in printed and "the CBS fit as D^" in printed
+    )
     without = tmp_path / "without_gns.csv"  # the same run's steps and tokens, no noise scale
     without.write_text("step,tokens_seen\n" + "".join(f"{step},{int(t)}\n" for step, t in enumerate(tokens)))
     with pytest.raises(ValueError, match="has no 'gns/b_simple'; pass the metrics.csv of a run with GradientNoiseScale"):

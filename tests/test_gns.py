@@ -305,7 +305,9 @@ class RandomTokens(pl.LightningDataModule):
         return DataLoader(self.tokens, batch_size=self.batch_size)
 
 
-def fit_tiny_olmo(tmp_path: Path, groups, tie_embeddings: bool = False, activation_checkpointing: bool = False, compile: bool = False):
+def fit_tiny_olmo(
+    tmp_path: Path, groups, tie_embeddings: bool = False, activation_checkpointing: bool = False, compile: bool = False
+):
     """8 steps of 2 micro-batches of 4 sequences of 16 tokens on a 2-block OLMo, every step logged to CSV."""
     pl.seed_everything(0, verbose=False)
     config = dict(
@@ -598,8 +600,11 @@ def test_one_batch_size_is_refused():
 def test_a_step_of_one_micro_batch_on_one_process_is_said_once_and_not_measured():
     # 16 samples in 2 micro-batches of 8, then (from 64 samples) 8 samples in one micro-batch.
     warmup = BatchWarmup(PiecewiseBatch([16, 8], [0, 64], unit="samples"), lr_rule="none")
-    with pytest.warns(UserWarning, match=r"^GradientNoiseScale: step 5 is one micro-batch on one process.*not measured "
-                                         r"\(the micro-batch is the whole batch: cap BatchWarmup's max_micro_batch_size"):
+    with pytest.warns(
+        UserWarning,
+        match=r"^GradientNoiseScale: step 5 is one micro-batch on one process.*not measured "
+        r"\(the micro-batch is the whole batch: cap BatchWarmup's max_micro_batch_size",
+    ):
         _, gns, recorder, _, _ = fit(96, 8, callbacks=[warmup])
     assert [step["measurement"] is not None for step in recorder.steps] == [True] * 4 + [False] * 4
     assert gns.num_updates == 4

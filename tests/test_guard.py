@@ -51,7 +51,9 @@ class SpikeAfterIncrease(RegressionModule):
 def fit(warmup, *, module=None, n=96, epochs=3, ckpt_path=None, **trainer_args):
     pl.seed_everything(0, verbose=False)
     module = module or SpikeAfterIncrease()
-    trainer = pl.Trainer(callbacks=[warmup, *trainer_args.pop("callbacks", [])], **trainer_kwargs(max_epochs=epochs, **trainer_args))
+    trainer = pl.Trainer(
+        callbacks=[warmup, *trainer_args.pop("callbacks", [])], **trainer_kwargs(max_epochs=epochs, **trainer_args)
+    )
     trainer.fit(module, RegressionData(n=n, batch_size=2), ckpt_path=ckpt_path)
     return trainer, module
 
@@ -99,7 +101,9 @@ def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
     assert warmup.guard.hold_until == 96 + 100_000
     rows = rows_of(tmp_path / "run" / "version_0" / "metrics.csv")
     # The decision's own row (step 39, the window's last step) holds the verdict although 39 % 5 != 4.
-    assert rows[39]["batch/guard_rise"] == pytest.approx(verdict.rise) and rows[39]["batch/guard_threshold"] == pytest.approx(verdict.threshold)
+    assert rows[39]["batch/guard_rise"] == pytest.approx(verdict.rise) and rows[39]["batch/guard_threshold"] == pytest.approx(
+        verdict.threshold
+    )
     assert [(rows[s]["batch/global_size"], rows[s]["batch/guard_reverts"]) for s in (34, 39, 44)] == [(4, 0), (4, 0), (2, 1)]
 
 
@@ -118,14 +122,18 @@ def test_a_revert_brings_the_micro_batch_back_mid_epoch():
     pl.Trainer(callbacks=[warmup], **trainer_kwargs(max_epochs=2)).fit(module, data)
     increase, revert = warmup.history
     assert [(c.new_global_batch, c.new_micro_batch_size, c.new_accumulate, c.samples_seen) for c in warmup.history] == [
-        (4, 4, 1, 64), (2, 2, 1, 96)]
+        (4, 4, 1, 64),
+        (2, 2, 1, 96),
+    ]
     assert revert.cause == "guard" and warmup.guard.verdicts[0].reverted
     # The micro-batch grew to 4 with the batch and went back to 2 with the revert, inside the first epoch.
     assert [len(micro_batch) for micro_batch in module.micro_batches[:42]] == [2] * 32 + [4] * 8 + [2] * 2
     seen = [i for micro_batch in module.micro_batches for i in micro_batch]
     assert seen == data.epoch_order(0) + data.epoch_order(1)
     for step in module.steps:
-        torch.testing.assert_close(step["grad"], mean_gradient(data.dataset, step["indices"], step["weight"]), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            step["grad"], mean_gradient(data.dataset, step["indices"], step["weight"]), rtol=1e-10, atol=1e-12
+        )
 
 
 def test_a_healthy_increase_is_judged_and_kept():
@@ -146,8 +154,9 @@ def test_without_a_guard_the_jump_stays():
 def test_the_next_increase_waits_for_the_window_and_the_hold():
     # 8 is scheduled from 80 samples, inside 4's window: it waits for the verdict; the verdict reverts
     # to 2, and nothing grows until 96 + hold = 136 samples; then 2 -> 8 directly (the schedule's size).
-    warmup = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 64, 80], unit="samples"), lr_rule="linear",
-                         guard={"hold": 40, "min_steps": 8})
+    warmup = BatchWarmup(
+        PiecewiseBatch([2, 4, 8], [0, 64, 80], unit="samples"), lr_rule="linear", guard={"hold": 40, "min_steps": 8}
+    )
     fit(warmup, epochs=3)
     sizes = [(c.old_global_batch, c.new_global_batch, c.cause, c.samples_seen) for c in warmup.history]
     assert sizes[:3] == [(2, 4, "schedule", 64), (4, 2, "guard", 96), (2, 8, "schedule", 136)]
@@ -187,7 +196,11 @@ def test_clip_rule_scales_gradient_clipping_and_a_revert_restores_it(tmp_path):
     kept = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 32, 96], unit="samples"), clip_rule="sqrt")
     _, module = fit(kept, module=SpikeAfterIncrease(jump=0.0), gradient_clip_val=0.5, logger=logger, log_every_n_steps=1)
     first, second = (c.step for c in kept.history)
-    expected = [0.5] * first + [0.5 * math.sqrt(2)] * (second - first) + [0.5 * math.sqrt(2) * math.sqrt(2)] * (len(module.steps) - second)
+    expected = (
+        [0.5] * first
+        + [0.5 * math.sqrt(2)] * (second - first)
+        + [0.5 * math.sqrt(2) * math.sqrt(2)] * (len(module.steps) - second)
+    )
     assert module.clip_values == pytest.approx(expected, rel=1e-15)
     assert [c.clip_factor for c in kept.history] == pytest.approx([math.sqrt(2)] * 2)
     rows = rows_of(tmp_path / "run" / "version_0" / "metrics.csv")

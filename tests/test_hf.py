@@ -32,8 +32,14 @@ transformers = pytest.importorskip("transformers", reason='transformers is not i
 ROOT = Path(__file__).resolve().parents[1]
 # Grouped-query attention (2 query heads, 1 key/value head) and a context of PaddedSequences' 8 tokens.
 LLAMA = {
-    "model_type": "llama", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 8,
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 8,
 }
 
 
@@ -56,7 +62,9 @@ def test_batch_warmup_steps_a_transformers_llama_on_the_mean_over_the_steps_toke
     # the step's gradient is that of the mean loss over its 8 samples' counted tokens, computed by transformers alone.
     pl.seed_everything(0, verbose=False)
     warmup = BatchWarmup(ConstantBatch(8), lr_rule="none", seq_len=8)
-    trainer = pl.Trainer(callbacks=[warmup, SaveFirstStepGradients(tmp_path / "step.pt")], **trainer_kwargs(max_steps=1, precision="64-true"))
+    trainer = pl.Trainer(
+        callbacks=[warmup, SaveFirstStepGradients(tmp_path / "step.pt")], **trainer_kwargs(max_steps=1, precision="64-true")
+    )
     module = CausalLM(LLAMA, ignore_index=0)
     quiet_fit(trainer, module, PaddedData(batch_size=4))
     assert trainer.accumulate_grad_batches == 2 and isinstance(module.model.lm, transformers.LlamaForCausalLM)
@@ -125,7 +133,10 @@ def test_a_checkpoint_reloads_the_transformers_config_and_weights(tmp_path):
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({**LLAMA, "hidden_sise": 16}, r"field(s) ['hidden_sise'] are not LlamaConfig fields (transformers would keep them unused)"),
+        (
+            {**LLAMA, "hidden_sise": 16},
+            r"field(s) ['hidden_sise'] are not LlamaConfig fields (transformers would keep them unused)",
+        ),
         ({"model_type": "lama"}, r"model_type='lama' is not a transformers model type (did you mean llama"),
         ({"model_type": "vit"}, r"model_type='vit' has no causal language model in transformers (AutoModelForCausalLM)"),
     ],
@@ -137,7 +148,9 @@ def test_a_config_transformers_would_not_train_as_meant_is_refused(config, messa
 
 def test_a_misspelt_key_in_the_recipe_stops_before_the_data_is_prepared(tmp_path):
     cfg = compose_config("model=hf", "+model.config.num_hidden_layer=2", f"data.cache_dir={tmp_path / 'cache'}")
-    with pytest.raises(LitCBSConfigError, match=re.escape("model.config: field(s) ['num_hidden_layer'] are not LlamaConfig fields")):
+    with pytest.raises(
+        LitCBSConfigError, match=re.escape("model.config: field(s) ['num_hidden_layer'] are not LlamaConfig fields")
+    ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
 
@@ -167,16 +180,40 @@ def test_two_fsdp2_processes_shard_each_decoder_layer_and_train_with_a_probe_and
     run_dir = tmp_path / "run"
     record = tmp_path / "sharded.json"
     overrides = [
-        "model=hf", "trainer=fsdp", "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.devices=2",
-        "model.activation_checkpointing=true", f"data.path={prepared}", "data.batch_size=4", "max_tokens=49152",
-        "lr_schedule.warmup_tokens=4096", "lr_schedule.decay_tokens=8192",
-        "batch.schedule.batch_sizes=[8,16]", "batch.schedule.thresholds=[0,8192]", "batch.max_micro_batch_size=4",
-        "batch.guard={min_steps: 4}", "callbacks.cbs_probe.geometric=[16384,4.0]", "callbacks.cbs_probe.window_tokens=8192",
-        "callbacks.cbs_probe.multipliers=[1,2]", "callbacks.cbs_probe.heldout_batches=2", "callbacks.progress_bar=null",
-        "trainer.enable_progress_bar=false", "+callbacks.sharding._target_=toys.RecordShardedModules",
-        f"+callbacks.sharding.path={record}", f"hydra.run.dir={run_dir}",
+        "model=hf",
+        "trainer=fsdp",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        "trainer.devices=2",
+        "model.activation_checkpointing=true",
+        f"data.path={prepared}",
+        "data.batch_size=4",
+        "max_tokens=49152",
+        "lr_schedule.warmup_tokens=4096",
+        "lr_schedule.decay_tokens=8192",
+        "batch.schedule.batch_sizes=[8,16]",
+        "batch.schedule.thresholds=[0,8192]",
+        "batch.max_micro_batch_size=4",
+        "batch.guard={min_steps: 4}",
+        "callbacks.cbs_probe.geometric=[16384,4.0]",
+        "callbacks.cbs_probe.window_tokens=8192",
+        "callbacks.cbs_probe.multipliers=[1,2]",
+        "callbacks.cbs_probe.heldout_batches=2",
+        "callbacks.progress_bar=null",
+        "trainer.enable_progress_bar=false",
+        "+callbacks.sharding._target_=toys.RecordShardedModules",
+        f"+callbacks.sharding.path={record}",
+        f"hydra.run.dir={run_dir}",
     ]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "recipes" / "train.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "recipes" / "train.py"),
+    ]
     env = subprocess_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", HYDRA_FULL_ERROR="1")
     result = subprocess.run([*command, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

@@ -46,8 +46,13 @@ def live_objects():
     sequential = SequentialLR(optimizer, [ConstantLR(optimizer, 0.5, total_iters=2), LinearLR(optimizer)], milestones=[2])
     optimizer.step()
     sequential.step()
-    roots = {"trainer": trainer, "metric": metric, "sequential_lr": sequential, "lr_scheduler": sequential,
-             "model_checkpoint": ModelCheckpoint()}
+    roots = {
+        "trainer": trainer,
+        "metric": metric,
+        "sequential_lr": sequential,
+        "lr_scheduler": sequential,
+        "model_checkpoint": ModelCheckpoint(),
+    }
     return roots, record
 
 

@@ -55,11 +55,13 @@ def test_bad_model_config(config, message):
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"optimizer": functools.partial(ADAMW, lr=-1.0)}, r"AdamW\(lr=-1.0, .*\) cannot be built: Invalid learning rate"),
-     ({"optimizer": functools.partial(ADAMW, betas=(0.9, 1.0))}, "Invalid beta parameter at index 1"),
-     ({"optimizer": functools.partial(torch.optim.SGD, lr=0.1, betas=(0.9, 0.95))}, "unexpected keyword argument 'betas'"),
-     ({"optimizer": "adamw"}, "optimizer='adamw' must be a callable"),
-     ({"peak_flops_per_device": 0}, "peak_flops_per_device")],
+    [
+        ({"optimizer": functools.partial(ADAMW, lr=-1.0)}, r"AdamW\(lr=-1.0, .*\) cannot be built: Invalid learning rate"),
+        ({"optimizer": functools.partial(ADAMW, betas=(0.9, 1.0))}, "Invalid beta parameter at index 1"),
+        ({"optimizer": functools.partial(torch.optim.SGD, lr=0.1, betas=(0.9, 0.95))}, "unexpected keyword argument 'betas'"),
+        ({"optimizer": "adamw"}, "optimizer='adamw' must be a callable"),
+        ({"peak_flops_per_device": 0}, "peak_flops_per_device"),
+    ],
 )
 def test_bad_optimizer_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -118,10 +120,16 @@ def test_throughput_is_logged_every_optimizer_step(tmp_path, peak_flops_per_devi
     module = CausalLM("tiny", lr_schedule=None, peak_flops_per_device=peak_flops_per_device)
     data = RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=32)
     data.val_dataloader = lambda: torch.utils.data.DataLoader(data.tokens[:8], batch_size=4)
-    trainer = pl.Trainer(**trainer_kwargs(
-        max_steps=4, accumulate_grad_batches=2, val_check_interval=4, num_sanity_val_steps=0,
-        logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
-    ))
+    trainer = pl.Trainer(
+        **trainer_kwargs(
+            max_steps=4,
+            accumulate_grad_batches=2,
+            val_check_interval=4,
+            num_sanity_val_steps=0,
+            logger=CSVLogger(tmp_path, name="run"),
+            log_every_n_steps=1,
+        )
+    )
     trainer.fit(module, datamodule=data)
     metrics = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))
     steps, tokens_per_s = metrics["perf/tokens_per_s"]
@@ -160,9 +168,15 @@ def one_thread():
 def test_throughput_leaves_out_the_probes_branches(tmp_path, one_thread, as_branch):
     # 5 optimizer steps of 2 micro-batches; the "probe" sleeps after step 3 (logged at step index 2).
     data = RandomTokenData(vocab_size=256, seq_len=16, batch_size=4, samples=40)
-    trainer = pl.Trainer(callbacks=[SleepsAtStep(as_branch)], **trainer_kwargs(
-        max_steps=5, accumulate_grad_batches=2, logger=CSVLogger(tmp_path, name="run"), log_every_n_steps=1,
-    ))
+    trainer = pl.Trainer(
+        callbacks=[SleepsAtStep(as_branch)],
+        **trainer_kwargs(
+            max_steps=5,
+            accumulate_grad_batches=2,
+            logger=CSVLogger(tmp_path, name="run"),
+            log_every_n_steps=1,
+        ),
+    )
     trainer.fit(CausalLM("tiny", lr_schedule=None), datamodule=data)
     steps, tokens_per_s = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))["perf/tokens_per_s"]
     assert steps.tolist() == [0, 1, 2, 3, 4]

@@ -22,7 +22,9 @@ def identity(batch):
 
 
 def loaders(ranks: int, micro: int, **kwargs) -> list[GlobalOrderLoader]:
-    return [GlobalOrderLoader(SAMPLES, micro, num_replicas=ranks, rank=r, collate_fn=identity, seed=3, **kwargs) for r in range(ranks)]
+    return [
+        GlobalOrderLoader(SAMPLES, micro, num_replicas=ranks, rank=r, collate_fn=identity, seed=3, **kwargs) for r in range(ranks)
+    ]
 
 
 def steps_of(ranks: int, micro_per_step: list[tuple[int, int]], **kwargs) -> list[list[int]]:
@@ -44,7 +46,9 @@ def test_every_step_takes_the_next_samples_of_one_order_whatever_the_split():
     four = steps_of(4, [(1, 2), (2, 1), (4, 1), (2, 2), (1, 1)])
     order = epoch_order(100, 3, 0, shuffle=True).tolist()
     assert one == four
-    assert [i for step in one for i in step] == sorted(order[:8]) + sorted(order[8:16]) + sorted(order[16:32]) + sorted(order[32:48]) + sorted(order[48:52])
+    assert [i for step in one for i in step] == sorted(order[:8]) + sorted(order[8:16]) + sorted(order[16:32]) + sorted(
+        order[32:48]
+    ) + sorted(order[48:52])
 
 
 def test_the_order_is_a_seeded_permutation_per_epoch():
@@ -126,8 +130,9 @@ KILL_RESUME = Path(__file__).resolve().parent / "scripts" / "kill_resume.py"
 
 
 def kill_resume_run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(KILL_RESUME), str(out), *args], capture_output=True, text=True, timeout=300,
-                          env=subprocess_env())
+    return subprocess.run(
+        [sys.executable, str(KILL_RESUME), str(out), *args], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -155,4 +160,3 @@ def test_a_map_style_dataset_killed_mid_epoch_resumes_bit_for_bit(uninterrupted,
     assert torch.equal(after["weight"], full["weight"])
     assert all(torch.equal(a[key], b[key]) for a, b in zip(after["adam"], full["adam"]) for key in a)
     assert after["readings"] == full["readings"]  # redone from its start, or carried in the checkpoint
-

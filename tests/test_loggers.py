@@ -58,7 +58,10 @@ def wandb_of(save_dir: Path) -> tuple[set[str], set[str]]:
             if parsed.WhichOneof("record_type") == "history":
                 keys |= {item.key or "/".join(item.nested_key) for item in parsed.history.item}
             record = b""
-    images = {Path(image).name.split("_")[0] for image in glob.glob(str(save_dir / "wandb" / "offline-run-*" / "files" / "media" / "images" / "*.png"))}
+    images = {
+        Path(image).name.split("_")[0]
+        for image in glob.glob(str(save_dir / "wandb" / "offline-run-*" / "files" / "media" / "images" / "*.png"))
+    }
     return keys, images
 
 
@@ -79,8 +82,18 @@ def test_batch_cbs_and_noise_scale_metrics_and_the_cbs_curve_reach_every_logger(
         trainer.fit(RegressionModule(optimizer="adam"), RegressionData(n=48, batch_size=2))
     assert probe.history
     loggers[3].experiment.finish()  # W&B writes its record file from a process of its own: wait for it
-    wanted = {"batch/global_size", "batch/accumulate", "lr", "tokens_seen", "cbs/lower", "cbs/k_star", "cbs/determined",
-              "cbs/gap_k2", "cbs/gap_se_k2", "gns/b_simple"}
+    wanted = {
+        "batch/global_size",
+        "batch/accumulate",
+        "lr",
+        "tokens_seen",
+        "cbs/lower",
+        "cbs/k_star",
+        "cbs/determined",
+        "cbs/gap_k2",
+        "cbs/gap_se_k2",
+        "gns/b_simple",
+    }
     scalars, images = tensorboard_of(tmp_path / "tensorboard")
     assert wanted <= scalars and images == {"cbs_curve"}
     metrics, artifacts, points = mlflow_of(tracking_uri)
@@ -93,8 +106,14 @@ def test_batch_cbs_and_noise_scale_metrics_and_the_cbs_curve_reach_every_logger(
 def test_a_recipe_with_every_logger_sends_its_loss_throughput_and_figures_to_each(prepared, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*SHORT_RUN, "logger=[csv,tensorboard,mlflow,wandb]", f"data.path={prepared}", f"hydra.run.dir={run_dir}"]
-    done = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *overrides], cwd=tmp_path, capture_output=True,
-                          text=True, env=subprocess_env(), timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     wanted = {"train/loss", "val/loss", "perf/tokens_per_s", "batch/global_size", "lr"}
     scalars, images = tensorboard_of(run_dir / "tensorboard")
@@ -109,8 +128,11 @@ def test_a_recipe_with_every_logger_sends_its_loss_throughput_and_figures_to_eac
 def test_a_logger_whose_package_is_missing_stops_before_any_data_work(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as an environment without it: its import fails
     cfg = compose_config("logger=[csv,wandb]", f"data.cache_dir={tmp_path / 'cache'}")
-    with pytest.raises(LitCBSConfigError, match=r'^logger.wandb: WandbLogger needs the wandb package, which is not installed: '
-                       r'pip install -e "\.\[loggers\]"'):
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"^logger.wandb: WandbLogger needs the wandb package, which is not installed: "
+        r'pip install -e "\.\[loggers\]"',
+    ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
 

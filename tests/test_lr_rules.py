@@ -11,7 +11,9 @@ from lit_cbs.lr_rules import check_scheduler_supported, get_lr_rule, scale_learn
 from lit_cbs.lr_schedules import CosineSchedule, TokenLRScheduler, WarmupStableDecay
 
 
-@pytest.mark.parametrize("name, ratio, factor", [("sqrt", 4, 2.0), ("linear", 4, 4.0), ("none", 4, 1.0), ("adam_sde", 4, 2.0), ("sqrt", 0.25, 0.5)])
+@pytest.mark.parametrize(
+    "name, ratio, factor", [("sqrt", 4, 2.0), ("linear", 4, 4.0), ("none", 4, 1.0), ("adam_sde", 4, 2.0), ("sqrt", 0.25, 0.5)]
+)
 def test_named_rules(name, ratio, factor):
     assert get_lr_rule(name).lr_factor(ratio) == pytest.approx(factor)
 
@@ -105,9 +107,13 @@ SCHEDULERS = {
     "PolynomialLR": lambda o: sched.PolynomialLR(o, total_iters=25, power=2.0),
     "CosineAnnealingLR": lambda o: sched.CosineAnnealingLR(o, T_max=25, eta_min=0.01),
     "SequentialLR": lambda o: sched.SequentialLR(
-        o, [sched.LinearLR(o, start_factor=0.1, total_iters=6), sched.CosineAnnealingLR(o, T_max=20, eta_min=0.002)], milestones=[6]
+        o,
+        [sched.LinearLR(o, start_factor=0.1, total_iters=6), sched.CosineAnnealingLR(o, T_max=20, eta_min=0.002)],
+        milestones=[6],
     ),
-    "ChainedScheduler": lambda o: sched.ChainedScheduler([sched.ConstantLR(o, factor=0.5, total_iters=4), sched.ExponentialLR(o, gamma=0.9)]),
+    "ChainedScheduler": lambda o: sched.ChainedScheduler(
+        [sched.ConstantLR(o, factor=0.5, total_iters=4), sched.ExponentialLR(o, gamma=0.9)]
+    ),
     "TokenWSD": lambda o: TokenLRScheduler(o, WarmupStableDecay(warmup_tokens=500, total_tokens=3000, decay_tokens=1000)),
     "TokenCosine": lambda o: TokenLRScheduler(o, CosineSchedule(warmup_tokens=500, total_tokens=3000)),
 }

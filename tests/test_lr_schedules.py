@@ -69,7 +69,9 @@ def test_token_scheduler_refuses_to_step_blind():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.2)
     scheduler = TokenLRScheduler(optimizer, CosineSchedule(10, 100))
     optimizer.step()
-    with pytest.raises(LitCBSConfigError, match=r"add lit_cbs.BatchWarmup \(a growing batch\) or lit_cbs.BatchAccounting\(seq_len=...\)"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"add lit_cbs.BatchWarmup \(a growing batch\) or lit_cbs.BatchAccounting\(seq_len=...\)"
+    ):
         scheduler.step()
 
 
@@ -83,9 +85,12 @@ def test_batch_accounting_alone_feeds_the_token_scheduler_of_a_fixed_batch_run()
         return 1.0 - tokens / 1000
 
     module = RegressionModule(scheduler_factory=lambda optimizer: TokenLRScheduler(optimizer, schedule))
-    pl.Trainer(**trainer_kwargs(callbacks=[BatchAccounting(seq_len=3)], max_steps=10)).fit(module, RegressionData(n=96, batch_size=4))
+    pl.Trainer(**trainer_kwargs(callbacks=[BatchAccounting(seq_len=3)], max_steps=10)).fit(
+        module, RegressionData(n=96, batch_size=4)
+    )
     # Step i trains at the LR of the tokens before it: 4 samples x 3 tokens per step.
     assert [step["lr"] for step in module.steps] == pytest.approx([0.05 * schedule(12 * i) for i in range(10)])
     with pytest.raises(LitCBSConfigError, match="tokens_seen was never set"):  # no lit_cbs callback: the first step says so
-        pl.Trainer(**trainer_kwargs(max_steps=10)).fit(RegressionModule(scheduler_factory=module.scheduler_factory),
-                                                       RegressionData(n=96, batch_size=4))
+        pl.Trainer(**trainer_kwargs(max_steps=10)).fit(
+            RegressionModule(scheduler_factory=module.scheduler_factory), RegressionData(n=96, batch_size=4)
+        )

@@ -9,9 +9,7 @@ from lit_cbs.models.olmo import apply_rotary, rotary_cos_sin
 
 
 def small_config(**changes) -> OLMoConfig:
-    fields = dict(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=4, mlp_hidden=48, context_length=16, tie_embeddings=True
-    )
+    fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, mlp_hidden=48, context_length=16, tie_embeddings=True)
     fields.update(changes)
     return OLMoConfig(**fields)
 
@@ -54,9 +52,7 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not torch.isclose(rq[5] @ rk[0], rq[9] @ rk[0])
 
 
-@pytest.mark.parametrize(
-    "name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472), ("tiny4x", 868_352)]
-)
+@pytest.mark.parametrize("name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472), ("tiny4x", 868_352)])
 def test_preset_parameter_counts_on_meta_device(name, expected):
     with torch.device("meta"):
         model = OLMo(get_config(name))
@@ -82,7 +78,10 @@ def test_tiny4x_is_about_four_tiny_models_with_tinys_shape():
     assert 3.5 < model.num_parameters() / OLMo(tiny).num_parameters() < 4
     # Same depth, head size, context and vocabulary: only the width differs.
     assert (tiny4x.n_layers, tiny4x.d_model // tiny4x.n_heads, tiny4x.context_length, tiny4x.vocab_size) == (
-        tiny.n_layers, tiny.d_model // tiny.n_heads, tiny.context_length, tiny.vocab_size
+        tiny.n_layers,
+        tiny.d_model // tiny.n_heads,
+        tiny.context_length,
+        tiny.vocab_size,
     )
 
 

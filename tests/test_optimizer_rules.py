@@ -77,7 +77,9 @@ def test_a_doubling_moves_weight_decay_and_beta2_and_the_checkpoint_holds_them(t
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["batch/global_size"]]
     assert [(float(r["batch/weight_decay"]), float(r["batch/beta2"])) for r in (rows[19], rows[20])] == [
-        (WD, BETA2), pytest.approx((0.1 * math.sqrt(2), 0.9025))]
+        (WD, BETA2),
+        pytest.approx((0.1 * math.sqrt(2), 0.9025)),
+    ]
 
     # Resumed before and after the change, the run goes on with the settings it would have had.
     for step in (10, 20, 25):
@@ -121,12 +123,21 @@ class FailingFirstStep(Callback):
 @pytest.mark.parametrize(
     "optimizer, rules, message",
     [
-        (lambda groups: torch.optim.SGD(groups, lr=LR, weight_decay=WD), {"beta2_rule": "half_life"},
-         r"^BatchWarmup\(lr_rule='sqrt', beta2_rule='half_life'\): param group 0 of SGD has no Adam betas"),
-        (lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=0.0), {"weight_decay_rule": "timescale"},
-         r"every param group of AdamW has weight_decay=0, so the rule would change nothing"),
-        (lambda groups: torch.optim.Adam(groups, lr=LR, weight_decay=WD), {"weight_decay_rule": "timescale"},
-         r"Adam's weight_decay is an L2 penalty .* use torch.optim.AdamW"),
+        (
+            lambda groups: torch.optim.SGD(groups, lr=LR, weight_decay=WD),
+            {"beta2_rule": "half_life"},
+            r"^BatchWarmup\(lr_rule='sqrt', beta2_rule='half_life'\): param group 0 of SGD has no Adam betas",
+        ),
+        (
+            lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=0.0),
+            {"weight_decay_rule": "timescale"},
+            r"every param group of AdamW has weight_decay=0, so the rule would change nothing",
+        ),
+        (
+            lambda groups: torch.optim.Adam(groups, lr=LR, weight_decay=WD),
+            {"weight_decay_rule": "timescale"},
+            r"Adam's weight_decay is an L2 penalty .* use torch.optim.AdamW",
+        ),
     ],
 )
 def test_rules_that_do_not_apply_to_the_optimizer_are_refused_before_training(optimizer, rules, message):
@@ -144,8 +155,11 @@ def test_conflicting_or_unknown_rules_are_refused_at_construction():
 
 def test_a_probe_whose_rules_differ_from_the_warmups_is_refused():
     probe = CBSProbeCallback(every_tokens=80, multipliers=(1, 2), window_tokens=64, lr_rule="sqrt")
-    with pytest.raises(LitCBSConfigError, match=r"CBSProbeCallback\(lr_rule='sqrt'\) and BatchWarmup\(lr_rule='sqrt', "
-                       r"weight_decay_rule='timescale', beta2_rule='half_life'\) move the optimizer differently"):
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"CBSProbeCallback\(lr_rule='sqrt'\) and BatchWarmup\(lr_rule='sqrt', "
+        r"weight_decay_rule='timescale', beta2_rule='half_life'\) move the optimizer differently",
+    ):
         fit(BatchWarmup(SCHEDULE, seq_len=4, **RULES), callbacks=[probe, FailingFirstStep()])
 
 
@@ -155,14 +169,21 @@ def test_another_writer_of_a_ruled_setting_is_caught_at_its_step():
             if trainer.global_step == 3:
                 trainer.optimizers[0].param_groups[0]["weight_decay"] = 0.05
 
-    with pytest.raises(LitCBSConfigError, match=r"BatchWarmup\(weight_decay_rule='timescale'\) set weight_decay=0.1 in param "
-                       r"group 0, but at step 3 it is 0.05: something else writes it"):
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"BatchWarmup\(weight_decay_rule='timescale'\) set weight_decay=0.1 in param "
+        r"group 0, but at step 3 it is 0.05: something else writes it",
+    ):
         fit(BatchWarmup(SCHEDULE, **RULES), callbacks=[WeightDecaySchedule()])
 
 
 def test_rules_beside_a_schedule_that_never_changes_the_batch_are_said_to_do_nothing():
-    with pytest.warns(UserWarning, match=r"ConstantBatch\(size=2, unit='samples'\) never changes the batch from 2, so "
-                      r"weight_decay_rule and beta2_rule never act"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ConstantBatch\(size=2, unit='samples'\) never changes the batch from 2, so "
+        r"weight_decay_rule and beta2_rule never act",
+    ):
         pl.seed_everything(0, verbose=False)
         pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2), **RULES)], **trainer_kwargs(max_steps=1)).fit(
-            AdamWRegression(), GlobalOrderRegressionData(n=8, batch_size=2))
+            AdamWRegression(), GlobalOrderRegressionData(n=8, batch_size=2)
+        )

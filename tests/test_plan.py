@@ -36,8 +36,15 @@ def test_countable_model_by_hand():
     assert shape.parameter_tensors == 1 + 4 + 3 + 1
 
     # One sequence of 2 tokens, fp32, one process.
-    memory = device_memory(shape, micro_batch=1, seq_len=2, precision="32-true", strategy="single",
-                           data_parallel_size=1, activation_checkpointing=False)
+    memory = device_memory(
+        shape,
+        micro_batch=1,
+        seq_len=2,
+        precision="32-true",
+        strategy="single",
+        data_parallel_size=1,
+        activation_checkpointing=False,
+    )
     assert (memory.parameters, memory.gradients, memory.working_buffers) == (224 * 4, 224 * 4, 0)
     assert memory.optimizer_state == 2 * 224 * 4 + 9 * 4  # exp_avg, exp_avg_sq, and one fp32 step per tensor
     # The block, 2 tokens: 8 d-wide (block input, 2 LayerNorm outputs, q, k, v, attention output, residual)
@@ -65,8 +72,9 @@ def test_countable_model_by_hand():
     assert ddp_checkpointed.working_buffers == ddp.working_buffers  # one block: all of them here
 
 
-def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool,
-                  optimizer_factory=torch.optim.AdamW):
+def measured_step(
+    config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool, optimizer_factory=torch.optim.AdamW
+):
     """Bytes autograd saves for backward in one forward, and the bytes of parameters, gradients and
     optimizer state after a real optimizer step, on the CPU."""
     torch.manual_seed(0)
@@ -84,7 +92,10 @@ def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: 
         return tensor
 
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len + 1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
         logits = model(ids[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
     loss.backward()
@@ -99,8 +110,7 @@ def measured_step(config: OLMoConfig, micro_batch: int, seq_len: int, autocast: 
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
-    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, mlp_hidden=80, context_length=64,
-                        tie_embeddings=False)
+    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=False)
     saved, parameters, gradients, state = measured_step(config, 3, 24, precision == "bf16-mixed", checkpointing)
     shape = ModelShape.of(config)
     memory = device_memory(shape, 3, 24, precision, "single", 1, checkpointing)
@@ -150,26 +160,44 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
     real = sum(t.nbytes for t in taken.tensors) + sum(
         value.nbytes for states, _ in taken.optimizers for state in states.values() for value in state.values()
     )
-    probe = CBSProbeCallback(at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect",
-                             evaluate="heldout", heldout_batches=2)
-    plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
-                      seq_len=16, max_tokens=1024)
+    probe = CBSProbeCallback(
+        at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect", evaluate="heldout", heldout_batches=2
+    )
+    plan = probe_plan(
+        probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+    )
     assert plan.snapshot_bytes == real
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
     assert plan.window_bytes == 256 // 16 * 17 * 8 and plan.heldout_bytes == 2 * 4 * 17 * 8
     assert plan.max_branches == 1 + math.ceil(math.log2(3)) and plan.tokens == 2 * 3 * 256
     assert plan.snapshots == 2 and plan.host_bytes == 2 * real + plan.window_bytes + plan.heldout_bytes
     # With early stops every branch keeps its state until the window closes.
-    probe = CBSProbeCallback(at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect",
-                             evaluate="heldout", heldout_batches=2, early_stop=[0.5])
-    plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
-                      seq_len=16, max_tokens=1024)
+    probe = CBSProbeCallback(
+        at_tokens=[64, 640],
+        window_tokens=256,
+        multipliers=[1, 2, 4],
+        strategy="bisect",
+        evaluate="heldout",
+        heldout_batches=2,
+        early_stop=[0.5],
+    )
+    plan = probe_plan(
+        probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+    )
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
     # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
-    probe = CBSProbeCallback(at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect",
-                             evaluate="heldout", heldout_batches=2, replicates=2)
-    plan = probe_plan(probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4,
-                      seq_len=16, max_tokens=1024)
+    probe = CBSProbeCallback(
+        at_tokens=[64, 640],
+        window_tokens=256,
+        multipliers=[1, 2, 4],
+        strategy="bisect",
+        evaluate="heldout",
+        heldout_batches=2,
+        replicates=2,
+    )
+    plan = probe_plan(
+        probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+    )
     assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 
 
@@ -179,8 +207,9 @@ def test_batch_phases_match_a_real_batch_warmup_run():
     warmup = BatchWarmup(schedule, lr_rule="sqrt", max_tokens=64, seq_len=1)
     trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[warmup]))
     trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2))
-    phases = batch_phases(schedule, max_tokens=64, seq_len=1, micro_batch=2, data_parallel_size=1,
-                          lr_factor=warmup.lr_rule.lr_factor)
+    phases = batch_phases(
+        schedule, max_tokens=64, seq_len=1, micro_batch=2, data_parallel_size=1, lr_factor=warmup.lr_rule.lr_factor
+    )
     assert [(p.global_batch, p.accumulate) for p in phases] == [(4, 2), (8, 4)]
     assert phases[1].start_tokens == warmup.history[0].tokens_seen == 24
     assert phases[0].optimizer_steps == warmup.history[0].step == 6
@@ -196,26 +225,37 @@ def test_batch_phases_with_a_growing_micro_batch_match_a_real_run():
     warmup = BatchWarmup(schedule, lr_rule="sqrt", max_tokens=192, seq_len=1, max_micro_batch_size=4)
     trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[warmup]))
     trainer.fit(RegressionModule(), datamodule=GlobalOrderRegressionData(n=256, batch_size=2))
-    phases = batch_phases(schedule, max_tokens=192, seq_len=1, micro_batch=lambda batch: micro_batch_for(batch, 1, 4),
-                          data_parallel_size=1, lr_factor=warmup.lr_rule.lr_factor)
+    phases = batch_phases(
+        schedule,
+        max_tokens=192,
+        seq_len=1,
+        micro_batch=lambda batch: micro_batch_for(batch, 1, 4),
+        data_parallel_size=1,
+        lr_factor=warmup.lr_rule.lr_factor,
+    )
     assert [(p.global_batch, p.micro_batch, p.accumulate) for p in phases] == [(4, 4, 1), (8, 4, 2), (16, 4, 4)]
     assert [p.start_tokens for p in phases[1:]] == [c.tokens_seen for c in warmup.history] == [40, 128]
     assert [p.optimizer_steps for p in phases] == [10, 11, 4] and trainer.global_step == 25
 
 
 def test_plan_grows_the_cluster_with_the_batch_and_says_how(tmp_path):
-    cfg = compose_config("+recipe=olmo1b_warmup", "plan=true", "trainer.devices=8", "plan_for.max_devices=32",
-                         "plan_for.min_micro_batch_size=8")
+    cfg = compose_config(
+        "+recipe=olmo1b_warmup", "plan=true", "trainer.devices=8", "plan_for.max_devices=32", "plan_for.min_micro_batch_size=8"
+    )
     plan = train.plan_of(cfg)
     assert [(p.ranks, p.micro_batch, p.accumulate) for p in plan.cluster] == [(8, 8, 16), (16, 8, 16), (32, 8, 16)]
     assert [p.end_step for p in plan.cluster] == list(itertools.accumulate(p.optimizer_steps for p in plan.phases))
     report = plan.report()
     assert "1.76x sooner" in report
     commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
-    assert commands[0] == (f"torchrun --nnodes 1 --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup trainer.num_nodes=1 "
-                           f"trainer.max_steps={plan.cluster[0].end_step} hydra.run.dir=outputs/olmo1b_warmup/phase1")
-    assert commands[2].endswith("trainer.num_nodes=4 hydra.run.dir=outputs/olmo1b_warmup/phase3 "
-                                "ckpt_path=outputs/olmo1b_warmup/phase2/checkpoints/last.ckpt")
+    assert commands[0] == (
+        f"torchrun --nnodes 1 --nproc_per_node 8 recipes/train.py +recipe=olmo1b_warmup trainer.num_nodes=1 "
+        f"trainer.max_steps={plan.cluster[0].end_step} hydra.run.dir=outputs/olmo1b_warmup/phase1"
+    )
+    assert commands[2].endswith(
+        "trainer.num_nodes=4 hydra.run.dir=outputs/olmo1b_warmup/phase3 "
+        "ckpt_path=outputs/olmo1b_warmup/phase2/checkpoints/last.ckpt"
+    )
     # The largest micro-batch whose step fits plan_for.gpu_memory_gib, with activation checkpointing as configured.
     fits = plan.micro_batch_limit
     memory = [device_memory(plan.shape, micro, 4096, "bf16-mixed", "fsdp", 8, True).total for micro in (fits, fits + 1)]
@@ -227,14 +267,21 @@ def test_plan_on_the_cpu_grows_the_cluster_without_made_up_times():
     assert "wall time        not estimated on cpu" in report and "TFLOP/s" not in report and "device-hours" not in report
     assert "gpu_memory_gib=80" not in report and "plan_for.gpu_memory_gib applies to GPUs only" in report  # no GPU limit on a CPU
     commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
-    assert commands[1] == ("torchrun --nnodes 2 --nproc_per_node 1 recipes/train.py +recipe=tiny_warmup trainer.num_nodes=2 "
-                           "trainer.max_steps=920 hydra.run.dir=outputs/tiny_warmup/phase2 "
-                           "ckpt_path=outputs/tiny_warmup/phase1/checkpoints/last.ckpt")
+    assert commands[1] == (
+        "torchrun --nnodes 2 --nproc_per_node 1 recipes/train.py +recipe=tiny_warmup trainer.num_nodes=2 "
+        "trainer.max_steps=920 hydra.run.dir=outputs/tiny_warmup/phase2 "
+        "ckpt_path=outputs/tiny_warmup/phase1/checkpoints/last.ckpt"
+    )
 
 
 def test_plan_of_olmo7b_reads_no_data_and_warns_what_does_not_fit(tmp_path):
-    cfg = compose_config("+recipe=olmo7b_warmup", "plan=true", "trainer.devices=8", "model.activation_checkpointing=false",
-                         f"data.cache_dir={tmp_path / 'cache'}")
+    cfg = compose_config(
+        "+recipe=olmo7b_warmup",
+        "plan=true",
+        "trainer.devices=8",
+        "model.activation_checkpointing=false",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
     plan = train.plan_of(cfg)
     lines = plan.report().splitlines()
     assert plan.shape.parameters == 6_888_095_744
@@ -263,5 +310,8 @@ def test_the_plan_gives_each_phases_weight_decay_and_beta2_as_the_rules_move_the
     assert lines[header].split()[-2:] == ["weight_decay", "beta2"]
     # 16 -> 32 -> 64 under the sqrt rule: AdamW's 0.1 x 2 / sqrt(2) per doubling, 0.95 ** (64 / 16).
     assert [line.split()[-3:] for line in lines[header + 1 : header + 4]] == [
-        ["1", "0.1", "0.95"], ["1.41", "0.1414", "0.9025"], ["2", "0.2", "0.8145"]]
+        ["1", "0.1", "0.95"],
+        ["1.41", "0.1414", "0.9025"],
+        ["2", "0.2", "0.8145"],
+    ]
     assert "weight_decay" not in train.plan_of(compose_config("plan=true")).report()

@@ -30,10 +30,20 @@ ROOT = Path(__file__).resolve().parents[1]
 # (k = 1, 2) over windows of 4,096 tokens from 2,048 tokens (steps 3-5, after step 2) and from 8,192 tokens
 # (steps 7-8, after step 6); a checkpoint every 2 steps.
 PROBED_RUN = [
-    "data.batch_size=4", "batch.schedule.batch_sizes=[8,16]", "batch.schedule.thresholds=[0,4096]", "max_tokens=12288",
-    "lr_schedule.warmup_tokens=1024", "val_check_tokens=4096", "callbacks.checkpoint.every_n_train_steps=2",
-    "trainer.enable_progress_bar=false", "callbacks.cbs_probe.geometric=[2048,4.0]", "callbacks.cbs_probe.window_tokens=4096",
-    "callbacks.cbs_probe.multipliers=[1,2]", "callbacks.cbs_probe.heldout_batches=2", "data.val_fraction=0.1", "plots=false",
+    "data.batch_size=4",
+    "batch.schedule.batch_sizes=[8,16]",
+    "batch.schedule.thresholds=[0,4096]",
+    "max_tokens=12288",
+    "lr_schedule.warmup_tokens=1024",
+    "val_check_tokens=4096",
+    "callbacks.checkpoint.every_n_train_steps=2",
+    "trainer.enable_progress_bar=false",
+    "callbacks.cbs_probe.geometric=[2048,4.0]",
+    "callbacks.cbs_probe.window_tokens=4096",
+    "callbacks.cbs_probe.multipliers=[1,2]",
+    "callbacks.cbs_probe.heldout_batches=2",
+    "data.val_fraction=0.1",
+    "plots=false",
 ]
 
 
@@ -64,8 +74,12 @@ def fit(run, ckpt_path=None, signal_at: SignalAt | None = None, signal_in_branch
 def final_state(run_dir: Path) -> dict:
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
     readings = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines()]
-    return {"step": checkpoint["global_step"], "weights": checkpoint["state_dict"], "optimizer": checkpoint["optimizer_states"],
-            "readings": readings}
+    return {
+        "step": checkpoint["global_step"],
+        "weights": checkpoint["state_dict"],
+        "optimizer": checkpoint["optimizer_states"],
+        "readings": readings,
+    }
 
 
 def assert_same_end(resumed: dict, uninterrupted: dict) -> None:
@@ -128,7 +142,9 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
         ("between the probes", SignalAt(6, signal.SIGTERM), None, 6),
     ],
 )
-def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(uninterrupted, prepared, tmp_path, caplog, where, signal_at, branch_step, saved_step):
+def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(
+    uninterrupted, prepared, tmp_path, caplog, where, signal_at, branch_step, saved_step
+):
     _, end = uninterrupted
     stopped = build(tmp_path / "stopped", prepared)
     with caplog.at_level("INFO"), pytest.raises(SystemExit):
@@ -149,8 +165,14 @@ def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(uninterrupted, prepar
 def slurm_job(monkeypatch, tmp_path) -> Path:
     """The environment of a SLURM batch job, and an ``scontrol`` that records how it was called: this machine
     has no SLURM, and Lightning's auto-requeue calls ``scontrol requeue <job id>``."""
-    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "olmo", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "0",
-                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+    for name, value in {
+        "SLURM_NTASKS": "1",
+        "SLURM_JOB_NAME": "olmo",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+    }.items():
         monkeypatch.setenv(name, value)
     bin_dir, calls = tmp_path / "bin", tmp_path / "scontrol_calls.txt"
     bin_dir.mkdir()
@@ -180,11 +202,31 @@ def test_slurm_requeue_signal_saves_the_main_state_and_the_requeued_job_resumes(
 
 # ---------------------------------------------------------------- two DDP processes under torchrun
 def torchrun_probed_run(run_dir: Path, prepared: Path, *overrides: str, expect_stop: bool = False) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ROOT / "recipes" / "train.py"),
-               *PROBED_RUN, f"data.path={prepared}", "trainer=ddp", "trainer.accelerator=cpu", "trainer.precision=32-true",
-               "trainer.devices=2", *overrides, f"hydra.run.dir={run_dir}"]
-    result = subprocess.run(command, cwd=run_dir.parent, capture_output=True, text=True, timeout=300,
-                            env=subprocess_env(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", HYDRA_FULL_ERROR="1"))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(ROOT / "recipes" / "train.py"),
+        *PROBED_RUN,
+        f"data.path={prepared}",
+        "trainer=ddp",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        "trainer.devices=2",
+        *overrides,
+        f"hydra.run.dir={run_dir}",
+    ]
+    result = subprocess.run(
+        command,
+        cwd=run_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", HYDRA_FULL_ERROR="1"),
+    )
     assert (result.returncode != 0) == expect_stop, result.stderr[-5000:]
     return result.stdout + result.stderr
 
@@ -192,9 +234,15 @@ def torchrun_probed_run(run_dir: Path, prepared: Path, *overrides: str, expect_s
 def test_ddp_ranks_stop_together_when_one_is_signalled_and_resume_to_the_same_end(prepared, tmp_path):
     torchrun_probed_run(tmp_path / "full", prepared)
     # Rank 1's process alone gets SIGTERM after step 3, inside the first probe's window: both ranks stop there.
-    log = torchrun_probed_run(tmp_path / "stopped", prepared, "+callbacks.signal._target_=signals.SignalAt",
-                              "+callbacks.signal.step=3", f"+callbacks.signal.signum={int(signal.SIGTERM)}", "+callbacks.signal.rank=1",
-                              expect_stop=True)
+    log = torchrun_probed_run(
+        tmp_path / "stopped",
+        prepared,
+        "+callbacks.signal._target_=signals.SignalAt",
+        "+callbacks.signal.step=3",
+        f"+callbacks.signal.signum={int(signal.SIGTERM)}",
+        "+callbacks.signal.rank=1",
+        expect_stop=True,
+    )
     assert "SIGTERM: stopping after step 3, inside the CBS probe whose window began at step 2" in log
     assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
     torchrun_probed_run(tmp_path / "resumed", prepared, f"ckpt_path={tmp_path / 'stopped' / 'checkpoints' / 'last.ckpt'}")

@@ -116,8 +116,17 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
         0.5,
         [1.0, 2.0, 4.0],
         16,
-        tokens=4096, step=8, seq_len=32, window_tokens=8192, strategy="grid", evaluate="train_ema", main_loss=3.0,
-        branches_trained=[1.0, 2.0, 4.0], failed=[4.0], tokens_spent=3 * 8192, overhead=0.5,
+        tokens=4096,
+        step=8,
+        seq_len=32,
+        window_tokens=8192,
+        strategy="grid",
+        evaluate="train_ema",
+        main_loss=3.0,
+        branches_trained=[1.0, 2.0, 4.0],
+        failed=[4.0],
+        tokens_spent=3 * 8192,
+        overhead=0.5,
     )
     assert (reading.k_star, reading.cbs_lower, reading.cbs_upper) == (2.0, 32, 64)
     assert reading.cbs_estimate == pytest.approx(math.sqrt(32 * 64))
@@ -141,9 +150,22 @@ def test_the_rule_loads_without_lightning():
 def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
     readings = [
         ProbeReading.decide(
-            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0), 4.0: BranchScore(loss4)}, 0.01, 0.5, [1.0, 2.0, 4.0], 8,
-            tokens=tokens, step=0, seq_len=4, window_tokens=128, strategy="grid", evaluate="train_ema",
-            main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=384, overhead=0.1,
+            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0), 4.0: BranchScore(loss4)},
+            0.01,
+            0.5,
+            [1.0, 2.0, 4.0],
+            8,
+            tokens=tokens,
+            step=0,
+            seq_len=4,
+            window_tokens=128,
+            strategy="grid",
+            evaluate="train_ema",
+            main_loss=3.0,
+            branches_trained=[1.0, 2.0, 4.0],
+            failed=[],
+            tokens_spent=384,
+            overhead=0.1,
         )
         for tokens, loss4 in ((1000, 3.5), (2000, 3.0))  # a closed interval, then the top of the grid
     ]
@@ -160,9 +182,22 @@ def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
 def test_the_loss_gap_panel_labels_its_ticks_as_plain_numbers():
     readings = [
         ProbeReading.decide(
-            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0 + gap), 4.0: BranchScore(3.2)}, 0.0241374, 0.5, [1.0, 2.0, 4.0], 8,
-            tokens=tokens, step=0, seq_len=4, window_tokens=128, strategy="grid", evaluate="train_ema",
-            main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=384, overhead=0.1,
+            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0 + gap), 4.0: BranchScore(3.2)},
+            0.0241374,
+            0.5,
+            [1.0, 2.0, 4.0],
+            8,
+            tokens=tokens,
+            step=0,
+            seq_len=4,
+            window_tokens=128,
+            strategy="grid",
+            evaluate="train_ema",
+            main_loss=3.0,
+            branches_trained=[1.0, 2.0, 4.0],
+            failed=[],
+            tokens_spent=384,
+            overhead=0.1,
         )
         for tokens, gap in ((1000, 0.01), (2000, 0.5))
     ]
@@ -468,7 +503,9 @@ def test_bad_probe_arguments(kwargs, match):
 
 def test_window_smaller_than_one_large_branch_step_is_refused_before_a_step():
     module = RegressionModule(lr=0.05, optimizer="adam")
-    with pytest.raises(LitCBSConfigError, match=r"window_tokens=64 is smaller than one step of the largest branch \(k=8 x batch 4"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"window_tokens=64 is smaller than one step of the largest branch \(k=8 x batch 4"
+    ):
         run(probe=grid_probe(multipliers=(1, 8), window_tokens=64), module=module)
     assert module.steps == []
 
@@ -491,7 +528,10 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
     assert warmup.tokens_seen == 832
     assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
-    assert "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end (max_tokens=832, at 832 tokens)" in caplog.text
+    assert (
+        "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end (max_tokens=832, at 832 tokens)"
+        in caplog.text
+    )
 
 
 class TokenData(pl.LightningDataModule):

@@ -63,9 +63,18 @@ def fit_ddp(outdir: Path, probe: CBSProbeCallback | None) -> list[dict]:
 @pytest.mark.slow
 def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
     probed = fit_ddp(tmp_path / "probed", CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128))
-    replicated = fit_ddp(tmp_path / "replicated", CBSProbeCallback(
-        every_tokens=256, multipliers=(1, 2), window_tokens=64, strategy="bisect", evaluate="heldout", heldout_batches=2,
-        replicates=2))
+    replicated = fit_ddp(
+        tmp_path / "replicated",
+        CBSProbeCallback(
+            every_tokens=256,
+            multipliers=(1, 2),
+            window_tokens=64,
+            strategy="bisect",
+            evaluate="heldout",
+            heldout_batches=2,
+            replicates=2,
+        ),
+    )
     plain = fit_ddp(tmp_path / "plain", None)
     history0, history1 = probed[0]["history"], probed[1]["history"]
     assert len(history0) >= 2
@@ -86,8 +95,9 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
 def run_faults(outdir: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """tests/scripts/probe_faults.py with a fault forced on rank 1 in the k = 4 branch; a hang fails at the timeout."""
     script = Path(__file__).parent / "scripts" / "probe_faults.py"
-    done = subprocess.run([sys.executable, str(script), str(outdir), mode], capture_output=True, text=True,
-                          timeout=150, env=subprocess_env())
+    done = subprocess.run(
+        [sys.executable, str(script), str(outdir), mode], capture_output=True, text=True, timeout=150, env=subprocess_env()
+    )
     ranks = [torch.load(path, weights_only=False) for path in sorted(outdir.glob("rank*.pt"))]
     return done, ranks
 

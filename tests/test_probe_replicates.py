@@ -71,8 +71,10 @@ def test_replicated_bounds_cover_a_difference_that_moves_between_windows():
             windows_1.append([3.0 + h for h in batch_difficulty])
             windows_k.append([3.0 + h + true_gap + effect + rng.gauss(0, 0.01) for h in batch_difficulty])
         first = difference(BranchScore.heldout(windows_k[0]), BranchScore.heldout(windows_1[0]))
-        replicated = difference(BranchScore.replicated([BranchScore.heldout(w) for w in windows_k]),
-                                BranchScore.replicated([BranchScore.heldout(w) for w in windows_1]))
+        replicated = difference(
+            BranchScore.replicated([BranchScore.heldout(w) for w in windows_k]),
+            BranchScore.replicated([BranchScore.heldout(w) for w in windows_1]),
+        )
         covered["plain"] += first.bounds(0.9)[1] >= true_gap
         covered["replicated"] += replicated.bounds(0.9)[1] >= true_gap
     assert covered["plain"] / trials < 0.75
@@ -80,13 +82,34 @@ def test_replicated_bounds_cover_a_difference_that_moves_between_windows():
 
 
 def test_records_keep_each_window_and_are_judged_anew_alike():
-    scores = {k: BranchScore.replicated([BranchScore.heldout([3.0 + 0.01 * k + 0.002 * w + 0.001 * h for h in range(4)])
-                                         for w in range(2)])
-              for k in (1.0, 2.0)}
-    scores[2.0] = BranchScore.replicated([BranchScore.heldout([3.02, 3.03, 3.01, 3.02]), BranchScore.heldout([3.05, 3.04, 3.06, 3.05])])
-    reading = ProbeReading.decide(scores, 0.02, 0.9, [1, 2, 4], 16, tokens=0, step=0, seq_len=8, window_tokens=64,
-                                  strategy="grid", evaluate="heldout", main_loss=3.0, branches_trained=[1.0, 1.0, 2.0, 2.0],
-                                  failed=[], tokens_spent=256, overhead=1.0, replicates=2)
+    scores = {
+        k: BranchScore.replicated(
+            [BranchScore.heldout([3.0 + 0.01 * k + 0.002 * w + 0.001 * h for h in range(4)]) for w in range(2)]
+        )
+        for k in (1.0, 2.0)
+    }
+    scores[2.0] = BranchScore.replicated(
+        [BranchScore.heldout([3.02, 3.03, 3.01, 3.02]), BranchScore.heldout([3.05, 3.04, 3.06, 3.05])]
+    )
+    reading = ProbeReading.decide(
+        scores,
+        0.02,
+        0.9,
+        [1, 2, 4],
+        16,
+        tokens=0,
+        step=0,
+        seq_len=8,
+        window_tokens=64,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=[1.0, 1.0, 2.0, 2.0],
+        failed=[],
+        tokens_spent=256,
+        overhead=1.0,
+        replicates=2,
+    )
     assert reading.se_method == "paired held-out batches and replicate data windows"
     assert reading.replicate_batch_losses["2"] == [[3.02, 3.03, 3.01, 3.02], [3.05, 3.04, 3.06, 3.05]]
     gap = difference(scores[2.0], scores[1.0])
@@ -128,8 +151,9 @@ def fit(probe=None, module=None):
 
 
 def replicated_probe(**kwargs):
-    settings = dict(every_tokens=160, multipliers=(1, 2), window_tokens=64, epsilon=0.01, evaluate="heldout",
-                    heldout_batches=3, replicates=2)
+    settings = dict(
+        every_tokens=160, multipliers=(1, 2), window_tokens=64, epsilon=0.01, evaluate="heldout", heldout_batches=3, replicates=2
+    )
     settings.update(kwargs)
     return CBSProbeCallback(**settings)
 
@@ -203,9 +227,25 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
         return BranchScore.replicated([BranchScore.heldout([3.0 + o + 0.001 * h for h in range(8)]) for o in offsets])
 
     scores = {1.0: windows(0.0, 0.0), 2.0: windows(0.005, 0.065), 4.0: windows(0.2, 0.2)}
-    reading = ProbeReading.decide(scores, 0.02, 0.9, [1, 2, 4], 16, tokens=1024, step=1, seq_len=8, window_tokens=64,
-                                  strategy="grid", evaluate="heldout", main_loss=3.0, branches_trained=[1.0] * 2,
-                                  failed=[], tokens_spent=384, overhead=1.0, replicates=2)
+    reading = ProbeReading.decide(
+        scores,
+        0.02,
+        0.9,
+        [1, 2, 4],
+        16,
+        tokens=1024,
+        step=1,
+        seq_len=8,
+        window_tokens=64,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=[1.0] * 2,
+        failed=[],
+        tokens_spent=384,
+        overhead=1.0,
+        replicates=2,
+    )
     record = dataclasses.asdict(reading)
     assert not reading.determined
     assert supported_interval(record) == (16.0, 64.0)

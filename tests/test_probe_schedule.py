@@ -62,7 +62,12 @@ def test_factor_4_and_a_reading_at_zero_tokens_sets_the_first_batch():
 
 
 def test_undetermined_readings_are_skipped():
-    records = [reading(100, 64, determined=False), reading(200, 32, determined=True), reading(300, 256, determined=False), reading(400, 64)]
+    records = [
+        reading(100, 64, determined=False),
+        reading(200, 32, determined=True),
+        reading(300, 256, determined=False),
+        reading(400, 64),
+    ]
     schedule = schedule_from_probe(records, start=16)
     assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 200, 400]
 
@@ -109,8 +114,16 @@ def test_reads_a_jsonl_file(tmp_path):
     "records, kwargs, message",
     [
         ([], {}, r"source holds no CBS probe record"),
-        ([{"cbs_lower": 32}], {}, r"probe records\[0\]: tokens=None is not a number >= 0; every determined probe record needs tokens"),
-        ([reading(1, 4), {"tokens": 5}], {}, r"probe records\[1\]: cbs_lower=None is not a number >= 0; every determined probe record needs cbs_lower"),
+        (
+            [{"cbs_lower": 32}],
+            {},
+            r"probe records\[0\]: tokens=None is not a number >= 0; every determined probe record needs tokens",
+        ),
+        (
+            [reading(1, 4), {"tokens": 5}],
+            {},
+            r"probe records\[1\]: cbs_lower=None is not a number >= 0; every determined probe record needs cbs_lower",
+        ),
         ([reading(1, 4) | {"cbs_lower": "64"}], {}, r"cbs_lower='64' is not a number"),
         ([reading(1, 4)], {"start": 0}, r"start=0 must be an int >= 1"),
         ([reading(1, 4)], {"factor": 1}, r"factor=1 must be an int >= 2"),
@@ -144,7 +157,9 @@ def test_bad_files_are_named(tmp_path):
 def run_command(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "schedule_from_probe.py"), *map(str, args)],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
 
 
@@ -159,7 +174,12 @@ def test_command_writes_a_batch_config_train_py_composes_with(tmp_path):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
             "config",
-            overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{conf}]", "+recipe=tiny4x_warmup", "batch=measured"],
+            overrides=[
+                "output_dir=/nonexistent/run",
+                f"hydra.searchpath=[file://{conf}]",
+                "+recipe=tiny4x_warmup",
+                "batch=measured",
+            ],
             return_hydra_config=True,
         )
     assert cfg.model.config.preset == "tiny4x" and "cbs_probe" not in cfg.callbacks  # train the big one with no probe
@@ -181,7 +201,10 @@ def test_command_bad_input_is_one_line(tmp_path, capsys):
     probe = write_jsonl(tmp_path / "cbs_probe.jsonl", [reading(100, 64)])
     assert command.main([str(probe), "--start", "16", "--final", "48", "--out", str(tmp_path / "measured.yaml")]) == 2
     assert not (tmp_path / "measured.yaml").exists()
-    assert capsys.readouterr().err.strip() == "schedule_from_probe.py: final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"
+    assert (
+        capsys.readouterr().err.strip()
+        == "schedule_from_probe.py: final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"
+    )
     assert command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read CBS probe records" in err

@@ -99,8 +99,9 @@ def fit_with(callbacks, source: str, module=None, **overrides):
     if source == "datamodule":
         return fit_quietly(trainer, module, datamodule=DataWithVal(n=12))
     if source == "fit":
-        return fit_quietly(trainer, module, train_dataloaders=DataLoader(IndexedRegression(12), batch_size=2),
-                           val_dataloaders=val_loader())
+        return fit_quietly(
+            trainer, module, train_dataloaders=DataLoader(IndexedRegression(12), batch_size=2), val_dataloaders=val_loader()
+        )
     return fit_quietly(trainer, module)
 
 
@@ -140,7 +141,9 @@ def test_a_seeded_validation_loader_keeps_its_generator_state():
     load = LoadHeldout(count=1)
     loader = val_loader(shuffle=True, generator=generator)
     trainer = pl.Trainer(callbacks=[load], **trainer_kwargs(max_steps=1, limit_val_batches=0))
-    fit_quietly(trainer, RegressionModule(), train_dataloaders=DataLoader(IndexedRegression(4), batch_size=2), val_dataloaders=loader)
+    fit_quietly(
+        trainer, RegressionModule(), train_dataloaders=DataLoader(IndexedRegression(4), batch_size=2), val_dataloaders=loader
+    )
     assert len(load.batches) == 1
     assert torch.equal(generator.get_state(), state)
 
@@ -152,8 +155,12 @@ def test_reading_does_not_change_the_training_shuffle():
         pl.seed_everything(0, verbose=False)
         module = ValidatedRegression()
         trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=2, **VALIDATION_OFF))
-        fit_quietly(trainer, module, train_dataloaders=DataLoader(IndexedRegression(8), batch_size=2, shuffle=True),
-                    val_dataloaders=val_loader())
+        fit_quietly(
+            trainer,
+            module,
+            train_dataloaders=DataLoader(IndexedRegression(8), batch_size=2, shuffle=True),
+            val_dataloaders=val_loader(),
+        )
         return module.micro_batches
 
     load = LoadHeldout(count=2)
@@ -164,7 +171,9 @@ def test_reading_does_not_change_the_training_shuffle():
 @pytest.mark.parametrize("data", ["datamodule", "train_dataloaders"])
 def test_no_validation_data_names_the_setting_and_the_fix(data):
     trainer = pl.Trainer(callbacks=[LoadHeldout(count=2)], **trainer_kwargs(max_steps=1))
-    given = {"datamodule": RegressionData(n=8)} if data == "datamodule" else {"train_dataloaders": DataLoader(IndexedRegression(4))}
+    given = (
+        {"datamodule": RegressionData(n=8)} if data == "datamodule" else {"train_dataloaders": DataLoader(IndexedRegression(4))}
+    )
     with pytest.raises(LitCBSConfigError) as error:
         fit_quietly(trainer, RegressionModule(), **given)
     message = str(error.value)
@@ -176,9 +185,15 @@ def test_no_validation_data_names_the_setting_and_the_fix(data):
 def test_an_empty_validation_loader_is_refused():
     load = LoadHeldout(count=2)
     trainer = pl.Trainer(callbacks=[load], **trainer_kwargs(max_steps=1, limit_val_batches=0))
-    with pytest.raises(LitCBSConfigError, match=r"^CBSProbeCallback\(evaluate='heldout'\): the first validation dataloader yielded no batch"):
-        fit_quietly(trainer, RegressionModule(), train_dataloaders=DataLoader(IndexedRegression(4), batch_size=2),
-                    val_dataloaders=val_loader(n=0))
+    with pytest.raises(
+        LitCBSConfigError, match=r"^CBSProbeCallback\(evaluate='heldout'\): the first validation dataloader yielded no batch"
+    ):
+        fit_quietly(
+            trainer,
+            RegressionModule(),
+            train_dataloaders=DataLoader(IndexedRegression(4), batch_size=2),
+            val_dataloaders=val_loader(n=0),
+        )
 
 
 class SaveHeldout(Callback):
@@ -199,8 +214,12 @@ def test_under_ddp_each_rank_reads_its_own_shard(tmp_path):
         callbacks=[SaveHeldout(tmp_path)],
         **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=1, use_distributed_sampler=True, **VALIDATION_OFF),
     )
-    fit_quietly(trainer, ValidatedRegression(), train_dataloaders=DataLoader(IndexedRegression(8), batch_size=2),
-                val_dataloaders=val_loader(n=8, batch_size=2))
+    fit_quietly(
+        trainer,
+        ValidatedRegression(),
+        train_dataloaders=DataLoader(IndexedRegression(8), batch_size=2),
+        val_dataloaders=val_loader(n=8, batch_size=2),
+    )
     # Lightning's DistributedSampler (shuffle off for validation) deals sample i to rank i % 2.
     assert torch.load(tmp_path / "rank0.pt") == [[0, 2], [4, 6]]
     assert torch.load(tmp_path / "rank1.pt") == [[1, 3], [5, 7]]
@@ -309,7 +328,9 @@ def test_run_end_is_unknown_without_a_limit_or_a_length():
     assert {(e.earliest, e.latest, e.limit) for e in record.ends} == {(None, None, None)}
 
 
-@pytest.mark.parametrize(("limits", "name"), [({"max_steps": 5, "max_epochs": -1}, "max_steps=5"), ({"max_epochs": 1}, "max_epochs=1")])
+@pytest.mark.parametrize(
+    ("limits", "name"), [({"max_steps": 5, "max_epochs": -1}, "max_steps=5"), ({"max_epochs": 1}, "max_epochs=1")]
+)
 def test_a_probe_point_past_the_end_is_refused_naming_the_limit(limits, name):
     probe = CBSProbeCallback(at_tokens=[200], multipliers=(1, 2), window_tokens=64)
     with pytest.raises(LitCBSConfigError, match=f"the first is at 200 tokens but the run ends by {name}"):
@@ -329,8 +350,10 @@ def test_a_grid_of_which_one_batch_fits_is_refused_at_the_first_batch():
     # Micro-batches of 4, accumulate 2 (batch 8): k = 0.25 gives 2 samples, no whole micro-batch, so only k = 1 fits.
     probe = CBSProbeCallback(every_tokens=64, multipliers=(0.25, 1), window_tokens=64)
     record = RecordEnds(largest_batch=8)
-    with pytest.raises(LitCBSConfigError, match=r"multipliers=\['0.25', '1'\]: at most one of them gives a batch .* at the run's "
-                                               r"global batches \[8\], and one batch brackets no CBS"):
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"multipliers=\['0.25', '1'\]: at most one of them gives a batch .* at the run's "
+        r"global batches \[8\], and one batch brackets no CBS",
+    ):
         fit_tokens([probe, record], TokenIds(24, 4), accumulate_grad_batches=2, max_epochs=2)
     assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
-

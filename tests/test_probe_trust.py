@@ -92,8 +92,21 @@ def test_decide_marks_readings_the_data_cannot_decide(means, spread, epsilon, k_
 def test_failed_branches_are_surely_beyond_and_the_record_keeps_the_se(tmp_path):
     scores = {1.0: heldout(3.0, 0.001), 2.0: heldout(3.001, 0.001, seed=2), 4.0: BranchScore(math.inf)}
     reading = ProbeReading.decide(
-        scores, 0.02, 0.9, [1.0, 2.0, 4.0], 8, tokens=0, step=0, seq_len=4, window_tokens=64, strategy="grid",
-        evaluate="heldout", main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[4.0], tokens_spent=192,
+        scores,
+        0.02,
+        0.9,
+        [1.0, 2.0, 4.0],
+        8,
+        tokens=0,
+        step=0,
+        seq_len=4,
+        window_tokens=64,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=[1.0, 2.0, 4.0],
+        failed=[4.0],
+        tokens_spent=192,
         overhead=0.1,
     )
     assert (reading.k_star, reading.determined, reading.bracket) == (2.0, True, "[16, 32]")
@@ -159,7 +172,8 @@ def test_heldout_probe_leaves_every_logged_series_of_the_main_run_unchanged(tmp_
         rows = read_csv(f"{logger.log_dir}/metrics.csv")
         series[name] = {
             key: [(row["step"], row[key]) for row in rows if row.get(key)]
-            for key in rows[0] if key not in ("step", "fit_seconds") and not key.startswith(("cbs/", "probe/"))
+            for key in rows[0]
+            if key not in ("step", "fit_seconds") and not key.startswith(("cbs/", "probe/"))
         }  # fit_seconds is the wall clock: the probe's branches take time, and only time
         if callback is not None:
             assert len(callback.history) >= 3
@@ -190,8 +204,10 @@ class CustomTraining(RegressionModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
-        return {"optimizer": optimizer,
-                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5), "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.5), "interval": "step"},
+        }
 
     def lr_scheduler_step(self, scheduler, metric):
         self.calls["lr_scheduler_step"] += 1
@@ -200,8 +216,13 @@ class CustomTraining(RegressionModule):
 
 class CountsHooks(Callback):
     def __init__(self):
-        self.counts = {"on_before_backward": 0, "on_after_backward": 0, "on_before_optimizer_step": 0,
-                       "on_before_zero_grad": 0, "on_train_batch_end": 0}
+        self.counts = {
+            "on_before_backward": 0,
+            "on_after_backward": 0,
+            "on_before_optimizer_step": 0,
+            "on_before_zero_grad": 0,
+            "on_train_batch_end": 0,
+        }
 
     def on_before_backward(self, trainer, pl_module, loss):
         self.counts["on_before_backward"] += 1
@@ -223,11 +244,11 @@ def test_branches_train_through_the_modules_hooks_and_callbacks_never_see_them(t
     counts, lr_rows = {}, {}
     for name, callback in (("plain", None), ("probed", probe(strategy="grid"))):
         counter, logger = CountsHooks(), CSVLogger(tmp_path, name=name)
-        trainer, module = fit(CustomTraining(), callback, [counter, LearningRateMonitor("step")], logger=logger,
-                              log_every_n_steps=1)
+        trainer, module = fit(
+            CustomTraining(), callback, [counter, LearningRateMonitor("step")], logger=logger, log_every_n_steps=1
+        )
         counts[name] = (counter.counts, module)
-        lr_rows[name] = [(row["step"], row["lr-Adam"]) for row in read_csv(f"{logger.log_dir}/metrics.csv")
-                         if row.get("lr-Adam")]
+        lr_rows[name] = [(row["step"], row["lr-Adam"]) for row in read_csv(f"{logger.log_dir}/metrics.csv") if row.get("lr-Adam")]
         if callback is not None:
             grid = callback
     (plain_counts, plain), (probed_counts, module) = counts["plain"], counts["probed"]
@@ -247,8 +268,9 @@ def test_branches_train_through_the_modules_hooks_and_callbacks_never_see_them(t
 
 def test_undetermined_readings_do_not_move_the_batch():
     schedule = CBSAdaptive(start=2, final=16, factor=2, unit="tokens")
-    unsure = probe(multipliers=(1, 2, 4), window_tokens=64, every_tokens=96, evaluate="heldout", heldout_batches=2,
-                   confidence=0.999)
+    unsure = probe(
+        multipliers=(1, 2, 4), window_tokens=64, every_tokens=96, evaluate="heldout", heldout_batches=2, confidence=0.999
+    )
     fit(probe=unsure, warmup=BatchWarmup(schedule, seq_len=SEQ), epochs=3)
     assert unsure.history and not any(r.determined for r in unsure.history)
     assert schedule.decisions == [] and all(r.adaptive_batch is None for r in unsure.history)
@@ -266,7 +288,7 @@ def test_cbs_adaptive_stops_probing_at_its_final_batch():
         return schedule, callback
 
     schedule, stopping = run(probe_after_final=False)
-    (at, size), = schedule.decisions
+    ((at, size),) = schedule.decisions
     assert size == 4
     assert [r.tokens for r in stopping.history if r.tokens >= at] == []  # no probe once the batch is final
     _, going_on = run(probe_after_final=True)
@@ -279,15 +301,29 @@ def test_early_stop_ends_decided_windows_and_resumes_branches_exactly():
     fit(probe=straight, epochs=3)
     # Undecidable at the checkpoints: the branches go on from where they stopped, and the readings
     # at the window's end are those of branches trained straight through.
-    resumed = probe(strategy="grid", evaluate="heldout", heldout_batches=3, window_tokens=256, every_tokens=320,
-                    early_stop=(0.25, 0.5), confidence=0.99999)
+    resumed = probe(
+        strategy="grid",
+        evaluate="heldout",
+        heldout_batches=3,
+        window_tokens=256,
+        every_tokens=320,
+        early_stop=(0.25, 0.5),
+        confidence=0.99999,
+    )
     fit(probe=resumed, epochs=3)
     assert [r.losses for r in resumed.history] == [r.losses for r in straight.history]
     assert all(r.window_tokens == r.planned_window_tokens == 256 for r in resumed.history)
     assert resumed.tokens_spent == straight.tokens_spent
     # Decidable at once: each window ends at its first checkpoint, for a quarter of the tokens.
-    quick = probe(strategy="grid", evaluate="heldout", heldout_batches=3, window_tokens=256, every_tokens=320,
-                  early_stop=(0.25, 0.5), confidence=0.5)
+    quick = probe(
+        strategy="grid",
+        evaluate="heldout",
+        heldout_batches=3,
+        window_tokens=256,
+        every_tokens=320,
+        early_stop=(0.25, 0.5),
+        confidence=0.5,
+    )
     fit(probe=quick, epochs=3)
     assert quick.history and all(r.window_tokens == 64 and r.determined for r in quick.history)
     assert quick.tokens_spent < straight.tokens_spent
@@ -306,8 +342,7 @@ class RecordsBranchLRs(RegressionModule):
 
 def test_cooldown_decays_every_branch_lr_and_trains_k1_as_a_branch():
     module = RecordsBranchLRs()
-    cooled = probe(strategy="bisect", multipliers=(1, 2), window_tokens=128, every_tokens=160,
-                   cooldown_fraction=0.5)
+    cooled = probe(strategy="bisect", multipliers=(1, 2), window_tokens=128, every_tokens=160, cooldown_fraction=0.5)
     trainer, _ = fit(module, cooled, epochs=1)
     first = cooled.history[0]
     assert first.branches_trained[0] == 1.0 and first.cooldown_fraction == 0.5
@@ -338,12 +373,17 @@ def test_files_mirror_the_readings_after_a_resume_and_need_a_place(tmp_path):
     # Resume from the end of epoch 1 into the same folder: the file holds each reading once.
     resumed = probe()
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), resumed],
-                         **trainer_kwargs(max_epochs=3, limit_val_batches=0, logger=CSVLogger(tmp_path, name="resume", version=0)))
+    trainer = pl.Trainer(
+        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), resumed],
+        **trainer_kwargs(max_epochs=3, limit_val_batches=0, logger=CSVLogger(tmp_path, name="resume", version=0)),
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), WithVal(n=96, batch_size=2),
-                    ckpt_path=tmp_path / "ckpt" / "epoch=0-step=24.ckpt")
+        trainer.fit(
+            RegressionModule(lr=0.05, optimizer="adam"),
+            WithVal(n=96, batch_size=2),
+            ckpt_path=tmp_path / "ckpt" / "epoch=0-step=24.ckpt",
+        )
     tokens = [line.split('"tokens": ')[1].split(",")[0] for line in jsonl.read_text().splitlines()]
     assert len(tokens) == len(set(tokens)) == len(resumed.history) > len(first.history) // 2
     # Without a logger and without output_dir nothing is written to the working directory.
@@ -384,7 +424,10 @@ def test_lr_rule_is_checked_for_every_multiplier_before_training():
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95))
 
-    with pytest.raises(LitCBSConfigError, match=r"lr_rule='adam_sde', multipliers=\[1, 2, 4, 8, 16\]\): batch ratio 16 is above 10, the largest safe"):
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"lr_rule='adam_sde', multipliers=\[1, 2, 4, 8, 16\]\): batch ratio 16 is above 10, the largest safe",
+    ):
         fit(AdamW(), probe(multipliers=(1, 2, 4, 8, 16), lr_rule="adam_sde"))
 
     class OneCycle(RegressionModule):
@@ -426,8 +469,11 @@ class KeepsTheLR(RegressionModule):
 
 def test_an_optimizer_step_that_writes_the_lr_is_found_by_a_trial_before_the_first_step():
     module = WritesTheLR(lr=0.05, optimizer="adam")
-    with pytest.raises(LitCBSConfigError, match=r"optimizer_step sets the learning rate itself \(0.0005 where it was given 0.025, tried "
-                                                r"once on a copy of the run's state\)"):
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"optimizer_step sets the learning rate itself \(0.0005 where it was given 0.025, tried "
+        r"once on a copy of the run's state\)",
+    ):
         fit(module, probe())
     assert not module.steps
     # An override that leaves the LR alone passes the trial, which changes nothing: the same run as without it.
@@ -456,8 +502,9 @@ def test_fewer_held_out_batches_than_asked_are_said():
 
     callback = probe(evaluate="heldout", heldout_batches=16)
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), callback],
-                         **trainer_kwargs(max_epochs=2, limit_val_batches=0))
+    trainer = pl.Trainer(
+        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), callback], **trainer_kwargs(max_epochs=2, limit_val_batches=0)
+    )
     with pytest.warns(UserWarning, match="heldout_batches=16 but the validation data has 3 batches"):
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), ThreeValBatches(n=96, batch_size=2))
     assert callback.history and all(len(v) == 3 for v in callback.history[0].batch_losses.values())
@@ -469,8 +516,22 @@ def test_the_plot_draws_what_the_rule_holds_against_epsilon():
 
     scores = {1.0: heldout(3.0, 0.01), 2.0: heldout(2.95, 0.01, seed=2), 4.0: heldout(2.99, 0.01, seed=4)}
     reading = ProbeReading.decide(
-        scores, 0.02, 0.9, [1.0, 2.0, 4.0], 8, tokens=100, step=0, seq_len=4, window_tokens=64, strategy="grid",
-        evaluate="heldout", main_loss=3.0, branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=192, overhead=0.1,
+        scores,
+        0.02,
+        0.9,
+        [1.0, 2.0, 4.0],
+        8,
+        tokens=100,
+        step=0,
+        seq_len=4,
+        window_tokens=64,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=[1.0, 2.0, 4.0],
+        failed=[],
+        tokens_spent=192,
+        overhead=0.1,
     )
     tokens, gap, bar = _gap_to_smaller(reading, 4.0)  # against k = 2, the lowest smaller loss
     pair = difference(scores[4.0], scores[2.0])

@@ -42,8 +42,13 @@ def test_a_resumed_runs_bar_starts_where_it_stopped_and_rates_only_what_this_fit
     def warmup():
         return BatchWarmup(PiecewiseBatch([4], [0], unit="samples"), max_tokens=400, seq_len=3)
 
-    first = fit(RunProgressBar(), warmup(), FinalStateCheckpoint(dirpath=tmp_path, save_last=True), enable_checkpointing=True,
-                max_steps=20)
+    first = fit(
+        RunProgressBar(),
+        warmup(),
+        FinalStateCheckpoint(dirpath=tmp_path, save_last=True),
+        enable_checkpointing=True,
+        max_steps=20,
+    )
     assert first.global_step == 20  # 240 of the 400 tokens
     bar = RunProgressBar()
     fit(bar, warmup(), ckpt_path=tmp_path / "last.ckpt")

@@ -20,7 +20,10 @@ def test_guard_quick_trains_each_configuration_once_and_reports(tmp_path):
     result = guard.main(["--quick", "--out", str(tmp_path)])
     runs = result["runs"]
     assert sorted(runs) == ["control_seed1", "default_job_guarded", "guarded_seed1", "premature_seed1"]
-    assert runs["control_seed1"]["tokens"] == guard.QUICK.tokens and runs["default_job_guarded"]["tokens"] == guard.QUICK.default_job_tokens
+    assert (
+        runs["control_seed1"]["tokens"] == guard.QUICK.tokens
+        and runs["default_job_guarded"]["tokens"] == guard.QUICK.default_job_tokens
+    )
     # The premature schedule jumps 16 -> 128 at 4,096 tokens, so it takes fewer steps than the control.
     assert runs["premature_seed1"]["optimizer_steps"] < runs["control_seed1"]["optimizer_steps"]
     assert list(result["rows"]) == ["premature", "guarded", "control"] and len(result["goals"]) == 3
@@ -55,10 +58,12 @@ def test_hparam_rules_pairs_each_run_with_its_reference_seed_by_seed():
     def run(key, seed, loss, steps):
         return {"key": key, "seed": seed, "val_curve": [{"val_loss": loss}], "optimizer_steps": steps, "fit_seconds": 1.0}
 
-    runs = {"lr_only": [run("lr_only", s, 1.30 + 0.01 * s, 100) for s in (1, 2, 3)],
-            "both": [run("both", s, 1.33 + 0.01 * s + 0.001 * s * s, 100) for s in (1, 2, 3)],
-            "cosine": [run("cosine", s, 1.20, 200) for s in (1, 2, 3)],
-            "seesaw": [run("seesaw", s, 1.205, 130) for s in (1, 2, 3)]}
+    runs = {
+        "lr_only": [run("lr_only", s, 1.30 + 0.01 * s, 100) for s in (1, 2, 3)],
+        "both": [run("both", s, 1.33 + 0.01 * s + 0.001 * s * s, 100) for s in (1, 2, 3)],
+        "cosine": [run("cosine", s, 1.20, 200) for s in (1, 2, 3)],
+        "seesaw": [run("seesaw", s, 1.205, 130) for s in (1, 2, 3)],
+    }
     result = hparam_rules.aggregate(runs)
     both = result["comparisons"]["both"]
     assert both["differences"] == pytest.approx([0.031, 0.034, 0.039]) and both["beyond_spread"]

@@ -56,10 +56,16 @@ def test_the_package_registers_the_resolvers_once_and_for_all():
     assert instantiate(cfg.trainer.strategy)._data_parallel_size == 8 * 4
 
 
-@pytest.mark.parametrize("recipe, base_lr, base_batch", [
-    ("tiny_small_batch", 3e-3, 16), ("tiny_large_batch", 3e-3, 16), ("tiny_es_sweep", 3e-3, 16),
-    ("olmo1b_small_batch", 4e-4, 1024), ("olmo1b_large_batch", 4e-4, 1024),
-])
+@pytest.mark.parametrize(
+    "recipe, base_lr, base_batch",
+    [
+        ("tiny_small_batch", 3e-3, 16),
+        ("tiny_large_batch", 3e-3, 16),
+        ("tiny_es_sweep", 3e-3, 16),
+        ("olmo1b_small_batch", 4e-4, 1024),
+        ("olmo1b_large_batch", 4e-4, 1024),
+    ],
+)
 @pytest.mark.parametrize("rule, factor", [("sqrt", math.sqrt), ("linear", float), ("none", lambda r: 1.0)])
 def test_every_constant_batch_recipe_scales_the_lr_by_the_batch_rule(recipe, base_lr, base_batch, rule, factor):
     # One rule for batch overrides: the LR BatchWarmup would give that batch, whichever control is overridden.
@@ -127,23 +133,32 @@ def text_folder(tmp_path_factory):
         (["model.config.preset=olmo_3b"], "model.config: unknown model preset 'olmo_3b'"),
         (["data.seq_len=256"], "data.seq_len=256 exceeds the model's context_length=128"),
         (["data.path=/nonexistent/tokens"], "data.path='/nonexistent/tokens' is not a folder"),
-        (["batch.max_micro_batch_size=null", "data.batch_size=5"],
-         "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1"),
+        (
+            ["batch.max_micro_batch_size=null", "data.batch_size=5"],
+            "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1",
+        ),
         (["batch.max_micro_batch_size=0"], "max_micro_batch_size=0 (batch.max_micro_batch_size) must be a positive int or None"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
         (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
-        (["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"],
-         "trainer.devices='auto' must be a number per node (or a list of device ids): trainer=fsdp sets"),
+        (
+            ["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"],
+            "trainer.devices='auto' must be a number per node (or a list of device ids): trainer=fsdp sets",
+        ),
         (["model.optimizer.lr=-1"], "optimizer AdamW(model.optimizer.lr=-1, "),
         (["model.optimizer.betas=[0.9,1.0]"], "model.optimizer.betas=[0.9, 1.0]"),
         (["model.optimizer._target_=torch.optim.SGD"], "unexpected keyword argument 'model.optimizer.betas'"),
-        (["max_tokens=65536"], "lr_schedule.warmup_tokens + lr_schedule.decay_tokens = 262144 exceeds "
-                               "lr_schedule.total_tokens=65536 (max_tokens); shorten the warmup or the decay"),
+        (
+            ["max_tokens=65536"],
+            "lr_schedule.warmup_tokens + lr_schedule.decay_tokens = 262144 exceeds "
+            "lr_schedule.total_tokens=65536 (max_tokens); shorten the warmup or the decay",
+        ),
         (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
         (["batch.schedule.unit=token"], "batch.schedule.unit='token' is not supported"),
         (["callbacks.cbs_probe.strategy=binary"], "callbacks.cbs_probe.strategy='binary'"),
-        (["callbacks.cbs_probe.replicates=2", "callbacks.cbs_probe.evaluate=train_ema"],
-         "callbacks.cbs_probe.replicates=2 compares each k on the same held-out batches"),
+        (
+            ["callbacks.cbs_probe.replicates=2", "callbacks.cbs_probe.evaluate=train_ema"],
+            "callbacks.cbs_probe.replicates=2 compares each k on the same held-out batches",
+        ),
         (["+batch.guard={window:0}"], "batch.guard.window=0 must be a positive int"),
     ],
 )
@@ -172,7 +187,9 @@ def test_replicate_windows_count_in_the_probes_span(caplog):
     with caplog.at_level("WARNING", logger="lit_cbs.train"):
         train.build_run(compose_config("max_tokens=700000", "lr_schedule.warmup_tokens=16384"))
         assert not caplog.records
-        run = train.build_run(compose_config("max_tokens=700000", "lr_schedule.warmup_tokens=16384", "callbacks.cbs_probe.replicates=2"))
+        run = train.build_run(
+            compose_config("max_tokens=700000", "lr_schedule.warmup_tokens=16384", "callbacks.cbs_probe.replicates=2")
+        )
     from lit_cbs import CBSProbeCallback
 
     assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
@@ -193,9 +210,7 @@ def test_empty_input_folder(tmp_path):
 
 
 def test_data_vocabulary_larger_than_the_model(text_folder, tmp_path):
-    cfg = compose_config(
-        f"data.input_dir={text_folder}", f"data.cache_dir={tmp_path}", "+model.config.vocab_size=100"
-    )
+    cfg = compose_config(f"data.input_dir={text_folder}", f"data.cache_dir={tmp_path}", "+model.config.vocab_size=100")
     with pytest.raises(ValueError, match="model's vocab_size is 100"):
         train.build_run(cfg)
 
@@ -217,16 +232,28 @@ def test_slurm_launcher_follows_the_trainer():
 # A few optimizer steps on the small text folder: micro-batch 4 of 128 tokens, global batch 8 -> 16 at
 # 2,048 tokens, 6,144 tokens in all, a tenth of the text held out, no probe, no progress bar.
 SHORT_RUN = [
-    "data.batch_size=4", "batch.schedule.batch_sizes=[8,16]", "batch.schedule.thresholds=[0,2048]", "max_tokens=6144",
-    "lr_schedule.warmup_tokens=1024", "val_check_tokens=2048", "callbacks.cbs_probe=null",
-    "callbacks.progress_bar=null", "trainer.enable_progress_bar=false", "data.val_fraction=0.1",
+    "data.batch_size=4",
+    "batch.schedule.batch_sizes=[8,16]",
+    "batch.schedule.thresholds=[0,2048]",
+    "max_tokens=6144",
+    "lr_schedule.warmup_tokens=1024",
+    "val_check_tokens=2048",
+    "callbacks.cbs_probe=null",
+    "callbacks.progress_bar=null",
+    "trainer.enable_progress_bar=false",
+    "data.val_fraction=0.1",
 ]
 
 
 def short_run(text_folder, tmp_path, *overrides: str):
     """The config and the built run of SHORT_RUN on the small text folder with ``overrides``, its output in tmp_path/run."""
-    cfg = compose_config(*overrides, *SHORT_RUN, f"data.input_dir={text_folder}", f"data.cache_dir={tmp_path / 'cache'}",
-                         output_dir=str(tmp_path / "run"))
+    cfg = compose_config(
+        *overrides,
+        *SHORT_RUN,
+        f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        output_dir=str(tmp_path / "run"),
+    )
     return cfg, train.build_run(cfg)
 
 
@@ -261,15 +288,24 @@ def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(t
     with pytest.raises(LitCBSConfigError, match="param group 0 of SGD has no Adam betas") as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
     named = train.name_the_run_keys(cfg, str(raised.value))
-    assert "callbacks.batch_warmup.beta2_rule='half_life' (batch.beta2_rule)" in named and "set callbacks.batch_warmup.beta2_rule=None" in named
+    assert (
+        "callbacks.batch_warmup.beta2_rule='half_life' (batch.beta2_rule)" in named
+        and "set callbacks.batch_warmup.beta2_rule=None" in named
+    )
     assert run.trainer.global_step == 0
 
 
 def test_batch_seesaw_doubles_the_batch_where_the_cosine_halves_the_lr(text_folder, tmp_path):
     cfg = compose_config(
-        "batch=seesaw", "lr_schedule=cosine", "lr_schedule.min_lr_ratio=0.0", "batch.schedule.start=8",
-        "batch.schedule.max_batch_size=16", *[o for o in SHORT_RUN if not o.startswith("batch.")],
-        f"data.input_dir={text_folder}", f"data.cache_dir={tmp_path / 'cache'}", output_dir=str(tmp_path / "run"),
+        "batch=seesaw",
+        "lr_schedule=cosine",
+        "lr_schedule.min_lr_ratio=0.0",
+        "batch.schedule.start=8",
+        "batch.schedule.max_batch_size=16",
+        *[o for o in SHORT_RUN if not o.startswith("batch.")],
+        f"data.input_dir={text_folder}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        output_dir=str(tmp_path / "run"),
     )
     run = train.build_run(cfg)
     run.trainer.fit(run.model, datamodule=run.datamodule)
@@ -305,7 +341,9 @@ def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
 
 def test_an_adaptive_recipe_without_its_probe_stops_before_any_data_work(tmp_path):
     cfg = compose_config("+recipe=tiny_adaptive", "callbacks.cbs_probe=null", f"data.cache_dir={tmp_path / 'cache'}")
-    with pytest.raises(LitCBSConfigError, match=r"batch.schedule is CBSAdaptive.*no probe \(callbacks.cbs_probe is null.*set callbacks.cbs_probe"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"batch.schedule is CBSAdaptive.*no probe \(callbacks.cbs_probe is null.*set callbacks.cbs_probe"
+    ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()  # nothing tokenized
 
@@ -314,12 +352,17 @@ def test_the_run_header_names_the_batches_a_short_budget_never_reaches():
     from hydra.utils import instantiate
 
     schedule = instantiate(compose_config("max_tokens=262144").batch.schedule)
-    assert train.batches_reached(schedule, 262_144, 128) == "16 samples (not 32, 64: batch.schedule asks for them after max_tokens=262,144)"
+    assert (
+        train.batches_reached(schedule, 262_144, 128)
+        == "16 samples (not 32, 64: batch.schedule asks for them after max_tokens=262,144)"
+    )
     assert train.batches_reached(schedule, 4_194_304, 128) == "16 -> 32 -> 64 samples"
 
 
 def test_plan_needs_a_device_count():
-    with pytest.raises(LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"
+    ):
         train.plan_of(compose_config("+recipe=olmo1b_warmup", "trainer.devices=auto"))
 
 

@@ -29,8 +29,9 @@ def run_dir(tmp_path_factory):
     warmup = BatchWarmup(PiecewiseBatch([2, 4], [0, 160], unit="tokens"), seq_len=4)
     probe = CBSProbeCallback(every_tokens=80, multipliers=(1, 2), window_tokens=64, output_dir=folder)
     logger = CSVLogger(folder, name="", version="")
-    trainer = pl.Trainer(callbacks=[warmup, probe, GradientNoiseScale()],
-                         **trainer_kwargs(max_epochs=2, logger=logger, log_every_n_steps=1))
+    trainer = pl.Trainer(
+        callbacks=[warmup, probe, GradientNoiseScale()], **trainer_kwargs(max_epochs=2, logger=logger, log_every_n_steps=1)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(RegressionModule(optimizer="adam"), RegressionData(n=48, batch_size=2))
@@ -41,7 +42,7 @@ def run_dir(tmp_path_factory):
 def test_the_page_holds_every_figure_and_table_inline(run_dir):
     page = write_report(run_dir).read_text()
     assert page.count('<img alt="') == 4 and 'data-figures="4"' in page  # loss, wall clock + noise scale, batch/LR, CBS
-    assert "src=\"http" not in page and "<link" not in page  # nothing fetched: readable offline
+    assert 'src="http' not in page and "<link" not in page  # nothing fetched: readable offline
     assert "Loss against wall-clock seconds; the gradient noise scale against tokens" in page
     assert "<h2>Batch changes</h2>" in page and "2 -&gt; 4" in page and "<h2>CBS readings</h2>" in page
 
@@ -55,8 +56,12 @@ def test_the_command_refuses_a_folder_without_metrics(tmp_path, capsys):
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (.ci/run installs Debian's chromium package where apt-get can)")
 def test_a_headless_browser_loads_the_page_without_errors_and_shows_each_figure(run_dir, tmp_path):
     path = write_report(run_dir, tmp_path / "report.html")
-    done = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     body = re.search(r"<body[^>]*>", done.stdout).group(0)
     assert 'data-figures="4"' in body and 'data-figures-loaded="4"' in body, body  # every image decoded, with a size

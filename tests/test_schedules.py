@@ -89,7 +89,11 @@ def test_exponential_ramp_is_geometric():
         (lambda: LinearRamp(16, 8, 1000, 16), ValueError, "final=16 must be larger than start=16"),
         (lambda: LinearRamp(16, 8, 1000, 100), ValueError, "multiple of increment=8"),
         (lambda: LinearRamp(16, 8, 0, 64), ValueError, "ramp=0"),
-        (lambda: ExponentialRamp(16, 100, 1000, multiple_of=16), ValueError, "final=100 must be a multiple of multiple_of=16; nearest: 96 or 112"),
+        (
+            lambda: ExponentialRamp(16, 100, 1000, multiple_of=16),
+            ValueError,
+            "final=100 must be a multiple of multiple_of=16; nearest: 96 or 112",
+        ),
         (lambda: ExponentialRamp(16, 8, 1000), ValueError, "final=8 must be larger"),
     ],
 )
@@ -106,8 +110,11 @@ def test_negative_consumed_is_refused():
 # ---------------------------------------------------------------- Seesaw
 @pytest.mark.parametrize(
     "lr_schedule",
-    [CosineSchedule(262_144, 4_194_304, min_lr_ratio=0.1), WarmupStableDecay(262_144, 4_194_304, decay_tokens=838_861),
-     WarmupStableDecay(1000, 10_000, decay_tokens=5000, decay_shape="sqrt")],
+    [
+        CosineSchedule(262_144, 4_194_304, min_lr_ratio=0.1),
+        WarmupStableDecay(262_144, 4_194_304, decay_tokens=838_861),
+        WarmupStableDecay(1000, 10_000, decay_tokens=5000, decay_shape="sqrt"),
+    ],
 )
 def test_seesaw_grows_the_batch_where_the_lr_schedule_first_falls_by_each_factor(lr_schedule):
     seesaw = Seesaw(lr_schedule, start=16, max_batch_size=128)
@@ -128,7 +135,10 @@ def test_seesaw_stops_at_its_cap_and_a_step_decay_past_two_levels_grows_once():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: Seesaw(WarmupStableDecay(100, 1000), 16, 64), r"never falls to 1/2 of its peak before 1,000 tokens.*lr_schedule=cosine"),
+        (
+            lambda: Seesaw(WarmupStableDecay(100, 1000), 16, 64),
+            r"never falls to 1/2 of its peak before 1,000 tokens.*lr_schedule=cosine",
+        ),
         (lambda: Seesaw(CosineSchedule(0, 1000, min_lr_ratio=0.6), 16, 64), r"never falls to 1/2"),
         (lambda: Seesaw(OneCycle(1000), 16, 64, total_tokens=1000), r"only decays after its warmup \(0 tokens\)"),
         (lambda: Seesaw(CosineSchedule(0, 1000), 16, 24), r"max_batch_size=24 is below start x factor = 32"),

@@ -30,10 +30,24 @@ def result(tmp_path_factory):
     markdown.write_text("# Results\n\nkept\n")
     # The runs share the default data cache (as benchmarks/transfer.py's test does): the embedded
     # corpus is tokenized once per machine, not once per test session.
-    outcome = table1.main([
-        "--tokens", str(BUDGET), "--seeds", "1", "--configs", "small,warmup,adaptive", "--jobs", "2",
-        "--out", str(out / "runs"), "--markdown", str(markdown), "--override", "trainer.limit_val_batches=4",
-    ])
+    outcome = table1.main(
+        [
+            "--tokens",
+            str(BUDGET),
+            "--seeds",
+            "1",
+            "--configs",
+            "small,warmup,adaptive",
+            "--jobs",
+            "2",
+            "--out",
+            str(out / "runs"),
+            "--markdown",
+            str(markdown),
+            "--override",
+            "trainer.limit_val_batches=4",
+        ]
+    )
     return out, outcome
 
 
@@ -115,10 +129,18 @@ def test_gpu_variant_composes_a_25m_model_with_thresholds_at_the_same_share(key,
 
 def test_from_json_redoes_the_report_without_training(result, tmp_path):
     out, outcome = result
-    again = table1.main([
-        "--from-json", str(out / "runs" / "table1.json"), "--markdown", str(tmp_path / "R.md"),
-        "--plot", str(tmp_path / "t.png"), "--out", str(tmp_path / "runs"),
-    ])
+    again = table1.main(
+        [
+            "--from-json",
+            str(out / "runs" / "table1.json"),
+            "--markdown",
+            str(tmp_path / "R.md"),
+            "--plot",
+            str(tmp_path / "t.png"),
+            "--out",
+            str(tmp_path / "runs"),
+        ]
+    )
     assert again["rows"] == json.loads(json.dumps(outcome["rows"]))
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").glob("*_seed*"))  # nothing trained
 

@@ -57,10 +57,21 @@ def test_bad_arguments_and_a_gpu_run_without_a_gpu_are_refused_before_any_run(tm
 def test_the_table_reads_each_runs_time_to_the_small_batchs_final_loss(tmp_path):
     markdown = tmp_path / "RESULTS.md"
     markdown.write_text("# Results\n\nkept\n")
-    outcome = time_to_loss.main([
-        "--quick", "--tokens", str(BUDGET), "--configs", "small,warmup", "--out", str(tmp_path / "runs"), "--markdown", str(markdown),
-        "--plot", str(tmp_path / "time_to_loss.png"),
-    ])
+    outcome = time_to_loss.main(
+        [
+            "--quick",
+            "--tokens",
+            str(BUDGET),
+            "--configs",
+            "small,warmup",
+            "--out",
+            str(tmp_path / "runs"),
+            "--markdown",
+            str(markdown),
+            "--plot",
+            str(tmp_path / "time_to_loss.png"),
+        ]
+    )
     rows, runs = outcome["result"]["rows"], outcome["runs"]
     small_dir = Path(runs["small"][0]["run_dir"])
     with open(small_dir / "metrics.csv", newline="") as f:
@@ -76,9 +87,13 @@ def test_the_table_reads_each_runs_time_to_the_small_batchs_final_loss(tmp_path)
     assert rows["small"]["ratio"] == 1.0 and 0 < rows["small"]["time_to_target"][0] <= rows["small"]["fit_seconds"]
     # The warmup grows the micro-batch with the batch: 16 -> 32 -> 64 samples, one micro-batch per step.
     assert sorted(rows["warmup"]["tokens_per_s"]) == [16, 32, 64]
-    assert [(c["new"], c["micro_batch_size"], c["accumulate"]) for c in runs["warmup"][0]["batch_changes"]] == [(32, 32, 1), (64, 64, 1)]
-    assert json.loads((tmp_path / "runs" / "time_to_loss.json").read_text())["result"]["rows"]["warmup"]["ratio"] == pytest.approx(
-        rows["warmup"]["ratio"])
+    assert [(c["new"], c["micro_batch_size"], c["accumulate"]) for c in runs["warmup"][0]["batch_changes"]] == [
+        (32, 32, 1),
+        (64, 64, 1),
+    ]
+    assert json.loads((tmp_path / "runs" / "time_to_loss.json").read_text())["result"]["rows"]["warmup"][
+        "ratio"
+    ] == pytest.approx(rows["warmup"]["ratio"])
     assert (tmp_path / "time_to_loss.png").read_bytes()[:4] == b"\x89PNG"
     text = markdown.read_text()
     assert text.startswith("# Results\n\nkept\n")

@@ -13,7 +13,15 @@ from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, trainer_kw
 from lit_cbs import CBSProbeCallback, GradientNoiseScale, LitCBSConfigError
 from lit_cbs.lm import CausalLM
 
-MODEL = {"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_hidden": 32, "context_length": 8, "tie_embeddings": False}
+MODEL = {
+    "vocab_size": 32,
+    "d_model": 16,
+    "n_layers": 1,
+    "n_heads": 2,
+    "mlp_hidden": 32,
+    "context_length": 8,
+    "tie_embeddings": False,
+}
 STEP = 8  # samples per optimizer step
 
 

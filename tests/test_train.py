@@ -109,7 +109,12 @@ def test_run_outputs(first_run):
     assert seconds[-1] <= summary["fit_seconds"]
     # Periodic checkpoints every 2 steps, but not inside a probe window (steps 3-5 and 7-8): last.ckpt held the
     # window's start while it ran, and holds the final step now.
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["last.ckpt", "step0000002.ckpt", "step0000006.ckpt", "step0000008.ckpt"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "last.ckpt",
+        "step0000002.ckpt",
+        "step0000006.ckpt",
+        "step0000008.ckpt",
+    ]
     assert summary["final_val_loss"] == pytest.approx(metrics["val/loss"][1][-1])
     assert train_script.summarize(summary) in stdout  # the run ends by printing its summary
     # Branch steps: k=1 and k=2 at batch 8 (4 and 2 steps of a 4,096-token window), k=2 at batch 16 (1 step).
@@ -171,9 +176,22 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     env = subprocess_env(PYTHONPATH=str(ROOT))
     env.pop("HYDRA_FULL_ERROR", None)
     result = subprocess.run(
-        [sys.executable, TRAIN, "-m", *SMALL_RUN, f"data.path={prepared}", "callbacks.cbs_probe=null",
-         "batch.max_micro_batch_size=null", "data.batch_size=5,4", f"hydra.sweep.dir={tmp_path}"],
-        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            TRAIN,
+            "-m",
+            *SMALL_RUN,
+            f"data.path={prepared}",
+            "callbacks.cbs_probe=null",
+            "batch.max_micro_batch_size=null",
+            "data.batch_size=5,4",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
     failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
@@ -189,23 +207,37 @@ def test_configuration_error_is_one_line(tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     result = subprocess.run(
         [sys.executable, TRAIN, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert result.returncode == 1  # the last line on stderr names the key, the value and the choices
-    assert result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
+    assert (
+        result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
+    )
     assert not (tmp_path / "metrics.csv").exists()
 
 
 def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(tmp_path):
     # batch=mine from ./conf/batch/mine.yaml, where the user runs; plan=true leaves no folder behind.
     (tmp_path / "conf" / "batch").mkdir(parents=True)
-    mine = (ROOT / "conf" / "batch" / "warmup.yaml").read_text().replace("batch_sizes: [16, 32, 64]", "batch_sizes: [16, 32, 128]")
+    mine = (
+        (ROOT / "conf" / "batch" / "warmup.yaml").read_text().replace("batch_sizes: [16, 32, 64]", "batch_sizes: [16, 32, 128]")
+    )
     assert mine != (ROOT / "conf" / "batch" / "warmup.yaml").read_text()
     (tmp_path / "conf" / "batch" / "mine.yaml").write_text(mine)
-    result = subprocess.run([sys.executable, TRAIN, "plan=true", "batch=mine"], cwd=tmp_path, capture_output=True, text=True,
-                            env=subprocess_env(PYTHONPATH=str(ROOT)), timeout=120)
+    result = subprocess.run(
+        [sys.executable, TRAIN, "plan=true", "batch=mine"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=subprocess_env(PYTHONPATH=str(ROOT)),
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in result.stdout.splitlines() + result.stderr.splitlines() if line.strip().startswith("2,523,136")]
+    rows = [
+        line.split() for line in result.stdout.splitlines() + result.stderr.splitlines() if line.strip().startswith("2,523,136")
+    ]
     assert rows and rows[0][2] == "128"  # the phase from 2,523,136 tokens trains at batch 128: the option was read
     assert sorted(path.name for path in tmp_path.iterdir()) == ["conf"]  # no outputs/ folder, no .hydra, no train.log
-

@@ -28,12 +28,19 @@ def test_schedules_come_from_the_forecast_and_drive_the_runs(result):
     out, outcome = result
     runs = outcome["runs"]
     tiny_records = {key: runs[key]["readings"] for key in transfer.TINY_CURVES}
-    assert all(len(records) >= 2 and all(r["batch_size"] == 16 and r["replicates"] == 2 for r in records)
-               for records in tiny_records.values())
+    assert all(
+        len(records) >= 2 and all(r["batch_size"] == 16 and r["replicates"] == 2 for r in records)
+        for records in tiny_records.values()
+    )
     # The schedule is the one schedule_from_probe.py forecasts from the tiny curves' files.
-    forecast = forecast_cbs([b for key, records in tiny_records.items()
-                             for b in brackets_from_records(records, run=str(transfer.probe_file(out / "runs" / key)))],
-                            coverage=transfer.COVERAGE)
+    forecast = forecast_cbs(
+        [
+            b
+            for key, records in tiny_records.items()
+            for b in brackets_from_records(records, run=str(transfer.probe_file(out / "runs" / key)))
+        ],
+        coverage=transfer.COVERAGE,
+    )
     expected, _ = schedule_from_forecast(forecast, transfer.START, transfer.QUICK.tokens, final=transfer.FINAL)
     written = outcome["schedules"]["from_tiny"]
     assert (written["batch_sizes"], written["thresholds"]) == (expected.batch_sizes, expected.thresholds)

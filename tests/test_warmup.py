@@ -159,7 +159,9 @@ def epochs_read(module: RegressionModule) -> dict[int, list[int]]:
 
 def test_micro_batch_grows_mid_epoch_with_a_global_order_loader():
     schedule = PiecewiseBatch([2, 4, 8, 16], [0, 20, 50, 120], unit="samples")
-    trainer, module, data, warmup = fit(schedule, epochs=2, data=GlobalOrderRegressionData(n=96, batch_size=2), max_micro_batch_size=8)
+    trainer, module, data, warmup = fit(
+        schedule, epochs=2, data=GlobalOrderRegressionData(n=96, batch_size=2), max_micro_batch_size=8
+    )
     # The micro-batch grows first (2 -> 4 -> 8 samples, inside the first epoch), then the accumulation.
     changes = [(c.step, c.new_global_batch, c.new_micro_batch_size, c.new_accumulate) for c in warmup.history]
     assert changes == [(10, 4, 4, 1), (19, 8, 8, 1), (28, 16, 8, 2)]
@@ -183,7 +185,9 @@ def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(siz
     schedule = random_schedule(sizes, gaps)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, module, data, warmup = fit(schedule, epochs=2, data=GlobalOrderRegressionData(n=60, batch_size=2), max_micro_batch_size=max_micro)
+        _, module, data, warmup = fit(
+            schedule, epochs=2, data=GlobalOrderRegressionData(n=60, batch_size=2), max_micro_batch_size=max_micro
+        )
     read = epochs_read(module)
     for epoch, indices in read.items():  # each epoch's order, less a tail of at most one micro-batch
         assert indices == data.epoch_order(epoch)[: len(indices)] and 60 - len(indices) < max_micro
@@ -207,7 +211,9 @@ def test_the_logged_row_of_an_epochs_short_last_step_says_what_it_trained_on(tmp
     trainer.fit(RegressionModule(), GlobalOrderRegressionData(n=100, batch_size=2))
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = [row for row in csv.DictReader(f) if row.get("batch/global_size")]
-    logged = [(float(row["batch/global_size"]), float(row["batch/micro_batch_size"]), float(row["batch/accumulate"])) for row in rows]
+    logged = [
+        (float(row["batch/global_size"]), float(row["batch/micro_batch_size"]), float(row["batch/accumulate"])) for row in rows
+    ]
     assert logged[-2:] == [(8, 4, 2), (4, 4, 1)] and warmup.global_batch == 8
     assert sum(size for size, _, _ in logged) == float(rows[-1]["samples_seen"]) == 100
 
@@ -220,14 +226,21 @@ def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_
 
     def run(callbacks=(), ckpt_path=None):
         pl.seed_everything(0, verbose=False)
-        module, warmup = RegressionModule(scheduler_factory=scheduler), BatchWarmup(schedule, lr_rule="sqrt", max_micro_batch_size=4)
+        module, warmup = (
+            RegressionModule(scheduler_factory=scheduler),
+            BatchWarmup(schedule, lr_rule="sqrt", max_micro_batch_size=4),
+        )
         trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=2, enable_checkpointing=bool(callbacks)))
         trainer.fit(module, GlobalOrderRegressionData(n=100, batch_size=2), ckpt_path=ckpt_path)
         return module, warmup
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
     full, full_warmup = run([checkpoint])
-    assert [(c.step, c.new_micro_batch_size, c.new_accumulate) for c in full_warmup.history] == [(10, 4, 1), (19, 4, 2), (29, 4, 4)]
+    assert [(c.step, c.new_micro_batch_size, c.new_accumulate) for c in full_warmup.history] == [
+        (10, 4, 1),
+        (19, 4, 2),
+        (29, 4, 4),
+    ]
     assert [len(s["indices"]) for s in full.steps if s["epoch"] == 0][-2:] == [8, 4]  # epoch 0's short last step
     full_order = [i for micro_batch in full.micro_batches for i in micro_batch]
     paths = sorted(tmp_path.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
@@ -236,8 +249,8 @@ def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_
         resumed, resumed_warmup = run(ckpt_path=path)
         assert torch.equal(resumed.layer.weight, full.layer.weight), path.name
         order = [i for micro_batch in resumed.micro_batches for i in micro_batch]
-        assert order == full_order[len(full_order) - len(order):]
-        assert [s["lr"] for s in resumed.steps] == [s["lr"] for s in full.steps[len(full.steps) - len(resumed.steps):]]
+        assert order == full_order[len(full_order) - len(order) :]
+        assert [s["lr"] for s in resumed.steps] == [s["lr"] for s in full.steps[len(full.steps) - len(resumed.steps) :]]
         assert resumed_warmup.history == full_warmup.history
 
 
@@ -325,9 +338,7 @@ def test_resume_mid_warmup_matches_uninterrupted_run_bitwise(tmp_path):
     full_warmup = BatchWarmup(schedule, lr_rule="sqrt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = pl.Trainer(
-            callbacks=[full_warmup, checkpoint], **trainer_kwargs(max_epochs=4, enable_checkpointing=True)
-        )
+        trainer = pl.Trainer(callbacks=[full_warmup, checkpoint], **trainer_kwargs(max_epochs=4, enable_checkpointing=True))
         trainer.fit(full_module, RegressionData(n=40, batch_size=2))
     assert [c.new_global_batch for c in full_warmup.history] == [4, 8]
     # Epoch 1 ends at 80 samples: after the first change, before the second.
@@ -339,7 +350,7 @@ def test_resume_mid_warmup_matches_uninterrupted_run_bitwise(tmp_path):
             trainer = pl.Trainer(callbacks=[resumed_warmup], **trainer_kwargs(max_epochs=4))
             trainer.fit(resumed_module, RegressionData(n=40, batch_size=2), ckpt_path=tmp_path / f"epoch={epoch}.ckpt")
         assert torch.equal(resumed_module.layer.weight, full_module.layer.weight)
-        assert [s["lr"] for s in resumed_module.steps] == [s["lr"] for s in full_module.steps[-len(resumed_module.steps):]]
+        assert [s["lr"] for s in resumed_module.steps] == [s["lr"] for s in full_module.steps[-len(resumed_module.steps) :]]
         assert resumed_warmup.history == full_warmup.history  # no change applied twice
         assert resumed_warmup.samples_seen == full_warmup.samples_seen
 
@@ -377,8 +388,12 @@ def _fit_expecting(error, match, schedule=None, module=None, data=None, trainer_
 
 
 def test_batch_not_multiple_of_micro_batch_names_nearest_valid_sizes():
-    _fit_expecting(ValueError, r"scheduled global batch 6 is not a multiple of .* = 4 samples; nearest valid sizes: 4 or 8",
-                   schedule=PiecewiseBatch([4, 6], [0, 8], unit="samples"), data=RegressionData(n=16, batch_size=4))
+    _fit_expecting(
+        ValueError,
+        r"scheduled global batch 6 is not a multiple of .* = 4 samples; nearest valid sizes: 4 or 8",
+        schedule=PiecewiseBatch([4, 6], [0, 8], unit="samples"),
+        data=RegressionData(n=16, batch_size=4),
+    )
 
 
 def test_manual_optimization_is_refused():
@@ -435,9 +450,14 @@ def test_unsupported_scheduler_is_refused_before_training():
 
 def test_adam_sde_beyond_the_betas_limit_is_refused_before_training():
     # Adam's default beta1 = 0.9 allows the batch to grow 10x in all: 2 -> 32 is 16x.
-    _fit_expecting(ValueError, r"^BatchWarmup\(lr_rule='adam_sde'\): the batch grows 16x over its changes is above 10",
-                   schedule=PiecewiseBatch([2, 8, 32], [0, 8, 16], unit="samples"), lr_rule="adam_sde",
-                   module=RegressionModule(optimizer="adam"), data=RegressionData(n=64, batch_size=2))
+    _fit_expecting(
+        ValueError,
+        r"^BatchWarmup\(lr_rule='adam_sde'\): the batch grows 16x over its changes is above 10",
+        schedule=PiecewiseBatch([2, 8, 32], [0, 8, 16], unit="samples"),
+        lr_rule="adam_sde",
+        module=RegressionModule(optimizer="adam"),
+        data=RegressionData(n=64, batch_size=2),
+    )
 
 
 def test_constant_schedule_trains_one_cycle_lr_as_without_batch_warmup():
@@ -473,7 +493,9 @@ def test_metrics_reach_the_logger_at_its_interval(tmp_path):
     trainer.fit(RegressionModule(), RegressionData(n=96, batch_size=2))
     import csv
 
-    rows = [r for r in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()) if r["tokens_seen"]]
+    rows = [
+        r for r in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()) if r["tokens_seen"]
+    ]
     assert [int(r["step"]) for r in rows] == list(range(4, trainer.global_step, 5))
     for row in rows:
         step = int(row["step"])
@@ -488,11 +510,15 @@ def test_an_adaptive_schedule_without_a_probe_is_refused_before_the_first_step()
     # CBSAdaptive moves only on the probe's readings: without one the batch would stay 4 all run.
     module = RegressionModule()
     trainer = pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 16, unit="samples"))]))
-    with pytest.raises(LitCBSConfigError, match=r"CBSAdaptive\(start=4, final=16\).*no CBSProbeCallback.*would stay 4 for the whole run"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"CBSAdaptive\(start=4, final=16\).*no CBSProbeCallback.*would stay 4 for the whole run"
+    ):
         trainer.fit(module, RegressionData(n=96, batch_size=2))
     assert not module.steps and trainer.global_step == 0
     # At its final batch already, there is nothing for a probe to decide.
-    pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 4, unit="samples"))])).fit(RegressionModule(), RegressionData(n=96, batch_size=2))
+    pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 4, unit="samples"))])).fit(
+        RegressionModule(), RegressionData(n=96, batch_size=2)
+    )
 
 
 def never_trains(schedule: PiecewiseBatch, data=None, **trainer_args) -> list[str]:
@@ -508,16 +534,20 @@ def never_trains(schedule: PiecewiseBatch, data=None, **trainer_args) -> list[st
 def test_a_schedule_phase_the_run_ends_before_is_said_before_the_first_step():
     # One epoch of 96 samples: batch 16 from 400 samples never comes.
     (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 400], unit="samples"), max_epochs=1)
-    assert said == ("BatchWarmup: the run ends by Trainer(max_epochs=1) (96 samples per epoch) at 96 samples, before the "
-                    "schedule's global batch 16 (from 400 samples): it never trains in this fit. Raise the limit, or move the "
-                    "schedule's thresholds (a run stopped here to resume elsewhere goes on with them)")
+    assert said == (
+        "BatchWarmup: the run ends by Trainer(max_epochs=1) (96 samples per epoch) at 96 samples, before the "
+        "schedule's global batch 16 (from 400 samples): it never trains in this fit. Raise the limit, or move the "
+        "schedule's thresholds (a run stopped here to resume elsewhere goes on with them)"
+    )
     # 20 steps: 10 at 4, then 10 at 8 end at 120 samples, before batch 16 at 150.
     (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 150], unit="samples"), max_epochs=-1, max_steps=20)
     assert "ends by Trainer(max_steps=20) at 120 samples, before the schedule's global batch 16 (from 150 samples)" in said
     assert never_trains(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_epochs=1) == []  # every phase trains
     # Thresholds written in tokens for a schedule in samples: 3,072 tokens in the epoch, 2,000 "samples" never come.
     (said,) = never_trains(PiecewiseBatch([4, 8], [0, 2000], unit="samples"), max_epochs=1, seq_len=32)
-    assert "at 96 samples / 3,072 tokens" in said and said.endswith("read as tokens they fall inside the run: did you mean unit='tokens'?")
+    assert "at 96 samples / 3,072 tokens" in said and said.endswith(
+        "read as tokens they fall inside the run: did you mean unit='tokens'?"
+    )
 
 
 class PlateauRegression(RegressionModule):
@@ -561,20 +591,27 @@ def test_a_loader_given_to_fit_sets_the_micro_batch_and_is_resized_only_if_it_ca
     schedule = PiecewiseBatch([4, 8], [0, 40], unit="samples")
     # A DataLoader of 2 samples per batch, no datamodule and no batch_size on the module: accumulation 2, then 4.
     module, warmup = RegressionModule(), BatchWarmup(schedule)
-    pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2))
+    pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(
+        module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2)
+    )
     assert [len(step["indices"]) for step in module.steps] == [4] * 10 + [8] * 7 and warmup.micro_batch_size == 2
     # Growing the micro-batch needs a loader that can change it: a DataLoader is refused before the first step ...
     module = RegressionModule()
-    with pytest.raises(LitCBSConfigError, match=r"was built with batch_size=2, which a DataLoader cannot change: pass a lit_cbs.GlobalOrderLoader"):
-        pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_micro_batch_size=4)])).fit(
-            module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2))
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"was built with batch_size=2, which a DataLoader cannot change: pass a lit_cbs.GlobalOrderLoader",
+    ):
+        pl.Trainer(
+            **trainer_kwargs(callbacks=[BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_micro_batch_size=4)])
+        ).fit(module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2))
     assert not module.steps
     # ... and a GlobalOrderLoader given the same way grows it: micro-batch 4, then 8.
     module, warmup = RegressionModule(), BatchWarmup(schedule, max_micro_batch_size=8)
-    pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(module, train_dataloaders=GlobalOrderLoader(IndexedRegression(96), batch_size=2))
+    pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(
+        module, train_dataloaders=GlobalOrderLoader(IndexedRegression(96), batch_size=2)
+    )
     assert [len(step["indices"]) for step in module.steps] == [4] * 10 + [8] * 7 and warmup.micro_batch_size == 8
     assert {len(batch) for batch in module.micro_batches} == {4, 8}
-
 
 
 # ---------------------------------------------------------------- Seesaw

@@ -120,7 +120,9 @@ def assert_ranks_step_with_the_same_tensors(ranks: list[dict]) -> None:
 @pytest.mark.slow
 def test_ddp_steps_on_exact_global_batches(tmp_path):
     # Seesaw on a step decay that halves the LR at 40 and 120 samples: PiecewiseBatch([4, 8, 16], [0, 160, 480]).
-    schedule = Seesaw(StepDecay(0, [40 * SEQ_LEN, 120 * SEQ_LEN], total_tokens=EPOCHS * SAMPLES * SEQ_LEN), start=4, max_batch_size=16)
+    schedule = Seesaw(
+        StepDecay(0, [40 * SEQ_LEN, 120 * SEQ_LEN], total_tokens=EPOCHS * SAMPLES * SEQ_LEN), start=4, max_batch_size=16
+    )
     assert (schedule.batch_sizes, schedule.thresholds) == ([4, 8, 16], [0, 40 * SEQ_LEN, 120 * SEQ_LEN])
     data = RegressionData(n=SAMPLES, batch_size=MICRO_BATCH_SIZE)
     pl.seed_everything(0, verbose=False)
@@ -200,14 +202,24 @@ class SaveSteps(Callback):
 
     def on_train_end(self, trainer, pl_module):
         warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
-        records = {"indices": [s["indices"] for s in pl_module.steps], "lrs": [s["lr"] for s in pl_module.steps],
-                   "weight": pl_module.layer.weight.detach().clone(), "history": warmup.state_dict()["history"],
-                   "global_step": trainer.global_step}
+        records = {
+            "indices": [s["indices"] for s in pl_module.steps],
+            "lrs": [s["lr"] for s in pl_module.steps],
+            "weight": pl_module.layer.weight.detach().clone(),
+            "history": warmup.state_dict()["history"],
+            "global_step": trainer.global_step,
+        }
         torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
 
 
-def elastic_run(ranks: int, outdir: Path, ckpt_path: Path | None = None, checkpoints: Path | None = None,
-                max_micro_batch_size: int | None = 4, data=GlobalOrderRegressionData) -> dict:
+def elastic_run(
+    ranks: int,
+    outdir: Path,
+    ckpt_path: Path | None = None,
+    checkpoints: Path | None = None,
+    max_micro_batch_size: int | None = 4,
+    data=GlobalOrderRegressionData,
+) -> dict:
     """A run on ``ranks`` processes; returns the steps joined over the ranks (samples, LR), its weight and history."""
     outdir.mkdir(parents=True, exist_ok=True)
     callbacks = [BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=max_micro_batch_size), SaveSteps(outdir)]
@@ -222,7 +234,9 @@ def elastic_run(ranks: int, outdir: Path, ckpt_path: Path | None = None, checkpo
         warnings.simplefilter("ignore")
         trainer.fit(RegressionModule(), data(n=SAMPLES, batch_size=2), ckpt_path=ckpt_path)
     per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
-    steps = [sorted(i for records in per_rank for i in records["indices"][number]) for number in range(len(per_rank[0]["indices"]))]
+    steps = [
+        sorted(i for records in per_rank for i in records["indices"][number]) for number in range(len(per_rank[0]["indices"]))
+    ]
     assert all(records["lrs"] == per_rank[0]["lrs"] for records in per_rank)
     return {"steps": steps, "lrs": per_rank[0]["lrs"], "weight": per_rank[0]["weight"], "history": per_rank[0]["history"]}
 
@@ -246,15 +260,22 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_p
         assert resumed["steps"] == one["steps"][18:] and resumed["lrs"] == pytest.approx(one["lrs"][18:], rel=1e-12)
         assert batch_changes(resumed["history"]) == batch_changes(one["history"])
         # Sample ids over the whole run: every one of the 96 exactly once per epoch, as without the resume.
-        counts = torch.bincount(torch.tensor([i for step in one["steps"][:18] + resumed["steps"] for i in step]), minlength=SAMPLES)
+        counts = torch.bincount(
+            torch.tensor([i for step in one["steps"][:18] + resumed["steps"] for i in step]), minlength=SAMPLES
+        )
         assert counts.tolist() == [EPOCHS] * SAMPLES
         torch.testing.assert_close(resumed["weight"], one["weight"], rtol=1e-12, atol=1e-14)
     # Where the run cannot go on exactly, it stops before its first step, with the fix: a loader that splits its
     # samples by rank (a DistributedSampler's DataLoader, trained on one rank, resumed on two) ...
     elastic_run(1, tmp_path / "plain", checkpoints=tmp_path / "plain_ckpt", max_micro_batch_size=None, data=RegressionData)
-    with pytest.raises(Exception, match=r"the checkpoint was trained on 1 data-parallel ranks and this run has 2: the train "
-                                        r"loader \(DataLoader\) splits its samples by rank.*GlobalOrderLoader.*or resume on 1 ranks"):
-        elastic_run(2, tmp_path / "refused", tmp_path / "plain_ckpt" / "step=3.ckpt", max_micro_batch_size=None, data=RegressionData)
+    with pytest.raises(
+        Exception,
+        match=r"the checkpoint was trained on 1 data-parallel ranks and this run has 2: the train "
+        r"loader \(DataLoader\) splits its samples by rank.*GlobalOrderLoader.*or resume on 1 ranks",
+    ):
+        elastic_run(
+            2, tmp_path / "refused", tmp_path / "plain_ckpt" / "step=3.ckpt", max_micro_batch_size=None, data=RegressionData
+        )
     # One rank trained micro-batches of 4 at batch 4, which two ranks cannot split without changing the micro-batch.
     with pytest.raises(Exception, match=r"global batch on 2 ranks 4 is not a multiple of micro-batch 4 x data-parallel size 2"):
         elastic_run(2, tmp_path / "refused", tmp_path / "one_ckpt" / "step=3.ckpt", max_micro_batch_size=None)
@@ -263,13 +284,27 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_p
 def fsdp_elastic_run(outdir: Path, processes: int, ckpt_path: Path | None = None) -> dict:
     """tests/scripts/fsdp_elastic.py on ``processes`` processes; the steps joined over the ranks."""
     outdir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(SCRIPTS / "fsdp_elastic.py"), str(outdir), str(processes), *([str(ckpt_path)] if ckpt_path else [])]
+    command = [
+        sys.executable,
+        str(SCRIPTS / "fsdp_elastic.py"),
+        str(outdir),
+        str(processes),
+        *([str(ckpt_path)] if ckpt_path else []),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=subprocess_env())
     assert result.returncode == 0, result.stderr[-5000:]
     per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
-    steps = [sorted(i for records in per_rank for i in records["steps"][number]["indices"]) for number in range(len(per_rank[0]["steps"]))]
-    return {"steps": steps, "lrs": [step["lr"] for step in per_rank[0]["steps"]], "last": per_rank[0]["steps"][-1]["weights"],
-            "history": per_rank[0]["history"], "log": result.stdout + result.stderr}
+    steps = [
+        sorted(i for records in per_rank for i in records["steps"][number]["indices"])
+        for number in range(len(per_rank[0]["steps"]))
+    ]
+    return {
+        "steps": steps,
+        "lrs": [step["lr"] for step in per_rank[0]["steps"]],
+        "last": per_rank[0]["steps"][-1]["weights"],
+        "history": per_rank[0]["history"],
+        "log": result.stdout + result.stderr,
+    }
 
 
 @pytest.mark.slow

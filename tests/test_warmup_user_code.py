@@ -43,15 +43,22 @@ class LoaderBuiltOnceInSetup(RegressionData):
 def test_a_loader_that_ignores_batch_size_stops_training():
     module = RegressionModule()
     with pytest.raises(ValueError, match=r"batch_size=8 samples, but the train loader's batch holds 16"):
-        fit(BatchWarmup(PiecewiseBatch([8, 16], [0, 32], unit="samples")), module=module, data=LoaderIgnoresBatchSize(batch_size=8))
+        fit(
+            BatchWarmup(PiecewiseBatch([8, 16], [0, 32], unit="samples")),
+            module=module,
+            data=LoaderIgnoresBatchSize(batch_size=8),
+        )
     assert not module.steps
 
 
 def test_a_loader_that_cannot_change_its_micro_batch_is_refused_before_training():
     warmup = BatchWarmup(PiecewiseBatch([2, 4], [0, 10], unit="samples"), max_micro_batch_size=4)
     module = RegressionModule()
-    with pytest.raises(ValueError, match=r"^BatchWarmup\(max_micro_batch_size=4\) changes the micro-batch between optimizer "
-                                         r"steps \(2 -> 4 samples per rank\), which the train loader \(DataLoader\) cannot"):
+    with pytest.raises(
+        ValueError,
+        match=r"^BatchWarmup\(max_micro_batch_size=4\) changes the micro-batch between optimizer "
+        r"steps \(2 -> 4 samples per rank\), which the train loader \(DataLoader\) cannot",
+    ):
         fit(warmup, module=module, data=LoaderBuiltOnceInSetup(n=16, batch_size=2), max_epochs=2)
     assert not module.steps
 
@@ -69,8 +76,12 @@ class TokenIds(torch.utils.data.Dataset):
         return 32
 
     def __getitem__(self, i):
-        return {"input_ids": torch.full((6,), i, dtype=torch.long), "x": torch.randn(4, dtype=torch.float64),
-                "y": torch.zeros(1, dtype=torch.float64), "idx": i}
+        return {
+            "input_ids": torch.full((6,), i, dtype=torch.long),
+            "x": torch.randn(4, dtype=torch.float64),
+            "y": torch.zeros(1, dtype=torch.float64),
+            "idx": i,
+        }
 
 
 def test_float_features_are_not_tokens():
@@ -101,9 +112,15 @@ def test_validation_checkpoints_inside_an_accumulation_window_warn(tmp_path, val
     data.val_dataloader = lambda: DataLoader(data.dataset, batch_size=8)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(BatchWarmup(PiecewiseBatch([2, 4], [0, 8], unit="samples")), module=Validated(), data=data,
-            callbacks=[ModelCheckpoint(dirpath=tmp_path)], enable_checkpointing=True,
-            val_check_interval=val_check_interval, limit_val_batches=1)
+        fit(
+            BatchWarmup(PiecewiseBatch([2, 4], [0, 8], unit="samples")),
+            module=Validated(),
+            data=data,
+            callbacks=[ModelCheckpoint(dirpath=tmp_path)],
+            enable_checkpointing=True,
+            val_check_interval=val_check_interval,
+            limit_val_batches=1,
+        )
     messages = [str(w.message) for w in caught if "inside an accumulation window" in str(w.message)]
     assert bool(messages) == warns
     if warns:
@@ -113,8 +130,11 @@ def test_validation_checkpoints_inside_an_accumulation_window_warn(tmp_path, val
 def test_step_aligned_checkpoints_do_not_warn(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit(BatchWarmup(ConstantBatch(8)), callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
-            enable_checkpointing=True)
+        fit(
+            BatchWarmup(ConstantBatch(8)),
+            callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)],
+            enable_checkpointing=True,
+        )
     assert not [w for w in caught if "accumulation window" in str(w.message)]
 
 
@@ -123,8 +143,14 @@ def test_logged_rows_agree_with_learning_rate_monitor(tmp_path):
     schedule = PiecewiseBatch([2, 4, 8], [0, 12, 40], unit="samples")
     module = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s)))
     logger = CSVLogger(tmp_path, name="run", version=0)
-    trainer, module = fit(BatchWarmup(schedule, lr_rule="sqrt"), module=module, logger=logger, log_every_n_steps=1,
-                          callbacks=[LearningRateMonitor(logging_interval="step")], max_epochs=2)
+    trainer, module = fit(
+        BatchWarmup(schedule, lr_rule="sqrt"),
+        module=module,
+        logger=logger,
+        log_every_n_steps=1,
+        callbacks=[LearningRateMonitor(logging_interval="step")],
+        max_epochs=2,
+    )
     rows = {}
     for row in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()):
         rows.setdefault(int(row["step"]), {}).update({k: v for k, v in row.items() if v})
@@ -142,8 +168,14 @@ def test_no_change_after_the_last_step_and_resume_applies_it(tmp_path):
     schedule = PiecewiseBatch([2, 4], [0, 20], unit="samples")
     short = BatchWarmup(schedule)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="short", every_n_train_steps=10)
-    trainer, _ = fit(short, data=RegressionData(n=20, batch_size=2), max_steps=10, max_epochs=3,
-                     callbacks=[checkpoint], enable_checkpointing=True)
+    trainer, _ = fit(
+        short,
+        data=RegressionData(n=20, batch_size=2),
+        max_steps=10,
+        max_epochs=3,
+        callbacks=[checkpoint],
+        enable_checkpointing=True,
+    )
     assert short.history == [] and short.global_batch == 2 and float(trainer.optimizers[0].param_groups[0]["lr"]) == 0.05
 
     full = BatchWarmup(schedule)
@@ -174,8 +206,9 @@ def test_one_cycle_lambda_replaces_one_cycle_lr():
     with pytest.raises(TypeError, match=r"LambdaLR\(optimizer, lit_cbs.lr_schedules.OneCycle\(total=24"):
         fit(BatchWarmup(PiecewiseBatch([2, 4], [0, 16], unit="samples")), module=module)
 
-    reference = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(
-        opt, max_lr=0.05, total_steps=24, cycle_momentum=False))
+    reference = RegressionModule(
+        scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=24, cycle_momentum=False)
+    )
     pl.seed_everything(0, verbose=False)
     pl.Trainer(**trainer_kwargs()).fit(reference, RegressionData(n=48, batch_size=2))
     replaced = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, OneCycle(total=24)))
@@ -188,4 +221,6 @@ def test_one_cycle_lambda_replaces_one_cycle_lr():
         fit(BatchWarmup(PiecewiseBatch([2, 4], [0, 16], unit="samples"), lr_rule="linear"), module=warmed)
     # Steps 0-7 at batch 2, then batch 4 at twice the one-cycle LR of the same step.
     assert [s["lr"] for s in warmed.steps[:8]] == pytest.approx([s["lr"] for s in reference.steps[:8]], rel=1e-12)
-    assert [s["lr"] for s in warmed.steps[8:]] == pytest.approx([2 * s["lr"] for s in reference.steps[8:len(warmed.steps)]], rel=1e-12)
+    assert [s["lr"] for s in warmed.steps[8:]] == pytest.approx(
+        [2 * s["lr"] for s in reference.steps[8 : len(warmed.steps)]], rel=1e-12
+    )

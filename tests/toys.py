@@ -122,7 +122,10 @@ class RegressionModule(pl.LightningModule):
             optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         if self.scheduler_factory is None:
             return optimizer
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": self.scheduler_interval}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": self.scheduler_interval},
+        }
 
 
 def trainer_kwargs(**overrides):

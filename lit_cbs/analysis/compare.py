@@ -86,11 +86,20 @@ def side_by_side(fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Seq
     for fit in fits:
         b_simple, count = noise_scale_at_target(fit, runs)
         run_tokens, reading = probe_at_target(fit, probe)
-        rows.append(SideBySide(
-            fit.target, fit.b_crit, fit.b_min, fit.b_opt, b_simple, count, run_tokens, reading,
-            b_crit_poor=fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT,
-            wsd_poor=fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT,
-        ))
+        rows.append(
+            SideBySide(
+                fit.target,
+                fit.b_crit,
+                fit.b_min,
+                fit.b_opt,
+                b_simple,
+                count,
+                run_tokens,
+                reading,
+                b_crit_poor=fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT,
+                wsd_poor=fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT,
+            )
+        )
     return rows
 
 

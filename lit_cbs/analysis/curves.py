@@ -120,7 +120,9 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if step_column not in (reader.fieldnames or []):
-            raise ValueError(f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?")
+            raise ValueError(
+                f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?"
+            )
         for row in reader:
             cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell not in ("", None)}
             if not cells:
@@ -128,7 +130,9 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
             try:
                 step = float(row[step_column])
             except (TypeError, ValueError):
-                raise ValueError(f"{path}: {step_column}={row[step_column]!r} in a row logging {sorted(cells)}; steps must be numbers") from None
+                raise ValueError(
+                    f"{path}: {step_column}={row[step_column]!r} in a row logging {sorted(cells)}; steps must be numbers"
+                ) from None
             for name, cell in cells.items():
                 steps, values = series.setdefault(name, ([], []))
                 steps.append(step)
@@ -162,7 +166,9 @@ def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
         raise ValueError(f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise")
     if len(found) > 1:
         listed = ", ".join(str(p.relative_to(run)) for p in found)
-        raise ValueError(f"run folder {run} holds {len(found)} {metrics_file} files ({listed}); pass each run's own folder or CSV")
+        raise ValueError(
+            f"run folder {run} holds {len(found)} {metrics_file} files ({listed}); pass each run's own folder or CSV"
+        )
     return found[0]
 
 
@@ -208,7 +214,9 @@ def read_run(
     series = read_metrics_csv(csv_path, step_column)
     for column, argument in ((tokens_column, "tokens_column"), (loss_column, "loss_column")):
         if column not in series:
-            raise ValueError(f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)}); pass {argument}=...")
+            raise ValueError(
+                f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)}); pass {argument}=..."
+            )
 
     token_steps, token_counts = series[tokens_column]
     if not np.all(np.isfinite(token_counts)):
@@ -224,7 +232,9 @@ def read_run(
             f"{token_steps[i + 1]:g} in {csv_path} (a restarted run appending to the same CSV?); give each run its own folder"
         )
     if len(np.unique(token_steps)) < 2:
-        raise ValueError(f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; the tokens per step are unknown")
+        raise ValueError(
+            f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; the tokens per step are unknown"
+        )
     if np.any(np.diff(token_steps) < 0):
         raise ValueError(f"run {name}: {step_column} decreases in {csv_path}; give each run its own folder")
     tokens_per_step = (token_counts[-1] - token_counts[0]) / (token_steps[-1] - token_steps[0])

@@ -193,15 +193,13 @@ def fit_wsd(steps, tokens) -> WSDFit:
         return np.concatenate([[np.log(s_min_fraction / (1 - s_min_fraction))], np.log(fractions[:3] / fractions[3])])
 
     t_grid = np.linspace(0.05, 0.95, 10)
-    starts = [
-        start(s, t_1, t_opt, t_2)
-        for s in (0.3, 0.7, 0.95)
-        for t_1, t_opt, t_2 in itertools.combinations(t_grid, 3)
-    ]
+    starts = [start(s, t_1, t_opt, t_2) for s in (0.3, 0.7, 0.95) for t_1, t_opt, t_2 in itertools.combinations(t_grid, 3)]
     costs = [solve(u)[1] for u in starts]
     best = None
     for index in np.argsort(costs)[:4]:
-        result = minimize(lambda u: solve(u)[1], starts[index], method="Nelder-Mead", options={"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000})
+        result = minimize(
+            lambda u: solve(u)[1], starts[index], method="Nelder-Mead", options={"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000}
+        )
         if best is None or result.fun < best.fun:
             best = result
     s_min, s_1, s_opt, s_2 = positions(best.x)
@@ -364,7 +362,9 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     for starts_at, fit in zip([0.0] + [f.wsd.e_min for f in kept[:-1]], kept):
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
-            warnings.warn(f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; kept at {sizes[-1]}")
+            warnings.warn(
+                f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; kept at {sizes[-1]}"
+            )
             size = sizes[-1]
         if not sizes or size != sizes[-1]:
             sizes.append(size)
@@ -395,7 +395,13 @@ def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
 def batch_group_yaml(schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt") -> str:
     """A ``conf/batch/`` group option (like ``batch/warmup.yaml``) running ``schedule``, the LR following
     each change by ``lr_rule``: save it as ``conf/batch/NAME.yaml`` and select it with ``batch=NAME``."""
-    lines = [*_comment_lines(comment), "schedule:", *_piecewise_lines(schedule, "  "), f"lr_rule: {lr_rule}", "max_micro_batch_size: null"]
+    lines = [
+        *_comment_lines(comment),
+        "schedule:",
+        *_piecewise_lines(schedule, "  "),
+        f"lr_rule: {lr_rule}",
+        "max_micro_batch_size: null",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -60,7 +60,9 @@ class Bracket:
 def _number(record: Mapping, key: str, where: str, minimum: float = 0.0) -> float:
     value = record.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= minimum:
-        raise ValueError(f"{where}: {key}={value!r} must be a number > {minimum:g}; pass records a CBSProbeCallback wrote (cbs_probe.jsonl)")
+        raise ValueError(
+            f"{where}: {key}={value!r} must be a number > {minimum:g}; pass records a CBSProbeCallback wrote (cbs_probe.jsonl)"
+        )
     return float(value)
 
 
@@ -76,7 +78,9 @@ def supported_interval(record: Mapping, where: str = "record") -> tuple[float, f
     batch = _number(record, "batch_size", where)
     losses = record.get("losses")
     if not isinstance(losses, Mapping) or not losses:
-        raise ValueError(f"{where}: losses={losses!r} must map each multiplier to its loss; pass records a CBSProbeCallback wrote")
+        raise ValueError(
+            f"{where}: losses={losses!r} must map each multiplier to its loss; pass records a CBSProbeCallback wrote"
+        )
     ks = sorted(float(k) for k in losses)
     batch_losses = record.get("batch_losses") or {}
     confidence = float(record.get("confidence", 0.5))
@@ -141,6 +145,7 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float, start: np.ndarray |
     log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
     log_lo = np.log(np.array([b.lower for b in brackets]))
     log_hi = np.log(np.array([b.upper for b in brackets]))
+
     def loss(params):
         value = -float(np.sum(_log_likelihood(params, log_d, log_lo, log_hi, model)))
         return value if math.isfinite(value) else 1e12
@@ -247,9 +252,9 @@ def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
             continue
         params = _fit(rest, model, d0)
         log_d = np.log(np.array([b.tokens for b in group]) / d0)
-        total += float(np.sum(_log_likelihood(
-            params, log_d, np.log([b.lower for b in group]), np.log([b.upper for b in group]), model
-        )))
+        total += float(
+            np.sum(_log_likelihood(params, log_d, np.log([b.lower for b in group]), np.log([b.upper for b in group]), model))
+        )
     return total
 
 
@@ -278,9 +283,13 @@ def forecast_cbs(
         if not (bracket.tokens > 0 and 0 < bracket.lower < bracket.upper):
             raise ValueError(f"{bracket}: needs tokens > 0 and 0 < lower < upper (upper inf for no upper end)")
     if len({b.tokens for b in brackets}) < 2:
-        raise ValueError(f"readings at {len({b.tokens for b in brackets})} token count(s); a curve in D needs readings at 2 or more")
+        raise ValueError(
+            f"readings at {len({b.tokens for b in brackets})} token count(s); a curve in D needs readings at 2 or more"
+        )
     if all(math.isinf(b.upper) for b in brackets):
-        raise ValueError("no reading has an upper end (every CBS is beyond its probe's grid): nothing bounds the curve from above")
+        raise ValueError(
+            "no reading has an upper end (every CBS is beyond its probe's grid): nothing bounds the curve from above"
+        )
     d0 = float(np.exp(np.mean(np.log([b.tokens for b in brackets]))))
     candidates = [m for m in MODELS if m == "power" or len({b.tokens for b in brackets}) >= 4]
     heldout = {m: _heldout(brackets, m, d0) for m in candidates}
@@ -289,7 +298,9 @@ def forecast_cbs(
     else:  # the plateau's one more parameter must earn more than 1 in held-out log likelihood
         chosen = "plateau" if heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN else "power"
     if chosen == "plateau" and "plateau" not in candidates:
-        raise ValueError(f"model='plateau' needs readings at 4 or more token counts; these have {len({b.tokens for b in brackets})}")
+        raise ValueError(
+            f"model='plateau' needs readings at 4 or more token counts; these have {len({b.tokens for b in brackets})}"
+        )
     params = _fit(brackets, chosen, d0)
 
     rng = np.random.default_rng(seed)
@@ -362,7 +373,9 @@ def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
     series = read_metrics_csv(metrics_csv)
     for name in (GNS_COLUMN, TOKENS_COLUMN):
         if name not in series:
-            raise ValueError(f"{metrics_csv} has no {name!r}; pass the metrics.csv of a run with GradientNoiseScale and BatchWarmup")
+            raise ValueError(
+                f"{metrics_csv} has no {name!r}; pass the metrics.csv of a run with GradientNoiseScale and BatchWarmup"
+            )
     steps, b_simple = series[GNS_COLUMN]
     return tokens_at(series, steps), np.asarray(b_simple, dtype=float)
 
@@ -373,5 +386,7 @@ def growth_exponent(tokens, values) -> float:
     tokens, values = np.asarray(tokens, dtype=float), np.asarray(values, dtype=float)
     keep = np.isfinite(tokens) & np.isfinite(values) & (tokens > 0) & (values > 0)
     if len(set(tokens[keep])) < 2:
-        raise ValueError(f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); a growth exponent needs 2")
+        raise ValueError(
+            f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); a growth exponent needs 2"
+        )
     return float(np.polyfit(np.log(tokens[keep]), np.log(values[keep]), 1)[0])

@@ -120,22 +120,48 @@ def plot_batch_sizes(
     if compared:
         rows = [row for row in compared if math.isfinite(row.b_simple)]
         if rows:
-            by_loss.plot([r.target for r in rows], [r.b_simple for r in rows], "x-", color="tab:gray",
-                         label="noise scale B_simple (median of runs at the target)")
+            by_loss.plot(
+                [r.target for r in rows],
+                [r.b_simple for r in rows],
+                "x-",
+                color="tab:gray",
+                label="noise scale B_simple (median of runs at the target)",
+            )
         rows = [row for row in compared if row.probe is not None]
         for i, row in enumerate(rows):
             top = row.probe.upper if row.probe.upper is not None else row.probe.lower * 2
-            by_loss.vlines(row.target, row.probe.lower, top, color="k", lw=3, alpha=0.5,
-                           label="CBS probe bracket (reading nearest the target)" if i == 0 else None)
+            by_loss.vlines(
+                row.target,
+                row.probe.lower,
+                top,
+                color="k",
+                lw=3,
+                alpha=0.5,
+                label="CBS probe bracket (reading nearest the target)" if i == 0 else None,
+            )
     if probe:
         tokens = np.array([p.tokens for p in probe])
         estimate = np.array([p.estimate for p in probe])
         closed = np.array([p.upper is not None for p in probe])
         lower = estimate - np.array([p.lower for p in probe])
         upper = np.array([(p.upper if p.upper is not None else p.estimate) for p in probe]) - estimate
-        by_tokens.errorbar(tokens[closed], estimate[closed], yerr=[lower[closed], upper[closed]], fmt="D", color="k", capsize=3, label="CBS probe")
+        by_tokens.errorbar(
+            tokens[closed],
+            estimate[closed],
+            yerr=[lower[closed], upper[closed]],
+            fmt="D",
+            color="k",
+            capsize=3,
+            label="CBS probe",
+        )
         if np.any(~closed):
-            by_tokens.scatter(tokens[~closed], [p.lower for p, c in zip(probe, closed) if not c], marker="^", color="k", label="CBS probe (>= lower)")
+            by_tokens.scatter(
+                tokens[~closed],
+                [p.lower for p, c in zip(probe, closed) if not c],
+                marker="^",
+                color="k",
+                label="CBS probe (>= lower)",
+            )
     for i, run in enumerate(gns_runs):
         label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=label)
@@ -175,8 +201,14 @@ def plot_forecast(
         for number, bracket in enumerate(members):
             top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
             x = bracket.tokens * shift
-            ax.plot([x, x], [bracket.lower, top], "-" if bracket.determined else "--", color=colors[run], lw=2,
-                    label=run if number == 0 else None)
+            ax.plot(
+                [x, x],
+                [bracket.lower, top],
+                "-" if bracket.determined else "--",
+                color=colors[run],
+                lw=2,
+                label=run if number == 0 else None,
+            )
             if not math.isfinite(bracket.upper):
                 ax.annotate("", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]})
     grid = np.geomspace(min(b.tokens for b in brackets) / 1.2, end * 1.2, 200)

@@ -32,7 +32,9 @@ def read_probe_records(path: PathLike) -> list[dict]:
         with open(path) as f:
             lines = f.readlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read CBS probe records from {path} ({error}); pass the cbs_probe.jsonl a CBSProbeCallback wrote") from error
+        raise ValueError(
+            f"cannot read CBS probe records from {path} ({error}); pass the cbs_probe.jsonl a CBSProbeCallback wrote"
+        ) from error
     records = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -42,10 +44,14 @@ def read_probe_records(path: PathLike) -> list[dict]:
         except ValueError as error:
             raise ValueError(f"{path}:{number}: not JSON ({error}); each line of cbs_probe.jsonl is one probe record") from error
         if not isinstance(record, dict):
-            raise ValueError(f"{path}:{number}: {line.strip()[:60]!r} is not a probe record (a JSON object with tokens, cbs_lower, ...)")
+            raise ValueError(
+                f"{path}:{number}: {line.strip()[:60]!r} is not a probe record (a JSON object with tokens, cbs_lower, ...)"
+            )
         records.append(record)
     if not records:
-        raise ValueError(f"{path} holds no CBS probe record; run with CBSProbeCallback until a probe finishes, or pass another file")
+        raise ValueError(
+            f"{path} holds no CBS probe record; run with CBSProbeCallback until a probe finishes, or pass another file"
+        )
     return records
 
 
@@ -116,7 +122,9 @@ def schedule_from_probe(
             low, high = start * factor ** math.floor(doublings), start * factor ** math.ceil(doublings)
             raise ValueError(f"final={final} must be start={start} times a power of factor={factor}; nearest: {low} or {high}")
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
-        raise ValueError(f"margin={margin!r} must be a number >= 1 (move to batch B only where the CBS lower bound >= margin x B)")
+        raise ValueError(
+            f"margin={margin!r} must be a number >= 1 (move to batch B only where the CBS lower bound >= margin x B)"
+        )
     for name, value in (("seq_len", seq_len), ("measured_seq_len", measured_seq_len)):
         if value is not None:
             _check_count(name, value, 1, "tokens per sample")
@@ -140,7 +148,9 @@ def schedule_from_probe(
         tokens, lower = _number(record, "tokens", where), _number(record, "cbs_lower", where)
         record_seq_len = record.get("seq_len")
         if record_seq_len is not None and measured_seq_len is not None and record_seq_len != measured_seq_len:
-            raise ValueError(f"{where}: seq_len={record_seq_len} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it")
+            raise ValueError(
+                f"{where}: seq_len={record_seq_len} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it"
+            )
         measured = record_seq_len if record_seq_len is not None else measured_seq_len
         if seq_len is not None and measured is None:
             raise ValueError(

@@ -117,9 +117,7 @@ def _tokenize_piece(
             text = f.read(end - start).decode("utf-8", errors="replace")
         ids = tokenizer.encode(text)
     except Exception:
-        Path(error_dir, f"{os.getpid()}-{start}-{Path(path).name}.txt").write_text(
-            f"{path}: {traceback.format_exc()}"
-        )
+        Path(error_dir, f"{os.getpid()}-{start}-{Path(path).name}.txt").write_text(f"{path}: {traceback.format_exc()}")
         return
     if ends_document:
         ids.append(tokenizer.eos_id)
@@ -195,9 +193,7 @@ def prepare(
         raise ValueError("files is empty; give at least one text file to prepare")
     output_dir = Path(output_dir)
     if any((output_dir / split).exists() for split in SPLITS):
-        raise ValueError(
-            f"output_dir={str(output_dir)!r} already holds train/ or val/; remove them or pick another folder"
-        )
+        raise ValueError(f"output_dir={str(output_dir)!r} already holds train/ or val/; remove them or pick another folder")
     dtype = token_dtype(tokenizer.vocab_size)
     pieces = dict(zip(SPLITS, split_pieces(files, val_fraction)))
     with _isolated_optimize_run() as scratch:
@@ -242,9 +238,7 @@ def prepare(
     return metadata
 
 
-def source_fingerprint(
-    files: Sequence[str | os.PathLike], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
-) -> str:
+def source_fingerprint(files: Sequence[str | os.PathLike], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int) -> str:
     """sha256 over what determines a preparation: each file's path, size and modification time
     (not its content, so checking a large corpus stays cheap), the tokenizer and the split."""
     stats = []

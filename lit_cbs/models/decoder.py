@@ -35,8 +35,13 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
     """The ``DecoderDims`` of an ``OLMoConfig`` or a ``transformers`` config."""
     if isinstance(config, OLMoConfig):
         return DecoderDims(
-            vocab_size=config.vocab_size, d_model=config.d_model, n_layers=config.n_layers, n_heads=config.n_heads,
-            head_dim=config.head_dim, mlp_hidden=config.mlp_hidden, context_length=config.context_length,
+            vocab_size=config.vocab_size,
+            d_model=config.d_model,
+            n_layers=config.n_layers,
+            n_heads=config.n_heads,
+            head_dim=config.head_dim,
+            mlp_hidden=config.mlp_hidden,
+            context_length=config.context_length,
             tie_embeddings=config.tie_embeddings,
         )
     from lit_cbs.models.hf import hf_dims

@@ -91,11 +91,21 @@ PRESETS: dict[str, OLMoConfig] = {
     ),
     # OLMo-1B (vocab 50280 padded to a multiple of 128).
     "olmo_1b": OLMoConfig(
-        vocab_size=50304, d_model=2048, n_layers=16, n_heads=16, mlp_hidden=8192, context_length=4096,
+        vocab_size=50304,
+        d_model=2048,
+        n_layers=16,
+        n_heads=16,
+        mlp_hidden=8192,
+        context_length=4096,
         tie_embeddings=True,
     ),
     "olmo_7b": OLMoConfig(
-        vocab_size=50304, d_model=4096, n_layers=32, n_heads=32, mlp_hidden=11008, context_length=4096,
+        vocab_size=50304,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        mlp_hidden=11008,
+        context_length=4096,
         tie_embeddings=False,
     ),
 }
@@ -135,9 +145,7 @@ def layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=1e-5)
 
 
-def rotary_cos_sin(
-    seq_len: int, head_dim: int, theta: float, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each [seq_len, head_dim], for positions 0..seq_len-1.
 
     Computed per forward in float32 (cheap next to attention) rather than kept as a buffer, so

@@ -149,8 +149,10 @@ class RecordedWindow:
                 "batches of tensors (or collections of them) with the samples along dim 0"
             )
         joined = tree_map(lambda *leaves: torch.cat(leaves), *self.batches)
-        return [tree_map(lambda leaf, first=first: leaf[first : first + size], joined)
-                for first in range(offset, offset + needed * size, size)]
+        return [
+            tree_map(lambda leaf, first=first: leaf[first : first + size], joined)
+            for first in range(offset, offset + needed * size, size)
+        ]
 
     def record_micro_loss(self, loss: float) -> None:
         self.micro_losses.append(loss)
@@ -250,8 +252,12 @@ def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule,
             for group, lr in zip(optimizer.param_groups, lrs):
                 group["lr"] = lr * LR_TRIAL_FACTOR
         with accounting.branching(), callbacks_hidden(trainer), logging_muted(pl_module):
-            pl_module.optimizer_step(trainer.current_epoch, batch_idx, pl_module.optimizers(),
-                                     lambda: torch.zeros((), device=trainer.strategy.root_device))
+            pl_module.optimizer_step(
+                trainer.current_epoch,
+                batch_idx,
+                pl_module.optimizers(),
+                lambda: torch.zeros((), device=trainer.strategy.root_device),
+            )
         for optimizer, lrs in zip(trainer.optimizers, saved):
             for group, lr in zip(optimizer.param_groups, lrs):
                 if written is None and group["lr"] != lr * LR_TRIAL_FACTOR:
@@ -346,8 +352,10 @@ class BranchTrainer:
             raise
         except Exception as caught:  # noqa: BLE001 - every exception is agreed, then raised again
             error, result = caught, None
-        flags = mean_over_ranks(self.trainer, [float(error is not None and is_out_of_memory(error)),
-                                               float(error is not None and not is_out_of_memory(error))])
+        flags = mean_over_ranks(
+            self.trainer,
+            [float(error is not None and is_out_of_memory(error)), float(error is not None and not is_out_of_memory(error))],
+        )
         if flags[1] > 0:
             if error is not None:
                 raise error

@@ -320,7 +320,11 @@ class CBSProbeCallback(Callback):
             rank_zero_info("CBSProbeCallback: no logger and no output_dir; readings are kept in .history only")
         elif trainer.is_global_zero:
             self._write_history()
-        if self._resumed and not self._accounting.budget_reached and self._accounting.tokens_seen >= self.probe_point(self.probes_started):
+        if (
+            self._resumed
+            and not self._accounting.budget_reached
+            and self._accounting.tokens_seen >= self.probe_point(self.probes_started)
+        ):
             # Resumed where a probe was due, or inside one that was stopped: it starts here, before the first batch,
             # as the uninterrupted run started it right after this step.
             self._start_probe(trainer, pl_module, trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1)
@@ -441,7 +445,10 @@ class CBSProbeCallback(Callback):
         if trainer.is_global_zero and self.history and self._resolved_output_dir is not None:
             batch_changes = self._warmup.history if self._warmup is not None else []
             path = plot_cbs_curve(
-                self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen,
+                self.history,
+                batch_changes,
+                self._resolved_output_dir / PLOT_FILE,
+                self._accounting.tokens_seen,
                 self.epsilon,
             )
             log_figures(trainer.loggers, [path], trainer.global_step)
@@ -462,7 +469,11 @@ class CBSProbeCallback(Callback):
 
     def _usable_multipliers(self, batch_size: int, window_samples: int) -> list[float]:
         """The ks whose batch k*B is a whole number of micro-batches on every rank and fits the window."""
-        return [k for k in self.multipliers if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples]
+        return [
+            k
+            for k in self.multipliers
+            if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples
+        ]
 
     def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
@@ -492,7 +503,9 @@ class CBSProbeCallback(Callback):
         window_samples = self.window_tokens // seq_len
         ks = self._usable_multipliers(batch_size, window_samples)
         if len(ks) < 2 or 1.0 not in ks:
-            rank_zero_warn(f"CBS probe at {tokens:,} tokens skipped: fewer than two multipliers, k = 1 among them, fit batch {batch_size}")
+            rank_zero_warn(
+                f"CBS probe at {tokens:,} tokens skipped: fewer than two multipliers, k = 1 among them, fit batch {batch_size}"
+            )
             return
         # Every branch trains on the same whole number of its own steps.
         largest = max(ks) * batch_size
@@ -521,8 +534,14 @@ class CBSProbeCallback(Callback):
         length = window_samples // world
         checkpoints = sorted({int(f * length) // largest_step * largest_step for f in self.early_stop} - {0, length})
         self._branches = BranchTrainer(
-            trainer, pl_module, accounting, self.rules, self.evaluate, self.ema_alpha,
-            micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size), heldout=self._heldout,
+            trainer,
+            pl_module,
+            accounting,
+            self.rules,
+            self.evaluate,
+            self.ema_alpha,
+            micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size),
+            heldout=self._heldout,
             cooldown_fraction=self.cooldown_fraction,
         )
         self._trained, self._failed, self._first_window_main = [], [], None
@@ -674,18 +693,29 @@ class CBSProbeCallback(Callback):
         log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
 
         def between_windows(k: str) -> str:
-            return f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}" if k in reading.replicate_se else ""
+            return (
+                f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}" if k in reading.replicate_se else ""
+            )
 
         losses = ", ".join(
-            f"k={k}: " + (f"{v:.4f}" + (f" (SE of the difference from k={base}: "
-                                        f"{reading.loss_se[k]:.4f}{between_windows(k)})" if reading.loss_se.get(k) is not None else "")
-                          if v is not None else "failed")
+            f"k={k}: "
+            + (
+                f"{v:.4f}"
+                + (
+                    f" (SE of the difference from k={base}: {reading.loss_se[k]:.4f}{between_windows(k)})"
+                    if reading.loss_se.get(k) is not None
+                    else ""
+                )
+                if v is not None
+                else "failed"
+            )
             for k, v in reading.losses.items()
         )
         rank_zero_info(
             f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
             f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {losses}; "
-            f"{reading.tokens_spent:,} branch tokens" + (f" over {reading.replicates} data windows" if reading.replicates > 1 else "")
+            f"{reading.tokens_spent:,} branch tokens"
+            + (f" over {reading.replicates} data windows" if reading.replicates > 1 else "")
             + f"; probe overhead {reading.overhead:.2f}"
         )
         if trainer.is_global_zero and self._resolved_output_dir is not None:

@@ -33,7 +33,10 @@ class RunEnd:
 
 
 def run_end(
-    trainer: pl.Trainer, accounting: BatchAccounting, micro_batches_this_epoch: int, micro_batches_into_step: int,
+    trainer: pl.Trainer,
+    accounting: BatchAccounting,
+    micro_batches_this_epoch: int,
+    micro_batches_into_step: int,
     largest_batch: int,
 ) -> RunEnd:
     """The run's end, called from a training hook of the current micro-batch: ``micro_batches_this_epoch``

@@ -47,8 +47,10 @@ def cbs_curve_figure(
     """
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    for determined, style in ((True, dict(color="tab:blue", linestyles="solid")),
-                              (False, dict(color="tab:gray", linestyles="dashed"))):
+    for determined, style in (
+        (True, dict(color="tab:blue", linestyles="solid")),
+        (False, dict(color="tab:gray", linestyles="dashed")),
+    ):
         readings = [r for r in history if r.determined == determined]
         if not readings:
             continue
@@ -56,12 +58,23 @@ def cbs_curve_figure(
         upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
         label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
         top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
-        top.scatter(tokens, [r.cbs_estimate for r in readings], zorder=3, color=style["color"],
-                    facecolors=style["color"] if determined else "none")
+        top.scatter(
+            tokens,
+            [r.cbs_estimate for r in readings],
+            zorder=3,
+            color=style["color"],
+            facecolors=style["color"] if determined else "none",
+        )
     open_ended = [r for r in history if r.cbs_upper is None]
     if open_ended:
-        top.scatter([r.tokens for r in open_ended], [r.cbs_lower for r in open_ended], marker="^",
-                    color="tab:red", zorder=4, label="lower bound (top of grid)")
+        top.scatter(
+            [r.tokens for r in open_ended],
+            [r.cbs_lower for r in open_ended],
+            marker="^",
+            color="tab:red",
+            zorder=4,
+            label="lower bound (top of grid)",
+        )
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
         xs, ys = [0], [start]
@@ -83,8 +96,15 @@ def cbs_curve_figure(
         points = [point for r in history if (point := _gap_to_smaller(r, k)) is not None]
         if not points:
             continue
-        bottom.errorbar([p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points], fmt="o",
-                        capsize=3, color=colours(i / max(1, len(multipliers) - 2)), label=f"k = {k:g}")
+        bottom.errorbar(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            yerr=[p[2] for p in points],
+            fmt="o",
+            capsize=3,
+            color=colours(i / max(1, len(multipliers) - 2)),
+            label=f"k = {k:g}",
+        )
     if epsilon is not None:
         bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
     bottom.axhline(0.0, color="black", linewidth=0.6)

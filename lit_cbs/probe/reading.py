@@ -179,8 +179,12 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     gaps = {k: (None if k == min(scores) or s.failed or base.failed else difference(s, base)) for k, s in sorted(scores.items())}
     admissible, rejected = judged_multipliers(scores, epsilon, confidence)
     determined = k_star in admissible and all(k in rejected for k in scores if k > k_star)
-    return Decision(k_star, determined, {k: None if gap is None else gap.se for k, gap in gaps.items()},
-                    {k: gap.replicate_se for k, gap in gaps.items() if gap is not None and gap.replicate_se is not None})
+    return Decision(
+        k_star,
+        determined,
+        {k: None if gap is None else gap.se for k, gap in gaps.items()},
+        {k: gap.replicate_se for k, gap in gaps.items() if gap is not None and gap.replicate_se is not None},
+    )
 
 
 def judged_multipliers(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> tuple[list[float], list[float]]:
@@ -279,6 +283,7 @@ def record_scores(
     """Each measured k's score from a reading's fields (``ProbeReading`` or its JSON record): its
     per-window and per-batch held-out losses where it has them, else its loss alone (inf for a
     failed branch)."""
+
     def score(k: str, loss: float | None) -> BranchScore:
         if loss is None:
             return BranchScore(math.inf)
@@ -363,8 +368,9 @@ class ProbeReading:
             se_method=SE_REPLICATED if replicated else SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
             batch_losses={f"{k:g}": list(s.batch_losses) for k, s in sorted(scores.items()) if s.batch_losses},
             replicate_se={f"{k:g}": se for k, se in decision.replicate_se.items()},
-            replicate_batch_losses={f"{k:g}": [list(w) for w in s.replicate_losses] for k, s in sorted(scores.items())
-                                    if s.replicate_losses},
+            replicate_batch_losses={
+                f"{k:g}": [list(w) for w in s.replicate_losses] for k, s in sorted(scores.items()) if s.replicate_losses
+            },
             epsilon=epsilon,
             **fields,
         )
@@ -380,7 +386,7 @@ class ProbeReading:
 
     @property
     def bracket(self) -> str:
-        """"[lower, upper]" in samples, "[lower, beyond the grid]" at the top, and "undetermined"
+        """ "[lower, upper]" in samples, "[lower, beyond the grid]" at the top, and "undetermined"
         after it when the data do not decide k*."""
         upper = f"{self.cbs_upper:g}" if self.cbs_upper is not None else "beyond the grid"
         return f"[{self.cbs_lower:g}, {upper}]" + ("" if self.determined else " (undetermined)")

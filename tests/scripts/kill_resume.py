@@ -56,7 +56,9 @@ def main() -> None:
     parser.add_argument("--resume", type=Path)
     args = parser.parse_args()
     pl.seed_everything(0, verbose=False)
-    warmup = BatchWarmup(PiecewiseBatch([4, 8, 16], [0, 40, 120], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4, seq_len=4)
+    warmup = BatchWarmup(
+        PiecewiseBatch([4, 8, 16], [0, 40, 120], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4, seq_len=4
+    )
     probe = CBSProbeCallback(at_tokens=[200], multipliers=(1, 2), window_tokens=128)
     checkpoint = FinalStateCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}")
     callbacks = [warmup, probe, checkpoint] + ([KillAt(args.kill_at)] if args.kill_at else [])
@@ -66,13 +68,16 @@ def main() -> None:
         warnings.simplefilter("ignore")
         trainer.fit(module, datamodule=Data(), ckpt_path=args.resume)
     optimizer = trainer.optimizers[0]
-    torch.save({
-        "weight": module.layer.weight.detach().clone(),
-        "adam": [{k: v.clone() for k, v in state.items()} for state in optimizer.state.values()],
-        "step": trainer.global_step,
-        "steps": [step["indices"] for step in module.steps],
-        "readings": [(r.tokens, r.step, r.losses) for r in probe.history],
-    }, args.out / "result.pt")
+    torch.save(
+        {
+            "weight": module.layer.weight.detach().clone(),
+            "adam": [{k: v.clone() for k, v in state.items()} for state in optimizer.state.values()],
+            "step": trainer.global_step,
+            "steps": [step["indices"] for step in module.steps],
+            "readings": [(r.tokens, r.step, r.losses) for r in probe.history],
+        },
+        args.out / "result.pt",
+    )
 
 
 if __name__ == "__main__":
