@@ -2,11 +2,11 @@
 
     python -m benchmarks.gpu_check --output gpu_check.json [--peak-tflops 989] [--compile]
 
-Trains ``lit_cbs.lm.CausalLM`` (olmo_1b preset, all 16 layers unless --n-layers says fewer)
+Trains ``lit_cbs.models.lm.CausalLM`` (olmo_1b preset, all 16 layers unless --n-layers says fewer)
 through Lightning's ModelParallelStrategy (FSDP2, one process), bf16-mixed, activation
 checkpointing, AdamW (fused on a GPU) and the token-indexed LR schedule, with ``BatchWarmup`` doubling the global
 batch from 8 to 16 sequences of 4096 tokens after --steps-before-change optimizer steps. The
-tokens are random (``lit_cbs.synthetic.RandomTokenData``): this measures speed and memory, not
+tokens are random (``lit_cbs.data.synthetic.RandomTokenData``): this measures speed and memory, not
 learning. Prints, and writes to --output, JSON with tokens/s over the optimizer steps after the
 first --skip-steps (wall time between steps, CUDA-synchronized), MFU = model FLOPs per token
 (``OLMo.flops_per_token``: 6N + attention, recomputation not counted) x tokens/s / peak, the
@@ -26,7 +26,7 @@ branch losses, the difference between the k = 1 branch and the main run over the
 
 Imports only torch, lightning, torchmetrics and lit_cbs modules that need nothing else, so it
 runs where hydra-core, omegaconf and litdata are not installed. ``--accelerator cpu --preset tiny``
-runs the same path on a CPU (tests/test_gpu_check.py does, as a smoke test).
+runs the same path on a CPU (tests/benchmarks/test_gpu_check.py does, as a smoke test).
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch._dynamo.utils import counters
 
 from benchmarks.common import StepTimer
-from lit_cbs.lm import ADAMW, COMPUTE_DTYPES, CausalLM
-from lit_cbs.lr_schedules import WarmupStableDecay
-from lit_cbs.plan import GIB, ModelShape, device_memory
+from lit_cbs.callbacks.warmup import BatchWarmup
+from lit_cbs.data.synthetic import RandomTokenData
+from lit_cbs.models.lm import ADAMW, COMPUTE_DTYPES, CausalLM
 from lit_cbs.probe import CBSProbeCallback
-from lit_cbs.schedules import PiecewiseBatch
-from lit_cbs.synthetic import RandomTokenData
-from lit_cbs.warmup import BatchWarmup
+from lit_cbs.recipes.plan import GIB, ModelShape, device_memory
+from lit_cbs.rules.batch_schedules import PiecewiseBatch
+from lit_cbs.rules.lr_schedules import WarmupStableDecay
 
 
 def parse_args() -> argparse.Namespace:
@@ -177,7 +177,7 @@ def main() -> dict:
         "last_logged_mfu": float(trainer.callback_metrics["perf/mfu"]),
         "last_train_loss": float(trainer.callback_metrics["train/loss"]),
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
-        # What `plan=true` estimates for this run (lit_cbs.plan), to hold against the measured peak above.
+        # What `plan=true` estimates for this run (lit_cbs.recipes.plan), to hold against the measured peak above.
         "planned_memory_gib": device_memory(
             ModelShape.of(model.config),
             args.micro_batch_size,

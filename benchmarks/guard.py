@@ -5,7 +5,7 @@ workload (docs/tiny_workload.md) with the recipes a user runs (``recipes/train.p
 each), seeds 1 and 2:
 
 1. premature: the batch jumps 16 -> 128 at 5% of the tokens (LR x sqrt(8)), no guard;
-2. guarded: the same schedule with ``batch.guard=true`` (the guard's defaults, lit_cbs.guard);
+2. guarded: the same schedule with ``batch.guard=true`` (the guard's defaults, lit_cbs.rules.guard);
 3. control: batch 16 throughout (``+recipe=tiny_small_batch``).
 
 and the default job with the guard on (``python recipes/train.py batch.guard=true``, its own seed

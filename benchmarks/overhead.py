@@ -70,8 +70,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from benchmarks.common import CLOCKS, ROOT, StepTimer, replace_section
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, PiecewiseBatch
-from lit_cbs.lm import ADAMW, CausalLM
-from lit_cbs.synthetic import RandomTokenData
+from lit_cbs.data.synthetic import RandomTokenData
+from lit_cbs.models.lm import ADAMW, CausalLM
 
 TITLE = "Overhead of lit_cbs's callbacks"
 MICRO_BATCH_SIZE = 16  # sequences per micro-batch

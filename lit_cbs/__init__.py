@@ -1,38 +1,67 @@
 """lit_cbs: batch size warmup and critical-batch-size tools for PyTorch Lightning.
 
 The names below load on first use (PEP 562), so ``import lit_cbs.analysis`` or
-``lit_cbs.schedules`` does not pay for importing Lightning.
+``lit_cbs.rules.batch_schedules`` does not pay for importing Lightning.
+
+The folders say what they hold: ``callbacks`` (what a Trainer is given), ``rules`` (pure functions
+of the amount trained), ``probe`` and ``gns`` (the two measurements), ``analysis`` (fits and plots
+from a run's logs), ``models``, ``data``, and ``recipes`` (what only ``recipes/train.py`` needs).
 """
 
+from lit_cbs._deprecation import moved_modules
 from lit_cbs._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BatchAccounting": "lit_cbs.accounting",
-    "BatchChange": "lit_cbs.warmup",
-    "BatchWarmup": "lit_cbs.warmup",
-    "CBSAdaptive": "lit_cbs.schedules",
+    "BatchAccounting": "lit_cbs.callbacks.accounting",
+    "BatchChange": "lit_cbs.callbacks.warmup",
+    "BatchWarmup": "lit_cbs.callbacks.warmup",
+    "CBSAdaptive": "lit_cbs.rules.batch_schedules",
     "CBSProbeCallback": "lit_cbs.probe",
-    "ConstantBatch": "lit_cbs.schedules",
-    "CosineSchedule": "lit_cbs.lr_schedules",
-    "ExponentialRamp": "lit_cbs.schedules",
-    "FinalStateCheckpoint": "lit_cbs.checkpoint",
-    "GlobalOrderLoader": "lit_cbs.loader",
+    "ConstantBatch": "lit_cbs.rules.batch_schedules",
+    "CosineSchedule": "lit_cbs.rules.lr_schedules",
+    "ExponentialRamp": "lit_cbs.rules.batch_schedules",
+    "FinalStateCheckpoint": "lit_cbs.callbacks.checkpoint",
+    "GlobalOrderLoader": "lit_cbs.data.loader",
     "GradientNoiseScale": "lit_cbs.gns",
-    "LinearRamp": "lit_cbs.schedules",
+    "LinearRamp": "lit_cbs.rules.batch_schedules",
     "LitCBSConfigError": "lit_cbs.errors",
-    "OneCycle": "lit_cbs.lr_schedules",
-    "PiecewiseBatch": "lit_cbs.schedules",
-    "RunProgressBar": "lit_cbs.progress",
-    "Seesaw": "lit_cbs.schedules",
-    "StepDecay": "lit_cbs.lr_schedules",
-    "TokenLRScheduler": "lit_cbs.lr_schedules",
-    "TokenValidation": "lit_cbs.validation",
-    "WarmupStableDecay": "lit_cbs.lr_schedules",
-    "token_mean_loss": "lit_cbs.token_loss",
+    "OneCycle": "lit_cbs.rules.lr_schedules",
+    "PiecewiseBatch": "lit_cbs.rules.batch_schedules",
+    "RunProgressBar": "lit_cbs.callbacks.progress",
+    "Seesaw": "lit_cbs.rules.batch_schedules",
+    "StepDecay": "lit_cbs.rules.lr_schedules",
+    "TokenLRScheduler": "lit_cbs.rules.lr_schedules",
+    "TokenValidation": "lit_cbs.callbacks.validation",
+    "WarmupStableDecay": "lit_cbs.rules.lr_schedules",
+    "token_mean_loss": "lit_cbs.models.token_loss",
 }
 
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
+
+# Module paths from before the folder layout (0.3), importable with a warning until 0.4.
+moved_modules(
+    {
+        "lit_cbs.accounting": "lit_cbs.callbacks.accounting",
+        "lit_cbs.checkpoint": "lit_cbs.callbacks.checkpoint",
+        "lit_cbs.hydra_resolvers": "lit_cbs.recipes.resolvers",
+        "lit_cbs.lm": "lit_cbs.models.lm",
+        "lit_cbs.loader": "lit_cbs.data.loader",
+        "lit_cbs.logs": "lit_cbs.callbacks.logs",
+        "lit_cbs.lr_rules": "lit_cbs.rules.scaling",
+        "lit_cbs.lr_schedules": "lit_cbs.rules.lr_schedules",
+        "lit_cbs.plan": "lit_cbs.recipes.plan",
+        "lit_cbs.progress": "lit_cbs.callbacks.progress",
+        "lit_cbs.report": "lit_cbs.recipes.report",
+        "lit_cbs.run_report": "lit_cbs.recipes.run_report",
+        "lit_cbs.schedules": "lit_cbs.rules.batch_schedules",
+        "lit_cbs.synthetic": "lit_cbs.data.synthetic",
+        "lit_cbs.token_loss": "lit_cbs.models.token_loss",
+        "lit_cbs.guard": "lit_cbs.rules.guard",
+        "lit_cbs.validation": "lit_cbs.callbacks.validation",
+        "lit_cbs.warmup": "lit_cbs.callbacks.warmup",
+    }
+)

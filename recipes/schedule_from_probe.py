@@ -34,7 +34,7 @@ from lit_cbs.analysis import (
     schedule_from_probe,
 )
 from lit_cbs.analysis.forecast import growth_exponent, noise_scale_over_tokens, schedule_from_forecast
-from lit_cbs.lr_rules import LR_RULES
+from lit_cbs.rules.scaling import LR_RULES
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

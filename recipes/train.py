@@ -8,11 +8,11 @@
 
 ``plan=true`` prints what the run will need (steps per batch phase, memory per device, the CBS
 probe's host memory and tokens, wall time at an assumed MFU) and exits: no data, no accelerator,
-no training (lit_cbs.plan). The configuration is checked before any model is built; a bad setting ends the run with one
+no training (lit_cbs.recipes.plan). The configuration is checked before any model is built; a bad setting ends the run with one
 line that names it (set HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the
 resolved config (resolved_config.yaml), metrics.csv, batch_history.json (BatchWarmup's
 changes), summary.json (what the run did, also printed at its end), loss_vs_tokens.png,
-batch_lr_vs_tokens.png, report.html (all of it on one page, lit_cbs.report) and checkpoints/.
+batch_lr_vs_tokens.png, report.html (all of it on one page, lit_cbs.recipes.report) and checkpoints/.
 """
 
 from __future__ import annotations
@@ -50,14 +50,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 from lit_cbs import BatchWarmup, CBSAdaptive, CBSProbeCallback
+from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.data import TokenDataModule
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.hydra_resolvers import devices_per_node, register_resolvers
-from lit_cbs.lm import CausalLM, resolve_model_config
-from lit_cbs.logs import log_figures
-from lit_cbs.plan import Limits, OptimizerState, RunPlan, batch_phases, plan_run
-from lit_cbs.report import write_report
-from lit_cbs.run_report import plot_run, write_batch_history
+from lit_cbs.models.lm import CausalLM, resolve_model_config
+from lit_cbs.recipes.plan import Limits, OptimizerState, RunPlan, batch_phases, plan_run
+from lit_cbs.recipes.report import write_report
+from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers
+from lit_cbs.recipes.run_report import plot_run, write_batch_history
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
 # What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
@@ -592,7 +592,7 @@ def main(cfg: DictConfig) -> float | None:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
     except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
         stop_on_config_error(error, name_the_run_keys(cfg, one_line(error)))
-    except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.checkpoint): say so, exit non-zero
+    except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.callbacks.checkpoint): say so, exit non-zero
         terminated = True
     fit_seconds = time.perf_counter() - started
 

@@ -7,7 +7,7 @@ import os
 
 import lightning.pytorch as pl
 
-from lit_cbs.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting
 
 
 class SignalAt(pl.Callback):

@@ -13,8 +13,8 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_cbs.accounting import BatchAccounting
-from lit_cbs.loader import GlobalOrderLoader, epoch_order
+from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
 
 DIM = 4
 
@@ -212,3 +212,11 @@ class RecordShardedModules(pl.Callback):
                 "not_dtensors": [name for name, p in pl_module.named_parameters() if not isinstance(p, DTensor)],
             }
             Path(self.path).write_text(json.dumps(record))
+
+
+def megatron_reference(consumed, start, increment, ramp, final):
+    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from Megatron-LM's num_microbatches_calculator."""
+    if consumed > ramp:
+        return final
+    per_increment = ramp / ((final - start) // increment)
+    return start + int(consumed / per_increment) * increment

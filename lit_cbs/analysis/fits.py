@@ -32,7 +32,7 @@ from scipy.optimize import least_squares, minimize, nnls
 from scipy.special import expit, softmax
 
 from lit_cbs.analysis.curves import Crossing
-from lit_cbs.schedules import PiecewiseBatch
+from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 MCCANDLISH_MIN_RUNS = 3
 POOR_FIT = 0.05  # rms of log(E / fitted E) above which fit_targets warns that a fit's batch sizes are unreliable

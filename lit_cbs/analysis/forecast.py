@@ -343,7 +343,7 @@ def schedule_from_forecast(
     ``margin x batch <= low(D)``, the band's lower edge: the batch a run would read as below its CBS
     with the band's probability. It never decreases. Returns ``(schedule, [ForecastChange, ...])``.
     """
-    from lit_cbs.schedules import PiecewiseBatch
+    from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
     if not (isinstance(until_tokens, int) and until_tokens > 0):
         raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")

@@ -15,7 +15,7 @@ import os
 import warnings
 from collections.abc import Sequence
 
-from lit_cbs.schedules import PiecewiseBatch
+from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 PathLike = str | os.PathLike
 REQUIRED_FIELDS = ("tokens", "cbs_lower")

@@ -20,10 +20,10 @@ import torch
 from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
+from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.data.prepare import read_metadata, resolve_data
 from lit_cbs.data.tokenizers import load_tokenizer
 from lit_cbs.errors import LitCBSConfigError, positive_int
-from lit_cbs.loader import GlobalOrderLoader
 
 
 def stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:

@@ -1,5 +1,12 @@
-"""The OLMo-style decoder and its size presets."""
+"""The models: the OLMo-style decoder and its size presets (``olmo``, ``decoder``), a Hugging Face
+causal LM (``hf``), ``CausalLM``, the LightningModule that trains either (``lm``), and the
+token-mean loss a step's micro-batches share (``token_loss``)."""
 
+from lit_cbs._lazy import lazy_exports
 from lit_cbs.models.olmo import PRESETS, Block, OLMo, OLMoConfig, get_config
 
-__all__ = ["OLMo", "OLMoConfig", "PRESETS", "Block", "get_config"]
+_EXPORTS = {"CausalLM": "lit_cbs.models.lm", "token_mean_loss": "lit_cbs.models.token_loss"}
+
+__all__ = ["OLMo", "OLMoConfig", "PRESETS", "Block", "get_config", *_EXPORTS]
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

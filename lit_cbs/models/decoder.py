@@ -1,4 +1,4 @@
-"""The decoders ``lit_cbs.lm.CausalLM`` trains, and the shape numbers the plan and the recipes read from them.
+"""The decoders ``lit_cbs.models.lm.CausalLM`` trains, and the shape numbers the plan and the recipes read from them.
 
 A model config is either an ``OLMoConfig`` (lit_cbs's own decoder, ``lit_cbs.models.olmo.OLMo``) or
 a ``transformers`` config (``lit_cbs.models.hf.HFDecoder``); ``build_decoder`` builds either, and
@@ -61,7 +61,7 @@ def build_decoder(config: OLMoConfig | Any) -> nn.Module:
 
 def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:
     """The config as plain values (a checkpoint's hyperparameters load with ``weights_only=True``), that
-    ``lit_cbs.lm.resolve_model_config`` turns back into the config."""
+    ``lit_cbs.models.lm.resolve_model_config`` turns back into the config."""
     if isinstance(config, OLMoConfig):
         return dataclasses.asdict(config)
     return config.to_diff_dict()

@@ -3,7 +3,7 @@
 ``hf_config({"model_type": "llama", "hidden_size": 64, ...})`` checks the fields against that
 model type's config class (a misspelt field is an error here, where ``transformers`` would keep it
 as an unused attribute) and ``HFDecoder(config)`` builds ``AutoModelForCausalLM.from_config(config)``
-behind the interface ``lit_cbs.lm.CausalLM`` trains through, the one ``lit_cbs.models.olmo.OLMo``
+behind the interface ``lit_cbs.models.lm.CausalLM`` trains through, the one ``lit_cbs.models.olmo.OLMo``
 has: ``forward(input_ids) -> logits``, ``blocks`` (the decoder layers, the unit FSDP2 shards,
 activation checkpointing recomputes and ``torch.compile`` compiles), ``reset_parameters()`` after
 a meta-device build (``transformers``' own ``init_weights``: its weight initialisation, and the
@@ -82,7 +82,7 @@ def hf_config(fields: Mapping[str, Any]) -> Any:
 
 
 class HFDecoder(nn.Module):
-    """A ``transformers`` causal LM built from ``config``, as the decoder ``lit_cbs.lm.CausalLM`` trains.
+    """A ``transformers`` causal LM built from ``config``, as the decoder ``lit_cbs.models.lm.CausalLM`` trains.
 
     Its parameters are named ``lm.<the transformers model's own names>`` (e.g.
     ``lm.model.layers.0.self_attn.q_proj.weight`` for Llama), so a state dict maps onto

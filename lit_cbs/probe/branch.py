@@ -35,12 +35,12 @@ from lightning.fabric.utilities.apply_func import apply_to_collection, move_data
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
-from lit_cbs.accounting import BatchAccounting, mean_over_ranks
+from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.lr_rules import OptimizerRules
-from lit_cbs.lr_schedules import TokenLRScheduler
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.probe.snapshot import ModuleState, TrainingSnapshot
+from lit_cbs.rules.lr_schedules import TokenLRScheduler
+from lit_cbs.rules.scaling import OptimizerRules
 
 
 class BranchFailed(Exception):

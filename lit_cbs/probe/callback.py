@@ -32,10 +32,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs._internals import should_accumulate
-from lit_cbs.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.logs import log_figures, log_to_loggers
+from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
-from lit_cbs.logs import log_figures, log_to_loggers
-from lit_cbs.lr_rules import OptimizerRules
 from lit_cbs.probe.branch import (
     BranchFailed,
     BranchTrainer,
@@ -51,8 +51,8 @@ from lit_cbs.probe.limits import RunEnd, run_end
 from lit_cbs.probe.plot import plot_cbs_curve
 from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, BranchScore, ProbeReading, max_branches, measure_losses
 from lit_cbs.probe.snapshot import TrainingSnapshot
-from lit_cbs.schedules import CBSAdaptive
-from lit_cbs.warmup import BatchWarmup
+from lit_cbs.rules.batch_schedules import CBSAdaptive
+from lit_cbs.rules.scaling import OptimizerRules
 
 JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"

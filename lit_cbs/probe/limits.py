@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 
-from lit_cbs.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Usage: ``python tests/scripts/fsdp_elastic.py OUTDIR PROCESSES [CKPT]``. Lightning relaunches this
 script for the other ranks. The run trains tests/scripts/fsdp_warmup.py's factored regression on a
-``GlobalOrderLoader`` (the schedule of tests/test_warmup_distributed.py's elastic test), writes a
+``GlobalOrderLoader`` (the schedule of tests/callbacks/test_warmup_distributed.py's elastic test), writes a
 distributed checkpoint (one folder, one shard per process) every 3 steps to OUTDIR/checkpoints, and
 every rank saves the samples of its steps to OUTDIR/rank{rank}.pt. With CKPT it resumes from there:
 the distributed checkpoint is resharded onto the processes of this run.

@@ -2,7 +2,7 @@
 
 Usage: ``python tests/scripts/fsdp_warmup.py OUTDIR``. Lightning relaunches this script for rank 1
 (so it must run as a script, not inside pytest); after ``fit`` every rank saves what it recorded to
-``OUTDIR/rank{rank}.pt`` for tests/test_warmup_distributed.py to check.
+``OUTDIR/rank{rank}.pt`` for tests/callbacks/test_warmup_distributed.py to check.
 
 The model is a linear regression factored into two bias-free float64 Linear layers, each sharded by
 ``fully_shard`` over the data-parallel mesh, so the exact mean gradient over any set of samples is

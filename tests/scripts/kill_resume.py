@@ -1,5 +1,5 @@
 """A map-style dataset through GlobalOrderLoader, BatchWarmup growing the micro-batch, a CBS probe and a
-checkpoint every 3 steps (none inside the probe window); SIGKILL mid-epoch and resume from the last checkpoint (tests/test_loader.py).
+checkpoint every 3 steps (none inside the probe window); SIGKILL mid-epoch and resume from the last checkpoint (tests/data/test_loader.py).
 
     python kill_resume.py OUT                  # the uninterrupted run
     python kill_resume.py OUT --kill-at N      # SIGKILL itself after its N-th micro-batch
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from toys import IndexedRegression, RegressionModule, trainer_kwargs  # noqa: E402
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GlobalOrderLoader, PiecewiseBatch  # noqa: E402
-from lit_cbs.checkpoint import FinalStateCheckpoint  # noqa: E402
+from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint  # noqa: E402
 
 
 class Data(pl.LightningDataModule):

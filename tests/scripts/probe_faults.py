@@ -5,7 +5,7 @@ Usage: ``python tests/scripts/probe_faults.py OUTDIR MODE`` with MODE "none" (no
 runs out of memory) or "error" (rank 1 raises a ValueError). Lightning relaunches this script for
 rank 1, so it must run as a script, not inside pytest. Every rank saves its probe readings and final
 weights, or the exception it stopped with, to ``OUTDIR/rank{rank}.pt`` for
-tests/test_probe_distributed.py to check.
+tests/probe/test_probe_distributed.py to check.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for toys
 from toys import RegressionData, RegressionModule, trainer_kwargs  # noqa: E402
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch  # noqa: E402
-from lit_cbs.accounting import BatchAccounting  # noqa: E402
+from lit_cbs.callbacks.accounting import BatchAccounting  # noqa: E402
 
 LR = 0.05
 

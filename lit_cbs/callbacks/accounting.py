@@ -1,0 +1,429 @@
+"""``BatchAccounting``: how large the batch is and how much the run has trained on.
+
+Every lit_cbs callback needs the same few numbers: the global batch (samples per optimizer step)
+= micro-batch (samples per rank) x accumulation (micro-batches per step) x data-parallel size,
+and the samples and tokens trained on so far. ``BatchAccounting`` is the one place that keeps
+them, counted from the batches the train loader actually yields. It also feeds the token count to
+``TokenLRScheduler``s, stops the run at a token budget, defers FSDP2's gradient
+reduce-scatter to the micro-batch that steps, and, for a module whose ``training_step`` returns
+``lit_cbs.token_mean_loss(...)``, turns the step's gradient into the mean over its tokens
+(``step_tokens``, lit_cbs.models.token_loss) before any other callback sees it.
+
+One instance serves a Trainer: ``BatchAccounting.of(trainer)`` returns it, and attaches one the
+first time a callback (or ``CausalLM``) asks, so a run needs no accounting callback of its own:
+``callbacks=[CBSProbeCallback(...)]`` works on a fixed-batch run. Add ``BatchAccounting(...)``
+yourself only to give it ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Its hooks run
+before every other callback's, so they all read the counts including the current micro-batch.
+
+Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer's
+``accumulate_grad_batches``); everything else reads. A new micro-batch reaches the train loader at
+once when it is a ``GlobalOrderLoader`` (between two optimizer steps, mid-epoch); the accounting then
+tells Lightning's fit loop how many micro-batches the epoch has now.
+
+A CBS probe trains and evaluates its branches inside the Trainer, between the main run's steps,
+under ``with accounting.branching():``. Whatever measures the main run (the gradient noise scale,
+``CausalLM``'s tokens/s) reads ``in_branch`` to ignore the branches' gradients and
+``branch_seconds`` to leave their wall time out.
+
+Two more facts of the run live here because several callbacks act on them: ``probe_window_step``,
+the optimizer step where an open CBS probe window began (a checkpoint taken inside it could not
+redo the probe exactly), and ``stop_signal``, a stop signal that arrived and waits for the next
+optimizer-step boundary (``FinalStateCheckpoint`` defers SIGTERM and SLURM's requeue signal there; a
+probe branch aborts when it sees one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
+from torch.utils.data import DataLoader
+
+from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs.data.loader import GlobalOrderLoader
+from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
+from lit_cbs.models.token_loss import StepTokens
+from lit_cbs.rules.lr_schedules import TokenLRScheduler
+
+
+def data_parallel_size(trainer: pl.Trainer) -> int:
+    """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    return int(kwargs["num_replicas"]) if kwargs else 1
+
+
+def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
+    """``values`` averaged over all ranks (each rank's own on one process), so that a decision taken
+    from them (the probe's k*, the guard's verdict) is the same on every rank."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
+    if trainer.world_size > 1:
+        tensor = trainer.strategy.reduce(tensor, reduce_op="mean")
+    return tensor.tolist()
+
+
+def token_sequence_length(batch: Any) -> int | None:
+    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None.
+
+    Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
+    """
+    for leaf in tree_leaves(batch):
+        integer = isinstance(leaf, torch.Tensor) and not (
+            leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool
+        )
+        if integer and leaf.ndim == 2:
+            return int(leaf.shape[1])
+    return None
+
+
+def resizable_train_loader(trainer: pl.Trainer) -> GlobalOrderLoader | None:
+    """The fit's train loader if it can change its micro-batch between two optimizer steps and resume on
+    another number of ranks (a ``GlobalOrderLoader``), else None."""
+    loader = trainer.train_dataloader
+    return loader if isinstance(loader, GlobalOrderLoader) else None
+
+
+def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
+    """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
+    LitCBSConfigError naming ``name`` and the nearest valid sizes."""
+    unit = micro_batch_size * data_parallel
+    if global_batch % unit:
+        lower = global_batch // unit * unit
+        nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        raise LitCBSConfigError(
+            f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}"
+        )
+    return global_batch // unit
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchSetting:
+    """Where the micro-batch size (samples per rank) lives: the datamodule's or the module's
+    ``batch_size`` attribute, or the module's ``batch_size`` hparam, read when the train loader is built."""
+
+    owner: Any
+    name: str = "batch_size"
+
+    @classmethod
+    def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
+        """The setting, or None if neither the datamodule, the module nor a loader given to
+        ``trainer.fit(train_dataloaders=...)`` has one."""
+        datamodule = trainer.datamodule
+        if datamodule is not None and hasattr(datamodule, "batch_size"):
+            return cls(datamodule)
+        if hasattr(pl_module, "batch_size"):
+            return cls(pl_module)
+        if "batch_size" in getattr(pl_module, "hparams", {}):
+            return cls(pl_module.hparams)
+        loader = given_train_loader(trainer)
+        if isinstance(getattr(loader, "batch_size", None), int):
+            return cls(loader)
+        return None
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
+        """The setting, or LitCBSConfigError saying where to put it (changing the batch needs it)."""
+        setting = cls.find(trainer, pl_module)
+        if setting is None:
+            raise LitCBSConfigError(
+                "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
+                "`batch_size` attribute that its train_dataloader uses, or pass a loader with a batch_size "
+                "(trainer.fit(train_dataloaders=...))"
+            )
+        return setting
+
+    def get(self) -> Any:
+        return self.owner[self.name] if isinstance(self.owner, dict) else getattr(self.owner, self.name)
+
+    def set(self, value: int) -> None:
+        if isinstance(self.owner, dict):  # the module's hparams
+            self.owner[self.name] = value
+        elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
+            if value != self.owner.batch_size:
+                raise LitCBSConfigError(
+                    f"BatchWarmup needs micro-batch {value}, but the train loader given to trainer.fit(train_dataloaders=...) "
+                    f"was built with batch_size={self.owner.batch_size}, which a DataLoader cannot change: pass a "
+                    "lit_cbs.GlobalOrderLoader (resized between steps), or a datamodule whose `batch_size` its "
+                    "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
+                )
+        else:
+            setattr(self.owner, self.name, value)
+
+
+class BatchAccounting(Callback):
+    """The batch sizes and the samples and tokens trained on, for every lit_cbs callback to read.
+
+    Args:
+        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
+            else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
+            token ids (float features) has no tokens: ``tokens_seen`` stays 0.
+        max_tokens: stop training after the optimizer step that reaches this many tokens (all ranks).
+
+    Read-only attributes (all counts global, over every data-parallel rank):
+        micro_batch_size: samples per micro-batch and rank.
+        accumulate: micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``).
+        data_parallel_size: ranks that read their own micro-batches.
+        global_batch: samples per optimizer step.
+        samples_seen, tokens_seen: trained on so far, including the current micro-batch.
+        in_branch: True while a CBS probe trains or evaluates branches (``branching``).
+        branch_seconds: wall seconds spent in ``branching`` since the fit started.
+        fit_seconds: wall seconds of training: since this fit started, plus those of the run a
+            checkpoint it resumed from had trained for (the time lost to an interruption is not counted).
+        tokens_at_fit_start, samples_at_fit_start: the counts this fit started from (a resumed run's).
+        probe_window_step: the optimizer step where the CBS probe window in progress began (None:
+            none is open); it stays set when a stop signal interrupted the probe.
+        stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
+        checkpoint_data_parallel_size: the data-parallel size of the run the checkpoint came from.
+        step_tokens: the counted tokens of the step under way, from ``lit_cbs.token_mean_loss``.
+    """
+
+    def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
+        self.seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
+        self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
+        self.samples_seen = 0
+        self.tokens_seen = 0
+        self._trainer: pl.Trainer | None = None
+        self._micro_batch_size: int | None = None
+        self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
+        self._check_next_batch = True  # the next batch is the first of an epoch, or the first after a change
+        self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
+        self._seq_len_resolved = False
+        self._token_schedulers: list[TokenLRScheduler] = []
+        self._fsdp_modules: list = []
+        self._gradient_sync: bool | None = None
+        self.in_branch = False
+        self.branch_seconds = 0.0
+        self._fit_start: float | None = None
+        self._seconds_before_fit = 0.0  # fit_seconds of the checkpoint resumed from
+        self.tokens_at_fit_start = 0
+        self.samples_at_fit_start = 0
+        self.checkpoint_data_parallel_size: int | None = None
+        self.probe_window_step: int | None = None
+        self.stop_signal: int | None = None
+        self.step_tokens = StepTokens()
+
+    # ------------------------------------------------------------------ finding the trainer's accounting
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> BatchAccounting:
+        """The Trainer's accounting; one is attached (first among the callbacks) if it has none."""
+        found = [callback for callback in trainer.callbacks if isinstance(callback, cls)]
+        if len(found) > 1:
+            raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
+        accounting = found[0] if found else cls()
+        if trainer.callbacks[:1] != [accounting]:
+            # A new list, not an insertion: Lightning may be iterating the old one (in setup).
+            trainer.callbacks = [accounting] + [callback for callback in trainer.callbacks if callback is not accounting]
+        if accounting._trainer is not trainer and trainer.lightning_module is not None:
+            accounting.setup(trainer, trainer.lightning_module, "fit")
+        return accounting
+
+    # ------------------------------------------------------------------ read-only view
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch and rank (None before the first batch if nothing says it)."""
+        return self._micro_batch_size
+
+    @property
+    def accumulate(self) -> int:
+        return self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return data_parallel_size(self._trainer) if self._trainer is not None else 1
+
+    @property
+    def global_batch(self) -> int | None:
+        """Samples per optimizer step, all ranks (None while the micro-batch is unknown)."""
+        if self._micro_batch_size is None:
+            return None
+        return self._micro_batch_size * self.accumulate * self.data_parallel_size
+
+    @property
+    def fit_seconds(self) -> float:
+        """Wall-clock seconds of training (validation, probes, checkpoints included): since this
+        ``trainer.fit`` began, plus the checkpoint's own for a resumed run."""
+        return self._seconds_before_fit + (time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0)
+
+    @property
+    def has_tokens(self) -> bool:
+        """Whether the data is token ids (so ``tokens_seen`` counts)."""
+        return self.seq_len is not None
+
+    @property
+    def budget_reached(self) -> bool:
+        """True once ``max_tokens`` were trained on."""
+        return self.max_tokens is not None and self.tokens_seen >= self.max_tokens
+
+    @contextlib.contextmanager
+    def branching(self) -> Iterator[None]:
+        """Mark the work inside as a CBS probe's (``in_branch``) and add its wall seconds to
+        ``branch_seconds``, also when it raises. Nested use counts the time once."""
+        if self.in_branch:
+            yield
+            return
+        # Queued accelerator work belongs to whichever side launched it: wait for it at both ends.
+        self._synchronize()
+        start = time.perf_counter()
+        self.in_branch = True
+        main_step_tokens, self.step_tokens.count = self.step_tokens.count, None  # branches count their own steps'
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self.in_branch = False
+            self.step_tokens.count = main_step_tokens
+            self.branch_seconds += time.perf_counter() - start
+
+    def _synchronize(self) -> None:
+        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    # ------------------------------------------------------------------ the one writer: BatchWarmup
+    def set_micro_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: int) -> None:
+        """Set the micro-batch the train loader must yield: written to the datamodule's or module's
+        ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
+        yields it from the next micro-batch on. The next batch is checked against it: a loader that
+        yields another size stops training there."""
+        MicroBatchSetting.of(trainer, pl_module).set(value)
+        self._micro_batch_size = value
+        self._micro_batch_set = True
+        self._check_next_batch = True
+        self._sync_loader(trainer)
+
+    def _sync_loader(self, trainer: pl.Trainer) -> None:
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            return
+        if self._micro_batch_set:
+            loader.batch_size = self._micro_batch_size
+        set_train_epoch_length(trainer, len(loader))  # this epoch's micro-batches: those yielded, and those left at this size
+
+    def set_gradient_sync(self, sync: bool | None) -> None:
+        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
+
+        Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
+        reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
+        """
+        if sync is None:
+            sync, self._gradient_sync = True, None
+        if sync != self._gradient_sync:
+            for module in self._fsdp_modules:
+                module.set_requires_gradient_sync(sync, recurse=False)
+            self._gradient_sync = sync
+
+    # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit" or self._trainer is trainer:
+            return
+        self._trainer = trainer
+        setting = MicroBatchSetting.find(trainer, pl_module)
+        if setting is not None and not self._micro_batch_set and is_positive_int(setting.get()):
+            self._micro_batch_size = setting.get()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.branch_seconds = 0.0
+        self._fit_start = time.perf_counter()
+        self.tokens_at_fit_start, self.samples_at_fit_start = self.tokens_seen, self.samples_seen
+        self._token_schedulers = [
+            config.scheduler for config in trainer.lr_scheduler_configs if isinstance(config.scheduler, TokenLRScheduler)
+        ]
+        if self.seq_len is None and trainer.datamodule is not None:
+            for name in ("tokens_per_sample", "seq_len"):
+                value = getattr(trainer.datamodule, name, None)
+                if is_positive_int(value):
+                    self.seq_len = value
+                    break
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self._fsdp_modules = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
+        self._gradient_sync = None
+        # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was
+        # restored, and checks the restored count against that length before the first batch; a run
+        # resumed at an epoch's end then moves the loader to the next epoch without on_train_epoch_start.
+        self._sync_loader(trainer)
+        self._sync_at_next_batch = True
+        if self.budget_reached:
+            trainer.should_stop = True  # resumed from a run's final state: no step is left to train
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_next_batch = True  # the loader may have been (re)built for this epoch
+        self._sync_loader(trainer)  # Lightning counted this epoch's micro-batches at the size of the first
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._sync_at_next_batch:
+            self._sync_at_next_batch = False
+            self._sync_loader(trainer)
+        micro = extract_batch_size(batch)
+        if self._check_next_batch:
+            self._check_next_batch = False
+            self._check_micro_batch(trainer, micro)
+        if not self._seq_len_resolved:
+            self._seq_len_resolved = True
+            self.seq_len = self.seq_len or token_sequence_length(batch)
+            if self.seq_len is None and self.max_tokens is not None:
+                raise LitCBSConfigError(
+                    f"max_tokens={self.max_tokens} but the batches hold no token ids (no 2-D integer tensor), so "
+                    "tokens cannot be counted: stop by max_steps or max_epochs, or give seq_len=... (or the "
+                    "datamodule a `tokens_per_sample` attribute) if it is token data"
+                )
+        samples = micro * self.data_parallel_size
+        self.samples_seen += samples
+        self.tokens_seen += samples * (self.seq_len or 0)
+        for scheduler in self._token_schedulers:
+            scheduler.tokens_seen = self.tokens_seen
+        if self._fsdp_modules:
+            self.set_gradient_sync(not should_accumulate(trainer))
+
+    def _check_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
+        """The first batch of an epoch, and the first after a change, must hold the micro-batch that was
+        set: a loader that ignores ``batch_size`` would make every count, the global batch and the LR
+        rule silently wrong."""
+        if not self._micro_batch_set:
+            self._micro_batch_size = micro  # nobody sets it: the loader's batches say what it is
+            return
+        if micro == self._micro_batch_size:
+            return
+        if micro < self._micro_batch_size and trainer.num_training_batches == 1:
+            return  # an epoch shorter than one micro-batch (drop_last=False)
+        where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
+        raise LitCBSConfigError(
+            f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
+            f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "
+            f"from {where} `batch_size`, read when the loader is created (or lit_cbs.GlobalOrderLoader, which "
+            "BatchWarmup resizes between optimizer steps)"
+        )
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        if not self.in_branch:  # a branch rescales its own steps (it divides by its own accumulation)
+            self.step_tokens.rescale(trainer, optimizer, trainer.accumulate_grad_batches)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.budget_reached and not should_accumulate(trainer):
+            trainer.should_stop = True
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "samples_seen": self.samples_seen,
+            "tokens_seen": self.tokens_seen,
+            "seq_len": self.seq_len,
+            "data_parallel_size": self.data_parallel_size,
+            "fit_seconds": self.fit_seconds,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.samples_seen = state_dict["samples_seen"]
+        self.tokens_seen = state_dict["tokens_seen"]
+        self.seq_len = self.seq_len or state_dict["seq_len"]
+        self.checkpoint_data_parallel_size = state_dict.get("data_parallel_size")
+        self._seconds_before_fit = state_dict.get("fit_seconds", 0.0)

@@ -1,0 +1,241 @@
+"""``FinalStateCheckpoint``: Lightning's ModelCheckpoint for runs that stop at any time and resume exactly.
+
+What it adds to ModelCheckpoint, so that every checkpoint it leaves resumes to the run that was not
+interrupted:
+
+- **The final state.** ``last.ckpt`` is written again when training ends (``max_tokens``,
+  ``max_steps``, a stop signal), so it holds the step the run ended with, not the last multiple of
+  ``every_n_train_steps``. A run that stops inside an epoch (by ``max_tokens``, ``max_steps`` or a
+  stop signal) is saved right after its last step, while Lightning still counts the epoch as
+  unfinished: a run resumed from it, with a larger budget or on other ranks, goes on in that epoch,
+  at the loader's sample (saved when training ends, Lightning would count the epoch done and start
+  the next).
+- **Signals at step boundaries.** Lightning acts on SIGTERM after whichever micro-batch it arrives
+  in (a checkpoint there would lose the accumulated gradients), and its SLURM handler saves a
+  checkpoint from inside the signal handler, which may run in the middle of a CBS probe's branch.
+  From the start of training, SIGTERM and the SLURM requeue signal (``SLURMEnvironment.requeue_signal``,
+  SIGUSR1 by default) only record themselves. At the next optimizer-step boundary of the main run,
+  after every other callback has seen that step, the ranks agree on whether one arrived on any of
+  them, and Lightning's own handler is called on every rank at once, as if the signal had arrived
+  then: SIGTERM stops the run after saving ``last.ckpt``; the requeue signal saves Lightning's
+  ``hpc_ckpt_<n>.ckpt``, requeues the job and stops. No main-run step starts after the signal but
+  the one in progress; a probe branch in progress is abandoned at its next step, and the main
+  state is restored first.
+- **CBS probes.** A probe's reading needs the run's state where its window began. When a window
+  opens, ``last.ckpt`` is written there; periodic checkpoints that fall inside the window are not
+  written (said once per window); and a run stopped inside the probe (window or branches) keeps
+  ``last.ckpt`` (or the hpc checkpoint) at the window's start. A resumed run starts the probe again
+  at that very step and reads what the uninterrupted run reads, at the price of retraining the
+  window's main-run steps. Without ``save_last`` the stop saves the main state at its step, and
+  the resumed probe says where it was interrupted.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from lit_cbs._internals import (
+    checkpoint_every_n_train_steps,
+    cluster_environment,
+    hpc_checkpoint_path,
+    last_saved_step,
+    set_last_saved_step,
+    should_accumulate,
+)
+from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
+
+
+class FinalStateCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops
+    (see the module docstring). ``last.ckpt`` needs ``save_last=True``. ``enable_version_counter``
+    defaults to False: a job resumed in the same folder (a requeued SLURM job) overwrites ``last.ckpt``
+    instead of writing ``last-v1.ckpt`` beside a stale one."""
+
+    def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
+        super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
+        self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
+        self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
+
+    # ------------------------------------------------------------------ signals
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        accounting = BatchAccounting.of(trainer)
+        accounting.stop_signal = None
+        if accounting.probe_window_step == trainer.global_step and self.save_last:
+            self._keep_resumed_checkpoint_as_last(trainer)
+        self._defer_stop_signals(trainer, accounting)
+
+    def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
+        """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
+        is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
+        source, target = Path(trainer.ckpt_path), Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        if trainer.is_global_zero and source.resolve() != target.resolve():
+            _copy_checkpoint(source, target)
+        trainer.strategy.barrier("FinalStateCheckpoint.resumed")
+        set_last_saved_step(self, trainer.global_step)
+        self.last_model_path = str(target)
+
+    def _defer_stop_signals(self, trainer: pl.Trainer, accounting: BatchAccounting) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread; Lightning's stay
+        signals = [signal.SIGTERM]
+        environment = cluster_environment(trainer)
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            signals.append(environment.requeue_signal)
+        for signum in signals:
+            self._lightning_handlers[signum] = signal.getsignal(signum)
+
+            def record(received: int, frame: Any, accounting: BatchAccounting = accounting) -> None:
+                # SIGTERM wins over the requeue signal: the run stops either way.
+                if accounting.stop_signal != signal.SIGTERM:
+                    accounting.stop_signal = received
+
+            signal.signal(signum, record)
+
+    def _deliver_stop_signal(self, trainer: pl.Trainer) -> None:
+        """At a step boundary: if a stop signal arrived on any rank, hand it to Lightning on every rank."""
+        if not self._lightning_handlers:
+            return
+        accounting = BatchAccounting.of(trainer)
+        pending = [float(accounting.stop_signal == signum) for signum in self._lightning_handlers]
+        if trainer.world_size > 1:
+            pending = mean_over_ranks(trainer, pending)
+        arrived = [signum for signum, flag in zip(self._lightning_handlers, pending) if flag > 0]
+        if not arrived:
+            return
+        signum = arrived[0]  # SIGTERM first
+        accounting.stop_signal = signum
+        self._restore_lightning_handlers()
+        name = signal.Signals(signum).name
+        window = accounting.probe_window_step
+        rank_zero_info(
+            f"{name}: stopping after step {trainer.global_step}"
+            + (f", inside the CBS probe whose window began at step {window}" if window is not None else "")
+        )
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            handler(signum, None)
+        if signum != signal.SIGTERM:  # the requeue signal: Lightning saved the hpc checkpoint and requeued
+            if window is not None and self.save_last and Path(self.last_model_path or "").exists():
+                self._replace_with_probe_start(trainer, hpc_checkpoint_path(trainer))
+            trainer.should_stop = True
+
+    def _replace_with_probe_start(self, trainer: pl.Trainer, hpc_path: str | None) -> None:
+        """Make the checkpoint Lightning just saved at the requeue signal hold the open probe's start instead."""
+        if hpc_path is not None and trainer.is_global_zero:
+            _copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
+            rank_zero_info(
+                f"{Path(hpc_path).name} holds step {BatchAccounting.of(trainer).probe_window_step}, where the CBS probe began"
+            )
+        trainer.strategy.barrier("FinalStateCheckpoint.hpc")
+
+    def _restore_lightning_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, handler in self._lightning_handlers.items():
+            signal.signal(signum, handler)
+        self._lightning_handlers = {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Lightning's, saying in one line what a run resumed into another folder keeps (its own
+        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded."""
+        before = state_dict.get("dirpath", self.dirpath)
+        if before == self.dirpath:
+            super().load_state_dict(state_dict)
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The dirpath has changed")
+            super().load_state_dict(state_dict)
+        rank_zero_info(f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}")
+
+    # ------------------------------------------------------------------ saving
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if should_accumulate(trainer):
+            return
+        window = BatchAccounting.of(trainer).probe_window_step
+        if window is None or window == trainer.global_step:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        elif self._saves_at(trainer.global_step) and self._skipped_in_window != window:
+            self._skipped_in_window = window
+            rank_zero_info(
+                f"FinalStateCheckpoint: no checkpoint at step {trainer.global_step}, inside the CBS probe window that "
+                f"began at step {window} (last.ckpt holds that step): the probe's reading needs the state of its start"
+            )
+        if window == trainer.global_step and self.save_last and last_saved_step(self) != window:
+            self._save_last_now(trainer)
+            rank_zero_info(
+                f"FinalStateCheckpoint: last.ckpt holds step {window}, where a CBS probe window begins: a run stopped "
+                "inside the probe resumes from there and redoes it"
+            )
+        self._deliver_stop_signal(trainer)
+        if trainer.should_stop or trainer.received_sigterm or 0 <= trainer.max_steps <= trainer.global_step:
+            # The run ends after this step: save it here, as the periodic checkpoints are saved, while
+            # Lightning still counts the epoch unfinished (after the epoch's last step it would count the
+            # epoch done but not start the next one's count of micro-batches, and a resumed run would skip it).
+            self._save_final_state(trainer)
+
+    def _saves_at(self, step: int) -> bool:
+        every = checkpoint_every_n_train_steps(self)
+        return every >= 1 and step % every == 0
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if trainer.training and not should_accumulate(trainer):
+            self._deliver_stop_signal(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._restore_lightning_handlers()
+        self._save_final_state(trainer)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        super().on_exception(trainer, pl_module, exception)
+        self._restore_lightning_handlers()
+        if not isinstance(exception, SIGTERMException) or not trainer.training:
+            return
+        if should_accumulate(trainer):
+            rank_zero_warn(
+                f"SIGTERM inside an accumulation window after step {trainer.global_step}: not checkpointed (resuming "
+                f"there would lose the window's gradients); last.ckpt holds step {last_saved_step(self)}"
+            )
+            return
+        self._save_final_state(trainer)
+
+    def _save_final_state(self, trainer: pl.Trainer) -> None:
+        if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
+            return
+        window = BatchAccounting.of(trainer).probe_window_step
+        if window is not None and BatchAccounting.of(trainer).stop_signal is not None:
+            rank_zero_warn(
+                f"stopped inside the CBS probe whose window began at step {window}: last.ckpt holds step {window}, "
+                f"so a resumed run redoes the probe there ({trainer.global_step - window} main-run steps are retrained)"
+            )
+            return
+        self._save_last_now(trainer)
+
+    def _save_last_now(self, trainer: pl.Trainer) -> None:
+        path = str(Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}")
+        trainer.save_checkpoint(path, weights_only=self.save_weights_only)
+        set_last_saved_step(self, trainer.global_step)
+        self.last_model_path = path
+
+
+def _copy_checkpoint(source: Path, target: Path) -> None:
+    """Copy a checkpoint file, or a distributed checkpoint's folder, over ``target``."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir():
+        shutil.rmtree(target)
+    if source.is_dir():
+        shutil.copytree(source, target)
+    else:
+        shutil.copyfile(source, target)

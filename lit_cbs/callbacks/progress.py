@@ -1,0 +1,80 @@
+"""``RunProgressBar``: Lightning's TQDMProgressBar counting what the run will really do.
+
+Lightning's bar counts the micro-batches of one epoch, but a run that BatchWarmup stops at
+``max_tokens`` ends wherever the budget runs out (the default job at 37% of its first epoch's bar),
+and with accumulation a micro-batch is not a step. This bar spans the whole run instead: tokens
+out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else optimizer steps out of ``Trainer(max_steps=...)``, and ends
+at 100%. Without either it is Lightning's bar.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from lit_cbs.callbacks.accounting import BatchAccounting
+
+
+class RunProgressBar(TQDMProgressBar):
+    """One training bar for the whole run, in tokens (the token budget ``max_tokens``) or optimizer steps
+    (``max_steps``); same arguments as ``TQDMProgressBar`` (``refresh_rate`` in micro-batches)."""
+
+    def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False):
+        super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
+        self._accounting: BatchAccounting | None = None
+        self._micro_batches = 0
+
+    def progress(self, trainer: pl.Trainer) -> tuple[int, int, str] | None:
+        """(done, total, unit) for the whole run, or None where Lightning's per-epoch count applies."""
+        accounting = self._accounting
+        if accounting is not None and accounting.max_tokens is not None:
+            # The last step may pass the budget: the bar then ends at what was trained.
+            return accounting.tokens_seen, max(accounting.max_tokens, accounting.tokens_seen), "tokens"
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return trainer.global_step, trainer.max_steps, "steps"
+        return None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._accounting = next((cb for cb in trainer.callbacks if isinstance(cb, BatchAccounting)), None)
+        self._micro_batches = 0
+        progress = self.progress(trainer)
+        if progress is not None and not self.train_progress_bar.disable:
+            # A resumed run starts part-way: tqdm's rate then counts from here, not from zero at time 0.
+            self.train_progress_bar.initial = progress[0]
+            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")  # no epoch start on a resume mid-epoch
+        self._show(trainer, pl_module)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.progress(trainer) is None:
+            super().on_train_epoch_start(trainer, *args)
+            return
+        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        if self.progress(trainer) is None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            return
+        self._micro_batches += 1
+        if self.is_enabled and (self._micro_batches % self.refresh_rate == 0 or trainer.should_stop):
+            self._show(trainer, pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.progress(trainer) is None:
+            super().on_train_epoch_end(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._show(trainer, pl_module)
+        super().on_train_end(trainer, pl_module)
+
+    def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        progress = self.progress(trainer)
+        bar = self.train_progress_bar
+        if progress is None or bar.disable:
+            return
+        done, total, unit = progress
+        bar.unit, bar.unit_scale, bar.total, bar.n = unit, unit == "tokens", total, done
+        bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+        bar.refresh()

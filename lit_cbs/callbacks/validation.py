@@ -1,0 +1,62 @@
+"""``TokenValidation``: validate every so many tokens, however large the batch and the micro-batch.
+
+Lightning's ``val_check_interval`` counts micro-batches. When ``BatchWarmup`` grows the micro-batch,
+a micro-batch holds more tokens, so validation would come ever more rarely in tokens (and a run at
+another batch would validate at other token counts than its control). This callback decides
+instead, after each optimizer step of the main run: once ``tokens_seen`` (the Trainer's
+``BatchAccounting``) crosses a multiple of ``every_tokens``, the validation loop runs right after
+that step; the curves of runs at any batch share their token grid up to one step. Lightning still
+validates where it always does at the end (``max_tokens``, ``max_steps``, an early stop).
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+
+from lit_cbs._internals import set_validation_due, should_accumulate
+from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.errors import LitCBSConfigError, positive_int
+
+
+class TokenValidation(Callback):
+    """Run the validation loop after the optimizer step that crosses each multiple of ``every_tokens``
+    (tokens seen, all ranks). Leave ``Trainer(val_check_interval=...)`` at its default (it is not used)
+    and ``check_val_every_n_epoch`` at None or 1."""
+
+    def __init__(self, every_tokens: int):
+        self.every_tokens = positive_int("every_tokens", every_tokens, "tokens between validations")
+        self._accounting: BatchAccounting | None = None
+        self._tokens_at_last_step = 0
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        if trainer.val_check_interval != 1.0:
+            raise LitCBSConfigError(
+                f"TokenValidation(every_tokens={self.every_tokens}) decides when to validate, but "
+                f"Trainer(val_check_interval={trainer.val_check_interval}) asks for its own cadence: leave "
+                "val_check_interval at its default, or drop TokenValidation"
+            )
+        if trainer.check_val_every_n_epoch not in (None, 1):
+            raise LitCBSConfigError(
+                f"TokenValidation validates inside epochs, which Trainer(check_val_every_n_epoch="
+                f"{trainer.check_val_every_n_epoch}) forbids on most of them: set check_val_every_n_epoch=None"
+            )
+        self._accounting = BatchAccounting.of(trainer)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._tokens_at_last_step = self._accounting.tokens_seen
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        accounting = self._accounting
+        if not accounting.has_tokens:
+            raise LitCBSConfigError(
+                f"TokenValidation(every_tokens={self.every_tokens}) counts tokens, but the batches hold no token ids: "
+                "give seq_len=... to BatchAccounting or BatchWarmup, or validate with Trainer(val_check_interval=...)"
+            )
+        if should_accumulate(trainer):
+            set_validation_due(trainer, False)
+            return
+        before, self._tokens_at_last_step = self._tokens_at_last_step, accounting.tokens_seen
+        set_validation_due(trainer, accounting.tokens_seen // self.every_tokens > before // self.every_tokens)

@@ -1,0 +1,842 @@
+"""``BatchWarmup``: grow the global batch during training by a schedule in samples or tokens.
+
+global batch (samples) = micro-batch x accumulate x data-parallel size. At each change BatchWarmup
+picks the micro-batch first (the largest that divides a rank's share of the new batch, up to
+``max_micro_batch_size``; without it the micro-batch stays the datamodule's ``batch_size``) and
+makes up the rest by accumulation (``trainer.accumulate_grad_batches``, which Lightning reads at
+every batch to decide when to step, when to zero gradients and how to divide the loss). A change is
+applied right after an optimizer step, and only when the samples consumed this epoch (all ranks)
+are a multiple of the new global batch, so every later step averages over exactly the scheduled
+samples, and the steps where the batch changes depend on the samples alone, not on the ranks or
+the micro-batch. A change from B to B' therefore waits at most B' / gcd(B, B') - 1 steps (r - 1
+for an integer ratio r); ``history``
+records when each change was asked for and when it happened.
+
+A new micro-batch reaches the train loader between two steps, mid-epoch, when the loader is a
+``lit_cbs.GlobalOrderLoader``: its micro-batches are cut from one global sample order, so the
+data order is that of a run without the change. Another loader cannot change its batch mid-epoch,
+so a schedule that needs another micro-batch is refused with it. The same loader lets a run resume
+on another number of ranks: the micro-batch and accumulation are chosen afresh for the new ranks,
+the global batch, LR and data position continue.
+
+Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its schedulers
+keep it (lit_cbs.rules.scaling), so it composes with the user's LR schedule; ``weight_decay_rule`` and
+``beta2_rule`` move AdamW's weight decay and beta2 with it. The applied state is in the checkpoint
+(the optimizer's param groups), so a resumed run never applies a change twice. ``clip_rule``
+likewise rescales the Trainer's ``gradient_clip_val``.
+
+With ``guard`` (lit_cbs.rules.guard.BatchGuard) each increase is judged on the training loss after it and
+reverted if the loss rises above its trend: the revert is a change like the others (at an aligned
+step), recorded with ``cause="guard"``, and it restores the LR and clipping threshold of before the
+increase, and the weight decay, betas and eps of before it, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import (
+    Callback,
+    GradientAccumulationScheduler,
+    ModelCheckpoint,
+)
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lit_cbs._internals import checkpoint_triggers, shift_epoch_micro_batches, should_accumulate
+from lit_cbs.callbacks.accounting import (
+    BatchAccounting,
+    MicroBatchSetting,
+    check_divisible,
+    mean_over_ranks,
+    resizable_train_loader,
+)
+from lit_cbs.callbacks.logs import log_to_loggers
+from lit_cbs.callbacks.validation import TokenValidation
+from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
+from lit_cbs.rules.guard import BatchGuard, GuardVerdict
+from lit_cbs.rules.lr_schedules import TokenLRScheduler
+from lit_cbs.rules.scaling import OptimizerRules, get_clip_rule, optimizer_settings, restore_settings, scale_learning_rate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BatchChange:
+    """One applied change of the global batch. Batches in samples, consumed counts global."""
+
+    step: int  # optimizer steps taken before the new batch's first step
+    epoch: int
+    samples_seen: int
+    tokens_seen: int
+    old_global_batch: int
+    new_global_batch: int
+    old_accumulate: int
+    new_accumulate: int
+    old_micro_batch_size: int
+    new_micro_batch_size: int
+    lr_factor: float  # this change's LR multiplier: lr_rule(new / old), or for a revert 1 / the reverted change's
+    requested_at_samples: int  # where the schedule (or the guard) first asked for this new batch (and micro-batch)
+    requested_at_tokens: int
+    cause: str = "schedule"  # "schedule", or "guard" for a revert of an increase (BatchGuard)
+    clip_factor: float = 1.0  # this change's multiplier of the gradient-clipping threshold (clip_rule)
+
+
+class BatchWarmup(Callback):
+    """Change the global batch size (and scale the LR) during training by ``schedule``.
+
+    The counts it acts on (micro-batch, accumulation, samples and tokens seen) live in the Trainer's
+    ``BatchAccounting`` (``lit_cbs.callbacks.accounting``); BatchWarmup is the one callback that changes them.
+
+    Args:
+        schedule: a ``lit_cbs.rules.batch_schedules`` schedule: consumed samples or tokens -> global batch (samples).
+        lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
+        weight_decay_rule: "timescale": at a change by k = new / old with LR factor f(k), every param
+            group's weight_decay becomes weight_decay * k / f(k), keeping AdamW's timescale
+            B / (eta * lambda * D) (lit_cbs.rules.scaling). None (default): unchanged.
+        beta2_rule: "half_life": Adam's beta2 becomes beta2 ** k, keeping its half-life in tokens.
+            None (default): unchanged. Not with lr_rule="adam_sde", which moves beta2 itself.
+        clip_rule: multiply the Trainer's ``gradient_clip_val`` by ``clip_rule(new / old)`` at each
+            change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
+            grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
+        guard: watch the training loss after each increase and revert an increase after which it rises
+            above its trend: True for the defaults, a dict of settings, or a ``lit_cbs.rules.guard.BatchGuard``
+            (its docstring has the rule and the settings). None or False (default): no guard.
+        max_tokens: stop training once this many tokens (all ranks) were trained on
+            (``BatchAccounting.max_tokens``).
+        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
+            else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
+            token ids (float features) has no tokens: ``tokens_seen`` stays 0 and token-based
+            settings (``unit="tokens"``, ``max_tokens``) are refused.
+        max_micro_batch_size: if given, the micro-batch (samples per rank) grows with the batch: at
+            every change it becomes the largest size up to this that divides a rank's share of the
+            new global batch, before the accumulation grows. Needs a train loader that changes its
+            batch between optimizer steps (``lit_cbs.GlobalOrderLoader``). None (default): the
+            micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
+        log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
+            ``batch/lr_factor`` (with their rules ``batch/weight_decay``, the largest of the param
+            groups, and ``batch/beta2``, param group 0's), ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds of training
+            since the fit began, validation and probes included; a resumed run goes on from its
+            checkpoint's) and ``lr`` to the trainer's loggers at its
+            ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
+            progress bar. Each row describes the optimizer step it belongs to, as Lightning's
+            LearningRateMonitor does: the batch, accumulation and LR that step trained with, and
+            the counts including it. An epoch's last step, short when the epoch's samples run out
+            before the accumulation does, shows the samples and micro-batches it trained on.
+
+    Attributes:
+        history: ``BatchChange`` records, in order.
+        global_batch, accumulate, micro_batch_size: the batch now (samples, micro-batches per step,
+            samples per rank).
+        samples_seen, tokens_seen, seq_len: read from the Trainer's ``BatchAccounting``.
+        guard: the ``BatchGuard`` or None; ``guard.verdicts`` holds its judgement of each increase.
+    """
+
+    def __init__(
+        self,
+        schedule: BatchSchedule,
+        lr_rule="sqrt",
+        max_tokens: int | None = None,
+        seq_len: int | None = None,
+        max_micro_batch_size: int | None = None,
+        log_every_step: bool = True,
+        clip_rule=None,
+        guard: bool | dict | BatchGuard | None = None,
+        weight_decay_rule: str | None = None,
+        beta2_rule: str | None = None,
+    ):
+        if not isinstance(schedule, BatchSchedule):
+            raise LitCBSConfigError(
+                f"schedule must be a lit_cbs.rules.batch_schedules schedule (ConstantBatch, PiecewiseBatch, LinearRamp, "
+                f"ExponentialRamp, ...), got {schedule!r}"
+            )
+        self.schedule = schedule
+        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
+        self.clip_rule = get_clip_rule(clip_rule)
+        self.guard = BatchGuard.of(guard)
+        self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
+        self._seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
+        self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
+        self.log_every_step = log_every_step
+
+        self.accounting: BatchAccounting | None = None  # the Trainer's, from setup on
+        self.global_batch: int | None = None
+        self.accumulate: int | None = None
+        self.micro_batch_size: int | None = None
+        self.lr_factor = 1.0  # product of all changes' LR factors
+        self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
+        self._base_gradient_clip_val: float | None = None  # the Trainer's, before any change
+        # The guard's sum of this step's micro-batch losses so far (a tensor on the loss's device: no host
+        # sync per micro-batch) and their count.
+        self._step_loss_sum: torch.Tensor | float = 0.0
+        self._step_micro_batches = 0
+        self.history: list[BatchChange] = []
+        # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
+        self._requested_at: tuple[tuple[int, int], int, int] | None = None
+        self._trainer: pl.Trainer | None = None
+        self._token_settings_checked = False
+        self._step_lr: float | None = None
+        self._step_settings: dict[str, float] = {}  # batch/weight_decay, batch/beta2 of the step just taken
+        self._settings_set: list[list[dict]] | None = None  # what the rules last left in each optimizer
+        self._samples_before_step: int | None = None  # samples_seen after the previous optimizer step
+
+    @property
+    def lr_rule(self):
+        """The LR rule (``rules.lr``)."""
+        return self.rules.lr
+
+    # ------------------------------------------------------------------ counts (the accounting's)
+    @property
+    def samples_seen(self) -> int:
+        """Samples trained on so far, all ranks."""
+        return self.accounting.samples_seen if self.accounting is not None else 0
+
+    @property
+    def tokens_seen(self) -> int:
+        """Tokens trained on so far, all ranks (0 for data without token ids)."""
+        return self.accounting.tokens_seen if self.accounting is not None else 0
+
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per sample (None for data without token ids)."""
+        return self.accounting.seq_len if self.accounting is not None else self._seq_len
+
+    @property
+    def consumed(self) -> int:
+        """What the schedule is indexed by: samples or tokens seen (global)."""
+        return self.tokens_seen if self.schedule.unit == "tokens" else self.samples_seen
+
+    # ------------------------------------------------------------------ validation and setup
+    def micro_batch_for(self, global_batch: int) -> int:
+        """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
+        up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it, the micro-batch now."""
+        if self.max_micro_batch_size is None:
+            return self.micro_batch_size
+        return micro_batch_for(global_batch, self.accounting.data_parallel_size, self.max_micro_batch_size)
+
+    def check_sizes(
+        self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
+    ) -> None:
+        """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every
+        data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
+        only into the ranks. Also for a run's configuration before its Trainer exists."""
+        for size in sizes:
+            check_divisible(size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        if not pl_module.automatic_optimization:
+            raise LitCBSConfigError(
+                "BatchWarmup needs automatic optimization (it changes accumulate_grad_batches); "
+                "set `self.automatic_optimization = True` or remove BatchWarmup"
+            )
+        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            raise LitCBSConfigError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        if isinstance(trainer.strategy, DeepSpeedStrategy) and not self.schedule.is_constant:
+            raise LitCBSConfigError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
+        accounting = self.accounting = BatchAccounting.of(trainer)
+        for name, value in (("max_tokens", self.max_tokens), ("seq_len", self._seq_len)):
+            if value is None:
+                continue
+            if getattr(accounting, name) not in (None, value):
+                raise LitCBSConfigError(
+                    f"BatchWarmup({name}={value}) conflicts with BatchAccounting({name}={getattr(accounting, name)}); "
+                    "give it to one of them"
+                )
+            setattr(accounting, name, value)
+
+        if self.clip_rule is not None and not trainer.gradient_clip_val:
+            raise LitCBSConfigError(
+                f"BatchWarmup(clip_rule={self.clip_rule.name!r}) rescales the gradient-clipping threshold, but "
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val!r}) sets none: set gradient_clip_val "
+                "(e.g. 1.0), or clip_rule=None"
+            )
+        self._check_adaptive_has_a_probe(trainer)
+        self._base_gradient_clip_val = trainer.gradient_clip_val
+        micro = self._get_micro(trainer, pl_module)
+        if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
+            raise LitCBSConfigError(
+                f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
+                f"batch_size={micro}; raise it or lower the batch_size"
+            )
+        self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
+        self.micro_batch_size = micro  # the datamodule's: where micro_batch_for starts without max_micro_batch_size
+        self.global_batch = self.schedule.batch_size(0)
+        self.micro_batch_size = self.micro_batch_for(self.global_batch)
+        self.accumulate = check_divisible(self.global_batch, self.micro_batch_size, accounting.data_parallel_size)
+        if trainer.accumulate_grad_batches not in (1, self.accumulate):
+            raise LitCBSConfigError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
+                f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
+            )
+        self._apply_to_trainer(trainer, pl_module)
+
+    def lacks_a_feeder(self, callbacks: list, resumed: bool) -> bool:
+        """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings
+        (``CBSProbeCallback``, or a callback of yours that calls ``schedule.observe`` and says so with a
+        class attribute ``feeds_cbs_adaptive = True``): it would stay at its start batch for the whole
+        run. A resumed run may have none (after its last probe point the recorded decisions replay)."""
+        schedule = self.schedule
+        return (
+            isinstance(schedule, CBSAdaptive)
+            and schedule.start < schedule.final
+            and not resumed
+            and not any(getattr(callback, "feeds_cbs_adaptive", False) for callback in callbacks)
+        )
+
+    def _check_adaptive_has_a_probe(self, trainer: pl.Trainer) -> None:
+        if self.lacks_a_feeder(trainer.callbacks, resumed=trainer.ckpt_path is not None):
+            schedule = self.schedule
+            raise LitCBSConfigError(
+                f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
+                "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "
+                f"would stay {schedule.start} for the whole run: add lit_cbs.CBSProbeCallback(...) (or a callback of "
+                "yours that calls schedule.observe, with feeds_cbs_adaptive = True), or use a fixed schedule "
+                "(PiecewiseBatch, ConstantBatch)"
+            )
+
+    @staticmethod
+    def _get_micro(trainer, pl_module) -> int:
+        return positive_int("batch_size", MicroBatchSetting.of(trainer, pl_module).get(), "the micro-batch, samples per rank")
+
+    def _apply_to_trainer(self, trainer, pl_module) -> None:
+        trainer.accumulate_grad_batches = self.accumulate
+        if self.clip_rule is not None:
+            trainer.gradient_clip_val = self._base_gradient_clip_val * self.clip_factor
+        self.accounting.set_micro_batch_size(trainer, pl_module, self.micro_batch_size)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # The changes still to come, from the batch now. A constant schedule the run already trains at
+        # has none: the LR is never rescaled, so any optimizer and LR scheduler (OneCycleLR too) train
+        # exactly as without BatchWarmup. A constant schedule can still change the batch once, when a
+        # run resumes with another batch than its checkpoint's: that change is checked like any other.
+        sizes = self.schedule.sizes(self.consumed)
+        ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        who = f"BatchWarmup({self.rules.describe()})"
+        for optimizer in trainer.optimizers:
+            self.rules.check(optimizer, schedulers, ratios, who, compose=True)
+        if not ratios:
+            if self.rules.settings and self.guard is None:
+                rank_zero_warn(
+                    f"{who}: the schedule {self.schedule!r} never changes the batch from {self.global_batch}, so "
+                    f"{' and '.join(rule.argument for rule in self.rules.settings)} never act: give the optimizer the "
+                    "settings for this batch yourself, or drop the rules"
+                )
+            return
+        for config in trainer.lr_scheduler_configs:
+            # ReduceLROnPlateau follows a monitored metric, not the step count: nothing stretches.
+            if config.interval == "step" and not isinstance(
+                config.scheduler, (TokenLRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+            ):
+                rank_zero_warn(
+                    f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
+                    "the tokens per step, so the schedule will stretch in tokens (and "
+                    "trainer.estimated_stepping_batches assumes a constant batch); use "
+                    "lit_cbs.rules.lr_schedules.TokenLRScheduler"
+                )
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._samples_before_step = self.samples_seen
+        self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
+        self._check_loader_resizes(trainer)
+        if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
+            self._regroup_for_new_ranks(trainer, pl_module)
+        self._warn_checkpoints_inside_accumulation(trainer, pl_module)
+        if self.accounting.budget_reached:
+            return  # resumed from a run's final state: the accounting stops the run
+        # A change the schedule asked for after a run's last step was not applied then (no step used
+        # it); a run resumed from there with a larger budget applies it now, where it would have been.
+        if not self._no_step_follows(trainer):
+            self._maybe_change(trainer, pl_module, functools.partial(self._fits_now, trainer))
+
+    def _sizes_to_come(self) -> list[int]:
+        """Every global batch the run may still train at: the schedule's, and those a guard may revert to."""
+        return sorted(
+            {self.global_batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])}
+        )
+
+    def _check_loader_resizes(self, trainer: pl.Trainer) -> None:
+        """A schedule whose micro-batch changes needs a loader that can change its batch between steps."""
+        micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
+        if micros == {self.micro_batch_size}:
+            return
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            name = type(trainer.train_dataloader).__name__
+            raise LitCBSConfigError(
+                f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes the micro-batch between "
+                f"optimizer steps ({' -> '.join(map(str, sorted(micros)))} samples per rank), which the train loader "
+                f"({name}) cannot do mid-epoch: build it with lit_cbs.GlobalOrderLoader(dataset, "
+                "batch_size=self.batch_size, ...), or set max_micro_batch_size=None to grow the batch by accumulation"
+            )
+        if trainer.limit_train_batches != 1.0:
+            raise LitCBSConfigError(
+                f"Trainer(limit_train_batches={trainer.limit_train_batches}) counts micro-batches, whose size "
+                f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes: stop the run by max_tokens "
+                "or max_steps instead"
+            )
+
+    def _regroup_for_new_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Resumed on another number of data-parallel ranks: the global batch, LR and data position go on;
+        the micro-batch and accumulation are chosen for the ranks now (``_fits_now`` lets the first step
+        after the resume take exactly the new accumulation)."""
+        accounting, before = self.accounting, self.accounting.checkpoint_data_parallel_size
+        ranks = accounting.data_parallel_size
+        loader = resizable_train_loader(trainer)
+        if loader is None:
+            raise LitCBSConfigError(
+                f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
+                f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
+                f"skip or repeat samples; build it with lit_cbs.GlobalOrderLoader (one order for any number of "
+                f"ranks), or resume on {before} ranks"
+            )
+        self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
+        old = (self.micro_batch_size, self.accumulate)
+        self.micro_batch_size = self.micro_batch_for(self.global_batch)
+        self.accumulate = self.global_batch // (self.micro_batch_size * ranks)
+        self._fits_now(trainer, self.global_batch, self.accumulate)  # true: the position is a multiple of the batch
+        self._apply_to_trainer(trainer, pl_module)
+        rank_zero_info(
+            f"BatchWarmup: resumed on {ranks} data-parallel rank(s) (the checkpoint's run had {before}): global batch "
+            f"{self.global_batch} = micro {self.micro_batch_size} x accumulate {self.accumulate} x {ranks} (was micro "
+            f"{old[0]} x accumulate {old[1]} x {before}), from sample {loader.position:,} of epoch {loader.epoch}"
+        )
+
+    def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
+        accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
+        ranks = self.accounting.data_parallel_size
+        accumulations = {size // (self.micro_batch_for(size) * ranks) for size in self.schedule.sizes(self.consumed)}
+        step = math.lcm(*accumulations, self.accumulate)
+        if step == 1:
+            return
+        validation_batch = trainer.val_check_batch
+        validates_inside_epoch = (
+            isinstance(validation_batch, int)
+            and trainer.limit_val_batches != 0
+            and is_overridden("validation_step", pl_module)
+            and (validation_batch < trainer.num_training_batches or trainer.check_val_every_n_epoch is None)
+            and not any(isinstance(callback, TokenValidation) for callback in trainer.callbacks)  # validates after steps
+        )
+        for callback in trainer.checkpoint_callbacks:
+            if not isinstance(callback, ModelCheckpoint):
+                continue
+            time_interval, every_n_epochs = checkpoint_triggers(callback)
+            if time_interval is not None:
+                reason = f"train_time_interval={time_interval} can fall on any micro-batch"
+            elif every_n_epochs >= 1 and validates_inside_epoch and validation_batch % step:
+                reason = (
+                    f"it saves after validation, which runs every {validation_batch} micro-batches (val_check_interval), "
+                    f"not a multiple of the accumulation {step}"
+                )
+            else:
+                continue
+            aligned = -(-validation_batch // step) * step if isinstance(validation_batch, int) else step
+            rank_zero_warn(
+                f"ModelCheckpoint may save inside an accumulation window ({reason}); a run resumed from such a "
+                f"checkpoint loses the half-accumulated gradient. Checkpoint on optimizer steps with "
+                f"ModelCheckpoint(every_n_train_steps=...), or set val_check_interval to a multiple of {step} "
+                f"micro-batches (e.g. {aligned})"
+            )
+
+    # ------------------------------------------------------------------ per batch
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        # The accounting's hook ran first: it has resolved seq_len from this batch.
+        if not self._token_settings_checked:
+            self._token_settings_checked = True
+            if self.schedule.unit == "tokens" and not self.accounting.has_tokens:
+                raise LitCBSConfigError(
+                    "BatchWarmup has schedule unit='tokens' but the batches hold no token ids (no 2-D integer "
+                    "tensor), so it cannot count tokens: use unit='samples' for such data, or pass "
+                    "BatchWarmup(seq_len=...) / give the datamodule a `tokens_per_sample` attribute if it is token data"
+                )
+            self._warn_unreachable_batches(trainer)
+
+    def _run_limits(self, trainer: pl.Trainer, samples: int) -> list[tuple[str, str, int]]:
+        """What ends the run from here: (setting, unit, amount left) for max_tokens (tokens), max_steps
+        (optimizer steps) and max_epochs (samples, from the loader's length)."""
+        limits = []
+        accounting = self.accounting
+        if accounting.max_tokens is not None and accounting.seq_len:
+            limits.append(
+                (
+                    f"max_tokens={accounting.max_tokens:,}",
+                    "tokens",
+                    accounting.max_tokens - self.tokens_seen + (self.samples_seen - samples) * accounting.seq_len,
+                )
+            )
+        if trainer.max_steps is not None and trainer.max_steps >= 0:
+            limits.append((f"Trainer(max_steps={trainer.max_steps:,})", "steps", trainer.max_steps - trainer.global_step))
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            loader = resizable_train_loader(trainer)
+            ranks = accounting.data_parallel_size
+            if loader is not None:
+                per_epoch, this_epoch = loader.num_samples, loader.position
+            elif isinstance(trainer.num_training_batches, int):
+                per_epoch = trainer.num_training_batches * self.micro_batch_size * ranks
+                this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready * self.micro_batch_size * ranks
+            else:
+                return limits  # an iterable of unknown length
+            left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - this_epoch + (self.samples_seen - samples)
+            limits.append((f"Trainer(max_epochs={trainer.max_epochs}) ({per_epoch:,} samples per epoch)", "samples", left))
+        return limits
+
+    def _steps_to(self, unit: str, left: int, batch: int) -> int:
+        """Optimizer steps at ``batch`` until ``left`` of ``unit`` are trained (the run stops after the step that reaches it)."""
+        per_step = {"steps": 1, "samples": batch, "tokens": batch * (self.accounting.seq_len or 0)}[unit]
+        return max(0, -(-left // per_step)) if per_step else 0
+
+    def _warn_unreachable_batches(self, trainer: pl.Trainer) -> None:
+        """Warn, before the first step, about every global batch the schedule has to come that the run
+        ends before (by max_tokens, max_steps or max_epochs): those phases never train. The steps are
+        walked phase by phase as BatchWarmup takes them (less its wait for an aligned step)."""
+        if isinstance(self.schedule, CBSAdaptive):
+            return  # its batches come from readings, not from the consumed count
+        seq_len = self.accounting.seq_len if self.accounting.has_tokens else 0
+        samples = self._samples_before_step if self._samples_before_step is not None else self.samples_seen
+        tokens = self.tokens_seen - (self.samples_seen - samples) * seq_len
+        limits = self._run_limits(trainer, samples)
+        if not limits:
+            return
+        batch, reached, steps_taken = self.global_batch, {self.global_batch}, 0
+        start = {"samples": samples, "tokens": tokens}
+
+        def steps_left(limit: tuple[str, str, int]) -> int:  # at ``batch``, until ``limit`` ends the run
+            _, unit, left = limit
+            used = steps_taken if unit == "steps" else {"samples": samples, "tokens": tokens}[unit] - start[unit]
+            return self._steps_to(unit, left - used, batch)
+
+        while True:
+            k_limit = min(steps_left(limit) for limit in limits)
+            steps = self._steps_until_change(samples, tokens, seq_len, batch, k_limit)
+            if steps is None:
+                break
+            samples, tokens, steps_taken = samples + steps * batch, tokens + steps * batch * seq_len, steps_taken + steps
+            batch = self.schedule.batch_size(tokens if self.schedule.unit == "tokens" else samples)
+            reached.add(batch)
+        never = [size for size in self.schedule.sizes(self.consumed) if size not in reached]
+        if not never:
+            return
+        ending = min(limits, key=steps_left)[0]
+        samples, tokens = samples + k_limit * batch, tokens + k_limit * batch * seq_len  # where the run ends
+        where = self._where_each_starts(never)
+        hint = ""
+        if isinstance(self.schedule, PiecewiseBatch) and self.schedule.unit == "samples" and seq_len:
+            thresholds = [t for t, size in zip(self.schedule.thresholds, self.schedule.batch_sizes) if size in never]
+            if thresholds and thresholds[0] <= tokens:
+                hint = (
+                    "; its thresholds are in samples (unit='samples'), but read as tokens they fall inside the run: "
+                    "did you mean unit='tokens'?"
+                )
+        at = f"{samples:,} samples" + (f" / {tokens:,} tokens" if seq_len else "")
+        rank_zero_warn(
+            f"BatchWarmup: the run ends by {ending} at {at}, before the schedule's global batch {where}: "
+            f"{'it never trains' if len(never) == 1 else 'they never train'} in this fit. Raise the limit, or move the "
+            f"schedule's thresholds (a run stopped here to resume elsewhere goes on with them){hint}"
+        )
+
+    def _steps_until_change(self, samples: int, tokens: int, seq_len: int, batch: int, most: int) -> int | None:
+        """The fewest steps at ``batch`` after which the schedule asks for another batch, if at most ``most``
+        (galloping, then bisecting: a schedule moves one way with what is consumed)."""
+
+        def changed(steps: int) -> bool:
+            consumed = tokens + steps * batch * seq_len if self.schedule.unit == "tokens" else samples + steps * batch
+            return self.schedule.batch_size(consumed) != batch
+
+        if most == 0 or not changed(most):
+            return None
+        low, high = 0, 1
+        while high < most and not changed(high):
+            low, high = high, min(2 * high, most)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if changed(middle) else (middle, high)
+        return high
+
+    def _where_each_starts(self, sizes: list[int]) -> str:
+        """The batches ``sizes``, each with where the schedule starts it (for a PiecewiseBatch)."""
+        if not isinstance(self.schedule, PiecewiseBatch):
+            return ", ".join(map(str, sizes))
+        starts = {size: at for at, size in zip(self.schedule.thresholds, self.schedule.batch_sizes)}
+        return ", ".join(f"{size} (from {starts[size]:,} {self.schedule.unit})" for size in sizes)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+        self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
+        if self.rules.settings:
+            self._check_settings_kept(trainer, optimizer)
+            self._step_settings = self.rules.values(optimizer)
+
+    def _remember_settings(self, trainer: pl.Trainer) -> None:
+        if self.rules.settings:
+            self._settings_set = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+
+    def _check_settings_kept(self, trainer: pl.Trainer, optimizer) -> None:
+        """LitCBSConfigError if something else (a callback, an LR scheduler, optimizer_step) wrote a
+        setting the rules move since BatchWarmup last did: the rule and the other writer would fight."""
+        index = next(i for i, candidate in enumerate(trainer.optimizers) if candidate is optimizer)
+        for number, (group, saved) in enumerate(zip(optimizer.param_groups, self._settings_set[index])):
+            for rule in self.rules.settings:
+                now, then = rule.get(group), rule.get(saved)
+                if now != then:
+                    raise LitCBSConfigError(
+                        f"BatchWarmup({rule.argument}={rule.name!r}) set {rule.key}={then:.6g} in param group {number}, but "
+                        f"at step {trainer.global_step} it is {now:.6g}: something else writes it (a callback, an LR "
+                        f"scheduler or the module's optimizer_step); remove that writer or set {rule.argument}=None"
+                    )
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
+        if self.guard is not None:
+            self._record_micro_loss(trainer, outputs)
+        if should_accumulate(trainer):
+            return  # no optimizer step this batch
+        if self.log_every_step:
+            self._log(trainer, pl_module)  # before any change: this row is the step just taken
+        self._samples_before_step = self.samples_seen
+        if self.guard is not None and self._step_micro_batches:
+            self.guard.record(self.consumed, float(self._step_loss_sum) / self._step_micro_batches)
+            self._step_loss_sum, self._step_micro_batches = 0.0, 0
+            verdict = self.guard.judge(self.consumed, lambda values: mean_over_ranks(trainer, values))
+            if verdict is not None:
+                self._report_verdict(trainer, verdict)
+        if self._no_step_follows(trainer):
+            return
+        self._maybe_change(trainer, pl_module, functools.partial(self._fits_now, trainer))
+
+    def _fits_now(self, trainer: pl.Trainer, global_batch: int, accumulate: int) -> bool:
+        """Whether a step of ``global_batch`` samples (``accumulate`` micro-batches per rank) can start now,
+        right after an optimizer step: when the samples consumed this epoch, over all ranks, are a
+        multiple of it (from B, at most B' / gcd(B, B') - 1 steps later). This depends on
+        the samples alone, not on the ranks or the micro-batch, so a run on any number of ranks
+        changes on the same steps, and a token budget of whole batches is met exactly.
+
+        Lightning also needs the epoch's micro-batches to be a multiple of the accumulation. With a
+        ``GlobalOrderLoader`` they need not be (the micro-batch may have changed this epoch, or the ranks
+        on resume): its count of micro-batches is only Lightning's, so it is moved up to the next
+        multiple, here and in the loader. With another loader the micro-batch is fixed, and the
+        samples condition implies it.
+        """
+        loader = resizable_train_loader(trainer)
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        samples = loader.position if loader is not None else ready * self.micro_batch_size * self.accounting.data_parallel_size
+        if samples % global_batch:
+            return False
+        behind = -ready % accumulate
+        if behind:
+            shift_epoch_micro_batches(trainer, behind)
+            loader.micro_batches += behind
+        return True
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Between epochs any accumulation fits: the next epoch starts at batch 0.
+        if self._no_step_follows(trainer) or trainer.current_epoch + 1 == trainer.max_epochs:
+            return
+        self._maybe_change(trainer, pl_module, lambda global_batch, accumulate: True)
+
+    @staticmethod
+    def _no_step_follows(trainer: pl.Trainer) -> bool:
+        """True after the run's final optimizer step: a change there would be recorded, logged and
+        checkpointed although no step uses it."""
+        return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
+
+    def _record_micro_loss(self, trainer, outputs) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if loss is None:
+            return  # training_step returned None: Lightning skipped this micro-batch
+        # Lightning hands back the loss divided by the accumulation; undo it for the micro-batch's mean.
+        self._step_loss_sum = self._step_loss_sum + loss.detach() * trainer.accumulate_grad_batches
+        self._step_micro_batches += 1
+
+    def _report_verdict(self, trainer, verdict: GuardVerdict) -> None:
+        unit = self.schedule.unit
+        outcome = (
+            f"reverting to {verdict.old_global_batch} samples"
+            if verdict.reverted
+            else f"keeping {verdict.new_global_batch} samples"
+        )
+        rank_zero_info(
+            f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
+            f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
+            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.window_steps} steps; threshold "
+            f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); {outcome}"
+        )
+        log_to_loggers(
+            trainer,
+            lambda _: {"batch/guard_rise": verdict.rise, "batch/guard_threshold": verdict.threshold},
+            every_step=True,
+        )
+
+    def _maybe_change(self, trainer, pl_module, fits) -> None:
+        target = self.schedule.batch_size(self.consumed)
+        if self.guard is not None:
+            target = self.guard.allowed_batch(target, self.global_batch, self.consumed)
+        new_micro = self.micro_batch_for(target)
+        if target == self.global_batch and new_micro == self.micro_batch_size:
+            self._requested_at = None
+            return
+        if self._requested_at is None or self._requested_at[0] != (target, new_micro):
+            self._requested_at = ((target, new_micro), self.samples_seen, self.tokens_seen)
+        new_accumulate = target // (new_micro * self.accounting.data_parallel_size)
+        if not fits(target, new_accumulate):
+            return
+        self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
+
+    def _apply_change(self, trainer, pl_module, target: int, new_accumulate: int, new_micro: int) -> None:
+        factor = clip_factor = 1.0
+        revert = self.guard is not None and self.guard.revert_to == target
+        before_increase = self.guard.reverted(self.consumed) if revert else None
+        if revert:
+            # Back to exactly the LR and clipping threshold of before the increase, whatever the rules.
+            factor = 1.0 / before_increase["lr_factor_of_change"]
+            clip_factor = 1.0 / before_increase["clip_factor_of_change"]
+        elif target != self.global_batch:
+            factor = self.lr_rule.lr_factor(target / self.global_batch)
+            if self.clip_rule is not None:
+                clip_factor = self.clip_rule.lr_factor(target / self.global_batch)
+        if target != self.global_batch:
+            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+            for index, optimizer in enumerate(trainer.optimizers):
+                if not revert:
+                    self.rules.apply(optimizer, schedulers, target / self.global_batch)
+                    continue
+                scale_learning_rate(optimizer, schedulers, factor)
+                if "optimizer_settings" in before_increase:
+                    restore_settings(optimizer, before_increase["optimizer_settings"][index])
+                else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
+                    self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
+        change = BatchChange(
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            samples_seen=self.samples_seen,
+            tokens_seen=self.tokens_seen,
+            old_global_batch=self.global_batch,
+            new_global_batch=target,
+            old_accumulate=self.accumulate,
+            new_accumulate=new_accumulate,
+            old_micro_batch_size=self.micro_batch_size,
+            new_micro_batch_size=new_micro,
+            lr_factor=factor,
+            requested_at_samples=self._requested_at[1],
+            requested_at_tokens=self._requested_at[2],
+            cause="guard" if revert else "schedule",
+            clip_factor=clip_factor,
+        )
+        if target < self.global_batch and not revert and self.guard is not None and self.guard.watching:
+            self.guard.forget_watch()
+        if target > self.global_batch and self.guard is not None:
+            # What a revert of this increase puts back.
+            restore = {
+                "lr_factor": self.lr_factor,
+                "clip_factor": self.clip_factor,
+                "lr_factor_of_change": factor,
+                "clip_factor_of_change": clip_factor,
+                "optimizer_settings": settings_before,
+            }
+            if not self.guard.watch(len(self.history), self.consumed, self.global_batch, target, restore):
+                rank_zero_info(
+                    f"BatchWarmup guard: {self.global_batch} -> {target} is not judged: fewer than "
+                    f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
+                )
+        self.history.append(change)
+        self._requested_at = None
+        self.global_batch, self.accumulate = target, new_accumulate
+        if before_increase is not None:
+            self.lr_factor, self.clip_factor = before_increase["lr_factor"], before_increase["clip_factor"]
+            if isinstance(self.schedule, CBSAdaptive):
+                self.schedule.withdraw_above(target)  # the doubling proved premature: a new reading must ask again
+        else:
+            self.lr_factor, self.clip_factor = self.lr_factor * factor, self.clip_factor * clip_factor
+        self.micro_batch_size = new_micro  # the loader yields it from the next micro-batch on
+        self._apply_to_trainer(trainer, pl_module)
+        self._remember_settings(trainer)
+        rank_zero_info(
+            f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
+            f"(micro {change.old_micro_batch_size} -> {new_micro}, accumulate {change.old_accumulate} -> "
+            f"{new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
+            f"LR x{factor:.4g}"
+            + "".join(
+                f", {key.removeprefix('batch/')} {value:.4g}" for key, value in self.rules.values(trainer.optimizers[0]).items()
+            )
+            + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
+            + (" (guard: revert)" if revert else "")
+        )
+
+    def _log(self, trainer, pl_module) -> None:
+        if trainer.progress_bar_callback is not None:
+            name, value = ("tokens", self.tokens_seen) if self.seq_len else ("samples", self.samples_seen)
+            pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+        log_to_loggers(trainer, self._metrics)
+
+    def _metrics(self, trainer) -> dict[str, float]:
+        # What the step trained on: the global batch, but fewer samples in an epoch's short last step.
+        samples = self.global_batch
+        if self._samples_before_step is not None:
+            samples = self.samples_seen - self._samples_before_step
+        metrics = {
+            "batch/global_size": float(samples),
+            "batch/micro_batch_size": float(self.micro_batch_size),
+            "batch/accumulate": float(samples // (self.micro_batch_size * self.accounting.data_parallel_size)),
+            "batch/lr_factor": self.lr_factor,
+            "samples_seen": float(self.samples_seen),
+            "tokens_seen": float(self.tokens_seen),
+            "fit_seconds": self.accounting.fit_seconds,
+        }
+        if self._step_lr is not None:
+            metrics["lr"] = self._step_lr
+        metrics.update(self._step_settings)
+        if self.clip_rule is not None:
+            metrics["batch/gradient_clip_val"] = float(trainer.gradient_clip_val)
+        if self.guard is not None:
+            metrics["batch/guard_reverts"] = float(self.guard.reverts)
+        if not self.accounting.has_tokens:
+            del metrics["tokens_seen"]
+        return metrics
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_batch": self.global_batch,
+            "accumulate": self.accumulate,
+            "micro_batch_size": self.micro_batch_size,
+            "lr_factor": self.lr_factor,
+            "clip_factor": self.clip_factor,
+            "requested_at": self._requested_at,
+            "history": [dataclasses.asdict(change) for change in self.history],
+            # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
+            "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
+            "guard": self.guard.state_dict() if self.guard is not None else None,
+            "step_loss": [float(self._step_loss_sum), self._step_micro_batches],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.global_batch = state_dict["global_batch"]
+        self.accumulate = state_dict["accumulate"]
+        self.micro_batch_size = state_dict["micro_batch_size"]
+        self.lr_factor = state_dict["lr_factor"]
+        self.clip_factor = state_dict.get("clip_factor", 1.0)
+        if self.guard is not None and state_dict.get("guard") is not None:
+            self.guard.load_state_dict(state_dict["guard"])
+            self._step_loss_sum, self._step_micro_batches = state_dict["step_loss"]
+        requested_at = state_dict["requested_at"]
+        self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
+        self.history = [BatchChange(**change) for change in state_dict["history"]]
+        if state_dict.get("schedule") is not None:
+            self.schedule.load_state_dict(state_dict["schedule"])
+        if "samples_seen" in state_dict and self.accounting is not None:
+            # lit_cbs 0.1 checkpoints kept the counts here, before BatchAccounting held them.
+            self.accounting.load_state_dict({key: state_dict[key] for key in ("samples_seen", "tokens_seen", "seq_len")})
+        # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
+        if self._trainer is not None:
+            self._apply_to_trainer(self._trainer, self._trainer.lightning_module)

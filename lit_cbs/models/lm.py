@@ -1,0 +1,394 @@
+"""``CausalLM``: next-token training of a decoder as a LightningModule: lit_cbs's OLMo-style
+decoder, or a Hugging Face ``transformers`` causal LM built from its config.
+
+The model is built in ``configure_model``, so one module serves every strategy. Under Lightning's
+``ModelParallelStrategy`` (FSDP2) the decoder is built on the meta device, each block (decoder
+layer) and then the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards are
+materialized and initialised; on one device or under DDP it is built directly.
+
+With ``ignore_index`` (a padding token id), targets equal to it do not count, and each optimizer
+step's gradient is the mean over every counted token of the step, however the step is split into
+micro-batches, accumulation and ranks (``lit_cbs.token_mean_loss``).
+
+Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks; per counted
+token with ``ignore_index``),
+``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
+wall time of the last optimizer step, validation and a CBS probe's branches excluded) and, when
+the peak FLOP/s of a device is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs
+per token from the decoder's ``flops_per_token`` (PaLM's 6N + attention estimate, activation
+recomputation not counted).
+Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
+optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
+table for the device and precision (none on a CPU).
+The LR schedule is indexed by tokens (``lit_cbs.rules.lr_schedules``): the Trainer's
+``lit_cbs.callbacks.accounting.BatchAccounting`` (attached in ``setup``) feeds it the token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from torch import nn
+from torchmetrics import MeanMetric
+
+from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.errors import LitCBSConfigError, positive_number
+from lit_cbs.models.decoder import DecoderDims, build_decoder, config_as_dict, decoder_dims, embedding_parameters
+from lit_cbs.models.hf import hf_config, is_hf_config
+from lit_cbs.models.olmo import OLMoConfig, get_config
+from lit_cbs.models.token_loss import token_mean_loss
+from lit_cbs.rules.lr_schedules import TokenLRScheduler
+
+OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
+REQUIRED_OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING)
+# Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
+COMPUTE_DTYPES = {
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "64-true": torch.float64,
+}
+
+OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
+# OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
+ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, eps=1e-8)
+
+
+def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> OLMoConfig | Any:
+    """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes.
+
+    ``config`` is a preset name (``lit_cbs.models.PRESETS``), an ``OLMoConfig``, a ``transformers``
+    config, or a mapping: ``{"model_type": name, **fields}`` is a ``transformers`` config
+    (``lit_cbs.models.hf.hf_config``, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``);
+    ``{"preset": name, **fields}`` takes the preset and replaces the given fields (e.g.
+    ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without either gives every OLMoConfig field.
+    """
+    if isinstance(config, OLMoConfig) or is_hf_config(config):
+        return config
+    if isinstance(config, str):
+        return get_config(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(
+            f"model config must be a preset name, an OLMoConfig, a transformers config or a mapping of their fields, got {config!r}"
+        )
+    if "model_type" in config:
+        return hf_config(config)
+    fields = dict(config)
+    preset = fields.pop("preset", None)
+    unknown = sorted(set(fields) - set(OLMO_FIELDS))
+    if unknown:
+        raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(OLMO_FIELDS)}")
+    if preset is None:
+        missing = [name for name in REQUIRED_OLMO_FIELDS if name not in fields]
+        if missing:
+            raise ValueError(f"model config without a preset must give {missing}; or name a preset, e.g. preset: tiny")
+        return OLMoConfig(**fields)
+    return dataclasses.replace(get_config(preset), **fields)
+
+
+class CausalLM(pl.LightningModule):
+    """Train a decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+
+    Args:
+        config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of its
+            fields for lit_cbs's OLMo-style decoder; a ``transformers`` config, or a mapping with
+            ``model_type``, for a Hugging Face causal LM (``lit_cbs.models.hf.HFDecoder``, built from
+            the config with fresh weights; ``pip install -e ".[hf]"``).
+        optimizer: parameter groups -> ``torch.optim.Optimizer``, e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`` (Hydra: ``_partial_: true``).
+            Its ``lr`` is the base LR, before the LR schedule's multiplier and BatchWarmup's factors;
+            its ``weight_decay`` applies to the weight matrices only (``parameter_groups``). Default:
+            AdamW, LR 3e-3, betas (0.9, 0.95), weight decay 0.1, eps 1e-8. Checked here by building
+            it on a stand-in parameter.
+        lr_schedule: tokens seen (global) -> LR multiplier, e.g. ``lit_cbs.rules.lr_schedules.WarmupStableDecay``;
+            None keeps the base LR.
+        activation_checkpointing: recompute each block's activations in the backward pass (less
+            memory, about a third more compute).
+        compile: compile each transformer block with ``torch.compile`` (regional compilation: the blocks
+            share one compiled graph), after activation checkpointing wraps them and before FSDP2 shards
+            them. A new micro-batch size compiles once more, then the graph takes any batch (torch's
+            automatic dynamic shapes); LR changes never recompile (the LR is not in the graph). A dict is
+            passed to ``torch.compile`` as its arguments, e.g. ``{"mode": "max-autotune"}``.
+        peak_flops_per_device: peak FLOP/s of one device at the training precision (e.g. 989e12 for
+            an H100/H200 SXM in dense bf16); None: Lightning's ``get_available_flops`` for the
+            device, and no ``perf/mfu`` where it knows none (CPUs, GPUs missing from its table).
+            Set it on an H200: Lightning's table does not match the name torch reports for it
+            and lists its sparse bf16 figure (2e15), twice the dense peak.
+        ignore_index: a token id (padding) whose positions as targets do not count: the loss is the
+            mean over the other targets, and each optimizer step's gradient the mean over every
+            counted token of the step (``lit_cbs.token_mean_loss``). None (default): every target
+            counts, as for packed full sequences.
+    """
+
+    def __init__(
+        self,
+        config: str | OLMoConfig | Mapping[str, Any] | Any = "tiny",
+        optimizer: OptimizerFactory = ADAMW,
+        lr_schedule: Callable[[int], float] | None = None,
+        activation_checkpointing: bool = False,
+        peak_flops_per_device: float | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        ignore_index: int | None = None,
+    ):
+        super().__init__()
+        self.config = resolve_model_config(config)
+        self.dims: DecoderDims = decoder_dims(self.config)
+        vocab_size = self.dims.vocab_size
+        if ignore_index is not None and not (isinstance(ignore_index, int) and 0 <= ignore_index < vocab_size):
+            raise LitCBSConfigError(
+                f"ignore_index={ignore_index!r} must be a token id in [0, {vocab_size}) (the padding token, "
+                "fed to the model as input and not counted as a target), or None to count every target"
+            )
+        self.ignore_index = ignore_index
+        check_optimizer(optimizer)
+        if lr_schedule is not None and not callable(lr_schedule):
+            raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
+        positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
+        self.optimizer_factory = optimizer
+        self.lr_schedule = lr_schedule
+        self.activation_checkpointing = activation_checkpointing
+        self.peak_flops_per_device = peak_flops_per_device
+        if not isinstance(compile, (bool, Mapping)):
+            raise LitCBSConfigError(f"compile={compile!r} must be true, false or a dict of torch.compile arguments")
+        self.compile_options = dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
+        # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
+        self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
+        self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
+
+        self.model: nn.Module | None = None  # OLMo or HFDecoder, built in configure_model
+        self.train_loss = MeanMetric()
+        self.val_loss = MeanMetric()
+        self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
+        self._throughput: Throughput | None = None  # from on_train_start
+        self._last_global_step = 0
+        self._steps = 0  # optimizer steps since on_train_start
+        self._samples = 0  # sequences this rank trained on since on_train_start
+        self._tokens = 0  # tokens this rank trained on since on_train_start
+        self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
+        self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
+        self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
+        self._branch_seconds_before = 0.0  # the accounting's branch_seconds at on_train_start
+
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            BatchAccounting.of(self.trainer)  # counts the tokens the LR schedule is indexed by
+
+    # ------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
+            return
+        mesh = self._data_parallel_mesh()
+        with torch.device("meta") if mesh is not None else nullcontext():
+            model = build_decoder(self.config)
+        if self.activation_checkpointing:
+            from lit_cbs._internals import checkpoint_wrapper
+
+            for index, block in enumerate(model.blocks):
+                model.blocks[index] = checkpoint_wrapper(block)
+        if self.compile_options is not None:
+            for block in model.blocks:
+                block.compile(**self.compile_options)  # in place: parameter names and checkpoints stay as without
+        if mesh is not None:
+            self._fully_shard(model, mesh)
+            # Materialize only the local shards, then draw the initial weights into them.
+            model.to_empty(device=self.trainer.strategy.root_device)
+            model.reset_parameters()
+        self.model = model
+
+    def _data_parallel_mesh(self):
+        """The mesh to shard over under ModelParallelStrategy, else None (no sharding)."""
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return None
+        mesh = self.device_mesh
+        if mesh["tensor_parallel"].size() != 1:
+            raise ValueError(
+                f"CausalLM shards with FSDP2 only, but the strategy's tensor_parallel_size is "
+                f"{mesh['tensor_parallel'].size()}; set tensor_parallel_size=1 and data_parallel_size to the "
+                "number of processes (trainer=fsdp does this)"
+            )
+        return mesh["data_parallel"]
+
+    def _fully_shard(self, model: nn.Module, mesh) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if self.trainer.precision == "bf16-mixed":
+            # Gather and compute in bf16, reduce gradients in fp32; autocast covers the rest.
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        else:
+            policy = MixedPrecisionPolicy()
+        last = len(model.blocks) - 1
+        for index, block in enumerate(model.blocks):
+            # The last block's parameters are needed again right at the start of backward: keep them.
+            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < last)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
+        return self.model(input_ids)
+
+    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
+        if self.ignore_index is None:
+            logits = self.model(batch[:, :-1])
+            return F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), batch[:, 1:].flatten())
+        loss_sum, tokens = self._loss_sum(batch)
+        return loss_sum / tokens.clamp(min=1)
+
+    def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
+        logits = self.model(batch[:, :-1])
+        targets = batch[:, 1:].flatten()
+        loss_sum = F.cross_entropy(
+            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=self.ignore_index, reduction="sum"
+        )
+        return loss_sum, (targets != self.ignore_index).sum()
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if self.ignore_index is None:
+            loss = self._loss(batch)
+            self.train_loss.update(loss.detach())
+            return loss
+        loss_sum, tokens = self._loss_sum(batch)
+        loss = token_mean_loss(self, loss_sum, tokens)
+        self.train_loss.update(loss.detach(), weight=tokens)
+        return loss
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # Counted in a hook, not in training_step, which CBS probe branches call too.
+        tokens = batch[:, 1:].numel()
+        self._samples += batch.shape[0]
+        self._tokens += tokens
+        self._step_flops += self.flops_per_token(batch.shape[1] - 1) * tokens
+
+    def on_train_start(self) -> None:
+        peak = self.peak_flops_per_device
+        if peak is None:
+            peak = get_available_flops(self.device, COMPUTE_DTYPES.get(str(self.trainer.precision), torch.float32))
+        # A window of 2 updates: each logged rate covers the last optimizer step alone.
+        self._throughput = Throughput(available_flops=peak, world_size=self.trainer.world_size, window_size=2)
+        self._last_global_step = self.trainer.global_step
+        self._steps = self._samples = self._tokens = self._step_flops = 0
+        self._training_seconds = 0.0
+        # A probe resumed inside its window starts in its own on_train_start, which Lightning calls before this one.
+        self._branch_seconds_before = BatchAccounting.of(self.trainer).branch_seconds
+        self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
+        self._stretch_start = time.perf_counter()
+
+    def on_validation_start(self) -> None:
+        if self._stretch_start is not None:  # not in the sanity check before training
+            self._training_seconds += time.perf_counter() - self._stretch_start
+
+    def on_validation_end(self) -> None:
+        if self._stretch_start is not None:
+            self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
+
+    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        if self.trainer.global_step == self._last_global_step:
+            return  # accumulating: no optimizer step after this micro-batch
+        self._last_global_step = self.trainer.global_step
+        self.log("train/loss", self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
+        self.train_loss.reset()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._steps += 1
+        # A CBS probe's branches run between the main run's steps: their time is not the main run's
+        # (branch_seconds counts from the fit's start; what ran before on_train_start is left out).
+        branch_seconds = BatchAccounting.of(self.trainer).branch_seconds - self._branch_seconds_before
+        seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
+        self._throughput.update(
+            time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
+        )
+        self._step_flops = 0
+        rates = self._throughput.compute()
+        # Throughput's rates are per device; every rank trains micro-batches of the same shape.
+        tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
+        self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
+        if "device/mfu" in rates:
+            self.log("perf/mfu", rates["device/mfu"], on_step=True, on_epoch=False)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``)."""
+        if seq_len not in self._flops_per_token:
+            # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
+            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
+        return self._flops_per_token[seq_len]
+
+    # ------------------------------------------------------------------ validation
+    def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """The loss a CBS probe scores a branch by on a held-out batch (nats per token): the
+        training loss, without updating ``train_loss``."""
+        return self._loss(batch)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        counted = batch[:, 1:].numel() if self.ignore_index is None else (batch[:, 1:] != self.ignore_index).sum()
+        self.val_loss.update(self._loss(batch), weight=counted)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+
+    # ------------------------------------------------------------------ optimizer
+    def parameter_groups(self) -> list[dict[str, Any]]:
+        """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
+        0/1-dimensional parameters (norms, biases), without."""
+        embedding_params = {id(param) for param in embedding_parameters(self.model)}
+        decay, no_decay = [], []
+        for param in self.model.parameters():
+            (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.parameter_groups())
+        if self.lr_schedule is None:
+            return optimizer
+        scheduler = TokenLRScheduler(optimizer, self.lr_schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def num_parameters(self) -> int:
+        """Parameters of the model (built on the meta device if ``configure_model`` has not run)."""
+        if self.model is not None:
+            return self.model.num_parameters()
+        with torch.device("meta"):
+            return build_decoder(self.config).num_parameters()
+
+
+def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits in float32 for the softmax; float32 and float64 ("64-true") as they are."""
+    return logits.float() if logits.element_size() < 4 else logits
+
+
+def check_optimizer(optimizer: OptimizerFactory) -> None:
+    """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups
+    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training)."""
+    if not callable(optimizer):
+        raise LitCBSConfigError(
+            f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
+            "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
+        )
+    stand_ins = [{"params": [nn.Parameter(torch.zeros(2, 2))]}, {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    try:
+        built = optimizer(stand_ins)
+    except (TypeError, ValueError) as error:
+        raise LitCBSConfigError(f"optimizer {describe_optimizer(optimizer)} cannot be built: {error}") from error
+    if not isinstance(built, torch.optim.Optimizer):
+        raise LitCBSConfigError(
+            f"optimizer {describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
+        )
+
+
+def describe_optimizer(optimizer: OptimizerFactory) -> str:
+    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
+    if not isinstance(optimizer, functools.partial):
+        return repr(optimizer)
+    arguments = [repr(arg) for arg in optimizer.args] + [f"{name}={value!r}" for name, value in optimizer.keywords.items()]
+    return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"

@@ -1,0 +1,719 @@
+"""What a training run will need, worked out before it starts: steps per batch phase, memory per
+device, the CBS probe's host memory and tokens, and the wall time at a given MFU.
+
+Pure arithmetic on the model's shape (the decoder is built on the meta device: no weights, no
+data, no accelerator). Memory is counted the way the training code allocates it:
+
+- **Model state** per device: parameters and gradients in the parameter dtype (fp32 for
+  ``32-true`` and ``*-mixed``, bf16/fp16 for ``*-true``) and the optimizer's state: AdamW's two
+  moments in that dtype plus one fp32 ``step`` scalar per parameter tensor. Another optimizer's
+  state is measured by one step of it on a small parameter (``OptimizerState.of``): state tensors
+  the size of the parameter count per parameter element, in the parameter's dtype (as torch's
+  optimizers keep them), any other state (a step count) per parameter tensor. Factored or
+  low-precision state (Adafactor's row and column statistics, 8-bit moments) is not modelled
+  exactly. Under FSDP2 (``ModelParallelStrategy``) all of it is sharded over the data-parallel ranks.
+- **Working buffers**: under FSDP2 the gathered (unsharded) parameters of the root module
+  (embedding and output head) and of up to three blocks (the one computing, the one prefetched,
+  and the last, which CausalLM keeps gathered between forward and backward), plus one block's
+  unsharded gradient and its fp32 reduce-scatter buffer; under DDP its gradient buckets (a copy of
+  the gradients); under ``*-mixed`` autocast without FSDP2, the low-precision copies of the
+  matmul weights that autocast keeps for the step (with activation checkpointing, of the blocks
+  only the one being recomputed).
+- **Activations**: the tensors autograd saves for backward, counted per block for lit_cbs's OLMo
+  block (flash-style attention: queries, keys, values, output and a log-sum-exp per head and
+  position, no T x T matrix), plus the loss's log-softmax over the vocabulary. A transformers
+  model's layers are counted as that block at the model's sizes (Llama-style: attention, then a
+  gated MLP of ``intermediate_size``); parameters are counted exactly from its meta-device build,
+  its activations only as closely as its layers resemble that block (grouped-query attention's
+  smaller keys and values are counted full size). With activation
+  checkpointing a block saves only its fp32 input, and backward recomputes one block at a time,
+  so the peak adds one block's activations. The peak also adds the logits (the low-precision
+  matmul output and its fp32 copy) that live while the loss is computed.
+
+The CUDA context, NCCL buffers and allocator fragmentation come on top (a few GiB in practice),
+hence the headroom the plan asks for. Memory figures are in bytes; ``GIB`` converts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+
+from lit_cbs.models.decoder import DecoderDims, build_decoder, decoder_dims, embedding_parameters
+from lit_cbs.models.olmo import OLMoConfig
+from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
+
+GIB = 2**30
+STRATEGIES = ("single", "ddp", "fsdp")
+TOKEN_BYTES = 8  # TokenDataModule batches are int64 token ids
+# precision -> (bytes per parameter element, bytes per activation element of the matmuls)
+PRECISIONS = {
+    "32-true": (4, 4),
+    "32": (4, 4),
+    "bf16-mixed": (4, 2),
+    "16-mixed": (4, 2),
+    "bf16-true": (2, 2),
+    "16-true": (2, 2),
+}
+
+
+def precision_bytes(precision: str) -> tuple[int, int]:
+    """(parameter bytes, activation bytes) per element at a Lightning ``precision``."""
+    if str(precision) not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not one the plan knows; use one of {list(PRECISIONS)}")
+    return PRECISIONS[str(precision)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """Parameter counts (elements) of a decoder, read from a meta-device build (lit_cbs's OLMo or a
+    transformers model: ``lit_cbs.models.decoder.build_decoder``)."""
+
+    config: DecoderDims
+    parameters: int  # all of them
+    parameter_tensors: int
+    block_parameters: int  # one block's
+    root_parameters: int  # outside the blocks: embedding and untied output head
+    autocast_weights: int  # matmul weights autocast casts each step: all but the embedding (tied: it is also the head)
+    model: torch.nn.Module = dataclasses.field(repr=False, compare=False)  # on the meta device
+
+    @classmethod
+    def of(cls, config: OLMoConfig | object) -> ModelShape:
+        """The shape of the decoder ``config`` describes (an ``OLMoConfig`` or a transformers config)."""
+        with torch.device("meta"):
+            model = build_decoder(config)
+        dims = decoder_dims(config)
+        block = sum(p.numel() for p in model.blocks[0].parameters())
+        embeddings = sum(p.numel() for p in embedding_parameters(model))
+        total = model.num_parameters()
+        return cls(
+            config=dims,
+            parameters=total,
+            parameter_tensors=len(list(model.parameters())),
+            block_parameters=block,
+            root_parameters=total - dims.n_layers * block,
+            autocast_weights=total - (0 if dims.tie_embeddings else embeddings),
+            model=model,
+        )
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (the decoder's ``flops_per_token``: 6N + attention)."""
+        return self.model.flops_per_token(seq_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerState:
+    """What an optimizer keeps per parameter tensor: ``per_element`` state tensors the size of the
+    parameter (in its dtype), and ``bytes_per_tensor`` bytes besides (e.g. a step count)."""
+
+    name: str
+    per_element: int
+    bytes_per_tensor: int
+
+    @classmethod
+    def of(cls, optimizer: Callable[[list], torch.optim.Optimizer]) -> OptimizerState:
+        """Measured: ``optimizer`` (parameters -> Optimizer, e.g. ``torch.optim.AdamW`` or a partial
+        of it) takes one step on a 4 x 8 fp32 parameter, and its state is counted."""
+        parameter = torch.nn.Parameter(torch.zeros(4, 8))
+        parameter.grad = torch.ones_like(parameter)
+        built = optimizer([parameter])
+        built.step()
+        state = [value for value in built.state[parameter].values() if isinstance(value, torch.Tensor)]
+        like_parameter = [value for value in state if value.numel() == parameter.numel()]
+        return cls(
+            name=type(built).__name__,
+            per_element=sum(value.element_size() for value in like_parameter) // parameter.element_size(),
+            bytes_per_tensor=sum(value.nbytes for value in state if value.numel() != parameter.numel()),
+        )
+
+
+ADAMW_STATE = OptimizerState("AdamW", per_element=2, bytes_per_tensor=4)  # exp_avg, exp_avg_sq; an fp32 step
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes on one device (GPU, or the process's memory on CPU) at the peak of a training step."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    working_buffers: int
+    activations: int  # saved for backward, at the end of the forward pass
+    activation_peak_extra: int  # the recomputed block (activation checkpointing) and the logits at the loss
+
+    @property
+    def model_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        return self.model_state + self.working_buffers + self.activations + self.activation_peak_extra
+
+
+def block_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, precision: str) -> int:
+    """Bytes one block saves for backward for a micro-batch of ``micro_batch`` x ``seq_len`` tokens.
+
+    fp32 throughout: the block input and the residual after attention (the two LayerNorm inputs),
+    the two LayerNorm outputs (each the input of its matmuls), q and k after RoPE, v, the attention
+    output, gate, up, silu(gate) and their product (d_model or mlp_hidden wide), the LayerNorms'
+    mean and rstd and attention's log-sum-exp per head. Under autocast the residual stream, the
+    LayerNorm statistics and the log-sum-exp stay fp32, everything else is low precision, and
+    each matmul saves its own cast of its LayerNorm's output (three for q, k, v; two for gate, up).
+    """
+    _, act = precision_bytes(precision)
+    tokens = micro_batch * seq_len
+    d, f, heads = config.d_model, config.mlp_hidden, config.n_heads
+    small = 4 * (4 * tokens + heads * tokens)  # two LayerNorms' mean and rstd, attention's log-sum-exp
+    if act == 4:
+        return 4 * tokens * (8 * d + 4 * f) + small
+    residual = 4 * tokens * 2 * d
+    return residual + act * tokens * (9 * d + 4 * f) + small
+
+
+def loss_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, precision: str) -> int:
+    """Bytes saved outside the blocks: input ids (with the target column), RoPE's cos and sin, the
+    final LayerNorm's input, statistics and output, the targets and the fp32 log-softmax."""
+    _, act = precision_bytes(precision)
+    tokens = micro_batch * seq_len
+    d, vocab = config.d_model, config.vocab_size
+    ids = TOKEN_BYTES * micro_batch * (seq_len + 1) + TOKEN_BYTES * tokens
+    rope = 2 * 4 * seq_len * config.head_dim
+    final_norm = 4 * tokens * d + 4 * 2 * tokens + act * tokens * d
+    return ids + rope + final_norm + 4 * tokens * vocab + 4  # + the loss scalar
+
+
+def device_memory(
+    shape: ModelShape,
+    micro_batch: int,
+    seq_len: int,
+    precision: str,
+    strategy: str,
+    data_parallel_size: int,
+    activation_checkpointing: bool,
+    optimizer: OptimizerState = ADAMW_STATE,
+) -> DeviceMemory:
+    """Peak bytes per device for one training step (see the module docstring for what is counted)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
+    param_bytes, act = precision_bytes(precision)
+    config = shape.config
+    shards = data_parallel_size if strategy == "fsdp" else 1
+    local = math.ceil(shape.parameters / shards)
+    parameters = local * param_bytes
+    optimizer_state = optimizer.per_element * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
+
+    if strategy == "fsdp":
+        gathered = (shape.root_parameters + min(3, config.n_layers) * shape.block_parameters) * act
+        # One rank gathers nothing, but still casts to the low-precision parameter dtype.
+        working = gathered + shape.block_parameters * (act + 4) if shards > 1 or act < param_bytes else 0
+    else:
+        working = parameters if strategy == "ddp" else 0  # DDP's gradient buckets
+        if act < param_bytes:  # autocast's copies; with checkpointing, of one block's weights at a time
+            recomputed = (config.n_layers - 1) * shape.block_parameters if activation_checkpointing else 0
+            working += (shape.autocast_weights - recomputed) * act
+
+    block = block_activation_bytes(config, micro_batch, seq_len, precision)
+    outside = loss_activation_bytes(config, micro_batch, seq_len, precision)
+    logits = micro_batch * seq_len * config.vocab_size * (act + 4)
+    if activation_checkpointing:
+        saved = config.n_layers * 4 * micro_batch * seq_len * config.d_model + outside
+        extra = block + logits
+    else:
+        saved = config.n_layers * block + outside
+        extra = logits
+    return DeviceMemory(parameters, parameters, optimizer_state, working, saved, extra)
+
+
+# ---------------------------------------------------------------------- the batch schedule
+@dataclasses.dataclass(frozen=True)
+class BatchPhase:
+    """A stretch of training at one global batch. Tokens and samples are global."""
+
+    start_tokens: int
+    end_tokens: int
+    global_batch: int  # samples
+    micro_batch: int  # samples per rank per forward
+    accumulate: int  # micro-batches per optimizer step
+    optimizer_steps: int
+    lr_factor: float  # product of the batch changes' LR factors so far
+
+    @property
+    def tokens(self) -> int:
+        return self.end_tokens - self.start_tokens
+
+
+def batch_phases(
+    schedule: BatchSchedule,
+    max_tokens: int,
+    seq_len: int,
+    micro_batch: int | Callable[[int], int],
+    data_parallel_size: int,
+    lr_factor: Callable[[float], float],
+) -> list[BatchPhase]:
+    """The run's phases, step by step as BatchWarmup takes them: each optimizer step trains on the
+    batch the schedule gives for what was consumed before it, a change waits for the samples
+    consumed to be a multiple of the new batch (as BatchWarmup does within an epoch; the plan
+    assumes one epoch), and the run stops after the step that reaches ``max_tokens``.
+    ``micro_batch``: samples per rank, or global batch -> micro-batch (BatchWarmup's
+    ``max_micro_batch_size`` rule, ``lit_cbs.rules.batch_schedules.micro_batch_for``)."""
+    micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
+    phases: list[BatchPhase] = []
+    tokens = samples = steps = 0
+    batch, factor, start = None, 1.0, 0
+    while tokens < max_tokens:
+        new = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
+        if new != batch and (batch is None or samples % new == 0):
+            if batch is not None:
+                phases.append(_phase(start, tokens, batch, micro_for(batch), data_parallel_size, steps, factor))
+                factor *= lr_factor(new / batch)
+            batch, start, steps = new, tokens, 0
+        tokens += batch * seq_len
+        samples += batch
+        steps += 1
+    if batch is not None:
+        phases.append(_phase(start, tokens, batch, micro_for(batch), data_parallel_size, steps, factor))
+    return phases
+
+
+def _phase(start, end, batch, micro_batch, data_parallel_size, steps, factor) -> BatchPhase:
+    return BatchPhase(start, end, batch, micro_batch, batch // (micro_batch * data_parallel_size), steps, factor)
+
+
+def largest_micro_batch(limit_bytes: float, largest_share: int, memory_at: Callable[[int], DeviceMemory]) -> int | None:
+    """The largest micro-batch (samples per rank, at most ``largest_share``) whose step fits
+    ``limit_bytes`` by ``memory_at(micro) -> DeviceMemory``; None if one sample does not fit."""
+    fits = None
+    for micro in range(1, largest_share + 1):
+        if memory_at(micro).total > limit_bytes:
+            break  # memory grows with the micro-batch
+        fits = micro
+    return fits
+
+
+# ---------------------------------------------------------------------- growing the cluster with the batch
+@dataclasses.dataclass(frozen=True)
+class ClusterPhase:
+    """One batch phase trained on its own number of ranks (whole nodes)."""
+
+    phase: BatchPhase
+    ranks: int
+    micro_batch: int  # samples per rank
+    accumulate: int
+    end_step: int  # optimizer steps taken when the phase ends (where the run stops to move)
+
+
+def grow_cluster(
+    phases: list[BatchPhase],
+    ranks: int,
+    devices_per_node: int,
+    min_micro_batch_size: int,
+    max_devices: int | None,
+    micro_batch_for: Callable[[int, int], int],
+) -> list[ClusterPhase]:
+    """Per phase, the fewest ranks (whole nodes of ``devices_per_node``) at which a rank's work per step
+    is no more than in the first phase (its share of the batch, batch / ranks, no larger), as long as
+    each rank's micro-batch stays at or above ``min_micro_batch_size`` and the ranks at most
+    ``max_devices``. The first phase keeps the run's ``ranks``. ``micro_batch_for(global batch, ranks)``."""
+    first_share = phases[0].global_batch / ranks
+    planned, end_step = [], 0
+    for phase in phases:
+        batch = phase.global_batch
+        candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
+        if max_devices is not None:
+            candidates = [w for w in candidates if w <= max_devices] or candidates[:1]
+        efficient = [w for w in candidates if micro_batch_for(batch, w) >= min_micro_batch_size] or candidates[:1]
+        enough = [w for w in efficient if batch / w <= first_share]
+        chosen = ranks if not planned else (enough[0] if enough else efficient[-1])
+        micro = micro_batch_for(batch, chosen)
+        end_step += phase.optimizer_steps
+        planned.append(ClusterPhase(phase, chosen, micro, batch // (micro * chosen), end_step))
+    return planned
+
+
+# ---------------------------------------------------------------------- the CBS probe
+@dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    """What a CBSProbeCallback will cost. Bytes are per rank, in host memory (snapshot_device=cpu)."""
+
+    points: list[int]  # token counts of the probes that fit before max_tokens
+    snapshot_bytes: int  # one copy of the rank's parameters and optimizer state
+    window_bytes: int  # the recorded micro-batches of one probe's windows
+    heldout_bytes: int
+    max_branches: int  # branches trained per probe, at most
+    window_tokens: int
+    replicates: int = 1  # data windows each branch's k trains on
+    snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
+
+    @property
+    def host_bytes(self) -> int:
+        """Peak: the snapshots held at once and the data."""
+        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained in branches over the run, at most."""
+        return len(self.points) * self.max_branches * self.window_tokens * self.replicates
+
+
+def probe_plan(
+    probe,
+    shape: ModelShape,
+    precision: str,
+    strategy: str,
+    data_parallel_size: int,
+    micro_batch: int,
+    val_micro_batch: int,
+    seq_len: int,
+    max_tokens: int,
+    optimizer: OptimizerState = ADAMW_STATE,
+) -> ProbePlan:
+    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
+    from lit_cbs.probe import max_branches
+
+    points = []
+    index = 0
+    while (point := probe.probe_point(index)) + probe.span_tokens <= max_tokens:
+        points.append(int(point))
+        index += 1
+    param_bytes, _ = precision_bytes(precision)
+    shards = data_parallel_size if strategy == "fsdp" else 1
+    local = math.ceil(shape.parameters / shards)
+    # The weights and the optimizer's state.
+    snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
+    window_samples_per_rank = probe.span_tokens // seq_len // data_parallel_size
+    sample_bytes = (seq_len + 1) * TOKEN_BYTES
+    heldout = probe.heldout_batches * val_micro_batch * sample_bytes if probe.evaluate == "heldout" else 0
+    return ProbePlan(
+        points=points,
+        snapshot_bytes=snapshot,
+        window_bytes=window_samples_per_rank * sample_bytes,
+        heldout_bytes=heldout,
+        max_branches=max_branches(probe.strategy, len(probe.multipliers)),
+        window_tokens=probe.window_tokens,
+        replicates=probe.replicates,
+        snapshots=2 + (max_branches(probe.strategy, len(probe.multipliers)) if probe.early_stop else 0),
+    )
+
+
+def wall_seconds(flops_per_token: int, tokens: int, devices: int, peak_flops_per_device: float, mfu: float) -> float:
+    """Seconds to train ``tokens`` at ``mfu`` x ``peak_flops_per_device`` FLOP/s on each of ``devices``."""
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu={mfu} must be in (0, 1]")
+    return flops_per_token * tokens / (mfu * peak_flops_per_device * devices)
+
+
+# ---------------------------------------------------------------------- the whole run
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the plan is checked against: memory per device and per node in GiB, the expected MFU,
+    and the device's peak FLOP/s at the training precision."""
+
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float = 1024.0
+    mfu: float = 0.4
+    peak_flops_per_device: float = 989e12
+    min_micro_batch_size: int = 1  # growing the cluster: no rank's micro-batch below this (samples)
+    max_devices: int | None = None  # growing the cluster: at most this many ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    name: str
+    shape: ModelShape
+    seq_len: int
+    max_tokens: int
+    precision: str
+    strategy: str
+    devices_per_node: int
+    num_nodes: int
+    activation_checkpointing: bool
+    phases: list[BatchPhase]
+    memory: dict[bool, DeviceMemory]  # activation checkpointing on/off -> memory per device
+    probe: ProbePlan | None
+    limits: Limits
+    accelerator: str
+    optimizer: OptimizerState = ADAMW_STATE
+    micro_batch_limit: int | None = None  # the largest micro-batch whose step fits limits.gpu_memory_gib
+    cluster: list[ClusterPhase] | None = None  # the phases on a cluster grown with the batch
+    command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
+    # Optimizer settings that move with the batch: (batch / the first phase's, LR factor) -> {column: value}
+    settings: Callable[[float, float], dict[str, float]] | None = None
+
+    def _settings_of(self, phase: BatchPhase) -> dict[str, float]:
+        if self.settings is None:
+            return {}
+        return self.settings(phase.global_batch / self.phases[0].global_batch, phase.lr_factor)
+
+    @property
+    def processes(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the main run trains on (the last step may pass max_tokens)."""
+        return self.phases[-1].end_tokens if self.phases else 0
+
+    @property
+    def wall_seconds(self) -> float:
+        tokens = self.tokens + (self.probe.tokens if self.probe else 0)
+        return self._seconds(tokens, self.processes)
+
+    def _seconds(self, tokens: int, devices: int) -> float:
+        flops = self.shape.flops_per_token(self.seq_len)
+        return wall_seconds(flops, tokens, devices, self.limits.peak_flops_per_device, self.limits.mfu)
+
+    def warnings(self) -> list[str]:
+        found = []
+        needed = self.memory[self.activation_checkpointing].total / GIB
+        if self._on_gpu and needed > self.limits.gpu_memory_gib:
+            fixes = "lower data.batch_size"
+            if not self.activation_checkpointing and self.memory[True].total / GIB <= self.limits.gpu_memory_gib:
+                fixes = "set model.activation_checkpointing=true, or " + fixes
+            if self.strategy != "fsdp":
+                fixes += ", or shard with trainer=fsdp"
+            found.append(f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}")
+        if self.probe is not None:
+            per_node = self.probe.host_bytes * self.devices_per_node / GIB
+            if per_node > self.limits.host_memory_gib:
+                found.append(
+                    f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
+                    f"more than plan_for.host_memory_gib={self.limits.host_memory_gib:g}: use more nodes (FSDP2 shards "
+                    "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
+                )
+        return found
+
+    def report(self) -> str:
+        c = self.shape.config
+        strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
+        lines = [
+            f"lit_cbs plan: {self.name} (nothing trained, no data read)",
+            f"model            {c.n_layers} layers x d_model {c.d_model}, {self.shape.parameters:,} parameters, "
+            f"{self.shape.flops_per_token(self.seq_len):.3g} FLOPs per token (training) at {self.seq_len:,} tokens",
+            f"processes        {self.processes} ({self.num_nodes} node{'s' if self.num_nodes > 1 else ''} x "
+            f"{self.devices_per_node} {'GPU' if self.accelerator in ('gpu', 'cuda') else self.accelerator}), "
+            f"{strategy}, precision {self.precision}",
+            f"tokens           {self.tokens:,} in {sum(p.optimizer_steps for p in self.phases):,} optimizer steps "
+            f"(max_tokens={self.max_tokens:,})",
+            "",
+            "batch schedule   (global batch in samples of seq_len tokens; accumulation = micro-batches per step per rank)",
+            f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
+            + "".join(f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases),
+        ]
+        for p in self.phases:
+            lines.append(
+                f"  {p.start_tokens:>17,} {p.tokens:>17,} {p.global_batch:>7,} {p.micro_batch:>6} {p.accumulate:>6} "
+                f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}"
+                + "".join(f" {value:>{max(8, len(column))}.4g}" for column, value in self._settings_of(p).items())
+            )
+        on, off = self.memory[True], self.memory[False]
+        chosen = "on" if self.activation_checkpointing else "off"
+        micro = max(p.micro_batch for p in self.phases) if self.phases else 0  # the peak
+        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[self.strategy]
+        unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
+        lines += [
+            "",
+            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} ({unit}) at micro-batch {micro} x "
+            f"{self.seq_len:,} tokens; activation checkpointing {chosen} (model.activation_checkpointing)",
+            f"  {'':<24} {'AC on':>8} {'AC off':>8}",
+        ]
+        rows = [
+            ("parameters", on.parameters, off.parameters),
+            ("gradients", on.gradients, off.gradients),
+            (f"{self.optimizer.name} state", on.optimizer_state, off.optimizer_state),
+            (working, on.working_buffers, off.working_buffers),
+            ("activations (saved)", on.activations, off.activations),
+            ("activations (peak add)", on.activation_peak_extra, off.activation_peak_extra),
+            ("total", on.total, off.total),
+        ]
+        lines += [f"  {label:<24} {a / size:>8.2f} {b / size:>8.2f}" for label, a, b in rows]
+        if self._on_gpu:
+            lines.append(
+                f"  (plus CUDA context, communication buffers and fragmentation; limit plan_for.gpu_memory_gib="
+                f"{self.limits.gpu_memory_gib:g})"
+            )
+        else:
+            lines.append(f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)")
+        lines.append("")
+        if self.probe is None:
+            lines.append("CBS probe        none")
+        else:
+            p = self.probe
+            lines += [
+                f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
+                f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
+                f"{p.window_tokens:,} tokens each{f' on each of {p.replicates} data windows' if p.replicates > 1 else ''}: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} of training)",
+                f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of {p.snapshot_bytes / GIB:,.2f} "
+                f"(weights + {self.optimizer.name} state), window batches {p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
+                f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
+                f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})",
+            ]
+        seconds = self.wall_seconds
+        if self._on_gpu:
+            lines += [
+                "",
+                f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
+                f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
+                f"plan_for.peak_flops_per_device), "
+                f"{self.processes * seconds / 3600:,.0f} device-hours",
+            ]
+        else:
+            lines += [
+                "",
+                f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
+                "plan_for.peak_flops_per_device)",
+            ]
+        if self.micro_batch_limit is not None:
+            lines.append(
+                f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
+                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: each "
+                "phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
+            )
+        lines += self._cluster_report()
+        warnings = self.warnings()
+        fits = (
+            "memory per device and host memory within plan_for's limits"
+            if self._on_gpu
+            else "host memory within plan_for.host_memory_gib"
+        )
+        lines += [f"WARNING: {w}" for w in warnings] or [f"fits             {fits}"]
+        return "\n".join(lines)
+
+    def _cluster_report(self) -> list[str]:
+        """Each phase on the ranks ``grow_cluster`` gives it, against the whole run on the ranks of now."""
+        if not self.cluster or len(self.cluster) < 2:
+            return []
+        per_node = self.devices_per_node
+        timed = self._on_gpu
+        grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)
+        fixed = sum(self._seconds(p.phase.tokens, self.processes) for p in self.cluster)
+        cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
+        times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
+        lines = [
+            "",
+            f"growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share of a step "
+            f"at the first phase's, micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
+            f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
+        ]
+        for planned in self.cluster:
+            row = (
+                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
+                f"{planned.accumulate:>6}"
+            )
+            if timed:
+                seconds = self._seconds(planned.phase.tokens, planned.ranks)
+                row += (
+                    f" {planned.phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} "
+                    f"{_duration(self._seconds(planned.phase.tokens, self.processes)):>14}"
+                )
+            lines.append(row)
+        device_hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
+        if timed:
+            lines.append(
+                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
+                f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)"
+            )
+        lines.append("  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:")
+        for index, planned in enumerate(self.cluster):
+            nodes = planned.ranks // per_node
+            run_dir = f" hydra.run.dir=outputs/{self.name}/phase{index + 1}"
+            resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
+            stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
+            lines.append(
+                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
+            )
+        return lines
+
+    @property
+    def _on_gpu(self) -> bool:
+        return on_gpu(self.accelerator)
+
+
+def on_gpu(accelerator: str) -> bool:
+    """Whether a run on ``accelerator`` trains on GPUs: only then are wall times estimated (they assume a
+    GPU's peak FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib."""
+    return accelerator in ("gpu", "cuda")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:,.1f} hours"
+    return f"{seconds / 60:,.1f} minutes"
+
+
+def plan_run(
+    name: str,
+    config: OLMoConfig | object,
+    schedule: BatchSchedule,
+    lr_factor: Callable[[float], float],
+    max_tokens: int,
+    seq_len: int,
+    micro_batch: int,
+    val_micro_batch: int,
+    precision: str,
+    strategy: str,
+    accelerator: str,
+    devices_per_node: int,
+    num_nodes: int,
+    activation_checkpointing: bool,
+    probe=None,
+    limits: Limits = Limits(),
+    optimizer: OptimizerState = ADAMW_STATE,
+    max_micro_batch_size: int | None = None,
+    command: str = "recipes/train.py",
+    settings: Callable[[float, float], dict[str, float]] | None = None,
+) -> RunPlan:
+    """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
+    keeps (``OptimizerState.of(factory)``). All ranks are data-parallel. ``micro_batch``: the first
+    micro-batch, or with ``max_micro_batch_size`` what BatchWarmup grows it to with each batch."""
+    shape = ModelShape.of(config)
+    processes = devices_per_node * num_nodes
+
+    def micro_for(global_batch: int, ranks: int) -> int:
+        return micro_batch_for(global_batch, ranks, max_micro_batch_size) if max_micro_batch_size else micro_batch
+
+    phases = batch_phases(schedule, max_tokens, seq_len, lambda batch: micro_for(batch, processes), processes, lr_factor)
+    peak_micro = max(p.micro_batch for p in phases) if phases else micro_batch
+
+    def memory_at(micro: int, checkpointing: bool = activation_checkpointing) -> DeviceMemory:
+        return device_memory(shape, micro, seq_len, precision, strategy, processes, checkpointing, optimizer)
+
+    memory = {checkpointing: memory_at(peak_micro, checkpointing) for checkpointing in (True, False)}
+    largest_share = max(schedule.sizes()) // processes
+    return RunPlan(
+        name=name,
+        shape=shape,
+        seq_len=seq_len,
+        max_tokens=max_tokens,
+        precision=str(precision),
+        strategy=strategy,
+        devices_per_node=devices_per_node,
+        num_nodes=num_nodes,
+        activation_checkpointing=activation_checkpointing,
+        phases=phases,
+        memory=memory,
+        probe=None
+        if probe is None
+        else probe_plan(
+            probe, shape, precision, strategy, processes, micro_batch, val_micro_batch, seq_len, max_tokens, optimizer
+        ),
+        limits=limits,
+        accelerator=accelerator,
+        optimizer=optimizer,
+        micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at)
+        if on_gpu(accelerator)
+        else None,
+        cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for)
+        if phases
+        else None,
+        command=command,
+        settings=settings,
+    )

@@ -1,0 +1,225 @@
+"""One self-contained HTML page per run: ``python -m lit_cbs.recipes.report RUN_DIR`` (``recipes/train.py`` writes
+it at the end of a run as ``report.html``).
+
+The page holds, as PNGs embedded in the file (readable offline, nothing fetched): the loss against
+tokens and against wall-clock seconds, the global batch and LR schedule, the CBS readings with their
+brackets and error bars, the gradient noise scale, and tables of the run's summary, its batch
+changes and its CBS readings. Everything is read from what the run wrote: ``metrics.csv``,
+``summary.json``, ``batch_history.json`` and ``cbs_probe.jsonl`` (those it has). A small script marks
+the page once every figure has loaded (``data-figures-loaded``), so a headless browser can check it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import tempfile
+from pathlib import Path
+
+from lit_cbs.analysis.curves import (
+    GNS_COLUMN,
+    LOSS_COLUMN,
+    METRICS_FILE,
+    TOKENS_COLUMN,
+    VAL_LOSS_COLUMN,
+    read_metrics_csv,
+    tokens_at,
+)
+
+REPORT_FILE = "report.html"
+SECONDS_COLUMN = "fit_seconds"
+
+PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }}
+table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
+</style></head>
+<body data-figures="{count}">
+<h1>{title}</h1>
+{body}
+<script>
+window.addEventListener("error", function (event) {{ document.body.dataset.error = String(event.message); }});
+window.addEventListener("load", function () {{
+  var images = Array.prototype.slice.call(document.images);
+  var loaded = images.filter(function (image) {{ return image.complete && image.naturalWidth > 0; }});
+  document.body.dataset.figuresLoaded = String(loaded.length);
+}});
+</script>
+</body></html>
+"""
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = "".join(f"<th>{html.escape(str(name))}</th>" for name in header)
+    lines = "".join("<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in row) + "</tr>" for row in rows)
+    return f"<table><tr>{cells}</tr>{lines}</table>"
+
+
+def _figure(path: Path, caption: str) -> str:
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return (
+        f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
+    )
+
+
+def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
+    """The loss and the noise scale against wall-clock seconds and tokens, where the CSV has them."""
+    from matplotlib.figure import Figure
+
+    from lit_cbs.analysis.plots import save_figure
+
+    if SECONDS_COLUMN not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
+        return None
+    seconds = dict(zip(*(column.tolist() for column in metrics[SECONDS_COLUMN])))
+    panels = [name for name in (GNS_COLUMN,) if name in metrics and TOKENS_COLUMN in metrics]
+    figure = Figure(figsize=(7, 3.6 * (1 + len(panels))))
+    axes = figure.subplots(1 + len(panels), 1, squeeze=False)[:, 0]
+    for name, style in ((LOSS_COLUMN, dict(lw=0.8, alpha=0.6)), (VAL_LOSS_COLUMN, dict(marker="o", lw=1.5))):
+        if name in metrics:
+            steps, values = metrics[name]
+            pairs = [(seconds[step], value) for step, value in zip(steps.tolist(), values.tolist()) if step in seconds]
+            axes[0].plot([p[0] for p in pairs], [p[1] for p in pairs], label=name, **style)
+    axes[0].set(xlabel="wall-clock seconds of training", ylabel="loss (nats per token)")
+    if axes[0].lines:
+        axes[0].legend()
+    axes[0].grid(alpha=0.3)
+    for axis, name in zip(axes[1:], panels):
+        steps, values = metrics[name]
+        axis.plot(tokens_at(metrics, steps), values)
+        axis.set(xlabel="tokens seen", ylabel="gradient noise scale B_simple (samples)", yscale="log")
+        axis.grid(alpha=0.3)
+    return save_figure(figure, path)
+
+
+def _probe_epsilon(run_dir: Path) -> float | None:
+    """The probe's epsilon (nats) from a recipe run's resolved_config.yaml, for the plot's tolerance line."""
+    config = run_dir / "resolved_config.yaml"
+    if not config.is_file():
+        return None
+    from omegaconf import OmegaConf
+
+    epsilon = OmegaConf.select(OmegaConf.load(config), "callbacks.cbs_probe.epsilon")
+    return float(epsilon) if epsilon is not None else None
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the run's HTML page (default ``RUN_DIR/report.html``) and return its path.
+
+    Raises:
+        ValueError: ``run_dir`` has no ``metrics.csv`` (not a run folder, or one logged without the CSV logger).
+    """
+    from lit_cbs.callbacks.warmup import BatchChange
+    from lit_cbs.probe.plot import plot_cbs_curve
+    from lit_cbs.probe.reading import ProbeReading
+    from lit_cbs.recipes.run_report import plot_run
+
+    run_dir = Path(run_dir)
+    metrics_csv = run_dir / METRICS_FILE
+    if not metrics_csv.is_file():
+        raise ValueError(f"{str(run_dir)!r} has no {METRICS_FILE}: give the folder of a run logged with the CSV logger")
+    metrics = read_metrics_csv(metrics_csv)
+    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
+    history = json.loads((run_dir / "batch_history.json").read_text()) if (run_dir / "batch_history.json").is_file() else {}
+    probe_file = next(iter(sorted(run_dir.rglob("cbs_probe.jsonl"))), None)
+    readings = []
+    if probe_file is not None:
+        readings = [
+            ProbeReading(**{"seq_len": None, **json.loads(line)}) for line in probe_file.read_text().splitlines() if line.strip()
+        ]
+    title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
+    parts = []
+    with tempfile.TemporaryDirectory() as scratch:
+        scratch = Path(scratch)
+        captions = {
+            "loss_vs_tokens": "Loss against tokens (dotted: batch changes)",
+            "batch_lr_vs_tokens": "Global batch and LR against tokens",
+            "gns_groups_vs_tokens": "Noise scale per group of parameters",
+        }
+        figures = [
+            (path, captions.get(path.stem, path.stem))
+            for path in plot_run(metrics_csv, scratch, title=summary.get("run_name", ""))
+        ]
+        wall = _wall_clock_figure(metrics, scratch / "wall_clock.png")
+        if wall is not None:
+            noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
+            figures.insert(1, (wall, f"Loss against wall-clock seconds{noise}"))
+        if readings:
+            changes = history.get("changes", [])
+            curve = plot_cbs_curve(
+                readings,
+                [BatchChange(**change) for change in changes],
+                scratch / "cbs_curve.png",
+                summary.get("tokens"),
+                _probe_epsilon(run_dir),
+            )
+            figures.append(
+                (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
+            )
+        parts += [_figure(path, caption) for path, caption in figures]
+    if summary:  # its lists and dicts (batch changes, probe readings) have tables of their own below
+        parts.insert(
+            0,
+            "<h2>Summary</h2>"
+            + _table([[key, value] for key, value in summary.items() if not isinstance(value, (dict, list))], ["", "value"]),
+        )
+    if history.get("changes"):
+        parts.append(
+            "<h2>Batch changes</h2>"
+            + _table(
+                [
+                    [
+                        c["step"],
+                        f"{c['tokens_seen']:,}",
+                        f"{c['old_global_batch']} -> {c['new_global_batch']}",
+                        f"{c['new_micro_batch_size']} x {c['new_accumulate']}",
+                        f"{c['lr_factor']:.4g}",
+                        c.get("cause", "schedule"),
+                    ]
+                    for c in history["changes"]
+                ],
+                ["after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause"],
+            )
+        )
+    if readings:
+        parts.append(
+            "<h2>CBS readings</h2>"
+            + _table(
+                [
+                    [
+                        f"{r.tokens:,}",
+                        r.batch_size,
+                        f"{r.k_star:g}",
+                        f"[{r.cbs_lower:g}, {'open' if r.cbs_upper is None else f'{r.cbs_upper:g}'}]",
+                        "yes" if r.determined else "no",
+                    ]
+                    for r in readings
+                ],
+                ["tokens", "batch", "k*", "CBS (samples)", "determined"],
+            )
+        )
+    page = PAGE.format(title=html.escape(title), count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts))
+    out = Path(out) if out is not None else run_dir / REPORT_FILE
+    out.write_text(page)
+    return out
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description="Write a run's self-contained HTML page (report.html).")
+    parser.add_argument("run_dir", type=Path, help="a run folder (recipes/train.py's, or any with a CSVLogger's metrics.csv)")
+    parser.add_argument("--out", type=Path, default=None, help="where to write it (default: RUN_DIR/report.html)")
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.run_dir, args.out)
+    except ValueError as error:
+        parser.error(str(error))
+    print(path)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The OmegaConf resolvers lit_cbs's Hydra configs (``conf/``) use, and ``register_resolvers()``, which
+every script that composes them calls first (``recipes/train.py`` does at import).
+
+- ``${lit_cbs.world_size:${trainer.devices},${trainer.num_nodes}}``: processes in the job.
+- ``${lit_cbs.scaled_lr:3e-3,${batch.schedule.batch_size},16,${batch.lr_rule}}``: an LR tuned at one
+  global batch, scaled to another by an LR rule.
+- ``${lit_cbs.sweep_subdir:${hydra.job.num},${run_name},${hydra.overrides.task}}``: a multirun job's folder.
+
+Imported on its own (``lit_cbs`` does not import it), so the library needs no Hydra.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from omegaconf import OmegaConf
+
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.rules.scaling import get_lr_rule
+
+
+def devices_per_node(devices, needed_for: str) -> int:
+    """``trainer.devices`` as a count: a positive number (or its string) or a list of device ids;
+    else LitCBSConfigError naming the key. ``needed_for`` says what needs the count."""
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        return devices
+    if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
+        return len(devices)
+    raise LitCBSConfigError(
+        f"trainer.devices={devices!r} must be a number per node (or a list of device ids): {needed_for}; e.g. trainer.devices=8"
+    )
+
+
+def world_size(devices, num_nodes) -> int:
+    """Processes in the job: devices per node (a count or a list of device ids) x nodes."""
+    return devices_per_node(devices, "trainer=fsdp sets the data-parallel size from it") * int(num_nodes)
+
+
+def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
+    """``lr`` tuned at ``base_batch_size`` samples, scaled to ``batch_size`` samples by an LR rule
+    (lit_cbs.rules.scaling): each run of a batch-size sweep gets the LR BatchWarmup would give that batch."""
+    return float(lr) * get_lr_rule(rule).lr_factor(float(batch_size) / float(base_batch_size))
+
+
+def sweep_subdir(job_number, run_name, job_overrides) -> str:
+    """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line
+    sweeps (``batch.schedule.batch_size=8,16`` -> ``..._batch.schedule.batch_size=16``). The recipe is
+    in ``run_name``; keys set to one value for every job would only lengthen every name."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    swept = {
+        override.key_or_group
+        for override in OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
+        if override.is_sweep_override()
+    }
+    own = [item for item in job_overrides if item.split("=", 1)[0].lstrip("+~") in swept - {"recipe"}]
+    return "_".join([f"{job_number}_{run_name}", *own])
+
+
+RESOLVERS = {
+    "lit_cbs.world_size": world_size,
+    "lit_cbs.scaled_lr": scaled_lr,
+    "lit_cbs.sweep_subdir": sweep_subdir,
+}
+
+
+def register_resolvers() -> None:
+    """Register the resolvers with OmegaConf; calling it again changes nothing."""
+    for name, resolver in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)

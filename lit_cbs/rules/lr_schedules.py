@@ -1,0 +1,239 @@
+"""LR schedules indexed by tokens seen, so a batch-size change does not shift them.
+
+A step-indexed schedule (e.g. cosine over ``trainer.estimated_stepping_batches``) assumes a
+constant number of tokens per step; once the batch grows, each step covers more tokens and the
+schedule ends too late. Here a schedule is a multiplier of the base LR as a function of tokens
+(``schedule(tokens) -> float``), and ``TokenLRScheduler`` applies it as a regular PyTorch /
+Lightning LR scheduler. ``BatchWarmup`` feeds it the global token count before every step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch.optim.lr_scheduler import LambdaLR
+
+from lit_cbs.errors import LitCBSConfigError
+
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
+
+
+def _check_tokens(name: str, value, allow_zero: bool = True) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LitCBSConfigError(f"{name}={value!r} must be an int number of tokens")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise LitCBSConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
+    return value
+
+
+def _check_ratio(name: str, value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise LitCBSConfigError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
+    return float(value)
+
+
+def _warmup(tokens: int, warmup_tokens: int) -> float:
+    return 1.0 if tokens >= warmup_tokens else (tokens + 1) / (warmup_tokens + 1)
+
+
+class WarmupStableDecay:
+    """Linear warmup over ``warmup_tokens``, constant, then decay over the last ``decay_tokens``.
+
+    The multiplier falls from 1 to ``min_lr_ratio`` between ``total_tokens - decay_tokens`` and
+    ``total_tokens`` (``decay_shape``: linear, cosine or 1 - sqrt) and stays there afterwards.
+    ``decay_tokens=0`` gives warmup then constant (the stable phase the E(S) analysis uses).
+    """
+
+    def __init__(
+        self,
+        warmup_tokens: int,
+        total_tokens: int,
+        decay_tokens: int = 0,
+        min_lr_ratio: float = 0.0,
+        decay_shape: str = "linear",
+    ):
+        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        self.decay_tokens = _check_tokens("decay_tokens", decay_tokens)
+        if warmup_tokens + decay_tokens > total_tokens:
+            raise LitCBSConfigError(
+                f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
+                "shorten the warmup or the decay"
+            )
+        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
+        if decay_shape not in DECAY_SHAPES:
+            raise LitCBSConfigError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
+        self.decay_shape = decay_shape
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return _warmup(tokens, self.warmup_tokens)
+        decay_start = self.total_tokens - self.decay_tokens
+        if self.decay_tokens == 0 or tokens < decay_start:
+            return 1.0
+        progress = min(1.0, (tokens - decay_start) / self.decay_tokens)
+        if self.decay_shape == "linear":
+            remaining = 1.0 - progress
+        elif self.decay_shape == "cosine":
+            remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+        else:
+            remaining = 1.0 - math.sqrt(progress)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * remaining
+
+    def __repr__(self) -> str:
+        return (
+            f"WarmupStableDecay(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
+            f"decay_tokens={self.decay_tokens}, min_lr_ratio={self.min_lr_ratio}, decay_shape={self.decay_shape!r})"
+        )
+
+
+class CosineSchedule:
+    """Linear warmup over ``warmup_tokens``, then cosine from 1 to ``min_lr_ratio`` at ``total_tokens``."""
+
+    def __init__(self, warmup_tokens: int, total_tokens: int, min_lr_ratio: float = 0.1):
+        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        if warmup_tokens >= total_tokens:
+            raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
+        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return _warmup(tokens, self.warmup_tokens)
+        progress = min(1.0, (tokens - self.warmup_tokens) / (self.total_tokens - self.warmup_tokens))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    def __repr__(self) -> str:
+        return (
+            f"CosineSchedule(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
+            f"min_lr_ratio={self.min_lr_ratio})"
+        )
+
+
+class StepDecay:
+    """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
+    (tokens): 1 until the first, ``gamma`` until the second, ``gamma**2`` ... (``StepLR`` in tokens).
+    ``total_tokens`` is where the run ends (for ``lit_cbs.rules.batch_schedules.Seesaw``)."""
+
+    def __init__(self, warmup_tokens: int, milestones, total_tokens: int, gamma: float = 0.5):
+        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        self.milestones = [_check_tokens(f"milestones[{i}]", m) for i, m in enumerate(milestones)]
+        if self.milestones != sorted(set(self.milestones)) or (self.milestones and self.milestones[0] < warmup_tokens):
+            raise LitCBSConfigError(f"milestones={self.milestones} must strictly increase, from warmup_tokens={warmup_tokens} on")
+        if not 0.0 < gamma < 1.0:
+            raise LitCBSConfigError(f"gamma={gamma} must lie in (0, 1) (the multiplier's factor at each milestone)")
+        self.gamma = float(gamma)
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return _warmup(tokens, self.warmup_tokens)
+        return self.gamma ** sum(tokens >= milestone for milestone in self.milestones)
+
+    def __repr__(self) -> str:
+        return (
+            f"StepDecay(warmup_tokens={self.warmup_tokens}, milestones={self.milestones}, "
+            f"total_tokens={self.total_tokens}, gamma={self.gamma})"
+        )
+
+
+class OneCycle:
+    """PyTorch's ``OneCycleLR`` LR curve as a multiplier of ``max_lr``, for ``LambdaLR`` (indexed by
+    steps) or ``TokenLRScheduler`` (indexed by tokens).
+
+    ``OneCycleLR`` writes absolute LRs at every step, so a batch change cannot rescale it; the
+    optimizer's ``lr`` set to ``max_lr`` and ``LambdaLR(optimizer, OneCycle(total=...))`` give the
+    same LRs (without momentum cycling) and compose with ``BatchWarmup``. Arguments as in
+    ``OneCycleLR``; ``total`` is its ``total_steps`` (or a token count with ``TokenLRScheduler``).
+    Past ``total`` the multiplier stays at its final value.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        pct_start: float = 0.3,
+        anneal_strategy: str = "cos",
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+    ):
+        self.total = _check_tokens("total", total, allow_zero=False)
+        if not 0.0 < pct_start < 1.0:
+            raise LitCBSConfigError(f"pct_start={pct_start} must lie in (0, 1)")
+        if anneal_strategy not in ("cos", "linear"):
+            raise LitCBSConfigError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
+        if div_factor <= 0 or final_div_factor <= 0:
+            raise LitCBSConfigError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
+        self.pct_start, self.anneal_strategy = pct_start, anneal_strategy
+        self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
+        initial, peak = 1.0 / div_factor, 1.0
+        final = initial / final_div_factor
+        up_end = float(pct_start * total) - 1
+        if three_phase:  # (end step, start multiplier, end multiplier), as OneCycleLR's phases
+            self._phases = [
+                (up_end, initial, peak),
+                (float(2 * pct_start * total) - 2, peak, initial),
+                (total - 1, initial, final),
+            ]
+        else:
+            self._phases = [(up_end, initial, peak), (total - 1, peak, final)]
+
+    def _anneal(self, start: float, end: float, progress: float) -> float:
+        if self.anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * progress) + 1)
+        return (end - start) * progress + start
+
+    def __call__(self, step: int) -> float:
+        step = min(step, self.total - 1)
+        phase_start = 0.0
+        for number, (phase_end, start, end) in enumerate(self._phases):
+            if step <= phase_end or number == len(self._phases) - 1:
+                return self._anneal(start, end, (step - phase_start) / (phase_end - phase_start))
+            phase_start = phase_end
+        raise AssertionError("the last phase always returns")  # pragma: no cover
+
+    def __repr__(self) -> str:
+        return (
+            f"OneCycle(total={self.total}, pct_start={self.pct_start}, anneal_strategy={self.anneal_strategy!r}, "
+            f"div_factor={self.div_factor}, final_div_factor={self.final_div_factor}, three_phase={self.three_phase})"
+        )
+
+
+class TokenLRScheduler(LambdaLR):
+    """``LambdaLR`` whose multiplier is ``schedule(tokens_seen)``: LR = base LR * ``schedule(tokens_seen)``.
+
+    ``tokens_seen`` (global tokens trained on, all ranks) must be set before each ``step()``:
+    ``BatchWarmup`` does it, and ``BatchAccounting`` alone for a run with a fixed batch; a plain
+    PyTorch loop sets the attribute itself. Stepping without it raises rather than freezing the LR:
+    under Lightning at the first step, since a scheduler is not told of the Trainer's callbacks.
+    Lightning steps it with ``interval="step"``.
+    """
+
+    def __init__(self, optimizer, schedule, last_epoch: int = -1):
+        if not callable(schedule):
+            raise TypeError(f"schedule must be callable tokens -> LR multiplier, got {schedule!r}")
+        self.schedule = schedule
+        self.tokens_seen: int | None = None
+        super().__init__(optimizer, self._multiplier, last_epoch)
+
+    def _multiplier(self, step: int) -> float:
+        """LambdaLR passes the step count; the multiplier follows the tokens instead."""
+        return self.schedule(self.tokens_seen or 0)
+
+    def step(self, epoch=None):
+        # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
+        if self.last_epoch >= 0 and self.tokens_seen is None:
+            raise LitCBSConfigError(
+                "TokenLRScheduler.step() was called but tokens_seen was never set: add lit_cbs.BatchWarmup (a growing "
+                "batch) or lit_cbs.BatchAccounting(seq_len=...) (a fixed one) to the Trainer's callbacks, or set "
+                "scheduler.tokens_seen before each step in a loop of your own"
+            )
+        super().step(epoch)
+
+    def state_dict(self) -> dict:
+        """The scheduler's counters without ``schedule`` (configuration, rebuilt with the scheduler),
+        so a checkpoint holds plain values only and loads with ``torch.load(weights_only=True)``."""
+        return {key: value for key, value in super().state_dict().items() if key != "schedule"}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict({**state_dict, "schedule": self.schedule})

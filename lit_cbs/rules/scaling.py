@@ -1,0 +1,443 @@
+"""Learning-rate scaling rules for a global batch that changes by ``ratio = new / old``.
+
+- ``"sqrt"``: LR * sqrt(ratio), the rule for Adam (Merrill et al. 2025 double the batch and
+  multiply the LR by sqrt(2)).
+- ``"linear"``: LR * ratio, the rule for SGD (Goyal et al. 2017).
+- ``"none"``: LR unchanged.
+- ``"adam_sde"``: the square-root SDE scaling rule for Adam (Malladi et al. 2022): LR * sqrt(ratio),
+  1 - beta_i -> ratio * (1 - beta_i), eps -> eps / sqrt(ratio).
+- any callable ``ratio -> factor``.
+
+``get_clip_rule`` resolves the same kind of rule ("sqrt", "linear", "none" or a callable) for the
+gradient-clipping threshold, which ``BatchWarmup(clip_rule=...)`` multiplies at each change.
+
+``scale_learning_rate`` multiplies the LR where the optimizer and every supported LR scheduler keep
+it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
+``LRRule.check_ratios`` refuses, before training, batch ratios a rule cannot apply to an optimizer
+and its LR schedulers (an LR scheduler that keeps absolute LRs; adam_sde beyond its betas' limit).
+
+Settings beside the LR, each with its own rule (``OptimizerRules`` composes them with the LR rule):
+
+- weight decay, ``"timescale"``: lambda -> lambda * k / f(k), where f(k) is the LR rule's factor. It
+  keeps AdamW's timescale tau = B / (eta * lambda * D) (batch B in samples, D the dataset in
+  samples), whose optimum Bergsma et al. 2025 ("Power Lines") find nearly independent of B at a
+  fixed number of tokens per parameter. Under the sqrt LR rule a doubling gives lambda * sqrt(2).
+- Adam's beta2, ``"half_life"``: beta2 -> beta2 ** k, so the second-moment average keeps its
+  half-life in tokens (Marek et al. 2025): a step of k x B samples weighs as k steps of B.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.optim import lr_scheduler as torch_sched
+
+from lit_cbs._internals import inner_schedulers, scale_last_lr
+from lit_cbs.errors import LitCBSConfigError
+
+
+class LRRule:
+    """A rule turning a batch ratio (new / old global batch) into an LR factor."""
+
+    def __init__(self, name: str, factor: Callable[[float], float]):
+        self.name = name
+        self._factor = factor
+
+    def lr_factor(self, ratio: float) -> float:
+        if not ratio > 0:
+            raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
+        factor = float(self._factor(ratio))
+        if not (math.isfinite(factor) and factor > 0):
+            raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
+        return factor
+
+    def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
+        """Change hyperparameters other than the LR (none for plain LR rules)."""
+
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, ratios: list[float], who: str, compose: bool) -> None:
+        """LitCBSConfigError, its message starting with ``who``, if ``adjust_optimizer`` cannot apply
+        ``ratios`` to ``optimizer`` (``check_ratios`` says how they apply); nothing for plain LR rules."""
+
+    def check_ratios(
+        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+    ) -> None:
+        """Before training: LitCBSConfigError, its message starting with ``who``, unless the rule can
+        scale ``optimizer`` and every one of its LR ``schedulers`` at each batch ratio (new / old
+        global batch) in ``ratios``.
+
+        compose=False: each ratio applies on its own to the optimizer as it is now (a CBS probe's
+        branches all start from the main run's state). compose=True: the ratios apply one after
+        another (BatchWarmup's changes). Schedulers are checked only if some ratio changes the LR:
+        a factor of 1 composes with any.
+        """
+        ratios = list(ratios)
+        if any(self.lr_factor(ratio) != 1.0 for ratio in ratios):
+            for scheduler in schedulers:
+                check_scheduler_supported(scheduler, who)
+        if ratios:
+            self.check_optimizer(optimizer, ratios, who, compose)
+
+    def __repr__(self) -> str:
+        return f"LRRule({self.name!r})"
+
+
+class AdamSDERule(LRRule):
+    """Malladi et al. 2022: LR * sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k).
+
+    A beta stays a valid Adam beta (in [0, 1)) while k (1 - beta) <= 1: ``max_ratio`` is
+    1 / (1 - beta) for the smallest beta of any param group (10 for AdamW's betas (0.9, 0.95)).
+    """
+
+    def __init__(self):
+        super().__init__("adam_sde", math.sqrt)
+
+    @staticmethod
+    def _scaled_betas(betas, ratio: float) -> tuple[float, ...]:
+        return tuple(1.0 - ratio * (1.0 - b) for b in betas)
+
+    def max_ratio(self, optimizer: torch.optim.Optimizer) -> float:
+        """The largest batch ratio (new / old global batch) that keeps every beta of ``optimizer``
+        as it is now >= 0, in one change or several compounded."""
+        return min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"])
+
+    def check_optimizer(self, optimizer, ratios, who, compose):
+        for i, group in enumerate(optimizer.param_groups):
+            if "betas" not in group or "eps" not in group:
+                raise LitCBSConfigError(
+                    f"{who}: lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
+                    f"{type(optimizer).__name__} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
+                )
+        limit = self.max_ratio(optimizer)
+        total = 1.0
+        for ratio in ratios:
+            total = total * ratio if compose else ratio  # compounded: 1 - beta -> r1 r2 ... (1 - beta)
+            if total > limit:
+                reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
+                betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
+                raise LitCBSConfigError(
+                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {type(optimizer).__name__} "
+                    f"betas {betas} (beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
+                    f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
+                )
+
+    def adjust_optimizer(self, optimizer, ratio):
+        for group in optimizer.param_groups:
+            group["betas"] = self._scaled_betas(group["betas"], ratio)
+            group["eps"] = group["eps"] / math.sqrt(ratio)
+
+
+def _linear(ratio: float) -> float:
+    return ratio
+
+
+def _unchanged(ratio: float) -> float:
+    return 1.0
+
+
+# Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
+LR_RULES = {
+    "sqrt": lambda: LRRule("sqrt", math.sqrt),
+    "linear": lambda: LRRule("linear", _linear),
+    "none": lambda: LRRule("none", _unchanged),
+    "adam_sde": AdamSDERule,
+}
+
+
+def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
+    """Resolve ``rule`` (a name in ``LR_RULES``, an ``LRRule`` or a callable ratio -> factor)."""
+    if isinstance(rule, LRRule):
+        return rule
+    if isinstance(rule, str):
+        if rule not in LR_RULES:
+            raise LitCBSConfigError(f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor")
+        return LR_RULES[rule]()
+    if callable(rule):
+        return LRRule(getattr(rule, "__name__", repr(rule)), rule)
+    raise LitCBSConfigError(f"lr_rule must be a name in {sorted(LR_RULES)} or a callable ratio -> factor, got {rule!r}")
+
+
+CLIP_RULES = ("sqrt", "linear", "none")
+
+
+def get_clip_rule(rule: str | Callable[[float], float] | None) -> LRRule | None:
+    """The rule for the gradient-clipping threshold at a batch change by ``ratio = new / old``: "sqrt",
+    "linear", or a callable ratio -> factor; None or "none" leave the threshold unchanged (None returned)."""
+    if rule is None or rule == "none":
+        return None
+    if isinstance(rule, str):
+        if rule not in CLIP_RULES:
+            raise LitCBSConfigError(
+                f"clip_rule={rule!r} is unknown; use one of {CLIP_RULES}, a callable ratio -> factor, or None"
+            )
+        return get_lr_rule(rule)
+    if callable(rule):
+        return get_lr_rule(rule)
+    raise LitCBSConfigError(f"clip_rule must be one of {CLIP_RULES}, a callable ratio -> factor or None, got {rule!r}")
+
+
+# Schedulers whose LR is either base_lrs * f(step) or chained multiplicatively on the optimizer's
+# current LR: scaling the group LR, base_lrs and absolute floors by a factor scales every later LR
+# by exactly that factor.
+_PROPORTIONAL = (
+    torch_sched.LambdaLR,
+    torch_sched.MultiplicativeLR,
+    torch_sched.StepLR,
+    torch_sched.MultiStepLR,
+    torch_sched.ConstantLR,
+    torch_sched.LinearLR,
+    torch_sched.ExponentialLR,
+    torch_sched.PolynomialLR,
+    torch_sched.CosineAnnealingLR,
+    torch_sched.ReduceLROnPlateau,
+)
+_CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
+
+
+def check_scheduler_supported(scheduler, who: str) -> None:
+    """LitCBSConfigError, its message starting with ``who``, if ``scale_learning_rate`` cannot
+    compose with ``scheduler`` exactly."""
+    if isinstance(scheduler, _CONTAINERS):
+        for inner in inner_schedulers(scheduler):
+            check_scheduler_supported(inner, who)
+        return
+    if isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
+        return
+    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.rules.lr_schedules.TokenLRScheduler"]
+    if isinstance(scheduler, torch_sched.OneCycleLR):
+        raise LitCBSConfigError(
+            f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
+            f"the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.rules.lr_schedules.OneCycle("
+            f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
+            "OneCycleLR arguments (momentum is not cycled)"
+        )
+    raise LitCBSConfigError(
+        f"{who}: {type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
+        f"use one of {supported}"
+    )
+
+
+def _scale_scheduler(scheduler, factor: float) -> None:
+    if isinstance(scheduler, _CONTAINERS):
+        for inner in inner_schedulers(scheduler):
+            _scale_scheduler(inner, factor)
+    if hasattr(scheduler, "base_lrs"):
+        scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
+    scale_last_lr(scheduler, factor)
+    if isinstance(scheduler, torch_sched.CosineAnnealingLR):
+        scheduler.eta_min *= factor
+    if isinstance(scheduler, torch_sched.ReduceLROnPlateau):
+        scheduler.min_lrs = [lr * factor for lr in scheduler.min_lrs]
+
+
+def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, factor: float) -> None:
+    """Multiply the LR by ``factor`` now and in everything the schedulers will compute from it."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+        if "initial_lr" in group:
+            group["initial_lr"] = group["initial_lr"] * factor
+    for scheduler in schedulers:
+        _scale_scheduler(scheduler, factor)
+
+
+# ---------------------------------------------------------------------- settings beside the LR
+class SettingRule(ABC):
+    """A rule for one optimizer setting beside the LR, at a batch change by ``ratio`` = new / old
+    global batch while the LR is multiplied by ``lr_factor``. Subclasses set ``name``, ``key`` (the
+    setting, logged as ``batch/<key>``) and ``argument`` (the BatchWarmup / CBSProbeCallback argument),
+    and implement ``scaled``, which composes: several changes give what one change by the product
+    of their ratios and of their LR factors gives (so a plan can compute any phase at once)."""
+
+    name: str
+    key: str
+    argument: str
+
+    @abstractmethod
+    def scaled(self, value: float, ratio: float, lr_factor: float) -> float:
+        """The setting after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
+
+    def get(self, group: dict) -> float:
+        return group[self.key]
+
+    def set(self, group: dict, value: float) -> None:
+        group[self.key] = value
+
+    def apply(self, group: dict, ratio: float, lr_factor: float) -> None:
+        self.set(group, self.scaled(float(self.get(group)), ratio, lr_factor))
+
+    def value(self, optimizer: torch.optim.Optimizer) -> float:
+        """The setting now, as logged: param group 0's."""
+        return float(self.get(optimizer.param_groups[0]))
+
+    @abstractmethod
+    def check(self, optimizer: torch.optim.Optimizer, who: str) -> None:
+        """LitCBSConfigError, its message starting with ``who``, if the rule does not apply to ``optimizer``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class WeightDecayTimescale(SettingRule):
+    """lambda -> lambda * k / f(k): AdamW's timescale B / (eta * lambda * D) stays as it was."""
+
+    name, key, argument = "timescale", "weight_decay", "weight_decay_rule"
+
+    def scaled(self, value, ratio, lr_factor):
+        return value * ratio / lr_factor
+
+    def value(self, optimizer):
+        """The largest param group's (a group without decay stays at 0)."""
+        return float(max(group["weight_decay"] for group in optimizer.param_groups))
+
+    def check(self, optimizer, who):
+        name = type(optimizer).__name__
+        if any("weight_decay" not in group for group in optimizer.param_groups):
+            raise LitCBSConfigError(f"{who}: {name} has no weight_decay to scale; set weight_decay_rule=None")
+        if not any(group["weight_decay"] for group in optimizer.param_groups):
+            raise LitCBSConfigError(
+                f"{who}: every param group of {name} has weight_decay=0, so the rule would change nothing: give the "
+                "optimizer a weight decay (e.g. AdamW(weight_decay=0.1)), or set weight_decay_rule=None"
+            )
+        if isinstance(optimizer, torch.optim.Adam) and not all(
+            group.get("decoupled_weight_decay") for group in optimizer.param_groups
+        ):
+            raise LitCBSConfigError(
+                f"{who}: {name}'s weight_decay is an L2 penalty that Adam's normalisation rescales, not the decoupled "
+                "decay whose timescale the rule keeps: use torch.optim.AdamW (or Adam(decoupled_weight_decay=True)), "
+                "or set weight_decay_rule=None"
+            )
+
+
+class Beta2HalfLife(SettingRule):
+    """beta2 -> beta2 ** k: the second-moment average keeps its half-life in tokens."""
+
+    name, key, argument = "half_life", "beta2", "beta2_rule"
+
+    def scaled(self, value, ratio, lr_factor):
+        return value**ratio
+
+    def get(self, group):
+        return group["betas"][1]
+
+    def set(self, group, value):
+        beta1, _, *rest = group["betas"]
+        group["betas"] = (beta1, value, *rest)
+
+    def check(self, optimizer, who):
+        name = type(optimizer).__name__
+        for i, group in enumerate(optimizer.param_groups):
+            betas = group.get("betas")
+            if betas is None or len(betas) < 2:
+                raise LitCBSConfigError(
+                    f"{who}: param group {i} of {name} has no Adam betas (beta1, beta2) to scale; set beta2_rule=None"
+                )
+            if isinstance(betas[1], torch.Tensor):
+                raise LitCBSConfigError(f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None")
+        if not any(group["betas"][1] for group in optimizer.param_groups):
+            raise LitCBSConfigError(
+                f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None"
+            )
+
+
+WEIGHT_DECAY_RULES = {"timescale": WeightDecayTimescale}
+BETA2_RULES = {"half_life": Beta2HalfLife}
+
+
+def _get_setting_rule(argument: str, rule, rules: dict[str, type[SettingRule]]) -> SettingRule | None:
+    if rule is None or rule == "none":
+        return None
+    if isinstance(rule, SettingRule) and isinstance(rule, tuple(rules.values())):
+        return rule
+    if isinstance(rule, str) and rule in rules:
+        return rules[rule]()
+    raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {sorted(rules)} or None (unchanged)")
+
+
+# Entries of a param group that the LR rule (adam_sde) and the setting rules write.
+SETTING_KEYS = ("betas", "eps", "weight_decay")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
+    return [{key: group[key] for key in SETTING_KEYS if key in group} for group in optimizer.param_groups]
+
+
+def restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict]) -> None:
+    for group, saved in zip(optimizer.param_groups, settings):
+        group.update({key: tuple(value) if key == "betas" else value for key, value in saved.items()})
+
+
+@dataclasses.dataclass
+class OptimizerRules:
+    """Everything a batch change by ``ratio`` = new / old moves in an optimizer: the LR (``lr``, which
+    for adam_sde also moves the betas and eps), and, when given, the weight decay and beta2.
+
+    BatchWarmup applies it at every change and a CBS probe to each branch, so a branch at k x B
+    trains as the run would after growing its batch k-fold.
+    """
+
+    lr: LRRule
+    weight_decay: SettingRule | None = None
+    beta2: SettingRule | None = None
+
+    @classmethod
+    def build(cls, lr_rule="sqrt", weight_decay_rule=None, beta2_rule=None) -> OptimizerRules:
+        """From the arguments BatchWarmup and CBSProbeCallback take (names, None, or rule objects)."""
+        rules = cls(
+            get_lr_rule(lr_rule),
+            _get_setting_rule("weight_decay_rule", weight_decay_rule, WEIGHT_DECAY_RULES),
+            _get_setting_rule("beta2_rule", beta2_rule, BETA2_RULES),
+        )
+        if isinstance(rules.lr, AdamSDERule) and rules.beta2 is not None:
+            raise LitCBSConfigError(
+                "lr_rule='adam_sde' already moves beta2 (1 - beta2 -> k (1 - beta2)) and beta2_rule='half_life' would "
+                "move it again: use lr_rule='sqrt' with beta2_rule='half_life', or beta2_rule=None"
+            )
+        return rules
+
+    @property
+    def settings(self) -> list[SettingRule]:
+        """The rules for settings beside the LR."""
+        return [rule for rule in (self.weight_decay, self.beta2) if rule is not None]
+
+    def names(self) -> dict[str, str | None]:
+        """``{"lr_rule": ..., "weight_decay_rule": ..., "beta2_rule": ...}``: the rules by the names users give."""
+        return {
+            "lr_rule": self.lr.name,
+            "weight_decay_rule": getattr(self.weight_decay, "name", None),
+            "beta2_rule": getattr(self.beta2, "name", None),
+        }
+
+    def describe(self) -> str:
+        """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
+        return ", ".join(
+            f"{argument}={name!r}" for argument, name in self.names().items() if name is not None or argument == "lr_rule"
+        )
+
+    def check(
+        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+    ) -> None:
+        """Before training: LitCBSConfigError, its message starting with ``who``, unless every rule
+        applies to ``optimizer`` and its LR ``schedulers`` at each batch ratio (``LRRule.check_ratios``)."""
+        ratios = list(ratios)
+        self.lr.check_ratios(optimizer, schedulers, ratios, who, compose)
+        if any(ratio != 1 for ratio in ratios):
+            for rule in self.settings:
+                rule.check(optimizer, who)
+
+    def apply(self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratio: float) -> float:
+        """Move every setting for a batch change by ``ratio``; return the LR factor applied."""
+        factor = self.lr.lr_factor(ratio)
+        scale_learning_rate(optimizer, schedulers, factor)
+        self.lr.adjust_optimizer(optimizer, ratio)
+        for rule in self.settings:
+            for group in optimizer.param_groups:
+                rule.apply(group, ratio, factor)
+        return factor
+
+    def values(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """``{"batch/weight_decay": ..., "batch/beta2": ...}`` for the settings these rules move."""
+        return {f"batch/{rule.key}": rule.value(optimizer) for rule in self.settings}

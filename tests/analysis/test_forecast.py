@@ -1,0 +1,282 @@
+"""lit_cbs.analysis.forecast: the interval each probe record supports, and the interval-censored fit of
+CBS(D) that recovers a known power law and a plateau from simulated brackets within its band."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger
+from toys import trainer_kwargs
+
+from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale
+from lit_cbs.analysis.forecast import (
+    Bracket,
+    brackets_from_records,
+    forecast_cbs,
+    growth_exponent,
+    noise_scale_over_tokens,
+    supported_interval,
+)
+from lit_cbs.data.synthetic import RandomTokenData
+from lit_cbs.models.lm import CausalLM
+from lit_cbs.probe.reading import BranchScore, ProbeReading
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = [2**j for j in range(16)]  # the batches probes bracket with: 1, 2, 4, ... samples
+
+
+def simulated_brackets(cbs, tokens, runs: int, spread: float, seed: int) -> list[Bracket]:
+    """Each run reads log CBS(D) + Normal(0, spread) at each D, bracketed on GRID."""
+    rng = np.random.default_rng(seed)
+    brackets = []
+    for run in range(runs):
+        for d in tokens:
+            read = math.exp(math.log(cbs(d)) + rng.normal(0, spread))
+            lower = max([b for b in GRID if b <= read], default=GRID[0])
+            upper = next((b for b in GRID if b > read), math.inf)
+            brackets.append(Bracket(float(d), float(lower), float(upper), f"seed{run}"))
+    return brackets
+
+
+def power(d):
+    return 16 * (d / 1e6) ** 0.5
+
+
+def plateau(d):
+    return 1 / (1 / (16 * (d / 1e6) ** 0.7) + 1 / 256)
+
+
+TOKENS = np.geomspace(1e5, 1e8, 10)
+
+
+def test_a_power_law_is_recovered_within_its_band():
+    forecast = forecast_cbs(simulated_brackets(power, TOKENS, runs=3, spread=0.2, seed=1), model="auto")
+    assert forecast.model == "power"
+    assert forecast.exponent == pytest.approx(0.5, abs=0.08)
+    low, high = forecast.band(TOKENS)
+    assert np.all((low <= power(TOKENS)) & (power(TOKENS) <= high))
+    # Past the last reading the band widens, and still holds the true curve at 10x the tokens.
+    far_low, far_high = forecast.band(1e9)
+    assert far_low[0] <= power(1e9) <= far_high[0] and far_high[0] / far_low[0] > high[-1] / low[-1]
+
+
+def test_a_plateau_is_found_and_placed():
+    tokens = np.geomspace(1e5, 1e9, 12)
+    forecast = forecast_cbs(simulated_brackets(plateau, tokens, runs=3, spread=0.15, seed=2), model="auto")
+    assert forecast.model == "plateau" and forecast.heldout_log_likelihood["plateau"] > forecast.heldout_log_likelihood["power"]
+    assert forecast.plateau == pytest.approx(256, rel=0.5)
+    low, high = forecast.band(tokens)
+    assert np.all((low <= plateau(tokens)) & (plateau(tokens) <= high))
+
+
+def test_the_band_covers_held_out_brackets_at_about_its_coverage():
+    # Fit on the first half of each of 4 runs' readings, check the later readings of 4 other runs.
+    early = simulated_brackets(power, TOKENS[:6], runs=4, spread=0.2, seed=3)
+    later = simulated_brackets(power, TOKENS[6:], runs=4, spread=0.2, seed=4)
+    forecast = forecast_cbs(early, coverage=0.8)
+    covered = sum(forecast.covers(bracket) for bracket in later) / len(later)
+    assert covered >= 0.8
+
+
+def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01) -> dict:
+    scores = {k: BranchScore.heldout(losses) for k, losses in batch_losses.items()}
+    record = ProbeReading.decide(
+        scores,
+        epsilon,
+        confidence,
+        sorted(batch_losses),
+        16,
+        tokens=65536,
+        step=10,
+        seq_len=128,
+        window_tokens=8192,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=sorted(batch_losses),
+        failed=[],
+        tokens_spent=8192,
+        overhead=0.1,
+    )
+    return dataclasses.asdict(record)
+
+
+def test_a_determined_record_supports_its_bracket_and_an_undetermined_one_a_wider_interval():
+    rng = np.random.default_rng(0)
+    base = 3.0 + rng.normal(0, 0.05, size=16)
+    # k = 2 within 0.001 of k = 1 on every batch, k = 4 0.1 worse: k* = 2, determined.
+    clear = reading({1: list(base), 2: list(base + 0.001), 4: list(base + 0.1)})
+    assert clear["determined"] and supported_interval(clear) == (32.0, 64.0) == (clear["cbs_lower"], clear["cbs_upper"])
+    # k = 2 and 4 by about epsilon, with batch noise: the means pick k* = 4, the data cannot tell k = 2 from 4.
+    noisy = reading(
+        {1: list(base), 2: list(base + 0.009 + rng.normal(0, 0.02, 16)), 4: list(base + 0.011 + rng.normal(0, 0.02, 16))}
+    )
+    assert not noisy["determined"]
+    lower, upper = supported_interval(noisy)
+    assert (
+        lower <= noisy["cbs_lower"]
+        and upper >= (noisy["cbs_upper"] or math.inf)
+        and (lower, upper) != (noisy["cbs_lower"], noisy["cbs_upper"])
+    )
+    (bracket,) = brackets_from_records([noisy], run="seed1")
+    assert (bracket.tokens, bracket.lower, bracket.upper, bracket.determined) == (65536.0, lower, upper, False)
+
+
+@pytest.mark.parametrize(
+    "records, message",
+    [
+        ([{"batch_size": 16, "losses": {"1": 3.0}}], "run: record 1: tokens=None must be a number > 0"),
+        (["not a record"], "run: record 1: 'not a record' is not a probe record"),
+        ([], "run: no probe record"),
+    ],
+)
+def test_bad_records_fail_naming_the_record(records, message):
+    with pytest.raises(ValueError, match=message):
+        brackets_from_records(records)
+
+
+def test_records_of_two_sequence_lengths_are_refused():
+    rng = np.random.default_rng(0)
+    base = list(3.0 + rng.normal(0, 0.05, size=8))
+    records = [reading({1: base, 2: base}), {**reading({1: base, 2: base}), "seq_len": 256}]
+    with pytest.raises(ValueError, match=r"records of seq_len \['128', '256'\] mixed"):
+        brackets_from_records(records)
+
+
+@pytest.mark.parametrize(
+    "brackets, kwargs, message",
+    [
+        ([Bracket(1e6, 16, 32, "a")] * 3, {}, "readings at 1 token count"),
+        ([Bracket(1e6, 16, math.inf, "a"), Bracket(2e6, 32, math.inf, "a")], {}, "no reading has an upper end"),
+        ([Bracket(1e6, 32, 16, "a"), Bracket(2e6, 32, 64, "a")], {}, "needs tokens > 0 and 0 < lower < upper"),
+        ([Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")], {"coverage": 1.0}, r"coverage=1.0 must lie in \(0, 1\)"),
+        (
+            [Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")],
+            {"model": "plateau"},
+            "needs readings at 4 or more token counts",
+        ),
+    ],
+)
+def test_bad_brackets_and_settings_fail_clearly(brackets, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        forecast_cbs(brackets, **kwargs)
+
+
+def load_command():
+    spec = importlib.util.spec_from_file_location("schedule_from_probe_cli", ROOT / "recipes" / "schedule_from_probe.py")
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    return command
+
+
+def run_records(seed: int) -> list[dict]:
+    """Probe records of a run whose CBS is 16 (D / 65,536)^0.5 samples: at each probe (batch 16, k = 1..16)
+    the k whose batch is within the CBS train to within 0.001 nats of k = 1, the larger ones 0.1 worse."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for j in range(6):
+        tokens = 65_536 * 2**j
+        cbs = 16 * 2 ** (j / 2) * math.exp(rng.normal(0, 0.15))
+        base = 3.0 - 0.1 * j + rng.normal(0, 0.05, size=16)
+        losses = {k: list(base + (0.001 if 16 * k <= cbs else 0.1) + rng.normal(0, 0.001, 16)) for k in (1, 2, 4, 8, 16)}
+        records.append({**reading(losses), "tokens": tokens})
+    return records
+
+
+def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys):
+    command = load_command()
+    files = []
+    for seed in (1, 2):
+        path = tmp_path / f"seed{seed}.jsonl"
+        path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
+        files.append(str(path))
+    out, plot = tmp_path / "conf" / "batch" / "forecast.yaml", tmp_path / "forecast.png"
+    done = command.main(
+        [*files, "--start", "16", "--final", "256", "--forecast-to", "16777216", "--out", str(out), "--plot", str(plot)]
+    )
+    assert done == 0, capsys.readouterr().err
+    text = out.read_text()
+    assert "--forecast-to 16,777,216" in text and "from 12 readings of" in text and "band" in text
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config", overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{out.parents[1]}]", "batch=forecast"]
+        )
+    schedule = instantiate(cfg.callbacks.batch_warmup).schedule
+    # Past the last probe (2,097,152 tokens, where the runs read [64, 128]) the forecast goes on growing the batch.
+    assert schedule.batch_sizes[0] == 16 and schedule.batch_sizes[-1] >= 128 and schedule.thresholds[-1] > 2_097_152
+    assert plot.stat().st_size > 10_000
+
+
+def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys):
+    command = load_command()
+    path = tmp_path / "run.jsonl"
+    path.write_text(json.dumps(run_records(1)[0]) + "\n")
+    assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "schedule_from_probe.py: --plot and --noise-scale go with the forecast: give --forecast-to TOKENS too"
+    )
+    assert not (tmp_path / "a.yaml").exists()
+
+
+def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys):
+    # 12 steps of 2 micro-batches of 4 sequences of 16 tokens, GradientNoiseScale and tokens_seen logged every step.
+    pl.seed_everything(0, verbose=False)
+    model = {
+        "vocab_size": 64,
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "mlp_hidden": 64,
+        "context_length": 16,
+        "tie_embeddings": False,
+    }
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    callbacks = [BatchWarmup(ConstantBatch(8), lr_rule="none"), GradientNoiseScale(ema_decay=0.5)]
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_steps=12, logger=logger, log_every_n_steps=1))
+    trainer.fit(CausalLM(model), RandomTokenData(vocab_size=64, seq_len=16, batch_size=4, samples=256))
+    metrics_csv = tmp_path / "run" / "version_0" / "metrics.csv"
+    tokens, b_simple = noise_scale_over_tokens(metrics_csv)
+    assert len(tokens) == 12 and list(tokens) == [128.0 * step for step in range(1, 13)] and np.all(np.isfinite(b_simple))
+
+    files = []
+    for seed in (1, 2):
+        path = tmp_path / f"seed{seed}.jsonl"
+        path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
+        files.append(str(path))
+    command = load_command()
+    done = command.main(
+        [
+            *files,
+            "--start",
+            "16",
+            "--forecast-to",
+            "4194304",
+            "--out",
+            str(tmp_path / "f.yaml"),
+            "--plot",
+            str(tmp_path / "f.png"),
+            "--noise-scale",
+            str(metrics_csv),
+        ]
+    )
+    assert done == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert (
+        f"noise scale B_simple grows as D^{growth_exponent(tokens, b_simple):.3f}" in printed and "the CBS fit as D^" in printed
+    )
+    without = tmp_path / "without_gns.csv"  # the same run's steps and tokens, no noise scale
+    without.write_text("step,tokens_seen\n" + "".join(f"{step},{int(t)}\n" for step, t in enumerate(tokens)))
+    with pytest.raises(ValueError, match="has no 'gns/b_simple'; pass the metrics.csv of a run with GradientNoiseScale"):
+        noise_scale_over_tokens(without)

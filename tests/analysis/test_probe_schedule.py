@@ -1,0 +1,210 @@
+"""schedule_from_probe on hand-made probe records, and recipes/schedule_from_probe.py end to end: the
+batch config it writes composes with train.py's config and instantiates to the schedule."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.utils import instantiate
+
+from lit_cbs import BatchWarmup
+from lit_cbs.analysis import schedule_from_probe
+from lit_cbs.rules.batch_schedules import PiecewiseBatch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def reading(tokens: int, lower: float, **fields) -> dict:
+    """A probe record as CBSProbeCallback writes it, reduced to what a schedule reads."""
+    return {"tokens": tokens, "batch_size": 16, "k_star": lower / 16, "cbs_lower": lower, "cbs_upper": 2 * lower, **fields}
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_batch_doubles_where_the_lower_bound_reaches_it_in_any_order():
+    records = [reading(2_000_000, 128), reading(65_536, 16), reading(1_000_000, 64), reading(500_000, 32)]
+    schedule = schedule_from_probe(records, start=16)
+    assert isinstance(schedule, PiecewiseBatch) and schedule.unit == "tokens"
+    assert schedule.batch_sizes == [16, 32, 64, 128]
+    assert schedule.thresholds == [0, 500_000, 1_000_000, 2_000_000]
+    assert schedule.batch_size(499_999) == 16 and schedule.batch_size(500_000) == 32
+
+
+def test_a_jump_skips_sizes_and_a_bound_between_sizes_rounds_down():
+    schedule = schedule_from_probe([reading(100, 16), reading(300, 100)], start=16)
+    assert schedule.batch_sizes == [16, 64] and schedule.thresholds == [0, 300]  # 100 -> the largest 16 x 2^n below it
+
+
+def test_a_dip_keeps_the_batch():
+    records = [reading(100, 64), reading(200, 16), reading(300, 32), reading(400, 128)]
+    schedule = schedule_from_probe(records, start=16)
+    assert schedule.batch_sizes == [16, 64, 128] and schedule.thresholds == [0, 100, 400]
+    assert [schedule.batch_size(t) for t in (150, 250, 350)] == [64, 64, 64]
+
+
+def test_final_caps_the_batch():
+    schedule = schedule_from_probe([reading(100, 64), reading(200, 1024)], start=16, final=32)
+    assert schedule.batch_sizes == [16, 32] and schedule.thresholds == [0, 100]
+
+
+def test_factor_4_and_a_reading_at_zero_tokens_sets_the_first_batch():
+    schedule = schedule_from_probe([reading(0, 64), reading(100, 1000)], start=16, factor=4)
+    assert schedule.batch_sizes == [64, 256] and schedule.thresholds == [0, 100]
+
+
+def test_undetermined_readings_are_skipped():
+    records = [
+        reading(100, 64, determined=False),
+        reading(200, 32, determined=True),
+        reading(300, 256, determined=False),
+        reading(400, 64),
+    ]
+    schedule = schedule_from_probe(records, start=16)
+    assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 200, 400]
+
+
+def test_only_undetermined_readings_keep_start_and_warn():
+    with pytest.warns(UserWarning, match="every reading in probe records is undetermined; the schedule stays at start=16"):
+        schedule = schedule_from_probe([reading(100, 64, determined=False)], start=16)
+    assert schedule.batch_sizes == [16] and schedule.thresholds == [0]
+
+
+def test_two_seeds_at_the_same_point_count_by_the_smaller_bound():
+    records = [reading(100, 64), reading(100, 32), reading(200, 128), reading(200, 128)]
+    schedule = schedule_from_probe(records, start=16)
+    assert schedule.batch_sizes == [16, 32, 128] and schedule.thresholds == [0, 100, 200]
+
+
+def test_margin_switches_only_where_the_bound_clears_the_batch():
+    records = [reading(100, 32), reading(200, 64), reading(300, 128)]
+    assert schedule_from_probe(records, start=16).batch_sizes == [16, 32, 64, 128]
+    cautious = schedule_from_probe(records, start=16, margin=2)
+    assert cautious.batch_sizes == [16, 32, 64] and cautious.thresholds == [0, 200, 300]
+    # 1.5: 48 clears 1.5 x 32 but not 1.5 x 64.
+    assert schedule_from_probe([reading(100, 48), reading(200, 95)], start=16, margin=1.5).batch_sizes == [16, 32]
+
+
+def test_sequence_length_is_converted_through_tokens():
+    # 128 samples of 128 tokens (16,384 tokens) are 32 samples of 512 and 512 samples of 32.
+    records = [reading(100, 128)]
+    assert schedule_from_probe(records, start=8, seq_len=512, measured_seq_len=128).batch_sizes == [8, 32]
+    assert schedule_from_probe(records, start=16, seq_len=32, measured_seq_len=128).batch_sizes == [16, 512]
+    # The record's own seq_len serves as the measured one.
+    assert schedule_from_probe([reading(100, 128, seq_len=128)], start=8, seq_len=512).batch_sizes == [8, 32]
+    # Without seq_len the target reads samples of the measured length.
+    assert schedule_from_probe(records, start=16, measured_seq_len=128).batch_sizes == [16, 128]
+
+
+def test_reads_a_jsonl_file(tmp_path):
+    path = write_jsonl(tmp_path / "cbs_probe.jsonl", [reading(300, 64), reading(100, 32)])
+    schedule = schedule_from_probe(path, start=16)
+    assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 100, 300]
+
+
+@pytest.mark.parametrize(
+    "records, kwargs, message",
+    [
+        ([], {}, r"source holds no CBS probe record"),
+        (
+            [{"cbs_lower": 32}],
+            {},
+            r"probe records\[0\]: tokens=None is not a number >= 0; every determined probe record needs tokens",
+        ),
+        (
+            [reading(1, 4), {"tokens": 5}],
+            {},
+            r"probe records\[1\]: cbs_lower=None is not a number >= 0; every determined probe record needs cbs_lower",
+        ),
+        ([reading(1, 4) | {"cbs_lower": "64"}], {}, r"cbs_lower='64' is not a number"),
+        ([reading(1, 4)], {"start": 0}, r"start=0 must be an int >= 1"),
+        ([reading(1, 4)], {"factor": 1}, r"factor=1 must be an int >= 2"),
+        ([reading(1, 4)], {"factor": 1.5}, r"factor=1.5 must be an int >= 2"),
+        ([reading(1, 4)], {"final": 8}, r"final=8 must be an int >= 16"),
+        ([reading(1, 4)], {"final": 48}, r"final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"),
+        ([reading(1, 4)], {"margin": 0.5}, r"margin=0.5 must be a number >= 1"),
+        ([reading(1, 4)], {"seq_len": 512}, r"seq_len=512 needs the measured run's sequence length: pass measured_seq_len"),
+        ([reading(1, 4, seq_len=128)], {"seq_len": 512, "measured_seq_len": 256}, r"seq_len=128 but measured_seq_len=256"),
+        ([reading(1, 4)], {"seq_len": 0, "measured_seq_len": 128}, r"seq_len=0 must be an int >= 1"),
+    ],
+)
+def test_bad_input_is_named(records, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        schedule_from_probe(records, **{"start": 16, **kwargs})
+
+
+def test_bad_files_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"cannot read CBS probe records from .*missing.jsonl"):
+        schedule_from_probe(tmp_path / "missing.jsonl", start=16)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match=r"empty.jsonl holds no CBS probe record"):
+        schedule_from_probe(empty, start=16)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(reading(1, 4)) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"broken.jsonl:2: not JSON"):
+        schedule_from_probe(broken, start=16)
+
+
+def run_command(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "recipes" / "schedule_from_probe.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_command_writes_a_batch_config_train_py_composes_with(tmp_path):
+    seed1 = write_jsonl(tmp_path / "seed1.jsonl", [reading(65_536, 16), reading(524_288, 32), reading(1_048_576, 128)])
+    seed2 = write_jsonl(tmp_path / "seed2.jsonl", [reading(65_536, 16), reading(524_288, 64), reading(1_048_576, 64)])
+    conf = tmp_path / "conf"
+    done = run_command(seed1, seed2, "--start", 16, "--final", 64, "--out", conf / "batch" / "measured.yaml")
+    assert done.returncode == 0, done.stderr
+    assert "wrote" in done.stdout and "measured.yaml" in done.stdout
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=[
+                "output_dir=/nonexistent/run",
+                f"hydra.searchpath=[file://{conf}]",
+                "+recipe=tiny4x_warmup",
+                "batch=measured",
+            ],
+            return_hydra_config=True,
+        )
+    assert cfg.model.config.preset == "tiny4x" and "cbs_probe" not in cfg.callbacks  # train the big one with no probe
+    warmup = instantiate(cfg.callbacks.batch_warmup)
+    assert isinstance(warmup, BatchWarmup)
+    schedule = warmup.schedule
+    assert isinstance(schedule, PiecewiseBatch) and schedule.unit == "tokens"
+    # 524,288 tokens: the seeds read 32 and 64, the smaller counts; 1,048,576: 64 and 128, capped at 64 anyway.
+    assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 524_288, 1_048_576]
+
+
+def test_command_bad_input_is_one_line(tmp_path, capsys):
+    # In-process (the command's main), so the check does not pay for a Python start per case.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("schedule_from_probe_cli", ROOT / "recipes" / "schedule_from_probe.py")
+    command = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(command)
+    probe = write_jsonl(tmp_path / "cbs_probe.jsonl", [reading(100, 64)])
+    assert command.main([str(probe), "--start", "16", "--final", "48", "--out", str(tmp_path / "measured.yaml")]) == 2
+    assert not (tmp_path / "measured.yaml").exists()
+    assert (
+        capsys.readouterr().err.strip()
+        == "schedule_from_probe.py: final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"
+    )
+    assert command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cannot read CBS probe records" in err

@@ -1,0 +1,68 @@
+"""``python -m lit_cbs.recipes.report RUN_DIR``: one self-contained HTML page per run, opened in a real headless
+Chromium (Debian's package; `.ci/run` installs it where it can, and the test says why it skips otherwise)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from toys import RegressionData, RegressionModule, trainer_kwargs
+
+from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
+from lit_cbs.recipes.report import main as report_main
+from lit_cbs.recipes.report import write_report
+from lit_cbs.recipes.run_report import write_batch_history
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run folder as a user's Trainer leaves it: CSVLogger's metrics.csv, the probe's JSONL, the batch history."""
+    folder = tmp_path_factory.mktemp("run")
+    pl.seed_everything(0, verbose=False)
+    warmup = BatchWarmup(PiecewiseBatch([2, 4], [0, 160], unit="tokens"), seq_len=4)
+    probe = CBSProbeCallback(every_tokens=80, multipliers=(1, 2), window_tokens=64, output_dir=folder)
+    logger = CSVLogger(folder, name="", version="")
+    trainer = pl.Trainer(
+        callbacks=[warmup, probe, GradientNoiseScale()], **trainer_kwargs(max_epochs=2, logger=logger, log_every_n_steps=1)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(RegressionModule(optimizer="adam"), RegressionData(n=48, batch_size=2))
+    write_batch_history(folder / "batch_history.json", warmup)
+    return folder
+
+
+def test_the_page_holds_every_figure_and_table_inline(run_dir):
+    page = write_report(run_dir).read_text()
+    assert page.count('<img alt="') == 4 and 'data-figures="4"' in page  # loss, wall clock + noise scale, batch/LR, CBS
+    assert 'src="http' not in page and "<link" not in page  # nothing fetched: readable offline
+    assert "Loss against wall-clock seconds; the gradient noise scale against tokens" in page
+    assert "<h2>Batch changes</h2>" in page and "2 -&gt; 4" in page and "<h2>CBS readings</h2>" in page
+
+
+def test_the_command_refuses_a_folder_without_metrics(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        report_main([str(tmp_path)])
+    assert "has no metrics.csv: give the folder of a run logged with the CSV logger" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (.ci/run installs Debian's chromium package where apt-get can)")
+def test_a_headless_browser_loads_the_page_without_errors_and_shows_each_figure(run_dir, tmp_path):
+    path = write_report(run_dir, tmp_path / "report.html")
+    done = subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom", path.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    body = re.search(r"<body[^>]*>", done.stdout).group(0)
+    assert 'data-figures="4"' in body and 'data-figures-loaded="4"' in body, body  # every image decoded, with a size
+    assert "data-error" not in body, body
