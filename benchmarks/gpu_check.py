@@ -179,7 +179,7 @@ def main() -> dict:
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
         # What `plan=true` estimates for this run (lit_cbs.recipes.plan), to hold against the measured peak above.
         "planned_memory_gib": device_memory(
-            ModelShape.of(model.config),
+            ModelShape.measure(model.config),
             args.micro_batch_size,
             args.seq_len,
             args.precision,

@@ -289,7 +289,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
         probe=probes[0] if probes else None,
         limits=Limits(**limits),
-        optimizer=OptimizerState.of(model.optimizer_factory),
+        optimizer=OptimizerState.measure(model.optimizer_factory),
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(command_line_overrides()) or f'+recipe={cfg.run_name}'}",
         settings=moving_settings(warmup, cfg),

@@ -20,5 +20,5 @@ class SignalAt(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.rank is not None and trainer.global_rank != self.rank:
             return
-        if trainer.global_step == self.step and not BatchAccounting.of(trainer).in_branch:
+        if trainer.global_step == self.step and not BatchAccounting.attach(trainer).in_branch:
             os.kill(os.getpid(), self.signum)

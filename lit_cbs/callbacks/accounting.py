@@ -9,7 +9,7 @@ reduce-scatter to the micro-batch that steps, and, for a module whose ``training
 ``lit_cbs.token_mean_loss(...)``, turns the step's gradient into the mean over its tokens
 (``step_tokens``, lit_cbs.models.token_loss) before any other callback sees it.
 
-One instance serves a Trainer: ``BatchAccounting.of(trainer)`` returns it, and attaches one the
+One instance serves a Trainer: ``BatchAccounting.attach(trainer)`` returns it, and attaches one the
 first time a callback (or ``CausalLM``) asks, so a run needs no accounting callback of its own:
 ``callbacks=[CBSProbeCallback(...)]`` works on a fixed-batch run. Add ``BatchAccounting(...)``
 yourself only to give it ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Its hooks run
@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
+from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
@@ -89,6 +90,23 @@ def resizable_train_loader(trainer: pl.Trainer) -> GlobalOrderLoader | None:
     return loader if isinstance(loader, GlobalOrderLoader) else None
 
 
+def loss_of(output: Any, hook: str = "training_step") -> torch.Tensor:
+    """The loss tensor of a step's output (a tensor or a dict with "loss")."""
+    loss = output["loss"] if isinstance(output, dict) and "loss" in output else output
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"{hook} must return a loss tensor or a dict with 'loss', got {output!r}")
+    return loss
+
+
+def micro_batch_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
+    """The mean loss of the micro-batch ``on_train_batch_end`` was handed (detached), or None when its
+    ``training_step`` returned None (Lightning skipped it). Lightning hands the loss back divided by
+    the accumulation; this undoes that."""
+    if outputs is None:
+        return None
+    return loss_of(outputs).detach() * trainer.accumulate_grad_batches
+
+
 def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
     """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
     LitCBSConfigError naming ``name`` and the nearest valid sizes."""
@@ -128,7 +146,7 @@ class MicroBatchSetting:
         return None
 
     @classmethod
-    def of(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
+    def required(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
         """The setting, or LitCBSConfigError saying where to put it (changing the batch needs it)."""
         setting = cls.find(trainer, pl_module)
         if setting is None:
@@ -211,8 +229,8 @@ class BatchAccounting(Callback):
 
     # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod
-    def of(cls, trainer: pl.Trainer) -> BatchAccounting:
-        """The Trainer's accounting; one is attached (first among the callbacks) if it has none."""
+    def attach(cls, trainer: pl.Trainer) -> BatchAccounting:
+        """The Trainer's accounting, attached now (first among its callbacks) if it has none."""
         found = [callback for callback in trainer.callbacks if isinstance(callback, cls)]
         if len(found) > 1:
             raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
@@ -223,6 +241,12 @@ class BatchAccounting(Callback):
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
         return accounting
+
+    @classmethod
+    def of(cls, trainer: pl.Trainer) -> BatchAccounting:
+        """Deprecated name of ``attach``."""
+        warn_renamed("BatchAccounting.of(trainer)", "BatchAccounting.attach(trainer)")
+        return cls.attach(trainer)
 
     # ------------------------------------------------------------------ read-only view
     @property
@@ -292,7 +316,7 @@ class BatchAccounting(Callback):
         ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
         yields it from the next micro-batch on. The next batch is checked against it: a loader that
         yields another size stops training there."""
-        MicroBatchSetting.of(trainer, pl_module).set(value)
+        MicroBatchSetting.required(trainer, pl_module).set(value)
         self._micro_batch_size = value
         self._micro_batch_set = True
         self._check_next_batch = True

@@ -70,7 +70,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ signals
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        accounting = BatchAccounting.of(trainer)
+        accounting = BatchAccounting.attach(trainer)
         accounting.stop_signal = None
         if accounting.probe_window_step == trainer.global_step and self.save_last:
             self._keep_resumed_checkpoint_as_last(trainer)
@@ -107,7 +107,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         """At a step boundary: if a stop signal arrived on any rank, hand it to Lightning on every rank."""
         if not self._lightning_handlers:
             return
-        accounting = BatchAccounting.of(trainer)
+        accounting = BatchAccounting.attach(trainer)
         pending = [float(accounting.stop_signal == signum) for signum in self._lightning_handlers]
         if trainer.world_size > 1:
             pending = mean_over_ranks(trainer, pending)
@@ -136,7 +136,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         if hpc_path is not None and trainer.is_global_zero:
             _copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
             rank_zero_info(
-                f"{Path(hpc_path).name} holds step {BatchAccounting.of(trainer).probe_window_step}, where the CBS probe began"
+                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, where the CBS probe began"
             )
         trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
@@ -163,7 +163,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
         if should_accumulate(trainer):
             return
-        window = BatchAccounting.of(trainer).probe_window_step
+        window = BatchAccounting.attach(trainer).probe_window_step
         if window is None or window == trainer.global_step:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         elif self._saves_at(trainer.global_step) and self._skipped_in_window != window:
@@ -214,8 +214,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _save_final_state(self, trainer: pl.Trainer) -> None:
         if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
             return
-        window = BatchAccounting.of(trainer).probe_window_step
-        if window is not None and BatchAccounting.of(trainer).stop_signal is not None:
+        window = BatchAccounting.attach(trainer).probe_window_step
+        if window is not None and BatchAccounting.attach(trainer).stop_signal is not None:
             rank_zero_warn(
                 f"stopped inside the CBS probe whose window began at step {window}: last.ckpt holds step {window}, "
                 f"so a resumed run redoes the probe there ({trainer.global_step - window} main-run steps are retrained)"

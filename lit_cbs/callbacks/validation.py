@@ -43,7 +43,7 @@ class TokenValidation(Callback):
                 f"TokenValidation validates inside epochs, which Trainer(check_val_every_n_epoch="
                 f"{trainer.check_val_every_n_epoch}) forbids on most of them: set check_val_every_n_epoch=None"
             )
-        self._accounting = BatchAccounting.of(trainer)
+        self._accounting = BatchAccounting.attach(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tokens_at_last_step = self._accounting.tokens_seen

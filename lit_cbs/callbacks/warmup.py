@@ -55,6 +55,7 @@ from lit_cbs.callbacks.accounting import (
     MicroBatchSetting,
     check_divisible,
     mean_over_ranks,
+    micro_batch_loss,
     resizable_train_loader,
 )
 from lit_cbs.callbacks.logs import log_to_loggers
@@ -160,7 +161,7 @@ class BatchWarmup(Callback):
         self.schedule = schedule
         self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
         self.clip_rule = get_clip_rule(clip_rule)
-        self.guard = BatchGuard.of(guard)
+        self.guard = BatchGuard.from_setting(guard)
         self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
         self._seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
         self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
@@ -245,7 +246,7 @@ class BatchWarmup(Callback):
 
         if isinstance(trainer.strategy, DeepSpeedStrategy) and not self.schedule.is_constant:
             raise LitCBSConfigError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
-        accounting = self.accounting = BatchAccounting.of(trainer)
+        accounting = self.accounting = BatchAccounting.attach(trainer)
         for name, value in (("max_tokens", self.max_tokens), ("seq_len", self._seq_len)):
             if value is None:
                 continue
@@ -308,7 +309,9 @@ class BatchWarmup(Callback):
 
     @staticmethod
     def _get_micro(trainer, pl_module) -> int:
-        return positive_int("batch_size", MicroBatchSetting.of(trainer, pl_module).get(), "the micro-batch, samples per rank")
+        return positive_int(
+            "batch_size", MicroBatchSetting.required(trainer, pl_module).get(), "the micro-batch, samples per rank"
+        )
 
     def _apply_to_trainer(self, trainer, pl_module) -> None:
         trainer.accumulate_grad_batches = self.accumulate
@@ -651,11 +654,10 @@ class BatchWarmup(Callback):
         return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
 
     def _record_micro_loss(self, trainer, outputs) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        loss = micro_batch_loss(trainer, outputs)
         if loss is None:
             return  # training_step returned None: Lightning skipped this micro-batch
-        # Lightning hands back the loss divided by the accumulation; undo it for the micro-batch's mean.
-        self._step_loss_sum = self._step_loss_sum + loss.detach() * trainer.accumulate_grad_batches
+        self._step_loss_sum = self._step_loss_sum + loss
         self._step_micro_batches += 1
 
     def _report_verdict(self, trainer, verdict: GuardVerdict) -> None:

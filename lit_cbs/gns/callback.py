@@ -350,7 +350,7 @@ class GradientNoiseScale(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
-        self._accounting = BatchAccounting.of(trainer)
+        self._accounting = BatchAccounting.attach(trainer)
         if not self.per_example and self._world_size == 1 and not self._accumulation_will_exceed_one(trainer):
             raise LitCBSConfigError(
                 f"GradientNoiseScale needs two batch sizes, but accumulate_grad_batches="
@@ -411,7 +411,7 @@ class GradientNoiseScale(Callback):
 
         if trainer.accumulate_grad_batches > 1:
             return True
-        ranks = BatchAccounting.of(trainer).data_parallel_size
+        ranks = BatchAccounting.attach(trainer).data_parallel_size
         for callback in trainer.callbacks:
             # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
             if isinstance(callback, BatchWarmup) and any(

@@ -181,7 +181,7 @@ class CausalLM(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
-            BatchAccounting.of(self.trainer)  # counts the tokens the LR schedule is indexed by
+            BatchAccounting.attach(self.trainer)  # counts the tokens the LR schedule is indexed by
 
     # ------------------------------------------------------------------ model
     def configure_model(self) -> None:
@@ -283,7 +283,7 @@ class CausalLM(pl.LightningModule):
         self._steps = self._samples = self._tokens = self._step_flops = 0
         self._training_seconds = 0.0
         # A probe resumed inside its window starts in its own on_train_start, which Lightning calls before this one.
-        self._branch_seconds_before = BatchAccounting.of(self.trainer).branch_seconds
+        self._branch_seconds_before = BatchAccounting.attach(self.trainer).branch_seconds
         self._throughput.update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
         self._stretch_start = time.perf_counter()
 
@@ -306,7 +306,7 @@ class CausalLM(pl.LightningModule):
         self._steps += 1
         # A CBS probe's branches run between the main run's steps: their time is not the main run's
         # (branch_seconds counts from the fit's start; what ran before on_train_start is left out).
-        branch_seconds = BatchAccounting.of(self.trainer).branch_seconds - self._branch_seconds_before
+        branch_seconds = BatchAccounting.attach(self.trainer).branch_seconds - self._branch_seconds_before
         seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
         self._throughput.update(
             time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops

@@ -69,4 +69,4 @@ def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens) 
     """
     from lit_cbs.callbacks.accounting import BatchAccounting
 
-    return BatchAccounting.of(module.trainer).step_tokens.add(loss_sum, tokens)
+    return BatchAccounting.attach(module.trainer).step_tokens.add(loss_sum, tokens)

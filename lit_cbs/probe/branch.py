@@ -33,9 +33,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
 from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
-from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
+from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.probe.snapshot import ModuleState, TrainingSnapshot
@@ -163,14 +164,6 @@ class RecordedWindow:
         self.micro_losses = []
 
 
-def loss_of(output: Any, hook: str = "training_step") -> torch.Tensor:
-    """The loss tensor of a step's output (a tensor or a dict with "loss")."""
-    loss = output["loss"] if isinstance(output, dict) and "loss" in output else output
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"{hook} must return a loss tensor or a dict with 'loss' for CBS probing, got {output!r}")
-    return loss
-
-
 def is_out_of_memory(error: BaseException) -> bool:
     """An allocation failure: torch.OutOfMemoryError from an accelerator's caching allocator; the CPU
     allocator's refusal, which torch raises as a plain RuntimeError (a c10::Error without a type of
@@ -202,7 +195,7 @@ def logging_muted(pl_module: pl.LightningModule):
 @contextlib.contextmanager
 def callbacks_hidden(trainer: pl.Trainer):
     """No callback hook runs inside: branch steps are not the run's steps. Only ``BatchAccounting``
-    stays (its step hook does nothing in a branch), so that ``BatchAccounting.of(trainer).in_branch``
+    stays (its step hook does nothing in a branch), so that ``BatchAccounting.attach(trainer).in_branch``
     can be read."""
     callbacks = trainer.callbacks
     trainer.callbacks = [c for c in callbacks if isinstance(c, BatchAccounting)]
@@ -224,10 +217,6 @@ def side_effects_undone(pl_module: pl.LightningModule):
         saved.restore(pl_module)
 
 
-def _overrides(pl_module: pl.LightningModule, hook: str) -> bool:
-    return getattr(type(pl_module), hook, None) is not getattr(pl.LightningModule, hook, None)
-
-
 LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative to the run's
 
 
@@ -237,9 +226,9 @@ def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule,
     it set an LR itself (no probe branch could then train at lr_rule(k) x the LR), else None. What
     the step changed (weights, optimizer and scheduler state, RNG, metrics) is put back
     (``TrainingSnapshot``), the gradients are as before, and no callback sees it."""
-    if not _overrides(pl_module, "optimizer_step"):
+    if not is_overridden("optimizer_step", pl_module):
         return None
-    accounting = BatchAccounting.of(trainer)
+    accounting = BatchAccounting.attach(trainer)
     snapshot = TrainingSnapshot(trainer, pl_module, "cpu")
     saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
     parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
@@ -282,7 +271,7 @@ class HeldoutLoss:
         self.pl_module = pl_module
         if callable(getattr(pl_module, "probe_loss", None)):
             self.hook = "probe_loss"
-        elif _overrides(pl_module, "validation_step"):
+        elif is_overridden("validation_step", pl_module):
             self.hook = "validation_step"
         else:
             self.hook = "training_step"

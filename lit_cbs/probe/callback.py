@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs._internals import should_accumulate
-from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
@@ -43,7 +43,6 @@ from lit_cbs.probe.branch import (
     ProbeUnusable,
     RecordedWindow,
     logging_muted,
-    loss_of,
     optimizer_step_writes_lr,
 )
 from lit_cbs.probe.heldout import load_heldout_batches
@@ -276,7 +275,7 @@ class CBSProbeCallback(Callback):
                 "CBSProbeCallback trains branches through Lightning's automatic optimization, but this module sets "
                 "automatic_optimization = False; remove the probe or use automatic optimization"
             )
-        self._accounting = BatchAccounting.of(trainer)
+        self._accounting = BatchAccounting.attach(trainer)
         self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
         warmup = self._warmup
         if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.rules.names():
@@ -420,8 +419,10 @@ class CBSProbeCallback(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         window = self._window
         if window is not None:
-            # Lightning hands back the loss divided by accumulate; undo it for the micro-batch's mean.
-            window.record_micro_loss(float(loss_of(outputs).detach()) * trainer.accumulate_grad_batches)
+            loss = micro_batch_loss(trainer, outputs)
+            if loss is None:
+                raise TypeError("CBSProbeCallback needs every training_step to return its loss; one returned None")
+            window.record_micro_loss(float(loss))
         if should_accumulate(trainer):
             return
         if window is not None:

@@ -81,7 +81,7 @@ class ModelShape:
     model: torch.nn.Module = dataclasses.field(repr=False, compare=False)  # on the meta device
 
     @classmethod
-    def of(cls, config: OLMoConfig | object) -> ModelShape:
+    def measure(cls, config: OLMoConfig | object) -> ModelShape:
         """The shape of the decoder ``config`` describes (an ``OLMoConfig`` or a transformers config)."""
         with torch.device("meta"):
             model = build_decoder(config)
@@ -114,7 +114,7 @@ class OptimizerState:
     bytes_per_tensor: int
 
     @classmethod
-    def of(cls, optimizer: Callable[[list], torch.optim.Optimizer]) -> OptimizerState:
+    def measure(cls, optimizer: Callable[[list], torch.optim.Optimizer]) -> OptimizerState:
         """Measured: ``optimizer`` (parameters -> Optimizer, e.g. ``torch.optim.AdamW`` or a partial
         of it) takes one step on a 4 x 8 fp32 parameter, and its state is counted."""
         parameter = torch.nn.Parameter(torch.zeros(4, 8))
@@ -672,9 +672,9 @@ def plan_run(
     settings: Callable[[float, float], dict[str, float]] | None = None,
 ) -> RunPlan:
     """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
-    keeps (``OptimizerState.of(factory)``). All ranks are data-parallel. ``micro_batch``: the first
+    keeps (``OptimizerState.measure(factory)``). All ranks are data-parallel. ``micro_batch``: the first
     micro-batch, or with ``max_micro_batch_size`` what BatchWarmup grows it to with each batch."""
-    shape = ModelShape.of(config)
+    shape = ModelShape.measure(config)
     processes = devices_per_node * num_nodes
 
     def micro_for(global_batch: int, ranks: int) -> int:

@@ -143,7 +143,7 @@ class BatchGuard:
         self._revert: dict[str, Any] | None = None  # the watch whose increase is to be undone
 
     @classmethod
-    def of(cls, setting: bool | Mapping | BatchGuard | None) -> BatchGuard | None:
+    def from_setting(cls, setting: bool | Mapping | BatchGuard | None) -> BatchGuard | None:
         """The guard for ``BatchWarmup(guard=setting)``: None or False for none, True for the defaults,
         a dict (or Hydra DictConfig) of settings, or a BatchGuard."""
         if setting is None or setting is False:

@@ -64,7 +64,7 @@ def test_a_token_lr_schedule_advances_without_batch_warmup():
 
     class AttachesAccounting(RegressionModule):
         def setup(self, stage):
-            BatchAccounting.of(self.trainer)
+            BatchAccounting.attach(self.trainer)
 
     trainer, module = fit(module=AttachesAccounting(lr=0.5, scheduler_factory=scheduler), max_steps=3)
     # The step after t tokens (12 per step: 2 samples x 6 tokens) trains with LR 0.5 / (1 + t).
@@ -138,11 +138,11 @@ class BranchesAtStep(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
-            accounting = BatchAccounting.of(trainer)
+            accounting = BatchAccounting.attach(trainer)
             with accounting.branching():
                 self.seen_in_branch.append(accounting.in_branch)
                 time.sleep(self.seconds)
-        self.seen_in_branch.append(BatchAccounting.of(trainer).in_branch)
+        self.seen_in_branch.append(BatchAccounting.attach(trainer).in_branch)
 
 
 def test_branching_marks_probe_work_and_counts_its_seconds_from_fit_start():

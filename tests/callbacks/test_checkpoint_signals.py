@@ -61,7 +61,7 @@ def fit(run, ckpt_path=None, signal_at: SignalAt | None = None, signal_in_branch
         training_step, calls = run.model.training_step, []
 
         def signalling_step(batch, batch_idx):
-            if BatchAccounting.of(run.trainer).in_branch:
+            if BatchAccounting.attach(run.trainer).in_branch:
                 calls.append(batch_idx)
                 if len(calls) == signal_in_branch_step:
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -125,7 +125,7 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
     fit(rest, ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
     assert_same_end(final_state(tmp_path / "rest"), end)
     # The resumed run's clock goes on from the first run's, and its summary says what this fit trained.
-    assert accounting["tokens_seen"] == 8192 and 0 < accounting["fit_seconds"] < BatchAccounting.of(rest.trainer).fit_seconds
+    assert accounting["tokens_seen"] == 8192 and 0 < accounting["fit_seconds"] < BatchAccounting.attach(rest.trainer).fit_seconds
     summary = train_script.run_summary(rest, "rest", fit_seconds=2.0)
     assert (summary["tokens"], summary["tokens_this_fit"]) == (12288, 4096) and summary["run_seconds"] > accounting["fit_seconds"]
     text = train_script.summarize(summary)

@@ -22,7 +22,7 @@ class Validated(RegressionModule):
 
     def validation_step(self, batch, batch_idx):
         if batch_idx == 0:
-            self.validated_at.append(BatchAccounting.of(self.trainer).tokens_seen)
+            self.validated_at.append(BatchAccounting.attach(self.trainer).tokens_seen)
         return torch.nn.functional.mse_loss(self.layer(batch["x"]), batch["y"])
 
 

@@ -543,7 +543,7 @@ class BranchLikeWork(Callback):
         if trainer.global_step != self.step or should_accumulate(trainer):
             return
         strategy, optimizer, window = trainer.strategy, trainer.optimizers[0], pl_module.window
-        with BatchAccounting.of(trainer).branching():
+        with BatchAccounting.attach(trainer).branching():
             for i in range(2):
                 strategy.backward(strategy.training_step(batch, i) * 1000.0, optimizer)
             strategy.optimizer_step(optimizer, closure=lambda: None)

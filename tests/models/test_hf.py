@@ -115,7 +115,7 @@ def test_the_plan_counts_the_transformers_model_it_would_train():
     assert "model            4 layers x d_model 64, 234,048 parameters" in plan.report()
     # Untied head: the embedding is the one weight autocast does not cast.
     assert plan.shape.autocast_weights == built.num_parameters() - built.model.embed_tokens.weight.numel()
-    assert ModelShape.of(CausalLM(cfg.model.config).config).parameters == 234_048
+    assert ModelShape.measure(CausalLM(cfg.model.config).config).parameters == 234_048
 
 
 def test_a_checkpoint_reloads_the_transformers_config_and_weights(tmp_path):

@@ -151,7 +151,7 @@ class SleepsAtStep(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 3 and not should_accumulate(trainer):
-            with BatchAccounting.of(trainer).branching() if self.as_branch else nullcontext():
+            with BatchAccounting.attach(trainer).branching() if self.as_branch else nullcontext():
                 time.sleep(0.5)
 
 

@@ -346,7 +346,7 @@ def test_branches_out_of_memory_are_recorded_as_failed_and_main_goes_on():
 
 
 def in_branch(module) -> bool:
-    return BatchAccounting.of(module.trainer).in_branch
+    return BatchAccounting.attach(module.trainer).in_branch
 
 
 class RaisingInBranch(RegressionModule):

@@ -134,7 +134,7 @@ class RecordsBranchSamples(RegressionModule):
         self.branch_samples: list[list[int]] = []
 
     def training_step(self, batch, batch_idx):
-        if BatchAccounting.of(self.trainer).in_branch and self.training:
+        if BatchAccounting.attach(self.trainer).in_branch and self.training:
             self.branch_samples.append(batch["idx"].tolist())
         return super().training_step(batch, batch_idx)
 

@@ -271,19 +271,19 @@ class RecordEnds(Callback):
         self.end = None
 
     def setup(self, trainer, pl_module, stage):
-        BatchAccounting.of(trainer)  # attached before training, as the probe's setup does
+        BatchAccounting.attach(trainer)  # attached before training, as the probe's setup does
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.ends:
             into_step = batch_idx % trainer.accumulate_grad_batches + 1
-            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, into_step, self.largest_batch))
+            self.ends.append(run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, into_step, self.largest_batch))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.ends.append(run_end(trainer, BatchAccounting.of(trainer), batch_idx + 1, 0, self.largest_batch))
+            self.ends.append(run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, 0, self.largest_batch))
 
     def on_train_end(self, trainer, pl_module):
-        self.end = BatchAccounting.of(trainer).tokens_seen
+        self.end = BatchAccounting.attach(trainer).tokens_seen
 
 
 def fit_tokens(callbacks, data=None, **overrides):

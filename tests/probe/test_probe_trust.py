@@ -335,7 +335,7 @@ class RecordsBranchLRs(RegressionModule):
         self.branch_lrs: list[float] = []
 
     def on_before_optimizer_step(self, optimizer):
-        if BatchAccounting.of(self.trainer).in_branch:
+        if BatchAccounting.attach(self.trainer).in_branch:
             self.branch_lrs.append(optimizer.param_groups[0]["lr"])
         super().on_before_optimizer_step(optimizer)
 

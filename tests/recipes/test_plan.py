@@ -30,7 +30,7 @@ COUNTABLE = OLMoConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidde
 
 
 def test_countable_model_by_hand():
-    shape = ModelShape.of(COUNTABLE)
+    shape = ModelShape.measure(COUNTABLE)
     # embedding 8x4 = 32; q, k, v, out 4 x 4x4 = 64; gate, up, down 3 x 4x8 = 96; head 8x4 = 32.
     assert (shape.parameters, shape.block_parameters, shape.root_parameters) == (224, 160, 64)
     assert shape.parameter_tensors == 1 + 4 + 3 + 1
@@ -112,7 +112,7 @@ def measured_step(
 def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
     config = OLMoConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=False)
     saved, parameters, gradients, state = measured_step(config, 3, 24, precision == "bf16-mixed", checkpointing)
-    shape = ModelShape.of(config)
+    shape = ModelShape.measure(config)
     memory = device_memory(shape, 3, 24, precision, "single", 1, checkpointing)
     assert (memory.parameters, memory.gradients, memory.optimizer_state) == (parameters, gradients, state)
     # Autocast's weight copies are saved for backward too: the plan counts them as working buffers,
@@ -131,15 +131,15 @@ def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
     ],
 )
 def test_optimizer_state_is_measured_and_matches_real_allocation(optimizer, state):
-    assert OptimizerState.of(optimizer) == state
+    assert OptimizerState.measure(optimizer) == state
     config = OLMoConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=True)
     _, _, _, allocated = measured_step(config, 2, 16, autocast=False, checkpointing=False, optimizer_factory=optimizer)
-    memory = device_memory(ModelShape.of(config), 2, 16, "32-true", "single", 1, False, optimizer=state)
+    memory = device_memory(ModelShape.measure(config), 2, 16, "32-true", "single", 1, False, optimizer=state)
     assert memory.optimizer_state == allocated
 
 
 def test_tied_embeddings_are_one_tensor():
-    shape = ModelShape.of(get_config("olmo_1b"))
+    shape = ModelShape.measure(get_config("olmo_1b"))
     assert shape.parameters == 1_176_764_416 and shape.autocast_weights == shape.parameters
 
 
@@ -164,7 +164,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect", evaluate="heldout", heldout_batches=2
     )
     plan = probe_plan(
-        probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+        probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
     )
     assert plan.snapshot_bytes == real
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
@@ -182,7 +182,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         early_stop=[0.5],
     )
     plan = probe_plan(
-        probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+        probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
     )
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
     # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
@@ -196,7 +196,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         replicates=2,
     )
     plan = probe_plan(
-        probe, ModelShape.of(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+        probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
     )
     assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 

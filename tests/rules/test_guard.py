@@ -261,11 +261,11 @@ def test_bad_guard_settings_fail_at_construction(guard, match):
 
 
 def test_guard_settings_read_from_a_dict_and_defaults():
-    assert BatchGuard.of(None) is None and BatchGuard.of(False) is None
-    defaults = BatchGuard.of(True)
+    assert BatchGuard.from_setting(None) is None and BatchGuard.from_setting(False) is None
+    defaults = BatchGuard.from_setting(True)
     assert (defaults.window, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
     assert (defaults.noise_multiple, defaults.min_threshold, defaults.min_steps) == (2.0, 0.05, 8)
-    assert BatchGuard.of({"window": 1_000, "threshold": 0.1}).window == 1_000
+    assert BatchGuard.from_setting({"window": 1_000, "threshold": 0.1}).window == 1_000
 
 
 @pytest.mark.parametrize("clip_rule, match", [("cubic", r"clip_rule='cubic' is unknown"), (3, r"clip_rule must be one of")])

@@ -40,7 +40,7 @@ class AdamWRegression(RegressionModule):
 
     def on_before_optimizer_step(self, optimizer):
         decay, no_decay = optimizer.param_groups
-        if BatchAccounting.of(self.trainer).in_branch:
+        if BatchAccounting.attach(self.trainer).in_branch:
             self.branch_settings.add((decay["lr"], decay["weight_decay"], decay["betas"][1]))
             return
         super().on_before_optimizer_step(optimizer)

@@ -36,7 +36,7 @@ class FaultOnRank1(RegressionModule):
         self.mode = mode
 
     def training_step(self, batch, batch_idx):
-        in_k4_branch = BatchAccounting.of(self.trainer).in_branch and self.optimizers().param_groups[0]["lr"] > 1.9 * LR
+        in_k4_branch = BatchAccounting.attach(self.trainer).in_branch and self.optimizers().param_groups[0]["lr"] > 1.9 * LR
         if self.mode != "none" and in_k4_branch and self.global_rank == 1:
             if self.mode == "oom":
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes (forced)")
