@@ -6,6 +6,9 @@ train loader), and the CBS probe must snapshot and restore what a branch changes
 metric update counts, ...). Keeping every such access here means a release that moves one breaks
 this module alone; ``PRIVATE_ATTRIBUTES`` lists them, and tests/test_internals.py checks each
 against the installed versions and names what moved.
+
+Lightning is imported inside the functions that reach into it, so that the pure rules (which use
+the torch attributes below) import this module without Lightning.
 """
 
 from __future__ import annotations
@@ -13,12 +16,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
-from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader, _request_dataloader
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 # Re-exported for the modules that use them (listed in PRIVATE_ATTRIBUTES).
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as checkpoint_wrapper
@@ -134,6 +132,8 @@ def given_train_loader(trainer) -> Any:
     """The train loader passed as ``trainer.fit(train_dataloaders=...)``, or None (a datamodule's or the
     module's ``train_dataloader`` hook builds it)."""
     source = trainer.fit_loop._data_source.instance
+    import lightning.pytorch as pl
+
     return None if isinstance(source, (pl.LightningModule, pl.LightningDataModule)) or source is None else source
 
 
@@ -141,17 +141,24 @@ def request_val_dataloaders(trainer) -> Any:
     """The validation loader(s) of the fit, from where Lightning's validation loop takes them (the
     datamodule's or module's ``val_dataloader``, or ``fit(val_dataloaders=...)``); None if there are none."""
     source = trainer.fit_loop.epoch_loop.val_loop._data_source
+    from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
+
     return _request_dataloader(source) if source.is_defined() else None
 
 
 def prepare_val_dataloader(trainer, dataloader) -> Any:
     """``dataloader`` as Lightning's validation reads it during fit (under DDP, with a DistributedSampler injected)."""
+    from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
+    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
     return _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, dataloader)
 
 
 def block_ddp_gradient_sync(strategy, block: bool) -> AbstractContextManager:
     """Context in which DDP's backward does not all-reduce gradients (``block=True``), as Lightning's
     own accumulation does; a no-op for other strategies."""
+    from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
+
     return _block_parallel_sync_behavior(strategy, block=block)
 
 
@@ -190,11 +197,15 @@ def hpc_checkpoint_path(trainer) -> str | None:
 # ---------------------------------------------------------------------- RNG and metric state
 def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
     """The torch, numpy and Python RNG states (and CUDA's with ``include_cuda``), as Lightning checkpoints them."""
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
     return _collect_rng_states(include_cuda=include_cuda)
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
     """Restore RNG states taken by ``collect_rng_states``."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
     _set_rng_states(states)
 
 
