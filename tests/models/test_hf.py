@@ -1,7 +1,7 @@
 """Hugging Face transformers models under lit_cbs, on real transformers objects: CausalLM trains a
 Llama built from its config with the exact global-batch gradient through a batch change, the noise
 scale finds its decoder layers, the plan counts it, a checkpoint reloads it, bad configs fail in one
-line, the README's plain-Lightning example runs, and 2 FSDP2 processes shard it per decoder layer
+line, the warmup guide's plain-Lightning example (docs/guides/warmup.md) runs, and 2 FSDP2 processes shard it per decoder layer
 with activation checkpointing, a CBS probe and the guard (recipes/train.py model=hf)."""
 
 from __future__ import annotations
@@ -161,13 +161,13 @@ def test_without_transformers_a_model_type_names_the_extra_to_install(monkeypatc
         CausalLM({"model_type": "llama"})
 
 
-def test_the_readme_example_warms_up_the_batch_of_a_plain_lightning_llama():
-    readme = (ROOT / "README.md").read_text()
-    (example,) = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "LlamaForCausalLM(config)" in block]
+def test_the_warmup_guide_example_warms_up_the_batch_of_a_plain_lightning_llama():
+    guide = (ROOT / "docs" / "guides" / "warmup.md").read_text()
+    (example,) = [block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if "LlamaForCausalLM(config)" in block]
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        exec(compile(example, "README.md", "exec"), namespace)
+        exec(compile(example, "docs/guides/warmup.md", "exec"), namespace)
     (change,) = namespace["warmup"].history
     assert (change.old_global_batch, change.new_global_batch, change.tokens_seen) == (8, 16, 16_384)
     assert (change.new_accumulate, change.lr_factor) == (2, pytest.approx(2**0.5))
