@@ -25,6 +25,7 @@ What each mode costs and when to pick it: docs/guides/gns_cost.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,12 @@ class GradientNoiseScale(Callback):
             raise LitCBSConfigError(
                 f"GradientNoiseScale(config={config!r}) must be a GNSConfig; pass its fields by keyword, "
                 "e.g. GradientNoiseScale(ema_decay=0.99)"
+            )
+        unknown = sorted(set(kwargs) - {field.name for field in dataclasses.fields(GNSConfig)})
+        if unknown:
+            raise LitCBSConfigError(
+                f"GradientNoiseScale got {unknown[0]}={kwargs[unknown[0]]!r}, which is not a setting: "
+                f"use the GNSConfig fields {[field.name for field in dataclasses.fields(GNSConfig)]}"
             )
         self.config = config if config is not None else GNSConfig(**kwargs)
 
