@@ -107,11 +107,12 @@ class GradientNoiseScale(Callback):
                 f"GradientNoiseScale(config={config!r}) must be a GNSConfig; pass its fields by keyword, "
                 "e.g. GradientNoiseScale(ema_decay=0.99)"
             )
-        unknown = sorted(set(kwargs) - {field.name for field in dataclasses.fields(GNSConfig)})
+        fields = [field.name for field in dataclasses.fields(GNSConfig)]
+        unknown = [name for name in kwargs if name not in fields]
         if unknown:
             raise LitCBSConfigError(
                 f"GradientNoiseScale got {unknown[0]}={kwargs[unknown[0]]!r}, which is not a setting: "
-                f"use the GNSConfig fields {[field.name for field in dataclasses.fields(GNSConfig)]}"
+                f"use the GNSConfig fields {fields}"
             )
         self.config = config if config is not None else GNSConfig(**kwargs)
 
