@@ -1,9 +1,21 @@
-"""The gradient noise scale (McCandlish et al. 2018), measured online as a baseline for the CBS probe."""
+"""The gradient noise scale (McCandlish et al. 2018), measured online as a baseline for the CBS probe.
+
+``estimator`` holds the math (torch only), ``groups`` which parameters are measured together (no
+Lightning), ``config`` the checked settings and ``callback`` the Lightning callback with its three
+measuring modes. What each mode costs and when to pick it: docs/guides/gns_cost.md.
+"""
 
 from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
+    "GNSConfig": "lit_cbs.gns.config",
+    "GROUP_PRESETS": "lit_cbs.gns.groups",
     "GradientNoiseScale": "lit_cbs.gns.callback",
+    "NoiseAverages": "lit_cbs.gns.estimator",
+    "NoiseMeasurement": "lit_cbs.gns.estimator",
+    "block_groups": "lit_cbs.gns.groups",
+    "regex_groups": "lit_cbs.gns.groups",
+    "two_batch_estimates": "lit_cbs.gns.estimator",
 }
 
 __all__ = sorted(_EXPORTS)

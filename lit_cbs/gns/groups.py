@@ -1,0 +1,160 @@
+"""Which parameters the noise scale measures together: ``GradientNoiseScale(groups=...)``'s grouping (no Lightning).
+
+Both squared norms behind B_simple are sums over the parameters, so each group of parameters has
+its own |G|^2, tr(Sigma) and B_simple, and the groups' add up to the whole model's. A group is
+one optimizer parameter group (``"param_groups"``), one transformer block or other module
+(``"blocks"``, ``block_groups``), or the parameters whose names a regex finds (``regex_groups``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.models.decoder import layer_stacks
+
+GROUP_PRESETS = ("param_groups", "blocks")
+_SHOWN_NAMES = 6  # parameter names an error message lists
+
+
+def _some_names(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN_NAMES])
+    return f"{shown}, ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else shown
+
+
+def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
+    """``groups="blocks"``: parameter names -> {group: names}, one group ``block<i>`` per transformer block.
+
+    ``stacks`` are the paths of the block stacks (``layer_stacks``). A parameter under
+    ``<stack>.<i>.`` belongs to ``block<i>`` (so
+    ``model.blocks.3._checkpoint_wrapped_module.mlp.up_proj.weight`` is in ``block3``); every other
+    parameter belongs to the group named by its module's path below the first stack's parent
+    (``model.embedding.weight`` -> ``embedding``, a final norm's weight -> its module's name), or,
+    outside that parent, below the path all parameters share (a transformers model's
+    ``model.lm.lm_head.weight`` -> ``lm_head``). Blocks of a later stack keep its path below the
+    first stack's parent (``decoder.block0``), so two stacks never share a group. Groups come in
+    the order of ``names``.
+    """
+    if not stacks:
+        raise LitCBSConfigError(
+            "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one class, "
+            f"as lit_cbs's OLMo.blocks or a transformers model's model.layers), but the LightningModule has none; parameters: "
+            f"{_some_names(names)}; pass groups={{name: regex}} instead"
+        )
+    parent = stacks[0].rpartition(".")[0]
+    prefix = parent + "." if parent else ""
+    shared = _shared_prefix(names)
+    patterns = [(stack, re.compile(rf"^{re.escape(stack)}\.(\d+)\.")) for stack in stacks]
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        match = next(((stack, found) for stack, pattern in patterns if (found := pattern.match(name))), None)
+        if match:
+            stack, found = match
+            group = f"block{found.group(1)}"
+            if stack != stacks[0]:
+                group = f"{stack.removeprefix(prefix).rpartition('.')[0] or stack}.{group}"
+        else:
+            relative = name.removeprefix(prefix) if name.startswith(prefix) else name.removeprefix(shared)
+            group = relative.rpartition(".")[0] or relative  # the module's path; a parameter of the root: its own name
+        groups.setdefault(group, []).append(name)
+    return groups
+
+
+def _shared_prefix(names: list[str]) -> str:
+    """The longest dotted path (ending in ".") that starts every name."""
+    parts = [name.split(".")[:-1] for name in names]
+    shared = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        shared.append(level[0])
+    return ".".join(shared) + "." if shared else ""
+
+
+def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[str, list[str]]:
+    """``groups={group: regex}``: parameter names -> {group: names}, a name in a group when ``regex.search`` finds it.
+
+    Every group must match a parameter and no parameter two groups; names matched by none are in
+    no group (they count in the whole-model metrics only).
+    """
+    groups: dict[str, list[str]] = {group: [] for group in patterns}
+    for name in names:
+        owners = [group for group, pattern in patterns.items() if pattern.search(name)]
+        if len(owners) > 1:
+            raise LitCBSConfigError(
+                f"parameter {name!r} is matched by groups {owners} ("
+                + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
+                + "); a parameter may be in one group only: make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
+            )
+        for group in owners:
+            groups[group].append(name)
+    for group, members in groups.items():
+        if not members:
+            raise LitCBSConfigError(
+                f"groups[{group!r}]={patterns[group].pattern!r} matches none of the trained parameters "
+                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
+            )
+    return groups
+
+
+def compiled_groups(groups: Any) -> dict[str, re.Pattern] | None:
+    """The ``groups`` argument checked: {group: compiled regex} for a dict, None for None or a preset."""
+    if groups is None or (isinstance(groups, str) and groups in GROUP_PRESETS):
+        return None
+    if not isinstance(groups, Mapping) or not groups:
+        raise LitCBSConfigError(
+            f"groups={groups!r} is not supported; use None, one of {GROUP_PRESETS} or a non-empty dict of "
+            "group name -> regex over parameter names"
+        )
+    compiled = {}
+    for group, pattern in groups.items():
+        if not isinstance(group, str) or not group:
+            raise LitCBSConfigError(f"groups has the name {group!r}; group names must be non-empty strings")
+        if not isinstance(pattern, str):
+            raise LitCBSConfigError(f"groups[{group!r}]={pattern!r} must be a regex string over parameter names")
+        try:
+            compiled[group] = re.compile(pattern)
+        except re.error as error:
+            raise LitCBSConfigError(f"groups[{group!r}]={pattern!r} is not a valid regex: {error}") from error
+    return compiled
+
+
+def assign_groups(
+    groups: str | Mapping[str, str] | None, optimizer: torch.optim.Optimizer, module: torch.nn.Module
+) -> tuple[list[str | None], dict[torch.Tensor, int]]:
+    """The measured groups' names and each trained parameter's index among them.
+
+    ``groups`` as ``GNSConfig.groups`` (already checked); ``module`` names the parameters (the
+    LightningModule). The name ``None`` stands for the trained parameters in no group, kept so the
+    whole-model sums stay complete; without ``groups`` it is the single group of every parameter.
+    """
+    trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if groups == "param_groups":
+        names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise LitCBSConfigError(
+                f"groups='param_groups' names each group by its optimizer parameter group's 'name', but {repeated} "
+                "name more than one group: give the parameter groups distinct names"
+            )
+        group_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
+        return names, group_of
+    if groups is None:
+        return [None], dict.fromkeys(trained, 0)
+    trained_ids = {id(p) for p in trained}
+    by_name = {name: p for name, p in module.named_parameters() if id(p) in trained_ids}
+    names = list(by_name)
+    if groups == "blocks":
+        members = block_groups(names, layer_stacks(module))
+    else:
+        members = regex_groups(compiled_groups(groups), names)
+    group_names: list[str | None] = list(members)
+    group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
+    if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete
+        group_names.append(None)
+        group_of.update({p: len(members) for p in trained if p not in group_of})
+    return group_names, group_of
