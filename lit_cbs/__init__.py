@@ -23,6 +23,7 @@ _EXPORTS = {
     "CosineSchedule": "lit_cbs.rules.lr_schedules",
     "ExponentialRamp": "lit_cbs.rules.batch_schedules",
     "FinalStateCheckpoint": "lit_cbs.callbacks.checkpoint",
+    "GuardConfig": "lit_cbs.rules.guard",
     "GlobalOrderLoader": "lit_cbs.data.loader",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.rules.batch_schedules",

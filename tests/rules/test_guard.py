@@ -22,7 +22,7 @@ from lit_cbs import (
     PiecewiseBatch,
 )
 from lit_cbs._internals import should_accumulate
-from lit_cbs.rules.guard import BatchGuard, fit_trend, loss_rise
+from lit_cbs.rules.guard import BatchGuard, GuardConfig, fit_trend, loss_rise
 
 # 2 samples per step until 64 samples (32 steps), then 4: the guard fits the trend on samples (32, 64]
 # (16 steps), and with min_steps=8 judges the increase after 8 steps of 4, at 96 samples.
@@ -175,7 +175,7 @@ def test_a_schedule_decrease_inside_a_window_ends_it_without_a_verdict():
 @pytest.mark.parametrize("epoch", [0, 1])  # 96 samples: inside the window (64 to 128); 192: inside the hold
 def test_a_run_resumed_around_a_revert_continues_bit_for_bit(tmp_path, epoch):
     def warmup():
-        return BatchWarmup(SCHEDULE, lr_rule="sqrt", clip_rule="sqrt", guard={"window": 64, "hold": 100})
+        return BatchWarmup(SCHEDULE, lr_rule="sqrt", clip_rule="sqrt", guard={"watch_span": 64, "hold": 100})
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     full = warmup()
@@ -246,12 +246,12 @@ def test_a_reverted_cbs_adaptive_doubling_is_withdrawn():
 @pytest.mark.parametrize(
     "guard, match",
     [
-        ({"window": 0}, r"guard.window=0 must be a positive int or None \(samples or tokens"),
-        ({"window": -5}, r"guard.window=-5"),
+        ({"watch_span": 0}, r"guard.watch_span=0 must be a positive int or None \(samples or tokens"),
+        ({"watch_span": -5}, r"guard.watch_span=-5"),
         ({"threshold": 0.0}, r"guard.threshold=0.0 must be a finite number > 0 or None \(nats"),
         ({"threshold": -0.1}, r"guard.threshold=-0.1"),
         ({"min_steps": 2}, r"guard.min_steps=2 must be >= 3"),
-        ({"windw": 100, "hold": 5}, r"unknown setting\(s\) windw; the settings are window, fit, hold"),
+        ({"windw": 100, "hold": 5}, r"unknown setting\(s\) windw; the settings are watch_span, fit, hold"),
         ("yes", r"guard='yes' must be true, false, null, a dict"),
     ],
 )
@@ -262,10 +262,10 @@ def test_bad_guard_settings_fail_at_construction(guard, match):
 
 def test_guard_settings_read_from_a_dict_and_defaults():
     assert BatchGuard.from_setting(None) is None and BatchGuard.from_setting(False) is None
-    defaults = BatchGuard.from_setting(True)
-    assert (defaults.window, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
+    defaults = BatchGuard.from_setting(True).config
+    assert (defaults.watch_span, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
     assert (defaults.noise_multiple, defaults.min_threshold, defaults.min_steps) == (2.0, 0.05, 8)
-    assert BatchGuard.from_setting({"window": 1_000, "threshold": 0.1}).window == 1_000
+    assert BatchGuard.from_setting({"watch_span": 1_000, "threshold": 0.1}).config == GuardConfig(watch_span=1_000, threshold=0.1)
 
 
 @pytest.mark.parametrize("clip_rule, match", [("cubic", r"clip_rule='cubic' is unknown"), (3, r"clip_rule must be one of")])

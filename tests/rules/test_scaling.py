@@ -15,17 +15,17 @@ from lit_cbs.rules.scaling import check_scheduler_supported, get_lr_rule, scale_
     "name, ratio, factor", [("sqrt", 4, 2.0), ("linear", 4, 4.0), ("none", 4, 1.0), ("adam_sde", 4, 2.0), ("sqrt", 0.25, 0.5)]
 )
 def test_named_rules(name, ratio, factor):
-    assert get_lr_rule(name).lr_factor(ratio) == pytest.approx(factor)
+    assert get_lr_rule(name).factor(ratio) == pytest.approx(factor)
 
 
 def test_callable_rule_and_bad_rules():
-    assert get_lr_rule(lambda r: r**0.25).lr_factor(16) == pytest.approx(2.0)
+    assert get_lr_rule(lambda r: r**0.25).factor(16) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="lr_rule='cubic' is unknown"):
         get_lr_rule("cubic")
     with pytest.raises(TypeError, match="callable"):
         get_lr_rule(3)
     with pytest.raises(ValueError, match="finite and > 0"):
-        get_lr_rule(lambda r: -1.0).lr_factor(2)
+        get_lr_rule(lambda r: -1.0).factor(2)
 
 
 ADAM_SDE = "CBSProbeCallback(lr_rule='adam_sde')"
