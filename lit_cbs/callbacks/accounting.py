@@ -114,10 +114,14 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
     if global_batch % unit:
         lower = global_batch // unit * unit
         nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        other = (
+            f"a number of data-parallel ranks that divides {global_batch}"
+            if global_batch % data_parallel
+            else f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
+        )
         raise LitCBSConfigError(
             f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
-            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: set {name} to one of them, or "
-            f"choose a micro-batch (batch_size) that divides {global_batch} // {data_parallel} ranks"
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: set {name} to one of them, or use {other}"
         )
     return global_batch // unit
 
