@@ -25,10 +25,11 @@ keep it (lit_cbs.rules.scaling), so it composes with the user's LR schedule; ``w
 (the optimizer's param groups), so a resumed run never applies a change twice. ``clip_rule``
 likewise rescales the Trainer's ``gradient_clip_val``.
 
-With ``guard`` (lit_cbs.rules.guard.BatchGuard, its settings a ``GuardConfig``) each increase is judged on the training loss after it and
-reverted if the loss rises above its trend: the revert is a change like the others (at an aligned
-step), recorded with ``cause="guard"``, and it restores the LR and clipping threshold of before the
-increase, and the weight decay, betas and eps of before it, exactly.
+With ``guard`` (lit_cbs.rules.guard.BatchGuard, its settings a ``GuardConfig``) each increase is
+judged on the training loss after it and reverted if the loss rises above its trend: the revert is
+a change like the others (at an aligned step), recorded with ``cause="guard"``, and it restores the
+LR and clipping threshold of before the increase, and the weight decay, betas and eps of before it,
+exactly (the guard keeps them as a ``RevertRestore``).
 """
 
 from __future__ import annotations
@@ -706,19 +707,18 @@ class BatchWarmup(Callback):
     def _apply_change(self, trainer, target: int, new_accumulate: int, new_micro: int) -> None:
         """Train at ``target`` samples (``new_micro`` per rank x ``new_accumulate``) from the next optimizer
         step on: move the optimizers' settings, record the change, tell the guard, resize, say so."""
-        restore = self.guard.mark_reverted(self.consumed) if self.guard is not None and self.guard.revert_to == target else None
-        settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
-        if restore is not None:
+        if self.guard is not None and self.guard.revert_to == target:
+            restore = self.guard.mark_reverted(self.consumed)
             lr_change, clip_change = self._undo_increase(trainer, target, restore)
-        else:
-            lr_change, clip_change = self._scale_optimizers(trainer, target)
-        change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, restore is not None)
-        if self.guard is not None and restore is None:
-            self._tell_guard(change, RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before))
-        if restore is not None:
+            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard")
             self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
             self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
         else:
+            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+            lr_change, clip_change = self._scale_optimizers(trainer, target)
+            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule")
+            if self.guard is not None:
+                self._tell_guard(change, RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before))
             self.lr_factor, self.clip_factor = self.lr_factor * lr_change, self.clip_factor * clip_change
         self._set_batch(target, new_micro, new_accumulate)  # the loader yields the new micro-batch from the next one on
         self._remember_settings(trainer)
@@ -749,7 +749,7 @@ class BatchWarmup(Callback):
         return lr_change, clip_change
 
     def _record_change(
-        self, trainer, target: int, new_accumulate: int, new_micro: int, lr_change: float, clip_change: float, revert: bool
+        self, trainer, target: int, new_accumulate: int, new_micro: int, lr_change: float, clip_change: float, cause: str
     ) -> BatchChange:
         """Append the change, from the batch now to ``target``, to ``history``."""
         change = BatchChange(
@@ -766,7 +766,7 @@ class BatchWarmup(Callback):
             lr_factor=lr_change,
             requested_at_samples=self._requested_at[1],
             requested_at_tokens=self._requested_at[2],
-            cause="guard" if revert else "schedule",
+            cause=cause,
             clip_factor=clip_change,
         )
         self.history.append(change)
