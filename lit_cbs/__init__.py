@@ -24,6 +24,7 @@ _EXPORTS = {
     "ExponentialRamp": "lit_cbs.rules.batch_schedules",
     "FinalStateCheckpoint": "lit_cbs.callbacks.checkpoint",
     "GNSConfig": "lit_cbs.gns",
+    "GuardConfig": "lit_cbs.rules.guard",
     "GlobalOrderLoader": "lit_cbs.data.loader",
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.rules.batch_schedules",

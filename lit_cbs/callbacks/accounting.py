@@ -109,14 +109,19 @@ def micro_batch_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
 
 def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
     """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
-    LitCBSConfigError naming ``name`` and the nearest valid sizes."""
+    LitCBSConfigError naming ``name``, the nearest valid sizes and the fix."""
     unit = micro_batch_size * data_parallel
     if global_batch % unit:
         lower = global_batch // unit * unit
         nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        other = (
+            f"a number of data-parallel ranks that divides {global_batch}"
+            if global_batch % data_parallel
+            else f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
+        )
         raise LitCBSConfigError(
             f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
-            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}"
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: set {name} to one of them, or use {other}"
         )
     return global_batch // unit
 
@@ -203,8 +208,8 @@ class BatchAccounting(Callback):
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
-        self.seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
-        self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
+        settings = self.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
+        self.seq_len, self.max_tokens = settings["seq_len"], settings["max_tokens"]
         self.samples_seen = 0
         self.tokens_seen = 0
         self._trainer: pl.Trainer | None = None
@@ -227,10 +232,21 @@ class BatchAccounting(Callback):
         self.stop_signal: int | None = None
         self.step_tokens = StepTokens()
 
+    @staticmethod
+    def checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
+        """``{"seq_len": ..., "max_tokens": ...}`` once each is None or a positive int, else
+        LitCBSConfigError: for a callback that passes them on (``BatchWarmup``) to check at construction."""
+        return {
+            "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
+            "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
+        }
+
     # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod
-    def attach(cls, trainer: pl.Trainer) -> BatchAccounting:
-        """The Trainer's accounting, attached now (first among its callbacks) if it has none."""
+    def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
+        """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
+        (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on the
+        accounting's behalf: set on it, or LitCBSConfigError if it already has another value."""
         found = [callback for callback in trainer.callbacks if isinstance(callback, cls)]
         if len(found) > 1:
             raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
@@ -240,6 +256,15 @@ class BatchAccounting(Callback):
             trainer.callbacks = [accounting] + [callback for callback in trainer.callbacks if callback is not accounting]
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
+        for name, value in cls.checked_settings(**settings).items():
+            if value is None:
+                continue
+            if getattr(accounting, name) not in (None, value):
+                raise LitCBSConfigError(
+                    f"{given_by}({name}={value}) conflicts with BatchAccounting({name}={getattr(accounting, name)}); "
+                    "give it to one of them"
+                )
+            setattr(accounting, name, value)
         return accounting
 
     @classmethod
@@ -249,6 +274,11 @@ class BatchAccounting(Callback):
         return cls.attach(trainer)
 
     # ------------------------------------------------------------------ read-only view
+    @property
+    def trainer(self) -> pl.Trainer | None:
+        """The Trainer whose fit this accounting counts (None before its setup)."""
+        return self._trainer
+
     @property
     def micro_batch_size(self) -> int | None:
         """Samples per micro-batch and rank (None before the first batch if nothing says it)."""
@@ -311,12 +341,13 @@ class BatchAccounting(Callback):
             torch.cuda.synchronize(device)
 
     # ------------------------------------------------------------------ the one writer: BatchWarmup
-    def set_micro_batch_size(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: int) -> None:
+    def set_micro_batch_size(self, value: int) -> None:
         """Set the micro-batch the train loader must yield: written to the datamodule's or module's
         ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
         yields it from the next micro-batch on. The next batch is checked against it: a loader that
         yields another size stops training there."""
-        MicroBatchSetting.required(trainer, pl_module).set(value)
+        trainer = self._trainer
+        MicroBatchSetting.required(trainer, trainer.lightning_module).set(value)
         self._micro_batch_size = value
         self._micro_batch_set = True
         self._check_next_batch = True

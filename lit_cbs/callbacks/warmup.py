@@ -25,10 +25,11 @@ keep it (lit_cbs.rules.scaling), so it composes with the user's LR schedule; ``w
 (the optimizer's param groups), so a resumed run never applies a change twice. ``clip_rule``
 likewise rescales the Trainer's ``gradient_clip_val``.
 
-With ``guard`` (lit_cbs.rules.guard.BatchGuard) each increase is judged on the training loss after it and
-reverted if the loss rises above its trend: the revert is a change like the others (at an aligned
-step), recorded with ``cause="guard"``, and it restores the LR and clipping threshold of before the
-increase, and the weight decay, betas and eps of before it, exactly.
+With ``guard`` (lit_cbs.rules.guard.BatchGuard, its settings a ``GuardConfig``) each increase is
+judged on the training loss after it and reverted if the loss rises above its trend: the revert is
+a change like the others (at an aligned step), recorded with ``cause="guard"``, and it restores the
+LR and clipping threshold of before the increase, and the weight decay, betas and eps of before it,
+exactly (the guard keeps them as a ``RevertRestore``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
-from lit_cbs.rules.guard import BatchGuard, GuardVerdict
+from lit_cbs.rules.guard import BatchGuard, GuardConfig, GuardVerdict, RevertRestore
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules, get_clip_rule, optimizer_settings, restore_settings, scale_learning_rate
 
@@ -108,14 +109,14 @@ class BatchWarmup(Callback):
             change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
             grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
         guard: watch the training loss after each increase and revert an increase after which it rises
-            above its trend: True for the defaults, a dict of settings, or a ``lit_cbs.rules.guard.BatchGuard``
-            (its docstring has the rule and the settings). None or False (default): no guard.
-        max_tokens: stop training once this many tokens (all ranks) were trained on
-            (``BatchAccounting.max_tokens``).
-        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
-            else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
-            token ids (float features) has no tokens: ``tokens_seen`` stays 0 and token-based
-            settings (``unit="tokens"``, ``max_tokens``) are refused.
+            above its trend: True for the defaults, a ``lit_cbs.rules.guard.GuardConfig`` or a dict of
+            its settings, or a ``BatchGuard`` (lit_cbs.rules.guard has the rule). None or False
+            (default): no guard.
+        max_tokens, seq_len: the token budget (tokens, all ranks) and tokens per sample, passed on to
+            the Trainer's ``BatchAccounting``, which owns them (its docstring has their defaults):
+            a run with a BatchWarmup needs no BatchAccounting of its own to set them. Data without
+            token ids (float features) has no tokens: token-based settings (``unit="tokens"``,
+            ``max_tokens``) are refused.
         max_micro_batch_size: if given, the micro-batch (samples per rank) grows with the batch: at
             every change it becomes the largest size up to this that divides a rank's share of the
             new global batch, before the accumulation grows. Needs a train loader that changes its
@@ -134,9 +135,9 @@ class BatchWarmup(Callback):
 
     Attributes:
         history: ``BatchChange`` records, in order.
-        global_batch, accumulate, micro_batch_size: the batch now (samples, micro-batches per step,
-            samples per rank).
-        samples_seen, tokens_seen, seq_len: read from the Trainer's ``BatchAccounting``.
+        global_batch: the batch now (samples): the schedule's, or the one a guard's revert went back to.
+        accumulate, micro_batch_size, samples_seen, tokens_seen, seq_len, max_tokens: read from the
+            Trainer's ``BatchAccounting`` (micro-batches per step, samples per rank, counts, tokens).
         guard: the ``BatchGuard`` or None; ``guard.verdicts`` holds its judgement of each increase.
     """
 
@@ -149,7 +150,7 @@ class BatchWarmup(Callback):
         max_micro_batch_size: int | None = None,
         log_every_step: bool = True,
         clip_rule=None,
-        guard: bool | dict | BatchGuard | None = None,
+        guard: bool | dict | GuardConfig | BatchGuard | None = None,
         weight_decay_rule: str | None = None,
         beta2_rule: str | None = None,
     ):
@@ -162,15 +163,15 @@ class BatchWarmup(Callback):
         self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
         self.clip_rule = get_clip_rule(clip_rule)
         self.guard = BatchGuard.from_setting(guard)
-        self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
-        self._seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
+        # The accounting's settings, taken on its behalf and handed to it in setup.
+        self._accounting_settings = BatchAccounting.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
         self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
         self.log_every_step = log_every_step
 
         self.accounting: BatchAccounting | None = None  # the Trainer's, from setup on
+        # Kept here, not derived from the accounting's micro-batch x accumulation x ranks: a run resumed
+        # on other ranks goes on at the checkpoint's global batch and splits it afresh.
         self.global_batch: int | None = None
-        self.accumulate: int | None = None
-        self.micro_batch_size: int | None = None
         self.lr_factor = 1.0  # product of all changes' LR factors
         self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
         self._base_gradient_clip_val: float | None = None  # the Trainer's, before any change
@@ -181,7 +182,6 @@ class BatchWarmup(Callback):
         self.history: list[BatchChange] = []
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
-        self._trainer: pl.Trainer | None = None
         self._token_settings_checked = False
         self._step_lr: float | None = None
         self._step_settings: dict[str, float] = {}  # batch/weight_decay, batch/beta2 of the step just taken
@@ -207,7 +207,22 @@ class BatchWarmup(Callback):
     @property
     def seq_len(self) -> int | None:
         """Tokens per sample (None for data without token ids)."""
-        return self.accounting.seq_len if self.accounting is not None else self._seq_len
+        return self.accounting.seq_len if self.accounting is not None else self._accounting_settings["seq_len"]
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The token budget (all ranks), or None."""
+        return self.accounting.max_tokens if self.accounting is not None else self._accounting_settings["max_tokens"]
+
+    @property
+    def micro_batch_size(self) -> int | None:
+        """Samples per micro-batch and rank (None before setup)."""
+        return self.accounting.micro_batch_size if self.accounting is not None else None
+
+    @property
+    def accumulate(self) -> int | None:
+        """Micro-batches per optimizer step (None before setup)."""
+        return self.accounting.accumulate if self.accounting is not None else None
 
     @property
     def consumed(self) -> int:
@@ -234,7 +249,6 @@ class BatchWarmup(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._trainer = trainer
         if not pl_module.automatic_optimization:
             raise LitCBSConfigError(
                 "BatchWarmup needs automatic optimization (it changes accumulate_grad_batches); "
@@ -246,16 +260,7 @@ class BatchWarmup(Callback):
 
         if isinstance(trainer.strategy, DeepSpeedStrategy) and not self.schedule.is_constant:
             raise LitCBSConfigError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
-        accounting = self.accounting = BatchAccounting.attach(trainer)
-        for name, value in (("max_tokens", self.max_tokens), ("seq_len", self._seq_len)):
-            if value is None:
-                continue
-            if getattr(accounting, name) not in (None, value):
-                raise LitCBSConfigError(
-                    f"BatchWarmup({name}={value}) conflicts with BatchAccounting({name}={getattr(accounting, name)}); "
-                    "give it to one of them"
-                )
-            setattr(accounting, name, value)
+        accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **self._accounting_settings)
 
         if self.clip_rule is not None and not trainer.gradient_clip_val:
             raise LitCBSConfigError(
@@ -272,16 +277,16 @@ class BatchWarmup(Callback):
                 f"batch_size={micro}; raise it or lower the batch_size"
             )
         self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
-        self.micro_batch_size = micro  # the datamodule's: where micro_batch_for starts without max_micro_batch_size
-        self.global_batch = self.schedule.batch_size(0)
-        self.micro_batch_size = self.micro_batch_for(self.global_batch)
-        self.accumulate = check_divisible(self.global_batch, self.micro_batch_size, accounting.data_parallel_size)
-        if trainer.accumulate_grad_batches not in (1, self.accumulate):
+        global_batch = self.schedule.batch_size(0)
+        if self.max_micro_batch_size is not None:
+            micro = self.micro_batch_for(global_batch)
+        accumulate = check_divisible(global_batch, micro, accounting.data_parallel_size)
+        if trainer.accumulate_grad_batches not in (1, accumulate):
             raise LitCBSConfigError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
-                f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
+                f"whose schedule starts at accumulate={accumulate}; leave accumulate_grad_batches at 1"
             )
-        self._apply_to_trainer(trainer, pl_module)
+        self._set_batch(global_batch, micro, accumulate)
 
     def lacks_a_feeder(self, callbacks: list, resumed: bool) -> bool:
         """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings
@@ -313,11 +318,16 @@ class BatchWarmup(Callback):
             "batch_size", MicroBatchSetting.required(trainer, pl_module).get(), "the micro-batch, samples per rank"
         )
 
-    def _apply_to_trainer(self, trainer, pl_module) -> None:
-        trainer.accumulate_grad_batches = self.accumulate
+    def _set_batch(self, global_batch: int, micro_batch_size: int, accumulate: int) -> None:
+        """Train at ``global_batch`` samples, ``micro_batch_size`` per rank x ``accumulate``, from the next
+        micro-batch on, with the clipping threshold of ``clip_factor``: the one place BatchWarmup writes
+        the batch (into the Trainer and its accounting)."""
+        trainer = self.accounting.trainer
+        self.global_batch = global_batch
+        trainer.accumulate_grad_batches = accumulate
         if self.clip_rule is not None:
             trainer.gradient_clip_val = self._base_gradient_clip_val * self.clip_factor
-        self.accounting.set_micro_batch_size(trainer, pl_module, self.micro_batch_size)
+        self.accounting.set_micro_batch_size(micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # The changes still to come, from the batch now. A constant schedule the run already trains at
@@ -355,14 +365,14 @@ class BatchWarmup(Callback):
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         self._check_loader_resizes(trainer)
         if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
-            self._regroup_for_new_ranks(trainer, pl_module)
+            self._regroup_for_new_ranks(trainer)
         self._warn_checkpoints_inside_accumulation(trainer, pl_module)
         if self.accounting.budget_reached:
             return  # resumed from a run's final state: the accounting stops the run
         # A change the schedule asked for after a run's last step was not applied then (no step used
         # it); a run resumed from there with a larger budget applies it now, where it would have been.
         if not self._no_step_follows(trainer):
-            self._maybe_change(trainer, pl_module, functools.partial(self._fits_now, trainer))
+            self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
 
     def _sizes_to_come(self) -> list[int]:
         """Every global batch the run may still train at: the schedule's, and those a guard may revert to."""
@@ -391,7 +401,7 @@ class BatchWarmup(Callback):
                 "or max_steps instead"
             )
 
-    def _regroup_for_new_ranks(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _regroup_for_new_ranks(self, trainer: pl.Trainer) -> None:
         """Resumed on another number of data-parallel ranks: the global batch, LR and data position go on;
         the micro-batch and accumulation are chosen for the ranks now (``_fits_now`` lets the first step
         after the resume take exactly the new accumulation)."""
@@ -407,10 +417,10 @@ class BatchWarmup(Callback):
             )
         self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
         old = (self.micro_batch_size, self.accumulate)
-        self.micro_batch_size = self.micro_batch_for(self.global_batch)
-        self.accumulate = self.global_batch // (self.micro_batch_size * ranks)
-        self._fits_now(trainer, self.global_batch, self.accumulate)  # true: the position is a multiple of the batch
-        self._apply_to_trainer(trainer, pl_module)
+        micro = self.micro_batch_for(self.global_batch)
+        accumulate = self.global_batch // (micro * ranks)
+        self._fits_now(trainer, self.global_batch, accumulate)  # true: the position is a multiple of the batch
+        self._set_batch(self.global_batch, micro, accumulate)
         rank_zero_info(
             f"BatchWarmup: resumed on {ranks} data-parallel rank(s) (the checkpoint's run had {before}): global batch "
             f"{self.global_batch} = micro {self.micro_batch_size} x accumulate {self.accumulate} x {ranks} (was micro "
@@ -615,7 +625,7 @@ class BatchWarmup(Callback):
                 self._report_verdict(trainer, verdict)
         if self._no_step_follows(trainer):
             return
-        self._maybe_change(trainer, pl_module, functools.partial(self._fits_now, trainer))
+        self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
 
     def _fits_now(self, trainer: pl.Trainer, global_batch: int, accumulate: int) -> bool:
         """Whether a step of ``global_batch`` samples (``accumulate`` micro-batches per rank) can start now,
@@ -645,7 +655,7 @@ class BatchWarmup(Callback):
         # Between epochs any accumulation fits: the next epoch starts at batch 0.
         if self._no_step_follows(trainer) or trainer.current_epoch + 1 == trainer.max_epochs:
             return
-        self._maybe_change(trainer, pl_module, lambda global_batch, accumulate: True)
+        self._maybe_change(trainer, lambda global_batch, accumulate: True)
 
     @staticmethod
     def _no_step_follows(trainer: pl.Trainer) -> bool:
@@ -679,7 +689,7 @@ class BatchWarmup(Callback):
             every_step=True,
         )
 
-    def _maybe_change(self, trainer, pl_module, fits) -> None:
+    def _maybe_change(self, trainer, fits) -> None:
         target = self.schedule.batch_size(self.consumed)
         if self.guard is not None:
             target = self.guard.allowed_batch(target, self.global_batch, self.consumed)
@@ -692,32 +702,56 @@ class BatchWarmup(Callback):
         new_accumulate = target // (new_micro * self.accounting.data_parallel_size)
         if not fits(target, new_accumulate):
             return
-        self._apply_change(trainer, pl_module, target, new_accumulate, new_micro)
+        self._apply_change(trainer, target, new_accumulate, new_micro)
 
-    def _apply_change(self, trainer, pl_module, target: int, new_accumulate: int, new_micro: int) -> None:
-        factor = clip_factor = 1.0
-        revert = self.guard is not None and self.guard.revert_to == target
-        before_increase = self.guard.reverted(self.consumed) if revert else None
-        if revert:
-            # Back to exactly the LR and clipping threshold of before the increase, whatever the rules.
-            factor = 1.0 / before_increase["lr_factor_of_change"]
-            clip_factor = 1.0 / before_increase["clip_factor_of_change"]
-        elif target != self.global_batch:
-            factor = self.lr_rule.lr_factor(target / self.global_batch)
-            if self.clip_rule is not None:
-                clip_factor = self.clip_rule.lr_factor(target / self.global_batch)
-        if target != self.global_batch:
-            schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    def _apply_change(self, trainer, target: int, new_accumulate: int, new_micro: int) -> None:
+        """Train at ``target`` samples (``new_micro`` per rank x ``new_accumulate``) from the next optimizer
+        step on: move the optimizers' settings, record the change, tell the guard, resize, say so."""
+        if self.guard is not None and self.guard.revert_to == target:
+            restore = self.guard.mark_reverted(self.consumed)
+            lr_change, clip_change = self._undo_increase(trainer, target, restore)
+            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard")
+            self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
+            self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
+        else:
             settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
-            for index, optimizer in enumerate(trainer.optimizers):
-                if not revert:
-                    self.rules.apply(optimizer, schedulers, target / self.global_batch)
-                    continue
-                scale_learning_rate(optimizer, schedulers, factor)
-                if "optimizer_settings" in before_increase:
-                    restore_settings(optimizer, before_increase["optimizer_settings"][index])
-                else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
-                    self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
+            lr_change, clip_change = self._scale_optimizers(trainer, target)
+            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule")
+            if self.guard is not None:
+                self._tell_guard(change, RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before))
+            self.lr_factor, self.clip_factor = self.lr_factor * lr_change, self.clip_factor * clip_change
+        self._set_batch(target, new_micro, new_accumulate)  # the loader yields the new micro-batch from the next one on
+        self._remember_settings(trainer)
+        self._announce(trainer, change)
+
+    def _scale_optimizers(self, trainer, target: int) -> tuple[float, float]:
+        """Move every optimizer by the rules for a change from the batch now to ``target``; return the
+        change's LR and clipping-threshold factors (1 when only the micro-batch changes)."""
+        if target == self.global_batch:
+            return 1.0, 1.0
+        ratio = target / self.global_batch
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for optimizer in trainer.optimizers:
+            self.rules.apply(optimizer, schedulers, ratio)
+        return self.lr_rule.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
+
+    def _undo_increase(self, trainer, target: int, restore: RevertRestore) -> tuple[float, float]:
+        """A guard's revert to ``target``: back to exactly the LR, clipping threshold and optimizer settings
+        of before the increase, whatever the rules; return the revert's LR and clipping factors."""
+        lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for index, optimizer in enumerate(trainer.optimizers):
+            scale_learning_rate(optimizer, schedulers, lr_change)
+            if restore.optimizer_settings is not None:
+                restore_settings(optimizer, restore.optimizer_settings[index])
+            else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
+                self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
+        return lr_change, clip_change
+
+    def _record_change(
+        self, trainer, target: int, new_accumulate: int, new_micro: int, lr_change: float, clip_change: float, cause: str
+    ) -> BatchChange:
+        """Append the change, from the batch now to ``target``, to ``history``."""
         change = BatchChange(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
@@ -729,50 +763,40 @@ class BatchWarmup(Callback):
             new_accumulate=new_accumulate,
             old_micro_batch_size=self.micro_batch_size,
             new_micro_batch_size=new_micro,
-            lr_factor=factor,
+            lr_factor=lr_change,
             requested_at_samples=self._requested_at[1],
             requested_at_tokens=self._requested_at[2],
-            cause="guard" if revert else "schedule",
-            clip_factor=clip_factor,
+            cause=cause,
+            clip_factor=clip_change,
         )
-        if target < self.global_batch and not revert and self.guard is not None and self.guard.watching:
-            self.guard.forget_watch()
-        if target > self.global_batch and self.guard is not None:
-            # What a revert of this increase puts back.
-            restore = {
-                "lr_factor": self.lr_factor,
-                "clip_factor": self.clip_factor,
-                "lr_factor_of_change": factor,
-                "clip_factor_of_change": clip_factor,
-                "optimizer_settings": settings_before,
-            }
-            if not self.guard.watch(len(self.history), self.consumed, self.global_batch, target, restore):
-                rank_zero_info(
-                    f"BatchWarmup guard: {self.global_batch} -> {target} is not judged: fewer than "
-                    f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
-                )
         self.history.append(change)
         self._requested_at = None
-        self.global_batch, self.accumulate = target, new_accumulate
-        if before_increase is not None:
-            self.lr_factor, self.clip_factor = before_increase["lr_factor"], before_increase["clip_factor"]
-            if isinstance(self.schedule, CBSAdaptive):
-                self.schedule.withdraw_above(target)  # the doubling proved premature: a new reading must ask again
-        else:
-            self.lr_factor, self.clip_factor = self.lr_factor * factor, self.clip_factor * clip_factor
-        self.micro_batch_size = new_micro  # the loader yields it from the next micro-batch on
-        self._apply_to_trainer(trainer, pl_module)
-        self._remember_settings(trainer)
+        return change
+
+    def _tell_guard(self, change: BatchChange, restore: RevertRestore) -> None:
+        """A scheduled change: the guard watches an increase (``restore`` is what its revert puts back);
+        a decrease ends the watch it falls in, leaving nothing to revert."""
+        if change.new_global_batch < change.old_global_batch and self.guard.watching:
+            self.guard.forget_watch()
+        elif change.new_global_batch > change.old_global_batch and not self.guard.watch(
+            len(self.history) - 1, self.consumed, change.old_global_batch, change.new_global_batch, restore
+        ):
+            rank_zero_info(
+                f"BatchWarmup guard: {change.old_global_batch} -> {change.new_global_batch} is not judged: fewer than "
+                f"guard.min_steps={self.guard.config.min_steps} steps of loss before it to fit a trend to"
+            )
+
+    def _announce(self, trainer, change: BatchChange) -> None:
         rank_zero_info(
-            f"BatchWarmup: global batch {change.old_global_batch} -> {target} samples "
-            f"(micro {change.old_micro_batch_size} -> {new_micro}, accumulate {change.old_accumulate} -> "
-            f"{new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
-            f"LR x{factor:.4g}"
+            f"BatchWarmup: global batch {change.old_global_batch} -> {change.new_global_batch} samples "
+            f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, accumulate {change.old_accumulate} -> "
+            f"{change.new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
+            f"LR x{change.lr_factor:.4g}"
             + "".join(
                 f", {key.removeprefix('batch/')} {value:.4g}" for key, value in self.rules.values(trainer.optimizers[0]).items()
             )
             + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
-            + (" (guard: revert)" if revert else "")
+            + (" (guard: revert)" if change.cause == "guard" else "")
         )
 
     def _log(self, trainer, pl_module) -> None:
@@ -824,8 +848,6 @@ class BatchWarmup(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.global_batch = state_dict["global_batch"]
-        self.accumulate = state_dict["accumulate"]
-        self.micro_batch_size = state_dict["micro_batch_size"]
         self.lr_factor = state_dict["lr_factor"]
         self.clip_factor = state_dict.get("clip_factor", 1.0)
         if self.guard is not None and state_dict.get("guard") is not None:
@@ -840,5 +862,5 @@ class BatchWarmup(Callback):
             # lit_cbs 0.1 checkpoints kept the counts here, before BatchAccounting held them.
             self.accounting.load_state_dict({key: state_dict[key] for key in ("samples_seen", "tokens_seen", "seq_len")})
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
-        if self._trainer is not None:
-            self._apply_to_trainer(self._trainer, self._trainer.lightning_module)
+        if self.accounting is not None:
+            self._set_batch(self.global_batch, state_dict["micro_batch_size"], state_dict["accumulate"])

@@ -296,6 +296,11 @@ class CausalLM(pl.LightningModule):
             self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
 
     def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
+        # Not lit_cbs._internals.should_accumulate, which the callbacks use: Lightning runs this hook after
+        # every callback's, and BatchWarmup's may just have changed accumulate_grad_batches (and the
+        # epoch's micro-batch count) at this step boundary, so the loop's own test would now misread the
+        # step just taken. The optimizer step count is fixed once the step is taken. (Probe branches
+        # call training_step and optimizer_step, never this hook.)
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step

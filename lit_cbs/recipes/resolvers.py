@@ -41,7 +41,7 @@ def world_size(devices, num_nodes) -> int:
 def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
     """``lr`` tuned at ``base_batch_size`` samples, scaled to ``batch_size`` samples by an LR rule
     (lit_cbs.rules.scaling): each run of a batch-size sweep gets the LR BatchWarmup would give that batch."""
-    return float(lr) * get_lr_rule(rule).lr_factor(float(batch_size) / float(base_batch_size))
+    return float(lr) * get_lr_rule(rule).factor(float(batch_size) / float(base_batch_size))
 
 
 def sweep_subdir(job_number, run_name, job_overrides) -> str:

@@ -3,6 +3,7 @@
 - ``batch_schedules``: the global batch (samples) as a function of samples or tokens consumed.
 - ``lr_schedules``: the learning rate as a function of tokens seen.
 - ``scaling``: how the LR, the gradient-clip norm and other optimizer settings move when the batch
-  changes by a ratio.
-- ``guard``: ``BatchGuard``, the rule that undoes a batch increase the training loss did not take.
+  changes by a ratio (``ScalingRule.factor``; ``LRRule`` for the LR).
+- ``guard``: ``BatchGuard``, the rule that undoes a batch increase the training loss did not take
+  (its settings a ``GuardConfig``).
 """

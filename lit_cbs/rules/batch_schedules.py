@@ -61,6 +61,11 @@ class BatchSchedule(ABC):
     def is_constant(self) -> bool:
         return len(self.sizes()) == 1
 
+    def withdraw_above(self, batch_size: int) -> None:
+        """BatchWarmup's guard reverted an increase to ``batch_size`` (samples): forget any decision of
+        this schedule that moved the batch above it. A schedule fixed in advance made none."""
+        return None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
         return f"{type(self).__name__}({fields})"

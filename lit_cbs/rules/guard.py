@@ -7,29 +7,30 @@ stretch before the change predicts. After each increase the guard:
 1. fits the trend: the per-step training loss of the last stretch before the change (``fit``,
    default the second half of what was consumed before it) by least squares as
    ``a + b * ln(consumed)``;
-2. watches a window after the change (``window``, default a quarter of what was consumed before
-   it) and averages the loss's distance from the extrapolated trend over the window's steps: the
+2. watches a span after the change (``watch_span``, default a quarter of what was consumed before
+   it) and averages the loss's distance from the extrapolated trend over the span's steps: the
    rise, in nats;
 3. reverts to the previous batch if the rise exceeds the threshold: ``threshold`` if given, else
    ``noise_multiple`` x the standard deviation of the per-step loss around the trend before the
    change (the loss's own noise), and at least ``min_threshold``. The per-step spread, not the
-   standard error of the window's mean: the trend's extrapolation error does not average out over
-   a window, and on healthy runs it reaches a good part of that spread early in training.
+   standard error of the span's mean: the trend's extrapolation error does not average out over
+   a span, and on healthy runs it reaches a good part of that spread early in training.
 
 Everything is measured in consumed samples or tokens, the schedule's unit, never in steps: a larger
 batch takes fewer steps per token, so only at equal tokens are the two batches comparable. Spans
 default to fractions of what was consumed before the change because loss curves are close to
 linear in log tokens: the same settings then suit a run of millions of tokens and one of trillions.
 After a revert, no increase is made for ``hold`` (default: as much as was consumed before the
-revert, so the next try comes at twice the tokens), and while a window is open the next increase
+revert, so the next try comes at twice the tokens), and while an increase is watched the next one
 waits for its verdict, so every increase is judged on its own (a schedule that itself lowers the
-batch inside a window ends that window without a verdict).
+batch inside a watch span ends the watch without a verdict).
 
 Each step's loss is the mean of its micro-batches' losses; the guard keeps (consumed, loss) per
 optimizer step of the stretch a future fit may need (with the default ``fit``, the last half of the
 run's steps; they are in the checkpoint too), and averages the losses over ranks at each verdict, so
-every rank decides alike. The pure parts (``loss_rise``) need no Lightning; ``BatchWarmup(guard=...)``
-applies the verdicts.
+every rank decides alike. The settings are a ``GuardConfig``. The pure parts (``loss_rise``) need no
+Lightning; ``BatchWarmup(guard=...)`` applies the verdicts and hands the guard, at each increase, a
+``RevertRestore``: what a revert of it puts back.
 """
 
 from __future__ import annotations
@@ -41,7 +42,110 @@ from typing import Any
 
 import numpy as np
 
+from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
+
+_SPAN = "samples or tokens, the schedule's unit"
+
+
+@dataclasses.dataclass
+class GuardConfig:
+    """The guard's settings: ``BatchGuard(GuardConfig(...))``, ``BatchWarmup(guard=GuardConfig(...))``
+    or the same as a dict (``batch.guard`` in the recipes). Spans are in the schedule's unit
+    (tokens, or samples for a schedule in samples), counted from the change."""
+
+    watch_span: int | None = None
+    """Samples or tokens trained after an increase before it is judged. None: a quarter of what was
+    consumed before the increase."""
+
+    fit: int | None = None
+    """Samples or tokens before the increase whose loss trend is extrapolated. None: half of what was
+    consumed before it (the trend of its second half). Steps of a reverted watch span are left out
+    of later fits."""
+
+    hold: int | None = None
+    """Samples or tokens after a revert during which no increase is made. None: as much as was
+    consumed before the revert (the next try comes at twice the tokens)."""
+
+    threshold: float | None = None
+    """Nats of training loss: revert when the loss over the watch span is on average more than this
+    above the trend. None: ``noise_multiple`` x the per-step loss's standard deviation around the
+    trend before the change, and at least ``min_threshold``."""
+
+    noise_multiple: float = 2.0
+    """Standard deviations of the per-step loss around the trend (> 0), for the default threshold."""
+
+    min_threshold: float = 0.05
+    """Nats of training loss: floor of the default threshold, for a loss so smooth that the trend's
+    own extrapolation error would exceed a multiple of its noise."""
+
+    min_steps: int = 8
+    """Optimizer steps (>= 3) the fit and the watch span need at least: an increase with fewer steps
+    before it (since the run started or since a reverted watch) is not judged, and a watch stays
+    open until its span has this many."""
+
+    def __post_init__(self):
+        positive_int("guard.watch_span", self.watch_span, _SPAN, optional=True)
+        positive_int("guard.fit", self.fit, _SPAN, optional=True)
+        positive_int("guard.hold", self.hold, _SPAN, optional=True)
+        self.threshold = positive_number("guard.threshold", self.threshold, "nats of training loss", optional=True)
+        self.noise_multiple = positive_number(
+            "guard.noise_multiple", self.noise_multiple, "standard deviations of the per-step loss"
+        )
+        self.min_threshold = positive_number("guard.min_threshold", self.min_threshold, "nats of training loss")
+        positive_int("guard.min_steps", self.min_steps, "optimizer steps")
+        if self.min_steps < 3:
+            raise LitCBSConfigError(
+                f"guard.min_steps={self.min_steps} must be >= 3 (a line through 2 points has no residual spread)"
+            )
+
+    @classmethod
+    def from_dict(cls, settings: Mapping) -> GuardConfig:
+        """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings."""
+        settings = {str(key): value for key, value in settings.items()}
+        renamed_argument(settings, "window", "watch_span", "guard")
+        names = [field.name for field in dataclasses.fields(cls)]
+        unknown = sorted(key for key in settings if key not in names)
+        if unknown:
+            raise LitCBSConfigError(f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(names)}")
+        return cls(**settings)
+
+
+@dataclasses.dataclass
+class RevertRestore:
+    """What a revert of an increase puts back: BatchWarmup's state from just before the increase."""
+
+    lr_factor: float  # BatchWarmup.lr_factor then: the product of every earlier change's LR factor
+    clip_factor: float  # BatchWarmup.clip_factor then (gradient-clipping threshold)
+    lr_factor_of_change: float  # the increase's own LR factor, which the revert divides out of the LR schedulers
+    clip_factor_of_change: float
+    # Per optimizer, per param group: betas, eps and weight decay (lit_cbs.rules.scaling.optimizer_settings).
+    # None in a watch saved by lit_cbs 0.2, which kept no settings.
+    optimizer_settings: list[list[dict]] | None = None
+
+
+@dataclasses.dataclass
+class WatchedIncrease:
+    """An increase the guard watches, or has decided to revert. Consumed counts in the schedule's unit."""
+
+    change: int  # its index in BatchWarmup.history
+    old_global_batch: int  # samples
+    new_global_batch: int  # samples
+    consumed: int  # when it was applied
+    fit_after: int  # the fit's steps are those after this, up to ``consumed``
+    watch_until: int  # judged once this much was consumed
+    restore: RevertRestore
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> WatchedIncrease:
+        state = dict(state)
+        if "window_until" in state:  # saved by lit_cbs 0.2, when the watch span was the guard's "window"
+            state["watch_until"] = state.pop("window_until")
+        restore = RevertRestore(**state.pop("restore"))
+        return cls(**state, restore=restore)
 
 
 @dataclasses.dataclass
@@ -52,14 +156,14 @@ class GuardVerdict:
     old_global_batch: int  # samples
     new_global_batch: int  # samples
     consumed_at_change: int
-    decided_at: int  # consumed when the window closed
-    rise: float  # nats: mean loss above the trend over the window's steps
+    decided_at: int  # consumed when the watch span closed
+    rise: float  # nats: mean loss above the trend over the watch span's steps
     threshold: float  # nats
     residual_std: float  # nats: spread of the per-step loss around the trend before the change
     trend_intercept: float  # nats: the trend is trend_intercept + trend_slope * ln(consumed)
     trend_slope: float  # nats per e-fold of consumed
     fit_steps: int
-    window_steps: int
+    window_steps: int  # steps in the watch span (the name is kept for checkpoints and logs)
     reverted: bool
 
 
@@ -85,103 +189,69 @@ def loss_rise(fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, 
 class BatchGuard:
     """Watch the training loss after each batch increase; revert the increase if the loss rises above its trend.
 
-    Give it to ``BatchWarmup(guard=BatchGuard(...))``, or ``guard=True`` for the defaults, or a dict of
-    these settings (``batch.guard`` in the recipes). Spans are in the schedule's unit (tokens, or
-    samples for a schedule in samples), counted from the change.
+    Give it to ``BatchWarmup(guard=BatchGuard(...))``, or ``guard=True`` for the defaults, or a
+    ``GuardConfig`` or a dict of its settings (``batch.guard`` in the recipes).
 
     Args:
-        window: how much is trained after an increase before it is judged. Default: a quarter of
-            what was consumed before the increase.
-        fit: the stretch before the increase whose loss trend is extrapolated. Default: half of what
-            was consumed before it (the trend of its second half). Steps of a reverted window are
-            left out of later fits.
-        hold: after a revert, no increase for this much. Default: as much as was consumed before
-            the revert (the next try comes at twice the tokens).
-        threshold: nats; revert when the loss over the window is on average more than this above
-            the trend. Default (None): ``noise_multiple`` x the per-step loss's standard deviation
-            around the trend before the change, and at least ``min_threshold``.
-        noise_multiple: multiple of that standard deviation (a number > 0) for the default threshold.
-        min_threshold: nats; floor of the default threshold, for a loss so smooth that the trend's
-            own extrapolation error would exceed a multiple of its noise.
-        min_steps: optimizer steps the fit and the window need at least; an increase with fewer
-            steps before it (since the run started or since a reverted window) is not judged, and
-            a window stays open until it has this many.
+        config: the settings (``GuardConfig``, whose fields say each one's unit and default).
+        **settings: instead of ``config``, its fields as keyword arguments: ``BatchGuard(hold=1000)``.
 
     Attributes:
+        config: the ``GuardConfig``.
         verdicts: ``GuardVerdict`` per judged increase, in order.
         reverts: increases reverted so far.
         hold_until: consumed (schedule unit) before which no increase is made.
     """
 
-    SETTINGS = ("window", "fit", "hold", "threshold", "noise_multiple", "min_threshold", "min_steps")
-
-    def __init__(
-        self,
-        window: int | None = None,
-        fit: int | None = None,
-        hold: int | None = None,
-        threshold: float | None = None,
-        noise_multiple: float = 2.0,
-        min_threshold: float = 0.05,
-        min_steps: int = 8,
-    ):
-        span = "samples or tokens, the schedule's unit"
-        self.window = positive_int("guard.window", window, span, optional=True)
-        self.fit = positive_int("guard.fit", fit, span, optional=True)
-        self.hold = positive_int("guard.hold", hold, span, optional=True)
-        self.threshold = positive_number("guard.threshold", threshold, "nats of training loss", optional=True)
-        self.noise_multiple = positive_number("guard.noise_multiple", noise_multiple, "standard deviations of the per-step loss")
-        self.min_threshold = positive_number("guard.min_threshold", min_threshold, "nats of training loss")
-        self.min_steps = positive_int("guard.min_steps", min_steps, "optimizer steps")
-        if self.min_steps < 3:
-            raise LitCBSConfigError(f"guard.min_steps={min_steps} must be >= 3 (a line through 2 points has no residual spread)")
+    def __init__(self, config: GuardConfig | None = None, **settings):
+        if config is not None and settings:
+            raise TypeError(f"BatchGuard: give config= or settings ({', '.join(settings)}), not both")
+        self.config = config if config is not None else GuardConfig.from_dict(settings)
         self.verdicts: list[GuardVerdict] = []
         self.reverts = 0
         self.hold_until = 0
         self._steps: list[tuple[int, float]] = []  # (consumed after the step, its loss on this rank)
-        self._watch: dict[str, Any] | None = None  # the increase being watched
-        self._revert: dict[str, Any] | None = None  # the watch whose increase is to be undone
+        self._watch: WatchedIncrease | None = None  # the increase being watched
+        self._revert: WatchedIncrease | None = None  # the watched increase to be undone
 
     @classmethod
-    def from_setting(cls, setting: bool | Mapping | BatchGuard | None) -> BatchGuard | None:
+    def from_setting(cls, setting: bool | Mapping | GuardConfig | BatchGuard | None) -> BatchGuard | None:
         """The guard for ``BatchWarmup(guard=setting)``: None or False for none, True for the defaults,
-        a dict (or Hydra DictConfig) of settings, or a BatchGuard."""
+        a ``GuardConfig``, a dict (or Hydra DictConfig) of its settings, or a BatchGuard."""
         if setting is None or setting is False:
             return None
         if setting is True:
             return cls()
         if isinstance(setting, BatchGuard):
             return setting
+        if isinstance(setting, GuardConfig):
+            return cls(setting)
         if isinstance(setting, Mapping):
-            unknown = sorted(str(key) for key in setting if key not in cls.SETTINGS)
-            if unknown:
-                raise LitCBSConfigError(
-                    f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(cls.SETTINGS)}"
-                )
-            return cls(**{str(key): value for key, value in setting.items()})
+            return cls(GuardConfig.from_dict(setting))
+        names = ", ".join(field.name for field in dataclasses.fields(GuardConfig))
         raise LitCBSConfigError(
-            f"guard={setting!r} must be true, false, null, a dict of the settings {', '.join(cls.SETTINGS)}, or a BatchGuard"
+            f"guard={setting!r} must be true, false, null, a dict of the settings {names}, a GuardConfig, or a BatchGuard"
         )
 
     def __repr__(self) -> str:
-        return f"BatchGuard({', '.join(f'{name}={getattr(self, name)!r}' for name in self.SETTINGS)})"
+        return f"BatchGuard({self.config!r})"
 
     # ------------------------------------------------------------------ what BatchWarmup asks
     @property
     def watching(self) -> bool:
-        """Whether an increase is being watched (its window is open)."""
+        """Whether an increase is being watched (its watch span is not over)."""
         return self._watch is not None
 
     @property
     def revert_to(self) -> int | None:
         """The global batch (samples) to go back to, once decided, until BatchWarmup applied it."""
-        return None if self._revert is None else self._revert["old_global_batch"]
+        return None if self._revert is None else self._revert.old_global_batch
 
     def allowed_batch(self, scheduled: int, current: int, consumed: int) -> int:
         """The global batch to train with next: the schedule's, unless a revert is due, or an increase
-        must wait (a window is open, or a revert's hold is not over)."""
+        must wait (an increase is watched, or a revert's hold is not over)."""
         if self._revert is not None:
-            return self._revert["old_global_batch"]
+            return self._revert.old_global_batch
         if scheduled > current and (self._watch is not None or consumed < self.hold_until):
             return current
         return scheduled
@@ -189,65 +259,65 @@ class BatchGuard:
     def sizes_needed(self) -> list[int]:
         """Global batches a revert may go back to (the micro-batch must divide them)."""
         watched = self._revert or self._watch
-        return [] if watched is None else [watched["old_global_batch"]]
+        return [] if watched is None else [watched.old_global_batch]
 
     # ------------------------------------------------------------------ per optimizer step
     def record(self, consumed: int, loss: float) -> None:
         """Record the loss (this rank's mean over the step's micro-batches) of the step that brought
         the run to ``consumed``; forget steps no later fit can use."""
         self._steps.append((consumed, loss))
-        keep_after = consumed - (self.fit if self.fit is not None else consumed // 2)
+        keep_after = consumed - self._fit_span(consumed)
         if self._watch is not None:
-            keep_after = min(keep_after, self._watch["fit_after"])
+            keep_after = min(keep_after, self._watch.fit_after)
         drop = 0
         while drop < len(self._steps) and self._steps[drop][0] <= keep_after:
             drop += 1
         del self._steps[:drop]
 
-    def watch(self, change: int, consumed: int, old_global_batch: int, new_global_batch: int, restore: dict) -> bool:
-        """Open the window of the increase ``change`` (its index in the history), applied at ``consumed``;
-        ``restore`` holds what a revert puts back. Returns False if too few steps precede it to judge it."""
-        fit_after = consumed - (self.fit if self.fit is not None else consumed // 2)
+    def _fit_span(self, consumed: int) -> int:
+        return self.config.fit if self.config.fit is not None else consumed // 2
+
+    def watch(self, change: int, consumed: int, old_global_batch: int, new_global_batch: int, restore: RevertRestore) -> bool:
+        """Start watching the increase ``change`` (its index in the history), applied at ``consumed``;
+        ``restore`` is what a revert puts back. Returns False if too few steps precede it to judge it."""
+        fit_after = consumed - self._fit_span(consumed)
         fit_steps = sum(1 for at, _ in self._steps if fit_after < at <= consumed)
-        if fit_steps < self.min_steps:
+        if fit_steps < self.config.min_steps:
             return False
-        self._watch = {
-            "change": change,
-            "old_global_batch": old_global_batch,
-            "new_global_batch": new_global_batch,
-            "consumed": consumed,
-            "fit_after": fit_after,
-            "window_until": consumed + (self.window if self.window is not None else max(1, consumed // 4)),
-            "restore": restore,
-        }
+        watch_span = self.config.watch_span if self.config.watch_span is not None else max(1, consumed // 4)
+        self._watch = WatchedIncrease(
+            change, old_global_batch, new_global_batch, consumed, fit_after, consumed + watch_span, restore
+        )
         return True
 
     def forget_watch(self) -> None:
-        """Stop watching the open window without a verdict: the schedule itself moved the batch below the
+        """Stop watching without a verdict: the schedule itself moved the batch below the
         increase watched, so there is nothing left to revert."""
         self._watch = None
 
     def judge(self, consumed: int, mean_over_ranks: Callable[[list[float]], list[float]]) -> GuardVerdict | None:
-        """After a step: if the open window is complete, judge its increase and return the verdict
+        """After a step: if the watched increase's span is complete, judge it and return the verdict
         (a revert is then due: ``revert_to``). ``mean_over_ranks`` averages a list of floats over ranks."""
-        watch = self._watch
-        if watch is None or consumed < watch["window_until"]:
+        watch, config = self._watch, self.config
+        if watch is None or consumed < watch.watch_until:
             return None
-        fit = [(at, loss) for at, loss in self._steps if watch["fit_after"] < at <= watch["consumed"]]
-        window = [(at, loss) for at, loss in self._steps if at > watch["consumed"]]
-        if len(window) < self.min_steps:
+        fit = [(at, loss) for at, loss in self._steps if watch.fit_after < at <= watch.consumed]
+        watched = [(at, loss) for at, loss in self._steps if at > watch.consumed]
+        if len(watched) < config.min_steps:
             return None
-        losses = mean_over_ranks([loss for _, loss in fit + window])
+        losses = mean_over_ranks([loss for _, loss in fit + watched])
         fit = [(at, loss) for (at, _), loss in zip(fit, losses)]
-        window = [(at, loss) for (at, _), loss in zip(window, losses[len(fit) :])]
-        rise, intercept, slope, residual_std = loss_rise(fit, window)
-        threshold = self.threshold if self.threshold is not None else max(self.noise_multiple * residual_std, self.min_threshold)
+        watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
+        rise, intercept, slope, residual_std = loss_rise(fit, watched)
+        threshold = (
+            config.threshold if config.threshold is not None else max(config.noise_multiple * residual_std, config.min_threshold)
+        )
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
         verdict = GuardVerdict(
-            change=watch["change"],
-            old_global_batch=watch["old_global_batch"],
-            new_global_batch=watch["new_global_batch"],
-            consumed_at_change=watch["consumed"],
+            change=watch.change,
+            old_global_batch=watch.old_global_batch,
+            new_global_batch=watch.new_global_batch,
+            consumed_at_change=watch.consumed,
             decided_at=consumed,
             rise=rise,
             threshold=threshold,
@@ -255,7 +325,7 @@ class BatchGuard:
             trend_intercept=intercept,
             trend_slope=slope,
             fit_steps=len(fit),
-            window_steps=len(window),
+            window_steps=len(watched),
             reverted=reverted,
         )
         self.verdicts.append(verdict)
@@ -264,14 +334,19 @@ class BatchGuard:
             self._revert = watch
         return verdict
 
-    def reverted(self, consumed: int) -> dict:
-        """The due revert was applied at ``consumed``: hold the next increase, leave the reverted window's
-        losses out of later fits; return what the watched increase asked to be restored."""
+    def mark_reverted(self, consumed: int) -> RevertRestore:
+        """Record that the due revert was applied at ``consumed``: hold the next increase, leave the
+        reverted span's losses out of later fits; return what the reverted increase asked to be restored."""
         watch, self._revert = self._revert, None
         self.reverts += 1
-        self.hold_until = consumed + (self.hold if self.hold is not None else consumed)
-        self._steps = [(at, loss) for at, loss in self._steps if at <= watch["consumed"]]
-        return watch["restore"]
+        self.hold_until = consumed + (self.config.hold if self.config.hold is not None else consumed)
+        self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]
+        return watch.restore
+
+    def reverted(self, consumed: int) -> RevertRestore:
+        """Deprecated name of ``mark_reverted`` (it changes the guard's state; it asks nothing)."""
+        warn_renamed("BatchGuard.reverted(consumed)", "BatchGuard.mark_reverted(consumed)")
+        return self.mark_reverted(consumed)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -280,8 +355,8 @@ class BatchGuard:
             "reverts": self.reverts,
             "hold_until": self.hold_until,
             "steps": [list(step) for step in self._steps],
-            "watch": self._watch,
-            "revert": self._revert,
+            "watch": None if self._watch is None else self._watch.state_dict(),
+            "revert": None if self._revert is None else self._revert.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -289,5 +364,6 @@ class BatchGuard:
         self.reverts = state_dict["reverts"]
         self.hold_until = state_dict["hold_until"]
         self._steps = [tuple(step) for step in state_dict["steps"]]
-        self._watch = state_dict["watch"]
-        self._revert = state_dict["revert"]
+        self._watch, self._revert = (
+            None if state_dict[key] is None else WatchedIncrease.from_state_dict(state_dict[key]) for key in ("watch", "revert")
+        )

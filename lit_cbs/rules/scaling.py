@@ -8,8 +8,10 @@
   1 - beta_i -> ratio * (1 - beta_i), eps -> eps / sqrt(ratio).
 - any callable ``ratio -> factor``.
 
-``get_clip_rule`` resolves the same kind of rule ("sqrt", "linear", "none" or a callable) for the
-gradient-clipping threshold, which ``BatchWarmup(clip_rule=...)`` multiplies at each change.
+Every such rule is a ``ScalingRule``: ``factor(ratio)`` is the multiplier. ``LRRule`` is the one for
+the LR (it may also move other optimizer settings: adam_sde); ``get_clip_rule`` resolves a plain
+``ScalingRule`` ("sqrt", "linear", "none" or a callable) for the gradient-clipping threshold, which
+``BatchWarmup(clip_rule=...)`` multiplies at each change.
 
 ``scale_learning_rate`` multiplies the LR where the optimizer and every supported LR scheduler keep
 it, so the rescaled base LR composes with the user's schedule instead of being overwritten by it.
@@ -29,6 +31,7 @@ Settings beside the LR, each with its own rule (``OptimizerRules`` composes them
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
@@ -36,24 +39,45 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import lr_scheduler as torch_sched
 
+from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.errors import LitCBSConfigError
 
 
-class LRRule:
-    """A rule turning a batch ratio (new / old global batch) into an LR factor."""
+class ScalingRule:
+    """A rule turning a batch ratio (new / old global batch) into a multiplier: of the LR (``LRRule``)
+    or of the gradient-clipping threshold (``BatchWarmup(clip_rule=...)``)."""
 
     def __init__(self, name: str, factor: Callable[[float], float]):
         self.name = name
         self._factor = factor
 
-    def lr_factor(self, ratio: float) -> float:
+    def factor(self, ratio: float) -> float:
+        """The multiplier for a batch change by ``ratio`` (finite and > 0)."""
         if not ratio > 0:
             raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
         factor = float(self._factor(ratio))
         if not (math.isfinite(factor) and factor > 0):
             raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
         return factor
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class LRRule(ScalingRule):
+    """The LR's ``ScalingRule``; a subclass may move other optimizer settings with it (``adjust_optimizer``)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "lr_factor" in vars(cls):  # a rule written before 0.3 overrides lr_factor: that is its factor
+            warn_renamed(f"{cls.__name__}.lr_factor(ratio)", f"{cls.__name__}.factor(ratio)")
+            cls.factor = cls.lr_factor
+
+    def lr_factor(self, ratio: float) -> float:
+        """Deprecated name of ``factor``."""
+        warn_renamed("LRRule.lr_factor(ratio)", "LRRule.factor(ratio)")
+        return ScalingRule.factor(self, ratio)
 
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
         """Change hyperparameters other than the LR (none for plain LR rules)."""
@@ -75,14 +99,11 @@ class LRRule:
         a factor of 1 composes with any.
         """
         ratios = list(ratios)
-        if any(self.lr_factor(ratio) != 1.0 for ratio in ratios):
+        if any(self.factor(ratio) != 1.0 for ratio in ratios):
             for scheduler in schedulers:
                 check_scheduler_supported(scheduler, who)
         if ratios:
             self.check_optimizer(optimizer, ratios, who, compose)
-
-    def __repr__(self) -> str:
-        return f"LRRule({self.name!r})"
 
 
 class AdamSDERule(LRRule):
@@ -139,10 +160,9 @@ def _unchanged(ratio: float) -> float:
 
 
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
+RATIO_FUNCTIONS = {"sqrt": math.sqrt, "linear": _linear, "none": _unchanged}
 LR_RULES = {
-    "sqrt": lambda: LRRule("sqrt", math.sqrt),
-    "linear": lambda: LRRule("linear", _linear),
-    "none": lambda: LRRule("none", _unchanged),
+    **{name: functools.partial(LRRule, name, function) for name, function in RATIO_FUNCTIONS.items()},
     "adam_sde": AdamSDERule,
 }
 
@@ -160,22 +180,25 @@ def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
     raise LitCBSConfigError(f"lr_rule must be a name in {sorted(LR_RULES)} or a callable ratio -> factor, got {rule!r}")
 
 
-CLIP_RULES = ("sqrt", "linear", "none")
+CLIP_RULES = tuple(RATIO_FUNCTIONS)
 
 
-def get_clip_rule(rule: str | Callable[[float], float] | None) -> LRRule | None:
+def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> ScalingRule | None:
     """The rule for the gradient-clipping threshold at a batch change by ``ratio = new / old``: "sqrt",
-    "linear", or a callable ratio -> factor; None or "none" leave the threshold unchanged (None returned)."""
+    "linear", a callable ratio -> factor or a ``ScalingRule``; None or "none" leave the threshold
+    unchanged (None returned)."""
     if rule is None or rule == "none":
         return None
+    if isinstance(rule, ScalingRule):
+        return rule
     if isinstance(rule, str):
         if rule not in CLIP_RULES:
             raise LitCBSConfigError(
                 f"clip_rule={rule!r} is unknown; use one of {CLIP_RULES}, a callable ratio -> factor, or None"
             )
-        return get_lr_rule(rule)
+        return ScalingRule(rule, RATIO_FUNCTIONS[rule])
     if callable(rule):
-        return get_lr_rule(rule)
+        return ScalingRule(getattr(rule, "__name__", repr(rule)), rule)
     raise LitCBSConfigError(f"clip_rule must be one of {CLIP_RULES}, a callable ratio -> factor or None, got {rule!r}")
 
 
@@ -430,7 +453,7 @@ class OptimizerRules:
 
     def apply(self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratio: float) -> float:
         """Move every setting for a batch change by ``ratio``; return the LR factor applied."""
-        factor = self.lr.lr_factor(ratio)
+        factor = self.lr.factor(ratio)
         scale_learning_rate(optimizer, schedulers, factor)
         self.lr.adjust_optimizer(optimizer, ratio)
         for rule in self.settings:

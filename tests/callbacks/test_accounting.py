@@ -80,6 +80,19 @@ def test_callbacks_share_one_accounting_that_batch_warmup_drives():
     assert warmup.accounting is accounting and accounting.max_tokens == 240
     assert (accounting.global_batch, accounting.accumulate) == (4, 2)
     assert warmup.tokens_seen == accounting.tokens_seen == 240 and accounting.samples_seen == 40
+    # BatchWarmup keeps no copy of what the accounting holds: it reads the accounting's.
+    assert (warmup.global_batch, warmup.micro_batch_size, warmup.accumulate) == (4, 2, 2)
+    accounting.max_tokens, accounting.seq_len, trainer.accumulate_grad_batches = 480, 3, 1
+    assert (warmup.max_tokens, warmup.seq_len, warmup.accumulate) == (480, 3, 1)
+
+
+def test_batch_warmup_checks_the_accountings_settings_when_it_is_built():
+    with pytest.raises(LitCBSConfigError, match=r"^seq_len=0 must be a positive int or None \(tokens per sample\)$"):
+        BatchWarmup(ConstantBatch(2), seq_len=0)
+    warmup = BatchWarmup(ConstantBatch(2), max_tokens=96, seq_len=6)
+    assert (warmup.max_tokens, warmup.seq_len) == (96, 6)  # before a Trainer: what it will hand the accounting
+    trainer, _ = fit(warmup)
+    assert (accounting_of(trainer).max_tokens, accounting_of(trainer).seq_len) == (96, 6)
 
 
 def test_max_tokens_given_twice_must_agree():
@@ -124,9 +137,13 @@ def test_a_checkpoint_of_version_0_1_resumes_with_its_counts(tmp_path):
 def test_check_divisible_names_the_setting_and_the_nearest_sizes():
     assert check_divisible(24, 4, 2) == 3
     with pytest.raises(
-        LitCBSConfigError, match=r"data.global_batch 20 is not a multiple of .* = 8 samples; nearest valid sizes: 16 or 24"
+        LitCBSConfigError,
+        match=r"data.global_batch 20 is not a multiple of .* = 8 samples; nearest valid sizes: 16 or 24: set "
+        r"data.global_batch to one of them, or use a micro-batch \(batch_size\) that divides 10 \(a rank's share\)$",
     ):
         check_divisible(20, 4, 2, name="data.global_batch")
+    with pytest.raises(LitCBSConfigError, match=r"or use a number of data-parallel ranks that divides 9$"):
+        check_divisible(9, 1, 2)
 
 
 class BranchesAtStep(Callback):

@@ -51,7 +51,7 @@ def test_every_constant_batch_recipe_scales_the_lr_by_the_batch_rule(recipe, bas
     cfg = compose_config(f"+recipe={recipe}", f"batch.schedule.batch_size={4 * base_batch}", f"batch.lr_rule={rule}")
     assert cfg.model.optimizer.lr == pytest.approx(base_lr * factor(4))
     warmup = instantiate(cfg.callbacks.batch_warmup)
-    assert warmup.lr_rule.lr_factor(4) == pytest.approx(factor(4))
+    assert warmup.lr_rule.factor(4) == pytest.approx(factor(4))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -138,7 +138,7 @@ def text_folder(tmp_path_factory):
             ["callbacks.cbs_probe.replicates=2", "callbacks.cbs_probe.evaluate=train_ema"],
             "callbacks.cbs_probe.replicates=2 compares each k on the same held-out batches",
         ),
-        (["+batch.guard={window:0}"], "batch.guard.window=0 must be a positive int"),
+        (["+batch.guard={watch_span:0}"], "batch.guard.watch_span=0 must be a positive int"),
     ],
 )
 def test_bad_settings_stop_before_the_model(overrides, message):

@@ -208,7 +208,7 @@ def test_batch_phases_match_a_real_batch_warmup_run():
     trainer = pl.Trainer(**trainer_kwargs(max_epochs=3, callbacks=[warmup]))
     trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2))
     phases = batch_phases(
-        schedule, max_tokens=64, seq_len=1, micro_batch=2, data_parallel_size=1, lr_factor=warmup.lr_rule.lr_factor
+        schedule, max_tokens=64, seq_len=1, micro_batch=2, data_parallel_size=1, lr_factor=warmup.lr_rule.factor
     )
     assert [(p.global_batch, p.accumulate) for p in phases] == [(4, 2), (8, 4)]
     assert phases[1].start_tokens == warmup.history[0].tokens_seen == 24
@@ -231,7 +231,7 @@ def test_batch_phases_with_a_growing_micro_batch_match_a_real_run():
         seq_len=1,
         micro_batch=lambda batch: micro_batch_for(batch, 1, 4),
         data_parallel_size=1,
-        lr_factor=warmup.lr_rule.lr_factor,
+        lr_factor=warmup.lr_rule.factor,
     )
     assert [(p.global_batch, p.micro_batch, p.accumulate) for p in phases] == [(4, 4, 1), (8, 4, 2), (16, 4, 4)]
     assert [p.start_tokens for p in phases[1:]] == [c.tokens_seen for c in warmup.history] == [40, 128]

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
+import lit_cbs
 from lit_cbs import (
     BatchWarmup,
     CBSAdaptive,
@@ -21,8 +22,9 @@ from lit_cbs import (
     LitCBSConfigError,
     PiecewiseBatch,
 )
+from lit_cbs._deprecation import LitCBSDeprecationWarning
 from lit_cbs._internals import should_accumulate
-from lit_cbs.rules.guard import BatchGuard, fit_trend, loss_rise
+from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore, fit_trend, loss_rise
 
 # 2 samples per step until 64 samples (32 steps), then 4: the guard fits the trend on samples (32, 64]
 # (16 steps), and with min_steps=8 judges the increase after 8 steps of 4, at 96 samples.
@@ -175,7 +177,7 @@ def test_a_schedule_decrease_inside_a_window_ends_it_without_a_verdict():
 @pytest.mark.parametrize("epoch", [0, 1])  # 96 samples: inside the window (64 to 128); 192: inside the hold
 def test_a_run_resumed_around_a_revert_continues_bit_for_bit(tmp_path, epoch):
     def warmup():
-        return BatchWarmup(SCHEDULE, lr_rule="sqrt", clip_rule="sqrt", guard={"window": 64, "hold": 100})
+        return BatchWarmup(SCHEDULE, lr_rule="sqrt", clip_rule="sqrt", guard={"watch_span": 64, "hold": 100})
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     full = warmup()
@@ -246,12 +248,12 @@ def test_a_reverted_cbs_adaptive_doubling_is_withdrawn():
 @pytest.mark.parametrize(
     "guard, match",
     [
-        ({"window": 0}, r"guard.window=0 must be a positive int or None \(samples or tokens"),
-        ({"window": -5}, r"guard.window=-5"),
+        ({"watch_span": 0}, r"guard.watch_span=0 must be a positive int or None \(samples or tokens"),
+        ({"watch_span": -5}, r"guard.watch_span=-5"),
         ({"threshold": 0.0}, r"guard.threshold=0.0 must be a finite number > 0 or None \(nats"),
         ({"threshold": -0.1}, r"guard.threshold=-0.1"),
         ({"min_steps": 2}, r"guard.min_steps=2 must be >= 3"),
-        ({"windw": 100, "hold": 5}, r"unknown setting\(s\) windw; the settings are window, fit, hold"),
+        ({"windw": 100, "hold": 5}, r"unknown setting\(s\) windw; the settings are watch_span, fit, hold"),
         ("yes", r"guard='yes' must be true, false, null, a dict"),
     ],
 )
@@ -262,10 +264,94 @@ def test_bad_guard_settings_fail_at_construction(guard, match):
 
 def test_guard_settings_read_from_a_dict_and_defaults():
     assert BatchGuard.from_setting(None) is None and BatchGuard.from_setting(False) is None
-    defaults = BatchGuard.from_setting(True)
-    assert (defaults.window, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
+    defaults = BatchGuard.from_setting(True).config
+    assert (defaults.watch_span, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
     assert (defaults.noise_multiple, defaults.min_threshold, defaults.min_steps) == (2.0, 0.05, 8)
-    assert BatchGuard.from_setting({"window": 1_000, "threshold": 0.1}).window == 1_000
+    assert BatchGuard.from_setting({"watch_span": 1_000, "threshold": 0.1}).config == GuardConfig(watch_span=1_000, threshold=0.1)
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        ({"watch_span": 0}, r"^guard.watch_span=0 must be a positive int or None \(samples or tokens, the schedule's unit\)$"),
+        ({"fit": 2.5}, r"^guard.fit=2.5 must be a positive int or None"),
+        ({"hold": -1}, r"^guard.hold=-1 must be a positive int or None"),
+        ({"threshold": float("nan")}, r"^guard.threshold=nan must be a finite number > 0 or None \(nats of training loss\)$"),
+        ({"noise_multiple": 0}, r"^guard.noise_multiple=0 must be a finite number > 0 \(standard deviations"),
+        ({"min_threshold": -0.1}, r"^guard.min_threshold=-0.1 must be a finite number > 0 \(nats"),
+        ({"min_steps": 2}, r"^guard.min_steps=2 must be >= 3 \(a line through 2 points has no residual spread\)$"),
+    ],
+)
+def test_guard_config_names_the_field_it_refuses(settings, match):
+    with pytest.raises(LitCBSConfigError, match=match):
+        GuardConfig(**settings)
+
+
+def test_a_guard_config_is_the_guard_setting_and_keyword_arguments_build_one():
+    config = lit_cbs.GuardConfig(watch_span=64, hold=100)
+    warmup = BatchWarmup(SCHEDULE, guard=config)
+    assert warmup.guard.config is config
+    assert BatchGuard(watch_span=64, hold=100).config == config == BatchGuard.from_setting({"watch_span": 64, "hold": 100}).config
+    with pytest.raises(TypeError, match=r"give config= or settings \(hold\), not both"):
+        BatchGuard(config, hold=5)
+
+
+def test_the_old_name_window_warns_and_sets_the_watch_span():
+    with pytest.warns(LitCBSDeprecationWarning, match=r"guard\(window=...\) is now guard\(watch_span=...\)"):
+        warmup = BatchWarmup(SCHEDULE, guard={"window": 64, "hold": 100})
+    assert warmup.guard.config == GuardConfig(watch_span=64, hold=100)
+    with pytest.warns(LitCBSDeprecationWarning, match="watch_span"):
+        assert BatchGuard(window=32).config.watch_span == 32
+    with pytest.raises(TypeError, match=r"give watch_span= only"):
+        BatchGuard(window=32, watch_span=32)
+
+
+def watched_guard() -> BatchGuard:
+    """A pure guard that watched an increase at 16 (of 8 steps on a falling trend before it) and has
+    just judged it, 8 steps of a loss 1 nat above the trend later: a revert is due."""
+    guard = BatchGuard(min_steps=4, watch_span=8)
+    for consumed in range(1, 17):
+        guard.record(consumed, 3.0 - 0.5 * math.log(consumed))
+    restore = RevertRestore(1.0, 1.0, 2.0, 1.5, [[{"betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}]])
+    assert guard.watch(0, 16, old_global_batch=2, new_global_batch=4, restore=restore)
+    for consumed in range(17, 25):
+        guard.record(consumed, 4.0 - 0.5 * math.log(consumed))
+    verdict = guard.judge(24, lambda values: values)
+    assert verdict.reverted and guard.revert_to == 2
+    return guard
+
+
+def test_the_old_name_reverted_warns_and_still_marks_the_revert():
+    old, new = watched_guard(), watched_guard()
+    with pytest.warns(LitCBSDeprecationWarning, match=r"BatchGuard.reverted\(consumed\) is now BatchGuard.mark_reverted"):
+        restored = old.reverted(24)
+    assert restored == new.mark_reverted(24) and restored.lr_factor_of_change == 2.0
+    assert (old.reverts, old.hold_until, old.revert_to) == (new.reverts, new.hold_until, new.revert_to) == (1, 48, None)
+
+
+def test_the_restore_of_a_watched_increase_round_trips_through_the_checkpoint(tmp_path):
+    # A real run stopped while the guard watches 2 -> 4 (applied at 64 samples, watched until 128).
+    warmup = BatchWarmup(SCHEDULE, lr_rule="sqrt", guard={"watch_span": 64, **NO_RETRY})
+    fit(warmup, epochs=1)
+    assert warmup.guard.watching
+    torch.save(warmup.guard.state_dict(), tmp_path / "guard.pt")
+    loaded = BatchGuard(watch_span=64)
+    loaded.load_state_dict(torch.load(tmp_path / "guard.pt", weights_only=True))  # plain data: no pickled classes
+    assert loaded.state_dict() == warmup.guard.state_dict()
+    restore = loaded._watch.restore
+    assert isinstance(restore, RevertRestore) and restore == warmup.guard._watch.restore
+    assert (restore.lr_factor, restore.lr_factor_of_change, restore.clip_factor_of_change) == (1.0, pytest.approx(2**0.5), 1.0)
+    assert restore.optimizer_settings == [[{"weight_decay": 0}]]  # the toy's SGD: one optimizer, one param group
+
+
+def test_a_watch_saved_by_lit_cbs_0_2_loads():
+    # 0.2 kept the watch as a dict with "window_until", and its restore without optimizer settings.
+    state = watched_guard().state_dict()
+    state["revert"]["window_until"] = state["revert"].pop("watch_until")
+    del state["revert"]["restore"]["optimizer_settings"]
+    guard = BatchGuard(min_steps=4)
+    guard.load_state_dict(state)
+    assert guard.revert_to == 2 and guard.mark_reverted(24) == RevertRestore(1.0, 1.0, 2.0, 1.5, None)
 
 
 @pytest.mark.parametrize("clip_rule, match", [("cubic", r"clip_rule='cubic' is unknown"), (3, r"clip_rule must be one of")])
