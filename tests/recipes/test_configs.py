@@ -20,7 +20,7 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.recipes import job
 from lit_cbs.recipes.resolvers import RESOLVERS, register_resolvers
-from lit_cbs.recipes.run_report import batches_reached, read_metrics_csv
+from lit_cbs.recipes.run_report import batches_reached, read_metrics_csv, run_header
 
 RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
 OLMO_PARAMETERS = {"olmo_1b": 1.18e9, "olmo_7b": 6.89e9}  # the OLMo papers' sizes
@@ -310,6 +310,16 @@ def test_the_run_header_names_the_batches_a_short_budget_never_reaches():
         == "16 samples (not 32, 64: batch.schedule asks for them after max_tokens=262,144)"
     )
     assert batches_reached(schedule, 4_194_304, 128) == "16 -> 32 -> 64 samples"
+
+
+def test_the_run_header_says_what_the_run_will_do(text_folder, tmp_path):
+    _, run = short_run(text_folder, tmp_path)
+    header = run_header(run, "short", "cpu", tmp_path / "run")
+    assert header.startswith(f"lit_cbs: short: model 4 layers x d_model 64 ({run.model.num_parameters():,} parameters), ")
+    assert header.endswith(
+        "1 process(es) on cpu, precision 32-true, micro-batch 4 x 128 tokens, global batch 8 -> 16 samples, "
+        f"budget 6,144 tokens; output {tmp_path / 'run'}"
+    )
 
 
 def test_plan_needs_a_device_count():
