@@ -75,3 +75,11 @@ def test_run_errors_name_the_trainers_batch_and_callback_keys():
     )
     # a plain word that is also an argument's name stays prose unless written as the argument
     assert job.name_the_run_keys(cfg, "the unit of the schedule") == "the unit of the schedule"
+
+
+def test_a_second_batch_warmup_among_the_callbacks_is_refused():
+    cfg = compose_config(
+        "+callbacks.extra={_target_:lit_cbs.BatchWarmup,schedule:{_target_:lit_cbs.ConstantBatch,batch_size:16}}"
+    )
+    with pytest.raises(LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"):
+        job.callbacks_of(cfg)
