@@ -1,6 +1,8 @@
-"""What a training run leaves in its folder besides checkpoints: the batch/LR history and plots.
+"""What a training run leaves in its folder besides checkpoints: its summary, the batch/LR history and plots.
 
-``write_batch_history`` saves ``BatchWarmup``'s record as JSON; ``plot_run`` draws the loss,
+``write_run_summary`` writes all of it for recipes/train.py and returns the summary with the lines
+that say it (``run_header`` says what the run will do before it starts). ``write_batch_history``
+saves ``BatchWarmup``'s record as JSON; ``plot_run`` draws the loss,
 global batch and LR of Lightning's ``CSVLogger`` file (read by
 ``lit_cbs.analysis.curves.read_metrics_csv``) against tokens seen, and the noise scale per group of
 parameters where ``GradientNoiseScale(groups=...)`` logged it. matplotlib is imported only when
@@ -13,8 +15,10 @@ import dataclasses
 import json
 import os
 import re
+import signal
 from pathlib import Path
 
+import lightning.pytorch as pl
 import numpy as np
 
 from lit_cbs.analysis.curves import (
@@ -27,7 +31,14 @@ from lit_cbs.analysis.curves import (
     read_metrics_csv,
     tokens_at,
 )
+from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
+from lit_cbs.data import TokenDataModule
+from lit_cbs.models.lm import CausalLM
+from lit_cbs.probe.callback import CBSProbeCallback
+from lit_cbs.recipes.plan import batch_phases
+from lit_cbs.recipes.report import write_report
+from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive
 
 # GradientNoiseScale(groups=...)'s per-group B_simple (samples)
 GROUP_B_SIMPLE = re.compile(r"gns/(.+)/b_simple")
@@ -140,3 +151,159 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     if figure is not None:
         written.append(save(figure, "gns_groups_vs_tokens.png"))
     return written
+
+
+@dataclasses.dataclass
+class Run:
+    """A recipe run's objects, built and checked, before ``trainer.fit``."""
+
+    trainer: pl.Trainer
+    model: CausalLM
+    datamodule: TokenDataModule
+    batch_warmup: BatchWarmup
+
+
+def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> str:
+    """The global batches (samples) the run trains at within max_tokens, and any of the schedule's it ends before."""
+    if isinstance(schedule, CBSAdaptive):  # its batches come from the probe's readings
+        return f"{schedule.start} -> up to {schedule.final} samples (batch.schedule, by CBS readings)"
+    phases = batch_phases(schedule, max_tokens, seq_len, 1, 1, lambda ratio: 1.0)
+    reached = list(dict.fromkeys(phase.global_batch for phase in phases))
+    text = f"{' -> '.join(map(str, reached))} samples"
+    never = [size for size in schedule.sizes(0) if size not in reached]
+    if never:
+        them = "it" if len(never) == 1 else "them"
+        text += f" (not {', '.join(map(str, never))}: batch.schedule asks for {them} after max_tokens={max_tokens:,})"
+    return text
+
+
+def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.PathLike) -> str:
+    """The line a run starts with: its model, processes, precision, batches and token budget."""
+    dims, datamodule, warmup = run.model.dims, run.datamodule, run.batch_warmup
+    return (
+        f"lit_cbs: {run_name}: model {dims.n_layers} layers x d_model {dims.d_model} "
+        f"({run.model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {accelerator}, "
+        f"precision {run.trainer.precision}, micro-batch {datamodule.batch_size} x {datamodule.seq_len} tokens, "
+        f"global batch {batches_reached(warmup.schedule, warmup.max_tokens, datamodule.seq_len)}, "
+        f"budget {warmup.max_tokens:,} tokens; output {output_dir}"
+    )
+
+
+def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict:
+    """What the run did, as written to summary.json: tokens, optimizer steps, batch changes (global
+    batches in samples), final val/loss, wall time in seconds (this fit's, and the run's over every
+    fit it resumed from) and, with a CBS probe, its readings and what the probe branches cost (their
+    tokens and optimizer steps, which the main run's step count does not include)."""
+    val_loss = trainer.callback_metrics.get("val/loss")
+    stop_signal = warmup.accounting.stop_signal
+    summary = {
+        "run_name": run_name,
+        "tokens": warmup.tokens_seen,
+        "tokens_this_fit": warmup.tokens_seen - warmup.accounting.tokens_at_fit_start,
+        "optimizer_steps": trainer.global_step,
+        "first_batch": warmup.history[0].old_global_batch if warmup.history else warmup.global_batch,
+        "final_batch": warmup.global_batch,
+        "seq_len": warmup.seq_len or trainer.datamodule.seq_len,
+        "batch_changes": [
+            {
+                "step": c.step,
+                "tokens": c.tokens_seen,
+                "old": c.old_global_batch,
+                "new": c.new_global_batch,
+                "lr_factor": c.lr_factor,
+                "micro_batch_size": c.new_micro_batch_size,
+                "accumulate": c.new_accumulate,
+            }
+            for c in warmup.history
+        ],
+        "final_val_loss": float(val_loss) if val_loss is not None else None,
+        "fit_seconds": fit_seconds,
+        "run_seconds": warmup.accounting.fit_seconds,
+        "stopped_by": signal.Signals(stop_signal).name if stop_signal else None,
+        "probe": None,
+    }
+    probes = [callback for callback in trainer.callbacks if isinstance(callback, CBSProbeCallback)]
+    if probes:
+        history = probes[0].history
+        summary["probe"] = {
+            "tokens": probes[0].tokens_spent,
+            "optimizer_steps": sum(reading.branch_steps for reading in history),
+            "readings": [
+                {
+                    "tokens": r.tokens,
+                    "batch_size": r.batch_size,
+                    "k_star": r.k_star,
+                    "cbs_lower": r.cbs_lower,
+                    "cbs_upper": r.cbs_upper,
+                    "determined": r.determined,
+                    "window_tokens": r.window_tokens,
+                }
+                for r in history
+            ],
+        }
+    return summary
+
+
+def summary_text(summary: dict) -> str:
+    """summary.json as the lines printed at the end of a run."""
+    steps, tokens = summary["optimizer_steps"], summary["tokens"]
+    steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
+    changes = (
+        ", ".join(
+            f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
+            f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
+            for c in summary["batch_changes"]
+        )
+        or "none"
+    )
+    val_loss = summary["final_val_loss"]
+    seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
+    resumed = this_fit != tokens
+    wall = f"wall time        {seconds:.1f} s (trainer.fit)"
+    if resumed:
+        wall += f"; {summary['run_seconds']:.1f} s of training since the run began, over the fits it resumed from"
+    lines = [
+        f"tokens           {tokens:,} ({this_fit / seconds:,.0f} tokens/s over this fit"
+        + (f", which trained {this_fit:,} of them)" if resumed else ")"),
+        f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch "
+        f"{summary['first_batch']})",
+        f"batch changes    {changes}",
+        f"final val/loss   {val_loss:.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
+        wall,
+    ]
+    if summary.get("stopped_by"):
+        lines.append(
+            f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)"
+        )
+    probe = summary["probe"]
+    if probe and probe["readings"]:
+        readings = ", ".join(
+            (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
+            + ("" if r.get("determined", True) else " (undetermined)")
+            for r in probe["readings"]
+        )
+        at = ", ".join(f"{r['tokens']:,}" for r in probe["readings"])
+        lines.insert(
+            3,
+            f"CBS (samples)    {readings} at {at} tokens; probes trained {probe['tokens']:,} tokens "
+            f"({probe['tokens'] / tokens:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps",
+        )
+    return "\n".join(lines)
+
+
+def write_run_summary(
+    output_dir: str | os.PathLike, run_name: str, trainer: pl.Trainer, warmup: BatchWarmup, fit_seconds: float, plots: bool
+) -> tuple[dict, str]:
+    """Write into ``output_dir`` batch_history.json, summary.json and, with ``plots`` and a metrics.csv
+    there, the plots (also sent to the Trainer's loggers) and report.html; return the summary and the
+    lines a run ends with: whether it finished, ``summary_text`` and where its outputs are."""
+    output_dir = Path(output_dir)
+    write_batch_history(output_dir / "batch_history.json", warmup)
+    summary = run_summary(trainer, warmup, run_name, fit_seconds)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    metrics_csv = output_dir / "metrics.csv"
+    if plots and metrics_csv.is_file():
+        log_figures(trainer.loggers, plot_run(metrics_csv, output_dir, title=run_name), trainer.global_step)
+        write_report(output_dir)  # report.html: the run on one page, readable offline
+    ending = "stopped" if summary["stopped_by"] else "done"
+    return summary, f"lit_cbs: {run_name} {ending}\n{summary_text(summary)}\noutputs          {output_dir}"

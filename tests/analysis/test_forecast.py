@@ -212,7 +212,7 @@ def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys):
         cfg = compose(
             "config", overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{out.parents[1]}]", "batch=forecast"]
         )
-    schedule = instantiate(cfg.callbacks.batch_warmup).schedule
+    schedule = instantiate(cfg.batch.schedule)
     # Past the last probe (2,097,152 tokens, where the runs read [64, 128]) the forecast goes on growing the batch.
     assert schedule.batch_sizes[0] == 16 and schedule.batch_sizes[-1] >= 128 and schedule.thresholds[-1] > 2_097_152
     assert plot.stat().st_size > 10_000

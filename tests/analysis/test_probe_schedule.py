@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.utils import instantiate
 
 from lit_cbs import BatchWarmup
 from lit_cbs.analysis import schedule_from_probe
+from lit_cbs.recipes.job import batch_warmup_of
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +183,7 @@ def test_command_writes_a_batch_config_train_py_composes_with(tmp_path):
             return_hydra_config=True,
         )
     assert cfg.model.config.preset == "tiny4x" and "cbs_probe" not in cfg.callbacks  # train the big one with no probe
-    warmup = instantiate(cfg.callbacks.batch_warmup)
+    warmup = batch_warmup_of(cfg)  # BatchWarmup from the batch group, as recipes/train.py builds it
     assert isinstance(warmup, BatchWarmup)
     schedule = warmup.schedule
     assert isinstance(schedule, PiecewiseBatch) and schedule.unit == "tokens"

@@ -22,6 +22,7 @@ from recipe_runs import train as train_script
 from signals import SignalAt
 
 from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.recipes.run_report import run_summary, summary_text
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,9 +127,9 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
     assert_same_end(final_state(tmp_path / "rest"), end)
     # The resumed run's clock goes on from the first run's, and its summary says what this fit trained.
     assert accounting["tokens_seen"] == 8192 and 0 < accounting["fit_seconds"] < BatchAccounting.attach(rest.trainer).fit_seconds
-    summary = train_script.run_summary(rest, "rest", fit_seconds=2.0)
+    summary = run_summary(rest.trainer, rest.batch_warmup, "rest", fit_seconds=2.0)
     assert (summary["tokens"], summary["tokens_this_fit"]) == (12288, 4096) and summary["run_seconds"] > accounting["fit_seconds"]
-    text = train_script.summarize(summary)
+    text = summary_text(summary)
     assert "12,288 (2,048 tokens/s over this fit, which trained 4,096 of them)" in text
     assert f"2.0 s (trainer.fit); {summary['run_seconds']:.1f} s of training since the run began" in text
 

@@ -18,8 +18,9 @@ from recipe_runs import CONF, SHORT_RUN, compose_config, short_run, train
 
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
+from lit_cbs.recipes import job
 from lit_cbs.recipes.resolvers import RESOLVERS, register_resolvers
-from lit_cbs.recipes.run_report import read_metrics_csv
+from lit_cbs.recipes.run_report import batches_reached, read_metrics_csv, run_header
 
 RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
 OLMO_PARAMETERS = {"olmo_1b": 1.18e9, "olmo_7b": 6.89e9}  # the OLMo papers' sizes
@@ -50,7 +51,7 @@ def test_every_constant_batch_recipe_scales_the_lr_by_the_batch_rule(recipe, bas
     # One rule for batch overrides: the LR BatchWarmup would give that batch, whichever control is overridden.
     cfg = compose_config(f"+recipe={recipe}", f"batch.schedule.batch_size={4 * base_batch}", f"batch.lr_rule={rule}")
     assert cfg.model.optimizer.lr == pytest.approx(base_lr * factor(4))
-    warmup = instantiate(cfg.callbacks.batch_warmup)
+    warmup = job.batch_warmup_of(cfg)
     assert warmup.lr_rule.factor(4) == pytest.approx(factor(4))
 
 
@@ -82,8 +83,8 @@ def test_fsdp_world_size_scales_with_nodes():
 
 def test_extra_callback_option_composes():
     cfg = compose_config("callbacks=[default,lr_monitor]")
-    callbacks = train.instantiate_named(cfg, "callbacks")
-    assert set(callbacks) == {"batch_warmup", "checkpoint", "progress_bar", "validation", "lr_monitor"}
+    callbacks = job.instantiate_named(cfg, "callbacks")
+    assert set(callbacks) == {"checkpoint", "progress_bar", "validation", "lr_monitor"}  # BatchWarmup is the batch group
     assert isinstance(callbacks["lr_monitor"], LearningRateMonitor)
 
 
@@ -116,7 +117,7 @@ def text_folder(tmp_path_factory):
             ["batch.max_micro_batch_size=null", "data.batch_size=5"],
             "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1",
         ),
-        (["batch.max_micro_batch_size=0"], "max_micro_batch_size=0 (batch.max_micro_batch_size) must be a positive int or None"),
+        (["batch.max_micro_batch_size=0"], "batch.max_micro_batch_size=0 must be a positive int or None"),
         (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
         (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
         (
@@ -143,10 +144,10 @@ def text_folder(tmp_path_factory):
 )
 def test_bad_settings_stop_before_the_model(overrides, message):
     cfg = compose_config(*overrides)
-    with pytest.raises(train.CONFIG_ERRORS) as error:
+    with pytest.raises(job.CONFIG_ERRORS) as error:
         train.build_run(cfg)
-    assert message in train.one_line(error.value)
-    assert "\n" not in train.one_line(error.value)
+    assert message in job.one_line(error.value)
+    assert "\n" not in job.one_line(error.value)
 
 
 def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
@@ -242,11 +243,8 @@ def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(t
     cfg, run = short_run(text_folder, tmp_path, "optimizer=sgd", "batch.beta2_rule=half_life")
     with pytest.raises(LitCBSConfigError, match="param group 0 of SGD has no Adam betas") as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
-    named = train.name_the_run_keys(cfg, str(raised.value))
-    assert (
-        "callbacks.batch_warmup.beta2_rule='half_life' (batch.beta2_rule)" in named
-        and "set callbacks.batch_warmup.beta2_rule=None" in named
-    )
+    named = job.name_the_run_keys(cfg, str(raised.value))
+    assert "batch.beta2_rule='half_life'" in named and "set batch.beta2_rule=None" in named
     assert run.trainer.global_step == 0
 
 
@@ -289,8 +287,8 @@ def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
     cfg, run = short_run(text_folder, tmp_path, "batch.clip_rule=sqrt", "trainer.gradient_clip_val=null")
     with pytest.raises(LitCBSConfigError) as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
-    named = train.name_the_run_keys(cfg, str(raised.value))
-    assert "callbacks.batch_warmup.clip_rule='sqrt' (batch.clip_rule)" in named and "set trainer.gradient_clip_val" in named
+    named = job.name_the_run_keys(cfg, str(raised.value))
+    assert "batch.clip_rule='sqrt'" in named and "set trainer.gradient_clip_val" in named
     assert run.trainer.global_step == 0
 
 
@@ -308,10 +306,20 @@ def test_the_run_header_names_the_batches_a_short_budget_never_reaches():
 
     schedule = instantiate(compose_config("max_tokens=262144").batch.schedule)
     assert (
-        train.batches_reached(schedule, 262_144, 128)
+        batches_reached(schedule, 262_144, 128)
         == "16 samples (not 32, 64: batch.schedule asks for them after max_tokens=262,144)"
     )
-    assert train.batches_reached(schedule, 4_194_304, 128) == "16 -> 32 -> 64 samples"
+    assert batches_reached(schedule, 4_194_304, 128) == "16 -> 32 -> 64 samples"
+
+
+def test_the_run_header_says_what_the_run_will_do(text_folder, tmp_path):
+    _, run = short_run(text_folder, tmp_path)
+    header = run_header(run, "short", "cpu", tmp_path / "run")
+    assert header.startswith(f"lit_cbs: short: model 4 layers x d_model 64 ({run.model.num_parameters():,} parameters), ")
+    assert header.endswith(
+        "1 process(es) on cpu, precision 32-true, micro-batch 4 x 128 tokens, global batch 8 -> 16 samples, "
+        f"budget 6,144 tokens; output {tmp_path / 'run'}"
+    )
 
 
 def test_plan_needs_a_device_count():

@@ -1,8 +1,10 @@
-"""``python -m lit_cbs.recipes.report RUN_DIR``: one self-contained HTML page per run, opened in a real headless
+"""What a run leaves in its folder (lit_cbs.recipes.run_report: summary.json and the lines a run ends with), and
+``python -m lit_cbs.recipes.report RUN_DIR``: one self-contained HTML page per run, opened in a real headless
 Chromium (Debian's package; `.ci/run` installs it where it can, and the test says why it skips otherwise)."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -16,14 +18,15 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.recipes.report import main as report_main
 from lit_cbs.recipes.report import write_report
-from lit_cbs.recipes.run_report import write_batch_history
+from lit_cbs.recipes.run_report import write_run_summary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A run folder as a user's Trainer leaves it: CSVLogger's metrics.csv, the probe's JSONL, the batch history."""
+    """A run folder as a user's Trainer leaves it (CSVLogger's metrics.csv, the probe's JSONL) with what
+    recipes/train.py adds (batch_history.json, summary.json), and the lines the run ended with."""
     folder = tmp_path_factory.mktemp("run")
     pl.seed_everything(0, verbose=False)
     warmup = BatchWarmup(PiecewiseBatch([2, 4], [0, 160], unit="tokens"), seq_len=4)
@@ -35,8 +38,42 @@ def run_dir(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(RegressionModule(optimizer="adam"), RegressionData(n=48, batch_size=2))
-    write_batch_history(folder / "batch_history.json", warmup)
+    _, ending = write_run_summary(folder, "toy", trainer, warmup, fit_seconds=2.0, plots=False)
+    (folder / "ending.txt").write_text(ending)
     return folder
+
+
+def test_the_summary_says_what_the_run_did(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    history = json.loads((run_dir / "batch_history.json").read_text())
+    readings = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines()]
+    assert summary["tokens"] == summary["tokens_this_fit"] == history["final"]["tokens_seen"] > 0
+    assert (summary["first_batch"], summary["final_batch"], summary["seq_len"]) == (2, 4, 4)
+    (change,) = history["changes"]
+    assert summary["batch_changes"] == [
+        {
+            "step": change["step"],
+            "tokens": change["tokens_seen"],
+            "old": 2,
+            "new": 4,
+            "lr_factor": change["lr_factor"],
+            "micro_batch_size": change["new_micro_batch_size"],
+            "accumulate": change["new_accumulate"],
+        }
+    ]
+    assert [r["k_star"] for r in summary["probe"]["readings"]] == [r["k_star"] for r in readings] and readings
+    lines = (run_dir / "ending.txt").read_text().splitlines()
+    assert lines[0] == "lit_cbs: toy done" and lines[-1] == f"outputs          {run_dir}"
+    assert [line.split("  ")[0] for line in lines[1:-1]] == [
+        "tokens",
+        "optimizer steps",
+        "batch changes",
+        "CBS (samples)",
+        "final val/loss",
+        "wall time",
+    ]
+    assert f"2 -> 4 after step {change['step']} ({change['tokens_seen']:,} tokens" in lines[3]
+    assert lines[-2] == "wall time        2.0 s (trainer.fit)"  # one fit: no time carried over from earlier ones
 
 
 def test_the_page_holds_every_figure_and_table_inline(run_dir):

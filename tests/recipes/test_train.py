@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 from launch import subprocess_env
-from recipe_runs import train as train_script
 
-from lit_cbs.recipes.run_report import read_metrics_csv
+from lit_cbs.recipes.run_report import read_metrics_csv, summary_text
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = str(ROOT / "recipes" / "train.py")
@@ -116,7 +115,7 @@ def test_run_outputs(first_run):
         "step0000008.ckpt",
     ]
     assert summary["final_val_loss"] == pytest.approx(metrics["val/loss"][1][-1])
-    assert train_script.summarize(summary) in stdout  # the run ends by printing its summary
+    assert summary_text(summary) in stdout  # the run ends by printing its summary
     # Branch steps: k=1 and k=2 at batch 8 (4 and 2 steps of a 4,096-token window), k=2 at batch 16 (1 step).
     assert summary["probe"]["tokens"] == 3 * 4096 and summary["probe"]["optimizer_steps"] == 4 + 2 + 1
     assert [r["k_star"] for r in summary["probe"]["readings"]] == [p["k_star"] for p in probes]

@@ -1,0 +1,266 @@
+"""recipes/train.py as a Hydra job: each config group built under the key that sets it, its loggers, its exit.
+
+Every setting lives at one Hydra key (``batch.lr_rule``, ``lr_schedule.warmup_tokens``, ...), so a
+constructor's error that names its argument (``lr_rule='x'``) names the key the user typed once the
+group's key path is put in front of it: ``instantiate_group(cfg, "batch", ...)`` does that for any error a
+group raises while it is built (``batch.lr_rule='x'``), and ``name_the_run_keys`` for one raised
+inside ``trainer.fit`` (a callback's setup). An argument whose default is another key's value
+(``lr_schedule.total_tokens: ${max_tokens}``) is named with that key beside it:
+``lr_schedule.total_tokens=65536 (max_tokens)``. ``stop_on_config_error`` then ends the job with
+that one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+
+from lit_cbs.callbacks.warmup import BatchWarmup
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.models.lm import resolve_model_config
+from lit_cbs.probe.callback import CBSProbeCallback
+
+# What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
+# Lightning, Hydra and OmegaConf raise for settings they refuse.
+CONFIG_ERRORS = (
+    LitCBSConfigError,
+    ValueError,
+    TypeError,
+    MisconfigurationException,
+    InstantiationException,
+    OmegaConfBaseException,
+)
+# The packages Lightning's loggers need (any one of them), for a one-line error that names the extra.
+LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX"), "MLFlowLogger": ("mlflow",), "WandbLogger": ("wandb",)}
+# ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
+_INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
+
+log = logging.getLogger("lit_cbs.train")
+
+
+def one_line(error: BaseException) -> str:
+    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating,
+    OmegaConf prefixes those its resolvers raise)."""
+    while isinstance(error, InstantiationException) and error.__cause__ is not None:
+        error = error.__cause__
+    message = getattr(error, "msg", None) or str(error)
+    if isinstance(error, InterpolationResolutionError):
+        message = re.sub(r"^\w+ raised while resolving interpolation: ", "", message)
+    return " ".join(message.split())
+
+
+def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
+    """Argument name -> (the Hydra key that sets it, the key its value defaults to or None), for the
+    group at ``group`` and the groups nested in it, the outer name first: ``thresholds`` ->
+    ``batch.schedule.thresholds``; ``total_tokens`` -> ``lr_schedule.total_tokens``, from ``max_tokens``. A
+    group taken whole from another key (Seesaw's ``lr_schedule: ${lr_schedule}``) is named at that key."""
+    keys: dict[str, tuple[str, str | None]] = {}
+    node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
+    raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
+    for name, value in raw.items():
+        match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+        source = match.group(1) if match else None
+        key = f"{group}.{name}"
+        if source is not None and OmegaConf.is_dict(OmegaConf.select(cfg, source, throw_on_resolution_failure=False)):
+            key, source = source, None
+        if isinstance(value, dict) or key != f"{group}.{name}":
+            keys.update({inner: named for inner, named in setting_keys(cfg, key).items() if inner not in keys})
+        if not name.startswith("_"):
+            keys[name] = (key, source)
+    return keys
+
+
+def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
+    """``message`` with the arguments of ``groups`` it names written as the Hydra keys that set them, e.g.
+    ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``."""
+    for group in groups:
+        for name, (key, source) in sorted(setting_keys(cfg, group).items(), key=lambda item: -len(item[0])):
+            if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?[=.]\S", message):
+                continue  # a plain word such as `unit` may be prose; `unit=`, `guard.window` or `warmup_tokens` is the argument
+            note = f" ({source})" if source is not None else ""
+            message = re.sub(
+                rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?",
+                lambda m, key=key, note=note: f"{key}{m.group(1) or ''}{note}",
+                message,
+                count=1,
+            )
+            message = re.sub(rf"(?<![\w.]){re.escape(name)}\b", key, message)
+    return message
+
+
+@contextlib.contextmanager
+def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
+    """Build the group at ``group`` inside: a configuration error raised there becomes a LitCBSConfigError
+    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``."""
+    try:
+        yield
+    except CONFIG_ERRORS as error:
+        message = one_line(error)
+        named = name_the_keys(cfg, [group], message)
+        raise LitCBSConfigError(named if named != message or f"{group}." in message else f"{group}: {message}") from error
+
+
+def instantiate_group(cfg: DictConfig, group: str, **kwargs):
+    """``instantiate(cfg.<group>, **kwargs)``; a configuration error names the keys it is about."""
+    with group_key(cfg, group):
+        return instantiate(OmegaConf.select(cfg, group), **kwargs)
+
+
+def instantiate_named(cfg: DictConfig, what: str) -> dict:
+    """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), built, by name."""
+    objects = {}
+    for name, node in (cfg.get(what) or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise LitCBSConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
+        objects[name] = instantiate_group(cfg, f"{what}.{name}")
+    return objects
+
+
+def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
+    """BatchWarmup with the batch group's arguments (batch.schedule, batch.lr_rule, ...) and max_tokens."""
+    return instantiate_group(cfg, "batch", _target_="lit_cbs.BatchWarmup", max_tokens=cfg.max_tokens)
+
+
+def callbacks_of(cfg: DictConfig) -> list:
+    """The callbacks of ``cfg.callbacks``, less any CBS probe whose first window ends past max_tokens: it
+    would stop the run once the model is built, so warn now, naming its keys, and train without it."""
+    kept = []
+    for name, callback in instantiate_named(cfg, "callbacks").items():
+        if isinstance(callback, BatchWarmup):
+            raise LitCBSConfigError(f"callbacks.{name} is a second BatchWarmup; set the run's one at batch.*, and drop it")
+        # The probe's own "first probe inside the run" check; repoint here once lit_cbs.probe exposes it as one function.
+        first = callback.probe_point(0) if isinstance(callback, CBSProbeCallback) else None
+        if first is not None and first + callback.span_tokens > cfg.max_tokens:
+            windows = f"{callback.replicates} x " if callback.replicates > 1 else ""
+            log.warning(
+                f"warning: callbacks.{name}: the first probe ({first:,} tokens + {windows}window_tokens={callback.window_tokens:,}) ends past "
+                f"max_tokens={cfg.max_tokens:,}, so it never runs; training without it. Probe earlier "
+                f"(callbacks.{name}.geometric / at_tokens / every_tokens), raise max_tokens, or set callbacks.{name}=null"
+            )
+            continue
+        kept.append(callback)
+    return kept
+
+
+def model_config_of(cfg: DictConfig):
+    """model.config as an OLMoConfig or a transformers config; its errors name the key."""
+    with group_key(cfg, "model.config"):
+        return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
+
+
+def name_the_run_keys(cfg: DictConfig, message: str) -> str:
+    """``message`` of an error raised inside ``trainer.fit`` (by a callback's setup, say) with the
+    Trainer's, BatchWarmup's and the callbacks' arguments written as their Hydra keys."""
+    callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
+    return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except ValueError:  # in sys.modules as None: its import is blocked
+        return False
+
+
+def loggers_of(cfg: DictConfig) -> list:
+    """The loggers of ``cfg.logger``, before any data work: one whose package is missing stops here,
+    naming the extra, and a CSV logger must be among them (the summary and plots read its metrics.csv)."""
+    for name, node in (cfg.get("logger") or {}).items():
+        target = str((node or {}).get("_target_", "")).rsplit(".", 1)[-1]
+        packages = LOGGER_PACKAGES.get(target, ())
+        if packages and not any(_installed(package) for package in packages):
+            raise LitCBSConfigError(
+                f"logger.{name}: {target} needs the {packages[0]} package, which is not installed: "
+                f'pip install -e ".[loggers]" (or pip install {packages[0]}), or drop it (logger=csv)'
+            )
+    loggers = instantiate_named(cfg, "logger")
+    if loggers and not any(isinstance(logger, CSVLogger) for logger in loggers.values()):
+        raise LitCBSConfigError(
+            f"logger has {', '.join(loggers)} but no csv: the run's summary and plots read metrics.csv, which the CSV "
+            f"logger writes; keep it beside them, e.g. logger=[csv,{next(iter(loggers))}]"
+        )
+    return list(loggers.values())
+
+
+def finish_loggers(loggers: list) -> None:
+    """End each logger's run once the figures are in: W&B's (else a sweep's next job would log into it, and
+    its record file is written after the process exits), TensorBoard's writer (reopened by the figures)."""
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.finish()
+        elif isinstance(logger, TensorBoardLogger):
+            logger.experiment.close()
+
+
+def send_lightning_logs_to_the_job_log() -> None:
+    """Lightning's messages (and BatchWarmup's) go to Hydra's handlers, so ``train.log`` holds them too.
+
+    Imported before Hydra configured logging, Lightning found no root handler, added its own console
+    handler and stopped propagating; undo that now that Hydra's console and file handlers exist.
+    """
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        lightning_logger = logging.getLogger(name)
+        for handler in list(lightning_logger.handlers):
+            lightning_logger.removeHandler(handler)
+        lightning_logger.propagate = True
+
+
+def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
+    """End the job with one line naming the setting (``line``, default the error's own). A single run
+    exits; in a multirun the job fails and Hydra goes on with the other jobs, then reports the failure
+    once they are done. With HYDRA_FULL_ERROR=1 the error itself is raised, with its traceback."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    line = line or one_line(error)
+    message = f"error: {line}"
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        log.error(message)
+        raise LitCBSConfigError(line) from None
+    for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None))
+    raise SystemExit(message) from None
+
+
+def remove_hydra_run_dir() -> None:
+    """Take back what Hydra wrote for a job that trains nothing (plan=true): its .hydra/ files and the
+    job log, then the folders left empty, up to the folder the job was started in."""
+    try:
+        config = HydraConfig.get()
+    except ValueError:  # composed by a script or a test: Hydra wrote nothing
+        return
+    if config.mode != RunMode.RUN:
+        return
+    run_dir = Path(config.runtime.output_dir)
+    for handler in logging.getLogger().handlers[:]:
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+            handler.close()
+            logging.getLogger().removeHandler(handler)
+            Path(handler.baseFilename).unlink(missing_ok=True)
+    if config.output_subdir is not None:
+        hydra_dir = run_dir / config.output_subdir
+        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+            (hydra_dir / name).unlink(missing_ok=True)
+        if hydra_dir.is_dir() and not any(hydra_dir.iterdir()):
+            hydra_dir.rmdir()
+    start = Path(config.runtime.cwd).resolve()
+    folder = run_dir.resolve()
+    while folder != start and start in folder.parents and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+        folder = folder.parent

@@ -1,0 +1,85 @@
+"""lit_cbs.recipes.job: each config group built under the key that sets it, so a constructor's error
+names the Hydra key the user typed, whatever group, nesting or default the argument comes through."""
+
+from __future__ import annotations
+
+import pytest
+from recipe_runs import CONF, compose_config
+
+from lit_cbs import BatchWarmup
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.recipes import job
+
+RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_batch_warmup_is_built_from_the_batch_group_alone(recipe):
+    cfg = compose_config(f"+recipe={recipe}", "batch.lr_rule=linear", "max_tokens=8388608")
+    warmup = job.batch_warmup_of(cfg)
+    assert isinstance(warmup, BatchWarmup) and warmup.max_tokens == 8388608
+    assert warmup.lr_rule.lr_factor(4) == 4.0  # batch.lr_rule, set once, reaches the callback
+    assert not any("BatchWarmup" in str(node.get("_target_")) for node in cfg.callbacks.values() if node is not None)
+
+
+def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
+    cfg = compose_config("batch=seesaw", "lr_schedule=cosine", "+recipe=olmo1b_warmup")
+    keys = job.setting_keys(cfg, "batch")
+    assert keys["lr_rule"] == ("batch.lr_rule", None)
+    assert keys["start"] == ("batch.schedule.start", None)  # nested: Seesaw's argument
+    assert keys["max_micro_batch_size"] == ("batch.max_micro_batch_size", "data.batch_size")  # a default from another key
+    assert keys["lr_schedule"] == ("lr_schedule", None) and keys["min_lr_ratio"] == ("lr_schedule.min_lr_ratio", None)
+    assert "_target_" not in keys
+
+
+@pytest.mark.parametrize(
+    ("overrides", "build", "line"),
+    [
+        # a nested group taken whole from its own key (Seesaw's lr_schedule: ${lr_schedule}) is named there
+        (
+            ["batch=seesaw", "lr_schedule=cosine", "lr_schedule.min_lr_ratio=2"],
+            job.batch_warmup_of,
+            "lr_schedule.min_lr_ratio=2 must lie in [0, 1] (a fraction of the base LR)",
+        ),
+        # a default taken from a top-level key names both: the one set and the one the user typed
+        (
+            ["val_check_tokens=0"],
+            job.callbacks_of,
+            "callbacks.validation.every_tokens=0 (val_check_tokens) must be a positive int (tokens between validations)",
+        ),
+        (["batch.lr_rule=bogus"], job.batch_warmup_of, "batch.lr_rule='bogus' is unknown; use one of"),
+        # a message that names no argument of the group is led by the group's key
+        (["model.config.preset=olmo_3b"], job.model_config_of, "model.config: unknown model preset 'olmo_3b'"),
+    ],
+)
+def test_a_group_error_names_the_key_the_user_typed(overrides, build, line):
+    cfg = compose_config(*overrides)
+    with pytest.raises(LitCBSConfigError) as raised:
+        build(cfg)
+    assert str(raised.value).startswith(line)
+
+
+def test_an_error_already_naming_its_key_is_left_as_it_is():
+    cfg = compose_config("data.path=/nonexistent/tokens")
+    with pytest.raises(LitCBSConfigError) as raised, job.group_key(cfg, "data"):
+        raise ValueError("data.path='/nonexistent/tokens' is not a folder")
+    assert str(raised.value) == "data.path='/nonexistent/tokens' is not a folder"
+
+
+def test_run_errors_name_the_trainers_batch_and_callback_keys():
+    cfg = compose_config()
+    message = "clip_rule='sqrt' scales Trainer(gradient_clip_val=None), which sets none; set gradient_clip_val or clip_rule=None"
+    assert job.name_the_run_keys(cfg, message) == (
+        "batch.clip_rule='sqrt' scales Trainer(trainer.gradient_clip_val=None), which sets none; "
+        "set trainer.gradient_clip_val or batch.clip_rule=None"
+    )
+    # a plain word that is also an argument's name stays prose unless written as the argument
+    assert job.name_the_run_keys(cfg, "the unit of the schedule") == "the unit of the schedule"
+
+
+def test_a_second_batch_warmup_among_the_callbacks_is_refused():
+    cfg = compose_config(
+        "+callbacks.extra={_target_:lit_cbs.BatchWarmup,schedule:{_target_:lit_cbs.ConstantBatch,batch_size:16}}"
+    )
+    with pytest.raises(LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"):
+        job.callbacks_of(cfg)
