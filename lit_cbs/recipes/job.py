@@ -90,7 +90,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
     for group in groups:
         for name, (key, source) in sorted(setting_keys(cfg, group).items(), key=lambda item: -len(item[0])):
             if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?[=.]\S", message):
-                continue  # a plain word such as `unit` may be prose; `unit=`, `guard.window` or `warmup_tokens` is the argument
+                continue  # a plain word such as `unit` may be prose; `unit=`, `guard.watch_span` or `warmup_tokens` is the argument
             note = f" ({source})" if source is not None else ""
             message = re.sub(
                 rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?",
