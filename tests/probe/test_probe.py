@@ -27,6 +27,7 @@ from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import (
     BranchScore,
+    DecisionRule,
     ProbeReading,
     cbs_interval,
     critical_multiplier,
@@ -112,8 +113,7 @@ def test_bisect_finds_the_grid_answer_on_monotone_tables(table):
 def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     reading = ProbeReading.decide(
         {1.0: BranchScore(3.0), 2.0: BranchScore(3.004), 4.0: BranchScore(math.inf)},
-        0.01,
-        0.5,
+        DecisionRule(0.01, 0.5),
         [1.0, 2.0, 4.0],
         16,
         tokens=4096,
@@ -151,8 +151,7 @@ def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
     readings = [
         ProbeReading.decide(
             {1.0: BranchScore(3.0), 2.0: BranchScore(3.0), 4.0: BranchScore(loss4)},
-            0.01,
-            0.5,
+            DecisionRule(0.01, 0.5),
             [1.0, 2.0, 4.0],
             8,
             tokens=tokens,
@@ -183,8 +182,7 @@ def test_the_loss_gap_panel_labels_its_ticks_as_plain_numbers():
     readings = [
         ProbeReading.decide(
             {1.0: BranchScore(3.0), 2.0: BranchScore(3.0 + gap), 4.0: BranchScore(3.2)},
-            0.0241374,
-            0.5,
+            DecisionRule(0.0241374, 0.5),
             [1.0, 2.0, 4.0],
             8,
             tokens=tokens,
@@ -299,7 +297,7 @@ def test_metric_state_updated_by_branches_is_restored():
 
 def test_bisect_finds_the_grid_answer_for_fewer_tokens():
     grid = grid_probe(multipliers=(1, 2, 4, 8, 16), window_tokens=256, every_tokens=256)
-    bisect = grid_probe(multipliers=(1, 2, 4, 8, 16), window_tokens=256, every_tokens=256, strategy="bisect")
+    bisect = grid_probe(multipliers=(1, 2, 4, 8, 16), window_tokens=256, every_tokens=256, search="bisect")
     run(probe=grid, n=128, epochs=3)
     run(probe=bisect, n=128, epochs=3)
     assert len(grid.history) == len(bisect.history) >= 3
@@ -486,8 +484,8 @@ def test_cbs_adaptive_rule_unit():
         (dict(ema_alpha=0.0), "ema_alpha=0.0"),
         (dict(ema_alpha=1.5), "ema_alpha=1.5"),
         (dict(window_tokens=0), "window_tokens=0"),
-        (dict(strategy="random"), "strategy='random'"),
-        (dict(strategy="bisect", multipliers=(2, 4)), "include 1"),
+        (dict(search="random"), "search='random'"),
+        (dict(search="bisect", multipliers=(2, 4)), "include 1"),
         (dict(every_tokens=None), "exactly one"),
         (dict(at_tokens=[100]), "exactly one"),
         (dict(every_tokens=0), "every_tokens=0"),
@@ -617,7 +615,7 @@ def test_branches_regroup_the_window_when_the_micro_batch_changes_inside_it():
     # trains micro-batches of 4, 4, 4, 4, 8, 8 there.
     module, data = RecordsBranchBatches(lr=0.05, optimizer="adam"), GlobalOrderRegressionData(n=96, batch_size=4)
     warmup = BatchWarmup(PiecewiseBatch([4, 8], [0, 48], unit="samples"), seq_len=SEQ, max_micro_batch_size=8)
-    probe = CBSProbeCallback(at_tokens=[32 * SEQ], multipliers=(1, 2), window_tokens=32 * SEQ, strategy="grid")
+    probe = CBSProbeCallback(at_tokens=[32 * SEQ], multipliers=(1, 2), window_tokens=32 * SEQ, search="grid")
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(callbacks=[warmup, probe], **trainer_kwargs(max_epochs=1))
     trainer.fit(module, data)

@@ -69,7 +69,7 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
             every_tokens=256,
             multipliers=(1, 2),
             window_tokens=64,
-            strategy="bisect",
+            search="bisect",
             evaluate="heldout",
             heldout_batches=2,
             replicates=2,

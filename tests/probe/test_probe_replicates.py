@@ -16,7 +16,7 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe import BranchScore, ProbeReading, decide, difference
+from lit_cbs.probe import BranchScore, DecisionRule, ProbeReading, decide, difference
 
 SEQ = 4  # the toy's "tokens per sample"
 
@@ -93,8 +93,7 @@ def test_records_keep_each_window_and_are_judged_anew_alike():
     )
     reading = ProbeReading.decide(
         scores,
-        0.02,
-        0.9,
+        DecisionRule(0.02, 0.9),
         [1, 2, 4],
         16,
         tokens=0,
@@ -160,7 +159,7 @@ def replicated_probe(**kwargs):
 
 def test_replicate_windows_train_on_the_next_data_and_leave_the_main_run_alone():
     _, plain = fit()
-    probe = replicated_probe(strategy="grid")
+    probe = replicated_probe(search="grid")
     trainer, probed = fit(probe)
     assert len(probed.steps) == len(plain.steps)
     assert all(torch.equal(a["weight"], b["weight"]) for a, b in zip(probed.steps, plain.steps))
@@ -189,9 +188,9 @@ def test_replicate_windows_train_on_the_next_data_and_leave_the_main_run_alone()
 
 
 def test_bisect_uses_the_main_run_for_the_first_window_only():
-    grid = replicated_probe(strategy="grid")
+    grid = replicated_probe(search="grid")
     fit(grid)
-    bisect = replicated_probe(strategy="bisect")
+    bisect = replicated_probe(search="bisect")
     fit(bisect)
     for g, b in zip(grid.history, bisect.history):
         # The main run over the first window is the k = 1 branch there: the same held-out losses.
@@ -229,8 +228,7 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
     scores = {1.0: windows(0.0, 0.0), 2.0: windows(0.005, 0.065), 4.0: windows(0.2, 0.2)}
     reading = ProbeReading.decide(
         scores,
-        0.02,
-        0.9,
+        DecisionRule(0.02, 0.9),
         [1, 2, 4],
         16,
         tokens=1024,

@@ -22,7 +22,7 @@ from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe import BranchScore, ProbeReading, decide, difference
+from lit_cbs.probe import BranchScore, DecisionRule, ProbeReading, decide, difference
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 SEQ = 4  # the toy's "tokens per sample"
@@ -93,8 +93,7 @@ def test_failed_branches_are_surely_beyond_and_the_record_keeps_the_se(tmp_path)
     scores = {1.0: heldout(3.0, 0.001), 2.0: heldout(3.001, 0.001, seed=2), 4.0: BranchScore(math.inf)}
     reading = ProbeReading.decide(
         scores,
-        0.02,
-        0.9,
+        DecisionRule(0.02, 0.9),
         [1.0, 2.0, 4.0],
         8,
         tokens=0,
@@ -242,7 +241,7 @@ class CountsHooks(Callback):
 
 def test_branches_train_through_the_modules_hooks_and_callbacks_never_see_them(tmp_path):
     counts, lr_rows = {}, {}
-    for name, callback in (("plain", None), ("probed", probe(strategy="grid"))):
+    for name, callback in (("plain", None), ("probed", probe(search="grid"))):
         counter, logger = CountsHooks(), CSVLogger(tmp_path, name=name)
         trainer, module = fit(
             CustomTraining(), callback, [counter, LearningRateMonitor("step")], logger=logger, log_every_n_steps=1
@@ -297,12 +296,12 @@ def test_cbs_adaptive_stops_probing_at_its_final_batch():
 
 
 def test_early_stop_ends_decided_windows_and_resumes_branches_exactly():
-    straight = probe(strategy="grid", evaluate="heldout", heldout_batches=3, window_tokens=256, every_tokens=320)
+    straight = probe(search="grid", evaluate="heldout", heldout_batches=3, window_tokens=256, every_tokens=320)
     fit(probe=straight, epochs=3)
     # Undecidable at the checkpoints: the branches go on from where they stopped, and the readings
     # at the window's end are those of branches trained straight through.
     resumed = probe(
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         heldout_batches=3,
         window_tokens=256,
@@ -316,7 +315,7 @@ def test_early_stop_ends_decided_windows_and_resumes_branches_exactly():
     assert resumed.tokens_spent == straight.tokens_spent
     # Decidable at once: each window ends at its first checkpoint, for a quarter of the tokens.
     quick = probe(
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         heldout_batches=3,
         window_tokens=256,
@@ -342,7 +341,7 @@ class RecordsBranchLRs(RegressionModule):
 
 def test_cooldown_decays_every_branch_lr_and_trains_k1_as_a_branch():
     module = RecordsBranchLRs()
-    cooled = probe(strategy="bisect", multipliers=(1, 2), window_tokens=128, every_tokens=160, cooldown_fraction=0.5)
+    cooled = probe(search="bisect", multipliers=(1, 2), window_tokens=128, every_tokens=160, cooldown_fraction=0.5)
     trainer, _ = fit(module, cooled, epochs=1)
     first = cooled.history[0]
     assert first.branches_trained[0] == 1.0 and first.cooldown_fraction == 0.5
@@ -441,7 +440,7 @@ def test_lr_rule_is_checked_for_every_multiplier_before_training():
 
 
 def test_train_ema_readings_say_their_se_is_unpaired():
-    callback = probe(strategy="grid", window_tokens=256, every_tokens=320)
+    callback = probe(search="grid", window_tokens=256, every_tokens=320)
     fit(probe=callback, epochs=3)
     for reading in callback.history:
         assert reading.se_method == "step-loss scatter (unpaired, approximate)" and reading.batch_losses == {}
@@ -517,8 +516,7 @@ def test_the_plot_draws_what_the_rule_holds_against_epsilon():
     scores = {1.0: heldout(3.0, 0.01), 2.0: heldout(2.95, 0.01, seed=2), 4.0: heldout(2.99, 0.01, seed=4)}
     reading = ProbeReading.decide(
         scores,
-        0.02,
-        0.9,
+        DecisionRule(0.02, 0.9),
         [1.0, 2.0, 4.0],
         8,
         tokens=100,
