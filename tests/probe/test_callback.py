@@ -51,16 +51,16 @@ def test_bisect_finds_the_grid_answer_for_fewer_tokens():
 
 def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     # 80 samples x 4 tokens = 320 tokens per epoch; probe windows [288, 352], [576, 640], [864, 928].
-    def toy_probe():
+    def fresh_probe():
         return toy_probe(every_tokens=288, window_tokens=64)
 
-    full_probe = toy_probe()
+    full_probe = fresh_probe()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
     full = fit_regression(probe=full_probe, callbacks=[checkpoint], n=80, epochs=3, enable_checkpointing=True)
     assert [r.tokens for r in full_probe.history] == [288, 576, 864]
 
     # Between windows (640 tokens): the resumed run continues exactly, probes included.
-    resumed_probe = toy_probe()
+    resumed_probe = fresh_probe()
     resumed = fit_regression(probe=resumed_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=1.ckpt")
     assert torch.equal(full[1].layer.weight, resumed[1].layer.weight)
     assert resumed_probe.history == full_probe.history
@@ -73,13 +73,13 @@ def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     for reading in state["callbacks"][key]["history"]:
         del reading["seq_len"]
     torch.save(state, tmp_path / "v0.1.ckpt")
-    old_probe = toy_probe()
+    old_probe = fresh_probe()
     fit_regression(probe=old_probe, n=80, epochs=3, ckpt=tmp_path / "v0.1.ckpt")
     assert old_probe.history == full_probe.history
 
     # Inside the first window (320 tokens): that probe is taken again where the resumed run starts, and says
     # where the interrupted one began; the later ones are the uninterrupted run's.
-    inside_probe = toy_probe()
+    inside_probe = fresh_probe()
     inside = fit_regression(probe=inside_probe, n=80, epochs=3, ckpt=tmp_path / "epoch=0.ckpt")
     assert torch.equal(full[1].layer.weight, inside[1].layer.weight)
     assert [r.tokens for r in inside_probe.history] == [320, 576, 864]
@@ -226,17 +226,17 @@ def test_undetermined_readings_do_not_move_the_batch():
 
 
 def test_cbs_adaptive_stops_probing_at_its_final_batch():
-    def fit_regression(probe_after_final):
+    def fit_adaptive(probe_after_final):
         schedule = CBSAdaptive(start=2, final=4, factor=2, unit="tokens", probe_after_final=probe_after_final)
         callback = toy_probe(multipliers=(1, 2, 4), window_tokens=64, every_tokens=96, confidence=0.5)
         fit_regression_with_val(probe=callback, warmup=BatchWarmup(schedule, seq_len=SEQ), epochs=3)
         return schedule, callback
 
-    schedule, stopping = fit_regression(probe_after_final=False)
+    schedule, stopping = fit_adaptive(probe_after_final=False)
     ((at, size),) = schedule.decisions
     assert size == 4
     assert [r.tokens for r in stopping.history if r.tokens >= at] == []  # no probe once the batch is final
-    _, going_on = fit_regression(probe_after_final=True)
+    _, going_on = fit_adaptive(probe_after_final=True)
     assert len(going_on.history) > len(stopping.history)
     assert going_on.history[: len(stopping.history)] == stopping.history
 
