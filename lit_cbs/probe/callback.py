@@ -71,7 +71,8 @@ class CBSProbeCallback(Callback):
         **settings: ``ProbeConfig``'s fields as keywords instead (as Hydra's ``_target_`` passes
             them); not both. ``strategy=`` is the old name of ``search=`` (until lit_cbs 0.4).
 
-    Settings are read back as attributes too (``probe.multipliers`` is ``probe.config.multipliers``).
+    Settings are read back as attributes too (``probe.multipliers`` is ``probe.config.multipliers``);
+    they are set through the config only.
 
     Attributes:
         history: one ``ProbeReading`` per finished probe.
@@ -114,6 +115,14 @@ class CBSProbeCallback(Callback):
         if config is not None and name in PROBE_CONFIG_FIELDS:
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PROBE_CONFIG_FIELDS:  # the callback reads its config: an attribute beside it would be ignored
+            raise AttributeError(
+                f"CBSProbeCallback.{name} is read from its ProbeConfig: give it when making the probe, or set "
+                f"probe.config = dataclasses.replace(probe.config, {name}=...) before training"
+            )
+        super().__setattr__(name, value)
 
     @property
     def strategy(self) -> str:

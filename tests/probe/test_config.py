@@ -129,6 +129,8 @@ def test_the_config_and_its_keywords_make_the_same_probe():
     from_config, from_keywords = CBSProbeCallback(config), CBSProbeCallback(**settings)
     assert from_config.config == from_keywords.config == config
     assert from_keywords.multipliers == [1.0, 2.0, 4.0] and from_keywords.probe_point(1) == 640  # read through
+    with pytest.raises(AttributeError, match=r"dataclasses.replace\(probe.config, epsilon=...\)"):
+        from_keywords.epsilon = 0.02  # would be ignored: the callback reads its config
     with pytest.raises(LitCBSConfigError, match="not both"):
         CBSProbeCallback(config, epsilon=0.02)
     with pytest.raises(dataclasses.FrozenInstanceError):
