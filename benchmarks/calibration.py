@@ -144,7 +144,7 @@ def load(run: Run, out: Path) -> dict | None:
 def first_window(reading: dict, multipliers: list[float]) -> dict:
     """``reading`` as its first data window alone judges it: the record a probe with ``replicates=1``
     would have written from the same branches."""
-    from lit_cbs.probe.reading import BranchScore, ProbeReading
+    from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
 
     windows = reading["replicate_batch_losses"]
     scores = {
@@ -168,8 +168,7 @@ def first_window(reading: dict, multipliers: list[float]) -> dict:
     }
     judged = ProbeReading.decide(
         scores,
-        reading["epsilon"],
-        reading["confidence"],
+        DecisionRule(reading["epsilon"], reading["confidence"]),
         multipliers,
         reading["batch_size"],
         branches_trained=sorted(set(reading["branches_trained"])),

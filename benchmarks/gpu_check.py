@@ -125,7 +125,7 @@ def main() -> dict:
             at_tokens=[change_at + 4 * first_batch * args.seq_len],  # a few steps after the change
             multipliers=(1, 2),
             window_tokens=window,
-            strategy="grid",
+            search="grid",
             output_dir=args.output.parent,
         )
         callbacks.insert(1, probe)

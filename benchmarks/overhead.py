@@ -27,8 +27,8 @@ Every step is timed by two clocks: wall (``time.perf_counter``) and this process
     what they do between two probes of a real schedule. Fitted in the rotation of (a), its hooks
     timed as in (a);
 (e2) one probe: a fit with one probe after step 3 (multipliers 1, 2, 4, 8; a window of 8 steps,
-    the least that holds one step of k = 8; ``evaluate="train_ema"``) with ``strategy="grid"`` and
-    with ``strategy="bisect"``, vs the same fit without the probe: the extra time of the whole
+    the least that holds one step of k = 8; ``evaluate="train_ema"``) with ``search="grid"`` and
+    with ``search="bisect"``, vs the same fit without the probe: the extra time of the whole
     ``trainer.fit``, also in steps of the fit without it and per branch trained, the part of it in
     the probe's ``on_train_end`` (the CBS curve plot, once per fit), and the probe tokens
     (``tokens_spent``). The tokens are random, so the branches' losses and k* mean nothing:
@@ -180,23 +180,23 @@ NOISE_SCALE_CONFIGS = [  # (d)
 BLOCKS_OVER_WHOLE = "(d) time inside its hooks, groups='blocks' / no groups"
 
 
-def probed_once(strategy: str, steps: int) -> list[Callback]:
-    return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * MICRO_BATCH_SIZE * SEQ_LEN], strategy=strategy)]
+def probed_once(search: str, steps: int) -> list[Callback]:
+    return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * MICRO_BATCH_SIZE * SEQ_LEN], search=search)]
 
 
 PROBE_BASELINE = "BatchWarmup(ConstantBatch(16)), no probe"
-PROBE_STRATEGIES = ("grid", "bisect")
+PROBE_SEARCHES = ("grid", "bisect")
 PROBE_CONFIGS = [  # (e2)
     Config("(e2)", PROBE_BASELINE, lambda steps: [warmup_at(16)]),
     *(
         Config(
             "(e2)",
-            f"+ CBSProbeCallback(strategy={strategy!r})",
-            functools.partial(probed_once, strategy),
+            f"+ CBSProbeCallback(strategy={search!r})",  # the row's name in RESULTS.md (search= was strategy=)
+            functools.partial(probed_once, search),
             PROBE_BASELINE,
             ("on_train_end",),
         )
-        for strategy in PROBE_STRATEGIES
+        for search in PROBE_SEARCHES
     ),
 ]
 
@@ -296,8 +296,8 @@ class Results:
     def __init__(self):
         self.values: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         self.loader_builds: dict[str, list[int]] = defaultdict(list)
-        self.probe_tokens: dict[str, list[int]] = defaultdict(list)  # (e2) tokens_spent per strategy
-        self.probe_branches: dict[str, list[float]] = {}  # (e2) multipliers trained per strategy
+        self.probe_tokens: dict[str, list[int]] = defaultdict(list)  # (e2) tokens_spent per search
+        self.probe_branches: dict[str, list[float]] = {}  # (e2) multipliers trained per search
         self.gradient_copy_bytes: int | None = None  # (d)
         self.gradient_bytes: int | None = None
 
@@ -365,7 +365,7 @@ def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
 
 
 def time_probe(results: Results, repeat: int) -> None:
-    """(e2): the fit without a probe and with one probe of each strategy, in a rotating order."""
+    """(e2): the fit without a probe and with one probe of each search, in a rotating order."""
     fits = {
         config.name: fit(PROBE_FIT_STEPS, config.callbacks(PROBE_FIT_STEPS), config.hooks)
         for config in rotated(PROBE_CONFIGS, repeat)

@@ -31,6 +31,7 @@ _EXPORTS = {
     "LitCBSConfigError": "lit_cbs.errors",
     "OneCycle": "lit_cbs.rules.lr_schedules",
     "PiecewiseBatch": "lit_cbs.rules.batch_schedules",
+    "ProbeConfig": "lit_cbs.probe",
     "RunProgressBar": "lit_cbs.callbacks.progress",
     "Seesaw": "lit_cbs.rules.batch_schedules",
     "StepDecay": "lit_cbs.rules.lr_schedules",

@@ -6,15 +6,19 @@ test sees which samples each optimizer step averaged over.
 
 from __future__ import annotations
 
+import csv
 import json
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
+from lit_cbs.probe import BranchScore
 
 DIM = 4
 
@@ -220,3 +224,101 @@ def megatron_reference(consumed, start, increment, ramp, final):
         return final
     per_increment = ramp / ((final - start) // increment)
     return start + int(consumed / per_increment) * increment
+
+
+# ---------------------------------------------------------------------------- CBS probe fits (tests/probe)
+SEQ = 4  # the toy's "tokens per sample", given to BatchWarmup (its x is float, not token ids)
+
+
+class RegressionDataWithVal(RegressionData):
+    """The toy data with a validation loader (``val_batch_size`` samples a batch): the held-out batches
+    of ``evaluate="heldout"``."""
+
+    def __init__(self, n: int = 96, batch_size: int = 2, seed: int = 0, val_batch_size: int = 8):
+        super().__init__(n, batch_size, seed)
+        self.val_batch_size = val_batch_size
+
+    def val_dataloader(self):
+        return DataLoader(self.dataset, batch_size=self.val_batch_size)
+
+
+def fit_quietly(trainer: pl.Trainer, module: pl.LightningModule, **data) -> pl.Trainer:
+    """``trainer.fit`` without the toys' warnings (few workers, small epochs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, **data)
+    return trainer
+
+
+def toy_probe(**kwargs):
+    """A CBSProbeCallback every 160 tokens over k = 1, 2, 4 with 128-token windows, or as ``kwargs`` say."""
+    defaults = dict(every_tokens=160, multipliers=(1, 2, 4), window_tokens=128, epsilon=0.01)
+    defaults.update(kwargs)
+    return CBSProbeCallback(**defaults)
+
+
+def fit_regression(
+    *, probe=None, schedule=None, epochs=2, n=96, micro=2, module=None, callbacks=(), max_tokens=None, ckpt=None, **fit
+):
+    """Fit the toy with global batch 4 (2 micro-batches of 2), or ``schedule``, under BatchWarmup;
+    returns (trainer, module, warmup)."""
+    pl.seed_everything(0, verbose=False)
+    module = module or RegressionModule(lr=0.05, optimizer="adam")
+    data = RegressionData(n=n, batch_size=micro)
+    warmup = BatchWarmup(schedule or ConstantBatch(4), lr_rule="sqrt", seq_len=SEQ, max_tokens=max_tokens)
+    cbs = [warmup] + ([probe] if probe is not None else []) + list(callbacks)
+    trainer = pl.Trainer(callbacks=cbs, **trainer_kwargs(max_epochs=epochs, **fit))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data, ckpt_path=ckpt)
+    return trainer, module, warmup
+
+
+def fit_regression_with_val(module=None, probe=None, callbacks=(), epochs=2, data=None, **trainer_overrides):
+    """Fit the toy with global batch 4 under BatchWarmup (``warmup=`` to give another) on data with a
+    validation loader, validation off; returns (trainer, module)."""
+    pl.seed_everything(0, verbose=False)
+    module = module or RegressionModule(lr=0.05, optimizer="adam")
+    warmup = trainer_overrides.pop("warmup", None) or BatchWarmup(ConstantBatch(4), seq_len=SEQ)
+    cbs = [warmup] + ([probe] if probe is not None else []) + list(callbacks)
+    kwargs = trainer_kwargs(max_epochs=epochs, limit_val_batches=0)
+    kwargs.update(trainer_overrides)
+    trainer = pl.Trainer(callbacks=cbs, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data or RegressionDataWithVal(n=96, batch_size=2))
+    return trainer, module
+
+
+def optimizer_state(trainer):
+    opt = trainer.optimizers[0]
+    return {k: v.clone() if torch.is_tensor(v) else v for state in opt.state.values() for k, v in state.items()}
+
+
+def assert_same_main_run(a, b):
+    """Two ``fit_regression`` results trained the same main run: weights, optimizer state, data order, LRs, steps."""
+    (trainer_a, module_a, warmup_a), (trainer_b, module_b, warmup_b) = a, b
+    assert torch.equal(module_a.layer.weight, module_b.layer.weight)
+    state_a, state_b = optimizer_state(trainer_a), optimizer_state(trainer_b)
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        assert torch.equal(torch.as_tensor(state_a[key]), torch.as_tensor(state_b[key])), key
+    assert module_a.micro_batches == module_b.micro_batches  # data order
+    assert [s["lr"] for s in module_a.steps] == [s["lr"] for s in module_b.steps]
+    assert [len(s["indices"]) for s in module_a.steps] == [len(s["indices"]) for s in module_b.steps]
+    assert trainer_a.global_step == trainer_b.global_step
+    assert warmup_a.tokens_seen == warmup_b.tokens_seen
+
+
+def read_csv(path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def heldout_score(mean: float, spread: float, n: int = 16, seed: int = 0) -> BranchScore:
+    """A BranchScore of per-batch held-out losses: a shared batch difficulty (paired across branches)
+    plus branch noise."""
+    g = torch.Generator().manual_seed(seed)
+    difficulty = torch.linspace(-0.5, 0.5, n, dtype=torch.float64)
+    noise = spread * torch.randn(n, generator=g, dtype=torch.float64)
+    return BranchScore.heldout((mean + difficulty + noise - noise.mean()).tolist())

@@ -1,5 +1,6 @@
 """Measure the critical batch size (CBS) online by branched training (Merrill et al. 2025, arXiv 2505.23971).
 
+- ``config``: ``ProbeConfig``, the probe's settings, each with its unit, checked when made.
 - ``reading``: the k* rule, the CBS interval, bisection, the paired standard errors and the
   determined/undetermined judgement, and ``ProbeReading`` (one measurement); no Lightning.
 - ``snapshot``: ``TrainingSnapshot``, the in-memory copy of the training state a branch starts from.
@@ -20,7 +21,9 @@ _EXPORTS = {
     "BranchScore": "lit_cbs.probe.reading",
     "BranchTrainer": "lit_cbs.probe.branch",
     "CBSProbeCallback": "lit_cbs.probe.callback",
+    "DecisionRule": "lit_cbs.probe.reading",
     "ProbeAborted": "lit_cbs.probe.branch",
+    "ProbeConfig": "lit_cbs.probe.config",
     "ProbeReading": "lit_cbs.probe.reading",
     "RecordedWindow": "lit_cbs.probe.branch",
     "TrainingSnapshot": "lit_cbs.probe.snapshot",

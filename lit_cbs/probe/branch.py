@@ -35,6 +35,7 @@ from lightning.fabric.utilities.apply_func import apply_to_collection, move_data
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
@@ -93,8 +94,8 @@ class RecordedWindow:
     recorded_samples: int = 0  # samples per rank in `batches`
     step_losses: list[float] = field(default_factory=list)  # the main run's, one per optimizer step
     micro_losses: list[float] = field(default_factory=list)  # of the optimizer step in progress
-    checkpoints: list[int] = field(default_factory=list)  # samples (per rank) where the probe may end early
-    progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to a checkpoint
+    early_stop_samples: list[int] = field(default_factory=list)  # samples (per rank) where the probe may end early
+    progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to an early-stop point
     interrupted_at_tokens: int | None = None  # this probe was stopped once; its first window began there
 
     @property
@@ -116,9 +117,19 @@ class RecordedWindow:
         return self.replicates > 1 and self.recorded_samples == self.samples_per_rank
 
     @property
-    def at_checkpoint(self) -> bool:
+    def at_early_stop(self) -> bool:
         """Whether the main run has just reached a point where the probe may end early."""
-        return self.recorded_samples in self.checkpoints
+        return self.recorded_samples in self.early_stop_samples
+
+    @property
+    def checkpoints(self) -> list[int]:
+        warn_renamed("RecordedWindow.checkpoints", "RecordedWindow.early_stop_samples")
+        return self.early_stop_samples
+
+    @property
+    def at_checkpoint(self) -> bool:
+        warn_renamed("RecordedWindow.at_checkpoint", "RecordedWindow.at_early_stop")
+        return self.at_early_stop
 
     def tokens_of(self, samples_per_rank: int) -> int:
         """Tokens (global) in ``samples_per_rank`` samples of every rank."""
@@ -258,6 +269,37 @@ def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule,
     return written
 
 
+def cooldown_factor(step: int, steps: int, cooldown_steps: int) -> float:
+    """The LR factor of a branch's ``step`` (0-based) of ``steps``: 1, then over the last
+    ``cooldown_steps`` a linear decay towards 0 (1 - 1/(c+1), ..., 1 - c/(c+1))."""
+    if step < steps - cooldown_steps:
+        return 1.0
+    return 1.0 - (step - (steps - cooldown_steps) + 1) / (cooldown_steps + 1)
+
+
+@contextlib.contextmanager
+def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float):
+    """Every param group's LR times ``factor`` for the one step run inside (a branch's cooldown), then
+    the LRs as they were. The step must leave the LR where it was set: a module whose optimizer_step
+    writes it makes the run unprobeable (``ProbeUnusable``), as no branch k would train at
+    lr_rule(k) x the run's LR."""
+    saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] *= factor
+    yield
+    for optimizer, lrs in zip(optimizers, saved):
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if group["lr"] != lr * factor:
+                raise ProbeUnusable(
+                    f"the module's optimizer_step set the learning rate inside a probe branch "
+                    f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * factor:.4g}), so no branch trains at "
+                    "lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, "
+                    "TokenLRScheduler) instead of writing param_groups in optimizer_step"
+                )
+            group["lr"] = lr
+
+
 class HeldoutLoss:
     """The module's loss on one held-out batch, with no side effect on the module.
 
@@ -320,7 +362,7 @@ class BranchTrainer:
     def loss(self, window: RecordedWindow, k: float, keep: bool = False, replicate: int = 0) -> BranchScore:
         """Train batch k*B over the micro-batches ``window`` has recorded so far (of its ``replicate``-th
         window of data), from its start snapshot (or from where this branch stopped at an earlier
-        checkpoint), and score it. The model is left in the branch's end state; ``keep`` saves that
+        early-stop point), and score it. The model is left in the branch's end state; ``keep`` saves that
         state in ``window.progress``.
 
         Raises:
@@ -365,13 +407,11 @@ class BranchTrainer:
             window.start.restore(trainer, module)
             for opt in trainer.optimizers:
                 self.rules.apply(opt, [c.scheduler for c in trainer.lr_scheduler_configs], k)
-        optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
-        raw_optimizer = trainer.optimizers[0]
         schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
         offset = replicate * window.samples_per_rank
         steps = min(window.recorded_samples - offset, window.samples_per_rank) // step_samples
         batches = window.micro_batches(micro, steps * step_samples, offset)
-        cooldown = round(self.cooldown_fraction * steps)
+        cooldown_steps = round(self.cooldown_fraction * steps)
         tokens_per_step = window.tokens_of(step_samples)
         first_step = progress.steps if progress is not None else 0
         tokens = window.tokens + first_step * tokens_per_step
@@ -379,41 +419,8 @@ class BranchTrainer:
         module.train()
         for step in range(first_step, steps):
             first = step * micro_per_step
-
-            def closure(first=first):
-                total = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
-                for i in range(micro_per_step):
-                    last = i == micro_per_step - 1
-                    batch = move_data_to_device(batches[first + i], strategy.root_device)
-                    self.accounting.set_gradient_sync(last)
-                    with block_ddp_gradient_sync(strategy, block=not last):
-                        loss = self._agreed(lambda batch=batch, i=i: loss_of(strategy.training_step(batch, first + i)))
-                        self._agreed(lambda loss=loss: strategy.backward(loss / micro_per_step, raw_optimizer))
-                    total += loss.detach()
-                self.accounting.step_tokens.rescale(trainer, raw_optimizer, micro_per_step)  # token_mean_loss
-                step_loss = total / micro_per_step
-                if strategy.reduce_boolean_decision(not bool(torch.isfinite(step_loss)), all=False):
-                    raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
-                step_losses.append(float(step_loss))
-                return step_loss
-
-            self._agreed(functools.partial(module.optimizer_zero_grad, trainer.current_epoch, step, optimizer))
-            decay = 1.0 - (step - (steps - cooldown) + 1) / (cooldown + 1) if step >= steps - cooldown else 1.0
-            saved_lrs = [[group["lr"] for group in opt.param_groups] for opt in trainer.optimizers]
-            for opt in trainer.optimizers:
-                for group in opt.param_groups:
-                    group["lr"] *= decay
-            self._agreed(functools.partial(module.optimizer_step, trainer.current_epoch, step, optimizer, closure))
-            for opt, lrs in zip(trainer.optimizers, saved_lrs):
-                for group, lr in zip(opt.param_groups, lrs):
-                    if group["lr"] != lr * decay:
-                        raise ProbeUnusable(
-                            f"the module's optimizer_step set the learning rate inside a probe branch "
-                            f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * decay:.4g}), so no branch trains at "
-                            "lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, "
-                            "TokenLRScheduler) instead of writing param_groups in optimizer_step"
-                        )
-                    group["lr"] = lr
+            with lr_scaled_for_step(trainer.optimizers, cooldown_factor(step, steps, cooldown_steps), k):
+                self._step(step, first, batches[first : first + micro_per_step], step_losses)
             tokens += tokens_per_step
             self.tokens_trained += tokens_per_step
             for config in schedulers:
@@ -423,10 +430,47 @@ class BranchTrainer:
             stopping = trainer.received_sigterm or self.accounting.stop_signal is not None
             if strategy.reduce_boolean_decision(stopping, all=False):
                 raise ProbeAborted()
-        module.optimizer_zero_grad(trainer.current_epoch, steps, optimizer)
+        module.optimizer_zero_grad(trainer.current_epoch, steps, module.optimizers())
         if keep:
             window.progress[k] = BranchProgress(TrainingSnapshot(trainer, module, window.start.device), step_losses, steps)
         return step_losses
+
+    def _step(self, step: int, first: int, batches: list[Any], step_losses: list[float]) -> None:
+        """One optimizer step of a branch, through the module's hooks: zero the gradients, then its
+        ``optimizer_step``, whose closure (``_forward_backward``) runs the step's micro-batches
+        (``first``: the index of the first among the branch's) and appends the step's loss to ``step_losses``."""
+        trainer, module = self.trainer, self.pl_module
+        optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
+        closure = functools.partial(self._forward_backward, first, batches, step_losses)
+        self._agreed(functools.partial(module.optimizer_zero_grad, trainer.current_epoch, step, optimizer))
+        self._agreed(functools.partial(module.optimizer_step, trainer.current_epoch, step, optimizer, closure))
+
+    def _forward_backward(self, first: int, batches: list[Any], step_losses: list[float]) -> torch.Tensor:
+        """The closure of a branch step: each micro-batch's training_step and backward (gradients
+        synchronised on the last only), its loss the mean of theirs (nats). A failure is agreed across
+        ranks (``_agreed``); a non-finite loss on any rank fails the branch (``BranchFailed``)."""
+        trainer, strategy = self.trainer, self.trainer.strategy
+        raw_optimizer = trainer.optimizers[0]
+        count = len(batches)
+        total = torch.zeros((), dtype=torch.float64, device=strategy.root_device)
+        for i, batch in enumerate(batches):
+            last = i == count - 1
+            batch = move_data_to_device(batch, strategy.root_device)
+            self.accounting.set_gradient_sync(last)
+            with block_ddp_gradient_sync(strategy, block=not last):
+                loss = self._agreed(functools.partial(self._training_loss, batch, first + i))
+                self._agreed(functools.partial(strategy.backward, loss / count, raw_optimizer))
+            total += loss.detach()
+        self.accounting.step_tokens.rescale(trainer, raw_optimizer, count)  # token_mean_loss
+        step_loss = total / count
+        if strategy.reduce_boolean_decision(not bool(torch.isfinite(step_loss)), all=False):
+            raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
+        step_losses.append(float(step_loss))
+        return step_loss
+
+    def _training_loss(self, batch: Any, index: int) -> torch.Tensor:
+        """The module's training_step loss on one micro-batch, through the strategy's wrapped model."""
+        return loss_of(self.trainer.strategy.training_step(batch, index))
 
     @torch.no_grad()
     def _local_heldout_losses(self) -> list[float]:

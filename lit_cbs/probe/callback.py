@@ -22,8 +22,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +29,12 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
-from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import (
     BranchFailed,
     BranchTrainer,
@@ -45,19 +44,17 @@ from lit_cbs.probe.branch import (
     logging_muted,
     optimizer_step_writes_lr,
 )
+from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.heldout import load_heldout_batches
 from lit_cbs.probe.limits import RunEnd, run_end
 from lit_cbs.probe.plot import plot_cbs_curve
-from lit_cbs.probe.reading import EVALUATIONS, STRATEGIES, BranchScore, ProbeReading, max_branches, measure_losses
+from lit_cbs.probe.reading import BranchScore, ProbeReading, max_branches, measure_losses
 from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.rules.batch_schedules import CBSAdaptive
-from lit_cbs.rules.scaling import OptimizerRules
 
 JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"
-
-
-MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
+PROBE_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(ProbeConfig))
 
 
 class CBSProbeCallback(Callback):
@@ -69,57 +66,13 @@ class CBSProbeCallback(Callback):
     or ``BatchWarmup``).
 
     Args:
-        every_tokens: probe every this many tokens (global).
-        at_tokens: probe at these token counts.
-        geometric: ``(first_tokens, ratio)``: probe at first, first*ratio, ... (dense early, where
-            the CBS moves fast). Exactly one of the three must be given. A point passed while
-            another probe's window runs is probed as soon as that window ends.
-        multipliers: the grid of k (batch k*B for each branch), with 1 (the run's own batch) and at
-            least one more; fractions below 1 are used where k*B is a whole number of micro-batches on
-            every rank, skipped (and said) otherwise. A run where fewer than two fit at every batch of
-            its schedule is refused at its first batch.
-        window_tokens: Delta, the tokens every branch trains on (rounded down to a whole number
-            of steps of the largest branch).
-        epsilon: tolerance in nats of the k* rule (the paper: 0.01; see docs/tiny_workload.md for the noise
-            floor of small runs), below ``MAX_EPSILON`` (0.5).
-        confidence: one-sided confidence with which a k must be within ``epsilon`` of every smaller
-            k (and a larger k beyond it) for the reading to be determined; a reading the data cannot
-            decide is recorded as undetermined and CBSAdaptive does not act on it. 0.5 judges by the
-            mean losses alone (every reading determined).
-        ema_alpha: weight of the newest step loss in the EMA (the paper: 0.5).
-        lr_rule: LR factor for batch ratio k ("sqrt" for Adam, "linear" for SGD, ...).
-        weight_decay_rule, beta2_rule: how each branch's weight decay and beta2 move for batch ratio
-            k, as in ``BatchWarmup`` ("timescale", "half_life", or None: unchanged). Beside a BatchWarmup
-            whose batch changes, the three rules must be the BatchWarmup's: a branch at k x B measures
-            what the run would train after growing its batch k-fold.
-        strategy: "grid" (every k, the paper's protocol) or "bisect" (main run as the k=1
-            baseline, bisection over the rest; assumes recovery is monotone in k).
-        evaluate: "train_ema" (the paper) or "heldout": the loss on the first ``heldout_batches``
-            batches of the run's validation data at the window's end, the same batches for every
-            branch (paired standard errors). The loss comes from the module's ``probe_loss(batch)``
-            if it has one, else its ``validation_step`` if that returns a loss, else its
-            ``training_step``; metrics, logs and RNG streams are left as they were.
-        cooldown_fraction: decay every branch's LR linearly towards 0 over this share of its last
-            steps (k = 1 is then trained as a branch too, since the main run does not cool down).
-            Compares branches after an equal short LR decay instead of at a constant LR, where a
-            larger batch gains for a while from its lower gradient noise alone.
-        early_stop: fractions of the window (e.g. ``(0.25, 0.5)``) where the probe is tried before the
-            window's end: the first at which the reading is determined ends the window there; an
-            undetermined one lets the main run go on while the branches resume from where they
-            stopped (their states are kept on ``snapshot_device`` meanwhile, one per branch).
-        replicates: train each measured k on this many disjoint windows of the run's data, one after
-            the other in its order, each from the same start (``window_tokens`` each, so the probe's
-            window runs ``replicates`` x ``window_tokens`` of the main run and its branches cost about
-            ``replicates`` times as much; k = 1 trains as a branch on every window but the first).
-            Each comparison's standard error then adds how much it moves from one window of data to
-            the next, which the held-out SE alone does not cover; its share is in the reading's
-            ``replicate_se``. 1 (the default) turns it off. Needs ``evaluate="heldout"``.
-        max_overhead: skip a probe that would bring probe tokens above this fraction of the
-            training tokens.
-        snapshot_device: where snapshots and recorded batches live ("cpu" keeps accelerator
-            memory free).
-        output_dir: where ``cbs_probe.jsonl`` and ``cbs_curve.png`` go (default: the logger's
-            log_dir; without a logger nothing is written and the readings stay in ``history``).
+        config: the probe's settings (``ProbeConfig``: where to probe, the grid of k, the window,
+            the k* rule, how branches are scored), checked when it is made.
+        **settings: ``ProbeConfig``'s fields as keywords instead (as Hydra's ``_target_`` passes
+            them); not both. ``strategy=`` is the old name of ``search=`` (until lit_cbs 0.4).
+
+    Settings are read back as attributes too (``probe.multipliers`` is ``probe.config.multipliers``);
+    they are set through the config only.
 
     Attributes:
         history: one ``ProbeReading`` per finished probe.
@@ -130,103 +83,13 @@ class CBSProbeCallback(Callback):
 
     feeds_cbs_adaptive = True  # BatchWarmup lets a CBSAdaptive schedule start only beside a callback that feeds it
 
-    def __init__(
-        self,
-        every_tokens: int | None = None,
-        at_tokens: Sequence[int] | None = None,
-        geometric: tuple[int, float] | None = None,
-        multipliers: Sequence[float] = (1, 2, 4, 8),
-        window_tokens: int = 1_000_000,
-        epsilon: float = 0.01,
-        confidence: float = 0.9,
-        ema_alpha: float = 0.5,
-        lr_rule="sqrt",
-        strategy: str = "grid",
-        evaluate: str = "train_ema",
-        heldout_batches: int = 8,
-        cooldown_fraction: float = 0.0,
-        early_stop: Sequence[float] | None = None,
-        max_overhead: float | None = None,
-        snapshot_device: str = "cpu",
-        output_dir: str | os.PathLike | None = None,
-        weight_decay_rule: str | None = None,
-        beta2_rule: str | None = None,
-        replicates: int = 1,
-    ):
-        if sum(x is not None for x in (every_tokens, at_tokens, geometric)) != 1:
-            raise LitCBSConfigError("give exactly one of every_tokens, at_tokens or geometric=(first_tokens, ratio)")
-        self.every_tokens = positive_int("every_tokens", every_tokens, "tokens", optional=True)
-        if at_tokens is not None:
-            at_tokens = sorted(int(t) for t in at_tokens)
-            if not at_tokens or at_tokens[0] <= 0:
-                raise LitCBSConfigError(f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
-        if geometric is not None:
-            first, ratio = geometric
-            if not (first > 0 and ratio > 1):
-                raise LitCBSConfigError(f"geometric={geometric!r} needs first_tokens > 0 and ratio > 1")
-        multipliers = list(multipliers)
-        if not multipliers or any(isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers):
-            raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
-        if len(set(multipliers)) != len(multipliers):
-            raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
-        if len(multipliers) < 2:
+    def __init__(self, config: ProbeConfig | None = None, **settings: Any):
+        if config is not None and settings:
             raise LitCBSConfigError(
-                f"multipliers={multipliers!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
+                f"CBSProbeCallback: give a ProbeConfig or its fields as keywords, not both (got config and {sorted(settings)})"
             )
-        if not 0.5 <= confidence < 1:
-            raise LitCBSConfigError(f"confidence={confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)")
-        if not 0 <= cooldown_fraction < 1:
-            raise LitCBSConfigError(f"cooldown_fraction={cooldown_fraction} must lie in [0, 1) (share of a branch's steps)")
-        early_stop = sorted(float(f) for f in early_stop) if early_stop is not None else []
-        if not all(0 < f < 1 for f in early_stop):
-            raise LitCBSConfigError(f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]")
-        if early_stop and cooldown_fraction:
-            raise LitCBSConfigError(
-                "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
-            )
-        if not 0 <= epsilon < MAX_EPSILON:
-            raise LitCBSConfigError(
-                f"epsilon={epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch counts as "
-                f"recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and the reading "
-                "means nothing"
-            )
-        if not 0 < ema_alpha <= 1:
-            raise LitCBSConfigError(f"ema_alpha={ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
-        self.strategy = one_of("strategy", strategy, STRATEGIES)
-        if strategy == "bisect" and 1 not in multipliers:
-            raise LitCBSConfigError("strategy='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
-        if 1 not in multipliers:
-            raise LitCBSConfigError(
-                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of "
-                "the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves and "
-                "says nothing about the run: include 1"
-            )
-        self.at_tokens = at_tokens
-        self.geometric = tuple(geometric) if geometric is not None else None
-        self.multipliers = sorted(float(k) for k in multipliers)
-        self.window_tokens = positive_int("window_tokens", window_tokens, "tokens")
-        self.epsilon = float(epsilon)
-        self.confidence = float(confidence)
-        self.cooldown_fraction = float(cooldown_fraction)
-        self.early_stop = early_stop
-        self.ema_alpha = float(ema_alpha)
-        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
-        self.evaluate = one_of("evaluate", evaluate, EVALUATIONS)
-        self.heldout_batches = positive_int("heldout_batches", heldout_batches, "validation batches")
-        self.replicates = positive_int("replicates", replicates, "data windows per measured k")
-        if self.replicates > 1 and self.evaluate != "heldout":
-            raise LitCBSConfigError(
-                f"replicates={replicates} compares each k on the same held-out batches across data windows: set "
-                "evaluate='heldout' (or replicates=1)"
-            )
-        if self.replicates > 1 and early_stop:
-            raise LitCBSConfigError(
-                f"early_stop={early_stop!r} and replicates={replicates} cannot be combined (a reading cut short has not "
-                "trained its later windows): drop one"
-            )
-        self.max_overhead = positive_number("max_overhead", max_overhead, "probe tokens / training tokens", optional=True)
-        self.snapshot_device = snapshot_device
-        self.output_dir = Path(output_dir) if output_dir is not None else None
+        renamed_argument(settings, "strategy", "search", "CBSProbeCallback")
+        self.config = config if config is not None else ProbeConfig(**settings)
 
         self.history: list[ProbeReading] = []
         self.failures: list[dict] = []  # probes that found the run cannot be probed: tokens, step, reason
@@ -246,25 +109,39 @@ class CBSProbeCallback(Callback):
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        # The settings read as before ProbeConfig: probe.multipliers is probe.config.multipliers.
+        config = self.__dict__.get("config")
+        if config is not None and name in PROBE_CONFIG_FIELDS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in PROBE_CONFIG_FIELDS:  # the callback reads its config: an attribute beside it would be ignored
+            raise AttributeError(
+                f"CBSProbeCallback.{name} is read from its ProbeConfig: give it when making the probe, or set "
+                f"probe.config = dataclasses.replace(probe.config, {name}=...) before training"
+            )
+        super().__setattr__(name, value)
+
+    @property
+    def strategy(self) -> str:
+        warn_renamed("CBSProbeCallback.strategy", "CBSProbeCallback.config.search")
+        return self.config.search
+
     @property
     def span_tokens(self) -> int:
-        """Tokens of the main run one probe records (``replicates`` windows of ``window_tokens``, at most)."""
-        return self.window_tokens * self.replicates
+        """Tokens of the main run one probe records (``ProbeConfig.span_tokens``)."""
+        return self.config.span_tokens
 
     @property
     def lr_rule(self):
-        """The LR rule (``rules.lr``)."""
-        return self.rules.lr
+        """The LR rule (``config.rules.lr``)."""
+        return self.config.rules.lr
 
-    # ------------------------------------------------------------------ probe points
     def probe_point(self, index: int) -> float:
-        """Token count of the index-th probe (0-based); inf past the last of ``at_tokens``."""
-        if self.every_tokens is not None:
-            return self.every_tokens * (index + 1)
-        if self.at_tokens is not None:
-            return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
-        first, ratio = self.geometric
-        return round(first * ratio**index)
+        """Token count of the index-th probe (0-based; ``ProbeConfig.probe_point``)."""
+        return self.config.probe_point(index)
 
     # ------------------------------------------------------------------ checks before training
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -278,9 +155,9 @@ class CBSProbeCallback(Callback):
         self._accounting = BatchAccounting.attach(trainer)
         self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
         warmup = self._warmup
-        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.rules.names():
+        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.config.rules.names():
             raise LitCBSConfigError(
-                f"CBSProbeCallback({self.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
+                f"CBSProbeCallback({self.config.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
                 "differently at a batch change, so a branch at k x B would not train as the run does after growing its "
                 "batch k-fold: give both the same lr_rule, weight_decay_rule and beta2_rule"
             )
@@ -288,33 +165,33 @@ class CBSProbeCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before any data is read: every multiplier's LR rule must apply to the optimizer and its schedulers."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        ratios = list(self.multipliers)
+        ratios = list(self.config.multipliers)
         warmup = self._warmup
-        if warmup is not None and warmup.lr_rule.name == self.lr_rule.name == "adam_sde":
+        if warmup is not None and warmup.lr_rule.name == self.config.rules.lr.name == "adam_sde":
             # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
             sizes = warmup.schedule.sizes()
             ratios = [k * max(sizes) / min(sizes) for k in ratios]
-        who = f"CBSProbeCallback({self.rules.describe()}, multipliers=[{', '.join(f'{k:g}' for k in self.multipliers)}])"
+        who = f"CBSProbeCallback({self.config.rules.describe()}, multipliers=[{', '.join(f'{k:g}' for k in self.config.multipliers)}])"
         for optimizer in trainer.optimizers:
-            self.rules.check(optimizer, schedulers, ratios, who)
+            self.config.rules.check(optimizer, schedulers, ratios, who)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
         if max_tokens is not None:  # known before any data is read; max_steps and max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
-        if self.evaluate == "heldout":
-            self._heldout = load_heldout_batches(trainer, self.heldout_batches, self.snapshot_device)
-            if len(self._heldout) < self.heldout_batches:
+        if self.config.evaluate == "heldout":
+            self._heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
+            if len(self._heldout) < self.config.heldout_batches:
                 rank_zero_warn(
-                    f"CBSProbeCallback: heldout_batches={self.heldout_batches} but the validation data has "
+                    f"CBSProbeCallback: heldout_batches={self.config.heldout_batches} but the validation data has "
                     f"{len(self._heldout)} batches (per rank); the readings' error bars rest on those {len(self._heldout)}"
                 )
         self._batch_checked = False
         # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once. Without a logger
         # and without output_dir the readings stay in `history` (no files in the working directory).
         log_dir = trainer.log_dir if trainer.loggers else None
-        self._resolved_output_dir = self.output_dir or (Path(log_dir) if log_dir else None)
+        self._resolved_output_dir = self.config.output_dir or (Path(log_dir) if log_dir else None)
         if self._resolved_output_dir is None:
             rank_zero_info("CBSProbeCallback: no logger and no output_dir; readings are kept in .history only")
         elif trainer.is_global_zero:
@@ -322,7 +199,7 @@ class CBSProbeCallback(Callback):
         if (
             self._resumed
             and not self._accounting.budget_reached
-            and self._accounting.tokens_seen >= self.probe_point(self.probes_started)
+            and self._accounting.tokens_seen >= self.config.probe_point(self.probes_started)
         ):
             # Resumed where a probe was due, or inside one that was stopped: it starts here, before the first batch,
             # as the uninterrupted run started it right after this step.
@@ -346,20 +223,19 @@ class CBSProbeCallback(Callback):
         return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
 
     def _check_first_point(self, end: RunEnd) -> None:
-        """Refuse a schedule whose next probe point lies at or past the run's latest end; a resumed run
-        past its last probe point just goes on without one."""
-        first = self.probe_point(self.probes_started)
-        if end.latest is None or first < end.latest:
+        """Refuse a schedule whose next probe point lies at or past the run's latest end
+        (``ProbeConfig.check_inside_run``); a resumed run past its last probe point just goes on without one."""
+        if end.latest is None:
             return
-        if self._resumed:
+        try:
+            self.config.check_inside_run(end.latest, end.limit, next_probe=self.probes_started)
+        except LitCBSConfigError:
+            if not self._resumed:
+                raise
             rank_zero_info(
-                f"CBSProbeCallback: no probe point is left in the rest of this run (the next is at {first:,.0f} tokens; "
-                f"the run ends by {end.limit} at {end.latest:,} tokens or sooner)"
-            )
-        else:
-            raise LitCBSConfigError(
-                f"no probe point lies inside the run: the first is at {first:,.0f} tokens but the run ends by "
-                f"{end.limit} at {end.latest:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
+                f"CBSProbeCallback: no probe point is left in the rest of this run (the next is at "
+                f"{self.config.probe_point(self.probes_started):,.0f} tokens; the run ends by {end.limit} at "
+                f"{end.latest:,} tokens or sooner)"
             )
 
     def _check_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
@@ -382,11 +258,11 @@ class CBSProbeCallback(Callback):
                 "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
                 "optimizer_step, or drop the probe"
             )
-        largest_step = max(self.multipliers) * batch * seq_len
-        if self.window_tokens < largest_step:
+        largest_step = max(self.config.multipliers) * batch * seq_len
+        if self.config.window_tokens < largest_step:
             raise LitCBSConfigError(
-                f"window_tokens={self.window_tokens} is smaller than one step of the largest branch "
-                f"(k={max(self.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
+                f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
+                f"(k={max(self.config.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
                 "raise window_tokens or drop the largest multipliers"
             )
         self._check_first_point(self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1))
@@ -394,13 +270,13 @@ class CBSProbeCallback(Callback):
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
         sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
-        if max(len([k for k in self.multipliers if self._branch_micro_batch(k, size) is not None]) for size in sizes) < 2:
+        if max(len([k for k in self.config.multipliers if self._branch_micro_batch(k, size) is not None]) for size in sizes) < 2:
             raise LitCBSConfigError(
-                f"multipliers={[f'{k:g}' for k in self.multipliers]}: at most one of them gives a batch that is a whole "
+                f"multipliers={[f'{k:g}' for k in self.config.multipliers]}: at most one of them gives a batch that is a whole "
                 f"number of micro-batches ({accounting.micro_batch_size} samples on each of {accounting.data_parallel_size} "
                 f"ranks) at the run's global batches {sizes}, and one batch brackets no CBS: give at least two that fit, e.g. [1, 2]"
             )
-        too_small = [k for k in self.multipliers if self._branch_micro_batch(k, batch) is None]
+        too_small = [k for k in self.config.multipliers if self._branch_micro_batch(k, batch) is None]
         if too_small:
             rank_zero_warn(
                 f"multipliers {too_small} give batches that are not a whole number of micro-batches "
@@ -414,7 +290,7 @@ class CBSProbeCallback(Callback):
             self._batch_checked = True
             self._check_batch(trainer, pl_module, batch_idx)
         if self._window is not None:
-            self._window.record_batch(batch, self.snapshot_device)
+            self._window.record_batch(batch, self.config.snapshot_device)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         window = self._window
@@ -430,9 +306,9 @@ class CBSProbeCallback(Callback):
             if window.first_window_complete and self._accounting.global_batch == window.batch_size:
                 with self._accounting.branching():  # the main run is the k = 1 branch of the first window
                     self._first_window_main = self._branches.score(window.step_losses)
-            if window.complete or window.at_checkpoint:
+            if window.complete or window.at_early_stop:
                 self._finish_probe(trainer, pl_module)
-        elif not self._deferred and self._accounting.tokens_seen >= self.probe_point(self.probes_started):
+        elif not self._deferred and self._accounting.tokens_seen >= self.config.probe_point(self.probes_started):
             self._start_probe(trainer, pl_module, batch_idx)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -450,7 +326,7 @@ class CBSProbeCallback(Callback):
                 batch_changes,
                 self._resolved_output_dir / PLOT_FILE,
                 self._accounting.tokens_seen,
-                self.epsilon,
+                self.config.epsilon,
             )
             log_figures(trainer.loggers, [path], trainer.global_step)
 
@@ -472,7 +348,7 @@ class CBSProbeCallback(Callback):
         """The ks whose batch k*B is a whole number of micro-batches on every rank and fits the window."""
         return [
             k
-            for k in self.multipliers
+            for k in self.config.multipliers
             if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples
         ]
 
@@ -488,7 +364,7 @@ class CBSProbeCallback(Callback):
             )
         pending = self.probes_started
         self.probes_started += 1
-        while self.probe_point(self.probes_started) <= tokens:
+        while self.config.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
         if self.failures:
             return  # a probe found this run cannot be probed: no later one would fare better
@@ -501,7 +377,7 @@ class CBSProbeCallback(Callback):
             return
         batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
         seq_len = accounting.seq_len
-        window_samples = self.window_tokens // seq_len
+        window_samples = self.config.window_tokens // seq_len
         ks = self._usable_multipliers(batch_size, window_samples)
         if len(ks) < 2 or 1.0 not in ks:
             rank_zero_warn(
@@ -513,43 +389,45 @@ class CBSProbeCallback(Callback):
         window_samples = int(window_samples // largest * largest)
         window_tokens = window_samples * seq_len
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
-        if end.earliest is not None and tokens + window_tokens * self.replicates > end.earliest:
+        if end.earliest is not None and tokens + window_tokens * self.config.replicates > end.earliest:
             # The main run would stop inside the window and take its snapshot and data with it. The point stays
             # due: a run resumed from this one's last checkpoint (after trainer.max_steps, say) takes it at its start.
             rank_zero_info(
-                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens * self.replicates:,} tokens would end past the "
+                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens * self.config.replicates:,} tokens would end past the "
                 f"run's end ({end.describe()}); a run resumed from this one's last checkpoint starts it there"
             )
             self.probes_started, self._deferred = pending, True
             return
-        if self.max_overhead is not None:
-            expected_cost = max_branches(self.strategy, len(ks)) * window_tokens * self.replicates
-            overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens * self.replicates)
-            if overhead > self.max_overhead:
+        if self.config.max_overhead is not None:
+            expected_cost = max_branches(self.config.search, len(ks)) * window_tokens * self.config.replicates
+            overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens * self.config.replicates)
+            if overhead > self.config.max_overhead:
                 rank_zero_info(
                     f"CBS probe at {tokens:,} tokens skipped: it would bring probe overhead to "
-                    f"{overhead:.2f} > max_overhead={self.max_overhead}"
+                    f"{overhead:.2f} > max_overhead={self.config.max_overhead}"
                 )
                 return
         largest_step = round(largest) // world  # samples per rank
         length = window_samples // world
-        checkpoints = sorted({int(f * length) // largest_step * largest_step for f in self.early_stop} - {0, length})
+        early_stop_samples = sorted(
+            {int(f * length) // largest_step * largest_step for f in self.config.early_stop} - {0, length}
+        )
         self._branches = BranchTrainer(
             trainer,
             pl_module,
             accounting,
-            self.rules,
-            self.evaluate,
-            self.ema_alpha,
+            self.config.rules,
+            self.config.evaluate,
+            self.config.ema_alpha,
             micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size),
             heldout=self._heldout,
-            cooldown_fraction=self.cooldown_fraction,
+            cooldown_fraction=self.config.cooldown_fraction,
         )
         self._trained, self._failed, self._first_window_main = [], [], None
         with accounting.branching():  # the copy is probe work, not the main run's time
-            start = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
+            start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
         self._window = RecordedWindow(
-            checkpoints=checkpoints,
+            early_stop_samples=early_stop_samples,
             tokens=tokens,
             step=trainer.global_step,
             batch_size=batch_size,
@@ -560,20 +438,20 @@ class CBSProbeCallback(Callback):
             multipliers=ks,
             window_samples=window_samples,
             start=start,
-            replicates=self.replicates,
+            replicates=self.config.replicates,
             interrupted_at_tokens=interrupted[0] if interrupted is not None and interrupted[0] != tokens else None,
         )
         accounting.probe_window_step = trainer.global_step
 
     def _finish_probe(self, trainer, pl_module) -> None:
         """Train and score the branches over the window recorded so far; record the reading if the
-        window is complete or the reading is determined at an early-stop checkpoint."""
+        window is complete or the reading is determined at an early-stop point."""
         window, branches, accounting = self._window, self._branches, self._accounting
         final = window.complete
         main_changed_batch = accounting.global_batch != window.batch_size
         spent_before = branches.tokens_trained
 
-        main_is_baseline = self.strategy == "bisect" and not self.cooldown_fraction
+        main_is_baseline = self.config.search == "bisect" and not self.config.cooldown_fraction
 
         def measure_window(k: float, replicate: int) -> BranchScore:
             if k == 1.0 and main_is_baseline and replicate == 0:
@@ -600,11 +478,11 @@ class CBSProbeCallback(Callback):
             return BranchScore.replicated(scores)
 
         with accounting.branching():  # probe work: not the main run's time or gradients
-            after_window = TrainingSnapshot(trainer, pl_module, self.snapshot_device)
+            after_window = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
             try:
                 main_score = branches.score(window.step_losses)
                 with logging_muted(pl_module):
-                    scores = measure_losses(self.strategy, window.multipliers, measure, self.epsilon)
+                    scores = measure_losses(self.config.search, window.multipliers, measure, self.config.epsilon)
             except ProbeAborted:
                 rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
                 self._interrupted, self._window = (window.tokens, window.step), None
@@ -623,28 +501,27 @@ class CBSProbeCallback(Callback):
         self.tokens_spent += branches.tokens_trained - spent_before
         reading = ProbeReading.decide(
             scores,
-            self.epsilon,
-            self.confidence,
+            self.config.rule,
             window.multipliers,
             window.batch_size,
             tokens=window.tokens,
             step=window.step,
             seq_len=window.seq_len,
             window_tokens=window.tokens_of(min(window.recorded_samples, window.samples_per_rank)),
-            strategy=self.strategy,
-            evaluate=self.evaluate,
+            strategy=self.config.search,
+            evaluate=self.config.evaluate,
             main_loss=main_score.loss,
             branches_trained=list(self._trained),
             failed=list(self._failed),
             tokens_spent=branches.tokens_trained,
             overhead=self.tokens_spent / max(1, accounting.tokens_seen),
-            cooldown_fraction=self.cooldown_fraction,
+            cooldown_fraction=self.config.cooldown_fraction,
             planned_window_tokens=window.window_tokens,
             interrupted_at_tokens=window.interrupted_at_tokens,
             replicates=window.replicates,
         )
         if not (final or reading.determined):
-            return  # undetermined at an early-stop checkpoint: the window goes on
+            return  # undetermined at an early-stop point: the window goes on
         self._window = None
         accounting.probe_window_step = None
         self._feed_adaptive_schedule(reading)

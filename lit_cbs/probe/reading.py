@@ -32,9 +32,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from lit_cbs._deprecation import warn_renamed
 from lit_cbs.analysis.curves import ema
 
-STRATEGIES = ("grid", "bisect")
+SEARCHES = ("grid", "bisect")  # which multipliers a probe trains (ProbeConfig.search)
 EVALUATIONS = ("train_ema", "heldout")
 # How a reading's standard errors were made (ProbeReading.se_method).
 SE_PAIRED = "paired held-out batches"
@@ -158,6 +159,16 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
 
 
 @dataclass(frozen=True)
+class DecisionRule:
+    """The k* rule's settings: the tolerance ``epsilon`` (nats) within which a larger batch recovers
+    the loss, and the one-sided ``confidence`` in [0.5, 1) at which a reading counts as determined
+    (0.5 judges by the mean losses alone)."""
+
+    epsilon: float = 0.01
+    confidence: float = 0.9
+
+
+@dataclass(frozen=True)
 class Decision:
     """k* from the mean losses, whether the data decide it at ``confidence``, and each measured
     k's SE of L_k - L_base (base: the smallest measured k)."""
@@ -237,10 +248,10 @@ def cbs_interval(k_star: float, multipliers: Sequence[float], batch_size: int) -
     return lower, upper, math.sqrt(lower * upper)
 
 
-def max_branches(strategy: str, multipliers: int) -> int:
+def max_branches(search: str, multipliers: int) -> int:
     """Branches one probe trains at most: every multiplier for "grid"; for "bisect", one baseline
     branch plus ceil(log2(multipliers)) others."""
-    return multipliers if strategy == "grid" else 1 + math.ceil(math.log2(max(2, multipliers)))
+    return multipliers if search == "grid" else 1 + math.ceil(math.log2(max(2, multipliers)))
 
 
 def ema_last(values: Sequence[float], alpha: float) -> float:
@@ -251,9 +262,9 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
 
 
 def measure_losses(
-    strategy: str, multipliers: Sequence[float], measure: Callable[[float], BranchScore], epsilon: float
+    search: str, multipliers: Sequence[float], measure: Callable[[float], BranchScore], epsilon: float
 ) -> dict[float, BranchScore]:
-    """The score of each multiplier the strategy needs, from ``measure(k)``.
+    """The score of each multiplier the ``search`` ("grid" or "bisect") needs, from ``measure(k)``.
 
     "grid" measures every k. "bisect" measures the smallest k, then bisects the rest of the (sorted)
     grid for the largest admissible k, assuming the admissible ks are a prefix of the grid: about
@@ -261,7 +272,7 @@ def measure_losses(
     how sure the answer is, ``decide`` says afterwards.
     """
     ks = sorted(multipliers)
-    if strategy == "grid":
+    if search == "grid":
         return {k: measure(k) for k in ks}
     scores = {ks[0]: measure(ks[0])}
     low, high = 0, len(ks) - 1  # ks[low] is admissible; k* lies in ks[low..high]
@@ -310,7 +321,7 @@ class ProbeReading:
     batch_size: int  # the main run's global batch B over the window
     seq_len: int  # tokens per sample
     window_tokens: int  # tokens every branch trained on
-    strategy: str  # "grid" or "bisect"
+    strategy: str  # the probe's search, "grid" or "bisect" (ProbeConfig.search; the record keeps its old name)
     evaluate: str  # "train_ema" or "heldout"
     losses: dict[str, float | None]  # per multiplier ("2" for k = 2); None for a failed branch
     main_loss: float  # the main run's own loss over the window (the k = 1 run)
@@ -341,16 +352,27 @@ class ProbeReading:
     def decide(
         cls,
         scores: dict[float, BranchScore],
-        epsilon: float,
-        confidence: float,
+        rule: DecisionRule,
         multipliers: Sequence[float],
         batch_size: int,
+        *old_positional,
         **fields,
     ) -> ProbeReading:
         """Apply the k* rule to ``scores`` (per multiplier k; a failed branch has loss inf or NaN),
-        judge it at ``confidence`` and bracket the CBS on the grid ``multipliers`` around batch
-        ``batch_size``; ``fields`` gives the rest of the reading."""
-        decision = decide(scores, epsilon, confidence)
+        judge it at ``rule.confidence`` and bracket the CBS on the grid ``multipliers`` around batch
+        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured).
+
+        ``decide(scores, epsilon, confidence, multipliers, batch_size, ...)``, the form before
+        ``DecisionRule``, still works until lit_cbs 0.4, with a warning."""
+        if not isinstance(rule, DecisionRule):
+            warn_renamed(
+                "ProbeReading.decide(scores, epsilon, confidence, multipliers, batch_size)",
+                "ProbeReading.decide(scores, DecisionRule(epsilon, confidence), multipliers, batch_size)",
+            )
+            rule, (multipliers, batch_size) = DecisionRule(rule, multipliers), (batch_size, *old_positional)
+        elif old_positional:
+            raise TypeError("ProbeReading.decide takes 4 positional arguments; give the reading's fields by name")
+        decision = decide(scores, rule.epsilon, rule.confidence)
         lower, upper, estimate = cbs_interval(decision.k_star, multipliers, batch_size)
         paired = any(s.batch_losses for s in scores.values())
         replicated = any(s.replicate_losses for s in scores.values())
@@ -363,7 +385,7 @@ class ProbeReading:
             cbs_upper=upper,
             cbs_estimate=estimate,
             determined=decision.determined,
-            confidence=confidence,
+            confidence=rule.confidence,
             loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},
             se_method=SE_REPLICATED if replicated else SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
             batch_losses={f"{k:g}": list(s.batch_losses) for k, s in sorted(scores.items()) if s.batch_losses},
@@ -371,7 +393,7 @@ class ProbeReading:
             replicate_batch_losses={
                 f"{k:g}": [list(w) for w in s.replicate_losses] for k, s in sorted(scores.items()) if s.replicate_losses
             },
-            epsilon=epsilon,
+            epsilon=rule.epsilon,
             **fields,
         )
 

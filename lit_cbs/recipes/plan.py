@@ -393,10 +393,10 @@ def probe_plan(
         snapshot_bytes=snapshot,
         window_bytes=window_samples_per_rank * sample_bytes,
         heldout_bytes=heldout,
-        max_branches=max_branches(probe.strategy, len(probe.multipliers)),
+        max_branches=max_branches(probe.config.search, len(probe.multipliers)),
         window_tokens=probe.window_tokens,
         replicates=probe.replicates,
-        snapshots=2 + (max_branches(probe.strategy, len(probe.multipliers)) if probe.early_stop else 0),
+        snapshots=2 + (max_branches(probe.config.search, len(probe.multipliers)) if probe.early_stop else 0),
     )
 
 

@@ -29,7 +29,7 @@ from lit_cbs.analysis.forecast import (
 )
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import CausalLM
-from lit_cbs.probe.reading import BranchScore, ProbeReading
+from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
 
 ROOT = Path(__file__).resolve().parents[2]
 GRID = [2**j for j in range(16)]  # the batches probes bracket with: 1, 2, 4, ... samples
@@ -92,8 +92,7 @@ def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01
     scores = {k: BranchScore.heldout(losses) for k, losses in batch_losses.items()}
     record = ProbeReading.decide(
         scores,
-        epsilon,
-        confidence,
+        DecisionRule(epsilon, confidence),
         sorted(batch_losses),
         16,
         tokens=65536,

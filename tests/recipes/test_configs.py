@@ -134,7 +134,7 @@ def text_folder(tmp_path_factory):
         ),
         (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
         (["batch.schedule.unit=token"], "batch.schedule.unit='token' is not supported"),
-        (["callbacks.cbs_probe.strategy=binary"], "callbacks.cbs_probe.strategy='binary'"),
+        (["callbacks.cbs_probe.search=binary"], "callbacks.cbs_probe.search='binary'"),
         (
             ["callbacks.cbs_probe.replicates=2", "callbacks.cbs_probe.evaluate=train_ema"],
             "callbacks.cbs_probe.replicates=2 compares each k on the same held-out batches",

@@ -161,7 +161,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         value.nbytes for states, _ in taken.optimizers for state in states.values() for value in state.values()
     )
     probe = CBSProbeCallback(
-        at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], strategy="bisect", evaluate="heldout", heldout_batches=2
+        at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], search="bisect", evaluate="heldout", heldout_batches=2
     )
     plan = probe_plan(
         probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
@@ -176,7 +176,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         at_tokens=[64, 640],
         window_tokens=256,
         multipliers=[1, 2, 4],
-        strategy="bisect",
+        search="bisect",
         evaluate="heldout",
         heldout_batches=2,
         early_stop=[0.5],
@@ -190,7 +190,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         at_tokens=[64, 640],
         window_tokens=256,
         multipliers=[1, 2, 4],
-        strategy="bisect",
+        search="bisect",
         evaluate="heldout",
         heldout_batches=2,
         replicates=2,

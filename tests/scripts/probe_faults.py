@@ -5,7 +5,7 @@ Usage: ``python tests/scripts/probe_faults.py OUTDIR MODE`` with MODE "none" (no
 runs out of memory) or "error" (rank 1 raises a ValueError). Lightning relaunches this script for
 rank 1, so it must run as a script, not inside pytest. Every rank saves its probe readings and final
 weights, or the exception it stopped with, to ``OUTDIR/rank{rank}.pt`` for
-tests/probe/test_probe_distributed.py to check.
+tests/probe/test_distributed.py to check.
 """
 
 from __future__ import annotations

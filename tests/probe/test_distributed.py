@@ -16,7 +16,7 @@ import pytest
 import torch
 from launch import subprocess_env
 from lightning.pytorch.callbacks import Callback
-from toys import RegressionData, RegressionModule, trainer_kwargs
+from toys import RegressionDataWithVal, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 
@@ -39,11 +39,6 @@ class SaveRankResult(Callback):
         )
 
 
-class RegressionDataWithVal(RegressionData):
-    def val_dataloader(self):
-        return torch.utils.data.DataLoader(self.dataset, batch_size=4)
-
-
 def fit_ddp(outdir: Path, probe: CBSProbeCallback | None) -> list[dict]:
     outdir.mkdir()
     callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), SaveRankResult(outdir)]
@@ -56,7 +51,7 @@ def fit_ddp(outdir: Path, probe: CBSProbeCallback | None) -> list[dict]:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionDataWithVal(n=96, batch_size=2))
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionDataWithVal(n=96, batch_size=2, val_batch_size=4))
     return [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
@@ -69,7 +64,7 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
             every_tokens=256,
             multipliers=(1, 2),
             window_tokens=64,
-            strategy="bisect",
+            search="bisect",
             evaluate="heldout",
             heldout_batches=2,
             replicates=2,

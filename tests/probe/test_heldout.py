@@ -1,10 +1,9 @@
-"""What the CBS probe reads as training starts: the held-out batches (lit_cbs.probe.heldout) and the token count
-at which the run ends (lit_cbs.probe.limits) and what the probe makes of it, on real Trainers and DataLoaders."""
+"""load_heldout_batches (lit_cbs.probe.heldout): the held-out batches come from each source of
+validation data and reading them changes no random state; too few are said."""
 
 from __future__ import annotations
 
 import random
-import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -12,27 +11,13 @@ import numpy as np
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, IterableDataset
-from toys import IndexedRegression, RegressionData, RegressionModule, trainer_kwargs
+from torch.utils.data import DataLoader
+from toys import SEQ, IndexedRegression, RegressionData, RegressionModule, fit_quietly, toy_probe, trainer_kwargs
 
-from lit_cbs import BatchWarmup
-from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs import BatchWarmup, ConstantBatch
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe import CBSProbeCallback
 from lit_cbs.probe.heldout import load_heldout_batches
-from lit_cbs.probe.limits import run_end
-from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
-
-def fit_quietly(trainer: pl.Trainer, module: pl.LightningModule, **data) -> pl.Trainer:
-    """``trainer.fit`` without the toys' warnings (few workers, small epochs)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, **data)
-    return trainer
-
-
-# ---------------------------------------------------------------------- held-out batches
 VALIDATION_OFF = {"limit_val_batches": 0, "num_sanity_val_steps": 0}  # nothing prepares the val loader
 
 
@@ -225,135 +210,16 @@ def test_under_ddp_each_rank_reads_its_own_shard(tmp_path):
     assert torch.load(tmp_path / "rank1.pt") == [[1, 3], [5, 7]]
 
 
-# ---------------------------------------------------------------------- where the run ends
-SEQ_LEN = 4  # tokens per sample of TokenIds
+def test_fewer_held_out_batches_than_asked_are_said():
+    class ThreeValBatches(RegressionData):
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(self.dataset, batch_size=32)
 
-
-class TokenIds(pl.LightningDataModule):
-    """``n`` random sequences of SEQ_LEN token ids (2-D int64), in order; the last micro-batch is partial
-    unless ``batch_size`` divides ``n``."""
-
-    def __init__(self, n: int, batch_size: int):
-        super().__init__()
-        self.ids = torch.randint(0, 8, (n, SEQ_LEN), generator=torch.Generator().manual_seed(0))
-        self.batch_size = batch_size
-
-    def train_dataloader(self):
-        return DataLoader(self.ids, batch_size=self.batch_size)
-
-
-class TokenStream(IterableDataset):
-    """Token sequences from a stream that has no length."""
-
-    def __iter__(self):
-        return iter(TokenIds(40, 1).ids)
-
-
-class Bigram(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.logits = torch.nn.Embedding(8, 8)
-
-    def training_step(self, batch, batch_idx):
-        return torch.nn.functional.cross_entropy(self.logits(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
-class RecordEnds(Callback):
-    """Asks run_end where the probe does (the first micro-batch, then every step boundary); keeps the
-    tokens the run really ended at."""
-
-    def __init__(self, largest_batch: int):
-        self.largest_batch = largest_batch
-        self.ends = []
-        self.end = None
-
-    def setup(self, trainer, pl_module, stage):
-        BatchAccounting.attach(trainer)  # attached before training, as the probe's setup does
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if not self.ends:
-            into_step = batch_idx % trainer.accumulate_grad_batches + 1
-            self.ends.append(run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, into_step, self.largest_batch))
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
-            self.ends.append(run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, 0, self.largest_batch))
-
-    def on_train_end(self, trainer, pl_module):
-        self.end = BatchAccounting.attach(trainer).tokens_seen
-
-
-def fit_tokens(callbacks, data=None, **overrides):
-    trainer = pl.Trainer(callbacks=list(callbacks), **trainer_kwargs(**overrides))
-    given = {"datamodule": data} if isinstance(data, pl.LightningDataModule) else {"train_dataloaders": data}
-    fit_quietly(trainer, Bigram(), **given)
-    return trainer
-
-
-# 24 samples of 4 tokens in micro-batches of 4, accumulate 2: steps of 8 samples (32 tokens), 96 tokens an epoch.
-@pytest.mark.parametrize(
-    ("limits", "max_tokens", "expected", "end"),
-    [
-        ({"max_steps": 5, "max_epochs": -1}, None, (160, 160, "max_steps=5"), 160),
-        ({"max_epochs": 2}, None, (192, 192, "max_epochs=2"), 192),
-        ({"max_steps": 4, "max_epochs": 2}, None, (128, 128, "max_steps=4"), 128),
-        ({"max_epochs": 2}, 100, (100, 100, "max_tokens=100"), 128),  # the step that reaches the budget ends it
-    ],
-)
-@pytest.mark.parametrize("accumulate", [1, 2])
-def test_run_end_names_the_first_limit_at_every_step(limits, max_tokens, expected, end, accumulate):
-    # The same 8-sample steps from 2 micro-batches of 4, or from 1 of 8.
-    record = RecordEnds(largest_batch=8)
-    data = TokenIds(24, 4 * (3 - accumulate))
-    fit_tokens([BatchAccounting(max_tokens=max_tokens), record], data, accumulate_grad_batches=accumulate, **limits)
-    assert record.end == end
-    assert {(e.earliest, e.latest, e.limit) for e in record.ends} == {expected}
-
-
-def test_run_end_brackets_a_growing_batch():
-    record = RecordEnds(largest_batch=16)
-    warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 16], unit="samples"))
-    fit_tokens([warmup, record], TokenIds(96, 4), max_steps=6, max_epochs=-1)
-    assert record.end == 4 * (2 * 8 + 4 * 16)  # 2 steps of 8 samples, then 4 of 16
-    assert all(e.earliest <= record.end <= e.latest and e.limit == "max_steps=6" for e in record.ends)
-    assert record.ends[0].earliest == 6 * 8 * 4 and record.ends[0].latest == 6 * 16 * 4
-
-
-def test_run_end_is_unknown_without_a_limit_or_a_length():
-    record = RecordEnds(largest_batch=4)
-    fit_tokens([record], DataLoader(TokenStream(), batch_size=4), max_epochs=1)
-    assert {(e.earliest, e.latest, e.limit) for e in record.ends} == {(None, None, None)}
-
-
-@pytest.mark.parametrize(
-    ("limits", "name"), [({"max_steps": 5, "max_epochs": -1}, "max_steps=5"), ({"max_epochs": 1}, "max_epochs=1")]
-)
-def test_a_probe_point_past_the_end_is_refused_naming_the_limit(limits, name):
-    probe = CBSProbeCallback(at_tokens=[200], multipliers=(1, 2), window_tokens=64)
-    with pytest.raises(LitCBSConfigError, match=f"the first is at 200 tokens but the run ends by {name}"):
-        fit_tokens([probe], TokenIds(24, 4), accumulate_grad_batches=2, **limits)
-
-
-def test_a_window_the_run_would_cut_short_is_not_started(caplog):
-    probe = CBSProbeCallback(every_tokens=64, multipliers=(1, 2), window_tokens=64)
-    with caplog.at_level("INFO"):
-        fit_tokens([probe], TokenIds(24, 4), accumulate_grad_batches=2, max_epochs=2)
-    assert probe.history and all(r.tokens + r.window_tokens <= 192 for r in probe.history)
-    assert "would end past the run's end (max_epochs=2, at 192 tokens)" in caplog.text
-    assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)  # no branch of a dropped window
-
-
-def test_a_grid_of_which_one_batch_fits_is_refused_at_the_first_batch():
-    # Micro-batches of 4, accumulate 2 (batch 8): k = 0.25 gives 2 samples, no whole micro-batch, so only k = 1 fits.
-    probe = CBSProbeCallback(every_tokens=64, multipliers=(0.25, 1), window_tokens=64)
-    record = RecordEnds(largest_batch=8)
-    with pytest.raises(
-        LitCBSConfigError,
-        match=r"multipliers=\['0.25', '1'\]: at most one of them gives a batch .* at the run's "
-        r"global batches \[8\], and one batch brackets no CBS",
-    ):
-        fit_tokens([probe, record], TokenIds(24, 4), accumulate_grad_batches=2, max_epochs=2)
-    assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
+    callback = toy_probe(evaluate="heldout", heldout_batches=16)
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(
+        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), callback], **trainer_kwargs(max_epochs=2, limit_val_batches=0)
+    )
+    with pytest.warns(UserWarning, match="heldout_batches=16 but the validation data has 3 batches"):
+        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), ThreeValBatches(n=96, batch_size=2))
+    assert callback.history and all(len(v) == 3 for v in callback.history[0].batch_losses.values())

@@ -1,0 +1,242 @@
+"""``ProbeConfig``: what ``CBSProbeCallback`` is asked to measure, checked once, before any work.
+
+Every setting of the probe, with its unit, and every check that needs no Trainer (``__post_init__``
+raises ``LitCBSConfigError`` naming the field, the value and the fix). Checks that need the Trainer
+(the batch, the micro-batch, the optimizer) stay in the callback's ``setup`` and first batch.
+A recipe can build and check a probe's settings, and where its first probe falls
+(``check_inside_run``), before it builds a model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
+from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, DecisionRule
+from lit_cbs.rules.scaling import OptimizerRules
+
+MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The settings of ``CBSProbeCallback``; token counts are global (all ranks).
+
+    Exactly one of ``every_tokens``, ``at_tokens`` and ``geometric`` places the probes. A point
+    passed while another probe's window runs is probed as soon as that window ends.
+    """
+
+    every_tokens: int | None = None
+    """Probe every this many tokens."""
+
+    at_tokens: Sequence[int] | None = None
+    """Probe at these token counts (kept sorted)."""
+
+    geometric: tuple[int, float] | None = None
+    """``(first_tokens, ratio)``: probe at first, first*ratio, ... tokens (dense early, where the CBS
+    moves fast); ratio > 1, unitless."""
+
+    multipliers: Sequence[float] = (1, 2, 4, 8)
+    """The grid of k, unitless (batch k*B samples for each branch), with 1 (the run's own batch) and at
+    least one more; kept as sorted floats. Fractions below 1 are used where k*B is a whole number of
+    micro-batches on every rank, skipped (and said) otherwise. A run where fewer than two fit at every
+    batch of its schedule is refused at its first batch."""
+
+    window_tokens: int = 1_000_000
+    """Delta, the tokens every branch trains on (rounded down to a whole number of steps of the
+    largest branch)."""
+
+    epsilon: float = 0.01
+    """Tolerance of the k* rule in nats (the paper: 0.01; docs/tiny_workload.md has the noise floor of
+    small runs), in [0, ``MAX_EPSILON``)."""
+
+    confidence: float = 0.9
+    """One-sided confidence in [0.5, 1) with which a k must be within ``epsilon`` of every smaller k (and
+    a larger k beyond it) for the reading to be determined; a reading the data cannot decide is recorded
+    as undetermined and CBSAdaptive does not act on it. 0.5 judges by the mean losses alone (every
+    reading determined)."""
+
+    ema_alpha: float = 0.5
+    """Weight in (0, 1] of the newest step loss in the EMA of ``evaluate="train_ema"`` (the paper: 0.5)."""
+
+    lr_rule: Any = "sqrt"
+    """LR factor for batch ratio k: a rule name ("sqrt" for Adam, "linear" for SGD, ...) or rule object."""
+
+    weight_decay_rule: str | None = None
+    """How each branch's weight decay moves for batch ratio k, as in ``BatchWarmup`` ("timescale", or
+    None: unchanged). Beside a BatchWarmup whose batch changes, the three rules must be its own: a branch
+    at k x B measures what the run would train after growing its batch k-fold."""
+
+    beta2_rule: str | None = None
+    """How each branch's Adam beta2 moves for batch ratio k ("half_life", or None: unchanged)."""
+
+    search: str = "grid"
+    """Which k to train: "grid" (every k, the paper's protocol) or "bisect" (the main run as the k = 1
+    baseline, bisection over the rest; assumes recovery is monotone in k). Was ``strategy``."""
+
+    evaluate: str = "train_ema"
+    """How a branch is scored: "train_ema" (the paper) or "heldout" (the loss in nats on the first
+    ``heldout_batches`` batches of the run's validation data at the window's end, the same batches for
+    every branch, so differences pair up). The held-out loss comes from the module's
+    ``probe_loss(batch)`` if it has one, else its ``validation_step`` if that returns a loss, else its
+    ``training_step``; metrics, logs and RNG streams are left as they were."""
+
+    heldout_batches: int = 8
+    """Validation micro-batches (per rank) ``evaluate="heldout"`` scores on."""
+
+    cooldown_fraction: float = 0.0
+    """Share in [0, 1) of a branch's last steps over which its LR decays linearly towards 0 (k = 1 then
+    trains as a branch too, as the main run does not cool down). Compares branches after an equal short
+    LR decay instead of at a constant LR, where a larger batch gains for a while from its lower
+    gradient noise alone."""
+
+    early_stop: Sequence[float] | None = None
+    """Fractions in (0, 1) of the window (e.g. ``(0.25, 0.5)``) where the probe is tried before the
+    window's end: the first at which the reading is determined ends the window there; an undetermined
+    one lets the main run go on while the branches resume from where they stopped (their states kept on
+    ``snapshot_device`` meanwhile, one per branch). Kept as a sorted list, empty for none."""
+
+    replicates: int = 1
+    """Disjoint data windows of ``window_tokens`` each measured k trains on, one after the other, each
+    from the same start, so the probe records ``replicates`` x ``window_tokens`` of the main run and its
+    branches cost about ``replicates`` times as much (k = 1 trains as a branch on every window but the
+    first). Each comparison's standard error then adds how much it moves from one window of data to
+    the next, which the held-out SE alone does not cover (the reading's ``replicate_se``). 1 turns it
+    off; 2 or more needs ``evaluate="heldout"``."""
+
+    max_overhead: float | None = None
+    """Skip a probe that would bring probe tokens above this fraction of the training tokens (unitless)."""
+
+    snapshot_device: str = "cpu"
+    """Where snapshots and recorded batches live ("cpu" keeps accelerator memory free)."""
+
+    output_dir: str | os.PathLike | None = None
+    """Folder of ``cbs_probe.jsonl`` and ``cbs_curve.png`` (kept as a Path; None: the logger's log_dir,
+    and without a logger nothing is written)."""
+
+    rules: OptimizerRules = field(init=False, repr=False, compare=False)
+    """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` as rule objects (set from them)."""
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) != 1:
+            raise LitCBSConfigError("give exactly one of every_tokens, at_tokens or geometric=(first_tokens, ratio)")
+        positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
+        if self.at_tokens is not None:
+            at_tokens = sorted(int(t) for t in self.at_tokens)
+            if not at_tokens or at_tokens[0] <= 0:
+                raise LitCBSConfigError(f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
+            self._set("at_tokens", at_tokens)
+        if self.geometric is not None:
+            first, ratio = self.geometric
+            if not (first > 0 and ratio > 1):
+                raise LitCBSConfigError(f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
+            self._set("geometric", tuple(self.geometric))
+        multipliers = list(self.multipliers)
+        if not multipliers or any(isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers):
+            raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
+        if len(set(multipliers)) != len(multipliers):
+            raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
+        if len(multipliers) < 2:
+            raise LitCBSConfigError(
+                f"multipliers={multipliers!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
+            )
+        if not 0.5 <= self.confidence < 1:
+            raise LitCBSConfigError(
+                f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)"
+            )
+        if not 0 <= self.cooldown_fraction < 1:
+            raise LitCBSConfigError(f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)")
+        early_stop = sorted(float(f) for f in self.early_stop) if self.early_stop is not None else []
+        if not all(0 < f < 1 for f in early_stop):
+            raise LitCBSConfigError(f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]")
+        if early_stop and self.cooldown_fraction:
+            raise LitCBSConfigError(
+                "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
+            )
+        if not 0 <= self.epsilon < MAX_EPSILON:
+            raise LitCBSConfigError(
+                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch "
+                f"counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and "
+                "the reading means nothing"
+            )
+        if not 0 < self.ema_alpha <= 1:
+            raise LitCBSConfigError(f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
+        one_of("search", self.search, SEARCHES)
+        if self.search == "bisect" and 1 not in multipliers:
+            raise LitCBSConfigError("search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
+        if 1 not in multipliers:
+            raise LitCBSConfigError(
+                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of "
+                "the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves and "
+                "says nothing about the run: include 1"
+            )
+        self._set("multipliers", sorted(float(k) for k in multipliers))
+        positive_int("window_tokens", self.window_tokens, "tokens")
+        for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha"):
+            self._set(name, float(getattr(self, name)))
+        self._set("early_stop", early_stop)
+        self._set("rules", OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule))
+        one_of("evaluate", self.evaluate, EVALUATIONS)
+        positive_int("heldout_batches", self.heldout_batches, "validation batches")
+        positive_int("replicates", self.replicates, "data windows per measured k")
+        if self.replicates > 1 and self.evaluate != "heldout":
+            raise LitCBSConfigError(
+                f"replicates={self.replicates} compares each k on the same held-out batches across data windows: set "
+                "evaluate='heldout' (or replicates=1)"
+            )
+        if self.replicates > 1 and early_stop:
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined (a reading cut short has "
+                "not trained its later windows): drop one"
+            )
+        self._set(
+            "max_overhead", positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
+        )
+        self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
+
+    def _set(self, name: str, value: Any) -> None:
+        """Store a checked field in its normal form (the dataclass is frozen once made)."""
+        object.__setattr__(self, name, value)
+
+    @property
+    def rule(self) -> DecisionRule:
+        """The k* rule's settings (``epsilon``, ``confidence``) for ``ProbeReading.decide``."""
+        return DecisionRule(self.epsilon, self.confidence)
+
+    @property
+    def span_tokens(self) -> int:
+        """Tokens of the main run one probe records (``replicates`` windows of ``window_tokens``, at most)."""
+        return self.window_tokens * self.replicates
+
+    def probe_point(self, index: int) -> float:
+        """Token count of the index-th probe (0-based); inf past the last of ``at_tokens``."""
+        if self.every_tokens is not None:
+            return self.every_tokens * (index + 1)
+        if self.at_tokens is not None:
+            return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
+        first, ratio = self.geometric
+        return round(first * ratio**index)
+
+    def check_inside_run(self, run_end_tokens: int, limit: str, *, whole_span: bool = False, next_probe: int = 0) -> None:
+        """Raise ``LitCBSConfigError`` when the ``next_probe``-th probe cannot run before the run ends at
+        ``run_end_tokens`` tokens (by ``limit``, e.g. "max_tokens=4096"): its point lies at or past the end,
+        or, with ``whole_span``, its ``span_tokens`` end past it. Call it before any work: a recipe
+        with its max_tokens (``whole_span=True``: the budget is final), the callback with the run's
+        latest end (a window that end would cut is left to a resumed run instead)."""
+        point = self.probe_point(next_probe)
+        if whole_span and point + self.span_tokens > run_end_tokens:
+            windows = f"{self.replicates} x " if self.replicates > 1 else ""
+            raise LitCBSConfigError(
+                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}) ends past {limit}, "
+                "so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
+            )
+        if point >= run_end_tokens:
+            raise LitCBSConfigError(
+                f"no probe point lies inside the run: the first is at {point:,.0f} tokens but the run ends by "
+                f"{limit} at {run_end_tokens:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
+            )

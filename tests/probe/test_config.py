@@ -1,0 +1,163 @@
+"""ProbeConfig (lit_cbs.probe.config): every bad setting refused in one line naming the field, through
+ProbeConfig and through CBSProbeCallback's keywords; a docstring under every field."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from pathlib import Path
+
+import pytest
+from hydra.utils import instantiate
+from toys import toy_probe
+
+from lit_cbs import CBSProbeCallback, ProbeConfig
+from lit_cbs._deprecation import LitCBSDeprecationWarning
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe import DecisionRule
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(multipliers=()), "non-empty"),
+        (dict(multipliers=(1, -2)), "positive"),
+        (dict(epsilon=-0.01), "epsilon=-0.01"),
+        (dict(epsilon=2.0), r"epsilon=2.0 must lie in \[0, 0.5\) nats.*every batch recovers"),
+        (dict(multipliers=(2, 4)), "has no k = 1.*include 1"),
+        (dict(ema_alpha=0.0), "ema_alpha=0.0"),
+        (dict(ema_alpha=1.5), "ema_alpha=1.5"),
+        (dict(window_tokens=0), "window_tokens=0"),
+        (dict(search="random"), "search='random'"),
+        (dict(search="bisect", multipliers=(2, 4)), "include 1"),
+        (dict(every_tokens=None), "exactly one"),
+        (dict(at_tokens=[100]), "exactly one"),
+        (dict(every_tokens=0), "every_tokens=0"),
+        (dict(evaluate="val"), "evaluate='val'"),
+        (dict(heldout_batches=0), "heldout_batches=0"),
+        (dict(max_overhead=0), "max_overhead=0"),
+    ],
+)
+def test_bad_probe_arguments(kwargs, match):
+    with pytest.raises(LitCBSConfigError, match=match):
+        toy_probe(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(multipliers=(1,)), "has one batch size"),
+        (dict(confidence=1.0), "confidence=1.0"),
+        (dict(confidence=0.3), "confidence=0.3"),
+        (dict(cooldown_fraction=1.0), "cooldown_fraction=1.0"),
+        (dict(early_stop=(0.0, 0.5)), "early_stop="),
+        (dict(early_stop=(0.5,), cooldown_fraction=0.2), "cannot be combined"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_field(kwargs, match):
+    with pytest.raises(LitCBSConfigError, match=match):
+        toy_probe(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(replicates=0), "replicates=0 must be"),
+        (dict(replicates=2, evaluate="train_ema"), "replicates=2 compares each k on the same held-out batches"),
+        (dict(replicates=2, early_stop=(0.5,)), r"early_stop=\[0.5\] and replicates=2 cannot be combined"),
+    ],
+)
+def test_bad_replicate_settings_are_refused(kwargs, match):
+    settings = dict(every_tokens=160, multipliers=(1, 2), window_tokens=64, evaluate="heldout")
+    settings.update(kwargs)
+    with pytest.raises(LitCBSConfigError, match=match):
+        CBSProbeCallback(**settings)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(every_tokens=0), "every_tokens"),
+        (dict(every_tokens=None, at_tokens=[0]), "at_tokens"),
+        (dict(every_tokens=None, geometric=(100, 1.0)), "geometric"),
+        (dict(multipliers=(1, 1)), "multipliers"),
+        (dict(window_tokens=-1), "window_tokens"),
+        (dict(epsilon=0.5), "epsilon"),
+        (dict(confidence=0.4), "confidence"),
+        (dict(ema_alpha=0), "ema_alpha"),
+        (dict(lr_rule="cubic"), "lr_rule"),
+        (dict(search="binary"), "search"),
+        (dict(evaluate="val"), "evaluate"),
+        (dict(heldout_batches=0), "heldout_batches"),
+        (dict(cooldown_fraction=-0.1), "cooldown_fraction"),
+        (dict(early_stop=(1.5,)), "early_stop"),
+        (dict(replicates=2), "replicates"),
+        (dict(max_overhead=-1), "max_overhead"),
+    ],
+)
+def test_a_bad_field_is_named_in_one_line_before_any_work(kwargs, field):
+    settings = dict(every_tokens=160, multipliers=(1, 2))
+    settings.update(kwargs)
+    with pytest.raises(LitCBSConfigError) as raised:
+        ProbeConfig(**settings)
+    message = str(raised.value)
+    assert "\n" not in message and f"{field}=" in message, message
+
+
+def test_every_field_has_a_docstring_under_it():
+    """Each field of ProbeConfig is followed by its docstring (what the mkdocs API page shows)."""
+    source = inspect.getsource(ProbeConfig)
+    body = ast.parse(textwrap.dedent(source)).body[0].body
+    documented = {
+        node.target.id
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+        and after.value.value.strip()
+    }
+    assert {field.name for field in dataclasses.fields(ProbeConfig)} == documented
+
+
+def test_the_config_and_its_keywords_make_the_same_probe():
+    settings = dict(at_tokens=[640, 160], multipliers=(4, 1, 2), window_tokens=128, search="bisect", output_dir="out")
+    config = ProbeConfig(**settings)
+    assert config.at_tokens == [160, 640] and config.multipliers == [1.0, 2.0, 4.0] and config.output_dir == Path("out")
+    from_config, from_keywords = CBSProbeCallback(config), CBSProbeCallback(**settings)
+    assert from_config.config == from_keywords.config == config
+    assert from_keywords.multipliers == [1.0, 2.0, 4.0] and from_keywords.probe_point(1) == 640  # read through
+    with pytest.raises(AttributeError, match=r"dataclasses.replace\(probe.config, epsilon=...\)"):
+        from_keywords.epsilon = 0.02  # would be ignored: the callback reads its config
+    with pytest.raises(LitCBSConfigError, match="not both"):
+        CBSProbeCallback(config, epsilon=0.02)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.epsilon = 0.02
+    with pytest.raises(LitCBSConfigError, match="epsilon=0.7"):
+        dataclasses.replace(config, epsilon=0.7)  # a changed copy is checked again
+    assert config.rule == DecisionRule(epsilon=0.01, confidence=0.9)
+
+
+def test_hydra_builds_the_probe_from_flat_keys():
+    probe = instantiate(
+        {
+            "_target_": "lit_cbs.CBSProbeCallback",
+            "_convert_": "all",
+            "every_tokens": 160,
+            "multipliers": [1, 2],
+            "search": "bisect",
+        }
+    )
+    assert isinstance(probe, CBSProbeCallback) and probe.config.search == "bisect" and probe.config.multipliers == [1.0, 2.0]
+
+
+def test_the_old_strategy_keyword_warns_and_still_works():
+    with pytest.warns(LitCBSDeprecationWarning, match=r"CBSProbeCallback\(strategy=...\) is now CBSProbeCallback\(search=...\)"):
+        probe = toy_probe(strategy="bisect")
+    assert probe.config.search == "bisect"
+    with pytest.warns(LitCBSDeprecationWarning, match="CBSProbeCallback.config.search"):
+        assert probe.strategy == "bisect"
+    with pytest.raises(TypeError, match="give search= only"):
+        toy_probe(strategy="grid", search="bisect")

@@ -1,0 +1,105 @@
+"""plot_cbs_curve and its figure (lit_cbs.probe.plot)."""
+
+from __future__ import annotations
+
+import re
+
+import matplotlib
+import pytest
+from toys import heldout_score
+
+from lit_cbs.probe import (
+    BranchScore,
+    DecisionRule,
+    ProbeReading,
+    difference,
+    plot_cbs_curve,
+)
+from lit_cbs.probe.plot import cbs_curve_figure
+
+
+def test_cbs_plot_leaves_the_matplotlib_backend_alone(tmp_path):
+    readings = [
+        ProbeReading.decide(
+            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0), 4.0: BranchScore(loss4)},
+            DecisionRule(0.01, 0.5),
+            [1.0, 2.0, 4.0],
+            8,
+            tokens=tokens,
+            step=0,
+            seq_len=4,
+            window_tokens=128,
+            strategy="grid",
+            evaluate="train_ema",
+            main_loss=3.0,
+            branches_trained=[1.0, 2.0, 4.0],
+            failed=[],
+            tokens_spent=384,
+            overhead=0.1,
+        )
+        for tokens, loss4 in ((1000, 3.5), (2000, 3.0))  # a closed interval, then the top of the grid
+    ]
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a notebook's or script's own choice
+    try:
+        path = plot_cbs_curve(readings, [], tmp_path / "plots" / "cbs_curve.png", end_tokens=3000)
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_loss_gap_panel_labels_its_ticks_as_plain_numbers():
+    readings = [
+        ProbeReading.decide(
+            {1.0: BranchScore(3.0), 2.0: BranchScore(3.0 + gap), 4.0: BranchScore(3.2)},
+            DecisionRule(0.0241374, 0.5),
+            [1.0, 2.0, 4.0],
+            8,
+            tokens=tokens,
+            step=0,
+            seq_len=4,
+            window_tokens=128,
+            strategy="grid",
+            evaluate="train_ema",
+            main_loss=3.0,
+            branches_trained=[1.0, 2.0, 4.0],
+            failed=[],
+            tokens_spent=384,
+            overhead=0.1,
+        )
+        for tokens, gap in ((1000, 0.01), (2000, 0.5))
+    ]
+    figure = cbs_curve_figure(readings, [], end_tokens=3000, epsilon=0.0241374)  # symlog threshold 0.0482748
+    figure.canvas.draw()
+    bottom = figure.axes[1]
+    labels = [label.get_text() for label in bottom.get_yticklabels() + bottom.get_yticklabels(minor=True)]
+    assert labels and all(re.fullmatch(r"−?-?[0-9.]+(e[+-]?[0-9]+)?", text) for text in labels if text), labels
+
+
+def test_the_plot_draws_what_the_rule_holds_against_epsilon():
+    from lit_cbs.probe.plot import _gap_to_smaller
+    from lit_cbs.probe.reading import one_sided_quantile
+
+    scores = {1.0: heldout_score(3.0, 0.01), 2.0: heldout_score(2.95, 0.01, seed=2), 4.0: heldout_score(2.99, 0.01, seed=4)}
+    reading = ProbeReading.decide(
+        scores,
+        DecisionRule(0.02, 0.9),
+        [1.0, 2.0, 4.0],
+        8,
+        tokens=100,
+        step=0,
+        seq_len=4,
+        window_tokens=64,
+        strategy="grid",
+        evaluate="heldout",
+        main_loss=3.0,
+        branches_trained=[1.0, 2.0, 4.0],
+        failed=[],
+        tokens_spent=192,
+        overhead=0.1,
+    )
+    tokens, gap, bar = _gap_to_smaller(reading, 4.0)  # against k = 2, the lowest smaller loss
+    pair = difference(scores[4.0], scores[2.0])
+    assert (tokens, gap) == (100, pytest.approx(0.04)) and bar == pytest.approx(pair.se * one_sided_quantile(0.9, 15))
+    assert reading.k_star == 2.0  # 4 is 0.04 above k = 2: beyond epsilon, though only 0.01 below k = 1
