@@ -144,16 +144,13 @@ def callbacks_of(cfg: DictConfig) -> list:
     for name, callback in instantiate_named(cfg, "callbacks").items():
         if isinstance(callback, BatchWarmup):
             raise LitCBSConfigError(f"callbacks.{name} is a second BatchWarmup; set the run's one at batch.*, and drop it")
-        # The probe's own "first probe inside the run" check; repoint here once lit_cbs.probe exposes it as one function.
-        first = callback.probe_point(0) if isinstance(callback, CBSProbeCallback) else None
-        if first is not None and first + callback.span_tokens > cfg.max_tokens:
-            windows = f"{callback.replicates} x " if callback.replicates > 1 else ""
-            log.warning(
-                f"warning: callbacks.{name}: the first probe ({first:,} tokens + {windows}window_tokens={callback.window_tokens:,}) ends past "
-                f"max_tokens={cfg.max_tokens:,}, so it never runs; training without it. Probe earlier "
-                f"(callbacks.{name}.geometric / at_tokens / every_tokens), raise max_tokens, or set callbacks.{name}=null"
-            )
-            continue
+        if isinstance(callback, CBSProbeCallback):
+            try:
+                callback.config.check_inside_run(cfg.max_tokens, f"max_tokens={cfg.max_tokens:,}", whole_span=True)
+            except LitCBSConfigError as problem:
+                message = name_the_keys(cfg, [f"callbacks.{name}"], str(problem))
+                log.warning(f"warning: {message}; training without it. Or raise max_tokens, or set callbacks.{name}=null")
+                continue
         kept.append(callback)
     return kept
 

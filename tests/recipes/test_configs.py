@@ -158,7 +158,9 @@ def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
 
     assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
     (record,) = caplog.records
-    assert record.message.startswith("warning: callbacks.cbs_probe: the first probe (524,288 tokens + window_tokens=131,072)")
+    assert record.message.startswith(
+        "warning: the first probe (524,288 tokens + callbacks.cbs_probe.window_tokens=131,072) ends past max_tokens=600,000"
+    )
     assert "\n" not in record.message
 
 
@@ -174,7 +176,7 @@ def test_replicate_windows_count_in_the_probes_span(caplog):
 
     assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
     (record,) = caplog.records
-    assert record.message.startswith("warning: callbacks.cbs_probe: the first probe (524,288 tokens + 2 x window_tokens=131,072)")
+    assert record.message.startswith("warning: the first probe (524,288 tokens + 2 x callbacks.cbs_probe.window_tokens=131,072)")
 
 
 def test_data_folder_without_chunks(tmp_path):
