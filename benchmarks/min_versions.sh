@@ -6,7 +6,7 @@
 #   benchmarks/min_versions.sh                          # the bounds below, in /tmp/venv-min
 #   LIGHTNING=2.5.0 benchmarks/min_versions.sh /tmp/v   # another Lightning, another folder
 #   TORCH=system benchmarks/min_versions.sh             # reuse the torch already installed
-#   benchmarks/min_versions.sh /tmp/venv-min tests/test_warmup.py   # only some tests
+#   benchmarks/min_versions.sh /tmp/venv-min tests/callbacks/test_warmup.py   # only some tests
 #
 # TORCH=system makes a venv that sees this Python's site-packages (torch from there, everything
 # else pinned in the venv); otherwise torch comes from the package index too (a CUDA build from

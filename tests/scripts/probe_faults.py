@@ -61,7 +61,7 @@ class SaveRankResult(Callback):
 
 def main(outdir: Path, mode: str) -> None:
     outdir.mkdir(exist_ok=True)
-    probe = CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128, strategy="grid")
+    probe = CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128, search="grid")
     callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), probe, SaveRankResult(outdir)]
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy="ddp", devices=2, max_epochs=2, default_root_dir=outdir))
