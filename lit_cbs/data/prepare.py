@@ -31,8 +31,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
-from lightning.pytorch.utilities.seed import isolate_rng
-from litdata import TokensLoader, optimize
 
 from lit_cbs.data.corpus import stdlib_python_files
 from lit_cbs.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -137,6 +135,8 @@ def _isolated_optimize_run() -> Iterator[Path]:
     run that prepares its data after seeding would otherwise initialise its model from 42
     instead of its own seed, unlike every later run, which finds the data prepared.
     """
+    from lightning.pytorch.utilities.seed import isolate_rng
+
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
     scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
     previous_env = {name: os.environ.get(name) for name in scratch_vars}
@@ -194,6 +194,8 @@ def prepare(
     output_dir = Path(output_dir)
     if any((output_dir / split).exists() for split in SPLITS):
         raise ValueError(f"output_dir={str(output_dir)!r} already holds train/ or val/; remove them or pick another folder")
+    from litdata import TokensLoader, optimize  # here, so that ``lit_cbs.data`` imports without litdata
+
     dtype = token_dtype(tokenizer.vocab_size)
     pieces = dict(zip(SPLITS, split_pieces(files, val_fraction)))
     with _isolated_optimize_run() as scratch:
