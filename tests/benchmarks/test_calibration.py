@@ -1,7 +1,5 @@
-"""The recipe benchmarks' --quick modes end to end, so that a documented command cannot break unseen:
-benchmarks.guard, benchmarks.probe_repeat, benchmarks.calibration and benchmarks.hparam_rules train their
-runs (short runs, two at a time) and report from them. (benchmarks.table1, time_to_loss, transfer, overhead and gpu_check have
-their own tests.)"""
+"""benchmarks/calibration.py --quick end to end, so that a documented command cannot break unseen: it judges
+every reading of its runs with one window and with two, checks a forecast on held-out seeds, and reports."""
 
 from __future__ import annotations
 
@@ -9,69 +7,11 @@ import json
 
 import pytest
 
-from benchmarks import calibration, guard, hparam_rules, probe_repeat
+from benchmarks import calibration
 from lit_cbs.analysis import brackets_from_records, forecast_cbs
 from lit_cbs.probe import BranchScore, difference
 
 pytestmark = pytest.mark.slow
-
-
-def test_guard_quick_trains_each_configuration_once_and_reports(tmp_path):
-    result = guard.main(["--quick", "--out", str(tmp_path)])
-    runs = result["runs"]
-    assert sorted(runs) == ["control_seed1", "default_job_guarded", "guarded_seed1", "premature_seed1"]
-    assert (
-        runs["control_seed1"]["tokens"] == guard.QUICK.tokens
-        and runs["default_job_guarded"]["tokens"] == guard.QUICK.default_job_tokens
-    )
-    # The premature schedule jumps 16 -> 128 at 4,096 tokens, so it takes fewer steps than the control.
-    assert runs["premature_seed1"]["optimizer_steps"] < runs["control_seed1"]["optimizer_steps"]
-    assert list(result["rows"]) == ["premature", "guarded", "control"] and len(result["goals"]) == 3
-    assert json.loads((tmp_path / "guard.json").read_text())["rows"].keys() == result["rows"].keys()
-    assert (tmp_path / "guard.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_probe_repeat_quick_compares_two_runs_at_every_probe_point(tmp_path):
-    result = probe_repeat.main(["--quick", "--out", str(tmp_path)])
-    runs = result["runs"]["default"]
-    assert [run["key"] for run in runs] == ["default_s1_t1", "default_s2_t1"]
-    # Points 8,192, 16,384, 32,768; the second falls inside the first window (8,192 tokens of batch 16, then
-    # 32 after the default job's change), so it is probed when that window ends.
-    assert all([reading["tokens"] for reading in run["readings"]] == [8192, 18432, 32768] for run in runs)
-    rows = result["repeatability"]["default"]["rows"]
-    assert [row["point"] for row in rows] == [8192, 18432, 32768]
-    assert all(row["measured"] == 2 for row in rows)  # both runs read every point
-    assert (tmp_path / "probe_repeat.json").exists() and not result["runs"]["curve"]
-
-
-def test_hparam_rules_quick_trains_the_rules_and_seesaw_through_the_recipes(tmp_path):
-    result = hparam_rules.main(["--quick", "--configs", "both,seesaw", "--out", str(tmp_path)])
-    (both,), (seesaw,) = result["runs"]["both"], result["runs"]["seesaw"]
-    assert "batch.weight_decay_rule=timescale" in both["overrides"] and "batch.beta2_rule=half_life" in both["overrides"]
-    # Seesaw doubles where the cosine halves the LR: 16 -> 32 -> 64 in the run's own record.
-    assert [change["new"] for change in seesaw["batch_changes"]] == [32, 64] and both["tokens"] == seesaw["tokens"]
-    assert result["comparisons"] == {} and result["goals"] == []  # no reference trained: nothing compared
-    assert (tmp_path / "hparam_rules.png").read_bytes()[:4] == b"\x89PNG"
-
-
-def test_hparam_rules_pairs_each_run_with_its_reference_seed_by_seed():
-    def run(key, seed, loss, steps):
-        return {"key": key, "seed": seed, "val_curve": [{"val_loss": loss}], "optimizer_steps": steps, "fit_seconds": 1.0}
-
-    runs = {
-        "lr_only": [run("lr_only", s, 1.30 + 0.01 * s, 100) for s in (1, 2, 3)],
-        "both": [run("both", s, 1.33 + 0.01 * s + 0.001 * s * s, 100) for s in (1, 2, 3)],
-        "cosine": [run("cosine", s, 1.20, 200) for s in (1, 2, 3)],
-        "seesaw": [run("seesaw", s, 1.205, 130) for s in (1, 2, 3)],
-    }
-    result = hparam_rules.aggregate(runs)
-    both = result["comparisons"]["both"]
-    assert both["differences"] == pytest.approx([0.031, 0.034, 0.039]) and both["beyond_spread"]
-    low, high = both["interval"]
-    assert low == pytest.approx(0.0346667 - 4.302653 * 0.0023333, abs=1e-5) and high > 0.04  # t(2) x SE of 3
-    assert result["comparisons"]["seesaw"]["steps_saved"] == pytest.approx(0.35)
-    ((text, met),) = hparam_rules.goals(result)
-    assert met and text.startswith("seesaw: final held-out loss +0.0050 nats") and "35% fewer" in text
 
 
 def test_calibration_quick_judges_every_reading_both_ways_and_reports(tmp_path):
