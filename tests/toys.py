@@ -7,6 +7,7 @@ test sees which samples each optimizer step averaged over.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -141,6 +142,14 @@ def trainer_kwargs(**overrides):
     )
     kwargs.update(overrides)
     return kwargs
+
+
+def quiet_fit(trainer: pl.Trainer, *args, **kwargs) -> None:
+    """``trainer.fit(*args, **kwargs)`` with warnings silenced: Lightning's notes on workers and logging
+    intervals, which the toy workloads trigger by design."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(*args, **kwargs)
 
 
 class PaddedSequences(Dataset):
