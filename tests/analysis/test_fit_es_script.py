@@ -3,7 +3,6 @@ and bad input in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -52,11 +51,9 @@ def test_fit_es_cli_prints_the_table_and_writes_plots_and_schedule(wsd_sweep, tm
     assert schedule["batch_sizes"] == sorted(schedule["batch_sizes"]) and schedule["thresholds"][0] == 0
 
 
-def test_fit_es_reports_bad_input_in_one_line(tmp_path, capsys):
+def test_fit_es_reports_bad_input_in_one_line(tmp_path, capsys, recipe_script):
     # In-process (the subprocess test above covers the entry point): main() returns the exit status.
-    spec = importlib.util.spec_from_file_location("fit_es", REPO / "recipes" / "fit_es.py")
-    fit_es = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fit_es)
+    fit_es = recipe_script("fit_es")
     assert fit_es.main([str(tmp_path / "missing")]) == 2
     assert capsys.readouterr().err == f"fit_es.py: sweep folder {tmp_path / 'missing'} does not exist\n"
     write_run(tmp_path / "sweep" / "0_a", 1000, mccandlish_crossing_steps, lowest_target=3.0)
