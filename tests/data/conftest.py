@@ -7,10 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from litdata import StreamingDataset, TokensLoader
 
-from lit_cbs.data import resolve_data
-from lit_cbs.data.prepare import text_files
+# lit_cbs.data and litdata are imported inside the fixtures: a conftest loads before pytest's log capture
+# is set up, and Lightning, imported then (litdata imports it), stops propagating its log records to the
+# root logger, where caplog reads them (tests/callbacks/test_checkpoint*.py assert on them).
 
 DOCUMENTS = {
     "a.txt": "def add(a, b):\n    return a + b\n" * 40,
@@ -45,16 +45,22 @@ def documents_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prepared_documents(documents_dir, documents_cache) -> Path:
     """The documents tokenized byte by byte, the last 20% of the bytes the val split."""
+    from lit_cbs.data import resolve_data
+
     return resolve_data(input_dir=documents_dir, cache_dir=documents_cache, val_fraction=0.2)
 
 
 @pytest.fixture(scope="session")
 def documents_stream(documents_dir) -> bytes:
     """The token stream the byte tokenizer should produce: each file's bytes then NUL, in sorted path order."""
+    from lit_cbs.data.prepare import text_files
+
     return b"".join(path.read_bytes() + b"\0" for path in text_files(documents_dir))
 
 
 def _read_tokens(split_dir: Path) -> bytes:
+    from litdata import StreamingDataset, TokensLoader
+
     dataset = StreamingDataset(str(split_dir), item_loader=TokensLoader(block_size=1), shuffle=False)
     return bytes(int(token[0]) for token in dataset)
 
