@@ -147,6 +147,14 @@ def trainer_kwargs(**overrides):
     return kwargs
 
 
+def quiet_fit(trainer: pl.Trainer, *args, **kwargs) -> None:
+    """``trainer.fit(*args, **kwargs)`` with warnings silenced: Lightning's notes on workers and logging
+    intervals, which the toy workloads trigger by design."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(*args, **kwargs)
+
+
 class PaddedSequences(Dataset):
     """Token sequences of ``seq_len + 1`` ids in [1, vocab), each padded with id 0 after a random
     length (from 2 tokens to full), so micro-batches hold different numbers of counted targets."""

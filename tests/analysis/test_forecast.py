@@ -4,7 +4,6 @@ CBS(D) that recovers a known power law and a plateau from simulated brackets wit
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -171,13 +170,6 @@ def test_bad_brackets_and_settings_fail_clearly(brackets, kwargs, message):
         forecast_cbs(brackets, **kwargs)
 
 
-def load_command():
-    spec = importlib.util.spec_from_file_location("schedule_from_probe_cli", ROOT / "recipes" / "schedule_from_probe.py")
-    command = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(command)
-    return command
-
-
 def run_records(seed: int) -> list[dict]:
     """Probe records of a run whose CBS is 16 (D / 65,536)^0.5 samples: at each probe (batch 16, k = 1..16)
     the k whose batch is within the CBS train to within 0.001 nats of k = 1, the larger ones 0.1 worse."""
@@ -192,8 +184,8 @@ def run_records(seed: int) -> list[dict]:
     return records
 
 
-def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys):
-    command = load_command()
+def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys, recipe_script):
+    command = recipe_script("schedule_from_probe")
     files = []
     for seed in (1, 2):
         path = tmp_path / f"seed{seed}.jsonl"
@@ -217,8 +209,8 @@ def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys):
     assert plot.stat().st_size > 10_000
 
 
-def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys):
-    command = load_command()
+def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys, recipe_script):
+    command = recipe_script("schedule_from_probe")
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps(run_records(1)[0]) + "\n")
     assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
@@ -229,7 +221,7 @@ def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys):
     assert not (tmp_path / "a.yaml").exists()
 
 
-def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys):
+def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys, recipe_script):
     # 12 steps of 2 micro-batches of 4 sequences of 16 tokens, GradientNoiseScale and tokens_seen logged every step.
     pl.seed_everything(0, verbose=False)
     model = {
@@ -254,7 +246,7 @@ def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys
         path = tmp_path / f"seed{seed}.jsonl"
         path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
         files.append(str(path))
-    command = load_command()
+    command = recipe_script("schedule_from_probe")
     done = command.main(
         [
             *files,

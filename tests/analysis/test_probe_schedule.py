@@ -191,13 +191,9 @@ def test_command_writes_a_batch_config_train_py_composes_with(tmp_path):
     assert schedule.batch_sizes == [16, 32, 64] and schedule.thresholds == [0, 524_288, 1_048_576]
 
 
-def test_command_bad_input_is_one_line(tmp_path, capsys):
+def test_command_bad_input_is_one_line(tmp_path, capsys, recipe_script):
     # In-process (the command's main), so the check does not pay for a Python start per case.
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("schedule_from_probe_cli", ROOT / "recipes" / "schedule_from_probe.py")
-    command = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(command)
+    command = recipe_script("schedule_from_probe")
     probe = write_jsonl(tmp_path / "cbs_probe.jsonl", [reading(100, 64)])
     assert command.main([str(probe), "--start", "16", "--final", "48", "--out", str(tmp_path / "measured.yaml")]) == 2
     assert not (tmp_path / "measured.yaml").exists()

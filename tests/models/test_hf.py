@@ -18,7 +18,7 @@ import pytest
 import torch
 from launch import subprocess_env
 from recipe_runs import compose_config, train
-from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, trainer_kwargs
+from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, quiet_fit, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale, LitCBSConfigError
 from lit_cbs.data.synthetic import RandomTokenData
@@ -41,12 +41,6 @@ LLAMA = {
     "num_key_value_heads": 1,
     "max_position_embeddings": 8,
 }
-
-
-def quiet_fit(trainer: pl.Trainer, module, data) -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # Lightning's notes on workers and logging intervals
-        trainer.fit(module, data)
 
 
 def transformers_model(weights: dict[str, torch.Tensor]) -> torch.nn.Module:

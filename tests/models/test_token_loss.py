@@ -3,12 +3,10 @@ token of the step for any accumulation and on 2 DDP processes, also inside CBS p
 
 from __future__ import annotations
 
-import warnings
-
 import lightning.pytorch as pl
 import pytest
 import torch
-from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, trainer_kwargs
+from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, quiet_fit, trainer_kwargs
 
 from lit_cbs import CBSProbeCallback, GradientNoiseScale, LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
@@ -32,9 +30,7 @@ def fit_first_step(tmp_path, micro: int, accumulate: int, **trainer_args) -> dic
         callbacks=[SaveFirstStepGradients(path)],
         **trainer_kwargs(max_steps=1, precision="64-true", accumulate_grad_batches=accumulate, **trainer_args),
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(CausalLM(MODEL, ignore_index=0), PaddedData(batch_size=micro))
+    quiet_fit(trainer, CausalLM(MODEL, ignore_index=0), PaddedData(batch_size=micro))
     return torch.load(path, weights_only=True)
 
 
@@ -80,9 +76,7 @@ def test_a_probe_branch_at_k1_trains_as_the_token_weighted_main_run():
     probe = CBSProbeCallback(every_tokens=288, multipliers=(1, 2), window_tokens=144)  # 2 steps of 8 x 9 tokens
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs(max_steps=8, precision="64-true", accumulate_grad_batches=2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(CausalLM(MODEL, ignore_index=0), PaddedData(batch_size=4, n=64))
+    quiet_fit(trainer, CausalLM(MODEL, ignore_index=0), PaddedData(batch_size=4, n=64))
     assert probe.history
     for reading in probe.history:
         assert reading.losses["1"] == pytest.approx(reading.main_loss, rel=1e-12)

@@ -1,3 +1,5 @@
+"""lit_cbs.models.olmo: the OLMo-style decoder (causal attention with RoPE, SwiGLU, meta-device init) and its presets."""
+
 import math
 
 import pytest

@@ -1,0 +1,54 @@
+"""benchmarks/calibration.py --quick end to end, so that a documented command cannot break unseen: it judges
+every reading of its runs with one window and with two, checks a forecast on held-out seeds, and reports."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import calibration
+from lit_cbs.analysis import brackets_from_records, forecast_cbs
+from lit_cbs.probe import BranchScore, difference
+
+pytestmark = pytest.mark.slow
+
+
+def test_calibration_quick_judges_every_reading_both_ways_and_reports(tmp_path):
+    markdown = tmp_path / "RESULTS.md"
+    result = calibration.main(["--quick", "--out", str(tmp_path / "runs"), "--markdown", str(markdown)])
+    runs = result["runs"]
+    assert [run["key"] for run in runs] == ["default_s1", "default_s2", "default_s3"]
+    for run in runs:
+        summary = json.loads((tmp_path / "runs" / run["key"] / "summary.json").read_text())
+        assert result["costs"][run["key"]]["tokens"] == summary["probe"]["tokens"]
+        for reading in run["readings"]:
+            assert reading["replicates"] == 2 and set(reading["replicate_batch_losses"]) == set(reading["losses"])
+            alone = calibration.first_window(reading, run["multipliers"])
+            # The first window alone: each k's loss is its first window's mean held-out loss, judged without the second.
+            for k, windows in reading["replicate_batch_losses"].items():
+                assert alone["losses"][k] == pytest.approx(sum(windows[0]) / len(windows[0]))
+            base = reading["replicate_batch_losses"]["1"][0]
+            for k, se in alone["loss_se"].items():  # the paired held-out SE of the first window alone
+                if k != "1":
+                    first = difference(BranchScore.heldout(reading["replicate_batch_losses"][k][0]), BranchScore.heldout(base))
+                    assert se == pytest.approx(first.se)
+            assert alone["replicate_se"] == {}
+    rows = result["rows"]
+    assert len(rows) == sum(len(run["readings"]) for run in runs)
+    for row in rows:  # the two-window judgement is the probe's own
+        reading = next(r for run in runs if run["seed"] == row["seed"] for r in run["readings"] if r["tokens"] == row["tokens"])
+        assert (row["two"]["lower"], row["two"]["determined"]) == (reading["cbs_lower"], reading["determined"])
+        assert row["two"]["interval"][0] <= reading["cbs_lower"] or not reading["determined"]
+    # A forecast checked on readings: every held-out bracket counted once, covered as the band says.
+    group = [{"key": run["key"], "readings": run["readings"]} for run in runs]
+    check = calibration.check_forecast("quick", group[:2], group[2:], "seeds 1, 2 -> seed 3")
+    held_out = brackets_from_records(runs[2]["readings"], run=runs[2]["key"])
+    forecast = forecast_cbs([b for run in group[:2] for b in brackets_from_records(run["readings"], run=run["key"])])
+    assert check["checked"] == len(held_out) and check["covered"] == sum(forecast.covers(b) for b in held_out)
+    assert len(check["misses"]) == check["checked"] - check["covered"] and check["description"] == forecast.describe()
+    assert json.loads((tmp_path / "runs" / "calibration.json").read_text())["goals"] == result["goals"]
+    text = markdown.read_text()
+    assert "<!-- calibration:start -->" in text and (tmp_path / "calibration.png").read_bytes()[:4] == b"\x89PNG"
+    for goal in result["goals"]:
+        assert f"- {goal['goal']}: {'met' if goal['met'] else 'MISSED'}" in text
