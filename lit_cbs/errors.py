@@ -51,3 +51,12 @@ def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
     if value not in choices:
         raise LitCBSConfigError(f"{name}={value!r} is not supported; use one of {tuple(choices)}")
     return value
+
+
+def require_automatic_optimization(pl_module: Any, who: str, because: str) -> None:
+    """``who`` (a callback) works only through Lightning's automatic optimization, ``because`` ...; say so
+    before training when the module turned it off."""
+    if not pl_module.automatic_optimization:
+        raise LitCBSConfigError(
+            f"{who} needs automatic optimization ({because}); set `self.automatic_optimization = True` or remove {who}"
+        )

@@ -61,7 +61,7 @@ from lit_cbs.callbacks.accounting import (
 )
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.validation import TokenValidation
-from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, GuardVerdict, RevertRestore
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
@@ -249,11 +249,7 @@ class BatchWarmup(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise LitCBSConfigError(
-                "BatchWarmup needs automatic optimization (it changes accumulate_grad_batches); "
-                "set `self.automatic_optimization = True` or remove BatchWarmup"
-            )
+        require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise LitCBSConfigError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
         from lightning.pytorch.strategies import DeepSpeedStrategy

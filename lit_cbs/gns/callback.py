@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.callbacks.logs import log_to_loggers
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.gns.config import GNSConfig
 from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups
@@ -147,11 +147,7 @@ class GradientNoiseScale(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise LitCBSConfigError(
-                "GradientNoiseScale needs automatic optimization (it reads Lightning's gradient accumulation); "
-                "set `self.automatic_optimization = True` or remove GradientNoiseScale"
-            )
+        require_automatic_optimization(pl_module, "GradientNoiseScale", "it reads Lightning's gradient accumulation")
         strategy = trainer.strategy
         if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise LitCBSConfigError(

@@ -34,7 +34,7 @@ from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import (
     BranchFailed,
     BranchTrainer,
@@ -147,11 +147,7 @@ class CBSProbeCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise LitCBSConfigError(
-                "CBSProbeCallback trains branches through Lightning's automatic optimization, but this module sets "
-                "automatic_optimization = False; remove the probe or use automatic optimization"
-            )
+        require_automatic_optimization(pl_module, "CBSProbeCallback", "it trains branches through it")
         self._accounting = BatchAccounting.attach(trainer)
         self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
         warmup = self._warmup

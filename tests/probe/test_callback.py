@@ -321,7 +321,7 @@ def test_manual_optimization_is_refused_before_training():
             self.automatic_optimization = False
 
     trainer = pl.Trainer(callbacks=[BatchAccounting(seq_len=SEQ), toy_probe()], **trainer_kwargs())
-    with pytest.raises(LitCBSConfigError, match="automatic_optimization = False"):
+    with pytest.raises(LitCBSConfigError, match="CBSProbeCallback needs automatic optimization"):
         trainer.fit(Manual(), RegressionDataWithVal(n=96, batch_size=2))
 
 
