@@ -12,6 +12,9 @@ from hydra.core.global_hydra import GlobalHydra
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
+TRAIN_SCRIPT = ROOT / "recipes" / "train.py"
+# recipes/train.py on two processes under torchrun (a free rendezvous port of its own).
+TORCHRUN_TRAIN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN_SCRIPT)]
 
 
 def load_train_module():

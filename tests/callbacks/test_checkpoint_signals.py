@@ -10,14 +10,13 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from launch import subprocess_env
-from recipe_runs import compose_config
+from recipe_runs import TORCHRUN_TRAIN, compose_config
 from recipe_runs import train as train_script
 from signals import SignalAt
 
@@ -204,13 +203,7 @@ def test_slurm_requeue_signal_saves_the_main_state_and_the_requeued_job_resumes(
 # ---------------------------------------------------------------- two DDP processes under torchrun
 def torchrun_probed_run(run_dir: Path, prepared: Path, *overrides: str, expect_stop: bool = False) -> str:
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "recipes" / "train.py"),
+        *TORCHRUN_TRAIN,
         *PROBED_RUN,
         f"data.path={prepared}",
         "trainer=ddp",

@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from launch import subprocess_env
-from recipe_runs import compose_config, train
+from recipe_runs import TORCHRUN_TRAIN, compose_config, train
 from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, quiet_fit, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale, LitCBSConfigError
@@ -199,17 +199,8 @@ def test_two_fsdp2_processes_shard_each_decoder_layer_and_train_with_a_probe_and
         f"+callbacks.sharding.path={record}",
         f"hydra.run.dir={run_dir}",
     ]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(ROOT / "recipes" / "train.py"),
-    ]
     env = subprocess_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", HYDRA_FULL_ERROR="1")
-    result = subprocess.run([*command, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([*TORCHRUN_TRAIN, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
     sharded = json.loads(record.read_text())

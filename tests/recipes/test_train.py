@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from launch import subprocess_env
+from recipe_runs import ROOT, TORCHRUN_TRAIN, TRAIN_SCRIPT
 
 from lit_cbs.recipes.run_report import read_metrics_csv, summary_text
 
-ROOT = Path(__file__).resolve().parents[2]
-TRAIN = str(ROOT / "recipes" / "train.py")
+TRAIN = str(TRAIN_SCRIPT)
 pytestmark = pytest.mark.slow
 
 # 8 optimizer steps of 8 then 16 samples of 128 tokens: the batch doubles at 4,096 tokens and the
@@ -56,8 +56,7 @@ def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def torchrun_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", TRAIN]
-    return run([*command, *SMALL_RUN, *CPU_PROCESSES, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    return run([*TORCHRUN_TRAIN, *SMALL_RUN, *CPU_PROCESSES, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
 
 
 @pytest.fixture(scope="module")
