@@ -86,19 +86,29 @@ def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None
 
 def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
     """``message`` with the arguments of ``groups`` it names written as the Hydra keys that set them, e.g.
-    ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``."""
+    ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``. An argument written with
+    its value or a field (``name=...``, ``guard.watch_span``) is named at every mention; one written bare
+    (``warmup_tokens + decay_tokens``) only in the message's first clause, which states the problem
+    (what follows a ``;`` is advice or a list of valid fields); a plain word such as ``unit`` only
+    where written as the argument."""
+    named = {}
     for group in groups:
-        for name, (key, source) in sorted(setting_keys(cfg, group).items(), key=lambda item: -len(item[0])):
-            if "_" not in name and not re.search(rf"\b{re.escape(name)}(\[\d+\])?[=.]\S", message):
-                continue  # a plain word such as `unit` may be prose; `unit=`, `guard.watch_span` or `warmup_tokens` is the argument
-            note = f" ({source})" if source is not None else ""
-            message = re.sub(
-                rf"(?<![\w.]){re.escape(name)}\b(=[^\s;,)]+)?",
-                lambda m, key=key, note=note: f"{key}{m.group(1) or ''}{note}",
-                message,
-                count=1,
-            )
-            message = re.sub(rf"(?<![\w.]){re.escape(name)}\b", key, message)
+        for name, found in setting_keys(cfg, group).items():
+            named.setdefault(name, found)
+    problem = message.partition(";")[0]
+    for name in sorted(named, key=len, reverse=True):
+        key, source = named[name]
+        mention = rf"(?<![\w.]){re.escape(name)}\b"
+        with_value = re.search(rf"{mention}(\[\d+\])?[=.]\S", message) is not None
+        if not with_value and ("_" not in name or not re.search(mention, problem)):
+            continue
+        note = f" ({source})" if source is not None else ""
+        first = re.sub(
+            rf"{mention}(=[^\s;,)]+)?", lambda m, key=key, note=note: f"{key}{m.group(1) or ''}{note}", message, count=1
+        )
+        head, separator, rest = first.partition(";")
+        message = re.sub(mention, key, head) + separator + (re.sub(mention, key, rest) if with_value else rest)
+        problem = message.partition(";")[0]
     return message
 
 

@@ -143,7 +143,10 @@ def test_a_config_transformers_would_not_train_as_meant_is_refused(config, messa
 def test_a_misspelt_key_in_the_recipe_stops_before_the_data_is_prepared(tmp_path):
     cfg = compose_config("model=hf", "+model.config.num_hidden_layer=2", f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(
-        LitCBSConfigError, match=re.escape("model.config: field(s) ['num_hidden_layer'] are not LlamaConfig fields")
+        LitCBSConfigError,
+        match=re.escape(
+            "field(s) ['model.config.num_hidden_layer'] are not LlamaConfig fields (transformers would keep them unused); its fields include architectures, attention_bias, attention_dropout, bos_token_id,"
+        ),
     ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
