@@ -54,8 +54,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import machine, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
-from benchmarks.probe_repeat import probe_points, reading_at
+from benchmarks.common import machine, recipe_benchmark_arguments, replace_section, train_unless_done
+from benchmarks.probe_repeat import command_of, probe_points, reading_at
 from benchmarks.transfer import probe_file
 from lit_cbs.analysis import read_probe_records
 from lit_cbs.analysis.forecast import supported_interval
@@ -95,20 +95,6 @@ def runs_of(quick: bool) -> list[Run]:
     if quick:
         return [Run(f"default_s{seed}", "default", seed, QUICK) for seed in SEEDS[:3]]
     return [Run(f"{name}_s{seed}", name, seed, overrides) for name, overrides in EXPERIMENTS.items() for seed in SEEDS]
-
-
-def command_of(run: Run, out: Path) -> list[str]:
-    return train_command(
-        [
-            *run.overrides,
-            f"seed={run.seed}",
-            f"hydra.run.dir={(out / run.key).resolve()}",
-            "trainer.enable_progress_bar=false",
-            "callbacks.progress_bar=null",
-            "callbacks.checkpoint=null",
-            "plots=false",
-        ]
-    )
 
 
 def train(run: Run, out: Path, threads: int) -> None:
