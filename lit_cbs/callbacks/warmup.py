@@ -710,7 +710,10 @@ class BatchWarmup(Callback):
             self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
             self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
         else:
-            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+            # What a guard's revert would put back, read before the rules move it.
+            settings_before = (
+                [optimizer_settings(optimizer) for optimizer in trainer.optimizers] if self.guard is not None else None
+            )
             lr_change, clip_change = self._scale_optimizers(trainer, target)
             change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule")
             if self.guard is not None:
