@@ -17,15 +17,17 @@ TRAIN_SCRIPT = ROOT / "recipes" / "train.py"
 TORCHRUN_TRAIN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN_SCRIPT)]
 
 
-def load_train_module():
-    spec = importlib.util.spec_from_file_location("lit_cbs_train", ROOT / "recipes" / "train.py")
+def load_script(name: str):
+    """recipes/<name>.py loaded as a module (to call its functions in-process; a subprocess pays a
+    Python start per case)."""
+    spec = importlib.util.spec_from_file_location(f"lit_cbs_{name}", ROOT / "recipes" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-train = load_train_module()
+train = load_script("train")
 
 
 def compose_config(*overrides: str, output_dir: str = "/nonexistent/run"):

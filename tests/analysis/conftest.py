@@ -3,7 +3,6 @@ session, and the recipes/ scripts that read analyses (fit_es.py, schedule_from_p
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -27,16 +26,10 @@ def wsd_fits(wsd_sweep):
     return recorded(fit_targets, crossings, tokens_per_sample=SEQ_LEN)
 
 
-def _load_recipe_script(name: str) -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "recipes" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def recipe_script() -> Callable[[str], ModuleType]:
     """``recipe_script(name)``: recipes/<name>.py loaded as a module, to call its ``main(argv)`` in-process
     (a subprocess pays a Python start per case)."""
-    return _load_recipe_script
+    from recipe_runs import load_script  # here: recipe_runs loads train.py (Lightning), which a conftest must not import early
+
+    return load_script
