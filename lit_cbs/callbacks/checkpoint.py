@@ -208,8 +208,27 @@ class FinalStateCheckpoint(ModelCheckpoint):
                 f"SIGTERM inside an accumulation window after step {trainer.global_step}: not checkpointed (resuming "
                 f"there would lose the window's gradients); last.ckpt holds step {last_saved_step(self)}"
             )
-            return
-        self._save_final_state(trainer)
+        else:
+            self._save_final_state(trainer)
+        _explain_sigterm(exception, self._sigterm_message(trainer))
+
+    def _sigterm_message(self, trainer: pl.Trainer) -> str:
+        """One line: the step the run stopped after, the checkpoint that resumes it, and how."""
+        stopped = f"SIGTERM: training stopped after optimizer step {trainer.global_step}"
+        saved = last_saved_step(self)
+        if not self.save_last or not self.last_model_path or not Path(self.last_model_path).exists():
+            return (
+                f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): resume from the "
+                f"newest checkpoint in {self.dirpath} with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
+            )
+        where = "it" if saved == trainer.global_step else f"step {saved}"
+        window = BatchAccounting.attach(trainer).probe_window_step
+        if window is not None and saved == window != trainer.global_step:
+            where += ", where the CBS probe in progress began (a resumed run redoes it)"
+        return (
+            f"{stopped}; {self.last_model_path} holds {where}: resume with "
+            f"trainer.fit(model, datamodule, ckpt_path={self.last_model_path!r})"
+        )
 
     def _save_final_state(self, trainer: pl.Trainer) -> None:
         if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
@@ -228,6 +247,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = path
+
+
+def _explain_sigterm(exception: SIGTERMException, message: str) -> None:
+    """Give Lightning's ``SIGTERMException`` (a ``SystemExit`` raised without a message) ``message``: its
+    ``str()`` for a script that catches it, and, left uncaught, the line Python prints to stderr on its
+    way out (exit status 1, not the 0 of a bare ``SystemExit``, which a scheduler would read as done)."""
+    exception.args = (message,)
+    exception.code = message
 
 
 def _copy_checkpoint(source: Path, target: Path) -> None:
