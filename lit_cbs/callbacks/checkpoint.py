@@ -42,6 +42,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -201,14 +202,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
         self._restore_lightning_handlers()
-        if not isinstance(exception, SIGTERMException) or not trainer.training:
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        if should_accumulate(trainer):
+        if trainer.training and should_accumulate(trainer):
             rank_zero_warn(
                 f"SIGTERM inside an accumulation window after step {trainer.global_step}: not checkpointed (resuming "
                 f"there would lose the window's gradients); last.ckpt holds step {last_saved_step(self)}"
             )
-        else:
+        elif trainer.training:  # not at the end of a validation inside the fit, which Lightning ends by raising it too
             self._save_final_state(trainer)
         _explain_sigterm(exception, self._sigterm_message(trainer))
 
