@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, token_mean_loss
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
 from lit_cbs.probe import BranchScore
@@ -130,6 +130,15 @@ class RegressionModule(pl.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "interval": self.scheduler_interval},
         }
+
+
+class SummedRegressionModule(RegressionModule):
+    """The toy with ``lit_cbs.token_mean_loss`` over its samples (one "token" each): every step's gradient
+    is the mean over the samples the step holds, however they are split, a micro-batch of none included."""
+
+    def training_step(self, batch, batch_idx):
+        squared_errors = (self.layer(batch["x"]) - batch["y"]).square().sum()
+        return token_mean_loss(self, squared_errors, len(batch["x"]))
 
 
 def trainer_kwargs(**overrides):

@@ -407,8 +407,38 @@ class BatchAccounting(Callback):
         # resumed at an epoch's end then moves the loader to the next epoch without on_train_epoch_start.
         self._sync_loader(trainer)
         self._sync_at_next_batch = True
+        loader = resizable_train_loader(trainer)
+        if loader is not None and loader.deals_unevenly:
+            self._check_zero_sample_batch(trainer, pl_module, loader)
         if self.budget_reached:
             trainer.should_stop = True  # resumed from a run's final state: no step is left to train
+
+    def _check_zero_sample_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: GlobalOrderLoader) -> None:
+        """An epoch's last micro-batch may hold no sample on some rank (``GlobalOrderLoader``); that rank
+        still runs the step's forward and backward. Try ``training_step`` once on such a batch, before
+        training, with its side effects undone: a loss that is not finite (a mean over no samples is
+        NaN) would reach every rank's gradient through the all-reduce."""
+        from lit_cbs.probe.branch import side_effects_undone  # the probe's module imports this one
+
+        world = self.data_parallel_size
+        batch = trainer.strategy.batch_to_device(loader.empty_batch())
+        step_tokens = self.step_tokens.count
+        try:
+            with torch.no_grad(), side_effects_undone(pl_module), trainer.precision_plugin.train_step_context():
+                loss = loss_of(pl_module.training_step(batch, 0)).detach()
+            outcome = None if bool(torch.isfinite(loss).all()) else f"the loss {loss.item()}"
+        except Exception as error:  # whatever it raises, the run would raise at an epoch's end, hours in
+            outcome = f"{type(error).__name__}: {error}"
+        finally:
+            self.step_tokens.count = step_tokens
+        if outcome is not None:
+            raise LitCBSConfigError(
+                f"the train loader's {loader.num_samples} samples do not divide over {world} data-parallel ranks, so "
+                f"an epoch's last micro-batch can hold no sample on some rank, which still runs the step's forward and "
+                f"backward; training_step on such a zero-sample batch gives {outcome}: make it return a finite loss "
+                "there (lit_cbs.token_mean_loss(self, loss_sum, tokens) does: a sum over no tokens), or give the "
+                f"dataset a multiple of {world} samples"
+            )
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_next_batch = True  # the loader may have been (re)built for this epoch
@@ -419,9 +449,10 @@ class BatchAccounting(Callback):
             self._sync_at_next_batch = False
             self._sync_loader(trainer)
         micro = extract_batch_size(batch)
+        loader = resizable_train_loader(trainer)
         if self._check_next_batch:
             self._check_next_batch = False
-            self._check_micro_batch(trainer, micro)
+            self._check_micro_batch(trainer, micro, loader)
         if not self._seq_len_resolved:
             self._seq_len_resolved = True
             self.seq_len = self.seq_len or token_sequence_length(batch)
@@ -431,7 +462,8 @@ class BatchAccounting(Callback):
                     "tokens cannot be counted: stop by max_steps or max_epochs, or give seq_len=... (or the "
                     "datamodule a `tokens_per_sample` attribute) if it is token data"
                 )
-        samples = micro * self.data_parallel_size
+        # A GlobalOrderLoader's last round of an epoch deals fewer samples, unevenly over the ranks: it says how many.
+        samples = loader.last_round_samples if loader is not None else micro * self.data_parallel_size
         self.samples_seen += samples
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
@@ -439,14 +471,15 @@ class BatchAccounting(Callback):
         if self._fsdp_modules:
             self.set_gradient_sync(not should_accumulate(trainer))
 
-    def _check_micro_batch(self, trainer: pl.Trainer, micro: int) -> None:
+    def _check_micro_batch(self, trainer: pl.Trainer, micro: int, loader: GlobalOrderLoader | None) -> None:
         """The first batch of an epoch, and the first after a change, must hold the micro-batch that was
-        set: a loader that ignores ``batch_size`` would make every count, the global batch and the LR
-        rule silently wrong."""
+        set (with a ``GlobalOrderLoader``, this rank's share of an epoch's short last round): a loader that
+        ignores ``batch_size`` would make every count, the global batch and the LR rule silently wrong."""
         if not self._micro_batch_set:
-            self._micro_batch_size = micro  # nobody sets it: the loader's batches say what it is
+            # Nobody sets it: the loader says what it is, else its batches do.
+            self._micro_batch_size = loader.batch_size if loader is not None else micro
             return
-        if micro == self._micro_batch_size:
+        if micro == (loader.last_samples if loader is not None else self._micro_batch_size):
             return
         if micro < self._micro_batch_size and trainer.num_training_batches == 1:
             return  # an epoch shorter than one micro-batch (drop_last=False)

@@ -42,6 +42,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -201,15 +202,34 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         super().on_exception(trainer, pl_module, exception)
         self._restore_lightning_handlers()
-        if not isinstance(exception, SIGTERMException) or not trainer.training:
+        if not isinstance(exception, SIGTERMException) or trainer.state.fn != TrainerFn.FITTING:
             return
-        if should_accumulate(trainer):
+        if trainer.training and should_accumulate(trainer):
             rank_zero_warn(
                 f"SIGTERM inside an accumulation window after step {trainer.global_step}: not checkpointed (resuming "
                 f"there would lose the window's gradients); last.ckpt holds step {last_saved_step(self)}"
             )
-            return
-        self._save_final_state(trainer)
+        elif trainer.training:  # not at the end of a validation inside the fit, which Lightning ends by raising it too
+            self._save_final_state(trainer)
+        _explain_sigterm(exception, self._sigterm_message(trainer))
+
+    def _sigterm_message(self, trainer: pl.Trainer) -> str:
+        """One line: the step the run stopped after, the checkpoint that resumes it, and how."""
+        stopped = f"SIGTERM: training stopped after optimizer step {trainer.global_step}"
+        saved = last_saved_step(self)
+        if not self.save_last or not self.last_model_path or not Path(self.last_model_path).exists():
+            return (
+                f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): resume from the "
+                f"newest checkpoint in {self.dirpath} with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
+            )
+        where = "it" if saved == trainer.global_step else f"step {saved}"
+        window = BatchAccounting.attach(trainer).probe_window_step
+        if window is not None and saved == window != trainer.global_step:
+            where += ", where the CBS probe in progress began (a resumed run redoes it)"
+        return (
+            f"{stopped}; {self.last_model_path} holds {where}: resume with "
+            f"trainer.fit(model, datamodule, ckpt_path={self.last_model_path!r})"
+        )
 
     def _save_final_state(self, trainer: pl.Trainer) -> None:
         if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
@@ -228,6 +248,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = path
+
+
+def _explain_sigterm(exception: SIGTERMException, message: str) -> None:
+    """Give Lightning's ``SIGTERMException`` (a ``SystemExit`` raised without a message) ``message``: its
+    ``str()`` for a script that catches it, and, left uncaught, the line Python prints to stderr on its
+    way out (exit status 1, not the 0 of a bare ``SystemExit``, which a scheduler would read as done)."""
+    exception.args = (message,)
+    exception.code = message
 
 
 def _copy_checkpoint(source: Path, target: Path) -> None:

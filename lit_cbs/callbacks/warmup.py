@@ -48,6 +48,7 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
 )
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import checkpoint_triggers, shift_epoch_micro_batches, should_accumulate
@@ -607,18 +608,14 @@ class BatchWarmup(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
         if self.guard is not None:
-            self._record_micro_loss(trainer, outputs)
+            self._record_micro_loss(trainer, outputs, batch)
         if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.log_every_step:
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
         self._samples_before_step = self.samples_seen
-        if self.guard is not None and self._step_micro_batches:
-            self.guard.record(self.consumed, float(self._step_loss_sum) / self._step_micro_batches)
-            self._step_loss_sum, self._step_micro_batches = 0.0, 0
-            verdict = self.guard.judge(self.consumed, lambda values: mean_over_ranks(trainer, values))
-            if verdict is not None:
-                self._report_verdict(trainer, verdict)
+        if self.guard is not None:
+            self._guard_step(trainer)
         if self._no_step_follows(trainer):
             return
         self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
@@ -659,12 +656,25 @@ class BatchWarmup(Callback):
         checkpointed although no step uses it."""
         return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
 
-    def _record_micro_loss(self, trainer, outputs) -> None:
+    def _record_micro_loss(self, trainer, outputs, batch) -> None:
         loss = micro_batch_loss(trainer, outputs)
-        if loss is None:
-            return  # training_step returned None: Lightning skipped this micro-batch
+        if loss is None or extract_batch_size(batch) == 0:
+            return  # training_step returned None (Lightning skipped it), or a micro-batch of no sample
         self._step_loss_sum = self._step_loss_sum + loss
         self._step_micro_batches += 1
+
+    def _guard_step(self, trainer) -> None:
+        """Give the guard the step's loss (this rank's mean over its micro-batches), and let it judge."""
+        loss_sum, micro_batches = self._step_loss_sum, self._step_micro_batches
+        self._step_loss_sum, self._step_micro_batches = 0.0, 0
+        loader = resizable_train_loader(trainer)
+        if loader is not None and loader.last_round_samples < self.accounting.data_parallel_size:
+            return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
+        if micro_batches:
+            self.guard.record(self.consumed, float(loss_sum) / micro_batches)
+            verdict = self.guard.judge(self.consumed, lambda values: mean_over_ranks(trainer, values))
+            if verdict is not None:
+                self._report_verdict(trainer, verdict)
 
     def _report_verdict(self, trainer, verdict: GuardVerdict) -> None:
         unit = self.schedule.unit
@@ -812,7 +822,8 @@ class BatchWarmup(Callback):
         metrics = {
             "batch/global_size": float(samples),
             "batch/micro_batch_size": float(self.micro_batch_size),
-            "batch/accumulate": float(samples // (self.micro_batch_size * self.accounting.data_parallel_size)),
+            # Rounds of micro-batches: an epoch's last, short round counts as one.
+            "batch/accumulate": float(-(-samples // (self.micro_batch_size * self.accounting.data_parallel_size))),
             "batch/lr_factor": self.lr_factor,
             "samples_seen": float(self.samples_seen),
             "tokens_seen": float(self.tokens_seen),

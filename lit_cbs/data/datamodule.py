@@ -123,8 +123,8 @@ class TokenDataModule(LightningDataModule):
                 )
 
     def train_dataloader(self) -> GlobalOrderLoader:
-        """Micro-batches of ``batch_size`` samples per rank; an epoch's tail that fills no micro-batch on
-        every rank is dropped."""
+        """Micro-batches of ``batch_size`` samples per rank; every sample of an epoch once, its last few
+        dealt to the ranks as evenly as can be (``GlobalOrderLoader``)."""
         # Under Lightning, the strategy's data-parallel ranks (under tensor parallelism, not every process's).
         ranks = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         return GlobalOrderLoader(

@@ -11,11 +11,20 @@ dealt to the W data-parallel ranks in runs of m: micro-batch k of rank r holds p
 over all ranks, exactly the positions ``[P', P' + N m W)`` that follow the previous step, whatever
 m, N and W are, as long as ``B = m N W``.
 
+The tail. Where fewer than m W samples are left, the epoch's last round deals them to the ranks as
+evenly as can be, in rank order: each rank takes a run of t // W samples (t: the samples left), and
+ranks 0 to t % W - 1 one more. Every sample of every epoch thus trains exactly once, whatever m, the
+accumulation and W, and every rank yields the same number of micro-batches (DDP and FSDP run
+collectives in every backward). A rank whose share is empty (fewer samples left than ranks, which only
+a dataset whose size is no multiple of W leaves) yields a micro-batch of zero samples: the batch of
+one sample with every tensor (and numpy array) cut to zero rows along dim 0, so that it still runs
+the forward and backward passes the other ranks' collectives wait for. ``BatchAccounting`` checks,
+before training, that the module's ``training_step`` gives such a batch a finite loss.
+
 So the data position is one number, the samples consumed so far this epoch over all ranks
 (``position``, in the checkpoint). Changing m at a step boundary (``batch_size = ...``), or
 resuming on another number of ranks, regroups the samples from that position on: none is skipped or
-repeated, and every step still trains on the same samples as a run that never changed. The tail
-of an epoch that does not fill one micro-batch on every rank is dropped, the same on every rank.
+repeated, and every step still trains on the same samples as a run that never changed.
 
 Lightning's fit loop reads the loader as it reads a ``DataLoader``: ``len()`` (micro-batches this rank
 yields this epoch) keeps it from fetching ahead, so a new ``batch_size`` applies from the very next
@@ -33,8 +42,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
+from lit_cbs._internals import tree_map
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
 
@@ -54,13 +64,27 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.nd
     return np.random.default_rng([seed, epoch]).permutation(num_samples).astype(np.int64, copy=False)
 
 
+def round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
+    """(offset, samples) of rank ``rank``'s run in a round of ``round_samples`` samples dealt to ``world``
+    ranks: runs in rank order, as equal as can be, the first ``round_samples % world`` ranks one sample more."""
+    base, extra = divmod(round_samples, world)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
 def rank_micro_batches(order: np.ndarray, start: int, micro_batch_size: int, rank: int, world: int) -> Iterator[list[int]]:
-    """The sample indices of each micro-batch rank ``rank`` of ``world`` reads from ``start`` on (runs of
-    ``micro_batch_size``, dealt to the ranks in turn); stops where a run would not fill every rank."""
+    """The sample indices of each micro-batch rank ``rank`` of ``world`` reads from ``start`` on: rounds of
+    ``micro_batch_size`` samples per rank, dealt to the ranks in turn, up to the end of ``order``; the last
+    round, where fewer are left, by ``round_share`` (a rank's share may be empty: [])."""
     stride = micro_batch_size * world
-    first = start + rank * micro_batch_size
-    for base in range(first, start + (len(order) - start) // stride * stride, stride):
-        yield order[base : base + micro_batch_size].tolist()
+    for base in range(start, len(order), stride):
+        offset, samples = round_share(min(stride, len(order) - base), rank, world)
+        yield order[base + offset : base + offset + samples].tolist()
+
+
+def zero_rows(batch: Any) -> Any:
+    """``batch`` with every tensor and numpy array cut to its first zero rows (dim 0): a micro-batch of no
+    sample with the structure, dtypes and trailing shapes of a real one."""
+    return tree_map(lambda leaf: leaf[:0] if isinstance(leaf, (torch.Tensor, np.ndarray)) else leaf, batch)
 
 
 class _ByIndex(Dataset):
@@ -108,6 +132,9 @@ class GlobalOrderLoader:
         epoch: the epoch whose order is read.
         position: samples consumed this epoch, over all ranks (the data position).
         micro_batches: micro-batches this rank has yielded this epoch.
+        last_samples, last_round_samples: samples in the micro-batch this rank yielded last, and in its
+            round over all ranks (fewer than ``batch_size`` and ``batch_size`` x ranks in an epoch's last
+            round); None before the first.
     """
 
     def __init__(
@@ -141,6 +168,8 @@ class GlobalOrderLoader:
         self.epoch = 0
         self.position = 0
         self.micro_batches = 0
+        self.last_samples: int | None = None
+        self.last_round_samples: int | None = None
         self._exhausted = False
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
         self._batches: Iterator | None = None  # the running read, from _run_start on
@@ -182,7 +211,28 @@ class GlobalOrderLoader:
     # ------------------------------------------------------------------ iteration
     def _remaining_micro_batches(self) -> int:
         world, _ = self.topology()
-        return (self.num_samples - self.position) // (self._batch_size * world)
+        return -(-(self.num_samples - self.position) // (self._batch_size * world))  # the last, short round included
+
+    def _next_round(self) -> tuple[int, int]:
+        """(samples of this rank, samples over all ranks) in the round read next."""
+        world, rank = self.topology()
+        round_samples = min(self._batch_size * world, self.num_samples - self.position)
+        return round_share(round_samples, rank, world)[1], round_samples
+
+    @property
+    def deals_unevenly(self) -> bool:
+        """Whether an epoch's last round can leave the ranks different numbers of samples, some perhaps none
+        (a micro-batch of zero samples): only where the dataset's size is no multiple of the ranks (every
+        round before it takes a multiple of them)."""
+        world, _ = self.topology()
+        return self.num_samples % world != 0
+
+    def empty_batch(self) -> Any:
+        """A micro-batch of zero samples as the loader yields one, built from the dataset's first sample."""
+        return zero_rows(self._collate([self.dataset[0]]))
+
+    def _collate(self, samples: list[Any]) -> Any:
+        return (self.collate_fn or default_collate)(samples)
 
     def __len__(self) -> int:
         """Micro-batches this rank yields this epoch at the current micro-batch size (those yielded included)."""
@@ -203,9 +253,12 @@ class GlobalOrderLoader:
             self._exhausted = True
             self._batches = None
             raise
-        world, _ = self.topology()
+        samples, round_samples = self._next_round()
+        if samples == 0:
+            batch = zero_rows(batch)  # read one sample of the round for its structure (see _read_from_position)
         self.micro_batches += 1
-        self.position += self._batch_size * world
+        self.position += round_samples
+        self.last_samples, self.last_round_samples = samples, round_samples
         return batch
 
     def _read_from_position(self) -> Iterator[Any]:
@@ -213,7 +266,14 @@ class GlobalOrderLoader:
             self._order = (self.epoch, epoch_order(self.num_samples, self.seed, self.epoch, self.shuffle))
         order, start, micro = self._order[1], self.position, self._batch_size
         world, rank = self.topology()
-        runs = _IndexRuns(lambda: rank_micro_batches(order, start, micro, rank, world), self._remaining_micro_batches())
+
+        def index_runs() -> Iterator[list[int]]:
+            # An empty share reads the round's first sample, which _next cuts to zero rows: collate_fn sees samples.
+            rounds = range(start, len(order), micro * world)
+            for base, indices in zip(rounds, rank_micro_batches(order, start, micro, rank, world)):
+                yield indices or [int(order[base])]
+
+        runs = _IndexRuns(index_runs, self._remaining_micro_batches())
         # Worker seeds from a generator of the loader's own, so that no global random stream moves.
         generator = torch.Generator().manual_seed(int(np.random.default_rng([self.seed, self.epoch, start]).integers(2**62)))
         return iter(
@@ -249,6 +309,7 @@ class GlobalOrderLoader:
                     f"{name}={getattr(self, name)!r}: resume on the same data and seed, or start afresh"
                 )
         self.epoch, self.position, self.micro_batches = state_dict["epoch"], state_dict["position"], state_dict["micro_batches"]
+        self.last_samples = self.last_round_samples = None
         self._batches = None
         self._exhausted = False
 

@@ -217,7 +217,7 @@ class GradientNoiseScale(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._micro_batch_size = extract_batch_size(batch)
-        if self.config.per_example:
+        if self.config.per_example and self._micro_batch_size:
             self._pending_small = self._per_example_grad_sq(batch)
 
     @property
@@ -240,6 +240,10 @@ class GradientNoiseScale(Callback):
                 "rescales them: remove GradientNoiseScale, or return the micro-batch's mean loss"
             )
         b = float(self._micro_batch_size)
+        if not b:  # no sample (an epoch's last round left this rank none): no gradient of its own to measure
+            self._hook_grad_sq = None
+            self._sums.add_micro_batch(b)
+            return
         if self.config.per_example:
             self._sums.add_small_batches(self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
         else:
@@ -360,13 +364,14 @@ class GradientNoiseScale(Callback):
             return
         params = [param for param in self._group_of if param.grad is not None]
         big_grad_sq = self._group_squared_norms(params, [param.grad for param in params])
-        # A step cut short by the epoch's end is still divided by accumulate_grad_batches: rescale to the mean.
-        big_grad_sq *= (trainer.accumulate_grad_batches / sums.micro_batches) ** 2
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and not self.config.per_example:
             sums.unscale(scaler.get_scale())  # micro-batch gradients were read before unscaling
         reduce = (lambda values: trainer.strategy.reduce(values, reduce_op="sum")) if self._world_size > 1 else None
-        self.last_measurement = sums.measurement(big_grad_sq, reduce)
+        # A step cut short by the epoch's end is still divided by accumulate_grad_batches (and the ranks): the
+        # measurement rescales it to the mean over its micro-batches.
+        averaged_over = trainer.accumulate_grad_batches * self._world_size
+        self.last_measurement = sums.measurement(big_grad_sq, reduce, averaged_over)
         if not self._averages.update(self.last_measurement):
             return  # an AMP overflow: the optimizer skips this step, the averages skip it too
         self._stepped = True

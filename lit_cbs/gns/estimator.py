@@ -96,9 +96,11 @@ class StepSums:
         self.values[self.groups + 1] += inverse_size_sum
 
     def add_micro_batch(self, size: float) -> None:
-        """One micro-batch of ``size`` samples, a part of the step's big batch."""
-        self.values[self.groups + 2] += 1.0
-        self.values[self.groups + 3] += 1.0 / size
+        """One micro-batch of ``size`` samples, a part of the step's big batch; one of no sample (an epoch's
+        last round can leave a rank none) adds nothing to the gradient or the sizes, and counts on the host only."""
+        if size > 0:
+            self.values[self.groups + 2] += 1.0
+            self.values[self.groups + 3] += 1.0 / size
         self.micro_batches += 1
 
     def unscale(self, loss_scale: float) -> None:
@@ -106,12 +108,20 @@ class StepSums:
         self.values[: self.groups] /= loss_scale**2
 
     def measurement(
-        self, big_grad_sq: torch.Tensor, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self,
+        big_grad_sq: torch.Tensor,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        averaged_over: int | None = None,
     ) -> NoiseMeasurement:
         """The step's measurement from these sums and the step's squared norm per group ``big_grad_sq``;
-        ``reduce`` first sums ``values`` over the data-parallel ranks (None: one process)."""
+        ``reduce`` first sums ``values`` over the data-parallel ranks (None: one process). ``averaged_over``:
+        the micro-batches the step's gradient was divided among (Lightning divides each loss by the
+        accumulation, DDP by the ranks), for a step with fewer or empty ones (an epoch's last): its squared
+        norm is rescaled to that of the mean over the micro-batches of samples counted here."""
         values = self.values if reduce is None else reduce(self.values)
         small_count, small_inv_sum, micro_count, micro_inv_sum = values[self.groups :]
+        if averaged_over is not None:
+            big_grad_sq = big_grad_sq * (averaged_over / micro_count) ** 2
         small_grad_sq = values[: self.groups] / small_count
         small_batch_size = small_count / small_inv_sum
         big_batch_size = micro_count**2 / micro_inv_sum

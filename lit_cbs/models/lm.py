@@ -10,8 +10,9 @@ With ``ignore_index`` (a padding token id), targets equal to it do not count, an
 step's gradient is the mean over every counted token of the step, however the step is split into
 micro-batches, accumulation and ranks (``lit_cbs.token_mean_loss``).
 
-Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks; per counted
-token with ``ignore_index``),
+Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks, less the
+zero-sample one an epoch's last round can leave a rank (``GlobalOrderLoader``); per counted token with
+``ignore_index``),
 ``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
 wall time of the last optimizer step, validation and a CBS probe's branches excluded) and, when
 the peak FLOP/s of a device is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs
@@ -242,7 +243,9 @@ class CausalLM(pl.LightningModule):
         """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
         if self.ignore_index is None:
             logits = self.model(batch[:, :-1])
-            return F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), batch[:, 1:].flatten())
+            # A mean over no target is NaN; the sum over none is 0, with a zero gradient, for a zero-sample micro-batch.
+            reduction = "mean" if len(batch) else "sum"
+            return F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), batch[:, 1:].flatten(), reduction=reduction)
         loss_sum, tokens = self._loss_sum(batch)
         return loss_sum / tokens.clamp(min=1)
 
@@ -259,7 +262,8 @@ class CausalLM(pl.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.ignore_index is None:
             loss = self._loss(batch)
-            self.train_loss.update(loss.detach())
+            # A micro-batch of no sample (an epoch's last, on a rank its share left none) does not count.
+            self.train_loss.update(loss.detach(), weight=float(len(batch) > 0))
             return loss
         loss_sum, tokens = self._loss_sum(batch)
         loss = token_mean_loss(self, loss_sum, tokens)

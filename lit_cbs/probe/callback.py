@@ -31,7 +31,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs._internals import should_accumulate
-from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss
+from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
@@ -106,6 +106,7 @@ class CBSProbeCallback(Callback):
         self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
         self._resumed = False
         self._deferred = False  # a due probe whose window the run's end would cut: left to a resumed run
+        self._waiting_in_epoch: int | None = None  # the epoch whose uneven end a due probe waits out
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
 
@@ -215,8 +216,12 @@ class CBSProbeCallback(Callback):
     def _run_end(self, trainer: pl.Trainer, batch_idx: int, into_step: int) -> RunEnd:
         """Where the run ends (tokens), by whichever limit ends it first; ``into_step``: micro-batches
         of the step not yet taken, counted already."""
+        return run_end(trainer, self._accounting, batch_idx + 1, into_step, self._largest_batch())
+
+    def _largest_batch(self) -> int:
+        """The largest global batch (samples) the run's schedule may reach."""
         sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
-        return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
+        return max(sizes)
 
     def _check_first_point(self, end: RunEnd) -> None:
         """Refuse a schedule whose next probe point lies at or past the run's latest end
@@ -394,6 +399,28 @@ class CBSProbeCallback(Callback):
             )
             self.probes_started, self._deferred = pending, True
             return
+        loader = resizable_train_loader(trainer)
+        if loader is not None and loader.deals_unevenly:
+            # Each rank records its own micro-batches and the branches need as many samples on every rank, so a
+            # window stays clear of an epoch's last round, which leaves the ranks different numbers of samples.
+            # The main run may change its batch inside the window and go past it by up to one step.
+            reach = window_samples * self.config.replicates + max(batch_size, self._largest_batch())
+            if reach > loader.num_samples:
+                rank_zero_warn(
+                    f"CBS probe at {tokens:,} tokens skipped: its window and a step ({reach:,} samples) do not fit in an "
+                    f"epoch of {loader.num_samples:,} samples, whose last micro-batches leave the "
+                    f"{world} ranks different numbers of samples: shorten window_tokens"
+                )
+                return
+            if loader.position + reach > loader.num_samples:
+                if self._waiting_in_epoch != loader.epoch:
+                    self._waiting_in_epoch = loader.epoch
+                    rank_zero_info(
+                        f"CBS probe at {tokens:,} tokens waits for the next epoch: its window would reach this epoch's "
+                        f"last micro-batches, which leave the {world} ranks different numbers of samples"
+                    )
+                self.probes_started = pending  # asked again after every step: it starts early in the next epoch
+                return
         if self.config.max_overhead is not None:
             expected_cost = max_branches(self.config.search, len(ks)) * window_tokens * self.config.replicates
             overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens * self.config.replicates)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 
-from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,13 @@ def run_end(
             step_start + steps_left * max(largest_batch, accounting.global_batch) * seq_len,
         )
     per_epoch = trainer.num_training_batches
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(per_epoch):
+    loader = resizable_train_loader(trainer)
+    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and loader is not None:
+        # Its epochs train every sample, the last round short: count samples, not micro-batches.
+        left = (trainer.max_epochs - trainer.current_epoch) * loader.num_samples - loader.position
+        tokens = accounting.tokens_seen + left * seq_len
+        ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
+    elif trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(per_epoch):
         left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
         tokens = accounting.tokens_seen + int(left) * per_micro_batch
         ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)

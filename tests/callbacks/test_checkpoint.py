@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from launch import subprocess_env
 from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, PiecewiseBatch
 from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint
+
+USER_SIGTERM = Path(__file__).resolve().parents[1] / "scripts" / "user_sigterm.py"
 
 
 class SigtermAt(pl.Callback):
@@ -93,7 +99,9 @@ def test_stop_on_a_periodic_step_is_saved(tmp_path):
 
 
 def test_sigterm_after_an_optimizer_step_is_saved(tmp_path):
-    with pytest.raises(SystemExit):
+    with pytest.raises(
+        SystemExit, match=r"^SIGTERM: training stopped after optimizer step 7; .*last\.ckpt holds it: resume with"
+    ):
         fit(tmp_path, SigtermAt(micro_batch=14))  # the 7th step's second micro-batch
     last = torch.load(tmp_path / "last.ckpt", weights_only=False)
     assert last["global_step"] == 7
@@ -101,6 +109,21 @@ def test_sigterm_after_an_optimizer_step_is_saved(tmp_path):
     resumed.load_state_dict(last["state_dict"])
     uninterrupted_trainer, uninterrupted = fit(tmp_path / "again", max_steps=7)
     assert torch.equal(resumed.layer.weight, uninterrupted.layer.weight)
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_plain_lightning_script_with_one_line_that_says_how_to_resume(tmp_path):
+    # A user's own script (no recipe, no try/except around trainer.fit): a real SIGTERM after step 3.
+    stopped = subprocess.run(
+        [sys.executable, str(USER_SIGTERM), str(tmp_path)], capture_output=True, text=True, timeout=300, env=subprocess_env()
+    )
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    assert stopped.returncode == 1  # not 0, which a bare SystemExit gives and a scheduler reads as done
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        f"SIGTERM: training stopped after optimizer step 3; {last} holds it: resume with "
+        f"trainer.fit(model, datamodule, ckpt_path={str(last)!r})"
+    )
+    assert torch.load(last, weights_only=False)["global_step"] == 3  # what the line says
 
 
 def test_sigterm_inside_an_accumulation_window_stops_after_that_step(tmp_path):

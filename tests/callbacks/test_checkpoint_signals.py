@@ -147,10 +147,16 @@ def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(
 ):
     _, end = uninterrupted
     stopped = build(tmp_path / "stopped", prepared)
-    with caplog.at_level("INFO"), pytest.raises(SystemExit):
+    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
         fit(stopped, signal_at=signal_at, signal_in_branch_step=branch_step)
     # No main-run step after the one the signal came in: steps 1, 3, 5 (the branches run after it) and 6.
     assert stopped.trainer.global_step == {1: 1, 2: 3 if branch_step is None else 5, 6: 6}[saved_step]
+    last = tmp_path / "stopped" / "checkpoints" / "last.ckpt"
+    holds = "it" if saved_step != 2 else "step 2, where the CBS probe in progress began (a resumed run redoes it)"
+    assert str(stop.value) == (
+        f"SIGTERM: training stopped after optimizer step {stopped.trainer.global_step}; {last} holds {holds}: "
+        f"resume with trainer.fit(model, datamodule, ckpt_path={str(last)!r})"
+    )
     assert f"SIGTERM: stopping after step {stopped.trainer.global_step}" in caplog.text
     if saved_step == 2:
         assert "inside the CBS probe whose window began at step 2" in caplog.text

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import warnings
+from collections import Counter
 
 import lightning.pytorch as pl
 import pytest
@@ -196,8 +197,8 @@ def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(siz
             schedule, epochs=2, data=GlobalOrderRegressionData(n=60, batch_size=2), max_micro_batch_size=max_micro
         )
     read = epochs_read(module)
-    for epoch, indices in read.items():  # each epoch's order, less a tail of at most one micro-batch
-        assert indices == data.epoch_order(epoch)[: len(indices)] and 60 - len(indices) < max_micro
+    for epoch, indices in read.items():  # each epoch's order, every sample once
+        assert indices == data.epoch_order(epoch)
     assert_exact_steps(module, data, warmup)
     for change in warmup.history:
         assert change.new_global_batch == schedule.batch_size(change.requested_at_samples)
@@ -207,6 +208,26 @@ def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(siz
         old, new = change.old_global_batch, change.new_global_batch
         waited = (change.samples_seen - change.requested_at_samples) // old
         assert waited <= new // math.gcd(old, new) - 1 or this_epoch in (0, len(read[change.epoch]))  # or at an epoch boundary
+
+
+def test_every_sample_trains_once_per_epoch_however_the_micro_batch_ends_it():
+    # 100 samples, global batch 4 -> 8 -> 24 in micro-batches up to 8, 3 epochs: each epoch's samples run out
+    # mid-step with a micro-batch that is not full, which trains too.
+    schedule = PiecewiseBatch([4, 8, 24], [0, 40, 120], unit="samples")
+    data = GlobalOrderRegressionData(n=100, batch_size=4)
+    trainer, module, data, warmup = fit(schedule, epochs=3, data=data, max_micro_batch_size=8)
+    assert [(c.new_global_batch, c.new_micro_batch_size, c.new_accumulate) for c in warmup.history] == [(8, 8, 1), (24, 8, 3)]
+    read = epochs_read(module)
+    assert [read[epoch] for epoch in range(3)] == [data.epoch_order(epoch) for epoch in range(3)]
+    assert Counter(i for indices in read.values() for i in indices) == Counter(list(range(100)) * 3)
+    assert warmup.samples_seen == 300 and warmup.accounting.samples_seen == 300
+    last_steps = [[s for s in module.steps if s["epoch"] == epoch][-1] for epoch in range(3)]
+    assert [len(s["indices"]) for s in last_steps] == [4, 4, 4]  # 100 = 4 x 24 + 4: one micro-batch of 4
+    assert [len(m) for m in module.micro_batches[-2:]] == [8, 4]
+    # Lightning divides each micro-batch's mean loss by the accumulation (3), also in this step.
+    step = last_steps[-1]
+    torch.testing.assert_close(step["grad"], mean_gradient(data.dataset, step["indices"], step["weight"]) / 3)
+    assert_exact_steps(module, data, warmup)
 
 
 def test_the_logged_row_of_an_epochs_short_last_step_says_what_it_trained_on(tmp_path):
@@ -259,6 +280,44 @@ def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_
         assert order == full_order[len(full_order) - len(order) :]
         assert [s["lr"] for s in resumed.steps] == [s["lr"] for s in full.steps[len(full.steps) - len(resumed.steps) :]]
         assert resumed_warmup.history == full_warmup.history
+
+
+class SaveAfterMicroBatch(pl.Callback):
+    """Saves ``path`` after micro-batch ``batch_idx`` of epoch 0, wherever that falls in an optimizer step."""
+
+    def __init__(self, path, batch_idx: int):
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.current_epoch == 0 and batch_idx == self.batch_idx:
+            trainer.save_checkpoint(self.path)
+
+
+def test_resume_right_before_and_inside_an_epochs_short_last_step(tmp_path):
+    # 110 samples at batch 24 (micro-batch 8 x 3): each epoch ends in a step of 14 samples, micro-batches of 8 and 6.
+    def run(callbacks=(), ckpt_path=None):
+        pl.seed_everything(0, verbose=False)
+        module, warmup = RegressionModule(optimizer="adam"), BatchWarmup(ConstantBatch(24), max_micro_batch_size=8)
+        kwargs = trainer_kwargs(max_epochs=2, enable_checkpointing=bool(callbacks))
+        trainer = pl.Trainer(callbacks=[warmup, *callbacks], **kwargs)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a checkpoint inside an accumulation window is warned about
+            trainer.fit(module, GlobalOrderRegressionData(n=110, batch_size=8), ckpt_path=ckpt_path)
+        return module, warmup
+
+    every_step = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    full, full_warmup = run([every_step, SaveAfterMicroBatch(tmp_path / "inside.ckpt", batch_idx=12)])
+    assert [len(m) for m in full.micro_batches[:14]] == [8] * 13 + [6] and len(full.steps[4]["indices"]) == 14
+    # Right before it: bit for bit, the same samples in every step.
+    before, before_warmup = run(ckpt_path=tmp_path / "step=4.ckpt")
+    assert before.micro_batches == full.micro_batches[12:] and torch.equal(before.layer.weight, full.layer.weight)
+    assert before_warmup.samples_seen == full_warmup.samples_seen == 220
+    # Inside it, after its micro-batch of 8: the data goes on with the micro-batch of 6 (the half-accumulated
+    # gradient is not in a checkpoint), then the next epoch; every sample of both epochs read once.
+    inside, inside_warmup = run(ckpt_path=tmp_path / "inside.ckpt")
+    assert inside.micro_batches == full.micro_batches[13:] and inside_warmup.samples_seen == 220
+    read = full.micro_batches[:13] + inside.micro_batches
+    assert Counter(i for micro_batch in read for i in micro_batch) == Counter(list(range(110)) * 2)
 
 
 def test_max_tokens_stops_training():

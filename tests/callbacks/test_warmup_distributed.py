@@ -22,7 +22,15 @@ import torch
 from launch import subprocess_env
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DistributedSampler
-from toys import GlobalOrderRegressionData, IndexedRegression, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+from toys import (
+    GlobalOrderRegressionData,
+    IndexedRegression,
+    RegressionData,
+    RegressionModule,
+    SummedRegressionModule,
+    mean_gradient,
+    trainer_kwargs,
+)
 
 from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch, Seesaw, StepDecay
 
@@ -212,6 +220,23 @@ class SaveSteps(Callback):
         torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
 
 
+def fit_on_ranks(
+    ranks: int, callbacks: list, module, data, epochs: int, checkpoints: tuple[Path | None, int], ckpt_path: Path | None
+) -> None:
+    """Fit on ``ranks`` processes (ddp_spawn beyond one); ``checkpoints``: (folder, every so many steps), or (None, _)."""
+    folder, every = checkpoints
+    if folder is not None:
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
+    kwargs = trainer_kwargs(devices=ranks, max_epochs=epochs, enable_checkpointing=folder is not None)
+    if ranks > 1:
+        kwargs["strategy"] = "ddp_spawn"
+    pl.seed_everything(0, verbose=False)
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+
+
 def elastic_run(
     ranks: int,
     outdir: Path,
@@ -223,16 +248,7 @@ def elastic_run(
     """A run on ``ranks`` processes; returns the steps joined over the ranks (samples, LR), its weight and history."""
     outdir.mkdir(parents=True, exist_ok=True)
     callbacks = [BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=max_micro_batch_size), SaveSteps(outdir)]
-    if checkpoints is not None:
-        callbacks.append(ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1, filename="{step}"))
-    kwargs = trainer_kwargs(devices=ranks, max_epochs=EPOCHS, enable_checkpointing=checkpoints is not None)
-    if ranks > 1:
-        kwargs["strategy"] = "ddp_spawn"
-    pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(RegressionModule(), data(n=SAMPLES, batch_size=2), ckpt_path=ckpt_path)
+    fit_on_ranks(ranks, callbacks, RegressionModule(), data(n=SAMPLES, batch_size=2), EPOCHS, (checkpoints, 3), ckpt_path)
     per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
     steps = [
         sorted(i for records in per_rank for i in records["indices"][number]) for number in range(len(per_rank[0]["indices"]))
@@ -320,3 +336,86 @@ def test_fsdp2_resumes_a_distributed_checkpoint_on_another_number_of_processes(t
         torch.testing.assert_close(resumed, uninterrupted, rtol=1e-10, atol=1e-12)
     back_on_two = fsdp_elastic_run(tmp_path / "back", 2, tmp_path / "one" / "checkpoints" / "step=21.ckpt")
     assert back_on_two["steps"] == two["steps"][21:]
+
+
+# ---------------------------------------------------------------- an epoch's last round, dealt over the ranks
+# 105 samples on 2 ranks: every epoch ends in a round that leaves the ranks different numbers of samples. Epoch 0
+# ends with rounds of 8 (57 - 7 x 8 = 1 sample left: rank 1 gets none), epochs 1 and 2 with rounds of 12 (9 left: 5 and 4).
+UNEVEN_SAMPLES = 105
+
+
+class SaveMicroBatches(Callback):
+    """Saves this rank's micro-batches (sample indices), the micro-batches it had read at each epoch's end,
+    its steps (samples, gradient, weight) and the counts to ``outdir/rank{rank}.pt``."""
+
+    def __init__(self, outdir: Path):
+        self.outdir, self.epoch_ends = outdir, []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.epoch_ends.append(len(pl_module.micro_batches))
+
+    def on_train_end(self, trainer, pl_module):
+        warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
+        records = {
+            "micro_batches": pl_module.micro_batches,
+            "epoch_ends": self.epoch_ends,
+            "steps": [{key: s[key] for key in ("indices", "grad", "weight", "epoch")} for s in pl_module.steps],
+            "samples_seen": warmup.samples_seen,
+            "tokens_seen": warmup.tokens_seen,
+        }
+        torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
+
+
+def uneven_run(
+    outdir: Path,
+    module: RegressionModule,
+    ranks: int = WORLD_SIZE,
+    checkpoints: Path | None = None,
+    ckpt_path: Path | None = None,
+) -> list[dict]:
+    """4 -> 8 -> 24 samples at 40 and 120 (on 2 ranks micro-batch 2 -> 4 -> 6 x 2 per rank) over 3 epochs of 105
+    samples, checkpointed after every step into ``checkpoints``; each rank's records."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    warmup = BatchWarmup(
+        PiecewiseBatch([4, 8, 24], [0, 40, 120], unit="samples"), lr_rule="sqrt", seq_len=SEQ_LEN, max_micro_batch_size=8
+    )
+    data = GlobalOrderRegressionData(n=UNEVEN_SAMPLES, batch_size=2)
+    fit_on_ranks(ranks, [warmup, SaveMicroBatches(outdir)], module, data, 3, (checkpoints, 1), ckpt_path)
+    return [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
+
+
+@pytest.mark.slow
+def test_on_two_ranks_every_sample_trains_once_per_epoch_and_each_step_is_the_mean_over_its_samples(tmp_path):
+    ranks = uneven_run(tmp_path / "two", SummedRegressionModule(), checkpoints=tmp_path / "checkpoints")
+    data = GlobalOrderRegressionData(n=UNEVEN_SAMPLES)
+    # Both ranks read as many micro-batches in every epoch (their collectives pair up) ...
+    assert ranks[0]["epoch_ends"] == ranks[1]["epoch_ends"] and len(ranks[0]["epoch_ends"]) == 3
+    bounds = [0, *ranks[0]["epoch_ends"]]
+    for epoch, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        rounds = zip(ranks[0]["micro_batches"][start:end], ranks[1]["micro_batches"][start:end])
+        # ... and round by round, rank 0's run then rank 1's, they read the epoch's order, every sample once.
+        assert [i for first, second in rounds for i in first + second] == data.epoch_order(epoch)
+        last = (len(ranks[0]["micro_batches"][end - 1]), len(ranks[1]["micro_batches"][end - 1]))
+        assert last == [(1, 0), (5, 4), (5, 4)][epoch]  # the last round: rank 0 one sample more (105 is odd)
+    for records in ranks:
+        assert records["samples_seen"] == 3 * UNEVEN_SAMPLES and records["tokens_seen"] == 3 * UNEVEN_SAMPLES * SEQ_LEN
+    # token_mean_loss: every step's gradient is the exact mean over the samples it holds, the short ones too.
+    for step_0, step_1 in zip(ranks[0]["steps"], ranks[1]["steps"]):
+        assert torch.equal(step_0["grad"], step_1["grad"])
+        expected = mean_gradient(data.dataset, step_0["indices"] + step_1["indices"], step_0["weight"])
+        torch.testing.assert_close(step_0["grad"], expected, rtol=1e-10, atol=1e-12)
+    # Resumed on one rank from right before epoch 0's last step: the same samples in every step from there on.
+    steps = [sorted(step_0["indices"] + step_1["indices"]) for step_0, step_1 in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    before_last = max(number for number, step in enumerate(ranks[0]["steps"]) if step["epoch"] == 0)
+    checkpoint = tmp_path / "checkpoints" / f"step={before_last}.ckpt"
+    (one,) = uneven_run(tmp_path / "one", SummedRegressionModule(), ranks=1, ckpt_path=checkpoint)
+    assert [sorted(step["indices"]) for step in one["steps"]] == steps[before_last:]
+    assert one["samples_seen"] == 3 * UNEVEN_SAMPLES
+    torch.testing.assert_close(one["steps"][-1]["weight"], ranks[0]["steps"][-1]["weight"], rtol=1e-10, atol=1e-12)
+    # A mean over no sample is NaN: a module that gives one is refused before its first step, with the fix.
+    with pytest.raises(
+        Exception,
+        match=r"the train loader's 105 samples do not divide over 2 data-parallel ranks, so an epoch's last micro-batch can "
+        r"hold no sample on some rank.*training_step on such a zero-sample batch gives the loss nan.*token_mean_loss",
+    ):
+        uneven_run(tmp_path / "refused", RegressionModule())

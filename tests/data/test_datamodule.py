@@ -48,12 +48,12 @@ def test_batches_are_int64_blocks_of_seq_len_plus_one(documents_datamodule, docu
     assert bytes(batch[0].tolist()) in documents_stream  # a contiguous slice of the token stream
 
 
-def test_train_loader_drops_the_incomplete_last_batch(documents_datamodule, prepared_documents):
+def test_train_loader_yields_every_sample_the_last_batch_short(documents_datamodule, prepared_documents):
     datamodule = documents_datamodule(batch_size=7)
     batches = list(datamodule.train_dataloader())
     samples = read_metadata(prepared_documents)["train_tokens"] // 16
-    assert len(batches) == samples // 7
-    assert all(len(batch) == 7 for batch in batches)
+    assert samples % 7 and len(batches) == samples // 7 + 1
+    assert [len(batch) for batch in batches] == [7] * (samples // 7) + [samples % 7]
 
 
 def test_val_loader_reads_the_val_split_in_order(documents_datamodule, prepared_documents, read_tokens):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import subprocess_env
+from toys import IndexedRegression
 
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
 from lit_cbs.errors import LitCBSConfigError
@@ -59,13 +60,14 @@ def test_the_order_is_a_seeded_permutation_per_epoch():
 
 def test_len_counts_this_ranks_micro_batches_and_follows_the_micro_batch():
     loader = GlobalOrderLoader(SAMPLES, 8, num_replicas=2, rank=1, collate_fn=identity)
-    assert len(loader) == 6  # 100 // 16: the tail of 4 samples fills no micro-batch on both ranks
+    assert len(loader) == 7  # 6 rounds of 16 samples, then the last 4, 2 on each rank
     iterator = iter(loader)
     next(iterator), next(iterator)
-    loader.batch_size = 2
-    assert len(loader) == 2 + (100 - 32) // 4
-    assert len(list(iterator)) == len(loader) - 2
-    assert loader.position == 32 + 17 * 4
+    loader.batch_size = 3
+    assert len(loader) == 2 + 12  # (100 - 32) samples: 11 rounds of 6, then the last 2, 1 on each rank
+    rest = list(iterator)
+    assert len(rest) == len(loader) - 2 and [len(batch) for batch in rest[-2:]] == [3, 1]
+    assert loader.position == 100
 
 
 def test_state_dict_resumes_at_the_position_on_other_ranks():
@@ -81,7 +83,66 @@ def test_state_dict_resumes_at_the_position_on_other_ranks():
     resumed.load_state_dict(state)
     assert sorted(i for batch in resumed for i in batch) == rest
     order = epoch_order(100, 3, 0, True).tolist()
-    assert set(rest) == set(order[24:96])
+    assert set(rest) == set(order[24:])
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_every_sample_of_every_epoch_trains_once_whatever_the_split(ranks):
+    # Micro-batches 4, 8, 3, 8 for 5 rounds each, for ever; every rank reads as many micro-batches per epoch.
+    group = loaders(ranks, 4)
+    read = []
+    for epoch in range(3):
+        for loader in group:
+            loader.set_epoch(epoch)
+        iterators = [iter(loader) for loader in group]
+        lengths = {len(loader) for loader in group}
+        rounds = 0
+        while True:
+            micro = [4, 8, 3, 8][rounds // 5 % 4]
+            for loader in group:
+                loader.batch_size = micro
+            batches = [next(iterator, None) for iterator in iterators]
+            if batches[0] is None:
+                assert batches == [None] * ranks  # every rank ends the epoch on the same micro-batch
+                break
+            rounds += 1
+            sizes = [len(batch) for batch in batches]
+            assert max(sizes) - min(sizes) <= 1 and max(sizes) <= micro  # the last round: as even as can be
+            read += [i for batch in batches for i in batch]
+        assert {len(loader) for loader in group} == {rounds} and len(lengths) == 1
+        assert {loader.position for loader in group} == {100}
+    assert sorted(read) == sorted(SAMPLES * 3)
+
+
+def test_a_rank_whose_share_of_the_last_round_is_empty_gets_a_batch_of_zero_samples():
+    dataset = IndexedRegression(10)
+    group = [GlobalOrderLoader(dataset, 2, num_replicas=4, rank=r, seed=3) for r in range(4)]
+    assert all(loader.deals_unevenly for loader in group)
+    batches = [list(loader) for loader in group]  # one round of 8 samples, then the last 2: one for ranks 0 and 1
+    assert [[len(batch["idx"]) for batch in rank] for rank in batches] == [[2, 1], [2, 1], [2, 0], [2, 0]]
+    empty = batches[3][1]
+    assert empty["x"].shape == (0, 4) and empty["x"].dtype == torch.float64 and empty["idx"].dtype == torch.int64
+    assert sorted(i for rank in batches for batch in rank for i in batch["idx"].tolist()) == list(range(10))
+    assert [(loader.last_samples, loader.last_round_samples) for loader in group] == [(1, 2), (1, 2), (0, 2), (0, 2)]
+    assert group[0].empty_batch()["x"].shape == (0, 4)
+    assert not GlobalOrderLoader(dataset, 2, num_replicas=5, rank=0).deals_unevenly
+
+
+@pytest.mark.parametrize("stop_after", [3, 6])  # mid-epoch, and right before the last round
+def test_a_position_inside_or_before_the_last_round_resumes_on_other_ranks(stop_after):
+    # 2 ranks, micro-batch 8: rounds of 16; the 100th sample ends a last round of 4.
+    group = loaders(2, 8)
+    iterators = [iter(loader) for loader in group]
+    for _ in range(stop_after):
+        for iterator in iterators:
+            next(iterator)
+    state = group[0].state_dict()
+    rest = sorted(i for iterator in iterators for batch in iterator for i in batch)
+    resumed = loaders(3, 5)  # three ranks now: rounds of 15, the last short
+    for loader in resumed:
+        loader.load_state_dict(state)
+    read = [[i for batch in loader for i in batch] for loader in resumed]
+    assert sorted(i for rank in read for i in rank) == rest == sorted(epoch_order(100, 3, 0, True).tolist()[state["position"] :])
 
 
 def test_set_epoch_moves_to_the_next_order_and_keeps_a_resumed_position():

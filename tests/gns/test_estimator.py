@@ -56,6 +56,27 @@ def test_step_sums_of_unequal_micro_batches_use_effective_sizes():
     assert float(doubled.grad_sq) == pytest.approx(grad_sq) and float(doubled.trace_sigma) == pytest.approx(trace_sigma)
 
 
+def test_a_micro_batch_of_no_sample_leaves_the_sizes_and_the_step_mean_to_the_others():
+    # Two ranks, accumulation 2: rank 0 trains 8 and 5 samples, rank 1 trains 8 and none (an epoch's last round).
+    # DDP and Lightning divide the step's gradient among 4 micro-batches; its mean is over the 3 that hold samples.
+    grad_sq, trace_sigma, sizes = 3.0, 45.0, (8.0, 5.0, 8.0)
+    ranks = [StepSums(groups=1, device=torch.device("cpu")) for _ in range(2)]
+    for sums, rank_sizes in zip(ranks, ((8.0, 5.0), (8.0, 0.0))):
+        for size in rank_sizes:
+            if size:
+                sums.add_small_batches(torch.tensor([grad_sq + trace_sigma / size]), count=1.0, inverse_size_sum=1.0 / size)
+            sums.add_micro_batch(size)
+    assert [sums.micro_batches for sums in ranks] == [2, 2]  # counted alike on every rank
+    big_batch_size = len(sizes) ** 2 / sum(1 / size for size in sizes)
+    divided = (3 / 4) ** 2 * (grad_sq + trace_sigma / big_batch_size)  # the mean of 3 gradients, divided by 4
+    measurement = ranks[0].measurement(
+        torch.tensor([divided]), reduce=lambda values: ranks[0].values + ranks[1].values, averaged_over=4
+    )
+    assert measurement.big_batch_size == pytest.approx(big_batch_size)
+    assert measurement.small_batch_size == pytest.approx(3 / sum(1 / size for size in sizes))
+    assert float(measurement.grad_sq) == pytest.approx(grad_sq) and float(measurement.trace_sigma) == pytest.approx(trace_sigma)
+
+
 def measurement_of(grad_sq: list[float], trace_sigma: list[float]) -> NoiseMeasurement:
     zeros = torch.zeros(len(grad_sq))
     return NoiseMeasurement(zeros, zeros, 1.0, 2.0, torch.tensor(grad_sq), torch.tensor(trace_sigma))

@@ -93,6 +93,11 @@ def test_bisect_uses_the_main_run_for_the_first_window_only():
     for g, b in zip(grid.history, bisect.history):
         # The main run over the first window is the k = 1 branch there: the same held-out losses.
         assert b.replicate_batch_losses["1"][0] == pytest.approx(g.replicate_batch_losses["1"][0], rel=1e-12)
-        assert b.replicate_batch_losses == pytest.approx(g.replicate_batch_losses, rel=1e-12)
+        # Per k, per window, per held-out batch (pytest.approx compares flat sequences, not nested ones).
+        assert b.replicate_batch_losses.keys() == g.replicate_batch_losses.keys()
+        for k, windows in g.replicate_batch_losses.items():
+            assert len(b.replicate_batch_losses[k]) == len(windows)
+            for bisected, gridded in zip(b.replicate_batch_losses[k], windows):
+                assert bisected == pytest.approx(gridded, rel=1e-12)
         assert b.branches_trained == [1.0, 2.0, 2.0] and b.tokens_spent == 3 * 64
     assert bisect.tokens_spent < grid.tokens_spent
