@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -174,7 +175,7 @@ class CBSProbeCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
-        if max_tokens is not None:  # known before any data is read; max_steps and max_epochs at the first batch
+        if max_tokens is not None and not self._resumed:  # before any data is read; max_steps, max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
         if self.config.evaluate == "heldout":
             self._heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
@@ -219,25 +220,56 @@ class CBSProbeCallback(Callback):
         return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
 
     def _check_first_point(self, end: RunEnd) -> None:
-        """Refuse a schedule whose next probe point lies at or past the run's latest end
-        (``ProbeConfig.check_inside_run``); a resumed run past its last probe point just goes on without one."""
+        """Refuse a fresh run whose next probe point lies at or past the run's latest end
+        (``ProbeConfig.check_inside_run``); a resumed run past its last probe point is told so and goes on."""
         if end.latest is None:
             return
-        try:
+        if not self._resumed:
             self.config.check_inside_run(end.latest, end.limit, next_probe=self.probes_started)
-        except LitCBSConfigError:
-            if not self._resumed:
-                raise
-            rank_zero_info(
-                f"CBSProbeCallback: no probe point is left in the rest of this run (the next is at "
-                f"{self.config.probe_point(self.probes_started):,.0f} tokens; the run ends by {end.limit} at "
-                f"{end.latest:,} tokens or sooner)"
-            )
+            return
+        point = self.config.probe_point(self.probes_started)
+        if point < end.latest:
+            return
+        after = "after the one in progress" if self._window is not None else "in the rest of this run"
+        why = (
+            f"the last of at_tokens is at {self.config.at_tokens[-1]:,}"
+            if math.isinf(point)
+            else f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} at {end.latest:,} tokens or sooner"
+        )
+        rank_zero_info(f"CBSProbeCallback: no probe point is left {after} ({why})")
+
+    def _batch_at(self, tokens: float) -> int:
+        """The global batch (samples) a probe at ``tokens`` would run at: the one BatchWarmup's schedule gives
+        there (a CBSAdaptive's start: its later batches wait on readings), else the run's batch."""
+        warmup, accounting = self._warmup, self._accounting
+        if warmup is None:
+            return accounting.global_batch
+        schedule = warmup.schedule
+        if isinstance(schedule, CBSAdaptive):
+            return schedule.start
+        return schedule.batch_size(int(tokens if schedule.unit == "tokens" else tokens // accounting.seq_len))
+
+    def _check_window(self, end: RunEnd) -> None:
+        """Refuse a window that holds no step of the largest branch at a probe point the run can still reach
+        (before its latest end; the next point where no end is known), at the batch that probe would run at.
+        A point past the end is never checked: a run resumed after its last probe goes on, whatever its batch."""
+        largest = max(self.config.multipliers)
+        seq_len = self._accounting.seq_len
+        points = self.config.points_before(math.inf if end.latest is None else end.latest, self.probes_started)
+        for point in itertools.islice(points, 1) if end.latest is None else points:
+            batch = self._batch_at(point)
+            largest_step = largest * batch * seq_len
+            if self.config.window_tokens < largest_step:
+                raise LitCBSConfigError(
+                    f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
+                    f"(k={largest:g} x batch {batch} x {seq_len} tokens = {largest_step:g}) at the probe at {point:,.0f} "
+                    "tokens; raise window_tokens or drop the largest multipliers"
+                )
 
     def _check_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         """At the first batch, where the accounting has seen what the loader yields: tokens per
-        sample, an optimizer_step that leaves the LR to the schedulers (tried once on a copy), a window
-        that holds a step of the largest branch, and a probe point inside the run."""
+        sample, an optimizer_step that leaves the LR to the schedulers (tried once on a copy), a probe point
+        inside the run, and a window that holds a step of the largest branch at every point still to come."""
         accounting = self._accounting
         seq_len, batch = accounting.seq_len, accounting.global_batch
         if seq_len is None:
@@ -254,14 +286,9 @@ class CBSProbeCallback(Callback):
                 "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
                 "optimizer_step, or drop the probe"
             )
-        largest_step = max(self.config.multipliers) * batch * seq_len
-        if self.config.window_tokens < largest_step:
-            raise LitCBSConfigError(
-                f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
-                f"(k={max(self.config.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
-                "raise window_tokens or drop the largest multipliers"
-            )
-        self._check_first_point(self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1))
+        end = self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
+        self._check_first_point(end)
+        self._check_window(end)
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
@@ -480,7 +507,8 @@ class CBSProbeCallback(Callback):
                 with logging_muted(pl_module):
                     scores = measure_losses(self.config.search, window.multipliers, measure, self.config.epsilon)
             except ProbeAborted:
-                rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
+                if accounting.stop_signal is None:  # else FinalStateCheckpoint says it with the stop, once
+                    rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
                 self._interrupted, self._window = (window.tokens, window.step), None
                 return
             except ProbeUnusable as error:

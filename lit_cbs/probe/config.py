@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,6 +221,13 @@ class ProbeConfig:
             return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
         first, ratio = self.geometric
         return round(first * ratio**index)
+
+    def points_before(self, end_tokens: float, next_probe: int = 0) -> Iterator[float]:
+        """The probe points (tokens) from the ``next_probe``-th (0-based) on that lie before ``end_tokens``."""
+        index = next_probe
+        while (point := self.probe_point(index)) < end_tokens:
+            yield point
+            index += 1
 
     def check_inside_run(self, run_end_tokens: int, limit: str, *, whole_span: bool = False, next_probe: int = 0) -> None:
         """Raise ``LitCBSConfigError`` when the ``next_probe``-th probe cannot run before the run ends at

@@ -138,6 +138,20 @@ def test_a_probe_point_past_the_end_is_refused_naming_the_limit(limits, name):
         fit_tokens([probe], TokenIds(24, 4), accumulate_grad_batches=2, **limits)
 
 
+def test_the_window_is_checked_at_the_batch_of_each_point_the_run_reaches():
+    # Steps of 8 samples (32 tokens), of 16 from 64 tokens on: k = 2 at the probe at 128 tokens takes 128 tokens a step.
+    warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 64]))
+    probe = CBSProbeCallback(at_tokens=[32, 128], multipliers=(1, 2), window_tokens=64)
+    record = RecordEnds(largest_batch=16)
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"^window_tokens=64 is smaller than one step of the largest branch \(k=2 x batch 16 x 4 tokens = 128\) "
+        r"at the probe at 128 tokens",
+    ):
+        fit_tokens([warmup, probe, record], TokenIds(96, 4), max_steps=6, max_epochs=-1)
+    assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
+
+
 def test_a_window_the_run_would_cut_short_is_not_started(caplog):
     probe = CBSProbeCallback(every_tokens=64, multipliers=(1, 2), window_tokens=64)
     with caplog.at_level("INFO"):
