@@ -219,15 +219,23 @@ class CBSProbeCallback(Callback):
         sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
         return run_end(trainer, self._accounting, batch_idx + 1, into_step, max(sizes))
 
-    def _check_first_point(self, end: RunEnd) -> None:
-        """Refuse a fresh run whose next probe point lies at or past the run's latest end
-        (``ProbeConfig.check_inside_run``); a resumed run past its last probe point is told so and goes on."""
+    def _check_first_point(self, end: RunEnd, whole_span: bool = False) -> None:
+        """Refuse a fresh run whose next probe point lies at or past the run's latest end, or with
+        ``whole_span`` (at the first batch, where the batch is known), whose first window, as that probe
+        would record it at the batch the schedule gives there, ends past it (``ProbeConfig.check_inside_run``).
+        A resumed run past its last probe point is told so and goes on."""
         if end.latest is None:
             return
-        if not self._resumed:
-            self.config.check_inside_run(end.latest, end.limit, next_probe=self.probes_started)
-            return
         point = self.config.probe_point(self.probes_started)
+        if not self._resumed:
+            window = None
+            if whole_span and point < end.latest:
+                _, samples = self._window_at(self._batch_at(point))
+                window = samples * self._accounting.seq_len if samples else None  # none: no probe runs there
+            self.config.check_inside_run(
+                end.latest, end.limit, whole_span=window is not None, next_probe=self.probes_started, window_tokens=window
+            )
+            return
         if point < end.latest:
             return
         after = "after the one in progress" if self._window is not None else "in the rest of this run"
@@ -287,7 +295,7 @@ class CBSProbeCallback(Callback):
                 "optimizer_step, or drop the probe"
             )
         end = self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
-        self._check_first_point(end)
+        self._check_first_point(end, whole_span=True)
         self._check_window(end)
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
@@ -367,13 +375,21 @@ class CBSProbeCallback(Callback):
         micro = accounting.micro_batch_size
         return micro if (round(branch) // ranks) % micro == 0 else None
 
-    def _usable_multipliers(self, batch_size: int, window_samples: int) -> list[float]:
-        """The ks whose batch k*B is a whole number of micro-batches on every rank and fits the window."""
-        return [
+    def _window_at(self, batch_size: int) -> tuple[list[float], int]:
+        """The multipliers a probe at global batch ``batch_size`` trains (those whose batch k*B is a whole number
+        of micro-batches on every rank and fits the window) and the samples its window records: ``window_tokens``
+        rounded down to whole steps of its largest branch, so every branch trains the same number of its own
+        steps; 0 where fewer than two fit, or not k = 1 (no probe runs there)."""
+        window_samples = self.config.window_tokens // self._accounting.seq_len
+        ks = [
             k
             for k in self.config.multipliers
             if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples
         ]
+        if len(ks) < 2 or 1.0 not in ks:
+            return ks, 0
+        largest = max(ks) * batch_size
+        return ks, int(window_samples // largest * largest)
 
     def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
@@ -400,16 +416,13 @@ class CBSProbeCallback(Callback):
             return
         batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
         seq_len = accounting.seq_len
-        window_samples = self.config.window_tokens // seq_len
-        ks = self._usable_multipliers(batch_size, window_samples)
-        if len(ks) < 2 or 1.0 not in ks:
+        ks, window_samples = self._window_at(batch_size)
+        if not window_samples:
             rank_zero_warn(
                 f"CBS probe at {tokens:,} tokens skipped: fewer than two multipliers, k = 1 among them, fit batch {batch_size}"
             )
             return
-        # Every branch trains on the same whole number of its own steps.
         largest = max(ks) * batch_size
-        window_samples = int(window_samples // largest * largest)
         window_tokens = window_samples * seq_len
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         if end.earliest is not None and tokens + window_tokens * self.config.replicates > end.earliest:

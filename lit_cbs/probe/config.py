@@ -229,18 +229,31 @@ class ProbeConfig:
             yield point
             index += 1
 
-    def check_inside_run(self, run_end_tokens: int, limit: str, *, whole_span: bool = False, next_probe: int = 0) -> None:
+    def check_inside_run(
+        self,
+        run_end_tokens: int,
+        limit: str,
+        *,
+        whole_span: bool = False,
+        next_probe: int = 0,
+        window_tokens: int | None = None,
+    ) -> None:
         """Raise ``LitCBSConfigError`` when the ``next_probe``-th probe cannot run before the run ends at
         ``run_end_tokens`` tokens (by ``limit``, e.g. "max_tokens=4096"): its point lies at or past the end,
-        or, with ``whole_span``, its ``span_tokens`` end past it. Call it before any work: a recipe
-        with its max_tokens (``whole_span=True``: the budget is final), the callback with the run's
-        latest end (a window that end would cut is left to a resumed run instead)."""
+        or, with ``whole_span``, its span ends past it: ``replicates`` windows of ``window_tokens`` tokens,
+        what its window records where the caller knows it (the setting rounded down to whole steps of the
+        largest branch at the batch the probe runs at), else the setting. Call it before any work: a
+        recipe with its max_tokens (the budget is final), the callback at a fresh run's first batch with
+        the run's latest end (a window that only a batch other than the schedule's would push past the
+        end is decided when the probe is due)."""
         point = self.probe_point(next_probe)
-        if whole_span and point + self.span_tokens > run_end_tokens:
+        window = self.window_tokens if window_tokens is None else window_tokens
+        if whole_span and point + window * self.replicates > run_end_tokens:
             windows = f"{self.replicates} x " if self.replicates > 1 else ""
+            rounded = f", {window:,} in whole steps of its largest branch" if window != self.window_tokens else ""
             raise LitCBSConfigError(
-                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}) ends past {limit}, "
-                "so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
+                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) ends past "
+                f"{limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
             )
         if point >= run_end_tokens:
             raise LitCBSConfigError(
