@@ -65,7 +65,14 @@ from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_op
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, GuardVerdict, RevertRestore
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
-from lit_cbs.rules.scaling import OptimizerRules, get_clip_rule, optimizer_settings, restore_settings, scale_learning_rate
+from lit_cbs.rules.scaling import (
+    BETA2_FLOOR,
+    OptimizerRules,
+    get_clip_rule,
+    optimizer_settings,
+    restore_settings,
+    scale_learning_rate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +112,10 @@ class BatchWarmup(Callback):
             B / (eta * lambda * D) (lit_cbs.rules.scaling). None (default): unchanged.
         beta2_rule: "half_life": Adam's beta2 becomes beta2 ** k, keeping its half-life in tokens.
             None (default): unchanged. Not with lr_rule="adam_sde", which moves beta2 itself.
+        beta2_floor: the lowest beta2 the half_life rule moves it to (unitless; default 0.95,
+            ``lit_cbs.rules.scaling.BETA2_FLOOR``, the lowest large-model recipes train with; runs that
+            scaled beta2 further down with the batch spiked); said once, in a warning, when it holds.
+            None: no floor.
         clip_rule: multiply the Trainer's ``gradient_clip_val`` by ``clip_rule(new / old)`` at each
             change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
             grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
@@ -153,6 +164,7 @@ class BatchWarmup(Callback):
         guard: bool | dict | GuardConfig | BatchGuard | None = None,
         weight_decay_rule: str | None = None,
         beta2_rule: str | None = None,
+        beta2_floor: float | None = BETA2_FLOOR,
     ):
         if not isinstance(schedule, BatchSchedule):
             raise LitCBSConfigError(
@@ -160,7 +172,7 @@ class BatchWarmup(Callback):
                 f"ExponentialRamp, ...), got {schedule!r}"
             )
         self.schedule = schedule
-        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
+        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule, beta2_floor)
         self.clip_rule = get_clip_rule(clip_rule)
         self.guard = BatchGuard.from_setting(guard)
         # The accounting's settings, taken on its behalf and handed to it in setup.
@@ -731,7 +743,7 @@ class BatchWarmup(Callback):
         ratio = target / self.global_batch
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         for optimizer in trainer.optimizers:
-            self.rules.apply(optimizer, schedulers, ratio)
+            self.rules.apply(optimizer, schedulers, ratio, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}"))
         return self.lr_rule.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
 
     def _undo_increase(self, trainer, target: int, restore: RevertRestore) -> tuple[float, float]:

@@ -156,7 +156,7 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(
                 f"CBSProbeCallback({self.config.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
                 "differently at a batch change, so a branch at k x B would not train as the run does after growing its "
-                "batch k-fold: give both the same lr_rule, weight_decay_rule and beta2_rule"
+                "batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, DecisionRule
-from lit_cbs.rules.scaling import OptimizerRules
+from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
 
 MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
 
@@ -75,6 +75,10 @@ class ProbeConfig:
     beta2_rule: str | None = None
     """How each branch's Adam beta2 moves for batch ratio k ("half_life", or None: unchanged)."""
 
+    beta2_floor: float | None = BETA2_FLOOR
+    """The lowest beta2 the half_life rule moves a branch's to (unitless; None: no floor), as in ``BatchWarmup``,
+    whose it must be beside a BatchWarmup whose batch changes."""
+
     search: str = "grid"
     """Which k to train: "grid" (every k, the paper's protocol) or "bisect" (the main run as the k = 1
     baseline, bisection over the rest; assumes recovery is monotone in k). Was ``strategy``."""
@@ -120,7 +124,7 @@ class ProbeConfig:
     and without a logger nothing is written)."""
 
     rules: OptimizerRules = field(init=False, repr=False, compare=False)
-    """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` as rule objects (set from them)."""
+    """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` (with ``beta2_floor``) as rule objects (set from them)."""
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) != 1:
@@ -180,7 +184,8 @@ class ProbeConfig:
         for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha"):
             self._set(name, float(getattr(self, name)))
         self._set("early_stop", early_stop)
-        self._set("rules", OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule))
+        rules = OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule, self.beta2_floor)
+        self._set("rules", rules)
         one_of("evaluate", self.evaluate, EVALUATIONS)
         positive_int("heldout_batches", self.heldout_batches, "validation batches")
         positive_int("replicates", self.replicates, "data windows per measured k")
