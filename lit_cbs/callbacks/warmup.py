@@ -262,6 +262,12 @@ class BatchWarmup(Callback):
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
+        warmups = sum(isinstance(callback, BatchWarmup) for callback in trainer.callbacks)
+        if warmups > 1:  # Lightning refuses two at Trainer(...); this is one added to trainer.callbacks later
+            raise LitCBSConfigError(
+                f"the Trainer has {warmups} BatchWarmup callbacks, which would each set the batch and move the LR at "
+                "their own changes: keep one, with one schedule of every change (PiecewiseBatch)"
+            )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise LitCBSConfigError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
         from lightning.pytorch.strategies import DeepSpeedStrategy

@@ -12,9 +12,10 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
-from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+from toys import RegressionData, RegressionModule, TwoOptimizers, mean_gradient, trainer_kwargs
 
-from lit_cbs import BatchWarmup, ConstantBatch, OneCycle, PiecewiseBatch
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, OneCycle, PiecewiseBatch
+from lit_cbs.errors import LitCBSConfigError
 
 
 def fit(warmup, *, module=None, data=None, **trainer_args):
@@ -68,6 +69,41 @@ def test_a_short_last_batch_is_not_a_mismatch():
     data.train_dataloader = lambda: DataLoader(data.dataset, batch_size=2)  # 9 batches, the last holds 1
     trainer, module = fit(BatchWarmup(ConstantBatch(2)), data=data, max_epochs=2)
     assert trainer.global_step == 18 and len(module.steps[8]["indices"]) == 1
+
+
+# ---------------------------------------------------------------- what automatic optimization cannot train
+@pytest.mark.parametrize(
+    "callback",
+    [
+        BatchWarmup(PiecewiseBatch([2, 4], [0, 8], unit="samples")),
+        CBSProbeCallback(every_tokens=64, multipliers=(1, 2), window_tokens=64),
+        GradientNoiseScale(),
+    ],
+    ids=lambda callback: type(callback).__name__,
+)
+def test_two_optimizers_are_refused_before_training_with_what_lit_cbs_supports(callback):
+    module = TwoOptimizers()
+    with pytest.raises(
+        LitCBSConfigError,
+        match=rf"^configure_optimizers returned 2 optimizers \(SGD, Adam\), but {type(callback).__name__} trains under "
+        r"Lightning's automatic optimization, which steps one: give every parameter to one optimizer, a param group",
+    ):
+        fit(callback, module=module)
+    assert not module.steps and "configure_optimizers" not in vars(module)  # the check took itself off
+    one = RegressionModule()
+    fit(BatchWarmup(ConstantBatch(2)), module=one, max_steps=1)
+    assert len(one.steps) == 1 and "configure_optimizers" not in vars(one)
+
+
+def test_a_second_batch_warmup_is_refused_before_training():
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `BatchWarmup`"):
+        pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2)), BatchWarmup(ConstantBatch(4))])  # Lightning's, at once
+    trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2))], **trainer_kwargs())
+    trainer.callbacks.append(BatchWarmup(ConstantBatch(4)))  # past Lightning's check of the list it was given
+    module = RegressionModule()
+    with pytest.raises(LitCBSConfigError, match=r"^the Trainer has 2 BatchWarmup callbacks, .*: keep one"):
+        trainer.fit(module, RegressionData(n=48, batch_size=2))
+    assert not module.steps
 
 
 # ---------------------------------------------------------------- tokens only for token data
