@@ -75,10 +75,6 @@ class ProbeConfig:
     beta2_rule: str | None = None
     """How each branch's Adam beta2 moves for batch ratio k ("half_life", or None: unchanged)."""
 
-    beta2_floor: float | None = BETA2_FLOOR
-    """The lowest beta2 the half_life rule moves a branch's to (unitless; None: no floor), as in ``BatchWarmup``,
-    whose it must be beside a BatchWarmup whose batch changes."""
-
     search: str = "grid"
     """Which k to train: "grid" (every k, the paper's protocol) or "bisect" (the main run as the k = 1
     baseline, bisection over the rest; assumes recovery is monotone in k). Was ``strategy``."""
@@ -122,6 +118,11 @@ class ProbeConfig:
     output_dir: str | os.PathLike | None = None
     """Folder of ``cbs_probe.jsonl`` and ``cbs_curve.png`` (kept as a Path; None: the logger's log_dir,
     and without a logger nothing is written)."""
+
+    # Added last, so that the fields before it keep their positions.
+    beta2_floor: float | None = BETA2_FLOOR
+    """The lowest beta2 ``beta2_rule="half_life"`` moves a branch's beta2 to (unitless; None: no floor). Beside
+    a BatchWarmup whose batch changes it must be the BatchWarmup's."""
 
     rules: OptimizerRules = field(init=False, repr=False, compare=False)
     """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` (with ``beta2_floor``) as rule objects (set from them)."""
