@@ -22,9 +22,9 @@ Every step is timed by two clocks: wall (``time.perf_counter``) and this process
     ``GradientNoiseScale(groups="blocks")`` (6 groups: embedding, 4 blocks, lm_head) in the same
     rotation, and the time inside its hooks over that of ``GradientNoiseScale()`` in each repeat;
 (e1) CBSProbeCallback between probes: the (a) Trainer with ``BatchWarmup(ConstantBatch(16))``
-    plus a probe every so many tokens (``every_tokens``), whose first point is the fit's last
-    step, where its window no longer fits and is not started: on every step its per-batch hooks do
-    what they do between two probes of a real schedule. Fitted in the rotation of (a), its hooks
+    plus a probe on a geometric schedule whose first point, after step 1, is skipped by its
+    ``max_overhead`` and whose second lies at the fit's end: on every later step its per-batch hooks
+    do what they do between two probes of a real schedule. Fitted in the rotation of (a), its hooks
     timed as in (a);
 (e2) one probe: a fit with one probe after step 3 (multipliers 1, 2, 4, 8; a window of 8 steps,
     the least that holds one step of k = 8; ``evaluate="train_ema"``) with ``search="grid"`` and
@@ -91,12 +91,13 @@ class StepCounts:
 FULL = StepCounts(idle=30, steady=12, noise_scale=12)
 QUICK = StepCounts(idle=8, steady=6, noise_scale=6)  # (b) needs steady >= 6 for a step median at 16
 
+STEP_TOKENS = MICRO_BATCH_SIZE * SEQ_LEN  # one optimizer step at batch 16
 # (e2): one probe, started after PROBE_AFTER_STEPS steps at batch 16; its window is the fewest
 # tokens that hold one step of the largest branch, 8 x 16 samples = 8 steps of the main run.
 PROBE_MULTIPLIERS = (1, 2, 4, 8)
 PROBE_AFTER_STEPS = 3
 PROBE_WINDOW_STEPS = max(PROBE_MULTIPLIERS)
-PROBE_WINDOW_TOKENS = PROBE_WINDOW_STEPS * MICRO_BATCH_SIZE * SEQ_LEN
+PROBE_WINDOW_TOKENS = PROBE_WINDOW_STEPS * STEP_TOKENS
 PROBE_FIT_STEPS = PROBE_AFTER_STEPS + PROBE_WINDOW_STEPS + 1  # one step after the probe ends
 
 PER_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
@@ -153,12 +154,22 @@ IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
         PLAIN,
         PER_BATCH_HOOKS,
     ),
-    # A probe every (steps - 1) steps' tokens: its first point is the fit's last step, where the window no
-    # longer fits (it is not started), so on every step its hooks do what they do between two probes.
+    # A probe at 1 step's tokens and at `steps` steps' (the fit's end): the first, whose window fits in the fit, is
+    # skipped by max_overhead (a probe the run cannot hold is refused at its start), so on every later step its
+    # hooks do what they do between two probes.
     Config(
         "(e1)",
         IDLE_PROBE,
-        lambda steps: [warmup_at(16), probe(every_tokens=(steps - 1) * MICRO_BATCH_SIZE * SEQ_LEN)],
+        lambda steps: [
+            warmup_at(16),
+            CBSProbeCallback(
+                geometric=(STEP_TOKENS, steps),
+                multipliers=(1, 2),
+                window_tokens=2 * STEP_TOKENS,
+                max_overhead=1e-9,
+                evaluate="train_ema",
+            ),
+        ],
         WARMUP_16,
         PER_BATCH_HOOKS,
     ),
@@ -181,7 +192,7 @@ BLOCKS_OVER_WHOLE = "(d) time inside its hooks, groups='blocks' / no groups"
 
 
 def probed_once(search: str, steps: int) -> list[Callback]:
-    return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * MICRO_BATCH_SIZE * SEQ_LEN], search=search)]
+    return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * STEP_TOKENS], search=search)]
 
 
 PROBE_BASELINE = "BatchWarmup(ConstantBatch(16)), no probe"
@@ -506,7 +517,7 @@ not grow with the model.
 (d) GradientNoiseScale's hooks pass over the gradients about three times per micro-batch and once
 per step (fused over the parameters), and write three metrics to the loggers at their interval: a
 cost in proportion to the parameters, while the step's compute grows with parameters x tokens, so
-its share of a step falls as the micro-batch holds more tokens than these {MICRO_BATCH_SIZE * SEQ_LEN:,}.
+its share of a step falls as the micro-batch holds more tokens than these {STEP_TOKENS:,}.
 With `groups="blocks"` the same norms are summed per group by one `index_add_` and 18 more metrics
 are written at the logging interval.
 

@@ -55,8 +55,40 @@ def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
 
 def require_automatic_optimization(pl_module: Any, who: str, because: str) -> None:
     """``who`` (a callback) works only through Lightning's automatic optimization, ``because`` ...; say so
-    before training when the module turned it off."""
+    before training when the module turned it off. Automatic optimization steps one optimizer, and Lightning
+    refuses more by advising to turn it off, so a ``configure_optimizers`` that returns several is refused
+    here instead, with what ``who`` supports, when Lightning calls it (from a callback's ``setup`` the
+    optimizers do not exist yet): this puts a check around the module's ``configure_optimizers``, which
+    removes itself when called."""
     if not pl_module.automatic_optimization:
         raise LitCBSConfigError(
             f"{who} needs automatic optimization ({because}); set `self.automatic_optimization = True` or remove {who}"
         )
+    configure = pl_module.configure_optimizers
+    if getattr(configure, "lit_cbs_counts_optimizers", False):
+        return  # another callback of this fit put the check there
+    own = "configure_optimizers" in vars(pl_module)  # assigned to the instance, not the class's method
+
+    def configure_one_optimizer():
+        import torch
+
+        from lit_cbs._internals import tree_leaves
+
+        if own:
+            pl_module.configure_optimizers = configure
+        else:
+            del pl_module.configure_optimizers
+        configured = configure()
+        optimizers = {id(leaf): leaf for leaf in tree_leaves(configured) if isinstance(leaf, torch.optim.Optimizer)}
+        if pl_module.automatic_optimization and len(optimizers) > 1:
+            names = ", ".join(type(optimizer).__name__ for optimizer in optimizers.values())
+            raise LitCBSConfigError(
+                f"configure_optimizers returned {len(optimizers)} optimizers ({names}), but {who} trains under "
+                "Lightning's automatic optimization, which steps one: give every parameter to one optimizer, a param "
+                "group per setting (AdamW([{'params': decay, 'weight_decay': 0.1}, {'params': no_decay, "
+                "'weight_decay': 0.0}])), whose groups lit_cbs's rules move alike"
+            )
+        return configured
+
+    configure_one_optimizer.lit_cbs_counts_optimizers = True
+    pl_module.configure_optimizers = configure_one_optimizer

@@ -87,8 +87,11 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     start = {"weight_decay": optimizer.get("weight_decay"), "beta2": (optimizer.get("betas") or [None, None])[1]}
     rules = [rule for rule in warmup.rules.settings if start[rule.key] is not None]  # the settings BatchWarmup moves
 
-    def settings(ratio: float, lr_factor: float) -> dict[str, float]:  # per phase, as BatchWarmup's rules move them
-        return {rule.key: rule.scaled(float(start[rule.key]), ratio, lr_factor) for rule in rules}
+    def settings(changes: list[tuple[float, float]]) -> dict[str, float]:  # a phase's, change by change as BatchWarmup
+        values = {rule.key: float(start[rule.key]) for rule in rules}
+        for ratio, lr_factor in changes:
+            values = {rule.key: rule.scaled(values[rule.key], ratio, lr_factor) for rule in rules}
+        return values
 
     return plan_run(
         name=cfg.run_name,

@@ -141,6 +141,13 @@ class SummedRegressionModule(RegressionModule):
         return token_mean_loss(self, squared_errors, len(batch["x"]))
 
 
+class TwoOptimizers(RegressionModule):
+    """The toy with two optimizers over its weight (SGD, Adam), which automatic optimization cannot step."""
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD([self.layer.weight], lr=self.lr), torch.optim.Adam([self.layer.weight], lr=self.lr)]
+
+
 def trainer_kwargs(**overrides):
     kwargs = dict(
         accelerator="cpu",

@@ -43,6 +43,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
@@ -69,8 +70,8 @@ def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def token_sequence_length(batch: Any) -> int | None:
-    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None.
+def token_ids(batch: Any) -> torch.Tensor | None:
+    """The token ids of a batch: its first 2-D integer tensor ([samples, tokens]), else None.
 
     Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
     """
@@ -79,8 +80,33 @@ def token_sequence_length(batch: Any) -> int | None:
             leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool
         )
         if integer and leaf.ndim == 2:
-            return int(leaf.shape[1])
+            return leaf
     return None
+
+
+def token_sequence_length(batch: Any) -> int | None:
+    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None."""
+    ids = token_ids(batch)
+    return int(ids.shape[1]) if ids is not None else None
+
+
+def _say_inferred_seq_len(ids: torch.Tensor) -> None:
+    """Say the tokens per sample read off the width of the token ids ``ids``; warn where the width looks like
+    T + 1 (T a power of two, 8 or more): inputs and targets shifted by one in one tensor train on T each."""
+    width, inputs = ids.shape[1], ids.shape[1] - 1
+    dtype = str(ids.dtype).removeprefix("torch.")
+    found = f"the width of the batch's first 2-D integer tensor ({dtype} {list(ids.shape)})"
+    if inputs >= 8 and inputs & (inputs - 1) == 0:
+        rank_zero_warn(
+            f"BatchAccounting counts {width} tokens per sample, {found}; if it holds inputs and targets shifted by one "
+            f"({inputs} + 1), each sample trains on {inputs} and every token count is {width}/{inputs} too large: give "
+            f"seq_len={inputs} (to BatchAccounting or BatchWarmup) or the datamodule a `tokens_per_sample` attribute"
+        )
+    else:
+        rank_zero_info(
+            f"BatchAccounting: {width} tokens per sample, {found}; give seq_len=... (to BatchAccounting or "
+            "BatchWarmup) if a sample trains on fewer"
+        )
 
 
 def resizable_train_loader(trainer: pl.Trainer) -> GlobalOrderLoader | None:
@@ -455,7 +481,10 @@ class BatchAccounting(Callback):
             self._check_micro_batch(trainer, micro, loader)
         if not self._seq_len_resolved:
             self._seq_len_resolved = True
-            self.seq_len = self.seq_len or token_sequence_length(batch)
+            if self.seq_len is None:
+                self.seq_len = token_sequence_length(batch)
+                if self.seq_len is not None:
+                    _say_inferred_seq_len(token_ids(batch))
             if self.seq_len is None and self.max_tokens is not None:
                 raise LitCBSConfigError(
                     f"max_tokens={self.max_tokens} but the batches hold no token ids (no 2-D integer tensor), so "

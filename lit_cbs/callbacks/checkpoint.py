@@ -120,10 +120,16 @@ class FinalStateCheckpoint(ModelCheckpoint):
         self._restore_lightning_handlers()
         name = signal.Signals(signum).name
         window = accounting.probe_window_step
-        rank_zero_info(
-            f"{name}: stopping after step {trainer.global_step}"
-            + (f", inside the CBS probe whose window began at step {window}" if window is not None else "")
-        )
+        inside = ""
+        if window is not None:
+            inside = f", inside the CBS probe whose window began at step {window}"
+            if self.save_last:
+                retrained = trainer.global_step - window
+                inside += (
+                    f": last.ckpt holds step {window}, so a resumed run redoes the probe there ({retrained} main-run "
+                    f"step{'s are' if retrained != 1 else ' is'} retrained)"
+                )
+        rank_zero_info(f"{name}: stopping after step {trainer.global_step}{inside}")
         handler = signal.getsignal(signum)
         if callable(handler):
             handler(signum, None)
@@ -234,13 +240,9 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _save_final_state(self, trainer: pl.Trainer) -> None:
         if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
             return
-        window = BatchAccounting.attach(trainer).probe_window_step
-        if window is not None and BatchAccounting.attach(trainer).stop_signal is not None:
-            rank_zero_warn(
-                f"stopped inside the CBS probe whose window began at step {window}: last.ckpt holds step {window}, "
-                f"so a resumed run redoes the probe there ({trainer.global_step - window} main-run steps are retrained)"
-            )
-            return
+        accounting = BatchAccounting.attach(trainer)
+        if accounting.probe_window_step is not None and accounting.stop_signal is not None:
+            return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
         self._save_last_now(trainer)
 
     def _save_last_now(self, trainer: pl.Trainer) -> None:

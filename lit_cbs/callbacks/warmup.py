@@ -66,7 +66,14 @@ from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_op
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, GuardVerdict, RevertRestore
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
-from lit_cbs.rules.scaling import OptimizerRules, get_clip_rule, optimizer_settings, restore_settings, scale_learning_rate
+from lit_cbs.rules.scaling import (
+    BETA2_FLOOR,
+    OptimizerRules,
+    get_clip_rule,
+    optimizer_settings,
+    restore_settings,
+    scale_learning_rate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +113,10 @@ class BatchWarmup(Callback):
             B / (eta * lambda * D) (lit_cbs.rules.scaling). None (default): unchanged.
         beta2_rule: "half_life": Adam's beta2 becomes beta2 ** k, keeping its half-life in tokens.
             None (default): unchanged. Not with lr_rule="adam_sde", which moves beta2 itself.
+        beta2_floor: the lowest beta2 the half_life rule moves it to (unitless; default 0.95,
+            ``lit_cbs.rules.scaling.BETA2_FLOOR``, the lowest large-model recipes train with; runs that
+            scaled beta2 further down with the batch spiked); said once, in a warning, when it holds.
+            None: no floor.
         clip_rule: multiply the Trainer's ``gradient_clip_val`` by ``clip_rule(new / old)`` at each
             change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
             grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
@@ -154,6 +165,7 @@ class BatchWarmup(Callback):
         guard: bool | dict | GuardConfig | BatchGuard | None = None,
         weight_decay_rule: str | None = None,
         beta2_rule: str | None = None,
+        beta2_floor: float | None = BETA2_FLOOR,
     ):
         if not isinstance(schedule, BatchSchedule):
             raise LitCBSConfigError(
@@ -161,7 +173,7 @@ class BatchWarmup(Callback):
                 f"ExponentialRamp, ...), got {schedule!r}"
             )
         self.schedule = schedule
-        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule)
+        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule, beta2_floor)
         self.clip_rule = get_clip_rule(clip_rule)
         self.guard = BatchGuard.from_setting(guard)
         # The accounting's settings, taken on its behalf and handed to it in setup.
@@ -251,6 +263,12 @@ class BatchWarmup(Callback):
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
+        warmups = sum(isinstance(callback, BatchWarmup) for callback in trainer.callbacks)
+        if warmups > 1:  # Lightning refuses two at Trainer(...); this is one added to trainer.callbacks later
+            raise LitCBSConfigError(
+                f"the Trainer has {warmups} BatchWarmup callbacks, which would each set the batch and move the LR at "
+                "their own changes: keep one, with one schedule of every change (PiecewiseBatch)"
+            )
         if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
             raise LitCBSConfigError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
         from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -741,7 +759,7 @@ class BatchWarmup(Callback):
         ratio = target / self.global_batch
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         for optimizer in trainer.optimizers:
-            self.rules.apply(optimizer, schedulers, ratio)
+            self.rules.apply(optimizer, schedulers, ratio, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}"))
         return self.lr_rule.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
 
     def _undo_increase(self, trainer, target: int, restore: RevertRestore) -> tuple[float, float]:

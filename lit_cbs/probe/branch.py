@@ -32,6 +32,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -406,7 +407,12 @@ class BranchTrainer:
         else:
             window.start.restore(trainer, module)
             for opt in trainer.optimizers:
-                self.rules.apply(opt, [c.scheduler for c in trainer.lr_scheduler_configs], k)
+                self.rules.apply(
+                    opt,
+                    [c.scheduler for c in trainer.lr_scheduler_configs],
+                    k,
+                    warn=lambda why: rank_zero_warn(f"CBSProbeCallback, branch k={k:g}: {why}"),
+                )
         schedulers = [c for c in trainer.lr_scheduler_configs if c.interval == "step" and not c.reduce_on_plateau]
         offset = replicate * window.samples_per_rank
         steps = min(window.recorded_samples - offset, window.samples_per_rank) // step_samples

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 from pathlib import Path
@@ -156,7 +157,7 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(
                 f"CBSProbeCallback({self.config.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
                 "differently at a batch change, so a branch at k x B would not train as the run does after growing its "
-                "batch k-fold: give both the same lr_rule, weight_decay_rule and beta2_rule"
+                "batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -175,7 +176,7 @@ class CBSProbeCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
-        if max_tokens is not None:  # known before any data is read; max_steps and max_epochs at the first batch
+        if max_tokens is not None and not self._resumed:  # before any data is read; max_steps, max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
         if self.config.evaluate == "heldout":
             self._heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
@@ -223,26 +224,65 @@ class CBSProbeCallback(Callback):
         sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
         return max(sizes)
 
-    def _check_first_point(self, end: RunEnd) -> None:
-        """Refuse a schedule whose next probe point lies at or past the run's latest end
-        (``ProbeConfig.check_inside_run``); a resumed run past its last probe point just goes on without one."""
+    def _check_first_point(self, end: RunEnd, whole_span: bool = False) -> None:
+        """Refuse a fresh run whose next probe point lies at or past the run's latest end, or with
+        ``whole_span`` (at the first batch, where the batch is known), whose first window, as that probe
+        would record it at the batch the schedule gives there, ends past it (``ProbeConfig.check_inside_run``).
+        A resumed run past its last probe point is told so and goes on."""
         if end.latest is None:
             return
-        try:
-            self.config.check_inside_run(end.latest, end.limit, next_probe=self.probes_started)
-        except LitCBSConfigError:
-            if not self._resumed:
-                raise
-            rank_zero_info(
-                f"CBSProbeCallback: no probe point is left in the rest of this run (the next is at "
-                f"{self.config.probe_point(self.probes_started):,.0f} tokens; the run ends by {end.limit} at "
-                f"{end.latest:,} tokens or sooner)"
+        point = self.config.probe_point(self.probes_started)
+        if not self._resumed:
+            window = None
+            if whole_span and point < end.latest:
+                _, samples = self._window_at(self._batch_at(point))
+                window = samples * self._accounting.seq_len if samples else None  # none: no probe runs there
+            self.config.check_inside_run(
+                end.latest, end.limit, whole_span=window is not None, next_probe=self.probes_started, window_tokens=window
             )
+            return
+        if point < end.latest:
+            return
+        after = "after the one in progress" if self._window is not None else "in the rest of this run"
+        why = (
+            f"the last of at_tokens is at {self.config.at_tokens[-1]:,}"
+            if math.isinf(point)
+            else f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} at {end.latest:,} tokens or sooner"
+        )
+        rank_zero_info(f"CBSProbeCallback: no probe point is left {after} ({why})")
+
+    def _batch_at(self, tokens: float) -> int:
+        """The global batch (samples) a probe at ``tokens`` would run at: the one BatchWarmup's schedule gives
+        there (a CBSAdaptive's start: its later batches wait on readings), else the run's batch."""
+        warmup, accounting = self._warmup, self._accounting
+        if warmup is None:
+            return accounting.global_batch
+        schedule = warmup.schedule
+        if isinstance(schedule, CBSAdaptive):
+            return schedule.start
+        return schedule.batch_size(int(tokens if schedule.unit == "tokens" else tokens // accounting.seq_len))
+
+    def _check_window(self, end: RunEnd) -> None:
+        """Refuse a window that holds no step of the largest branch at a probe point the run can still reach
+        (before its latest end; the next point where no end is known), at the batch that probe would run at.
+        A point past the end is never checked: a run resumed after its last probe goes on, whatever its batch."""
+        largest = max(self.config.multipliers)
+        seq_len = self._accounting.seq_len
+        points = self.config.points_before(math.inf if end.latest is None else end.latest, self.probes_started)
+        for point in itertools.islice(points, 1) if end.latest is None else points:
+            batch = self._batch_at(point)
+            largest_step = largest * batch * seq_len
+            if self.config.window_tokens < largest_step:
+                raise LitCBSConfigError(
+                    f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
+                    f"(k={largest:g} x batch {batch} x {seq_len} tokens = {largest_step:g}) at the probe at {point:,.0f} "
+                    "tokens; raise window_tokens or drop the largest multipliers"
+                )
 
     def _check_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
         """At the first batch, where the accounting has seen what the loader yields: tokens per
-        sample, an optimizer_step that leaves the LR to the schedulers (tried once on a copy), a window
-        that holds a step of the largest branch, and a probe point inside the run."""
+        sample, an optimizer_step that leaves the LR to the schedulers (tried once on a copy), a probe point
+        inside the run, and a window that holds a step of the largest branch at every point still to come."""
         accounting = self._accounting
         seq_len, batch = accounting.seq_len, accounting.global_batch
         if seq_len is None:
@@ -259,14 +299,9 @@ class CBSProbeCallback(Callback):
                 "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
                 "optimizer_step, or drop the probe"
             )
-        largest_step = max(self.config.multipliers) * batch * seq_len
-        if self.config.window_tokens < largest_step:
-            raise LitCBSConfigError(
-                f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
-                f"(k={max(self.config.multipliers):g} x batch {batch} x {seq_len} tokens = {largest_step:g}); "
-                "raise window_tokens or drop the largest multipliers"
-            )
-        self._check_first_point(self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1))
+        end = self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
+        self._check_first_point(end, whole_span=True)
+        self._check_window(end)
         for reading in self.history:
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
@@ -345,13 +380,21 @@ class CBSProbeCallback(Callback):
         micro = accounting.micro_batch_size
         return micro if (round(branch) // ranks) % micro == 0 else None
 
-    def _usable_multipliers(self, batch_size: int, window_samples: int) -> list[float]:
-        """The ks whose batch k*B is a whole number of micro-batches on every rank and fits the window."""
-        return [
+    def _window_at(self, batch_size: int) -> tuple[list[float], int]:
+        """The multipliers a probe at global batch ``batch_size`` trains (those whose batch k*B is a whole number
+        of micro-batches on every rank and fits the window) and the samples its window records: ``window_tokens``
+        rounded down to whole steps of its largest branch, so every branch trains the same number of its own
+        steps; 0 where fewer than two fit, or not k = 1 (no probe runs there)."""
+        window_samples = self.config.window_tokens // self._accounting.seq_len
+        ks = [
             k
             for k in self.config.multipliers
             if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples
         ]
+        if len(ks) < 2 or 1.0 not in ks:
+            return ks, 0
+        largest = max(ks) * batch_size
+        return ks, int(window_samples // largest * largest)
 
     def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
@@ -378,16 +421,13 @@ class CBSProbeCallback(Callback):
             return
         batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
         seq_len = accounting.seq_len
-        window_samples = self.config.window_tokens // seq_len
-        ks = self._usable_multipliers(batch_size, window_samples)
-        if len(ks) < 2 or 1.0 not in ks:
+        ks, window_samples = self._window_at(batch_size)
+        if not window_samples:
             rank_zero_warn(
                 f"CBS probe at {tokens:,} tokens skipped: fewer than two multipliers, k = 1 among them, fit batch {batch_size}"
             )
             return
-        # Every branch trains on the same whole number of its own steps.
         largest = max(ks) * batch_size
-        window_samples = int(window_samples // largest * largest)
         window_tokens = window_samples * seq_len
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         if end.earliest is not None and tokens + window_tokens * self.config.replicates > end.earliest:
@@ -507,7 +547,8 @@ class CBSProbeCallback(Callback):
                 with logging_muted(pl_module):
                     scores = measure_losses(self.config.search, window.multipliers, measure, self.config.epsilon)
             except ProbeAborted:
-                rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
+                if accounting.stop_signal is None:  # else FinalStateCheckpoint says it with the stop, once
+                    rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
                 self._interrupted, self._window = (window.tokens, window.step), None
                 return
             except ProbeUnusable as error:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, DecisionRule
-from lit_cbs.rules.scaling import OptimizerRules
+from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
 
 MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
 
@@ -119,8 +119,13 @@ class ProbeConfig:
     """Folder of ``cbs_probe.jsonl`` and ``cbs_curve.png`` (kept as a Path; None: the logger's log_dir,
     and without a logger nothing is written)."""
 
+    # Added last, so that the fields before it keep their positions.
+    beta2_floor: float | None = BETA2_FLOOR
+    """The lowest beta2 ``beta2_rule="half_life"`` moves a branch's beta2 to (unitless; None: no floor). Beside
+    a BatchWarmup whose batch changes it must be the BatchWarmup's."""
+
     rules: OptimizerRules = field(init=False, repr=False, compare=False)
-    """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` as rule objects (set from them)."""
+    """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` (with ``beta2_floor``) as rule objects (set from them)."""
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) != 1:
@@ -180,7 +185,8 @@ class ProbeConfig:
         for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha"):
             self._set(name, float(getattr(self, name)))
         self._set("early_stop", early_stop)
-        self._set("rules", OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule))
+        rules = OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule, self.beta2_floor)
+        self._set("rules", rules)
         one_of("evaluate", self.evaluate, EVALUATIONS)
         positive_int("heldout_batches", self.heldout_batches, "validation batches")
         positive_int("replicates", self.replicates, "data windows per measured k")
@@ -222,18 +228,38 @@ class ProbeConfig:
         first, ratio = self.geometric
         return round(first * ratio**index)
 
-    def check_inside_run(self, run_end_tokens: int, limit: str, *, whole_span: bool = False, next_probe: int = 0) -> None:
+    def points_before(self, end_tokens: float, next_probe: int = 0) -> Iterator[float]:
+        """The probe points (tokens) from the ``next_probe``-th (0-based) on that lie before ``end_tokens``."""
+        index = next_probe
+        while (point := self.probe_point(index)) < end_tokens:
+            yield point
+            index += 1
+
+    def check_inside_run(
+        self,
+        run_end_tokens: int,
+        limit: str,
+        *,
+        whole_span: bool = False,
+        next_probe: int = 0,
+        window_tokens: int | None = None,
+    ) -> None:
         """Raise ``LitCBSConfigError`` when the ``next_probe``-th probe cannot run before the run ends at
         ``run_end_tokens`` tokens (by ``limit``, e.g. "max_tokens=4096"): its point lies at or past the end,
-        or, with ``whole_span``, its ``span_tokens`` end past it. Call it before any work: a recipe
-        with its max_tokens (``whole_span=True``: the budget is final), the callback with the run's
-        latest end (a window that end would cut is left to a resumed run instead)."""
+        or, with ``whole_span``, its span ends past it: ``replicates`` windows of ``window_tokens`` tokens,
+        what its window records where the caller knows it (the setting rounded down to whole steps of the
+        largest branch at the batch the probe runs at), else the setting. Call it before any work: a
+        recipe with its max_tokens (the budget is final), the callback at a fresh run's first batch with
+        the run's latest end (a window that only a batch other than the schedule's would push past the
+        end is decided when the probe is due)."""
         point = self.probe_point(next_probe)
-        if whole_span and point + self.span_tokens > run_end_tokens:
+        window = self.window_tokens if window_tokens is None else window_tokens
+        if whole_span and point + window * self.replicates > run_end_tokens:
             windows = f"{self.replicates} x " if self.replicates > 1 else ""
+            rounded = f", {window:,} in whole steps of its largest branch" if window != self.window_tokens else ""
             raise LitCBSConfigError(
-                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}) ends past {limit}, "
-                "so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
+                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) ends past "
+                f"{limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
             )
         if point >= run_end_tokens:
             raise LitCBSConfigError(

@@ -441,13 +441,17 @@ class RunPlan:
     micro_batch_limit: int | None = None  # the largest micro-batch whose step fits limits.gpu_memory_gib
     cluster: list[ClusterPhase] | None = None  # the phases on a cluster grown with the batch
     command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
-    # Optimizer settings that move with the batch: (batch / the first phase's, LR factor) -> {column: value}
-    settings: Callable[[float, float], dict[str, float]] | None = None
+    # Optimizer settings that move with the batch: the changes up to a phase, each (new / old global batch,
+    # its LR factor) -> {column: value}, applied change by change as BatchWarmup does
+    settings: Callable[[list[tuple[float, float]]], dict[str, float]] | None = None
 
     def _settings_of(self, phase: BatchPhase) -> dict[str, float]:
         if self.settings is None:
             return {}
-        return self.settings(phase.global_batch / self.phases[0].global_batch, phase.lr_factor)
+        upto = self.phases[: self.phases.index(phase) + 1]
+        return self.settings(
+            [(new.global_batch / old.global_batch, new.lr_factor / old.lr_factor) for old, new in zip(upto, upto[1:])]
+        )
 
     @property
     def processes(self) -> int:
@@ -669,7 +673,7 @@ def plan_run(
     optimizer: OptimizerState = ADAMW_STATE,
     max_micro_batch_size: int | None = None,
     command: str = "recipes/train.py",
-    settings: Callable[[float, float], dict[str, float]] | None = None,
+    settings: Callable[[list[tuple[float, float]]], dict[str, float]] | None = None,
 ) -> RunPlan:
     """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
     keeps (``OptimizerState.measure(factory)``). All ranks are data-parallel. ``micro_batch``: the first

@@ -25,7 +25,9 @@ Settings beside the LR, each with its own rule (``OptimizerRules`` composes them
   samples), whose optimum Bergsma et al. 2025 ("Power Lines") find nearly independent of B at a
   fixed number of tokens per parameter. Under the sqrt LR rule a doubling gives lambda * sqrt(2).
 - Adam's beta2, ``"half_life"``: beta2 -> beta2 ** k, so the second-moment average keeps its
-  half-life in tokens (Marek et al. 2025): a step of k x B samples weighs as k steps of B.
+  half-life in tokens (Marek et al. 2025): a step of k x B samples weighs as k steps of B. Never
+  below ``BETA2_FLOOR`` (0.95 unless set): 0.95 ** 16 = 0.44 at 16x the batch averages the second
+  moment over about a step and a half, and runs that scaled beta2 with the batch saw loss spikes there.
 """
 
 from __future__ import annotations
@@ -271,8 +273,9 @@ class SettingRule(ABC):
     """A rule for one optimizer setting beside the LR, at a batch change by ``ratio`` = new / old
     global batch while the LR is multiplied by ``lr_factor``. Subclasses set ``name``, ``key`` (the
     setting, logged as ``batch/<key>``) and ``argument`` (the BatchWarmup / CBSProbeCallback argument),
-    and implement ``scaled``, which composes: several changes give what one change by the product
-    of their ratios and of their LR factors gives (so a plan can compute any phase at once)."""
+    and implement ``scaled``, applied change by change (a plan applies it phase by phase as BatchWarmup
+    does, so a rule with a floor, which forgets how far below it the rule alone would have gone, is
+    planned exactly)."""
 
     name: str
     key: str
@@ -291,6 +294,11 @@ class SettingRule(ABC):
     def apply(self, group: dict, ratio: float, lr_factor: float) -> None:
         self.set(group, self.scaled(float(self.get(group)), ratio, lr_factor))
 
+    def held(self, value: float, ratio: float, lr_factor: float) -> str | None:
+        """Why ``scaled`` keeps the setting from where the rule alone would take it from ``value`` (a
+        floor), with the setting that changes that; None when it does not."""
+        return None
+
     def value(self, optimizer: torch.optim.Optimizer) -> float:
         """The setting now, as logged: param group 0's."""
         return float(self.get(optimizer.param_groups[0]))
@@ -300,7 +308,8 @@ class SettingRule(ABC):
         """LitCBSConfigError, its message starting with ``who``, if the rule does not apply to ``optimizer``."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
 
 
 class WeightDecayTimescale(SettingRule):
@@ -334,13 +343,42 @@ class WeightDecayTimescale(SettingRule):
             )
 
 
+# The lowest beta2 the half_life rule moves Adam's beta2 to. Large-model recipes train at 0.95 and
+# above (GPT-3, Llama, OLMo); below it the second-moment average spans few steps (a half-life of 13.5 at
+# 0.95), and runs that scaled beta2 with the batch saw loss spikes once it fell lower and capped it at 0.95
+# (the marin project: marin-community/marin#2447, and its recipe's clip to [0.95, 0.9999]).
+BETA2_FLOOR = 0.95
+
+
 class Beta2HalfLife(SettingRule):
-    """beta2 -> beta2 ** k: the second-moment average keeps its half-life in tokens."""
+    """beta2 -> beta2 ** k, never below ``floor``: the second-moment average keeps its half-life in tokens.
+
+    ``floor`` (unitless; default ``BETA2_FLOOR``, 0.95; None: none): where beta2 ** k would fall below it,
+    beta2 stays at the floor, or where it is already, at its value now (the rule never raises beta2 for a
+    growing batch). A batch that shrinks after the floor held starts from the floor, not from where the
+    rule alone would have been.
+    """
 
     name, key, argument = "half_life", "beta2", "beta2_rule"
 
+    def __init__(self, floor: float | None = BETA2_FLOOR):
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1):
+            raise LitCBSConfigError(f"beta2_floor={floor!r} must lie in (0, 1) (Adam's beta2), or be None for no floor")
+        self.floor = None if floor is None else float(floor)
+
     def scaled(self, value, ratio, lr_factor):
-        return value**ratio
+        moved = value**ratio
+        return moved if self.floor is None else max(moved, min(value, self.floor))
+
+    def held(self, value, ratio, lr_factor):
+        moved, kept = value**ratio, self.scaled(value, ratio, lr_factor)
+        if kept == moved:
+            return None
+        return (
+            f"beta2_rule='half_life' would take beta2 from {value:.4g} to {moved:.4g} ({value:.4g} ** {ratio:g}), "
+            f"below beta2_floor={self.floor:g}, so it stays at {kept:.4g}; "
+            "set beta2_floor lower (or None) to let it fall"
+        )
 
     def get(self, group):
         return group["betas"][1]
@@ -369,13 +407,14 @@ WEIGHT_DECAY_RULES = {"timescale": WeightDecayTimescale}
 BETA2_RULES = {"half_life": Beta2HalfLife}
 
 
-def _get_setting_rule(argument: str, rule, rules: dict[str, type[SettingRule]]) -> SettingRule | None:
+def _get_setting_rule(argument: str, rule, rules: dict[str, type[SettingRule]], **settings) -> SettingRule | None:
+    """The rule ``rule`` names (built with ``settings``), a rule object of those kinds, or None."""
     if rule is None or rule == "none":
         return None
     if isinstance(rule, SettingRule) and isinstance(rule, tuple(rules.values())):
         return rule
     if isinstance(rule, str) and rule in rules:
-        return rules[rule]()
+        return rules[rule](**settings)
     raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {sorted(rules)} or None (unchanged)")
 
 
@@ -405,14 +444,17 @@ class OptimizerRules:
     lr: LRRule
     weight_decay: SettingRule | None = None
     beta2: SettingRule | None = None
+    # Whether a setting's floor was said to hold (once per owner: BatchWarmup, or a probe's branches).
+    floor_said: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     @classmethod
-    def build(cls, lr_rule="sqrt", weight_decay_rule=None, beta2_rule=None) -> OptimizerRules:
-        """From the arguments BatchWarmup and CBSProbeCallback take (names, None, or rule objects)."""
+    def build(cls, lr_rule="sqrt", weight_decay_rule=None, beta2_rule=None, beta2_floor=BETA2_FLOOR) -> OptimizerRules:
+        """From the arguments BatchWarmup and CBSProbeCallback take (names, None, or rule objects);
+        ``beta2_floor`` is the half_life rule's floor when ``beta2_rule`` names it."""
         rules = cls(
             get_lr_rule(lr_rule),
             _get_setting_rule("weight_decay_rule", weight_decay_rule, WEIGHT_DECAY_RULES),
-            _get_setting_rule("beta2_rule", beta2_rule, BETA2_RULES),
+            _get_setting_rule("beta2_rule", beta2_rule, BETA2_RULES, floor=beta2_floor),
         )
         if isinstance(rules.lr, AdamSDERule) and rules.beta2 is not None:
             raise LitCBSConfigError(
@@ -426,13 +468,17 @@ class OptimizerRules:
         """The rules for settings beside the LR."""
         return [rule for rule in (self.weight_decay, self.beta2) if rule is not None]
 
-    def names(self) -> dict[str, str | None]:
-        """``{"lr_rule": ..., "weight_decay_rule": ..., "beta2_rule": ...}``: the rules by the names users give."""
-        return {
+    def names(self) -> dict[str, str | float | None]:
+        """``{"lr_rule": ..., "weight_decay_rule": ..., "beta2_rule": ...}``: the rules by the names users give,
+        and with a beta2 rule its ``beta2_floor``."""
+        names = {
             "lr_rule": self.lr.name,
             "weight_decay_rule": getattr(self.weight_decay, "name", None),
             "beta2_rule": getattr(self.beta2, "name", None),
         }
+        if self.beta2 is not None:
+            names["beta2_floor"] = self.beta2.floor
+        return names
 
     def describe(self) -> str:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
@@ -451,13 +497,24 @@ class OptimizerRules:
             for rule in self.settings:
                 rule.check(optimizer, who)
 
-    def apply(self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratio: float) -> float:
-        """Move every setting for a batch change by ``ratio``; return the LR factor applied."""
+    def apply(
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedulers: Iterable,
+        ratio: float,
+        warn: Callable[[str], None] | None = None,
+    ) -> float:
+        """Move every setting for a batch change by ``ratio``; return the LR factor applied. The first time a
+        floor keeps a setting from where its rule alone would go, ``warn`` is called with why (once per rules)."""
         factor = self.lr.factor(ratio)
         scale_learning_rate(optimizer, schedulers, factor)
         self.lr.adjust_optimizer(optimizer, ratio)
         for rule in self.settings:
             for group in optimizer.param_groups:
+                held = rule.held(float(rule.get(group)), ratio, factor)
+                if held is not None and warn is not None and not self.floor_said:
+                    self.floor_said = True
+                    warn(held)
                 rule.apply(group, ratio, factor)
         return factor
 

@@ -10,6 +10,7 @@ import os
 import signal
 import stat
 import subprocess
+import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -133,6 +134,24 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
     assert f"2.0 s (trainer.fit); {summary['run_seconds']:.1f} s of training since the run began" in text
 
 
+def test_a_run_stopped_after_its_last_probe_resumes_once_its_batch_outgrew_the_window(prepared, tmp_path, caplog):
+    """The one probe (k = 1, 2 over 2,048 tokens, after step 2) runs at batch 8. From 4,096 tokens the batch is 16,
+    whose k = 2 step (4,096 tokens) that window could not hold: no probe is left to run there, so a run stopped by
+    max_steps at batch 16 goes on from its last checkpoint."""
+    one_probe = [
+        "callbacks.cbs_probe.geometric=null",
+        "callbacks.cbs_probe.at_tokens=[2048]",
+        "callbacks.cbs_probe.window_tokens=2048",
+    ]
+    fit(build(tmp_path / "first", prepared, *one_probe, "trainer.max_steps=5"))
+    rest = build(tmp_path / "rest", prepared, *one_probe)
+    with caplog.at_level("INFO"):
+        fit(rest, ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
+    assert rest.trainer.global_step == 8 and BatchAccounting.attach(rest.trainer).tokens_seen == 12288
+    assert "CBSProbeCallback: no probe point is left in the rest of this run (the last of at_tokens is at 2,048)" in caplog.text
+    assert [(r["tokens"], r["step"], r["batch_size"]) for r in final_state(tmp_path / "rest")["readings"]] == [(2048, 2, 8)]
+
+
 @pytest.mark.parametrize(
     "where, signal_at, branch_step, saved_step",
     [
@@ -147,7 +166,8 @@ def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(
 ):
     _, end = uninterrupted
     stopped = build(tmp_path / "stopped", prepared)
-    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
+    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         fit(stopped, signal_at=signal_at, signal_in_branch_step=branch_step)
     # No main-run step after the one the signal came in: steps 1, 3, 5 (the branches run after it) and 6.
     assert stopped.trainer.global_step == {1: 1, 2: 3 if branch_step is None else 5, 6: 6}[saved_step]
@@ -158,8 +178,11 @@ def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(
         f"resume with trainer.fit(model, datamodule, ckpt_path={str(last)!r})"
     )
     assert f"SIGTERM: stopping after step {stopped.trainer.global_step}" in caplog.text
-    if saved_step == 2:
-        assert "inside the CBS probe whose window began at step 2" in caplog.text
+    if saved_step == 2:  # said once, with the stop: the probe, and what last.ckpt holds
+        retrained = stopped.trainer.global_step - 2
+        assert caplog.text.count("inside the CBS probe whose window began at step 2") == 1
+        assert f"step 2: last.ckpt holds step 2, so a resumed run redoes the probe there ({retrained} main-run" in caplog.text
+        assert not [w for w in caught if "CBS probe" in str(w.message)]
     saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == saved_step  # the main state at a step boundary, or the open probe's start
     resumed_dir = tmp_path / "resumed"

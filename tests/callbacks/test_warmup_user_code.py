@@ -12,9 +12,10 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
-from toys import RegressionData, RegressionModule, mean_gradient, trainer_kwargs
+from toys import RegressionData, RegressionModule, TwoOptimizers, mean_gradient, trainer_kwargs
 
-from lit_cbs import BatchWarmup, ConstantBatch, OneCycle, PiecewiseBatch
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, OneCycle, PiecewiseBatch
+from lit_cbs.errors import LitCBSConfigError
 
 
 def fit(warmup, *, module=None, data=None, **trainer_args):
@@ -70,14 +71,52 @@ def test_a_short_last_batch_is_not_a_mismatch():
     assert trainer.global_step == 18 and len(module.steps[8]["indices"]) == 1
 
 
+# ---------------------------------------------------------------- what automatic optimization cannot train
+@pytest.mark.parametrize(
+    "callback",
+    [
+        BatchWarmup(PiecewiseBatch([2, 4], [0, 8], unit="samples")),
+        CBSProbeCallback(every_tokens=64, multipliers=(1, 2), window_tokens=64),
+        GradientNoiseScale(),
+    ],
+    ids=lambda callback: type(callback).__name__,
+)
+def test_two_optimizers_are_refused_before_training_with_what_lit_cbs_supports(callback):
+    module = TwoOptimizers()
+    with pytest.raises(
+        LitCBSConfigError,
+        match=rf"^configure_optimizers returned 2 optimizers \(SGD, Adam\), but {type(callback).__name__} trains under "
+        r"Lightning's automatic optimization, which steps one: give every parameter to one optimizer, a param group",
+    ):
+        fit(callback, module=module)
+    assert not module.steps and "configure_optimizers" not in vars(module)  # the check took itself off
+    one = RegressionModule()
+    fit(BatchWarmup(ConstantBatch(2)), module=one, max_steps=1)
+    assert len(one.steps) == 1 and "configure_optimizers" not in vars(one)
+
+
+def test_a_second_batch_warmup_is_refused_before_training():
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `BatchWarmup`"):
+        pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2)), BatchWarmup(ConstantBatch(4))])  # Lightning's, at once
+    trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2))], **trainer_kwargs())
+    trainer.callbacks.append(BatchWarmup(ConstantBatch(4)))  # past Lightning's check of the list it was given
+    module = RegressionModule()
+    with pytest.raises(LitCBSConfigError, match=r"^the Trainer has 2 BatchWarmup callbacks, .*: keep one"):
+        trainer.fit(module, RegressionData(n=48, batch_size=2))
+    assert not module.steps
+
+
 # ---------------------------------------------------------------- tokens only for token data
 class TokenIds(torch.utils.data.Dataset):
+    def __init__(self, width: int = 6):
+        self.width = width  # token ids per sample
+
     def __len__(self):
         return 32
 
     def __getitem__(self, i):
         return {
-            "input_ids": torch.full((6,), i, dtype=torch.long),
+            "input_ids": torch.full((self.width,), i, dtype=torch.long),
             "x": torch.randn(4, dtype=torch.float64),
             "y": torch.zeros(1, dtype=torch.float64),
             "idx": i,
@@ -99,6 +138,33 @@ def test_integer_token_ids_give_the_sequence_length():
     trainer, _ = fit(warmup, data=data, enable_progress_bar=True)
     assert warmup.seq_len == 6 and warmup.tokens_seen == 96 and trainer.global_step == 4
     assert trainer.progress_bar_metrics["tokens"] == 96
+
+
+@pytest.mark.parametrize(
+    "width, seq_len, said",
+    [
+        (128, None, "info"),
+        (129, None, "warning"),  # 128 inputs + the last target, in one tensor
+        (129, 128, None),  # given: nothing inferred
+    ],
+)
+def test_the_tokens_per_sample_read_off_the_data_are_said_and_a_width_of_t_plus_1_warns(width, seq_len, said, caplog):
+    data = RegressionData(n=32, batch_size=2)
+    data.train_dataloader = lambda: DataLoader(TokenIds(width), batch_size=2)
+    warmup = BatchWarmup(ConstantBatch(2), seq_len=seq_len)
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(warmup, data=data, max_steps=2)
+    assert warmup.seq_len == (seq_len or width) and warmup.tokens_seen == 4 * warmup.seq_len
+    found = f"{width} tokens per sample, the width of the batch's first 2-D integer tensor (int64 [2, {width}])"
+    warned = [str(warning.message) for warning in caught if "tokens per sample" in str(warning.message)]
+    if said == "warning":
+        (message,) = warned
+        assert message.startswith(f"BatchAccounting counts {found}; if it holds inputs and targets shifted by one")
+        assert "give seq_len=128 (to BatchAccounting or BatchWarmup)" in message
+    else:
+        assert not warned
+    assert (f"BatchAccounting: {found}" in caplog.text) == (said == "info")
 
 
 # ---------------------------------------------------------------- checkpoints inside an accumulation window

@@ -138,6 +138,37 @@ def test_a_probe_point_past_the_end_is_refused_naming_the_limit(limits, name):
         fit_tokens([probe], TokenIds(24, 4), accumulate_grad_batches=2, **limits)
 
 
+def test_the_window_is_checked_at_the_batch_of_each_point_the_run_reaches():
+    # Steps of 8 samples (32 tokens), of 16 from 64 tokens on: k = 2 at the probe at 128 tokens takes 128 tokens a step.
+    warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 64]))
+    probe = CBSProbeCallback(at_tokens=[32, 128], multipliers=(1, 2), window_tokens=64)
+    record = RecordEnds(largest_batch=16)
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"^window_tokens=64 is smaller than one step of the largest branch \(k=2 x batch 16 x 4 tokens = 128\) "
+        r"at the probe at 128 tokens",
+    ):
+        fit_tokens([warmup, probe, record], TokenIds(96, 4), max_steps=6, max_epochs=-1)
+    assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
+
+
+def test_a_first_window_past_the_run_end_is_refused_at_the_start_unless_a_growing_batch_decides():
+    # Steps of 8 samples (32 tokens): the probe at 64 tokens (after step 2) records 128 tokens, to 192 > 160 at max_steps=5.
+    probe = CBSProbeCallback(at_tokens=[64], multipliers=(1, 2), window_tokens=128)
+    record = RecordEnds(largest_batch=8)
+    with pytest.raises(
+        LitCBSConfigError,
+        match=r"^the first probe \(64 tokens \+ window_tokens=128\) ends past max_steps=5, so it never runs",
+    ):
+        fit_tokens([probe, record], TokenIds(96, 4), accumulate_grad_batches=2, max_steps=5, max_epochs=-1)
+    assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
+    # Grown to 16 samples after step 2, the run ends at 288 tokens and takes the probe; at 8 it would not: decided there.
+    warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 64]))
+    probe = CBSProbeCallback(at_tokens=[64], multipliers=(1, 2), window_tokens=128)
+    fit_tokens([warmup, probe], TokenIds(96, 4), max_steps=5, max_epochs=-1)
+    assert [(r.tokens, r.batch_size) for r in probe.history] == [(64, 16)]
+
+
 def test_a_window_the_run_would_cut_short_is_not_started(caplog):
     probe = CBSProbeCallback(every_tokens=64, multipliers=(1, 2), window_tokens=64)
     with caplog.at_level("INFO"):
@@ -185,8 +216,9 @@ def test_a_grid_of_which_one_batch_fits_is_refused_at_the_first_batch():
 
 
 def test_the_first_probe_is_checked_against_the_run_end_in_one_place():
-    """ProbeConfig.check_inside_run: the callback asks whether the point lies inside the run; a recipe,
-    whose max_tokens is final, whether the whole first probe (its replicate windows too) fits."""
+    """ProbeConfig.check_inside_run: whether the first point lies inside the run, and whether the whole first
+    probe (its replicate windows too) fits: a recipe, whose max_tokens is final, and the callback at a fresh
+    run's first batch."""
     at_100 = ProbeConfig(at_tokens=[100], multipliers=(1, 2), window_tokens=50)
     at_100.check_inside_run(101, "max_tokens=101")
     with pytest.raises(
@@ -196,6 +228,10 @@ def test_the_first_probe_is_checked_against_the_run_end_in_one_place():
     at_100.check_inside_run(150, "max_tokens=150", whole_span=True)
     with pytest.raises(LitCBSConfigError, match=r"^the first probe \(100 tokens \+ window_tokens=50\) ends past max_tokens=149"):
         at_100.check_inside_run(149, "max_tokens=149", whole_span=True)
+    # The callback knows the window its probe records: the setting in whole steps of the largest branch.
+    at_100.check_inside_run(148, "max_steps=5", whole_span=True, window_tokens=48)
+    with pytest.raises(LitCBSConfigError, match=r"\(100 tokens \+ window_tokens=50, 48 in whole steps of its largest branch\)"):
+        at_100.check_inside_run(147, "max_steps=5", whole_span=True, window_tokens=48)
     replicated = dataclasses.replace(at_100, evaluate="heldout", replicates=2)
     with pytest.raises(LitCBSConfigError, match=r"\(100 tokens \+ 2 x window_tokens=50\)"):
         replicated.check_inside_run(150, "max_tokens=150", whole_span=True)

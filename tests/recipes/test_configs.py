@@ -231,7 +231,9 @@ def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
 
 
 def test_the_weight_decay_and_beta2_rules_move_adamw_at_the_doubling(text_folder, tmp_path):
-    _, run = short_run(text_folder, tmp_path, "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life")
+    # AdamW's beta2 0.95 is the default floor: batch.beta2_floor=0.9 lets the doubling take it to 0.9025.
+    rules = ("batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life", "batch.beta2_floor=0.9")
+    _, run = short_run(text_folder, tmp_path, *rules)
     run.trainer.fit(run.model, datamodule=run.datamodule)
     metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
     assert metrics["batch/weight_decay"][1] == pytest.approx([0.1, 0.1, 0.1 * 2**0.5, 0.1 * 2**0.5])  # 8, 8, 16, 16

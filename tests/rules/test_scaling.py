@@ -107,6 +107,31 @@ def test_plain_rules_have_no_ratio_limit():
     get_lr_rule("linear").check_ratios(optimizer, [], [1024, 1024], "BatchWarmup(lr_rule='linear')", compose=True)
 
 
+def test_the_half_life_rule_keeps_beta2_at_its_floor():
+    floored, free = (
+        OptimizerRules.build(beta2_rule="half_life").beta2,
+        OptimizerRules.build(beta2_rule="half_life", beta2_floor=None).beta2,
+    )
+    assert floored.floor == 0.95 and floored.scaled(0.99, 2, 2**0.5) == 0.99**2  # above the floor: the rule alone
+    assert floored.scaled(0.95, 16, 4) == 0.95 and free.scaled(0.95, 16, 4) == 0.95**16  # 0.44 without a floor
+    assert floored.scaled(0.9, 2, 2**0.5) == 0.9  # already below the floor: it does not fall further, nor rise
+    assert floored.scaled(0.95, 0.5, 2**-0.5) == 0.95**0.5  # a smaller batch raises it as the rule says
+    assert floored.held(0.99, 2, 2**0.5) is None and free.held(0.95, 16, 4) is None
+    held = floored.held(0.95, 2, 2**0.5)
+    assert held.startswith("beta2_rule='half_life' would take beta2 from 0.95 to 0.9025 (0.95 ** 2), below")
+    assert held.endswith("so it stays at 0.95; set beta2_floor lower (or None) to let it fall")
+    # Part of the rule: a probe beside a BatchWarmup with another floor is refused (its rules' names differ).
+    assert OptimizerRules.build(beta2_rule="half_life", beta2_floor=0.9).names() == {
+        "lr_rule": "sqrt",
+        "weight_decay_rule": None,
+        "beta2_rule": "half_life",
+        "beta2_floor": 0.9,
+    }
+    for floor in (0.0, 1.0, True, "0.9"):
+        with pytest.raises(LitCBSConfigError, match=r"^beta2_floor=.* must lie in \(0, 1\)"):
+            OptimizerRules.build(beta2_rule="half_life", beta2_floor=floor)
+
+
 def test_unsupported_scheduler_is_refused_at_every_ratio_that_changes_the_lr():
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, 0.95))
     one_cycle = sched.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)

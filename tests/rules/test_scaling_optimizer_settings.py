@@ -19,7 +19,7 @@ from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, LitCBSConfigEr
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.rules.scaling import OptimizerRules
 
-LR, WD, BETA2 = 0.01, 0.1, 0.95
+LR, WD, BETA2 = 0.01, 0.1, 0.99  # beta2 ** 4 = 0.9606 stays above the default floor, 0.95
 SCHEDULE = PiecewiseBatch([2, 4], [0, 40], unit="samples")  # 20 steps of 2 samples, then 4
 RULES = dict(lr_rule="sqrt", weight_decay_rule="timescale", beta2_rule="half_life")
 
@@ -53,13 +53,16 @@ class AdamWRegression(RegressionModule):
         return torch.optim.AdamW(groups, lr=LR, betas=(0.9, BETA2), weight_decay=WD)
 
 
-def fit(warmup, *, module=None, callbacks=(), epochs=2, ckpt_path=None, **trainer_args):
+def fit(warmup, *, module=None, callbacks=(), epochs=2, ckpt_path=None, warned=None, **trainer_args):
+    """Train the toy under ``warmup``; the warnings' texts go to the list ``warned`` if one is given."""
     pl.seed_everything(0, verbose=False)
     module = module or AdamWRegression()
     trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=epochs, **trainer_args))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(module, GlobalOrderRegressionData(n=48, batch_size=2), ckpt_path=ckpt_path)
+    if warned is not None:
+        warned.extend(str(warning.message) for warning in caught)
     return trainer, module
 
 
@@ -73,12 +76,12 @@ def test_a_doubling_moves_weight_decay_and_beta2_and_the_checkpoint_holds_them(t
     assert module.settings == [before] * 20 + [pytest.approx(after)] * 14
     groups = torch.load(tmp_path / "step=34.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
     assert groups[0]["weight_decay"] == pytest.approx(0.1 * math.sqrt(2)) and groups[1]["weight_decay"] == 0.0
-    assert groups[0]["betas"][1] == pytest.approx(0.9025) and groups[0]["betas"][0] == 0.9
+    assert groups[0]["betas"][1] == pytest.approx(BETA2**2) and groups[0]["betas"][0] == 0.9
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["batch/global_size"]]
     assert [(float(r["batch/weight_decay"]), float(r["batch/beta2"])) for r in (rows[19], rows[20])] == [
         (WD, BETA2),
-        pytest.approx((0.1 * math.sqrt(2), 0.9025)),
+        pytest.approx((0.1 * math.sqrt(2), BETA2**2)),
     ]
 
     # Resumed before and after the change, the run goes on with the settings it would have had.
@@ -100,16 +103,38 @@ def test_probe_branches_train_with_the_rules_of_their_batch_and_leave_the_run_al
     assert {tuple(round(v, 12) for v in s) for s in probed.branch_settings} == {tuple(round(v, 12) for v in s) for s in expected}
 
 
-def test_the_guards_revert_restores_weight_decay_and_beta2_exactly():
+def test_the_beta2_floor_holds_in_the_run_and_in_every_branch_and_is_said_once_by_each(tmp_path):
+    floor = 0.985  # above BETA2 ** 2 = 0.9801
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, every_n_train_steps=1, filename="{step}")
+    probe = CBSProbeCallback(every_tokens=80, multipliers=(1, 2, 4), window_tokens=64, beta2_floor=floor, **RULES)
+    warmup, warned = BatchWarmup(SCHEDULE, seq_len=4, beta2_floor=floor, **RULES), []
+    _, module = fit(warmup, callbacks=[probe, checkpoint], enable_checkpointing=True, warned=warned)
+    assert probe.history and [s[3] for s in module.settings] == [BETA2] * 20 + [floor] * 14
+    # k = 2, 4 from BETA2 stop at the floor, as every k from the floor after the change does.
+    assert {s[2] for s in module.branch_settings} == {BETA2, floor}
+    groups = torch.load(tmp_path / "step=34.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert [group["betas"][1] for group in groups] == [floor, floor]
+    held = "would take beta2 from 0.99 to 0.9801 (0.99 ** 2), below beta2_floor=0.985, so it stays at 0.985"
+    fix = "set beta2_floor lower (or None) to let it fall"
+    assert sorted(text for text in warned if "beta2_floor" in text) == [
+        f"BatchWarmup: beta2_rule='half_life' {held}; {fix}",
+        f"CBSProbeCallback, branch k=2: beta2_rule='half_life' {held}; {fix}",
+    ]
+
+
+@pytest.mark.parametrize("beta2_floor", [0.95, 0.985])  # the default, and a floor that holds at the increase
+def test_the_guards_revert_restores_weight_decay_and_beta2_exactly(beta2_floor):
     class SpikeAfterIncrease(AdamWRegression):
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
             return loss + 3.0 if self.trainer.accumulate_grad_batches > 1 else loss
 
-    warmup = BatchWarmup(SCHEDULE, guard={"hold": 100_000, "min_steps": 4, "threshold": 1.0}, **RULES)
+    guard = {"hold": 100_000, "min_steps": 4, "threshold": 1.0}
+    warmup = BatchWarmup(SCHEDULE, guard=guard, beta2_floor=beta2_floor, **RULES)
     _, module = fit(warmup, module=SpikeAfterIncrease(), epochs=3)
     increase, revert = warmup.history
     assert revert.cause == "guard" and revert.new_global_batch == 2
+    assert module.settings[increase.step][3] == max(BETA2**2, beta2_floor)
     reverted_at = revert.step
     assert module.settings[reverted_at:] == [(LR, WD, 0.0, BETA2)] * (len(module.settings) - reverted_at)  # bitwise
 
@@ -126,7 +151,7 @@ class FailingFirstStep(Callback):
         (
             lambda groups: torch.optim.SGD(groups, lr=LR, weight_decay=WD),
             {"beta2_rule": "half_life"},
-            r"^BatchWarmup\(lr_rule='sqrt', beta2_rule='half_life'\): param group 0 of SGD has no Adam betas",
+            r"^BatchWarmup\(lr_rule='sqrt', beta2_rule='half_life', beta2_floor=0.95\): param group 0 of SGD has no",
         ),
         (
             lambda groups: torch.optim.AdamW(groups, lr=LR, weight_decay=0.0),
@@ -158,7 +183,7 @@ def test_a_probe_whose_rules_differ_from_the_warmups_is_refused():
     with pytest.raises(
         LitCBSConfigError,
         match=r"CBSProbeCallback\(lr_rule='sqrt'\) and BatchWarmup\(lr_rule='sqrt', "
-        r"weight_decay_rule='timescale', beta2_rule='half_life'\) move the optimizer differently",
+        r"weight_decay_rule='timescale', beta2_rule='half_life', beta2_floor=0.95\) move the optimizer differently",
     ):
         fit(BatchWarmup(SCHEDULE, seq_len=4, **RULES), callbacks=[probe, FailingFirstStep()])
 
