@@ -92,30 +92,16 @@ def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], 
     return figure
 
 
-def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
-    """Write ``loss_vs_tokens.png``, ``batch_lr_vs_tokens.png`` and ``gns_groups_vs_tokens.png`` (see
-    ``group_noise_scale_figure``) into ``output_dir``; return the paths of those written.
-
-    Needs ``tokens_seen`` in the CSV (logged by BatchWarmup); plots whichever of ``train/loss``,
-    ``val/loss``, ``batch/global_size`` and ``lr`` are there, with a dotted line where the global
-    batch changed. Drawn on ``Figure`` objects with the Agg canvas: no pyplot state, no display.
-    """
+def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
+    """Whichever of ``train/loss`` and ``val/loss`` (nats per token) ``metrics`` holds against tokens seen,
+    with a dotted line where the global batch changed, as a matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
-    from lit_cbs.analysis.plots import save_figure
-
-    metrics = read_metrics_csv(metrics_csv)
-    if TOKENS_COLUMN not in metrics:
-        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column: add lit_cbs.BatchWarmup to the callbacks")
     batch_changes = []
     if BATCH_COLUMN in metrics:
         steps, sizes = metrics[BATCH_COLUMN]
         # A size is logged after the step that precedes it: the change takes effect past that token count.
         batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0]))
-
-    def save(figure: Figure, name: str) -> Path:
-        return save_figure(figure, Path(output_dir) / name)
-
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()
     for name, style in ((LOSS_COLUMN, dict(lw=0.8, alpha=0.6)), (VAL_LOSS_COLUMN, dict(marker="o", lw=1.5))):
@@ -128,29 +114,52 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     if ax.lines:
         ax.legend()
     ax.grid(alpha=0.3)
-    written = [save(figure, "loss_vs_tokens.png")]
+    return figure
+
+
+def batch_lr_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
+    """The global batch (samples) and the LR against tokens seen, one panel each, as a matplotlib
+    ``Figure``; None when ``metrics`` holds neither."""
+    from matplotlib.figure import Figure
 
     panels = [
         (name, label)
         for name, label in ((BATCH_COLUMN, "global batch (samples)"), (LR_COLUMN, "learning rate"))
         if name in metrics
     ]
-    if panels:
-        figure = Figure(figsize=(7, 2.6 * len(panels)))
-        axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-        for ax, (name, label) in zip(axes, panels):
-            steps, values = metrics[name]
-            ax.step(tokens_at(metrics, steps), values, where="post")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-        axes[-1].set_xlabel("tokens seen")
-        axes[0].set_title(f"{title} batch size and LR".strip())
-        written.append(save(figure, "batch_lr_vs_tokens.png"))
+    if not panels:
+        return None
+    figure = Figure(figsize=(7, 2.6 * len(panels)))
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, label) in zip(axes, panels):
+        steps, values = metrics[name]
+        ax.step(tokens_at(metrics, steps), values, where="post")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("tokens seen")
+    axes[0].set_title(f"{title} batch size and LR".strip())
+    return figure
 
-    figure = group_noise_scale_figure(metrics, title)
-    if figure is not None:
-        written.append(save(figure, "gns_groups_vs_tokens.png"))
-    return written
+
+def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
+    """Write ``loss_vs_tokens.png`` (``loss_figure``), ``batch_lr_vs_tokens.png`` (``batch_lr_figure``) and
+    ``gns_groups_vs_tokens.png`` (``group_noise_scale_figure``) of a CSVLogger's file into ``output_dir``;
+    return the paths of those written.
+
+    Needs ``tokens_seen`` in the CSV (logged by BatchWarmup). Drawn on ``Figure`` objects with the Agg
+    canvas: no pyplot state, no display.
+    """
+    from lit_cbs.analysis.plots import save_figure
+
+    metrics = read_metrics_csv(metrics_csv)
+    if TOKENS_COLUMN not in metrics:
+        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column: add lit_cbs.BatchWarmup to the callbacks")
+    figures = {
+        "loss_vs_tokens.png": loss_figure(metrics, title),
+        "batch_lr_vs_tokens.png": batch_lr_figure(metrics, title),
+        "gns_groups_vs_tokens.png": group_noise_scale_figure(metrics, title),
+    }
+    return [save_figure(figure, Path(output_dir) / name) for name, figure in figures.items() if figure is not None]
 
 
 @dataclasses.dataclass
