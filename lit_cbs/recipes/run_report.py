@@ -100,8 +100,9 @@ def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = 
     batch_changes = []
     if BATCH_COLUMN in metrics:
         steps, sizes = metrics[BATCH_COLUMN]
-        # A size is logged after the step that precedes it: the change takes effect past that token count.
-        batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0]))
+        # A row holds the batch its own step trained with, and the tokens seen after that step: a change took
+        # effect after the step before the first row at the new size (exact when every step is logged).
+        batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0] - 1))
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()
     for name, style in ((LOSS_COLUMN, dict(lw=0.8, alpha=0.6)), (VAL_LOSS_COLUMN, dict(marker="o", lw=1.5))):
@@ -133,7 +134,8 @@ def batch_lr_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: st
     axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for ax, (name, label) in zip(axes, panels):
         steps, values = metrics[name]
-        ax.step(tokens_at(metrics, steps), values, where="post")
+        # Row i's value held over the tokens its step trained on, from the tokens seen after step i - 1 (0 first).
+        ax.step(np.concatenate([[0.0], tokens_at(metrics, steps)]), np.concatenate([values[:1], values]), where="pre")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("tokens seen")

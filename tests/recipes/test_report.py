@@ -16,9 +16,10 @@ from lightning.pytorch.loggers import CSVLogger
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
+from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.recipes.report import main as report_main
 from lit_cbs.recipes.report import write_report
-from lit_cbs.recipes.run_report import write_run_summary
+from lit_cbs.recipes.run_report import batch_lr_figure, loss_figure, write_run_summary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -103,3 +104,15 @@ def test_a_headless_browser_loads_the_page_without_errors_and_shows_each_figure(
     body = re.search(r"<body[^>]*>", done.stdout).group(0)
     assert 'data-figures="4"' in body and 'data-figures-loaded="4"' in body, body  # every image decoded, with a size
     assert "data-error" not in body, body
+
+
+def test_the_plots_mark_a_batch_change_at_the_tokens_where_it_took_effect(run_dir):
+    (change,) = json.loads((run_dir / "batch_history.json").read_text())["changes"]
+    metrics = read_metrics_csv(run_dir / "metrics.csv")
+    (ax,) = loss_figure(metrics).axes
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [change["tokens_seen"]]
+    batch_panel = batch_lr_figure(metrics).axes[0]
+    # The drawn staircase rises from the old batch to the new one at the change's token count.
+    x, y = batch_panel.lines[0].get_path().vertices.T
+    (rise,) = [i for i in range(1, len(y)) if (y[i - 1], y[i]) == (change["old_global_batch"], change["new_global_batch"])]
+    assert x[rise - 1] == x[rise] == change["tokens_seen"]
