@@ -202,9 +202,12 @@ def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.P
 
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict:
     """What the run did, as written to summary.json: tokens, optimizer steps, batch changes (global
-    batches in samples), final val/loss, wall time in seconds (this fit's, and the run's over every
-    fit it resumed from) and, with a CBS probe, its readings and what the probe branches cost (their
-    tokens and optimizer steps, which the main run's step count does not include)."""
+    batches in samples), final val/loss (nats per token) and, with a CBS probe, its readings and what
+    the probe branches cost (their tokens and optimizer steps, which the main run's step count does not
+    include). Two wall times, in seconds: ``fit_seconds``, the whole ``trainer.fit`` call of this process
+    (setup included: data, the model's build, the checkpoint's load); ``run_seconds``, the training over
+    every fit of the run, each counted from its ``on_fit_start`` (after that setup), as the metrics'
+    ``fit_seconds`` column. One fit: ``run_seconds`` is the smaller, by the setup."""
     val_loss = trainer.callback_metrics.get("val/loss")
     stop_signal = warmup.accounting.stop_signal
     summary = {
@@ -255,13 +258,13 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     return summary
 
 
-def summary_text(summary: dict) -> str:
-    """summary.json as the lines printed at the end of a run."""
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """summary.json as (label, value) rows for people: the lines a run ends with, and report.html's table."""
     steps, tokens = summary["optimizer_steps"], summary["tokens"]
     steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
     changes = (
         ", ".join(
-            f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
+            f"{c['old']} -> {c['new']} after step {c['step']:,} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
             f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
             for c in summary["batch_changes"]
         )
@@ -270,36 +273,49 @@ def summary_text(summary: dict) -> str:
     val_loss = summary["final_val_loss"]
     seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
     resumed = this_fit != tokens
-    wall = f"wall time        {seconds:.1f} s (trainer.fit)"
+    wall = f"{seconds:,.1f} s (trainer.fit, setup included)"
     if resumed:
-        wall += f"; {summary['run_seconds']:.1f} s of training since the run began, over the fits it resumed from"
-    lines = [
-        f"tokens           {tokens:,} ({this_fit / seconds:,.0f} tokens/s over this fit"
-        + (f", which trained {this_fit:,} of them)" if resumed else ")"),
-        f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch "
-        f"{summary['first_batch']})",
-        f"batch changes    {changes}",
-        f"final val/loss   {val_loss:.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
-        wall,
+        wall += f"; {summary['run_seconds']:,.1f} s over the whole run, every fit it resumed from counted without its setup"
+    rows = [
+        (
+            "tokens",
+            f"{tokens:,} ({this_fit / seconds:,.0f} tokens/s over this fit"
+            + (f", which trained {this_fit:,} of them)" if resumed else ")"),
+        ),
+        (
+            "optimizer steps",
+            f"{steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch {summary['first_batch']})",
+        ),
+        ("batch changes", changes),
+        ("final val/loss", f"{val_loss:.4f} nats per token" if val_loss is not None else "(not evaluated)"),
+        ("wall time", wall),
     ]
     if summary.get("stopped_by"):
-        lines.append(
-            f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)"
+        rows.append(
+            ("stopped by", f"{summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)")
         )
     probe = summary["probe"]
     if probe and probe["readings"]:
-        readings = ", ".join(
+        readings = "; ".join(
             (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
-            + ("" if r.get("determined", True) else " (undetermined)")
+            + f" at {r['tokens']:,} tokens, "
+            + ("determined" if r.get("determined", True) else "undetermined")
             for r in probe["readings"]
         )
-        at = ", ".join(f"{r['tokens']:,}" for r in probe["readings"])
-        lines.insert(
+        rows.insert(
             3,
-            f"CBS (samples)    {readings} at {at} tokens; probes trained {probe['tokens']:,} tokens "
-            f"({probe['tokens'] / tokens:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps",
+            (
+                "CBS (samples)",
+                f"{readings}; probes trained {probe['tokens']:,} tokens ({probe['tokens'] / tokens:.0%} of training) "
+                f"in {probe['optimizer_steps']:,} optimizer steps",
+            ),
         )
-    return "\n".join(lines)
+    return rows
+
+
+def summary_text(summary: dict) -> str:
+    """summary.json as the lines printed at the end of a run (``summary_rows``)."""
+    return "\n".join(f"{label:<17}{value}" for label, value in summary_rows(summary))
 
 
 def write_run_summary(

@@ -4,6 +4,7 @@ Chromium (Debian's package; `.ci/run` installs it where it can, and the test say
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -19,7 +20,7 @@ from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, Piecewise
 from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.recipes.report import main as report_main
 from lit_cbs.recipes.report import write_report
-from lit_cbs.recipes.run_report import batch_lr_figure, loss_figure, write_run_summary
+from lit_cbs.recipes.run_report import batch_lr_figure, loss_figure, summary_text, write_run_summary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -74,7 +75,20 @@ def test_the_summary_says_what_the_run_did(run_dir):
         "wall time",
     ]
     assert f"2 -> 4 after step {change['step']} ({change['tokens_seen']:,} tokens" in lines[3]
-    assert lines[-2] == "wall time        2.0 s (trainer.fit)"  # one fit: no time carried over from earlier ones
+    # Each reading with its own token count and mark; an open bracket (the top of the grid) as ">= lower".
+    brackets = [f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] else f">= {r['cbs_lower']:g}" for r in readings]
+    marks = [
+        f"{bracket} at {r['tokens']:,} tokens, {'' if r['determined'] else 'un'}determined"
+        for bracket, r in zip(brackets, readings)
+    ]
+    assert lines[4] == f"CBS (samples)    {'; '.join(marks)}; probes trained {summary['probe']['tokens']:,} tokens " + (
+        f"({summary['probe']['tokens'] / summary['tokens']:.0%} of training) in {summary['probe']['optimizer_steps']} optimizer steps"
+    )
+    readings[0]["determined"] = not readings[0]["determined"]
+    summary["probe"]["readings"][0]["determined"] = readings[0]["determined"]
+    first, *_ = summary_text(summary).splitlines()[3].removeprefix("CBS (samples)").strip().split("; ")
+    assert first == f"{brackets[0]} at {readings[0]['tokens']:,} tokens, {'' if readings[0]['determined'] else 'un'}determined"
+    assert lines[-2] == "wall time        2.0 s (trainer.fit, setup included)"  # one fit: no time carried over from earlier ones
 
 
 def test_the_page_holds_every_figure_and_table_inline(run_dir):
@@ -83,6 +97,20 @@ def test_the_page_holds_every_figure_and_table_inline(run_dir):
     assert 'src="http' not in page and "<link" not in page  # nothing fetched: readable offline
     assert "Loss against wall-clock seconds; the gradient noise scale against tokens" in page
     assert "<h2>Batch changes</h2>" in page and "2 -&gt; 4" in page and "<h2>CBS readings</h2>" in page
+
+
+def test_the_pages_summary_is_written_for_people(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    page = write_report(run_dir).read_text()
+    table = page.split("<h2>Summary</h2>")[1].split("</table>")[0]
+    rows = dict(re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", table))
+    # The lines the run ended with, one row each: counts with thousands separators, a unit on each number, no
+    # None and no float printed to its last digit.
+    ending = (run_dir / "ending.txt").read_text().splitlines()[1:-1]
+    assert [f"{label:<17}{html.unescape(value)}" for label, value in rows.items()] == ending
+    assert summary["final_val_loss"] is None and rows["final val/loss"] == "(not evaluated)"
+    assert "None" not in table and not re.search(r"\d\.\d{5}", table)
+    assert rows["wall time"] == "2.0 s (trainer.fit, setup included)"
 
 
 def test_the_command_refuses_a_folder_without_metrics(tmp_path, capsys):
