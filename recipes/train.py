@@ -155,7 +155,7 @@ def build_run(cfg: DictConfig) -> Run:
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
-    trainer = job.instantiate_group(cfg, "trainer", callbacks=callbacks, logger=job.loggers_of(cfg) or False)
+    trainer = job.instantiate_group(cfg, "trainer", callbacks=callbacks, logger=job.loggers_of(cfg))
     warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)")
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.

@@ -186,8 +186,9 @@ def _installed(package: str) -> bool:
 
 
 def loggers_of(cfg: DictConfig) -> list:
-    """The loggers of ``cfg.logger``, before any data work: one whose package is missing stops here,
-    naming the extra, and a CSV logger must be among them (the summary and plots read its metrics.csv)."""
+    """The loggers of ``cfg.logger``, before any data work (one whose package is missing stops here, naming
+    the extra), and a CSV logger writing ``<output_dir>/metrics.csv``, added when none does: that file is the
+    run's own record, which its summary, plots and report.html read, whatever else it logs to."""
     for name, node in (cfg.get("logger") or {}).items():
         target = str((node or {}).get("_target_", "")).rsplit(".", 1)[-1]
         packages = LOGGER_PACKAGES.get(target, ())
@@ -196,13 +197,12 @@ def loggers_of(cfg: DictConfig) -> list:
                 f"logger.{name}: {target} needs the {packages[0]} package, which is not installed: "
                 f'pip install -e ".[loggers]" (or pip install {packages[0]}), or drop it (logger=csv)'
             )
-    loggers = instantiate_named(cfg, "logger")
-    if loggers and not any(isinstance(logger, CSVLogger) for logger in loggers.values()):
-        raise LitCBSConfigError(
-            f"logger has {', '.join(loggers)} but no csv: the run's summary and plots read metrics.csv, which the CSV "
-            f"logger writes; keep it beside them, e.g. logger=[csv,{next(iter(loggers))}]"
-        )
-    return list(loggers.values())
+    loggers = list(instantiate_named(cfg, "logger").values())
+    output_dir = Path(cfg.output_dir)
+    if not any(isinstance(logger, CSVLogger) and Path(logger.log_dir) == output_dir for logger in loggers):
+        # First, where logger=csv puts it: the Trainer's log_dir (cbs_probe.jsonl's folder) is the first logger's.
+        loggers.insert(0, CSVLogger(output_dir, name="", version=""))
+    return loggers
 
 
 def finish_loggers(loggers: list) -> None:
