@@ -51,6 +51,9 @@ LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by 
 register_resolvers()
 # The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
 warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+# conf/config.yaml puts ./conf on Hydra's search path, for options of your own beside the package's; a folder
+# without one is the usual case, not a problem to warn about.
+warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=conf is not available")
 # litdata's StreamingDataset has a length and splits its items among a loader's workers itself, which
 # is what Lightning's warning about an IterableDataset with __len__ asks for.
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")

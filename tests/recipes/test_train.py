@@ -51,6 +51,13 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return result
 
 
+def started_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """recipes/train.py started from ``folder`` as a user starts it (no HYDRA_FULL_ERROR), whatever its exit code."""
+    env = subprocess_env(PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    return subprocess.run([sys.executable, TRAIN, *args], cwd=folder, capture_output=True, text=True, env=env, timeout=300)
+
+
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     return run([sys.executable, TRAIN, *SMALL_RUN, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
 
@@ -171,25 +178,15 @@ def test_torchrun_ddp(first_run):
 
 def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     _, prepared, _ = first_run
-    env = subprocess_env(PYTHONPATH=str(ROOT))
-    env.pop("HYDRA_FULL_ERROR", None)
-    result = subprocess.run(
-        [
-            sys.executable,
-            TRAIN,
-            "-m",
-            *SMALL_RUN,
-            f"data.path={prepared}",
-            "callbacks.cbs_probe=null",
-            "batch.max_micro_batch_size=null",
-            "data.batch_size=5,4",
-            f"hydra.sweep.dir={tmp_path}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    result = started_in(
+        tmp_path,
+        "-m",
+        *SMALL_RUN,
+        f"data.path={prepared}",
+        "callbacks.cbs_probe=null",
+        "batch.max_micro_batch_size=null",
+        "data.batch_size=5,4",
+        f"hydra.sweep.dir={tmp_path}",
     )
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
     failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
@@ -201,15 +198,7 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
 
 
 def test_configuration_error_is_one_line(tmp_path):
-    env = subprocess_env(PYTHONPATH=str(ROOT))
-    env.pop("HYDRA_FULL_ERROR", None)
-    result = subprocess.run(
-        [sys.executable, TRAIN, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    result = started_in(tmp_path, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 1  # the last line on stderr names the key, the value and the choices
     assert (
         result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
@@ -225,17 +214,18 @@ def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(
     )
     assert mine != (ROOT / "conf" / "batch" / "warmup.yaml").read_text()
     (tmp_path / "conf" / "batch" / "mine.yaml").write_text(mine)
-    result = subprocess.run(
-        [sys.executable, TRAIN, "plan=true", "batch=mine"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=subprocess_env(PYTHONPATH=str(ROOT)),
-        timeout=120,
-    )
+    result = started_in(tmp_path, "plan=true", "batch=mine")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [
         line.split() for line in result.stdout.splitlines() + result.stderr.splitlines() if line.strip().startswith("2,523,136")
     ]
     assert rows and rows[0][2] == "128"  # the phase from 2,523,136 tokens trains at batch 128: the option was read
     assert sorted(path.name for path in tmp_path.iterdir()) == ["conf"]  # no outputs/ folder, no .hydra, no train.log
+
+
+def test_a_folder_without_conf_of_its_own_starts_without_a_warning(tmp_path):
+    # conf/config.yaml adds ./conf to Hydra's search path for your own options; none here is no reason to warn.
+    result = started_in(tmp_path, "plan=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr and "is not available" not in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
