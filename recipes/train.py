@@ -10,7 +10,8 @@
 probe's host memory and tokens, wall time at an assumed MFU) and exits: no data, no accelerator,
 no training (lit_cbs.recipes.plan). The configuration is checked before any model is built; a bad
 setting ends the run with one line that names its Hydra key (lit_cbs.recipes.job; set
-HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the resolved config
+HYDRA_FULL_ERROR=1 for the traceback), and a run that ends before its first optimizer step takes back
+its run folder. Each run folder gets the resolved config
 (resolved_config.yaml), metrics.csv, checkpoints/ and what lit_cbs.recipes.run_report writes:
 batch_history.json, summary.json (also printed at the run's end), the plots and report.html.
 """
@@ -175,16 +176,18 @@ def build_run(cfg: DictConfig) -> Run:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train; return the final val/loss (for Hydra sweepers)."""
+    earlier = job.earlier_entries()  # what a job that trains nothing leaves in its run folder
     job.send_lightning_logs_to_the_job_log()
     torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     try:
         if cfg.plan:
             log.info(plan_of(cfg).report())
-            job.remove_hydra_run_dir()
+            job.remove_hydra_run_dir(earlier)
             return None
         pl.seed_everything(cfg.seed, workers=True)
         run = build_run(cfg)
     except job.CONFIG_ERRORS as error:
+        job.remove_hydra_run_dir(earlier)
         job.stop_on_config_error(error)
     output_dir = Path(cfg.output_dir)
     if run.trainer.is_global_zero:
@@ -196,10 +199,15 @@ def main(cfg: DictConfig) -> float | None:
     terminated = False
     try:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
-    except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
-        job.stop_on_config_error(error, job.name_the_run_keys(cfg, job.one_line(error)))
     except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.callbacks.checkpoint): say so, exit non-zero
         terminated = True
+    except Exception as error:
+        if not job.trained_a_step(run.batch_warmup):  # refused (or failed) before its first step: nothing to keep
+            job.remove_hydra_run_dir(earlier)
+        if not isinstance(error, LitCBSConfigError):
+            raise
+        # A check that needs the Trainer (setup, first batch): one line, as for those made while building the run.
+        job.stop_on_config_error(error, job.name_the_run_keys(cfg, job.one_line(error)))
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")

@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
@@ -245,29 +247,71 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
     raise SystemExit(message) from None
 
 
-def remove_hydra_run_dir() -> None:
-    """Take back what Hydra wrote for a job that trains nothing (plan=true): its .hydra/ files and the
-    job log, then the folders left empty, up to the folder the job was started in."""
+def _hydra_run() -> tuple[Path, Path] | None:
+    """(this job's run folder, the folder the job was started in) for a single Hydra run; None in a multirun
+    (a failed job's folder holds its error) or outside a Hydra job (composed by a script or a test)."""
     try:
         config = HydraConfig.get()
-    except ValueError:  # composed by a script or a test: Hydra wrote nothing
-        return
+    except ValueError:
+        return None
     if config.mode != RunMode.RUN:
+        return None
+    return Path(config.runtime.output_dir), Path(config.runtime.cwd)
+
+
+def earlier_entries() -> frozenset[str]:
+    """The names in this job's run folder that it must leave in place if it trains nothing: none when the
+    folder holds only what Hydra wrote for this job (its config folder and the job log), else all of them,
+    Hydra's included (the folder of an earlier run, or of something else, given as ``hydra.run.dir``).
+    Called first thing in the job, before it writes anything."""
+    run = _hydra_run()
+    if run is None or rank_zero_only.rank != 0:
+        return frozenset()
+    run_dir, _ = run
+    entries = frozenset(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else frozenset()
+    hydra_own = {Path(handler.baseFilename).name for handler in _job_logs(run_dir)} | {HydraConfig.get().output_subdir}
+    return frozenset() if entries <= hydra_own else entries
+
+
+def _job_logs(run_dir: Path) -> list[logging.FileHandler]:
+    return [
+        handler
+        for handler in logging.getLogger().handlers
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir
+    ]
+
+
+def remove_hydra_run_dir(kept: frozenset[str]) -> None:
+    """Take back what a job that trained nothing (plan=true, a refused run) wrote into its run folder: every
+    entry but ``kept`` (``earlier_entries()``), Hydra's files and the job log included, then the folders left
+    empty, up to the folder the job was started in. Only on the process of global rank 0: the others share
+    the folder."""
+    run = _hydra_run()
+    if run is None or rank_zero_only.rank != 0:
         return
-    run_dir = Path(config.runtime.output_dir)
-    for handler in logging.getLogger().handlers[:]:
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+    run_dir, start = run
+    for handler in _job_logs(run_dir):
+        if Path(handler.baseFilename).name not in kept:
             handler.close()
             logging.getLogger().removeHandler(handler)
-            Path(handler.baseFilename).unlink(missing_ok=True)
-    if config.output_subdir is not None:
-        hydra_dir = run_dir / config.output_subdir
-        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
-            (hydra_dir / name).unlink(missing_ok=True)
-        if hydra_dir.is_dir() and not any(hydra_dir.iterdir()):
-            hydra_dir.rmdir()
-    start = Path(config.runtime.cwd).resolve()
+    for entry in run_dir.iterdir() if run_dir.is_dir() else []:
+        if entry.name in kept:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+    start = start.resolve()
     folder = run_dir.resolve()
     while folder != start and start in folder.parents and folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()
         folder = folder.parent
+
+
+def trained_a_step(warmup: BatchWarmup) -> bool:
+    """Whether this ``trainer.fit`` may have taken an optimizer step: it read a global batch of samples or more
+    since its ``on_fit_start`` (a fit that read less moved no parameter). A strategy that loads the checkpoint
+    after that hook (FSDP2's) counts a resumed run's earlier samples too: such a fit is taken to have trained."""
+    accounting = warmup.accounting
+    batch = accounting.global_batch
+    return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch

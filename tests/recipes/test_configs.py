@@ -221,6 +221,7 @@ def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
     (optimizer,) = run.trainer.optimizers
     assert isinstance(optimizer, torch.optim.SGD)
     assert run.trainer.global_step == 2 + 2 and run.batch_warmup.tokens_seen == 6144  # 2 steps of 8, 2 of 16
+    assert job.trained_a_step(run.batch_warmup)  # a failure now would keep the run's folder
     metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
     # The logged LR is SGD's 0.05 after the token warmup, times sqrt(2) after the batch doubled.
     assert metrics["lr"][1][-1] == pytest.approx(0.05 * 2**0.5)
@@ -247,7 +248,7 @@ def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(t
         run.trainer.fit(run.model, datamodule=run.datamodule)
     named = job.name_the_run_keys(cfg, str(raised.value))
     assert "batch.beta2_rule='half_life'" in named and "set batch.beta2_rule=None" in named
-    assert run.trainer.global_step == 0
+    assert run.trainer.global_step == 0 and not job.trained_a_step(run.batch_warmup)  # so train.py removes its folder
 
 
 def test_batch_seesaw_doubles_the_batch_where_the_cosine_halves_the_lr(text_folder, tmp_path):

@@ -7,6 +7,7 @@ transformers model, through the same CausalLM sharding code the OLMo decoder tak
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -197,13 +198,33 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     assert "BatchWarmup: global batch 8 -> 16 samples" in log and "lit_cbs: tiny_warmup done" in log
 
 
-def test_configuration_error_is_one_line(tmp_path):
-    result = started_in(tmp_path, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}")
+def test_configuration_error_is_one_line_and_leaves_no_folder(tmp_path):
+    result = started_in(tmp_path, "model.config.preset=olmo_3b")
     assert result.returncode == 1  # the last line on stderr names the key, the value and the choices
     assert (
         result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
     )
-    assert not (tmp_path / "metrics.csv").exists()
+    assert list(tmp_path.iterdir()) == []  # no outputs/tiny_warmup/<date>/ with Hydra's files and a log of the error
+
+
+def test_a_run_refused_inside_fit_before_its_first_step_leaves_no_folder(prepared, tmp_path):
+    result = started_in(tmp_path, *SMALL_RUN, f"data.path={prepared}", "optimizer=sgd", "batch.beta2_rule=half_life")
+    assert result.returncode == 1
+    assert "batch.beta2_rule='half_life'" in result.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []  # nor its resolved_config.yaml, metrics.csv, checkpoints/ or logs
+
+
+def test_a_refused_run_in_the_folder_of_one_that_trained_removes_none_of_its_files(first_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_run[0], run_dir)
+    before = {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    result = started_in(tmp_path, "model.config.preset=olmo_3b", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 1
+    after = {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    assert after.keys() == before.keys()
+    # Hydra rewrote its .hydra/ files and the log has the error appended; every file the trained run wrote is intact.
+    kept = [name for name in before if name.parts[0] != ".hydra" and name != Path("train.log")]
+    assert kept and all(after[name] == before[name] for name in kept)
 
 
 def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(tmp_path):
