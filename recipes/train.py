@@ -28,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -48,6 +49,7 @@ from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers
 from lit_cbs.recipes.run_report import Run, run_header, write_run_summary
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
+CONF = Path(__file__).resolve().parents[1] / "conf"  # hydra.main's config_path below
 
 register_resolvers()
 # The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
@@ -223,4 +225,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    try:  # a key the configuration lacks, in one line with its fix, before Hydra composes the job and makes its folder
+        job.check_command_line(CONF, sys.argv[1:])
+    except LitCBSConfigError as error:
+        job.stop_on_config_error(error)
     main()

@@ -13,7 +13,9 @@ that one line.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
+import inspect
 import logging
 import os
 import re
@@ -21,16 +23,19 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException, InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from lit_cbs._internals import hydra_command_line
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import resolve_model_config
@@ -167,6 +172,113 @@ def callbacks_of(cfg: DictConfig) -> list:
     return kept
 
 
+def check_command_line(config_dir: Path, argv: list[str]) -> None:
+    """Refuse a command line that sets a key the composed configuration lacks, before Hydra composes the job (whose
+    own error advises ``+key=value``, which adds a key nothing reads when the key is a typo): LitCBSConfigError naming
+    the key that does it (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
+    or, for an argument of a group's ``_target_`` the recipes leave at its default, the ``+`` that adds it. A
+    multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message."""
+    args = hydra_command_line(argv)
+    if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
+        return
+    first_job = [_first_value(override) for override in overrides]
+    config_name = args.config_name or "config"
+    try:
+        _compose(config_dir, config_name, [line for line in first_job if line is not None])
+        return
+    except ConfigCompositionException as error:
+        if not isinstance(error.__cause__, (ConfigAttributeError, ConfigKeyError)):
+            return
+        missing = error.__cause__.full_key  # the first part of the override's key the configuration lacks
+    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
+    if bad is None:
+        return
+    rest = [line for override, line in zip(overrides, first_job) if line is not None and override is not bad]
+    try:
+        cfg = _compose(config_dir, config_name, rest)
+    except HydraException:
+        return
+    raise LitCBSConfigError(f"{bad.input_line}: {_fix_for_missing_key(cfg, bad.key_or_group, bad.input_line)}")
+
+
+# Lightning Trainer arguments the recipes set another way: what to set instead (formatted with the config).
+REPLACED_TRAINER_KEYS = {
+    "trainer.val_check_interval": (
+        "the recipes validate by tokens, whatever the batch (Lightning's val_check_interval counts micro-batches, "
+        "which grow); set val_check_tokens=<tokens between validations> (now {val_check_tokens:,})"
+    ),
+    "trainer.accumulate_grad_batches": (
+        "BatchWarmup sets the accumulation from the global batch and the micro-batch; set the global batch "
+        "(batch.schedule, samples) and the micro-batch (data.batch_size; batch.max_micro_batch_size grows it)"
+    ),
+}
+
+
+def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
+    """What to do about ``line``, which sets ``key``, a key ``cfg`` lacks (the rest of the command line composed)."""
+    if key in REPLACED_TRAINER_KEYS:
+        return REPLACED_TRAINER_KEYS[key].format(val_check_tokens=cfg.val_check_tokens)
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    siblings = [str(name) for name in node if not str(name).startswith("_")] if OmegaConf.is_dict(node) else []
+    target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
+    if target and leaf in _arguments_of(target):
+        return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
+    keys = _keys_of(OmegaConf.to_container(cfg, resolve=False))
+    matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
+    matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
+    if not OmegaConf.is_dict(node):  # a typo in the path
+        matches += difflib.get_close_matches(key, keys, cutoff=0.85)
+    matches = list(dict.fromkeys(matches))[:3]
+    if not matches:
+        return (
+            f"this configuration has no key {key} (python recipes/train.py --cfg job prints them); +{line} adds it, "
+            "where the class it configures takes it"
+        )
+    listed = matches[0] if len(matches) == 1 else f"{', '.join(matches[:-1])} or {matches[-1]}"
+    return f"this configuration has no key {key}; did you mean {listed}?"
+
+
+def _first_value(override) -> str | None:
+    """An override as the first job of a multirun sets it (None for a sweep that cannot be listed)."""
+    if not override.is_sweep_override():
+        return override.input_line
+    try:
+        return f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}"
+    except HydraException:
+        return None
+
+
+def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
+
+
+def _keys_of(node: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a config container, nested ones included, less ``_target_`` and its kind."""
+    keys = []
+    for name, value in node.items():
+        if str(name).startswith("_"):
+            continue
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, dict):
+            keys += _keys_of(value, f"{prefix}{name}.")
+    return keys
+
+
+def _arguments_of(target: str) -> list[str]:
+    """The named arguments of the class or function at ``target`` (none where it cannot be imported)."""
+    try:
+        signature = inspect.signature(get_object(target))
+    except (ImportError, ValueError, TypeError, HydraException):
+        return []
+    return [name for name, parameter in signature.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD]
+
+
 def model_config_of(cfg: DictConfig):
     """model.config as an OLMoConfig or a transformers config; its errors name the key."""
     with group_key(cfg, "model.config"):
@@ -238,7 +350,7 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
         raise error
     line = line or one_line(error)
     message = f"error: {line}"
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         log.error(message)
         raise LitCBSConfigError(line) from None
     for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr

@@ -207,6 +207,14 @@ def test_configuration_error_is_one_line_and_leaves_no_folder(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no outputs/tiny_warmup/<date>/ with Hydra's files and a log of the error
 
 
+def test_a_lightning_key_the_recipes_replace_is_refused_in_one_line_before_anything_starts(tmp_path):
+    result = started_in(tmp_path, "trainer.val_check_interval=64")
+    assert result.returncode == 1 and "Could not override" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: trainer.val_check_interval=64: the recipes validate by tokens")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_refused_inside_fit_before_its_first_step_leaves_no_folder(prepared, tmp_path):
     result = started_in(tmp_path, *SMALL_RUN, f"data.path={prepared}", "optimizer=sgd", "batch.beta2_rule=half_life")
     assert result.returncode == 1
