@@ -67,6 +67,8 @@ log = logging.getLogger("lit_cbs.train")
 def plan_of(cfg: DictConfig) -> RunPlan:
     """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
     model_config = job.model_config_of(cfg)
+    if cfg.get("lr_schedule") is not None:
+        job.instantiate_group(cfg, "lr_schedule")  # its checks against max_tokens, as a run makes them
     model = job.instantiate_group(cfg, "model")  # checks model.optimizer; builds no weights
     datamodule = job.instantiate_group(cfg, "data")
     datamodule.check_context(model.dims.context_length)

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, Interpolation
 
 from lit_cbs._internals import hydra_command_line
 from lit_cbs.callbacks.warmup import BatchWarmup
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
 from lit_cbs.models.lm import resolve_model_config
 from lit_cbs.probe.callback import CBSProbeCallback
 
@@ -122,13 +123,22 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
 @contextlib.contextmanager
 def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
     """Build the group at ``group`` inside: a configuration error raised there becomes a LitCBSConfigError
-    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``."""
-    try:
-        yield
-    except CONFIG_ERRORS as error:
-        message = one_line(error)
-        named = name_the_keys(cfg, [group], message)
-        raise LitCBSConfigError(named if named != message or f"{group}." in message else f"{group}: {message}") from error
+    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``; a LitCBSConfigWarning
+    raised there, once the group is built, one ``warning: ...`` line in the job's log naming them the same way."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LitCBSConfigWarning)
+        try:
+            yield
+        except CONFIG_ERRORS as error:
+            message = one_line(error)
+            named = name_the_keys(cfg, [group], message)
+            line = named if named != message or f"{group}." in message else f"{group}: {message}"
+            raise LitCBSConfigError(line) from error
+    for warning in caught:
+        if issubclass(warning.category, LitCBSConfigWarning):
+            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(warning.message))}")
+        else:  # not ours: as it would have been shown
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def instantiate_group(cfg: DictConfig, group: str, **kwargs):
