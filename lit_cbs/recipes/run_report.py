@@ -112,7 +112,7 @@ def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = 
     for tokens in batch_changes:
         ax.axvline(tokens, color="gray", ls=":", lw=1)
     ax.set(xlabel="tokens seen", ylabel="loss (nats per token)", title=f"{title} loss".strip())
-    if ax.lines:
+    if ax.get_legend_handles_labels()[0]:  # the batch-change lines have no label
         ax.legend()
     ax.grid(alpha=0.3)
     return figure
