@@ -185,9 +185,10 @@ def callbacks_of(cfg: DictConfig) -> list:
 def check_command_line(config_dir: Path, argv: list[str]) -> None:
     """Refuse a command line that sets a key the composed configuration lacks, before Hydra composes the job (whose
     own error advises ``+key=value``, which adds a key nothing reads when the key is a typo): LitCBSConfigError naming
-    the key that does it (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
+    the key to set instead (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
     or, for an argument of a group's ``_target_`` the recipes leave at its default, the ``+`` that adds it. A
-    multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message."""
+    multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message,
+    when it composes the job."""
     args = hydra_command_line(argv)
     if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
         return
@@ -200,8 +201,10 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
     try:
         _compose(config_dir, config_name, [line for line in first_job if line is not None])
         return
-    except ConfigCompositionException as error:
-        if not isinstance(error.__cause__, (ConfigAttributeError, ConfigKeyError)):
+    except Exception as error:  # a missing key is OmegaConf's error under Hydra's; anything else is Hydra's to say
+        if not isinstance(error, ConfigCompositionException) or not isinstance(
+            error.__cause__, (ConfigAttributeError, ConfigKeyError)
+        ):
             return
         missing = error.__cause__.full_key  # the first part of the override's key the configuration lacks
     bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
@@ -210,7 +213,7 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
     rest = [line for override, line in zip(overrides, first_job) if line is not None and override is not bad]
     try:
         cfg = _compose(config_dir, config_name, rest)
-    except HydraException:
+    except Exception:  # another problem on the same command line: Hydra's message names it
         return
     raise LitCBSConfigError(f"{bad.input_line}: {_fix_for_missing_key(cfg, bad.key_or_group, bad.input_line)}")
 
@@ -219,7 +222,7 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
 REPLACED_TRAINER_KEYS = {
     "trainer.val_check_interval": (
         "the recipes validate by tokens, whatever the batch (Lightning's val_check_interval counts micro-batches, "
-        "which grow); set val_check_tokens=<tokens between validations> (now {val_check_tokens:,})"
+        "which grow); set val_check_tokens=<tokens between validations> (now {val_check_tokens})"
     ),
     "trainer.accumulate_grad_batches": (
         "BatchWarmup sets the accumulation from the global batch and the micro-batch; set the global batch "
@@ -231,7 +234,8 @@ REPLACED_TRAINER_KEYS = {
 def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
     """What to do about ``line``, which sets ``key``, a key ``cfg`` lacks (the rest of the command line composed)."""
     if key in REPLACED_TRAINER_KEYS:
-        return REPLACED_TRAINER_KEYS[key].format(val_check_tokens=cfg.val_check_tokens)
+        now = OmegaConf.select(cfg, "val_check_tokens")
+        return REPLACED_TRAINER_KEYS[key].format(val_check_tokens=f"{now:,}" if isinstance(now, int) else now)
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(cfg, parent) if parent else cfg
     siblings = [str(name) for name in node if not str(name).startswith("_")] if OmegaConf.is_dict(node) else []
