@@ -149,7 +149,8 @@ def _gap_limits(ax, ticks: list[float], epsilon: float | None, drawn: list[tuple
     spare = 0.1 * (high_t - low_t)
     low, high = scale.inverted().transform([low_t - spare, high_t + spare])
     lowest, highest = min(gap for gap, _ in drawn), max(gap for gap, _ in drawn)
-    return min(low, max(tick for tick in ticks if tick <= lowest)), max(high, min(tick for tick in ticks if tick >= highest))
+    below, above = max(tick for tick in ticks if tick <= lowest), min(tick for tick in ticks if tick >= highest)
+    return min(low, below), max(high, above)
 
 
 def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:

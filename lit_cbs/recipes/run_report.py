@@ -155,7 +155,8 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
 
     metrics = read_metrics_csv(metrics_csv)
     if TOKENS_COLUMN not in metrics:
-        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column: add lit_cbs.BatchWarmup to the callbacks")
+        problem = f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column"
+        raise ValueError(f"{problem}: add lit_cbs.BatchWarmup to the callbacks")
     figures = {
         "loss_vs_tokens.png": loss_figure(metrics, title),
         "batch_lr_vs_tokens.png": batch_lr_figure(metrics, title),
@@ -260,40 +261,33 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
     """summary.json as (label, value) rows for people: the lines a run ends with, and report.html's table."""
-    steps, tokens = summary["optimizer_steps"], summary["tokens"]
-    steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
-    changes = (
-        ", ".join(
-            f"{c['old']} -> {c['new']} after step {c['step']:,} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
-            f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
-            for c in summary["batch_changes"]
-        )
-        or "none"
+    steps, tokens, first = summary["optimizer_steps"], summary["tokens"], summary["first_batch"]
+    fewer = 1 - steps / (tokens / (first * summary["seq_len"]))  # than at the starting batch throughout
+    changes = ", ".join(
+        f"{c['old']} -> {c['new']} after step {c['step']:,} ({c['tokens']:,} tokens, "
+        f"micro {c['micro_batch_size']} x accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
+        for c in summary["batch_changes"]
     )
     val_loss = summary["final_val_loss"]
     seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
     resumed = this_fit != tokens
+    throughput = f"{this_fit / seconds:,.0f} tokens/s over this fit" + (
+        f", which trained {this_fit:,} of them" if resumed else ""
+    )
     wall = f"{seconds:,.1f} s (trainer.fit, setup included)"
     if resumed:
-        wall += f"; {summary['run_seconds']:,.1f} s over the whole run, every fit it resumed from counted without its setup"
+        whole = f"{summary['run_seconds']:,.1f} s over the whole run"
+        wall += f"; {whole}, every fit it resumed from counted without its setup"
     rows = [
-        (
-            "tokens",
-            f"{tokens:,} ({this_fit / seconds:,.0f} tokens/s over this fit"
-            + (f", which trained {this_fit:,} of them)" if resumed else ")"),
-        ),
-        (
-            "optimizer steps",
-            f"{steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch {summary['first_batch']})",
-        ),
-        ("batch changes", changes),
+        ("tokens", f"{tokens:,} ({throughput})"),
+        ("optimizer steps", f"{steps:,} ({fewer:.0%} fewer than at the starting batch {first})"),
+        ("batch changes", changes or "none"),
         ("final val/loss", f"{val_loss:.4f} nats per token" if val_loss is not None else "(not evaluated)"),
         ("wall time", wall),
     ]
     if summary.get("stopped_by"):
-        rows.append(
-            ("stopped by", f"{summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)")
-        )
+        resume = "resume from checkpoints/last.ckpt (ckpt_path=...)"
+        rows.append(("stopped by", f"{summary['stopped_by']} after step {steps:,}: {resume}"))
     probe = summary["probe"]
     if probe and probe["readings"]:
         readings = "; ".join(
@@ -302,14 +296,9 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
             + ("determined" if r.get("determined", True) else "undetermined")
             for r in probe["readings"]
         )
-        rows.insert(
-            3,
-            (
-                "CBS (samples)",
-                f"{readings}; probes trained {probe['tokens']:,} tokens ({probe['tokens'] / tokens:.0%} of training) "
-                f"in {probe['optimizer_steps']:,} optimizer steps",
-            ),
-        )
+        share = probe["tokens"] / tokens
+        cost = f"{probe['tokens']:,} tokens ({share:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps"
+        rows.insert(3, ("CBS (samples)", f"{readings}; probes trained {cost}"))
     return rows
 
 

@@ -101,9 +101,8 @@ def test_every_reading_and_gap_is_drawn_inside_the_axes_between_labelled_ticks()
         edge_low, edge_high = bottom.transData.transform([[0, low], [0, high]])[:, 1]
         assert lower - edge_low > 0.03 * height and edge_high - upper > 0.03 * height, (gap, bar, (low, high))
     # Each gap's value can be read: a labelled tick at or beyond it on either side.
-    labelled = [
-        tick.get_loc() for tick in bottom.yaxis.get_major_ticks() if tick.label1.get_text() and low <= tick.get_loc() <= high
-    ]
+    ticks = bottom.yaxis.get_major_ticks()
+    labelled = [tick.get_loc() for tick in ticks if tick.label1.get_text() and low <= tick.get_loc() <= high]
     assert all(min(labelled) <= gap <= max(labelled) for gap, _ in gaps), (labelled, gaps)
     low, high = top.get_ylim()
     assert all(low < r.cbs_lower and r.cbs_upper < high for r in readings)

@@ -75,20 +75,20 @@ def test_the_summary_says_what_the_run_did(run_dir):
         "wall time",
     ]
     assert f"2 -> 4 after step {change['step']} ({change['tokens_seen']:,} tokens" in lines[3]
+
     # Each reading with its own token count and mark; an open bracket (the top of the grid) as ">= lower".
-    brackets = [f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] else f">= {r['cbs_lower']:g}" for r in readings]
-    marks = [
-        f"{bracket} at {r['tokens']:,} tokens, {'' if r['determined'] else 'un'}determined"
-        for bracket, r in zip(brackets, readings)
-    ]
-    assert lines[4] == f"CBS (samples)    {'; '.join(marks)}; probes trained {summary['probe']['tokens']:,} tokens " + (
-        f"({summary['probe']['tokens'] / summary['tokens']:.0%} of training) in {summary['probe']['optimizer_steps']} optimizer steps"
-    )
-    readings[0]["determined"] = not readings[0]["determined"]
-    summary["probe"]["readings"][0]["determined"] = readings[0]["determined"]
+    def mark(r: dict) -> str:
+        bracket = f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] else f">= {r['cbs_lower']:g}"
+        return f"{bracket} at {r['tokens']:,} tokens, {'' if r['determined'] else 'un'}determined"
+
+    probe = summary["probe"]
+    cost = f"{probe['tokens']:,} tokens ({probe['tokens'] / summary['tokens']:.0%} of training)"
+    steps = f"{probe['optimizer_steps']} optimizer steps"
+    assert lines[4] == f"CBS (samples)    {'; '.join(map(mark, readings))}; probes trained {cost} in {steps}"
+    readings[0]["determined"] = probe["readings"][0]["determined"] = not readings[0]["determined"]
     first, *_ = summary_text(summary).splitlines()[3].removeprefix("CBS (samples)").strip().split("; ")
-    assert first == f"{brackets[0]} at {readings[0]['tokens']:,} tokens, {'' if readings[0]['determined'] else 'un'}determined"
-    assert lines[-2] == "wall time        2.0 s (trainer.fit, setup included)"  # one fit: no time carried over from earlier ones
+    assert first == mark(readings[0])  # the mark follows its own reading
+    assert lines[-2] == "wall time        2.0 s (trainer.fit, setup included)"  # one fit: no earlier fit's time
 
 
 def test_the_page_holds_every_figure_and_table_inline(run_dir):
@@ -142,5 +142,6 @@ def test_the_plots_mark_a_batch_change_at_the_tokens_where_it_took_effect(run_di
     batch_panel = batch_lr_figure(metrics).axes[0]
     # The drawn staircase rises from the old batch to the new one at the change's token count.
     x, y = batch_panel.lines[0].get_path().vertices.T
-    (rise,) = [i for i in range(1, len(y)) if (y[i - 1], y[i]) == (change["old_global_batch"], change["new_global_batch"])]
+    step_up = (change["old_global_batch"], change["new_global_batch"])
+    (rise,) = [i for i in range(1, len(y)) if (y[i - 1], y[i]) == step_up]
     assert x[rise - 1] == x[rise] == change["tokens_seen"]

@@ -56,7 +56,8 @@ def started_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
     """recipes/train.py started from ``folder`` as a user starts it (no HYDRA_FULL_ERROR), whatever its exit code."""
     env = subprocess_env(PYTHONPATH=str(ROOT))
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, TRAIN, *args], cwd=folder, capture_output=True, text=True, env=env, timeout=300)
+    command = [sys.executable, TRAIN, *args]
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, env=env, timeout=300)
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
