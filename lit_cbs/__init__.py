@@ -29,6 +29,7 @@ _EXPORTS = {
     "GradientNoiseScale": "lit_cbs.gns",
     "LinearRamp": "lit_cbs.rules.batch_schedules",
     "LitCBSConfigError": "lit_cbs.errors",
+    "LitCBSConfigWarning": "lit_cbs.errors",
     "OneCycle": "lit_cbs.rules.lr_schedules",
     "PiecewiseBatch": "lit_cbs.rules.batch_schedules",
     "ProbeConfig": "lit_cbs.probe",

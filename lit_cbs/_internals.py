@@ -1,4 +1,4 @@
-"""Every private Lightning, torch and torchmetrics attribute lit_cbs uses, each behind one named function.
+"""Every private Lightning, torch, torchmetrics and Hydra attribute lit_cbs uses, each behind one named function.
 
 Lightning has no public API for some things a callback that changes the batch mid-run must know or
 do (is this micro-batch the one that steps? which step does the logger's row belong to? rebuild the
@@ -62,6 +62,7 @@ PRIVATE_ATTRIBUTES = {
     "foreach_sub_": ("torch._foreach_sub_",),
     "foreach_copy_": ("torch._foreach_copy_",),
     "foreach_norm": ("torch._foreach_norm",),
+    "hydra_command_line": ("hydra._internal.utils.get_args_parser",),
 }
 
 __all__ = [*PRIVATE_ATTRIBUTES, "PRIVATE_ATTRIBUTES"]
@@ -230,3 +231,12 @@ def scale_last_lr(scheduler, factor: float) -> None:
     """Multiply the LRs a scheduler last set (``get_last_lr()``) by ``factor``, if it has set any."""
     if getattr(scheduler, "_last_lr", None) is not None:
         scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]
+
+
+# ---------------------------------------------------------------------- Hydra
+def hydra_command_line(argv: list[str]) -> Any:
+    """A Hydra app's command line as ``hydra.main`` reads it: ``overrides``, ``multirun``, ``config_name``, ...
+    (an ``argparse.Namespace``; a command line it cannot read exits with its usage, as the app would)."""
+    from hydra._internal.utils import get_args_parser
+
+    return get_args_parser().parse_args(argv)

@@ -1,10 +1,11 @@
-"""Configuration errors: one exception type and the checks every lit_cbs class runs on its arguments.
+"""Configuration errors: one exception type, one warning type and the checks every lit_cbs class runs on its arguments.
 
 Every setting lit_cbs cannot train with raises ``LitCBSConfigError`` before training starts (in a
 constructor, or in ``setup`` for what depends on the Trainer), with one line naming the setting,
 the value given and the fix. It subclasses both ValueError and TypeError (a setting of the wrong
 type is as much a configuration error as one out of range), so existing ``except ValueError`` or
-``except TypeError`` handlers catch it.
+``except TypeError`` handlers catch it. A setting lit_cbs can train with, though hardly as meant,
+warns ``LitCBSConfigWarning`` instead, in the same form.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from typing import Any
 
 class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with; the message names the setting and the fix."""
+
+
+class LitCBSConfigWarning(UserWarning):
+    """A setting lit_cbs trains with, but not as it was likely meant (an LR warmup as long as the run); the
+    message names the setting and the fix. ``warnings.simplefilter("error", LitCBSConfigWarning)`` refuses them."""
 
 
 def is_positive_int(value: Any) -> bool:

@@ -10,7 +10,8 @@
 probe's host memory and tokens, wall time at an assumed MFU) and exits: no data, no accelerator,
 no training (lit_cbs.recipes.plan). The configuration is checked before any model is built; a bad
 setting ends the run with one line that names its Hydra key (lit_cbs.recipes.job; set
-HYDRA_FULL_ERROR=1 for the traceback). Each run folder gets the resolved config
+HYDRA_FULL_ERROR=1 for the traceback), and a run that ends before its first optimizer step takes back
+its run folder. Each run folder gets the resolved config
 (resolved_config.yaml), metrics.csv, checkpoints/ and what lit_cbs.recipes.run_report writes:
 batch_history.json, summary.json (also printed at the run's end), the plots and report.html.
 """
@@ -27,6 +28,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -47,10 +49,14 @@ from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers
 from lit_cbs.recipes.run_report import Run, run_header, write_run_summary
 
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
+CONF = Path(__file__).resolve().parents[1] / "conf"  # hydra.main's config_path below
 
 register_resolvers()
 # The CSV logger writes into the Hydra run folder, which already holds Hydra's own files.
 warnings.filterwarnings("ignore", message="Experiment logs directory .* exists and is not empty")
+# conf/config.yaml puts ./conf on Hydra's search path, for options of your own beside the package's; a folder
+# without one is the usual case, not a problem to warn about.
+warnings.filterwarnings("ignore", message=r"provider=hydra\.searchpath in main, path=conf is not available")
 # litdata's StreamingDataset has a length and splits its items among a loader's workers itself, which
 # is what Lightning's warning about an IterableDataset with __len__ asks for.
 warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
@@ -61,6 +67,8 @@ log = logging.getLogger("lit_cbs.train")
 def plan_of(cfg: DictConfig) -> RunPlan:
     """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
     model_config = job.model_config_of(cfg)
+    if cfg.get("lr_schedule") is not None:
+        job.instantiate_group(cfg, "lr_schedule")  # its checks against max_tokens, as a run makes them
     model = job.instantiate_group(cfg, "model")  # checks model.optimizer; builds no weights
     datamodule = job.instantiate_group(cfg, "data")
     datamodule.check_context(model.dims.context_length)
@@ -158,7 +166,7 @@ def build_run(cfg: DictConfig) -> Run:
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
-    trainer = job.instantiate_group(cfg, "trainer", callbacks=callbacks, logger=job.loggers_of(cfg) or False)
+    trainer = job.instantiate_group(cfg, "trainer", callbacks=callbacks, logger=job.loggers_of(cfg))
     warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)")
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
@@ -175,16 +183,18 @@ def build_run(cfg: DictConfig) -> Run:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     """Train; return the final val/loss (for Hydra sweepers)."""
+    earlier = job.earlier_entries()  # what a job that trains nothing leaves in its run folder
     job.send_lightning_logs_to_the_job_log()
     torch.set_float32_matmul_precision(cfg.float32_matmul_precision)
     try:
         if cfg.plan:
             log.info(plan_of(cfg).report())
-            job.remove_hydra_run_dir()
+            job.remove_hydra_run_dir(earlier)
             return None
         pl.seed_everything(cfg.seed, workers=True)
         run = build_run(cfg)
     except job.CONFIG_ERRORS as error:
+        job.remove_hydra_run_dir(earlier)
         job.stop_on_config_error(error)
     output_dir = Path(cfg.output_dir)
     if run.trainer.is_global_zero:
@@ -196,10 +206,15 @@ def main(cfg: DictConfig) -> float | None:
     terminated = False
     try:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
-    except LitCBSConfigError as error:  # a check that needs the Trainer (setup, first batch): before any step
-        job.stop_on_config_error(error, job.name_the_run_keys(cfg, job.one_line(error)))
     except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.callbacks.checkpoint): say so, exit non-zero
         terminated = True
+    except Exception as error:
+        if not job.trained_a_step(run.batch_warmup):  # refused (or failed) before its first step: nothing to keep
+            job.remove_hydra_run_dir(earlier)
+        if not isinstance(error, LitCBSConfigError):
+            raise
+        # A check that needs the Trainer (setup, first batch): one line, as for those made while building the run.
+        job.stop_on_config_error(error, job.name_the_run_keys(cfg, job.one_line(error)))
     fit_seconds = time.perf_counter() - started
 
     val_loss = run.trainer.callback_metrics.get("val/loss")
@@ -215,4 +230,8 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    try:  # a key the configuration lacks, in one line with its fix, before Hydra composes the job and makes its folder
+        job.check_command_line(CONF, sys.argv[1:])
+    except LitCBSConfigError as error:
+        job.stop_on_config_error(error)
     main()

@@ -1,4 +1,4 @@
-"""lit_cbs/_internals.py against the installed Lightning, torch and torchmetrics: every private
+"""lit_cbs/_internals.py against the installed Lightning, torch, torchmetrics and Hydra: every private
 attribute it reaches still exists, and the loop internals still mean what lit_cbs relies on."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from matplotlib import colormaps
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
@@ -92,10 +92,12 @@ def cbs_curve_figure(
 
     multipliers = sorted({float(k) for r in history for k in r.losses})
     colours = colormaps["viridis"]
+    drawn = []  # (gap, error bar) of every point, nats
     for i, k in enumerate(multipliers[1:]):
         points = [point for r in history if (point := _gap_to_smaller(r, k)) is not None]
         if not points:
             continue
+        drawn += [point[1:] for point in points]
         bottom.errorbar(
             [p[0] for p in points],
             [p[1] for p in points],
@@ -108,7 +110,12 @@ def cbs_curve_figure(
     if epsilon is not None:
         bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
     bottom.axhline(0.0, color="black", linewidth=0.6)
-    bottom.set_yscale("symlog", linthresh=max(0.05, 2 * (epsilon or 0.0)))  # linear near epsilon, early gaps compressed
+    linthresh = max(0.05, 2 * (epsilon or 0.0))
+    bottom.set_yscale("symlog", linthresh=linthresh)  # linear near epsilon, early gaps compressed
+    if drawn:
+        ticks = _gap_ticks(linthresh, epsilon, 10 * max(abs(gap) + bar for gap, bar in drawn))
+        bottom.yaxis.set_major_locator(FixedLocator(ticks))
+        bottom.set_ylim(_gap_limits(bottom, ticks, epsilon, drawn))
     # Plain numbers: symlog's default labels the linear threshold in scientific notation (4.82749x10^-2).
     bottom.yaxis.set_major_formatter(FuncFormatter(lambda value, position: f"{value:.3g}"))
     bottom.yaxis.set_minor_formatter(NullFormatter())
@@ -118,6 +125,32 @@ def cbs_curve_figure(
     if multipliers[1:]:
         bottom.legend(fontsize=8, ncols=2)
     return figure
+
+
+def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[float]:
+    """The gap panel's ticks (nats): 0, +-epsilon and +-linthresh in its linear part, then 1, 2 and 5 x 10^n
+    out to ``reach`` on either side, so that a gap in the compressed part can be read too."""
+    magnitudes = {linthresh, *([epsilon] if epsilon else [])}
+    decade = 10.0 ** math.floor(math.log10(linthresh))
+    while decade <= reach:
+        magnitudes |= {value for value in (decade, 2 * decade, 5 * decade) if linthresh < value <= reach}
+        decade *= 10
+    return sorted({0.0, *magnitudes, *(-value for value in magnitudes)})
+
+
+def _gap_limits(ax, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]) -> tuple[float, float]:
+    """The gap panel's y range (nats): every error bar, 0 and epsilon inside with a tenth of the panel's
+    height to spare, and out to the ticks beyond the lowest and the highest gap, so that every gap lies
+    between two labelled ticks. ``drawn``: (gap, error bar) per point."""
+    low = min(0.0, *(gap - bar for gap, bar in drawn))
+    high = max(0.0, epsilon or 0.0, *(gap + bar for gap, bar in drawn))
+    scale = ax.yaxis.get_transform()
+    low_t, high_t = scale.transform([low, high])
+    spare = 0.1 * (high_t - low_t)
+    low, high = scale.inverted().transform([low_t - spare, high_t + spare])
+    lowest, highest = min(gap for gap, _ in drawn), max(gap for gap, _ in drawn)
+    below, above = max(tick for tick in ticks if tick <= lowest), min(tick for tick in ticks if tick >= highest)
+    return min(low, below), max(high, above)
 
 
 def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:

@@ -13,24 +13,32 @@ that one line.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import importlib.util
+import inspect
 import logging
 import os
 import re
+import shutil
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import ConfigCompositionException, HydraException, InstantiationException
 from hydra.types import RunMode
-from hydra.utils import instantiate
+from hydra.utils import get_object, instantiate
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
+from lit_cbs._internals import hydra_command_line
 from lit_cbs.callbacks.warmup import BatchWarmup
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
 from lit_cbs.models.lm import resolve_model_config
 from lit_cbs.probe.callback import CBSProbeCallback
 
@@ -115,13 +123,22 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
 @contextlib.contextmanager
 def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
     """Build the group at ``group`` inside: a configuration error raised there becomes a LitCBSConfigError
-    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``."""
-    try:
-        yield
-    except CONFIG_ERRORS as error:
-        message = one_line(error)
-        named = name_the_keys(cfg, [group], message)
-        raise LitCBSConfigError(named if named != message or f"{group}." in message else f"{group}: {message}") from error
+    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``; a LitCBSConfigWarning
+    raised there, once the group is built, one ``warning: ...`` line in the job's log naming them the same way."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LitCBSConfigWarning)
+        try:
+            yield
+        except CONFIG_ERRORS as error:
+            message = one_line(error)
+            named = name_the_keys(cfg, [group], message)
+            line = named if named != message or f"{group}." in message else f"{group}: {message}"
+            raise LitCBSConfigError(line) from error
+    for warning in caught:
+        if issubclass(warning.category, LitCBSConfigWarning):
+            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(warning.message))}")
+        else:  # not ours: as it would have been shown
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def instantiate_group(cfg: DictConfig, group: str, **kwargs):
@@ -165,6 +182,117 @@ def callbacks_of(cfg: DictConfig) -> list:
     return kept
 
 
+def check_command_line(config_dir: Path, argv: list[str]) -> None:
+    """Refuse a command line that sets a key the composed configuration lacks, before Hydra composes the job (whose
+    own error advises ``+key=value``, which adds a key nothing reads when the key is a typo): LitCBSConfigError naming
+    the key to set instead (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
+    or, for an argument of a group's ``_target_`` the recipes leave at its default, the ``+`` that adds it. A
+    multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message,
+    when it composes the job."""
+    args = hydra_command_line(argv)
+    if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
+        return
+    first_job = [_first_value(override) for override in overrides]
+    config_name = args.config_name or "config"
+    try:
+        _compose(config_dir, config_name, [line for line in first_job if line is not None])
+        return
+    except Exception as error:  # a missing key is OmegaConf's error under Hydra's; anything else is Hydra's to say
+        if not isinstance(error, ConfigCompositionException) or not isinstance(
+            error.__cause__, (ConfigAttributeError, ConfigKeyError)
+        ):
+            return
+        missing = error.__cause__.full_key  # the first part of the override's key the configuration lacks
+    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
+    if bad is None:
+        return
+    rest = [line for override, line in zip(overrides, first_job) if line is not None and override is not bad]
+    try:
+        cfg = _compose(config_dir, config_name, rest)
+    except Exception:  # another problem on the same command line: Hydra's message names it
+        return
+    raise LitCBSConfigError(f"{bad.input_line}: {_fix_for_missing_key(cfg, bad.key_or_group, bad.input_line)}")
+
+
+# Lightning Trainer arguments the recipes set another way: what to set instead (formatted with the config).
+REPLACED_TRAINER_KEYS = {
+    "trainer.val_check_interval": (
+        "the recipes validate by tokens, whatever the batch (Lightning's val_check_interval counts micro-batches, "
+        "which grow); set val_check_tokens=<tokens between validations> (now {val_check_tokens})"
+    ),
+    "trainer.accumulate_grad_batches": (
+        "BatchWarmup sets the accumulation from the global batch and the micro-batch; set the global batch "
+        "(batch.schedule, samples) and the micro-batch (data.batch_size; batch.max_micro_batch_size grows it)"
+    ),
+}
+
+
+def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
+    """What to do about ``line``, which sets ``key``, a key ``cfg`` lacks (the rest of the command line composed)."""
+    if key in REPLACED_TRAINER_KEYS:
+        now = OmegaConf.select(cfg, "val_check_tokens")
+        return REPLACED_TRAINER_KEYS[key].format(val_check_tokens=f"{now:,}" if isinstance(now, int) else now)
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    siblings = [str(name) for name in node if not str(name).startswith("_")] if OmegaConf.is_dict(node) else []
+    target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
+    if target and leaf in _arguments_of(target):
+        return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
+    keys = _keys_of(OmegaConf.to_container(cfg, resolve=False))
+    matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
+    matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
+    if not OmegaConf.is_dict(node):  # a typo in the path
+        matches += difflib.get_close_matches(key, keys, cutoff=0.85)
+    matches = list(dict.fromkeys(matches))[:3]
+    if not matches:
+        return (
+            f"this configuration has no key {key} (python recipes/train.py --cfg job prints them); +{line} adds it, "
+            "where the class it configures takes it"
+        )
+    listed = matches[0] if len(matches) == 1 else f"{', '.join(matches[:-1])} or {matches[-1]}"
+    return f"this configuration has no key {key}; did you mean {listed}?"
+
+
+def _first_value(override) -> str | None:
+    """An override as the first job of a multirun sets it (None for a sweep that cannot be listed)."""
+    if not override.is_sweep_override():
+        return override.input_line
+    try:
+        return f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}"
+    except HydraException:
+        return None
+
+
+def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
+
+
+def _keys_of(node: dict, prefix: str = "") -> list[str]:
+    """Every dotted key of a config container, nested ones included, less ``_target_`` and its kind."""
+    keys = []
+    for name, value in node.items():
+        if str(name).startswith("_"):
+            continue
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, dict):
+            keys += _keys_of(value, f"{prefix}{name}.")
+    return keys
+
+
+def _arguments_of(target: str) -> list[str]:
+    """The named arguments of the class or function at ``target`` (none where it cannot be imported)."""
+    try:
+        signature = inspect.signature(get_object(target))
+    except (ImportError, ValueError, TypeError, HydraException):
+        return []
+    return [name for name, parameter in signature.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD]
+
+
 def model_config_of(cfg: DictConfig):
     """model.config as an OLMoConfig or a transformers config; its errors name the key."""
     with group_key(cfg, "model.config"):
@@ -186,8 +314,9 @@ def _installed(package: str) -> bool:
 
 
 def loggers_of(cfg: DictConfig) -> list:
-    """The loggers of ``cfg.logger``, before any data work: one whose package is missing stops here,
-    naming the extra, and a CSV logger must be among them (the summary and plots read its metrics.csv)."""
+    """The loggers of ``cfg.logger``, before any data work (one whose package is missing stops here, naming
+    the extra), and a CSV logger writing ``<output_dir>/metrics.csv``, added when none does: that file is the
+    run's own record, which its summary, plots and report.html read, whatever else it logs to."""
     for name, node in (cfg.get("logger") or {}).items():
         target = str((node or {}).get("_target_", "")).rsplit(".", 1)[-1]
         packages = LOGGER_PACKAGES.get(target, ())
@@ -196,13 +325,12 @@ def loggers_of(cfg: DictConfig) -> list:
                 f"logger.{name}: {target} needs the {packages[0]} package, which is not installed: "
                 f'pip install -e ".[loggers]" (or pip install {packages[0]}), or drop it (logger=csv)'
             )
-    loggers = instantiate_named(cfg, "logger")
-    if loggers and not any(isinstance(logger, CSVLogger) for logger in loggers.values()):
-        raise LitCBSConfigError(
-            f"logger has {', '.join(loggers)} but no csv: the run's summary and plots read metrics.csv, which the CSV "
-            f"logger writes; keep it beside them, e.g. logger=[csv,{next(iter(loggers))}]"
-        )
-    return list(loggers.values())
+    loggers = list(instantiate_named(cfg, "logger").values())
+    output_dir = Path(cfg.output_dir)
+    if not any(isinstance(logger, CSVLogger) and Path(logger.log_dir) == output_dir for logger in loggers):
+        # First, where logger=csv puts it: the Trainer's log_dir (cbs_probe.jsonl's folder) is the first logger's.
+        loggers.insert(0, CSVLogger(output_dir, name="", version=""))
+    return loggers
 
 
 def finish_loggers(loggers: list) -> None:
@@ -236,7 +364,7 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
         raise error
     line = line or one_line(error)
     message = f"error: {line}"
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         log.error(message)
         raise LitCBSConfigError(line) from None
     for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
@@ -245,29 +373,71 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
     raise SystemExit(message) from None
 
 
-def remove_hydra_run_dir() -> None:
-    """Take back what Hydra wrote for a job that trains nothing (plan=true): its .hydra/ files and the
-    job log, then the folders left empty, up to the folder the job was started in."""
+def _hydra_run() -> tuple[Path, Path] | None:
+    """(this job's run folder, the folder the job was started in) for a single Hydra run; None in a multirun
+    (a failed job's folder holds its error) or outside a Hydra job (composed by a script or a test)."""
     try:
         config = HydraConfig.get()
-    except ValueError:  # composed by a script or a test: Hydra wrote nothing
-        return
+    except ValueError:
+        return None
     if config.mode != RunMode.RUN:
+        return None
+    return Path(config.runtime.output_dir), Path(config.runtime.cwd)
+
+
+def earlier_entries() -> frozenset[str]:
+    """The names in this job's run folder that it must leave in place if it trains nothing: none when the
+    folder holds only what Hydra wrote for this job (its config folder and the job log), else all of them,
+    Hydra's included (the folder of an earlier run, or of something else, given as ``hydra.run.dir``).
+    Called first thing in the job, before it writes anything."""
+    run = _hydra_run()
+    if run is None or rank_zero_only.rank != 0:
+        return frozenset()
+    run_dir, _ = run
+    entries = frozenset(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else frozenset()
+    hydra_own = {Path(handler.baseFilename).name for handler in _job_logs(run_dir)} | {HydraConfig.get().output_subdir}
+    return frozenset() if entries <= hydra_own else entries
+
+
+def _job_logs(run_dir: Path) -> list[logging.FileHandler]:
+    return [
+        handler
+        for handler in logging.getLogger().handlers
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir
+    ]
+
+
+def remove_hydra_run_dir(kept: frozenset[str]) -> None:
+    """Take back what a job that trained nothing (plan=true, a refused run) wrote into its run folder: every
+    entry but ``kept`` (``earlier_entries()``), Hydra's files and the job log included, then the folders left
+    empty, up to the folder the job was started in. Only on the process of global rank 0: the others share
+    the folder."""
+    run = _hydra_run()
+    if run is None or rank_zero_only.rank != 0:
         return
-    run_dir = Path(config.runtime.output_dir)
-    for handler in logging.getLogger().handlers[:]:
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir:
+    run_dir, start = run
+    for handler in _job_logs(run_dir):
+        if Path(handler.baseFilename).name not in kept:
             handler.close()
             logging.getLogger().removeHandler(handler)
-            Path(handler.baseFilename).unlink(missing_ok=True)
-    if config.output_subdir is not None:
-        hydra_dir = run_dir / config.output_subdir
-        for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
-            (hydra_dir / name).unlink(missing_ok=True)
-        if hydra_dir.is_dir() and not any(hydra_dir.iterdir()):
-            hydra_dir.rmdir()
-    start = Path(config.runtime.cwd).resolve()
+    for entry in run_dir.iterdir() if run_dir.is_dir() else []:
+        if entry.name in kept:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+    start = start.resolve()
     folder = run_dir.resolve()
     while folder != start and start in folder.parents and folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()
         folder = folder.parent
+
+
+def trained_a_step(warmup: BatchWarmup) -> bool:
+    """Whether this ``trainer.fit`` may have taken an optimizer step: it read a global batch of samples or more
+    since its ``on_fit_start`` (a fit that read less moved no parameter). A strategy that loads the checkpoint
+    after that hook (FSDP2's) counts a resumed run's earlier samples too: such a fit is taken to have trained."""
+    accounting = warmup.accounting
+    batch = accounting.global_batch
+    return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch

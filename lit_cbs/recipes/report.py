@@ -53,10 +53,10 @@ window.addEventListener("load", function () {{
 """
 
 
-def _table(rows: list[list], header: list[str]) -> str:
-    cells = "".join(f"<th>{html.escape(str(name))}</th>" for name in header)
+def _table(rows: list[list] | list[tuple], header: list[str] | None = None) -> str:
+    cells = "".join(f"<th>{html.escape(str(name))}</th>" for name in header) if header else ""
     lines = "".join("<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in row) + "</tr>" for row in rows)
-    return f"<table><tr>{cells}</tr>{lines}</table>"
+    return f"<table>{f'<tr>{cells}</tr>' if cells else ''}{lines}</table>"
 
 
 def _figure(path: Path, caption: str) -> str:
@@ -116,7 +116,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     from lit_cbs.callbacks.warmup import BatchChange
     from lit_cbs.probe.plot import plot_cbs_curve
     from lit_cbs.probe.reading import ProbeReading
-    from lit_cbs.recipes.run_report import plot_run
+    from lit_cbs.recipes.run_report import plot_run, summary_rows
 
     run_dir = Path(run_dir)
     metrics_csv = run_dir / METRICS_FILE
@@ -161,12 +161,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
             )
         parts += [_figure(path, caption) for path, caption in figures]
-    if summary:  # its lists and dicts (batch changes, probe readings) have tables of their own below
-        parts.insert(
-            0,
-            "<h2>Summary</h2>"
-            + _table([[key, value] for key, value in summary.items() if not isinstance(value, (dict, list))], ["", "value"]),
-        )
+    if summary:
+        parts.insert(0, "<h2>Summary</h2>" + _table(summary_rows(summary)))
     if history.get("changes"):
         parts.append(
             "<h2>Batch changes</h2>"

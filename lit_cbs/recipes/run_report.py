@@ -92,30 +92,17 @@ def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], 
     return figure
 
 
-def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
-    """Write ``loss_vs_tokens.png``, ``batch_lr_vs_tokens.png`` and ``gns_groups_vs_tokens.png`` (see
-    ``group_noise_scale_figure``) into ``output_dir``; return the paths of those written.
-
-    Needs ``tokens_seen`` in the CSV (logged by BatchWarmup); plots whichever of ``train/loss``,
-    ``val/loss``, ``batch/global_size`` and ``lr`` are there, with a dotted line where the global
-    batch changed. Drawn on ``Figure`` objects with the Agg canvas: no pyplot state, no display.
-    """
+def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
+    """Whichever of ``train/loss`` and ``val/loss`` (nats per token) ``metrics`` holds against tokens seen,
+    with a dotted line where the global batch changed, as a matplotlib ``Figure``."""
     from matplotlib.figure import Figure
 
-    from lit_cbs.analysis.plots import save_figure
-
-    metrics = read_metrics_csv(metrics_csv)
-    if TOKENS_COLUMN not in metrics:
-        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column: add lit_cbs.BatchWarmup to the callbacks")
     batch_changes = []
     if BATCH_COLUMN in metrics:
         steps, sizes = metrics[BATCH_COLUMN]
-        # A size is logged after the step that precedes it: the change takes effect past that token count.
-        batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0]))
-
-    def save(figure: Figure, name: str) -> Path:
-        return save_figure(figure, Path(output_dir) / name)
-
+        # A row holds the batch its own step trained with, and the tokens seen after that step: a change took
+        # effect after the step before the first row at the new size (exact when every step is logged).
+        batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0] - 1))
     figure = Figure(figsize=(7, 4.5))
     ax = figure.add_subplot()
     for name, style in ((LOSS_COLUMN, dict(lw=0.8, alpha=0.6)), (VAL_LOSS_COLUMN, dict(marker="o", lw=1.5))):
@@ -125,32 +112,57 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     for tokens in batch_changes:
         ax.axvline(tokens, color="gray", ls=":", lw=1)
     ax.set(xlabel="tokens seen", ylabel="loss (nats per token)", title=f"{title} loss".strip())
-    if ax.lines:
+    if ax.get_legend_handles_labels()[0]:  # the batch-change lines have no label
         ax.legend()
     ax.grid(alpha=0.3)
-    written = [save(figure, "loss_vs_tokens.png")]
+    return figure
+
+
+def batch_lr_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
+    """The global batch (samples) and the LR against tokens seen, one panel each, as a matplotlib
+    ``Figure``; None when ``metrics`` holds neither."""
+    from matplotlib.figure import Figure
 
     panels = [
         (name, label)
         for name, label in ((BATCH_COLUMN, "global batch (samples)"), (LR_COLUMN, "learning rate"))
         if name in metrics
     ]
-    if panels:
-        figure = Figure(figsize=(7, 2.6 * len(panels)))
-        axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-        for ax, (name, label) in zip(axes, panels):
-            steps, values = metrics[name]
-            ax.step(tokens_at(metrics, steps), values, where="post")
-            ax.set_ylabel(label)
-            ax.grid(alpha=0.3)
-        axes[-1].set_xlabel("tokens seen")
-        axes[0].set_title(f"{title} batch size and LR".strip())
-        written.append(save(figure, "batch_lr_vs_tokens.png"))
+    if not panels:
+        return None
+    figure = Figure(figsize=(7, 2.6 * len(panels)))
+    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, label) in zip(axes, panels):
+        steps, values = metrics[name]
+        # Row i's value held over the tokens its step trained on, from the tokens seen after step i - 1 (0 first).
+        ax.step(np.concatenate([[0.0], tokens_at(metrics, steps)]), np.concatenate([values[:1], values]), where="pre")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("tokens seen")
+    axes[0].set_title(f"{title} batch size and LR".strip())
+    return figure
 
-    figure = group_noise_scale_figure(metrics, title)
-    if figure is not None:
-        written.append(save(figure, "gns_groups_vs_tokens.png"))
-    return written
+
+def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
+    """Write ``loss_vs_tokens.png`` (``loss_figure``), ``batch_lr_vs_tokens.png`` (``batch_lr_figure``) and
+    ``gns_groups_vs_tokens.png`` (``group_noise_scale_figure``) of a CSVLogger's file into ``output_dir``;
+    return the paths of those written.
+
+    Needs ``tokens_seen`` in the CSV (logged by BatchWarmup). Drawn on ``Figure`` objects with the Agg
+    canvas: no pyplot state, no display.
+    """
+    from lit_cbs.analysis.plots import save_figure
+
+    metrics = read_metrics_csv(metrics_csv)
+    if TOKENS_COLUMN not in metrics:
+        problem = f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column"
+        raise ValueError(f"{problem}: add lit_cbs.BatchWarmup to the callbacks")
+    figures = {
+        "loss_vs_tokens.png": loss_figure(metrics, title),
+        "batch_lr_vs_tokens.png": batch_lr_figure(metrics, title),
+        "gns_groups_vs_tokens.png": group_noise_scale_figure(metrics, title),
+    }
+    return [save_figure(figure, Path(output_dir) / name) for name, figure in figures.items() if figure is not None]
 
 
 @dataclasses.dataclass
@@ -191,9 +203,12 @@ def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.P
 
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict:
     """What the run did, as written to summary.json: tokens, optimizer steps, batch changes (global
-    batches in samples), final val/loss, wall time in seconds (this fit's, and the run's over every
-    fit it resumed from) and, with a CBS probe, its readings and what the probe branches cost (their
-    tokens and optimizer steps, which the main run's step count does not include)."""
+    batches in samples), final val/loss (nats per token) and, with a CBS probe, its readings and what
+    the probe branches cost (their tokens and optimizer steps, which the main run's step count does not
+    include). Two wall times, in seconds: ``fit_seconds``, the whole ``trainer.fit`` call of this process
+    (setup included: data, the model's build, the checkpoint's load); ``run_seconds``, the training over
+    every fit of the run, each counted from its ``on_fit_start`` (after that setup), as the metrics'
+    ``fit_seconds`` column. One fit: ``run_seconds`` is the smaller, by the setup."""
     val_loss = trainer.callback_metrics.get("val/loss")
     stop_signal = warmup.accounting.stop_signal
     summary = {
@@ -244,51 +259,52 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     return summary
 
 
-def summary_text(summary: dict) -> str:
-    """summary.json as the lines printed at the end of a run."""
-    steps, tokens = summary["optimizer_steps"], summary["tokens"]
-    steps_at_first_batch = tokens / (summary["first_batch"] * summary["seq_len"])
-    changes = (
-        ", ".join(
-            f"{c['old']} -> {c['new']} after step {c['step']} ({c['tokens']:,} tokens, micro {c['micro_batch_size']} x "
-            f"accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
-            for c in summary["batch_changes"]
-        )
-        or "none"
+def summary_rows(summary: dict) -> list[tuple[str, str]]:
+    """summary.json as (label, value) rows for people: the lines a run ends with, and report.html's table."""
+    steps, tokens, first = summary["optimizer_steps"], summary["tokens"], summary["first_batch"]
+    fewer = 1 - steps / (tokens / (first * summary["seq_len"]))  # than at the starting batch throughout
+    changes = ", ".join(
+        f"{c['old']} -> {c['new']} after step {c['step']:,} ({c['tokens']:,} tokens, "
+        f"micro {c['micro_batch_size']} x accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
+        for c in summary["batch_changes"]
     )
     val_loss = summary["final_val_loss"]
     seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
     resumed = this_fit != tokens
-    wall = f"wall time        {seconds:.1f} s (trainer.fit)"
+    throughput = f"{this_fit / seconds:,.0f} tokens/s over this fit" + (
+        f", which trained {this_fit:,} of them" if resumed else ""
+    )
+    wall = f"{seconds:,.1f} s (trainer.fit, setup included)"
     if resumed:
-        wall += f"; {summary['run_seconds']:.1f} s of training since the run began, over the fits it resumed from"
-    lines = [
-        f"tokens           {tokens:,} ({this_fit / seconds:,.0f} tokens/s over this fit"
-        + (f", which trained {this_fit:,} of them)" if resumed else ")"),
-        f"optimizer steps  {steps:,} ({1 - steps / steps_at_first_batch:.0%} fewer than at the starting batch "
-        f"{summary['first_batch']})",
-        f"batch changes    {changes}",
-        f"final val/loss   {val_loss:.4f}" if val_loss is not None else "final val/loss   (not evaluated)",
-        wall,
+        whole = f"{summary['run_seconds']:,.1f} s over the whole run"
+        wall += f"; {whole}, every fit it resumed from counted without its setup"
+    rows = [
+        ("tokens", f"{tokens:,} ({throughput})"),
+        ("optimizer steps", f"{steps:,} ({fewer:.0%} fewer than at the starting batch {first})"),
+        ("batch changes", changes or "none"),
+        ("final val/loss", f"{val_loss:.4f} nats per token" if val_loss is not None else "(not evaluated)"),
+        ("wall time", wall),
     ]
     if summary.get("stopped_by"):
-        lines.append(
-            f"stopped by       {summary['stopped_by']} after step {steps:,}: resume from checkpoints/last.ckpt (ckpt_path=...)"
-        )
+        resume = "resume from checkpoints/last.ckpt (ckpt_path=...)"
+        rows.append(("stopped by", f"{summary['stopped_by']} after step {steps:,}: {resume}"))
     probe = summary["probe"]
     if probe and probe["readings"]:
-        readings = ", ".join(
+        readings = "; ".join(
             (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
-            + ("" if r.get("determined", True) else " (undetermined)")
+            + f" at {r['tokens']:,} tokens, "
+            + ("determined" if r.get("determined", True) else "undetermined")
             for r in probe["readings"]
         )
-        at = ", ".join(f"{r['tokens']:,}" for r in probe["readings"])
-        lines.insert(
-            3,
-            f"CBS (samples)    {readings} at {at} tokens; probes trained {probe['tokens']:,} tokens "
-            f"({probe['tokens'] / tokens:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps",
-        )
-    return "\n".join(lines)
+        share = probe["tokens"] / tokens
+        cost = f"{probe['tokens']:,} tokens ({share:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps"
+        rows.insert(3, ("CBS (samples)", f"{readings}; probes trained {cost}"))
+    return rows
+
+
+def summary_text(summary: dict) -> str:
+    """summary.json as the lines printed at the end of a run (``summary_rows``)."""
+    return "\n".join(f"{label:<17}{value}" for label, value in summary_rows(summary))
 
 
 def write_run_summary(

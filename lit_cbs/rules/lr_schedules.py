@@ -10,10 +10,11 @@ Lightning LR scheduler. ``BatchWarmup`` feeds it the global token count before e
 from __future__ import annotations
 
 import math
+import warnings
 
 from torch.optim.lr_scheduler import LambdaLR
 
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
 
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
@@ -32,6 +33,22 @@ def _check_ratio(name: str, value: float) -> float:
     return float(value)
 
 
+def _check_warmup_ends_inside(warmup_tokens: int, total_tokens: int) -> None:
+    """Refuse a warmup longer than the run (the LR would never reach its base value); warn about one exactly
+    as long (it reaches it at the last token: the run trains, but never at the base LR)."""
+    fix = f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
+    if warmup_tokens > total_tokens:
+        problem = f"warmup_tokens={warmup_tokens} exceeds total_tokens={total_tokens}: the LR never reaches its peak"
+        raise LitCBSConfigError(f"{problem}; {fix}")
+    if warmup_tokens == total_tokens:
+        warnings.warn(
+            f"warmup_tokens={warmup_tokens} is the whole run (total_tokens={total_tokens}): the LR rises until "
+            f"the last token and never trains at its base value; {fix}",
+            LitCBSConfigWarning,
+            stacklevel=3,
+        )
+
+
 def _warmup(tokens: int, warmup_tokens: int) -> float:
     return 1.0 if tokens >= warmup_tokens else (tokens + 1) / (warmup_tokens + 1)
 
@@ -41,7 +58,8 @@ class WarmupStableDecay:
 
     The multiplier falls from 1 to ``min_lr_ratio`` between ``total_tokens - decay_tokens`` and
     ``total_tokens`` (``decay_shape``: linear, cosine or 1 - sqrt) and stays there afterwards.
-    ``decay_tokens=0`` gives warmup then constant (the stable phase the E(S) analysis uses).
+    ``decay_tokens=0`` gives warmup then constant (the stable phase the E(S) analysis uses). A warmup as
+    long as ``total_tokens`` warns (``LitCBSConfigWarning``): the run never trains at the base LR.
     """
 
     def __init__(
@@ -58,8 +76,9 @@ class WarmupStableDecay:
         if warmup_tokens + decay_tokens > total_tokens:
             raise LitCBSConfigError(
                 f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
-                "shorten the warmup or the decay"
+                "shorten the warmup or the decay, or lengthen total_tokens"
             )
+        _check_warmup_ends_inside(warmup_tokens, total_tokens)  # with no decay: a warmup as long as the run
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
         if decay_shape not in DECAY_SHAPES:
             raise LitCBSConfigError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
@@ -88,13 +107,17 @@ class WarmupStableDecay:
 
 
 class CosineSchedule:
-    """Linear warmup over ``warmup_tokens``, then cosine from 1 to ``min_lr_ratio`` at ``total_tokens``."""
+    """Linear warmup over ``warmup_tokens``, then cosine from 1 to ``min_lr_ratio`` at ``total_tokens`` (a warmup
+    that leaves no tokens for it is refused)."""
 
     def __init__(self, warmup_tokens: int, total_tokens: int, min_lr_ratio: float = 0.1):
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
-        if warmup_tokens >= total_tokens:
-            raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} must be < total_tokens={total_tokens}")
+        if warmup_tokens >= total_tokens:  # the LR cannot fall to min_lr_ratio x its base value by total_tokens
+            raise LitCBSConfigError(
+                f"warmup_tokens={warmup_tokens} leaves no tokens of total_tokens={total_tokens} for the cosine decay; "
+                f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
+            )
         self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
 
     def __call__(self, tokens: int) -> float:
@@ -113,11 +136,13 @@ class CosineSchedule:
 class StepDecay:
     """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
     (tokens): 1 until the first, ``gamma`` until the second, ``gamma**2`` ... (``StepLR`` in tokens).
-    ``total_tokens`` is where the run ends (for ``lit_cbs.rules.batch_schedules.Seesaw``)."""
+    ``total_tokens`` is where the run ends (for ``lit_cbs.rules.batch_schedules.Seesaw``); a warmup as long
+    warns, a longer one is refused."""
 
     def __init__(self, warmup_tokens: int, milestones, total_tokens: int, gamma: float = 0.5):
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
+        _check_warmup_ends_inside(warmup_tokens, total_tokens)
         self.milestones = [_check_tokens(f"milestones[{i}]", m) for i, m in enumerate(milestones)]
         if self.milestones != sorted(set(self.milestones)) or (self.milestones and self.milestones[0] < warmup_tokens):
             raise LitCBSConfigError(f"milestones={self.milestones} must strictly increase, from warmup_tokens={warmup_tokens} on")

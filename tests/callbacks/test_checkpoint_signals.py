@@ -131,7 +131,7 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
     assert (summary["tokens"], summary["tokens_this_fit"]) == (12288, 4096) and summary["run_seconds"] > accounting["fit_seconds"]
     text = summary_text(summary)
     assert "12,288 (2,048 tokens/s over this fit, which trained 4,096 of them)" in text
-    assert f"2.0 s (trainer.fit); {summary['run_seconds']:.1f} s of training since the run began" in text
+    assert f"2.0 s (trainer.fit, setup included); {summary['run_seconds']:,.1f} s over the whole run" in text
 
 
 def test_a_run_stopped_after_its_last_probe_resumes_once_its_batch_outgrew_the_window(prepared, tmp_path, caplog):

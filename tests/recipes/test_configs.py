@@ -132,6 +132,12 @@ def text_folder(tmp_path_factory):
             "lr_schedule.warmup_tokens + lr_schedule.decay_tokens = 262144 exceeds "
             "lr_schedule.total_tokens=65536 (max_tokens); shorten the warmup or the decay",
         ),
+        (
+            ["lr_schedule=cosine", "max_tokens=262144"],
+            "lr_schedule.warmup_tokens=262144 leaves no tokens of lr_schedule.total_tokens=262144 (max_tokens) for the "
+            "cosine decay; shorten the warmup (a tenth of the run: lr_schedule.warmup_tokens=26214) or lengthen "
+            "lr_schedule.total_tokens",
+        ),
         (["batch.schedule.thresholds=[5,10,20]"], "batch.schedule.thresholds[0]=5 must be 0"),
         (["batch.schedule.unit=token"], "batch.schedule.unit='token' is not supported"),
         (["callbacks.cbs_probe.search=binary"], "callbacks.cbs_probe.search='binary'"),
@@ -148,6 +154,20 @@ def test_bad_settings_stop_before_the_model(overrides, message):
         train.build_run(cfg)
     assert message in job.one_line(error.value)
     assert "\n" not in job.one_line(error.value)
+
+
+@pytest.mark.parametrize("schedule", ["wsd", "step"])
+def test_an_lr_warmup_as_long_as_the_run_warns_once_naming_the_keys_and_the_fix(schedule, caplog):
+    cfg = compose_config(f"lr_schedule={schedule}", "max_tokens=262144", "callbacks.cbs_probe=null")
+    with caplog.at_level("WARNING", logger="lit_cbs.train"):
+        plan = train.plan_of(cfg)  # what a run checks before any work, without data
+    (record,) = caplog.records
+    assert record.message == (
+        "warning: lr_schedule.warmup_tokens=262144 is the whole run (lr_schedule.total_tokens=262144 (max_tokens)): "
+        "the LR rises until the last token and never trains at its base value; shorten the warmup (a tenth of the "
+        "run: lr_schedule.warmup_tokens=26214) or lengthen lr_schedule.total_tokens"
+    )
+    assert plan.tokens >= 262144  # it trains: a warning, not an error
 
 
 def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
@@ -221,6 +241,7 @@ def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
     (optimizer,) = run.trainer.optimizers
     assert isinstance(optimizer, torch.optim.SGD)
     assert run.trainer.global_step == 2 + 2 and run.batch_warmup.tokens_seen == 6144  # 2 steps of 8, 2 of 16
+    assert job.trained_a_step(run.batch_warmup)  # a failure now would keep the run's folder
     metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
     # The logged LR is SGD's 0.05 after the token warmup, times sqrt(2) after the batch doubled.
     assert metrics["lr"][1][-1] == pytest.approx(0.05 * 2**0.5)
@@ -249,7 +270,7 @@ def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(t
         run.trainer.fit(run.model, datamodule=run.datamodule)
     named = job.name_the_run_keys(cfg, str(raised.value))
     assert "batch.beta2_rule='half_life'" in named and "set batch.beta2_rule=None" in named
-    assert run.trainer.global_step == 0
+    assert run.trainer.global_step == 0 and not job.trained_a_step(run.batch_warmup)  # so train.py removes its folder
 
 
 def test_batch_seesaw_doubles_the_batch_where_the_cosine_halves_the_lr(text_folder, tmp_path):

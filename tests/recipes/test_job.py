@@ -83,3 +83,55 @@ def test_a_second_batch_warmup_among_the_callbacks_is_refused():
     )
     with pytest.raises(LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"):
         job.callbacks_of(cfg)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        # a Lightning key the recipes replace: the key to set instead
+        (
+            ["trainer.val_check_interval=64"],
+            "trainer.val_check_interval=64: the recipes validate by tokens, whatever the batch (Lightning's "
+            "val_check_interval counts micro-batches, which grow); set val_check_tokens=<tokens between validations> "
+            "(now 524,288)",
+        ),
+        (["trainer.accumulate_grad_batches=4"], "trainer.accumulate_grad_batches=4: BatchWarmup sets the accumulation"),
+        # a typo: the keys it is close to, not Hydra's "use +" (which would add a key nothing reads)
+        (["max_token=65536"], "max_token=65536: this configuration has no key max_token; did you mean max_tokens?"),
+        (
+            ["trainr.devices=2"],
+            "trainr.devices=2: this configuration has no key trainr.devices; did you mean trainer.devices?",
+        ),
+        (["model.lr=0.01"], "model.lr=0.01: this configuration has no key model.lr; did you mean model.optimizer.lr?"),
+        (
+            ["+recipe=tiny_small_batch", "batch.schedule.batch_sizes=[32]"],
+            "batch.schedule.batch_sizes=[32]: this configuration has no key batch.schedule.batch_sizes; "
+            "did you mean batch.schedule.batch_size?",
+        ),
+        (
+            ["-m", "callbacks.cbs_probe.windw_tokens=65536,131072"],
+            "callbacks.cbs_probe.windw_tokens=65536,131072: this configuration has no key "
+            "callbacks.cbs_probe.windw_tokens; did you mean callbacks.cbs_probe.window_tokens?",
+        ),
+        # nothing close: where to see the keys, and the + that adds one (a model.config field the preset leaves alone)
+        (
+            ["model.config.n_layers=2"],
+            "model.config.n_layers=2: this configuration has no key model.config.n_layers (python recipes/train.py "
+            "--cfg job prints them); +model.config.n_layers=2 adds it",
+        ),
+        # an argument of lightning's Trainer the recipes leave at its default: adding it is the fix
+        (
+            ["trainer.profiler=simple"],
+            "trainer.profiler=simple: the recipes leave Trainer(profiler) at its default; add +trainer.profiler=simple",
+        ),
+    ],
+)
+def test_a_key_the_configuration_lacks_is_named_with_its_fix_before_hydra_composes(argv, line):
+    with pytest.raises(LitCBSConfigError) as raised:
+        job.check_command_line(CONF, argv)
+    assert str(raised.value).startswith(line) and "\n" not in str(raised.value)
+
+
+def test_a_command_line_of_known_keys_passes_the_check():
+    job.check_command_line(CONF, ["-m", "+recipe=tiny_small_batch,tiny_warmup", "max_tokens=65536", "seed=range(1,3)"])
+    job.check_command_line(CONF, ["+trainer.profiler=simple", "~callbacks.progress_bar", "hydra.run.dir=/tmp/x"])

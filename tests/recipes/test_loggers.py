@@ -21,6 +21,7 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 from wandb.proto import wandb_internal_pb2
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, LitCBSConfigError, PiecewiseBatch
+from lit_cbs.analysis.curves import read_metrics_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -137,8 +138,14 @@ def test_a_logger_whose_package_is_missing_stops_before_any_data_work(monkeypatc
     assert not (tmp_path / "cache").exists()
 
 
-def test_loggers_without_the_csv_are_refused_naming_the_fix(tmp_path):
-    cfg = compose_config("logger=tensorboard", f"data.cache_dir={tmp_path / 'cache'}")
-    with pytest.raises(LitCBSConfigError, match=r"logger has tensorboard but no csv: .* e\.g\. logger=\[csv,tensorboard\]"):
-        train.build_run(cfg)
-    assert not (tmp_path / "cache").exists()
+def test_a_logger_named_alone_trains_and_the_run_still_writes_its_metrics_csv(prepared, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = compose_config(*SHORT_RUN, "logger=tensorboard", f"data.path={prepared}", output_dir=str(run_dir))
+    run = train.build_run(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.trainer.fit(run.model, datamodule=run.datamodule)
+    assert [type(logger).__name__ for logger in run.trainer.loggers] == ["CSVLogger", "TensorBoardLogger"]
+    scalars, _ = tensorboard_of(run_dir / "tensorboard")
+    assert {"train/loss", "val/loss", "batch/global_size"} <= scalars
+    assert read_metrics_csv(run_dir / "metrics.csv")["tokens_seen"][1][-1] == 6144  # the run's own record, as always

@@ -4,6 +4,7 @@ Chromium (Debian's package; `.ci/run` installs it where it can, and the test say
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import shutil
@@ -16,9 +17,10 @@ from lightning.pytorch.loggers import CSVLogger
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
+from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.recipes.report import main as report_main
 from lit_cbs.recipes.report import write_report
-from lit_cbs.recipes.run_report import write_run_summary
+from lit_cbs.recipes.run_report import batch_lr_figure, loss_figure, summary_text, write_run_summary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -73,7 +75,20 @@ def test_the_summary_says_what_the_run_did(run_dir):
         "wall time",
     ]
     assert f"2 -> 4 after step {change['step']} ({change['tokens_seen']:,} tokens" in lines[3]
-    assert lines[-2] == "wall time        2.0 s (trainer.fit)"  # one fit: no time carried over from earlier ones
+
+    # Each reading with its own token count and mark; an open bracket (the top of the grid) as ">= lower".
+    def mark(r: dict) -> str:
+        bracket = f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] else f">= {r['cbs_lower']:g}"
+        return f"{bracket} at {r['tokens']:,} tokens, {'' if r['determined'] else 'un'}determined"
+
+    probe = summary["probe"]
+    cost = f"{probe['tokens']:,} tokens ({probe['tokens'] / summary['tokens']:.0%} of training)"
+    steps = f"{probe['optimizer_steps']} optimizer steps"
+    assert lines[4] == f"CBS (samples)    {'; '.join(map(mark, readings))}; probes trained {cost} in {steps}"
+    readings[0]["determined"] = probe["readings"][0]["determined"] = not readings[0]["determined"]
+    first, *_ = summary_text(summary).splitlines()[3].removeprefix("CBS (samples)").strip().split("; ")
+    assert first == mark(readings[0])  # the mark follows its own reading
+    assert lines[-2] == "wall time        2.0 s (trainer.fit, setup included)"  # one fit: no earlier fit's time
 
 
 def test_the_page_holds_every_figure_and_table_inline(run_dir):
@@ -82,6 +97,20 @@ def test_the_page_holds_every_figure_and_table_inline(run_dir):
     assert 'src="http' not in page and "<link" not in page  # nothing fetched: readable offline
     assert "Loss against wall-clock seconds; the gradient noise scale against tokens" in page
     assert "<h2>Batch changes</h2>" in page and "2 -&gt; 4" in page and "<h2>CBS readings</h2>" in page
+
+
+def test_the_pages_summary_is_written_for_people(run_dir):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    page = write_report(run_dir).read_text()
+    table = page.split("<h2>Summary</h2>")[1].split("</table>")[0]
+    rows = dict(re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td></tr>", table))
+    # The lines the run ended with, one row each: counts with thousands separators, a unit on each number, no
+    # None and no float printed to its last digit.
+    ending = (run_dir / "ending.txt").read_text().splitlines()[1:-1]
+    assert [f"{label:<17}{html.unescape(value)}" for label, value in rows.items()] == ending
+    assert summary["final_val_loss"] is None and rows["final val/loss"] == "(not evaluated)"
+    assert "None" not in table and not re.search(r"\d\.\d{5}", table)
+    assert rows["wall time"] == "2.0 s (trainer.fit, setup included)"
 
 
 def test_the_command_refuses_a_folder_without_metrics(tmp_path, capsys):
@@ -103,3 +132,16 @@ def test_a_headless_browser_loads_the_page_without_errors_and_shows_each_figure(
     body = re.search(r"<body[^>]*>", done.stdout).group(0)
     assert 'data-figures="4"' in body and 'data-figures-loaded="4"' in body, body  # every image decoded, with a size
     assert "data-error" not in body, body
+
+
+def test_the_plots_mark_a_batch_change_at_the_tokens_where_it_took_effect(run_dir):
+    (change,) = json.loads((run_dir / "batch_history.json").read_text())["changes"]
+    metrics = read_metrics_csv(run_dir / "metrics.csv")
+    (ax,) = loss_figure(metrics).axes
+    assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [change["tokens_seen"]]
+    batch_panel = batch_lr_figure(metrics).axes[0]
+    # The drawn staircase rises from the old batch to the new one at the change's token count.
+    x, y = batch_panel.lines[0].get_path().vertices.T
+    step_up = (change["old_global_batch"], change["new_global_batch"])
+    (rise,) = [i for i in range(1, len(y)) if (y[i - 1], y[i]) == step_up]
+    assert x[rise - 1] == x[rise] == change["tokens_seen"]

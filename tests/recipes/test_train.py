@@ -7,6 +7,7 @@ transformers model, through the same CausalLM sharding code the OLMo decoder tak
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -49,6 +50,14 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
+
+
+def started_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """recipes/train.py started from ``folder`` as a user starts it (no HYDRA_FULL_ERROR), whatever its exit code."""
+    env = subprocess_env(PYTHONPATH=str(ROOT))
+    env.pop("HYDRA_FULL_ERROR", None)
+    command = [sys.executable, TRAIN, *args]
+    return subprocess.run(command, cwd=folder, capture_output=True, text=True, env=env, timeout=300)
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
@@ -171,25 +180,15 @@ def test_torchrun_ddp(first_run):
 
 def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     _, prepared, _ = first_run
-    env = subprocess_env(PYTHONPATH=str(ROOT))
-    env.pop("HYDRA_FULL_ERROR", None)
-    result = subprocess.run(
-        [
-            sys.executable,
-            TRAIN,
-            "-m",
-            *SMALL_RUN,
-            f"data.path={prepared}",
-            "callbacks.cbs_probe=null",
-            "batch.max_micro_batch_size=null",
-            "data.batch_size=5,4",
-            f"hydra.sweep.dir={tmp_path}",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
+    result = started_in(
+        tmp_path,
+        "-m",
+        *SMALL_RUN,
+        f"data.path={prepared}",
+        "callbacks.cbs_probe=null",
+        "batch.max_micro_batch_size=null",
+        "data.batch_size=5,4",
+        f"hydra.sweep.dir={tmp_path}",
     )
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
     failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
@@ -200,21 +199,41 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     assert "BatchWarmup: global batch 8 -> 16 samples" in log and "lit_cbs: tiny_warmup done" in log
 
 
-def test_configuration_error_is_one_line(tmp_path):
-    env = subprocess_env(PYTHONPATH=str(ROOT))
-    env.pop("HYDRA_FULL_ERROR", None)
-    result = subprocess.run(
-        [sys.executable, TRAIN, "model.config.preset=olmo_3b", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+def test_configuration_error_is_one_line_and_leaves_no_folder(tmp_path):
+    result = started_in(tmp_path, "model.config.preset=olmo_3b")
     assert result.returncode == 1  # the last line on stderr names the key, the value and the choices
     assert (
         result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
     )
-    assert not (tmp_path / "metrics.csv").exists()
+    assert list(tmp_path.iterdir()) == []  # no outputs/tiny_warmup/<date>/ with Hydra's files and a log of the error
+
+
+def test_a_lightning_key_the_recipes_replace_is_refused_in_one_line_before_anything_starts(tmp_path):
+    result = started_in(tmp_path, "trainer.val_check_interval=64")
+    assert result.returncode == 1 and "Could not override" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: trainer.val_check_interval=64: the recipes validate by tokens")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_refused_inside_fit_before_its_first_step_leaves_no_folder(prepared, tmp_path):
+    result = started_in(tmp_path, *SMALL_RUN, f"data.path={prepared}", "optimizer=sgd", "batch.beta2_rule=half_life")
+    assert result.returncode == 1
+    assert "batch.beta2_rule='half_life'" in result.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []  # nor its resolved_config.yaml, metrics.csv, checkpoints/ or logs
+
+
+def test_a_refused_run_in_the_folder_of_one_that_trained_removes_none_of_its_files(first_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(first_run[0], run_dir)
+    before = {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    result = started_in(tmp_path, "model.config.preset=olmo_3b", f"hydra.run.dir={run_dir}")
+    assert result.returncode == 1
+    after = {path.relative_to(run_dir): path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    assert after.keys() == before.keys()
+    # Hydra rewrote its .hydra/ files and the log has the error appended; every file the trained run wrote is intact.
+    kept = [name for name in before if name.parts[0] != ".hydra" and name != Path("train.log")]
+    assert kept and all(after[name] == before[name] for name in kept)
 
 
 def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(tmp_path):
@@ -225,17 +244,18 @@ def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(
     )
     assert mine != (ROOT / "conf" / "batch" / "warmup.yaml").read_text()
     (tmp_path / "conf" / "batch" / "mine.yaml").write_text(mine)
-    result = subprocess.run(
-        [sys.executable, TRAIN, "plan=true", "batch=mine"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        env=subprocess_env(PYTHONPATH=str(ROOT)),
-        timeout=120,
-    )
+    result = started_in(tmp_path, "plan=true", "batch=mine")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [
         line.split() for line in result.stdout.splitlines() + result.stderr.splitlines() if line.strip().startswith("2,523,136")
     ]
     assert rows and rows[0][2] == "128"  # the phase from 2,523,136 tokens trains at batch 128: the option was read
     assert sorted(path.name for path in tmp_path.iterdir()) == ["conf"]  # no outputs/ folder, no .hydra, no train.log
+
+
+def test_a_folder_without_conf_of_its_own_starts_without_a_warning(tmp_path):
+    # conf/config.yaml adds ./conf to Hydra's search path for your own options; none here is no reason to warn.
+    result = started_in(tmp_path, "plan=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr and "is not available" not in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []

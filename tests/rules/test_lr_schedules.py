@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.rules.lr_schedules import CosineSchedule, TokenLRScheduler, WarmupStableDecay
+from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
+from lit_cbs.rules.lr_schedules import CosineSchedule, StepDecay, TokenLRScheduler, WarmupStableDecay
 
 
 def test_wsd_shape():
@@ -39,13 +39,35 @@ def test_cosine_shape():
         (lambda: WarmupStableDecay(0, 0), "total_tokens=0"),
         (lambda: WarmupStableDecay(0, 100, min_lr_ratio=1.5), "min_lr_ratio=1.5"),
         (lambda: WarmupStableDecay(0, 100, 10, decay_shape="step"), "decay_shape='step'"),
-        (lambda: CosineSchedule(100, 100), "warmup_tokens=100 must be < total_tokens=100"),
+        (
+            lambda: CosineSchedule(100, 100),
+            r"warmup_tokens=100 leaves no tokens of total_tokens=100 for the cosine decay; shorten the warmup "
+            r"\(a tenth of the run: warmup_tokens=10\) or lengthen total_tokens",
+        ),
+        (lambda: StepDecay(200, [], 100), "warmup_tokens=200 exceeds total_tokens=100: the LR never reaches its peak"),
         (lambda: CosineSchedule(-1, 100), "warmup_tokens=-1"),
     ],
 )
 def test_bad_schedules(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("make", [lambda: WarmupStableDecay(100, 100), lambda: StepDecay(100, [], 100)])
+def test_a_warmup_as_long_as_the_run_trains_with_a_warning_naming_the_fix(make):
+    with pytest.warns(LitCBSConfigWarning) as caught:
+        schedule = make()
+    (warning,) = caught
+    assert str(warning.message) == (
+        "warmup_tokens=100 is the whole run (total_tokens=100): the LR rises until the last token and never trains at "
+        "its base value; shorten the warmup (a tenth of the run: warmup_tokens=10) or lengthen total_tokens"
+    )
+    assert schedule(99) < 1.0 == schedule(100)
+
+
+def test_a_warmup_that_leaves_room_for_the_decay_alone_is_a_schedule_like_any_other(recwarn):
+    WarmupStableDecay(warmup_tokens=50, total_tokens=100, decay_tokens=50)  # up, then straight down
+    assert not [w for w in recwarn if issubclass(w.category, LitCBSConfigWarning)]
 
 
 def test_token_scheduler_follows_tokens_not_steps():
