@@ -2,10 +2,10 @@
 
 A probe reading does not measure the CBS; it brackets it: the CBS at D tokens lies in
 [lower, upper] samples. ``supported_interval`` reads that interval off a record at the record's own
-confidence: ``lower`` is the largest batch k B whose loss is within epsilon of every smaller k's
-with that confidence, ``upper`` the smallest k B that is beyond epsilon of a smaller k's with that
-confidence (none measured: no upper end). For a determined reading of the grid strategy that is
-its bracket [k* B, next k B] (bisection measures fewer k, so there the upper end is the next
+confidence and epsilon: ``lower`` is the largest batch k B whose loss is within epsilon of every
+smaller k's with that confidence, ``upper`` the smallest k B that is beyond epsilon of a smaller k's
+with that confidence (none measured: no upper end). For a determined reading of the grid strategy
+that is its bracket [k* B, next k B] (bisection measures fewer k, so there the upper end is the next
 measured k, which the data support, not the next k of the grid); an undetermined one gets the
 wider interval its data support.
 
@@ -37,8 +37,9 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 from scipy import optimize, special
 
+from lit_cbs.errors import LitCBSConfigError
+
 MODELS = ("power", "plateau")
-DEFAULT_EPSILON = 0.01  # the probe's default tolerance, for records written before they stored theirs
 # The least spread s of log CBS around the curve the fit allows. Brackets a factor of 2 wide cannot
 # resolve a smaller one, and without a floor a curve threading every bracket drives s to 0: a band
 # of no width, and a held-out run that misses it by a little scores as impossible.
@@ -66,13 +67,19 @@ def _number(record: Mapping, key: str, where: str, minimum: float = 0.0) -> floa
     return float(value)
 
 
-def supported_interval(record: Mapping, where: str = "record") -> tuple[float, float]:
+def supported_interval(record: Mapping, where: str = "record", epsilon: float | None = None) -> tuple[float, float]:
     """(lower, upper) in samples: where the CBS lies at the record's confidence (see the module docstring).
 
     Uses the per-batch held-out losses when the record has them (``evaluate="heldout"``; with
-    replicate windows, their spread too, as the probe judged them); a record without them keeps its
-    own bracket when determined, and an undetermined one without them supports only [smallest k B,
-    no upper end)."""
+    replicate windows, their spread too, as the probe judged them), judged at the record's own
+    ``epsilon`` (nats); ``epsilon`` is for records written before readings stored theirs (the run's
+    ``callbacks.cbs_probe.epsilon``), and such a record without it is refused rather than judged at
+    a guess. A record without per-batch losses keeps its own bracket when determined, and an
+    undetermined one without them supports only [smallest k B, no upper end).
+
+    Raises:
+        LitCBSConfigError: the record needs an epsilon it does not hold and ``epsilon`` is None.
+    """
     from lit_cbs.probe.reading import judged_multipliers, record_scores
 
     batch = _number(record, "batch_size", where)
@@ -84,26 +91,32 @@ def supported_interval(record: Mapping, where: str = "record") -> tuple[float, f
     ks = sorted(float(k) for k in losses)
     batch_losses = record.get("batch_losses") or {}
     confidence = float(record.get("confidence", 0.5))
-    epsilon = record.get("epsilon")
-    epsilon = DEFAULT_EPSILON if epsilon is None else float(epsilon)
     if not all(f"{k:g}" in batch_losses for k in ks):
         if record.get("determined", True):
             lower = _number(record, "cbs_lower", where)
             upper = record.get("cbs_upper")
             return lower, math.inf if upper is None else float(upper)
         return ks[0] * batch, math.inf
+    epsilon = record.get("epsilon", epsilon)
+    if epsilon is None:
+        raise LitCBSConfigError(
+            f"{where} holds no epsilon (written before probe records stored theirs), so its interval cannot be read; "
+            "pass the run's callbacks.cbs_probe.epsilon (nats) as epsilon= (recipes/schedule_from_probe.py: --epsilon)"
+        )
     scores = record_scores(losses, batch_losses, record.get("replicate_batch_losses") or {})
-    admissible, rejected = judged_multipliers(scores, epsilon, confidence)
+    admissible, rejected = judged_multipliers(scores, float(epsilon), confidence)
     lower = max(admissible, default=ks[0]) * batch
     above = [k for k in rejected if k * batch > lower]
     return lower, (min(above) * batch if above else math.inf)
 
 
-def brackets_from_records(records: Iterable[Mapping], run: str = "run") -> list[Bracket]:
-    """One ``Bracket`` per probe record of one run (``supported_interval``), in tokens order.
+def brackets_from_records(records: Iterable[Mapping], run: str = "run", epsilon: float | None = None) -> list[Bracket]:
+    """One ``Bracket`` per probe record of one run (``supported_interval``, ``epsilon`` nats for records
+    without their own), in tokens order.
 
     Raises ValueError naming the record for a record without tokens, batch_size or losses, or records
-    of different seq_len (a CBS in samples means another number of tokens at another length)."""
+    of different seq_len (a CBS in samples means another number of tokens at another length); a
+    ``LitCBSConfigError`` for a record that needs an epsilon when none is given."""
     brackets, seq_lens = [], set()
     for number, record in enumerate(records, start=1):
         where = f"{run}: record {number}"
@@ -111,7 +124,7 @@ def brackets_from_records(records: Iterable[Mapping], run: str = "run") -> list[
             raise ValueError(f"{where}: {record!r} is not a probe record (a JSON object with tokens, batch_size, losses, ...)")
         tokens = _number(record, "tokens", where)
         seq_lens.add(record.get("seq_len"))
-        lower, upper = supported_interval(record, where)
+        lower, upper = supported_interval(record, where, epsilon)
         brackets.append(Bracket(tokens, lower, upper, run, bool(record.get("determined", True))))
     if not brackets:
         raise ValueError(f"{run}: no probe record; a forecast needs readings")

@@ -1,5 +1,6 @@
-"""lit_cbs.analysis.forecast: the interval each probe record supports, and the interval-censored fit of
-CBS(D) that recovers a known power law and a plateau from simulated brackets within its band."""
+"""lit_cbs.analysis.forecast: the interval each probe record supports (at the epsilon it was measured at),
+and the interval-censored fit of CBS(D) that recovers a known power law and a plateau from simulated
+brackets within its band."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from lit_cbs.analysis.forecast import (
     supported_interval,
 )
 from lit_cbs.data.synthetic import RandomTokenData
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
 
@@ -128,6 +130,29 @@ def test_a_determined_record_supports_its_bracket_and_an_undetermined_one_a_wide
     )
     (bracket,) = brackets_from_records([noisy], run="seed1")
     assert (bracket.tokens, bracket.lower, bracket.upper, bracket.determined) == (65536.0, lower, upper, False)
+
+
+def records_without_epsilon() -> list[dict]:
+    """The default job's two readings at epsilon 0.02 nats, as the version before records stored their epsilon
+    wrote them: at 524,288 tokens k = 2 is 0.009 nats worse than k = 1 (paired SE 0.0015), surely within 0.02
+    but not surely within 0.01; at 2,097,152 tokens k = 8 within 0.001 nats, k = 16 0.1 worse."""
+    base = 3.0 + np.random.default_rng(0).normal(0, 0.05, size=16)
+    wobble = 0.006 * (-1.0) ** np.arange(16)
+    early = reading({1: list(base), 2: list(base + 0.009 + wobble), 4: list(base + 0.1)}, epsilon=0.02)
+    late = reading({k: list(base + (0.001 if k <= 8 else 0.1)) for k in (1, 2, 4, 8, 16)}, epsilon=0.02)
+    return [
+        {key: value for key, value in {**record, "tokens": tokens}.items() if key != "epsilon"}
+        for record, tokens in ((early, 524_288), (late, 2_097_152))
+    ]
+
+
+def test_a_record_without_its_epsilon_is_refused_not_judged_at_a_guess():
+    early, late = records_without_epsilon()
+    with pytest.raises(LitCBSConfigError, match=r"run: record 1 holds no epsilon .* as epsilon= \(recipes/"):
+        brackets_from_records([early, late])
+    assert [(b.lower, b.upper) for b in brackets_from_records([early, late], epsilon=0.02)] == [(32, 64), (128, 256)]
+    assert supported_interval(early, epsilon=0.01) == (16.0, 64.0)  # what the 0.01 assumed before made of it
+    assert supported_interval({**early, "epsilon": 0.02}, epsilon=0.01) == (32.0, 64.0)  # the record's own wins
 
 
 @pytest.mark.parametrize(
