@@ -155,6 +155,30 @@ def test_a_record_without_its_epsilon_is_refused_not_judged_at_a_guess():
     assert supported_interval({**early, "epsilon": 0.02}, epsilon=0.01) == (32.0, 64.0)  # the record's own wins
 
 
+@pytest.mark.parametrize("config", [None, "resolved_config.yaml", ".hydra/config.yaml"])
+def test_the_command_reads_old_records_at_the_runs_epsilon(tmp_path, capsys, recipe_script, config):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    probe = run / "cbs_probe.jsonl"
+    probe.write_text("".join(json.dumps(record) + "\n" for record in records_without_epsilon()))
+    if config is not None:  # the run's saved configuration, reduced to the key the command reads
+        (run / config).write_text("callbacks:\n  cbs_probe:\n    epsilon: 0.02\n")
+    out = tmp_path / "conf" / "batch" / "forecast.yaml"
+    command = recipe_script("schedule_from_probe")
+    argv = [str(probe), "--start", "16", "--forecast-to", "4194304", "--out", str(out)]
+    done = command.main(argv)
+    if config is None:
+        err = capsys.readouterr().err
+        assert done == 2 and not out.exists() and err.count("\n") == 1
+        assert "record 1 holds no epsilon" in err and "(recipes/schedule_from_probe.py: --epsilon)" in err
+        done = command.main([*argv, "--epsilon", "0.02"])
+    expected = forecast_cbs([Bracket(524_288, 32, 64, str(probe)), Bracket(2_097_152, 128, 256, str(probe))])
+    assert done == 0, capsys.readouterr().err
+    text = out.read_text()
+    source = "--epsilon" if config is None else str(run / config)
+    assert f"records without an epsilon at 0.02 nats ({source})" in text and expected.describe() in text
+
+
 @pytest.mark.parametrize(
     "records, message",
     [
@@ -239,10 +263,8 @@ def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys, recipe_
     path = tmp_path / "run.jsonl"
     path.write_text(json.dumps(run_records(1)[0]) + "\n")
     assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
-    assert (
-        capsys.readouterr().err.strip()
-        == "schedule_from_probe.py: --plot and --noise-scale go with the forecast: give --forecast-to TOKENS too"
-    )
+    refusal = "--plot, --noise-scale and --epsilon go with the forecast: give --forecast-to TOKENS too"
+    assert capsys.readouterr().err.strip() == f"schedule_from_probe.py: {refusal}"
     assert not (tmp_path / "a.yaml").exists()
 
 
