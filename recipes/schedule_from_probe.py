@@ -21,13 +21,14 @@ its max_micro_batch_size is --max-micro-batch-size, else batch.max_micro_batch_s
 configuration beside the probe files (resolved_config.yaml, or .hydra/config.yaml), else the default
 of conf/batch/warmup.yaml; the file's comment says which. Records written before probe records stored
 their epsilon are read at the run's callbacks.cbs_probe.epsilon from the same configuration, or
---epsilon. Bad input ends the run with one line naming it.
+--epsilon. Bad input ends the run with one line naming it; a warning is one line too.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -188,7 +189,9 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
         f"from {len(brackets)} readings of {', '.join(str(path) for path in args.probe)}:",
         f"{forecast.describe()}.",
         *judged_at,
-        f"The batch follows the band's lower edge; changes: {at_changes}.",
+        f"The batch follows the lower edge of the {args.coverage:.0%} posterior predictive band (the CBS a run",
+        "would read, given the readings: the curve's parameters and the spread of log CBS sampled by",
+        f"lit_cbs.analysis.forecast); changes: {at_changes}.",
     ]
     noise = noise_scale_over_tokens(args.noise_scale) if args.noise_scale is not None else None
     write_batch_config(args, schedule, comment, micro_batch)
@@ -203,4 +206,5 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     sys.exit(main())

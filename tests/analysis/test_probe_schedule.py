@@ -1,6 +1,6 @@
 """schedule_from_probe on hand-made probe records, and recipes/schedule_from_probe.py end to end: the
 batch config it writes composes with train.py's config and instantiates to the schedule, with the
-measured run's micro-batch growth."""
+measured run's micro-batch growth; a forecast from too few readings warns in one line each."""
 
 from __future__ import annotations
 
@@ -254,3 +254,16 @@ def test_runs_that_grew_their_micro_batch_differently_need_the_option(tmp_path, 
     assert err.strip().endswith("pick one with --max-micro-batch-size")
     assert command.main([*probes, "--start", "16", "--out", str(out), "--max-micro-batch-size", "16"]) == 0
     assert "max_micro_batch_size: 16" in out.read_text().splitlines()
+
+
+def test_a_forecast_from_two_readings_far_past_them_warns_in_one_line_each(tmp_path):
+    # The default job's two readings, forecast 8x past the last: what the command prints, from its own process.
+    # Records without per-batch losses keep their own brackets: [32, 64] and [128, 256].
+    readings = [reading(524_288, 32, losses={"1": 3.0}), reading(2_097_152, 128, losses={"1": 3.0})]
+    probe = write_jsonl(tmp_path / "cbs_probe.jsonl", readings)
+    done = run_command(probe, "--start", 16, "--forecast-to", 16_777_216, "--out", tmp_path / "forecast.yaml")
+    assert done.returncode == 0, done.stderr
+    first, second = done.stderr.splitlines()
+    assert first.startswith("warning: forecast_cbs: readings at 2 token counts") and "probe at 3 or more" in first
+    assert second.startswith("warning: schedule_from_forecast: until_tokens=16,777,216 is 8.0x past the last reading")
+    assert "posterior predictive band" in (tmp_path / "forecast.yaml").read_text()
