@@ -16,14 +16,22 @@ are read together; at a token count read twice the smaller lower bound counts. -
 curve measured at another sequence length (--measured-seq-len) through tokens. The output is a
 conf/batch/ option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a
 PiecewiseBatch (tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...); the recipes read conf/ of the folder
-they run from beside the package's, so write it there. Bad input ends the run with one line naming it.
+they run from beside the package's, so write it there. It keeps the measured run's micro-batch growth:
+its max_micro_batch_size is --max-micro-batch-size, else batch.max_micro_batch_size of the run's saved
+configuration beside the probe files (resolved_config.yaml, or .hydra/config.yaml), else the default
+of conf/batch/warmup.yaml; the file's comment says which. Records written before probe records stored
+their epsilon are read at the run's callbacks.cbs_probe.epsilon from the same configuration, or
+--epsilon. Bad input ends the run with one line naming it; a warning is one line too.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from lit_cbs.analysis import (
     batch_group_yaml,
@@ -31,10 +39,14 @@ from lit_cbs.analysis import (
     forecast_cbs,
     plot_forecast,
     read_probe_records,
+    run_config_value,
     schedule_from_probe,
 )
 from lit_cbs.analysis.forecast import growth_exponent, noise_scale_over_tokens, schedule_from_forecast
+from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 from lit_cbs.rules.scaling import LR_RULES
+
+WARMUP_BATCH = Path(__file__).resolve().parents[1] / "conf" / "batch" / "warmup.yaml"  # the default micro-batch growth
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -52,12 +64,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)"
     )
     parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
+    parser.add_argument(
+        "--max-micro-batch-size",
+        type=int,
+        help="batch.max_micro_batch_size to write, samples per rank (default: the measured run's, from its saved "
+        "configuration beside the probe files, else conf/batch/warmup.yaml's)",
+    )
     parser.add_argument("--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens")
     parser.add_argument(
         "--coverage",
         type=float,
         default=0.8,
         help="--forecast-to: the band's coverage; the batch follows its lower edge (default 0.8)",
+    )
+    parser.add_argument(
+        "--epsilon",
+        type=float,
+        help="--forecast-to: epsilon (nats) of records that do not store theirs (default: callbacks.cbs_probe.epsilon "
+        "of the run's saved configuration beside each file)",
     )
     parser.add_argument("--plot", type=Path, help="--forecast-to: write the forecast plot here (e.g. forecast.png)")
     parser.add_argument(
@@ -75,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--out {args.out} must end in .yaml (Hydra reads conf/batch/NAME.yaml as batch=NAME)")
         if args.forecast_to is not None and args.seq_len is not None:
             raise ValueError("--forecast-to fits the curve at the measured sequence length; leave out --seq-len")
-        if args.forecast_to is None and (args.plot is not None or args.noise_scale is not None):
-            raise ValueError("--plot and --noise-scale go with the forecast: give --forecast-to TOKENS too")
+        forecast_only = (args.plot, args.noise_scale, args.epsilon)
+        if args.forecast_to is None and any(option is not None for option in forecast_only):
+            raise ValueError("--plot, --noise-scale and --epsilon go with the forecast: give --forecast-to TOKENS too")
+        positive_int("--max-micro-batch-size", args.max_micro_batch_size, "samples per rank", optional=True)
+        positive_number("--epsilon", args.epsilon, "nats", optional=True)
+        micro_batch = micro_batch_growth(args)
         records = [record for path in args.probe for record in read_probe_records(path)]
         if args.forecast_to is not None:
-            return write_forecast(args)
+            return write_forecast(args, micro_batch)
         schedule = schedule_from_probe(
             records,
             args.start,
@@ -97,19 +125,56 @@ def main(argv: list[str] | None = None) -> int:
     if args.seq_len is not None:
         measured = args.measured_seq_len or "the records' seq_len"
         options += f", seq_len {args.seq_len} from {measured}"
-    comment = (
-        f"Batch size warmup read off a measured CBS curve by recipes/schedule_from_probe.py ({options})\n"
-        f"from {sources}.\nGlobal batches in samples, thresholds in tokens. Use: python recipes/train.py +recipe=... batch={args.out.stem}"
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(batch_group_yaml(schedule, comment, args.lr_rule))
+    comment = [
+        f"Batch size warmup read off a measured CBS curve by recipes/schedule_from_probe.py ({options})",
+        f"from {sources}.",
+    ]
+    write_batch_config(args, schedule, comment, micro_batch)
     print(f"{schedule} from {len(records)} probe records; wrote {args.out}")
     return 0
 
 
-def write_forecast(args: argparse.Namespace) -> int:
+def write_batch_config(args: argparse.Namespace, schedule, comment: list[str], micro_batch: tuple[int | None, str]):
+    """Write --out: the batch group running ``schedule``, its comment ``comment``, where its micro-batch growth
+    came from (``micro_batch``: the value and that line) and how to use it."""
+    value, source = micro_batch
+    use = f"python recipes/train.py +recipe=... batch={args.out.stem}"
+    lines = [*comment, source, f"Global batches in samples, thresholds in tokens. Use: {use}"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(batch_group_yaml(schedule, "\n".join(lines), args.lr_rule, max_micro_batch_size=value))
+
+
+def micro_batch_growth(args: argparse.Namespace) -> tuple[int | None, str]:
+    """The max_micro_batch_size to write (samples per rank) and a line saying where it came from:
+    --max-micro-batch-size, else the measured runs' batch.max_micro_batch_size (their saved
+    configurations beside the probe files must agree), else conf/batch/warmup.yaml's."""
+    key = "batch.max_micro_batch_size"
+    if args.max_micro_batch_size is not None:
+        return args.max_micro_batch_size, f"max_micro_batch_size {args.max_micro_batch_size}: --max-micro-batch-size."
+    found = {path: run_config_value(path.parent, key) for path in args.probe}
+    found = {path: value_and_file for path, value_and_file in found.items() if value_and_file is not None}
+    if len({value for value, _ in found.values()}) > 1:
+        values = ", ".join(f"{value} ({file})" for value, file in found.values())
+        raise LitCBSConfigError(f"the measured runs' {key} differ: {values}; pick one with --max-micro-batch-size")
+    if found:
+        value, file = next(iter(found.values()))
+        return value, f"max_micro_batch_size {'null' if value is None else value}: the measured run's {key} ({file})."
+    value = OmegaConf.load(WARMUP_BATCH).max_micro_batch_size
+    return value, f"max_micro_batch_size {value}: the default of conf/batch/warmup.yaml (no run configuration found)."
+
+
+def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]) -> int:
     """--forecast-to: fit the curve to every file's brackets (one run per file), write the schedule and the plot."""
-    brackets = [bracket for path in args.probe for bracket in brackets_from_records(read_probe_records(path), run=str(path))]
+    brackets, judged_at = [], []
+    for path in args.probe:
+        records = read_probe_records(path)
+        epsilon, source = args.epsilon, "--epsilon"
+        found = run_config_value(path.parent, "callbacks.cbs_probe.epsilon") if epsilon is None else None
+        if found is not None and found[0] is not None:
+            epsilon, source = float(found[0]), str(found[1])
+        if epsilon is not None and any("epsilon" not in record for record in records):
+            judged_at.append(f"Read {path}'s records without an epsilon at {epsilon:g} nats ({source}).")
+        brackets += brackets_from_records(records, run=str(path), epsilon=epsilon)
     forecast = forecast_cbs(brackets, coverage=args.coverage)
     schedule, changes = schedule_from_forecast(
         forecast, args.start, args.forecast_to, factor=args.factor, final=args.final, margin=args.margin
@@ -117,16 +182,19 @@ def write_forecast(args: argparse.Namespace) -> int:
     at_changes = (
         "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes) or "none"
     )
-    comment = (
-        f"Batch size warmup forecast by recipes/schedule_from_probe.py --forecast-to {args.forecast_to:,} "
-        f"(start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}, coverage {args.coverage:g})\n"
-        f"from {len(brackets)} readings of {', '.join(str(path) for path in args.probe)}:\n{forecast.describe()}.\n"
-        f"The batch follows the band's lower edge; changes: {at_changes}.\n"
-        f"Global batches in samples, thresholds in tokens. Use: python recipes/train.py +recipe=... batch={args.out.stem}"
-    )
+    options = f"start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}"
+    options += f", coverage {args.coverage:g}"
+    comment = [
+        f"Batch size warmup forecast by recipes/schedule_from_probe.py --forecast-to {args.forecast_to:,} ({options})",
+        f"from {len(brackets)} readings of {', '.join(str(path) for path in args.probe)}:",
+        f"{forecast.describe()}.",
+        *judged_at,
+        f"The batch follows the lower edge of the {args.coverage:.0%} posterior predictive band (the CBS a run",
+        "would read, given the readings: the curve's parameters and the spread of log CBS sampled by",
+        f"lit_cbs.analysis.forecast); changes: {at_changes}.",
+    ]
     noise = noise_scale_over_tokens(args.noise_scale) if args.noise_scale is not None else None
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(batch_group_yaml(schedule, comment, args.lr_rule))
+    write_batch_config(args, schedule, comment, micro_batch)
     if args.plot is not None:
         plot_forecast(forecast, args.plot, tokens_to=args.forecast_to, noise_scale=noise)
     print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
@@ -138,4 +206,5 @@ def write_forecast(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
     sys.exit(main())

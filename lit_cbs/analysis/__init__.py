@@ -4,8 +4,9 @@ and the probe's CBS, a warmup schedule from a measured CBS curve, a CBS forecast
 brackets, and plots.
 
 The fits and readers (``curves``, ``fits``, ``forecast``, ``compare``, ``probe_schedule``) import only
-numpy and scipy; ``plots`` imports matplotlib. Every name below loads on first use, so the fits never
-pay for (or need) a plotting stack.
+numpy and scipy (``run_config_value`` reads a run's saved YAML with omegaconf when called); ``plots``
+imports matplotlib. Every name below loads on first use, so the fits never pay for (or need) a plotting
+stack.
 """
 
 from lit_cbs._lazy import lazy_exports
@@ -22,7 +23,7 @@ _MODULES = {
     ],
     "lit_cbs.analysis.forecast": ["Bracket", "CBSForecast", "brackets_from_records", "forecast_cbs", "supported_interval"],
     "lit_cbs.analysis.plots": ["plot_batch_sizes", "plot_es", "plot_forecast"],
-    "lit_cbs.analysis.probe_schedule": ["read_probe_records", "schedule_from_probe"],
+    "lit_cbs.analysis.probe_schedule": ["read_probe_records", "run_config_value", "schedule_from_probe"],
 }  # fmt: skip
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 

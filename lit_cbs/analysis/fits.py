@@ -392,15 +392,22 @@ def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def batch_group_yaml(schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt") -> str:
+def batch_group_yaml(
+    schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt", *, max_micro_batch_size: int | None
+) -> str:
     """A ``conf/batch/`` group option (like ``batch/warmup.yaml``) running ``schedule``, the LR following
-    each change by ``lr_rule``: save it as ``conf/batch/NAME.yaml`` and select it with ``batch=NAME``."""
+    each change by ``lr_rule``: save it as ``conf/batch/NAME.yaml`` and select it with ``batch=NAME``.
+
+    ``max_micro_batch_size`` (samples per rank): the micro-batch grows with the batch up to it, then
+    the accumulation (``BatchWarmup``'s argument); None keeps the micro-batch at ``data.batch_size`` and
+    grows the batch by accumulation alone. Required: a schedule read off one run should train with its
+    micro-batch growth (``batch/warmup.yaml`` has 64), not lose it by default."""
     lines = [
         *_comment_lines(comment),
         "schedule:",
         *_piecewise_lines(schedule, "  "),
         f"lr_rule: {lr_rule}",
-        "max_micro_batch_size: null",
+        f"max_micro_batch_size: {'null' if max_micro_batch_size is None else max_micro_batch_size}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -2,48 +2,90 @@
 
 A probe reading does not measure the CBS; it brackets it: the CBS at D tokens lies in
 [lower, upper] samples. ``supported_interval`` reads that interval off a record at the record's own
-confidence: ``lower`` is the largest batch k B whose loss is within epsilon of every smaller k's
-with that confidence, ``upper`` the smallest k B that is beyond epsilon of a smaller k's with that
-confidence (none measured: no upper end). For a determined reading of the grid strategy that is
-its bracket [k* B, next k B] (bisection measures fewer k, so there the upper end is the next
+confidence and epsilon: ``lower`` is the largest batch k B whose loss is within epsilon of every
+smaller k's with that confidence, ``upper`` the smallest k B that is beyond epsilon of a smaller k's
+with that confidence (none measured: no upper end). For a determined reading of the grid strategy
+that is its bracket [k* B, next k B] (bisection measures fewer k, so there the upper end is the next
 measured k, which the data support, not the next k of the grid); an undetermined one gets the
 wider interval its data support.
 
-``forecast_cbs`` fits log CBS(D) = mu(D) + noise, noise ~ Normal(0, s), to those intervals by
-maximum likelihood (s at least ``MIN_SPREAD``): each interval contributes P(log lower < log CBS < log upper) =
-Phi((log upper - mu) / s) - Phi((log lower - mu) / s) (an interval-censored likelihood; an open
-upper end contributes 1 - Phi(...)). Two curves:
+``forecast_cbs`` models log CBS(D) = mu(D) + noise, noise ~ Normal(0, s): each interval contributes
+P(log lower < log CBS < log upper) = Phi((log upper - mu) / s) - Phi((log lower - mu) / s) (an
+interval-censored likelihood; an open upper end contributes 1 - Phi(...)). Two curves:
 
 - ``power``: CBS(D) = a (D / D0)^b (Zhang et al. 2024, Bergsma et al. 2025: the critical batch
   grows as a power of the tokens seen, nearly independent of model size);
 - ``plateau``: 1 / CBS(D) = 1 / (a (D / D0)^b) + 1 / c, a power law that levels off at c samples
   (Merrill et al. 2025 see the CBS grow fast, then slowly, then stay near a ceiling).
 
-D0 is the geometric mean of the readings' token counts (the fit's scale only). ``model="auto"``
-compares the curves' held-out log likelihood (each run left out in turn when the readings come
-from two or more runs, else each reading left out in turn) and takes the plateau only when it
-gains more than ``PLATEAU_MARGIN`` (1 nat, its one extra parameter's worth) over the power law. The band at ``coverage``
-is a bootstrap: resample the runs (with replacement), then the readings within each, refit, and
-take the quantiles of CBS(D) at each D; the noise scale s adds the spread of one run's CBS around
-the curve. Pure numpy/scipy: no Lightning, no plotting (``lit_cbs.analysis.plots.plot_forecast``).
+D0 is the geometric mean of the readings' token counts (the fit's scale only).
+
+The band is a posterior predictive band: the interval in which a run would read the CBS at D with
+probability ``coverage``, given the readings. Brackets a factor of 2 wide leave the parameters
+(log a, b, log s) far from pinned when the readings are few: two brackets of one run are met by
+any curve that threads them, and the likelihood then drives s to 0. So the parameters get weak
+priors, and the band carries their uncertainty:
+
+- log s ~ Normal(log 0.15, 0.5): the fit to tiny's 10 readings of 2 runs measured s = 0.21
+  (docs/RESULTS.md, transfer); the prior's 95% range, 0.06 to 0.4, lets the data move it. Readings
+  noisier than it expects are held less often than ``coverage`` (benchmarks.forecast_coverage);
+- b ~ Normal(0, 1): only matters where the brackets leave b open (two token counts, or a last
+  bracket with no upper end, where a steeper curve always fits better); centred on no growth, so
+  that an open end does not grow the batch by itself;
+- log c ~ Normal(log of the largest lower end read, 2) for the plateau, which the readings bound
+  only from below (a ceiling far above them fits as well as none);
+- log a: flat.
+
+The posterior of the parameters is sampled by importance sampling: proposals from a Student t (4
+degrees of freedom) centred on the posterior mode with the covariance of its Laplace approximation
+(the inverse Hessian there), weighted by posterior / proposal, the proposal refitted to the
+weighted draws while their effective number is small. The Laplace approximation alone would not
+do: an interval-censored likelihood is flat inside the brackets and falls off at their edges, so the
+curvature at the mode says little about the spread; the weights correct the proposal to the
+posterior itself. At each D the band is the central ``coverage`` interval of the mixture over the draws of
+Normal(mu_i(D), s_i): the curve's uncertainty, which grows with the distance from the readings,
+plus one run's spread around the curve. Its coverage, on real readings cut short and on simulated
+curves, is measured by ``python -m benchmarks.forecast_coverage`` (docs/RESULTS.md).
+
+What the band cannot hold is a curve that changes shape past the readings (an early flat stretch
+followed by growth is the common case). ``forecast_cbs`` warns once when the readings lie at fewer
+than 3 token counts or span less than a factor of 4 in tokens (the curve's shape is then untested),
+and ``schedule_from_forecast`` when it reaches farther past the last reading than the readings span.
+
+``model="auto"`` compares the curves' held-out log likelihood (each run left out in turn when the
+readings come from two or more runs, else each reading left out in turn; each fit the posterior's
+mode) and takes the plateau only when it gains more than ``PLATEAU_MARGIN`` (1 nat, its one extra
+parameter's worth) over the power law. Pure numpy/scipy: no Lightning, no plotting
+(``lit_cbs.analysis.plots.plot_forecast``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
-from scipy import optimize, special
+from scipy import optimize, special, stats
+
+from lit_cbs.errors import LitCBSConfigError
 
 MODELS = ("power", "plateau")
-DEFAULT_EPSILON = 0.01  # the probe's default tolerance, for records written before they stored theirs
-# The least spread s of log CBS around the curve the fit allows. Brackets a factor of 2 wide cannot
-# resolve a smaller one, and without a floor a curve threading every bracket drives s to 0: a band
-# of no width, and a held-out run that misses it by a little scores as impossible.
-MIN_SPREAD = 0.1
+# Weak priors (see the module docstring); s and the ceiling c in log CBS (natural log of samples), b per log token.
+SPREAD_PRIOR_MEDIAN = 0.15  # s
+SPREAD_PRIOR_SD = 0.5  # of log s
+EXPONENT_PRIOR_SD = 1.0  # of b, around 0
+CEILING_PRIOR_SD = 2.0  # of log c, around the log of the largest lower end read
+# Where the parameters may lie at all: b in [-3, 3], s in [0.01, 5] (the optimizer's bounds and the priors' support).
+EXPONENT_BOUND = 3.0
+SPREAD_BOUNDS = (0.01, 5.0)
 PLATEAU_MARGIN = 1.0  # held-out log likelihood the plateau must gain over the power law to be chosen
+POSTERIOR_DRAWS = 400  # posterior draws the band mixes over
+PROPOSALS = 4000  # importance-sampling proposals per round
+# Below these the readings cannot test the curve's shape: forecast_cbs warns.
+MIN_TOKEN_COUNTS = 3
+MIN_SPAN = 4.0  # largest / smallest token count of the readings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +95,7 @@ class Bracket:
     tokens: float
     lower: float
     upper: float
-    run: str  # which run the reading came from (bootstrap and model choice group by it)
+    run: str  # which run the reading came from (the model choice leaves runs out by it; plots colour by it)
     determined: bool = True
 
 
@@ -66,13 +108,19 @@ def _number(record: Mapping, key: str, where: str, minimum: float = 0.0) -> floa
     return float(value)
 
 
-def supported_interval(record: Mapping, where: str = "record") -> tuple[float, float]:
+def supported_interval(record: Mapping, where: str = "record", epsilon: float | None = None) -> tuple[float, float]:
     """(lower, upper) in samples: where the CBS lies at the record's confidence (see the module docstring).
 
     Uses the per-batch held-out losses when the record has them (``evaluate="heldout"``; with
-    replicate windows, their spread too, as the probe judged them); a record without them keeps its
-    own bracket when determined, and an undetermined one without them supports only [smallest k B,
-    no upper end)."""
+    replicate windows, their spread too, as the probe judged them), judged at the record's own
+    ``epsilon`` (nats); ``epsilon`` is for records written before readings stored theirs (the run's
+    ``callbacks.cbs_probe.epsilon``), and such a record without it is refused rather than judged at
+    a guess. A record without per-batch losses keeps its own bracket when determined, and an
+    undetermined one without them supports only [smallest k B, no upper end).
+
+    Raises:
+        LitCBSConfigError: the record needs an epsilon it does not hold and ``epsilon`` is None.
+    """
     from lit_cbs.probe.reading import judged_multipliers, record_scores
 
     batch = _number(record, "batch_size", where)
@@ -84,26 +132,32 @@ def supported_interval(record: Mapping, where: str = "record") -> tuple[float, f
     ks = sorted(float(k) for k in losses)
     batch_losses = record.get("batch_losses") or {}
     confidence = float(record.get("confidence", 0.5))
-    epsilon = record.get("epsilon")
-    epsilon = DEFAULT_EPSILON if epsilon is None else float(epsilon)
     if not all(f"{k:g}" in batch_losses for k in ks):
         if record.get("determined", True):
             lower = _number(record, "cbs_lower", where)
             upper = record.get("cbs_upper")
             return lower, math.inf if upper is None else float(upper)
         return ks[0] * batch, math.inf
+    epsilon = record.get("epsilon", epsilon)
+    if epsilon is None:
+        raise LitCBSConfigError(
+            f"{where} holds no epsilon (written before probe records stored theirs), so its interval cannot be read; "
+            "pass the run's callbacks.cbs_probe.epsilon (nats) as epsilon= (recipes/schedule_from_probe.py: --epsilon)"
+        )
     scores = record_scores(losses, batch_losses, record.get("replicate_batch_losses") or {})
-    admissible, rejected = judged_multipliers(scores, epsilon, confidence)
+    admissible, rejected = judged_multipliers(scores, float(epsilon), confidence)
     lower = max(admissible, default=ks[0]) * batch
     above = [k for k in rejected if k * batch > lower]
     return lower, (min(above) * batch if above else math.inf)
 
 
-def brackets_from_records(records: Iterable[Mapping], run: str = "run") -> list[Bracket]:
-    """One ``Bracket`` per probe record of one run (``supported_interval``), in tokens order.
+def brackets_from_records(records: Iterable[Mapping], run: str = "run", epsilon: float | None = None) -> list[Bracket]:
+    """One ``Bracket`` per probe record of one run (``supported_interval``, ``epsilon`` nats for records
+    without their own), in tokens order.
 
     Raises ValueError naming the record for a record without tokens, batch_size or losses, or records
-    of different seq_len (a CBS in samples means another number of tokens at another length)."""
+    of different seq_len (a CBS in samples means another number of tokens at another length); a
+    ``LitCBSConfigError`` for a record that needs an epsilon when none is given."""
     brackets, seq_lens = [], set()
     for number, record in enumerate(records, start=1):
         where = f"{run}: record {number}"
@@ -111,7 +165,7 @@ def brackets_from_records(records: Iterable[Mapping], run: str = "run") -> list[
             raise ValueError(f"{where}: {record!r} is not a probe record (a JSON object with tokens, batch_size, losses, ...)")
         tokens = _number(record, "tokens", where)
         seq_lens.add(record.get("seq_len"))
-        lower, upper = supported_interval(record, where)
+        lower, upper = supported_interval(record, where, epsilon)
         brackets.append(Bracket(tokens, lower, upper, run, bool(record.get("determined", True))))
     if not brackets:
         raise ValueError(f"{run}: no probe record; a forecast needs readings")
@@ -120,20 +174,25 @@ def brackets_from_records(records: Iterable[Mapping], run: str = "run") -> list[
     return sorted(brackets, key=lambda b: b.tokens)
 
 
-# ---------------------------------------------------------------------- the likelihood
+# ---------------------------------------------------------------------- the posterior
+def _columns(params: np.ndarray) -> np.ndarray:
+    """The parameters, each against log D: numbers for one vector, [draws, 1] columns for a stack of them."""
+    params = np.asarray(params, dtype=float)
+    return params.T[..., None] if params.ndim > 1 else params
+
+
 def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
-    """log CBS at log(D / D0)."""
-    log_a, b = params[0], params[1]
-    power = log_a + b * log_d
+    """log CBS at log(D / D0): shaped as ``log_d`` for one parameter vector, [draws, *log_d.shape] for a stack."""
+    columns = _columns(params)
+    power = columns[0] + columns[1] * log_d
     if model == "power":
         return power
-    log_c = params[3]
-    return -np.logaddexp(-power, -log_c)  # 1 / CBS = 1 / power + 1 / c
+    return -np.logaddexp(-power, -columns[3])  # 1 / CBS = 1 / power + 1 / c
 
 
 def _log_likelihood(params: np.ndarray, log_d, log_lo, log_hi, model: str) -> np.ndarray:
-    """Per bracket: log P(log_lo < log CBS < log_hi) under Normal(curve, s)."""
-    scale = math.exp(params[2])
+    """Per bracket (last axis): log P(log_lo < log CBS < log_hi) under Normal(curve, s)."""
+    scale = np.exp(_columns(params)[2])
     mu = _curve(params, log_d, model)
     upper = special.log_ndtr((log_hi - mu) / scale)  # log Phi; log_hi = inf gives 0
     lower = special.log_ndtr((log_lo - mu) / scale)
@@ -141,38 +200,113 @@ def _log_likelihood(params: np.ndarray, log_d, log_lo, log_hi, model: str) -> np
     return upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12)))
 
 
-def _fit(brackets: Sequence[Bracket], model: str, d0: float, start: np.ndarray | None = None) -> np.ndarray:
-    log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
-    log_lo = np.log(np.array([b.lower for b in brackets]))
-    log_hi = np.log(np.array([b.upper for b in brackets]))
+def _bounds(model: str) -> list[tuple[float | None, float | None]]:
+    spread = (math.log(SPREAD_BOUNDS[0]), math.log(SPREAD_BOUNDS[1]))
+    return [(None, None), (-EXPONENT_BOUND, EXPONENT_BOUND), spread] + ([(None, None)] if model == "plateau" else [])
+
+
+def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray:
+    """The weak priors' log density (up to a constant) of each parameter vector; -inf outside ``_bounds``."""
+    params = np.asarray(params, dtype=float)
+    b, log_s = params[..., 1], params[..., 2]
+    spread = (log_s - math.log(SPREAD_PRIOR_MEDIAN)) / SPREAD_PRIOR_SD
+    density = -0.5 * spread**2 - 0.5 * (b / EXPONENT_PRIOR_SD) ** 2
+    if model == "plateau":
+        density = density - 0.5 * ((params[..., 3] - log_ceiling) / CEILING_PRIOR_SD) ** 2
+    (_, b_high), (s_low, s_high) = _bounds(model)[1:3]
+    inside = (np.abs(b) <= b_high) & (log_s >= s_low) & (log_s <= s_high)
+    return np.where(inside, density, -np.inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Readings:
+    """Brackets as the likelihood reads them: log(D / D0), log lower, log upper, and the plateau prior's centre."""
+
+    log_d: np.ndarray
+    log_lo: np.ndarray
+    log_hi: np.ndarray
+    log_ceiling: float
+
+    @classmethod
+    def of(cls, brackets: Sequence[Bracket], d0: float) -> _Readings:
+        log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
+        lower, upper = np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
+        return cls(log_d, lower, upper, float(lower.max()))
+
+    def log_posterior(self, params: np.ndarray, model: str) -> np.ndarray:
+        """Summed log likelihood plus log prior (up to a constant), per parameter vector."""
+        likelihood = np.sum(_log_likelihood(params, self.log_d, self.log_lo, self.log_hi, model), axis=-1)
+        return likelihood + _log_prior(params, model, self.log_ceiling)
+
+
+def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
+    """The posterior's mode (log a, b, log s[, log c]) for D in units of ``d0`` tokens."""
+    readings = _Readings.of(brackets, d0)
 
     def loss(params):
-        value = -float(np.sum(_log_likelihood(params, log_d, log_lo, log_hi, model)))
+        value = -float(readings.log_posterior(params, model))
         return value if math.isfinite(value) else 1e12
 
-    bounds = [(None, None), (-3.0, 3.0), (math.log(MIN_SPREAD), math.log(5.0))] + ([(None, None)] if model == "plateau" else [])
-    if start is not None:
-        starts = [start]
-    else:
-        centre = np.where(np.isfinite(log_hi), (log_lo + np.where(np.isfinite(log_hi), log_hi, 0)) / 2, log_lo + math.log(2))
-        slope = np.polyfit(log_d, centre, 1)[0] if len(set(log_d)) > 1 else 0.0
-        line = np.array([float(np.mean(centre - slope * log_d)), float(slope), math.log(0.5)])
-        if model == "power":
-            starts = [line]
-        else:  # from the power law's fit, with the ceiling near, at and above the largest reading
-            power = _fit(brackets, "power", d0)
-            starts = [np.append(power, float(np.max(centre)) + shift) for shift in (-0.5, 0.5, 2.0)]
-    results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=bounds) for x0 in starts]
+    log_d, log_lo, log_hi = readings.log_d, readings.log_lo, readings.log_hi
+    upper = np.where(np.isfinite(log_hi), log_hi, log_lo + 2 * math.log(2))  # an open end's centre: twice its lower
+    centre = (log_lo + upper) / 2
+    slope = np.polyfit(log_d, centre, 1)[0] if len(set(log_d)) > 1 else 0.0
+    slope = float(np.clip(slope, -EXPONENT_BOUND, EXPONENT_BOUND))
+    line = np.array([float(np.mean(centre - slope * log_d)), slope, math.log(SPREAD_PRIOR_MEDIAN)])
+    if model == "power":
+        starts = [line]
+    else:  # from the power law's fit, with the ceiling near, at and above the largest reading
+        power = _fit(brackets, "power", d0)
+        starts = [np.append(power, float(np.max(centre)) + shift) for shift in (-0.5, 0.5, 2.0)]
+    results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=_bounds(model)) for x0 in starts]
     return min(results, key=lambda result: result.fun).x
+
+
+def _laplace_covariance(log_posterior, mode: np.ndarray, step: float = 1e-3) -> np.ndarray:
+    """The inverse of the negative log posterior's Hessian at ``mode`` (central differences), its
+    eigenvalues floored so that no direction gets a standard deviation above 3 (a flat likelihood)."""
+    size = len(mode)
+    offsets = np.eye(size) * step
+    hessian = np.empty((size, size))
+    for i in range(size):
+        for j in range(size):
+            corners = [mode + si * offsets[i] + sj * offsets[j] for si, sj in ((1, 1), (1, -1), (-1, 1), (-1, -1))]
+            values = [-float(log_posterior(corner)) for corner in corners]
+            hessian[i, j] = (values[0] - values[1] - values[2] + values[3]) / (4 * step * step)
+    values, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
+    return (vectors / np.maximum(values, 1 / 9)) @ vectors.T
+
+
+def _posterior_draws(brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng) -> np.ndarray:
+    """``POSTERIOR_DRAWS`` parameter vectors from the posterior (importance sampling, see the module docstring)."""
+    readings = _Readings.of(brackets, d0)
+
+    def log_posterior(params):
+        return readings.log_posterior(params, model)
+
+    centre, shape = mode, _laplace_covariance(log_posterior, mode)
+    for _ in range(3):
+        proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
+        draws = proposal.rvs(size=PROPOSALS, random_state=rng)
+        log_weights = log_posterior(draws) - proposal.logpdf(draws)
+        weights = np.exp(log_weights - np.max(log_weights))
+        weights /= weights.sum()
+        if 1.0 / float(np.sum(weights**2)) >= PROPOSALS / 5:  # the effective number of proposals
+            break
+        # Too few proposals carry the weight: centre the next round on the weighted draws, a little wider.
+        centre = weights @ draws
+        shape = 1.5 * np.cov(draws.T, aweights=weights) + 1e-6 * np.eye(len(mode))
+    return draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)]
 
 
 @dataclasses.dataclass(frozen=True)
 class CBSForecast:
     """A fitted CBS(D) curve, its band at ``coverage``, and what it was fitted on.
 
-    ``params``: log a, b, log s (and log c for the plateau), with D in units of ``d0`` tokens.
-    ``heldout_log_likelihood``: per model, the summed log likelihood of each left-out run's (or
-    reading's) brackets under the fit to the rest. ``band_draws``: the bootstrap fits' parameters.
+    ``params``: the posterior's mode of log a, b, log s (and log c for the plateau), with D in units
+    of ``d0`` tokens and a, c, the CBS in samples. ``heldout_log_likelihood``: per model, the summed
+    log likelihood of each left-out run's (or reading's) brackets under the fit to the rest.
+    ``band_draws``: the posterior draws of the parameters the band mixes over.
     """
 
     model: str
@@ -195,20 +329,20 @@ class CBSForecast:
 
     @property
     def noise_scale(self) -> float:
-        """s: the spread of log CBS around the curve (one run's readings against the curve)."""
+        """s: the spread of log CBS around the curve (one run's readings against the curve), at the posterior's mode."""
         return math.exp(self.params[2])
 
     def predict(self, tokens) -> np.ndarray:
-        """The fitted CBS (samples) at ``tokens`` (a number or an array)."""
+        """The fitted CBS (samples) at ``tokens`` (a number or an array): the posterior mode's curve."""
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
         return np.exp(_curve(np.asarray(self.params), log_d, self.model))
 
     def band(self, tokens) -> tuple[np.ndarray, np.ndarray]:
         """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read
-        there: quantiles of the mixture, over the bootstrap fits, of each fit's normal spread s
-        around its curve (so both the curve's uncertainty and one run's spread around it count)."""
+        there given the readings (posterior predictive): quantiles of the mixture, over the posterior
+        draws, of each draw's normal spread s around its curve. It widens with the distance from the readings."""
         log_d = np.log(np.atleast_1d(np.asarray(tokens, dtype=float)) / self.d0)
-        curves = np.stack([_curve(draw, log_d, self.model) for draw in self.band_draws])  # [draws, D]
+        curves = _curve(self.band_draws, log_d, self.model)  # [draws, D]
         spreads = np.exp(self.band_draws[:, 2])[:, None]
         tail = (1.0 - self.coverage) / 2
         return np.exp(_mixture_quantile(curves, spreads, tail)), np.exp(_mixture_quantile(curves, spreads, 1.0 - tail))
@@ -226,7 +360,7 @@ class CBSForecast:
         return (
             f"{self.model} fit to {len(self.brackets)} readings of {len(runs)} run(s) "
             f"({self.brackets[0].tokens:,.0f} to {self.brackets[-1].tokens:,.0f} tokens): {shape}; "
-            f"spread of log CBS {self.noise_scale:.3f}; band at {self.coverage:.0%}"
+            f"spread of log CBS {self.noise_scale:.3f}; {self.coverage:.0%} posterior predictive band"
         )
 
 
@@ -251,77 +385,55 @@ def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
         if len({b.tokens for b in rest}) < 2:
             continue
         params = _fit(rest, model, d0)
-        log_d = np.log(np.array([b.tokens for b in group]) / d0)
-        total += float(
-            np.sum(_log_likelihood(params, log_d, np.log([b.lower for b in group]), np.log([b.upper for b in group]), model))
-        )
+        held = _Readings.of(group, d0)
+        total += float(np.sum(_log_likelihood(params, held.log_d, held.log_lo, held.log_hi, model)))
     return total
 
 
-def forecast_cbs(
-    brackets: Sequence[Bracket],
-    model: str = "auto",
-    coverage: float = 0.8,
-    bootstrap: int = 200,
-    seed: int = 0,
-) -> CBSForecast:
+def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: float = 0.8, seed: int = 0) -> CBSForecast:
     """Fit CBS(D) to ``brackets`` (``brackets_from_records`` of one or more runs; see the module docstring).
 
     ``model``: "power", "plateau" or "auto" (the one with the higher held-out log likelihood;
     the plateau needs readings at 4 or more token counts). ``coverage``: of the band, in (0, 1).
-    ``bootstrap``: refits for the band. Raises ValueError for fewer than 2 token counts, a bad
-    bracket or argument, naming it.
+    ``seed``: of the posterior's importance sampling (the band's draws). Raises ValueError for fewer
+    than 2 token counts, a bad bracket or argument, naming it; warns once where the readings cannot
+    test the curve's shape (fewer than ``MIN_TOKEN_COUNTS`` token counts, or a span under ``MIN_SPAN``).
     """
     if model not in (*MODELS, "auto"):
         raise ValueError(f"model={model!r} must be one of {(*MODELS, 'auto')}")
     if not 0 < coverage < 1:
         raise ValueError(f"coverage={coverage!r} must lie in (0, 1), e.g. 0.8")
-    if not (isinstance(bootstrap, int) and bootstrap >= 20):
-        raise ValueError(f"bootstrap={bootstrap!r} must be an int >= 20 (refits for the band)")
     brackets = sorted(brackets, key=lambda b: b.tokens)
     for bracket in brackets:
         if not (bracket.tokens > 0 and 0 < bracket.lower < bracket.upper):
             raise ValueError(f"{bracket}: needs tokens > 0 and 0 < lower < upper (upper inf for no upper end)")
-    if len({b.tokens for b in brackets}) < 2:
-        raise ValueError(
-            f"readings at {len({b.tokens for b in brackets})} token count(s); a curve in D needs readings at 2 or more"
-        )
+    token_counts = sorted({b.tokens for b in brackets})
+    if len(token_counts) < 2:
+        raise ValueError(f"readings at {len(token_counts)} token count(s); a curve in D needs readings at 2 or more")
     if all(math.isinf(b.upper) for b in brackets):
         raise ValueError(
             "no reading has an upper end (every CBS is beyond its probe's grid): nothing bounds the curve from above"
         )
+    span = token_counts[-1] / token_counts[0]
+    if len(token_counts) < MIN_TOKEN_COUNTS or span < MIN_SPAN:
+        first, last = token_counts[0], token_counts[-1]
+        readings = f"{len(token_counts)} token counts spanning {span:.1f}x ({first:,.0f} to {last:,.0f})"
+        warnings.warn(
+            f"forecast_cbs: readings at {readings} cannot test the curve's shape, so its band holds only if the CBS "
+            f"keeps to a power law; probe at {MIN_TOKEN_COUNTS} or more points spanning {MIN_SPAN:g}x or more in tokens"
+        )
     d0 = float(np.exp(np.mean(np.log([b.tokens for b in brackets]))))
-    candidates = [m for m in MODELS if m == "power" or len({b.tokens for b in brackets}) >= 4]
+    candidates = [m for m in MODELS if m == "power" or len(token_counts) >= 4]
     heldout = {m: _heldout(brackets, m, d0) for m in candidates}
     if model != "auto":
         chosen = model
     else:  # the plateau's one more parameter must earn more than 1 in held-out log likelihood
         chosen = "plateau" if heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN else "power"
     if chosen == "plateau" and "plateau" not in candidates:
-        raise ValueError(
-            f"model='plateau' needs readings at 4 or more token counts; these have {len({b.tokens for b in brackets})}"
-        )
+        raise ValueError(f"model='plateau' needs readings at 4 or more token counts; these have {len(token_counts)}")
     params = _fit(brackets, chosen, d0)
-
-    rng = np.random.default_rng(seed)
-    runs = sorted({b.run for b in brackets})
-    by_run = {run: [b for b in brackets if b.run == run] for run in runs}
-    draws, tries = [], 0
-    while len(draws) < bootstrap:
-        tries += 1
-        if tries > 20 * bootstrap:
-            raise ValueError(
-                f"only {len(draws)} of {tries} resamples of the readings could be fitted (each needs 2 token counts "
-                "and an upper end); probe at more points or with a wider grid"
-            )
-        sample = []
-        for run in rng.choice(runs, size=len(runs)) if len(runs) > 1 else runs:
-            members = by_run[run]
-            sample += [members[i] for i in rng.integers(0, len(members), size=len(members))]
-        if len({b.tokens for b in sample}) < 2 or all(math.isinf(b.upper) for b in sample):
-            continue  # a resample the curve cannot be fitted to
-        draws.append(_fit(sample, chosen, d0, start=params))
-    return CBSForecast(chosen, tuple(float(p) for p in params), d0, coverage, tuple(brackets), heldout, np.array(draws))
+    draws = _posterior_draws(brackets, chosen, d0, params, np.random.default_rng(seed))
+    return CBSForecast(chosen, tuple(float(p) for p in params), d0, coverage, tuple(brackets), heldout, draws)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,6 +454,8 @@ def schedule_from_forecast(
     At D tokens the batch is the largest ``start x factor**n`` (never above ``final``) with
     ``margin x batch <= low(D)``, the band's lower edge: the batch a run would read as below its CBS
     with the band's probability. It never decreases. Returns ``(schedule, [ForecastChange, ...])``.
+    Warns once when ``until_tokens`` lies farther past the last reading than the readings span (a
+    ratio of token counts): the band assumes the curve keeps its fitted shape there.
     """
     from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
@@ -351,6 +465,13 @@ def schedule_from_forecast(
         raise ValueError(f"start={start!r} must be an int >= 1 and factor={factor!r} an int >= 2")
     if not (isinstance(margin, (int, float)) and margin >= 1):
         raise ValueError(f"margin={margin!r} must be a number >= 1")
+    first, last = forecast.brackets[0].tokens, forecast.brackets[-1].tokens
+    if until_tokens / last > last / first:
+        reach = f"until_tokens={until_tokens:,} is {until_tokens / last:.1f}x past the last reading ({last:,.0f})"
+        warnings.warn(
+            f"schedule_from_forecast: {reach}, farther than the readings span ({last / first:.1f}x): the band assumes "
+            "the curve keeps its fitted shape that far; probe later in the run, or forecast a shorter one"
+        )
     grid = np.unique(np.geomspace(1, until_tokens, 2000).astype(np.int64))
     low, high = forecast.band(grid)
     sizes, thresholds, changes = [start], [0], []

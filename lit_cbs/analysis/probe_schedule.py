@@ -14,11 +14,16 @@ import math
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 PathLike = str | os.PathLike
 REQUIRED_FIELDS = ("tokens", "cbs_lower")
+# The configuration a recipe run saves in its folder, beside cbs_probe.jsonl: recipes/train.py's resolved
+# copy first, then the one Hydra writes (its interpolations resolved on reading).
+RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")
 
 
 def read_probe_records(path: PathLike) -> list[dict]:
@@ -53,6 +58,29 @@ def read_probe_records(path: PathLike) -> list[dict]:
             f"{path} holds no CBS probe record; run with CBSProbeCallback until a probe finishes, or pass another file"
         )
     return records
+
+
+def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
+    """The value of ``key`` (a dotted Hydra key, e.g. ``callbacks.cbs_probe.epsilon``) in the configuration
+    the recipe run in ``run_dir`` saved (``RUN_CONFIGS``, in that order), and the file it came from; None
+    where no such file holds the key or its value cannot be resolved there. A key set to null gives None
+    as its value. For what a probe file's records do not say (written by an earlier version), or what the
+    run that wrote them trained with."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import InterpolationResolutionError
+
+    absent = object()
+    for name in RUN_CONFIGS:
+        path = Path(run_dir) / name
+        if not path.is_file():
+            continue
+        try:
+            value = OmegaConf.select(OmegaConf.load(path), key, default=absent)
+        except InterpolationResolutionError:  # .hydra/config.yaml alone lacks train.py's resolvers
+            continue
+        if value is not absent:
+            return value, path
+    return None
 
 
 def _number(record: dict, key: str, where: str) -> float:

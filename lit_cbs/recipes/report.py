@@ -97,14 +97,11 @@ def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
 
 
 def _probe_epsilon(run_dir: Path) -> float | None:
-    """The probe's epsilon (nats) from a recipe run's resolved_config.yaml, for the plot's tolerance line."""
-    config = run_dir / "resolved_config.yaml"
-    if not config.is_file():
-        return None
-    from omegaconf import OmegaConf
+    """The probe's epsilon (nats) from a recipe run's saved configuration, for the plot's tolerance line."""
+    from lit_cbs.analysis.probe_schedule import run_config_value
 
-    epsilon = OmegaConf.select(OmegaConf.load(config), "callbacks.cbs_probe.epsilon")
-    return float(epsilon) if epsilon is not None else None
+    found = run_config_value(run_dir, "callbacks.cbs_probe.epsilon")
+    return float(found[0]) if found is not None and found[0] is not None else None
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:

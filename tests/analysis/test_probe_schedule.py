@@ -1,5 +1,6 @@
 """schedule_from_probe on hand-made probe records, and recipes/schedule_from_probe.py end to end: the
-batch config it writes composes with train.py's config and instantiates to the schedule."""
+batch config it writes composes with train.py's config and instantiates to the schedule, with the
+measured run's micro-batch growth; a forecast from too few readings warns in one line each."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from recipe_runs import compose_config
 
 from lit_cbs import BatchWarmup
 from lit_cbs.analysis import schedule_from_probe
@@ -204,3 +206,64 @@ def test_command_bad_input_is_one_line(tmp_path, capsys, recipe_script):
     assert command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read CBS probe records" in err
+
+
+RUN_CONFIGS = {  # what a recipe run saved beside its cbs_probe.jsonl, reduced to the key the command reads
+    "resolved_config.yaml": "batch:\n  max_micro_batch_size: 32\n",
+    # Hydra's own copy keeps interpolations: the olmo recipes set the cap to the micro-batch.
+    ".hydra/config.yaml": "data:\n  batch_size: 8\nbatch:\n  max_micro_batch_size: ${data.batch_size}\n",
+}
+
+
+@pytest.mark.parametrize(
+    "config, cap, said",
+    [
+        (None, 64, "max_micro_batch_size 64: the default of conf/batch/warmup.yaml"),
+        ("resolved_config.yaml", 32, "max_micro_batch_size 32: the measured run's batch.max_micro_batch_size"),
+        (".hydra/config.yaml", 8, "max_micro_batch_size 8: the measured run's batch.max_micro_batch_size"),
+    ],
+)
+def test_the_written_config_keeps_the_measured_runs_micro_batch_growth(tmp_path, recipe_script, config, cap, said):
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    probe = write_jsonl(run / "cbs_probe.jsonl", [reading(65_536, 16), reading(524_288, 32)])
+    if config is not None:
+        (run / config).write_text(RUN_CONFIGS[config])
+    out = tmp_path / "conf" / "batch" / "measured.yaml"
+    command = recipe_script("schedule_from_probe")
+    assert command.main([str(probe), "--start", "16", "--final", "64", "--out", str(out)]) == 0
+    assert said in out.read_text()
+    # What the file makes a recipe run do: BatchWarmup grows the micro-batch up to the cap, as batch=warmup does.
+    warmup = batch_warmup_of(
+        compose_config(f"hydra.searchpath=[file://{out.parents[1]}]", "+recipe=tiny4x_warmup", "batch=measured")
+    )
+    assert warmup.max_micro_batch_size == cap and warmup.schedule.batch_sizes == [16, 32]
+
+
+def test_runs_that_grew_their_micro_batch_differently_need_the_option(tmp_path, capsys, recipe_script):
+    command = recipe_script("schedule_from_probe")
+    probes = []
+    for name, cap in (("a", 32), ("b", 64)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "resolved_config.yaml").write_text(f"batch:\n  max_micro_batch_size: {cap}\n")
+        probes.append(str(write_jsonl(tmp_path / name / "cbs_probe.jsonl", [reading(65_536, 16)])))
+    out = tmp_path / "measured.yaml"
+    assert command.main([*probes, "--start", "16", "--out", str(out)]) == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the measured runs' batch.max_micro_batch_size differ: 32" in err
+    assert err.strip().endswith("pick one with --max-micro-batch-size")
+    assert command.main([*probes, "--start", "16", "--out", str(out), "--max-micro-batch-size", "16"]) == 0
+    assert "max_micro_batch_size: 16" in out.read_text().splitlines()
+
+
+def test_a_forecast_from_two_readings_far_past_them_warns_in_one_line_each(tmp_path):
+    # The default job's two readings, forecast 8x past the last: what the command prints, from its own process.
+    # Records without per-batch losses keep their own brackets: [32, 64] and [128, 256].
+    readings = [reading(524_288, 32, losses={"1": 3.0}), reading(2_097_152, 128, losses={"1": 3.0})]
+    probe = write_jsonl(tmp_path / "cbs_probe.jsonl", readings)
+    done = run_command(probe, "--start", 16, "--forecast-to", 16_777_216, "--out", tmp_path / "forecast.yaml")
+    assert done.returncode == 0, done.stderr
+    first, second = done.stderr.splitlines()
+    assert first.startswith("warning: forecast_cbs: readings at 2 token counts") and "probe at 3 or more" in first
+    assert second.startswith("warning: schedule_from_forecast: until_tokens=16,777,216 is 8.0x past the last reading")
+    assert "posterior predictive band" in (tmp_path / "forecast.yaml").read_text()
