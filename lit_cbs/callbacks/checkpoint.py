@@ -32,7 +32,6 @@ interrupted:
 
 from __future__ import annotations
 
-import shutil
 import signal
 import threading
 import warnings
@@ -55,6 +54,7 @@ from lit_cbs._internals import (
     should_accumulate,
 )
 from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
+from lit_cbs.callbacks.checkpoint_files import atomic_saves, copy_checkpoint
 
 
 class FinalStateCheckpoint(ModelCheckpoint):
@@ -67,6 +67,11 @@ class FinalStateCheckpoint(ModelCheckpoint):
         super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
         self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
         self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Every checkpoint the Trainer writes appears only once complete (``checkpoint_files``)."""
+        super().setup(trainer, pl_module, stage)
+        atomic_saves(trainer.strategy)
 
     # ------------------------------------------------------------------ signals
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -82,7 +87,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
         source, target = Path(trainer.ckpt_path), Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
         if trainer.is_global_zero and source.resolve() != target.resolve():
-            _copy_checkpoint(source, target)
+            copy_checkpoint(source, target)
         trainer.strategy.barrier("FinalStateCheckpoint.resumed")
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = str(target)
@@ -141,7 +146,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _replace_with_probe_start(self, trainer: pl.Trainer, hpc_path: str | None) -> None:
         """Make the checkpoint Lightning just saved at the requeue signal hold the open probe's start instead."""
         if hpc_path is not None and trainer.is_global_zero:
-            _copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
+            copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
             rank_zero_info(
                 f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, where the CBS probe began"
             )
@@ -258,14 +263,3 @@ def _explain_sigterm(exception: SIGTERMException, message: str) -> None:
     way out (exit status 1, not the 0 of a bare ``SystemExit``, which a scheduler would read as done)."""
     exception.args = (message,)
     exception.code = message
-
-
-def _copy_checkpoint(source: Path, target: Path) -> None:
-    """Copy a checkpoint file, or a distributed checkpoint's folder, over ``target``."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if target.is_dir():
-        shutil.rmtree(target)
-    if source.is_dir():
-        shutil.copytree(source, target)
-    else:
-        shutil.copyfile(source, target)

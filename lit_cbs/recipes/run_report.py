@@ -173,6 +173,7 @@ class Run:
     model: CausalLM
     datamodule: TokenDataModule
     batch_warmup: BatchWarmup
+    ckpt_path: str | None = None  # the checkpoint trainer.fit resumes from (lit_cbs.recipes.job.resume_checkpoint)
 
 
 def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> str:

@@ -118,7 +118,7 @@ def text_folder(tmp_path_factory):
             "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1",
         ),
         (["batch.max_micro_batch_size=0"], "batch.max_micro_batch_size=0 must be a positive int or None"),
-        (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path='/nonexistent/last.ckpt' does not exist"),
+        (["ckpt_path=/nonexistent/last.ckpt"], "ckpt_path=/nonexistent/last.ckpt is not a complete checkpoint"),
         (["+recipe=olmo1b_warmup", "trainer.accelerator=cpu"], "this recipe trains on your tokens"),
         (
             ["trainer=fsdp", "trainer.devices=auto", "trainer.accelerator=cpu"],

@@ -1,0 +1,223 @@
+"""Checkpoints that a kill cannot tear: written under a temporary name, moved into place once complete.
+
+A checkpoint is a file (``torch.save``'s zip archive) or, under FSDP2 with distributed checkpoints, a
+folder of shards (``torch.distributed.checkpoint``'s ``.metadata`` beside them, Lightning's ``meta.pt``).
+Lightning writes either straight to its final path, and replaces a folder by writing new shards over
+the old ones: a process killed meanwhile leaves a checkpoint that is missing pieces, or one that mixes
+two steps and still looks complete. ``atomic_saves(strategy)`` makes every save of a Trainer (periodic,
+``last.ckpt``, Lightning's ``hpc_ckpt_<n>.ckpt``, ``trainer.save_checkpoint``) write to
+``.<name>.partial`` beside its path, and only once every rank has finished, move it into place
+(``replace``): a reader finds the old checkpoint or the new one, never part of one.
+
+Moving a folder over an existing one takes two renames (the old one aside to ``.<name>.replaced``,
+the new one in). A kill between them leaves no checkpoint at the name for a moment; ``settle(folder)``
+finishes or undoes any such move, and is called before a checkpoint folder is read.
+``unreadable(path)`` says what is missing from a checkpoint (None when complete), and
+``newest_complete`` picks the newest complete checkpoint of a run to resume from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import zipfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+PARTIAL = ".partial"  # suffix of a checkpoint being written: .<name>.partial
+REPLACED = ".replaced"  # suffix of the checkpoint a completed write is replacing: .<name>.replaced
+DCP_METADATA = ".metadata"  # written by torch.distributed.checkpoint once every shard is written
+LIGHTNING_METADATA = "meta.pt"  # Lightning's non-tensor state beside a distributed checkpoint
+
+
+def partial_path(target: Path) -> Path:
+    """Where a checkpoint bound for ``target`` is written until complete."""
+    return target.with_name(f".{target.name}{PARTIAL}")
+
+
+def replaced_path(target: Path) -> Path:
+    """Where the checkpoint ``target`` held waits while a new one is moved in."""
+    return target.with_name(f".{target.name}{REPLACED}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (a power cut after it keeps them)."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform or file system without directory descriptors
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def replace(partial: Path, target: Path) -> None:
+    """Move the complete checkpoint ``partial`` to ``target``, over whatever ``target`` holds.
+
+    A file over a file is one atomic ``os.replace``. Otherwise (a folder on either side) the old
+    checkpoint moves aside to ``.<name>.replaced`` first, the new one moves in, and the old one is
+    deleted; ``settle`` completes this after a kill between the steps.
+    """
+    aside = replaced_path(target)
+    _remove(aside)  # left by a replacement a kill interrupted, its checkpoint since superseded
+    if target.exists() and not (target.is_file() and partial.is_file()):
+        os.replace(target, aside)
+        _sync_folder(target.parent)
+        os.replace(partial, target)
+        _sync_folder(target.parent)
+        _remove(aside)
+    else:
+        os.replace(partial, target)
+        _sync_folder(target.parent)
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """Hold a lock on ``folder`` itself: the processes of a job that start together settle it one at a time."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # releases the lock
+
+
+def settle(folder: Path) -> None:
+    """Finish or undo the checkpoint moves a kill interrupted in ``folder``: a write that died before it
+    was complete is deleted, a replacement that died halfway is completed (the new checkpoint was
+    complete once the old one was moved aside), and an old checkpoint left aside is deleted. Safe to
+    call from every process of a job at once (they take turns); call it before any of them writes."""
+    if not folder.is_dir():
+        return
+    with _locked(folder):
+        _settle(folder)
+
+
+def _settle(folder: Path) -> None:
+    for aside in sorted(folder.glob(f".*{REPLACED}")):
+        target = folder / aside.name[1 : -len(REPLACED)]
+        partial = partial_path(target)
+        if not target.exists() and partial.exists():
+            os.replace(partial, target)
+        elif not target.exists():
+            os.replace(aside, target)  # nothing to move in: keep the old one
+            continue
+        _remove(aside)
+    for partial in sorted(folder.glob(f".*{PARTIAL}")):
+        _remove(partial)  # no replacement under way: a write that did not finish
+    _sync_folder(folder)
+
+
+def copy_checkpoint(source: Path, target: Path) -> None:
+    """Copy a checkpoint file, or a distributed checkpoint's folder, to ``target`` atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = partial_path(target)
+    _remove(partial)
+    if source.is_dir():
+        shutil.copytree(source, partial)
+    else:
+        shutil.copyfile(source, partial)
+    replace(partial, target)
+
+
+def unreadable(path: Path) -> str | None:
+    """What makes the checkpoint at ``path`` incomplete, in words, or None if it is complete: a file
+    must be a whole zip archive (``torch.save``'s format, whose index is written last); a distributed
+    checkpoint's folder must hold its ``.metadata``, Lightning's ``meta.pt`` and every byte the
+    metadata lists."""
+    if not path.exists():
+        return "it does not exist"
+    if path.is_file():
+        return None if _whole_archive(path) else "it is not a whole torch.save archive (cut short while written?)"
+    if not (path / DCP_METADATA).is_file():
+        return f"its folder has no {DCP_METADATA} (the distributed checkpoint was not finished)"
+    if not _whole_archive(path / LIGHTNING_METADATA):
+        return f"its folder has no whole {LIGHTNING_METADATA} (the distributed checkpoint was not finished)"
+    missing = _missing_shard_bytes(path)
+    return f"its shard {missing} is missing or short" if missing is not None else None
+
+
+def _whole_archive(path: Path) -> bool:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _missing_shard_bytes(folder: Path) -> str | None:
+    """The first shard file the distributed checkpoint's metadata lists that is missing or shorter than
+    the bytes it lists in it, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any unreadable metadata makes the checkpoint incomplete
+        return f"{DCP_METADATA} ({type(error).__name__})"
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        relative = str(getattr(info, "relative_path", ""))
+        ends[relative] = max(ends.get(relative, 0), int(info.offset) + int(info.length))
+    for relative, end in sorted(ends.items()):
+        shard = folder / relative
+        if not shard.is_file() or shard.stat().st_size < end:
+            return relative
+    return None
+
+
+def checkpoint_candidates(folders: Iterable[Path]) -> list[Path]:
+    """The checkpoints in ``folders`` (``*.ckpt`` files and folders, not those being written), settled first."""
+    found = []
+    for folder in folders:
+        settle(folder)
+        if folder.is_dir():
+            found.extend(path for path in folder.glob("*.ckpt") if not path.name.startswith("."))
+    return found
+
+
+def newest_complete(folders: Iterable[Path]) -> Path | None:
+    """The complete checkpoint written last in ``folders`` (by modification time), or None."""
+    complete = [path for path in checkpoint_candidates(folders) if unreadable(path) is None]
+    return max(complete, key=lambda path: path.stat().st_mtime_ns, default=None)
+
+
+def atomic_saves(strategy: Any) -> None:
+    """Make every checkpoint ``strategy`` saves to a local path appear there only once complete, on every
+    rank alike: written to ``.<name>.partial`` (all ranks, for a distributed checkpoint), then moved into
+    place by rank 0 (``replace``) after all ranks finished writing. Idempotent; remote paths
+    (``s3://``, ...) are written as before (their objects appear whole)."""
+    save = strategy.save_checkpoint
+    if getattr(save, "writes_atomically", False):
+        return
+
+    def save_checkpoint(checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if "://" in str(filepath):
+            save(checkpoint, filepath, storage_options=storage_options)
+            return
+        target = Path(strategy.broadcast(str(filepath)))
+        partial = partial_path(target)
+        if strategy.is_global_zero:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _remove(partial)  # a write a kill interrupted
+        strategy.barrier("lit_cbs.atomic_saves.before")
+        save(checkpoint, partial, storage_options=storage_options)
+        strategy.barrier("lit_cbs.atomic_saves.written")
+        if strategy.is_global_zero:
+            replace(partial, target)
+        strategy.barrier("lit_cbs.atomic_saves.moved")
+
+    save_checkpoint.writes_atomically = True  # type: ignore[attr-defined]
+    strategy.save_checkpoint = save_checkpoint
