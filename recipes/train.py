@@ -27,6 +27,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging
+import shlex
 import signal
 import sys
 import time
@@ -45,10 +46,9 @@ from lit_cbs import CBSProbeCallback
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.recipes import job
 from lit_cbs.recipes.plan import Limits, OptimizerState, RunPlan, plan_run
-from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers
+from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers, remember_swept_keys
 from lit_cbs.recipes.run_report import Run, run_header, write_run_summary
 
-LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
 CONF = Path(__file__).resolve().parents[1] / "conf"  # hydra.main's config_path below
 
 register_resolvers()
@@ -89,8 +89,9 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     try:  # the job's overrides, less plan=true and what the plan's commands set
         moved = ("plan=", "plan_for.", "trainer.num_nodes=", "trainer.max_steps=", "ckpt_path=", "hydra.run.dir=")
         overrides = [override for override in HydraConfig.get().overrides.task if not override.startswith(moved)]
+        slurm_arguments = [override for override in overrides if not override.startswith("trainer.devices=")]
     except ValueError:  # no Hydra job: composed by a script or a test
-        overrides = []
+        overrides, slurm_arguments = [], []
     optimizer = OmegaConf.to_container(cfg.model.optimizer, resolve=True) if cfg.model.get("optimizer") else {}
     start = {"weight_decay": optimizer.get("weight_decay"), "beta2": (optimizer.get("betas") or [None, None])[1]}
     rules = [rule for rule in warmup.rules.settings if start[rule.key] is not None]  # the settings BatchWarmup moves
@@ -120,7 +121,8 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         limits=Limits(**limits),
         optimizer=OptimizerState.measure(model.optimizer_factory),
         max_micro_batch_size=warmup.max_micro_batch_size,
-        command=f"recipes/train.py {' '.join(overrides) or f'+recipe={cfg.run_name}'}",
+        command=f"recipes/train.py {' '.join(map(shlex.quote, overrides)) or f'+recipe={cfg.run_name}'}",
+        slurm_arguments=" ".join(map(shlex.quote, slurm_arguments)) or f"+recipe={cfg.run_name}",
         settings=settings if rules else None,
     )
 
@@ -139,11 +141,7 @@ def build_run(cfg: DictConfig) -> Run:
             "this run's plan (memory per GPU, steps, wall time) here, or train a tiny recipe on the CPU "
             "(python recipes/train.py, or +recipe=tiny_warmup)"
         )
-    if cfg.ckpt_path is not None and cfg.ckpt_path not in LIGHTNING_CHECKPOINT_NAMES and not Path(cfg.ckpt_path).exists():
-        raise LitCBSConfigError(
-            f"ckpt_path={cfg.ckpt_path!r} does not exist; give a checkpoint from a run's checkpoints/ folder "
-            "(a .ckpt file, or a .ckpt folder under trainer=fsdp), or ckpt_path=null to start afresh"
-        )
+    ckpt_path = job.resume_checkpoint(cfg)
     job.model_config_of(cfg)  # a bad model.config fails here, naming its key, before the data settings
     if not cfg.allow_default_corpus and cfg.data.path is None and cfg.data.input_dir is None:
         raise LitCBSConfigError(
@@ -158,7 +156,7 @@ def build_run(cfg: DictConfig) -> Run:
 
     warmup = job.batch_warmup_of(cfg)
     callbacks = [warmup, *job.callbacks_of(cfg)]
-    if warmup.lacks_a_feeder(callbacks, resumed=cfg.ckpt_path is not None):
+    if warmup.lacks_a_feeder(callbacks, resumed=ckpt_path is not None):
         raise LitCBSConfigError(
             f"batch.schedule is CBSAdaptive, which grows the batch only on CBS readings, but the run has no probe "
             f"(callbacks.cbs_probe is null, or its first window ends past max_tokens), so the batch would stay "
@@ -177,7 +175,7 @@ def build_run(cfg: DictConfig) -> Run:
             f"the data's token ids go up to {datamodule.vocab_size - 1} but the model's vocab_size is "
             f"{model.dims.vocab_size}; use a larger model.config.vocab_size or the model's tokenizer (data.tokenizer)"
         )
-    return Run(trainer, model, datamodule, warmup)
+    return Run(trainer, model, datamodule, warmup, ckpt_path)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -205,7 +203,7 @@ def main(cfg: DictConfig) -> float | None:
     started = time.perf_counter()
     terminated = False
     try:
-        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=cfg.ckpt_path)
+        run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
     except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.callbacks.checkpoint): say so, exit non-zero
         terminated = True
     except Exception as error:
@@ -230,6 +228,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    remember_swept_keys(sys.argv[1:])  # for the multirun jobs that run in other processes (submitit's SLURM jobs)
     try:  # a key the configuration lacks, in one line with its fix, before Hydra composes the job and makes its folder
         job.check_command_line(CONF, sys.argv[1:])
     except LitCBSConfigError as error:

@@ -10,10 +10,13 @@ import lightning.pytorch as pl
 from lit_cbs._internals import logging_step, logs_this_step
 
 
-def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]], every_step: bool = False) -> None:
+def log_to_loggers(
+    trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]], every_step: bool = False, step: int | None = None
+) -> None:
     """Write ``metrics(trainer)`` straight to the trainer's loggers, in the row of the optimizer step
     just taken, on logging steps only (``log_every_n_steps``) unless ``every_step`` (for rare events
-    that must not be lost between logging steps); call it after an optimizer step.
+    that must not be lost between logging steps); call it after an optimizer step. ``step``: the row of an
+    earlier step instead (a side-job probe's reading, logged at the step its window ended).
 
     This is what LearningRateMonitor does: ``self.log`` per metric and step goes through Lightning's
     result collection, which costs more than the step of a small model can afford at every step.
@@ -22,7 +25,7 @@ def log_to_loggers(trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str
     if not trainer.loggers or not (every_step or logs_this_step(trainer)):
         return
     values = metrics(trainer)
-    step = logging_step(trainer)
+    step = logging_step(trainer) if step is None else step
     for logger in trainer.loggers:
         logger.log_metrics(values, step=step)
 

@@ -37,6 +37,7 @@ come from a generator of its own, so the global random streams are never drawn f
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -286,6 +287,28 @@ class GlobalOrderLoader:
                 generator=generator,
             )
         )
+
+    def peek(self, count: int) -> list[Any]:
+        """The next ``count`` micro-batches this rank reads from its position on (into the next epochs' orders
+        where this one ends), leaving the loader where it is: the data a run at this micro-batch would train
+        on next (a CBS probe of a checkpoint reads its window this way)."""
+        reader = copy.copy(self)
+        reader._batches, reader._exhausted = None, False
+        batches: list[Any] = []
+        empty_epochs = 0
+        while len(batches) < count:
+            try:
+                batches.append(reader._next())
+                empty_epochs = 0
+            except StopIteration:
+                empty_epochs += 1
+                if empty_epochs > 1:
+                    raise LitCBSConfigError(
+                        f"the dataset's {self.num_samples} samples make no micro-batch of {self._batch_size} samples "
+                        f"on each of {reader.topology()[0]} ranks"
+                    ) from None
+                reader.set_epoch(reader.epoch + 1)
+        return batches
 
     # ------------------------------------------------------------------ checkpointing (Lightning's _Stateful)
     def state_dict(self) -> dict[str, Any]:

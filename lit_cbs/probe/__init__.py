@@ -9,6 +9,10 @@
 - ``plot``: ``plot_cbs_curve``, the readings against tokens.
 - ``heldout``: ``load_heldout_batches``, the validation batches held-out scores use.
 - ``limits``: ``run_end``, where the run ends in tokens, so probes and windows fit inside it.
+- ``start``: ``plan_probe``, whether a due probe starts and on what (pure).
+- ``from_checkpoint``: ``probe_checkpoint``, the CBS of a saved checkpoint (``CheckpointProbe``, ``RunParts``).
+- ``launchers``: ``LocalLauncher``, ``SlurmLauncher`` and ``SideJobs``, where side-job probes run (pure).
+- ``side_jobs``: the main run's side of side-job probes, and the job itself (``python -m lit_cbs.probe.side_jobs``).
 
 The names below load on first use (PEP 562), so ``lit_cbs.probe.reading`` does not pay for Lightning.
 """
@@ -21,11 +25,16 @@ _EXPORTS = {
     "BranchScore": "lit_cbs.probe.reading",
     "BranchTrainer": "lit_cbs.probe.branch",
     "CBSProbeCallback": "lit_cbs.probe.callback",
+    "CheckpointProbe": "lit_cbs.probe.from_checkpoint",
+    "LocalLauncher": "lit_cbs.probe.launchers",
     "DecisionRule": "lit_cbs.probe.reading",
     "ProbeAborted": "lit_cbs.probe.branch",
     "ProbeConfig": "lit_cbs.probe.config",
     "ProbeReading": "lit_cbs.probe.reading",
     "RecordedWindow": "lit_cbs.probe.branch",
+    "RunParts": "lit_cbs.probe.from_checkpoint",
+    "SideJobs": "lit_cbs.probe.launchers",
+    "SlurmLauncher": "lit_cbs.probe.launchers",
     "TrainingSnapshot": "lit_cbs.probe.snapshot",
     "cbs_interval": "lit_cbs.probe.reading",
     "critical_multiplier": "lit_cbs.probe.reading",
@@ -36,6 +45,7 @@ _EXPORTS = {
     "max_branches": "lit_cbs.probe.reading",
     "measure_losses": "lit_cbs.probe.reading",
     "plot_cbs_curve": "lit_cbs.probe.plot",
+    "probe_checkpoint": "lit_cbs.probe.from_checkpoint",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -40,10 +41,13 @@ from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe.reading import BranchScore
+from lit_cbs.probe.reading import BranchScore, measure_losses
 from lit_cbs.probe.snapshot import ModuleState, TrainingSnapshot
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules
+
+if TYPE_CHECKING:
+    from lit_cbs.callbacks.warmup import BatchWarmup
 
 
 class BranchFailed(Exception):
@@ -491,3 +495,69 @@ class BranchTrainer:
                 batch = trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(batch))
                 losses.append(float(self._heldout_loss(batch, i)))
         return losses
+
+
+def branch_micro_batch(k: float, batch_size: int, accounting: BatchAccounting, warmup: BatchWarmup | None) -> int | None:
+    """Samples per rank in a micro-batch of branch k at the main batch ``batch_size`` (samples): the one
+    ``warmup`` would train batch k*B with (with ``max_micro_batch_size``), else the main run's; None where k*B is
+    no whole number of such micro-batches on every rank."""
+    branch, ranks = k * batch_size, accounting.data_parallel_size
+    if abs(branch - round(branch)) > 1e-9 or round(branch) % ranks:
+        return None
+    if warmup is not None and warmup.max_micro_batch_size is not None:
+        return warmup.micro_batch_for(round(branch))
+    micro = accounting.micro_batch_size
+    return micro if (round(branch) // ranks) % micro == 0 else None
+
+
+def no_baseline() -> BranchScore | None:
+    """k = 1 has no score of the main run's to take: it trains as a branch."""
+    return None
+
+
+@dataclass
+class BranchMeasurer:
+    """The scores a probe's search asks for, each multiplier over every replicate window of data.
+
+    ``train(k, replicate)`` trains branch k on that window and scores it (raising ``BranchFailed`` when it
+    diverges or runs out of memory); ``baseline()`` is the main run's own score over the first window, which
+    is k = 1's there (None: k = 1 trains as a branch). A failed window fails k, which counts as not
+    recovered. ``trained`` and ``failed`` gather over calls (a window judged early is measured again on more
+    data); a k is measured once per measurer.
+    """
+
+    train: Callable[..., BranchScore]  # train(k, replicate=r)
+    replicates: int
+    baseline: Callable[[], BranchScore | None] = no_baseline
+    trained: list[float] = field(default_factory=list)  # multipliers trained as branches, once per data window
+    failed: list[float] = field(default_factory=list)
+    measured: dict[float, BranchScore] = field(default_factory=dict)
+
+    def score(self, k: float) -> BranchScore:
+        """k's score over every replicate window (inf if one failed)."""
+        if k not in self.measured:
+            windows = []
+            for replicate in range(self.replicates):
+                if k in self.failed:
+                    break
+                windows.append(self._window(k, replicate))
+            self.measured[k] = BranchScore(math.inf) if k in self.failed else BranchScore.replicated(windows)
+        return self.measured[k]
+
+    def _window(self, k: float, replicate: int) -> BranchScore:
+        if k == 1.0 and replicate == 0:
+            main = self.baseline()
+            if main is not None:
+                return main
+        if replicate > 0 or k not in self.trained:
+            self.trained.append(k)
+        try:
+            return self.train(k, replicate=replicate)
+        except BranchFailed as error:
+            rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
+            self.failed.append(k)
+            return BranchScore(math.inf)
+
+    def scores(self, search: str, multipliers: Sequence[float], epsilon: float) -> dict[float, BranchScore]:
+        """The score of every k ``search`` ("grid" or "bisect") needs over ``multipliers`` (``measure_losses``)."""
+        return measure_losses(search, multipliers, self.score, epsilon)

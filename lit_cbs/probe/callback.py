@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +39,23 @@ from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import (
-    BranchFailed,
+    BranchMeasurer,
     BranchTrainer,
     ProbeAborted,
     ProbeUnusable,
     RecordedWindow,
+    branch_micro_batch,
     logging_muted,
+    no_baseline,
     optimizer_step_writes_lr,
 )
 from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.heldout import load_heldout_batches
 from lit_cbs.probe.limits import RunEnd, run_end
-from lit_cbs.probe.plot import plot_cbs_curve
-from lit_cbs.probe.reading import BranchScore, ProbeReading, max_branches, measure_losses
+from lit_cbs.probe.reading import BranchScore, ProbeReading
+from lit_cbs.probe.side_jobs import JOBS_FOLDER, PendingProbe, SideJobRuns, score_from_json
 from lit_cbs.probe.snapshot import TrainingSnapshot
+from lit_cbs.probe.start import ProbeSkip, plan_probe, window_at
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 JSONL_FILE = "cbs_probe.jsonl"
@@ -91,6 +96,10 @@ class CBSProbeCallback(Callback):
             )
         renamed_argument(settings, "strategy", "search", "CBSProbeCallback")
         self.config = config if config is not None else ProbeConfig(**settings)
+        if all(getattr(self.config, name) is None for name in ("every_tokens", "at_tokens", "geometric")):
+            raise LitCBSConfigError(
+                "CBSProbeCallback needs where to probe: give every_tokens, at_tokens or geometric=(first_tokens, ratio)"
+            )
 
         self.history: list[ProbeReading] = []
         self.failures: list[dict] = []  # probes that found the run cannot be probed: tokens, step, reason
@@ -100,8 +109,12 @@ class CBSProbeCallback(Callback):
         self._warmup: BatchWarmup | None = None  # only for CBSAdaptive and the batch changes in the plot
         self._window: RecordedWindow | None = None  # the probe whose window the main run is training
         self._branches: BranchTrainer | None = None  # trains and scores that window's branches
+        self._branches_batch: int | None = None  # the main batch it was made for
+        self._micro_losses: list[float] = []  # of the optimizer step in progress, while a window is being trained
         self._trained: list[float] = []  # multipliers trained as branches in that window
         self._failed: list[float] = []
+        self._unusable = False  # a probe found the run cannot be probed: no later one runs
+        self._side = SideJobRuns(self.config.side_jobs) if self.config.side_jobs is not None else None
         self._heldout: list | None = None
         self._first_window_main: BranchScore | None = None  # the main run's score after a replicated probe's first window
         self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
@@ -159,6 +172,8 @@ class CBSProbeCallback(Callback):
                 "differently at a batch change, so a branch at k x B would not train as the run does after growing its "
                 "batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
             )
+        if self._side is not None:
+            self._side.check(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before any data is read: every multiplier's LR rule must apply to the optimizer and its schedulers."""
@@ -190,10 +205,17 @@ class CBSProbeCallback(Callback):
         # and without output_dir the readings stay in `history` (no files in the working directory).
         log_dir = trainer.log_dir if trainer.loggers else None
         self._resolved_output_dir = self.config.output_dir or (Path(log_dir) if log_dir else None)
+        if self._resolved_output_dir is None and self._side is not None:
+            raise LitCBSConfigError(
+                "CBSProbeCallback(side_jobs=...) keeps each probe's checkpoint and its jobs' files beside cbs_probe.jsonl, "
+                "but the run has no logger and no output_dir: give output_dir=..."
+            )
         if self._resolved_output_dir is None:
             rank_zero_info("CBSProbeCallback: no logger and no output_dir; readings are kept in .history only")
         elif trainer.is_global_zero:
             self._write_history()
+        if self._side is not None:
+            self._side.check_loader(trainer)
         if (
             self._resumed
             and not self._accounting.budget_reached
@@ -306,13 +328,13 @@ class CBSProbeCallback(Callback):
             if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
                 reading.seq_len = seq_len
         sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
-        if max(len([k for k in self.config.multipliers if self._branch_micro_batch(k, size) is not None]) for size in sizes) < 2:
+        if max(len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None]) for size in sizes) < 2:
             raise LitCBSConfigError(
                 f"multipliers={[f'{k:g}' for k in self.config.multipliers]}: at most one of them gives a batch that is a whole "
                 f"number of micro-batches ({accounting.micro_batch_size} samples on each of {accounting.data_parallel_size} "
                 f"ranks) at the run's global batches {sizes}, and one batch brackets no CBS: give at least two that fit, e.g. [1, 2]"
             )
-        too_small = [k for k in self.config.multipliers if self._branch_micro_batch(k, batch) is None]
+        too_small = [k for k in self.config.multipliers if self._micro_batch_for(batch)(k) is None]
         if too_small:
             rank_zero_warn(
                 f"multipliers {too_small} give batches that are not a whole number of micro-batches "
@@ -330,22 +352,28 @@ class CBSProbeCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         window = self._window
-        if window is not None:
+        open_windows = self._side.windows_open() if self._side is not None else []
+        if window is not None or open_windows:
             loss = micro_batch_loss(trainer, outputs)
             if loss is None:
                 raise TypeError("CBSProbeCallback needs every training_step to return its loss; one returned None")
-            window.record_micro_loss(float(loss))
+            self._micro_losses.append(float(loss))
         if should_accumulate(trainer):
             return
+        step_loss = sum(self._micro_losses) / len(self._micro_losses) if self._micro_losses else None
+        self._micro_losses = []
         if window is not None:
-            window.end_step()
+            window.step_losses.append(step_loss)
             if window.first_window_complete and self._accounting.global_batch == window.batch_size:
                 with self._accounting.branching():  # the main run is the k = 1 branch of the first window
-                    self._first_window_main = self._branches.score(window.step_losses)
+                    scorer = self._branch_trainer(trainer, pl_module, window.batch_size)
+                    self._first_window_main = scorer.score(window.step_losses)
             if window.complete or window.at_early_stop:
                 self._finish_probe(trainer, pl_module)
         elif not self._deferred and self._accounting.tokens_seen >= self.config.probe_point(self.probes_started):
             self._start_probe(trainer, pl_module, batch_idx)
+        if self._side is not None:
+            self._side_step(trainer, pl_module, open_windows, step_loss)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._window is not None:
@@ -355,46 +383,49 @@ class CBSProbeCallback(Callback):
             else:  # stopped by a signal: a resumed run redoes it (FinalStateCheckpoint keeps its start)
                 self._interrupted = (self._window.tokens, self._window.step)
             self._window = None
-        if trainer.is_global_zero and self.history and self._resolved_output_dir is not None:
-            batch_changes = self._warmup.history if self._warmup is not None else []
-            path = plot_cbs_curve(
-                self.history,
-                batch_changes,
-                self._resolved_output_dir / PLOT_FILE,
-                self._accounting.tokens_seen,
-                self.config.epsilon,
-            )
-            log_figures(trainer.loggers, [path], trainer.global_step)
+        if self._side is not None and self._side.pending and self._accounting.stop_signal is None:
+            self._wait_for_side_jobs(trainer)
+        self._draw(trainer)
+
+    def _draw(self, trainer: pl.Trainer) -> None:
+        """cbs_curve.png of the readings so far (rank 0), sent to the loggers that take images."""
+        if not (trainer.is_global_zero and self.history and self._resolved_output_dir is not None):
+            return
+        from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a curve is drawn
+
+        batch_changes = self._warmup.history if self._warmup is not None else []
+        path = plot_cbs_curve(
+            self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen, self.config.epsilon
+        )
+        log_figures(trainer.loggers, [path], trainer.global_step)
 
     # ------------------------------------------------------------------ a probe
-    def _branch_micro_batch(self, k: float, batch_size: int) -> int | None:
-        """Samples per rank in a micro-batch of branch k at the main batch ``batch_size``: the one BatchWarmup
-        would train batch k*B with (with ``max_micro_batch_size``), else the main run's; None where k*B
-        is no whole number of such micro-batches on every rank."""
-        accounting = self._accounting
-        branch, ranks = k * batch_size, accounting.data_parallel_size
-        if abs(branch - round(branch)) > 1e-9 or round(branch) % ranks:
-            return None
-        if self._warmup is not None and self._warmup.max_micro_batch_size is not None:
-            return self._warmup.micro_batch_for(round(branch))
-        micro = accounting.micro_batch_size
-        return micro if (round(branch) // ranks) % micro == 0 else None
+    def _micro_batch_for(self, batch_size: int):
+        """``branch_micro_batch`` at the main batch ``batch_size``: samples per rank of branch k's micro-batch."""
+        return functools.partial(branch_micro_batch, batch_size=batch_size, accounting=self._accounting, warmup=self._warmup)
+
+    def _branch_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_size: int) -> BranchTrainer:
+        """Trains and scores the branches of a window at the main batch ``batch_size`` (and scores the main run's
+        own window as a branch is scored); kept while that window is open."""
+        if self._branches is None or self._branches.trainer is not trainer or self._branches_batch != batch_size:
+            self._branches_batch = batch_size
+            self._branches = BranchTrainer(
+                trainer,
+                pl_module,
+                self._accounting,
+                self.config.rules,
+                self.config.evaluate,
+                self.config.ema_alpha,
+                micro_batch_for=self._micro_batch_for(batch_size),
+                heldout=self._heldout,
+                cooldown_fraction=self.config.cooldown_fraction,
+            )
+        return self._branches
 
     def _window_at(self, batch_size: int) -> tuple[list[float], int]:
-        """The multipliers a probe at global batch ``batch_size`` trains (those whose batch k*B is a whole number
-        of micro-batches on every rank and fits the window) and the samples its window records: ``window_tokens``
-        rounded down to whole steps of its largest branch, so every branch trains the same number of its own
-        steps; 0 where fewer than two fit, or not k = 1 (no probe runs there)."""
-        window_samples = self.config.window_tokens // self._accounting.seq_len
-        ks = [
-            k
-            for k in self.config.multipliers
-            if self._branch_micro_batch(k, batch_size) is not None and k * batch_size <= window_samples
-        ]
-        if len(ks) < 2 or 1.0 not in ks:
-            return ks, 0
-        largest = max(ks) * batch_size
-        return ks, int(window_samples // largest * largest)
+        """The multipliers a probe at global batch ``batch_size`` trains and the samples its window records
+        (``start.window_at``; 0 where fewer than two fit, or not k = 1: no probe runs there)."""
+        return window_at(self.config, batch_size, self._accounting.seq_len, self._micro_batch_for(batch_size))
 
     def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
@@ -410,7 +441,7 @@ class CBSProbeCallback(Callback):
         self.probes_started += 1
         while self.config.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1  # points passed inside one step (or during an earlier window)
-        if self.failures:
+        if self._unusable:
             return  # a probe found this run cannot be probed: no later one would fare better
         schedule = self._adaptive_schedule()
         if schedule is not None and not schedule.wants_readings(self._consumed(schedule)):
@@ -419,32 +450,33 @@ class CBSProbeCallback(Callback):
                 "reading can move it (CBSAdaptive(probe_after_final=True) keeps probing)"
             )
             return
-        batch_size, micro, world = accounting.global_batch, accounting.micro_batch_size, accounting.data_parallel_size
-        seq_len = accounting.seq_len
-        ks, window_samples = self._window_at(batch_size)
-        if not window_samples:
-            rank_zero_warn(
-                f"CBS probe at {tokens:,} tokens skipped: fewer than two multipliers, k = 1 among them, fit batch {batch_size}"
-            )
-            return
-        largest = max(ks) * batch_size
-        window_tokens = window_samples * seq_len
+        batch_size = accounting.global_batch
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
-        if end.earliest is not None and tokens + window_tokens * self.config.replicates > end.earliest:
-            # The main run would stop inside the window and take its snapshot and data with it. The point stays
-            # due: a run resumed from this one's last checkpoint (after trainer.max_steps, say) takes it at its start.
-            rank_zero_info(
-                f"CBS probe at {tokens:,} tokens not started: its window of {window_tokens * self.config.replicates:,} tokens would end past the "
-                f"run's end ({end.describe()}); a run resumed from this one's last checkpoint starts it there"
-            )
-            self.probes_started, self._deferred = pending, True
+        plan = plan_probe(
+            self.config,
+            tokens=tokens,
+            batch_size=batch_size,
+            seq_len=accounting.seq_len,
+            data_parallel_size=accounting.data_parallel_size,
+            branch_micro_batch=self._micro_batch_for(batch_size),
+            run_end_tokens=end.earliest,
+            run_end=f"the run's end ({end.describe()})",
+            tokens_spent=self.tokens_spent,
+            main_span_tokens=self.config.window_tokens if self._side is not None else None,
+        )
+        if isinstance(plan, ProbeSkip):
+            if plan.stays_due:  # the point stays due: a run resumed from this one's last checkpoint takes it at its start
+                self.probes_started, self._deferred = pending, True
+            message = f"CBS probe at {tokens:,} tokens {'not started' if plan.stays_due else 'skipped'}: {plan.reason}"
+            rank_zero_warn(message) if plan.warn else rank_zero_info(message)
             return
         loader = resizable_train_loader(trainer)
         if loader is not None and loader.deals_unevenly:
             # Each rank records its own micro-batches and the branches need as many samples on every rank, so a
             # window stays clear of an epoch's last round, which leaves the ranks different numbers of samples.
             # The main run may change its batch inside the window and go past it by up to one step.
-            reach = window_samples * self.config.replicates + max(batch_size, self._largest_batch())
+            reach = plan.window_samples * self.config.replicates + max(batch_size, self._largest_batch())
+            world = accounting.data_parallel_size
             if reach > loader.num_samples:
                 rank_zero_warn(
                     f"CBS probe at {tokens:,} tokens skipped: its window and a step ({reach:,} samples) do not fit in an "
@@ -461,91 +493,60 @@ class CBSProbeCallback(Callback):
                     )
                 self.probes_started = pending  # asked again after every step: it starts early in the next epoch
                 return
-        if self.config.max_overhead is not None:
-            expected_cost = max_branches(self.config.search, len(ks)) * window_tokens * self.config.replicates
-            overhead = (self.tokens_spent + expected_cost) / max(1, tokens + window_tokens * self.config.replicates)
-            if overhead > self.config.max_overhead:
-                rank_zero_info(
-                    f"CBS probe at {tokens:,} tokens skipped: it would bring probe overhead to "
-                    f"{overhead:.2f} > max_overhead={self.config.max_overhead}"
-                )
-                return
-        largest_step = round(largest) // world  # samples per rank
-        length = window_samples // world
-        early_stop_samples = sorted(
-            {int(f * length) // largest_step * largest_step for f in self.config.early_stop} - {0, length}
-        )
-        self._branches = BranchTrainer(
-            trainer,
-            pl_module,
-            accounting,
-            self.config.rules,
-            self.config.evaluate,
-            self.config.ema_alpha,
-            micro_batch_for=lambda k: self._branch_micro_batch(k, batch_size),
-            heldout=self._heldout,
-            cooldown_fraction=self.config.cooldown_fraction,
-        )
+        moved = interrupted[0] if interrupted is not None and interrupted[0] != tokens else None
+        if self._side is not None:
+            self._start_side_probe(trainer, pending, plan, moved)
+            return
+        self._branches = None  # built afresh for this window's batch
         self._trained, self._failed, self._first_window_main = [], [], None
         with accounting.branching():  # the copy is probe work, not the main run's time
             start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
         self._window = RecordedWindow(
-            early_stop_samples=early_stop_samples,
+            early_stop_samples=plan.early_stop_samples,
             tokens=tokens,
             step=trainer.global_step,
             batch_size=batch_size,
             accumulate=accounting.accumulate,
-            micro_batch_size=micro,
-            data_parallel_size=world,
-            seq_len=seq_len,
-            multipliers=ks,
-            window_samples=window_samples,
+            micro_batch_size=accounting.micro_batch_size,
+            data_parallel_size=accounting.data_parallel_size,
+            seq_len=accounting.seq_len,
+            multipliers=plan.multipliers,
+            window_samples=plan.window_samples,
             start=start,
             replicates=self.config.replicates,
-            interrupted_at_tokens=interrupted[0] if interrupted is not None and interrupted[0] != tokens else None,
+            interrupted_at_tokens=moved,
         )
         accounting.probe_window_step = trainer.global_step
 
     def _finish_probe(self, trainer, pl_module) -> None:
         """Train and score the branches over the window recorded so far; record the reading if the
         window is complete or the reading is determined at an early-stop point."""
-        window, branches, accounting = self._window, self._branches, self._accounting
+        window, accounting = self._window, self._accounting
         final = window.complete
         main_changed_batch = accounting.global_batch != window.batch_size
+        branches = self._branch_trainer(trainer, pl_module, window.batch_size)
         spent_before = branches.tokens_trained
 
+        def main_baseline() -> BranchScore | None:
+            """k = 1 of the first window is the main run's own, when it trained batch B there."""
+            if window.replicates == 1 and not main_changed_batch:
+                return main_score
+            return self._first_window_main
+
         main_is_baseline = self.config.search == "bisect" and not self.config.cooldown_fraction
-
-        def measure_window(k: float, replicate: int) -> BranchScore:
-            if k == 1.0 and main_is_baseline and replicate == 0:
-                if window.replicates == 1 and not main_changed_batch:
-                    return main_score  # the main run trained batch B on this very window
-                if self._first_window_main is not None:
-                    return self._first_window_main  # ... on the first of the replicates' windows
-            if replicate > 0 or k not in self._trained:  # once per window trained (early stop goes on with one)
-                self._trained.append(k)
-            try:
-                return branches.loss(window, k, keep=not final, replicate=replicate)
-            except BranchFailed as error:
-                rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
-                self._failed.append(k)
-                return BranchScore(math.inf)
-
-        def measure(k: float) -> BranchScore:
-            """k's score over every replicate window (a failed window fails k)."""
-            scores = []
-            for replicate in range(window.replicates):
-                if k in self._failed:
-                    return BranchScore(math.inf)
-                scores.append(measure_window(k, replicate))
-            return BranchScore.replicated(scores)
-
         with accounting.branching():  # probe work: not the main run's time or gradients
             after_window = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
             try:
                 main_score = branches.score(window.step_losses)
+                measurer = BranchMeasurer(
+                    functools.partial(branches.loss, window, keep=not final),
+                    window.replicates,
+                    main_baseline if main_is_baseline else no_baseline,
+                    self._trained,
+                    self._failed,
+                )
                 with logging_muted(pl_module):
-                    scores = measure_losses(self.config.search, window.multipliers, measure, self.config.epsilon)
+                    scores = measurer.scores(self.config.search, window.multipliers, self.config.epsilon)
             except ProbeAborted:
                 if accounting.stop_signal is None:  # else FinalStateCheckpoint says it with the stop, once
                     rank_zero_warn(f"CBS probe at {window.tokens:,} tokens stopped by a signal; main state restored")
@@ -556,6 +557,7 @@ class CBSProbeCallback(Callback):
                     f"CBS probe at {window.tokens:,} tokens failed: {error}. The main run goes on from its own state; "
                     "no later probe runs (CBSProbeCallback.failures has the reason)"
                 )
+                self._unusable = True
                 self.failures.append({"tokens": window.tokens, "step": window.step, "reason": str(error)})
                 self._window, accounting.probe_window_step = None, None
                 return
@@ -563,23 +565,19 @@ class CBSProbeCallback(Callback):
                 after_window.restore(trainer, pl_module)
                 accounting.set_gradient_sync(None)
         self.tokens_spent += branches.tokens_trained - spent_before
-        reading = ProbeReading.decide(
+        reading = self.config.decide(
             scores,
-            self.config.rule,
             window.multipliers,
             window.batch_size,
             tokens=window.tokens,
             step=window.step,
             seq_len=window.seq_len,
             window_tokens=window.tokens_of(min(window.recorded_samples, window.samples_per_rank)),
-            strategy=self.config.search,
-            evaluate=self.config.evaluate,
             main_loss=main_score.loss,
             branches_trained=list(self._trained),
             failed=list(self._failed),
             tokens_spent=branches.tokens_trained,
             overhead=self.tokens_spent / max(1, accounting.tokens_seen),
-            cooldown_fraction=self.config.cooldown_fraction,
             planned_window_tokens=window.window_tokens,
             interrupted_at_tokens=window.interrupted_at_tokens,
             replicates=window.replicates,
@@ -588,9 +586,15 @@ class CBSProbeCallback(Callback):
             return  # undetermined at an early-stop point: the window goes on
         self._window = None
         accounting.probe_window_step = None
+        self._record(trainer, reading)
+
+    def _record(self, trainer: pl.Trainer, reading: ProbeReading, log_step: int | None = None) -> None:
+        """A reading is in: CBSAdaptive hears it, it joins ``history``, is logged (at ``log_step``, default this
+        step) and written."""
         self._feed_adaptive_schedule(reading)
         self.history.append(reading)
-        self._report(trainer, reading)
+        self.history.sort(key=lambda reading: reading.tokens)  # side jobs may report out of order
+        self._report(trainer, reading, log_step)
 
     def _adaptive_schedule(self) -> CBSAdaptive | None:
         """The run's BatchWarmup schedule if it is a CBSAdaptive the readings drive."""
@@ -614,8 +618,111 @@ class CBSProbeCallback(Callback):
             reading.adaptive_batch = schedule.batch_size(consumed)
             rank_zero_info(f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}")
 
+    # ------------------------------------------------------------------ side jobs
+    def _start_side_probe(self, trainer: pl.Trainer, index: int, plan, moved: int | None) -> None:
+        """Write the probe's start checkpoint, hand its branches to a side job, and train on as k = 1."""
+        accounting = self._accounting
+        pending = PendingProbe(
+            index=index,
+            tokens=accounting.tokens_seen,
+            step=trainer.global_step,
+            batch_size=accounting.global_batch,
+            seq_len=accounting.seq_len,
+            multipliers=plan.multipliers,
+            window_samples=plan.window_samples,
+            folder=str(self._resolved_output_dir / JOBS_FOLDER / f"probe{index:03d}_{accounting.tokens_seen}tokens"),
+            main_baseline=self.config.search == "bisect" and not self.config.cooldown_fraction,
+            window_end_samples=accounting.samples_seen + plan.window_samples,
+            interrupted_at_tokens=moved,
+        )
+        with accounting.branching():  # the checkpoint is probe work, not the main run's time
+            self._side.open(trainer, pending, self.config)
+        rank_zero_info(
+            f"CBS probe at {pending.tokens:,} tokens (batch {pending.batch_size}): multipliers "
+            f"[{', '.join(f'{k:g}' for k in pending.multipliers)}] handed to a side job ({pending.folder}); the main run "
+            "trains on as k = 1"
+        )
+
+    def _side_step(self, trainer, pl_module, open_windows: list[PendingProbe], step_loss: float | None) -> None:
+        """After a main-run optimizer step: the main run's windows of side-job probes move on (scored where they
+        end), and the readings whose jobs are done are decided."""
+        accounting = self._accounting
+        for pending in open_windows:
+            pending.main_step_losses.append(step_loss)
+            pending.main_changed_batch |= accounting.global_batch != pending.batch_size
+            if accounting.samples_seen >= pending.window_end_samples:
+                with accounting.branching():
+                    scorer = self._branch_trainer(trainer, pl_module, pending.batch_size)
+                    score = scorer.score(pending.main_step_losses)
+                self._side.window_ended(trainer, pending, score, pending.main_changed_batch)
+        for pending, outcome in self._side.poll(trainer):
+            if isinstance(outcome, str):
+                rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}; the main run goes on")
+                self.failures.append({"tokens": pending.tokens, "step": pending.step, "reason": outcome})
+            else:
+                self._collect(trainer, pending, outcome)
+            self._side.close(trainer, pending)
+
+    def _collect(self, trainer: pl.Trainer, pending: PendingProbe, outcome: dict[str, Any]) -> None:
+        """Decide the reading of a side-job probe from its job's scores, as an in-process probe decides its own."""
+        accounting = self._accounting
+        scores = {float(k): score_from_json(score) for k, score in outcome["scores"].items()}
+        self.tokens_spent += outcome["tokens_trained"]
+        reading = self.config.decide(
+            scores,
+            pending.multipliers,
+            pending.batch_size,
+            tokens=pending.tokens,
+            step=pending.step,
+            seq_len=pending.seq_len,
+            window_tokens=pending.window_tokens,
+            main_loss=score_from_json(pending.main_score).loss,
+            branches_trained=outcome["trained"],
+            failed=outcome["failed"],
+            tokens_spent=outcome["tokens_trained"],
+            overhead=self.tokens_spent / max(1, accounting.tokens_seen),
+            planned_window_tokens=pending.window_tokens,
+            interrupted_at_tokens=pending.interrupted_at_tokens,
+            replicates=self.config.replicates,
+            mode="side_jobs",
+            arrived_at_tokens=accounting.tokens_seen,
+        )
+        rank_zero_info(
+            f"CBS probe at {pending.tokens:,} tokens: the side job's reading arrived at step {trainer.global_step} "
+            f"({trainer.global_step - pending.window_end_step} steps, "
+            f"{accounting.tokens_seen - pending.tokens - pending.window_tokens:,} tokens after the main run's window ended)"
+        )
+        self._record(trainer, reading, log_step=pending.window_end_row)
+        self._draw(trainer)
+
+    def _wait_for_side_jobs(self, trainer: pl.Trainer) -> None:
+        """Training is over: wait (up to ``side_jobs.wait_at_end`` minutes) for the readings still out."""
+        limit = self.config.side_jobs.wait_at_end * 60
+        waiting = sorted(pending.tokens for pending in self._side.pending.values())
+        rank_zero_info(
+            f"CBS probes at {', '.join(f'{tokens:,}' for tokens in waiting)} tokens: waiting up to "
+            f"{self.config.side_jobs.wait_at_end:g} min for their side jobs"
+        )
+        started = time.monotonic()
+        while self._side.pending and time.monotonic() - started < limit:
+            for pending, outcome in self._side.poll(trainer):
+                if isinstance(outcome, str):
+                    rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}")
+                    self.failures.append({"tokens": pending.tokens, "step": pending.step, "reason": outcome})
+                else:
+                    self._collect(trainer, pending, outcome)
+                self._side.close(trainer, pending)
+            if self._side.pending:
+                time.sleep(2.0)
+        if self._side.pending:
+            left = ", ".join(f"{p.tokens:,}" for p in self._side.pending.values())
+            rank_zero_warn(
+                f"CBS probes at {left} tokens: their side jobs did not finish within side_jobs.wait_at_end; they stay in "
+                "last.ckpt: a run resumed from it collects them"
+            )
+
     # ------------------------------------------------------------------ reporting
-    def _report(self, trainer: pl.Trainer, reading: ProbeReading) -> None:
+    def _report(self, trainer: pl.Trainer, reading: ProbeReading, log_step: int | None = None) -> None:
         metrics = {
             "cbs/lower": float(reading.cbs_lower),
             "cbs/estimate": float(reading.cbs_estimate),
@@ -632,7 +739,7 @@ class CBSProbeCallback(Callback):
                 metrics[f"cbs/gap_k{k}"] = float(loss - reading.losses[base])
                 if reading.loss_se.get(k) is not None:
                     metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
-        log_to_loggers(trainer, lambda _: metrics, every_step=True)  # on the row of the step that ended the window
+        log_to_loggers(trainer, lambda _: metrics, every_step=True, step=log_step)  # the step that ended the window
 
         def between_windows(k: str) -> str:
             return (
@@ -674,6 +781,9 @@ class CBSProbeCallback(Callback):
             "tokens_spent": self.tokens_spent,
             "probes_started": self.probes_started - (open_window is not None),
             "interrupted": list(open_window) if open_window is not None else None,
+            "failures": copy.deepcopy(self.failures),
+            "unusable": self._unusable,
+            "side_jobs": self._side.state_dict() if self._side is not None else [],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -683,3 +793,13 @@ class CBSProbeCallback(Callback):
         self.probes_started = state_dict["probes_started"]
         interrupted = state_dict.get("interrupted")
         self._interrupted = tuple(interrupted) if interrupted is not None else None
+        self.failures = copy.deepcopy(state_dict.get("failures", []))
+        self._unusable = state_dict.get("unusable", bool(self.failures))
+        pending = state_dict.get("side_jobs", [])
+        if self._side is not None:
+            self._side.load_state_dict(pending)  # collected, or started again, at the next step
+        elif pending:
+            rank_zero_warn(
+                f"the checkpoint has {len(pending)} CBS probe(s) whose side jobs had not reported; this run has no "
+                "side_jobs, so their readings are dropped (give CBSProbeCallback the same side_jobs to collect them)"
+            )

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
-from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, DecisionRule
+from lit_cbs.probe.launchers import SideJobs
+from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, BranchScore, DecisionRule, ProbeReading
 from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
 
 MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
@@ -27,8 +28,9 @@ MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the 
 class ProbeConfig:
     """The settings of ``CBSProbeCallback``; token counts are global (all ranks).
 
-    Exactly one of ``every_tokens``, ``at_tokens`` and ``geometric`` places the probes. A point
-    passed while another probe's window runs is probed as soon as that window ends.
+    One of ``every_tokens``, ``at_tokens`` and ``geometric`` places the probes of ``CBSProbeCallback`` (a probe
+    of a saved checkpoint, ``lit_cbs.probe.probe_checkpoint``, needs none). A point passed while another probe's
+    window runs is probed as soon as that window ends.
     """
 
     every_tokens: int | None = None
@@ -115,6 +117,11 @@ class ProbeConfig:
     snapshot_device: str = "cpu"
     """Where snapshots and recorded batches live ("cpu" keeps accelerator memory free)."""
 
+    side_jobs: SideJobs | None = None
+    """Train the branches as side jobs (``SideJobs``: a launcher, how a job rebuilds the run, retries) while the
+    main run trains on as k = 1, instead of in process while the main run waits (None). Needs a
+    ``GlobalOrderLoader`` (the window is handed over as a data position); not with ``early_stop``."""
+
     output_dir: str | os.PathLike | None = None
     """Folder of ``cbs_probe.jsonl`` and ``cbs_curve.png`` (kept as a Path; None: the logger's log_dir,
     and without a logger nothing is written)."""
@@ -128,8 +135,8 @@ class ProbeConfig:
     """``lr_rule``, ``weight_decay_rule`` and ``beta2_rule`` (with ``beta2_floor``) as rule objects (set from them)."""
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) != 1:
-            raise LitCBSConfigError("give exactly one of every_tokens, at_tokens or geometric=(first_tokens, ratio)")
+        if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) > 1:
+            raise LitCBSConfigError("give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several")
         positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
         if self.at_tokens is not None:
             at_tokens = sorted(int(t) for t in self.at_tokens)
@@ -204,6 +211,13 @@ class ProbeConfig:
             "max_overhead", positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
         )
         self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
+        if self.side_jobs is not None and not isinstance(self.side_jobs, SideJobs):
+            raise LitCBSConfigError(f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)")
+        if self.side_jobs is not None and early_stop:
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with side_jobs "
+                "it never waits: drop early_stop (or side_jobs)"
+            )
 
     def _set(self, name: str, value: Any) -> None:
         """Store a checked field in its normal form (the dataclass is frozen once made)."""
@@ -213,6 +227,23 @@ class ProbeConfig:
     def rule(self) -> DecisionRule:
         """The k* rule's settings (``epsilon``, ``confidence``) for ``ProbeReading.decide``."""
         return DecisionRule(self.epsilon, self.confidence)
+
+    def decide(
+        self, scores: dict[float, BranchScore], multipliers: Sequence[float], batch_size: int, **fields: Any
+    ) -> ProbeReading:
+        """The reading of ``scores`` (per multiplier) by this probe's k* rule on the grid ``multipliers`` around
+        the global batch ``batch_size`` (samples), recording the probe's search, scoring and cooldown; ``fields``
+        are the rest of the reading (where, on what and at what cost it was measured)."""
+        return ProbeReading.decide(
+            scores,
+            self.rule,
+            multipliers,
+            batch_size,
+            strategy=self.search,
+            evaluate=self.evaluate,
+            cooldown_fraction=self.cooldown_fraction,
+            **fields,
+        )
 
     @property
     def span_tokens(self) -> int:
@@ -225,6 +256,8 @@ class ProbeConfig:
             return self.every_tokens * (index + 1)
         if self.at_tokens is not None:
             return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
+        if self.geometric is None:  # no placement: a probe of a saved checkpoint, which probes at its step
+            return math.inf
         first, ratio = self.geometric
         return round(first * ratio**index)
 

@@ -277,13 +277,32 @@ def measure_losses(
     scores = {ks[0]: measure(ks[0])}
     low, high = 0, len(ks) - 1  # ks[low] is admissible; k* lies in ks[low..high]
     while low < high:
-        mid = (low + high + 1) // 2
+        mid = _bisection_point(low, high)
         scores[ks[mid]] = measure(ks[mid])
         if is_admissible({k: s.loss for k, s in scores.items()}, ks[mid], epsilon):
             low = mid
         else:
             high = mid - 1
     return scores
+
+
+def _bisection_point(low: int, high: int) -> int:
+    return (low + high + 1) // 2
+
+
+def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
+    """The multipliers ``measure_losses`` measures whatever their losses turn out to be: every k for "grid";
+    for "bisect" the smallest k and the first midpoint. A side job trains these before it needs the main
+    run's own (k = 1) score, which arrives when the main run's window ends.
+
+    Example:
+        >>> first_measured("bisect", [1, 2, 4, 8, 16])
+        [1, 4]
+    """
+    ks = sorted(multipliers)
+    if search == "grid" or len(ks) < 2:
+        return ks
+    return [ks[0], ks[_bisection_point(0, len(ks) - 1)]]
 
 
 def record_scores(
@@ -347,6 +366,8 @@ class ProbeReading:
     replicates: int = 1  # disjoint data windows each measured k trained on (window_tokens each)
     replicate_se: dict[str, float] = field(default_factory=dict)  # the windows' share of loss_se (replicates >= 2)
     replicate_batch_losses: dict[str, list[list[float]]] = field(default_factory=dict)  # per k, per window, per batch
+    mode: str = "in_process"  # where the branches trained: "in_process", "side_jobs" or "checkpoint" (a saved one)
+    arrived_at_tokens: int | None = None  # side jobs: the main run's tokens when the reading arrived (it acted there)
 
     @classmethod
     def decide(

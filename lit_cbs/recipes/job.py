@@ -37,10 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
 
 from lit_cbs._internals import hydra_command_line
+from lit_cbs.callbacks.checkpoint_files import newest_complete, settle, unreadable
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
 from lit_cbs.models.lm import resolve_model_config
 from lit_cbs.probe.callback import CBSProbeCallback
+from lit_cbs.probe.from_checkpoint import RunParts
 
 # What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
 # Lightning, Hydra and OmegaConf raise for settings they refuse.
@@ -54,6 +56,8 @@ CONFIG_ERRORS = (
 )
 # The packages Lightning's loggers need (any one of them), for a one-line error that names the extra.
 LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX"), "MLFlowLogger": ("mlflow",), "WandbLogger": ("wandb",)}
+LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
+AUTO_RESUME = "auto"
 # ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
 _INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
 
@@ -180,6 +184,35 @@ def callbacks_of(cfg: DictConfig) -> list:
                 continue
         kept.append(callback)
     return kept
+
+
+def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | None = None) -> RunParts:
+    """A recipe run rebuilt from its configuration (``resolved_config.yaml``) for a CBS probe of one of its
+    checkpoints: its model, data, BatchWarmup and Trainer settings, none of its loggers or other callbacks, on
+    ``devices`` x ``num_nodes`` processes (default: the run's).
+
+    Raises:
+        LitCBSConfigError: the configuration is not a recipe run's, naming the key.
+    """
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    for key, value in (("devices", devices), ("num_nodes", num_nodes)):
+        if value is not None:
+            cfg.trainer[key] = value
+    strategy = cfg.trainer.get("strategy")
+    if OmegaConf.is_dict(strategy) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy"):
+        strategy.data_parallel_size = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
+    lr_schedule = instantiate_group(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
+    model = instantiate_group(cfg, "model", lr_schedule=lr_schedule)
+    datamodule = instantiate_group(cfg, "data")
+    datamodule.check_context(model.dims.context_length)
+    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
+    for key in ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing"):
+        settings.pop(key, None)
+    if isinstance(settings.get("strategy"), dict):
+        with group_key(cfg, "trainer.strategy"):
+            settings["strategy"] = instantiate(cfg.trainer.strategy)
+    return RunParts(model, datamodule, settings, [batch_warmup_of(cfg)])
 
 
 def check_command_line(config_dir: Path, argv: list[str]) -> None:
@@ -341,6 +374,55 @@ def finish_loggers(loggers: list) -> None:
             logger.experiment.finish()
         elif isinstance(logger, TensorBoardLogger):
             logger.experiment.close()
+
+
+def checkpoint_folders(cfg: DictConfig) -> list[Path]:
+    """Where a recipe run writes checkpoints: its checkpoint callback's folder, and the run folder (Lightning's
+    ``hpc_ckpt_<n>.ckpt`` at SLURM's requeue signal)."""
+    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint")
+    folders = [Path(cfg.output_dir)]
+    if checkpoint is not None and checkpoint.get("dirpath"):
+        folders.insert(0, Path(checkpoint.dirpath))
+    return folders
+
+
+def resume_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint ``trainer.fit`` resumes from, by ``ckpt_path``:
+
+    - ``auto`` (the default): the newest complete checkpoint in this run's folders (``checkpoint_folders``),
+      so a job started again with the same ``hydra.run.dir`` (a requeued SLURM job) resumes by itself;
+      none when the folder holds none (a new run).
+    - ``null``: none, start afresh.
+    - ``last``, ``hpc``, ``best``, ``registry``: Lightning resolves them.
+    - a path: that checkpoint, once complete.
+
+    A checkpoint write or replacement a kill interrupted in those folders is finished or undone first
+    (``checkpoint_files.settle``).
+
+    Raises:
+        LitCBSConfigError: the path does not exist, or is a torn or partial checkpoint (naming the newest
+            complete one beside it).
+    """
+    given = cfg.ckpt_path
+    if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
+        return given
+    folders = checkpoint_folders(cfg)
+    for folder in folders:
+        settle(folder)
+    if given == AUTO_RESUME:
+        found = newest_complete(folders)
+        if found is not None:
+            log.info(f"resuming from {found} (ckpt_path=auto: the newest complete checkpoint of this run folder)")
+        return str(found) if found is not None else None
+    path = Path(given)
+    settle(path.parent)
+    problem = unreadable(path)
+    if problem is None:
+        return given
+    newest = newest_complete([path.parent, *folders])
+    fix = f"resume from the newest complete one, ckpt_path={newest}" if newest else "ckpt_path=null starts afresh"
+    kind = "a .ckpt file, or a .ckpt folder under trainer=fsdp"
+    raise LitCBSConfigError(f"ckpt_path={given} is not a complete checkpoint ({kind}): {problem}; {fix}")
 
 
 def send_lightning_logs_to_the_job_log() -> None:

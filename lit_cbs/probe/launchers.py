@@ -1,0 +1,288 @@
+"""Where a CBS probe's side jobs run: ``LocalLauncher`` (processes on this machine, with their own thread
+count or GPUs) and ``SlurmLauncher`` (SLURM jobs through submitit, the engine of Hydra's SLURM launcher), and
+``SideJobs``, the probe's side-job settings. Pure Python (subprocess, and submitit when it submits): a launcher
+starts a Python command line and says whether it still runs; what the job does is ``lit_cbs.probe.side_jobs``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A side job seen from the main run: still ``running`` (or queued), or ended, with why (``reason``)."""
+
+    running: bool
+    reason: str = ""
+
+
+class Launcher(Protocol):
+    """Starts side jobs and tells whether they still run. A handle is a JSON-able dict (it goes into the main
+    run's checkpoint, so a resumed run can ask about a job it did not start). ``max_running``: jobs at once
+    (None: no limit)."""
+
+    max_running: int | None
+
+    def check(self) -> None:
+        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start."""
+
+    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        """Start ``command`` (a Python command line) as a job whose files go to ``folder``; return its handle."""
+
+    def state(self, handle: dict[str, Any]) -> JobState:
+        """Whether the job still runs."""
+
+    def cancel(self, handle: dict[str, Any]) -> None:
+        """Stop the job if it runs."""
+
+
+@dataclass(frozen=True)
+class LocalLauncher:
+    """Side jobs as processes on this machine.
+
+    Args:
+        threads: torch (OpenMP) threads of each job (None: torch's default). On a CPU machine, give the main run
+            and the jobs their own cores: e.g. ``OMP_NUM_THREADS=1`` for the main run and ``threads=1`` here.
+        devices: ``CUDA_VISIBLE_DEVICES`` of each job (e.g. "7": the GPU the main run does not use); None: as
+            the main run's environment has it.
+        timeout_min: a job running longer is stopped and counts as failed (None: no limit).
+        max_running: jobs that run at once; later probes' jobs wait their turn (None: no limit).
+        python: the interpreter the jobs run (default: the main run's).
+    """
+
+    threads: int | None = None
+    devices: str | None = None
+    timeout_min: float | None = None
+    max_running: int | None = 1
+    python: str = sys.executable
+
+    def __post_init__(self) -> None:
+        positive_int("threads", self.threads, "threads per job", optional=True)
+        positive_number("timeout_min", self.timeout_min, "minutes", optional=True)
+        positive_int("max_running", self.max_running, "jobs at once", optional=True)
+
+    def check(self) -> None:
+        try:
+            found = subprocess.run([self.python, "-c", "import lit_cbs.probe.side_jobs"], capture_output=True, text=True)
+            last = None if found.returncode == 0 else (found.stderr.strip().splitlines() or ["no output"])[-1]
+        except OSError as error:  # no such interpreter, not executable
+            last = error.strerror
+        if last is not None:
+            raise LitCBSConfigError(
+                f"LocalLauncher(python={self.python!r}) cannot start a side job ({last}): give a python that has "
+                "lit_cbs installed"
+            )
+
+    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        env = dict(os.environ)
+        for variable in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
+            env.pop(variable, None)  # the main run's process group is not the job's
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if self.devices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.devices
+        log = (folder / f"{name}.log").open("ab")
+        # A session of its own: a signal to the main run (SIGTERM, Ctrl-C) does not reach the job.
+        process = subprocess.Popen([self.python, *command], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        _STARTED[process.pid] = process  # kept, so that its exit status can be read
+        return {"launcher": "local", "pid": process.pid, "started": time.time(), "log": str(folder / f"{name}.log")}
+
+    def state(self, handle: dict[str, Any]) -> JobState:
+        process = _STARTED.get(handle["pid"])
+        if process is not None:
+            code = process.poll()
+        else:  # started by an earlier main process: alive while /proc says it is still that job
+            code = None if _alive(handle["pid"]) else "unknown"
+        if code is None:
+            if self.timeout_min is not None and time.time() - handle["started"] > 60 * self.timeout_min:
+                self.cancel(handle)
+                return JobState(False, f"ran past timeout_min={self.timeout_min:g}")
+            return JobState(True)
+        _STARTED.pop(handle["pid"], None)
+        return JobState(False, _ended(code if isinstance(code, int) else None, handle.get("log")))
+
+    def cancel(self, handle: dict[str, Any]) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(handle["pid"], signal.SIGKILL)
+
+
+_STARTED: dict[int, subprocess.Popen] = {}  # the jobs this process started, by process id
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is still a side job (not a new process that reuses its number)."""
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return "lit_cbs.probe.side_jobs" in command
+
+
+def _ended(code: int | None, log: str | None) -> str:
+    """Why a job that wrote no result ended: its exit code and the last line of its log."""
+    what = (
+        "ended (started by an earlier main process)"
+        if code is None
+        else (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
+    )
+    last = ""
+    if log is not None and Path(log).is_file():
+        lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
+        last = f": {lines[-1].strip()[:300]}" if lines else ""
+    return f"{what}{last}"
+
+
+@dataclass(frozen=True)
+class SlurmLauncher:
+    """Side jobs as SLURM jobs, submitted through submitit (``pip install -e ".[slurm]"``). The settings are
+    those of Hydra's submitit launcher (``conf/hydra/launcher/slurm.yaml``): a job of ``nodes`` x
+    ``tasks_per_node`` processes, which Lightning's ``SLURMEnvironment`` turns into ranks.
+
+    Args:
+        partition: the partition (spare or preemptible capacity, e.g. one with a lower priority); None: the
+            cluster's default.
+        timeout_min: the job's time limit (minutes); a job that reaches it counts as failed.
+        nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, account: as sbatch's options.
+        additional_parameters: more sbatch options (e.g. ``{"requeue": True}`` to let SLURM requeue a
+            preempted job by itself).
+        max_running: jobs submitted at once; later probes' jobs wait their turn (None: SLURM queues them).
+        python: the interpreter the job runs (default: the main run's).
+    """
+
+    partition: str | None = None
+    timeout_min: int = 60
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int | None = None
+    cpus_per_task: int | None = None
+    mem_gb: float | None = None
+    account: str | None = None
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    max_running: int | None = None
+    python: str = sys.executable
+
+    def check(self) -> None:
+        try:
+            importlib.import_module("submitit")
+        except ImportError:
+            raise LitCBSConfigError(
+                'SlurmLauncher submits through submitit, which is not installed: pip install -e ".[slurm]"'
+            ) from None
+        if shutil.which("sbatch") is None:
+            raise LitCBSConfigError("SlurmLauncher: no sbatch on PATH, so no SLURM job can start; use LocalLauncher")
+        if self.partition is not None:
+            found = subprocess.run(["sinfo", "-h", "-p", self.partition, "-o", "%P"], capture_output=True, text=True)
+            if found.returncode != 0 or not found.stdout.strip():
+                raise LitCBSConfigError(
+                    f"SlurmLauncher(partition={self.partition!r}): SLURM has no such partition (sinfo lists "
+                    "them); give one of the cluster's"
+                )
+
+    def _executor(self, folder: Path, name: str) -> Any:
+        import submitit
+
+        executor = submitit.AutoExecutor(folder=folder / "slurm", cluster="slurm")
+        parameters: dict[str, Any] = {
+            "name": name,
+            "timeout_min": self.timeout_min,
+            "nodes": self.nodes,
+            "tasks_per_node": self.tasks_per_node,
+            "slurm_additional_parameters": dict(self.additional_parameters),
+        }
+        optional = {
+            "slurm_partition": self.partition,
+            "gpus_per_node": self.gpus_per_node,
+            "cpus_per_task": self.cpus_per_task,
+            "mem_gb": self.mem_gb,
+            "slurm_account": self.account,
+        }
+        parameters.update({key: value for key, value in optional.items() if value is not None})
+        executor.update_parameters(**parameters)
+        return executor
+
+    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        import submitit
+
+        job = self._executor(folder, name).submit(submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd()))
+        return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
+
+    def state(self, handle: dict[str, Any]) -> JobState:
+        import submitit
+
+        job = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
+        if job.paths.result_pickle.exists():  # submitit wrote how the command ended
+            try:
+                kind, result = submitit.core.utils.pickle_load(job.paths.result_pickle)
+            except Exception:  # noqa: BLE001 - the file is being written: ask again at the next poll
+                return JobState(True)
+            return JobState(False, "" if kind == "success" else (str(result).strip().splitlines() or [""])[-1][:300])
+        state = _squeue_state(handle["job_id"]) or job.state
+        if state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING"):
+            return JobState(True)
+        if state == "UNKNOWN":  # neither squeue nor sacct knows it any more: gone without a result
+            return JobState(False, f"SLURM job {handle['job_id']} ended without a result")
+        return JobState(False, f"SLURM job {handle['job_id']} ended {state}")
+
+    def cancel(self, handle: dict[str, Any]) -> None:
+        subprocess.run(["scancel", handle["job_id"]], capture_output=True)
+
+
+def _squeue_state(job_id: str) -> str | None:
+    """The job's state as squeue shows it (recently ended jobs too), None if squeue does not list it (a cluster
+    without accounting forgets a finished job after MinJobAge)."""
+    found = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+    states = found.stdout.split()
+    return states[0] if found.returncode == 0 and states else None
+
+
+@dataclass(frozen=True)
+class SideJobs:
+    """How ``CBSProbeCallback`` runs its branches as side jobs (``ProbeConfig.side_jobs``).
+
+    Args:
+        launcher: ``LocalLauncher(...)`` or ``SlurmLauncher(...)``.
+        build: how a job rebuilds the run: ``"package.module:function"``, a function of no arguments returning
+            ``lit_cbs.probe.RunParts`` (the module, datamodule, Trainer settings and BatchWarmup as the run
+            has them), importable where the job runs; or a recipe run's ``resolved_config.yaml``
+            (``recipes/train.py`` sets it).
+        retries: times a failed job is started again before the probe is recorded as failed.
+        keep_checkpoints: keep each probe's start checkpoint once its reading is recorded (by default it is
+            deleted then; the job folder keeps the job's description, log and scores).
+        wait_at_end: when training ends, wait for the readings still running (up to this many minutes; 0:
+            leave them, a resumed run or ``recipes/probe.py`` collects them).
+    """
+
+    launcher: Any
+    build: str
+    retries: int = 2
+    keep_checkpoints: bool = False
+    wait_at_end: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not hasattr(self.launcher, "submit"):
+            raise LitCBSConfigError(
+                f"side_jobs.launcher={self.launcher!r} is not a launcher: give LocalLauncher(...) or SlurmLauncher(...)"
+            )
+        if not (self.build.endswith((".yaml", ".yml")) or ":" in self.build):
+            raise LitCBSConfigError(
+                f"side_jobs.build={self.build!r} must be 'package.module:function' (returns lit_cbs.probe.RunParts) or "
+                "a recipe run's resolved_config.yaml"
+            )
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            raise LitCBSConfigError(f"side_jobs.retries={self.retries!r} must be an int >= 0 (times a failed job restarts)")
+        if not self.wait_at_end >= 0:
+            raise LitCBSConfigError(f"side_jobs.wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)")
