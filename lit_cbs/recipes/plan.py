@@ -348,10 +348,15 @@ class ProbePlan:
     window_tokens: int
     replicates: int = 1  # data windows each branch's k trains on
     snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
+    side_jobs: str | None = None  # the launcher of side-job probes (their branches train elsewhere), else None
+    checkpoint_bytes: int = 0  # side jobs: the checkpoint each probe writes for its job (all ranks' shards)
 
     @property
     def host_bytes(self) -> int:
-        """Peak: the snapshots held at once and the data."""
+        """Peak: the snapshots held at once and the data (side jobs: only the held-out batches the main run
+        scores its own window on)."""
+        if self.side_jobs is not None:
+            return self.heldout_bytes
         return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
 
     @property
@@ -388,6 +393,7 @@ def probe_plan(
     window_samples_per_rank = probe.span_tokens // seq_len // data_parallel_size
     sample_bytes = (seq_len + 1) * TOKEN_BYTES
     heldout = probe.heldout_batches * val_micro_batch * sample_bytes if probe.evaluate == "heldout" else 0
+    side_jobs = probe.config.side_jobs
     return ProbePlan(
         points=points,
         snapshot_bytes=snapshot,
@@ -397,6 +403,8 @@ def probe_plan(
         window_tokens=probe.window_tokens,
         replicates=probe.replicates,
         snapshots=2 + (max_branches(probe.config.search, len(probe.multipliers)) if probe.early_stop else 0),
+        side_jobs=type(side_jobs.launcher).__name__ if side_jobs is not None else None,
+        checkpoint_bytes=snapshot * shards,
     )
 
 
@@ -441,6 +449,7 @@ class RunPlan:
     micro_batch_limit: int | None = None  # the largest micro-batch whose step fits limits.gpu_memory_gib
     cluster: list[ClusterPhase] | None = None  # the phases on a cluster grown with the batch
     command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
+    slurm_arguments: str = ""  # its arguments for recipes/slurm/train.sbatch (which sets the nodes and devices itself)
     # Optimizer settings that move with the batch: the changes up to a phase, each (new / old global batch,
     # its LR factor) -> {column: value}, applied change by change as BatchWarmup does
     settings: Callable[[list[tuple[float, float]]], dict[str, float]] | None = None
@@ -464,8 +473,15 @@ class RunPlan:
 
     @property
     def wall_seconds(self) -> float:
-        tokens = self.tokens + (self.probe.tokens if self.probe else 0)
-        return self._seconds(tokens, self.processes)
+        """The main run's: with in-process probes the run waits while their branches train (counted); side-job
+        probes' branches train elsewhere (``probe_device_hours``)."""
+        paused = self.probe is not None and self.probe.side_jobs is None
+        return self._seconds(self.tokens + (self.probe.tokens if paused else 0), self.processes)
+
+    @property
+    def probe_device_hours(self) -> float:
+        """Device-hours of every probe's branches at the run's MFU, wherever they train."""
+        return self._seconds(self.probe.tokens, 1) / 3600 if self.probe is not None else 0.0
 
     def _seconds(self, tokens: int, devices: int) -> float:
         flops = self.shape.flops_per_token(self.seq_len)
@@ -547,23 +563,45 @@ class RunPlan:
             lines.append("CBS probe        none")
         else:
             p = self.probe
-            lines += [
+            windows = f" on each of {p.replicates} data windows" if p.replicates > 1 else ""
+            lines.append(
                 f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
                 f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
-                f"{p.window_tokens:,} tokens each{f' on each of {p.replicates} data windows' if p.replicates > 1 else ''}: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} of training)",
-                f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of {p.snapshot_bytes / GIB:,.2f} "
-                f"(weights + {self.optimizer.name} state), window batches {p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
-                f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
-                f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})",
-            ]
+                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} "
+                "of training)"
+            )
+            if p.side_jobs is not None:
+                hours = f"{self.probe_device_hours:,.0f} device-hours" if self._on_gpu else "their own devices"
+                lines += [
+                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, which does not "
+                    f"wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job "
+                    "(deleted once its reading is in)",
+                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores its "
+                    "own window on (no snapshot, no recorded window)",
+                ]
+            else:
+                lines.append(
+                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of "
+                    f"{p.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
+                    f"{p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
+                    f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
+                    f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})"
+                )
         seconds = self.wall_seconds
         if self._on_gpu:
+            if self.probe is None:
+                pauses = ""
+            elif self.probe.side_jobs is not None:
+                pauses = " (the main run alone: side-job probes do not pause it)"
+            else:
+                alone = self._seconds(self.tokens, self.processes)
+                pauses = f", of which the run waits {_duration(seconds - alone)} for its in-process probes"
             lines += [
                 "",
                 f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
                 f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
                 f"plan_for.peak_flops_per_device), "
-                f"{self.processes * seconds / 3600:,.0f} device-hours",
+                f"{self.processes * seconds / 3600:,.0f} device-hours{pauses}",
             ]
         else:
             lines += [
@@ -630,6 +668,16 @@ class RunPlan:
             lines.append(
                 f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
             )
+        lines.append("  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):")
+        for index, planned in enumerate(self.cluster):
+            nodes = planned.ranks // per_node
+            after = " --dependency=afterok:<the previous job's id>" if index else ""
+            resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
+            stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
+            lines.append(
+                f"    RUN_DIR=outputs/{self.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}{after} "
+                f"recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
+            )
         return lines
 
     @property
@@ -673,6 +721,7 @@ def plan_run(
     optimizer: OptimizerState = ADAMW_STATE,
     max_micro_batch_size: int | None = None,
     command: str = "recipes/train.py",
+    slurm_arguments: str = "",
     settings: Callable[[list[tuple[float, float]]], dict[str, float]] | None = None,
 ) -> RunPlan:
     """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
@@ -719,5 +768,6 @@ def plan_run(
         if phases
         else None,
         command=command,
+        slurm_arguments=slurm_arguments,
         settings=settings,
     )

@@ -335,3 +335,19 @@ def test_the_plan_moves_beta2_change_by_change_as_the_run_does():
     lines = train.plan_of(cfg).report().splitlines()
     header = next(i for i, line in enumerate(lines) if "LR x" in line)
     assert [line.split()[-1] for line in lines[header + 1 : header + 4]] == ["0.95", "0.9", f"{0.9**0.5:.4g}"]
+
+
+def test_side_job_probes_are_planned_apart_from_the_run_that_does_not_wait_for_them():
+    in_process = train.plan_of(compose_config("+recipe=olmo1b_cbs_probe", "plan=true", "trainer.devices=8"))
+    side = train.plan_of(compose_config("+recipe=olmo1b_cbs_probe", "plan=true", "trainer.devices=8", "side_jobs=slurm"))
+    alone = side._seconds(side.tokens, side.processes)
+    # The in-process probe's branches pause the run; side jobs' do not, and their device-hours are said apart.
+    assert side.wall_seconds == pytest.approx(alone) and in_process.wall_seconds > 1.3 * alone
+    assert side.probe_device_hours == pytest.approx(in_process.probe_device_hours) and side.probe_device_hours > 1000
+    report, waiting = side.report(), in_process.report()
+    hours = f"{side.probe_device_hours:,.0f} device-hours"
+    assert f"as side jobs (SlurmLauncher): the branches train on {hours} beside the main run, which does not wait" in report
+    assert "(the main run alone: side-job probes do not pause it)" in report
+    assert "for its in-process probes" in waiting and "as side jobs" not in waiting
+    # No snapshots or recorded window in the run's host memory: only the held-out batches it scores itself on.
+    assert side.probe.host_bytes == side.probe.heldout_bytes < in_process.probe.host_bytes

@@ -1,0 +1,133 @@
+"""Side-job probes (lit_cbs/probe/side_jobs.py, launchers.py): branches trained by real processes from the probe's
+checkpoint while the main run trains on as k = 1. The readings equal the in-process probe's, the main run is the
+run without a probe, failures are retried then recorded, and bad settings are refused before any branch trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import side_job_toys
+import torch
+from toys import fit_quietly, trainer_kwargs
+
+from lit_cbs import CBSProbeCallback, FinalStateCheckpoint
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe import LocalLauncher, SideJobs
+
+TESTS = Path(__file__).resolve().parents[1]
+PROBE = dict(every_tokens=160, multipliers=(1, 2, 4), window_tokens=128, epsilon=0.01, evaluate="heldout", search="bisect")
+
+
+@pytest.fixture(autouse=True)
+def job_path(monkeypatch):
+    """The jobs import side_job_toys (and toys) as the test does."""
+    monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{TESTS.parent}")
+
+
+def fit(probe: CBSProbeCallback | None, epochs: int = 2):
+    pl.seed_everything(0, verbose=False)
+    module = side_job_toys.module()
+    callbacks = [side_job_toys.warmup()] + ([probe] if probe is not None else [])
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=epochs, limit_val_batches=0))
+    fit_quietly(trainer, module, datamodule=side_job_toys.Data(n=96, batch_size=2))
+    return trainer, module
+
+
+def side_jobs(**kwargs) -> SideJobs:
+    return SideJobs(LocalLauncher(threads=1), build="side_job_toys:parts", **kwargs)
+
+
+@pytest.mark.slow
+def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alone(tmp_path):
+    plain_trainer, plain = fit(None)
+    in_process = CBSProbeCallback(**PROBE)
+    fit(in_process)
+    probe = CBSProbeCallback(**PROBE, side_jobs=side_jobs(), output_dir=tmp_path)
+    trainer, module = fit(probe)
+    assert torch.equal(module.layer.weight, plain.layer.weight) and module.micro_batches == plain.micro_batches
+    assert len(probe.history) == len(in_process.history) >= 3
+    for side, inside in zip(probe.history, in_process.history):
+        assert (side.tokens, side.step, side.mode) == (inside.tokens, inside.step, "side_jobs")
+        assert side.batch_losses == inside.batch_losses and side.losses == inside.losses  # bit for bit
+        assert (side.bracket, side.loss_se, side.branches_trained) == (inside.bracket, inside.loss_se, inside.branches_trained)
+        assert side.arrived_at_tokens >= side.tokens + side.window_tokens
+    written = [json.loads(line) for line in (tmp_path / "cbs_probe.jsonl").read_text().splitlines()]
+    assert written == [dataclasses.asdict(reading) for reading in probe.history]
+    folders = sorted((tmp_path / "cbs_probe_jobs").iterdir())
+    assert len(folders) == len(probe.history)
+    assert all((folder / "scores.json").is_file() and not (folder / "start.ckpt").exists() for folder in folders)
+
+
+@pytest.mark.slow
+def test_a_failing_side_job_is_retried_then_the_probe_is_recorded_as_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIDE_JOB_TOYS_COUNT", str(tmp_path / "count"))
+    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", "3")  # the first probe's job fails 3 times: more than retries=2
+    probe = CBSProbeCallback(**{**PROBE, "every_tokens": 320}, side_jobs=side_jobs(retries=2), output_dir=tmp_path)
+    fit(probe)
+    assert [failure["tokens"] for failure in probe.failures] == [320]
+    assert probe.failures[0]["reason"].startswith("side job failed 3 times: exited with code 1: RuntimeError: side job 1")
+    assert [reading.tokens for reading in probe.history] == [640]  # the next probe's job ran and its reading counts
+
+
+def test_a_launcher_that_cannot_start_is_refused_before_training(tmp_path):
+    probe = CBSProbeCallback(**PROBE, side_jobs=SideJobs(LocalLauncher(python="/nonexistent/python"), build="x:y"))
+    with pytest.raises(LitCBSConfigError, match=r"LocalLauncher\(python='/nonexistent/python'\) cannot start a side job"):
+        fit(probe)
+
+
+def test_side_job_settings_are_checked_where_they_are_made():
+    with pytest.raises(LitCBSConfigError, match="side_jobs.build='train' must be 'package.module:function'"):
+        SideJobs(LocalLauncher(), build="train")
+    with pytest.raises(LitCBSConfigError, match="early_stop=.* with side_jobs it never waits"):
+        CBSProbeCallback(**PROBE, early_stop=(0.5,), side_jobs=side_jobs())
+
+
+def fit_until(probe: CBSProbeCallback, folder: Path, max_steps: int = -1, ckpt_path: Path | None = None):
+    """The toy run with last.ckpt in ``folder``, stopped after ``max_steps`` (-1: its end), resumed from ``ckpt_path``."""
+    pl.seed_everything(0, verbose=False)
+    checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True)
+    callbacks = [side_job_toys.warmup(), probe, checkpoint]
+    kwargs = trainer_kwargs(max_epochs=2, limit_val_batches=0, max_steps=max_steps, enable_checkpointing=True)
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
+    fit_quietly(trainer, side_job_toys.module(), datamodule=side_job_toys.Data(n=96, batch_size=2), ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.slow
+def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_lost(tmp_path, caplog):
+    # Probes every 10 steps (160 tokens) over 8-step windows; the run stops after steps 19 and 29 and resumes.
+    def probe(**settings) -> CBSProbeCallback:
+        jobs = SideJobs(LocalLauncher(threads=1, max_running=None), build="side_job_toys:parts", **settings)
+        return CBSProbeCallback(**PROBE, side_jobs=jobs, output_dir=tmp_path / "probes")
+
+    uninterrupted = probe()
+    fit_until(uninterrupted, tmp_path / "full")
+    first = probe(wait_at_end=0)
+    fit_until(first, tmp_path / "run", max_steps=19)  # the first probe's window ended at step 18; its job runs
+    (pending,) = first._side.pending.values()
+    launcher = first.config.side_jobs.launcher
+    assert launcher.state(pending.handle).running
+    launcher.cancel(pending.handle)  # the job is lost (its machine went away with the main run's)
+    second = probe(wait_at_end=0)
+    with caplog.at_level("INFO"):
+        fit_until(second, tmp_path / "run", max_steps=29, ckpt_path=tmp_path / "run" / "last.ckpt")
+    assert "side job attempt 1 was killed by signal 9; it starts again (1 of 3 attempts)" in caplog.text
+    folders = sorted((tmp_path / "probes" / "cbs_probe_jobs").glob("probe*"))
+    for folder in folders:  # both probes' jobs finish while no main run is running
+        for _ in range(600):
+            if (folder / "scores.json").is_file():
+                break
+            time.sleep(0.5)
+    third = probe()
+    with caplog.at_level("INFO"):
+        fit_until(third, tmp_path / "run", ckpt_path=tmp_path / "run" / "last.ckpt")
+    assert [(r.tokens, r.losses, r.batch_losses) for r in third.history] == [
+        (r.tokens, r.losses, r.batch_losses) for r in uninterrupted.history
+    ]
+    written = [json.loads(line)["tokens"] for line in (tmp_path / "probes" / "cbs_probe.jsonl").read_text().splitlines()]
+    assert written == [160, 320, 480, 640]  # each reading once
