@@ -11,6 +11,7 @@ Imported on its own (``lit_cbs`` does not import it), so the library needs no Hy
 
 from __future__ import annotations
 
+import os
 import sys
 
 from omegaconf import OmegaConf
@@ -44,17 +45,29 @@ def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
     return float(lr) * get_lr_rule(rule).factor(float(batch_size) / float(base_batch_size))
 
 
+SWEPT_KEYS = "LIT_CBS_SWEPT_KEYS"  # the keys a multirun's command line sweeps, for jobs that run elsewhere
+
+
+def swept_keys(arguments: list[str]) -> list[str]:
+    """The keys (or groups) a command line's overrides sweep (``batch.schedule.batch_size=8,16``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = OverridesParser.create().parse_overrides([a for a in arguments if not a.startswith("-")])
+    return [override.key_or_group for override in overrides if override.is_sweep_override()]
+
+
+def remember_swept_keys(arguments: list[str]) -> None:
+    """Put the swept keys of this command line where a multirun's jobs find them: a job that runs in another process
+    (a SLURM job of Hydra's submitit launcher) has another command line, but this environment."""
+    os.environ.setdefault(SWEPT_KEYS, ",".join(swept_keys(arguments)))
+
+
 def sweep_subdir(job_number, run_name, job_overrides) -> str:
     """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line
     sweeps (``batch.schedule.batch_size=8,16`` -> ``..._batch.schedule.batch_size=16``). The recipe is
     in ``run_name``; keys set to one value for every job would only lengthen every name."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    swept = {
-        override.key_or_group
-        for override in OverridesParser.create().parse_overrides([a for a in sys.argv[1:] if not a.startswith("-")])
-        if override.is_sweep_override()
-    }
+    remembered = os.environ.get(SWEPT_KEYS)
+    swept = set(remembered.split(",") if remembered else swept_keys(sys.argv[1:]))
     own = [item for item in job_overrides if item.split("=", 1)[0].lstrip("+~") in swept - {"recipe"}]
     return "_".join([f"{job_number}_{run_name}", *own])
 
