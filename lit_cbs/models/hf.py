@@ -102,7 +102,14 @@ class HFDecoder(nn.Module):
         return self.lm.get_submodule(self._layers_path)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (causal attention, positions 0..T-1, no cache)."""
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (causal attention, positions 0..T-1, no cache).
+
+        A batch of no sample (an epoch's last micro-batch on a rank its share left none) still runs every
+        layer, so that sharded and data-parallel backward hooks fire on this rank as on the others:
+        ``transformers``' attention cannot reshape zero rows, so one padding row runs and none of its
+        logits is returned (their gradient is zero)."""
+        if input_ids.shape[0] == 0:
+            return self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]), use_cache=False).logits[:0]
         return self.lm(input_ids=input_ids, use_cache=False).logits
 
     def reset_parameters(self) -> None:

@@ -84,6 +84,18 @@ def reference_gradients(weights: dict[str, torch.Tensor], batches: list[torch.Te
     return {f"model.lm.{name}": p.grad for name, p in reference.named_parameters()}
 
 
+def test_a_micro_batch_of_no_sample_runs_every_layer_to_a_zero_gradient_and_a_finite_loss():
+    # An epoch's last micro-batch can hold no sample on a rank; its backward must still reach every parameter
+    # (FSDP2's reduce-scatter and DDP's all-reduce wait for each rank), with nothing added to the gradient.
+    module = CausalLM(LLAMA)
+    module.configure_model()
+    loss = module.training_step(torch.zeros(0, 9, dtype=torch.long), 0)
+    assert loss.item() == 0.0
+    loss.backward()
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    assert all(grad is not None and not grad.any() for grad in grads.values()), [n for n, g in grads.items() if g is None]
+
+
 def test_the_noise_scale_groups_the_decoder_layers_of_a_checkpointed_llama():
     gns = GradientNoiseScale(groups="blocks")
     trainer = pl.Trainer(callbacks=[gns], **trainer_kwargs(max_steps=4, accumulate_grad_batches=2))
