@@ -49,6 +49,7 @@ from torch.utils.data import DataLoader
 
 from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
@@ -476,8 +477,6 @@ class BatchAccounting(Callback):
         still runs the step's forward and backward. Try ``training_step`` once on such a batch, before
         training, with its side effects undone: a loss that is not finite (a mean over no samples is
         NaN) would reach every rank's gradient through the all-reduce."""
-        from lit_cbs.probe.branch import side_effects_undone  # the probe's module imports this one
-
         world = self.data_parallel_size
         batch = trainer.strategy.batch_to_device(loader.empty_batch())
         step_tokens = self.step_tokens.count

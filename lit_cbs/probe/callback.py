@@ -36,6 +36,7 @@ from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
+from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import (
@@ -45,7 +46,6 @@ from lit_cbs.probe.branch import (
     ProbeUnusable,
     RecordedWindow,
     branch_micro_batch,
-    logging_muted,
     no_baseline,
     optimizer_step_writes_lr,
 )
