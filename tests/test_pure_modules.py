@@ -30,6 +30,7 @@ PURE_MODULES = [
     "lit_cbs.rules.guard",
     "lit_cbs.rules.lr_schedules",
     "lit_cbs.rules.scaling",
+    "lit_cbs.rules.smoothing",
 ]
 
 BLOCKED = ("lightning", "lightning_fabric", "pytorch_lightning", "matplotlib")
