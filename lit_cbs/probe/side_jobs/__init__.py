@@ -5,8 +5,8 @@ start; with a ``GlobalOrderLoader`` it holds the data position too, so the windo
 ``window_tokens`` of data) and a job description, hands them to a launcher, and trains on as the k = 1 branch. A
 side job (``python -m lit_cbs.probe.side_jobs JOB.json``, the program in this package's ``__main__.py``) rebuilds
 the run (``SideJobs.build``), resumes it from the checkpoint on its own processes or devices, and trains the
-branches there (``CheckpointProbe``); it writes each measured k's score to ``scores.json``. With ``search="bisect"`` the main run's own score over the window
-stands in for k = 1: the job trains the first midpoint while the main run trains its window, then waits for the
+branches there (``CheckpointProbe``); it writes each measured k's score to ``scores.json``. With
+``search="bisect"`` the main run's own score over the window stands in for k = 1: the job trains the first midpoint while the main run trains its window, then waits for the
 main run's score (``main_score.json``, written when its window ends) to steer the bisection. The main run looks
 for results after every optimizer step; when they arrive it decides the reading (the same rule as in process),
 logs it at its probe point, appends it to ``cbs_probe.jsonl`` and feeds ``CBSAdaptive``, which changes the batch
