@@ -13,7 +13,8 @@ setting ends the run with one line that names its Hydra key (lit_cbs.recipes.job
 HYDRA_FULL_ERROR=1 for the traceback), and a run that ends before its first optimizer step takes back
 its run folder. Each run folder gets the resolved config
 (resolved_config.yaml), metrics.csv, checkpoints/ and what lit_cbs.recipes.run_report writes:
-batch_history.json, summary.json (also printed at the run's end), the plots and report.html.
+batch_history.json, summary.json (also printed at the run's end) and the plots, which report.html
+(lit_cbs.recipes.report) embeds.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from lit_cbs import CBSProbeCallback
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.recipes import job
 from lit_cbs.recipes.plan import Limits, OptimizerState, RunPlan, plan_run
+from lit_cbs.recipes.report import write_report
 from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers, remember_swept_keys
 from lit_cbs.recipes.run_report import Run, run_header, write_run_summary
 
@@ -218,6 +220,8 @@ def main(cfg: DictConfig) -> float | None:
     val_loss = run.trainer.callback_metrics.get("val/loss")
     if run.trainer.is_global_zero:
         _, ending = write_run_summary(output_dir, cfg.run_name, run.trainer, run.batch_warmup, fit_seconds, cfg.plots)
+        if cfg.plots and (output_dir / "metrics.csv").is_file():
+            write_report(output_dir)  # report.html: the run on one page, readable offline, with the plots just drawn
         job.finish_loggers(run.trainer.loggers)
         log.info(ending)
     if torch.distributed.is_initialized():  # before the interpreter exits: a process group torn down at exit can abort the rank

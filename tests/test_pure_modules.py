@@ -1,6 +1,7 @@
 """The pure rules import no Lightning and no plotting stack: each is imported in a fresh Python whose
 import system refuses lightning and matplotlib, so a user can read a probe record, fit a schedule or
-plan a run on a machine without either, and a module that starts needing them fails here."""
+plan a run on a machine without either, and a module that starts needing them fails here. The CBS probe's
+callback imports no plotting library until it draws its curve."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ PURE_MODULES = [
     "lit_cbs.gns.config",
     "lit_cbs.gns.estimator",
     "lit_cbs.gns.groups",
+    "lit_cbs.models.build",
     "lit_cbs.models.decoder",
     "lit_cbs.models.olmo",
     "lit_cbs.probe.reading",
@@ -29,6 +31,7 @@ PURE_MODULES = [
     "lit_cbs.rules.guard",
     "lit_cbs.rules.lr_schedules",
     "lit_cbs.rules.scaling",
+    "lit_cbs.rules.smoothing",
 ]
 
 BLOCKED = ("lightning", "lightning_fabric", "pytorch_lightning", "matplotlib")
@@ -76,3 +79,40 @@ def test_the_block_refuses_what_it_should():
 def test_the_analysis_package_loads_plotting_on_first_use():
     code = "import sys, lit_cbs.analysis as a; a.fit_mccandlish; assert 'matplotlib' not in sys.modules; a.plot_es; assert 'matplotlib' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(), timeout=120)
+
+
+# Which lit_cbs module runs an import statement of matplotlib or scipy, while the modules in argv are imported. The
+# import system cannot simply refuse them here: Lightning imports torchmetrics, which imports both where installed.
+IMPORTS_OF_PLOTTING = """
+import builtins, importlib, sys
+
+real_import = builtins.__import__
+seen = set()
+
+def spy(name, globals=None, locals=None, fromlist=(), level=0):
+    importer = (globals or {}).get("__name__") or ""
+    if importer.startswith("lit_cbs") and name.partition(".")[0] in ("matplotlib", "scipy"):
+        seen.add(f"{importer}: {name.partition('.')[0]}")
+    return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = spy
+for module in sys.argv[1:]:
+    importlib.import_module(module)
+print("\\n".join(sorted(seen)))
+"""
+
+
+def plotting_imports(*modules: str) -> list[str]:
+    """``importer: package`` for each lit_cbs module that imports matplotlib or scipy while a fresh Python imports
+    ``modules``."""
+    command = [sys.executable, "-c", IMPORTS_OF_PLOTTING, *modules]
+    result = subprocess.run(command, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines()
+
+
+def test_the_probe_callback_imports_no_plotting_library_until_it_draws():
+    # scipy comes with the EMA a branch is scored by, not with the metrics-CSV reader or a plot.
+    assert plotting_imports("lit_cbs.probe.callback") == ["lit_cbs.rules.smoothing: scipy"]
+    # What _draw imports when it draws does import matplotlib: the check sees it.
+    assert "lit_cbs.probe.plot: matplotlib" in " ".join(plotting_imports("lit_cbs.probe.plot"))

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy.signal import lfilter
 
 from lit_cbs.analysis.probe_schedule import read_probe_records
+from lit_cbs.rules.smoothing import ema
 
 # The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale) and Lightning's step column.
 TOKENS_COLUMN = "tokens_seen"
@@ -342,20 +342,6 @@ def check_units(runs: Sequence[RunCurve]) -> float | None:
     if missing:
         warnings.warn(f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others")
     return float(np.mean(values))
-
-
-def ema(values: np.ndarray, decay: float) -> np.ndarray:
-    """Exponential moving average s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0.
-
-    Lags a trend by about decay / (1 - decay) logged points, which shifts every crossing later.
-    """
-    if not 0.0 <= decay < 1.0:
-        raise ValueError(f"decay={decay} must be in [0, 1)")
-    values = np.asarray(values, dtype=float)
-    if not len(values):
-        return values
-    smoothed, _ = lfilter([1.0 - decay], [1.0, -decay], values, zi=[decay * values[0]])
-    return smoothed
 
 
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:

@@ -7,7 +7,7 @@ them, counted from the batches the train loader actually yields. It also feeds t
 ``TokenLRScheduler``s, stops the run at a token budget, defers FSDP2's gradient
 reduce-scatter to the micro-batch that steps, and, for a module whose ``training_step`` returns
 ``lit_cbs.token_mean_loss(...)``, turns the step's gradient into the mean over its tokens
-(``step_tokens``, lit_cbs.models.token_loss) before any other callback sees it.
+(``step_tokens``, a ``StepTokens``) before any other callback sees it.
 
 One instance serves a Trainer: ``BatchAccounting.attach(trainer)`` returns it, and attaches one the
 first time a callback (or ``CausalLM``) asks, so a run needs no accounting callback of its own:
@@ -49,9 +49,9 @@ from torch.utils.data import DataLoader
 
 from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
-from lit_cbs.models.token_loss import StepTokens
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
 
@@ -150,6 +150,39 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
             f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: set {name} to one of them, or use {other}"
         )
     return global_batch // unit
+
+
+class StepTokens:
+    """The counted tokens of the optimizer step under way (this rank's), for ``rescale``."""
+
+    def __init__(self):
+        self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
+
+    @property
+    def active(self) -> bool:
+        return self.count is not None
+
+    def add(self, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens, device=loss_sum.device, dtype=torch.float64)
+        self.count = tokens if self.count is None else self.count + tokens
+        mean = loss_sum / tokens.clamp(min=1).to(loss_sum.dtype)
+        return loss_sum + (mean - loss_sum).detach()  # the value of the mean, the gradient of the sum
+
+    def rescale(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, divisor: int) -> None:
+        """Turn the step's gradients, each micro-batch's sum / ``divisor`` averaged over the ranks,
+        into the sum over the step's tokens / their number (all ranks); then start a new step."""
+        if self.count is None:
+            return
+        count, self.count = self.count, None
+        total = float(trainer.strategy.reduce(count, reduce_op="sum")) if trainer.world_size > 1 else float(count)
+        if total == 0:
+            return  # every token of the step was masked: the gradient is zero already
+        scale = divisor * trainer.world_size / total
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for parameter in group["params"]:
+                    if parameter.grad is not None:
+                        parameter.grad.mul_(scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,8 +477,6 @@ class BatchAccounting(Callback):
         still runs the step's forward and backward. Try ``training_step`` once on such a batch, before
         training, with its side effects undone: a loss that is not finite (a mean over no samples is
         NaN) would reach every rank's gradient through the all-reduce."""
-        from lit_cbs.probe.branch import side_effects_undone  # the probe's module imports this one
-
         world = self.data_parallel_size
         batch = trainer.strategy.batch_to_device(loader.empty_batch())
         step_tokens = self.step_tokens.count

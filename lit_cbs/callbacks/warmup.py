@@ -29,7 +29,10 @@ With ``guard`` (lit_cbs.rules.guard.BatchGuard, its settings a ``GuardConfig``) 
 judged on the training loss after it and reverted if the loss rises above its trend: the revert is
 a change like the others (at an aligned step), recorded with ``cause="guard"``, and it restores the
 LR and clipping threshold of before the increase, and the weight decay, betas and eps of before it,
-exactly (the guard keeps them as a ``RevertRestore``).
+exactly (the guard keeps them as a ``RevertRestore``; ``lit_cbs.callbacks.warmup_guard`` feeds it the losses).
+
+What BatchWarmup refuses and warns about, at setup, fit start, train start and the first batch, is in
+``lit_cbs.callbacks.warmup_checks``.
 """
 
 from __future__ import annotations
@@ -37,42 +40,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from lightning.pytorch.callbacks import (
-    Callback,
-    GradientAccumulationScheduler,
-    ModelCheckpoint,
-)
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import checkpoint_triggers, shift_epoch_micro_batches, should_accumulate
+from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
+from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import (
     BatchAccounting,
     MicroBatchSetting,
     check_divisible,
-    mean_over_ranks,
-    micro_batch_loss,
     resizable_train_loader,
 )
 from lit_cbs.callbacks.logs import log_to_loggers
-from lit_cbs.callbacks.validation import TokenValidation
+from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
-from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch, micro_batch_for
-from lit_cbs.rules.guard import BatchGuard, GuardConfig, GuardVerdict, RevertRestore
-from lit_cbs.rules.lr_schedules import TokenLRScheduler
+from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
+from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore
 from lit_cbs.rules.scaling import (
     BETA2_FLOOR,
     OptimizerRules,
     get_clip_rule,
     optimizer_settings,
-    restore_settings,
-    scale_learning_rate,
 )
 
 log = logging.getLogger(__name__)
@@ -176,6 +167,7 @@ class BatchWarmup(Callback):
         self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule, beta2_floor)
         self.clip_rule = get_clip_rule(clip_rule)
         self.guard = BatchGuard.from_setting(guard)
+        self._guarded = WarmupGuard(self.guard) if self.guard is not None else None
         # The accounting's settings, taken on its behalf and handed to it in setup.
         self._accounting_settings = BatchAccounting.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
         self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
@@ -188,10 +180,6 @@ class BatchWarmup(Callback):
         self.lr_factor = 1.0  # product of all changes' LR factors
         self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
         self._base_gradient_clip_val: float | None = None  # the Trainer's, before any change
-        # The guard's sum of this step's micro-batch losses so far (a tensor on the loss's device: no host
-        # sync per micro-batch) and their count.
-        self._step_loss_sum: torch.Tensor | float = 0.0
-        self._step_micro_batches = 0
         self.history: list[BatchChange] = []
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
@@ -269,38 +257,19 @@ class BatchWarmup(Callback):
                 f"the Trainer has {warmups} BatchWarmup callbacks, which would each set the batch and move the LR at "
                 "their own changes: keep one, with one schedule of every change (PiecewiseBatch)"
             )
-        if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
-            raise LitCBSConfigError("BatchWarmup sets the accumulation itself: remove the GradientAccumulationScheduler callback")
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-
-        if isinstance(trainer.strategy, DeepSpeedStrategy) and not self.schedule.is_constant:
-            raise LitCBSConfigError("DeepSpeedStrategy fixes gradient accumulation at start; use ddp, fsdp or model_parallel")
+        checks.check_trainer(trainer, self.schedule)
         accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **self._accounting_settings)
-
-        if self.clip_rule is not None and not trainer.gradient_clip_val:
-            raise LitCBSConfigError(
-                f"BatchWarmup(clip_rule={self.clip_rule.name!r}) rescales the gradient-clipping threshold, but "
-                f"Trainer(gradient_clip_val={trainer.gradient_clip_val!r}) sets none: set gradient_clip_val "
-                "(e.g. 1.0), or clip_rule=None"
-            )
-        self._check_adaptive_has_a_probe(trainer)
+        checks.check_clip_rule(self.clip_rule, trainer)
+        checks.check_adaptive_is_fed(self.schedule, trainer)
         self._base_gradient_clip_val = trainer.gradient_clip_val
         micro = self._get_micro(trainer, pl_module)
-        if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro:
-            raise LitCBSConfigError(
-                f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
-                f"batch_size={micro}; raise it or lower the batch_size"
-            )
+        checks.check_micro_batch(self.max_micro_batch_size, micro)
         self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
         global_batch = self.schedule.batch_size(0)
         if self.max_micro_batch_size is not None:
             micro = self.micro_batch_for(global_batch)
         accumulate = check_divisible(global_batch, micro, accounting.data_parallel_size)
-        if trainer.accumulate_grad_batches not in (1, accumulate):
-            raise LitCBSConfigError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
-                f"whose schedule starts at accumulate={accumulate}; leave accumulate_grad_batches at 1"
-            )
+        checks.check_accumulation(trainer, accumulate)
         self._set_batch(global_batch, micro, accumulate)
 
     def lacks_a_feeder(self, callbacks: list, resumed: bool) -> bool:
@@ -308,24 +277,7 @@ class BatchWarmup(Callback):
         (``CBSProbeCallback``, or a callback of yours that calls ``schedule.observe`` and says so with a
         class attribute ``feeds_cbs_adaptive = True``): it would stay at its start batch for the whole
         run. A resumed run may have none (after its last probe point the recorded decisions replay)."""
-        schedule = self.schedule
-        return (
-            isinstance(schedule, CBSAdaptive)
-            and schedule.start < schedule.final
-            and not resumed
-            and not any(getattr(callback, "feeds_cbs_adaptive", False) for callback in callbacks)
-        )
-
-    def _check_adaptive_has_a_probe(self, trainer: pl.Trainer) -> None:
-        if self.lacks_a_feeder(trainer.callbacks, resumed=trainer.ckpt_path is not None):
-            schedule = self.schedule
-            raise LitCBSConfigError(
-                f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
-                "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "
-                f"would stay {schedule.start} for the whole run: add lit_cbs.CBSProbeCallback(...) (or a callback of "
-                "yours that calls schedule.observe, with feeds_cbs_adaptive = True), or use a fixed schedule "
-                "(PiecewiseBatch, ConstantBatch)"
-            )
+        return checks.lacks_a_feeder(self.schedule, callbacks, resumed)
 
     @staticmethod
     def _get_micro(trainer, pl_module) -> int:
@@ -345,43 +297,18 @@ class BatchWarmup(Callback):
         self.accounting.set_micro_batch_size(micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # The changes still to come, from the batch now. A constant schedule the run already trains at
-        # has none: the LR is never rescaled, so any optimizer and LR scheduler (OneCycleLR too) train
-        # exactly as without BatchWarmup. A constant schedule can still change the batch once, when a
-        # run resumes with another batch than its checkpoint's: that change is checked like any other.
-        sizes = self.schedule.sizes(self.consumed)
-        ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        who = f"BatchWarmup({self.rules.describe()})"
-        for optimizer in trainer.optimizers:
-            self.rules.check(optimizer, schedulers, ratios, who, compose=True)
-        if not ratios:
-            if self.rules.settings and self.guard is None:
-                rank_zero_warn(
-                    f"{who}: the schedule {self.schedule!r} never changes the batch from {self.global_batch}, so "
-                    f"{' and '.join(rule.argument for rule in self.rules.settings)} never act: give the optimizer the "
-                    "settings for this batch yourself, or drop the rules"
-                )
-            return
-        for config in trainer.lr_scheduler_configs:
-            # ReduceLROnPlateau follows a monitored metric, not the step count: nothing stretches.
-            if config.interval == "step" and not isinstance(
-                config.scheduler, (TokenLRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-            ):
-                rank_zero_warn(
-                    f"{type(config.scheduler).__name__} is indexed by optimizer steps, but BatchWarmup changes "
-                    "the tokens per step, so the schedule will stretch in tokens (and "
-                    "trainer.estimated_stepping_batches assumes a constant batch); use "
-                    "lit_cbs.rules.lr_schedules.TokenLRScheduler"
-                )
+        checks.check_optimizer_rules(trainer, self.rules, self.schedule, self.consumed, self.global_batch, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._samples_before_step = self.samples_seen
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
-        self._check_loader_resizes(trainer)
+        micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
+        checks.check_loader_resizes(trainer, micros, self.micro_batch_size, self.max_micro_batch_size)
         if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
             self._regroup_for_new_ranks(trainer)
-        self._warn_checkpoints_inside_accumulation(trainer, pl_module)
+        ranks = self.accounting.data_parallel_size
+        steps = {size // (self.micro_batch_for(size) * ranks) for size in self.schedule.sizes(self.consumed)}
+        checks.warn_checkpoints_inside_accumulation(trainer, pl_module, steps | {self.accumulate})
         if self.accounting.budget_reached:
             return  # resumed from a run's final state: the accounting stops the run
         # A change the schedule asked for after a run's last step was not applied then (no step used
@@ -395,41 +322,13 @@ class BatchWarmup(Callback):
             {self.global_batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])}
         )
 
-    def _check_loader_resizes(self, trainer: pl.Trainer) -> None:
-        """A schedule whose micro-batch changes needs a loader that can change its batch between steps."""
-        micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
-        if micros == {self.micro_batch_size}:
-            return
-        loader = resizable_train_loader(trainer)
-        if loader is None:
-            name = type(trainer.train_dataloader).__name__
-            raise LitCBSConfigError(
-                f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes the micro-batch between "
-                f"optimizer steps ({' -> '.join(map(str, sorted(micros)))} samples per rank), which the train loader "
-                f"({name}) cannot do mid-epoch: build it with lit_cbs.GlobalOrderLoader(dataset, "
-                "batch_size=self.batch_size, ...), or set max_micro_batch_size=None to grow the batch by accumulation"
-            )
-        if trainer.limit_train_batches != 1.0:
-            raise LitCBSConfigError(
-                f"Trainer(limit_train_batches={trainer.limit_train_batches}) counts micro-batches, whose size "
-                f"BatchWarmup(max_micro_batch_size={self.max_micro_batch_size}) changes: stop the run by max_tokens "
-                "or max_steps instead"
-            )
-
     def _regroup_for_new_ranks(self, trainer: pl.Trainer) -> None:
         """Resumed on another number of data-parallel ranks: the global batch, LR and data position go on;
         the micro-batch and accumulation are chosen for the ranks now (``_fits_now`` lets the first step
         after the resume take exactly the new accumulation)."""
         accounting, before = self.accounting, self.accounting.checkpoint_data_parallel_size
         ranks = accounting.data_parallel_size
-        loader = resizable_train_loader(trainer)
-        if loader is None:
-            raise LitCBSConfigError(
-                f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
-                f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
-                f"skip or repeat samples; build it with lit_cbs.GlobalOrderLoader (one order for any number of "
-                f"ranks), or resume on {before} ranks"
-            )
+        loader = checks.check_loader_regroups(trainer, before, ranks)
         self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
         old = (self.micro_batch_size, self.accumulate)
         micro = self.micro_batch_for(self.global_batch)
@@ -442,198 +341,35 @@ class BatchWarmup(Callback):
             f"{old[0]} x accumulate {old[1]} x {before}), from sample {loader.position:,} of epoch {loader.epoch}"
         )
 
-    def _warn_checkpoints_inside_accumulation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step: the
-        accumulated gradient is not in the checkpoint, so a run resumed from it trains a different step."""
-        ranks = self.accounting.data_parallel_size
-        accumulations = {size // (self.micro_batch_for(size) * ranks) for size in self.schedule.sizes(self.consumed)}
-        step = math.lcm(*accumulations, self.accumulate)
-        if step == 1:
-            return
-        validation_batch = trainer.val_check_batch
-        validates_inside_epoch = (
-            isinstance(validation_batch, int)
-            and trainer.limit_val_batches != 0
-            and is_overridden("validation_step", pl_module)
-            and (validation_batch < trainer.num_training_batches or trainer.check_val_every_n_epoch is None)
-            and not any(isinstance(callback, TokenValidation) for callback in trainer.callbacks)  # validates after steps
-        )
-        for callback in trainer.checkpoint_callbacks:
-            if not isinstance(callback, ModelCheckpoint):
-                continue
-            time_interval, every_n_epochs = checkpoint_triggers(callback)
-            if time_interval is not None:
-                reason = f"train_time_interval={time_interval} can fall on any micro-batch"
-            elif every_n_epochs >= 1 and validates_inside_epoch and validation_batch % step:
-                reason = (
-                    f"it saves after validation, which runs every {validation_batch} micro-batches (val_check_interval), "
-                    f"not a multiple of the accumulation {step}"
-                )
-            else:
-                continue
-            aligned = -(-validation_batch // step) * step if isinstance(validation_batch, int) else step
-            rank_zero_warn(
-                f"ModelCheckpoint may save inside an accumulation window ({reason}); a run resumed from such a "
-                f"checkpoint loses the half-accumulated gradient. Checkpoint on optimizer steps with "
-                f"ModelCheckpoint(every_n_train_steps=...), or set val_check_interval to a multiple of {step} "
-                f"micro-batches (e.g. {aligned})"
-            )
-
     # ------------------------------------------------------------------ per batch
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         # The accounting's hook ran first: it has resolved seq_len from this batch.
         if not self._token_settings_checked:
             self._token_settings_checked = True
-            if self.schedule.unit == "tokens" and not self.accounting.has_tokens:
-                raise LitCBSConfigError(
-                    "BatchWarmup has schedule unit='tokens' but the batches hold no token ids (no 2-D integer "
-                    "tensor), so it cannot count tokens: use unit='samples' for such data, or pass "
-                    "BatchWarmup(seq_len=...) / give the datamodule a `tokens_per_sample` attribute if it is token data"
-                )
-            self._warn_unreachable_batches(trainer)
-
-    def _run_limits(self, trainer: pl.Trainer, samples: int) -> list[tuple[str, str, int]]:
-        """What ends the run from here: (setting, unit, amount left) for max_tokens (tokens), max_steps
-        (optimizer steps) and max_epochs (samples, from the loader's length)."""
-        limits = []
-        accounting = self.accounting
-        if accounting.max_tokens is not None and accounting.seq_len:
-            limits.append(
-                (
-                    f"max_tokens={accounting.max_tokens:,}",
-                    "tokens",
-                    accounting.max_tokens - self.tokens_seen + (self.samples_seen - samples) * accounting.seq_len,
-                )
-            )
-        if trainer.max_steps is not None and trainer.max_steps >= 0:
-            limits.append((f"Trainer(max_steps={trainer.max_steps:,})", "steps", trainer.max_steps - trainer.global_step))
-        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-            loader = resizable_train_loader(trainer)
-            ranks = accounting.data_parallel_size
-            if loader is not None:
-                per_epoch, this_epoch = loader.num_samples, loader.position
-            elif isinstance(trainer.num_training_batches, int):
-                per_epoch = trainer.num_training_batches * self.micro_batch_size * ranks
-                this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready * self.micro_batch_size * ranks
-            else:
-                return limits  # an iterable of unknown length
-            left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - this_epoch + (self.samples_seen - samples)
-            limits.append((f"Trainer(max_epochs={trainer.max_epochs}) ({per_epoch:,} samples per epoch)", "samples", left))
-        return limits
-
-    def _steps_to(self, unit: str, left: int, batch: int) -> int:
-        """Optimizer steps at ``batch`` until ``left`` of ``unit`` are trained (the run stops after the step that reaches it)."""
-        per_step = {"steps": 1, "samples": batch, "tokens": batch * (self.accounting.seq_len or 0)}[unit]
-        return max(0, -(-left // per_step)) if per_step else 0
-
-    def _warn_unreachable_batches(self, trainer: pl.Trainer) -> None:
-        """Warn, before the first step, about every global batch the schedule has to come that the run
-        ends before (by max_tokens, max_steps or max_epochs): those phases never train. The steps are
-        walked phase by phase as BatchWarmup takes them (less its wait for an aligned step)."""
-        if isinstance(self.schedule, CBSAdaptive):
-            return  # its batches come from readings, not from the consumed count
-        seq_len = self.accounting.seq_len if self.accounting.has_tokens else 0
-        samples = self._samples_before_step if self._samples_before_step is not None else self.samples_seen
-        tokens = self.tokens_seen - (self.samples_seen - samples) * seq_len
-        limits = self._run_limits(trainer, samples)
-        if not limits:
-            return
-        batch, reached, steps_taken = self.global_batch, {self.global_batch}, 0
-        start = {"samples": samples, "tokens": tokens}
-
-        def steps_left(limit: tuple[str, str, int]) -> int:  # at ``batch``, until ``limit`` ends the run
-            _, unit, left = limit
-            used = steps_taken if unit == "steps" else {"samples": samples, "tokens": tokens}[unit] - start[unit]
-            return self._steps_to(unit, left - used, batch)
-
-        while True:
-            k_limit = min(steps_left(limit) for limit in limits)
-            steps = self._steps_until_change(samples, tokens, seq_len, batch, k_limit)
-            if steps is None:
-                break
-            samples, tokens, steps_taken = samples + steps * batch, tokens + steps * batch * seq_len, steps_taken + steps
-            batch = self.schedule.batch_size(tokens if self.schedule.unit == "tokens" else samples)
-            reached.add(batch)
-        never = [size for size in self.schedule.sizes(self.consumed) if size not in reached]
-        if not never:
-            return
-        ending = min(limits, key=steps_left)[0]
-        samples, tokens = samples + k_limit * batch, tokens + k_limit * batch * seq_len  # where the run ends
-        where = self._where_each_starts(never)
-        hint = ""
-        if isinstance(self.schedule, PiecewiseBatch) and self.schedule.unit == "samples" and seq_len:
-            thresholds = [t for t, size in zip(self.schedule.thresholds, self.schedule.batch_sizes) if size in never]
-            if thresholds and thresholds[0] <= tokens:
-                hint = (
-                    "; its thresholds are in samples (unit='samples'), but read as tokens they fall inside the run: "
-                    "did you mean unit='tokens'?"
-                )
-        at = f"{samples:,} samples" + (f" / {tokens:,} tokens" if seq_len else "")
-        rank_zero_warn(
-            f"BatchWarmup: the run ends by {ending} at {at}, before the schedule's global batch {where}: "
-            f"{'it never trains' if len(never) == 1 else 'they never train'} in this fit. Raise the limit, or move the "
-            f"schedule's thresholds (a run stopped here to resume elsewhere goes on with them){hint}"
-        )
-
-    def _steps_until_change(self, samples: int, tokens: int, seq_len: int, batch: int, most: int) -> int | None:
-        """The fewest steps at ``batch`` after which the schedule asks for another batch, if at most ``most``
-        (galloping, then bisecting: a schedule moves one way with what is consumed)."""
-
-        def changed(steps: int) -> bool:
-            consumed = tokens + steps * batch * seq_len if self.schedule.unit == "tokens" else samples + steps * batch
-            return self.schedule.batch_size(consumed) != batch
-
-        if most == 0 or not changed(most):
-            return None
-        low, high = 0, 1
-        while high < most and not changed(high):
-            low, high = high, min(2 * high, most)
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (low, middle) if changed(middle) else (middle, high)
-        return high
-
-    def _where_each_starts(self, sizes: list[int]) -> str:
-        """The batches ``sizes``, each with where the schedule starts it (for a PiecewiseBatch)."""
-        if not isinstance(self.schedule, PiecewiseBatch):
-            return ", ".join(map(str, sizes))
-        starts = {size: at for at, size in zip(self.schedule.thresholds, self.schedule.batch_sizes)}
-        return ", ".join(f"{size} (from {starts[size]:,} {self.schedule.unit})" for size in sizes)
+            checks.check_token_data(self.schedule, self.accounting)
+            before = self._samples_before_step
+            checks.warn_unreachable_batches(trainer, self.schedule, self.accounting, self.global_batch, before)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
         if self.rules.settings:
-            self._check_settings_kept(trainer, optimizer)
+            checks.check_settings_kept(self.rules, self._settings_set, trainer, optimizer)
             self._step_settings = self.rules.values(optimizer)
 
     def _remember_settings(self, trainer: pl.Trainer) -> None:
         if self.rules.settings:
             self._settings_set = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
 
-    def _check_settings_kept(self, trainer: pl.Trainer, optimizer) -> None:
-        """LitCBSConfigError if something else (a callback, an LR scheduler, optimizer_step) wrote a
-        setting the rules move since BatchWarmup last did: the rule and the other writer would fight."""
-        index = next(i for i, candidate in enumerate(trainer.optimizers) if candidate is optimizer)
-        for number, (group, saved) in enumerate(zip(optimizer.param_groups, self._settings_set[index])):
-            for rule in self.rules.settings:
-                now, then = rule.get(group), rule.get(saved)
-                if now != then:
-                    raise LitCBSConfigError(
-                        f"BatchWarmup({rule.argument}={rule.name!r}) set {rule.key}={then:.6g} in param group {number}, but "
-                        f"at step {trainer.global_step} it is {now:.6g}: something else writes it (a callback, an LR "
-                        f"scheduler or the module's optimizer_step); remove that writer or set {rule.argument}=None"
-                    )
-
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx) -> None:
-        if self.guard is not None:
-            self._record_micro_loss(trainer, outputs, batch)
+        if self._guarded is not None:
+            self._guarded.add_micro_batch(trainer, outputs, batch)
         if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.log_every_step:
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
         self._samples_before_step = self.samples_seen
-        if self.guard is not None:
-            self._guard_step(trainer)
+        if self._guarded is not None:
+            self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self.accounting.data_parallel_size)
         if self._no_step_follows(trainer):
             return
         self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
@@ -674,45 +410,6 @@ class BatchWarmup(Callback):
         checkpointed although no step uses it."""
         return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
 
-    def _record_micro_loss(self, trainer, outputs, batch) -> None:
-        loss = micro_batch_loss(trainer, outputs)
-        if loss is None or extract_batch_size(batch) == 0:
-            return  # training_step returned None (Lightning skipped it), or a micro-batch of no sample
-        self._step_loss_sum = self._step_loss_sum + loss
-        self._step_micro_batches += 1
-
-    def _guard_step(self, trainer) -> None:
-        """Give the guard the step's loss (this rank's mean over its micro-batches), and let it judge."""
-        loss_sum, micro_batches = self._step_loss_sum, self._step_micro_batches
-        self._step_loss_sum, self._step_micro_batches = 0.0, 0
-        loader = resizable_train_loader(trainer)
-        if loader is not None and loader.last_round_samples < self.accounting.data_parallel_size:
-            return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
-        if micro_batches:
-            self.guard.record(self.consumed, float(loss_sum) / micro_batches)
-            verdict = self.guard.judge(self.consumed, lambda values: mean_over_ranks(trainer, values))
-            if verdict is not None:
-                self._report_verdict(trainer, verdict)
-
-    def _report_verdict(self, trainer, verdict: GuardVerdict) -> None:
-        unit = self.schedule.unit
-        outcome = (
-            f"reverting to {verdict.old_global_batch} samples"
-            if verdict.reverted
-            else f"keeping {verdict.new_global_batch} samples"
-        )
-        rank_zero_info(
-            f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
-            f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
-            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.window_steps} steps; threshold "
-            f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); {outcome}"
-        )
-        log_to_loggers(
-            trainer,
-            lambda _: {"batch/guard_rise": verdict.rise, "batch/guard_threshold": verdict.threshold},
-            every_step=True,
-        )
-
     def _maybe_change(self, trainer, fits) -> None:
         target = self.schedule.batch_size(self.consumed)
         if self.guard is not None:
@@ -733,7 +430,8 @@ class BatchWarmup(Callback):
         step on: move the optimizers' settings, record the change, tell the guard, resize, say so."""
         if self.guard is not None and self.guard.revert_to == target:
             restore = self.guard.mark_reverted(self.consumed)
-            lr_change, clip_change = self._undo_increase(trainer, target, restore)
+            ratio = target / self.global_batch
+            lr_change, clip_change = self._guarded.undo_increase(trainer, restore, self.lr_rule, ratio)
             change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard")
             self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
             self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
@@ -744,8 +442,10 @@ class BatchWarmup(Callback):
             )
             lr_change, clip_change = self._scale_optimizers(trainer, target)
             change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule")
-            if self.guard is not None:
-                self._tell_guard(change, RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before))
+            if self._guarded is not None:
+                restore = RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before)
+                index, old = len(self.history) - 1, change.old_global_batch
+                self._guarded.scheduled_change(index, self.consumed, old, target, restore)
             self.lr_factor, self.clip_factor = self.lr_factor * lr_change, self.clip_factor * clip_change
         self._set_batch(target, new_micro, new_accumulate)  # the loader yields the new micro-batch from the next one on
         self._remember_settings(trainer)
@@ -761,19 +461,6 @@ class BatchWarmup(Callback):
         for optimizer in trainer.optimizers:
             self.rules.apply(optimizer, schedulers, ratio, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}"))
         return self.lr_rule.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
-
-    def _undo_increase(self, trainer, target: int, restore: RevertRestore) -> tuple[float, float]:
-        """A guard's revert to ``target``: back to exactly the LR, clipping threshold and optimizer settings
-        of before the increase, whatever the rules; return the revert's LR and clipping factors."""
-        lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        for index, optimizer in enumerate(trainer.optimizers):
-            scale_learning_rate(optimizer, schedulers, lr_change)
-            if restore.optimizer_settings is not None:
-                restore_settings(optimizer, restore.optimizer_settings[index])
-            else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
-                self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
-        return lr_change, clip_change
 
     def _record_change(
         self, trainer, target: int, new_accumulate: int, new_micro: int, lr_change: float, clip_change: float, cause: str
@@ -799,19 +486,6 @@ class BatchWarmup(Callback):
         self.history.append(change)
         self._requested_at = None
         return change
-
-    def _tell_guard(self, change: BatchChange, restore: RevertRestore) -> None:
-        """A scheduled change: the guard watches an increase (``restore`` is what its revert puts back);
-        a decrease ends the watch it falls in, leaving nothing to revert."""
-        if change.new_global_batch < change.old_global_batch and self.guard.watching:
-            self.guard.forget_watch()
-        elif change.new_global_batch > change.old_global_batch and not self.guard.watch(
-            len(self.history) - 1, self.consumed, change.old_global_batch, change.new_global_batch, restore
-        ):
-            rank_zero_info(
-                f"BatchWarmup guard: {change.old_global_batch} -> {change.new_global_batch} is not judged: fewer than "
-                f"guard.min_steps={self.guard.config.min_steps} steps of loss before it to fit a trend to"
-            )
 
     def _announce(self, trainer, change: BatchChange) -> None:
         rank_zero_info(
@@ -871,7 +545,7 @@ class BatchWarmup(Callback):
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
-            "step_loss": [float(self._step_loss_sum), self._step_micro_batches],
+            "step_loss": [float(self._guarded.loss_sum), self._guarded.micro_batches] if self._guarded else [0.0, 0],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -880,7 +554,7 @@ class BatchWarmup(Callback):
         self.clip_factor = state_dict.get("clip_factor", 1.0)
         if self.guard is not None and state_dict.get("guard") is not None:
             self.guard.load_state_dict(state_dict["guard"])
-            self._step_loss_sum, self._step_micro_batches = state_dict["step_loss"]
+            self._guarded.loss_sum, self._guarded.micro_batches = state_dict["step_loss"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]

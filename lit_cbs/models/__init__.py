@@ -1,6 +1,6 @@
 """The models: the OLMo-style decoder and its size presets (``olmo``, ``decoder``), a Hugging Face
-causal LM (``hf``), ``CausalLM``, the LightningModule that trains either (``lm``), and the
-token-mean loss a step's micro-batches share (``token_loss``)."""
+causal LM (``hf``), the one that builds either from its config (``build``), ``CausalLM``, the LightningModule
+that trains either (``lm``), and the token-mean loss a step's micro-batches share (``token_loss``)."""
 
 from lit_cbs._lazy import lazy_exports
 from lit_cbs.models.olmo import PRESETS, Block, OLMo, OLMoConfig, get_config

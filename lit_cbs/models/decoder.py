@@ -1,8 +1,10 @@
-"""The decoders ``lit_cbs.models.lm.CausalLM`` trains, and the shape numbers the plan and the recipes read from them.
+"""What the decoders ``lit_cbs.models.lm.CausalLM`` trains have in common, and the shape numbers the plan and the
+recipes read from them.
 
 A model config is either an ``OLMoConfig`` (lit_cbs's own decoder, ``lit_cbs.models.olmo.OLMo``) or
-a ``transformers`` config (``lit_cbs.models.hf.HFDecoder``); ``build_decoder`` builds either, and
-``DecoderDims`` holds the sizes both have under one set of names. ``layer_stacks`` and
+a ``transformers`` config (``lit_cbs.models.hf.HFDecoder``); ``lit_cbs.models.build.build_decoder`` builds
+either, and ``DecoderDims`` holds the sizes both have under one set of names (``decoder_dims``, from either
+config without importing transformers). ``layer_stacks`` and
 ``embedding_parameters`` find, in any model, what the sharding, the noise scale's groups, the
 weight decay and the plan treat apart: the stacks of blocks and the embeddings.
 """
@@ -14,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from lit_cbs.models.olmo import OLMo, OLMoConfig
+from lit_cbs.models.olmo import OLMoConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,19 +46,22 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
             context_length=config.context_length,
             tie_embeddings=config.tie_embeddings,
         )
-    from lit_cbs.models.hf import hf_dims
-
     return hf_dims(config)
 
 
-def build_decoder(config: OLMoConfig | Any) -> nn.Module:
-    """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config (on the
-    current default device: under ``torch.device("meta")`` no memory is allocated)."""
-    if isinstance(config, OLMoConfig):
-        return OLMo(config)
-    from lit_cbs.models.hf import HFDecoder
-
-    return HFDecoder(config)
+def hf_dims(config: Any) -> DecoderDims:
+    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; GPT-2's are aliased by transformers)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    return DecoderDims(
+        vocab_size=config.vocab_size,
+        d_model=hidden,
+        n_layers=config.num_hidden_layers,
+        n_heads=heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        mlp_hidden=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
+        context_length=config.max_position_embeddings,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+    )
 
 
 def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:

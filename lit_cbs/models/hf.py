@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.models.decoder import DecoderDims, embedding_parameters, layer_stacks
+from lit_cbs.models.decoder import embedding_parameters, hf_dims, layer_stacks
 
 HF_EXTRA = 'pip install -e ".[hf]"'
 
@@ -151,19 +151,4 @@ def _decoder_layers_path(lm: nn.Module, config: Any) -> str:
     raise LitCBSConfigError(
         f"{type(lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers (num_hidden_layers), which "
         "lit_cbs shards, checkpoints and compiles one by one; use a decoder such as llama, olmo2, qwen2 or gpt2"
-    )
-
-
-def hf_dims(config: Any):
-    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; GPT-2's are aliased by transformers)."""
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    return DecoderDims(
-        vocab_size=config.vocab_size,
-        d_model=hidden,
-        n_layers=config.num_hidden_layers,
-        n_heads=heads,
-        head_dim=getattr(config, "head_dim", None) or hidden // heads,
-        mlp_hidden=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
-        context_length=config.max_position_embeddings,
-        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
     )

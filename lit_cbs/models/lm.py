@@ -43,7 +43,8 @@ from torchmetrics import MeanMetric
 
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
-from lit_cbs.models.decoder import DecoderDims, build_decoder, config_as_dict, decoder_dims, embedding_parameters
+from lit_cbs.models.build import build_decoder
+from lit_cbs.models.decoder import DecoderDims, config_as_dict, decoder_dims, embedding_parameters
 from lit_cbs.models.hf import hf_config, is_hf_config
 from lit_cbs.models.olmo import OLMoConfig, get_config
 from lit_cbs.models.token_loss import token_mean_loss

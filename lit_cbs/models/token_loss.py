@@ -19,38 +19,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import torch
 
-
-class StepTokens:
-    """The counted tokens of the optimizer step under way (this rank's), for ``rescale``."""
-
-    def __init__(self):
-        self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
-
-    @property
-    def active(self) -> bool:
-        return self.count is not None
-
-    def add(self, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
-        tokens = torch.as_tensor(tokens, device=loss_sum.device, dtype=torch.float64)
-        self.count = tokens if self.count is None else self.count + tokens
-        mean = loss_sum / tokens.clamp(min=1).to(loss_sum.dtype)
-        return loss_sum + (mean - loss_sum).detach()  # the value of the mean, the gradient of the sum
-
-    def rescale(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, divisor: int) -> None:
-        """Turn the step's gradients, each micro-batch's sum / ``divisor`` averaged over the ranks,
-        into the sum over the step's tokens / their number (all ranks); then start a new step."""
-        if self.count is None:
-            return
-        count, self.count = self.count, None
-        total = float(trainer.strategy.reduce(count, reduce_op="sum")) if trainer.world_size > 1 else float(count)
-        if total == 0:
-            return  # every token of the step was masked: the gradient is zero already
-        scale = divisor * trainer.world_size / total
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for parameter in group["params"]:
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(scale)
+from lit_cbs.callbacks.accounting import BatchAccounting
 
 
 def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
@@ -67,6 +36,4 @@ def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens) 
         A tensor whose value is the micro-batch's mean loss and whose gradient is that of ``loss_sum``;
         ``BatchAccounting`` rescales the step's gradient before the optimizer step.
     """
-    from lit_cbs.callbacks.accounting import BatchAccounting
-
     return BatchAccounting.attach(module.trainer).step_tokens.add(loss_sum, tokens)

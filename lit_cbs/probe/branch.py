@@ -40,9 +40,10 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
+from lit_cbs.callbacks.module_state import logging_muted, side_effects_undone
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import BranchScore, measure_losses
-from lit_cbs.probe.snapshot import ModuleState, TrainingSnapshot
+from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules
 
@@ -194,21 +195,6 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def logging_muted(pl_module: pl.LightningModule):
-    """Branches call the user's steps; their self.log calls must not reach the main run's logs."""
-    if "log" in vars(pl_module):  # already muted by an enclosing block
-        yield
-        return
-    pl_module.log = lambda *args, **kwargs: None
-    pl_module.log_dict = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        del pl_module.log
-        del pl_module.log_dict
-
-
-@contextlib.contextmanager
 def callbacks_hidden(trainer: pl.Trainer):
     """No callback hook runs inside: branch steps are not the run's steps. Only ``BatchAccounting``
     stays (its step hook does nothing in a branch), so that ``BatchAccounting.attach(trainer).in_branch``
@@ -219,18 +205,6 @@ def callbacks_hidden(trainer: pl.Trainer):
         yield
     finally:
         trainer.callbacks = callbacks
-
-
-@contextlib.contextmanager
-def side_effects_undone(pl_module: pl.LightningModule):
-    """Whatever runs inside leaves the module's torchmetrics states, the RNG streams and its
-    train/eval mode as they were (``ModuleState``), and logs nothing."""
-    saved = ModuleState(pl_module)
-    try:
-        with logging_muted(pl_module):
-            yield
-    finally:
-        saved.restore(pl_module)
 
 
 LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative to the run's

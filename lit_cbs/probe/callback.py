@@ -36,6 +36,7 @@ from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
+from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import (
@@ -45,7 +46,6 @@ from lit_cbs.probe.branch import (
     ProbeUnusable,
     RecordedWindow,
     branch_micro_batch,
-    logging_muted,
     no_baseline,
     optimizer_step_writes_lr,
 )
@@ -55,7 +55,7 @@ from lit_cbs.probe.limits import RunEnd, run_end
 from lit_cbs.probe.reading import BranchScore, ProbeReading
 from lit_cbs.probe.side_jobs import JOBS_FOLDER, PendingProbe, SideJobRuns, score_from_json
 from lit_cbs.probe.snapshot import TrainingSnapshot
-from lit_cbs.probe.start import ProbeSkip, plan_probe, window_at
+from lit_cbs.probe.start import EpochEnd, ProbeSkip, plan_probe, window_at
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 JSONL_FILE = "cbs_probe.jsonl"
@@ -444,12 +444,9 @@ class CBSProbeCallback(Callback):
         if self._unusable:
             return  # a probe found this run cannot be probed: no later one would fare better
         schedule = self._adaptive_schedule()
-        if schedule is not None and not schedule.wants_readings(self._consumed(schedule)):
-            rank_zero_info(
-                f"CBS probe at {tokens:,} tokens skipped: CBSAdaptive is at its final batch {schedule.final}, where no "
-                "reading can move it (CBSAdaptive(probe_after_final=True) keeps probing)"
-            )
-            return
+        at_final = schedule is not None and not schedule.wants_readings(self._consumed(schedule))
+        loader = resizable_train_loader(trainer)
+        uneven = loader is not None and loader.deals_unevenly
         batch_size = accounting.global_batch
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         plan = plan_probe(
@@ -463,36 +460,23 @@ class CBSProbeCallback(Callback):
             run_end=f"the run's end ({end.describe()})",
             tokens_spent=self.tokens_spent,
             main_span_tokens=self.config.window_tokens if self._side is not None else None,
+            adaptive_final=schedule.final if at_final else None,
+            epoch_end=EpochEnd(loader.num_samples, loader.position) if uneven else None,
+            largest_batch=self._largest_batch(),
         )
+        if isinstance(plan, ProbeSkip) and plan.next_epoch:
+            # Said once per epoch (the epoch is the loader's to tell): the point is asked again after every step.
+            if self._waiting_in_epoch != loader.epoch:
+                self._waiting_in_epoch = loader.epoch
+                rank_zero_info(f"CBS probe at {tokens:,} tokens waits for the next epoch: {plan.reason}")
+            self.probes_started = pending
+            return
         if isinstance(plan, ProbeSkip):
             if plan.stays_due:  # the point stays due: a run resumed from this one's last checkpoint takes it at its start
                 self.probes_started, self._deferred = pending, True
             message = f"CBS probe at {tokens:,} tokens {'not started' if plan.stays_due else 'skipped'}: {plan.reason}"
             rank_zero_warn(message) if plan.warn else rank_zero_info(message)
             return
-        loader = resizable_train_loader(trainer)
-        if loader is not None and loader.deals_unevenly:
-            # Each rank records its own micro-batches and the branches need as many samples on every rank, so a
-            # window stays clear of an epoch's last round, which leaves the ranks different numbers of samples.
-            # The main run may change its batch inside the window and go past it by up to one step.
-            reach = plan.window_samples * self.config.replicates + max(batch_size, self._largest_batch())
-            world = accounting.data_parallel_size
-            if reach > loader.num_samples:
-                rank_zero_warn(
-                    f"CBS probe at {tokens:,} tokens skipped: its window and a step ({reach:,} samples) do not fit in an "
-                    f"epoch of {loader.num_samples:,} samples, whose last micro-batches leave the "
-                    f"{world} ranks different numbers of samples: shorten window_tokens"
-                )
-                return
-            if loader.position + reach > loader.num_samples:
-                if self._waiting_in_epoch != loader.epoch:
-                    self._waiting_in_epoch = loader.epoch
-                    rank_zero_info(
-                        f"CBS probe at {tokens:,} tokens waits for the next epoch: its window would reach this epoch's "
-                        f"last micro-batches, which leave the {world} ranks different numbers of samples"
-                    )
-                self.probes_started = pending  # asked again after every step: it starts early in the next epoch
-                return
         moved = interrupted[0] if interrupted is not None and interrupted[0] != tokens else None
         if self._side is not None:
             self._start_side_probe(trainer, pending, plan, moved)

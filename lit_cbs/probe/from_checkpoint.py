@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from lit_cbs._internals import given_train_loader
 from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
+from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
@@ -41,7 +42,6 @@ from lit_cbs.probe.branch import (
     BranchTrainer,
     RecordedWindow,
     branch_micro_batch,
-    logging_muted,
     no_baseline,
 )
 from lit_cbs.probe.config import ProbeConfig

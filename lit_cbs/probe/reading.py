@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lit_cbs._deprecation import warn_renamed
-from lit_cbs.analysis.curves import ema
+from lit_cbs.rules.smoothing import ema
 
 SEARCHES = ("grid", "bisect")  # which multipliers a probe trains (ProbeConfig.search)
 EVALUATIONS = ("train_ema", "heldout")

@@ -10,9 +10,8 @@ import copy
 
 import lightning.pytorch as pl
 import torch
-from torchmetrics import Metric
 
-from lit_cbs._internals import collect_rng_states, metric_update_count, set_metric_update_count, set_rng_states
+from lit_cbs.callbacks.module_state import ModuleState
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -37,29 +36,6 @@ def _copy_to(value, device):
     if isinstance(value, torch.Tensor):
         return _local(value).detach().to(device, copy=True)
     return copy.deepcopy(value)
-
-
-class ModuleState:
-    """What a step changes beside tensors: the module's torchmetrics states (and update counts),
-    the RNG streams of torch (CPU and CUDA), numpy and random, and its train/eval mode. Restored in
-    place, as often as needed."""
-
-    def __init__(self, pl_module: pl.LightningModule):
-        self.metrics = [
-            (metric, copy.deepcopy(metric.metric_state), metric_update_count(metric))
-            for metric in pl_module.modules()
-            if isinstance(metric, Metric)
-        ]
-        self.rng = collect_rng_states(include_cuda=torch.cuda.is_available())
-        self.training = pl_module.training
-
-    def restore(self, pl_module: pl.LightningModule) -> None:
-        set_rng_states(self.rng)
-        for metric, state, update_count in self.metrics:
-            for name, value in state.items():
-                setattr(metric, name, copy.deepcopy(value))
-            set_metric_update_count(metric, update_count)
-        pl_module.train(self.training)
 
 
 class TrainingSnapshot:

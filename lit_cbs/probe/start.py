@@ -2,10 +2,11 @@
 
 At a probe point ``CBSProbeCallback`` (and a probe of a saved checkpoint) asks ``plan_probe`` with what the run
 is (its global batch, tokens per sample, data-parallel ranks), what it may still train (where it ends at the
-earliest), what the probe is set to measure (``ProbeConfig``) and which multipliers' batches the micro-batches
-can make. The answer is a ``ProbePlan`` (the multipliers to measure, the window in samples, where it may end
-early) or a ``ProbeSkip`` saying why not, and whether the point stays due (a window the run's end would cut is
-left to a run resumed from this one's last checkpoint).
+earliest, where its epoch ends), what the probe is set to measure (``ProbeConfig``) and which multipliers' batches
+the micro-batches can make. The answer is a ``ProbePlan`` (the multipliers to measure, the window in samples, where
+it may end early) or a ``ProbeSkip`` saying why not, and whether the point stays due (a window the run's end would
+cut is left to a run resumed from this one's last checkpoint; one an epoch's uneven end would cut, to the next
+epoch).
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ class ProbeSkip:
     reason: str
     stays_due: bool = False
     warn: bool = False  # the reason is a problem with the settings (a warning), not a plan (an info line)
+    next_epoch: bool = False  # asked again after every step: it starts early in the next epoch
+
+
+@dataclass(frozen=True)
+class EpochEnd:
+    """This epoch of a loader whose last round leaves the ranks different numbers of samples
+    (``GlobalOrderLoader.deals_unevenly``). Samples global (all ranks)."""
+
+    samples: int  # in the epoch
+    position: int  # consumed so far this epoch
 
 
 def usable_multipliers(
@@ -75,6 +86,9 @@ def plan_probe(
     run_end: str = "the run's end",
     tokens_spent: int = 0,
     main_span_tokens: int | None = None,
+    adaptive_final: int | None = None,
+    epoch_end: EpochEnd | None = None,
+    largest_batch: int | None = None,
 ) -> ProbePlan | ProbeSkip:
     """The probe due at ``tokens`` (tokens trained so far, global) on a run at global batch ``batch_size``
     (samples) of ``seq_len`` tokens per sample, or why it is skipped.
@@ -92,6 +106,11 @@ def plan_probe(
         tokens_spent: branch tokens of earlier probes (for ``config.max_overhead``).
         main_span_tokens: tokens of the main run the probe needs after ``tokens`` (None: the whole span,
             ``replicates`` windows; side jobs read their data themselves and need only the first window).
+        adaptive_final: the final batch (samples) of the run's ``CBSAdaptive`` schedule, where it is and no reading
+            can move it (``CBSAdaptive.wants_readings`` false); None otherwise.
+        epoch_end: where this epoch ends, when its last round leaves the ranks different numbers of samples.
+        largest_batch: the largest global batch (samples) the run may reach (None: ``batch_size``), by which the
+            main run may pass the window's end.
 
     Returns:
         A ``ProbePlan``, or a ``ProbeSkip`` with the reason.
@@ -103,6 +122,11 @@ def plan_probe(
         >>> plan.multipliers, plan.window_samples
         ([1.0, 2.0, 4.0], 256)
     """
+    if adaptive_final is not None:
+        return ProbeSkip(
+            f"CBSAdaptive is at its final batch {adaptive_final}, where no reading can move it "
+            "(CBSAdaptive(probe_after_final=True) keeps probing)"
+        )
     ks, window_samples = window_at(config, batch_size, seq_len, branch_micro_batch)
     if not window_samples:
         return ProbeSkip(f"fewer than two multipliers, k = 1 among them, fit batch {batch_size}", warn=True)
@@ -120,6 +144,20 @@ def plan_probe(
         overhead = (tokens_spent + expected) / max(1, tokens + window_tokens * config.replicates)
         if overhead > config.max_overhead:
             return ProbeSkip(f"it would bring probe overhead to {overhead:.2f} > max_overhead={config.max_overhead}")
+    if epoch_end is not None:
+        # Each rank records its own micro-batches and the branches need as many samples on every rank, so a window
+        # stays clear of an epoch's last round. The main run may change its batch inside the window and go past it
+        # by up to one step.
+        reach = window_samples * config.replicates + max(batch_size, largest_batch or batch_size)
+        uneven = f"leave the {data_parallel_size} ranks different numbers of samples"
+        if reach > epoch_end.samples:
+            return ProbeSkip(
+                f"its window and a step ({reach:,} samples) do not fit in an epoch of {epoch_end.samples:,} samples, "
+                f"whose last micro-batches {uneven}: shorten window_tokens",
+                warn=True,
+            )
+        if epoch_end.position + reach > epoch_end.samples:
+            return ProbeSkip(f"its window would reach this epoch's last micro-batches, which {uneven}", next_epoch=True)
     largest_step = round(largest) // data_parallel_size  # samples per rank
     length = window_samples // data_parallel_size
     early_stop = sorted({int(f * length) // largest_step * largest_step for f in config.early_stop} - {0, length})

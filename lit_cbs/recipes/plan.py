@@ -42,7 +42,8 @@ from collections.abc import Callable
 
 import torch
 
-from lit_cbs.models.decoder import DecoderDims, build_decoder, decoder_dims, embedding_parameters
+from lit_cbs.models.build import build_decoder
+from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
 from lit_cbs.models.olmo import OLMoConfig
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 
@@ -70,7 +71,7 @@ def precision_bytes(precision: str) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """Parameter counts (elements) of a decoder, read from a meta-device build (lit_cbs's OLMo or a
-    transformers model: ``lit_cbs.models.decoder.build_decoder``)."""
+    transformers model: ``lit_cbs.models.build.build_decoder``)."""
 
     config: DecoderDims
     parameters: int  # all of them

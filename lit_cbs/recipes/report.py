@@ -5,31 +5,32 @@ The page holds, as PNGs embedded in the file (readable offline, nothing fetched)
 tokens and against wall-clock seconds, the global batch and LR schedule, the CBS readings with their
 brackets and error bars, the gradient noise scale, and tables of the run's summary, its batch
 changes and its CBS readings. Everything is read from what the run wrote: ``metrics.csv``,
-``summary.json``, ``batch_history.json`` and ``cbs_probe.jsonl`` (those it has). A small script marks
-the page once every figure has loaded (``data-figures-loaded``), so a headless browser can check it.
+``summary.json``, ``batch_history.json`` and ``cbs_probe.jsonl`` (those it has), and the figures: the PNGs
+the run drew into its folder (``lit_cbs.recipes.run_report.plot_run``, the probe's ``cbs_curve.png``) are
+embedded as they are. One the folder lacks (a run with ``plots=false``, a plain Trainer's run), or one older
+than the file it is drawn from (a run that went on after it was drawn), is drawn into the run folder first, so
+each figure is drawn once. A small script marks the page once every figure has loaded
+(``data-figures-loaded``), so a headless browser can check it.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import html
 import json
-import tempfile
 from pathlib import Path
 
-from lit_cbs.analysis.curves import (
-    GNS_COLUMN,
-    LOSS_COLUMN,
-    METRICS_FILE,
-    TOKENS_COLUMN,
-    VAL_LOSS_COLUMN,
-    read_metrics_csv,
-    tokens_at,
-)
+from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, tokens_at
+from lit_cbs.callbacks.warmup import BatchChange
+from lit_cbs.probe.callback import JSONL_FILE, PLOT_FILE
+from lit_cbs.probe.reading import ProbeReading
+from lit_cbs.recipes.run_report import RUN_FIGURES, read_run_metrics, summary_rows
 
 REPORT_FILE = "report.html"
 SECONDS_COLUMN = "fit_seconds"
+WALL_CLOCK_FILE = "wall_clock.png"  # the page's own figure: the run draws none against wall-clock time
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -67,11 +68,10 @@ def _figure(path: Path, caption: str) -> str:
     )
 
 
-def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
-    """The loss and the noise scale against wall-clock seconds and tokens, where the CSV has them."""
+def wall_clock_figure(metrics: dict):
+    """The loss (nats per token) against wall-clock seconds of training, and the noise scale (samples) against
+    tokens, as a matplotlib ``Figure``; None where the CSV has no seconds or none of those metrics."""
     from matplotlib.figure import Figure
-
-    from lit_cbs.analysis.plots import save_figure
 
     if SECONDS_COLUMN not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
         return None
@@ -93,7 +93,7 @@ def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
         axis.plot(tokens_at(metrics, steps), values)
         axis.set(xlabel="tokens seen", ylabel="gradient noise scale B_simple (samples)", yscale="log")
         axis.grid(alpha=0.3)
-    return save_figure(figure, path)
+    return figure
 
 
 def _probe_epsilon(run_dir: Path) -> float | None:
@@ -104,60 +104,64 @@ def _probe_epsilon(run_dir: Path) -> float | None:
     return float(found[0]) if found is not None and found[0] is not None else None
 
 
+def _current(path: Path, source: Path) -> bool:
+    """Whether the PNG at ``path`` shows ``source`` as it is now: it exists and is not older."""
+    return path.is_file() and path.stat().st_mtime_ns >= source.stat().st_mtime_ns
+
+
+def _save(figure, path: Path) -> Path | None:
+    from lit_cbs.analysis.plots import save_figure  # matplotlib only where a figure is drawn
+
+    return save_figure(figure, path) if figure is not None else None
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the run's HTML page (default ``RUN_DIR/report.html``) and return its path.
+    """Write the run's HTML page (default ``RUN_DIR/report.html``) and return its path. Figures the run folder
+    lacks, or holds older than the file they are drawn from, are drawn into it first.
 
     Raises:
-        ValueError: ``run_dir`` has no ``metrics.csv`` (not a run folder, or one logged without the CSV logger).
+        ValueError: ``run_dir`` has no ``metrics.csv`` (not a run folder, or one logged without the CSV logger),
+            or one without ``tokens_seen``.
     """
-    from lit_cbs.callbacks.warmup import BatchChange
-    from lit_cbs.probe.plot import plot_cbs_curve
-    from lit_cbs.probe.reading import ProbeReading
-    from lit_cbs.recipes.run_report import plot_run, summary_rows
-
     run_dir = Path(run_dir)
     metrics_csv = run_dir / METRICS_FILE
     if not metrics_csv.is_file():
         raise ValueError(f"{str(run_dir)!r} has no {METRICS_FILE}: give the folder of a run logged with the CSV logger")
-    metrics = read_metrics_csv(metrics_csv)
+    metrics = read_run_metrics(metrics_csv)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
     history = json.loads((run_dir / "batch_history.json").read_text()) if (run_dir / "batch_history.json").is_file() else {}
-    probe_file = next(iter(sorted(run_dir.rglob("cbs_probe.jsonl"))), None)
+    probe_file = next(iter(sorted(run_dir.rglob(JSONL_FILE))), None)
     readings = []
     if probe_file is not None:
         readings = [
             ProbeReading(**{"seq_len": None, **json.loads(line)}) for line in probe_file.read_text().splitlines() if line.strip()
         ]
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
-    parts = []
-    with tempfile.TemporaryDirectory() as scratch:
-        scratch = Path(scratch)
-        captions = {
-            "loss_vs_tokens": "Loss against tokens (dotted: batch changes)",
-            "batch_lr_vs_tokens": "Global batch and LR against tokens",
-            "gns_groups_vs_tokens": "Noise scale per group of parameters",
-        }
-        figures = [
-            (path, captions.get(path.stem, path.stem))
-            for path in plot_run(metrics_csv, scratch, title=summary.get("run_name", ""))
-        ]
-        wall = _wall_clock_figure(metrics, scratch / "wall_clock.png")
-        if wall is not None:
-            noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
-            figures.insert(1, (wall, f"Loss against wall-clock seconds{noise}"))
-        if readings:
-            changes = history.get("changes", [])
-            curve = plot_cbs_curve(
-                readings,
-                [BatchChange(**change) for change in changes],
-                scratch / "cbs_curve.png",
-                summary.get("tokens"),
-                _probe_epsilon(run_dir),
-            )
-            figures.append(
-                (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
-            )
-        parts += [_figure(path, caption) for path, caption in figures]
+    noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
+    draw = {name: functools.partial(figure, title=summary.get("run_name", "")) for name, figure in RUN_FIGURES.items()}
+    draw[WALL_CLOCK_FILE] = wall_clock_figure
+    captions = {
+        "loss_vs_tokens.png": "Loss against tokens (dotted: batch changes)",
+        WALL_CLOCK_FILE: f"Loss against wall-clock seconds{noise}",
+        "batch_lr_vs_tokens.png": "Global batch and LR against tokens",
+        "gns_groups_vs_tokens.png": "Noise scale per group of parameters",
+    }
+    figures = []
+    for name, caption in captions.items():
+        path = run_dir / name
+        if _current(path, metrics_csv) or _save(draw[name](metrics), path) is not None:
+            figures.append((path, caption))
+    if readings:
+        curve = probe_file.parent / PLOT_FILE
+        if not _current(curve, probe_file):
+            from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a figure is drawn
+
+            changes = [BatchChange(**change) for change in history.get("changes", [])]
+            plot_cbs_curve(readings, changes, curve, summary.get("tokens"), _probe_epsilon(run_dir))
+        figures.append(
+            (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
+        )
+    parts = [_figure(path, caption) for path, caption in figures]
     if summary:
         parts.insert(0, "<h2>Summary</h2>" + _table(summary_rows(summary)))
     if history.get("changes"):

@@ -37,7 +37,6 @@ from lit_cbs.data import TokenDataModule
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.probe.callback import CBSProbeCallback
 from lit_cbs.recipes.plan import batch_phases
-from lit_cbs.recipes.report import write_report
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive
 
 # GradientNoiseScale(groups=...)'s per-group B_simple (samples)
@@ -143,25 +142,36 @@ def batch_lr_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: st
     return figure
 
 
+# The PNGs a run writes into its folder, each drawn from a CSVLogger's metrics and a title (None: nothing to draw).
+RUN_FIGURES = {
+    "loss_vs_tokens.png": loss_figure,
+    "batch_lr_vs_tokens.png": batch_lr_figure,
+    "gns_groups_vs_tokens.png": group_noise_scale_figure,
+}
+
+
+def read_run_metrics(metrics_csv: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """A CSVLogger's file (``read_metrics_csv``), refused (ValueError) without ``tokens_seen`` (logged by
+    BatchWarmup), which every figure of the run is drawn against."""
+    metrics = read_metrics_csv(metrics_csv)
+    if TOKENS_COLUMN not in metrics:
+        problem = f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column"
+        raise ValueError(f"{problem}: add lit_cbs.BatchWarmup to the callbacks")
+    return metrics
+
+
 def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, title: str = "") -> list[Path]:
-    """Write ``loss_vs_tokens.png`` (``loss_figure``), ``batch_lr_vs_tokens.png`` (``batch_lr_figure``) and
-    ``gns_groups_vs_tokens.png`` (``group_noise_scale_figure``) of a CSVLogger's file into ``output_dir``;
-    return the paths of those written.
+    """Write ``RUN_FIGURES`` of a CSVLogger's file into ``output_dir``: ``loss_vs_tokens.png`` (``loss_figure``),
+    ``batch_lr_vs_tokens.png`` (``batch_lr_figure``) and ``gns_groups_vs_tokens.png``
+    (``group_noise_scale_figure``); return the paths of those written.
 
     Needs ``tokens_seen`` in the CSV (logged by BatchWarmup). Drawn on ``Figure`` objects with the Agg
     canvas: no pyplot state, no display.
     """
     from lit_cbs.analysis.plots import save_figure
 
-    metrics = read_metrics_csv(metrics_csv)
-    if TOKENS_COLUMN not in metrics:
-        problem = f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column"
-        raise ValueError(f"{problem}: add lit_cbs.BatchWarmup to the callbacks")
-    figures = {
-        "loss_vs_tokens.png": loss_figure(metrics, title),
-        "batch_lr_vs_tokens.png": batch_lr_figure(metrics, title),
-        "gns_groups_vs_tokens.png": group_noise_scale_figure(metrics, title),
-    }
+    metrics = read_run_metrics(metrics_csv)
+    figures = {name: draw(metrics, title) for name, draw in RUN_FIGURES.items()}
     return [save_figure(figure, Path(output_dir) / name) for name, figure in figures.items() if figure is not None]
 
 
@@ -312,8 +322,9 @@ def write_run_summary(
     output_dir: str | os.PathLike, run_name: str, trainer: pl.Trainer, warmup: BatchWarmup, fit_seconds: float, plots: bool
 ) -> tuple[dict, str]:
     """Write into ``output_dir`` batch_history.json, summary.json and, with ``plots`` and a metrics.csv
-    there, the plots (also sent to the Trainer's loggers) and report.html; return the summary and the
-    lines a run ends with: whether it finished, ``summary_text`` and where its outputs are."""
+    there, the plots (``plot_run``; also sent to the Trainer's loggers), which ``lit_cbs.recipes.report``'s
+    report.html embeds; return the summary and the lines a run ends with: whether it finished,
+    ``summary_text`` and where its outputs are."""
     output_dir = Path(output_dir)
     write_batch_history(output_dir / "batch_history.json", warmup)
     summary = run_summary(trainer, warmup, run_name, fit_seconds)
@@ -321,6 +332,5 @@ def write_run_summary(
     metrics_csv = output_dir / "metrics.csv"
     if plots and metrics_csv.is_file():
         log_figures(trainer.loggers, plot_run(metrics_csv, output_dir, title=run_name), trainer.global_step)
-        write_report(output_dir)  # report.html: the run on one page, readable offline
     ending = "stopped" if summary["stopped_by"] else "done"
     return summary, f"lit_cbs: {run_name} {ending}\n{summary_text(summary)}\noutputs          {output_dir}"

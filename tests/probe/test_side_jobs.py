@@ -1,4 +1,4 @@
-"""Side-job probes (lit_cbs/probe/side_jobs.py, launchers.py): branches trained by real processes from the probe's
+"""Side-job probes (lit_cbs/probe/side_jobs/, launchers.py): branches trained by real processes from the probe's
 checkpoint while the main run trains on as k = 1. The readings equal the in-process probe's, the main run is the
 run without a probe, failures are retried then recorded, and bad settings are refused before any branch trains."""
 

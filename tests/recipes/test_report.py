@@ -4,32 +4,34 @@ Chromium (Debian's package; `.ci/run` installs it where it can, and the test say
 
 from __future__ import annotations
 
+import base64
+import collections
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
 import warnings
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.loggers import CSVLogger
+from matplotlib.figure import Figure
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.analysis.curves import read_metrics_csv
+from lit_cbs.recipes.report import WALL_CLOCK_FILE, write_report
 from lit_cbs.recipes.report import main as report_main
-from lit_cbs.recipes.report import write_report
-from lit_cbs.recipes.run_report import batch_lr_figure, loss_figure, summary_text, write_run_summary
+from lit_cbs.recipes.run_report import RUN_FIGURES, batch_lr_figure, loss_figure, summary_text, write_run_summary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
-@pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """A run folder as a user's Trainer leaves it (CSVLogger's metrics.csv, the probe's JSONL) with what
-    recipes/train.py adds (batch_history.json, summary.json), and the lines the run ended with."""
-    folder = tmp_path_factory.mktemp("run")
+def fit_a_run(folder: Path) -> tuple[pl.Trainer, BatchWarmup]:
+    """A run folder as a user's Trainer leaves it: CSVLogger's metrics.csv, the probe's JSONL and CBS curve."""
     pl.seed_everything(0, verbose=False)
     warmup = BatchWarmup(PiecewiseBatch([2, 4], [0, 160], unit="tokens"), seq_len=4)
     probe = CBSProbeCallback(every_tokens=80, multipliers=(1, 2), window_tokens=64, output_dir=folder)
@@ -40,9 +42,35 @@ def run_dir(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(RegressionModule(optimizer="adam"), RegressionData(n=48, batch_size=2))
+    return trainer, warmup
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """``fit_a_run``'s folder with what recipes/train.py adds (batch_history.json, summary.json) with plots=false,
+    and the lines the run ended with."""
+    folder = tmp_path_factory.mktemp("run")
+    trainer, warmup = fit_a_run(folder)
     _, ending = write_run_summary(folder, "toy", trainer, warmup, fit_seconds=2.0, plots=False)
     (folder / "ending.txt").write_text(ending)
     return folder
+
+
+def pngs_written(monkeypatch) -> collections.Counter:
+    """Counts, by file name, every PNG matplotlib writes from here on (each still written, by the real savefig)."""
+    written = collections.Counter()
+    savefig = Figure.savefig
+
+    def counted(figure, path, *args, **kwargs):
+        written[Path(path).name] += 1
+        return savefig(figure, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", counted)
+    return written
+
+
+def embedded_images(page: str) -> list[bytes]:
+    return [base64.b64decode(data) for data in re.findall(r'src="data:image/png;base64,([^"]+)"', page)]
 
 
 def test_the_summary_says_what_the_run_did(run_dir):
@@ -145,3 +173,34 @@ def test_the_plots_mark_a_batch_change_at_the_tokens_where_it_took_effect(run_di
     step_up = (change["old_global_batch"], change["new_global_batch"])
     (rise,) = [i for i in range(1, len(y)) if (y[i - 1], y[i]) == step_up]
     assert x[rise - 1] == x[rise] == change["tokens_seen"]
+
+
+def test_a_run_draws_each_figure_once_and_its_page_embeds_those_files(tmp_path, monkeypatch):
+    written = pngs_written(monkeypatch)
+    trainer, warmup = fit_a_run(tmp_path)
+    write_run_summary(tmp_path, "toy", trainer, warmup, fit_seconds=2.0, plots=True)
+    page = write_report(tmp_path).read_text()  # as recipes/train.py writes it after the summary
+    # The probe's curve, the run's plots, and the page's own wall-clock figure: each once, into the run folder.
+    assert written == {"cbs_curve.png": 1, "loss_vs_tokens.png": 1, "batch_lr_vs_tokens.png": 1, WALL_CLOCK_FILE: 1}
+    shown = ["loss_vs_tokens.png", WALL_CLOCK_FILE, "batch_lr_vs_tokens.png", "cbs_curve.png"]
+    assert embedded_images(page) == [(tmp_path / name).read_bytes() for name in shown]
+    write_report(tmp_path)
+    assert sum(written.values()) == 4  # another page of the same run draws nothing
+
+
+def test_a_page_of_a_run_without_plots_draws_them_once_into_its_folder(run_dir, tmp_path, monkeypatch):
+    folder = shutil.copytree(run_dir, tmp_path / "run")  # with the files' times
+    for name in [*RUN_FIGURES, WALL_CLOCK_FILE]:
+        (folder / name).unlink(missing_ok=True)  # as the run left it (plots=false), before any page drew them
+    written = pngs_written(monkeypatch)
+    report_main([str(folder)])  # python -m lit_cbs.recipes.report RUN_DIR
+    # cbs_curve.png is the probe's, drawn when the run ended.
+    assert written == {"loss_vs_tokens.png": 1, "batch_lr_vs_tokens.png": 1, WALL_CLOCK_FILE: 1}
+    assert all((folder / name).is_file() for name in written)
+    report_main([str(folder)])
+    assert sum(written.values()) == 3
+    # A metrics.csv newer than the figures (the run went on): those drawn from it are drawn again, the CBS curve not.
+    later = max((folder / name).stat().st_mtime_ns for name in written) + 10**9
+    os.utime(folder / "metrics.csv", ns=(later, later))
+    report_main([str(folder)])
+    assert written == {"loss_vs_tokens.png": 2, "batch_lr_vs_tokens.png": 2, WALL_CLOCK_FILE: 2}

@@ -104,6 +104,8 @@ def test_run_outputs(first_run):
     # The first window spans the batch change, so the main run is no k=1 baseline: k=1 is trained.
     assert [(p["tokens"], p["batch_size"], p["branches_trained"]) for p in probes] == [(2048, 8, [1.0, 2.0]), (8192, 16, [2.0])]
     assert (run_dir / "cbs_curve.png").read_bytes()[:4] == b"\x89PNG"
+    # report.html embeds those, and its own wall-clock figure, drawn into the run folder.
+    assert 'data-figures="4"' in (run_dir / "report.html").read_text() and (run_dir / "wall_clock.png").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["tokens"], summary["optimizer_steps"], summary["first_batch"], summary["final_batch"]) == (12288, 8, 8, 16)
     assert summary["batch_changes"] == [

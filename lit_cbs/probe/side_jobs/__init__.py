@@ -3,10 +3,10 @@
 ``CBSProbeCallback(side_jobs=SideJobs(...))``: at a probe point the main run writes a checkpoint (the branches'
 start; with a ``GlobalOrderLoader`` it holds the data position too, so the window is the run's next
 ``window_tokens`` of data) and a job description, hands them to a launcher, and trains on as the k = 1 branch. A
-side job (``python -m lit_cbs.probe.side_jobs JOB.json``) rebuilds the run (``SideJobs.build``), resumes it from
-the checkpoint on its own processes or devices, and trains the branches there (``CheckpointProbe``); it writes
-each measured k's score to ``scores.json``. With ``search="bisect"`` the main run's own score over the window
-stands in for k = 1: the job trains the first midpoint while the main run trains its window, then waits for the
+side job (``python -m lit_cbs.probe.side_jobs JOB.json``, the program in this package's ``__main__.py``) rebuilds
+the run (``SideJobs.build``), resumes it from the checkpoint on its own processes or devices, and trains the
+branches there (``CheckpointProbe``); it writes each measured k's score to ``scores.json``. With
+``search="bisect"`` the main run's own score over the window stands in for k = 1: the job trains the first midpoint while the main run trains its window, then waits for the
 main run's score (``main_score.json``, written when its window ends) to steer the bisection. The main run looks
 for results after every optimizer step; when they arrive it decides the reading (the same rule as in process),
 logs it at its probe point, appends it to ``cbs_probe.jsonl`` and feeds ``CBSAdaptive``, which changes the batch
@@ -23,14 +23,10 @@ Launching is the engine's: ``LocalLauncher`` starts processes on this machine (t
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import os
 import shutil
-import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -264,71 +260,3 @@ class SideJobRuns:
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> None:
         self.pending = {item["index"]: PendingProbe(**item) for item in state}
-
-
-# ---------------------------------------------------------------------------------------------- the job
-def wait_for_main_score(path: Path, poll_seconds: float = 2.0) -> Callable[[], BranchScore | None]:
-    """k = 1's first-window score from the main run (its ``main_score.json``), waited for when first asked; None
-    where the main run's batch changed inside the window (k = 1 then trains as a branch)."""
-
-    def baseline() -> BranchScore | None:
-        while not path.is_file():
-            time.sleep(poll_seconds)
-        content = json.loads(path.read_text())
-        return None if content["changed_batch"] else score_from_json(content["score"])
-
-    return baseline
-
-
-def build_parts(build: str) -> Any:
-    """The run's parts (``RunParts``) from ``SideJobs.build``."""
-    if build.endswith((".yaml", ".yml")):
-        from omegaconf import OmegaConf
-
-        from lit_cbs.recipes.job import probe_parts
-
-        return probe_parts(OmegaConf.load(build))
-    module, _, function = build.partition(":")
-    return getattr(importlib.import_module(module), function)()
-
-
-def run_job(description: dict[str, Any]) -> None:
-    """Train the branches ``description`` asks for and write their scores (the side job's whole work)."""
-    import torch
-
-    from lit_cbs.probe.branch import no_baseline
-    from lit_cbs.probe.config import ProbeConfig
-    from lit_cbs.probe.from_checkpoint import CheckpointProbe, run_checkpoint_probe
-    from lit_cbs.probe.start import ProbePlan
-
-    if os.environ.get("OMP_NUM_THREADS"):
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    config = ProbeConfig(**description["config"])
-    plan = ProbePlan(description["multipliers"], description["window_samples"], [])
-    baseline = wait_for_main_score(Path(description["main_score"])) if description["main_baseline"] else no_baseline
-    probe = CheckpointProbe(config, plan, baseline)
-    trainer = run_checkpoint_probe(description["checkpoint"], build_parts(description["build"]), probe)
-    if trainer.is_global_zero:
-        write_json(
-            Path(description["scores"]),
-            {
-                "scores": {f"{k:g}": score_to_json(score) for k, score in probe.scores.items()},
-                "trained": probe.measurer.trained,
-                "failed": probe.measurer.failed,
-                "tokens_trained": probe.tokens_trained,
-                "seconds": probe.seconds,
-                "ranks": trainer.world_size,
-            },
-        )
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lit_cbs.probe.side_jobs JOB.json``: a side job."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: python -m lit_cbs.probe.side_jobs JOB.json")
-    run_job(json.loads(Path(args[0]).read_text()))
-
-
-if __name__ == "__main__":
-    main()

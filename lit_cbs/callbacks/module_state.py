@@ -1,0 +1,66 @@
+"""Running the module's own code off the record: what it changes besides tensors is put back, and it logs nothing.
+
+The accounting tries ``training_step`` once on a zero-sample batch before training (``side_effects_undone``); a CBS
+probe keeps ``ModuleState`` in its snapshots and mutes logging while its branches train.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import lightning.pytorch as pl
+import torch
+from torchmetrics import Metric
+
+from lit_cbs._internals import collect_rng_states, metric_update_count, set_metric_update_count, set_rng_states
+
+
+class ModuleState:
+    """What a step changes beside tensors: the module's torchmetrics states (and update counts),
+    the RNG streams of torch (CPU and CUDA), numpy and random, and its train/eval mode. Restored in
+    place, as often as needed."""
+
+    def __init__(self, pl_module: pl.LightningModule):
+        self.metrics = [
+            (metric, copy.deepcopy(metric.metric_state), metric_update_count(metric))
+            for metric in pl_module.modules()
+            if isinstance(metric, Metric)
+        ]
+        self.rng = collect_rng_states(include_cuda=torch.cuda.is_available())
+        self.training = pl_module.training
+
+    def restore(self, pl_module: pl.LightningModule) -> None:
+        set_rng_states(self.rng)
+        for metric, state, update_count in self.metrics:
+            for name, value in state.items():
+                setattr(metric, name, copy.deepcopy(value))
+            set_metric_update_count(metric, update_count)
+        pl_module.train(self.training)
+
+
+@contextlib.contextmanager
+def logging_muted(pl_module: pl.LightningModule):
+    """Branches call the user's steps; their self.log calls must not reach the main run's logs."""
+    if "log" in vars(pl_module):  # already muted by an enclosing block
+        yield
+        return
+    pl_module.log = lambda *args, **kwargs: None
+    pl_module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del pl_module.log
+        del pl_module.log_dict
+
+
+@contextlib.contextmanager
+def side_effects_undone(pl_module: pl.LightningModule):
+    """Whatever runs inside leaves the module's torchmetrics states, the RNG streams and its
+    train/eval mode as they were (``ModuleState``), and logs nothing."""
+    saved = ModuleState(pl_module)
+    try:
+        with logging_muted(pl_module):
+            yield
+    finally:
+        saved.restore(pl_module)

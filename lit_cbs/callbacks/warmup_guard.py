@@ -1,0 +1,106 @@
+"""``BatchWarmup``'s side of its guard. The rule is ``lit_cbs.rules.guard.BatchGuard`` (pure); ``WarmupGuard`` gives
+it what a Lightning run measures and carries out what it decides.
+
+Each optimizer step's training loss, this rank's mean over the step's micro-batches (nats), goes to the guard with
+what the schedule is indexed by (samples or tokens consumed, all ranks); the guard judges on the mean over the
+ranks, so every rank reaches the same verdict, which is said and logged (``batch/guard_rise``,
+``batch/guard_threshold``). A scheduled increase is given to the guard to watch, a decrease ends the watch it falls
+in, and a revert puts back exactly the LR, clipping threshold and optimizer settings of before the increase.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.data import extract_batch_size
+
+from lit_cbs.callbacks.accounting import mean_over_ranks, micro_batch_loss, resizable_train_loader
+from lit_cbs.callbacks.logs import log_to_loggers
+from lit_cbs.rules.guard import BatchGuard, GuardVerdict, RevertRestore
+from lit_cbs.rules.scaling import LRRule, restore_settings, scale_learning_rate
+
+
+class WarmupGuard:
+    """Feeds ``guard`` the loss of each optimizer step of a run and acts on its verdicts."""
+
+    def __init__(self, guard: BatchGuard):
+        self.guard = guard
+        # The sum of this step's micro-batch losses so far (a tensor on the loss's device: no host sync per
+        # micro-batch) and their count.
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.micro_batches = 0
+
+    def add_micro_batch(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
+        loss = micro_batch_loss(trainer, outputs)
+        if loss is None or extract_batch_size(batch) == 0:
+            return  # training_step returned None (Lightning skipped it), or a micro-batch of no sample
+        self.loss_sum = self.loss_sum + loss
+        self.micro_batches += 1
+
+    def end_step(self, trainer: pl.Trainer, consumed: int, unit: str, data_parallel_size: int) -> None:
+        """Give the guard the step's loss (this rank's mean over its micro-batches) at ``consumed`` (``unit``: the
+        schedule's, samples or tokens), and let it judge."""
+        loss_sum, micro_batches = self.loss_sum, self.micro_batches
+        self.loss_sum, self.micro_batches = 0.0, 0
+        loader = resizable_train_loader(trainer)
+        if loader is not None and loader.last_round_samples < data_parallel_size:
+            return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
+        if micro_batches:
+            self.guard.record(consumed, float(loss_sum) / micro_batches)
+            verdict = self.guard.judge(consumed, lambda values: mean_over_ranks(trainer, values))
+            if verdict is not None:
+                self._report(trainer, verdict, unit)
+
+    @staticmethod
+    def _report(trainer: pl.Trainer, verdict: GuardVerdict, unit: str) -> None:
+        outcome = (
+            f"reverting to {verdict.old_global_batch} samples"
+            if verdict.reverted
+            else f"keeping {verdict.new_global_batch} samples"
+        )
+        rank_zero_info(
+            f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
+            f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
+            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.window_steps} steps; threshold "
+            f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); "
+            f"{outcome}"
+        )
+        log_to_loggers(
+            trainer,
+            lambda _: {"batch/guard_rise": verdict.rise, "batch/guard_threshold": verdict.threshold},
+            every_step=True,
+        )
+
+    def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
+        """A scheduled change from global batch ``old`` to ``new`` (samples), ``index`` in BatchWarmup's history,
+        at ``consumed``: the guard watches an increase (``restore`` is what its revert puts back); a decrease ends
+        the watch it falls in, leaving nothing to revert."""
+        if new < old and self.guard.watching:
+            self.guard.forget_watch()
+        elif new > old and not self.guard.watch(index, consumed, old, new, restore):
+            rank_zero_info(
+                f"BatchWarmup guard: {old} -> {new} is not judged: fewer than "
+                f"guard.min_steps={self.guard.config.min_steps} steps of loss before it to fit a trend to"
+            )
+
+    @staticmethod
+    def undo_increase(
+        trainer: pl.Trainer,
+        restore: RevertRestore,
+        lr_rule: LRRule,
+        ratio: float,
+    ) -> tuple[float, float]:
+        """A revert by ``ratio`` (new / old global batch, below 1): back to exactly the LR, clipping threshold and
+        optimizer settings of before the increase, whatever the rules; return the revert's LR and clipping factors."""
+        lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for index, optimizer in enumerate(trainer.optimizers):
+            scale_learning_rate(optimizer, schedulers, lr_change)
+            if restore.optimizer_settings is not None:
+                restore_settings(optimizer, restore.optimizer_settings[index])
+            else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
+                lr_rule.adjust_optimizer(optimizer, ratio)
+        return lr_change, clip_change

@@ -1,0 +1,22 @@
+"""``build_decoder``: the decoder a model config describes, lit_cbs's OLMo or a Hugging Face causal LM.
+
+The one module that imports both decoders (``lit_cbs.models.olmo``, ``lit_cbs.models.hf``), so that neither imports
+the other: what they share (``DecoderDims``, the stacks of blocks, the embeddings) is in ``lit_cbs.models.decoder``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from lit_cbs.models.hf import HFDecoder
+from lit_cbs.models.olmo import OLMo, OLMoConfig
+
+
+def build_decoder(config: OLMoConfig | Any) -> nn.Module:
+    """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config (on the
+    current default device: under ``torch.device("meta")`` no memory is allocated)."""
+    if isinstance(config, OLMoConfig):
+        return OLMo(config)
+    return HFDecoder(config)
