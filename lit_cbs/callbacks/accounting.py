@@ -47,7 +47,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
-from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
@@ -292,12 +291,6 @@ class BatchAccounting(Callback):
                 )
             setattr(accounting, name, value)
         return accounting
-
-    @classmethod
-    def of(cls, trainer: pl.Trainer) -> BatchAccounting:
-        """Deprecated name of ``attach``."""
-        warn_renamed("BatchAccounting.of(trainer)", "BatchAccounting.attach(trainer)")
-        return cls.attach(trainer)
 
     # ------------------------------------------------------------------ read-only view
     @property

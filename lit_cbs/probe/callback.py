@@ -32,7 +32,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
@@ -60,7 +59,6 @@ from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"
-PROBE_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(ProbeConfig))
 
 
 class CBSProbeCallback(Callback):
@@ -75,10 +73,7 @@ class CBSProbeCallback(Callback):
         config: the probe's settings (``ProbeConfig``: where to probe, the grid of k, the window,
             the k* rule, how branches are scored), checked when it is made.
         **settings: ``ProbeConfig``'s fields as keywords instead (as Hydra's ``_target_`` passes
-            them); not both. ``strategy=`` is the old name of ``search=`` (until lit_cbs 0.4).
-
-    Settings are read back as attributes too (``probe.multipliers`` is ``probe.config.multipliers``);
-    they are set through the config only.
+            them); not both. The settings are read back at ``probe.config``.
 
     Attributes:
         history: one ``ProbeReading`` per finished probe.
@@ -94,7 +89,6 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(
                 f"CBSProbeCallback: give a ProbeConfig or its fields as keywords, not both (got config and {sorted(settings)})"
             )
-        renamed_argument(settings, "strategy", "search", "CBSProbeCallback")
         self.config = config if config is not None else ProbeConfig(**settings)
         if all(getattr(self.config, name) is None for name in ("every_tokens", "at_tokens", "geometric")):
             raise LitCBSConfigError(
@@ -123,26 +117,6 @@ class CBSProbeCallback(Callback):
         self._waiting_in_epoch: int | None = None  # the epoch whose uneven end a due probe waits out
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        # The settings read as before ProbeConfig: probe.multipliers is probe.config.multipliers.
-        config = self.__dict__.get("config")
-        if config is not None and name in PROBE_CONFIG_FIELDS:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in PROBE_CONFIG_FIELDS:  # the callback reads its config: an attribute beside it would be ignored
-            raise AttributeError(
-                f"CBSProbeCallback.{name} is read from its ProbeConfig: give it when making the probe, or set "
-                f"probe.config = dataclasses.replace(probe.config, {name}=...) before training"
-            )
-        super().__setattr__(name, value)
-
-    @property
-    def strategy(self) -> str:
-        warn_renamed("CBSProbeCallback.strategy", "CBSProbeCallback.config.search")
-        return self.config.search
 
     @property
     def span_tokens(self) -> int:

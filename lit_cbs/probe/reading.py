@@ -32,7 +32,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lit_cbs._deprecation import warn_renamed
 from lit_cbs.analysis.curves import ema
 
 SEARCHES = ("grid", "bisect")  # which multipliers a probe trains (ProbeConfig.search)
@@ -376,23 +375,11 @@ class ProbeReading:
         rule: DecisionRule,
         multipliers: Sequence[float],
         batch_size: int,
-        *old_positional,
         **fields,
     ) -> ProbeReading:
         """Apply the k* rule to ``scores`` (per multiplier k; a failed branch has loss inf or NaN),
         judge it at ``rule.confidence`` and bracket the CBS on the grid ``multipliers`` around batch
-        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured).
-
-        ``decide(scores, epsilon, confidence, multipliers, batch_size, ...)``, the form before
-        ``DecisionRule``, still works until lit_cbs 0.4, with a warning."""
-        if not isinstance(rule, DecisionRule):
-            warn_renamed(
-                "ProbeReading.decide(scores, epsilon, confidence, multipliers, batch_size)",
-                "ProbeReading.decide(scores, DecisionRule(epsilon, confidence), multipliers, batch_size)",
-            )
-            rule, (multipliers, batch_size) = DecisionRule(rule, multipliers), (batch_size, *old_positional)
-        elif old_positional:
-            raise TypeError("ProbeReading.decide takes 4 positional arguments; give the reading's fields by name")
+        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured)."""
         decision = decide(scores, rule.epsilon, rule.confidence)
         lower, upper, estimate = cbs_interval(decision.k_star, multipliers, batch_size)
         paired = any(s.batch_losses for s in scores.values())

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from lit_cbs._deprecation import renamed_argument, warn_renamed
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
 _SPAN = "samples or tokens, the schedule's unit"
@@ -103,7 +102,6 @@ class GuardConfig:
     def from_dict(cls, settings: Mapping) -> GuardConfig:
         """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings."""
         settings = {str(key): value for key, value in settings.items()}
-        renamed_argument(settings, "window", "watch_span", "guard")
         names = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(key for key in settings if key not in names)
         if unknown:
@@ -342,11 +340,6 @@ class BatchGuard:
         self.hold_until = consumed + (self.config.hold if self.config.hold is not None else consumed)
         self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]
         return watch.restore
-
-    def reverted(self, consumed: int) -> RevertRestore:
-        """Deprecated name of ``mark_reverted`` (it changes the guard's state; it asks nothing)."""
-        warn_renamed("BatchGuard.reverted(consumed)", "BatchGuard.mark_reverted(consumed)")
-        return self.mark_reverted(consumed)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import pytest
 from scipy import stats
 from toys import heldout_score
 
-from lit_cbs._deprecation import LitCBSDeprecationWarning
 from lit_cbs.analysis.curves import read_probe
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.probe import (
@@ -326,17 +325,3 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
     assert supported_interval(record) == (16.0, 64.0)
     held_out_only = {**record, "replicate_batch_losses": {}}
     assert supported_interval(held_out_only) == (16.0, 32.0)
-
-
-def test_decide_with_the_rule_as_two_numbers_warns_and_reads_the_same():
-    scores = {1.0: heldout_score(3.0, 0.01), 2.0: heldout_score(3.004, 0.01, seed=2), 4.0: heldout_score(3.2, 0.01, seed=4)}
-    fields = dict(
-        tokens=4096, step=8, seq_len=32, window_tokens=8192, strategy="grid", evaluate="heldout", main_loss=3.0,
-        branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=3 * 8192, overhead=0.5,
-    )  # fmt: skip
-    reading = ProbeReading.decide(scores, DecisionRule(0.01, 0.9), [1.0, 2.0, 4.0], 16, **fields)
-    with pytest.warns(LitCBSDeprecationWarning, match=r"DecisionRule\(epsilon, confidence\)"):
-        old = ProbeReading.decide(scores, 0.01, 0.9, [1.0, 2.0, 4.0], 16, **fields)
-    assert old == reading and (reading.epsilon, reading.confidence, reading.k_star) == (0.01, 0.9, 2.0)
-    with pytest.raises(TypeError, match="give the reading's fields by name"):
-        ProbeReading.decide(scores, DecisionRule(), [1.0, 2.0, 4.0], 16, 4096)
