@@ -144,7 +144,7 @@ def first_window(reading: dict, multipliers: list[float]) -> dict:
             "step",
             "seq_len",
             "window_tokens",
-            "strategy",
+            "search",
             "evaluate",
             "main_loss",
             "failed",

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_cbs import legacy
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 PathLike = str | os.PathLike
@@ -27,7 +28,8 @@ RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")
 
 
 def read_probe_records(path: PathLike) -> list[dict]:
-    """The records of a ``cbs_probe.jsonl`` (one JSON object per line; blank lines skipped), in file order.
+    """The records of a ``cbs_probe.jsonl`` (one JSON object per line; blank lines skipped), in file order, with
+    the current keys whichever version wrote them (``lit_cbs.legacy.probe_reading``).
 
     Raises:
         ValueError: the file cannot be read, holds no record, or a line is not a JSON object;
@@ -52,7 +54,7 @@ def read_probe_records(path: PathLike) -> list[dict]:
             raise ValueError(
                 f"{path}:{number}: {line.strip()[:60]!r} is not a probe record (a JSON object with tokens, cbs_lower, ...)"
             )
-        records.append(record)
+        records.append(legacy.probe_reading(record))
     if not records:
         raise ValueError(
             f"{path} holds no CBS probe record; run with CBSProbeCallback until a probe finishes, or pass another file"

@@ -51,6 +51,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lit_cbs import legacy
 from lit_cbs._internals import checkpoint_triggers, shift_epoch_micro_batches, should_accumulate
 from lit_cbs.callbacks.accounting import (
     BatchAccounting,
@@ -704,7 +705,7 @@ class BatchWarmup(Callback):
         rank_zero_info(
             f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
             f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
-            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.window_steps} steps; threshold "
+            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.watch_steps} steps; threshold "
             f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); {outcome}"
         )
         log_to_loggers(
@@ -771,7 +772,7 @@ class BatchWarmup(Callback):
             scale_learning_rate(optimizer, schedulers, lr_change)
             if restore.optimizer_settings is not None:
                 restore_settings(optimizer, restore.optimizer_settings[index])
-            else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
+            else:  # a watch from a checkpoint of the first guards kept no settings: undo adam_sde by the inverse ratio
                 self.lr_rule.adjust_optimizer(optimizer, target / self.global_batch)
         return lr_change, clip_change
 
@@ -875,20 +876,20 @@ class BatchWarmup(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict, counts = legacy.warmup_state(state_dict)
         self.global_batch = state_dict["global_batch"]
         self.lr_factor = state_dict["lr_factor"]
-        self.clip_factor = state_dict.get("clip_factor", 1.0)
-        if self.guard is not None and state_dict.get("guard") is not None:
+        self.clip_factor = state_dict["clip_factor"]
+        if self.guard is not None and state_dict["guard"] is not None:
             self.guard.load_state_dict(state_dict["guard"])
             self._step_loss_sum, self._step_micro_batches = state_dict["step_loss"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
-        if state_dict.get("schedule") is not None:
+        if state_dict["schedule"] is not None:
             self.schedule.load_state_dict(state_dict["schedule"])
-        if "samples_seen" in state_dict and self.accounting is not None:
-            # lit_cbs 0.1 checkpoints kept the counts here, before BatchAccounting held them.
-            self.accounting.load_state_dict({key: state_dict[key] for key in ("samples_seen", "tokens_seen", "seq_len")})
+        if counts is not None and self.accounting is not None:  # a checkpoint from before BatchAccounting held them
+            self.accounting.load_state_dict(counts)
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self.accounting is not None:
             self._set_batch(self.global_batch, state_dict["micro_batch_size"], state_dict["accumulate"])

@@ -32,6 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_cbs import legacy
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
@@ -299,7 +300,7 @@ class CBSProbeCallback(Callback):
         self._check_first_point(end, whole_span=True)
         self._check_window(end)
         for reading in self.history:
-            if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
+            if reading.seq_len is None:  # resumed from a checkpoint of the first readings, which lack it
                 reading.seq_len = seq_len
         sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
         if max(len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None]) for size in sizes) < 2:
@@ -761,15 +762,16 @@ class CBSProbeCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # lit_cbs 0.1 readings carry no seq_len; the first batch tells it (_check_batch).
-        self.history = [ProbeReading(**{"seq_len": None, **copy.deepcopy(reading)}) for reading in state_dict["history"]]
+        state_dict = legacy.probe_state(state_dict)
+        # The first readings carry no seq_len; the first batch tells it (_check_batch).
+        self.history = [ProbeReading.from_record(copy.deepcopy(reading)) for reading in state_dict["history"]]
         self.tokens_spent = state_dict["tokens_spent"]
         self.probes_started = state_dict["probes_started"]
-        interrupted = state_dict.get("interrupted")
+        interrupted = state_dict["interrupted"]
         self._interrupted = tuple(interrupted) if interrupted is not None else None
-        self.failures = copy.deepcopy(state_dict.get("failures", []))
-        self._unusable = state_dict.get("unusable", bool(self.failures))
-        pending = state_dict.get("side_jobs", [])
+        self.failures = copy.deepcopy(state_dict["failures"])
+        self._unusable = state_dict["unusable"]
+        pending = state_dict["side_jobs"]
         if self._side is not None:
             self._side.load_state_dict(pending)  # collected, or started again, at the next step
         elif pending:

@@ -28,10 +28,13 @@ hand.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from lit_cbs import legacy
 from lit_cbs.analysis.curves import ema
 
 SEARCHES = ("grid", "bisect")  # which multipliers a probe trains (ProbeConfig.search)
@@ -339,7 +342,7 @@ class ProbeReading:
     batch_size: int  # the main run's global batch B over the window
     seq_len: int  # tokens per sample
     window_tokens: int  # tokens every branch trained on
-    strategy: str  # the probe's search, "grid" or "bisect" (ProbeConfig.search; the record keeps its old name)
+    search: str  # which multipliers the probe trained: "grid" or "bisect" (ProbeConfig.search)
     evaluate: str  # "train_ema" or "heldout"
     losses: dict[str, float | None]  # per multiplier ("2" for k = 2); None for a failed branch
     main_loss: float  # the main run's own loss over the window (the k = 1 run)
@@ -352,7 +355,7 @@ class ProbeReading:
     tokens_spent: int  # tokens trained in this probe's branches
     overhead: float  # all probes' branch tokens so far / tokens the main run trained on
     adaptive_batch: int | None = None  # the batch CBSAdaptive moved to on this reading, if any
-    # Readings written before lit_cbs 0.2 lack the fields below; they load as judged by the means.
+    # The first readings lack the fields below (lit_cbs.legacy); they load as judged by the means.
     determined: bool = True  # k* is decided at `confidence` (see the module docstring)
     confidence: float = 0.5  # one-sided confidence of the decision; 0.5 judges by the means alone
     loss_se: dict[str, float | None] = field(default_factory=dict)  # SE of L_k - L_base (base: smallest k)
@@ -361,12 +364,31 @@ class ProbeReading:
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
     planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
     interrupted_at_tokens: int | None = None  # a stop signal interrupted this probe where its window began, at these tokens
-    epsilon: float | None = None  # nats, the k* rule's tolerance (readings before lit_cbs 0.3: None, the default 0.01)
+    epsilon: float | None = None  # nats, the k* rule's tolerance (None: a reading that did not store it)
     replicates: int = 1  # disjoint data windows each measured k trained on (window_tokens each)
     replicate_se: dict[str, float] = field(default_factory=dict)  # the windows' share of loss_se (replicates >= 2)
     replicate_batch_losses: dict[str, list[list[float]]] = field(default_factory=dict)  # per k, per window, per batch
     mode: str = "in_process"  # where the branches trained: "in_process", "side_jobs" or "checkpoint" (a saved one)
     arrived_at_tokens: int | None = None  # side jobs: the main run's tokens when the reading arrived (it acted there)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
+        """The reading ``record`` holds (a line of ``cbs_probe.jsonl``, an entry of the probe's checkpointed history),
+        as any lit_cbs version wrote it (``lit_cbs.legacy.probe_reading`` reads the old keys).
+
+        Raises:
+            ValueError: the record lacks a field a reading needs, or has one a reading does not know.
+        """
+        fields = legacy.probe_reading(record)
+        known = dataclasses.fields(cls)
+        no_default = dataclasses.MISSING
+        needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}
+        missing, unknown = sorted(needed - fields.keys()), sorted(fields.keys() - {f.name for f in known})
+        if missing or unknown:
+            lacks = f"lacks {', '.join(missing)}" if missing else ""
+            extra = f"has unknown fields {', '.join(unknown)}" if unknown else ""
+            raise ValueError(f"not a CBS probe reading: it {' and '.join(filter(None, (lacks, extra)))}")
+        return cls(**fields)
 
     @classmethod
     def decide(

@@ -113,7 +113,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     from lit_cbs.callbacks.warmup import BatchChange
     from lit_cbs.probe.plot import plot_cbs_curve
     from lit_cbs.probe.reading import ProbeReading
-    from lit_cbs.recipes.run_report import plot_run, summary_rows
+    from lit_cbs.recipes.run_report import plot_run, read_batch_history, summary_rows
 
     run_dir = Path(run_dir)
     metrics_csv = run_dir / METRICS_FILE
@@ -121,13 +121,12 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{str(run_dir)!r} has no {METRICS_FILE}: give the folder of a run logged with the CSV logger")
     metrics = read_metrics_csv(metrics_csv)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    history = json.loads((run_dir / "batch_history.json").read_text()) if (run_dir / "batch_history.json").is_file() else {}
+    history = read_batch_history(run_dir / "batch_history.json") if (run_dir / "batch_history.json").is_file() else {}
+    changes = [BatchChange(**change) for change in history.get("changes", [])]
     probe_file = next(iter(sorted(run_dir.rglob("cbs_probe.jsonl"))), None)
     readings = []
     if probe_file is not None:
-        readings = [
-            ProbeReading(**{"seq_len": None, **json.loads(line)}) for line in probe_file.read_text().splitlines() if line.strip()
-        ]
+        readings = [ProbeReading.from_record(json.loads(line)) for line in probe_file.read_text().splitlines() if line.strip()]
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
     parts = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -146,10 +145,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
             figures.insert(1, (wall, f"Loss against wall-clock seconds{noise}"))
         if readings:
-            changes = history.get("changes", [])
             curve = plot_cbs_curve(
                 readings,
-                [BatchChange(**change) for change in changes],
+                changes,
                 scratch / "cbs_curve.png",
                 summary.get("tokens"),
                 _probe_epsilon(run_dir),
@@ -160,20 +158,20 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts += [_figure(path, caption) for path, caption in figures]
     if summary:
         parts.insert(0, "<h2>Summary</h2>" + _table(summary_rows(summary)))
-    if history.get("changes"):
+    if changes:
         parts.append(
             "<h2>Batch changes</h2>"
             + _table(
                 [
                     [
-                        c["step"],
-                        f"{c['tokens_seen']:,}",
-                        f"{c['old_global_batch']} -> {c['new_global_batch']}",
-                        f"{c['new_micro_batch_size']} x {c['new_accumulate']}",
-                        f"{c['lr_factor']:.4g}",
-                        c.get("cause", "schedule"),
+                        c.step,
+                        f"{c.tokens_seen:,}",
+                        f"{c.old_global_batch} -> {c.new_global_batch}",
+                        f"{c.new_micro_batch_size} x {c.new_accumulate}",
+                        f"{c.lr_factor:.4g}",
+                        c.cause,
                     ]
-                    for c in history["changes"]
+                    for c in changes
                 ],
                 ["after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause"],
             )

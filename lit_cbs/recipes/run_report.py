@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 
+from lit_cbs import legacy
 from lit_cbs.analysis.curves import (
     BATCH_COLUMN,
     GNS_COLUMN,
@@ -68,6 +69,11 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     }
     Path(path).write_text(json.dumps(record, indent=2))
     return record
+
+
+def read_batch_history(path: str | os.PathLike) -> dict:
+    """What ``write_batch_history`` wrote to ``path``, by this version or an earlier one (``lit_cbs.legacy``)."""
+    return legacy.batch_history(json.loads(Path(path).read_text()))
 
 
 def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):

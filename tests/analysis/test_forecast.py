@@ -147,7 +147,7 @@ def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01
         step=10,
         seq_len=128,
         window_tokens=8192,
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         main_loss=3.0,
         branches_trained=sorted(batch_losses),

@@ -67,7 +67,7 @@ def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     assert all(isinstance(r, ProbeReading) for r in resumed_probe.history)  # rebuilt from the checkpoint's dicts
     assert resumed_probe.tokens_spent == full_probe.tokens_spent
 
-    # A lit_cbs 0.1 checkpoint (readings without seq_len) resumes alike.
+    # A checkpoint of the first readings (without seq_len) resumes alike.
     state = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)
     (key,) = [key for key in state["callbacks"] if key.startswith("CBSProbeCallback")]
     for reading in state["callbacks"][key]["history"]:

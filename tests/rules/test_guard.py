@@ -89,7 +89,7 @@ def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
     # Judged after 8 steps of 4 samples (64 -> 96 samples), reverted right there.
     assert (increase.samples_seen, revert.samples_seen, revert.step) == (64, 96, 40)
     (verdict,) = warmup.guard.verdicts
-    assert verdict.reverted and verdict.window_steps == 8 and verdict.fit_steps == 16
+    assert verdict.reverted and verdict.watch_steps == 8 and verdict.fit_steps == 16
     # The same run without the jump trains alike up to the verdict: the jump is exactly what it adds.
     healthy = BatchWarmup(SCHEDULE, lr_rule="linear", guard={**NO_RETRY, "min_steps": 8})
     fit(healthy, module=SpikeAfterIncrease(jump=0.0))
@@ -325,8 +325,8 @@ def test_the_restore_of_a_watched_increase_round_trips_through_the_checkpoint(tm
     assert restore.optimizer_settings == [[{"weight_decay": 0}]]  # the toy's SGD: one optimizer, one param group
 
 
-def test_a_watch_saved_by_lit_cbs_0_2_loads():
-    # 0.2 kept the watch as a dict with "window_until", and its restore without optimizer settings.
+def test_a_watch_saved_before_the_watch_span_was_named_loads():
+    # The first guards kept the watch with "window_until", and its restore without optimizer settings.
     state = watched_guard().state_dict()
     state["revert"]["window_until"] = state["revert"].pop("watch_until")
     del state["revert"]["restore"]["optimizer_settings"]
