@@ -9,8 +9,10 @@ benchmarks run at different times do not overwrite each other's results.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import numbers
 import os
 import platform
 import re
@@ -125,6 +127,14 @@ def read_run(run_dir: Path) -> dict:
         if step in tokens_at
     ]
     return {**summary, "val_curve": curve}
+
+
+def json_default(value):
+    """``json.dumps(..., default=json_default)`` for a benchmark's results: a record (a dataclass, such as a run's
+    ``ProbeReading``) as its fields, a number of another type (numpy's) as a float, anything else as its text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return float(value) if isinstance(value, numbers.Number) else str(value)
 
 
 def recipe_benchmark_arguments(

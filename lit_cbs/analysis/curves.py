@@ -26,8 +26,6 @@ from pathlib import Path
 import numpy as np
 from scipy.signal import lfilter
 
-from lit_cbs.analysis.probe_schedule import read_probe_records
-
 # The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale) and Lightning's step column.
 TOKENS_COLUMN = "tokens_seen"
 STEP_COLUMN = "step"
@@ -90,21 +88,6 @@ class Crossing:
     tokens: float
     tokens_per_step: float
     batch_size: int | None
-
-
-@dataclass(frozen=True)
-class ProbePoint:
-    """One record of ``CBSProbeCallback``'s ``cbs_probe.jsonl``: the CBS bracket (samples) at ``tokens`` seen.
-
-    ``upper`` is None when the largest multiplier tried did not hurt the loss (open-ended bracket).
-    ``batch_size``: the main run's global batch (samples) at the probe, when the record has it.
-    """
-
-    tokens: float
-    lower: float
-    upper: float | None
-    estimate: float
-    batch_size: int | None = None
 
 
 def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -423,34 +406,6 @@ def find_crossings(
         else:
             warnings.warn(f"target loss {target:g}: left out runs that never reach it: {'; '.join(names)}")
     return result
-
-
-def read_probe(path: PathLike) -> list[ProbePoint]:
-    """Read ``CBSProbeCallback``'s JSONL: one record per probe with ``tokens``, and ``cbs_lower``,
-    ``cbs_upper`` (null when open-ended) and ``cbs_estimate`` in samples.
-
-    Raises:
-        ValueError: the file is unreadable or empty, or a record is not JSON or lacks one of those keys;
-            the message names the record.
-    """
-    points = []
-    for number, record in enumerate(read_probe_records(path), start=1):
-        try:
-            upper = record["cbs_upper"]
-            point = ProbePoint(
-                float(record["tokens"]),
-                float(record["cbs_lower"]),
-                None if upper is None else float(upper),
-                float(record["cbs_estimate"]),
-                None if record.get("batch_size") is None else int(record["batch_size"]),
-            )
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"{path}: record {number} is not a CBS probe record ({error!r}); each record needs numbers tokens, "
-                "cbs_lower, cbs_estimate and cbs_upper (number or null)"
-            ) from error
-        points.append(point)
-    return points
 
 
 def default_targets(

@@ -29,7 +29,9 @@ hand.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -307,27 +309,6 @@ def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
     return [ks[0], ks[_bisection_point(0, len(ks) - 1)]]
 
 
-def record_scores(
-    losses: Mapping[str, float | None],
-    batch_losses: Mapping[str, Sequence[float]],
-    replicate_batch_losses: Mapping[str, Sequence[Sequence[float]]],
-) -> dict[float, BranchScore]:
-    """Each measured k's score from a reading's fields (``ProbeReading`` or its JSON record): its
-    per-window and per-batch held-out losses where it has them, else its loss alone (inf for a
-    failed branch)."""
-
-    def score(k: str, loss: float | None) -> BranchScore:
-        if loss is None:
-            return BranchScore(math.inf)
-        if k in replicate_batch_losses:
-            return BranchScore.replicated([BranchScore.heldout(window) for window in replicate_batch_losses[k]])
-        if k in batch_losses:
-            return BranchScore.heldout(batch_losses[k])
-        return BranchScore(loss)
-
-    return {float(k): score(k, loss) for k, loss in losses.items()}
-
-
 @dataclass
 class ProbeReading:
     """One probe's measurement; ``cbs_probe.jsonl`` holds one per line (``dataclasses.asdict``).
@@ -433,8 +414,20 @@ class ProbeReading:
         return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
 
     def scores(self) -> dict[float, BranchScore]:
-        """Each measured k's score again, from the record (``record_scores``); ``decide`` can judge them anew."""
-        return record_scores(self.losses, self.batch_losses, self.replicate_batch_losses)
+        """Each measured k's score again, from the reading: its per-window and per-batch held-out losses where it
+        has them, else its loss alone (inf for a failed branch); ``decide`` can judge them anew."""
+
+        def score(k: str, loss: float | None) -> BranchScore:
+            if loss is None:
+                return BranchScore(math.inf)
+            if k in self.replicate_batch_losses:
+                windows = self.replicate_batch_losses[k]
+                return BranchScore.replicated([BranchScore.heldout(window) for window in windows])
+            if k in self.batch_losses:
+                return BranchScore.heldout(self.batch_losses[k])
+            return BranchScore(loss)
+
+        return {float(k): score(k, loss) for k, loss in self.losses.items()}
 
     @property
     def bracket(self) -> str:
@@ -442,3 +435,41 @@ class ProbeReading:
         after it when the data do not decide k*."""
         upper = f"{self.cbs_upper:g}" if self.cbs_upper is not None else "beyond the grid"
         return f"[{self.cbs_lower:g}, {upper}]" + ("" if self.determined else " (undetermined)")
+
+
+def read_readings(path: str | os.PathLike) -> list[ProbeReading]:
+    """The readings of a ``cbs_probe.jsonl`` (one JSON object per line; blank lines skipped), in file order, as
+    any lit_cbs version wrote them (``ProbeReading.from_record``): what the curves, the forecast, the schedules,
+    the run report and the plots read.
+
+    Raises:
+        ValueError: the file cannot be read or holds no reading, or a line is not a reading; the message names
+            the file and line.
+    """
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"cannot read CBS probe readings from {path} ({error}); pass the cbs_probe.jsonl a CBSProbeCallback wrote"
+        ) from error
+    readings = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error}); each line is one reading") from error
+        if not isinstance(record, dict):
+            shown = line.strip()[:60]
+            raise ValueError(f"{path}:{number}: {shown!r} is not a probe reading (a JSON object: tokens, ...)")
+        try:
+            readings.append(ProbeReading.from_record(record))
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: {error}") from None
+    if not readings:
+        raise ValueError(
+            f"{path} holds no CBS probe reading; run with CBSProbeCallback until a probe finishes, or pass another file"
+        )
+    return readings

@@ -112,7 +112,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """
     from lit_cbs.callbacks.warmup import BatchChange
     from lit_cbs.probe.plot import plot_cbs_curve
-    from lit_cbs.probe.reading import ProbeReading
+    from lit_cbs.probe.reading import read_readings
     from lit_cbs.recipes.run_report import plot_run, read_batch_history, summary_rows
 
     run_dir = Path(run_dir)
@@ -124,9 +124,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     history = read_batch_history(run_dir / "batch_history.json") if (run_dir / "batch_history.json").is_file() else {}
     changes = [BatchChange(**change) for change in history.get("changes", [])]
     probe_file = next(iter(sorted(run_dir.rglob("cbs_probe.jsonl"))), None)
-    readings = []
-    if probe_file is not None:
-        readings = [ProbeReading.from_record(json.loads(line)) for line in probe_file.read_text().splitlines() if line.strip()]
+    readings = read_readings(probe_file) if probe_file is not None else []
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
     parts = []
     with tempfile.TemporaryDirectory() as scratch:

@@ -300,7 +300,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         readings = "; ".join(
             (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
             + f" at {r['tokens']:,} tokens, "
-            + ("determined" if r.get("determined", True) else "undetermined")
+            + ("determined" if r["determined"] else "undetermined")
             for r in probe["readings"]
         )
         share = probe["tokens"] / tokens

@@ -26,10 +26,10 @@ from toys import (
 )
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, PiecewiseBatch
-from lit_cbs.analysis.curves import read_probe
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import ProbeUnusable, cooldown_factor, lr_scaled_for_step
+from lit_cbs.probe.reading import read_readings
 
 
 def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
@@ -49,7 +49,7 @@ def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
         assert (record.batch_size, record.seq_len) == (4, SEQ)
     lines = (tmp_path / "cbs_probe.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [dataclasses.asdict(r) for r in probe.history]
-    assert [p.lower for p in read_probe(tmp_path / "cbs_probe.jsonl")] == [r.cbs_lower for r in probe.history]
+    assert read_readings(tmp_path / "cbs_probe.jsonl") == probe.history
     assert (tmp_path / "cbs_curve.png").stat().st_size > 10_000
     assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)
 

@@ -3,7 +3,6 @@ CBSAdaptive, what it logs and writes, and what it refuses before training."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 
@@ -220,8 +219,8 @@ def test_undetermined_readings_do_not_move_the_batch():
     assert unsure.history and not any(r.determined for r in unsure.history)
     assert schedule.decisions == [] and all(r.adaptive_batch is None for r in unsure.history)
     # Nor does a schedule read off those records for another run.
-    with pytest.warns(UserWarning, match="every reading in probe records is undetermined"):
-        carried = schedule_from_probe([dataclasses.asdict(r) for r in unsure.history], start=2)
+    with pytest.warns(UserWarning, match="every reading in probe readings is undetermined"):
+        carried = schedule_from_probe(unsure.history, start=2)
     assert carried.batch_sizes == [2]
 
 

@@ -14,7 +14,6 @@ import pytest
 from scipy import stats
 from toys import heldout_score
 
-from lit_cbs.analysis.curves import read_probe
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.probe import (
     BranchScore,
@@ -27,6 +26,7 @@ from lit_cbs.probe import (
     ema_last,
     max_branches,
     measure_losses,
+    read_readings,
 )
 
 
@@ -115,11 +115,25 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     assert reading.branch_steps == 8192 // (16 * 32) + 8192 // (32 * 32) + 8192 // (64 * 32)
     path = tmp_path / "cbs_probe.jsonl"
     path.write_text(json.dumps(dataclasses.asdict(reading)) + "\n")
-    (point,) = read_probe(path)
-    assert (point.tokens, point.lower, point.upper, point.batch_size) == (4096, 32, 64, 16)
+    assert read_readings(path) == [reading]
     # The record carries its seq_len, so another sequence length needs no measured_seq_len.
     assert schedule_from_probe(path, 16, seq_len=64).batch_size(4096) == 16
     assert schedule_from_probe(path, 16, seq_len=16).batch_size(4096) == 64
+
+
+def test_a_line_that_is_no_reading_is_named_with_what_it_lacks(tmp_path):
+    path = tmp_path / "cbs_probe.jsonl"
+    path.write_text('{"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}\n')
+    lacks = r"cbs_probe.jsonl:1: not a CBS probe reading: it lacks batch_size, branches_trained"
+    with pytest.raises(ValueError, match=lacks):
+        read_readings(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"cbs_probe.jsonl:1: '\[1, 2\]' is not a probe reading"):
+        read_readings(path)
+    record = {field.name: 0 for field in dataclasses.fields(ProbeReading)} | {"mood": "calm"}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=r"cbs_probe.jsonl:1: not a CBS probe reading: it has unknown fields mood$"):
+        read_readings(path)
 
 
 def test_the_rule_loads_without_lightning():
@@ -294,8 +308,6 @@ def test_records_keep_each_window_and_are_judged_anew_alike():
 def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
     """Two windows that disagree about k = 2: on the held-out batches alone k = 2 is surely beyond
     epsilon (a bracket [16, 32]); with the spread between windows the data support [16, 64)."""
-    import dataclasses
-
     from lit_cbs.analysis.forecast import supported_interval
 
     def windows(*offsets):
@@ -320,8 +332,7 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
         overhead=1.0,
         replicates=2,
     )
-    record = dataclasses.asdict(reading)
     assert not reading.determined
-    assert supported_interval(record) == (16.0, 64.0)
-    held_out_only = {**record, "replicate_batch_losses": {}}
+    assert supported_interval(reading) == (16.0, 64.0)
+    held_out_only = dataclasses.replace(reading, replicate_batch_losses={})
     assert supported_interval(held_out_only) == (16.0, 32.0)
