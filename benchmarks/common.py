@@ -112,6 +112,7 @@ def train_unless_done(command: list[str], run_dir: Path, log_path: Path, threads
 def read_run(run_dir: Path) -> dict:
     """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss)."""
     from lit_cbs.analysis.curves import TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
+    from lit_cbs.metrics import FIT_SECONDS
 
     summary = json.loads((run_dir / "summary.json").read_text())
     series = read_metrics_csv(run_dir / "metrics.csv")
@@ -120,7 +121,7 @@ def read_run(run_dir: Path) -> dict:
     # val/loss is logged at the step of the last optimizer step; tokens_seen (and fit_seconds, the wall
     # clock since the fit began, before that step's validation) every step.
     tokens_at = dict(zip(token_steps.tolist(), tokens.tolist()))
-    seconds_at = dict(zip(*(column.tolist() for column in series["fit_seconds"]))) if "fit_seconds" in series else {}
+    seconds_at = dict(zip(*(column.tolist() for column in series[FIT_SECONDS]))) if FIT_SECONDS in series else {}
     curve = [
         {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss), "seconds": seconds_at.get(step)}
         for step, loss in zip(val_steps.tolist(), val_loss.tolist())

@@ -110,8 +110,9 @@ def train(key: str, seed: int, repeat: int, args) -> dict:
 def main_seconds(run_dir: Path) -> float:
     """fit_seconds at the run's last optimizer step: its wall clock while it trained."""
     from lit_cbs.analysis.curves import read_metrics_csv
+    from lit_cbs.metrics import FIT_SECONDS
 
-    steps, seconds = read_metrics_csv(run_dir / "metrics.csv")["fit_seconds"]
+    steps, seconds = read_metrics_csv(run_dir / "metrics.csv")[FIT_SECONDS]
     return float(seconds[steps.argmax()])
 
 

@@ -26,14 +26,16 @@ from pathlib import Path
 import numpy as np
 from scipy.signal import lfilter
 
-# The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale) and Lightning's step column.
-TOKENS_COLUMN = "tokens_seen"
-STEP_COLUMN = "step"
-LOSS_COLUMN = "train/loss"
-VAL_LOSS_COLUMN = "val/loss"
-LR_COLUMN = "lr"
-BATCH_COLUMN = "batch/global_size"
-GNS_COLUMN = "gns/b_simple"
+from lit_cbs import metrics
+
+# The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale), named in lit_cbs.metrics, and Lightning's steps.
+TOKENS_COLUMN = metrics.TOKENS_SEEN
+STEP_COLUMN = metrics.STEP
+LOSS_COLUMN = metrics.TRAIN_LOSS
+VAL_LOSS_COLUMN = metrics.VAL_LOSS
+LR_COLUMN = metrics.LR
+BATCH_COLUMN = metrics.GLOBAL_BATCH
+GNS_COLUMN = metrics.GNS_B_SIMPLE
 METRICS_FILE = "metrics.csv"
 # Tokens per step may vary this much (relative) between logged rows before a run counts as not constant-batch.
 CONSTANT_BATCH_TOLERANCE = 0.01

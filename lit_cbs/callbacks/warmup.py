@@ -51,7 +51,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs import legacy
+from lit_cbs import legacy, metrics
 from lit_cbs._internals import checkpoint_triggers, shift_epoch_micro_batches, should_accumulate
 from lit_cbs.callbacks.accounting import (
     BatchAccounting,
@@ -710,7 +710,7 @@ class BatchWarmup(Callback):
         )
         log_to_loggers(
             trainer,
-            lambda _: {"batch/guard_rise": verdict.rise, "batch/guard_threshold": verdict.threshold},
+            lambda _: {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold},
             every_step=True,
         )
 
@@ -820,9 +820,7 @@ class BatchWarmup(Callback):
             f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, accumulate {change.old_accumulate} -> "
             f"{change.new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
             f"LR x{change.lr_factor:.4g}"
-            + "".join(
-                f", {key.removeprefix('batch/')} {value:.4g}" for key, value in self.rules.values(trainer.optimizers[0]).items()
-            )
+            + "".join(f", {rule.key} {rule.value(trainer.optimizers[0]):.4g}" for rule in self.rules.settings)
             + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
             + (" (guard: revert)" if change.cause == "guard" else "")
         )
@@ -838,26 +836,26 @@ class BatchWarmup(Callback):
         samples = self.global_batch
         if self._samples_before_step is not None:
             samples = self.samples_seen - self._samples_before_step
-        metrics = {
-            "batch/global_size": float(samples),
-            "batch/micro_batch_size": float(self.micro_batch_size),
+        logged = {
+            metrics.GLOBAL_BATCH: float(samples),
+            metrics.MICRO_BATCH: float(self.micro_batch_size),
             # Rounds of micro-batches: an epoch's last, short round counts as one.
-            "batch/accumulate": float(-(-samples // (self.micro_batch_size * self.accounting.data_parallel_size))),
-            "batch/lr_factor": self.lr_factor,
-            "samples_seen": float(self.samples_seen),
-            "tokens_seen": float(self.tokens_seen),
-            "fit_seconds": self.accounting.fit_seconds,
+            metrics.ACCUMULATE: float(-(-samples // (self.micro_batch_size * self.accounting.data_parallel_size))),
+            metrics.LR_FACTOR: self.lr_factor,
+            metrics.SAMPLES_SEEN: float(self.samples_seen),
+            metrics.TOKENS_SEEN: float(self.tokens_seen),
+            metrics.FIT_SECONDS: self.accounting.fit_seconds,
         }
         if self._step_lr is not None:
-            metrics["lr"] = self._step_lr
-        metrics.update(self._step_settings)
+            logged[metrics.LR] = self._step_lr
+        logged.update(self._step_settings)
         if self.clip_rule is not None:
-            metrics["batch/gradient_clip_val"] = float(trainer.gradient_clip_val)
+            logged[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
         if self.guard is not None:
-            metrics["batch/guard_reverts"] = float(self.guard.reverts)
+            logged[metrics.GUARD_REVERTS] = float(self.guard.reverts)
         if not self.accounting.has_tokens:
-            del metrics["tokens_seen"]
-        return metrics
+            del logged[metrics.TOKENS_SEEN]
+        return logged
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs import legacy
+from lit_cbs import legacy, metrics
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
@@ -698,23 +698,23 @@ class CBSProbeCallback(Callback):
 
     # ------------------------------------------------------------------ reporting
     def _report(self, trainer: pl.Trainer, reading: ProbeReading, log_step: int | None = None) -> None:
-        metrics = {
-            "cbs/lower": float(reading.cbs_lower),
-            "cbs/estimate": float(reading.cbs_estimate),
-            "cbs/k_star": float(reading.k_star),
-            "cbs/determined": float(reading.determined),
-            "probe/overhead": float(reading.overhead),
-            "probe/tokens_spent": float(self.tokens_spent),
+        logged = {
+            metrics.CBS_LOWER: float(reading.cbs_lower),
+            metrics.CBS_ESTIMATE: float(reading.cbs_estimate),
+            metrics.CBS_K_STAR: float(reading.k_star),
+            metrics.CBS_DETERMINED: float(reading.determined),
+            metrics.PROBE_OVERHEAD: float(reading.overhead),
+            metrics.PROBE_TOKENS_SPENT: float(self.tokens_spent),
         }
         if reading.cbs_upper is not None:
-            metrics["cbs/upper"] = float(reading.cbs_upper)
+            logged[metrics.CBS_UPPER] = float(reading.cbs_upper)
         base = min(reading.losses, key=float)
         for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
             if k != base and loss is not None and reading.losses[base] is not None:
-                metrics[f"cbs/gap_k{k}"] = float(loss - reading.losses[base])
+                logged[metrics.cbs_gap(k)] = float(loss - reading.losses[base])
                 if reading.loss_se.get(k) is not None:
-                    metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
-        log_to_loggers(trainer, lambda _: metrics, every_step=True, step=log_step)  # the step that ended the window
+                    logged[metrics.cbs_gap_se(k)] = float(reading.loss_se[k])
+        log_to_loggers(trainer, lambda _: logged, every_step=True, step=log_step)  # the step that ended the window
 
         def between_windows(k: str) -> str:
             return (

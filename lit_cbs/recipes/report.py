@@ -27,9 +27,9 @@ from lit_cbs.analysis.curves import (
     read_metrics_csv,
     tokens_at,
 )
+from lit_cbs.metrics import FIT_SECONDS
 
 REPORT_FILE = "report.html"
-SECONDS_COLUMN = "fit_seconds"
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -73,9 +73,9 @@ def _wall_clock_figure(metrics: dict, path: Path) -> Path | None:
 
     from lit_cbs.analysis.plots import save_figure
 
-    if SECONDS_COLUMN not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
+    if FIT_SECONDS not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
         return None
-    seconds = dict(zip(*(column.tolist() for column in metrics[SECONDS_COLUMN])))
+    seconds = dict(zip(*(column.tolist() for column in metrics[FIT_SECONDS])))
     panels = [name for name in (GNS_COLUMN,) if name in metrics and TOKENS_COLUMN in metrics]
     figure = Figure(figsize=(7, 3.6 * (1 + len(panels))))
     axes = figure.subplots(1 + len(panels), 1, squeeze=False)[:, 0]

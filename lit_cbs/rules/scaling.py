@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import lr_scheduler as torch_sched
 
+from lit_cbs import metrics
 from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.errors import LitCBSConfigError
 
@@ -507,5 +508,5 @@ class OptimizerRules:
         return factor
 
     def values(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """``{"batch/weight_decay": ..., "batch/beta2": ...}`` for the settings these rules move."""
-        return {f"batch/{rule.key}": rule.value(optimizer) for rule in self.settings}
+        """The settings these rules move, by metric name (``metrics.batch_setting``: ``batch/weight_decay``, ...)."""
+        return {metrics.batch_setting(rule.key): rule.value(optimizer) for rule in self.settings}
