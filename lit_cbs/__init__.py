@@ -10,7 +10,7 @@ from a run's logs), ``models``, ``data``, and ``recipes`` (what only ``recipes/t
 
 from lit_cbs._lazy import lazy_exports
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "BatchAccounting": "lit_cbs.callbacks.accounting",
