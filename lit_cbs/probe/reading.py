@@ -321,7 +321,7 @@ class ProbeReading:
     tokens: int  # tokens seen when the window started
     step: int  # optimizer steps taken when the window started
     batch_size: int  # the main run's global batch B over the window
-    seq_len: int  # tokens per sample
+    seq_len: int | None  # tokens per sample (None: a reading of the first shape, which had none, read from a file)
     window_tokens: int  # tokens every branch trained on
     search: str  # which multipliers the probe trained: "grid" or "bisect" (ProbeConfig.search)
     evaluate: str  # "train_ema" or "heldout"
