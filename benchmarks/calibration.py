@@ -54,11 +54,11 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import machine, recipe_benchmark_arguments, replace_section, train_unless_done
+from benchmarks.common import json_default, machine, recipe_benchmark_arguments, replace_section, train_unless_done
 from benchmarks.probe_repeat import command_of, probe_points, reading_at
 from benchmarks.transfer import probe_file
-from lit_cbs.analysis import read_probe_records
 from lit_cbs.analysis.forecast import supported_interval
+from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading, read_readings
 
 SEEDS = (1, 2, 3, 1234)
 GOALS = {"agreement_steps": 1, "median_held": 0.85, "forecast_covered": 0.80}
@@ -102,8 +102,8 @@ def train(run: Run, out: Path, threads: int) -> None:
     print(f"[calibration] {run.key} done", flush=True)
 
 
-def read_readings(run_dir: Path) -> list[dict]:
-    return read_probe_records(probe_file(run_dir))
+def run_readings(run_dir: Path) -> list[ProbeReading]:
+    return read_readings(probe_file(run_dir))
 
 
 def load(run: Run, out: Path) -> dict | None:
@@ -114,11 +114,11 @@ def load(run: Run, out: Path) -> dict | None:
     summary = json.loads((run_dir / "summary.json").read_text())
     wall = run_dir / "wall_seconds.txt"
     multipliers = [float(k) for k in OmegaConf.load(run_dir / "resolved_config.yaml").callbacks.cbs_probe.multipliers]
-    readings = read_readings(run_dir)
+    readings = run_readings(run_dir)
     return {
         **asdict(run),
         "readings": readings,
-        "alone": {r["tokens"]: first_window(r, multipliers) for r in readings},
+        "alone": {r.tokens: first_window(r, multipliers) for r in readings},
         "multipliers": multipliers,
         "tokens": summary["tokens"],
         "command": " ".join(command_of(run, out)[1:]),
@@ -127,49 +127,31 @@ def load(run: Run, out: Path) -> dict | None:
 
 
 # ---------------------------------------------------------------------------- 1. readings
-def first_window(reading: dict, multipliers: list[float]) -> dict:
-    """``reading`` as its first data window alone judges it: the record a probe with ``replicates=1``
-    would have written from the same branches."""
-    from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
-
-    windows = reading["replicate_batch_losses"]
-    scores = {
-        float(k): BranchScore.heldout(windows[k][0]) if k in windows else BranchScore(math.inf)
-        for k, loss in reading["losses"].items()
-    }
-    fields = {
-        key: reading[key]
-        for key in (
-            "tokens",
-            "step",
-            "seq_len",
-            "window_tokens",
-            "strategy",
-            "evaluate",
-            "main_loss",
-            "failed",
-            "tokens_spent",
-            "overhead",
-        )
-    }
-    judged = ProbeReading.decide(
+def first_window(reading: ProbeReading, multipliers: list[float]) -> ProbeReading:
+    """``reading`` as its first data window alone judges it: the reading a probe with ``replicates=1``
+    would have taken from the same branches."""
+    windows = reading.replicate_batch_losses
+    failed = BranchScore(math.inf)
+    scores = {float(k): BranchScore.heldout(windows[k][0]) if k in windows else failed for k in reading.losses}
+    kept = ("tokens", "step", "seq_len", "window_tokens", "search", "evaluate", "main_loss", "failed", "tokens_spent")
+    kept += ("overhead",)
+    return ProbeReading.decide(
         scores,
-        DecisionRule(reading["epsilon"], reading["confidence"]),
+        DecisionRule(reading.epsilon, reading.confidence),
         multipliers,
-        reading["batch_size"],
-        branches_trained=sorted(set(reading["branches_trained"])),
-        **fields,
+        reading.batch_size,
+        branches_trained=sorted(set(reading.branches_trained)),
+        **{key: getattr(reading, key) for key in kept},
     )
-    return asdict(judged)
 
 
-def nearest(reading: dict, points: list[int]) -> int:
+def nearest(reading: ProbeReading, points: list[int]) -> int:
     """The probe point (``probe_repeat.probe_points``) ``reading`` belongs to."""
-    return min(points, key=lambda p: abs(math.log(reading["tokens"] / p)))
+    return min(points, key=lambda p: abs(math.log(reading.tokens / p)))
 
 
-def median_bracket(readings: list[dict]) -> tuple[float, float]:
-    """The medians of the readings' lower and upper ends (samples; no upper end counts as inf;
+def median_bracket(brackets: list[tuple[float, float | None]]) -> tuple[float, float]:
+    """The medians of the brackets' lower and upper ends (samples; no upper end, None, counts as inf;
     the geometric mean of the middle two for an even count)."""
 
     def median(values: list[float]) -> float:
@@ -181,8 +163,8 @@ def median_bracket(readings: list[dict]) -> tuple[float, float]:
         return math.inf if math.isinf(b) else math.sqrt(a * b)
 
     return (
-        median([r["cbs_lower"] for r in readings]),
-        median([math.inf if r["cbs_upper"] is None else r["cbs_upper"] for r in readings]),
+        median([lower for lower, _ in brackets]),
+        median([math.inf if upper is None else upper for _, upper in brackets]),
     )
 
 
@@ -199,20 +181,20 @@ def judge_readings(runs: list[dict]) -> list[dict]:
             readings = {seed: reading for seed, (_, reading) in found.items() if reading is not None}
             for seed, reading in readings.items():
                 others = [r for s, r in readings.items() if s != seed]
-                reference = median_bracket(others) if others else None
+                reference = median_bracket([(r.cbs_lower, r.cbs_upper) for r in others]) if others else None
                 row = {
                     "experiment": experiment,
                     "point": point,
                     "seed": seed,
-                    "tokens": reading["tokens"],
+                    "tokens": reading.tokens,
                     "reference": reference,
                 }
-                for name, judged in (("two", reading), ("one", found[seed][0]["alone"][reading["tokens"]])):
+                for name, judged in (("two", reading), ("one", found[seed][0]["alone"][reading.tokens])):
                     low, high = supported_interval(judged)
                     row[name] = {
-                        "lower": judged["cbs_lower"],
-                        "upper": judged["cbs_upper"],
-                        "determined": judged["determined"],
+                        "lower": judged.cbs_lower,
+                        "upper": judged.cbs_upper,
+                        "determined": judged.determined,
                         "interval": [low, high],
                         "holds": None if reference is None else low <= reference[0] and reference[1] <= high,
                     }
@@ -249,18 +231,18 @@ def spread(runs: list[dict]) -> list[dict]:
         for point in points:
             measured = [(run, r) for run in group if (r := reading_at(run, point, points)) is not None]
             readings = [r for _, r in measured]
-            judged = {"two": readings, "one": [run["alone"][r["tokens"]] for run, r in measured]}
-            ks = sorted({float(k) for r in readings for k, loss in r["losses"].items() if loss is not None} - {1.0})
+            judged = {"two": readings, "one": [run["alone"][r.tokens] for run, r in measured]}
+            ks = sorted({float(k) for r in readings for k, loss in r.losses.items() if loss is not None} - {1.0})
             for k in ks:
                 name = f"{k:g}"
                 row = {"experiment": experiment, "point": point, "k": k}
                 for way, records in judged.items():
                     diffs = [
-                        r["losses"][name] - r["losses"]["1"]
+                        r.losses[name] - r.losses["1"]
                         for r in records
-                        if r["losses"].get(name) is not None and r["losses"].get("1") is not None
+                        if r.losses.get(name) is not None and r.losses.get("1") is not None
                     ]
-                    ses = [r["loss_se"][name] for r in records if r["loss_se"].get(name) is not None]
+                    ses = [r.loss_se[name] for r in records if r.loss_se.get(name) is not None]
                     if len(diffs) < 3 or not ses:
                         break
                     row[way] = {
@@ -276,9 +258,9 @@ def spread(runs: list[dict]) -> list[dict]:
 
 def cost(run: dict) -> dict:
     """Branch tokens the run's probes spent, and what their first windows alone spent."""
-    spent = sum(r["tokens_spent"] for r in run["readings"])
+    spent = sum(r.tokens_spent for r in run["readings"])
     first = sum(
-        sum(1 for k in set(r["branches_trained"]) if r["branches_trained"].count(k) == r["replicates"]) * r["window_tokens"]
+        sum(1 for k in set(r.branches_trained) if r.branches_trained.count(k) == r.replicates) * r.window_tokens
         for r in run["readings"]
     )
     return {"tokens": spent, "first_window_tokens": first, "main_tokens": run["tokens"]}
@@ -294,7 +276,8 @@ def validation_groups(runs: list[dict], transfer_out: Path | None) -> dict[str, 
     if transfer_out is not None:
         for model in ("tiny", "tiny4x"):
             found = sorted(transfer_out.glob(f"{model}_curve_seed*/summary.json"))
-            groups[f"transfer {model}"] = [{"key": path.parent.name, "readings": read_readings(path.parent)} for path in found]
+            runs_of_model = [{"key": path.parent.name, "readings": run_readings(path.parent)} for path in found]
+            groups[f"transfer {model}"] = runs_of_model
     return {name: group for name, group in groups.items() if group}
 
 
@@ -459,7 +442,7 @@ def markdown(
         ]
         for point in sorted({row["point"] for row in mine}):
             here = {row["seed"]: row for row in mine if row["point"] == point}
-            overall = median_bracket([{"cbs_lower": r["two"]["lower"], "cbs_upper": r["two"]["upper"]} for r in here.values()])
+            overall = median_bracket([(r["two"]["lower"], r["two"]["upper"]) for r in here.values()])
             for way, label in (("two", "two windows"), ("one", "first window")):
                 lines.append(
                     f"| {point:,} | {label} | "
@@ -580,7 +563,7 @@ def plot(rows: list[dict], path: Path) -> Path:
                 )
         for point in sorted({row["point"] for row in mine}):
             here = [row for row in mine if row["point"] == point]
-            overall = median_bracket([{"cbs_lower": r["two"]["lower"], "cbs_upper": r["two"]["upper"]} for r in here])
+            overall = median_bracket([(r["two"]["lower"], r["two"]["upper"]) for r in here])
             edges = [point * 1.05 ** (-(slots + 1) / 2), point * 1.05 ** ((slots + 1) / 2)]
             axis.fill_between(edges, [overall[0]] * 2, [min(overall[1], top)] * 2, color="0.5", alpha=0.15, lw=0)
         for index, seed in enumerate(seeds):
@@ -638,7 +621,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": runs,
         "seconds": time.perf_counter() - started,
     }
-    (args.out / "calibration.json").write_text(json.dumps(result, indent=2, default=float))
+    (args.out / "calibration.json").write_text(json.dumps(result, indent=2, default=json_default))
     for text, ok in found:
         print(f"[calibration] {text}: {'met' if ok else 'MISSED'}")
     plot(rows, args.plot)

@@ -9,8 +9,10 @@ benchmarks run at different times do not overwrite each other's results.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
+import numbers
 import os
 import platform
 import re
@@ -110,6 +112,7 @@ def train_unless_done(command: list[str], run_dir: Path, log_path: Path, threads
 def read_run(run_dir: Path) -> dict:
     """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss)."""
     from lit_cbs.analysis.curves import TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
+    from lit_cbs.metrics import FIT_SECONDS
 
     summary = json.loads((run_dir / "summary.json").read_text())
     series = read_metrics_csv(run_dir / "metrics.csv")
@@ -118,13 +121,21 @@ def read_run(run_dir: Path) -> dict:
     # val/loss is logged at the step of the last optimizer step; tokens_seen (and fit_seconds, the wall
     # clock since the fit began, before that step's validation) every step.
     tokens_at = dict(zip(token_steps.tolist(), tokens.tolist()))
-    seconds_at = dict(zip(*(column.tolist() for column in series["fit_seconds"]))) if "fit_seconds" in series else {}
+    seconds_at = dict(zip(*(column.tolist() for column in series[FIT_SECONDS]))) if FIT_SECONDS in series else {}
     curve = [
         {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss), "seconds": seconds_at.get(step)}
         for step, loss in zip(val_steps.tolist(), val_loss.tolist())
         if step in tokens_at
     ]
     return {**summary, "val_curve": curve}
+
+
+def json_default(value):
+    """``json.dumps(..., default=json_default)`` for a benchmark's results: a record (a dataclass, such as a run's
+    ``ProbeReading``) as its fields, a number of another type (numpy's) as a float, anything else as its text."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return float(value) if isinstance(value, numbers.Number) else str(value)
 
 
 def recipe_benchmark_arguments(

@@ -47,6 +47,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch._dynamo.utils import counters
 
 from benchmarks.common import StepTimer
+from lit_cbs import metrics
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import ADAMW, COMPUTE_DTYPES, CausalLM
@@ -173,9 +174,9 @@ def main() -> dict:
         "flops_per_token": flops_per_token,
         "peak_flops_per_device": peak_flops,
         "mfu": flops_per_token * tokens_per_s / peak_flops,
-        "last_logged_tokens_per_s": float(trainer.callback_metrics["perf/tokens_per_s"]),
-        "last_logged_mfu": float(trainer.callback_metrics["perf/mfu"]),
-        "last_train_loss": float(trainer.callback_metrics["train/loss"]),
+        "last_logged_tokens_per_s": float(trainer.callback_metrics[metrics.TOKENS_PER_S]),
+        "last_logged_mfu": float(trainer.callback_metrics[metrics.MFU]),
+        "last_train_loss": float(trainer.callback_metrics[metrics.TRAIN_LOSS]),
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
         # What `plan=true` estimates for this run (lit_cbs.recipes.plan), to hold against the measured peak above.
         "planned_memory_gib": device_memory(

@@ -46,6 +46,7 @@ import numpy as np
 from benchmarks.common import machine, read_run, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
 from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
+from lit_cbs.recipes.run_report import read_batch_history
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens)
 SEEDS = (1, 2)
@@ -128,7 +129,7 @@ def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
 
 def load(run: Run, out: Path) -> dict:
     run_dir = out / run.key
-    history = json.loads((run_dir / "batch_history.json").read_text())
+    history = read_batch_history(run_dir / "batch_history.json")
     result = {
         **read_run(run_dir),
         **asdict(run),
@@ -322,7 +323,7 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
         for v in run["verdicts"] or []:
             lines.append(
                 f"- {key}: {v['old_global_batch']} -> {v['new_global_batch']} at {v['consumed_at_change']:,} tokens, "
-                f"judged at {v['decided_at']:,} over {v['window_steps']} steps: rise {v['rise']:+.4f} nats, threshold "
+                f"judged at {v['decided_at']:,} over {v['watch_steps']} steps: rise {v['rise']:+.4f} nats, threshold "
                 f"{v['threshold']:.4f} (per-step spread {v['residual_std']:.4f} over {v['fit_steps']} steps): "
                 f"{'reverted' if v['reverted'] else 'kept'}"
             )

@@ -202,7 +202,7 @@ PROBE_CONFIGS = [  # (e2)
     *(
         Config(
             "(e2)",
-            f"+ CBSProbeCallback(strategy={search!r})",  # the row's name in RESULTS.md (search= was strategy=)
+            f"+ CBSProbeCallback(search={search!r})",
             functools.partial(probed_once, search),
             PROBE_BASELINE,
             ("on_train_end",),

@@ -46,8 +46,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import ROOT, machine, replace_section, train_command, train_unless_done
-from lit_cbs.probe.reading import BranchScore, ProbeReading, difference
+from benchmarks.common import ROOT, json_default, machine, replace_section, train_command, train_unless_done
+from lit_cbs.probe.reading import ProbeReading, difference, read_readings
 
 SEEDS = (1, 2, 3)
 THREADS = (1, 2)
@@ -157,7 +157,7 @@ def load(run: Run, out: Path) -> dict | None:
     run_dir = out / run.key
     if not (run_dir / "summary.json").exists():
         return None
-    readings = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines() if line.strip()]
+    readings = read_readings(run_dir / "cbs_probe.jsonl")
     wall = run_dir / "wall_seconds.txt"
     return {
         **asdict(run),
@@ -172,7 +172,7 @@ def probe_points(runs: list[dict]) -> list[int]:
     """The probe points (window starts, tokens) of ``runs``: readings within 10% of each other are one
     point, named by the median of their tokens."""
     groups: list[list[int]] = []
-    for tokens in sorted(reading["tokens"] for run in runs for reading in run["readings"]):
+    for tokens in sorted(reading.tokens for run in runs for reading in run["readings"]):
         if groups and tokens <= 1.1 * groups[-1][0]:
             groups[-1].append(tokens)
         else:
@@ -180,32 +180,27 @@ def probe_points(runs: list[dict]) -> list[int]:
     return [int(statistics.median(group)) for group in groups]
 
 
-def reading_at(run: dict, point: int, points: list[int]) -> dict | None:
+def reading_at(run: dict, point: int, points: list[int]) -> ProbeReading | None:
     """The run's reading whose tokens are nearest to ``point`` among ``points``; None if it has none there."""
-    return next((r for r in run["readings"] if min(points, key=lambda p: abs(math.log(r["tokens"] / p))) == point), None)
-
-
-def scores(reading: dict) -> dict[float, BranchScore]:
-    """Each measured k's held-out score (inf loss: a failed branch)."""
-    return ProbeReading(**reading).scores()
+    return next((r for r in run["readings"] if min(points, key=lambda p: abs(math.log(r.tokens / p))) == point), None)
 
 
 def k_text(k: float) -> str:
     return f"{k:g}"
 
 
-def bracket(reading: dict) -> str:
+def bracket(reading: ProbeReading) -> str:
     """[lower, upper] in samples (">= lower" at the top of the grid), "?" after it when undetermined."""
-    upper = "" if reading["cbs_upper"] is None else f"{reading['cbs_upper']:g}"
-    text = f"[{reading['cbs_lower']:g}, {upper}]" if upper else f">= {reading['cbs_lower']:g}"
-    return text if reading["determined"] else f"{text} ?"
+    upper = "" if reading.cbs_upper is None else f"{reading.cbs_upper:g}"
+    text = f"[{reading.cbs_lower:g}, {upper}]" if upper else f">= {reading.cbs_lower:g}"
+    return text if reading.determined else f"{text} ?"
 
 
-def decisive(reading: dict) -> list[dict]:
+def decisive(reading: ProbeReading) -> list[dict]:
     """The comparisons that decide a reading at its confidence: k* against the smaller k it is nearest to
     exceeding epsilon by (the largest upper bound of L_k* - L_j), and every measured larger k against the
     smaller k it is most clearly beyond epsilon of (the largest lower bound of L_k - L_j); nats."""
-    measured, k_star, confidence = scores(reading), float(reading["k_star"]), reading["confidence"]
+    measured, k_star, confidence = reading.scores(), float(reading.k_star), reading.confidence
     finite = sorted(k for k, score in measured.items() if not score.failed)
     found = []
     for k in sorted(k for k in measured if k >= k_star):
@@ -221,7 +216,7 @@ def decisive(reading: dict) -> list[dict]:
     return found
 
 
-def decisive_text(reading: dict) -> str:
+def decisive_text(reading: ProbeReading) -> str:
     return "; ".join(
         f"k={k_text(c['k'])} failed"
         if c["role"] == "failed"
@@ -237,7 +232,7 @@ def repeatability(runs: list[dict]) -> list[dict]:
     rows = []
     for point in points:
         readings = {run["key"]: reading_at(run, point, points) for run in runs}
-        lowers = [r["cbs_lower"] for r in readings.values() if r is not None and r["determined"]]
+        lowers = [r.cbs_lower for r in readings.values() if r is not None and r.determined]
         steps = math.log2(max(lowers) / min(lowers)) if lowers else None
         rows.append(
             {
@@ -259,16 +254,15 @@ def spread(runs: list[dict], rows: list[dict]) -> list[dict]:
     sqrt(mean((d_1 - d_2)^2) / 2)), the spread of a repeat of nearly the same run (nats)."""
     found = []
     for row in rows:
-        readings = {key: r for key, r in row["readings"].items() if r is not None and r["losses"].get("1") is not None}
-        ks = sorted({float(k) for r in readings.values() for k, loss in r["losses"].items() if loss is not None} - {1.0})
+        readings = {key: r for key, r in row["readings"].items() if r is not None and r.losses.get("1") is not None}
+        ks = sorted({float(k) for r in readings.values() for k, loss in r.losses.items() if loss is not None} - {1.0})
         for k in ks:
             name = k_text(k)
-            diffs = {
-                key: r["losses"][name] - r["losses"]["1"] for key, r in readings.items() if r["losses"].get(name) is not None
-            }
+            measured = {key: r.losses for key, r in readings.items() if r.losses.get(name) is not None}
+            diffs = {key: losses[name] - losses["1"] for key, losses in measured.items()}
             if len(diffs) < 3:
                 continue
-            ses = [readings[key]["loss_se"][name] for key in diffs if readings[key]["loss_se"].get(name) is not None]
+            ses = [readings[key].loss_se[name] for key in diffs if readings[key].loss_se.get(name) is not None]
             pairs = [
                 (diffs[key], diffs[twin])
                 for key in diffs
@@ -299,9 +293,8 @@ def thread_effect(experiment: str, rows: list[dict]) -> list[dict]:
         for seed in SEEDS:
             pair = [row["readings"].get(f"{experiment}_s{seed}_t{threads}") for threads in THREADS]
             if all(r is not None for r in pair):
-                found.append(
-                    {"point": row["point"], "seed": seed, "main_loss_gap": abs(pair[0]["main_loss"] - pair[1]["main_loss"])}
-                )
+                gap = abs(pair[0].main_loss - pair[1].main_loss)
+                found.append({"point": row["point"], "seed": seed, "main_loss_gap": gap})
     return found
 
 
@@ -313,23 +306,22 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
     for run in cooled:
         base = by_key.get(f"curve_s{run['seed']}_t2")
         for reading in run["readings"]:
-            point = min(LATE_POINTS, key=lambda p: abs(math.log(reading["tokens"] / p)))
-            constant = (
-                None if base is None else min(base["readings"], key=lambda r: abs(math.log(r["tokens"] / reading["tokens"])))
-            )
+            point = min(LATE_POINTS, key=lambda p: abs(math.log(reading.tokens / p)))
+            at = reading.tokens
+            constant = None if base is None else min(base["readings"], key=lambda r: abs(math.log(r.tokens / at)))
             pair = {}
             for name, r in (("constant", constant), ("cooldown", reading)):
                 if r is None:
                     continue
-                measured = scores(r)
+                measured = r.scores()
                 one = measured.get(1.0)
                 pair[name] = {
-                    "tokens": r["tokens"],
+                    "tokens": r.tokens,
                     "bracket": bracket(r),
-                    "cbs_lower": r["cbs_lower"],
-                    "determined": r["determined"],
-                    "tokens_spent": r["tokens_spent"],
-                    "main_loss": r["main_loss"],
+                    "cbs_lower": r.cbs_lower,
+                    "determined": r.determined,
+                    "tokens_spent": r.tokens_spent,
+                    "main_loss": r.main_loss,
                     "losses": {k_text(k): s.loss for k, s in sorted(measured.items())},
                     "vs_k1": {
                         k_text(k): ((d := difference(s, one)).mean, d.se)
@@ -346,7 +338,7 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
                     "seed": run["seed"],
                     "point": point,
                     **pair,
-                    "same_window": constant is not None and constant["tokens"] == reading["tokens"],
+                    "same_window": constant is not None and constant.tokens == reading.tokens,
                 }
             )
     return found
@@ -367,7 +359,7 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
             if r is None:
                 cells.append("not probed")
                 continue
-            at = "" if r["tokens"] == row["point"] else f" (at {r['tokens']:,})"
+            at = "" if r.tokens == row["point"] else f" (at {r.tokens:,})"
             cells.append(f"{bracket(r)}{at}<br>{decisive_text(r)}")
         lines.append(f"| {row['point']:,} | " + " | ".join(cells) + " |")
     lines += [
@@ -464,7 +456,7 @@ def markdown(results: dict, quick: bool = False) -> str:
         wall = "-" if run["wall_seconds"] is None else f"{run['wall_seconds']:.0f}"
         lines.append(
             f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
-            f"| {sum(r['tokens_spent'] for r in run['readings']):,} |"
+            f"| {sum(r.tokens_spent for r in run['readings']):,} |"
         )
     missing = [run.key for run in runs_of(quick) if run.key not in {r["key"] for r in runs}]
     if missing:
@@ -546,7 +538,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "spread": spread(runs, rows),
                 "threads": thread_effect(experiment, rows),
             }
-    (args.out / "probe_repeat.json").write_text(json.dumps(results, indent=2))
+    (args.out / "probe_repeat.json").write_text(json.dumps(results, indent=2, default=json_default))
     text = markdown(results, args.quick)
     if args.markdown is not None:
         replace_section(args.markdown, "probe_repeat", text)

@@ -34,8 +34,9 @@ import statistics
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, machine, read_run, replace_section, run_logged, train_command
+from benchmarks.common import ROOT, json_default, machine, read_run, replace_section, run_logged, train_command
 from benchmarks.time_to_loss import TARGET_MARGIN, time_to
+from lit_cbs.probe.reading import ProbeReading, read_readings
 
 NAME = "side_probe"
 BUDGET = 4_194_304  # tokens: the default job's
@@ -101,7 +102,7 @@ def train(key: str, seed: int, repeat: int, args) -> dict:
         run_logged(command, run_dir / "stdout.log", threads=1)
     run = read_run(run_dir)
     probes = run_dir / "cbs_probe.jsonl"
-    run["readings"] = [json.loads(line) for line in probes.read_text().splitlines()] if probes.exists() else []
+    run["readings"] = read_readings(probes) if probes.exists() else []
     run.update(seed=seed, main_seconds=main_seconds(run_dir))
     return run
 
@@ -109,15 +110,16 @@ def train(key: str, seed: int, repeat: int, args) -> dict:
 def main_seconds(run_dir: Path) -> float:
     """fit_seconds at the run's last optimizer step: its wall clock while it trained."""
     from lit_cbs.analysis.curves import read_metrics_csv
+    from lit_cbs.metrics import FIT_SECONDS
 
-    steps, seconds = read_metrics_csv(run_dir / "metrics.csv")["fit_seconds"]
+    steps, seconds = read_metrics_csv(run_dir / "metrics.csv")[FIT_SECONDS]
     return float(seconds[steps.argmax()])
 
 
-def same_readings(a: list[dict], b: list[dict]) -> bool:
+def same_readings(a: list[ProbeReading], b: list[ProbeReading]) -> bool:
     """The same probe points, branches, held-out losses and brackets."""
     keys = ("tokens", "losses", "batch_losses", "k_star", "cbs_lower", "cbs_upper", "determined")
-    return len(a) == len(b) and all(all(x[k] == y[k] for k in keys) for x, y in zip(a, b))
+    return len(a) == len(b) and all(all(getattr(x, k) == getattr(y, k) for k in keys) for x, y in zip(a, b))
 
 
 def part1(args) -> dict:
@@ -162,8 +164,8 @@ def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f} (range {min(values):.3f}-{max(values):.3f}, n={len(values)})"
 
 
-def upper(reading: dict) -> str:
-    return "beyond" if reading["cbs_upper"] is None else f"{reading['cbs_upper']:g}"
+def upper(reading: ProbeReading) -> str:
+    return "beyond" if reading.cbs_upper is None else f"{reading.cbs_upper:g}"
 
 
 def no_slower(ratio: float | None, hand: float | None) -> bool:
@@ -184,7 +186,7 @@ def report(first: dict, second: dict, args, seconds: float) -> str:
         walls = " / ".join(f"{run['main_seconds']:.0f}" for run in runs[key])
         ratio = {"none": "1", "in_process": spread(first["in_process_ratio"]), "side_jobs": spread(first["side_ratio"])}[key]
         readings = "; ".join(
-            ", ".join(f"{r['tokens']:,}: [{r['cbs_lower']:g}, {upper(r)}]" for r in run["readings"]) for run in runs[key][:1]
+            ", ".join(f"{r.tokens:,}: [{r.cbs_lower:g}, {upper(r)}]" for r in run["readings"]) for run in runs[key][:1]
         )
         lines.append(f"| {LABELS[key]} | {walls} | {ratio} | {readings or '—'} |")
     mean_ratio = statistics.fmean(first["side_ratio"])
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     second = part2(args, first["runs"]["none"])
     text = report(first, second, args, time.perf_counter() - started)
     print(text)
-    (args.out / f"{NAME}.json").write_text(json.dumps({"part1": first, "part2": second}, default=str, indent=1))
+    result = {"part1": first, "part2": second}
+    (args.out / f"{NAME}.json").write_text(json.dumps(result, default=json_default, indent=1))
     if args.markdown is not None:
         replace_section(args.markdown, NAME, text)
     return {"part1": first, "part2": second, "text": text}

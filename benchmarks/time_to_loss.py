@@ -73,11 +73,12 @@ def time_to(curve: list[dict], target: float) -> float | None:
 
 def tokens_per_second_by_phase(run_dir: Path) -> dict[int, float]:
     """Median tokens/s of the main run's optimizer steps, per global batch (samples)."""
+    from lit_cbs import metrics
     from lit_cbs.analysis.curves import read_metrics_csv
 
     series = read_metrics_csv(run_dir / "metrics.csv")
-    batch_steps, batches = series["batch/global_size"]
-    rate_steps, rates = series["perf/tokens_per_s"]
+    batch_steps, batches = series[metrics.GLOBAL_BATCH]
+    rate_steps, rates = series[metrics.TOKENS_PER_S]
     batch_at = dict(zip(batch_steps.tolist(), batches.tolist()))
     by_batch: dict[int, list[float]] = {}
     for step, rate in zip(rate_steps.tolist(), rates.tolist()):

@@ -49,6 +49,7 @@ from pathlib import Path
 
 from benchmarks.common import (
     ROOT,
+    json_default,
     machine,
     read_run,
     recipe_benchmark_arguments,
@@ -57,6 +58,7 @@ from benchmarks.common import (
     train_command,
     train_unless_done,
 )
+from lit_cbs.probe.reading import read_readings
 
 SEQ_LEN = 128
 START, FINAL = 16, 64  # samples: the schedules' first and largest global batch
@@ -195,8 +197,7 @@ def load(run: Run, out: Path) -> dict:
     wall = run_dir / "wall_seconds.txt"
     result["wall_seconds"] = float(wall.read_text()) if wall.exists() else None
     if "curve" in run.recipe:
-        with open(probe_file(run_dir)) as f:
-            result["readings"] = [json.loads(line) for line in f if line.strip()]
+        result["readings"] = read_readings(probe_file(run_dir))
     print(
         f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
         f"tokens, {result['optimizer_steps']:,} steps",
@@ -207,8 +208,7 @@ def load(run: Run, out: Path) -> dict:
 
 def load_unfinished_curve(run: Run, out: Path) -> dict:
     """The readings a curve run still training has written so far (--report-only on a benchmark cut short)."""
-    with open(probe_file(out / run.key)) as f:
-        readings = [json.loads(line) for line in f if line.strip()]
+    readings = read_readings(probe_file(out / run.key))
     print(f"[transfer] {run.label}: unfinished, {len(readings)} readings so far", flush=True)
     return {**asdict(run), "run_dir": str(out / run.key), "readings": readings, "unfinished": True}
 
@@ -227,12 +227,12 @@ def agreement(runs: dict[str, dict]) -> list[dict]:
     """Per probe point (tokens): each curve's bracket and whether every tiny seed's lower bound is within
     one grid step (a factor 2) of every tiny4x seed's."""
     curves = {run.key: runs[run.key]["readings"] for run in CURVES if run.key in runs}
-    points = sorted({r["tokens"] for readings in curves.values() for r in readings})
+    points = sorted({r.tokens for readings in curves.values() for r in readings})
     rows = []
     for tokens in points:
-        at = {key: next((r for r in readings if r["tokens"] == tokens), None) for key, readings in curves.items()}
+        at = {key: next((r for r in readings if r.tokens == tokens), None) for key, readings in curves.items()}
         steps = [
-            None if at.get(big) is None or at.get(tiny) is None else math.log2(at[tiny]["cbs_lower"] / at[big]["cbs_lower"])
+            None if at.get(big) is None or at.get(tiny) is None else math.log2(at[tiny].cbs_lower / at[big].cbs_lower)
             for tiny in TINY_CURVES
             for big in TINY4X_CURVES
             if tiny in at and big in at
@@ -240,7 +240,7 @@ def agreement(runs: dict[str, dict]) -> list[dict]:
         rows.append(
             {
                 "tokens": tokens,
-                "brackets": {key: None if r is None else [r["cbs_lower"], r["cbs_upper"]] for key, r in at.items()},
+                "brackets": {key: None if r is None else [r.cbs_lower, r.cbs_upper] for key, r in at.items()},
                 "grid_steps_apart": steps,
                 "agree": bool(steps) and all(s is not None and abs(s) <= 1 for s in steps),
             }
@@ -337,14 +337,14 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
         readings = runs[run.key]["readings"]
         shift = 1.04 ** (index - 1.5)  # side by side at each point
         for r in readings:
-            upper = r["cbs_upper"] if r["cbs_upper"] is not None else 2 * r["cbs_lower"]
+            upper = r.cbs_upper if r.cbs_upper is not None else 2 * r.cbs_lower
             cbs_axis.plot(
-                [r["tokens"] * shift] * 2,
-                [r["cbs_lower"], upper],
+                [r.tokens * shift] * 2,
+                [r.cbs_lower, upper],
                 color=f"C{index}",
                 lw=3,
                 alpha=0.7,
-                ls="-" if r["cbs_upper"] is not None and r["determined"] else ":",
+                ls="-" if r.cbs_upper is not None and r.determined else ":",
             )
         cbs_axis.plot([], [], color=f"C{index}", lw=3, label=f"{run.label} (bracket; dotted: undetermined)")
     for index, (key, schedule) in enumerate(schedules.items()):
@@ -429,8 +429,9 @@ def markdown(
     for point in points:
         cells = []
         for key in curve_keys:
-            reading = next((r for r in runs.get(key, {}).get("readings", []) if r["tokens"] == point["tokens"]), None)
-            cells.append("-" if reading is None else bracket(point["brackets"][key]) + ("" if reading["determined"] else " ?"))
+            reading = next((r for r in runs.get(key, {}).get("readings", []) if r.tokens == point["tokens"]), None)
+            sure = reading is None or reading.determined
+            cells.append("-" if reading is None else bracket(point["brackets"][key]) + ("" if sure else " ?"))
         apart = ", ".join("-" if x is None else f"{x:+.0f}" for x in point["grid_steps_apart"])
         lines.append(f"| {point['tokens']:,} | {' | '.join(cells)} | {apart} | {'yes' if point['agree'] else 'no'} |")
     lines += [""]
@@ -511,7 +512,9 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
 
     def save() -> None:  # after every run: a stopped benchmark keeps what finished
-        (args.out / "transfer.json").write_text(json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2))
+        (args.out / "transfer.json").write_text(
+            json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2, default=json_default)
+        )
 
     def train_all() -> None:
         """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
@@ -553,7 +556,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": time.perf_counter() - started,
         "forecast": None if forecast is None else {"description": forecast.describe(), "exponent": forecast.exponent},
     }
-    (args.out / "transfer.json").write_text(json.dumps(result, indent=2))
+    (args.out / "transfer.json").write_text(json.dumps(result, indent=2, default=json_default))
     for key, schedule in schedules.items():
         print(f"[transfer] schedule {key}: {schedule_text(schedule)}")
     for text, ok in checks:

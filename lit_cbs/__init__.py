@@ -8,10 +8,9 @@ of the amount trained), ``probe`` and ``gns`` (the two measurements), ``analysis
 from a run's logs), ``models``, ``data``, and ``recipes`` (what only ``recipes/train.py`` needs).
 """
 
-from lit_cbs._deprecation import moved_modules
 from lit_cbs._lazy import lazy_exports
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _EXPORTS = {
     "BatchAccounting": "lit_cbs.callbacks.accounting",
@@ -45,27 +44,3 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
-
-# Module paths from before the folder layout (0.3), importable with a warning until 0.4.
-moved_modules(
-    {
-        "lit_cbs.accounting": "lit_cbs.callbacks.accounting",
-        "lit_cbs.checkpoint": "lit_cbs.callbacks.checkpoint",
-        "lit_cbs.hydra_resolvers": "lit_cbs.recipes.resolvers",
-        "lit_cbs.lm": "lit_cbs.models.lm",
-        "lit_cbs.loader": "lit_cbs.data.loader",
-        "lit_cbs.logs": "lit_cbs.callbacks.logs",
-        "lit_cbs.lr_rules": "lit_cbs.rules.scaling",
-        "lit_cbs.lr_schedules": "lit_cbs.rules.lr_schedules",
-        "lit_cbs.plan": "lit_cbs.recipes.plan",
-        "lit_cbs.progress": "lit_cbs.callbacks.progress",
-        "lit_cbs.report": "lit_cbs.recipes.report",
-        "lit_cbs.run_report": "lit_cbs.recipes.run_report",
-        "lit_cbs.schedules": "lit_cbs.rules.batch_schedules",
-        "lit_cbs.synthetic": "lit_cbs.data.synthetic",
-        "lit_cbs.token_loss": "lit_cbs.models.token_loss",
-        "lit_cbs.guard": "lit_cbs.rules.guard",
-        "lit_cbs.validation": "lit_cbs.callbacks.validation",
-        "lit_cbs.warmup": "lit_cbs.callbacks.warmup",
-    }
-)

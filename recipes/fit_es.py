@@ -33,7 +33,7 @@ from lit_cbs.analysis import (
     plot_batch_sizes,
     plot_es,
     propose_schedule,
-    read_probe,
+    read_readings,
     read_sweep,
     side_by_side,
     side_by_side_markdown,
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if not fits:
             raise ValueError(f"no target loss in {[f'{t:.4g}' for t in targets]} is reached by at least 3 runs")
         probe_files = args.probe if args.probe is not None else sorted(sweep_folder.rglob(PROBE_FILE)) if sweep_folder else []
-        probe = [point for path in probe_files for point in read_probe(path)]
+        probe = [reading for path in probe_files for reading in read_readings(path)]
         out = args.out or (sweep_folder / "fit_es" if sweep_folder else Path("fit_es"))
         out.mkdir(parents=True, exist_ok=True)
         print(f"{len(runs)} runs, {len(fits)} target losses; tokens per sample: {tokens_per_sample}")

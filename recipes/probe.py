@@ -19,7 +19,6 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as recipes/train.py: see the note there
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -123,7 +122,7 @@ def report(readings: list, output_dir: Path, forecast_to: int | None) -> None:
         log.info("no forecast: it needs three readings or more")
         return
     try:
-        forecast = forecast_cbs(brackets_from_records([dataclasses.asdict(reading) for reading in readings]))
+        forecast = forecast_cbs(brackets_from_records(readings))
     except ValueError as error:  # readings the fit cannot use (all undetermined, ...)
         log.info(f"no forecast: {error}")
         return

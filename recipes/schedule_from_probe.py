@@ -38,7 +38,7 @@ from lit_cbs.analysis import (
     brackets_from_records,
     forecast_cbs,
     plot_forecast,
-    read_probe_records,
+    read_readings,
     run_config_value,
     schedule_from_probe,
 )
@@ -105,11 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         positive_int("--max-micro-batch-size", args.max_micro_batch_size, "samples per rank", optional=True)
         positive_number("--epsilon", args.epsilon, "nats", optional=True)
         micro_batch = micro_batch_growth(args)
-        records = [record for path in args.probe for record in read_probe_records(path)]
+        readings = [reading for path in args.probe for reading in read_readings(path)]
         if args.forecast_to is not None:
             return write_forecast(args, micro_batch)
         schedule = schedule_from_probe(
-            records,
+            readings,
             args.start,
             factor=args.factor,
             final=args.final,
@@ -123,14 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     sources = ", ".join(str(path) for path in args.probe)
     options = f"start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}"
     if args.seq_len is not None:
-        measured = args.measured_seq_len or "the records' seq_len"
+        measured = args.measured_seq_len or "the readings' seq_len"
         options += f", seq_len {args.seq_len} from {measured}"
     comment = [
         f"Batch size warmup read off a measured CBS curve by recipes/schedule_from_probe.py ({options})",
         f"from {sources}.",
     ]
     write_batch_config(args, schedule, comment, micro_batch)
-    print(f"{schedule} from {len(records)} probe records; wrote {args.out}")
+    print(f"{schedule} from {len(readings)} probe readings; wrote {args.out}")
     return 0
 
 
@@ -167,14 +167,14 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
     """--forecast-to: fit the curve to every file's brackets (one run per file), write the schedule and the plot."""
     brackets, judged_at = [], []
     for path in args.probe:
-        records = read_probe_records(path)
+        readings = read_readings(path)
         epsilon, source = args.epsilon, "--epsilon"
         found = run_config_value(path.parent, "callbacks.cbs_probe.epsilon") if epsilon is None else None
         if found is not None and found[0] is not None:
             epsilon, source = float(found[0]), str(found[1])
-        if epsilon is not None and any("epsilon" not in record for record in records):
+        if epsilon is not None and any(reading.epsilon is None for reading in readings):
             judged_at.append(f"Read {path}'s records without an epsilon at {epsilon:g} nats ({source}).")
-        brackets += brackets_from_records(records, run=str(path), epsilon=epsilon)
+        brackets += brackets_from_records(readings, run=str(path), epsilon=epsilon)
     forecast = forecast_cbs(brackets, coverage=args.coverage)
     schedule, changes = schedule_from_forecast(
         forecast, args.start, args.forecast_to, factor=args.factor, final=args.final, margin=args.margin

@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_cbs import CBSProbeCallback
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.metrics import VAL_LOSS
 from lit_cbs.recipes import job
 from lit_cbs.recipes.plan import Limits, OptimizerState, RunPlan, plan_run
 from lit_cbs.recipes.report import write_report
@@ -217,7 +218,7 @@ def main(cfg: DictConfig) -> float | None:
         job.stop_on_config_error(error, job.name_the_run_keys(cfg, job.one_line(error)))
     fit_seconds = time.perf_counter() - started
 
-    val_loss = run.trainer.callback_metrics.get("val/loss")
+    val_loss = run.trainer.callback_metrics.get(VAL_LOSS)
     if run.trainer.is_global_zero:
         _, ending = write_run_summary(output_dir, cfg.run_name, run.trainer, run.batch_warmup, fit_seconds, cfg.plots)
         if cfg.plots and (output_dir / "metrics.csv").is_file():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import warnings
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, token_mean_loss
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
-from lit_cbs.probe import BranchScore
+from lit_cbs.probe import BranchScore, ProbeReading
 
 DIM = 4
 
@@ -346,3 +347,19 @@ def heldout_score(mean: float, spread: float, n: int = 16, seed: int = 0) -> Bra
     difficulty = torch.linspace(-0.5, 0.5, n, dtype=torch.float64)
     noise = spread * torch.randn(n, generator=g, dtype=torch.float64)
     return BranchScore.heldout((mean + difficulty + noise - noise.mean()).tolist())
+
+
+def probe_reading(tokens: float, lower: float, upper: float | None, batch_size: int = 16, **fields) -> ProbeReading:
+    """A grid probe's reading at ``tokens`` with the CBS in [``lower``, ``upper``] samples (None: beyond the grid)
+    at batch ``batch_size``, over k = 1, 2, 4, ... up to the upper end (128-token samples, 8,192-token windows, the
+    losses all 3.0 nats); ``fields`` set any other field."""
+    top = (upper if upper is not None else lower) / batch_size
+    ks = [float(2**n) for n in range(int(math.log2(max(top, 1))) + 1)]
+    reading = dict(
+        tokens=tokens, step=0, batch_size=batch_size, seq_len=128, window_tokens=8192, search="grid",
+        evaluate="train_ema", losses={f"{k:g}": 3.0 for k in ks}, main_loss=3.0, branches_trained=ks, failed=[],
+        k_star=lower / batch_size, cbs_lower=lower, cbs_upper=upper,
+        cbs_estimate=math.sqrt(lower * upper) if upper is not None else lower, tokens_spent=8192 * len(ks),
+        overhead=0.1, epsilon=0.01,
+    )  # fmt: skip
+    return ProbeReading(**{**reading, **fields})

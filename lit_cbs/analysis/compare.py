@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from lit_cbs.analysis.curves import ProbePoint, RunCurve
+from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
+from lit_cbs.probe.reading import ProbeReading
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class SideBySide:
     b_simple: float
     b_simple_runs: int
     probe_run_tokens: float | None
-    probe: ProbePoint | None
+    probe: ProbeReading | None
     b_crit_poor: bool = False
     wsd_poor: bool = False
 
@@ -61,16 +62,20 @@ def noise_scale_at_target(fit: TargetFit, runs: Sequence[RunCurve]) -> tuple[flo
     return (float(np.median(values)) if values else math.nan), len(values)
 
 
-def probe_at_target(fit: TargetFit, probe: Sequence[ProbePoint]) -> tuple[float | None, ProbePoint | None]:
+def probe_at_target(fit: TargetFit, probe: Sequence[ProbeReading]) -> tuple[float | None, ProbeReading | None]:
     """(tokens at which the run at the probe's batch size reached the target, the reading nearest them)."""
     for crossing in fit.crossings:
-        readings = [p for p in probe if p.batch_size is not None and p.batch_size == crossing.batch_size]
+        readings = [p for p in probe if p.batch_size == crossing.batch_size]
         if readings:
             return crossing.tokens, min(readings, key=lambda p: abs(math.log(p.tokens / crossing.tokens)))
     return None, None
 
 
-def side_by_side(fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Sequence[ProbePoint] = ()) -> list[SideBySide]:
+def side_by_side(
+    fits: Sequence[TargetFit],
+    runs: Sequence[RunCurve],
+    probe: Sequence[ProbeReading] = (),
+) -> list[SideBySide]:
     """One ``SideBySide`` per fit, in the fits' order.
 
     Raises:
@@ -120,7 +125,12 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
         if row.probe is None:
             probe = "-"
         else:
-            bracket = f"[{row.probe.lower:g}, {row.probe.upper:g}]" if row.probe.upper is not None else f">= {row.probe.lower:g}"
+            reading = row.probe
+            bracket = (
+                f"[{reading.cbs_lower:g}, {reading.cbs_upper:g}]"
+                if reading.cbs_upper is not None
+                else f">= {reading.cbs_lower:g}"
+            )
             probe = f"{bracket} (at {row.probe.tokens:,.0f}; {row.probe_run_tokens:,.0f})"
         lines.append(
             f"| {row.target:.4g} | {_size(row.b_crit, row.b_crit_poor)} | {_size(row.b_min, row.wsd_poor)} "

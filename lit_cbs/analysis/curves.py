@@ -25,17 +25,17 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_cbs.analysis.probe_schedule import read_probe_records
+from lit_cbs import metrics
 from lit_cbs.rules.smoothing import ema
 
-# The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale) and Lightning's step column.
-TOKENS_COLUMN = "tokens_seen"
-STEP_COLUMN = "step"
-LOSS_COLUMN = "train/loss"
-VAL_LOSS_COLUMN = "val/loss"
-LR_COLUMN = "lr"
-BATCH_COLUMN = "batch/global_size"
-GNS_COLUMN = "gns/b_simple"
+# The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale), named in lit_cbs.metrics, and Lightning's steps.
+TOKENS_COLUMN = metrics.TOKENS_SEEN
+STEP_COLUMN = metrics.STEP
+LOSS_COLUMN = metrics.TRAIN_LOSS
+VAL_LOSS_COLUMN = metrics.VAL_LOSS
+LR_COLUMN = metrics.LR
+BATCH_COLUMN = metrics.GLOBAL_BATCH
+GNS_COLUMN = metrics.GNS_B_SIMPLE
 METRICS_FILE = "metrics.csv"
 # Tokens per step may vary this much (relative) between logged rows before a run counts as not constant-batch.
 CONSTANT_BATCH_TOLERANCE = 0.01
@@ -90,21 +90,6 @@ class Crossing:
     tokens: float
     tokens_per_step: float
     batch_size: int | None
-
-
-@dataclass(frozen=True)
-class ProbePoint:
-    """One record of ``CBSProbeCallback``'s ``cbs_probe.jsonl``: the CBS bracket (samples) at ``tokens`` seen.
-
-    ``upper`` is None when the largest multiplier tried did not hurt the loss (open-ended bracket).
-    ``batch_size``: the main run's global batch (samples) at the probe, when the record has it.
-    """
-
-    tokens: float
-    lower: float
-    upper: float | None
-    estimate: float
-    batch_size: int | None = None
 
 
 def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -409,34 +394,6 @@ def find_crossings(
         else:
             warnings.warn(f"target loss {target:g}: left out runs that never reach it: {'; '.join(names)}")
     return result
-
-
-def read_probe(path: PathLike) -> list[ProbePoint]:
-    """Read ``CBSProbeCallback``'s JSONL: one record per probe with ``tokens``, and ``cbs_lower``,
-    ``cbs_upper`` (null when open-ended) and ``cbs_estimate`` in samples.
-
-    Raises:
-        ValueError: the file is unreadable or empty, or a record is not JSON or lacks one of those keys;
-            the message names the record.
-    """
-    points = []
-    for number, record in enumerate(read_probe_records(path), start=1):
-        try:
-            upper = record["cbs_upper"]
-            point = ProbePoint(
-                float(record["tokens"]),
-                float(record["cbs_lower"]),
-                None if upper is None else float(upper),
-                float(record["cbs_estimate"]),
-                None if record.get("batch_size") is None else int(record["batch_size"]),
-            )
-        except (ValueError, KeyError, TypeError) as error:
-            raise ValueError(
-                f"{path}: record {number} is not a CBS probe record ({error!r}); each record needs numbers tokens, "
-                "cbs_lower, cbs_estimate and cbs_upper (number or null)"
-            ) from error
-        points.append(point)
-    return points
 
 
 def default_targets(

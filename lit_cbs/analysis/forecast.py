@@ -1,10 +1,10 @@
 """Forecast the critical batch size past the last probe: a curve CBS(D) fitted to probe brackets.
 
 A probe reading does not measure the CBS; it brackets it: the CBS at D tokens lies in
-[lower, upper] samples. ``supported_interval`` reads that interval off a record at the record's own
+[lower, upper] samples. ``supported_interval`` reads that interval off a reading at the reading's own
 confidence and epsilon: ``lower`` is the largest batch k B whose loss is within epsilon of every
 smaller k's with that confidence, ``upper`` the smallest k B that is beyond epsilon of a smaller k's
-with that confidence (none measured: no upper end). For a determined reading of the grid strategy
+with that confidence (none measured: no upper end). For a determined reading of the grid search
 that is its bracket [k* B, next k B] (bisection measures fewer k, so there the upper end is the next
 measured k, which the data support, not the next k of the grid); an undetermined one gets the
 wider interval its data support.
@@ -64,12 +64,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from scipy import optimize, special, stats
 
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe.reading import ProbeReading, judged_multipliers
 
 MODELS = ("power", "plateau")
 # Weak priors (see the module docstring); s and the ceiling c in log CBS (natural log of samples), b per log token.
@@ -99,78 +100,76 @@ class Bracket:
     determined: bool = True
 
 
-def _number(record: Mapping, key: str, where: str, minimum: float = 0.0) -> float:
-    value = record.get(key)
+def _number(reading: ProbeReading, key: str, where: str, minimum: float = 0.0) -> float:
+    value = getattr(reading, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= minimum:
-        raise ValueError(
-            f"{where}: {key}={value!r} must be a number > {minimum:g}; pass records a CBSProbeCallback wrote (cbs_probe.jsonl)"
-        )
+        raise ValueError(f"{where}: {key}={value!r} must be a number > {minimum:g}; not a reading of cbs_probe.jsonl?")
     return float(value)
 
 
-def supported_interval(record: Mapping, where: str = "record", epsilon: float | None = None) -> tuple[float, float]:
-    """(lower, upper) in samples: where the CBS lies at the record's confidence (see the module docstring).
+def supported_interval(
+    reading: ProbeReading,
+    where: str = "reading",
+    epsilon: float | None = None,
+) -> tuple[float, float]:
+    """(lower, upper) in samples: where the CBS lies at the reading's confidence (see the module docstring).
 
-    Uses the per-batch held-out losses when the record has them (``evaluate="heldout"``; with
-    replicate windows, their spread too, as the probe judged them), judged at the record's own
-    ``epsilon`` (nats); ``epsilon`` is for records written before readings stored theirs (the run's
-    ``callbacks.cbs_probe.epsilon``), and such a record without it is refused rather than judged at
-    a guess. A record without per-batch losses keeps its own bracket when determined, and an
+    Uses the per-batch held-out losses when the reading has them (``evaluate="heldout"``; with
+    replicate windows, their spread too, as the probe judged them), judged at the reading's own
+    ``epsilon`` (nats); ``epsilon`` is for readings written before readings stored theirs (the run's
+    ``callbacks.cbs_probe.epsilon``), and such a reading without it is refused rather than judged at
+    a guess. A reading without per-batch losses keeps its own bracket when determined, and an
     undetermined one without them supports only [smallest k B, no upper end).
 
     Raises:
-        LitCBSConfigError: the record needs an epsilon it does not hold and ``epsilon`` is None.
+        LitCBSConfigError: the reading needs an epsilon it does not hold and ``epsilon`` is None.
     """
-    from lit_cbs.probe.reading import judged_multipliers, record_scores
-
-    batch = _number(record, "batch_size", where)
-    losses = record.get("losses")
-    if not isinstance(losses, Mapping) or not losses:
-        raise ValueError(
-            f"{where}: losses={losses!r} must map each multiplier to its loss; pass records a CBSProbeCallback wrote"
-        )
-    ks = sorted(float(k) for k in losses)
-    batch_losses = record.get("batch_losses") or {}
-    confidence = float(record.get("confidence", 0.5))
-    if not all(f"{k:g}" in batch_losses for k in ks):
-        if record.get("determined", True):
-            lower = _number(record, "cbs_lower", where)
-            upper = record.get("cbs_upper")
-            return lower, math.inf if upper is None else float(upper)
+    batch = _number(reading, "batch_size", where)
+    if not isinstance(reading.losses, dict) or not reading.losses:
+        raise ValueError(f"{where}: losses={reading.losses!r} must map each multiplier to its loss")
+    ks = sorted(float(k) for k in reading.losses)
+    if not all(f"{k:g}" in reading.batch_losses for k in ks):
+        if reading.determined:
+            lower = _number(reading, "cbs_lower", where)
+            return lower, math.inf if reading.cbs_upper is None else float(reading.cbs_upper)
         return ks[0] * batch, math.inf
-    epsilon = record.get("epsilon", epsilon)
+    epsilon = reading.epsilon if reading.epsilon is not None else epsilon
     if epsilon is None:
         raise LitCBSConfigError(
-            f"{where} holds no epsilon (written before probe records stored theirs), so its interval cannot be read; "
+            f"{where} holds no epsilon (written before probe readings stored theirs), so its interval cannot be read; "
             "pass the run's callbacks.cbs_probe.epsilon (nats) as epsilon= (recipes/schedule_from_probe.py: --epsilon)"
         )
-    scores = record_scores(losses, batch_losses, record.get("replicate_batch_losses") or {})
-    admissible, rejected = judged_multipliers(scores, float(epsilon), confidence)
+    admissible, rejected = judged_multipliers(reading.scores(), float(epsilon), reading.confidence)
     lower = max(admissible, default=ks[0]) * batch
     above = [k for k in rejected if k * batch > lower]
     return lower, (min(above) * batch if above else math.inf)
 
 
-def brackets_from_records(records: Iterable[Mapping], run: str = "run", epsilon: float | None = None) -> list[Bracket]:
-    """One ``Bracket`` per probe record of one run (``supported_interval``, ``epsilon`` nats for records
+def brackets_from_records(
+    readings: Iterable[ProbeReading],
+    run: str = "run",
+    epsilon: float | None = None,
+) -> list[Bracket]:
+    """One ``Bracket`` per probe reading of one run (``supported_interval``, ``epsilon`` nats for readings
     without their own), in tokens order.
 
-    Raises ValueError naming the record for a record without tokens, batch_size or losses, or records
-    of different seq_len (a CBS in samples means another number of tokens at another length); a
-    ``LitCBSConfigError`` for a record that needs an epsilon when none is given."""
+    Raises ValueError naming the reading for one that is not a ``ProbeReading`` or lacks tokens, batch_size or
+    losses, or readings of different seq_len (a CBS in samples means another number of tokens at another
+    length); a ``LitCBSConfigError`` for a reading that needs an epsilon when none is given."""
     brackets, seq_lens = [], set()
-    for number, record in enumerate(records, start=1):
-        where = f"{run}: record {number}"
-        if not isinstance(record, Mapping):
-            raise ValueError(f"{where}: {record!r} is not a probe record (a JSON object with tokens, batch_size, losses, ...)")
-        tokens = _number(record, "tokens", where)
-        seq_lens.add(record.get("seq_len"))
-        lower, upper = supported_interval(record, where, epsilon)
-        brackets.append(Bracket(tokens, lower, upper, run, bool(record.get("determined", True))))
+    for number, reading in enumerate(readings, start=1):
+        where = f"{run}: reading {number}"
+        if not isinstance(reading, ProbeReading):
+            raise ValueError(f"{where}: {reading!r} is not a ProbeReading; read a cbs_probe.jsonl with read_readings")
+        tokens = _number(reading, "tokens", where)
+        seq_lens.add(reading.seq_len)
+        lower, upper = supported_interval(reading, where, epsilon)
+        brackets.append(Bracket(tokens, lower, upper, run, reading.determined))
     if not brackets:
-        raise ValueError(f"{run}: no probe record; a forecast needs readings")
+        raise ValueError(f"{run}: no probe reading; a forecast needs readings")
     if len(seq_lens) > 1:
-        raise ValueError(f"{run}: records of seq_len {sorted(map(str, seq_lens))} mixed; fit one sequence length at a time")
+        mixed = sorted(map(str, seq_lens))
+        raise ValueError(f"{run}: readings of seq_len {mixed} mixed; fit one sequence length at a time")
     return sorted(brackets, key=lambda b: b.tokens)
 
 

@@ -18,8 +18,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from lit_cbs.analysis.compare import SideBySide
-from lit_cbs.analysis.curves import ProbePoint, RunCurve
+from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
+from lit_cbs.probe.reading import ProbeReading
 
 
 def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
@@ -62,7 +63,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
 def plot_batch_sizes(
     target_fits: Sequence[TargetFit],
     path: str | os.PathLike,
-    probe: Sequence[ProbePoint] = (),
+    probe: Sequence[ProbeReading] = (),
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
@@ -129,10 +130,10 @@ def plot_batch_sizes(
             )
         rows = [row for row in compared if row.probe is not None]
         for i, row in enumerate(rows):
-            top = row.probe.upper if row.probe.upper is not None else row.probe.lower * 2
+            top = row.probe.cbs_upper if row.probe.cbs_upper is not None else row.probe.cbs_lower * 2
             by_loss.vlines(
                 row.target,
-                row.probe.lower,
+                row.probe.cbs_lower,
                 top,
                 color="k",
                 lw=3,
@@ -141,10 +142,10 @@ def plot_batch_sizes(
             )
     if probe:
         tokens = np.array([p.tokens for p in probe])
-        estimate = np.array([p.estimate for p in probe])
-        closed = np.array([p.upper is not None for p in probe])
-        lower = estimate - np.array([p.lower for p in probe])
-        upper = np.array([(p.upper if p.upper is not None else p.estimate) for p in probe]) - estimate
+        estimate = np.array([p.cbs_estimate for p in probe])
+        closed = np.array([p.cbs_upper is not None for p in probe])
+        lower = estimate - np.array([p.cbs_lower for p in probe])
+        upper = np.array([(p.cbs_upper if p.cbs_upper is not None else p.cbs_estimate) for p in probe]) - estimate
         by_tokens.errorbar(
             tokens[closed],
             estimate[closed],
@@ -157,7 +158,7 @@ def plot_batch_sizes(
         if np.any(~closed):
             by_tokens.scatter(
                 tokens[~closed],
-                [p.lower for p, c in zip(probe, closed) if not c],
+                [p.cbs_lower for p, c in zip(probe, closed) if not c],
                 marker="^",
                 color="k",
                 label="CBS probe (>= lower)",

@@ -9,7 +9,6 @@ allows it, from the reading's token count on. Pure Python: no Lightning.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -17,54 +16,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lit_cbs.probe.reading import ProbeReading, read_readings
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 PathLike = str | os.PathLike
-REQUIRED_FIELDS = ("tokens", "cbs_lower")
 # The configuration a recipe run saves in its folder, beside cbs_probe.jsonl: recipes/train.py's resolved
 # copy first, then the one Hydra writes (its interpolations resolved on reading).
 RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")
-
-
-def read_probe_records(path: PathLike) -> list[dict]:
-    """The records of a ``cbs_probe.jsonl`` (one JSON object per line; blank lines skipped), in file order.
-
-    Raises:
-        ValueError: the file cannot be read, holds no record, or a line is not a JSON object;
-            the message names the file and line.
-    """
-    try:
-        with open(path) as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(
-            f"cannot read CBS probe records from {path} ({error}); pass the cbs_probe.jsonl a CBSProbeCallback wrote"
-        ) from error
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            raise ValueError(f"{path}:{number}: not JSON ({error}); each line of cbs_probe.jsonl is one probe record") from error
-        if not isinstance(record, dict):
-            raise ValueError(
-                f"{path}:{number}: {line.strip()[:60]!r} is not a probe record (a JSON object with tokens, cbs_lower, ...)"
-            )
-        records.append(record)
-    if not records:
-        raise ValueError(
-            f"{path} holds no CBS probe record; run with CBSProbeCallback until a probe finishes, or pass another file"
-        )
-    return records
 
 
 def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
     """The value of ``key`` (a dotted Hydra key, e.g. ``callbacks.cbs_probe.epsilon``) in the configuration
     the recipe run in ``run_dir`` saved (``RUN_CONFIGS``, in that order), and the file it came from; None
     where no such file holds the key or its value cannot be resolved there. A key set to null gives None
-    as its value. For what a probe file's records do not say (written by an earlier version), or what the
+    as its value. For what a probe file's readings do not say (written by an earlier version), or what the
     run that wrote them trained with."""
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationResolutionError
@@ -83,11 +48,11 @@ def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
     return None
 
 
-def _number(record: dict, key: str, where: str) -> float:
-    value = record.get(key)
+def _number(reading: ProbeReading, key: str, where: str) -> float:
+    value = getattr(reading, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(
-            f"{where}: {key}={value!r} is not a number >= 0; every determined probe record needs {key} "
+            f"{where}: {key}={value!r} is not a number >= 0; every determined probe reading needs {key} "
             f"({'tokens seen at the probe' if key == 'tokens' else 'the CBS lower bound, samples'})"
         )
     return float(value)
@@ -100,7 +65,7 @@ def _check_count(name: str, value, minimum: int, meaning: str) -> int:
 
 
 def schedule_from_probe(
-    source: PathLike | Sequence[dict],
+    source: PathLike | Sequence[ProbeReading],
     start: int,
     *,
     factor: int = 2,
@@ -118,10 +83,9 @@ def schedule_from_probe(
     changes at the token counts of the readings (``tokens``) that raise it.
 
     Args:
-        source: a ``cbs_probe.jsonl`` path, or its records (dicts), in any order. Several runs' records
-            may be mixed (e.g. two seeds): readings at the same token count count by their smallest
-            lower bound. Readings with ``determined`` false (the data could not decide k*) are skipped;
-            records without it (lit_cbs 0.1) count as determined.
+        source: a ``cbs_probe.jsonl`` path, or its readings (``read_readings``), in any order. Several runs'
+            readings may be mixed (e.g. two seeds): readings at the same token count count by their smallest
+            lower bound. Readings with ``determined`` false (the data could not decide k*) are skipped.
         start: the target run's first global batch (samples).
         factor: the ratio between consecutive batch sizes, an int >= 2 (BatchWarmup changes the batch
             by whole ratios).
@@ -134,10 +98,10 @@ def schedule_from_probe(
             samples of the measured run's sequences; it is converted through tokens, so a CBS of 64
             samples of 128 tokens is 16 samples of 512. None: the same as the measured run's.
         measured_seq_len: the measured run's sequence length (tokens per sample), needed when
-            ``seq_len`` is given and the records do not carry ``seq_len``.
+            ``seq_len`` is given and the readings do not carry ``seq_len``.
 
     Raises:
-        ValueError: an empty or unreadable file, a record without a number ``tokens`` or ``cbs_lower``,
+        ValueError: an empty or unreadable file, a reading without a number ``tokens`` or ``cbs_lower``,
             ``start < 1``, ``factor < 2``, ``final`` below ``start`` or off its ladder, ``margin < 1``,
             or a sequence length missing or not a positive int; the message names the field.
     """
@@ -158,37 +122,37 @@ def schedule_from_probe(
             _check_count(name, value, 1, "tokens per sample")
 
     if isinstance(source, (str, os.PathLike)):
-        name, records = str(source), read_probe_records(source)
+        name, readings = str(source), read_readings(source)
     else:
-        name, records = "probe records", list(source)
-        if not records:
-            raise ValueError("source holds no CBS probe record; pass a cbs_probe.jsonl path or its records")
+        name, readings = "probe readings", list(source)
+        if not readings:
+            raise ValueError("source holds no CBS probe reading; pass a cbs_probe.jsonl path or its readings")
 
     lowest_at: dict[float, float] = {}  # tokens -> smallest CBS lower bound read there, target samples
     skipped = 0
-    for index, record in enumerate(records):
+    for index, reading in enumerate(readings):
         where = f"{name}[{index}]"
-        if not isinstance(record, dict):
-            raise ValueError(f"{where}: {record!r} is not a probe record (a dict with tokens, cbs_lower, ...)")
-        if record.get("determined", True) is False:
+        if not isinstance(reading, ProbeReading):
+            raise ValueError(f"{where}: {reading!r} is not a ProbeReading; read a cbs_probe.jsonl with read_readings")
+        if not reading.determined:
             skipped += 1
             continue
-        tokens, lower = _number(record, "tokens", where), _number(record, "cbs_lower", where)
-        record_seq_len = record.get("seq_len")
-        if record_seq_len is not None and measured_seq_len is not None and record_seq_len != measured_seq_len:
+        tokens, lower = _number(reading, "tokens", where), _number(reading, "cbs_lower", where)
+        read_at = reading.seq_len
+        if read_at is not None and measured_seq_len is not None and read_at != measured_seq_len:
             raise ValueError(
-                f"{where}: seq_len={record_seq_len} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it"
+                f"{where}: seq_len={read_at} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it"
             )
-        measured = record_seq_len if record_seq_len is not None else measured_seq_len
+        measured = read_at if read_at is not None else measured_seq_len
         if seq_len is not None and measured is None:
             raise ValueError(
                 f"seq_len={seq_len} needs the measured run's sequence length: pass measured_seq_len "
-                "(data.seq_len of the run that wrote the probe records)"
+                "(data.seq_len of the run that wrote the probe readings)"
             )
         if seq_len is not None:
             lower = lower * measured / seq_len
         lowest_at[tokens] = min(lower, lowest_at.get(tokens, math.inf))
-    if skipped == len(records):
+    if skipped == len(readings):
         warnings.warn(f"every reading in {name} is undetermined; the schedule stays at start={start}", stacklevel=2)
 
     batch_sizes, thresholds = [start], [0]

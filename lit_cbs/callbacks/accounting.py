@@ -47,7 +47,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
-from lit_cbs._deprecation import warn_renamed
+from lit_cbs import legacy
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.data.loader import GlobalOrderLoader
@@ -326,12 +326,6 @@ class BatchAccounting(Callback):
             setattr(accounting, name, value)
         return accounting
 
-    @classmethod
-    def of(cls, trainer: pl.Trainer) -> BatchAccounting:
-        """Deprecated name of ``attach``."""
-        warn_renamed("BatchAccounting.of(trainer)", "BatchAccounting.attach(trainer)")
-        return cls.attach(trainer)
-
     # ------------------------------------------------------------------ read-only view
     @property
     def trainer(self) -> pl.Trainer | None:
@@ -570,8 +564,9 @@ class BatchAccounting(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = legacy.accounting_state(state_dict)
         self.samples_seen = state_dict["samples_seen"]
         self.tokens_seen = state_dict["tokens_seen"]
         self.seq_len = self.seq_len or state_dict["seq_len"]
-        self.checkpoint_data_parallel_size = state_dict.get("data_parallel_size")
-        self._seconds_before_fit = state_dict.get("fit_seconds", 0.0)
+        self.checkpoint_data_parallel_size = state_dict["data_parallel_size"]
+        self._seconds_before_fit = state_dict["fit_seconds"]

@@ -46,6 +46,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
+from lit_cbs import legacy, metrics
 from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import (
@@ -493,9 +494,7 @@ class BatchWarmup(Callback):
             f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, accumulate {change.old_accumulate} -> "
             f"{change.new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
             f"LR x{change.lr_factor:.4g}"
-            + "".join(
-                f", {key.removeprefix('batch/')} {value:.4g}" for key, value in self.rules.values(trainer.optimizers[0]).items()
-            )
+            + "".join(f", {rule.key} {rule.value(trainer.optimizers[0]):.4g}" for rule in self.rules.settings)
             + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
             + (" (guard: revert)" if change.cause == "guard" else "")
         )
@@ -511,26 +510,26 @@ class BatchWarmup(Callback):
         samples = self.global_batch
         if self._samples_before_step is not None:
             samples = self.samples_seen - self._samples_before_step
-        metrics = {
-            "batch/global_size": float(samples),
-            "batch/micro_batch_size": float(self.micro_batch_size),
+        logged = {
+            metrics.GLOBAL_BATCH: float(samples),
+            metrics.MICRO_BATCH: float(self.micro_batch_size),
             # Rounds of micro-batches: an epoch's last, short round counts as one.
-            "batch/accumulate": float(-(-samples // (self.micro_batch_size * self.accounting.data_parallel_size))),
-            "batch/lr_factor": self.lr_factor,
-            "samples_seen": float(self.samples_seen),
-            "tokens_seen": float(self.tokens_seen),
-            "fit_seconds": self.accounting.fit_seconds,
+            metrics.ACCUMULATE: float(-(-samples // (self.micro_batch_size * self.accounting.data_parallel_size))),
+            metrics.LR_FACTOR: self.lr_factor,
+            metrics.SAMPLES_SEEN: float(self.samples_seen),
+            metrics.TOKENS_SEEN: float(self.tokens_seen),
+            metrics.FIT_SECONDS: self.accounting.fit_seconds,
         }
         if self._step_lr is not None:
-            metrics["lr"] = self._step_lr
-        metrics.update(self._step_settings)
+            logged[metrics.LR] = self._step_lr
+        logged.update(self._step_settings)
         if self.clip_rule is not None:
-            metrics["batch/gradient_clip_val"] = float(trainer.gradient_clip_val)
+            logged[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
         if self.guard is not None:
-            metrics["batch/guard_reverts"] = float(self.guard.reverts)
+            logged[metrics.GUARD_REVERTS] = float(self.guard.reverts)
         if not self.accounting.has_tokens:
-            del metrics["tokens_seen"]
-        return metrics
+            del logged[metrics.TOKENS_SEEN]
+        return logged
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -549,20 +548,20 @@ class BatchWarmup(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict, counts = legacy.warmup_state(state_dict)
         self.global_batch = state_dict["global_batch"]
         self.lr_factor = state_dict["lr_factor"]
-        self.clip_factor = state_dict.get("clip_factor", 1.0)
-        if self.guard is not None and state_dict.get("guard") is not None:
+        self.clip_factor = state_dict["clip_factor"]
+        if self.guard is not None and state_dict["guard"] is not None:
             self.guard.load_state_dict(state_dict["guard"])
             self._guarded.loss_sum, self._guarded.micro_batches = state_dict["step_loss"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
-        if state_dict.get("schedule") is not None:
+        if state_dict["schedule"] is not None:
             self.schedule.load_state_dict(state_dict["schedule"])
-        if "samples_seen" in state_dict and self.accounting is not None:
-            # lit_cbs 0.1 checkpoints kept the counts here, before BatchAccounting held them.
-            self.accounting.load_state_dict({key: state_dict[key] for key in ("samples_seen", "tokens_seen", "seq_len")})
+        if counts is not None and self.accounting is not None:  # a checkpoint from before BatchAccounting held them
+            self.accounting.load_state_dict(counts)
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self.accounting is not None:
             self._set_batch(self.global_batch, state_dict["micro_batch_size"], state_dict["accumulate"])

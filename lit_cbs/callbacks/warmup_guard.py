@@ -3,8 +3,8 @@ it what a Lightning run measures and carries out what it decides.
 
 Each optimizer step's training loss, this rank's mean over the step's micro-batches (nats), goes to the guard with
 what the schedule is indexed by (samples or tokens consumed, all ranks); the guard judges on the mean over the
-ranks, so every rank reaches the same verdict, which is said and logged (``batch/guard_rise``,
-``batch/guard_threshold``). A scheduled increase is given to the guard to watch, a decrease ends the watch it falls
+ranks, so every rank reaches the same verdict, which is said and logged (``metrics.GUARD_RISE``,
+``metrics.GUARD_THRESHOLD``). A scheduled increase is given to the guard to watch, a decrease ends the watch it falls
 in, and a revert puts back exactly the LR, clipping threshold and optimizer settings of before the increase.
 """
 
@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
 
+from lit_cbs import metrics
 from lit_cbs.callbacks.accounting import mean_over_ranks, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.rules.guard import BatchGuard, GuardVerdict, RevertRestore
@@ -64,13 +65,13 @@ class WarmupGuard:
         rank_zero_info(
             f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
             f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
-            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.window_steps} steps; threshold "
+            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.watch_steps} steps; threshold "
             f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); "
             f"{outcome}"
         )
         log_to_loggers(
             trainer,
-            lambda _: {"batch/guard_rise": verdict.rise, "batch/guard_threshold": verdict.threshold},
+            lambda _: {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold},
             every_step=True,
         )
 
@@ -101,6 +102,6 @@ class WarmupGuard:
             scale_learning_rate(optimizer, schedulers, lr_change)
             if restore.optimizer_settings is not None:
                 restore_settings(optimizer, restore.optimizer_settings[index])
-            else:  # a guard's watch saved by lit_cbs 0.2 kept no settings: undo adam_sde by the inverse ratio
+            else:  # a watch from a checkpoint of the first guards kept no settings: undo adam_sde by the inverse ratio
                 lr_rule.adjust_optimizer(optimizer, ratio)
         return lr_change, clip_change

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from lit_cbs import metrics
+
 
 def two_batch_estimates(
     small_grad_sq: torch.Tensor | float,
@@ -136,9 +138,6 @@ class StepSums:
         )
 
 
-METRICS = ("b_simple", "trace_sigma", "grad_sq")
-
-
 class NoiseAverages:
     """Per group, exponential moving averages of |G|^2 and tr(Sigma) over optimizer steps, bias-corrected when read.
 
@@ -185,13 +184,13 @@ class NoiseAverages:
         whole = torch.stack([trace_sigma.sum() / grad_sq.sum(), trace_sigma.sum(), grad_sq.sum()])
         per_group = torch.stack([trace_sigma / grad_sq, trace_sigma, grad_sq], dim=1)
         # One device-to-host copy for all of them, however many groups.
-        rows = torch.cat([whole[None], per_group]).tolist()
-        metrics = {}
-        for group, row in zip(["", *group_names], rows):
+        model, *groups = torch.cat([whole[None], per_group]).tolist()
+        quantities = metrics.GNS_QUANTITIES
+        logged = {metrics.gns(quantity): value for quantity, value in zip(quantities, model)}
+        for group, row in zip(group_names, groups):
             if group is not None:
-                prefix = f"gns/{group}/" if group else "gns/"
-                metrics.update({prefix + metric: value for metric, value in zip(METRICS, row)})
-        return metrics
+                logged.update({metrics.gns(quantity, group): value for quantity, value in zip(quantities, row)})
+        return logged
 
     def to(self, device: torch.device) -> NoiseAverages:
         self.grad_sq, self.trace_sigma = self.grad_sq.to(device), self.trace_sigma.to(device)

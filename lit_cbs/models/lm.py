@@ -41,6 +41,7 @@ from lightning.fabric.utilities.throughput import Throughput, get_available_flop
 from torch import nn
 from torchmetrics import MeanMetric
 
+from lit_cbs import metrics
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.models.build import build_decoder
@@ -309,7 +310,7 @@ class CausalLM(pl.LightningModule):
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step
-        self.log("train/loss", self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
+        self.log(metrics.TRAIN_LOSS, self.train_loss.compute(), on_step=True, on_epoch=False, prog_bar=True)
         self.train_loss.reset()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -325,9 +326,9 @@ class CausalLM(pl.LightningModule):
         rates = self._throughput.compute()
         # Throughput's rates are per device; every rank trains micro-batches of the same shape.
         tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
-        self.log("perf/tokens_per_s", tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
+        self.log(metrics.TOKENS_PER_S, tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
         if "device/mfu" in rates:
-            self.log("perf/mfu", rates["device/mfu"], on_step=True, on_epoch=False)
+            self.log(metrics.MFU, rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``)."""
@@ -345,7 +346,7 @@ class CausalLM(pl.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         counted = batch[:, 1:].numel() if self.ignore_index is None else (batch[:, 1:] != self.ignore_index).sum()
         self.val_loss.update(self._loss(batch), weight=counted)
-        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
+        self.log(metrics.VAL_LOSS, self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
     # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ _EXPORTS = {
     "measure_losses": "lit_cbs.probe.reading",
     "plot_cbs_curve": "lit_cbs.probe.plot",
     "probe_checkpoint": "lit_cbs.probe.from_checkpoint",
+    "read_readings": "lit_cbs.probe.reading",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -37,7 +37,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._deprecation import warn_renamed
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
 from lit_cbs.callbacks.module_state import logging_muted, side_effects_undone
@@ -126,16 +125,6 @@ class RecordedWindow:
     def at_early_stop(self) -> bool:
         """Whether the main run has just reached a point where the probe may end early."""
         return self.recorded_samples in self.early_stop_samples
-
-    @property
-    def checkpoints(self) -> list[int]:
-        warn_renamed("RecordedWindow.checkpoints", "RecordedWindow.early_stop_samples")
-        return self.early_stop_samples
-
-    @property
-    def at_checkpoint(self) -> bool:
-        warn_renamed("RecordedWindow.at_checkpoint", "RecordedWindow.at_early_stop")
-        return self.at_early_stop
 
     def tokens_of(self, samples_per_rank: int) -> int:
         """Tokens (global) in ``samples_per_rank`` samples of every rank."""

@@ -32,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs._deprecation import renamed_argument, warn_renamed
+from lit_cbs import legacy, metrics
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
@@ -60,7 +60,6 @@ from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"
-PROBE_CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(ProbeConfig))
 
 
 class CBSProbeCallback(Callback):
@@ -75,10 +74,7 @@ class CBSProbeCallback(Callback):
         config: the probe's settings (``ProbeConfig``: where to probe, the grid of k, the window,
             the k* rule, how branches are scored), checked when it is made.
         **settings: ``ProbeConfig``'s fields as keywords instead (as Hydra's ``_target_`` passes
-            them); not both. ``strategy=`` is the old name of ``search=`` (until lit_cbs 0.4).
-
-    Settings are read back as attributes too (``probe.multipliers`` is ``probe.config.multipliers``);
-    they are set through the config only.
+            them); not both. The settings are read back at ``probe.config``.
 
     Attributes:
         history: one ``ProbeReading`` per finished probe.
@@ -94,7 +90,6 @@ class CBSProbeCallback(Callback):
             raise LitCBSConfigError(
                 f"CBSProbeCallback: give a ProbeConfig or its fields as keywords, not both (got config and {sorted(settings)})"
             )
-        renamed_argument(settings, "strategy", "search", "CBSProbeCallback")
         self.config = config if config is not None else ProbeConfig(**settings)
         if all(getattr(self.config, name) is None for name in ("every_tokens", "at_tokens", "geometric")):
             raise LitCBSConfigError(
@@ -123,26 +118,6 @@ class CBSProbeCallback(Callback):
         self._waiting_in_epoch: int | None = None  # the epoch whose uneven end a due probe waits out
         self._batch_checked = False
         self._resolved_output_dir: Path | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        # The settings read as before ProbeConfig: probe.multipliers is probe.config.multipliers.
-        config = self.__dict__.get("config")
-        if config is not None and name in PROBE_CONFIG_FIELDS:
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in PROBE_CONFIG_FIELDS:  # the callback reads its config: an attribute beside it would be ignored
-            raise AttributeError(
-                f"CBSProbeCallback.{name} is read from its ProbeConfig: give it when making the probe, or set "
-                f"probe.config = dataclasses.replace(probe.config, {name}=...) before training"
-            )
-        super().__setattr__(name, value)
-
-    @property
-    def strategy(self) -> str:
-        warn_renamed("CBSProbeCallback.strategy", "CBSProbeCallback.config.search")
-        return self.config.search
 
     @property
     def span_tokens(self) -> int:
@@ -325,7 +300,7 @@ class CBSProbeCallback(Callback):
         self._check_first_point(end, whole_span=True)
         self._check_window(end)
         for reading in self.history:
-            if reading.seq_len is None:  # resumed from a lit_cbs 0.1 checkpoint, whose readings lack it
+            if reading.seq_len is None:  # resumed from a checkpoint of the first readings, which lack it
                 reading.seq_len = seq_len
         sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
         if max(len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None]) for size in sizes) < 2:
@@ -707,23 +682,23 @@ class CBSProbeCallback(Callback):
 
     # ------------------------------------------------------------------ reporting
     def _report(self, trainer: pl.Trainer, reading: ProbeReading, log_step: int | None = None) -> None:
-        metrics = {
-            "cbs/lower": float(reading.cbs_lower),
-            "cbs/estimate": float(reading.cbs_estimate),
-            "cbs/k_star": float(reading.k_star),
-            "cbs/determined": float(reading.determined),
-            "probe/overhead": float(reading.overhead),
-            "probe/tokens_spent": float(self.tokens_spent),
+        logged = {
+            metrics.CBS_LOWER: float(reading.cbs_lower),
+            metrics.CBS_ESTIMATE: float(reading.cbs_estimate),
+            metrics.CBS_K_STAR: float(reading.k_star),
+            metrics.CBS_DETERMINED: float(reading.determined),
+            metrics.PROBE_OVERHEAD: float(reading.overhead),
+            metrics.PROBE_TOKENS_SPENT: float(self.tokens_spent),
         }
         if reading.cbs_upper is not None:
-            metrics["cbs/upper"] = float(reading.cbs_upper)
+            logged[metrics.CBS_UPPER] = float(reading.cbs_upper)
         base = min(reading.losses, key=float)
         for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
             if k != base and loss is not None and reading.losses[base] is not None:
-                metrics[f"cbs/gap_k{k}"] = float(loss - reading.losses[base])
+                logged[metrics.cbs_gap(k)] = float(loss - reading.losses[base])
                 if reading.loss_se.get(k) is not None:
-                    metrics[f"cbs/gap_se_k{k}"] = float(reading.loss_se[k])
-        log_to_loggers(trainer, lambda _: metrics, every_step=True, step=log_step)  # the step that ended the window
+                    logged[metrics.cbs_gap_se(k)] = float(reading.loss_se[k])
+        log_to_loggers(trainer, lambda _: logged, every_step=True, step=log_step)  # the step that ended the window
 
         def between_windows(k: str) -> str:
             return (
@@ -771,15 +746,16 @@ class CBSProbeCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # lit_cbs 0.1 readings carry no seq_len; the first batch tells it (_check_batch).
-        self.history = [ProbeReading(**{"seq_len": None, **copy.deepcopy(reading)}) for reading in state_dict["history"]]
+        state_dict = legacy.probe_state(state_dict)
+        # The first readings carry no seq_len; the first batch tells it (_check_batch).
+        self.history = [ProbeReading.from_record(copy.deepcopy(reading)) for reading in state_dict["history"]]
         self.tokens_spent = state_dict["tokens_spent"]
         self.probes_started = state_dict["probes_started"]
-        interrupted = state_dict.get("interrupted")
+        interrupted = state_dict["interrupted"]
         self._interrupted = tuple(interrupted) if interrupted is not None else None
-        self.failures = copy.deepcopy(state_dict.get("failures", []))
-        self._unusable = state_dict.get("unusable", bool(self.failures))
-        pending = state_dict.get("side_jobs", [])
+        self.failures = copy.deepcopy(state_dict["failures"])
+        self._unusable = state_dict["unusable"]
+        pending = state_dict["side_jobs"]
         if self._side is not None:
             self._side.load_state_dict(pending)  # collected, or started again, at the next step
         elif pending:

@@ -79,7 +79,7 @@ class ProbeConfig:
 
     search: str = "grid"
     """Which k to train: "grid" (every k, the paper's protocol) or "bisect" (the main run as the k = 1
-    baseline, bisection over the rest; assumes recovery is monotone in k). Was ``strategy``."""
+    baseline, bisection over the rest; assumes recovery is monotone in k)."""
 
     evaluate: str = "train_ema"
     """How a branch is scored: "train_ema" (the paper) or "heldout" (the loss in nats on the first
@@ -239,7 +239,7 @@ class ProbeConfig:
             self.rule,
             multipliers,
             batch_size,
-            strategy=self.search,
+            search=self.search,
             evaluate=self.evaluate,
             cooldown_fraction=self.cooldown_fraction,
             **fields,

@@ -28,11 +28,15 @@ hand.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from lit_cbs._deprecation import warn_renamed
+from lit_cbs import legacy
 from lit_cbs.rules.smoothing import ema
 
 SEARCHES = ("grid", "bisect")  # which multipliers a probe trains (ProbeConfig.search)
@@ -305,27 +309,6 @@ def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
     return [ks[0], ks[_bisection_point(0, len(ks) - 1)]]
 
 
-def record_scores(
-    losses: Mapping[str, float | None],
-    batch_losses: Mapping[str, Sequence[float]],
-    replicate_batch_losses: Mapping[str, Sequence[Sequence[float]]],
-) -> dict[float, BranchScore]:
-    """Each measured k's score from a reading's fields (``ProbeReading`` or its JSON record): its
-    per-window and per-batch held-out losses where it has them, else its loss alone (inf for a
-    failed branch)."""
-
-    def score(k: str, loss: float | None) -> BranchScore:
-        if loss is None:
-            return BranchScore(math.inf)
-        if k in replicate_batch_losses:
-            return BranchScore.replicated([BranchScore.heldout(window) for window in replicate_batch_losses[k]])
-        if k in batch_losses:
-            return BranchScore.heldout(batch_losses[k])
-        return BranchScore(loss)
-
-    return {float(k): score(k, loss) for k, loss in losses.items()}
-
-
 @dataclass
 class ProbeReading:
     """One probe's measurement; ``cbs_probe.jsonl`` holds one per line (``dataclasses.asdict``).
@@ -338,9 +321,9 @@ class ProbeReading:
     tokens: int  # tokens seen when the window started
     step: int  # optimizer steps taken when the window started
     batch_size: int  # the main run's global batch B over the window
-    seq_len: int  # tokens per sample
+    seq_len: int | None  # tokens per sample (None: a reading of the first shape, which had none, read from a file)
     window_tokens: int  # tokens every branch trained on
-    strategy: str  # the probe's search, "grid" or "bisect" (ProbeConfig.search; the record keeps its old name)
+    search: str  # which multipliers the probe trained: "grid" or "bisect" (ProbeConfig.search)
     evaluate: str  # "train_ema" or "heldout"
     losses: dict[str, float | None]  # per multiplier ("2" for k = 2); None for a failed branch
     main_loss: float  # the main run's own loss over the window (the k = 1 run)
@@ -353,7 +336,7 @@ class ProbeReading:
     tokens_spent: int  # tokens trained in this probe's branches
     overhead: float  # all probes' branch tokens so far / tokens the main run trained on
     adaptive_batch: int | None = None  # the batch CBSAdaptive moved to on this reading, if any
-    # Readings written before lit_cbs 0.2 lack the fields below; they load as judged by the means.
+    # The first readings lack the fields below (lit_cbs.legacy); they load as judged by the means.
     determined: bool = True  # k* is decided at `confidence` (see the module docstring)
     confidence: float = 0.5  # one-sided confidence of the decision; 0.5 judges by the means alone
     loss_se: dict[str, float | None] = field(default_factory=dict)  # SE of L_k - L_base (base: smallest k)
@@ -362,12 +345,31 @@ class ProbeReading:
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
     planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
     interrupted_at_tokens: int | None = None  # a stop signal interrupted this probe where its window began, at these tokens
-    epsilon: float | None = None  # nats, the k* rule's tolerance (readings before lit_cbs 0.3: None, the default 0.01)
+    epsilon: float | None = None  # nats, the k* rule's tolerance (None: a reading that did not store it)
     replicates: int = 1  # disjoint data windows each measured k trained on (window_tokens each)
     replicate_se: dict[str, float] = field(default_factory=dict)  # the windows' share of loss_se (replicates >= 2)
     replicate_batch_losses: dict[str, list[list[float]]] = field(default_factory=dict)  # per k, per window, per batch
     mode: str = "in_process"  # where the branches trained: "in_process", "side_jobs" or "checkpoint" (a saved one)
     arrived_at_tokens: int | None = None  # side jobs: the main run's tokens when the reading arrived (it acted there)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
+        """The reading ``record`` holds (a line of ``cbs_probe.jsonl``, an entry of the probe's checkpointed history),
+        as any lit_cbs version wrote it (``lit_cbs.legacy.probe_reading`` reads the old keys).
+
+        Raises:
+            ValueError: the record lacks a field a reading needs, or has one a reading does not know.
+        """
+        fields = legacy.probe_reading(record)
+        known = dataclasses.fields(cls)
+        no_default = dataclasses.MISSING
+        needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}
+        missing, unknown = sorted(needed - fields.keys()), sorted(fields.keys() - {f.name for f in known})
+        if missing or unknown:
+            lacks = f"lacks {', '.join(missing)}" if missing else ""
+            extra = f"has unknown fields {', '.join(unknown)}" if unknown else ""
+            raise ValueError(f"not a CBS probe reading: it {' and '.join(filter(None, (lacks, extra)))}")
+        return cls(**fields)
 
     @classmethod
     def decide(
@@ -376,23 +378,11 @@ class ProbeReading:
         rule: DecisionRule,
         multipliers: Sequence[float],
         batch_size: int,
-        *old_positional,
         **fields,
     ) -> ProbeReading:
         """Apply the k* rule to ``scores`` (per multiplier k; a failed branch has loss inf or NaN),
         judge it at ``rule.confidence`` and bracket the CBS on the grid ``multipliers`` around batch
-        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured).
-
-        ``decide(scores, epsilon, confidence, multipliers, batch_size, ...)``, the form before
-        ``DecisionRule``, still works until lit_cbs 0.4, with a warning."""
-        if not isinstance(rule, DecisionRule):
-            warn_renamed(
-                "ProbeReading.decide(scores, epsilon, confidence, multipliers, batch_size)",
-                "ProbeReading.decide(scores, DecisionRule(epsilon, confidence), multipliers, batch_size)",
-            )
-            rule, (multipliers, batch_size) = DecisionRule(rule, multipliers), (batch_size, *old_positional)
-        elif old_positional:
-            raise TypeError("ProbeReading.decide takes 4 positional arguments; give the reading's fields by name")
+        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured)."""
         decision = decide(scores, rule.epsilon, rule.confidence)
         lower, upper, estimate = cbs_interval(decision.k_star, multipliers, batch_size)
         paired = any(s.batch_losses for s in scores.values())
@@ -424,8 +414,20 @@ class ProbeReading:
         return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
 
     def scores(self) -> dict[float, BranchScore]:
-        """Each measured k's score again, from the record (``record_scores``); ``decide`` can judge them anew."""
-        return record_scores(self.losses, self.batch_losses, self.replicate_batch_losses)
+        """Each measured k's score again, from the reading: its per-window and per-batch held-out losses where it
+        has them, else its loss alone (inf for a failed branch); ``decide`` can judge them anew."""
+
+        def score(k: str, loss: float | None) -> BranchScore:
+            if loss is None:
+                return BranchScore(math.inf)
+            if k in self.replicate_batch_losses:
+                windows = self.replicate_batch_losses[k]
+                return BranchScore.replicated([BranchScore.heldout(window) for window in windows])
+            if k in self.batch_losses:
+                return BranchScore.heldout(self.batch_losses[k])
+            return BranchScore(loss)
+
+        return {float(k): score(k, loss) for k, loss in self.losses.items()}
 
     @property
     def bracket(self) -> str:
@@ -433,3 +435,41 @@ class ProbeReading:
         after it when the data do not decide k*."""
         upper = f"{self.cbs_upper:g}" if self.cbs_upper is not None else "beyond the grid"
         return f"[{self.cbs_lower:g}, {upper}]" + ("" if self.determined else " (undetermined)")
+
+
+def read_readings(path: str | os.PathLike) -> list[ProbeReading]:
+    """The readings of a ``cbs_probe.jsonl`` (one JSON object per line; blank lines skipped), in file order, as
+    any lit_cbs version wrote them (``ProbeReading.from_record``): what the curves, the forecast, the schedules,
+    the run report and the plots read.
+
+    Raises:
+        ValueError: the file cannot be read or holds no reading, or a line is not a reading; the message names
+            the file and line.
+    """
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"cannot read CBS probe readings from {path} ({error}); pass the cbs_probe.jsonl a CBSProbeCallback wrote"
+        ) from error
+    readings = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: not JSON ({error}); each line is one reading") from error
+        if not isinstance(record, dict):
+            shown = line.strip()[:60]
+            raise ValueError(f"{path}:{number}: {shown!r} is not a probe reading (a JSON object: tokens, ...)")
+        try:
+            readings.append(ProbeReading.from_record(record))
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: {error}") from None
+    if not readings:
+        raise ValueError(
+            f"{path} holds no CBS probe reading; run with CBSProbeCallback until a probe finishes, or pass another file"
+        )
+    return readings

@@ -381,6 +381,7 @@ def probe_plan(
     """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
     from lit_cbs.probe import max_branches
 
+    config = probe.config
     points = []
     index = 0
     while (point := probe.probe_point(index)) + probe.span_tokens <= max_tokens:
@@ -393,17 +394,17 @@ def probe_plan(
     snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
     window_samples_per_rank = probe.span_tokens // seq_len // data_parallel_size
     sample_bytes = (seq_len + 1) * TOKEN_BYTES
-    heldout = probe.heldout_batches * val_micro_batch * sample_bytes if probe.evaluate == "heldout" else 0
-    side_jobs = probe.config.side_jobs
+    heldout = config.heldout_batches * val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0
+    side_jobs = config.side_jobs
     return ProbePlan(
         points=points,
         snapshot_bytes=snapshot,
         window_bytes=window_samples_per_rank * sample_bytes,
         heldout_bytes=heldout,
-        max_branches=max_branches(probe.config.search, len(probe.multipliers)),
-        window_tokens=probe.window_tokens,
-        replicates=probe.replicates,
-        snapshots=2 + (max_branches(probe.config.search, len(probe.multipliers)) if probe.early_stop else 0),
+        max_branches=max_branches(config.search, len(config.multipliers)),
+        window_tokens=config.window_tokens,
+        replicates=config.replicates,
+        snapshots=2 + (max_branches(config.search, len(config.multipliers)) if config.early_stop else 0),
         side_jobs=type(side_jobs.launcher).__name__ if side_jobs is not None else None,
         checkpoint_bytes=snapshot * shards,
     )

@@ -24,12 +24,12 @@ from pathlib import Path
 
 from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, tokens_at
 from lit_cbs.callbacks.warmup import BatchChange
+from lit_cbs.metrics import FIT_SECONDS
 from lit_cbs.probe.callback import JSONL_FILE, PLOT_FILE
-from lit_cbs.probe.reading import ProbeReading
-from lit_cbs.recipes.run_report import RUN_FIGURES, read_run_metrics, summary_rows
+from lit_cbs.probe.reading import read_readings
+from lit_cbs.recipes.run_report import RUN_FIGURES, read_batch_history, read_run_metrics, summary_rows
 
 REPORT_FILE = "report.html"
-SECONDS_COLUMN = "fit_seconds"
 WALL_CLOCK_FILE = "wall_clock.png"  # the page's own figure: the run draws none against wall-clock time
 
 PAGE = """<!DOCTYPE html>
@@ -73,9 +73,9 @@ def wall_clock_figure(metrics: dict):
     tokens, as a matplotlib ``Figure``; None where the CSV has no seconds or none of those metrics."""
     from matplotlib.figure import Figure
 
-    if SECONDS_COLUMN not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
+    if FIT_SECONDS not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
         return None
-    seconds = dict(zip(*(column.tolist() for column in metrics[SECONDS_COLUMN])))
+    seconds = dict(zip(*(column.tolist() for column in metrics[FIT_SECONDS])))
     panels = [name for name in (GNS_COLUMN,) if name in metrics and TOKENS_COLUMN in metrics]
     figure = Figure(figsize=(7, 3.6 * (1 + len(panels))))
     axes = figure.subplots(1 + len(panels), 1, squeeze=False)[:, 0]
@@ -129,13 +129,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{str(run_dir)!r} has no {METRICS_FILE}: give the folder of a run logged with the CSV logger")
     metrics = read_run_metrics(metrics_csv)
     summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    history = json.loads((run_dir / "batch_history.json").read_text()) if (run_dir / "batch_history.json").is_file() else {}
+    history = read_batch_history(run_dir / "batch_history.json") if (run_dir / "batch_history.json").is_file() else {}
+    changes = [BatchChange(**change) for change in history.get("changes", [])]
     probe_file = next(iter(sorted(run_dir.rglob(JSONL_FILE))), None)
-    readings = []
-    if probe_file is not None:
-        readings = [
-            ProbeReading(**{"seq_len": None, **json.loads(line)}) for line in probe_file.read_text().splitlines() if line.strip()
-        ]
+    readings = read_readings(probe_file) if probe_file is not None else []
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
     noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
     draw = {name: functools.partial(figure, title=summary.get("run_name", "")) for name, figure in RUN_FIGURES.items()}
@@ -156,7 +153,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if not _current(curve, probe_file):
             from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a figure is drawn
 
-            changes = [BatchChange(**change) for change in history.get("changes", [])]
             plot_cbs_curve(readings, changes, curve, summary.get("tokens"), _probe_epsilon(run_dir))
         figures.append(
             (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
@@ -164,20 +160,20 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     parts = [_figure(path, caption) for path, caption in figures]
     if summary:
         parts.insert(0, "<h2>Summary</h2>" + _table(summary_rows(summary)))
-    if history.get("changes"):
+    if changes:
         parts.append(
             "<h2>Batch changes</h2>"
             + _table(
                 [
                     [
-                        c["step"],
-                        f"{c['tokens_seen']:,}",
-                        f"{c['old_global_batch']} -> {c['new_global_batch']}",
-                        f"{c['new_micro_batch_size']} x {c['new_accumulate']}",
-                        f"{c['lr_factor']:.4g}",
-                        c.get("cause", "schedule"),
+                        c.step,
+                        f"{c.tokens_seen:,}",
+                        f"{c.old_global_batch} -> {c.new_global_batch}",
+                        f"{c.new_micro_batch_size} x {c.new_accumulate}",
+                        f"{c.lr_factor:.4g}",
+                        c.cause,
                     ]
-                    for c in history["changes"]
+                    for c in changes
                 ],
                 ["after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause"],
             )

@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 
+from lit_cbs import legacy
 from lit_cbs.analysis.curves import (
     BATCH_COLUMN,
     GNS_COLUMN,
@@ -34,13 +35,11 @@ from lit_cbs.analysis.curves import (
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data import TokenDataModule
+from lit_cbs.metrics import VAL_LOSS, gns_group
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.probe.callback import CBSProbeCallback
 from lit_cbs.recipes.plan import batch_phases
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive
-
-# GradientNoiseScale(groups=...)'s per-group B_simple (samples)
-GROUP_B_SIMPLE = re.compile(r"gns/(.+)/b_simple")
 
 
 def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
@@ -69,12 +68,17 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     return record
 
 
+def read_batch_history(path: str | os.PathLike) -> dict:
+    """What ``write_batch_history`` wrote to ``path``, by this version or an earlier one (``lit_cbs.legacy``)."""
+    return legacy.batch_history(json.loads(Path(path).read_text()))
+
+
 def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
     """B_simple (samples) of every group ``gns/<group>/b_simple`` and of the whole model against tokens
     seen, as a matplotlib ``Figure``; None when the metrics hold no per-group noise scale."""
     from matplotlib.figure import Figure
 
-    groups = [(match[1], metrics[name]) for name in metrics if (match := GROUP_B_SIMPLE.fullmatch(name))]
+    groups = [(group, metrics[name]) for name in metrics if (group := gns_group(name)) is not None]
     if not groups:
         return None
     # In number order (block2 before block10): CSVLogger sorts its columns as text.
@@ -220,7 +224,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     (setup included: data, the model's build, the checkpoint's load); ``run_seconds``, the training over
     every fit of the run, each counted from its ``on_fit_start`` (after that setup), as the metrics'
     ``fit_seconds`` column. One fit: ``run_seconds`` is the smaller, by the setup."""
-    val_loss = trainer.callback_metrics.get("val/loss")
+    val_loss = trainer.callback_metrics.get(VAL_LOSS)
     stop_signal = warmup.accounting.stop_signal
     summary = {
         "run_name": run_name,
@@ -304,7 +308,7 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         readings = "; ".join(
             (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
             + f" at {r['tokens']:,} tokens, "
-            + ("determined" if r.get("determined", True) else "undetermined")
+            + ("determined" if r["determined"] else "undetermined")
             for r in probe["readings"]
         )
         share = probe["tokens"] / tokens

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from lit_cbs._deprecation import renamed_argument, warn_renamed
+from lit_cbs import legacy
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
 _SPAN = "samples or tokens, the schedule's unit"
@@ -103,7 +103,6 @@ class GuardConfig:
     def from_dict(cls, settings: Mapping) -> GuardConfig:
         """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings."""
         settings = {str(key): value for key, value in settings.items()}
-        renamed_argument(settings, "window", "watch_span", "guard")
         names = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(key for key in settings if key not in names)
         if unknown:
@@ -119,8 +118,8 @@ class RevertRestore:
     clip_factor: float  # BatchWarmup.clip_factor then (gradient-clipping threshold)
     lr_factor_of_change: float  # the increase's own LR factor, which the revert divides out of the LR schedulers
     clip_factor_of_change: float
-    # Per optimizer, per param group: betas, eps and weight decay (lit_cbs.rules.scaling.optimizer_settings).
-    # None in a watch saved by lit_cbs 0.2, which kept no settings.
+    # Per optimizer, per param group: betas, eps and weight decay (lit_cbs.rules.scaling.optimizer_settings);
+    # None where a checkpoint's watch holds none (the first guards kept no settings).
     optimizer_settings: list[list[dict]] | None = None
 
 
@@ -142,8 +141,6 @@ class WatchedIncrease:
     @classmethod
     def from_state_dict(cls, state: Mapping[str, Any]) -> WatchedIncrease:
         state = dict(state)
-        if "window_until" in state:  # saved by lit_cbs 0.2, when the watch span was the guard's "window"
-            state["watch_until"] = state.pop("window_until")
         restore = RevertRestore(**state.pop("restore"))
         return cls(**state, restore=restore)
 
@@ -163,7 +160,7 @@ class GuardVerdict:
     trend_intercept: float  # nats: the trend is trend_intercept + trend_slope * ln(consumed)
     trend_slope: float  # nats per e-fold of consumed
     fit_steps: int
-    window_steps: int  # steps in the watch span (the name is kept for checkpoints and logs)
+    watch_steps: int  # optimizer steps in the watch span
     reverted: bool
 
 
@@ -325,7 +322,7 @@ class BatchGuard:
             trend_intercept=intercept,
             trend_slope=slope,
             fit_steps=len(fit),
-            window_steps=len(watched),
+            watch_steps=len(watched),
             reverted=reverted,
         )
         self.verdicts.append(verdict)
@@ -343,11 +340,6 @@ class BatchGuard:
         self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]
         return watch.restore
 
-    def reverted(self, consumed: int) -> RevertRestore:
-        """Deprecated name of ``mark_reverted`` (it changes the guard's state; it asks nothing)."""
-        warn_renamed("BatchGuard.reverted(consumed)", "BatchGuard.mark_reverted(consumed)")
-        return self.mark_reverted(consumed)
-
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -360,6 +352,7 @@ class BatchGuard:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = legacy.guard_state(state_dict)
         self.verdicts = [GuardVerdict(**verdict) for verdict in state_dict["verdicts"]]
         self.reverts = state_dict["reverts"]
         self.hold_until = state_dict["hold_until"]

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.optim import lr_scheduler as torch_sched
 
-from lit_cbs._deprecation import warn_renamed
+from lit_cbs import metrics
 from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.errors import LitCBSConfigError
 
@@ -69,17 +69,6 @@ class ScalingRule:
 
 class LRRule(ScalingRule):
     """The LR's ``ScalingRule``; a subclass may move other optimizer settings with it (``adjust_optimizer``)."""
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        if "lr_factor" in vars(cls):  # a rule written before 0.3 overrides lr_factor: that is its factor
-            warn_renamed(f"{cls.__name__}.lr_factor(ratio)", f"{cls.__name__}.factor(ratio)")
-            cls.factor = cls.lr_factor
-
-    def lr_factor(self, ratio: float) -> float:
-        """Deprecated name of ``factor``."""
-        warn_renamed("LRRule.lr_factor(ratio)", "LRRule.factor(ratio)")
-        return ScalingRule.factor(self, ratio)
 
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
         """Change hyperparameters other than the LR (none for plain LR rules)."""
@@ -519,5 +508,5 @@ class OptimizerRules:
         return factor
 
     def values(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-        """``{"batch/weight_decay": ..., "batch/beta2": ...}`` for the settings these rules move."""
-        return {f"batch/{rule.key}": rule.value(optimizer) for rule in self.settings}
+        """The settings these rules move, by metric name (``metrics.batch_setting``: ``batch/weight_decay``, ...)."""
+        return {metrics.batch_setting(rule.key): rule.value(optimizer) for rule in self.settings}

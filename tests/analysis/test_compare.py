@@ -10,8 +10,9 @@ import math
 import numpy as np
 import pytest
 from sweeps import SEQ_LEN, WSD_TARGETS, recorded, write_sweep, wsd_crossing_steps
+from toys import probe_reading
 
-from lit_cbs.analysis import find_crossings, fit_targets, read_probe, read_sweep, side_by_side, side_by_side_markdown
+from lit_cbs.analysis import find_crossings, fit_targets, read_readings, read_sweep, side_by_side, side_by_side_markdown
 
 
 def noise_scale_of_loss(loss: float) -> float:
@@ -24,17 +25,17 @@ def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path
     runs = read_sweep(sweep)
     fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN))
     # The run at batch 1000 reaches each target at these tokens; readings at 0.5x, 1.1x and 3x of the
-    # first, one at another batch size and one without a batch size.
+    # first, and one at another batch size.
     reach = {t: float(wsd_crossing_steps(1000 * SEQ_LEN, np.array([t]))[0]) * 1000 * SEQ_LEN for t in WSD_TARGETS}
-    records = [
-        {"tokens": reach[3.0] * 0.5, "batch_size": 1000, "cbs_lower": 1000, "cbs_upper": 2000, "cbs_estimate": 1414.0},
-        {"tokens": reach[3.0] * 1.1, "batch_size": 1000, "cbs_lower": 2000, "cbs_upper": 4000, "cbs_estimate": 2828.0},
-        {"tokens": reach[3.0] * 3.0, "batch_size": 1000, "cbs_lower": 4000, "cbs_upper": None, "cbs_estimate": 4000.0},
-        {"tokens": reach[3.0], "batch_size": 777, "cbs_lower": 1, "cbs_upper": 2, "cbs_estimate": 1.4},
-        {"tokens": reach[3.0], "cbs_lower": 1, "cbs_upper": 2, "cbs_estimate": 1.4},
+    readings = [
+        probe_reading(reach[3.0] * 0.5, 1000, 2000, batch_size=1000),
+        probe_reading(reach[3.0] * 1.1, 2000, 4000, batch_size=1000),
+        probe_reading(reach[3.0] * 3.0, 4000, None, batch_size=1000),
+        probe_reading(reach[3.0], 777, 1554, batch_size=777),
     ]
-    (tmp_path / "cbs_probe.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    probe = read_probe(tmp_path / "cbs_probe.jsonl")
+    (tmp_path / "cbs_probe.jsonl").write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in readings))
+    probe = read_readings(tmp_path / "cbs_probe.jsonl")
+    assert probe == readings
     rows = side_by_side(fits, runs, probe)
     assert [row.target for row in rows] == WSD_TARGETS
     for row, fit in zip(rows, fits):

@@ -4,7 +4,6 @@ tokens each run needs to reach a target loss, on synthetic sweeps (tests/sweeps.
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +25,6 @@ from lit_cbs.analysis import (
     ema,
     find_crossings,
     fit_targets,
-    read_probe,
     read_run,
     read_sweep,
     rolling_mean,
@@ -188,13 +186,6 @@ def test_target_no_run_reaches_is_named(wsd_sweep):
         crossings = find_crossings(runs, [1.5])
     with pytest.warns(UserWarning, match=r"target loss 1.5: only 0 runs reach it \(none\)"):
         assert fit_targets(crossings) == []
-
-
-def test_bad_probe_line_is_named(tmp_path):
-    path = tmp_path / "cbs_probe.jsonl"
-    path.write_text(json.dumps({"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}) + '\n{"tokens": 5}\n')
-    with pytest.raises(ValueError, match=r"cbs_probe.jsonl: record 2 is not a CBS probe record"):
-        read_probe(path)
 
 
 def test_sweep_folder_without_runs_is_refused(tmp_path):

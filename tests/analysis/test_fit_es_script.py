@@ -3,6 +3,7 @@ and bad input in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from sweeps import SEQ_LEN, WSD_TARGETS, mccandlish_crossing_steps, write_run, wsd_truth
+from toys import probe_reading
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +25,7 @@ def run_fit_es(*args) -> subprocess.CompletedProcess:
 
 def test_fit_es_cli_prints_the_table_and_writes_plots_and_schedule(wsd_sweep, tmp_path):
     probe = tmp_path / "cbs_probe.jsonl"
-    probe.write_text(json.dumps({"tokens": 1e6, "cbs_lower": 256, "cbs_upper": 512, "cbs_estimate": 362.0}) + "\n")
+    probe.write_text(json.dumps(dataclasses.asdict(probe_reading(1e6, 256, 512))) + "\n")
     out = tmp_path / "out"
     result = run_fit_es(
         wsd_sweep, "--targets", *WSD_TARGETS, "--smoothing", "none", "--out", out, "--probe", probe, "--multiple-of", 8

@@ -136,9 +136,9 @@ def test_the_band_holds_simulated_readings_at_about_its_coverage():
     assert 0.7 <= sum(c["read"] for c in by_n.values()) / 140 <= 0.95
 
 
-def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01) -> dict:
+def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01) -> ProbeReading:
     scores = {k: BranchScore.heldout(losses) for k, losses in batch_losses.items()}
-    record = ProbeReading.decide(
+    return ProbeReading.decide(
         scores,
         DecisionRule(epsilon, confidence),
         sorted(batch_losses),
@@ -147,7 +147,7 @@ def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01
         step=10,
         seq_len=128,
         window_tokens=8192,
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         main_loss=3.0,
         branches_trained=sorted(batch_losses),
@@ -155,7 +155,12 @@ def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01
         tokens_spent=8192,
         overhead=0.1,
     )
-    return dataclasses.asdict(record)
+
+
+def jsonl(readings: list[ProbeReading], without: str | None = None) -> str:
+    """The readings as lines of cbs_probe.jsonl, without the field ``without`` (as a version that wrote none)."""
+    records = [{key: value for key, value in dataclasses.asdict(r).items() if key != without} for r in readings]
+    return "".join(json.dumps(record) + "\n" for record in records)
 
 
 def test_a_determined_record_supports_its_bracket_and_an_undetermined_one_a_wider_interval():
@@ -163,43 +168,40 @@ def test_a_determined_record_supports_its_bracket_and_an_undetermined_one_a_wide
     base = 3.0 + rng.normal(0, 0.05, size=16)
     # k = 2 within 0.001 of k = 1 on every batch, k = 4 0.1 worse: k* = 2, determined.
     clear = reading({1: list(base), 2: list(base + 0.001), 4: list(base + 0.1)})
-    assert clear["determined"] and supported_interval(clear) == (32.0, 64.0) == (clear["cbs_lower"], clear["cbs_upper"])
+    assert clear.determined and supported_interval(clear) == (32.0, 64.0) == (clear.cbs_lower, clear.cbs_upper)
     # k = 2 and 4 by about epsilon, with batch noise: the means pick k* = 4, the data cannot tell k = 2 from 4.
     noisy = reading(
         {1: list(base), 2: list(base + 0.009 + rng.normal(0, 0.02, 16)), 4: list(base + 0.011 + rng.normal(0, 0.02, 16))}
     )
-    assert not noisy["determined"]
+    assert not noisy.determined
     lower, upper = supported_interval(noisy)
     assert (
-        lower <= noisy["cbs_lower"]
-        and upper >= (noisy["cbs_upper"] or math.inf)
-        and (lower, upper) != (noisy["cbs_lower"], noisy["cbs_upper"])
+        lower <= noisy.cbs_lower
+        and upper >= (noisy.cbs_upper or math.inf)
+        and (lower, upper) != (noisy.cbs_lower, noisy.cbs_upper)
     )
     (bracket,) = brackets_from_records([noisy], run="seed1")
     assert (bracket.tokens, bracket.lower, bracket.upper, bracket.determined) == (65536.0, lower, upper, False)
 
 
-def records_without_epsilon() -> list[dict]:
-    """The default job's two readings at epsilon 0.02 nats, as the version before records stored their epsilon
+def readings_without_epsilon() -> list[ProbeReading]:
+    """The default job's two readings at epsilon 0.02 nats, as the version before readings stored their epsilon
     wrote them: at 524,288 tokens k = 2 is 0.009 nats worse than k = 1 (paired SE 0.0015), surely within 0.02
     but not surely within 0.01; at 2,097,152 tokens k = 8 within 0.001 nats, k = 16 0.1 worse."""
     base = 3.0 + np.random.default_rng(0).normal(0, 0.05, size=16)
     wobble = 0.006 * (-1.0) ** np.arange(16)
     early = reading({1: list(base), 2: list(base + 0.009 + wobble), 4: list(base + 0.1)}, epsilon=0.02)
     late = reading({k: list(base + (0.001 if k <= 8 else 0.1)) for k in (1, 2, 4, 8, 16)}, epsilon=0.02)
-    return [
-        {key: value for key, value in {**record, "tokens": tokens}.items() if key != "epsilon"}
-        for record, tokens in ((early, 524_288), (late, 2_097_152))
-    ]
+    return [dataclasses.replace(r, tokens=tokens, epsilon=None) for r, tokens in ((early, 524_288), (late, 2_097_152))]
 
 
 def test_a_record_without_its_epsilon_is_refused_not_judged_at_a_guess():
-    early, late = records_without_epsilon()
-    with pytest.raises(LitCBSConfigError, match=r"run: record 1 holds no epsilon .* as epsilon= \(recipes/"):
+    early, late = readings_without_epsilon()
+    with pytest.raises(LitCBSConfigError, match=r"run: reading 1 holds no epsilon .* as epsilon= \(recipes/"):
         brackets_from_records([early, late])
     assert [(b.lower, b.upper) for b in brackets_from_records([early, late], epsilon=0.02)] == [(32, 64), (128, 256)]
     assert supported_interval(early, epsilon=0.01) == (16.0, 64.0)  # what the 0.01 assumed before made of it
-    assert supported_interval({**early, "epsilon": 0.02}, epsilon=0.01) == (32.0, 64.0)  # the record's own wins
+    assert supported_interval(dataclasses.replace(early, epsilon=0.02), epsilon=0.01) == (32.0, 64.0)  # its own wins
 
 
 @pytest.mark.parametrize("config", [None, "resolved_config.yaml", ".hydra/config.yaml"])
@@ -207,7 +209,7 @@ def test_the_command_reads_old_records_at_the_runs_epsilon(tmp_path, capsys, rec
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     probe = run / "cbs_probe.jsonl"
-    probe.write_text("".join(json.dumps(record) + "\n" for record in records_without_epsilon()))
+    probe.write_text(jsonl(readings_without_epsilon(), without="epsilon"))
     if config is not None:  # the run's saved configuration, reduced to the key the command reads
         (run / config).write_text("callbacks:\n  cbs_probe:\n    epsilon: 0.02\n")
     out = tmp_path / "conf" / "batch" / "forecast.yaml"
@@ -219,7 +221,7 @@ def test_the_command_reads_old_records_at_the_runs_epsilon(tmp_path, capsys, rec
         if config is None:
             err = capsys.readouterr().err
             assert done == 2 and not out.exists() and err.count("\n") == 1
-            assert "record 1 holds no epsilon" in err and "(recipes/schedule_from_probe.py: --epsilon)" in err
+            assert "reading 1 holds no epsilon" in err and "(recipes/schedule_from_probe.py: --epsilon)" in err
             done = command.main([*argv, "--epsilon", "0.02"])
         expected = forecast_cbs([Bracket(524_288, 32, 64, str(probe)), Bracket(2_097_152, 128, 256, str(probe))])
     assert done == 0, capsys.readouterr().err
@@ -229,24 +231,24 @@ def test_the_command_reads_old_records_at_the_runs_epsilon(tmp_path, capsys, rec
 
 
 @pytest.mark.parametrize(
-    "records, message",
+    "readings, message",
     [
-        ([{"batch_size": 16, "losses": {"1": 3.0}}], "run: record 1: tokens=None must be a number > 0"),
-        (["not a record"], "run: record 1: 'not a record' is not a probe record"),
-        ([], "run: no probe record"),
+        ([dataclasses.replace(reading({1: [3.0]}), tokens=None)], "run: reading 1: tokens=None must be a number > 0"),
+        ([{"tokens": 1, "losses": {"1": 3.0}}], r"run: reading 1: \{'tokens': 1, .* is not a ProbeReading; read a"),
+        ([], "run: no probe reading"),
     ],
 )
-def test_bad_records_fail_naming_the_record(records, message):
+def test_bad_readings_fail_naming_the_reading(readings, message):
     with pytest.raises(ValueError, match=message):
-        brackets_from_records(records)
+        brackets_from_records(readings)
 
 
-def test_records_of_two_sequence_lengths_are_refused():
+def test_readings_of_two_sequence_lengths_are_refused():
     rng = np.random.default_rng(0)
     base = list(3.0 + rng.normal(0, 0.05, size=8))
-    records = [reading({1: base, 2: base}), {**reading({1: base, 2: base}), "seq_len": 256}]
-    with pytest.raises(ValueError, match=r"records of seq_len \['128', '256'\] mixed"):
-        brackets_from_records(records)
+    readings = [reading({1: base, 2: base}), dataclasses.replace(reading({1: base, 2: base}), seq_len=256)]
+    with pytest.raises(ValueError, match=r"readings of seq_len \['128', '256'\] mixed"):
+        brackets_from_records(readings)
 
 
 @pytest.mark.parametrize(
@@ -268,18 +270,18 @@ def test_bad_brackets_and_settings_fail_clearly(brackets, kwargs, message):
         forecast_cbs(brackets, **kwargs)
 
 
-def run_records(seed: int) -> list[dict]:
-    """Probe records of a run whose CBS is 16 (D / 65,536)^0.5 samples: at each probe (batch 16, k = 1..16)
+def run_readings(seed: int) -> list[ProbeReading]:
+    """Probe readings of a run whose CBS is 16 (D / 65,536)^0.5 samples: at each probe (batch 16, k = 1..16)
     the k whose batch is within the CBS train to within 0.001 nats of k = 1, the larger ones 0.1 worse."""
     rng = np.random.default_rng(seed)
-    records = []
+    readings = []
     for j in range(6):
         tokens = 65_536 * 2**j
         cbs = 16 * 2 ** (j / 2) * math.exp(rng.normal(0, 0.15))
         base = 3.0 - 0.1 * j + rng.normal(0, 0.05, size=16)
         losses = {k: list(base + (0.001 if 16 * k <= cbs else 0.1) + rng.normal(0, 0.001, 16)) for k in (1, 2, 4, 8, 16)}
-        records.append({**reading(losses), "tokens": tokens})
-    return records
+        readings.append(dataclasses.replace(reading(losses), tokens=tokens))
+    return readings
 
 
 def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys, recipe_script):
@@ -287,7 +289,7 @@ def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys, r
     files = []
     for seed in (1, 2):
         path = tmp_path / f"seed{seed}.jsonl"
-        path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
+        path.write_text(jsonl(run_readings(seed)))
         files.append(str(path))
     out, plot = tmp_path / "conf" / "batch" / "forecast.yaml", tmp_path / "forecast.png"
     done = command.main(
@@ -310,7 +312,7 @@ def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys, r
 def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys, recipe_script):
     command = recipe_script("schedule_from_probe")
     path = tmp_path / "run.jsonl"
-    path.write_text(json.dumps(run_records(1)[0]) + "\n")
+    path.write_text(jsonl(run_readings(1)[:1]))
     assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
     refusal = "--plot, --noise-scale and --epsilon go with the forecast: give --forecast-to TOKENS too"
     assert capsys.readouterr().err.strip() == f"schedule_from_probe.py: {refusal}"
@@ -340,7 +342,7 @@ def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys
     files = []
     for seed in (1, 2):
         path = tmp_path / f"seed{seed}.jsonl"
-        path.write_text("".join(json.dumps(record) + "\n" for record in run_records(seed)))
+        path.write_text(jsonl(run_readings(seed)))
         files.append(str(path))
     command = recipe_script("schedule_from_probe")
     done = command.main(

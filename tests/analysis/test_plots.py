@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from sweeps import WSD_TARGETS, recorded
+from toys import probe_reading
 
-from lit_cbs.analysis import find_crossings, fit_targets, plot_batch_sizes, plot_es, read_probe, read_sweep, side_by_side
+from lit_cbs.analysis import find_crossings, fit_targets, plot_batch_sizes, plot_es, read_sweep, side_by_side
 
 
 def test_plots_are_written_as_png(wsd_sweep, wsd_fits, tmp_path):
     runs = read_sweep(wsd_sweep)
     fits, _ = wsd_fits
-    probe_path = tmp_path / "cbs_probe.jsonl"
-    records = [
-        {"tokens": 1e6, "cbs_lower": 256, "cbs_upper": 512, "cbs_estimate": 362.0},
-        {"tokens": 4e7, "cbs_lower": 1024, "cbs_upper": None, "cbs_estimate": 1024.0},
-    ]
-    probe_path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    probe = read_probe(probe_path)
-    assert probe[1].upper is None
+    probe = [probe_reading(1e6, 256, 512), probe_reading(4e7, 1024, None)]  # the second beyond the grid
     compared = side_by_side(fits, runs)
     plots = (
         plot_es(fits, tmp_path / "es.png"),

@@ -4,6 +4,7 @@ measured run's micro-batch growth; a forecast from too few readings warns in one
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -13,22 +14,25 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from recipe_runs import compose_config
+from toys import probe_reading
 
 from lit_cbs import BatchWarmup
 from lit_cbs.analysis import schedule_from_probe
+from lit_cbs.probe.reading import ProbeReading
 from lit_cbs.recipes.job import batch_warmup_of
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def reading(tokens: int, lower: float, **fields) -> dict:
-    """A probe record as CBSProbeCallback writes it, reduced to what a schedule reads."""
-    return {"tokens": tokens, "batch_size": 16, "k_star": lower / 16, "cbs_lower": lower, "cbs_upper": 2 * lower, **fields}
+def reading(tokens: int, lower: float, **fields) -> ProbeReading:
+    """A reading at batch 16 of the CBS in [lower, 2 x lower] samples, without its sequence length (as the first
+    readings were) unless ``fields`` give it."""
+    return probe_reading(tokens, lower, 2 * lower, **{"seq_len": None, **fields})
 
 
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+def write_jsonl(path: Path, readings: list[ProbeReading]) -> Path:
+    path.write_text("".join(json.dumps(dataclasses.asdict(reading)) + "\n" for reading in readings))
     return path
 
 
@@ -75,7 +79,7 @@ def test_undetermined_readings_are_skipped():
 
 
 def test_only_undetermined_readings_keep_start_and_warn():
-    with pytest.warns(UserWarning, match="every reading in probe records is undetermined; the schedule stays at start=16"):
+    with pytest.warns(UserWarning, match="every reading in probe readings is undetermined; the schedule stays at 16"):
         schedule = schedule_from_probe([reading(100, 64, determined=False)], start=16)
     assert schedule.batch_sizes == [16] and schedule.thresholds == [0]
 
@@ -115,18 +119,19 @@ def test_reads_a_jsonl_file(tmp_path):
 @pytest.mark.parametrize(
     "records, kwargs, message",
     [
-        ([], {}, r"source holds no CBS probe record"),
+        ([], {}, r"source holds no CBS probe reading"),
+        ([{"cbs_lower": 32}], {}, r"probe readings\[0\]: \{'cbs_lower': 32\} is not a ProbeReading; read a"),
         (
-            [{"cbs_lower": 32}],
+            [reading(None, 32)],
             {},
-            r"probe records\[0\]: tokens=None is not a number >= 0; every determined probe record needs tokens",
+            r"probe readings\[0\]: tokens=None is not a number >= 0; every determined probe reading needs tokens",
         ),
         (
-            [reading(1, 4), {"tokens": 5}],
+            [reading(1, 4), reading(5, 4, cbs_lower=None)],
             {},
-            r"probe records\[1\]: cbs_lower=None is not a number >= 0; every determined probe record needs cbs_lower",
+            r"probe readings\[1\]: cbs_lower=None is not a number >= 0; every determined probe reading needs cbs_lower",
         ),
-        ([reading(1, 4) | {"cbs_lower": "64"}], {}, r"cbs_lower='64' is not a number"),
+        ([reading(1, 4, cbs_lower="64")], {}, r"cbs_lower='64' is not a number"),
         ([reading(1, 4)], {"start": 0}, r"start=0 must be an int >= 1"),
         ([reading(1, 4)], {"factor": 1}, r"factor=1 must be an int >= 2"),
         ([reading(1, 4)], {"factor": 1.5}, r"factor=1.5 must be an int >= 2"),
@@ -144,14 +149,14 @@ def test_bad_input_is_named(records, kwargs, message):
 
 
 def test_bad_files_are_named(tmp_path):
-    with pytest.raises(ValueError, match=r"cannot read CBS probe records from .*missing.jsonl"):
+    with pytest.raises(ValueError, match=r"cannot read CBS probe readings from .*missing.jsonl"):
         schedule_from_probe(tmp_path / "missing.jsonl", start=16)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    with pytest.raises(ValueError, match=r"empty.jsonl holds no CBS probe record"):
+    with pytest.raises(ValueError, match=r"empty.jsonl holds no CBS probe reading"):
         schedule_from_probe(empty, start=16)
     broken = tmp_path / "broken.jsonl"
-    broken.write_text(json.dumps(reading(1, 4)) + "\n{not json\n")
+    broken.write_text(json.dumps(dataclasses.asdict(reading(1, 4))) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"broken.jsonl:2: not JSON"):
         schedule_from_probe(broken, start=16)
 
@@ -205,7 +210,7 @@ def test_command_bad_input_is_one_line(tmp_path, capsys, recipe_script):
     )
     assert command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "cannot read CBS probe records" in err
+    assert err.count("\n") == 1 and "cannot read CBS probe readings" in err
 
 
 RUN_CONFIGS = {  # what a recipe run saved beside its cbs_probe.jsonl, reduced to the key the command reads
@@ -258,8 +263,8 @@ def test_runs_that_grew_their_micro_batch_differently_need_the_option(tmp_path, 
 
 def test_a_forecast_from_two_readings_far_past_them_warns_in_one_line_each(tmp_path):
     # The default job's two readings, forecast 8x past the last: what the command prints, from its own process.
-    # Records without per-batch losses keep their own brackets: [32, 64] and [128, 256].
-    readings = [reading(524_288, 32, losses={"1": 3.0}), reading(2_097_152, 128, losses={"1": 3.0})]
+    # Readings without per-batch losses keep their own brackets: [32, 64] and [128, 256].
+    readings = [reading(524_288, 32), reading(2_097_152, 128)]
     probe = write_jsonl(tmp_path / "cbs_probe.jsonl", readings)
     done = run_command(probe, "--start", 16, "--forecast-to", 16_777_216, "--out", tmp_path / "forecast.yaml")
     assert done.returncode == 0, done.stderr

@@ -23,23 +23,25 @@ def test_calibration_quick_judges_every_reading_both_ways_and_reports(tmp_path):
         summary = json.loads((tmp_path / "runs" / run["key"] / "summary.json").read_text())
         assert result["costs"][run["key"]]["tokens"] == summary["probe"]["tokens"]
         for reading in run["readings"]:
-            assert reading["replicates"] == 2 and set(reading["replicate_batch_losses"]) == set(reading["losses"])
+            assert reading.replicates == 2 and set(reading.replicate_batch_losses) == set(reading.losses)
             alone = calibration.first_window(reading, run["multipliers"])
             # The first window alone: each k's loss is its first window's mean held-out loss, judged without the second.
-            for k, windows in reading["replicate_batch_losses"].items():
-                assert alone["losses"][k] == pytest.approx(sum(windows[0]) / len(windows[0]))
-            base = reading["replicate_batch_losses"]["1"][0]
-            for k, se in alone["loss_se"].items():  # the paired held-out SE of the first window alone
+            for k, windows in reading.replicate_batch_losses.items():
+                assert alone.losses[k] == pytest.approx(sum(windows[0]) / len(windows[0]))
+            base = reading.replicate_batch_losses["1"][0]
+            for k, se in alone.loss_se.items():  # the paired held-out SE of the first window alone
                 if k != "1":
-                    first = difference(BranchScore.heldout(reading["replicate_batch_losses"][k][0]), BranchScore.heldout(base))
+                    window = reading.replicate_batch_losses[k][0]
+                    first = difference(BranchScore.heldout(window), BranchScore.heldout(base))
                     assert se == pytest.approx(first.se)
-            assert alone["replicate_se"] == {}
+            assert alone.replicate_se == {}
     rows = result["rows"]
     assert len(rows) == sum(len(run["readings"]) for run in runs)
     for row in rows:  # the two-window judgement is the probe's own
-        reading = next(r for run in runs if run["seed"] == row["seed"] for r in run["readings"] if r["tokens"] == row["tokens"])
-        assert (row["two"]["lower"], row["two"]["determined"]) == (reading["cbs_lower"], reading["determined"])
-        assert row["two"]["interval"][0] <= reading["cbs_lower"] or not reading["determined"]
+        seeds = [run for run in runs if run["seed"] == row["seed"]]
+        reading = next(r for run in seeds for r in run["readings"] if r.tokens == row["tokens"])
+        assert (row["two"]["lower"], row["two"]["determined"]) == (reading.cbs_lower, reading.determined)
+        assert row["two"]["interval"][0] <= reading.cbs_lower or not reading.determined
     # A forecast checked on readings: every held-out bracket counted once, covered as the band says.
     group = [{"key": run["key"], "readings": run["readings"]} for run in runs]
     check = calibration.check_forecast("quick", group[:2], group[2:], "seeds 1, 2 -> seed 3")

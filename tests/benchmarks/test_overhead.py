@@ -42,7 +42,7 @@ def test_the_quick_overhead_benchmark_runs_every_part_and_writes_its_report(tmp_
         "(b) extra cost of the change",
         "(d) + GradientNoiseScale()",
         "(e1) + BatchWarmup(ConstantBatch(16)) + CBSProbeCallback between probes",
-        "(e2) + CBSProbeCallback(strategy='grid')",
+        "(e2) + CBSProbeCallback(search='grid')",
     ):
         assert part in text, part
     assert "- (e1) CBSProbeCallback between probes: " in text and "<!-- overhead:start -->" in results.read_text()

@@ -28,10 +28,8 @@ def test_schedules_come_from_the_forecast_and_drive_the_runs(result):
     out, outcome = result
     runs = outcome["runs"]
     tiny_records = {key: runs[key]["readings"] for key in transfer.TINY_CURVES}
-    assert all(
-        len(records) >= 2 and all(r["batch_size"] == 16 and r["replicates"] == 2 for r in records)
-        for records in tiny_records.values()
-    )
+    for records in tiny_records.values():
+        assert len(records) >= 2 and all(r.batch_size == 16 and r.replicates == 2 for r in records)
     # The schedule is the one schedule_from_probe.py forecasts from the tiny curves' files.
     forecast = forecast_cbs(
         [
@@ -69,7 +67,7 @@ def test_numbers_come_from_the_runs(result):
         # The probed tiny4x run's main run is the control's run (a probe leaves the main run untouched).
         assert outcome["runs"][f"tiny4x_curve_seed{seed}"]["final_val_loss"] == pytest.approx(control["final_val_loss"], abs=1e-4)
     # Every curve was read at the same points: the goal compares like with like.
-    points = {run.key: [r["tokens"] for r in outcome["runs"][run.key]["readings"]] for run in transfer.CURVES}
+    points = {run.key: [r.tokens for r in outcome["runs"][run.key]["readings"]] for run in transfer.CURVES}
     assert all(tokens == [p["tokens"] for p in outcome["points"]] for tokens in points.values())
     # The noise-scale run logged B_simple, which the report puts beside the forecast.
     tokens, b_simple = noise_scale_over_tokens(out / "runs" / transfer.NOISE.key / "metrics.csv")

@@ -117,8 +117,8 @@ def test_counts_resume_from_a_checkpoint(tmp_path):
     assert trainer.global_step == 5 and accounting.samples_seen == 10 and accounting.tokens_seen == 60
 
 
-def test_a_checkpoint_of_version_0_1_resumes_with_its_counts(tmp_path):
-    # lit_cbs 0.1 kept the counts in BatchWarmup's state: rewrite a checkpoint into that form.
+def test_a_checkpoint_with_the_counts_in_batch_warmups_state_resumes_with_them(tmp_path):
+    # The first checkpoints kept the counts in BatchWarmup's state: rewrite a checkpoint into that form.
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     fit(BatchWarmup(ConstantBatch(2)), checkpoint, max_steps=3, enable_checkpointing=True)
     state = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)

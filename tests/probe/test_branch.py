@@ -26,11 +26,10 @@ from toys import (
 )
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, PiecewiseBatch
-from lit_cbs._deprecation import LitCBSDeprecationWarning
-from lit_cbs.analysis.curves import read_probe
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe.branch import ProbeUnusable, RecordedWindow, cooldown_factor, lr_scaled_for_step
+from lit_cbs.probe.branch import ProbeUnusable, cooldown_factor, lr_scaled_for_step
+from lit_cbs.probe.reading import read_readings
 
 
 def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
@@ -50,7 +49,7 @@ def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
         assert (record.batch_size, record.seq_len) == (4, SEQ)
     lines = (tmp_path / "cbs_probe.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == [dataclasses.asdict(r) for r in probe.history]
-    assert [p.lower for p in read_probe(tmp_path / "cbs_probe.jsonl")] == [r.cbs_lower for r in probe.history]
+    assert read_readings(tmp_path / "cbs_probe.jsonl") == probe.history
     assert (tmp_path / "cbs_curve.png").stat().st_size > 10_000
     assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)
 
@@ -394,16 +393,3 @@ def test_a_step_runs_at_the_scaled_lr_and_one_that_writes_the_lr_is_refused():
     refused = pytest.raises(ProbeUnusable, match=r"inside a probe branch \(0.3 where the k=2 branch trains at 0.05\)")
     with refused, lr_scaled_for_step([optimizer], 0.5, k=2.0):
         optimizer.param_groups[0]["lr"] = 0.3
-
-
-def test_the_windows_old_names_for_its_early_stop_points_warn_and_still_work():
-    window = RecordedWindow(
-        tokens=0, step=0, batch_size=4, accumulate=1, micro_batch_size=2, data_parallel_size=1, seq_len=SEQ,
-        multipliers=[1.0, 2.0], window_samples=8, start=None, early_stop_samples=[2],
-    )  # fmt: skip
-    window.record_batch({"x": torch.zeros(2, 3)}, "cpu")
-    assert window.at_early_stop
-    with pytest.warns(LitCBSDeprecationWarning, match="RecordedWindow.early_stop_samples"):
-        assert window.checkpoints == [2]
-    with pytest.warns(LitCBSDeprecationWarning, match="RecordedWindow.at_early_stop"):
-        assert window.at_checkpoint

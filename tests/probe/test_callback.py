@@ -3,7 +3,6 @@ CBSAdaptive, what it logs and writes, and what it refuses before training."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 
@@ -67,7 +66,7 @@ def test_resume_mid_run_continues_probe_schedule_and_main_run(tmp_path):
     assert all(isinstance(r, ProbeReading) for r in resumed_probe.history)  # rebuilt from the checkpoint's dicts
     assert resumed_probe.tokens_spent == full_probe.tokens_spent
 
-    # A lit_cbs 0.1 checkpoint (readings without seq_len) resumes alike.
+    # A checkpoint of the first readings (without seq_len) resumes alike.
     state = torch.load(tmp_path / "epoch=1.ckpt", weights_only=False)
     (key,) = [key for key in state["callbacks"] if key.startswith("CBSProbeCallback")]
     for reading in state["callbacks"][key]["history"]:
@@ -220,8 +219,8 @@ def test_undetermined_readings_do_not_move_the_batch():
     assert unsure.history and not any(r.determined for r in unsure.history)
     assert schedule.decisions == [] and all(r.adaptive_batch is None for r in unsure.history)
     # Nor does a schedule read off those records for another run.
-    with pytest.warns(UserWarning, match="every reading in probe records is undetermined"):
-        carried = schedule_from_probe([dataclasses.asdict(r) for r in unsure.history], start=2)
+    with pytest.warns(UserWarning, match="every reading in probe readings is undetermined"):
+        carried = schedule_from_probe(unsure.history, start=2)
     assert carried.batch_sizes == [2]
 
 

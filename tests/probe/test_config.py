@@ -14,7 +14,6 @@ from hydra.utils import instantiate
 from toys import toy_probe
 
 from lit_cbs import CBSProbeCallback, ProbeConfig
-from lit_cbs._deprecation import LitCBSDeprecationWarning
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import DecisionRule
 
@@ -128,9 +127,7 @@ def test_the_config_and_its_keywords_make_the_same_probe():
     assert config.at_tokens == [160, 640] and config.multipliers == [1.0, 2.0, 4.0] and config.output_dir == Path("out")
     from_config, from_keywords = CBSProbeCallback(config), CBSProbeCallback(**settings)
     assert from_config.config == from_keywords.config == config
-    assert from_keywords.multipliers == [1.0, 2.0, 4.0] and from_keywords.probe_point(1) == 640  # read through
-    with pytest.raises(AttributeError, match=r"dataclasses.replace\(probe.config, epsilon=...\)"):
-        from_keywords.epsilon = 0.02  # would be ignored: the callback reads its config
+    assert from_keywords.probe_point(1) == 640
     with pytest.raises(LitCBSConfigError, match="not both"):
         CBSProbeCallback(config, epsilon=0.02)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -151,13 +148,3 @@ def test_hydra_builds_the_probe_from_flat_keys():
         }
     )
     assert isinstance(probe, CBSProbeCallback) and probe.config.search == "bisect" and probe.config.multipliers == [1.0, 2.0]
-
-
-def test_the_old_strategy_keyword_warns_and_still_works():
-    with pytest.warns(LitCBSDeprecationWarning, match=r"CBSProbeCallback\(strategy=...\) is now CBSProbeCallback\(search=...\)"):
-        probe = toy_probe(strategy="bisect")
-    assert probe.config.search == "bisect"
-    with pytest.warns(LitCBSDeprecationWarning, match="CBSProbeCallback.config.search"):
-        assert probe.strategy == "bisect"
-    with pytest.raises(TypeError, match="give search= only"):
-        toy_probe(strategy="grid", search="bisect")

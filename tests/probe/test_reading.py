@@ -14,8 +14,6 @@ import pytest
 from scipy import stats
 from toys import heldout_score
 
-from lit_cbs._deprecation import LitCBSDeprecationWarning
-from lit_cbs.analysis.curves import read_probe
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.probe import (
     BranchScore,
@@ -28,6 +26,7 @@ from lit_cbs.probe import (
     ema_last,
     max_branches,
     measure_losses,
+    read_readings,
 )
 
 
@@ -102,7 +101,7 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
         step=8,
         seq_len=32,
         window_tokens=8192,
-        strategy="grid",
+        search="grid",
         evaluate="train_ema",
         main_loss=3.0,
         branches_trained=[1.0, 2.0, 4.0],
@@ -116,11 +115,25 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     assert reading.branch_steps == 8192 // (16 * 32) + 8192 // (32 * 32) + 8192 // (64 * 32)
     path = tmp_path / "cbs_probe.jsonl"
     path.write_text(json.dumps(dataclasses.asdict(reading)) + "\n")
-    (point,) = read_probe(path)
-    assert (point.tokens, point.lower, point.upper, point.batch_size) == (4096, 32, 64, 16)
+    assert read_readings(path) == [reading]
     # The record carries its seq_len, so another sequence length needs no measured_seq_len.
     assert schedule_from_probe(path, 16, seq_len=64).batch_size(4096) == 16
     assert schedule_from_probe(path, 16, seq_len=16).batch_size(4096) == 64
+
+
+def test_a_line_that_is_no_reading_is_named_with_what_it_lacks(tmp_path):
+    path = tmp_path / "cbs_probe.jsonl"
+    path.write_text('{"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}\n')
+    lacks = r"cbs_probe.jsonl:1: not a CBS probe reading: it lacks batch_size, branches_trained"
+    with pytest.raises(ValueError, match=lacks):
+        read_readings(path)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"cbs_probe.jsonl:1: '\[1, 2\]' is not a probe reading"):
+        read_readings(path)
+    record = {field.name: 0 for field in dataclasses.fields(ProbeReading)} | {"mood": "calm"}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=r"cbs_probe.jsonl:1: not a CBS probe reading: it has unknown fields mood$"):
+        read_readings(path)
 
 
 def test_the_rule_loads_without_lightning():
@@ -187,7 +200,7 @@ def test_failed_branches_are_surely_beyond_and_the_record_keeps_the_se(tmp_path)
         step=0,
         seq_len=4,
         window_tokens=64,
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         main_loss=3.0,
         branches_trained=[1.0, 2.0, 4.0],
@@ -274,7 +287,7 @@ def test_records_keep_each_window_and_are_judged_anew_alike():
         step=0,
         seq_len=8,
         window_tokens=64,
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         main_loss=3.0,
         branches_trained=[1.0, 1.0, 2.0, 2.0],
@@ -295,8 +308,6 @@ def test_records_keep_each_window_and_are_judged_anew_alike():
 def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
     """Two windows that disagree about k = 2: on the held-out batches alone k = 2 is surely beyond
     epsilon (a bracket [16, 32]); with the spread between windows the data support [16, 64)."""
-    import dataclasses
-
     from lit_cbs.analysis.forecast import supported_interval
 
     def windows(*offsets):
@@ -312,7 +323,7 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
         step=1,
         seq_len=8,
         window_tokens=64,
-        strategy="grid",
+        search="grid",
         evaluate="heldout",
         main_loss=3.0,
         branches_trained=[1.0] * 2,
@@ -321,22 +332,7 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
         overhead=1.0,
         replicates=2,
     )
-    record = dataclasses.asdict(reading)
     assert not reading.determined
-    assert supported_interval(record) == (16.0, 64.0)
-    held_out_only = {**record, "replicate_batch_losses": {}}
+    assert supported_interval(reading) == (16.0, 64.0)
+    held_out_only = dataclasses.replace(reading, replicate_batch_losses={})
     assert supported_interval(held_out_only) == (16.0, 32.0)
-
-
-def test_decide_with_the_rule_as_two_numbers_warns_and_reads_the_same():
-    scores = {1.0: heldout_score(3.0, 0.01), 2.0: heldout_score(3.004, 0.01, seed=2), 4.0: heldout_score(3.2, 0.01, seed=4)}
-    fields = dict(
-        tokens=4096, step=8, seq_len=32, window_tokens=8192, strategy="grid", evaluate="heldout", main_loss=3.0,
-        branches_trained=[1.0, 2.0, 4.0], failed=[], tokens_spent=3 * 8192, overhead=0.5,
-    )  # fmt: skip
-    reading = ProbeReading.decide(scores, DecisionRule(0.01, 0.9), [1.0, 2.0, 4.0], 16, **fields)
-    with pytest.warns(LitCBSDeprecationWarning, match=r"DecisionRule\(epsilon, confidence\)"):
-        old = ProbeReading.decide(scores, 0.01, 0.9, [1.0, 2.0, 4.0], 16, **fields)
-    assert old == reading and (reading.epsilon, reading.confidence, reading.k_star) == (0.01, 0.9, 2.0)
-    with pytest.raises(TypeError, match="give the reading's fields by name"):
-        ProbeReading.decide(scores, DecisionRule(), [1.0, 2.0, 4.0], 16, 4096)

@@ -18,7 +18,7 @@ def test_batch_warmup_is_built_from_the_batch_group_alone(recipe):
     cfg = compose_config(f"+recipe={recipe}", "batch.lr_rule=linear", "max_tokens=8388608")
     warmup = job.batch_warmup_of(cfg)
     assert isinstance(warmup, BatchWarmup) and warmup.max_tokens == 8388608
-    assert warmup.lr_rule.lr_factor(4) == 4.0  # batch.lr_rule, set once, reaches the callback
+    assert warmup.lr_rule.factor(4) == 4.0  # batch.lr_rule, set once, reaches the callback
     assert not any("BatchWarmup" in str(node.get("_target_")) for node in cfg.callbacks.values() if node is not None)
 
 

@@ -22,7 +22,6 @@ from lit_cbs import (
     LitCBSConfigError,
     PiecewiseBatch,
 )
-from lit_cbs._deprecation import LitCBSDeprecationWarning
 from lit_cbs._internals import should_accumulate
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore, fit_trend, loss_rise
 
@@ -90,7 +89,7 @@ def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
     # Judged after 8 steps of 4 samples (64 -> 96 samples), reverted right there.
     assert (increase.samples_seen, revert.samples_seen, revert.step) == (64, 96, 40)
     (verdict,) = warmup.guard.verdicts
-    assert verdict.reverted and verdict.window_steps == 8 and verdict.fit_steps == 16
+    assert verdict.reverted and verdict.watch_steps == 8 and verdict.fit_steps == 16
     # The same run without the jump trains alike up to the verdict: the jump is exactly what it adds.
     healthy = BatchWarmup(SCHEDULE, lr_rule="linear", guard={**NO_RETRY, "min_steps": 8})
     fit(healthy, module=SpikeAfterIncrease(jump=0.0))
@@ -296,16 +295,6 @@ def test_a_guard_config_is_the_guard_setting_and_keyword_arguments_build_one():
         BatchGuard(config, hold=5)
 
 
-def test_the_old_name_window_warns_and_sets_the_watch_span():
-    with pytest.warns(LitCBSDeprecationWarning, match=r"guard\(window=...\) is now guard\(watch_span=...\)"):
-        warmup = BatchWarmup(SCHEDULE, guard={"window": 64, "hold": 100})
-    assert warmup.guard.config == GuardConfig(watch_span=64, hold=100)
-    with pytest.warns(LitCBSDeprecationWarning, match="watch_span"):
-        assert BatchGuard(window=32).config.watch_span == 32
-    with pytest.raises(TypeError, match=r"give watch_span= only"):
-        BatchGuard(window=32, watch_span=32)
-
-
 def watched_guard() -> BatchGuard:
     """A pure guard that watched an increase at 16 (of 8 steps on a falling trend before it) and has
     just judged it, 8 steps of a loss 1 nat above the trend later: a revert is due."""
@@ -319,14 +308,6 @@ def watched_guard() -> BatchGuard:
     verdict = guard.judge(24, lambda values: values)
     assert verdict.reverted and guard.revert_to == 2
     return guard
-
-
-def test_the_old_name_reverted_warns_and_still_marks_the_revert():
-    old, new = watched_guard(), watched_guard()
-    with pytest.warns(LitCBSDeprecationWarning, match=r"BatchGuard.reverted\(consumed\) is now BatchGuard.mark_reverted"):
-        restored = old.reverted(24)
-    assert restored == new.mark_reverted(24) and restored.lr_factor_of_change == 2.0
-    assert (old.reverts, old.hold_until, old.revert_to) == (new.reverts, new.hold_until, new.revert_to) == (1, 48, None)
 
 
 def test_the_restore_of_a_watched_increase_round_trips_through_the_checkpoint(tmp_path):
@@ -344,8 +325,8 @@ def test_the_restore_of_a_watched_increase_round_trips_through_the_checkpoint(tm
     assert restore.optimizer_settings == [[{"weight_decay": 0}]]  # the toy's SGD: one optimizer, one param group
 
 
-def test_a_watch_saved_by_lit_cbs_0_2_loads():
-    # 0.2 kept the watch as a dict with "window_until", and its restore without optimizer settings.
+def test_a_watch_saved_before_the_watch_span_was_named_loads():
+    # The first guards kept the watch with "window_until", and its restore without optimizer settings.
     state = watched_guard().state_dict()
     state["revert"]["window_until"] = state["revert"].pop("watch_until")
     del state["revert"]["restore"]["optimizer_settings"]

@@ -6,11 +6,9 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as sched
 
-from lit_cbs._deprecation import LitCBSDeprecationWarning
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.rules.lr_schedules import CosineSchedule, TokenLRScheduler, WarmupStableDecay
 from lit_cbs.rules.scaling import (
-    LRRule,
     OptimizerRules,
     ScalingRule,
     check_scheduler_supported,
@@ -42,26 +40,6 @@ def test_the_clip_rule_is_a_scaling_rule_not_an_lr_rule():
     assert type(rule) is ScalingRule and rule.factor(4) == 2.0 and repr(rule) == "ScalingRule('sqrt')"
     assert get_clip_rule(lambda r: r).factor(3) == 3.0 and get_clip_rule(rule) is rule
     assert get_clip_rule("none") is None and isinstance(get_lr_rule("sqrt"), ScalingRule)
-
-
-def test_lr_factor_is_the_old_name_of_factor():
-    rule = get_lr_rule("sqrt")
-    with pytest.warns(LitCBSDeprecationWarning, match=r"LRRule.lr_factor\(ratio\) is now LRRule.factor\(ratio\)"):
-        assert rule.lr_factor(4) == rule.factor(4) == 2.0
-
-
-def test_a_rule_subclassed_with_the_old_method_name_warns_and_is_applied():
-    with pytest.warns(LitCBSDeprecationWarning, match=r"Cubed.lr_factor\(ratio\) is now Cubed.factor\(ratio\)"):
-
-        class Cubed(LRRule):
-            def lr_factor(self, ratio):
-                return ratio**3
-
-    rule = Cubed("cubed", math.sqrt)
-    assert rule.factor(2) == 8.0
-    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-    OptimizerRules.build(rule).apply(optimizer, [], ratio=2)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.8)
 
 
 ADAM_SDE = "CBSProbeCallback(lr_rule='adam_sde')"
