@@ -22,6 +22,8 @@ from lit_cbs.recipes.report import main as report_main
 from lit_cbs.recipes.report import write_report
 from lit_cbs.recipes.run_report import batch_lr_figure, loss_figure, summary_text, write_run_summary
 
+# One pytest-xdist worker: its tests share a module fixture's runs.
+pytestmark = pytest.mark.xdist_group("recipes_report")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
