@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from launch import subprocess_env
 
 PURE_MODULES = [
@@ -55,6 +56,7 @@ print("\\n".join(failed))
 """
 
 
+@pytest.mark.slow
 def test_pure_modules_import_without_lightning_or_matplotlib():
     result = subprocess.run(
         [sys.executable, "-c", IMPORT_BLOCKED, *PURE_MODULES], capture_output=True, text=True, env=subprocess_env(), timeout=120

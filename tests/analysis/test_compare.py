@@ -20,6 +20,7 @@ def noise_scale_of_loss(loss: float) -> float:
     return 100.0 * math.exp(2.0 * (3.6 - loss))
 
 
+@pytest.mark.slow
 def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path):
     sweep = write_sweep(tmp_path / "sweep", gns=noise_scale_of_loss)
     runs = read_sweep(sweep)

@@ -23,6 +23,7 @@ def run_fit_es(*args) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_fit_es_cli_prints_the_table_and_writes_plots_and_schedule(wsd_sweep, tmp_path):
     probe = tmp_path / "cbs_probe.jsonl"
     probe.write_text(json.dumps(dataclasses.asdict(probe_reading(1e6, 256, 512))) + "\n")

@@ -170,6 +170,7 @@ def run_command(*args) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_command_writes_a_batch_config_train_py_composes_with(tmp_path):
     seed1 = write_jsonl(tmp_path / "seed1.jsonl", [reading(65_536, 16), reading(524_288, 32), reading(1_048_576, 128)])
     seed2 = write_jsonl(tmp_path / "seed2.jsonl", [reading(65_536, 16), reading(524_288, 64), reading(1_048_576, 64)])
@@ -261,6 +262,7 @@ def test_runs_that_grew_their_micro_batch_differently_need_the_option(tmp_path, 
     assert "max_micro_batch_size: 16" in out.read_text().splitlines()
 
 
+@pytest.mark.slow
 def test_a_forecast_from_two_readings_far_past_them_warns_in_one_line_each(tmp_path):
     # The default job's two readings, forecast 8x past the last: what the command prints, from its own process.
     # Readings without per-batch losses keep their own brackets: [32, 64] and [128, 256].

@@ -22,52 +22,28 @@ def run_module(code_or_module: list[str], cwd: Path) -> subprocess.CompletedProc
     return result
 
 
-def test_gpu_check_imports_nothing_the_gpu_machine_lacks():
+def test_gpu_check_runs_on_cpu_compiled_and_imports_nothing_the_gpu_machine_lacks(tmp_path):
+    # Compiled (as gpu_run.sh's second step), so the CPU runs every line the GPU's two runs do; then what the
+    # whole run imported is listed, in the same process.
+    output = tmp_path / "gpu_check.json"
+    arguments = [
+        "--output", str(output), "--peak-tflops", "989", "--accelerator", "cpu", "--precision", "32-true",
+        "--preset", "tiny", "--seq-len", "128", "--micro-batch-size", "4", "--steps-before-change", "4",
+        "--steps-after-change", "2", "--skip-steps", "1", "--compile",
+    ]  # fmt: skip
     code = (
-        "import runpy; runpy.run_module('benchmarks.gpu_check', run_name='gpu_check');"
-        "import sys; print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'litdata'}));"
+        f"import runpy, sys; sys.argv = ['gpu_check', *{arguments!r}];"
+        "runpy.run_module('benchmarks.gpu_check', run_name='__main__');"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'hydra', 'litdata'}));"
         "print(sorted(m for m in sys.modules if m.startswith('lit_cbs')))"
     )
-    result = run_module(["-c", code], cwd=ROOT)
-    forbidden, lit_cbs_modules = result.stdout.strip().splitlines()[-2:]
+    done = run_module(["-c", code], cwd=tmp_path)
+    forbidden, lit_cbs_modules = done.stdout.strip().splitlines()[-2:]
     assert forbidden == "[]"
     # RandomTokenData and the loader need torch and Lightning only; the datamodule (litdata) and the run report are not loaded.
     loaded = lit_cbs_modules[1:-1].split(", ")
     assert "'lit_cbs.data.synthetic'" in loaded
     assert not any(name.startswith(("'lit_cbs.data.datamodule", "'lit_cbs.recipes.run_report")) for name in loaded)
-
-
-def test_gpu_check_runs_on_cpu_compiled(tmp_path):
-    # Compiled (as gpu_run.sh's second step), so the CPU runs every line the GPU's two runs do.
-    output = tmp_path / "gpu_check.json"
-    run_module(
-        [
-            "-m",
-            "benchmarks.gpu_check",
-            "--output",
-            str(output),
-            "--peak-tflops",
-            "989",
-            "--accelerator",
-            "cpu",
-            "--precision",
-            "32-true",
-            "--preset",
-            "tiny",
-            "--seq-len",
-            "128",
-            "--micro-batch-size",
-            "4",
-            "--steps-before-change",
-            "4",
-            "--steps-after-change",
-            "2",
-            "--skip-steps",
-            "1",
-            "--compile",
-        ],
-        cwd=tmp_path,
-    )
     result = json.loads(output.read_text())
     # The micro-batch stays 4 through the batch change, so the blocks compile once or twice (dynamic shapes), no more.
     assert result["compile"] is True and 1 <= result["compiled_graphs"] <= 2 and result["fused_adamw"] is False

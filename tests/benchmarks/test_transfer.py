@@ -12,7 +12,8 @@ from benchmarks import transfer
 from lit_cbs.analysis import brackets_from_records, forecast_cbs
 from lit_cbs.analysis.forecast import noise_scale_over_tokens, schedule_from_forecast
 
-pytestmark = pytest.mark.slow
+# One pytest-xdist worker: its tests share a module fixture's runs.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transfer")]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""BatchWarmup with 2 CPU processes: DDP (ddp_spawn, gloo) and FSDP2 (ModelParallelStrategy).
+"""BatchWarmup with 2 CPU processes: DDP (forked from the test process, gloo) and FSDP2 (ModelParallelStrategy).
 
 Both runs use the same batch growth, 4 -> 8 -> 16 global samples with micro-batch 2 on 2 ranks
 (accumulate 1 -> 2 -> 4), over 2 epochs of 96 samples. Each rank saves what it recorded; the test
@@ -19,7 +19,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import subprocess_env
+from launch import in_process_ddp, subprocess_env
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DistributedSampler
 from toys import (
@@ -53,7 +53,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 class SaveRecords(Callback):
     """Saves each rank's RegressionModule and BatchWarmup records to ``outdir/rank{rank}.pt``.
 
-    ddp_spawn runs fit in child processes and returns no callback or module state to the parent.
+    The ranks run fit in child processes, which return no callback or module state to the parent.
     """
 
     def __init__(self, outdir: Path):
@@ -136,7 +136,7 @@ def test_ddp_steps_on_exact_global_batches(tmp_path):
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         callbacks=[BatchWarmup(schedule, lr_rule="linear", seq_len=SEQ_LEN), SaveRecords(tmp_path)],
-        **trainer_kwargs(devices=WORLD_SIZE, strategy="ddp_spawn", max_epochs=EPOCHS),
+        **trainer_kwargs(devices=WORLD_SIZE, strategy=in_process_ddp(), max_epochs=EPOCHS),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -223,13 +223,13 @@ class SaveSteps(Callback):
 def fit_on_ranks(
     ranks: int, callbacks: list, module, data, epochs: int, checkpoints: tuple[Path | None, int], ckpt_path: Path | None
 ) -> None:
-    """Fit on ``ranks`` processes (ddp_spawn beyond one); ``checkpoints``: (folder, every so many steps), or (None, _)."""
+    """Fit on ``ranks`` processes (forked beyond one); ``checkpoints``: (folder, every so many steps), or (None, _)."""
     folder, every = checkpoints
     if folder is not None:
         callbacks = [*callbacks, ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
     kwargs = trainer_kwargs(devices=ranks, max_epochs=epochs, enable_checkpointing=folder is not None)
     if ranks > 1:
-        kwargs["strategy"] = "ddp_spawn"
+        kwargs["strategy"] = in_process_ddp()
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(callbacks=callbacks, **kwargs)
     with warnings.catch_warnings():

@@ -136,7 +136,8 @@ def squared_error(module: FixedRegression, batch) -> torch.Tensor:
 class RecordSteps(Callback):
     """After GradientNoiseScale: per optimizer step, its measurement and the micro-batches it saw.
 
-    With ``outdir`` each rank also saves its records, since ddp_spawn returns no callback state.
+    With ``outdir`` each rank also saves its records: the ranks run in child processes, which return no callback
+    state.
     """
 
     def __init__(self, outdir: Path | None = None):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+import pickle
 import re
 
 import lightning.pytorch as pl
@@ -23,7 +24,7 @@ from gns.regression import (
     fit,
     squared_error,
 )
-from launch import DISTRIBUTED_VARIABLES
+from launch import in_process_ddp
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -171,10 +172,10 @@ def test_ddp_matches_analytic_noise_scale(tmp_path):
     pl.seed_everything(0, verbose=False)
     data = GaussianRegressionData(DDP_SAMPLES, DDP_MICRO)
     module = FixedRegression(data.dataset.w_true)
-    # lr_rule="sqrt" (math.sqrt) pickles for ddp_spawn; with lr=0 every rule leaves the weights fixed.
+    # With lr=0 every rule leaves the weights fixed.
     gns = GradientNoiseScale(ema_decay=0.999, groups=HALVES)  # per group through the comm hook too
     callbacks = [BatchWarmup(DDP_SCHEDULE, lr_rule="sqrt"), gns, RecordSteps(tmp_path)]
-    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy="ddp_spawn", devices=WORLD_SIZE))
+    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy=in_process_ddp(), devices=WORLD_SIZE))
     trainer.fit(module, data)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
     assert ranks[0]["b_simple"] == ranks[1]["b_simple"]  # the estimate is reduced, so identical on both ranks
@@ -191,6 +192,12 @@ def test_ddp_matches_analytic_noise_scale(tmp_path):
     for i, coordinates in enumerate(GROUPS.values()):
         group_b_simple = float(state["ema_trace_sigma"][i] / state["ema_grad_sq"][i])
         assert group_b_simple == pytest.approx(analytic_b_simple(coordinates), rel=TOLERANCE)
+
+
+def test_the_noise_scale_pickles_for_ddp_spawn():
+    """ddp_spawn pickles the Trainer and its callbacks into every child process (the fits here fork instead)."""
+    gns = GradientNoiseScale(ema_decay=0.999, groups=HALVES)
+    assert pickle.loads(pickle.dumps(gns)).config == gns.config
 
 
 # ---------------------------------------------------------------------- CBS probe branches
@@ -236,21 +243,10 @@ def test_probe_branches_are_not_measured(tmp_path):
     assert logged_noise_scale(tmp_path / "branched", [BranchLikeWork(step=2)]) == expected
 
 
-def forget_rendezvous(monkeypatch) -> None:
-    """Lightning exports MASTER_PORT (and the rest) into this process; a later multi-process test would
-    reuse that port while this process may still hold its store open. Dropped after the test."""
-    for name in DISTRIBUTED_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-
-
 @pytest.mark.slow
-def test_probe_branches_are_not_measured_under_ddp(tmp_path, monkeypatch):
-    forget_rendezvous(monkeypatch)
+def test_probe_branches_are_not_measured_under_ddp(tmp_path):
     # The branch's backward all-reduces through GradientNoiseScale's DDP communication hook too.
-    # Forked children start as copies of this process and need not import it again (a second, not 20 as
-    # spawned), but a process that initialised CUDA cannot fork.
-    strategy = "ddp_spawn" if torch.cuda.is_initialized() else "ddp_fork"
-    ddp = {"strategy": strategy, "devices": WORLD_SIZE}
+    ddp = {"strategy": in_process_ddp(), "devices": WORLD_SIZE}
     expected = logged_noise_scale(tmp_path / "plain", [], **ddp)
     assert logged_noise_scale(tmp_path / "branched", [BranchLikeWork(step=2)], **ddp) == expected
 
@@ -283,9 +279,9 @@ def test_batch_warmup_that_raises_accumulation_later_is_accepted():
 
 
 @pytest.fixture
-def process_group_cleanup(monkeypatch):
-    """In-process strategies below initialise a 1-process group; later tests expect none, and a port of their own."""
-    forget_rendezvous(monkeypatch)
+def process_group_cleanup():
+    """In-process strategies below initialise a 1-process group; later tests expect none (and a port of their own:
+    tests/conftest.py's forget_rendezvous)."""
     yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

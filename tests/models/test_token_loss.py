@@ -6,6 +6,7 @@ from __future__ import annotations
 import lightning.pytorch as pl
 import pytest
 import torch
+from launch import in_process_ddp
 from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, quiet_fit, trainer_kwargs
 
 from lit_cbs import CBSProbeCallback, GradientNoiseScale, LitCBSConfigError
@@ -66,7 +67,7 @@ def test_the_step_gradient_is_the_mean_over_its_counted_tokens_for_any_accumulat
 @pytest.mark.slow
 def test_on_two_ddp_processes_the_token_count_is_agreed_across_ranks(tmp_path):
     # Rank r reads samples r, r + 2, ...: micro-batches of 2, accumulate 2, so the step is samples 0-7.
-    recorded = fit_first_step(tmp_path, micro=2, accumulate=2, devices=2, strategy="ddp_spawn")
+    recorded = fit_first_step(tmp_path, micro=2, accumulate=2, devices=2, strategy=in_process_ddp())
     exact = gradients(recorded["initial"], [PaddedSequences().tokens[:STEP]])
     for name, grad in recorded["grads"].items():
         torch.testing.assert_close(grad, exact[name], rtol=1e-10, atol=1e-12)

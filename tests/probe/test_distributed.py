@@ -1,4 +1,4 @@
-"""CBSProbeCallback under DDP with 2 CPU processes (ddp_spawn, gloo).
+"""CBSProbeCallback under DDP with 2 CPU processes (forked from the test process, gloo).
 
 Every rank runs every branch together; branch losses are averaged over ranks, so both ranks
 must read the same k* and CBS, and the main run must end where a run without the probe ends.
@@ -6,6 +6,7 @@ must read the same k* and CBS, and the main run must end where a run without the
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 import warnings
@@ -14,7 +15,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import subprocess_env
+from launch import in_process_ddp, subprocess_env
 from lightning.pytorch.callbacks import Callback
 from toys import RegressionDataWithVal, RegressionModule, trainer_kwargs
 
@@ -22,7 +23,8 @@ from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 
 
 class SaveRankResult(Callback):
-    """ddp_spawn returns no callback state: each rank saves its probe history and final weights."""
+    """The ranks run in child processes, which return no callback state: each saves its probe history and final
+    weights."""
 
     def __init__(self, outdir: Path):
         self.outdir = outdir
@@ -47,7 +49,13 @@ def fit_ddp(outdir: Path, probe: CBSProbeCallback | None) -> list[dict]:
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
         callbacks=callbacks,
-        **trainer_kwargs(strategy="ddp_spawn", devices=2, max_epochs=2, default_root_dir=outdir, limit_val_batches=0),
+        **trainer_kwargs(
+            strategy=in_process_ddp(),
+            devices=2,
+            max_epochs=2,
+            default_root_dir=outdir,
+            limit_val_batches=0,
+        ),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -85,6 +93,14 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
         for run in (probed, replicated):
             assert torch.equal(run[rank]["weight"], plain[rank]["weight"])
             assert run[rank]["micro_batches"] == plain[rank]["micro_batches"]
+
+
+def test_the_probe_pickles_for_ddp_spawn():
+    """ddp_spawn pickles the Trainer and its callbacks into every child process (the fits above fork instead)."""
+    probe = CBSProbeCallback(
+        every_tokens=256, multipliers=(1, 2), window_tokens=64, search="bisect", evaluate="heldout", heldout_batches=2
+    )
+    assert pickle.loads(pickle.dumps(probe)).config == probe.config
 
 
 def run_faults(outdir: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict]]:

@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+from launch import in_process_ddp
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 from toys import SEQ, IndexedRegression, RegressionData, RegressionModule, fit_quietly, toy_probe, trainer_kwargs
@@ -182,7 +183,8 @@ def test_an_empty_validation_loader_is_refused():
 
 
 class SaveHeldout(Callback):
-    """ddp_spawn returns no callback state: each rank saves the indices of its held-out batches."""
+    """The ranks run in child processes, which return no callback state: each saves the indices of its held-out
+    batches."""
 
     def __init__(self, outdir: Path):
         self.outdir = outdir
@@ -197,7 +199,13 @@ def test_under_ddp_each_rank_reads_its_own_shard(tmp_path):
     # With validation off nothing has prepared the loader: the sampler is injected as Lightning's validation would.
     trainer = pl.Trainer(
         callbacks=[SaveHeldout(tmp_path)],
-        **trainer_kwargs(strategy="ddp_spawn", devices=2, max_steps=1, use_distributed_sampler=True, **VALIDATION_OFF),
+        **trainer_kwargs(
+            strategy=in_process_ddp(),
+            devices=2,
+            max_steps=1,
+            use_distributed_sampler=True,
+            **VALIDATION_OFF,
+        ),
     )
     fit_quietly(
         trainer,

@@ -9,11 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from launch import subprocess_env
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guides" / "probe_jobs.md"
 
 
+@pytest.mark.slow
 def test_the_guides_own_module_example_runs_and_writes_a_reading(tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", GUIDE.read_text(), flags=re.S)
     (example,) = [block for block in blocks if "probe_checkpoint(" in block and "__main__" in block]

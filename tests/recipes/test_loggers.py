@@ -66,6 +66,7 @@ def wandb_of(save_dir: Path) -> tuple[set[str], set[str]]:
     return keys, images
 
 
+@pytest.mark.slow
 def test_batch_cbs_and_noise_scale_metrics_and_the_cbs_curve_reach_every_logger(tmp_path):
     tracking_uri = f"sqlite:///{tmp_path}/mlflow.db"
     loggers = [

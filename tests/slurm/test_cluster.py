@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 from recipe_runs import ROOT, compose_config
 from recipe_runs import train as train_script
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# One pytest-xdist worker runs them all: the cluster (one per worker, a session fixture) listens on fixed ports.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 SBATCH = ROOT / "recipes" / "slurm" / "train.sbatch"
 TESTS = ROOT / "tests"
 
