@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 from recipe_runs import compose_config
+from toys import probe_reading
 
 from benchmarks import side_probe
 
@@ -24,10 +26,9 @@ def test_every_run_composes_with_the_probe_it_names(key, budget, tmp_path):
 
 
 def test_readings_are_the_same_only_branch_loss_for_branch_loss():
-    reading = {"tokens": 1, "losses": {"1": 2.0, "2": 2.1}, "batch_losses": {}, "k_star": 1.0, "cbs_lower": 16,
-               "cbs_upper": 32, "determined": True}  # fmt: skip
-    assert side_probe.same_readings([reading], [dict(reading)])
-    assert not side_probe.same_readings([reading], [{**reading, "losses": {"1": 2.0, "2": 2.1000001}}])
+    reading = probe_reading(1, 16, 32, losses={"1": 2.0, "2": 2.1})
+    assert side_probe.same_readings([reading], [dataclasses.replace(reading)])
+    assert not side_probe.same_readings([reading], [dataclasses.replace(reading, losses={"1": 2.0, "2": 2.1000001})])
     assert not side_probe.same_readings([reading], [])
 
 
