@@ -16,8 +16,6 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import _internals
 
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = pytest.mark.xdist_group("internals")
 VERSIONS = f"lightning {lightning.__version__}, torch {torch.__version__}, torchmetrics {torchmetrics.__version__}"
 
 

@@ -14,8 +14,7 @@ from benchmarks import table1
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("table1")]
+pytestmark = pytest.mark.slow
 BUDGET = 262_144  # 128 steps at batch 16: the smallest budget table1 accepts
 
 

@@ -12,8 +12,7 @@ from benchmarks import transfer
 from lit_cbs.analysis import brackets_from_records, forecast_cbs
 from lit_cbs.analysis.forecast import noise_scale_over_tokens, schedule_from_forecast
 
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transfer")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

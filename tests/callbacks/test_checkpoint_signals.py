@@ -24,8 +24,7 @@ from signals import SignalAt
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.recipes.run_report import run_summary, summary_text
 
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("checkpoint_signals")]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 # 8 optimizer steps of 128-token samples: batch 8 (micro 8), then 16 (micro 16) from 4,096 tokens; probes

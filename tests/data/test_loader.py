@@ -204,7 +204,6 @@ def uninterrupted(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("loader_kill")  # one pytest-xdist worker: both share the uninterrupted run
 @pytest.mark.parametrize("kill_at", [21, 36])  # micro-batch 21: epoch 0, step 16 of 18; 36: epoch 1, mid-accumulation
 def test_a_map_style_dataset_killed_mid_epoch_resumes_bit_for_bit(uninterrupted, tmp_path, kill_at):
     # BatchWarmup grows the batch 4 -> 8 -> 16 (accumulation 1 -> 2 -> 4 of micro-batches of 4), a CBS probe

@@ -23,8 +23,7 @@ from lit_cbs.probe import ProbeConfig
 from lit_cbs.probe.from_checkpoint import probe_checkpoint
 from lit_cbs.recipes import job
 
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("probe_from_checkpoint")]
+pytestmark = pytest.mark.slow
 # A recipe run of 8 optimizer steps of 128-token samples (batch 8, then 16 from 4,096 tokens), a checkpoint at every
 # step but inside a probe's window, and probes (k = 1, 2 by bisection, held-out scores) over 4,096-token windows
 # from 2,048 tokens (after step 2, through steps 3-5: the batch grows inside it, so k = 1 trains as a branch) and

@@ -27,8 +27,6 @@ from lit_cbs.recipes.report import WALL_CLOCK_FILE, write_report
 from lit_cbs.recipes.report import main as report_main
 from lit_cbs.recipes.run_report import RUN_FIGURES, batch_lr_figure, loss_figure, summary_text, write_run_summary
 
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = pytest.mark.xdist_group("recipes_report")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 

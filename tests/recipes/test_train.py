@@ -21,8 +21,7 @@ from recipe_runs import ROOT, TORCHRUN_TRAIN, TRAIN_SCRIPT
 from lit_cbs.recipes.run_report import read_metrics_csv, summary_text
 
 TRAIN = str(TRAIN_SCRIPT)
-# One pytest-xdist worker: its tests share a module fixture's runs.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("recipes_train")]
+pytestmark = pytest.mark.slow
 
 # 8 optimizer steps of 8 then 16 samples of 128 tokens: the batch doubles at 4,096 tokens and the
 # micro-batch with it (batch.max_micro_batch_size=64: 8, then 16 samples, accumulation 1; data.batch_size

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from recipe_runs import ROOT, compose_config
 from recipe_runs import train as train_script
 
-# One pytest-xdist worker runs them all: the cluster (one per worker, a session fixture) listens on fixed ports.
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
+# The cluster (a session fixture) listens on fixed ports: pytest-xdist runs a file's tests in one worker.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SBATCH = ROOT / "recipes" / "slurm" / "train.sbatch"
 TESTS = ROOT / "tests"
 
