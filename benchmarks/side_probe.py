@@ -1,7 +1,7 @@
 """Side-job probes against in-process ones on the default job: what the main run pays, and what the readings are.
 
 Part 1, the default job (``python recipes/train.py``, 4,194,304 tokens, probes at 524k and 2.1M tokens) with the
-main run on one thread, three ways, interleaved and repeated:
+main run on one thread, three ways, interleaved (``--repeats`` times each seed):
 
 - ``none``: no probe (``callbacks.cbs_probe=null``);
 - ``in_process``: the default probe, whose branches train while the run waits;
@@ -22,7 +22,7 @@ side jobs take the second core), with the configurations of a seed and repeat in
 
 Usage::
 
-    python -m benchmarks.side_probe                        # about 90 minutes on 2 cores
+    python -m benchmarks.side_probe                        # 16 runs, about 90 minutes on 2 cores
     python -m benchmarks.side_probe --quick --out /tmp/sp  # 1/16 of the budget, one seed, one repeat
 """
 
@@ -40,7 +40,7 @@ from lit_cbs.probe.reading import ProbeReading, read_readings
 
 NAME = "side_probe"
 BUDGET = 4_194_304  # tokens: the default job's
-SEEDS = (1, 2)  # part 1, each run twice
+SEEDS = (1, 2)  # part 1
 TIME_SEEDS = (1, 2, 5)  # part 2: 5 was used by no benchmark before
 GOALS = {"main_wall_ratio": 1.03}
 PROBE_SIDE_JOBS = ["side_jobs=local", "side_jobs.launcher.threads=1"]
@@ -221,12 +221,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1/16 of the budget, one seed, one repeat, no markdown")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / NAME)
+    parser.add_argument("--repeats", type=int, default=1, help="part 1's runs per seed and configuration")
     parser.add_argument("--markdown", type=Path, default=None, help="default: docs/RESULTS.md (none with --quick)")
     args = parser.parse_args(argv)
     args.argv = list(argv or [])
     args.date = time.strftime("%Y-%m-%d")
     args.budget = BUDGET // 16 if args.quick else BUDGET
-    args.seeds, args.repeats = ((1,), 1) if args.quick else (SEEDS, 2)
+    args.seeds = (1,) if args.quick else SEEDS
     args.time_seeds = (1,) if args.quick else TIME_SEEDS
     if args.markdown is None and not args.quick:
         args.markdown = ROOT / "docs" / "RESULTS.md"
