@@ -98,7 +98,9 @@ def runs_of(quick: bool) -> list[Run]:
 
 
 def train(run: Run, out: Path, threads: int) -> None:
-    train_unless_done(command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[calibration] {run.key}")
+    train_unless_done(
+        command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[calibration] {run.key}"
+    )
     print(f"[calibration] {run.key} done", flush=True)
 
 
@@ -205,9 +207,13 @@ def judge_readings(runs: list[dict]) -> list[dict]:
 def agreement(rows: list[dict], judgement: str) -> list[dict]:
     """Per experiment and point: the determined readings and how far apart they lie (grid steps, log2)."""
     found = []
-    for key in sorted({(row["experiment"], row["point"]) for row in rows}, key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1])):
+    for key in sorted(
+        {(row["experiment"], row["point"]) for row in rows}, key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1])
+    ):
         lowers = [
-            row[judgement]["lower"] for row in rows if (row["experiment"], row["point"]) == key and row[judgement]["determined"]
+            row[judgement]["lower"]
+            for row in rows
+            if (row["experiment"], row["point"]) == key and row[judgement]["determined"]
         ]
         found.append(
             {
@@ -270,7 +276,9 @@ def cost(run: dict) -> dict:
 def validation_groups(runs: list[dict], transfer_out: Path | None) -> dict[str, list[dict]]:
     """Runs of one recipe whose readings a forecast is checked on: name -> [{"key", "readings"}]."""
     groups = {
-        experiment: [{"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment]
+        experiment: [
+            {"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment
+        ]
         for experiment in EXPERIMENTS
     }
     if transfer_out is not None:
@@ -294,7 +302,8 @@ def check_forecast(name: str, train: list[dict], test: list[dict], what: str) ->
     }
     try:
         forecast = forecast_cbs(
-            [b for run in train for b in brackets_from_records(run["readings"], run=run["key"])], coverage=FORECAST_COVERAGE
+            [b for run in train for b in brackets_from_records(run["readings"], run=run["key"])],
+            coverage=FORECAST_COVERAGE,
         )
     except ValueError as error:
         return {**row, "error": str(error)}
@@ -325,8 +334,14 @@ def forecast_checks(groups: dict[str, list[dict]]) -> list[dict]:
     for name, group in groups.items():
         points = probe_points(group)
         early = set(points[: math.ceil(len(points) / 2)])
-        train = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) in early]} for run in group]
-        test = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) not in early]} for run in group]
+        train = [
+            {"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) in early]}
+            for run in group
+        ]
+        test = [
+            {"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) not in early]}
+            for run in group
+        ]
         checks.append(
             check_forecast(
                 name,
@@ -508,7 +523,9 @@ def markdown(
     ]
     for c in checks:
         result = f"{c['covered']} of {c['checked']}" if "checked" in c else "not fitted"
-        lines.append(f"| {c['group']} | {c['what']} | {c['train']} | {result} | {c.get('description', c.get('error'))} |")
+        lines.append(
+            f"| {c['group']} | {c['what']} | {c['train']} | {result} | {c.get('description', c.get('error'))} |"
+        )
     misses = [(c["group"], m) for c in checks for m in c.get("misses", [])]
     if misses:
         lines += [
@@ -629,7 +646,10 @@ def main(argv: list[str] | None = None) -> dict:
         replace_section(
             args.markdown, "calibration", markdown(runs, rows, agreed, spreads, costs, checks, found, args, args.plot)
         )
-    print(f"[calibration] {result['seconds'] / 60:.1f} minutes; {args.out / 'calibration.json'}; plot {args.plot}", flush=True)
+    print(
+        f"[calibration] {result['seconds'] / 60:.1f} minutes; {args.out / 'calibration.json'}; plot {args.plot}",
+        flush=True,
+    )
     return result
 
 

@@ -43,7 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, read_run, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
+from benchmarks.common import (
+    machine,
+    read_run,
+    recipe_benchmark_arguments,
+    replace_section,
+    train_command,
+    train_unless_done,
+)
 from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.recipes.run_report import read_batch_history
@@ -256,7 +263,9 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
                 label=f"{shown_key} (mean of {SMOOTHING} steps)",
             )
         xs = np.geomspace(low + 1, window_end, 50)
-        axis.plot(xs, verdict["trend_intercept"] + verdict["trend_slope"] * np.log(xs), "k--", lw=1, label="trend before it")
+        axis.plot(
+            xs, verdict["trend_intercept"] + verdict["trend_slope"] * np.log(xs), "k--", lw=1, label="trend before it"
+        )
         axis.axvspan(at, window_end, color="C1", alpha=0.15, label="window")
         outcome = "reverted" if verdict["reverted"] else "kept"
         axis.set(
@@ -317,8 +326,14 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
             f"| {row.get('kept_savings', float('nan')):.0%} | {', '.join(map(str, row['reverts']))} |"
         )
     lines += ["", "Batch changes (tokens where each took effect):", ""]
-    lines += [f"- {key}: {changes_text(run)}" for key, run in runs.items() if run["config"] in ("guarded", "default_job")]
-    lines += ["", "The guard's verdicts (rise of the training loss over the window above the trend before the increase):", ""]
+    lines += [
+        f"- {key}: {changes_text(run)}" for key, run in runs.items() if run["config"] in ("guarded", "default_job")
+    ]
+    lines += [
+        "",
+        "The guard's verdicts (rise of the training loss over the window above the trend before the increase):",
+        "",
+    ]
     for key, run in runs.items():
         for v in run["verdicts"] or []:
             lines.append(
@@ -345,14 +360,20 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     started = time.perf_counter()
     if args.report_only:
-        runs = {run.key: load(run, args.out) for run in runs_of(args.settings) if (args.out / run.key / "summary.json").exists()}
+        runs = {
+            run.key: load(run, args.out)
+            for run in runs_of(args.settings)
+            if (args.out / run.key / "summary.json").exists()
+        }
     else:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(train, run, args.settings, args.out, args.threads) for run in runs_of(args.settings)]
             for future in as_completed(futures):
                 result = future.result()
                 runs[result["key"]] = result
-                (args.out / "guard.json").write_text(json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2))
+                (args.out / "guard.json").write_text(
+                    json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2)
+                )
     runs = {run.key: runs[run.key] for run in runs_of(args.settings) if run.key in runs}  # in the table's order
     minutes_file, command_file = args.out / "minutes.txt", args.out / "command.txt"  # the training's, for --report-only
     if not args.report_only:

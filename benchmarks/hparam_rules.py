@@ -49,7 +49,9 @@ SEESAW = ["batch=seesaw", *COSINE, *WARMUP]
 BETA2 = ["batch.beta2_rule=half_life", "batch.beta2_floor=null"]
 CONFIGS = [
     Config("lr_only", "warmup, LR rule only", "tiny_warmup", WARMUP, THRESHOLDS),
-    Config("weight_decay", "+ weight decay rule", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale"], THRESHOLDS),
+    Config(
+        "weight_decay", "+ weight decay rule", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale"], THRESHOLDS
+    ),
     Config("beta2", "+ beta2 rule", "tiny_warmup", [*WARMUP, *BETA2], THRESHOLDS),
     Config("both", "+ both rules", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale", *BETA2], THRESHOLDS),
     Config("cosine", "small batch (16), cosine decay", "tiny_small_batch", COSINE),
@@ -103,7 +105,9 @@ def mean_and_se(values: list[float]) -> tuple[float, float | None]:
 def paired(runs: dict[str, list[dict]], key: str, base: str) -> dict:
     """``key`` - ``base`` final held-out loss, seed by seed: mean, 95% t-interval (None for one seed)."""
     by_seed = {run["seed"]: run["val_curve"][-1]["val_loss"] for run in runs[base]}
-    differences = [run["val_curve"][-1]["val_loss"] - by_seed[run["seed"]] for run in runs[key] if run["seed"] in by_seed]
+    differences = [
+        run["val_curve"][-1]["val_loss"] - by_seed[run["seed"]] for run in runs[key] if run["seed"] in by_seed
+    ]
     mean, se = mean_and_se(differences)
     if se is None:
         return {"differences": differences, "mean": mean, "interval": None, "beyond_spread": None}
@@ -167,7 +171,9 @@ def table(result: dict) -> str:
             versus = f"{comparison['mean']:+.4f} vs {reference}"
             if comparison["interval"] is not None:
                 low, high = comparison["interval"]
-                versus += f" [{low:+.4f}, {high:+.4f}]" + (" beyond the seed spread" if comparison["beyond_spread"] else "")
+                versus += f" [{low:+.4f}, {high:+.4f}]" + (
+                    " beyond the seed spread" if comparison["beyond_spread"] else ""
+                )
             if "steps_saved" in comparison:
                 versus += f"; {comparison['steps_saved']:.0%} fewer steps"
         lines.append(
@@ -272,8 +278,12 @@ def seesaw_notes(result: dict, args) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3; --quick: 1)")
-    parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/32)")
-    parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/32)"
+    )
+    parser.add_argument(
+        "--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys"
+    )
 
 
 def resolve(args: argparse.Namespace) -> str | None:
@@ -286,9 +296,7 @@ def resolve(args: argparse.Namespace) -> str | None:
     if not args.keys or any(key not in known for key in args.keys) or args.seeds < 1:
         return f"--configs={args.configs!r} must name some of {known}; --seeds must be >= 1"
     if args.tokens < 64 * 128 * EVALUATIONS:
-        return (
-            f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations"
-        )
+        return f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations"
     args.seed_list = list(range(1, args.seeds + 1))
     return None
 
@@ -306,7 +314,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     configs = [config for config in CONFIGS if config.key in keys]
-    jobs = [(config, seed) for seed in args.seed_list for config in configs]  # seeds outermost: a stopped run has each once
+    jobs = [
+        (config, seed) for seed in args.seed_list for config in configs
+    ]  # seeds outermost: a stopped run has each once
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: train(*job, args), jobs))
     runs: dict[str, list[dict]] = {config.key: [] for config in configs}

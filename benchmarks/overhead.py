@@ -139,7 +139,9 @@ def warmup_at(global_batch: int, **kwargs) -> BatchWarmup:
 
 
 def probe(**kwargs) -> CBSProbeCallback:
-    return CBSProbeCallback(multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_TOKENS, evaluate="train_ema", **kwargs)
+    return CBSProbeCallback(
+        multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_TOKENS, evaluate="train_ema", **kwargs
+    )
 
 
 WARMUP_16 = "+ BatchWarmup(ConstantBatch(16))"
@@ -401,7 +403,9 @@ def time_probe(results: Results, repeat: int) -> None:
             results.add(PROBE_STEPS.format(config.name), clock, extra / base_step)
             per_branch = extra / base_step / len(record.branches_trained)
             results.add(f"{config.label}: extra fit time per branch trained, steps without it", clock, per_branch)
-            results.add(f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock])
+            results.add(
+                f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock]
+            )
     grid, bisect = (config.name for config in PROBE_CONFIGS[1:])
     for clock in CLOCKS:
         results.add(GRID_OVER_BISECT, clock, extra_seconds[grid, clock] / extra_seconds[bisect, clock])
@@ -472,7 +476,9 @@ def verdicts(results: Results) -> str:
     return "\n".join(lines)
 
 
-def report(results: Results, args: argparse.Namespace, steps: StepCounts, seconds: float, load_before, load_after) -> str:
+def report(
+    results: Results, args: argparse.Namespace, steps: StepCounts, seconds: float, load_before, load_after
+) -> str:
     """The markdown report without its title."""
     width = max(len(measure) for measure in results.values)
     header = f"| {'measure':<{width}} | " + " | ".join(f"{clock}: median [min, max]" for clock in CLOCKS) + " |"
@@ -551,9 +557,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="fits per configuration (default 8; --quick: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
-    parser.add_argument("--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read")
     parser.add_argument(
-        "--output", type=Path, default=None, help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)"
+        "--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)",
     )
     parser.add_argument(
         "--results",

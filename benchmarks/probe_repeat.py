@@ -125,7 +125,11 @@ def train_all(runs: list[Run], out: Path) -> None:
     def train(run: Run) -> None:
         try:
             train_unless_done(
-                command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", run.threads, f"[probe_repeat] {run.key}"
+                command_of(run, out),
+                out / run.key,
+                out / "logs" / f"{run.key}.log",
+                run.threads,
+                f"[probe_repeat] {run.key}",
             )
             wall = out / run.key / "wall_seconds.txt"
             print(f"[probe_repeat] {run.key} done ({wall.read_text().strip() if wall.exists() else '?'} s)", flush=True)
@@ -212,7 +216,9 @@ def decisive(reading: ProbeReading) -> list[dict]:
             continue
         side = 1 if k == k_star else 0  # k*: its upper bounds must be <= epsilon; larger k: some lower bound > epsilon
         j = max(smaller, key=lambda j: smaller[j].bounds(confidence)[side])
-        found.append({"k": k, "j": j, "role": "k*" if k == k_star else "larger", "diff": smaller[j].mean, "se": smaller[j].se})
+        found.append(
+            {"k": k, "j": j, "role": "k*" if k == k_star else "larger", "diff": smaller[j].mean, "se": smaller[j].se}
+        )
     return found
 
 
@@ -329,7 +335,8 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
                         if k != 1.0 and one is not None and not s.failed
                     },
                     "monotone": all(
-                        b.loss >= a.loss for (_, a), (_, b) in zip(sorted(measured.items()), sorted(measured.items())[1:])
+                        b.loss >= a.loss
+                        for (_, a), (_, b) in zip(sorted(measured.items()), sorted(measured.items())[1:])
                     ),
                     "decisive": decisive_text(r),
                 }
@@ -344,7 +351,9 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
     return found
 
 
-def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], spreads: list[dict], threads: list[dict]) -> list[str]:
+def repeatability_markdown(
+    title: str, runs: list[dict], rows: list[dict], spreads: list[dict], threads: list[dict]
+) -> list[str]:
     keys = [run["key"] for run in runs]
     lines = [
         f"#### {title}",
@@ -424,7 +433,13 @@ def late_markdown(pairs: list[dict]) -> list[str]:
         c, d = pair.get("constant"), pair.get("cooldown")
         if c is None or d is None:
             continue
-        change = "smaller" if d["cbs_lower"] < c["cbs_lower"] else "larger" if d["cbs_lower"] > c["cbs_lower"] else "the same"
+        change = (
+            "smaller"
+            if d["cbs_lower"] < c["cbs_lower"]
+            else "larger"
+            if d["cbs_lower"] > c["cbs_lower"]
+            else "the same"
+        )
         verdicts.append(
             f"- seed {pair['seed']}, {pair['point']:,} tokens: with cooldown the reading is {change} "
             f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} with cooldown, "
@@ -474,7 +489,9 @@ def markdown(results: dict, quick: bool = False) -> str:
     for experiment, title in (("default", "R-default: the default job"), ("curve", "R-curve: +recipe=tiny_cbs_curve")):
         r = results["repeatability"].get(experiment)
         if r:
-            lines += [""] + repeatability_markdown(title, results["runs"][experiment], r["rows"], r["spread"], r["threads"])
+            lines += [""] + repeatability_markdown(
+                title, results["runs"][experiment], r["rows"], r["spread"], r["threads"]
+            )
     lines += [
         "",
         "### 3. Late inflation (experiment L): branch LR cooldown",
@@ -520,7 +537,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_all(runs_of(args.quick), args.out)
         minutes_file.write_text(f"{(time.perf_counter() - started) / 60:.1f}\n")
     loaded = [run for run in (load(run, args.out) for run in runs_of(args.quick)) if run is not None]
-    by_experiment = {name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")}
+    by_experiment = {
+        name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")
+    }
     results = {
         "date": str(datetime.date.today()),
         "machine": machine(),
@@ -543,7 +562,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.markdown is not None:
         replace_section(args.markdown, "probe_repeat", text)
     print(text, flush=True)
-    print(f"[probe_repeat] {args.out / 'probe_repeat.json'}" + (f"; {args.markdown}" if args.markdown else ""), flush=True)
+    print(
+        f"[probe_repeat] {args.out / 'probe_repeat.json'}" + (f"; {args.markdown}" if args.markdown else ""), flush=True
+    )
     return results
 
 

@@ -48,7 +48,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, machine, read_run, refuse_gpu_run_without_a_gpu, replace_section, run_logged, train_command
+from benchmarks.common import (
+    ROOT,
+    machine,
+    read_run,
+    refuse_gpu_run_without_a_gpu,
+    replace_section,
+    run_logged,
+    train_command,
+)
 
 REFERENCE_TOKENS = 4_194_304  # the recipes' budget; token counts below are at this budget
 SEQ_LEN = 128
@@ -69,7 +77,9 @@ class Config:
     label: str
     recipe: str
     overrides: list[str]
-    scaled: dict[str, list[int] | int] = field(default_factory=dict)  # override -> token count(s) at the reference budget
+    scaled: dict[str, list[int] | int] = field(
+        default_factory=dict
+    )  # override -> token count(s) at the reference budget
 
 
 CONFIGS = [
@@ -265,7 +275,9 @@ def plot(runs: dict[str, list[dict]], labels: dict[str, str], path: Path) -> Pat
             curve = run["val_curve"]
             label = f"{labels[key]}, seed {run['seed']}"
             style = styles[seed_index % len(styles)]
-            by_tokens.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, label=label)
+            by_tokens.plot(
+                [p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, label=label
+            )
             by_steps.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, color=color)
     by_tokens.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="loss vs tokens")
     by_steps.set(xlabel="optimizer steps (main run)", title="loss vs optimizer steps")
@@ -284,7 +296,8 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
     lines = [
         "## Table 1 at small scale",
         "",
-        f"Command: `python -m benchmarks.table1 {' '.join(args.argv)}`".rstrip() + f" ({seconds / 60:.1f} minutes, {args.date}; "
+        f"Command: `python -m benchmarks.table1 {' '.join(args.argv)}`".rstrip()
+        + f" ({seconds / 60:.1f} minutes, {args.date}; "
         f"{machine(args.load)}).",
         "",
         f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {budget:,} tokens per run, "
@@ -324,7 +337,9 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
     parser.add_argument(
         "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: a quarter)"
@@ -356,7 +371,9 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="write the section 'table1' of this file (default: docs/RESULTS.md, none with --quick)",
     )
-    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/table1.png next to --markdown, else OUT)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="PNG (default: docs/table1.png next to --markdown, else OUT)"
+    )
     parser.add_argument(
         "--from-json",
         type=Path,
@@ -377,7 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
     if (args.quick or args.gpu) and "--seeds" not in " ".join(args.argv):
         args.seeds = 1
     if args.tokens < 262_144:
-        parser.error(f"--tokens={args.tokens} must be >= 262144 (the probe window must hold one step of its largest branch)")
+        parser.error(
+            f"--tokens={args.tokens} must be >= 262144 (the probe window must hold one step of its largest branch)"
+        )
     if args.seeds < 1 or args.last_evals < 1:
         parser.error("--seeds and --last-evals must be >= 1")
     by_key = {c.key: c for c in CONFIGS}

@@ -46,7 +46,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, machine, read_run, refuse_gpu_run_without_a_gpu, replace_section, run_logged, train_command
+from benchmarks.common import (
+    ROOT,
+    machine,
+    read_run,
+    refuse_gpu_run_without_a_gpu,
+    replace_section,
+    run_logged,
+    train_command,
+)
 from benchmarks.table1 import CONFIGS, GPU_SEQ_LEN, GPU_TOKENS, REFERENCE_TOKENS, run_command
 
 KEYS = ("small", "large64", "warmup", "adaptive")
@@ -128,7 +136,11 @@ def default_job(args, stripped: bool) -> dict:
     started = time.perf_counter()
     run_logged(command, run_dir / "stdout.log")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"process_seconds": time.perf_counter() - started, "fit_seconds": summary["fit_seconds"], "overrides": command[2:]}
+    return {
+        "process_seconds": time.perf_counter() - started,
+        "fit_seconds": summary["fit_seconds"],
+        "overrides": command[2:],
+    }
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -265,7 +277,9 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         compiled = extras[COMPILED]["tokens_per_s"]
         lines += [
             "Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch (samples): "
-            + ", ".join(f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items())
+            + ", ".join(
+                f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items()
+            )
             + f"; the compiled run's fit took {extras[COMPILED]['fit_seconds']:.0f} s (cold compile included).",
             "",
         ]
@@ -288,11 +302,17 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
-    parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)")
     parser.add_argument(
-        "--quick", action="store_true", help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs"
+        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs",
     )
     parser.add_argument(
         "--gpu",
@@ -308,7 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.date = str(datetime.date.today())
-    args.tokens = args.tokens or (REFERENCE_TOKENS // 16 if args.quick else GPU_TOKENS if args.gpu else REFERENCE_TOKENS)
+    args.tokens = args.tokens or (
+        REFERENCE_TOKENS // 16 if args.quick else GPU_TOKENS if args.gpu else REFERENCE_TOKENS
+    )
     if (args.quick or args.gpu) and "--seeds" not in args.argv:
         args.seeds = 1
     keys = [key.strip() for key in args.configs.split(",") if key.strip()]
@@ -326,7 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
         refuse_gpu_run_without_a_gpu(parser)
     if args.markdown is None and not args.quick and not args.gpu:
         args.markdown = ROOT / "docs" / "RESULTS.md"
-    args.plot = args.plot or ((args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png")
+    args.plot = args.plot or (
+        (args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png"
+    )
     args.seed_list = list(range(1, args.seeds + 1))
     args.val_batches = QUICK_VAL_BATCHES if args.quick else VAL_BATCHES
     args.out.mkdir(parents=True, exist_ok=True)
@@ -362,7 +386,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     (args.out / "time_to_loss.json").write_text(json.dumps(saved, indent=2, default=str))
     if args.markdown:
-        replace_section(args.markdown, "time_to_loss", markdown(result, runs, extras, checks, labels, args, args.plot, seconds))
+        replace_section(
+            args.markdown, "time_to_loss", markdown(result, runs, extras, checks, labels, args, args.plot, seconds)
+        )
     print(f"[time_to_loss] {seconds / 60:.1f} minutes; {args.out / 'time_to_loss.json'}; plot {args.plot}")
     return saved
 

@@ -146,7 +146,11 @@ def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
             f"callbacks.cbs_probe.replicates={settings.replicates}",
         ]
     if run == NOISE:
-        overrides += ["data.batch_size=4", "batch.max_micro_batch_size=4", "+callbacks.gns={_target_:lit_cbs.GradientNoiseScale}"]
+        overrides += [
+            "data.batch_size=4",
+            "batch.max_micro_batch_size=4",
+            "+callbacks.gns={_target_:lit_cbs.GradientNoiseScale}",
+        ]
     if run.schedule is not None:
         overrides += [f"batch={run.schedule}", f"hydra.searchpath=[file://{(out / 'conf').resolve()}]"]
     overrides.append(f"hydra.run.dir={(out / run.key).resolve()}")
@@ -185,7 +189,11 @@ def probe_file(run_dir: Path) -> Path:
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder) and return its summary, readings and loss curve."""
     train_unless_done(
-        run_command(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[transfer] {run.label}"
+        run_command(run, settings, out),
+        out / run.key,
+        out / "logs" / f"{run.key}.log",
+        threads,
+        f"[transfer] {run.label}",
     )
     return load(run, out)
 
@@ -375,7 +383,9 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
         curve = runs[run.key]["val_curve"]
         style = ("-" if run in CONTROLS else "--") + ("o" if run.seed == SEEDS[0] else "s")
         color = "k" if run in CONTROLS else "tab:red"
-        tokens_axis.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4, label=run.label)
+        tokens_axis.plot(
+            [p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4, label=run.label
+        )
         steps_axis.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4)
     tokens_axis.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="tiny4x: loss vs tokens")
     steps_axis.set(xlabel="optimizer steps", xscale="log", title="tiny4x: loss vs optimizer steps")
@@ -390,7 +400,17 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
 
 
 def markdown(
-    runs, schedules, points, rows, checks, forecast, noise, args, plot_path: Path, forecast_path: Path | None, markdown_path: Path
+    runs,
+    schedules,
+    points,
+    rows,
+    checks,
+    forecast,
+    noise,
+    args,
+    plot_path: Path,
+    forecast_path: Path | None,
+    markdown_path: Path,
 ) -> str:
     from lit_cbs.analysis.forecast import growth_exponent
 
@@ -448,7 +468,9 @@ def markdown(
             ]
         lines += [""]
     lines += ["Schedules (global batch, samples):", ""]
-    lines += [f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()]
+    lines += [
+        f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()
+    ]
     lines += [
         "",
         "tiny4x trained two ways, each seed against the control of the same seed:",
@@ -470,7 +492,9 @@ def markdown(
     ]
     lines += [
         "",
-        "What the curves cost (probe branch tokens on top of the budget, wall time of the run): " + "; ".join(cost) + ".",
+        "What the curves cost (probe branch tokens on top of the budget, wall time of the run): "
+        + "; ".join(cost)
+        + ".",
         "",
     ]
     gaps = [
@@ -505,7 +529,10 @@ def markdown(
 
 def main(argv: list[str] | None = None) -> dict:
     args = recipe_benchmark_arguments(
-        "transfer", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results", argv
+        "transfer",
+        __doc__.split("\n\n")[0],
+        f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results",
+        argv,
     )
     args.settings = QUICK if args.quick else FULL
     threads = args.threads
@@ -520,7 +547,9 @@ def main(argv: list[str] | None = None) -> dict:
         """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
         waiting = list(SCHEDULED)
         with ThreadPoolExecutor(args.jobs) as pool:
-            pending = {pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, NOISE, *CONTROLS]}
+            pending = {
+                pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, NOISE, *CONTROLS]
+            }
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
@@ -528,7 +557,11 @@ def main(argv: list[str] | None = None) -> dict:
                     save()
                 ready = [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]
                 for key in {run.schedule for run in ready}:
-                    run_logged(schedule_command(key, args.settings, args.out), args.out / "logs" / f"schedule_{key}.log", threads)
+                    run_logged(
+                        schedule_command(key, args.settings, args.out),
+                        args.out / "logs" / f"schedule_{key}.log",
+                        threads,
+                    )
                 for run in ready:
                     waiting.remove(run)
                     pending[pool.submit(train, run, args.settings, args.out, threads)] = run
@@ -573,7 +606,9 @@ def main(argv: list[str] | None = None) -> dict:
         replace_section(
             args.markdown,
             "transfer",
-            markdown(runs, schedules, points, rows, checks, forecast, noise, args, args.plot, forecast_path, args.markdown),
+            markdown(
+                runs, schedules, points, rows, checks, forecast, noise, args, args.plot, forecast_path, args.markdown
+            ),
         )
     print(
         f"[transfer] {result['seconds'] / 60:.1f} minutes; {args.out / 'transfer.json'}; plot {args.plot}"

@@ -50,7 +50,9 @@ def checkpoints_and_run(ckpt_path: str) -> tuple[list[Path], Path]:
     configuration rebuilds them; LitCBSConfigError before any work if either is missing."""
     path = Path(ckpt_path)
     if not path.exists():
-        raise LitCBSConfigError(f"ckpt_path={ckpt_path} does not exist; give a run's checkpoint or its checkpoints/ folder")
+        raise LitCBSConfigError(
+            f"ckpt_path={ckpt_path} does not exist; give a run's checkpoint or its checkpoints/ folder"
+        )
     folder_of_checkpoints = path.is_dir() and not (path / ".metadata").exists()
     checkpoints = checkpoints_in_order(path, checkpoint_step) if folder_of_checkpoints else [path]
     if not checkpoints:

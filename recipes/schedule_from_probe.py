@@ -50,18 +50,32 @@ WARMUP_BATCH = Path(__file__).resolve().parents[1] / "conf" / "batch" / "warmup.
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("probe", nargs="+", type=Path, help="cbs_probe.jsonl files written by CBSProbeCallback")
     parser.add_argument("--start", type=int, required=True, help="the target run's first global batch, samples")
     parser.add_argument("--factor", type=int, default=2, help="ratio between consecutive batch sizes (default: 2)")
-    parser.add_argument("--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)")
     parser.add_argument(
-        "--margin", type=float, default=1.0, help="move to batch B only where the CBS lower bound >= margin x B (default: 1)"
+        "--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)"
     )
-    parser.add_argument("--seq-len", type=int, help="the target run's data.seq_len, tokens (default: the measured run's)")
-    parser.add_argument("--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens")
     parser.add_argument(
-        "--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)"
+        "--margin",
+        type=float,
+        default=1.0,
+        help="move to batch B only where the CBS lower bound >= margin x B (default: 1)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, help="the target run's data.seq_len, tokens (default: the measured run's)"
+    )
+    parser.add_argument(
+        "--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens"
+    )
+    parser.add_argument(
+        "--lr-rule",
+        default="sqrt",
+        choices=sorted(LR_RULES),
+        help="batch.lr_rule: LR factor per batch change (default: sqrt)",
     )
     parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
     parser.add_argument(
@@ -70,7 +84,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="batch.max_micro_batch_size to write, samples per rank (default: the measured run's, from its saved "
         "configuration beside the probe files, else conf/batch/warmup.yaml's)",
     )
-    parser.add_argument("--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens")
+    parser.add_argument(
+        "--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens"
+    )
     parser.add_argument(
         "--coverage",
         type=float,
@@ -180,7 +196,8 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
         forecast, args.start, args.forecast_to, factor=args.factor, final=args.final, margin=args.margin
     )
     at_changes = (
-        "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes) or "none"
+        "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes)
+        or "none"
     )
     options = f"start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}"
     options += f", coverage {args.coverage:g}"

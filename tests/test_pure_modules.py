@@ -59,7 +59,11 @@ print("\\n".join(failed))
 @pytest.mark.slow
 def test_pure_modules_import_without_lightning_or_matplotlib():
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT_BLOCKED, *PURE_MODULES], capture_output=True, text=True, env=subprocess_env(), timeout=120
+        [sys.executable, "-c", IMPORT_BLOCKED, *PURE_MODULES],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"these pure modules import a blocked package:\n{result.stdout}"

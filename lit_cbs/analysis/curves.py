@@ -109,7 +109,11 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
                 f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?"
             )
         for row in reader:
-            cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell not in ("", None)}
+            cells = {
+                name: cell
+                for name, cell in row.items()
+                if name not in (step_column, "epoch") and cell not in ("", None)
+            }
             if not cells:
                 continue
             try:
@@ -148,7 +152,9 @@ def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
         raise ValueError(f"run folder {run} does not exist")
     found = sorted(run.rglob(metrics_file))
     if not found:
-        raise ValueError(f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise")
+        raise ValueError(
+            f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise"
+        )
     if len(found) > 1:
         listed = ", ".join(str(p.relative_to(run)) for p in found)
         raise ValueError(
@@ -325,7 +331,9 @@ def check_units(runs: Sequence[RunCurve]) -> float | None:
         )
     missing = [run.name for run in runs if run.tokens_per_sample is None]
     if missing:
-        warnings.warn(f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others")
+        warnings.warn(
+            f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others"
+        )
     return float(np.mean(values))
 
 
@@ -384,7 +392,9 @@ def find_crossings(
             fraction = (smoothed[i - 1] - target) / (smoothed[i - 1] - smoothed[i])
             tokens = run.tokens[i - 1] + fraction * (run.tokens[i] - run.tokens[i - 1])
             result[target].append(
-                Crossing(run.name, target, tokens / run.tokens_per_step, float(tokens), run.tokens_per_step, run.batch_size)
+                Crossing(
+                    run.name, target, tokens / run.tokens_per_step, float(tokens), run.tokens_per_step, run.batch_size
+                )
             )
     for target, names in never.items():
         if not names:

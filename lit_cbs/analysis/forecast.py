@@ -446,7 +446,13 @@ class ForecastChange:
 
 
 def schedule_from_forecast(
-    forecast: CBSForecast, start: int, until_tokens: int, *, factor: int = 2, final: int | None = None, margin: float = 1.0
+    forecast: CBSForecast,
+    start: int,
+    until_tokens: int,
+    *,
+    factor: int = 2,
+    final: int | None = None,
+    margin: float = 1.0,
 ):
     """A token-indexed ``PiecewiseBatch`` that follows the band's lower edge up to ``until_tokens``, and its changes.
 

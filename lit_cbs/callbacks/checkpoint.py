@@ -85,7 +85,10 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
         """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
         is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
-        source, target = Path(trainer.ckpt_path), Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        source, target = (
+            Path(trainer.ckpt_path),
+            Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}",
+        )
         if trainer.is_global_zero and source.resolve() != target.resolve():
             copy_checkpoint(source, target)
         trainer.strategy.barrier("FinalStateCheckpoint.resumed")
@@ -169,10 +172,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The dirpath has changed")
             super().load_state_dict(state_dict)
-        rank_zero_info(f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}")
+        rank_zero_info(
+            f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}"
+        )
 
     # ------------------------------------------------------------------ saving
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if should_accumulate(trainer):
             return
         window = BatchAccounting.attach(trainer).probe_window_step

@@ -44,7 +44,9 @@ class RunProgressBar(TQDMProgressBar):
         if progress is not None and not self.train_progress_bar.disable:
             # A resumed run starts part-way: tqdm's rate then counts from here, not from zero at time 0.
             self.train_progress_bar.initial = progress[0]
-            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")  # no epoch start on a resume mid-epoch
+            self.train_progress_bar.set_description(
+                f"Epoch {trainer.current_epoch}"
+            )  # no epoch start on a resume mid-epoch
         self._show(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -53,7 +55,9 @@ class RunProgressBar(TQDMProgressBar):
             return
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if self.progress(trainer) is None:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return

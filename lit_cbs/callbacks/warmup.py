@@ -171,7 +171,9 @@ class BatchWarmup(Callback):
         self._guarded = WarmupGuard(self.guard) if self.guard is not None else None
         # The accounting's settings, taken on its behalf and handed to it in setup.
         self._accounting_settings = BatchAccounting.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
-        self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
+        self.max_micro_batch_size = positive_int(
+            "max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True
+        )
         self.log_every_step = log_every_step
 
         self.accounting: BatchAccounting | None = None  # the Trainer's, from setup on
@@ -246,7 +248,9 @@ class BatchWarmup(Callback):
         data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
         only into the ranks. Also for a run's configuration before its Trainer exists."""
         for size in sizes:
-            check_divisible(size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name)
+            check_divisible(
+                size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
+            )
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -343,7 +347,9 @@ class BatchWarmup(Callback):
         )
 
     # ------------------------------------------------------------------ per batch
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # The accounting's hook ran first: it has resolved seq_len from this batch.
         if not self._token_settings_checked:
             self._token_settings_checked = True
@@ -390,7 +396,11 @@ class BatchWarmup(Callback):
         """
         loader = resizable_train_loader(trainer)
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        samples = loader.position if loader is not None else ready * self.micro_batch_size * self.accounting.data_parallel_size
+        samples = (
+            loader.position
+            if loader is not None
+            else ready * self.micro_batch_size * self.accounting.data_parallel_size
+        )
         if samples % global_batch:
             return False
         behind = -ready % accumulate
@@ -433,7 +443,9 @@ class BatchWarmup(Callback):
             restore = self.guard.mark_reverted(self.consumed)
             ratio = target / self.global_batch
             lr_change, clip_change = self._guarded.undo_increase(trainer, restore, self.lr_rule, ratio)
-            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard")
+            change = self._record_change(
+                trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard"
+            )
             self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
             self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
         else:
@@ -442,7 +454,9 @@ class BatchWarmup(Callback):
                 [optimizer_settings(optimizer) for optimizer in trainer.optimizers] if self.guard is not None else None
             )
             lr_change, clip_change = self._scale_optimizers(trainer, target)
-            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule")
+            change = self._record_change(
+                trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule"
+            )
             if self._guarded is not None:
                 restore = RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before)
                 index, old = len(self.history) - 1, change.old_global_batch
@@ -464,7 +478,14 @@ class BatchWarmup(Callback):
         return self.lr_rule.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
 
     def _record_change(
-        self, trainer, target: int, new_accumulate: int, new_micro: int, lr_change: float, clip_change: float, cause: str
+        self,
+        trainer,
+        target: int,
+        new_accumulate: int,
+        new_micro: int,
+        lr_change: float,
+        clip_change: float,
+        cause: str,
     ) -> BatchChange:
         """Append the change, from the batch now to ``target``, to ``history``."""
         change = BatchChange(

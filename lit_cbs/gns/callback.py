@@ -193,7 +193,8 @@ class GradientNoiseScale(Callback):
         for callback in trainer.callbacks:
             # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
             if isinstance(callback, BatchWarmup) and any(
-                size // (callback.micro_batch_for(size) * ranks) > 1 for size in callback.schedule.sizes(callback.consumed)
+                size // (callback.micro_batch_for(size) * ranks) > 1
+                for size in callback.schedule.sizes(callback.consumed)
             ):
                 return True
             if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
@@ -215,7 +216,9 @@ class GradientNoiseScale(Callback):
         self._sums = StepSums(len(self.group_names), self._device)
         self._held.clear()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._micro_batch_size = extract_batch_size(batch)
         if self.config.per_example and self._micro_batch_size:
             self._pending_small = self._per_example_grad_sq(batch)
@@ -245,7 +248,9 @@ class GradientNoiseScale(Callback):
             self._sums.add_micro_batch(b)
             return
         if self.config.per_example:
-            self._sums.add_small_batches(self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
+            self._sums.add_small_batches(
+                self._pending_small, count=b, inverse_size_sum=b
+            )  # b samples, each a batch of 1
         else:
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
@@ -253,7 +258,9 @@ class GradientNoiseScale(Callback):
                 more_follow = should_accumulate(trainer)
                 grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), keep=more_follow)
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
-            self._sums.add_small_batches(grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
+            self._sums.add_small_batches(
+                grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b
+            )
         self._sums.add_micro_batch(b)
 
     def _micro_batch_grad_sq(self, params_and_grads, keep: bool) -> torch.Tensor:
@@ -325,7 +332,9 @@ class GradientNoiseScale(Callback):
         group_index = torch.tensor([self._group_of[self._named_params[n]] for n in names], device=self._device)
 
         def sample_grad_sq(params, sample):
-            grads = torch.func.grad(lambda p: torch.func.functional_call(self._loss_module, p, (sample,), strict=False))(params)
+            grads = torch.func.grad(
+                lambda p: torch.func.functional_call(self._loss_module, p, (sample,), strict=False)
+            )(params)
             norms = torch.stack([squared_norm(grads[n]) for n in names])
             return torch.zeros(len(self.group_names), device=norms.device).index_add(0, group_index, norms)
 
@@ -338,7 +347,10 @@ class GradientNoiseScale(Callback):
         devices = [self._device.index or 0] if self._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # dropout here must not move the training RNG streams
             per_sample_sq = torch.func.vmap(
-                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.config.per_example_chunk_size
+                sample_grad_sq,
+                in_dims=(None, in_dims),
+                randomness="different",
+                chunk_size=self.config.per_example_chunk_size,
             )(params, samples)
         return per_sample_sq.sum(0)
 

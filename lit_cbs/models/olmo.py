@@ -145,7 +145,9 @@ def layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=1e-5)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each [seq_len, head_dim], for positions 0..seq_len-1.
 
     Computed per forward in float32 (cheap next to attention) rather than kept as a buffer, so

@@ -111,7 +111,9 @@ class CBSProbeCallback(Callback):
         self._unusable = False  # a probe found the run cannot be probed: no later one runs
         self._side = SideJobRuns(self.config.side_jobs) if self.config.side_jobs is not None else None
         self._heldout: list | None = None
-        self._first_window_main: BranchScore | None = None  # the main run's score after a replicated probe's first window
+        self._first_window_main: BranchScore | None = (
+            None  # the main run's score after a replicated probe's first window
+        )
         self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
         self._resumed = False
         self._deferred = False  # a due probe whose window the run's end would cut: left to a resumed run
@@ -166,7 +168,9 @@ class CBSProbeCallback(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
-        if max_tokens is not None and not self._resumed:  # before any data is read; max_steps, max_epochs at the first batch
+        if (
+            max_tokens is not None and not self._resumed
+        ):  # before any data is read; max_steps, max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
         if self.config.evaluate == "heldout":
             self._heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
@@ -235,7 +239,11 @@ class CBSProbeCallback(Callback):
                 _, samples = self._window_at(self._batch_at(point))
                 window = samples * self._accounting.seq_len if samples else None  # none: no probe runs there
             self.config.check_inside_run(
-                end.latest, end.limit, whole_span=window is not None, next_probe=self.probes_started, window_tokens=window
+                end.latest,
+                end.limit,
+                whole_span=window is not None,
+                next_probe=self.probes_started,
+                window_tokens=window,
             )
             return
         if point < end.latest:
@@ -303,7 +311,13 @@ class CBSProbeCallback(Callback):
             if reading.seq_len is None:  # resumed from a checkpoint of the first readings, which lack it
                 reading.seq_len = seq_len
         sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
-        if max(len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None]) for size in sizes) < 2:
+        if (
+            max(
+                len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None])
+                for size in sizes
+            )
+            < 2
+        ):
             raise LitCBSConfigError(
                 f"multipliers={[f'{k:g}' for k in self.config.multipliers]}: at most one of them gives a batch that is a whole "
                 f"number of micro-batches ({accounting.micro_batch_size} samples on each of {accounting.data_parallel_size} "
@@ -370,14 +384,20 @@ class CBSProbeCallback(Callback):
 
         batch_changes = self._warmup.history if self._warmup is not None else []
         path = plot_cbs_curve(
-            self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen, self.config.epsilon
+            self.history,
+            batch_changes,
+            self._resolved_output_dir / PLOT_FILE,
+            self._accounting.tokens_seen,
+            self.config.epsilon,
         )
         log_figures(trainer.loggers, [path], trainer.global_step)
 
     # ------------------------------------------------------------------ a probe
     def _micro_batch_for(self, batch_size: int):
         """``branch_micro_batch`` at the main batch ``batch_size``: samples per rank of branch k's micro-batch."""
-        return functools.partial(branch_micro_batch, batch_size=batch_size, accounting=self._accounting, warmup=self._warmup)
+        return functools.partial(
+            branch_micro_batch, batch_size=batch_size, accounting=self._accounting, warmup=self._warmup
+        )
 
     def _branch_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_size: int) -> BranchTrainer:
         """Trains and scores the branches of a window at the main batch ``batch_size`` (and scores the main run's
@@ -447,7 +467,9 @@ class CBSProbeCallback(Callback):
             self.probes_started = pending
             return
         if isinstance(plan, ProbeSkip):
-            if plan.stays_due:  # the point stays due: a run resumed from this one's last checkpoint takes it at its start
+            if (
+                plan.stays_due
+            ):  # the point stays due: a run resumed from this one's last checkpoint takes it at its start
                 self.probes_started, self._deferred = pending, True
             message = f"CBS probe at {tokens:,} tokens {'not started' if plan.stays_due else 'skipped'}: {plan.reason}"
             rank_zero_warn(message) if plan.warn else rank_zero_info(message)
@@ -575,7 +597,9 @@ class CBSProbeCallback(Callback):
         consumed = self._consumed(schedule)
         if schedule.observe(consumed, reading.cbs_lower):
             reading.adaptive_batch = schedule.batch_size(consumed)
-            rank_zero_info(f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}")
+            rank_zero_info(
+                f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}"
+            )
 
     # ------------------------------------------------------------------ side jobs
     def _start_side_probe(self, trainer: pl.Trainer, index: int, plan, moved: int | None) -> None:
@@ -702,7 +726,9 @@ class CBSProbeCallback(Callback):
 
         def between_windows(k: str) -> str:
             return (
-                f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}" if k in reading.replicate_se else ""
+                f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}"
+                if k in reading.replicate_se
+                else ""
             )
 
         losses = ", ".join(

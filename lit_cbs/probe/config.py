@@ -136,7 +136,9 @@ class ProbeConfig:
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) > 1:
-            raise LitCBSConfigError("give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several")
+            raise LitCBSConfigError(
+                "give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several"
+            )
         positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
         if self.at_tokens is not None:
             at_tokens = sorted(int(t) for t in self.at_tokens)
@@ -149,7 +151,9 @@ class ProbeConfig:
                 raise LitCBSConfigError(f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
             self._set("geometric", tuple(self.geometric))
         multipliers = list(self.multipliers)
-        if not multipliers or any(isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers):
+        if not multipliers or any(
+            isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers
+        ):
             raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
         if len(set(multipliers)) != len(multipliers):
             raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
@@ -162,10 +166,14 @@ class ProbeConfig:
                 f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)"
             )
         if not 0 <= self.cooldown_fraction < 1:
-            raise LitCBSConfigError(f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)")
+            raise LitCBSConfigError(
+                f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)"
+            )
         early_stop = sorted(float(f) for f in self.early_stop) if self.early_stop is not None else []
         if not all(0 < f < 1 for f in early_stop):
-            raise LitCBSConfigError(f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]")
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"
+            )
         if early_stop and self.cooldown_fraction:
             raise LitCBSConfigError(
                 "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
@@ -208,11 +216,14 @@ class ProbeConfig:
                 "not trained its later windows): drop one"
             )
         self._set(
-            "max_overhead", positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
+            "max_overhead",
+            positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True),
         )
         self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
         if self.side_jobs is not None and not isinstance(self.side_jobs, SideJobs):
-            raise LitCBSConfigError(f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)")
+            raise LitCBSConfigError(
+                f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
+            )
         if self.side_jobs is not None and early_stop:
             raise LitCBSConfigError(
                 f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with side_jobs "

@@ -498,7 +498,9 @@ class RunPlan:
                 fixes = "set model.activation_checkpointing=true, or " + fixes
             if self.strategy != "fsdp":
                 fixes += ", or shard with trainer=fsdp"
-            found.append(f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}")
+            found.append(
+                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
+            )
         if self.probe is not None:
             per_node = self.probe.host_bytes * self.devices_per_node / GIB
             if per_node > self.limits.host_memory_gib:
@@ -524,7 +526,9 @@ class RunPlan:
             "",
             "batch schedule   (global batch in samples of seq_len tokens; accumulation = micro-batches per step per rank)",
             f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
-            + "".join(f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases),
+            + "".join(
+                f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases
+            ),
         ]
         for p in self.phases:
             lines.append(
@@ -535,7 +539,9 @@ class RunPlan:
         on, off = self.memory[True], self.memory[False]
         chosen = "on" if self.activation_checkpointing else "off"
         micro = max(p.micro_batch for p in self.phases) if self.phases else 0  # the peak
-        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[self.strategy]
+        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[
+            self.strategy
+        ]
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         lines += [
             "",
@@ -559,7 +565,9 @@ class RunPlan:
                 f"{self.limits.gpu_memory_gib:g})"
             )
         else:
-            lines.append(f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)")
+            lines.append(
+                f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
+            )
         lines.append("")
         if self.probe is None:
             lines.append("CBS probe        none")
@@ -661,7 +669,9 @@ class RunPlan:
                 f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
                 f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)"
             )
-        lines.append("  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:")
+        lines.append(
+            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:"
+        )
         for index, planned in enumerate(self.cluster):
             nodes = planned.ranks // per_node
             run_dir = f" hydra.run.dir=outputs/{self.name}/phase{index + 1}"
@@ -670,7 +680,9 @@ class RunPlan:
             lines.append(
                 f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
             )
-        lines.append("  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):")
+        lines.append(
+            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):"
+        )
         for index, planned in enumerate(self.cluster):
             nodes = planned.ranks // per_node
             after = " --dependency=afterok:<the previous job's id>" if index else ""
@@ -735,7 +747,9 @@ def plan_run(
     def micro_for(global_batch: int, ranks: int) -> int:
         return micro_batch_for(global_batch, ranks, max_micro_batch_size) if max_micro_batch_size else micro_batch
 
-    phases = batch_phases(schedule, max_tokens, seq_len, lambda batch: micro_for(batch, processes), processes, lr_factor)
+    phases = batch_phases(
+        schedule, max_tokens, seq_len, lambda batch: micro_for(batch, processes), processes, lr_factor
+    )
     peak_micro = max(p.micro_batch for p in phases) if phases else micro_batch
 
     def memory_at(micro: int, checkpointing: bool = activation_checkpointing) -> DeviceMemory:
@@ -766,7 +780,9 @@ def plan_run(
         micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at)
         if on_gpu(accelerator)
         else None,
-        cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for)
+        cluster=grow_cluster(
+            phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for
+        )
         if phases
         else None,
         command=command,

@@ -195,7 +195,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 ["tokens", "batch", "k*", "CBS (samples)", "determined"],
             )
         )
-    page = PAGE.format(title=html.escape(title), count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts))
+    page = PAGE.format(
+        title=html.escape(title), count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts)
+    )
     out = Path(out) if out is not None else run_dir / REPORT_FILE
     out.write_text(page)
     return out
@@ -203,7 +205,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description="Write a run's self-contained HTML page (report.html).")
-    parser.add_argument("run_dir", type=Path, help="a run folder (recipes/train.py's, or any with a CSVLogger's metrics.csv)")
+    parser.add_argument(
+        "run_dir", type=Path, help="a run folder (recipes/train.py's, or any with a CSVLogger's metrics.csv)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="where to write it (default: RUN_DIR/report.html)")
     args = parser.parse_args(argv)
     try:

@@ -106,7 +106,9 @@ class PiecewiseBatch(BatchSchedule):
         for i, b in enumerate(batch_sizes):
             _check_positive_int(f"batch_sizes[{i}]", b)
         if thresholds[0] != 0:
-            raise LitCBSConfigError(f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start")
+            raise LitCBSConfigError(
+                f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start"
+            )
         for i in range(1, len(thresholds)):
             if not thresholds[i] > thresholds[i - 1]:
                 raise LitCBSConfigError(
@@ -158,7 +160,9 @@ class Seesaw(PiecewiseBatch):
         start = _check_positive_int("start", start)
         max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
-            raise LitCBSConfigError(f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)")
+            raise LitCBSConfigError(
+                f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)"
+            )
         if max_batch_size < start * factor:
             raise LitCBSConfigError(
                 f"max_batch_size={max_batch_size} is below start x factor = {start * factor}, so the batch could never "
@@ -221,7 +225,9 @@ class LinearRamp(BatchSchedule):
         _check_positive_int("final", final)
         _check_ramp(ramp, unit)
         if final <= start:
-            raise LitCBSConfigError(f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise")
+            raise LitCBSConfigError(
+                f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise"
+            )
         if (final - start) % increment:
             raise LitCBSConfigError(
                 f"final - start = {final - start} must be a multiple of increment={increment} (Megatron's rule); "
@@ -293,7 +299,9 @@ class CBSAdaptive(BatchSchedule):
     (``probe_after_final=True`` keeps measuring, e.g. to draw the CBS curve on).
     """
 
-    def __init__(self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False):
+    def __init__(
+        self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False
+    ):
         _check_positive_int("start", start)
         _check_positive_int("final", final)
         if final < start:

@@ -60,7 +60,9 @@ class ScalingRule:
             raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
         factor = float(self._factor(ratio))
         if not (math.isfinite(factor) and factor > 0):
-            raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
+            raise LitCBSConfigError(
+                f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0"
+            )
         return factor
 
     def __repr__(self) -> str:
@@ -78,7 +80,12 @@ class LRRule(ScalingRule):
         ``ratios`` to ``optimizer`` (``check_ratios`` says how they apply); nothing for plain LR rules."""
 
     def check_ratios(
-        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedulers: Iterable,
+        ratios: Iterable[float],
+        who: str,
+        compose: bool = False,
     ) -> None:
         """Before training: LitCBSConfigError, its message starting with ``who``, unless the rule can
         scale ``optimizer`` and every one of its LR ``schedulers`` at each batch ratio (new / old
@@ -164,7 +171,9 @@ def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
         return rule
     if isinstance(rule, str):
         if rule not in LR_RULES:
-            raise LitCBSConfigError(f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor")
+            raise LitCBSConfigError(
+                f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor"
+            )
         return LR_RULES[rule]()
     if callable(rule):
         return LRRule(getattr(rule, "__name__", repr(rule)), rule)
@@ -220,7 +229,9 @@ def check_scheduler_supported(scheduler, who: str) -> None:
         return
     if isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
         return
-    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.rules.lr_schedules.TokenLRScheduler"]
+    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + [
+        "lit_cbs.rules.lr_schedules.TokenLRScheduler"
+    ]
     if isinstance(scheduler, torch_sched.OneCycleLR):
         raise LitCBSConfigError(
             f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
@@ -385,7 +396,9 @@ class Beta2HalfLife(SettingRule):
                     f"{who}: param group {i} of {name} has no Adam betas (beta1, beta2) to scale; set beta2_rule=None"
                 )
             if isinstance(betas[1], torch.Tensor):
-                raise LitCBSConfigError(f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None")
+                raise LitCBSConfigError(
+                    f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None"
+                )
         if not any(group["betas"][1] for group in optimizer.param_groups):
             raise LitCBSConfigError(
                 f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None"
@@ -472,11 +485,18 @@ class OptimizerRules:
     def describe(self) -> str:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
         return ", ".join(
-            f"{argument}={name!r}" for argument, name in self.names().items() if name is not None or argument == "lr_rule"
+            f"{argument}={name!r}"
+            for argument, name in self.names().items()
+            if name is not None or argument == "lr_rule"
         )
 
     def check(
-        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedulers: Iterable,
+        ratios: Iterable[float],
+        who: str,
+        compose: bool = False,
     ) -> None:
         """Before training: LitCBSConfigError, its message starting with ``who``, unless every rule
         applies to ``optimizer`` and its LR ``schedulers`` at each batch ratio (``LRRule.check_ratios``)."""

@@ -30,6 +30,8 @@ def wsd_fits(wsd_sweep):
 def recipe_script() -> Callable[[str], ModuleType]:
     """``recipe_script(name)``: recipes/<name>.py loaded as a module, to call its ``main(argv)`` in-process
     (a subprocess pays a Python start per case)."""
-    from recipe_runs import load_script  # here: recipe_runs loads train.py (Lightning), which a conftest must not import early
+    from recipe_runs import (
+        load_script,
+    )  # here: recipe_runs loads train.py (Lightning), which a conftest must not import early
 
     return load_script

@@ -77,7 +77,9 @@ class RecordEnds(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.ends:
             into_step = batch_idx % trainer.accumulate_grad_batches + 1
-            self.ends.append(run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, into_step, self.largest_batch))
+            self.ends.append(
+                run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, into_step, self.largest_batch)
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
@@ -226,11 +228,15 @@ def test_the_first_probe_is_checked_against_the_run_end_in_one_place():
     ):
         at_100.check_inside_run(100, "max_tokens=100")
     at_100.check_inside_run(150, "max_tokens=150", whole_span=True)
-    with pytest.raises(LitCBSConfigError, match=r"^the first probe \(100 tokens \+ window_tokens=50\) ends past max_tokens=149"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"^the first probe \(100 tokens \+ window_tokens=50\) ends past max_tokens=149"
+    ):
         at_100.check_inside_run(149, "max_tokens=149", whole_span=True)
     # The callback knows the window its probe records: the setting in whole steps of the largest branch.
     at_100.check_inside_run(148, "max_steps=5", whole_span=True, window_tokens=48)
-    with pytest.raises(LitCBSConfigError, match=r"\(100 tokens \+ window_tokens=50, 48 in whole steps of its largest branch\)"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"\(100 tokens \+ window_tokens=50, 48 in whole steps of its largest branch\)"
+    ):
         at_100.check_inside_run(147, "max_steps=5", whole_span=True, window_tokens=48)
     replicated = dataclasses.replace(at_100, evaluate="heldout", replicates=2)
     with pytest.raises(LitCBSConfigError, match=r"\(100 tokens \+ 2 x window_tokens=50\)"):

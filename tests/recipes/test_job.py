@@ -27,7 +27,10 @@ def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
     keys = job.setting_keys(cfg, "batch")
     assert keys["lr_rule"] == ("batch.lr_rule", None)
     assert keys["start"] == ("batch.schedule.start", None)  # nested: Seesaw's argument
-    assert keys["max_micro_batch_size"] == ("batch.max_micro_batch_size", "data.batch_size")  # a default from another key
+    assert keys["max_micro_batch_size"] == (
+        "batch.max_micro_batch_size",
+        "data.batch_size",
+    )  # a default from another key
     assert keys["lr_schedule"] == ("lr_schedule", None) and keys["min_lr_ratio"] == ("lr_schedule.min_lr_ratio", None)
     assert "_target_" not in keys
 
@@ -81,7 +84,9 @@ def test_a_second_batch_warmup_among_the_callbacks_is_refused():
     cfg = compose_config(
         "+callbacks.extra={_target_:lit_cbs.BatchWarmup,schedule:{_target_:lit_cbs.ConstantBatch,batch_size:16}}"
     )
-    with pytest.raises(LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"
+    ):
         job.callbacks_of(cfg)
 
 

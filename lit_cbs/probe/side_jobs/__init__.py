@@ -180,7 +180,9 @@ class SideJobRuns:
         trainer.strategy.barrier("SideJobRuns.open")
         trainer.save_checkpoint(folder / CHECKPOINT_NAME)
         if trainer.is_global_zero:
-            write_json(folder / JOB_FILE, job_description(pending, config, self.settings.build, folder / CHECKPOINT_NAME))
+            write_json(
+                folder / JOB_FILE, job_description(pending, config, self.settings.build, folder / CHECKPOINT_NAME)
+            )
         self.pending[pending.index] = pending
         if trainer.is_global_zero:
             self._start_queued()
