@@ -316,21 +316,23 @@ def fit_targets(
         mccandlish = fit_mccandlish(steps, tokens)
         if mccandlish.rms_log_residual > POOR_FIT:
             warnings.warn(
-                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); "
-                "E(S) is probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
+                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} "
+                "(rms of log E); E(S) is probably not monotone (loss curves cross, as under a WSD schedule), "
+                "so B_crit is unreliable"
             )
         wsd = None
         if len(points) < WSD_FREE_PARAMETERS:
             warnings.warn(
                 f"target loss {target:g}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has "
-                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: B_min and B_opt left out"
+                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: "
+                "B_min and B_opt left out"
             )
         else:
             wsd = fit_wsd(steps, tokens)
             if wsd.rms_log_residual > POOR_FIT:
                 warnings.warn(
-                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), "
-                    "so B_min and B_opt are unreliable"
+                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} "
+                    "(rms of log E), so B_min and B_opt are unreliable"
                 )
             thin = [part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2]
             if thin:
@@ -380,7 +382,8 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
             warnings.warn(
-                f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; kept at {sizes[-1]}"
+                f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; "
+                f"kept at {sizes[-1]}"
             )
             size = sizes[-1]
         if not sizes or size != sizes[-1]:

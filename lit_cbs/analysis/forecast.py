@@ -513,6 +513,7 @@ def growth_exponent(tokens, values) -> float:
     keep = np.isfinite(tokens) & np.isfinite(values) & (tokens > 0) & (values > 0)
     if len(set(tokens[keep])) < 2:
         raise ValueError(
-            f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); a growth exponent needs 2"
+            f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); "
+            "a growth exponent needs 2"
         )
     return float(np.polyfit(np.log(tokens[keep]), np.log(values[keep]), 1)[0])

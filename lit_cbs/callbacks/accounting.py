@@ -147,7 +147,8 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
         )
         raise LitCBSConfigError(
             f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
-            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: set {name} to one of them, or use {other}"
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: "
+            f"set {name} to one of them, or use {other}"
         )
     return global_batch // unit
 
@@ -230,8 +231,9 @@ class MicroBatchSetting:
         elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
             if value != self.owner.batch_size:
                 raise LitCBSConfigError(
-                    f"BatchWarmup needs micro-batch {value}, but the train loader given to trainer.fit(train_dataloaders=...) "
-                    f"was built with batch_size={self.owner.batch_size}, which a DataLoader cannot change: pass a "
+                    f"BatchWarmup needs micro-batch {value}, but the train loader given to "
+                    f"trainer.fit(train_dataloaders=...) was built with batch_size={self.owner.batch_size}, "
+                    "which a DataLoader cannot change: pass a "
                     "lit_cbs.GlobalOrderLoader (resized between steps), or a datamodule whose `batch_size` its "
                     "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
                 )

@@ -151,7 +151,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
         if hpc_path is not None and trainer.is_global_zero:
             copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
             rank_zero_info(
-                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, where the CBS probe began"
+                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, "
+                "where the CBS probe began"
             )
         trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
@@ -237,8 +238,9 @@ class FinalStateCheckpoint(ModelCheckpoint):
         saved = last_saved_step(self)
         if not self.save_last or not self.last_model_path or not Path(self.last_model_path).exists():
             return (
-                f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): resume from the "
-                f"newest checkpoint in {self.dirpath} with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
+                f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): "
+                f"resume from the newest checkpoint in {self.dirpath} "
+                "with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
             )
         where = "it" if saved == trainer.global_step else f"step {saved}"
         window = BatchAccounting.attach(trainer).probe_window_step

@@ -3,8 +3,9 @@
 Lightning's bar counts the micro-batches of one epoch, but a run that BatchWarmup stops at
 ``max_tokens`` ends wherever the budget runs out (the default job at 37% of its first epoch's bar),
 and with accumulation a micro-batch is not a step. This bar spans the whole run instead: tokens
-out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else optimizer steps out of ``Trainer(max_steps=...)``, and ends
-at 100%. Without either it is Lightning's bar.
+out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else
+optimizer steps out of ``Trainer(max_steps=...)``, and ends at 100%. Without either it is
+Lightning's bar.
 """
 
 from __future__ import annotations

@@ -128,14 +128,14 @@ class BatchWarmup(Callback):
             micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
         log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
             ``batch/lr_factor`` (with their rules ``batch/weight_decay``, the largest of the param
-            groups, and ``batch/beta2``, param group 0's), ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds of training
-            since the fit began, validation and probes included; a resumed run goes on from its
-            checkpoint's) and ``lr`` to the trainer's loggers at its
-            ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
-            progress bar. Each row describes the optimizer step it belongs to, as Lightning's
-            LearningRateMonitor does: the batch, accumulation and LR that step trained with, and
-            the counts including it. An epoch's last step, short when the epoch's samples run out
-            before the accumulation does, shows the samples and micro-batches it trained on.
+            groups, and ``batch/beta2``, param group 0's), ``samples_seen``, ``tokens_seen``,
+            ``fit_seconds`` (wall seconds of training since the fit began, validation and probes
+            included; a resumed run goes on from its checkpoint's) and ``lr`` to the trainer's
+            loggers at its ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without
+            tokens) in the progress bar. Each row describes the optimizer step it belongs to, as
+            Lightning's LearningRateMonitor does: the batch, accumulation and LR that step trained
+            with, and the counts including it. An epoch's last step, short when the epoch's samples
+            run out before the accumulation does, shows the samples and micro-batches it trained on.
 
     Attributes:
         history: ``BatchChange`` records, in order.
@@ -161,8 +161,8 @@ class BatchWarmup(Callback):
     ):
         if not isinstance(schedule, BatchSchedule):
             raise LitCBSConfigError(
-                f"schedule must be a lit_cbs.rules.batch_schedules schedule (ConstantBatch, PiecewiseBatch, LinearRamp, "
-                f"ExponentialRamp, ...), got {schedule!r}"
+                f"schedule must be a lit_cbs.rules.batch_schedules schedule (ConstantBatch, PiecewiseBatch, "
+                f"LinearRamp, ExponentialRamp, ...), got {schedule!r}"
             )
         self.schedule = schedule
         self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule, beta2_floor)
@@ -236,7 +236,8 @@ class BatchWarmup(Callback):
     # ------------------------------------------------------------------ validation and setup
     def micro_batch_for(self, global_batch: int) -> int:
         """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
-        up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it, the micro-batch now."""
+        up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it,
+        the micro-batch now."""
         if self.max_micro_batch_size is None:
             return self.micro_batch_size
         return micro_batch_for(global_batch, self.accounting.data_parallel_size, self.max_micro_batch_size)
@@ -512,8 +513,9 @@ class BatchWarmup(Callback):
     def _announce(self, trainer, change: BatchChange) -> None:
         rank_zero_info(
             f"BatchWarmup: global batch {change.old_global_batch} -> {change.new_global_batch} samples "
-            f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, accumulate {change.old_accumulate} -> "
-            f"{change.new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
+            f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, "
+            f"accumulate {change.old_accumulate} -> {change.new_accumulate}) after step {change.step}, "
+            f"{self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
             f"LR x{change.lr_factor:.4g}"
             + "".join(f", {rule.key} {rule.value(trainer.optimizers[0]):.4g}" for rule in self.rules.settings)
             + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")

@@ -47,7 +47,8 @@ from lit_cbs.gns.groups import assign_groups
 
 
 class _LossOfBatch(torch.nn.Module):
-    """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its parameters."""
+    """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its
+    parameters."""
 
     def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], torch.Tensor]):
         super().__init__()
@@ -184,7 +185,8 @@ class GradientNoiseScale(Callback):
 
     @staticmethod
     def _accumulation_will_exceed_one(trainer: pl.Trainer) -> bool:
-        """True if accumulation is or will become >= 2 (the trainer's, a BatchWarmup or a GradientAccumulationScheduler)."""
+        """True if accumulation is or will become >= 2 (the trainer's, a BatchWarmup or a
+        GradientAccumulationScheduler)."""
         from lit_cbs.callbacks.warmup import BatchWarmup
 
         if trainer.accumulate_grad_batches > 1:
@@ -206,8 +208,9 @@ class GradientNoiseScale(Callback):
             model.register_comm_hook(state=model.process_group, hook=self._comm_hook)
         except RuntimeError as error:
             raise LitCBSConfigError(
-                "GradientNoiseScale installs a DDP communication hook to read each rank's gradient before the all-reduce, "
-                "but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or GradientNoiseScale"
+                "GradientNoiseScale installs a DDP communication hook to read each rank's gradient before the "
+                "all-reduce, but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or "
+                "GradientNoiseScale"
             ) from error
 
     # ------------------------------------------------------------------ per micro-batch
@@ -370,8 +373,8 @@ class GradientNoiseScale(Callback):
                     else "an epoch ended inside the step"
                 )
                 rank_zero_warn(
-                    f"GradientNoiseScale: step {trainer.global_step + 1} is one micro-batch on one process, which leaves no "
-                    f"smaller batch to compare with, so steps like it are not measured ({why})"
+                    f"GradientNoiseScale: step {trainer.global_step + 1} is one micro-batch on one process, "
+                    f"which leaves no smaller batch to compare with, so steps like it are not measured ({why})"
                 )
             return
         params = [param for param in self._group_of if param.grad is not None]

@@ -84,7 +84,8 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
         return get_config(config)
     if not isinstance(config, Mapping):
         raise TypeError(
-            f"model config must be a preset name, an OLMoConfig, a transformers config or a mapping of their fields, got {config!r}"
+            "model config must be a preset name, an OLMoConfig, a transformers config or a mapping of their fields, "
+            f"got {config!r}"
         )
     if "model_type" in config:
         return hf_config(config)

@@ -78,8 +78,8 @@ class OLMoConfig:
 
 
 PRESETS: dict[str, OLMoConfig] = {
-    # The tiny workload's CPU model (docs/tiny_workload.md): 233,472 parameters (its "233k"), with an untied output head.
-    # mlp_hidden = 4 * 64 * 2/3 rounded up to a multiple of 16.
+    # The tiny workload's CPU model (docs/tiny_workload.md): 233,472 parameters (its "233k"), with an untied
+    # output head. mlp_hidden = 4 * 64 * 2/3 rounded up to a multiple of 16.
     "tiny": OLMoConfig(
         vocab_size=256, d_model=64, n_layers=4, n_heads=4, mlp_hidden=176, context_length=128, tie_embeddings=False
     ),

@@ -180,9 +180,9 @@ class ProbeConfig:
             )
         if not 0 <= self.epsilon < MAX_EPSILON:
             raise LitCBSConfigError(
-                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch "
-                f"counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and "
-                "the reading means nothing"
+                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger "
+                f"batch counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch "
+                "recovers and the reading means nothing"
             )
         if not 0 < self.ema_alpha <= 1:
             raise LitCBSConfigError(f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
@@ -191,9 +191,9 @@ class ProbeConfig:
             raise LitCBSConfigError("search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
         if 1 not in multipliers:
             raise LitCBSConfigError(
-                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of "
-                "the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves and "
-                "says nothing about the run: include 1"
+                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss "
+                "of the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves "
+                "and says nothing about the run: include 1"
             )
         self._set("multipliers", sorted(float(k) for k in multipliers))
         positive_int("window_tokens", self.window_tokens, "tokens")
@@ -212,8 +212,8 @@ class ProbeConfig:
             )
         if self.replicates > 1 and early_stop:
             raise LitCBSConfigError(
-                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined (a reading cut short has "
-                "not trained its later windows): drop one"
+                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined "
+                "(a reading cut short has not trained its later windows): drop one"
             )
         self._set(
             "max_overhead",
@@ -226,8 +226,8 @@ class ProbeConfig:
             )
         if self.side_jobs is not None and early_stop:
             raise LitCBSConfigError(
-                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with side_jobs "
-                "it never waits: drop early_stop (or side_jobs)"
+                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; "
+                "with side_jobs it never waits: drop early_stop (or side_jobs)"
             )
 
     def _set(self, name: str, value: Any) -> None:
@@ -302,8 +302,8 @@ class ProbeConfig:
             windows = f"{self.replicates} x " if self.replicates > 1 else ""
             rounded = f", {window:,} in whole steps of its largest branch" if window != self.window_tokens else ""
             raise LitCBSConfigError(
-                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) ends past "
-                f"{limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
+                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) "
+                f"ends past {limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
             )
         if point >= run_end_tokens:
             raise LitCBSConfigError(

@@ -524,7 +524,8 @@ class RunPlan:
             f"tokens           {self.tokens:,} in {sum(p.optimizer_steps for p in self.phases):,} optimizer steps "
             f"(max_tokens={self.max_tokens:,})",
             "",
-            "batch schedule   (global batch in samples of seq_len tokens; accumulation = micro-batches per step per rank)",
+            "batch schedule   (global batch in samples of seq_len tokens; "
+            "accumulation = micro-batches per step per rank)",
             f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
             + "".join(
                 f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases
@@ -545,8 +546,9 @@ class RunPlan:
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         lines += [
             "",
-            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} ({unit}) at micro-batch {micro} x "
-            f"{self.seq_len:,} tokens; activation checkpointing {chosen} (model.activation_checkpointing)",
+            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} ({unit}) "
+            f"at micro-batch {micro} x {self.seq_len:,} tokens; "
+            f"activation checkpointing {chosen} (model.activation_checkpointing)",
             f"  {'':<24} {'AC on':>8} {'AC off':>8}",
         ]
         rows = [
@@ -577,17 +579,17 @@ class RunPlan:
             lines.append(
                 f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
                 f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
-                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} "
-                "of training)"
+                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens "
+                f"({p.tokens / max(1, self.tokens):.1%} of training)"
             )
             if p.side_jobs is not None:
                 hours = f"{self.probe_device_hours:,.0f} device-hours" if self._on_gpu else "their own devices"
                 lines += [
-                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, which does not "
-                    f"wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job "
-                    "(deleted once its reading is in)",
-                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores its "
-                    "own window on (no snapshot, no recorded window)",
+                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, "
+                    f"which does not wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint "
+                    "for its job (deleted once its reading is in)",
+                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores "
+                    "its own window on (no snapshot, no recorded window)",
                 ]
             else:
                 lines.append(
@@ -609,8 +611,8 @@ class RunPlan:
             lines += [
                 "",
                 f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
-                f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
-                f"plan_for.peak_flops_per_device), "
+                f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device "
+                "(model.peak_flops_per_device, else plan_for.peak_flops_per_device), "
                 f"{self.processes * seconds / 3600:,.0f} device-hours{pauses}",
             ]
         else:
@@ -622,8 +624,8 @@ class RunPlan:
         if self.micro_batch_limit is not None:
             lines.append(
                 f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
-                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: each "
-                "phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
+                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: "
+                "each phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
             )
         lines += self._cluster_report()
         warnings = self.warnings()
@@ -647,14 +649,15 @@ class RunPlan:
         times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
         lines = [
             "",
-            f"growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share of a step "
-            f"at the first phase's, micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
+            "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
+            "of a step at the first phase's, "
+            f"micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
             f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
         ]
         for planned in self.cluster:
             row = (
-                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
-                f"{planned.accumulate:>6}"
+                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} "
+                f"{planned.micro_batch:>6} {planned.accumulate:>6}"
             )
             if timed:
                 seconds = self._seconds(planned.phase.tokens, planned.ranks)
@@ -666,8 +669,9 @@ class RunPlan:
         device_hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
         if timed:
             lines.append(
-                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
-                f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)"
+                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout "
+                f"({fixed / grown:.2f}x sooner; {device_hours:,.0f} device-hours either way at the same MFU; "
+                "probes not counted)"
             )
         lines.append(
             "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:"
@@ -678,7 +682,8 @@ class RunPlan:
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
             lines.append(
-                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
+                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} "
+                f"trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
             )
         lines.append(
             "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):"
@@ -689,8 +694,8 @@ class RunPlan:
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
             lines.append(
-                f"    RUN_DIR=outputs/{self.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}{after} "
-                f"recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
+                f"    RUN_DIR=outputs/{self.name}/phase{index + 1} sbatch --nodes={nodes} "
+                f"--ntasks-per-node={per_node}{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
             )
         return lines
 

@@ -37,7 +37,8 @@ PAGE = """<!DOCTYPE html>
 <style>
 body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
 figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }}
-table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
+table {{ border-collapse: collapse; margin: 1em 0; }} \
+td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
 </style></head>
 <body data-figures="{count}">
 <h1>{title}</h1>

@@ -175,8 +175,8 @@ class Seesaw(PiecewiseBatch):
         sample = [lr_schedule(first + (total - first) * i // 256) for i in range(257)]
         if not (peak > 0 and all(later <= earlier * (1 + 1e-12) for earlier, later in zip(sample, sample[1:]))):
             raise LitCBSConfigError(
-                f"Seesaw needs an LR schedule that only decays after its warmup ({first:,} tokens), but {lr_schedule!r} "
-                "rises again: use CosineSchedule, WarmupStableDecay or StepDecay"
+                f"Seesaw needs an LR schedule that only decays after its warmup ({first:,} tokens), "
+                f"but {lr_schedule!r} rises again: use CosineSchedule, WarmupStableDecay or StepDecay"
             )
         sizes, thresholds = [start], [0]
         size, level = start * factor, peak / factor
@@ -192,8 +192,9 @@ class Seesaw(PiecewiseBatch):
             size, level = size * factor, level / factor
         if len(sizes) == 1:
             raise LitCBSConfigError(
-                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, so Seesaw would never grow "
-                f"the batch: give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
+                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, "
+                "so Seesaw would never grow the batch: "
+                "give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
             )
         super().__init__(sizes, thresholds, unit="tokens")
         self.lr_schedule, self.start, self.max_batch_size, self.factor = lr_schedule, start, max_batch_size, factor
@@ -267,7 +268,8 @@ class ExponentialRamp(BatchSchedule):
             if v % multiple_of:
                 raise LitCBSConfigError(
                     f"{name}={v} must be a multiple of multiple_of={multiple_of}; "
-                    f"nearest: {v // multiple_of * multiple_of or multiple_of} or {(v // multiple_of + 1) * multiple_of}"
+                    f"nearest: {v // multiple_of * multiple_of or multiple_of} "
+                    f"or {(v // multiple_of + 1) * multiple_of}"
                 )
         self.start, self.final, self.ramp, self.multiple_of = start, final, ramp, multiple_of
         self.unit = _check_unit(unit)

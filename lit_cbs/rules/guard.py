@@ -231,7 +231,8 @@ class BatchGuard:
             return cls(GuardConfig.from_dict(setting))
         names = ", ".join(field.name for field in dataclasses.fields(GuardConfig))
         raise LitCBSConfigError(
-            f"guard={setting!r} must be true, false, null, a dict of the settings {names}, a GuardConfig, or a BatchGuard"
+            f"guard={setting!r} must be true, false, null, a dict of the settings {names}, "
+            "a GuardConfig, or a BatchGuard"
         )
 
     def __repr__(self) -> str:

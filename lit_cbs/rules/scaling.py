@@ -138,8 +138,9 @@ class AdamSDERule(LRRule):
                 reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
                 betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
                 raise LitCBSConfigError(
-                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {type(optimizer).__name__} "
-                    f"betas {betas} (beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
+                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for "
+                    f"{type(optimizer).__name__} betas {betas} "
+                    "(beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
                     f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
                 )
 
@@ -234,8 +235,8 @@ def check_scheduler_supported(scheduler, who: str) -> None:
     ]
     if isinstance(scheduler, torch_sched.OneCycleLR):
         raise LitCBSConfigError(
-            f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
-            f"the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.rules.lr_schedules.OneCycle("
+            f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve "
+            "set the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.rules.lr_schedules.OneCycle("
             f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
             "OneCycleLR arguments (momentum is not cycled)"
         )
