@@ -430,9 +430,10 @@ def markdown(
         "",
     ]
     lines += [
-        f"- {run['key']}: `python {run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`".replace(
-            "python train.py", "python recipes/train.py"
-        )
+        (
+            f"- {run['key']}: `python "
+            f"{run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`"
+        ).replace("python train.py", "python recipes/train.py")
         for run in runs
     ]
     lines += [
@@ -487,17 +488,19 @@ def markdown(
         )
         + ".",
         "",
-        "Run-to-run spread of L_k - L_1 against the SE the readings report (nats; std across seeds, n - 1; SE: their median):",
+        "Run-to-run spread of L_k - L_1 against the SE the readings report "
+        "(nats; std across seeds, n - 1; SE: their median):",
         "",
-        "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE | first window: std | median SE | std / SE |",
+        "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE "
+        "| first window: std | median SE | std / SE |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in spreads:
         two, one = row["two"], row["one"]
         lines.append(
-            f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} | {two['std']:.4f} "
-            f"| {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} | {one['median_se']:.4f} "
-            f"| {one['std'] / one['median_se']:.1f} |"
+            f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} "
+            f"| {two['std']:.4f} | {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} "
+            f"| {one['median_se']:.4f} | {one['std'] / one['median_se']:.1f} |"
         )
     lines += [
         "",
@@ -509,14 +512,15 @@ def markdown(
     for run in runs:
         c = costs[run["key"]]
         lines.append(
-            f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} | {run['wall_seconds'] or 0:.0f} |"
+            f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} "
+            f"| {run['wall_seconds'] or 0:.0f} |"
         )
     lines += [
         "",
         "### 2. Forecasts on readings they did not see",
         "",
-        f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each held-out "
-        "reading's 90% interval (covered: they overlap).",
+        f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each "
+        "held-out reading's 90% interval (covered: they overlap).",
         "",
         "| group | fitted on -> checked on | readings fitted | held-out covered | fit |",
         "|---|---|---|---|---|",
@@ -532,7 +536,8 @@ def markdown(
             "",
             "Held-out readings outside the band: "
             + "; ".join(
-                f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
+                f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} "
+                f"vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
                 for group, m in misses
             )
             + ".",
@@ -543,7 +548,8 @@ def markdown(
         "",
         *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found],
         "",
-        f"![90% intervals of every seed's readings, two windows and one]({os.path.relpath(plot_path, args.markdown.parent)})"
+        "![90% intervals of every seed's readings, two windows and one]"
+        f"({os.path.relpath(plot_path, args.markdown.parent)})"
         if args.markdown
         else "",
     ]

@@ -373,13 +373,15 @@ def repeatability_markdown(
         lines.append(f"| {row['point']:,} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| window start (tokens) | determined | largest disagreement (grid steps) | two determined readings > 1 step apart |",
+        "| window start (tokens) | determined | largest disagreement (grid steps) "
+        "| two determined readings > 1 step apart |",
         "|---|---|---|---|",
     ]
     for row in rows:
         steps = "-" if row["max_steps"] is None else f"{row['max_steps']:.0f}"
         lines.append(
-            f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} | {'YES' if row['over_one_step'] else 'no'} |"
+            f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} "
+            f"| {'YES' if row['over_one_step'] else 'no'} |"
         )
     lines += [
         "",
@@ -395,7 +397,8 @@ def repeatability_markdown(
         se = "-" if s["median_se"] is None else f"{s['median_se']:.4f}"
         within = "-" if s["within_seed_std"] is None else f"{s['within_seed_std']:.4f} ({s['seed_pairs']})"
         lines.append(
-            f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} | {within} |"
+            f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} "
+            f"| {se} | {ratio} | {within} |"
         )
     if threads:
         gaps = {}
@@ -403,8 +406,8 @@ def repeatability_markdown(
             gaps[t["point"]] = max(gaps.get(t["point"], 0.0), t["main_loss_gap"])
         lines += [
             "",
-            "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's end "
-            "(nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
+            "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's "
+            "end (nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
             "independent samples while the gap is small): "
             + ", ".join(f"{gap:.4f} at {point:,}" for point, gap in gaps.items())
             + ".",
@@ -414,7 +417,8 @@ def repeatability_markdown(
 
 def late_markdown(pairs: list[dict]) -> list[str]:
     lines = [
-        "| seed | window start (tokens) | branch LR | main run's L | L_1 | L_k - L_1 ± SE | reading | decisive | L monotone in k | tokens spent |",
+        "| seed | window start (tokens) | branch LR | main run's L | L_1 | L_k - L_1 ± SE | reading | decisive "
+        "| L monotone in k | tokens spent |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pair in pairs:
@@ -424,8 +428,9 @@ def late_markdown(pairs: list[dict]) -> list[str]:
                 continue
             diffs = ", ".join(f"k={k}: {d:+.4f} ± {se:.4f}" for k, (d, se) in v["vs_k1"].items())
             lines.append(
-                f"| {pair['seed']} | {v['tokens']:,} | {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} "
-                f"| {v['main_loss']:.4f} | {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
+                f"| {pair['seed']} | {v['tokens']:,} "
+                f"| {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} | {v['main_loss']:.4f} "
+                f"| {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
                 f"| {'yes' if v['monotone'] else 'no'} | {v['tokens_spent']:,} |"
             )
     verdicts = []
@@ -442,8 +447,9 @@ def late_markdown(pairs: list[dict]) -> list[str]:
         )
         verdicts.append(
             f"- seed {pair['seed']}, {pair['point']:,} tokens: with cooldown the reading is {change} "
-            f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} with cooldown, "
-            f"{'yes' if c['monotone'] else 'no'} without; cost {d['tokens_spent']:,} vs {c['tokens_spent']:,} tokens"
+            f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} "
+            f"with cooldown, {'yes' if c['monotone'] else 'no'} without; "
+            f"cost {d['tokens_spent']:,} vs {c['tokens_spent']:,} tokens"
             + ("" if pair["same_window"] else "; **the window starts differ**")
         )
     return lines + [""] + verdicts
@@ -470,8 +476,8 @@ def markdown(results: dict, quick: bool = False) -> str:
     for run in runs:
         wall = "-" if run["wall_seconds"] is None else f"{run['wall_seconds']:.0f}"
         lines.append(
-            f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
-            f"| {sum(r.tokens_spent for r in run['readings']):,} |"
+            f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} "
+            f"| {len(run['readings'])} | {sum(r.tokens_spent for r in run['readings']):,} |"
         )
     missing = [run.key for run in runs_of(quick) if run.key not in {r["key"] for r in runs}]
     if missing:
@@ -482,9 +488,10 @@ def markdown(results: dict, quick: bool = False) -> str:
         "",
         "### 1-2. Repeatability (experiment R)",
         "",
-        "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), then the "
-        "comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 nats) by, and each "
-        "measured larger k against the smaller k it most clearly exceeds epsilon by (paired held-out SE).",
+        "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), "
+        "then the comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 "
+        "nats) by, and each measured larger k against the smaller k it most clearly exceeds epsilon by (paired "
+        "held-out SE).",
     ]
     for experiment, title in (("default", "R-default: the default job"), ("curve", "R-curve: +recipe=tiny_cbs_curve")):
         r = results["repeatability"].get(experiment)
@@ -496,11 +503,11 @@ def markdown(results: dict, quick: bool = False) -> str:
         "",
         "### 3. Late inflation (experiment L): branch LR cooldown",
         "",
-        f"tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 included) "
-        f"decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's readings of the same "
-        "run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: the main run's "
-        "held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with cooldown: "
-        "after its own LR decay).",
+        "tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 "
+        f"included) decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's "
+        "readings of the same run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: "
+        "the main run's held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with "
+        "cooldown: after its own LR decay).",
         "",
     ]
     lines += late_markdown(results["late"])
@@ -525,7 +532,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says",
+        help=(
+            "two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says"
+        ),
     )
     args = parser.parse_args(argv)
     if args.markdown is None and not args.quick:

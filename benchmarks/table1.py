@@ -211,7 +211,8 @@ def goals(rows: dict[str, dict]) -> list[tuple[str, bool]]:
         )
         checks.append(
             (
-                f"warmup: {warmup['steps_saved']:.1%} fewer optimizer steps (goal >= {GOALS['warmup_steps_saved']:.0%})",
+                f"warmup: {warmup['steps_saved']:.1%} fewer optimizer steps "
+                f"(goal >= {GOALS['warmup_steps_saved']:.0%})",
                 warmup["steps_saved"] >= GOALS["warmup_steps_saved"],
             )
         )
@@ -229,15 +230,16 @@ def goals(rows: dict[str, dict]) -> list[tuple[str, bool]]:
         share = adaptive["probe_tokens"] / adaptive["tokens"]
         checks.append(
             (
-                f"adaptive: probe tokens {share:.1%} of the training tokens (goal <= {GOALS['adaptive_probe_share']:.0%})",
+                f"adaptive: probe tokens {share:.1%} of the training tokens "
+                f"(goal <= {GOALS['adaptive_probe_share']:.0%})",
                 share <= GOALS["adaptive_probe_share"],
             )
         )
         checks.append(
             (
                 f"adaptive: {adaptive['steps_saved_with_probes']:.1%} fewer steps counting probe branches "
-                f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} vs small batch "
-                f"(goal <= +{GOALS['warmup_loss_gap']})",
+                f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} "
+                f"vs small batch (goal <= +{GOALS['warmup_loss_gap']})",
                 adaptive["steps_saved_with_probes"] >= GOALS["adaptive_steps_saved"]
                 and adaptive["loss_vs_small"] <= GOALS["warmup_loss_gap"],
             )
@@ -301,7 +303,8 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         f"{machine(args.load)}).",
         "",
         f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {budget:,} tokens per run, "
-        f"base batch 16 x 128 tokens, LR 3e-3 (batch k x 16 uses 3e-3 x sqrt(k)), seeds {', '.join(map(str, args.seed_list))}. "
+        "base batch 16 x 128 tokens, LR 3e-3 (batch k x 16 uses 3e-3 x sqrt(k)), "
+        f"seeds {', '.join(map(str, args.seed_list))}. "
         f"Held-out loss: the whole validation split, averaged over each run's last {args.last_evals} evaluations "
         f"(one every {budget // 16:,} tokens); spread = max - min over seeds. Steps saved are against the small-batch "
         'control; "incl. probes" adds every optimizer step the probe\'s branches took.',

@@ -28,7 +28,8 @@ seconds, and the section "time_to_loss" of docs/RESULTS.md (``--markdown``).
 Usage::
 
     python -m benchmarks.time_to_loss                  # 2 seeds, about 30 minutes on 2 cores
-    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 4 validation batches, no extras
+    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 4 validation
+                                                               # batches, no extras
     python -m benchmarks.time_to_loss --gpu --out /tmp/ttl_gpu --markdown /tmp/ttl_gpu/time_to_loss.md
 """
 
@@ -174,7 +175,8 @@ def fmt_seconds(values: list[float | None]) -> str:
 
 def table(result: dict, labels: dict[str, str]) -> str:
     lines = [
-        "| run | time to target, s (per seed) | x control's time | final held-out loss | fit s | steps | tokens/s per batch |",
+        "| run | time to target, s (per seed) | x control's time | final held-out loss "
+        "| fit s | steps | tokens/s per batch |",
         "|---|---|---|---|---|---|---|",
     ]
     for key, row in result["rows"].items():
@@ -248,7 +250,10 @@ def plot(runs: dict[str, list[dict]], result: dict, labels: dict[str, str], path
 def markdown(result, runs, extras, checks, labels, args, plot_path: Path, seconds: float) -> str:
     relative_plot = os.path.relpath(plot_path, args.markdown.parent)
     if args.gpu:
-        where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}, torch {torch.__version__}"
+        where = (
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}, "
+            f"torch {torch.__version__}"
+        )
         model = (
             f"a 25M-parameter model of the tiny OLMo's family (d_model 512, 8 layers, {GPU_SEQ_LEN}-token sequences) "
             "in bf16 on one GPU, on the embedded corpus"
@@ -262,12 +267,13 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         + f" ({seconds / 60:.1f} minutes, {args.date}; {where}; one run at a time).",
         "",
         f"Workload: {model}, {args.tokens:,} tokens per run, seeds {', '.join(map(str, args.seed_list))}; "
-        f"the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on {args.val_batches} micro-batches every "
-        f"{args.tokens // EVALUATIONS:,} tokens. Target: each seed's small-batch final held-out loss + {TARGET_MARGIN} nats "
-        f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the fit's "
-        "start, validation and probes included), interpolated between evaluations; the ratio is to the control's time to "
-        "the same target, per seed, averaged. Tokens/s: median per optimizer step and batch (samples), validation and "
-        "probes left out.",
+        "the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on "
+        f"{args.val_batches} micro-batches every {args.tokens // EVALUATIONS:,} tokens. Target: each seed's "
+        f"small-batch final held-out loss + {TARGET_MARGIN} nats "
+        f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the "
+        "fit's start, validation and probes included), interpolated between evaluations; the ratio is to the control's "
+        "time to the same target, per seed, averaged. Tokens/s: median per optimizer step and batch (samples), "
+        "validation and probes left out.",
         "",
         table(result, labels),
         "",
@@ -276,7 +282,8 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         eager = runs["warmup"][0]["tokens_per_s"]
         compiled = extras[COMPILED]["tokens_per_s"]
         lines += [
-            "Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch (samples): "
+            "Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), "
+            "tokens/s per batch (samples): "
             + ", ".join(
                 f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items()
             )
@@ -286,9 +293,9 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
     if "default_job" in extras:
         whole, training = extras["default_job"], extras["default_job_training_only"]
         lines += [
-            f"The default job (`python recipes/train.py`): {whole['process_seconds']:.0f} s for the whole process (probes, "
-            f"validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training steps alone "
-            f"(`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).",
+            f"The default job (`python recipes/train.py`): {whole['process_seconds']:.0f} s for the whole process "
+            f"(probes, validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training "
+            f"steps alone (`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).",
             "",
         ]
     lines += [
@@ -317,7 +324,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--gpu",
         action="store_true",
-        help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, the compiled run, no default-job runs",
+        help=(
+            f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, "
+            "the compiled run, no default-job runs"
+        ),
     )
     parser.add_argument("--configs", default=",".join(KEYS), help=f"comma-separated, from {KEYS} (small is needed)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_to_loss", help="folder for the runs")

@@ -30,9 +30,9 @@ About 45-60 minutes on 2 cores.
 
 Usage::
 
-    python -m benchmarks.transfer --jobs 2                  # writes docs/RESULTS.md, docs/transfer.png, docs/forecast.png
+    python -m benchmarks.transfer --jobs 2       # writes docs/RESULTS.md, docs/transfer.png, docs/forecast.png
     python -m benchmarks.transfer --quick --out /tmp/transfer
-    python -m benchmarks.transfer --report-only             # the report from the runs finished in OUT
+    python -m benchmarks.transfer --report-only  # the report from the runs finished in OUT
 """
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def load(run: Run, out: Path) -> dict:
     if "curve" in run.recipe:
         result["readings"] = read_readings(probe_file(run_dir))
     print(
-        f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
-        f"tokens, {result['optimizer_steps']:,} steps",
+        f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} "
+        f"at {result['val_curve'][-1]['tokens']:,} tokens, {result['optimizer_steps']:,} steps",
         flush=True,
     )
     return result
@@ -285,8 +285,8 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
         agreeing = sum(point["agree"] for point in points)
         checks.append(
             (
-                f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} of {len(points)} probe "
-                f"points (goal >= {GOALS['agreeing_points']:.0%} of them)",
+                f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} "
+                f"of {len(points)} probe points (goal >= {GOALS['agreeing_points']:.0%} of them)",
                 agreeing >= GOALS["agreeing_points"] * len(points),
             )
         )
@@ -296,8 +296,9 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
         gap = statistics.mean(row["loss_vs_control"] for row in paired)
         checks.append(
             (
-                f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer steps than "
-                f"the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) at held-out loss {gap:+.4f} nats "
+                f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer "
+                f"steps than the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) "
+                f"at held-out loss {gap:+.4f} nats "
                 f"(goal <= +{GOALS['loss_gap']})",
                 saved >= GOALS["steps_saved"] and gap <= GOALS["loss_gap"],
             )
@@ -423,14 +424,15 @@ def markdown(
         f"Command: `python -m benchmarks.transfer {' '.join(args.argv)}`".rstrip()
         + f" ({args.date}; {machine(os.getloadavg())}).",
         "",
-        f"Budget: {s.tokens:,} tokens per run (the recipes'), batch 16 x 128 tokens (the forecast schedule grows it to at "
-        f"most {FINAL}), LR 3e-3 (x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the "
-        f"embedded stdlib corpus. tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: "
+        f"Budget: {s.tokens:,} tokens per run (the recipes'), batch 16 x 128 tokens (the forecast schedule grows it to "
+        f"at most {FINAL}), LR 3e-3 (x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the "
+        "embedded stdlib corpus. tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: "
         f"points from {s.probe_first:,} tokens doubling, windows of {s.window_tokens:,} tokens, each k trained on "
-        f"{s.replicates} disjoint data windows, k = {', '.join(map(str, s.multipliers))} by bisection, held-out loss on "
-        f"{s.heldout_batches} micro-batches, epsilon 0.02 nats, confidence 0.9; the same for both models. Seeds "
+        f"{s.replicates} disjoint data windows, k = {', '.join(map(str, s.multipliers))} by bisection, held-out loss "
+        f"on {s.heldout_batches} micro-batches, epsilon 0.02 nats, confidence 0.9; the same for both models. Seeds "
         f"{', '.join(map(str, SEEDS))} for every model and way of training. Held-out loss below: the last of "
-        f"{s.evaluations} evaluations ({s.val_batches} micro-batches of the validation split), at the end of the budget.",
+        f"{s.evaluations} evaluations ({s.val_batches} micro-batches of the validation split), "
+        "at the end of the budget.",
         "",
     ]
     if missing:
@@ -457,7 +459,8 @@ def markdown(
     lines += [""]
     if forecast is not None:
         lines += [
-            f"The forecast (`recipes/schedule_from_probe.py {' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
+            "The forecast (`recipes/schedule_from_probe.py "
+            f"{' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
             f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."
         ]
         if noise is not None:

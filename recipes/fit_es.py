@@ -96,7 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def format_table(fits) -> str:
     """One row per target loss: B_crit, B_min, B_opt (nan: no fit) and how many runs reached it."""
     lines = [
-        f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   (batch sizes in {fits[0].unit})"
+        f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   "
+        f"(batch sizes in {fits[0].unit})"
     ]
     poor = False
     for fit in fits:
@@ -104,8 +105,8 @@ def format_table(fits) -> str:
         wsd_mark = "*" if fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT else " "
         poor = poor or "*" in crit_mark + wsd_mark
         lines.append(
-            f"{fit.target:>11.4g}  {fit.b_crit:>10.4g}{crit_mark}  {fit.b_min:>10.4g}{wsd_mark} {fit.b_opt:>10.4g}{wsd_mark} "
-            f"{len(fit.crossings):>4}"
+            f"{fit.target:>11.4g}  {fit.b_crit:>10.4g}{crit_mark}  {fit.b_min:>10.4g}{wsd_mark} "
+            f"{fit.b_opt:>10.4g}{wsd_mark} {len(fit.crossings):>4}"
         )
     if poor:
         lines.append(f"* that E(S) fit misses the runs by more than {POOR_FIT:.0%} (rms of log E): unreliable")
@@ -183,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no schedule proposed: {error}")
         else:
             source = sweep_folder or ", ".join(map(str, args.sweep))
-            comment = f"Batch schedule following B_opt (Zhou et al. 2026, arXiv 2601.05034), fitted by recipes/fit_es.py\nfrom {source}."
+            comment = (
+                "Batch schedule following B_opt (Zhou et al. 2026, arXiv 2601.05034), fitted by recipes/fit_es.py\n"
+                f"from {source}."
+            )
             written.append(write_schedule_yaml(schedule, out / "schedule.yaml", comment))
             print(f"proposed schedule: {schedule}")
     except ValueError as error:

@@ -1,23 +1,25 @@
-"""Write a batch size warmup read off a measured CBS curve as a Hydra batch config: measure on a small
+r"""Write a batch size warmup read off a measured CBS curve as a Hydra batch config: measure on a small
 model, train the big one with no probe.
 
     python recipes/train.py +recipe=tiny_cbs_curve hydra.run.dir=runs/tiny_curve
-    python recipes/schedule_from_probe.py runs/tiny_curve/cbs_probe.jsonl --start 16 --final 64 --out conf/batch/measured.yaml
+    python recipes/schedule_from_probe.py runs/tiny_curve/cbs_probe.jsonl --start 16 --final 64 \
+        --out conf/batch/measured.yaml
     python recipes/train.py +recipe=tiny4x_warmup batch=measured
 
 With --forecast-to TOKENS the schedule reaches past the last probe: a CBS curve is fitted to the
 readings' brackets (lit_cbs.analysis.forecast_cbs: a power law, or one with a plateau, by held-out
 likelihood) and the batch follows the lower edge of its --coverage band up to TOKENS; --plot draws
 the brackets, the curve and the band, and --noise-scale METRICS_CSV adds a run's GradientNoiseScale
-B_simple over tokens to the plot and prints its growth exponent beside the CBS's. Otherwise the batch starts at --start samples and grows by --factor at the token count of each probe reading
-whose CBS lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at
---final, undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds)
-are read together; at a token count read twice the smaller lower bound counts. --seq-len converts a
-curve measured at another sequence length (--measured-seq-len) through tokens. The output is a
-conf/batch/ option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a
-PiecewiseBatch (tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...); the recipes read conf/ of the folder
-they run from beside the package's, so write it there. It keeps the measured run's micro-batch growth:
-its max_micro_batch_size is --max-micro-batch-size, else batch.max_micro_batch_size of the run's saved
+B_simple over tokens to the plot and prints its growth exponent beside the CBS's. Otherwise the batch
+starts at --start samples and grows by --factor at the token count of each probe reading whose CBS
+lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at --final,
+undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds) are read
+together; at a token count read twice the smaller lower bound counts. --seq-len converts a curve
+measured at another sequence length (--measured-seq-len) through tokens. The output is a conf/batch/
+option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a PiecewiseBatch
+(tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...); the recipes read conf/ of the folder they run from
+beside the package's, so write it there. It keeps the measured run's micro-batch growth: its
+max_micro_batch_size is --max-micro-batch-size, else batch.max_micro_batch_size of the run's saved
 configuration beside the probe files (resolved_config.yaml, or .hydra/config.yaml), else the default
 of conf/batch/warmup.yaml; the file's comment says which. Records written before probe records stored
 their epsilon are read at the run's callbacks.cbs_probe.epsilon from the same configuration, or
@@ -217,7 +219,8 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
     print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     if noise is not None:
         print(
-            f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); the CBS fit as D^{forecast.exponent:.3f}"
+            f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); "
+            f"the CBS fit as D^{forecast.exponent:.3f}"
         )
     return 0
 

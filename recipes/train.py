@@ -171,7 +171,8 @@ def build_run(cfg: DictConfig) -> Run:
         raise LitCBSConfigError(
             f"batch.schedule is CBSAdaptive, which grows the batch only on CBS readings, but the run has no probe "
             f"(callbacks.cbs_probe is null, or its first window ends past max_tokens), so the batch would stay "
-            f"{warmup.schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), or a fixed schedule (batch=warmup)"
+            f"{warmup.schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), "
+            "or a fixed schedule (batch=warmup)"
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
