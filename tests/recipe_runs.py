@@ -59,7 +59,8 @@ SHORT_RUN = [
 
 
 def short_run(text_folder, tmp_path, *overrides: str):
-    """The config and the built run of SHORT_RUN on the small text folder with ``overrides``, its output in tmp_path/run."""
+    """The config and the built run of SHORT_RUN on the small text folder with ``overrides``, its output in
+    tmp_path/run."""
     cfg = compose_config(
         *overrides,
         *SHORT_RUN,

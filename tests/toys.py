@@ -248,7 +248,8 @@ class RecordShardedModules(pl.Callback):
 
 
 def megatron_reference(consumed, start, increment, ramp, final):
-    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from Megatron-LM's num_microbatches_calculator."""
+    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from Megatron-LM's
+    num_microbatches_calculator."""
     if consumed > ramp:
         return final
     per_increment = ramp / ((final - start) // increment)

@@ -21,7 +21,8 @@ def wsd_sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def wsd_fits(wsd_sweep):
-    """(the TargetFits of WSD_TARGETS in samples, the messages of the warnings fitting raised) on the unsmoothed sweep."""
+    """(the TargetFits of WSD_TARGETS in samples, the messages of the warnings fitting raised) on the unsmoothed
+    sweep."""
     crossings, _ = recorded(find_crossings, read_sweep(wsd_sweep), WSD_TARGETS, smoothing=None)
     return recorded(fit_targets, crossings, tokens_per_sample=SEQ_LEN)
 

@@ -45,7 +45,8 @@ def test_fit_mccandlish_recovers_parameters_from_noisy_points():
     tokens = e_min * steps / (steps - s_min) * np.exp(0.01 * rng.standard_normal(16))  # 1% noise
     fit = fit_mccandlish(steps, tokens)
     print(
-        f"McCandlish (1% noise): S_min {fit.s_min:.1f} (2000), E_min {fit.e_min:.4g} (1e8), B_crit {fit.b_crit:.4g} (5e4)"
+        f"McCandlish (1% noise): S_min {fit.s_min:.1f} (2000), E_min {fit.e_min:.4g} (1e8), "
+        f"B_crit {fit.b_crit:.4g} (5e4)"
     )
     assert fit.s_min == pytest.approx(s_min, rel=0.05)
     assert fit.e_min == pytest.approx(e_min, rel=0.05)

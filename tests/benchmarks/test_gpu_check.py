@@ -42,7 +42,8 @@ def test_gpu_check_runs_on_cpu_compiled_and_imports_nothing_the_gpu_machine_lack
     done = run_module(["-c", code], cwd=tmp_path)
     forbidden, lit_cbs_modules = done.stdout.strip().splitlines()[-2:]
     assert forbidden == "[]"
-    # RandomTokenData and the loader need torch and Lightning only; the datamodule (litdata) and the run report are not loaded.
+    # RandomTokenData and the loader need torch and Lightning only; the datamodule (litdata) and the run report
+    # are not loaded.
     loaded = lit_cbs_modules[1:-1].split(", ")
     assert "'lit_cbs.data.synthetic'" in loaded
     assert not any(name.startswith(("'lit_cbs.data.datamodule", "'lit_cbs.recipes.run_report")) for name in loaded)

@@ -1,4 +1,5 @@
-"""BatchWarmup on a real Trainer: exact steps, no sample lost, LR after changes, resume, bad configuration (single process)."""
+"""BatchWarmup on a real Trainer: exact steps, no sample lost, LR after changes, resume, bad configuration
+(single process)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,11 @@
 
 Both runs use the same batch growth, 4 -> 8 -> 16 global samples with micro-batch 2 on 2 ranks
 (accumulate 1 -> 2 -> 4), over 2 epochs of 96 samples. Each rank saves what it recorded; the test
-joins the ranks and checks the invariants that every step averages exactly the scheduled samples and none is lost on global quantities: every optimizer step
-averages exactly the scheduled global batch, split across ranks with no overlap, in the sampler's
-order, and the gradient both ranks step with is the exact mean over those samples; the LR follows
-lr_rule="linear" (invariant 3) identically on both ranks.
+joins the ranks and checks the invariants that every step averages exactly the scheduled samples and
+none is lost on global quantities: every optimizer step averages exactly the scheduled global batch,
+split across ranks with no overlap, in the sampler's order, and the gradient both ranks step with is
+the exact mean over those samples; the LR follows lr_rule="linear" (invariant 3) identically on both
+ranks.
 """
 
 from __future__ import annotations
@@ -365,7 +366,8 @@ def test_fsdp2_resumes_a_distributed_checkpoint_on_another_number_of_processes(t
 
 # ---------------------------------------------------------------- an epoch's last round, dealt over the ranks
 # 105 samples on 2 ranks: every epoch ends in a round that leaves the ranks different numbers of samples. Epoch 0
-# ends with rounds of 8 (57 - 7 x 8 = 1 sample left: rank 1 gets none), epochs 1 and 2 with rounds of 12 (9 left: 5 and 4).
+# ends with rounds of 8 (57 - 7 x 8 = 1 sample left: rank 1 gets none), epochs 1 and 2 with rounds of 12 (9 left:
+# 5 and 4).
 UNEVEN_SAMPLES = 105
 
 
@@ -445,7 +447,8 @@ def test_on_two_ranks_every_sample_trains_once_per_epoch_and_each_step_is_the_me
     # A mean over no sample is NaN: a module that gives one is refused before its first step, with the fix.
     with pytest.raises(
         Exception,
-        match=r"the train loader's 105 samples do not divide over 2 data-parallel ranks, so an epoch's last micro-batch can "
-        r"hold no sample on some rank.*training_step on such a zero-sample batch gives the loss nan.*token_mean_loss",
+        match=r"the train loader's 105 samples do not divide over 2 data-parallel ranks, so an epoch's last "
+        r"micro-batch can hold no sample on some rank.*training_step on such a zero-sample batch gives the loss "
+        r"nan.*token_mean_loss",
     ):
         uneven_run(tmp_path / "refused", RegressionModule())

@@ -30,7 +30,8 @@ def loaders(ranks: int, micro: int, **kwargs) -> list[GlobalOrderLoader]:
 
 
 def steps_of(ranks: int, micro_per_step: list[tuple[int, int]], **kwargs) -> list[list[int]]:
-    """The samples of each optimizer step over all ranks in lockstep; ``micro_per_step``: (micro-batch, accumulation) per step."""
+    """The samples of each optimizer step over all ranks in lockstep; ``micro_per_step``: (micro-batch,
+    accumulation) per step."""
     group = loaders(ranks, micro_per_step[0][0], **kwargs)
     iterators = [iter(loader) for loader in group]
     steps = []

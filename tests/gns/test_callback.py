@@ -349,6 +349,9 @@ def test_resume_with_other_groups_is_refused(tmp_path):
         accumulate_grad_batches=2,
         enable_checkpointing=True,
     )
-    expected = f"the checkpoint's GradientNoiseScale measured the groups ['first', 'second'] but groups={first!r} gives ['first', None]"
+    expected = (
+        "the checkpoint's GradientNoiseScale measured the groups ['first', 'second'] "
+        f"but groups={first!r} gives ['first', None]"
+    )
     with pytest.raises(ValueError, match=re.escape(expected)):
         fit(128, 8, gns=GradientNoiseScale(groups=first), accumulate_grad_batches=2, ckpt_path=tmp_path / "last.ckpt")

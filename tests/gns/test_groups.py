@@ -1,4 +1,5 @@
-"""lit_cbs.gns.groups: which parameters are measured together, checked on the closed-form regression (regression.py) and a tiny OLMo."""
+"""lit_cbs.gns.groups: which parameters are measured together, checked on the closed-form regression
+(regression.py) and a tiny OLMo."""
 
 from __future__ import annotations
 
@@ -153,7 +154,8 @@ def test_run_report_plots_b_simple_per_group(tmp_path):
         ),
         (
             "blocks",
-            "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one class",
+            "groups='blocks' looks for the model's stack of transformer blocks "
+            "(an nn.ModuleList of modules of one class",
         ),
     ],
 )

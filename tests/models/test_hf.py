@@ -1,8 +1,9 @@
 """Hugging Face transformers models under lit_cbs, on real transformers objects: CausalLM trains a
 Llama built from its config with the exact global-batch gradient through a batch change, the noise
 scale finds its decoder layers, the plan counts it, a checkpoint reloads it, bad configs fail in one
-line, the warmup guide's plain-Lightning example (docs/guides/warmup.md) runs, and 2 FSDP2 processes shard it per decoder layer
-with activation checkpointing, a CBS probe and the guard (recipes/train.py model=hf)."""
+line, the warmup guide's plain-Lightning example (docs/guides/warmup.md) runs, and 2 FSDP2 processes
+shard it per decoder layer with activation checkpointing, a CBS probe and the guard
+(recipes/train.py model=hf)."""
 
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ def test_a_misspelt_key_in_the_recipe_stops_before_the_data_is_prepared(tmp_path
     with pytest.raises(
         LitCBSConfigError,
         match=re.escape(
-            "field(s) ['model.config.num_hidden_layer'] are not LlamaConfig fields (transformers would keep them unused); its fields include architectures, attention_bias, attention_dropout, bos_token_id,"
+            "field(s) ['model.config.num_hidden_layer'] are not LlamaConfig fields (transformers would keep them "
+            "unused); its fields include architectures, attention_bias, attention_dropout, bos_token_id,"
         ),
     ):
         train.build_run(cfg)

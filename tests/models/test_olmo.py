@@ -1,4 +1,5 @@
-"""lit_cbs.models.olmo: the OLMo-style decoder (causal attention with RoPE, SwiGLU, meta-device init) and its presets."""
+"""lit_cbs.models.olmo: the OLMo-style decoder (causal attention with RoPE, SwiGLU, meta-device init) and its
+presets."""
 
 import math
 

@@ -155,7 +155,8 @@ def test_the_window_is_checked_at_the_batch_of_each_point_the_run_reaches():
 
 
 def test_a_first_window_past_the_run_end_is_refused_at_the_start_unless_a_growing_batch_decides():
-    # Steps of 8 samples (32 tokens): the probe at 64 tokens (after step 2) records 128 tokens, to 192 > 160 at max_steps=5.
+    # Steps of 8 samples (32 tokens): the probe at 64 tokens (after step 2) records 128 tokens, to 192 > 160 at
+    # max_steps=5.
     probe = CBSProbeCallback(at_tokens=[64], multipliers=(1, 2), window_tokens=128)
     record = RecordEnds(largest_batch=8)
     with pytest.raises(
@@ -164,7 +165,8 @@ def test_a_first_window_past_the_run_end_is_refused_at_the_start_unless_a_growin
     ):
         fit_tokens([probe, record], TokenIds(96, 4), accumulate_grad_batches=2, max_steps=5, max_epochs=-1)
     assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
-    # Grown to 16 samples after step 2, the run ends at 288 tokens and takes the probe; at 8 it would not: decided there.
+    # Grown to 16 samples after step 2, the run ends at 288 tokens and takes the probe; at 8 it would not: decided
+    # there.
     warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 64]))
     probe = CBSProbeCallback(at_tokens=[64], multipliers=(1, 2), window_tokens=128)
     fit_tokens([warmup, probe], TokenIds(96, 4), max_steps=5, max_epochs=-1)
@@ -199,8 +201,8 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
     assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
     assert (
-        "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end (max_tokens=832, at 832 tokens)"
-        in caplog.text
+        "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end "
+        "(max_tokens=832, at 832 tokens)" in caplog.text
     )
 
 

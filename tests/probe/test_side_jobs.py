@@ -98,7 +98,8 @@ def test_side_job_settings_are_checked_where_they_are_made():
 
 
 def fit_until(probe: CBSProbeCallback, folder: Path, max_steps: int = -1, ckpt_path: Path | None = None):
-    """The toy run with last.ckpt in ``folder``, stopped after ``max_steps`` (-1: its end), resumed from ``ckpt_path``."""
+    """The toy run with last.ckpt in ``folder``, stopped after ``max_steps`` (-1: its end), resumed from
+    ``ckpt_path``."""
     pl.seed_everything(0, verbose=False)
     checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True)
     callbacks = [side_job_toys.warmup(), probe, checkpoint]

@@ -186,7 +186,8 @@ def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
     assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
     (record,) = caplog.records
     assert record.message.startswith(
-        "warning: the first probe (524,288 tokens + callbacks.cbs_probe.window_tokens=131,072) ends past max_tokens=600,000"
+        "warning: the first probe (524,288 tokens + callbacks.cbs_probe.window_tokens=131,072) "
+        "ends past max_tokens=600,000"
     )
     assert "\n" not in record.message
 

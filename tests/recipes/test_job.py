@@ -48,7 +48,8 @@ def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
         (
             ["val_check_tokens=0"],
             job.callbacks_of,
-            "callbacks.validation.every_tokens=0 (val_check_tokens) must be a positive int (tokens between validations)",
+            "callbacks.validation.every_tokens=0 (val_check_tokens) must be a positive int "
+            "(tokens between validations)",
         ),
         (["batch.lr_rule=bogus"], job.batch_warmup_of, "batch.lr_rule='bogus' is unknown; use one of"),
         # a message that names no argument of the group is led by the group's key
@@ -71,7 +72,10 @@ def test_an_error_already_naming_its_key_is_left_as_it_is():
 
 def test_run_errors_name_the_trainers_batch_and_callback_keys():
     cfg = compose_config()
-    message = "clip_rule='sqrt' scales Trainer(gradient_clip_val=None), which sets none; set gradient_clip_val or clip_rule=None"
+    message = (
+        "clip_rule='sqrt' scales Trainer(gradient_clip_val=None), which sets none; "
+        "set gradient_clip_val or clip_rule=None"
+    )
     assert job.name_the_run_keys(cfg, message) == (
         "batch.clip_rule='sqrt' scales Trainer(trainer.gradient_clip_val=None), which sets none; "
         "set trainer.gradient_clip_val or batch.clip_rule=None"

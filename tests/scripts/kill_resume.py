@@ -1,5 +1,6 @@
 """A map-style dataset through GlobalOrderLoader, BatchWarmup growing the micro-batch, a CBS probe and a
-checkpoint every 3 steps (none inside the probe window); SIGKILL mid-epoch and resume from the last checkpoint (tests/data/test_loader.py).
+checkpoint every 3 steps (none inside the probe window); SIGKILL mid-epoch and resume from the last
+checkpoint (tests/data/test_loader.py).
 
     python kill_resume.py OUT                  # the uninterrupted run
     python kill_resume.py OUT --kill-at N      # SIGKILL itself after its N-th micro-batch
