@@ -98,7 +98,9 @@ def runs_of(quick: bool) -> list[Run]:
 
 
 def train(run: Run, out: Path, threads: int) -> None:
-    train_unless_done(command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[calibration] {run.key}")
+    train_unless_done(
+        command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[calibration] {run.key}"
+    )
     print(f"[calibration] {run.key} done", flush=True)
 
 
@@ -205,9 +207,13 @@ def judge_readings(runs: list[dict]) -> list[dict]:
 def agreement(rows: list[dict], judgement: str) -> list[dict]:
     """Per experiment and point: the determined readings and how far apart they lie (grid steps, log2)."""
     found = []
-    for key in sorted({(row["experiment"], row["point"]) for row in rows}, key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1])):
+    for key in sorted(
+        {(row["experiment"], row["point"]) for row in rows}, key=lambda k: (list(EXPERIMENTS).index(k[0]), k[1])
+    ):
         lowers = [
-            row[judgement]["lower"] for row in rows if (row["experiment"], row["point"]) == key and row[judgement]["determined"]
+            row[judgement]["lower"]
+            for row in rows
+            if (row["experiment"], row["point"]) == key and row[judgement]["determined"]
         ]
         found.append(
             {
@@ -270,7 +276,9 @@ def cost(run: dict) -> dict:
 def validation_groups(runs: list[dict], transfer_out: Path | None) -> dict[str, list[dict]]:
     """Runs of one recipe whose readings a forecast is checked on: name -> [{"key", "readings"}]."""
     groups = {
-        experiment: [{"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment]
+        experiment: [
+            {"key": run["key"], "readings": run["readings"]} for run in runs if run["experiment"] == experiment
+        ]
         for experiment in EXPERIMENTS
     }
     if transfer_out is not None:
@@ -294,7 +302,8 @@ def check_forecast(name: str, train: list[dict], test: list[dict], what: str) ->
     }
     try:
         forecast = forecast_cbs(
-            [b for run in train for b in brackets_from_records(run["readings"], run=run["key"])], coverage=FORECAST_COVERAGE
+            [b for run in train for b in brackets_from_records(run["readings"], run=run["key"])],
+            coverage=FORECAST_COVERAGE,
         )
     except ValueError as error:
         return {**row, "error": str(error)}
@@ -325,8 +334,14 @@ def forecast_checks(groups: dict[str, list[dict]]) -> list[dict]:
     for name, group in groups.items():
         points = probe_points(group)
         early = set(points[: math.ceil(len(points) / 2)])
-        train = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) in early]} for run in group]
-        test = [{"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) not in early]} for run in group]
+        train = [
+            {"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) in early]}
+            for run in group
+        ]
+        test = [
+            {"key": run["key"], "readings": [r for r in run["readings"] if nearest(r, points) not in early]}
+            for run in group
+        ]
         checks.append(
             check_forecast(
                 name,
@@ -415,9 +430,10 @@ def markdown(
         "",
     ]
     lines += [
-        f"- {run['key']}: `python {run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`".replace(
-            "python train.py", "python recipes/train.py"
-        )
+        (
+            f"- {run['key']}: `python "
+            f"{run['command'].split('/recipes/', 1)[-1] if '/recipes/' in run['command'] else run['command']}`"
+        ).replace("python train.py", "python recipes/train.py")
         for run in runs
     ]
     lines += [
@@ -472,17 +488,19 @@ def markdown(
         )
         + ".",
         "",
-        "Run-to-run spread of L_k - L_1 against the SE the readings report (nats; std across seeds, n - 1; SE: their median):",
+        "Run-to-run spread of L_k - L_1 against the SE the readings report "
+        "(nats; std across seeds, n - 1; SE: their median):",
         "",
-        "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE | first window: std | median SE | std / SE |",
+        "| experiment | point (tokens) | k | seeds | mean (two windows) | std | median SE | std / SE "
+        "| first window: std | median SE | std / SE |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in spreads:
         two, one = row["two"], row["one"]
         lines.append(
-            f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} | {two['std']:.4f} "
-            f"| {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} | {one['median_se']:.4f} "
-            f"| {one['std'] / one['median_se']:.1f} |"
+            f"| {row['experiment']} | {row['point']:,} | {row['k']:g} | {two['runs']} | {two['mean']:+.4f} "
+            f"| {two['std']:.4f} | {two['median_se']:.4f} | {two['std'] / two['median_se']:.1f} | {one['std']:.4f} "
+            f"| {one['median_se']:.4f} | {one['std'] / one['median_se']:.1f} |"
         )
     lines += [
         "",
@@ -494,28 +512,32 @@ def markdown(
     for run in runs:
         c = costs[run["key"]]
         lines.append(
-            f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} | {run['wall_seconds'] or 0:.0f} |"
+            f"| {run['key']} | {c['tokens']:,} | {c['first_window_tokens']:,} | {c['main_tokens']:,} "
+            f"| {run['wall_seconds'] or 0:.0f} |"
         )
     lines += [
         "",
         "### 2. Forecasts on readings they did not see",
         "",
-        f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each held-out "
-        "reading's 90% interval (covered: they overlap).",
+        f"`forecast_cbs` fitted to the readings before the split, its {FORECAST_COVERAGE:.0%} band against each "
+        "held-out reading's 90% interval (covered: they overlap).",
         "",
         "| group | fitted on -> checked on | readings fitted | held-out covered | fit |",
         "|---|---|---|---|---|",
     ]
     for c in checks:
         result = f"{c['covered']} of {c['checked']}" if "checked" in c else "not fitted"
-        lines.append(f"| {c['group']} | {c['what']} | {c['train']} | {result} | {c.get('description', c.get('error'))} |")
+        lines.append(
+            f"| {c['group']} | {c['what']} | {c['train']} | {result} | {c.get('description', c.get('error'))} |"
+        )
     misses = [(c["group"], m) for c in checks for m in c.get("misses", [])]
     if misses:
         lines += [
             "",
             "Held-out readings outside the band: "
             + "; ".join(
-                f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
+                f"{group} {m['run']} at {m['tokens']:,.0f} tokens: {span(m['interval'])} "
+                f"vs band [{m['band'][0]:.1f}, {m['band'][1]:.1f}]"
                 for group, m in misses
             )
             + ".",
@@ -526,7 +548,8 @@ def markdown(
         "",
         *[f"- {text}: {'met' if ok else 'MISSED'}" for text, ok in found],
         "",
-        f"![90% intervals of every seed's readings, two windows and one]({os.path.relpath(plot_path, args.markdown.parent)})"
+        "![90% intervals of every seed's readings, two windows and one]"
+        f"({os.path.relpath(plot_path, args.markdown.parent)})"
         if args.markdown
         else "",
     ]
@@ -629,7 +652,10 @@ def main(argv: list[str] | None = None) -> dict:
         replace_section(
             args.markdown, "calibration", markdown(runs, rows, agreed, spreads, costs, checks, found, args, args.plot)
         )
-    print(f"[calibration] {result['seconds'] / 60:.1f} minutes; {args.out / 'calibration.json'}; plot {args.plot}", flush=True)
+    print(
+        f"[calibration] {result['seconds'] / 60:.1f} minutes; {args.out / 'calibration.json'}; plot {args.plot}",
+        flush=True,
+    )
     return result
 
 

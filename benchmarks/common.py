@@ -123,7 +123,12 @@ def read_run(run_dir: Path) -> dict:
     tokens_at = dict(zip(token_steps.tolist(), tokens.tolist()))
     seconds_at = dict(zip(*(column.tolist() for column in series[FIT_SECONDS]))) if FIT_SECONDS in series else {}
     curve = [
-        {"step": int(step) + 1, "tokens": int(tokens_at[step]), "val_loss": float(loss), "seconds": seconds_at.get(step)}
+        {
+            "step": int(step) + 1,
+            "tokens": int(tokens_at[step]),
+            "val_loss": float(loss),
+            "seconds": seconds_at.get(step),
+        }
         for step, loss in zip(val_steps.tolist(), val_loss.tolist())
         if step in tokens_at
     ]
@@ -156,15 +161,21 @@ def recipe_benchmark_arguments(
     if add_arguments is not None:
         add_arguments(parser)
     parser.add_argument("--quick", action="store_true", help=quick_help)
-    parser.add_argument("--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)")
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / name, help=f"folder for the runs and {name}.json")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="runs trained at once (each with cores / jobs threads; default 2)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "outputs" / name, help=f"folder for the runs and {name}.json"
+    )
     parser.add_argument(
         "--markdown",
         type=Path,
         default=None,
         help=f"write the section '{name}' of this file (default: docs/RESULTS.md, none with --quick)",
     )
-    parser.add_argument("--plot", type=Path, default=None, help=f"PNG (default: docs/{name}.png next to --markdown, else OUT)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help=f"PNG (default: docs/{name}.png next to --markdown, else OUT)"
+    )
     parser.add_argument("--report-only", action="store_true", help="train nothing: report the runs finished in OUT")
     args = parser.parse_args(argv)
     if args.jobs < 1:
@@ -186,7 +197,9 @@ def recipe_benchmark_arguments(
 def section_markers(name: str) -> tuple[str, str]:
     """The start and end marker lines of section ``name``."""
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise ValueError(f"section name {name!r} must be letters, digits, '_', '.' or '-' (it goes into an HTML comment)")
+        raise ValueError(
+            f"section name {name!r} must be letters, digits, '_', '.' or '-' (it goes into an HTML comment)"
+        )
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 

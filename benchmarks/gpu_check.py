@@ -61,7 +61,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, required=True, help="where to write the JSON result")
     parser.add_argument("--preset", default="olmo_1b", help="model preset (lit_cbs.models.PRESETS)")
-    parser.add_argument("--n-layers", type=int, default=None, help="fewer layers than the preset (default: the preset's)")
+    parser.add_argument(
+        "--n-layers", type=int, default=None, help="fewer layers than the preset (default: the preset's)"
+    )
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sample")
     parser.add_argument("--micro-batch-size", type=int, default=8, help="samples per forward pass")
     parser.add_argument("--steps-before-change", type=int, default=10, help="optimizer steps at the first batch")
@@ -77,7 +79,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--no-activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", action="store_true", help="compile each transformer block (CausalLM(compile=True))")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile each transformer block (CausalLM(compile=True))"
+    )
     parser.add_argument("--probe", action="store_true", help="also run a CBS probe (k = 1, 2) after the change")
     parser.add_argument("--probe-window-steps", type=int, default=4, help="probe window, in steps at the doubled batch")
     return parser.parse_args()
@@ -95,7 +99,9 @@ def main() -> dict:
     elif args.accelerator == "gpu":
         peak_flops = get_available_flops(torch.device("cuda"), COMPUTE_DTYPES.get(args.precision, torch.float32))
         if peak_flops is None:
-            raise SystemExit(f"error: Lightning knows no peak FLOP/s for {torch.cuda.get_device_name()}; pass --peak-tflops")
+            raise SystemExit(
+                f"error: Lightning knows no peak FLOP/s for {torch.cuda.get_device_name()}; pass --peak-tflops"
+            )
     else:
         raise SystemExit("error: --accelerator cpu needs --peak-tflops (a CPU's peak is in no table)")
     started = time.perf_counter()
@@ -113,8 +119,12 @@ def main() -> dict:
         peak_flops_per_device=peak_flops,
         compile=args.compile,
     )
-    data = RandomTokenData(model.config.vocab_size, args.seq_len, args.micro_batch_size, samples=max_tokens // args.seq_len)
-    warmup = BatchWarmup(PiecewiseBatch([first_batch, 2 * first_batch], [0, change_at], unit="tokens"), max_tokens=max_tokens)
+    data = RandomTokenData(
+        model.config.vocab_size, args.seq_len, args.micro_batch_size, samples=max_tokens // args.seq_len
+    )
+    warmup = BatchWarmup(
+        PiecewiseBatch([first_batch, 2 * first_batch], [0, change_at], unit="tokens"), max_tokens=max_tokens
+    )
     timer = StepTimer()
     callbacks = [warmup, timer]
     probe = None
@@ -160,7 +170,9 @@ def main() -> dict:
         "precision": args.precision,
         "activation_checkpointing": model.activation_checkpointing,
         "compile": args.compile,
-        "compiled_graphs": counters["stats"]["unique_graphs"],  # torch's count, over the whole run (the batch change included)
+        "compiled_graphs": counters["stats"][
+            "unique_graphs"
+        ],  # torch's count, over the whole run (the batch change included)
         "fused_adamw": args.accelerator == "gpu",
         "model": dataclasses.asdict(model.config),
         "parameters": model.num_parameters(),

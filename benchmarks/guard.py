@@ -43,7 +43,14 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import machine, read_run, recipe_benchmark_arguments, replace_section, train_command, train_unless_done
+from benchmarks.common import (
+    machine,
+    read_run,
+    recipe_benchmark_arguments,
+    replace_section,
+    train_command,
+    train_unless_done,
+)
 from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.recipes.run_report import read_batch_history
@@ -109,7 +116,8 @@ def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
             *run.overrides,
             f"val_check_tokens={settings.val_check_tokens}",
             *([f"trainer.limit_val_batches={settings.val_batches}"] if settings.val_batches else []),
-            f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",  # the recipes' 262,144, less in a --quick budget
+            # the recipes' 262,144, less in a --quick budget
+            f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",
             "trainer.enable_progress_bar=false",
             "callbacks.progress_bar=null",
             "callbacks.checkpoint=null",
@@ -184,11 +192,15 @@ def goals(rows: dict[str, dict], runs: dict[str, dict]) -> list[tuple[str, bool]
     if guarded is not None and "kept_savings" in guarded:
         checks.append(
             (
-                f"guarded: held-out loss {guarded['vs_control']:+.4f} nats vs the control (goal <= +{GOALS['loss_gap']})",
+                f"guarded: held-out loss {guarded['vs_control']:+.4f} nats vs the control "
+                f"(goal <= +{GOALS['loss_gap']})",
                 guarded["vs_control"] <= GOALS["loss_gap"],
             )
         )
-        kept = f"guarded: keeps {guarded['kept_savings']:.0%} of the premature schedule's step savings (goal >= {GOALS['kept_savings']:.0%})"
+        kept = (
+            f"guarded: keeps {guarded['kept_savings']:.0%} of the premature schedule's step savings "
+            f"(goal >= {GOALS['kept_savings']:.0%})"
+        )
         checks.append((kept, guarded["kept_savings"] >= GOALS["kept_savings"]))
     default_job = runs.get("default_job_guarded")
     if default_job is not None:
@@ -256,7 +268,9 @@ def plot(runs: dict[str, dict], settings: Settings, path: Path) -> Path | None:
                 label=f"{shown_key} (mean of {SMOOTHING} steps)",
             )
         xs = np.geomspace(low + 1, window_end, 50)
-        axis.plot(xs, verdict["trend_intercept"] + verdict["trend_slope"] * np.log(xs), "k--", lw=1, label="trend before it")
+        axis.plot(
+            xs, verdict["trend_intercept"] + verdict["trend_slope"] * np.log(xs), "k--", lw=1, label="trend before it"
+        )
         axis.axvspan(at, window_end, color="C1", alpha=0.15, label="window")
         outcome = "reverted" if verdict["reverted"] else "kept"
         axis.set(
@@ -294,31 +308,41 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
             if args.report_only and args.trained_by
             else ""
         )
-        + f" ({args.date}, training {args.minutes:.1f} minutes; {machine(os.getloadavg())}; cores shared with other jobs).",
+        + f" ({args.date}, training {args.minutes:.1f} minutes; {machine(os.getloadavg())}; "
+        "cores shared with other jobs).",
         "",
         (
             f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
-            f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per change), "
-            f"LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at {s.change_at:,} tokens "
-            f"({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` (defaults: window a quarter and "
-            "fit the second half of the tokens before each increase, threshold 2 x the per-step loss's spread around "
-            "the trend and at least 0.05 nats, 8 steps at least, hold as long as the tokens before the revert). "
-            "Held-out loss: the last evaluation (the whole validation split) at the end of the budget; spread = max - min "
-            "over seeds; kept = the share of the premature schedule's step savings (against the control) a run keeps."
+            f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per "
+            f"change), LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at {s.change_at:,} tokens "
+            f"({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` (defaults: window a quarter "
+            "and fit the second half of the tokens before each increase, threshold 2 x the per-step loss's spread "
+            "around the trend and at least 0.05 nats, 8 steps at least, hold as long as the tokens before the revert). "
+            "Held-out loss: the last evaluation (the whole validation split) at the end of the budget; "
+            "spread = max - min over seeds; kept = the share of the premature schedule's step savings "
+            "(against the control) a run keeps."
         ),
         "",
-        "| run | held-out loss per seed | mean | spread | vs control | optimizer steps per seed | steps saved | kept | reverts |",
+        "| run | held-out loss per seed | mean | spread | vs control "
+        "| optimizer steps per seed | steps saved | kept | reverts |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for config, row in rows.items():
         lines.append(
             f"| {config} | {', '.join(f'{x:.4f}' for x in row['losses'])} | {row['loss']:.4f} | {row['spread']:.4f} "
-            f"| {row.get('vs_control', 0):+.4f} | {', '.join(f'{x:,}' for x in row['steps'])} | {row.get('steps_saved', 0):.0%} "
-            f"| {row.get('kept_savings', float('nan')):.0%} | {', '.join(map(str, row['reverts']))} |"
+            f"| {row.get('vs_control', 0):+.4f} | {', '.join(f'{x:,}' for x in row['steps'])} "
+            f"| {row.get('steps_saved', 0):.0%} | {row.get('kept_savings', float('nan')):.0%} "
+            f"| {', '.join(map(str, row['reverts']))} |"
         )
     lines += ["", "Batch changes (tokens where each took effect):", ""]
-    lines += [f"- {key}: {changes_text(run)}" for key, run in runs.items() if run["config"] in ("guarded", "default_job")]
-    lines += ["", "The guard's verdicts (rise of the training loss over the window above the trend before the increase):", ""]
+    lines += [
+        f"- {key}: {changes_text(run)}" for key, run in runs.items() if run["config"] in ("guarded", "default_job")
+    ]
+    lines += [
+        "",
+        "The guard's verdicts (rise of the training loss over the window above the trend before the increase):",
+        "",
+    ]
     for key, run in runs.items():
         for v in run["verdicts"] or []:
             lines.append(
@@ -345,14 +369,20 @@ def main(argv: list[str] | None = None) -> dict:
     runs: dict[str, dict] = {}
     started = time.perf_counter()
     if args.report_only:
-        runs = {run.key: load(run, args.out) for run in runs_of(args.settings) if (args.out / run.key / "summary.json").exists()}
+        runs = {
+            run.key: load(run, args.out)
+            for run in runs_of(args.settings)
+            if (args.out / run.key / "summary.json").exists()
+        }
     else:
         with ThreadPoolExecutor(args.jobs) as pool:
             futures = [pool.submit(train, run, args.settings, args.out, args.threads) for run in runs_of(args.settings)]
             for future in as_completed(futures):
                 result = future.result()
                 runs[result["key"]] = result
-                (args.out / "guard.json").write_text(json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2))
+                (args.out / "guard.json").write_text(
+                    json.dumps({"settings": asdict(args.settings), "runs": runs}, indent=2)
+                )
     runs = {run.key: runs[run.key] for run in runs_of(args.settings) if run.key in runs}  # in the table's order
     minutes_file, command_file = args.out / "minutes.txt", args.out / "command.txt"  # the training's, for --report-only
     if not args.report_only:

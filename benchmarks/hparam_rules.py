@@ -49,7 +49,9 @@ SEESAW = ["batch=seesaw", *COSINE, *WARMUP]
 BETA2 = ["batch.beta2_rule=half_life", "batch.beta2_floor=null"]
 CONFIGS = [
     Config("lr_only", "warmup, LR rule only", "tiny_warmup", WARMUP, THRESHOLDS),
-    Config("weight_decay", "+ weight decay rule", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale"], THRESHOLDS),
+    Config(
+        "weight_decay", "+ weight decay rule", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale"], THRESHOLDS
+    ),
     Config("beta2", "+ beta2 rule", "tiny_warmup", [*WARMUP, *BETA2], THRESHOLDS),
     Config("both", "+ both rules", "tiny_warmup", [*WARMUP, "batch.weight_decay_rule=timescale", *BETA2], THRESHOLDS),
     Config("cosine", "small batch (16), cosine decay", "tiny_small_batch", COSINE),
@@ -103,7 +105,9 @@ def mean_and_se(values: list[float]) -> tuple[float, float | None]:
 def paired(runs: dict[str, list[dict]], key: str, base: str) -> dict:
     """``key`` - ``base`` final held-out loss, seed by seed: mean, 95% t-interval (None for one seed)."""
     by_seed = {run["seed"]: run["val_curve"][-1]["val_loss"] for run in runs[base]}
-    differences = [run["val_curve"][-1]["val_loss"] - by_seed[run["seed"]] for run in runs[key] if run["seed"] in by_seed]
+    differences = [
+        run["val_curve"][-1]["val_loss"] - by_seed[run["seed"]] for run in runs[key] if run["seed"] in by_seed
+    ]
     mean, se = mean_and_se(differences)
     if se is None:
         return {"differences": differences, "mean": mean, "interval": None, "beyond_spread": None}
@@ -144,7 +148,8 @@ def goals(result: dict) -> list[tuple[str, bool]]:
         checks.append(
             (
                 f"{key}: final held-out loss {gap:+.4f} nats from the cosine control's (goal within "
-                f"{GOALS['seesaw_loss_gap']}) with {saved:.0%} fewer optimizer steps (goal >= {GOALS['seesaw_steps_saved']:.0%})",
+                f"{GOALS['seesaw_loss_gap']}) with {saved:.0%} fewer optimizer steps "
+                f"(goal >= {GOALS['seesaw_steps_saved']:.0%})",
                 abs(gap) <= GOALS["seesaw_loss_gap"] and saved >= GOALS["seesaw_steps_saved"],
             )
         )
@@ -167,11 +172,14 @@ def table(result: dict) -> str:
             versus = f"{comparison['mean']:+.4f} vs {reference}"
             if comparison["interval"] is not None:
                 low, high = comparison["interval"]
-                versus += f" [{low:+.4f}, {high:+.4f}]" + (" beyond the seed spread" if comparison["beyond_spread"] else "")
+                versus += f" [{low:+.4f}, {high:+.4f}]" + (
+                    " beyond the seed spread" if comparison["beyond_spread"] else ""
+                )
             if "steps_saved" in comparison:
                 versus += f"; {comparison['steps_saved']:.0%} fewer steps"
         lines.append(
-            f"| {labels[key]} | {row['final_loss']:.4f}{se} | {versus} | {row['steps']:,.0f} | {row['fit_seconds']:.0f} |"
+            f"| {labels[key]} | {row['final_loss']:.4f}{se} | {versus} | {row['steps']:,.0f} "
+            f"| {row['fit_seconds']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -220,20 +228,22 @@ def markdown(result: dict, runs, checks, args, plot_path: Path) -> str:
         "## Optimizer rules and Seesaw",
         "",
         f"Command: `{' '.join(['python -m benchmarks.hparam_rules', *args.argv])}` ({len(walls)} runs of "
-        f"{statistics.fmean(walls):.0f} s each on average, {args.jobs} at a time, one thread each; {args.date}; {machine(args.load)}).",
+        f"{statistics.fmean(walls):.0f} s each on average, {args.jobs} at a time, one thread each; {args.date}; "
+        f"{machine(args.load)}).",
         "",
         f"Workload: the tiny OLMo on the embedded corpus, {args.tokens:,} tokens per run, seeds "
-        f"{', '.join(map(str, args.seed_list))}, AdamW (0.9, 0.95), weight decay 0.1, LR 3e-3 at batch 16; held-out loss on "
-        f"{VAL_BATCHES} micro-batches at {EVALUATIONS} token counts. The warmup runs grow 16 -> 32 -> 64 at 1,245,184 and "
-        "2,523,136 tokens (LR x sqrt(2) per doubling); at each doubling the weight decay rule makes it 0.1 x sqrt(2) and the "
-        "beta2 rule 0.95 -> 0.9025. Seesaw runs on the cosine schedule (warmup, then to 0.1 x LR), doubling where it "
-        "halves the LR. Differences are paired by seed (same data order and initial weights).",
+        f"{', '.join(map(str, args.seed_list))}, AdamW (0.9, 0.95), weight decay 0.1, LR 3e-3 at batch 16; held-out "
+        f"loss on {VAL_BATCHES} micro-batches at {EVALUATIONS} token counts. The warmup runs grow 16 -> 32 -> 64 at "
+        "1,245,184 and 2,523,136 tokens (LR x sqrt(2) per doubling); at each doubling the weight decay rule makes it "
+        "0.1 x sqrt(2) and the beta2 rule 0.95 -> 0.9025. Seesaw runs on the cosine schedule (warmup, then to 0.1 x "
+        "LR), doubling where it halves the LR. Differences are paired by seed (same data order and initial weights).",
         "",
         table(result),
         "",
         "Rules: "
         + (
-            f"{', '.join(moved)} moved the final loss beyond the seed spread (95% interval of the paired difference excludes 0)"
+            f"{', '.join(moved)} moved the final loss beyond the seed spread "
+            "(95% interval of the paired difference excludes 0)"
             if moved
             else "none moved the final loss beyond the seed spread"
         )
@@ -261,8 +271,8 @@ def seesaw_notes(result: dict, args) -> list[str]:
     return [
         "Seesaw's steps are set by where the cosine halves the LR: at this budget it trains 16 until "
         f"{Seesaw(cosine, 16, 64).thresholds[1]:,} tokens, so even without the aligned-step wait it takes "
-        f"{bounds[64]:.1%} of the control's steps up to 64, {bounds[128]:.1%} up to 128, and {bounds[2**20]:.1%} with no cap "
-        "(the recipes' floor of 0.1 x LR ends the halvings): with this schedule the 30% goal is out of reach by "
+        f"{bounds[64]:.1%} of the control's steps up to 64, {bounds[128]:.1%} up to 128, and {bounds[2**20]:.1%} with "
+        "no cap (the recipes' floor of 0.1 x LR ends the halvings): with this schedule the 30% goal is out of reach by "
         "construction, whatever the loss. A decay to 0 would halve on; it was not tried, the schedule is the recipes' "
         "cosine, not one chosen to meet the goal. Two runs shared the 2 cores, one thread each, where a larger "
         "micro-batch is barely faster per token, so fewer steps bought little wall time here.",
@@ -272,8 +282,12 @@ def seesaw_notes(result: dict, args) -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3; --quick: 1)")
-    parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/32)")
-    parser.add_argument("--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/32)"
+    )
+    parser.add_argument(
+        "--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys"
+    )
 
 
 def resolve(args: argparse.Namespace) -> str | None:
@@ -287,7 +301,8 @@ def resolve(args: argparse.Namespace) -> str | None:
         return f"--configs={args.configs!r} must name some of {known}; --seeds must be >= 1"
     if args.tokens < 64 * 128 * EVALUATIONS:
         return (
-            f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: a step of the largest batch (64) between evaluations"
+            f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: "
+            "a step of the largest batch (64) between evaluations"
         )
     args.seed_list = list(range(1, args.seeds + 1))
     return None
@@ -306,7 +321,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     configs = [config for config in CONFIGS if config.key in keys]
-    jobs = [(config, seed) for seed in args.seed_list for config in configs]  # seeds outermost: a stopped run has each once
+    jobs = [
+        (config, seed) for seed in args.seed_list for config in configs
+    ]  # seeds outermost: a stopped run has each once
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: train(*job, args), jobs))
     runs: dict[str, list[dict]] = {config.key: [] for config in configs}

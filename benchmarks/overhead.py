@@ -2,11 +2,11 @@
 
 Workload: ``CausalLM`` with the tiny OLMo preset (d_model 64, 4 layers, byte vocabulary; AdamW, no
 LR schedule) on ``RandomTokenData`` batches of 16 sequences x 128 tokens (the micro-batch), one
-Lightning Trainer per fit on CPU, a CSVLogger every 10 steps. Every callback is compared with the same Trainer without it. The fits of
-each part are interleaved, in an order that rotates with the repeat, and every part runs once per
-repeat, so load changes on the machine hit the configurations alike; the results are ratios.
-Every step is timed by two clocks: wall (``time.perf_counter``) and this process's CPU time
-(``time.process_time``), which other jobs on shared cores disturb less.
+Lightning Trainer per fit on CPU, a CSVLogger every 10 steps. Every callback is compared with the
+same Trainer without it. The fits of each part are interleaved, in an order that rotates with the
+repeat, and every part runs once per repeat, so load changes on the machine hit the configurations
+alike; the results are ratios. Every step is timed by two clocks: wall (``time.perf_counter``) and
+this process's CPU time (``time.process_time``), which other jobs on shared cores disturb less.
 
 (a) BatchWarmup idle: ms per optimizer step of a plain Trainer vs the same Trainer with
     ``BatchWarmup(ConstantBatch(16))``, with and without its per-step logging, and the time
@@ -139,7 +139,9 @@ def warmup_at(global_batch: int, **kwargs) -> BatchWarmup:
 
 
 def probe(**kwargs) -> CBSProbeCallback:
-    return CBSProbeCallback(multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_TOKENS, evaluate="train_ema", **kwargs)
+    return CBSProbeCallback(
+        multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_TOKENS, evaluate="train_ema", **kwargs
+    )
 
 
 WARMUP_16 = "+ BatchWarmup(ConstantBatch(16))"
@@ -401,7 +403,9 @@ def time_probe(results: Results, repeat: int) -> None:
             results.add(PROBE_STEPS.format(config.name), clock, extra / base_step)
             per_branch = extra / base_step / len(record.branches_trained)
             results.add(f"{config.label}: extra fit time per branch trained, steps without it", clock, per_branch)
-            results.add(f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock])
+            results.add(
+                f"{config.label}: of it in on_train_end (the CBS curve plot), s", clock, run.hook_seconds[clock]
+            )
     grid, bisect = (config.name for config in PROBE_CONFIGS[1:])
     for clock in CLOCKS:
         results.add(GRID_OVER_BISECT, clock, extra_seconds[grid, clock] / extra_seconds[bisect, clock])
@@ -437,21 +441,23 @@ def verdicts(results: Results) -> str:
     lines.append(idle_verdict(by_name[NOISE_SCALE_BLOCKS], results, blocks))
     ratio = results.values[BLOCKS_OVER_WHOLE]["cpu"]
     lines.append(
-        f"- (d) {blocks} spends {statistics.median(ratio):.2f} x (min {min(ratio):.2f}, max {max(ratio):.2f}) the time of "
-        "GradientNoiseScale() inside its hooks: the groups reuse the same fused norms"
+        f"- (d) {blocks} spends {statistics.median(ratio):.2f} x (min {min(ratio):.2f}, max {max(ratio):.2f}) "
+        "the time of GradientNoiseScale() inside its hooks: the groups reuse the same fused norms"
     )
     lines.append(idle_verdict(by_name[IDLE_PROBE], results, "CBSProbeCallback between probes"))
     cost = results.values[CHANGE_COST]["cpu"]
     met = "met" if max(cost) <= 1 else "missed"
     lines.append(
-        f"- (b) a change 16 -> 32 costs {statistics.median(cost):.2f} extra steps (max {max(cost):.2f}); goal <= 1 step: {met}"
+        f"- (b) a change 16 -> 32 costs {statistics.median(cost):.2f} extra steps (max {max(cost):.2f}); "
+        f"goal <= 1 step: {met}"
     )
     rebuilt = [name for name, counts in results.loader_builds.items() if max(counts) > 1]
     lines.append(f"- (c) train loader rebuilt during a fit in: {', '.join(rebuilt) if rebuilt else 'no configuration'}")
     lines.append(
         f"- (d) GradientNoiseScale keeps {results.gradient_copy_bytes:,} bytes of gradient copies = "
-        f"{results.gradient_copy_bytes / results.gradient_bytes:.2f} x the gradients ({results.gradient_bytes:,} bytes); "
-        "its docstring: one copy of the gradients when a rank accumulates 2+ micro-batches"
+        f"{results.gradient_copy_bytes / results.gradient_bytes:.2f} x the gradients "
+        f"({results.gradient_bytes:,} bytes); its docstring: one copy of the gradients when a rank accumulates "
+        "2+ micro-batches"
     )
     grid, bisect = (config.name for config in PROBE_CONFIGS[1:])
     spent = {name: statistics.median(results.probe_tokens[name]) for name in (grid, bisect)}
@@ -472,7 +478,9 @@ def verdicts(results: Results) -> str:
     return "\n".join(lines)
 
 
-def report(results: Results, args: argparse.Namespace, steps: StepCounts, seconds: float, load_before, load_after) -> str:
+def report(
+    results: Results, args: argparse.Namespace, steps: StepCounts, seconds: float, load_before, load_after
+) -> str:
     """The markdown report without its title."""
     width = max(len(measure) for measure in results.values)
     header = f"| {'measure':<{width}} | " + " | ".join(f"{clock}: median [min, max]" for clock in CLOCKS) + " |"
@@ -501,7 +509,8 @@ orders that rotate per repeat. Steps per fit: (a) and (e1) {steps.idle}, (b) {st
 {quick_note}
 - command: `{command}`
 - date: {datetime.date.today().isoformat()}
-- machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, Python {platform.python_version()}, torch {torch.__version__}, lightning {pl.__version__}
+- machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, \
+Python {platform.python_version()}, torch {torch.__version__}, lightning {pl.__version__}
 - load average (1, 5, 15 min) before: {loads[0]}; after: {loads[1]}{shared_note}
 - runtime: {seconds:.0f} s
 
@@ -524,7 +533,8 @@ are written at the logging interval.
 (e1) is the probe's cost on every step outside a probe: its per-batch hooks only check whether the
 next probe point is reached. (e2) is one whole probe, from the snapshot at its start to the main
 state restored after its branches, plus the CBS curve plot at the end of the fit (shown apart).
-A branch of multiplier k trains the window's {PROBE_WINDOW_STEPS} micro-batches in {PROBE_WINDOW_STEPS} / k optimizer steps,
+A branch of multiplier k trains the window's {PROBE_WINDOW_STEPS} micro-batches in \
+{PROBE_WINDOW_STEPS} / k optimizer steps,
 so it should cost about {PROBE_WINDOW_STEPS} steps' time. The tokens are random, so the branches'
 losses and k* mean nothing here: (e2) measures cost only. Which multipliers bisect trains depends
 on which of them pass, so on real data it may train others than here (and up to one more).
@@ -551,9 +561,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=None, help="fits per configuration (default 8; --quick: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
-    parser.add_argument("--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read")
     parser.add_argument(
-        "--output", type=Path, default=None, help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)"
+        "--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read"
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="markdown report (default: docs/benchmarks/overhead.md; --quick: none)",
     )
     parser.add_argument(
         "--results",

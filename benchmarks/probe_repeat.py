@@ -125,7 +125,11 @@ def train_all(runs: list[Run], out: Path) -> None:
     def train(run: Run) -> None:
         try:
             train_unless_done(
-                command_of(run, out), out / run.key, out / "logs" / f"{run.key}.log", run.threads, f"[probe_repeat] {run.key}"
+                command_of(run, out),
+                out / run.key,
+                out / "logs" / f"{run.key}.log",
+                run.threads,
+                f"[probe_repeat] {run.key}",
             )
             wall = out / run.key / "wall_seconds.txt"
             print(f"[probe_repeat] {run.key} done ({wall.read_text().strip() if wall.exists() else '?'} s)", flush=True)
@@ -212,7 +216,9 @@ def decisive(reading: ProbeReading) -> list[dict]:
             continue
         side = 1 if k == k_star else 0  # k*: its upper bounds must be <= epsilon; larger k: some lower bound > epsilon
         j = max(smaller, key=lambda j: smaller[j].bounds(confidence)[side])
-        found.append({"k": k, "j": j, "role": "k*" if k == k_star else "larger", "diff": smaller[j].mean, "se": smaller[j].se})
+        found.append(
+            {"k": k, "j": j, "role": "k*" if k == k_star else "larger", "diff": smaller[j].mean, "se": smaller[j].se}
+        )
     return found
 
 
@@ -329,7 +335,8 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
                         if k != 1.0 and one is not None and not s.failed
                     },
                     "monotone": all(
-                        b.loss >= a.loss for (_, a), (_, b) in zip(sorted(measured.items()), sorted(measured.items())[1:])
+                        b.loss >= a.loss
+                        for (_, a), (_, b) in zip(sorted(measured.items()), sorted(measured.items())[1:])
                     ),
                     "decisive": decisive_text(r),
                 }
@@ -344,7 +351,9 @@ def late_inflation(curve: list[dict], cooled: list[dict]) -> list[dict]:
     return found
 
 
-def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], spreads: list[dict], threads: list[dict]) -> list[str]:
+def repeatability_markdown(
+    title: str, runs: list[dict], rows: list[dict], spreads: list[dict], threads: list[dict]
+) -> list[str]:
     keys = [run["key"] for run in runs]
     lines = [
         f"#### {title}",
@@ -364,13 +373,15 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
         lines.append(f"| {row['point']:,} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "| window start (tokens) | determined | largest disagreement (grid steps) | two determined readings > 1 step apart |",
+        "| window start (tokens) | determined | largest disagreement (grid steps) "
+        "| two determined readings > 1 step apart |",
         "|---|---|---|---|",
     ]
     for row in rows:
         steps = "-" if row["max_steps"] is None else f"{row['max_steps']:.0f}"
         lines.append(
-            f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} | {'YES' if row['over_one_step'] else 'no'} |"
+            f"| {row['point']:,} | {row['determined']} of {row['measured']} | {steps} "
+            f"| {'YES' if row['over_one_step'] else 'no'} |"
         )
     lines += [
         "",
@@ -386,7 +397,8 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
         se = "-" if s["median_se"] is None else f"{s['median_se']:.4f}"
         within = "-" if s["within_seed_std"] is None else f"{s['within_seed_std']:.4f} ({s['seed_pairs']})"
         lines.append(
-            f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} | {se} | {ratio} | {within} |"
+            f"| {s['point']:,} | {k_text(s['k'])} | {s['runs']} of {s['of']} | {s['mean']:+.4f} | {s['std']:.4f} "
+            f"| {se} | {ratio} | {within} |"
         )
     if threads:
         gaps = {}
@@ -394,8 +406,8 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
             gaps[t["point"]] = max(gaps.get(t["point"], 0.0), t["main_loss_gap"])
         lines += [
             "",
-            "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's end "
-            "(nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
+            "Same seed, 1 vs 2 threads: the largest gap between the two runs' main-run held-out loss at the window's "
+            "end (nats; threads change the order of floating-point sums, so a seed's two runs drift apart and are not "
             "independent samples while the gap is small): "
             + ", ".join(f"{gap:.4f} at {point:,}" for point, gap in gaps.items())
             + ".",
@@ -405,7 +417,8 @@ def repeatability_markdown(title: str, runs: list[dict], rows: list[dict], sprea
 
 def late_markdown(pairs: list[dict]) -> list[str]:
     lines = [
-        "| seed | window start (tokens) | branch LR | main run's L | L_1 | L_k - L_1 ± SE | reading | decisive | L monotone in k | tokens spent |",
+        "| seed | window start (tokens) | branch LR | main run's L | L_1 | L_k - L_1 ± SE | reading | decisive "
+        "| L monotone in k | tokens spent |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for pair in pairs:
@@ -415,8 +428,9 @@ def late_markdown(pairs: list[dict]) -> list[str]:
                 continue
             diffs = ", ".join(f"k={k}: {d:+.4f} ± {se:.4f}" for k, (d, se) in v["vs_k1"].items())
             lines.append(
-                f"| {pair['seed']} | {v['tokens']:,} | {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} "
-                f"| {v['main_loss']:.4f} | {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
+                f"| {pair['seed']} | {v['tokens']:,} "
+                f"| {'constant' if name == 'constant' else f'cooldown {COOLDOWN:.0%}'} | {v['main_loss']:.4f} "
+                f"| {v['losses'].get('1', math.nan):.4f} | {diffs} | {v['bracket']} | {v['decisive']} "
                 f"| {'yes' if v['monotone'] else 'no'} | {v['tokens_spent']:,} |"
             )
     verdicts = []
@@ -424,11 +438,18 @@ def late_markdown(pairs: list[dict]) -> list[str]:
         c, d = pair.get("constant"), pair.get("cooldown")
         if c is None or d is None:
             continue
-        change = "smaller" if d["cbs_lower"] < c["cbs_lower"] else "larger" if d["cbs_lower"] > c["cbs_lower"] else "the same"
+        change = (
+            "smaller"
+            if d["cbs_lower"] < c["cbs_lower"]
+            else "larger"
+            if d["cbs_lower"] > c["cbs_lower"]
+            else "the same"
+        )
         verdicts.append(
             f"- seed {pair['seed']}, {pair['point']:,} tokens: with cooldown the reading is {change} "
-            f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} with cooldown, "
-            f"{'yes' if c['monotone'] else 'no'} without; cost {d['tokens_spent']:,} vs {c['tokens_spent']:,} tokens"
+            f"({d['bracket']} vs {c['bracket']}); losses monotone in k: {'yes' if d['monotone'] else 'no'} "
+            f"with cooldown, {'yes' if c['monotone'] else 'no'} without; "
+            f"cost {d['tokens_spent']:,} vs {c['tokens_spent']:,} tokens"
             + ("" if pair["same_window"] else "; **the window starts differ**")
         )
     return lines + [""] + verdicts
@@ -455,8 +476,8 @@ def markdown(results: dict, quick: bool = False) -> str:
     for run in runs:
         wall = "-" if run["wall_seconds"] is None else f"{run['wall_seconds']:.0f}"
         lines.append(
-            f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} | {len(run['readings'])} "
-            f"| {sum(r.tokens_spent for r in run['readings']):,} |"
+            f"| {run['key']} | {run['experiment']} | {run['seed']} | {run['threads']} | {wall} "
+            f"| {len(run['readings'])} | {sum(r.tokens_spent for r in run['readings']):,} |"
         )
     missing = [run.key for run in runs_of(quick) if run.key not in {r["key"] for r in runs}]
     if missing:
@@ -467,23 +488,26 @@ def markdown(results: dict, quick: bool = False) -> str:
         "",
         "### 1-2. Repeatability (experiment R)",
         "",
-        "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), then the "
-        "comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 nats) by, and each "
-        "measured larger k against the smaller k it most clearly exceeds epsilon by (paired held-out SE).",
+        "Each cell: the reading's bracket [cbs_lower, cbs_upper] in samples (`?`: undetermined at confidence 0.9), "
+        "then the comparisons that decide it: k* against the smaller k it comes nearest to exceeding epsilon (0.02 "
+        "nats) by, and each measured larger k against the smaller k it most clearly exceeds epsilon by (paired "
+        "held-out SE).",
     ]
     for experiment, title in (("default", "R-default: the default job"), ("curve", "R-curve: +recipe=tiny_cbs_curve")):
         r = results["repeatability"].get(experiment)
         if r:
-            lines += [""] + repeatability_markdown(title, results["runs"][experiment], r["rows"], r["spread"], r["threads"])
+            lines += [""] + repeatability_markdown(
+                title, results["runs"][experiment], r["rows"], r["spread"], r["threads"]
+            )
     lines += [
         "",
         "### 3. Late inflation (experiment L): branch LR cooldown",
         "",
-        f"tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 included) "
-        f"decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's readings of the same "
-        "run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: the main run's "
-        "held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with cooldown: "
-        "after its own LR decay).",
+        "tiny_cbs_curve's main run (seeds 1, 2; 2 threads), probed at its late points with every branch (k = 1 "
+        f"included) decaying its LR linearly towards 0 over its last {COOLDOWN:.0%} of steps, against R-curve's "
+        "readings of the same run at the same window starts (constant branch LR; k = 1 is the main run). Main run's L: "
+        "the main run's held-out loss at the window's end, the same model in both rows; L_1: the k = 1 branch's (with "
+        "cooldown: after its own LR decay).",
         "",
     ]
     lines += late_markdown(results["late"])
@@ -508,7 +532,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says",
+        help=(
+            "two short runs of the default job (seconds): a pipeline check; writes markdown only where --markdown says"
+        ),
     )
     args = parser.parse_args(argv)
     if args.markdown is None and not args.quick:
@@ -520,7 +546,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_all(runs_of(args.quick), args.out)
         minutes_file.write_text(f"{(time.perf_counter() - started) / 60:.1f}\n")
     loaded = [run for run in (load(run, args.out) for run in runs_of(args.quick)) if run is not None]
-    by_experiment = {name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")}
+    by_experiment = {
+        name: [run for run in loaded if run["experiment"] == name] for name in ("default", "curve", "cooldown")
+    }
     results = {
         "date": str(datetime.date.today()),
         "machine": machine(),
@@ -543,7 +571,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.markdown is not None:
         replace_section(args.markdown, "probe_repeat", text)
     print(text, flush=True)
-    print(f"[probe_repeat] {args.out / 'probe_repeat.json'}" + (f"; {args.markdown}" if args.markdown else ""), flush=True)
+    print(
+        f"[probe_repeat] {args.out / 'probe_repeat.json'}" + (f"; {args.markdown}" if args.markdown else ""), flush=True
+    )
     return results
 
 

@@ -184,7 +184,11 @@ def report(first: dict, second: dict, args, seconds: float) -> str:
     ]
     for key in PART1:
         walls = " / ".join(f"{run['main_seconds']:.0f}" for run in runs[key])
-        ratio = {"none": "1", "in_process": spread(first["in_process_ratio"]), "side_jobs": spread(first["side_ratio"])}[key]
+        ratio = {
+            "none": "1",
+            "in_process": spread(first["in_process_ratio"]),
+            "side_jobs": spread(first["side_ratio"]),
+        }[key]
         readings = "; ".join(
             ", ".join(f"{r.tokens:,}: [{r.cbs_lower:g}, {upper(r)}]" for r in run["readings"]) for run in runs[key][:1]
         )

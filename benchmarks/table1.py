@@ -48,7 +48,15 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, machine, read_run, refuse_gpu_run_without_a_gpu, replace_section, run_logged, train_command
+from benchmarks.common import (
+    ROOT,
+    machine,
+    read_run,
+    refuse_gpu_run_without_a_gpu,
+    replace_section,
+    run_logged,
+    train_command,
+)
 
 REFERENCE_TOKENS = 4_194_304  # the recipes' budget; token counts below are at this budget
 SEQ_LEN = 128
@@ -69,7 +77,9 @@ class Config:
     label: str
     recipe: str
     overrides: list[str]
-    scaled: dict[str, list[int] | int] = field(default_factory=dict)  # override -> token count(s) at the reference budget
+    scaled: dict[str, list[int] | int] = field(
+        default_factory=dict
+    )  # override -> token count(s) at the reference budget
 
 
 CONFIGS = [
@@ -201,7 +211,8 @@ def goals(rows: dict[str, dict]) -> list[tuple[str, bool]]:
         )
         checks.append(
             (
-                f"warmup: {warmup['steps_saved']:.1%} fewer optimizer steps (goal >= {GOALS['warmup_steps_saved']:.0%})",
+                f"warmup: {warmup['steps_saved']:.1%} fewer optimizer steps "
+                f"(goal >= {GOALS['warmup_steps_saved']:.0%})",
                 warmup["steps_saved"] >= GOALS["warmup_steps_saved"],
             )
         )
@@ -219,15 +230,16 @@ def goals(rows: dict[str, dict]) -> list[tuple[str, bool]]:
         share = adaptive["probe_tokens"] / adaptive["tokens"]
         checks.append(
             (
-                f"adaptive: probe tokens {share:.1%} of the training tokens (goal <= {GOALS['adaptive_probe_share']:.0%})",
+                f"adaptive: probe tokens {share:.1%} of the training tokens "
+                f"(goal <= {GOALS['adaptive_probe_share']:.0%})",
                 share <= GOALS["adaptive_probe_share"],
             )
         )
         checks.append(
             (
                 f"adaptive: {adaptive['steps_saved_with_probes']:.1%} fewer steps counting probe branches "
-                f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} vs small batch "
-                f"(goal <= +{GOALS['warmup_loss_gap']})",
+                f"(goal >= {GOALS['adaptive_steps_saved']:.0%}) at loss {adaptive['loss_vs_small']:+.4f} "
+                f"vs small batch (goal <= +{GOALS['warmup_loss_gap']})",
                 adaptive["steps_saved_with_probes"] >= GOALS["adaptive_steps_saved"]
                 and adaptive["loss_vs_small"] <= GOALS["warmup_loss_gap"],
             )
@@ -265,7 +277,9 @@ def plot(runs: dict[str, list[dict]], labels: dict[str, str], path: Path) -> Pat
             curve = run["val_curve"]
             label = f"{labels[key]}, seed {run['seed']}"
             style = styles[seed_index % len(styles)]
-            by_tokens.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, label=label)
+            by_tokens.plot(
+                [p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, label=label
+            )
             by_steps.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, color=color)
     by_tokens.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="loss vs tokens")
     by_steps.set(xlabel="optimizer steps (main run)", title="loss vs optimizer steps")
@@ -284,11 +298,13 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
     lines = [
         "## Table 1 at small scale",
         "",
-        f"Command: `python -m benchmarks.table1 {' '.join(args.argv)}`".rstrip() + f" ({seconds / 60:.1f} minutes, {args.date}; "
+        f"Command: `python -m benchmarks.table1 {' '.join(args.argv)}`".rstrip()
+        + f" ({seconds / 60:.1f} minutes, {args.date}; "
         f"{machine(args.load)}).",
         "",
         f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {budget:,} tokens per run, "
-        f"base batch 16 x 128 tokens, LR 3e-3 (batch k x 16 uses 3e-3 x sqrt(k)), seeds {', '.join(map(str, args.seed_list))}. "
+        "base batch 16 x 128 tokens, LR 3e-3 (batch k x 16 uses 3e-3 x sqrt(k)), "
+        f"seeds {', '.join(map(str, args.seed_list))}. "
         f"Held-out loss: the whole validation split, averaged over each run's last {args.last_evals} evaluations "
         f"(one every {budget // 16:,} tokens); spread = max - min over seeds. Steps saved are against the small-batch "
         'control; "incl. probes" adds every optimizer step the probe\'s branches took.',
@@ -324,7 +340,9 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
     parser.add_argument(
         "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: a quarter)"
@@ -356,7 +374,9 @@ def main(argv: list[str] | None = None) -> dict:
         default=None,
         help="write the section 'table1' of this file (default: docs/RESULTS.md, none with --quick)",
     )
-    parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/table1.png next to --markdown, else OUT)")
+    parser.add_argument(
+        "--plot", type=Path, default=None, help="PNG (default: docs/table1.png next to --markdown, else OUT)"
+    )
     parser.add_argument(
         "--from-json",
         type=Path,
@@ -377,7 +397,9 @@ def main(argv: list[str] | None = None) -> dict:
     if (args.quick or args.gpu) and "--seeds" not in " ".join(args.argv):
         args.seeds = 1
     if args.tokens < 262_144:
-        parser.error(f"--tokens={args.tokens} must be >= 262144 (the probe window must hold one step of its largest branch)")
+        parser.error(
+            f"--tokens={args.tokens} must be >= 262144 (the probe window must hold one step of its largest branch)"
+        )
     if args.seeds < 1 or args.last_evals < 1:
         parser.error("--seeds and --last-evals must be >= 1")
     by_key = {c.key: c for c in CONFIGS}

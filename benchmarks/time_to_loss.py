@@ -28,7 +28,8 @@ seconds, and the section "time_to_loss" of docs/RESULTS.md (``--markdown``).
 Usage::
 
     python -m benchmarks.time_to_loss                  # 2 seeds, about 30 minutes on 2 cores
-    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 4 validation batches, no extras
+    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 4 validation
+                                                               # batches, no extras
     python -m benchmarks.time_to_loss --gpu --out /tmp/ttl_gpu --markdown /tmp/ttl_gpu/time_to_loss.md
 """
 
@@ -46,7 +47,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT, machine, read_run, refuse_gpu_run_without_a_gpu, replace_section, run_logged, train_command
+from benchmarks.common import (
+    ROOT,
+    machine,
+    read_run,
+    refuse_gpu_run_without_a_gpu,
+    replace_section,
+    run_logged,
+    train_command,
+)
 from benchmarks.table1 import CONFIGS, GPU_SEQ_LEN, GPU_TOKENS, REFERENCE_TOKENS, run_command
 
 KEYS = ("small", "large64", "warmup", "adaptive")
@@ -128,7 +137,11 @@ def default_job(args, stripped: bool) -> dict:
     started = time.perf_counter()
     run_logged(command, run_dir / "stdout.log")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"process_seconds": time.perf_counter() - started, "fit_seconds": summary["fit_seconds"], "overrides": command[2:]}
+    return {
+        "process_seconds": time.perf_counter() - started,
+        "fit_seconds": summary["fit_seconds"],
+        "overrides": command[2:],
+    }
 
 
 def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -162,7 +175,8 @@ def fmt_seconds(values: list[float | None]) -> str:
 
 def table(result: dict, labels: dict[str, str]) -> str:
     lines = [
-        "| run | time to target, s (per seed) | x control's time | final held-out loss | fit s | steps | tokens/s per batch |",
+        "| run | time to target, s (per seed) | x control's time | final held-out loss "
+        "| fit s | steps | tokens/s per batch |",
         "|---|---|---|---|---|---|---|",
     ]
     for key, row in result["rows"].items():
@@ -236,7 +250,10 @@ def plot(runs: dict[str, list[dict]], result: dict, labels: dict[str, str], path
 def markdown(result, runs, extras, checks, labels, args, plot_path: Path, seconds: float) -> str:
     relative_plot = os.path.relpath(plot_path, args.markdown.parent)
     if args.gpu:
-        where = f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}, torch {torch.__version__}"
+        where = (
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU visible'}, "
+            f"torch {torch.__version__}"
+        )
         model = (
             f"a 25M-parameter model of the tiny OLMo's family (d_model 512, 8 layers, {GPU_SEQ_LEN}-token sequences) "
             "in bf16 on one GPU, on the embedded corpus"
@@ -250,12 +267,13 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         + f" ({seconds / 60:.1f} minutes, {args.date}; {where}; one run at a time).",
         "",
         f"Workload: {model}, {args.tokens:,} tokens per run, seeds {', '.join(map(str, args.seed_list))}; "
-        f"the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on {args.val_batches} micro-batches every "
-        f"{args.tokens // EVALUATIONS:,} tokens. Target: each seed's small-batch final held-out loss + {TARGET_MARGIN} nats "
-        f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the fit's "
-        "start, validation and probes included), interpolated between evaluations; the ratio is to the control's time to "
-        "the same target, per seed, averaged. Tokens/s: median per optimizer step and batch (samples), validation and "
-        "probes left out.",
+        "the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on "
+        f"{args.val_batches} micro-batches every {args.tokens // EVALUATIONS:,} tokens. Target: each seed's "
+        f"small-batch final held-out loss + {TARGET_MARGIN} nats "
+        f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the "
+        "fit's start, validation and probes included), interpolated between evaluations; the ratio is to the control's "
+        "time to the same target, per seed, averaged. Tokens/s: median per optimizer step and batch (samples), "
+        "validation and probes left out.",
         "",
         table(result, labels),
         "",
@@ -264,17 +282,20 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         eager = runs["warmup"][0]["tokens_per_s"]
         compiled = extras[COMPILED]["tokens_per_s"]
         lines += [
-            "Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), tokens/s per batch (samples): "
-            + ", ".join(f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items())
+            "Compiled against eager (hand-threshold warmup, seed 1, `model.compile=true`), "
+            "tokens/s per batch (samples): "
+            + ", ".join(
+                f"{batch}: {compiled.get(batch, float('nan')):,.0f} vs {rate:,.0f}" for batch, rate in eager.items()
+            )
             + f"; the compiled run's fit took {extras[COMPILED]['fit_seconds']:.0f} s (cold compile included).",
             "",
         ]
     if "default_job" in extras:
         whole, training = extras["default_job"], extras["default_job_training_only"]
         lines += [
-            f"The default job (`python recipes/train.py`): {whole['process_seconds']:.0f} s for the whole process (probes, "
-            f"validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training steps alone "
-            f"(`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).",
+            f"The default job (`python recipes/train.py`): {whole['process_seconds']:.0f} s for the whole process "
+            f"(probes, validation, checkpoints, plots, start-up) against {training['fit_seconds']:.0f} s of training "
+            f"steps alone (`{' '.join(o for o in training['overrides'] if not o.startswith('hydra.'))}`).",
             "",
         ]
     lines += [
@@ -288,16 +309,25 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seeds", type=int, default=2, help="seeds per configuration (default 2; --quick: 1)")
-    parser.add_argument("--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)")
     parser.add_argument(
-        "--quick", action="store_true", help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs"
+        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/16)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs",
     )
     parser.add_argument(
         "--gpu",
         action="store_true",
-        help=f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, the compiled run, no default-job runs",
+        help=(
+            f"the GPU variant: a 25M-parameter model, {GPU_TOKENS:,} tokens, one seed, "
+            "the compiled run, no default-job runs"
+        ),
     )
     parser.add_argument("--configs", default=",".join(KEYS), help=f"comma-separated, from {KEYS} (small is needed)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "time_to_loss", help="folder for the runs")
@@ -308,7 +338,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.date = str(datetime.date.today())
-    args.tokens = args.tokens or (REFERENCE_TOKENS // 16 if args.quick else GPU_TOKENS if args.gpu else REFERENCE_TOKENS)
+    args.tokens = args.tokens or (
+        REFERENCE_TOKENS // 16 if args.quick else GPU_TOKENS if args.gpu else REFERENCE_TOKENS
+    )
     if (args.quick or args.gpu) and "--seeds" not in args.argv:
         args.seeds = 1
     keys = [key.strip() for key in args.configs.split(",") if key.strip()]
@@ -326,7 +358,9 @@ def main(argv: list[str] | None = None) -> dict:
         refuse_gpu_run_without_a_gpu(parser)
     if args.markdown is None and not args.quick and not args.gpu:
         args.markdown = ROOT / "docs" / "RESULTS.md"
-    args.plot = args.plot or ((args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png")
+    args.plot = args.plot or (
+        (args.markdown.parent / "time_to_loss.png") if args.markdown else args.out / "time_to_loss.png"
+    )
     args.seed_list = list(range(1, args.seeds + 1))
     args.val_batches = QUICK_VAL_BATCHES if args.quick else VAL_BATCHES
     args.out.mkdir(parents=True, exist_ok=True)
@@ -362,7 +396,9 @@ def main(argv: list[str] | None = None) -> dict:
     }
     (args.out / "time_to_loss.json").write_text(json.dumps(saved, indent=2, default=str))
     if args.markdown:
-        replace_section(args.markdown, "time_to_loss", markdown(result, runs, extras, checks, labels, args, args.plot, seconds))
+        replace_section(
+            args.markdown, "time_to_loss", markdown(result, runs, extras, checks, labels, args, args.plot, seconds)
+        )
     print(f"[time_to_loss] {seconds / 60:.1f} minutes; {args.out / 'time_to_loss.json'}; plot {args.plot}")
     return saved
 

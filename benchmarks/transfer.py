@@ -30,9 +30,9 @@ About 45-60 minutes on 2 cores.
 
 Usage::
 
-    python -m benchmarks.transfer --jobs 2                  # writes docs/RESULTS.md, docs/transfer.png, docs/forecast.png
+    python -m benchmarks.transfer --jobs 2       # writes docs/RESULTS.md, docs/transfer.png, docs/forecast.png
     python -m benchmarks.transfer --quick --out /tmp/transfer
-    python -m benchmarks.transfer --report-only             # the report from the runs finished in OUT
+    python -m benchmarks.transfer --report-only  # the report from the runs finished in OUT
 """
 
 from __future__ import annotations
@@ -146,7 +146,11 @@ def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
             f"callbacks.cbs_probe.replicates={settings.replicates}",
         ]
     if run == NOISE:
-        overrides += ["data.batch_size=4", "batch.max_micro_batch_size=4", "+callbacks.gns={_target_:lit_cbs.GradientNoiseScale}"]
+        overrides += [
+            "data.batch_size=4",
+            "batch.max_micro_batch_size=4",
+            "+callbacks.gns={_target_:lit_cbs.GradientNoiseScale}",
+        ]
     if run.schedule is not None:
         overrides += [f"batch={run.schedule}", f"hydra.searchpath=[file://{(out / 'conf').resolve()}]"]
     overrides.append(f"hydra.run.dir={(out / run.key).resolve()}")
@@ -185,7 +189,11 @@ def probe_file(run_dir: Path) -> Path:
 def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
     """Train ``run`` (or reuse its finished folder) and return its summary, readings and loss curve."""
     train_unless_done(
-        run_command(run, settings, out), out / run.key, out / "logs" / f"{run.key}.log", threads, f"[transfer] {run.label}"
+        run_command(run, settings, out),
+        out / run.key,
+        out / "logs" / f"{run.key}.log",
+        threads,
+        f"[transfer] {run.label}",
     )
     return load(run, out)
 
@@ -199,8 +207,8 @@ def load(run: Run, out: Path) -> dict:
     if "curve" in run.recipe:
         result["readings"] = read_readings(probe_file(run_dir))
     print(
-        f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} at {result['val_curve'][-1]['tokens']:,} "
-        f"tokens, {result['optimizer_steps']:,} steps",
+        f"[transfer] {run.label}: held-out loss {result['val_curve'][-1]['val_loss']:.4f} "
+        f"at {result['val_curve'][-1]['tokens']:,} tokens, {result['optimizer_steps']:,} steps",
         flush=True,
     )
     return result
@@ -277,8 +285,8 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
         agreeing = sum(point["agree"] for point in points)
         checks.append(
             (
-                f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} of {len(points)} probe "
-                f"points (goal >= {GOALS['agreeing_points']:.0%} of them)",
+                f"brackets of every tiny seed and every tiny4x seed within one grid step at {agreeing} "
+                f"of {len(points)} probe points (goal >= {GOALS['agreeing_points']:.0%} of them)",
                 agreeing >= GOALS["agreeing_points"] * len(points),
             )
         )
@@ -288,8 +296,9 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
         gap = statistics.mean(row["loss_vs_control"] for row in paired)
         checks.append(
             (
-                f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer steps than "
-                f"the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) at held-out loss {gap:+.4f} nats "
+                f"schedule forecast from tiny's curve, mean over {len(paired)} seed(s): {saved:.1%} fewer optimizer "
+                f"steps than the control of the same seed (goal >= {GOALS['steps_saved']:.0%}) "
+                f"at held-out loss {gap:+.4f} nats "
                 f"(goal <= +{GOALS['loss_gap']})",
                 saved >= GOALS["steps_saved"] and gap <= GOALS["loss_gap"],
             )
@@ -375,7 +384,9 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
         curve = runs[run.key]["val_curve"]
         style = ("-" if run in CONTROLS else "--") + ("o" if run.seed == SEEDS[0] else "s")
         color = "k" if run in CONTROLS else "tab:red"
-        tokens_axis.plot([p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4, label=run.label)
+        tokens_axis.plot(
+            [p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4, label=run.label
+        )
         steps_axis.plot([p["step"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4)
     tokens_axis.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="tiny4x: loss vs tokens")
     steps_axis.set(xlabel="optimizer steps", xscale="log", title="tiny4x: loss vs optimizer steps")
@@ -390,7 +401,17 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
 
 
 def markdown(
-    runs, schedules, points, rows, checks, forecast, noise, args, plot_path: Path, forecast_path: Path | None, markdown_path: Path
+    runs,
+    schedules,
+    points,
+    rows,
+    checks,
+    forecast,
+    noise,
+    args,
+    plot_path: Path,
+    forecast_path: Path | None,
+    markdown_path: Path,
 ) -> str:
     from lit_cbs.analysis.forecast import growth_exponent
 
@@ -403,14 +424,15 @@ def markdown(
         f"Command: `python -m benchmarks.transfer {' '.join(args.argv)}`".rstrip()
         + f" ({args.date}; {machine(os.getloadavg())}).",
         "",
-        f"Budget: {s.tokens:,} tokens per run (the recipes'), batch 16 x 128 tokens (the forecast schedule grows it to at "
-        f"most {FINAL}), LR 3e-3 (x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the "
-        f"embedded stdlib corpus. tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: "
+        f"Budget: {s.tokens:,} tokens per run (the recipes'), batch 16 x 128 tokens (the forecast schedule grows it to "
+        f"at most {FINAL}), LR 3e-3 (x sqrt(2) per doubling), LR warmup {s.warmup_tokens:,} tokens then constant, the "
+        "embedded stdlib corpus. tiny: 233,472 parameters; tiny4x: 868,352 (d_model 128, 8 heads, 4 layers). Probes: "
         f"points from {s.probe_first:,} tokens doubling, windows of {s.window_tokens:,} tokens, each k trained on "
-        f"{s.replicates} disjoint data windows, k = {', '.join(map(str, s.multipliers))} by bisection, held-out loss on "
-        f"{s.heldout_batches} micro-batches, epsilon 0.02 nats, confidence 0.9; the same for both models. Seeds "
+        f"{s.replicates} disjoint data windows, k = {', '.join(map(str, s.multipliers))} by bisection, held-out loss "
+        f"on {s.heldout_batches} micro-batches, epsilon 0.02 nats, confidence 0.9; the same for both models. Seeds "
         f"{', '.join(map(str, SEEDS))} for every model and way of training. Held-out loss below: the last of "
-        f"{s.evaluations} evaluations ({s.val_batches} micro-batches of the validation split), at the end of the budget.",
+        f"{s.evaluations} evaluations ({s.val_batches} micro-batches of the validation split), "
+        "at the end of the budget.",
         "",
     ]
     if missing:
@@ -437,7 +459,8 @@ def markdown(
     lines += [""]
     if forecast is not None:
         lines += [
-            f"The forecast (`recipes/schedule_from_probe.py {' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
+            "The forecast (`recipes/schedule_from_probe.py "
+            f"{' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
             f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."
         ]
         if noise is not None:
@@ -448,7 +471,9 @@ def markdown(
             ]
         lines += [""]
     lines += ["Schedules (global batch, samples):", ""]
-    lines += [f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()]
+    lines += [
+        f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()
+    ]
     lines += [
         "",
         "tiny4x trained two ways, each seed against the control of the same seed:",
@@ -470,7 +495,9 @@ def markdown(
     ]
     lines += [
         "",
-        "What the curves cost (probe branch tokens on top of the budget, wall time of the run): " + "; ".join(cost) + ".",
+        "What the curves cost (probe branch tokens on top of the budget, wall time of the run): "
+        + "; ".join(cost)
+        + ".",
         "",
     ]
     gaps = [
@@ -505,7 +532,10 @@ def markdown(
 
 def main(argv: list[str] | None = None) -> dict:
     args = recipe_benchmark_arguments(
-        "transfer", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results", argv
+        "transfer",
+        __doc__.split("\n\n")[0],
+        f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results",
+        argv,
     )
     args.settings = QUICK if args.quick else FULL
     threads = args.threads
@@ -520,7 +550,9 @@ def main(argv: list[str] | None = None) -> dict:
         """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
         waiting = list(SCHEDULED)
         with ThreadPoolExecutor(args.jobs) as pool:
-            pending = {pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, NOISE, *CONTROLS]}
+            pending = {
+                pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, NOISE, *CONTROLS]
+            }
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
@@ -528,7 +560,11 @@ def main(argv: list[str] | None = None) -> dict:
                     save()
                 ready = [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]
                 for key in {run.schedule for run in ready}:
-                    run_logged(schedule_command(key, args.settings, args.out), args.out / "logs" / f"schedule_{key}.log", threads)
+                    run_logged(
+                        schedule_command(key, args.settings, args.out),
+                        args.out / "logs" / f"schedule_{key}.log",
+                        threads,
+                    )
                 for run in ready:
                     waiting.remove(run)
                     pending[pool.submit(train, run, args.settings, args.out, threads)] = run
@@ -573,7 +609,9 @@ def main(argv: list[str] | None = None) -> dict:
         replace_section(
             args.markdown,
             "transfer",
-            markdown(runs, schedules, points, rows, checks, forecast, noise, args, args.plot, forecast_path, args.markdown),
+            markdown(
+                runs, schedules, points, rows, checks, forecast, noise, args, args.plot, forecast_path, args.markdown
+            ),
         )
     print(
         f"[transfer] {result['seconds'] / 60:.1f} minutes; {args.out / 'transfer.json'}; plot {args.plot}"

@@ -98,7 +98,9 @@ def set_train_epoch_length(trainer, micro_batches: int) -> None:
     trainer.fit_loop.max_batches = micro_batches
     combined_loader = trainer.fit_loop._combined_loader
     if combined_loader is not None and combined_loader.limits is not None:
-        combined_loader.limits[:] = [micro_batches] * len(combined_loader.limits)  # the running iterator shares the list
+        combined_loader.limits[:] = [micro_batches] * len(
+            combined_loader.limits
+        )  # the running iterator shares the list
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None and fetcher.length is not None:
         fetcher.length = micro_batches

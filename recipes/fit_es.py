@@ -39,32 +39,54 @@ from lit_cbs.analysis import (
     side_by_side_markdown,
     write_schedule_yaml,
 )
-from lit_cbs.analysis.curves import BATCH_COLUMN, GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, STEP_COLUMN, TOKENS_COLUMN, check_units
+from lit_cbs.analysis.curves import (
+    BATCH_COLUMN,
+    GNS_COLUMN,
+    LOSS_COLUMN,
+    METRICS_FILE,
+    STEP_COLUMN,
+    TOKENS_COLUMN,
+    check_units,
+)
 from lit_cbs.analysis.fits import POOR_FIT, WSD_FREE_PARAMETERS
 
 PROBE_FILE = "cbs_probe.jsonl"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument(
         "sweep", nargs="+", type=Path, help="a Hydra multirun folder (one subfolder per run), or several run folders"
     )
-    parser.add_argument("--targets", type=float, nargs="+", help="target losses (default: --num-targets evenly spaced ones)")
+    parser.add_argument(
+        "--targets", type=float, nargs="+", help="target losses (default: --num-targets evenly spaced ones)"
+    )
     parser.add_argument("--num-targets", type=int, default=6, help="how many default targets (default: 6)")
-    parser.add_argument("--out", type=Path, help="output folder (default: SWEEP/fit_es, or ./fit_es for a list of runs)")
+    parser.add_argument(
+        "--out", type=Path, help="output folder (default: SWEEP/fit_es, or ./fit_es for a list of runs)"
+    )
     parser.add_argument("--loss-column", default=LOSS_COLUMN, help=f"loss column (default: {LOSS_COLUMN})")
     parser.add_argument("--tokens-column", default=TOKENS_COLUMN, help=f"tokens-seen column (default: {TOKENS_COLUMN})")
     parser.add_argument("--step-column", default=STEP_COLUMN, help=f"optimizer-step column (default: {STEP_COLUMN})")
-    parser.add_argument("--batch-column", default=BATCH_COLUMN, help=f"global batch column, samples (default: {BATCH_COLUMN})")
+    parser.add_argument(
+        "--batch-column", default=BATCH_COLUMN, help=f"global batch column, samples (default: {BATCH_COLUMN})"
+    )
     parser.add_argument("--gns-column", default=GNS_COLUMN, help=f"noise scale column, samples (default: {GNS_COLUMN})")
-    parser.add_argument("--metrics-file", default=METRICS_FILE, help=f"metrics CSV name in each run (default: {METRICS_FILE})")
+    parser.add_argument(
+        "--metrics-file", default=METRICS_FILE, help=f"metrics CSV name in each run (default: {METRICS_FILE})"
+    )
     parser.add_argument(
         "--smoothing", choices=("rolling", "ema", "none"), default="rolling", help="loss smoothing (default: rolling)"
     )
-    parser.add_argument("--window", type=int, default=9, help="rolling: centered window, logged points, odd (default: 9)")
+    parser.add_argument(
+        "--window", type=int, default=9, help="rolling: centered window, logged points, odd (default: 9)"
+    )
     parser.add_argument("--ema-decay", type=float, default=0.9, help="ema: decay per logged point (default: 0.9)")
-    parser.add_argument("--probe", type=Path, nargs="*", help=f"CBS probe JSONL files (default: every {PROBE_FILE} under SWEEP)")
+    parser.add_argument(
+        "--probe", type=Path, nargs="*", help=f"CBS probe JSONL files (default: every {PROBE_FILE} under SWEEP)"
+    )
     parser.add_argument(
         "--multiple-of", type=int, default=1, help="round scheduled batch sizes to this many samples (micro x world)"
     )
@@ -73,15 +95,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def format_table(fits) -> str:
     """One row per target loss: B_crit, B_min, B_opt (nan: no fit) and how many runs reached it."""
-    lines = [f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   (batch sizes in {fits[0].unit})"]
+    lines = [
+        f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   "
+        f"(batch sizes in {fits[0].unit})"
+    ]
     poor = False
     for fit in fits:
         crit_mark = "*" if fit.mccandlish.rms_log_residual > POOR_FIT else " "
         wsd_mark = "*" if fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT else " "
         poor = poor or "*" in crit_mark + wsd_mark
         lines.append(
-            f"{fit.target:>11.4g}  {fit.b_crit:>10.4g}{crit_mark}  {fit.b_min:>10.4g}{wsd_mark} {fit.b_opt:>10.4g}{wsd_mark} "
-            f"{len(fit.crossings):>4}"
+            f"{fit.target:>11.4g}  {fit.b_crit:>10.4g}{crit_mark}  {fit.b_min:>10.4g}{wsd_mark} "
+            f"{fit.b_opt:>10.4g}{wsd_mark} {len(fit.crossings):>4}"
         )
     if poor:
         lines.append(f"* that E(S) fit misses the runs by more than {POOR_FIT:.0%} (rms of log E): unreliable")
@@ -107,7 +132,9 @@ def fits_record(fits) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    smoothing = dict(smoothing=None if args.smoothing == "none" else args.smoothing, window=args.window, decay=args.ema_decay)
+    smoothing = dict(
+        smoothing=None if args.smoothing == "none" else args.smoothing, window=args.window, decay=args.ema_decay
+    )
     columns = dict(
         loss_column=args.loss_column,
         tokens_column=args.tokens_column,
@@ -123,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         fits = fit_targets(find_crossings(runs, targets, **smoothing), tokens_per_sample)
         if not fits:
             raise ValueError(f"no target loss in {[f'{t:.4g}' for t in targets]} is reached by at least 3 runs")
-        probe_files = args.probe if args.probe is not None else sorted(sweep_folder.rglob(PROBE_FILE)) if sweep_folder else []
+        probe_files = (
+            args.probe if args.probe is not None else sorted(sweep_folder.rglob(PROBE_FILE)) if sweep_folder else []
+        )
         probe = [reading for path in probe_files for reading in read_readings(path)]
         out = args.out or (sweep_folder / "fit_es" if sweep_folder else Path("fit_es"))
         out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         record = fits_record(fits)
         for entry, row in zip(record, compared):
             entry["b_simple"] = row.b_simple
-            entry["probe"] = None if row.probe is None else {**dataclasses.asdict(row.probe), "run_tokens": row.probe_run_tokens}
+            entry["probe"] = (
+                None if row.probe is None else {**dataclasses.asdict(row.probe), "run_tokens": row.probe_run_tokens}
+            )
         (out / "fits.json").write_text(json.dumps(record, indent=2))
         written.append(out / "fits.json")
         try:
@@ -153,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no schedule proposed: {error}")
         else:
             source = sweep_folder or ", ".join(map(str, args.sweep))
-            comment = f"Batch schedule following B_opt (Zhou et al. 2026, arXiv 2601.05034), fitted by recipes/fit_es.py\nfrom {source}."
+            comment = (
+                "Batch schedule following B_opt (Zhou et al. 2026, arXiv 2601.05034), fitted by recipes/fit_es.py\n"
+                f"from {source}."
+            )
             written.append(write_schedule_yaml(schedule, out / "schedule.yaml", comment))
             print(f"proposed schedule: {schedule}")
     except ValueError as error:

@@ -50,7 +50,9 @@ def checkpoints_and_run(ckpt_path: str) -> tuple[list[Path], Path]:
     configuration rebuilds them; LitCBSConfigError before any work if either is missing."""
     path = Path(ckpt_path)
     if not path.exists():
-        raise LitCBSConfigError(f"ckpt_path={ckpt_path} does not exist; give a run's checkpoint or its checkpoints/ folder")
+        raise LitCBSConfigError(
+            f"ckpt_path={ckpt_path} does not exist; give a run's checkpoint or its checkpoints/ folder"
+        )
     folder_of_checkpoints = path.is_dir() and not (path / ".metadata").exists()
     checkpoints = checkpoints_in_order(path, checkpoint_step) if folder_of_checkpoints else [path]
     if not checkpoints:
@@ -61,8 +63,8 @@ def checkpoints_and_run(ckpt_path: str) -> tuple[list[Path], Path]:
     run = (path if folder_of_checkpoints else path.parent).parent
     if not (run / RUN_CONFIG).is_file():
         raise LitCBSConfigError(
-            f"ckpt_path={ckpt_path}: its run folder {run} has no {RUN_CONFIG} (the configuration recipes/train.py writes "
-            "there), so the run cannot be rebuilt: give a checkpoint of a recipe run, or use "
+            f"ckpt_path={ckpt_path}: its run folder {run} has no {RUN_CONFIG} (the configuration recipes/train.py "
+            "writes there), so the run cannot be rebuilt: give a checkpoint of a recipe run, or use "
             "lit_cbs.probe.probe_checkpoint with your own module"
         )
     return checkpoints, run

@@ -1,23 +1,25 @@
-"""Write a batch size warmup read off a measured CBS curve as a Hydra batch config: measure on a small
+r"""Write a batch size warmup read off a measured CBS curve as a Hydra batch config: measure on a small
 model, train the big one with no probe.
 
     python recipes/train.py +recipe=tiny_cbs_curve hydra.run.dir=runs/tiny_curve
-    python recipes/schedule_from_probe.py runs/tiny_curve/cbs_probe.jsonl --start 16 --final 64 --out conf/batch/measured.yaml
+    python recipes/schedule_from_probe.py runs/tiny_curve/cbs_probe.jsonl --start 16 --final 64 \
+        --out conf/batch/measured.yaml
     python recipes/train.py +recipe=tiny4x_warmup batch=measured
 
 With --forecast-to TOKENS the schedule reaches past the last probe: a CBS curve is fitted to the
 readings' brackets (lit_cbs.analysis.forecast_cbs: a power law, or one with a plateau, by held-out
 likelihood) and the batch follows the lower edge of its --coverage band up to TOKENS; --plot draws
 the brackets, the curve and the band, and --noise-scale METRICS_CSV adds a run's GradientNoiseScale
-B_simple over tokens to the plot and prints its growth exponent beside the CBS's. Otherwise the batch starts at --start samples and grows by --factor at the token count of each probe reading
-whose CBS lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at
---final, undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds)
-are read together; at a token count read twice the smaller lower bound counts. --seq-len converts a
-curve measured at another sequence length (--measured-seq-len) through tokens. The output is a
-conf/batch/ option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a
-PiecewiseBatch (tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...); the recipes read conf/ of the folder
-they run from beside the package's, so write it there. It keeps the measured run's micro-batch growth:
-its max_micro_batch_size is --max-micro-batch-size, else batch.max_micro_batch_size of the run's saved
+B_simple over tokens to the plot and prints its growth exponent beside the CBS's. Otherwise the batch
+starts at --start samples and grows by --factor at the token count of each probe reading whose CBS
+lower bound allows it (lit_cbs.analysis.schedule_from_probe: never decreasing, capped at --final,
+undetermined readings skipped, a --margin to switch later). Several files (e.g. two seeds) are read
+together; at a token count read twice the smaller lower bound counts. --seq-len converts a curve
+measured at another sequence length (--measured-seq-len) through tokens. The output is a conf/batch/
+option (like batch/warmup.yaml): select it with `batch=NAME` in any recipe that runs a PiecewiseBatch
+(tiny_warmup, tiny4x_warmup, olmo1b_warmup, ...); the recipes read conf/ of the folder they run from
+beside the package's, so write it there. It keeps the measured run's micro-batch growth: its
+max_micro_batch_size is --max-micro-batch-size, else batch.max_micro_batch_size of the run's saved
 configuration beside the probe files (resolved_config.yaml, or .hydra/config.yaml), else the default
 of conf/batch/warmup.yaml; the file's comment says which. Records written before probe records stored
 their epsilon are read at the run's callbacks.cbs_probe.epsilon from the same configuration, or
@@ -50,18 +52,32 @@ WARMUP_BATCH = Path(__file__).resolve().parents[1] / "conf" / "batch" / "warmup.
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("probe", nargs="+", type=Path, help="cbs_probe.jsonl files written by CBSProbeCallback")
     parser.add_argument("--start", type=int, required=True, help="the target run's first global batch, samples")
     parser.add_argument("--factor", type=int, default=2, help="ratio between consecutive batch sizes (default: 2)")
-    parser.add_argument("--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)")
     parser.add_argument(
-        "--margin", type=float, default=1.0, help="move to batch B only where the CBS lower bound >= margin x B (default: 1)"
+        "--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)"
     )
-    parser.add_argument("--seq-len", type=int, help="the target run's data.seq_len, tokens (default: the measured run's)")
-    parser.add_argument("--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens")
     parser.add_argument(
-        "--lr-rule", default="sqrt", choices=sorted(LR_RULES), help="batch.lr_rule: LR factor per batch change (default: sqrt)"
+        "--margin",
+        type=float,
+        default=1.0,
+        help="move to batch B only where the CBS lower bound >= margin x B (default: 1)",
+    )
+    parser.add_argument(
+        "--seq-len", type=int, help="the target run's data.seq_len, tokens (default: the measured run's)"
+    )
+    parser.add_argument(
+        "--measured-seq-len", type=int, help="data.seq_len of the run that wrote the probe files, tokens"
+    )
+    parser.add_argument(
+        "--lr-rule",
+        default="sqrt",
+        choices=sorted(LR_RULES),
+        help="batch.lr_rule: LR factor per batch change (default: sqrt)",
     )
     parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
     parser.add_argument(
@@ -70,7 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="batch.max_micro_batch_size to write, samples per rank (default: the measured run's, from its saved "
         "configuration beside the probe files, else conf/batch/warmup.yaml's)",
     )
-    parser.add_argument("--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens")
+    parser.add_argument(
+        "--forecast-to", type=int, help="fit a CBS curve to the readings and schedule up to this many tokens"
+    )
     parser.add_argument(
         "--coverage",
         type=float,
@@ -180,7 +198,8 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
         forecast, args.start, args.forecast_to, factor=args.factor, final=args.final, margin=args.margin
     )
     at_changes = (
-        "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes) or "none"
+        "; ".join(f"{c.batch} at {c.tokens:,} tokens (band {c.band_low:.0f}-{c.band_high:.0f})" for c in changes)
+        or "none"
     )
     options = f"start {args.start}, factor {args.factor}, final {args.final}, margin {args.margin:g}"
     options += f", coverage {args.coverage:g}"
@@ -200,7 +219,8 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
     print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     if noise is not None:
         print(
-            f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); the CBS fit as D^{forecast.exponent:.3f}"
+            f"noise scale B_simple grows as D^{growth_exponent(*noise):.3f} ({args.noise_scale}); "
+            f"the CBS fit as D^{forecast.exponent:.3f}"
         )
     return 0
 

@@ -76,10 +76,16 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     datamodule = job.instantiate_group(cfg, "data")
     datamodule.check_context(model.dims.context_length)
     warmup = job.batch_warmup_of(cfg)
-    probes = [callback for callback in job.instantiate_named(cfg, "callbacks").values() if isinstance(callback, CBSProbeCallback)]
+    probes = [
+        callback
+        for callback in job.instantiate_named(cfg, "callbacks").values()
+        if isinstance(callback, CBSProbeCallback)
+    ]
     devices = devices_per_node(cfg.trainer.devices, "plan=true sizes the run from it")
     num_nodes = int(cfg.trainer.num_nodes)
-    warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, devices * num_nodes, "global batch (batch.schedule)")
+    warmup.check_sizes(
+        warmup.schedule.sizes(0), datamodule.batch_size, devices * num_nodes, "global batch (batch.schedule)"
+    )
     strategy = cfg.trainer.get("strategy", "auto")
     target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
     if target.endswith(("ModelParallelStrategy", "FSDPStrategy")) or target.startswith("fsdp"):
@@ -153,7 +159,9 @@ def build_run(cfg: DictConfig) -> Run:
             "data.tokenizer=<tokenizer.json>"
         )
     lr_schedule = job.instantiate_group(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
-    model = job.instantiate_group(cfg, "model", lr_schedule=lr_schedule)  # the decoder is built in configure_model, during fit
+    model = job.instantiate_group(
+        cfg, "model", lr_schedule=lr_schedule
+    )  # the decoder is built in configure_model, during fit
     datamodule = job.instantiate_group(cfg, "data")
     datamodule.check_context(model.dims.context_length)
 
@@ -163,12 +171,15 @@ def build_run(cfg: DictConfig) -> Run:
         raise LitCBSConfigError(
             f"batch.schedule is CBSAdaptive, which grows the batch only on CBS readings, but the run has no probe "
             f"(callbacks.cbs_probe is null, or its first window ends past max_tokens), so the batch would stay "
-            f"{warmup.schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), or a fixed schedule (batch=warmup)"
+            f"{warmup.schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), "
+            "or a fixed schedule (batch=warmup)"
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
     trainer = job.instantiate_group(cfg, "trainer", callbacks=callbacks, logger=job.loggers_of(cfg))
-    warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)")
+    warmup.check_sizes(
+        warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)"
+    )
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
     if trainer.local_rank == 0:
@@ -207,7 +218,9 @@ def main(cfg: DictConfig) -> float | None:
     terminated = False
     try:
         run.trainer.fit(run.model, datamodule=run.datamodule, ckpt_path=run.ckpt_path)
-    except SIGTERMException:  # stopped at a step boundary, last.ckpt saved (lit_cbs.callbacks.checkpoint): say so, exit non-zero
+    except (
+        SIGTERMException
+    ):  # stopped at a step boundary, last.ckpt saved (lit_cbs.callbacks.checkpoint): say so, exit non-zero
         terminated = True
     except Exception as error:
         if not job.trained_a_step(run.batch_warmup):  # refused (or failed) before its first step: nothing to keep
@@ -225,10 +238,14 @@ def main(cfg: DictConfig) -> float | None:
             write_report(output_dir)  # report.html: the run on one page, readable offline, with the plots just drawn
         job.finish_loggers(run.trainer.loggers)
         log.info(ending)
-    if torch.distributed.is_initialized():  # before the interpreter exits: a process group torn down at exit can abort the rank
+    if (
+        torch.distributed.is_initialized()
+    ):  # before the interpreter exits: a process group torn down at exit can abort the rank
         torch.distributed.destroy_process_group()
     if terminated:
-        raise SystemExit(128 + signal.SIGTERM)  # the shell's code for a run ended by SIGTERM, so schedulers do not read "done"
+        raise SystemExit(
+            128 + signal.SIGTERM
+        )  # the shell's code for a run ended by SIGTERM, so schedulers do not read "done"
     return float(val_loss) if val_loss is not None else None
 
 

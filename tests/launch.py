@@ -9,7 +9,15 @@ import torch
 
 # Set in this process by earlier multi-process fits (Lightning exports the rendezvous to os.environ);
 # inherited, they make a new launcher join that finished job's address and port and hang.
-DISTRIBUTED_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
+DISTRIBUTED_VARIABLES = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "LOCAL_WORLD_SIZE",
+)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

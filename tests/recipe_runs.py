@@ -14,7 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 TRAIN_SCRIPT = ROOT / "recipes" / "train.py"
 # recipes/train.py on two processes under torchrun (a free rendezvous port of its own).
-TORCHRUN_TRAIN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(TRAIN_SCRIPT)]
+TORCHRUN_TRAIN = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc_per_node",
+    "2",
+    str(TRAIN_SCRIPT),
+]
 
 
 def load_script(name: str):
@@ -51,7 +59,8 @@ SHORT_RUN = [
 
 
 def short_run(text_folder, tmp_path, *overrides: str):
-    """The config and the built run of SHORT_RUN on the small text folder with ``overrides``, its output in tmp_path/run."""
+    """The config and the built run of SHORT_RUN on the small text folder with ``overrides``, its output in
+    tmp_path/run."""
     cfg = compose_config(
         *overrides,
         *SHORT_RUN,

@@ -90,7 +90,9 @@ def mccandlish_crossing_steps(tokens_per_step: float, losses: np.ndarray) -> np.
     return s_min + e_min / tokens_per_step
 
 
-def write_run(folder: Path, batch_size: int, crossing_steps, *, seq_len=SEQ_LEN, gns=None, lowest_target=2.8, val_every=50):
+def write_run(
+    folder: Path, batch_size: int, crossing_steps, *, seq_len=SEQ_LEN, gns=None, lowest_target=2.8, val_every=50
+):
     """A CSVLogger-style metrics.csv: Lightning logs row ``step`` = s - 1 with the tokens seen after s steps."""
     tokens_per_step = batch_size * seq_len
     reach = crossing_steps(tokens_per_step, LOSS_GRID)

@@ -43,7 +43,9 @@ def live_objects():
     metric = torchmetrics.MeanMetric()
     metric.update(torch.tensor(1.0))
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    sequential = SequentialLR(optimizer, [ConstantLR(optimizer, 0.5, total_iters=2), LinearLR(optimizer)], milestones=[2])
+    sequential = SequentialLR(
+        optimizer, [ConstantLR(optimizer, 0.5, total_iters=2), LinearLR(optimizer)], milestones=[2]
+    )
     optimizer.step()
     sequential.step()
     roots = {

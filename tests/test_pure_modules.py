@@ -59,7 +59,11 @@ print("\\n".join(failed))
 @pytest.mark.slow
 def test_pure_modules_import_without_lightning_or_matplotlib():
     result = subprocess.run(
-        [sys.executable, "-c", IMPORT_BLOCKED, *PURE_MODULES], capture_output=True, text=True, env=subprocess_env(), timeout=120
+        [sys.executable, "-c", IMPORT_BLOCKED, *PURE_MODULES],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "", f"these pure modules import a blocked package:\n{result.stdout}"
@@ -79,7 +83,10 @@ def test_the_block_refuses_what_it_should():
 
 
 def test_the_analysis_package_loads_plotting_on_first_use():
-    code = "import sys, lit_cbs.analysis as a; a.fit_mccandlish; assert 'matplotlib' not in sys.modules; a.plot_es; assert 'matplotlib' in sys.modules"
+    code = (
+        "import sys, lit_cbs.analysis as a; a.fit_mccandlish; assert 'matplotlib' not in sys.modules; "
+        "a.plot_es; assert 'matplotlib' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(), timeout=120)
 
 

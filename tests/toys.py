@@ -83,11 +83,15 @@ class GlobalOrderRegressionData(RegressionData):
 class RegressionModule(pl.LightningModule):
     """Linear regression with SGD; records, per optimizer step, the samples and the gradient."""
 
-    def __init__(self, lr: float = 0.05, scheduler_factory=None, optimizer: str = "sgd", scheduler_interval: str = "step"):
+    def __init__(
+        self, lr: float = 0.05, scheduler_factory=None, optimizer: str = "sgd", scheduler_interval: str = "step"
+    ):
         super().__init__()
         self.layer = torch.nn.Linear(DIM, 1, bias=False, dtype=torch.float64)
         with torch.no_grad():  # the same start in every test, whatever the global RNG did before
-            self.layer.weight.copy_(torch.randn(1, DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+            self.layer.weight.copy_(
+                torch.randn(1, DIM, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+            )
         self.lr = lr
         self.scheduler_factory, self.scheduler_interval = scheduler_factory, scheduler_interval
         self.optimizer_name = optimizer
@@ -244,7 +248,8 @@ class RecordShardedModules(pl.Callback):
 
 
 def megatron_reference(consumed, start, increment, ramp, final):
-    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from Megatron-LM's num_microbatches_calculator."""
+    """Megatron-LM's RampupBatchsizeNumMicroBatches arithmetic, written out from Megatron-LM's
+    num_microbatches_calculator."""
     if consumed > ramp:
         return final
     per_increment = ramp / ((final - start) // increment)

@@ -22,7 +22,9 @@ _MODULES = {
         "McCandlishFit", "TargetFit", "WSDFit", "batch_group_yaml", "fit_mccandlish", "fit_targets",
         "fit_wsd", "propose_schedule", "schedule_yaml", "write_schedule_yaml",
     ],
-    "lit_cbs.analysis.forecast": ["Bracket", "CBSForecast", "brackets_from_records", "forecast_cbs", "supported_interval"],
+    "lit_cbs.analysis.forecast": [
+        "Bracket", "CBSForecast", "brackets_from_records", "forecast_cbs", "supported_interval",
+    ],
     "lit_cbs.analysis.plots": ["plot_batch_sizes", "plot_es", "plot_forecast"],
     "lit_cbs.analysis.probe_schedule": ["run_config_value", "schedule_from_probe"],
     "lit_cbs.probe.reading": ["ProbeReading", "read_readings"],

@@ -118,7 +118,8 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
     """The rows as a markdown table (batch sizes in samples; * marks a fit that misses the runs by
     more than ``POOR_FIT``, with a note under the table)."""
     lines = [
-        "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) | probe CBS (at tokens; run reached target at) |",
+        "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) "
+        "| probe CBS (at tokens; run reached target at) |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:

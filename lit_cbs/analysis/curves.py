@@ -109,14 +109,19 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
                 f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?"
             )
         for row in reader:
-            cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell not in ("", None)}
+            cells = {
+                name: cell
+                for name, cell in row.items()
+                if name not in (step_column, "epoch") and cell not in ("", None)
+            }
             if not cells:
                 continue
             try:
                 step = float(row[step_column])
             except (TypeError, ValueError):
                 raise ValueError(
-                    f"{path}: {step_column}={row[step_column]!r} in a row logging {sorted(cells)}; steps must be numbers"
+                    f"{path}: {step_column}={row[step_column]!r} in a row logging {sorted(cells)}; "
+                    "steps must be numbers"
                 ) from None
             for name, cell in cells.items():
                 steps, values = series.setdefault(name, ([], []))
@@ -148,7 +153,9 @@ def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
         raise ValueError(f"run folder {run} does not exist")
     found = sorted(run.rglob(metrics_file))
     if not found:
-        raise ValueError(f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise")
+        raise ValueError(
+            f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise"
+        )
     if len(found) > 1:
         listed = ", ".join(str(p.relative_to(run)) for p in found)
         raise ValueError(
@@ -200,25 +207,29 @@ def read_run(
     for column, argument in ((tokens_column, "tokens_column"), (loss_column, "loss_column")):
         if column not in series:
             raise ValueError(
-                f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)}); pass {argument}=..."
+                f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)}); "
+                f"pass {argument}=..."
             )
 
     token_steps, token_counts = series[tokens_column]
     if not np.all(np.isfinite(token_counts)):
         i = np.nonzero(~np.isfinite(token_counts))[0][0]
         raise ValueError(
-            f"run {name}: {tokens_column}={token_counts[i]:g} at {step_column}={token_steps[i]:g} in {csv_path}; token counts must be finite"
+            f"run {name}: {tokens_column}={token_counts[i]:g} at {step_column}={token_steps[i]:g} in {csv_path}; "
+            "token counts must be finite"
         )
     decreasing = np.nonzero(np.diff(token_counts) < 0)[0]
     if decreasing.size:
         i = decreasing[0]
         raise ValueError(
-            f"run {name}: {tokens_column} decreases from {token_counts[i]:g} to {token_counts[i + 1]:g} at {step_column} "
-            f"{token_steps[i + 1]:g} in {csv_path} (a restarted run appending to the same CSV?); give each run its own folder"
+            f"run {name}: {tokens_column} decreases from {token_counts[i]:g} to {token_counts[i + 1]:g} "
+            f"at {step_column} {token_steps[i + 1]:g} in {csv_path} (a restarted run appending to the same CSV?); "
+            "give each run its own folder"
         )
     if len(np.unique(token_steps)) < 2:
         raise ValueError(
-            f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; the tokens per step are unknown"
+            f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; "
+            "the tokens per step are unknown"
         )
     if np.any(np.diff(token_steps) < 0):
         raise ValueError(f"run {name}: {step_column} decreases in {csv_path}; give each run its own folder")
@@ -227,8 +238,8 @@ def read_run(
     per_row = np.diff(token_counts)[advancing] / np.diff(token_steps)[advancing]
     if tokens_per_step <= 0 or np.any(np.abs(per_row / tokens_per_step - 1) > CONSTANT_BATCH_TOLERANCE):
         raise ValueError(
-            f"run {name} is not a constant-batch run: tokens per step range from {per_row.min():g} to {per_row.max():g}; "
-            "E(S) fits need runs at one global batch"
+            f"run {name} is not a constant-batch run: tokens per step range from {per_row.min():g} "
+            f"to {per_row.max():g}; E(S) fits need runs at one global batch"
         )
     tokens_at_step_zero = float(np.median(token_counts - tokens_per_step * token_steps))
     logged_tokens = dict(zip(token_steps.tolist(), token_counts.tolist()))
@@ -254,7 +265,8 @@ def read_run(
         sizes = sorted(set(series[batch_column][1].tolist()))
         if len(sizes) > 1:
             raise ValueError(
-                f"run {name} is not a constant-batch run: {batch_column} takes the values {sizes}; E(S) fits need runs at one global batch"
+                f"run {name} is not a constant-batch run: {batch_column} takes the values {sizes}; "
+                "E(S) fits need runs at one global batch"
             )
         batch_size = int(sizes[0])
 
@@ -320,12 +332,14 @@ def check_units(runs: Sequence[RunCurve]) -> float | None:
     if max(values) > min(values) * (1 + CONSTANT_BATCH_TOLERANCE):
         listed = ", ".join(f"{name}: {value:g}" for name, value in known.items())
         raise ValueError(
-            f"mismatched units: tokens per sample (tokens per step / global batch in samples) differ between runs ({listed}); "
-            "every run must count tokens in tokens and its batch in samples of the same sequence length"
+            "mismatched units: tokens per sample (tokens per step / global batch in samples) differ between runs "
+            f"({listed}); every run must count tokens in tokens and its batch in samples of the same sequence length"
         )
     missing = [run.name for run in runs if run.tokens_per_sample is None]
     if missing:
-        warnings.warn(f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others")
+        warnings.warn(
+            f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others"
+        )
     return float(np.mean(values))
 
 
@@ -377,14 +391,16 @@ def find_crossings(
             i = int(reached[0])
             if i == 0:
                 warnings.warn(
-                    f"target loss {target:g}: run {run.name} is already at or below it at its first logged point, so where it "
-                    "crossed is unknown; left out (log the loss from the start of training)"
+                    f"target loss {target:g}: run {run.name} is already at or below it at its first logged point, "
+                    "so where it crossed is unknown; left out (log the loss from the start of training)"
                 )
                 continue
             fraction = (smoothed[i - 1] - target) / (smoothed[i - 1] - smoothed[i])
             tokens = run.tokens[i - 1] + fraction * (run.tokens[i] - run.tokens[i - 1])
             result[target].append(
-                Crossing(run.name, target, tokens / run.tokens_per_step, float(tokens), run.tokens_per_step, run.batch_size)
+                Crossing(
+                    run.name, target, tokens / run.tokens_per_step, float(tokens), run.tokens_per_step, run.batch_size
+                )
             )
     for target, names in never.items():
         if not names:

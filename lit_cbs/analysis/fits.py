@@ -42,11 +42,15 @@ WSD_FREE_PARAMETERS = 8  # S_min, S_1, S_opt, S_2, B_-1, C, E_min, A_1 (B_0 and 
 def _points(steps, tokens, minimum: int, fit: str) -> tuple[np.ndarray, np.ndarray]:
     steps, tokens = np.asarray(steps, dtype=float), np.asarray(tokens, dtype=float)
     if steps.ndim != 1 or steps.shape != tokens.shape:
-        raise ValueError(f"{fit}: steps and tokens must be 1-D and of equal length, got shapes {steps.shape} and {tokens.shape}")
+        raise ValueError(
+            f"{fit}: steps and tokens must be 1-D and of equal length, got shapes {steps.shape} and {tokens.shape}"
+        )
     if len(steps) < minimum:
         raise ValueError(f"{fit} needs at least {minimum} runs reaching the target loss, got {len(steps)}")
     if not (np.all(np.isfinite(steps)) and np.all(np.isfinite(tokens)) and np.all(steps > 0) and np.all(tokens > 0)):
-        raise ValueError(f"{fit}: steps and tokens must be finite and > 0, got steps={steps.tolist()} tokens={tokens.tolist()}")
+        raise ValueError(
+            f"{fit}: steps and tokens must be finite and > 0, got steps={steps.tolist()} tokens={tokens.tolist()}"
+        )
     return steps, tokens
 
 
@@ -92,7 +96,9 @@ def fit_mccandlish(steps, tokens) -> McCandlishFit:
         e_min, s_min = np.exp(x[0]), x[1] * s_low
         return np.log(tokens) - np.log(e_min * steps / (steps - s_min))
 
-    result = least_squares(log_residuals, [np.log(e_start), s_start / s_low], bounds=([-np.inf, 0.0], [np.inf, 1 - 1e-9]))
+    result = least_squares(
+        log_residuals, [np.log(e_start), s_start / s_low], bounds=([-np.inf, 0.0], [np.inf, 1 - 1e-9])
+    )
     rms = float(np.sqrt(np.mean(result.fun**2)))
     return McCandlishFit(s_min=float(result.x[1] * s_low), e_min=float(np.exp(result.x[0])), rms_log_residual=rms)
 
@@ -193,12 +199,17 @@ def fit_wsd(steps, tokens) -> WSDFit:
         return np.concatenate([[np.log(s_min_fraction / (1 - s_min_fraction))], np.log(fractions[:3] / fractions[3])])
 
     t_grid = np.linspace(0.05, 0.95, 10)
-    starts = [start(s, t_1, t_opt, t_2) for s in (0.3, 0.7, 0.95) for t_1, t_opt, t_2 in itertools.combinations(t_grid, 3)]
+    starts = [
+        start(s, t_1, t_opt, t_2) for s in (0.3, 0.7, 0.95) for t_1, t_opt, t_2 in itertools.combinations(t_grid, 3)
+    ]
     costs = [solve(u)[1] for u in starts]
     best = None
     for index in np.argsort(costs)[:4]:
         result = minimize(
-            lambda u: solve(u)[1], starts[index], method="Nelder-Mead", options={"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000}
+            lambda u: solve(u)[1],
+            starts[index],
+            method="Nelder-Mead",
+            options={"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000},
         )
         if best is None or result.fun < best.fun:
             best = result
@@ -215,7 +226,11 @@ def fit_wsd(steps, tokens) -> WSDFit:
         s_2=float(s_2),
         a_1=float(a_1),
         a_0=float(c * (s_2 - s_opt) ** 2 + e_min - a_1 * s_2),
-        points_per_segment=(int(np.sum(steps < s_1)), int(np.sum((steps >= s_1) & (steps < s_2))), int(np.sum(steps >= s_2))),
+        points_per_segment=(
+            int(np.sum(steps < s_1)),
+            int(np.sum((steps >= s_1) & (steps < s_2))),
+            int(np.sum(steps >= s_2)),
+        ),
         rms_log_residual=0.0,
     )
     rms = float(np.sqrt(np.mean(np.log(tokens / fitted.tokens(steps)) ** 2)))
@@ -275,7 +290,9 @@ class TargetFit:
         return self._in_unit(self.wsd.b_opt if self.wsd else None)
 
 
-def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float | None = None) -> list[TargetFit]:
+def fit_targets(
+    crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float | None = None
+) -> list[TargetFit]:
     """Fit both models for every target loss that at least 3 runs reach, highest target (earliest in training) first.
 
     McCandlish's fit needs 3 runs, the WSD fit 8 (its free parameters); a target with too few runs
@@ -299,21 +316,23 @@ def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample
         mccandlish = fit_mccandlish(steps, tokens)
         if mccandlish.rms_log_residual > POOR_FIT:
             warnings.warn(
-                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); "
-                "E(S) is probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
+                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} "
+                "(rms of log E); E(S) is probably not monotone (loss curves cross, as under a WSD schedule), "
+                "so B_crit is unreliable"
             )
         wsd = None
         if len(points) < WSD_FREE_PARAMETERS:
             warnings.warn(
                 f"target loss {target:g}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has "
-                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: B_min and B_opt left out"
+                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: "
+                "B_min and B_opt left out"
             )
         else:
             wsd = fit_wsd(steps, tokens)
             if wsd.rms_log_residual > POOR_FIT:
                 warnings.warn(
-                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), "
-                    "so B_min and B_opt are unreliable"
+                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} "
+                    "(rms of log E), so B_min and B_opt are unreliable"
                 )
             thin = [part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2]
             if thin:
@@ -363,7 +382,8 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
             warnings.warn(
-                f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; kept at {sizes[-1]}"
+                f"target loss {fit.target:g}: B_opt {fit.b_opt:.4g} samples is below the previous target's; "
+                f"kept at {sizes[-1]}"
             )
             size = sizes[-1]
         if not sizes or size != sizes[-1]:
@@ -388,7 +408,13 @@ def _comment_lines(comment: str) -> list[str]:
 
 def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
     """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule`` to ``schedule``."""
-    lines = ["# @package _global_", *_comment_lines(comment), "batch:", "  schedule:", *_piecewise_lines(schedule, "    ")]
+    lines = [
+        "# @package _global_",
+        *_comment_lines(comment),
+        "batch:",
+        "  schedule:",
+        *_piecewise_lines(schedule, "    "),
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -446,7 +446,13 @@ class ForecastChange:
 
 
 def schedule_from_forecast(
-    forecast: CBSForecast, start: int, until_tokens: int, *, factor: int = 2, final: int | None = None, margin: float = 1.0
+    forecast: CBSForecast,
+    start: int,
+    until_tokens: int,
+    *,
+    factor: int = 2,
+    final: int | None = None,
+    margin: float = 1.0,
 ):
     """A token-indexed ``PiecewiseBatch`` that follows the band's lower edge up to ``until_tokens``, and its changes.
 
@@ -507,6 +513,7 @@ def growth_exponent(tokens, values) -> float:
     keep = np.isfinite(tokens) & np.isfinite(values) & (tokens > 0) & (values > 0)
     if len(set(tokens[keep])) < 2:
         raise ValueError(
-            f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); a growth exponent needs 2"
+            f"{int(keep.sum())} positive finite point(s) at {len(set(tokens[keep]))} token count(s); "
+            "a growth exponent needs 2"
         )
     return float(np.polyfit(np.log(tokens[keep]), np.log(values[keep]), 1)[0])

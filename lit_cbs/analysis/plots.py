@@ -107,8 +107,20 @@ def plot_batch_sizes(
             [f.mccandlish.e_min if bad else np.nan for f, bad in zip(target_fits, unreliable)],
             {"markerfacecolor": "none"},  # hollow: a poor fit
         ),
-        ("B_min (WSD)", "v-", [f.b_min for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits], {}),
-        ("B_opt (WSD)", "s-", [f.b_opt for f in target_fits], [f.wsd.e_min if f.wsd else np.nan for f in target_fits], {}),
+        (
+            "B_min (WSD)",
+            "v-",
+            [f.b_min for f in target_fits],
+            [f.wsd.e_min if f.wsd else np.nan for f in target_fits],
+            {},
+        ),
+        (
+            "B_opt (WSD)",
+            "s-",
+            [f.b_opt for f in target_fits],
+            [f.wsd.e_min if f.wsd else np.nan for f in target_fits],
+            {},
+        ),
     )
     for label, style, sizes, tokens, marker in series:
         sizes, tokens = np.array(sizes, dtype=float), np.array(tokens, dtype=float)
@@ -211,7 +223,9 @@ def plot_forecast(
                 label=run if number == 0 else None,
             )
             if not math.isfinite(bracket.upper):
-                ax.annotate("", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]})
+                ax.annotate(
+                    "", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]}
+                )
     grid = np.geomspace(min(b.tokens for b in brackets) / 1.2, end * 1.2, 200)
     low, high = forecast.band(grid)
     ax.fill_between(grid, low, high, color="0.6", alpha=0.3, label=f"{forecast.coverage:.0%} band")

@@ -112,7 +112,9 @@ def schedule_from_probe(
         doublings = math.log(final / start, factor)
         if abs(doublings - round(doublings)) > 1e-9:
             low, high = start * factor ** math.floor(doublings), start * factor ** math.ceil(doublings)
-            raise ValueError(f"final={final} must be start={start} times a power of factor={factor}; nearest: {low} or {high}")
+            raise ValueError(
+                f"final={final} must be start={start} times a power of factor={factor}; nearest: {low} or {high}"
+            )
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
         raise ValueError(
             f"margin={margin!r} must be a number >= 1 (move to batch B only where the CBS lower bound >= margin x B)"

@@ -147,7 +147,8 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
         )
         raise LitCBSConfigError(
             f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
-            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: set {name} to one of them, or use {other}"
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: "
+            f"set {name} to one of them, or use {other}"
         )
     return global_batch // unit
 
@@ -230,8 +231,9 @@ class MicroBatchSetting:
         elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
             if value != self.owner.batch_size:
                 raise LitCBSConfigError(
-                    f"BatchWarmup needs micro-batch {value}, but the train loader given to trainer.fit(train_dataloaders=...) "
-                    f"was built with batch_size={self.owner.batch_size}, which a DataLoader cannot change: pass a "
+                    f"BatchWarmup needs micro-batch {value}, but the train loader given to "
+                    f"trainer.fit(train_dataloaders=...) was built with batch_size={self.owner.batch_size}, "
+                    "which a DataLoader cannot change: pass a "
                     "lit_cbs.GlobalOrderLoader (resized between steps), or a datamodule whose `batch_size` its "
                     "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
                 )
@@ -312,7 +314,9 @@ class BatchAccounting(Callback):
         accounting = found[0] if found else cls()
         if trainer.callbacks[:1] != [accounting]:
             # A new list, not an insertion: Lightning may be iterating the old one (in setup).
-            trainer.callbacks = [accounting] + [callback for callback in trainer.callbacks if callback is not accounting]
+            trainer.callbacks = [accounting] + [
+                callback for callback in trainer.callbacks if callback is not accounting
+            ]
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
         for name, value in cls.checked_settings(**settings).items():
@@ -356,7 +360,9 @@ class BatchAccounting(Callback):
     def fit_seconds(self) -> float:
         """Wall-clock seconds of training (validation, probes, checkpoints included): since this
         ``trainer.fit`` began, plus the checkpoint's own for a resumed run."""
-        return self._seconds_before_fit + (time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0)
+        return self._seconds_before_fit + (
+            time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
+        )
 
     @property
     def has_tokens(self) -> bool:
@@ -412,7 +418,9 @@ class BatchAccounting(Callback):
             return
         if self._micro_batch_set:
             loader.batch_size = self._micro_batch_size
-        set_train_epoch_length(trainer, len(loader))  # this epoch's micro-batches: those yielded, and those left at this size
+        set_train_epoch_length(
+            trainer, len(loader)
+        )  # this epoch's micro-batches: those yielded, and those left at this size
 
     def set_gradient_sync(self, sync: bool | None) -> None:
         """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
@@ -441,7 +449,9 @@ class BatchAccounting(Callback):
         self._fit_start = time.perf_counter()
         self.tokens_at_fit_start, self.samples_at_fit_start = self.tokens_seen, self.samples_seen
         self._token_schedulers = [
-            config.scheduler for config in trainer.lr_scheduler_configs if isinstance(config.scheduler, TokenLRScheduler)
+            config.scheduler
+            for config in trainer.lr_scheduler_configs
+            if isinstance(config.scheduler, TokenLRScheduler)
         ]
         if self.seq_len is None and trainer.datamodule is not None:
             for name in ("tokens_per_sample", "seq_len"):
@@ -466,7 +476,9 @@ class BatchAccounting(Callback):
         if self.budget_reached:
             trainer.should_stop = True  # resumed from a run's final state: no step is left to train
 
-    def _check_zero_sample_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: GlobalOrderLoader) -> None:
+    def _check_zero_sample_batch(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: GlobalOrderLoader
+    ) -> None:
         """An epoch's last micro-batch may hold no sample on some rank (``GlobalOrderLoader``); that rank
         still runs the step's forward and backward. Try ``training_step`` once on such a batch, before
         training, with its side effects undone: a loss that is not finite (a mean over no samples is
@@ -495,7 +507,9 @@ class BatchAccounting(Callback):
         self._check_next_batch = True  # the loader may have been (re)built for this epoch
         self._sync_loader(trainer)  # Lightning counted this epoch's micro-batches at the size of the first
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self._sync_at_next_batch:
             self._sync_at_next_batch = False
             self._sync_loader(trainer)
@@ -549,7 +563,9 @@ class BatchAccounting(Callback):
         if not self.in_branch:  # a branch rescales its own steps (it divides by its own accumulation)
             self.step_tokens.rescale(trainer, optimizer, trainer.accumulate_grad_batches)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if self.budget_reached and not should_accumulate(trainer):
             trainer.should_stop = True
 

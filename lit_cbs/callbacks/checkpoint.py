@@ -85,7 +85,10 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
         """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
         is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
-        source, target = Path(trainer.ckpt_path), Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+        source, target = (
+            Path(trainer.ckpt_path),
+            Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}",
+        )
         if trainer.is_global_zero and source.resolve() != target.resolve():
             copy_checkpoint(source, target)
         trainer.strategy.barrier("FinalStateCheckpoint.resumed")
@@ -148,7 +151,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
         if hpc_path is not None and trainer.is_global_zero:
             copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
             rank_zero_info(
-                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, where the CBS probe began"
+                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, "
+                "where the CBS probe began"
             )
         trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
@@ -169,10 +173,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The dirpath has changed")
             super().load_state_dict(state_dict)
-        rank_zero_info(f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}")
+        rank_zero_info(
+            f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}"
+        )
 
     # ------------------------------------------------------------------ saving
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if should_accumulate(trainer):
             return
         window = BatchAccounting.attach(trainer).probe_window_step
@@ -230,8 +238,9 @@ class FinalStateCheckpoint(ModelCheckpoint):
         saved = last_saved_step(self)
         if not self.save_last or not self.last_model_path or not Path(self.last_model_path).exists():
             return (
-                f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): resume from the "
-                f"newest checkpoint in {self.dirpath} with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
+                f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): "
+                f"resume from the newest checkpoint in {self.dirpath} "
+                "with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
             )
         where = "it" if saved == trainer.global_step else f"step {saved}"
         window = BatchAccounting.attach(trainer).probe_window_step

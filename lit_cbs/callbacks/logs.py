@@ -11,7 +11,10 @@ from lit_cbs._internals import logging_step, logs_this_step
 
 
 def log_to_loggers(
-    trainer: pl.Trainer, metrics: Callable[[pl.Trainer], dict[str, float]], every_step: bool = False, step: int | None = None
+    trainer: pl.Trainer,
+    metrics: Callable[[pl.Trainer], dict[str, float]],
+    every_step: bool = False,
+    step: int | None = None,
 ) -> None:
     """Write ``metrics(trainer)`` straight to the trainer's loggers, in the row of the optimizer step
     just taken, on logging steps only (``log_every_n_steps``) unless ``every_step`` (for rare events

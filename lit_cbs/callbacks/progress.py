@@ -3,8 +3,9 @@
 Lightning's bar counts the micro-batches of one epoch, but a run that BatchWarmup stops at
 ``max_tokens`` ends wherever the budget runs out (the default job at 37% of its first epoch's bar),
 and with accumulation a micro-batch is not a step. This bar spans the whole run instead: tokens
-out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else optimizer steps out of ``Trainer(max_steps=...)``, and ends
-at 100%. Without either it is Lightning's bar.
+out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else
+optimizer steps out of ``Trainer(max_steps=...)``, and ends at 100%. Without either it is
+Lightning's bar.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class RunProgressBar(TQDMProgressBar):
         if progress is not None and not self.train_progress_bar.disable:
             # A resumed run starts part-way: tqdm's rate then counts from here, not from zero at time 0.
             self.train_progress_bar.initial = progress[0]
-            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")  # no epoch start on a resume mid-epoch
+            self.train_progress_bar.set_description(
+                f"Epoch {trainer.current_epoch}"
+            )  # no epoch start on a resume mid-epoch
         self._show(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -53,7 +56,9 @@ class RunProgressBar(TQDMProgressBar):
             return
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         if self.progress(trainer) is None:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             return

@@ -48,7 +48,9 @@ class TokenValidation(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._tokens_at_last_step = self._accounting.tokens_seen
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+    ) -> None:
         accounting = self._accounting
         if not accounting.has_tokens:
             raise LitCBSConfigError(

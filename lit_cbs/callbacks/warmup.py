@@ -128,14 +128,14 @@ class BatchWarmup(Callback):
             micro-batch stays the datamodule's ``batch_size`` and the accumulation grows.
         log_every_step: send ``batch/global_size``, ``batch/micro_batch_size``, ``batch/accumulate``,
             ``batch/lr_factor`` (with their rules ``batch/weight_decay``, the largest of the param
-            groups, and ``batch/beta2``, param group 0's), ``samples_seen``, ``tokens_seen``, ``fit_seconds`` (wall seconds of training
-            since the fit began, validation and probes included; a resumed run goes on from its
-            checkpoint's) and ``lr`` to the trainer's loggers at its
-            ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without tokens) in the
-            progress bar. Each row describes the optimizer step it belongs to, as Lightning's
-            LearningRateMonitor does: the batch, accumulation and LR that step trained with, and
-            the counts including it. An epoch's last step, short when the epoch's samples run out
-            before the accumulation does, shows the samples and micro-batches it trained on.
+            groups, and ``batch/beta2``, param group 0's), ``samples_seen``, ``tokens_seen``,
+            ``fit_seconds`` (wall seconds of training since the fit began, validation and probes
+            included; a resumed run goes on from its checkpoint's) and ``lr`` to the trainer's
+            loggers at its ``log_every_n_steps``, and show ``tokens`` (``samples`` for data without
+            tokens) in the progress bar. Each row describes the optimizer step it belongs to, as
+            Lightning's LearningRateMonitor does: the batch, accumulation and LR that step trained
+            with, and the counts including it. An epoch's last step, short when the epoch's samples
+            run out before the accumulation does, shows the samples and micro-batches it trained on.
 
     Attributes:
         history: ``BatchChange`` records, in order.
@@ -161,8 +161,8 @@ class BatchWarmup(Callback):
     ):
         if not isinstance(schedule, BatchSchedule):
             raise LitCBSConfigError(
-                f"schedule must be a lit_cbs.rules.batch_schedules schedule (ConstantBatch, PiecewiseBatch, LinearRamp, "
-                f"ExponentialRamp, ...), got {schedule!r}"
+                f"schedule must be a lit_cbs.rules.batch_schedules schedule (ConstantBatch, PiecewiseBatch, "
+                f"LinearRamp, ExponentialRamp, ...), got {schedule!r}"
             )
         self.schedule = schedule
         self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule, beta2_floor)
@@ -171,7 +171,9 @@ class BatchWarmup(Callback):
         self._guarded = WarmupGuard(self.guard) if self.guard is not None else None
         # The accounting's settings, taken on its behalf and handed to it in setup.
         self._accounting_settings = BatchAccounting.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
-        self.max_micro_batch_size = positive_int("max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True)
+        self.max_micro_batch_size = positive_int(
+            "max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True
+        )
         self.log_every_step = log_every_step
 
         self.accounting: BatchAccounting | None = None  # the Trainer's, from setup on
@@ -234,7 +236,8 @@ class BatchWarmup(Callback):
     # ------------------------------------------------------------------ validation and setup
     def micro_batch_for(self, global_batch: int) -> int:
         """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
-        up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it, the micro-batch now."""
+        up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it,
+        the micro-batch now."""
         if self.max_micro_batch_size is None:
             return self.micro_batch_size
         return micro_batch_for(global_batch, self.accounting.data_parallel_size, self.max_micro_batch_size)
@@ -246,7 +249,9 @@ class BatchWarmup(Callback):
         data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
         only into the ranks. Also for a run's configuration before its Trainer exists."""
         for size in sizes:
-            check_divisible(size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name)
+            check_divisible(
+                size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
+            )
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -343,7 +348,9 @@ class BatchWarmup(Callback):
         )
 
     # ------------------------------------------------------------------ per batch
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # The accounting's hook ran first: it has resolved seq_len from this batch.
         if not self._token_settings_checked:
             self._token_settings_checked = True
@@ -390,7 +397,11 @@ class BatchWarmup(Callback):
         """
         loader = resizable_train_loader(trainer)
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        samples = loader.position if loader is not None else ready * self.micro_batch_size * self.accounting.data_parallel_size
+        samples = (
+            loader.position
+            if loader is not None
+            else ready * self.micro_batch_size * self.accounting.data_parallel_size
+        )
         if samples % global_batch:
             return False
         behind = -ready % accumulate
@@ -433,7 +444,9 @@ class BatchWarmup(Callback):
             restore = self.guard.mark_reverted(self.consumed)
             ratio = target / self.global_batch
             lr_change, clip_change = self._guarded.undo_increase(trainer, restore, self.lr_rule, ratio)
-            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard")
+            change = self._record_change(
+                trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard"
+            )
             self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
             self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
         else:
@@ -442,7 +455,9 @@ class BatchWarmup(Callback):
                 [optimizer_settings(optimizer) for optimizer in trainer.optimizers] if self.guard is not None else None
             )
             lr_change, clip_change = self._scale_optimizers(trainer, target)
-            change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule")
+            change = self._record_change(
+                trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule"
+            )
             if self._guarded is not None:
                 restore = RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before)
                 index, old = len(self.history) - 1, change.old_global_batch
@@ -464,7 +479,14 @@ class BatchWarmup(Callback):
         return self.lr_rule.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
 
     def _record_change(
-        self, trainer, target: int, new_accumulate: int, new_micro: int, lr_change: float, clip_change: float, cause: str
+        self,
+        trainer,
+        target: int,
+        new_accumulate: int,
+        new_micro: int,
+        lr_change: float,
+        clip_change: float,
+        cause: str,
     ) -> BatchChange:
         """Append the change, from the batch now to ``target``, to ``history``."""
         change = BatchChange(
@@ -491,8 +513,9 @@ class BatchWarmup(Callback):
     def _announce(self, trainer, change: BatchChange) -> None:
         rank_zero_info(
             f"BatchWarmup: global batch {change.old_global_batch} -> {change.new_global_batch} samples "
-            f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, accumulate {change.old_accumulate} -> "
-            f"{change.new_accumulate}) after step {change.step}, {self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
+            f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, "
+            f"accumulate {change.old_accumulate} -> {change.new_accumulate}) after step {change.step}, "
+            f"{self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
             f"LR x{change.lr_factor:.4g}"
             + "".join(f", {rule.key} {rule.value(trainer.optimizers[0]):.4g}" for rule in self.rules.settings)
             + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")

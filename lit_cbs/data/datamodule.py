@@ -110,7 +110,9 @@ class TokenDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         data_dir = self._data_dir()
         # Read by index (GlobalOrderLoader orders and splits the samples), so litdata's own order is unused.
-        self.train_dataset = StreamingDataset(str(data_dir / "train"), item_loader=TokensLoader(block_size=self.seq_len + 1))
+        self.train_dataset = StreamingDataset(
+            str(data_dir / "train"), item_loader=TokensLoader(block_size=self.seq_len + 1)
+        )
         self.val_dataset = StreamingDataset(
             str(data_dir / "val"), item_loader=TokensLoader(block_size=self.seq_len + 1), shuffle=False
         )

@@ -72,7 +72,9 @@ def round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
-def rank_micro_batches(order: np.ndarray, start: int, micro_batch_size: int, rank: int, world: int) -> Iterator[list[int]]:
+def rank_micro_batches(
+    order: np.ndarray, start: int, micro_batch_size: int, rank: int, world: int
+) -> Iterator[list[int]]:
     """The sample indices of each micro-batch rank ``rank`` of ``world`` reads from ``start`` on: rounds of
     ``micro_batch_size`` samples per rank, dealt to the ranks in turn, up to the end of ``order``; the last
     round, where fewer are left, by ``round_share`` (a rank's share may be empty: [])."""
@@ -163,7 +165,9 @@ class GlobalOrderLoader:
         self.pin_memory = pin_memory
         if (num_replicas is None) != (rank is None):
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
-        self._replicas = None if num_replicas is None else (positive_int("num_replicas", num_replicas, "ranks"), int(rank))
+        self._replicas = (
+            None if num_replicas is None else (positive_int("num_replicas", num_replicas, "ranks"), int(rank))
+        )
         if self._replicas is not None and not 0 <= rank < num_replicas:
             raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = 0
@@ -276,7 +280,9 @@ class GlobalOrderLoader:
 
         runs = _IndexRuns(index_runs, self._remaining_micro_batches())
         # Worker seeds from a generator of the loader's own, so that no global random stream moves.
-        generator = torch.Generator().manual_seed(int(np.random.default_rng([self.seed, self.epoch, start]).integers(2**62)))
+        generator = torch.Generator().manual_seed(
+            int(np.random.default_rng([self.seed, self.epoch, start]).integers(2**62))
+        )
         return iter(
             DataLoader(
                 self.dataset,
@@ -331,7 +337,11 @@ class GlobalOrderLoader:
                     f"the checkpoint's train loader read {name}={state_dict[name]!r} but this one has "
                     f"{name}={getattr(self, name)!r}: resume on the same data and seed, or start afresh"
                 )
-        self.epoch, self.position, self.micro_batches = state_dict["epoch"], state_dict["position"], state_dict["micro_batches"]
+        self.epoch, self.position, self.micro_batches = (
+            state_dict["epoch"],
+            state_dict["position"],
+            state_dict["micro_batches"],
+        )
         self.last_samples = self.last_round_samples = None
         self._batches = None
         self._exhausted = False

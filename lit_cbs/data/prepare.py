@@ -193,7 +193,9 @@ def prepare(
         raise ValueError("files is empty; give at least one text file to prepare")
     output_dir = Path(output_dir)
     if any((output_dir / split).exists() for split in SPLITS):
-        raise ValueError(f"output_dir={str(output_dir)!r} already holds train/ or val/; remove them or pick another folder")
+        raise ValueError(
+            f"output_dir={str(output_dir)!r} already holds train/ or val/; remove them or pick another folder"
+        )
     from litdata import TokensLoader, optimize  # here, so that ``lit_cbs.data`` imports without litdata
 
     dtype = token_dtype(tokenizer.vocab_size)
@@ -240,7 +242,9 @@ def prepare(
     return metadata
 
 
-def source_fingerprint(files: Sequence[str | os.PathLike], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int) -> str:
+def source_fingerprint(
+    files: Sequence[str | os.PathLike], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
+) -> str:
     """sha256 over what determines a preparation: each file's path, size and modification time
     (not its content, so checking a large corpus stays cheap), the tokenizer and the split."""
     stats = []

@@ -59,7 +59,8 @@ class HFTokenizer:
                 break
         else:
             raise ValueError(
-                f"{str(path)!r} has none of the tokens {list(candidates)}; pass eos_token=<the tokenizer's end-of-document token>"
+                f"{str(path)!r} has none of the tokens {list(candidates)}; "
+                "pass eos_token=<the tokenizer's end-of-document token>"
             )
 
     def encode(self, text: str) -> list[int]:

@@ -47,7 +47,8 @@ from lit_cbs.gns.groups import assign_groups
 
 
 class _LossOfBatch(torch.nn.Module):
-    """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its parameters."""
+    """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its
+    parameters."""
 
     def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], torch.Tensor]):
         super().__init__()
@@ -184,7 +185,8 @@ class GradientNoiseScale(Callback):
 
     @staticmethod
     def _accumulation_will_exceed_one(trainer: pl.Trainer) -> bool:
-        """True if accumulation is or will become >= 2 (the trainer's, a BatchWarmup or a GradientAccumulationScheduler)."""
+        """True if accumulation is or will become >= 2 (the trainer's, a BatchWarmup or a
+        GradientAccumulationScheduler)."""
         from lit_cbs.callbacks.warmup import BatchWarmup
 
         if trainer.accumulate_grad_batches > 1:
@@ -193,7 +195,8 @@ class GradientNoiseScale(Callback):
         for callback in trainer.callbacks:
             # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
             if isinstance(callback, BatchWarmup) and any(
-                size // (callback.micro_batch_for(size) * ranks) > 1 for size in callback.schedule.sizes(callback.consumed)
+                size // (callback.micro_batch_for(size) * ranks) > 1
+                for size in callback.schedule.sizes(callback.consumed)
             ):
                 return True
             if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
@@ -205,8 +208,9 @@ class GradientNoiseScale(Callback):
             model.register_comm_hook(state=model.process_group, hook=self._comm_hook)
         except RuntimeError as error:
             raise LitCBSConfigError(
-                "GradientNoiseScale installs a DDP communication hook to read each rank's gradient before the all-reduce, "
-                "but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or GradientNoiseScale"
+                "GradientNoiseScale installs a DDP communication hook to read each rank's gradient before the "
+                "all-reduce, but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or "
+                "GradientNoiseScale"
             ) from error
 
     # ------------------------------------------------------------------ per micro-batch
@@ -215,7 +219,9 @@ class GradientNoiseScale(Callback):
         self._sums = StepSums(len(self.group_names), self._device)
         self._held.clear()
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._micro_batch_size = extract_batch_size(batch)
         if self.config.per_example and self._micro_batch_size:
             self._pending_small = self._per_example_grad_sq(batch)
@@ -245,7 +251,9 @@ class GradientNoiseScale(Callback):
             self._sums.add_micro_batch(b)
             return
         if self.config.per_example:
-            self._sums.add_small_batches(self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
+            self._sums.add_small_batches(
+                self._pending_small, count=b, inverse_size_sum=b
+            )  # b samples, each a batch of 1
         else:
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
@@ -253,7 +261,9 @@ class GradientNoiseScale(Callback):
                 more_follow = should_accumulate(trainer)
                 grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), keep=more_follow)
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
-            self._sums.add_small_batches(grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
+            self._sums.add_small_batches(
+                grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b
+            )
         self._sums.add_micro_batch(b)
 
     def _micro_batch_grad_sq(self, params_and_grads, keep: bool) -> torch.Tensor:
@@ -325,7 +335,9 @@ class GradientNoiseScale(Callback):
         group_index = torch.tensor([self._group_of[self._named_params[n]] for n in names], device=self._device)
 
         def sample_grad_sq(params, sample):
-            grads = torch.func.grad(lambda p: torch.func.functional_call(self._loss_module, p, (sample,), strict=False))(params)
+            grads = torch.func.grad(
+                lambda p: torch.func.functional_call(self._loss_module, p, (sample,), strict=False)
+            )(params)
             norms = torch.stack([squared_norm(grads[n]) for n in names])
             return torch.zeros(len(self.group_names), device=norms.device).index_add(0, group_index, norms)
 
@@ -338,7 +350,10 @@ class GradientNoiseScale(Callback):
         devices = [self._device.index or 0] if self._device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # dropout here must not move the training RNG streams
             per_sample_sq = torch.func.vmap(
-                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.config.per_example_chunk_size
+                sample_grad_sq,
+                in_dims=(None, in_dims),
+                randomness="different",
+                chunk_size=self.config.per_example_chunk_size,
             )(params, samples)
         return per_sample_sq.sum(0)
 
@@ -358,8 +373,8 @@ class GradientNoiseScale(Callback):
                     else "an epoch ended inside the step"
                 )
                 rank_zero_warn(
-                    f"GradientNoiseScale: step {trainer.global_step + 1} is one micro-batch on one process, which leaves no "
-                    f"smaller batch to compare with, so steps like it are not measured ({why})"
+                    f"GradientNoiseScale: step {trainer.global_step + 1} is one micro-batch on one process, "
+                    f"which leaves no smaller batch to compare with, so steps like it are not measured ({why})"
                 )
             return
         params = [param for param in self._group_of if param.grad is not None]

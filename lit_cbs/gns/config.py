@@ -54,10 +54,14 @@ class GNSConfig:
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
             raise LitCBSConfigError(f"ema_decay={ema_decay!r} must be a float in [0, 1) (decay per optimizer step)")
         if self.per_example_loss is not None and not callable(self.per_example_loss):
-            raise LitCBSConfigError(f"per_example_loss must be a callable (module, batch) -> loss, got {self.per_example_loss!r}")
+            raise LitCBSConfigError(
+                f"per_example_loss must be a callable (module, batch) -> loss, got {self.per_example_loss!r}"
+            )
         positive_int("per_example_chunk_size", self.per_example_chunk_size, "samples", optional=True)
         if self.per_example_chunk_size is not None and self.per_example_loss is None:
-            raise LitCBSConfigError("per_example_chunk_size only applies to per-example mode: also pass per_example_loss")
+            raise LitCBSConfigError(
+                "per_example_chunk_size only applies to per-example mode: also pass per_example_loss"
+            )
         compiled_groups(self.groups)
         self.ema_decay = float(ema_decay)
 

@@ -79,7 +79,8 @@ class NoiseMeasurement:
 
 
 class StepSums:
-    """What one optimizer step's micro-batches add up to on one rank, in one tensor so one all-reduce sums it over ranks.
+    """What one optimizer step's micro-batches add up to on one rank, in one tensor so one all-reduce
+    sums it over ranks.
 
     ``values`` holds, per group, the small batches' squared gradient norms; then the number of small
     batches, the sum of 1/b over them, the number of micro-batches and the sum of 1/b over them (b in
@@ -92,7 +93,8 @@ class StepSums:
         self.micro_batches = 0
 
     def add_small_batches(self, grad_sq: torch.Tensor, count: float, inverse_size_sum: float) -> None:
-        """``count`` small batches whose squared norms per group sum to ``grad_sq`` and whose 1/b sum to ``inverse_size_sum``."""
+        """``count`` small batches whose squared norms per group sum to ``grad_sq`` and whose 1/b sum to
+        ``inverse_size_sum``."""
         self.values[: self.groups] += grad_sq
         self.values[self.groups] += count
         self.values[self.groups + 1] += inverse_size_sum

@@ -41,9 +41,9 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     """
     if not stacks:
         raise LitCBSConfigError(
-            "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one class, "
-            f"as lit_cbs's OLMo.blocks or a transformers model's model.layers), but the LightningModule has none; parameters: "
-            f"{_some_names(names)}; pass groups={{name: regex}} instead"
+            "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one "
+            "class, as lit_cbs's OLMo.blocks or a transformers model's model.layers), but the LightningModule has "
+            f"none; parameters: {_some_names(names)}; pass groups={{name: regex}} instead"
         )
     parent = stacks[0].rpartition(".")[0]
     prefix = parent + "." if parent else ""
@@ -88,7 +88,8 @@ def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[s
             raise LitCBSConfigError(
                 f"parameter {name!r} is matched by groups {owners} ("
                 + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
-                + "); a parameter may be in one group only: make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
+                + "); a parameter may be in one group only: "
+                "make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
             )
         for group in owners:
             groups[group].append(name)

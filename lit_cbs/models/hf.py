@@ -132,7 +132,9 @@ class HFDecoder(nn.Module):
         """Training FLOPs per token at ``seq_len`` tokens: 6 x the weights used in a matmul (every
         ``nn.Linear``, the output head among them, once even if tied) + 12 x layers x attention width x
         seq_len (PaLM's estimate, as ``OLMo.flops_per_token``)."""
-        matmul_weights = sum({id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values())
+        matmul_weights = sum(
+            {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values()
+        )
         dims = hf_dims(self.config)
         return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 

@@ -52,7 +52,9 @@ from lit_cbs.models.token_loss import token_mean_loss
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
 OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
-REQUIRED_OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING)
+REQUIRED_OLMO_FIELDS = tuple(
+    field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
+)
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
 COMPUTE_DTYPES = {
     "bf16-mixed": torch.bfloat16,
@@ -82,7 +84,8 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
         return get_config(config)
     if not isinstance(config, Mapping):
         raise TypeError(
-            f"model config must be a preset name, an OLMoConfig, a transformers config or a mapping of their fields, got {config!r}"
+            "model config must be a preset name, an OLMoConfig, a transformers config or a mapping of their fields, "
+            f"got {config!r}"
         )
     if "model_type" in config:
         return hf_config(config)
@@ -90,7 +93,9 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
     preset = fields.pop("preset", None)
     unknown = sorted(set(fields) - set(OLMO_FIELDS))
     if unknown:
-        raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(OLMO_FIELDS)}")
+        raise ValueError(
+            f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(OLMO_FIELDS)}"
+        )
     if preset is None:
         missing = [name for name in REQUIRED_OLMO_FIELDS if name not in fields]
         if missing:
@@ -386,7 +391,10 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
             "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
         )
-    stand_ins = [{"params": [nn.Parameter(torch.zeros(2, 2))]}, {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0}]
+    stand_ins = [
+        {"params": [nn.Parameter(torch.zeros(2, 2))]},
+        {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0},
+    ]
     try:
         built = optimizer(stand_ins)
     except (TypeError, ValueError) as error:
@@ -401,5 +409,7 @@ def describe_optimizer(optimizer: OptimizerFactory) -> str:
     """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
     if not isinstance(optimizer, functools.partial):
         return repr(optimizer)
-    arguments = [repr(arg) for arg in optimizer.args] + [f"{name}={value!r}" for name, value in optimizer.keywords.items()]
+    arguments = [repr(arg) for arg in optimizer.args] + [
+        f"{name}={value!r}" for name, value in optimizer.keywords.items()
+    ]
     return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"

@@ -78,8 +78,8 @@ class OLMoConfig:
 
 
 PRESETS: dict[str, OLMoConfig] = {
-    # The tiny workload's CPU model (docs/tiny_workload.md): 233,472 parameters (its "233k"), with an untied output head.
-    # mlp_hidden = 4 * 64 * 2/3 rounded up to a multiple of 16.
+    # The tiny workload's CPU model (docs/tiny_workload.md): 233,472 parameters (its "233k"), with an untied
+    # output head. mlp_hidden = 4 * 64 * 2/3 rounded up to a multiple of 16.
     "tiny": OLMoConfig(
         vocab_size=256, d_model=64, n_layers=4, n_heads=4, mlp_hidden=176, context_length=128, tie_embeddings=False
     ),
@@ -145,7 +145,9 @@ def layer_norm(x: torch.Tensor) -> torch.Tensor:
     return F.layer_norm(x, (x.shape[-1],), eps=1e-5)
 
 
-def rotary_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotation angles, each [seq_len, head_dim], for positions 0..seq_len-1.
 
     Computed per forward in float32 (cheap next to attention) rather than kept as a buffer, so

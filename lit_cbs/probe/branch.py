@@ -353,7 +353,10 @@ class BranchTrainer:
             error, result = caught, None
         flags = mean_over_ranks(
             self.trainer,
-            [float(error is not None and is_out_of_memory(error)), float(error is not None and not is_out_of_memory(error))],
+            [
+                float(error is not None and is_out_of_memory(error)),
+                float(error is not None and not is_out_of_memory(error)),
+            ],
         )
         if flags[1] > 0:
             if error is not None:
@@ -405,7 +408,9 @@ class BranchTrainer:
                 raise ProbeAborted()
         module.optimizer_zero_grad(trainer.current_epoch, steps, module.optimizers())
         if keep:
-            window.progress[k] = BranchProgress(TrainingSnapshot(trainer, module, window.start.device), step_losses, steps)
+            window.progress[k] = BranchProgress(
+                TrainingSnapshot(trainer, module, window.start.device), step_losses, steps
+            )
         return step_losses
 
     def _step(self, step: int, first: int, batches: list[Any], step_losses: list[float]) -> None:
@@ -460,7 +465,9 @@ class BranchTrainer:
         return losses
 
 
-def branch_micro_batch(k: float, batch_size: int, accounting: BatchAccounting, warmup: BatchWarmup | None) -> int | None:
+def branch_micro_batch(
+    k: float, batch_size: int, accounting: BatchAccounting, warmup: BatchWarmup | None
+) -> int | None:
     """Samples per rank in a micro-batch of branch k at the main batch ``batch_size`` (samples): the one
     ``warmup`` would train batch k*B with (with ``max_micro_batch_size``), else the main run's; None where k*B is
     no whole number of such micro-batches on every rank."""

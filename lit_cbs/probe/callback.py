@@ -88,7 +88,8 @@ class CBSProbeCallback(Callback):
     def __init__(self, config: ProbeConfig | None = None, **settings: Any):
         if config is not None and settings:
             raise LitCBSConfigError(
-                f"CBSProbeCallback: give a ProbeConfig or its fields as keywords, not both (got config and {sorted(settings)})"
+                "CBSProbeCallback: give a ProbeConfig or its fields as keywords, not both "
+                f"(got config and {sorted(settings)})"
             )
         self.config = config if config is not None else ProbeConfig(**settings)
         if all(getattr(self.config, name) is None for name in ("every_tokens", "at_tokens", "geometric")):
@@ -111,7 +112,9 @@ class CBSProbeCallback(Callback):
         self._unusable = False  # a probe found the run cannot be probed: no later one runs
         self._side = SideJobRuns(self.config.side_jobs) if self.config.side_jobs is not None else None
         self._heldout: list | None = None
-        self._first_window_main: BranchScore | None = None  # the main run's score after a replicated probe's first window
+        self._first_window_main: BranchScore | None = (
+            None  # the main run's score after a replicated probe's first window
+        )
         self._interrupted: tuple[int, int] | None = None  # (tokens, step) where a stopped probe's window began
         self._resumed = False
         self._deferred = False  # a due probe whose window the run's end would cut: left to a resumed run
@@ -143,9 +146,10 @@ class CBSProbeCallback(Callback):
         warmup = self._warmup
         if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.config.rules.names():
             raise LitCBSConfigError(
-                f"CBSProbeCallback({self.config.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
-                "differently at a batch change, so a branch at k x B would not train as the run does after growing its "
-                "batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
+                f"CBSProbeCallback({self.config.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) "
+                "move the optimizer differently at a batch change, so a branch at k x B would not train as the run "
+                "does after growing its batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule "
+                "and beta2_floor"
             )
         if self._side is not None:
             self._side.check(trainer)
@@ -159,21 +163,27 @@ class CBSProbeCallback(Callback):
             # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
             sizes = warmup.schedule.sizes()
             ratios = [k * max(sizes) / min(sizes) for k in ratios]
-        who = f"CBSProbeCallback({self.config.rules.describe()}, multipliers=[{', '.join(f'{k:g}' for k in self.config.multipliers)}])"
+        who = (
+            f"CBSProbeCallback({self.config.rules.describe()}, "
+            f"multipliers=[{', '.join(f'{k:g}' for k in self.config.multipliers)}])"
+        )
         for optimizer in trainer.optimizers:
             self.config.rules.check(optimizer, schedulers, ratios, who)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
-        if max_tokens is not None and not self._resumed:  # before any data is read; max_steps, max_epochs at the first batch
+        if (
+            max_tokens is not None and not self._resumed
+        ):  # before any data is read; max_steps, max_epochs at the first batch
             self._check_first_point(RunEnd(max_tokens, max_tokens, f"max_tokens={max_tokens}"))
         if self.config.evaluate == "heldout":
             self._heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
             if len(self._heldout) < self.config.heldout_batches:
                 rank_zero_warn(
                     f"CBSProbeCallback: heldout_batches={self.config.heldout_batches} but the validation data has "
-                    f"{len(self._heldout)} batches (per rank); the readings' error bars rest on those {len(self._heldout)}"
+                    f"{len(self._heldout)} batches (per rank); "
+                    f"the readings' error bars rest on those {len(self._heldout)}"
                 )
         self._batch_checked = False
         # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once. Without a logger
@@ -182,8 +192,8 @@ class CBSProbeCallback(Callback):
         self._resolved_output_dir = self.config.output_dir or (Path(log_dir) if log_dir else None)
         if self._resolved_output_dir is None and self._side is not None:
             raise LitCBSConfigError(
-                "CBSProbeCallback(side_jobs=...) keeps each probe's checkpoint and its jobs' files beside cbs_probe.jsonl, "
-                "but the run has no logger and no output_dir: give output_dir=..."
+                "CBSProbeCallback(side_jobs=...) keeps each probe's checkpoint and its jobs' files beside "
+                "cbs_probe.jsonl, but the run has no logger and no output_dir: give output_dir=..."
             )
         if self._resolved_output_dir is None:
             rank_zero_info("CBSProbeCallback: no logger and no output_dir; readings are kept in .history only")
@@ -235,7 +245,11 @@ class CBSProbeCallback(Callback):
                 _, samples = self._window_at(self._batch_at(point))
                 window = samples * self._accounting.seq_len if samples else None  # none: no probe runs there
             self.config.check_inside_run(
-                end.latest, end.limit, whole_span=window is not None, next_probe=self.probes_started, window_tokens=window
+                end.latest,
+                end.limit,
+                whole_span=window is not None,
+                next_probe=self.probes_started,
+                window_tokens=window,
             )
             return
         if point < end.latest:
@@ -244,7 +258,8 @@ class CBSProbeCallback(Callback):
         why = (
             f"the last of at_tokens is at {self.config.at_tokens[-1]:,}"
             if math.isinf(point)
-            else f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} at {end.latest:,} tokens or sooner"
+            else f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} "
+            f"at {end.latest:,} tokens or sooner"
         )
         rank_zero_info(f"CBSProbeCallback: no probe point is left {after} ({why})")
 
@@ -272,8 +287,8 @@ class CBSProbeCallback(Callback):
             if self.config.window_tokens < largest_step:
                 raise LitCBSConfigError(
                     f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
-                    f"(k={largest:g} x batch {batch} x {seq_len} tokens = {largest_step:g}) at the probe at {point:,.0f} "
-                    "tokens; raise window_tokens or drop the largest multipliers"
+                    f"(k={largest:g} x batch {batch} x {seq_len} tokens = {largest_step:g}) "
+                    f"at the probe at {point:,.0f} tokens; raise window_tokens or drop the largest multipliers"
                 )
 
     def _check_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
@@ -292,9 +307,9 @@ class CBSProbeCallback(Callback):
         if written is not None:
             raise LitCBSConfigError(
                 f"CBSProbeCallback: the module's optimizer_step sets the learning rate itself ({written}, tried once "
-                "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set the LR "
-                "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
-                "optimizer_step, or drop the probe"
+                "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set "
+                "the LR with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups "
+                "in optimizer_step, or drop the probe"
             )
         end = self._run_end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
         self._check_first_point(end, whole_span=True)
@@ -303,11 +318,18 @@ class CBSProbeCallback(Callback):
             if reading.seq_len is None:  # resumed from a checkpoint of the first readings, which lack it
                 reading.seq_len = seq_len
         sizes = self._warmup.schedule.sizes(self._warmup.consumed) if self._warmup is not None else [batch]
-        if max(len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None]) for size in sizes) < 2:
+        if (
+            max(
+                len([k for k in self.config.multipliers if self._micro_batch_for(size)(k) is not None])
+                for size in sizes
+            )
+            < 2
+        ):
             raise LitCBSConfigError(
-                f"multipliers={[f'{k:g}' for k in self.config.multipliers]}: at most one of them gives a batch that is a whole "
-                f"number of micro-batches ({accounting.micro_batch_size} samples on each of {accounting.data_parallel_size} "
-                f"ranks) at the run's global batches {sizes}, and one batch brackets no CBS: give at least two that fit, e.g. [1, 2]"
+                f"multipliers={[f'{k:g}' for k in self.config.multipliers]}: at most one of them gives a batch "
+                f"that is a whole number of micro-batches ({accounting.micro_batch_size} samples on each of "
+                f"{accounting.data_parallel_size} ranks) at the run's global batches {sizes}, and one batch "
+                "brackets no CBS: give at least two that fit, e.g. [1, 2]"
             )
         too_small = [k for k in self.config.multipliers if self._micro_batch_for(batch)(k) is None]
         if too_small:
@@ -370,14 +392,20 @@ class CBSProbeCallback(Callback):
 
         batch_changes = self._warmup.history if self._warmup is not None else []
         path = plot_cbs_curve(
-            self.history, batch_changes, self._resolved_output_dir / PLOT_FILE, self._accounting.tokens_seen, self.config.epsilon
+            self.history,
+            batch_changes,
+            self._resolved_output_dir / PLOT_FILE,
+            self._accounting.tokens_seen,
+            self.config.epsilon,
         )
         log_figures(trainer.loggers, [path], trainer.global_step)
 
     # ------------------------------------------------------------------ a probe
     def _micro_batch_for(self, batch_size: int):
         """``branch_micro_batch`` at the main batch ``batch_size``: samples per rank of branch k's micro-batch."""
-        return functools.partial(branch_micro_batch, batch_size=batch_size, accounting=self._accounting, warmup=self._warmup)
+        return functools.partial(
+            branch_micro_batch, batch_size=batch_size, accounting=self._accounting, warmup=self._warmup
+        )
 
     def _branch_trainer(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_size: int) -> BranchTrainer:
         """Trains and scores the branches of a window at the main batch ``batch_size`` (and scores the main run's
@@ -409,8 +437,9 @@ class CBSProbeCallback(Callback):
         if interrupted is not None and interrupted != (tokens, trainer.global_step):
             rank_zero_warn(
                 f"CBS probe whose window began at {interrupted[0]:,} tokens (step {interrupted[1]}) was stopped and is "
-                f"redone at {tokens:,} tokens (step {trainer.global_step}), where this run resumed: its reading says so "
-                "(interrupted_at_tokens). Resuming from the checkpoint of the probe's start redoes it where it began"
+                f"redone at {tokens:,} tokens (step {trainer.global_step}), where this run resumed: its reading "
+                "says so (interrupted_at_tokens). "
+                "Resuming from the checkpoint of the probe's start redoes it where it began"
             )
         pending = self.probes_started
         self.probes_started += 1
@@ -447,7 +476,9 @@ class CBSProbeCallback(Callback):
             self.probes_started = pending
             return
         if isinstance(plan, ProbeSkip):
-            if plan.stays_due:  # the point stays due: a run resumed from this one's last checkpoint takes it at its start
+            if (
+                plan.stays_due
+            ):  # the point stays due: a run resumed from this one's last checkpoint takes it at its start
                 self.probes_started, self._deferred = pending, True
             message = f"CBS probe at {tokens:,} tokens {'not started' if plan.stays_due else 'skipped'}: {plan.reason}"
             rank_zero_warn(message) if plan.warn else rank_zero_info(message)
@@ -575,7 +606,9 @@ class CBSProbeCallback(Callback):
         consumed = self._consumed(schedule)
         if schedule.observe(consumed, reading.cbs_lower):
             reading.adaptive_batch = schedule.batch_size(consumed)
-            rank_zero_info(f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}")
+            rank_zero_info(
+                f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}"
+            )
 
     # ------------------------------------------------------------------ side jobs
     def _start_side_probe(self, trainer: pl.Trainer, index: int, plan, moved: int | None) -> None:
@@ -598,8 +631,8 @@ class CBSProbeCallback(Callback):
             self._side.open(trainer, pending, self.config)
         rank_zero_info(
             f"CBS probe at {pending.tokens:,} tokens (batch {pending.batch_size}): multipliers "
-            f"[{', '.join(f'{k:g}' for k in pending.multipliers)}] handed to a side job ({pending.folder}); the main run "
-            "trains on as k = 1"
+            f"[{', '.join(f'{k:g}' for k in pending.multipliers)}] handed to a side job ({pending.folder}); "
+            "the main run trains on as k = 1"
         )
 
     def _side_step(self, trainer, pl_module, open_windows: list[PendingProbe], step_loss: float | None) -> None:
@@ -649,7 +682,8 @@ class CBSProbeCallback(Callback):
         rank_zero_info(
             f"CBS probe at {pending.tokens:,} tokens: the side job's reading arrived at step {trainer.global_step} "
             f"({trainer.global_step - pending.window_end_step} steps, "
-            f"{accounting.tokens_seen - pending.tokens - pending.window_tokens:,} tokens after the main run's window ended)"
+            f"{accounting.tokens_seen - pending.tokens - pending.window_tokens:,} tokens "
+            "after the main run's window ended)"
         )
         self._record(trainer, reading, log_step=pending.window_end_row)
         self._draw(trainer)
@@ -676,8 +710,8 @@ class CBSProbeCallback(Callback):
         if self._side.pending:
             left = ", ".join(f"{p.tokens:,}" for p in self._side.pending.values())
             rank_zero_warn(
-                f"CBS probes at {left} tokens: their side jobs did not finish within side_jobs.wait_at_end; they stay in "
-                "last.ckpt: a run resumed from it collects them"
+                f"CBS probes at {left} tokens: their side jobs did not finish within side_jobs.wait_at_end; "
+                "they stay in last.ckpt: a run resumed from it collects them"
             )
 
     # ------------------------------------------------------------------ reporting
@@ -702,7 +736,9 @@ class CBSProbeCallback(Callback):
 
         def between_windows(k: str) -> str:
             return (
-                f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}" if k in reading.replicate_se else ""
+                f"; from the spread between data windows alone {reading.replicate_se[k]:.4f}"
+                if k in reading.replicate_se
+                else ""
             )
 
         losses = ", ".join(

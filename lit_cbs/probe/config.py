@@ -136,7 +136,9 @@ class ProbeConfig:
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) > 1:
-            raise LitCBSConfigError("give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several")
+            raise LitCBSConfigError(
+                "give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several"
+            )
         positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
         if self.at_tokens is not None:
             at_tokens = sorted(int(t) for t in self.at_tokens)
@@ -149,7 +151,9 @@ class ProbeConfig:
                 raise LitCBSConfigError(f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
             self._set("geometric", tuple(self.geometric))
         multipliers = list(self.multipliers)
-        if not multipliers or any(isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers):
+        if not multipliers or any(
+            isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers
+        ):
             raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
         if len(set(multipliers)) != len(multipliers):
             raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
@@ -162,19 +166,23 @@ class ProbeConfig:
                 f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)"
             )
         if not 0 <= self.cooldown_fraction < 1:
-            raise LitCBSConfigError(f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)")
+            raise LitCBSConfigError(
+                f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)"
+            )
         early_stop = sorted(float(f) for f in self.early_stop) if self.early_stop is not None else []
         if not all(0 < f < 1 for f in early_stop):
-            raise LitCBSConfigError(f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]")
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"
+            )
         if early_stop and self.cooldown_fraction:
             raise LitCBSConfigError(
                 "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
             )
         if not 0 <= self.epsilon < MAX_EPSILON:
             raise LitCBSConfigError(
-                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch "
-                f"counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and "
-                "the reading means nothing"
+                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger "
+                f"batch counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch "
+                "recovers and the reading means nothing"
             )
         if not 0 < self.ema_alpha <= 1:
             raise LitCBSConfigError(f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
@@ -183,9 +191,9 @@ class ProbeConfig:
             raise LitCBSConfigError("search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
         if 1 not in multipliers:
             raise LitCBSConfigError(
-                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of "
-                "the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves and "
-                "says nothing about the run: include 1"
+                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss "
+                "of the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves "
+                "and says nothing about the run: include 1"
             )
         self._set("multipliers", sorted(float(k) for k in multipliers))
         positive_int("window_tokens", self.window_tokens, "tokens")
@@ -204,19 +212,22 @@ class ProbeConfig:
             )
         if self.replicates > 1 and early_stop:
             raise LitCBSConfigError(
-                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined (a reading cut short has "
-                "not trained its later windows): drop one"
+                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined "
+                "(a reading cut short has not trained its later windows): drop one"
             )
         self._set(
-            "max_overhead", positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
+            "max_overhead",
+            positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True),
         )
         self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
         if self.side_jobs is not None and not isinstance(self.side_jobs, SideJobs):
-            raise LitCBSConfigError(f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)")
+            raise LitCBSConfigError(
+                f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
+            )
         if self.side_jobs is not None and early_stop:
             raise LitCBSConfigError(
-                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with side_jobs "
-                "it never waits: drop early_stop (or side_jobs)"
+                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; "
+                "with side_jobs it never waits: drop early_stop (or side_jobs)"
             )
 
     def _set(self, name: str, value: Any) -> None:
@@ -291,8 +302,8 @@ class ProbeConfig:
             windows = f"{self.replicates} x " if self.replicates > 1 else ""
             rounded = f", {window:,} in whole steps of its largest branch" if window != self.window_tokens else ""
             raise LitCBSConfigError(
-                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) ends past "
-                f"{limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
+                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) "
+                f"ends past {limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
             )
         if point >= run_end_tokens:
             raise LitCBSConfigError(

@@ -95,7 +95,10 @@ class CheckpointProbe(Callback):
     """
 
     def __init__(
-        self, config: ProbeConfig, plan: ProbePlan | None = None, baseline: Callable[[], BranchScore | None] = no_baseline
+        self,
+        config: ProbeConfig,
+        plan: ProbePlan | None = None,
+        baseline: Callable[[], BranchScore | None] = no_baseline,
     ):
         self.config, self.plan, self.baseline = config, plan, baseline
         self.reading: ProbeReading | None = None

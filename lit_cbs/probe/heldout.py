@@ -59,14 +59,18 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
 
 def _first_validation_loader(trainer: pl.Trainer) -> Any:
     """The first validation loader of the fit, as Lightning's validation loop reads it."""
-    loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off (limit_val_batches=0, ...)
+    loaders = (
+        trainer.val_dataloaders
+    )  # prepared by the validation loop; None while it is off (limit_val_batches=0, ...)
     prepared = loaders is not None
     if not prepared:
         loaders = request_val_dataloaders(trainer)
     if loaders is None:
         flattened = []
     else:
-        flattened = (loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "sequential")).flattened
+        flattened = (
+            loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "sequential")
+        ).flattened
     if not flattened:
         raise LitCBSConfigError(
             "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
@@ -92,5 +96,11 @@ def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list
 
 
 def _loader_generators(loader: Any) -> list[torch.Generator]:
-    samplers = [loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)]
-    return [sampler.generator for sampler in samplers if isinstance(getattr(sampler, "generator", None), torch.Generator)]
+    samplers = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    return [
+        sampler.generator for sampler in samplers if isinstance(getattr(sampler, "generator", None), torch.Generator)
+    ]

@@ -76,7 +76,9 @@ class LocalLauncher:
 
     def check(self) -> None:
         try:
-            found = subprocess.run([self.python, "-c", "import lit_cbs.probe.side_jobs"], capture_output=True, text=True)
+            found = subprocess.run(
+                [self.python, "-c", "import lit_cbs.probe.side_jobs"], capture_output=True, text=True
+            )
             last = None if found.returncode == 0 else (found.stderr.strip().splitlines() or ["no output"])[-1]
         except OSError as error:  # no such interpreter, not executable
             last = error.strerror
@@ -96,7 +98,9 @@ class LocalLauncher:
             env["CUDA_VISIBLE_DEVICES"] = self.devices
         log = (folder / f"{name}.log").open("ab")
         # A session of its own: a signal to the main run (SIGTERM, Ctrl-C) does not reach the job.
-        process = subprocess.Popen([self.python, *command], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        process = subprocess.Popen(
+            [self.python, *command], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         log.close()
         _STARTED[process.pid] = process  # kept, so that its exit status can be read
         return {"launcher": "local", "pid": process.pid, "started": time.time(), "log": str(folder / f"{name}.log")}
@@ -217,7 +221,9 @@ class SlurmLauncher:
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
         import submitit
 
-        job = self._executor(folder, name).submit(submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd()))
+        job = self._executor(folder, name).submit(
+            submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd())
+        )
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
@@ -283,6 +289,8 @@ class SideJobs:
                 "a recipe run's resolved_config.yaml"
             )
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise LitCBSConfigError(f"side_jobs.retries={self.retries!r} must be an int >= 0 (times a failed job restarts)")
+            raise LitCBSConfigError(
+                f"side_jobs.retries={self.retries!r} must be an int >= 0 (times a failed job restarts)"
+            )
         if not self.wait_at_end >= 0:
             raise LitCBSConfigError(f"side_jobs.wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)")

@@ -148,7 +148,9 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
     n = len(a.batch_losses)
     replicates = len(a.replicate_losses)
     if replicates >= 2 and replicates == len(b.replicate_losses) and n >= 2 and n == len(b.batch_losses):
-        window_means = [sum(x - y for x, y in zip(wa, wb)) / n for wa, wb in zip(a.replicate_losses, b.replicate_losses)]
+        window_means = [
+            sum(x - y for x, y in zip(wa, wb)) / n for wa, wb in zip(a.replicate_losses, b.replicate_losses)
+        ]
         batch_part = _variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n
         window_part = _variance(window_means) / replicates
         total = batch_part + window_part
@@ -156,7 +158,9 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
         dof = total**2 / parts if parts > 0 else math.inf
         return Difference(mean, math.sqrt(total), dof, math.sqrt(window_part))
     if n >= 2 and n == len(b.batch_losses):
-        return Difference(mean, math.sqrt(_variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n), n - 1)
+        return Difference(
+            mean, math.sqrt(_variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n), n - 1
+        )
     if a.se is not None and b.se is not None:
         return Difference(mean, math.hypot(a.se, b.se))
     return Difference(mean, None)
@@ -191,7 +195,10 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     losses = {k: s.loss for k, s in scores.items()}
     k_star = critical_multiplier(losses, epsilon)
     base = scores[min(scores)]
-    gaps = {k: (None if k == min(scores) or s.failed or base.failed else difference(s, base)) for k, s in sorted(scores.items())}
+    gaps = {
+        k: (None if k == min(scores) or s.failed or base.failed else difference(s, base))
+        for k, s in sorted(scores.items())
+    }
     admissible, rejected = judged_multipliers(scores, epsilon, confidence)
     determined = k_star in admissible and all(k in rejected for k in scores if k > k_star)
     return Decision(
@@ -202,7 +209,9 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     )
 
 
-def judged_multipliers(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> tuple[list[float], list[float]]:
+def judged_multipliers(
+    scores: dict[float, BranchScore], epsilon: float, confidence: float
+) -> tuple[list[float], list[float]]:
     """(admissible, rejected), each sorted: the finite k within ``epsilon`` of every smaller finite k
     with ``confidence`` (upper one-sided bound of L_k - L_j), and the k beyond ``epsilon`` of some
     smaller finite k with ``confidence`` (lower bound), a failed branch among them by definition."""
@@ -212,7 +221,9 @@ def judged_multipliers(scores: dict[float, BranchScore], epsilon: float, confide
         return difference(scores[k], scores[j]).bounds(confidence)
 
     admissible = [k for k in finite if all(bounds(k, j)[1] <= epsilon for j in finite if j < k)]
-    rejected = [k for k in sorted(scores) if scores[k].failed or any(bounds(k, j)[0] > epsilon for j in finite if j < k)]
+    rejected = [
+        k for k in sorted(scores) if scores[k].failed or any(bounds(k, j)[0] > epsilon for j in finite if j < k)
+    ]
     return admissible, rejected
 
 
@@ -344,7 +355,9 @@ class ProbeReading:
     batch_losses: dict[str, list[float]] = field(default_factory=dict)  # per k, per held-out batch (heldout)
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
     planned_window_tokens: int | None = None  # the window before an early stop (window_tokens: where it ended)
-    interrupted_at_tokens: int | None = None  # a stop signal interrupted this probe where its window began, at these tokens
+    interrupted_at_tokens: int | None = (
+        None  # a stop signal interrupted this probe where its window began, at these tokens
+    )
     epsilon: float | None = None  # nats, the k* rule's tolerance (None: a reading that did not store it)
     replicates: int = 1  # disjoint data windows each measured k trained on (window_tokens each)
     replicate_se: dict[str, float] = field(default_factory=dict)  # the windows' share of loss_se (replicates >= 2)
@@ -398,7 +411,13 @@ class ProbeReading:
             determined=decision.determined,
             confidence=rule.confidence,
             loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},
-            se_method=SE_REPLICATED if replicated else SE_PAIRED if paired else SE_STEP_SCATTER if unpaired else SE_NONE,
+            se_method=SE_REPLICATED
+            if replicated
+            else SE_PAIRED
+            if paired
+            else SE_STEP_SCATTER
+            if unpaired
+            else SE_NONE,
             batch_losses={f"{k:g}": list(s.batch_losses) for k, s in sorted(scores.items()) if s.batch_losses},
             replicate_se={f"{k:g}": se for k, se in decision.replicate_se.items()},
             replicate_batch_losses={

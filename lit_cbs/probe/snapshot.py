@@ -53,7 +53,10 @@ class TrainingSnapshot:
         self.tensors = [_copy_to(t, self.device) for t in self._module_tensors(pl_module)]
         self.optimizers = [
             (
-                {param: {key: _copy_to(v, self.device) for key, v in state.items()} for param, state in opt.state.items()},
+                {
+                    param: {key: _copy_to(v, self.device) for key, v in state.items()}
+                    for param, state in opt.state.items()
+                },
                 [{key: copy.deepcopy(v) for key, v in group.items() if key != "params"} for group in opt.param_groups],
             )
             for opt in trainer.optimizers

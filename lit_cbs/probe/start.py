@@ -48,7 +48,10 @@ class EpochEnd:
 
 
 def usable_multipliers(
-    multipliers: Sequence[float], batch_size: int, window_samples: int, branch_micro_batch: Callable[[float], int | None]
+    multipliers: Sequence[float],
+    batch_size: int,
+    window_samples: int,
+    branch_micro_batch: Callable[[float], int | None],
 ) -> list[float]:
     """The ks whose batch k*B is a whole number of micro-batches on every rank (``branch_micro_batch(k)`` is not
     None) and fits in ``window_samples``."""

@@ -55,7 +55,11 @@ CONFIG_ERRORS = (
     OmegaConfBaseException,
 )
 # The packages Lightning's loggers need (any one of them), for a one-line error that names the extra.
-LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX"), "MLFlowLogger": ("mlflow",), "WandbLogger": ("wandb",)}
+LOGGER_PACKAGES = {
+    "TensorBoardLogger": ("tensorboard", "tensorboardX"),
+    "MLFlowLogger": ("mlflow",),
+    "WandbLogger": ("wandb",),
+}
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
 AUTO_RESUME = "auto"
 # ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
@@ -174,13 +178,17 @@ def callbacks_of(cfg: DictConfig) -> list:
     kept = []
     for name, callback in instantiate_named(cfg, "callbacks").items():
         if isinstance(callback, BatchWarmup):
-            raise LitCBSConfigError(f"callbacks.{name} is a second BatchWarmup; set the run's one at batch.*, and drop it")
+            raise LitCBSConfigError(
+                f"callbacks.{name} is a second BatchWarmup; set the run's one at batch.*, and drop it"
+            )
         if isinstance(callback, CBSProbeCallback):
             try:
                 callback.config.check_inside_run(cfg.max_tokens, f"max_tokens={cfg.max_tokens:,}", whole_span=True)
             except LitCBSConfigError as problem:
                 message = name_the_keys(cfg, [f"callbacks.{name}"], str(problem))
-                log.warning(f"warning: {message}; training without it. Or raise max_tokens, or set callbacks.{name}=null")
+                log.warning(
+                    f"warning: {message}; training without it. Or raise max_tokens, or set callbacks.{name}=null"
+                )
                 continue
         kept.append(callback)
     return kept

@@ -498,7 +498,9 @@ class RunPlan:
                 fixes = "set model.activation_checkpointing=true, or " + fixes
             if self.strategy != "fsdp":
                 fixes += ", or shard with trainer=fsdp"
-            found.append(f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}")
+            found.append(
+                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
+            )
         if self.probe is not None:
             per_node = self.probe.host_bytes * self.devices_per_node / GIB
             if per_node > self.limits.host_memory_gib:
@@ -522,9 +524,12 @@ class RunPlan:
             f"tokens           {self.tokens:,} in {sum(p.optimizer_steps for p in self.phases):,} optimizer steps "
             f"(max_tokens={self.max_tokens:,})",
             "",
-            "batch schedule   (global batch in samples of seq_len tokens; accumulation = micro-batches per step per rank)",
+            "batch schedule   (global batch in samples of seq_len tokens; "
+            "accumulation = micro-batches per step per rank)",
             f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
-            + "".join(f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases),
+            + "".join(
+                f" {column:>{max(8, len(column))}}" for column in self._settings_of(self.phases[0]) if self.phases
+            ),
         ]
         for p in self.phases:
             lines.append(
@@ -535,12 +540,15 @@ class RunPlan:
         on, off = self.memory[True], self.memory[False]
         chosen = "on" if self.activation_checkpointing else "off"
         micro = max(p.micro_batch for p in self.phases) if self.phases else 0  # the peak
-        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[self.strategy]
+        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}[
+            self.strategy
+        ]
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         lines += [
             "",
-            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} ({unit}) at micro-batch {micro} x "
-            f"{self.seq_len:,} tokens; activation checkpointing {chosen} (model.activation_checkpointing)",
+            f"memory per {'GPU' if self.accelerator in ('gpu', 'cuda') else 'device'} ({unit}) "
+            f"at micro-batch {micro} x {self.seq_len:,} tokens; "
+            f"activation checkpointing {chosen} (model.activation_checkpointing)",
             f"  {'':<24} {'AC on':>8} {'AC off':>8}",
         ]
         rows = [
@@ -559,7 +567,9 @@ class RunPlan:
                 f"{self.limits.gpu_memory_gib:g})"
             )
         else:
-            lines.append(f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)")
+            lines.append(
+                f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
+            )
         lines.append("")
         if self.probe is None:
             lines.append("CBS probe        none")
@@ -569,17 +579,17 @@ class RunPlan:
             lines.append(
                 f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
                 f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
-                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens ({p.tokens / max(1, self.tokens):.1%} "
-                "of training)"
+                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens "
+                f"({p.tokens / max(1, self.tokens):.1%} of training)"
             )
             if p.side_jobs is not None:
                 hours = f"{self.probe_device_hours:,.0f} device-hours" if self._on_gpu else "their own devices"
                 lines += [
-                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, which does not "
-                    f"wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job "
-                    "(deleted once its reading is in)",
-                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores its "
-                    "own window on (no snapshot, no recorded window)",
+                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, "
+                    f"which does not wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint "
+                    "for its job (deleted once its reading is in)",
+                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores "
+                    "its own window on (no snapshot, no recorded window)",
                 ]
             else:
                 lines.append(
@@ -601,8 +611,8 @@ class RunPlan:
             lines += [
                 "",
                 f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
-                f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device (model.peak_flops_per_device, else "
-                f"plan_for.peak_flops_per_device), "
+                f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device "
+                "(model.peak_flops_per_device, else plan_for.peak_flops_per_device), "
                 f"{self.processes * seconds / 3600:,.0f} device-hours{pauses}",
             ]
         else:
@@ -614,8 +624,8 @@ class RunPlan:
         if self.micro_batch_limit is not None:
             lines.append(
                 f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
-                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: each "
-                "phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
+                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: "
+                "each phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
             )
         lines += self._cluster_report()
         warnings = self.warnings()
@@ -639,14 +649,15 @@ class RunPlan:
         times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
         lines = [
             "",
-            f"growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share of a step "
-            f"at the first phase's, micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
+            "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
+            "of a step at the first phase's, "
+            f"micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
             f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
         ]
         for planned in self.cluster:
             row = (
-                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} {planned.micro_batch:>6} "
-                f"{planned.accumulate:>6}"
+                f"  {planned.phase.start_tokens:>17,} {planned.phase.global_batch:>7,} {planned.ranks:>6} "
+                f"{planned.micro_batch:>6} {planned.accumulate:>6}"
             )
             if timed:
                 seconds = self._seconds(planned.phase.tokens, planned.ranks)
@@ -658,27 +669,33 @@ class RunPlan:
         device_hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
         if timed:
             lines.append(
-                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout ({fixed / grown:.2f}x "
-                f"sooner; {device_hours:,.0f} device-hours either way at the same MFU; probes not counted)"
+                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout "
+                f"({fixed / grown:.2f}x sooner; {device_hours:,.0f} device-hours either way at the same MFU; "
+                "probes not counted)"
             )
-        lines.append("  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:")
+        lines.append(
+            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:"
+        )
         for index, planned in enumerate(self.cluster):
             nodes = planned.ranks // per_node
             run_dir = f" hydra.run.dir=outputs/{self.name}/phase{index + 1}"
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
             lines.append(
-                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
+                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} "
+                f"trainer.num_nodes={nodes}{stop}{run_dir}{resume}"
             )
-        lines.append("  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):")
+        lines.append(
+            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):"
+        )
         for index, planned in enumerate(self.cluster):
             nodes = planned.ranks // per_node
             after = " --dependency=afterok:<the previous job's id>" if index else ""
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
             lines.append(
-                f"    RUN_DIR=outputs/{self.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}{after} "
-                f"recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
+                f"    RUN_DIR=outputs/{self.name}/phase{index + 1} sbatch --nodes={nodes} "
+                f"--ntasks-per-node={per_node}{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
             )
         return lines
 
@@ -735,7 +752,9 @@ def plan_run(
     def micro_for(global_batch: int, ranks: int) -> int:
         return micro_batch_for(global_batch, ranks, max_micro_batch_size) if max_micro_batch_size else micro_batch
 
-    phases = batch_phases(schedule, max_tokens, seq_len, lambda batch: micro_for(batch, processes), processes, lr_factor)
+    phases = batch_phases(
+        schedule, max_tokens, seq_len, lambda batch: micro_for(batch, processes), processes, lr_factor
+    )
     peak_micro = max(p.micro_batch for p in phases) if phases else micro_batch
 
     def memory_at(micro: int, checkpointing: bool = activation_checkpointing) -> DeviceMemory:
@@ -766,7 +785,9 @@ def plan_run(
         micro_batch_limit=largest_micro_batch(limits.gpu_memory_gib * GIB, largest_share, memory_at)
         if on_gpu(accelerator)
         else None,
-        cluster=grow_cluster(phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for)
+        cluster=grow_cluster(
+            phases, processes, devices_per_node, limits.min_micro_batch_size, limits.max_devices, micro_for
+        )
         if phases
         else None,
         command=command,

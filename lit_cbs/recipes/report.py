@@ -37,7 +37,8 @@ PAGE = """<!DOCTYPE html>
 <style>
 body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
 figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }}
-table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
+table {{ border-collapse: collapse; margin: 1em 0; }} \
+td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
 </style></head>
 <body data-figures="{count}">
 <h1>{title}</h1>
@@ -195,7 +196,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
                 ["tokens", "batch", "k*", "CBS (samples)", "determined"],
             )
         )
-    page = PAGE.format(title=html.escape(title), count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts))
+    page = PAGE.format(
+        title=html.escape(title), count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts)
+    )
     out = Path(out) if out is not None else run_dir / REPORT_FILE
     out.write_text(page)
     return out
@@ -203,7 +206,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description="Write a run's self-contained HTML page (report.html).")
-    parser.add_argument("run_dir", type=Path, help="a run folder (recipes/train.py's, or any with a CSVLogger's metrics.csv)")
+    parser.add_argument(
+        "run_dir", type=Path, help="a run folder (recipes/train.py's, or any with a CSVLogger's metrics.csv)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="where to write it (default: RUN_DIR/report.html)")
     args = parser.parse_args(argv)
     try:

@@ -30,7 +30,8 @@ def devices_per_node(devices, needed_for: str) -> int:
     if isinstance(devices, (list, tuple)) or OmegaConf.is_list(devices):
         return len(devices)
     raise LitCBSConfigError(
-        f"trainer.devices={devices!r} must be a number per node (or a list of device ids): {needed_for}; e.g. trainer.devices=8"
+        f"trainer.devices={devices!r} must be a number per node (or a list of device ids): {needed_for}; "
+        "e.g. trainer.devices=8"
     )
 
 

@@ -323,7 +323,12 @@ def summary_text(summary: dict) -> str:
 
 
 def write_run_summary(
-    output_dir: str | os.PathLike, run_name: str, trainer: pl.Trainer, warmup: BatchWarmup, fit_seconds: float, plots: bool
+    output_dir: str | os.PathLike,
+    run_name: str,
+    trainer: pl.Trainer,
+    warmup: BatchWarmup,
+    fit_seconds: float,
+    plots: bool,
 ) -> tuple[dict, str]:
     """Write into ``output_dir`` batch_history.json, summary.json and, with ``plots`` and a metrics.csv
     there, the plots (``plot_run``; also sent to the Trainer's loggers), which ``lit_cbs.recipes.report``'s

@@ -106,7 +106,9 @@ class PiecewiseBatch(BatchSchedule):
         for i, b in enumerate(batch_sizes):
             _check_positive_int(f"batch_sizes[{i}]", b)
         if thresholds[0] != 0:
-            raise LitCBSConfigError(f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start")
+            raise LitCBSConfigError(
+                f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start"
+            )
         for i in range(1, len(thresholds)):
             if not thresholds[i] > thresholds[i - 1]:
                 raise LitCBSConfigError(
@@ -158,7 +160,9 @@ class Seesaw(PiecewiseBatch):
         start = _check_positive_int("start", start)
         max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
-            raise LitCBSConfigError(f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)")
+            raise LitCBSConfigError(
+                f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)"
+            )
         if max_batch_size < start * factor:
             raise LitCBSConfigError(
                 f"max_batch_size={max_batch_size} is below start x factor = {start * factor}, so the batch could never "
@@ -171,8 +175,8 @@ class Seesaw(PiecewiseBatch):
         sample = [lr_schedule(first + (total - first) * i // 256) for i in range(257)]
         if not (peak > 0 and all(later <= earlier * (1 + 1e-12) for earlier, later in zip(sample, sample[1:]))):
             raise LitCBSConfigError(
-                f"Seesaw needs an LR schedule that only decays after its warmup ({first:,} tokens), but {lr_schedule!r} "
-                "rises again: use CosineSchedule, WarmupStableDecay or StepDecay"
+                f"Seesaw needs an LR schedule that only decays after its warmup ({first:,} tokens), "
+                f"but {lr_schedule!r} rises again: use CosineSchedule, WarmupStableDecay or StepDecay"
             )
         sizes, thresholds = [start], [0]
         size, level = start * factor, peak / factor
@@ -188,8 +192,9 @@ class Seesaw(PiecewiseBatch):
             size, level = size * factor, level / factor
         if len(sizes) == 1:
             raise LitCBSConfigError(
-                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, so Seesaw would never grow "
-                f"the batch: give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
+                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, "
+                "so Seesaw would never grow the batch: "
+                "give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
             )
         super().__init__(sizes, thresholds, unit="tokens")
         self.lr_schedule, self.start, self.max_batch_size, self.factor = lr_schedule, start, max_batch_size, factor
@@ -221,7 +226,9 @@ class LinearRamp(BatchSchedule):
         _check_positive_int("final", final)
         _check_ramp(ramp, unit)
         if final <= start:
-            raise LitCBSConfigError(f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise")
+            raise LitCBSConfigError(
+                f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise"
+            )
         if (final - start) % increment:
             raise LitCBSConfigError(
                 f"final - start = {final - start} must be a multiple of increment={increment} (Megatron's rule); "
@@ -261,7 +268,8 @@ class ExponentialRamp(BatchSchedule):
             if v % multiple_of:
                 raise LitCBSConfigError(
                     f"{name}={v} must be a multiple of multiple_of={multiple_of}; "
-                    f"nearest: {v // multiple_of * multiple_of or multiple_of} or {(v // multiple_of + 1) * multiple_of}"
+                    f"nearest: {v // multiple_of * multiple_of or multiple_of} "
+                    f"or {(v // multiple_of + 1) * multiple_of}"
                 )
         self.start, self.final, self.ramp, self.multiple_of = start, final, ramp, multiple_of
         self.unit = _check_unit(unit)
@@ -293,7 +301,9 @@ class CBSAdaptive(BatchSchedule):
     (``probe_after_final=True`` keeps measuring, e.g. to draw the CBS curve on).
     """
 
-    def __init__(self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False):
+    def __init__(
+        self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False
+    ):
         _check_positive_int("start", start)
         _check_positive_int("final", final)
         if final < start:

@@ -106,7 +106,9 @@ class GuardConfig:
         names = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(key for key in settings if key not in names)
         if unknown:
-            raise LitCBSConfigError(f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(names)}")
+            raise LitCBSConfigError(
+                f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(names)}"
+            )
         return cls(**settings)
 
 
@@ -175,7 +177,9 @@ def fit_trend(points: Sequence[tuple[float, float]]) -> tuple[float, float, floa
     return float(intercept), float(slope), float(np.sqrt(residuals @ residuals / (len(points) - 2)))
 
 
-def loss_rise(fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, float]]) -> tuple[float, float, float, float]:
+def loss_rise(
+    fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, float]]
+) -> tuple[float, float, float, float]:
     """How far the ``window`` points' losses sit above the trend of the ``fit`` points (``fit_trend``):
     their mean distance from it (nats), then the trend's intercept, slope and residual standard deviation."""
     intercept, slope, residual_std = fit_trend(fit)
@@ -227,7 +231,8 @@ class BatchGuard:
             return cls(GuardConfig.from_dict(setting))
         names = ", ".join(field.name for field in dataclasses.fields(GuardConfig))
         raise LitCBSConfigError(
-            f"guard={setting!r} must be true, false, null, a dict of the settings {names}, a GuardConfig, or a BatchGuard"
+            f"guard={setting!r} must be true, false, null, a dict of the settings {names}, "
+            "a GuardConfig, or a BatchGuard"
         )
 
     def __repr__(self) -> str:
@@ -274,7 +279,9 @@ class BatchGuard:
     def _fit_span(self, consumed: int) -> int:
         return self.config.fit if self.config.fit is not None else consumed // 2
 
-    def watch(self, change: int, consumed: int, old_global_batch: int, new_global_batch: int, restore: RevertRestore) -> bool:
+    def watch(
+        self, change: int, consumed: int, old_global_batch: int, new_global_batch: int, restore: RevertRestore
+    ) -> bool:
         """Start watching the increase ``change`` (its index in the history), applied at ``consumed``;
         ``restore`` is what a revert puts back. Returns False if too few steps precede it to judge it."""
         fit_after = consumed - self._fit_span(consumed)
@@ -307,7 +314,9 @@ class BatchGuard:
         watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
         rise, intercept, slope, residual_std = loss_rise(fit, watched)
         threshold = (
-            config.threshold if config.threshold is not None else max(config.noise_multiple * residual_std, config.min_threshold)
+            config.threshold
+            if config.threshold is not None
+            else max(config.noise_multiple * residual_std, config.min_threshold)
         )
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
         verdict = GuardVerdict(
@@ -358,5 +367,6 @@ class BatchGuard:
         self.hold_until = state_dict["hold_until"]
         self._steps = [tuple(step) for step in state_dict["steps"]]
         self._watch, self._revert = (
-            None if state_dict[key] is None else WatchedIncrease.from_state_dict(state_dict[key]) for key in ("watch", "revert")
+            None if state_dict[key] is None else WatchedIncrease.from_state_dict(state_dict[key])
+            for key in ("watch", "revert")
         )

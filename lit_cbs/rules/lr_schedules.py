@@ -145,7 +145,9 @@ class StepDecay:
         _check_warmup_ends_inside(warmup_tokens, total_tokens)
         self.milestones = [_check_tokens(f"milestones[{i}]", m) for i, m in enumerate(milestones)]
         if self.milestones != sorted(set(self.milestones)) or (self.milestones and self.milestones[0] < warmup_tokens):
-            raise LitCBSConfigError(f"milestones={self.milestones} must strictly increase, from warmup_tokens={warmup_tokens} on")
+            raise LitCBSConfigError(
+                f"milestones={self.milestones} must strictly increase, from warmup_tokens={warmup_tokens} on"
+            )
         if not 0.0 < gamma < 1.0:
             raise LitCBSConfigError(f"gamma={gamma} must lie in (0, 1) (the multiplier's factor at each milestone)")
         self.gamma = float(gamma)

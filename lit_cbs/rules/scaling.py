@@ -60,7 +60,9 @@ class ScalingRule:
             raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
         factor = float(self._factor(ratio))
         if not (math.isfinite(factor) and factor > 0):
-            raise LitCBSConfigError(f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0")
+            raise LitCBSConfigError(
+                f"rule {self.name!r} returned factor {factor} for ratio {ratio}; it must be finite and > 0"
+            )
         return factor
 
     def __repr__(self) -> str:
@@ -78,7 +80,12 @@ class LRRule(ScalingRule):
         ``ratios`` to ``optimizer`` (``check_ratios`` says how they apply); nothing for plain LR rules."""
 
     def check_ratios(
-        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedulers: Iterable,
+        ratios: Iterable[float],
+        who: str,
+        compose: bool = False,
     ) -> None:
         """Before training: LitCBSConfigError, its message starting with ``who``, unless the rule can
         scale ``optimizer`` and every one of its LR ``schedulers`` at each batch ratio (new / old
@@ -131,8 +138,9 @@ class AdamSDERule(LRRule):
                 reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
                 betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
                 raise LitCBSConfigError(
-                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {type(optimizer).__name__} "
-                    f"betas {betas} (beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
+                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for "
+                    f"{type(optimizer).__name__} betas {betas} "
+                    "(beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
                     f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
                 )
 
@@ -164,7 +172,9 @@ def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
         return rule
     if isinstance(rule, str):
         if rule not in LR_RULES:
-            raise LitCBSConfigError(f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor")
+            raise LitCBSConfigError(
+                f"lr_rule={rule!r} is unknown; use one of {sorted(LR_RULES)} or a callable ratio -> factor"
+            )
         return LR_RULES[rule]()
     if callable(rule):
         return LRRule(getattr(rule, "__name__", repr(rule)), rule)
@@ -220,11 +230,13 @@ def check_scheduler_supported(scheduler, who: str) -> None:
         return
     if isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
         return
-    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + ["lit_cbs.rules.lr_schedules.TokenLRScheduler"]
+    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + [
+        "lit_cbs.rules.lr_schedules.TokenLRScheduler"
+    ]
     if isinstance(scheduler, torch_sched.OneCycleLR):
         raise LitCBSConfigError(
-            f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve set "
-            f"the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.rules.lr_schedules.OneCycle("
+            f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve "
+            "set the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.rules.lr_schedules.OneCycle("
             f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
             "OneCycleLR arguments (momentum is not cycled)"
         )
@@ -385,7 +397,9 @@ class Beta2HalfLife(SettingRule):
                     f"{who}: param group {i} of {name} has no Adam betas (beta1, beta2) to scale; set beta2_rule=None"
                 )
             if isinstance(betas[1], torch.Tensor):
-                raise LitCBSConfigError(f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None")
+                raise LitCBSConfigError(
+                    f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None"
+                )
         if not any(group["betas"][1] for group in optimizer.param_groups):
             raise LitCBSConfigError(
                 f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None"
@@ -472,11 +486,18 @@ class OptimizerRules:
     def describe(self) -> str:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
         return ", ".join(
-            f"{argument}={name!r}" for argument, name in self.names().items() if name is not None or argument == "lr_rule"
+            f"{argument}={name!r}"
+            for argument, name in self.names().items()
+            if name is not None or argument == "lr_rule"
         )
 
     def check(
-        self, optimizer: torch.optim.Optimizer, schedulers: Iterable, ratios: Iterable[float], who: str, compose: bool = False
+        self,
+        optimizer: torch.optim.Optimizer,
+        schedulers: Iterable,
+        ratios: Iterable[float],
+        who: str,
+        compose: bool = False,
     ) -> None:
         """Before training: LitCBSConfigError, its message starting with ``who``, unless every rule
         applies to ``optimizer`` and its LR ``schedulers`` at each batch ratio (``LRRule.check_ratios``)."""

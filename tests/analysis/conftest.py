@@ -21,7 +21,8 @@ def wsd_sweep(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def wsd_fits(wsd_sweep):
-    """(the TargetFits of WSD_TARGETS in samples, the messages of the warnings fitting raised) on the unsmoothed sweep."""
+    """(the TargetFits of WSD_TARGETS in samples, the messages of the warnings fitting raised) on the unsmoothed
+    sweep."""
     crossings, _ = recorded(find_crossings, read_sweep(wsd_sweep), WSD_TARGETS, smoothing=None)
     return recorded(fit_targets, crossings, tokens_per_sample=SEQ_LEN)
 
@@ -30,6 +31,8 @@ def wsd_fits(wsd_sweep):
 def recipe_script() -> Callable[[str], ModuleType]:
     """``recipe_script(name)``: recipes/<name>.py loaded as a module, to call its ``main(argv)`` in-process
     (a subprocess pays a Python start per case)."""
-    from recipe_runs import load_script  # here: recipe_runs loads train.py (Lightning), which a conftest must not import early
+    from recipe_runs import (
+        load_script,
+    )  # here: recipe_runs loads train.py (Lightning), which a conftest must not import early
 
     return load_script

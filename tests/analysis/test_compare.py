@@ -24,7 +24,9 @@ def noise_scale_of_loss(loss: float) -> float:
 def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path):
     sweep = write_sweep(tmp_path / "sweep", gns=noise_scale_of_loss)
     runs = read_sweep(sweep)
-    fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN))
+    fits, _ = recorded(
+        lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN)
+    )
     # The run at batch 1000 reaches each target at these tokens; readings at 0.5x, 1.1x and 3x of the
     # first, and one at another batch size.
     reach = {t: float(wsd_crossing_steps(1000 * SEQ_LEN, np.array([t]))[0]) * 1000 * SEQ_LEN for t in WSD_TARGETS}
@@ -54,7 +56,9 @@ def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path
     good = dataclasses.replace(rows[0], b_crit_poor=False)
     assert "*" not in side_by_side_markdown([good]) and "misses" not in side_by_side_markdown([good])
 
-    token_fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=None))
+    token_fits, _ = recorded(
+        lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=None)
+    )
     with pytest.raises(ValueError, match="mismatched units"):
         side_by_side(token_fits, runs, probe)
     no_noise_scale = read_sweep(write_sweep(tmp_path / "plain"))

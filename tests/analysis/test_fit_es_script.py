@@ -19,7 +19,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_fit_es(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "fit_es.py"), *map(str, args)], capture_output=True, text=True, timeout=300
+        [sys.executable, str(REPO / "recipes" / "fit_es.py"), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -34,7 +37,12 @@ def test_fit_es_cli_prints_the_table_and_writes_plots_and_schedule(wsd_sweep, tm
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.strip().startswith("target loss"))
-    assert "B_crit" in lines[header] and "B_min" in lines[header] and "B_opt" in lines[header] and "samples" in lines[header]
+    assert (
+        "B_crit" in lines[header]
+        and "B_min" in lines[header]
+        and "B_opt" in lines[header]
+        and "samples" in lines[header]
+    )
     for row, target in zip(lines[header + 1 : header + 4], WSD_TARGETS):
         fields = row.split()
         truth = wsd_truth(target)

@@ -44,7 +44,10 @@ def test_fit_mccandlish_recovers_parameters_from_noisy_points():
     steps = np.geomspace(2100, 1e5, 16)
     tokens = e_min * steps / (steps - s_min) * np.exp(0.01 * rng.standard_normal(16))  # 1% noise
     fit = fit_mccandlish(steps, tokens)
-    print(f"McCandlish (1% noise): S_min {fit.s_min:.1f} (2000), E_min {fit.e_min:.4g} (1e8), B_crit {fit.b_crit:.4g} (5e4)")
+    print(
+        f"McCandlish (1% noise): S_min {fit.s_min:.1f} (2000), E_min {fit.e_min:.4g} (1e8), "
+        f"B_crit {fit.b_crit:.4g} (5e4)"
+    )
     assert fit.s_min == pytest.approx(s_min, rel=0.05)
     assert fit.e_min == pytest.approx(e_min, rel=0.05)
     assert fit.b_crit == pytest.approx(e_min / s_min, rel=0.05)
@@ -163,7 +166,11 @@ def test_proposed_schedule_follows_b_opt_and_instantiates_from_yaml(wsd_fits, tm
 
     rebuilt = instantiate(config["batch"]["schedule"])
     assert isinstance(rebuilt, PiecewiseBatch)
-    assert (rebuilt.batch_sizes, rebuilt.thresholds, rebuilt.unit) == (schedule.batch_sizes, schedule.thresholds, "tokens")
+    assert (rebuilt.batch_sizes, rebuilt.thresholds, rebuilt.unit) == (
+        schedule.batch_sizes,
+        schedule.thresholds,
+        "tokens",
+    )
     assert schedule_yaml(schedule) == text.replace("# from a test\n", "")
 
 

@@ -71,7 +71,10 @@ def test_a_power_law_is_recovered_within_its_band():
 def test_a_plateau_is_found_and_placed():
     tokens = np.geomspace(1e5, 1e9, 12)
     forecast = forecast_cbs(simulated_brackets(plateau, tokens, runs=3, spread=0.15, seed=2), model="auto")
-    assert forecast.model == "plateau" and forecast.heldout_log_likelihood["plateau"] > forecast.heldout_log_likelihood["power"]
+    assert (
+        forecast.model == "plateau"
+        and forecast.heldout_log_likelihood["plateau"] > forecast.heldout_log_likelihood["power"]
+    )
     assert forecast.plateau == pytest.approx(256, rel=0.5)
     low, high = forecast.band(tokens)
     assert np.all((low <= plateau(tokens)) & (plateau(tokens) <= high))
@@ -171,7 +174,11 @@ def test_a_determined_record_supports_its_bracket_and_an_undetermined_one_a_wide
     assert clear.determined and supported_interval(clear) == (32.0, 64.0) == (clear.cbs_lower, clear.cbs_upper)
     # k = 2 and 4 by about epsilon, with batch noise: the means pick k* = 4, the data cannot tell k = 2 from 4.
     noisy = reading(
-        {1: list(base), 2: list(base + 0.009 + rng.normal(0, 0.02, 16)), 4: list(base + 0.011 + rng.normal(0, 0.02, 16))}
+        {
+            1: list(base),
+            2: list(base + 0.009 + rng.normal(0, 0.02, 16)),
+            4: list(base + 0.011 + rng.normal(0, 0.02, 16)),
+        }
     )
     assert not noisy.determined
     lower, upper = supported_interval(noisy)
@@ -257,7 +264,11 @@ def test_readings_of_two_sequence_lengths_are_refused():
         ([Bracket(1e6, 16, 32, "a")] * 3, {}, "readings at 1 token count"),
         ([Bracket(1e6, 16, math.inf, "a"), Bracket(2e6, 32, math.inf, "a")], {}, "no reading has an upper end"),
         ([Bracket(1e6, 32, 16, "a"), Bracket(2e6, 32, 64, "a")], {}, "needs tokens > 0 and 0 < lower < upper"),
-        ([Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")], {"coverage": 1.0}, r"coverage=1.0 must lie in \(0, 1\)"),
+        (
+            [Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")],
+            {"coverage": 1.0},
+            r"coverage=1.0 must lie in \(0, 1\)",
+        ),
         (
             [Bracket(1e6, 16, 32, "a"), Bracket(2e6, 32, 64, "a")],
             {"model": "plateau"},
@@ -279,7 +290,9 @@ def run_readings(seed: int) -> list[ProbeReading]:
         tokens = 65_536 * 2**j
         cbs = 16 * 2 ** (j / 2) * math.exp(rng.normal(0, 0.15))
         base = 3.0 - 0.1 * j + rng.normal(0, 0.05, size=16)
-        losses = {k: list(base + (0.001 if 16 * k <= cbs else 0.1) + rng.normal(0, 0.001, 16)) for k in (1, 2, 4, 8, 16)}
+        losses = {
+            k: list(base + (0.001 if 16 * k <= cbs else 0.1) + rng.normal(0, 0.001, 16)) for k in (1, 2, 4, 8, 16)
+        }
         readings.append(dataclasses.replace(reading(losses), tokens=tokens))
     return readings
 
@@ -301,7 +314,8 @@ def test_the_command_writes_a_forecast_schedule_and_its_plot(tmp_path, capsys, r
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
-            "config", overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{out.parents[1]}]", "batch=forecast"]
+            "config",
+            overrides=["output_dir=/nonexistent/run", f"hydra.searchpath=[file://{out.parents[1]}]", "batch=forecast"],
         )
     schedule = instantiate(cfg.batch.schedule)
     # Past the last probe (2,097,152 tokens, where the runs read [64, 128]) the forecast goes on growing the batch.
@@ -313,7 +327,10 @@ def test_the_command_refuses_a_plot_without_a_forecast(tmp_path, capsys, recipe_
     command = recipe_script("schedule_from_probe")
     path = tmp_path / "run.jsonl"
     path.write_text(jsonl(run_readings(1)[:1]))
-    assert command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")]) == 2
+    assert (
+        command.main([str(path), "--start", "16", "--out", str(tmp_path / "a.yaml"), "--plot", str(tmp_path / "a.png")])
+        == 2
+    )
     refusal = "--plot, --noise-scale and --epsilon go with the forecast: give --forecast-to TOKENS too"
     assert capsys.readouterr().err.strip() == f"schedule_from_probe.py: {refusal}"
     assert not (tmp_path / "a.yaml").exists()
@@ -337,7 +354,9 @@ def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys
     trainer.fit(CausalLM(model), RandomTokenData(vocab_size=64, seq_len=16, batch_size=4, samples=256))
     metrics_csv = tmp_path / "run" / "version_0" / "metrics.csv"
     tokens, b_simple = noise_scale_over_tokens(metrics_csv)
-    assert len(tokens) == 12 and list(tokens) == [128.0 * step for step in range(1, 13)] and np.all(np.isfinite(b_simple))
+    assert (
+        len(tokens) == 12 and list(tokens) == [128.0 * step for step in range(1, 13)] and np.all(np.isfinite(b_simple))
+    )
 
     files = []
     for seed in (1, 2):
@@ -363,9 +382,12 @@ def test_the_noise_scale_of_a_real_run_goes_beside_the_forecast(tmp_path, capsys
     assert done == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert (
-        f"noise scale B_simple grows as D^{growth_exponent(tokens, b_simple):.3f}" in printed and "the CBS fit as D^" in printed
+        f"noise scale B_simple grows as D^{growth_exponent(tokens, b_simple):.3f}" in printed
+        and "the CBS fit as D^" in printed
     )
     without = tmp_path / "without_gns.csv"  # the same run's steps and tokens, no noise scale
     without.write_text("step,tokens_seen\n" + "".join(f"{step},{int(t)}\n" for step, t in enumerate(tokens)))
-    with pytest.raises(ValueError, match="has no 'gns/b_simple'; pass the metrics.csv of a run with GradientNoiseScale"):
+    with pytest.raises(
+        ValueError, match="has no 'gns/b_simple'; pass the metrics.csv of a run with GradientNoiseScale"
+    ):
         noise_scale_over_tokens(without)

@@ -138,8 +138,16 @@ def test_reads_a_jsonl_file(tmp_path):
         ([reading(1, 4)], {"final": 8}, r"final=8 must be an int >= 16"),
         ([reading(1, 4)], {"final": 48}, r"final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"),
         ([reading(1, 4)], {"margin": 0.5}, r"margin=0.5 must be a number >= 1"),
-        ([reading(1, 4)], {"seq_len": 512}, r"seq_len=512 needs the measured run's sequence length: pass measured_seq_len"),
-        ([reading(1, 4, seq_len=128)], {"seq_len": 512, "measured_seq_len": 256}, r"seq_len=128 but measured_seq_len=256"),
+        (
+            [reading(1, 4)],
+            {"seq_len": 512},
+            r"seq_len=512 needs the measured run's sequence length: pass measured_seq_len",
+        ),
+        (
+            [reading(1, 4, seq_len=128)],
+            {"seq_len": 512, "measured_seq_len": 256},
+            r"seq_len=128 but measured_seq_len=256",
+        ),
         ([reading(1, 4)], {"seq_len": 0, "measured_seq_len": 128}, r"seq_len=0 must be an int >= 1"),
     ],
 )
@@ -209,7 +217,9 @@ def test_command_bad_input_is_one_line(tmp_path, capsys, recipe_script):
         capsys.readouterr().err.strip()
         == "schedule_from_probe.py: final=48 must be start=16 times a power of factor=2; nearest: 32 or 64"
     )
-    assert command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
+    assert (
+        command.main([str(tmp_path / "nothing.jsonl"), "--start", "16", "--out", str(tmp_path / "measured.yaml")]) == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "cannot read CBS probe readings" in err
 

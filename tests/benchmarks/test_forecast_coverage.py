@@ -19,7 +19,9 @@ def test_forecast_coverage_reports_every_real_run_cut_short_and_every_scenario(t
     assert all(row["warned"] for row in real if not all(point["covered"] for point in row["later"]))
     for scenario in forecast_coverage.SCENARIOS:
         by_n = result["simulated"][scenario.name]
-        assert [by_n[n]["points"] for n in forecast_coverage.FIT_SIZES] == [2 * (6 - n) for n in forecast_coverage.FIT_SIZES]
+        assert [by_n[n]["points"] for n in forecast_coverage.FIT_SIZES] == [
+            2 * (6 - n) for n in forecast_coverage.FIT_SIZES
+        ]
     text = markdown.read_text()
     assert "<!-- forecast_coverage:start -->" in text and "### Real readings cut short" in text
     assert plot.read_bytes()[:4] == b"\x89PNG"

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.slow
 
 def run_module(code_or_module: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = subprocess_env(PYTHONPATH=str(ROOT))
-    result = subprocess.run([sys.executable, *code_or_module], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, *code_or_module], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
@@ -40,7 +42,8 @@ def test_gpu_check_runs_on_cpu_compiled_and_imports_nothing_the_gpu_machine_lack
     done = run_module(["-c", code], cwd=tmp_path)
     forbidden, lit_cbs_modules = done.stdout.strip().splitlines()[-2:]
     assert forbidden == "[]"
-    # RandomTokenData and the loader need torch and Lightning only; the datamodule (litdata) and the run report are not loaded.
+    # RandomTokenData and the loader need torch and Lightning only; the datamodule (litdata) and the run report
+    # are not loaded.
     loaded = lit_cbs_modules[1:-1].split(", ")
     assert "'lit_cbs.data.synthetic'" in loaded
     assert not any(name.startswith(("'lit_cbs.data.datamodule", "'lit_cbs.recipes.run_report")) for name in loaded)
@@ -51,4 +54,6 @@ def test_gpu_check_runs_on_cpu_compiled_and_imports_nothing_the_gpu_machine_lack
     assert result["optimizer_steps"] == 6 and result["tokens_trained"] == 4 * 512 + 2 * 1024
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and result["peak_flops_per_device"] == 989e12
     # The MFU CausalLM logs for the last step and the benchmark's over the timed steps use the same FLOPs and peak.
-    assert result["last_logged_mfu"] == pytest.approx(result["flops_per_token"] * result["last_logged_tokens_per_s"] / 989e12)
+    assert result["last_logged_mfu"] == pytest.approx(
+        result["flops_per_token"] * result["last_logged_tokens_per_s"] / 989e12
+    )

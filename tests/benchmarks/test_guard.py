@@ -1,4 +1,5 @@
-"""benchmarks/guard.py --quick end to end: it trains each configuration once (short runs, two at a time) and reports from them."""
+"""benchmarks/guard.py --quick end to end: it trains each configuration once (short runs, two at a time) and
+reports from them."""
 
 from __future__ import annotations
 

@@ -13,7 +13,9 @@ pytestmark = pytest.mark.slow
 def test_hparam_rules_quick_trains_the_rules_and_seesaw_through_the_recipes(tmp_path):
     result = hparam_rules.main(["--quick", "--configs", "both,seesaw", "--out", str(tmp_path)])
     (both,), (seesaw,) = result["runs"]["both"], result["runs"]["seesaw"]
-    assert "batch.weight_decay_rule=timescale" in both["overrides"] and "batch.beta2_rule=half_life" in both["overrides"]
+    assert (
+        "batch.weight_decay_rule=timescale" in both["overrides"] and "batch.beta2_rule=half_life" in both["overrides"]
+    )
     # Seesaw doubles where the cosine halves the LR: 16 -> 32 -> 64 in the run's own record.
     assert [change["new"] for change in seesaw["batch_changes"]] == [32, 64] and both["tokens"] == seesaw["tokens"]
     assert result["comparisons"] == {} and result["goals"] == []  # no reference trained: nothing compared
@@ -22,7 +24,13 @@ def test_hparam_rules_quick_trains_the_rules_and_seesaw_through_the_recipes(tmp_
 
 def test_hparam_rules_pairs_each_run_with_its_reference_seed_by_seed():
     def run(key, seed, loss, steps):
-        return {"key": key, "seed": seed, "val_curve": [{"val_loss": loss}], "optimizer_steps": steps, "fit_seconds": 1.0}
+        return {
+            "key": key,
+            "seed": seed,
+            "val_curve": [{"val_loss": loss}],
+            "optimizer_steps": steps,
+            "fit_seconds": 1.0,
+        }
 
     runs = {
         "lr_only": [run("lr_only", s, 1.30 + 0.01 * s, 100) for s in (1, 2, 3)],

@@ -65,7 +65,9 @@ def test_numbers_come_from_the_runs(result):
         assert scheduled["loss_vs_control"] == pytest.approx(summary["final_val_loss"] - control["final_val_loss"])
         assert scheduled["steps_saved"] == pytest.approx(1 - summary["optimizer_steps"] / control["optimizer_steps"])
         # The probed tiny4x run's main run is the control's run (a probe leaves the main run untouched).
-        assert outcome["runs"][f"tiny4x_curve_seed{seed}"]["final_val_loss"] == pytest.approx(control["final_val_loss"], abs=1e-4)
+        assert outcome["runs"][f"tiny4x_curve_seed{seed}"]["final_val_loss"] == pytest.approx(
+            control["final_val_loss"], abs=1e-4
+        )
     # Every curve was read at the same points: the goal compares like with like.
     points = {run.key: [r.tokens for r in outcome["runs"][run.key]["readings"]] for run in transfer.CURVES}
     assert all(tokens == [p["tokens"] for p in outcome["points"]] for tokens in points.values())
@@ -91,7 +93,9 @@ def test_report_files(result):
 
 def test_report_only_rebuilds_from_finished_runs(result, tmp_path):
     out, outcome = result
-    again = transfer.main(["--report-only", "--quick", "--out", str(out / "runs"), "--plot", str(tmp_path / "again.png")])
+    again = transfer.main(
+        ["--report-only", "--quick", "--out", str(out / "runs"), "--plot", str(tmp_path / "again.png")]
+    )
     assert again["rows"] == outcome["rows"] and again["points"] == outcome["points"]
 
 

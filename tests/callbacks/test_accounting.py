@@ -31,7 +31,9 @@ class TokenIds(torch.utils.data.Dataset):
 
 class TokenData(RegressionData):
     def train_dataloader(self):
-        return DataLoader(TokenIds(len(self.dataset)), batch_size=self.batch_size, sampler=self.sampler(), drop_last=True)
+        return DataLoader(
+            TokenIds(len(self.dataset)), batch_size=self.batch_size, sampler=self.sampler(), drop_last=True
+        )
 
 
 def fit(*callbacks, module=None, data=None, **trainer_args):
@@ -96,7 +98,9 @@ def test_batch_warmup_checks_the_accountings_settings_when_it_is_built():
 
 
 def test_max_tokens_given_twice_must_agree():
-    with pytest.raises(LitCBSConfigError, match=r"BatchWarmup\(max_tokens=96\) conflicts with BatchAccounting\(max_tokens=48\)"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"BatchWarmup\(max_tokens=96\) conflicts with BatchAccounting\(max_tokens=48\)"
+    ):
         fit(BatchAccounting(max_tokens=48), BatchWarmup(ConstantBatch(2), max_tokens=96))
 
 

@@ -79,8 +79,12 @@ def test_a_run_resumed_into_another_folder_says_so_in_one_line(tmp_path, caplog,
     first, second = tmp_path / "first", tmp_path / "second"
     fit(first, max_steps=5)
     warmup = BatchWarmup(PiecewiseBatch([4], [0], unit="samples"), seq_len=1)
-    checkpoint = FinalStateCheckpoint(dirpath=second, every_n_train_steps=4, save_last=True)  # the same state key: it loads
-    trainer = pl.Trainer(**trainer_kwargs(enable_checkpointing=True, max_epochs=2, max_steps=9, callbacks=[warmup, checkpoint]))
+    checkpoint = FinalStateCheckpoint(
+        dirpath=second, every_n_train_steps=4, save_last=True
+    )  # the same state key: it loads
+    trainer = pl.Trainer(
+        **trainer_kwargs(enable_checkpointing=True, max_epochs=2, max_steps=9, callbacks=[warmup, checkpoint])
+    )
     with caplog.at_level("INFO"):
         trainer.fit(RegressionModule(), datamodule=RegressionData(n=96, batch_size=2), ckpt_path=first / "last.ckpt")
     assert f"FinalStateCheckpoint: resumed from a run that saved to {first}; this run saves to {second}" in caplog.text
@@ -115,7 +119,11 @@ def test_sigterm_after_an_optimizer_step_is_saved(tmp_path):
 def test_sigterm_ends_a_plain_lightning_script_with_one_line_that_says_how_to_resume(tmp_path):
     # A user's own script (no recipe, no try/except around trainer.fit): a real SIGTERM after step 3.
     stopped = subprocess.run(
-        [sys.executable, str(USER_SIGTERM), str(tmp_path)], capture_output=True, text=True, timeout=300, env=subprocess_env()
+        [sys.executable, str(USER_SIGTERM), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
     )
     last = tmp_path / "checkpoints" / "last.ckpt"
     assert stopped.returncode == 1  # not 0, which a bare SystemExit gives and a scheduler reads as done
@@ -140,12 +148,17 @@ def test_sigterm_on_an_epochs_last_micro_batch_resumes_in_the_next_epoch(tmp_pat
     # max_steps, trains epoch 1 from its first sample with the LR its epoch-indexed scheduler gives it.
     def run(*callbacks, ckpt_path=None):
         pl.seed_everything(0, verbose=False)
-        warmup = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 20, 50], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4)
+        warmup = BatchWarmup(
+            PiecewiseBatch([2, 4, 8], [0, 20, 50], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4
+        )
         trainer = pl.Trainer(
-            **trainer_kwargs(enable_checkpointing=bool(callbacks), max_epochs=-1, max_steps=38, callbacks=[warmup, *callbacks])
+            **trainer_kwargs(
+                enable_checkpointing=bool(callbacks), max_epochs=-1, max_steps=38, callbacks=[warmup, *callbacks]
+            )
         )
         module = RegressionModule(
-            scheduler_factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5), scheduler_interval="epoch"
+            scheduler_factory=lambda optimizer: torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5),
+            scheduler_interval="epoch",
         )
         trainer.fit(module, datamodule=GlobalOrderRegressionData(n=100, batch_size=2), ckpt_path=ckpt_path)
         return trainer, module

@@ -45,7 +45,8 @@ def assert_same_end(a: dict, b: dict) -> None:
     assert all(torch.equal(a["weights"][name], b["weights"][name]) for name in a["weights"])
     for state, other in zip(a["optimizer"], b["optimizer"], strict=True):
         assert all(
-            torch.equal(state[key], other[key]) if torch.is_tensor(state[key]) else state[key] == other[key] for key in state
+            torch.equal(state[key], other[key]) if torch.is_tensor(state[key]) else state[key] == other[key]
+            for key in state
         )
     assert a["readings"] == b["readings"]
 
@@ -80,7 +81,9 @@ def test_a_distributed_checkpoint_killed_mid_write_or_mid_replacement_resumes_bi
     assert unreadable(partial_path(out / "checkpoints" / "last.ckpt")) is not None
     # The old last.ckpt moved aside, the new one not yet in: no last.ckpt for a moment.
     killed_at(out, "os.rename last.ckpt", 4, "--fsdp", "--resume-newest")
-    assert not (out / "checkpoints" / "last.ckpt").exists() and replaced_path(out / "checkpoints" / "last.ckpt").exists()
+    assert (
+        not (out / "checkpoints" / "last.ckpt").exists() and replaced_path(out / "checkpoints" / "last.ckpt").exists()
+    )
     resumed = run(out, "--fsdp", "--resume-newest")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = torch.load(out / "result.pt", weights_only=False)

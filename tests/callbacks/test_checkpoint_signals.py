@@ -126,9 +126,14 @@ def test_a_run_stopped_by_max_steps_goes_on_from_its_last_checkpoint(uninterrupt
     fit(rest, ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
     assert_same_end(final_state(tmp_path / "rest"), end)
     # The resumed run's clock goes on from the first run's, and its summary says what this fit trained.
-    assert accounting["tokens_seen"] == 8192 and 0 < accounting["fit_seconds"] < BatchAccounting.attach(rest.trainer).fit_seconds
+    assert (
+        accounting["tokens_seen"] == 8192
+        and 0 < accounting["fit_seconds"] < BatchAccounting.attach(rest.trainer).fit_seconds
+    )
     summary = run_summary(rest.trainer, rest.batch_warmup, "rest", fit_seconds=2.0)
-    assert (summary["tokens"], summary["tokens_this_fit"]) == (12288, 4096) and summary["run_seconds"] > accounting["fit_seconds"]
+    assert (summary["tokens"], summary["tokens_this_fit"]) == (12288, 4096) and summary["run_seconds"] > accounting[
+        "fit_seconds"
+    ]
     text = summary_text(summary)
     assert "12,288 (2,048 tokens/s over this fit, which trained 4,096 of them)" in text
     assert f"2.0 s (trainer.fit, setup included); {summary['run_seconds']:,.1f} s over the whole run" in text
@@ -148,8 +153,13 @@ def test_a_run_stopped_after_its_last_probe_resumes_once_its_batch_outgrew_the_w
     with caplog.at_level("INFO"):
         fit(rest, ckpt_path=tmp_path / "first" / "checkpoints" / "last.ckpt")
     assert rest.trainer.global_step == 8 and BatchAccounting.attach(rest.trainer).tokens_seen == 12288
-    assert "CBSProbeCallback: no probe point is left in the rest of this run (the last of at_tokens is at 2,048)" in caplog.text
-    assert [(r["tokens"], r["step"], r["batch_size"]) for r in final_state(tmp_path / "rest")["readings"]] == [(2048, 2, 8)]
+    assert (
+        "CBSProbeCallback: no probe point is left in the rest of this run (the last of at_tokens is at 2,048)"
+        in caplog.text
+    )
+    assert [(r["tokens"], r["step"], r["batch_size"]) for r in final_state(tmp_path / "rest")["readings"]] == [
+        (2048, 2, 8)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -181,7 +191,10 @@ def test_sigterm_anywhere_resumes_to_the_uninterrupted_end(
     if saved_step == 2:  # said once, with the stop: the probe, and what last.ckpt holds
         retrained = stopped.trainer.global_step - 2
         assert caplog.text.count("inside the CBS probe whose window began at step 2") == 1
-        assert f"step 2: last.ckpt holds step 2, so a resumed run redoes the probe there ({retrained} main-run" in caplog.text
+        assert (
+            f"step 2: last.ckpt holds step 2, so a resumed run redoes the probe there ({retrained} main-run"
+            in caplog.text
+        )
         assert not [w for w in caught if "CBS probe" in str(w.message)]
     saved = torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=False)
     assert saved["global_step"] == saved_step  # the main state at a step boundary, or the open probe's start
@@ -268,5 +281,7 @@ def test_ddp_ranks_stop_together_when_one_is_signalled_and_resume_to_the_same_en
     )
     assert "SIGTERM: stopping after step 3, inside the CBS probe whose window began at step 2" in log
     assert torch.load(tmp_path / "stopped" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 2
-    torchrun_probed_run(tmp_path / "resumed", prepared, f"ckpt_path={tmp_path / 'stopped' / 'checkpoints' / 'last.ckpt'}")
+    torchrun_probed_run(
+        tmp_path / "resumed", prepared, f"ckpt_path={tmp_path / 'stopped' / 'checkpoints' / 'last.ckpt'}"
+    )
     assert_same_end(final_state(tmp_path / "resumed"), final_state(tmp_path / "full"))

@@ -1,4 +1,5 @@
-"""BatchWarmup on a real Trainer: exact steps, no sample lost, LR after changes, resume, bad configuration (single process)."""
+"""BatchWarmup on a real Trainer: exact steps, no sample lost, LR after changes, resume, bad configuration
+(single process)."""
 
 from __future__ import annotations
 
@@ -202,12 +203,19 @@ def test_random_schedules_with_micro_batch_changes_lose_and_repeat_no_sample(siz
     assert_exact_steps(module, data, warmup)
     for change in warmup.history:
         assert change.new_global_batch == schedule.batch_size(change.requested_at_samples)
-        assert change.new_micro_batch_size == max(m for m in range(1, max_micro + 1) if change.new_global_batch % m == 0)
+        assert change.new_micro_batch_size == max(
+            m for m in range(1, max_micro + 1) if change.new_global_batch % m == 0
+        )
         this_epoch = change.samples_seen - sum(len(read[epoch]) for epoch in range(change.epoch))
-        assert this_epoch % change.new_global_batch == 0 or this_epoch == len(read[change.epoch])  # or at the epoch's end
+        assert this_epoch % change.new_global_batch == 0 or this_epoch == len(
+            read[change.epoch]
+        )  # or at the epoch's end
         old, new = change.old_global_batch, change.new_global_batch
         waited = (change.samples_seen - change.requested_at_samples) // old
-        assert waited <= new // math.gcd(old, new) - 1 or this_epoch in (0, len(read[change.epoch]))  # or at an epoch boundary
+        assert waited <= new // math.gcd(old, new) - 1 or this_epoch in (
+            0,
+            len(read[change.epoch]),
+        )  # or at an epoch boundary
 
 
 def test_every_sample_trains_once_per_epoch_however_the_micro_batch_ends_it():
@@ -216,7 +224,10 @@ def test_every_sample_trains_once_per_epoch_however_the_micro_batch_ends_it():
     schedule = PiecewiseBatch([4, 8, 24], [0, 40, 120], unit="samples")
     data = GlobalOrderRegressionData(n=100, batch_size=4)
     trainer, module, data, warmup = fit(schedule, epochs=3, data=data, max_micro_batch_size=8)
-    assert [(c.new_global_batch, c.new_micro_batch_size, c.new_accumulate) for c in warmup.history] == [(8, 8, 1), (24, 8, 3)]
+    assert [(c.new_global_batch, c.new_micro_batch_size, c.new_accumulate) for c in warmup.history] == [
+        (8, 8, 1),
+        (24, 8, 3),
+    ]
     read = epochs_read(module)
     assert [read[epoch] for epoch in range(3)] == [data.epoch_order(epoch) for epoch in range(3)]
     assert Counter(i for indices in read.values() for i in indices) == Counter(list(range(100)) * 3)
@@ -240,7 +251,8 @@ def test_the_logged_row_of_an_epochs_short_last_step_says_what_it_trained_on(tmp
     with open(tmp_path / "metrics.csv", newline="") as f:
         rows = [row for row in csv.DictReader(f) if row.get("batch/global_size")]
     logged = [
-        (float(row["batch/global_size"]), float(row["batch/micro_batch_size"]), float(row["batch/accumulate"])) for row in rows
+        (float(row["batch/global_size"]), float(row["batch/micro_batch_size"]), float(row["batch/accumulate"]))
+        for row in rows
     ]
     assert logged[-2:] == [(8, 4, 2), (4, 4, 1)] and warmup.global_batch == 8
     assert sum(size for size, _, _ in logged) == float(rows[-1]["samples_seen"]) == 100
@@ -258,7 +270,9 @@ def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_
             RegressionModule(scheduler_factory=scheduler),
             BatchWarmup(schedule, lr_rule="sqrt", max_micro_batch_size=4),
         )
-        trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=2, enable_checkpointing=bool(callbacks)))
+        trainer = pl.Trainer(
+            callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=2, enable_checkpointing=bool(callbacks))
+        )
         trainer.fit(module, GlobalOrderRegressionData(n=100, batch_size=2), ckpt_path=ckpt_path)
         return module, warmup
 
@@ -272,7 +286,9 @@ def test_resume_from_every_checkpoint_across_micro_batch_changes_is_bitwise(tmp_
     assert [len(s["indices"]) for s in full.steps if s["epoch"] == 0][-2:] == [8, 4]  # epoch 0's short last step
     full_order = [i for micro_batch in full.micro_batches for i in micro_batch]
     paths = sorted(tmp_path.glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
-    assert [int(path.stem.split("=")[1]) for path in paths] == list(range(3, 34, 3))  # before, between and after the changes
+    assert [int(path.stem.split("=")[1]) for path in paths] == list(
+        range(3, 34, 3)
+    )  # before, between and after the changes
     for path in paths:
         resumed, resumed_warmup = run(ckpt_path=path)
         assert torch.equal(resumed.layer.weight, full.layer.weight), path.name
@@ -339,7 +355,9 @@ SCHEDULERS = {
         ],
         milestones=[5],
     ),
-    "tokens": lambda opt: TokenLRScheduler(opt, WarmupStableDecay(warmup_tokens=40, total_tokens=384, decay_tokens=200)),
+    "tokens": lambda opt: TokenLRScheduler(
+        opt, WarmupStableDecay(warmup_tokens=40, total_tokens=384, decay_tokens=200)
+    ),
 }
 
 
@@ -351,7 +369,9 @@ def test_lr_after_each_change_is_rule_times_user_schedule(name, rule):
     schedule = PiecewiseBatch([2, 4, 8], [0, 20, 60], unit="samples")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _, module, _, warmup = fit(schedule, lr_rule=rule, module=RegressionModule(scheduler_factory=factory), seq_len=4)
+        _, module, _, warmup = fit(
+            schedule, lr_rule=rule, module=RegressionModule(scheduler_factory=factory), seq_len=4
+        )
     assert len(warmup.history) == 2
     # The same scheduler, stepped once per optimizer step, on a constant batch, with the token
     # count the warmup run had at each step.
@@ -404,7 +424,9 @@ def test_resume_mid_warmup_matches_uninterrupted_run_bitwise(tmp_path):
     full_warmup = BatchWarmup(schedule, lr_rule="sqrt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = pl.Trainer(callbacks=[full_warmup, checkpoint], **trainer_kwargs(max_epochs=4, enable_checkpointing=True))
+        trainer = pl.Trainer(
+            callbacks=[full_warmup, checkpoint], **trainer_kwargs(max_epochs=4, enable_checkpointing=True)
+        )
         trainer.fit(full_module, RegressionData(n=40, batch_size=2))
     assert [c.new_global_batch for c in full_warmup.history] == [4, 8]
     # Epoch 1 ends at 80 samples: after the first change, before the second.
@@ -416,7 +438,9 @@ def test_resume_mid_warmup_matches_uninterrupted_run_bitwise(tmp_path):
             trainer = pl.Trainer(callbacks=[resumed_warmup], **trainer_kwargs(max_epochs=4))
             trainer.fit(resumed_module, RegressionData(n=40, batch_size=2), ckpt_path=tmp_path / f"epoch={epoch}.ckpt")
         assert torch.equal(resumed_module.layer.weight, full_module.layer.weight)
-        assert [s["lr"] for s in resumed_module.steps] == [s["lr"] for s in full_module.steps[-len(resumed_module.steps) :]]
+        assert [s["lr"] for s in resumed_module.steps] == [
+            s["lr"] for s in full_module.steps[-len(resumed_module.steps) :]
+        ]
         assert resumed_warmup.history == full_warmup.history  # no change applied twice
         assert resumed_warmup.samples_seen == full_warmup.samples_seen
 
@@ -511,7 +535,9 @@ def one_cycle(optimizer):
 
 
 def test_unsupported_scheduler_is_refused_before_training():
-    _fit_expecting(TypeError, r"^BatchWarmup\(lr_rule='sqrt'\): OneCycleLR", module=RegressionModule(scheduler_factory=one_cycle))
+    _fit_expecting(
+        TypeError, r"^BatchWarmup\(lr_rule='sqrt'\): OneCycleLR", module=RegressionModule(scheduler_factory=one_cycle)
+    )
 
 
 def test_adam_sde_beyond_the_betas_limit_is_refused_before_training():
@@ -540,7 +566,9 @@ def test_constant_schedule_resumed_at_another_batch_checks_that_change(tmp_path)
     # The checkpoint trained at 2 samples per step; resumed with ConstantBatch(4), the batch changes once,
     # which would rescale OneCycleLR's LR: refused before the resumed run's first step.
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_epochs=1, filename="last")
-    first = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(2)), checkpoint], **trainer_kwargs(enable_checkpointing=True))
+    first = pl.Trainer(
+        callbacks=[BatchWarmup(ConstantBatch(2)), checkpoint], **trainer_kwargs(enable_checkpointing=True)
+    )
     first.fit(RegressionModule(scheduler_factory=one_cycle), RegressionData(n=16, batch_size=2))
     resumed = RegressionModule(scheduler_factory=one_cycle)
     trainer = pl.Trainer(callbacks=[BatchWarmup(ConstantBatch(4))], **trainer_kwargs(max_epochs=2))
@@ -560,7 +588,9 @@ def test_metrics_reach_the_logger_at_its_interval(tmp_path):
     import csv
 
     rows = [
-        r for r in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()) if r["tokens_seen"]
+        r
+        for r in csv.DictReader((tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines())
+        if r["tokens_seen"]
     ]
     assert [int(r["step"]) for r in rows] == list(range(4, trainer.global_step, 5))
     for row in rows:
@@ -577,7 +607,8 @@ def test_an_adaptive_schedule_without_a_probe_is_refused_before_the_first_step()
     module = RegressionModule()
     trainer = pl.Trainer(**trainer_kwargs(callbacks=[BatchWarmup(CBSAdaptive(4, 16, unit="samples"))]))
     with pytest.raises(
-        LitCBSConfigError, match=r"CBSAdaptive\(start=4, final=16\).*no CBSProbeCallback.*would stay 4 for the whole run"
+        LitCBSConfigError,
+        match=r"CBSAdaptive\(start=4, final=16\).*no CBSProbeCallback.*would stay 4 for the whole run",
     ):
         trainer.fit(module, RegressionData(n=96, batch_size=2))
     assert not module.steps and trainer.global_step == 0
@@ -607,7 +638,9 @@ def test_a_schedule_phase_the_run_ends_before_is_said_before_the_first_step():
     )
     # 20 steps: 10 at 4, then 10 at 8 end at 120 samples, before batch 16 at 150.
     (said,) = never_trains(PiecewiseBatch([4, 8, 16], [0, 40, 150], unit="samples"), max_epochs=-1, max_steps=20)
-    assert "ends by Trainer(max_steps=20) at 120 samples, before the schedule's global batch 16 (from 150 samples)" in said
+    assert (
+        "ends by Trainer(max_steps=20) at 120 samples, before the schedule's global batch 16 (from 150 samples)" in said
+    )
     assert never_trains(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_epochs=1) == []  # every phase trains
     # Thresholds written in tokens for a schedule in samples: 3,072 tokens in the epoch, 2,000 "samples" never come.
     (said,) = never_trains(PiecewiseBatch([4, 8], [0, 2000], unit="samples"), max_epochs=1, seq_len=32)
@@ -627,7 +660,10 @@ class PlateauRegression(RegressionModule):
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=2)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "train_loss"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "train_loss"},
+        }
 
 
 def test_a_plateau_scheduler_is_not_warned_about_as_indexed_by_steps():
@@ -645,7 +681,10 @@ def test_a_batch_decrease_is_said_like_an_increase(caplog):
     with caplog.at_level("INFO"):
         pl.Trainer(**trainer_kwargs(callbacks=[warmup])).fit(RegressionModule(), RegressionData(n=96, batch_size=2))
     assert [(c.old_global_batch, c.new_global_batch) for c in warmup.history] == [(8, 4)]
-    assert "BatchWarmup: global batch 8 -> 4 samples (micro 2 -> 2, accumulate 4 -> 2) after step 5, 40 samples" in caplog.text
+    assert (
+        "BatchWarmup: global batch 8 -> 4 samples (micro 2 -> 2, accumulate 4 -> 2) after step 5, 40 samples"
+        in caplog.text
+    )
     assert "LR x0.7071" in caplog.text
 
 
@@ -668,7 +707,9 @@ def test_a_loader_given_to_fit_sets_the_micro_batch_and_is_resized_only_if_it_ca
         match=r"was built with batch_size=2, which a DataLoader cannot change: pass a lit_cbs.GlobalOrderLoader",
     ):
         pl.Trainer(
-            **trainer_kwargs(callbacks=[BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_micro_batch_size=4)])
+            **trainer_kwargs(
+                callbacks=[BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), max_micro_batch_size=4)]
+            )
         ).fit(module, train_dataloaders=DataLoader(IndexedRegression(96), batch_size=2))
     assert not module.steps
     # ... and a GlobalOrderLoader given the same way grows it: micro-batch 4, then 8.
@@ -688,7 +729,9 @@ def seesaw_fit(ckpt_path=None, callbacks=()):
     pl.seed_everything(0, verbose=False)
     module = RegressionModule(optimizer="adam", scheduler_factory=lambda opt: TokenLRScheduler(opt, SEESAW_LR))
     warmup = BatchWarmup(Seesaw(SEESAW_LR, start=2, max_batch_size=8), lr_rule="sqrt", seq_len=4)
-    trainer = pl.Trainer(callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=3, enable_checkpointing=bool(callbacks)))
+    trainer = pl.Trainer(
+        callbacks=[warmup, *callbacks], **trainer_kwargs(max_epochs=3, enable_checkpointing=bool(callbacks))
+    )
     trainer.fit(module, GlobalOrderRegressionData(n=48, batch_size=2), ckpt_path=ckpt_path)
     return module, warmup
 

@@ -2,10 +2,11 @@
 
 Both runs use the same batch growth, 4 -> 8 -> 16 global samples with micro-batch 2 on 2 ranks
 (accumulate 1 -> 2 -> 4), over 2 epochs of 96 samples. Each rank saves what it recorded; the test
-joins the ranks and checks the invariants that every step averages exactly the scheduled samples and none is lost on global quantities: every optimizer step
-averages exactly the scheduled global batch, split across ranks with no overlap, in the sampler's
-order, and the gradient both ranks step with is the exact mean over those samples; the LR follows
-lr_rule="linear" (invariant 3) identically on both ranks.
+joins the ranks and checks the invariants that every step averages exactly the scheduled samples and
+none is lost on global quantities: every optimizer step averages exactly the scheduled global batch,
+split across ranks with no overlap, in the sampler's order, and the gradient both ranks step with is
+the exact mean over those samples; the LR follows lr_rule="linear" (invariant 3) identically on both
+ranks.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class SaveRecords(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: RegressionModule) -> None:
         warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
         steps = [
-            {"indices": s["indices"], "grads": [s["grad"]], "weights": [s["weight"]], "lr": s["lr"]} for s in pl_module.steps
+            {"indices": s["indices"], "grads": [s["grad"]], "weights": [s["weight"]], "lr": s["lr"]}
+            for s in pl_module.steps
         ]
         records = {
             "steps": steps,
@@ -226,7 +228,10 @@ def fit_on_ranks(
     """Fit on ``ranks`` processes (forked beyond one); ``checkpoints``: (folder, every so many steps), or (None, _)."""
     folder, every = checkpoints
     if folder is not None:
-        callbacks = [*callbacks, ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1, filename="{step}")]
+        callbacks = [
+            *callbacks,
+            ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_top_k=-1, filename="{step}"),
+        ]
     kwargs = trainer_kwargs(devices=ranks, max_epochs=epochs, enable_checkpointing=folder is not None)
     if ranks > 1:
         kwargs["strategy"] = in_process_ddp()
@@ -247,14 +252,25 @@ def elastic_run(
 ) -> dict:
     """A run on ``ranks`` processes; returns the steps joined over the ranks (samples, LR), its weight and history."""
     outdir.mkdir(parents=True, exist_ok=True)
-    callbacks = [BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=max_micro_batch_size), SaveSteps(outdir)]
-    fit_on_ranks(ranks, callbacks, RegressionModule(), data(n=SAMPLES, batch_size=2), EPOCHS, (checkpoints, 3), ckpt_path)
+    callbacks = [
+        BatchWarmup(ELASTIC_SCHEDULE, lr_rule="sqrt", max_micro_batch_size=max_micro_batch_size),
+        SaveSteps(outdir),
+    ]
+    fit_on_ranks(
+        ranks, callbacks, RegressionModule(), data(n=SAMPLES, batch_size=2), EPOCHS, (checkpoints, 3), ckpt_path
+    )
     per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(ranks)]
     steps = [
-        sorted(i for records in per_rank for i in records["indices"][number]) for number in range(len(per_rank[0]["indices"]))
+        sorted(i for records in per_rank for i in records["indices"][number])
+        for number in range(len(per_rank[0]["indices"]))
     ]
     assert all(records["lrs"] == per_rank[0]["lrs"] for records in per_rank)
-    return {"steps": steps, "lrs": per_rank[0]["lrs"], "weight": per_rank[0]["weight"], "history": per_rank[0]["history"]}
+    return {
+        "steps": steps,
+        "lrs": per_rank[0]["lrs"],
+        "weight": per_rank[0]["weight"],
+        "history": per_rank[0]["history"],
+    }
 
 
 def batch_changes(history: list[dict]) -> list[tuple]:
@@ -283,17 +299,25 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_p
         torch.testing.assert_close(resumed["weight"], one["weight"], rtol=1e-12, atol=1e-14)
     # Where the run cannot go on exactly, it stops before its first step, with the fix: a loader that splits its
     # samples by rank (a DistributedSampler's DataLoader, trained on one rank, resumed on two) ...
-    elastic_run(1, tmp_path / "plain", checkpoints=tmp_path / "plain_ckpt", max_micro_batch_size=None, data=RegressionData)
+    elastic_run(
+        1, tmp_path / "plain", checkpoints=tmp_path / "plain_ckpt", max_micro_batch_size=None, data=RegressionData
+    )
     with pytest.raises(
         Exception,
         match=r"the checkpoint was trained on 1 data-parallel ranks and this run has 2: the train "
         r"loader \(DataLoader\) splits its samples by rank.*GlobalOrderLoader.*or resume on 1 ranks",
     ):
         elastic_run(
-            2, tmp_path / "refused", tmp_path / "plain_ckpt" / "step=3.ckpt", max_micro_batch_size=None, data=RegressionData
+            2,
+            tmp_path / "refused",
+            tmp_path / "plain_ckpt" / "step=3.ckpt",
+            max_micro_batch_size=None,
+            data=RegressionData,
         )
     # One rank trained micro-batches of 4 at batch 4, which two ranks cannot split without changing the micro-batch.
-    with pytest.raises(Exception, match=r"global batch on 2 ranks 4 is not a multiple of micro-batch 4 x data-parallel size 2"):
+    with pytest.raises(
+        Exception, match=r"global batch on 2 ranks 4 is not a multiple of micro-batch 4 x data-parallel size 2"
+    ):
         elastic_run(2, tmp_path / "refused", tmp_path / "one_ckpt" / "step=3.ckpt", max_micro_batch_size=None)
 
 
@@ -330,7 +354,9 @@ def test_fsdp2_resumes_a_distributed_checkpoint_on_another_number_of_processes(t
     assert "resumed on 1 data-parallel rank(s) (the checkpoint's run had 2)" in one["log"]
     assert one["steps"] == two["steps"][18:] and one["lrs"] == pytest.approx(two["lrs"][18:], rel=1e-12)
     assert batch_changes(one["history"]) == batch_changes(two["history"])
-    counts = torch.bincount(torch.tensor([i for step in two["steps"][:18] + one["steps"] for i in step]), minlength=SAMPLES)
+    counts = torch.bincount(
+        torch.tensor([i for step in two["steps"][:18] + one["steps"] for i in step]), minlength=SAMPLES
+    )
     assert counts.tolist() == [EPOCHS] * SAMPLES
     for resumed, uninterrupted in zip(one["last"], two["last"]):  # the weights the last step started from, resharded
         torch.testing.assert_close(resumed, uninterrupted, rtol=1e-10, atol=1e-12)
@@ -340,7 +366,8 @@ def test_fsdp2_resumes_a_distributed_checkpoint_on_another_number_of_processes(t
 
 # ---------------------------------------------------------------- an epoch's last round, dealt over the ranks
 # 105 samples on 2 ranks: every epoch ends in a round that leaves the ranks different numbers of samples. Epoch 0
-# ends with rounds of 8 (57 - 7 x 8 = 1 sample left: rank 1 gets none), epochs 1 and 2 with rounds of 12 (9 left: 5 and 4).
+# ends with rounds of 8 (57 - 7 x 8 = 1 sample left: rank 1 gets none), epochs 1 and 2 with rounds of 12 (9 left:
+# 5 and 4).
 UNEVEN_SAMPLES = 105
 
 
@@ -377,7 +404,10 @@ def uneven_run(
     samples, checkpointed after every step into ``checkpoints``; each rank's records."""
     outdir.mkdir(parents=True, exist_ok=True)
     warmup = BatchWarmup(
-        PiecewiseBatch([4, 8, 24], [0, 40, 120], unit="samples"), lr_rule="sqrt", seq_len=SEQ_LEN, max_micro_batch_size=8
+        PiecewiseBatch([4, 8, 24], [0, 40, 120], unit="samples"),
+        lr_rule="sqrt",
+        seq_len=SEQ_LEN,
+        max_micro_batch_size=8,
     )
     data = GlobalOrderRegressionData(n=UNEVEN_SAMPLES, batch_size=2)
     fit_on_ranks(ranks, [warmup, SaveMicroBatches(outdir)], module, data, 3, (checkpoints, 1), ckpt_path)
@@ -405,7 +435,9 @@ def test_on_two_ranks_every_sample_trains_once_per_epoch_and_each_step_is_the_me
         expected = mean_gradient(data.dataset, step_0["indices"] + step_1["indices"], step_0["weight"])
         torch.testing.assert_close(step_0["grad"], expected, rtol=1e-10, atol=1e-12)
     # Resumed on one rank from right before epoch 0's last step: the same samples in every step from there on.
-    steps = [sorted(step_0["indices"] + step_1["indices"]) for step_0, step_1 in zip(ranks[0]["steps"], ranks[1]["steps"])]
+    steps = [
+        sorted(step_0["indices"] + step_1["indices"]) for step_0, step_1 in zip(ranks[0]["steps"], ranks[1]["steps"])
+    ]
     before_last = max(number for number, step in enumerate(ranks[0]["steps"]) if step["epoch"] == 0)
     checkpoint = tmp_path / "checkpoints" / f"step={before_last}.ckpt"
     (one,) = uneven_run(tmp_path / "one", SummedRegressionModule(), ranks=1, ckpt_path=checkpoint)
@@ -415,7 +447,8 @@ def test_on_two_ranks_every_sample_trains_once_per_epoch_and_each_step_is_the_me
     # A mean over no sample is NaN: a module that gives one is refused before its first step, with the fix.
     with pytest.raises(
         Exception,
-        match=r"the train loader's 105 samples do not divide over 2 data-parallel ranks, so an epoch's last micro-batch can "
-        r"hold no sample on some rank.*training_step on such a zero-sample batch gives the loss nan.*token_mean_loss",
+        match=r"the train loader's 105 samples do not divide over 2 data-parallel ranks, so an epoch's last "
+        r"micro-batch can hold no sample on some rank.*training_step on such a zero-sample batch gives the loss "
+        r"nan.*token_mean_loss",
     ):
         uneven_run(tmp_path / "refused", RegressionModule())

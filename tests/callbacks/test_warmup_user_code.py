@@ -207,7 +207,9 @@ def test_step_aligned_checkpoints_do_not_warn(tmp_path):
 # ---------------------------------------------------------------- each logged row describes its own step
 def test_logged_rows_agree_with_learning_rate_monitor(tmp_path):
     schedule = PiecewiseBatch([2, 4, 8], [0, 12, 40], unit="samples")
-    module = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s)))
+    module = RegressionModule(
+        scheduler_factory=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.1 * s))
+    )
     logger = CSVLogger(tmp_path, name="run", version=0)
     trainer, module = fit(
         BatchWarmup(schedule, lr_rule="sqrt"),
@@ -242,7 +244,9 @@ def test_no_change_after_the_last_step_and_resume_applies_it(tmp_path):
         callbacks=[checkpoint],
         enable_checkpointing=True,
     )
-    assert short.history == [] and short.global_batch == 2 and float(trainer.optimizers[0].param_groups[0]["lr"]) == 0.05
+    assert (
+        short.history == [] and short.global_batch == 2 and float(trainer.optimizers[0].param_groups[0]["lr"]) == 0.05
+    )
 
     full = BatchWarmup(schedule)
     _, full_module = fit(full, data=RegressionData(n=20, batch_size=2), max_steps=16, max_epochs=3)
@@ -268,16 +272,22 @@ def test_the_epoch_tail_step_divides_by_the_full_accumulation():
 
 
 def test_one_cycle_lambda_replaces_one_cycle_lr():
-    module = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=24))
+    module = RegressionModule(
+        scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=24)
+    )
     with pytest.raises(TypeError, match=r"LambdaLR\(optimizer, lit_cbs.rules.lr_schedules.OneCycle\(total=24"):
         fit(BatchWarmup(PiecewiseBatch([2, 4], [0, 16], unit="samples")), module=module)
 
     reference = RegressionModule(
-        scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=24, cycle_momentum=False)
+        scheduler_factory=lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=0.05, total_steps=24, cycle_momentum=False
+        )
     )
     pl.seed_everything(0, verbose=False)
     pl.Trainer(**trainer_kwargs()).fit(reference, RegressionData(n=48, batch_size=2))
-    replaced = RegressionModule(scheduler_factory=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, OneCycle(total=24)))
+    replaced = RegressionModule(
+        scheduler_factory=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, OneCycle(total=24))
+    )
     fit(BatchWarmup(ConstantBatch(2)), module=replaced)
     assert [s["lr"] for s in replaced.steps] == pytest.approx([s["lr"] for s in reference.steps], rel=1e-12)
 

@@ -69,7 +69,9 @@ def test_limit_val_batches_validates_on_the_same_first_batches_every_time(docume
             self.seen.append(batch.clone())
 
     datamodule, module = documents_datamodule(), RecordsValidation()
-    trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2)
+    trainer = Trainer(
+        accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=2
+    )
     trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.validate(module, datamodule=datamodule, verbose=False)
     first_two = [batch for batch, _ in zip(datamodule.val_dataloader(), range(2))]
@@ -102,7 +104,9 @@ def test_a_batch_draws_from_the_whole_split_not_from_neighbouring_samples(tmp_pa
     numbers_dir.mkdir()
     (numbers_dir / "lines.txt").write_text("".join(f"{index:07d}\n" for index in range(4000)))
     datamodule = make_datamodule(numbers_dir, tmp_path / "cache", val_fraction=0.05, batch_size=16)
-    in_order = StreamingDataset(str(datamodule._data_dir() / "train"), item_loader=TokensLoader(block_size=16), shuffle=False)
+    in_order = StreamingDataset(
+        str(datamodule._data_dir() / "train"), item_loader=TokensLoader(block_size=16), shuffle=False
+    )
     position = {bytes(np.asarray(sample, dtype=np.uint8)): index for index, sample in enumerate(in_order)}
     assert len(position) == len(in_order) > 1500
     batches = iter(datamodule.train_dataloader())
@@ -185,7 +189,9 @@ def test_reloaded_train_loader_continues_the_epoch_order(documents_datamodule, t
 
 
 def test_path_to_a_prepared_folder_is_used_as_is(prepared_documents):
-    datamodule = TokenDataModule(path=prepared_documents, seq_len=15, batch_size=4, tokenizer="unused-because-metadata-says.json")
+    datamodule = TokenDataModule(
+        path=prepared_documents, seq_len=15, batch_size=4, tokenizer="unused-because-metadata-says.json"
+    )
     assert datamodule.vocab_size == 256
     datamodule.setup("fit")
     assert len(next(iter(datamodule.train_dataloader()))) == 4

@@ -24,12 +24,14 @@ def identity(batch):
 
 def loaders(ranks: int, micro: int, **kwargs) -> list[GlobalOrderLoader]:
     return [
-        GlobalOrderLoader(SAMPLES, micro, num_replicas=ranks, rank=r, collate_fn=identity, seed=3, **kwargs) for r in range(ranks)
+        GlobalOrderLoader(SAMPLES, micro, num_replicas=ranks, rank=r, collate_fn=identity, seed=3, **kwargs)
+        for r in range(ranks)
     ]
 
 
 def steps_of(ranks: int, micro_per_step: list[tuple[int, int]], **kwargs) -> list[list[int]]:
-    """The samples of each optimizer step over all ranks in lockstep; ``micro_per_step``: (micro-batch, accumulation) per step."""
+    """The samples of each optimizer step over all ranks in lockstep; ``micro_per_step``: (micro-batch,
+    accumulation) per step."""
     group = loaders(ranks, micro_per_step[0][0], **kwargs)
     iterators = [iter(loader) for loader in group]
     steps = []
@@ -142,7 +144,11 @@ def test_a_position_inside_or_before_the_last_round_resumes_on_other_ranks(stop_
     for loader in resumed:
         loader.load_state_dict(state)
     read = [[i for batch in loader for i in batch] for loader in resumed]
-    assert sorted(i for rank in read for i in rank) == rest == sorted(epoch_order(100, 3, 0, True).tolist()[state["position"] :])
+    assert (
+        sorted(i for rank in read for i in rank)
+        == rest
+        == sorted(epoch_order(100, 3, 0, True).tolist()[state["position"] :])
+    )
 
 
 def test_set_epoch_moves_to_the_next_order_and_keeps_a_resumed_position():
@@ -153,7 +159,9 @@ def test_set_epoch_moves_to_the_next_order_and_keeps_a_resumed_position():
     loader.set_epoch(3)
     assert loader.position == 0 and next(iter(loader)) == epoch_order(100, 3, 3, True).tolist()[:10]
     exhausted = GlobalOrderLoader(SAMPLES, 50, collate_fn=identity, seed=3)
-    assert len(list(exhausted)) == 2 and next(iter(exhausted)) == epoch_order(100, 3, 1, True).tolist()[:50]  # without Lightning
+    assert (
+        len(list(exhausted)) == 2 and next(iter(exhausted)) == epoch_order(100, 3, 1, True).tolist()[:50]
+    )  # without Lightning
 
 
 def test_workers_read_the_same_batches_and_draw_no_global_random_numbers():
@@ -192,7 +200,11 @@ KILL_RESUME = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume.py"
 
 def kill_resume_run(out: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(KILL_RESUME), str(out), *args], capture_output=True, text=True, timeout=300, env=subprocess_env()
+        [sys.executable, str(KILL_RESUME), str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=subprocess_env(),
     )
 
 
@@ -211,13 +223,17 @@ def test_a_map_style_dataset_killed_mid_epoch_resumes_bit_for_bit(uninterrupted,
     full = uninterrupted
     killed = kill_resume_run(tmp_path / "killed", "--kill-at", str(kill_at))
     assert killed.returncode == -9  # SIGKILL: nothing saved on the way out
-    checkpoints = sorted((tmp_path / "killed" / "checkpoints").glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1]))
+    checkpoints = sorted(
+        (tmp_path / "killed" / "checkpoints").glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1])
+    )
     latest = checkpoints[-1]
     resumed = kill_resume_run(tmp_path / "resumed", "--resume", str(latest))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = torch.load(tmp_path / "resumed" / "result.pt", weights_only=False)
     step = int(latest.stem.split("=")[1])
-    assert after["step"] == full["step"] == 27 and after["steps"] == full["steps"][step:]  # the same samples in every step
+    assert (
+        after["step"] == full["step"] == 27 and after["steps"] == full["steps"][step:]
+    )  # the same samples in every step
     assert torch.equal(after["weight"], full["weight"])
     assert all(torch.equal(a[key], b[key]) for a, b in zip(after["adam"], full["adam"]) for key in a)
     assert after["readings"] == full["readings"]  # redone from its start, or carried in the checkpoint

@@ -24,7 +24,11 @@ def test_the_package_export_prepare_is_the_function_after_its_module_loaded():
 
 
 def test_text_files_are_sorted_and_skip_hidden(documents_dir):
-    assert [p.relative_to(documents_dir).as_posix() for p in text_files(documents_dir)] == ["a.txt", "b.txt", "sub/c.md"]
+    assert [p.relative_to(documents_dir).as_posix() for p in text_files(documents_dir)] == [
+        "a.txt",
+        "b.txt",
+        "sub/c.md",
+    ]
 
 
 def test_token_counts_match_byte_counts(prepared_documents, documents):

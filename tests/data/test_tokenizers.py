@@ -33,7 +33,9 @@ def test_hf_tokenizer_from_a_tokenizer_json(tmp_path):
     assert (loaded.vocab_size, loaded.eos_id) == (4, 3)
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "d.txt").write_text("hello world " * 50)
-    data_dir = resolve_data(input_dir=tmp_path / "docs", cache_dir=tmp_path / "cache", tokenizer=tmp_path / "tokenizer.json")
+    data_dir = resolve_data(
+        input_dir=tmp_path / "docs", cache_dir=tmp_path / "cache", tokenizer=tmp_path / "tokenizer.json"
+    )
     metadata = read_metadata(data_dir)
     assert metadata["train_tokens"] + metadata["val_tokens"] == 101
     assert metadata["token_dtype"] == "uint8"

@@ -152,7 +152,9 @@ class RecordSteps(Callback):
             {
                 "micro_batches": pl_module.micro_batches,
                 "num_updates": gns.num_updates,
-                "measurement": None if not measured else {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(m).items()},
+                "measurement": None
+                if not measured
+                else {k: v.tolist() if torch.is_tensor(v) else v for k, v in vars(m).items()},
             }
         )
         pl_module.micro_batches = []
@@ -160,7 +162,12 @@ class RecordSteps(Callback):
     def on_train_end(self, trainer, pl_module):
         if self.outdir is not None:
             gns = next(cb for cb in trainer.callbacks if isinstance(cb, GradientNoiseScale))
-            records = {"steps": self.steps, "b_simple": gns.b_simple, "state": gns.state_dict(), "weight": pl_module.weight}
+            records = {
+                "steps": self.steps,
+                "b_simple": gns.b_simple,
+                "state": gns.state_dict(),
+                "weight": pl_module.weight,
+            }
             torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
 
 
@@ -220,7 +227,13 @@ def fit_tiny_olmo(
     """8 steps of 2 micro-batches of 4 sequences of 16 tokens on a 2-block OLMo, every step logged to CSV."""
     pl.seed_everything(0, verbose=False)
     config = dict(
-        vocab_size=64, d_model=32, n_layers=2, n_heads=2, mlp_hidden=64, context_length=16, tie_embeddings=tie_embeddings
+        vocab_size=64,
+        d_model=32,
+        n_layers=2,
+        n_heads=2,
+        mlp_hidden=64,
+        context_length=16,
+        tie_embeddings=tie_embeddings,
     )
     module = CausalLM(config, activation_checkpointing=activation_checkpointing, compile=compile)
     gns = GradientNoiseScale(groups=groups)

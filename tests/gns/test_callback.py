@@ -50,7 +50,9 @@ def test_accumulation_matches_analytic_noise_scale_per_group(tmp_path):
         rows = [row for row in csv.DictReader(f) if row["gns/b_simple"]]
     assert [int(row["step"]) for row in rows] == list(range(49, 400, 50))  # the rows of steps 50, 100, ...
     metrics = rows[-1]
-    assert {name: float(value) for name, value in metrics.items() if name.startswith("gns/")} == pytest.approx(gns.metrics())
+    assert {name: float(value) for name, value in metrics.items() if name.startswith("gns/")} == pytest.approx(
+        gns.metrics()
+    )
     expected = analytic_b_simple()
     assert gns.b_simple == pytest.approx(expected, rel=TOLERANCE)
     assert float(metrics["gns/b_simple"]) == pytest.approx(gns.b_simple, rel=1e-5)
@@ -61,7 +63,9 @@ def test_accumulation_matches_analytic_noise_scale_per_group(tmp_path):
         assert float(metrics[f"gns/{name}/b_simple"]) == pytest.approx(analytic_b_simple(coordinates), rel=TOLERANCE)
     print(
         f"accumulation: B_simple {gns.b_simple:.3f} vs analytic {expected:.3f}; per group "
-        + ", ".join(f"{n} {float(metrics[f'gns/{n}/b_simple']):.3f} vs {analytic_b_simple(c):.3f}" for n, c in GROUPS.items())
+        + ", ".join(
+            f"{n} {float(metrics[f'gns/{n}/b_simple']):.3f} vs {analytic_b_simple(c):.3f}" for n, c in GROUPS.items()
+        )
     )
     measured = assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values()))
     assert measured == 400
@@ -94,7 +98,9 @@ def test_per_example_mode_without_accumulation():
         per_sample = torch.stack([data.dataset.micro_batch_gradient([i], weight) for i in indices])
         m = step["measurement"]
         groups = GROUPS.values()
-        assert m["small_grad_sq"] == pytest.approx([float((per_sample[:, g] ** 2).sum(1).mean()) for g in groups], rel=1e-5)
+        assert m["small_grad_sq"] == pytest.approx(
+            [float((per_sample[:, g] ** 2).sum(1).mean()) for g in groups], rel=1e-5
+        )
         assert m["big_grad_sq"] == pytest.approx([float((per_sample.mean(0)[g] ** 2).sum()) for g in groups], rel=1e-5)
         assert (m["small_batch_size"], m["big_batch_size"]) == (1.0, 16.0)
     expected = analytic_b_simple()
@@ -125,7 +131,9 @@ def test_resumed_run_continues_the_averages_exactly(tmp_path, groups):
         module = FixedRegression(data.dataset.w_true)
         gns = GradientNoiseScale(ema_decay=0.9, groups=groups)
         callbacks = [gns] + ([ModelCheckpoint(dirpath=checkpoint_dir, save_last=True)] if checkpoint_dir else [])
-        kwargs = trainer_kwargs(max_epochs=epochs, accumulate_grad_batches=4, enable_checkpointing=checkpoint_dir is not None)
+        kwargs = trainer_kwargs(
+            max_epochs=epochs, accumulate_grad_batches=4, enable_checkpointing=checkpoint_dir is not None
+        )
         pl.Trainer(callbacks=callbacks, **kwargs).fit(module, data, ckpt_path=ckpt_path)
         return gns
 
@@ -233,7 +241,9 @@ def logged_noise_scale(tmp_path, callbacks, **trainer_overrides) -> dict[str, tu
     )
     trainer.fit(FixedRegression(data.dataset.w_true), data)
     metrics = read_metrics_csv(next(tmp_path.rglob("metrics.csv")))
-    logged = {name: (steps.tolist(), values.tolist()) for name, (steps, values) in metrics.items() if name.startswith("gns/")}
+    logged = {
+        name: (steps.tolist(), values.tolist()) for name, (steps, values) in metrics.items() if name.startswith("gns/")
+    }
     assert logged["gns/b_simple"][0] == [0, 1, 2, 3]
     return logged
 
@@ -253,7 +263,9 @@ def test_probe_branches_are_not_measured_under_ddp(tmp_path):
 
 # ---------------------------------------------------------------------- bad configurations
 def test_one_batch_size_is_refused():
-    with pytest.raises(ValueError, match="needs two batch sizes.*accumulate_grad_batches=1 on 1 process.*per_example_loss"):
+    with pytest.raises(
+        ValueError, match="needs two batch sizes.*accumulate_grad_batches=1 on 1 process.*per_example_loss"
+    ):
         fit(64, 8)
 
 
@@ -307,7 +319,9 @@ def test_existing_ddp_comm_hook_is_refused(process_group_cleanup):
 def test_sharded_strategy_is_refused(process_group_cleanup):
     data = GaussianRegressionData(64, 8)
     strategy = ModelParallelStrategy()
-    trainer = pl.Trainer(callbacks=[GradientNoiseScale()], **trainer_kwargs(strategy=strategy, accumulate_grad_batches=2))
+    trainer = pl.Trainer(
+        callbacks=[GradientNoiseScale()], **trainer_kwargs(strategy=strategy, accumulate_grad_batches=2)
+    )
     with pytest.raises(ValueError, match="supports single-device and DDP strategies, got ModelParallelStrategy"):
         trainer.fit(FixedRegression(data.dataset.w_true), data)
 
@@ -328,10 +342,16 @@ def test_resume_with_other_groups_is_refused(tmp_path):
     first = {"first": r"^first\."}
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     fit(
-        64, 8, gns=GradientNoiseScale(groups=HALVES), callbacks=[checkpoint], accumulate_grad_batches=2, enable_checkpointing=True
+        64,
+        8,
+        gns=GradientNoiseScale(groups=HALVES),
+        callbacks=[checkpoint],
+        accumulate_grad_batches=2,
+        enable_checkpointing=True,
     )
     expected = (
-        f"the checkpoint's GradientNoiseScale measured the groups ['first', 'second'] but groups={first!r} gives ['first', None]"
+        "the checkpoint's GradientNoiseScale measured the groups ['first', 'second'] "
+        f"but groups={first!r} gives ['first', None]"
     )
     with pytest.raises(ValueError, match=re.escape(expected)):
         fit(128, 8, gns=GradientNoiseScale(groups=first), accumulate_grad_batches=2, ckpt_path=tmp_path / "last.ckpt")

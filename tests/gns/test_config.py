@@ -28,7 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
         ({"per_example_loss": "mse"}, TypeError, "per_example_loss must be a callable"),
         ({"per_example_chunk_size": 4}, ValueError, "also pass per_example_loss"),
         ({"per_example_loss": squared_error, "per_example_chunk_size": 0}, ValueError, "positive int"),
-        ({"groups": "layers"}, ValueError, r"groups='layers' is not supported; use None, one of \('param_groups', 'blocks'\)"),
+        (
+            {"groups": "layers"},
+            ValueError,
+            r"groups='layers' is not supported; use None, one of \('param_groups', 'blocks'\)",
+        ),
         ({"groups": {}}, ValueError, "a non-empty dict of group name -> regex"),
         ({"groups": {"attention": "("}}, ValueError, r"groups\['attention'\]='\(' is not a valid regex"),
         ({"groups": {"attention": 3}}, TypeError, "must be a regex string over parameter names"),
@@ -86,13 +90,17 @@ def test_config_and_keyword_arguments_build_the_same_callback():
     assert TopLevelGNSConfig is GNSConfig
     assert isinstance(GNSConfig(ema_decay=0).ema_decay, float)
     # The config measures: the same run with either gives the same numbers.
-    _, by_config, _, _, _ = fit(8 * 4 * 10, 8, gns=GradientNoiseScale(GNSConfig(groups=HALVES)), accumulate_grad_batches=4)
+    _, by_config, _, _, _ = fit(
+        8 * 4 * 10, 8, gns=GradientNoiseScale(GNSConfig(groups=HALVES)), accumulate_grad_batches=4
+    )
     _, by_keywords, _, _, _ = fit(8 * 4 * 10, 8, gns=GradientNoiseScale(groups=HALVES), accumulate_grad_batches=4)
     assert by_config.num_updates == 10 and by_config.metrics() == by_keywords.metrics()
 
 
 def test_config_and_keyword_arguments_together_are_refused():
-    with pytest.raises(LitCBSConfigError, match=r"config=GNSConfig\(...\) or its fields as keyword arguments, not both"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"config=GNSConfig\(...\) or its fields as keyword arguments, not both"
+    ):
         GradientNoiseScale(GNSConfig(), ema_decay=0.9)
     with pytest.raises(LitCBSConfigError, match=r"GradientNoiseScale\(config=0.9\) must be a GNSConfig"):
         GradientNoiseScale(0.9)

@@ -45,7 +45,9 @@ def test_step_sums_of_unequal_micro_batches_use_effective_sizes():
     assert sums.micro_batches == 2
     assert measurement.small_batch_size == pytest.approx(2 / (1 / 8 + 1 / 5))
     assert measurement.big_batch_size == pytest.approx(big_batch_size)
-    assert float(measurement.grad_sq) == pytest.approx(grad_sq) and float(measurement.trace_sigma) == pytest.approx(trace_sigma)
+    assert float(measurement.grad_sq) == pytest.approx(grad_sq) and float(measurement.trace_sigma) == pytest.approx(
+        trace_sigma
+    )
     # An AMP loss scale of 4 on the small-batch gradients is divided out (their squares by 16); a reduce sums ranks.
     scaled = StepSums(groups=1, device=torch.device("cpu"))
     scaled.add_small_batches(torch.tensor([16.0 * (grad_sq + trace_sigma / 8)]), count=1.0, inverse_size_sum=1 / 8)
@@ -64,7 +66,9 @@ def test_a_micro_batch_of_no_sample_leaves_the_sizes_and_the_step_mean_to_the_ot
     for sums, rank_sizes in zip(ranks, ((8.0, 5.0), (8.0, 0.0))):
         for size in rank_sizes:
             if size:
-                sums.add_small_batches(torch.tensor([grad_sq + trace_sigma / size]), count=1.0, inverse_size_sum=1.0 / size)
+                sums.add_small_batches(
+                    torch.tensor([grad_sq + trace_sigma / size]), count=1.0, inverse_size_sum=1.0 / size
+                )
             sums.add_micro_batch(size)
     assert [sums.micro_batches for sums in ranks] == [2, 2]  # counted alike on every rank
     big_batch_size = len(sizes) ** 2 / sum(1 / size for size in sizes)
@@ -74,7 +78,9 @@ def test_a_micro_batch_of_no_sample_leaves_the_sizes_and_the_step_mean_to_the_ot
     )
     assert measurement.big_batch_size == pytest.approx(big_batch_size)
     assert measurement.small_batch_size == pytest.approx(3 / sum(1 / size for size in sizes))
-    assert float(measurement.grad_sq) == pytest.approx(grad_sq) and float(measurement.trace_sigma) == pytest.approx(trace_sigma)
+    assert float(measurement.grad_sq) == pytest.approx(grad_sq) and float(measurement.trace_sigma) == pytest.approx(
+        trace_sigma
+    )
 
 
 def measurement_of(grad_sq: list[float], trace_sigma: list[float]) -> NoiseMeasurement:
@@ -92,10 +98,14 @@ def test_averages_are_bias_corrected_skip_non_finite_steps_and_name_groups():
     # EMAs 0.5 * (0.5 * x1) + 0.5 * x2, divided by 1 - 0.5^2: the mean weighted 1:2.
     grad_sq, trace_sigma = [(1 + 2 * 2) / 3, (3 + 2 * 2) / 3], [(10 + 2 * 40) / 3, (30 + 2 * 20) / 3]
     metrics = averages.metrics(["first", None])  # None: in the whole model only
-    assert set(metrics) == {f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "trace_sigma", "grad_sq")}
+    assert set(metrics) == {
+        f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "trace_sigma", "grad_sq")
+    }
     assert metrics["gns/first/grad_sq"] == pytest.approx(grad_sq[0])
     assert metrics["gns/first/b_simple"] == pytest.approx(trace_sigma[0] / grad_sq[0])
-    assert metrics["gns/grad_sq"] == pytest.approx(sum(grad_sq)) and metrics["gns/trace_sigma"] == pytest.approx(sum(trace_sigma))
+    assert metrics["gns/grad_sq"] == pytest.approx(sum(grad_sq)) and metrics["gns/trace_sigma"] == pytest.approx(
+        sum(trace_sigma)
+    )
     assert metrics["gns/b_simple"] == pytest.approx(sum(trace_sigma) / sum(grad_sq)) == averages.b_simple
 
 

@@ -1,4 +1,5 @@
-"""lit_cbs.gns.groups: which parameters are measured together, checked on the closed-form regression (regression.py) and a tiny OLMo."""
+"""lit_cbs.gns.groups: which parameters are measured together, checked on the closed-form regression
+(regression.py) and a tiny OLMo."""
 
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ def test_regex_groups_equal_optimizer_groups_and_add_up_to_the_whole_model(tmp_p
     )
     logger = CSVLogger(tmp_path, name="run", version=0)
     _, by_name, recorder, data, module = fit(
-        8 * 4 * 50, 8, gns=GradientNoiseScale(groups=HALVES), accumulate_grad_batches=4, logger=logger, log_every_n_steps=10
+        8 * 4 * 50,
+        8,
+        gns=GradientNoiseScale(groups=HALVES),
+        accumulate_grad_batches=4,
+        logger=logger,
+        log_every_n_steps=10,
     )
     assert by_name.group_names == by_optimizer.group_names == ["first", "second"]
     metrics = by_name.metrics()
@@ -43,7 +49,9 @@ def test_regex_groups_equal_optimizer_groups_and_add_up_to_the_whole_model(tmp_p
     rows = logged_gns_rows(tmp_path / "run" / "version_0" / "metrics.csv")
     assert len(rows) == 5 and rows[-1] == pytest.approx(metrics)
     assert set(rows[-1]) == {
-        f"gns/{group}{metric}" for group in ("", "first/", "second/") for metric in ("b_simple", "grad_sq", "trace_sigma")
+        f"gns/{group}{metric}"
+        for group in ("", "first/", "second/")
+        for metric in ("b_simple", "grad_sq", "trace_sigma")
     }
     assert assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values())) == 50
 
@@ -60,7 +68,9 @@ def test_one_group_of_everything_is_the_whole_model_and_unmatched_parameters_sta
     )
     assert first_only.group_names == ["first", None]  # second.weight: in no group, still in the whole model
     partial = first_only.metrics()
-    assert set(partial) == {f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "grad_sq", "trace_sigma")}
+    assert set(partial) == {
+        f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "grad_sq", "trace_sigma")
+    }
     assert partial["gns/b_simple"] == pytest.approx(metrics["gns/b_simple"], rel=1e-6)
     assert assert_exact_measurements(recorder.steps, data.dataset, module.weight, groups=list(GROUPS.values())) == 30
 
@@ -114,7 +124,11 @@ def test_blocks_of_two_stacks_stay_apart():
 def test_run_report_plots_b_simple_per_group(tmp_path):
     gns, metrics_csv = fit_tiny_olmo(tmp_path, "blocks")
     written = plot_run(metrics_csv, tmp_path / "plots")
-    assert [path.name for path in written] == ["loss_vs_tokens.png", "batch_lr_vs_tokens.png", "gns_groups_vs_tokens.png"]
+    assert [path.name for path in written] == [
+        "loss_vs_tokens.png",
+        "batch_lr_vs_tokens.png",
+        "gns_groups_vs_tokens.png",
+    ]
     figure = group_noise_scale_figure(read_metrics_csv(metrics_csv))
     (ax,) = figure.axes
     lines = {line.get_label(): line.get_ydata() for line in ax.get_lines()}
@@ -134,8 +148,15 @@ def test_run_report_plots_b_simple_per_group(tmp_path):
             {"first": r"^first\.", "third": r"^third\."},
             r"groups['third']='^third\\.' matches none of the trained parameters (first.weight, second.weight)",
         ),
-        ({"weights": "weight", "first": r"^first\."}, "parameter 'first.weight' is matched by groups ['weights', 'first']"),
-        ("blocks", "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one class"),
+        (
+            {"weights": "weight", "first": r"^first\."},
+            "parameter 'first.weight' is matched by groups ['weights', 'first']",
+        ),
+        (
+            "blocks",
+            "groups='blocks' looks for the model's stack of transformer blocks "
+            "(an nn.ModuleList of modules of one class",
+        ),
     ],
 )
 def test_groups_that_match_nothing_or_overlap_are_refused_before_training(groups, message):

@@ -1,8 +1,9 @@
 """Hugging Face transformers models under lit_cbs, on real transformers objects: CausalLM trains a
 Llama built from its config with the exact global-batch gradient through a batch change, the noise
 scale finds its decoder layers, the plan counts it, a checkpoint reloads it, bad configs fail in one
-line, the warmup guide's plain-Lightning example (docs/guides/warmup.md) runs, and 2 FSDP2 processes shard it per decoder layer
-with activation checkpointing, a CBS probe and the guard (recipes/train.py model=hf)."""
+line, the warmup guide's plain-Lightning example (docs/guides/warmup.md) runs, and 2 FSDP2 processes
+shard it per decoder layer with activation checkpointing, a CBS probe and the guard
+(recipes/train.py model=hf)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def test_batch_warmup_steps_a_transformers_llama_on_the_mean_over_the_steps_toke
     pl.seed_everything(0, verbose=False)
     warmup = BatchWarmup(ConstantBatch(8), lr_rule="none", seq_len=8)
     trainer = pl.Trainer(
-        callbacks=[warmup, SaveFirstStepGradients(tmp_path / "step.pt")], **trainer_kwargs(max_steps=1, precision="64-true")
+        callbacks=[warmup, SaveFirstStepGradients(tmp_path / "step.pt")],
+        **trainer_kwargs(max_steps=1, precision="64-true"),
     )
     module = CausalLM(LLAMA, ignore_index=0)
     quiet_fit(trainer, module, PaddedData(batch_size=4))
@@ -93,7 +95,9 @@ def test_a_micro_batch_of_no_sample_runs_every_layer_to_a_zero_gradient_and_a_fi
     assert loss.item() == 0.0
     loss.backward()
     grads = {name: p.grad for name, p in module.named_parameters()}
-    assert all(grad is not None and not grad.any() for grad in grads.values()), [n for n, g in grads.items() if g is None]
+    assert all(grad is not None and not grad.any() for grad in grads.values()), [
+        n for n, g in grads.items() if g is None
+    ]
 
 
 def test_the_noise_scale_groups_the_decoder_layers_of_a_checkpointed_llama():
@@ -144,7 +148,10 @@ def test_a_checkpoint_reloads_the_transformers_config_and_weights(tmp_path):
             r"field(s) ['hidden_sise'] are not LlamaConfig fields (transformers would keep them unused)",
         ),
         ({"model_type": "lama"}, r"model_type='lama' is not a transformers model type (did you mean llama"),
-        ({"model_type": "vit"}, r"model_type='vit' has no causal language model in transformers (AutoModelForCausalLM)"),
+        (
+            {"model_type": "vit"},
+            r"model_type='vit' has no causal language model in transformers (AutoModelForCausalLM)",
+        ),
     ],
 )
 def test_a_config_transformers_would_not_train_as_meant_is_refused(config, message):
@@ -157,7 +164,8 @@ def test_a_misspelt_key_in_the_recipe_stops_before_the_data_is_prepared(tmp_path
     with pytest.raises(
         LitCBSConfigError,
         match=re.escape(
-            "field(s) ['model.config.num_hidden_layer'] are not LlamaConfig fields (transformers would keep them unused); its fields include architectures, attention_bias, attention_dropout, bos_token_id,"
+            "field(s) ['model.config.num_hidden_layer'] are not LlamaConfig fields (transformers would keep them "
+            "unused); its fields include architectures, attention_bias, attention_dropout, bos_token_id,"
         ),
     ):
         train.build_run(cfg)
@@ -165,14 +173,18 @@ def test_a_misspelt_key_in_the_recipe_stops_before_the_data_is_prepared(tmp_path
 
 
 def test_without_transformers_a_model_type_names_the_extra_to_install(monkeypatch):
-    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails as if it were not installed
+    monkeypatch.setitem(
+        sys.modules, "transformers", None
+    )  # `import transformers` now fails as if it were not installed
     with pytest.raises(LitCBSConfigError, match=re.escape('but transformers is not installed: pip install -e ".[hf]"')):
         CausalLM({"model_type": "llama"})
 
 
 def test_the_warmup_guide_example_warms_up_the_batch_of_a_plain_lightning_llama():
     guide = (ROOT / "docs" / "guides" / "warmup.md").read_text()
-    (example,) = [block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if "LlamaForCausalLM(config)" in block]
+    (example,) = [
+        block for block in re.findall(r"```python\n(.*?)```", guide, re.S) if "LlamaForCausalLM(config)" in block
+    ]
     namespace: dict = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -215,7 +227,9 @@ def test_two_fsdp2_processes_shard_each_decoder_layer_and_train_with_a_probe_and
         f"hydra.run.dir={run_dir}",
     ]
     env = subprocess_env(PYTHONPATH=f"{ROOT}:{ROOT / 'tests'}", HYDRA_FULL_ERROR="1")
-    result = subprocess.run([*TORCHRUN_TRAIN, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [*TORCHRUN_TRAIN, *overrides], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
     sharded = json.loads(record.read_text())

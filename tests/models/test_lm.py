@@ -56,9 +56,15 @@ def test_bad_model_config(config, message):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"optimizer": functools.partial(ADAMW, lr=-1.0)}, r"AdamW\(lr=-1.0, .*\) cannot be built: Invalid learning rate"),
+        (
+            {"optimizer": functools.partial(ADAMW, lr=-1.0)},
+            r"AdamW\(lr=-1.0, .*\) cannot be built: Invalid learning rate",
+        ),
         ({"optimizer": functools.partial(ADAMW, betas=(0.9, 1.0))}, "Invalid beta parameter at index 1"),
-        ({"optimizer": functools.partial(torch.optim.SGD, lr=0.1, betas=(0.9, 0.95))}, "unexpected keyword argument 'betas'"),
+        (
+            {"optimizer": functools.partial(torch.optim.SGD, lr=0.1, betas=(0.9, 0.95))},
+            "unexpected keyword argument 'betas'",
+        ),
         ({"optimizer": "adamw"}, "optimizer='adamw' must be a callable"),
         ({"peak_flops_per_device": 0}, "peak_flops_per_device"),
     ],

@@ -54,7 +54,9 @@ def test_compiled_blocks_recompile_only_for_new_shapes_across_changes_a_probe_an
     # held-out batches, micro-batches of 4) one more. LR changes (warmup, sqrt(2) per doubling) add none.
     graphs = counters["stats"]["unique_graphs"]
     assert 2 <= graphs <= 3, dict(counters["stats"])
-    resumed = train_script.build_run(compose_config(*COMPILED_RUN, f"data.path={prepared}", output_dir=str(tmp_path / "resumed")))
+    resumed = train_script.build_run(
+        compose_config(*COMPILED_RUN, f"data.path={prepared}", output_dir=str(tmp_path / "resumed"))
+    )
     resumed.trainer.fit(
         resumed.model, datamodule=resumed.datamodule, ckpt_path=tmp_path / "run" / "checkpoints" / "step0000004.ckpt"
     )

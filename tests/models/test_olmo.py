@@ -1,4 +1,5 @@
-"""lit_cbs.models.olmo: the OLMo-style decoder (causal attention with RoPE, SwiGLU, meta-device init) and its presets."""
+"""lit_cbs.models.olmo: the OLMo-style decoder (causal attention with RoPE, SwiGLU, meta-device init) and its
+presets."""
 
 import math
 
@@ -11,7 +12,9 @@ from lit_cbs.models.olmo import apply_rotary, rotary_cos_sin
 
 
 def small_config(**changes) -> OLMoConfig:
-    fields = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, mlp_hidden=48, context_length=16, tie_embeddings=True)
+    fields = dict(
+        vocab_size=64, d_model=32, n_layers=2, n_heads=4, mlp_hidden=48, context_length=16, tie_embeddings=True
+    )
     fields.update(changes)
     return OLMoConfig(**fields)
 
@@ -54,7 +57,9 @@ def test_rope_scores_depend_only_on_relative_position():
     assert not torch.isclose(rq[5] @ rk[0], rq[9] @ rk[0])
 
 
-@pytest.mark.parametrize("name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472), ("tiny4x", 868_352)])
+@pytest.mark.parametrize(
+    "name, expected", [("olmo_1b", 1.18e9), ("olmo_7b", 6.89e9), ("tiny", 233_472), ("tiny4x", 868_352)]
+)
 def test_preset_parameter_counts_on_meta_device(name, expected):
     with torch.device("meta"):
         model = OLMo(get_config(name))

@@ -76,7 +76,9 @@ def test_on_two_ddp_processes_the_token_count_is_agreed_across_ranks(tmp_path):
 def test_a_probe_branch_at_k1_trains_as_the_token_weighted_main_run():
     probe = CBSProbeCallback(every_tokens=288, multipliers=(1, 2), window_tokens=144)  # 2 steps of 8 x 9 tokens
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=[probe], **trainer_kwargs(max_steps=8, precision="64-true", accumulate_grad_batches=2))
+    trainer = pl.Trainer(
+        callbacks=[probe], **trainer_kwargs(max_steps=8, precision="64-true", accumulate_grad_batches=2)
+    )
     quiet_fit(trainer, CausalLM(MODEL, ignore_index=0), PaddedData(batch_size=4, n=64))
     assert probe.history
     for reading in probe.history:
@@ -85,7 +87,9 @@ def test_a_probe_branch_at_k1_trains_as_the_token_weighted_main_run():
 
 def test_the_noise_scale_refuses_a_token_weighted_loss_at_the_first_micro_batch():
     trainer = pl.Trainer(callbacks=[GradientNoiseScale()], **trainer_kwargs(max_steps=2, accumulate_grad_batches=2))
-    with pytest.raises(LitCBSConfigError, match=r"GradientNoiseScale measures each micro-batch's mean loss.*token_mean_loss"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"GradientNoiseScale measures each micro-batch's mean loss.*token_mean_loss"
+    ):
         trainer.fit(CausalLM(MODEL, ignore_index=0), PaddedData(batch_size=4))
     assert trainer.global_step == 0
 

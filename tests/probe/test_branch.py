@@ -289,7 +289,9 @@ def test_branches_train_through_the_modules_hooks_and_callbacks_never_see_them(t
             CustomTraining(), callback, [counter, LearningRateMonitor("step")], logger=logger, log_every_n_steps=1
         )
         counts[name] = (counter.counts, module)
-        lr_rows[name] = [(row["step"], row["lr-Adam"]) for row in read_csv(f"{logger.log_dir}/metrics.csv") if row.get("lr-Adam")]
+        lr_rows[name] = [
+            (row["step"], row["lr-Adam"]) for row in read_csv(f"{logger.log_dir}/metrics.csv") if row.get("lr-Adam")
+        ]
         if callback is not None:
             grid = callback
     (plain_counts, plain), (probed_counts, module) = counts["plain"], counts["probed"]
@@ -362,7 +364,9 @@ def test_an_optimizer_step_that_writes_the_lr_is_found_by_a_trial_before_the_fir
     callback, plain_probe = toy_probe(), toy_probe()
     trainer, kept = fit_regression_with_val(KeepsTheLR(lr=0.05, optimizer="adam"), callback)
     _, plain = fit_regression_with_val(RegressionModule(lr=0.05, optimizer="adam"), plain_probe)
-    assert torch.equal(kept.layer.weight, plain.layer.weight) and [s["lr"] for s in kept.steps] == [s["lr"] for s in plain.steps]
+    assert torch.equal(kept.layer.weight, plain.layer.weight) and [s["lr"] for s in kept.steps] == [
+        s["lr"] for s in plain.steps
+    ]
     assert [r.losses for r in callback.history] == [r.losses for r in plain_probe.history] and callback.history
 
 

@@ -161,7 +161,9 @@ class TokenData(pl.LightningDataModule):
         self.batch_size = batch_size
 
     def train_dataloader(self):
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(1))
+        return DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
 
 
 class Bigram(pl.LightningModule):
@@ -213,7 +215,12 @@ def test_probe_refuses_batches_without_token_ids():
 def test_undetermined_readings_do_not_move_the_batch():
     schedule = CBSAdaptive(start=2, final=16, factor=2, unit="tokens")
     unsure = toy_probe(
-        multipliers=(1, 2, 4), window_tokens=64, every_tokens=96, evaluate="heldout", heldout_batches=2, confidence=0.999
+        multipliers=(1, 2, 4),
+        window_tokens=64,
+        every_tokens=96,
+        evaluate="heldout",
+        heldout_batches=2,
+        confidence=0.999,
     )
     fit_regression_with_val(probe=unsure, warmup=BatchWarmup(schedule, seq_len=SEQ), epochs=3)
     assert unsure.history and not any(r.determined for r in unsure.history)

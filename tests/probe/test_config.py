@@ -147,4 +147,8 @@ def test_hydra_builds_the_probe_from_flat_keys():
             "search": "bisect",
         }
     )
-    assert isinstance(probe, CBSProbeCallback) and probe.config.search == "bisect" and probe.config.multipliers == [1.0, 2.0]
+    assert (
+        isinstance(probe, CBSProbeCallback)
+        and probe.config.search == "bisect"
+        and probe.config.multipliers == [1.0, 2.0]
+    )

@@ -59,7 +59,9 @@ def fit_ddp(outdir: Path, probe: CBSProbeCallback | None) -> list[dict]:
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionDataWithVal(n=96, batch_size=2, val_batch_size=4))
+        trainer.fit(
+            RegressionModule(lr=0.05, optimizer="adam"), RegressionDataWithVal(n=96, batch_size=2, val_batch_size=4)
+        )
     return [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
@@ -88,7 +90,11 @@ def test_ddp_ranks_agree_on_the_cbs_and_main_run_is_untouched(tmp_path):
     # Replicate windows: both ranks train and score every window together and read the same SEs.
     assert len(replicated[0]["history"]) >= 2 and replicated[0]["history"] == replicated[1]["history"]
     for record in replicated[0]["history"]:
-        assert record.replicates == 2 and record.branches_trained == [1.0, 2.0, 2.0] and record.replicate_se.keys() == {"2"}
+        assert (
+            record.replicates == 2
+            and record.branches_trained == [1.0, 2.0, 2.0]
+            and record.replicate_se.keys() == {"2"}
+        )
     for rank in range(2):
         for run in (probed, replicated):
             assert torch.equal(run[rank]["weight"], plain[rank]["weight"])
@@ -107,7 +113,11 @@ def run_faults(outdir: Path, mode: str) -> tuple[subprocess.CompletedProcess, li
     """tests/scripts/probe_faults.py with a fault forced on rank 1 in the k = 4 branch; a hang fails at the timeout."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "probe_faults.py"
     done = subprocess.run(
-        [sys.executable, str(script), str(outdir), mode], capture_output=True, text=True, timeout=150, env=subprocess_env()
+        [sys.executable, str(script), str(outdir), mode],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=subprocess_env(),
     )
     ranks = [torch.load(path, weights_only=False) for path in sorted(outdir.glob("rank*.pt"))]
     return done, ranks

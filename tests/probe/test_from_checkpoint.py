@@ -117,9 +117,9 @@ def test_a_checkpoint_without_its_runs_configuration_is_refused(probed_run, tmp_
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
-        f"error: ckpt_path={lonely / 'step0000002.ckpt'}: its run folder {lonely.parent} has no resolved_config.yaml (the "
-        "configuration recipes/train.py writes there), so the run cannot be rebuilt: give a checkpoint of a recipe run, "
-        "or use lit_cbs.probe.probe_checkpoint with your own module"
+        f"error: ckpt_path={lonely / 'step0000002.ckpt'}: its run folder {lonely.parent} has no resolved_config.yaml "
+        "(the configuration recipes/train.py writes there), so the run cannot be rebuilt: give a checkpoint of a "
+        "recipe run, or use lit_cbs.probe.probe_checkpoint with your own module"
     )
     assert not (tmp_path / "outputs").exists()  # refused before anything was written
 

@@ -86,7 +86,10 @@ def fit_with(callbacks, source: str, module=None, **overrides):
         return fit_quietly(trainer, module, datamodule=DataWithVal(n=12))
     if source == "fit":
         return fit_quietly(
-            trainer, module, train_dataloaders=DataLoader(IndexedRegression(12), batch_size=2), val_dataloaders=val_loader()
+            trainer,
+            module,
+            train_dataloaders=DataLoader(IndexedRegression(12), batch_size=2),
+            val_dataloaders=val_loader(),
         )
     return fit_quietly(trainer, module)
 
@@ -128,7 +131,10 @@ def test_a_seeded_validation_loader_keeps_its_generator_state():
     loader = val_loader(shuffle=True, generator=generator)
     trainer = pl.Trainer(callbacks=[load], **trainer_kwargs(max_steps=1, limit_val_batches=0))
     fit_quietly(
-        trainer, RegressionModule(), train_dataloaders=DataLoader(IndexedRegression(4), batch_size=2), val_dataloaders=loader
+        trainer,
+        RegressionModule(),
+        train_dataloaders=DataLoader(IndexedRegression(4), batch_size=2),
+        val_dataloaders=loader,
     )
     assert len(load.batches) == 1
     assert torch.equal(generator.get_state(), state)
@@ -158,7 +164,9 @@ def test_reading_does_not_change_the_training_shuffle():
 def test_no_validation_data_names_the_setting_and_the_fix(data):
     trainer = pl.Trainer(callbacks=[LoadHeldout(count=2)], **trainer_kwargs(max_steps=1))
     given = (
-        {"datamodule": RegressionData(n=8)} if data == "datamodule" else {"train_dataloaders": DataLoader(IndexedRegression(4))}
+        {"datamodule": RegressionData(n=8)}
+        if data == "datamodule"
+        else {"train_dataloaders": DataLoader(IndexedRegression(4))}
     )
     with pytest.raises(LitCBSConfigError) as error:
         fit_quietly(trainer, RegressionModule(), **given)
@@ -172,7 +180,8 @@ def test_an_empty_validation_loader_is_refused():
     load = LoadHeldout(count=2)
     trainer = pl.Trainer(callbacks=[load], **trainer_kwargs(max_steps=1, limit_val_batches=0))
     with pytest.raises(
-        LitCBSConfigError, match=r"^CBSProbeCallback\(evaluate='heldout'\): the first validation dataloader yielded no batch"
+        LitCBSConfigError,
+        match=r"^CBSProbeCallback\(evaluate='heldout'\): the first validation dataloader yielded no batch",
     ):
         fit_quietly(
             trainer,
@@ -226,7 +235,8 @@ def test_fewer_held_out_batches_than_asked_are_said():
     callback = toy_probe(evaluate="heldout", heldout_batches=16)
     pl.seed_everything(0, verbose=False)
     trainer = pl.Trainer(
-        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), callback], **trainer_kwargs(max_epochs=2, limit_val_batches=0)
+        callbacks=[BatchWarmup(ConstantBatch(4), seq_len=SEQ), callback],
+        **trainer_kwargs(max_epochs=2, limit_val_batches=0),
     )
     with pytest.warns(UserWarning, match="heldout_batches=16 but the validation data has 3 batches"):
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), ThreeValBatches(n=96, batch_size=2))

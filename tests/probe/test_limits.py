@@ -77,7 +77,9 @@ class RecordEnds(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.ends:
             into_step = batch_idx % trainer.accumulate_grad_batches + 1
-            self.ends.append(run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, into_step, self.largest_batch))
+            self.ends.append(
+                run_end(trainer, BatchAccounting.attach(trainer), batch_idx + 1, into_step, self.largest_batch)
+            )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:
@@ -153,7 +155,8 @@ def test_the_window_is_checked_at_the_batch_of_each_point_the_run_reaches():
 
 
 def test_a_first_window_past_the_run_end_is_refused_at_the_start_unless_a_growing_batch_decides():
-    # Steps of 8 samples (32 tokens): the probe at 64 tokens (after step 2) records 128 tokens, to 192 > 160 at max_steps=5.
+    # Steps of 8 samples (32 tokens): the probe at 64 tokens (after step 2) records 128 tokens, to 192 > 160 at
+    # max_steps=5.
     probe = CBSProbeCallback(at_tokens=[64], multipliers=(1, 2), window_tokens=128)
     record = RecordEnds(largest_batch=8)
     with pytest.raises(
@@ -162,7 +165,8 @@ def test_a_first_window_past_the_run_end_is_refused_at_the_start_unless_a_growin
     ):
         fit_tokens([probe, record], TokenIds(96, 4), accumulate_grad_batches=2, max_steps=5, max_epochs=-1)
     assert record.end is None or record.end <= 16  # stopped at the first micro-batch, before any step
-    # Grown to 16 samples after step 2, the run ends at 288 tokens and takes the probe; at 8 it would not: decided there.
+    # Grown to 16 samples after step 2, the run ends at 288 tokens and takes the probe; at 8 it would not: decided
+    # there.
     warmup = BatchWarmup(PiecewiseBatch([8, 16], [0, 64]))
     probe = CBSProbeCallback(at_tokens=[64], multipliers=(1, 2), window_tokens=128)
     fit_tokens([warmup, probe], TokenIds(96, 4), max_steps=5, max_epochs=-1)
@@ -197,8 +201,8 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
     assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
     assert (
-        "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end (max_tokens=832, at 832 tokens)"
-        in caplog.text
+        "CBS probe at 800 tokens not started: its window of 128 tokens would end past the run's end "
+        "(max_tokens=832, at 832 tokens)" in caplog.text
     )
 
 
@@ -226,11 +230,15 @@ def test_the_first_probe_is_checked_against_the_run_end_in_one_place():
     ):
         at_100.check_inside_run(100, "max_tokens=100")
     at_100.check_inside_run(150, "max_tokens=150", whole_span=True)
-    with pytest.raises(LitCBSConfigError, match=r"^the first probe \(100 tokens \+ window_tokens=50\) ends past max_tokens=149"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"^the first probe \(100 tokens \+ window_tokens=50\) ends past max_tokens=149"
+    ):
         at_100.check_inside_run(149, "max_tokens=149", whole_span=True)
     # The callback knows the window its probe records: the setting in whole steps of the largest branch.
     at_100.check_inside_run(148, "max_steps=5", whole_span=True, window_tokens=48)
-    with pytest.raises(LitCBSConfigError, match=r"\(100 tokens \+ window_tokens=50, 48 in whole steps of its largest branch\)"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"\(100 tokens \+ window_tokens=50, 48 in whole steps of its largest branch\)"
+    ):
         at_100.check_inside_run(147, "max_steps=5", whole_span=True, window_tokens=48)
     replicated = dataclasses.replace(at_100, evaluate="heldout", replicates=2)
     with pytest.raises(LitCBSConfigError, match=r"\(100 tokens \+ 2 x window_tokens=50\)"):

@@ -70,7 +70,11 @@ def test_the_loss_gap_panel_labels_its_ticks_as_plain_numbers():
 def test_the_plot_draws_what_the_rule_holds_against_epsilon():
     from lit_cbs.probe.reading import one_sided_quantile
 
-    scores = {1.0: heldout_score(3.0, 0.01), 2.0: heldout_score(2.95, 0.01, seed=2), 4.0: heldout_score(2.99, 0.01, seed=4)}
+    scores = {
+        1.0: heldout_score(3.0, 0.01),
+        2.0: heldout_score(2.95, 0.01, seed=2),
+        4.0: heldout_score(2.99, 0.01, seed=4),
+    }
     reading = decided(scores, 0.02, 0.9, 100, window_tokens=64, evaluate="heldout", tokens_spent=192)
     tokens, gap, bar = _gap_to_smaller(reading, 4.0)  # against k = 2, the lowest smaller loss
     pair = difference(scores[4.0], scores[2.0])

@@ -299,7 +299,9 @@ def test_records_keep_each_window_and_are_judged_anew_alike():
     assert reading.se_method == "paired held-out batches and replicate data windows"
     assert reading.replicate_batch_losses["2"] == [[3.02, 3.03, 3.01, 3.02], [3.05, 3.04, 3.06, 3.05]]
     gap = difference(scores[2.0], scores[1.0])
-    assert reading.loss_se["2"] == pytest.approx(gap.se) and reading.replicate_se["2"] == pytest.approx(gap.replicate_se)
+    assert reading.loss_se["2"] == pytest.approx(gap.se) and reading.replicate_se["2"] == pytest.approx(
+        gap.replicate_se
+    )
     again = decide(reading.scores(), 0.02, 0.9)
     assert (again.k_star, again.determined) == (reading.k_star, reading.determined)
     assert again.loss_se[2.0] == pytest.approx(gap.se)

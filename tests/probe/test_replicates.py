@@ -49,7 +49,13 @@ def fit(probe=None, module=None):
 
 def replicated_probe(**kwargs):
     settings = dict(
-        every_tokens=160, multipliers=(1, 2), window_tokens=64, epsilon=0.01, evaluate="heldout", heldout_batches=3, replicates=2
+        every_tokens=160,
+        multipliers=(1, 2),
+        window_tokens=64,
+        epsilon=0.01,
+        evaluate="heldout",
+        heldout_batches=3,
+        replicates=2,
     )
     settings.update(kwargs)
     return CBSProbeCallback(**settings)
@@ -72,7 +78,10 @@ def test_replicate_windows_train_on_the_next_data_and_leave_the_main_run_alone()
         assert reading.branches_trained == [1.0, 1.0, 2.0, 2.0]  # k by k, each on both windows
         assert reading.tokens_spent == 4 * 64
         start = reading.tokens // SEQ  # samples the main run had trained on when the window began
-        windows = [main_order[start : start + window_samples], main_order[start + window_samples : start + 2 * window_samples]]
+        windows = [
+            main_order[start : start + window_samples],
+            main_order[start + window_samples : start + 2 * window_samples],
+        ]
         for _k in (1, 2):
             for window in windows:  # each branch trains on its window's samples, in the main run's order
                 trained = []
@@ -81,7 +90,9 @@ def test_replicate_windows_train_on_the_next_data_and_leave_the_main_run_alone()
                 assert trained == window
         assert set(reading.replicate_batch_losses) == {"1", "2"}
         assert all(len(w) == 2 and all(len(b) == 3 for b in w) for w in reading.replicate_batch_losses.values())
-        held_out_only = difference(BranchScore.heldout(reading.batch_losses["2"]), BranchScore.heldout(reading.batch_losses["1"]))
+        held_out_only = difference(
+            BranchScore.heldout(reading.batch_losses["2"]), BranchScore.heldout(reading.batch_losses["1"])
+        )
         assert reading.loss_se["2"] ** 2 == pytest.approx(held_out_only.se**2 + reading.replicate_se["2"] ** 2)
 
 

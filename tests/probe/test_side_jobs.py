@@ -20,7 +20,9 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import LocalLauncher, SideJobs
 
 TESTS = Path(__file__).resolve().parents[1]
-PROBE = dict(every_tokens=160, multipliers=(1, 2, 4), window_tokens=128, epsilon=0.01, evaluate="heldout", search="bisect")
+PROBE = dict(
+    every_tokens=160, multipliers=(1, 2, 4), window_tokens=128, epsilon=0.01, evaluate="heldout", search="bisect"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -54,7 +56,11 @@ def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alon
     for side, inside in zip(probe.history, in_process.history):
         assert (side.tokens, side.step, side.mode) == (inside.tokens, inside.step, "side_jobs")
         assert side.batch_losses == inside.batch_losses and side.losses == inside.losses  # bit for bit
-        assert (side.bracket, side.loss_se, side.branches_trained) == (inside.bracket, inside.loss_se, inside.branches_trained)
+        assert (side.bracket, side.loss_se, side.branches_trained) == (
+            inside.bracket,
+            inside.loss_se,
+            inside.branches_trained,
+        )
         assert side.arrived_at_tokens >= side.tokens + side.window_tokens
     written = [json.loads(line) for line in (tmp_path / "cbs_probe.jsonl").read_text().splitlines()]
     assert written == [dataclasses.asdict(reading) for reading in probe.history]
@@ -70,13 +76,17 @@ def test_a_failing_side_job_is_retried_then_the_probe_is_recorded_as_failed(tmp_
     probe = CBSProbeCallback(**{**PROBE, "every_tokens": 320}, side_jobs=side_jobs(retries=2), output_dir=tmp_path)
     fit(probe)
     assert [failure["tokens"] for failure in probe.failures] == [320]
-    assert probe.failures[0]["reason"].startswith("side job failed 3 times: exited with code 1: RuntimeError: side job 1")
+    assert probe.failures[0]["reason"].startswith(
+        "side job failed 3 times: exited with code 1: RuntimeError: side job 1"
+    )
     assert [reading.tokens for reading in probe.history] == [640]  # the next probe's job ran and its reading counts
 
 
 def test_a_launcher_that_cannot_start_is_refused_before_training(tmp_path):
     probe = CBSProbeCallback(**PROBE, side_jobs=SideJobs(LocalLauncher(python="/nonexistent/python"), build="x:y"))
-    with pytest.raises(LitCBSConfigError, match=r"LocalLauncher\(python='/nonexistent/python'\) cannot start a side job"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"LocalLauncher\(python='/nonexistent/python'\) cannot start a side job"
+    ):
         fit(probe)
 
 
@@ -88,7 +98,8 @@ def test_side_job_settings_are_checked_where_they_are_made():
 
 
 def fit_until(probe: CBSProbeCallback, folder: Path, max_steps: int = -1, ckpt_path: Path | None = None):
-    """The toy run with last.ckpt in ``folder``, stopped after ``max_steps`` (-1: its end), resumed from ``ckpt_path``."""
+    """The toy run with last.ckpt in ``folder``, stopped after ``max_steps`` (-1: its end), resumed from
+    ``ckpt_path``."""
     pl.seed_everything(0, verbose=False)
     checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True)
     callbacks = [side_job_toys.warmup(), probe, checkpoint]
@@ -129,5 +140,7 @@ def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_l
     assert [(r.tokens, r.losses, r.batch_losses) for r in third.history] == [
         (r.tokens, r.losses, r.batch_losses) for r in uninterrupted.history
     ]
-    written = [json.loads(line)["tokens"] for line in (tmp_path / "probes" / "cbs_probe.jsonl").read_text().splitlines()]
+    written = [
+        json.loads(line)["tokens"] for line in (tmp_path / "probes" / "cbs_probe.jsonl").read_text().splitlines()
+    ]
     assert written == [160, 320, 480, 640]  # each reading once

@@ -84,7 +84,12 @@ def test_fsdp_world_size_scales_with_nodes():
 def test_extra_callback_option_composes():
     cfg = compose_config("callbacks=[default,lr_monitor]")
     callbacks = job.instantiate_named(cfg, "callbacks")
-    assert set(callbacks) == {"checkpoint", "progress_bar", "validation", "lr_monitor"}  # BatchWarmup is the batch group
+    assert set(callbacks) == {
+        "checkpoint",
+        "progress_bar",
+        "validation",
+        "lr_monitor",
+    }  # BatchWarmup is the batch group
     assert isinstance(callbacks["lr_monitor"], LearningRateMonitor)
 
 
@@ -171,7 +176,9 @@ def test_an_lr_warmup_as_long_as_the_run_warns_once_naming_the_keys_and_the_fix(
 
 
 def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
-    cfg = compose_config("max_tokens=600000", "lr_schedule.warmup_tokens=16384")  # first probe: 524,288 + 131,072 tokens
+    cfg = compose_config(
+        "max_tokens=600000", "lr_schedule.warmup_tokens=16384"
+    )  # first probe: 524,288 + 131,072 tokens
     with caplog.at_level("WARNING", logger="lit_cbs.train"):
         run = train.build_run(cfg)
     from lit_cbs import CBSProbeCallback
@@ -179,7 +186,8 @@ def test_a_probe_past_the_budget_warns_and_is_left_out(caplog):
     assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
     (record,) = caplog.records
     assert record.message.startswith(
-        "warning: the first probe (524,288 tokens + callbacks.cbs_probe.window_tokens=131,072) ends past max_tokens=600,000"
+        "warning: the first probe (524,288 tokens + callbacks.cbs_probe.window_tokens=131,072) "
+        "ends past max_tokens=600,000"
     )
     assert "\n" not in record.message
 
@@ -196,7 +204,9 @@ def test_replicate_windows_count_in_the_probes_span(caplog):
 
     assert not [c for c in run.trainer.callbacks if isinstance(c, CBSProbeCallback)]
     (record,) = caplog.records
-    assert record.message.startswith("warning: the first probe (524,288 tokens + 2 x callbacks.cbs_probe.window_tokens=131,072)")
+    assert record.message.startswith(
+        "warning: the first probe (524,288 tokens + 2 x callbacks.cbs_probe.window_tokens=131,072)"
+    )
 
 
 def test_data_folder_without_chunks(tmp_path):
@@ -259,7 +269,9 @@ def test_the_weight_decay_and_beta2_rules_move_adamw_at_the_doubling(text_folder
     metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
     assert metrics["batch/weight_decay"][1] == pytest.approx([0.1, 0.1, 0.1 * 2**0.5, 0.1 * 2**0.5])  # 8, 8, 16, 16
     assert metrics["batch/beta2"][1] == pytest.approx([0.95, 0.95, 0.95**2, 0.95**2])
-    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0][
+        "param_groups"
+    ]
     assert [group["weight_decay"] for group in saved] == pytest.approx([0.1 * 2**0.5, 0.0])
     assert [group["betas"][1] for group in saved] == pytest.approx([0.95**2] * 2)
 
@@ -296,7 +308,9 @@ def test_batch_seesaw_doubles_the_batch_where_the_cosine_halves_the_lr(text_fold
 
 def test_batch_seesaw_without_a_decaying_lr_schedule_stops_before_any_data_work(tmp_path):
     cfg = compose_config("batch=seesaw", f"data.cache_dir={tmp_path / 'cache'}")  # the default wsd has no decay
-    with pytest.raises(LitCBSConfigError, match=r"never falls to 1/2 of its peak before 4,194,304 tokens.*lr_schedule=cosine"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"never falls to 1/2 of its peak before 4,194,304 tokens.*lr_schedule=cosine"
+    ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
 
@@ -320,7 +334,8 @@ def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
 def test_an_adaptive_recipe_without_its_probe_stops_before_any_data_work(tmp_path):
     cfg = compose_config("+recipe=tiny_adaptive", "callbacks.cbs_probe=null", f"data.cache_dir={tmp_path / 'cache'}")
     with pytest.raises(
-        LitCBSConfigError, match=r"batch.schedule is CBSAdaptive.*no probe \(callbacks.cbs_probe is null.*set callbacks.cbs_probe"
+        LitCBSConfigError,
+        match=r"batch.schedule is CBSAdaptive.*no probe \(callbacks.cbs_probe is null.*set callbacks.cbs_probe",
     ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()  # nothing tokenized
@@ -340,7 +355,9 @@ def test_the_run_header_names_the_batches_a_short_budget_never_reaches():
 def test_the_run_header_says_what_the_run_will_do(text_folder, tmp_path):
     _, run = short_run(text_folder, tmp_path)
     header = run_header(run, "short", "cpu", tmp_path / "run")
-    assert header.startswith(f"lit_cbs: short: model 4 layers x d_model 64 ({run.model.num_parameters():,} parameters), ")
+    assert header.startswith(
+        f"lit_cbs: short: model 4 layers x d_model 64 ({run.model.num_parameters():,} parameters), "
+    )
     assert header.endswith(
         "1 process(es) on cpu, precision 32-true, micro-batch 4 x 128 tokens, global batch 8 -> 16 samples, "
         f"budget 6,144 tokens; output {tmp_path / 'run'}"
@@ -349,7 +366,8 @@ def test_the_run_header_says_what_the_run_will_do(text_folder, tmp_path):
 
 def test_plan_needs_a_device_count():
     with pytest.raises(
-        LitCBSConfigError, match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true"
+        LitCBSConfigError,
+        match=r"trainer.devices='auto' must be a number per node \(or a list of device ids\): plan=true",
     ):
         train.plan_of(compose_config("+recipe=olmo1b_warmup", "trainer.devices=auto"))
 

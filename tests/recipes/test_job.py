@@ -27,7 +27,10 @@ def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
     keys = job.setting_keys(cfg, "batch")
     assert keys["lr_rule"] == ("batch.lr_rule", None)
     assert keys["start"] == ("batch.schedule.start", None)  # nested: Seesaw's argument
-    assert keys["max_micro_batch_size"] == ("batch.max_micro_batch_size", "data.batch_size")  # a default from another key
+    assert keys["max_micro_batch_size"] == (
+        "batch.max_micro_batch_size",
+        "data.batch_size",
+    )  # a default from another key
     assert keys["lr_schedule"] == ("lr_schedule", None) and keys["min_lr_ratio"] == ("lr_schedule.min_lr_ratio", None)
     assert "_target_" not in keys
 
@@ -45,7 +48,8 @@ def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
         (
             ["val_check_tokens=0"],
             job.callbacks_of,
-            "callbacks.validation.every_tokens=0 (val_check_tokens) must be a positive int (tokens between validations)",
+            "callbacks.validation.every_tokens=0 (val_check_tokens) must be a positive int "
+            "(tokens between validations)",
         ),
         (["batch.lr_rule=bogus"], job.batch_warmup_of, "batch.lr_rule='bogus' is unknown; use one of"),
         # a message that names no argument of the group is led by the group's key
@@ -68,7 +72,10 @@ def test_an_error_already_naming_its_key_is_left_as_it_is():
 
 def test_run_errors_name_the_trainers_batch_and_callback_keys():
     cfg = compose_config()
-    message = "clip_rule='sqrt' scales Trainer(gradient_clip_val=None), which sets none; set gradient_clip_val or clip_rule=None"
+    message = (
+        "clip_rule='sqrt' scales Trainer(gradient_clip_val=None), which sets none; "
+        "set gradient_clip_val or clip_rule=None"
+    )
     assert job.name_the_run_keys(cfg, message) == (
         "batch.clip_rule='sqrt' scales Trainer(trainer.gradient_clip_val=None), which sets none; "
         "set trainer.gradient_clip_val or batch.clip_rule=None"
@@ -81,7 +88,9 @@ def test_a_second_batch_warmup_among_the_callbacks_is_refused():
     cfg = compose_config(
         "+callbacks.extra={_target_:lit_cbs.BatchWarmup,schedule:{_target_:lit_cbs.ConstantBatch,batch_size:16}}"
     )
-    with pytest.raises(LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"^callbacks.extra is a second BatchWarmup; set the run's one at batch\.\*"
+    ):
         job.callbacks_of(cfg)
 
 

@@ -72,7 +72,9 @@ def test_batch_cbs_and_noise_scale_metrics_and_the_cbs_curve_reach_every_logger(
     loggers = [
         CSVLogger(tmp_path, name="", version=""),
         TensorBoardLogger(tmp_path, name="tensorboard", version=""),
-        MLFlowLogger(experiment_name="lit_cbs", tracking_uri=tracking_uri, artifact_location=str(tmp_path / "mlartifacts")),
+        MLFlowLogger(
+            experiment_name="lit_cbs", tracking_uri=tracking_uri, artifact_location=str(tmp_path / "mlartifacts")
+        ),
         WandbLogger(project="lit_cbs", save_dir=str(tmp_path), offline=True),
     ]
     pl.seed_everything(0, verbose=False)
@@ -107,7 +109,12 @@ def test_batch_cbs_and_noise_scale_metrics_and_the_cbs_curve_reach_every_logger(
 @pytest.mark.slow
 def test_a_recipe_with_every_logger_sends_its_loss_throughput_and_figures_to_each(prepared, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = [*SHORT_RUN, "logger=[csv,tensorboard,mlflow,wandb]", f"data.path={prepared}", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        *SHORT_RUN,
+        "logger=[csv,tensorboard,mlflow,wandb]",
+        f"data.path={prepared}",
+        f"hydra.run.dir={run_dir}",
+    ]
     done = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "train.py"), *overrides],
         cwd=tmp_path,

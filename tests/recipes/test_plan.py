@@ -26,7 +26,9 @@ from lit_cbs.recipes.plan import ADAMW_STATE, GIB, ModelShape, OptimizerState, b
 from lit_cbs.rules.batch_schedules import micro_batch_for
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
-COUNTABLE = OLMoConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidden=8, context_length=4, tie_embeddings=False)
+COUNTABLE = OLMoConfig(
+    vocab_size=8, d_model=4, n_layers=1, n_heads=2, mlp_hidden=8, context_length=4, tie_embeddings=False
+)
 
 
 def test_countable_model_by_hand():
@@ -73,7 +75,12 @@ def test_countable_model_by_hand():
 
 
 def measured_step(
-    config: OLMoConfig, micro_batch: int, seq_len: int, autocast: bool, checkpointing: bool, optimizer_factory=torch.optim.AdamW
+    config: OLMoConfig,
+    micro_batch: int,
+    seq_len: int,
+    autocast: bool,
+    checkpointing: bool,
+    optimizer_factory=torch.optim.AdamW,
 ):
     """Bytes autograd saves for backward in one forward, and the bytes of parameters, gradients and
     optimizer state after a real optimizer step, on the CPU."""
@@ -110,14 +117,18 @@ def measured_step(
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
-    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=False)
+    config = OLMoConfig(
+        vocab_size=96, d_model=32, n_layers=3, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=False
+    )
     saved, parameters, gradients, state = measured_step(config, 3, 24, precision == "bf16-mixed", checkpointing)
     shape = ModelShape.measure(config)
     memory = device_memory(shape, 3, 24, precision, "single", 1, checkpointing)
     assert (memory.parameters, memory.gradients, memory.optimizer_state) == (parameters, gradients, state)
     # Autocast's weight copies are saved for backward too: the plan counts them as working buffers,
     # with checkpointing also the copies of the block being recomputed, which forward does not save.
-    autocast_copies = memory.working_buffers - (2 * shape.block_parameters if checkpointing and precision == "bf16-mixed" else 0)
+    autocast_copies = memory.working_buffers - (
+        2 * shape.block_parameters if checkpointing and precision == "bf16-mixed" else 0
+    )
     assert memory.activations + autocast_copies == saved
 
 
@@ -132,7 +143,9 @@ def test_memory_matches_real_allocation_on_cpu(precision, checkpointing):
 )
 def test_optimizer_state_is_measured_and_matches_real_allocation(optimizer, state):
     assert OptimizerState.measure(optimizer) == state
-    config = OLMoConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=True)
+    config = OLMoConfig(
+        vocab_size=96, d_model=32, n_layers=2, n_heads=4, mlp_hidden=80, context_length=64, tie_embeddings=True
+    )
     _, _, _, allocated = measured_step(config, 2, 16, autocast=False, checkpointing=False, optimizer_factory=optimizer)
     memory = device_memory(ModelShape.measure(config), 2, 16, "32-true", "single", 1, False, optimizer=state)
     assert memory.optimizer_state == allocated
@@ -161,10 +174,23 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         value.nbytes for states, _ in taken.optimizers for state in states.values() for value in state.values()
     )
     probe = CBSProbeCallback(
-        at_tokens=[64, 640], window_tokens=256, multipliers=[1, 2, 4], search="bisect", evaluate="heldout", heldout_batches=2
+        at_tokens=[64, 640],
+        window_tokens=256,
+        multipliers=[1, 2, 4],
+        search="bisect",
+        evaluate="heldout",
+        heldout_batches=2,
     )
     plan = probe_plan(
-        probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+        probe,
+        ModelShape.measure(config),
+        "32-true",
+        "single",
+        1,
+        micro_batch=4,
+        val_micro_batch=4,
+        seq_len=16,
+        max_tokens=1024,
     )
     assert plan.snapshot_bytes == real
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
@@ -182,7 +208,15 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         early_stop=[0.5],
     )
     plan = probe_plan(
-        probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+        probe,
+        ModelShape.measure(config),
+        "32-true",
+        "single",
+        1,
+        micro_batch=4,
+        val_micro_batch=4,
+        seq_len=16,
+        max_tokens=1024,
     )
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
     # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
@@ -196,7 +230,15 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         replicates=2,
     )
     plan = probe_plan(
-        probe, ModelShape.measure(config), "32-true", "single", 1, micro_batch=4, val_micro_batch=4, seq_len=16, max_tokens=1024
+        probe,
+        ModelShape.measure(config),
+        "32-true",
+        "single",
+        1,
+        micro_batch=4,
+        val_micro_batch=4,
+        seq_len=16,
+        max_tokens=1024,
     )
     assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 
@@ -240,7 +282,11 @@ def test_batch_phases_with_a_growing_micro_batch_match_a_real_run():
 
 def test_plan_grows_the_cluster_with_the_batch_and_says_how(tmp_path):
     cfg = compose_config(
-        "+recipe=olmo1b_warmup", "plan=true", "trainer.devices=8", "plan_for.max_devices=32", "plan_for.min_micro_batch_size=8"
+        "+recipe=olmo1b_warmup",
+        "plan=true",
+        "trainer.devices=8",
+        "plan_for.max_devices=32",
+        "plan_for.min_micro_batch_size=8",
     )
     plan = train.plan_of(cfg)
     assert [(p.ranks, p.micro_batch, p.accumulate) for p in plan.cluster] == [(8, 8, 16), (16, 8, 16), (32, 8, 16)]
@@ -264,8 +310,12 @@ def test_plan_grows_the_cluster_with_the_batch_and_says_how(tmp_path):
 
 def test_plan_on_the_cpu_grows_the_cluster_without_made_up_times():
     report = train.plan_of(compose_config("plan=true", "plan_for.max_devices=2")).report()
-    assert "wall time        not estimated on cpu" in report and "TFLOP/s" not in report and "device-hours" not in report
-    assert "gpu_memory_gib=80" not in report and "plan_for.gpu_memory_gib applies to GPUs only" in report  # no GPU limit on a CPU
+    assert (
+        "wall time        not estimated on cpu" in report and "TFLOP/s" not in report and "device-hours" not in report
+    )
+    assert (
+        "gpu_memory_gib=80" not in report and "plan_for.gpu_memory_gib applies to GPUs only" in report
+    )  # no GPU limit on a CPU
     commands = [line.strip() for line in report.splitlines() if line.strip().startswith("torchrun")]
     assert commands[1] == (
         "torchrun --nnodes 2 --nproc_per_node 1 recipes/train.py +recipe=tiny_warmup trainer.num_nodes=2 "
@@ -286,7 +336,11 @@ def test_plan_of_olmo7b_reads_no_data_and_warns_what_does_not_fit(tmp_path):
     lines = plan.report().splitlines()
     assert plan.shape.parameters == 6_888_095_744
     # The table: 1024 -> 2048 -> 4096 sequences, micro-batch 4 on 8 GPUs, LR x sqrt(2) per doubling.
-    assert [(p.global_batch, p.micro_batch, p.accumulate) for p in plan.phases] == [(1024, 4, 32), (2048, 4, 64), (4096, 4, 128)]
+    assert [(p.global_batch, p.micro_batch, p.accumulate) for p in plan.phases] == [
+        (1024, 4, 32),
+        (2048, 4, 64),
+        (4096, 4, 128),
+    ]
     assert [p.lr_factor for p in plan.phases] == pytest.approx([1, 2**0.5, 2])
     assert any(line.startswith("WARNING:") and "set model.activation_checkpointing=true" in line for line in lines)
     assert not (tmp_path / "cache").exists()
@@ -298,7 +352,9 @@ def test_gpu_recipe_without_gpu_fails_before_data_work(tmp_path):
     texts.mkdir()
     (texts / "a.txt").write_text("some text " * 100)
     cfg = compose_config("+recipe=olmo1b_warmup", f"data.input_dir={texts}", f"data.cache_dir={tmp_path / 'cache'}")
-    with pytest.raises(LitCBSConfigError, match="^trainer.accelerator=gpu but this machine has no CUDA GPU; add plan=true"):
+    with pytest.raises(
+        LitCBSConfigError, match="^trainer.accelerator=gpu but this machine has no CUDA GPU; add plan=true"
+    ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
 
@@ -339,14 +395,19 @@ def test_the_plan_moves_beta2_change_by_change_as_the_run_does():
 
 def test_side_job_probes_are_planned_apart_from_the_run_that_does_not_wait_for_them():
     in_process = train.plan_of(compose_config("+recipe=olmo1b_cbs_probe", "plan=true", "trainer.devices=8"))
-    side = train.plan_of(compose_config("+recipe=olmo1b_cbs_probe", "plan=true", "trainer.devices=8", "side_jobs=slurm"))
+    side = train.plan_of(
+        compose_config("+recipe=olmo1b_cbs_probe", "plan=true", "trainer.devices=8", "side_jobs=slurm")
+    )
     alone = side._seconds(side.tokens, side.processes)
     # The in-process probe's branches pause the run; side jobs' do not, and their device-hours are said apart.
     assert side.wall_seconds == pytest.approx(alone) and in_process.wall_seconds > 1.3 * alone
     assert side.probe_device_hours == pytest.approx(in_process.probe_device_hours) and side.probe_device_hours > 1000
     report, waiting = side.report(), in_process.report()
     hours = f"{side.probe_device_hours:,.0f} device-hours"
-    assert f"as side jobs (SlurmLauncher): the branches train on {hours} beside the main run, which does not wait" in report
+    assert (
+        f"as side jobs (SlurmLauncher): the branches train on {hours} beside the main run, which does not wait"
+        in report
+    )
     assert "(the main run alone: side-job probes do not pause it)" in report
     assert "for its in-process probes" in waiting and "as side jobs" not in waiting
     # No snapshots or recorded window in the run's host memory: only the held-out batches it scores itself on.

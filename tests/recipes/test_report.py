@@ -37,7 +37,8 @@ def fit_a_run(folder: Path) -> tuple[pl.Trainer, BatchWarmup]:
     probe = CBSProbeCallback(every_tokens=80, multipliers=(1, 2), window_tokens=64, output_dir=folder)
     logger = CSVLogger(folder, name="", version="")
     trainer = pl.Trainer(
-        callbacks=[warmup, probe, GradientNoiseScale()], **trainer_kwargs(max_epochs=2, logger=logger, log_every_n_steps=1)
+        callbacks=[warmup, probe, GradientNoiseScale()],
+        **trainer_kwargs(max_epochs=2, logger=logger, log_every_n_steps=1),
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -147,7 +148,9 @@ def test_the_command_refuses_a_folder_without_metrics(tmp_path, capsys):
     assert "has no metrics.csv: give the folder of a run logged with the CSV logger" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (.ci/run installs Debian's chromium package where apt-get can)")
+@pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium here (.ci/run installs Debian's chromium package where apt-get can)"
+)
 def test_a_headless_browser_loads_the_page_without_errors_and_shows_each_figure(run_dir, tmp_path):
     path = write_report(run_dir, tmp_path / "report.html")
     done = subprocess.run(

@@ -65,7 +65,9 @@ def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def torchrun_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run([*TORCHRUN_TRAIN, *SMALL_RUN, *CPU_PROCESSES, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    return run(
+        [*TORCHRUN_TRAIN, *SMALL_RUN, *CPU_PROCESSES, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent
+    )
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,9 @@ def test_run_outputs(first_run):
     run_dir, _, stdout = first_run
     metrics = read_metrics_csv(run_dir / "metrics.csv")
     assert {"train/loss", "val/loss", "tokens_seen", "batch/global_size", "lr", "perf/tokens_per_s"} <= set(metrics)
-    assert list(metrics["tokens_seen"][1]) == [1024.0 * (k + 1) for k in range(4)] + [4096.0 + 2048 * k for k in range(1, 5)]
+    assert list(metrics["tokens_seen"][1]) == [1024.0 * (k + 1) for k in range(4)] + [
+        4096.0 + 2048 * k for k in range(1, 5)
+    ]
     assert list(metrics["batch/global_size"][1]) == [8.0] * 4 + [16.0] * 4  # each row: the batch of its own step
     history = json.loads((run_dir / "batch_history.json").read_text())
     assert [(c["step"], c["new_global_batch"]) for c in history["changes"]] == [(4, 16)]
@@ -102,12 +106,20 @@ def test_run_outputs(first_run):
     assert (run_dir / "loss_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
     probes = [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines()]
     # The first window spans the batch change, so the main run is no k=1 baseline: k=1 is trained.
-    assert [(p["tokens"], p["batch_size"], p["branches_trained"]) for p in probes] == [(2048, 8, [1.0, 2.0]), (8192, 16, [2.0])]
+    assert [(p["tokens"], p["batch_size"], p["branches_trained"]) for p in probes] == [
+        (2048, 8, [1.0, 2.0]),
+        (8192, 16, [2.0]),
+    ]
     assert (run_dir / "cbs_curve.png").read_bytes()[:4] == b"\x89PNG"
     # report.html embeds those, and its own wall-clock figure, drawn into the run folder.
     assert 'data-figures="4"' in (run_dir / "report.html").read_text() and (run_dir / "wall_clock.png").is_file()
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert (summary["tokens"], summary["optimizer_steps"], summary["first_batch"], summary["final_batch"]) == (12288, 8, 8, 16)
+    assert (summary["tokens"], summary["optimizer_steps"], summary["first_batch"], summary["final_batch"]) == (
+        12288,
+        8,
+        8,
+        16,
+    )
     assert summary["batch_changes"] == [
         {"step": 4, "tokens": 4096, "old": 8, "new": 16, "lr_factor": 2**0.5, "micro_batch_size": 16, "accumulate": 1}
     ]
@@ -150,7 +162,8 @@ def test_a_run_that_prepares_its_data_equals_a_run_that_finds_it_prepared(first_
     for name in ("train/loss", "val/loss"):
         assert first[name][1].tolist() == second[name][1].tolist(), name
     prepared_weights, cached_weights = (
-        torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"] for folder in (run_dir, cached)
+        torch.load(folder / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+        for folder in (run_dir, cached)
     )
     assert prepared_weights.keys() == cached_weights.keys()
     assert all(torch.equal(prepared_weights[key], cached_weights[key]) for key in prepared_weights)
@@ -195,7 +208,10 @@ def test_a_sweep_goes_on_past_a_failing_job(first_run, tmp_path):
     assert result.returncode == 1  # the sweep reports the failed job once all jobs ran
     failed = tmp_path / "0_tiny_warmup_data.batch_size=5"
     done = tmp_path / "1_tiny_warmup_data.batch_size=4"
-    assert "error: global batch (batch.schedule) 8 is not a multiple of micro-batch 5" in (failed / "train.log").read_text()
+    assert (
+        "error: global batch (batch.schedule) 8 is not a multiple of micro-batch 5"
+        in (failed / "train.log").read_text()
+    )
     assert json.loads((done / "summary.json").read_text())["optimizer_steps"] == 8
     log = (done / "train.log").read_text()
     assert "BatchWarmup: global batch 8 -> 16 samples" in log and "lit_cbs: tiny_warmup done" in log
@@ -205,7 +221,9 @@ def test_configuration_error_is_one_line_and_leaves_no_folder(tmp_path):
     result = started_in(tmp_path, "model.config.preset=olmo_3b")
     assert result.returncode == 1  # the last line on stderr names the key, the value and the choices
     assert (
-        result.stderr.strip().splitlines()[-1].startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: model.config: unknown model preset 'olmo_3b'; known presets: ")
     )
     assert list(tmp_path.iterdir()) == []  # no outputs/tiny_warmup/<date>/ with Hydra's files and a log of the error
 
@@ -242,14 +260,18 @@ def test_a_plan_writes_nothing_and_a_conf_folder_of_your_own_holds_your_options(
     # batch=mine from ./conf/batch/mine.yaml, where the user runs; plan=true leaves no folder behind.
     (tmp_path / "conf" / "batch").mkdir(parents=True)
     mine = (
-        (ROOT / "conf" / "batch" / "warmup.yaml").read_text().replace("batch_sizes: [16, 32, 64]", "batch_sizes: [16, 32, 128]")
+        (ROOT / "conf" / "batch" / "warmup.yaml")
+        .read_text()
+        .replace("batch_sizes: [16, 32, 64]", "batch_sizes: [16, 32, 128]")
     )
     assert mine != (ROOT / "conf" / "batch" / "warmup.yaml").read_text()
     (tmp_path / "conf" / "batch" / "mine.yaml").write_text(mine)
     result = started_in(tmp_path, "plan=true", "batch=mine")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [
-        line.split() for line in result.stdout.splitlines() + result.stderr.splitlines() if line.strip().startswith("2,523,136")
+        line.split()
+        for line in result.stdout.splitlines() + result.stderr.splitlines()
+        if line.strip().startswith("2,523,136")
     ]
     assert rows and rows[0][2] == "128"  # the phase from 2,523,136 tokens trains at batch 128: the option was read
     assert sorted(path.name for path in tmp_path.iterdir()) == ["conf"]  # no outputs/ folder, no .hydra, no train.log

@@ -122,7 +122,10 @@ def test_seesaw_stops_at_its_cap_and_a_step_decay_past_two_levels_grows_once():
     assert Seesaw(cosine, start=8, max_batch_size=40).batch_sizes == [8, 16, 32]  # 64 > 40
     step = StepDecay(0, [300, 600], total_tokens=1000, gamma=0.25)
     seesaw = Seesaw(step, start=8, max_batch_size=64)
-    assert (seesaw.batch_sizes, seesaw.thresholds) == ([8, 32, 64], [0, 300, 600])  # 1/4 at once, then 1/8 (1/16 over the cap)
+    assert (seesaw.batch_sizes, seesaw.thresholds) == (
+        [8, 32, 64],
+        [0, 300, 600],
+    )  # 1/4 at once, then 1/8 (1/16 over the cap)
 
 
 @pytest.mark.parametrize(

@@ -102,10 +102,14 @@ def test_a_loss_jump_after_the_increase_is_reverted_once_exactly(tmp_path):
     assert warmup.guard.hold_until == 96 + 100_000
     rows = rows_of(tmp_path / "run" / "version_0" / "metrics.csv")
     # The decision's own row (step 39, the window's last step) holds the verdict although 39 % 5 != 4.
-    assert rows[39]["batch/guard_rise"] == pytest.approx(verdict.rise) and rows[39]["batch/guard_threshold"] == pytest.approx(
-        verdict.threshold
-    )
-    assert [(rows[s]["batch/global_size"], rows[s]["batch/guard_reverts"]) for s in (34, 39, 44)] == [(4, 0), (4, 0), (2, 1)]
+    assert rows[39]["batch/guard_rise"] == pytest.approx(verdict.rise) and rows[39][
+        "batch/guard_threshold"
+    ] == pytest.approx(verdict.threshold)
+    assert [(rows[s]["batch/global_size"], rows[s]["batch/guard_reverts"]) for s in (34, 39, 44)] == [
+        (4, 0),
+        (4, 0),
+        (2, 1),
+    ]
 
 
 class SpikeOnLargeMicroBatches(SpikeAfterIncrease):
@@ -181,7 +185,11 @@ def test_a_run_resumed_around_a_revert_continues_bit_for_bit(tmp_path, epoch):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     full = warmup()
     _, full_module = fit(full, epochs=4, callbacks=[checkpoint], enable_checkpointing=True, gradient_clip_val=0.5)
-    assert [(c.cause, c.samples_seen) for c in full.history][:3] == [("schedule", 64), ("guard", 128), ("schedule", 228)]
+    assert [(c.cause, c.samples_seen) for c in full.history][:3] == [
+        ("schedule", 64),
+        ("guard", 128),
+        ("schedule", 228),
+    ]
     resumed = warmup()
     _, resumed_module = fit(resumed, epochs=4, ckpt_path=tmp_path / f"epoch={epoch}.ckpt", gradient_clip_val=0.5)
     assert torch.equal(resumed_module.layer.weight, full_module.layer.weight)
@@ -195,7 +203,9 @@ def test_a_run_resumed_around_a_revert_continues_bit_for_bit(tmp_path, epoch):
 def test_clip_rule_scales_gradient_clipping_and_a_revert_restores_it(tmp_path):
     logger = CSVLogger(tmp_path, name="run", version=0)
     kept = BatchWarmup(PiecewiseBatch([2, 4, 8], [0, 32, 96], unit="samples"), clip_rule="sqrt")
-    _, module = fit(kept, module=SpikeAfterIncrease(jump=0.0), gradient_clip_val=0.5, logger=logger, log_every_n_steps=1)
+    _, module = fit(
+        kept, module=SpikeAfterIncrease(jump=0.0), gradient_clip_val=0.5, logger=logger, log_every_n_steps=1
+    )
     first, second = (c.step for c in kept.history)
     expected = (
         [0.5] * first
@@ -237,7 +247,11 @@ def test_a_reverted_cbs_adaptive_doubling_is_withdrawn():
     warmup = BatchWarmup(schedule, lr_rule="linear", guard={"hold": 64})
     fit(warmup, callbacks=[DoubleWhenTold([64, 200])], epochs=3)
     increase, revert, again = warmup.history[:3]
-    assert [(c.new_global_batch, c.cause) for c in (increase, revert, again)] == [(4, "schedule"), (2, "guard"), (4, "schedule")]
+    assert [(c.new_global_batch, c.cause) for c in (increase, revert, again)] == [
+        (4, "schedule"),
+        (2, "guard"),
+        (4, "schedule"),
+    ]
     assert revert.samples_seen + 64 < 200 <= again.requested_at_samples
     assert [c.cause for c in warmup.history] == ["schedule", "guard"] * 2
     assert schedule.decisions == [] and warmup.global_batch == 2
@@ -266,16 +280,24 @@ def test_guard_settings_read_from_a_dict_and_defaults():
     defaults = BatchGuard.from_setting(True).config
     assert (defaults.watch_span, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
     assert (defaults.noise_multiple, defaults.min_threshold, defaults.min_steps) == (2.0, 0.05, 8)
-    assert BatchGuard.from_setting({"watch_span": 1_000, "threshold": 0.1}).config == GuardConfig(watch_span=1_000, threshold=0.1)
+    assert BatchGuard.from_setting({"watch_span": 1_000, "threshold": 0.1}).config == GuardConfig(
+        watch_span=1_000, threshold=0.1
+    )
 
 
 @pytest.mark.parametrize(
     "settings, match",
     [
-        ({"watch_span": 0}, r"^guard.watch_span=0 must be a positive int or None \(samples or tokens, the schedule's unit\)$"),
+        (
+            {"watch_span": 0},
+            r"^guard.watch_span=0 must be a positive int or None \(samples or tokens, the schedule's unit\)$",
+        ),
         ({"fit": 2.5}, r"^guard.fit=2.5 must be a positive int or None"),
         ({"hold": -1}, r"^guard.hold=-1 must be a positive int or None"),
-        ({"threshold": float("nan")}, r"^guard.threshold=nan must be a finite number > 0 or None \(nats of training loss\)$"),
+        (
+            {"threshold": float("nan")},
+            r"^guard.threshold=nan must be a finite number > 0 or None \(nats of training loss\)$",
+        ),
         ({"noise_multiple": 0}, r"^guard.noise_multiple=0 must be a finite number > 0 \(standard deviations"),
         ({"min_threshold": -0.1}, r"^guard.min_threshold=-0.1 must be a finite number > 0 \(nats"),
         ({"min_steps": 2}, r"^guard.min_steps=2 must be >= 3 \(a line through 2 points has no residual spread\)$"),
@@ -290,7 +312,11 @@ def test_a_guard_config_is_the_guard_setting_and_keyword_arguments_build_one():
     config = lit_cbs.GuardConfig(watch_span=64, hold=100)
     warmup = BatchWarmup(SCHEDULE, guard=config)
     assert warmup.guard.config is config
-    assert BatchGuard(watch_span=64, hold=100).config == config == BatchGuard.from_setting({"watch_span": 64, "hold": 100}).config
+    assert (
+        BatchGuard(watch_span=64, hold=100).config
+        == config
+        == BatchGuard.from_setting({"watch_span": 64, "hold": 100}).config
+    )
     with pytest.raises(TypeError, match=r"give config= or settings \(hold\), not both"):
         BatchGuard(config, hold=5)
 
@@ -321,7 +347,11 @@ def test_the_restore_of_a_watched_increase_round_trips_through_the_checkpoint(tm
     assert loaded.state_dict() == warmup.guard.state_dict()
     restore = loaded._watch.restore
     assert isinstance(restore, RevertRestore) and restore == warmup.guard._watch.restore
-    assert (restore.lr_factor, restore.lr_factor_of_change, restore.clip_factor_of_change) == (1.0, pytest.approx(2**0.5), 1.0)
+    assert (restore.lr_factor, restore.lr_factor_of_change, restore.clip_factor_of_change) == (
+        1.0,
+        pytest.approx(2**0.5),
+        1.0,
+    )
     assert restore.optimizer_settings == [[{"weight_decay": 0}]]  # the toy's SGD: one optimizer, one param group
 
 
@@ -335,7 +365,9 @@ def test_a_watch_saved_before_the_watch_span_was_named_loads():
     assert guard.revert_to == 2 and guard.mark_reverted(24) == RevertRestore(1.0, 1.0, 2.0, 1.5, None)
 
 
-@pytest.mark.parametrize("clip_rule, match", [("cubic", r"clip_rule='cubic' is unknown"), (3, r"clip_rule must be one of")])
+@pytest.mark.parametrize(
+    "clip_rule, match", [("cubic", r"clip_rule='cubic' is unknown"), (3, r"clip_rule must be one of")]
+)
 def test_unknown_clip_rule_fails_at_construction(clip_rule, match):
     with pytest.raises(LitCBSConfigError, match=match):
         BatchWarmup(SCHEDULE, clip_rule=clip_rule)
@@ -343,7 +375,9 @@ def test_unknown_clip_rule_fails_at_construction(clip_rule, match):
 
 def test_clip_rule_without_gradient_clipping_fails_before_training():
     module = SpikeAfterIncrease()
-    with pytest.raises(LitCBSConfigError, match=r"clip_rule='sqrt'.*gradient_clip_val=None\) sets none: set gradient_clip_val"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"clip_rule='sqrt'.*gradient_clip_val=None\) sets none: set gradient_clip_val"
+    ):
         fit(BatchWarmup(SCHEDULE, clip_rule="sqrt"), module=module)
     assert not module.steps
     fit(BatchWarmup(ConstantBatch(2), clip_rule="none"), module=module, epochs=1)  # "none": no threshold needed

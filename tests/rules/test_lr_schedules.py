@@ -92,7 +92,8 @@ def test_token_scheduler_refuses_to_step_blind():
     scheduler = TokenLRScheduler(optimizer, CosineSchedule(10, 100))
     optimizer.step()
     with pytest.raises(
-        LitCBSConfigError, match=r"add lit_cbs.BatchWarmup \(a growing batch\) or lit_cbs.BatchAccounting\(seq_len=...\)"
+        LitCBSConfigError,
+        match=r"add lit_cbs.BatchWarmup \(a growing batch\) or lit_cbs.BatchAccounting\(seq_len=...\)",
     ):
         scheduler.step()
 
@@ -112,7 +113,9 @@ def test_batch_accounting_alone_feeds_the_token_scheduler_of_a_fixed_batch_run()
     )
     # Step i trains at the LR of the tokens before it: 4 samples x 3 tokens per step.
     assert [step["lr"] for step in module.steps] == pytest.approx([0.05 * schedule(12 * i) for i in range(10)])
-    with pytest.raises(LitCBSConfigError, match="tokens_seen was never set"):  # no lit_cbs callback: the first step says so
+    with pytest.raises(
+        LitCBSConfigError, match="tokens_seen was never set"
+    ):  # no lit_cbs callback: the first step says so
         pl.Trainer(**trainer_kwargs(max_steps=10)).fit(
             RegressionModule(scheduler_factory=module.scheduler_factory), RegressionData(n=96, batch_size=4)
         )

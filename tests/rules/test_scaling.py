@@ -19,7 +19,8 @@ from lit_cbs.rules.scaling import (
 
 
 @pytest.mark.parametrize(
-    "name, ratio, factor", [("sqrt", 4, 2.0), ("linear", 4, 4.0), ("none", 4, 1.0), ("adam_sde", 4, 2.0), ("sqrt", 0.25, 0.5)]
+    "name, ratio, factor",
+    [("sqrt", 4, 2.0), ("linear", 4, 4.0), ("none", 4, 1.0), ("adam_sde", 4, 2.0), ("sqrt", 0.25, 0.5)],
 )
 def test_named_rules(name, ratio, factor):
     assert get_lr_rule(name).factor(ratio) == pytest.approx(factor)
@@ -75,7 +76,9 @@ def test_adam_sde_limit_is_the_smallest_over_param_groups():
 
 def test_adam_sde_refuses_an_optimizer_without_betas():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-    with pytest.raises(LitCBSConfigError, match=r"^CBSProbeCallback\(lr_rule='adam_sde'\): .*needs an Adam-type optimizer"):
+    with pytest.raises(
+        LitCBSConfigError, match=r"^CBSProbeCallback\(lr_rule='adam_sde'\): .*needs an Adam-type optimizer"
+    ):
         get_lr_rule("adam_sde").check_ratios(optimizer, [], [2], ADAM_SDE)
 
 
@@ -153,7 +156,9 @@ SCHEDULERS = {
     "ChainedScheduler": lambda o: sched.ChainedScheduler(
         [sched.ConstantLR(o, factor=0.5, total_iters=4), sched.ExponentialLR(o, gamma=0.9)]
     ),
-    "TokenWSD": lambda o: TokenLRScheduler(o, WarmupStableDecay(warmup_tokens=500, total_tokens=3000, decay_tokens=1000)),
+    "TokenWSD": lambda o: TokenLRScheduler(
+        o, WarmupStableDecay(warmup_tokens=500, total_tokens=3000, decay_tokens=1000)
+    ),
     "TokenCosine": lambda o: TokenLRScheduler(o, CosineSchedule(warmup_tokens=500, total_tokens=3000)),
 }
 

@@ -100,7 +100,9 @@ def test_probe_branches_train_with_the_rules_of_their_batch_and_leave_the_run_al
     assert probe.history and probed.settings == plain.settings
     assert torch.equal(probed.layer.weight, plain.layer.weight)
     expected = {(LR * math.sqrt(k), WD * k / math.sqrt(k), BETA2**k) for k in (1, 2, 4)}
-    assert {tuple(round(v, 12) for v in s) for s in probed.branch_settings} == {tuple(round(v, 12) for v in s) for s in expected}
+    assert {tuple(round(v, 12) for v in s) for s in probed.branch_settings} == {
+        tuple(round(v, 12) for v in s) for s in expected
+    }
 
 
 def test_the_beta2_floor_holds_in_the_run_and_in_every_branch_and_is_said_once_by_each(tmp_path):

@@ -33,7 +33,9 @@ def main(outdir: Path, processes: int, ckpt_path: str | None) -> None:
     pl.seed_everything(0, verbose=False)
     module = FactoredRegression()
     warmup = BatchWarmup(SCHEDULE, lr_rule="sqrt", max_micro_batch_size=4)
-    checkpoint = ModelCheckpoint(dirpath=outdir / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    checkpoint = ModelCheckpoint(
+        dirpath=outdir / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+    )
     strategy = ModelParallelStrategy(data_parallel_size=processes, tensor_parallel_size=1)
     trainer = pl.Trainer(
         callbacks=[warmup, checkpoint],

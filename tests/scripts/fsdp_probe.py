@@ -44,7 +44,9 @@ def main(out: Path, what: str, ckpt: str | None, processes: int) -> None:
     run = parts(processes)
     if what == "train":
         probe = CBSProbeCallback(at_tokens=[64], **SETTINGS)
-        checkpoints = FinalStateCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+        checkpoints = FinalStateCheckpoint(
+            dirpath=out / "checkpoints", every_n_train_steps=1, save_top_k=-1, filename="{step}"
+        )
         callbacks = [*run.callbacks, probe, checkpoints]
         trainer = pl.Trainer(**{**run.trainer, "callbacks": callbacks, "max_steps": 6, "enable_checkpointing": True})
         with warnings.catch_warnings():

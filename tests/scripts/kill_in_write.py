@@ -98,7 +98,9 @@ def main() -> None:
         extra = {"devices": 2, "strategy": strategy, "max_steps": 10}
     else:
         module = RegressionModule(lr=0.05, optimizer="adam")
-        warmup = BatchWarmup(PiecewiseBatch([4, 8], [0, 40], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4, seq_len=4)
+        warmup = BatchWarmup(
+            PiecewiseBatch([4, 8], [0, 40], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4, seq_len=4
+        )
         probe = CBSProbeCallback(at_tokens=[48], multipliers=(1, 2), window_tokens=64)
         extra = {"max_steps": 14}
     callbacks = [warmup, checkpoint] + ([probe] if probe is not None else [])
@@ -108,7 +110,9 @@ def main() -> None:
         trainer.fit(module, datamodule=GlobalOrderRegressionData(n=48, batch_size=2), ckpt_path=ckpt_path)
     # Gathering a DTensor is a collective: every rank gathers, rank 0 saves.
     weights = {name: gathered(p) for name, p in module.named_parameters()}
-    optimizer = [{key: gathered(value) for key, value in state.items()} for state in trainer.optimizers[0].state.values()]
+    optimizer = [
+        {key: gathered(value) for key, value in state.items()} for state in trainer.optimizers[0].state.values()
+    ]
     if trainer.global_rank == 0:
         result = {
             "resumed_from": str(ckpt_path) if ckpt_path else None,

@@ -1,5 +1,6 @@
 """A map-style dataset through GlobalOrderLoader, BatchWarmup growing the micro-batch, a CBS probe and a
-checkpoint every 3 steps (none inside the probe window); SIGKILL mid-epoch and resume from the last checkpoint (tests/data/test_loader.py).
+checkpoint every 3 steps (none inside the probe window); SIGKILL mid-epoch and resume from the last
+checkpoint (tests/data/test_loader.py).
 
     python kill_resume.py OUT                  # the uninterrupted run
     python kill_resume.py OUT --kill-at N      # SIGKILL itself after its N-th micro-batch
@@ -60,7 +61,9 @@ def main() -> None:
         PiecewiseBatch([4, 8, 16], [0, 40, 120], unit="samples"), lr_rule="sqrt", max_micro_batch_size=4, seq_len=4
     )
     probe = CBSProbeCallback(at_tokens=[200], multipliers=(1, 2), window_tokens=128)
-    checkpoint = FinalStateCheckpoint(dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    checkpoint = FinalStateCheckpoint(
+        dirpath=args.out / "checkpoints", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+    )
     callbacks = [warmup, probe, checkpoint] + ([KillAt(args.kill_at)] if args.kill_at else [])
     trainer = pl.Trainer(**trainer_kwargs(max_epochs=2, enable_checkpointing=True, callbacks=callbacks))
     module = RegressionModule(lr=0.05, optimizer="adam")

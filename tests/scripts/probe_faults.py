@@ -36,7 +36,9 @@ class FaultOnRank1(RegressionModule):
         self.mode = mode
 
     def training_step(self, batch, batch_idx):
-        in_k4_branch = BatchAccounting.attach(self.trainer).in_branch and self.optimizers().param_groups[0]["lr"] > 1.9 * LR
+        in_k4_branch = (
+            BatchAccounting.attach(self.trainer).in_branch and self.optimizers().param_groups[0]["lr"] > 1.9 * LR
+        )
         if self.mode != "none" and in_k4_branch and self.global_rank == 1:
             if self.mode == "oom":
                 raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes (forced)")
@@ -64,7 +66,9 @@ def main(outdir: Path, mode: str) -> None:
     probe = CBSProbeCallback(every_tokens=256, multipliers=(1, 2, 4), window_tokens=128, search="grid")
     callbacks = [BatchWarmup(ConstantBatch(8), seq_len=4), probe, SaveRankResult(outdir)]
     pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(strategy="ddp", devices=2, max_epochs=2, default_root_dir=outdir))
+    trainer = pl.Trainer(
+        callbacks=callbacks, **trainer_kwargs(strategy="ddp", devices=2, max_epochs=2, default_root_dir=outdir)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(FaultOnRank1(mode), RegressionData(n=96, batch_size=2))

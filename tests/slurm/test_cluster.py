@@ -131,7 +131,9 @@ def test_the_recipe_on_two_nodes_and_a_run_grown_from_one_node_to_two(slurm_clus
     assert first.returncode == 0, first.stderr
     first_job = first.stdout.strip().rsplit(" ", 1)[-1]
     second_command = phases[1].replace("sbatch ", "sbatch --parsable ", 1).replace("<the previous job's id>", first_job)
-    second_job = subprocess.run(second_command, shell=True, capture_output=True, text=True, env=env, cwd=tmp_path).stdout.strip()
+    second_job = subprocess.run(
+        second_command, shell=True, capture_output=True, text=True, env=env, cwd=tmp_path
+    ).stdout.strip()
     # The same recipe on one process, here.
     cfg = compose_config(*SHORT, data, output_dir=str(tmp_path / "one"))
     run = train_script.build_run(cfg)
@@ -150,7 +152,10 @@ def test_the_recipe_on_two_nodes_and_a_run_grown_from_one_node_to_two(slurm_clus
     assert batch_changes(phase2) == batch_changes(tmp_path / "ddp")
     assert json.loads((phase2 / "summary.json").read_text())["tokens"] == 12288
     # Every sample trained as often as in the uninterrupted run on two nodes: the phases together read the same.
-    assert sample_counts(samples, "phases") == sample_counts(samples, "ddp") and sum(sample_counts(samples, "ddp").values()) == 96
+    assert (
+        sample_counts(samples, "phases") == sample_counts(samples, "ddp")
+        and sum(sample_counts(samples, "ddp").values()) == 96
+    )
 
 
 PROBED = [
@@ -210,7 +215,9 @@ def test_preempted_inside_a_probe_and_requeued_by_its_signal_a_run_ends_as_the_u
             assert all(torch.equal(state["state"][index][key], value) for key, value in tensors.items())
 
 
-def test_a_sweep_through_the_submitit_launcher_runs_on_the_cluster_and_fit_es_fits_it(slurm_cluster, prepared, tmp_path):
+def test_a_sweep_through_the_submitit_launcher_runs_on_the_cluster_and_fit_es_fits_it(
+    slurm_cluster, prepared, tmp_path
+):
     env = job_env(slurm_cluster)
     sweep = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "train.py"), "-m", "hydra/launcher=slurm", "+recipe=tiny_es_sweep",
@@ -242,7 +249,9 @@ def probed_run(run_dir: Path, prepared: Path, *overrides: str):
     return [json.loads(line) for line in (run_dir / "cbs_probe.jsonl").read_text().splitlines()]
 
 
-def test_probe_branches_as_slurm_side_jobs_read_what_the_in_process_probe_reads(slurm_cluster, prepared, tmp_path, monkeypatch):
+def test_probe_branches_as_slurm_side_jobs_read_what_the_in_process_probe_reads(
+    slurm_cluster, prepared, tmp_path, monkeypatch
+):
     for key, value in job_env(slurm_cluster).items():  # submitit submits from this process
         monkeypatch.setenv(key, value)
     threads = torch.get_num_threads()
@@ -261,4 +270,6 @@ def test_probe_branches_as_slurm_side_jobs_read_what_the_in_process_probe_reads(
             expected["tokens"], expected["losses"], expected["batch_losses"], expected["k_star"]
         )  # fmt: skip
     job_logs = list((tmp_path / "side" / "cbs_probe_jobs").rglob("*_log.out"))
-    assert len(job_logs) == 2 and all("Starting with JobEnvironment" in log.read_text() for log in job_logs)  # SLURM jobs
+    assert len(job_logs) == 2 and all(
+        "Starting with JobEnvironment" in log.read_text() for log in job_logs
+    )  # SLURM jobs

@@ -6,11 +6,11 @@ start; with a ``GlobalOrderLoader`` it holds the data position too, so the windo
 side job (``python -m lit_cbs.probe.side_jobs JOB.json``, the program in this package's ``__main__.py``) rebuilds
 the run (``SideJobs.build``), resumes it from the checkpoint on its own processes or devices, and trains the
 branches there (``CheckpointProbe``); it writes each measured k's score to ``scores.json``. With
-``search="bisect"`` the main run's own score over the window stands in for k = 1: the job trains the first midpoint while the main run trains its window, then waits for the
-main run's score (``main_score.json``, written when its window ends) to steer the bisection. The main run looks
-for results after every optimizer step; when they arrive it decides the reading (the same rule as in process),
-logs it at its probe point, appends it to ``cbs_probe.jsonl`` and feeds ``CBSAdaptive``, which changes the batch
-at the next step it can.
+``search="bisect"`` the main run's own score over the window stands in for k = 1: the job trains the first midpoint
+while the main run trains its window, then waits for the main run's score (``main_score.json``, written when its
+window ends) to steer the bisection. The main run looks for results after every optimizer step; when they arrive it
+decides the reading (the same rule as in process), logs it at its probe point, appends it to ``cbs_probe.jsonl`` and
+feeds ``CBSAdaptive``, which changes the batch at the next step it can.
 
 A job that fails (crashes, is preempted and not requeued, runs past its time) is started again up to
 ``retries`` times, then the probe is recorded as failed, with the reason. What is pending is in the checkpoint: a
@@ -180,7 +180,9 @@ class SideJobRuns:
         trainer.strategy.barrier("SideJobRuns.open")
         trainer.save_checkpoint(folder / CHECKPOINT_NAME)
         if trainer.is_global_zero:
-            write_json(folder / JOB_FILE, job_description(pending, config, self.settings.build, folder / CHECKPOINT_NAME))
+            write_json(
+                folder / JOB_FILE, job_description(pending, config, self.settings.build, folder / CHECKPOINT_NAME)
+            )
         self.pending[pending.index] = pending
         if trainer.is_global_zero:
             self._start_queued()
@@ -244,8 +246,8 @@ class SideJobRuns:
         if pending.attempts > self.settings.retries:
             return f"side job failed {pending.attempts} times: " + "; ".join(pending.failures)
         rank_zero_info(
-            f"CBS probe at {pending.tokens:,} tokens: side job attempt {pending.attempts} {pending.failures[-1]}; it starts "
-            f"again ({pending.attempts} of {self.settings.retries + 1} attempts)"
+            f"CBS probe at {pending.tokens:,} tokens: side job attempt {pending.attempts} {pending.failures[-1]}; "
+            f"it starts again ({pending.attempts} of {self.settings.retries + 1} attempts)"
         )
         return None
 
