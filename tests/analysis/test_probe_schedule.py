@@ -79,7 +79,8 @@ def test_undetermined_readings_are_skipped():
 
 
 def test_only_undetermined_readings_keep_start_and_warn():
-    with pytest.warns(UserWarning, match="every reading in probe readings is undetermined; the schedule stays at start=16"):
+    message = "every reading in probe readings is undetermined; the schedule stays at start=16"
+    with pytest.warns(UserWarning, match=message):
         schedule = schedule_from_probe([reading(100, 64, determined=False)], start=16)
     assert schedule.batch_sizes == [16] and schedule.thresholds == [0]
 
