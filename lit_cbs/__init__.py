@@ -8,6 +8,8 @@ of the amount trained), ``probe`` and ``gns`` (the two measurements), ``analysis
 from a run's logs), ``models``, ``data``, and ``recipes`` (what only ``recipes/train.py`` needs).
 """
 
+from typing import TYPE_CHECKING
+
 from lit_cbs._lazy import lazy_exports
 
 __version__ = "0.2.0"
@@ -42,5 +44,34 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
+if TYPE_CHECKING:
+    from lit_cbs.callbacks.accounting import BatchAccounting as BatchAccounting
+    from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint as FinalStateCheckpoint
+    from lit_cbs.callbacks.progress import RunProgressBar as RunProgressBar
+    from lit_cbs.callbacks.validation import TokenValidation as TokenValidation
+    from lit_cbs.callbacks.warmup import BatchChange as BatchChange
+    from lit_cbs.callbacks.warmup import BatchWarmup as BatchWarmup
+    from lit_cbs.data.loader import GlobalOrderLoader as GlobalOrderLoader
+    from lit_cbs.errors import LitCBSConfigError as LitCBSConfigError
+    from lit_cbs.errors import LitCBSConfigWarning as LitCBSConfigWarning
+    from lit_cbs.gns import GNSConfig as GNSConfig
+    from lit_cbs.gns import GradientNoiseScale as GradientNoiseScale
+    from lit_cbs.models.token_loss import token_mean_loss as token_mean_loss
+    from lit_cbs.probe import CBSProbeCallback as CBSProbeCallback
+    from lit_cbs.probe import ProbeConfig as ProbeConfig
+    from lit_cbs.rules.batch_schedules import CBSAdaptive as CBSAdaptive
+    from lit_cbs.rules.batch_schedules import ConstantBatch as ConstantBatch
+    from lit_cbs.rules.batch_schedules import ExponentialRamp as ExponentialRamp
+    from lit_cbs.rules.batch_schedules import LinearRamp as LinearRamp
+    from lit_cbs.rules.batch_schedules import PiecewiseBatch as PiecewiseBatch
+    from lit_cbs.rules.batch_schedules import Seesaw as Seesaw
+    from lit_cbs.rules.guard import GuardConfig as GuardConfig
+    from lit_cbs.rules.lr_schedules import CosineSchedule as CosineSchedule
+    from lit_cbs.rules.lr_schedules import OneCycle as OneCycle
+    from lit_cbs.rules.lr_schedules import StepDecay as StepDecay
+    from lit_cbs.rules.lr_schedules import TokenLRScheduler as TokenLRScheduler
+    from lit_cbs.rules.lr_schedules import WarmupStableDecay as WarmupStableDecay
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

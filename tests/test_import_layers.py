@@ -1,8 +1,8 @@
 """The import graph of lit_cbs keeps the layers docs/design.md draws (its Architecture section): every module
 imports only modules of its own layer or of a lower one, and no modules import each other, directly or round a
-circle. Every import statement counts, also one inside a function: it hides the arrow from a reader, not from
-Python. ``from package import name`` of a name the package loads on first use (its ``_EXPORTS``) is an arrow to
-the module that defines the name."""
+circle. Every import statement that runs counts, also one inside a function: it hides the arrow from a reader, not
+from Python; one under ``if TYPE_CHECKING:`` never runs. ``from package import name`` of a name the package loads on
+first use (its ``_EXPORTS``) is an arrow to the module that defines the name."""
 
 from __future__ import annotations
 
@@ -60,13 +60,27 @@ def lazy_exports(init: Path) -> dict[str, str]:
     return namespace.get("_EXPORTS", {})
 
 
+def type_checking_only(tree: ast.Module) -> set[ast.stmt]:
+    """The imports inside ``if TYPE_CHECKING:`` blocks: seen by type checkers, never run (a package's exports)."""
+    blocks = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+    ]
+    return {child for block in blocks for child in ast.walk(block) if isinstance(child, (ast.Import, ast.ImportFrom))}
+
+
 def imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
     """module -> {lit_cbs module it imports: line of the first such import}, from the source of each."""
     graph: dict[str, dict[str, int]] = {}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         arrows: dict[str, int] = {}
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        unrun = type_checking_only(tree)
+        for node in ast.walk(tree):
+            if node in unrun:
+                continue
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -10,6 +10,8 @@ imports matplotlib. Every name below loads on first use, so the fits never pay f
 stack.
 """
 
+from typing import TYPE_CHECKING
+
 from lit_cbs._lazy import lazy_exports
 
 _MODULES = {
@@ -32,5 +34,42 @@ _MODULES = {
 _EXPORTS = {name: module for module, names in _MODULES.items() for name in names}
 
 __all__ = sorted(_EXPORTS)
+
+# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
+if TYPE_CHECKING:
+    from lit_cbs.analysis.compare import SideBySide as SideBySide
+    from lit_cbs.analysis.compare import side_by_side as side_by_side
+    from lit_cbs.analysis.compare import side_by_side_markdown as side_by_side_markdown
+    from lit_cbs.analysis.curves import Crossing as Crossing
+    from lit_cbs.analysis.curves import RunCurve as RunCurve
+    from lit_cbs.analysis.curves import default_targets as default_targets
+    from lit_cbs.analysis.curves import ema as ema
+    from lit_cbs.analysis.curves import find_crossings as find_crossings
+    from lit_cbs.analysis.curves import read_run as read_run
+    from lit_cbs.analysis.curves import read_sweep as read_sweep
+    from lit_cbs.analysis.curves import rolling_mean as rolling_mean
+    from lit_cbs.analysis.curves import smooth as smooth
+    from lit_cbs.analysis.fits import McCandlishFit as McCandlishFit
+    from lit_cbs.analysis.fits import TargetFit as TargetFit
+    from lit_cbs.analysis.fits import WSDFit as WSDFit
+    from lit_cbs.analysis.fits import batch_group_yaml as batch_group_yaml
+    from lit_cbs.analysis.fits import fit_mccandlish as fit_mccandlish
+    from lit_cbs.analysis.fits import fit_targets as fit_targets
+    from lit_cbs.analysis.fits import fit_wsd as fit_wsd
+    from lit_cbs.analysis.fits import propose_schedule as propose_schedule
+    from lit_cbs.analysis.fits import schedule_yaml as schedule_yaml
+    from lit_cbs.analysis.fits import write_schedule_yaml as write_schedule_yaml
+    from lit_cbs.analysis.forecast import Bracket as Bracket
+    from lit_cbs.analysis.forecast import CBSForecast as CBSForecast
+    from lit_cbs.analysis.forecast import brackets_from_records as brackets_from_records
+    from lit_cbs.analysis.forecast import forecast_cbs as forecast_cbs
+    from lit_cbs.analysis.forecast import supported_interval as supported_interval
+    from lit_cbs.analysis.plots import plot_batch_sizes as plot_batch_sizes
+    from lit_cbs.analysis.plots import plot_es as plot_es
+    from lit_cbs.analysis.plots import plot_forecast as plot_forecast
+    from lit_cbs.analysis.probe_schedule import run_config_value as run_config_value
+    from lit_cbs.analysis.probe_schedule import schedule_from_probe as schedule_from_probe
+    from lit_cbs.probe.reading import ProbeReading as ProbeReading
+    from lit_cbs.probe.reading import read_readings as read_readings
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

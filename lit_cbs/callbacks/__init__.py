@@ -11,6 +11,8 @@ The CBS probe (``lit_cbs.probe``) and the noise scale (``lit_cbs.gns``) are call
 packages of their own because each has parts that are not.
 """
 
+from typing import TYPE_CHECKING
+
 from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
@@ -23,5 +25,14 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
+if TYPE_CHECKING:
+    from lit_cbs.callbacks.accounting import BatchAccounting as BatchAccounting
+    from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint as FinalStateCheckpoint
+    from lit_cbs.callbacks.progress import RunProgressBar as RunProgressBar
+    from lit_cbs.callbacks.validation import TokenValidation as TokenValidation
+    from lit_cbs.callbacks.warmup import BatchChange as BatchChange
+    from lit_cbs.callbacks.warmup import BatchWarmup as BatchWarmup
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

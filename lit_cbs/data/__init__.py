@@ -4,6 +4,8 @@ random tokens for speed and memory runs (``RandomTokenData``). The names load on
 ``prepare`` and ``resolve_data``: imported here, the function ``prepare`` is what ``lit_cbs.data.prepare``
 names from the start, not the module of the same name once something imports it."""
 
+from typing import TYPE_CHECKING
+
 from lit_cbs._lazy import lazy_exports
 from lit_cbs.data.prepare import prepare as prepare
 from lit_cbs.data.prepare import resolve_data as resolve_data
@@ -19,5 +21,15 @@ _EXPORTS = {
 }
 
 __all__ = sorted([*_EXPORTS, "prepare", "resolve_data"])
+
+# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
+if TYPE_CHECKING:
+    from lit_cbs.data.corpus import stdlib_python_files as stdlib_python_files
+    from lit_cbs.data.datamodule import TokenDataModule as TokenDataModule
+    from lit_cbs.data.loader import GlobalOrderLoader as GlobalOrderLoader
+    from lit_cbs.data.synthetic import RandomTokenData as RandomTokenData
+    from lit_cbs.data.tokenizers import ByteTokenizer as ByteTokenizer
+    from lit_cbs.data.tokenizers import HFTokenizer as HFTokenizer
+    from lit_cbs.data.tokenizers import load_tokenizer as load_tokenizer
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

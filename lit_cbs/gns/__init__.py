@@ -5,6 +5,8 @@ Lightning), ``config`` the checked settings and ``callback`` the Lightning callb
 measuring modes. What each mode costs and when to pick it: docs/guides/gns_cost.md.
 """
 
+from typing import TYPE_CHECKING
+
 from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
@@ -19,5 +21,16 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
+if TYPE_CHECKING:
+    from lit_cbs.gns.callback import GradientNoiseScale as GradientNoiseScale
+    from lit_cbs.gns.config import GNSConfig as GNSConfig
+    from lit_cbs.gns.estimator import NoiseAverages as NoiseAverages
+    from lit_cbs.gns.estimator import NoiseMeasurement as NoiseMeasurement
+    from lit_cbs.gns.estimator import two_batch_estimates as two_batch_estimates
+    from lit_cbs.gns.groups import GROUP_PRESETS as GROUP_PRESETS
+    from lit_cbs.gns.groups import block_groups as block_groups
+    from lit_cbs.gns.groups import regex_groups as regex_groups
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

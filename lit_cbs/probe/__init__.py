@@ -17,6 +17,8 @@
 The names below load on first use (PEP 562), so ``lit_cbs.probe.reading`` does not pay for Lightning.
 """
 
+from typing import TYPE_CHECKING
+
 from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
@@ -50,5 +52,35 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
+if TYPE_CHECKING:
+    from lit_cbs.probe.branch import BranchError as BranchError
+    from lit_cbs.probe.branch import BranchFailed as BranchFailed
+    from lit_cbs.probe.branch import BranchTrainer as BranchTrainer
+    from lit_cbs.probe.branch import ProbeAborted as ProbeAborted
+    from lit_cbs.probe.branch import RecordedWindow as RecordedWindow
+    from lit_cbs.probe.callback import CBSProbeCallback as CBSProbeCallback
+    from lit_cbs.probe.config import ProbeConfig as ProbeConfig
+    from lit_cbs.probe.from_checkpoint import CheckpointProbe as CheckpointProbe
+    from lit_cbs.probe.from_checkpoint import RunParts as RunParts
+    from lit_cbs.probe.from_checkpoint import probe_checkpoint as probe_checkpoint
+    from lit_cbs.probe.launchers import LocalLauncher as LocalLauncher
+    from lit_cbs.probe.launchers import SideJobs as SideJobs
+    from lit_cbs.probe.launchers import SlurmLauncher as SlurmLauncher
+    from lit_cbs.probe.plot import plot_cbs_curve as plot_cbs_curve
+    from lit_cbs.probe.reading import BranchScore as BranchScore
+    from lit_cbs.probe.reading import DecisionRule as DecisionRule
+    from lit_cbs.probe.reading import ProbeReading as ProbeReading
+    from lit_cbs.probe.reading import cbs_interval as cbs_interval
+    from lit_cbs.probe.reading import critical_multiplier as critical_multiplier
+    from lit_cbs.probe.reading import decide as decide
+    from lit_cbs.probe.reading import difference as difference
+    from lit_cbs.probe.reading import ema_last as ema_last
+    from lit_cbs.probe.reading import is_admissible as is_admissible
+    from lit_cbs.probe.reading import max_branches as max_branches
+    from lit_cbs.probe.reading import measure_losses as measure_losses
+    from lit_cbs.probe.reading import read_readings as read_readings
+    from lit_cbs.probe.snapshot import TrainingSnapshot as TrainingSnapshot
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
