@@ -26,7 +26,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -51,7 +51,7 @@ from lit_cbs.probe.branch import (
 )
 from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.heldout import load_heldout_batches
-from lit_cbs.probe.limits import RunEnd, run_end
+from lit_cbs.probe.limits import RunEnd, known, run_end
 from lit_cbs.probe.reading import BranchScore, ProbeReading
 from lit_cbs.probe.side_jobs import JOBS_FOLDER, PendingProbe, SideJobRuns, score_from_json
 from lit_cbs.probe.snapshot import TrainingSnapshot
@@ -101,7 +101,7 @@ class CBSProbeCallback(Callback):
         self.failures: list[dict] = []  # probes that found the run cannot be probed: tokens, step, reason
         self.tokens_spent = 0
         self.probes_started = 0
-        self._accounting: BatchAccounting | None = None
+        self._attached_accounting: BatchAccounting | None = None  # the Trainer's, from setup: read as _accounting
         self._warmup: BatchWarmup | None = None  # only for CBSAdaptive and the batch changes in the plot
         self._window: RecordedWindow | None = None  # the probe whose window the main run is training
         self._branches: BranchTrainer | None = None  # trains and scores that window's branches
@@ -132,6 +132,21 @@ class CBSProbeCallback(Callback):
         """The LR rule (``config.rules.lr``)."""
         return self.config.rules.lr
 
+    @property
+    def _accounting(self) -> BatchAccounting:
+        """The Trainer's ``BatchAccounting``, attached in ``setup``."""
+        if self._attached_accounting is None:
+            raise RuntimeError("CBSProbeCallback has no BatchAccounting: it was not set up for a fit (Trainer.fit)")
+        return self._attached_accounting
+
+    def _seq_len(self) -> int:
+        """Tokens per sample, known from the first batch on (``_check_batch`` refuses a run without)."""
+        return known(self._accounting.seq_len, "BatchAccounting.seq_len")
+
+    def _global_batch(self) -> int:
+        """Samples per optimizer step, all ranks, known from the first batch on."""
+        return known(self._accounting.global_batch, "BatchAccounting.global_batch")
+
     def probe_point(self, index: int) -> float:
         """Token count of the index-th probe (0-based; ``ProbeConfig.probe_point``)."""
         return self.config.probe_point(index)
@@ -141,8 +156,9 @@ class CBSProbeCallback(Callback):
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "CBSProbeCallback", "it trains branches through it")
-        self._accounting = BatchAccounting.attach(trainer)
-        self._warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
+        self._attached_accounting = BatchAccounting.attach(trainer)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        self._warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
         warmup = self._warmup
         if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.config.rules.names():
             raise LitCBSConfigError(
@@ -189,7 +205,8 @@ class CBSProbeCallback(Callback):
         # trainer.log_dir broadcasts from rank 0: resolve it on every rank, once. Without a logger
         # and without output_dir the readings stay in `history` (no files in the working directory).
         log_dir = trainer.log_dir if trainer.loggers else None
-        self._resolved_output_dir = self.config.output_dir or (Path(log_dir) if log_dir else None)
+        output_dir = cast("Path | None", self.config.output_dir)  # ProbeConfig made it a Path
+        self._resolved_output_dir = output_dir or (Path(log_dir) if log_dir else None)
         if self._resolved_output_dir is None and self._side is not None:
             raise LitCBSConfigError(
                 "CBSProbeCallback(side_jobs=...) keeps each probe's checkpoint and its jobs' files beside "
@@ -214,7 +231,9 @@ class CBSProbeCallback(Callback):
         """Make cbs_probe.jsonl hold exactly ``history`` (at the start of a fit and after each reading):
         a resumed run starts it from its checkpoint's readings, so nothing is written twice and no
         reading after the checkpoint lingers."""
-        path = self._resolved_output_dir / JSONL_FILE
+        folder = self._resolved_output_dir
+        assert folder is not None, "written only where there is an output folder"
+        path = folder / JSONL_FILE
         if not self.history:
             path.unlink(missing_ok=True)
             return
@@ -228,7 +247,7 @@ class CBSProbeCallback(Callback):
 
     def _largest_batch(self) -> int:
         """The largest global batch (samples) the run's schedule may reach."""
-        sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._accounting.global_batch]
+        sizes = self._warmup.schedule.sizes() if self._warmup is not None else [self._global_batch()]
         return max(sizes)
 
     def _check_first_point(self, end: RunEnd, whole_span: bool = False) -> None:
@@ -243,7 +262,8 @@ class CBSProbeCallback(Callback):
             window = None
             if whole_span and point < end.latest:
                 _, samples = self._window_at(self._batch_at(point))
-                window = samples * self._accounting.seq_len if samples else None  # none: no probe runs there
+                window = samples * self._seq_len() if samples else None  # none: no probe runs there
+            assert end.limit is not None, "a run end with tokens names its limit"
             self.config.check_inside_run(
                 end.latest,
                 end.limit,
@@ -255,31 +275,33 @@ class CBSProbeCallback(Callback):
         if point < end.latest:
             return
         after = "after the one in progress" if self._window is not None else "in the rest of this run"
-        why = (
-            f"the last of at_tokens is at {self.config.at_tokens[-1]:,}"
-            if math.isinf(point)
-            else f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} "
-            f"at {end.latest:,} tokens or sooner"
-        )
+        if math.isinf(point):
+            at_tokens = self.config.at_tokens
+            assert at_tokens is not None, "only at_tokens run out of probe points"
+            why = f"the last of at_tokens is at {at_tokens[-1]:,}"
+        else:
+            why = (
+                f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} at {end.latest:,} tokens or sooner"
+            )
         rank_zero_info(f"CBSProbeCallback: no probe point is left {after} ({why})")
 
     def _batch_at(self, tokens: float) -> int:
         """The global batch (samples) a probe at ``tokens`` would run at: the one BatchWarmup's schedule gives
         there (a CBSAdaptive's start: its later batches wait on readings), else the run's batch."""
-        warmup, accounting = self._warmup, self._accounting
+        warmup = self._warmup
         if warmup is None:
-            return accounting.global_batch
+            return self._global_batch()
         schedule = warmup.schedule
         if isinstance(schedule, CBSAdaptive):
             return schedule.start
-        return schedule.batch_size(int(tokens if schedule.unit == "tokens" else tokens // accounting.seq_len))
+        return schedule.batch_size(int(tokens if schedule.unit == "tokens" else tokens // self._seq_len()))
 
     def _check_window(self, end: RunEnd) -> None:
         """Refuse a window that holds no step of the largest branch at a probe point the run can still reach
         (before its latest end; the next point where no end is known), at the batch that probe would run at.
         A point past the end is never checked: a run resumed after its last probe goes on, whatever its batch."""
         largest = max(self.config.multipliers)
-        seq_len = self._accounting.seq_len
+        seq_len = self._seq_len()  # known: _check_batch refused a run without before calling this
         points = self.config.points_before(math.inf if end.latest is None else end.latest, self.probes_started)
         for point in itertools.islice(points, 1) if end.latest is None else points:
             batch = self._batch_at(point)
@@ -296,13 +318,14 @@ class CBSProbeCallback(Callback):
         sample, an optimizer_step that leaves the LR to the schedulers (tried once on a copy), a probe point
         inside the run, and a window that holds a step of the largest branch at every point still to come."""
         accounting = self._accounting
-        seq_len, batch = accounting.seq_len, accounting.global_batch
+        seq_len = accounting.seq_len
         if seq_len is None:
             raise LitCBSConfigError(
                 "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
                 "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
                 "`tokens_per_sample` attribute)"
             )
+        batch = self._global_batch()
         written = optimizer_step_writes_lr(trainer, pl_module, batch_idx)
         if written is not None:
             raise LitCBSConfigError(
@@ -360,6 +383,7 @@ class CBSProbeCallback(Callback):
         step_loss = sum(self._micro_losses) / len(self._micro_losses) if self._micro_losses else None
         self._micro_losses = []
         if window is not None:
+            assert step_loss is not None, "every micro-batch of a window's step returned its loss"
             window.step_losses.append(step_loss)
             if window.first_window_complete and self._accounting.global_batch == window.batch_size:
                 with self._accounting.branching():  # the main run is the k = 1 branch of the first window
@@ -428,7 +452,7 @@ class CBSProbeCallback(Callback):
     def _window_at(self, batch_size: int) -> tuple[list[float], int]:
         """The multipliers a probe at global batch ``batch_size`` trains and the samples its window records
         (``start.window_at``; 0 where fewer than two fit, or not k = 1: no probe runs there)."""
-        return window_at(self.config, batch_size, self._accounting.seq_len, self._micro_batch_for(batch_size))
+        return window_at(self.config, batch_size, self._seq_len(), self._micro_batch_for(batch_size))
 
     def _start_probe(self, trainer, pl_module, batch_idx: int) -> None:
         accounting = self._accounting
@@ -451,25 +475,26 @@ class CBSProbeCallback(Callback):
         at_final = schedule is not None and not schedule.wants_readings(self._consumed(schedule))
         loader = resizable_train_loader(trainer)
         uneven = loader is not None and loader.deals_unevenly
-        batch_size = accounting.global_batch
+        batch_size = self._global_batch()
         end = self._run_end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         plan = plan_probe(
             self.config,
             tokens=tokens,
             batch_size=batch_size,
-            seq_len=accounting.seq_len,
+            seq_len=self._seq_len(),
             data_parallel_size=accounting.data_parallel_size,
             branch_micro_batch=self._micro_batch_for(batch_size),
             run_end_tokens=end.earliest,
             run_end=f"the run's end ({end.describe()})",
             tokens_spent=self.tokens_spent,
             main_span_tokens=self.config.window_tokens if self._side is not None else None,
-            adaptive_final=schedule.final if at_final else None,
-            epoch_end=EpochEnd(loader.num_samples, loader.position) if uneven else None,
+            adaptive_final=schedule.final if schedule is not None and at_final else None,
+            epoch_end=EpochEnd(loader.num_samples, loader.position) if loader is not None and uneven else None,
             largest_batch=self._largest_batch(),
         )
         if isinstance(plan, ProbeSkip) and plan.next_epoch:
             # Said once per epoch (the epoch is the loader's to tell): the point is asked again after every step.
+            assert loader is not None, "only an uneven loader's epoch end makes a probe wait for the next epoch"
             if self._waiting_in_epoch != loader.epoch:
                 self._waiting_in_epoch = loader.epoch
                 rank_zero_info(f"CBS probe at {tokens:,} tokens waits for the next epoch: {plan.reason}")
@@ -497,9 +522,9 @@ class CBSProbeCallback(Callback):
             step=trainer.global_step,
             batch_size=batch_size,
             accumulate=accounting.accumulate,
-            micro_batch_size=accounting.micro_batch_size,
+            micro_batch_size=known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size"),
             data_parallel_size=accounting.data_parallel_size,
-            seq_len=accounting.seq_len,
+            seq_len=self._seq_len(),
             multipliers=plan.multipliers,
             window_samples=plan.window_samples,
             start=start,
@@ -512,6 +537,7 @@ class CBSProbeCallback(Callback):
         """Train and score the branches over the window recorded so far; record the reading if the
         window is complete or the reading is determined at an early-stop point."""
         window, accounting = self._window, self._accounting
+        assert window is not None, "called only while a window is open"
         final = window.complete
         main_changed_batch = accounting.global_batch != window.batch_size
         branches = self._branch_trainer(trainer, pl_module, window.batch_size)
@@ -613,22 +639,23 @@ class CBSProbeCallback(Callback):
     # ------------------------------------------------------------------ side jobs
     def _start_side_probe(self, trainer: pl.Trainer, index: int, plan, moved: int | None) -> None:
         """Write the probe's start checkpoint, hand its branches to a side job, and train on as k = 1."""
-        accounting = self._accounting
+        accounting, side, folder = self._accounting, self._side, self._resolved_output_dir
+        assert side is not None and folder is not None, "side jobs run with an output folder (on_train_start)"
         pending = PendingProbe(
             index=index,
             tokens=accounting.tokens_seen,
             step=trainer.global_step,
-            batch_size=accounting.global_batch,
-            seq_len=accounting.seq_len,
+            batch_size=self._global_batch(),
+            seq_len=self._seq_len(),
             multipliers=plan.multipliers,
             window_samples=plan.window_samples,
-            folder=str(self._resolved_output_dir / JOBS_FOLDER / f"probe{index:03d}_{accounting.tokens_seen}tokens"),
+            folder=str(folder / JOBS_FOLDER / f"probe{index:03d}_{accounting.tokens_seen}tokens"),
             main_baseline=self.config.search == "bisect" and not self.config.cooldown_fraction,
             window_end_samples=accounting.samples_seen + plan.window_samples,
             interrupted_at_tokens=moved,
         )
         with accounting.branching():  # the checkpoint is probe work, not the main run's time
-            self._side.open(trainer, pending, self.config)
+            side.open(trainer, pending, self.config)
         rank_zero_info(
             f"CBS probe at {pending.tokens:,} tokens (batch {pending.batch_size}): multipliers "
             f"[{', '.join(f'{k:g}' for k in pending.multipliers)}] handed to a side job ({pending.folder}); "
@@ -638,26 +665,30 @@ class CBSProbeCallback(Callback):
     def _side_step(self, trainer, pl_module, open_windows: list[PendingProbe], step_loss: float | None) -> None:
         """After a main-run optimizer step: the main run's windows of side-job probes move on (scored where they
         end), and the readings whose jobs are done are decided."""
-        accounting = self._accounting
+        accounting, side = self._accounting, self._side
+        assert side is not None, "called only with side jobs"
         for pending in open_windows:
+            assert step_loss is not None, "every micro-batch of an open window's step returned its loss"
             pending.main_step_losses.append(step_loss)
             pending.main_changed_batch |= accounting.global_batch != pending.batch_size
             if accounting.samples_seen >= pending.window_end_samples:
                 with accounting.branching():
                     scorer = self._branch_trainer(trainer, pl_module, pending.batch_size)
                     score = scorer.score(pending.main_step_losses)
-                self._side.window_ended(trainer, pending, score, pending.main_changed_batch)
-        for pending, outcome in self._side.poll(trainer):
+                side.window_ended(trainer, pending, score, pending.main_changed_batch)
+        for pending, outcome in side.poll(trainer):
             if isinstance(outcome, str):
                 rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}; the main run goes on")
                 self.failures.append({"tokens": pending.tokens, "step": pending.step, "reason": outcome})
             else:
                 self._collect(trainer, pending, outcome)
-            self._side.close(trainer, pending)
+            side.close(trainer, pending)
 
     def _collect(self, trainer: pl.Trainer, pending: PendingProbe, outcome: dict[str, Any]) -> None:
         """Decide the reading of a side-job probe from its job's scores, as an in-process probe decides its own."""
         accounting = self._accounting
+        main_score, window_end_step = pending.main_score, pending.window_end_step
+        assert main_score is not None and window_end_step is not None, "SideJobRuns.poll waits for the window's end"
         scores = {float(k): score_from_json(score) for k, score in outcome["scores"].items()}
         self.tokens_spent += outcome["tokens_trained"]
         reading = self.config.decide(
@@ -668,7 +699,7 @@ class CBSProbeCallback(Callback):
             step=pending.step,
             seq_len=pending.seq_len,
             window_tokens=pending.window_tokens,
-            main_loss=score_from_json(pending.main_score).loss,
+            main_loss=score_from_json(main_score).loss,
             branches_trained=outcome["trained"],
             failed=outcome["failed"],
             tokens_spent=outcome["tokens_trained"],
@@ -681,7 +712,7 @@ class CBSProbeCallback(Callback):
         )
         rank_zero_info(
             f"CBS probe at {pending.tokens:,} tokens: the side job's reading arrived at step {trainer.global_step} "
-            f"({trainer.global_step - pending.window_end_step} steps, "
+            f"({trainer.global_step - window_end_step} steps, "
             f"{accounting.tokens_seen - pending.tokens - pending.window_tokens:,} tokens "
             "after the main run's window ended)"
         )
@@ -690,25 +721,27 @@ class CBSProbeCallback(Callback):
 
     def _wait_for_side_jobs(self, trainer: pl.Trainer) -> None:
         """Training is over: wait (up to ``side_jobs.wait_at_end`` minutes) for the readings still out."""
-        limit = self.config.side_jobs.wait_at_end * 60
-        waiting = sorted(pending.tokens for pending in self._side.pending.values())
+        side, settings = self._side, self.config.side_jobs
+        assert side is not None and settings is not None, "called only with side jobs"
+        limit = settings.wait_at_end * 60
+        waiting = sorted(pending.tokens for pending in side.pending.values())
         rank_zero_info(
             f"CBS probes at {', '.join(f'{tokens:,}' for tokens in waiting)} tokens: waiting up to "
-            f"{self.config.side_jobs.wait_at_end:g} min for their side jobs"
+            f"{settings.wait_at_end:g} min for their side jobs"
         )
         started = time.monotonic()
-        while self._side.pending and time.monotonic() - started < limit:
-            for pending, outcome in self._side.poll(trainer):
+        while side.pending and time.monotonic() - started < limit:
+            for pending, outcome in side.poll(trainer):
                 if isinstance(outcome, str):
                     rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}")
                     self.failures.append({"tokens": pending.tokens, "step": pending.step, "reason": outcome})
                 else:
                     self._collect(trainer, pending, outcome)
-                self._side.close(trainer, pending)
-            if self._side.pending:
+                side.close(trainer, pending)
+            if side.pending:
                 time.sleep(2.0)
-        if self._side.pending:
-            left = ", ".join(f"{p.tokens:,}" for p in self._side.pending.values())
+        if side.pending:
+            left = ", ".join(f"{p.tokens:,}" for p in side.pending.values())
             rank_zero_warn(
                 f"CBS probes at {left} tokens: their side jobs did not finish within side_jobs.wait_at_end; "
                 "they stay in last.ckpt: a run resumed from it collects them"
@@ -727,11 +760,13 @@ class CBSProbeCallback(Callback):
         if reading.cbs_upper is not None:
             logged[metrics.CBS_UPPER] = float(reading.cbs_upper)
         base = min(reading.losses, key=float)
+        base_loss = reading.losses[base]
         for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
-            if k != base and loss is not None and reading.losses[base] is not None:
-                logged[metrics.cbs_gap(k)] = float(loss - reading.losses[base])
-                if reading.loss_se.get(k) is not None:
-                    logged[metrics.cbs_gap_se(k)] = float(reading.loss_se[k])
+            if k != base and loss is not None and base_loss is not None:
+                logged[metrics.cbs_gap(k)] = float(loss - base_loss)
+                gap_se = reading.loss_se.get(k)
+                if gap_se is not None:
+                    logged[metrics.cbs_gap_se(k)] = float(gap_se)
         log_to_loggers(trainer, lambda _: logged, every_step=True, step=log_step)  # the step that ended the window
 
         def between_windows(k: str) -> str:

@@ -11,10 +11,32 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import lightning.pytorch as pl
 
 from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
+
+T = TypeVar("T")
+
+
+def known(value: T | None, what: str) -> T:
+    """``value``, which the probe reads only once it is known; RuntimeError naming ``what`` if it is not.
+
+    For the batch counts of ``BatchAccounting`` (``seq_len``, ``micro_batch_size``, ``global_batch``),
+    None until the first batch tells them: a probe reads them only after that batch, so this guard
+    fires only where the arithmetic on None would have failed anyway.
+
+    Example:
+        >>> known(4, "seq_len")
+        4
+        >>> known(None, "seq_len")
+        Traceback (most recent call last):
+        RuntimeError: seq_len is not known yet: it is read before the first training batch told it
+    """
+    if value is None:
+        raise RuntimeError(f"{what} is not known yet: it is read before the first training batch told it")
+    return value
 
 
 @dataclass(frozen=True)
@@ -44,7 +66,9 @@ def run_end(
     ``micro_batches_into_step`` belong to the optimizer step not yet taken (0 right after a step, 1
     at the first micro-batch of a step). ``largest_batch``: the largest global batch (samples) the
     run may reach."""
-    seq_len, micro = accounting.seq_len, accounting.micro_batch_size
+    seq_len = known(accounting.seq_len, "BatchAccounting.seq_len")
+    micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
+    global_batch = known(accounting.global_batch, "BatchAccounting.global_batch")
     per_micro_batch = micro * accounting.data_parallel_size * seq_len  # tokens, all ranks
     step_start = accounting.tokens_seen - micro_batches_into_step * per_micro_batch
     ends: dict[str, tuple[int, int]] = {}
@@ -53,8 +77,8 @@ def run_end(
     if trainer.max_steps is not None and trainer.max_steps >= 0:
         steps_left = trainer.max_steps - trainer.global_step
         ends[f"max_steps={trainer.max_steps}"] = (
-            step_start + steps_left * accounting.global_batch * seq_len,
-            step_start + steps_left * max(largest_batch, accounting.global_batch) * seq_len,
+            step_start + steps_left * global_batch * seq_len,
+            step_start + steps_left * max(largest_batch, global_batch) * seq_len,
         )
     per_epoch = trainer.num_training_batches
     loader = resizable_train_loader(trainer)
@@ -64,8 +88,8 @@ def run_end(
         tokens = accounting.tokens_seen + left * seq_len
         ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
     elif trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(per_epoch):
-        left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
-        tokens = accounting.tokens_seen + int(left) * per_micro_batch
+        batches_left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
+        tokens = accounting.tokens_seen + int(batches_left) * per_micro_batch
         ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
     if not ends:
         return RunEnd(None, None, None)
