@@ -28,7 +28,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import lightning.pytorch as pl
 import torch
@@ -41,12 +41,15 @@ from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
 from lit_cbs.callbacks.module_state import logging_muted, side_effects_undone
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe.limits import known
 from lit_cbs.probe.reading import BranchScore, measure_losses
 from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules
 
 if TYPE_CHECKING:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
     from lit_cbs.callbacks.warmup import BatchWarmup
 
 
@@ -65,6 +68,20 @@ class ProbeUnusable(Exception):
 
 class BranchError(RuntimeError):
     """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere)."""
+
+
+class _ProbeLossModule(Protocol):
+    """A module with the optional ``probe_loss(batch)`` hook ``HeldoutLoss`` prefers."""
+
+    def probe_loss(self, batch: Any) -> Any: ...
+
+
+def _module_optimizer(pl_module: pl.LightningModule) -> LightningOptimizer:
+    """The module's optimizer as its ``optimizer_step`` receives it: one, under the automatic optimization a
+    probe requires (Lightning refuses more there)."""
+    optimizer = pl_module.optimizers()
+    assert not isinstance(optimizer, list), "automatic optimization has a single optimizer"
+    return optimizer
 
 
 @dataclass
@@ -188,12 +205,13 @@ def callbacks_hidden(trainer: pl.Trainer):
     """No callback hook runs inside: branch steps are not the run's steps. Only ``BatchAccounting``
     stays (its step hook does nothing in a branch), so that ``BatchAccounting.attach(trainer).in_branch``
     can be read."""
-    callbacks = trainer.callbacks
-    trainer.callbacks = [c for c in callbacks if isinstance(c, BatchAccounting)]
+    # trainer.callbacks is set by Lightning's callback connector, undeclared on Trainer: hence the ignores
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]
+    trainer.callbacks = [c for c in callbacks if isinstance(c, BatchAccounting)]  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        trainer.callbacks = callbacks
+        trainer.callbacks = callbacks  # type: ignore[attr-defined]
 
 
 LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative to the run's
@@ -223,7 +241,7 @@ def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule,
             pl_module.optimizer_step(
                 trainer.current_epoch,
                 batch_idx,
-                pl_module.optimizers(),
+                _module_optimizer(pl_module),
                 lambda: torch.zeros((), device=trainer.strategy.root_device),
             )
         for optimizer, lrs in zip(trainer.optimizers, saved):
@@ -289,7 +307,7 @@ class HeldoutLoss:
     def __call__(self, batch: Any, index: int) -> torch.Tensor:
         module = self.pl_module
         if self.hook == "probe_loss":
-            return loss_of(module.probe_loss(batch), "probe_loss")
+            return loss_of(cast(_ProbeLossModule, module).probe_loss(batch), "probe_loss")
         if self.hook == "validation_step":
             output = module.validation_step(batch, index)
             if isinstance(output, torch.Tensor) or (isinstance(output, dict) and "loss" in output):
@@ -313,7 +331,7 @@ class BranchTrainer:
     rules: OptimizerRules  # how the LR (and weight decay, betas) move for batch ratio k
     evaluate: str
     ema_alpha: float  # weight of the newest step loss in the EMA
-    micro_batch_for: Callable[[float], int]  # samples per rank in a micro-batch of branch k
+    micro_batch_for: Callable[[float], int | None]  # samples per rank in a micro-batch of branch k (None: none fits)
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
     cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
     tokens_trained: int = 0  # tokens (global) of every branch step taken so far
@@ -370,6 +388,7 @@ class BranchTrainer:
         """This rank's per-step losses (nats) of batch k*B (the optimizer moved by ``rules`` for ratio k)."""
         trainer, strategy, module = self.trainer, self.trainer.strategy, self.pl_module
         step_samples, micro = window.step_samples(k), self.micro_batch_for(k)
+        assert micro is not None, "only multipliers whose batch is whole micro-batches train"
         micro_per_step = step_samples // micro
         progress = window.progress.pop(k, None)
         if progress is not None:
@@ -406,7 +425,8 @@ class BranchTrainer:
             stopping = trainer.received_sigterm or self.accounting.stop_signal is not None
             if strategy.reduce_boolean_decision(stopping, all=False):
                 raise ProbeAborted()
-        module.optimizer_zero_grad(trainer.current_epoch, steps, module.optimizers())
+        # LightningOptimizer wraps the Optimizer Lightning's hook annotation names (zero_grad delegated to it)
+        module.optimizer_zero_grad(trainer.current_epoch, steps, _module_optimizer(module))  # type: ignore[arg-type]
         if keep:
             window.progress[k] = BranchProgress(
                 TrainingSnapshot(trainer, module, window.start.device), step_losses, steps
@@ -418,9 +438,11 @@ class BranchTrainer:
         ``optimizer_step``, whose closure (``_forward_backward``) runs the step's micro-batches
         (``first``: the index of the first among the branch's) and appends the step's loss to ``step_losses``."""
         trainer, module = self.trainer, self.pl_module
-        optimizer = module.optimizers()  # the LightningOptimizer the module's optimizer_step receives
+        optimizer = _module_optimizer(module)  # the LightningOptimizer the module's optimizer_step receives
         closure = functools.partial(self._forward_backward, first, batches, step_losses)
-        self._agreed(functools.partial(module.optimizer_zero_grad, trainer.current_epoch, step, optimizer))
+        # LightningOptimizer wraps the Optimizer Lightning's hook annotation names (zero_grad delegated to it)
+        zero_grad = module.optimizer_zero_grad
+        self._agreed(functools.partial(zero_grad, trainer.current_epoch, step, optimizer))  # type: ignore[arg-type]
         self._agreed(functools.partial(module.optimizer_step, trainer.current_epoch, step, optimizer, closure))
 
     def _forward_backward(self, first: int, batches: list[Any], step_losses: list[float]) -> torch.Tensor:
@@ -453,11 +475,12 @@ class BranchTrainer:
     @torch.no_grad()
     def _local_heldout_losses(self) -> list[float]:
         """The model's loss (nats) on each of this rank's held-out batches; no side effects."""
-        trainer = self.trainer
+        trainer, heldout = self.trainer, self.heldout
+        assert heldout is not None, "evaluate='heldout' loads the held-out batches"
         losses = []
         with side_effects_undone(self.pl_module), trainer.precision_plugin.forward_context():
             self.pl_module.eval()
-            for i, batch in enumerate(self.heldout):
+            for i, batch in enumerate(heldout):
                 # As Lightning prepares a batch: the precision's input conversion and the module's
                 # on_before_batch_transfer / transfer_batch_to_device / on_after_batch_transfer.
                 batch = trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(batch))
@@ -476,7 +499,7 @@ def branch_micro_batch(
         return None
     if warmup is not None and warmup.max_micro_batch_size is not None:
         return warmup.micro_batch_for(round(branch))
-    micro = accounting.micro_batch_size
+    micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
     return micro if (round(branch) // ranks) % micro == 0 else None
 
 

@@ -46,6 +46,7 @@ from lit_cbs.probe.branch import (
 )
 from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.heldout import load_heldout_batches
+from lit_cbs.probe.limits import known
 from lit_cbs.probe.reading import BranchScore, ProbeReading, first_measured
 from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.probe.start import ProbePlan, ProbeSkip, plan_probe
@@ -112,7 +113,8 @@ class CheckpointProbe(Callback):
         message about its own internals) for a loader that keeps no position."""
         loader = given_train_loader(trainer)
         if loader is None:
-            loader = (trainer.datamodule or pl_module).train_dataloader()
+            # trainer.datamodule is set by Lightning's data connector, undeclared on Trainer
+            loader = (trainer.datamodule or pl_module).train_dataloader()  # type: ignore[attr-defined]
         if not isinstance(loader, GlobalOrderLoader):
             raise LitCBSConfigError(NO_DATA_POSITION)
 
@@ -127,14 +129,17 @@ class CheckpointProbe(Callback):
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_automatic_optimization(pl_module, "a CBS probe of a checkpoint", "it trains branches through it")
         accounting = BatchAccounting.attach(trainer)
-        warmup = next((callback for callback in trainer.callbacks if isinstance(callback, BatchWarmup)), None)
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
         loader = resizable_train_loader(trainer)
-        batch, seq_len, world = accounting.global_batch, accounting.seq_len, accounting.data_parallel_size
+        seq_len, world = accounting.seq_len, accounting.data_parallel_size
         if seq_len is None:
             raise LitCBSConfigError(
                 "a CBS probe of a checkpoint counts its window in tokens, but the checkpoint's run counted none: give "
                 "seq_len=... to BatchWarmup or BatchAccounting (or the datamodule a `tokens_per_sample` attribute)"
             )
+        batch = known(accounting.global_batch, "BatchAccounting.global_batch")  # from the checkpoint
+        micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
 
         def micro_batch_for(k: float) -> int | None:
             return branch_micro_batch(k, batch, accounting, warmup)
@@ -144,14 +149,14 @@ class CheckpointProbe(Callback):
         if self.config.evaluate == "heldout":
             heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
         samples_per_rank = plan.window_samples // world
-        batches = self._read_window(loader, accounting.micro_batch_size, samples_per_rank * self.config.replicates)
+        batches = self._read_window(loader, micro, samples_per_rank * self.config.replicates)
         with accounting.branching():
             window = RecordedWindow(
                 tokens=accounting.tokens_seen,
                 step=trainer.global_step,
                 batch_size=batch,
                 accumulate=accounting.accumulate,
-                micro_batch_size=accounting.micro_batch_size,
+                micro_batch_size=micro,
                 data_parallel_size=world,
                 seq_len=seq_len,
                 multipliers=plan.multipliers,
@@ -184,8 +189,8 @@ class CheckpointProbe(Callback):
         plan = plan_probe(
             self.config,
             tokens=accounting.tokens_seen,
-            batch_size=accounting.global_batch,
-            seq_len=accounting.seq_len,
+            batch_size=known(accounting.global_batch, "BatchAccounting.global_batch"),
+            seq_len=known(accounting.seq_len, "BatchAccounting.seq_len"),
             data_parallel_size=accounting.data_parallel_size,
             branch_micro_batch=micro_batch_for,
         )
