@@ -107,6 +107,7 @@ class LocalLauncher:
 
     def state(self, handle: dict[str, Any]) -> JobState:
         process = _STARTED.get(handle["pid"])
+        code: int | str | None  # the exit status; "unknown": not our child, and gone
         if process is not None:
             code = process.poll()
         else:  # started by an earlier main process: alive while /proc says it is still that job
@@ -229,7 +230,7 @@ class SlurmLauncher:
     def state(self, handle: dict[str, Any]) -> JobState:
         import submitit
 
-        job = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
+        job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
         if job.paths.result_pickle.exists():  # submitit wrote how the command ended
             try:
                 kind, result = submitit.core.utils.pickle_load(job.paths.result_pickle)

@@ -77,7 +77,8 @@ def cbs_curve_figure(
         )
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
-        xs, ys = [0], [start]
+        xs: list[float] = [0]
+        ys = [start]
         for change in batch_changes:
             xs += [change.tokens_seen, change.tokens_seen]
             ys += [ys[-1], change.new_global_batch]
@@ -160,13 +161,13 @@ def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, floa
     smaller = [j for j in losses if j < k]
     if k not in losses or not smaller:
         return None
-    j = min(smaller, key=losses.get)
+    j = min(smaller, key=lambda m: losses[m])
     bar = 0.0
     scores = reading.scores()
     if scores[k].batch_losses and scores[j].batch_losses:
         gap = difference(scores[k], scores[j])
         if gap.se is not None:
             bar = gap.se * one_sided_quantile(reading.confidence, gap.dof)
-    elif j == min(losses) and reading.loss_se.get(f"{k:g}") is not None:
-        bar = reading.loss_se[f"{k:g}"] * one_sided_quantile(reading.confidence, math.inf)
+    elif j == min(losses) and (se := reading.loss_se.get(f"{k:g}")) is not None:
+        bar = se * one_sided_quantile(reading.confidence, math.inf)
     return reading.tokens, losses[k] - losses[j], bar

@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from lit_cbs import legacy
 from lit_cbs.rules.smoothing import ema
 
@@ -184,7 +186,7 @@ class Decision:
     k_star: float
     determined: bool
     loss_se: dict[float, float | None] = field(default_factory=dict)
-    replicate_se: dict[float, float | None] = field(default_factory=dict)  # the windows' share of loss_se
+    replicate_se: dict[float, float] = field(default_factory=dict)  # the windows' share of loss_se, where known
 
 
 def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) -> Decision:
@@ -273,7 +275,7 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
     """The EMA (weight ``alpha`` on the newest value) of ``values`` at its last element; NaN if empty."""
     if not len(values):
         return math.nan
-    return float(ema(values, decay=1.0 - alpha)[-1])
+    return float(ema(np.asarray(values, dtype=float), decay=1.0 - alpha)[-1])
 
 
 def measure_losses(
@@ -430,7 +432,10 @@ class ProbeReading:
     @property
     def branch_steps(self) -> int:
         """Optimizer steps the branches trained (window_tokens / (k B seq_len) for each k)."""
-        return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
+        seq_len = self.seq_len
+        if seq_len is None:
+            raise ValueError("ProbeReading.branch_steps needs seq_len, which a reading of the first shape lacks")
+        return sum(round(self.window_tokens / (k * self.batch_size * seq_len)) for k in self.branches_trained)
 
     def scores(self) -> dict[float, BranchScore]:
         """Each measured k's score again, from the reading: its per-window and per-batch held-out losses where it

@@ -163,5 +163,7 @@ def plan_probe(
             return ProbeSkip(f"its window would reach this epoch's last micro-batches, which {uneven}", next_epoch=True)
     largest_step = round(largest) // data_parallel_size  # samples per rank
     length = window_samples // data_parallel_size
-    early_stop = sorted({int(f * length) // largest_step * largest_step for f in config.early_stop} - {0, length})
+    fractions = config.early_stop
+    assert fractions is not None, "ProbeConfig makes early_stop a list"
+    early_stop = sorted({int(f * length) // largest_step * largest_step for f in fractions} - {0, length})
     return ProbePlan(ks, window_samples, early_stop)

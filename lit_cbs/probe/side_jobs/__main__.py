@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import no_baseline
 from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.from_checkpoint import CheckpointProbe, run_checkpoint_probe
@@ -44,11 +45,14 @@ def wait_for_main_score(path: Path, poll_seconds: float = 2.0) -> Callable[[], B
 def build_parts(build: str) -> Any:
     """The run's parts (``RunParts``) from ``SideJobs.build``."""
     if build.endswith((".yaml", ".yml")):
-        from omegaconf import OmegaConf
+        from omegaconf import DictConfig, OmegaConf
 
         from lit_cbs.recipes.job import probe_parts  # Hydra's machinery, loaded only for a recipe run
 
-        return probe_parts(OmegaConf.load(build))
+        recipe = OmegaConf.load(build)
+        if not isinstance(recipe, DictConfig):
+            raise LitCBSConfigError(f"side job: {build} holds a list, not a recipe's config (a mapping)")
+        return probe_parts(recipe)
     module, _, function = build.partition(":")
     return getattr(importlib.import_module(module), function)()
 
@@ -63,12 +67,14 @@ def run_job(description: dict[str, Any]) -> None:
     probe = CheckpointProbe(config, plan, baseline)
     trainer = run_checkpoint_probe(description["checkpoint"], build_parts(description["build"]), probe)
     if trainer.is_global_zero:
+        measurer = probe.measurer
+        assert measurer is not None, "the fit's start ran the probe, which made its measurer"
         write_json(
             Path(description["scores"]),
             {
                 "scores": {f"{k:g}": score_to_json(score) for k, score in probe.scores.items()},
-                "trained": probe.measurer.trained,
-                "failed": probe.measurer.failed,
+                "trained": measurer.trained,
+                "failed": measurer.failed,
                 "tokens_trained": probe.tokens_trained,
                 "seconds": probe.seconds,
                 "ranks": trainer.world_size,
