@@ -57,6 +57,19 @@ class BranchScore:
     ``batch_losses``: its loss on each held-out batch (nats; the same batches for every branch, so
     differences pair up); empty for ``evaluate="train_ema"``. ``se``: the standard error of ``loss``
     alone, for unpaired comparisons; None when it cannot be estimated.
+
+    Attributes:
+        loss: the branch's loss (nats); inf or NaN for a failed branch.
+        batch_losses: its loss on each held-out batch (nats), in the held-out batches' order.
+        se: the standard error of ``loss`` alone (nats), or None.
+        replicate_losses: per replicate data window, its ``batch_losses`` (2+ replicates only).
+
+    Example:
+        >>> score = BranchScore.heldout([2.0, 2.2, 2.4])
+        >>> round(score.loss, 4), score.batch_losses, score.failed
+        (2.2, (2.0, 2.2, 2.4), False)
+        >>> BranchScore(float("inf")).failed
+        True
     """
 
     loss: float  # nats; inf or NaN for a failed branch
@@ -66,7 +79,18 @@ class BranchScore:
 
     @classmethod
     def heldout(cls, batch_losses: Sequence[float]) -> BranchScore:
-        """The mean of per-batch held-out losses (nats)."""
+        """The mean of per-batch held-out losses (nats).
+
+        Args:
+            batch_losses: the branch's loss on each held-out batch (nats); at least one.
+
+        Returns:
+            The score: ``loss`` their mean, ``batch_losses`` the losses as floats, no ``se`` (pairing gives it).
+
+        Example:
+            >>> round(BranchScore.heldout([3.0, 3.5]).loss, 4)
+            3.25
+        """
         values = tuple(float(x) for x in batch_losses)
         return cls(sum(values) / len(values), values)
 
@@ -75,7 +99,22 @@ class BranchScore:
         """One multiplier measured on several disjoint data windows, each scored on the same held-out
         batches: its loss is the mean over windows and batches, ``batch_losses`` the per-batch means
         over windows, and ``replicate_losses`` keeps each window's, from which ``difference`` estimates
-        how much a comparison moves from one window of data to the next. Failed if any window failed."""
+        how much a comparison moves from one window of data to the next. Failed if any window failed.
+
+        Args:
+            replicates: one score per data window, each with held-out losses on the same batches.
+
+        Returns:
+            The combined score (the one score itself when there is one window; loss inf if any failed).
+
+        Raises:
+            ValueError: the windows' scores have no held-out losses, or not on as many batches each.
+
+        Example:
+            >>> score = BranchScore.replicated([BranchScore.heldout([2.0, 2.2]), BranchScore.heldout([2.1, 2.3])])
+            >>> round(score.loss, 4), score.batch_losses, score.replicate_losses
+            (2.15, (2.05, 2.25), ((2.0, 2.2), (2.1, 2.3)))
+        """
         if len(replicates) == 1:
             return replicates[0]
         if any(score.failed for score in replicates):
@@ -90,7 +129,21 @@ class BranchScore:
     def train_ema(cls, step_losses: Sequence[float], alpha: float) -> BranchScore:
         """The EMA (weight ``alpha`` on the newest) of step losses at the last step, with an SE from
         their scatter: the step-to-step variance s^2 = mean((x_t - x_{t-1})^2) / 2 (insensitive to a
-        slow trend) times the EMA's variance factor alpha / (2 - alpha). Needs 3 or more steps."""
+        slow trend) times the EMA's variance factor alpha / (2 - alpha). Needs 3 or more steps.
+
+        Args:
+            step_losses: the branch's loss at each optimizer step (nats), in order.
+            alpha: the EMA's weight on the newest step loss, in (0, 1].
+
+        Returns:
+            The score: ``loss`` the EMA at the last step (NaN for no steps), ``se`` from the scatter (None for
+            fewer than 3 steps or a non-finite loss among them).
+
+        Example:
+            >>> score = BranchScore.train_ema([3.0, 2.9, 2.85, 2.8], alpha=0.5)
+            >>> round(score.loss, 4), round(score.se, 4)
+            (2.85, 0.0289)
+        """
         loss = ema_last(step_losses, alpha)
         if len(step_losses) < 3 or not all(math.isfinite(x) for x in step_losses):
             return cls(loss)
@@ -100,6 +153,7 @@ class BranchScore:
 
     @property
     def failed(self) -> bool:
+        """True for a branch that failed: its loss is inf or NaN (diverged, out of memory, raised)."""
         return not math.isfinite(self.loss)
 
 
@@ -145,6 +199,21 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
     the first the held-out sampling error, the second what a run on other data would move the
     comparison by. The second counts a share of the batch noise again (var_r holds it / H), so the
     sum errs on the wide side. Degrees of freedom: Welch-Satterthwaite's, from H - 1 and R - 1.
+
+    Args:
+        a: the score of the larger batch (usually), L_a.
+        b: the score it is compared with, L_b.
+
+    Returns:
+        L_a - L_b (nats) with its SE (nats; None where neither pairing nor both SEs exist), the degrees of
+        freedom of its t quantile (inf: normal) and, for replicated scores, the SE's share from the windows.
+
+    Example:
+        >>> gap = difference(BranchScore.heldout([2.02, 2.21, 2.43]), BranchScore.heldout([2.0, 2.2, 2.4]))
+        >>> round(gap.mean, 4), round(gap.se, 4), gap.dof
+        (0.02, 0.0058, 2)
+        >>> [round(bound, 4) for bound in gap.bounds(confidence=0.9)]  # one-sided 90% bounds, nats
+        [0.0091, 0.0309]
     """
     mean = a.loss - b.loss
     n = len(a.batch_losses)
@@ -172,7 +241,18 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
 class DecisionRule:
     """The k* rule's settings: the tolerance ``epsilon`` (nats) within which a larger batch recovers
     the loss, and the one-sided ``confidence`` in [0.5, 1) at which a reading counts as determined
-    (0.5 judges by the mean losses alone)."""
+    (0.5 judges by the mean losses alone).
+
+    Attributes:
+        epsilon: nats; a larger batch whose loss is within it of every smaller batch's recovered the loss.
+        confidence: one-sided, in [0.5, 1); ``ProbeConfig`` checks both when it makes the rule.
+
+    Example:
+        >>> DecisionRule()
+        DecisionRule(epsilon=0.01, confidence=0.9)
+        >>> DecisionRule(epsilon=0.02, confidence=0.5).epsilon
+        0.02
+    """
 
     epsilon: float = 0.01
     confidence: float = 0.9
@@ -193,7 +273,32 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     """Apply the k* rule to ``scores`` (per multiplier k) and judge it at ``confidence`` (one-sided,
     in [0.5, 1); 0.5 judges by the means alone): determined when k* is within ``epsilon`` of every
     smaller finite k with that confidence and every measured larger k is beyond ``epsilon`` of some
-    smaller k with that confidence (a failed branch is beyond by definition)."""
+    smaller k with that confidence (a failed branch is beyond by definition).
+
+    Args:
+        scores: each measured multiplier k's score (``BranchScore``); at least one.
+        epsilon: the k* rule's tolerance (nats), >= 0.
+        confidence: one-sided, in [0.5, 1).
+
+    Returns:
+        A ``Decision``: ``k_star``, ``determined``, and per k the SE (nats) of L_k - L_base (base: the smallest
+        k; None for the base itself and for a failed branch) and the windows' share of it (replicates only).
+
+    Raises:
+        ValueError: ``scores`` is empty or ``epsilon`` is negative (``critical_multiplier``).
+
+    Example:
+        >>> scores = {
+        ...     1: BranchScore.heldout([3.0, 3.1, 3.2]),
+        ...     2: BranchScore.heldout([3.003, 3.104, 3.202]),  # within 0.01 nats of k = 1 on every batch
+        ...     4: BranchScore.heldout([3.05, 3.16, 3.24]),  # about 0.05 nats worse
+        ... }
+        >>> decision = decide(scores, epsilon=0.01, confidence=0.9)
+        >>> decision.k_star, decision.determined
+        (2, True)
+        >>> {k: None if se is None else round(se, 4) for k, se in decision.loss_se.items()}
+        {1: None, 2: 0.0006, 4: 0.0058}
+    """
     losses = {k: s.loss for k, s in scores.items()}
     k_star = critical_multiplier(losses, epsilon)
     base = scores[min(scores)]
@@ -230,7 +335,21 @@ def judged_multipliers(
 
 
 def is_admissible(losses: dict[float, float], k: float, epsilon: float) -> bool:
-    """L_k (nats) is finite and within ``epsilon`` of every smaller k's finite loss."""
+    """L_k (nats) is finite and within ``epsilon`` of every smaller k's finite loss.
+
+    Args:
+        losses: each multiplier's loss (nats; inf or NaN for a failed branch); must hold ``k``.
+        k: the multiplier judged.
+        epsilon: the tolerance (nats).
+
+    Returns:
+        Whether k recovers the loss of every smaller finite k within ``epsilon``.
+
+    Example:
+        >>> losses = {1: 3.0, 2: 3.005, 4: 3.05}
+        >>> is_admissible(losses, 2, epsilon=0.01), is_admissible(losses, 4, epsilon=0.01)
+        (True, False)
+    """
     if not math.isfinite(losses[k]):
         return False
     return all(losses[k] <= losses[j] + epsilon for j in losses if j < k and math.isfinite(losses[j]))
@@ -242,6 +361,22 @@ def critical_multiplier(losses: dict[float, float], epsilon: float) -> float:
     ``losses`` maps each multiplier k to its smoothed loss (nats); a failed branch has loss NaN or
     inf and counts as not recovered (it is never chosen and constrains no larger k). The smallest
     finite k is always admissible; if every branch failed, k* is the smallest k.
+
+    Args:
+        losses: each multiplier k's smoothed loss (nats).
+        epsilon: the tolerance (nats), >= 0.
+
+    Returns:
+        k*, one of the keys of ``losses``.
+
+    Raises:
+        ValueError: ``losses`` is empty or ``epsilon`` is negative.
+
+    Example:
+        >>> critical_multiplier({1: 3.0, 2: 3.005, 4: 3.05}, epsilon=0.01)
+        2
+        >>> critical_multiplier({1: 3.0, 2: 3.005, 4: float("nan")}, epsilon=0.01)  # k = 4 failed
+        2
     """
     if not losses:
         raise ValueError("losses is empty: give at least one multiplier's loss")
@@ -256,6 +391,21 @@ def cbs_interval(k_star: float, multipliers: Sequence[float], batch_size: int) -
 
     At the top of the grid there is no upper end: upper is None and the estimate is the lower
     bound (the CBS is at least that).
+
+    Args:
+        k_star: the reading's k* (``critical_multiplier``).
+        multipliers: the grid of k the probe could train.
+        batch_size: the main run's global batch B (samples).
+
+    Returns:
+        (lower, upper, estimate) in samples; upper None at the top of the grid.
+
+    Example:
+        >>> lower, upper, estimate = cbs_interval(2, [1, 2, 4], batch_size=256)
+        >>> lower, upper, round(estimate, 1)
+        (512, 1024, 724.1)
+        >>> cbs_interval(4, [1, 2, 4], batch_size=256)
+        (1024, None, 1024)
     """
     lower = k_star * batch_size
     larger = [k for k in sorted(multipliers) if k > k_star]
@@ -267,12 +417,39 @@ def cbs_interval(k_star: float, multipliers: Sequence[float], batch_size: int) -
 
 def max_branches(search: str, multipliers: int) -> int:
     """Branches one probe trains at most: every multiplier for "grid"; for "bisect", one baseline
-    branch plus ceil(log2(multipliers)) others."""
+    branch plus ceil(log2(multipliers)) others.
+
+    Args:
+        search: "grid" or "bisect" (``ProbeConfig.search``).
+        multipliers: how many multipliers the grid holds.
+
+    Returns:
+        The number of branches (per data window).
+
+    Example:
+        >>> max_branches("grid", 8), max_branches("bisect", 8)
+        (8, 4)
+    """
     return multipliers if search == "grid" else 1 + math.ceil(math.log2(max(2, multipliers)))
 
 
 def ema_last(values: Sequence[float], alpha: float) -> float:
-    """The EMA (weight ``alpha`` on the newest value) of ``values`` at its last element; NaN if empty."""
+    """The EMA (weight ``alpha`` on the newest value) of ``values`` at its last element; NaN if empty.
+
+    Args:
+        values: the series, in logged order (nats for step losses).
+        alpha: the weight on the newest value, in (0, 1].
+
+    Returns:
+        The EMA at the last value, in the unit of ``values``.
+
+    Raises:
+        ValueError: ``alpha`` is not in (0, 1] (``lit_cbs.rules.smoothing.ema``).
+
+    Example:
+        >>> ema_last([3.0, 2.0], alpha=0.5)
+        2.5
+    """
     if not len(values):
         return math.nan
     return float(ema(np.asarray(values, dtype=float), decay=1.0 - alpha)[-1])
@@ -287,6 +464,21 @@ def measure_losses(
     grid for the largest admissible k, assuming the admissible ks are a prefix of the grid: about
     log2(len(multipliers)) calls instead of len(multipliers). Bisection steers by the mean losses;
     how sure the answer is, ``decide`` says afterwards.
+
+    Args:
+        search: "grid" or "bisect".
+        multipliers: the grid of k (any order; at least one).
+        measure: trains (or looks up) branch k and returns its score.
+        epsilon: the k* rule's tolerance (nats) that steers the bisection.
+
+    Returns:
+        The score of each multiplier measured, by k.
+
+    Example:
+        >>> losses = {1: 3.0, 2: 3.004, 4: 3.008, 8: 3.05, 16: 3.2}
+        >>> scores = measure_losses("bisect", [1, 2, 4, 8, 16], lambda k: BranchScore(losses[k]), epsilon=0.01)
+        >>> sorted(scores)  # 3 branches instead of 5: k = 4 is admissible, k = 8 is not
+        [1, 4, 8]
     """
     ks = sorted(multipliers)
     if search == "grid":
@@ -329,6 +521,22 @@ class ProbeReading:
     Token counts are global (all ranks); batches and CBS bounds in samples; losses in nats. Only a
     ``determined`` reading says where the CBS is; an undetermined one keeps its k* (the rule on the
     means) for the record, and CBSAdaptive does not act on it.
+
+    Made by ``ProbeReading.decide`` (the probe's way), read back by ``from_record`` or ``read_readings``.
+
+    Example:
+        A probe at batch 256 that trained k = 2 and k = 4 on a window of 262,144 tokens (train-EMA scores
+        have no pairing: with ``confidence=0.5`` the means decide):
+
+        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+        >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+        ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+        ...     tokens_spent=524288, overhead=0.52)
+        >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+        >>> reading.k_star, reading.cbs_lower, reading.cbs_upper, round(reading.cbs_estimate, 1)
+        (2, 512, 1024, 724.1)
+        >>> reading.bracket, reading.losses
+        ('[512, 1024]', {'1': 3.1, '2': 3.103, '4': 3.15})
     """
 
     tokens: int  # tokens seen when the window started
@@ -372,8 +580,27 @@ class ProbeReading:
         """The reading ``record`` holds (a line of ``cbs_probe.jsonl``, an entry of the probe's checkpointed history),
         as any lit_cbs version wrote it (``lit_cbs.legacy.probe_reading`` reads the old keys).
 
+        Args:
+            record: the reading's fields by name (``dataclasses.asdict`` of a reading, or a JSON line's object).
+
+        Returns:
+            The reading, with the fields of today's version.
+
         Raises:
             ValueError: the record lacks a field a reading needs, or has one a reading does not know.
+
+        Example:
+            >>> import dataclasses
+            >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+            >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+            ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+            ...     tokens_spent=524288, overhead=0.52)
+            >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+            >>> ProbeReading.from_record(dataclasses.asdict(reading)) == reading
+            True
+            >>> ProbeReading.from_record({"tokens": 1, "colour": "red"})
+            Traceback (most recent call last):
+            ValueError: not a CBS probe reading: it lacks batch_size, ... and has unknown fields colour
         """
         fields = legacy.probe_reading(record)
         known = dataclasses.fields(cls)
@@ -397,7 +624,35 @@ class ProbeReading:
     ) -> ProbeReading:
         """Apply the k* rule to ``scores`` (per multiplier k; a failed branch has loss inf or NaN),
         judge it at ``rule.confidence`` and bracket the CBS on the grid ``multipliers`` around batch
-        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured)."""
+        ``batch_size`` (samples); ``fields`` gives the rest of the reading (where and how it was measured).
+
+        Args:
+            scores: each measured multiplier k's score (``BranchScore``; loss in nats).
+            rule: the k* rule's ``epsilon`` (nats) and ``confidence``.
+            multipliers: the grid of k the probe could train (it brackets the CBS).
+            batch_size: the main run's global batch B (samples).
+            **fields: the reading's other fields: ``tokens``, ``step``, ``seq_len``, ``window_tokens``, ``search``,
+                ``evaluate``, ``main_loss``, ``branches_trained``, ``failed``, ``tokens_spent``, ``overhead`` and
+                any optional one.
+
+        Returns:
+            The reading: k*, the CBS bracket in samples, whether it is determined, and the SEs (nats).
+
+        Raises:
+            ValueError: ``scores`` is empty or ``rule.epsilon`` is negative.
+            TypeError: ``fields`` lacks a field the reading needs, or names one it does not have.
+
+        Example:
+            >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+            >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+            ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+            ...     tokens_spent=524288, overhead=0.52)
+            >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+            >>> reading.k_star, reading.determined, reading.se_method
+            (2, True, 'none')
+            >>> ProbeReading.decide(scores, DecisionRule(confidence=0.9), [1, 2, 4], 256, **where).bracket
+            '[512, 1024] (undetermined)'
+        """
         decision = decide(scores, rule.epsilon, rule.confidence)
         lower, upper, estimate = cbs_interval(decision.k_star, multipliers, batch_size)
         paired = any(s.batch_losses for s in scores.values())
@@ -431,7 +686,20 @@ class ProbeReading:
 
     @property
     def branch_steps(self) -> int:
-        """Optimizer steps the branches trained (window_tokens / (k B seq_len) for each k)."""
+        """Optimizer steps the branches trained (window_tokens / (k B seq_len) for each k).
+
+        Raises:
+            ValueError: the reading has no ``seq_len`` (one of the first shape, read from a file).
+
+        Example:
+            >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+            >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+            ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+            ...     tokens_spent=524288, overhead=0.52)
+            >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+            >>> reading.branch_steps  # 262,144 tokens: 4 steps of batch 512 x 128, 2 of batch 1024 x 128
+            6
+        """
         seq_len = self.seq_len
         if seq_len is None:
             raise ValueError("ProbeReading.branch_steps needs seq_len, which a reading of the first shape lacks")
@@ -439,7 +707,22 @@ class ProbeReading:
 
     def scores(self) -> dict[float, BranchScore]:
         """Each measured k's score again, from the reading: its per-window and per-batch held-out losses where it
-        has them, else its loss alone (inf for a failed branch); ``decide`` can judge them anew."""
+        has them, else its loss alone (inf for a failed branch); ``decide`` can judge them anew.
+
+        Returns:
+            Each measured multiplier's score, by k (a float).
+
+        Example:
+            >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+            >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+            ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+            ...     tokens_spent=524288, overhead=0.52)
+            >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+            >>> {k: score.loss for k, score in reading.scores().items()}
+            {1.0: 3.1, 2.0: 3.103, 4.0: 3.15}
+            >>> decide(reading.scores(), epsilon=0.05, confidence=0.5).k_star  # judged anew, a wider tolerance
+            4.0
+        """
 
         def score(k: str, loss: float | None) -> BranchScore:
             if loss is None:
@@ -456,7 +739,17 @@ class ProbeReading:
     @property
     def bracket(self) -> str:
         """ "[lower, upper]" in samples, "[lower, beyond the grid]" at the top, and "undetermined"
-        after it when the data do not decide k*."""
+        after it when the data do not decide k*.
+
+        Example:
+            >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+            >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+            ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+            ...     tokens_spent=524288, overhead=0.52)
+            >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+            >>> reading.bracket
+            '[512, 1024]'
+        """
         upper = f"{self.cbs_upper:g}" if self.cbs_upper is not None else "beyond the grid"
         return f"[{self.cbs_lower:g}, {upper}]" + ("" if self.determined else " (undetermined)")
 
@@ -466,9 +759,35 @@ def read_readings(path: str | os.PathLike) -> list[ProbeReading]:
     any lit_cbs version wrote them (``ProbeReading.from_record``): what the curves, the forecast, the schedules,
     the run report and the plots read.
 
+    Args:
+        path: the ``cbs_probe.jsonl`` file.
+
+    Returns:
+        The readings, in file order.
+
     Raises:
         ValueError: the file cannot be read or holds no reading, or a line is not a reading; the message names
             the file and line.
+
+    Example:
+        >>> import dataclasses, json, os, tempfile
+        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+        >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
+        ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
+        ...     tokens_spent=524288, overhead=0.52)
+        >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = os.path.join(folder.name, "cbs_probe.jsonl")
+        >>> with open(path, "w") as f:
+        ...     print(json.dumps(dataclasses.asdict(reading)), file=f)
+        >>> [(r.tokens, r.k_star, r.bracket) for r in read_readings(path)]
+        [(1000000, 2, '[512, 1024]')]
+        >>> with open(path, "a") as f:
+        ...     print("[1, 2]", file=f)
+        >>> read_readings(path)
+        Traceback (most recent call last):
+        ValueError: ...cbs_probe.jsonl:2: '[1, 2]' is not a probe reading (a JSON object: tokens, ...)
+        >>> folder.cleanup()
     """
     try:
         with open(path) as f:
