@@ -61,6 +61,17 @@ class LocalLauncher:
         timeout_min: a job running longer is stopped and counts as failed (None: no limit).
         max_running: jobs that run at once; later probes' jobs wait their turn (None: no limit).
         python: the interpreter the jobs run (default: the main run's).
+
+    Raises:
+        LitCBSConfigError: ``threads`` or ``max_running`` is not a positive int or None, or ``timeout_min`` not a
+            finite number > 0 or None.
+
+    Example:
+        >>> LocalLauncher(threads=1, devices="7").max_running  # one job at a time, on GPU 7
+        1
+        >>> LocalLauncher(threads=0)
+        Traceback (most recent call last):
+        lit_cbs.errors.LitCBSConfigError: threads=0 must be a positive int or None (threads per job)
     """
 
     threads: int | None = None
@@ -75,6 +86,16 @@ class LocalLauncher:
         positive_int("max_running", self.max_running, "jobs at once", optional=True)
 
     def check(self) -> None:
+        """Refuse an interpreter that cannot import ``lit_cbs.probe.side_jobs`` (it starts it once, briefly).
+
+        Raises:
+            LitCBSConfigError: no job could start; the message has the interpreter's last line of error.
+
+        Example:
+            >>> LocalLauncher(python="/no/such/python").check()
+            Traceback (most recent call last):
+            lit_cbs.errors.LitCBSConfigError: LocalLauncher(python='/no/such/python') cannot start a side job (...
+        """
         try:
             found = subprocess.run(
                 [self.python, "-c", "import lit_cbs.probe.side_jobs"], capture_output=True, text=True
@@ -89,6 +110,17 @@ class LocalLauncher:
             )
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        """Start ``python command...`` as a process in a session of its own, without the main run's process
+        group variables (``MASTER_ADDR``, ``RANK``, ...), its output appended to ``folder/name.log``.
+
+        Args:
+            command: the arguments after the interpreter, e.g. ``["-m", "lit_cbs.probe.side_jobs", "job.json"]``.
+            folder: an existing folder for the job's log.
+            name: the log's name, without ``.log``.
+
+        Returns:
+            The job's handle (JSON-able): ``launcher``, ``pid``, ``started`` (Unix seconds) and ``log``.
+        """
         env = dict(os.environ)
         for variable in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
             env.pop(variable, None)  # the main run's process group is not the job's
@@ -106,6 +138,16 @@ class LocalLauncher:
         return {"launcher": "local", "pid": process.pid, "started": time.time(), "log": str(folder / f"{name}.log")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
+        """Whether the job of ``handle`` still runs (also one an earlier main process started); a job past
+        ``timeout_min`` is stopped here and reported ended.
+
+        Args:
+            handle: what ``submit`` returned.
+
+        Returns:
+            ``JobState(True)`` while it runs; else ``JobState(False, reason)``, the reason its exit code or signal
+            and the last line of its log.
+        """
         process = _STARTED.get(handle["pid"])
         code: int | str | None  # the exit status; "unknown": not our child, and gone
         if process is not None:
@@ -121,6 +163,11 @@ class LocalLauncher:
         return JobState(False, _ended(code if isinstance(code, int) else None, handle.get("log")))
 
     def cancel(self, handle: dict[str, Any]) -> None:
+        """Kill the job's process group (SIGKILL); nothing if it has ended.
+
+        Args:
+            handle: what ``submit`` returned.
+        """
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(handle["pid"], signal.SIGKILL)
 
@@ -166,6 +213,11 @@ class SlurmLauncher:
             preempted job by itself).
         max_running: jobs submitted at once; later probes' jobs wait their turn (None: SLURM queues them).
         python: the interpreter the job runs (default: the main run's).
+
+    Example:
+        >>> launcher = SlurmLauncher(partition="spare", gpus_per_node=1, timeout_min=30)
+        >>> launcher.nodes, launcher.tasks_per_node, launcher.max_running  # one process; SLURM queues the jobs
+        (1, 1, None)
     """
 
     partition: str | None = None
@@ -181,6 +233,12 @@ class SlurmLauncher:
     python: str = sys.executable
 
     def check(self) -> None:
+        """Refuse a machine where no SLURM job could start: submitit missing, no ``sbatch``, or a ``partition``
+        that ``sinfo`` does not list.
+
+        Raises:
+            LitCBSConfigError: the one line of what is missing, with the fix.
+        """
         try:
             importlib.import_module("submitit")
         except ImportError:
@@ -220,6 +278,16 @@ class SlurmLauncher:
         return executor
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``).
+
+        Args:
+            command: the arguments after the interpreter.
+            folder: the job's folder.
+            name: the SLURM job name.
+
+        Returns:
+            The job's handle (JSON-able): ``launcher``, ``job_id`` and ``folder`` (submitit's).
+        """
         import submitit
 
         job = self._executor(folder, name).submit(
@@ -228,6 +296,16 @@ class SlurmLauncher:
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
+        """Whether the SLURM job still runs or waits (pending, requeued, suspended, ...), from submitit's result
+        file, ``squeue`` and ``sacct``.
+
+        Args:
+            handle: what ``submit`` returned.
+
+        Returns:
+            ``JobState(True)`` while it runs or waits; else ``JobState(False, reason)``: "" for a command that
+            succeeded, else the last line of its error or the state SLURM ended it in.
+        """
         import submitit
 
         job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
@@ -245,6 +323,11 @@ class SlurmLauncher:
         return JobState(False, f"SLURM job {handle['job_id']} ended {state}")
 
     def cancel(self, handle: dict[str, Any]) -> None:
+        """``scancel`` the job (nothing if it has ended).
+
+        Args:
+            handle: what ``submit`` returned.
+        """
         subprocess.run(["scancel", handle["job_id"]], capture_output=True)
 
 
@@ -271,6 +354,18 @@ class SideJobs:
             deleted then; the job folder keeps the job's description, log and scores).
         wait_at_end: when training ends, wait for the readings still running (up to this many minutes; 0:
             leave them, a resumed run or ``recipes/probe.py`` collects them).
+
+    Raises:
+        LitCBSConfigError: ``launcher`` has no ``submit``, ``build`` is neither form, ``retries`` is not an int
+            >= 0, or ``wait_at_end`` is negative.
+
+    Example:
+        >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
+        >>> jobs.retries, jobs.wait_at_end  # restarts of a failed job; minutes waited at the end
+        (2, 60.0)
+        >>> SideJobs(LocalLauncher(), build="parts.py")
+        Traceback (most recent call last):
+        lit_cbs.errors.LitCBSConfigError: side_jobs.build='parts.py' must be 'package.module:function' ...
     """
 
     launcher: Any
