@@ -31,6 +31,26 @@ class ProbeConfig:
     One of ``every_tokens``, ``at_tokens`` and ``geometric`` places the probes of ``CBSProbeCallback`` (a probe
     of a saved checkpoint, ``lit_cbs.probe.probe_checkpoint``, needs none). A point passed while another probe's
     window runs is probed as soon as that window ends.
+
+    Each field below is a keyword argument; the checked fields are kept in a normal form (sorted float
+    ``multipliers``, a sorted ``early_stop`` list, a ``Path`` ``output_dir``).
+
+    Raises:
+        LitCBSConfigError: a setting out of its range or two that cannot be combined; the message names the field,
+            the value and the fix.
+
+    Example:
+        >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
+        >>> config.multipliers, config.early_stop, config.rule
+        ([1.0, 2.0, 4.0], [], DecisionRule(epsilon=0.01, confidence=0.9))
+        >>> [config.probe_point(i) for i in range(3)]  # tokens
+        [1000000, 2000000, 4000000]
+        >>> ProbeConfig(every_tokens=1000, at_tokens=[5000])
+        Traceback (most recent call last):
+        lit_cbs.errors.LitCBSConfigError: give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), ...
+        >>> ProbeConfig(replicates=2)
+        Traceback (most recent call last):
+        lit_cbs.errors.LitCBSConfigError: replicates=2 compares each k ...: set evaluate='heldout' (or replicates=1)
     """
 
     every_tokens: int | None = None
@@ -236,7 +256,12 @@ class ProbeConfig:
 
     @property
     def rule(self) -> DecisionRule:
-        """The k* rule's settings (``epsilon``, ``confidence``) for ``ProbeReading.decide``."""
+        """The k* rule's settings (``epsilon``, ``confidence``) for ``ProbeReading.decide``.
+
+        Example:
+            >>> ProbeConfig(epsilon=0.02, confidence=0.5).rule
+            DecisionRule(epsilon=0.02, confidence=0.5)
+        """
         return DecisionRule(self.epsilon, self.confidence)
 
     def decide(
@@ -244,7 +269,29 @@ class ProbeConfig:
     ) -> ProbeReading:
         """The reading of ``scores`` (per multiplier) by this probe's k* rule on the grid ``multipliers`` around
         the global batch ``batch_size`` (samples), recording the probe's search, scoring and cooldown; ``fields``
-        are the rest of the reading (where, on what and at what cost it was measured)."""
+        are the rest of the reading (where, on what and at what cost it was measured).
+
+        Args:
+            scores: each measured multiplier k's score (loss in nats).
+            multipliers: the grid of k the probe could train (it brackets the CBS).
+            batch_size: the main run's global batch B (samples).
+            **fields: the reading's other fields (``tokens``, ``step``, ``seq_len``, ``window_tokens``,
+                ``main_loss``, ``branches_trained``, ``failed``, ``tokens_spent``, ``overhead``, ...).
+
+        Returns:
+            The reading (``ProbeReading.decide``), with this probe's ``search``, ``evaluate`` and
+            ``cooldown_fraction``.
+
+        Example:
+            >>> from lit_cbs.probe.reading import BranchScore
+            >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
+            >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+            >>> reading = config.decide(scores, config.multipliers, 256, tokens=10**6, step=100, seq_len=128,
+            ...     window_tokens=262_144, main_loss=3.1, branches_trained=[2.0, 4.0], failed=[],
+            ...     tokens_spent=524_288, overhead=0.52)
+            >>> reading.search, reading.k_star, reading.bracket  # train-EMA scores carry no SE at 90% confidence
+            ('grid', 2, '[512, 1024] (undetermined)')
+        """
         return ProbeReading.decide(
             scores,
             self.rule,
@@ -258,11 +305,29 @@ class ProbeConfig:
 
     @property
     def span_tokens(self) -> int:
-        """Tokens of the main run one probe records (``replicates`` windows of ``window_tokens``, at most)."""
+        """Tokens of the main run one probe records (``replicates`` windows of ``window_tokens``, at most).
+
+        Example:
+            >>> ProbeConfig(window_tokens=262_144, replicates=2, evaluate="heldout").span_tokens
+            524288
+        """
         return self.window_tokens * self.replicates
 
     def probe_point(self, index: int) -> float:
-        """Token count of the index-th probe (0-based); inf past the last of ``at_tokens``."""
+        """Token count of the index-th probe (0-based); inf past the last of ``at_tokens``.
+
+        Args:
+            index: which probe, 0 for the first.
+
+        Returns:
+            Its point in tokens (global); inf where none is placed (past ``at_tokens``, or no placement).
+
+        Example:
+            >>> ProbeConfig(every_tokens=500_000).probe_point(2)
+            1500000
+            >>> ProbeConfig(at_tokens=[20_000, 10_000]).probe_point(0), ProbeConfig(at_tokens=[10_000]).probe_point(1)
+            (10000, inf)
+        """
         if self.every_tokens is not None:
             return self.every_tokens * (index + 1)
         if self.at_tokens is not None:
@@ -273,7 +338,20 @@ class ProbeConfig:
         return round(first * ratio**index)
 
     def points_before(self, end_tokens: float, next_probe: int = 0) -> Iterator[float]:
-        """The probe points (tokens) from the ``next_probe``-th (0-based) on that lie before ``end_tokens``."""
+        """The probe points (tokens) from the ``next_probe``-th (0-based) on that lie before ``end_tokens``.
+
+        Args:
+            end_tokens: tokens (global); a point at or past it is not given.
+            next_probe: the index of the first point given.
+
+        Returns:
+            An iterator of the points, in order (endless for ``end_tokens=inf`` with every_tokens or geometric).
+
+        Example:
+            >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
+            >>> list(config.points_before(5_000_000)), list(config.points_before(5_000_000, next_probe=1))
+            ([1000000, 2000000, 4000000], [2000000, 4000000])
+        """
         index = next_probe
         while (point := self.probe_point(index)) < end_tokens:
             yield point
@@ -295,7 +373,25 @@ class ProbeConfig:
         largest branch at the batch the probe runs at), else the setting. Call it before any work: a
         recipe with its max_tokens (the budget is final), the callback at a fresh run's first batch with
         the run's latest end (a window that only a batch other than the schedule's would push past the
-        end is decided when the probe is due)."""
+        end is decided when the probe is due).
+
+        Args:
+            run_end_tokens: the run's (latest) end, in tokens (global).
+            limit: the limit that ends it there, as the message should name it.
+            whole_span: refuse a probe whose span, not only its point, ends past the run's end.
+            next_probe: the index of the probe checked (0: the first).
+            window_tokens: the tokens one window records where the caller knows them (None: ``window_tokens``).
+
+        Raises:
+            LitCBSConfigError: the probe cannot run before the run ends.
+
+        Example:
+            >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
+            >>> config.check_inside_run(2_000_000, "max_tokens=2000000", whole_span=True)  # 1,262,144 <= 2,000,000
+            >>> config.check_inside_run(1_200_000, "max_tokens=1200000", whole_span=True)
+            Traceback (most recent call last):
+            lit_cbs.errors.LitCBSConfigError: the first probe (1,000,000 tokens + window_tokens=262,144) ends past ...
+        """
         point = self.probe_point(next_probe)
         window = self.window_tokens if window_tokens is None else window_tokens
         if whole_span and point + window * self.replicates > run_end_tokens:
