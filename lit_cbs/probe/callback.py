@@ -81,6 +81,23 @@ class CBSProbeCallback(Callback):
         failures: probes that found the run cannot be probed (an ``optimizer_step`` that writes the
             LR): tokens, step and reason; the main run goes on and no later probe runs.
         tokens_spent: tokens trained in branches so far (all ranks).
+
+    Raises:
+        LitCBSConfigError: both ``config`` and ``settings``, no placement (``every_tokens``, ``at_tokens`` or
+            ``geometric``), or a setting ``ProbeConfig`` refuses; at ``setup`` and the first batch, what needs the
+            Trainer (no token ids, a window that holds no step of the largest branch, ...).
+
+    Example:
+        >>> probe = CBSProbeCallback(every_tokens=1_000_000, window_tokens=262_144)
+        >>> probe.config.multipliers, probe.probe_point(1), probe.span_tokens  # k; tokens; tokens
+        ([1.0, 2.0, 4.0, 8.0], 2000000, 262144)
+        >>> probe.history, probe.tokens_spent
+        ([], 0)
+        >>> CBSProbeCallback(multipliers=[1, 2])
+        Traceback (most recent call last):
+        lit_cbs.errors.LitCBSConfigError: CBSProbeCallback needs where to probe: give every_tokens, at_tokens or ...
+
+        ``Trainer(callbacks=[probe])`` then probes at 1M, 2M, ... tokens and writes ``cbs_probe.jsonl``.
     """
 
     feeds_cbs_adaptive = True  # BatchWarmup lets a CBSAdaptive schedule start only beside a callback that feeds it
@@ -124,12 +141,23 @@ class CBSProbeCallback(Callback):
 
     @property
     def span_tokens(self) -> int:
-        """Tokens of the main run one probe records (``ProbeConfig.span_tokens``)."""
+        """Tokens of the main run one probe records (``ProbeConfig.span_tokens``).
+
+        Example:
+            >>> probe = CBSProbeCallback(every_tokens=10**6, window_tokens=262_144, replicates=2, evaluate="heldout")
+            >>> probe.span_tokens  # two windows of 262,144 tokens
+            524288
+        """
         return self.config.span_tokens
 
     @property
     def lr_rule(self):
-        """The LR rule (``config.rules.lr``)."""
+        """The LR rule (``config.rules.lr``): the factor a branch's LR moves by for batch ratio k.
+
+        Example:
+            >>> CBSProbeCallback(every_tokens=10**6, lr_rule="linear").lr_rule
+            LRRule('linear')
+        """
         return self.config.rules.lr
 
     @property
@@ -148,7 +176,18 @@ class CBSProbeCallback(Callback):
         return known(self._accounting.global_batch, "BatchAccounting.global_batch")
 
     def probe_point(self, index: int) -> float:
-        """Token count of the index-th probe (0-based; ``ProbeConfig.probe_point``)."""
+        """Token count of the index-th probe (0-based; ``ProbeConfig.probe_point``).
+
+        Args:
+            index: which probe, 0 for the first.
+
+        Returns:
+            Its point in tokens (global); inf past the last of ``at_tokens``.
+
+        Example:
+            >>> CBSProbeCallback(geometric=(1_000_000, 2)).probe_point(3)
+            8000000
+        """
         return self.config.probe_point(index)
 
     # ------------------------------------------------------------------ checks before training
