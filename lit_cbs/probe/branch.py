@@ -54,11 +54,26 @@ if TYPE_CHECKING:
 
 
 class BranchFailed(Exception):
-    """A branch diverged (non-finite loss) or ran out of memory on some rank; it counts as not recovered."""
+    """A branch diverged (non-finite loss) or ran out of memory on some rank; it counts as not recovered.
+
+    Example:
+        >>> from lit_cbs.probe.reading import BranchScore
+        >>> try:
+        ...     raise BranchFailed("non-finite loss at branch step 3")
+        ... except BranchFailed:
+        ...     score = BranchScore(float("inf"))  # what BranchMeasurer records for that k
+        >>> score.failed
+        True
+    """
 
 
 class ProbeAborted(Exception):
-    """A stop signal arrived during a probe: the main state is restored and the run stops at that step."""
+    """A stop signal arrived during a probe: the main state is restored and the run stops at that step.
+
+    Example:
+        >>> issubclass(ProbeAborted, BranchFailed)  # not a failed branch: no reading at all
+        False
+    """
 
 
 class ProbeUnusable(Exception):
@@ -67,7 +82,12 @@ class ProbeUnusable(Exception):
 
 
 class BranchError(RuntimeError):
-    """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere)."""
+    """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere).
+
+    Example:
+        >>> str(BranchError("another rank raised inside a CBS probe branch (its log has the error); probe aborted"))
+        'another rank raised inside a CBS probe branch (its log has the error); probe aborted'
+    """
 
 
 class _ProbeLossModule(Protocol):
@@ -99,6 +119,22 @@ class RecordedWindow:
     """The main run's window since a probe point, as this rank trained it.
 
     Batches in samples, token counts global (all ranks), losses in nats.
+
+    Example:
+        A window of 8 samples of 8 tokens at batch 4 (2 micro-batches of 2), recorded and regrouped for the
+        k = 2 branch (``start``, the snapshot branches begin from, is not needed here):
+
+        >>> import torch
+        >>> window = RecordedWindow(tokens=0, step=0, batch_size=4, accumulate=2, micro_batch_size=2,
+        ...     data_parallel_size=1, seq_len=8, multipliers=[1.0, 2.0], window_samples=8, start=None)
+        >>> for i in range(4):
+        ...     window.record_batch(torch.full((2, 8), i), "cpu")
+        >>> window.recorded_samples, window.complete, window.window_tokens
+        (8, True, 64)
+        >>> window.step_samples(2.0)  # samples per rank in one step of batch 2 x 4
+        8
+        >>> [batch[:, 0].tolist() for batch in window.micro_batches(4, 8)]  # micro-batches of 4 samples
+        [[0, 0, 1, 1], [2, 2, 3, 3]]
     """
 
     tokens: int  # tokens seen at the window's start
@@ -122,10 +158,12 @@ class RecordedWindow:
 
     @property
     def window_tokens(self) -> int:
+        """Tokens (global) of one replicate's window."""
         return self.window_samples * self.seq_len
 
     @property
     def samples_per_rank(self) -> int:
+        """Samples of one replicate's window on each rank."""
         return self.window_samples // self.data_parallel_size
 
     @property
@@ -144,21 +182,52 @@ class RecordedWindow:
         return self.recorded_samples in self.early_stop_samples
 
     def tokens_of(self, samples_per_rank: int) -> int:
-        """Tokens (global) in ``samples_per_rank`` samples of every rank."""
+        """Tokens (global) in ``samples_per_rank`` samples of every rank.
+
+        Args:
+            samples_per_rank: samples on each rank.
+
+        Returns:
+            Their tokens over all ranks.
+        """
         return samples_per_rank * self.data_parallel_size * self.seq_len
 
     def step_samples(self, k: float) -> int:
-        """Samples per rank in one step of batch k*B."""
+        """Samples per rank in one step of batch k*B.
+
+        Args:
+            k: the batch multiplier.
+
+        Returns:
+            round(k * B) / ranks, in samples.
+        """
         return round(k * self.batch_size) // self.data_parallel_size
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
-        """Keep a micro-batch the main run trains on, detached, on ``device``."""
+        """Keep a micro-batch the main run trains on, detached, on ``device``.
+
+        Args:
+            batch: the micro-batch (tensors, or collections of them, samples along dim 0).
+            device: where it is kept (``ProbeConfig.snapshot_device``).
+        """
         self.batches.append(move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device))
         self.recorded_samples += extract_batch_size(batch)
 
     def micro_batches(self, size: int, samples: int, offset: int = 0) -> list[Any]:
         """``samples`` recorded samples (per rank) from the ``offset``-th on, as micro-batches of ``size``:
-        the recorded ones where they have that size, else cut anew from them along dim 0."""
+        the recorded ones where they have that size, else cut anew from them along dim 0.
+
+        Args:
+            size: samples per micro-batch (per rank).
+            samples: samples wanted (per rank); whole micro-batches of ``size`` are given.
+            offset: recorded samples (per rank) skipped first: where a replicate's window begins.
+
+        Returns:
+            ``samples // size`` micro-batches.
+
+        Raises:
+            LitCBSConfigError: regrouping is needed but the batches are not tensors with samples along dim 0.
+        """
         needed = samples // size
         first, seen = 0, 0
         while seen < offset and first < len(self.batches):
@@ -179,6 +248,7 @@ class RecordedWindow:
         ]
 
     def record_micro_loss(self, loss: float) -> None:
+        """Keep a micro-batch's loss (nats) of the optimizer step in progress."""
         self.micro_losses.append(loss)
 
     def end_step(self) -> None:
@@ -323,6 +393,21 @@ class BranchTrainer:
     A window's score (nats, the mean over ranks, so every rank reaches the same k*) is the EMA of
     its step losses at its last step (``evaluate="train_ema"``, the paper's) or the model's loss at
     the window's end on each ``heldout`` batch (``evaluate="heldout"``).
+
+    Args:
+        trainer: the Trainer whose fit the probe runs in (its strategy, optimizers and schedulers).
+        pl_module: the module the branches train.
+        accounting: the Trainer's ``BatchAccounting``.
+        rules: how the LR (and weight decay, betas) move for batch ratio k.
+        evaluate: "train_ema" or "heldout".
+        ema_alpha: weight in (0, 1] of the newest step loss in the EMA.
+        micro_batch_for: samples per rank in a micro-batch of branch k (None: k*B is no whole number of them).
+        heldout: the held-out batches of ``evaluate="heldout"``.
+        cooldown_fraction: share in [0, 1) of a branch's last steps over which its LR decays towards 0.
+        tokens_trained: tokens (global) of every branch step taken so far (it counts on from there).
+
+    It needs a running fit (``CBSProbeCallback`` and ``probe_checkpoint`` make it), so it has no standalone
+    example; ``lit_cbs.probe.reading`` has the scores it returns.
     """
 
     trainer: pl.Trainer
@@ -340,7 +425,15 @@ class BranchTrainer:
         self._heldout_loss = HeldoutLoss(self.pl_module)
 
     def score(self, step_losses: list[float]) -> BranchScore:
-        """The score of a window this rank trained with ``step_losses``, the model now at its end."""
+        """The score of a window this rank trained with ``step_losses``, the model now at its end.
+
+        Args:
+            step_losses: this rank's loss at each optimizer step of the window (nats).
+
+        Returns:
+            The score, the same on every rank: the EMA of the step losses averaged over ranks, with an SE from
+            their scatter ("train_ema"), or the loss on each held-out batch averaged over ranks ("heldout").
+        """
         if self.evaluate == "heldout":
             return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
         return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
@@ -350,6 +443,15 @@ class BranchTrainer:
         window of data), from its start snapshot (or from where this branch stopped at an earlier
         early-stop point), and score it. The model is left in the branch's end state; ``keep`` saves that
         state in ``window.progress``.
+
+        Args:
+            window: the main run's recorded window.
+            k: the batch multiplier of the branch.
+            keep: keep the branch's end state to train on from there (an early-stop point).
+            replicate: which replicate window of data (0: the first).
+
+        Returns:
+            The branch's score (``score``).
 
         Raises:
             BranchFailed: a non-finite step loss, or out of memory, on any rank.
