@@ -70,6 +70,12 @@ class RunParts:
             ``gradient_clip_val``, ``accelerator``, ``devices``, ...): branches train as the run trains.
         callbacks: the run's ``BatchWarmup`` (or ``BatchAccounting``), as it was made for the run: branches
             take its micro-batch rule and optimizer rules; its state comes from the checkpoint.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> parts = RunParts(pl.LightningModule(), trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0})
+        >>> parts.datamodule, parts.trainer["precision"], parts.callbacks
+        (None, 'bf16-mixed', [])
     """
 
     model: pl.LightningModule
@@ -93,6 +99,12 @@ class CheckpointProbe(Callback):
         reading: the reading, decided here (without ``plan``), else None.
         scores: each measured k's score; ``measurer``: what was trained and what failed.
         tokens_trained: branch tokens (global).
+        seconds: wall seconds the probe took at the fit's start.
+
+    Example:
+        >>> probe = CheckpointProbe(ProbeConfig(multipliers=[1, 2, 4], window_tokens=65_536))
+        >>> probe.reading, probe.scores, probe.tokens_trained  # until a fit resumed from a checkpoint runs it
+        (None, {}, 0)
     """
 
     def __init__(
@@ -110,7 +122,11 @@ class CheckpointProbe(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before the checkpoint's loader state is put into the train loader, which Lightning refuses (with a
-        message about its own internals) for a loader that keeps no position."""
+        message about its own internals) for a loader that keeps no position.
+
+        Raises:
+            LitCBSConfigError: the train loader is not a ``GlobalOrderLoader``.
+        """
         loader = given_train_loader(trainer)
         if loader is None:
             # trainer.datamodule is set by Lightning's data connector, undeclared on Trainer
@@ -273,13 +289,19 @@ def probe_checkpoint(
 
     Raises:
         LitCBSConfigError: the settings cannot probe this checkpoint (no ``GlobalOrderLoader``, no token
-            count, fewer than two multipliers fit), or a setting is invalid.
+            count, fewer than two multipliers fit), or a setting is invalid, or both ``config`` and ``settings``.
+        RuntimeError: the fit stopped before the probe could train (no reading).
 
     Example:
         ``probe_checkpoint("run/checkpoints/step=608.ckpt", RunParts(MyModule(), MyData(), trainer={"precision":
         "bf16-mixed", "gradient_clip_val": 1.0}, callbacks=[BatchWarmup(...)]), multipliers=(1, 2, 4, 8),
         window_tokens=2_000_000, evaluate="heldout", search="bisect")``; a runnable one is in
-        docs/guides/probe_jobs.md.
+        docs/guides/probe_jobs.md. What it refuses before it loads anything:
+
+        >>> import lightning.pytorch as pl
+        >>> probe_checkpoint("step=608.ckpt", RunParts(pl.LightningModule()), multipliers=[2, 4])
+        Traceback (most recent call last):
+        lit_cbs.errors.LitCBSConfigError: multipliers=[2, 4] has no k = 1: ...
     """
     if config is not None and settings:
         raise LitCBSConfigError("probe_checkpoint: give a ProbeConfig or its fields as keywords, not both")

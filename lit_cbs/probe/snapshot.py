@@ -45,6 +45,25 @@ class TrainingSnapshot:
     schedulers and the grad scaler through their state_dicts; RNG states of torch (CPU and CUDA),
     numpy and random; the states of torchmetrics metrics in the module (a training_step that
     updates a metric would otherwise count the branches' batches).
+
+    Args:
+        trainer: the Trainer whose optimizers, LR schedulers and grad scaler are copied.
+        pl_module: the module whose parameters, buffers, RNG streams and metric states are copied.
+        device: where the copies live ("cpu" keeps accelerator memory free).
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> import torch
+        >>> module = pl.LightningModule()
+        >>> module.layer = torch.nn.Linear(2, 1)
+        >>> trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+        >>> snapshot = TrainingSnapshot(trainer, module)
+        >>> bias, draw = module.layer.bias.item(), torch.rand(1)
+        >>> with torch.no_grad():
+        ...     _ = module.layer.bias.fill_(5.0)  # what a branch would change
+        >>> snapshot.restore(trainer, module)
+        >>> module.layer.bias.item() == bias, bool(torch.rand(1) == draw)  # weights and RNG as they were
+        (True, True)
     """
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: str | torch.device = "cpu"):
@@ -72,6 +91,13 @@ class TrainingSnapshot:
 
     @torch.no_grad()
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put the copied state back in place (the same tensors, so optimizers keep their references); optimizer
+        state a branch created is dropped and the gradients are cleared. The snapshot can be restored again.
+
+        Args:
+            trainer: the Trainer the snapshot was taken of.
+            pl_module: the module the snapshot was taken of.
+        """
         _reshard(pl_module)
         for live, saved in zip(self._module_tensors(pl_module), self.tensors):
             _local(live).copy_(saved)
