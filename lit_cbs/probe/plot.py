@@ -23,7 +23,32 @@ def plot_cbs_curve(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Path:
-    """``cbs_curve_figure`` as a PNG at ``path``."""
+    """``cbs_curve_figure`` as a PNG at ``path``.
+
+    Args:
+        history: the readings (``CBSProbeCallback.history``, or ``read_readings`` of a cbs_probe.jsonl).
+        batch_changes: BatchWarmup's ``history`` (``BatchChange`` records); empty for a fixed batch.
+        path: the PNG file (its folder is created).
+        end_tokens: tokens the global batch's line reaches (it reaches just past the last reading at least).
+        epsilon: the k* rule's tolerance (nats) drawn in the bottom panel (None: not drawn).
+
+    Returns:
+        The path of the PNG.
+
+    Example:
+        >>> import os, tempfile
+        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
+        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+        >>> where = dict(step=100, seq_len=128, window_tokens=262_144, search="grid", evaluate="train_ema",
+        ...     main_loss=3.1, branches_trained=[2, 4], failed=[], tokens_spent=524_288, overhead=0.52)
+        >>> history = [ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=t, **where)
+        ...     for t in (1_000_000, 2_000_000)]
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> png = plot_cbs_curve(history, [], os.path.join(folder.name, "cbs_curve.png"), epsilon=0.01)
+        >>> png.name, png.stat().st_size > 0
+        ('cbs_curve.png', True)
+        >>> folder.cleanup()
+    """
     return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
 
 
