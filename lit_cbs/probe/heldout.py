@@ -39,6 +39,16 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
     are the same after the call as before. Call it inside ``fit`` (``on_train_start`` or later),
     on every rank: the empty-loader check is a collective decision.
 
+    It reads a running fit's loaders, so it has no standalone example.
+
+    Args:
+        trainer: the Trainer inside its ``fit``.
+        count: batches wanted (per rank), ``ProbeConfig.heldout_batches``.
+        device: where the batches are kept (``ProbeConfig.snapshot_device``).
+
+    Returns:
+        This rank's first ``count`` validation batches (fewer if the loader has fewer), detached, on ``device``.
+
     Raises:
         LitCBSConfigError: the Trainer has no validation data, or its first loader yields no batch
             on some rank (raised on every rank alike).

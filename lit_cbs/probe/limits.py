@@ -43,14 +43,23 @@ def known(value: T | None, what: str) -> T:
 class RunEnd:
     """The tokens (global) at which the run ends: no sooner than ``earliest`` while the batch does
     not shrink, no later than ``latest``; ``limit`` names the limit that ends it soonest. None: no
-    limit is known (none set, or only max_epochs over a loader without a length)."""
+    limit is known (none set, or only max_epochs over a loader without a length).
+
+    Example:
+        >>> end = RunEnd(earliest=409_600, latest=819_200, limit="max_steps=100")
+        >>> end.describe()
+        'max_steps=100, at 409,600 tokens'
+        >>> RunEnd(None, None, None).describe()
+        'no known limit'
+    """
 
     earliest: int | None
     latest: int | None
     limit: str | None
 
     def describe(self) -> str:
-        """e.g. "max_steps=100, at 409,600 tokens"."""
+        """The limit that ends the run soonest and where, e.g. "max_steps=100, at 409,600 tokens" (see the class
+        example)."""
         return f"{self.limit}, at {self.earliest:,} tokens" if self.limit else "no known limit"
 
 
@@ -65,7 +74,23 @@ def run_end(
     (``batch_idx + 1``) of this epoch read and counted in ``accounting.tokens_seen``, of which
     ``micro_batches_into_step`` belong to the optimizer step not yet taken (0 right after a step, 1
     at the first micro-batch of a step). ``largest_batch``: the largest global batch (samples) the
-    run may reach."""
+    run may reach.
+
+    It reads a running fit's Trainer and accounting, so it has no standalone example (``RunEnd`` has one).
+
+    Args:
+        trainer: the Trainer inside its ``fit`` (``max_steps``, ``max_epochs``, its train loader).
+        accounting: the Trainer's ``BatchAccounting``, past the first batch (its micro-batch and ``seq_len`` known).
+        micro_batches_this_epoch: micro-batches of this epoch read so far, the current one included.
+        micro_batches_into_step: of them, those of the optimizer step not yet taken.
+        largest_batch: the largest global batch (samples) the run may reach.
+
+    Returns:
+        The run's end in tokens (global): the earliest and latest, and the limit that ends it soonest.
+
+    Raises:
+        RuntimeError: the accounting does not know the micro-batch or ``seq_len`` yet (before the first batch).
+    """
     seq_len = known(accounting.seq_len, "BatchAccounting.seq_len")
     micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
     global_batch = known(accounting.global_batch, "BatchAccounting.global_batch")
