@@ -192,6 +192,12 @@ class CBSProbeCallback(Callback):
 
     # ------------------------------------------------------------------ checks before training
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """For a fit: attach the Trainer's ``BatchAccounting`` and find its ``BatchWarmup``.
+
+        Raises:
+            LitCBSConfigError: manual optimization, a ``BatchWarmup`` whose batch changes and whose optimizer rules
+                differ from the probe's, or a side-job launcher that cannot start a job.
+        """
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "CBSProbeCallback", "it trains branches through it")
@@ -210,7 +216,11 @@ class CBSProbeCallback(Callback):
             self._side.check(trainer)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Before any data is read: every multiplier's LR rule must apply to the optimizer and its schedulers."""
+        """Before any data is read: every multiplier's LR rule must apply to the optimizer and its schedulers.
+
+        Raises:
+            LitCBSConfigError: the optimizer or a scheduler cannot be moved by the probe's rules at some k.
+        """
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         ratios = list(self.config.multipliers)
         warmup = self._warmup
@@ -226,6 +236,13 @@ class CBSProbeCallback(Callback):
             self.config.rules.check(optimizer, schedulers, ratios, who)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Resolve the output folder, load the held-out batches, refuse a first probe point past ``max_tokens``,
+        and start the probe a resumed run left due.
+
+        Raises:
+            LitCBSConfigError: the first probe point lies past ``max_tokens``, no validation data for
+                ``evaluate="heldout"``, or side jobs without an output folder or a ``GlobalOrderLoader``.
+        """
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = self._accounting.max_tokens
         if (
@@ -841,6 +858,14 @@ class CBSProbeCallback(Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
+        """The probe's state in a checkpoint: readings, failures, probes started, branch tokens, and the side
+        jobs still out. A window in progress is recorded as interrupted (a resumed run probes there again).
+
+        Example:
+            >>> CBSProbeCallback(every_tokens=10**6).state_dict()  # doctest: +NORMALIZE_WHITESPACE
+            {'history': [], 'tokens_spent': 0, 'probes_started': 0, 'interrupted': None, 'failures': [],
+             'unusable': False, 'side_jobs': []}
+        """
         # A window in progress cannot be finished after a resume (its start snapshot lives only in
         # memory), so a checkpoint taken inside one asks the resumed run to probe again at once: at the
         # same step if the checkpoint is the window's start (FinalStateCheckpoint writes one there).
@@ -856,6 +881,20 @@ class CBSProbeCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Take up the state ``state_dict`` made (any lit_cbs version's, ``lit_cbs.legacy.probe_state``); the side
+        jobs it lists are collected if this probe has ``side_jobs``, else dropped with a warning.
+
+        Args:
+            state_dict: what ``state_dict`` returned, from a checkpoint.
+
+        Example:
+            >>> state = CBSProbeCallback(every_tokens=10**6).state_dict()
+            >>> state["tokens_spent"], state["probes_started"] = 524_288, 2
+            >>> probe = CBSProbeCallback(every_tokens=10**6)
+            >>> probe.load_state_dict(state)
+            >>> probe.tokens_spent, probe.probes_started
+            (524288, 2)
+        """
         state_dict = legacy.probe_state(state_dict)
         # The first readings carry no seq_len; the first batch tells it (_check_batch).
         self.history = [ProbeReading.from_record(copy.deepcopy(reading)) for reading in state_dict["history"]]

@@ -139,6 +139,9 @@ class BranchScore:
             The score: ``loss`` the EMA at the last step (NaN for no steps), ``se`` from the scatter (None for
             fewer than 3 steps or a non-finite loss among them).
 
+        Raises:
+            ValueError: ``alpha`` is not in (0, 1] (with at least one step).
+
         Example:
             >>> score = BranchScore.train_ema([3.0, 2.9, 2.85, 2.8], alpha=0.5)
             >>> round(score.loss, 4), round(score.se, 4)
