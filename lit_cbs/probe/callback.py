@@ -93,7 +93,7 @@ class CBSProbeCallback(Callback):
         ([1.0, 2.0, 4.0, 8.0], 2000000, 262144)
         >>> probe.history, probe.tokens_spent
         ([], 0)
-        >>> CBSProbeCallback(multipliers=[1, 2])
+        >>> CBSProbeCallback(multipliers=[1, 2])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         lit_cbs.errors.LitCBSConfigError: CBSProbeCallback needs where to probe: give every_tokens, at_tokens or ...
 

@@ -45,10 +45,10 @@ class ProbeConfig:
         ([1.0, 2.0, 4.0], [], DecisionRule(epsilon=0.01, confidence=0.9))
         >>> [config.probe_point(i) for i in range(3)]  # tokens
         [1000000, 2000000, 4000000]
-        >>> ProbeConfig(every_tokens=1000, at_tokens=[5000])
+        >>> ProbeConfig(every_tokens=1000, at_tokens=[5000])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         lit_cbs.errors.LitCBSConfigError: give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), ...
-        >>> ProbeConfig(replicates=2)
+        >>> ProbeConfig(replicates=2)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         lit_cbs.errors.LitCBSConfigError: replicates=2 compares each k ...: set evaluate='heldout' (or replicates=1)
     """
@@ -388,7 +388,7 @@ class ProbeConfig:
         Example:
             >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
             >>> config.check_inside_run(2_000_000, "max_tokens=2000000", whole_span=True)  # 1,262,144 <= 2,000,000
-            >>> config.check_inside_run(1_200_000, "max_tokens=1200000", whole_span=True)
+            >>> config.check_inside_run(1_200_000, "max_tokens=1200000", whole_span=True)  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             lit_cbs.errors.LitCBSConfigError: the first probe (1,000,000 tokens + window_tokens=262,144) ends past ...
         """

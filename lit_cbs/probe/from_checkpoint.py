@@ -299,7 +299,7 @@ def probe_checkpoint(
         docs/guides/probe_jobs.md. What it refuses before it loads anything:
 
         >>> import lightning.pytorch as pl
-        >>> probe_checkpoint("step=608.ckpt", RunParts(pl.LightningModule()), multipliers=[2, 4])
+        >>> probe_checkpoint("step=608.ckpt", RunParts(pl.LightningModule()), multipliers=[2, 4])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         lit_cbs.errors.LitCBSConfigError: multipliers=[2, 4] has no k = 1: ...
     """

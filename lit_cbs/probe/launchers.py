@@ -92,7 +92,7 @@ class LocalLauncher:
             LitCBSConfigError: no job could start; the message has the interpreter's last line of error.
 
         Example:
-            >>> LocalLauncher(python="/no/such/python").check()
+            >>> LocalLauncher(python="/no/such/python").check()  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             lit_cbs.errors.LitCBSConfigError: LocalLauncher(python='/no/such/python') cannot start a side job (...
         """
@@ -363,7 +363,7 @@ class SideJobs:
         >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
         >>> jobs.retries, jobs.wait_at_end  # restarts of a failed job; minutes waited at the end
         (2, 60.0)
-        >>> SideJobs(LocalLauncher(), build="parts.py")
+        >>> SideJobs(LocalLauncher(), build="parts.py")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         lit_cbs.errors.LitCBSConfigError: side_jobs.build='parts.py' must be 'package.module:function' ...
     """

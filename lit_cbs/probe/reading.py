@@ -601,7 +601,7 @@ class ProbeReading:
             >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, **where)
             >>> ProbeReading.from_record(dataclasses.asdict(reading)) == reading
             True
-            >>> ProbeReading.from_record({"tokens": 1, "colour": "red"})
+            >>> ProbeReading.from_record({"tokens": 1, "colour": "red"})  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ValueError: not a CBS probe reading: it lacks batch_size, ... and has unknown fields colour
         """
@@ -787,7 +787,7 @@ def read_readings(path: str | os.PathLike) -> list[ProbeReading]:
         [(1000000, 2, '[512, 1024]')]
         >>> with open(path, "a") as f:
         ...     print("[1, 2]", file=f)
-        >>> read_readings(path)
+        >>> read_readings(path)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ValueError: ...cbs_probe.jsonl:2: '[1, 2]' is not a probe reading (a JSON object: tokens, ...)
         >>> folder.cleanup()
