@@ -55,6 +55,15 @@ def write_json(path: Path, content: Any) -> None:
 
 
 def score_to_json(score: BranchScore) -> dict[str, Any]:
+    """``score`` as JSON-able fields (``scores.json``, ``main_score.json``, the checkpoint); a failed branch's
+    loss (inf or NaN) as None, which JSON can hold.
+
+    Example:
+        >>> score_to_json(BranchScore.heldout([2.0, 2.5]))
+        {'loss': 2.25, 'batch_losses': [2.0, 2.5], 'se': None, 'replicate_losses': []}
+        >>> score_to_json(BranchScore(float("nan")))["loss"] is None
+        True
+    """
     return {
         "loss": score.loss if math.isfinite(score.loss) else None,
         "batch_losses": list(score.batch_losses),
@@ -64,6 +73,15 @@ def score_to_json(score: BranchScore) -> dict[str, Any]:
 
 
 def score_from_json(content: dict[str, Any]) -> BranchScore:
+    """The score ``score_to_json`` wrote; a None loss reads back as inf (a failed branch).
+
+    Example:
+        >>> score = BranchScore.heldout([2.0, 2.5])
+        >>> score_from_json(score_to_json(score)) == score
+        True
+        >>> score_from_json(score_to_json(BranchScore(float("nan")))).failed
+        True
+    """
     loss = content["loss"]
     return BranchScore(
         math.inf if loss is None else float(loss),
