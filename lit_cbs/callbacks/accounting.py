@@ -55,6 +55,16 @@ from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
 
+def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's callbacks, in the order Lightning calls them."""
+    return trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector, undeclared on Trainer
+
+
+def trainer_datamodule(trainer: pl.Trainer) -> pl.LightningDataModule | None:
+    """The datamodule given to ``trainer.fit``, or None."""
+    return trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's DataConnector, undeclared on Trainer
+
+
 def data_parallel_size(trainer: pl.Trainer) -> int:
     """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
@@ -156,7 +166,7 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
 class StepTokens:
     """The counted tokens of the optimizer step under way (this rank's), for ``rescale``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
 
     @property
@@ -198,7 +208,7 @@ class MicroBatchSetting:
     def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
         """The setting, or None if neither the datamodule, the module nor a loader given to
         ``trainer.fit(train_dataloaders=...)`` has one."""
-        datamodule = trainer.datamodule
+        datamodule = trainer_datamodule(trainer)
         if datamodule is not None and hasattr(datamodule, "batch_size"):
             return cls(datamodule)
         if hasattr(pl_module, "batch_size"):
@@ -308,14 +318,15 @@ class BatchAccounting(Callback):
         """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
         (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on the
         accounting's behalf: set on it, or LitCBSConfigError if it already has another value."""
-        found = [callback for callback in trainer.callbacks if isinstance(callback, cls)]
+        callbacks = trainer_callbacks(trainer)
+        found = [callback for callback in callbacks if isinstance(callback, cls)]
         if len(found) > 1:
             raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
         accounting = found[0] if found else cls()
-        if trainer.callbacks[:1] != [accounting]:
+        if callbacks[:1] != [accounting]:
             # A new list, not an insertion: Lightning may be iterating the old one (in setup).
-            trainer.callbacks = [accounting] + [
-                callback for callback in trainer.callbacks if callback is not accounting
+            trainer.callbacks = [accounting] + [  # type: ignore[attr-defined]  # see trainer_callbacks
+                callback for callback in callbacks if callback is not accounting
             ]
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
@@ -406,6 +417,8 @@ class BatchAccounting(Callback):
         yields it from the next micro-batch on. The next batch is checked against it: a loader that
         yields another size stops training there."""
         trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
         MicroBatchSetting.required(trainer, trainer.lightning_module).set(value)
         self._micro_batch_size = value
         self._micro_batch_set = True
@@ -417,6 +430,7 @@ class BatchAccounting(Callback):
         if loader is None:
             return
         if self._micro_batch_set:
+            assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
             loader.batch_size = self._micro_batch_size
         set_train_epoch_length(
             trainer, len(loader)
@@ -453,9 +467,10 @@ class BatchAccounting(Callback):
             for config in trainer.lr_scheduler_configs
             if isinstance(config.scheduler, TokenLRScheduler)
         ]
-        if self.seq_len is None and trainer.datamodule is not None:
+        datamodule = trainer_datamodule(trainer)
+        if self.seq_len is None and datamodule is not None:
             for name in ("tokens_per_sample", "seq_len"):
-                value = getattr(trainer.datamodule, name, None)
+                value = getattr(datamodule, name, None)
                 if is_positive_int(value):
                     self.seq_len = value
                     break
@@ -520,10 +535,10 @@ class BatchAccounting(Callback):
             self._check_micro_batch(trainer, micro, loader)
         if not self._seq_len_resolved:
             self._seq_len_resolved = True
-            if self.seq_len is None:
-                self.seq_len = token_sequence_length(batch)
-                if self.seq_len is not None:
-                    _say_inferred_seq_len(token_ids(batch))
+            ids = token_ids(batch) if self.seq_len is None else None
+            if ids is not None:
+                self.seq_len = int(ids.shape[1])  # as token_sequence_length(batch)
+                _say_inferred_seq_len(ids)
             if self.seq_len is None and self.max_tokens is not None:
                 raise LitCBSConfigError(
                     f"max_tokens={self.max_tokens} but the batches hold no token ids (no 2-D integer tensor), so "
@@ -532,6 +547,7 @@ class BatchAccounting(Callback):
                 )
         # A GlobalOrderLoader's last round of an epoch deals fewer samples, unevenly over the ranks: it says how many.
         samples = loader.last_round_samples if loader is not None else micro * self.data_parallel_size
+        assert samples is not None  # the loader has just yielded this batch: it says its round's samples
         self.samples_seen += samples
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
@@ -549,9 +565,10 @@ class BatchAccounting(Callback):
             return
         if micro == (loader.last_samples if loader is not None else self._micro_batch_size):
             return
+        assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
         if micro < self._micro_batch_size and trainer.num_training_batches == 1:
             return  # an epoch shorter than one micro-batch (drop_last=False)
-        where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
+        where = "the datamodule's" if trainer_datamodule(trainer) is not None else "the LightningModule's"
         raise LitCBSConfigError(
             f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
             f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "
