@@ -64,7 +64,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
     instead of writing ``last-v1.ckpt`` beside a stale one."""
 
     def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
-        super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
+        kwargs["enable_version_counter"] = enable_version_counter  # a keyword: *args cannot reach it
+        super().__init__(*args, **kwargs)
         self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
         self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
 
@@ -85,10 +86,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
         """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
         is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
-        source, target = (
-            Path(trainer.ckpt_path),
-            Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}",
-        )
+        assert trainer.ckpt_path is not None  # the window's start was restored from the checkpoint resumed
+        source, target = Path(trainer.ckpt_path), self._last_path()
         if trainer.is_global_zero and source.resolve() != target.resolve():
             copy_checkpoint(source, target)
         trainer.strategy.barrier("FinalStateCheckpoint.resumed")
@@ -101,6 +100,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         signals = [signal.SIGTERM]
         environment = cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            assert environment.requeue_signal is not None  # SLURMEnvironment sets SIGUSR1 when auto_requeue
             signals.append(environment.requeue_signal)
         for signum in signals:
             self._lightning_handlers[signum] = signal.getsignal(signum)
@@ -259,8 +259,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
             return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
         self._save_last_now(trainer)
 
+    def _last_path(self) -> Path:
+        """Where ``last.ckpt`` goes, in ``dirpath`` (which ``ModelCheckpoint.setup`` resolves)."""
+        if self.dirpath is None:
+            raise RuntimeError("FinalStateCheckpoint has no dirpath: its setup(trainer, pl_module, 'fit') has not run")
+        return Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+
     def _save_last_now(self, trainer: pl.Trainer) -> None:
-        path = str(Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}")
+        path = str(self._last_path())
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = path

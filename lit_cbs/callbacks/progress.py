@@ -15,7 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting, trainer_callbacks
 
 
 class RunProgressBar(TQDMProgressBar):
@@ -39,7 +39,7 @@ class RunProgressBar(TQDMProgressBar):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._accounting = next((cb for cb in trainer.callbacks if isinstance(cb, BatchAccounting)), None)
+        self._accounting = next((cb for cb in trainer_callbacks(trainer) if isinstance(cb, BatchAccounting)), None)
         self._micro_batches = 0
         progress = self.progress(trainer)
         if progress is not None and not self.train_progress_bar.disable:

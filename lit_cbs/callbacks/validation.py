@@ -25,7 +25,8 @@ class TokenValidation(Callback):
     and ``check_val_every_n_epoch`` at None or 1."""
 
     def __init__(self, every_tokens: int):
-        self.every_tokens = positive_int("every_tokens", every_tokens, "tokens between validations")
+        positive_int("every_tokens", every_tokens, "tokens between validations")  # LitCBSConfigError unless an int >= 1
+        self.every_tokens = every_tokens
         self._accounting: BatchAccounting | None = None
         self._tokens_at_last_step = 0
 
@@ -45,13 +46,21 @@ class TokenValidation(Callback):
             )
         self._accounting = BatchAccounting.attach(trainer)
 
+    def _counts(self) -> BatchAccounting:
+        """The Trainer's ``BatchAccounting``, attached in setup."""
+        if self._accounting is None:
+            raise RuntimeError(
+                "TokenValidation has no BatchAccounting: its setup(trainer, pl_module, 'fit') has not run"
+            )
+        return self._accounting
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tokens_at_last_step = self._accounting.tokens_seen
+        self._tokens_at_last_step = self._counts().tokens_seen
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        accounting = self._accounting
+        accounting = self._counts()
         if not accounting.has_tokens:
             raise LitCBSConfigError(
                 f"TokenValidation(every_tokens={self.every_tokens}) counts tokens, but the batches hold no token ids: "

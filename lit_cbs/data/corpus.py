@@ -20,7 +20,7 @@ def stdlib_root() -> Path:
 
 def stdlib_python_files() -> list[Path]:
     """The corpus files, sorted by path so the token stream is the same on every run."""
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(stdlib_root()):
         subdirs[:] = [name for name in subdirs if name not in SKIPPED_DIRS]
         files.extend(Path(directory, name) for name in names if name.endswith(".py"))

@@ -129,6 +129,8 @@ class TokenDataModule(LightningDataModule):
         dealt to the ranks as evenly as can be (``GlobalOrderLoader``)."""
         # Under Lightning, the strategy's data-parallel ranks (under tensor parallelism, not every process's).
         ranks = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if self.train_dataset is None:
+            raise RuntimeError("TokenDataModule.train_dataloader() before setup(): call setup('fit') first")
         return GlobalOrderLoader(
             self.train_dataset,
             batch_size=self.batch_size,

@@ -155,7 +155,8 @@ class GlobalOrderLoader:
         self.num_samples = global_sample_count(dataset)
         # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
         self.dataset = _ByIndex(dataset, self.num_samples) if isinstance(dataset, IterableDataset) else dataset
-        self._batch_size = positive_int("batch_size", batch_size, "samples per rank")
+        positive_int("batch_size", batch_size, "samples per rank")  # LitCBSConfigError unless an int >= 1
+        self._batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -165,11 +166,12 @@ class GlobalOrderLoader:
         self.pin_memory = pin_memory
         if (num_replicas is None) != (rank is None):
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
-        self._replicas = (
-            None if num_replicas is None else (positive_int("num_replicas", num_replicas, "ranks"), int(rank))
-        )
-        if self._replicas is not None and not 0 <= rank < num_replicas:
-            raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
+        self._replicas: tuple[int, int] | None = None
+        if num_replicas is not None and rank is not None:  # both or neither (above)
+            positive_int("num_replicas", num_replicas, "ranks")  # LitCBSConfigError unless an int >= 1
+            self._replicas = (num_replicas, int(rank))
+            if not 0 <= rank < num_replicas:
+                raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = 0
         self.position = 0
         self.micro_batches = 0
@@ -188,7 +190,7 @@ class GlobalOrderLoader:
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        value = positive_int("batch_size", value, "samples per rank")
+        positive_int("batch_size", value, "samples per rank")  # LitCBSConfigError unless an int >= 1
         if value != self._batch_size:
             self._batch_size = value
             self._batches = None  # the next micro-batch is read from the position now, in runs of the new size

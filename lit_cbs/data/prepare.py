@@ -261,9 +261,9 @@ def read_metadata(data_dir: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def text_files(input_dir: str | os.PathLike) -> list[Path]:
+def text_files(input_dir: str | os.PathLike[str]) -> list[Path]:
     """Every file under ``input_dir``, recursively, skipping hidden files and folders; sorted."""
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(input_dir):
         subdirs[:] = [name for name in subdirs if not name.startswith(".")]
         files.extend(Path(directory, name) for name in names if not name.startswith("."))

@@ -25,13 +25,17 @@ class RandomTokenData(pl.LightningDataModule):
 
     def __init__(self, vocab_size: int, seq_len: int, batch_size: int, samples: int, seed: int = 0):
         super().__init__()
-        self.vocab_size = positive_int("vocab_size", vocab_size, "token ids")
-        self.seq_len = positive_int("seq_len", seq_len, "tokens per sample")
-        self.batch_size = positive_int("batch_size", batch_size, "samples")
-        if positive_int("samples", samples, "sequences") < batch_size:
+        # Each LitCBSConfigError unless an int >= 1.
+        positive_int("vocab_size", vocab_size, "token ids")
+        positive_int("seq_len", seq_len, "tokens per sample")
+        positive_int("batch_size", batch_size, "samples")
+        positive_int("samples", samples, "sequences")
+        self.vocab_size, self.seq_len, self.batch_size = vocab_size, seq_len, batch_size
+        if samples < batch_size:
             raise LitCBSConfigError(f"samples={samples} must be >= batch_size={batch_size} (one whole batch)")
         generator = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab_size, (samples, seq_len + 1), generator=generator)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.tokens, batch_size=self.batch_size, drop_last=True)
+        # A tensor is a map-style dataset (__getitem__ and __len__ over dim 0), which torch's annotation omits.
+        return DataLoader(self.tokens, batch_size=self.batch_size, drop_last=True)  # type: ignore[arg-type]
