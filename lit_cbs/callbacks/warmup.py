@@ -73,7 +73,37 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class BatchChange:
-    """One applied change of the global batch. Batches in samples, consumed counts global."""
+    """One applied change of the global batch. Batches in samples, consumed counts global.
+
+    Attributes:
+        step: optimizer steps taken before the new batch's first step.
+        epoch: the epoch of that step.
+        samples_seen, tokens_seen: samples and tokens trained on before it (all ranks).
+        old_global_batch, new_global_batch: samples per optimizer step before and after.
+        old_accumulate, new_accumulate: micro-batches per rank and step before and after.
+        old_micro_batch_size, new_micro_batch_size: samples per micro-batch and rank before and after.
+        lr_factor: this change's LR multiplier: ``lr_rule(new / old)``, or for a revert 1 / the reverted change's.
+        requested_at_samples, requested_at_tokens: where the schedule (or the guard) first asked for this
+            new batch (and micro-batch); the change waits for an aligned step, so these may be earlier.
+        cause: ``"schedule"``, or ``"guard"`` for a revert of an increase (``BatchGuard``).
+        clip_factor: this change's multiplier of the gradient-clipping threshold (``clip_rule``).
+
+    Example:
+        A change from 64 to 128 samples under the sqrt LR rule, as ``BatchWarmup.history`` records it and
+        its checkpoint stores it:
+
+        >>> import dataclasses
+        >>> from lit_cbs.callbacks import BatchChange
+        >>> change = BatchChange(
+        ...     step=100, epoch=0, samples_seen=6400, tokens_seen=819200, old_global_batch=64, new_global_batch=128,
+        ...     old_accumulate=2, new_accumulate=4, old_micro_batch_size=8, new_micro_batch_size=8,
+        ...     lr_factor=2**0.5, requested_at_samples=6400, requested_at_tokens=819200,
+        ... )
+        >>> change.new_global_batch // change.old_global_batch, round(change.lr_factor, 4), change.cause
+        (2, 1.4142, 'schedule')
+        >>> BatchChange(**dataclasses.asdict(change)) == change
+        True
+    """
 
     step: int  # optimizer steps taken before the new batch's first step
     epoch: int
@@ -144,6 +174,31 @@ class BatchWarmup(Callback):
         accumulate, micro_batch_size, samples_seen, tokens_seen, seq_len, max_tokens: read from the
             Trainer's ``BatchAccounting`` (micro-batches per step, samples per rank, counts, tokens).
         guard: the ``BatchGuard`` or None; ``guard.verdicts`` holds its judgement of each increase.
+
+    Raises:
+        LitCBSConfigError: at construction, ``schedule`` not a schedule, an unknown rule or one the
+            others exclude, ``max_tokens``, ``seq_len`` or ``max_micro_batch_size`` not None or an int
+            >= 1, or invalid guard settings; at setup and at the first batch, what
+            ``lit_cbs.callbacks.warmup_checks`` refuses (a batch that does not divide over the ranks, a
+            second BatchWarmup, manual optimization, ...).
+
+    Example:
+        Built before the Trainer, it knows only its settings; the counts come from the Trainer's
+        ``BatchAccounting`` at setup:
+
+        >>> from lit_cbs.callbacks import BatchWarmup
+        >>> from lit_cbs.rules.batch_schedules import LinearRamp
+        >>> warmup = BatchWarmup(
+        ...     LinearRamp(start=64, increment=64, ramp=10_000, final=256), lr_rule="sqrt", max_micro_batch_size=16
+        ... )
+        >>> warmup.schedule.sizes(0), warmup.lr_rule.factor(256 / 64)  # the batches to come; 4x the batch: 2x LR
+        ([64, 128, 192, 256], 2.0)
+        >>> warmup.global_batch, warmup.micro_batch_size, warmup.samples_seen, warmup.history  # before setup
+        (None, None, 0, [])
+        >>> BatchWarmup(256)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: schedule must be a lit_cbs.rules.batch_schedules schedule (...), got 256
     """
 
     def __init__(
@@ -260,7 +315,17 @@ class BatchWarmup(Callback):
     def micro_batch_for(self, global_batch: int) -> int:
         """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
         up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it,
-        the micro-batch now."""
+        the micro-batch now.
+
+        Args:
+            global_batch: samples per optimizer step, all ranks.
+
+        Returns:
+            Samples per micro-batch and rank.
+
+        Raises:
+            RuntimeError: before setup, which reads the ranks and the micro-batch.
+        """
         if self.max_micro_batch_size is None:
             return self._micro
         return micro_batch_for(global_batch, self._counts.data_parallel_size, self.max_micro_batch_size)
@@ -270,7 +335,27 @@ class BatchWarmup(Callback):
     ) -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every
         data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
-        only into the ranks. Also for a run's configuration before its Trainer exists."""
+        only into the ranks. Also for a run's configuration before its Trainer exists.
+
+        Args:
+            sizes: global batches (samples per optimizer step, all ranks).
+            micro_batch_size: samples per micro-batch and rank.
+            data_parallel_size: ranks that read their own micro-batches.
+            name: what ``sizes`` are, in the message.
+
+        Raises:
+            LitCBSConfigError: a size does not divide; the message names the nearest that do.
+
+        Example:
+            >>> from lit_cbs.callbacks import BatchWarmup
+            >>> from lit_cbs.rules.batch_schedules import ConstantBatch
+            >>> warmup = BatchWarmup(ConstantBatch(64))
+            >>> warmup.check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4)  # 64 = 16 x 1 x 4
+            >>> warmup.check_sizes([96], micro_batch_size=16, data_parallel_size=4)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: scheduled global batch 96 is not a multiple of micro-batch 16 x ...
+        """
         for size in sizes:
             check_divisible(
                 size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
@@ -305,7 +390,15 @@ class BatchWarmup(Callback):
         """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings
         (``CBSProbeCallback``, or a callback of yours that calls ``schedule.observe`` and says so with a
         class attribute ``feeds_cbs_adaptive = True``): it would stay at its start batch for the whole
-        run. A resumed run may have none (after its last probe point the recorded decisions replay)."""
+        run. A resumed run may have none (after its last probe point the recorded decisions replay).
+
+        Args:
+            callbacks: the Trainer's callbacks.
+            resumed: whether the run resumes from a checkpoint.
+
+        Returns:
+            True when nothing would feed the schedule its readings.
+        """
         return checks.lacks_a_feeder(self.schedule, callbacks, resumed)
 
     @staticmethod
