@@ -276,6 +276,30 @@ class BatchAccounting(Callback):
         stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
         checkpoint_data_parallel_size: the data-parallel size of the run the checkpoint came from.
         step_tokens: the counted tokens of the step under way, from ``lit_cbs.token_mean_loss``.
+
+    Raises:
+        LitCBSConfigError: ``seq_len`` or ``max_tokens`` not None or an int >= 1; at the first batch,
+            ``max_tokens`` for data without token ids; at the first batch of an epoch or after a change,
+            a train loader that yields another micro-batch than the one set.
+
+    Example:
+        Before a Trainer sets it up, it holds its settings and zero counts; ``max_tokens`` is reached
+        once the tokens seen pass it:
+
+        >>> from lit_cbs.callbacks import BatchAccounting
+        >>> accounting = BatchAccounting(seq_len=128, max_tokens=1_000_000)
+        >>> accounting.global_batch, accounting.accumulate, accounting.data_parallel_size, accounting.has_tokens
+        (None, 1, 1, True)
+        >>> accounting.budget_reached
+        False
+        >>> accounting.tokens_seen = 1_000_064
+        >>> accounting.budget_reached
+        True
+        >>> with accounting.branching():
+        ...     accounting.in_branch
+        True
+        >>> accounting.in_branch
+        False
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
@@ -306,7 +330,27 @@ class BatchAccounting(Callback):
     @staticmethod
     def checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
         """``{"seq_len": ..., "max_tokens": ...}`` once each is None or a positive int, else
-        LitCBSConfigError: for a callback that passes them on (``BatchWarmup``) to check at construction."""
+        LitCBSConfigError: for a callback that passes them on (``BatchWarmup``) to check at construction.
+
+        Args:
+            seq_len: tokens per sample, or None.
+            max_tokens: the token budget (all ranks), or None.
+
+        Returns:
+            The two settings by name.
+
+        Raises:
+            LitCBSConfigError: one is neither None nor an int >= 1.
+
+        Example:
+            >>> from lit_cbs.callbacks import BatchAccounting
+            >>> BatchAccounting.checked_settings(seq_len=128)
+            {'seq_len': 128, 'max_tokens': None}
+            >>> BatchAccounting.checked_settings(max_tokens=-1)
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: max_tokens=-1 must be a positive int or None (tokens)
+        """
         return {
             "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
             "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
@@ -317,7 +361,19 @@ class BatchAccounting(Callback):
     def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
         """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
         (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on the
-        accounting's behalf: set on it, or LitCBSConfigError if it already has another value."""
+        accounting's behalf: set on it, or LitCBSConfigError if it already has another value.
+
+        Args:
+            trainer: the Trainer whose accounting to find or attach.
+            given_by: the callback that took ``settings``, named in the message of a conflict.
+            settings: ``seq_len`` (tokens per sample) and ``max_tokens`` (tokens, all ranks); None: not given.
+
+        Returns:
+            The Trainer's one ``BatchAccounting``, first among its callbacks.
+
+        Raises:
+            LitCBSConfigError: the Trainer has two, a setting is invalid, or it conflicts with the accounting's.
+        """
         callbacks = trainer_callbacks(trainer)
         found = [callback for callback in callbacks if isinstance(callback, cls)]
         if len(found) > 1:
@@ -354,10 +410,12 @@ class BatchAccounting(Callback):
 
     @property
     def accumulate(self) -> int:
+        """Micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``; 1 before setup)."""
         return self._trainer.accumulate_grad_batches if self._trainer is not None else 1
 
     @property
     def data_parallel_size(self) -> int:
+        """Ranks that read their own micro-batches (1 before setup)."""
         return data_parallel_size(self._trainer) if self._trainer is not None else 1
 
     @property
@@ -415,7 +473,16 @@ class BatchAccounting(Callback):
         """Set the micro-batch the train loader must yield: written to the datamodule's or module's
         ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
         yields it from the next micro-batch on. The next batch is checked against it: a loader that
-        yields another size stops training there."""
+        yields another size stops training there.
+
+        Args:
+            value: samples per micro-batch and rank.
+
+        Raises:
+            RuntimeError: before setup.
+            LitCBSConfigError: nothing holds the micro-batch (no ``batch_size`` on the datamodule, the module
+                or its hparams), or a loader given to ``trainer.fit`` was built with another.
+        """
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
@@ -441,6 +508,9 @@ class BatchAccounting(Callback):
 
         Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
         reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
+
+        Args:
+            sync: whether the next backward reduces the gradients; None: reset to syncing.
         """
         if sync is None:
             sync, self._gradient_sync = True, None
