@@ -61,7 +61,27 @@ class FinalStateCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops
     (see the module docstring). ``last.ckpt`` needs ``save_last=True``. ``enable_version_counter``
     defaults to False: a job resumed in the same folder (a requeued SLURM job) overwrites ``last.ckpt``
-    instead of writing ``last-v1.ckpt`` beside a stale one."""
+    instead of writing ``last-v1.ckpt`` beside a stale one.
+
+    Args:
+        args, kwargs: ``ModelCheckpoint``'s (``dirpath``, ``save_last``, ``every_n_train_steps``, ...).
+        enable_version_counter: as ``ModelCheckpoint``'s, but False by default.
+
+    Raises:
+        lightning.fabric.utilities.exceptions.MisconfigurationException: what ``ModelCheckpoint`` refuses.
+
+    Example:
+        >>> import tempfile
+        >>> from lit_cbs.callbacks import FinalStateCheckpoint
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=500)
+        >>> checkpoint.save_last, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION
+        (True, 'last.ckpt')
+        >>> FinalStateCheckpoint(every_n_train_steps=-1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning.fabric.utilities.exceptions.MisconfigurationException: Invalid value for every_n_train_steps=-1. ...
+    """
 
     def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
         kwargs["enable_version_counter"] = enable_version_counter  # a keyword: *args cannot reach it
@@ -165,7 +185,11 @@ class FinalStateCheckpoint(ModelCheckpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's, saying in one line what a run resumed into another folder keeps (its own
-        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded."""
+        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded.
+
+        Args:
+            state_dict: what ``state_dict`` saved in the checkpoint.
+        """
         before = state_dict.get("dirpath", self.dirpath)
         if before == self.dirpath:
             super().load_state_dict(state_dict)

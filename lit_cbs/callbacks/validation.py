@@ -22,7 +22,25 @@ from lit_cbs.errors import LitCBSConfigError, positive_int
 class TokenValidation(Callback):
     """Run the validation loop after the optimizer step that crosses each multiple of ``every_tokens``
     (tokens seen, all ranks). Leave ``Trainer(val_check_interval=...)`` at its default (it is not used)
-    and ``check_val_every_n_epoch`` at None or 1."""
+    and ``check_val_every_n_epoch`` at None or 1.
+
+    Args:
+        every_tokens: tokens (all ranks) between two validations.
+
+    Raises:
+        LitCBSConfigError: ``every_tokens`` not an int >= 1; at setup, a Trainer with its own
+            ``val_check_interval`` or a ``check_val_every_n_epoch`` other than None and 1; at the first
+            batch, batches without token ids.
+
+    Example:
+        >>> from lit_cbs.callbacks import TokenValidation
+        >>> TokenValidation(every_tokens=1_000_000).every_tokens
+        1000000
+        >>> TokenValidation(every_tokens=0)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: every_tokens=0 must be a positive int (tokens between validations)
+    """
 
     def __init__(self, every_tokens: int):
         positive_int("every_tokens", every_tokens, "tokens between validations")  # LitCBSConfigError unless an int >= 1
