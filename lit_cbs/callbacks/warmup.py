@@ -656,9 +656,8 @@ class BatchWarmup(Callback):
 
     def _metrics(self, trainer) -> dict[str, float]:
         # What the step trained on: the global batch, but fewer samples in an epoch's short last step.
-        samples = self._batch
-        if self._samples_before_step is not None:
-            samples = self.samples_seen - self._samples_before_step
+        before = self._samples_before_step
+        samples = self.samples_seen - before if before is not None else self._batch
         logged = {
             metrics.GLOBAL_BATCH: float(samples),
             metrics.MICRO_BATCH: float(self._micro),
