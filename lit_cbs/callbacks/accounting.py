@@ -55,6 +55,16 @@ from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
 
+def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
+    """The Trainer's callbacks, in the order Lightning calls them."""
+    return trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector, undeclared on Trainer
+
+
+def trainer_datamodule(trainer: pl.Trainer) -> pl.LightningDataModule | None:
+    """The datamodule given to ``trainer.fit``, or None."""
+    return trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's DataConnector, undeclared on Trainer
+
+
 def data_parallel_size(trainer: pl.Trainer) -> int:
     """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
@@ -156,7 +166,7 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
 class StepTokens:
     """The counted tokens of the optimizer step under way (this rank's), for ``rescale``."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
 
     @property
@@ -198,7 +208,7 @@ class MicroBatchSetting:
     def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
         """The setting, or None if neither the datamodule, the module nor a loader given to
         ``trainer.fit(train_dataloaders=...)`` has one."""
-        datamodule = trainer.datamodule
+        datamodule = trainer_datamodule(trainer)
         if datamodule is not None and hasattr(datamodule, "batch_size"):
             return cls(datamodule)
         if hasattr(pl_module, "batch_size"):
@@ -266,6 +276,30 @@ class BatchAccounting(Callback):
         stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
         checkpoint_data_parallel_size: the data-parallel size of the run the checkpoint came from.
         step_tokens: the counted tokens of the step under way, from ``lit_cbs.token_mean_loss``.
+
+    Raises:
+        LitCBSConfigError: ``seq_len`` or ``max_tokens`` not None or an int >= 1; at the first batch,
+            ``max_tokens`` for data without token ids; at the first batch of an epoch or after a change,
+            a train loader that yields another micro-batch than the one set.
+
+    Example:
+        Before a Trainer sets it up, it holds its settings and zero counts; ``max_tokens`` is reached
+        once the tokens seen pass it:
+
+        >>> from lit_cbs.callbacks import BatchAccounting
+        >>> accounting = BatchAccounting(seq_len=128, max_tokens=1_000_000)
+        >>> accounting.global_batch, accounting.accumulate, accounting.data_parallel_size, accounting.has_tokens
+        (None, 1, 1, True)
+        >>> accounting.budget_reached
+        False
+        >>> accounting.tokens_seen = 1_000_064
+        >>> accounting.budget_reached
+        True
+        >>> with accounting.branching():
+        ...     accounting.in_branch
+        True
+        >>> accounting.in_branch
+        False
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
@@ -296,7 +330,27 @@ class BatchAccounting(Callback):
     @staticmethod
     def checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
         """``{"seq_len": ..., "max_tokens": ...}`` once each is None or a positive int, else
-        LitCBSConfigError: for a callback that passes them on (``BatchWarmup``) to check at construction."""
+        LitCBSConfigError: for a callback that passes them on (``BatchWarmup``) to check at construction.
+
+        Args:
+            seq_len: tokens per sample, or None.
+            max_tokens: the token budget (all ranks), or None.
+
+        Returns:
+            The two settings by name.
+
+        Raises:
+            LitCBSConfigError: one is neither None nor an int >= 1.
+
+        Example:
+            >>> from lit_cbs.callbacks import BatchAccounting
+            >>> BatchAccounting.checked_settings(seq_len=128)
+            {'seq_len': 128, 'max_tokens': None}
+            >>> BatchAccounting.checked_settings(max_tokens=-1)
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: max_tokens=-1 must be a positive int or None (tokens)
+        """
         return {
             "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
             "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
@@ -307,15 +361,28 @@ class BatchAccounting(Callback):
     def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
         """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
         (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on the
-        accounting's behalf: set on it, or LitCBSConfigError if it already has another value."""
-        found = [callback for callback in trainer.callbacks if isinstance(callback, cls)]
+        accounting's behalf: set on it, or LitCBSConfigError if it already has another value.
+
+        Args:
+            trainer: the Trainer whose accounting to find or attach.
+            given_by: the callback that took ``settings``, named in the message of a conflict.
+            settings: ``seq_len`` (tokens per sample) and ``max_tokens`` (tokens, all ranks); None: not given.
+
+        Returns:
+            The Trainer's one ``BatchAccounting``, first among its callbacks.
+
+        Raises:
+            LitCBSConfigError: the Trainer has two, a setting is invalid, or it conflicts with the accounting's.
+        """
+        callbacks = trainer_callbacks(trainer)
+        found = [callback for callback in callbacks if isinstance(callback, cls)]
         if len(found) > 1:
             raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
         accounting = found[0] if found else cls()
-        if trainer.callbacks[:1] != [accounting]:
+        if callbacks[:1] != [accounting]:
             # A new list, not an insertion: Lightning may be iterating the old one (in setup).
-            trainer.callbacks = [accounting] + [
-                callback for callback in trainer.callbacks if callback is not accounting
+            trainer.callbacks = [accounting] + [  # type: ignore[attr-defined]  # see trainer_callbacks
+                callback for callback in callbacks if callback is not accounting
             ]
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
@@ -343,10 +410,12 @@ class BatchAccounting(Callback):
 
     @property
     def accumulate(self) -> int:
+        """Micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``; 1 before setup)."""
         return self._trainer.accumulate_grad_batches if self._trainer is not None else 1
 
     @property
     def data_parallel_size(self) -> int:
+        """Ranks that read their own micro-batches (1 before setup)."""
         return data_parallel_size(self._trainer) if self._trainer is not None else 1
 
     @property
@@ -404,8 +473,19 @@ class BatchAccounting(Callback):
         """Set the micro-batch the train loader must yield: written to the datamodule's or module's
         ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
         yields it from the next micro-batch on. The next batch is checked against it: a loader that
-        yields another size stops training there."""
+        yields another size stops training there.
+
+        Args:
+            value: samples per micro-batch and rank.
+
+        Raises:
+            RuntimeError: before setup.
+            LitCBSConfigError: nothing holds the micro-batch (no ``batch_size`` on the datamodule, the module
+                or its hparams), or a loader given to ``trainer.fit`` was built with another.
+        """
         trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
         MicroBatchSetting.required(trainer, trainer.lightning_module).set(value)
         self._micro_batch_size = value
         self._micro_batch_set = True
@@ -417,6 +497,7 @@ class BatchAccounting(Callback):
         if loader is None:
             return
         if self._micro_batch_set:
+            assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
             loader.batch_size = self._micro_batch_size
         set_train_epoch_length(
             trainer, len(loader)
@@ -427,6 +508,9 @@ class BatchAccounting(Callback):
 
         Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
         reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
+
+        Args:
+            sync: whether the next backward reduces the gradients; None: reset to syncing.
         """
         if sync is None:
             sync, self._gradient_sync = True, None
@@ -453,9 +537,10 @@ class BatchAccounting(Callback):
             for config in trainer.lr_scheduler_configs
             if isinstance(config.scheduler, TokenLRScheduler)
         ]
-        if self.seq_len is None and trainer.datamodule is not None:
+        datamodule = trainer_datamodule(trainer)
+        if self.seq_len is None and datamodule is not None:
             for name in ("tokens_per_sample", "seq_len"):
-                value = getattr(trainer.datamodule, name, None)
+                value = getattr(datamodule, name, None)
                 if is_positive_int(value):
                     self.seq_len = value
                     break
@@ -520,10 +605,10 @@ class BatchAccounting(Callback):
             self._check_micro_batch(trainer, micro, loader)
         if not self._seq_len_resolved:
             self._seq_len_resolved = True
-            if self.seq_len is None:
-                self.seq_len = token_sequence_length(batch)
-                if self.seq_len is not None:
-                    _say_inferred_seq_len(token_ids(batch))
+            ids = token_ids(batch) if self.seq_len is None else None
+            if ids is not None:
+                self.seq_len = int(ids.shape[1])  # as token_sequence_length(batch)
+                _say_inferred_seq_len(ids)
             if self.seq_len is None and self.max_tokens is not None:
                 raise LitCBSConfigError(
                     f"max_tokens={self.max_tokens} but the batches hold no token ids (no 2-D integer tensor), so "
@@ -532,6 +617,7 @@ class BatchAccounting(Callback):
                 )
         # A GlobalOrderLoader's last round of an epoch deals fewer samples, unevenly over the ranks: it says how many.
         samples = loader.last_round_samples if loader is not None else micro * self.data_parallel_size
+        assert samples is not None  # the loader has just yielded this batch: it says its round's samples
         self.samples_seen += samples
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
@@ -549,9 +635,10 @@ class BatchAccounting(Callback):
             return
         if micro == (loader.last_samples if loader is not None else self._micro_batch_size):
             return
+        assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
         if micro < self._micro_batch_size and trainer.num_training_batches == 1:
             return  # an epoch shorter than one micro-batch (drop_last=False)
-        where = "the datamodule's" if trainer.datamodule is not None else "the LightningModule's"
+        where = "the datamodule's" if trainer_datamodule(trainer) is not None else "the LightningModule's"
         raise LitCBSConfigError(
             f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
             f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "

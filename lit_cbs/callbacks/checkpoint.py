@@ -61,10 +61,31 @@ class FinalStateCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops
     (see the module docstring). ``last.ckpt`` needs ``save_last=True``. ``enable_version_counter``
     defaults to False: a job resumed in the same folder (a requeued SLURM job) overwrites ``last.ckpt``
-    instead of writing ``last-v1.ckpt`` beside a stale one."""
+    instead of writing ``last-v1.ckpt`` beside a stale one.
+
+    Args:
+        args, kwargs: ``ModelCheckpoint``'s (``dirpath``, ``save_last``, ``every_n_train_steps``, ...).
+        enable_version_counter: as ``ModelCheckpoint``'s, but False by default.
+
+    Raises:
+        lightning.fabric.utilities.exceptions.MisconfigurationException: what ``ModelCheckpoint`` refuses.
+
+    Example:
+        >>> import tempfile
+        >>> from lit_cbs.callbacks import FinalStateCheckpoint
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=500)
+        >>> checkpoint.save_last, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION
+        (True, 'last.ckpt')
+        >>> FinalStateCheckpoint(every_n_train_steps=-1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lightning.fabric.utilities.exceptions.MisconfigurationException: Invalid value for every_n_train_steps=-1. ...
+    """
 
     def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
-        super().__init__(*args, enable_version_counter=enable_version_counter, **kwargs)
+        kwargs["enable_version_counter"] = enable_version_counter  # a keyword: *args cannot reach it
+        super().__init__(*args, **kwargs)
         self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
         self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
 
@@ -85,10 +106,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
         """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
         is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
-        source, target = (
-            Path(trainer.ckpt_path),
-            Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}",
-        )
+        assert trainer.ckpt_path is not None  # the window's start was restored from the checkpoint resumed
+        source, target = Path(trainer.ckpt_path), self._last_path()
         if trainer.is_global_zero and source.resolve() != target.resolve():
             copy_checkpoint(source, target)
         trainer.strategy.barrier("FinalStateCheckpoint.resumed")
@@ -101,6 +120,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         signals = [signal.SIGTERM]
         environment = cluster_environment(trainer)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            assert environment.requeue_signal is not None  # SLURMEnvironment sets SIGUSR1 when auto_requeue
             signals.append(environment.requeue_signal)
         for signum in signals:
             self._lightning_handlers[signum] = signal.getsignal(signum)
@@ -165,7 +185,11 @@ class FinalStateCheckpoint(ModelCheckpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's, saying in one line what a run resumed into another folder keeps (its own
-        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded."""
+        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded.
+
+        Args:
+            state_dict: what ``state_dict`` saved in the checkpoint.
+        """
         before = state_dict.get("dirpath", self.dirpath)
         if before == self.dirpath:
             super().load_state_dict(state_dict)
@@ -259,8 +283,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
             return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
         self._save_last_now(trainer)
 
+    def _last_path(self) -> Path:
+        """Where ``last.ckpt`` goes, in ``dirpath`` (which ``ModelCheckpoint.setup`` resolves)."""
+        if self.dirpath is None:
+            raise RuntimeError("FinalStateCheckpoint has no dirpath: its setup(trainer, pl_module, 'fit') has not run")
+        return Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
+
     def _save_last_now(self, trainer: pl.Trainer) -> None:
-        path = str(Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}")
+        path = str(self._last_path())
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = path

@@ -180,7 +180,7 @@ def _missing_shard_bytes(folder: Path) -> str | None:
 
 def checkpoint_candidates(folders: Iterable[Path]) -> list[Path]:
     """The checkpoints in ``folders`` (``*.ckpt`` files and folders, not those being written), settled first."""
-    found = []
+    found: list[Path] = []
     for folder in folders:
         settle(folder)
         if folder.is_dir():

@@ -33,15 +33,15 @@ def log_to_loggers(
         logger.log_metrics(values, step=step)
 
 
-def log_figures(loggers: Iterable, paths: Iterable[str | os.PathLike], step: int) -> None:
+def log_figures(loggers: Iterable, paths: Iterable[str | os.PathLike[str]], step: int) -> None:
     """Send each PNG in ``paths`` (named by its file name, without ``.png``) to every logger that takes
     images, at ``step``: TensorBoard as an image summary, MLflow as an artifact under ``figures/``,
     W&B as an image. The CSV logger needs nothing: the PNGs are in the run folder beside metrics.csv."""
     from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
-    paths = [os.fspath(path) for path in paths]
+    files = [os.fspath(path) for path in paths]
     for logger in loggers:
-        for path in paths:
+        for path in files:
             name = os.path.splitext(os.path.basename(path))[0]
             if isinstance(logger, TensorBoardLogger):
                 from matplotlib.image import imread

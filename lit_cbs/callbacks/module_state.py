@@ -45,8 +45,9 @@ def logging_muted(pl_module: pl.LightningModule):
     if "log" in vars(pl_module):  # already muted by an enclosing block
         yield
         return
-    pl_module.log = lambda *args, **kwargs: None
-    pl_module.log_dict = lambda *args, **kwargs: None
+    # Instance attributes that shadow the methods until deleted below (mypy allows no assignment to a method).
+    pl_module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    pl_module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -15,12 +15,29 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting, trainer_callbacks
 
 
 class RunProgressBar(TQDMProgressBar):
     """One training bar for the whole run, in tokens (the token budget ``max_tokens``) or optimizer steps
-    (``max_steps``); same arguments as ``TQDMProgressBar`` (``refresh_rate`` in micro-batches)."""
+    (``max_steps``); same arguments as ``TQDMProgressBar`` (``refresh_rate`` in micro-batches).
+
+    Args:
+        refresh_rate: micro-batches between two redraws (0: no bar).
+        process_position: the bar's line, for several bars at once.
+        leave: keep the finished bar on screen.
+
+    Example:
+        Before training (no ``BatchAccounting`` read yet) it counts optimizer steps out of ``max_steps``:
+
+        >>> import types
+        >>> from lit_cbs.callbacks import RunProgressBar
+        >>> bar = RunProgressBar(refresh_rate=10)
+        >>> bar.progress(types.SimpleNamespace(max_steps=1000, global_step=250))
+        (250, 1000, 'steps')
+        >>> bar.progress(types.SimpleNamespace(max_steps=-1, global_step=250)) is None  # Lightning's epoch bar
+        True
+    """
 
     def __init__(self, refresh_rate: int = 1, process_position: int = 0, leave: bool = False):
         super().__init__(refresh_rate=refresh_rate, process_position=process_position, leave=leave)
@@ -28,7 +45,15 @@ class RunProgressBar(TQDMProgressBar):
         self._micro_batches = 0
 
     def progress(self, trainer: pl.Trainer) -> tuple[int, int, str] | None:
-        """(done, total, unit) for the whole run, or None where Lightning's per-epoch count applies."""
+        """(done, total, unit) for the whole run, or None where Lightning's per-epoch count applies.
+
+        Args:
+            trainer: the Trainer whose run to count.
+
+        Returns:
+            (tokens seen, token budget, "tokens") with a ``max_tokens``, else (optimizer steps taken,
+            ``max_steps``, "steps") with a ``max_steps``, else None.
+        """
         accounting = self._accounting
         if accounting is not None and accounting.max_tokens is not None:
             # The last step may pass the budget: the bar then ends at what was trained.
@@ -39,7 +64,7 @@ class RunProgressBar(TQDMProgressBar):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._accounting = next((cb for cb in trainer.callbacks if isinstance(cb, BatchAccounting)), None)
+        self._accounting = next((cb for cb in trainer_callbacks(trainer) if isinstance(cb, BatchAccounting)), None)
         self._micro_batches = 0
         progress = self.progress(trainer)
         if progress is not None and not self.train_progress_bar.disable:

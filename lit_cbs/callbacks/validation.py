@@ -22,10 +22,29 @@ from lit_cbs.errors import LitCBSConfigError, positive_int
 class TokenValidation(Callback):
     """Run the validation loop after the optimizer step that crosses each multiple of ``every_tokens``
     (tokens seen, all ranks). Leave ``Trainer(val_check_interval=...)`` at its default (it is not used)
-    and ``check_val_every_n_epoch`` at None or 1."""
+    and ``check_val_every_n_epoch`` at None or 1.
+
+    Args:
+        every_tokens: tokens (all ranks) between two validations.
+
+    Raises:
+        LitCBSConfigError: ``every_tokens`` not an int >= 1; at setup, a Trainer with its own
+            ``val_check_interval`` or a ``check_val_every_n_epoch`` other than None and 1; at the first
+            batch, batches without token ids.
+
+    Example:
+        >>> from lit_cbs.callbacks import TokenValidation
+        >>> TokenValidation(every_tokens=1_000_000).every_tokens
+        1000000
+        >>> TokenValidation(every_tokens=0)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: every_tokens=0 must be a positive int (tokens between validations)
+    """
 
     def __init__(self, every_tokens: int):
-        self.every_tokens = positive_int("every_tokens", every_tokens, "tokens between validations")
+        positive_int("every_tokens", every_tokens, "tokens between validations")  # LitCBSConfigError unless an int >= 1
+        self.every_tokens = every_tokens
         self._accounting: BatchAccounting | None = None
         self._tokens_at_last_step = 0
 
@@ -45,13 +64,21 @@ class TokenValidation(Callback):
             )
         self._accounting = BatchAccounting.attach(trainer)
 
+    def _counts(self) -> BatchAccounting:
+        """The Trainer's ``BatchAccounting``, attached in setup."""
+        if self._accounting is None:
+            raise RuntimeError(
+                "TokenValidation has no BatchAccounting: its setup(trainer, pl_module, 'fit') has not run"
+            )
+        return self._accounting
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tokens_at_last_step = self._accounting.tokens_seen
+        self._tokens_at_last_step = self._counts().tokens_seen
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
     ) -> None:
-        accounting = self._accounting
+        accounting = self._counts()
         if not accounting.has_tokens:
             raise LitCBSConfigError(
                 f"TokenValidation(every_tokens={self.every_tokens}) counts tokens, but the batches hold no token ids: "

@@ -54,6 +54,7 @@ from lit_cbs.callbacks.accounting import (
     MicroBatchSetting,
     check_divisible,
     resizable_train_loader,
+    trainer_callbacks,
 )
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
@@ -72,7 +73,37 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class BatchChange:
-    """One applied change of the global batch. Batches in samples, consumed counts global."""
+    """One applied change of the global batch. Batches in samples, consumed counts global.
+
+    Attributes:
+        step: optimizer steps taken before the new batch's first step.
+        epoch: the epoch of that step.
+        samples_seen, tokens_seen: samples and tokens trained on before it (all ranks).
+        old_global_batch, new_global_batch: samples per optimizer step before and after.
+        old_accumulate, new_accumulate: micro-batches per rank and step before and after.
+        old_micro_batch_size, new_micro_batch_size: samples per micro-batch and rank before and after.
+        lr_factor: this change's LR multiplier: ``lr_rule(new / old)``, or for a revert 1 / the reverted change's.
+        requested_at_samples, requested_at_tokens: where the schedule (or the guard) first asked for this
+            new batch (and micro-batch); the change waits for an aligned step, so these may be earlier.
+        cause: ``"schedule"``, or ``"guard"`` for a revert of an increase (``BatchGuard``).
+        clip_factor: this change's multiplier of the gradient-clipping threshold (``clip_rule``).
+
+    Example:
+        A change from 64 to 128 samples under the sqrt LR rule, as ``BatchWarmup.history`` records it and
+        its checkpoint stores it:
+
+        >>> import dataclasses
+        >>> from lit_cbs.callbacks import BatchChange
+        >>> change = BatchChange(
+        ...     step=100, epoch=0, samples_seen=6400, tokens_seen=819200, old_global_batch=64, new_global_batch=128,
+        ...     old_accumulate=2, new_accumulate=4, old_micro_batch_size=8, new_micro_batch_size=8,
+        ...     lr_factor=2**0.5, requested_at_samples=6400, requested_at_tokens=819200,
+        ... )
+        >>> change.new_global_batch // change.old_global_batch, round(change.lr_factor, 4), change.cause
+        (2, 1.4142, 'schedule')
+        >>> BatchChange(**dataclasses.asdict(change)) == change
+        True
+    """
 
     step: int  # optimizer steps taken before the new batch's first step
     epoch: int
@@ -143,6 +174,31 @@ class BatchWarmup(Callback):
         accumulate, micro_batch_size, samples_seen, tokens_seen, seq_len, max_tokens: read from the
             Trainer's ``BatchAccounting`` (micro-batches per step, samples per rank, counts, tokens).
         guard: the ``BatchGuard`` or None; ``guard.verdicts`` holds its judgement of each increase.
+
+    Raises:
+        LitCBSConfigError: at construction, ``schedule`` not a schedule, an unknown rule or one the
+            others exclude, ``max_tokens``, ``seq_len`` or ``max_micro_batch_size`` not None or an int
+            >= 1, or invalid guard settings; at setup and at the first batch, what
+            ``lit_cbs.callbacks.warmup_checks`` refuses (a batch that does not divide over the ranks, a
+            second BatchWarmup, manual optimization, ...).
+
+    Example:
+        Built before the Trainer, it knows only its settings; the counts come from the Trainer's
+        ``BatchAccounting`` at setup:
+
+        >>> from lit_cbs.callbacks import BatchWarmup
+        >>> from lit_cbs.rules.batch_schedules import LinearRamp
+        >>> warmup = BatchWarmup(
+        ...     LinearRamp(start=64, increment=64, ramp=10_000, final=256), lr_rule="sqrt", max_micro_batch_size=16
+        ... )
+        >>> warmup.schedule.sizes(0), warmup.lr_rule.factor(256 / 64)  # the batches to come; 4x the batch: 2x LR
+        ([64, 128, 192, 256], 2.0)
+        >>> warmup.global_batch, warmup.micro_batch_size, warmup.samples_seen, warmup.history  # before setup
+        (None, None, 0, [])
+        >>> BatchWarmup(256)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: schedule must be a lit_cbs.rules.batch_schedules schedule (...), got 256
     """
 
     def __init__(
@@ -229,6 +285,28 @@ class BatchWarmup(Callback):
         return self.accounting.accumulate if self.accounting is not None else None
 
     @property
+    def _counts(self) -> BatchAccounting:
+        """The Trainer's ``BatchAccounting``, from setup on."""
+        if self.accounting is None:
+            raise RuntimeError("BatchWarmup has no BatchAccounting: its setup(trainer, pl_module, 'fit') has not run")
+        return self.accounting
+
+    @property
+    def _batch(self) -> int:
+        """The global batch now (samples), from setup on."""
+        if self.global_batch is None:
+            raise RuntimeError("BatchWarmup has no global batch: its setup(trainer, pl_module, 'fit') has not run")
+        return self.global_batch
+
+    @property
+    def _micro(self) -> int:
+        """The micro-batch now (samples per rank), from setup on."""
+        micro = self._counts.micro_batch_size
+        if micro is None:
+            raise RuntimeError("BatchWarmup has no micro-batch: its setup(trainer, pl_module, 'fit') has not run")
+        return micro
+
+    @property
     def consumed(self) -> int:
         """What the schedule is indexed by: samples or tokens seen (global)."""
         return self.tokens_seen if self.schedule.unit == "tokens" else self.samples_seen
@@ -237,17 +315,47 @@ class BatchWarmup(Callback):
     def micro_batch_for(self, global_batch: int) -> int:
         """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share
         up to ``max_micro_batch_size`` (``lit_cbs.rules.batch_schedules.micro_batch_for``); without it,
-        the micro-batch now."""
+        the micro-batch now.
+
+        Args:
+            global_batch: samples per optimizer step, all ranks.
+
+        Returns:
+            Samples per micro-batch and rank.
+
+        Raises:
+            RuntimeError: before setup, which reads the ranks and the micro-batch.
+        """
         if self.max_micro_batch_size is None:
-            return self.micro_batch_size
-        return micro_batch_for(global_batch, self.accounting.data_parallel_size, self.max_micro_batch_size)
+            return self._micro
+        return micro_batch_for(global_batch, self._counts.data_parallel_size, self.max_micro_batch_size)
 
     def check_sizes(
         self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
     ) -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every
         data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
-        only into the ranks. Also for a run's configuration before its Trainer exists."""
+        only into the ranks. Also for a run's configuration before its Trainer exists.
+
+        Args:
+            sizes: global batches (samples per optimizer step, all ranks).
+            micro_batch_size: samples per micro-batch and rank.
+            data_parallel_size: ranks that read their own micro-batches.
+            name: what ``sizes`` are, in the message.
+
+        Raises:
+            LitCBSConfigError: a size does not divide; the message names the nearest that do.
+
+        Example:
+            >>> from lit_cbs.callbacks import BatchWarmup
+            >>> from lit_cbs.rules.batch_schedules import ConstantBatch
+            >>> warmup = BatchWarmup(ConstantBatch(64))
+            >>> warmup.check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4)  # 64 = 16 x 1 x 4
+            >>> warmup.check_sizes([96], micro_batch_size=16, data_parallel_size=4)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: scheduled global batch 96 is not a multiple of micro-batch 16 x ...
+        """
         for size in sizes:
             check_divisible(
                 size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
@@ -257,7 +365,7 @@ class BatchWarmup(Callback):
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
-        warmups = sum(isinstance(callback, BatchWarmup) for callback in trainer.callbacks)
+        warmups = sum(isinstance(callback, BatchWarmup) for callback in trainer_callbacks(trainer))
         if warmups > 1:  # Lightning refuses two at Trainer(...); this is one added to trainer.callbacks later
             raise LitCBSConfigError(
                 f"the Trainer has {warmups} BatchWarmup callbacks, which would each set the batch and move the LR at "
@@ -282,40 +390,54 @@ class BatchWarmup(Callback):
         """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings
         (``CBSProbeCallback``, or a callback of yours that calls ``schedule.observe`` and says so with a
         class attribute ``feeds_cbs_adaptive = True``): it would stay at its start batch for the whole
-        run. A resumed run may have none (after its last probe point the recorded decisions replay)."""
+        run. A resumed run may have none (after its last probe point the recorded decisions replay).
+
+        Args:
+            callbacks: the Trainer's callbacks.
+            resumed: whether the run resumes from a checkpoint.
+
+        Returns:
+            True when nothing would feed the schedule its readings.
+        """
         return checks.lacks_a_feeder(self.schedule, callbacks, resumed)
 
     @staticmethod
     def _get_micro(trainer, pl_module) -> int:
-        return positive_int(
-            "batch_size", MicroBatchSetting.required(trainer, pl_module).get(), "the micro-batch, samples per rank"
-        )
+        micro = MicroBatchSetting.required(trainer, pl_module).get()
+        positive_int("batch_size", micro, "the micro-batch, samples per rank")  # LitCBSConfigError unless an int >= 1
+        return micro
 
     def _set_batch(self, global_batch: int, micro_batch_size: int, accumulate: int) -> None:
         """Train at ``global_batch`` samples, ``micro_batch_size`` per rank x ``accumulate``, from the next
         micro-batch on, with the clipping threshold of ``clip_factor``: the one place BatchWarmup writes
         the batch (into the Trainer and its accounting)."""
-        trainer = self.accounting.trainer
+        accounting = self._counts
+        trainer = accounting.trainer
+        if trainer is None:
+            raise RuntimeError("BatchWarmup: the Trainer's BatchAccounting has not been set up")
         self.global_batch = global_batch
         trainer.accumulate_grad_batches = accumulate
         if self.clip_rule is not None:
-            trainer.gradient_clip_val = self._base_gradient_clip_val * self.clip_factor
-        self.accounting.set_micro_batch_size(micro_batch_size)
+            base = self._base_gradient_clip_val
+            assert base is not None  # check_clip_rule refuses a clip_rule without gradient_clip_val
+            trainer.gradient_clip_val = base * self.clip_factor
+        accounting.set_micro_batch_size(micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        checks.check_optimizer_rules(trainer, self.rules, self.schedule, self.consumed, self.global_batch, self.guard)
+        checks.check_optimizer_rules(trainer, self.rules, self.schedule, self.consumed, self._batch, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._samples_before_step = self.samples_seen
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
-        checks.check_loader_resizes(trainer, micros, self.micro_batch_size, self.max_micro_batch_size)
-        if self.accounting.checkpoint_data_parallel_size not in (None, self.accounting.data_parallel_size):
+        accounting = self._counts
+        checks.check_loader_resizes(trainer, micros, self._micro, self.max_micro_batch_size)
+        if accounting.checkpoint_data_parallel_size not in (None, accounting.data_parallel_size):
             self._regroup_for_new_ranks(trainer)
-        ranks = self.accounting.data_parallel_size
+        ranks = accounting.data_parallel_size
         steps = {size // (self.micro_batch_for(size) * ranks) for size in self.schedule.sizes(self.consumed)}
-        checks.warn_checkpoints_inside_accumulation(trainer, pl_module, steps | {self.accumulate})
-        if self.accounting.budget_reached:
+        checks.warn_checkpoints_inside_accumulation(trainer, pl_module, steps | {accounting.accumulate})
+        if accounting.budget_reached:
             return  # resumed from a run's final state: the accounting stops the run
         # A change the schedule asked for after a run's last step was not applied then (no step used
         # it); a run resumed from there with a larger budget applies it now, where it would have been.
@@ -325,22 +447,25 @@ class BatchWarmup(Callback):
     def _sizes_to_come(self) -> list[int]:
         """Every global batch the run may still train at: the schedule's, and those a guard may revert to."""
         return sorted(
-            {self.global_batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])}
+            {self._batch, *self.schedule.sizes(self.consumed), *(self.guard.sizes_needed() if self.guard else [])}
         )
 
     def _regroup_for_new_ranks(self, trainer: pl.Trainer) -> None:
         """Resumed on another number of data-parallel ranks: the global batch, LR and data position go on;
         the micro-batch and accumulation are chosen for the ranks now (``_fits_now`` lets the first step
         after the resume take exactly the new accumulation)."""
-        accounting, before = self.accounting, self.accounting.checkpoint_data_parallel_size
+        accounting = self._counts
+        before = accounting.checkpoint_data_parallel_size
+        assert before is not None  # on_train_start regroups only for a checkpoint's other data-parallel size
         ranks = accounting.data_parallel_size
         loader = checks.check_loader_regroups(trainer, before, ranks)
-        self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
+        self.check_sizes(self._sizes_to_come(), self._micro, ranks, name=f"global batch on {ranks} ranks")
         old = (self.micro_batch_size, self.accumulate)
-        micro = self.micro_batch_for(self.global_batch)
-        accumulate = self.global_batch // (micro * ranks)
-        self._fits_now(trainer, self.global_batch, accumulate)  # true: the position is a multiple of the batch
-        self._set_batch(self.global_batch, micro, accumulate)
+        global_batch = self._batch
+        micro = self.micro_batch_for(global_batch)
+        accumulate = global_batch // (micro * ranks)
+        self._fits_now(trainer, global_batch, accumulate)  # true: the position is a multiple of the batch
+        self._set_batch(global_batch, micro, accumulate)
         rank_zero_info(
             f"BatchWarmup: resumed on {ranks} data-parallel rank(s) (the checkpoint's run had {before}): global batch "
             f"{self.global_batch} = micro {self.micro_batch_size} x accumulate {self.accumulate} x {ranks} (was micro "
@@ -354,13 +479,14 @@ class BatchWarmup(Callback):
         # The accounting's hook ran first: it has resolved seq_len from this batch.
         if not self._token_settings_checked:
             self._token_settings_checked = True
-            checks.check_token_data(self.schedule, self.accounting)
+            checks.check_token_data(self.schedule, self._counts)
             before = self._samples_before_step
-            checks.warn_unreachable_batches(trainer, self.schedule, self.accounting, self.global_batch, before)
+            checks.warn_unreachable_batches(trainer, self.schedule, self._counts, self._batch, before)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
         if self.rules.settings:
+            assert self._settings_set is not None  # remembered at train start, and at every change
             checks.check_settings_kept(self.rules, self._settings_set, trainer, optimizer)
             self._step_settings = self.rules.values(optimizer)
 
@@ -377,7 +503,7 @@ class BatchWarmup(Callback):
             self._log(trainer, pl_module)  # before any change: this row is the step just taken
         self._samples_before_step = self.samples_seen
         if self._guarded is not None:
-            self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self.accounting.data_parallel_size)
+            self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self._counts.data_parallel_size)
         if self._no_step_follows(trainer):
             return
         self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
@@ -397,15 +523,12 @@ class BatchWarmup(Callback):
         """
         loader = resizable_train_loader(trainer)
         ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        samples = (
-            loader.position
-            if loader is not None
-            else ready * self.micro_batch_size * self.accounting.data_parallel_size
-        )
+        samples = loader.position if loader is not None else ready * self._micro * self._counts.data_parallel_size
         if samples % global_batch:
             return False
         behind = -ready % accumulate
         if behind:
+            assert loader is not None  # with another loader the samples condition implies the accumulation's
             shift_epoch_micro_batches(trainer, behind)
             loader.micro_batches += behind
         return True
@@ -425,14 +548,14 @@ class BatchWarmup(Callback):
     def _maybe_change(self, trainer, fits) -> None:
         target = self.schedule.batch_size(self.consumed)
         if self.guard is not None:
-            target = self.guard.allowed_batch(target, self.global_batch, self.consumed)
+            target = self.guard.allowed_batch(target, self._batch, self.consumed)
         new_micro = self.micro_batch_for(target)
         if target == self.global_batch and new_micro == self.micro_batch_size:
             self._requested_at = None
             return
         if self._requested_at is None or self._requested_at[0] != (target, new_micro):
             self._requested_at = ((target, new_micro), self.samples_seen, self.tokens_seen)
-        new_accumulate = target // (new_micro * self.accounting.data_parallel_size)
+        new_accumulate = target // (new_micro * self._counts.data_parallel_size)
         if not fits(target, new_accumulate):
             return
         self._apply_change(trainer, target, new_accumulate, new_micro)
@@ -442,7 +565,8 @@ class BatchWarmup(Callback):
         step on: move the optimizers' settings, record the change, tell the guard, resize, say so."""
         if self.guard is not None and self.guard.revert_to == target:
             restore = self.guard.mark_reverted(self.consumed)
-            ratio = target / self.global_batch
+            ratio = target / self._batch
+            assert self._guarded is not None  # built with the guard
             lr_change, clip_change = self._guarded.undo_increase(trainer, restore, self.lr_rule, ratio)
             change = self._record_change(
                 trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard"
@@ -472,7 +596,7 @@ class BatchWarmup(Callback):
         change's LR and clipping-threshold factors (1 when only the micro-batch changes)."""
         if target == self.global_batch:
             return 1.0, 1.0
-        ratio = target / self.global_batch
+        ratio = target / self._batch
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         for optimizer in trainer.optimizers:
             self.rules.apply(optimizer, schedulers, ratio, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}"))
@@ -489,20 +613,22 @@ class BatchWarmup(Callback):
         cause: str,
     ) -> BatchChange:
         """Append the change, from the batch now to ``target``, to ``history``."""
+        requested_at = self._requested_at
+        assert requested_at is not None  # _maybe_change sets it before it applies a change
         change = BatchChange(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
             samples_seen=self.samples_seen,
             tokens_seen=self.tokens_seen,
-            old_global_batch=self.global_batch,
+            old_global_batch=self._batch,
             new_global_batch=target,
-            old_accumulate=self.accumulate,
+            old_accumulate=self._counts.accumulate,
             new_accumulate=new_accumulate,
-            old_micro_batch_size=self.micro_batch_size,
+            old_micro_batch_size=self._micro,
             new_micro_batch_size=new_micro,
             lr_factor=lr_change,
-            requested_at_samples=self._requested_at[1],
-            requested_at_tokens=self._requested_at[2],
+            requested_at_samples=requested_at[1],
+            requested_at_tokens=requested_at[2],
             cause=cause,
             clip_factor=clip_change,
         )
@@ -530,18 +656,17 @@ class BatchWarmup(Callback):
 
     def _metrics(self, trainer) -> dict[str, float]:
         # What the step trained on: the global batch, but fewer samples in an epoch's short last step.
-        samples = self.global_batch
-        if self._samples_before_step is not None:
-            samples = self.samples_seen - self._samples_before_step
+        before = self._samples_before_step
+        samples = self.samples_seen - before if before is not None else self._batch
         logged = {
             metrics.GLOBAL_BATCH: float(samples),
-            metrics.MICRO_BATCH: float(self.micro_batch_size),
+            metrics.MICRO_BATCH: float(self._micro),
             # Rounds of micro-batches: an epoch's last, short round counts as one.
-            metrics.ACCUMULATE: float(-(-samples // (self.micro_batch_size * self.accounting.data_parallel_size))),
+            metrics.ACCUMULATE: float(-(-samples // (self._micro * self._counts.data_parallel_size))),
             metrics.LR_FACTOR: self.lr_factor,
             metrics.SAMPLES_SEEN: float(self.samples_seen),
             metrics.TOKENS_SEEN: float(self.tokens_seen),
-            metrics.FIT_SECONDS: self.accounting.fit_seconds,
+            metrics.FIT_SECONDS: self._counts.fit_seconds,
         }
         if self._step_lr is not None:
             logged[metrics.LR] = self._step_lr
@@ -550,7 +675,7 @@ class BatchWarmup(Callback):
             logged[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
         if self.guard is not None:
             logged[metrics.GUARD_REVERTS] = float(self.guard.reverts)
-        if not self.accounting.has_tokens:
+        if not self._counts.has_tokens:
             del logged[metrics.TOKENS_SEEN]
         return logged
 
@@ -567,7 +692,9 @@ class BatchWarmup(Callback):
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
-            "step_loss": [float(self._guarded.loss_sum), self._guarded.micro_batches] if self._guarded else [0.0, 0],
+            "step_loss": (
+                [float(self._guarded.loss_sum), self._guarded.micro_batches] if self._guarded is not None else [0.0, 0]
+            ),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -577,11 +704,17 @@ class BatchWarmup(Callback):
         self.clip_factor = state_dict["clip_factor"]
         if self.guard is not None and state_dict["guard"] is not None:
             self.guard.load_state_dict(state_dict["guard"])
+            assert self._guarded is not None  # built with the guard
             self._guarded.loss_sum, self._guarded.micro_batches = state_dict["step_loss"]
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
-        if state_dict["schedule"] is not None:
+        if state_dict["schedule"] is not None:  # saved by a schedule with a state (CBSAdaptive)
+            if not hasattr(self.schedule, "load_state_dict"):
+                raise LitCBSConfigError(
+                    f"the checkpoint holds the state of a closed-loop batch schedule, but this run's {self.schedule!r} "
+                    "keeps none: resume with the checkpoint's schedule"
+                )
             self.schedule.load_state_dict(state_dict["schedule"])
         if counts is not None and self.accounting is not None:  # a checkpoint from before BatchAccounting held them
             self.accounting.load_state_dict(counts)

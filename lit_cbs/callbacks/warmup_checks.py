@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeGuard
 
 import lightning.pytorch as pl
 import torch
@@ -25,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import checkpoint_triggers
-from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
+from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError
@@ -39,7 +40,7 @@ from lit_cbs.rules.scaling import OptimizerRules, ScalingRule
 def check_trainer(trainer: pl.Trainer, schedule: BatchSchedule) -> None:
     """Refuse what would set the accumulation beside BatchWarmup: Lightning's ``GradientAccumulationScheduler``, and
     DeepSpeed, which fixes it at start, under a schedule that changes the batch."""
-    if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+    if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer_callbacks(trainer)):
         fix = "remove the GradientAccumulationScheduler callback"
         raise LitCBSConfigError(f"BatchWarmup sets the accumulation itself: {fix}")
     from lightning.pytorch.strategies import DeepSpeedStrategy
@@ -59,7 +60,7 @@ def check_clip_rule(clip_rule: ScalingRule | None, trainer: pl.Trainer) -> None:
         )
 
 
-def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence, resumed: bool) -> bool:
+def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence, resumed: bool) -> TypeGuard[CBSAdaptive]:
     """``BatchWarmup.lacks_a_feeder``: whether ``schedule`` is a ``CBSAdaptive`` that nothing among ``callbacks``
     feeds readings (a resumed run may have none: after its last probe point the recorded decisions replay)."""
     return (
@@ -72,7 +73,7 @@ def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence, resumed: bool) 
 
 def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer) -> None:
     """Refuse a ``CBSAdaptive`` schedule that nothing feeds readings: its batch would never grow."""
-    if lacks_a_feeder(schedule, trainer.callbacks, resumed=trainer.ckpt_path is not None):
+    if lacks_a_feeder(schedule, trainer_callbacks(trainer), resumed=trainer.ckpt_path is not None):
         raise LitCBSConfigError(
             f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
             "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "
@@ -201,7 +202,9 @@ def warn_checkpoints_inside_accumulation(
         and trainer.limit_val_batches != 0
         and is_overridden("validation_step", pl_module)
         and (validation_batch < trainer.num_training_batches or trainer.check_val_every_n_epoch is None)
-        and not any(isinstance(callback, TokenValidation) for callback in trainer.callbacks)  # validates after steps
+        and not any(
+            isinstance(callback, TokenValidation) for callback in trainer_callbacks(trainer)
+        )  # validates after steps
     )
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint):
@@ -209,7 +212,12 @@ def warn_checkpoints_inside_accumulation(
         time_interval, every_n_epochs = checkpoint_triggers(callback)
         if time_interval is not None:
             reason = f"train_time_interval={time_interval} can fall on any micro-batch"
-        elif every_n_epochs >= 1 and validates_inside_epoch and validation_batch % step:
+        elif (
+            every_n_epochs >= 1
+            and validates_inside_epoch
+            and isinstance(validation_batch, int)
+            and validation_batch % step
+        ):
             reason = (
                 f"it saves after validation, which runs every {validation_batch} micro-batches (val_check_interval), "
                 f"not a multiple of the accumulation {step}"
@@ -257,6 +265,7 @@ def _run_limits(trainer: pl.Trainer, accounting: BatchAccounting, samples: int) 
         if loader is not None:
             per_epoch, this_epoch = loader.num_samples, loader.position
         elif isinstance(trainer.num_training_batches, int):
+            assert micro is not None  # the accounting has read the first batch's
             per_epoch = trainer.num_training_batches * micro * ranks
             this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready * micro * ranks
         else:
@@ -286,7 +295,7 @@ def warn_unreachable_batches(
     ``samples_before_step``: the samples seen after the last optimizer step (None: none was taken yet)."""
     if isinstance(schedule, CBSAdaptive):
         return  # its batches come from readings, not from the consumed count
-    seq_len = accounting.seq_len if accounting.has_tokens else 0
+    seq_len = accounting.seq_len or 0  # 0 for data without tokens (has_tokens: seq_len is not None)
     samples_seen, tokens_seen = accounting.samples_seen, accounting.tokens_seen
     samples = samples_before_step if samples_before_step is not None else samples_seen
     tokens = tokens_seen - (samples_seen - samples) * seq_len

@@ -47,8 +47,10 @@ class WarmupGuard:
         loss_sum, micro_batches = self.loss_sum, self.micro_batches
         self.loss_sum, self.micro_batches = 0.0, 0
         loader = resizable_train_loader(trainer)
-        if loader is not None and loader.last_round_samples < data_parallel_size:
-            return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
+        if loader is not None:
+            assert loader.last_round_samples is not None  # the step's micro-batches came from it
+            if loader.last_round_samples < data_parallel_size:
+                return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
         if micro_batches:
             self.guard.record(consumed, float(loss_sum) / micro_batches)
             verdict = self.guard.judge(consumed, lambda values: mean_over_ranks(trainer, values))

@@ -19,8 +19,21 @@ def stdlib_root() -> Path:
 
 
 def stdlib_python_files() -> list[Path]:
-    """The corpus files, sorted by path so the token stream is the same on every run."""
-    files = []
+    """The corpus files, sorted by path so the token stream is the same on every run.
+
+    Returns:
+        The paths of the ``.py`` files under the standard library's folder, outside ``SKIPPED_DIRS``.
+
+    Example:
+        >>> from lit_cbs.data import stdlib_python_files
+        >>> from lit_cbs.data.corpus import stdlib_root
+        >>> files = stdlib_python_files()
+        >>> files == sorted(files), all(path.suffix == ".py" for path in files), stdlib_root() / "os.py" in files
+        (True, True, True)
+        >>> any("site-packages" in path.parts or "__pycache__" in path.parts for path in files)
+        False
+    """
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(stdlib_root()):
         subdirs[:] = [name for name in subdirs if name not in SKIPPED_DIRS]
         files.extend(Path(directory, name) for name in names if name.endswith(".py"))

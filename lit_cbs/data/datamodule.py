@@ -35,16 +35,45 @@ class TokenDataModule(LightningDataModule):
     """Token batches for language-model training, from a prepared folder, a folder of text
     files, or (default) the embedded stdlib corpus; see ``lit_cbs.data.prepare.resolve_data``.
 
-    seq_len: tokens the model reads per sample. batch_size: the micro-batch, in samples
-    (sequences); public and mutable: change it, then have the trainer reload the train loader
-    (only the train loader follows it; validation keeps the batch size given here so the
-    validation set stays the same). num_workers: DataLoader worker processes. seed, shuffle:
-    the train order, a permutation of the whole split drawn afresh each epoch from (seed, epoch)
-    (``GlobalOrderLoader``), so a batch draws from the whole split rather than from a few
-    neighbouring files, and the order does not depend on the number of ranks. tokenizer:
-    ``"bytes"`` or a tokenizer.json path. The validation loader reads the held-out split in order,
-    so ``Trainer(limit_val_batches=N)`` validates on its first N batches (per process) every time.
-    val_fraction: share of the text held out when preparing.
+    The validation loader reads the held-out split in order, so ``Trainer(limit_val_batches=N)``
+    validates on its first N batches (per process) every time.
+
+    Args:
+        path: a folder already prepared (``train/`` and ``val/``, by ``lit_cbs.data.prepare`` or litgpt).
+        input_dir: a folder of text files, prepared on first use into ``cache_dir``. Neither ``path``
+            nor ``input_dir``: the embedded stdlib corpus (``stdlib_python_files``).
+        cache_dir: where a prepared ``input_dir`` or the stdlib corpus is kept (default:
+            ``lit_cbs.data.prepare.default_cache_dir()``).
+        seq_len: tokens the model reads per sample (a sample holds ``seq_len + 1`` ids).
+        batch_size: the micro-batch, in samples (sequences) per rank; public and mutable: change it,
+            then have the trainer reload the train loader (only the train loader follows it;
+            validation keeps the batch size given here so the validation set stays the same).
+            ``BatchWarmup`` resizes the ``GlobalOrderLoader`` between steps instead.
+        num_workers: DataLoader worker processes.
+        seed, shuffle: the train order, a permutation of the whole split drawn afresh each epoch
+            from (seed, epoch) (``GlobalOrderLoader``), so a batch draws from the whole split rather
+            than from a few neighbouring files, and the order does not depend on the number of ranks.
+        tokenizer: ``"bytes"`` or a tokenizer.json path.
+        val_fraction: share of the text held out when preparing.
+
+    Raises:
+        LitCBSConfigError: ``seq_len`` or ``batch_size`` not an int >= 1, or ``num_workers`` not an int >= 0.
+
+    Example:
+        Nothing is read or prepared before ``prepare_data`` and ``setup`` (Lightning calls them):
+
+        >>> from lit_cbs.data import TokenDataModule
+        >>> data = TokenDataModule(seq_len=64, batch_size=8)
+        >>> data.tokens_per_sample, data.vocab_size  # byte tokens
+        (64, 256)
+        >>> data.check_context(32)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: data.seq_len=64 exceeds the model's context_length=32; set data.seq_len <= 32 or use a ...
+        >>> TokenDataModule(batch_size=0)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: data.batch_size=0 must be a positive int (samples per device)
     """
 
     def __init__(
@@ -93,7 +122,14 @@ class TokenDataModule(LightningDataModule):
         return load_tokenizer(self.tokenizer).vocab_size
 
     def check_context(self, context_length: int) -> None:
-        """Raise if samples are longer than a model's ``context_length`` (tokens)."""
+        """Raise if samples are longer than a model's ``context_length`` (tokens).
+
+        Args:
+            context_length: the longest sequence the model reads (tokens).
+
+        Raises:
+            ValueError: ``seq_len`` > ``context_length``.
+        """
         if self.seq_len > context_length:
             raise ValueError(
                 f"data.seq_len={self.seq_len} exceeds the model's context_length={context_length}; "
@@ -108,6 +144,12 @@ class TokenDataModule(LightningDataModule):
         self._data_dir()
 
     def setup(self, stage: str | None = None) -> None:
+        """Open the prepared splits (preparing them first if need be).
+
+        Raises:
+            ValueError: the train split holds fewer than ``batch_size`` samples of ``seq_len + 1`` tokens, or
+                the validation split none.
+        """
         data_dir = self._data_dir()
         # Read by index (GlobalOrderLoader orders and splits the samples), so litdata's own order is unused.
         self.train_dataset = StreamingDataset(
@@ -129,6 +171,8 @@ class TokenDataModule(LightningDataModule):
         dealt to the ranks as evenly as can be (``GlobalOrderLoader``)."""
         # Under Lightning, the strategy's data-parallel ranks (under tensor parallelism, not every process's).
         ranks = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
+        if self.train_dataset is None:
+            raise RuntimeError("TokenDataModule.train_dataloader() before setup(): call setup('fit') first")
         return GlobalOrderLoader(
             self.train_dataset,
             batch_size=self.batch_size,
@@ -140,6 +184,7 @@ class TokenDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> StreamingDataLoader:
+        """The held-out split in order, in batches of the ``batch_size`` given at construction."""
         return StreamingDataLoader(
             self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=stack_as_int64
         )

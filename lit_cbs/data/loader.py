@@ -131,6 +131,11 @@ class GlobalOrderLoader:
             process group's (torch.distributed), else 1 and 0. ``TokenDataModule`` passes the
             Lightning strategy's data-parallel ranks.
 
+    Raises:
+        LitCBSConfigError: ``batch_size`` or ``num_replicas`` not an int >= 1, ``num_workers`` not an
+            int >= 0, only one of ``num_replicas`` and ``rank`` given, or ``rank`` outside
+            [0, ``num_replicas``).
+
     Attributes:
         epoch: the epoch whose order is read.
         position: samples consumed this epoch, over all ranks (the data position).
@@ -138,6 +143,31 @@ class GlobalOrderLoader:
         last_samples, last_round_samples: samples in the micro-batch this rank yielded last, and in its
             round over all ranks (fewer than ``batch_size`` and ``batch_size`` x ranks in an epoch's last
             round); None before the first.
+
+    Example:
+        Rank 0 of 2 reads micro-batches of 2 samples from 12, in dataset order: rank 1 reads 2 and 3 beside its
+        0 and 1. Set to 4 samples between two steps, it reads on from position 4, in runs of 4 (rank 1 takes 8 to 11):
+
+        >>> import torch
+        >>> from lit_cbs.data import GlobalOrderLoader
+        >>> loader = GlobalOrderLoader(torch.arange(12), batch_size=2, shuffle=False, num_replicas=2, rank=0)
+        >>> len(loader)  # micro-batches this rank yields this epoch: 12 samples in rounds of 2 x 2 ranks
+        3
+        >>> batches = iter(loader)
+        >>> next(batches).tolist(), loader.position, loader.micro_batches
+        ([0, 1], 4, 1)
+        >>> loader.batch_size = 4
+        >>> [batch.tolist() for batch in batches], loader.position, len(loader)
+        ([[4, 5, 6, 7]], 12, 2)
+
+        The order of an epoch depends on ``(seed, epoch)`` alone, so a run on one rank trains on the same
+        samples, in the same steps:
+
+        >>> single = GlobalOrderLoader(list(range(10)), batch_size=4, seed=0)
+        >>> [batch.tolist() for batch in single]
+        [[4, 6, 2, 7], [3, 5, 9, 0], [8, 1]]
+        >>> single.state_dict()["position"], single.epoch
+        (10, 0)
     """
 
     def __init__(
@@ -155,7 +185,8 @@ class GlobalOrderLoader:
         self.num_samples = global_sample_count(dataset)
         # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
         self.dataset = _ByIndex(dataset, self.num_samples) if isinstance(dataset, IterableDataset) else dataset
-        self._batch_size = positive_int("batch_size", batch_size, "samples per rank")
+        positive_int("batch_size", batch_size, "samples per rank")  # LitCBSConfigError unless an int >= 1
+        self._batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -165,11 +196,12 @@ class GlobalOrderLoader:
         self.pin_memory = pin_memory
         if (num_replicas is None) != (rank is None):
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
-        self._replicas = (
-            None if num_replicas is None else (positive_int("num_replicas", num_replicas, "ranks"), int(rank))
-        )
-        if self._replicas is not None and not 0 <= rank < num_replicas:
-            raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
+        self._replicas: tuple[int, int] | None = None
+        if num_replicas is not None and rank is not None:  # both or neither (above)
+            positive_int("num_replicas", num_replicas, "ranks")  # LitCBSConfigError unless an int >= 1
+            self._replicas = (num_replicas, int(rank))
+            if not 0 <= rank < num_replicas:
+                raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = 0
         self.position = 0
         self.micro_batches = 0
@@ -183,12 +215,17 @@ class GlobalOrderLoader:
     # ------------------------------------------------------------------ what Lightning and BatchWarmup set
     @property
     def batch_size(self) -> int:
-        """Samples per micro-batch and rank."""
+        """Samples per micro-batch and rank. Set between two optimizer steps, it applies from the next
+        micro-batch on, read from the position now.
+
+        Raises:
+            LitCBSConfigError: when set to other than an int >= 1.
+        """
         return self._batch_size
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        value = positive_int("batch_size", value, "samples per rank")
+        positive_int("batch_size", value, "samples per rank")  # LitCBSConfigError unless an int >= 1
         if value != self._batch_size:
             self._batch_size = value
             self._batches = None  # the next micro-batch is read from the position now, in runs of the new size
@@ -199,14 +236,22 @@ class GlobalOrderLoader:
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Read ``epoch``'s order; from its start, unless the position is already in it (a resumed run)."""
+        """Read ``epoch``'s order; from its start, unless the position is already in it (a resumed run).
+
+        Args:
+            epoch: the epoch (0-based) whose order to read; Lightning calls this at every epoch's start.
+        """
         if epoch != self.epoch:
             self.epoch, self.position, self.micro_batches = epoch, 0, 0
             self._batches = None
         self._exhausted = False
 
     def topology(self) -> tuple[int, int]:
-        """(data-parallel ranks, this rank)."""
+        """The ranks the samples are dealt to.
+
+        Returns:
+            (data-parallel ranks, this rank): those given, else the default process group's, else (1, 0).
+        """
         if self._replicas is not None:
             return self._replicas
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -233,7 +278,11 @@ class GlobalOrderLoader:
         return self.num_samples % world != 0
 
     def empty_batch(self) -> Any:
-        """A micro-batch of zero samples as the loader yields one, built from the dataset's first sample."""
+        """A micro-batch of zero samples as the loader yields one, built from the dataset's first sample.
+
+        Returns:
+            The collated batch of the first sample with every tensor and numpy array cut to zero rows.
+        """
         return zero_rows(self._collate([self.dataset[0]]))
 
     def _collate(self, samples: list[Any]) -> Any:
@@ -297,7 +346,17 @@ class GlobalOrderLoader:
     def peek(self, count: int) -> list[Any]:
         """The next ``count`` micro-batches this rank reads from its position on (into the next epochs' orders
         where this one ends), leaving the loader where it is: the data a run at this micro-batch would train
-        on next (a CBS probe of a checkpoint reads its window this way)."""
+        on next (a CBS probe of a checkpoint reads its window this way).
+
+        Args:
+            count: micro-batches to read.
+
+        Returns:
+            The ``count`` micro-batches, in the order this rank would read them.
+
+        Raises:
+            LitCBSConfigError: the dataset makes no micro-batch at all (two epochs in a row yield none).
+        """
         reader = copy.copy(self)
         reader._batches, reader._exhausted = None, False
         batches: list[Any] = []
@@ -318,6 +377,8 @@ class GlobalOrderLoader:
 
     # ------------------------------------------------------------------ checkpointing (Lightning's _Stateful)
     def state_dict(self) -> dict[str, Any]:
+        """The data position (epoch, samples consumed this epoch over all ranks, micro-batches this rank
+        yielded) and what the order depends on, for a checkpoint (Lightning saves it with the fit loop)."""
         world, _ = self.topology()
         return {
             "epoch": self.epoch,
@@ -331,6 +392,15 @@ class GlobalOrderLoader:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Go on from a ``state_dict``'s position, on any number of ranks and at any micro-batch.
+
+        Args:
+            state_dict: what ``state_dict`` returned.
+
+        Raises:
+            LitCBSConfigError: the checkpoint read other data (``num_samples``) or another order (``seed``,
+                ``shuffle``).
+        """
         for name in ("num_samples", "seed", "shuffle"):
             if state_dict[name] != getattr(self, name):
                 raise LitCBSConfigError(

@@ -180,12 +180,38 @@ def prepare(
 ) -> dict:
     """Tokenize ``files`` into ``output_dir``/train and /val (litdata TokensLoader chunks).
 
-    val_fraction: share of the source bytes held out, in (0, 1). num_workers: optimize
-    processes (default: one per 8 MB of text, at most one per core). chunk_tokens: tokens per
-    litdata chunk (TokensLoader samples never cross a chunk boundary, so up to seq_len tokens
-    per chunk go unused). fingerprint: recorded in the metadata (see ``source_fingerprint``).
-    Returns the metadata also written to ``output_dir``/lit_cbs.json. The global random
-    generators (Python, numpy, torch) are left as they were.
+    The global random generators (Python, numpy, torch) are left as they were.
+
+    Args:
+        files: the text files, one document each, in the order of the token stream.
+        output_dir: the folder to write ``train/``, ``val/`` and ``lit_cbs.json`` into.
+        tokenizer: a ``ByteTokenizer`` or ``HFTokenizer`` (``load_tokenizer``).
+        val_fraction: share of the source bytes held out, in (0, 1).
+        num_workers: optimize processes (default: one per 8 MB of text, at most one per core).
+        chunk_tokens: tokens per litdata chunk (TokensLoader samples never cross a chunk boundary,
+            so up to seq_len tokens per chunk go unused).
+        fingerprint: recorded in the metadata (see ``source_fingerprint``).
+
+    Returns:
+        The metadata also written to ``output_dir``/lit_cbs.json (tokenizer, vocab_size, token counts
+        of each split, ...).
+
+    Raises:
+        ValueError: ``val_fraction`` outside (0, 1), no ``files``, or ``output_dir`` already holds a split.
+        RuntimeError: tokenizing a piece of the text failed (the message has the first error).
+
+    Example:
+        Preparing starts litdata's worker processes (seconds); what it refuses is checked first:
+
+        >>> from lit_cbs.data import ByteTokenizer, prepare
+        >>> prepare([], "unused", ByteTokenizer())
+        Traceback (most recent call last):
+        ...
+        ValueError: files is empty; give at least one text file to prepare
+        >>> prepare(["a.txt"], "unused", ByteTokenizer(), val_fraction=1.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: val_fraction=1.0 must be in (0, 1): the share of the text held out
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
@@ -261,9 +287,9 @@ def read_metadata(data_dir: str | os.PathLike) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def text_files(input_dir: str | os.PathLike) -> list[Path]:
+def text_files(input_dir: str | os.PathLike[str]) -> list[Path]:
     """Every file under ``input_dir``, recursively, skipping hidden files and folders; sorted."""
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(input_dir):
         subdirs[:] = [name for name in subdirs if not name.startswith(".")]
         files.extend(Path(directory, name) for name in names if not name.startswith("."))
@@ -280,10 +306,35 @@ def resolve_data(
 ) -> Path:
     """The prepared folder (holding train/ and val/) to train on, preparing it if needed.
 
-    path: a folder already prepared (by ``prepare`` or litgpt); used as is. input_dir: a
-    folder of text files, prepared on first use into ``cache_dir`` under a key from
-    ``source_fingerprint``, so a changed source or tokenizer prepares afresh. Neither: the
-    embedded stdlib corpus, prepared once into ``cache_dir`` (default ``default_cache_dir()``).
+    Args:
+        path: a folder already prepared (by ``prepare`` or litgpt); used as is.
+        input_dir: a folder of text files, prepared on first use into ``cache_dir`` under a key from
+            ``source_fingerprint``, so a changed source or tokenizer prepares afresh. Neither: the
+            embedded stdlib corpus, prepared once into ``cache_dir``.
+        cache_dir: where prepared folders are kept (default ``default_cache_dir()``).
+        tokenizer: ``"bytes"`` or a tokenizer.json path (``load_tokenizer``).
+        val_fraction: share of the text held out, in (0, 1).
+        num_workers: processes that prepare (``prepare``'s default when None).
+
+    Returns:
+        The prepared folder.
+
+    Raises:
+        ValueError: both ``path`` and ``input_dir``, a ``path`` that is no prepared folder, an ``input_dir``
+            that is no folder or holds no files, or what ``prepare`` refuses.
+
+    Example:
+        >>> import tempfile
+        >>> from lit_cbs.data import resolve_data
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     resolve_data(input_dir=folder)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: data.input_dir='...' holds no files; put text files in it, or leave data.input_dir unset to ...
+        >>> resolve_data(path="a", input_dir="b")
+        Traceback (most recent call last):
+        ...
+        ValueError: data.path='a' and data.input_dir='b' are both set; set only one
     """
     if path is not None and input_dir is not None:
         raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
