@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from lit_cbs.models.hf import HFDecoder
 from lit_cbs.models.olmo import OLMo, OLMoConfig
 
 
-def build_decoder(config: OLMoConfig | Any) -> nn.Module:
+def build_decoder(config: OLMoConfig | Any) -> OLMo | HFDecoder:
     """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config (on the
     current default device: under ``torch.device("meta")`` no memory is allocated)."""
     if isinstance(config, OLMoConfig):

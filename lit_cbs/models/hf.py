@@ -139,13 +139,14 @@ class HFDecoder(nn.Module):
         return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 
 
-def _is_tied(lm: nn.Module) -> bool:
+def _is_tied(lm: Any) -> bool:  # a transformers PreTrainedModel
     head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
     return head is not None and head.weight is embedding.weight
 
 
-def _decoder_layers_path(lm: nn.Module, config: Any) -> str:
-    """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers."""
+def _decoder_layers_path(lm: Any, config: Any) -> str:
+    """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers of ``lm``, a
+    ``transformers`` ``PreTrainedModel``."""
     n_layers = config.num_hidden_layers
     for path in layer_stacks(lm):
         if len(lm.get_submodule(path)) == n_layers:

@@ -46,8 +46,8 @@ from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.models.build import build_decoder
 from lit_cbs.models.decoder import DecoderDims, config_as_dict, decoder_dims, embedding_parameters
-from lit_cbs.models.hf import hf_config, is_hf_config
-from lit_cbs.models.olmo import OLMoConfig, get_config
+from lit_cbs.models.hf import HFDecoder, hf_config, is_hf_config
+from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.models.token_loss import token_mean_loss
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
@@ -173,7 +173,7 @@ class CausalLM(pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
         self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
 
-        self.model: nn.Module | None = None  # OLMo or HFDecoder, built in configure_model
+        self.model: OLMo | HFDecoder | None = None  # built in configure_model
         self.train_loss = MeanMetric()
         self.val_loss = MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
@@ -192,6 +192,13 @@ class CausalLM(pl.LightningModule):
             BatchAccounting.attach(self.trainer)  # counts the tokens the LR schedule is indexed by
 
     # ------------------------------------------------------------------ model
+    @property
+    def _decoder(self) -> OLMo | HFDecoder:
+        """The decoder ``configure_model`` built."""
+        if self.model is None:
+            raise RuntimeError("CausalLM's decoder is not built yet: call configure_model() (Lightning does, in fit)")
+        return self.model
+
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
             return
@@ -228,7 +235,7 @@ class CausalLM(pl.LightningModule):
             )
         return mesh["data_parallel"]
 
-    def _fully_shard(self, model: nn.Module, mesh) -> None:
+    def _fully_shard(self, model: OLMo | HFDecoder, mesh) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.trainer.precision == "bf16-mixed":
@@ -244,12 +251,12 @@ class CausalLM(pl.LightningModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
-        return self.model(input_ids)
+        return self._decoder(input_ids)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
         if self.ignore_index is None:
-            logits = self.model(batch[:, :-1])
+            logits = self._decoder(batch[:, :-1])
             # A mean over no target is NaN; the sum over none is 0, with a zero gradient, for a zero-sample micro-batch.
             reduction = "mean" if len(batch) else "sum"
             return F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), batch[:, 1:].flatten(), reduction=reduction)
@@ -258,12 +265,14 @@ class CausalLM(pl.LightningModule):
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
-        logits = self.model(batch[:, :-1])
+        ignore_index = self.ignore_index
+        assert ignore_index is not None  # called only with one (else _loss takes the mean itself)
+        logits = self._decoder(batch[:, :-1])
         targets = batch[:, 1:].flatten()
         loss_sum = F.cross_entropy(
-            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=self.ignore_index, reduction="sum"
+            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=ignore_index, reduction="sum"
         )
-        return loss_sum, (targets != self.ignore_index).sum()
+        return loss_sum, (targets != ignore_index).sum()
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -323,12 +332,14 @@ class CausalLM(pl.LightningModule):
         # A CBS probe's branches run between the main run's steps: their time is not the main run's
         # (branch_seconds counts from the fit's start; what ran before on_train_start is left out).
         branch_seconds = BatchAccounting.attach(self.trainer).branch_seconds - self._branch_seconds_before
-        seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
-        self._throughput.update(
+        throughput, stretch_start = self._throughput, self._stretch_start
+        assert throughput is not None and stretch_start is not None  # set in on_train_start, which runs first
+        seconds = self._training_seconds + time.perf_counter() - stretch_start - branch_seconds
+        throughput.update(
             time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
         )
         self._step_flops = 0
-        rates = self._throughput.compute()
+        rates = throughput.compute()
         # Throughput's rates are per device; every rank trains micro-batches of the same shape.
         tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
         self.log(metrics.TOKENS_PER_S, tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
@@ -339,7 +350,7 @@ class CausalLM(pl.LightningModule):
         """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``)."""
         if seq_len not in self._flops_per_token:
             # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
-            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
+            self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
         return self._flops_per_token[seq_len]
 
     # ------------------------------------------------------------------ validation
@@ -357,9 +368,11 @@ class CausalLM(pl.LightningModule):
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
         0/1-dimensional parameters (norms, biases), without."""
-        embedding_params = {id(param) for param in embedding_parameters(self.model)}
-        decay, no_decay = [], []
-        for param in self.model.parameters():
+        decoder = self._decoder
+        embedding_params = {id(param) for param in embedding_parameters(decoder)}
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for param in decoder.parameters():
             (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -391,7 +404,7 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
             "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
         )
-    stand_ins = [
+    stand_ins: list[dict[str, Any]] = [
         {"params": [nn.Parameter(torch.zeros(2, 2))]},
         {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0},
     ]

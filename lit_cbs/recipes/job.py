@@ -23,6 +23,7 @@ import shutil
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -79,6 +80,18 @@ def one_line(error: BaseException) -> str:
     return " ".join(message.split())
 
 
+def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
+    """``OmegaConf.to_container(node, resolve=resolve)`` for a DictConfig ``node``: the plain dict it returns for
+    one, typed so (OmegaConf's annotation is the union of every container it can return).
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> dict_container(OmegaConf.create({"max_tokens": 1024, "total": "${max_tokens}"}), resolve=True)
+        {'max_tokens': 1024, 'total': 1024}
+    """
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=resolve))
+
+
 def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
     """Argument name -> (the Hydra key that sets it, the key its value defaults to or None), for the
     group at ``group`` and the groups nested in it, the outer name first: ``thresholds`` ->
@@ -86,7 +99,7 @@ def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None
     group taken whole from another key (Seesaw's ``lr_schedule: ${lr_schedule}``) is named at that key."""
     keys: dict[str, tuple[str, str | None]] = {}
     node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
-    raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
+    raw = dict_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
     for name, value in raw.items():
         match = _INTERPOLATION.match(value) if isinstance(value, str) else None
         source = match.group(1) if match else None
@@ -107,7 +120,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
     (``warmup_tokens + decay_tokens``) only in the message's first clause, which states the problem
     (what follows a ``;`` is advice or a list of valid fields); a plain word such as ``unit`` only
     where written as the argument."""
-    named = {}
+    named: dict[str, tuple[str, str | None]] = {}
     for group in groups:
         for name, found in setting_keys(cfg, group).items():
             named.setdefault(name, found)
@@ -119,9 +132,11 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
         if not with_value and ("_" not in name or not re.search(mention, problem)):
             continue
         note = f" ({source})" if source is not None else ""
-        first = re.sub(
-            rf"{mention}(=[^\s;,)]+)?", lambda m, key=key, note=note: f"{key}{m.group(1) or ''}{note}", message, count=1
-        )
+
+        def keyed(m: re.Match[str], key: str = key, note: str = note) -> str:
+            return f"{key}{m.group(1) or ''}{note}"
+
+        first = re.sub(rf"{mention}(=[^\s;,)]+)?", keyed, message, count=1)
         head, separator, rest = first.partition(";")
         message = re.sub(mention, key, head) + separator + (re.sub(mention, key, rest) if with_value else rest)
         problem = message.partition(";")[0]
@@ -144,7 +159,8 @@ def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
             raise LitCBSConfigError(line) from error
     for warning in caught:
         if issubclass(warning.category, LitCBSConfigWarning):
-            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(warning.message))}")
+            # warnings.warn(text, category) records category(text): the message is the warning itself
+            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(cast(Warning, warning.message)))}")
         else:  # not ours: as it would have been shown
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
@@ -214,7 +230,7 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     model = instantiate_group(cfg, "model", lr_schedule=lr_schedule)
     datamodule = instantiate_group(cfg, "data")
     datamodule.check_context(model.dims.context_length)
-    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
+    settings = dict_container(cfg.trainer, resolve=True)
     for key in ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing"):
         settings.pop(key, None)
     if isinstance(settings.get("strategy"), dict):
@@ -256,7 +272,9 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
         cfg = _compose(config_dir, config_name, rest)
     except Exception:  # another problem on the same command line: Hydra's message names it
         return
-    raise LitCBSConfigError(f"{bad.input_line}: {_fix_for_missing_key(cfg, bad.key_or_group, bad.input_line)}")
+    line = bad.input_line
+    assert line is not None  # parsed from a command line: it has its line
+    raise LitCBSConfigError(f"{line}: {_fix_for_missing_key(cfg, bad.key_or_group, line)}")
 
 
 # Lightning Trainer arguments the recipes set another way: what to set instead (formatted with the config).
@@ -283,7 +301,7 @@ def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
     target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
     if target and leaf in _arguments_of(target):
         return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
-    keys = _keys_of(OmegaConf.to_container(cfg, resolve=False))
+    keys = _keys_of(dict_container(cfg, resolve=False))
     matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
     matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
     if not OmegaConf.is_dict(node):  # a typo in the path
@@ -459,7 +477,7 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
         raise LitCBSConfigError(line) from None
     for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
         if isinstance(handler, logging.FileHandler):
-            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None))
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), None))
     raise SystemExit(message) from None
 
 
@@ -481,7 +499,7 @@ def earlier_entries() -> frozenset[str]:
     Hydra's included (the folder of an earlier run, or of something else, given as ``hydra.run.dir``).
     Called first thing in the job, before it writes anything."""
     run = _hydra_run()
-    if run is None or rank_zero_only.rank != 0:
+    if run is None or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # Lightning sets .rank at import
         return frozenset()
     run_dir, _ = run
     entries = frozenset(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else frozenset()
@@ -503,7 +521,7 @@ def remove_hydra_run_dir(kept: frozenset[str]) -> None:
     empty, up to the folder the job was started in. Only on the process of global rank 0: the others share
     the folder."""
     run = _hydra_run()
-    if run is None or rank_zero_only.rank != 0:
+    if run is None or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # Lightning sets .rank at import
         return
     run_dir, start = run
     for handler in _job_logs(run_dir):
@@ -529,5 +547,7 @@ def trained_a_step(warmup: BatchWarmup) -> bool:
     since its ``on_fit_start`` (a fit that read less moved no parameter). A strategy that loads the checkpoint
     after that hook (FSDP2's) counts a resumed run's earlier samples too: such a fit is taken to have trained."""
     accounting = warmup.accounting
+    if accounting is None:
+        raise RuntimeError("trained_a_step: the BatchWarmup was not set up by a Trainer (no accounting)")
     batch = accounting.global_batch
     return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch
