@@ -44,7 +44,8 @@ import torch
 
 from lit_cbs.models.build import build_decoder
 from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
-from lit_cbs.models.olmo import OLMoConfig
+from lit_cbs.models.hf import HFDecoder
+from lit_cbs.models.olmo import OLMo, OLMoConfig
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 
 GIB = 2**30
@@ -79,7 +80,7 @@ class ModelShape:
     block_parameters: int  # one block's
     root_parameters: int  # outside the blocks: embedding and untied output head
     autocast_weights: int  # matmul weights autocast casts each step: all but the embedding (tied: it is also the head)
-    model: torch.nn.Module = dataclasses.field(repr=False, compare=False)  # on the meta device
+    model: OLMo | HFDecoder = dataclasses.field(repr=False, compare=False)  # on the meta device
 
     @classmethod
     def measure(cls, config: OLMoConfig | object) -> ModelShape:
@@ -321,7 +322,8 @@ def grow_cluster(
     each rank's micro-batch stays at or above ``min_micro_batch_size`` and the ranks at most
     ``max_devices``. The first phase keeps the run's ``ranks``. ``micro_batch_for(global batch, ranks)``."""
     first_share = phases[0].global_batch / ranks
-    planned, end_step = [], 0
+    planned: list[ClusterPhase] = []
+    end_step = 0
     for phase in phases:
         batch = phase.global_batch
         candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
@@ -478,7 +480,9 @@ class RunPlan:
         """The main run's: with in-process probes the run waits while their branches train (counted); side-job
         probes' branches train elsewhere (``probe_device_hours``)."""
         paused = self.probe is not None and self.probe.side_jobs is None
-        return self._seconds(self.tokens + (self.probe.tokens if paused else 0), self.processes)
+        return self._seconds(
+            self.tokens + (self.probe.tokens if paused and self.probe is not None else 0), self.processes
+        )
 
     @property
     def probe_device_hours(self) -> float:
@@ -574,29 +578,29 @@ class RunPlan:
         if self.probe is None:
             lines.append("CBS probe        none")
         else:
-            p = self.probe
-            windows = f" on each of {p.replicates} data windows" if p.replicates > 1 else ""
+            probe = self.probe
+            windows = f" on each of {probe.replicates} data windows" if probe.replicates > 1 else ""
             lines.append(
-                f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
-                f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
-                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens "
-                f"({p.tokens / max(1, self.tokens):.1%} of training)"
+                f"CBS probe        {len(probe.points)} probes fit (at {', '.join(f'{t:,}' for t in probe.points[:6])}"
+                f"{', ...' if len(probe.points) > 6 else ''} tokens), up to {probe.max_branches} branches of "
+                f"{probe.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
+                f"({probe.tokens / max(1, self.tokens):.1%} of training)"
             )
-            if p.side_jobs is not None:
+            if probe.side_jobs is not None:
                 hours = f"{self.probe_device_hours:,.0f} device-hours" if self._on_gpu else "their own devices"
                 lines += [
-                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, "
-                    f"which does not wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint "
-                    "for its job (deleted once its reading is in)",
-                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores "
-                    "its own window on (no snapshot, no recorded window)",
+                    f"  as side jobs ({probe.side_jobs}): the branches train on {hours} beside the main run, "
+                    "which does not wait for them; each probe writes a "
+                    f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in)",
+                    f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: the held-out batches the main run "
+                    "scores its own window on (no snapshot, no recorded window)",
                 ]
             else:
                 lines.append(
-                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of "
-                    f"{p.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
-                    f"{p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
-                    f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
+                    f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: {probe.snapshots} snapshots of "
+                    f"{probe.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
+                    f"{probe.window_bytes / GIB:,.2f}, held-out {probe.heldout_bytes / GIB:,.2f}; "
+                    f"{probe.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
                     f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})"
                 )
         seconds = self.wall_seconds
