@@ -20,7 +20,9 @@ import base64
 import functools
 import html
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, tokens_at
 from lit_cbs.callbacks.warmup import BatchChange
@@ -136,7 +138,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     readings = read_readings(probe_file) if probe_file is not None else []
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
     noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
-    draw = {name: functools.partial(figure, title=summary.get("run_name", "")) for name, figure in RUN_FIGURES.items()}
+    draw: dict[str, Callable[[dict], Any]] = {
+        name: functools.partial(figure, title=summary.get("run_name", "")) for name, figure in RUN_FIGURES.items()
+    }
     draw[WALL_CLOCK_FILE] = wall_clock_figure
     captions = {
         "loss_vs_tokens.png": "Loss against tokens (dotted: batch changes)",
@@ -149,7 +153,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         path = run_dir / name
         if _current(path, metrics_csv) or _save(draw[name](metrics), path) is not None:
             figures.append((path, caption))
-    if readings:
+    if readings and probe_file is not None:  # readings come from the probe file
         curve = probe_file.parent / PLOT_FILE
         if not _current(curve, probe_file):
             from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a figure is drawn

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -73,7 +75,7 @@ def sweep_subdir(job_number, run_name, job_overrides) -> str:
     return "_".join([f"{job_number}_{run_name}", *own])
 
 
-RESOLVERS = {
+RESOLVERS: dict[str, Callable[..., Any]] = {
     "lit_cbs.world_size": world_size,
     "lit_cbs.scaled_lr": scaled_lr,
     "lit_cbs.sweep_subdir": sweep_subdir,

@@ -207,12 +207,14 @@ def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> s
 def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.PathLike) -> str:
     """The line a run starts with: its model, processes, precision, batches and token budget."""
     dims, datamodule, warmup = run.model.dims, run.datamodule, run.batch_warmup
+    max_tokens = warmup.max_tokens
+    assert max_tokens is not None  # job.batch_warmup_of gives the run's BatchWarmup its max_tokens
     return (
         f"lit_cbs: {run_name}: model {dims.n_layers} layers x d_model {dims.d_model} "
         f"({run.model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {accelerator}, "
         f"precision {run.trainer.precision}, micro-batch {datamodule.batch_size} x {datamodule.seq_len} tokens, "
-        f"global batch {batches_reached(warmup.schedule, warmup.max_tokens, datamodule.seq_len)}, "
-        f"budget {warmup.max_tokens:,} tokens; output {output_dir}"
+        f"global batch {batches_reached(warmup.schedule, max_tokens, datamodule.seq_len)}, "
+        f"budget {max_tokens:,} tokens; output {output_dir}"
     )
 
 
@@ -225,15 +227,21 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     every fit of the run, each counted from its ``on_fit_start`` (after that setup), as the metrics'
     ``fit_seconds`` column. One fit: ``run_seconds`` is the smaller, by the setup."""
     val_loss = trainer.callback_metrics.get(VAL_LOSS)
-    stop_signal = warmup.accounting.stop_signal
+    accounting = warmup.accounting
+    if accounting is None:
+        raise RuntimeError(
+            "run_summary: the BatchWarmup was not set up by a Trainer (no accounting); call it after fit"
+        )
+    stop_signal = accounting.stop_signal
     summary = {
         "run_name": run_name,
         "tokens": warmup.tokens_seen,
-        "tokens_this_fit": warmup.tokens_seen - warmup.accounting.tokens_at_fit_start,
+        "tokens_this_fit": warmup.tokens_seen - accounting.tokens_at_fit_start,
         "optimizer_steps": trainer.global_step,
         "first_batch": warmup.history[0].old_global_batch if warmup.history else warmup.global_batch,
         "final_batch": warmup.global_batch,
-        "seq_len": warmup.seq_len or trainer.datamodule.seq_len,
+        # Trainer.datamodule is set by Lightning's data connector, undeclared in its class
+        "seq_len": warmup.seq_len or trainer.datamodule.seq_len,  # type: ignore[attr-defined]
         "batch_changes": [
             {
                 "step": c.step,
@@ -248,11 +256,12 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         ],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
-        "run_seconds": warmup.accounting.fit_seconds,
+        "run_seconds": accounting.fit_seconds,
         "stopped_by": signal.Signals(stop_signal).name if stop_signal else None,
         "probe": None,
     }
-    probes = [callback for callback in trainer.callbacks if isinstance(callback, CBSProbeCallback)]
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+    probes = [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)]
     if probes:
         history = probes[0].history
         summary["probe"] = {
