@@ -136,6 +136,38 @@ class CausalLM(pl.LightningModule):
             mean over the other targets, and each optimizer step's gradient the mean over every
             counted token of the step (``lit_cbs.token_mean_loss``). None (default): every target
             counts, as for packed full sequences.
+
+    Raises:
+        LitCBSConfigError: ``ignore_index`` is not a token id of the model's vocabulary, ``compile`` is neither
+            a bool nor a mapping, ``peak_flops_per_device`` is not a positive number, or ``optimizer`` cannot
+            build a ``torch.optim.Optimizer`` from parameter groups.
+        TypeError: ``config`` is none of the forms above, or ``lr_schedule`` is not callable.
+        ValueError: a mapping ``config`` names fields OLMoConfig lacks, or lacks some without a preset.
+
+    Example:
+        A two-block OLMo-style decoder; its decoder is built by ``configure_model`` (Lightning calls it in
+        ``fit``), and a forward pass gives logits [batch, tokens, vocab_size]:
+
+        >>> import math, torch
+        >>> from lit_cbs.models import CausalLM
+        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "mlp_hidden": 32,
+        ...                "context_length": 8, "tie_embeddings": True})
+        >>> lm.num_parameters()  # tied embedding 32 x 16, and per block attention 4 x 16 x 16 + SwiGLU 3 x 16 x 32
+        5632
+        >>> _ = torch.manual_seed(0)
+        >>> lm.configure_model()
+        >>> batch = torch.randint(0, 32, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens
+        >>> lm(batch[:, :-1]).shape
+        torch.Size([3, 8, 32])
+        >>> abs(lm.probe_loss(batch).item() - math.log(32)) < 0.1  # freshly initialised: about ln(vocab_size) nats
+        True
+
+        A padding id outside the vocabulary is refused:
+
+        >>> CausalLM("tiny", ignore_index=256)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: ignore_index=256 must be a token id in [0, 256) ...
     """
 
     def __init__(
@@ -200,6 +232,9 @@ class CausalLM(pl.LightningModule):
         return self.model
 
     def configure_model(self) -> None:
+        """Build the decoder (Lightning calls this in ``fit``; again, it keeps the one it built): sharded with
+        FSDP2 under ``ModelParallelStrategy``, its blocks wrapped for activation checkpointing and compiled
+        as the constructor asked."""
         if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
             return
         mesh = self._data_parallel_mesh()
@@ -250,7 +285,24 @@ class CausalLM(pl.LightningModule):
         fully_shard(model, mesh=mesh, mp_policy=policy)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T].
+
+        Args:
+            input_ids: token ids [B, T], T at most the model's context length.
+
+        Returns:
+            The next-token logits [B, T, vocab_size] at each position.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+
+        Example:
+            >>> import torch
+            >>> lm = CausalLM("tiny")
+            >>> lm.configure_model()
+            >>> lm(torch.zeros(2, 5, dtype=torch.long)).shape
+            torch.Size([2, 5, 256])
+        """
         return self._decoder(input_ids)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
@@ -347,7 +399,24 @@ class CausalLM(pl.LightningModule):
             self.log(metrics.MFU, rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``)."""
+        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``).
+
+        Args:
+            seq_len: tokens per training sequence (inputs, without the extra target token).
+
+        Returns:
+            FLOPs of the forward and backward passes per token: 6 x the matmul weights + 12 x layers x d_model
+            x ``seq_len`` (PaLM's estimate), cached per ``seq_len``.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+
+        Example:
+            >>> lm = CausalLM("tiny")
+            >>> lm.configure_model()
+            >>> lm.flops_per_token(128)  # 6 x 217,088 matmul weights (not the embedding) + 12 x 4 x 64 x 128
+            1695744
+        """
         if seq_len not in self._flops_per_token:
             # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
             self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
@@ -356,7 +425,17 @@ class CausalLM(pl.LightningModule):
     # ------------------------------------------------------------------ validation
     def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The loss a CBS probe scores a branch by on a held-out batch (nats per token): the
-        training loss, without updating ``train_loss``."""
+        training loss, without updating ``train_loss``.
+
+        Args:
+            batch: token ids [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+
+        Returns:
+            The mean next-token cross-entropy over the batch's counted targets (nats per token), a scalar.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+        """
         return self._loss(batch)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -367,7 +446,20 @@ class CausalLM(pl.LightningModule):
     # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
-        0/1-dimensional parameters (norms, biases), without."""
+        0/1-dimensional parameters (norms, biases), without.
+
+        Returns:
+            ``[{"params": weight matrices}, {"params": the rest, "weight_decay": 0.0}]``, for the optimizer.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+
+        Example:
+            >>> lm = CausalLM("tiny")
+            >>> lm.configure_model()
+            >>> [len(group["params"]) for group in lm.parameter_groups()]  # 4 blocks x 7 matrices + head; embedding
+            [29, 1]
+        """
         decoder = self._decoder
         embedding_params = {id(param) for param in embedding_parameters(decoder)}
         decay: list[nn.Parameter] = []
@@ -384,7 +476,15 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def num_parameters(self) -> int:
-        """Parameters of the model (built on the meta device if ``configure_model`` has not run)."""
+        """Parameters of the model (built on the meta device if ``configure_model`` has not run).
+
+        Returns:
+            The number of parameters (elements; a tied output head counted once).
+
+        Example:
+            >>> CausalLM("tiny").num_parameters()
+            233472
+        """
         if self.model is not None:
             return self.model.num_parameters()
         with torch.device("meta"):
