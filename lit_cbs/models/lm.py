@@ -77,6 +77,25 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
     (``lit_cbs.models.hf.hf_config``, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``);
     ``{"preset": name, **fields}`` takes the preset and replaces the given fields (e.g.
     ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without either gives every OLMoConfig field.
+
+    Args:
+        config: a preset name, an ``OLMoConfig``, a ``transformers`` config, or a mapping as above.
+
+    Returns:
+        ``config`` itself for a config; else a new ``OLMoConfig`` or ``transformers`` config.
+
+    Raises:
+        TypeError: ``config`` is none of these.
+        ValueError: a mapping with fields OLMoConfig lacks, or, without a preset, lacking some it needs.
+        LitCBSConfigError: an unknown preset, or field values OLMoConfig refuses.
+
+    Example:
+        >>> resolve_model_config({"preset": "tiny", "n_layers": 2}).n_layers
+        2
+        >>> resolve_model_config({"preset": "tiny", "layers": 2})
+        Traceback (most recent call last):
+        ...
+        ValueError: model config field(s) ['layers'] are not OLMoConfig fields; use preset or [...]
     """
     if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
@@ -498,7 +517,23 @@ def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
 
 def check_optimizer(optimizer: OptimizerFactory) -> None:
     """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups
-    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training)."""
+    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training).
+
+    Args:
+        optimizer: parameter groups -> ``torch.optim.Optimizer``.
+
+    Raises:
+        LitCBSConfigError: ``optimizer`` is not callable, refuses its arguments (TypeError or ValueError), or
+            returns something else than an Optimizer.
+
+    Example:
+        >>> import functools, torch
+        >>> check_optimizer(functools.partial(torch.optim.SGD, lr=0.1))
+        >>> check_optimizer(functools.partial(torch.optim.AdamW, lr=-1.0))
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: optimizer AdamW(lr=-1.0) cannot be built: Invalid learning rate: -1.0
+    """
     if not callable(optimizer):
         raise LitCBSConfigError(
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
@@ -519,7 +554,19 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
 
 
 def describe_optimizer(optimizer: OptimizerFactory) -> str:
-    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
+    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr.
+
+    Args:
+        optimizer: parameter groups -> ``torch.optim.Optimizer``.
+
+    Returns:
+        The description, for messages.
+
+    Example:
+        >>> import functools, torch
+        >>> describe_optimizer(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+        'SGD(lr=0.1, momentum=0.9)'
+    """
     if not isinstance(optimizer, functools.partial):
         return repr(optimizer)
     arguments = [repr(arg) for arg in optimizer.args] + [
