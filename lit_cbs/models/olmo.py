@@ -153,7 +153,13 @@ def get_config(name: str) -> OLMoConfig:
 
 
 class TruncatedNormalLinear(nn.Linear):
-    """A bias-free Linear layer whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std."""
+    """A bias-free Linear layer whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std.
+
+    Example:
+        >>> layer = TruncatedNormalLinear(64, 64, init_std=0.02)
+        >>> layer.bias is None, bool(layer.weight.abs().max() <= 0.06)
+        (True, True)
+    """
 
     def __init__(self, in_features: int, out_features: int, init_std: float):
         self.init_std = init_std  # set first: nn.Linear.__init__ calls reset_parameters
@@ -164,7 +170,13 @@ class TruncatedNormalLinear(nn.Linear):
 
 
 class TruncatedNormalEmbedding(nn.Embedding):
-    """A token embedding whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std."""
+    """A token embedding whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std.
+
+    Example:
+        >>> embedding = TruncatedNormalEmbedding(256, 64, init_std=0.02)
+        >>> tuple(embedding.weight.shape), bool(embedding.weight.abs().max() <= 0.06)
+        ((256, 64), True)
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float):
         self.init_std = init_std
@@ -235,7 +247,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary position embeddings on queries and keys."""
+    """Causal multi-head self-attention with rotary position embeddings on queries and keys.
+
+    Example:
+        >>> config = get_config("tiny")
+        >>> cos, sin = rotary_cos_sin(8, config.head_dim, config.rope_theta, torch.device("cpu"))
+        >>> Attention(config)(torch.randn(2, 8, config.d_model), cos, sin).shape
+        torch.Size([2, 8, 64])
+    """
 
     def __init__(self, config: OLMoConfig):
         super().__init__()
@@ -247,6 +266,8 @@ class Attention(nn.Module):
         self.out_proj = TruncatedNormalLinear(d, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention's output [B, T, d_model] for ``x`` [B, T, d_model], rotated by ``cos`` and ``sin``
+        [T, head_dim] (``rotary_cos_sin``); position t attends to positions 0..t."""
         batch, seq_len, d = x.shape
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
@@ -260,7 +281,13 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), gated width ``mlp_hidden``."""
+    """down(silu(gate(x)) * up(x)), gated width ``mlp_hidden``.
+
+    Example:
+        >>> mlp = SwiGLU(get_config("tiny"))
+        >>> mlp(torch.randn(2, 8, 64)).shape, sum(p.numel() for p in mlp.parameters())  # 3 x 64 x 176 weights
+        (torch.Size([2, 8, 64]), 33792)
+    """
 
     def __init__(self, config: OLMoConfig):
         super().__init__()
@@ -270,6 +297,7 @@ class SwiGLU(nn.Module):
         self.down_proj = TruncatedNormalLinear(h, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's output [B, T, d_model] for ``x`` [B, T, d_model]."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -601,6 +601,16 @@ def probe_plan(
 
     Raises:
         ValueError: a precision the plan does not know.
+
+    Example:
+        >>> from lit_cbs import CBSProbeCallback
+        >>> from lit_cbs.models import get_config
+        >>> probe = CBSProbeCallback(every_tokens=65536, window_tokens=8192)
+        >>> plan = probe_plan(probe, ModelShape.measure(get_config("tiny")), "32-true", "single", 1, 8, 8, 128, 262_144)
+        >>> plan.points, plan.max_branches, plan.tokens  # 3 probes x 4 multipliers x 8,192 tokens
+        ([65536, 131072, 196608], 4, 98304)
+        >>> plan.snapshot_bytes  # fp32 weights and AdamW's two moments, 3 x 4 x 233,472, and 30 step counts
+        2801784
     """
     from lit_cbs.probe import max_branches
 
