@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as recipes/train.py: see 
 
 import logging
 from pathlib import Path
+from typing import cast
 
 import hydra
 import lightning.pytorch as pl
@@ -76,10 +77,12 @@ def probe_settings(run_cfg: DictConfig, overrides: DictConfig) -> ProbeConfig:
     if node is None:
         default = OmegaConf.load(CONF / "callbacks" / "cbs_probe.yaml")
         node = OmegaConf.merge(run_cfg, {"callbacks": default}).callbacks.cbs_probe  # its ${batch.*} from the run
-    settings = OmegaConf.to_container(node, resolve=True)
+    settings = job.dict_container(node, resolve=True)
     for key in ("_target_", "_convert_", *NOT_FOR_A_CHECKPOINT):
         settings.pop(key, None)
-    settings.update({key: value for key, value in OmegaConf.to_container(overrides).items() if value is not None})
+    settings.update(
+        {key: value for key, value in job.dict_container(overrides, resolve=False).items() if value is not None}
+    )
     with job.group_key(run_cfg, "probe"):
         return ProbeConfig(**settings)
 
@@ -90,7 +93,7 @@ def main(cfg: DictConfig) -> None:
     earlier = job.earlier_entries()  # what a job that probes nothing leaves in its folder
     try:
         checkpoints, run = checkpoints_and_run(cfg.ckpt_path)
-        run_cfg = OmegaConf.load(run / RUN_CONFIG)
+        run_cfg = cast(DictConfig, OmegaConf.load(run / RUN_CONFIG))  # the mapping recipes/train.py wrote
         config = probe_settings(run_cfg, cfg.probe)
     except job.CONFIG_ERRORS as error:
         job.remove_hydra_run_dir(earlier)

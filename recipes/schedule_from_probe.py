@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 from omegaconf import OmegaConf
 
@@ -169,8 +171,8 @@ def micro_batch_growth(args: argparse.Namespace) -> tuple[int | None, str]:
     key = "batch.max_micro_batch_size"
     if args.max_micro_batch_size is not None:
         return args.max_micro_batch_size, f"max_micro_batch_size {args.max_micro_batch_size}: --max-micro-batch-size."
-    found = {path: run_config_value(path.parent, key) for path in args.probe}
-    found = {path: value_and_file for path, value_and_file in found.items() if value_and_file is not None}
+    configs = {path: run_config_value(path.parent, key) for path in args.probe}
+    found = {path: value_and_file for path, value_and_file in configs.items() if value_and_file is not None}
     if len({value for value, _ in found.values()}) > 1:
         values = ", ".join(f"{value} ({file})" for value, file in found.values())
         raise LitCBSConfigError(f"the measured runs' {key} differ: {values}; pick one with --max-micro-batch-size")
@@ -215,7 +217,13 @@ def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]
     noise = noise_scale_over_tokens(args.noise_scale) if args.noise_scale is not None else None
     write_batch_config(args, schedule, comment, micro_batch)
     if args.plot is not None:
-        plot_forecast(forecast, args.plot, tokens_to=args.forecast_to, noise_scale=noise)
+        # numpy arrays, which plot_forecast reads as the sequences its annotation names
+        plot_forecast(
+            forecast,
+            args.plot,
+            tokens_to=args.forecast_to,
+            noise_scale=cast("tuple[Sequence[float], Sequence[float]] | None", noise),
+        )
     print(f"{forecast.describe()}\n{schedule}; wrote {args.out}" + (f" and {args.plot}" if args.plot else ""))
     if noise is not None:
         print(

@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from omegaconf import DictConfig, OmegaConf
 
-from lit_cbs import CBSProbeCallback
+from lit_cbs import CBSAdaptive, CBSProbeCallback
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.metrics import VAL_LOSS
 from lit_cbs.recipes import job
@@ -92,7 +92,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         kind = "fsdp"
     else:
         kind = "ddp" if devices * num_nodes > 1 else "single"
-    limits = OmegaConf.to_container(cfg.plan_for, resolve=True)
+    limits = job.dict_container(cfg.plan_for, resolve=True)
     if cfg.model.get("peak_flops_per_device"):
         limits["peak_flops_per_device"] = float(cfg.model.peak_flops_per_device)
     try:  # the job's overrides, less plan=true and what the plan's commands set
@@ -101,7 +101,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         slurm_arguments = [override for override in overrides if not override.startswith("trainer.devices=")]
     except ValueError:  # no Hydra job: composed by a script or a test
         overrides, slurm_arguments = [], []
-    optimizer = OmegaConf.to_container(cfg.model.optimizer, resolve=True) if cfg.model.get("optimizer") else {}
+    optimizer = job.dict_container(cfg.model.optimizer, resolve=True) if cfg.model.get("optimizer") else {}
     start = {"weight_decay": optimizer.get("weight_decay"), "beta2": (optimizer.get("betas") or [None, None])[1]}
     rules = [rule for rule in warmup.rules.settings if start[rule.key] is not None]  # the settings BatchWarmup moves
 
@@ -167,11 +167,12 @@ def build_run(cfg: DictConfig) -> Run:
 
     warmup = job.batch_warmup_of(cfg)
     callbacks = [warmup, *job.callbacks_of(cfg)]
-    if warmup.lacks_a_feeder(callbacks, resumed=ckpt_path is not None):
+    schedule = warmup.schedule
+    if isinstance(schedule, CBSAdaptive) and warmup.lacks_a_feeder(callbacks, resumed=ckpt_path is not None):
         raise LitCBSConfigError(
             f"batch.schedule is CBSAdaptive, which grows the batch only on CBS readings, but the run has no probe "
             f"(callbacks.cbs_probe is null, or its first window ends past max_tokens), so the batch would stay "
-            f"{warmup.schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), "
+            f"{schedule.start}: set callbacks.cbs_probe (as the tiny_adaptive recipe does), "
             "or a fixed schedule (batch=warmup)"
         )
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too

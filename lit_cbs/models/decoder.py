@@ -21,7 +21,14 @@ from lit_cbs.models.olmo import OLMoConfig
 
 @dataclasses.dataclass(frozen=True)
 class DecoderDims:
-    """A decoder's sizes, in ``OLMoConfig``'s names, for the memory plan and the recipes' checks."""
+    """A decoder's sizes, in ``OLMoConfig``'s names, for the memory plan and the recipes' checks.
+
+    Example:
+        >>> from lit_cbs.models import get_config
+        >>> decoder_dims(get_config("tiny"))
+        DecoderDims(vocab_size=256, d_model=64, n_layers=4, n_heads=4, head_dim=16, mlp_hidden=176, \
+context_length=128, tie_embeddings=False)
+    """
 
     vocab_size: int
     d_model: int  # residual width (transformers: hidden_size)
@@ -34,7 +41,20 @@ class DecoderDims:
 
 
 def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
-    """The ``DecoderDims`` of an ``OLMoConfig`` or a ``transformers`` config."""
+    """The ``DecoderDims`` of an ``OLMoConfig`` or a ``transformers`` config.
+
+    Args:
+        config: an ``OLMoConfig``, or a ``transformers`` config (read by ``hf_dims``).
+
+    Returns:
+        Its sizes.
+
+    Example:
+        >>> from lit_cbs.models import get_config
+        >>> dims = decoder_dims(get_config("tiny"))
+        >>> dims.n_layers, dims.head_dim, dims.context_length
+        (4, 16, 128)
+    """
     if isinstance(config, OLMoConfig):
         return DecoderDims(
             vocab_size=config.vocab_size,
@@ -50,7 +70,24 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
 
 
 def hf_dims(config: Any) -> DecoderDims:
-    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; GPT-2's are aliased by transformers)."""
+    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; GPT-2's are aliased by transformers).
+
+    Args:
+        config: a ``transformers`` config, or any object with its attributes (``hidden_size``,
+            ``num_attention_heads``, ``num_hidden_layers``, ``vocab_size``, ``max_position_embeddings``; optional
+            ``head_dim``, ``intermediate_size`` or ``n_inner``, ``tie_word_embeddings``).
+
+    Returns:
+        Its sizes; without ``head_dim``, hidden_size / heads; without an MLP width, 4 x hidden_size.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> llama_like = SimpleNamespace(vocab_size=100, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+        ...                              intermediate_size=64, max_position_embeddings=16, tie_word_embeddings=True)
+        >>> hf_dims(llama_like)
+        DecoderDims(vocab_size=100, d_model=32, n_layers=2, n_heads=4, head_dim=8, mlp_hidden=64, \
+context_length=16, tie_embeddings=True)
+    """
     hidden, heads = config.hidden_size, config.num_attention_heads
     return DecoderDims(
         vocab_size=config.vocab_size,
@@ -66,7 +103,20 @@ def hf_dims(config: Any) -> DecoderDims:
 
 def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:
     """The config as plain values (a checkpoint's hyperparameters load with ``weights_only=True``), that
-    ``lit_cbs.models.lm.resolve_model_config`` turns back into the config."""
+    ``lit_cbs.models.lm.resolve_model_config`` turns back into the config.
+
+    Args:
+        config: an ``OLMoConfig`` (all its fields) or a ``transformers`` config (the fields that differ from
+            its class's defaults, with ``model_type``).
+
+    Returns:
+        A dict of plain values.
+
+    Example:
+        >>> from lit_cbs.models import get_config
+        >>> config_as_dict(get_config("tiny"))["mlp_hidden"]
+        176
+    """
     if isinstance(config, OLMoConfig):
         return dataclasses.asdict(config)
     return config.to_diff_dict()
@@ -79,6 +129,17 @@ def layer_stacks(module: nn.Module) -> list[str]:
     ``["model.blocks"]`` for ``CausalLM`` on lit_cbs's OLMo, ``["model.lm.model.layers"]`` on a
     transformers Llama, ``["model.transformer.h"]`` for a GPT-2 held as ``self.model``. Found from the
     modules, not the names: activation checkpointing, ``torch.compile`` and FSDP2 keep both.
+
+    Args:
+        module: any model.
+
+    Returns:
+        The stacks' paths (``named_modules`` names; ``""`` for ``module`` itself).
+
+    Example:
+        >>> from lit_cbs.models import OLMo, get_config
+        >>> layer_stacks(OLMo(get_config("tiny")))
+        ['blocks']
     """
     stacks: list[str] = []
     for path, child in module.named_modules():
@@ -95,5 +156,17 @@ def layer_stacks(module: nn.Module) -> list[str]:
 
 
 def embedding_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``module``'s ``nn.Embedding`` layers (token and position embeddings), each once."""
+    """The parameters of ``module``'s ``nn.Embedding`` layers (token and position embeddings), each once.
+
+    Args:
+        module: any model.
+
+    Returns:
+        The embedding parameters, in module order.
+
+    Example:
+        >>> from lit_cbs.models import OLMo, get_config
+        >>> [tuple(p.shape) for p in embedding_parameters(OLMo(get_config("tiny")))]  # vocab_size x d_model
+        [(256, 64)]
+    """
     return list({id(p): p for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}.values())

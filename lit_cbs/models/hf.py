@@ -40,7 +40,19 @@ def _transformers():
 
 
 def is_hf_config(config: Any) -> bool:
-    """True for a ``transformers`` model config (without importing transformers if it is not loaded)."""
+    """True for a ``transformers`` model config (without importing transformers if it is not loaded).
+
+    Args:
+        config: anything.
+
+    Returns:
+        Whether it is a ``transformers`` ``PretrainedConfig``.
+
+    Example:
+        >>> from lit_cbs.models import get_config
+        >>> is_hf_config(get_config("tiny")), is_hf_config({"model_type": "llama"})
+        (False, False)
+    """
     return any(
         cls.__name__ in ("PreTrainedConfig", "PretrainedConfig") and cls.__module__.startswith("transformers")
         for cls in type(config).__mro__
@@ -54,6 +66,17 @@ def hf_config(fields: Mapping[str, Any]) -> Any:
     ``qwen2``, ``mistral``, ``gpt2``, ...); the other fields are that config class's, e.g.
     ``LlamaConfig``'s ``hidden_size``, ``num_hidden_layers``; a field the class does not know, a
     model type without a causal LM, or a missing ``transformers`` is a LitCBSConfigError.
+
+    Args:
+        fields: ``model_type`` and the config class's fields, e.g. ``{"model_type": "llama", "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256}``.
+
+    Returns:
+        The ``transformers`` config.
+
+    Raises:
+        LitCBSConfigError: transformers is not installed, ``model_type`` is unknown or has no causal LM, or a
+            field is not the config class's.
     """
     transformers = _transformers()
     fields = dict(fields)
@@ -87,6 +110,13 @@ class HFDecoder(nn.Module):
     Its parameters are named ``lm.<the transformers model's own names>`` (e.g.
     ``lm.model.layers.0.self_attn.q_proj.weight`` for Llama), so a state dict maps onto
     ``AutoModelForCausalLM``'s by removing the ``lm.`` prefix.
+
+    Args:
+        config: a ``transformers`` config of a causal LM (``hf_config``).
+
+    Raises:
+        LitCBSConfigError: transformers is not installed, or the model holds no ``nn.ModuleList`` of its
+            ``num_hidden_layers`` decoder layers.
     """
 
     def __init__(self, config: Any):
@@ -119,7 +149,14 @@ class HFDecoder(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied output head counted once); ``exclude_embeddings`` leaves out the
-        token (and position) embeddings and an untied output head."""
+        token (and position) embeddings and an untied output head.
+
+        Args:
+            exclude_embeddings: count only the non-embedding parameters.
+
+        Returns:
+            The count (elements).
+        """
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= sum(p.numel() for p in embedding_parameters(self))
@@ -131,7 +168,14 @@ class HFDecoder(nn.Module):
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len`` tokens: 6 x the weights used in a matmul (every
         ``nn.Linear``, the output head among them, once even if tied) + 12 x layers x attention width x
-        seq_len (PaLM's estimate, as ``OLMo.flops_per_token``)."""
+        seq_len (PaLM's estimate, as ``OLMo.flops_per_token``).
+
+        Args:
+            seq_len: tokens per sequence.
+
+        Returns:
+            FLOPs per token.
+        """
         matmul_weights = sum(
             {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values()
         )
@@ -139,13 +183,14 @@ class HFDecoder(nn.Module):
         return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 
 
-def _is_tied(lm: nn.Module) -> bool:
+def _is_tied(lm: Any) -> bool:  # a transformers PreTrainedModel
     head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
     return head is not None and head.weight is embedding.weight
 
 
-def _decoder_layers_path(lm: nn.Module, config: Any) -> str:
-    """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers."""
+def _decoder_layers_path(lm: Any, config: Any) -> str:
+    """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers of ``lm``, a
+    ``transformers`` ``PreTrainedModel``."""
     n_layers = config.num_hidden_layers
     for path in layer_stacks(lm):
         if len(lm.get_submodule(path)) == n_layers:

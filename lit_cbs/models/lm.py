@@ -46,8 +46,8 @@ from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.models.build import build_decoder
 from lit_cbs.models.decoder import DecoderDims, config_as_dict, decoder_dims, embedding_parameters
-from lit_cbs.models.hf import hf_config, is_hf_config
-from lit_cbs.models.olmo import OLMoConfig, get_config
+from lit_cbs.models.hf import HFDecoder, hf_config, is_hf_config
+from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.models.token_loss import token_mean_loss
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
@@ -77,6 +77,25 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
     (``lit_cbs.models.hf.hf_config``, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``);
     ``{"preset": name, **fields}`` takes the preset and replaces the given fields (e.g.
     ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without either gives every OLMoConfig field.
+
+    Args:
+        config: a preset name, an ``OLMoConfig``, a ``transformers`` config, or a mapping as above.
+
+    Returns:
+        ``config`` itself for a config; else a new ``OLMoConfig`` or ``transformers`` config.
+
+    Raises:
+        TypeError: ``config`` is none of these.
+        ValueError: a mapping with fields OLMoConfig lacks, or, without a preset, lacking some it needs.
+        LitCBSConfigError: an unknown preset, or field values OLMoConfig refuses.
+
+    Example:
+        >>> resolve_model_config({"preset": "tiny", "n_layers": 2}).n_layers
+        2
+        >>> resolve_model_config({"preset": "tiny", "layers": 2})
+        Traceback (most recent call last):
+        ...
+        ValueError: model config field(s) ['layers'] are not OLMoConfig fields; use preset or [...]
     """
     if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
@@ -136,6 +155,38 @@ class CausalLM(pl.LightningModule):
             mean over the other targets, and each optimizer step's gradient the mean over every
             counted token of the step (``lit_cbs.token_mean_loss``). None (default): every target
             counts, as for packed full sequences.
+
+    Raises:
+        LitCBSConfigError: ``ignore_index`` is not a token id of the model's vocabulary, ``compile`` is neither
+            a bool nor a mapping, ``peak_flops_per_device`` is not a positive number, or ``optimizer`` cannot
+            build a ``torch.optim.Optimizer`` from parameter groups.
+        TypeError: ``config`` is none of the forms above, or ``lr_schedule`` is not callable.
+        ValueError: a mapping ``config`` names fields OLMoConfig lacks, or lacks some without a preset.
+
+    Example:
+        A two-block OLMo-style decoder; its decoder is built by ``configure_model`` (Lightning calls it in
+        ``fit``), and a forward pass gives logits [batch, tokens, vocab_size]:
+
+        >>> import math, torch
+        >>> from lit_cbs.models import CausalLM
+        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "mlp_hidden": 32,
+        ...                "context_length": 8, "tie_embeddings": True})
+        >>> lm.num_parameters()  # tied embedding 32 x 16, and per block attention 4 x 16 x 16 + SwiGLU 3 x 16 x 32
+        5632
+        >>> _ = torch.manual_seed(0)
+        >>> lm.configure_model()
+        >>> batch = torch.randint(0, 32, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens
+        >>> lm(batch[:, :-1]).shape
+        torch.Size([3, 8, 32])
+        >>> abs(lm.probe_loss(batch).item() - math.log(32)) < 0.1  # freshly initialised: about ln(vocab_size) nats
+        True
+
+        A padding id outside the vocabulary is refused:
+
+        >>> CausalLM("tiny", ignore_index=256)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: ignore_index=256 must be a token id in [0, 256) ...
     """
 
     def __init__(
@@ -173,7 +224,7 @@ class CausalLM(pl.LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
         self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
 
-        self.model: nn.Module | None = None  # OLMo or HFDecoder, built in configure_model
+        self.model: OLMo | HFDecoder | None = None  # built in configure_model
         self.train_loss = MeanMetric()
         self.val_loss = MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
@@ -192,7 +243,17 @@ class CausalLM(pl.LightningModule):
             BatchAccounting.attach(self.trainer)  # counts the tokens the LR schedule is indexed by
 
     # ------------------------------------------------------------------ model
+    @property
+    def _decoder(self) -> OLMo | HFDecoder:
+        """The decoder ``configure_model`` built."""
+        if self.model is None:
+            raise RuntimeError("CausalLM's decoder is not built yet: call configure_model() (Lightning does, in fit)")
+        return self.model
+
     def configure_model(self) -> None:
+        """Build the decoder (Lightning calls this in ``fit``; again, it keeps the one it built): sharded with
+        FSDP2 under ``ModelParallelStrategy``, its blocks wrapped for activation checkpointing and compiled
+        as the constructor asked."""
         if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
             return
         mesh = self._data_parallel_mesh()
@@ -228,7 +289,7 @@ class CausalLM(pl.LightningModule):
             )
         return mesh["data_parallel"]
 
-    def _fully_shard(self, model: nn.Module, mesh) -> None:
+    def _fully_shard(self, model: OLMo | HFDecoder, mesh) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.trainer.precision == "bf16-mixed":
@@ -243,13 +304,30 @@ class CausalLM(pl.LightningModule):
         fully_shard(model, mesh=mesh, mp_policy=policy)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
-        return self.model(input_ids)
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T].
+
+        Args:
+            input_ids: token ids [B, T], T at most the model's context length.
+
+        Returns:
+            The next-token logits [B, T, vocab_size] at each position.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+
+        Example:
+            >>> import torch
+            >>> lm = CausalLM("tiny")
+            >>> lm.configure_model()
+            >>> lm(torch.zeros(2, 5, dtype=torch.long)).shape
+            torch.Size([2, 5, 256])
+        """
+        return self._decoder(input_ids)
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
         if self.ignore_index is None:
-            logits = self.model(batch[:, :-1])
+            logits = self._decoder(batch[:, :-1])
             # A mean over no target is NaN; the sum over none is 0, with a zero gradient, for a zero-sample micro-batch.
             reduction = "mean" if len(batch) else "sum"
             return F.cross_entropy(_at_least_float32(logits.flatten(0, 1)), batch[:, 1:].flatten(), reduction=reduction)
@@ -258,12 +336,14 @@ class CausalLM(pl.LightningModule):
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
-        logits = self.model(batch[:, :-1])
+        ignore_index = self.ignore_index
+        assert ignore_index is not None  # called only with one (else _loss takes the mean itself)
+        logits = self._decoder(batch[:, :-1])
         targets = batch[:, 1:].flatten()
         loss_sum = F.cross_entropy(
-            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=self.ignore_index, reduction="sum"
+            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=ignore_index, reduction="sum"
         )
-        return loss_sum, (targets != self.ignore_index).sum()
+        return loss_sum, (targets != ignore_index).sum()
 
     # ------------------------------------------------------------------ training
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -323,12 +403,14 @@ class CausalLM(pl.LightningModule):
         # A CBS probe's branches run between the main run's steps: their time is not the main run's
         # (branch_seconds counts from the fit's start; what ran before on_train_start is left out).
         branch_seconds = BatchAccounting.attach(self.trainer).branch_seconds - self._branch_seconds_before
-        seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
-        self._throughput.update(
+        throughput, stretch_start = self._throughput, self._stretch_start
+        assert throughput is not None and stretch_start is not None  # set in on_train_start, which runs first
+        seconds = self._training_seconds + time.perf_counter() - stretch_start - branch_seconds
+        throughput.update(
             time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
         )
         self._step_flops = 0
-        rates = self._throughput.compute()
+        rates = throughput.compute()
         # Throughput's rates are per device; every rank trains micro-batches of the same shape.
         tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
         self.log(metrics.TOKENS_PER_S, tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)
@@ -336,16 +418,43 @@ class CausalLM(pl.LightningModule):
             self.log(metrics.MFU, rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``)."""
+        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``).
+
+        Args:
+            seq_len: tokens per training sequence (inputs, without the extra target token).
+
+        Returns:
+            FLOPs of the forward and backward passes per token: 6 x the matmul weights + 12 x layers x d_model
+            x ``seq_len`` (PaLM's estimate), cached per ``seq_len``.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+
+        Example:
+            >>> lm = CausalLM("tiny")
+            >>> lm.configure_model()
+            >>> lm.flops_per_token(128)  # 6 x 217,088 matmul weights (not the embedding) + 12 x 4 x 64 x 128
+            1695744
+        """
         if seq_len not in self._flops_per_token:
             # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
-            self._flops_per_token[seq_len] = self.model.flops_per_token(seq_len)
+            self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
         return self._flops_per_token[seq_len]
 
     # ------------------------------------------------------------------ validation
     def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The loss a CBS probe scores a branch by on a held-out batch (nats per token): the
-        training loss, without updating ``train_loss``."""
+        training loss, without updating ``train_loss``.
+
+        Args:
+            batch: token ids [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
+
+        Returns:
+            The mean next-token cross-entropy over the batch's counted targets (nats per token), a scalar.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+        """
         return self._loss(batch)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -356,10 +465,25 @@ class CausalLM(pl.LightningModule):
     # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
         """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
-        0/1-dimensional parameters (norms, biases), without."""
-        embedding_params = {id(param) for param in embedding_parameters(self.model)}
-        decay, no_decay = [], []
-        for param in self.model.parameters():
+        0/1-dimensional parameters (norms, biases), without.
+
+        Returns:
+            ``[{"params": weight matrices}, {"params": the rest, "weight_decay": 0.0}]``, for the optimizer.
+
+        Raises:
+            RuntimeError: the decoder is not built yet (``configure_model``).
+
+        Example:
+            >>> lm = CausalLM("tiny")
+            >>> lm.configure_model()
+            >>> [len(group["params"]) for group in lm.parameter_groups()]  # 4 blocks x 7 matrices + head; embedding
+            [29, 1]
+        """
+        decoder = self._decoder
+        embedding_params = {id(param) for param in embedding_parameters(decoder)}
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
+        for param in decoder.parameters():
             (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
@@ -371,7 +495,15 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def num_parameters(self) -> int:
-        """Parameters of the model (built on the meta device if ``configure_model`` has not run)."""
+        """Parameters of the model (built on the meta device if ``configure_model`` has not run).
+
+        Returns:
+            The number of parameters (elements; a tied output head counted once).
+
+        Example:
+            >>> CausalLM("tiny").num_parameters()
+            233472
+        """
         if self.model is not None:
             return self.model.num_parameters()
         with torch.device("meta"):
@@ -385,13 +517,29 @@ def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
 
 def check_optimizer(optimizer: OptimizerFactory) -> None:
     """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups
-    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training)."""
+    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training).
+
+    Args:
+        optimizer: parameter groups -> ``torch.optim.Optimizer``.
+
+    Raises:
+        LitCBSConfigError: ``optimizer`` is not callable, refuses its arguments (TypeError or ValueError), or
+            returns something else than an Optimizer.
+
+    Example:
+        >>> import functools, torch
+        >>> check_optimizer(functools.partial(torch.optim.SGD, lr=0.1))
+        >>> check_optimizer(functools.partial(torch.optim.AdamW, lr=-1.0))
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: optimizer AdamW(lr=-1.0) cannot be built: Invalid learning rate: -1.0
+    """
     if not callable(optimizer):
         raise LitCBSConfigError(
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
             "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
         )
-    stand_ins = [
+    stand_ins: list[dict[str, Any]] = [
         {"params": [nn.Parameter(torch.zeros(2, 2))]},
         {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0},
     ]
@@ -406,7 +554,19 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
 
 
 def describe_optimizer(optimizer: OptimizerFactory) -> str:
-    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
+    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr.
+
+    Args:
+        optimizer: parameter groups -> ``torch.optim.Optimizer``.
+
+    Returns:
+        The description, for messages.
+
+    Example:
+        >>> import functools, torch
+        >>> describe_optimizer(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+        'SGD(lr=0.1, momentum=0.9)'
+    """
     if not isinstance(optimizer, functools.partial):
         return repr(optimizer)
     arguments = [repr(arg) for arg in optimizer.args] + [

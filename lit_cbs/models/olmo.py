@@ -40,6 +40,21 @@ class OLMoConfig:
     mlp_hidden: SwiGLU gated width (see the module docstring). context_length: longest
     sequence the model accepts, in tokens. tie_embeddings: reuse the embedding as the output
     projection. rope_theta: RoPE base period. init_std: std of the weight initialisation.
+
+    Raises:
+        LitCBSConfigError: a size that is not a positive int, ``tie_embeddings`` not a bool, ``d_model`` not
+            divisible by ``n_heads``, an odd head dimension, or ``rope_theta`` or ``init_std`` not above 0.
+
+    Example:
+        >>> config = OLMoConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, context_length=8,
+        ...                     tie_embeddings=True)
+        >>> config.head_dim
+        8
+        >>> OLMoConfig(vocab_size=32, d_model=24, n_layers=2, n_heads=5, mlp_hidden=32, context_length=8,
+        ...            tie_embeddings=True)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: d_model=24 must be divisible by n_heads=5 (d_model % n_heads = 4)
     """
 
     vocab_size: int
@@ -74,6 +89,7 @@ class OLMoConfig:
 
     @property
     def head_dim(self) -> int:
+        """Width of one attention head: d_model / n_heads."""
         return self.d_model // self.n_heads
 
 
@@ -112,14 +128,38 @@ PRESETS: dict[str, OLMoConfig] = {
 
 
 def get_config(name: str) -> OLMoConfig:
-    """The preset called ``name`` (a fresh copy, safe to modify)."""
+    """The preset called ``name`` (a fresh copy, safe to modify).
+
+    Args:
+        name: a key of ``PRESETS``: ``tiny``, ``tiny4x``, ``olmo_1b``, ``olmo_7b``.
+
+    Returns:
+        A new ``OLMoConfig`` equal to the preset.
+
+    Raises:
+        LitCBSConfigError: no preset has that name.
+
+    Example:
+        >>> get_config("tiny").d_model
+        64
+        >>> get_config("huge")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: unknown model preset 'huge'; known presets: olmo_1b, olmo_7b, tiny, tiny4x
+    """
     if name not in PRESETS:
         raise LitCBSConfigError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     return OLMoConfig(**vars(PRESETS[name]))
 
 
 class TruncatedNormalLinear(nn.Linear):
-    """A bias-free Linear layer whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std."""
+    """A bias-free Linear layer whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std.
+
+    Example:
+        >>> layer = TruncatedNormalLinear(64, 64, init_std=0.02)
+        >>> layer.bias is None, bool(layer.weight.abs().max() <= 0.06)
+        (True, True)
+    """
 
     def __init__(self, in_features: int, out_features: int, init_std: float):
         self.init_std = init_std  # set first: nn.Linear.__init__ calls reset_parameters
@@ -130,7 +170,13 @@ class TruncatedNormalLinear(nn.Linear):
 
 
 class TruncatedNormalEmbedding(nn.Embedding):
-    """A token embedding whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std."""
+    """A token embedding whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std.
+
+    Example:
+        >>> embedding = TruncatedNormalEmbedding(256, 64, init_std=0.02)
+        >>> tuple(embedding.weight.shape), bool(embedding.weight.abs().max() <= 0.06)
+        ((256, 64), True)
+    """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float):
         self.init_std = init_std
@@ -141,7 +187,12 @@ class TruncatedNormalEmbedding(nn.Embedding):
 
 
 def layer_norm(x: torch.Tensor) -> torch.Tensor:
-    """Non-parametric LayerNorm over the last dimension (OLMo: no weight, no bias)."""
+    """Non-parametric LayerNorm over the last dimension (OLMo: no weight, no bias).
+
+    Example:
+        >>> layer_norm(torch.tensor([[1.0, 2.0, 3.0]]))
+        tensor([[-1.2247,  0.0000,  1.2247]])
+    """
     return F.layer_norm(x, (x.shape[-1],), eps=1e-5)
 
 
@@ -152,6 +203,20 @@ def rotary_cos_sin(
 
     Computed per forward in float32 (cheap next to attention) rather than kept as a buffer, so
     nothing needs re-materialising after a meta-device build.
+
+    Args:
+        seq_len: positions (tokens).
+        head_dim: width of one attention head (even).
+        theta: RoPE base period.
+        device: where to compute them.
+
+    Returns:
+        (cos, sin), each [seq_len, head_dim], float32.
+
+    Example:
+        >>> cos, sin = rotary_cos_sin(8, 4, 10000.0, torch.device("cpu"))
+        >>> cos.shape, cos[0].tolist()  # position 0: no rotation
+        (torch.Size([8, 4]), [1.0, 1.0, 1.0, 1.0])
     """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -160,14 +225,36 @@ def rotary_cos_sin(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + head_dim/2) of x [B, H, T, head_dim] by each position's angles (GPT-NeoX layout)."""
+    """Rotate pairs (i, i + head_dim/2) of x [B, H, T, head_dim] by each position's angles (GPT-NeoX layout).
+
+    Args:
+        x: queries or keys [B, H, T, head_dim].
+        cos: ``rotary_cos_sin``'s cos [T, head_dim].
+        sin: its sin [T, head_dim].
+
+    Returns:
+        ``x`` rotated, in its dtype.
+
+    Example:
+        >>> cos, sin = rotary_cos_sin(2, 2, 10000.0, torch.device("cpu"))
+        >>> apply_rotary(torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]]), cos, sin).round(decimals=4)  # 0 and 1 radian
+        tensor([[[[1.0000, 0.0000],
+                  [0.5403, 0.8415]]]])
+    """
     first, second = x.chunk(2, dim=-1)
     rotated_half = torch.cat((-second, first), dim=-1)
     return (x * cos + rotated_half * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with rotary position embeddings on queries and keys."""
+    """Causal multi-head self-attention with rotary position embeddings on queries and keys.
+
+    Example:
+        >>> config = get_config("tiny")
+        >>> cos, sin = rotary_cos_sin(8, config.head_dim, config.rope_theta, torch.device("cpu"))
+        >>> Attention(config)(torch.randn(2, 8, config.d_model), cos, sin).shape
+        torch.Size([2, 8, 64])
+    """
 
     def __init__(self, config: OLMoConfig):
         super().__init__()
@@ -179,6 +266,8 @@ class Attention(nn.Module):
         self.out_proj = TruncatedNormalLinear(d, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Attention's output [B, T, d_model] for ``x`` [B, T, d_model], rotated by ``cos`` and ``sin``
+        [T, head_dim] (``rotary_cos_sin``); position t attends to positions 0..t."""
         batch, seq_len, d = x.shape
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
@@ -192,7 +281,13 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), gated width ``mlp_hidden``."""
+    """down(silu(gate(x)) * up(x)), gated width ``mlp_hidden``.
+
+    Example:
+        >>> mlp = SwiGLU(get_config("tiny"))
+        >>> mlp(torch.randn(2, 8, 64)).shape, sum(p.numel() for p in mlp.parameters())  # 3 x 64 x 176 weights
+        (torch.Size([2, 8, 64]), 33792)
+    """
 
     def __init__(self, config: OLMoConfig):
         super().__init__()
@@ -202,11 +297,22 @@ class SwiGLU(nn.Module):
         self.down_proj = TruncatedNormalLinear(h, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's output [B, T, d_model] for ``x`` [B, T, d_model]."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP wraps."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP wraps.
+
+    Example:
+        >>> config = get_config("tiny")
+        >>> block = Block(config)
+        >>> cos, sin = rotary_cos_sin(8, config.head_dim, config.rope_theta, torch.device("cpu"))
+        >>> block(torch.randn(2, 8, config.d_model), cos, sin).shape
+        torch.Size([2, 8, 64])
+        >>> sum(p.numel() for p in block.parameters())  # attention 4 x 64 x 64, SwiGLU 3 x 64 x 176
+        50176
+    """
 
     def __init__(self, config: OLMoConfig):
         super().__init__()
@@ -214,12 +320,30 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The block's output [B, T, d_model] for the residual stream ``x`` [B, T, d_model], at positions whose
+        rotation ``cos`` and ``sin`` [T, head_dim] give (``rotary_cos_sin``)."""
         x = x + self.attention(layer_norm(x), cos, sin)
         return x + self.mlp(layer_norm(x))
 
 
 class OLMo(nn.Module):
-    """Decoder-only language model: ``forward(input_ids [B, T]) -> logits [B, T, vocab_size]``."""
+    """Decoder-only language model: ``forward(input_ids [B, T]) -> logits [B, T, vocab_size]``.
+
+    Example:
+        >>> config = OLMoConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, context_length=8,
+        ...                     tie_embeddings=True)
+        >>> model = OLMo(config)
+        >>> model(torch.zeros(2, 8, dtype=torch.long)).shape
+        torch.Size([2, 8, 32])
+        >>> model.num_parameters(), model.num_parameters(exclude_embeddings=True)  # the embedding is 32 x 16
+        (5632, 5120)
+
+        The presets build on the meta device without memory:
+
+        >>> with torch.device("meta"):
+        ...     OLMo(get_config("olmo_1b")).num_parameters()
+        1176764416
+    """
 
     def __init__(self, config: OLMoConfig):
         super().__init__()
@@ -239,6 +363,17 @@ class OLMo(nn.Module):
                 module.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits.
+
+        Args:
+            input_ids: token ids [B, T], T at most ``context_length``.
+
+        Returns:
+            Logits [B, T, vocab_size].
+
+        Raises:
+            ValueError: T is over ``context_length``.
+        """
         seq_len = input_ids.shape[1]
         if seq_len > self.config.context_length:
             raise ValueError(
@@ -256,7 +391,14 @@ class OLMo(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters; ``exclude_embeddings`` leaves out the token embedding and an
-        untied output projection (Kaplan et al.'s non-embedding count)."""
+        untied output projection (Kaplan et al.'s non-embedding count).
+
+        Args:
+            exclude_embeddings: count only the non-embedding parameters.
+
+        Returns:
+            The count (elements).
+        """
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= self.embedding.weight.numel()
@@ -272,6 +414,16 @@ class OLMo(nn.Module):
         vocab x d output projection, tied or not; the embedding lookup is free) and
         12 * L * d * T is the attention score and value matmuls over T positions (causal
         masking not discounted). Divide achieved FLOP/s by peak for MFU.
+
+        Args:
+            seq_len: tokens per sequence (T).
+
+        Returns:
+            FLOPs per token.
+
+        Example:
+            >>> OLMo(get_config("tiny")).flops_per_token(128)  # 6 x (233,472 - 256 x 64) + 12 x 4 x 64 x 128
+            1695744
         """
         c = self.config
         matmul_weights = self.num_parameters(exclude_embeddings=True) + c.vocab_size * c.d_model

@@ -33,7 +33,25 @@ def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens) 
         tokens: how many tokens ``loss_sum`` counts, e.g. ``(labels != -100).sum()``.
 
     Returns:
-        A tensor whose value is the micro-batch's mean loss and whose gradient is that of ``loss_sum``;
-        ``BatchAccounting`` rescales the step's gradient before the optimizer step.
+        A tensor whose value is the micro-batch's mean loss (nats per counted token) and whose gradient is
+        that of ``loss_sum``; ``BatchAccounting`` rescales the step's gradient before the optimizer step.
+
+    Raises:
+        RuntimeError: ``module`` is not attached to a Trainer (Lightning's ``module.trainer``).
+
+    Example:
+        A micro-batch whose 4 counted tokens sum to 6 nats: the value is their mean, the gradient the sum's:
+
+        >>> import lightning.pytorch as pl, torch
+        >>> module = pl.LightningModule()
+        >>> module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+        ...                             enable_progress_bar=False, enable_model_summary=False)
+        >>> loss_sum = torch.tensor(6.0, requires_grad=True)
+        >>> loss = token_mean_loss(module, loss_sum, torch.tensor(4))
+        >>> loss.item()
+        1.5
+        >>> loss.backward()
+        >>> loss_sum.grad.item()
+        1.0
     """
     return BatchAccounting.attach(module.trainer).step_tokens.add(loss_sum, tokens)

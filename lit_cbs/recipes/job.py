@@ -23,6 +23,7 @@ import shutil
 import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
@@ -70,7 +71,21 @@ log = logging.getLogger("lit_cbs.train")
 
 def one_line(error: BaseException) -> str:
     """The message of a configuration error on one line (Hydra wraps errors raised while instantiating,
-    OmegaConf prefixes those its resolvers raise)."""
+    OmegaConf prefixes those its resolvers raise).
+
+    Args:
+        error: the error raised.
+
+    Returns:
+        The message of the error Hydra's wrappers hold, its whitespace runs (newlines included) as one space.
+
+    Example:
+        >>> from hydra.errors import InstantiationException
+        >>> wrapped = InstantiationException("Error in call to target 'lit_cbs.BatchWarmup'")
+        >>> wrapped.__cause__ = ValueError("lr_rule='x' is unknown;\\n  use one of sqrt, linear")
+        >>> one_line(wrapped)
+        "lr_rule='x' is unknown; use one of sqrt, linear"
+    """
     while isinstance(error, InstantiationException) and error.__cause__ is not None:
         error = error.__cause__
     message = getattr(error, "msg", None) or str(error)
@@ -79,14 +94,42 @@ def one_line(error: BaseException) -> str:
     return " ".join(message.split())
 
 
+def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
+    """``OmegaConf.to_container(node, resolve=resolve)`` for a DictConfig ``node``: the plain dict it returns for
+    one, typed so (OmegaConf's annotation is the union of every container it can return).
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> dict_container(OmegaConf.create({"max_tokens": 1024, "total": "${max_tokens}"}), resolve=True)
+        {'max_tokens': 1024, 'total': 1024}
+    """
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=resolve))
+
+
 def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
     """Argument name -> (the Hydra key that sets it, the key its value defaults to or None), for the
     group at ``group`` and the groups nested in it, the outer name first: ``thresholds`` ->
     ``batch.schedule.thresholds``; ``total_tokens`` -> ``lr_schedule.total_tokens``, from ``max_tokens``. A
-    group taken whole from another key (Seesaw's ``lr_schedule: ${lr_schedule}``) is named at that key."""
+    group taken whole from another key (Seesaw's ``lr_schedule: ${lr_schedule}``) is named at that key.
+
+    Args:
+        cfg: the job's configuration.
+        group: the dotted key of a group (``lr_schedule``, ``callbacks.cbs_probe``).
+
+    Returns:
+        Argument name -> (its Hydra key, the key its value is taken from or None).
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
+        ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
+        ...     "total_tokens": "${max_tokens}"}})
+        >>> setting_keys(cfg, "lr_schedule")["total_tokens"]
+        ('lr_schedule.total_tokens', 'max_tokens')
+    """
     keys: dict[str, tuple[str, str | None]] = {}
     node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
-    raw = OmegaConf.to_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
+    raw = dict_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
     for name, value in raw.items():
         match = _INTERPOLATION.match(value) if isinstance(value, str) else None
         source = match.group(1) if match else None
@@ -106,8 +149,25 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
     its value or a field (``name=...``, ``guard.watch_span``) is named at every mention; one written bare
     (``warmup_tokens + decay_tokens``) only in the message's first clause, which states the problem
     (what follows a ``;`` is advice or a list of valid fields); a plain word such as ``unit`` only
-    where written as the argument."""
-    named = {}
+    where written as the argument.
+
+    Args:
+        cfg: the job's configuration.
+        groups: the dotted keys of the groups whose arguments to look for.
+        message: an error's or warning's message.
+
+    Returns:
+        The message, its arguments named as Hydra keys.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
+        ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
+        ...     "total_tokens": "${max_tokens}"}})
+        >>> name_the_keys(cfg, ["lr_schedule"], "warmup_tokens=1024 must be below total_tokens=65536")
+        'lr_schedule.warmup_tokens=1024 must be below lr_schedule.total_tokens=65536 (max_tokens)'
+    """
+    named: dict[str, tuple[str, str | None]] = {}
     for group in groups:
         for name, found in setting_keys(cfg, group).items():
             named.setdefault(name, found)
@@ -119,9 +179,11 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
         if not with_value and ("_" not in name or not re.search(mention, problem)):
             continue
         note = f" ({source})" if source is not None else ""
-        first = re.sub(
-            rf"{mention}(=[^\s;,)]+)?", lambda m, key=key, note=note: f"{key}{m.group(1) or ''}{note}", message, count=1
-        )
+
+        def keyed(m: re.Match[str], key: str = key, note: str = note) -> str:
+            return f"{key}{m.group(1) or ''}{note}"
+
+        first = re.sub(rf"{mention}(=[^\s;,)]+)?", keyed, message, count=1)
         head, separator, rest = first.partition(";")
         message = re.sub(mention, key, head) + separator + (re.sub(mention, key, rest) if with_value else rest)
         problem = message.partition(";")[0]
@@ -132,7 +194,26 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
 def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
     """Build the group at ``group`` inside: a configuration error raised there becomes a LitCBSConfigError
     naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``; a LitCBSConfigWarning
-    raised there, once the group is built, one ``warning: ...`` line in the job's log naming them the same way."""
+    raised there, once the group is built, one ``warning: ...`` line in the job's log naming them the same way.
+
+    Args:
+        cfg: the job's configuration.
+        group: the dotted key of the group built inside.
+
+    Raises:
+        LitCBSConfigError: for a configuration error (``CONFIG_ERRORS``) raised inside, from it.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
+        ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
+        ...     "total_tokens": "${max_tokens}"}})
+        >>> with group_key(cfg, "lr_schedule"):
+        ...     raise ValueError("warmup_tokens=1024 is too large")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: lr_schedule.warmup_tokens=1024 is too large
+    """
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LitCBSConfigWarning)
         try:
@@ -144,19 +225,57 @@ def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
             raise LitCBSConfigError(line) from error
     for warning in caught:
         if issubclass(warning.category, LitCBSConfigWarning):
-            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(warning.message))}")
+            # warnings.warn(text, category) records category(text): the message is the warning itself
+            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(cast(Warning, warning.message)))}")
         else:  # not ours: as it would have been shown
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def instantiate_group(cfg: DictConfig, group: str, **kwargs):
-    """``instantiate(cfg.<group>, **kwargs)``; a configuration error names the keys it is about."""
+    """``instantiate(cfg.<group>, **kwargs)``; a configuration error names the keys it is about.
+
+    Args:
+        cfg: the job's configuration.
+        group: the dotted key of the group to build.
+        **kwargs: arguments passed to ``instantiate`` besides the group's.
+
+    Returns:
+        What the group's ``_target_`` built.
+
+    Raises:
+        LitCBSConfigError: a configuration error while building it, naming the keys (``group_key``).
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
+        ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
+        ...     "total_tokens": "${max_tokens}"}})
+        >>> instantiate_group(cfg, "lr_schedule").total_tokens
+        65536
+    """
     with group_key(cfg, group):
         return instantiate(OmegaConf.select(cfg, group), **kwargs)
 
 
 def instantiate_named(cfg: DictConfig, what: str) -> dict:
-    """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), built, by name."""
+    """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), built, by name.
+
+    Args:
+        cfg: the job's configuration.
+        what: the key of the dict (``callbacks``, ``logger``).
+
+    Returns:
+        Name -> the object built.
+
+    Raises:
+        LitCBSConfigError: an entry without ``_target_``, or a configuration error while building one.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"callbacks": {"off": None, "on": {"_target_": "builtins.dict", "x": 1}}})
+        >>> instantiate_named(cfg, "callbacks")
+        {'on': {'x': 1}}
+    """
     objects = {}
     for name, node in (cfg.get(what) or {}).items():
         if node is None:
@@ -168,13 +287,33 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict:
 
 
 def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
-    """BatchWarmup with the batch group's arguments (batch.schedule, batch.lr_rule, ...) and max_tokens."""
+    """BatchWarmup with the batch group's arguments (batch.schedule, batch.lr_rule, ...) and max_tokens.
+
+    Args:
+        cfg: the job's configuration.
+
+    Returns:
+        The run's BatchWarmup.
+
+    Raises:
+        LitCBSConfigError: an argument BatchWarmup or its schedule refuses, naming its key.
+    """
     return instantiate_group(cfg, "batch", _target_="lit_cbs.BatchWarmup", max_tokens=cfg.max_tokens)
 
 
 def callbacks_of(cfg: DictConfig) -> list:
     """The callbacks of ``cfg.callbacks``, less any CBS probe whose first window ends past max_tokens: it
-    would stop the run once the model is built, so warn now, naming its keys, and train without it."""
+    would stop the run once the model is built, so warn now, naming its keys, and train without it.
+
+    Args:
+        cfg: the job's configuration.
+
+    Returns:
+        The callbacks, in ``cfg.callbacks`` order.
+
+    Raises:
+        LitCBSConfigError: a second BatchWarmup among them, or a configuration error while building one.
+    """
     kept = []
     for name, callback in instantiate_named(cfg, "callbacks").items():
         if isinstance(callback, BatchWarmup):
@@ -199,6 +338,14 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     checkpoints: its model, data, BatchWarmup and Trainer settings, none of its loggers or other callbacks, on
     ``devices`` x ``num_nodes`` processes (default: the run's).
 
+    Args:
+        cfg: the run's configuration (``resolved_config.yaml``).
+        devices: devices per node for the probe, or None for the run's.
+        num_nodes: nodes for the probe, or None for the run's.
+
+    Returns:
+        The parts ``lit_cbs.probe.probe_checkpoint`` rebuilds the run from.
+
     Raises:
         LitCBSConfigError: the configuration is not a recipe run's, naming the key.
     """
@@ -214,7 +361,7 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     model = instantiate_group(cfg, "model", lr_schedule=lr_schedule)
     datamodule = instantiate_group(cfg, "data")
     datamodule.check_context(model.dims.context_length)
-    settings = OmegaConf.to_container(cfg.trainer, resolve=True)
+    settings = dict_container(cfg.trainer, resolve=True)
     for key in ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing"):
         settings.pop(key, None)
     if isinstance(settings.get("strategy"), dict):
@@ -229,7 +376,15 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
     the key to set instead (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
     or, for an argument of a group's ``_target_`` the recipes leave at its default, the ``+`` that adds it. A
     multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message,
-    when it composes the job."""
+    when it composes the job.
+
+    Args:
+        config_dir: the folder of the job's configuration (``conf/``).
+        argv: the command line, the script's name first (``sys.argv``).
+
+    Raises:
+        LitCBSConfigError: the command line sets a key the configuration lacks, saying what to set instead.
+    """
     args = hydra_command_line(argv)
     if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
         return
@@ -256,7 +411,9 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
         cfg = _compose(config_dir, config_name, rest)
     except Exception:  # another problem on the same command line: Hydra's message names it
         return
-    raise LitCBSConfigError(f"{bad.input_line}: {_fix_for_missing_key(cfg, bad.key_or_group, bad.input_line)}")
+    line = bad.input_line
+    assert line is not None  # parsed from a command line: it has its line
+    raise LitCBSConfigError(f"{line}: {_fix_for_missing_key(cfg, bad.key_or_group, line)}")
 
 
 # Lightning Trainer arguments the recipes set another way: what to set instead (formatted with the config).
@@ -283,7 +440,7 @@ def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
     target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
     if target and leaf in _arguments_of(target):
         return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
-    keys = _keys_of(OmegaConf.to_container(cfg, resolve=False))
+    keys = _keys_of(dict_container(cfg, resolve=False))
     matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
     matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
     if not OmegaConf.is_dict(node):  # a typo in the path
@@ -335,14 +492,44 @@ def _arguments_of(target: str) -> list[str]:
 
 
 def model_config_of(cfg: DictConfig):
-    """model.config as an OLMoConfig or a transformers config; its errors name the key."""
+    """model.config as an OLMoConfig or a transformers config; its errors name the key.
+
+    Args:
+        cfg: the job's configuration.
+
+    Returns:
+        The model's config (``lit_cbs.models.lm.resolve_model_config``).
+
+    Raises:
+        LitCBSConfigError: a config ``resolve_model_config`` refuses, naming ``model.config``.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> model_config_of(OmegaConf.create({"model": {"config": {"preset": "tiny", "n_layers": 2}}})).n_layers
+        2
+    """
     with group_key(cfg, "model.config"):
         return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
 
 
 def name_the_run_keys(cfg: DictConfig, message: str) -> str:
     """``message`` of an error raised inside ``trainer.fit`` (by a callback's setup, say) with the
-    Trainer's, BatchWarmup's and the callbacks' arguments written as their Hydra keys."""
+    Trainer's, BatchWarmup's and the callbacks' arguments written as their Hydra keys.
+
+    Args:
+        cfg: the job's configuration.
+        message: the error's message (``one_line``).
+
+    Returns:
+        The message, its arguments named as Hydra keys (``name_the_keys``).
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"trainer": {"devices": 1}, "batch": {"max_micro_batch_size": 4},
+        ...                         "callbacks": {"checkpoint": None}})
+        >>> name_the_run_keys(cfg, "max_micro_batch_size=4 is below the micro-batch 8")
+        'batch.max_micro_batch_size=4 is below the micro-batch 8'
+    """
     callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
     return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
 
@@ -357,7 +544,18 @@ def _installed(package: str) -> bool:
 def loggers_of(cfg: DictConfig) -> list:
     """The loggers of ``cfg.logger``, before any data work (one whose package is missing stops here, naming
     the extra), and a CSV logger writing ``<output_dir>/metrics.csv``, added when none does: that file is the
-    run's own record, which its summary, plots and report.html read, whatever else it logs to."""
+    run's own record, which its summary, plots and report.html read, whatever else it logs to.
+
+    Args:
+        cfg: the job's configuration (``logger`` and ``output_dir``).
+
+    Returns:
+        The loggers, the CSV logger first where it was added.
+
+    Raises:
+        LitCBSConfigError: a logger whose package is not installed, naming the extra, or one without
+            ``_target_``.
+    """
     for name, node in (cfg.get("logger") or {}).items():
         target = str((node or {}).get("_target_", "")).rsplit(".", 1)[-1]
         packages = LOGGER_PACKAGES.get(target, ())
@@ -376,7 +574,11 @@ def loggers_of(cfg: DictConfig) -> list:
 
 def finish_loggers(loggers: list) -> None:
     """End each logger's run once the figures are in: W&B's (else a sweep's next job would log into it, and
-    its record file is written after the process exits), TensorBoard's writer (reopened by the figures)."""
+    its record file is written after the process exits), TensorBoard's writer (reopened by the figures).
+
+    Args:
+        loggers: the Trainer's loggers; others than W&B's and TensorBoard's are left as they are.
+    """
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             logger.experiment.finish()
@@ -386,7 +588,21 @@ def finish_loggers(loggers: list) -> None:
 
 def checkpoint_folders(cfg: DictConfig) -> list[Path]:
     """Where a recipe run writes checkpoints: its checkpoint callback's folder, and the run folder (Lightning's
-    ``hpc_ckpt_<n>.ckpt`` at SLURM's requeue signal)."""
+    ``hpc_ckpt_<n>.ckpt`` at SLURM's requeue signal).
+
+    Args:
+        cfg: the job's configuration (``output_dir``, ``callbacks.checkpoint.dirpath``).
+
+    Returns:
+        The folders, the checkpoint callback's first.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> cfg = OmegaConf.create({"output_dir": "outputs/run",
+        ...                         "callbacks": {"checkpoint": {"dirpath": "outputs/run/checkpoints"}}})
+        >>> [str(folder) for folder in checkpoint_folders(cfg)]
+        ['outputs/run/checkpoints', 'outputs/run']
+    """
     checkpoint = (cfg.get("callbacks") or {}).get("checkpoint")
     folders = [Path(cfg.output_dir)]
     if checkpoint is not None and checkpoint.get("dirpath"):
@@ -406,6 +622,17 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
 
     A checkpoint write or replacement a kill interrupted in those folders is finished or undone first
     (``checkpoint_files.settle``).
+
+    Args:
+        cfg: the job's configuration (``ckpt_path``, and the folders of ``checkpoint_folders``).
+
+    Returns:
+        The path or Lightning's name to pass to ``trainer.fit(ckpt_path=...)``, or None.
+
+    Example:
+        >>> from omegaconf import OmegaConf
+        >>> resume_checkpoint(OmegaConf.create({"ckpt_path": "last", "output_dir": "outputs/run"}))
+        'last'
 
     Raises:
         LitCBSConfigError: the path does not exist, or is a torn or partial checkpoint (naming the newest
@@ -449,7 +676,16 @@ def send_lightning_logs_to_the_job_log() -> None:
 def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
     """End the job with one line naming the setting (``line``, default the error's own). A single run
     exits; in a multirun the job fails and Hydra goes on with the other jobs, then reports the failure
-    once they are done. With HYDRA_FULL_ERROR=1 the error itself is raised, with its traceback."""
+    once they are done. With HYDRA_FULL_ERROR=1 the error itself is raised, with its traceback.
+
+    Args:
+        error: the configuration error.
+        line: the line to end with, or None for the error's own (``one_line``).
+
+    Raises:
+        SystemExit: in a single run (or outside Hydra), with ``error: <line>``.
+        LitCBSConfigError: in a multirun, with the line.
+    """
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     line = line or one_line(error)
@@ -459,7 +695,7 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
         raise LitCBSConfigError(line) from None
     for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
         if isinstance(handler, logging.FileHandler):
-            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None))
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), None))
     raise SystemExit(message) from None
 
 
@@ -479,9 +715,17 @@ def earlier_entries() -> frozenset[str]:
     """The names in this job's run folder that it must leave in place if it trains nothing: none when the
     folder holds only what Hydra wrote for this job (its config folder and the job log), else all of them,
     Hydra's included (the folder of an earlier run, or of something else, given as ``hydra.run.dir``).
-    Called first thing in the job, before it writes anything."""
+    Called first thing in the job, before it writes anything.
+
+    Returns:
+        The names to keep (none outside a single Hydra run, and on ranks other than 0).
+
+    Example:
+        >>> earlier_entries()  # outside a Hydra job
+        frozenset()
+    """
     run = _hydra_run()
-    if run is None or rank_zero_only.rank != 0:
+    if run is None or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # Lightning sets .rank at import
         return frozenset()
     run_dir, _ = run
     entries = frozenset(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else frozenset()
@@ -501,9 +745,13 @@ def remove_hydra_run_dir(kept: frozenset[str]) -> None:
     """Take back what a job that trained nothing (plan=true, a refused run) wrote into its run folder: every
     entry but ``kept`` (``earlier_entries()``), Hydra's files and the job log included, then the folders left
     empty, up to the folder the job was started in. Only on the process of global rank 0: the others share
-    the folder."""
+    the folder. Outside a single Hydra run it does nothing.
+
+    Args:
+        kept: the names to leave in place (``earlier_entries()``, called when the job started).
+    """
     run = _hydra_run()
-    if run is None or rank_zero_only.rank != 0:
+    if run is None or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # Lightning sets .rank at import
         return
     run_dir, start = run
     for handler in _job_logs(run_dir):
@@ -527,7 +775,19 @@ def remove_hydra_run_dir(kept: frozenset[str]) -> None:
 def trained_a_step(warmup: BatchWarmup) -> bool:
     """Whether this ``trainer.fit`` may have taken an optimizer step: it read a global batch of samples or more
     since its ``on_fit_start`` (a fit that read less moved no parameter). A strategy that loads the checkpoint
-    after that hook (FSDP2's) counts a resumed run's earlier samples too: such a fit is taken to have trained."""
+    after that hook (FSDP2's) counts a resumed run's earlier samples too: such a fit is taken to have trained.
+
+    Args:
+        warmup: the run's BatchWarmup, after ``trainer.fit`` returned or raised.
+
+    Returns:
+        Whether a step may have been taken.
+
+    Raises:
+        RuntimeError: ``warmup`` was not set up by a Trainer.
+    """
     accounting = warmup.accounting
+    if accounting is None:
+        raise RuntimeError("trained_a_step: the BatchWarmup was not set up by a Trainer (no accounting)")
     batch = accounting.global_batch
     return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch

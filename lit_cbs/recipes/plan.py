@@ -7,7 +7,7 @@ data, no accelerator). Memory is counted the way the training code allocates it:
 - **Model state** per device: parameters and gradients in the parameter dtype (fp32 for
   ``32-true`` and ``*-mixed``, bf16/fp16 for ``*-true``) and the optimizer's state: AdamW's two
   moments in that dtype plus one fp32 ``step`` scalar per parameter tensor. Another optimizer's
-  state is measured by one step of it on a small parameter (``OptimizerState.of``): state tensors
+  state is measured by one step of it on a small parameter (``OptimizerState.measure``): state tensors
   the size of the parameter count per parameter element, in the parameter's dtype (as torch's
   optimizers keep them), any other state (a step count) per parameter tensor. Factored or
   low-precision state (Adafactor's row and column statistics, 8-bit moments) is not modelled
@@ -44,7 +44,8 @@ import torch
 
 from lit_cbs.models.build import build_decoder
 from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
-from lit_cbs.models.olmo import OLMoConfig
+from lit_cbs.models.hf import HFDecoder
+from lit_cbs.models.olmo import OLMo, OLMoConfig
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 
 GIB = 2**30
@@ -62,7 +63,25 @@ PRECISIONS = {
 
 
 def precision_bytes(precision: str) -> tuple[int, int]:
-    """(parameter bytes, activation bytes) per element at a Lightning ``precision``."""
+    """(parameter bytes, activation bytes) per element at a Lightning ``precision``.
+
+    Args:
+        precision: the Trainer's ``precision`` (``PRECISIONS``: ``32-true``, ``bf16-mixed``, ...).
+
+    Returns:
+        Bytes per parameter element and bytes per activation element of the matmuls.
+
+    Raises:
+        ValueError: a precision the plan does not know.
+
+    Example:
+        >>> precision_bytes("bf16-mixed"), precision_bytes("bf16-true")
+        ((4, 2), (2, 2))
+        >>> precision_bytes("fp8")
+        Traceback (most recent call last):
+        ...
+        ValueError: precision='fp8' is not one the plan knows; use one of ['32-true', ...]
+    """
     if str(precision) not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one the plan knows; use one of {list(PRECISIONS)}")
     return PRECISIONS[str(precision)]
@@ -71,7 +90,16 @@ def precision_bytes(precision: str) -> tuple[int, int]:
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """Parameter counts (elements) of a decoder, read from a meta-device build (lit_cbs's OLMo or a
-    transformers model: ``lit_cbs.models.build.build_decoder``)."""
+    transformers model: ``lit_cbs.models.build.build_decoder``).
+
+    Example:
+        >>> from lit_cbs.models import get_config
+        >>> shape = ModelShape.measure(get_config("tiny"))
+        >>> shape.parameters, shape.block_parameters, shape.root_parameters  # root: embedding and untied head
+        (233472, 50176, 32768)
+        >>> shape.flops_per_token(128)
+        1695744
+    """
 
     config: DecoderDims
     parameters: int  # all of them
@@ -79,11 +107,18 @@ class ModelShape:
     block_parameters: int  # one block's
     root_parameters: int  # outside the blocks: embedding and untied output head
     autocast_weights: int  # matmul weights autocast casts each step: all but the embedding (tied: it is also the head)
-    model: torch.nn.Module = dataclasses.field(repr=False, compare=False)  # on the meta device
+    model: OLMo | HFDecoder = dataclasses.field(repr=False, compare=False)  # on the meta device
 
     @classmethod
     def measure(cls, config: OLMoConfig | object) -> ModelShape:
-        """The shape of the decoder ``config`` describes (an ``OLMoConfig`` or a transformers config)."""
+        """The shape of the decoder ``config`` describes (an ``OLMoConfig`` or a transformers config).
+
+        Args:
+            config: an ``OLMoConfig`` or a ``transformers`` config; the decoder is built on the meta device.
+
+        Returns:
+            Its parameter counts (elements), and the meta-device decoder.
+        """
         with torch.device("meta"):
             model = build_decoder(config)
         dims = decoder_dims(config)
@@ -101,14 +136,29 @@ class ModelShape:
         )
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (the decoder's ``flops_per_token``: 6N + attention)."""
+        """Training FLOPs per token (the decoder's ``flops_per_token``: 6N + attention).
+
+        Args:
+            seq_len: tokens per sequence.
+
+        Returns:
+            FLOPs of the forward and backward passes per token.
+        """
         return self.model.flops_per_token(seq_len)
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerState:
     """What an optimizer keeps per parameter tensor: ``per_element`` state tensors the size of the
-    parameter (in its dtype), and ``bytes_per_tensor`` bytes besides (e.g. a step count)."""
+    parameter (in its dtype), and ``bytes_per_tensor`` bytes besides (e.g. a step count).
+
+    Example:
+        >>> import torch
+        >>> OptimizerState.measure(torch.optim.AdamW)  # two moments, and a 4-byte step count
+        OptimizerState(name='AdamW', per_element=2, bytes_per_tensor=4)
+        >>> OptimizerState.measure(torch.optim.SGD)
+        OptimizerState(name='SGD', per_element=0, bytes_per_tensor=0)
+    """
 
     name: str
     per_element: int
@@ -117,7 +167,14 @@ class OptimizerState:
     @classmethod
     def measure(cls, optimizer: Callable[[list], torch.optim.Optimizer]) -> OptimizerState:
         """Measured: ``optimizer`` (parameters -> Optimizer, e.g. ``torch.optim.AdamW`` or a partial
-        of it) takes one step on a 4 x 8 fp32 parameter, and its state is counted."""
+        of it) takes one step on a 4 x 8 fp32 parameter, and its state is counted.
+
+        Args:
+            optimizer: parameters -> ``torch.optim.Optimizer``.
+
+        Returns:
+            The optimizer's class name and what it keeps per parameter tensor.
+        """
         parameter = torch.nn.Parameter(torch.zeros(4, 8))
         parameter.grad = torch.ones_like(parameter)
         built = optimizer([parameter])
@@ -136,7 +193,14 @@ ADAMW_STATE = OptimizerState("AdamW", per_element=2, bytes_per_tensor=4)  # exp_
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes on one device (GPU, or the process's memory on CPU) at the peak of a training step."""
+    """Bytes on one device (GPU, or the process's memory on CPU) at the peak of a training step.
+
+    Example:
+        >>> memory = DeviceMemory(parameters=4, gradients=4, optimizer_state=8, working_buffers=1, activations=10,
+        ...                       activation_peak_extra=2)
+        >>> memory.model_state, memory.total
+        (16, 29)
+    """
 
     parameters: int
     gradients: int
@@ -147,10 +211,12 @@ class DeviceMemory:
 
     @property
     def model_state(self) -> int:
+        """Bytes of the parameters, gradients and optimizer state."""
         return self.parameters + self.gradients + self.optimizer_state
 
     @property
     def total(self) -> int:
+        """Bytes at the step's peak: the model state, working buffers, saved activations and the peak's extra."""
         return self.model_state + self.working_buffers + self.activations + self.activation_peak_extra
 
 
@@ -163,6 +229,25 @@ def block_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, 
     mean and rstd and attention's log-sum-exp per head. Under autocast the residual stream, the
     LayerNorm statistics and the log-sum-exp stay fp32, everything else is low precision, and
     each matmul saves its own cast of its LayerNorm's output (three for q, k, v; two for gate, up).
+
+    Args:
+        config: the decoder's dimensions (``ModelShape.config``).
+        micro_batch: samples per forward pass on one device.
+        seq_len: tokens per sample.
+        precision: the Trainer's ``precision``.
+
+    Returns:
+        Bytes one block saves for backward.
+
+    Raises:
+        ValueError: a precision the plan does not know.
+
+    Example:
+        >>> from lit_cbs.models.decoder import decoder_dims
+        >>> from lit_cbs.models import get_config
+        >>> dims = decoder_dims(get_config("tiny"))
+        >>> block_activation_bytes(dims, 8, 128, "32-true"), block_activation_bytes(dims, 8, 128, "bf16-mixed")
+        (5013504, 3178496)
     """
     _, act = precision_bytes(precision)
     tokens = micro_batch * seq_len
@@ -176,7 +261,26 @@ def block_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, 
 
 def loss_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, precision: str) -> int:
     """Bytes saved outside the blocks: input ids (with the target column), RoPE's cos and sin, the
-    final LayerNorm's input, statistics and output, the targets and the fp32 log-softmax."""
+    final LayerNorm's input, statistics and output, the targets and the fp32 log-softmax.
+
+    Args:
+        config: the decoder's dimensions (``ModelShape.config``).
+        micro_batch: samples per forward pass on one device.
+        seq_len: tokens per sample.
+        precision: the Trainer's ``precision``.
+
+    Returns:
+        Bytes saved for backward outside the blocks.
+
+    Raises:
+        ValueError: a precision the plan does not know.
+
+    Example:
+        >>> from lit_cbs.models.decoder import decoder_dims
+        >>> from lit_cbs.models import get_config
+        >>> loss_activation_bytes(decoder_dims(get_config("tiny")), 8, 128, "32-true")  # mostly 4 x 1,024 x 256
+        1613892
+    """
     _, act = precision_bytes(precision)
     tokens = micro_batch * seq_len
     d, vocab = config.d_model, config.vocab_size
@@ -196,7 +300,33 @@ def device_memory(
     activation_checkpointing: bool,
     optimizer: OptimizerState = ADAMW_STATE,
 ) -> DeviceMemory:
-    """Peak bytes per device for one training step (see the module docstring for what is counted)."""
+    """Peak bytes per device for one training step (see the module docstring for what is counted).
+
+    Args:
+        shape: the model's parameter counts (``ModelShape.measure``).
+        micro_batch: samples per forward pass on one device.
+        seq_len: tokens per sample.
+        precision: the Trainer's ``precision``.
+        strategy: ``single``, ``ddp`` or ``fsdp`` (FSDP2 shards the model state over ``data_parallel_size``).
+        data_parallel_size: data-parallel ranks.
+        activation_checkpointing: whether each block recomputes its activations in backward.
+        optimizer: what the optimizer keeps per parameter (default AdamW's).
+
+    Returns:
+        The bytes per device, by kind.
+
+    Raises:
+        ValueError: an unknown ``strategy`` or ``precision``, or ``data_parallel_size`` below 1.
+
+    Example:
+        >>> from lit_cbs.models import get_config
+        >>> shape = ModelShape.measure(get_config("tiny"))
+        >>> memory = device_memory(shape, 8, 128, "32-true", "single", 1, activation_checkpointing=False)
+        >>> memory.parameters, memory.optimizer_state  # 233,472 x 4 bytes; two moments and 30 step counts
+        (933888, 1867896)
+        >>> round(memory.total / GIB, 4)
+        0.0256
+    """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}")
     if data_parallel_size < 1:
@@ -233,7 +363,14 @@ def device_memory(
 # ---------------------------------------------------------------------- the batch schedule
 @dataclasses.dataclass(frozen=True)
 class BatchPhase:
-    """A stretch of training at one global batch. Tokens and samples are global."""
+    """A stretch of training at one global batch. Tokens and samples are global.
+
+    Example:
+        >>> phase = BatchPhase(start_tokens=0, end_tokens=65536, global_batch=8, micro_batch=4, accumulate=2,
+        ...                    optimizer_steps=64, lr_factor=1.0)
+        >>> phase.tokens
+        65536
+    """
 
     start_tokens: int
     end_tokens: int
@@ -245,6 +382,7 @@ class BatchPhase:
 
     @property
     def tokens(self) -> int:
+        """Tokens trained in the phase."""
         return self.end_tokens - self.start_tokens
 
 
@@ -261,7 +399,30 @@ def batch_phases(
     consumed to be a multiple of the new batch (as BatchWarmup does within an epoch; the plan
     assumes one epoch), and the run stops after the step that reaches ``max_tokens``.
     ``micro_batch``: samples per rank, or global batch -> micro-batch (BatchWarmup's
-    ``max_micro_batch_size`` rule, ``lit_cbs.rules.batch_schedules.micro_batch_for``)."""
+    ``max_micro_batch_size`` rule, ``lit_cbs.rules.batch_schedules.micro_batch_for``).
+
+    Args:
+        schedule: the batch schedule (global batches in samples).
+        max_tokens: the run's token budget (global).
+        seq_len: tokens per sample.
+        micro_batch: samples per rank per forward, or global batch -> that.
+        data_parallel_size: data-parallel ranks.
+        lr_factor: batch ratio new / old -> LR factor (the LR rule's ``factor``).
+
+    Returns:
+        The phases in order.
+
+    Example:
+        The batch doubles at 65,536 tokens under the sqrt LR rule; the last step passes max_tokens:
+
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> schedule = PiecewiseBatch(thresholds=[0, 65536], batch_sizes=[8, 16], unit="tokens")
+        >>> phases = batch_phases(schedule, 200_000, 128, 8, 1, lambda ratio: ratio**0.5)
+        >>> [(p.start_tokens, p.end_tokens, p.global_batch, p.accumulate, p.optimizer_steps) for p in phases]
+        [(0, 65536, 8, 1, 64), (65536, 200704, 16, 2, 66)]
+        >>> round(phases[1].lr_factor, 4)
+        1.4142
+    """
     micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
     phases: list[BatchPhase] = []
     tokens = samples = steps = 0
@@ -287,7 +448,22 @@ def _phase(start, end, batch, micro_batch, data_parallel_size, steps, factor) ->
 
 def largest_micro_batch(limit_bytes: float, largest_share: int, memory_at: Callable[[int], DeviceMemory]) -> int | None:
     """The largest micro-batch (samples per rank, at most ``largest_share``) whose step fits
-    ``limit_bytes`` by ``memory_at(micro) -> DeviceMemory``; None if one sample does not fit."""
+    ``limit_bytes`` by ``memory_at(micro) -> DeviceMemory``; None if one sample does not fit.
+
+    Args:
+        limit_bytes: the memory one device may use (bytes).
+        largest_share: the largest micro-batch worth trying (samples: the largest global batch per rank).
+        memory_at: micro-batch -> the step's ``DeviceMemory``.
+
+    Returns:
+        The micro-batch (samples), or None.
+
+    Example:
+        >>> def memory_at(micro):  # 10 bytes of model state, 3 bytes of activations per sample
+        ...     return DeviceMemory(10, 0, 0, 0, 3 * micro, 0)
+        >>> largest_micro_batch(32, 64, memory_at), largest_micro_batch(12, 64, memory_at)
+        (7, None)
+    """
     fits = None
     for micro in range(1, largest_share + 1):
         if memory_at(micro).total > limit_bytes:
@@ -299,7 +475,7 @@ def largest_micro_batch(limit_bytes: float, largest_share: int, memory_at: Calla
 # ---------------------------------------------------------------------- growing the cluster with the batch
 @dataclasses.dataclass(frozen=True)
 class ClusterPhase:
-    """One batch phase trained on its own number of ranks (whole nodes)."""
+    """One batch phase trained on its own number of ranks (whole nodes): ``grow_cluster``'s."""
 
     phase: BatchPhase
     ranks: int
@@ -319,9 +495,30 @@ def grow_cluster(
     """Per phase, the fewest ranks (whole nodes of ``devices_per_node``) at which a rank's work per step
     is no more than in the first phase (its share of the batch, batch / ranks, no larger), as long as
     each rank's micro-batch stays at or above ``min_micro_batch_size`` and the ranks at most
-    ``max_devices``. The first phase keeps the run's ``ranks``. ``micro_batch_for(global batch, ranks)``."""
+    ``max_devices``. The first phase keeps the run's ``ranks``. ``micro_batch_for(global batch, ranks)``.
+
+    Args:
+        phases: the run's batch phases (``batch_phases``).
+        ranks: the run's ranks, kept for the first phase.
+        devices_per_node: ranks per node; a phase trains on whole nodes.
+        min_micro_batch_size: no rank's micro-batch below this (samples).
+        max_devices: at most this many ranks, or None.
+        micro_batch_for: (global batch, ranks) -> micro-batch per rank (samples).
+
+    Returns:
+        Per phase, its ranks, micro-batch, accumulation and the optimizer steps taken when it ends.
+
+    Example:
+        Once the batch doubles, two single-device nodes keep each rank's share at 8 samples:
+
+        >>> phases = [BatchPhase(0, 65536, 8, 8, 1, 64, 1.0), BatchPhase(65536, 200704, 16, 8, 2, 66, 1.4142)]
+        >>> grown = grow_cluster(phases, 1, 1, 1, None, lambda batch, ranks: batch // ranks)
+        >>> [(c.ranks, c.micro_batch, c.accumulate, c.end_step) for c in grown]
+        [(1, 8, 1, 64), (2, 8, 1, 130)]
+    """
     first_share = phases[0].global_batch / ranks
-    planned, end_step = [], 0
+    planned: list[ClusterPhase] = []
+    end_step = 0
     for phase in phases:
         batch = phase.global_batch
         candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
@@ -339,7 +536,14 @@ def grow_cluster(
 # ---------------------------------------------------------------------- the CBS probe
 @dataclasses.dataclass(frozen=True)
 class ProbePlan:
-    """What a CBSProbeCallback will cost. Bytes are per rank, in host memory (snapshot_device=cpu)."""
+    """What a CBSProbeCallback will cost. Bytes are per rank, in host memory (snapshot_device=cpu).
+
+    Example:
+        >>> plan = ProbePlan(points=[65536, 131072], snapshot_bytes=100, window_bytes=30, heldout_bytes=20,
+        ...                  max_branches=4, window_tokens=8192)
+        >>> plan.host_bytes, plan.tokens  # 2 snapshots + window + held-out; 2 probes x 4 branches x 8,192 tokens
+        (250, 65536)
+    """
 
     points: list[int]  # token counts of the probes that fit before max_tokens
     snapshot_bytes: int  # one copy of the rank's parameters and optimizer state
@@ -378,7 +582,36 @@ def probe_plan(
     max_tokens: int,
     optimizer: OptimizerState = ADAMW_STATE,
 ) -> ProbePlan:
-    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
+    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run.
+
+    Args:
+        probe: the ``CBSProbeCallback``.
+        shape: the model's parameter counts (``ModelShape.measure``).
+        precision: the Trainer's ``precision``.
+        strategy: ``single``, ``ddp`` or ``fsdp`` (FSDP2 shards the snapshots).
+        data_parallel_size: data-parallel ranks.
+        micro_batch: samples per rank per forward.
+        val_micro_batch: samples per held-out batch.
+        seq_len: tokens per sample.
+        max_tokens: the run's token budget; probes whose span ends past it are not counted.
+        optimizer: what the optimizer keeps per parameter (default AdamW's).
+
+    Returns:
+        The probe points that fit, their host memory per rank (bytes) and branch tokens.
+
+    Raises:
+        ValueError: a precision the plan does not know.
+
+    Example:
+        >>> from lit_cbs import CBSProbeCallback
+        >>> from lit_cbs.models import get_config
+        >>> probe = CBSProbeCallback(every_tokens=65536, window_tokens=8192)
+        >>> plan = probe_plan(probe, ModelShape.measure(get_config("tiny")), "32-true", "single", 1, 8, 8, 128, 262_144)
+        >>> plan.points, plan.max_branches, plan.tokens  # 3 probes x 4 multipliers x 8,192 tokens
+        ([65536, 131072, 196608], 4, 98304)
+        >>> plan.snapshot_bytes  # fp32 weights and AdamW's two moments, 3 x 4 x 233,472, and 30 step counts
+        2801784
+    """
     from lit_cbs.probe import max_branches
 
     config = probe.config
@@ -411,7 +644,29 @@ def probe_plan(
 
 
 def wall_seconds(flops_per_token: int, tokens: int, devices: int, peak_flops_per_device: float, mfu: float) -> float:
-    """Seconds to train ``tokens`` at ``mfu`` x ``peak_flops_per_device`` FLOP/s on each of ``devices``."""
+    """Seconds to train ``tokens`` at ``mfu`` x ``peak_flops_per_device`` FLOP/s on each of ``devices``.
+
+    Args:
+        flops_per_token: training FLOPs per token.
+        tokens: tokens to train (global).
+        devices: devices training them.
+        peak_flops_per_device: one device's peak FLOP/s at the training precision.
+        mfu: the model FLOPs utilization expected, in (0, 1].
+
+    Returns:
+        Wall-clock seconds.
+
+    Raises:
+        ValueError: ``mfu`` outside (0, 1].
+
+    Example:
+        >>> round(wall_seconds(6 * 10**9, 10**9, 8, 989e12, 0.4), 1)  # a 1B model's 6N FLOPs on 1B tokens, 8 GPUs
+        1895.9
+        >>> wall_seconds(6 * 10**9, 10**9, 8, 989e12, 1.5)
+        Traceback (most recent call last):
+        ...
+        ValueError: mfu=1.5 must be in (0, 1]
+    """
     if not 0 < mfu <= 1:
         raise ValueError(f"mfu={mfu} must be in (0, 1]")
     return flops_per_token * tokens / (mfu * peak_flops_per_device * devices)
@@ -421,7 +676,12 @@ def wall_seconds(flops_per_token: int, tokens: int, devices: int, peak_flops_per
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What the plan is checked against: memory per device and per node in GiB, the expected MFU,
-    and the device's peak FLOP/s at the training precision."""
+    and the device's peak FLOP/s at the training precision (``plan_for.*`` in the recipes).
+
+    Example:
+        >>> Limits(gpu_memory_gib=141.0).mfu
+        0.4
+    """
 
     gpu_memory_gib: float = 80.0
     host_memory_gib: float = 1024.0
@@ -433,6 +693,10 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
+    """A run worked out before it starts (``plan_run``'s): its batch phases, memory per device with activation
+    checkpointing on and off, the CBS probe's cost, the cluster grown with the batch; ``report()`` writes it
+    out as ``recipes/train.py plan=true`` prints it, ``warnings()`` says what does not fit."""
+
     name: str
     shape: ModelShape
     seq_len: int
@@ -466,6 +730,7 @@ class RunPlan:
 
     @property
     def processes(self) -> int:
+        """Processes (ranks) of the run: devices per node x nodes."""
         return self.devices_per_node * self.num_nodes
 
     @property
@@ -478,7 +743,9 @@ class RunPlan:
         """The main run's: with in-process probes the run waits while their branches train (counted); side-job
         probes' branches train elsewhere (``probe_device_hours``)."""
         paused = self.probe is not None and self.probe.side_jobs is None
-        return self._seconds(self.tokens + (self.probe.tokens if paused else 0), self.processes)
+        return self._seconds(
+            self.tokens + (self.probe.tokens if paused and self.probe is not None else 0), self.processes
+        )
 
     @property
     def probe_device_hours(self) -> float:
@@ -490,6 +757,8 @@ class RunPlan:
         return wall_seconds(flops, tokens, devices, self.limits.peak_flops_per_device, self.limits.mfu)
 
     def warnings(self) -> list[str]:
+        """What does not fit: memory per GPU over ``limits.gpu_memory_gib``, the probe's host memory per node over
+        ``limits.host_memory_gib``, each with what to change; empty when all fits."""
         found = []
         needed = self.memory[self.activation_checkpointing].total / GIB
         if self._on_gpu and needed > self.limits.gpu_memory_gib:
@@ -512,6 +781,8 @@ class RunPlan:
         return found
 
     def report(self) -> str:
+        """The plan as ``recipes/train.py plan=true`` prints it: model, processes, batch phases, memory per device,
+        the probe, wall time and the cluster grown with the batch."""
         c = self.shape.config
         strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
         lines = [
@@ -574,29 +845,29 @@ class RunPlan:
         if self.probe is None:
             lines.append("CBS probe        none")
         else:
-            p = self.probe
-            windows = f" on each of {p.replicates} data windows" if p.replicates > 1 else ""
+            probe = self.probe
+            windows = f" on each of {probe.replicates} data windows" if probe.replicates > 1 else ""
             lines.append(
-                f"CBS probe        {len(p.points)} probes fit (at {', '.join(f'{t:,}' for t in p.points[:6])}"
-                f"{', ...' if len(p.points) > 6 else ''} tokens), up to {p.max_branches} branches of "
-                f"{p.window_tokens:,} tokens each{windows}: up to {p.tokens:,} tokens "
-                f"({p.tokens / max(1, self.tokens):.1%} of training)"
+                f"CBS probe        {len(probe.points)} probes fit (at {', '.join(f'{t:,}' for t in probe.points[:6])}"
+                f"{', ...' if len(probe.points) > 6 else ''} tokens), up to {probe.max_branches} branches of "
+                f"{probe.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
+                f"({probe.tokens / max(1, self.tokens):.1%} of training)"
             )
-            if p.side_jobs is not None:
+            if probe.side_jobs is not None:
                 hours = f"{self.probe_device_hours:,.0f} device-hours" if self._on_gpu else "their own devices"
                 lines += [
-                    f"  as side jobs ({p.side_jobs}): the branches train on {hours} beside the main run, "
-                    f"which does not wait for them; each probe writes a {p.checkpoint_bytes / GIB:,.2f} GiB checkpoint "
-                    "for its job (deleted once its reading is in)",
-                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: the held-out batches the main run scores "
-                    "its own window on (no snapshot, no recorded window)",
+                    f"  as side jobs ({probe.side_jobs}): the branches train on {hours} beside the main run, "
+                    "which does not wait for them; each probe writes a "
+                    f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in)",
+                    f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: the held-out batches the main run "
+                    "scores its own window on (no snapshot, no recorded window)",
                 ]
             else:
                 lines.append(
-                    f"  host memory per rank {p.host_bytes / GIB:,.2f} GiB: {p.snapshots} snapshots of "
-                    f"{p.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
-                    f"{p.window_bytes / GIB:,.2f}, held-out {p.heldout_bytes / GIB:,.2f}; "
-                    f"{p.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
+                    f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: {probe.snapshots} snapshots of "
+                    f"{probe.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
+                    f"{probe.window_bytes / GIB:,.2f}, held-out {probe.heldout_bytes / GIB:,.2f}; "
+                    f"{probe.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
                     f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})"
                 )
         seconds = self.wall_seconds
@@ -706,7 +977,12 @@ class RunPlan:
 
 def on_gpu(accelerator: str) -> bool:
     """Whether a run on ``accelerator`` trains on GPUs: only then are wall times estimated (they assume a
-    GPU's peak FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib."""
+    GPU's peak FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib.
+
+    Example:
+        >>> on_gpu("cuda"), on_gpu("cpu")
+        (True, False)
+    """
     return accelerator in ("gpu", "cuda")
 
 
@@ -745,7 +1021,53 @@ def plan_run(
 ) -> RunPlan:
     """The plan of a run; ``probe`` is its CBSProbeCallback, if any; ``optimizer`` what its optimizer
     keeps (``OptimizerState.measure(factory)``). All ranks are data-parallel. ``micro_batch``: the first
-    micro-batch, or with ``max_micro_batch_size`` what BatchWarmup grows it to with each batch."""
+    micro-batch, or with ``max_micro_batch_size`` what BatchWarmup grows it to with each batch.
+
+    Args:
+        name: the run's name (its folder under ``outputs/``).
+        config: the model's ``OLMoConfig`` or ``transformers`` config.
+        schedule: the batch schedule (global batches in samples).
+        lr_factor: batch ratio new / old -> LR factor (the LR rule's ``factor``).
+        max_tokens: the token budget (global).
+        seq_len: tokens per sample.
+        micro_batch: samples per rank per forward (the first, with ``max_micro_batch_size``).
+        val_micro_batch: samples per validation (and held-out) batch.
+        precision: the Trainer's ``precision``.
+        strategy: ``single``, ``ddp`` or ``fsdp``.
+        accelerator: the Trainer's ``accelerator``; wall times and GPU memory limits only on GPUs.
+        devices_per_node: devices per node.
+        num_nodes: nodes.
+        activation_checkpointing: whether the blocks recompute their activations in backward.
+        probe: the run's ``CBSProbeCallback``, or None.
+        limits: what the plan is checked against.
+        optimizer: what the optimizer keeps per parameter.
+        max_micro_batch_size: BatchWarmup's cap on the micro-batch it grows (samples), or None to keep it.
+        command: the run's command line, for the commands that move it between clusters.
+        slurm_arguments: its arguments for ``recipes/slurm/train.sbatch``.
+        settings: the optimizer settings that move with the batch, change by change (the report's columns).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: an unknown ``precision`` or ``strategy``.
+
+    Example:
+        The tiny model on one CPU process, its batch doubled at 65,536 tokens:
+
+        >>> from lit_cbs.models import get_config
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> schedule = PiecewiseBatch(thresholds=[0, 65536], batch_sizes=[8, 16], unit="tokens")
+        >>> plan = plan_run("demo", get_config("tiny"), schedule, lambda ratio: ratio**0.5, max_tokens=200_000,
+        ...                 seq_len=128, micro_batch=8, val_micro_batch=8, precision="32-true", strategy="single",
+        ...                 accelerator="cpu", devices_per_node=1, num_nodes=1, activation_checkpointing=False)
+        >>> plan.tokens, sum(phase.optimizer_steps for phase in plan.phases), plan.warnings()
+        (200704, 130, [])
+        >>> print(plan.report())
+        lit_cbs plan: demo (nothing trained, no data read)
+        model            4 layers x d_model 64, 233,472 parameters, 1.7e+06 FLOPs per token (training) at 128 tokens
+        ...
+    """
     shape = ModelShape.measure(config)
     processes = devices_per_node * num_nodes
 

@@ -20,7 +20,9 @@ import base64
 import functools
 import html
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, tokens_at
 from lit_cbs.callbacks.warmup import BatchChange
@@ -71,7 +73,19 @@ def _figure(path: Path, caption: str) -> str:
 
 def wall_clock_figure(metrics: dict):
     """The loss (nats per token) against wall-clock seconds of training, and the noise scale (samples) against
-    tokens, as a matplotlib ``Figure``; None where the CSV has no seconds or none of those metrics."""
+    tokens, as a matplotlib ``Figure``; None where the CSV has no seconds or none of those metrics.
+
+    Args:
+        metrics: a CSVLogger's metrics as ``read_run_metrics`` gives them: column -> (steps, values).
+
+    Returns:
+        The figure (one panel, and a second for the noise scale where it was logged), or None.
+
+    Example:
+        >>> import numpy as np
+        >>> wall_clock_figure({"train/loss": (np.array([0, 1]), np.array([5.5, 5.25]))}) is None  # no seconds
+        True
+    """
     from matplotlib.figure import Figure
 
     if FIT_SECONDS not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
@@ -120,9 +134,34 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's HTML page (default ``RUN_DIR/report.html``) and return its path. Figures the run folder
     lacks, or holds older than the file they are drawn from, are drawn into it first.
 
+    Args:
+        run_dir: the run's folder (``recipes/train.py``'s, or any with a CSVLogger's ``metrics.csv``).
+        out: where to write the page; default ``run_dir/report.html``.
+
+    Returns:
+        The page's path.
+
     Raises:
         ValueError: ``run_dir`` has no ``metrics.csv`` (not a run folder, or one logged without the CSV logger),
             or one without ``tokens_seen``.
+
+    Example:
+        A run folder with a two-step ``metrics.csv``: its loss figure is drawn into it, then embedded:
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> run = Path(folder.name)
+        >>> _ = (run / "metrics.csv").write_text("step,tokens_seen,train/loss\\n0,512,5.5\\n1,1024,5.25\\n")
+        >>> write_report(run).name
+        'report.html'
+        >>> sorted(path.name for path in run.iterdir())
+        ['loss_vs_tokens.png', 'metrics.csv', 'report.html']
+        >>> write_report(run / "elsewhere")
+        Traceback (most recent call last):
+        ...
+        ValueError: '.../elsewhere' has no metrics.csv: give the folder of a run logged with the CSV logger
+        >>> folder.cleanup()
     """
     run_dir = Path(run_dir)
     metrics_csv = run_dir / METRICS_FILE
@@ -136,7 +175,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     readings = read_readings(probe_file) if probe_file is not None else []
     title = f"lit_cbs run: {summary.get('run_name', run_dir.name)}"
     noise = "; the gradient noise scale against tokens" if GNS_COLUMN in metrics else ""
-    draw = {name: functools.partial(figure, title=summary.get("run_name", "")) for name, figure in RUN_FIGURES.items()}
+    draw: dict[str, Callable[[dict], Any]] = {
+        name: functools.partial(figure, title=summary.get("run_name", "")) for name, figure in RUN_FIGURES.items()
+    }
     draw[WALL_CLOCK_FILE] = wall_clock_figure
     captions = {
         "loss_vs_tokens.png": "Loss against tokens (dotted: batch changes)",
@@ -149,7 +190,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         path = run_dir / name
         if _current(path, metrics_csv) or _save(draw[name](metrics), path) is not None:
             figures.append((path, caption))
-    if readings:
+    if readings and probe_file is not None:  # readings come from the probe file
         curve = probe_file.parent / PLOT_FILE
         if not _current(curve, probe_file):
             from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a figure is drawn
@@ -205,6 +246,18 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
+    """``python -m lit_cbs.recipes.report RUN_DIR [--out PATH]``: ``write_report``, then print the page's path.
+
+    Args:
+        argv: the command line's arguments; default ``sys.argv[1:]``.
+
+    Returns:
+        The page's path.
+
+    Raises:
+        SystemExit: a bad command line, or a ``run_dir`` ``write_report`` refuses (argparse's exit status 2,
+            with its message on stderr).
+    """
     parser = argparse.ArgumentParser(description="Write a run's self-contained HTML page (report.html).")
     parser.add_argument(
         "run_dir", type=Path, help="a run folder (recipes/train.py's, or any with a CSVLogger's metrics.csv)"

@@ -49,6 +49,29 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     and new global batch (samples), accumulation and micro-batch, its LR factor and its cause
     ("schedule", or "guard" for a revert); ``guard_verdicts`` holds the guard's judgement of each
     increase (lit_cbs.rules.guard.GuardVerdict), or None without a guard.
+
+    Args:
+        path: the JSON file to write (``batch_history.json`` in a recipe run's folder).
+        warmup: the run's BatchWarmup.
+
+    Returns:
+        The record written: ``schedule``, ``lr_rule``, ``changes``, ``guard_verdicts`` and ``final``.
+
+    Example:
+        A BatchWarmup no Trainer has run yet has no change and no count:
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lit_cbs import BatchWarmup
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> warmup = BatchWarmup(PiecewiseBatch(thresholds=[0, 65536], batch_sizes=[8, 16], unit="tokens"))
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> record = write_batch_history(Path(folder.name) / "batch_history.json", warmup)
+        >>> record["changes"], record["final"]["tokens_seen"]
+        ([], 0)
+        >>> read_batch_history(Path(folder.name) / "batch_history.json") == record
+        True
+        >>> folder.cleanup()
     """
     record = {
         "schedule": repr(warmup.schedule),
@@ -69,13 +92,32 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
 
 
 def read_batch_history(path: str | os.PathLike) -> dict:
-    """What ``write_batch_history`` wrote to ``path``, by this version or an earlier one (``lit_cbs.legacy``)."""
+    """What ``write_batch_history`` wrote to ``path``, by this version or an earlier one (``lit_cbs.legacy``).
+
+    Args:
+        path: a ``batch_history.json``.
+
+    Returns:
+        Its record, in this version's form (see ``write_batch_history``, whose example reads one back).
+    """
     return legacy.batch_history(json.loads(Path(path).read_text()))
 
 
 def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
     """B_simple (samples) of every group ``gns/<group>/b_simple`` and of the whole model against tokens
-    seen, as a matplotlib ``Figure``; None when the metrics hold no per-group noise scale."""
+    seen, as a matplotlib ``Figure``; None when the metrics hold no per-group noise scale.
+
+    Args:
+        metrics: a CSVLogger's metrics (``read_run_metrics``): column -> (steps, values).
+        title: put before the figure's title (the run's name).
+
+    Returns:
+        The figure, or None.
+
+    Example:
+        >>> group_noise_scale_figure({}) is None
+        True
+    """
     from matplotlib.figure import Figure
 
     groups = [(group, metrics[name]) for name in metrics if (group := gns_group(name)) is not None]
@@ -97,7 +139,23 @@ def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], 
 
 def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
     """Whichever of ``train/loss`` and ``val/loss`` (nats per token) ``metrics`` holds against tokens seen,
-    with a dotted line where the global batch changed, as a matplotlib ``Figure``."""
+    with a dotted line where the global batch changed, as a matplotlib ``Figure``.
+
+    Args:
+        metrics: a CSVLogger's metrics (``read_run_metrics``): column -> (steps, values).
+        title: put before the figure's title (the run's name).
+
+    Returns:
+        The figure.
+
+    Example:
+        >>> import numpy as np
+        >>> steps = np.array([0.0, 1.0, 2.0])
+        >>> metrics = {"tokens_seen": (steps, np.array([1024.0, 2048.0, 4096.0])),
+        ...            "train/loss": (steps, np.array([5.5, 5.25, 5.0]))}
+        >>> type(loss_figure(metrics, "demo")).__name__
+        'Figure'
+    """
     from matplotlib.figure import Figure
 
     batch_changes = []
@@ -123,7 +181,19 @@ def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = 
 
 def batch_lr_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):
     """The global batch (samples) and the LR against tokens seen, one panel each, as a matplotlib
-    ``Figure``; None when ``metrics`` holds neither."""
+    ``Figure``; None when ``metrics`` holds neither.
+
+    Args:
+        metrics: a CSVLogger's metrics (``read_run_metrics``): column -> (steps, values).
+        title: put before the figure's title (the run's name).
+
+    Returns:
+        The figure, or None.
+
+    Example:
+        >>> batch_lr_figure({}) is None
+        True
+    """
     from matplotlib.figure import Figure
 
     panels = [
@@ -156,7 +226,33 @@ RUN_FIGURES = {
 
 def read_run_metrics(metrics_csv: str | os.PathLike) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """A CSVLogger's file (``read_metrics_csv``), refused (ValueError) without ``tokens_seen`` (logged by
-    BatchWarmup), which every figure of the run is drawn against."""
+    BatchWarmup), which every figure of the run is drawn against.
+
+    Args:
+        metrics_csv: the CSVLogger's ``metrics.csv``.
+
+    Returns:
+        Column -> (steps, values), each a float array over the rows that hold the column.
+
+    Raises:
+        ValueError: the file has no ``tokens_seen`` column.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> csv = Path(folder.name) / "metrics.csv"
+        >>> _ = csv.write_text("step,tokens_seen,train/loss\\n0,1024,5.5\\n1,2048,5.25\\n")
+        >>> metrics = read_run_metrics(csv)
+        >>> sorted(metrics), metrics["train/loss"][1].tolist()
+        (['tokens_seen', 'train/loss'], [5.5, 5.25])
+        >>> _ = csv.write_text("step,train/loss\\n0,5.5\\n")
+        >>> read_run_metrics(csv)
+        Traceback (most recent call last):
+        ...
+        ValueError: '.../metrics.csv' has no tokens_seen column: add lit_cbs.BatchWarmup to the callbacks
+        >>> folder.cleanup()
+    """
     metrics = read_metrics_csv(metrics_csv)
     if TOKENS_COLUMN not in metrics:
         problem = f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column"
@@ -171,6 +267,29 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
 
     Needs ``tokens_seen`` in the CSV (logged by BatchWarmup). Drawn on ``Figure`` objects with the Agg
     canvas: no pyplot state, no display.
+
+    Args:
+        metrics_csv: the CSVLogger's ``metrics.csv``.
+        output_dir: the folder to write the PNGs into.
+        title: put before each figure's title (the run's name).
+
+    Returns:
+        The paths of the PNGs written.
+
+    Raises:
+        ValueError: the file has no ``tokens_seen`` column.
+
+    Example:
+        Only the loss is logged here, so only its figure is drawn:
+
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> csv = Path(folder.name) / "metrics.csv"
+        >>> _ = csv.write_text("step,tokens_seen,train/loss\\n0,1024,5.5\\n1,2048,5.25\\n")
+        >>> [path.name for path in plot_run(csv, folder.name, title="demo")]
+        ['loss_vs_tokens.png']
+        >>> folder.cleanup()
     """
     from lit_cbs.analysis.plots import save_figure
 
@@ -191,7 +310,24 @@ class Run:
 
 
 def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> str:
-    """The global batches (samples) the run trains at within max_tokens, and any of the schedule's it ends before."""
+    """The global batches (samples) the run trains at within max_tokens, and any of the schedule's it ends before.
+
+    Args:
+        schedule: the run's batch schedule.
+        max_tokens: the run's token budget.
+        seq_len: tokens per sample.
+
+    Returns:
+        The batches, for the line a run starts with.
+
+    Example:
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> schedule = PiecewiseBatch(thresholds=[0, 65536], batch_sizes=[8, 16], unit="tokens")
+        >>> batches_reached(schedule, 200_000, 128)
+        '8 -> 16 samples'
+        >>> batches_reached(schedule, 32_768, 128)
+        '8 samples (not 16: batch.schedule asks for it after max_tokens=32,768)'
+    """
     if isinstance(schedule, CBSAdaptive):  # its batches come from the probe's readings
         return f"{schedule.start} -> up to {schedule.final} samples (batch.schedule, by CBS readings)"
     phases = batch_phases(schedule, max_tokens, seq_len, 1, 1, lambda ratio: 1.0)
@@ -205,14 +341,26 @@ def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> s
 
 
 def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.PathLike) -> str:
-    """The line a run starts with: its model, processes, precision, batches and token budget."""
+    """The line a run starts with: its model, processes, precision, batches and token budget.
+
+    Args:
+        run: the run's objects (``recipes/train.py``'s ``build_run``).
+        run_name: the run's name.
+        accelerator: the Trainer's accelerator, as configured.
+        output_dir: the run's folder.
+
+    Returns:
+        The line.
+    """
     dims, datamodule, warmup = run.model.dims, run.datamodule, run.batch_warmup
+    max_tokens = warmup.max_tokens
+    assert max_tokens is not None  # job.batch_warmup_of gives the run's BatchWarmup its max_tokens
     return (
         f"lit_cbs: {run_name}: model {dims.n_layers} layers x d_model {dims.d_model} "
         f"({run.model.num_parameters():,} parameters), {run.trainer.world_size} process(es) on {accelerator}, "
         f"precision {run.trainer.precision}, micro-batch {datamodule.batch_size} x {datamodule.seq_len} tokens, "
-        f"global batch {batches_reached(warmup.schedule, warmup.max_tokens, datamodule.seq_len)}, "
-        f"budget {warmup.max_tokens:,} tokens; output {output_dir}"
+        f"global batch {batches_reached(warmup.schedule, max_tokens, datamodule.seq_len)}, "
+        f"budget {max_tokens:,} tokens; output {output_dir}"
     )
 
 
@@ -223,17 +371,36 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     include). Two wall times, in seconds: ``fit_seconds``, the whole ``trainer.fit`` call of this process
     (setup included: data, the model's build, the checkpoint's load); ``run_seconds``, the training over
     every fit of the run, each counted from its ``on_fit_start`` (after that setup), as the metrics'
-    ``fit_seconds`` column. One fit: ``run_seconds`` is the smaller, by the setup."""
+    ``fit_seconds`` column. One fit: ``run_seconds`` is the smaller, by the setup.
+
+    Args:
+        trainer: the Trainer, after ``fit``.
+        warmup: the run's BatchWarmup.
+        run_name: the run's name.
+        fit_seconds: wall time of this process's ``trainer.fit`` call (seconds).
+
+    Returns:
+        The summary, as written to summary.json.
+
+    Raises:
+        RuntimeError: ``warmup`` was not set up by a Trainer.
+    """
     val_loss = trainer.callback_metrics.get(VAL_LOSS)
-    stop_signal = warmup.accounting.stop_signal
+    accounting = warmup.accounting
+    if accounting is None:
+        raise RuntimeError(
+            "run_summary: the BatchWarmup was not set up by a Trainer (no accounting); call it after fit"
+        )
+    stop_signal = accounting.stop_signal
     summary = {
         "run_name": run_name,
         "tokens": warmup.tokens_seen,
-        "tokens_this_fit": warmup.tokens_seen - warmup.accounting.tokens_at_fit_start,
+        "tokens_this_fit": warmup.tokens_seen - accounting.tokens_at_fit_start,
         "optimizer_steps": trainer.global_step,
         "first_batch": warmup.history[0].old_global_batch if warmup.history else warmup.global_batch,
         "final_batch": warmup.global_batch,
-        "seq_len": warmup.seq_len or trainer.datamodule.seq_len,
+        # Trainer.datamodule is set by Lightning's data connector, undeclared in its class
+        "seq_len": warmup.seq_len or trainer.datamodule.seq_len,  # type: ignore[attr-defined]
         "batch_changes": [
             {
                 "step": c.step,
@@ -248,11 +415,12 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         ],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
-        "run_seconds": warmup.accounting.fit_seconds,
+        "run_seconds": accounting.fit_seconds,
         "stopped_by": signal.Signals(stop_signal).name if stop_signal else None,
         "probe": None,
     }
-    probes = [callback for callback in trainer.callbacks if isinstance(callback, CBSProbeCallback)]
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+    probes = [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)]
     if probes:
         history = probes[0].history
         summary["probe"] = {
@@ -275,7 +443,15 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
 
 
 def summary_rows(summary: dict) -> list[tuple[str, str]]:
-    """summary.json as (label, value) rows for people: the lines a run ends with, and report.html's table."""
+    """summary.json as (label, value) rows for people: the lines a run ends with, and report.html's table.
+
+    Args:
+        summary: ``run_summary``'s dict (summary.json).
+
+    Returns:
+        The rows: tokens, optimizer steps, batch changes, the CBS readings (with a probe), final val/loss,
+        wall time, and what stopped a run a signal ended. ``summary_text`` has an example.
+    """
     steps, tokens, first = summary["optimizer_steps"], summary["tokens"], summary["first_batch"]
     fewer = 1 - steps / (tokens / (first * summary["seq_len"]))  # than at the starting batch throughout
     changes = ", ".join(
@@ -318,7 +494,27 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
 
 
 def summary_text(summary: dict) -> str:
-    """summary.json as the lines printed at the end of a run (``summary_rows``)."""
+    """summary.json as the lines printed at the end of a run (``summary_rows``).
+
+    Args:
+        summary: ``run_summary``'s dict (summary.json).
+
+    Returns:
+        One line per row.
+
+    Example:
+        >>> summary = {"tokens": 200_704, "tokens_this_fit": 200_704, "optimizer_steps": 130, "first_batch": 8,
+        ...            "seq_len": 128, "final_val_loss": 4.1234, "fit_seconds": 20.0, "run_seconds": 18.0,
+        ...            "stopped_by": None, "probe": None,
+        ...            "batch_changes": [{"step": 64, "tokens": 65_536, "old": 8, "new": 16, "lr_factor": 1.4142,
+        ...                               "micro_batch_size": 8, "accumulate": 2}]}
+        >>> print(summary_text(summary))
+        tokens           200,704 (10,035 tokens/s over this fit)
+        optimizer steps  130 (34% fewer than at the starting batch 8)
+        batch changes    8 -> 16 after step 64 (65,536 tokens, micro 8 x accumulate 2, LR x1.41)
+        final val/loss   4.1234 nats per token
+        wall time        20.0 s (trainer.fit, setup included)
+    """
     return "\n".join(f"{label:<17}{value}" for label, value in summary_rows(summary))
 
 
@@ -333,7 +529,22 @@ def write_run_summary(
     """Write into ``output_dir`` batch_history.json, summary.json and, with ``plots`` and a metrics.csv
     there, the plots (``plot_run``; also sent to the Trainer's loggers), which ``lit_cbs.recipes.report``'s
     report.html embeds; return the summary and the lines a run ends with: whether it finished,
-    ``summary_text`` and where its outputs are."""
+    ``summary_text`` and where its outputs are.
+
+    Args:
+        output_dir: the run's folder.
+        run_name: the run's name.
+        trainer: the Trainer, after ``fit``.
+        warmup: the run's BatchWarmup.
+        fit_seconds: wall time of this process's ``trainer.fit`` call (seconds).
+        plots: whether to draw the plots.
+
+    Returns:
+        The summary, and the lines a run ends with.
+
+    Raises:
+        RuntimeError: ``warmup`` was not set up by a Trainer.
+    """
     output_dir = Path(output_dir)
     write_batch_history(output_dir / "batch_history.json", warmup)
     summary = run_summary(trainer, warmup, run_name, fit_seconds)
