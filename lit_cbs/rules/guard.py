@@ -344,6 +344,8 @@ class BatchGuard:
         """Record that the due revert was applied at ``consumed``: hold the next increase, leave the
         reverted span's losses out of later fits; return what the reverted increase asked to be restored."""
         watch, self._revert = self._revert, None
+        if watch is None:
+            raise RuntimeError("BatchGuard.mark_reverted: no revert is due (revert_to is None)")
         self.reverts += 1
         self.hold_until = consumed + (self.config.hold if self.config.hold is not None else consumed)
         self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]

@@ -36,7 +36,8 @@ import dataclasses
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import torch
 from torch.optim import lr_scheduler as torch_sched
@@ -160,7 +161,7 @@ def _unchanged(ratio: float) -> float:
 
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
 RATIO_FUNCTIONS = {"sqrt": math.sqrt, "linear": _linear, "none": _unchanged}
-LR_RULES = {
+LR_RULES: dict[str, Callable[[], LRRule]] = {
     **{name: functools.partial(LRRule, name, function) for name, function in RATIO_FUNCTIONS.items()},
     "adam_sde": AdamSDERule,
 }
@@ -410,12 +411,16 @@ WEIGHT_DECAY_RULES = {"timescale": WeightDecayTimescale}
 BETA2_RULES = {"half_life": Beta2HalfLife}
 
 
-def _get_setting_rule(argument: str, rule, rules: dict[str, type[SettingRule]], **settings) -> SettingRule | None:
+_Rule = TypeVar("_Rule", bound=SettingRule)
+
+
+def _get_setting_rule(argument: str, rule, rules: Mapping[str, type[_Rule]], **settings) -> _Rule | None:
     """The rule ``rule`` names (built with ``settings``), a rule object of those kinds, or None."""
     if rule is None or rule == "none":
         return None
-    if isinstance(rule, SettingRule) and isinstance(rule, tuple(rules.values())):
-        return rule
+    for kind in rules.values():  # a rule object of one of those kinds
+        if isinstance(rule, kind):
+            return rule
     if isinstance(rule, str) and rule in rules:
         return rules[rule](**settings)
     raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {sorted(rules)} or None (unchanged)")
@@ -445,8 +450,8 @@ class OptimizerRules:
     """
 
     lr: LRRule
-    weight_decay: SettingRule | None = None
-    beta2: SettingRule | None = None
+    weight_decay: WeightDecayTimescale | None = None
+    beta2: Beta2HalfLife | None = None
     # Whether a setting's floor was said to hold (once per owner: BatchWarmup, or a probe's branches).
     floor_said: bool = dataclasses.field(default=False, repr=False, compare=False)
 
