@@ -213,6 +213,7 @@ def fit_wsd(steps, tokens) -> WSDFit:
         )
         if best is None or result.fun < best.fun:
             best = result
+    assert best is not None  # the loop ran: there are 3 x 120 starts
     s_min, s_1, s_opt, s_2 = positions(best.x)
     (b_minus1, c, e_min, a_1), _ = solve(best.x)
     fitted = WSDFit(
@@ -344,6 +345,13 @@ def fit_targets(
     return fits
 
 
+def _e_min(fit: TargetFit) -> float:
+    """E_min (tokens) of a target fit that has a WSD fit."""
+    if fit.wsd is None:
+        raise RuntimeError(f"target loss {fit.target:g} has no WSD fit")
+    return fit.wsd.e_min
+
+
 def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
     """A batch schedule in tokens that follows B_opt (Zhou et al. 2026) as the loss falls.
 
@@ -369,16 +377,16 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
         )
     kept: list[TargetFit] = []
     for fit in usable:
-        if kept and fit.wsd.e_min <= kept[-1].wsd.e_min:
+        if kept and _e_min(fit) <= _e_min(kept[-1]):
             warnings.warn(
-                f"target loss {fit.target:g}: E_min {fit.wsd.e_min:.4g} tokens is not above the previous target's "
-                f"({kept[-1].wsd.e_min:.4g}); target dropped from the schedule"
+                f"target loss {fit.target:g}: E_min {_e_min(fit):.4g} tokens is not above the previous target's "
+                f"({_e_min(kept[-1]):.4g}); target dropped from the schedule"
             )
             continue
         kept.append(fit)
     sizes: list[int] = []
     thresholds: list[int] = []
-    for starts_at, fit in zip([0.0] + [f.wsd.e_min for f in kept[:-1]], kept):
+    for starts_at, fit in zip([0.0] + [_e_min(f) for f in kept[:-1]], kept):
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
             warnings.warn(

@@ -270,8 +270,8 @@ def _laplace_covariance(log_posterior, mode: np.ndarray, step: float = 1e-3) -> 
     for i in range(size):
         for j in range(size):
             corners = [mode + si * offsets[i] + sj * offsets[j] for si, sj in ((1, 1), (1, -1), (-1, 1), (-1, -1))]
-            values = [-float(log_posterior(corner)) for corner in corners]
-            hessian[i, j] = (values[0] - values[1] - values[2] + values[3]) / (4 * step * step)
+            costs = [-float(log_posterior(corner)) for corner in corners]
+            hessian[i, j] = (costs[0] - costs[1] - costs[2] + costs[3]) / (4 * step * step)
     values, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
     return (vectors / np.maximum(values, 1 / 9)) @ vectors.T
 

@@ -11,6 +11,7 @@ import os
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
@@ -92,19 +93,19 @@ def plot_batch_sizes(
     # B_crit filled where McCandlish's E(S) fits, hollow where it misses (fit_targets warns about those).
     reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     unreliable = [f.mccandlish is not None and not ok for f, ok in zip(target_fits, reliable)]
-    series = (
+    series: tuple[tuple[str, str, list[float], list[float], dict[str, Any]], ...] = (
         (
             f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
             "o--",
             [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
-            [f.mccandlish.e_min if ok else np.nan for f, ok in zip(target_fits, reliable)],
+            [f.mccandlish.e_min if ok and f.mccandlish else np.nan for f, ok in zip(target_fits, reliable)],
             {},
         ),
         (
             f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
             "o:",
             [f.b_crit if bad else np.nan for f, bad in zip(target_fits, unreliable)],
-            [f.mccandlish.e_min if bad else np.nan for f, bad in zip(target_fits, unreliable)],
+            [f.mccandlish.e_min if bad and f.mccandlish else np.nan for f, bad in zip(target_fits, unreliable)],
             {"markerfacecolor": "none"},  # hollow: a poor fit
         ),
         (
@@ -122,8 +123,8 @@ def plot_batch_sizes(
             {},
         ),
     )
-    for label, style, sizes, tokens, marker in series:
-        sizes, tokens = np.array(sizes, dtype=float), np.array(tokens, dtype=float)
+    for label, style, size_list, token_list, marker in series:
+        sizes, tokens = np.array(size_list, dtype=float), np.array(token_list, dtype=float)
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
@@ -140,12 +141,12 @@ def plot_batch_sizes(
                 color="tab:gray",
                 label="noise scale B_simple (median of runs at the target)",
             )
-        rows = [row for row in compared if row.probe is not None]
-        for i, row in enumerate(rows):
-            top = row.probe.cbs_upper if row.probe.cbs_upper is not None else row.probe.cbs_lower * 2
+        brackets = [(row.target, row.probe) for row in compared if row.probe is not None]
+        for i, (target, reading) in enumerate(brackets):
+            top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
             by_loss.vlines(
-                row.target,
-                row.probe.cbs_lower,
+                target,
+                reading.cbs_lower,
                 top,
                 color="k",
                 lw=3,
@@ -176,8 +177,8 @@ def plot_batch_sizes(
                 label="CBS probe (>= lower)",
             )
     for i, run in enumerate(gns_runs):
-        label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
-        by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=label)
+        run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
+        by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
     by_loss.invert_xaxis()  # training moves to lower losses
     by_loss.set_xlabel("target loss (training goes right)")
     by_tokens.set_xscale("log")

@@ -146,12 +146,12 @@ def schedule_from_probe(
                 f"{where}: seq_len={read_at} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it"
             )
         measured = read_at if read_at is not None else measured_seq_len
-        if seq_len is not None and measured is None:
-            raise ValueError(
-                f"seq_len={seq_len} needs the measured run's sequence length: pass measured_seq_len "
-                "(data.seq_len of the run that wrote the probe readings)"
-            )
         if seq_len is not None:
+            if measured is None:
+                raise ValueError(
+                    f"seq_len={seq_len} needs the measured run's sequence length: pass measured_seq_len "
+                    "(data.seq_len of the run that wrote the probe readings)"
+                )
             lower = lower * measured / seq_len
         lowest_at[tokens] = min(lower, lowest_at.get(tokens, math.inf))
     if skipped == len(readings):
