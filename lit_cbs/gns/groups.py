@@ -152,7 +152,9 @@ def assign_groups(
     if groups == "blocks":
         members = block_groups(names, layer_stacks(module))
     else:
-        members = regex_groups(compiled_groups(groups), names)
+        patterns = compiled_groups(groups)
+        assert patterns is not None  # a dict of regexes here: compiled_groups returns None for None and the presets
+        members = regex_groups(patterns, names)
     group_names: list[str | None] = list(members)
     group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
     if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete
