@@ -95,6 +95,20 @@ class GradientNoiseScale(Callback):
         num_updates: optimizer steps measured so far.
         group_names: the measured groups in the order of ``NoiseMeasurement``'s entries (set when
             the fit starts); ``None`` stands for the parameters in no group.
+
+    Raises:
+        LitCBSConfigError: both ``config`` and keyword fields, an unknown field, or an invalid setting
+            (``GNSConfig``); when the fit starts, a strategy other than single-device or DDP, manual
+            optimization, or a run with a single batch size to compare (see above).
+
+    Example:
+        >>> callback = GradientNoiseScale(groups="blocks", ema_decay=0.95)  # Trainer(callbacks=[callback])
+        >>> callback.config.groups, callback.b_simple, callback.num_updates
+        ('blocks', None, 0)
+        >>> GradientNoiseScale(ema_decay=1.0)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: ema_decay=1.0 must be a float in [0, 1) (decay per optimizer step)
     """
 
     def __init__(self, config: GNSConfig | None = None, **kwargs: Any):
