@@ -475,7 +475,7 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
         >>> forecast = forecast_cbs(brackets)
         >>> forecast.model, round(forecast.exponent, 2)
         ('power', 0.49)
-        >>> forecast.predict([1e8, 6.4e9]).round().tolist()  # samples; the brackets' middles are 72 and 576
+        >>> forecast.predict([1e8, 6.4e9]).round().tolist()  # samples, inside [48, 96] and [384, 768]
         [69.0, 531.0]
     """
     if model not in (*MODELS, "auto"):
