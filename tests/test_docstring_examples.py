@@ -70,7 +70,12 @@ def lacking_examples() -> list[str]:
     return lacking
 
 
-@pytest.mark.xfail(strict=True, reason="XFAIL_REASON")
+# Strict: once the names below have examples the test passes, and the mark must go.
+@pytest.mark.xfail(
+    strict=True,
+    reason="53 exported names still lack an Example: section (callbacks, data, models, probe: lit_cbs.BatchWarmup, "
+    "lit_cbs.probe.CBSProbeCallback, ...); the docstring work on those packages adds them",
+)
 def test_every_export_has_an_example():
     lacking = lacking_examples()
     assert not lacking, f"{len(lacking)} exported names have no Example: section in their docstring:\n" + "\n".join(
