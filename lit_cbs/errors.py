@@ -44,7 +44,12 @@ class LitCBSConfigWarning(UserWarning):
 
 
 def is_positive_int(value: Any) -> bool:
-    """True for an int >= 1 (a bool is not an int here)."""
+    """True for an int >= 1 (a bool is not an int here).
+
+    Example:
+        >>> is_positive_int(3), is_positive_int(0), is_positive_int(True), is_positive_int(2.0)
+        (True, False, False, False)
+    """
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -56,6 +61,14 @@ def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) ->
     """``value`` if it is an int >= 1 (``None`` too when ``optional``); else LitCBSConfigError.
 
     ``unit`` says what the number counts ("samples", "tokens", ...) in the message.
+
+    Example:
+        >>> positive_int("batch_size", 64, "samples"), positive_int("hold", None, "tokens", optional=True)
+        (64, None)
+        >>> positive_int("batch_size", 0, "samples")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: batch_size=0 must be a positive int (samples)
     """
     if value is None and optional:
         return None
@@ -70,7 +83,12 @@ def positive_number(name: str, value: Any, unit: str, *, optional: Literal[False
 @overload
 def positive_number(name: str, value: Any, unit: str, *, optional: bool) -> float | None: ...
 def positive_number(name: str, value: Any, unit: str, *, optional: bool = False) -> float | None:
-    """``value`` as a float if it is a finite number > 0 (``None`` too when ``optional``); else LitCBSConfigError."""
+    """``value`` as a float if it is a finite number > 0 (``None`` too when ``optional``); else LitCBSConfigError.
+
+    Example:
+        >>> positive_number("threshold", 1, "nats")
+        1.0
+    """
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -80,7 +98,16 @@ def positive_number(name: str, value: Any, unit: str, *, optional: bool = False)
 
 
 def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
-    """``value`` if it is one of ``choices``; else LitCBSConfigError listing them."""
+    """``value`` if it is one of ``choices``; else LitCBSConfigError listing them.
+
+    Example:
+        >>> one_of("unit", "tokens", ("samples", "tokens"))
+        'tokens'
+        >>> one_of("unit", "steps", ("samples", "tokens"))
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: unit='steps' is not supported; use one of ('samples', 'tokens')
+    """
     if value not in choices:
         raise LitCBSConfigError(f"{name}={value!r} is not supported; use one of {tuple(choices)}")
     return value

@@ -39,7 +39,14 @@ def _check_consumed(consumed) -> None:
 def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_size: int) -> int:
     """The micro-batch (samples per rank) BatchWarmup trains ``global_batch`` with when it grows the
     micro-batch: the largest divisor of a rank's share (global batch / ranks) up to
-    ``max_micro_batch_size``; the accumulation makes up the rest."""
+    ``max_micro_batch_size``; the accumulation makes up the rest.
+
+    Example:
+        >>> micro_batch_for(96, data_parallel_size=2, max_micro_batch_size=16)  # 48 per rank: 3 rounds of 16
+        16
+        >>> micro_batch_for(80, data_parallel_size=2, max_micro_batch_size=16)  # 40 per rank: 4 rounds of 10
+        10
+    """
     share = global_batch // data_parallel_size
     return max(m for m in range(1, min(max_micro_batch_size, share) + 1) if share % m == 0)
 
