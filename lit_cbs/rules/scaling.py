@@ -294,7 +294,18 @@ _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
 def check_scheduler_supported(scheduler, who: str) -> None:
     """LitCBSConfigError, its message starting with ``who``, if ``scale_learning_rate`` cannot
-    compose with ``scheduler`` exactly."""
+    compose with ``scheduler`` exactly.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> from torch.optim import lr_scheduler
+        >>> check_scheduler_supported(lr_scheduler.StepLR(optimizer, step_size=10), "BatchWarmup")  # composes
+        >>> check_scheduler_supported(lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=100), "BatchWarmup")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: BatchWarmup: OneCycleLR writes absolute LR values that a batch change ...
+    """
     if isinstance(scheduler, _CONTAINERS):
         for inner in inner_schedulers(scheduler):
             check_scheduler_supported(inner, who)
@@ -537,7 +548,19 @@ SETTING_KEYS = ("betas", "eps", "weight_decay")
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
+    """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), weight_decay=0.1)
+        >>> saved = optimizer_settings(optimizer)
+        >>> saved
+        [{'betas': (0.9, 0.95), 'eps': 1e-08, 'weight_decay': 0.1}]
+        >>> optimizer.param_groups[0]["weight_decay"] = 0.2  # a rule moved it
+        >>> restore_settings(optimizer, saved)
+        >>> optimizer.param_groups[0]["weight_decay"]
+        0.1
+    """
     return [{key: group[key] for key in SETTING_KEYS if key in group} for group in optimizer.param_groups]
 
 
