@@ -389,14 +389,28 @@ class CBSForecast:
         return math.exp(self.params[2])
 
     def predict(self, tokens) -> np.ndarray:
-        """The fitted CBS (samples) at ``tokens`` (a number or an array): the posterior mode's curve."""
+        """The fitted CBS (samples) at ``tokens`` (a number or an array): the posterior mode's curve.
+
+        Args:
+            tokens: token counts D (a number or an array).
+
+        Returns:
+            The CBS in samples, an array of the shape of ``tokens``.
+        """
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
         return np.exp(_curve(np.asarray(self.params), log_d, self.model))
 
     def band(self, tokens) -> tuple[np.ndarray, np.ndarray]:
         """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read
         there given the readings (posterior predictive): quantiles of the mixture, over the posterior
-        draws, of each draw's normal spread s around its curve. It widens with the distance from the readings."""
+        draws, of each draw's normal spread s around its curve. It widens with the distance from the readings.
+
+        Args:
+            tokens: token counts D (a number or an array).
+
+        Returns:
+            ``(low, high)``: arrays of samples, one entry per token count.
+        """
         log_d = np.log(np.atleast_1d(np.asarray(tokens, dtype=float)) / self.d0)
         curves = _curve(self.band_draws, log_d, self.model)  # [draws, D]
         spreads = np.exp(self.band_draws[:, 2])[:, None]
@@ -409,6 +423,8 @@ class CBSForecast:
         return bool(low[0] <= bracket.upper and high[0] >= bracket.lower)
 
     def describe(self) -> str:
+        """One line for logs and reports: the model, the readings it was fitted on, the curve (samples against
+        tokens), the spread of log CBS and the band's coverage."""
         runs = sorted({b.run for b in self.brackets})
         shape = f"CBS = {math.exp(self.params[0]):.4g} x (D / {self.d0:.4g})^{self.exponent:.3f} samples"
         if self.model == "plateau":

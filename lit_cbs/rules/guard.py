@@ -115,7 +115,19 @@ class GuardConfig:
 
     @classmethod
     def from_dict(cls, settings: Mapping) -> GuardConfig:
-        """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings."""
+        """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings.
+
+        Raises:
+            LitCBSConfigError: an unknown key, or an invalid setting.
+
+        Example:
+            >>> GuardConfig.from_dict({"hold": 500}).hold
+            500
+            >>> GuardConfig.from_dict({"span": 500})
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: guard has unknown setting(s) span; the settings are watch_span, ...
+        """
         settings = {str(key): value for key, value in settings.items()}
         names = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(key for key in settings if key not in names)
@@ -271,7 +283,15 @@ class BatchGuard:
     @classmethod
     def from_setting(cls, setting: bool | Mapping | GuardConfig | BatchGuard | None) -> BatchGuard | None:
         """The guard for ``BatchWarmup(guard=setting)``: None or False for none, True for the defaults,
-        a ``GuardConfig``, a dict (or Hydra DictConfig) of its settings, or a BatchGuard."""
+        a ``GuardConfig``, a dict (or Hydra DictConfig) of its settings, or a BatchGuard.
+
+        Raises:
+            LitCBSConfigError: any other ``setting``, or an invalid setting in it.
+
+        Example:
+            >>> BatchGuard.from_setting(False) is None, BatchGuard.from_setting({"hold": 500}).config.hold
+            (True, 500)
+        """
         if setting is None or setting is False:
             return None
         if setting is True:
