@@ -12,27 +12,63 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 
 class LitCBSConfigError(ValueError, TypeError):
-    """A setting lit_cbs cannot train with; the message names the setting and the fix."""
+    """A setting lit_cbs cannot train with; the message names the setting and the fix.
+
+    Example:
+        >>> from lit_cbs import ConstantBatch
+        >>> ConstantBatch(batch_size=0)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: batch_size=0 must be a positive int (samples)
+        >>> issubclass(LitCBSConfigError, ValueError) and issubclass(LitCBSConfigError, TypeError)
+        True
+    """
 
 
 class LitCBSConfigWarning(UserWarning):
     """A setting lit_cbs trains with, but not as it was likely meant (an LR warmup as long as the run); the
-    message names the setting and the fix. ``warnings.simplefilter("error", LitCBSConfigWarning)`` refuses them."""
+    message names the setting and the fix. ``warnings.simplefilter("error", LitCBSConfigWarning)`` refuses them.
+
+    Example:
+        >>> import warnings
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     warnings.warn("lr warmup as long as the run", LitCBSConfigWarning)
+        >>> caught[0].category.__name__
+        'LitCBSConfigWarning'
+    """
 
 
 def is_positive_int(value: Any) -> bool:
-    """True for an int >= 1 (a bool is not an int here)."""
+    """True for an int >= 1 (a bool is not an int here).
+
+    Example:
+        >>> is_positive_int(3), is_positive_int(0), is_positive_int(True), is_positive_int(2.0)
+        (True, False, False, False)
+    """
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
+@overload
+def positive_int(name: str, value: Any, unit: str, *, optional: Literal[False] = False) -> int: ...
+@overload
+def positive_int(name: str, value: Any, unit: str, *, optional: bool) -> int | None: ...
 def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) -> int | None:
     """``value`` if it is an int >= 1 (``None`` too when ``optional``); else LitCBSConfigError.
 
     ``unit`` says what the number counts ("samples", "tokens", ...) in the message.
+
+    Example:
+        >>> positive_int("batch_size", 64, "samples"), positive_int("hold", None, "tokens", optional=True)
+        (64, None)
+        >>> positive_int("batch_size", 0, "samples")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: batch_size=0 must be a positive int (samples)
     """
     if value is None and optional:
         return None
@@ -42,8 +78,17 @@ def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) ->
     return value
 
 
+@overload
+def positive_number(name: str, value: Any, unit: str, *, optional: Literal[False] = False) -> float: ...
+@overload
+def positive_number(name: str, value: Any, unit: str, *, optional: bool) -> float | None: ...
 def positive_number(name: str, value: Any, unit: str, *, optional: bool = False) -> float | None:
-    """``value`` as a float if it is a finite number > 0 (``None`` too when ``optional``); else LitCBSConfigError."""
+    """``value`` as a float if it is a finite number > 0 (``None`` too when ``optional``); else LitCBSConfigError.
+
+    Example:
+        >>> positive_number("threshold", 1, "nats")
+        1.0
+    """
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
@@ -53,7 +98,16 @@ def positive_number(name: str, value: Any, unit: str, *, optional: bool = False)
 
 
 def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
-    """``value`` if it is one of ``choices``; else LitCBSConfigError listing them."""
+    """``value`` if it is one of ``choices``; else LitCBSConfigError listing them.
+
+    Example:
+        >>> one_of("unit", "tokens", ("samples", "tokens"))
+        'tokens'
+        >>> one_of("unit", "steps", ("samples", "tokens"))
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: unit='steps' is not supported; use one of ('samples', 'tokens')
+    """
     if value not in choices:
         raise LitCBSConfigError(f"{name}={value!r} is not supported; use one of {tuple(choices)}")
     return value
@@ -96,5 +150,5 @@ def require_automatic_optimization(pl_module: Any, who: str, because: str) -> No
             )
         return configured
 
-    configure_one_optimizer.lit_cbs_counts_optimizers = True
+    vars(configure_one_optimizer)["lit_cbs_counts_optimizers"] = True  # the mark the getattr above reads
     pl_module.configure_optimizers = configure_one_optimizer

@@ -36,12 +36,22 @@ def _renamed(record: Mapping[str, Any], keys: Mapping[str, str]) -> dict[str, An
 
 
 def probe_reading(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A probe reading (a ``cbs_probe.jsonl`` line, or an entry of ``CBSProbeCallback``'s checkpointed history)."""
+    """A probe reading (a ``cbs_probe.jsonl`` line, or an entry of ``CBSProbeCallback``'s checkpointed history).
+
+    Example:
+        >>> probe_reading({"strategy": "grid", "tokens": 1000})  # as 0.1.0 wrote it
+        {'seq_len': None, 'search': 'grid', 'tokens': 1000}
+    """
     return {"seq_len": None, **_renamed(record, READING_KEYS)}
 
 
 def guard_verdict(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A ``GuardVerdict`` (the guard's checkpointed state, ``batch_history.json``)."""
+    """A ``GuardVerdict`` (the guard's checkpointed state, ``batch_history.json``).
+
+    Example:
+        >>> guard_verdict({"window_steps": 12, "reverted": False})
+        {'watch_steps': 12, 'reverted': False}
+    """
     return _renamed(record, VERDICT_KEYS)
 
 
@@ -52,13 +62,26 @@ def guard_state(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def accounting_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``BatchAccounting.state_dict()``; ``data_parallel_size`` None where the checkpoint does not say it."""
+    """``BatchAccounting.state_dict()``; ``data_parallel_size`` None where the checkpoint does not say it.
+
+    Example:
+        >>> accounting_state({"samples_seen": 64, "tokens_seen": 8192})
+        {'data_parallel_size': None, 'fit_seconds': 0.0, 'samples_seen': 64, 'tokens_seen': 8192}
+    """
     return {"data_parallel_size": None, "fit_seconds": 0.0, **state}
 
 
 def warmup_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """``BatchWarmup.state_dict()``, and the accounting's state where the checkpoint kept the counts in
-    BatchWarmup's (None where ``BatchAccounting`` saved its own)."""
+    BatchWarmup's (None where ``BatchAccounting`` saved its own).
+
+    Example:
+        >>> warmup, accounting = warmup_state({"lr_factor": 1.0, "samples_seen": 64, "tokens_seen": 8192})
+        >>> warmup
+        {'clip_factor': 1.0, 'schedule': None, 'guard': None, 'lr_factor': 1.0}
+        >>> accounting["tokens_seen"], accounting["data_parallel_size"]
+        (8192, None)
+    """
     current = {"clip_factor": 1.0, "schedule": None, "guard": None, **state}
     counts = {key: current.pop(key) for key in COUNTS_IN_WARMUP if key in current}
     return current, accounting_state(counts) if counts else None

@@ -27,7 +27,12 @@ GUARD_THRESHOLD = "batch/guard_threshold"
 
 
 def batch_setting(key: str) -> str:
-    """An optimizer setting a rule moves at batch changes (``weight_decay``, ``beta2``), as BatchWarmup logs it."""
+    """An optimizer setting a rule moves at batch changes (``weight_decay``, ``beta2``), as BatchWarmup logs it.
+
+    Example:
+        >>> batch_setting("beta2")
+        'batch/beta2'
+    """
     return f"batch/{key}"
 
 
@@ -48,7 +53,12 @@ PROBE_TOKENS_SPENT = "probe/tokens_spent"  # branch tokens so far
 
 
 def cbs_gap(k: str) -> str:
-    """The loss of branch ``k`` ("2" for k = 2) minus the smallest k's, nats."""
+    """The loss of branch ``k`` ("2" for k = 2) minus the smallest k's, nats.
+
+    Example:
+        >>> cbs_gap("2"), cbs_gap_se("2")
+        ('cbs/gap_k2', 'cbs/gap_se_k2')
+    """
     return f"cbs/gap_k{k}"
 
 
@@ -63,12 +73,22 @@ _GNS_GROUP = re.compile(r"gns/(.+)/(\w+)")
 
 
 def gns(quantity: str, group: str | None = None) -> str:
-    """``gns/<quantity>`` for the whole model, ``gns/<group>/<quantity>`` for a group of parameters."""
+    """``gns/<quantity>`` for the whole model, ``gns/<group>/<quantity>`` for a group of parameters.
+
+    Example:
+        >>> gns("b_simple"), gns("grad_sq", group="block0")
+        ('gns/b_simple', 'gns/block0/grad_sq')
+    """
     return f"gns/{quantity}" if group is None else f"gns/{group}/{quantity}"
 
 
 def gns_group(name: str, quantity: str = "b_simple") -> str | None:
-    """The group whose ``quantity`` the metric ``name`` is (``gns(quantity, group)``); None for any other metric."""
+    """The group whose ``quantity`` the metric ``name`` is (``gns(quantity, group)``); None for any other metric.
+
+    Example:
+        >>> gns_group("gns/block0/b_simple"), gns_group("gns/b_simple"), gns_group("gns/block0/grad_sq")
+        ('block0', None, None)
+    """
     match = _GNS_GROUP.fullmatch(name)
     return match[1] if match is not None and match[2] == quantity else None
 

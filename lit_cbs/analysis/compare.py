@@ -33,6 +33,12 @@ class SideBySide:
     which the sweep's run at the probe's batch size reached the target; ``probe``: the reading
     nearest it (None: no probe, or no run at its batch size reached the target).
     ``b_crit_poor`` / ``wsd_poor``: that fit misses the runs by more than ``POOR_FIT`` (rms of log E).
+
+    Example:
+        >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=float("nan"), b_opt=float("nan"), b_simple=90.0,
+        ...                  b_simple_runs=1, probe_run_tokens=None, probe=None)
+        >>> row.b_crit, row.b_simple
+        (8.0, 90.0)
     """
 
     target: float
@@ -78,9 +84,34 @@ def side_by_side(
 ) -> list[SideBySide]:
     """One ``SideBySide`` per fit, in the fits' order.
 
+    Args:
+        fits: the E(S) fits (``fit_targets``).
+        runs: the sweep's curves, whose logged noise scale is read at each run's crossing.
+        probe: the probe's readings (``read_readings``), if any.
+
+    Returns:
+        One row per fit (batch sizes in samples).
+
     Raises:
         ValueError: the fits are in tokens per step (the runs logged no batch in samples) while the
             noise scale and the probe are in samples.
+
+    Example:
+        One run, whose noise scale rises from 40 to 120 samples over its 4096 tokens, reaches loss 2.5 at
+        2560 tokens; B_crit = 1280 tokens / 1.25 steps = 1024 tokens per step = 8 samples of 128 tokens:
+
+        >>> from pathlib import Path
+        >>> import numpy as np
+        >>> from lit_cbs.analysis.curves import Crossing, RunCurve
+        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
+        >>> run = RunCurve("b8", Path("metrics.csv"), steps=np.array([1.0, 4.0]), tokens=np.array([1024.0, 4096.0]),
+        ...                loss=np.array([4.0, 1.0]), tokens_per_step=1024.0, batch_size=8,
+        ...                gns_tokens=np.array([0.0, 4096.0]), gns=np.array([40.0, 120.0]))
+        >>> fit = TargetFit(2.5, (Crossing("b8", 2.5, 2.5, 2560.0, 1024.0, 8),), tokens_per_sample=128.0,
+        ...                 mccandlish=McCandlishFit(s_min=1.25, e_min=1280.0, rms_log_residual=0.0), wsd=None)
+        >>> (row,) = side_by_side([fit], [run])
+        >>> row.b_crit, row.b_simple, row.b_simple_runs  # B_simple at 2560 tokens: 40 + 80 x 2560 / 4096
+        (8.0, 90.0, 1)
     """
     if fits and fits[0].unit != "samples" and (probe or any(len(run.gns) for run in runs)):
         raise ValueError(
@@ -116,7 +147,15 @@ def _size(value: float, poor: bool = False) -> str:
 
 def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
     """The rows as a markdown table (batch sizes in samples; * marks a fit that misses the runs by
-    more than ``POOR_FIT``, with a note under the table)."""
+    more than ``POOR_FIT``, with a note under the table).
+
+    Example:
+        >>> import math
+        >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=math.nan, b_opt=math.nan, b_simple=90.0, b_simple_runs=1,
+        ...                  probe_run_tokens=None, probe=None)
+        >>> print(side_by_side_markdown([row]).splitlines()[-1])  # under the header: a row per target
+        | 2.5 | 8 | - | - | 90 (1) | - |
+    """
     lines = [
         "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) "
         "| probe CBS (at tokens; run reached target at) |",

@@ -58,6 +58,15 @@ class RunCurve:
         batch_size: the run's global batch in samples, if the batch column is logged.
         gns_tokens, gns: tokens seen and the gradient noise scale B_simple (samples) where the GNS
             column is logged (empty otherwise).
+
+    Example:
+        >>> from pathlib import Path
+        >>> import numpy as np
+        >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
+        ...                tokens=np.array([1024.0, 2048, 3072, 4096]), loss=np.array([4.0, 3.0, 2.0, 1.0]),
+        ...                tokens_per_step=1024.0, batch_size=8)
+        >>> run.tokens_per_sample  # 1024 tokens per step / 8 samples
+        128.0
     """
 
     name: str
@@ -82,6 +91,11 @@ class Crossing:
 
     ``steps`` in optimizer steps, ``tokens`` in tokens; ``tokens / steps`` is the run's
     ``tokens_per_step``; ``batch_size`` in samples when the run logs it.
+
+    Example:
+        >>> crossing = Crossing("b8", target=2.5, steps=2.5, tokens=2560.0, tokens_per_step=1024.0, batch_size=8)
+        >>> crossing.tokens / crossing.steps
+        1024.0
     """
 
     run: str
@@ -196,9 +210,38 @@ def read_run(
     Rows of the loss column without a token count (e.g. ``val/loss`` rows) get the tokens of their
     step from the run's constant tokens per step. A NaN loss ends the curve there (with a warning).
 
+    Args:
+        run: the run's folder (holding one ``metrics_file``) or its metrics CSV.
+        name: the run's label; default the folder name with its Hydra overrides.
+        loss_column: the loss (nats per token) whose curve is read.
+        tokens_column: tokens seen, all ranks.
+        step_column: optimizer steps.
+        batch_column: the global batch (samples), if logged.
+        gns_column: the gradient noise scale B_simple (samples), if logged.
+        metrics_file: the CSV's file name under ``run``.
+
+    Returns:
+        The run's curve, sorted by tokens.
+
     Raises:
         ValueError: a column is missing, a token count is NaN or decreases, fewer than two rows log
             tokens, or the tokens per step (or the batch column) change during the run.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> for job, batch in enumerate((8, 16)):  # a Hydra multirun: one numbered folder per job
+        ...     folder = Path(tmp.name, str(job))
+        ...     folder.mkdir()
+        ...     with open(folder / "metrics.csv", "w") as f:  # as CSVLogger writes it: a row per step
+        ...         print("step,tokens_seen,train/loss,batch/global_size", file=f)
+        ...         for step in range(4):
+        ...             print(step, (step + 1) * batch * 128, 4 - step * batch / 64, batch, sep=",", file=f)
+        >>> run = read_run(Path(tmp.name, "0"))
+        >>> run.name, run.tokens_per_step, run.batch_size, run.loss.tolist()
+        ('0', 1024.0, 8, [4.0, 3.875, 3.75, 3.625])
+        >>> tmp.cleanup()
     """
     csv_path = find_metrics_file(run, metrics_file)
     run_path = Path(run)
@@ -293,8 +336,32 @@ def read_sweep(source: PathLike | Sequence[PathLike], metrics_file: str = METRIC
 
     ``columns`` go to ``read_run`` (``loss_column=``, ``tokens_column=``, ...).
 
+    Args:
+        source: the sweep's folder, or the runs' folders or CSVs.
+        metrics_file: each run's CSV file name.
+        **columns: column names for ``read_run``.
+
+    Returns:
+        The runs' curves, in job order (Hydra's numbered folders numerically), labelled by the overrides
+        that differ between them.
+
     Raises:
         ValueError: no run is found, or runs disagree on tokens per sample (mismatched units).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> for job, batch in enumerate((8, 16)):  # a Hydra multirun: one numbered folder per job
+        ...     folder = Path(tmp.name, str(job))
+        ...     folder.mkdir()
+        ...     with open(folder / "metrics.csv", "w") as f:  # as CSVLogger writes it: a row per step
+        ...         print("step,tokens_seen,train/loss,batch/global_size", file=f)
+        ...         for step in range(4):
+        ...             print(step, (step + 1) * batch * 128, 4 - step * batch / 64, batch, sep=",", file=f)
+        >>> [(run.name, run.batch_size, run.tokens_per_sample) for run in read_sweep(tmp.name)]
+        [('0', 8, 128.0), ('1', 16, 128.0)]
+        >>> tmp.cleanup()
     """
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
@@ -344,7 +411,15 @@ def check_units(runs: Sequence[RunCurve]) -> float | None:
 
 
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Centered mean over ``window`` logged points (odd), over fewer at the ends: no lag on a linear trend."""
+    """Centered mean over ``window`` logged points (odd), over fewer at the ends: no lag on a linear trend.
+
+    Raises:
+        ValueError: ``window`` is not a positive odd number.
+
+    Example:
+        >>> rolling_mean([1.0, 2.0, 3.0, 10.0], window=3).tolist()
+        [1.5, 2.0, 5.0, 6.5]
+    """
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window={window} must be a positive odd number of logged points")
     values = np.asarray(values, dtype=float)
@@ -356,7 +431,21 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, decay: float = 0.9) -> np.ndarray:
-    """``method``: "rolling" (``rolling_mean`` over ``window`` points), "ema" (``ema`` with ``decay``) or None."""
+    """``method``: "rolling" (``rolling_mean`` over ``window`` points), "ema" (``ema`` with ``decay``) or None.
+
+    Args:
+        values: the series (a loss curve, nats), in logged order.
+        method: ``"rolling"``, ``"ema"`` or None (unsmoothed, as floats).
+        window: logged points of the rolling mean (odd).
+        decay: the EMA's decay per logged point, in [0, 1).
+
+    Raises:
+        ValueError: an unknown ``method`` (or, from the smoother, a bad ``window`` or ``decay``).
+
+    Example:
+        >>> smooth([4.0, 2.0, 2.0, 2.0], "ema", decay=0.5).tolist()
+        [4.0, 3.0, 2.5, 2.25]
+    """
     if method == "rolling":
         return rolling_mean(values, window)
     if method == "ema":
@@ -378,6 +467,25 @@ def find_crossings(
 
     Runs that never reach a target, or are already below it at their first logged point (where it
     was crossed is unknown), are left out of that target with a warning that names them.
+
+    Args:
+        runs: the sweep's curves.
+        targets: target losses (nats).
+        smoothing: ``smooth``'s ``method``.
+        window: ``smooth``'s ``window`` (logged points).
+        decay: ``smooth``'s ``decay``.
+
+    Returns:
+        Target -> the crossings of the runs that reach it.
+
+    Example:
+        >>> from pathlib import Path
+        >>> import numpy as np
+        >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
+        ...                tokens=np.array([1024.0, 2048, 3072, 4096]), loss=np.array([4.0, 3.0, 2.0, 1.0]),
+        ...                tokens_per_step=1024.0, batch_size=8)
+        >>> [(float(c.steps), c.tokens) for c in find_crossings([run], [2.5], smoothing=None)[2.5]]
+        [(2.5, 2560.0)]
     """
     result: dict[float, list[Crossing]] = {float(t): [] for t in targets}
     never: dict[float, list[str]] = {float(t): [] for t in targets}
@@ -422,7 +530,31 @@ def default_targets(
     decay: float = 0.9,
 ) -> list[float]:
     """``count`` target losses, evenly spaced from below the highest loss every run starts at down to the
-    lowest loss that ``min_runs`` runs (or all, if fewer) reach, highest first."""
+    lowest loss that ``min_runs`` runs (or all, if fewer) reach, highest first.
+
+    Args:
+        runs: the sweep's curves.
+        count: how many targets.
+        min_runs: how many runs the lowest target must be reached by.
+        smoothing: ``smooth``'s ``method``.
+        window: ``smooth``'s ``window`` (logged points).
+        decay: ``smooth``'s ``decay``.
+
+    Returns:
+        The target losses (nats), highest first.
+
+    Raises:
+        ValueError: no runs, or the smoothed curves leave no range between start and lowest reached.
+
+    Example:
+        >>> from pathlib import Path
+        >>> import numpy as np
+        >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
+        ...                tokens=np.array([1024.0, 2048, 3072, 4096]), loss=np.array([4.0, 3.0, 2.0, 1.0]),
+        ...                tokens_per_step=1024.0, batch_size=8)
+        >>> default_targets([run], count=3, smoothing=None)
+        [3.0, 2.0, 1.0]
+    """
     if not runs:
         raise ValueError("no runs to pick target losses from")
     curves = [smooth(run.loss, smoothing, window=window, decay=decay) for run in runs]

@@ -60,6 +60,11 @@ class McCandlishFit:
     """(S / S_min - 1)(E / E_min - 1) = 1. ``s_min`` in steps, ``e_min`` in tokens.
 
     ``rms_log_residual``: root mean square of log(E / fitted E) over the points.
+
+    Example:
+        >>> law = McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0)
+        >>> law.b_crit, law.tokens([2000, 500]).tolist()  # tokens per step; E(S) in tokens (NaN below S_min)
+        (100000.0, [200000000.0, nan])
     """
 
     s_min: float
@@ -83,8 +88,24 @@ def fit_mccandlish(steps, tokens) -> McCandlishFit:
 
     Least squares on log E, started from the linear form E_min / E + S_min / S = 1.
 
+    Args:
+        steps: each run's optimizer steps to the target.
+        tokens: each run's tokens to the target.
+
+    Returns:
+        The fit (S_min in steps, E_min in tokens).
+
     Raises:
         ValueError: fewer than 3 points, or non-positive or non-finite values.
+
+    Example:
+        With S_min = 1000 steps and E_min = 1e8 tokens, E(S) = 1e8 S / (S - 1000):
+
+        >>> steps = [1500, 2000, 3000, 5000]
+        >>> tokens = [3e8, 2e8, 1.5e8, 1.25e8]
+        >>> fit = fit_mccandlish(steps, tokens)
+        >>> round(fit.s_min, 1), round(fit.e_min), round(fit.b_crit)  # B_crit in tokens per step
+        (1000.0, 100000000, 100000)
     """
     steps, tokens = _points(steps, tokens, MCCANDLISH_MIN_RUNS, "fit_mccandlish")
     s_low = steps.min()
@@ -111,6 +132,15 @@ class WSDFit:
 
     ``points_per_segment``: how many fitted points fall in the hyperbolic, quadratic and linear
     parts; ``rms_log_residual``: root mean square of log(E / fitted E).
+
+    Example:
+        >>> import numpy as np
+        >>> law = WSDFit(s_min=1000, b_minus1=1e11, b_0=5.8e7, s_1=3000, c=2.0, s_opt=5000, e_min=1e8, s_2=8000,
+        ...              a_1=1e4, a_0=3.8e7, points_per_segment=(0, 0, 0), rms_log_residual=0.0)
+        >>> law.b_opt, law.b_min  # tokens per step
+        (20000.0, 10000.0)
+        >>> law.tokens([2000, 5000, 10_000]).tolist()  # one point in each part
+        [158000000.0, 100000000.0, 138000000.0]
     """
 
     s_min: float
@@ -170,8 +200,26 @@ def fit_wsd(steps, tokens) -> WSDFit:
     A_1 >= 0 follow from a non-negative least-squares fit of the relative residuals; those four
     positions are then searched on a grid and refined with Nelder-Mead.
 
+    Args:
+        steps: each run's optimizer steps to the target (8 runs or more).
+        tokens: each run's tokens to the target.
+
+    Returns:
+        The fit (steps in steps, E in tokens; ``WSDFit`` lists the units of the others).
+
     Raises:
         ValueError: fewer than 8 points (the fit's free parameters), or non-positive or non-finite values.
+
+    Example:
+        Eleven runs on an exact WSD law give it back:
+
+        >>> import numpy as np
+        >>> law = WSDFit(s_min=1000, b_minus1=1e11, b_0=5.8e7, s_1=3000, c=2.0, s_opt=5000, e_min=1e8, s_2=8000,
+        ...              a_1=1e4, a_0=3.8e7, points_per_segment=(0, 0, 0), rms_log_residual=0.0)
+        >>> steps = [1200, 1500, 2000, 2500, 3500, 4500, 5500, 6500, 9000, 10_000, 12_000]
+        >>> fit = fit_wsd(steps, law.tokens(steps))
+        >>> round(fit.b_opt), round(fit.b_min), fit.points_per_segment
+        (20000, 10000, (4, 4, 3))
     """
     steps, tokens = _points(steps, tokens, WSD_FREE_PARAMETERS, "fit_wsd")
     s_low, log_low, log_span = steps.min(), np.log(steps.min()), np.log(steps.max() / steps.min())
@@ -213,6 +261,7 @@ def fit_wsd(steps, tokens) -> WSDFit:
         )
         if best is None or result.fun < best.fun:
             best = result
+    assert best is not None  # the loop ran: there are 3 x 120 starts
     s_min, s_1, s_opt, s_2 = positions(best.x)
     (b_minus1, c, e_min, a_1), _ = solve(best.x)
     fitted = WSDFit(
@@ -245,6 +294,12 @@ class TargetFit:
     ``tokens_per_sample`` converts the fits' tokens per step to samples; when it is None (the runs
     log no batch in samples) ``b_crit``, ``b_min`` and ``b_opt`` stay in tokens per step and
     ``unit`` says so. A fit that could not be made is None and its batch sizes NaN.
+
+    Example:
+        >>> fit = TargetFit(target=2.5, crossings=(), tokens_per_sample=1000.0,
+        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> fit.unit, fit.b_crit, fit.b_opt  # 1e5 tokens per step / 1000 tokens per sample; no WSD fit
+        ('samples', 100.0, nan)
     """
 
     target: float
@@ -300,6 +355,29 @@ def fit_targets(
     a warning: a fit whose rms log residual exceeds ``POOR_FIT`` (5%; for McCandlish's, E(S) is
     probably not monotone) and a WSD fit with fewer than 2 runs in some part (B_min or B_opt rests
     on 1 run).
+
+    Args:
+        crossings: target loss (nats) -> the runs' crossings (``find_crossings``).
+        tokens_per_sample: the sequence length (``check_units``), for batch sizes in samples; None
+            leaves them in tokens per step.
+
+    Returns:
+        One ``TargetFit`` per target with at least 3 runs, highest target first.
+
+    Example:
+        Four runs reach loss 2.5, on McCandlish's law with B_crit = 1e5 tokens per step:
+
+        >>> import warnings
+        >>> from lit_cbs.analysis.curves import Crossing
+        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens)
+        >>> crossings = [Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000)) for i, (s, e) in enumerate(points)]
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     (fit,) = fit_targets({2.5: crossings}, tokens_per_sample=1000)
+        >>> round(fit.b_crit, 2), fit.wsd  # samples; 4 runs are too few for the WSD fit, which warns
+        (100.0, None)
+        >>> str(caught[0].message)
+        'target loss 2.5: 4 runs reach it (run0, run1, run2, run3); the WSD fit (B_min, B_opt) has 8 free ...'
     """
     fits = []
     for target in sorted(crossings, reverse=True):
@@ -344,6 +422,13 @@ def fit_targets(
     return fits
 
 
+def _e_min(fit: TargetFit) -> float:
+    """E_min (tokens) of a target fit that has a WSD fit."""
+    if fit.wsd is None:
+        raise RuntimeError(f"target loss {fit.target:g} has no WSD fit")
+    return fit.wsd.e_min
+
+
 def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
     """A batch schedule in tokens that follows B_opt (Zhou et al. 2026) as the loss falls.
 
@@ -354,8 +439,29 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     x world size) and never decrease (a smaller B_opt keeps the previous size, with a warning); a
     target whose E_min is not above the previous target's is dropped with a warning.
 
+    Args:
+        target_fits: the fits (``fit_targets``); those without a WSD fit are skipped.
+        multiple_of: every size is a multiple of it (samples).
+
+    Returns:
+        The schedule: sizes in samples, thresholds in tokens.
+
     Raises:
-        ValueError: no target has a WSD fit, or the batch is known only in tokens per step.
+        ValueError: no target has a WSD fit, the batch is known only in tokens per step, or
+            ``multiple_of`` is not a positive int.
+
+    Example:
+        B_opt is 20 samples at loss 3.0 (E_min 1e8 tokens) and 40 at loss 2.5:
+
+        >>> import dataclasses
+        >>> import numpy as np
+        >>> law = WSDFit(s_min=1000, b_minus1=1e11, b_0=5.8e7, s_1=3000, c=2.0, s_opt=5000, e_min=1e8, s_2=8000,
+        ...              a_1=1e4, a_0=3.8e7, points_per_segment=(0, 0, 0), rms_log_residual=0.0)
+        >>> fits = [TargetFit(3.0, (), 1000.0, None, law),
+        ...         TargetFit(2.5, (), 1000.0, None, dataclasses.replace(law, e_min=4e8, s_opt=10_000))]
+        >>> schedule = propose_schedule(fits, multiple_of=8)
+        >>> schedule.batch_sizes, schedule.thresholds  # 20 rounds to 16
+        ([16, 40], [0, 100000000])
     """
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
@@ -369,16 +475,16 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
         )
     kept: list[TargetFit] = []
     for fit in usable:
-        if kept and fit.wsd.e_min <= kept[-1].wsd.e_min:
+        if kept and _e_min(fit) <= _e_min(kept[-1]):
             warnings.warn(
-                f"target loss {fit.target:g}: E_min {fit.wsd.e_min:.4g} tokens is not above the previous target's "
-                f"({kept[-1].wsd.e_min:.4g}); target dropped from the schedule"
+                f"target loss {fit.target:g}: E_min {_e_min(fit):.4g} tokens is not above the previous target's "
+                f"({_e_min(kept[-1]):.4g}); target dropped from the schedule"
             )
             continue
         kept.append(fit)
     sizes: list[int] = []
     thresholds: list[int] = []
-    for starts_at, fit in zip([0.0] + [f.wsd.e_min for f in kept[:-1]], kept):
+    for starts_at, fit in zip([0.0] + [_e_min(f) for f in kept[:-1]], kept):
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
             warnings.warn(
@@ -407,7 +513,28 @@ def _comment_lines(comment: str) -> list[str]:
 
 
 def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
-    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule`` to ``schedule``."""
+    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule`` to ``schedule``.
+
+    Args:
+        schedule: the schedule (``propose_schedule``).
+        comment: lines written as YAML comments at the top.
+
+    Returns:
+        The YAML text.
+
+    Example:
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> print(schedule_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), comment="B_opt of 2 targets"))
+        # @package _global_
+        # B_opt of 2 targets
+        batch:
+          schedule:
+            _target_: lit_cbs.rules.batch_schedules.PiecewiseBatch
+            batch_sizes: [16, 40]
+            thresholds: [0, 100000000]
+            unit: tokens
+        <BLANKLINE>
+    """
     lines = [
         "# @package _global_",
         *_comment_lines(comment),
@@ -427,7 +554,29 @@ def batch_group_yaml(
     ``max_micro_batch_size`` (samples per rank): the micro-batch grows with the batch up to it, then
     the accumulation (``BatchWarmup``'s argument); None keeps the micro-batch at ``data.batch_size`` and
     grows the batch by accumulation alone. Required: a schedule read off one run should train with its
-    micro-batch growth (``batch/warmup.yaml`` has 64), not lose it by default."""
+    micro-batch growth (``batch/warmup.yaml`` has 64), not lose it by default.
+
+    Args:
+        schedule: the schedule (``propose_schedule``).
+        comment: lines written as YAML comments at the top.
+        lr_rule: the LR rule at each change (``lit_cbs.rules.scaling.get_lr_rule``'s names).
+        max_micro_batch_size: as above (samples per rank), or None.
+
+    Returns:
+        The YAML text.
+
+    Example:
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> print(batch_group_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), max_micro_batch_size=16))
+        schedule:
+          _target_: lit_cbs.rules.batch_schedules.PiecewiseBatch
+          batch_sizes: [16, 40]
+          thresholds: [0, 100000000]
+          unit: tokens
+        lr_rule: sqrt
+        max_micro_batch_size: 16
+        <BLANKLINE>
+    """
     lines = [
         *_comment_lines(comment),
         "schedule:",
@@ -439,7 +588,20 @@ def batch_group_yaml(
 
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike, comment: str = "") -> Path:
-    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``)."""
+    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``).
+
+    Returns:
+        ``path``, as a ``Path``.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = write_schedule_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), Path(folder, "b_opt.yaml"))
+        ...     path.name, path.read_text().splitlines()[0]
+        ('b_opt.yaml', '# @package _global_')
+    """
     path = Path(path)
     path.write_text(schedule_yaml(schedule, comment))
     return path

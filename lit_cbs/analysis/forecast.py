@@ -91,7 +91,12 @@ MIN_SPAN = 4.0  # largest / smallest token count of the readings
 
 @dataclasses.dataclass(frozen=True)
 class Bracket:
-    """The CBS at ``tokens`` lies in [``lower``, ``upper``] samples (``upper`` inf: no upper end)."""
+    """The CBS at ``tokens`` lies in [``lower``, ``upper``] samples (``upper`` inf: no upper end).
+
+    Example:
+        >>> Bracket(tokens=1e8, lower=64.0, upper=128.0, run="run")
+        Bracket(tokens=100000000.0, lower=64.0, upper=128.0, run='run', determined=True)
+    """
 
     tokens: float
     lower: float
@@ -121,8 +126,28 @@ def supported_interval(
     a guess. A reading without per-batch losses keeps its own bracket when determined, and an
     undetermined one without them supports only [smallest k B, no upper end).
 
+    Args:
+        reading: one probe reading.
+        where: names the reading in messages.
+        epsilon: the k* rule's tolerance (nats) for a reading that does not hold its own.
+
+    Returns:
+        ``(lower, upper)`` in samples; ``upper`` is ``math.inf`` where nothing bounds the CBS from above.
+
     Raises:
         LitCBSConfigError: the reading needs an epsilon it does not hold and ``epsilon`` is None.
+        ValueError: the reading lacks a batch size or losses.
+
+    Example:
+        >>> from lit_cbs.probe.reading import ProbeReading
+        >>> def reading(tokens, cbs_lower, cbs_upper):  # a determined train_ema reading at B = 32 samples
+        ...     return ProbeReading(
+        ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
+        ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0, "4": 3.1}, main_loss=3.0,
+        ...         branches_trained=[2.0, 4.0], failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower,
+        ...         cbs_upper=cbs_upper, cbs_estimate=cbs_lower, tokens_spent=0, overhead=0.0)
+        >>> supported_interval(reading(10**8, 64, 128))  # no per-batch losses: its own bracket
+        (64.0, 128.0)
     """
     batch = _number(reading, "batch_size", where)
     if not isinstance(reading.losses, dict) or not reading.losses:
@@ -155,7 +180,29 @@ def brackets_from_records(
 
     Raises ValueError naming the reading for one that is not a ``ProbeReading`` or lacks tokens, batch_size or
     losses, or readings of different seq_len (a CBS in samples means another number of tokens at another
-    length); a ``LitCBSConfigError`` for a reading that needs an epsilon when none is given."""
+    length); a ``LitCBSConfigError`` for a reading that needs an epsilon when none is given.
+
+    Args:
+        readings: one run's probe readings (``read_readings``).
+        run: the run's name, kept in each bracket.
+        epsilon: the k* rule's tolerance (nats) for readings that do not hold their own.
+
+    Returns:
+        The brackets (samples), sorted by tokens.
+
+    Example:
+        >>> from lit_cbs.probe.reading import ProbeReading
+        >>> def reading(tokens, cbs_lower, cbs_upper):  # a determined train_ema reading at B = 32 samples
+        ...     return ProbeReading(
+        ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
+        ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0, "4": 3.1}, main_loss=3.0,
+        ...         branches_trained=[2.0, 4.0], failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower,
+        ...         cbs_upper=cbs_upper, cbs_estimate=cbs_lower, tokens_spent=0, overhead=0.0)
+        >>> for bracket in brackets_from_records([reading(4 * 10**8, 128, None), reading(10**8, 64, 128)], run="a"):
+        ...     print(bracket.tokens, bracket.lower, bracket.upper)
+        100000000.0 64.0 128.0
+        400000000.0 128.0 inf
+    """
     brackets, seq_lens = [], set()
     for number, reading in enumerate(readings, start=1):
         where = f"{run}: reading {number}"
@@ -270,8 +317,8 @@ def _laplace_covariance(log_posterior, mode: np.ndarray, step: float = 1e-3) -> 
     for i in range(size):
         for j in range(size):
             corners = [mode + si * offsets[i] + sj * offsets[j] for si, sj in ((1, 1), (1, -1), (-1, 1), (-1, -1))]
-            values = [-float(log_posterior(corner)) for corner in corners]
-            hessian[i, j] = (values[0] - values[1] - values[2] + values[3]) / (4 * step * step)
+            costs = [-float(log_posterior(corner)) for corner in corners]
+            hessian[i, j] = (costs[0] - costs[1] - costs[2] + costs[3]) / (4 * step * step)
     values, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
     return (vectors / np.maximum(values, 1 / 9)) @ vectors.T
 
@@ -306,6 +353,16 @@ class CBSForecast:
     of ``d0`` tokens and a, c, the CBS in samples. ``heldout_log_likelihood``: per model, the summed
     log likelihood of each left-out run's (or reading's) brackets under the fit to the rest.
     ``band_draws``: the posterior draws of the parameters the band mixes over.
+
+    Example:
+        >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")  # CBS = 64 (D / 1e8)^0.5
+        ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
+        >>> forecast = forecast_cbs(brackets, model="power")
+        >>> forecast.model, round(forecast.exponent, 2), forecast.plateau
+        ('power', 0.49, None)
+        >>> low, high = forecast.band(2.56e10)  # 4x past the last reading
+        >>> bool(low[0] < forecast.predict(2.56e10) < high[0]), forecast.covers(brackets[0])
+        (True, True)
     """
 
     model: str
@@ -332,14 +389,28 @@ class CBSForecast:
         return math.exp(self.params[2])
 
     def predict(self, tokens) -> np.ndarray:
-        """The fitted CBS (samples) at ``tokens`` (a number or an array): the posterior mode's curve."""
+        """The fitted CBS (samples) at ``tokens`` (a number or an array): the posterior mode's curve.
+
+        Args:
+            tokens: token counts D (a number or an array).
+
+        Returns:
+            The CBS in samples, an array of the shape of ``tokens``.
+        """
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
         return np.exp(_curve(np.asarray(self.params), log_d, self.model))
 
     def band(self, tokens) -> tuple[np.ndarray, np.ndarray]:
         """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read
         there given the readings (posterior predictive): quantiles of the mixture, over the posterior
-        draws, of each draw's normal spread s around its curve. It widens with the distance from the readings."""
+        draws, of each draw's normal spread s around its curve. It widens with the distance from the readings.
+
+        Args:
+            tokens: token counts D (a number or an array).
+
+        Returns:
+            ``(low, high)``: arrays of samples, one entry per token count.
+        """
         log_d = np.log(np.atleast_1d(np.asarray(tokens, dtype=float)) / self.d0)
         curves = _curve(self.band_draws, log_d, self.model)  # [draws, D]
         spreads = np.exp(self.band_draws[:, 2])[:, None]
@@ -352,6 +423,8 @@ class CBSForecast:
         return bool(low[0] <= bracket.upper and high[0] >= bracket.lower)
 
     def describe(self) -> str:
+        """One line for logs and reports: the model, the readings it was fitted on, the curve (samples against
+        tokens), the spread of log CBS and the band's coverage."""
         runs = sorted({b.run for b in self.brackets})
         shape = f"CBS = {math.exp(self.params[0]):.4g} x (D / {self.d0:.4g})^{self.exponent:.3f} samples"
         if self.model == "plateau":
@@ -397,6 +470,29 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
     ``seed``: of the posterior's importance sampling (the band's draws). Raises ValueError for fewer
     than 2 token counts, a bad bracket or argument, naming it; warns once where the readings cannot
     test the curve's shape (fewer than ``MIN_TOKEN_COUNTS`` token counts, or a span under ``MIN_SPAN``).
+
+    Args:
+        brackets: the readings' brackets (samples), of one run or several.
+        model: ``"power"``, ``"plateau"`` or ``"auto"``.
+        coverage: the band's probability, in (0, 1).
+        seed: of the posterior's importance sampling.
+
+    Returns:
+        The forecast: the curve (samples against tokens) and its band.
+
+    Raises:
+        ValueError: as above.
+
+    Example:
+        Brackets around CBS = 64 (D / 1e8)^0.5 samples, a factor of 2 wide:
+
+        >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")  # CBS = 64 (D / 1e8)^0.5
+        ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
+        >>> forecast = forecast_cbs(brackets)
+        >>> forecast.model, round(forecast.exponent, 2)
+        ('power', 0.49)
+        >>> forecast.predict([1e8, 6.4e9]).round().tolist()  # samples, inside [48, 96] and [384, 768]
+        [69.0, 531.0]
     """
     if model not in (*MODELS, "auto"):
         raise ValueError(f"model={model!r} must be one of {(*MODELS, 'auto')}")

@@ -11,6 +11,7 @@ import os
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
@@ -36,7 +37,32 @@ def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
 
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
     """E (tokens) vs S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed)
-    and the WSD fit (solid) where it was made."""
+    and the WSD fit (solid) where it was made.
+
+    Args:
+        target_fits: the fits (``fit_targets``).
+        path: where the PNG goes (its folder is created).
+
+    Returns:
+        The PNG's path.
+
+    Raises:
+        ValueError: no fits.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lit_cbs.analysis.curves import Crossing
+        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
+        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens) of 4 runs
+        >>> crossings = tuple(Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000))
+        ...                   for i, (s, e) in enumerate(points))
+        >>> fit = TargetFit(2.5, crossings, tokens_per_sample=1000.0,
+        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     plot_es([fit], Path(folder, "es.png")).name
+        'es.png'
+    """
     if not target_fits:
         raise ValueError("no target fits to plot")
     figure = Figure(figsize=(7, 5))
@@ -74,8 +100,32 @@ def plot_batch_sizes(
     ``compared`` (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each
     target loss to the left panel.
 
+    Args:
+        target_fits: the fits (``fit_targets``).
+        path: where the PNG goes (its folder is created).
+        probe: the probe's readings, drawn as brackets over tokens.
+        gns_runs: runs whose logged noise scale is drawn over tokens.
+        compared: ``side_by_side``'s rows.
+
+    Returns:
+        The PNG's path.
+
     Raises:
         ValueError: no fits, or probe/noise-scale data (samples) with fits known only in tokens per step.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lit_cbs.analysis.curves import Crossing
+        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
+        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens) of 4 runs
+        >>> crossings = tuple(Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000))
+        ...                   for i, (s, e) in enumerate(points))
+        >>> fit = TargetFit(2.5, crossings, tokens_per_sample=1000.0,
+        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     plot_batch_sizes([fit], Path(folder, "batch_sizes.png")).name
+        'batch_sizes.png'
     """
     if not target_fits:
         raise ValueError("no target fits to plot")
@@ -92,19 +142,19 @@ def plot_batch_sizes(
     # B_crit filled where McCandlish's E(S) fits, hollow where it misses (fit_targets warns about those).
     reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     unreliable = [f.mccandlish is not None and not ok for f, ok in zip(target_fits, reliable)]
-    series = (
+    series: tuple[tuple[str, str, list[float], list[float], dict[str, Any]], ...] = (
         (
             f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
             "o--",
             [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
-            [f.mccandlish.e_min if ok else np.nan for f, ok in zip(target_fits, reliable)],
+            [f.mccandlish.e_min if ok and f.mccandlish else np.nan for f, ok in zip(target_fits, reliable)],
             {},
         ),
         (
             f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
             "o:",
             [f.b_crit if bad else np.nan for f, bad in zip(target_fits, unreliable)],
-            [f.mccandlish.e_min if bad else np.nan for f, bad in zip(target_fits, unreliable)],
+            [f.mccandlish.e_min if bad and f.mccandlish else np.nan for f, bad in zip(target_fits, unreliable)],
             {"markerfacecolor": "none"},  # hollow: a poor fit
         ),
         (
@@ -122,8 +172,8 @@ def plot_batch_sizes(
             {},
         ),
     )
-    for label, style, sizes, tokens, marker in series:
-        sizes, tokens = np.array(sizes, dtype=float), np.array(tokens, dtype=float)
+    for label, style, size_list, token_list, marker in series:
+        sizes, tokens = np.array(size_list, dtype=float), np.array(token_list, dtype=float)
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
@@ -140,12 +190,12 @@ def plot_batch_sizes(
                 color="tab:gray",
                 label="noise scale B_simple (median of runs at the target)",
             )
-        rows = [row for row in compared if row.probe is not None]
-        for i, row in enumerate(rows):
-            top = row.probe.cbs_upper if row.probe.cbs_upper is not None else row.probe.cbs_lower * 2
+        brackets = [(row.target, row.probe) for row in compared if row.probe is not None]
+        for i, (target, reading) in enumerate(brackets):
+            top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
             by_loss.vlines(
-                row.target,
-                row.probe.cbs_lower,
+                target,
+                reading.cbs_lower,
                 top,
                 color="k",
                 lw=3,
@@ -176,8 +226,8 @@ def plot_batch_sizes(
                 label="CBS probe (>= lower)",
             )
     for i, run in enumerate(gns_runs):
-        label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
-        by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=label)
+        run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
+        by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
     by_loss.invert_xaxis()  # training moves to lower losses
     by_loss.set_xlabel("target loss (training goes right)")
     by_tokens.set_xscale("log")
@@ -200,7 +250,27 @@ def plot_forecast(
     """The brackets a ``CBSForecast`` was fitted on (a bar per reading from lower to upper, dashed when
     undetermined, an arrow when it has no upper end), the fitted curve and its band, out to
     ``tokens_to`` (default: the last reading); with ``noise_scale`` = (tokens, B_simple), the
-    gradient noise scale over tokens beside it. Log-log."""
+    gradient noise scale over tokens beside it. Log-log.
+
+    Args:
+        forecast: the ``CBSForecast`` (``forecast_cbs``).
+        path: where the PNG goes (its folder is created).
+        tokens_to: how far (tokens) to draw the curve and band.
+        noise_scale: (tokens, B_simple in samples) of a run, or None.
+
+    Returns:
+        The PNG's path.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from lit_cbs.analysis.forecast import Bracket, forecast_cbs
+        >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")
+        ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     plot_forecast(forecast_cbs(brackets, model="power"), Path(folder, "forecast.png"), tokens_to=2e10).name
+        'forecast.png'
+    """
     brackets = forecast.brackets
     last = max(b.tokens for b in brackets)
     end = max(tokens_to or last, last)

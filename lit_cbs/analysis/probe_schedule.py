@@ -30,7 +30,24 @@ def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
     the recipe run in ``run_dir`` saved (``RUN_CONFIGS``, in that order), and the file it came from; None
     where no such file holds the key or its value cannot be resolved there. A key set to null gives None
     as its value. For what a probe file's readings do not say (written by an earlier version), or what the
-    run that wrote them trained with."""
+    run that wrote them trained with.
+
+    Args:
+        run_dir: the recipe run's folder.
+        key: a dotted key of its configuration.
+
+    Returns:
+        ``(value, path of the file it came from)``, or None.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     _ = Path(folder, "resolved_config.yaml").write_text("callbacks: {cbs_probe: {epsilon: 0.01}}")
+        ...     value, path = run_config_value(folder, "callbacks.cbs_probe.epsilon")
+        ...     value, path.name, run_config_value(folder, "data.seq_len")
+        (0.01, 'resolved_config.yaml', None)
+    """
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationResolutionError
 
@@ -104,6 +121,24 @@ def schedule_from_probe(
         ValueError: an empty or unreadable file, a reading without a number ``tokens`` or ``cbs_lower``,
             ``start < 1``, ``factor < 2``, ``final`` below ``start`` or off its ladder, ``margin < 1``,
             or a sequence length missing or not a positive int; the message names the field.
+
+    Returns:
+        The schedule: sizes in samples, thresholds in tokens.
+
+    Example:
+        CBS lower bounds of 40, 70 and 140 samples at 0.1B, 0.4B and 0.8B tokens, from a batch of 32:
+
+        >>> from lit_cbs.probe.reading import ProbeReading
+        >>> def reading(tokens, cbs_lower):  # a determined reading at B = 32 samples
+        ...     return ProbeReading(
+        ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
+        ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0}, main_loss=3.0, branches_trained=[2.0],
+        ...         failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower, cbs_upper=None, cbs_estimate=cbs_lower,
+        ...         tokens_spent=0, overhead=0.0)
+        >>> readings = [reading(10**8, 40), reading(4 * 10**8, 70), reading(8 * 10**8, 140)]
+        >>> schedule = schedule_from_probe(readings, start=32, final=128)
+        >>> schedule.batch_sizes, schedule.thresholds  # 64 once 64 <= 70, 128 once 128 <= 140
+        ([32, 64, 128], [0, 400000000, 800000000])
     """
     _check_count("start", start, 1, "the first global batch, samples")
     _check_count("factor", factor, 2, "the ratio between consecutive batch sizes; BatchWarmup needs a whole ratio")
@@ -146,12 +181,12 @@ def schedule_from_probe(
                 f"{where}: seq_len={read_at} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it"
             )
         measured = read_at if read_at is not None else measured_seq_len
-        if seq_len is not None and measured is None:
-            raise ValueError(
-                f"seq_len={seq_len} needs the measured run's sequence length: pass measured_seq_len "
-                "(data.seq_len of the run that wrote the probe readings)"
-            )
         if seq_len is not None:
+            if measured is None:
+                raise ValueError(
+                    f"seq_len={seq_len} needs the measured run's sequence length: pass measured_seq_len "
+                    "(data.seq_len of the run that wrote the probe readings)"
+                )
             lower = lower * measured / seq_len
         lowest_at[tokens] = min(lower, lowest_at.get(tokens, math.inf))
     if skipped == len(readings):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -95,6 +95,20 @@ class GradientNoiseScale(Callback):
         num_updates: optimizer steps measured so far.
         group_names: the measured groups in the order of ``NoiseMeasurement``'s entries (set when
             the fit starts); ``None`` stands for the parameters in no group.
+
+    Raises:
+        LitCBSConfigError: both ``config`` and keyword fields, an unknown field, or an invalid setting
+            (``GNSConfig``); when the fit starts, a strategy other than single-device or DDP, manual
+            optimization, or a run with a single batch size to compare (see above).
+
+    Example:
+        >>> callback = GradientNoiseScale(groups="blocks", ema_decay=0.95)  # Trainer(callbacks=[callback])
+        >>> callback.config.groups, callback.b_simple, callback.num_updates
+        ('blocks', None, 0)
+        >>> GradientNoiseScale(ema_decay=1.0)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: ema_decay=1.0 must be a float in [0, 1) (decay per optimizer step)
     """
 
     def __init__(self, config: GNSConfig | None = None, **kwargs: Any):
@@ -177,11 +191,13 @@ class GradientNoiseScale(Callback):
             self._check_restored_groups()
             self._averages.to(self._device)
         self._restart_sums()
-        if self.config.per_example:
+        per_example_loss = self.config.per_example_loss
+        if per_example_loss is not None:  # config.per_example
             self._named_params = {f"module.{n}": p for n, p in pl_module.named_parameters() if p in self._group_of}
-            self._loss_module = _LossOfBatch(pl_module, self.config.per_example_loss)
+            self._loss_module = _LossOfBatch(pl_module, per_example_loss)
         elif isinstance(trainer.strategy, DDPStrategy):
-            self._register_comm_hook(trainer.strategy.model)
+            # Lightning types the strategy's model as a Module; once the fit starts DDPStrategy has wrapped it.
+            self._register_comm_hook(cast(DistributedDataParallel, trainer.strategy.model))
 
     @staticmethod
     def _accumulation_will_exceed_one(trainer: pl.Trainer) -> bool:
@@ -192,7 +208,7 @@ class GradientNoiseScale(Callback):
         if trainer.accumulate_grad_batches > 1:
             return True
         ranks = BatchAccounting.attach(trainer).data_parallel_size
-        for callback in trainer.callbacks:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
             # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
             if isinstance(callback, BatchWarmup) and any(
                 size // (callback.micro_batch_for(size) * ranks) > 1
@@ -227,6 +243,20 @@ class GradientNoiseScale(Callback):
             self._pending_small = self._per_example_grad_sq(batch)
 
     @property
+    def _step_sums(self) -> StepSums:
+        """What this step's micro-batches add up to so far (``on_fit_start`` creates them)."""
+        if self._sums is None:
+            raise RuntimeError("GradientNoiseScale: on_fit_start has not run, so there are no step sums to add to")
+        return self._sums
+
+    @property
+    def _noise_averages(self) -> NoiseAverages:
+        """The running averages (``on_fit_start`` creates them, or a checkpoint restores them)."""
+        if self._averages is None:
+            raise RuntimeError("GradientNoiseScale: on_fit_start has not run, so there are no averages to update")
+        return self._averages
+
+    @property
     def _in_branch(self) -> bool:
         """A CBS probe's branch runs: its gradients, hooks and steps are not the main run's."""
         return self._accounting is not None and self._accounting.in_branch
@@ -248,12 +278,12 @@ class GradientNoiseScale(Callback):
         b = float(self._micro_batch_size)
         if not b:  # no sample (an epoch's last round left this rank none): no gradient of its own to measure
             self._hook_grad_sq = None
-            self._sums.add_micro_batch(b)
+            self._step_sums.add_micro_batch(b)
             return
         if self.config.per_example:
-            self._sums.add_small_batches(
-                self._pending_small, count=b, inverse_size_sum=b
-            )  # b samples, each a batch of 1
+            pending = self._pending_small
+            assert pending is not None  # on_train_batch_start measured this micro-batch (it has b > 0 samples)
+            self._step_sums.add_small_batches(pending, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
         else:
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
@@ -261,10 +291,10 @@ class GradientNoiseScale(Callback):
                 more_follow = should_accumulate(trainer)
                 grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), keep=more_follow)
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
-            self._sums.add_small_batches(
+            self._step_sums.add_small_batches(
                 grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b
             )
-        self._sums.add_micro_batch(b)
+        self._step_sums.add_micro_batch(b)
 
     def _micro_batch_grad_sq(self, params_and_grads, keep: bool) -> torch.Tensor:
         """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
@@ -272,7 +302,10 @@ class GradientNoiseScale(Callback):
         Fused over the parameters (torch's ``_foreach_*`` kernels): per-parameter kernels cost more than the
         arithmetic on a small model.
         """
-        held, fresh = [], []  # (param, grad): with a copy of the gradient before this backward, or the first one
+        held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad)
+        fresh: list[
+            tuple[torch.Tensor, torch.Tensor]
+        ] = []  # (param, grad): with a copy of the gradient before this backward, or the first one
         for param, grad in params_and_grads:
             if grad is not None:
                 (held if param in self._held else fresh).append((param, grad))
@@ -361,7 +394,7 @@ class GradientNoiseScale(Callback):
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         if self._in_branch:
             return
-        sums = self._sums
+        sums = self._step_sums
         self._restart_sums()
         if not self.config.per_example and self._world_size * sums.micro_batches < 2:
             if not self._said_unmeasured:  # one micro-batch on one process: no second batch size this step
@@ -377,8 +410,8 @@ class GradientNoiseScale(Callback):
                     f"which leaves no smaller batch to compare with, so steps like it are not measured ({why})"
                 )
             return
-        params = [param for param in self._group_of if param.grad is not None]
-        big_grad_sq = self._group_squared_norms(params, [param.grad for param in params])
+        with_grads = [(param, param.grad) for param in self._group_of if param.grad is not None]
+        big_grad_sq = self._group_squared_norms([param for param, _ in with_grads], [grad for _, grad in with_grads])
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and not self.config.per_example:
             sums.unscale(scaler.get_scale())  # micro-batch gradients were read before unscaling
@@ -387,7 +420,7 @@ class GradientNoiseScale(Callback):
         # measurement rescales it to the mean over its micro-batches.
         averaged_over = trainer.accumulate_grad_batches * self._world_size
         self.last_measurement = sums.measurement(big_grad_sq, reduce, averaged_over)
-        if not self._averages.update(self.last_measurement):
+        if not self._noise_averages.update(self.last_measurement):
             return  # an AMP overflow: the optimizer skips this step, the averages skip it too
         self._stepped = True
 

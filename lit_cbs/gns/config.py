@@ -19,7 +19,21 @@ class GNSConfig:
 
     A setting it cannot measure with raises ``LitCBSConfigError`` naming the field, before any
     training. ``GradientNoiseScale(**fields)`` builds one, so a Hydra config lists the fields as flat
-    keys. What each mode costs and when to pick it: docs/guides/gns_cost.md.
+    keys. What each mode costs and when to pick it: docs/guides/gns_cost.md. Each field's docstring
+    below gives its meaning, unit and default.
+
+    Raises:
+        LitCBSConfigError: ``ema_decay`` outside [0, 1), a ``per_example_loss`` that is not callable, a
+            ``per_example_chunk_size`` that is not a positive int or comes without ``per_example_loss``,
+            or ``groups`` neither None, a preset nor a dict of valid regexes.
+
+    Example:
+        >>> GNSConfig(groups="blocks")
+        GNSConfig(ema_decay=0.99, groups='blocks', per_example_loss=None, per_example_chunk_size=None)
+        >>> GNSConfig(per_example_chunk_size=8)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: per_example_chunk_size only applies to per-example mode: ...
     """
 
     ema_decay: float = 0.99

@@ -42,6 +42,23 @@ def two_batch_estimates(
     many small batches were measured), ``big_grad_sq`` is |G_big|^2; batch sizes in samples, with
     ``small_batch_size < big_batch_size``. For unequal micro-batches use the effective sizes
     1 / E[1/b] that make E|G_b|^2 = |G|^2 + tr(Sigma) / b hold (see ``StepSums``).
+
+    Args:
+        small_grad_sq: |G_small|^2, squared gradient norm at the small batch (per group when a tensor).
+        big_grad_sq: |G_big|^2, squared gradient norm at the big batch.
+        small_batch_size: the small batch (samples, effective).
+        big_batch_size: the big batch (samples, effective), larger than ``small_batch_size``.
+
+    Returns:
+        ``(|G|^2, tr(Sigma))``: the true gradient's squared norm and the per-sample gradient covariance's
+        trace (squared gradient norm per sample), of the type of the inputs; B_simple is their ratio
+        tr(Sigma) / |G|^2 (samples).
+
+    Example:
+        With |G|^2 = 1 and tr(Sigma) = 8: E|G_2|^2 = 1 + 8/2 = 5 and E|G_8|^2 = 1 + 8/8 = 2.
+
+        >>> two_batch_estimates(5.0, 2.0, small_batch_size=2, big_batch_size=8)
+        (1.0, 8.0)
     """
     inv_small, inv_big = 1.0 / small_batch_size, 1.0 / big_batch_size
     trace_sigma = (small_grad_sq - big_grad_sq) / (inv_small - inv_big)
@@ -68,6 +85,20 @@ class NoiseMeasurement:
     ``big_batch_size``: effective sizes in samples (1 / E[1/b] for the small batches,
     M^2 / sum(1/b_i) over the step's M micro-batches for the big one); ``grad_sq`` and
     ``trace_sigma``: this step's unbiased estimates before averaging.
+
+    Example:
+        A step of 4 micro-batches of 2 samples, each with squared norm 5, whose mean has squared norm 2:
+
+        >>> import torch
+        >>> sums = StepSums(groups=1, device=torch.device("cpu"))
+        >>> for _ in range(4):
+        ...     sums.add_small_batches(torch.tensor([5.0]), count=1.0, inverse_size_sum=1 / 2)
+        ...     sums.add_micro_batch(2)
+        >>> measurement = sums.measurement(big_grad_sq=torch.tensor([2.0]))
+        >>> measurement.small_batch_size, measurement.big_batch_size
+        (2.0, 8.0)
+        >>> measurement.grad_sq.tolist(), measurement.trace_sigma.tolist()
+        ([1.0], [8.0])
     """
 
     small_grad_sq: torch.Tensor
@@ -144,6 +175,25 @@ class NoiseAverages:
     """Per group, exponential moving averages of |G|^2 and tr(Sigma) over optimizer steps, bias-corrected when read.
 
     ``decay`` is the EMA's decay per measured step, in [0, 1); ``updates`` counts the steps averaged.
+
+    Args:
+        decay: the EMAs' decay per measured optimizer step, in [0, 1).
+        grad_sq: the EMA of |G|^2 per group, not bias-corrected (squared gradient norm).
+        trace_sigma: the EMA of tr(Sigma) per group, not bias-corrected (squared gradient norm per sample).
+        updates: the steps averaged so far.
+
+    Example:
+        >>> import torch
+        >>> averages = NoiseAverages.zeros(decay=0.9, groups=1, device=torch.device("cpu"))
+        >>> averages.b_simple is None
+        True
+        >>> step = NoiseMeasurement(
+        ...     small_grad_sq=torch.tensor([5.0]), big_grad_sq=torch.tensor([2.0]), small_batch_size=2.0,
+        ...     big_batch_size=8.0, grad_sq=torch.tensor([1.0]), trace_sigma=torch.tensor([8.0]))
+        >>> averages.update(step), round(averages.b_simple, 4)
+        (True, 8.0)
+        >>> {name: round(value, 4) for name, value in averages.metrics([None]).items()}
+        {'gns/b_simple': 8.0, 'gns/trace_sigma': 8.0, 'gns/grad_sq': 1.0}
     """
 
     def __init__(self, decay: float, grad_sq: torch.Tensor, trace_sigma: torch.Tensor, updates: int = 0):

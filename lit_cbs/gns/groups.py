@@ -38,6 +38,25 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     ``model.lm.lm_head.weight`` -> ``lm_head``). Blocks of a later stack keep its path below the
     first stack's parent (``decoder.block0``), so two stacks never share a group. Groups come in
     the order of ``names``.
+
+    Args:
+        names: the trained parameters' names (``named_parameters()`` of the LightningModule).
+        stacks: the dotted paths of the model's block stacks, the first the main one.
+
+    Returns:
+        Group name -> the parameter names in it.
+
+    Raises:
+        LitCBSConfigError: ``stacks`` is empty (the model has no stack of blocks).
+
+    Example:
+        >>> names = ["model.embedding.weight", "model.blocks.0.attn.weight", "model.blocks.0.mlp.weight",
+        ...          "model.blocks.1.attn.weight", "model.norm.weight", "model.lm_head.weight"]
+        >>> groups = block_groups(names, stacks=["model.blocks"])
+        >>> list(groups)
+        ['embedding', 'block0', 'block1', 'norm', 'lm_head']
+        >>> groups["block0"]
+        ['model.blocks.0.attn.weight', 'model.blocks.0.mlp.weight']
     """
     if not stacks:
         raise LitCBSConfigError(
@@ -80,6 +99,22 @@ def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[s
 
     Every group must match a parameter and no parameter two groups; names matched by none are in
     no group (they count in the whole-model metrics only).
+
+    Args:
+        patterns: group name -> compiled regex over parameter names.
+        names: the trained parameters' names (``named_parameters()`` of the LightningModule).
+
+    Returns:
+        Group name -> the parameter names in it, in the order of ``patterns``.
+
+    Raises:
+        LitCBSConfigError: a parameter matched by two groups, or a group that matches none.
+
+    Example:
+        >>> import re
+        >>> names = ["model.blocks.0.attn.weight", "model.blocks.0.mlp.weight", "model.blocks.1.attn.weight"]
+        >>> regex_groups({"attn": re.compile("attn"), "mlp": re.compile("mlp")}, names)
+        {'attn': ['model.blocks.0.attn.weight', 'model.blocks.1.attn.weight'], 'mlp': ['model.blocks.0.mlp.weight']}
     """
     groups: dict[str, list[str]] = {group: [] for group in patterns}
     for name in names:
@@ -152,7 +187,9 @@ def assign_groups(
     if groups == "blocks":
         members = block_groups(names, layer_stacks(module))
     else:
-        members = regex_groups(compiled_groups(groups), names)
+        patterns = compiled_groups(groups)
+        assert patterns is not None  # a dict of regexes here: compiled_groups returns None for None and the presets
+        members = regex_groups(patterns, names)
     group_names: list[str | None] = list(members)
     group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
     if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete

@@ -39,7 +39,14 @@ def _check_consumed(consumed) -> None:
 def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_size: int) -> int:
     """The micro-batch (samples per rank) BatchWarmup trains ``global_batch`` with when it grows the
     micro-batch: the largest divisor of a rank's share (global batch / ranks) up to
-    ``max_micro_batch_size``; the accumulation makes up the rest."""
+    ``max_micro_batch_size``; the accumulation makes up the rest.
+
+    Example:
+        >>> micro_batch_for(96, data_parallel_size=2, max_micro_batch_size=16)  # 48 per rank: 3 rounds of 16
+        16
+        >>> micro_batch_for(80, data_parallel_size=2, max_micro_batch_size=16)  # 40 per rank: 4 rounds of 10
+        10
+    """
     share = global_batch // data_parallel_size
     return max(m for m in range(1, min(max_micro_batch_size, share) + 1) if share % m == 0)
 
@@ -72,7 +79,20 @@ class BatchSchedule(ABC):
 
 
 class ConstantBatch(BatchSchedule):
-    """The same global batch (samples) throughout: the control run, with BatchWarmup's logging."""
+    """The same global batch (samples) throughout: the control run, with BatchWarmup's logging.
+
+    Args:
+        batch_size: the global batch (samples).
+        unit: what ``consumed`` counts: ``"samples"`` or ``"tokens"``.
+
+    Raises:
+        LitCBSConfigError: ``batch_size`` is not a positive int, or ``unit`` is unknown.
+
+    Example:
+        >>> schedule = ConstantBatch(256)
+        >>> schedule.batch_size(1_000_000), schedule.sizes(), schedule.is_constant
+        (256, [256], True)
+    """
 
     def __init__(self, batch_size: int, unit: str = "samples"):
         self.size = _check_positive_int("batch_size", batch_size)
@@ -92,6 +112,23 @@ class PiecewiseBatch(BatchSchedule):
     ``thresholds`` are in ``unit`` (samples or tokens), start at 0 and strictly increase. Covers
     the doubling schedule of Merrill et al. 2025 (1024 -> 2048 at 168B tokens -> 4096 at 503B
     tokens) and Qwen3-style growth (Zhou et al. 2026: 2M -> 4M -> 5M -> 6M tokens per batch).
+
+    Args:
+        batch_sizes: the global batch (samples) of each phase.
+        thresholds: where each phase starts (``unit``); 0 first, strictly increasing, one per batch size.
+        unit: what ``thresholds`` and ``consumed`` count: ``"tokens"`` or ``"samples"``.
+
+    Raises:
+        LitCBSConfigError: no batch sizes, a size that is not a positive int, a threshold count that does
+            not match, a first threshold other than 0, thresholds that do not strictly increase, or an
+            unknown ``unit``.
+
+    Example:
+        Merrill et al. 2025's doubling schedule:
+
+        >>> schedule = PiecewiseBatch([1024, 2048, 4096], [0, 168_000_000_000, 503_000_000_000])
+        >>> schedule.batch_size(200_000_000_000), schedule.sizes(200_000_000_000)
+        (2048, [2048, 4096])
     """
 
     def __init__(self, batch_sizes: Sequence[int], thresholds: Sequence[int], unit: str = "tokens"):
@@ -152,6 +189,19 @@ class Seesaw(PiecewiseBatch):
         max_batch_size: the batch cap (samples); growth stops at the largest start x factor**j at or below it.
         factor: how much the LR falls per growth, and the batch grows (2: Seesaw's halving).
         total_tokens: where to stop looking for the decay; default ``lr_schedule.total_tokens``.
+
+    Raises:
+        LitCBSConfigError: ``lr_schedule`` is not callable or rises again after its warmup, ``start`` or
+            ``max_batch_size`` is not a positive int, ``factor`` is not an int >= 2, ``max_batch_size`` is
+            below ``start * factor``, there is no ``total_tokens``, or the LR never falls to 1 / ``factor``.
+
+    Example:
+        A cosine over 1M tokens falls to 1/2 of its peak at half the run, to 1/4 later:
+
+        >>> from lit_cbs.rules.lr_schedules import CosineSchedule
+        >>> schedule = Seesaw(CosineSchedule(warmup_tokens=0, total_tokens=1_000_000), start=64, max_batch_size=256)
+        >>> schedule.batch_sizes, schedule.thresholds
+        ([64, 128, 256], [0, 535441, 732280])
     """
 
     def __init__(self, lr_schedule, start: int, max_batch_size: int, factor: int = 2, total_tokens: int | None = None):
@@ -218,6 +268,24 @@ class LinearRamp(BatchSchedule):
     ``final`` once more than ``ramp`` was consumed. The same float arithmetic as Megatron-LM, so
     both switch at the same sample. Megatron counts samples; ``unit="tokens"`` reads ``ramp`` in
     tokens instead.
+
+    Args:
+        start: the first global batch (samples).
+        increment: the batch's growth at each step of the ramp (samples).
+        ramp: how much is consumed (``unit``) until the batch reaches ``final``.
+        final: the global batch (samples) after the ramp; ``final - start`` a multiple of ``increment``.
+        unit: what ``ramp`` and ``consumed`` count: ``"samples"`` or ``"tokens"``.
+
+    Raises:
+        LitCBSConfigError: a size or ``ramp`` that is not a positive int, ``final <= start``, ``final -
+            start`` not a multiple of ``increment``, or an unknown ``unit``.
+
+    Example:
+        >>> schedule = LinearRamp(start=32, increment=32, ramp=3000, final=128)
+        >>> [schedule.batch_size(consumed) for consumed in (0, 999, 1000, 2999, 3001)]
+        [32, 32, 64, 96, 128]
+        >>> schedule.sizes()
+        [32, 64, 96, 128]
     """
 
     def __init__(self, start: int, increment: int, ramp: int, final: int, unit: str = "samples"):
@@ -255,6 +323,22 @@ class ExponentialRamp(BatchSchedule):
     The exact size start * (final/start) ** (consumed/ramp) is rounded down to a multiple of
     ``multiple_of`` (samples; give micro-batch x world size so every size is reachable) and
     never falls below ``start`` nor rises above ``final``; ``final`` from ``ramp`` on.
+
+    Args:
+        start: the first global batch (samples), a multiple of ``multiple_of``.
+        final: the global batch (samples) from ``ramp`` on, a multiple of ``multiple_of``.
+        ramp: how much is consumed (``unit``) until the batch reaches ``final``.
+        unit: what ``ramp`` and ``consumed`` count: ``"tokens"`` or ``"samples"``.
+        multiple_of: every size is a multiple of it (samples).
+
+    Raises:
+        LitCBSConfigError: a size or ``ramp`` that is not a positive int, ``final <= start``, ``start`` or
+            ``final`` not a multiple of ``multiple_of``, or an unknown ``unit``.
+
+    Example:
+        >>> schedule = ExponentialRamp(start=64, final=512, ramp=3_000_000, multiple_of=32)
+        >>> [schedule.batch_size(tokens) for tokens in (0, 1_000_000, 2_000_000, 3_000_000)]
+        [64, 128, 256, 512]
     """
 
     def __init__(self, start: int, final: int, ramp: int, unit: str = "tokens", multiple_of: int = 1):
@@ -299,6 +383,26 @@ class CBSAdaptive(BatchSchedule):
 
     Once the batch is at ``final`` no reading can change it, so the probe stops probing there
     (``probe_after_final=True`` keeps measuring, e.g. to draw the CBS curve on).
+
+    Args:
+        start: the first global batch (samples).
+        final: the largest global batch (samples): ``start`` times a power of 2.
+        factor: the batch doubles once a CBS reading is at least ``factor`` x the batch (>= 1).
+        unit: what ``consumed`` counts: ``"tokens"`` or ``"samples"``.
+        probe_after_final: keep asking for readings once the batch is at ``final``.
+
+    Raises:
+        LitCBSConfigError: a size that is not a positive int, ``final < start``, ``final`` not ``start``
+            times a power of 2, ``factor < 1``, or an unknown ``unit``.
+
+    Example:
+        >>> schedule = CBSAdaptive(start=64, final=256)
+        >>> schedule.observe(1000, cbs=100.0), schedule.observe(2000, cbs=130.0)  # 130 >= 2 x 64: double
+        (False, True)
+        >>> schedule.batch_size(1999), schedule.batch_size(2000), schedule.sizes(2000)
+        (64, 128, [128, 256])
+        >>> schedule.state_dict()
+        {'decisions': [[2000, 128]]}
     """
 
     def __init__(
@@ -341,7 +445,15 @@ class CBSAdaptive(BatchSchedule):
         return self.probe_after_final or self.batch_size(consumed) < self.final
 
     def observe(self, consumed: int, cbs: float) -> bool:
-        """Record a CBS measurement (samples) made at ``consumed``; return True if the batch doubles."""
+        """Record a CBS measurement made at ``consumed``; return True if the batch doubles.
+
+        Args:
+            consumed: samples or tokens (``unit``) trained on when the reading was made.
+            cbs: the measured critical batch size (samples).
+
+        Returns:
+            Whether the batch doubles from ``consumed`` on.
+        """
         current = self.batch_size(consumed)
         if cbs >= self.factor * current and current * 2 <= self.final:
             self.decisions.append((consumed, current * 2))

@@ -52,7 +52,21 @@ _SPAN = "samples or tokens, the schedule's unit"
 class GuardConfig:
     """The guard's settings: ``BatchGuard(GuardConfig(...))``, ``BatchWarmup(guard=GuardConfig(...))``
     or the same as a dict (``batch.guard`` in the recipes). Spans are in the schedule's unit
-    (tokens, or samples for a schedule in samples), counted from the change."""
+    (tokens, or samples for a schedule in samples), counted from the change. Each field's docstring
+    below gives its meaning, unit and default.
+
+    Raises:
+        LitCBSConfigError: a span that is not a positive int or None, a threshold or multiple that is
+            not a finite number > 0, or ``min_steps`` below 3.
+
+    Example:
+        >>> GuardConfig(watch_span=1_000_000, hold=4_000_000).watch_span
+        1000000
+        >>> GuardConfig(min_steps=2)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: guard.min_steps=2 must be >= 3 (a line through 2 points ...)
+    """
 
     watch_span: int | None = None
     """Samples or tokens trained after an increase before it is judged. None: a quarter of what was
@@ -101,7 +115,19 @@ class GuardConfig:
 
     @classmethod
     def from_dict(cls, settings: Mapping) -> GuardConfig:
-        """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings."""
+        """From a dict (or Hydra DictConfig) of settings; an unknown key is an error naming the settings.
+
+        Raises:
+            LitCBSConfigError: an unknown key, or an invalid setting.
+
+        Example:
+            >>> GuardConfig.from_dict({"hold": 500}).hold
+            500
+            >>> GuardConfig.from_dict({"span": 500})
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: guard has unknown setting(s) span; the settings are watch_span, ...
+        """
         settings = {str(key): value for key, value in settings.items()}
         names = [field.name for field in dataclasses.fields(cls)]
         unknown = sorted(key for key in settings if key not in names)
@@ -169,7 +195,14 @@ class GuardVerdict:
 def fit_trend(points: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
     """Least-squares fit of ``loss = intercept + slope * ln(consumed)`` to (consumed, loss) points (3 or
     more); returns intercept (nats), slope (nats per e-fold of consumed) and the residuals' standard
-    deviation (nats, n - 2 degrees of freedom)."""
+    deviation (nats, n - 2 degrees of freedom).
+
+    Example:
+        >>> import math
+        >>> points = [(1, 2.0), (math.e, 1.5), (math.e**2, 1.0)]  # loss = 2 - 0.5 ln(consumed)
+        >>> [round(value, 4) for value in fit_trend(points)]
+        [2.0, -0.5, 0.0]
+    """
     log_consumed = np.log([consumed for consumed, _ in points])
     losses = np.array([loss for _, loss in points])
     slope, intercept = np.polyfit(log_consumed, losses, 1)
@@ -181,7 +214,15 @@ def loss_rise(
     fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, float]]
 ) -> tuple[float, float, float, float]:
     """How far the ``window`` points' losses sit above the trend of the ``fit`` points (``fit_trend``):
-    their mean distance from it (nats), then the trend's intercept, slope and residual standard deviation."""
+    their mean distance from it (nats), then the trend's intercept, slope and residual standard deviation.
+
+    Example:
+        >>> import math
+        >>> fit = [(1, 2.0), (math.e, 1.5), (math.e**2, 1.0)]  # loss = 2 - 0.5 ln(consumed)
+        >>> rise, *_ = loss_rise(fit, window=[(math.e**3, 0.7)])  # the trend says 0.5 at e**3
+        >>> round(rise, 4)
+        0.2
+    """
     intercept, slope, residual_std = fit_trend(fit)
     rise = sum(loss - intercept - slope * math.log(consumed) for consumed, loss in window) / len(window)
     return rise, intercept, slope, residual_std
@@ -202,6 +243,30 @@ class BatchGuard:
         verdicts: ``GuardVerdict`` per judged increase, in order.
         reverts: increases reverted so far.
         hold_until: consumed (schedule unit) before which no increase is made.
+
+    Raises:
+        TypeError: both ``config`` and ``settings``.
+        LitCBSConfigError: an unknown or invalid setting (``GuardConfig``).
+
+    Example:
+        A loss on its trend (2 - 0.5 ln consumed, +-0.01) until an increase at 1000 samples, then 0.3 nats
+        above it:
+
+        >>> import math
+        >>> guard = BatchGuard()
+        >>> for i, consumed in enumerate(range(50, 1001, 50)):
+        ...     guard.record(consumed, 2 - 0.5 * math.log(consumed) + (0.01 if i % 2 else -0.01))
+        >>> guard.watch(change=0, consumed=1000, old_global_batch=64, new_global_batch=128,
+        ...             restore=RevertRestore(lr_factor=1.0, clip_factor=1.0, lr_factor_of_change=1.0,
+        ...                                   clip_factor_of_change=1.0))
+        True
+        >>> for consumed in range(1025, 1251, 25):  # the default watch span: a quarter of 1000
+        ...     guard.record(consumed, 2 - 0.5 * math.log(consumed) + 0.3)
+        >>> verdict = guard.judge(1250, mean_over_ranks=lambda losses: losses)  # one rank
+        >>> verdict.reverted, round(verdict.rise, 2), verdict.threshold, guard.revert_to
+        (True, 0.3, 0.05, 64)
+        >>> guard.mark_reverted(1250).lr_factor, guard.hold_until  # no increase before 2 x 1250
+        (1.0, 2500)
     """
 
     def __init__(self, config: GuardConfig | None = None, **settings):
@@ -218,7 +283,15 @@ class BatchGuard:
     @classmethod
     def from_setting(cls, setting: bool | Mapping | GuardConfig | BatchGuard | None) -> BatchGuard | None:
         """The guard for ``BatchWarmup(guard=setting)``: None or False for none, True for the defaults,
-        a ``GuardConfig``, a dict (or Hydra DictConfig) of its settings, or a BatchGuard."""
+        a ``GuardConfig``, a dict (or Hydra DictConfig) of its settings, or a BatchGuard.
+
+        Raises:
+            LitCBSConfigError: any other ``setting``, or an invalid setting in it.
+
+        Example:
+            >>> BatchGuard.from_setting(False) is None, BatchGuard.from_setting({"hold": 500}).config.hold
+            (True, 500)
+        """
         if setting is None or setting is False:
             return None
         if setting is True:
@@ -344,6 +417,8 @@ class BatchGuard:
         """Record that the due revert was applied at ``consumed``: hold the next increase, leave the
         reverted span's losses out of later fits; return what the reverted increase asked to be restored."""
         watch, self._revert = self._revert, None
+        if watch is None:
+            raise RuntimeError("BatchGuard.mark_reverted: no revert is due (revert_to is None)")
         self.reverts += 1
         self.hold_until = consumed + (self.config.hold if self.config.hold is not None else consumed)
         self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]

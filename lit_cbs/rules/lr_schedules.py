@@ -60,6 +60,28 @@ class WarmupStableDecay:
     ``total_tokens`` (``decay_shape``: linear, cosine or 1 - sqrt) and stays there afterwards.
     ``decay_tokens=0`` gives warmup then constant (the stable phase the E(S) analysis uses). A warmup as
     long as ``total_tokens`` warns (``LitCBSConfigWarning``): the run never trains at the base LR.
+
+    Calling the schedule with a token count returns the LR multiplier (unitless, a fraction of the base LR).
+
+    Args:
+        warmup_tokens: tokens over which the multiplier rises linearly to 1.
+        total_tokens: tokens in the whole run; the decay ends here.
+        decay_tokens: tokens of the final decay (0: none, warmup then constant).
+        min_lr_ratio: the multiplier at the end of the decay (a fraction of the base LR, in [0, 1]).
+        decay_shape: ``"linear"``, ``"cosine"`` or ``"sqrt"`` (1 - sqrt of the decay's progress).
+
+    Raises:
+        LitCBSConfigError: a negative token count, warmup + decay longer than the run, ``min_lr_ratio``
+            outside [0, 1], or an unknown ``decay_shape``.
+
+    Example:
+        >>> schedule = WarmupStableDecay(warmup_tokens=1000, total_tokens=10_000, decay_tokens=2000, min_lr_ratio=0.1)
+        >>> [round(schedule(tokens), 4) for tokens in (0, 499, 1000, 8000, 9000, 10_000)]
+        [0.001, 0.4995, 1.0, 1.0, 0.55, 0.1]
+        >>> WarmupStableDecay(warmup_tokens=5000, total_tokens=10_000, decay_tokens=6000)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: warmup_tokens + decay_tokens = 11000 exceeds total_tokens=10000; ...
     """
 
     def __init__(
@@ -108,7 +130,24 @@ class WarmupStableDecay:
 
 class CosineSchedule:
     """Linear warmup over ``warmup_tokens``, then cosine from 1 to ``min_lr_ratio`` at ``total_tokens`` (a warmup
-    that leaves no tokens for it is refused)."""
+    that leaves no tokens for it is refused).
+
+    Calling the schedule with a token count returns the LR multiplier (unitless, a fraction of the base LR).
+
+    Args:
+        warmup_tokens: tokens over which the multiplier rises linearly to 1.
+        total_tokens: tokens in the whole run, where the cosine reaches ``min_lr_ratio`` (and stays).
+        min_lr_ratio: the final multiplier (a fraction of the base LR, in [0, 1]).
+
+    Raises:
+        LitCBSConfigError: a negative token count, a warmup as long as the run or longer, or
+            ``min_lr_ratio`` outside [0, 1].
+
+    Example:
+        >>> schedule = CosineSchedule(warmup_tokens=1000, total_tokens=11_000, min_lr_ratio=0.1)
+        >>> [round(schedule(tokens), 4) for tokens in (0, 1000, 6000, 11_000)]
+        [0.001, 1.0, 0.55, 0.1]
+    """
 
     def __init__(self, warmup_tokens: int, total_tokens: int, min_lr_ratio: float = 0.1):
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
@@ -137,7 +176,26 @@ class StepDecay:
     """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
     (tokens): 1 until the first, ``gamma`` until the second, ``gamma**2`` ... (``StepLR`` in tokens).
     ``total_tokens`` is where the run ends (for ``lit_cbs.rules.batch_schedules.Seesaw``); a warmup as long
-    warns, a longer one is refused."""
+    warns, a longer one is refused.
+
+    Calling the schedule with a token count returns the LR multiplier (unitless, a fraction of the base LR).
+
+    Args:
+        warmup_tokens: tokens over which the multiplier rises linearly to 1.
+        milestones: token counts, strictly increasing from ``warmup_tokens`` on, where the multiplier is
+            multiplied by ``gamma``.
+        total_tokens: tokens in the whole run.
+        gamma: the factor at each milestone, in (0, 1).
+
+    Raises:
+        LitCBSConfigError: a negative token count, a warmup longer than the run, milestones that do not
+            strictly increase from the warmup's end, or ``gamma`` outside (0, 1).
+
+    Example:
+        >>> schedule = StepDecay(warmup_tokens=0, milestones=[4000, 8000], total_tokens=10_000, gamma=0.5)
+        >>> [schedule(tokens) for tokens in (0, 3999, 4000, 8000)]
+        [1.0, 1.0, 0.5, 0.25]
+    """
 
     def __init__(self, warmup_tokens: int, milestones, total_tokens: int, gamma: float = 0.5):
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
@@ -173,6 +231,25 @@ class OneCycle:
     same LRs (without momentum cycling) and compose with ``BatchWarmup``. Arguments as in
     ``OneCycleLR``; ``total`` is its ``total_steps`` (or a token count with ``TokenLRScheduler``).
     Past ``total`` the multiplier stays at its final value.
+
+    Calling it with a step (or token) count returns the multiplier of ``max_lr`` (unitless).
+
+    Args:
+        total: OneCycleLR's ``total_steps``: steps (or tokens under ``TokenLRScheduler``) of the cycle.
+        pct_start: the fraction of ``total`` spent rising to the peak, in (0, 1).
+        anneal_strategy: ``"cos"`` or ``"linear"``.
+        div_factor: the initial LR is ``max_lr / div_factor``.
+        final_div_factor: the final LR is the initial one divided by this.
+        three_phase: OneCycleLR's third phase (back down to the initial LR before the final annealing).
+
+    Raises:
+        LitCBSConfigError: ``total`` not a positive int, ``pct_start`` outside (0, 1), an unknown
+            ``anneal_strategy``, or a division factor <= 0.
+
+    Example:
+        >>> schedule = OneCycle(total=100)
+        >>> [round(schedule(step), 4) for step in (0, 29, 99)]
+        [0.04, 1.0, 0.0]
     """
 
     def __init__(
@@ -234,6 +311,25 @@ class TokenLRScheduler(LambdaLR):
     PyTorch loop sets the attribute itself. Stepping without it raises rather than freezing the LR:
     under Lightning at the first step, since a scheduler is not told of the Trainer's callbacks.
     Lightning steps it with ``interval="step"``.
+
+    Args:
+        optimizer: the optimizer whose param groups' LRs it sets.
+        schedule: tokens -> LR multiplier (unitless), e.g. ``CosineSchedule``.
+        last_epoch: as for ``LambdaLR`` (-1: a new run).
+
+    Raises:
+        TypeError: ``schedule`` is not callable.
+        LitCBSConfigError: ``step()`` after the first without ``tokens_seen`` set.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+        >>> scheduler = TokenLRScheduler(optimizer, CosineSchedule(warmup_tokens=0, total_tokens=1000))
+        >>> scheduler.tokens_seen = 500  # BatchWarmup sets it before every step
+        >>> optimizer.step()
+        >>> scheduler.step()
+        >>> round(optimizer.param_groups[0]["lr"], 6)  # 0.01 x (0.1 + 0.9 x 0.5)
+        0.0055
     """
 
     def __init__(self, optimizer, schedule, last_epoch: int = -1):

@@ -36,7 +36,8 @@ import dataclasses
 import functools
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import torch
 from torch.optim import lr_scheduler as torch_sched
@@ -48,14 +49,34 @@ from lit_cbs.errors import LitCBSConfigError
 
 class ScalingRule:
     """A rule turning a batch ratio (new / old global batch) into a multiplier: of the LR (``LRRule``)
-    or of the gradient-clipping threshold (``BatchWarmup(clip_rule=...)``)."""
+    or of the gradient-clipping threshold (``BatchWarmup(clip_rule=...)``).
+
+    Args:
+        name: the rule's name, as logged and in messages.
+        factor: batch ratio -> multiplier; a module-level function, so the rule pickles.
+
+    Example:
+        >>> import math
+        >>> ScalingRule("sqrt", math.sqrt).factor(4.0)
+        2.0
+    """
 
     def __init__(self, name: str, factor: Callable[[float], float]):
         self.name = name
         self._factor = factor
 
     def factor(self, ratio: float) -> float:
-        """The multiplier for a batch change by ``ratio`` (finite and > 0)."""
+        """The multiplier for a batch change by ``ratio``.
+
+        Args:
+            ratio: new / old global batch (> 0).
+
+        Returns:
+            The multiplier (unitless, finite and > 0).
+
+        Raises:
+            LitCBSConfigError: ``ratio <= 0``, or the rule returned a factor that is not finite and > 0.
+        """
         if not ratio > 0:
             raise LitCBSConfigError(f"batch ratio must be > 0, got {ratio}")
         factor = float(self._factor(ratio))
@@ -70,7 +91,13 @@ class ScalingRule:
 
 
 class LRRule(ScalingRule):
-    """The LR's ``ScalingRule``; a subclass may move other optimizer settings with it (``adjust_optimizer``)."""
+    """The LR's ``ScalingRule``; a subclass may move other optimizer settings with it (``adjust_optimizer``).
+
+    Example:
+        >>> rule = get_lr_rule("sqrt")
+        >>> rule, round(rule.factor(2.0), 4)
+        (LRRule('sqrt'), 1.4142)
+    """
 
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
         """Change hyperparameters other than the LR (none for plain LR rules)."""
@@ -109,6 +136,16 @@ class AdamSDERule(LRRule):
 
     A beta stays a valid Adam beta (in [0, 1)) while k (1 - beta) <= 1: ``max_ratio`` is
     1 / (1 - beta) for the smallest beta of any param group (10 for AdamW's betas (0.9, 0.95)).
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), eps=1e-8)
+        >>> rule = AdamSDERule()
+        >>> round(rule.max_ratio(optimizer), 4)  # 1 / (1 - 0.9)
+        10.0
+        >>> rule.adjust_optimizer(optimizer, 2.0)  # the batch doubles
+        >>> [round(beta, 4) for beta in optimizer.param_groups[0]["betas"]], optimizer.param_groups[0]["eps"]
+        ([0.8, 0.9], 7.07...e-09)
     """
 
     def __init__(self):
@@ -160,14 +197,33 @@ def _unchanged(ratio: float) -> float:
 
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
 RATIO_FUNCTIONS = {"sqrt": math.sqrt, "linear": _linear, "none": _unchanged}
-LR_RULES = {
+LR_RULES: dict[str, Callable[[], LRRule]] = {
     **{name: functools.partial(LRRule, name, function) for name, function in RATIO_FUNCTIONS.items()},
     "adam_sde": AdamSDERule,
 }
 
 
 def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
-    """Resolve ``rule`` (a name in ``LR_RULES``, an ``LRRule`` or a callable ratio -> factor)."""
+    """Resolve ``rule`` (a name in ``LR_RULES``, an ``LRRule`` or a callable ratio -> factor).
+
+    Args:
+        rule: ``"sqrt"``, ``"linear"``, ``"none"``, ``"adam_sde"``, an ``LRRule``, or a callable batch ratio
+            -> LR multiplier.
+
+    Returns:
+        The ``LRRule`` (a callable's named by its ``__name__``).
+
+    Raises:
+        LitCBSConfigError: an unknown name, or neither a name, a rule nor a callable.
+
+    Example:
+        >>> round(get_lr_rule("sqrt").factor(2.0), 4), get_lr_rule("linear").factor(2.0)
+        (1.4142, 2.0)
+        >>> get_lr_rule("cubic")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: lr_rule='cubic' is unknown; use one of ['adam_sde', 'linear', ...
+    """
     if isinstance(rule, LRRule):
         return rule
     if isinstance(rule, str):
@@ -187,7 +243,22 @@ CLIP_RULES = tuple(RATIO_FUNCTIONS)
 def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> ScalingRule | None:
     """The rule for the gradient-clipping threshold at a batch change by ``ratio = new / old``: "sqrt",
     "linear", a callable ratio -> factor or a ``ScalingRule``; None or "none" leave the threshold
-    unchanged (None returned)."""
+    unchanged (None returned).
+
+    Args:
+        rule: ``"sqrt"``, ``"linear"``, ``"none"``, None, a ``ScalingRule``, or a callable batch ratio ->
+            multiplier of the clipping threshold.
+
+    Returns:
+        The rule, or None when the threshold stays as it is.
+
+    Raises:
+        LitCBSConfigError: an unknown name, or neither a name, a rule, a callable nor None.
+
+    Example:
+        >>> get_clip_rule("linear").factor(2.0), get_clip_rule(None)
+        (2.0, None)
+    """
     if rule is None or rule == "none":
         return None
     if isinstance(rule, ScalingRule):
@@ -223,7 +294,18 @@ _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
 def check_scheduler_supported(scheduler, who: str) -> None:
     """LitCBSConfigError, its message starting with ``who``, if ``scale_learning_rate`` cannot
-    compose with ``scheduler`` exactly."""
+    compose with ``scheduler`` exactly.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> from torch.optim import lr_scheduler
+        >>> check_scheduler_supported(lr_scheduler.StepLR(optimizer, step_size=10), "BatchWarmup")  # composes
+        >>> check_scheduler_supported(lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=100), "BatchWarmup")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: BatchWarmup: OneCycleLR writes absolute LR values that a batch change ...
+    """
     if isinstance(scheduler, _CONTAINERS):
         for inner in inner_schedulers(scheduler):
             check_scheduler_supported(inner, who)
@@ -260,7 +342,22 @@ def _scale_scheduler(scheduler, factor: float) -> None:
 
 
 def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, factor: float) -> None:
-    """Multiply the LR by ``factor`` now and in everything the schedulers will compute from it."""
+    """Multiply the LR by ``factor`` now and in everything the schedulers will compute from it.
+
+    Args:
+        optimizer: its param groups' ``lr`` (and ``initial_lr``) are multiplied.
+        schedulers: its LR schedulers (``check_scheduler_supported`` says which compose); their base LRs
+            and floors are multiplied.
+        factor: the LR multiplier (unitless).
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
+        >>> scale_learning_rate(optimizer, [scheduler], 2.0)
+        >>> optimizer.param_groups[0]["lr"], scheduler.base_lrs
+        (0.2, [0.2])
+    """
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
         if "initial_lr" in group:
@@ -314,7 +411,15 @@ class SettingRule(ABC):
 
 
 class WeightDecayTimescale(SettingRule):
-    """lambda -> lambda * k / f(k): AdamW's timescale B / (eta * lambda * D) stays as it was."""
+    """lambda -> lambda * k / f(k): AdamW's timescale B / (eta * lambda * D) stays as it was.
+
+    Example:
+        Doubling the batch under the sqrt LR rule (LR x sqrt(2)):
+
+        >>> import math
+        >>> round(WeightDecayTimescale().scaled(0.1, ratio=2.0, lr_factor=math.sqrt(2)), 4)
+        0.1414
+    """
 
     name, key, argument = "timescale", "weight_decay", "weight_decay_rule"
 
@@ -358,6 +463,19 @@ class Beta2HalfLife(SettingRule):
     beta2 stays at the floor, or where it is already, at its value now (the rule never raises beta2 for a
     growing batch). A batch that shrinks after the floor held starts from the floor, not from where the
     rule alone would have been.
+
+    Args:
+        floor: the lowest beta2 the rule moves to, in (0, 1); None for no floor.
+
+    Raises:
+        LitCBSConfigError: ``floor`` outside (0, 1) and not None.
+
+    Example:
+        >>> rule = Beta2HalfLife()
+        >>> round(rule.scaled(0.99, ratio=2.0, lr_factor=1.0), 4)  # 0.99 ** 2
+        0.9801
+        >>> rule.scaled(0.96, ratio=4.0, lr_factor=1.0)  # 0.96 ** 4 = 0.849 is below the floor
+        0.95
     """
 
     name, key, argument = "half_life", "beta2", "beta2_rule"
@@ -410,12 +528,16 @@ WEIGHT_DECAY_RULES = {"timescale": WeightDecayTimescale}
 BETA2_RULES = {"half_life": Beta2HalfLife}
 
 
-def _get_setting_rule(argument: str, rule, rules: dict[str, type[SettingRule]], **settings) -> SettingRule | None:
+_Rule = TypeVar("_Rule", bound=SettingRule)
+
+
+def _get_setting_rule(argument: str, rule, rules: Mapping[str, type[_Rule]], **settings) -> _Rule | None:
     """The rule ``rule`` names (built with ``settings``), a rule object of those kinds, or None."""
     if rule is None or rule == "none":
         return None
-    if isinstance(rule, SettingRule) and isinstance(rule, tuple(rules.values())):
-        return rule
+    for kind in rules.values():  # a rule object of one of those kinds
+        if isinstance(rule, kind):
+            return rule
     if isinstance(rule, str) and rule in rules:
         return rules[rule](**settings)
     raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {sorted(rules)} or None (unchanged)")
@@ -426,7 +548,19 @@ SETTING_KEYS = ("betas", "eps", "weight_decay")
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
+    """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), weight_decay=0.1)
+        >>> saved = optimizer_settings(optimizer)
+        >>> saved
+        [{'betas': (0.9, 0.95), 'eps': 1e-08, 'weight_decay': 0.1}]
+        >>> optimizer.param_groups[0]["weight_decay"] = 0.2  # a rule moved it
+        >>> restore_settings(optimizer, saved)
+        >>> optimizer.param_groups[0]["weight_decay"]
+        0.1
+    """
     return [{key: group[key] for key in SETTING_KEYS if key in group} for group in optimizer.param_groups]
 
 
@@ -442,18 +576,43 @@ class OptimizerRules:
 
     BatchWarmup applies it at every change and a CBS probe to each branch, so a branch at k x B
     trains as the run would after growing its batch k-fold.
+
+    Example:
+        >>> import torch
+        >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(0.9, 0.99))
+        >>> rules = OptimizerRules.build(lr_rule="sqrt", weight_decay_rule="timescale", beta2_rule="half_life")
+        >>> rules.describe()
+        "lr_rule='sqrt', weight_decay_rule='timescale', beta2_rule='half_life', beta2_floor=0.95"
+        >>> round(rules.apply(optimizer, [], ratio=2.0), 4)  # the LR factor
+        1.4142
+        >>> {name: round(value, 4) for name, value in rules.values(optimizer).items()}
+        {'batch/weight_decay': 0.0141, 'batch/beta2': 0.9801}
     """
 
     lr: LRRule
-    weight_decay: SettingRule | None = None
-    beta2: SettingRule | None = None
+    weight_decay: WeightDecayTimescale | None = None
+    beta2: Beta2HalfLife | None = None
     # Whether a setting's floor was said to hold (once per owner: BatchWarmup, or a probe's branches).
     floor_said: bool = dataclasses.field(default=False, repr=False, compare=False)
 
     @classmethod
     def build(cls, lr_rule="sqrt", weight_decay_rule=None, beta2_rule=None, beta2_floor=BETA2_FLOOR) -> OptimizerRules:
         """From the arguments BatchWarmup and CBSProbeCallback take (names, None, or rule objects);
-        ``beta2_floor`` is the half_life rule's floor when ``beta2_rule`` names it."""
+        ``beta2_floor`` is the half_life rule's floor when ``beta2_rule`` names it.
+
+        Args:
+            lr_rule: as for ``get_lr_rule``.
+            weight_decay_rule: ``"timescale"``, a ``WeightDecayTimescale``, or None/``"none"`` (unchanged).
+            beta2_rule: ``"half_life"``, a ``Beta2HalfLife``, or None/``"none"`` (unchanged).
+            beta2_floor: the half_life rule's floor (unitless, in (0, 1), or None).
+
+        Returns:
+            The rules.
+
+        Raises:
+            LitCBSConfigError: an unknown rule, or ``lr_rule="adam_sde"`` with a beta2 rule (both would move
+                beta2).
+        """
         rules = cls(
             get_lr_rule(lr_rule),
             _get_setting_rule("weight_decay_rule", weight_decay_rule, WEIGHT_DECAY_RULES),

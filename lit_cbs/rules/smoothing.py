@@ -15,6 +15,20 @@ def ema(values: np.ndarray, decay: float) -> np.ndarray:
     ``values`` (nats for losses); ``decay`` is the previous average's weight per point, in [0, 1).
 
     Lags a trend by about decay / (1 - decay) logged points, which shifts every crossing later.
+
+    Args:
+        values: the series, in logged order.
+        decay: the previous average's weight per point, in [0, 1) (0: no smoothing).
+
+    Returns:
+        The smoothed series, as long as ``values`` (float).
+
+    Raises:
+        ValueError: ``decay`` outside [0, 1).
+
+    Example:
+        >>> ema([4.0, 2.0, 2.0, 2.0], decay=0.5).tolist()
+        [4.0, 3.0, 2.5, 2.25]
     """
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay={decay} must be in [0, 1)")
