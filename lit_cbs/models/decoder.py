@@ -18,6 +18,8 @@ from torch import nn
 
 from lit_cbs.models.olmo import OLMoConfig
 
+__all__ = ["DecoderDims", "decoder_dims"]
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderDims:
