@@ -54,6 +54,8 @@ from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
+__all__ = ["BatchAccounting"]
+
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     """The Trainer's callbacks, in the order Lightning calls them."""
@@ -373,6 +375,22 @@ class BatchAccounting(Callback):
 
         Raises:
             LitCBSConfigError: the Trainer has two, a setting is invalid, or it conflicts with the accounting's.
+
+        Example:
+            The first call attaches one (first among the callbacks), later calls find it; a callback that took
+            another ``seq_len`` on its behalf is refused:
+
+            >>> import lightning.pytorch as pl
+            >>> from lit_cbs.callbacks import BatchAccounting
+            >>> trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+            ...                      enable_progress_bar=False, enable_model_summary=False)
+            >>> accounting = BatchAccounting.attach(trainer, given_by="MyCallback", seq_len=64)
+            >>> BatchAccounting.attach(trainer) is accounting, trainer.callbacks[0] is accounting, accounting.seq_len
+            (True, True, 64)
+            >>> BatchAccounting.attach(trainer, given_by="MyCallback", seq_len=32)
+            Traceback (most recent call last):
+            ...
+            lit_cbs.errors.LitCBSConfigError: MyCallback(seq_len=32) conflicts with BatchAccounting(seq_len=64); ...
         """
         callbacks = trainer_callbacks(trainer)
         found = [callback for callback in callbacks if isinstance(callback, cls)]

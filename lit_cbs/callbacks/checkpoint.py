@@ -56,6 +56,8 @@ from lit_cbs._internals import (
 from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
 from lit_cbs.callbacks.checkpoint_files import atomic_saves, copy_checkpoint
 
+__all__ = ["FinalStateCheckpoint"]
+
 
 class FinalStateCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops

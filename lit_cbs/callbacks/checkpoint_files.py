@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+
 PARTIAL = ".partial"  # suffix of a checkpoint being written: .<name>.partial
 REPLACED = ".replaced"  # suffix of the checkpoint a completed write is replacing: .<name>.replaced
 DCP_METADATA = ".metadata"  # written by torch.distributed.checkpoint once every shard is written

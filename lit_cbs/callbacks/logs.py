@@ -9,6 +9,8 @@ import lightning.pytorch as pl
 
 from lit_cbs._internals import logging_step, logs_this_step
 
+__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+
 
 def log_to_loggers(
     trainer: pl.Trainer,

@@ -15,6 +15,8 @@ from torchmetrics import Metric
 
 from lit_cbs._internals import collect_rng_states, metric_update_count, set_metric_update_count, set_rng_states
 
+__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+
 
 class ModuleState:
     """What a step changes beside tensors: the module's torchmetrics states (and update counts),

@@ -17,6 +17,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lit_cbs.callbacks.accounting import BatchAccounting, trainer_callbacks
 
+__all__ = ["RunProgressBar"]
+
 
 class RunProgressBar(TQDMProgressBar):
     """One training bar for the whole run, in tokens (the token budget ``max_tokens``) or optimizer steps

@@ -18,6 +18,8 @@ from lit_cbs._internals import set_validation_due, should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
+__all__ = ["TokenValidation"]
+
 
 class TokenValidation(Callback):
     """Run the validation loop after the optimizer step that crosses each multiple of ``every_tokens``

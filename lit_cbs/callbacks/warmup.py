@@ -68,6 +68,8 @@ from lit_cbs.rules.scaling import (
     optimizer_settings,
 )
 
+__all__ = ["BatchChange", "BatchWarmup"]
+
 log = logging.getLogger(__name__)
 
 

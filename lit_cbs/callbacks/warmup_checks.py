@@ -35,6 +35,8 @@ from lit_cbs.rules.guard import BatchGuard
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules, ScalingRule
 
+__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+
 
 # ---------------------------------------------------------------------------------------------- setup
 def check_trainer(trainer: pl.Trainer, schedule: BatchSchedule) -> None:

@@ -23,6 +23,8 @@ from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.rules.guard import BatchGuard, GuardVerdict, RevertRestore
 from lit_cbs.rules.scaling import LRRule, restore_settings, scale_learning_rate
 
+__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+
 
 class WarmupGuard:
     """Feeds ``guard`` the loss of each optimizer step of a run and acts on its verdicts."""

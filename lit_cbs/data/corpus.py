@@ -11,6 +11,8 @@ import os
 import sysconfig
 from pathlib import Path
 
+__all__ = ["stdlib_python_files"]
+
 SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "idle_test", "site-packages", "__pycache__"})
 
 

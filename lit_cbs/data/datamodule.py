@@ -25,6 +25,8 @@ from lit_cbs.data.prepare import read_metadata, resolve_data
 from lit_cbs.data.tokenizers import load_tokenizer
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
+__all__ = ["TokenDataModule"]
+
 
 def stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
     """Collate token blocks (stored as uint8/uint16/int32) into the int64 ids embeddings take."""

@@ -48,6 +48,8 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from lit_cbs._internals import tree_map
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
+__all__ = ["GlobalOrderLoader"]
+
 
 def global_sample_count(dataset: Any) -> int:
     """Samples in the whole dataset, over all ranks. A litdata ``StreamingDataset`` reports its own rank's

@@ -35,6 +35,8 @@ import numpy as np
 from lit_cbs.data.corpus import stdlib_python_files
 from lit_cbs.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
+__all__ = ["prepare", "resolve_data"]
+
 METADATA_FILE = "lit_cbs.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")

@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader
 
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
+__all__ = ["RandomTokenData"]
+
 
 class RandomTokenData(pl.LightningDataModule):
     """``samples`` sequences of ``seq_len + 1`` token ids drawn uniformly from [0, ``vocab_size``), seeded.

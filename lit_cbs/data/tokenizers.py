@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte: vocabulary 256, no training, no files.
@@ -30,11 +32,25 @@ class ByteTokenizer:
     eos_id = 0
 
     def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text``, as ids in [0, 256)."""
+        """The UTF-8 bytes of ``text``, as ids in [0, 256).
+
+        Args:
+            text: the text to tokenize.
+
+        Returns:
+            One id per UTF-8 byte of ``text``.
+        """
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        """The text of the bytes ``ids``; an invalid UTF-8 sequence decodes to U+FFFD."""
+        """The text of the bytes ``ids``; an invalid UTF-8 sequence decodes to U+FFFD.
+
+        Args:
+            ids: token ids, each in [0, 256).
+
+        Returns:
+            The decoded text.
+        """
         return bytes(ids).decode("utf-8", errors="replace")
 
 
@@ -98,11 +114,25 @@ class HFTokenizer:
             )
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, without the special tokens a template would add."""
+        """The ids of ``text``, without the special tokens a template would add.
+
+        Args:
+            text: the text to tokenize.
+
+        Returns:
+            Its token ids, each in [0, ``vocab_size``).
+        """
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, special tokens kept."""
+        """The text of ``ids``, special tokens kept.
+
+        Args:
+            ids: token ids, each in [0, ``vocab_size``).
+
+        Returns:
+            The decoded text.
+        """
         return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 

@@ -11,6 +11,8 @@ from typing import Any
 from lit_cbs.models.hf import HFDecoder
 from lit_cbs.models.olmo import OLMo, OLMoConfig
 
+__all__ = ["build_decoder"]
+
 
 def build_decoder(config: OLMoConfig | Any) -> OLMo | HFDecoder:
     """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config (on the

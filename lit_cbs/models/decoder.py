@@ -18,10 +18,23 @@ from torch import nn
 
 from lit_cbs.models.olmo import OLMoConfig
 
+__all__ = ["DecoderDims", "decoder_dims"]
+
 
 @dataclasses.dataclass(frozen=True)
 class DecoderDims:
-    """A decoder's sizes, in ``OLMoConfig``'s names, for the memory plan and the recipes' checks.
+    """A decoder's sizes, in ``OLMoConfig``'s names, for the memory plan and the recipes' checks
+    (``CausalLM.dims``).
+
+    Attributes:
+        vocab_size: token ids are in [0, vocab_size).
+        d_model: residual width (transformers: ``hidden_size``).
+        n_layers: decoder blocks.
+        n_heads: query heads.
+        head_dim: width of one attention head.
+        mlp_hidden: the MLP's hidden width (transformers: ``intermediate_size``).
+        context_length: longest sequence, in tokens (transformers: ``max_position_embeddings``).
+        tie_embeddings: whether the output projection reuses the token embedding.
 
     Example:
         >>> from lit_cbs.models import get_config

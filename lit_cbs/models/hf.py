@@ -25,6 +25,8 @@ from torch import nn
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.decoder import embedding_parameters, hf_dims, layer_stacks
 
+__all__ = ["HFDecoder", "hf_config"]
+
 HF_EXTRA = 'pip install -e ".[hf]"'
 
 
@@ -137,7 +139,14 @@ class HFDecoder(nn.Module):
         A batch of no sample (an epoch's last micro-batch on a rank its share left none) still runs every
         layer, so that sharded and data-parallel backward hooks fire on this rank as on the others:
         ``transformers``' attention cannot reshape zero rows, so one padding row runs and none of its
-        logits is returned (their gradient is zero)."""
+        logits is returned (their gradient is zero).
+
+        Args:
+            input_ids: token ids [B, T].
+
+        Returns:
+            Logits [B, T, vocab_size].
+        """
         if input_ids.shape[0] == 0:
             return self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]), use_cache=False).logits[:0]
         return self.lm(input_ids=input_ids, use_cache=False).logits

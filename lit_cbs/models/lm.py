@@ -51,6 +51,8 @@ from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.models.token_loss import token_mean_loss
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
+__all__ = ["CausalLM", "resolve_model_config"]
+
 OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
 REQUIRED_OLMO_FIELDS = tuple(
     field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
@@ -163,6 +165,10 @@ class CausalLM(pl.LightningModule):
         TypeError: ``config`` is none of the forms above, or ``lr_schedule`` is not callable.
         ValueError: a mapping ``config`` names fields OLMoConfig lacks, or lacks some without a preset.
 
+    Attributes:
+        config: the resolved model config (an ``OLMoConfig`` or a ``transformers`` config).
+        dims: the decoder's sizes (``lit_cbs.models.decoder.DecoderDims``), known before the model is built.
+
     Example:
         A two-block OLMo-style decoder; its decoder is built by ``configure_model`` (Lightning calls it in
         ``fit``), and a forward pass gives logits [batch, tokens, vocab_size]:
@@ -173,6 +179,8 @@ class CausalLM(pl.LightningModule):
         ...                "context_length": 8, "tie_embeddings": True})
         >>> lm.num_parameters()  # tied embedding 32 x 16, and per block attention 4 x 16 x 16 + SwiGLU 3 x 16 x 32
         5632
+        >>> lm.dims.n_layers, lm.dims.head_dim
+        (2, 8)
         >>> _ = torch.manual_seed(0)
         >>> lm.configure_model()
         >>> batch = torch.randint(0, 32, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens

@@ -17,6 +17,10 @@ the two projections that write into the residual stream (attention output, MLP d
 The rule lives in each layer's ``reset_parameters``, so a model built under
 ``torch.device("meta")`` is initialised the same way by ``to_empty()`` followed by
 ``reset_parameters()`` on the model, or on every layer as Lightning's ModelParallelStrategy does.
+
+``PRESETS`` maps a preset name to its ``OLMoConfig``: ``tiny`` (233,472 parameters, the tiny workload's CPU model,
+docs/tiny_workload.md), ``tiny4x`` (868,352: twice tiny's width), ``olmo_1b`` and ``olmo_7b`` (OLMo's shapes).
+``get_config(name)`` returns a copy to modify; ``CausalLM`` takes the name itself.
 """
 
 from __future__ import annotations
@@ -30,16 +34,23 @@ import torch.nn.functional as F
 
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
+__all__ = ["OLMoConfig", "PRESETS", "get_config", "rotary_cos_sin", "Block", "OLMo"]
+
 
 @dataclass
 class OLMoConfig:
     """Shape of an OLMo-style model.
 
-    vocab_size: token ids are in [0, vocab_size). d_model: residual width. n_layers: blocks.
-    n_heads: attention heads (head dim = d_model / n_heads, must be even for RoPE).
-    mlp_hidden: SwiGLU gated width (see the module docstring). context_length: longest
-    sequence the model accepts, in tokens. tie_embeddings: reuse the embedding as the output
-    projection. rope_theta: RoPE base period. init_std: std of the weight initialisation.
+    Args:
+        vocab_size: token ids are in [0, vocab_size).
+        d_model: residual width (features per token).
+        n_layers: blocks.
+        n_heads: attention heads (head dim = d_model / n_heads, must be even for RoPE).
+        mlp_hidden: SwiGLU gated width (see the module docstring).
+        context_length: longest sequence the model accepts, in tokens.
+        tie_embeddings: reuse the embedding as the output projection.
+        rope_theta: RoPE base period (positions).
+        init_std: std of the weight initialisation.
 
     Raises:
         LitCBSConfigError: a size that is not a positive int, ``tie_embeddings`` not a bool, ``d_model`` not
@@ -304,6 +315,9 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). The unit FSDP wraps.
 
+    Args:
+        config: the model's shape (``d_model``, ``n_heads``, ``mlp_hidden``, ``init_std``).
+
     Example:
         >>> config = get_config("tiny")
         >>> block = Block(config)
@@ -321,13 +335,25 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The block's output [B, T, d_model] for the residual stream ``x`` [B, T, d_model], at positions whose
-        rotation ``cos`` and ``sin`` [T, head_dim] give (``rotary_cos_sin``)."""
+        rotation ``cos`` and ``sin`` [T, head_dim] give (``rotary_cos_sin``).
+
+        Args:
+            x: the residual stream [B, T, d_model].
+            cos: cosines of the rotary angles [T, head_dim].
+            sin: sines of the rotary angles [T, head_dim].
+
+        Returns:
+            The residual stream after the block [B, T, d_model].
+        """
         x = x + self.attention(layer_norm(x), cos, sin)
         return x + self.mlp(layer_norm(x))
 
 
 class OLMo(nn.Module):
     """Decoder-only language model: ``forward(input_ids [B, T]) -> logits [B, T, vocab_size]``.
+
+    Args:
+        config: the model's shape (``OLMoConfig``, e.g. ``get_config("tiny")``).
 
     Example:
         >>> config = OLMoConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, context_length=8,

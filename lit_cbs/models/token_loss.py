@@ -21,6 +21,8 @@ import torch
 
 from lit_cbs.callbacks.accounting import BatchAccounting
 
+__all__ = ["token_mean_loss"]
+
 
 def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
     """What ``training_step`` returns so that each optimizer step's gradient is the mean over every
