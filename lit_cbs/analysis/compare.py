@@ -24,6 +24,12 @@ from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 from lit_cbs.probe.reading import ProbeReading
 
+__all__ = [
+    "SideBySide",
+    "side_by_side",
+    "side_by_side_markdown",
+]
+
 
 @dataclass(frozen=True)
 class SideBySide:

@@ -28,6 +28,18 @@ import numpy as np
 from lit_cbs import metrics
 from lit_cbs.rules.smoothing import ema
 
+__all__ = [
+    "Crossing",
+    "RunCurve",
+    "default_targets",
+    "ema",
+    "find_crossings",
+    "read_run",
+    "read_sweep",
+    "rolling_mean",
+    "smooth",
+]
+
 # The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale), named in lit_cbs.metrics, and Lightning's steps.
 TOKENS_COLUMN = metrics.TOKENS_SEEN
 STEP_COLUMN = metrics.STEP
