@@ -155,6 +155,12 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
     """The rows as a markdown table (batch sizes in samples; * marks a fit that misses the runs by
     more than ``POOR_FIT``, with a note under the table).
 
+    Args:
+        rows: the rows, one per target loss (``side_by_side``).
+
+    Returns:
+        The table (a header, then a row per target), and the note when a fit is marked.
+
     Example:
         >>> import math
         >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=math.nan, b_opt=math.nan, b_simple=90.0, b_simple_runs=1,

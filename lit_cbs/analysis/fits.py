@@ -603,6 +603,11 @@ def batch_group_yaml(
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike, comment: str = "") -> Path:
     """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``).
 
+    Args:
+        schedule: the schedule (a ``PiecewiseBatch``, e.g. ``propose_schedule``'s).
+        path: the file to write (a Hydra recipe's YAML); its folder must exist.
+        comment: lines written as YAML comments at the top ("" for none).
+
     Returns:
         ``path``, as a ``Path``.
 

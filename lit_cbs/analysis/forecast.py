@@ -547,8 +547,13 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
 class ForecastChange:
     """Where a forecast schedule moves to ``batch`` samples: the band's lower edge reaches ``margin x batch``.
 
-    ``schedule_from_forecast`` returns one per change, in order: ``tokens`` (where), ``batch`` (samples),
-    and the band there, ``band_low`` and ``band_high`` (samples).
+    ``schedule_from_forecast`` returns one per change, in order.
+
+    Attributes:
+        tokens: where the schedule changes (tokens).
+        batch: the batch from there on (samples).
+        band_low: the band's lower edge there (samples).
+        band_high: the band's upper edge there (samples).
 
     Example:
         >>> change = ForecastChange(tokens=159_245_618, batch=64, band_low=64.39, band_high=116.38)

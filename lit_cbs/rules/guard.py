@@ -154,6 +154,14 @@ class RevertRestore:
     BatchWarmup hands one to ``BatchGuard.watch`` at each increase and gets it back from
     ``BatchGuard.mark_reverted`` when the guard reverts that increase. Factors are unitless multipliers.
 
+    Attributes:
+        lr_factor: BatchWarmup's ``lr_factor`` before the increase: the product of every earlier change's.
+        clip_factor: BatchWarmup's ``clip_factor`` (of the gradient-clipping threshold) before the increase.
+        lr_factor_of_change: the increase's own LR factor, which the revert divides out of the LR schedulers.
+        clip_factor_of_change: the increase's own clipping factor.
+        optimizer_settings: per optimizer, per param group, the betas, eps and weight decay before the
+            increase (``lit_cbs.rules.scaling.optimizer_settings``); None where a checkpoint kept none.
+
     Example:
         >>> restore = RevertRestore(lr_factor=1.0, clip_factor=1.0, lr_factor_of_change=1.4142,
         ...                         clip_factor_of_change=1.0)
@@ -200,6 +208,21 @@ class GuardVerdict:
 
     ``BatchGuard.judge`` returns one when a watch span closes; ``BatchGuard.verdicts`` (and
     ``BatchWarmup(guard=...).guard.verdicts``) keep them in order, and ``batch_history.json`` has each as a dict.
+
+    Attributes:
+        change: the index in ``BatchWarmup.history`` of the increase judged.
+        old_global_batch: the batch before the increase (samples).
+        new_global_batch: the batch after it (samples).
+        consumed_at_change: consumed when it was applied.
+        decided_at: consumed when the watch span closed.
+        rise: the mean loss above the trend over the watch span's steps (nats).
+        threshold: the rise above which the increase is reverted (nats).
+        residual_std: the spread of the per-step loss around the trend before the change (nats).
+        trend_intercept: the trend is ``trend_intercept + trend_slope * ln(consumed)`` (nats).
+        trend_slope: nats per e-fold of consumed.
+        fit_steps: optimizer steps the trend was fitted to.
+        watch_steps: optimizer steps in the watch span.
+        reverted: whether the guard reverts the increase.
 
     Example:
         An increase from 64 to 128 samples at 1000 tokens, judged at 1250 (the default watch span):

@@ -106,6 +106,10 @@ class ScalingRule:
 class LRRule(ScalingRule):
     """The LR's ``ScalingRule``; a subclass may move other optimizer settings with it (``adjust_optimizer``).
 
+    Args:
+        name: the rule's name, as logged and in messages (``"sqrt"``).
+        factor: batch ratio -> LR multiplier; a module-level function, so the rule pickles.
+
     Example:
         >>> rule = get_lr_rule("sqrt")
         >>> rule, round(rule.factor(2.0), 4)
