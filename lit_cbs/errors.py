@@ -14,6 +14,16 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
+__all__ = [
+    "LitCBSConfigError",
+    "LitCBSConfigWarning",
+    "is_positive_int",
+    "one_of",
+    "positive_int",
+    "positive_number",
+    "require_automatic_optimization",
+]
+
 
 class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with; the message names the setting and the fix.
@@ -46,6 +56,12 @@ class LitCBSConfigWarning(UserWarning):
 def is_positive_int(value: Any) -> bool:
     """True for an int >= 1 (a bool is not an int here).
 
+    Args:
+        value: anything.
+
+    Returns:
+        Whether ``value`` is an int (not a bool) >= 1.
+
     Example:
         >>> is_positive_int(3), is_positive_int(0), is_positive_int(True), is_positive_int(2.0)
         (True, False, False, False)
@@ -60,7 +76,17 @@ def positive_int(name: str, value: Any, unit: str, *, optional: bool) -> int | N
 def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) -> int | None:
     """``value`` if it is an int >= 1 (``None`` too when ``optional``); else LitCBSConfigError.
 
-    ``unit`` says what the number counts ("samples", "tokens", ...) in the message.
+    Args:
+        name: the setting's name, as the message spells it.
+        value: the value given.
+        unit: what the number counts ("samples", "tokens", ...), for the message.
+        optional: whether None is accepted (and returned).
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        LitCBSConfigError: ``value`` is not an int >= 1 (nor None when ``optional``).
 
     Example:
         >>> positive_int("batch_size", 64, "samples"), positive_int("hold", None, "tokens", optional=True)
@@ -85,9 +111,25 @@ def positive_number(name: str, value: Any, unit: str, *, optional: bool) -> floa
 def positive_number(name: str, value: Any, unit: str, *, optional: bool = False) -> float | None:
     """``value`` as a float if it is a finite number > 0 (``None`` too when ``optional``); else LitCBSConfigError.
 
+    Args:
+        name: the setting's name, as the message spells it.
+        value: the value given.
+        unit: what the number counts ("nats", "tokens", ...), for the message.
+        optional: whether None is accepted (and returned).
+
+    Returns:
+        ``value`` as a float (None for None when ``optional``).
+
+    Raises:
+        LitCBSConfigError: ``value`` is a bool, not a number, not finite or not > 0 (and not None when ``optional``).
+
     Example:
         >>> positive_number("threshold", 1, "nats")
         1.0
+        >>> positive_number("threshold", float("nan"), "nats")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: threshold=nan must be a finite number > 0 (nats)
     """
     if value is None and optional:
         return None
@@ -99,6 +141,17 @@ def positive_number(name: str, value: Any, unit: str, *, optional: bool = False)
 
 def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
     """``value`` if it is one of ``choices``; else LitCBSConfigError listing them.
+
+    Args:
+        name: the setting's name, as the message spells it.
+        value: the value given.
+        choices: the values accepted.
+
+    Returns:
+        ``value``, unchanged.
+
+    Raises:
+        LitCBSConfigError: ``value`` is not in ``choices``.
 
     Example:
         >>> one_of("unit", "tokens", ("samples", "tokens"))
@@ -119,7 +172,36 @@ def require_automatic_optimization(pl_module: Any, who: str, because: str) -> No
     refuses more by advising to turn it off, so a ``configure_optimizers`` that returns several is refused
     here instead, with what ``who`` supports, when Lightning calls it (from a callback's ``setup`` the
     optimizers do not exist yet): this puts a check around the module's ``configure_optimizers``, which
-    removes itself when called."""
+    removes itself when called.
+
+    Args:
+        pl_module: the LightningModule (anything with ``automatic_optimization`` and ``configure_optimizers``).
+        who: the callback, as the message names it.
+        because: what ``who`` does that needs automatic optimization, for the message.
+
+    Raises:
+        LitCBSConfigError: now, when ``pl_module.automatic_optimization`` is False; later, from the wrapped
+            ``configure_optimizers``, when it returns more than one optimizer.
+
+    Example:
+        >>> import torch
+        >>> class Module:  # stands in for a LightningModule
+        ...     automatic_optimization = False
+        ...     def configure_optimizers(self):
+        ...         weights = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))]
+        ...         return [torch.optim.SGD(weights[:1], lr=0.1), torch.optim.AdamW(weights[1:])]
+        >>> module = Module()
+        >>> require_automatic_optimization(module, "BatchWarmup", "it rescales the LR")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: BatchWarmup needs automatic optimization (it rescales the LR); ...
+        >>> module.automatic_optimization = True
+        >>> require_automatic_optimization(module, "BatchWarmup", "it rescales the LR")  # passes; wraps the hook
+        >>> module.configure_optimizers()
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: configure_optimizers returned 2 optimizers (SGD, AdamW), but BatchWarmup ...
+    """
     if not pl_module.automatic_optimization:
         raise LitCBSConfigError(
             f"{who} needs automatic optimization ({because}); set `self.automatic_optimization = True` or remove {who}"

@@ -24,6 +24,12 @@ from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 from lit_cbs.probe.reading import ProbeReading
 
+__all__ = [
+    "SideBySide",
+    "side_by_side",
+    "side_by_side_markdown",
+]
+
 
 @dataclass(frozen=True)
 class SideBySide:
@@ -148,6 +154,12 @@ def _size(value: float, poor: bool = False) -> str:
 def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
     """The rows as a markdown table (batch sizes in samples; * marks a fit that misses the runs by
     more than ``POOR_FIT``, with a note under the table).
+
+    Args:
+        rows: the rows, one per target loss (``side_by_side``).
+
+    Returns:
+        The table (a header, then a row per target), and the note when a fit is marked.
 
     Example:
         >>> import math

@@ -28,6 +28,18 @@ import numpy as np
 from lit_cbs import metrics
 from lit_cbs.rules.smoothing import ema
 
+__all__ = [
+    "Crossing",
+    "RunCurve",
+    "default_targets",
+    "ema",
+    "find_crossings",
+    "read_run",
+    "read_sweep",
+    "rolling_mean",
+    "smooth",
+]
+
 # The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale), named in lit_cbs.metrics, and Lightning's steps.
 TOKENS_COLUMN = metrics.TOKENS_SEEN
 STEP_COLUMN = metrics.STEP
@@ -413,6 +425,13 @@ def check_units(runs: Sequence[RunCurve]) -> float | None:
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     """Centered mean over ``window`` logged points (odd), over fewer at the ends: no lag on a linear trend.
 
+    Args:
+        values: the series (a loss curve, nats), in logged order.
+        window: logged points each mean is over (odd); fewer at the ends.
+
+    Returns:
+        The means, as floats, one per point.
+
     Raises:
         ValueError: ``window`` is not a positive odd number.
 
@@ -438,6 +457,9 @@ def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, 
         method: ``"rolling"``, ``"ema"`` or None (unsmoothed, as floats).
         window: logged points of the rolling mean (odd).
         decay: the EMA's decay per logged point, in [0, 1).
+
+    Returns:
+        The smoothed series, as floats, one per point.
 
     Raises:
         ValueError: an unknown ``method`` (or, from the smoother, a bad ``window`` or ``decay``).

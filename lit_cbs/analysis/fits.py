@@ -34,6 +34,19 @@ from scipy.special import expit, softmax
 from lit_cbs.analysis.curves import Crossing
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
+__all__ = [
+    "McCandlishFit",
+    "TargetFit",
+    "WSDFit",
+    "batch_group_yaml",
+    "fit_mccandlish",
+    "fit_targets",
+    "fit_wsd",
+    "propose_schedule",
+    "schedule_yaml",
+    "write_schedule_yaml",
+]
+
 MCCANDLISH_MIN_RUNS = 3
 POOR_FIT = 0.05  # rms of log(E / fitted E) above which fit_targets warns that a fit's batch sizes are unreliable
 WSD_FREE_PARAMETERS = 8  # S_min, S_1, S_opt, S_2, B_-1, C, E_min, A_1 (B_0 and A_0 follow from continuity)
@@ -589,6 +602,11 @@ def batch_group_yaml(
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike, comment: str = "") -> Path:
     """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``).
+
+    Args:
+        schedule: the schedule (a ``PiecewiseBatch``, e.g. ``propose_schedule``'s).
+        path: the file to write (a Hydra recipe's YAML); its folder must exist.
+        comment: lines written as YAML comments at the top ("" for none).
 
     Returns:
         ``path``, as a ``Path``.

@@ -72,6 +72,18 @@ from scipy import optimize, special, stats
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import ProbeReading, judged_multipliers
 
+__all__ = [
+    "Bracket",
+    "CBSForecast",
+    "ForecastChange",
+    "brackets_from_records",
+    "forecast_cbs",
+    "growth_exponent",
+    "noise_scale_over_tokens",
+    "schedule_from_forecast",
+    "supported_interval",
+]
+
 MODELS = ("power", "plateau")
 # Weak priors (see the module docstring); s and the ceiling c in log CBS (natural log of samples), b per log token.
 SPREAD_PRIOR_MEDIAN = 0.15  # s
@@ -533,7 +545,21 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
 
 @dataclasses.dataclass(frozen=True)
 class ForecastChange:
-    """Where a forecast schedule moves to ``batch`` samples: the band's lower edge reaches ``margin x batch``."""
+    """Where a forecast schedule moves to ``batch`` samples: the band's lower edge reaches ``margin x batch``.
+
+    ``schedule_from_forecast`` returns one per change, in order.
+
+    Attributes:
+        tokens: where the schedule changes (tokens).
+        batch: the batch from there on (samples).
+        band_low: the band's lower edge there (samples).
+        band_high: the band's upper edge there (samples).
+
+    Example:
+        >>> change = ForecastChange(tokens=159_245_618, batch=64, band_low=64.39, band_high=116.38)
+        >>> change.band_low >= change.batch  # the band's lower edge reached the new batch
+        True
+    """
 
     tokens: int
     batch: int
@@ -557,6 +583,32 @@ def schedule_from_forecast(
     with the band's probability. It never decreases. Returns ``(schedule, [ForecastChange, ...])``.
     Warns once when ``until_tokens`` lies farther past the last reading than the readings span (a
     ratio of token counts): the band assumes the curve keeps its fitted shape there.
+
+    Args:
+        forecast: the CBS forecast (``forecast_cbs``), samples against tokens.
+        start: the first global batch (samples), an int >= 1.
+        until_tokens: the run's budget (tokens): the schedule follows the band up to it.
+        factor: each change multiplies the batch by this int >= 2.
+        final: the largest batch (samples), or None for no cap.
+        margin: a number >= 1: a batch is taken once the band's lower edge reaches ``margin x batch``.
+
+    Returns:
+        ``(schedule, changes)``: a token-indexed ``PiecewiseBatch`` and a ``ForecastChange`` per change.
+
+    Raises:
+        ValueError: ``until_tokens``, ``start``, ``factor`` or ``margin`` out of range.
+
+    Example:
+        Brackets around CBS = 64 (D / 1e8)^0.5 samples, a factor of 2 wide (as in ``forecast_cbs``):
+
+        >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")
+        ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
+        >>> schedule, changes = schedule_from_forecast(forecast_cbs(brackets, model="power"), start=32,
+        ...                                            until_tokens=6_400_000_000)
+        >>> schedule.sizes()
+        [32, 64, 128, 256]
+        >>> [(f"{change.tokens:.2g}", change.batch) for change in changes]  # tokens, samples
+        [('1.6e+08', 64), ('5.8e+08', 128), ('2.5e+09', 256)]
     """
     from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
@@ -589,7 +641,28 @@ def schedule_from_forecast(
 
 def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, B_simple) from a run's metrics.csv: ``gns/b_simple`` at each step it was logged,
-    against the tokens seen at that step (``curves.tokens_at``). Raises ValueError naming the missing column."""
+    against the tokens seen at that step (``curves.tokens_at``). Raises ValueError naming the missing column.
+
+    Args:
+        metrics_csv: the path of a run's ``metrics.csv`` (a run with ``GradientNoiseScale`` and ``BatchWarmup``).
+
+    Returns:
+        ``(tokens, b_simple)``: tokens seen, and B_simple (samples) at each step it was logged.
+
+    Raises:
+        ValueError: the file has no ``gns/b_simple`` or no ``tokens_seen`` column.
+
+    Example:
+        >>> import os, tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = os.path.join(folder, "metrics.csv")
+        ...     with open(path, "w") as file:
+        ...         for row in ["step,tokens_seen,gns/b_simple", "0,1000,", "1,2000,5.0", "3,4000,10.0"]:
+        ...             print(row, file=file)
+        ...     tokens, b_simple = noise_scale_over_tokens(path)
+        >>> tokens.tolist(), b_simple.tolist()
+        ([2000.0, 4000.0], [5.0, 10.0])
+    """
     from lit_cbs.analysis.curves import GNS_COLUMN, TOKENS_COLUMN, read_metrics_csv, tokens_at
 
     series = read_metrics_csv(metrics_csv)
@@ -604,7 +677,22 @@ def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
 
 def growth_exponent(tokens, values) -> float:
     """The slope of log(values) against log(tokens) (least squares) over positive finite points: the x
-    in values ~ tokens^x. For the noise scale beside ``CBSForecast.exponent``. ValueError under 2 points."""
+    in values ~ tokens^x. For the noise scale beside ``CBSForecast.exponent``. ValueError under 2 points.
+
+    Args:
+        tokens: token counts.
+        values: the quantity at each (B_simple or a CBS, samples); points not positive and finite are left out.
+
+    Returns:
+        The exponent x (unitless).
+
+    Raises:
+        ValueError: fewer than 2 distinct token counts with a positive finite value.
+
+    Example:
+        >>> round(growth_exponent([1e8, 4e8, 1.6e9], [10.0, 20.0, 40.0]), 4)  # doubles per 4x tokens
+        0.5
+    """
     tokens, values = np.asarray(tokens, dtype=float), np.asarray(values, dtype=float)
     keep = np.isfinite(tokens) & np.isfinite(values) & (tokens > 0) & (values > 0)
     if len(set(tokens[keep])) < 2:

@@ -23,6 +23,12 @@ from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 from lit_cbs.probe.reading import ProbeReading
 
+__all__ = [
+    "plot_batch_sizes",
+    "plot_es",
+    "plot_forecast",
+]
+
 
 def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
     """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, which

@@ -19,6 +19,11 @@ from typing import Any
 from lit_cbs.probe.reading import ProbeReading, read_readings
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
+__all__ = [
+    "run_config_value",
+    "schedule_from_probe",
+]
+
 PathLike = str | os.PathLike
 # The configuration a recipe run saves in its folder, beside cbs_probe.jsonl: recipes/train.py's resolved
 # copy first, then the one Hydra writes (its interpolations resolved on reading).

@@ -45,6 +45,8 @@ from lit_cbs.models.lm import resolve_model_config
 from lit_cbs.probe.callback import CBSProbeCallback
 from lit_cbs.probe.from_checkpoint import RunParts
 
+__all__: list[str] = []  # recipes/train.py's machinery; users set the Hydra keys, not these
+
 # What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
 # Lightning, Hydra and OmegaConf raise for settings they refuse.
 CONFIG_ERRORS = (

@@ -48,6 +48,8 @@ from lit_cbs.models.hf import HFDecoder
 from lit_cbs.models.olmo import OLMo, OLMoConfig
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 
+__all__: list[str] = []  # users run it as `plan=true`; recipes/train.py calls plan_run
+
 GIB = 2**30
 STRATEGIES = ("single", "ddp", "fsdp")
 TOKEN_BYTES = 8  # TokenDataModule batches are int64 token ids

@@ -31,6 +31,11 @@ from lit_cbs.probe.callback import JSONL_FILE, PLOT_FILE
 from lit_cbs.probe.reading import read_readings
 from lit_cbs.recipes.run_report import RUN_FIGURES, read_batch_history, read_run_metrics, summary_rows
 
+__all__ = [
+    "main",
+    "write_report",
+]
+
 REPORT_FILE = "report.html"
 WALL_CLOCK_FILE = "wall_clock.png"  # the page's own figure: the run draws none against wall-clock time
 
@@ -257,6 +262,27 @@ def main(argv: list[str] | None = None) -> Path:
     Raises:
         SystemExit: a bad command line, or a ``run_dir`` ``write_report`` refuses (argparse's exit status 2,
             with its message on stderr).
+
+    Example:
+        A run folder with a two-step ``metrics.csv`` (as in ``write_report``):
+
+        >>> import contextlib, io, tempfile
+        >>> from pathlib import Path
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> run = Path(folder.name)
+        >>> _ = (run / "metrics.csv").write_text("step,tokens_seen,train/loss\\n0,512,5.5\\n1,1024,5.25\\n")
+        >>> with contextlib.redirect_stdout(io.StringIO()) as printed:
+        ...     page = main([str(run)])
+        >>> printed.getvalue() == f"{run / 'report.html'}\\n", page.is_file()
+        (True, True)
+        >>> with contextlib.redirect_stderr(io.StringIO()) as message:  # argparse's refusal, on stderr
+        ...     main([str(run / "elsewhere")])
+        Traceback (most recent call last):
+        ...
+        SystemExit: 2
+        >>> "has no metrics.csv" in message.getvalue()
+        True
+        >>> folder.cleanup()
     """
     parser = argparse.ArgumentParser(description="Write a run's self-contained HTML page (report.html).")
     parser.add_argument(

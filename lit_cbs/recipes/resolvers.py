@@ -21,6 +21,13 @@ from omegaconf import OmegaConf
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.rules.scaling import get_lr_rule
 
+__all__ = [
+    "register_resolvers",
+    "scaled_lr",
+    "sweep_subdir",
+    "world_size",
+]
+
 
 def devices_per_node(devices, needed_for: str) -> int:
     """``trainer.devices`` as a count: a positive number (or its string) or a list of device ids;

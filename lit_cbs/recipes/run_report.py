@@ -41,6 +41,8 @@ from lit_cbs.probe.callback import CBSProbeCallback
 from lit_cbs.recipes.plan import batch_phases
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive
 
+__all__: list[str] = []  # recipes/train.py and report.py write the run folder with these
+
 
 def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     """Write ``warmup``'s batch changes and final counts as JSON to ``path``; return what was written.

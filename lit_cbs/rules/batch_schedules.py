@@ -16,6 +16,16 @@ from collections.abc import Sequence
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int
 
+__all__ = [
+    "BatchSchedule",
+    "CBSAdaptive",
+    "ConstantBatch",
+    "ExponentialRamp",
+    "LinearRamp",
+    "PiecewiseBatch",
+    "Seesaw",
+]
+
 UNITS = ("samples", "tokens")
 
 
@@ -52,7 +62,29 @@ def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_
 
 
 class BatchSchedule(ABC):
-    """Base class: subclasses set ``unit`` and implement ``batch_size`` and ``sizes``."""
+    """Base class: subclasses set ``unit`` and implement ``batch_size`` and ``sizes``.
+
+    ``BatchWarmup(schedule=...)`` takes any subclass: it asks ``batch_size`` at every step, and ``sizes``
+    before training, to check each size against the data-parallel size and the micro-batch.
+
+    Attributes:
+        unit: what ``consumed`` counts: ``"samples"`` or ``"tokens"``.
+
+    Example:
+        A minimal subclass, doubling the batch every million tokens up to 256 samples:
+
+        >>> class DoublingPerMillion(BatchSchedule):
+        ...     unit = "tokens"
+        ...     def batch_size(self, consumed):
+        ...         return 64 * 2 ** min(consumed // 1_000_000, 2)
+        ...     def sizes(self, consumed=0):
+        ...         return [size for size in (64, 128, 256) if size >= self.batch_size(consumed)]
+        >>> schedule = DoublingPerMillion()
+        >>> schedule.batch_size(500_000), schedule.batch_size(2_500_000), schedule.sizes(1_200_000)
+        (64, 256, [128, 256])
+        >>> schedule.is_constant, schedule
+        (False, DoublingPerMillion())
+    """
 
     unit: str
 
@@ -66,6 +98,7 @@ class BatchSchedule(ABC):
 
     @property
     def is_constant(self) -> bool:
+        """Whether the schedule returns one batch size throughout (``sizes()`` has one)."""
         return len(self.sizes()) == 1
 
     def withdraw_above(self, batch_size: int) -> None:

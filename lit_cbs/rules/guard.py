@@ -45,6 +45,15 @@ import numpy as np
 from lit_cbs import legacy
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
+__all__ = [
+    "BatchGuard",
+    "GuardConfig",
+    "GuardVerdict",
+    "RevertRestore",
+    "fit_trend",
+    "loss_rise",
+]
+
 _SPAN = "samples or tokens, the schedule's unit"
 
 
@@ -140,7 +149,27 @@ class GuardConfig:
 
 @dataclasses.dataclass
 class RevertRestore:
-    """What a revert of an increase puts back: BatchWarmup's state from just before the increase."""
+    """What a revert of an increase puts back: BatchWarmup's state from just before the increase.
+
+    BatchWarmup hands one to ``BatchGuard.watch`` at each increase and gets it back from
+    ``BatchGuard.mark_reverted`` when the guard reverts that increase. Factors are unitless multipliers.
+
+    Attributes:
+        lr_factor: BatchWarmup's ``lr_factor`` before the increase: the product of every earlier change's.
+        clip_factor: BatchWarmup's ``clip_factor`` (of the gradient-clipping threshold) before the increase.
+        lr_factor_of_change: the increase's own LR factor, which the revert divides out of the LR schedulers.
+        clip_factor_of_change: the increase's own clipping factor.
+        optimizer_settings: per optimizer, per param group, the betas, eps and weight decay before the
+            increase (``lit_cbs.rules.scaling.optimizer_settings``); None where a checkpoint kept none.
+
+    Example:
+        >>> restore = RevertRestore(lr_factor=1.0, clip_factor=1.0, lr_factor_of_change=1.4142,
+        ...                         clip_factor_of_change=1.0)
+        >>> restore.lr_factor * restore.lr_factor_of_change  # BatchWarmup's LR factor after the increase
+        1.4142
+        >>> restore.optimizer_settings is None  # none saved: the revert leaves betas, eps and weight decay
+        True
+    """
 
     lr_factor: float  # BatchWarmup.lr_factor then: the product of every earlier change's LR factor
     clip_factor: float  # BatchWarmup.clip_factor then (gradient-clipping threshold)
@@ -175,7 +204,38 @@ class WatchedIncrease:
 
 @dataclasses.dataclass
 class GuardVerdict:
-    """The guard's judgement of one increase. Consumed counts in the schedule's unit (samples or tokens)."""
+    """The guard's judgement of one increase. Consumed counts in the schedule's unit (samples or tokens).
+
+    ``BatchGuard.judge`` returns one when a watch span closes; ``BatchGuard.verdicts`` (and
+    ``BatchWarmup(guard=...).guard.verdicts``) keep them in order, and ``batch_history.json`` has each as a dict.
+
+    Attributes:
+        change: the index in ``BatchWarmup.history`` of the increase judged.
+        old_global_batch: the batch before the increase (samples).
+        new_global_batch: the batch after it (samples).
+        consumed_at_change: consumed when it was applied.
+        decided_at: consumed when the watch span closed.
+        rise: the mean loss above the trend over the watch span's steps (nats).
+        threshold: the rise above which the increase is reverted (nats).
+        residual_std: the spread of the per-step loss around the trend before the change (nats).
+        trend_intercept: the trend is ``trend_intercept + trend_slope * ln(consumed)`` (nats).
+        trend_slope: nats per e-fold of consumed.
+        fit_steps: optimizer steps the trend was fitted to.
+        watch_steps: optimizer steps in the watch span.
+        reverted: whether the guard reverts the increase.
+
+    Example:
+        An increase from 64 to 128 samples at 1000 tokens, judged at 1250 (the default watch span):
+
+        >>> import dataclasses
+        >>> verdict = GuardVerdict(change=0, old_global_batch=64, new_global_batch=128, consumed_at_change=1000,
+        ...                        decided_at=1250, rise=0.3, threshold=0.05, residual_std=0.01,
+        ...                        trend_intercept=2.0, trend_slope=-0.5, fit_steps=10, watch_steps=10, reverted=True)
+        >>> verdict.rise > verdict.threshold, verdict.reverted
+        (True, True)
+        >>> dataclasses.asdict(verdict)["watch_steps"]  # as batch_history.json writes it
+        10
+    """
 
     change: int  # index in BatchWarmup.history of the increase judged
     old_global_batch: int  # samples
@@ -197,6 +257,12 @@ def fit_trend(points: Sequence[tuple[float, float]]) -> tuple[float, float, floa
     more); returns intercept (nats), slope (nats per e-fold of consumed) and the residuals' standard
     deviation (nats, n - 2 degrees of freedom).
 
+    Args:
+        points: (consumed, loss) pairs: consumed > 0 in samples or tokens, loss in nats; 3 or more.
+
+    Returns:
+        ``(intercept, slope, residual_std)``, in nats, nats per e-fold and nats.
+
     Example:
         >>> import math
         >>> points = [(1, 2.0), (math.e, 1.5), (math.e**2, 1.0)]  # loss = 2 - 0.5 ln(consumed)
@@ -215,6 +281,13 @@ def loss_rise(
 ) -> tuple[float, float, float, float]:
     """How far the ``window`` points' losses sit above the trend of the ``fit`` points (``fit_trend``):
     their mean distance from it (nats), then the trend's intercept, slope and residual standard deviation.
+
+    Args:
+        fit: (consumed, loss) pairs the trend is fitted to (``fit_trend``; 3 or more).
+        window: (consumed, loss) pairs judged against it (1 or more).
+
+    Returns:
+        ``(rise, intercept, slope, residual_std)``: nats, nats, nats per e-fold of consumed, nats.
 
     Example:
         >>> import math

@@ -16,6 +16,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
 
+__all__ = [
+    "CosineSchedule",
+    "OneCycle",
+    "StepDecay",
+    "TokenLRScheduler",
+    "WarmupStableDecay",
+]
+
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 

@@ -46,6 +46,19 @@ from lit_cbs import metrics
 from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.errors import LitCBSConfigError
 
+__all__ = [
+    "AdamSDERule",
+    "Beta2HalfLife",
+    "LRRule",
+    "OptimizerRules",
+    "ScalingRule",
+    "SettingRule",
+    "WeightDecayTimescale",
+    "get_clip_rule",
+    "get_lr_rule",
+    "scale_learning_rate",
+]
+
 
 class ScalingRule:
     """A rule turning a batch ratio (new / old global batch) into a multiplier: of the LR (``LRRule``)
@@ -92,6 +105,10 @@ class ScalingRule:
 
 class LRRule(ScalingRule):
     """The LR's ``ScalingRule``; a subclass may move other optimizer settings with it (``adjust_optimizer``).
+
+    Args:
+        name: the rule's name, as logged and in messages (``"sqrt"``).
+        factor: batch ratio -> LR multiplier; a module-level function, so the rule pickles.
 
     Example:
         >>> rule = get_lr_rule("sqrt")
@@ -373,7 +390,31 @@ class SettingRule(ABC):
     setting, logged as ``batch/<key>``) and ``argument`` (the BatchWarmup / CBSProbeCallback argument),
     and implement ``scaled``, applied change by change (a plan applies it phase by phase as BatchWarmup
     does, so a rule with a floor, which forgets how far below it the rule alone would have gone, is
-    planned exactly)."""
+    planned exactly).
+
+    ``OptimizerRules.settings`` returns them; BatchWarmup and CBSProbeCallback take the two kinds
+    ``weight_decay_rule`` and ``beta2_rule`` name (``WeightDecayTimescale``, ``Beta2HalfLife``, or objects of them).
+
+    Attributes:
+        name: the rule's name, as users give it (``"timescale"``).
+        key: the param-group entry it moves (``"weight_decay"``), logged as ``batch/<key>``.
+        argument: the BatchWarmup / CBSProbeCallback argument that names it (``"weight_decay_rule"``).
+
+    Example:
+        A minimal subclass: Adam's eps divided by sqrt(ratio), as adam_sde moves it:
+
+        >>> class EpsSqrt(SettingRule):
+        ...     name, key, argument = "sqrt", "eps", "eps_rule"
+        ...     def scaled(self, value, ratio, lr_factor):
+        ...         return value / ratio**0.5
+        ...     def check(self, optimizer, who):
+        ...         if "eps" not in optimizer.param_groups[0]:
+        ...             raise LitCBSConfigError(f"{who}: {type(optimizer).__name__} has no eps")
+        >>> group = {"lr": 1e-3, "eps": 1e-8}  # a param group
+        >>> EpsSqrt().apply(group, ratio=4.0, lr_factor=2.0)  # the batch grew 4-fold
+        >>> group["eps"], EpsSqrt().held(1e-8, ratio=4.0, lr_factor=2.0)
+        (5e-09, None)
+    """
 
     name: str
     key: str

@@ -9,6 +9,10 @@ from __future__ import annotations
 import numpy as np
 from scipy.signal import lfilter
 
+__all__ = [
+    "ema",
+]
+
 
 def ema(values: np.ndarray, decay: float) -> np.ndarray:
     """Exponential moving average s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0, in the unit of
