@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
     from lit_cbs.callbacks.warmup import BatchWarmup
 
+__all__ = ["BranchError", "BranchFailed", "BranchTrainer", "ProbeAborted", "RecordedWindow"]
+
 
 class BranchFailed(Exception):
     """A branch diverged (non-finite loss) or ran out of memory on some rank; it counts as not recovered.
@@ -406,8 +408,42 @@ class BranchTrainer:
         cooldown_fraction: share in [0, 1) of a branch's last steps over which its LR decays towards 0.
         tokens_trained: tokens (global) of every branch step taken so far (it counts on from there).
 
-    It needs a running fit (``CBSProbeCallback`` and ``probe_checkpoint`` make it), so it has no standalone
-    example; ``lit_cbs.probe.reading`` has the scores it returns.
+    ``CBSProbeCallback`` and ``probe_checkpoint`` make one inside a fit; it needs a Trainer whose strategy,
+    optimizers and ``BatchAccounting`` are set up, as they are after a fit of one step.
+
+    Example:
+        A tiny LM fitted for one step, then a window of 8 samples (2 steps at B = 4) trained at k = 1 (2 steps
+        of 4 samples) and k = 2 (1 step of 8), each from the window's start snapshot:
+
+        >>> import math, lightning.pytorch as pl, torch
+        >>> from lit_cbs.callbacks import BatchAccounting
+        >>> from lit_cbs.data import RandomTokenData
+        >>> from lit_cbs.models import CausalLM
+        >>> from lit_cbs.probe import BranchTrainer, RecordedWindow, TrainingSnapshot
+        >>> from lit_cbs.rules.scaling import OptimizerRules
+        >>> _ = torch.manual_seed(0)
+        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_hidden": 32,
+        ...                "context_length": 8, "tie_embeddings": True})
+        >>> data = RandomTokenData(vocab_size=32, seq_len=8, batch_size=4, samples=16)
+        >>> accounting = BatchAccounting(seq_len=8)
+        >>> trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=[accounting], logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+        >>> trainer.fit(lm, data)
+        >>> window = RecordedWindow(tokens=accounting.tokens_seen, step=trainer.global_step, batch_size=4,
+        ...     accumulate=1, micro_batch_size=4, data_parallel_size=1, seq_len=8, multipliers=[1.0, 2.0],
+        ...     window_samples=8, start=TrainingSnapshot(trainer, lm))
+        >>> for batch in list(data.train_dataloader())[:2]:
+        ...     window.record_batch(batch, "cpu")
+        >>> branches = BranchTrainer(trainer, lm, accounting, OptimizerRules.build("sqrt"), evaluate="train_ema",
+        ...     ema_alpha=0.5, micro_batch_for=lambda k: 4)
+        >>> score = branches.loss(window, 1.0)
+        >>> branches.tokens_trained  # 2 steps x 4 samples x 8 tokens
+        64
+        >>> score.failed, abs(score.loss - math.log(32)) < 0.3  # still near ln(vocab_size) nats
+        (False, True)
+        >>> _ = branches.loss(window, 2.0)
+        >>> branches.tokens_trained  # and 1 step x 8 samples x 8 tokens
+        128
     """
 
     trainer: pl.Trainer
