@@ -58,6 +58,8 @@ from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.probe.start import EpochEnd, ProbeSkip, plan_probe, window_at
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
+__all__ = ["CBSProbeCallback"]
+
 JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"
 
