@@ -45,6 +45,8 @@ from lit_cbs.gns.config import GNSConfig
 from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups
 
+__all__ = ["GradientNoiseScale"]
+
 
 class _LossOfBatch(torch.nn.Module):
     """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its

@@ -29,6 +29,8 @@ import torch
 
 from lit_cbs import metrics
 
+__all__ = ["NoiseAverages", "NoiseMeasurement", "two_batch_estimates"]
+
 
 def two_batch_estimates(
     small_grad_sq: torch.Tensor | float,
