@@ -122,6 +122,26 @@ class RecordedWindow:
 
     Batches in samples, token counts global (all ranks), losses in nats.
 
+    Args:
+        tokens: tokens seen at the window's start.
+        step: optimizer steps taken at the window's start.
+        batch_size: the global batch B (samples).
+        accumulate: micro-batches per rank and optimizer step at B.
+        micro_batch_size: samples per micro-batch and rank at the window's start.
+        data_parallel_size: ranks that read their own micro-batches.
+        seq_len: tokens per sample.
+        multipliers: the ks whose batch k*B fits this window.
+        window_samples: samples every branch trains on (global; whole steps of the largest branch).
+        start: the snapshot every branch starts from.
+        replicates: disjoint windows of ``window_samples`` recorded one after the other, each trained from ``start``.
+        batches: micro-batches as the main run trained on them (filled by ``record_batch``).
+        recorded_samples: samples per rank in ``batches``.
+        step_losses: the main run's loss (nats), one per optimizer step.
+        micro_losses: the micro-batch losses (nats) of the optimizer step in progress.
+        early_stop_samples: samples (per rank) where the probe may end early.
+        progress: branches trained up to an early-stop point, by k.
+        interrupted_at_tokens: this probe was stopped once; its first window began there (tokens).
+
     Example:
         A window of 8 samples of 8 tokens at batch 4 (2 micro-batches of 2), recorded and regrouped for the
         k = 2 branch (``start``, the snapshot branches begin from, is not needed here):
@@ -250,7 +270,11 @@ class RecordedWindow:
         ]
 
     def record_micro_loss(self, loss: float) -> None:
-        """Keep a micro-batch's loss (nats) of the optimizer step in progress."""
+        """Keep a micro-batch's loss (nats) of the optimizer step in progress.
+
+        Args:
+            loss: the micro-batch's loss (nats).
+        """
         self.micro_losses.append(loss)
 
     def end_step(self) -> None:

@@ -863,6 +863,9 @@ class CBSProbeCallback(Callback):
         """The probe's state in a checkpoint: readings, failures, probes started, branch tokens, and the side
         jobs still out. A window in progress is recorded as interrupted (a resumed run probes there again).
 
+        Returns:
+            A JSON-able dict, read back by ``load_state_dict``.
+
         Example:
             >>> CBSProbeCallback(every_tokens=10**6).state_dict()  # doctest: +NORMALIZE_WHITESPACE
             {'history': [], 'tokens_spent': 0, 'probes_started': 0, 'interrupted': None, 'failures': [],
