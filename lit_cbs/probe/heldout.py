@@ -58,13 +58,15 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
 
         >>> import lightning.pytorch as pl, torch
         >>> from torch.utils.data import DataLoader
+        >>> from lit_cbs.callbacks import BatchAccounting
         >>> from lit_cbs.data import RandomTokenData
         >>> from lit_cbs.models import CausalLM
         >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_hidden": 32,
         ...                "context_length": 8, "tie_embeddings": True})
         >>> trainer = pl.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
-        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
-        >>> val = DataLoader(torch.arange(54).view(6, 9), batch_size=2, shuffle=True)  # 3 batches of 2 samples
+        ...     callbacks=[BatchAccounting(seq_len=8)], enable_progress_bar=False, enable_checkpointing=False,
+        ...     enable_model_summary=False)
+        >>> val = DataLoader(torch.arange(54).view(6, 9), batch_size=2)  # 3 batches of 2 samples
         >>> trainer.fit(lm, RandomTokenData(vocab_size=32, seq_len=8, batch_size=4, samples=8).train_dataloader(),
         ...             val_dataloaders=val)
         >>> state = torch.get_rng_state()
