@@ -45,6 +45,8 @@ from lit_cbs.gns.config import GNSConfig
 from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups
 
+__all__ = ["GradientNoiseScale"]
+
 
 class _LossOfBatch(torch.nn.Module):
     """Wraps ``per_example_loss(module, batch)`` as a module so ``torch.func.functional_call`` can swap its
@@ -432,7 +434,11 @@ class GradientNoiseScale(Callback):
         log_to_loggers(trainer, lambda _: self.metrics())
 
     def metrics(self) -> dict[str, float]:
-        """The logged metrics' current values (empty before the first measured step)."""
+        """The logged metrics' current values (empty before the first measured step).
+
+        Returns:
+            By metric name (``gns/b_simple`` and the rest): B_simple in samples, tr(Sigma) and |G|^2.
+        """
         return {} if self._averages is None else self._averages.metrics(self.group_names)
 
     @property

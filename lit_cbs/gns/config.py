@@ -12,6 +12,8 @@ from lit_cbs.gns.groups import compiled_groups
 if TYPE_CHECKING:
     import torch
 
+__all__ = ["GNSConfig"]
+
 
 @dataclasses.dataclass
 class GNSConfig:

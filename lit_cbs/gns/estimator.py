@@ -29,6 +29,8 @@ import torch
 
 from lit_cbs import metrics
 
+__all__ = ["NoiseAverages", "NoiseMeasurement", "two_batch_estimates"]
+
 
 def two_batch_estimates(
     small_grad_sq: torch.Tensor | float,
@@ -80,11 +82,13 @@ class NoiseMeasurement:
     The entries follow ``GradientNoiseScale.group_names``: the groups, then (entry ``None``) the
     parameters in no group, if any; without ``groups`` the single entry is the whole model.
 
-    ``small_grad_sq``: mean squared norm of the small-batch gradients; ``big_grad_sq``: squared norm
-    of the step's gradient (the mean over the global batch); ``small_batch_size`` and
-    ``big_batch_size``: effective sizes in samples (1 / E[1/b] for the small batches,
-    M^2 / sum(1/b_i) over the step's M micro-batches for the big one); ``grad_sq`` and
-    ``trace_sigma``: this step's unbiased estimates before averaging.
+    Args:
+        small_grad_sq: mean squared norm of the small-batch gradients, per group.
+        big_grad_sq: squared norm of the step's gradient (the mean over the global batch), per group.
+        small_batch_size: effective size of the small batches in samples, 1 / E[1/b].
+        big_batch_size: effective size of the step's batch in samples, M^2 / sum(1/b_i) over its M micro-batches.
+        grad_sq: this step's unbiased estimate of |G|^2 per group, before averaging.
+        trace_sigma: this step's unbiased estimate of tr(Sigma) per group (per sample), before averaging.
 
     Example:
         A step of 4 micro-batches of 2 samples, each with squared norm 5, whose mean has squared norm 2:
@@ -204,12 +208,29 @@ class NoiseAverages:
 
     @classmethod
     def zeros(cls, decay: float, groups: int, device: torch.device) -> NoiseAverages:
+        """Averages of nothing yet (see the class example).
+
+        Args:
+            decay: the EMAs' decay per measured optimizer step, in [0, 1).
+            groups: entries per tensor: the measured groups (and the ungrouped rest, if any).
+            device: where the averages live (the gradients' device).
+
+        Returns:
+            Zero averages with ``updates == 0``.
+        """
         return cls(decay, torch.zeros(groups, device=device), torch.zeros(groups, device=device))
 
     def update(self, measurement: NoiseMeasurement) -> bool:
         """Average in a step's estimates; False (averages unchanged) if any is not finite, as after an AMP overflow.
 
-        One host synchronisation (the finiteness check)."""
+        One host synchronisation (the finiteness check). See the class example.
+
+        Args:
+            measurement: the step's ``NoiseMeasurement``, with one entry per group.
+
+        Returns:
+            Whether the step was averaged in.
+        """
         grad_sq, trace_sigma = measurement.grad_sq, measurement.trace_sigma
         if not bool(torch.isfinite(grad_sq).all() & torch.isfinite(trace_sigma).all()):
             return False
@@ -227,7 +248,15 @@ class NoiseAverages:
 
     def metrics(self, group_names: Sequence[str | None]) -> dict[str, float]:
         """``gns/{b_simple,trace_sigma,grad_sq}`` for the whole model and ``gns/<group>/...`` per named group
-        (the group ``None``, the parameters in no group, counts in the whole model only); empty before any update."""
+        (the group ``None``, the parameters in no group, counts in the whole model only); empty before any update.
+        See the class example.
+
+        Args:
+            group_names: a name per entry, as ``GradientNoiseScale.group_names`` (None: the ungrouped rest).
+
+        Returns:
+            The bias-corrected values by metric name: B_simple in samples, tr(Sigma) and |G|^2 as squared norms.
+        """
         if not self.updates:
             return {}
         correction = 1.0 - self.decay**self.updates  # bias correction of EMAs started at zero
@@ -245,5 +274,13 @@ class NoiseAverages:
         return logged
 
     def to(self, device: torch.device) -> NoiseAverages:
+        """Move the averages to ``device`` in place.
+
+        Args:
+            device: where they go (e.g. the gradients' device after a checkpoint load).
+
+        Returns:
+            These averages.
+        """
         self.grad_sq, self.trace_sigma = self.grad_sq.to(device), self.trace_sigma.to(device)
         return self

@@ -4,6 +4,9 @@ Both squared norms behind B_simple are sums over the parameters, so each group o
 its own |G|^2, tr(Sigma) and B_simple, and the groups' add up to the whole model's. A group is
 one optimizer parameter group (``"param_groups"``), one transformer block or other module
 (``"blocks"``, ``block_groups``), or the parameters whose names a regex finds (``regex_groups``).
+
+``GROUP_PRESETS``: the names ``GradientNoiseScale(groups=...)`` takes besides a mapping of regexes,
+``("param_groups", "blocks")``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch
 
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.decoder import layer_stacks
+
+__all__ = ["GROUP_PRESETS", "block_groups", "regex_groups"]
 
 GROUP_PRESETS = ("param_groups", "blocks")
 _SHOWN_NAMES = 6  # parameter names an error message lists

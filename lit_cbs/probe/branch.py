@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
     from lit_cbs.callbacks.warmup import BatchWarmup
 
+__all__ = ["BranchError", "BranchFailed", "BranchTrainer", "ProbeAborted", "RecordedWindow"]
+
 
 class BranchFailed(Exception):
     """A branch diverged (non-finite loss) or ran out of memory on some rank; it counts as not recovered.
@@ -119,6 +121,26 @@ class RecordedWindow:
     """The main run's window since a probe point, as this rank trained it.
 
     Batches in samples, token counts global (all ranks), losses in nats.
+
+    Args:
+        tokens: tokens seen at the window's start.
+        step: optimizer steps taken at the window's start.
+        batch_size: the global batch B (samples).
+        accumulate: micro-batches per rank and optimizer step at B.
+        micro_batch_size: samples per micro-batch and rank at the window's start.
+        data_parallel_size: ranks that read their own micro-batches.
+        seq_len: tokens per sample.
+        multipliers: the ks whose batch k*B fits this window.
+        window_samples: samples every branch trains on (global; whole steps of the largest branch).
+        start: the snapshot every branch starts from.
+        replicates: disjoint windows of ``window_samples`` recorded one after the other, each trained from ``start``.
+        batches: micro-batches as the main run trained on them (filled by ``record_batch``).
+        recorded_samples: samples per rank in ``batches``.
+        step_losses: the main run's loss (nats), one per optimizer step.
+        micro_losses: the micro-batch losses (nats) of the optimizer step in progress.
+        early_stop_samples: samples (per rank) where the probe may end early.
+        progress: branches trained up to an early-stop point, by k.
+        interrupted_at_tokens: this probe was stopped once; its first window began there (tokens).
 
     Example:
         A window of 8 samples of 8 tokens at batch 4 (2 micro-batches of 2), recorded and regrouped for the
@@ -248,7 +270,11 @@ class RecordedWindow:
         ]
 
     def record_micro_loss(self, loss: float) -> None:
-        """Keep a micro-batch's loss (nats) of the optimizer step in progress."""
+        """Keep a micro-batch's loss (nats) of the optimizer step in progress.
+
+        Args:
+            loss: the micro-batch's loss (nats).
+        """
         self.micro_losses.append(loss)
 
     def end_step(self) -> None:
@@ -406,8 +432,42 @@ class BranchTrainer:
         cooldown_fraction: share in [0, 1) of a branch's last steps over which its LR decays towards 0.
         tokens_trained: tokens (global) of every branch step taken so far (it counts on from there).
 
-    It needs a running fit (``CBSProbeCallback`` and ``probe_checkpoint`` make it), so it has no standalone
-    example; ``lit_cbs.probe.reading`` has the scores it returns.
+    ``CBSProbeCallback`` and ``probe_checkpoint`` make one inside a fit; it needs a Trainer whose strategy,
+    optimizers and ``BatchAccounting`` are set up, as they are after a fit of one step.
+
+    Example:
+        A tiny LM fitted for one step, then a window of 8 samples (2 steps at B = 4) trained at k = 1 (2 steps
+        of 4 samples) and k = 2 (1 step of 8), each from the window's start snapshot:
+
+        >>> import math, lightning.pytorch as pl, torch
+        >>> from lit_cbs.callbacks import BatchAccounting
+        >>> from lit_cbs.data import RandomTokenData
+        >>> from lit_cbs.models import CausalLM
+        >>> from lit_cbs.probe import BranchTrainer, RecordedWindow, TrainingSnapshot
+        >>> from lit_cbs.rules.scaling import OptimizerRules
+        >>> _ = torch.manual_seed(0)
+        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_hidden": 32,
+        ...                "context_length": 8, "tie_embeddings": True})
+        >>> data = RandomTokenData(vocab_size=32, seq_len=8, batch_size=4, samples=16)
+        >>> accounting = BatchAccounting(seq_len=8)
+        >>> trainer = pl.Trainer(accelerator="cpu", max_steps=1, callbacks=[accounting], logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+        >>> trainer.fit(lm, data)
+        >>> window = RecordedWindow(tokens=accounting.tokens_seen, step=trainer.global_step, batch_size=4,
+        ...     accumulate=1, micro_batch_size=4, data_parallel_size=1, seq_len=8, multipliers=[1.0, 2.0],
+        ...     window_samples=8, start=TrainingSnapshot(trainer, lm))
+        >>> for batch in list(data.train_dataloader())[:2]:
+        ...     window.record_batch(batch, "cpu")
+        >>> branches = BranchTrainer(trainer, lm, accounting, OptimizerRules.build("sqrt"), evaluate="train_ema",
+        ...     ema_alpha=0.5, micro_batch_for=lambda k: 4)
+        >>> score = branches.loss(window, 1.0)
+        >>> branches.tokens_trained  # 2 steps x 4 samples x 8 tokens
+        64
+        >>> score.failed, abs(score.loss - math.log(32)) < 0.3  # still near ln(vocab_size) nats
+        (False, True)
+        >>> _ = branches.loss(window, 2.0)
+        >>> branches.tokens_trained  # and 1 step x 8 samples x 8 tokens
+        128
     """
 
     trainer: pl.Trainer

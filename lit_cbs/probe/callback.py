@@ -58,6 +58,8 @@ from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.probe.start import EpochEnd, ProbeSkip, plan_probe, window_at
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
+__all__ = ["CBSProbeCallback"]
+
 JSONL_FILE = "cbs_probe.jsonl"
 PLOT_FILE = "cbs_curve.png"
 
@@ -860,6 +862,9 @@ class CBSProbeCallback(Callback):
     def state_dict(self) -> dict[str, Any]:
         """The probe's state in a checkpoint: readings, failures, probes started, branch tokens, and the side
         jobs still out. A window in progress is recorded as interrupted (a resumed run probes there again).
+
+        Returns:
+            A JSON-able dict, read back by ``load_state_dict``.
 
         Example:
             >>> CBSProbeCallback(every_tokens=10**6).state_dict()  # doctest: +NORMALIZE_WHITESPACE

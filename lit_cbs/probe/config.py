@@ -21,6 +21,8 @@ from lit_cbs.probe.launchers import SideJobs
 from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, BranchScore, DecisionRule, ProbeReading
 from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
 
+__all__ = ["ProbeConfig"]
+
 MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
 
 

@@ -51,6 +51,8 @@ from lit_cbs.probe.reading import BranchScore, ProbeReading, first_measured
 from lit_cbs.probe.snapshot import TrainingSnapshot
 from lit_cbs.probe.start import ProbePlan, ProbeSkip, plan_probe
 
+__all__ = ["CheckpointProbe", "RunParts", "probe_checkpoint"]
+
 MODE = "checkpoint"  # ProbeReading.mode of a reading taken from a saved checkpoint
 NO_DATA_POSITION = (
     "a CBS probe of a checkpoint reads the run's next window of data from the checkpoint's data position, which only "

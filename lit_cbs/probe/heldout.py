@@ -21,6 +21,8 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lit_cbs._internals import collect_rng_states, prepare_val_dataloader, request_val_dataloaders, set_rng_states
 from lit_cbs.errors import LitCBSConfigError
 
+__all__ = ["load_heldout_batches"]
+
 
 def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device | str) -> list:
     """The first ``count`` batches (or all, if fewer) of the run's validation data, detached, on ``device``.
@@ -39,8 +41,6 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
     are the same after the call as before. Call it inside ``fit`` (``on_train_start`` or later),
     on every rank: the empty-loader check is a collective decision.
 
-    It reads a running fit's loaders, so it has no standalone example.
-
     Args:
         trainer: the Trainer inside its ``fit``.
         count: batches wanted (per rank), ``ProbeConfig.heldout_batches``.
@@ -52,6 +52,37 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
     Raises:
         LitCBSConfigError: the Trainer has no validation data, or its first loader yields no batch
             on some rank (raised on every rank alike).
+
+    Example:
+        The validation loader of a one-step fit (validation itself off), read without moving torch's generator:
+
+        >>> import lightning.pytorch as pl, torch
+        >>> from torch.utils.data import DataLoader
+        >>> from lit_cbs.callbacks import BatchAccounting
+        >>> from lit_cbs.data import RandomTokenData
+        >>> from lit_cbs.models import CausalLM
+        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_hidden": 32,
+        ...                "context_length": 8, "tie_embeddings": True})
+        >>> trainer = pl.Trainer(accelerator="cpu", max_steps=1, limit_val_batches=0, logger=False,
+        ...     callbacks=[BatchAccounting(seq_len=8)], enable_progress_bar=False, enable_checkpointing=False,
+        ...     enable_model_summary=False)
+        >>> val = DataLoader(torch.arange(54).view(6, 9), batch_size=2)  # 3 batches of 2 samples
+        >>> trainer.fit(lm, RandomTokenData(vocab_size=32, seq_len=8, batch_size=4, samples=8).train_dataloader(),
+        ...             val_dataloaders=val)
+        >>> state = torch.get_rng_state()
+        >>> batches = load_heldout_batches(trainer, count=2, device="cpu")
+        >>> len(batches), batches[0].shape, torch.equal(torch.get_rng_state(), state)
+        (2, torch.Size([2, 9]), True)
+
+        Without validation data it says what to give:
+
+        >>> trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+        ...     enable_checkpointing=False, enable_model_summary=False)
+        >>> trainer.fit(lm, RandomTokenData(vocab_size=32, seq_len=8, batch_size=4, samples=8))
+        >>> load_heldout_batches(trainer, count=2, device="cpu")
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: CBSProbeCallback(evaluate='heldout') scores branches on validation data, ...
     """
     states = collect_rng_states(include_cuda=torch.cuda.is_available())
     try:

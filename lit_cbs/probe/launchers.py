@@ -20,10 +20,30 @@ from typing import Any, Protocol
 
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
+__all__ = ["JobState", "Launcher", "LocalLauncher", "SideJobs", "SlurmLauncher"]
+
 
 @dataclass(frozen=True)
 class JobState:
-    """A side job seen from the main run: still ``running`` (or queued), or ended, with why (``reason``)."""
+    """A side job seen from the main run: still ``running`` (or queued), or ended, with why (``reason``).
+
+    Args:
+        running: whether the job still runs (or waits in a queue).
+        reason: why it ended, in words (its exit status and last line of output); "" while it runs.
+
+    Example:
+        A local job that prints a line and exits, asked about until it has ended:
+
+        >>> import tempfile, time
+        >>> from pathlib import Path
+        >>> launcher = LocalLauncher()
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     handle = launcher.submit(["-c", "print('scored k=2')"], Path(folder), "probe-1")
+        ...     while (state := launcher.state(handle)).running:
+        ...         time.sleep(0.05)
+        >>> state
+        JobState(running=False, reason='exited with code 0: scored k=2')
+    """
 
     running: bool
     reason: str = ""
@@ -32,21 +52,60 @@ class JobState:
 class Launcher(Protocol):
     """Starts side jobs and tells whether they still run. A handle is a JSON-able dict (it goes into the main
     run's checkpoint, so a resumed run can ask about a job it did not start). ``max_running``: jobs at once
-    (None: no limit)."""
+    (None: no limit). ``LocalLauncher`` and ``SlurmLauncher`` are the two lit_cbs has; ``SideJobs`` takes any
+    object with these methods.
+
+    Example:
+        A launcher of one's own (here one whose jobs have always ended) is given to ``SideJobs`` as the two are:
+
+        >>> class Finished:
+        ...     max_running = None
+        ...     def check(self): pass
+        ...     def submit(self, command, folder, name): return {"launcher": "finished", "name": name}
+        ...     def state(self, handle): return JobState(False, "exited with code 0")
+        ...     def cancel(self, handle): pass
+        >>> jobs = SideJobs(Finished(), build="my_project.parts:build_parts")
+        >>> jobs.launcher.state(jobs.launcher.submit(["-c", "pass"], Path("."), "probe-1"))
+        JobState(running=False, reason='exited with code 0')
+    """
 
     max_running: int | None
 
     def check(self) -> None:
-        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start."""
+        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start.
+
+        Raises:
+            LitCBSConfigError: no job could start.
+        """
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Start ``command`` (a Python command line) as a job whose files go to ``folder``; return its handle."""
+        """Start ``command`` (a Python command line) as a job whose files go to ``folder``; return its handle.
+
+        Args:
+            command: the arguments after the interpreter.
+            folder: an existing folder for the job's files.
+            name: the job's name (its files are named after it).
+
+        Returns:
+            The job's handle, a JSON-able dict.
+        """
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job still runs."""
+        """Whether the job still runs.
+
+        Args:
+            handle: what ``submit`` returned (perhaps in an earlier main process).
+
+        Returns:
+            ``JobState(True)`` while it runs, else ``JobState(False, reason)``.
+        """
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """Stop the job if it runs."""
+        """Stop the job if it runs.
+
+        Args:
+            handle: what ``submit`` returned.
+        """
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
 
 T = TypeVar("T")
 
+__all__ = ["RunEnd", "run_end"]
+
 
 def known(value: T | None, what: str) -> T:
     """``value``, which the probe reads only once it is known; RuntimeError naming ``what`` if it is not.
@@ -45,6 +47,11 @@ class RunEnd:
     not shrink, no later than ``latest``; ``limit`` names the limit that ends it soonest. None: no
     limit is known (none set, or only max_epochs over a loader without a length).
 
+    Args:
+        earliest: tokens (global) at which the run ends at the batch in use now.
+        latest: tokens (global) by which it ends at the latest (at the largest batch it may reach).
+        limit: the limit that ends it soonest, e.g. "max_steps=100".
+
     Example:
         >>> end = RunEnd(earliest=409_600, latest=819_200, limit="max_steps=100")
         >>> end.describe()
@@ -58,8 +65,11 @@ class RunEnd:
     limit: str | None
 
     def describe(self) -> str:
-        """The limit that ends the run soonest and where, e.g. "max_steps=100, at 409,600 tokens" (see the class
-        example)."""
+        """The limit that ends the run soonest and where (see the class example).
+
+        Returns:
+            E.g. "max_steps=100, at 409,600 tokens", or "no known limit".
+        """
         return f"{self.limit}, at {self.earliest:,} tokens" if self.limit else "no known limit"
 
 
@@ -76,8 +86,6 @@ def run_end(
     at the first micro-batch of a step). ``largest_batch``: the largest global batch (samples) the
     run may reach.
 
-    It reads a running fit's Trainer and accounting, so it has no standalone example (``RunEnd`` has one).
-
     Args:
         trainer: the Trainer inside its ``fit`` (``max_steps``, ``max_epochs``, its train loader).
         accounting: the Trainer's ``BatchAccounting``, past the first batch (its micro-batch and ``seq_len`` known).
@@ -90,6 +98,27 @@ def run_end(
 
     Raises:
         RuntimeError: the accounting does not know the micro-batch or ``seq_len`` yet (before the first batch).
+
+    Example:
+        Called after the first step of a fit with ``max_steps=3`` at batch 4 of 8 tokens (32 tokens seen): 2 steps
+        are left, 64 tokens at this batch, 128 if it grew to 8; ``max_tokens=1024`` comes later:
+
+        >>> import lightning.pytorch as pl
+        >>> from lit_cbs.callbacks import BatchAccounting
+        >>> from lit_cbs.data import RandomTokenData
+        >>> from lit_cbs.models import CausalLM
+        >>> class End(pl.Callback):
+        ...     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        ...         if batch_idx == 0:
+        ...             self.end = run_end(trainer, accounting, batch_idx + 1, 0, largest_batch=8)
+        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 1, "n_heads": 2, "mlp_hidden": 32,
+        ...                "context_length": 8, "tie_embeddings": True})
+        >>> accounting, end = BatchAccounting(seq_len=8, max_tokens=1024), End()
+        >>> trainer = pl.Trainer(accelerator="cpu", max_steps=3, callbacks=[accounting, end], logger=False,
+        ...     enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+        >>> trainer.fit(lm, RandomTokenData(vocab_size=32, seq_len=8, batch_size=4, samples=16))
+        >>> end.end
+        RunEnd(earliest=96, latest=160, limit='max_steps=3')
     """
     seq_len = known(accounting.seq_len, "BatchAccounting.seq_len")
     micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")

@@ -15,6 +15,8 @@ from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
+__all__ = ["cbs_curve_figure", "plot_cbs_curve"]
+
 
 def plot_cbs_curve(
     history: Sequence[ProbeReading],
@@ -68,7 +70,26 @@ def cbs_curve_figure(
       it is), with an error bar at the reading's one-sided confidence (paired held-out SEs; for
       train_ema, the step-scatter SE against the base k, where that is the lowest).
 
-    ``batch_changes``: BatchWarmup's ``history`` (``BatchChange`` records); empty for a fixed batch.
+    ``plot_cbs_curve`` saves it as a PNG; this is the figure itself, to show in a notebook or change first.
+
+    Args:
+        history: the readings (``CBSProbeCallback.history``, or ``read_readings`` of a cbs_probe.jsonl).
+        batch_changes: BatchWarmup's ``history`` (``BatchChange`` records); empty for a fixed batch.
+        end_tokens: tokens the global batch's line reaches (it reaches just past the last reading at least).
+        epsilon: the k* rule's tolerance (nats) drawn in the bottom panel (None: not drawn).
+
+    Returns:
+        A matplotlib ``Figure`` with the two panels (no pyplot state is touched).
+
+    Example:
+        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
+        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+        >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=1_000_000,
+        ...     step=100, seq_len=128, window_tokens=262_144, search="grid", evaluate="train_ema", main_loss=3.1,
+        ...     branches_trained=[2, 4], failed=[], tokens_spent=524_288, overhead=0.52)
+        >>> figure = cbs_curve_figure([reading], [], epsilon=0.01)
+        >>> len(figure.axes), figure.axes[0].get_ylabel()
+        (2, 'batch size (samples)')
     """
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))

@@ -41,6 +41,23 @@ import numpy as np
 from lit_cbs import legacy
 from lit_cbs.rules.smoothing import ema
 
+__all__ = [
+    "BranchScore",
+    "Decision",
+    "DecisionRule",
+    "Difference",
+    "ProbeReading",
+    "cbs_interval",
+    "critical_multiplier",
+    "decide",
+    "difference",
+    "ema_last",
+    "is_admissible",
+    "max_branches",
+    "measure_losses",
+    "read_readings",
+]
+
 SEARCHES = ("grid", "bisect")  # which multipliers a probe trains (ProbeConfig.search)
 EVALUATIONS = ("train_ema", "heldout")
 # How a reading's standard errors were made (ProbeReading.se_method).
@@ -164,7 +181,23 @@ class BranchScore:
 class Difference:
     """L_k - L_j (nats) with its standard error and the degrees of freedom of its t quantile
     (inf: normal); ``se`` None when neither pairing nor per-branch SEs exist. ``replicate_se``: the
-    part of ``se`` that comes from the spread between data windows (replicated scores only)."""
+    part of ``se`` that comes from the spread between data windows (replicated scores only).
+
+    ``difference`` makes one from two scores.
+
+    Args:
+        mean: L_k - L_j (nats).
+        se: its standard error (nats), or None.
+        dof: degrees of freedom of its t quantile (inf: normal).
+        replicate_se: the share of ``se`` (nats) from the spread between data windows, or None.
+
+    Example:
+        >>> gap = Difference(mean=0.02, se=0.005, dof=4)
+        >>> [round(bound, 4) for bound in gap.bounds(confidence=0.9)]  # 0.02 -+ t(0.9, 4) x 0.005
+        [0.0123, 0.0277]
+        >>> Difference(mean=0.02, se=None).bounds(0.9)  # no SE: nothing is known at any confidence above 0.5
+        (-inf, inf)
+    """
 
     mean: float
     se: float | None
@@ -172,7 +205,14 @@ class Difference:
     replicate_se: float | None = None
 
     def bounds(self, confidence: float) -> tuple[float, float]:
-        """The lower and upper one-sided ``confidence`` bounds of the difference (nats)."""
+        """The lower and upper one-sided ``confidence`` bounds of the difference (nats).
+
+        Args:
+            confidence: one-sided, in [0.5, 1); 0.5 gives the mean twice.
+
+        Returns:
+            (lower, upper) in nats; (-inf, inf) without an SE (above 0.5).
+        """
         if self.se is None:
             return (-math.inf, math.inf) if confidence > 0.5 else (self.mean, self.mean)
         quantile = one_sided_quantile(confidence, self.dof)
@@ -264,7 +304,24 @@ class DecisionRule:
 @dataclass(frozen=True)
 class Decision:
     """k* from the mean losses, whether the data decide it at ``confidence``, and each measured
-    k's SE of L_k - L_base (base: the smallest measured k)."""
+    k's SE of L_k - L_base (base: the smallest measured k). ``decide`` returns one.
+
+    Args:
+        k_star: the largest k within ``epsilon`` of every smaller k, on the mean losses.
+        determined: whether the data decide k* at the rule's confidence.
+        loss_se: per measured k, the SE (nats) of L_k - L_base; None for the base and for a failed branch.
+        replicate_se: per k, the windows' share of ``loss_se`` (nats), where known (replicates only).
+
+    Example:
+        Two branches whose 0.005-nat gap cannot be told from 0.01 on three noisy held-out batches:
+
+        >>> decision = decide({1: BranchScore.heldout([3.0, 3.1, 3.2]), 2: BranchScore.heldout([3.0, 3.12, 3.195])},
+        ...                   epsilon=0.01, confidence=0.9)
+        >>> decision.k_star, decision.determined
+        (2, False)
+        >>> {k: None if se is None else round(se, 4) for k, se in decision.loss_se.items()}
+        {1: None, 2: 0.0076}
+    """
 
     k_star: float
     determined: bool

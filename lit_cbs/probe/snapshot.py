@@ -13,6 +13,8 @@ import torch
 
 from lit_cbs.callbacks.module_state import ModuleState
 
+__all__ = ["TrainingSnapshot"]
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The rank-local storage of a tensor (a DTensor's shard under FSDP2)."""

@@ -17,10 +17,30 @@ from dataclasses import dataclass
 from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.reading import max_branches
 
+__all__ = ["EpochEnd", "ProbePlan", "ProbeSkip", "plan_probe", "window_at"]
+
 
 @dataclass(frozen=True)
 class ProbePlan:
-    """What a probe that starts measures. Samples are global (all ranks) unless said otherwise."""
+    """What a probe that starts measures (``plan_probe``'s answer). Samples are global (all ranks) unless said
+    otherwise.
+
+    Args:
+        multipliers: the ks whose batch k*B the micro-batches make and the window holds.
+        window_samples: samples of each replicate window: whole steps of the largest branch.
+        early_stop_samples: samples per rank into the window where the reading may be judged early.
+
+    Example:
+        A window of 4096 tokens at 16 tokens per sample is 256 samples, 8 steps of the k = 4 branch (32 samples);
+        early stops at 1/4 and 1/2 of it fall on whole steps of that branch:
+
+        >>> plan = plan_probe(ProbeConfig(at_tokens=[1024], multipliers=(1, 2, 4), window_tokens=4096,
+        ...                               early_stop=[0.25, 0.5]),
+        ...                   tokens=1024, batch_size=8, seq_len=16, data_parallel_size=1,
+        ...                   branch_micro_batch=lambda k: 8)
+        >>> plan
+        ProbePlan(multipliers=[1.0, 2.0, 4.0], window_samples=256, early_stop_samples=[64, 128])
+    """
 
     multipliers: list[float]  # the ks whose batch k*B the micro-batches make and the window holds
     window_samples: int  # each replicate window: whole steps of the largest branch
@@ -30,7 +50,22 @@ class ProbePlan:
 @dataclass(frozen=True)
 class ProbeSkip:
     """A due probe that does not start: ``reason`` in words; ``stays_due``: the point is probed later (by a run
-    resumed from this one's last checkpoint) instead of being passed over."""
+    resumed from this one's last checkpoint) instead of being passed over.
+
+    Args:
+        reason: why the probe does not start, in words.
+        stays_due: the point is probed later (by a run resumed from this one's last checkpoint).
+        warn: the reason is a problem with the settings (a warning), not a plan (an info line).
+        next_epoch: asked again after every step: it starts early in the next epoch.
+
+    Example:
+        Only k = 1 makes whole micro-batches of 8 here, so no probe starts (a warning: the settings cannot work):
+
+        >>> skip = plan_probe(ProbeConfig(at_tokens=[1024], multipliers=(1, 1.5)), tokens=1024, batch_size=8,
+        ...                   seq_len=16, data_parallel_size=1, branch_micro_batch=lambda k: 8 if k == 1 else None)
+        >>> skip.reason, skip.warn, skip.stays_due
+        ('fewer than two multipliers, k = 1 among them, fit batch 8', True, False)
+    """
 
     reason: str
     stays_due: bool = False
@@ -41,7 +76,22 @@ class ProbeSkip:
 @dataclass(frozen=True)
 class EpochEnd:
     """This epoch of a loader whose last round leaves the ranks different numbers of samples
-    (``GlobalOrderLoader.deals_unevenly``). Samples global (all ranks)."""
+    (``GlobalOrderLoader.deals_unevenly``). Samples global (all ranks).
+
+    Args:
+        samples: samples in the epoch.
+        position: samples consumed so far this epoch.
+
+    Example:
+        An epoch of 1000 samples, 900 of them consumed: a window of 256 samples waits for the next epoch.
+
+        >>> skip = plan_probe(ProbeConfig(at_tokens=[1024], multipliers=(1, 2, 4), window_tokens=4096), tokens=1024,
+        ...                   batch_size=8, seq_len=16, data_parallel_size=3, branch_micro_batch=lambda k: 8,
+        ...                   epoch_end=EpochEnd(samples=1000, position=900))
+        >>> skip.next_epoch, skip.reason
+        (True, "its window would reach this epoch's last micro-batches, which leave the 3 ranks different numbers
+        of samples")
+    """
 
     samples: int  # in the epoch
     position: int  # consumed so far this epoch
@@ -65,9 +115,21 @@ def window_at(
     holds: ``window_tokens`` rounded down to whole steps of its largest branch, so that every branch trains the same
     number of its own steps; 0 samples where fewer than two multipliers, or not k = 1, fit (no probe runs there).
 
+    Args:
+        config: the probe's settings (``multipliers``, ``window_tokens``).
+        batch_size: the main run's global batch B (samples).
+        seq_len: tokens per sample.
+        branch_micro_batch: samples per rank in a micro-batch of branch k, None where k*B is no whole number of
+            them on every rank.
+
+    Returns:
+        The usable multipliers and the samples (global) of each window.
+
     Example:
         >>> window_at(ProbeConfig(multipliers=(1, 2, 4)), 8, 16, lambda k: 8)
         ([1.0, 2.0, 4.0], 62496)
+        >>> window_at(ProbeConfig(multipliers=(1, 2, 4)), 8, 16, lambda k: 8 if k == 1 else None)  # only k = 1
+        ([1.0], 0)
     """
     window_samples = config.window_tokens // seq_len
     ks = usable_multipliers(config.multipliers, batch_size, window_samples, branch_micro_batch)

@@ -18,6 +18,12 @@ resumed main run collects the results of jobs that finished meanwhile and starts
 
 Launching is the engine's: ``LocalLauncher`` starts processes on this machine (their own thread count or GPUs),
 ``SlurmLauncher`` submits to SLURM through submitit (the engine of Hydra's SLURM launcher).
+
+What a user gives is ``SideJobs`` (``lit_cbs.probe.launchers``); what this package holds is the main run's
+machinery (``SideJobRuns``, made by ``CBSProbeCallback``) and the job files' layout, so it exports nothing. The
+files of a probe point live in ``JOBS_FOLDER`` ("cbs_probe_jobs", beside cbs_probe.jsonl), one folder per probe:
+``JOB_FILE`` (the job description), ``CHECKPOINT_NAME`` (the branches' start), ``SCORES_FILE`` (each measured k's
+score) and ``MAIN_SCORE_FILE`` (the main run's own score over its window).
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ JOB_FILE = "job.json"
 SCORES_FILE = "scores.json"
 MAIN_SCORE_FILE = "main_score.json"
 CHECKPOINT_NAME = "start.ckpt"
+
+__all__: list[str] = []
 
 
 def write_json(path: Path, content: Any) -> None:
