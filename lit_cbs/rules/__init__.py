@@ -9,3 +9,5 @@
 - ``smoothing``: ``ema``, the exponential moving average the probe scores branches by and the analysis
   smooths loss curves with.
 """
+
+__all__: list[str] = []  # a namespace: each module says what it offers (its own __all__)
