@@ -28,7 +28,7 @@ __all__ = [
 class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with; the message names the setting and the fix.
 
-    Example:
+    Examples:
         >>> from lit_cbs import ConstantBatch
         >>> ConstantBatch(batch_size=0)
         Traceback (most recent call last):
@@ -43,7 +43,7 @@ class LitCBSConfigWarning(UserWarning):
     """A setting lit_cbs trains with, but not as it was likely meant (an LR warmup as long as the run); the
     message names the setting and the fix. ``warnings.simplefilter("error", LitCBSConfigWarning)`` refuses them.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always")
@@ -62,7 +62,7 @@ def is_positive_int(value: Any) -> bool:
     Returns:
         Whether ``value`` is an int (not a bool) >= 1.
 
-    Example:
+    Examples:
         >>> is_positive_int(3), is_positive_int(0), is_positive_int(True), is_positive_int(2.0)
         (True, False, False, False)
     """
@@ -88,7 +88,7 @@ def positive_int(name: str, value: Any, unit: str, *, optional: bool = False) ->
     Raises:
         LitCBSConfigError: ``value`` is not an int >= 1 (nor None when ``optional``).
 
-    Example:
+    Examples:
         >>> positive_int("batch_size", 64, "samples"), positive_int("hold", None, "tokens", optional=True)
         (64, None)
         >>> positive_int("batch_size", 0, "samples")
@@ -123,7 +123,7 @@ def positive_number(name: str, value: Any, unit: str, *, optional: bool = False)
     Raises:
         LitCBSConfigError: ``value`` is a bool, not a number, not finite or not > 0 (and not None when ``optional``).
 
-    Example:
+    Examples:
         >>> positive_number("threshold", 1, "nats")
         1.0
         >>> positive_number("threshold", float("nan"), "nats")
@@ -153,7 +153,7 @@ def one_of(name: str, value: Any, choices: Sequence[Any]) -> Any:
     Raises:
         LitCBSConfigError: ``value`` is not in ``choices``.
 
-    Example:
+    Examples:
         >>> one_of("unit", "tokens", ("samples", "tokens"))
         'tokens'
         >>> one_of("unit", "steps", ("samples", "tokens"))
@@ -183,7 +183,7 @@ def require_automatic_optimization(pl_module: Any, who: str, because: str) -> No
         LitCBSConfigError: now, when ``pl_module.automatic_optimization`` is False; later, from the wrapped
             ``configure_optimizers``, when it returns more than one optimizer.
 
-    Example:
+    Examples:
         >>> import torch
         >>> class Module:  # stands in for a LightningModule
         ...     automatic_optimization = False

@@ -55,7 +55,7 @@ def probe_reading(record: Mapping[str, Any]) -> dict[str, Any]:
         A new dict with the current keys (``ProbeReading.from_record`` reads it); ``seq_len`` None where
         the record has none.
 
-    Example:
+    Examples:
         >>> probe_reading({"strategy": "grid", "tokens": 1000})  # as 0.1.0 wrote it
         {'seq_len': None, 'search': 'grid', 'tokens': 1000}
     """
@@ -71,7 +71,7 @@ def guard_verdict(record: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         A new dict with the current keys (``window_steps`` is ``watch_steps``).
 
-    Example:
+    Examples:
         >>> guard_verdict({"window_steps": 12, "reverted": False})
         {'watch_steps': 12, 'reverted': False}
     """
@@ -91,7 +91,7 @@ def guard_state(state: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         KeyError: ``state`` lacks ``verdicts``, ``watch`` or ``revert`` (it is no guard's state).
 
-    Example:
+    Examples:
         >>> guard_state({"verdicts": [{"window_steps": 12, "reverted": False}],
         ...              "watch": {"batch": 64, "window_until": 900}, "revert": None})
         {'verdicts': [{'watch_steps': 12, 'reverted': False}], 'watch': {'batch': 64, 'watch_until': 900},
@@ -110,7 +110,7 @@ def accounting_state(state: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         A new dict with ``data_parallel_size`` (None) and ``fit_seconds`` (0.0) where the state lacks them.
 
-    Example:
+    Examples:
         >>> accounting_state({"samples_seen": 64, "tokens_seen": 8192})
         {'data_parallel_size': None, 'fit_seconds': 0.0, 'samples_seen': 64, 'tokens_seen': 8192}
     """
@@ -128,7 +128,7 @@ def warmup_state(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, An
         ``(warmup, accounting)``: BatchWarmup's state with the current keys, and ``accounting_state`` of
         the counts (samples, tokens) 0.1.0 kept in it, or None where it kept none.
 
-    Example:
+    Examples:
         >>> warmup, accounting = warmup_state({"lr_factor": 1.0, "samples_seen": 64, "tokens_seen": 8192})
         >>> warmup
         {'clip_factor': 1.0, 'schedule': None, 'guard': None, 'lr_factor': 1.0}
@@ -150,7 +150,7 @@ def probe_state(state: Mapping[str, Any]) -> dict[str, Any]:
         A new dict with the keys later versions added: ``interrupted`` (None), ``side_jobs`` (none),
         ``failures`` (none) and ``unusable`` (True where the state records failures).
 
-    Example:
+    Examples:
         >>> probe_state({"history": []})  # before stopped probes, failures and side jobs
         {'interrupted': None, 'unusable': False, 'side_jobs': [], 'history': [], 'failures': []}
     """
@@ -167,7 +167,7 @@ def batch_history(record: Mapping[str, Any]) -> dict[str, Any]:
     Returns:
         A new dict whose ``guard_verdicts`` (None where the run had no guard) have the current keys.
 
-    Example:
+    Examples:
         >>> batch_history({"changes": [], "guard_verdicts": [{"window_steps": 12, "reverted": True}]})
         {'changes': [], 'guard_verdicts': [{'watch_steps': 12, 'reverted': True}]}
         >>> batch_history({"changes": []})

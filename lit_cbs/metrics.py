@@ -69,7 +69,7 @@ def batch_setting(key: str) -> str:
     Returns:
         The metric's name.
 
-    Example:
+    Examples:
         >>> batch_setting("beta2")
         'batch/beta2'
     """
@@ -101,7 +101,7 @@ def cbs_gap(k: str) -> str:
     Returns:
         The metric's name.
 
-    Example:
+    Examples:
         >>> cbs_gap("2"), cbs_gap_se("2")
         ('cbs/gap_k2', 'cbs/gap_se_k2')
     """
@@ -117,7 +117,7 @@ def cbs_gap_se(k: str) -> str:
     Returns:
         The metric's name.
 
-    Example:
+    Examples:
         >>> cbs_gap_se("4")
         'cbs/gap_se_k4'
     """
@@ -139,7 +139,7 @@ def gns(quantity: str, group: str | None = None) -> str:
     Returns:
         The metric's name.
 
-    Example:
+    Examples:
         >>> gns("b_simple"), gns("grad_sq", group="block0")
         ('gns/b_simple', 'gns/block0/grad_sq')
     """
@@ -156,7 +156,7 @@ def gns_group(name: str, quantity: str = "b_simple") -> str | None:
     Returns:
         The group's name, or None.
 
-    Example:
+    Examples:
         >>> gns_group("gns/block0/b_simple"), gns_group("gns/b_simple"), gns_group("gns/block0/grad_sq")
         ('block0', None, None)
     """

@@ -40,7 +40,7 @@ class SideBySide:
     nearest it (None: no probe, or no run at its batch size reached the target).
     ``b_crit_poor`` / ``wsd_poor``: that fit misses the runs by more than ``POOR_FIT`` (rms of log E).
 
-    Example:
+    Examples:
         >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=float("nan"), b_opt=float("nan"), b_simple=90.0,
         ...                  b_simple_runs=1, probe_run_tokens=None, probe=None)
         >>> row.b_crit, row.b_simple
@@ -102,7 +102,7 @@ def side_by_side(
         ValueError: the fits are in tokens per step (the runs logged no batch in samples) while the
             noise scale and the probe are in samples.
 
-    Example:
+    Examples:
         One run, whose noise scale rises from 40 to 120 samples over its 4096 tokens, reaches loss 2.5 at
         2560 tokens; B_crit = 1280 tokens / 1.25 steps = 1024 tokens per step = 8 samples of 128 tokens:
 
@@ -161,7 +161,7 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
     Returns:
         The table (a header, then a row per target), and the note when a fit is marked.
 
-    Example:
+    Examples:
         >>> import math
         >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=math.nan, b_opt=math.nan, b_simple=90.0, b_simple_runs=1,
         ...                  probe_run_tokens=None, probe=None)

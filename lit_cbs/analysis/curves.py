@@ -71,7 +71,7 @@ class RunCurve:
         gns_tokens, gns: tokens seen and the gradient noise scale B_simple (samples) where the GNS
             column is logged (empty otherwise).
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> import numpy as np
         >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
@@ -104,7 +104,7 @@ class Crossing:
     ``steps`` in optimizer steps, ``tokens`` in tokens; ``tokens / steps`` is the run's
     ``tokens_per_step``; ``batch_size`` in samples when the run logs it.
 
-    Example:
+    Examples:
         >>> crossing = Crossing("b8", target=2.5, steps=2.5, tokens=2560.0, tokens_per_step=1024.0, batch_size=8)
         >>> crossing.tokens / crossing.steps
         1024.0
@@ -239,7 +239,7 @@ def read_run(
         ValueError: a column is missing, a token count is NaN or decreases, fewer than two rows log
             tokens, or the tokens per step (or the batch column) change during the run.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> tmp = tempfile.TemporaryDirectory()
@@ -360,7 +360,7 @@ def read_sweep(source: PathLike | Sequence[PathLike], metrics_file: str = METRIC
     Raises:
         ValueError: no run is found, or runs disagree on tokens per sample (mismatched units).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> tmp = tempfile.TemporaryDirectory()
@@ -435,7 +435,7 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     Raises:
         ValueError: ``window`` is not a positive odd number.
 
-    Example:
+    Examples:
         >>> rolling_mean([1.0, 2.0, 3.0, 10.0], window=3).tolist()
         [1.5, 2.0, 5.0, 6.5]
     """
@@ -464,7 +464,7 @@ def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, 
     Raises:
         ValueError: an unknown ``method`` (or, from the smoother, a bad ``window`` or ``decay``).
 
-    Example:
+    Examples:
         >>> smooth([4.0, 2.0, 2.0, 2.0], "ema", decay=0.5).tolist()
         [4.0, 3.0, 2.5, 2.25]
     """
@@ -500,7 +500,7 @@ def find_crossings(
     Returns:
         Target -> the crossings of the runs that reach it.
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> import numpy as np
         >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
@@ -568,7 +568,7 @@ def default_targets(
     Raises:
         ValueError: no runs, or the smoothed curves leave no range between start and lowest reached.
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> import numpy as np
         >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),

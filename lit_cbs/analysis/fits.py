@@ -74,7 +74,7 @@ class McCandlishFit:
 
     ``rms_log_residual``: root mean square of log(E / fitted E) over the points.
 
-    Example:
+    Examples:
         >>> law = McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0)
         >>> law.b_crit, law.tokens([2000, 500]).tolist()  # tokens per step; E(S) in tokens (NaN below S_min)
         (100000.0, [200000000.0, nan])
@@ -111,7 +111,7 @@ def fit_mccandlish(steps, tokens) -> McCandlishFit:
     Raises:
         ValueError: fewer than 3 points, or non-positive or non-finite values.
 
-    Example:
+    Examples:
         With S_min = 1000 steps and E_min = 1e8 tokens, E(S) = 1e8 S / (S - 1000):
 
         >>> steps = [1500, 2000, 3000, 5000]
@@ -146,7 +146,7 @@ class WSDFit:
     ``points_per_segment``: how many fitted points fall in the hyperbolic, quadratic and linear
     parts; ``rms_log_residual``: root mean square of log(E / fitted E).
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> law = WSDFit(s_min=1000, b_minus1=1e11, b_0=5.8e7, s_1=3000, c=2.0, s_opt=5000, e_min=1e8, s_2=8000,
         ...              a_1=1e4, a_0=3.8e7, points_per_segment=(0, 0, 0), rms_log_residual=0.0)
@@ -223,7 +223,7 @@ def fit_wsd(steps, tokens) -> WSDFit:
     Raises:
         ValueError: fewer than 8 points (the fit's free parameters), or non-positive or non-finite values.
 
-    Example:
+    Examples:
         Eleven runs on an exact WSD law give it back:
 
         >>> import numpy as np
@@ -308,7 +308,7 @@ class TargetFit:
     log no batch in samples) ``b_crit``, ``b_min`` and ``b_opt`` stay in tokens per step and
     ``unit`` says so. A fit that could not be made is None and its batch sizes NaN.
 
-    Example:
+    Examples:
         >>> fit = TargetFit(target=2.5, crossings=(), tokens_per_sample=1000.0,
         ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
         >>> fit.unit, fit.b_crit, fit.b_opt  # 1e5 tokens per step / 1000 tokens per sample; no WSD fit
@@ -377,7 +377,7 @@ def fit_targets(
     Returns:
         One ``TargetFit`` per target with at least 3 runs, highest target first.
 
-    Example:
+    Examples:
         Four runs reach loss 2.5, on McCandlish's law with B_crit = 1e5 tokens per step:
 
         >>> import warnings
@@ -463,7 +463,7 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
         ValueError: no target has a WSD fit, the batch is known only in tokens per step, or
             ``multiple_of`` is not a positive int.
 
-    Example:
+    Examples:
         B_opt is 20 samples at loss 3.0 (E_min 1e8 tokens) and 40 at loss 2.5:
 
         >>> import dataclasses
@@ -535,7 +535,7 @@ def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
     Returns:
         The YAML text.
 
-    Example:
+    Examples:
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
         >>> print(schedule_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), comment="B_opt of 2 targets"))
         # @package _global_
@@ -578,7 +578,7 @@ def batch_group_yaml(
     Returns:
         The YAML text.
 
-    Example:
+    Examples:
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
         >>> print(batch_group_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), max_micro_batch_size=16))
         schedule:
@@ -611,7 +611,7 @@ def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike, comme
     Returns:
         ``path``, as a ``Path``.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch

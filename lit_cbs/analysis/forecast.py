@@ -105,7 +105,7 @@ MIN_SPAN = 4.0  # largest / smallest token count of the readings
 class Bracket:
     """The CBS at ``tokens`` lies in [``lower``, ``upper``] samples (``upper`` inf: no upper end).
 
-    Example:
+    Examples:
         >>> Bracket(tokens=1e8, lower=64.0, upper=128.0, run="run")
         Bracket(tokens=100000000.0, lower=64.0, upper=128.0, run='run', determined=True)
     """
@@ -150,7 +150,7 @@ def supported_interval(
         LitCBSConfigError: the reading needs an epsilon it does not hold and ``epsilon`` is None.
         ValueError: the reading lacks a batch size or losses.
 
-    Example:
+    Examples:
         >>> from lit_cbs.probe.reading import ProbeReading
         >>> def reading(tokens, cbs_lower, cbs_upper):  # a determined train_ema reading at B = 32 samples
         ...     return ProbeReading(
@@ -202,7 +202,7 @@ def brackets_from_records(
     Returns:
         The brackets (samples), sorted by tokens.
 
-    Example:
+    Examples:
         >>> from lit_cbs.probe.reading import ProbeReading
         >>> def reading(tokens, cbs_lower, cbs_upper):  # a determined train_ema reading at B = 32 samples
         ...     return ProbeReading(
@@ -366,7 +366,7 @@ class CBSForecast:
     log likelihood of each left-out run's (or reading's) brackets under the fit to the rest.
     ``band_draws``: the posterior draws of the parameters the band mixes over.
 
-    Example:
+    Examples:
         >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")  # CBS = 64 (D / 1e8)^0.5
         ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
         >>> forecast = forecast_cbs(brackets, model="power")
@@ -495,7 +495,7 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
     Raises:
         ValueError: as above.
 
-    Example:
+    Examples:
         Brackets around CBS = 64 (D / 1e8)^0.5 samples, a factor of 2 wide:
 
         >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")  # CBS = 64 (D / 1e8)^0.5
@@ -555,7 +555,7 @@ class ForecastChange:
         band_low: the band's lower edge there (samples).
         band_high: the band's upper edge there (samples).
 
-    Example:
+    Examples:
         >>> change = ForecastChange(tokens=159_245_618, batch=64, band_low=64.39, band_high=116.38)
         >>> change.band_low >= change.batch  # the band's lower edge reached the new batch
         True
@@ -598,7 +598,7 @@ def schedule_from_forecast(
     Raises:
         ValueError: ``until_tokens``, ``start``, ``factor`` or ``margin`` out of range.
 
-    Example:
+    Examples:
         Brackets around CBS = 64 (D / 1e8)^0.5 samples, a factor of 2 wide (as in ``forecast_cbs``):
 
         >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")
@@ -652,7 +652,7 @@ def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
     Raises:
         ValueError: the file has no ``gns/b_simple`` or no ``tokens_seen`` column.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     path = os.path.join(folder, "metrics.csv")
@@ -689,7 +689,7 @@ def growth_exponent(tokens, values) -> float:
     Raises:
         ValueError: fewer than 2 distinct token counts with a positive finite value.
 
-    Example:
+    Examples:
         >>> round(growth_exponent([1e8, 4e8, 1.6e9], [10.0, 20.0, 40.0]), 4)  # doubles per 4x tokens
         0.5
     """

@@ -55,7 +55,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
     Raises:
         ValueError: no fits.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing
@@ -119,7 +119,7 @@ def plot_batch_sizes(
     Raises:
         ValueError: no fits, or probe/noise-scale data (samples) with fits known only in tokens per step.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing
@@ -267,7 +267,7 @@ def plot_forecast(
     Returns:
         The PNG's path.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> from lit_cbs.analysis.forecast import Bracket, forecast_cbs

@@ -44,7 +44,7 @@ def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
     Returns:
         ``(value, path of the file it came from)``, or None.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> with tempfile.TemporaryDirectory() as folder:
@@ -130,7 +130,7 @@ def schedule_from_probe(
     Returns:
         The schedule: sizes in samples, thresholds in tokens.
 
-    Example:
+    Examples:
         CBS lower bounds of 40, 70 and 140 samples at 0.1B, 0.4B and 0.8B tokens, from a batch of 32:
 
         >>> from lit_cbs.probe.reading import ProbeReading

@@ -284,7 +284,7 @@ class BatchAccounting(Callback):
             ``max_tokens`` for data without token ids; at the first batch of an epoch or after a change,
             a train loader that yields another micro-batch than the one set.
 
-    Example:
+    Examples:
         Before a Trainer sets it up, it holds its settings and zero counts; ``max_tokens`` is reached
         once the tokens seen pass it:
 
@@ -344,7 +344,7 @@ class BatchAccounting(Callback):
         Raises:
             LitCBSConfigError: one is neither None nor an int >= 1.
 
-        Example:
+        Examples:
             >>> from lit_cbs.callbacks import BatchAccounting
             >>> BatchAccounting.checked_settings(seq_len=128)
             {'seq_len': 128, 'max_tokens': None}
@@ -376,7 +376,7 @@ class BatchAccounting(Callback):
         Raises:
             LitCBSConfigError: the Trainer has two, a setting is invalid, or it conflicts with the accounting's.
 
-        Example:
+        Examples:
             The first call attaches one (first among the callbacks), later calls find it; a callback that took
             another ``seq_len`` on its behalf is refused:
 

@@ -66,13 +66,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
     instead of writing ``last-v1.ckpt`` beside a stale one.
 
     Args:
-        args, kwargs: ``ModelCheckpoint``'s (``dirpath``, ``save_last``, ``every_n_train_steps``, ...).
+        *args: ``ModelCheckpoint``'s positional arguments.
+        **kwargs: ``ModelCheckpoint``'s keyword arguments (``dirpath``, ``save_last``, ``every_n_train_steps``, ...).
         enable_version_counter: as ``ModelCheckpoint``'s, but False by default.
 
     Raises:
         lightning.fabric.utilities.exceptions.MisconfigurationException: what ``ModelCheckpoint`` refuses.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from lit_cbs.callbacks import FinalStateCheckpoint
         >>> with tempfile.TemporaryDirectory() as folder:

@@ -29,7 +29,7 @@ class RunProgressBar(TQDMProgressBar):
         process_position: the bar's line, for several bars at once.
         leave: keep the finished bar on screen.
 
-    Example:
+    Examples:
         Before training (no ``BatchAccounting`` read yet) it counts optimizer steps out of ``max_steps``:
 
         >>> import types

@@ -34,7 +34,7 @@ class TokenValidation(Callback):
             ``val_check_interval`` or a ``check_val_every_n_epoch`` other than None and 1; at the first
             batch, batches without token ids.
 
-    Example:
+    Examples:
         >>> from lit_cbs.callbacks import TokenValidation
         >>> TokenValidation(every_tokens=1_000_000).every_tokens
         1000000

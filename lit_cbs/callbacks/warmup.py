@@ -90,7 +90,7 @@ class BatchChange:
         cause: ``"schedule"``, or ``"guard"`` for a revert of an increase (``BatchGuard``).
         clip_factor: this change's multiplier of the gradient-clipping threshold (``clip_rule``).
 
-    Example:
+    Examples:
         A change from 64 to 128 samples under the sqrt LR rule, as ``BatchWarmup.history`` records it and
         its checkpoint stores it:
 
@@ -149,11 +149,11 @@ class BatchWarmup(Callback):
             above its trend: True for the defaults, a ``lit_cbs.rules.guard.GuardConfig`` or a dict of
             its settings, or a ``BatchGuard`` (lit_cbs.rules.guard has the rule). None or False
             (default): no guard.
-        max_tokens, seq_len: the token budget (tokens, all ranks) and tokens per sample, passed on to
-            the Trainer's ``BatchAccounting``, which owns them (its docstring has their defaults):
-            a run with a BatchWarmup needs no BatchAccounting of its own to set them. Data without
-            token ids (float features) has no tokens: token-based settings (``unit="tokens"``,
-            ``max_tokens``) are refused.
+        max_tokens: the token budget (tokens, all ranks), passed on to the Trainer's ``BatchAccounting``,
+            which owns it (its docstring has the default): a run with a BatchWarmup needs no
+            BatchAccounting of its own to set it. Data without token ids (float features) has no tokens:
+            token-based settings (``unit="tokens"``, ``max_tokens``) are refused.
+        seq_len: tokens per sample, passed on to the Trainer's ``BatchAccounting`` as ``max_tokens``.
         max_micro_batch_size: if given, the micro-batch (samples per rank) grows with the batch: at
             every change it becomes the largest size up to this that divides a rank's share of the
             new global batch, before the accumulation grows. Needs a train loader that changes its
@@ -184,7 +184,7 @@ class BatchWarmup(Callback):
             ``lit_cbs.callbacks.warmup_checks`` refuses (a batch that does not divide over the ranks, a
             second BatchWarmup, manual optimization, ...).
 
-    Example:
+    Examples:
         Built before the Trainer, it knows only its settings; the counts come from the Trainer's
         ``BatchAccounting`` at setup:
 
@@ -348,7 +348,7 @@ class BatchWarmup(Callback):
         Raises:
             LitCBSConfigError: a size does not divide; the message names the nearest that do.
 
-        Example:
+        Examples:
             >>> from lit_cbs.callbacks import BatchWarmup
             >>> from lit_cbs.rules.batch_schedules import ConstantBatch
             >>> warmup = BatchWarmup(ConstantBatch(64))

@@ -26,7 +26,7 @@ def stdlib_python_files() -> list[Path]:
     Returns:
         The paths of the ``.py`` files under the standard library's folder, outside ``SKIPPED_DIRS``.
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import stdlib_python_files
         >>> from lit_cbs.data.corpus import stdlib_root
         >>> files = stdlib_python_files()

@@ -52,16 +52,17 @@ class TokenDataModule(LightningDataModule):
             validation keeps the batch size given here so the validation set stays the same).
             ``BatchWarmup`` resizes the ``GlobalOrderLoader`` between steps instead.
         num_workers: DataLoader worker processes.
-        seed, shuffle: the train order, a permutation of the whole split drawn afresh each epoch
-            from (seed, epoch) (``GlobalOrderLoader``), so a batch draws from the whole split rather
-            than from a few neighbouring files, and the order does not depend on the number of ranks.
+        seed: the train order's seed: a permutation of the whole split drawn afresh each epoch from
+            (seed, epoch) (``GlobalOrderLoader``), so a batch draws from the whole split rather than from
+            a few neighbouring files, and the order does not depend on the number of ranks.
+        shuffle: permute the train split each epoch (False: the files' order).
         tokenizer: ``"bytes"`` or a tokenizer.json path.
         val_fraction: share of the text held out when preparing.
 
     Raises:
         LitCBSConfigError: ``seq_len`` or ``batch_size`` not an int >= 1, or ``num_workers`` not an int >= 0.
 
-    Example:
+    Examples:
         Nothing is read or prepared before ``prepare_data`` and ``setup`` (Lightning calls them):
 
         >>> from lit_cbs.data import TokenDataModule

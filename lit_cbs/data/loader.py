@@ -128,10 +128,12 @@ class GlobalOrderLoader:
             optimizer steps (``BatchWarmup`` does, with ``max_micro_batch_size``).
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
         seed: the order's seed.
-        num_workers, collate_fn, pin_memory: as for ``torch.utils.data.DataLoader``.
-        num_replicas, rank: the data-parallel ranks and this process's rank. Default: the default
-            process group's (torch.distributed), else 1 and 0. ``TokenDataModule`` passes the
-            Lightning strategy's data-parallel ranks.
+        num_workers: as for ``torch.utils.data.DataLoader``.
+        collate_fn: as for ``torch.utils.data.DataLoader``.
+        pin_memory: as for ``torch.utils.data.DataLoader``.
+        num_replicas: the number of data-parallel ranks. Default: the default process group's
+            (torch.distributed), else 1. ``TokenDataModule`` passes the Lightning strategy's.
+        rank: this process's data-parallel rank. Default: the default process group's, else 0.
 
     Raises:
         LitCBSConfigError: ``batch_size`` or ``num_replicas`` not an int >= 1, ``num_workers`` not an
@@ -146,7 +148,7 @@ class GlobalOrderLoader:
             round over all ranks (fewer than ``batch_size`` and ``batch_size`` x ranks in an epoch's last
             round); None before the first.
 
-    Example:
+    Examples:
         Rank 0 of 2 reads micro-batches of 2 samples from 12, in dataset order: rank 1 reads 2 and 3 beside its
         0 and 1. Set to 4 samples between two steps, it reads on from position 4, in runs of 4 (rank 1 takes 8 to 11):
 

@@ -202,7 +202,7 @@ def prepare(
         ValueError: ``val_fraction`` outside (0, 1), no ``files``, or ``output_dir`` already holds a split.
         RuntimeError: tokenizing a piece of the text failed (the message has the first error).
 
-    Example:
+    Examples:
         Preparing starts litdata's worker processes (seconds); what it refuses is checked first:
 
         >>> from lit_cbs.data import ByteTokenizer, prepare
@@ -325,7 +325,7 @@ def resolve_data(
         ValueError: both ``path`` and ``input_dir``, a ``path`` that is no prepared folder, an ``input_dir``
             that is no folder or holds no files, or what ``prepare`` refuses.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from lit_cbs.data import resolve_data
         >>> with tempfile.TemporaryDirectory() as folder:

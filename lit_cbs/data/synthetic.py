@@ -35,7 +35,7 @@ class RandomTokenData(pl.LightningDataModule):
         LitCBSConfigError: ``vocab_size``, ``seq_len``, ``batch_size`` or ``samples`` not an int >= 1, or
             ``samples`` < ``batch_size``.
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import RandomTokenData
         >>> data = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10)
         >>> batches = list(data.train_dataloader())

@@ -18,7 +18,7 @@ class ByteTokenizer:
 
     Documents are separated by the NUL byte (id 0), which does not occur in text files.
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import ByteTokenizer
         >>> tokenizer = ByteTokenizer()
         >>> tokenizer.encode("hé!")  # "é" is two bytes in UTF-8
@@ -68,7 +68,7 @@ class HFTokenizer:
         ImportError: the ``tokenizers`` package is not installed (``pip install tokenizers``).
         ValueError: ``path`` is not a file, or the vocabulary holds none of the end-of-document tokens.
 
-    Example:
+    Examples:
         A word-level tokenizer of four tokens, saved to a temporary folder:
 
         >>> import pathlib, tempfile
@@ -148,7 +148,7 @@ def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
     Raises:
         ValueError: ``spec`` is neither ``"bytes"`` nor a file (``HFTokenizer`` has the other cases).
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import load_tokenizer
         >>> load_tokenizer("bytes").vocab_size
         256

@@ -103,7 +103,7 @@ class GradientNoiseScale(Callback):
             (``GNSConfig``); when the fit starts, a strategy other than single-device or DDP, manual
             optimization, or a run with a single batch size to compare (see above).
 
-    Example:
+    Examples:
         >>> callback = GradientNoiseScale(groups="blocks", ema_decay=0.95)  # Trainer(callbacks=[callback])
         >>> callback.config.groups, callback.b_simple, callback.num_updates
         ('blocks', None, 0)

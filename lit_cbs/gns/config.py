@@ -29,7 +29,7 @@ class GNSConfig:
             ``per_example_chunk_size`` that is not a positive int or comes without ``per_example_loss``,
             or ``groups`` neither None, a preset nor a dict of valid regexes.
 
-    Example:
+    Examples:
         >>> GNSConfig(groups="blocks")
         GNSConfig(ema_decay=0.99, groups='blocks', per_example_loss=None, per_example_chunk_size=None)
         >>> GNSConfig(per_example_chunk_size=8)

@@ -56,7 +56,7 @@ def two_batch_estimates(
         trace (squared gradient norm per sample), of the type of the inputs; B_simple is their ratio
         tr(Sigma) / |G|^2 (samples).
 
-    Example:
+    Examples:
         With |G|^2 = 1 and tr(Sigma) = 8: E|G_2|^2 = 1 + 8/2 = 5 and E|G_8|^2 = 1 + 8/8 = 2.
 
         >>> two_batch_estimates(5.0, 2.0, small_batch_size=2, big_batch_size=8)
@@ -90,7 +90,7 @@ class NoiseMeasurement:
         grad_sq: this step's unbiased estimate of |G|^2 per group, before averaging.
         trace_sigma: this step's unbiased estimate of tr(Sigma) per group (per sample), before averaging.
 
-    Example:
+    Examples:
         A step of 4 micro-batches of 2 samples, each with squared norm 5, whose mean has squared norm 2:
 
         >>> import torch
@@ -186,7 +186,7 @@ class NoiseAverages:
         trace_sigma: the EMA of tr(Sigma) per group, not bias-corrected (squared gradient norm per sample).
         updates: the steps averaged so far.
 
-    Example:
+    Examples:
         >>> import torch
         >>> averages = NoiseAverages.zeros(decay=0.9, groups=1, device=torch.device("cpu"))
         >>> averages.b_simple is None

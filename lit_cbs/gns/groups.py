@@ -54,7 +54,7 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     Raises:
         LitCBSConfigError: ``stacks`` is empty (the model has no stack of blocks).
 
-    Example:
+    Examples:
         >>> names = ["model.embedding.weight", "model.blocks.0.attn.weight", "model.blocks.0.mlp.weight",
         ...          "model.blocks.1.attn.weight", "model.norm.weight", "model.lm_head.weight"]
         >>> groups = block_groups(names, stacks=["model.blocks"])
@@ -115,7 +115,7 @@ def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[s
     Raises:
         LitCBSConfigError: a parameter matched by two groups, or a group that matches none.
 
-    Example:
+    Examples:
         >>> import re
         >>> names = ["model.blocks.0.attn.weight", "model.blocks.0.mlp.weight", "model.blocks.1.attn.weight"]
         >>> regex_groups({"attn": re.compile("attn"), "mlp": re.compile("mlp")}, names)

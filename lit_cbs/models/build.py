@@ -28,7 +28,7 @@ def build_decoder(config: OLMoConfig | Any) -> OLMo | HFDecoder:
         LitCBSConfigError: a ``transformers`` config while transformers is not installed, or one whose model
             holds no stack of its decoder layers.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from lit_cbs.models import get_config
         >>> with torch.device("meta"):

@@ -36,7 +36,7 @@ class DecoderDims:
         context_length: longest sequence, in tokens (transformers: ``max_position_embeddings``).
         tie_embeddings: whether the output projection reuses the token embedding.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import get_config
         >>> decoder_dims(get_config("tiny"))
         DecoderDims(vocab_size=256, d_model=64, n_layers=4, n_heads=4, head_dim=16, mlp_hidden=176, \
@@ -62,7 +62,7 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
     Returns:
         Its sizes.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import get_config
         >>> dims = decoder_dims(get_config("tiny"))
         >>> dims.n_layers, dims.head_dim, dims.context_length
@@ -93,7 +93,7 @@ def hf_dims(config: Any) -> DecoderDims:
     Returns:
         Its sizes; without ``head_dim``, hidden_size / heads; without an MLP width, 4 x hidden_size.
 
-    Example:
+    Examples:
         >>> from types import SimpleNamespace
         >>> llama_like = SimpleNamespace(vocab_size=100, hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
         ...                              intermediate_size=64, max_position_embeddings=16, tie_word_embeddings=True)
@@ -125,7 +125,7 @@ def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:
     Returns:
         A dict of plain values.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import get_config
         >>> config_as_dict(get_config("tiny"))["mlp_hidden"]
         176
@@ -149,7 +149,7 @@ def layer_stacks(module: nn.Module) -> list[str]:
     Returns:
         The stacks' paths (``named_modules`` names; ``""`` for ``module`` itself).
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import OLMo, get_config
         >>> layer_stacks(OLMo(get_config("tiny")))
         ['blocks']
@@ -177,7 +177,7 @@ def embedding_parameters(module: nn.Module) -> list[nn.Parameter]:
     Returns:
         The embedding parameters, in module order.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import OLMo, get_config
         >>> [tuple(p.shape) for p in embedding_parameters(OLMo(get_config("tiny")))]  # vocab_size x d_model
         [(256, 64)]

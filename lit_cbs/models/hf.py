@@ -50,7 +50,7 @@ def is_hf_config(config: Any) -> bool:
     Returns:
         Whether it is a ``transformers`` ``PretrainedConfig``.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import get_config
         >>> is_hf_config(get_config("tiny")), is_hf_config({"model_type": "llama"})
         (False, False)

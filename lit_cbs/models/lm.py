@@ -91,7 +91,7 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
         ValueError: a mapping with fields OLMoConfig lacks, or, without a preset, lacking some it needs.
         LitCBSConfigError: an unknown preset, or field values OLMoConfig refuses.
 
-    Example:
+    Examples:
         >>> resolve_model_config({"preset": "tiny", "n_layers": 2}).n_layers
         2
         >>> resolve_model_config({"preset": "tiny", "layers": 2})
@@ -169,7 +169,7 @@ class CausalLM(pl.LightningModule):
         config: the resolved model config (an ``OLMoConfig`` or a ``transformers`` config).
         dims: the decoder's sizes (``lit_cbs.models.decoder.DecoderDims``), known before the model is built.
 
-    Example:
+    Examples:
         A two-block OLMo-style decoder; its decoder is built by ``configure_model`` (Lightning calls it in
         ``fit``), and a forward pass gives logits [batch, tokens, vocab_size]:
 
@@ -323,7 +323,7 @@ class CausalLM(pl.LightningModule):
         Raises:
             RuntimeError: the decoder is not built yet (``configure_model``).
 
-        Example:
+        Examples:
             >>> import torch
             >>> lm = CausalLM("tiny")
             >>> lm.configure_model()
@@ -438,7 +438,7 @@ class CausalLM(pl.LightningModule):
         Raises:
             RuntimeError: the decoder is not built yet (``configure_model``).
 
-        Example:
+        Examples:
             >>> lm = CausalLM("tiny")
             >>> lm.configure_model()
             >>> lm.flops_per_token(128)  # 6 x 217,088 matmul weights (not the embedding) + 12 x 4 x 64 x 128
@@ -481,7 +481,7 @@ class CausalLM(pl.LightningModule):
         Raises:
             RuntimeError: the decoder is not built yet (``configure_model``).
 
-        Example:
+        Examples:
             >>> lm = CausalLM("tiny")
             >>> lm.configure_model()
             >>> [len(group["params"]) for group in lm.parameter_groups()]  # 4 blocks x 7 matrices + head; embedding
@@ -508,7 +508,7 @@ class CausalLM(pl.LightningModule):
         Returns:
             The number of parameters (elements; a tied output head counted once).
 
-        Example:
+        Examples:
             >>> CausalLM("tiny").num_parameters()
             233472
         """
@@ -534,7 +534,7 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
         LitCBSConfigError: ``optimizer`` is not callable, refuses its arguments (TypeError or ValueError), or
             returns something else than an Optimizer.
 
-    Example:
+    Examples:
         >>> import functools, torch
         >>> check_optimizer(functools.partial(torch.optim.SGD, lr=0.1))
         >>> check_optimizer(functools.partial(torch.optim.AdamW, lr=-1.0))
@@ -570,7 +570,7 @@ def describe_optimizer(optimizer: OptimizerFactory) -> str:
     Returns:
         The description, for messages.
 
-    Example:
+    Examples:
         >>> import functools, torch
         >>> describe_optimizer(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
         'SGD(lr=0.1, momentum=0.9)'

@@ -56,7 +56,7 @@ class OLMoConfig:
         LitCBSConfigError: a size that is not a positive int, ``tie_embeddings`` not a bool, ``d_model`` not
             divisible by ``n_heads``, an odd head dimension, or ``rope_theta`` or ``init_std`` not above 0.
 
-    Example:
+    Examples:
         >>> config = OLMoConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, context_length=8,
         ...                     tie_embeddings=True)
         >>> config.head_dim
@@ -150,7 +150,7 @@ def get_config(name: str) -> OLMoConfig:
     Raises:
         LitCBSConfigError: no preset has that name.
 
-    Example:
+    Examples:
         >>> get_config("tiny").d_model
         64
         >>> get_config("huge")
@@ -166,7 +166,7 @@ def get_config(name: str) -> OLMoConfig:
 class TruncatedNormalLinear(nn.Linear):
     """A bias-free Linear layer whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std.
 
-    Example:
+    Examples:
         >>> layer = TruncatedNormalLinear(64, 64, init_std=0.02)
         >>> layer.bias is None, bool(layer.weight.abs().max() <= 0.06)
         (True, True)
@@ -183,7 +183,7 @@ class TruncatedNormalLinear(nn.Linear):
 class TruncatedNormalEmbedding(nn.Embedding):
     """A token embedding whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std.
 
-    Example:
+    Examples:
         >>> embedding = TruncatedNormalEmbedding(256, 64, init_std=0.02)
         >>> tuple(embedding.weight.shape), bool(embedding.weight.abs().max() <= 0.06)
         ((256, 64), True)
@@ -200,7 +200,7 @@ class TruncatedNormalEmbedding(nn.Embedding):
 def layer_norm(x: torch.Tensor) -> torch.Tensor:
     """Non-parametric LayerNorm over the last dimension (OLMo: no weight, no bias).
 
-    Example:
+    Examples:
         >>> layer_norm(torch.tensor([[1.0, 2.0, 3.0]]))
         tensor([[-1.2247,  0.0000,  1.2247]])
     """
@@ -224,7 +224,7 @@ def rotary_cos_sin(
     Returns:
         (cos, sin), each [seq_len, head_dim], float32.
 
-    Example:
+    Examples:
         >>> cos, sin = rotary_cos_sin(8, 4, 10000.0, torch.device("cpu"))
         >>> cos.shape, cos[0].tolist()  # position 0: no rotation
         (torch.Size([8, 4]), [1.0, 1.0, 1.0, 1.0])
@@ -246,7 +246,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     Returns:
         ``x`` rotated, in its dtype.
 
-    Example:
+    Examples:
         >>> cos, sin = rotary_cos_sin(2, 2, 10000.0, torch.device("cpu"))
         >>> apply_rotary(torch.tensor([[[[1.0, 0.0], [1.0, 0.0]]]]), cos, sin).round(decimals=4)  # 0 and 1 radian
         tensor([[[[1.0000, 0.0000],
@@ -260,7 +260,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     """Causal multi-head self-attention with rotary position embeddings on queries and keys.
 
-    Example:
+    Examples:
         >>> config = get_config("tiny")
         >>> cos, sin = rotary_cos_sin(8, config.head_dim, config.rope_theta, torch.device("cpu"))
         >>> Attention(config)(torch.randn(2, 8, config.d_model), cos, sin).shape
@@ -294,7 +294,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """down(silu(gate(x)) * up(x)), gated width ``mlp_hidden``.
 
-    Example:
+    Examples:
         >>> mlp = SwiGLU(get_config("tiny"))
         >>> mlp(torch.randn(2, 8, 64)).shape, sum(p.numel() for p in mlp.parameters())  # 3 x 64 x 176 weights
         (torch.Size([2, 8, 64]), 33792)
@@ -318,7 +318,7 @@ class Block(nn.Module):
     Args:
         config: the model's shape (``d_model``, ``n_heads``, ``mlp_hidden``, ``init_std``).
 
-    Example:
+    Examples:
         >>> config = get_config("tiny")
         >>> block = Block(config)
         >>> cos, sin = rotary_cos_sin(8, config.head_dim, config.rope_theta, torch.device("cpu"))
@@ -355,7 +355,7 @@ class OLMo(nn.Module):
     Args:
         config: the model's shape (``OLMoConfig``, e.g. ``get_config("tiny")``).
 
-    Example:
+    Examples:
         >>> config = OLMoConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, mlp_hidden=32, context_length=8,
         ...                     tie_embeddings=True)
         >>> model = OLMo(config)
@@ -447,7 +447,7 @@ class OLMo(nn.Module):
         Returns:
             FLOPs per token.
 
-        Example:
+        Examples:
             >>> OLMo(get_config("tiny")).flops_per_token(128)  # 6 x (233,472 - 256 x 64) + 12 x 4 x 64 x 128
             1695744
         """

@@ -41,7 +41,7 @@ def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens) 
     Raises:
         RuntimeError: ``module`` is not attached to a Trainer (Lightning's ``module.trainer``).
 
-    Example:
+    Examples:
         A micro-batch whose 4 counted tokens sum to 6 nats: the value is their mean, the gradient the sum's:
 
         >>> import lightning.pytorch as pl, torch

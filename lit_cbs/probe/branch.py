@@ -58,7 +58,7 @@ __all__ = ["BranchError", "BranchFailed", "BranchTrainer", "ProbeAborted", "Reco
 class BranchFailed(Exception):
     """A branch diverged (non-finite loss) or ran out of memory on some rank; it counts as not recovered.
 
-    Example:
+    Examples:
         >>> from lit_cbs.probe.reading import BranchScore
         >>> try:
         ...     raise BranchFailed("non-finite loss at branch step 3")
@@ -72,7 +72,7 @@ class BranchFailed(Exception):
 class ProbeAborted(Exception):
     """A stop signal arrived during a probe: the main state is restored and the run stops at that step.
 
-    Example:
+    Examples:
         >>> issubclass(ProbeAborted, BranchFailed)  # not a failed branch: no reading at all
         False
     """
@@ -86,7 +86,7 @@ class ProbeUnusable(Exception):
 class BranchError(RuntimeError):
     """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere).
 
-    Example:
+    Examples:
         >>> str(BranchError("another rank raised inside a CBS probe branch (its log has the error); probe aborted"))
         'another rank raised inside a CBS probe branch (its log has the error); probe aborted'
     """
@@ -142,7 +142,7 @@ class RecordedWindow:
         progress: branches trained up to an early-stop point, by k.
         interrupted_at_tokens: this probe was stopped once; its first window began there (tokens).
 
-    Example:
+    Examples:
         A window of 8 samples of 8 tokens at batch 4 (2 micro-batches of 2), recorded and regrouped for the
         k = 2 branch (``start``, the snapshot branches begin from, is not needed here):
 
@@ -435,7 +435,7 @@ class BranchTrainer:
     ``CBSProbeCallback`` and ``probe_checkpoint`` make one inside a fit; it needs a Trainer whose strategy,
     optimizers and ``BatchAccounting`` are set up, as they are after a fit of one step.
 
-    Example:
+    Examples:
         A tiny LM fitted for one step, then a window of 8 samples (2 steps at B = 4) trained at k = 1 (2 steps
         of 4 samples) and k = 2 (1 step of 8), each from the window's start snapshot:
 

@@ -89,7 +89,7 @@ class CBSProbeCallback(Callback):
             ``geometric``), or a setting ``ProbeConfig`` refuses; at ``setup`` and the first batch, what needs the
             Trainer (no token ids, a window that holds no step of the largest branch, ...).
 
-    Example:
+    Examples:
         >>> probe = CBSProbeCallback(every_tokens=1_000_000, window_tokens=262_144)
         >>> probe.config.multipliers, probe.probe_point(1), probe.span_tokens  # k; tokens; tokens
         ([1.0, 2.0, 4.0, 8.0], 2000000, 262144)
@@ -145,7 +145,7 @@ class CBSProbeCallback(Callback):
     def span_tokens(self) -> int:
         """Tokens of the main run one probe records (``ProbeConfig.span_tokens``).
 
-        Example:
+        Examples:
             >>> probe = CBSProbeCallback(every_tokens=10**6, window_tokens=262_144, replicates=2, evaluate="heldout")
             >>> probe.span_tokens  # two windows of 262,144 tokens
             524288
@@ -156,7 +156,7 @@ class CBSProbeCallback(Callback):
     def lr_rule(self):
         """The LR rule (``config.rules.lr``): the factor a branch's LR moves by for batch ratio k.
 
-        Example:
+        Examples:
             >>> CBSProbeCallback(every_tokens=10**6, lr_rule="linear").lr_rule
             LRRule('linear')
         """
@@ -186,7 +186,7 @@ class CBSProbeCallback(Callback):
         Returns:
             Its point in tokens (global); inf past the last of ``at_tokens``.
 
-        Example:
+        Examples:
             >>> CBSProbeCallback(geometric=(1_000_000, 2)).probe_point(3)
             8000000
         """
@@ -866,7 +866,7 @@ class CBSProbeCallback(Callback):
         Returns:
             A JSON-able dict, read back by ``load_state_dict``.
 
-        Example:
+        Examples:
             >>> CBSProbeCallback(every_tokens=10**6).state_dict()  # doctest: +NORMALIZE_WHITESPACE
             {'history': [], 'tokens_spent': 0, 'probes_started': 0, 'interrupted': None, 'failures': [],
              'unusable': False, 'side_jobs': []}
@@ -892,7 +892,7 @@ class CBSProbeCallback(Callback):
         Args:
             state_dict: what ``state_dict`` returned, from a checkpoint.
 
-        Example:
+        Examples:
             >>> state = CBSProbeCallback(every_tokens=10**6).state_dict()
             >>> state["tokens_spent"], state["probes_started"] = 524_288, 2
             >>> probe = CBSProbeCallback(every_tokens=10**6)

@@ -41,7 +41,7 @@ class ProbeConfig:
         LitCBSConfigError: a setting out of its range or two that cannot be combined; the message names the field,
             the value and the fix.
 
-    Example:
+    Examples:
         >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
         >>> config.multipliers, config.early_stop, config.rule
         ([1.0, 2.0, 4.0], [], DecisionRule(epsilon=0.01, confidence=0.9))
@@ -260,7 +260,7 @@ class ProbeConfig:
     def rule(self) -> DecisionRule:
         """The k* rule's settings (``epsilon``, ``confidence``) for ``ProbeReading.decide``.
 
-        Example:
+        Examples:
             >>> ProbeConfig(epsilon=0.02, confidence=0.5).rule
             DecisionRule(epsilon=0.02, confidence=0.5)
         """
@@ -284,7 +284,7 @@ class ProbeConfig:
             The reading (``ProbeReading.decide``), with this probe's ``search``, ``evaluate`` and
             ``cooldown_fraction``.
 
-        Example:
+        Examples:
             >>> from lit_cbs.probe.reading import BranchScore
             >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
             >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
@@ -309,7 +309,7 @@ class ProbeConfig:
     def span_tokens(self) -> int:
         """Tokens of the main run one probe records (``replicates`` windows of ``window_tokens``, at most).
 
-        Example:
+        Examples:
             >>> ProbeConfig(window_tokens=262_144, replicates=2, evaluate="heldout").span_tokens
             524288
         """
@@ -324,7 +324,7 @@ class ProbeConfig:
         Returns:
             Its point in tokens (global); inf where none is placed (past ``at_tokens``, or no placement).
 
-        Example:
+        Examples:
             >>> ProbeConfig(every_tokens=500_000).probe_point(2)
             1500000
             >>> ProbeConfig(at_tokens=[20_000, 10_000]).probe_point(0), ProbeConfig(at_tokens=[10_000]).probe_point(1)
@@ -349,7 +349,7 @@ class ProbeConfig:
         Returns:
             An iterator of the points, in order (endless for ``end_tokens=inf`` with every_tokens or geometric).
 
-        Example:
+        Examples:
             >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
             >>> list(config.points_before(5_000_000)), list(config.points_before(5_000_000, next_probe=1))
             ([1000000, 2000000, 4000000], [2000000, 4000000])
@@ -387,7 +387,7 @@ class ProbeConfig:
         Raises:
             LitCBSConfigError: the probe cannot run before the run ends.
 
-        Example:
+        Examples:
             >>> config = ProbeConfig(geometric=(1_000_000, 2), multipliers=[4, 1, 2], window_tokens=262_144)
             >>> config.check_inside_run(2_000_000, "max_tokens=2000000", whole_span=True)  # 1,262,144 <= 2,000,000
             >>> config.check_inside_run(1_200_000, "max_tokens=1200000", whole_span=True)  # doctest: +ELLIPSIS

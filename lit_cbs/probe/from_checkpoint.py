@@ -73,7 +73,7 @@ class RunParts:
         callbacks: the run's ``BatchWarmup`` (or ``BatchAccounting``), as it was made for the run: branches
             take its micro-batch rule and optimizer rules; its state comes from the checkpoint.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> parts = RunParts(pl.LightningModule(), trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0})
         >>> parts.datamodule, parts.trainer["precision"], parts.callbacks
@@ -103,7 +103,7 @@ class CheckpointProbe(Callback):
         tokens_trained: branch tokens (global).
         seconds: wall seconds the probe took at the fit's start.
 
-    Example:
+    Examples:
         >>> probe = CheckpointProbe(ProbeConfig(multipliers=[1, 2, 4], window_tokens=65_536))
         >>> probe.reading, probe.scores, probe.tokens_trained  # until a fit resumed from a checkpoint runs it
         (None, {}, 0)
@@ -294,7 +294,7 @@ def probe_checkpoint(
             count, fewer than two multipliers fit), or a setting is invalid, or both ``config`` and ``settings``.
         RuntimeError: the fit stopped before the probe could train (no reading).
 
-    Example:
+    Examples:
         ``probe_checkpoint("run/checkpoints/step=608.ckpt", RunParts(MyModule(), MyData(), trainer={"precision":
         "bf16-mixed", "gradient_clip_val": 1.0}, callbacks=[BatchWarmup(...)]), multipliers=(1, 2, 4, 8),
         window_tokens=2_000_000, evaluate="heldout", search="bisect")``; a runnable one is in

@@ -53,7 +53,7 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
         LitCBSConfigError: the Trainer has no validation data, or its first loader yields no batch
             on some rank (raised on every rank alike).
 
-    Example:
+    Examples:
         The validation loader of a one-step fit (validation itself off), read without moving torch's generator:
 
         >>> import lightning.pytorch as pl, torch

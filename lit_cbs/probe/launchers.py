@@ -31,7 +31,7 @@ class JobState:
         running: whether the job still runs (or waits in a queue).
         reason: why it ended, in words (its exit status and last line of output); "" while it runs.
 
-    Example:
+    Examples:
         A local job that prints a line and exits, asked about until it has ended:
 
         >>> import tempfile, time
@@ -55,7 +55,7 @@ class Launcher(Protocol):
     (None: no limit). ``LocalLauncher`` and ``SlurmLauncher`` are the two lit_cbs has; ``SideJobs`` takes any
     object with these methods.
 
-    Example:
+    Examples:
         A launcher of one's own (here one whose jobs have always ended) is given to ``SideJobs`` as the two are:
 
         >>> class Finished:
@@ -125,7 +125,7 @@ class LocalLauncher:
         LitCBSConfigError: ``threads`` or ``max_running`` is not a positive int or None, or ``timeout_min`` not a
             finite number > 0 or None.
 
-    Example:
+    Examples:
         >>> LocalLauncher(threads=1, devices="7").max_running  # one job at a time, on GPU 7
         1
         >>> LocalLauncher(threads=0)
@@ -150,7 +150,7 @@ class LocalLauncher:
         Raises:
             LitCBSConfigError: no job could start; the message has the interpreter's last line of error.
 
-        Example:
+        Examples:
             >>> LocalLauncher(python="/no/such/python").check()  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             lit_cbs.errors.LitCBSConfigError: LocalLauncher(python='/no/such/python') cannot start a side job (...
@@ -267,13 +267,18 @@ class SlurmLauncher:
         partition: the partition (spare or preemptible capacity, e.g. one with a lower priority); None: the
             cluster's default.
         timeout_min: the job's time limit (minutes); a job that reaches it counts as failed.
-        nodes, tasks_per_node, gpus_per_node, cpus_per_task, mem_gb, account: as sbatch's options.
+        nodes: as sbatch's option of that name.
+        tasks_per_node: as sbatch's option of that name.
+        gpus_per_node: as sbatch's option of that name.
+        cpus_per_task: as sbatch's option of that name.
+        mem_gb: as sbatch's option of that name.
+        account: as sbatch's option of that name.
         additional_parameters: more sbatch options (e.g. ``{"requeue": True}`` to let SLURM requeue a
             preempted job by itself).
         max_running: jobs submitted at once; later probes' jobs wait their turn (None: SLURM queues them).
         python: the interpreter the job runs (default: the main run's).
 
-    Example:
+    Examples:
         >>> launcher = SlurmLauncher(partition="spare", gpus_per_node=1, timeout_min=30)
         >>> launcher.nodes, launcher.tasks_per_node, launcher.max_running  # one process; SLURM queues the jobs
         (1, 1, None)
@@ -418,7 +423,7 @@ class SideJobs:
         LitCBSConfigError: ``launcher`` has no ``submit``, ``build`` is neither form, ``retries`` is not an int
             >= 0, or ``wait_at_end`` is negative.
 
-    Example:
+    Examples:
         >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
         >>> jobs.retries, jobs.wait_at_end  # restarts of a failed job; minutes waited at the end
         (2, 60.0)

@@ -29,7 +29,7 @@ def known(value: T | None, what: str) -> T:
     None until the first batch tells them: a probe reads them only after that batch, so this guard
     fires only where the arithmetic on None would have failed anyway.
 
-    Example:
+    Examples:
         >>> known(4, "seq_len")
         4
         >>> known(None, "seq_len")
@@ -52,7 +52,7 @@ class RunEnd:
         latest: tokens (global) by which it ends at the latest (at the largest batch it may reach).
         limit: the limit that ends it soonest, e.g. "max_steps=100".
 
-    Example:
+    Examples:
         >>> end = RunEnd(earliest=409_600, latest=819_200, limit="max_steps=100")
         >>> end.describe()
         'max_steps=100, at 409,600 tokens'
@@ -99,7 +99,7 @@ def run_end(
     Raises:
         RuntimeError: the accounting does not know the micro-batch or ``seq_len`` yet (before the first batch).
 
-    Example:
+    Examples:
         Called after the first step of a fit with ``max_steps=3`` at batch 4 of 8 tokens (32 tokens seen): 2 steps
         are left, 64 tokens at this batch, 128 if it grew to 8; ``max_tokens=1024`` comes later:
 

@@ -37,7 +37,7 @@ def plot_cbs_curve(
     Returns:
         The path of the PNG.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
@@ -81,7 +81,7 @@ def cbs_curve_figure(
     Returns:
         A matplotlib ``Figure`` with the two panels (no pyplot state is touched).
 
-    Example:
+    Examples:
         >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
         >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=1_000_000,

@@ -81,7 +81,7 @@ class BranchScore:
         se: the standard error of ``loss`` alone (nats), or None.
         replicate_losses: per replicate data window, its ``batch_losses`` (2+ replicates only).
 
-    Example:
+    Examples:
         >>> score = BranchScore.heldout([2.0, 2.2, 2.4])
         >>> round(score.loss, 4), score.batch_losses, score.failed
         (2.2, (2.0, 2.2, 2.4), False)
@@ -104,7 +104,7 @@ class BranchScore:
         Returns:
             The score: ``loss`` their mean, ``batch_losses`` the losses as floats, no ``se`` (pairing gives it).
 
-        Example:
+        Examples:
             >>> round(BranchScore.heldout([3.0, 3.5]).loss, 4)
             3.25
         """
@@ -127,7 +127,7 @@ class BranchScore:
         Raises:
             ValueError: the windows' scores have no held-out losses, or not on as many batches each.
 
-        Example:
+        Examples:
             >>> score = BranchScore.replicated([BranchScore.heldout([2.0, 2.2]), BranchScore.heldout([2.1, 2.3])])
             >>> round(score.loss, 4), score.batch_losses, score.replicate_losses
             (2.15, (2.05, 2.25), ((2.0, 2.2), (2.1, 2.3)))
@@ -159,7 +159,7 @@ class BranchScore:
         Raises:
             ValueError: ``alpha`` is not in (0, 1] (with at least one step).
 
-        Example:
+        Examples:
             >>> score = BranchScore.train_ema([3.0, 2.9, 2.85, 2.8], alpha=0.5)
             >>> round(score.loss, 4), round(score.se, 4)
             (2.85, 0.0289)
@@ -191,7 +191,7 @@ class Difference:
         dof: degrees of freedom of its t quantile (inf: normal).
         replicate_se: the share of ``se`` (nats) from the spread between data windows, or None.
 
-    Example:
+    Examples:
         >>> gap = Difference(mean=0.02, se=0.005, dof=4)
         >>> [round(bound, 4) for bound in gap.bounds(confidence=0.9)]  # 0.02 -+ t(0.9, 4) x 0.005
         [0.0123, 0.0277]
@@ -251,7 +251,7 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
         L_a - L_b (nats) with its SE (nats; None where neither pairing nor both SEs exist), the degrees of
         freedom of its t quantile (inf: normal) and, for replicated scores, the SE's share from the windows.
 
-    Example:
+    Examples:
         >>> gap = difference(BranchScore.heldout([2.02, 2.21, 2.43]), BranchScore.heldout([2.0, 2.2, 2.4]))
         >>> round(gap.mean, 4), round(gap.se, 4), gap.dof
         (0.02, 0.0058, 2)
@@ -290,7 +290,7 @@ class DecisionRule:
         epsilon: nats; a larger batch whose loss is within it of every smaller batch's recovered the loss.
         confidence: one-sided, in [0.5, 1); ``ProbeConfig`` checks both when it makes the rule.
 
-    Example:
+    Examples:
         >>> DecisionRule()
         DecisionRule(epsilon=0.01, confidence=0.9)
         >>> DecisionRule(epsilon=0.02, confidence=0.5).epsilon
@@ -312,7 +312,7 @@ class Decision:
         loss_se: per measured k, the SE (nats) of L_k - L_base; None for the base and for a failed branch.
         replicate_se: per k, the windows' share of ``loss_se`` (nats), where known (replicates only).
 
-    Example:
+    Examples:
         Two branches whose 0.005-nat gap cannot be told from 0.01 on three noisy held-out batches:
 
         >>> decision = decide({1: BranchScore.heldout([3.0, 3.1, 3.2]), 2: BranchScore.heldout([3.0, 3.12, 3.195])},
@@ -347,7 +347,7 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     Raises:
         ValueError: ``scores`` is empty or ``epsilon`` is negative (``critical_multiplier``).
 
-    Example:
+    Examples:
         >>> scores = {
         ...     1: BranchScore.heldout([3.0, 3.1, 3.2]),
         ...     2: BranchScore.heldout([3.003, 3.104, 3.202]),  # within 0.01 nats of k = 1 on every batch
@@ -405,7 +405,7 @@ def is_admissible(losses: dict[float, float], k: float, epsilon: float) -> bool:
     Returns:
         Whether k recovers the loss of every smaller finite k within ``epsilon``.
 
-    Example:
+    Examples:
         >>> losses = {1: 3.0, 2: 3.005, 4: 3.05}
         >>> is_admissible(losses, 2, epsilon=0.01), is_admissible(losses, 4, epsilon=0.01)
         (True, False)
@@ -432,7 +432,7 @@ def critical_multiplier(losses: dict[float, float], epsilon: float) -> float:
     Raises:
         ValueError: ``losses`` is empty or ``epsilon`` is negative.
 
-    Example:
+    Examples:
         >>> critical_multiplier({1: 3.0, 2: 3.005, 4: 3.05}, epsilon=0.01)
         2
         >>> critical_multiplier({1: 3.0, 2: 3.005, 4: float("nan")}, epsilon=0.01)  # k = 4 failed
@@ -460,7 +460,7 @@ def cbs_interval(k_star: float, multipliers: Sequence[float], batch_size: int) -
     Returns:
         (lower, upper, estimate) in samples; upper None at the top of the grid.
 
-    Example:
+    Examples:
         >>> lower, upper, estimate = cbs_interval(2, [1, 2, 4], batch_size=256)
         >>> lower, upper, round(estimate, 1)
         (512, 1024, 724.1)
@@ -486,7 +486,7 @@ def max_branches(search: str, multipliers: int) -> int:
     Returns:
         The number of branches (per data window).
 
-    Example:
+    Examples:
         >>> max_branches("grid", 8), max_branches("bisect", 8)
         (8, 4)
     """
@@ -506,7 +506,7 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
     Raises:
         ValueError: ``alpha`` is not in (0, 1] (``lit_cbs.rules.smoothing.ema``).
 
-    Example:
+    Examples:
         >>> ema_last([3.0, 2.0], alpha=0.5)
         2.5
     """
@@ -534,7 +534,7 @@ def measure_losses(
     Returns:
         The score of each multiplier measured, by k.
 
-    Example:
+    Examples:
         >>> losses = {1: 3.0, 2: 3.004, 4: 3.008, 8: 3.05, 16: 3.2}
         >>> scores = measure_losses("bisect", [1, 2, 4, 8, 16], lambda k: BranchScore(losses[k]), epsilon=0.01)
         >>> sorted(scores)  # 3 branches instead of 5: k = 4 is admissible, k = 8 is not
@@ -564,7 +564,7 @@ def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
     for "bisect" the smallest k and the first midpoint. A side job trains these before it needs the main
     run's own (k = 1) score, which arrives when the main run's window ends.
 
-    Example:
+    Examples:
         >>> first_measured("bisect", [1, 2, 4, 8, 16])
         [1, 4]
     """
@@ -584,7 +584,7 @@ class ProbeReading:
 
     Made by ``ProbeReading.decide`` (the probe's way), read back by ``from_record`` or ``read_readings``.
 
-    Example:
+    Examples:
         A probe at batch 256 that trained k = 2 and k = 4 on a window of 262,144 tokens (train-EMA scores
         have no pairing: with ``confidence=0.5`` the means decide):
 
@@ -649,7 +649,7 @@ class ProbeReading:
         Raises:
             ValueError: the record lacks a field a reading needs, or has one a reading does not know.
 
-        Example:
+        Examples:
             >>> import dataclasses
             >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
             >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
@@ -702,7 +702,7 @@ class ProbeReading:
             ValueError: ``scores`` is empty or ``rule.epsilon`` is negative.
             TypeError: ``fields`` lacks a field the reading needs, or names one it does not have.
 
-        Example:
+        Examples:
             >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
             >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
             ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
@@ -751,7 +751,7 @@ class ProbeReading:
         Raises:
             ValueError: the reading has no ``seq_len`` (one of the first shape, read from a file).
 
-        Example:
+        Examples:
             >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
             >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
             ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
@@ -772,7 +772,7 @@ class ProbeReading:
         Returns:
             Each measured multiplier's score, by k (a float).
 
-        Example:
+        Examples:
             >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
             >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
             ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
@@ -801,7 +801,7 @@ class ProbeReading:
         """ "[lower, upper]" in samples, "[lower, beyond the grid]" at the top, and "undetermined"
         after it when the data do not decide k*.
 
-        Example:
+        Examples:
             >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
             >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",
             ...     evaluate="train_ema", main_loss=3.1, branches_trained=[2, 4], failed=[],
@@ -829,7 +829,7 @@ def read_readings(path: str | os.PathLike) -> list[ProbeReading]:
         ValueError: the file cannot be read or holds no reading, or a line is not a reading; the message names
             the file and line.
 
-    Example:
+    Examples:
         >>> import dataclasses, json, os, tempfile
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
         >>> where = dict(tokens=10**6, step=100, seq_len=128, window_tokens=262144, search="grid",

@@ -53,7 +53,7 @@ class TrainingSnapshot:
         pl_module: the module whose parameters, buffers, RNG streams and metric states are copied.
         device: where the copies live ("cpu" keeps accelerator memory free).
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> import torch
         >>> module = pl.LightningModule()

@@ -30,7 +30,7 @@ class ProbePlan:
         window_samples: samples of each replicate window: whole steps of the largest branch.
         early_stop_samples: samples per rank into the window where the reading may be judged early.
 
-    Example:
+    Examples:
         A window of 4096 tokens at 16 tokens per sample is 256 samples, 8 steps of the k = 4 branch (32 samples);
         early stops at 1/4 and 1/2 of it fall on whole steps of that branch:
 
@@ -58,7 +58,7 @@ class ProbeSkip:
         warn: the reason is a problem with the settings (a warning), not a plan (an info line).
         next_epoch: asked again after every step: it starts early in the next epoch.
 
-    Example:
+    Examples:
         Only k = 1 makes whole micro-batches of 8 here, so no probe starts (a warning: the settings cannot work):
 
         >>> skip = plan_probe(ProbeConfig(at_tokens=[1024], multipliers=(1, 1.5)), tokens=1024, batch_size=8,
@@ -82,7 +82,7 @@ class EpochEnd:
         samples: samples in the epoch.
         position: samples consumed so far this epoch.
 
-    Example:
+    Examples:
         An epoch of 1000 samples, 900 of them consumed: a window of 256 samples waits for the next epoch.
 
         >>> skip = plan_probe(ProbeConfig(at_tokens=[1024], multipliers=(1, 2, 4), window_tokens=4096), tokens=1024,
@@ -125,7 +125,7 @@ def window_at(
     Returns:
         The usable multipliers and the samples (global) of each window.
 
-    Example:
+    Examples:
         >>> window_at(ProbeConfig(multipliers=(1, 2, 4)), 8, 16, lambda k: 8)
         ([1.0, 2.0, 4.0], 62496)
         >>> window_at(ProbeConfig(multipliers=(1, 2, 4)), 8, 16, lambda k: 8 if k == 1 else None)  # only k = 1
@@ -180,7 +180,7 @@ def plan_probe(
     Returns:
         A ``ProbePlan``, or a ``ProbeSkip`` with the reason.
 
-    Example:
+    Examples:
         >>> plan = plan_probe(ProbeConfig(at_tokens=[1024], multipliers=(1, 2, 4), window_tokens=4096),
         ...                   tokens=1024, batch_size=8, seq_len=16, data_parallel_size=1,
         ...                   branch_micro_batch=lambda k: 8)

@@ -81,7 +81,7 @@ def one_line(error: BaseException) -> str:
     Returns:
         The message of the error Hydra's wrappers hold, its whitespace runs (newlines included) as one space.
 
-    Example:
+    Examples:
         >>> from hydra.errors import InstantiationException
         >>> wrapped = InstantiationException("Error in call to target 'lit_cbs.BatchWarmup'")
         >>> wrapped.__cause__ = ValueError("lr_rule='x' is unknown;\\n  use one of sqrt, linear")
@@ -100,7 +100,7 @@ def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
     """``OmegaConf.to_container(node, resolve=resolve)`` for a DictConfig ``node``: the plain dict it returns for
     one, typed so (OmegaConf's annotation is the union of every container it can return).
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> dict_container(OmegaConf.create({"max_tokens": 1024, "total": "${max_tokens}"}), resolve=True)
         {'max_tokens': 1024, 'total': 1024}
@@ -121,7 +121,7 @@ def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None
     Returns:
         Argument name -> (its Hydra key, the key its value is taken from or None).
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
         ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
@@ -161,7 +161,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
     Returns:
         The message, its arguments named as Hydra keys.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
         ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
@@ -205,7 +205,7 @@ def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
     Raises:
         LitCBSConfigError: for a configuration error (``CONFIG_ERRORS``) raised inside, from it.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
         ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
@@ -247,7 +247,7 @@ def instantiate_group(cfg: DictConfig, group: str, **kwargs):
     Raises:
         LitCBSConfigError: a configuration error while building it, naming the keys (``group_key``).
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"max_tokens": 65536, "lr_schedule": {
         ...     "_target_": "lit_cbs.rules.lr_schedules.WarmupStableDecay", "warmup_tokens": 1024,
@@ -272,7 +272,7 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict:
     Raises:
         LitCBSConfigError: an entry without ``_target_``, or a configuration error while building one.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"callbacks": {"off": None, "on": {"_target_": "builtins.dict", "x": 1}}})
         >>> instantiate_named(cfg, "callbacks")
@@ -505,7 +505,7 @@ def model_config_of(cfg: DictConfig):
     Raises:
         LitCBSConfigError: a config ``resolve_model_config`` refuses, naming ``model.config``.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> model_config_of(OmegaConf.create({"model": {"config": {"preset": "tiny", "n_layers": 2}}})).n_layers
         2
@@ -525,7 +525,7 @@ def name_the_run_keys(cfg: DictConfig, message: str) -> str:
     Returns:
         The message, its arguments named as Hydra keys (``name_the_keys``).
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"trainer": {"devices": 1}, "batch": {"max_micro_batch_size": 4},
         ...                         "callbacks": {"checkpoint": None}})
@@ -598,7 +598,7 @@ def checkpoint_folders(cfg: DictConfig) -> list[Path]:
     Returns:
         The folders, the checkpoint callback's first.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> cfg = OmegaConf.create({"output_dir": "outputs/run",
         ...                         "callbacks": {"checkpoint": {"dirpath": "outputs/run/checkpoints"}}})
@@ -631,7 +631,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     Returns:
         The path or Lightning's name to pass to ``trainer.fit(ckpt_path=...)``, or None.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> resume_checkpoint(OmegaConf.create({"ckpt_path": "last", "output_dir": "outputs/run"}))
         'last'
@@ -722,7 +722,7 @@ def earlier_entries() -> frozenset[str]:
     Returns:
         The names to keep (none outside a single Hydra run, and on ranks other than 0).
 
-    Example:
+    Examples:
         >>> earlier_entries()  # outside a Hydra job
         frozenset()
     """

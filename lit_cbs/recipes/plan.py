@@ -76,7 +76,7 @@ def precision_bytes(precision: str) -> tuple[int, int]:
     Raises:
         ValueError: a precision the plan does not know.
 
-    Example:
+    Examples:
         >>> precision_bytes("bf16-mixed"), precision_bytes("bf16-true")
         ((4, 2), (2, 2))
         >>> precision_bytes("fp8")
@@ -94,7 +94,7 @@ class ModelShape:
     """Parameter counts (elements) of a decoder, read from a meta-device build (lit_cbs's OLMo or a
     transformers model: ``lit_cbs.models.build.build_decoder``).
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import get_config
         >>> shape = ModelShape.measure(get_config("tiny"))
         >>> shape.parameters, shape.block_parameters, shape.root_parameters  # root: embedding and untied head
@@ -154,7 +154,7 @@ class OptimizerState:
     """What an optimizer keeps per parameter tensor: ``per_element`` state tensors the size of the
     parameter (in its dtype), and ``bytes_per_tensor`` bytes besides (e.g. a step count).
 
-    Example:
+    Examples:
         >>> import torch
         >>> OptimizerState.measure(torch.optim.AdamW)  # two moments, and a 4-byte step count
         OptimizerState(name='AdamW', per_element=2, bytes_per_tensor=4)
@@ -197,7 +197,7 @@ ADAMW_STATE = OptimizerState("AdamW", per_element=2, bytes_per_tensor=4)  # exp_
 class DeviceMemory:
     """Bytes on one device (GPU, or the process's memory on CPU) at the peak of a training step.
 
-    Example:
+    Examples:
         >>> memory = DeviceMemory(parameters=4, gradients=4, optimizer_state=8, working_buffers=1, activations=10,
         ...                       activation_peak_extra=2)
         >>> memory.model_state, memory.total
@@ -244,7 +244,7 @@ def block_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, 
     Raises:
         ValueError: a precision the plan does not know.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models.decoder import decoder_dims
         >>> from lit_cbs.models import get_config
         >>> dims = decoder_dims(get_config("tiny"))
@@ -277,7 +277,7 @@ def loss_activation_bytes(config: DecoderDims, micro_batch: int, seq_len: int, p
     Raises:
         ValueError: a precision the plan does not know.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models.decoder import decoder_dims
         >>> from lit_cbs.models import get_config
         >>> loss_activation_bytes(decoder_dims(get_config("tiny")), 8, 128, "32-true")  # mostly 4 x 1,024 x 256
@@ -320,7 +320,7 @@ def device_memory(
     Raises:
         ValueError: an unknown ``strategy`` or ``precision``, or ``data_parallel_size`` below 1.
 
-    Example:
+    Examples:
         >>> from lit_cbs.models import get_config
         >>> shape = ModelShape.measure(get_config("tiny"))
         >>> memory = device_memory(shape, 8, 128, "32-true", "single", 1, activation_checkpointing=False)
@@ -367,7 +367,7 @@ def device_memory(
 class BatchPhase:
     """A stretch of training at one global batch. Tokens and samples are global.
 
-    Example:
+    Examples:
         >>> phase = BatchPhase(start_tokens=0, end_tokens=65536, global_batch=8, micro_batch=4, accumulate=2,
         ...                    optimizer_steps=64, lr_factor=1.0)
         >>> phase.tokens
@@ -414,7 +414,7 @@ def batch_phases(
     Returns:
         The phases in order.
 
-    Example:
+    Examples:
         The batch doubles at 65,536 tokens under the sqrt LR rule; the last step passes max_tokens:
 
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
@@ -460,7 +460,7 @@ def largest_micro_batch(limit_bytes: float, largest_share: int, memory_at: Calla
     Returns:
         The micro-batch (samples), or None.
 
-    Example:
+    Examples:
         >>> def memory_at(micro):  # 10 bytes of model state, 3 bytes of activations per sample
         ...     return DeviceMemory(10, 0, 0, 0, 3 * micro, 0)
         >>> largest_micro_batch(32, 64, memory_at), largest_micro_batch(12, 64, memory_at)
@@ -510,7 +510,7 @@ def grow_cluster(
     Returns:
         Per phase, its ranks, micro-batch, accumulation and the optimizer steps taken when it ends.
 
-    Example:
+    Examples:
         Once the batch doubles, two single-device nodes keep each rank's share at 8 samples:
 
         >>> phases = [BatchPhase(0, 65536, 8, 8, 1, 64, 1.0), BatchPhase(65536, 200704, 16, 8, 2, 66, 1.4142)]
@@ -540,7 +540,7 @@ def grow_cluster(
 class ProbePlan:
     """What a CBSProbeCallback will cost. Bytes are per rank, in host memory (snapshot_device=cpu).
 
-    Example:
+    Examples:
         >>> plan = ProbePlan(points=[65536, 131072], snapshot_bytes=100, window_bytes=30, heldout_bytes=20,
         ...                  max_branches=4, window_tokens=8192)
         >>> plan.host_bytes, plan.tokens  # 2 snapshots + window + held-out; 2 probes x 4 branches x 8,192 tokens
@@ -604,7 +604,7 @@ def probe_plan(
     Raises:
         ValueError: a precision the plan does not know.
 
-    Example:
+    Examples:
         >>> from lit_cbs import CBSProbeCallback
         >>> from lit_cbs.models import get_config
         >>> probe = CBSProbeCallback(every_tokens=65536, window_tokens=8192)
@@ -661,7 +661,7 @@ def wall_seconds(flops_per_token: int, tokens: int, devices: int, peak_flops_per
     Raises:
         ValueError: ``mfu`` outside (0, 1].
 
-    Example:
+    Examples:
         >>> round(wall_seconds(6 * 10**9, 10**9, 8, 989e12, 0.4), 1)  # a 1B model's 6N FLOPs on 1B tokens, 8 GPUs
         1895.9
         >>> wall_seconds(6 * 10**9, 10**9, 8, 989e12, 1.5)
@@ -680,7 +680,7 @@ class Limits:
     """What the plan is checked against: memory per device and per node in GiB, the expected MFU,
     and the device's peak FLOP/s at the training precision (``plan_for.*`` in the recipes).
 
-    Example:
+    Examples:
         >>> Limits(gpu_memory_gib=141.0).mfu
         0.4
     """
@@ -981,7 +981,7 @@ def on_gpu(accelerator: str) -> bool:
     """Whether a run on ``accelerator`` trains on GPUs: only then are wall times estimated (they assume a
     GPU's peak FLOP/s, plan_for.peak_flops_per_device) and memory held against plan_for.gpu_memory_gib.
 
-    Example:
+    Examples:
         >>> on_gpu("cuda"), on_gpu("cpu")
         (True, False)
     """
@@ -1054,7 +1054,7 @@ def plan_run(
     Raises:
         ValueError: an unknown ``precision`` or ``strategy``.
 
-    Example:
+    Examples:
         The tiny model on one CPU process, its batch doubled at 65,536 tokens:
 
         >>> from lit_cbs.models import get_config

@@ -86,7 +86,7 @@ def wall_clock_figure(metrics: dict):
     Returns:
         The figure (one panel, and a second for the noise scale where it was logged), or None.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> wall_clock_figure({"train/loss": (np.array([0, 1]), np.array([5.5, 5.25]))}) is None  # no seconds
         True
@@ -150,7 +150,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ValueError: ``run_dir`` has no ``metrics.csv`` (not a run folder, or one logged without the CSV logger),
             or one without ``tokens_seen``.
 
-    Example:
+    Examples:
         A run folder with a two-step ``metrics.csv``: its loss figure is drawn into it, then embedded:
 
         >>> import tempfile
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> Path:
         SystemExit: a bad command line, or a ``run_dir`` ``write_report`` refuses (argparse's exit status 2,
             with its message on stderr).
 
-    Example:
+    Examples:
         A run folder with a two-step ``metrics.csv`` (as in ``write_report``):
 
         >>> import contextlib, io, tempfile

@@ -44,7 +44,7 @@ def devices_per_node(devices, needed_for: str) -> int:
     Raises:
         LitCBSConfigError: ``devices`` is none of these (e.g. ``"auto"``), naming ``trainer.devices``.
 
-    Example:
+    Examples:
         >>> devices_per_node("8", "the plan"), devices_per_node([0, 1, 2], "the plan")
         (8, 3)
         >>> devices_per_node("auto", "plan=true sizes the run from it")
@@ -79,7 +79,7 @@ def world_size(devices, num_nodes) -> int:
     Raises:
         LitCBSConfigError: ``devices`` is not a count or a list of device ids.
 
-    Example:
+    Examples:
         >>> world_size(8, 2), world_size("4", "1"), world_size([0, 1], 3)
         (16, 4, 6)
     """
@@ -104,7 +104,7 @@ def scaled_lr(lr, batch_size, base_batch_size, rule: str = "sqrt") -> float:
     Raises:
         LitCBSConfigError: ``rule`` names no LR rule.
 
-    Example:
+    Examples:
         >>> round(scaled_lr(3e-3, 64, 16, "sqrt"), 6), round(scaled_lr(3e-3, 64, 16, "linear"), 6)
         (0.006, 0.012)
         >>> scaled_lr(3e-3, 64, 16, "cubic")
@@ -127,7 +127,7 @@ def swept_keys(arguments: list[str]) -> list[str]:
     Returns:
         The swept keys and config groups, in command-line order.
 
-    Example:
+    Examples:
         >>> swept_keys(["-m", "batch.schedule.batch_size=8,16", "seed=1", "model=tiny,tiny4x"])
         ['batch.schedule.batch_size', 'model']
     """
@@ -145,7 +145,7 @@ def remember_swept_keys(arguments: list[str]) -> None:
         arguments: the command line's arguments after the script; the keys go into the environment variable
             ``SWEPT_KEYS`` (``LIT_CBS_SWEPT_KEYS``), unless it is set already.
 
-    Example:
+    Examples:
         >>> import os
         >>> before = os.environ.pop(SWEPT_KEYS, None)
         >>> remember_swept_keys(["-m", "seed=1,2"])
@@ -172,7 +172,7 @@ def sweep_subdir(job_number, run_name, job_overrides) -> str:
     Returns:
         The job's folder name.
 
-    Example:
+    Examples:
         >>> import os
         >>> before = os.environ.get(SWEPT_KEYS)
         >>> os.environ[SWEPT_KEYS] = "batch.schedule.batch_size"
@@ -196,7 +196,7 @@ RESOLVERS: dict[str, Callable[..., Any]] = {
 def register_resolvers() -> None:
     """Register the resolvers with OmegaConf; calling it again changes nothing.
 
-    Example:
+    Examples:
         >>> from omegaconf import OmegaConf
         >>> register_resolvers()
         >>> OmegaConf.create({"processes": "${lit_cbs.world_size:8,2}"}).processes

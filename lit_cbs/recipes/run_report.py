@@ -59,7 +59,7 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
     Returns:
         The record written: ``schedule``, ``lr_rule``, ``changes``, ``guard_verdicts`` and ``final``.
 
-    Example:
+    Examples:
         A BatchWarmup no Trainer has run yet has no change and no count:
 
         >>> import tempfile
@@ -116,7 +116,7 @@ def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], 
     Returns:
         The figure, or None.
 
-    Example:
+    Examples:
         >>> group_noise_scale_figure({}) is None
         True
     """
@@ -150,7 +150,7 @@ def loss_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = 
     Returns:
         The figure.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> steps = np.array([0.0, 1.0, 2.0])
         >>> metrics = {"tokens_seen": (steps, np.array([1024.0, 2048.0, 4096.0])),
@@ -192,7 +192,7 @@ def batch_lr_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: st
     Returns:
         The figure, or None.
 
-    Example:
+    Examples:
         >>> batch_lr_figure({}) is None
         True
     """
@@ -239,7 +239,7 @@ def read_run_metrics(metrics_csv: str | os.PathLike) -> dict[str, tuple[np.ndarr
     Raises:
         ValueError: the file has no ``tokens_seen`` column.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> folder = tempfile.TemporaryDirectory()
@@ -281,7 +281,7 @@ def plot_run(metrics_csv: str | os.PathLike, output_dir: str | os.PathLike, titl
     Raises:
         ValueError: the file has no ``tokens_seen`` column.
 
-    Example:
+    Examples:
         Only the loss is logged here, so only its figure is drawn:
 
         >>> import tempfile
@@ -322,7 +322,7 @@ def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> s
     Returns:
         The batches, for the line a run starts with.
 
-    Example:
+    Examples:
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
         >>> schedule = PiecewiseBatch(thresholds=[0, 65536], batch_sizes=[8, 16], unit="tokens")
         >>> batches_reached(schedule, 200_000, 128)
@@ -504,7 +504,7 @@ def summary_text(summary: dict) -> str:
     Returns:
         One line per row.
 
-    Example:
+    Examples:
         >>> summary = {"tokens": 200_704, "tokens_this_fit": 200_704, "optimizer_steps": 130, "first_batch": 8,
         ...            "seq_len": 128, "final_val_loss": 4.1234, "fit_seconds": 20.0, "run_seconds": 18.0,
         ...            "stopped_by": None, "probe": None,

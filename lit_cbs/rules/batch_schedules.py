@@ -51,7 +51,7 @@ def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_
     micro-batch: the largest divisor of a rank's share (global batch / ranks) up to
     ``max_micro_batch_size``; the accumulation makes up the rest.
 
-    Example:
+    Examples:
         >>> micro_batch_for(96, data_parallel_size=2, max_micro_batch_size=16)  # 48 per rank: 3 rounds of 16
         16
         >>> micro_batch_for(80, data_parallel_size=2, max_micro_batch_size=16)  # 40 per rank: 4 rounds of 10
@@ -70,7 +70,7 @@ class BatchSchedule(ABC):
     Attributes:
         unit: what ``consumed`` counts: ``"samples"`` or ``"tokens"``.
 
-    Example:
+    Examples:
         A minimal subclass, doubling the batch every million tokens up to 256 samples:
 
         >>> class DoublingPerMillion(BatchSchedule):
@@ -121,7 +121,7 @@ class ConstantBatch(BatchSchedule):
     Raises:
         LitCBSConfigError: ``batch_size`` is not a positive int, or ``unit`` is unknown.
 
-    Example:
+    Examples:
         >>> schedule = ConstantBatch(256)
         >>> schedule.batch_size(1_000_000), schedule.sizes(), schedule.is_constant
         (256, [256], True)
@@ -156,7 +156,7 @@ class PiecewiseBatch(BatchSchedule):
             not match, a first threshold other than 0, thresholds that do not strictly increase, or an
             unknown ``unit``.
 
-    Example:
+    Examples:
         Merrill et al. 2025's doubling schedule:
 
         >>> schedule = PiecewiseBatch([1024, 2048, 4096], [0, 168_000_000_000, 503_000_000_000])
@@ -228,7 +228,7 @@ class Seesaw(PiecewiseBatch):
             ``max_batch_size`` is not a positive int, ``factor`` is not an int >= 2, ``max_batch_size`` is
             below ``start * factor``, there is no ``total_tokens``, or the LR never falls to 1 / ``factor``.
 
-    Example:
+    Examples:
         A cosine over 1M tokens falls to 1/2 of its peak at half the run, to 1/4 later:
 
         >>> from lit_cbs.rules.lr_schedules import CosineSchedule
@@ -313,7 +313,7 @@ class LinearRamp(BatchSchedule):
         LitCBSConfigError: a size or ``ramp`` that is not a positive int, ``final <= start``, ``final -
             start`` not a multiple of ``increment``, or an unknown ``unit``.
 
-    Example:
+    Examples:
         >>> schedule = LinearRamp(start=32, increment=32, ramp=3000, final=128)
         >>> [schedule.batch_size(consumed) for consumed in (0, 999, 1000, 2999, 3001)]
         [32, 32, 64, 96, 128]
@@ -368,7 +368,7 @@ class ExponentialRamp(BatchSchedule):
         LitCBSConfigError: a size or ``ramp`` that is not a positive int, ``final <= start``, ``start`` or
             ``final`` not a multiple of ``multiple_of``, or an unknown ``unit``.
 
-    Example:
+    Examples:
         >>> schedule = ExponentialRamp(start=64, final=512, ramp=3_000_000, multiple_of=32)
         >>> [schedule.batch_size(tokens) for tokens in (0, 1_000_000, 2_000_000, 3_000_000)]
         [64, 128, 256, 512]
@@ -428,7 +428,7 @@ class CBSAdaptive(BatchSchedule):
         LitCBSConfigError: a size that is not a positive int, ``final < start``, ``final`` not ``start``
             times a power of 2, ``factor < 1``, or an unknown ``unit``.
 
-    Example:
+    Examples:
         >>> schedule = CBSAdaptive(start=64, final=256)
         >>> schedule.observe(1000, cbs=100.0), schedule.observe(2000, cbs=130.0)  # 130 >= 2 x 64: double
         (False, True)

@@ -68,7 +68,7 @@ class GuardConfig:
         LitCBSConfigError: a span that is not a positive int or None, a threshold or multiple that is
             not a finite number > 0, or ``min_steps`` below 3.
 
-    Example:
+    Examples:
         >>> GuardConfig(watch_span=1_000_000, hold=4_000_000).watch_span
         1000000
         >>> GuardConfig(min_steps=2)
@@ -129,7 +129,7 @@ class GuardConfig:
         Raises:
             LitCBSConfigError: an unknown key, or an invalid setting.
 
-        Example:
+        Examples:
             >>> GuardConfig.from_dict({"hold": 500}).hold
             500
             >>> GuardConfig.from_dict({"span": 500})
@@ -162,7 +162,7 @@ class RevertRestore:
         optimizer_settings: per optimizer, per param group, the betas, eps and weight decay before the
             increase (``lit_cbs.rules.scaling.optimizer_settings``); None where a checkpoint kept none.
 
-    Example:
+    Examples:
         >>> restore = RevertRestore(lr_factor=1.0, clip_factor=1.0, lr_factor_of_change=1.4142,
         ...                         clip_factor_of_change=1.0)
         >>> restore.lr_factor * restore.lr_factor_of_change  # BatchWarmup's LR factor after the increase
@@ -224,7 +224,7 @@ class GuardVerdict:
         watch_steps: optimizer steps in the watch span.
         reverted: whether the guard reverts the increase.
 
-    Example:
+    Examples:
         An increase from 64 to 128 samples at 1000 tokens, judged at 1250 (the default watch span):
 
         >>> import dataclasses
@@ -263,7 +263,7 @@ def fit_trend(points: Sequence[tuple[float, float]]) -> tuple[float, float, floa
     Returns:
         ``(intercept, slope, residual_std)``, in nats, nats per e-fold and nats.
 
-    Example:
+    Examples:
         >>> import math
         >>> points = [(1, 2.0), (math.e, 1.5), (math.e**2, 1.0)]  # loss = 2 - 0.5 ln(consumed)
         >>> [round(value, 4) for value in fit_trend(points)]
@@ -289,7 +289,7 @@ def loss_rise(
     Returns:
         ``(rise, intercept, slope, residual_std)``: nats, nats, nats per e-fold of consumed, nats.
 
-    Example:
+    Examples:
         >>> import math
         >>> fit = [(1, 2.0), (math.e, 1.5), (math.e**2, 1.0)]  # loss = 2 - 0.5 ln(consumed)
         >>> rise, *_ = loss_rise(fit, window=[(math.e**3, 0.7)])  # the trend says 0.5 at e**3
@@ -321,7 +321,7 @@ class BatchGuard:
         TypeError: both ``config`` and ``settings``.
         LitCBSConfigError: an unknown or invalid setting (``GuardConfig``).
 
-    Example:
+    Examples:
         A loss on its trend (2 - 0.5 ln consumed, +-0.01) until an increase at 1000 samples, then 0.3 nats
         above it:
 
@@ -361,7 +361,7 @@ class BatchGuard:
         Raises:
             LitCBSConfigError: any other ``setting``, or an invalid setting in it.
 
-        Example:
+        Examples:
             >>> BatchGuard.from_setting(False) is None, BatchGuard.from_setting({"hold": 500}).config.hold
             (True, 500)
         """

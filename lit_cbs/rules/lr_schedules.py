@@ -82,7 +82,7 @@ class WarmupStableDecay:
         LitCBSConfigError: a negative token count, warmup + decay longer than the run, ``min_lr_ratio``
             outside [0, 1], or an unknown ``decay_shape``.
 
-    Example:
+    Examples:
         >>> schedule = WarmupStableDecay(warmup_tokens=1000, total_tokens=10_000, decay_tokens=2000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 499, 1000, 8000, 9000, 10_000)]
         [0.001, 0.4995, 1.0, 1.0, 0.55, 0.1]
@@ -151,7 +151,7 @@ class CosineSchedule:
         LitCBSConfigError: a negative token count, a warmup as long as the run or longer, or
             ``min_lr_ratio`` outside [0, 1].
 
-    Example:
+    Examples:
         >>> schedule = CosineSchedule(warmup_tokens=1000, total_tokens=11_000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 1000, 6000, 11_000)]
         [0.001, 1.0, 0.55, 0.1]
@@ -199,7 +199,7 @@ class StepDecay:
         LitCBSConfigError: a negative token count, a warmup longer than the run, milestones that do not
             strictly increase from the warmup's end, or ``gamma`` outside (0, 1).
 
-    Example:
+    Examples:
         >>> schedule = StepDecay(warmup_tokens=0, milestones=[4000, 8000], total_tokens=10_000, gamma=0.5)
         >>> [schedule(tokens) for tokens in (0, 3999, 4000, 8000)]
         [1.0, 1.0, 0.5, 0.25]
@@ -254,7 +254,7 @@ class OneCycle:
         LitCBSConfigError: ``total`` not a positive int, ``pct_start`` outside (0, 1), an unknown
             ``anneal_strategy``, or a division factor <= 0.
 
-    Example:
+    Examples:
         >>> schedule = OneCycle(total=100)
         >>> [round(schedule(step), 4) for step in (0, 29, 99)]
         [0.04, 1.0, 0.0]
@@ -329,7 +329,7 @@ class TokenLRScheduler(LambdaLR):
         TypeError: ``schedule`` is not callable.
         LitCBSConfigError: ``step()`` after the first without ``tokens_seen`` set.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
         >>> scheduler = TokenLRScheduler(optimizer, CosineSchedule(warmup_tokens=0, total_tokens=1000))

@@ -68,7 +68,7 @@ class ScalingRule:
         name: the rule's name, as logged and in messages.
         factor: batch ratio -> multiplier; a module-level function, so the rule pickles.
 
-    Example:
+    Examples:
         >>> import math
         >>> ScalingRule("sqrt", math.sqrt).factor(4.0)
         2.0
@@ -110,7 +110,7 @@ class LRRule(ScalingRule):
         name: the rule's name, as logged and in messages (``"sqrt"``).
         factor: batch ratio -> LR multiplier; a module-level function, so the rule pickles.
 
-    Example:
+    Examples:
         >>> rule = get_lr_rule("sqrt")
         >>> rule, round(rule.factor(2.0), 4)
         (LRRule('sqrt'), 1.4142)
@@ -154,7 +154,7 @@ class AdamSDERule(LRRule):
     A beta stays a valid Adam beta (in [0, 1)) while k (1 - beta) <= 1: ``max_ratio`` is
     1 / (1 - beta) for the smallest beta of any param group (10 for AdamW's betas (0.9, 0.95)).
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), eps=1e-8)
         >>> rule = AdamSDERule()
@@ -233,7 +233,7 @@ def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
     Raises:
         LitCBSConfigError: an unknown name, or neither a name, a rule nor a callable.
 
-    Example:
+    Examples:
         >>> round(get_lr_rule("sqrt").factor(2.0), 4), get_lr_rule("linear").factor(2.0)
         (1.4142, 2.0)
         >>> get_lr_rule("cubic")
@@ -272,7 +272,7 @@ def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> 
     Raises:
         LitCBSConfigError: an unknown name, or neither a name, a rule, a callable nor None.
 
-    Example:
+    Examples:
         >>> get_clip_rule("linear").factor(2.0), get_clip_rule(None)
         (2.0, None)
     """
@@ -313,7 +313,7 @@ def check_scheduler_supported(scheduler, who: str) -> None:
     """LitCBSConfigError, its message starting with ``who``, if ``scale_learning_rate`` cannot
     compose with ``scheduler`` exactly.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> from torch.optim import lr_scheduler
@@ -367,7 +367,7 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable, 
             and floors are multiplied.
         factor: the LR multiplier (unitless).
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
@@ -400,7 +400,7 @@ class SettingRule(ABC):
         key: the param-group entry it moves (``"weight_decay"``), logged as ``batch/<key>``.
         argument: the BatchWarmup / CBSProbeCallback argument that names it (``"weight_decay_rule"``).
 
-    Example:
+    Examples:
         A minimal subclass: Adam's eps divided by sqrt(ratio), as adam_sde moves it:
 
         >>> class EpsSqrt(SettingRule):
@@ -454,7 +454,7 @@ class SettingRule(ABC):
 class WeightDecayTimescale(SettingRule):
     """lambda -> lambda * k / f(k): AdamW's timescale B / (eta * lambda * D) stays as it was.
 
-    Example:
+    Examples:
         Doubling the batch under the sqrt LR rule (LR x sqrt(2)):
 
         >>> import math
@@ -511,7 +511,7 @@ class Beta2HalfLife(SettingRule):
     Raises:
         LitCBSConfigError: ``floor`` outside (0, 1) and not None.
 
-    Example:
+    Examples:
         >>> rule = Beta2HalfLife()
         >>> round(rule.scaled(0.99, ratio=2.0, lr_factor=1.0), 4)  # 0.99 ** 2
         0.9801
@@ -591,7 +591,7 @@ SETTING_KEYS = ("betas", "eps", "weight_decay")
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], betas=(0.9, 0.95), weight_decay=0.1)
         >>> saved = optimizer_settings(optimizer)
@@ -618,7 +618,7 @@ class OptimizerRules:
     BatchWarmup applies it at every change and a CBS probe to each branch, so a branch at k x B
     trains as the run would after growing its batch k-fold.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(0.9, 0.99))
         >>> rules = OptimizerRules.build(lr_rule="sqrt", weight_decay_rule="timescale", beta2_rule="half_life")

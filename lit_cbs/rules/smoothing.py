@@ -30,7 +30,7 @@ def ema(values: np.ndarray, decay: float) -> np.ndarray:
     Raises:
         ValueError: ``decay`` outside [0, 1).
 
-    Example:
+    Examples:
         >>> ema([4.0, 2.0, 2.0, 2.0], decay=0.5).tolist()
         [4.0, 3.0, 2.5, 2.25]
     """

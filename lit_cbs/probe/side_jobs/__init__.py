@@ -66,7 +66,7 @@ def score_to_json(score: BranchScore) -> dict[str, Any]:
     """``score`` as JSON-able fields (``scores.json``, ``main_score.json``, the checkpoint); a failed branch's
     loss (inf or NaN) as None, which JSON can hold.
 
-    Example:
+    Examples:
         >>> score_to_json(BranchScore.heldout([2.0, 2.5]))
         {'loss': 2.25, 'batch_losses': [2.0, 2.5], 'se': None, 'replicate_losses': []}
         >>> score_to_json(BranchScore(float("nan")))["loss"] is None
@@ -83,7 +83,7 @@ def score_to_json(score: BranchScore) -> dict[str, Any]:
 def score_from_json(content: dict[str, Any]) -> BranchScore:
     """The score ``score_to_json`` wrote; a None loss reads back as inf (a failed branch).
 
-    Example:
+    Examples:
         >>> score = BranchScore.heldout([2.0, 2.5])
         >>> score_from_json(score_to_json(score)) == score
         True
