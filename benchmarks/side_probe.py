@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=1, help="part 1's runs per seed and configuration")
     parser.add_argument("--markdown", type=Path, default=None, help="default: docs/RESULTS.md (none with --quick)")
     args = parser.parse_args(argv)
-    args.argv = list(argv or [])
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # the command's own flags, for the report's header
     args.date = time.strftime("%Y-%m-%d")
     args.budget = BUDGET // 16 if args.quick else BUDGET
     args.seeds = (1,) if args.quick else SEEDS

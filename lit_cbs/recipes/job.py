@@ -783,13 +783,10 @@ def trained_a_step(warmup: BatchWarmup) -> bool:
         warmup: the run's BatchWarmup, after ``trainer.fit`` returned or raised.
 
     Returns:
-        Whether a step may have been taken.
-
-    Raises:
-        RuntimeError: ``warmup`` was not set up by a Trainer.
+        Whether a step may have been taken: False for a fit that failed before its callbacks were set up.
     """
     accounting = warmup.accounting
     if accounting is None:
-        raise RuntimeError("trained_a_step: the BatchWarmup was not set up by a Trainer (no accounting)")
+        return False  # the fit failed before setup: it read nothing, and its own error is the one to see
     batch = accounting.global_batch
     return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch

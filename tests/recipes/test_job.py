@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from recipe_runs import CONF, compose_config
 
-from lit_cbs import BatchWarmup
+from lit_cbs import BatchWarmup, ConstantBatch
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.recipes import job
 
@@ -144,3 +144,8 @@ def test_a_key_the_configuration_lacks_is_named_with_its_fix_before_hydra_compos
 def test_a_command_line_of_known_keys_passes_the_check():
     job.check_command_line(CONF, ["-m", "+recipe=tiny_small_batch,tiny_warmup", "max_tokens=65536", "seed=range(1,3)"])
     job.check_command_line(CONF, ["+trainer.profiler=simple", "~callbacks.progress_bar", "hydra.run.dir=/tmp/x"])
+
+
+def test_a_fit_that_failed_before_its_callbacks_were_set_up_trained_no_step():
+    # recipes/train.py asks this when trainer.fit raised, to take back the run's folder and raise the fit's error.
+    assert not job.trained_a_step(BatchWarmup(ConstantBatch(8)))
