@@ -734,9 +734,14 @@ class CBSProbeCallback(Callback):
                     scorer = self._branch_trainer(trainer, pl_module, pending.batch_size)
                     score = scorer.score(pending.main_step_losses)
                 side.window_ended(trainer, pending, score, pending.main_changed_batch)
+        self._take_finished(trainer, side, "; the main run goes on")
+
+    def _take_finished(self, trainer: pl.Trainer, side: SideJobRuns, after_failure: str = "") -> None:
+        """The side jobs that ended: a reading decided for each that gave scores, a failure recorded (and said,
+        with ``after_failure`` appended) for each that gave up; each one's folder closed."""
         for pending, outcome in side.poll(trainer):
             if isinstance(outcome, str):
-                rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}; the main run goes on")
+                rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}{after_failure}")
                 self.failures.append({"tokens": pending.tokens, "step": pending.step, "reason": outcome})
             else:
                 self._collect(trainer, pending, outcome)
@@ -789,13 +794,7 @@ class CBSProbeCallback(Callback):
         )
         started = time.monotonic()
         while side.pending and time.monotonic() - started < limit:
-            for pending, outcome in side.poll(trainer):
-                if isinstance(outcome, str):
-                    rank_zero_warn(f"CBS probe at {pending.tokens:,} tokens failed: {outcome}")
-                    self.failures.append({"tokens": pending.tokens, "step": pending.step, "reason": outcome})
-                else:
-                    self._collect(trainer, pending, outcome)
-                side.close(trainer, pending)
+            self._take_finished(trainer, side)
             if side.pending:
                 time.sleep(2.0)
         if side.pending:
