@@ -32,7 +32,8 @@ LR and clipping threshold of before the increase, and the weight decay, betas an
 exactly (the guard keeps them as a ``RevertRestore``; ``lit_cbs.callbacks.warmup_guard`` feeds it the losses).
 
 What BatchWarmup refuses and warns about, at setup, fit start, train start and the first batch, is in
-``lit_cbs.callbacks.warmup_checks``.
+``lit_cbs.callbacks.warmup_checks``; the row of metrics it logs for each step and the line it says at each change, in
+``lit_cbs.callbacks.warmup_log``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs import legacy, metrics
+from lit_cbs import legacy
 from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import (
@@ -56,8 +57,8 @@ from lit_cbs.callbacks.accounting import (
     resizable_train_loader,
     trainer_callbacks,
 )
-from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
+from lit_cbs.callbacks.warmup_log import WarmupStepLog
 from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore
@@ -245,10 +246,8 @@ class BatchWarmup(Callback):
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
         self._token_settings_checked = False
-        self._step_lr: float | None = None
-        self._step_settings: dict[str, float] = {}  # batch/weight_decay, batch/beta2 of the step just taken
         self._settings_set: list[list[dict]] | None = None  # what the rules last left in each optimizer
-        self._samples_before_step: int | None = None  # samples_seen after the previous optimizer step
+        self._step_log = WarmupStepLog(self.rules, self.clip_rule, self.guard)  # each step's row, each change's line
 
     @property
     def lr_rule(self):
@@ -429,7 +428,7 @@ class BatchWarmup(Callback):
         checks.check_optimizer_rules(trainer, self.rules, self.schedule, self.consumed, self._batch, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._samples_before_step = self.samples_seen
+        self._step_log.samples_before_step = self.samples_seen
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
         accounting = self._counts
@@ -482,15 +481,14 @@ class BatchWarmup(Callback):
         if not self._token_settings_checked:
             self._token_settings_checked = True
             checks.check_token_data(self.schedule, self._counts)
-            before = self._samples_before_step
+            before = self._step_log.samples_before_step
             checks.warn_unreachable_batches(trainer, self.schedule, self._counts, self._batch, before)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
-        self._step_lr = float(optimizer.param_groups[0]["lr"])  # the LR this step trains with
         if self.rules.settings:
             assert self._settings_set is not None  # remembered at train start, and at every change
             checks.check_settings_kept(self.rules, self._settings_set, trainer, optimizer)
-            self._step_settings = self.rules.values(optimizer)
+        self._step_log.before_optimizer_step(optimizer)  # the LR and settings this step trains with, for its row
 
     def _remember_settings(self, trainer: pl.Trainer) -> None:
         if self.rules.settings:
@@ -501,9 +499,9 @@ class BatchWarmup(Callback):
             self._guarded.add_micro_batch(trainer, outputs, batch)
         if should_accumulate(trainer):
             return  # no optimizer step this batch
-        if self.log_every_step:
-            self._log(trainer, pl_module)  # before any change: this row is the step just taken
-        self._samples_before_step = self.samples_seen
+        if self.log_every_step:  # before any change: this row is the step just taken
+            self._step_log.log(trainer, pl_module, self._counts, self._batch, self.lr_factor)
+        self._step_log.samples_before_step = self.samples_seen
         if self._guarded is not None:
             self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self._counts.data_parallel_size)
         if self._no_step_follows(trainer):
@@ -591,7 +589,7 @@ class BatchWarmup(Callback):
             self.lr_factor, self.clip_factor = self.lr_factor * lr_change, self.clip_factor * clip_change
         self._set_batch(target, new_micro, new_accumulate)  # the loader yields the new micro-batch from the next one on
         self._remember_settings(trainer)
-        self._announce(trainer, change)
+        self._step_log.announce(trainer, change, self._counts)
 
     def _scale_optimizers(self, trainer, target: int) -> tuple[float, float]:
         """Move every optimizer by the rules for a change from the batch now to ``target``; return the
@@ -637,49 +635,6 @@ class BatchWarmup(Callback):
         self.history.append(change)
         self._requested_at = None
         return change
-
-    def _announce(self, trainer, change: BatchChange) -> None:
-        rank_zero_info(
-            f"BatchWarmup: global batch {change.old_global_batch} -> {change.new_global_batch} samples "
-            f"(micro {change.old_micro_batch_size} -> {change.new_micro_batch_size}, "
-            f"accumulate {change.old_accumulate} -> {change.new_accumulate}) after step {change.step}, "
-            f"{self.samples_seen:,} samples / {self.tokens_seen:,} tokens; "
-            f"LR x{change.lr_factor:.4g}"
-            + "".join(f", {rule.key} {rule.value(trainer.optimizers[0]):.4g}" for rule in self.rules.settings)
-            + (f", gradient clipping at {trainer.gradient_clip_val:.4g}" if self.clip_rule is not None else "")
-            + (" (guard: revert)" if change.cause == "guard" else "")
-        )
-
-    def _log(self, trainer, pl_module) -> None:
-        if trainer.progress_bar_callback is not None:
-            name, value = ("tokens", self.tokens_seen) if self.seq_len else ("samples", self.samples_seen)
-            pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
-        log_to_loggers(trainer, self._metrics)
-
-    def _metrics(self, trainer) -> dict[str, float]:
-        # What the step trained on: the global batch, but fewer samples in an epoch's short last step.
-        before = self._samples_before_step
-        samples = self.samples_seen - before if before is not None else self._batch
-        logged = {
-            metrics.GLOBAL_BATCH: float(samples),
-            metrics.MICRO_BATCH: float(self._micro),
-            # Rounds of micro-batches: an epoch's last, short round counts as one.
-            metrics.ACCUMULATE: float(-(-samples // (self._micro * self._counts.data_parallel_size))),
-            metrics.LR_FACTOR: self.lr_factor,
-            metrics.SAMPLES_SEEN: float(self.samples_seen),
-            metrics.TOKENS_SEEN: float(self.tokens_seen),
-            metrics.FIT_SECONDS: self._counts.fit_seconds,
-        }
-        if self._step_lr is not None:
-            logged[metrics.LR] = self._step_lr
-        logged.update(self._step_settings)
-        if self.clip_rule is not None:
-            logged[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
-        if self.guard is not None:
-            logged[metrics.GUARD_REVERTS] = float(self.guard.reverts)
-        if not self._counts.has_tokens:
-            del logged[metrics.TOKENS_SEEN]
-        return logged
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
