@@ -563,30 +563,20 @@ class BatchWarmup(Callback):
     def _apply_change(self, trainer, target: int, new_accumulate: int, new_micro: int) -> None:
         """Train at ``target`` samples (``new_micro`` per rank x ``new_accumulate``) from the next optimizer
         step on: move the optimizers' settings, record the change, tell the guard, resize, say so."""
-        if self.guard is not None and self.guard.revert_to == target:
-            restore = self.guard.mark_reverted(self.consumed)
-            ratio = target / self._batch
-            assert self._guarded is not None  # built with the guard
-            lr_change, clip_change = self._guarded.undo_increase(trainer, restore, self.lr_rule, ratio)
-            change = self._record_change(
-                trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="guard"
-            )
-            self.lr_factor, self.clip_factor = restore.lr_factor, restore.clip_factor
-            self.schedule.withdraw_above(target)  # the increase proved premature: a closed-loop schedule must ask again
+        guarded = self._guarded
+        if guarded is not None and guarded.reverts_to(target):  # back to the LR and settings of before the increase
+            revert = guarded.revert(trainer, self.schedule, self.lr_rule, self.consumed, self._batch, target)
+            lr_change, clip_change, restore = revert
+            factors, cause = (restore.lr_factor, restore.clip_factor), "guard"
         else:
-            # What a guard's revert would put back, read before the rules move it.
-            settings_before = (
-                [optimizer_settings(optimizer) for optimizer in trainer.optimizers] if self.guard is not None else None
-            )
+            settings_before = guarded.settings_before(trainer) if guarded is not None else None
             lr_change, clip_change = self._scale_optimizers(trainer, target)
-            change = self._record_change(
-                trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause="schedule"
-            )
-            if self._guarded is not None:
+            if guarded is not None:  # it watches an increase, keeping what a revert of it puts back
                 restore = RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before)
-                index, old = len(self.history) - 1, change.old_global_batch
-                self._guarded.scheduled_change(index, self.consumed, old, target, restore)
-            self.lr_factor, self.clip_factor = self.lr_factor * lr_change, self.clip_factor * clip_change
+                guarded.scheduled_change(len(self.history), self.consumed, self._batch, target, restore)
+            factors, cause = (self.lr_factor * lr_change, self.clip_factor * clip_change), "schedule"
+        change = self._record_change(trainer, target, new_accumulate, new_micro, lr_change, clip_change, cause)
+        self.lr_factor, self.clip_factor = factors
         self._set_batch(target, new_micro, new_accumulate)  # the loader yields the new micro-batch from the next one on
         self._remember_settings(trainer)
         self._step_log.announce(trainer, change, self._counts)

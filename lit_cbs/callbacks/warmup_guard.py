@@ -4,8 +4,10 @@ it what a Lightning run measures and carries out what it decides.
 Each optimizer step's training loss, this rank's mean over the step's micro-batches (nats), goes to the guard with
 what the schedule is indexed by (samples or tokens consumed, all ranks); the guard judges on the mean over the
 ranks, so every rank reaches the same verdict, which is said and logged (``metrics.GUARD_RISE``,
-``metrics.GUARD_THRESHOLD``). A scheduled increase is given to the guard to watch, a decrease ends the watch it falls
-in, and a revert puts back exactly the LR, clipping threshold and optimizer settings of before the increase.
+``metrics.GUARD_THRESHOLD``). A scheduled increase is given to the guard to watch, with the optimizers' settings of
+before it (``scheduled_change``), a decrease ends the watch it falls in, and a revert (``revert``) puts back exactly
+the LR, clipping threshold and optimizer settings of before the increase and withdraws the schedule's batches above
+it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lit_cbs import metrics
 from lit_cbs.callbacks.accounting import mean_over_ranks, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
+from lit_cbs.rules.batch_schedules import BatchSchedule
 from lit_cbs.rules.guard import BatchGuard, GuardVerdict, RevertRestore
-from lit_cbs.rules.scaling import LRRule, restore_settings, scale_learning_rate
+from lit_cbs.rules.scaling import LRRule, optimizer_settings, restore_settings, scale_learning_rate
 
 __all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
 
@@ -79,6 +82,12 @@ class WarmupGuard:
             every_step=True,
         )
 
+    @staticmethod
+    def settings_before(trainer: pl.Trainer) -> list[list[dict]]:
+        """Every optimizer's settings per param group (``optimizer_settings``), read before a scheduled change's
+        rules move them: what a revert of the change puts back."""
+        return [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+
     def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
         """A scheduled change from global batch ``old`` to ``new`` (samples), ``index`` in BatchWarmup's history,
         at ``consumed``: the guard watches an increase (``restore`` is what its revert puts back); a decrease ends
@@ -90,6 +99,23 @@ class WarmupGuard:
                 f"BatchWarmup guard: {old} -> {new} is not judged: fewer than "
                 f"guard.min_steps={self.guard.config.min_steps} steps of loss before it to fit a trend to"
             )
+
+    def reverts_to(self, target: int) -> bool:
+        """Whether a change to global batch ``target`` (samples) is the guard's revert of the increase it judged."""
+        return self.guard.revert_to == target
+
+    def revert(
+        self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
+    ) -> tuple[float, float, RevertRestore]:
+        """Carry out the guard's revert from global batch ``old`` to ``new`` (samples) at ``consumed``: the optimizers
+        go back to exactly their LR and settings of before the increase (``undo_increase``), and ``schedule``
+        withdraws its batches above ``new`` (the increase proved premature: a closed-loop schedule must ask again).
+        Return the revert's LR and clipping factors, and the guard's ``RevertRestore``: its ``lr_factor`` and
+        ``clip_factor`` are BatchWarmup's of before the increase."""
+        restore = self.guard.mark_reverted(consumed)
+        lr_change, clip_change = self.undo_increase(trainer, restore, lr_rule, new / old)
+        schedule.withdraw_above(new)
+        return lr_change, clip_change, restore
 
     @staticmethod
     def undo_increase(
