@@ -335,12 +335,12 @@ class BatchWarmup(Callback):
         self, sizes: list[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
     ) -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every
-        data-parallel rank: of ``micro_batch_size``, or with ``max_micro_batch_size`` of any size, so
-        only into the ranks. Also for a run's configuration before its Trainer exists.
+        data-parallel rank (``lit_cbs.callbacks.warmup_checks.check_sizes``). Also for a run's configuration
+        before its Trainer exists.
 
         Args:
             sizes: global batches (samples per optimizer step, all ranks).
-            micro_batch_size: samples per micro-batch and rank.
+            micro_batch_size: samples per micro-batch and rank (with ``max_micro_batch_size``, any: it grows).
             data_parallel_size: ranks that read their own micro-batches.
             name: what ``sizes`` are, in the message.
 
@@ -350,17 +350,9 @@ class BatchWarmup(Callback):
         Examples:
             >>> from lit_cbs.callbacks import BatchWarmup
             >>> from lit_cbs.rules.batch_schedules import ConstantBatch
-            >>> warmup = BatchWarmup(ConstantBatch(64))
-            >>> warmup.check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4)  # 64 = 16 x 1 x 4
-            >>> warmup.check_sizes([96], micro_batch_size=16, data_parallel_size=4)  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            ...
-            lit_cbs.errors.LitCBSConfigError: scheduled global batch 96 is not a multiple of micro-batch 16 x ...
+            >>> BatchWarmup(ConstantBatch(64)).check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4)
         """
-        for size in sizes:
-            check_divisible(
-                size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
-            )
+        checks.check_sizes(sizes, micro_batch_size, data_parallel_size, self.max_micro_batch_size, name)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":

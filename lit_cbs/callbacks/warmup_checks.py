@@ -3,7 +3,9 @@ setting and the fix) and what it warns about, each at the first hook that knows 
 they check, so that a check reads on its own; batches in samples, consumed counts global (all ranks).
 
 - ``setup``: the Trainer (``check_trainer``), the clipping rule's threshold (``check_clip_rule``), a
-  ``CBSAdaptive`` nothing feeds (``check_adaptive_is_fed``), the micro-batch and the Trainer's accumulation.
+  ``CBSAdaptive`` nothing feeds (``check_adaptive_is_fed``), the micro-batch, the schedule's batches against it and
+  the ranks (``check_sizes``, also ``BatchWarmup.check_sizes`` and on a run resumed on other ranks) and the Trainer's
+  accumulation.
 - ``on_fit_start``: the optimizer rules against the optimizers and LR schedulers (``check_optimizer_rules``).
 - ``on_train_start``: a loader that cannot change its micro-batch (``check_loader_resizes``), one that splits its
   samples by rank on a run resumed on other ranks (``check_loader_regroups``), and ``ModelCheckpoint``s that could
@@ -26,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import checkpoint_triggers
-from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
+from lit_cbs.callbacks.accounting import BatchAccounting, check_divisible, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError
@@ -92,6 +94,32 @@ def check_micro_batch(max_micro_batch_size: int | None, micro: int) -> None:
             f"max_micro_batch_size={max_micro_batch_size} is smaller than the datamodule's "
             f"batch_size={micro}; raise it or lower the batch_size"
         )
+
+
+def check_sizes(
+    sizes: list[int],
+    micro_batch_size: int,
+    data_parallel_size: int,
+    max_micro_batch_size: int | None,
+    name: str = "scheduled global batch",
+) -> None:
+    """``BatchWarmup.check_sizes``: LitCBSConfigError unless every global batch in ``sizes`` (samples per optimizer
+    step, all ranks) divides into micro-batches on every one of ``data_parallel_size`` ranks: of ``micro_batch_size``
+    (samples per rank), or with ``max_micro_batch_size`` (the micro-batch grows with the batch) of any size, so only
+    into the ranks. ``name``: what ``sizes`` are, in the message (``check_divisible``'s, naming the nearest sizes
+    that divide). Also for a run's configuration before its Trainer exists.
+
+    Examples:
+        >>> from lit_cbs.callbacks.warmup_checks import check_sizes
+        >>> check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4, max_micro_batch_size=None)  # 16 x 1 x 4
+        >>> check_sizes([96], micro_batch_size=16, data_parallel_size=4, max_micro_batch_size=None)
+        Traceback (most recent call last):
+        ...
+        lit_cbs.errors.LitCBSConfigError: scheduled global batch 96 is not a multiple of micro-batch 16 x ...
+        >>> check_sizes([96], micro_batch_size=16, data_parallel_size=4, max_micro_batch_size=32)  # 24 x 1 x 4
+    """
+    for size in sizes:
+        check_divisible(size, micro_batch_size if max_micro_batch_size is None else 1, data_parallel_size, name)
 
 
 def check_accumulation(trainer: pl.Trainer, accumulate: int) -> None:
