@@ -32,8 +32,8 @@ LR and clipping threshold of before the increase, and the weight decay, betas an
 exactly (the guard keeps them as a ``RevertRestore``; ``lit_cbs.callbacks.warmup_guard`` feeds it the losses).
 
 What BatchWarmup refuses and warns about, at setup, fit start, train start and the first batch, is in
-``lit_cbs.callbacks.warmup_checks``; the row of metrics it logs for each step and the line it says at each change, in
-``lit_cbs.callbacks.warmup_log``.
+``lit_cbs.callbacks.warmup_checks``; where a change may start (an aligned step), in ``lit_cbs.callbacks.warmup_align``;
+the row of metrics it logs for each step and the line it says at each change, in ``lit_cbs.callbacks.warmup_log``.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs import legacy
-from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
+from lit_cbs._internals import should_accumulate
+from lit_cbs.callbacks import warmup_align as align
 from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import (
     BatchAccounting,
     MicroBatchSetting,
     check_divisible,
-    resizable_train_loader,
     trainer_callbacks,
 )
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
@@ -434,8 +434,8 @@ class BatchWarmup(Callback):
             return  # resumed from a run's final state: the accounting stops the run
         # A change the schedule asked for after a run's last step was not applied then (no step used
         # it); a run resumed from there with a larger budget applies it now, where it would have been.
-        if not self._no_step_follows(trainer):
-            self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
+        if not align.no_step_follows(trainer):
+            self._maybe_change(trainer, functools.partial(align.fits_now, trainer, self._counts))
 
     def _sizes_to_come(self) -> list[int]:
         """Every global batch the run may still train at: the schedule's, and those a guard may revert to."""
@@ -445,8 +445,8 @@ class BatchWarmup(Callback):
 
     def _regroup_for_new_ranks(self, trainer: pl.Trainer) -> None:
         """Resumed on another number of data-parallel ranks: the global batch, LR and data position go on;
-        the micro-batch and accumulation are chosen for the ranks now (``_fits_now`` lets the first step
-        after the resume take exactly the new accumulation)."""
+        the micro-batch and accumulation are chosen for the ranks now (``warmup_align.fits_now`` lets the first
+        step after the resume take exactly the new accumulation)."""
         accounting = self._counts
         before = accounting.checkpoint_data_parallel_size
         assert before is not None  # on_train_start regroups only for a checkpoint's other data-parallel size
@@ -457,7 +457,7 @@ class BatchWarmup(Callback):
         global_batch = self._batch
         micro = self.micro_batch_for(global_batch)
         accumulate = global_batch // (micro * ranks)
-        self._fits_now(trainer, global_batch, accumulate)  # true: the position is a multiple of the batch
+        align.fits_now(trainer, accounting, global_batch, accumulate)  # true: the position is a multiple of the batch
         self._set_batch(global_batch, micro, accumulate)
         rank_zero_info(
             f"BatchWarmup: resumed on {ranks} data-parallel rank(s) (the checkpoint's run had {before}): global batch "
@@ -496,46 +496,15 @@ class BatchWarmup(Callback):
         self._step_log.samples_before_step = self.samples_seen
         if self._guarded is not None:
             self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self._counts.data_parallel_size)
-        if self._no_step_follows(trainer):
+        if align.no_step_follows(trainer):
             return
-        self._maybe_change(trainer, functools.partial(self._fits_now, trainer))
-
-    def _fits_now(self, trainer: pl.Trainer, global_batch: int, accumulate: int) -> bool:
-        """Whether a step of ``global_batch`` samples (``accumulate`` micro-batches per rank) can start now,
-        right after an optimizer step: when the samples consumed this epoch, over all ranks, are a
-        multiple of it (from B, at most B' / gcd(B, B') - 1 steps later). This depends on
-        the samples alone, not on the ranks or the micro-batch, so a run on any number of ranks
-        changes on the same steps, and a token budget of whole batches is met exactly.
-
-        Lightning also needs the epoch's micro-batches to be a multiple of the accumulation. With a
-        ``GlobalOrderLoader`` they need not be (the micro-batch may have changed this epoch, or the ranks
-        on resume): its count of micro-batches is only Lightning's, so it is moved up to the next
-        multiple, here and in the loader. With another loader the micro-batch is fixed, and the
-        samples condition implies it.
-        """
-        loader = resizable_train_loader(trainer)
-        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        samples = loader.position if loader is not None else ready * self._micro * self._counts.data_parallel_size
-        if samples % global_batch:
-            return False
-        behind = -ready % accumulate
-        if behind:
-            assert loader is not None  # with another loader the samples condition implies the accumulation's
-            shift_epoch_micro_batches(trainer, behind)
-            loader.micro_batches += behind
-        return True
+        self._maybe_change(trainer, functools.partial(align.fits_now, trainer, self._counts))
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Between epochs any accumulation fits: the next epoch starts at batch 0.
-        if self._no_step_follows(trainer) or trainer.current_epoch + 1 == trainer.max_epochs:
+        if align.no_step_follows(trainer) or trainer.current_epoch + 1 == trainer.max_epochs:
             return
         self._maybe_change(trainer, lambda global_batch, accumulate: True)
-
-    @staticmethod
-    def _no_step_follows(trainer: pl.Trainer) -> bool:
-        """True after the run's final optimizer step: a change there would be recorded, logged and
-        checkpointed although no step uses it."""
-        return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
 
     def _maybe_change(self, trainer, fits) -> None:
         target = self.schedule.batch_size(self.consumed)
