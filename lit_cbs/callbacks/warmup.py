@@ -53,13 +53,11 @@ from lit_cbs.callbacks import warmup_align as align
 from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import (
     BatchAccounting,
-    MicroBatchSetting,
     check_divisible,
-    trainer_callbacks,
 )
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.callbacks.warmup_log import WarmupStepLog
-from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
+from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore
 from lit_cbs.rules.scaling import (
@@ -357,20 +355,12 @@ class BatchWarmup(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
-        warmups = sum(isinstance(callback, BatchWarmup) for callback in trainer_callbacks(trainer))
-        if warmups > 1:  # Lightning refuses two at Trainer(...); this is one added to trainer.callbacks later
-            raise LitCBSConfigError(
-                f"the Trainer has {warmups} BatchWarmup callbacks, which would each set the batch and move the LR at "
-                "their own changes: keep one, with one schedule of every change (PiecewiseBatch)"
-            )
-        checks.check_trainer(trainer, self.schedule)
+        checks.check_trainer(trainer, pl_module, self.schedule, BatchWarmup)
         accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **self._accounting_settings)
         checks.check_clip_rule(self.clip_rule, trainer)
         checks.check_adaptive_is_fed(self.schedule, trainer)
         self._base_gradient_clip_val = trainer.gradient_clip_val
-        micro = self._get_micro(trainer, pl_module)
-        checks.check_micro_batch(self.max_micro_batch_size, micro)
+        micro = checks.check_micro_batch(trainer, pl_module, self.max_micro_batch_size)
         self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
         global_batch = self.schedule.batch_size(0)
         if self.max_micro_batch_size is not None:
@@ -393,12 +383,6 @@ class BatchWarmup(Callback):
             True when nothing would feed the schedule its readings.
         """
         return checks.lacks_a_feeder(self.schedule, callbacks, resumed)
-
-    @staticmethod
-    def _get_micro(trainer, pl_module) -> int:
-        micro = MicroBatchSetting.required(trainer, pl_module).get()
-        positive_int("batch_size", micro, "the micro-batch, samples per rank")  # LitCBSConfigError unless an int >= 1
-        return micro
 
     def _set_batch(self, global_batch: int, micro_batch_size: int, accumulate: int) -> None:
         """Train at ``global_batch`` samples, ``micro_batch_size`` per rank x ``accumulate``, from the next

@@ -2,10 +2,10 @@
 setting and the fix) and what it warns about, each at the first hook that knows enough. Functions of the values
 they check, so that a check reads on its own; batches in samples, consumed counts global (all ranks).
 
-- ``setup``: the Trainer (``check_trainer``), the clipping rule's threshold (``check_clip_rule``), a
-  ``CBSAdaptive`` nothing feeds (``check_adaptive_is_fed``), the micro-batch, the schedule's batches against it and
-  the ranks (``check_sizes``, also ``BatchWarmup.check_sizes`` and on a run resumed on other ranks) and the Trainer's
-  accumulation.
+- ``setup``: the Trainer and its module (``check_trainer``), the clipping rule's threshold (``check_clip_rule``), a
+  ``CBSAdaptive`` nothing feeds (``check_adaptive_is_fed``), the micro-batch (``check_micro_batch``), the schedule's
+  batches against it and the ranks (``check_sizes``, also ``BatchWarmup.check_sizes`` and on a run resumed on other
+  ranks) and the Trainer's accumulation.
 - ``on_fit_start``: the optimizer rules against the optimizers and LR schedulers (``check_optimizer_rules``).
 - ``on_train_start``: a loader that cannot change its micro-batch (``check_loader_resizes``), one that splits its
   samples by rank on a run resumed on other ranks (``check_loader_regroups``), and ``ModelCheckpoint``s that could
@@ -23,15 +23,21 @@ from typing import TypeGuard
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import checkpoint_triggers
-from lit_cbs.callbacks.accounting import BatchAccounting, check_divisible, resizable_train_loader, trainer_callbacks
+from lit_cbs.callbacks.accounting import (
+    BatchAccounting,
+    MicroBatchSetting,
+    check_divisible,
+    resizable_train_loader,
+    trainer_callbacks,
+)
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch
 from lit_cbs.rules.guard import BatchGuard
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
@@ -41,9 +47,20 @@ __all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a u
 
 
 # ---------------------------------------------------------------------------------------------- setup
-def check_trainer(trainer: pl.Trainer, schedule: BatchSchedule) -> None:
-    """Refuse what would set the accumulation beside BatchWarmup: Lightning's ``GradientAccumulationScheduler``, and
-    DeepSpeed, which fixes it at start, under a schedule that changes the batch."""
+def check_trainer(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, schedule: BatchSchedule, warmup_class: type[Callback]
+) -> None:
+    """Refuse what would set the accumulation beside BatchWarmup: manual optimization in ``pl_module``, a second
+    BatchWarmup (``warmup_class``: passed in, as that module imports this one), Lightning's
+    ``GradientAccumulationScheduler``, and DeepSpeed, which fixes it at start, under a schedule that changes the
+    batch."""
+    require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
+    warmups = sum(isinstance(callback, warmup_class) for callback in trainer_callbacks(trainer))
+    if warmups > 1:  # Lightning refuses two at Trainer(...); this is one added to trainer.callbacks later
+        raise LitCBSConfigError(
+            f"the Trainer has {warmups} BatchWarmup callbacks, which would each set the batch and move the LR at "
+            "their own changes: keep one, with one schedule of every change (PiecewiseBatch)"
+        )
     if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer_callbacks(trainer)):
         fix = "remove the GradientAccumulationScheduler callback"
         raise LitCBSConfigError(f"BatchWarmup sets the accumulation itself: {fix}")
@@ -87,13 +104,17 @@ def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer) -> None:
         )
 
 
-def check_micro_batch(max_micro_batch_size: int | None, micro: int) -> None:
-    """``max_micro_batch_size`` may not be below the micro-batch the run starts with (``micro``, samples per rank)."""
+def check_micro_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> int:
+    """The micro-batch the run starts with (samples per rank: the datamodule's or module's ``batch_size``), which
+    must be an int >= 1 and not above ``max_micro_batch_size``."""
+    micro = MicroBatchSetting.required(trainer, pl_module).get()
+    positive_int("batch_size", micro, "the micro-batch, samples per rank")  # LitCBSConfigError unless an int >= 1
     if max_micro_batch_size is not None and max_micro_batch_size < micro:
         raise LitCBSConfigError(
             f"max_micro_batch_size={max_micro_batch_size} is smaller than the datamodule's "
             f"batch_size={micro}; raise it or lower the batch_size"
         )
+    return micro
 
 
 def check_sizes(
