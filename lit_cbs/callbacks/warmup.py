@@ -584,9 +584,7 @@ class BatchWarmup(Callback):
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
             "guard": self.guard.state_dict() if self.guard is not None else None,
-            "step_loss": (
-                [float(self._guarded.loss_sum), self._guarded.micro_batches] if self._guarded is not None else [0.0, 0]
-            ),
+            "step_loss": self._guarded.step_loss() if self._guarded is not None else [0.0, 0],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -594,10 +592,8 @@ class BatchWarmup(Callback):
         self.global_batch = state_dict["global_batch"]
         self.lr_factor = state_dict["lr_factor"]
         self.clip_factor = state_dict["clip_factor"]
-        if self.guard is not None and state_dict["guard"] is not None:
-            self.guard.load_state_dict(state_dict["guard"])
-            assert self._guarded is not None  # built with the guard
-            self._guarded.loss_sum, self._guarded.micro_batches = state_dict["step_loss"]
+        if self._guarded is not None and state_dict["guard"] is not None:
+            self._guarded.load(state_dict["guard"], state_dict["step_loss"])
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]

@@ -7,7 +7,7 @@ ranks, so every rank reaches the same verdict, which is said and logged (``metri
 ``metrics.GUARD_THRESHOLD``). A scheduled increase is given to the guard to watch, with the optimizers' settings of
 before it (``scheduled_change``), a decrease ends the watch it falls in, and a revert (``revert``) puts back exactly
 the LR, clipping threshold and optimizer settings of before the increase and withdraws the schedule's batches above
-it.
+it. The guard's state and the loss of the step under way go into BatchWarmup's checkpoint (``step_loss``, ``load``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,15 @@ class WarmupGuard:
             return  # training_step returned None (Lightning skipped it), or a micro-batch of no sample
         self.loss_sum = self.loss_sum + loss
         self.micro_batches += 1
+
+    def step_loss(self) -> list:
+        """For the checkpoint: the step under way's loss so far, [sum over its micro-batches (nats), their count]."""
+        return [float(self.loss_sum), self.micro_batches]
+
+    def load(self, guard_state: dict[str, Any], step_loss: list) -> None:
+        """Take back from a checkpoint the guard's state (``BatchGuard.state_dict``) and ``step_loss``."""
+        self.guard.load_state_dict(guard_state)
+        self.loss_sum, self.micro_batches = step_loss
 
     def end_step(self, trainer: pl.Trainer, consumed: int, unit: str, data_parallel_size: int) -> None:
         """Give the guard the step's loss (this rank's mean over its micro-batches) at ``consumed`` (``unit``: the
