@@ -122,6 +122,38 @@ class BatchChange:
     cause: str = "schedule"  # "schedule", or "guard" for a revert of an increase (BatchGuard)
     clip_factor: float = 1.0  # this change's multiplier of the gradient-clipping threshold (clip_rule)
 
+    @classmethod
+    def _after_step(
+        cls,
+        trainer: pl.Trainer,
+        accounting: BatchAccounting,
+        old: tuple[int, int, int],
+        new: tuple[int, int, int],
+        factors: tuple[float, float],
+        requested_at: tuple[int, int],
+        cause: str,
+    ) -> BatchChange:
+        """The change applied right after the optimizer step just taken, at the counts of ``trainer`` and its
+        ``accounting``: ``old`` and ``new`` (global batch, accumulation, micro-batch), ``factors`` (LR, clipping
+        threshold), ``requested_at`` (samples, tokens)."""
+        return cls(
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            samples_seen=accounting.samples_seen,
+            tokens_seen=accounting.tokens_seen,
+            old_global_batch=old[0],
+            new_global_batch=new[0],
+            old_accumulate=old[1],
+            new_accumulate=new[1],
+            old_micro_batch_size=old[2],
+            new_micro_batch_size=new[2],
+            lr_factor=factors[0],
+            requested_at_samples=requested_at[0],
+            requested_at_tokens=requested_at[1],
+            cause=cause,
+            clip_factor=factors[1],
+        )
+
 
 class BatchWarmup(Callback):
     """Change the global batch size (and scale the LR) during training by ``schedule``.
@@ -550,22 +582,9 @@ class BatchWarmup(Callback):
         """Append the change, from the batch now to ``target``, to ``history``."""
         requested_at = self._requested_at
         assert requested_at is not None  # _maybe_change sets it before it applies a change
-        change = BatchChange(
-            step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            samples_seen=self.samples_seen,
-            tokens_seen=self.tokens_seen,
-            old_global_batch=self._batch,
-            new_global_batch=target,
-            old_accumulate=self._counts.accumulate,
-            new_accumulate=new_accumulate,
-            old_micro_batch_size=self._micro,
-            new_micro_batch_size=new_micro,
-            lr_factor=lr_change,
-            requested_at_samples=requested_at[1],
-            requested_at_tokens=requested_at[2],
-            cause=cause,
-            clip_factor=clip_change,
+        old, new = (self._batch, self._counts.accumulate, self._micro), (target, new_accumulate, new_micro)
+        change = BatchChange._after_step(
+            trainer, self._counts, old, new, (lr_change, clip_change), requested_at[1:], cause
         )
         self.history.append(change)
         self._requested_at = None
