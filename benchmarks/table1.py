@@ -26,6 +26,8 @@ small-batch control; tokens spent in probes; wall time of the subprocess. Output
 one seed: a few minutes, to check the pipeline, not to read results from. ``--tokens N`` scales to
 any budget of at least 262,144 tokens (the probe's window must hold one step of its largest branch).
 ``--jobs N`` trains N runs at once, each on cores / N threads (their wall times then share the cores).
+``--override KEY=VALUE`` passes a train.py override to every run, ``--override CONFIG:KEY=VALUE`` to the
+runs of that configuration alone (e.g. a probe setting, which the runs without a probe cannot take).
 
 Usage::
 
@@ -157,6 +159,27 @@ def run_command(
         overrides.append(f"{name}={value}")
     overrides += [*extra, f"hydra.run.dir={run_dir}"]
     return train_command(overrides)
+
+
+def override_prefix(override: str) -> str | None:
+    """The configuration ``CONFIG`` of an ``--override CONFIG:KEY=VALUE``, or None for one that applies to every
+    run (a ':' in a Hydra override's value, e.g. in file:// paths, comes after its '=')."""
+    head, colon, _ = override.partition("=")[0].partition(":")
+    return head if colon else None
+
+
+def overrides_for(key: str, overrides: list[str]) -> list[str]:
+    """The train.py overrides of ``--override`` that configuration ``key``'s runs take: every unprefixed one,
+    and its own (prefix removed). Those of a configuration come after the recipe's scaled token counts, so
+    they win over them (e.g. a smaller probe for the adaptive run alone, where the others have no probe to set)."""
+    chosen = []
+    for override in overrides:
+        prefix = override_prefix(override)
+        if prefix is None:
+            chosen.append(override)
+        elif prefix == key:
+            chosen.append(override.split(":", 1)[1])
+    return chosen
 
 
 def final_loss(run: dict, last_evals: int) -> float:
@@ -357,7 +380,10 @@ def main(argv: list[str] | None = None) -> dict:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a train.py override for every run (repeatable), e.g. trainer.limit_val_batches=8",
+        help=(
+            "a train.py override for every run, or with a CONFIG: prefix for that configuration's runs alone "
+            "(repeatable), e.g. trainer.limit_val_batches=8 or adaptive:callbacks.cbs_probe.heldout_batches=4"
+        ),
     )
     parser.add_argument(
         "--jobs",
@@ -417,6 +443,10 @@ def main(argv: list[str] | None = None) -> dict:
     args.seed_list = list(range(1, args.seeds + 1))
     if args.jobs < 1:
         parser.error(f"--jobs={args.jobs} must be >= 1")
+    for override in args.override:
+        prefix = override_prefix(override)
+        if prefix is not None and prefix not in by_key:
+            parser.error(f"--override {override}: unknown configuration {prefix!r}; choose from {list(by_key)}")
     args.threads = None if args.jobs == 1 else max(1, (os.cpu_count() or 1) // args.jobs)
 
     started = time.perf_counter()
@@ -428,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
     def train(key: str, seed: int) -> dict:
         config = by_key[key]
         run_dir = (args.out / f"{key}_seed{seed}").resolve()
-        command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=args.override)
+        command = run_command(config, seed, args.tokens, run_dir, gpu=args.gpu, extra=overrides_for(key, args.override))
         commands[key] = command[2:]
         print(f"[table1] {config.label}, seed {seed}: {' '.join(command[1:])}", flush=True)
         run_started = time.perf_counter()

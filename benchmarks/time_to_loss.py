@@ -28,8 +28,8 @@ seconds, and the section "time_to_loss" of docs/RESULTS.md (``--markdown``).
 Usage::
 
     python -m benchmarks.time_to_loss                  # 2 seeds, about 30 minutes on 2 cores
-    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 4 validation
-                                                               # batches, no extras
+    python -m benchmarks.time_to_loss --quick --out /tmp/ttl   # 1/16 of the budget, one seed, 1 validation
+                                                               # batch, no extras
     python -m benchmarks.time_to_loss --gpu --out /tmp/ttl_gpu --markdown /tmp/ttl_gpu/time_to_loss.md
 """
 
@@ -62,7 +62,7 @@ KEYS = ("small", "large64", "warmup", "adaptive")
 TARGET_MARGIN = 0.02  # nats above the small-batch control's final held-out loss
 EVALUATIONS = 32  # per run: one every 131,072 tokens at the full budget
 VAL_BATCHES = 16
-QUICK_VAL_BATCHES = 4  # --quick checks the pipeline: its evaluations need not be tight
+QUICK_VAL_BATCHES = 1  # --quick checks the pipeline: its evaluations need not be tight
 GOALS = {"warmup": 0.75, "adaptive": 0.75, "default_job_overhead": 1.25}
 COMPILED = "warmup_compiled"
 
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="1/16 of the budget, one seed, 4 validation batches, no compiled or default-job runs",
+        help="1/16 of the budget, one seed, 1 validation batch, no compiled or default-job runs",
     )
     parser.add_argument(
         "--gpu",

@@ -68,7 +68,7 @@ COVERAGE = 0.8  # the forecast band the schedule follows the lower edge of
 
 @dataclass(frozen=True)
 class Settings:
-    """Token counts (tokens) and batch counts (micro-batches of 16 x 128 tokens) of every run."""
+    """Token counts (tokens) and batch counts (micro-batches of 16 x 128 tokens) of every run, and its seeds."""
 
     tokens: int  # budget per run
     warmup_tokens: int  # LR warmup
@@ -79,10 +79,12 @@ class Settings:
     evaluations: int  # held-out evaluations per run
     val_batches: int  # micro-batches per evaluation
     replicates: int  # data windows each measured k trains on
+    seeds: tuple[int, ...]  # every model and way of training runs at each (the noise-scale run: seed 1 alone)
 
 
-FULL = Settings(4_194_304, 262_144, 65_536, 131_072, (1, 2, 4, 8, 16), 32, 8, 64, 2)
-QUICK = Settings(32_768, 4_096, 4_096, 4_096, (1, 2), 2, 4, 2, 2)
+FULL = Settings(4_194_304, 262_144, 65_536, 131_072, (1, 2, 4, 8, 16), 32, 8, 64, 2, (1, 2))
+# One seed: a pipeline check of every kind of run (each a train.py process, most of whose cost is its start).
+QUICK = Settings(32_768, 4_096, 4_096, 4_096, (1, 2), 2, 4, 2, 2, (1,))
 
 
 @dataclass(frozen=True)
@@ -94,33 +96,68 @@ class Run:
     schedule: str | None = None  # key of the schedule (conf/batch/<key>.yaml under OUT) it trains with
 
 
-SEEDS = (1, 2)
-CURVES = [
-    Run(f"{model}_curve_seed{seed}", f"{model} CBS curve, seed {seed}", f"{model}_cbs_curve", seed)
-    for model in ("tiny", "tiny4x")
-    for seed in SEEDS
-]
-TINY_CURVES = [run.key for run in CURVES if run.recipe == "tiny_cbs_curve"]
-TINY4X_CURVES = [run.key for run in CURVES if run.recipe == "tiny4x_cbs_curve"]
 # tiny's small-batch run measured by GradientNoiseScale (micro-batch 4, so 4 micro-batches per step give
 # the small batch): its B_simple over tokens beside the CBS forecast.
 NOISE = Run("tiny_noise_scale_seed1", "tiny small batch, gradient noise scale, seed 1", "tiny_small_batch", 1)
-CONTROLS = [
-    Run(f"tiny4x_control_seed{seed}", f"tiny4x small batch (16), control, seed {seed}", "tiny4x_small_batch", seed)
-    for seed in SEEDS
-]
-SCHEDULES = {"from_tiny": TINY_CURVES}  # schedule key -> the curve runs it is forecast from
-SCHEDULED = [
-    Run(
-        f"tiny4x_from_tiny_seed{seed}",
-        f"tiny4x, schedule forecast from tiny's curve, seed {seed}",
-        "tiny4x_warmup",
-        seed,
-        "from_tiny",
-    )
-    for seed in SEEDS
-]
-TRAINED = [*CONTROLS, *SCHEDULED]  # the ways tiny4x is trained
+
+
+@dataclass(frozen=True)
+class Roster:
+    """The runs of the benchmark at ``seeds`` (``Settings.seeds``), besides NOISE: per seed, both models'
+    CBS curves, tiny4x's control and tiny4x trained with the schedule forecast from tiny's curves."""
+
+    seeds: tuple[int, ...]
+
+    @property
+    def curves(self) -> list[Run]:
+        return [
+            Run(f"{model}_curve_seed{seed}", f"{model} CBS curve, seed {seed}", f"{model}_cbs_curve", seed)
+            for model in ("tiny", "tiny4x")
+            for seed in self.seeds
+        ]
+
+    @property
+    def tiny_curves(self) -> list[str]:
+        return [run.key for run in self.curves if run.recipe == "tiny_cbs_curve"]
+
+    @property
+    def tiny4x_curves(self) -> list[str]:
+        return [run.key for run in self.curves if run.recipe == "tiny4x_cbs_curve"]
+
+    @property
+    def controls(self) -> list[Run]:
+        return [
+            Run(
+                f"tiny4x_control_seed{seed}",
+                f"tiny4x small batch (16), control, seed {seed}",
+                "tiny4x_small_batch",
+                seed,
+            )
+            for seed in self.seeds
+        ]
+
+    @property
+    def schedules(self) -> dict[str, list[str]]:
+        """Schedule key -> the curve runs it is forecast from."""
+        return {"from_tiny": self.tiny_curves}
+
+    @property
+    def scheduled(self) -> list[Run]:
+        return [
+            Run(
+                f"tiny4x_from_tiny_seed{seed}",
+                f"tiny4x, schedule forecast from tiny's curve, seed {seed}",
+                "tiny4x_warmup",
+                seed,
+                "from_tiny",
+            )
+            for seed in self.seeds
+        ]
+
+    @property
+    def trained(self) -> list[Run]:
+        """The ways tiny4x is trained."""
+        return [*self.controls, *self.scheduled]
 
 
 def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
@@ -160,7 +197,7 @@ def run_command(run: Run, settings: Settings, out: Path) -> list[str]:
 def schedule_command(key: str, settings: Settings, out: Path) -> list[str]:
     """recipes/schedule_from_probe.py's command line writing OUT/conf/batch/<key>.yaml: the schedule
     forecast to the whole budget from the band's lower edge (coverage COVERAGE)."""
-    probes = [str(probe_file(out / curve)) for curve in SCHEDULES[key]]
+    probes = [str(probe_file(out / curve)) for curve in Roster(settings.seeds).schedules[key]]
     target = out / "conf" / "batch" / f"{key}.yaml"
     return [
         sys.executable,
@@ -231,18 +268,18 @@ def read_schedule(key: str, out: Path) -> dict | None:
     return {"batch_sizes": list(schedule.batch_sizes), "thresholds": list(schedule.thresholds), "path": str(path)}
 
 
-def agreement(runs: dict[str, dict]) -> list[dict]:
+def agreement(runs: dict[str, dict], roster: Roster) -> list[dict]:
     """Per probe point (tokens): each curve's bracket and whether every tiny seed's lower bound is within
     one grid step (a factor 2) of every tiny4x seed's."""
-    curves = {run.key: runs[run.key]["readings"] for run in CURVES if run.key in runs}
+    curves = {run.key: runs[run.key]["readings"] for run in roster.curves if run.key in runs}
     points = sorted({r.tokens for readings in curves.values() for r in readings})
     rows = []
     for tokens in points:
         at = {key: next((r for r in readings if r.tokens == tokens), None) for key, readings in curves.items()}
         steps = [
             None if at.get(big) is None or at.get(tiny) is None else math.log2(at[tiny].cbs_lower / at[big].cbs_lower)
-            for tiny in TINY_CURVES
-            for big in TINY4X_CURVES
+            for tiny in roster.tiny_curves
+            for big in roster.tiny4x_curves
             if tiny in at and big in at
         ]
         rows.append(
@@ -256,10 +293,10 @@ def agreement(runs: dict[str, dict]) -> list[dict]:
     return rows
 
 
-def outcomes(runs: dict[str, dict]) -> dict[str, dict]:
+def outcomes(runs: dict[str, dict], roster: Roster) -> dict[str, dict]:
     """Per tiny4x training run: final held-out loss, optimizer steps, and both against its seed's control."""
     rows = {}
-    for run in TRAINED:
+    for run in roster.trained:
         if run.key not in runs:
             continue
         result = runs[run.key]
@@ -279,7 +316,7 @@ def outcomes(runs: dict[str, dict]) -> dict[str, dict]:
     return rows
 
 
-def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
+def goals(points: list[dict], rows: dict[str, dict], roster: Roster) -> list[tuple[str, bool]]:
     checks = []
     if points:
         agreeing = sum(point["agree"] for point in points)
@@ -290,7 +327,7 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
                 agreeing >= GOALS["agreeing_points"] * len(points),
             )
         )
-    paired = [rows[run.key] for run in SCHEDULED if "steps_saved" in rows.get(run.key, {})]
+    paired = [rows[run.key] for run in roster.scheduled if "steps_saved" in rows.get(run.key, {})]
     if paired:
         saved = statistics.mean(row["steps_saved"] for row in paired)
         gap = statistics.mean(row["loss_vs_control"] for row in paired)
@@ -306,15 +343,15 @@ def goals(points: list[dict], rows: dict[str, dict]) -> list[tuple[str, bool]]:
     return checks
 
 
-def forecast_of(runs: dict[str, dict], out: Path):
+def forecast_of(runs: dict[str, dict], out: Path, roster: Roster):
     """The forecast the schedule was read from (the fit schedule_from_probe.py makes: tiny's curves, one
     run per file, here named by their runs) and, when the noise-scale run finished, its B_simple over tokens."""
     from lit_cbs.analysis import brackets_from_records, forecast_cbs
     from lit_cbs.analysis.forecast import noise_scale_over_tokens
 
-    if not all(key in runs for key in TINY_CURVES):
+    if not all(key in runs for key in roster.tiny_curves):
         return None, None
-    brackets = [b for key in TINY_CURVES for b in brackets_from_records(runs[key]["readings"], run=key)]
+    brackets = [b for key in roster.tiny_curves for b in brackets_from_records(runs[key]["readings"], run=key)]
     noise = noise_scale_over_tokens(out / NOISE.key / "metrics.csv") if NOISE.key in runs else None
     return forecast_cbs(brackets, coverage=COVERAGE), noise
 
@@ -333,14 +370,14 @@ def schedule_text(schedule: dict | None) -> str:
     return ", ".join(steps) + " tokens"
 
 
-def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -> Path:
+def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path, roster: Roster) -> Path:
     from matplotlib.figure import Figure
 
     from lit_cbs.analysis.plots import save_figure
 
     figure = Figure(figsize=(16, 4.5))
     cbs_axis, tokens_axis, steps_axis = figure.subplots(1, 3)
-    for index, run in enumerate(CURVES):
+    for index, run in enumerate(roster.curves):
         if run.key not in runs:
             continue
         readings = runs[run.key]["readings"]
@@ -378,12 +415,12 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
     cbs_axis.set_yticks([8, 16, 32, 64, 128, 256, 512], labels=["8", "16", "32", "64", "128", "256", "512"])
     cbs_axis.minorticks_off()
     cbs_axis.legend(fontsize=6)
-    for run in TRAINED:
+    for run in roster.trained:
         if run.key not in runs:
             continue
         curve = runs[run.key]["val_curve"]
-        style = ("-" if run in CONTROLS else "--") + ("o" if run.seed == SEEDS[0] else "s")
-        color = "k" if run in CONTROLS else "tab:red"
+        style = ("-" if run in roster.controls else "--") + ("o" if run.seed == roster.seeds[0] else "s")
+        color = "k" if run in roster.controls else "tab:red"
         tokens_axis.plot(
             [p["tokens"] for p in curve], [p["val_loss"] for p in curve], style, color=color, ms=4, label=run.label
         )
@@ -391,7 +428,7 @@ def plot(runs: dict[str, dict], schedules: dict[str, dict | None], path: Path) -
     tokens_axis.set(xlabel="tokens", ylabel="held-out loss (nats/token)", title="tiny4x: loss vs tokens")
     steps_axis.set(xlabel="optimizer steps", xscale="log", title="tiny4x: loss vs optimizer steps")
     tokens_axis.legend(fontsize=6)
-    finals = [runs[run.key]["val_curve"][-1]["val_loss"] for run in TRAINED if run.key in runs]
+    finals = [runs[run.key]["val_curve"][-1]["val_loss"] for run in roster.trained if run.key in runs]
     if finals:
         for axis in (tokens_axis, steps_axis):
             axis.set_ylim(min(finals) - 0.05, min(finals) + 0.6)
@@ -416,8 +453,9 @@ def markdown(
     from lit_cbs.analysis.forecast import growth_exponent
 
     s = args.settings
-    missing = [run.label for run in [*CURVES, NOISE, *TRAINED] if run.key not in runs]
-    unfinished = [run.label for run in CURVES if runs.get(run.key, {}).get("unfinished")]
+    roster = Roster(s.seeds)
+    missing = [run.label for run in [*roster.curves, NOISE, *roster.trained] if run.key not in runs]
+    unfinished = [run.label for run in roster.curves if runs.get(run.key, {}).get("unfinished")]
     lines = [
         "## Measure small, train big: does the tiny model's CBS forecast carry to tiny4x?",
         "",
@@ -430,7 +468,7 @@ def markdown(
         f"points from {s.probe_first:,} tokens doubling, windows of {s.window_tokens:,} tokens, each k trained on "
         f"{s.replicates} disjoint data windows, k = {', '.join(map(str, s.multipliers))} by bisection, held-out loss "
         f"on {s.heldout_batches} micro-batches, epsilon 0.02 nats, confidence 0.9; the same for both models. Seeds "
-        f"{', '.join(map(str, SEEDS))} for every model and way of training. Held-out loss below: the last of "
+        f"{', '.join(map(str, s.seeds))} for every model and way of training. Held-out loss below: the last of "
         f"{s.evaluations} evaluations ({s.val_batches} micro-batches of the validation split), "
         "at the end of the budget.",
         "",
@@ -439,14 +477,14 @@ def markdown(
         lines += [f"**Incomplete: not run (yet): {', '.join(missing)}.**", ""]
     if unfinished:
         lines += [f"**Unfinished when reported (its readings so far are shown): {', '.join(unfinished)}.**", ""]
-    curve_keys = [run.key for run in CURVES]
+    curve_keys = [run.key for run in roster.curves]
     lines += [
         "CBS brackets (samples of 128 tokens; `?`: undetermined at 90%) at each probe point:",
         "",
         "| tokens | "
-        + " | ".join(run.label.replace(" CBS curve", "") for run in CURVES)
+        + " | ".join(run.label.replace(" CBS curve", "") for run in roster.curves)
         + " | grid steps apart (tiny vs tiny4x) | within one step |",
-        "|---|" + "---|" * (len(CURVES) + 2),
+        "|---|" + "---|" * (len(roster.curves) + 2),
     ]
     for point in points:
         cells = []
@@ -460,7 +498,7 @@ def markdown(
     if forecast is not None:
         lines += [
             "The forecast (`recipes/schedule_from_probe.py "
-            f"{' '.join(f'{key}/cbs_probe.jsonl' for key in TINY_CURVES)} --forecast-to {s.tokens} "
+            f"{' '.join(f'{key}/cbs_probe.jsonl' for key in roster.tiny_curves)} --forecast-to {s.tokens} "
             f"--coverage {COVERAGE} --start {START} --final {FINAL}`): {forecast.describe()}."
         ]
         if noise is not None:
@@ -472,7 +510,8 @@ def markdown(
         lines += [""]
     lines += ["Schedules (global batch, samples):", ""]
     lines += [
-        f"- {key} ({' + '.join(SCHEDULES[key])}): {schedule_text(schedule)}" for key, schedule in schedules.items()
+        f"- {key} ({' + '.join(roster.schedules[key])}): {schedule_text(schedule)}"
+        for key, schedule in schedules.items()
     ]
     lines += [
         "",
@@ -481,14 +520,14 @@ def markdown(
         "| run | held-out loss | vs control | optimizer steps | steps saved | final batch | wall s |",
         "|---|---|---|---|---|---|---|",
     ]
-    for run in TRAINED:
+    for run in roster.trained:
         if run.key in rows:
             row = rows[run.key]
             lines.append(
                 f"| {run.label} | {row['loss']:.4f} | {row.get('loss_vs_control', 0):+.4f} | {row['steps']:,} "
                 f"| {row.get('steps_saved', 0):.0%} | {row['final_batch']} | {row['wall_seconds'] or 0:.0f} |"
             )
-    finished_curves = [r for r in CURVES if r.key in runs and not runs[r.key].get("unfinished")]
+    finished_curves = [r for r in roster.curves if r.key in runs and not runs[r.key].get("unfinished")]
     cost = [
         f"{run.label}: {runs[run.key]['probe']['tokens']:,} probe tokens, {runs[run.key]['wall_seconds'] or 0:.0f} s"
         for run in finished_curves
@@ -503,7 +542,7 @@ def markdown(
     gaps = [
         runs[f"tiny4x_curve_seed{seed}"]["val_curve"][-1]["val_loss"]
         - runs[f"tiny4x_control_seed{seed}"]["val_curve"][-1]["val_loss"]
-        for seed in SEEDS
+        for seed in s.seeds
         if f"tiny4x_control_seed{seed}" in runs
         and f"tiny4x_curve_seed{seed}" in runs
         and not runs[f"tiny4x_curve_seed{seed}"].get("unfinished")
@@ -534,10 +573,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = recipe_benchmark_arguments(
         "transfer",
         __doc__.split("\n\n")[0],
-        f"{QUICK.tokens:,} tokens per run, small probes: a pipeline check, no results",
+        f"{QUICK.tokens:,} tokens per run, small probes, one seed: a pipeline check, no results",
         argv,
     )
     args.settings = QUICK if args.quick else FULL
+    roster = Roster(args.settings.seeds)
     threads = args.threads
     runs: dict[str, dict] = {}
 
@@ -548,17 +588,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     def train_all() -> None:
         """Every run, ``--jobs`` at a time; a scheduled run starts as soon as the curves it reads have finished."""
-        waiting = list(SCHEDULED)
+        waiting = list(roster.scheduled)
         with ThreadPoolExecutor(args.jobs) as pool:
             pending = {
-                pool.submit(train, run, args.settings, args.out, threads): run for run in [*CURVES, NOISE, *CONTROLS]
+                pool.submit(train, run, args.settings, args.out, threads): run
+                for run in [*roster.curves, NOISE, *roster.controls]
             }
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in finished:
                     runs[pending.pop(future).key] = future.result()
                     save()
-                ready = [run for run in waiting if all(curve in runs for curve in SCHEDULES[run.schedule])]
+                ready = [run for run in waiting if all(curve in runs for curve in roster.schedules[run.schedule])]
                 for key in {run.schedule for run in ready}:
                     run_logged(
                         schedule_command(key, args.settings, args.out),
@@ -571,17 +612,17 @@ def main(argv: list[str] | None = None) -> dict:
 
     started = time.perf_counter()
     if args.report_only:
-        for run in [*CURVES, NOISE, *TRAINED]:
+        for run in [*roster.curves, NOISE, *roster.trained]:
             if (args.out / run.key / "summary.json").exists():
                 runs[run.key] = load(run, args.out)
-            elif run in CURVES and any((args.out / run.key).rglob("cbs_probe.jsonl")):
+            elif run in roster.curves and any((args.out / run.key).rglob("cbs_probe.jsonl")):
                 runs[run.key] = load_unfinished_curve(run, args.out)
     else:
         train_all()
-    schedules = {key: read_schedule(key, args.out) for key in SCHEDULES}
-    points, rows = agreement(runs), outcomes(runs)
-    checks = goals(points, rows)
-    forecast, noise = forecast_of(runs, args.out)
+    schedules = {key: read_schedule(key, args.out) for key in roster.schedules}
+    points, rows = agreement(runs, roster), outcomes(runs, roster)
+    checks = goals(points, rows, roster)
+    forecast, noise = forecast_of(runs, args.out, roster)
     result = {
         "settings": asdict(args.settings),
         "schedules": schedules,
@@ -597,7 +638,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[transfer] schedule {key}: {schedule_text(schedule)}")
     for text, ok in checks:
         print(f"[transfer] {text}: {'met' if ok else 'MISSED'}")
-    plot(runs, schedules, args.plot)
+    plot(runs, schedules, args.plot, roster)
     forecast_path = None
     if forecast is not None:
         from lit_cbs.analysis import plot_forecast

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 BUDGET = 262_144  # 128 steps at batch 16: the smallest budget table1 accepts
+ADAPTIVE_PROBE_EVERY = BUDGET // 2
 
 
 def held_out_losses(run_dir: Path) -> list[float]:
@@ -45,7 +46,14 @@ def result(tmp_path_factory):
             "--markdown",
             str(markdown),
             "--override",
-            "trainer.limit_val_batches=4",
+            "trainer.limit_val_batches=1",  # the table must agree with the runs' numbers, however noisy
+            # The adaptive run probes once (at half the budget, not every 32,768 tokens: six probes whose
+            # branches trained more tokens than the run), on fewer held-out batches: the table's probe
+            # columns need a probe, not many.
+            "--override",
+            f"adaptive:callbacks.cbs_probe.every_tokens={ADAPTIVE_PROBE_EVERY}",
+            "--override",
+            "adaptive:callbacks.cbs_probe.heldout_batches=4",
         ]
     )
     return out, outcome
@@ -69,6 +77,11 @@ def test_numbers_come_from_the_runs(result):
     assert [c["new"] for c in outcome["runs"]["warmup"][0]["batch_changes"]] == [32, 64]
     assert 0 < rows["warmup"]["steps_saved"] < 0.75
     adaptive = outcome["runs"]["adaptive"][0]
+    # The adaptive run's own overrides reached it alone (the others have no probe to set).
+    probe_every = f"callbacks.cbs_probe.every_tokens={ADAPTIVE_PROBE_EVERY}"
+    assert probe_every in outcome["commands"]["adaptive"]
+    assert not any(probe_every in outcome["commands"][key] for key in ("small", "warmup"))
+    assert [r["tokens"] for r in adaptive["probe"]["readings"]] == [ADAPTIVE_PROBE_EVERY]
     assert adaptive["probe"]["tokens"] > 0 and rows["adaptive"]["probe_tokens"] == adaptive["probe"]["tokens"]
     assert rows["adaptive"]["steps_with_probes"] == adaptive["optimizer_steps"] + adaptive["probe"]["optimizer_steps"]
     assert rows["adaptive"]["steps_with_probes"] > rows["adaptive"]["steps"]
@@ -94,6 +107,9 @@ def test_bad_arguments_are_refused_before_any_run(tmp_path, capsys):
     with pytest.raises(SystemExit):
         table1.main(["--configs", "small,huge", "--out", str(tmp_path)])
     assert "unknown ['huge']" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        table1.main(["--override", "huge:trainer.limit_val_batches=1", "--out", str(tmp_path)])
+    assert "unknown configuration 'huge'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import time_to_loss
 
-BUDGET = 131_072  # 32 evaluations, every 2 steps at batch 16: without the adaptive run's probe, the least it takes
+BUDGET = 65_536  # 32 evaluations, one every step at batch 16: without the adaptive run's probe, the least it takes
 
 
 def time_to_loss_from_csv(run_dir: Path, target: float) -> float | None:

@@ -13,6 +13,7 @@ from lit_cbs.analysis import brackets_from_records, forecast_cbs
 from lit_cbs.analysis.forecast import noise_scale_over_tokens, schedule_from_forecast
 
 pytestmark = pytest.mark.slow
+ROSTER = transfer.Roster(transfer.QUICK.seeds)  # the runs --quick trains (one seed)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def result(tmp_path_factory):
 def test_schedules_come_from_the_forecast_and_drive_the_runs(result):
     out, outcome = result
     runs = outcome["runs"]
-    tiny_records = {key: runs[key]["readings"] for key in transfer.TINY_CURVES}
+    tiny_records = {key: runs[key]["readings"] for key in ROSTER.tiny_curves}
     for records in tiny_records.values():
         assert len(records) >= 2 and all(r.batch_size == 16 and r.replicates == 2 for r in records)
     # The schedule is the one schedule_from_probe.py forecasts from the tiny curves' files.
@@ -45,7 +46,7 @@ def test_schedules_come_from_the_forecast_and_drive_the_runs(result):
     assert outcome["forecast"]["description"] == forecast.describe()
     comment = (out / "runs" / "conf" / "batch" / "from_tiny.yaml").read_text()
     assert f"--forecast-to {transfer.QUICK.tokens:,}" in comment and forecast.describe() in comment
-    for run in transfer.SCHEDULED:
+    for run in ROSTER.scheduled:
         changes = runs[run.key]["batch_changes"]
         # BatchWarmup switches at the first optimizer step boundary at or after each threshold.
         assert [c["new"] for c in changes] == expected.batch_sizes[1:]
@@ -55,7 +56,7 @@ def test_schedules_come_from_the_forecast_and_drive_the_runs(result):
 def test_numbers_come_from_the_runs(result):
     out, outcome = result
     budget = transfer.QUICK.tokens
-    for seed in transfer.SEEDS:
+    for seed in transfer.QUICK.seeds:
         control = json.loads((out / "runs" / f"tiny4x_control_seed{seed}" / "summary.json").read_text())
         assert control["optimizer_steps"] == budget // (16 * 128)
         scheduled = outcome["rows"][f"tiny4x_from_tiny_seed{seed}"]
@@ -69,7 +70,7 @@ def test_numbers_come_from_the_runs(result):
             control["final_val_loss"], abs=1e-4
         )
     # Every curve was read at the same points: the goal compares like with like.
-    points = {run.key: [r.tokens for r in outcome["runs"][run.key]["readings"]] for run in transfer.CURVES}
+    points = {run.key: [r.tokens for r in outcome["runs"][run.key]["readings"]] for run in ROSTER.curves}
     assert all(tokens == [p["tokens"] for p in outcome["points"]] for tokens in points.values())
     # The noise-scale run logged B_simple, which the report puts beside the forecast.
     tokens, b_simple = noise_scale_over_tokens(out / "runs" / transfer.NOISE.key / "metrics.csv")
@@ -80,7 +81,7 @@ def test_report_files(result):
     out, outcome = result
     saved = json.loads((out / "runs" / "transfer.json").read_text())
     assert saved["rows"] == outcome["rows"]
-    assert set(saved["runs"]) == {r.key for r in [*transfer.CURVES, transfer.NOISE, *transfer.TRAINED]}
+    assert set(saved["runs"]) == {r.key for r in [*ROSTER.curves, transfer.NOISE, *ROSTER.trained]}
     assert (out / "transfer.png").stat().st_size > 10_000  # next to the markdown
     assert (out / "forecast.png").stat().st_size > 10_000
     text = (out / "RESULTS.md").read_text()
@@ -102,11 +103,12 @@ def test_report_only_rebuilds_from_finished_runs(result, tmp_path):
 def test_report_only_keeps_the_readings_of_a_curve_cut_short(result, tmp_path):
     out, outcome = result
     shutil.copytree(out / "runs", tmp_path / "runs")
+    seed = transfer.QUICK.seeds[-1]
     (tmp_path / "runs" / "tiny4x_curve_seed1" / "summary.json").unlink()  # as while it still trains
-    shutil.rmtree(tmp_path / "runs" / "tiny4x_from_tiny_seed2")
+    shutil.rmtree(tmp_path / "runs" / f"tiny4x_from_tiny_seed{seed}")
     markdown = tmp_path / "RESULTS.md"
     cut = transfer.main(["--report-only", "--quick", "--out", str(tmp_path / "runs"), "--markdown", str(markdown)])
-    assert cut["points"] == outcome["points"] and "tiny4x_from_tiny_seed2" not in cut["rows"]
+    assert cut["points"] == outcome["points"] and f"tiny4x_from_tiny_seed{seed}" not in cut["rows"]
     text = markdown.read_text()
-    assert "Incomplete: not run (yet): tiny4x, schedule forecast from tiny's curve, seed 2." in text
+    assert f"Incomplete: not run (yet): tiny4x, schedule forecast from tiny's curve, seed {seed}." in text
     assert "Unfinished when reported (its readings so far are shown): tiny4x CBS curve, seed 1." in text
