@@ -77,16 +77,19 @@ EXPERIMENTS = {
     "default": ("max_tokens=2621440", "callbacks.cbs_probe.replicates=2"),
     "curve": ("+recipe=tiny_cbs_curve", "max_tokens=3276800"),
 }
-# --quick: the default job on 65,536 tokens, probed (k = 1, 2, 4) at 8,192 and 32,768 tokens over two windows of 8,192.
+# --quick: the default job with samples of 32 tokens, not 128 (the same steps and probes for a quarter of the tokens),
+# on 12,288 tokens, cut where its last probe ends; probed (k = 1, 2, 4) at 2,048 and 8,192 tokens over two windows of
+# 2,048 (one step of k = 4).
 QUICK = (
-    "max_tokens=65536",
-    "lr_schedule.warmup_tokens=8192",
-    "callbacks.cbs_probe.geometric=[8192,4.0]",
+    "data.seq_len=32",
+    "max_tokens=12288",
+    "lr_schedule.warmup_tokens=2048",
+    "callbacks.cbs_probe.geometric=[2048,4.0]",
     "callbacks.cbs_probe.multipliers=[1,2,4]",
-    "callbacks.cbs_probe.window_tokens=8192",
+    "callbacks.cbs_probe.window_tokens=2048",
     "callbacks.cbs_probe.heldout_batches=4",
     "callbacks.cbs_probe.replicates=2",
-    "val_check_tokens=32768",
+    "val_check_tokens=6144",
     "trainer.limit_val_batches=2",
 )
 

@@ -55,7 +55,7 @@ from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.recipes.run_report import read_batch_history
 
-SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens)
+SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens; --quick: 32)
 SEEDS = (1, 2)
 SMOOTHING = 15  # optimizer steps in the plotted running mean of the training loss
 GOALS = {"loss_gap": 0.02, "kept_savings": 0.30}
@@ -69,11 +69,15 @@ class Settings:
     default_job_tokens: int  # budget of the default job's run (tokens)
     seeds: tuple[int, ...] = SEEDS  # of the three configurations
     val_batches: int | None = None  # held-out micro-batches per evaluation (None: the whole split)
+    seq_len: int | None = None  # tokens per sample (None: the recipes' 128)
 
 
 FULL = Settings(2_097_152, 2_097_152 // 20, 128 * 16 * 128, 4_194_304)
-# Every run once, in seconds: a pipeline check.
-QUICK = Settings(65_536, 4_096, 8 * 16 * 128, 131_072, seeds=SEEDS[:1], val_batches=4)
+# Every run once, in seconds: a pipeline check. Samples of 32 tokens (the same steps for a quarter of the tokens); the
+# premature increase comes after 16 steps at 16, the fewest whose second half gives the guard its guard.min_steps=8 to
+# fit a trend to, and the budget ends with the 8 steps at 128 the guard watches, so the guarded run's increase is
+# judged. The default job's budget holds none of its increases: it runs with the guard on.
+QUICK = Settings(40_960, 8_192, 8_192, 8_192, seeds=SEEDS[:1], val_batches=2, seq_len=32)
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,7 @@ def command_of(run: Run, settings: Settings, out: Path) -> list[str]:
             *run.overrides,
             f"val_check_tokens={settings.val_check_tokens}",
             *([f"trainer.limit_val_batches={settings.val_batches}"] if settings.val_batches else []),
+            *([f"data.seq_len={settings.seq_len}"] if settings.seq_len else []),
             # the recipes' 262,144, less in a --quick budget
             f"lr_schedule.warmup_tokens={min(262_144, settings.tokens // 8)}",
             "trainer.enable_progress_bar=false",
@@ -313,13 +318,13 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
         "",
         (
             f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {s.tokens:,} tokens per run, "
-            f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x 128 tokens at LR 3e-3 (x sqrt(ratio) per "
-            f"change), LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at {s.change_at:,} tokens "
-            f"({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` (defaults: window a quarter "
-            "and fit the second half of the tokens before each increase, threshold 2 x the per-step loss's spread "
-            "around the trend and at least 0.05 nats, 8 steps at least, hold as long as the tokens before the revert). "
-            "Held-out loss: the last evaluation (the whole validation split) at the end of the budget; "
-            "spread = max - min over seeds; kept = the share of the premature schedule's step savings "
+            f"seeds {', '.join(map(str, SEEDS))}, base batch {SMALL} x {s.seq_len or 128} tokens at LR 3e-3 "
+            f"(x sqrt(ratio) per change), LR warmup 262,144 tokens then constant. Premature: {SMALL} -> {LARGE} at "
+            f"{s.change_at:,} tokens ({s.change_at / s.tokens:.0%}); guarded: the same with `batch.guard=true` "
+            "(defaults: window a quarter and fit the second half of the tokens before each increase, threshold 2 x the "
+            "per-step loss's spread around the trend and at least 0.05 nats, 8 steps at least, hold as long as the "
+            "tokens before the revert). Held-out loss: the last evaluation (the whole validation split) at the end of "
+            "the budget; spread = max - min over seeds; kept = the share of the premature schedule's step savings "
             "(against the control) a run keeps."
         ),
         "",
@@ -363,7 +368,10 @@ def markdown(runs, rows, checks, args, plot_path: Path | None, markdown_path: Pa
 
 def main(argv: list[str] | None = None) -> dict:
     args = recipe_benchmark_arguments(
-        "guard", __doc__.split("\n\n")[0], f"{QUICK.tokens:,} tokens per run: a pipeline check, no results", argv
+        "guard",
+        __doc__.split("\n\n")[0],
+        f"{QUICK.tokens:,} tokens per run, in samples of {QUICK.seq_len}: a pipeline check, no results",
+        argv,
     )
     args.settings = QUICK if args.quick else FULL
     runs: dict[str, dict] = {}

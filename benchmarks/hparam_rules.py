@@ -10,19 +10,20 @@ default job's 4,194,304 tokens, for each seed:
   to 0.1 x the LR at the budget), against ``batch=seesaw`` on the same cosine: the batch doubles
   where the cosine halves the LR, up to 64 (the recipe's cap) and, as a second point, up to 128.
 
-Every run evaluates the same 16 held-out micro-batches at the same 16 token counts. Reported per
-configuration: the final held-out loss (mean over seeds and its standard error), optimizer steps,
-wall seconds of training (``fit_seconds``). The rules are compared with the LR-only warmup seed by
-seed (same data order and initial weights): the mean paired difference and its 95% t-interval
-over seeds; a rule moves the loss "beyond the seed spread" where that interval excludes 0. Seesaw's
-goals: its final loss within 0.01 nats of the cosine control's, with at least 30% fewer optimizer
-steps. Output: a table on stdout, OUT/hparam_rules.json, a plot (held-out loss against tokens for
-the rules, against optimizer steps for Seesaw) and the section "hparam_rules" of docs/RESULTS.md.
+Every run evaluates the same 16 held-out micro-batches at the same 16 token counts (``--quick``: 2
+micro-batches at 4). Reported per configuration: the final held-out loss (mean over seeds and its
+standard error), optimizer steps, wall seconds of training (``fit_seconds``). The rules are
+compared with the LR-only warmup seed by seed (same data order and initial weights): the mean
+paired difference and its 95% t-interval over seeds; a rule moves the loss "beyond the seed
+spread" where that interval excludes 0. Seesaw's goals: its final loss within 0.01 nats of the
+cosine control's, with at least 30% fewer optimizer steps. Output: a table on stdout,
+OUT/hparam_rules.json, a plot (held-out loss against tokens for the rules, against optimizer steps
+for Seesaw) and the section "hparam_rules" of docs/RESULTS.md.
 
 Usage::
 
     python -m benchmarks.hparam_rules                 # 3 seeds, 2 runs at a time: about 30 minutes on 2 cores
-    python -m benchmarks.hparam_rules --quick --out /tmp/hparam   # 1/32 of the budget, one seed: a pipeline check
+    python -m benchmarks.hparam_rules --quick --out /tmp/hparam   # 1/64 of the budget, one seed: a pipeline check
     python -m benchmarks.hparam_rules --report-only    # report the runs finished in outputs/hparam_rules, train nothing
 """
 
@@ -61,13 +62,20 @@ CONFIGS = [
 RULES = ("weight_decay", "beta2", "both")  # compared with lr_only
 SEESAWS = ("seesaw", "seesaw128")  # compared with cosine
 EVALUATIONS, VAL_BATCHES = 16, 16
+# --quick: 4 evaluations on 2 held-out micro-batches; at 16 x 16 they cost a quick run more than its training.
+QUICK_EVALUATIONS, QUICK_VAL_BATCHES = 4, 2
 GOALS = {"seesaw_loss_gap": 0.01, "seesaw_steps_saved": 0.30}
 
 
 def train(config: Config, seed: int, args) -> dict:
     run_dir = (args.out / f"{config.key}_seed{seed}").resolve()
     command = run_command(
-        config, seed, args.tokens, run_dir, extra=[f"trainer.limit_val_batches={VAL_BATCHES}"], evaluations=EVALUATIONS
+        config,
+        seed,
+        args.tokens,
+        run_dir,
+        extra=[f"trainer.limit_val_batches={args.val_batches}"],
+        evaluations=args.evaluations,
     )
     if args.report_only and not (run_dir / "summary.json").exists():
         return None  # not finished: left out of the report
@@ -233,10 +241,11 @@ def markdown(result: dict, runs, checks, args, plot_path: Path) -> str:
         "",
         f"Workload: the tiny OLMo on the embedded corpus, {args.tokens:,} tokens per run, seeds "
         f"{', '.join(map(str, args.seed_list))}, AdamW (0.9, 0.95), weight decay 0.1, LR 3e-3 at batch 16; held-out "
-        f"loss on {VAL_BATCHES} micro-batches at {EVALUATIONS} token counts. The warmup runs grow 16 -> 32 -> 64 at "
-        "1,245,184 and 2,523,136 tokens (LR x sqrt(2) per doubling); at each doubling the weight decay rule makes it "
-        "0.1 x sqrt(2) and the beta2 rule 0.95 -> 0.9025. Seesaw runs on the cosine schedule (warmup, then to 0.1 x "
-        "LR), doubling where it halves the LR. Differences are paired by seed (same data order and initial weights).",
+        f"loss on {args.val_batches} micro-batches at {args.evaluations} token counts. The warmup runs grow "
+        "16 -> 32 -> 64 at 1,245,184 and 2,523,136 tokens (LR x sqrt(2) per doubling); at each doubling the weight "
+        "decay rule makes it 0.1 x sqrt(2) and the beta2 rule 0.95 -> 0.9025. Seesaw runs on the cosine schedule "
+        "(warmup, then to 0.1 x LR), doubling where it halves the LR. Differences are paired by seed (same data order "
+        "and initial weights).",
         "",
         table(result),
         "",
@@ -283,7 +292,7 @@ def seesaw_notes(result: dict, args) -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=3, help="seeds per configuration (default 3; --quick: 1)")
     parser.add_argument(
-        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/32)"
+        "--tokens", type=int, default=None, help=f"budget per run (default {REFERENCE_TOKENS:,}; --quick: 1/64)"
     )
     parser.add_argument(
         "--configs", default=",".join(c.key for c in CONFIGS), help="comma-separated configuration keys"
@@ -292,16 +301,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> str | None:
     """The budget, seeds and configurations; what is wrong with them, or None."""
-    args.tokens = args.tokens or (REFERENCE_TOKENS // 32 if args.quick else REFERENCE_TOKENS)
+    args.tokens = args.tokens or (REFERENCE_TOKENS // 64 if args.quick else REFERENCE_TOKENS)
     if args.quick and "--seeds" not in args.argv:
         args.seeds = 1
+    args.evaluations, args.val_batches = (
+        (QUICK_EVALUATIONS, QUICK_VAL_BATCHES) if args.quick else (EVALUATIONS, VAL_BATCHES)
+    )
     args.keys = [key.strip() for key in args.configs.split(",") if key.strip()]
     known = [config.key for config in CONFIGS]
     if not args.keys or any(key not in known for key in args.keys) or args.seeds < 1:
         return f"--configs={args.configs!r} must name some of {known}; --seeds must be >= 1"
-    if args.tokens < 64 * 128 * EVALUATIONS:
+    if args.tokens < 64 * 128 * args.evaluations:
         return (
-            f"--tokens={args.tokens} must be >= {64 * 128 * EVALUATIONS:,}: "
+            f"--tokens={args.tokens} must be >= {64 * 128 * args.evaluations:,}: "
             "a step of the largest batch (64) between evaluations"
         )
     args.seed_list = list(range(1, args.seeds + 1))
@@ -312,7 +324,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = recipe_benchmark_arguments(
         "hparam_rules",
         __doc__.split("\n\n")[0],
-        "1/32 of the budget, one seed: a pipeline check, no results",
+        f"1/64 of the budget, one seed, {QUICK_EVALUATIONS} evaluations on {QUICK_VAL_BATCHES} held-out micro-batches: "
+        "a pipeline check, no results",
         argv,
         add_arguments,
         resolve,

@@ -34,8 +34,9 @@ this process's CPU time (``time.process_time``), which other jobs on shared core
     (``tokens_spent``). The tokens are random, so the branches' losses and k* mean nothing:
     (e2) measures cost only.
 
-``--quick`` runs 2 repeats and fewer steps in (a), (b), (d) and (e1) (the probe's window cannot
-shrink): a smoke run, not numbers to read; it writes markdown only where --output / --results say.
+``--quick`` runs 2 repeats, sequences of 32 tokens, and fewer steps in (a), (b), (d) and (e1) (the
+probe's window cannot shrink in steps): a smoke run, not numbers to read; it writes markdown only
+where --output / --results say.
 
 Usage::
 
@@ -75,29 +76,34 @@ from lit_cbs.models.lm import ADAMW, CausalLM
 
 TITLE = "Overhead of lit_cbs's callbacks"
 MICRO_BATCH_SIZE = 16  # sequences per micro-batch
-SEQ_LEN = 128  # tokens per sequence trained on
 SKIPPED_STEPS = 3  # first steps of every fit left out of the step medians (allocator, caches)
 
 
 @dataclasses.dataclass(frozen=True)
-class StepCounts:
-    """Optimizer steps per fit."""
+class Sizes:
+    """Optimizer steps per fit, and the sequences they train on."""
 
     idle: int  # (a) and (e1)
     steady: int  # (b): at each of the two batch sizes
     noise_scale: int  # (d)
+    seq_len: int = 128  # tokens per sequence trained on
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of one optimizer step at batch 16."""
+        return MICRO_BATCH_SIZE * self.seq_len
 
 
-FULL = StepCounts(idle=30, steady=12, noise_scale=12)
-QUICK = StepCounts(idle=8, steady=6, noise_scale=6)  # (b) needs steady >= 6 for a step median at 16
+FULL = Sizes(idle=30, steady=12, noise_scale=12)
+# (b) needs steady >= 6 for a step median at 16. Sequences of 32 tokens: the same steps and hooks at a quarter of the
+# compute, which is most of a quick run's time.
+QUICK = Sizes(idle=8, steady=6, noise_scale=6, seq_len=32)
 
-STEP_TOKENS = MICRO_BATCH_SIZE * SEQ_LEN  # one optimizer step at batch 16
 # (e2): one probe, started after PROBE_AFTER_STEPS steps at batch 16; its window is the fewest
 # tokens that hold one step of the largest branch, 8 x 16 samples = 8 steps of the main run.
 PROBE_MULTIPLIERS = (1, 2, 4, 8)
 PROBE_AFTER_STEPS = 3
 PROBE_WINDOW_STEPS = max(PROBE_MULTIPLIERS)
-PROBE_WINDOW_TOKENS = PROBE_WINDOW_STEPS * STEP_TOKENS
 PROBE_FIT_STEPS = PROBE_AFTER_STEPS + PROBE_WINDOW_STEPS + 1  # one step after the probe ends
 
 PER_BATCH_HOOKS = ("on_train_batch_start", "on_train_batch_end")
@@ -117,7 +123,8 @@ class Config:
 
     part: str  # "(a)", "(d)", ...
     name: str
-    callbacks: Callable[[int], list[Callback]]  # fresh callbacks for every fit of so many optimizer steps
+    # Fresh callbacks for every fit: of so many optimizer steps, of so many tokens each at batch 16.
+    callbacks: Callable[[int, int], list[Callback]]
     baseline: str | None = None  # the configuration without the measured callback, same rotation
     hooks: tuple[str, ...] = ()  # the measured callback's hooks to time
 
@@ -138,21 +145,21 @@ def warmup_at(global_batch: int, **kwargs) -> BatchWarmup:
     return BatchWarmup(ConstantBatch(global_batch), **kwargs)
 
 
-def probe(**kwargs) -> CBSProbeCallback:
+def probe(step_tokens: int, **kwargs) -> CBSProbeCallback:
     return CBSProbeCallback(
-        multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_TOKENS, evaluate="train_ema", **kwargs
+        multipliers=PROBE_MULTIPLIERS, window_tokens=PROBE_WINDOW_STEPS * step_tokens, evaluate="train_ema", **kwargs
     )
 
 
 WARMUP_16 = "+ BatchWarmup(ConstantBatch(16))"
 IDLE_PROBE = "+ BatchWarmup(ConstantBatch(16)) + CBSProbeCallback between probes"
 IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
-    Config("(a)", PLAIN, lambda steps: []),
-    Config("(a)", WARMUP_16, lambda steps: [warmup_at(16)], PLAIN, PER_BATCH_HOOKS),
+    Config("(a)", PLAIN, lambda steps, step_tokens: []),
+    Config("(a)", WARMUP_16, lambda steps, step_tokens: [warmup_at(16)], PLAIN, PER_BATCH_HOOKS),
     Config(
         "(a)",
         "+ BatchWarmup(ConstantBatch(16), log_every_step=False)",
-        lambda steps: [warmup_at(16, log_every_step=False)],
+        lambda steps, step_tokens: [warmup_at(16, log_every_step=False)],
         PLAIN,
         PER_BATCH_HOOKS,
     ),
@@ -162,12 +169,12 @@ IDLE_CONFIGS = [  # (a) and (e1), fitted in one rotation
     Config(
         "(e1)",
         IDLE_PROBE,
-        lambda steps: [
+        lambda steps, step_tokens: [
             warmup_at(16),
             CBSProbeCallback(
-                geometric=(STEP_TOKENS, steps),
+                geometric=(step_tokens, steps),
                 multipliers=(1, 2),
-                window_tokens=2 * STEP_TOKENS,
+                window_tokens=2 * step_tokens,
                 max_overhead=1e-9,
                 evaluate="train_ema",
             ),
@@ -180,12 +187,18 @@ ACCUMULATE_2 = "BatchWarmup(ConstantBatch(32)), accumulate 2"
 NOISE_SCALE = "+ GradientNoiseScale()"
 NOISE_SCALE_BLOCKS = "+ GradientNoiseScale(groups='blocks')"
 NOISE_SCALE_CONFIGS = [  # (d)
-    Config("(d)", ACCUMULATE_2, lambda steps: [warmup_at(32)]),
-    Config("(d)", NOISE_SCALE, lambda steps: [warmup_at(32), GradientNoiseScale()], ACCUMULATE_2, NOISE_SCALE_HOOKS),
+    Config("(d)", ACCUMULATE_2, lambda steps, step_tokens: [warmup_at(32)]),
+    Config(
+        "(d)",
+        NOISE_SCALE,
+        lambda steps, step_tokens: [warmup_at(32), GradientNoiseScale()],
+        ACCUMULATE_2,
+        NOISE_SCALE_HOOKS,
+    ),
     Config(
         "(d)",
         NOISE_SCALE_BLOCKS,
-        lambda steps: [warmup_at(32), GradientNoiseScale(groups="blocks")],
+        lambda steps, step_tokens: [warmup_at(32), GradientNoiseScale(groups="blocks")],
         ACCUMULATE_2,
         NOISE_SCALE_HOOKS,
     ),
@@ -193,14 +206,14 @@ NOISE_SCALE_CONFIGS = [  # (d)
 BLOCKS_OVER_WHOLE = "(d) time inside its hooks, groups='blocks' / no groups"
 
 
-def probed_once(search: str, steps: int) -> list[Callback]:
-    return [warmup_at(16), probe(at_tokens=[PROBE_AFTER_STEPS * STEP_TOKENS], search=search)]
+def probed_once(search: str, steps: int, step_tokens: int) -> list[Callback]:
+    return [warmup_at(16), probe(step_tokens, at_tokens=[PROBE_AFTER_STEPS * step_tokens], search=search)]
 
 
 PROBE_BASELINE = "BatchWarmup(ConstantBatch(16)), no probe"
 PROBE_SEARCHES = ("grid", "bisect")
 PROBE_CONFIGS = [  # (e2)
-    Config("(e2)", PROBE_BASELINE, lambda steps: [warmup_at(16)]),
+    Config("(e2)", PROBE_BASELINE, lambda steps, step_tokens: [warmup_at(16)]),
     *(
         Config(
             "(e2)",
@@ -229,8 +242,8 @@ def hook_share_measure(config: Config) -> str:
 class CountedTokenData(RandomTokenData):
     """Counts ``train_dataloader()`` calls: (c) checks that a batch change rebuilds no loader."""
 
-    def __init__(self, samples: int):
-        super().__init__(vocab_size=256, seq_len=SEQ_LEN, batch_size=MICRO_BATCH_SIZE, samples=samples)
+    def __init__(self, samples: int, seq_len: int):
+        super().__init__(vocab_size=256, seq_len=seq_len, batch_size=MICRO_BATCH_SIZE, samples=samples)
         self.loader_builds = 0
 
     def train_dataloader(self):
@@ -275,11 +288,12 @@ class Fit:
     hook_seconds: dict[str, float] | None  # inside the timed hooks, per clock
 
 
-def fit(max_steps: int, callbacks: list[Callback], hooks: tuple[str, ...] = ()) -> Fit:
-    """One fit of ``max_steps`` optimizer steps; ``hooks`` of the last callback are timed."""
+def fit(max_steps: int, callbacks: list[Callback], seq_len: int, hooks: tuple[str, ...] = ()) -> Fit:
+    """One fit of ``max_steps`` optimizer steps on sequences of ``seq_len`` tokens; ``hooks`` of the last callback
+    are timed."""
     pl.seed_everything(0, verbose=False)
     module = CausalLM("tiny", optimizer=functools.partial(ADAMW, lr=1e-3), lr_schedule=None)
-    data = CountedTokenData(samples=max_steps * 2 * MICRO_BATCH_SIZE)
+    data = CountedTokenData(samples=max_steps * 2 * MICRO_BATCH_SIZE, seq_len=seq_len)
     hook_seconds = time_hooks(callbacks[-1], hooks) if hooks else None
     timer = StepTimer()
     log_dir = tempfile.mkdtemp(prefix="lit_cbs_overhead_")
@@ -323,9 +337,13 @@ def rotated(configs: list[Config], repeat: int) -> list[Config]:
     return configs[shift:] + configs[:shift]
 
 
-def time_steps(results: Results, configs: list[Config], steps: int, repeat: int) -> dict[str, Fit]:
+def time_steps(results: Results, configs: list[Config], steps: int, repeat: int, seq_len: int) -> dict[str, Fit]:
     """(a), (d), (e1): every configuration once, in an order that rotates with ``repeat``."""
-    fits = {config.name: fit(steps, config.callbacks(steps), config.hooks) for config in rotated(configs, repeat)}
+    step_tokens = MICRO_BATCH_SIZE * seq_len
+    fits = {
+        config.name: fit(steps, config.callbacks(steps, step_tokens), seq_len, config.hooks)
+        for config in rotated(configs, repeat)
+    }
     for config in configs:  # rows grouped per configuration, whatever order the fits ran in
         run = fits[config.name]
         results.loader_builds[config.label].append(run.data.loader_builds)
@@ -342,11 +360,11 @@ def time_steps(results: Results, configs: list[Config], steps: int, repeat: int)
     return fits
 
 
-def time_change(results: Results, steady_steps: int) -> None:
+def time_change(results: Results, steady_steps: int, seq_len: int) -> None:
     """(b): one fit whose global batch grows 16 -> 32 samples after ``steady_steps`` steps."""
     threshold = steady_steps * MICRO_BATCH_SIZE
     warmup = BatchWarmup(PiecewiseBatch([MICRO_BATCH_SIZE, 2 * MICRO_BATCH_SIZE], [0, threshold], unit="samples"))
-    run = fit(2 * steady_steps, [warmup])
+    run = fit(2 * steady_steps, [warmup], seq_len)
     results.loader_builds["(b) 16 -> 32 samples by accumulation"].append(run.data.loader_builds)
     (change,) = warmup.history
     for clock in CLOCKS:
@@ -364,9 +382,9 @@ def time_change(results: Results, steady_steps: int) -> None:
         results.add(CHANGE_COST, clock, extra_steps)
 
 
-def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
+def time_noise_scale(results: Results, steps: int, repeat: int, seq_len: int) -> None:
     """(d): steps of 2 micro-batches with and without GradientNoiseScale; the bytes it keeps."""
-    fits = time_steps(results, NOISE_SCALE_CONFIGS, steps, repeat)
+    fits = time_steps(results, NOISE_SCALE_CONFIGS, steps, repeat, seq_len)
     for clock in CLOCKS:
         blocks, whole = (fits[name].hook_seconds[clock] for name in (NOISE_SCALE_BLOCKS, NOISE_SCALE))
         results.add(BLOCKS_OVER_WHOLE, clock, blocks / whole)
@@ -377,10 +395,11 @@ def time_noise_scale(results: Results, steps: int, repeat: int) -> None:
     results.gradient_bytes = sum(p.grad.nbytes for p in run.module.parameters() if p.grad is not None)
 
 
-def time_probe(results: Results, repeat: int) -> None:
+def time_probe(results: Results, repeat: int, seq_len: int) -> None:
     """(e2): the fit without a probe and with one probe of each search, in a rotating order."""
+    step_tokens = MICRO_BATCH_SIZE * seq_len
     fits = {
-        config.name: fit(PROBE_FIT_STEPS, config.callbacks(PROBE_FIT_STEPS), config.hooks)
+        config.name: fit(PROBE_FIT_STEPS, config.callbacks(PROBE_FIT_STEPS, step_tokens), seq_len, config.hooks)
         for config in rotated(PROBE_CONFIGS, repeat)
     }
     base = fits[PROBE_BASELINE]
@@ -431,7 +450,7 @@ def idle_verdict(config: Config, results: Results, what: str) -> str:
     )
 
 
-def verdicts(results: Results) -> str:
+def verdicts(results: Results, sizes: Sizes) -> str:
     """The goals checked against the cpu-clock medians (steadier than wall time on shared cores)."""
     by_name = {config.name: config for config in IDLE_CONFIGS + NOISE_SCALE_CONFIGS}
     lines = [idle_verdict(config, results, config.name.removeprefix("+ ")) for config in IDLE_CONFIGS[1:3]]
@@ -465,7 +484,8 @@ def verdicts(results: Results) -> str:
     branches = {name: ", ".join(f"{k:g}" for k in results.probe_branches[name]) for name in (grid, bisect)}
     time_ratio = statistics.median(results.values[GRID_OVER_BISECT]["cpu"])
     lines.append(
-        f"- (e2) one probe (k = {', '.join(map(str, PROBE_MULTIPLIERS))}, window {PROBE_WINDOW_TOKENS:,} tokens = "
+        f"- (e2) one probe (k = {', '.join(map(str, PROBE_MULTIPLIERS))}, window "
+        f"{PROBE_WINDOW_STEPS * sizes.step_tokens:,} tokens = "
         f"{PROBE_WINDOW_STEPS} steps): grid trains k = {branches[grid]}, {spent[grid]:,.0f} tokens, "
         f"{steps[grid]:.1f} steps of extra time; bisect trains k = {branches[bisect]}, {spent[bisect]:,.0f} tokens, "
         f"{steps[bisect]:.1f} steps"
@@ -478,9 +498,7 @@ def verdicts(results: Results) -> str:
     return "\n".join(lines)
 
 
-def report(
-    results: Results, args: argparse.Namespace, steps: StepCounts, seconds: float, load_before, load_after
-) -> str:
+def report(results: Results, args: argparse.Namespace, steps: Sizes, seconds: float, load_before, load_after) -> str:
     """The markdown report without its title."""
     width = max(len(measure) for measure in results.values)
     header = f"| {'measure':<{width}} | " + " | ".join(f"{clock}: median [min, max]" for clock in CLOCKS) + " |"
@@ -499,8 +517,9 @@ def report(
     # This benchmark adds about 1 (one torch thread); more before it started means other jobs.
     shared_note = " (other jobs shared the cores: the cpu column is the steadier)" if load_before[0] >= 1 else ""
     quick_note = "\n**A `--quick` smoke run: too few repeats and steps to read numbers from.**\n" if args.quick else ""
+    seq_len = steps.seq_len
     return f"""Measured by `benchmarks/overhead.py` (its docstring has the method). Workload: `CausalLM` with the tiny
-OLMo (d_model 64, 4 layers, byte vocabulary), random token micro-batches of {MICRO_BATCH_SIZE} x {SEQ_LEN}, AdamW, one
+OLMo (d_model 64, 4 layers, byte vocabulary), random token micro-batches of {MICRO_BATCH_SIZE} x {seq_len}, AdamW, one
 Lightning Trainer per fit on CPU, CSVLogger every 10 steps. Every callback is compared with the same
 Trainer without it. {args.repeats} repeats; within each, the fits of (a) + (e1), of (d) and of (e2) run in
 orders that rotate per repeat. Steps per fit: (a) and (e1) {steps.idle}, (b) {steps.steady} + {steps.steady},
@@ -514,7 +533,7 @@ Python {platform.python_version()}, torch {torch.__version__}, lightning {pl.__v
 - load average (1, 5, 15 min) before: {loads[0]}; after: {loads[1]}{shared_note}
 - runtime: {seconds:.0f} s
 
-{verdicts(results)}
+{verdicts(results, steps)}
 
 Reading the table: the time inside a callback's hooks is measured directly and is steady; the
 end-to-end overhead is the difference of two fits' medians, so fit-to-fit noise (the min/max
@@ -526,7 +545,7 @@ not grow with the model.
 (d) GradientNoiseScale's hooks pass over the gradients about three times per micro-batch and once
 per step (fused over the parameters), and write three metrics to the loggers at their interval: a
 cost in proportion to the parameters, while the step's compute grows with parameters x tokens, so
-its share of a step falls as the micro-batch holds more tokens than these {STEP_TOKENS:,}.
+its share of a step falls as the micro-batch holds more tokens than these {steps.step_tokens:,}.
 With `groups="blocks"` the same norms are summed per group by one `index_add_` and 18 more metrics
 are written at the logging interval.
 
@@ -562,7 +581,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="fits per configuration (default 8; --quick: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
     parser.add_argument(
-        "--quick", action="store_true", help="2 repeats and fewer steps: a smoke run, not numbers to read"
+        "--quick",
+        action="store_true",
+        help="2 repeats, fewer steps and sequences of 32 tokens: a smoke run, not numbers to read",
     )
     parser.add_argument(
         "--output",
@@ -592,10 +613,10 @@ def main() -> None:
     load_before, start = os.getloadavg(), time.perf_counter()
     results = Results()
     for repeat in range(args.repeats):
-        time_steps(results, IDLE_CONFIGS, steps.idle, repeat)
-        time_change(results, steps.steady)
-        time_noise_scale(results, steps.noise_scale, repeat)
-        time_probe(results, repeat)
+        time_steps(results, IDLE_CONFIGS, steps.idle, repeat, steps.seq_len)
+        time_change(results, steps.steady, steps.seq_len)
+        time_noise_scale(results, steps.noise_scale, repeat, steps.seq_len)
+        time_probe(results, repeat, steps.seq_len)
     body = report(results, args, steps, time.perf_counter() - start, load_before, os.getloadavg())
     print(f"# {TITLE}\n\n{body}")
     if args.output:
