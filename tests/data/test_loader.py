@@ -3,13 +3,11 @@ resumes anywhere, and the length Lightning reads."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import subprocess_env
+from launch import run_forked
 from toys import IndexedRegression
 
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
@@ -198,20 +196,16 @@ def test_bad_arguments_name_the_field(kwargs, match):
 KILL_RESUME = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume.py"
 
 
-def kill_resume_run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(KILL_RESUME), str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=subprocess_env(),
-    )
+def kill_resume_run(out: Path, *args: str) -> int:
+    """tests/scripts/kill_resume.py's exit code; each run a process of its own (a copy of this one: it imports
+    nothing again), none of them the test's."""
+    return run_forked(KILL_RESUME, str(out), *args)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("uninterrupted")
-    assert kill_resume_run(out).returncode == 0
+    assert kill_resume_run(out) == 0
     return torch.load(out / "result.pt", weights_only=False)
 
 
@@ -222,13 +216,12 @@ def test_a_map_style_dataset_killed_mid_epoch_resumes_bit_for_bit(uninterrupted,
     # runs at 224 tokens; SIGKILL leaves only the periodic checkpoints (every 3 steps, none inside the probe).
     full = uninterrupted
     killed = kill_resume_run(tmp_path / "killed", "--kill-at", str(kill_at))
-    assert killed.returncode == -9  # SIGKILL: nothing saved on the way out
+    assert killed == -9  # SIGKILL: nothing saved on the way out
     checkpoints = sorted(
         (tmp_path / "killed" / "checkpoints").glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1])
     )
     latest = checkpoints[-1]
-    resumed = kill_resume_run(tmp_path / "resumed", "--resume", str(latest))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert kill_resume_run(tmp_path / "resumed", "--resume", str(latest)) == 0  # its traceback: the captured stderr
     after = torch.load(tmp_path / "resumed" / "result.pt", weights_only=False)
     step = int(latest.stem.split("=")[1])
     assert (
