@@ -3,6 +3,7 @@ resumes anywhere, and the length Lightning reads."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -196,16 +197,15 @@ def test_bad_arguments_name_the_field(kwargs, match):
 KILL_RESUME = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume.py"
 
 
-def kill_resume_run(out: Path, *args: str) -> int:
-    """tests/scripts/kill_resume.py's exit code; each run a process of its own (a copy of this one: it imports
-    nothing again), none of them the test's."""
-    return run_forked(KILL_RESUME, str(out), *args)
+def kill_resume_run(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """tests/scripts/kill_resume.py, each run a process of its own (a copy of this one: it imports nothing again)."""
+    return run_forked(KILL_RESUME, str(out), *args, capture_output=True)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("uninterrupted")
-    assert kill_resume_run(out) == 0
+    assert kill_resume_run(out).returncode == 0
     return torch.load(out / "result.pt", weights_only=False)
 
 
@@ -216,12 +216,13 @@ def test_a_map_style_dataset_killed_mid_epoch_resumes_bit_for_bit(uninterrupted,
     # runs at 224 tokens; SIGKILL leaves only the periodic checkpoints (every 3 steps, none inside the probe).
     full = uninterrupted
     killed = kill_resume_run(tmp_path / "killed", "--kill-at", str(kill_at))
-    assert killed == -9  # SIGKILL: nothing saved on the way out
+    assert killed.returncode == -9  # SIGKILL: nothing saved on the way out
     checkpoints = sorted(
         (tmp_path / "killed" / "checkpoints").glob("step=*.ckpt"), key=lambda path: int(path.stem.split("=")[1])
     )
     latest = checkpoints[-1]
-    assert kill_resume_run(tmp_path / "resumed", "--resume", str(latest)) == 0  # its traceback: the captured stderr
+    resumed = kill_resume_run(tmp_path / "resumed", "--resume", str(latest))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     after = torch.load(tmp_path / "resumed" / "result.pt", weights_only=False)
     step = int(latest.stem.split("=")[1])
     assert (
