@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import gc
 import os
+import runpy
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -39,3 +48,77 @@ def in_process_ddp() -> str:
         return "ddp_spawn"
     gc.collect()
     return "ddp_fork"
+
+
+def run_forked(
+    script: Path,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    capture_output: bool = False,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``python script args...`` in a forked copy of this process, where torch, Lightning and the test helpers are
+    imported already (a fresh interpreter imports them again: about 6 CPU-s), started as ``subprocess.run`` would
+    start it (from ``cwd``, with the variables ``env`` added to this environment and the rendezvous variables
+    dropped, its output in ``stdout`` and ``stderr`` with ``capture_output``, else in the test's), its outcome as
+    ``subprocess.run`` gives it (``returncode`` -N: killed by signal N). For a script whose outcome is its files
+    and what it prints, not how a fresh interpreter starts (its import-time warnings were emitted here, once).
+
+    The copy trains on one thread: OpenMP's threads do not survive a fork, and a copy that used this process's
+    thread pool would wait on them for ever (as a pytest-xdist worker's processes do anyway, tests/conftest.py). A
+    process that initialised CUDA cannot fork: there the script starts afresh. A copy past ``timeout`` seconds is
+    killed, and raises ``subprocess.TimeoutExpired`` here, as ``subprocess.run`` does."""
+    command = [sys.executable, str(script), *args]
+    if torch.cuda.is_initialized():
+        return subprocess.run(
+            command, cwd=cwd, env=subprocess_env(**(env or {})), capture_output=capture_output, text=True,
+            timeout=timeout,
+        )  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        outputs = [Path(folder) / "stdout", Path(folder) / "stderr"] if capture_output else []
+        gc.collect()  # as in_process_ddp: no process group an earlier test left is collected (and waits) in the copy
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _run_copy(command[1:], cwd, env or {}, outputs)
+        deadline = time.monotonic() + timeout
+        while not (ended := os.waitpid(pid, os.WNOHANG))[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(command, timeout)
+            time.sleep(0.05)
+        stdout, stderr = (path.read_text(errors="replace") for path in outputs) if outputs else (None, None)
+    return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(ended[1]), stdout, stderr)
+
+
+def _run_copy(argv: list[str], cwd: Path | None, env: dict[str, str], outputs: list[Path]) -> NoReturn:
+    """run_forked's copy: runs the script ``argv[0]`` as ``__main__`` and exits, never returning into pytest."""
+    code = 1
+    try:
+        for fd, path in enumerate(outputs, start=1):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        if outputs:  # pytest's sys.stdout and sys.stderr write to files of its own, not to file descriptors 1 and 2
+            sys.stdout, sys.stderr = (open(fd, "w", closefd=False) for fd in (1, 2))  # noqa: SIM115
+        torch.set_num_threads(1)
+        for name in DISTRIBUTED_VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit_:  # as the interpreter ends on it: sys.exit("why") prints why, and exits 1
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

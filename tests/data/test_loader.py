@@ -4,12 +4,11 @@ resumes anywhere, and the length Lightning reads."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import subprocess_env
+from launch import run_forked
 from toys import IndexedRegression
 
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
@@ -199,13 +198,8 @@ KILL_RESUME = Path(__file__).resolve().parents[1] / "scripts" / "kill_resume.py"
 
 
 def kill_resume_run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(KILL_RESUME), str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=subprocess_env(),
-    )
+    """tests/scripts/kill_resume.py, each run a process of its own (a copy of this one: it imports nothing again)."""
+    return run_forked(KILL_RESUME, str(out), *args, capture_output=True)
 
 
 @pytest.fixture(scope="module")

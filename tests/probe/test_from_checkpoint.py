@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import subprocess_env
+from launch import run_forked, subprocess_env
 from omegaconf import OmegaConf
 from recipe_runs import ROOT, compose_config
 from recipe_runs import train as train_script
@@ -137,16 +137,15 @@ FSDP_PROBE = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_probe.py"
 
 
 def test_an_fsdp2_checkpoint_of_two_processes_is_probed_on_one(tmp_path):
-    def script(*arguments: str) -> None:
-        result = subprocess.run([sys.executable, str(FSDP_PROBE), str(tmp_path), *arguments], capture_output=True,
-                                text=True, timeout=600, env=subprocess_env())  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
-
-    script("train")
+    result = subprocess.run([sys.executable, str(FSDP_PROBE), str(tmp_path), "train"], capture_output=True, text=True,
+                            timeout=600, env=subprocess_env())  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
     (expected,) = torch.load(tmp_path / "train.pt", weights_only=False)["readings"]
     checkpoint = tmp_path / "checkpoints" / f"step={expected.step}.ckpt"
     assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()  # a distributed checkpoint: shards of 2 ranks
-    script("probe", str(checkpoint), "1")
+    # One process, a copy of this one (Lightning relaunches the script for the training's second rank: a fresh one).
+    result = run_forked(FSDP_PROBE, str(tmp_path), "probe", str(checkpoint), "1", capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
     reading = torch.load(tmp_path / "probe.pt", weights_only=False)["reading"]
     assert (reading.step, reading.batch_size, reading.bracket) == (expected.step, expected.batch_size, expected.bracket)
     for k, loss in expected.losses.items():  # the same branches on one rank: the same losses but for rounding

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -23,6 +24,10 @@ TESTS = Path(__file__).resolve().parents[1]
 PROBE = dict(
     every_tokens=160, multipliers=(1, 2, 4), window_tokens=128, epsilon=0.01, evaluate="heldout", search="bisect"
 )
+# The toy run trains 24 steps of 16 tokens an epoch. Stopped after step 38 of 48, a PROBE run probes 3 times, at
+# 160, 320 and 480 tokens (steps 10, 20 and 30), the last window ending with the run: one side job less than 2
+# whole epochs take (each job is a process that imports torch and Lightning).
+STEPS = 38
 
 
 @pytest.fixture(autouse=True)
@@ -31,11 +36,13 @@ def job_path(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{TESTS}:{TESTS.parent}")
 
 
-def fit(probe: CBSProbeCallback | None, epochs: int = 2):
+def fit(probe: CBSProbeCallback | None, max_steps: int = -1):
+    """The toy run over 2 epochs, stopped after ``max_steps`` (-1: at its end)."""
     pl.seed_everything(0, verbose=False)
     module = side_job_toys.module()
     callbacks = [side_job_toys.warmup()] + ([probe] if probe is not None else [])
-    trainer = pl.Trainer(callbacks=callbacks, **trainer_kwargs(max_epochs=epochs, limit_val_batches=0))
+    kwargs = trainer_kwargs(max_epochs=2, limit_val_batches=0, max_steps=max_steps)
+    trainer = pl.Trainer(callbacks=callbacks, **kwargs)
     fit_quietly(trainer, module, datamodule=side_job_toys.Data(n=96, batch_size=2))
     return trainer, module
 
@@ -44,13 +51,26 @@ def side_jobs(**kwargs) -> SideJobs:
     return SideJobs(LocalLauncher(threads=1), build="side_job_toys:parts", **kwargs)
 
 
+@pytest.fixture(scope="module")
+def side_job_run(tmp_path_factory):
+    """The toy run probed by side jobs (PROBE, one job at a time) and its folder (cbs_probe.jsonl, cbs_probe_jobs/):
+    the first test compares it with the in-process probe, the stop/resume test its readings with an interrupted
+    run's (each side-job run costs a process per job, each importing torch and Lightning)."""
+    folder = tmp_path_factory.mktemp("side_job_run")
+    probe = CBSProbeCallback(**PROBE, side_jobs=side_jobs(), output_dir=folder)
+    with pytest.MonkeyPatch.context() as patch:  # job_path and the cwd of a test, which run after this
+        patch.setenv("PYTHONPATH", f"{TESTS}:{TESTS.parent}")
+        patch.chdir(folder)
+        _, module = fit(probe, max_steps=STEPS)
+    return probe, module, folder
+
+
 @pytest.mark.slow
-def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alone(tmp_path):
-    plain_trainer, plain = fit(None)
+def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alone(side_job_run):
+    _, plain = fit(None, max_steps=STEPS)
     in_process = CBSProbeCallback(**PROBE)
-    fit(in_process)
-    probe = CBSProbeCallback(**PROBE, side_jobs=side_jobs(), output_dir=tmp_path)
-    trainer, module = fit(probe)
+    fit(in_process, max_steps=STEPS)
+    probe, module, folder = side_job_run
     assert torch.equal(module.layer.weight, plain.layer.weight) and module.micro_batches == plain.micro_batches
     assert len(probe.history) == len(in_process.history) >= 3
     for side, inside in zip(probe.history, in_process.history):
@@ -62,9 +82,9 @@ def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alon
             inside.branches_trained,
         )
         assert side.arrived_at_tokens >= side.tokens + side.window_tokens
-    written = [json.loads(line) for line in (tmp_path / "cbs_probe.jsonl").read_text().splitlines()]
+    written = [json.loads(line) for line in (folder / "cbs_probe.jsonl").read_text().splitlines()]
     assert written == [dataclasses.asdict(reading) for reading in probe.history]
-    folders = sorted((tmp_path / "cbs_probe_jobs").iterdir())
+    folders = sorted((folder / "cbs_probe_jobs").iterdir())
     assert len(folders) == len(probe.history)
     assert all((folder / "scores.json").is_file() and not (folder / "start.ckpt").exists() for folder in folders)
 
@@ -72,12 +92,12 @@ def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alon
 @pytest.mark.slow
 def test_a_failing_side_job_is_retried_then_the_probe_is_recorded_as_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("SIDE_JOB_TOYS_COUNT", str(tmp_path / "count"))
-    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", "3")  # the first probe's job fails 3 times: more than retries=2
-    probe = CBSProbeCallback(**{**PROBE, "every_tokens": 320}, side_jobs=side_jobs(retries=2), output_dir=tmp_path)
+    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", "2")  # the first probe's job fails twice: more than retries=1
+    probe = CBSProbeCallback(**{**PROBE, "every_tokens": 320}, side_jobs=side_jobs(retries=1), output_dir=tmp_path)
     fit(probe)
     assert [failure["tokens"] for failure in probe.failures] == [320]
     assert probe.failures[0]["reason"].startswith(
-        "side job failed 3 times: exited with code 1: RuntimeError: side job 1"
+        "side job failed 2 times: exited with code 1: RuntimeError: side job 1"
     )
     assert [reading.tokens for reading in probe.history] == [640]  # the next probe's job ran and its reading counts
 
@@ -110,14 +130,18 @@ def fit_until(probe: CBSProbeCallback, folder: Path, max_steps: int = -1, ckpt_p
 
 
 @pytest.mark.slow
-def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_lost(tmp_path, caplog):
-    # Probes every 10 steps (160 tokens) over 8-step windows; the run stops after steps 19 and 29 and resumes.
+def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_lost(side_job_run, tmp_path, caplog):
+    # Probes every 10 steps (160 tokens) over 8-step windows; the run stops after steps 19 and 29 and resumes. Its
+    # readings are those of the run never stopped: the first test's (the same toy run and PROBE; neither its
+    # checkpoint callback nor how many jobs run at once changes a reading).
     def probe(**settings) -> CBSProbeCallback:
         jobs = SideJobs(LocalLauncher(threads=1, max_running=None), build="side_job_toys:parts", **settings)
         return CBSProbeCallback(**PROBE, side_jobs=jobs, output_dir=tmp_path / "probes")
 
-    uninterrupted = probe()
-    fit_until(uninterrupted, tmp_path / "full")
+    uninterrupted, _, never_stopped = side_job_run
+    # Its files too, as when the run never stopped wrote into this folder: each probe of the runs below opens its job
+    # folder afresh over one a finished run left, and cbs_probe.jsonl is rewritten from their readings alone.
+    shutil.copytree(never_stopped, tmp_path / "probes")
     first = probe(wait_at_end=0)
     fit_until(first, tmp_path / "run", max_steps=19)  # the first probe's window ended at step 18; its job runs
     (pending,) = first._side.pending.values()
@@ -136,11 +160,11 @@ def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_l
             time.sleep(0.5)
     third = probe()
     with caplog.at_level("INFO"):
-        fit_until(third, tmp_path / "run", ckpt_path=tmp_path / "run" / "last.ckpt")
+        fit_until(third, tmp_path / "run", max_steps=STEPS, ckpt_path=tmp_path / "run" / "last.ckpt")
     assert [(r.tokens, r.losses, r.batch_losses) for r in third.history] == [
         (r.tokens, r.losses, r.batch_losses) for r in uninterrupted.history
     ]
     written = [
         json.loads(line)["tokens"] for line in (tmp_path / "probes" / "cbs_probe.jsonl").read_text().splitlines()
     ]
-    assert written == [160, 320, 480, 640]  # each reading once
+    assert written == [160, 320, 480]  # each reading once

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import subprocess_env
+from hydra.core.global_hydra import GlobalHydra
+from launch import run_forked, subprocess_env
 from recipe_runs import ROOT, TORCHRUN_TRAIN, TRAIN_SCRIPT
 
 from lit_cbs.recipes.run_report import read_metrics_csv, summary_text
@@ -61,7 +62,15 @@ def started_in(folder: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, TRAIN, *SMALL_RUN, *overrides, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    """SMALL_RUN with ``overrides`` into ``run_dir``, in a process of its own that imports nothing again (a copy of
+    this one): the tests of a run's files and printed summary. Those of what a user sees as recipes/train.py starts
+    (warnings, one-line refusals) start it afresh (``started_in``)."""
+    env = {"PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
+    GlobalHydra.instance().clear()  # the copy's @hydra.main starts Hydra afresh: no config a test composed here
+    arguments = [*SMALL_RUN, *overrides, f"hydra.run.dir={run_dir}"]
+    result = run_forked(TRAIN_SCRIPT, *arguments, cwd=run_dir.parent, env=env, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
 
 
 def torchrun_train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
