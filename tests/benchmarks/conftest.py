@@ -1,0 +1,39 @@
+"""The benchmarks' small modes run here as a user runs them (``main([...])``), with one difference in how their runs
+start: each ``recipes/*.py`` process a benchmark starts is a forked copy of the test process (tests/launch.py's
+``run_forked``), which has torch and Lightning imported already, not a fresh interpreter that imports them again
+(about 6 CPU-s a run, most of a small-mode run's cost). The script, its arguments, folder, environment and log are
+the benchmark's; what a fresh interpreter does at its start is tested where it matters (tests/recipes,
+tests/benchmarks/test_gpu_check.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.core.global_hydra import GlobalHydra
+from launch import run_forked
+
+import benchmarks.common
+
+
+class ForkedScripts:
+    """What ``benchmarks.common`` calls ``subprocess``: ``run`` starts ``python SCRIPT.py ...`` as a forked copy,
+    anything else as ``subprocess.run`` does."""
+
+    STDOUT = subprocess.STDOUT
+
+    @staticmethod
+    def run(command: list[str], *, cwd, stdout, stderr, env) -> subprocess.CompletedProcess:
+        if command[0] != sys.executable or not command[1].endswith(".py") or stderr is not subprocess.STDOUT:
+            return subprocess.run(command, cwd=cwd, stdout=stdout, stderr=stderr, env=env)
+        GlobalHydra.instance().clear()  # the copy's @hydra.main starts Hydra afresh: no config a test composed here
+        return run_forked(Path(command[1]), *command[2:], cwd=cwd, env=env, output=Path(stdout.name), timeout=1800)
+
+
+@pytest.fixture(autouse=True, scope="module")  # module-wide: before the module fixtures that run a benchmark
+def forked_benchmark_runs():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(benchmarks.common, "subprocess", ForkedScripts)
+        yield
