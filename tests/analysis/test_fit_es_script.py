@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from launch import run_forked
 from sweeps import SEQ_LEN, WSD_TARGETS, mccandlish_crossing_steps, write_run, wsd_truth
 from toys import probe_reading
 
@@ -18,12 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_fit_es(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / "recipes" / "fit_es.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """recipes/fit_es.py as a forked copy of this process (tests/launch.py)."""
+    return run_forked(REPO / "recipes" / "fit_es.py", *map(str, args), capture_output=True, timeout=300)
 
 
 @pytest.mark.slow

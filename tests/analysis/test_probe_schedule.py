@@ -7,12 +7,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from launch import run_forked
 from recipe_runs import compose_config
 from toys import probe_reading
 
@@ -171,12 +171,8 @@ def test_bad_files_are_named(tmp_path):
 
 
 def run_command(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "schedule_from_probe.py"), *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    """recipes/schedule_from_probe.py as a forked copy of this process (tests/launch.py)."""
+    return run_forked(ROOT / "recipes" / "schedule_from_probe.py", *map(str, args), cwd=ROOT, capture_output=True)
 
 
 @pytest.mark.slow

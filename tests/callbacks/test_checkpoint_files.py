@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import subprocess_env
+from launch import run_forked
 from recipe_runs import compose_config
 
 from lit_cbs.callbacks.checkpoint_files import newest_complete, partial_path, replaced_path, settle, unreadable
@@ -22,15 +21,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_in_write.py"
 
 
 def run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    """tests/scripts/kill_in_write.py in a session of its own (a kill takes every process of the run)."""
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=subprocess_env(),
-        start_new_session=True,
-    )
+    """tests/scripts/kill_in_write.py as a forked copy of this process (tests/launch.py) in a session of its own (a
+    kill takes every process of the run: with --fsdp, rank 1 is a fresh process it starts)."""
+    return run_forked(SCRIPT, str(out), *args, capture_output=True, start_new_session=True, timeout=300)
 
 
 def killed_at(out: Path, write: str, occurrence: int, *args: str) -> None:

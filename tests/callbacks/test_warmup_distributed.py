@@ -12,15 +12,13 @@ ranks.
 from __future__ import annotations
 
 import pickle
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import in_process_ddp, subprocess_env
+from launch import in_process_ddp, run_forked
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DistributedSampler
 from toys import (
@@ -165,13 +163,8 @@ def factored_mean_gradients(dataset: IndexedRegression, indices: list[int], weig
 
 @pytest.mark.slow
 def test_fsdp2_accumulates_without_sync_and_steps_on_exact_global_batches(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(SCRIPTS / "fsdp_warmup.py"), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=subprocess_env(),
-    )
+    # A forked copy of this process (tests/launch.py); Lightning starts the second rank as a fresh process.
+    result = run_forked(SCRIPTS / "fsdp_warmup.py", str(tmp_path), capture_output=True, timeout=180)
     assert result.returncode == 0, result.stderr
 
     ranks = load_ranks(tmp_path)
@@ -324,14 +317,8 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_every_sample_once(tmp_p
 def fsdp_elastic_run(outdir: Path, processes: int, ckpt_path: Path | None = None) -> dict:
     """tests/scripts/fsdp_elastic.py on ``processes`` processes; the steps joined over the ranks."""
     outdir.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable,
-        str(SCRIPTS / "fsdp_elastic.py"),
-        str(outdir),
-        str(processes),
-        *([str(ckpt_path)] if ckpt_path else []),
-    ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=subprocess_env())
+    arguments = [str(outdir), str(processes), *([str(ckpt_path)] if ckpt_path else [])]
+    result = run_forked(SCRIPTS / "fsdp_elastic.py", *arguments, capture_output=True, timeout=300)  # rank 0 forked
     assert result.returncode == 0, result.stderr[-5000:]
     per_rank = [torch.load(outdir / f"rank{rank}.pt", weights_only=False) for rank in range(processes)]
     steps = [

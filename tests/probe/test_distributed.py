@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pickle
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import in_process_ddp, subprocess_env
+from launch import in_process_ddp, run_forked
 from lightning.pytorch.callbacks import Callback
 from toys import RegressionDataWithVal, RegressionModule, trainer_kwargs
 
@@ -112,13 +111,7 @@ def test_the_probe_pickles_for_ddp_spawn():
 def run_faults(outdir: Path, mode: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """tests/scripts/probe_faults.py with a fault forced on rank 1 in the k = 4 branch; a hang fails at the timeout."""
     script = Path(__file__).resolve().parents[1] / "scripts" / "probe_faults.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(outdir), mode],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        env=subprocess_env(),
-    )
+    done = run_forked(script, str(outdir), mode, capture_output=True, timeout=150)  # rank 0 a forked copy of this one
     ranks = [torch.load(path, weights_only=False) for path in sorted(outdir.glob("rank*.pt"))]
     return done, ranks
 

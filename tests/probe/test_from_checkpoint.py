@@ -5,14 +5,13 @@ a folder of checkpoints gives the curve; bad input is refused in one line before
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import run_forked, subprocess_env
+from hydra.core.global_hydra import GlobalHydra
+from launch import run_forked
 from omegaconf import OmegaConf
 from recipe_runs import ROOT, compose_config
 from recipe_runs import train as train_script
@@ -94,10 +93,10 @@ def test_a_checkpoints_reading_equals_the_in_process_one_at_its_step(probed_run)
 
 def test_recipes_probe_py_reads_a_folder_of_checkpoints_and_draws_the_curve(probed_run, tmp_path):
     out = tmp_path / "probes"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "probe.py"), f"ckpt_path={probed_run / 'checkpoints'}",
-         "probe.multipliers=[1,2]", f"hydra.run.dir={out}"],
-        capture_output=True, text=True, timeout=600, env=subprocess_env(), cwd=tmp_path,
+    GlobalHydra.instance().clear()  # the copy's @hydra.main starts Hydra afresh
+    result = run_forked(
+        ROOT / "recipes" / "probe.py", f"ckpt_path={probed_run / 'checkpoints'}", "probe.multipliers=[1,2]",
+        f"hydra.run.dir={out}", capture_output=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     readings = [json.loads(line) for line in (out / "cbs_probe.jsonl").read_text().splitlines()]
@@ -111,9 +110,10 @@ def test_a_checkpoint_without_its_runs_configuration_is_refused(probed_run, tmp_
     lonely = tmp_path / "elsewhere" / "checkpoints"
     lonely.mkdir(parents=True)
     (lonely / "step0000002.ckpt").write_bytes((probed_run / "checkpoints" / "step0000002.ckpt").read_bytes())
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "recipes" / "probe.py"), f"ckpt_path={lonely / 'step0000002.ckpt'}"],
-        capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path,
+    GlobalHydra.instance().clear()
+    result = run_forked(
+        ROOT / "recipes" / "probe.py", f"ckpt_path={lonely / 'step0000002.ckpt'}", capture_output=True, timeout=300,
+        cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
@@ -137,13 +137,12 @@ FSDP_PROBE = Path(__file__).resolve().parents[1] / "scripts" / "fsdp_probe.py"
 
 
 def test_an_fsdp2_checkpoint_of_two_processes_is_probed_on_one(tmp_path):
-    result = subprocess.run([sys.executable, str(FSDP_PROBE), str(tmp_path), "train"], capture_output=True, text=True,
-                            timeout=600, env=subprocess_env())  # fmt: skip
+    result = run_forked(FSDP_PROBE, str(tmp_path), "train", capture_output=True, timeout=600)  # rank 1 a fresh process
     assert result.returncode == 0, result.stderr[-3000:]
     (expected,) = torch.load(tmp_path / "train.pt", weights_only=False)["readings"]
     checkpoint = tmp_path / "checkpoints" / f"step={expected.step}.ckpt"
     assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()  # a distributed checkpoint: shards of 2 ranks
-    # One process, a copy of this one (Lightning relaunches the script for the training's second rank: a fresh one).
+    # One process, a copy of this one.
     result = run_forked(FSDP_PROBE, str(tmp_path), "probe", str(checkpoint), "1", capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     reading = torch.load(tmp_path / "probe.pt", weights_only=False)["reading"]
