@@ -28,14 +28,19 @@ HOSTS_MARK="# lit_cbs test cluster"
 say() { printf 'slurm cluster: %s\n' "$*" >&2; }
 alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
-stop_pidfile() {  # stop the daemon whose PID the file holds, if it is alive; wait up to 10 s, then SIGKILL
-  local file=$1 pid
-  if ! alive "$file"; then rm -f "$file"; return 0; fi
-  pid=$(cat "$file")
-  kill "$pid"
-  for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-  kill -0 "$pid" 2>/dev/null && kill -9 "$pid"
-  rm -f "$file"
+stop_pidfiles() {  # stop the daemons whose PIDs the files hold, those alive, together; wait up to 10 s, then SIGKILL
+  local file pid running pids=()
+  for file in "$@"; do
+    if alive "$file"; then pid=$(cat "$file"); pids+=("$pid"); kill "$pid"; fi
+    rm -f "$file"
+  done
+  for _ in $(seq 100); do
+    running=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && running=1; done
+    [ "$running" = 0 ] && return 0
+    sleep 0.1
+  done
+  for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
 }
 
 install_packages() {
@@ -149,10 +154,8 @@ down() {
     scancel --user="$(id -un)" 2>/dev/null || true
     for _ in $(seq 30); do squeue -h 2>/dev/null | grep -q . || break; sleep 1; done
   fi
-  stop_pidfile "$DIR/slurmd-n1.pid"
-  stop_pidfile "$DIR/slurmd-n2.pid"
-  stop_pidfile "$DIR/slurmctld.pid"  # its child slurmscriptd exits with it
-  stop_pidfile "$DIR/munged.pid"     # only if `up` started it
+  stop_pidfiles "$DIR/slurmd-n1.pid" "$DIR/slurmd-n2.pid" "$DIR/slurmctld.pid"  # slurmscriptd exits with slurmctld
+  stop_pidfiles "$DIR/munged.pid"  # only if `up` started it
   remove_hosts
   rm -rf "$DIR/state" "$DIR/spool-n1" "$DIR/spool-n2"
 }
