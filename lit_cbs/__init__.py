@@ -16,7 +16,7 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "BatchAccounting": "lit_cbs.callbacks.accounting",
-    "BatchChange": "lit_cbs.callbacks.warmup",
+    "BatchChange": "lit_cbs.callbacks.batch_change",
     "BatchWarmup": "lit_cbs.callbacks.warmup",
     "CBSAdaptive": "lit_cbs.rules.batch_schedules",
     "CBSProbeCallback": "lit_cbs.probe",
@@ -48,10 +48,10 @@ __all__ = sorted(_EXPORTS)
 # What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
 if TYPE_CHECKING:
     from lit_cbs.callbacks.accounting import BatchAccounting as BatchAccounting
+    from lit_cbs.callbacks.batch_change import BatchChange as BatchChange
     from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint as FinalStateCheckpoint
     from lit_cbs.callbacks.progress import RunProgressBar as RunProgressBar
     from lit_cbs.callbacks.validation import TokenValidation as TokenValidation
-    from lit_cbs.callbacks.warmup import BatchChange as BatchChange
     from lit_cbs.callbacks.warmup import BatchWarmup as BatchWarmup
     from lit_cbs.data.loader import GlobalOrderLoader as GlobalOrderLoader
     from lit_cbs.errors import LitCBSConfigError as LitCBSConfigError

@@ -1,8 +1,9 @@
 """The import graph of lit_cbs keeps the layers docs/design.md draws (its Architecture section): every module
 imports only modules of its own layer or of a lower one, and no modules import each other, directly or round a
 circle. Every import statement that runs counts, also one inside a function: it hides the arrow from a reader, not
-from Python; one under ``if TYPE_CHECKING:`` never runs. ``from package import name`` of a name the package loads on
-first use (its ``_EXPORTS``) is an arrow to the module that defines the name."""
+from Python; one under ``if TYPE_CHECKING:`` never runs, but a type checker follows it, so no circle may run
+through those either. ``from package import name`` of a name the package loads on first use (its ``_EXPORTS``) is
+an arrow to the module that defines the name."""
 
 from __future__ import annotations
 
@@ -70,14 +71,16 @@ def type_checking_only(tree: ast.Module) -> set[ast.stmt]:
     return {child for block in blocks for child in ast.walk(block) if isinstance(child, (ast.Import, ast.ImportFrom))}
 
 
-def imports(modules: dict[str, Path]) -> dict[str, dict[str, int]]:
-    """module -> {lit_cbs module it imports: line of the first such import}, from the source of each."""
+def imports(modules: dict[str, Path], typed: bool = False) -> dict[str, dict[str, int]]:
+    """module -> {lit_cbs module it imports: line of the first such import}, from the source of each. With
+    ``typed``, also the imports a type checker follows (``if TYPE_CHECKING:``) in modules, not in a package's
+    ``__init__.py``, whose block repeats its lazy exports for type checkers."""
     graph: dict[str, dict[str, int]] = {}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
         arrows: dict[str, int] = {}
         tree = ast.parse(path.read_text(), str(path))
-        unrun = type_checking_only(tree)
+        unrun = type_checking_only(tree) if not typed or path.name == "__init__.py" else set()
         for node in ast.walk(tree):
             if node in unrun:
                 continue
@@ -201,6 +204,15 @@ def test_no_import_circles(graph):
     assert not found, "import circles:\n" + "\n".join(describe(graph, circle) for circle in found)
 
 
+def test_no_import_circles_for_type_checkers_either():
+    # A module that imports another only for its annotations still depends on it: no circle through such imports.
+    typed = imports(module_files(), typed=True)
+    found = circles(typed)
+    assert not found, "import circles, counting imports under TYPE_CHECKING:\n" + "\n".join(
+        describe(typed, circle) for circle in found
+    )
+
+
 def test_the_check_sees_hidden_circles_and_upward_imports(tmp_path):
     # A package with the faults the checks above look for, each behind an import inside a function.
     package = tmp_path / "lit_cbs"
@@ -213,6 +225,9 @@ def test_the_check_sees_hidden_circles_and_upward_imports(tmp_path):
         "analysis/__init__.py": "_EXPORTS = {'h': 'lit_cbs.analysis.d'}\n",
         "analysis/d.py": "def h():\n    import lit_cbs.callbacks.c\n",
         "analysis/e.py": "from lit_cbs.analysis import h\n",
+        "data/__init__.py": "",
+        "data/f.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from lit_cbs.data.g import G\n",
+        "data/g.py": "from lit_cbs.data.f import F\n",
     }.items():
         (package / folder).parent.mkdir(parents=True, exist_ok=True)
         (package / folder).write_text(source)
@@ -223,3 +238,8 @@ def test_the_check_sees_hidden_circles_and_upward_imports(tmp_path):
     ]
     (circle,) = circles(toy)
     assert describe(toy, circle) == "lit_cbs.rules.a (line 2) -> lit_cbs.rules.b (line 1) -> lit_cbs.rules.a"
+    typed = imports(module_files(package), typed=True)  # the annotation-only import counts for type checkers
+    assert [describe(typed, circle) for circle in circles(typed)] == [
+        "lit_cbs.data.f (line 3) -> lit_cbs.data.g (line 1) -> lit_cbs.data.f",
+        "lit_cbs.rules.a (line 2) -> lit_cbs.rules.b (line 1) -> lit_cbs.rules.a",
+    ]

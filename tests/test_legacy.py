@@ -13,7 +13,7 @@ import torch
 from toys import GlobalOrderRegressionData, RegressionModule, fit_quietly, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, PiecewiseBatch, legacy
-from lit_cbs.callbacks.warmup import BatchChange
+from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.probe.reading import ProbeReading
 from lit_cbs.recipes.run_report import read_batch_history
 from lit_cbs.rules.guard import GuardVerdict

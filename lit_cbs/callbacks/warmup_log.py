@@ -10,19 +10,15 @@ and LR that step trained with, and the counts including it (the metrics' names a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from lit_cbs import metrics
 from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.rules.guard import BatchGuard
 from lit_cbs.rules.scaling import OptimizerRules, ScalingRule
-
-if TYPE_CHECKING:
-    from lit_cbs.callbacks.warmup import BatchChange
 
 __all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
 
