@@ -75,7 +75,9 @@ def run_forked(
 
     The copy trains on one thread: OpenMP's threads do not survive a fork, and a copy that used this process's
     thread pool would wait on them for ever (as a pytest-xdist worker's processes do anyway, tests/conftest.py). A
-    process that initialised CUDA cannot fork: there the script starts afresh. A copy past ``timeout`` seconds is
+    process that initialised CUDA cannot fork: there the script starts afresh. In the copy, warnings, logging and
+    Hydra's global state are as a fresh interpreter has them (pytest's recorder and handlers, and a config a test
+    composed here, are not the script's). A copy past ``timeout`` seconds is
     killed, and raises ``subprocess.TimeoutExpired`` here, as ``subprocess.run`` does."""
     if capture_output and output is not None:
         raise ValueError("run_forked: capture_output or output, not both")
@@ -88,8 +90,10 @@ def run_forked(
                 timeout=timeout, start_new_session=start_new_session, **streams,
             )  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
-        outputs = [Path(folder) / "stdout", Path(folder) / "stderr"] if capture_output else []
-        outputs = [output, output] if output is not None else outputs
+        if output is not None:
+            outputs = [output, output]
+        else:
+            outputs = [Path(folder) / "stdout", Path(folder) / "stderr"] if capture_output else []
         gc.collect()  # as in_process_ddp: no process group an earlier test left is collected (and waits) in the copy
         sys.stdout.flush()
         sys.stderr.flush()
@@ -141,6 +145,10 @@ def _run_copy(argv: list[str], cwd: Path | None, env: dict[str, str], outputs: l
         # its own to stderr, as a fresh interpreter does, under the filters the interpreter started with.
         importlib.reload(warnings)
         warnings._filters_mutated()  # type: ignore[attr-defined]  # what was shown once here may show again
+        if "hydra" in sys.modules:  # a recipe's @hydra.main starts Hydra afresh: no config a test composed here
+            from hydra.core.global_hydra import GlobalHydra
+
+            GlobalHydra.instance().clear()
         for name in DISTRIBUTED_VARIABLES:
             os.environ.pop(name, None)
         os.environ.update(env)

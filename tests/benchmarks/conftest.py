@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra.core.global_hydra import GlobalHydra
 from launch import run_forked
 
 import benchmarks.common
@@ -28,7 +27,6 @@ class ForkedScripts:
     def run(command: list[str], *, cwd, stdout, stderr, env) -> subprocess.CompletedProcess:
         if command[0] != sys.executable or not command[1].endswith(".py") or stderr is not subprocess.STDOUT:
             return subprocess.run(command, cwd=cwd, stdout=stdout, stderr=stderr, env=env)
-        GlobalHydra.instance().clear()  # the copy's @hydra.main starts Hydra afresh: no config a test composed here
         return run_forked(Path(command[1]), *command[2:], cwd=cwd, env=env, output=Path(stdout.name), timeout=1800)
 
 

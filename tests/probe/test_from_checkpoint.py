@@ -10,7 +10,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
 from launch import run_forked
 from omegaconf import OmegaConf
 from recipe_runs import ROOT, compose_config
@@ -93,7 +92,6 @@ def test_a_checkpoints_reading_equals_the_in_process_one_at_its_step(probed_run)
 
 def test_recipes_probe_py_reads_a_folder_of_checkpoints_and_draws_the_curve(probed_run, tmp_path):
     out = tmp_path / "probes"
-    GlobalHydra.instance().clear()  # the copy's @hydra.main starts Hydra afresh
     result = run_forked(
         ROOT / "recipes" / "probe.py", f"ckpt_path={probed_run / 'checkpoints'}", "probe.multipliers=[1,2]",
         f"hydra.run.dir={out}", capture_output=True, timeout=600, cwd=tmp_path,
@@ -110,7 +108,6 @@ def test_a_checkpoint_without_its_runs_configuration_is_refused(probed_run, tmp_
     lonely = tmp_path / "elsewhere" / "checkpoints"
     lonely.mkdir(parents=True)
     (lonely / "step0000002.ckpt").write_bytes((probed_run / "checkpoints" / "step0000002.ckpt").read_bytes())
-    GlobalHydra.instance().clear()
     result = run_forked(
         ROOT / "recipes" / "probe.py", f"ckpt_path={lonely / 'step0000002.ckpt'}", capture_output=True, timeout=300,
         cwd=tmp_path,

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra.core.global_hydra import GlobalHydra
 from launch import run_forked, subprocess_env
 from recipe_runs import ROOT, TORCHRUN_TRAIN, TRAIN_SCRIPT
 
@@ -66,7 +65,6 @@ def train(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     this one): the tests of a run's files and printed summary. Those of what a user sees as recipes/train.py starts
     (warnings, one-line refusals) start it afresh (``started_in``)."""
     env = {"PYTHONPATH": str(ROOT), "HYDRA_FULL_ERROR": "1"}
-    GlobalHydra.instance().clear()  # the copy's @hydra.main starts Hydra afresh: no config a test composed here
     arguments = [*SMALL_RUN, *overrides, f"hydra.run.dir={run_dir}"]
     result = run_forked(TRAIN_SCRIPT, *arguments, cwd=run_dir.parent, env=env, capture_output=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
