@@ -195,6 +195,7 @@ class BatchWarmup(Callback):
         # ((target batch, micro-batch), samples, tokens) when the schedule first asked for a pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
         self._token_settings_checked = False
+        self._restored = False  # this fit's state came from a checkpoint (load_state_dict)
         self._settings_set: list[list[dict]] | None = None  # what the rules last left in each optimizer
         self._step_log = WarmupStepLog(self.rules, self.clip_rule, self.guard)  # each step's row, each change's line
 
@@ -309,7 +310,7 @@ class BatchWarmup(Callback):
         checks.check_trainer(trainer, pl_module, self.schedule, BatchWarmup)
         accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **self._accounting_settings)
         checks.check_clip_rule(self.clip_rule, trainer)
-        checks.check_adaptive_is_fed(self.schedule, trainer)
+        self._restored = False  # load_state_dict sets it again: Lightning restores a checkpoint after setup
         self._base_gradient_clip_val = trainer.gradient_clip_val
         micro = checks.check_micro_batch(trainer, pl_module, self.max_micro_batch_size)
         self.check_sizes(self.schedule.sizes(0), micro, accounting.data_parallel_size)
@@ -355,6 +356,7 @@ class BatchWarmup(Callback):
         checks.check_optimizer_rules(trainer, self.rules, self.schedule, self.consumed, self._batch, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        checks.check_adaptive_is_fed(self.schedule, trainer, resumed=self._restored)
         self._step_log.samples_before_step = self.samples_seen
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
@@ -526,6 +528,7 @@ class BatchWarmup(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored = True
         state_dict, counts = legacy.warmup_state(state_dict)
         self.global_batch = state_dict["global_batch"]
         self.lr_factor = state_dict["lr_factor"]

@@ -92,9 +92,10 @@ def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence, resumed: bool) 
     )
 
 
-def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer) -> None:
-    """Refuse a ``CBSAdaptive`` schedule that nothing feeds readings: its batch would never grow."""
-    if lacks_a_feeder(schedule, trainer_callbacks(trainer), resumed=trainer.ckpt_path is not None):
+def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer, resumed: bool) -> None:
+    """Refuse a ``CBSAdaptive`` schedule that nothing feeds readings: its batch would never grow. Asked once the
+    Trainer restored any checkpoint (``resumed``: BatchWarmup's state came from one), before the first step."""
+    if lacks_a_feeder(schedule, trainer_callbacks(trainer), resumed=resumed):
         raise LitCBSConfigError(
             f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
             "the batch only on CBS readings, but no CBSProbeCallback is among the Trainer's callbacks, so the batch "

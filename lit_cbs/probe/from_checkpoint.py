@@ -45,6 +45,7 @@ from lit_cbs.probe.branch import (
     no_baseline,
 )
 from lit_cbs.probe.config import ProbeConfig
+from lit_cbs.probe.engine import BranchOutcome, ProbeEngine, ProbePoint
 from lit_cbs.probe.heldout import load_heldout_batches
 from lit_cbs.probe.limits import known
 from lit_cbs.probe.reading import BranchScore, ProbeReading, first_measured
@@ -121,6 +122,7 @@ class CheckpointProbe(Callback):
         self.measurer: BranchMeasurer | None = None
         self.tokens_trained = 0
         self.seconds = 0.0
+        self._outcomes: list[tuple[ProbePoint, BranchOutcome | str]] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before the checkpoint's loader state is put into the train loader, which Lightning refuses (with a
@@ -228,16 +230,30 @@ class CheckpointProbe(Callback):
             count += 1
 
     def _measure(self, window: RecordedWindow, branches: BranchTrainer) -> None:
-        """Train and score the branches; without a plan from a main run, decide the reading here, at each
-        early-stop point first (the first determined reading ends the probe there)."""
+        """Train and score the branches; without a plan from a main run, the engine decides the reading here, at
+        each early look first (the first determined reading ends the probe there)."""
         per_rank = window.samples_per_rank
         stops = [*window.early_stop_samples, per_rank] if self.plan is None else [per_rank]
         trained: list[float] = []
         failed: list[float] = []
+        point = ProbePoint(
+            index=0,
+            tokens=window.tokens,
+            step=window.step,
+            batch_size=window.batch_size,
+            seq_len=window.seq_len,
+            multipliers=window.multipliers,
+            window_samples=window.window_samples,
+            folder="",
+            main_baseline=False,
+            window_end_samples=0,
+            replicates=window.replicates,
+        )
+        engine = ProbeEngine(self.config, self)
+        engine.points[0] = point
         for stop in stops:
             final = stop == per_rank
             window.recorded_samples = per_rank * window.replicates if final else stop
-
             train = functools.partial(branches.loss, window, keep=not final)
             self.measurer = BranchMeasurer(train, window.replicates, self.baseline, trained, failed)
             for k in first_measured(self.config.search, window.multipliers):
@@ -246,25 +262,39 @@ class CheckpointProbe(Callback):
             self.scores = self.measurer.scores(self.config.search, window.multipliers, self.config.epsilon)
             if self.plan is not None:
                 return
-            self.reading = self.config.decide(
-                self.scores,
-                window.multipliers,
-                window.batch_size,
-                tokens=window.tokens,
-                step=window.step,
-                seq_len=window.seq_len,
-                window_tokens=window.tokens_of(min(window.recorded_samples, per_rank)),
-                main_loss=self.scores[1.0].loss,
-                branches_trained=list(trained),
-                failed=list(failed),
-                tokens_spent=branches.tokens_trained,
-                overhead=branches.tokens_trained / max(1, window.tokens),
-                planned_window_tokens=window.window_tokens,
-                replicates=window.replicates,
-                mode=MODE,
+            window_tokens = window.tokens_of(min(window.recorded_samples, per_rank))
+            self._outcomes.append(
+                (
+                    point,
+                    BranchOutcome(
+                        self.scores, list(trained), list(failed), branches.tokens_trained, window_tokens, final
+                    ),
+                )
             )
-            if self.reading.determined:
+            engine.poll()
+            if engine.history:
+                self.reading = engine.history[0]
                 return
+
+    # The runner the engine asks: the outcomes come from ``_measure``, at the fit's start.
+    mode = MODE
+    late = False
+
+    def start(self, point: ProbePoint) -> None:
+        """Nothing: the branches train at the fit's start."""
+
+    def step(self, point: ProbePoint, samples_seen: int) -> None:
+        """Nothing: no main run trains."""
+
+    def window_ended(self, point: ProbePoint) -> None:
+        """Nothing: no main run trains."""
+
+    def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
+
+    def close(self, point: ProbePoint) -> None:
+        """Nothing to clean up."""
 
 
 def probe_checkpoint(

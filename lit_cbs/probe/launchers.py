@@ -253,7 +253,7 @@ def _ended(code: int | None, log: str | None) -> str:
     last = ""
     if log is not None and Path(log).is_file():
         lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
-        last = f": {lines[-1].strip()[:300]}" if lines else ""
+        last = f": {lines[-1].strip()}" if lines else ""
     return f"{what}{last}"
 
 
@@ -373,15 +373,18 @@ class SlurmLauncher:
         import submitit
 
         job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
+        unreadable = None
         if job.paths.result_pickle.exists():  # submitit wrote how the command ended
             try:
                 kind, result = submitit.core.utils.pickle_load(job.paths.result_pickle)
-            except Exception:  # noqa: BLE001 - the file is being written: ask again at the next poll
-                return JobState(True)
-            return JobState(False, "" if kind == "success" else (str(result).strip().splitlines() or [""])[-1][:300])
+                return JobState(False, "" if kind == "success" else (str(result).strip().splitlines() or [""])[-1])
+            except Exception as error:  # noqa: BLE001 - being written while the job ends; a failure once it ended
+                unreadable = f"its result {job.paths.result_pickle} is unreadable ({type(error).__name__}: {error})"
         state = _squeue_state(handle["job_id"]) or job.state
         if state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING"):
             return JobState(True)
+        if unreadable is not None:
+            return JobState(False, unreadable)
         if state == "UNKNOWN":  # neither squeue nor sacct knows it any more: gone without a result
             return JobState(False, f"SLURM job {handle['job_id']} ended without a result")
         return JobState(False, f"SLURM job {handle['job_id']} ended {state}")
@@ -409,10 +412,11 @@ class SideJobs:
 
     Args:
         launcher: ``LocalLauncher(...)`` or ``SlurmLauncher(...)``.
-        build: how a job rebuilds the run: ``"package.module:function"``, a function of no arguments returning
+        build: how a job rebuilds the run: ``"package.module:function"``, a function returning
             ``lit_cbs.probe.RunParts`` (the module, datamodule, Trainer settings and BatchWarmup as the run
-            has them), importable where the job runs; or a recipe run's ``resolved_config.yaml``
-            (``recipes/train.py`` sets it).
+            has them), importable where the job runs; the main run calls it once at setup, dry (nothing trains),
+            so that a build that fails stops the run before its first step.
+        build_args: keyword arguments of ``build``, JSON-able (the recipes pass their run's configuration file).
         retries: times a failed job is started again before the probe is recorded as failed.
         keep_checkpoints: keep each probe's start checkpoint once its reading is recorded (by default it is
             deleted then; the job folder keeps the job's description, log and scores).
@@ -420,8 +424,8 @@ class SideJobs:
             leave them, a resumed run or ``recipes/probe.py`` collects them).
 
     Raises:
-        LitCBSConfigError: ``launcher`` has no ``submit``, ``build`` is neither form, ``retries`` is not an int
-            >= 0, or ``wait_at_end`` is negative.
+        LitCBSConfigError: ``launcher`` has no ``submit``, ``build`` is not "module:function", ``build_args`` is no
+            mapping, ``retries`` is not an int >= 0, or ``wait_at_end`` is negative.
 
     Examples:
         >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
@@ -437,17 +441,21 @@ class SideJobs:
     retries: int = 2
     keep_checkpoints: bool = False
     wait_at_end: float = 60.0
+    build_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not hasattr(self.launcher, "submit"):
             raise LitCBSConfigError(
                 f"side_jobs.launcher={self.launcher!r} is not a launcher: give LocalLauncher(...) or SlurmLauncher(...)"
             )
-        if not (self.build.endswith((".yaml", ".yml")) or ":" in self.build):
+        module, _, function = self.build.partition(":")
+        if not (module and function.isidentifier()):
             raise LitCBSConfigError(
-                f"side_jobs.build={self.build!r} must be 'package.module:function' (returns lit_cbs.probe.RunParts) or "
-                "a recipe run's resolved_config.yaml"
+                f"side_jobs.build={self.build!r} must be 'package.module:function' (a function that returns "
+                "lit_cbs.probe.RunParts)"
             )
+        if not isinstance(self.build_args, dict):
+            raise LitCBSConfigError(f"side_jobs.build_args={self.build_args!r} must be a mapping of keyword arguments")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
             raise LitCBSConfigError(
                 f"side_jobs.retries={self.retries!r} must be an int >= 0 (times a failed job restarts)"

@@ -372,6 +372,25 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     return RunParts(model, datamodule, settings, [batch_warmup_of(cfg)])
 
 
+def probe_parts_of(config: str) -> RunParts:
+    """``probe_parts`` of the recipe run whose ``resolved_config.yaml`` is ``config``: the build the recipes give
+    their side jobs (``conf/side_jobs/``).
+
+    Args:
+        config: a recipe run's ``resolved_config.yaml``.
+
+    Returns:
+        The run's parts, on the run's own processes.
+
+    Raises:
+        LitCBSConfigError: the file holds no recipe run's configuration.
+    """
+    recipe = OmegaConf.load(config)
+    if not isinstance(recipe, DictConfig):
+        raise LitCBSConfigError(f"{config} holds a list, not a recipe run's configuration (a mapping)")
+    return probe_parts(recipe)
+
+
 def check_command_line(config_dir: Path, argv: list[str]) -> None:
     """Refuse a command line that sets a key the composed configuration lacks, before Hydra composes the job (whose
     own error advises ``+key=value``, which adds a key nothing reads when the key is a typo): LitCBSConfigError naming

@@ -619,7 +619,7 @@ def probe_plan(
     config = probe.config
     points = []
     index = 0
-    while (point := probe.probe_point(index)) + probe.span_tokens <= max_tokens:
+    while (point := config.probe_point(index)) + config.span_tokens <= max_tokens:
         points.append(int(point))
         index += 1
     param_bytes, _ = precision_bytes(precision)
@@ -627,7 +627,7 @@ def probe_plan(
     local = math.ceil(shape.parameters / shards)
     # The weights and the optimizer's state.
     snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
-    window_samples_per_rank = probe.span_tokens // seq_len // data_parallel_size
+    window_samples_per_rank = config.span_tokens // seq_len // data_parallel_size
     sample_bytes = (seq_len + 1) * TOKEN_BYTES
     heldout = config.heldout_batches * val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0
     side_jobs = config.side_jobs

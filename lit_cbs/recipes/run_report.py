@@ -425,6 +425,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     probes = [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)]
     if probes:
         history = probes[0].history
+        status = probes[0].status()
         summary["probe"] = {
             "tokens": probes[0].tokens_spent,
             "optimizer_steps": sum(reading.branch_steps for reading in history),
@@ -440,6 +441,10 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
                 }
                 for r in history
             ],
+            # How the probe points fared: read (determined), failed with the reason, pending; and, beside a
+            # CBSAdaptive schedule, its decisions and why it never acted where it did not.
+            "points": {key: status[key] for key in ("read", "determined", "failed", "pending")},
+            "adaptive": status.get("adaptive"),
         }
     return summary
 
@@ -492,6 +497,22 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         share = probe["tokens"] / tokens
         cost = f"{probe['tokens']:,} tokens ({share:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps"
         rows.insert(3, ("CBS (samples)", f"{readings}; probes trained {cost}"))
+    points = probe.get("points") if probe else None
+    if points:
+        failed, pending = points["failed"], points["pending"]
+        said = (
+            f"{points['read']} read ({points['determined']} determined), {len(failed)} failed, {len(pending)} pending"
+        )
+        if failed:
+            reasons = "; ".join(dict.fromkeys(failure["reason"] for failure in failed))
+            at = ", ".join(f"{failure['tokens']:,}" for failure in failed)
+            said += f". FAILED at {at} tokens: {reasons}"
+        if pending:
+            said += f". Pending at {', '.join(f'{tokens:,}' for tokens in pending)} tokens (last.ckpt collects them)"
+        rows.insert(0 if failed or pending else 4 if probe["readings"] else 3, ("probe points", said))
+    adaptive = probe.get("adaptive") if probe else None
+    if adaptive and adaptive["why_not"]:
+        rows.insert(0, ("CBSAdaptive", f"NEVER GREW THE BATCH: {adaptive['why_not']}"))
     return rows
 
 

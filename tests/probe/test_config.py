@@ -127,7 +127,7 @@ def test_the_config_and_its_keywords_make_the_same_probe():
     assert config.at_tokens == [160, 640] and config.multipliers == [1.0, 2.0, 4.0] and config.output_dir == Path("out")
     from_config, from_keywords = CBSProbeCallback(config), CBSProbeCallback(**settings)
     assert from_config.config == from_keywords.config == config
-    assert from_keywords.probe_point(1) == 640
+    assert from_keywords.config.probe_point(1) == 640
     with pytest.raises(LitCBSConfigError, match="not both"):
         CBSProbeCallback(config, epsilon=0.02)
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from toys import fit_quietly, trainer_kwargs
 from lit_cbs import CBSProbeCallback, FinalStateCheckpoint
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import LocalLauncher, SideJobs
+from lit_cbs.probe.side_jobs import MAIN_SILENCE_SECONDS, main_is_gone
 
 TESTS = Path(__file__).resolve().parents[1]
 PROBE = dict(
@@ -84,7 +88,7 @@ def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alon
         assert side.arrived_at_tokens >= side.tokens + side.window_tokens
     written = [json.loads(line) for line in (folder / "cbs_probe.jsonl").read_text().splitlines()]
     assert written == [dataclasses.asdict(reading) for reading in probe.history]
-    folders = sorted((folder / "cbs_probe_jobs").iterdir())
+    folders = sorted((folder / "cbs_probe_jobs").glob("probe*"))
     assert len(folders) == len(probe.history)
     assert all((folder / "scores.json").is_file() and not (folder / "start.ckpt").exists() for folder in folders)
 
@@ -92,14 +96,41 @@ def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alon
 @pytest.mark.slow
 def test_a_failing_side_job_is_retried_then_the_probe_is_recorded_as_failed(tmp_path, monkeypatch):
     monkeypatch.setenv("SIDE_JOB_TOYS_COUNT", str(tmp_path / "count"))
-    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", "2")  # the first probe's job fails twice: more than retries=1
+    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", "2,3")  # the first probe's two jobs fail, each its own way (retries=1)
     probe = CBSProbeCallback(**{**PROBE, "every_tokens": 320}, side_jobs=side_jobs(retries=1), output_dir=tmp_path)
     fit(probe)
     assert [failure["tokens"] for failure in probe.failures] == [320]
-    assert probe.failures[0]["reason"].startswith(
-        "side job failed 2 times: exited with code 1: RuntimeError: side job 1"
+    assert probe.failures[0]["reason"] == (
+        "side job failed 2 times: exited with code 1: lit_cbs.errors.LitCBSConfigError: side_jobs.build="
+        "'side_job_toys:parts' fails: RuntimeError: build 2 fails; exited with code 1: "
+        "lit_cbs.errors.LitCBSConfigError: side_jobs.build='side_job_toys:parts' fails: RuntimeError: build 3 fails"
     )
     assert [reading.tokens for reading in probe.history] == [640]  # the next probe's job ran and its reading counts
+    assert probe.status() == {"read": 1, "determined": 0, "failed": probe.failures, "pending": []}
+
+
+@pytest.mark.slow
+def test_a_job_that_fails_twice_alike_is_not_started_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIDE_JOB_TOYS_COUNT", str(tmp_path / "count"))
+    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", ",".join(map(str, range(2, 12))))  # every job's build
+    monkeypatch.setenv("SIDE_JOB_TOYS_SAME", "1")
+    probe = CBSProbeCallback(**{**PROBE, "every_tokens": 320}, side_jobs=side_jobs(retries=5), output_dir=tmp_path)
+    fit(probe)
+    assert [failure["tokens"] for failure in probe.failures] == [320, 640] and not probe.history
+    for failure in probe.failures:
+        assert failure["reason"].startswith("side job failed 2 times, each: exited with code 1: ")
+        assert failure["reason"].count("the build fails on purpose") == 1
+        assert failure["reason"].endswith("; not started again after the same error twice")
+    assert int((tmp_path / "count").read_text()) == 5  # the dry build, then two jobs of each probe point
+
+
+def test_a_build_that_fails_stops_the_run_before_its_first_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("SIDE_JOB_TOYS_COUNT", str(tmp_path / "count"))
+    monkeypatch.setenv("SIDE_JOB_TOYS_FAIL", "1")
+    probe = CBSProbeCallback(**PROBE, side_jobs=side_jobs(), output_dir=tmp_path)
+    with pytest.raises(LitCBSConfigError, match=r"side_jobs.build='side_job_toys:parts' fails: RuntimeError: build 1"):
+        fit(probe)
+    assert not (tmp_path / "cbs_probe_jobs").exists()
 
 
 def test_a_launcher_that_cannot_start_is_refused_before_training(tmp_path):
@@ -168,3 +199,40 @@ def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_l
         json.loads(line)["tokens"] for line in (tmp_path / "probes" / "cbs_probe.jsonl").read_text().splitlines()
     ]
     assert written == [160, 320, 480]  # each reading once
+
+
+@pytest.mark.slow
+def test_a_job_whose_main_run_is_gone_stops_instead_of_waiting_for_its_score(tmp_path):
+    # The first probe's job, run again as if its main run had died inside the window: no main_score.json is written.
+    probe = CBSProbeCallback(**PROBE, side_jobs=side_jobs(keep_checkpoints=True), output_dir=tmp_path)
+    fit(probe, max_steps=19)
+    folder = tmp_path / "cbs_probe_jobs" / "probe000_160tokens"
+    (folder / "main_score.json").unlink()
+    (folder / "scores.json").unlink()
+    job = json.loads((folder / "job.json").read_text())
+    job["main"]["pid"] = _dead_pid()  # as if the main run's process had ended
+    (folder / "job.json").write_text(json.dumps(job))
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "lit_cbs.probe.side_jobs", str(folder / "job.json")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 1 and not (folder / "scores.json").exists()
+    assert f"MainRunGone: the main run (process {job['main']['pid']}) has ended before its score" in result.stderr
+    assert time.monotonic() - started < 120  # it does not wait for the heartbeat's silence
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended (and was reaped)."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_silent_main_run_is_gone_after_a_while(tmp_path):
+    heartbeat = tmp_path / "main.alive"
+    heartbeat.touch()
+    main = {"host": "another-host", "pid": 1, "heartbeat": str(heartbeat)}
+    assert main_is_gone(main) is None
+    os.utime(heartbeat, (time.time() - 2 * MAIN_SILENCE_SECONDS,) * 2)
+    assert main_is_gone(main).startswith("the main run has not been heard from for ")

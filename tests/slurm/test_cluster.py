@@ -21,6 +21,8 @@ from omegaconf import OmegaConf
 from recipe_runs import ROOT, compose_config
 from recipe_runs import train as train_script
 
+from lit_cbs.probe import SlurmLauncher
+
 # The cluster (a session fixture) listens on fixed ports: pytest-xdist runs a file's tests in one worker.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 SBATCH = ROOT / "recipes" / "slurm" / "train.sbatch"
@@ -273,3 +275,9 @@ def test_probe_branches_as_slurm_side_jobs_read_what_the_in_process_probe_reads(
     assert len(job_logs) == 2 and all(
         "Starting with JobEnvironment" in log.read_text() for log in job_logs
     )  # SLURM jobs
+    # A result file that cannot be read once its job has ended is the job's failure (retried), not a job still running.
+    job_id = job_logs[0].name.split("_")[0]
+    result = job_logs[0].with_name(f"{job_id}_0_result.pkl")
+    result.write_bytes(b"not a pickle")
+    state = SlurmLauncher().state({"job_id": job_id, "folder": str(job_logs[0].parent)})
+    assert not state.running and state.reason.startswith(f"its result {result} is unreadable (")

@@ -1,58 +1,49 @@
-"""Probe branches as side jobs: the main run never waits for them.
+"""The side-job runner: a probe point's branches trained by a job of their own while the main run trains on as k = 1.
 
-``CBSProbeCallback(side_jobs=SideJobs(...))``: at a probe point the main run writes a checkpoint (the branches'
-start; with a ``GlobalOrderLoader`` it holds the data position too, so the window is the run's next
-``window_tokens`` of data) and a job description, hands them to a launcher, and trains on as the k = 1 branch. A
-side job (``python -m lit_cbs.probe.side_jobs JOB.json``, the program in this package's ``__main__.py``) rebuilds
-the run (``SideJobs.build``), resumes it from the checkpoint on its own processes or devices, and trains the
-branches there (``CheckpointProbe``); it writes each measured k's score to ``scores.json``. With
-``search="bisect"`` the main run's own score over the window stands in for k = 1: the job trains the first midpoint
-while the main run trains its window, then waits for the main run's score (``main_score.json``, written when its
-window ends) to steer the bisection. The main run looks for results after every optimizer step; when they arrive it
-decides the reading (the same rule as in process), logs it at its probe point, appends it to ``cbs_probe.jsonl`` and
-feeds ``CBSAdaptive``, which changes the batch at the next step it can.
-
-A job that fails (crashes, is preempted and not requeued, runs past its time) is started again up to
-``retries`` times, then the probe is recorded as failed, with the reason. What is pending is in the checkpoint: a
-resumed main run collects the results of jobs that finished meanwhile and starts again those that did not.
-
-Launching is the engine's: ``LocalLauncher`` starts processes on this machine (their own thread count or GPUs),
-``SlurmLauncher`` submits to SLURM through submitit (the engine of Hydra's SLURM launcher).
-
-What a user gives is ``SideJobs`` (``lit_cbs.probe.launchers``); what this package holds is the main run's
-machinery (``SideJobRuns``, made by ``CBSProbeCallback``) and the job files' layout, so it exports nothing. The
-files of a probe point live in ``JOBS_FOLDER`` ("cbs_probe_jobs", beside cbs_probe.jsonl), one folder per probe:
-``JOB_FILE`` (the job description), ``CHECKPOINT_NAME`` (the branches' start), ``SCORES_FILE`` (each measured k's
-score) and ``MAIN_SCORE_FILE`` (the main run's own score over its window).
+At a point the main run writes a checkpoint (the branches' start, with the data position of a ``GlobalOrderLoader``)
+and a job description into the point's folder, and a launcher starts ``python -m lit_cbs.probe.side_jobs JOB.json``
+(this package's ``__main__``): it rebuilds the run (``SideJobs.build``), trains the branches from the checkpoint on
+the run's next windows of data and writes their scores. With ``search="bisect"`` the main run's own first window
+stands in for k = 1: the main run writes its score there (``main_score.json``) when its window ends. The engine
+decides the reading when the scores are in. docs/design.md, "The probe engine", has the files and the failure rules.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import json
-import math
 import os
 import shutil
-from dataclasses import dataclass, field
+import socket
+import threading
+import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
-from lit_cbs._internals import logging_step
 from lit_cbs.callbacks.accounting import resizable_train_loader
+from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe.config import ProbeConfig
+from lit_cbs.probe.engine import BranchOutcome, ProbePoint, score_from_json
+from lit_cbs.probe.from_checkpoint import RunParts
 from lit_cbs.probe.launchers import SideJobs
-from lit_cbs.probe.reading import BranchScore
 
 JOBS_FOLDER = "cbs_probe_jobs"  # beside cbs_probe.jsonl: one folder per probe point
 JOB_FILE = "job.json"
 SCORES_FILE = "scores.json"
 MAIN_SCORE_FILE = "main_score.json"
 CHECKPOINT_NAME = "start.ckpt"
+HEARTBEAT_FILE = "main.alive"  # in JOBS_FOLDER: touched by the main run while it lives
+HEARTBEAT_SECONDS = 10.0
+MAIN_SILENCE_SECONDS = 300.0  # a job waiting for the main run's score stops after this long without a heartbeat
 
-__all__: list[str] = []
+__all__: list[str] = []  # the main run's side of side jobs, and the files they share: the engine's own parts
 
 
 def write_json(path: Path, content: Any) -> None:
@@ -62,229 +53,285 @@ def write_json(path: Path, content: Any) -> None:
     os.replace(partial, path)
 
 
-def score_to_json(score: BranchScore) -> dict[str, Any]:
-    """``score`` as JSON-able fields (``scores.json``, ``main_score.json``, the checkpoint); a failed branch's
-    loss (inf or NaN) as None, which JSON can hold.
+def build_parts(build: str, build_args: dict[str, Any]) -> RunParts:
+    """The run's parts from ``SideJobs.build`` (``package.module:function``) called with ``build_args``.
 
-    Examples:
-        >>> score_to_json(BranchScore.heldout([2.0, 2.5]))
-        {'loss': 2.25, 'batch_losses': [2.0, 2.5], 'se': None, 'replicate_losses': []}
-        >>> score_to_json(BranchScore(float("nan")))["loss"] is None
-        True
+    Raises:
+        LitCBSConfigError: the build cannot be imported, fails, or gives no ``RunParts`` with a datamodule.
     """
-    return {
-        "loss": score.loss if math.isfinite(score.loss) else None,
-        "batch_losses": list(score.batch_losses),
-        "se": score.se,
-        "replicate_losses": [list(window) for window in score.replicate_losses],
-    }
+    module, _, function = build.partition(":")
+    try:
+        parts = getattr(importlib.import_module(module), function)(**build_args)
+    except LitCBSConfigError as error:
+        raise LitCBSConfigError(f"side_jobs.build={build!r} fails: {error}") from error
+    except Exception as error:  # noqa: BLE001 - any failure of the build is said in one line
+        raise LitCBSConfigError(f"side_jobs.build={build!r} fails: {type(error).__name__}: {error}") from error
+    if not isinstance(parts, RunParts) or parts.datamodule is None:
+        raise LitCBSConfigError(
+            f"side_jobs.build={build!r} gave {type(parts).__name__}, not lit_cbs.probe.RunParts with a datamodule "
+            "(the job reads the window at the checkpoint's data position)"
+        )
+    return parts
 
 
-def score_from_json(content: dict[str, Any]) -> BranchScore:
-    """The score ``score_to_json`` wrote; a None loss reads back as inf (a failed branch).
-
-    Examples:
-        >>> score = BranchScore.heldout([2.0, 2.5])
-        >>> score_from_json(score_to_json(score)) == score
-        True
-        >>> score_from_json(score_to_json(BranchScore(float("nan")))).failed
-        True
-    """
-    loss = content["loss"]
-    return BranchScore(
-        math.inf if loss is None else float(loss),
-        tuple(content["batch_losses"]),
-        content["se"],
-        tuple(tuple(window) for window in content["replicate_losses"]),
-    )
-
-
-@dataclass
-class PendingProbe:
-    """A probe whose branches run as side jobs, from its start until its reading is recorded (JSON-able: it is
-    in the main run's checkpoint). Samples global, tokens global."""
-
-    index: int  # which probe point (0-based)
-    tokens: int  # tokens trained when its window began
-    step: int  # optimizer steps then
-    batch_size: int  # the main run's global batch B then (samples)
-    seq_len: int
-    multipliers: list[float]
-    window_samples: int  # each replicate window
-    folder: str  # the job folder: job.json, start.ckpt, scores.json, main_score.json, logs
-    main_baseline: bool  # the main run's own window is k = 1's first window
-    window_end_samples: int  # samples_seen where the main run's (first) window ends
-    interrupted_at_tokens: int | None = None
-    main_step_losses: list[float] = field(default_factory=list)  # this rank's, over the window so far
-    main_score: dict[str, Any] | None = None  # the main run's score over its window, once it ended
-    window_end_step: int | None = None  # the optimizer step that ended the main run's window
-    window_end_row: int | None = None  # the loggers' row of that step (where the reading is logged)
-    main_changed_batch: bool = False  # the batch changed inside the window: k = 1 trains as a branch
-    handle: dict[str, Any] | None = None  # the launcher's, while a job runs (None: waiting its turn, or done)
-    job_done: bool = False  # its job wrote its scores
-    attempts: int = 0
-    failures: list[str] = field(default_factory=list)  # why each failed attempt ended
-
-    @property
-    def window_tokens(self) -> int:
-        return self.window_samples * self.seq_len
-
-    @property
-    def path(self) -> Path:
-        return Path(self.folder)
-
-
-def job_description(pending: PendingProbe, config: Any, build: str, checkpoint: Path) -> dict[str, Any]:
-    """What a side job is told (``job.json``): the checkpoint, how to rebuild the run, the probe's settings and
-    the window the main run planned."""
+def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_args: dict[str, Any]) -> dict[str, Any]:
+    """What a side job is told (``job.json``): the checkpoint, how to rebuild the run, the probe's settings, the
+    window the main run planned, and how to tell that the main run is gone."""
     settings = {
         name: getattr(config, name)
         for name in (
             "multipliers", "window_tokens", "epsilon", "confidence", "ema_alpha", "lr_rule", "weight_decay_rule",
-            "beta2_rule", "search", "evaluate", "heldout_batches", "cooldown_fraction", "replicates", "snapshot_device",
+            "beta2_rule", "beta2_floor", "search", "evaluate", "heldout_batches", "cooldown_fraction", "replicates",
+            "snapshot_device",
         )
     }  # fmt: skip
-    if not isinstance(settings["lr_rule"], str):
-        raise LitCBSConfigError(
-            f"side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), not "
-            f"{settings['lr_rule']!r}"
-        )
+    folder = Path(point.folder)
     return {
-        "checkpoint": str(checkpoint),
+        "checkpoint": str(folder / CHECKPOINT_NAME),
         "build": build,
+        "build_args": build_args,
         "config": settings,
-        "multipliers": pending.multipliers,
-        "window_samples": pending.window_samples,
-        "main_baseline": pending.main_baseline,
-        "main_score": str(pending.path / MAIN_SCORE_FILE),
-        "scores": str(pending.path / SCORES_FILE),
+        "multipliers": point.multipliers,
+        "window_samples": point.window_samples,
+        "main_baseline": point.main_baseline,
+        "main_score": str(folder / MAIN_SCORE_FILE),
+        "scores": str(folder / SCORES_FILE),
+        "main": {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": str(folder.parent / HEARTBEAT_FILE)},
     }
 
 
-class SideJobRuns:
-    """The main run's side of side-job probes: each probe's folder, checkpoint and job, the main run's own score
-    over its window, and what became of the job. Rank 0 writes the files and talks to the launcher; every rank
-    learns an outcome at the same optimizer step (a broadcast), so a reading acts on every rank alike.
+def job_outcome(content: dict[str, Any], point: ProbePoint) -> BranchOutcome:
+    """The outcome a job's ``scores.json`` holds."""
+    return BranchOutcome(
+        {float(k): score_from_json(score) for k, score in content["scores"].items()},
+        content["trained"],
+        content["failed"],
+        content["tokens_trained"],
+        point.window_tokens,
+    )
 
-    Attributes:
-        pending: the probes whose readings are not recorded yet, by probe index.
+
+def failure_reason(failures: list[str]) -> str:
+    """Why a point's jobs failed, each reason said once, whole.
+
+    Examples:
+        >>> failure_reason(["exited with code 1: ValueError: x", "exited with code 1: ValueError: x"])
+        'side job failed 2 times, each: exited with code 1: ValueError: x'
+        >>> failure_reason(["was killed by signal 9", "exited with code 1: OSError: disk full"])
+        'side job failed 2 times: was killed by signal 9; exited with code 1: OSError: disk full'
     """
+    counts = Counter(failures)
+    if len(failures) == 1:
+        return f"side job failed: {failures[0]}"
+    if len(counts) == 1:
+        return f"side job failed {len(failures)} times, each: {failures[0]}"
+    said = "; ".join(reason if n == 1 else f"({n} times) {reason}" for reason, n in counts.items())
+    return f"side job failed {len(failures)} times: {said}"
 
-    def __init__(self, settings: SideJobs):
-        self.settings = settings
-        self.pending: dict[int, PendingProbe] = {}
 
-    def check(self, trainer: pl.Trainer) -> None:
-        """Refuse, on every rank alike and before any work, a launcher that cannot start a job."""
+class SideJobRunner:
+    """The main run's side of side-job probes: each point's folder, checkpoint and job, the main run's own score over
+    its window, and what became of the job. Rank 0 writes the files and talks to the launcher; every rank learns an
+    outcome at the same optimizer step (a broadcast), so a reading acts on every rank alike."""
+
+    mode = "side_jobs"
+    late = True
+
+    def __init__(self, settings: SideJobs, config: ProbeConfig):
+        self.settings, self.config = settings, config
+        self.trainer: pl.Trainer | None = None
+        self.folder: Path | None = None  # JOBS_FOLDER of the run
+        self.pending: dict[int, ProbePoint] = {}  # points started whose outcome is not taken
+        self._heartbeat: threading.Event | None = None
+
+    # ------------------------------------------------------------------ before training
+    def check(self, trainer: pl.Trainer, warmup: BatchWarmup | None) -> None:
+        """Refuse, on every rank alike and before any work, a launcher that cannot start a job and a build that fails
+        or rebuilds another run (the build is made here, dry: nothing is trained)."""
         problem = None
         if trainer.is_global_zero:
             try:
                 self.settings.launcher.check()
+                self._check_build(warmup)
             except LitCBSConfigError as error:
                 problem = str(error)
         problem = trainer.strategy.broadcast(problem)
         if problem is not None:
             raise LitCBSConfigError(problem)
 
-    def check_loader(self, trainer: pl.Trainer) -> None:
-        """A side job reads its window at the checkpoint's data position: only a ``GlobalOrderLoader`` has one."""
+    def _check_build(self, warmup: BatchWarmup | None) -> None:
+        parts = build_parts(self.settings.build, self.settings.build_args)
+        theirs = next((c for c in parts.callbacks if isinstance(c, BatchWarmup)), None)
+        if warmup is None or warmup.schedule.is_constant:
+            return
+        if theirs is None or theirs.rules.names() != warmup.rules.names():
+            what = "no BatchWarmup" if theirs is None else f"BatchWarmup({theirs.rules.describe()})"
+            raise LitCBSConfigError(
+                f"side_jobs.build={self.settings.build!r} rebuilds the run with {what}, but the run's is "
+                f"BatchWarmup({warmup.rules.describe()}): a job's branches would not move the optimizer as the run "
+                "does; give the build the run's BatchWarmup"
+            )
+
+    def attach(self, trainer: pl.Trainer, output_dir: Path) -> None:
+        """At the fit's start: the run's folder, the loader's data position, and the heartbeat jobs watch."""
         if resizable_train_loader(trainer) is None:
             raise LitCBSConfigError(
                 "CBSProbeCallback(side_jobs=...) hands each probe's window to a job as a data position, which only a "
                 "lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one, or drop side_jobs (in-process "
                 "probing records the window as the run trains it)"
             )
+        self.trainer, self.folder = trainer, output_dir / JOBS_FOLDER
+        if trainer.is_global_zero and self._heartbeat is None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._heartbeat = threading.Event()
+            threading.Thread(target=_beat, args=(self.folder / HEARTBEAT_FILE, self._heartbeat), daemon=True).start()
 
-    def open(self, trainer: pl.Trainer, pending: PendingProbe, config: Any) -> None:
-        """Write the probe's start checkpoint (every rank: a distributed checkpoint is written by all) and its job
+    def detach(self) -> None:
+        """The fit ended: the heartbeat stops (a job still waiting for this run's score stops after a while)."""
+        if self._heartbeat is not None:
+            self._heartbeat.set()
+            self._heartbeat = None
+
+    # ------------------------------------------------------------------ a point
+    def folder_for(self, index: int, tokens: int) -> str:
+        assert self.folder is not None, "attached at the fit's start"
+        return str(self.folder / f"probe{index:03d}_{tokens}tokens")
+
+    def start(self, point: ProbePoint) -> None:
+        """Write the point's start checkpoint (every rank: a distributed checkpoint is written by all) and its job
         description into a fresh folder, and start its job (or queue it behind the jobs running)."""
-        folder = pending.path
+        trainer = self.trainer
+        assert trainer is not None, "attached at the fit's start"
+        folder = Path(point.folder)
         if trainer.is_global_zero:
             if folder.exists():  # from a timeline this run's resume left behind
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
-        trainer.strategy.barrier("SideJobRuns.open")
-        trainer.save_checkpoint(folder / CHECKPOINT_NAME)
+        trainer.strategy.barrier("SideJobRunner.start")
+        trainer.save_checkpoint(folder / CHECKPOINT_NAME, weights_only=False)
         if trainer.is_global_zero:
             write_json(
-                folder / JOB_FILE, job_description(pending, config, self.settings.build, folder / CHECKPOINT_NAME)
+                folder / JOB_FILE, job_description(point, self.config, self.settings.build, self.settings.build_args)
             )
-        self.pending[pending.index] = pending
+        self.pending[point.index] = point
         if trainer.is_global_zero:
             self._start_queued()
 
+    def step(self, point: ProbePoint, samples_seen: int) -> None:
+        """Nothing: the job trains on its own."""
+
+    def window_ended(self, point: ProbePoint) -> None:
+        """The main run's score over the window is in: a job bisecting from it may go on."""
+        trainer = self.trainer
+        assert trainer is not None, "attached at the fit's start"
+        if trainer.is_global_zero:
+            content = {"score": point.main_score, "changed_batch": point.main_changed_batch}
+            write_json(Path(point.folder) / MAIN_SCORE_FILE, content)
+
     def _start_queued(self) -> None:
-        """Start the jobs waiting their turn, oldest probe first, up to the launcher's ``max_running`` (rank 0)."""
+        """Start the jobs waiting their turn, oldest point first, up to the launcher's ``max_running`` (rank 0)."""
         limit = self.settings.launcher.max_running
-        running = sum(pending.handle is not None for pending in self.pending.values())
-        for pending in sorted(self.pending.values(), key=lambda pending: pending.index):
+        running = sum(point.handle is not None for point in self.pending.values())
+        for point in sorted(self.pending.values(), key=lambda point: point.index):
             if limit is not None and running >= limit:
                 return
-            if pending.handle is None and not pending.job_done:
-                pending.attempts += 1
-                command = ["-m", "lit_cbs.probe.side_jobs", str(pending.path / JOB_FILE)]
-                pending.handle = self.settings.launcher.submit(command, pending.path, f"attempt{pending.attempts}")
+            if point.handle is None and not point.job_done:
+                point.attempts += 1
+                command = ["-m", "lit_cbs.probe.side_jobs", str(Path(point.folder) / JOB_FILE)]
+                point.handle = self.settings.launcher.submit(command, Path(point.folder), f"attempt{point.attempts}")
                 running += 1
 
-    def windows_open(self) -> list[PendingProbe]:
-        """The probes whose main-run window is still being trained."""
-        return [pending for pending in self.pending.values() if pending.main_score is None]
-
-    def window_ended(self, trainer: pl.Trainer, pending: PendingProbe, score: BranchScore, changed_batch: bool) -> None:
-        """The main run finished its window with ``score``; a job bisecting from it may go on."""
-        pending.main_score, pending.main_changed_batch = score_to_json(score), changed_batch
-        pending.window_end_step, pending.window_end_row = trainer.global_step, logging_step(trainer)
+    def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
+        """The points whose outcome is in: (point, outcome) when its job wrote its scores and the main run's window
+        ended (the reading needs the main run's own score); (point, why) when its jobs failed ``retries`` + 1 times,
+        or twice alike. A failed job with retries left waits its turn to start again. Rank 0 looks; every rank gets
+        the same answer."""
+        trainer = self.trainer
+        assert trainer is not None, "attached at the fit's start"
+        found: list[tuple[int, dict[str, Any] | str]] = []
         if trainer.is_global_zero:
-            write_json(pending.path / MAIN_SCORE_FILE, {"score": pending.main_score, "changed_batch": changed_batch})
-
-    def poll(self, trainer: pl.Trainer) -> list[tuple[PendingProbe, dict[str, Any] | str]]:
-        """The probes whose outcome is in: (probe, its scores) when its job wrote them and the main run's window
-        ended (the reading needs the main run's own score); (probe, why) when its job failed ``retries`` + 1
-        times. A failed job with retries left waits its turn to start again. Rank 0 looks; every rank gets the
-        same answer."""
-        outcomes: list[tuple[int, dict[str, Any] | str]] = []
-        if trainer.is_global_zero:
-            for pending in self.pending.values():
-                outcome = self._outcome(pending)
+            for point in self.pending.values():
+                outcome = self._outcome(point)
                 if outcome is not None:
-                    outcomes.append((pending.index, outcome))
+                    found.append((point.index, outcome))
         if trainer.world_size > 1:
-            outcomes = trainer.strategy.broadcast(outcomes)
-        finished = [(self.pending.pop(index), outcome) for index, outcome in outcomes]
+            found = trainer.strategy.broadcast(found)
+        finished: list[tuple[ProbePoint, BranchOutcome | str]] = []
+        for index, outcome in found:
+            point = self.pending.pop(index)
+            finished.append((point, outcome if isinstance(outcome, str) else job_outcome(outcome, point)))
         if trainer.is_global_zero:
             self._start_queued()
         return finished
 
-    def _outcome(self, pending: PendingProbe) -> dict[str, Any] | str | None:
-        scores = pending.path / SCORES_FILE
+    def _outcome(self, point: ProbePoint) -> dict[str, Any] | str | None:
+        scores = Path(point.folder) / SCORES_FILE
         if scores.is_file():
-            if pending.handle is not None and self.settings.launcher.state(pending.handle).running:
+            if point.handle is not None and self.settings.launcher.state(point.handle).running:
                 return None  # its scores are written and it is ending: taken once it ended (no process left over)
-            pending.handle, pending.job_done = None, True
-            return json.loads(scores.read_text()) if pending.main_score is not None else None
-        if pending.handle is None:  # waiting its turn
+            point.handle, point.job_done = None, True
+            return json.loads(scores.read_text()) if point.main_score is not None and not point.main_open else None
+        if point.handle is None:  # waiting its turn
             return None
-        state = self.settings.launcher.state(pending.handle)
+        state = self.settings.launcher.state(point.handle)
         if state.running or scores.is_file():
             return None
-        pending.handle = None
-        pending.failures.append(state.reason or "ended without writing its scores")
-        if pending.attempts > self.settings.retries:
-            return f"side job failed {pending.attempts} times: " + "; ".join(pending.failures)
+        point.handle = None
+        point.failures.append(state.reason or "ended without writing its scores")
+        repeated = len(point.failures) >= 2 and point.failures[-1] == point.failures[-2]
+        if point.attempts > self.settings.retries or repeated:
+            return failure_reason(point.failures) + (
+                "; not started again after the same error twice" if repeated else ""
+            )
         rank_zero_info(
-            f"CBS probe at {pending.tokens:,} tokens: side job attempt {pending.attempts} {pending.failures[-1]}; "
-            f"it starts again ({pending.attempts} of {self.settings.retries + 1} attempts)"
+            f"CBS probe at {point.tokens:,} tokens: side job attempt {point.attempts} {point.failures[-1]}; "
+            f"it starts again ({point.attempts} of {self.settings.retries + 1} attempts)"
         )
         return None
 
-    def close(self, trainer: pl.Trainer, pending: PendingProbe) -> None:
-        """The probe's reading is recorded: its start checkpoint goes, unless ``keep_checkpoints``."""
-        checkpoint = pending.path / CHECKPOINT_NAME
-        if trainer.is_global_zero and not self.settings.keep_checkpoints and checkpoint.exists():
-            shutil.rmtree(checkpoint) if checkpoint.is_dir() else checkpoint.unlink()
+    def close(self, point: ProbePoint) -> None:
+        """The point's reading is recorded (or it failed): its start checkpoint goes, unless ``keep_checkpoints``."""
+        trainer = self.trainer
+        self.pending.pop(point.index, None)
+        checkpoint = Path(point.folder) / CHECKPOINT_NAME
+        if trainer is not None and trainer.is_global_zero and not self.settings.keep_checkpoints:
+            if checkpoint.is_dir():
+                shutil.rmtree(checkpoint)
+            else:
+                checkpoint.unlink(missing_ok=True)
 
     def state_dict(self) -> list[dict[str, Any]]:
-        return [dataclasses.asdict(pending) for pending in self.pending.values()]
+        return [dataclasses.asdict(point) for point in self.pending.values()]
 
-    def load_state_dict(self, state: list[dict[str, Any]]) -> None:
-        self.pending = {item["index"]: PendingProbe(**item) for item in state}
+    def load_state_dict(self, state: list[dict[str, Any]]) -> list[ProbePoint]:
+        """The points a checkpoint left pending, to be collected (or their jobs started again) from the next step."""
+        points = []
+        for item in state:
+            point = ProbePoint(**item)
+            point.window_done = point.window_done or point.main_score is not None
+            point.main_open = point.main_open and point.main_score is None
+            points.append(point)
+        self.pending = {point.index: point for point in points}
+        return points
+
+
+def _beat(path: Path, stop: threading.Event) -> None:
+    """Touch ``path`` every ``HEARTBEAT_SECONDS`` until ``stop`` is set (the main run's heartbeat)."""
+    while not stop.is_set():
+        with contextlib.suppress(OSError):
+            path.touch()
+        stop.wait(HEARTBEAT_SECONDS)
+
+
+def main_is_gone(main: dict[str, Any], now: float | None = None) -> str | None:
+    """Why a job's main run is gone (its process ended, on this host; no heartbeat for ``MAIN_SILENCE_SECONDS``),
+    or None while it lives."""
+    if main["host"] == socket.gethostname() and not Path(f"/proc/{main['pid']}").exists():
+        return f"the main run (process {main['pid']}) has ended"
+    heartbeat = Path(main["heartbeat"])
+    now = time.time() if now is None else now
+    with contextlib.suppress(OSError):
+        silence = now - heartbeat.stat().st_mtime
+        if silence > MAIN_SILENCE_SECONDS:
+            return f"the main run has not been heard from for {silence:.0f} s ({heartbeat})"
+    return None
