@@ -246,6 +246,11 @@ class ProbeConfig:
             raise LitCBSConfigError(
                 f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
             )
+        if self.side_jobs is not None and not isinstance(self.lr_rule, str):
+            raise LitCBSConfigError(
+                f"side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), not "
+                f"{self.lr_rule!r} (or drop side_jobs)"
+            )
         if self.side_jobs is not None and early_stop:
             raise LitCBSConfigError(
                 f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; "

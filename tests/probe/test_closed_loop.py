@@ -149,6 +149,8 @@ def test_a_run_whose_probes_failed_says_so_in_the_first_lines_of_its_summary(pre
     assert all(failure["reason"] == "side job failed: ran past timeout_min=0.01" for failure in points["failed"])
     assert summary["batch_changes"] == [] and summary["probe"]["adaptive"]["decisions"] == []
     lines = stdout[stdout.index("lit_cbs: tiny_adaptive done") :].splitlines()
-    assert lines[1].startswith("CBSAdaptive      NEVER GREW THE BATCH: 0 reading(s), 0 determined; 3 probe point(s) failed")
+    assert lines[1].startswith(
+        "CBSAdaptive      NEVER GREW THE BATCH: 0 reading(s), 0 determined; 3 probe point(s) failed"
+    )
     assert lines[2].startswith("probe points     0 read (0 determined), ") and "FAILED at 16,384, " in lines[2]
     assert "ran past timeout_min=0.01" in lines[2]

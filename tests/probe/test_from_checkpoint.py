@@ -146,3 +146,16 @@ def test_an_fsdp2_checkpoint_of_two_processes_is_probed_on_one(tmp_path):
     assert (reading.step, reading.batch_size, reading.bracket) == (expected.step, expected.batch_size, expected.bracket)
     for k, loss in expected.losses.items():  # the same branches on one rank: the same losses but for rounding
         assert reading.losses[k] == pytest.approx(loss, rel=1e-9)
+
+
+def test_an_fsdp2_runs_side_job_reads_what_its_in_process_probe_reads(tmp_path, monkeypatch):
+    # The job rebuilds the run on one process (fsdp_probe:parts) from the 2 ranks' distributed checkpoint.
+    monkeypatch.setenv("PYTHONPATH", f"{FSDP_PROBE.parent}:{FSDP_PROBE.parents[1]}")
+    for what in ("train", "side"):
+        result = run_forked(FSDP_PROBE, str(tmp_path / what), what, capture_output=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    (expected,) = torch.load(tmp_path / "train" / "train.pt", weights_only=False)["readings"]
+    (reading,) = torch.load(tmp_path / "side" / "side.pt", weights_only=False)["readings"]
+    assert (reading.mode, reading.step, reading.bracket) == ("side_jobs", expected.step, expected.bracket)
+    for k, loss in expected.losses.items():  # the same branches on one rank: the same losses but for rounding
+        assert reading.losses[k] == pytest.approx(loss, rel=1e-9)

@@ -146,6 +146,8 @@ def test_side_job_settings_are_checked_where_they_are_made():
         SideJobs(LocalLauncher(), build="train")
     with pytest.raises(LitCBSConfigError, match="early_stop=.* with side_jobs it never waits"):
         CBSProbeCallback(**PROBE, early_stop=(0.5,), side_jobs=side_jobs())
+    with pytest.raises(LitCBSConfigError, match="side jobs rebuild the probe's rules by name: give lr_rule as a name"):
+        CBSProbeCallback(**PROBE, lr_rule=lambda ratio: ratio**0.5, side_jobs=side_jobs())
 
 
 def fit_until(probe: CBSProbeCallback, folder: Path, max_steps: int = -1, ckpt_path: Path | None = None):

@@ -1,10 +1,11 @@
 """A CBS probe of an FSDP2 distributed checkpoint on another number of processes (tests/probe/test_from_checkpoint.py).
 
     python fsdp_probe.py OUT train                 # 2 processes: an in-process probe, a checkpoint (folder) every step
+    python fsdp_probe.py OUT side                  # 2 processes: the same probe's branches as a side job on 1 process
     python fsdp_probe.py OUT probe CKPT PROCESSES  # lit_cbs.probe.probe_checkpoint of CKPT on PROCESSES processes
 
-Lightning relaunches the script for the other ranks. Rank 0 saves OUT/train.pt (the in-process readings) or
-OUT/probe.pt (the checkpoint's reading).
+Lightning relaunches the script for the other ranks. Rank 0 saves OUT/train.pt (the in-process readings), OUT/side.pt
+(the side job's) or OUT/probe.pt (the checkpoint's reading).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fsdp_warmup import FactoredRegression  # noqa: E402
 from toys import GlobalOrderRegressionData, trainer_kwargs  # noqa: E402
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, FinalStateCheckpoint  # noqa: E402
-from lit_cbs.probe import ProbeConfig, RunParts, probe_checkpoint  # noqa: E402
+from lit_cbs.probe import LocalLauncher, ProbeConfig, RunParts, SideJobs, probe_checkpoint  # noqa: E402
 
 # Global batch 8 (4 tokens a sample): a probe of k = 1, 2 from 64 tokens (after step 2) over 64 tokens of data.
 SETTINGS = dict(multipliers=(1, 2), window_tokens=64, evaluate="train_ema", search="grid")
@@ -42,8 +43,9 @@ def parts(processes: int) -> RunParts:
 def main(out: Path, what: str, ckpt: str | None, processes: int) -> None:
     pl.seed_everything(0, verbose=False)
     run = parts(processes)
-    if what == "train":
-        probe = CBSProbeCallback(at_tokens=[64], **SETTINGS)
+    if what in ("train", "side"):
+        jobs = SideJobs(LocalLauncher(threads=1), build="fsdp_probe:parts", build_args={"processes": 1})
+        probe = CBSProbeCallback(at_tokens=[64], **SETTINGS, side_jobs=jobs if what == "side" else None, output_dir=out)
         checkpoints = FinalStateCheckpoint(
             dirpath=out / "checkpoints", every_n_train_steps=1, save_top_k=-1, filename="{step}"
         )
