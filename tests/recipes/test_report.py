@@ -104,10 +104,8 @@ def test_the_summary_says_what_the_run_did(run_dir):
         "final val/loss",
         "wall time",
     ]
-    assert (
-        lines[5]
-        == f"probe points     {len(readings)} read ({sum(r['determined'] for r in readings)} determined), 0 failed, 0 pending"
-    )
+    determined = sum(r["determined"] for r in readings)
+    assert lines[5] == f"probe points     {len(readings)} read ({determined} determined), 0 failed, 0 pending"
     assert f"2 -> 4 after step {change['step']} ({change['tokens_seen']:,} tokens" in lines[3]
 
     # Each reading with its own token count and mark; an open bracket (the top of the grid) as ">= lower".
