@@ -54,7 +54,15 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import json_default, machine, recipe_benchmark_arguments, replace_section, train_unless_done
+from benchmarks.common import (
+    check_run,
+    json_default,
+    machine,
+    recipe_benchmark_arguments,
+    refuse_unless_checked,
+    replace_section,
+    train_unless_done,
+)
 from benchmarks.probe_repeat import command_of, probe_points, reading_at
 from benchmarks.transfer import probe_file
 from lit_cbs.analysis.forecast import supported_interval
@@ -108,6 +116,7 @@ def train(run: Run, out: Path, threads: int) -> None:
 
 
 def run_readings(run_dir: Path) -> list[ProbeReading]:
+    refuse_unless_checked(check_run(run_dir, probes=True), run_dir.name)
     return read_readings(probe_file(run_dir))
 
 

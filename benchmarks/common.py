@@ -109,10 +109,15 @@ def train_unless_done(command: list[str], run_dir: Path, log_path: Path, threads
     (run_dir / "wall_seconds.txt").write_text(f"{time.perf_counter() - started:.1f}\n")
 
 
-def read_run(run_dir: Path) -> dict:
-    """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss)."""
+def read_run(run_dir: Path, probes: bool = False, changes_batch: bool = False) -> dict:
+    """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss). With ``probes``
+    or ``changes_batch``, the run is checked first (``check_run``): a run that did not do what it claims stops the
+    benchmark before it writes anything."""
     from lit_cbs.analysis.curves import TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
     from lit_cbs.metrics import FIT_SECONDS
+
+    if probes or changes_batch:
+        refuse_unless_checked(check_run(run_dir, probes=probes, changes_batch=changes_batch), run_dir.name)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     series = read_metrics_csv(run_dir / "metrics.csv")
@@ -231,3 +236,72 @@ def replace_section(path: str | os.PathLike, name: str, text: str) -> None:
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(new)
     os.replace(partial, path)
+
+
+def check_run(run_dir: Path, *, probes: bool = False, changes_batch: bool = False) -> list[str]:
+    """What is wrong with a finished train.py run for the row it stands in (empty: nothing): its summary.json is
+    there; where its configuration probes, its readings are, and no probe point failed or stayed pending; where its
+    schedule must change the batch, it did; and its log holds no failed probe. A benchmark reports a run only once
+    this is empty (``refuse_unless_checked``)."""
+    problems = []
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        return [f"{run_dir}: no summary.json (the run did not finish)"]
+    summary = json.loads(summary_path.read_text())
+    probe = summary.get("probe")
+    if probes:
+        points = (probe or {}).get("points") or {}
+        if not probe or not probe["readings"]:
+            problems.append(f"{run_dir}: the configuration probes, but the run took no reading")
+        for failure in points.get("failed", []):
+            problems.append(f"{run_dir}: the probe at {failure['tokens']:,} tokens failed: {failure['reason']}")
+        if points.get("pending"):
+            problems.append(f"{run_dir}: probes at {points['pending']} tokens never reported")
+    if changes_batch and not summary["batch_changes"]:
+        why = ((probe or {}).get("adaptive") or {}).get("why_not")
+        problems.append(
+            f"{run_dir}: the schedule must change the batch, but it never did" + (f": {why}" if why else "")
+        )
+    for log in run_dir.glob("*.log"):
+        failed = [
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if re.search(r"CBS probe at [\d,]+ tokens failed", line)
+        ]
+        if failed:
+            problems.append(f"{log}: {failed[0].strip()}")
+    return problems
+
+
+def refuse_unless_checked(problems: list[str], name: str) -> None:
+    """Stop the benchmark ``name`` before it writes a table when any run it would report did not do what its row
+    claims (``check_run``'s problems), saying each."""
+    if problems:
+        listed = "\n".join(f"- {problem}" for problem in problems)
+        raise SystemExit(
+            f"{name}: no table written: {len(problems)} run(s) did not do what their rows claim:\n{listed}"
+        )
+
+
+def git_commit() -> str:
+    """The commit the benchmark runs at (short hash), marked "+changes" where the work tree differs from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    if head.returncode != 0:
+        return "unknown (not a git checkout)"
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+    )
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def schedule_changes(run_dir: Path) -> bool:
+    """Whether a recipe run's batch schedule (its ``resolved_config.yaml``) asks for another batch within its budget:
+    a piecewise schedule with a threshold inside it, a ramp, or a closed loop."""
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.load(run_dir / "resolved_config.yaml")
+    schedule = config.batch.schedule
+    kind = str(schedule["_target_"]).rsplit(".", 1)[-1]
+    if kind == "PiecewiseBatch":
+        return any(0 < threshold < config.max_tokens for threshold in schedule.thresholds)
+    return kind != "ConstantBatch"

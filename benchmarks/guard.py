@@ -144,7 +144,7 @@ def load(run: Run, out: Path) -> dict:
     run_dir = out / run.key
     history = read_batch_history(run_dir / "batch_history.json")
     result = {
-        **read_run(run_dir),
+        **read_run(run_dir, changes_batch=run.config in ("premature", "guarded")),  # the premature increase happened
         **asdict(run),
         "run_dir": str(run_dir),
         "verdicts": history["guard_verdicts"],

@@ -86,7 +86,7 @@ def train(config: Config, seed: int, args) -> dict:
         args.threads,
         f"[hparam_rules] {config.label}, seed {seed}",
     )
-    result = read_run(run_dir)
+    result = read_run(run_dir, changes_batch=config.recipe == "tiny_warmup")
     result.update(
         key=config.key,
         seed=seed,

@@ -69,7 +69,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
-from benchmarks.common import CLOCKS, ROOT, StepTimer, replace_section
+from benchmarks.common import CLOCKS, ROOT, StepTimer, git_commit, refuse_unless_checked, replace_section
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import ADAMW, CausalLM
@@ -410,7 +410,12 @@ def time_probe(results: Results, repeat: int, seq_len: int) -> None:
     for config in PROBE_CONFIGS[1:]:
         run = fits[config.name]
         probe_callback = run.callbacks[-1]
-        (record,) = probe_callback.history  # exactly one probe ran, and finished
+        if len(probe_callback.history) != 1 or probe_callback.failures:  # the row needs one probe, taken
+            refuse_unless_checked(
+                [f"{config.label}: {len(probe_callback.history)} readings, failures {probe_callback.failures}"],
+                "overhead",
+            )
+        (record,) = probe_callback.history
         results.loader_builds[config.label].append(run.data.loader_builds)
         results.probe_tokens[config.name].append(probe_callback.tokens_spent)
         results.probe_branches[config.name] = record.branches_trained
@@ -526,7 +531,7 @@ orders that rotate per repeat. Steps per fit: (a) and (e1) {steps.idle}, (b) {st
 (d) {steps.noise_scale} of 2 micro-batches, (e2) {PROBE_FIT_STEPS}. Step medians leave out the first
 {SKIPPED_STEPS} steps of every fit. wall: `time.perf_counter`; cpu: `time.process_time` of the benchmark process.
 {quick_note}
-- command: `{command}`
+- command: `{command}` at commit {git_commit()}
 - date: {datetime.date.today().isoformat()}
 - machine: {platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, \
 Python {platform.python_version()}, torch {torch.__version__}, lightning {pl.__version__}

@@ -46,7 +46,16 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from benchmarks.common import ROOT, json_default, machine, replace_section, train_command, train_unless_done
+from benchmarks.common import (
+    ROOT,
+    check_run,
+    json_default,
+    machine,
+    refuse_unless_checked,
+    replace_section,
+    train_command,
+    train_unless_done,
+)
 from lit_cbs.probe.reading import ProbeReading, difference, read_readings
 
 SEEDS = (1, 2, 3)
@@ -165,6 +174,7 @@ def load(run: Run, out: Path) -> dict | None:
     run_dir = out / run.key
     if not (run_dir / "summary.json").exists():
         return None
+    refuse_unless_checked(check_run(run_dir, probes=True), run_dir.name)
     readings = read_readings(run_dir / "cbs_probe.jsonl")
     wall = run_dir / "wall_seconds.txt"
     return {

@@ -9,10 +9,10 @@ docs/tiny_workload.md: the tiny OLMo (233k parameters) on the embedded stdlib co
 - large batch (128): the same with batch 128, LR 3e-3 x sqrt(8);
 - batch warmup: ``+recipe=tiny_warmup`` without its probe: 16 -> 32 at 1,245,184 tokens -> 64 at
   2,523,136 tokens, thresholds read off a measured CBS curve (docs/benchmarks/cbs_probe.md);
-- CBS-adaptive warmup: ``+recipe=tiny_adaptive``: a probe every 524k tokens (k = 1 from the main run,
-  one k = 2 branch over a window of up to 262k tokens, ended at a quarter or a half once the reading
-  is determined at 90% confidence) doubles the batch when the CBS is at least twice it, up to 64,
-  and stops probing there.
+- CBS-adaptive warmup: ``+recipe=tiny_adaptive``: a probe every 262k tokens (k = 1 from the main run,
+  one k = 2 branch over a window of 65k tokens, both scored on 32 held-out batches) doubles the batch
+  when the reading says, at 90% confidence, that the CBS is at least twice it, up to 64, and stops
+  probing there.
 
 Every run validates on the whole held-out split every 128 micro-batches (262,144 tokens), so all
 runs are evaluated at the same token counts. Reported per configuration, mean and spread (max - min)
@@ -52,9 +52,12 @@ import numpy as np
 
 from benchmarks.common import (
     ROOT,
+    check_run,
+    git_commit,
     machine,
     read_run,
     refuse_gpu_run_without_a_gpu,
+    refuse_unless_checked,
     replace_section,
     run_logged,
     train_command,
@@ -63,7 +66,17 @@ from benchmarks.common import (
 REFERENCE_TOKENS = 4_194_304  # the recipes' budget; token counts below are at this budget
 SEQ_LEN = 128
 SMALL = "small"
-SAVED_ARGS = ("tokens", "seeds", "last_evals", "configs", "argv", "date", "gpu", "load")  # what --from-json restores
+SAVED_ARGS = (
+    "tokens",
+    "seeds",
+    "last_evals",
+    "configs",
+    "argv",
+    "date",
+    "gpu",
+    "load",
+    "commit",
+)  # what --from-json restores
 GOALS = {
     "warmup_loss_gap": 0.02,  # nats at most worse than the small-batch control
     "warmup_steps_saved": 0.45,
@@ -100,9 +113,11 @@ CONFIGS = [
         "CBS-adaptive warmup",
         "tiny_adaptive",
         [],
-        {"callbacks.cbs_probe.every_tokens": 524_288, "callbacks.cbs_probe.window_tokens": 262_144},
+        {"callbacks.cbs_probe.every_tokens": 262_144, "callbacks.cbs_probe.window_tokens": 65_536},
     ),
 ]
+# What each configuration's runs must have done before a row reports them (benchmarks.common.check_run).
+CHECKS = {"warmup": {"changes_batch": True}, "adaptive": {"probes": True, "changes_batch": True}}
 
 
 # The GPU variant (--gpu): a 25M-parameter model of the same family (d_model 512, 8 layers, 8 heads)
@@ -154,6 +169,8 @@ def run_command(
     for name, tokens in config.scaled.items():
         if isinstance(tokens, list):
             value = "[" + ",".join(str(scale_tokens(t, scale, quantum)) for t in tokens) + "]"
+        elif name.endswith("window_tokens"):  # at any budget, a window holds a step of k = 2 at batch 64
+            value = str(max(2 * quantum, scale_tokens(tokens, scale, quantum)))
         else:
             value = str(scale_tokens(tokens, scale, quantum))
         overrides.append(f"{name}={value}")
@@ -322,7 +339,7 @@ def markdown(rows, labels, checks, runs, args, commands, plot_path: Path, markdo
         "## Table 1 at small scale",
         "",
         f"Command: `python -m benchmarks.table1 {' '.join(args.argv)}`".rstrip()
-        + f" ({seconds / 60:.1f} minutes, {args.date}; "
+        + f" at commit {args.commit} ({seconds / 60:.1f} minutes, {args.date}; "
         f"{machine(args.load)}).",
         "",
         f"Workload: the tiny OLMo (233k parameters) on the embedded stdlib corpus, {budget:,} tokens per run, "
@@ -413,11 +430,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.date = str(datetime.date.today())
+    args.commit = git_commit()
     saved = None
     if args.from_json is not None:
         saved = json.loads(args.from_json.read_text())
         for name in SAVED_ARGS:
-            setattr(args, name, saved["args"][name])
+            setattr(args, name, saved["args"].get(name))
     if args.tokens is None:
         args.tokens = GPU_TOKENS if args.gpu else REFERENCE_TOKENS // 4 if args.quick else REFERENCE_TOKENS
     if (args.quick or args.gpu) and "--seeds" not in " ".join(args.argv):
@@ -481,6 +499,11 @@ def main(argv: list[str] | None = None) -> dict:
         seconds = time.perf_counter() - started
         args.load = os.getloadavg()  # as the runs end
     runs = {key: runs[key] for key in keys}
+    if saved is None:
+        problems = [
+            p for key in keys for run in runs[key] for p in check_run(Path(run["run_dir"]), **CHECKS.get(key, {}))
+        ]
+        refuse_unless_checked(problems, "table1")
     labels = {c.key: c.label for c in CONFIGS}
     rows = aggregate(runs, args.last_evals)
     checks = goals(rows)

@@ -49,9 +49,12 @@ import torch
 
 from benchmarks.common import (
     ROOT,
+    check_run,
+    git_commit,
     machine,
     read_run,
     refuse_gpu_run_without_a_gpu,
+    refuse_unless_checked,
     replace_section,
     run_logged,
     train_command,
@@ -65,6 +68,14 @@ VAL_BATCHES = 16
 QUICK_VAL_BATCHES = 1  # --quick checks the pipeline: its evaluations need not be tight
 GOALS = {"warmup": 0.75, "adaptive": 0.75, "default_job_overhead": 1.25}
 COMPILED = "warmup_compiled"
+
+
+def smoothed(curve: list[dict]) -> list[dict]:
+    """The validation curve with each held-out loss the mean of it and the evaluation's before (from the second on):
+    at a constant LR the loss moves by about the target's margin from one evaluation to the next."""
+    return [
+        {**point, "val_loss": (before["val_loss"] + point["val_loss"]) / 2} for before, point in zip(curve, curve[1:])
+    ]
 
 
 def time_to(curve: list[dict], target: float) -> float | None:
@@ -146,11 +157,11 @@ def default_job(args, stripped: bool) -> dict:
 
 def aggregate(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Per configuration, over seeds: time to each seed's target, its ratio to the control's, and the rest."""
-    targets = {run["seed"]: run["val_curve"][-1]["val_loss"] + TARGET_MARGIN for run in runs["small"]}
-    control = {run["seed"]: time_to(run["val_curve"], targets[run["seed"]]) for run in runs["small"]}
+    targets = {run["seed"]: smoothed(run["val_curve"])[-1]["val_loss"] + TARGET_MARGIN for run in runs["small"]}
+    control = {run["seed"]: time_to(smoothed(run["val_curve"]), targets[run["seed"]]) for run in runs["small"]}
     rows = {}
     for key, seeds in runs.items():
-        times = [time_to(run["val_curve"], targets[run["seed"]]) for run in seeds]
+        times = [time_to(smoothed(run["val_curve"]), targets[run["seed"]]) for run in seeds]
         ratios = [t / control[run["seed"]] if t is not None else None for t, run in zip(times, seeds)]
         reached = [r for r in ratios if r is not None]
         rows[key] = {
@@ -264,12 +275,13 @@ def markdown(result, runs, extras, checks, labels, args, plot_path: Path, second
         "## Time to a loss",
         "",
         f"Command: `python -m benchmarks.time_to_loss {' '.join(args.argv)}`".rstrip()
-        + f" ({seconds / 60:.1f} minutes, {args.date}; {where}; one run at a time).",
+        + f" at commit {args.commit} ({seconds / 60:.1f} minutes, {args.date}; {where}; one run at a time).",
         "",
         f"Workload: {model}, {args.tokens:,} tokens per run, seeds {', '.join(map(str, args.seed_list))}; "
         "the micro-batch grows with the batch (16 -> 32 -> 64 samples, no accumulation); held-out loss on "
-        f"{args.val_batches} micro-batches every {args.tokens // EVALUATIONS:,} tokens. Target: each seed's "
-        f"small-batch final held-out loss + {TARGET_MARGIN} nats "
+        f"{args.val_batches} micro-batches every {args.tokens // EVALUATIONS:,} tokens, each the mean of its "
+        "evaluation and the one before (at a constant LR the loss moves by about the margin between two). Target: "
+        f"each seed's small-batch final held-out loss + {TARGET_MARGIN} nats "
         f"({', '.join(f'{t:.4f}' for t in result['targets'].values())}). Times are `fit_seconds` (wall clock from the "
         "fit's start, validation and probes included), interpolated between evaluations; the ratio is to the control's "
         "time to the same target, per seed, averaged. Tokens/s: median per optimizer step and batch (samples), "
@@ -337,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot", type=Path, default=None, help="PNG (default: docs/time_to_loss.png, else OUT)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.date = str(datetime.date.today())
+    args.date, args.commit = str(datetime.date.today()), git_commit()
     args.tokens = args.tokens or (
         REFERENCE_TOKENS // 16 if args.quick else GPU_TOKENS if args.gpu else REFERENCE_TOKENS
     )
@@ -378,6 +390,9 @@ def main(argv: list[str] | None = None) -> dict:
         extras["default_job_training_only"] = default_job(args, stripped=True)
     seconds = time.perf_counter() - started
     args.load = os.getloadavg()
+    checked = {"warmup": {"changes_batch": True}, "adaptive": {"probes": True, "changes_batch": True}}
+    problems = [p for key in keys for run in runs[key] for p in check_run(Path(run["run_dir"]), **checked.get(key, {}))]
+    refuse_unless_checked(problems, "time_to_loss")
     labels = {c.key: c.label for c in CONFIGS}
     result = aggregate(runs)
     checks = goals(result, extras)

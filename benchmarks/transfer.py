@@ -55,6 +55,7 @@ from benchmarks.common import (
     recipe_benchmark_arguments,
     replace_section,
     run_logged,
+    schedule_changes,
     train_command,
     train_unless_done,
 )
@@ -238,7 +239,8 @@ def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
 def load(run: Run, out: Path) -> dict:
     """A finished run's summary, loss curve and (for a curve) readings."""
     run_dir = out / run.key
-    result = {**read_run(run_dir), **asdict(run), "run_dir": str(run_dir)}
+    checks = {"probes": "curve" in run.recipe, "changes_batch": "warmup" in run.recipe and schedule_changes(run_dir)}
+    result = {**read_run(run_dir, **checks), **asdict(run), "run_dir": str(run_dir)}
     wall = run_dir / "wall_seconds.txt"
     result["wall_seconds"] = float(wall.read_text()) if wall.exists() else None
     if "curve" in run.recipe:

@@ -118,6 +118,8 @@ class CBSProbeCallback(Callback):
             {'read': 0, 'determined': 0, 'failed': [], 'pending': []}
         """
         status = self.engine.status()
+        if self._side is not None:
+            status["side_jobs"] = dict(self._side.waits)
         schedule = self.engine.schedule
         if schedule is not None:
             status["adaptive"] = {
@@ -390,6 +392,14 @@ class CBSProbeCallback(Callback):
         loader = resizable_train_loader(trainer)
         uneven = loader is not None and loader.deals_unevenly
         batch_size = run.global_batch()
+        out = [point.tokens for point in self.engine.points.values() if point.batch_size == batch_size]
+        if schedule is not None and not at_final and out:
+            # CBSAdaptive asks one question of a batch at a time: a second reading at this batch could only repeat it.
+            rank_zero_info(
+                f"CBS probe at {tokens:,} tokens skipped: the reading at {out[0]:,} tokens, at this batch "
+                f"({batch_size}), is still out"
+            )
+            return
         end = run.end(trainer, batch_idx, into_step=0)  # right after an optimizer step
         plan = plan_probe(
             self.config,
@@ -459,7 +469,8 @@ class CBSProbeCallback(Callback):
         while side.pending and time.monotonic() - started < settings.wait_at_end * 60:
             self.engine.poll()
             if side.pending:
-                time.sleep(2.0)
+                time.sleep(0.25)
+        side.waits["at_end"] += time.monotonic() - started
         if side.pending:
             left = ", ".join(f"{point.tokens:,}" for point in side.pending.values())
             rank_zero_warn(
@@ -475,13 +486,6 @@ class CBSProbeCallback(Callback):
         """A reading is recorded: said, logged (at the step that ended the main run's window), written, drawn."""
         trainer = self._accounting.trainer
         assert trainer is not None, "set up for the fit"
-        if self.engine.schedule is not None:
-            if not reading.determined:
-                rank_zero_info("CBSAdaptive: the reading is undetermined at this confidence; the batch stays")
-            elif reading.adaptive_batch is not None:
-                rank_zero_info(
-                    f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}"
-                )
         log_step = None
         if self.engine.runner.late:
             assert point.window_end_step is not None, "a late reading comes after its window ended"
@@ -493,6 +497,13 @@ class CBSProbeCallback(Callback):
             )
             log_step = point.window_end_row
         self._report(trainer, reading, log_step)
+        if self.engine.schedule is not None:
+            if not reading.determined:
+                rank_zero_info("CBSAdaptive: the reading is undetermined at this confidence; the batch stays")
+            elif reading.adaptive_batch is not None:
+                rank_zero_info(
+                    f"CBSAdaptive: CBS >= {reading.cbs_lower:g} samples; global batch -> {reading.adaptive_batch}"
+                )
         if self.engine.runner.late:
             self._draw(trainer)
 

@@ -445,6 +445,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
             # CBSAdaptive schedule, its decisions and why it never acted where it did not.
             "points": {key: status[key] for key in ("read", "determined", "failed", "pending")},
             "adaptive": status.get("adaptive"),
+            "side_jobs": status.get("side_jobs"),  # what the main run waited for its side jobs (seconds)
         }
     return summary
 
@@ -510,6 +511,16 @@ def summary_rows(summary: dict) -> list[tuple[str, str]]:
         if pending:
             said += f". Pending at {', '.join(f'{tokens:,}' for tokens in pending)} tokens (last.ckpt collects them)"
         rows.insert(0 if failed or pending else 4 if probe["readings"] else 3, ("probe points", said))
+    waits = probe.get("side_jobs") if probe else None
+    if waits:
+        rows.insert(
+            rows.index(next(row for row in rows if row[0] == "wall time")) + 1,
+            (
+                "side-job waits",
+                f"{waits['checkpoint']:.1f} s writing {waits['checkpoints']} checkpoint(s), {waits['poll']:.1f} s in "
+                f"{waits['polls']:,} looks for results, {waits['at_end']:.1f} s for the last readings at the end",
+            ),
+        )
     adaptive = probe.get("adaptive") if probe else None
     if adaptive and adaptive["why_not"]:
         rows.insert(0, ("CBSAdaptive", f"NEVER GREW THE BATCH: {adaptive['why_not']}"))

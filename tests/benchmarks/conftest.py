@@ -24,10 +24,14 @@ class ForkedScripts:
     STDOUT = subprocess.STDOUT
 
     @staticmethod
-    def run(command: list[str], *, cwd, stdout, stderr, env) -> subprocess.CompletedProcess:
-        if command[0] != sys.executable or not command[1].endswith(".py") or stderr is not subprocess.STDOUT:
-            return subprocess.run(command, cwd=cwd, stdout=stdout, stderr=stderr, env=env)
-        return run_forked(Path(command[1]), *command[2:], cwd=cwd, env=env, output=Path(stdout.name), timeout=1800)
+    def run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        script = len(command) > 1 and command[0] == sys.executable and command[1].endswith(".py")
+        if not script or kwargs.get("stderr") is not subprocess.STDOUT:
+            return subprocess.run(command, **kwargs)
+        output = Path(kwargs["stdout"].name)
+        return run_forked(
+            Path(command[1]), *command[2:], cwd=kwargs["cwd"], env=kwargs["env"], output=output, timeout=1800
+        )
 
 
 @pytest.fixture(autouse=True, scope="module")  # module-wide: before the module fixtures that run a benchmark

@@ -54,6 +54,11 @@ def result(tmp_path_factory):
             f"adaptive:callbacks.cbs_probe.every_tokens={ADAPTIVE_PROBE_EVERY}",
             "--override",
             "adaptive:callbacks.cbs_probe.heldout_batches=4",
+            # The table reports an adaptive run only if its batch changed: tolerant enough that the one reading acts.
+            "--override",
+            "adaptive:callbacks.cbs_probe.epsilon=0.45",
+            "--override",
+            "adaptive:callbacks.cbs_probe.confidence=0.5",
         ]
     )
     return out, outcome
@@ -85,6 +90,7 @@ def test_numbers_come_from_the_runs(result):
     assert adaptive["probe"]["tokens"] > 0 and rows["adaptive"]["probe_tokens"] == adaptive["probe"]["tokens"]
     assert rows["adaptive"]["steps_with_probes"] == adaptive["optimizer_steps"] + adaptive["probe"]["optimizer_steps"]
     assert rows["adaptive"]["steps_with_probes"] > rows["adaptive"]["steps"]
+    assert [c["new"] for c in adaptive["batch_changes"]] == [32]
 
 
 def test_writes_json_plot_and_its_own_markdown_section(result):

@@ -16,7 +16,8 @@ BUDGET = 65_536  # 32 evaluations, one every step at batch 16: without the adapt
 
 
 def time_to_loss_from_csv(run_dir: Path, target: float) -> float | None:
-    """The wall seconds where the run's held-out loss first reaches ``target``, read from its metrics.csv."""
+    """The wall seconds where the run's held-out loss, each the mean of it and the one before, first reaches
+    ``target``, read from its metrics.csv."""
     seconds, losses = {}, {}
     with open(run_dir / "metrics.csv", newline="") as f:
         for row in csv.DictReader(f):
@@ -24,7 +25,8 @@ def time_to_loss_from_csv(run_dir: Path, target: float) -> float | None:
                 seconds[int(row["step"])] = float(row["fit_seconds"])
             if row.get("val/loss"):
                 losses[int(row["step"])] = float(row["val/loss"])
-    points = [(seconds[step], loss) for step, loss in sorted(losses.items())]
+    raw = [(seconds[step], loss) for step, loss in sorted(losses.items())]
+    points = [(t, (before + loss) / 2) for (_, before), (t, loss) in zip(raw, raw[1:])]
     for (t0, l0), (t1, l1) in zip([(None, None), *points], points):
         if l1 <= target:
             return t1 if t0 is None else t0 + (l0 - target) / (l0 - l1) * (t1 - t0)
@@ -77,7 +79,7 @@ def test_the_table_reads_each_runs_time_to_the_small_batchs_final_loss(tmp_path)
     with open(small_dir / "metrics.csv", newline="") as f:
         small_losses = [float(row["val/loss"]) for row in csv.DictReader(f) if row.get("val/loss")]
     assert len(small_losses) == time_to_loss.EVALUATIONS
-    target = small_losses[-1] + time_to_loss.TARGET_MARGIN
+    target = (small_losses[-2] + small_losses[-1]) / 2 + time_to_loss.TARGET_MARGIN
     assert outcome["result"]["targets"] == {1: pytest.approx(target)}
     for key in ("small", "warmup"):
         (run,) = runs[key]

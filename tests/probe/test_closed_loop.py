@@ -100,6 +100,7 @@ RECIPE = [
     "callbacks.cbs_probe.every_tokens=16384",
     "callbacks.cbs_probe.window_tokens=8192",
     "callbacks.cbs_probe.heldout_batches=2",
+    "callbacks.cbs_probe.replicates=2",
     "callbacks.cbs_probe.epsilon=0.45",
     "callbacks.cbs_probe.confidence=0.5",
     "callbacks.checkpoint=null",

@@ -106,7 +106,11 @@ def test_a_failing_side_job_is_retried_then_the_probe_is_recorded_as_failed(tmp_
         "lit_cbs.errors.LitCBSConfigError: side_jobs.build='side_job_toys:parts' fails: RuntimeError: build 3 fails"
     )
     assert [reading.tokens for reading in probe.history] == [640]  # the next probe's job ran and its reading counts
-    assert probe.status() == {"read": 1, "determined": 0, "failed": probe.failures, "pending": []}
+    status = probe.status()
+    assert {key: status[key] for key in ("read", "determined", "failed", "pending")} == {
+        "read": 1, "determined": 0, "failed": probe.failures, "pending": []
+    }  # fmt: skip
+    assert status["side_jobs"]["checkpoints"] == 2 and status["side_jobs"]["polls"] >= 48  # a look after every step
 
 
 @pytest.mark.slow

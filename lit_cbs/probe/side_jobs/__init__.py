@@ -143,6 +143,9 @@ class SideJobRunner:
         self.folder: Path | None = None  # JOBS_FOLDER of the run
         self.pending: dict[int, ProbePoint] = {}  # points started whose outcome is not taken
         self._heartbeat: threading.Event | None = None
+        # What the main run paid for its side jobs on its own clock (seconds): each point's checkpoint and job
+        # description, every step's look for outcomes, and the wait for the last readings when training ended.
+        self.waits = {"checkpoint": 0.0, "checkpoints": 0, "poll": 0.0, "polls": 0, "at_end": 0.0}
 
     # ------------------------------------------------------------------ before training
     def check(self, trainer: pl.Trainer, warmup: BatchWarmup | None) -> None:
@@ -202,6 +205,7 @@ class SideJobRunner:
         description into a fresh folder, and start its job (or queue it behind the jobs running)."""
         trainer = self.trainer
         assert trainer is not None, "attached at the fit's start"
+        started = time.perf_counter()
         folder = Path(point.folder)
         if trainer.is_global_zero:
             if folder.exists():  # from a timeline this run's resume left behind
@@ -216,6 +220,8 @@ class SideJobRunner:
         self.pending[point.index] = point
         if trainer.is_global_zero:
             self._start_queued()
+        self.waits["checkpoint"] += time.perf_counter() - started
+        self.waits["checkpoints"] += 1
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
         """Nothing: the job trains on its own."""
@@ -248,6 +254,7 @@ class SideJobRunner:
         the same answer."""
         trainer = self.trainer
         assert trainer is not None, "attached at the fit's start"
+        started = time.perf_counter()
         found: list[tuple[int, dict[str, Any] | str]] = []
         if trainer.is_global_zero:
             for point in self.pending.values():
@@ -262,6 +269,8 @@ class SideJobRunner:
             finished.append((point, outcome if isinstance(outcome, str) else job_outcome(outcome, point)))
         if trainer.is_global_zero:
             self._start_queued()
+        self.waits["poll"] += time.perf_counter() - started
+        self.waits["polls"] += 1
         return finished
 
     def _outcome(self, point: ProbePoint) -> dict[str, Any] | str | None:

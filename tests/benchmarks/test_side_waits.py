@@ -1,0 +1,27 @@
+"""benchmarks/side_waits.py's small mode: a run with side-job probes, what its main run waited for them read from its
+summary.json, and said per checkpoint write and per look."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import side_waits
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_small_mode_reads_the_waits_each_run_measured(tmp_path):
+    outcome = side_waits.main(["--quick", "--out", str(tmp_path)])
+    (result,) = outcome["results"]
+    waits = json.loads((Path(result["run_dir"]) / "summary.json").read_text())["probe"]["side_jobs"]
+    assert result["waits"] == waits and waits["checkpoints"] >= 1 and waits["polls"] >= 1
+    per_look = 1000 * waits["poll"] / waits["polls"]
+    assert (
+        f"| local | {1000 * waits['checkpoint'] / waits['checkpoints']:.1f} ({waits['checkpoints']} points) |"
+        in (outcome["text"])
+    )
+    assert f"| {per_look:.2f} | {waits['polls']:,} |" in outcome["text"]
+    assert "- SLURM: not measured (--quick)" in outcome["text"]
