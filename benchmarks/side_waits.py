@@ -85,7 +85,13 @@ def run(way: str, tokens: int, out: Path) -> dict:
     run_logged(command, run_dir / "stdout.log", threads=1)
     summary = json.loads((run_dir / "summary.json").read_text())
     waits = summary["probe"]["side_jobs"]
-    return {"way": way, "waits": waits, "step_seconds": median_step_seconds(run_dir), "run_dir": str(run_dir)}
+    return {
+        "way": way,
+        "waits": waits,
+        "step_seconds": median_step_seconds(run_dir),
+        "run_seconds": summary["run_seconds"],
+        "run_dir": str(run_dir),
+    }
 
 
 def median_step_seconds(run_dir: Path) -> float:
@@ -103,18 +109,18 @@ def report(results: list[dict], args, seconds: float, skipped: list[str]) -> str
         f"{args.commit} ({args.date}; {machine()}; {seconds / 60:.1f} minutes). {args.tokens:,} tokens per run, a "
         "probe every 65,536 tokens, the main run on one thread.",
         "",
-        "| side jobs | checkpoint write per probe point, ms | one look for results, ms | looks | x the median step | "
-        "waited at the end, s |",
+        "| side jobs | checkpoint write per probe point, ms | one look for results, ms (x the median step) | looks | "
+        "looking, share of the run's time | waited at the end, s |",
         "|---|---|---|---|---|---|",
     ]
     for result in results:
         waits = result["waits"]
         per_write = 1000 * waits["checkpoint"] / max(1, waits["checkpoints"])
         per_look = 1000 * waits["poll"] / max(1, waits["polls"])
-        share = per_look / 1000 / result["step_seconds"]
+        step = per_look / 1000 / result["step_seconds"]
         lines.append(
-            f"| {result['way']} | {per_write:.1f} ({waits['checkpoints']} points) | {per_look:.2f} | "
-            f"{waits['polls']:,} | {share:.3f} | {waits['at_end']:.1f} |"
+            f"| {result['way']} | {per_write:.1f} ({waits['checkpoints']} points) | {per_look:.2f} ({step:.3f}) | "
+            f"{waits['polls']:,} | {waits['poll'] / result['run_seconds']:.2%} | {waits['at_end']:.1f} |"
         )
     lines += [f"- {way}: not measured ({why})" for way, why in skipped]
     return "\n".join(lines)

@@ -466,6 +466,7 @@ class CBSProbeCallback(Callback):
             f"{settings.wait_at_end:g} min for their side jobs"
         )
         started = time.monotonic()
+        side.every_call = True
         while side.pending and time.monotonic() - started < settings.wait_at_end * 60:
             self.engine.poll()
             if side.pending:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -180,9 +181,7 @@ class LocalLauncher:
         Returns:
             The job's handle (JSON-able): ``launcher``, ``pid``, ``started`` (Unix seconds) and ``log``.
         """
-        env = dict(os.environ)
-        for variable in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-            env.pop(variable, None)  # the main run's process group is not the job's
+        env = job_environment()
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
         if self.devices is not None:
@@ -232,6 +231,32 @@ class LocalLauncher:
 
 
 _STARTED: dict[int, subprocess.Popen] = {}  # the jobs this process started, by process id
+
+# What the main run's launcher (torchrun, Lightning, SLURM's srun under it) tells its own ranks: a job that inherited
+# them would join the main run's process group, or take itself for one of its ranks.
+RUN_GROUP_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",
+    "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _without(names: set[str]) -> Iterator[None]:
+    """``os.environ`` without ``names`` inside, as it was after."""
+    removed = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(removed)
+
+
+def job_environment() -> dict[str, str]:
+    """This process's environment without the main run's process-group variables (and torchrun's TORCHELASTIC_*)."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name not in RUN_GROUP_VARIABLES and not name.startswith("TORCHELASTIC_")
+    }
 
 
 def _alive(pid: int) -> bool:
@@ -354,9 +379,11 @@ class SlurmLauncher:
         """
         import submitit
 
-        job = self._executor(folder, name).submit(
-            submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd())
-        )
+        # sbatch passes on the environment it is called in (the job then adds SLURM's own): not the main run's group.
+        with _without(set(os.environ) - set(job_environment())):
+            job = self._executor(folder, name).submit(
+                submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd())
+            )
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
@@ -422,10 +449,13 @@ class SideJobs:
             deleted then; the job folder keeps the job's description, log and scores).
         wait_at_end: when training ends, wait for the readings still running (up to this many minutes; 0:
             leave them, a resumed run or ``recipes/probe.py`` collects them).
+        look_seconds: the main run looks for finished jobs at most this often (seconds of its training), and
+            spends at most 1% of its time looking (a look asks the launcher about every job out: for SLURM,
+            ``squeue``; over several ranks, one broadcast); 0: after every optimizer step.
 
     Raises:
         LitCBSConfigError: ``launcher`` has no ``submit``, ``build`` is not "module:function", ``build_args`` is no
-            mapping, ``retries`` is not an int >= 0, or ``wait_at_end`` is negative.
+            mapping, ``retries`` is not an int >= 0, or ``wait_at_end`` or ``look_seconds`` is negative.
 
     Examples:
         >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
@@ -442,6 +472,7 @@ class SideJobs:
     keep_checkpoints: bool = False
     wait_at_end: float = 60.0
     build_args: dict[str, Any] = field(default_factory=dict)
+    look_seconds: float = 2.0
 
     def __post_init__(self) -> None:
         if not hasattr(self.launcher, "submit"):
@@ -462,3 +493,7 @@ class SideJobs:
             )
         if not self.wait_at_end >= 0:
             raise LitCBSConfigError(f"side_jobs.wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)")
+        if not self.look_seconds >= 0:
+            raise LitCBSConfigError(
+                f"side_jobs.look_seconds={self.look_seconds!r} must be >= 0 (seconds; 0: after every step)"
+            )

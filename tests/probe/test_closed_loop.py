@@ -51,7 +51,7 @@ def fit(probe: CBSProbeCallback | None, *callbacks: pl.Callback, folder: Path | 
 @pytest.mark.slow
 @pytest.mark.parametrize("scoring", SCORINGS.values(), ids=SCORINGS.keys())
 def test_side_job_readings_grow_the_batch_and_read_as_in_process(scoring, tmp_path):
-    jobs = SideJobs(LocalLauncher(threads=1), build="side_job_toys:adaptive_parts")
+    jobs = SideJobs(LocalLauncher(threads=1), build="side_job_toys:adaptive_parts", look_seconds=0)
     side = CBSProbeCallback(**ADAPTIVE, **scoring, side_jobs=jobs, output_dir=tmp_path / "side")
     # The main run waits after its first window until the job has ended, so the reading arrives inside the run.
     window_end = 10 + 4
@@ -125,7 +125,7 @@ def test_the_adaptive_recipe_grows_its_batch_on_side_job_readings(prepared, tmp_
     # The main run waits after the first window (step 12) until the job has ended: its reading arrives inside the run.
     wait = "+callbacks.wait={_target_: side_job_toys.WaitForSideJobs, step: 12}"
     side, summary, stdout = recipe_run(
-        tmp_path / "side", prepared, "side_jobs=local", "side_jobs.launcher.threads=1", wait
+        tmp_path / "side", prepared, "side_jobs=local", "side_jobs.launcher.threads=1", "side_jobs.look_seconds=0", wait
     )
     in_process, _, _ = recipe_run(tmp_path / "in_process", prepared)
     first, expected = side[0], in_process[0]
@@ -143,7 +143,12 @@ def test_the_adaptive_recipe_grows_its_batch_on_side_job_readings(prepared, tmp_
 def test_a_run_whose_probes_failed_says_so_in_the_first_lines_of_its_summary(prepared, tmp_path):
     # Every job runs past its time limit (0.6 s): each probe point fails, and the adaptive schedule never acts.
     _, summary, stdout = recipe_run(
-        tmp_path / "run", prepared, "side_jobs=local", "side_jobs.launcher.timeout_min=0.01", "side_jobs.retries=0"
+        tmp_path / "run",
+        prepared,
+        "side_jobs=local",
+        "side_jobs.launcher.timeout_min=0.01",
+        "side_jobs.retries=0",
+        "side_jobs.look_seconds=0",
     )
     points = summary["probe"]["points"]
     assert points["read"] == 0 and len(points["failed"]) == 3 and points["pending"] == []  # at 16k, 32k and 49k tokens

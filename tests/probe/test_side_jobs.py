@@ -52,7 +52,8 @@ def fit(probe: CBSProbeCallback | None, max_steps: int = -1):
 
 
 def side_jobs(**kwargs) -> SideJobs:
-    return SideJobs(LocalLauncher(threads=1), build="side_job_toys:parts", **kwargs)
+    """Side jobs of the toy run, looked for after every step (look_seconds=0) unless ``kwargs`` say otherwise."""
+    return SideJobs(LocalLauncher(threads=1), build="side_job_toys:parts", **{"look_seconds": 0, **kwargs})
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +111,7 @@ def test_a_failing_side_job_is_retried_then_the_probe_is_recorded_as_failed(tmp_
     assert {key: status[key] for key in ("read", "determined", "failed", "pending")} == {
         "read": 1, "determined": 0, "failed": probe.failures, "pending": []
     }  # fmt: skip
-    assert status["side_jobs"]["checkpoints"] == 2 and status["side_jobs"]["polls"] >= 48  # a look after every step
+    assert status["side_jobs"]["checkpoints"] == 2 and status["side_jobs"]["polls"] >= 48  # look_seconds=0: every step
 
 
 @pytest.mark.slow
@@ -172,7 +173,9 @@ def test_a_stopped_main_run_collects_the_jobs_that_finished_and_restarts_those_l
     # readings are those of the run never stopped: the first test's (the same toy run and PROBE; neither its
     # checkpoint callback nor how many jobs run at once changes a reading).
     def probe(**settings) -> CBSProbeCallback:
-        jobs = SideJobs(LocalLauncher(threads=1, max_running=None), build="side_job_toys:parts", **settings)
+        jobs = SideJobs(
+            LocalLauncher(threads=1, max_running=None), build="side_job_toys:parts", look_seconds=0, **settings
+        )
         return CBSProbeCallback(**PROBE, side_jobs=jobs, output_dir=tmp_path / "probes")
 
     uninterrupted, _, never_stopped = side_job_run
@@ -242,3 +245,28 @@ def test_a_silent_main_run_is_gone_after_a_while(tmp_path):
     assert main_is_gone(main) is None
     os.utime(heartbeat, (time.time() - 2 * MAIN_SILENCE_SECONDS,) * 2)
     assert main_is_gone(main).startswith("the main run has not been heard from for ")
+
+
+def test_a_job_does_not_inherit_the_main_runs_process_group(tmp_path, monkeypatch):
+    # Under torchrun the main run's ranks carry these; a job that kept them took itself for one of its ranks.
+    for name, value in {"TORCHELASTIC_RUN_ID": "run", "LOCAL_RANK": "1", "GROUP_RANK": "0", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    launcher = LocalLauncher()
+    code = "import json, os; print(json.dumps(sorted(os.environ)))"
+    handle = launcher.submit(["-c", code], tmp_path, "env")
+    while launcher.state(handle).running:
+        time.sleep(0.05)
+    seen = json.loads((tmp_path / "env.log").read_text())
+    assert "PATH" in seen and not {"TORCHELASTIC_RUN_ID", "LOCAL_RANK", "GROUP_RANK", "MASTER_PORT"} & set(seen)
+
+
+@pytest.mark.slow
+def test_the_main_run_looks_for_results_at_most_every_look_seconds(side_job_run, tmp_path):
+    # The toy's steps take milliseconds: with looks at most every 2 s the run looks a few times, not at every step,
+    # and still takes every reading (the last ones when training ends).
+    probe = CBSProbeCallback(**PROBE, side_jobs=side_jobs(look_seconds=2), output_dir=tmp_path)
+    fit(probe, max_steps=STEPS)
+    uninterrupted, _, _ = side_job_run
+    looks = probe.status()["side_jobs"]["polls"]
+    assert looks < STEPS / 2, looks
+    assert [(r.tokens, r.losses) for r in probe.history] == [(r.tokens, r.losses) for r in uninterrupted.history]

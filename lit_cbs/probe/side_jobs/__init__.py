@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import importlib
 import json
+import math
 import os
 import shutil
 import socket
@@ -41,6 +42,11 @@ MAIN_SCORE_FILE = "main_score.json"
 CHECKPOINT_NAME = "start.ckpt"
 HEARTBEAT_FILE = "main.alive"  # in JOBS_FOLDER: touched by the main run while it lives
 HEARTBEAT_SECONDS = 10.0
+# Looks for results come every n optimizer steps, n set at each look (on rank 0, broadcast with its findings, so the
+# ranks agree without another collective) so that looks are at most every SideJobs.look_seconds and cost at most
+# 1 / LOOK_SHARE of the run's time: squeue and a broadcast cost milliseconds, a small model's step tens of them.
+LOOK_SHARE = 100
+MAX_LOOK_EVERY = 1000
 MAIN_SILENCE_SECONDS = 300.0  # a job waiting for the main run's score stops after this long without a heartbeat
 
 __all__: list[str] = []  # the main run's side of side jobs, and the files they share: the engine's own parts
@@ -146,6 +152,10 @@ class SideJobRunner:
         # What the main run paid for its side jobs on its own clock (seconds): each point's checkpoint and job
         # description, every step's look for outcomes, and the wait for the last readings when training ended.
         self.waits = {"checkpoint": 0.0, "checkpoints": 0, "poll": 0.0, "polls": 0, "at_end": 0.0}
+        self.look_every = 1  # optimizer steps between looks for results (all ranks alike)
+        self._steps_since_look = 0
+        self._last_look: tuple[float, float] | None = None  # (when it began, what it cost), rank 0's clock
+        self.every_call = False  # training ended: look at every call
 
     # ------------------------------------------------------------------ before training
     def check(self, trainer: pl.Trainer, warmup: BatchWarmup | None) -> None:
@@ -184,6 +194,7 @@ class SideJobRunner:
                 "probing records the window as the run trains it)"
             )
         self.trainer, self.folder = trainer, output_dir / JOBS_FOLDER
+        self.look_every, self._steps_since_look, self._last_look, self.every_call = 1, 0, None, False
         if trainer.is_global_zero and self._heartbeat is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._heartbeat = threading.Event()
@@ -250,10 +261,13 @@ class SideJobRunner:
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
         """The points whose outcome is in: (point, outcome) when its job wrote its scores and the main run's window
         ended (the reading needs the main run's own score); (point, why) when its jobs failed ``retries`` + 1 times,
-        or twice alike. A failed job with retries left waits its turn to start again. Rank 0 looks; every rank gets
-        the same answer."""
+        or twice alike. A failed job with retries left waits its turn to start again. Rank 0 looks, every
+        ``look_every`` calls (one per optimizer step); every rank gets the same answer."""
         trainer = self.trainer
         assert trainer is not None, "attached at the fit's start"
+        self._steps_since_look += 1
+        if not (self.every_call or self._steps_since_look >= self.look_every):
+            return []
         started = time.perf_counter()
         found: list[tuple[int, dict[str, Any] | str]] = []
         if trainer.is_global_zero:
@@ -261,17 +275,32 @@ class SideJobRunner:
                 outcome = self._outcome(point)
                 if outcome is not None:
                     found.append((point.index, outcome))
+        every = self._next_look_every(started) if trainer.is_global_zero else 1
         if trainer.world_size > 1:
-            found = trainer.strategy.broadcast(found)
+            found, every = trainer.strategy.broadcast((found, every))
+        self.look_every, self._steps_since_look = every, 0
         finished: list[tuple[ProbePoint, BranchOutcome | str]] = []
         for index, outcome in found:
             point = self.pending.pop(index)
             finished.append((point, outcome if isinstance(outcome, str) else job_outcome(outcome, point)))
         if trainer.is_global_zero:
             self._start_queued()
-        self.waits["poll"] += time.perf_counter() - started
-        self.waits["polls"] += 1
+        cost = time.perf_counter() - started
+        self._last_look = (started, cost)
+        if not self.every_call:  # the looks while training (those at the end are its wait at the end)
+            self.waits["poll"] += cost
+            self.waits["polls"] += 1
         return finished
+
+    def _next_look_every(self, now: float) -> int:
+        """Optimizer steps until the next look: looks at most every LOOK_SECONDS, costing at most 1 / LOOK_SHARE of
+        the run's time, from the steps' pace and the last look's cost since the last look (rank 0)."""
+        if self._last_look is None or self.every_call or not self.settings.look_seconds:
+            return 1
+        began, cost = self._last_look
+        step_seconds = max(1e-6, (now - began - cost) / self._steps_since_look)
+        interval = max(self.settings.look_seconds, LOOK_SHARE * cost)
+        return max(1, min(MAX_LOOK_EVERY, math.ceil(interval / step_seconds)))
 
     def _outcome(self, point: ProbePoint) -> dict[str, Any] | str | None:
         scores = Path(point.folder) / SCORES_FILE
