@@ -691,6 +691,7 @@ class Limits:
     peak_flops_per_device: float = 989e12
     min_micro_batch_size: int = 1  # growing the cluster: no rank's micro-batch below this (samples)
     max_devices: int | None = None  # growing the cluster: at most this many ranks
+    checkpoint_gib_per_s: float = 1.0  # what one rank writes to the checkpoint folder per second (side-job probes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -743,11 +744,20 @@ class RunPlan:
     @property
     def wall_seconds(self) -> float:
         """The main run's: with in-process probes the run waits while their branches train (counted); side-job
-        probes' branches train elsewhere (``probe_device_hours``)."""
+        probes' branches train elsewhere (``probe_device_hours``), the run waiting only for each probe's checkpoint."""
         paused = self.probe is not None and self.probe.side_jobs is None
-        return self._seconds(
+        seconds = self._seconds(
             self.tokens + (self.probe.tokens if paused and self.probe is not None else 0), self.processes
         )
+        return seconds + self.probe_checkpoint_seconds * (len(self.probe.points) if self.probe is not None else 0)
+
+    @property
+    def probe_checkpoint_seconds(self) -> float:
+        """Seconds the main run waits at each side-job probe point while every rank writes its share of the
+        checkpoint (FSDP2: its shard; one process or DDP: rank 0 the whole), at ``limits.checkpoint_gib_per_s``."""
+        if self.probe is None or self.probe.side_jobs is None:
+            return 0.0
+        return self.probe.snapshot_bytes / GIB / self.limits.checkpoint_gib_per_s
 
     @property
     def probe_device_hours(self) -> float:
@@ -857,10 +867,14 @@ class RunPlan:
             )
             if probe.side_jobs is not None:
                 hours = f"{self.probe_device_hours:,.0f} device-hours" if self._on_gpu else "their own devices"
+                write = self.probe_checkpoint_seconds
                 lines += [
                     f"  as side jobs ({probe.side_jobs}): the branches train on {hours} beside the main run, "
                     "which does not wait for them; each probe writes a "
-                    f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in)",
+                    f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in), "
+                    f"which the main run waits for: {_duration(write)} a probe point at "
+                    f"plan_for.checkpoint_gib_per_s={self.limits.checkpoint_gib_per_s:g} per rank, "
+                    f"{_duration(write * len(probe.points))} in all",
                     f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: the held-out batches the main run "
                     "scores its own window on (no snapshot, no recorded window)",
                 ]
@@ -877,7 +891,8 @@ class RunPlan:
             if self.probe is None:
                 pauses = ""
             elif self.probe.side_jobs is not None:
-                pauses = " (the main run alone: side-job probes do not pause it)"
+                writes = _duration(self.probe_checkpoint_seconds * len(self.probe.points))
+                pauses = f" (side-job probes pause it only for their checkpoints: {writes})"
             else:
                 alone = self._seconds(self.tokens, self.processes)
                 pauses = f", of which the run waits {_duration(seconds - alone)} for its in-process probes"
