@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
-import time
 from pathlib import Path
 from typing import Any, cast
 
@@ -14,10 +12,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs import legacy, metrics
+from lit_cbs import legacy
 from lit_cbs._internals import logging_step, should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
-from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import BranchTrainer, ProbeAborted, ProbeUnusable
@@ -28,14 +25,12 @@ from lit_cbs.probe.in_process import InProcessRunner
 from lit_cbs.probe.limits import RunEnd
 from lit_cbs.probe.placement import ProbeRun
 from lit_cbs.probe.reading import BranchScore, ProbeReading
+from lit_cbs.probe.record import draw, log_reading, write_history
 from lit_cbs.probe.side_jobs import SideJobRunner
-from lit_cbs.probe.start import EpochEnd, ProbeSkip, plan_probe
+from lit_cbs.probe.start import ProbeSkip
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 __all__ = ["CBSProbeCallback"]
-
-JSONL_FILE = "cbs_probe.jsonl"
-PLOT_FILE = "cbs_curve.png"
 
 
 class CBSProbeCallback(Callback):
@@ -111,7 +106,8 @@ class CBSProbeCallback(Callback):
         return self.engine.tokens_spent
 
     def status(self) -> dict[str, Any]:
-        """How the probe points fared (``ProbeEngine.status``) and, beside ``CBSAdaptive``, whether it acted.
+        """How the probe points fared and, beside ``CBSAdaptive``, whether it acted (``ProbeEngine.status``); with side
+        jobs, what the main run waited for them.
 
         Examples:
             >>> CBSProbeCallback(every_tokens=10**6).status()
@@ -119,13 +115,7 @@ class CBSProbeCallback(Callback):
         """
         status = self.engine.status()
         if self._side is not None:
-            status["side_jobs"] = dict(self._side.waits)
-        schedule = self.engine.schedule
-        if schedule is not None:
-            status["adaptive"] = {
-                "decisions": [list(d) for d in schedule.decisions],
-                "why_not": self._why_not_adapted(),
-            }
+            status["side_jobs"] = dict(self._side.waits)  # what the main run waited for its side jobs
         return status
 
     @property
@@ -149,13 +139,7 @@ class CBSProbeCallback(Callback):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
         warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
         self._run = ProbeRun(self.config, accounting, warmup)
-        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != self.config.rules.names():
-            raise LitCBSConfigError(
-                f"CBSProbeCallback({self.config.rules.describe()}) and BatchWarmup({warmup.rules.describe()}) "
-                "move the optimizer differently at a batch change, so a branch at k x B would not train as the run "
-                "does after growing its batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule "
-                "and beta2_floor"
-            )
+        self._run.check_rules_match()
         if self._side is not None:
             self._side.check(trainer, warmup)
         if self._in_process is not None:
@@ -171,19 +155,8 @@ class CBSProbeCallback(Callback):
         Raises:
             LitCBSConfigError: the optimizer or a scheduler cannot be moved by the probe's rules at some k.
         """
-        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-        ratios = list(self.config.multipliers)
-        warmup = self._run.warmup if self._run is not None else None
-        if warmup is not None and warmup.lr_rule.name == self.config.rules.lr.name == "adam_sde":
-            # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
-            sizes = warmup.schedule.sizes()
-            ratios = [k * max(sizes) / min(sizes) for k in ratios]
-        who = (
-            f"CBSProbeCallback({self.config.rules.describe()}, "
-            f"multipliers=[{', '.join(f'{k:g}' for k in self.config.multipliers)}])"
-        )
-        for optimizer in trainer.optimizers:
-            self.config.rules.check(optimizer, schedulers, ratios, who)
+        assert self._run is not None, "set up for the fit"
+        self._run.check_rules_apply(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Resolve the output folder, load the held-out batches, refuse a first probe point past ``max_tokens``,
@@ -301,29 +274,10 @@ class CBSProbeCallback(Callback):
             if self._side.pending and accounting.stop_signal is None:
                 self._wait_for_side_jobs()
             self._side.detach()
-        why_not = self._why_not_adapted()
+        why_not = self.engine.why_not_adapted()
         if why_not is not None and accounting.stop_signal is None:
             rank_zero_warn(f"CBSAdaptive never grew the batch: {why_not}")
         self._draw(trainer)
-
-    def _why_not_adapted(self) -> str | None:
-        """Why a CBSAdaptive schedule the readings drive never moved, or None (none, or it moved)."""
-        schedule = self.engine.schedule
-        if schedule is None or schedule.decisions or schedule.start >= schedule.final:
-            return None
-        status = self.engine.status()
-        failed = status["failed"]
-        why = [f"{status['read']} reading(s), {status['determined']} determined"]
-        if status["read"] > status["determined"]:
-            why.append("an undetermined reading never acts")
-        if status["determined"]:
-            top = max(reading.cbs_lower for reading in self.history if reading.determined)
-            why.append(f"the highest determined CBS was {top:g} samples, below {schedule.factor:g} x {schedule.start}")
-        if failed:
-            why.append(f"{len(failed)} probe point(s) failed, the first: {failed[0]['reason']}")
-        if status["pending"]:
-            why.append(f"{len(status['pending'])} still pending")
-        return "; ".join(why)
 
     # ------------------------------------------------------------------ a probe point
     def _run_batch(self) -> int:
@@ -341,30 +295,15 @@ class CBSProbeCallback(Callback):
 
     def _branch_trainer(self, batch_size: int) -> BranchTrainer:
         """Trains and scores branches at the main batch ``batch_size`` (and scores the main run's own window)."""
-        trainer, pl_module = self._accounting.trainer, self._module
-        assert trainer is not None and self._run is not None, "set up for the fit"
-        return BranchTrainer(
-            trainer,
-            pl_module,
-            self._accounting,
-            self.config.rules,
-            self.config.evaluate,
-            self.config.ema_alpha,
-            micro_batch_for=self._run.micro_batch_for(batch_size),
-            heldout=self._heldout,
-            cooldown_fraction=self.config.cooldown_fraction,
-        )
-
-    @property
-    def _module(self) -> pl.LightningModule:
-        trainer = self._accounting.trainer
-        assert trainer is not None, "set up for the fit"
-        return trainer.lightning_module
+        trainer, run = self._accounting.trainer, self._run
+        assert trainer is not None and run is not None, "set up for the fit"
+        return run.branch_trainer(trainer, trainer.lightning_module, batch_size, self._heldout)
 
     def _score_main(self, point: ProbePoint) -> BranchScore:
         """The main run's score where its window (or an early look) ended, as a branch is scored there."""
         scorer = self._scorer
-        if scorer is None or scorer.trainer is not self._accounting.trainer or scorer.pl_module is not self._module:
+        trainer = self._accounting.trainer
+        if scorer is None or scorer.trainer is not trainer or scorer.pl_module is not trainer.lightning_module:
             self._scorer = scorer = self._branch_trainer(point.batch_size)
         with self._accounting.branching():  # probe work: not the main run's time
             return scorer.score(point.main_step_losses)
@@ -389,8 +328,6 @@ class CBSProbeCallback(Callback):
             return  # a probe found this run cannot be probed: no later one would fare better
         schedule = self.engine.schedule
         at_final = schedule is not None and not schedule.wants_readings(self._consumed())
-        loader = resizable_train_loader(trainer)
-        uneven = loader is not None and loader.deals_unevenly
         batch_size = run.global_batch()
         out = [point.tokens for point in self.engine.points.values() if point.batch_size == batch_size]
         if schedule is not None and not at_final and out:
@@ -400,24 +337,11 @@ class CBSProbeCallback(Callback):
                 f"({batch_size}), is still out"
             )
             return
-        end = run.end(trainer, batch_idx, into_step=0)  # right after an optimizer step
-        plan = plan_probe(
-            self.config,
-            tokens=tokens,
-            batch_size=batch_size,
-            seq_len=run.seq_len(),
-            data_parallel_size=accounting.data_parallel_size,
-            branch_micro_batch=run.micro_batch_for(batch_size),
-            run_end_tokens=end.earliest,
-            run_end=f"the run's end ({end.describe()})",
-            tokens_spent=self.tokens_spent,
-            main_span_tokens=self.config.window_tokens if self._side is not None else None,
-            adaptive_final=schedule.final if schedule is not None and at_final else None,
-            epoch_end=EpochEnd(loader.num_samples, loader.position) if loader is not None and uneven else None,
-            largest_batch=run.largest_batch(),
-        )
+        final = schedule.final if schedule is not None and at_final else None
+        plan = run.plan(trainer, batch_idx, self.tokens_spent, self._side is not None, final)
         if isinstance(plan, ProbeSkip) and plan.next_epoch:
             # Said once per epoch (the epoch is the loader's to tell): the point is asked again after every step.
+            loader = resizable_train_loader(trainer)
             assert loader is not None, "only an uneven loader's epoch end makes a probe wait for the next epoch"
             if self._waiting_in_epoch != loader.epoch:
                 self._waiting_in_epoch = loader.epoch
@@ -460,18 +384,11 @@ class CBSProbeCallback(Callback):
         """Training is over: wait (up to ``side_jobs.wait_at_end`` minutes) for the readings still out."""
         side, settings = self._side, self.config.side_jobs
         assert side is not None and settings is not None, "called only with side jobs"
-        waiting = sorted(point.tokens for point in side.pending.values())
+        waiting = ", ".join(f"{tokens:,}" for tokens in sorted(point.tokens for point in side.pending.values()))
         rank_zero_info(
-            f"CBS probes at {', '.join(f'{tokens:,}' for tokens in waiting)} tokens: waiting up to "
-            f"{settings.wait_at_end:g} min for their side jobs"
+            f"CBS probes at {waiting} tokens: waiting up to {settings.wait_at_end:g} min for their side jobs"
         )
-        started = time.monotonic()
-        side.every_call = True
-        while side.pending and time.monotonic() - started < settings.wait_at_end * 60:
-            self.engine.poll()
-            if side.pending:
-                time.sleep(0.25)
-        side.waits["at_end"] += time.monotonic() - started
+        side.wait(self.engine.poll, settings.wait_at_end * 60)
         if side.pending:
             left = ", ".join(f"{point.tokens:,}" for point in side.pending.values())
             rank_zero_warn(
@@ -497,7 +414,9 @@ class CBSProbeCallback(Callback):
                 "after the main run's window ended)"
             )
             log_step = point.window_end_row
-        self._report(trainer, reading, log_step)
+        log_reading(trainer, reading, self.tokens_spent, log_step)
+        if trainer.is_global_zero and self._output_dir is not None:
+            self._write_history()
         if self.engine.schedule is not None:
             if not reading.determined:
                 rank_zero_info("CBSAdaptive: the reading is undetermined at this confidence; the batch stays")
@@ -508,76 +427,18 @@ class CBSProbeCallback(Callback):
         if self.engine.runner.late:
             self._draw(trainer)
 
-    def _report(self, trainer: pl.Trainer, reading: ProbeReading, log_step: int | None = None) -> None:
-        logged = {
-            metrics.CBS_LOWER: float(reading.cbs_lower),
-            metrics.CBS_ESTIMATE: float(reading.cbs_estimate),
-            metrics.CBS_K_STAR: float(reading.k_star),
-            metrics.CBS_DETERMINED: float(reading.determined),
-            metrics.PROBE_OVERHEAD: float(reading.overhead),
-            metrics.PROBE_TOKENS_SPENT: float(self.tokens_spent),
-        }
-        if reading.cbs_upper is not None:
-            logged[metrics.CBS_UPPER] = float(reading.cbs_upper)
-        base = min(reading.losses, key=float)
-        base_loss = reading.losses[base]
-        for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
-            if k != base and loss is not None and base_loss is not None:
-                logged[metrics.cbs_gap(k)] = float(loss - base_loss)
-                gap_se = reading.loss_se.get(k)
-                if gap_se is not None:
-                    logged[metrics.cbs_gap_se(k)] = float(gap_se)
-        log_to_loggers(trainer, lambda _: logged, every_step=True, step=log_step)  # the step that ended the window
-
-        def gap(k: str) -> str:
-            se = reading.loss_se.get(k)
-            if se is None:
-                return ""
-            windows = reading.replicate_se.get(k)
-            spread = f"; from the spread between data windows alone {windows:.4f}" if windows is not None else ""
-            return f" (SE of the difference from k={base}: {se:.4f}{spread})"
-
-        losses = ", ".join(
-            f"k={k}: " + (f"{v:.4f}{gap(k)}" if v is not None else "failed") for k, v in reading.losses.items()
-        )
-        rank_zero_info(
-            f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
-            f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {losses}; "
-            f"{reading.tokens_spent:,} branch tokens"
-            + (f" over {reading.replicates} data windows" if reading.replicates > 1 else "")
-            + f"; probe overhead {reading.overhead:.2f}"
-        )
-        if trainer.is_global_zero and self._output_dir is not None:
-            self._write_history()
-
     def _write_history(self) -> None:
-        """Make cbs_probe.jsonl hold exactly ``history`` (at the start of a fit and after each reading): a resumed
-        run starts it from its checkpoint's readings, so nothing is written twice and no reading after the
-        checkpoint lingers."""
-        folder = self._output_dir
-        assert folder is not None, "written only where there is an output folder"
-        path = folder / JSONL_FILE
-        if not self.history:
-            path.unlink(missing_ok=True)
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("".join(json.dumps(dataclasses.asdict(reading)) + "\n" for reading in self.history))
+        """cbs_probe.jsonl holds exactly ``history`` (at the start of a fit and after each reading): a resumed run
+        starts it from its checkpoint's readings, so nothing is written twice and no reading after it lingers."""
+        assert self._output_dir is not None, "written only where there is an output folder"
+        write_history(self._output_dir, self.history)
 
     def _draw(self, trainer: pl.Trainer) -> None:
-        """cbs_curve.png of the readings so far (rank 0), sent to the loggers that take images."""
-        if not (trainer.is_global_zero and self.history and self._output_dir is not None):
-            return
-        from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a curve is drawn
-
-        warmup = self._run.warmup if self._run is not None else None
-        path = plot_cbs_curve(
-            self.history,
-            warmup.history if warmup is not None else [],
-            self._output_dir / PLOT_FILE,
-            self._accounting.tokens_seen,
-            self.config.epsilon,
-        )
-        log_figures(trainer.loggers, [path], trainer.global_step)
+        """cbs_curve.png of the readings so far (rank 0)."""
+        if trainer.is_global_zero and self.history and self._output_dir is not None:
+            warmup = self._run.warmup if self._run is not None else None
+            changes = warmup.history if warmup is not None else []
+            draw(trainer, self.history, changes, self._output_dir, self._accounting.tokens_seen, self.config.epsilon)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:

@@ -171,8 +171,9 @@ class ProbeEngine:
         >>> (reading,) = engine.history
         >>> reading.bracket, reading.adaptive_batch, reading.arrived_at_tokens, schedule.batch_size(65_536)
         ('[32, beyond the grid]', 32, 65536, 32)
-        >>> engine.status()
-        {'read': 1, 'determined': 1, 'failed': [], 'pending': []}
+        >>> status = engine.status()
+        >>> status["read"], status["determined"], status["failed"], status["pending"], status["adaptive"]
+        (1, 1, [], [], {'decisions': [[65536, 32]], 'why_not': None})
     """
 
     config: ProbeConfig
@@ -291,11 +292,34 @@ class ProbeEngine:
             reading.adaptive_batch = self.schedule.batch_size(consumed)
 
     def status(self) -> dict[str, Any]:
-        """How the probe points fared: readings (and how many determined), failures with their reasons, and the
-        points still pending (tokens)."""
-        return {
+        """How the probe points fared: readings (and how many determined), failures with their reasons, the points
+        still pending (tokens) and, with a ``CBSAdaptive``, its decisions and why it never moved if it did not."""
+        status: dict[str, Any] = {
             "read": len(self.history),
             "determined": sum(reading.determined for reading in self.history),
             "failed": [dict(failure) for failure in self.failures],
             "pending": sorted(point.tokens for point in self.points.values()),
         }
+        if self.schedule is not None:
+            decisions = [list(decision) for decision in self.schedule.decisions]
+            status["adaptive"] = {"decisions": decisions, "why_not": self.why_not_adapted()}
+        return status
+
+    def why_not_adapted(self) -> str | None:
+        """Why the ``CBSAdaptive`` the readings feed never moved, in words; None where there is none, it moved, or it
+        could not (its start is its final batch)."""
+        schedule = self.schedule
+        if schedule is None or schedule.decisions or schedule.start >= schedule.final:
+            return None
+        determined = [reading for reading in self.history if reading.determined]
+        why = [f"{len(self.history)} reading(s), {len(determined)} determined"]
+        if len(self.history) > len(determined):
+            why.append("an undetermined reading never acts")
+        if determined:
+            top = max(reading.cbs_lower for reading in determined)
+            why.append(f"the highest determined CBS was {top:g} samples, below {schedule.factor:g} x {schedule.start}")
+        if self.failures:
+            why.append(f"{len(self.failures)} probe point(s) failed, the first: {self.failures[0]['reason']}")
+        if self.points:
+            why.append(f"{len(self.points)} still pending")
+        return "; ".join(why)

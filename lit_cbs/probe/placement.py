@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe.branch import branch_micro_batch, optimizer_step_writes_lr
+from lit_cbs.probe.branch import BranchTrainer, branch_micro_batch, optimizer_step_writes_lr
 from lit_cbs.probe.config import ProbeConfig
 from lit_cbs.probe.limits import RunEnd, known, run_end
-from lit_cbs.probe.start import window_at
+from lit_cbs.probe.start import EpochEnd, ProbePlan, ProbeSkip, plan_probe, window_at
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 if TYPE_CHECKING:
@@ -35,6 +35,30 @@ class ProbeRun:
     config: ProbeConfig
     accounting: BatchAccounting
     warmup: BatchWarmup | None
+
+    def check_rules_match(self) -> None:
+        """Beside a BatchWarmup whose batch changes, the probe's optimizer rules must be the BatchWarmup's: a branch at
+        k x B measures what the run would train after growing its batch k-fold."""
+        warmup, rules = self.warmup, self.config.rules
+        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != rules.names():
+            raise LitCBSConfigError(
+                f"CBSProbeCallback({rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
+                "differently at a batch change, so a branch at k x B would not train as the run does after growing "
+                "its batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
+            )
+
+    def check_rules_apply(self, trainer: pl.Trainer) -> None:
+        """Every multiplier's LR rule must apply to the optimizer and its schedulers (before any data is read)."""
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        ratios, warmup, rules = list(self.config.multipliers), self.warmup, self.config.rules
+        if warmup is not None and warmup.lr_rule.name == rules.lr.name == "adam_sde":
+            # BatchWarmup's adam_sde shrinks the betas as the batch grows; branches start from there.
+            sizes = warmup.schedule.sizes()
+            ratios = [k * max(sizes) / min(sizes) for k in ratios]
+        grid = ", ".join(f"{k:g}" for k in self.config.multipliers)
+        who = f"CBSProbeCallback({rules.describe()}, multipliers=[{grid}])"
+        for optimizer in trainer.optimizers:
+            rules.check(optimizer, schedulers, ratios, who)
 
     def seq_len(self) -> int:
         """Tokens per sample, known from the first batch on (``check_first_batch`` refuses a run without)."""
@@ -68,6 +92,52 @@ class ProbeRun:
         if isinstance(schedule, CBSAdaptive):
             return schedule.start
         return schedule.batch_size(int(tokens if schedule.unit == "tokens" else tokens // self.seq_len()))
+
+    def branch_trainer(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_size: int, heldout: list | None
+    ) -> BranchTrainer:
+        """Trains and scores branches at the main batch ``batch_size`` (and scores the main run's own window)."""
+        return BranchTrainer(
+            trainer,
+            pl_module,
+            self.accounting,
+            self.config.rules,
+            self.config.evaluate,
+            self.config.ema_alpha,
+            micro_batch_for=self.micro_batch_for(batch_size),
+            heldout=heldout,
+            cooldown_fraction=self.config.cooldown_fraction,
+        )
+
+    def plan(
+        self,
+        trainer: pl.Trainer,
+        batch_idx: int,
+        tokens_spent: int,
+        side_jobs: bool,
+        adaptive_final: int | None,
+    ) -> ProbePlan | ProbeSkip:
+        """``plan_probe`` for the point due right after this optimizer step: the run's batch, its end, its epoch's
+        end where the last round is uneven; ``side_jobs`` record only the first window of the main run."""
+        accounting, batch_size = self.accounting, self.global_batch()
+        loader = resizable_train_loader(trainer)
+        uneven = loader is not None and loader.deals_unevenly
+        end = self.end(trainer, batch_idx, into_step=0)
+        return plan_probe(
+            self.config,
+            tokens=accounting.tokens_seen,
+            batch_size=batch_size,
+            seq_len=self.seq_len(),
+            data_parallel_size=accounting.data_parallel_size,
+            branch_micro_batch=self.micro_batch_for(batch_size),
+            run_end_tokens=end.earliest,
+            run_end=f"the run's end ({end.describe()})",
+            tokens_spent=tokens_spent,
+            main_span_tokens=self.config.window_tokens if side_jobs else None,
+            adaptive_final=adaptive_final,
+            epoch_end=EpochEnd(loader.num_samples, loader.position) if loader is not None and uneven else None,
+            largest_batch=self.largest_batch(),
+        )
 
     def end(self, trainer: pl.Trainer, batch_idx: int, into_step: int) -> RunEnd:
         """Where the run ends (tokens), by whichever limit ends it first; ``into_step``: micro-batches of the step

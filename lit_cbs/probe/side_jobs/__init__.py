@@ -21,6 +21,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -326,6 +327,17 @@ class SideJobRunner:
             f"it starts again ({point.attempts} of {self.settings.retries + 1} attempts)"
         )
         return None
+
+    def wait(self, poll: Callable[[], None], seconds: float) -> None:
+        """Training is over: ``poll`` (the engine's) until no point is pending or ``seconds`` passed, looking at
+        every call."""
+        started = time.monotonic()
+        self.every_call = True
+        while self.pending and time.monotonic() - started < seconds:
+            poll()
+            if self.pending:
+                time.sleep(0.25)
+        self.waits["at_end"] += time.monotonic() - started
 
     def close(self, point: ProbePoint) -> None:
         """The point's reading is recorded (or it failed): its start checkpoint goes, unless ``keep_checkpoints``."""
