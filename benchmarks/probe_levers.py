@@ -43,7 +43,7 @@ from lit_cbs.probe.reading import BranchScore, ProbeReading, decide, read_readin
 
 NAME = "probe_levers"
 SEED = 3  # no closed-loop run uses it: the recipe chosen from these rows is judged on other seeds
-EPSILON = 0.02  # nats, the recipes'
+EPSILON = 0.01  # nats, the tiny_adaptive recipe's
 
 
 @dataclass(frozen=True)
