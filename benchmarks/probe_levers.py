@@ -109,10 +109,10 @@ def main(argv: list[str] | None = None) -> dict:
     run_dir = (args.out / f"hand_seed{SEED}").resolve()
     if not (run_dir / "summary.json").exists():
         budget = [] if not args.quick else [
-            "max_tokens=262144", "lr_schedule.warmup_tokens=16384", "batch.schedule.thresholds=[0,81920,163840]",
+            "max_tokens=163840", "lr_schedule.warmup_tokens=16384", "batch.schedule.thresholds=[0,81920,122880]",
             "val_check_tokens=65536",
         ]  # fmt: skip
-        every = 32 if args.quick else 64  # steps between checkpoints: 2 in the small mode, 17 in the full one
+        every = 32 if args.quick else 64  # steps between checkpoints: 1 in the small mode, 17 in the full one
         overrides = ["callbacks.cbs_probe=null", f"seed={SEED}", f"callbacks.checkpoint.every_n_train_steps={every}",
                      "trainer.enable_progress_bar=false", "callbacks.progress_bar=null", "plots=false", *budget,
                      f"hydra.run.dir={run_dir}"]  # fmt: skip
