@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("key", closed_loop.CONFIGS)
-@pytest.mark.parametrize("budget", [closed_loop.BUDGET, closed_loop.BUDGET // 32])
+@pytest.mark.parametrize("budget", [closed_loop.BUDGET, closed_loop.QUICK_BUDGET])
 def test_every_run_composes_with_the_probe_it_names(key, budget, tmp_path):
     overrides = [o for o in closed_loop.overrides(key, 11, budget, tmp_path) if not o.startswith("hydra.")]
     cfg = compose_config(*overrides)
