@@ -28,7 +28,7 @@ benchmark with no table.
 
 Usage::
 
-    python -m benchmarks.closed_loop                        # 3 seeds x 2 repeats x 4 runs: about 100 minutes
+    python -m benchmarks.closed_loop                        # 3 seeds x 2 repeats x 4 runs: about 60 minutes on 2 cores
     python -m benchmarks.closed_loop --quick --out /tmp/cl  # 1/16 of the budget, one seed, one repeat
 """
 
