@@ -294,7 +294,7 @@ class SideJobRunner:
         return finished
 
     def _next_look_every(self, now: float) -> int:
-        """Optimizer steps until the next look: looks at most every LOOK_SECONDS, costing at most 1 / LOOK_SHARE of
+        """Optimizer steps until the next look: looks at most every ``look_seconds``, costing at most 1 / LOOK_SHARE of
         the run's time, from the steps' pace and the last look's cost since the last look (rank 0)."""
         if self._last_look is None or self.every_call or not self.settings.look_seconds:
             return 1
