@@ -1,7 +1,5 @@
-"""The examples in lit_cbs's docstrings run and print what they say (docs/design.md, "Typing and docstrings"), and
-every public name (what a package exports in its ``_EXPORTS`` table, and what a module lists in its ``__all__``) has
-a docstring with an ``Example:`` section: the API reference (mkdocstrings) shows each with one a reader can paste
-and check."""
+"""The examples in lit_cbs's docstrings run and print what they say, and every user-facing name (what a package
+exports in its ``_EXPORTS`` table) has a docstring with an ``Example:`` section a reader can paste and check."""
 
 from __future__ import annotations
 
@@ -55,30 +53,9 @@ def exported_names() -> dict[str, str]:
     return names
 
 
-def library_modules() -> list[str]:
-    """Every module of lit_cbs but the ``__main__`` ones (programs, not API) and the private ``_``-named ones."""
-    return [
-        name
-        for name in module_files()
-        if not any(part.startswith("_") for part in name.split(".")[1:]) and not name.endswith(".__main__")
-    ]
-
-
 def public_names() -> dict[str, str]:
-    """The public API: what a package exports, and what each module lists in its ``__all__``: ``module.name`` (or
-    ``package.name``) -> the module that defines it."""
-    names = exported_names()
-    for module in library_modules():
-        if module == "lit_cbs.models.hf" and not HAS_TRANSFORMERS:
-            continue
-        for name in getattr(importlib.import_module(module), "__all__", []):
-            names.setdefault(f"{module}.{name}", module)
-    return names
-
-
-def test_every_module_says_what_it_offers_users_in_its_all():
-    missing = [module for module in library_modules() if "__all__" not in vars(importlib.import_module(module))]
-    assert not missing, "modules without __all__ (the names users may call; [] for none):\n" + "\n".join(missing)
+    """The user-facing API: what a package exports: ``package.name`` -> the module that defines it."""
+    return exported_names()
 
 
 def lacking_examples() -> list[str]:
