@@ -1,8 +1,5 @@
-"""PNG plots of the E(S) fits and of the batch sizes they imply, next to the probe's CBS and the noise scale.
-
-Drawn on matplotlib ``Figure`` objects with the Agg canvas, so nothing touches pyplot's global
-state or needs a display.
-"""
+"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn on
+matplotlib ``Figure`` objects through the Agg canvas: pyplot's global state is left alone, no display is needed."""
 
 from __future__ import annotations
 
@@ -17,22 +14,18 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from lit_cbs.analysis.compare import SideBySide
 from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
-from lit_cbs.probe.reading import ProbeReading
-
-__all__ = [
-    "plot_batch_sizes",
-    "plot_es",
-    "plot_forecast",
-]
+from lit_cbs.analysis.forecast import CBSForecast
+from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
 
 def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
-    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, which
-    leaves pyplot's backend and global state alone (a notebook keeps its own)."""
+    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, leaving pyplot's
+    backend alone (a notebook keeps its own)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
@@ -42,31 +35,17 @@ def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
 
 
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
-    """E (tokens) vs S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed)
-    and the WSD fit (solid) where it was made.
+    """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
+    the WSD fit (solid) where it was made. Raises ValueError for no fits.
 
-    Args:
-        target_fits: the fits (``fit_targets``).
-        path: where the PNG goes (its folder is created).
-
-    Returns:
-        The PNG's path.
-
-    Raises:
-        ValueError: no fits.
-
-    Examples:
+    Example:
         >>> import tempfile
-        >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing
         >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens) of 4 runs
-        >>> crossings = tuple(Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000))
-        ...                   for i, (s, e) in enumerate(points))
-        >>> fit = TargetFit(2.5, crossings, tokens_per_sample=1000.0,
-        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
+        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_es([fit], Path(folder, "es.png")).name
+        ...     plot_es([fit], f"{folder}/es.png").name
         'es.png'
     """
     if not target_fits:
@@ -99,38 +78,20 @@ def plot_batch_sizes(
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
-    """B_crit, B_min and B_opt against the target loss (left) and against the tokens at which the
-    target is reached (right: E_min of each fit), where the CBS probe's brackets and each run's
-    gradient noise scale (all in samples) are overlaid when given. B_crit is drawn filled where
-    McCandlish's E(S) fits the runs (rms of log E within 5%), hollow where it does not.
-    ``compared`` (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each
-    target loss to the left panel.
+    """B_crit, B_min and B_opt against the target loss (left) and against E_min, the tokens at which the target is
+    reached (right), with the probe's brackets and each run's noise scale B_simple (samples) over tokens when given.
+    B_crit is filled where McCandlish's E(S) fits the runs within ``POOR_FIT``, hollow where not. ``compared``
+    (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each target to the left panel.
+    Raises ValueError for no fits, or probe or noise-scale data (samples) with fits in tokens per step.
 
-    Args:
-        target_fits: the fits (``fit_targets``).
-        path: where the PNG goes (its folder is created).
-        probe: the probe's readings, drawn as brackets over tokens.
-        gns_runs: runs whose logged noise scale is drawn over tokens.
-        compared: ``side_by_side``'s rows.
-
-    Returns:
-        The PNG's path.
-
-    Raises:
-        ValueError: no fits, or probe/noise-scale data (samples) with fits known only in tokens per step.
-
-    Examples:
+    Example:
         >>> import tempfile
-        >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing
         >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens) of 4 runs
-        >>> crossings = tuple(Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000))
-        ...                   for i, (s, e) in enumerate(points))
-        >>> fit = TargetFit(2.5, crossings, tokens_per_sample=1000.0,
-        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
+        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_batch_sizes([fit], Path(folder, "batch_sizes.png")).name
+        ...     plot_batch_sizes([fit], f"{folder}/batch_sizes.png").name
         'batch_sizes.png'
     """
     if not target_fits:
@@ -248,33 +209,20 @@ def plot_batch_sizes(
 
 
 def plot_forecast(
-    forecast,
+    forecast: CBSForecast,
     path: str | os.PathLike,
     tokens_to: float | None = None,
     noise_scale: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Path:
-    """The brackets a ``CBSForecast`` was fitted on (a bar per reading from lower to upper, dashed when
-    undetermined, an arrow when it has no upper end), the fitted curve and its band, out to
-    ``tokens_to`` (default: the last reading); with ``noise_scale`` = (tokens, B_simple), the
-    gradient noise scale over tokens beside it. Log-log.
+    """The brackets ``forecast`` was fitted on (dashed: undetermined; an arrow: no upper end), its curve and band
+    out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them. Log-log.
 
-    Args:
-        forecast: the ``CBSForecast`` (``forecast_cbs``).
-        path: where the PNG goes (its folder is created).
-        tokens_to: how far (tokens) to draw the curve and band.
-        noise_scale: (tokens, B_simple in samples) of a run, or None.
-
-    Returns:
-        The PNG's path.
-
-    Examples:
+    Example:
         >>> import tempfile
-        >>> from pathlib import Path
         >>> from lit_cbs.analysis.forecast import Bracket, forecast_cbs
-        >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")
-        ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
+        >>> brackets = [Bracket(d, 0.75 * cbs, 1.5 * cbs, "run") for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256)]]
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_forecast(forecast_cbs(brackets, model="power"), Path(folder, "forecast.png"), tokens_to=2e10).name
+        ...     plot_forecast(forecast_cbs(brackets, model="power"), f"{folder}/forecast.png", tokens_to=2e10).name
         'forecast.png'
     """
     brackets = forecast.brackets
@@ -320,3 +268,165 @@ def plot_forecast(
     ax.set_title(textwrap.fill(forecast.describe(), 100), fontsize=7)  # matplotlib's wrap=True overflows a log axis
     ax.legend(fontsize=8)
     return save_figure(figure, path)
+
+
+def plot_cbs_curve(
+    history: Sequence[ProbeReading],
+    batch_changes: Sequence[Any],
+    path: str | os.PathLike,
+    end_tokens: float | None = None,
+    epsilon: float | None = None,
+) -> Path:
+    """``cbs_curve_figure`` as a PNG at ``path``: the probe's readings (``read_readings``) against tokens.
+
+    Example:
+        >>> import tempfile
+        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
+        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+        >>> where = dict(step=100, seq_len=128, window_tokens=262_144, search="grid", evaluate="train_ema",
+        ...     main_loss=3.1, branches_trained=[2, 4], failed=[], tokens_spent=524_288, overhead=0.52)
+        >>> history = [ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=t, **where)
+        ...     for t in (1_000_000, 2_000_000)]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     plot_cbs_curve(history, [], f"{folder}/cbs_curve.png", epsilon=0.01).name
+        'cbs_curve.png'
+    """
+    return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
+
+
+def cbs_curve_figure(
+    history: Sequence[ProbeReading],
+    batch_changes: Sequence[Any],
+    end_tokens: float | None = None,
+    epsilon: float | None = None,
+) -> Figure:
+    """Two panels against tokens seen: the CBS interval of each reading (samples; hollow and dashed where
+    undetermined) with the global batch the run used up to ``end_tokens``; and per multiplier k and reading,
+    L_k minus the lowest loss of a smaller k (nats), the quantity the k* rule holds against ``epsilon``, with an
+    error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
+    figure = Figure(figsize=(7.5, 7))
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    for determined, style in (
+        (True, dict(color="tab:blue", linestyles="solid")),
+        (False, dict(color="tab:gray", linestyles="dashed")),
+    ):
+        readings = [r for r in history if r.determined == determined]
+        if not readings:
+            continue
+        tokens = [r.tokens for r in readings]
+        upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
+        label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
+        top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
+        top.scatter(
+            tokens,
+            [r.cbs_estimate for r in readings],
+            zorder=3,
+            color=style["color"],
+            facecolors=style["color"] if determined else "none",
+        )
+    open_ended = [r for r in history if r.cbs_upper is None]
+    if open_ended:
+        top.scatter(
+            [r.tokens for r in open_ended],
+            [r.cbs_lower for r in open_ended],
+            marker="^",
+            color="tab:red",
+            zorder=4,
+            label="lower bound (top of grid)",
+        )
+    if history:
+        start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
+        xs: list[float] = [0]
+        ys = [start]
+        for change in batch_changes:
+            xs += [change.tokens_seen, change.tokens_seen]
+            ys += [ys[-1], change.new_global_batch]
+        xs.append(max(end_tokens or 0, max(r.tokens for r in history) * 1.05))
+        ys.append(ys[-1])
+        top.plot(xs, ys, color="tab:orange", label="global batch used")
+    top.set_ylabel("batch size (samples)")
+    top.set_yscale("log", base=2)
+    top.set_title("Critical batch size by branched training")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8)
+
+    multipliers = sorted({float(k) for r in history for k in r.losses})
+    colours = colormaps["viridis"]
+    drawn = []  # (gap, error bar) of every point, nats
+    for i, k in enumerate(multipliers[1:]):
+        points = [point for r in history if (point := _gap_to_smaller(r, k)) is not None]
+        if not points:
+            continue
+        drawn += [point[1:] for point in points]
+        bottom.errorbar(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            yerr=[p[2] for p in points],
+            fmt="o",
+            capsize=3,
+            color=colours(i / max(1, len(multipliers) - 2)),
+            label=f"k = {k:g}",
+        )
+    if epsilon is not None:
+        bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
+    bottom.axhline(0.0, color="black", linewidth=0.6)
+    linthresh = max(0.05, 2 * (epsilon or 0.0))
+    bottom.set_yscale("symlog", linthresh=linthresh)  # linear near epsilon, early gaps compressed
+    if drawn:
+        ticks = _gap_ticks(linthresh, epsilon, 10 * max(abs(gap) + bar for gap, bar in drawn))
+        bottom.yaxis.set_major_locator(FixedLocator(ticks))
+        bottom.set_ylim(_gap_limits(bottom, ticks, epsilon, drawn))
+    # Plain numbers: symlog's default labels the linear threshold in scientific notation (4.82749x10^-2).
+    bottom.yaxis.set_major_formatter(FuncFormatter(lambda value, position: f"{value:.3g}"))
+    bottom.yaxis.set_minor_formatter(NullFormatter())
+    bottom.set_xlabel("tokens seen")
+    bottom.set_ylabel("L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
+    bottom.grid(alpha=0.3)
+    if multipliers[1:]:
+        bottom.legend(fontsize=8, ncols=2)
+    return figure
+
+
+def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[float]:
+    """The gap panel's ticks (nats): 0, +-epsilon and +-linthresh in its linear part, then 1, 2 and 5 x 10^n
+    out to ``reach`` on either side, so that a gap in the compressed part can be read too."""
+    magnitudes = {linthresh, *([epsilon] if epsilon else [])}
+    decade = 10.0 ** math.floor(math.log10(linthresh))
+    while decade <= reach:
+        magnitudes |= {value for value in (decade, 2 * decade, 5 * decade) if linthresh < value <= reach}
+        decade *= 10
+    return sorted({0.0, *magnitudes, *(-value for value in magnitudes)})
+
+
+def _gap_limits(ax, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]) -> tuple[float, float]:
+    """The gap panel's y range (nats): every error bar, 0 and epsilon inside with a tenth of the panel's
+    height to spare, and out to the ticks beyond the lowest and the highest gap, so that every gap lies
+    between two labelled ticks. ``drawn``: (gap, error bar) per point."""
+    low = min(0.0, *(gap - bar for gap, bar in drawn))
+    high = max(0.0, epsilon or 0.0, *(gap + bar for gap, bar in drawn))
+    scale = ax.yaxis.get_transform()
+    low_t, high_t = scale.transform([low, high])
+    spare = 0.1 * (high_t - low_t)
+    low, high = scale.inverted().transform([low_t - spare, high_t + spare])
+    lowest, highest = min(gap for gap, _ in drawn), max(gap for gap, _ in drawn)
+    below, above = max(tick for tick in ticks if tick <= lowest), min(tick for tick in ticks if tick >= highest)
+    return min(low, below), max(high, above)
+
+
+def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:
+    """(tokens, L_k - min of L_j over the measured j < k, its error bar at the reading's confidence)
+    for a reading that measured k and a smaller k; None otherwise."""
+    losses = {float(j): loss for j, loss in reading.losses.items() if loss is not None}
+    smaller = [j for j in losses if j < k]
+    if k not in losses or not smaller:
+        return None
+    j = min(smaller, key=lambda m: losses[m])
+    bar = 0.0
+    scores = reading.scores()
+    if scores[k].batch_losses and scores[j].batch_losses:
+        gap = difference(scores[k], scores[j])
+        if gap.se is not None:
+            bar = gap.se * one_sided_quantile(reading.confidence, gap.dof)
+    elif j == min(losses) and (se := reading.loss_se.get(f"{k:g}")) is not None:
+        bar = se * one_sided_quantile(reading.confidence, math.inf)
+    return reading.tokens, losses[k] - losses[j], bar
