@@ -101,10 +101,11 @@ def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarr
     """Tokens seen at ``steps``, interpolated from ``read_metrics_csv``'s logged ``tokens_seen`` (exact at logged
     steps)."""
     logged_steps, tokens = metrics[TOKENS_COLUMN]
-    return np.interp(steps, logged_steps, tokens)
+    interpolated: np.ndarray = np.interp(steps, logged_steps, tokens)
+    return interpolated
 
 
-def _natural_key(path: Path) -> tuple:
+def _natural_key(path: Path) -> tuple[int, int, str]:
     head = path.name.split("_", 1)[0]
     return (0, int(head), path.name) if head.isdigit() else (1, 0, path.name)
 
@@ -205,7 +206,7 @@ def read_run(
 
     def tokens_of(step: float) -> float:
         """The tokens logged at ``step``; else (e.g. a ``val/loss`` step) from the constant tokens per step."""
-        return logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step)
+        return float(logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step))
 
     loss_tokens, losses = [], []
     for step, loss in zip(*series[loss_column]):
@@ -320,7 +321,8 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     cumulative = np.concatenate([[0.0], np.cumsum(values)])
     index = np.arange(len(values))
     lo, hi = np.maximum(index - half, 0), np.minimum(index + half + 1, len(values))
-    return (cumulative[hi] - cumulative[lo]) / (hi - lo)
+    means: np.ndarray = (cumulative[hi] - cumulative[lo]) / (hi - lo)
+    return means
 
 
 def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, decay: float = 0.9) -> np.ndarray:

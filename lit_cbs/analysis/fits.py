@@ -12,8 +12,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import least_squares, minimize, nnls
 from scipy.special import expit, softmax
 
@@ -25,7 +27,7 @@ POOR_FIT = 0.05  # rms of log(E / fitted E) above which fit_targets warns that a
 WSD_FREE_PARAMETERS = 8  # S_min, S_1, S_opt, S_2, B_-1, C, E_min, A_1 (B_0 and A_0 follow from continuity)
 
 
-def _points(steps, tokens, minimum: int, fit: str) -> tuple[np.ndarray, np.ndarray]:
+def _points(steps: ArrayLike, tokens: ArrayLike, minimum: int, fit: str) -> tuple[np.ndarray, np.ndarray]:
     steps, tokens = np.asarray(steps, dtype=float), np.asarray(tokens, dtype=float)
     if steps.ndim != 1 or steps.shape != tokens.shape:
         raise ValueError(
@@ -54,14 +56,15 @@ class McCandlishFit:
         """The critical batch E_min / S_min, in tokens per step."""
         return self.e_min / self.s_min
 
-    def tokens(self, steps) -> np.ndarray:
+    def tokens(self, steps: ArrayLike) -> np.ndarray:
         """E(S) = E_min S / (S - S_min) in tokens, for S > S_min steps (NaN elsewhere)."""
         steps = np.asarray(steps, dtype=float)
         with np.errstate(divide="ignore", invalid="ignore"):
-            return np.where(steps > self.s_min, self.e_min * steps / (steps - self.s_min), np.nan)
+            values: np.ndarray = np.where(steps > self.s_min, self.e_min * steps / (steps - self.s_min), np.nan)
+        return values
 
 
-def fit_mccandlish(steps, tokens) -> McCandlishFit:
+def fit_mccandlish(steps: ArrayLike, tokens: ArrayLike) -> McCandlishFit:
     """McCandlish et al.'s E(S) fitted to (steps, tokens) of 3 or more runs: least squares on log E, started from
     the linear form E_min / E + S_min / S = 1. Raises ValueError for too few, non-positive or non-finite points."""
     steps, tokens = _points(steps, tokens, MCCANDLISH_MIN_RUNS, "fit_mccandlish")
@@ -70,9 +73,10 @@ def fit_mccandlish(steps, tokens) -> McCandlishFit:
     if not (0 < s_start < s_low and 0 < e_start < tokens.min()):
         e_start, s_start = 0.5 * tokens.min(), 0.5 * s_low
 
-    def log_residuals(x):
+    def log_residuals(x: np.ndarray) -> np.ndarray:
         e_min, s_min = np.exp(x[0]), x[1] * s_low
-        return np.log(tokens) - np.log(e_min * steps / (steps - s_min))
+        residuals: np.ndarray = np.log(tokens) - np.log(e_min * steps / (steps - s_min))
+        return residuals
 
     result = least_squares(
         log_residuals, [np.log(e_start), s_start / s_low], bounds=([-np.inf, 0.0], [np.inf, 1 - 1e-9])
@@ -109,7 +113,7 @@ class WSDFit:
         """E_min / S_opt: the batch that reaches the target with the fewest tokens, in tokens per step."""
         return self.e_min / self.s_opt
 
-    def tokens(self, steps) -> np.ndarray:
+    def tokens(self, steps: ArrayLike) -> np.ndarray:
         """E(S) in tokens for S > S_min steps (NaN elsewhere)."""
         steps = np.asarray(steps, dtype=float)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -117,7 +121,8 @@ class WSDFit:
         quadratic = self.c * (steps - self.s_opt) ** 2 + self.e_min
         linear = self.a_1 * steps + self.a_0
         values = np.where(steps < self.s_1, hyperbolic, np.where(steps < self.s_2, quadratic, linear))
-        return np.where(steps > self.s_min, values, np.nan)
+        result: np.ndarray = np.where(steps > self.s_min, values, np.nan)
+        return result
 
 
 def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: float) -> np.ndarray:
@@ -134,7 +139,7 @@ def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: 
     return design
 
 
-def fit_wsd(steps, tokens) -> WSDFit:
+def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
     """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs (its free parameters) by variable projection:
     for S_min < min(S) and min(S) < S_1 < S_opt < S_2 < max(S), with a run in [S_1, S_2), B_-1, C, E_min and A_1 >= 0
     follow from a non-negative least-squares fit of the relative residuals; the four positions are searched on a
@@ -145,13 +150,13 @@ def fit_wsd(steps, tokens) -> WSDFit:
         raise ValueError(f"fit_wsd needs runs at different step counts, got steps={steps.tolist()}")
     weighted_rhs = np.ones(len(steps))
 
-    def positions(u):
+    def positions(u: np.ndarray) -> tuple[float, float, float, float]:
         s_min = s_low * expit(u[0])
         fractions = np.cumsum(softmax([u[1], u[2], u[3], 0.0]))[:3]
         s_1, s_opt, s_2 = np.exp(log_low + log_span * fractions)
         return s_min, s_1, s_opt, s_2
 
-    def solve(u):
+    def solve(u: np.ndarray) -> tuple[Any, float]:
         s_min, s_1, s_opt, s_2 = positions(u)
         if not s_min < s_low:  # expit rounded to 1: the hyperbola's pole reached the first run
             return None, np.inf
@@ -160,7 +165,7 @@ def fit_wsd(steps, tokens) -> WSDFit:
         coefficients, residual_norm = nnls(_wsd_design(steps, s_min, s_1, s_opt, s_2) / tokens[:, None], weighted_rhs)
         return coefficients, residual_norm**2
 
-    def start(s_min_fraction, t_1, t_opt, t_2):
+    def start(s_min_fraction: float, t_1: float, t_opt: float, t_2: float) -> np.ndarray:
         fractions = np.array([t_1, t_opt - t_1, t_2 - t_opt, 1 - t_2])
         return np.concatenate([[np.log(s_min_fraction / (1 - s_min_fraction))], np.log(fractions[:3] / fractions[3])])
 
@@ -427,7 +432,7 @@ def batch_group_yaml(
     return "\n".join(lines) + "\n"
 
 
-def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike, comment: str = "") -> Path:
+def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike[str], comment: str = "") -> Path:
     """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``).
 
     Example:

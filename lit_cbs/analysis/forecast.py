@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy import optimize, special, stats
 
+from lit_cbs.analysis.curves import GNS_COLUMN, TOKENS_COLUMN, read_metrics_csv, tokens_at
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import ProbeReading, judged_multipliers
+from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 MODELS = ("power", "plateau")
 # Weak priors; s and the ceiling c in log CBS (natural log of samples), b per log token.
@@ -123,26 +127,31 @@ def brackets_from_records(
 def _columns(params: np.ndarray) -> np.ndarray:
     """The parameters, each against log D: numbers for one vector, [draws, 1] columns for a stack of them."""
     params = np.asarray(params, dtype=float)
-    return params.T[..., None] if params.ndim > 1 else params
+    columns: np.ndarray = params.T[..., None] if params.ndim > 1 else params
+    return columns
 
 
 def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
     """log CBS at log(D / D0): shaped as ``log_d`` for one parameter vector, [draws, *log_d.shape] for a stack."""
     columns = _columns(params)
-    power = columns[0] + columns[1] * log_d
+    power: np.ndarray = columns[0] + columns[1] * log_d
     if model == "power":
         return power
-    return -np.logaddexp(-power, -columns[3])  # 1 / CBS = 1 / power + 1 / c
+    plateau: np.ndarray = -np.logaddexp(-power, -columns[3])  # 1 / CBS = 1 / power + 1 / c
+    return plateau
 
 
-def _log_likelihood(params: np.ndarray, log_d, log_lo, log_hi, model: str) -> np.ndarray:
+def _log_likelihood(
+    params: np.ndarray, log_d: np.ndarray, log_lo: np.ndarray, log_hi: np.ndarray, model: str
+) -> np.ndarray:
     """Per bracket (last axis): log P(log_lo < log CBS < log_hi) under Normal(curve, s)."""
     scale = np.exp(_columns(params)[2])
     mu = _curve(params, log_d, model)
     upper = special.log_ndtr((log_hi - mu) / scale)  # log Phi; log_hi = inf gives 0
     lower = special.log_ndtr((log_lo - mu) / scale)
     # log(exp(upper) - exp(lower)), kept finite where the two are close.
-    return upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12)))
+    likelihood: np.ndarray = upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12)))
+    return likelihood
 
 
 def _bounds(model: str) -> list[tuple[float | None, float | None]]:
@@ -160,7 +169,8 @@ def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray
         density = density - 0.5 * ((params[..., 3] - log_ceiling) / CEILING_PRIOR_SD) ** 2
     (_, b_high), (s_low, s_high) = _bounds(model)[1:3]
     inside = (np.abs(b) <= b_high) & (log_s >= s_low) & (log_s <= s_high)
-    return np.where(inside, density, -np.inf)
+    prior: np.ndarray = np.where(inside, density, -np.inf)
+    return prior
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,14 +191,15 @@ class _Readings:
     def log_posterior(self, params: np.ndarray, model: str) -> np.ndarray:
         """Summed log likelihood plus log prior (up to a constant), per parameter vector."""
         likelihood = np.sum(_log_likelihood(params, self.log_d, self.log_lo, self.log_hi, model), axis=-1)
-        return likelihood + _log_prior(params, model, self.log_ceiling)
+        posterior: np.ndarray = likelihood + _log_prior(params, model, self.log_ceiling)
+        return posterior
 
 
 def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
     """The posterior's mode (log a, b, log s[, log c]) for D in units of ``d0`` tokens."""
     readings = _Readings.of(brackets, d0)
 
-    def loss(params):
+    def loss(params: np.ndarray) -> float:
         value = -float(readings.log_posterior(params, model))
         return value if math.isfinite(value) else 1e12
 
@@ -204,10 +215,13 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
         power = _fit(brackets, "power", d0)
         starts = [np.append(power, float(np.max(centre)) + shift) for shift in (-0.5, 0.5, 2.0)]
     results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=_bounds(model)) for x0 in starts]
-    return min(results, key=lambda result: result.fun).x
+    mode: np.ndarray = min(results, key=lambda result: result.fun).x
+    return mode
 
 
-def _laplace_covariance(log_posterior, mode: np.ndarray, step: float = 1e-3) -> np.ndarray:
+def _laplace_covariance(
+    log_posterior: Callable[[np.ndarray], np.ndarray], mode: np.ndarray, step: float = 1e-3
+) -> np.ndarray:
     """The inverse of the negative log posterior's Hessian at ``mode`` (central differences), its
     eigenvalues floored so that no direction gets a standard deviation above 3 (a flat likelihood)."""
     size = len(mode)
@@ -219,14 +233,17 @@ def _laplace_covariance(log_posterior, mode: np.ndarray, step: float = 1e-3) -> 
             costs = [-float(log_posterior(corner)) for corner in corners]
             hessian[i, j] = (costs[0] - costs[1] - costs[2] + costs[3]) / (4 * step * step)
     values, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
-    return (vectors / np.maximum(values, 1 / 9)) @ vectors.T
+    covariance: np.ndarray = (vectors / np.maximum(values, 1 / 9)) @ vectors.T
+    return covariance
 
 
-def _posterior_draws(brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng) -> np.ndarray:
-    """``POSTERIOR_DRAWS`` parameter vectors from the posterior (importance sampling, see the module docstring)."""
+def _posterior_draws(
+    brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling."""
     readings = _Readings.of(brackets, d0)
 
-    def log_posterior(params):
+    def log_posterior(params: np.ndarray) -> np.ndarray:
         return readings.log_posterior(params, model)
 
     centre, shape = mode, _laplace_covariance(log_posterior, mode)
@@ -241,7 +258,8 @@ def _posterior_draws(brackets: Sequence[Bracket], model: str, d0: float, mode: n
         # Too few proposals carry the weight: centre the next round on the weighted draws, a little wider.
         centre = weights @ draws
         shape = 1.5 * np.cov(draws.T, aweights=weights) + 1e-6 * np.eye(len(mode))
-    return draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)]
+    chosen: np.ndarray = draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)]
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,12 +291,13 @@ class CBSForecast:
         """s: the spread of log CBS around the curve (one run's readings against the curve), at the posterior's mode."""
         return math.exp(self.params[2])
 
-    def predict(self, tokens) -> np.ndarray:
+    def predict(self, tokens: ArrayLike) -> np.ndarray:
         """The posterior mode's CBS (samples) at ``tokens``."""
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
-        return np.exp(_curve(np.asarray(self.params), log_d, self.model))
+        cbs: np.ndarray = np.exp(_curve(np.asarray(self.params), log_d, self.model))
+        return cbs
 
-    def band(self, tokens) -> tuple[np.ndarray, np.ndarray]:
+    def band(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read there, quantiles
         of the mixture over the posterior draws of each draw's Normal(curve, s)."""
         log_d = np.log(np.atleast_1d(np.asarray(tokens, dtype=float)) / self.d0)
@@ -313,7 +332,8 @@ def _mixture_quantile(means: np.ndarray, spreads: np.ndarray, q: float) -> np.nd
         mid = (low + high) / 2
         below = special.ndtr((mid - means) / spreads).mean(axis=0) < q
         low, high = np.where(below, mid, low), np.where(below, high, mid)
-    return (low + high) / 2
+    quantile: np.ndarray = (low + high) / 2
+    return quantile
 
 
 def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
@@ -401,12 +421,10 @@ def schedule_from_forecast(
     factor: int = 2,
     final: int | None = None,
     margin: float = 1.0,
-):
+) -> tuple[PiecewiseBatch, list[ForecastChange]]:
     """(a token-indexed ``PiecewiseBatch``, its ``ForecastChange``s) up to ``until_tokens``: at D tokens the largest
     ``start x factor**n`` (at most ``final``) with ``margin x batch`` at or below the band's lower edge, never
     decreasing. Warns when ``until_tokens`` lies farther past the last reading than the readings span."""
-    from lit_cbs.rules.batch_schedules import PiecewiseBatch
-
     if not (isinstance(until_tokens, int) and until_tokens > 0):
         raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")
     if not (isinstance(start, int) and start >= 1) or not (isinstance(factor, int) and factor >= 2):
@@ -434,11 +452,9 @@ def schedule_from_forecast(
     return PiecewiseBatch(sizes, thresholds, unit="tokens"), changes
 
 
-def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
+def noise_scale_over_tokens(metrics_csv: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, B_simple) where a run's metrics.csv logged ``gns/b_simple``. Raises ValueError naming a missing
     column."""
-    from lit_cbs.analysis.curves import GNS_COLUMN, TOKENS_COLUMN, read_metrics_csv, tokens_at
-
     series = read_metrics_csv(metrics_csv)
     for name in (GNS_COLUMN, TOKENS_COLUMN):
         if name not in series:
@@ -449,7 +465,7 @@ def noise_scale_over_tokens(metrics_csv) -> tuple[np.ndarray, np.ndarray]:
     return tokens_at(series, steps), np.asarray(b_simple, dtype=float)
 
 
-def growth_exponent(tokens, values) -> float:
+def growth_exponent(tokens: ArrayLike, values: ArrayLike) -> float:
     """x in values ~ tokens^x: the least-squares slope of log(values) against log(tokens) over the positive finite
     points. Raises ValueError for fewer than 2 token counts."""
     tokens, values = np.asarray(tokens, dtype=float), np.asarray(values, dtype=float)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
@@ -23,7 +24,7 @@ from lit_cbs.analysis.forecast import CBSForecast
 from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
 
-def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
+def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
     """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, leaving pyplot's
     backend alone (a notebook keeps its own)."""
     path = Path(path)
@@ -34,7 +35,7 @@ def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
     return path
 
 
-def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
+def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
     """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
     the WSD fit (solid) where it was made. Raises ValueError for no fits.
 
@@ -73,7 +74,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
 
 def plot_batch_sizes(
     target_fits: Sequence[TargetFit],
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     probe: Sequence[ProbeReading] = (),
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
@@ -106,92 +107,47 @@ def plot_batch_sizes(
     figure = Figure(figsize=(12, 5))
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
-    # B_crit filled where McCandlish's E(S) fits, hollow where it misses (fit_targets warns about those).
-    reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
-    unreliable = [f.mccandlish is not None and not ok for f, ok in zip(target_fits, reliable)]
-    series: tuple[tuple[str, str, list[float], list[float], dict[str, Any]], ...] = (
-        (
-            f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
-            "o--",
-            [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
-            [f.mccandlish.e_min if ok and f.mccandlish else np.nan for f, ok in zip(target_fits, reliable)],
-            {},
-        ),
-        (
-            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
-            "o:",
-            [f.b_crit if bad else np.nan for f, bad in zip(target_fits, unreliable)],
-            [f.mccandlish.e_min if bad and f.mccandlish else np.nan for f, bad in zip(target_fits, unreliable)],
-            {"markerfacecolor": "none"},  # hollow: a poor fit
-        ),
-        (
-            "B_min (WSD)",
-            "v-",
-            [f.b_min for f in target_fits],
-            [f.wsd.e_min if f.wsd else np.nan for f in target_fits],
-            {},
-        ),
-        (
-            "B_opt (WSD)",
-            "s-",
-            [f.b_opt for f in target_fits],
-            [f.wsd.e_min if f.wsd else np.nan for f in target_fits],
-            {},
-        ),
-    )
-    for label, style, size_list, token_list, marker in series:
-        sizes, tokens = np.array(size_list, dtype=float), np.array(token_list, dtype=float)
+    nan = (np.nan, np.nan)
+    mccandlish = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
+    fits_well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
+    wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
+    well = [m if ok else nan for m, ok in zip(mccandlish, fits_well)]
+    poorly = [nan if ok else m for m, ok in zip(mccandlish, fits_well)]  # drawn hollow
+    series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
+        (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, well),
+        (f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})", "o:", {"markerfacecolor": "none"}, poorly),
+        ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
+        ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
+    ]
+    for label, style, marker, points in series:
+        sizes, tokens = np.array(points, dtype=float).T.copy()
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
             continue
         by_loss.plot(targets, sizes, style, label=label, **marker)
         by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
-    if compared:
-        rows = [row for row in compared if math.isfinite(row.b_simple)]
-        if rows:
-            by_loss.plot(
-                [r.target for r in rows],
-                [r.b_simple for r in rows],
-                "x-",
-                color="tab:gray",
-                label="noise scale B_simple (median of runs at the target)",
-            )
-        brackets = [(row.target, row.probe) for row in compared if row.probe is not None]
-        for i, (target, reading) in enumerate(brackets):
-            top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
-            by_loss.vlines(
-                target,
-                reading.cbs_lower,
-                top,
-                color="k",
-                lw=3,
-                alpha=0.5,
-                label="CBS probe bracket (reading nearest the target)" if i == 0 else None,
-            )
+    rows = [row for row in compared if math.isfinite(row.b_simple)]
+    if rows:
+        median = "noise scale B_simple (median of runs at the target)"
+        by_loss.plot([r.target for r in rows], [r.b_simple for r in rows], "x-", color="tab:gray", label=median)
+    for i, (target, reading) in enumerate([(row.target, row.probe) for row in compared if row.probe is not None]):
+        top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
+        nearest = "CBS probe bracket (reading nearest the target)" if i == 0 else None
+        by_loss.vlines(target, reading.cbs_lower, top, color="k", lw=3, alpha=0.5, label=nearest)
     if probe:
         tokens = np.array([p.tokens for p in probe])
         estimate = np.array([p.cbs_estimate for p in probe])
         closed = np.array([p.cbs_upper is not None for p in probe])
         lower = estimate - np.array([p.cbs_lower for p in probe])
         upper = np.array([(p.cbs_upper if p.cbs_upper is not None else p.cbs_estimate) for p in probe]) - estimate
+        error = [lower[closed], upper[closed]]
         by_tokens.errorbar(
-            tokens[closed],
-            estimate[closed],
-            yerr=[lower[closed], upper[closed]],
-            fmt="D",
-            color="k",
-            capsize=3,
-            label="CBS probe",
+            tokens[closed], estimate[closed], yerr=error, fmt="D", color="k", capsize=3, label="CBS probe"
         )
         if np.any(~closed):
-            by_tokens.scatter(
-                tokens[~closed],
-                [p.cbs_lower for p, c in zip(probe, closed) if not c],
-                marker="^",
-                color="k",
-                label="CBS probe (>= lower)",
-            )
+            open_lower = [p.cbs_lower for p, c in zip(probe, closed) if not c]
+            by_tokens.scatter(tokens[~closed], open_lower, marker="^", color="k", label="CBS probe (>= lower)")
     for i, run in enumerate(gns_runs):
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
@@ -210,7 +166,7 @@ def plot_batch_sizes(
 
 def plot_forecast(
     forecast: CBSForecast,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     tokens_to: float | None = None,
     noise_scale: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Path:
@@ -238,18 +194,11 @@ def plot_forecast(
         for number, bracket in enumerate(members):
             top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
             x = bracket.tokens * shift
-            ax.plot(
-                [x, x],
-                [bracket.lower, top],
-                "-" if bracket.determined else "--",
-                color=colors[run],
-                lw=2,
-                label=run if number == 0 else None,
-            )
+            style = "-" if bracket.determined else "--"
+            ax.plot([x, x], [bracket.lower, top], style, color=colors[run], lw=2, label=run if number == 0 else None)
             if not math.isfinite(bracket.upper):
-                ax.annotate(
-                    "", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]}
-                )
+                arrow = {"arrowstyle": "->", "color": colors[run]}
+                ax.annotate("", xy=(x, top * 1.3), xytext=(x, top), arrowprops=arrow)
     grid = np.geomspace(min(b.tokens for b in brackets) / 1.2, end * 1.2, 200)
     low, high = forecast.band(grid)
     ax.fill_between(grid, low, high, color="0.6", alpha=0.3, label=f"{forecast.coverage:.0%} band")
@@ -273,7 +222,7 @@ def plot_forecast(
 def plot_cbs_curve(
     history: Sequence[ProbeReading],
     batch_changes: Sequence[Any],
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Path:
@@ -306,10 +255,8 @@ def cbs_curve_figure(
     error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    for determined, style in (
-        (True, dict(color="tab:blue", linestyles="solid")),
-        (False, dict(color="tab:gray", linestyles="dashed")),
-    ):
+    styles = {True: dict(color="tab:blue", linestyles="solid"), False: dict(color="tab:gray", linestyles="dashed")}
+    for determined, style in styles.items():
         readings = [r for r in history if r.determined == determined]
         if not readings:
             continue
@@ -317,23 +264,11 @@ def cbs_curve_figure(
         upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
         label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
         top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
-        top.scatter(
-            tokens,
-            [r.cbs_estimate for r in readings],
-            zorder=3,
-            color=style["color"],
-            facecolors=style["color"] if determined else "none",
-        )
-    open_ended = [r for r in history if r.cbs_upper is None]
-    if open_ended:
-        top.scatter(
-            [r.tokens for r in open_ended],
-            [r.cbs_lower for r in open_ended],
-            marker="^",
-            color="tab:red",
-            zorder=4,
-            label="lower bound (top of grid)",
-        )
+        face = style["color"] if determined else "none"
+        top.scatter(tokens, [r.cbs_estimate for r in readings], zorder=3, color=style["color"], facecolors=face)
+    if open_ended := [r for r in history if r.cbs_upper is None]:
+        tokens, lower = [r.tokens for r in open_ended], [r.cbs_lower for r in open_ended]
+        top.scatter(tokens, lower, marker="^", color="tab:red", zorder=4, label="lower bound (top of grid)")
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
         xs: list[float] = [0]
@@ -358,15 +293,9 @@ def cbs_curve_figure(
         if not points:
             continue
         drawn += [point[1:] for point in points]
-        bottom.errorbar(
-            [p[0] for p in points],
-            [p[1] for p in points],
-            yerr=[p[2] for p in points],
-            fmt="o",
-            capsize=3,
-            color=colours(i / max(1, len(multipliers) - 2)),
-            label=f"k = {k:g}",
-        )
+        at, gaps, bars = zip(*points)
+        colour = colours(i / max(1, len(multipliers) - 2))
+        bottom.errorbar(at, gaps, yerr=bars, fmt="o", capsize=3, color=colour, label=f"k = {k:g}")
     if epsilon is not None:
         bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
     bottom.axhline(0.0, color="black", linewidth=0.6)
@@ -398,7 +327,9 @@ def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[fl
     return sorted({0.0, *magnitudes, *(-value for value in magnitudes)})
 
 
-def _gap_limits(ax, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]) -> tuple[float, float]:
+def _gap_limits(
+    ax: Axes, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]
+) -> tuple[float, float]:
     """The gap panel's y range (nats): every error bar, 0 and epsilon inside with a tenth of the panel's
     height to spare, and out to the ticks beyond the lowest and the highest gap, so that every gap lies
     between two labelled ticks. ``drawn``: (gap, error bar) per point."""

@@ -59,7 +59,7 @@ def _number(reading: ProbeReading, key: str, where: str) -> float:
     return float(value)
 
 
-def _check_count(name: str, value, minimum: int, meaning: str) -> int:
+def _check_count(name: str, value: object, minimum: int, meaning: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum} ({meaning})")
     return value
