@@ -91,25 +91,15 @@ def side_by_side(
     for fit in fits:
         b_simple, count = _noise_scale_at_target(fit, runs)
         run_tokens, reading = _probe_at_target(fit, probe)
-        rows.append(
-            SideBySide(
-                fit.target,
-                fit.b_crit,
-                fit.b_min,
-                fit.b_opt,
-                b_simple,
-                count,
-                run_tokens,
-                reading,
-                b_crit_poor=fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT,
-                wsd_poor=fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT,
-            )
-        )
+        crit_poor = fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT
+        wsd_poor = fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT
+        sizes = (fit.b_crit, fit.b_min, fit.b_opt, b_simple)
+        rows.append(SideBySide(fit.target, *sizes, count, run_tokens, reading, crit_poor, wsd_poor))
     return rows
 
 
 def _size(value: float, poor: bool = False) -> str:
-    if value is None or not math.isfinite(value):
+    if not math.isfinite(value):
         return "-"
     return f"{value:.3g}" + ("*" if poor else "")
 
@@ -134,12 +124,8 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
         if row.probe is None:
             probe = "-"
         else:
-            reading = row.probe
-            bracket = (
-                f"[{reading.cbs_lower:g}, {reading.cbs_upper:g}]"
-                if reading.cbs_upper is not None
-                else f">= {reading.cbs_lower:g}"
-            )
+            lower, upper = row.probe.cbs_lower, row.probe.cbs_upper
+            bracket = f"[{lower:g}, {upper:g}]" if upper is not None else f">= {lower:g}"
             probe = f"{bracket} (at {row.probe.tokens:,.0f}; {row.probe_run_tokens:,.0f})"
         lines.append(
             f"| {row.target:.4g} | {_size(row.b_crit, row.b_crit_poor)} | {_size(row.b_min, row.wsd_poor)} "

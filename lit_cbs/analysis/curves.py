@@ -76,11 +76,7 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
                 f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?"
             )
         for row in reader:
-            cells = {
-                name: cell
-                for name, cell in row.items()
-                if name not in (step_column, "epoch") and cell not in ("", None)
-            }
+            cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell}
             if not cells:
                 continue
             try:
@@ -110,7 +106,7 @@ def _natural_key(path: Path) -> tuple[int, int, str]:
     return (0, int(head), path.name) if head.isdigit() else (1, 0, path.name)
 
 
-def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
+def _metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
     """The one metrics CSV of a run: ``run`` itself if it is a file, else the only ``metrics_file`` under it."""
     run = Path(run)
     if run.is_file():
@@ -160,7 +156,7 @@ def read_run(
     ``val/loss``) get their step's tokens from the constant tokens per step; a NaN loss ends the curve (warned).
     Raises ValueError for a missing column, a token count that is NaN or decreases, fewer than two rows logging
     tokens, or tokens per step (or the batch column) changing during the run."""
-    csv_path = find_metrics_file(run, metrics_file)
+    csv_path = _metrics_file(run, metrics_file)
     run_path = Path(run)
     name = name or _run_label(run_path.parent if run_path.is_file() else run_path)
     series = read_metrics_csv(csv_path, step_column)
@@ -235,17 +231,9 @@ def read_run(
         if math.isfinite(value):
             gns_tokens.append(tokens_of(step))
             gns.append(value)
-    return RunCurve(
-        name=name,
-        path=csv_path,
-        steps=tokens / tokens_per_step,
-        tokens=tokens,
-        loss=np.asarray(losses)[order],
-        tokens_per_step=float(tokens_per_step),
-        batch_size=batch_size,
-        gns_tokens=np.asarray(gns_tokens),
-        gns=np.asarray(gns),
-    )
+    steps, loss = tokens / tokens_per_step, np.asarray(losses)[order]
+    gns_at, gns_values = np.asarray(gns_tokens), np.asarray(gns)
+    return RunCurve(name, csv_path, steps, tokens, loss, float(tokens_per_step), batch_size, gns_at, gns_values)
 
 
 def read_sweep(

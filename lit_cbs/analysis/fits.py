@@ -6,6 +6,7 @@ A_1 S + A_0 beyond, continuous at S_1 and S_2: B_min = A_1, B_opt = E_min / S_op
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import warnings
@@ -187,26 +188,15 @@ def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
     assert best is not None  # the loop ran: there are 3 x 120 starts
     s_min, s_1, s_opt, s_2 = positions(best.x)
     (b_minus1, c, e_min, a_1), _ = solve(best.x)
-    fitted = WSDFit(
-        s_min=float(s_min),
-        b_minus1=float(b_minus1),
-        b_0=float(c * (s_1 - s_opt) ** 2 + e_min - b_minus1 / (s_1 - s_min)),
-        s_1=float(s_1),
-        c=float(c),
-        s_opt=float(s_opt),
-        e_min=float(e_min),
-        s_2=float(s_2),
-        a_1=float(a_1),
-        a_0=float(c * (s_2 - s_opt) ** 2 + e_min - a_1 * s_2),
-        points_per_segment=(
-            int(np.sum(steps < s_1)),
-            int(np.sum((steps >= s_1) & (steps < s_2))),
-            int(np.sum(steps >= s_2)),
-        ),
-        rms_log_residual=0.0,
+    b_0 = c * (s_1 - s_opt) ** 2 + e_min - b_minus1 / (s_1 - s_min)
+    a_0 = c * (s_2 - s_opt) ** 2 + e_min - a_1 * s_2
+    parts = (int(np.sum(steps < s_1)), int(np.sum((steps >= s_1) & (steps < s_2))), int(np.sum(steps >= s_2)))
+    s_min, b_minus1, b_0, s_1, c, s_opt, e_min, s_2, a_1, a_0 = map(
+        float, (s_min, b_minus1, b_0, s_1, c, s_opt, e_min, s_2, a_1, a_0)
     )
+    fitted = WSDFit(s_min, b_minus1, b_0, s_1, c, s_opt, e_min, s_2, a_1, a_0, parts, 0.0)
     rms = float(np.sqrt(np.mean(np.log(tokens / fitted.tokens(steps)) ** 2)))
-    return WSDFit(**{**fitted.__dict__, "rms_log_residual": rms})
+    return dataclasses.replace(fitted, rms_log_residual=rms)
 
 
 @dataclass(frozen=True)
@@ -223,10 +213,6 @@ class TargetFit:
     @property
     def unit(self) -> str:
         return "tokens per step" if self.tokens_per_sample is None else "samples"
-
-    @property
-    def runs(self) -> list[str]:
-        return [c.run for c in self.crossings]
 
     @property
     def steps(self) -> np.ndarray:
