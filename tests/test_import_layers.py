@@ -27,7 +27,7 @@ LAYERS = [
     ("rules", ["lit_cbs.rules"]),
     ("the probe's reading", ["lit_cbs.probe.reading"]),
     ("analysis", ["lit_cbs.analysis"]),
-    ("plots", ["lit_cbs.analysis.plots", "lit_cbs.probe.plot"]),
+    ("plots", ["lit_cbs.analysis.plots"]),
     ("data", ["lit_cbs.data"]),
     ("callbacks", ["lit_cbs.callbacks"]),
     ("models", ["lit_cbs.models"]),

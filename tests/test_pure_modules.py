@@ -84,7 +84,7 @@ def test_the_block_refuses_what_it_should():
 
 def test_the_analysis_package_loads_plotting_on_first_use():
     code = (
-        "import sys, lit_cbs.analysis as a; a.fit_mccandlish; assert 'matplotlib' not in sys.modules; "
+        "import sys, lit_cbs.analysis as a; a.fit_targets; assert 'matplotlib' not in sys.modules; "
         "a.plot_es; assert 'matplotlib' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(), timeout=120)
@@ -124,4 +124,4 @@ def test_the_probe_callback_imports_no_plotting_library_until_it_draws():
     # scipy comes with the EMA a branch is scored by, not with the metrics-CSV reader or a plot.
     assert plotting_imports("lit_cbs.probe.callback") == ["lit_cbs.rules.smoothing: scipy"]
     # What _draw imports when it draws does import matplotlib: the check sees it.
-    assert "lit_cbs.probe.plot: matplotlib" in " ".join(plotting_imports("lit_cbs.probe.plot"))
+    assert "lit_cbs.analysis.plots: matplotlib" in " ".join(plotting_imports("lit_cbs.analysis.plots"))

@@ -1,16 +1,6 @@
-"""The three batch-size measures side by side at each target loss: the E(S) fits' B_crit, B_min and
-B_opt, the gradient noise scale B_simple, and the branched probe's CBS.
-
-They are measured differently, so they are lined up by the loss the model has reached:
-
-- B_crit, B_min, B_opt: the fits for that target (``TargetFit``).
-- B_simple: each run's logged noise scale where its smoothed loss first reached the target (the
-  noise scale is a property of the model's state, not of the batch it trains with), interpolated
-  in tokens; the median over the runs that logged it.
-- probe CBS: the probe readings come from a run at one batch size. The sweep's run at that batch
-  size says at how many tokens it reached the target; the reading nearest that token count is
-  shown with its own token count, so a reader sees how close the match is.
-"""
+"""The E(S) fits' B_crit, B_min and B_opt, the noise scale B_simple and the probe's CBS lined up by target loss:
+B_simple as the median over runs of its value where each run reached the target; the probe's reading nearest the
+tokens at which the sweep's run at the probe's batch reached it."""
 
 from __future__ import annotations
 
@@ -24,28 +14,11 @@ from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
 from lit_cbs.probe.reading import ProbeReading
 
-__all__ = [
-    "SideBySide",
-    "side_by_side",
-    "side_by_side_markdown",
-]
-
 
 @dataclass(frozen=True)
 class SideBySide:
-    """One target loss. Batch sizes in samples; NaN / None where there is nothing to show.
-
-    ``b_simple_runs``: how many runs' noise scales make the median. ``probe_run_tokens``: tokens at
-    which the sweep's run at the probe's batch size reached the target; ``probe``: the reading
-    nearest it (None: no probe, or no run at its batch size reached the target).
-    ``b_crit_poor`` / ``wsd_poor``: that fit misses the runs by more than ``POOR_FIT`` (rms of log E).
-
-    Examples:
-        >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=float("nan"), b_opt=float("nan"), b_simple=90.0,
-        ...                  b_simple_runs=1, probe_run_tokens=None, probe=None)
-        >>> row.b_crit, row.b_simple
-        (8.0, 90.0)
-    """
+    """One target loss; batch sizes in samples, NaN or None where nothing is known. ``probe_run_tokens``: where the
+    run at the probe's batch reached the target; ``b_crit_poor``, ``wsd_poor``: the fit misses by over ``POOR_FIT``."""
 
     target: float
     b_crit: float
@@ -59,7 +32,7 @@ class SideBySide:
     wsd_poor: bool = False
 
 
-def noise_scale_at_target(fit: TargetFit, runs: Sequence[RunCurve]) -> tuple[float, int]:
+def _noise_scale_at_target(fit: TargetFit, runs: Sequence[RunCurve]) -> tuple[float, int]:
     """Median over runs of B_simple at the tokens where each run reached ``fit.target``; and how many runs."""
     by_name = {run.name: run for run in runs}
     values = []
@@ -74,7 +47,7 @@ def noise_scale_at_target(fit: TargetFit, runs: Sequence[RunCurve]) -> tuple[flo
     return (float(np.median(values)) if values else math.nan), len(values)
 
 
-def probe_at_target(fit: TargetFit, probe: Sequence[ProbeReading]) -> tuple[float | None, ProbeReading | None]:
+def _probe_at_target(fit: TargetFit, probe: Sequence[ProbeReading]) -> tuple[float | None, ProbeReading | None]:
     """(tokens at which the run at the probe's batch size reached the target, the reading nearest them)."""
     for crossing in fit.crossings:
         readings = [p for p in probe if p.batch_size == crossing.batch_size]
@@ -88,26 +61,14 @@ def side_by_side(
     runs: Sequence[RunCurve],
     probe: Sequence[ProbeReading] = (),
 ) -> list[SideBySide]:
-    """One ``SideBySide`` per fit, in the fits' order.
+    """One ``SideBySide`` per fit (``fit_targets``), with the noise scale ``runs`` logged and the ``probe`` readings.
+    Raises ValueError for fits in tokens per step beside a noise scale or probe (samples).
 
-    Args:
-        fits: the E(S) fits (``fit_targets``).
-        runs: the sweep's curves, whose logged noise scale is read at each run's crossing.
-        probe: the probe's readings (``read_readings``), if any.
+    Example:
+        One run, its noise scale rising from 40 to 120 samples over 4096 tokens, reaches loss 2.5 at 2560 tokens:
 
-    Returns:
-        One row per fit (batch sizes in samples).
-
-    Raises:
-        ValueError: the fits are in tokens per step (the runs logged no batch in samples) while the
-            noise scale and the probe are in samples.
-
-    Examples:
-        One run, whose noise scale rises from 40 to 120 samples over its 4096 tokens, reaches loss 2.5 at
-        2560 tokens; B_crit = 1280 tokens / 1.25 steps = 1024 tokens per step = 8 samples of 128 tokens:
-
-        >>> from pathlib import Path
         >>> import numpy as np
+        >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing, RunCurve
         >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
         >>> run = RunCurve("b8", Path("metrics.csv"), steps=np.array([1.0, 4.0]), tokens=np.array([1024.0, 4096.0]),
@@ -115,9 +76,11 @@ def side_by_side(
         ...                gns_tokens=np.array([0.0, 4096.0]), gns=np.array([40.0, 120.0]))
         >>> fit = TargetFit(2.5, (Crossing("b8", 2.5, 2.5, 2560.0, 1024.0, 8),), tokens_per_sample=128.0,
         ...                 mccandlish=McCandlishFit(s_min=1.25, e_min=1280.0, rms_log_residual=0.0), wsd=None)
-        >>> (row,) = side_by_side([fit], [run])
-        >>> row.b_crit, row.b_simple, row.b_simple_runs  # B_simple at 2560 tokens: 40 + 80 x 2560 / 4096
-        (8.0, 90.0, 1)
+        >>> rows = side_by_side([fit], [run])
+        >>> rows[0].b_crit, rows[0].b_simple  # 1024 tokens per step = 8 samples; 40 + 80 x 2560 / 4096
+        (8.0, 90.0)
+        >>> print(side_by_side_markdown(rows).splitlines()[-1])
+        | 2.5 | 8 | - | - | 90 (1) | - |
     """
     if fits and fits[0].unit != "samples" and (probe or any(len(run.gns) for run in runs)):
         raise ValueError(
@@ -126,46 +89,30 @@ def side_by_side(
         )
     rows = []
     for fit in fits:
-        b_simple, count = noise_scale_at_target(fit, runs)
-        run_tokens, reading = probe_at_target(fit, probe)
-        rows.append(
-            SideBySide(
-                fit.target,
-                fit.b_crit,
-                fit.b_min,
-                fit.b_opt,
-                b_simple,
-                count,
-                run_tokens,
-                reading,
-                b_crit_poor=fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT,
-                wsd_poor=fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT,
-            )
-        )
+        b_simple, count = _noise_scale_at_target(fit, runs)
+        run_tokens, reading = _probe_at_target(fit, probe)
+        crit_poor = fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT
+        wsd_poor = fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT
+        sizes = (fit.b_crit, fit.b_min, fit.b_opt, b_simple)
+        rows.append(SideBySide(fit.target, *sizes, count, run_tokens, reading, crit_poor, wsd_poor))
     return rows
 
 
 def _size(value: float, poor: bool = False) -> str:
-    if value is None or not math.isfinite(value):
+    if not math.isfinite(value):
         return "-"
     return f"{value:.3g}" + ("*" if poor else "")
 
 
 def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
-    """The rows as a markdown table (batch sizes in samples; * marks a fit that misses the runs by
-    more than ``POOR_FIT``, with a note under the table).
+    """``rows`` as a markdown table (samples; * marks a fit that misses by over ``POOR_FIT``, noted below).
 
-    Args:
-        rows: the rows, one per target loss (``side_by_side``).
-
-    Returns:
-        The table (a header, then a row per target), and the note when a fit is marked.
-
-    Examples:
+    Example:
         >>> import math
-        >>> row = SideBySide(target=2.5, b_crit=8.0, b_min=math.nan, b_opt=math.nan, b_simple=90.0, b_simple_runs=1,
+        >>> from lit_cbs.analysis.compare import SideBySide
+        >>> row = SideBySide(2.5, b_crit=8.0, b_min=math.nan, b_opt=math.nan, b_simple=90.0, b_simple_runs=1,
         ...                  probe_run_tokens=None, probe=None)
-        >>> print(side_by_side_markdown([row]).splitlines()[-1])  # under the header: a row per target
+        >>> print(side_by_side_markdown([row]).splitlines()[-1])
         | 2.5 | 8 | - | - | 90 (1) | - |
     """
     lines = [
@@ -177,12 +124,8 @@ def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
         if row.probe is None:
             probe = "-"
         else:
-            reading = row.probe
-            bracket = (
-                f"[{reading.cbs_lower:g}, {reading.cbs_upper:g}]"
-                if reading.cbs_upper is not None
-                else f">= {reading.cbs_lower:g}"
-            )
+            lower, upper = row.probe.cbs_lower, row.probe.cbs_upper
+            bracket = f"[{lower:g}, {upper:g}]" if upper is not None else f">= {lower:g}"
             probe = f"{bracket} (at {row.probe.tokens:,.0f}; {row.probe_run_tokens:,.0f})"
         lines.append(
             f"| {row.target:.4g} | {_size(row.b_crit, row.b_crit_poor)} | {_size(row.b_min, row.wsd_poor)} "

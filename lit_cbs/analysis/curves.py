@@ -1,17 +1,6 @@
-"""Loss curves of constant-batch runs, read from their metrics CSVs, and where they reach a target loss.
-
-A run is a folder holding one metrics CSV (Lightning's ``CSVLogger`` ``metrics.csv``: one row per
-logging call, empty cells for metrics not logged in that row) or the CSV itself. A sweep is a
-Hydra multirun folder (one subfolder per run) or a list of run folders. Per run this module
-takes the loss column (``train/loss`` by default, or ``val/loss``), the tokens seen (all ranks)
-and the optimizer step; for each target loss it finds the tokens E and steps S the run needed
-(McCandlish et al. 2018, arXiv 1812.06162; Zhou et al. 2026, arXiv 2601.05034).
-
-Units: tokens are counted as the run logged them; S is the tokens E divided by the run's constant
-tokens per optimizer step (read off the token and step columns), so E / S is exactly the run's
-global batch in tokens. ``tokens_per_sample`` (the sequence length) comes from the batch column
-(global batch in samples) where it is logged. numpy and scipy only: no Lightning, no plotting.
-"""
+"""Loss curves of constant-batch runs read from their metrics CSVs, and the tokens E and steps S at which each
+reaches a target loss (McCandlish et al. 2018, arXiv 1812.06162; Zhou et al. 2026, arXiv 2601.05034). S is E over
+the run's constant tokens per step, so E / S is the run's global batch in tokens. numpy and scipy only."""
 
 from __future__ import annotations
 
@@ -28,18 +17,6 @@ import numpy as np
 from lit_cbs import metrics
 from lit_cbs.rules.smoothing import ema
 
-__all__ = [
-    "Crossing",
-    "RunCurve",
-    "default_targets",
-    "ema",
-    "find_crossings",
-    "read_run",
-    "read_sweep",
-    "rolling_mean",
-    "smooth",
-]
-
 # The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale), named in lit_cbs.metrics, and Lightning's steps.
 TOKENS_COLUMN = metrics.TOKENS_SEEN
 STEP_COLUMN = metrics.STEP
@@ -52,34 +29,13 @@ METRICS_FILE = "metrics.csv"
 # Tokens per step may vary this much (relative) between logged rows before a run counts as not constant-batch.
 CONSTANT_BATCH_TOLERANCE = 0.01
 
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]
 
 
 @dataclass
 class RunCurve:
-    """One constant-batch run's loss curve.
-
-    Attributes:
-        name: the run's label in messages and plots: the folder name, plus its Hydra overrides if any
-            (in a sweep, those that differ between runs).
-        path: the metrics CSV it was read from.
-        steps: optimizer steps at each loss value (tokens / tokens_per_step).
-        tokens: tokens seen (all ranks) at each loss value.
-        loss: the loss column's values, unsmoothed.
-        tokens_per_step: the run's global batch in tokens.
-        batch_size: the run's global batch in samples, if the batch column is logged.
-        gns_tokens, gns: tokens seen and the gradient noise scale B_simple (samples) where the GNS
-            column is logged (empty otherwise).
-
-    Examples:
-        >>> from pathlib import Path
-        >>> import numpy as np
-        >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
-        ...                tokens=np.array([1024.0, 2048, 3072, 4096]), loss=np.array([4.0, 3.0, 2.0, 1.0]),
-        ...                tokens_per_step=1024.0, batch_size=8)
-        >>> run.tokens_per_sample  # 1024 tokens per step / 8 samples
-        128.0
-    """
+    """One constant-batch run's loss curve: ``steps``, ``tokens`` (all ranks) and the unsmoothed ``loss`` per logged
+    point; ``batch_size`` in samples if logged; ``gns_tokens``, ``gns``: where B_simple (samples) was logged."""
 
     name: str
     path: Path
@@ -99,16 +55,7 @@ class RunCurve:
 
 @dataclass(frozen=True)
 class Crossing:
-    """Where one run's smoothed loss first reaches one target loss (linear interpolation between logged points).
-
-    ``steps`` in optimizer steps, ``tokens`` in tokens; ``tokens / steps`` is the run's
-    ``tokens_per_step``; ``batch_size`` in samples when the run logs it.
-
-    Examples:
-        >>> crossing = Crossing("b8", target=2.5, steps=2.5, tokens=2560.0, tokens_per_step=1024.0, batch_size=8)
-        >>> crossing.tokens / crossing.steps
-        1024.0
-    """
+    """Where one run's smoothed loss first reaches ``target`` (interpolated linearly between logged points)."""
 
     run: str
     target: float
@@ -119,14 +66,8 @@ class Crossing:
 
 
 def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each metric of a ``CSVLogger`` file as (steps, values), in file order; empty cells skipped.
-
-    Metrics logged in separate calls land in separate rows at the same step, so a metric's values
-    are paired with the row's step, not with the other metrics of its row. ``epoch`` is left out.
-
-    Raises:
-        ValueError: the file has no ``step_column``, or a row with a value has no number there.
-    """
+    """Each metric of a ``CSVLogger`` file as (steps, values), in file order, empty cells skipped and ``epoch`` left
+    out; each value is paired with its own row's step. Raises ValueError for a missing or non-numeric step."""
     series: dict[str, tuple[list[float], list[float]]] = {}
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
@@ -135,11 +76,7 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
                 f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?"
             )
         for row in reader:
-            cells = {
-                name: cell
-                for name, cell in row.items()
-                if name not in (step_column, "epoch") and cell not in ("", None)
-            }
+            cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell}
             if not cells:
                 continue
             try:
@@ -157,20 +94,19 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
 
 
 def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarray) -> np.ndarray:
-    """Tokens seen at each of ``steps`` (optimizer steps) of ``read_metrics_csv``'s series, interpolated
-    from the logged ``tokens_seen``. Exact at logged steps (every step with ``log_every_n_steps=1``).
-    """
+    """Tokens seen at ``steps``, interpolated from ``read_metrics_csv``'s logged ``tokens_seen`` (exact at logged
+    steps)."""
     logged_steps, tokens = metrics[TOKENS_COLUMN]
-    return np.interp(steps, logged_steps, tokens)
+    interpolated: np.ndarray = np.interp(steps, logged_steps, tokens)
+    return interpolated
 
 
-def _natural_key(path: Path) -> tuple:
-    """Sorts Hydra's ``2_name`` before ``10_name``."""
+def _natural_key(path: Path) -> tuple[int, int, str]:
     head = path.name.split("_", 1)[0]
     return (0, int(head), path.name) if head.isdigit() else (1, 0, path.name)
 
 
-def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
+def _metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
     """The one metrics CSV of a run: ``run`` itself if it is a file, else the only ``metrics_file`` under it."""
     run = Path(run)
     if run.is_file():
@@ -191,7 +127,6 @@ def find_metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
 
 
 def _hydra_overrides(folder: Path) -> list[str]:
-    """The command-line overrides of the Hydra job that made the run in ``folder`` (none if not a Hydra run)."""
     overrides = folder / ".hydra" / "overrides.yaml"
     if not overrides.is_file():
         return []
@@ -201,7 +136,6 @@ def _hydra_overrides(folder: Path) -> list[str]:
 
 
 def _run_label(folder: Path, common: Sequence[str] = ()) -> str:
-    """The folder's name, with the Hydra overrides that made the run other than ``common`` ones."""
     own = [item for item in _hydra_overrides(folder) if item not in common and item not in folder.name]
     return f"{folder.name} ({' '.join(own)})" if own else folder.name
 
@@ -217,45 +151,12 @@ def read_run(
     gns_column: str = GNS_COLUMN,
     metrics_file: str = METRICS_FILE,
 ) -> RunCurve:
-    """Read one constant-batch run's loss curve from its metrics CSV (``run``: the folder or the CSV).
-
-    Rows of the loss column without a token count (e.g. ``val/loss`` rows) get the tokens of their
-    step from the run's constant tokens per step. A NaN loss ends the curve there (with a warning).
-
-    Args:
-        run: the run's folder (holding one ``metrics_file``) or its metrics CSV.
-        name: the run's label; default the folder name with its Hydra overrides.
-        loss_column: the loss (nats per token) whose curve is read.
-        tokens_column: tokens seen, all ranks.
-        step_column: optimizer steps.
-        batch_column: the global batch (samples), if logged.
-        gns_column: the gradient noise scale B_simple (samples), if logged.
-        metrics_file: the CSV's file name under ``run``.
-
-    Returns:
-        The run's curve, sorted by tokens.
-
-    Raises:
-        ValueError: a column is missing, a token count is NaN or decreases, fewer than two rows log
-            tokens, or the tokens per step (or the batch column) change during the run.
-
-    Examples:
-        >>> import tempfile
-        >>> from pathlib import Path
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> for job, batch in enumerate((8, 16)):  # a Hydra multirun: one numbered folder per job
-        ...     folder = Path(tmp.name, str(job))
-        ...     folder.mkdir()
-        ...     with open(folder / "metrics.csv", "w") as f:  # as CSVLogger writes it: a row per step
-        ...         print("step,tokens_seen,train/loss,batch/global_size", file=f)
-        ...         for step in range(4):
-        ...             print(step, (step + 1) * batch * 128, 4 - step * batch / 64, batch, sep=",", file=f)
-        >>> run = read_run(Path(tmp.name, "0"))
-        >>> run.name, run.tokens_per_step, run.batch_size, run.loss.tolist()
-        ('0', 1024.0, 8, [4.0, 3.875, 3.75, 3.625])
-        >>> tmp.cleanup()
-    """
-    csv_path = find_metrics_file(run, metrics_file)
+    """One constant-batch run's loss curve, sorted by tokens, from its folder (holding one ``metrics_file``) or its
+    CSV; ``name`` defaults to the folder's name with its Hydra overrides. Loss rows without a token count (e.g.
+    ``val/loss``) get their step's tokens from the constant tokens per step; a NaN loss ends the curve (warned).
+    Raises ValueError for a missing column, a token count that is NaN or decreases, fewer than two rows logging
+    tokens, or tokens per step (or the batch column) changing during the run."""
+    csv_path = _metrics_file(run, metrics_file)
     run_path = Path(run)
     name = name or _run_label(run_path.parent if run_path.is_file() else run_path)
     series = read_metrics_csv(csv_path, step_column)
@@ -301,7 +202,7 @@ def read_run(
 
     def tokens_of(step: float) -> float:
         """The tokens logged at ``step``; else (e.g. a ``val/loss`` step) from the constant tokens per step."""
-        return logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step)
+        return float(logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step))
 
     loss_tokens, losses = [], []
     for step, loss in zip(*series[loss_column]):
@@ -330,50 +231,30 @@ def read_run(
         if math.isfinite(value):
             gns_tokens.append(tokens_of(step))
             gns.append(value)
-    return RunCurve(
-        name=name,
-        path=csv_path,
-        steps=tokens / tokens_per_step,
-        tokens=tokens,
-        loss=np.asarray(losses)[order],
-        tokens_per_step=float(tokens_per_step),
-        batch_size=batch_size,
-        gns_tokens=np.asarray(gns_tokens),
-        gns=np.asarray(gns),
-    )
+    steps, loss = tokens / tokens_per_step, np.asarray(losses)[order]
+    gns_at, gns_values = np.asarray(gns_tokens), np.asarray(gns)
+    return RunCurve(name, csv_path, steps, tokens, loss, float(tokens_per_step), batch_size, gns_at, gns_values)
 
 
-def read_sweep(source: PathLike | Sequence[PathLike], metrics_file: str = METRICS_FILE, **columns) -> list[RunCurve]:
-    """Read every run of a sweep: a Hydra multirun folder (each subfolder holding a metrics CSV) or a list of runs.
+def read_sweep(
+    source: PathLike | Sequence[PathLike], metrics_file: str = METRICS_FILE, **columns: str
+) -> list[RunCurve]:
+    """Every run of a sweep (a Hydra multirun folder, or the runs' folders or CSVs) in job order, labelled by the
+    overrides that differ between them; ``columns`` go to ``read_run``. Raises ValueError for no run, or runs that
+    disagree on tokens per sample.
 
-    ``columns`` go to ``read_run`` (``loss_column=``, ``tokens_column=``, ...).
-
-    Args:
-        source: the sweep's folder, or the runs' folders or CSVs.
-        metrics_file: each run's CSV file name.
-        **columns: column names for ``read_run``.
-
-    Returns:
-        The runs' curves, in job order (Hydra's numbered folders numerically), labelled by the overrides
-        that differ between them.
-
-    Raises:
-        ValueError: no run is found, or runs disagree on tokens per sample (mismatched units).
-
-    Examples:
+    Example:
         >>> import tempfile
         >>> from pathlib import Path
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> for job, batch in enumerate((8, 16)):  # a Hydra multirun: one numbered folder per job
-        ...     folder = Path(tmp.name, str(job))
-        ...     folder.mkdir()
-        ...     with open(folder / "metrics.csv", "w") as f:  # as CSVLogger writes it: a row per step
-        ...         print("step,tokens_seen,train/loss,batch/global_size", file=f)
-        ...         for step in range(4):
-        ...             print(step, (step + 1) * batch * 128, 4 - step * batch / 64, batch, sep=",", file=f)
-        >>> [(run.name, run.batch_size, run.tokens_per_sample) for run in read_sweep(tmp.name)]
-        [('0', 8, 128.0), ('1', 16, 128.0)]
-        >>> tmp.cleanup()
+        >>> sweep = tempfile.TemporaryDirectory()
+        >>> for job, batch in enumerate((8, 16)):  # a Hydra multirun: one numbered folder per job, as CSVLogger logs
+        ...     rows = ["step,tokens_seen,train/loss,batch/global_size"]
+        ...     rows += [f"{step},{(step + 1) * batch * 128},{4 - step * batch / 64},{batch}" for step in range(4)]
+        ...     Path(sweep.name, str(job)).mkdir()
+        ...     _ = Path(sweep.name, str(job), "metrics.csv").write_text(chr(10).join(rows))
+        >>> [(run.name, run.batch_size, run.tokens_per_step, run.loss.tolist()) for run in read_sweep(sweep.name)]
+        [('0', 8, 1024.0, [4.0, 3.875, 3.75, 3.625]), ('1', 16, 2048.0, [4.0, 3.75, 3.5, 3.25])]
+        >>> sweep.cleanup()
     """
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
@@ -399,11 +280,8 @@ def read_sweep(source: PathLike | Sequence[PathLike], metrics_file: str = METRIC
 
 
 def check_units(runs: Sequence[RunCurve]) -> float | None:
-    """The sweep's tokens per sample (sequence length); None if no run logs its batch in samples.
-
-    Raises:
-        ValueError: runs have different tokens per sample (tokens and samples counted inconsistently).
-    """
+    """The sweep's tokens per sample (sequence length), None if no run logs its batch in samples. Raises ValueError
+    where runs differ in it (tokens and samples counted inconsistently)."""
     known = {run.name: run.tokens_per_sample for run in runs if run.tokens_per_sample is not None}
     if not known:
         return None
@@ -423,22 +301,7 @@ def check_units(runs: Sequence[RunCurve]) -> float | None:
 
 
 def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
-    """Centered mean over ``window`` logged points (odd), over fewer at the ends: no lag on a linear trend.
-
-    Args:
-        values: the series (a loss curve, nats), in logged order.
-        window: logged points each mean is over (odd); fewer at the ends.
-
-    Returns:
-        The means, as floats, one per point.
-
-    Raises:
-        ValueError: ``window`` is not a positive odd number.
-
-    Examples:
-        >>> rolling_mean([1.0, 2.0, 3.0, 10.0], window=3).tolist()
-        [1.5, 2.0, 5.0, 6.5]
-    """
+    """Centered mean over ``window`` (odd) logged points, over fewer at the ends: no lag on a linear trend."""
     if window < 1 or window % 2 == 0:
         raise ValueError(f"window={window} must be a positive odd number of logged points")
     values = np.asarray(values, dtype=float)
@@ -446,28 +309,13 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     cumulative = np.concatenate([[0.0], np.cumsum(values)])
     index = np.arange(len(values))
     lo, hi = np.maximum(index - half, 0), np.minimum(index + half + 1, len(values))
-    return (cumulative[hi] - cumulative[lo]) / (hi - lo)
+    means: np.ndarray = (cumulative[hi] - cumulative[lo]) / (hi - lo)
+    return means
 
 
 def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, decay: float = 0.9) -> np.ndarray:
-    """``method``: "rolling" (``rolling_mean`` over ``window`` points), "ema" (``ema`` with ``decay``) or None.
-
-    Args:
-        values: the series (a loss curve, nats), in logged order.
-        method: ``"rolling"``, ``"ema"`` or None (unsmoothed, as floats).
-        window: logged points of the rolling mean (odd).
-        decay: the EMA's decay per logged point, in [0, 1).
-
-    Returns:
-        The smoothed series, as floats, one per point.
-
-    Raises:
-        ValueError: an unknown ``method`` (or, from the smoother, a bad ``window`` or ``decay``).
-
-    Examples:
-        >>> smooth([4.0, 2.0, 2.0, 2.0], "ema", decay=0.5).tolist()
-        [4.0, 3.0, 2.5, 2.25]
-    """
+    """``values`` smoothed by ``method``: "rolling" (``rolling_mean`` over ``window``), "ema" (with ``decay``) or
+    None (as floats)."""
     if method == "rolling":
         return rolling_mean(values, window)
     if method == "ema":
@@ -485,27 +333,15 @@ def find_crossings(
     window: int = 9,
     decay: float = 0.9,
 ) -> dict[float, list[Crossing]]:
-    """For each target loss, where each run's smoothed loss first reaches it (``smooth`` gives the options).
+    """For each target loss (nats), where each run's loss, smoothed as ``smooth`` does, first reaches it. Runs that
+    never reach a target, or start below it (where it was crossed is unknown), are left out of it, warned by name.
 
-    Runs that never reach a target, or are already below it at their first logged point (where it
-    was crossed is unknown), are left out of that target with a warning that names them.
-
-    Args:
-        runs: the sweep's curves.
-        targets: target losses (nats).
-        smoothing: ``smooth``'s ``method``.
-        window: ``smooth``'s ``window`` (logged points).
-        decay: ``smooth``'s ``decay``.
-
-    Returns:
-        Target -> the crossings of the runs that reach it.
-
-    Examples:
-        >>> from pathlib import Path
+    Example:
         >>> import numpy as np
-        >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
-        ...                tokens=np.array([1024.0, 2048, 3072, 4096]), loss=np.array([4.0, 3.0, 2.0, 1.0]),
-        ...                tokens_per_step=1024.0, batch_size=8)
+        >>> from pathlib import Path
+        >>> from lit_cbs.analysis.curves import RunCurve
+        >>> tokens = np.array([1024.0, 2048, 3072, 4096])
+        >>> run = RunCurve("b8", Path("metrics.csv"), tokens / 1024, tokens, np.array([4.0, 3, 2, 1]), 1024.0, 8)
         >>> [(float(c.steps), c.tokens) for c in find_crossings([run], [2.5], smoothing=None)[2.5]]
         [(2.5, 2560.0)]
     """
@@ -551,29 +387,16 @@ def default_targets(
     window: int = 9,
     decay: float = 0.9,
 ) -> list[float]:
-    """``count`` target losses, evenly spaced from below the highest loss every run starts at down to the
-    lowest loss that ``min_runs`` runs (or all, if fewer) reach, highest first.
+    """``count`` target losses, highest first, evenly spaced from below the highest loss every run starts at down to
+    the lowest loss ``min_runs`` runs (or all) reach; ``smoothing``, ``window``, ``decay``: as for ``smooth``.
+    Raises ValueError for no runs, or curves that leave no range.
 
-    Args:
-        runs: the sweep's curves.
-        count: how many targets.
-        min_runs: how many runs the lowest target must be reached by.
-        smoothing: ``smooth``'s ``method``.
-        window: ``smooth``'s ``window`` (logged points).
-        decay: ``smooth``'s ``decay``.
-
-    Returns:
-        The target losses (nats), highest first.
-
-    Raises:
-        ValueError: no runs, or the smoothed curves leave no range between start and lowest reached.
-
-    Examples:
-        >>> from pathlib import Path
+    Example:
         >>> import numpy as np
-        >>> run = RunCurve(name="b8", path=Path("metrics.csv"), steps=np.array([1.0, 2, 3, 4]),
-        ...                tokens=np.array([1024.0, 2048, 3072, 4096]), loss=np.array([4.0, 3.0, 2.0, 1.0]),
-        ...                tokens_per_step=1024.0, batch_size=8)
+        >>> from pathlib import Path
+        >>> from lit_cbs.analysis.curves import RunCurve
+        >>> tokens = np.array([1024.0, 2048, 3072, 4096])
+        >>> run = RunCurve("b8", Path("metrics.csv"), tokens / 1024, tokens, np.array([4.0, 3, 2, 1]), 1024.0, 8)
         >>> default_targets([run], count=3, smoothing=None)
         [3.0, 2.0, 1.0]
     """

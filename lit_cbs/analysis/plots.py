@@ -1,8 +1,5 @@
-"""PNG plots of the E(S) fits and of the batch sizes they imply, next to the probe's CBS and the noise scale.
-
-Drawn on matplotlib ``Figure`` objects with the Agg canvas, so nothing touches pyplot's global
-state or needs a display.
-"""
+"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn on
+matplotlib ``Figure`` objects through the Agg canvas: pyplot's global state is left alone, no display is needed."""
 
 from __future__ import annotations
 
@@ -15,24 +12,21 @@ from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter
 
 from lit_cbs.analysis.compare import SideBySide
 from lit_cbs.analysis.curves import RunCurve
 from lit_cbs.analysis.fits import POOR_FIT, TargetFit
-from lit_cbs.probe.reading import ProbeReading
-
-__all__ = [
-    "plot_batch_sizes",
-    "plot_es",
-    "plot_forecast",
-]
+from lit_cbs.analysis.forecast import CBSForecast
+from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
 
-def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
-    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, which
-    leaves pyplot's backend and global state alone (a notebook keeps its own)."""
+def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
+    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, leaving pyplot's
+    backend alone (a notebook keeps its own)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
@@ -41,32 +35,18 @@ def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
     return path
 
 
-def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
-    """E (tokens) vs S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed)
-    and the WSD fit (solid) where it was made.
+def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
+    """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
+    the WSD fit (solid) where it was made. Raises ValueError for no fits.
 
-    Args:
-        target_fits: the fits (``fit_targets``).
-        path: where the PNG goes (its folder is created).
-
-    Returns:
-        The PNG's path.
-
-    Raises:
-        ValueError: no fits.
-
-    Examples:
+    Example:
         >>> import tempfile
-        >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing
         >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens) of 4 runs
-        >>> crossings = tuple(Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000))
-        ...                   for i, (s, e) in enumerate(points))
-        >>> fit = TargetFit(2.5, crossings, tokens_per_sample=1000.0,
-        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
+        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_es([fit], Path(folder, "es.png")).name
+        ...     plot_es([fit], f"{folder}/es.png").name
         'es.png'
     """
     if not target_fits:
@@ -94,43 +74,25 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike) -> Path:
 
 def plot_batch_sizes(
     target_fits: Sequence[TargetFit],
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     probe: Sequence[ProbeReading] = (),
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
-    """B_crit, B_min and B_opt against the target loss (left) and against the tokens at which the
-    target is reached (right: E_min of each fit), where the CBS probe's brackets and each run's
-    gradient noise scale (all in samples) are overlaid when given. B_crit is drawn filled where
-    McCandlish's E(S) fits the runs (rms of log E within 5%), hollow where it does not.
-    ``compared`` (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each
-    target loss to the left panel.
+    """B_crit, B_min and B_opt against the target loss (left) and against E_min, the tokens at which the target is
+    reached (right), with the probe's brackets and each run's noise scale B_simple (samples) over tokens when given.
+    B_crit is filled where McCandlish's E(S) fits the runs within ``POOR_FIT``, hollow where not. ``compared``
+    (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each target to the left panel.
+    Raises ValueError for no fits, or probe or noise-scale data (samples) with fits in tokens per step.
 
-    Args:
-        target_fits: the fits (``fit_targets``).
-        path: where the PNG goes (its folder is created).
-        probe: the probe's readings, drawn as brackets over tokens.
-        gns_runs: runs whose logged noise scale is drawn over tokens.
-        compared: ``side_by_side``'s rows.
-
-    Returns:
-        The PNG's path.
-
-    Raises:
-        ValueError: no fits, or probe/noise-scale data (samples) with fits known only in tokens per step.
-
-    Examples:
+    Example:
         >>> import tempfile
-        >>> from pathlib import Path
         >>> from lit_cbs.analysis.curves import Crossing
         >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens) of 4 runs
-        >>> crossings = tuple(Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000))
-        ...                   for i, (s, e) in enumerate(points))
-        >>> fit = TargetFit(2.5, crossings, tokens_per_sample=1000.0,
-        ...                 mccandlish=McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), wsd=None)
+        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
+        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_batch_sizes([fit], Path(folder, "batch_sizes.png")).name
+        ...     plot_batch_sizes([fit], f"{folder}/batch_sizes.png").name
         'batch_sizes.png'
     """
     if not target_fits:
@@ -145,92 +107,47 @@ def plot_batch_sizes(
     figure = Figure(figsize=(12, 5))
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
-    # B_crit filled where McCandlish's E(S) fits, hollow where it misses (fit_targets warns about those).
-    reliable = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
-    unreliable = [f.mccandlish is not None and not ok for f, ok in zip(target_fits, reliable)]
-    series: tuple[tuple[str, str, list[float], list[float], dict[str, Any]], ...] = (
-        (
-            f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
-            "o--",
-            [f.b_crit if ok else np.nan for f, ok in zip(target_fits, reliable)],
-            [f.mccandlish.e_min if ok and f.mccandlish else np.nan for f, ok in zip(target_fits, reliable)],
-            {},
-        ),
-        (
-            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
-            "o:",
-            [f.b_crit if bad else np.nan for f, bad in zip(target_fits, unreliable)],
-            [f.mccandlish.e_min if bad and f.mccandlish else np.nan for f, bad in zip(target_fits, unreliable)],
-            {"markerfacecolor": "none"},  # hollow: a poor fit
-        ),
-        (
-            "B_min (WSD)",
-            "v-",
-            [f.b_min for f in target_fits],
-            [f.wsd.e_min if f.wsd else np.nan for f in target_fits],
-            {},
-        ),
-        (
-            "B_opt (WSD)",
-            "s-",
-            [f.b_opt for f in target_fits],
-            [f.wsd.e_min if f.wsd else np.nan for f in target_fits],
-            {},
-        ),
-    )
-    for label, style, size_list, token_list, marker in series:
-        sizes, tokens = np.array(size_list, dtype=float), np.array(token_list, dtype=float)
+    nan = (np.nan, np.nan)
+    mccandlish = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
+    fits_well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
+    wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
+    well = [m if ok else nan for m, ok in zip(mccandlish, fits_well)]
+    poorly = [nan if ok else m for m, ok in zip(mccandlish, fits_well)]  # drawn hollow
+    series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
+        (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, well),
+        (f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})", "o:", {"markerfacecolor": "none"}, poorly),
+        ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
+        ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
+    ]
+    for label, style, marker, points in series:
+        sizes, tokens = np.array(points, dtype=float).T.copy()
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
         if np.all(np.isnan(sizes)):
             continue
         by_loss.plot(targets, sizes, style, label=label, **marker)
         by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
-    if compared:
-        rows = [row for row in compared if math.isfinite(row.b_simple)]
-        if rows:
-            by_loss.plot(
-                [r.target for r in rows],
-                [r.b_simple for r in rows],
-                "x-",
-                color="tab:gray",
-                label="noise scale B_simple (median of runs at the target)",
-            )
-        brackets = [(row.target, row.probe) for row in compared if row.probe is not None]
-        for i, (target, reading) in enumerate(brackets):
-            top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
-            by_loss.vlines(
-                target,
-                reading.cbs_lower,
-                top,
-                color="k",
-                lw=3,
-                alpha=0.5,
-                label="CBS probe bracket (reading nearest the target)" if i == 0 else None,
-            )
+    rows = [row for row in compared if math.isfinite(row.b_simple)]
+    if rows:
+        median = "noise scale B_simple (median of runs at the target)"
+        by_loss.plot([r.target for r in rows], [r.b_simple for r in rows], "x-", color="tab:gray", label=median)
+    for i, (target, reading) in enumerate([(row.target, row.probe) for row in compared if row.probe is not None]):
+        top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
+        nearest = "CBS probe bracket (reading nearest the target)" if i == 0 else None
+        by_loss.vlines(target, reading.cbs_lower, top, color="k", lw=3, alpha=0.5, label=nearest)
     if probe:
         tokens = np.array([p.tokens for p in probe])
         estimate = np.array([p.cbs_estimate for p in probe])
         closed = np.array([p.cbs_upper is not None for p in probe])
         lower = estimate - np.array([p.cbs_lower for p in probe])
         upper = np.array([(p.cbs_upper if p.cbs_upper is not None else p.cbs_estimate) for p in probe]) - estimate
+        error = [lower[closed], upper[closed]]
         by_tokens.errorbar(
-            tokens[closed],
-            estimate[closed],
-            yerr=[lower[closed], upper[closed]],
-            fmt="D",
-            color="k",
-            capsize=3,
-            label="CBS probe",
+            tokens[closed], estimate[closed], yerr=error, fmt="D", color="k", capsize=3, label="CBS probe"
         )
         if np.any(~closed):
-            by_tokens.scatter(
-                tokens[~closed],
-                [p.cbs_lower for p, c in zip(probe, closed) if not c],
-                marker="^",
-                color="k",
-                label="CBS probe (>= lower)",
-            )
+            open_lower = [p.cbs_lower for p, c in zip(probe, closed) if not c]
+            by_tokens.scatter(tokens[~closed], open_lower, marker="^", color="k", label="CBS probe (>= lower)")
     for i, run in enumerate(gns_runs):
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
@@ -248,33 +165,20 @@ def plot_batch_sizes(
 
 
 def plot_forecast(
-    forecast,
-    path: str | os.PathLike,
+    forecast: CBSForecast,
+    path: str | os.PathLike[str],
     tokens_to: float | None = None,
     noise_scale: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Path:
-    """The brackets a ``CBSForecast`` was fitted on (a bar per reading from lower to upper, dashed when
-    undetermined, an arrow when it has no upper end), the fitted curve and its band, out to
-    ``tokens_to`` (default: the last reading); with ``noise_scale`` = (tokens, B_simple), the
-    gradient noise scale over tokens beside it. Log-log.
+    """The brackets ``forecast`` was fitted on (dashed: undetermined; an arrow: no upper end), its curve and band
+    out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them. Log-log.
 
-    Args:
-        forecast: the ``CBSForecast`` (``forecast_cbs``).
-        path: where the PNG goes (its folder is created).
-        tokens_to: how far (tokens) to draw the curve and band.
-        noise_scale: (tokens, B_simple in samples) of a run, or None.
-
-    Returns:
-        The PNG's path.
-
-    Examples:
+    Example:
         >>> import tempfile
-        >>> from pathlib import Path
         >>> from lit_cbs.analysis.forecast import Bracket, forecast_cbs
-        >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")
-        ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]
+        >>> brackets = [Bracket(d, 0.75 * cbs, 1.5 * cbs, "run") for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256)]]
         >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_forecast(forecast_cbs(brackets, model="power"), Path(folder, "forecast.png"), tokens_to=2e10).name
+        ...     plot_forecast(forecast_cbs(brackets, model="power"), f"{folder}/forecast.png", tokens_to=2e10).name
         'forecast.png'
     """
     brackets = forecast.brackets
@@ -290,18 +194,11 @@ def plot_forecast(
         for number, bracket in enumerate(members):
             top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
             x = bracket.tokens * shift
-            ax.plot(
-                [x, x],
-                [bracket.lower, top],
-                "-" if bracket.determined else "--",
-                color=colors[run],
-                lw=2,
-                label=run if number == 0 else None,
-            )
+            style = "-" if bracket.determined else "--"
+            ax.plot([x, x], [bracket.lower, top], style, color=colors[run], lw=2, label=run if number == 0 else None)
             if not math.isfinite(bracket.upper):
-                ax.annotate(
-                    "", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]}
-                )
+                arrow = {"arrowstyle": "->", "color": colors[run]}
+                ax.annotate("", xy=(x, top * 1.3), xytext=(x, top), arrowprops=arrow)
     grid = np.geomspace(min(b.tokens for b in brackets) / 1.2, end * 1.2, 200)
     low, high = forecast.band(grid)
     ax.fill_between(grid, low, high, color="0.6", alpha=0.3, label=f"{forecast.coverage:.0%} band")
@@ -320,3 +217,147 @@ def plot_forecast(
     ax.set_title(textwrap.fill(forecast.describe(), 100), fontsize=7)  # matplotlib's wrap=True overflows a log axis
     ax.legend(fontsize=8)
     return save_figure(figure, path)
+
+
+def plot_cbs_curve(
+    history: Sequence[ProbeReading],
+    batch_changes: Sequence[Any],
+    path: str | os.PathLike[str],
+    end_tokens: float | None = None,
+    epsilon: float | None = None,
+) -> Path:
+    """``cbs_curve_figure`` as a PNG at ``path``: the probe's readings (``read_readings``) against tokens.
+
+    Example:
+        >>> import tempfile
+        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
+        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
+        >>> where = dict(step=100, seq_len=128, window_tokens=262_144, search="grid", evaluate="train_ema",
+        ...     main_loss=3.1, branches_trained=[2, 4], failed=[], tokens_spent=524_288, overhead=0.52)
+        >>> history = [ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=t, **where)
+        ...     for t in (1_000_000, 2_000_000)]
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     plot_cbs_curve(history, [], f"{folder}/cbs_curve.png", epsilon=0.01).name
+        'cbs_curve.png'
+    """
+    return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
+
+
+def cbs_curve_figure(
+    history: Sequence[ProbeReading],
+    batch_changes: Sequence[Any],
+    end_tokens: float | None = None,
+    epsilon: float | None = None,
+) -> Figure:
+    """Two panels against tokens seen: the CBS interval of each reading (samples; hollow and dashed where
+    undetermined) with the global batch the run used up to ``end_tokens``; and per multiplier k and reading,
+    L_k minus the lowest loss of a smaller k (nats), the quantity the k* rule holds against ``epsilon``, with an
+    error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
+    figure = Figure(figsize=(7.5, 7))
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+    styles = {True: dict(color="tab:blue", linestyles="solid"), False: dict(color="tab:gray", linestyles="dashed")}
+    for determined, style in styles.items():
+        readings = [r for r in history if r.determined == determined]
+        if not readings:
+            continue
+        tokens = [r.tokens for r in readings]
+        upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
+        label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
+        top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
+        face = style["color"] if determined else "none"
+        top.scatter(tokens, [r.cbs_estimate for r in readings], zorder=3, color=style["color"], facecolors=face)
+    if open_ended := [r for r in history if r.cbs_upper is None]:
+        tokens, lower = [r.tokens for r in open_ended], [r.cbs_lower for r in open_ended]
+        top.scatter(tokens, lower, marker="^", color="tab:red", zorder=4, label="lower bound (top of grid)")
+    if history:
+        start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
+        xs: list[float] = [0]
+        ys = [start]
+        for change in batch_changes:
+            xs += [change.tokens_seen, change.tokens_seen]
+            ys += [ys[-1], change.new_global_batch]
+        xs.append(max(end_tokens or 0, max(r.tokens for r in history) * 1.05))
+        ys.append(ys[-1])
+        top.plot(xs, ys, color="tab:orange", label="global batch used")
+    top.set_ylabel("batch size (samples)")
+    top.set_yscale("log", base=2)
+    top.set_title("Critical batch size by branched training")
+    top.grid(alpha=0.3)
+    top.legend(fontsize=8)
+
+    multipliers = sorted({float(k) for r in history for k in r.losses})
+    colours = colormaps["viridis"]
+    drawn = []  # (gap, error bar) of every point, nats
+    for i, k in enumerate(multipliers[1:]):
+        points = [point for r in history if (point := _gap_to_smaller(r, k)) is not None]
+        if not points:
+            continue
+        drawn += [point[1:] for point in points]
+        at, gaps, bars = zip(*points)
+        colour = colours(i / max(1, len(multipliers) - 2))
+        bottom.errorbar(at, gaps, yerr=bars, fmt="o", capsize=3, color=colour, label=f"k = {k:g}")
+    if epsilon is not None:
+        bottom.axhline(epsilon, color="tab:red", linestyle="--", linewidth=1, label=f"epsilon = {epsilon:g}")
+    bottom.axhline(0.0, color="black", linewidth=0.6)
+    linthresh = max(0.05, 2 * (epsilon or 0.0))
+    bottom.set_yscale("symlog", linthresh=linthresh)  # linear near epsilon, early gaps compressed
+    if drawn:
+        ticks = _gap_ticks(linthresh, epsilon, 10 * max(abs(gap) + bar for gap, bar in drawn))
+        bottom.yaxis.set_major_locator(FixedLocator(ticks))
+        bottom.set_ylim(_gap_limits(bottom, ticks, epsilon, drawn))
+    # Plain numbers: symlog's default labels the linear threshold in scientific notation (4.82749x10^-2).
+    bottom.yaxis.set_major_formatter(FuncFormatter(lambda value, position: f"{value:.3g}"))
+    bottom.yaxis.set_minor_formatter(NullFormatter())
+    bottom.set_xlabel("tokens seen")
+    bottom.set_ylabel("L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
+    bottom.grid(alpha=0.3)
+    if multipliers[1:]:
+        bottom.legend(fontsize=8, ncols=2)
+    return figure
+
+
+def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[float]:
+    """The gap panel's ticks (nats): 0, +-epsilon and +-linthresh in its linear part, then 1, 2 and 5 x 10^n
+    out to ``reach`` on either side, so that a gap in the compressed part can be read too."""
+    magnitudes = {linthresh, *([epsilon] if epsilon else [])}
+    decade = 10.0 ** math.floor(math.log10(linthresh))
+    while decade <= reach:
+        magnitudes |= {value for value in (decade, 2 * decade, 5 * decade) if linthresh < value <= reach}
+        decade *= 10
+    return sorted({0.0, *magnitudes, *(-value for value in magnitudes)})
+
+
+def _gap_limits(
+    ax: Axes, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]
+) -> tuple[float, float]:
+    """The gap panel's y range (nats): every error bar, 0 and epsilon inside with a tenth of the panel's
+    height to spare, and out to the ticks beyond the lowest and the highest gap, so that every gap lies
+    between two labelled ticks. ``drawn``: (gap, error bar) per point."""
+    low = min(0.0, *(gap - bar for gap, bar in drawn))
+    high = max(0.0, epsilon or 0.0, *(gap + bar for gap, bar in drawn))
+    scale = ax.yaxis.get_transform()
+    low_t, high_t = scale.transform([low, high])
+    spare = 0.1 * (high_t - low_t)
+    low, high = scale.inverted().transform([low_t - spare, high_t + spare])
+    lowest, highest = min(gap for gap, _ in drawn), max(gap for gap, _ in drawn)
+    below, above = max(tick for tick in ticks if tick <= lowest), min(tick for tick in ticks if tick >= highest)
+    return min(low, below), max(high, above)
+
+
+def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:
+    """(tokens, L_k - min of L_j over the measured j < k, its error bar at the reading's confidence)
+    for a reading that measured k and a smaller k; None otherwise."""
+    losses = {float(j): loss for j, loss in reading.losses.items() if loss is not None}
+    smaller = [j for j in losses if j < k]
+    if k not in losses or not smaller:
+        return None
+    j = min(smaller, key=lambda m: losses[m])
+    bar = 0.0
+    scores = reading.scores()
+    if scores[k].batch_losses and scores[j].batch_losses:
+        gap = difference(scores[k], scores[j])
+        if gap.se is not None:
+            bar = gap.se * one_sided_quantile(reading.confidence, gap.dof)
+    elif j == min(losses) and (se := reading.loss_se.get(f"{k:g}")) is not None:
+        bar = se * one_sided_quantile(reading.confidence, math.inf)
+    return reading.tokens, losses[k] - losses[j], bar

@@ -1,11 +1,5 @@
-"""A batch-size warmup schedule read off a measured CBS curve: measure on a small model, train a big one.
-
-Merrill et al. 2025 (arXiv 2505.23971) found that OLMo 1B and 7B have nearly the same critical batch
-size curve, so a curve measured cheaply on one model can set the warmup of another; they read the
-thresholds off the curve by hand. ``schedule_from_probe`` does it from ``CBSProbeCallback``'s
-``cbs_probe.jsonl``: the target batch doubles (by ``factor``) as soon as a reading's CBS lower bound
-allows it, from the reading's token count on. Pure Python: no Lightning.
-"""
+"""A batch-size warmup schedule read off a measured CBS curve (Merrill et al. 2025, arXiv 2505.23971: OLMo 1B and 7B
+share one, so a small model's curve can set a big one's warmup). Pure Python."""
 
 from __future__ import annotations
 
@@ -19,32 +13,17 @@ from typing import Any
 from lit_cbs.probe.reading import ProbeReading, read_readings
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
-__all__ = [
-    "run_config_value",
-    "schedule_from_probe",
-]
-
-PathLike = str | os.PathLike
+PathLike = str | os.PathLike[str]
 # The configuration a recipe run saves in its folder, beside cbs_probe.jsonl: recipes/train.py's resolved
 # copy first, then the one Hydra writes (its interpolations resolved on reading).
 RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")
 
 
 def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
-    """The value of ``key`` (a dotted Hydra key, e.g. ``callbacks.cbs_probe.epsilon``) in the configuration
-    the recipe run in ``run_dir`` saved (``RUN_CONFIGS``, in that order), and the file it came from; None
-    where no such file holds the key or its value cannot be resolved there. A key set to null gives None
-    as its value. For what a probe file's readings do not say (written by an earlier version), or what the
-    run that wrote them trained with.
+    """(value, file) of the dotted ``key`` in the configuration the recipe run in ``run_dir`` saved (``RUN_CONFIGS``,
+    in that order); None where no file holds it or it cannot be resolved there.
 
-    Args:
-        run_dir: the recipe run's folder.
-        key: a dotted key of its configuration.
-
-    Returns:
-        ``(value, path of the file it came from)``, or None.
-
-    Examples:
+    Example:
         >>> import tempfile
         >>> from pathlib import Path
         >>> with tempfile.TemporaryDirectory() as folder:
@@ -80,7 +59,7 @@ def _number(reading: ProbeReading, key: str, where: str) -> float:
     return float(value)
 
 
-def _check_count(name: str, value, minimum: int, meaning: str) -> int:
+def _check_count(name: str, value: object, minimum: int, meaning: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum} ({meaning})")
     return value
@@ -96,53 +75,30 @@ def schedule_from_probe(
     seq_len: int | None = None,
     measured_seq_len: int | None = None,
 ) -> PiecewiseBatch:
-    """A token-indexed ``PiecewiseBatch`` that follows a measured CBS curve.
-
-    At ``t`` tokens the global batch is the largest ``start x factor**n`` (samples) with
-    ``margin x batch <= L``, where ``L`` is the CBS lower bound (``cbs_lower``) of the latest reading at
-    or before ``t``; never below ``start`` nor above ``final``, and never decreasing: a reading that
-    dips below an earlier one keeps the batch (a noisy dip is not a reason to shrink it). The batch
-    changes at the token counts of the readings (``tokens``) that raise it.
+    """A token-indexed ``PiecewiseBatch`` following a measured CBS curve: at t tokens the largest ``start x factor**n``
+    samples (at most ``final``) with ``margin x batch`` at or below the CBS lower bound of the latest reading at or
+    before t, never decreasing.
 
     Args:
-        source: a ``cbs_probe.jsonl`` path, or its readings (``read_readings``), in any order. Several runs'
-            readings may be mixed (e.g. two seeds): readings at the same token count count by their smallest
-            lower bound. Readings with ``determined`` false (the data could not decide k*) are skipped.
-        start: the target run's first global batch (samples).
-        factor: the ratio between consecutive batch sizes, an int >= 2 (BatchWarmup changes the batch
-            by whole ratios).
-        final: the largest global batch (samples), ``start x factor**n``; None: no cap.
-        margin: a safety factor >= 1: the batch moves to B only where the lower bound is at least
-            ``margin x B``. 1 follows the curve itself (Merrill et al. 2025 double once the CBS reaches
-            the doubled batch); 2 switches one reading later on a curve that doubles between readings,
-            at the price of more small-batch steps.
-        seq_len: the target run's sequence length (tokens per sample). A reading's lower bound is in
-            samples of the measured run's sequences; it is converted through tokens, so a CBS of 64
-            samples of 128 tokens is 16 samples of 512. None: the same as the measured run's.
-        measured_seq_len: the measured run's sequence length (tokens per sample), needed when
-            ``seq_len`` is given and the readings do not carry ``seq_len``.
+        source: a ``cbs_probe.jsonl`` path or its readings, in any order, of one or several runs (at one token count
+            the smallest lower bound counts); undetermined readings are skipped.
+        start: the first global batch (samples).
+        factor: the ratio between consecutive batch sizes, an int >= 2.
+        final: the largest global batch, ``start x factor**n``; None: no cap.
+        margin: >= 1; the batch moves to B only where the lower bound is at least ``margin x B``.
+        seq_len: the target run's tokens per sample; lower bounds convert through tokens (None: the measured run's).
+        measured_seq_len: the measured run's, where ``seq_len`` is given and the readings lack theirs.
 
-    Raises:
-        ValueError: an empty or unreadable file, a reading without a number ``tokens`` or ``cbs_lower``,
-            ``start < 1``, ``factor < 2``, ``final`` below ``start`` or off its ladder, ``margin < 1``,
-            or a sequence length missing or not a positive int; the message names the field.
-
-    Returns:
-        The schedule: sizes in samples, thresholds in tokens.
-
-    Examples:
-        CBS lower bounds of 40, 70 and 140 samples at 0.1B, 0.4B and 0.8B tokens, from a batch of 32:
-
-        >>> from lit_cbs.probe.reading import ProbeReading
-        >>> def reading(tokens, cbs_lower):  # a determined reading at B = 32 samples
-        ...     return ProbeReading(
-        ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
-        ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0}, main_loss=3.0, branches_trained=[2.0],
-        ...         failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower, cbs_upper=None, cbs_estimate=cbs_lower,
-        ...         tokens_spent=0, overhead=0.0)
-        >>> readings = [reading(10**8, 40), reading(4 * 10**8, 70), reading(8 * 10**8, 140)]
-        >>> schedule = schedule_from_probe(readings, start=32, final=128)
-        >>> schedule.batch_sizes, schedule.thresholds  # 64 once 64 <= 70, 128 once 128 <= 140
+    Example:
+        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
+        >>> where = dict(step=0, seq_len=1024, window_tokens=10**6, search="grid", evaluate="train_ema", main_loss=3.0,
+        ...              branches_trained=[2, 4], failed=[], tokens_spent=0, overhead=0.0)
+        >>> def reading(tokens, loss_at_2, loss_at_4):  # k = 1, 2, 4 of B = 32 samples
+        ...     scores = {1: BranchScore(3.0), 2: BranchScore(loss_at_2), 4: BranchScore(loss_at_4)}
+        ...     return ProbeReading.decide(scores, DecisionRule(0.01, 0.5), [1, 2, 4], 32, tokens=tokens, **where)
+        >>> readings = [reading(10**8, 3.1, 3.1), reading(4 * 10**8, 3.0, 3.1), reading(8 * 10**8, 3.0, 3.0)]
+        >>> schedule = schedule_from_probe(readings, start=32, final=128)  # CBS lower bounds 32, 64, 128
+        >>> schedule.batch_sizes, schedule.thresholds
         ([32, 64, 128], [0, 400000000, 800000000])
     """
     _check_count("start", start, 1, "the first global batch, samples")

@@ -6,7 +6,6 @@
 - ``snapshot``: ``TrainingSnapshot``, the in-memory copy of the training state a branch starts from.
 - ``branch``: ``BranchTrainer`` trains batch k*B on the main run's ``RecordedWindow`` and scores it.
 - ``callback``: ``CBSProbeCallback``, which places the probes in a Trainer and reports them.
-- ``plot``: ``plot_cbs_curve``, the readings against tokens.
 - ``heldout``: ``load_heldout_batches``, the validation batches held-out scores use.
 - ``limits``: ``run_end``, where the run ends in tokens, so probes and windows fit inside it.
 - ``start``: ``plan_probe``, whether a due probe starts and on what (pure).
@@ -46,7 +45,6 @@ _EXPORTS = {
     "is_admissible": "lit_cbs.probe.reading",
     "max_branches": "lit_cbs.probe.reading",
     "measure_losses": "lit_cbs.probe.reading",
-    "plot_cbs_curve": "lit_cbs.probe.plot",
     "probe_checkpoint": "lit_cbs.probe.from_checkpoint",
     "read_readings": "lit_cbs.probe.reading",
 }
@@ -68,7 +66,6 @@ if TYPE_CHECKING:
     from lit_cbs.probe.launchers import LocalLauncher as LocalLauncher
     from lit_cbs.probe.launchers import SideJobs as SideJobs
     from lit_cbs.probe.launchers import SlurmLauncher as SlurmLauncher
-    from lit_cbs.probe.plot import plot_cbs_curve as plot_cbs_curve
     from lit_cbs.probe.reading import BranchScore as BranchScore
     from lit_cbs.probe.reading import DecisionRule as DecisionRule
     from lit_cbs.probe.reading import ProbeReading as ProbeReading

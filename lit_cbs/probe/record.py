@@ -78,7 +78,7 @@ def draw(
 ) -> None:
     """``folder``/cbs_curve.png of the readings so far, with the batch ``changes``, up to ``tokens``, sent to the
     loggers that take images."""
-    from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a curve is drawn
+    from lit_cbs.analysis.plots import plot_cbs_curve  # matplotlib only where a curve is drawn
 
     path = plot_cbs_curve(history, changes, folder / PLOT_FILE, tokens, epsilon)
     log_figures(trainer.loggers, [path], trainer.global_step)

@@ -198,7 +198,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if readings and probe_file is not None:  # readings come from the probe file
         curve = probe_file.parent / PLOT_FILE
         if not _current(curve, probe_file):
-            from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a figure is drawn
+            from lit_cbs.analysis.plots import plot_cbs_curve  # matplotlib only where a figure is drawn
 
             plot_cbs_curve(readings, changes, curve, summary.get("tokens"), _probe_epsilon(run_dir))
         figures.append(

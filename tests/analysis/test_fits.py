@@ -20,16 +20,8 @@ from sweeps import (
     wsd_truth,
 )
 
-from lit_cbs.analysis import (
-    find_crossings,
-    fit_mccandlish,
-    fit_targets,
-    fit_wsd,
-    propose_schedule,
-    read_sweep,
-    schedule_yaml,
-    write_schedule_yaml,
-)
+from lit_cbs.analysis import find_crossings, fit_targets, propose_schedule, read_sweep, write_schedule_yaml
+from lit_cbs.analysis.fits import fit_mccandlish, fit_wsd, schedule_yaml
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 

@@ -1,4 +1,4 @@
-"""plot_cbs_curve and its figure (lit_cbs.probe.plot)."""
+"""plot_cbs_curve and its figure (lit_cbs.analysis.plots)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,9 @@ import matplotlib
 import pytest
 from toys import heldout_score
 
-from lit_cbs.probe import (
-    BranchScore,
-    DecisionRule,
-    ProbeReading,
-    difference,
-    plot_cbs_curve,
-)
-from lit_cbs.probe.plot import _gap_to_smaller, cbs_curve_figure
+from lit_cbs.analysis import plot_cbs_curve
+from lit_cbs.analysis.plots import _gap_to_smaller, cbs_curve_figure
+from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading, difference
 
 
 def decided(scores: dict[float, BranchScore], epsilon: float, confidence: float, tokens: int, **fields) -> ProbeReading:
