@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -46,11 +47,19 @@ def _check_warmup_ends_inside(warmup_tokens: int, total_tokens: int) -> None:
         )
 
 
+class _Schedule:
+    """A multiplier of the base LR; its repr lists the arguments it was built with."""
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{name}={getattr(self, name)!r}" for name in inspect.signature(type(self)).parameters)
+        return f"{type(self).__name__}({arguments})"
+
+
 def _warmup(tokens: int, warmup_tokens: int) -> float:
     return 1.0 if tokens >= warmup_tokens else (tokens + 1) / (warmup_tokens + 1)
 
 
-class WarmupStableDecay:
+class WarmupStableDecay(_Schedule):
     """Linear warmup over ``warmup_tokens``, constant, then a decay (``decay_shape``: linear, cosine or 1 - sqrt)
     to ``min_lr_ratio`` over the last ``decay_tokens`` of ``total_tokens``; ``decay_tokens=0``: no decay.
 
@@ -101,14 +110,8 @@ class WarmupStableDecay:
             remaining = 1.0 - math.sqrt(progress)
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * remaining
 
-    def __repr__(self) -> str:
-        return (
-            f"WarmupStableDecay(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
-            f"decay_tokens={self.decay_tokens}, min_lr_ratio={self.min_lr_ratio}, decay_shape={self.decay_shape!r})"
-        )
 
-
-class CosineSchedule:
+class CosineSchedule(_Schedule):
     """Linear warmup over ``warmup_tokens``, then a cosine from 1 to ``min_lr_ratio`` at ``total_tokens``.
 
     Example:
@@ -133,14 +136,8 @@ class CosineSchedule:
         progress = min(1.0, (tokens - self.warmup_tokens) / (self.total_tokens - self.warmup_tokens))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def __repr__(self) -> str:
-        return (
-            f"CosineSchedule(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
-            f"min_lr_ratio={self.min_lr_ratio})"
-        )
 
-
-class StepDecay:
+class StepDecay(_Schedule):
     """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
     (tokens): ``StepLR`` in tokens. ``total_tokens`` is where the run ends (for ``Seesaw``).
 
@@ -168,14 +165,8 @@ class StepDecay:
             return _warmup(tokens, self.warmup_tokens)
         return self.gamma ** sum(tokens >= milestone for milestone in self.milestones)
 
-    def __repr__(self) -> str:
-        return (
-            f"StepDecay(warmup_tokens={self.warmup_tokens}, milestones={self.milestones}, "
-            f"total_tokens={self.total_tokens}, gamma={self.gamma})"
-        )
 
-
-class OneCycle:
+class OneCycle(_Schedule):
     """PyTorch's ``OneCycleLR`` curve as a multiplier of ``max_lr`` (set as the optimizer's ``lr``), for
     ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (in tokens). Unlike ``OneCycleLR``, which writes
     absolute LRs, it composes with BatchWarmup's LR rule; no momentum cycling. Arguments as ``OneCycleLR``'s.
@@ -229,12 +220,6 @@ class OneCycle:
                 return self._anneal(start, end, (step - phase_start) / (phase_end - phase_start))
             phase_start = phase_end
         raise AssertionError("the last phase always returns")  # pragma: no cover
-
-    def __repr__(self) -> str:
-        return (
-            f"OneCycle(total={self.total}, pct_start={self.pct_start}, anneal_strategy={self.anneal_strategy!r}, "
-            f"div_factor={self.div_factor}, final_div_factor={self.final_div_factor}, three_phase={self.three_phase})"
-        )
 
 
 class TokenLRScheduler(LambdaLR):
