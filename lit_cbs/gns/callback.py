@@ -325,7 +325,7 @@ class GradientNoiseScale(Callback):
         return grad_sq
 
     # Unannotated: DDP compares the annotations with dist.GradBucket, and this module's are strings.
-    def _comm_hook(self, process_group, bucket):  # type: ignore[no-untyped-def]
+    def _comm_hook(self, process_group, bucket):  # type: ignore[no-untyped-def, unused-ignore]
         """DDP communication hook: measure this rank's last micro-batch in ``bucket``, then all-reduce."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
