@@ -101,23 +101,10 @@ class WarmupGuard:
     def revert(
         self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
     ) -> tuple[float, float, RevertRestore]:
-        """Carry out the guard's revert ``old`` -> ``new`` (samples): the optimizers go back to their LR and settings
-        of before the increase, and ``schedule`` withdraws its batches above ``new`` (a closed loop must ask again).
-        Return the revert's LR and clipping factors and what the guard restores."""
+        """Carry out the guard's revert ``old`` -> ``new`` (samples): the optimizers go back to exactly their LR and
+        settings of before the increase, and ``schedule`` withdraws its batches above ``new`` (a closed loop must
+        ask again). Return the revert's LR and clipping factors and what the guard restores."""
         restore = self.guard.mark_reverted(consumed)
-        lr_change, clip_change = self.undo_increase(trainer, restore, lr_rule, new / old)
-        schedule.withdraw_above(new)
-        return lr_change, clip_change, restore
-
-    @staticmethod
-    def undo_increase(
-        trainer: pl.Trainer,
-        restore: RevertRestore,
-        lr_rule: LRRule,
-        ratio: float,
-    ) -> tuple[float, float]:
-        """Back to exactly the LR and optimizer settings of before the increase (``ratio``: new / old batch, below 1);
-        return the revert's LR and clipping factors."""
         lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         for index, optimizer in enumerate(trainer.optimizers):
@@ -125,5 +112,6 @@ class WarmupGuard:
             if restore.optimizer_settings is not None:
                 restore_settings(optimizer, restore.optimizer_settings[index])
             else:  # a watch from a checkpoint of the first guards kept no settings: undo adam_sde by the inverse ratio
-                lr_rule.adjust_optimizer(optimizer, ratio)
-        return lr_change, clip_change
+                lr_rule.adjust_optimizer(optimizer, new / old)
+        schedule.withdraw_above(new)
+        return lr_change, clip_change, restore
