@@ -20,7 +20,6 @@ PURE_MODULES = [
     "lit_cbs.analysis.forecast",
     "lit_cbs.analysis.probe_schedule",
     "lit_cbs.errors",
-    "lit_cbs.gns.config",
     "lit_cbs.gns.estimator",
     "lit_cbs.gns.groups",
     "lit_cbs.models.build",

@@ -25,7 +25,7 @@ keep it (lit_cbs.rules.scaling), so it composes with the user's LR schedule; ``w
 (the optimizer's param groups), so a resumed run never applies a change twice. ``clip_rule``
 likewise rescales the Trainer's ``gradient_clip_val``.
 
-With ``guard`` (lit_cbs.rules.guard.BatchGuard, its settings a ``GuardConfig``) each increase is
+With ``guard`` (lit_cbs.rules.guard.BatchGuard, its settings its keyword arguments) each increase is
 judged on the training loss after it and reverted if the loss rises above its trend: the revert is
 a change like the others (at an aligned step), recorded with ``cause="guard"``, and it restores the
 LR and clipping threshold of before the increase, and the weight decay, betas and eps of before it,
@@ -61,7 +61,7 @@ from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.callbacks.warmup_log import WarmupStepLog
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
-from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore
+from lit_cbs.rules.guard import BatchGuard, RevertRestore
 from lit_cbs.rules.scaling import (
     BETA2_FLOOR,
     OptimizerRules,
@@ -96,8 +96,8 @@ class BatchWarmup(Callback):
             change: "sqrt", "linear", or a callable ratio -> factor (loosening clipping as the batch
             grows). None or "none" (default): unchanged. Needs ``Trainer(gradient_clip_val=...)``.
         guard: watch the training loss after each increase and revert an increase after which it rises
-            above its trend: True for the defaults, a ``lit_cbs.rules.guard.GuardConfig`` or a dict of
-            its settings, or a ``BatchGuard`` (lit_cbs.rules.guard has the rule). None or False
+            above its trend: True for the defaults, or a dict of ``lit_cbs.rules.guard.BatchGuard``'s
+            keyword arguments (docs/guides/guard.md). None or False
             (default): no guard.
         max_tokens: the token budget (tokens, all ranks), passed on to the Trainer's ``BatchAccounting``,
             which owns it (its docstring has the default): a run with a BatchWarmup needs no
@@ -162,7 +162,7 @@ class BatchWarmup(Callback):
         max_micro_batch_size: int | None = None,
         log_every_step: bool = True,
         clip_rule=None,
-        guard: bool | dict | GuardConfig | BatchGuard | None = None,
+        guard: bool | dict[str, Any] | None = None,
         weight_decay_rule: str | None = None,
         beta2_rule: str | None = None,
         beta2_floor: float | None = BETA2_FLOOR,

@@ -1,14 +1,5 @@
-"""``BatchWarmup``'s side of its guard. The rule is ``lit_cbs.rules.guard.BatchGuard`` (pure); ``WarmupGuard`` gives
-it what a Lightning run measures and carries out what it decides.
-
-Each optimizer step's training loss, this rank's mean over the step's micro-batches (nats), goes to the guard with
-what the schedule is indexed by (samples or tokens consumed, all ranks); the guard judges on the mean over the
-ranks, so every rank reaches the same verdict, which is said and logged (``metrics.GUARD_RISE``,
-``metrics.GUARD_THRESHOLD``). A scheduled increase is given to the guard to watch, with the optimizers' settings of
-before it (``scheduled_change``), a decrease ends the watch it falls in, and a revert (``revert``) puts back exactly
-the LR, clipping threshold and optimizer settings of before the increase and withdraws the schedule's batches above
-it. The guard's state and the loss of the step under way go into BatchWarmup's checkpoint (``step_loss``, ``load``).
-"""
+"""``BatchWarmup``'s side of its guard (``lit_cbs.rules.guard.BatchGuard``): it feeds the guard each step's loss and
+carries out its reverts."""
 
 from __future__ import annotations
 
@@ -26,16 +17,15 @@ from lit_cbs.rules.batch_schedules import BatchSchedule
 from lit_cbs.rules.guard import BatchGuard, GuardVerdict, RevertRestore
 from lit_cbs.rules.scaling import LRRule, optimizer_settings, restore_settings, scale_learning_rate
 
-__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+__all__: list[str] = []  # internal
 
 
 class WarmupGuard:
-    """Feeds ``guard`` the loss of each optimizer step of a run and acts on its verdicts."""
+    """Feeds ``guard`` the loss of each optimizer step and acts on its verdicts."""
 
     def __init__(self, guard: BatchGuard):
         self.guard = guard
-        # The sum of this step's micro-batch losses so far (a tensor on the loss's device: no host sync per
-        # micro-batch) and their count.
+        # This step's micro-batch losses so far: their sum (on the loss's device: no host sync) and count.
         self.loss_sum: torch.Tensor | float = 0.0
         self.micro_batches = 0
 
@@ -46,18 +36,16 @@ class WarmupGuard:
         self.loss_sum = self.loss_sum + loss
         self.micro_batches += 1
 
-    def step_loss(self) -> list:
-        """For the checkpoint: the step under way's loss so far, [sum over its micro-batches (nats), their count]."""
+    def step_loss(self) -> list[float | int]:
+        """For the checkpoint: [sum of the step under way's micro-batch losses (nats), their count]."""
         return [float(self.loss_sum), self.micro_batches]
 
-    def load(self, guard_state: dict[str, Any], step_loss: list) -> None:
-        """Take back from a checkpoint the guard's state (``BatchGuard.state_dict``) and ``step_loss``."""
+    def load(self, guard_state: dict[str, Any], step_loss: list[Any]) -> None:
         self.guard.load_state_dict(guard_state)
         self.loss_sum, self.micro_batches = step_loss
 
     def end_step(self, trainer: pl.Trainer, consumed: int, unit: str, data_parallel_size: int) -> None:
-        """Give the guard the step's loss (this rank's mean over its micro-batches) at ``consumed`` (``unit``: the
-        schedule's, samples or tokens), and let it judge."""
+        """Give the guard the step's loss at ``consumed`` (``unit``: the schedule's) and let it judge."""
         loss_sum, micro_batches = self.loss_sum, self.micro_batches
         self.loss_sum, self.micro_batches = 0.0, 0
         loader = resizable_train_loader(trainer)
@@ -92,49 +80,31 @@ class WarmupGuard:
         )
 
     @staticmethod
-    def settings_before(trainer: pl.Trainer) -> list[list[dict]]:
-        """Every optimizer's settings per param group (``optimizer_settings``), read before a scheduled change's
-        rules move them: what a revert of the change puts back."""
+    def settings_before(trainer: pl.Trainer) -> list[list[dict[str, Any]]]:
+        """Every optimizer's settings per param group, read before a change moves them: what its revert restores."""
         return [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
 
     def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
-        """A scheduled change from global batch ``old`` to ``new`` (samples), ``index`` in BatchWarmup's history,
-        at ``consumed``: the guard watches an increase (``restore`` is what its revert puts back); a decrease ends
-        the watch it falls in, leaving nothing to revert."""
+        """A scheduled change ``old`` -> ``new`` (samples): the guard watches an increase; a decrease ends the watch
+        it falls in."""
         if new < old and self.guard.watching:
             self.guard.forget_watch()
         elif new > old and not self.guard.watch(index, consumed, old, new, restore):
             rank_zero_info(
                 f"BatchWarmup guard: {old} -> {new} is not judged: fewer than "
-                f"guard.min_steps={self.guard.config.min_steps} steps of loss before it to fit a trend to"
+                f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
             )
 
     def reverts_to(self, target: int) -> bool:
-        """Whether a change to global batch ``target`` (samples) is the guard's revert of the increase it judged."""
         return self.guard.revert_to == target
 
     def revert(
         self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
     ) -> tuple[float, float, RevertRestore]:
-        """Carry out the guard's revert from global batch ``old`` to ``new`` (samples) at ``consumed``: the optimizers
-        go back to exactly their LR and settings of before the increase (``undo_increase``), and ``schedule``
-        withdraws its batches above ``new`` (the increase proved premature: a closed-loop schedule must ask again).
-        Return the revert's LR and clipping factors, and the guard's ``RevertRestore``: its ``lr_factor`` and
-        ``clip_factor`` are BatchWarmup's of before the increase."""
+        """Carry out the guard's revert ``old`` -> ``new`` (samples): the optimizers go back to exactly their LR and
+        settings of before the increase, and ``schedule`` withdraws its batches above ``new`` (a closed loop must
+        ask again). Return the revert's LR and clipping factors and what the guard restores."""
         restore = self.guard.mark_reverted(consumed)
-        lr_change, clip_change = self.undo_increase(trainer, restore, lr_rule, new / old)
-        schedule.withdraw_above(new)
-        return lr_change, clip_change, restore
-
-    @staticmethod
-    def undo_increase(
-        trainer: pl.Trainer,
-        restore: RevertRestore,
-        lr_rule: LRRule,
-        ratio: float,
-    ) -> tuple[float, float]:
-        """A revert by ``ratio`` (new / old global batch, below 1): back to exactly the LR, clipping threshold and
-        optimizer settings of before the increase, whatever the rules; return the revert's LR and clipping factors."""
         lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
         for index, optimizer in enumerate(trainer.optimizers):
@@ -142,5 +112,6 @@ class WarmupGuard:
             if restore.optimizer_settings is not None:
                 restore_settings(optimizer, restore.optimizer_settings[index])
             else:  # a watch from a checkpoint of the first guards kept no settings: undo adam_sde by the inverse ratio
-                lr_rule.adjust_optimizer(optimizer, ratio)
-        return lr_change, clip_change
+                lr_rule.adjust_optimizer(optimizer, new / old)
+        schedule.withdraw_above(new)
+        return lr_change, clip_change, restore

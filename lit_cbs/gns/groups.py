@@ -1,13 +1,4 @@
-"""Which parameters the noise scale measures together: ``GradientNoiseScale(groups=...)``'s grouping (no Lightning).
-
-Both squared norms behind B_simple are sums over the parameters, so each group of parameters has
-its own |G|^2, tr(Sigma) and B_simple, and the groups' add up to the whole model's. A group is
-one optimizer parameter group (``"param_groups"``), one transformer block or other module
-(``"blocks"``, ``block_groups``), or the parameters whose names a regex finds (``regex_groups``).
-
-``GROUP_PRESETS``: the names ``GradientNoiseScale(groups=...)`` takes besides a mapping of regexes,
-``("param_groups", "blocks")``.
-"""
+"""Which parameters the noise scale measures together (``GradientNoiseScale(groups=...)``); no Lightning."""
 
 from __future__ import annotations
 
@@ -20,7 +11,7 @@ import torch
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.decoder import layer_stacks
 
-__all__ = ["GROUP_PRESETS", "block_groups", "regex_groups"]
+__all__: list[str] = []  # internal
 
 GROUP_PRESETS = ("param_groups", "blocks")
 _SHOWN_NAMES = 6  # parameter names an error message lists
@@ -32,37 +23,9 @@ def _some_names(names: list[str]) -> str:
 
 
 def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
-    """``groups="blocks"``: parameter names -> {group: names}, one group ``block<i>`` per transformer block.
-
-    ``stacks`` are the paths of the block stacks (``layer_stacks``). A parameter under
-    ``<stack>.<i>.`` belongs to ``block<i>`` (so
-    ``model.blocks.3._checkpoint_wrapped_module.mlp.up_proj.weight`` is in ``block3``); every other
-    parameter belongs to the group named by its module's path below the first stack's parent
-    (``model.embedding.weight`` -> ``embedding``, a final norm's weight -> its module's name), or,
-    outside that parent, below the path all parameters share (a transformers model's
-    ``model.lm.lm_head.weight`` -> ``lm_head``). Blocks of a later stack keep its path below the
-    first stack's parent (``decoder.block0``), so two stacks never share a group. Groups come in
-    the order of ``names``.
-
-    Args:
-        names: the trained parameters' names (``named_parameters()`` of the LightningModule).
-        stacks: the dotted paths of the model's block stacks, the first the main one.
-
-    Returns:
-        Group name -> the parameter names in it.
-
-    Raises:
-        LitCBSConfigError: ``stacks`` is empty (the model has no stack of blocks).
-
-    Examples:
-        >>> names = ["model.embedding.weight", "model.blocks.0.attn.weight", "model.blocks.0.mlp.weight",
-        ...          "model.blocks.1.attn.weight", "model.norm.weight", "model.lm_head.weight"]
-        >>> groups = block_groups(names, stacks=["model.blocks"])
-        >>> list(groups)
-        ['embedding', 'block0', 'block1', 'norm', 'lm_head']
-        >>> groups["block0"]
-        ['model.blocks.0.attn.weight', 'model.blocks.0.mlp.weight']
-    """
+    """``groups="blocks"``: {group: parameter names}, ``block<i>`` for the parameters under ``<stack>.<i>.`` of
+    the block stacks (``layer_stacks``; a later stack's blocks keep its path), and one group per other module,
+    named by its path below the first stack's parent (or below the path all names share)."""
     if not stacks:
         raise LitCBSConfigError(
             "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one "
@@ -99,28 +62,9 @@ def _shared_prefix(names: list[str]) -> str:
     return ".".join(shared) + "." if shared else ""
 
 
-def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[str, list[str]]:
-    """``groups={group: regex}``: parameter names -> {group: names}, a name in a group when ``regex.search`` finds it.
-
-    Every group must match a parameter and no parameter two groups; names matched by none are in
-    no group (they count in the whole-model metrics only).
-
-    Args:
-        patterns: group name -> compiled regex over parameter names.
-        names: the trained parameters' names (``named_parameters()`` of the LightningModule).
-
-    Returns:
-        Group name -> the parameter names in it, in the order of ``patterns``.
-
-    Raises:
-        LitCBSConfigError: a parameter matched by two groups, or a group that matches none.
-
-    Examples:
-        >>> import re
-        >>> names = ["model.blocks.0.attn.weight", "model.blocks.0.mlp.weight", "model.blocks.1.attn.weight"]
-        >>> regex_groups({"attn": re.compile("attn"), "mlp": re.compile("mlp")}, names)
-        {'attn': ['model.blocks.0.attn.weight', 'model.blocks.1.attn.weight'], 'mlp': ['model.blocks.0.mlp.weight']}
-    """
+def regex_groups(patterns: Mapping[str, re.Pattern[str]], names: list[str]) -> dict[str, list[str]]:
+    """``groups={group: regex}``: {group: parameter names ``regex.search`` finds}; each group must find one,
+    no name may be in two, names in none count in the whole-model metrics only."""
     groups: dict[str, list[str]] = {group: [] for group in patterns}
     for name in names:
         owners = [group for group, pattern in patterns.items() if pattern.search(name)]
@@ -142,7 +86,7 @@ def regex_groups(patterns: Mapping[str, re.Pattern], names: list[str]) -> dict[s
     return groups
 
 
-def compiled_groups(groups: Any) -> dict[str, re.Pattern] | None:
+def compiled_groups(groups: Any) -> dict[str, re.Pattern[str]] | None:
     """The ``groups`` argument checked: {group: compiled regex} for a dict, None for None or a preset."""
     if groups is None or (isinstance(groups, str) and groups in GROUP_PRESETS):
         return None
@@ -167,12 +111,8 @@ def compiled_groups(groups: Any) -> dict[str, re.Pattern] | None:
 def assign_groups(
     groups: str | Mapping[str, str] | None, optimizer: torch.optim.Optimizer, module: torch.nn.Module
 ) -> tuple[list[str | None], dict[torch.Tensor, int]]:
-    """The measured groups' names and each trained parameter's index among them.
-
-    ``groups`` as ``GNSConfig.groups`` (already checked); ``module`` names the parameters (the
-    LightningModule). The name ``None`` stands for the trained parameters in no group, kept so the
-    whole-model sums stay complete; without ``groups`` it is the single group of every parameter.
-    """
+    """The measured groups' names and each trained parameter's index among them; the name None stands for the
+    trained parameters in no group (without ``groups``: all of them), so the whole-model sums stay complete."""
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if groups == "param_groups":
         names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]

@@ -1,13 +1,37 @@
-"""Pure rules, no Lightning: functions of the amount trained, of a batch ratio, or of a series of losses.
+"""Pure rules, no Lightning: batch schedules, token-indexed LR schedules, how optimizer settings scale with the
+batch, the guard on increases, and the loss smoothing. The schedules load on first use."""
 
-- ``batch_schedules``: the global batch (samples) as a function of samples or tokens consumed.
-- ``lr_schedules``: the learning rate as a function of tokens seen.
-- ``scaling``: how the LR, the gradient-clip norm and other optimizer settings move when the batch
-  changes by a ratio (``ScalingRule.factor``; ``LRRule`` for the LR).
-- ``guard``: ``BatchGuard``, the rule that undoes a batch increase the training loss did not take
-  (its settings a ``GuardConfig``).
-- ``smoothing``: ``ema``, the exponential moving average the probe scores branches by and the analysis
-  smooths loss curves with.
-"""
+from typing import TYPE_CHECKING
 
-__all__: list[str] = []  # a namespace: each module says what it offers (its own __all__)
+from lit_cbs._lazy import lazy_exports
+
+_EXPORTS = {
+    "CBSAdaptive": "lit_cbs.rules.batch_schedules",
+    "ConstantBatch": "lit_cbs.rules.batch_schedules",
+    "ExponentialRamp": "lit_cbs.rules.batch_schedules",
+    "LinearRamp": "lit_cbs.rules.batch_schedules",
+    "PiecewiseBatch": "lit_cbs.rules.batch_schedules",
+    "Seesaw": "lit_cbs.rules.batch_schedules",
+    "CosineSchedule": "lit_cbs.rules.lr_schedules",
+    "OneCycle": "lit_cbs.rules.lr_schedules",
+    "StepDecay": "lit_cbs.rules.lr_schedules",
+    "TokenLRScheduler": "lit_cbs.rules.lr_schedules",
+    "WarmupStableDecay": "lit_cbs.rules.lr_schedules",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from lit_cbs.rules.batch_schedules import CBSAdaptive as CBSAdaptive
+    from lit_cbs.rules.batch_schedules import ConstantBatch as ConstantBatch
+    from lit_cbs.rules.batch_schedules import ExponentialRamp as ExponentialRamp
+    from lit_cbs.rules.batch_schedules import LinearRamp as LinearRamp
+    from lit_cbs.rules.batch_schedules import PiecewiseBatch as PiecewiseBatch
+    from lit_cbs.rules.batch_schedules import Seesaw as Seesaw
+    from lit_cbs.rules.lr_schedules import CosineSchedule as CosineSchedule
+    from lit_cbs.rules.lr_schedules import OneCycle as OneCycle
+    from lit_cbs.rules.lr_schedules import StepDecay as StepDecay
+    from lit_cbs.rules.lr_schedules import TokenLRScheduler as TokenLRScheduler
+    from lit_cbs.rules.lr_schedules import WarmupStableDecay as WarmupStableDecay
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,109 +1,59 @@
-"""Global batch-size schedules: amount consumed (samples or tokens) -> global batch (samples).
-
-Pure Python, no Lightning. Every schedule has ``unit`` ("samples" or "tokens": what ``consumed``
-counts) and ``batch_size(consumed) -> int``, the global batch in samples (sequences) to use once
-``consumed`` samples or tokens have been trained on. ``sizes(consumed)`` lists every batch size
-the schedule can still return from ``consumed`` on, so a trainer can check them all before the
-first step and pick a micro-batch that divides every size still to come.
-"""
+"""Global batch schedules: samples or tokens consumed (``unit``) -> global batch (samples). No Lightning."""
 
 from __future__ import annotations
 
 import bisect
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int
 
-__all__ = [
-    "BatchSchedule",
-    "CBSAdaptive",
-    "ConstantBatch",
-    "ExponentialRamp",
-    "LinearRamp",
-    "PiecewiseBatch",
-    "Seesaw",
-]
-
-UNITS = ("samples", "tokens")
+__all__ = ["BatchSchedule", "CBSAdaptive", "ConstantBatch", "ExponentialRamp", "LinearRamp", "PiecewiseBatch", "Seesaw"]
 
 
-def _check_unit(unit: str) -> str:
-    return one_of("unit", unit, UNITS)
+def _unit(unit: str) -> str:
+    return str(one_of("unit", unit, ("samples", "tokens")))
 
 
-def _check_positive_int(name: str, value) -> int:
+def _samples(name: str, value: Any) -> int:
     return positive_int(name, value, "samples")
 
 
-def _check_ramp(ramp, unit: str) -> None:
-    positive_int("ramp", ramp, f"{unit} over which the batch grows")
-
-
-def _check_consumed(consumed) -> None:
+def _check_consumed(consumed: float) -> None:
     if consumed < 0:
         raise ValueError(f"consumed={consumed} must be >= 0")
 
 
 def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_size: int) -> int:
-    """The micro-batch (samples per rank) BatchWarmup trains ``global_batch`` with when it grows the
-    micro-batch: the largest divisor of a rank's share (global batch / ranks) up to
-    ``max_micro_batch_size``; the accumulation makes up the rest.
-
-    Examples:
-        >>> micro_batch_for(96, data_parallel_size=2, max_micro_batch_size=16)  # 48 per rank: 3 rounds of 16
-        16
-        >>> micro_batch_for(80, data_parallel_size=2, max_micro_batch_size=16)  # 40 per rank: 4 rounds of 10
-        10
-    """
+    """The largest divisor of a rank's share of ``global_batch`` up to ``max_micro_batch_size`` (samples):
+    the micro-batch BatchWarmup grows to; the accumulation makes up the rest."""
     share = global_batch // data_parallel_size
     return max(m for m in range(1, min(max_micro_batch_size, share) + 1) if share % m == 0)
 
 
 class BatchSchedule(ABC):
-    """Base class: subclasses set ``unit`` and implement ``batch_size`` and ``sizes``.
-
-    ``BatchWarmup(schedule=...)`` takes any subclass: it asks ``batch_size`` at every step, and ``sizes``
-    before training, to check each size against the data-parallel size and the micro-batch.
-
-    Attributes:
-        unit: what ``consumed`` counts: ``"samples"`` or ``"tokens"``.
-
-    Examples:
-        A minimal subclass, doubling the batch every million tokens up to 256 samples:
-
-        >>> class DoublingPerMillion(BatchSchedule):
-        ...     unit = "tokens"
-        ...     def batch_size(self, consumed):
-        ...         return 64 * 2 ** min(consumed // 1_000_000, 2)
-        ...     def sizes(self, consumed=0):
-        ...         return [size for size in (64, 128, 256) if size >= self.batch_size(consumed)]
-        >>> schedule = DoublingPerMillion()
-        >>> schedule.batch_size(500_000), schedule.batch_size(2_500_000), schedule.sizes(1_200_000)
-        (64, 256, [128, 256])
-        >>> schedule.is_constant, schedule
-        (False, DoublingPerMillion())
-    """
+    """Base of the schedules ``BatchWarmup(schedule=...)`` takes: ``unit`` ("samples" or "tokens", what
+    ``consumed`` counts), ``batch_size(consumed)`` and ``sizes(consumed)``, every size still to come,
+    ascending, which BatchWarmup checks before training."""
 
     unit: str
 
     @abstractmethod
     def batch_size(self, consumed: int) -> int:
-        """Global batch (samples) once ``consumed`` samples or tokens (``unit``) were trained on."""
+        """Global batch (samples) once ``consumed`` samples or tokens were trained on."""
 
     @abstractmethod
     def sizes(self, consumed: int = 0) -> list[int]:
-        """Every global batch size (samples) this schedule can return from ``consumed`` on, ascending."""
+        """Every global batch (samples) this schedule can return from ``consumed`` on, ascending."""
 
     @property
     def is_constant(self) -> bool:
-        """Whether the schedule returns one batch size throughout (``sizes()`` has one)."""
         return len(self.sizes()) == 1
 
     def withdraw_above(self, batch_size: int) -> None:
-        """BatchWarmup's guard reverted an increase to ``batch_size`` (samples): forget any decision of
-        this schedule that moved the batch above it. A schedule fixed in advance made none."""
+        """The guard reverted an increase to ``batch_size``: forget decisions above it (a fixed schedule made none)."""
         return None
 
     def __repr__(self) -> str:
@@ -114,22 +64,15 @@ class BatchSchedule(ABC):
 class ConstantBatch(BatchSchedule):
     """The same global batch (samples) throughout: the control run, with BatchWarmup's logging.
 
-    Args:
-        batch_size: the global batch (samples).
-        unit: what ``consumed`` counts: ``"samples"`` or ``"tokens"``.
-
-    Raises:
-        LitCBSConfigError: ``batch_size`` is not a positive int, or ``unit`` is unknown.
-
-    Examples:
+    Example:
         >>> schedule = ConstantBatch(256)
         >>> schedule.batch_size(1_000_000), schedule.sizes(), schedule.is_constant
         (256, [256], True)
     """
 
     def __init__(self, batch_size: int, unit: str = "samples"):
-        self.size = _check_positive_int("batch_size", batch_size)
-        self.unit = _check_unit(unit)
+        self.size = _samples("batch_size", batch_size)
+        self.unit = _unit(unit)
 
     def batch_size(self, consumed: int) -> int:
         _check_consumed(consumed)
@@ -140,23 +83,10 @@ class ConstantBatch(BatchSchedule):
 
 
 class PiecewiseBatch(BatchSchedule):
-    """``batch_sizes[i]`` samples from ``thresholds[i]`` consumed on (OLMo-core style).
+    """``batch_sizes[i]`` samples from ``thresholds[i]`` consumed on (OLMo-core style); ``thresholds`` in
+    ``unit``, starting at 0 and strictly increasing.
 
-    ``thresholds`` are in ``unit`` (samples or tokens), start at 0 and strictly increase. Covers
-    the doubling schedule of Merrill et al. 2025 (1024 -> 2048 at 168B tokens -> 4096 at 503B
-    tokens) and Qwen3-style growth (Zhou et al. 2026: 2M -> 4M -> 5M -> 6M tokens per batch).
-
-    Args:
-        batch_sizes: the global batch (samples) of each phase.
-        thresholds: where each phase starts (``unit``); 0 first, strictly increasing, one per batch size.
-        unit: what ``thresholds`` and ``consumed`` count: ``"tokens"`` or ``"samples"``.
-
-    Raises:
-        LitCBSConfigError: no batch sizes, a size that is not a positive int, a threshold count that does
-            not match, a first threshold other than 0, thresholds that do not strictly increase, or an
-            unknown ``unit``.
-
-    Examples:
+    Example:
         Merrill et al. 2025's doubling schedule:
 
         >>> schedule = PiecewiseBatch([1024, 2048, 4096], [0, 168_000_000_000, 503_000_000_000])
@@ -174,7 +104,7 @@ class PiecewiseBatch(BatchSchedule):
                 "give one threshold (where each size starts) per batch size"
             )
         for i, b in enumerate(batch_sizes):
-            _check_positive_int(f"batch_sizes[{i}]", b)
+            _samples(f"batch_sizes[{i}]", b)
         if thresholds[0] != 0:
             raise LitCBSConfigError(
                 f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start"
@@ -187,7 +117,7 @@ class PiecewiseBatch(BatchSchedule):
                 )
         self.batch_sizes = batch_sizes
         self.thresholds = thresholds
-        self.unit = _check_unit(unit)
+        self.unit = _unit(unit)
 
     def batch_size(self, consumed: int) -> int:
         _check_consumed(consumed)
@@ -199,36 +129,14 @@ class PiecewiseBatch(BatchSchedule):
 
 
 class Seesaw(PiecewiseBatch):
-    """Seesaw (Meterez et al. 2025): turn an LR schedule's decay into batch growth.
+    """Seesaw (Meterez et al. 2025): where ``lr_schedule`` (tokens -> LR multiplier) first falls to 1/factor,
+    1/factor**2, ... of its peak after its warmup, the batch grows by ``factor``, from ``start`` up to
+    ``max_batch_size`` samples.
 
-    Wherever ``lr_schedule`` (tokens -> LR multiplier, ``lit_cbs.rules.lr_schedules``) first falls to
-    1 / factor, 1 / factor**2, ... of its peak after its warmup, the global batch grows by ``factor``,
-    from ``start`` up to ``max_batch_size`` samples. Run it under ``BatchWarmup(lr_rule="sqrt")`` with
-    the same LR schedule: at each such point the schedule divides the LR by ``factor`` and the
-    rule multiplies it by sqrt(factor), so where the schedule alone would halve the LR, the batch
-    doubles and the LR falls by 1 / sqrt(2) (the paper's rule for Adam; for SGD, where a doubled
-    batch is worth a halved LR, use lr_rule="none"). In between, and once the batch has reached
-    ``max_batch_size``, the LR follows the schedule as before: LR(t) = base x schedule(t) x
-    sqrt(factor) ** (growths so far).
+    Run it under ``BatchWarmup(lr_rule="sqrt")`` with the same LR schedule (Adam; for SGD ``lr_rule="none"``).
+    ``total_tokens`` defaults to ``lr_schedule.total_tokens``.
 
-    It is a ``PiecewiseBatch`` in tokens whose thresholds come from the LR schedule, so a change
-    is applied like any other (at an aligned step, resumable, on any number of ranks).
-
-    Args:
-        lr_schedule: the LR multiplier as a function of tokens, non-increasing after its warmup
-            (``warmup_tokens``, if it has one); ``CosineSchedule``, ``WarmupStableDecay`` with a decay,
-            ``StepDecay``.
-        start: the global batch (samples) before the decay.
-        max_batch_size: the batch cap (samples); growth stops at the largest start x factor**j at or below it.
-        factor: how much the LR falls per growth, and the batch grows (2: Seesaw's halving).
-        total_tokens: where to stop looking for the decay; default ``lr_schedule.total_tokens``.
-
-    Raises:
-        LitCBSConfigError: ``lr_schedule`` is not callable or rises again after its warmup, ``start`` or
-            ``max_batch_size`` is not a positive int, ``factor`` is not an int >= 2, ``max_batch_size`` is
-            below ``start * factor``, there is no ``total_tokens``, or the LR never falls to 1 / ``factor``.
-
-    Examples:
+    Example:
         A cosine over 1M tokens falls to 1/2 of its peak at half the run, to 1/4 later:
 
         >>> from lit_cbs.rules.lr_schedules import CosineSchedule
@@ -237,11 +145,18 @@ class Seesaw(PiecewiseBatch):
         ([64, 128, 256], [0, 535441, 732280])
     """
 
-    def __init__(self, lr_schedule, start: int, max_batch_size: int, factor: int = 2, total_tokens: int | None = None):
+    def __init__(
+        self,
+        lr_schedule: Callable[[int], float],
+        start: int,
+        max_batch_size: int,
+        factor: int = 2,
+        total_tokens: int | None = None,
+    ):
         if not callable(lr_schedule):
             raise LitCBSConfigError(f"lr_schedule must be callable tokens -> LR multiplier, got {lr_schedule!r}")
-        start = _check_positive_int("start", start)
-        max_batch_size = _check_positive_int("max_batch_size", max_batch_size)
+        start = _samples("start", start)
+        max_batch_size = _samples("max_batch_size", max_batch_size)
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
             raise LitCBSConfigError(
                 f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)"
@@ -283,7 +198,7 @@ class Seesaw(PiecewiseBatch):
         self.lr_schedule, self.start, self.max_batch_size, self.factor = lr_schedule, start, max_batch_size, factor
 
 
-def _first_token_at_or_below(schedule, level: float, low: int, high: int) -> int | None:
+def _first_token_at_or_below(schedule: Callable[[int], float], level: float, low: int, high: int) -> int | None:
     """The first token count in [low, high] where the non-increasing ``schedule`` is <= ``level``, or None."""
     if schedule(high) > level:
         return None
@@ -294,26 +209,11 @@ def _first_token_at_or_below(schedule, level: float, low: int, high: int) -> int
 
 
 class LinearRamp(BatchSchedule):
-    """Megatron-LM ``--rampup-batch-size START INCR RAMP`` (GPT-3 style linear ramp).
+    """Megatron-LM's ``--rampup-batch-size START INCR RAMP``: from ``start``, ``increment`` samples more at
+    each of the equal parts of ``ramp`` (``unit``), ``final`` after it; Megatron's float arithmetic, so
+    both switch at the same sample.
 
-    batch = start + floor(consumed / per_increment) * increment while consumed <= ramp, with
-    per_increment = ramp / ((final - start) / increment) (= ramp * increment / (final - start));
-    ``final`` once more than ``ramp`` was consumed. The same float arithmetic as Megatron-LM, so
-    both switch at the same sample. Megatron counts samples; ``unit="tokens"`` reads ``ramp`` in
-    tokens instead.
-
-    Args:
-        start: the first global batch (samples).
-        increment: the batch's growth at each step of the ramp (samples).
-        ramp: how much is consumed (``unit``) until the batch reaches ``final``.
-        final: the global batch (samples) after the ramp; ``final - start`` a multiple of ``increment``.
-        unit: what ``ramp`` and ``consumed`` count: ``"samples"`` or ``"tokens"``.
-
-    Raises:
-        LitCBSConfigError: a size or ``ramp`` that is not a positive int, ``final <= start``, ``final -
-            start`` not a multiple of ``increment``, or an unknown ``unit``.
-
-    Examples:
+    Example:
         >>> schedule = LinearRamp(start=32, increment=32, ramp=3000, final=128)
         >>> [schedule.batch_size(consumed) for consumed in (0, 999, 1000, 2999, 3001)]
         [32, 32, 64, 96, 128]
@@ -322,10 +222,10 @@ class LinearRamp(BatchSchedule):
     """
 
     def __init__(self, start: int, increment: int, ramp: int, final: int, unit: str = "samples"):
-        _check_positive_int("start", start)
-        _check_positive_int("increment", increment)
-        _check_positive_int("final", final)
-        _check_ramp(ramp, unit)
+        _samples("start", start)
+        _samples("increment", increment)
+        _samples("final", final)
+        positive_int("ramp", ramp, f"{unit} over which the batch grows")
         if final <= start:
             raise LitCBSConfigError(
                 f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise"
@@ -337,7 +237,7 @@ class LinearRamp(BatchSchedule):
                 f"{start + ((final - start) // increment + 1) * increment}"
             )
         self.start, self.increment, self.ramp, self.final = start, increment, ramp, final
-        self.unit = _check_unit(unit)
+        self.unit = _unit(unit)
         self._per_increment = ramp / ((final - start) // increment)
 
     def batch_size(self, consumed: int) -> int:
@@ -351,34 +251,20 @@ class LinearRamp(BatchSchedule):
 
 
 class ExponentialRamp(BatchSchedule):
-    """Geometric growth from ``start`` to ``final`` over ``ramp`` consumed.
+    """Geometric growth from ``start`` to ``final`` over ``ramp`` consumed: start * (final/start) **
+    (consumed/ramp), rounded down to a multiple of ``multiple_of`` samples (micro-batch x world size).
 
-    The exact size start * (final/start) ** (consumed/ramp) is rounded down to a multiple of
-    ``multiple_of`` (samples; give micro-batch x world size so every size is reachable) and
-    never falls below ``start`` nor rises above ``final``; ``final`` from ``ramp`` on.
-
-    Args:
-        start: the first global batch (samples), a multiple of ``multiple_of``.
-        final: the global batch (samples) from ``ramp`` on, a multiple of ``multiple_of``.
-        ramp: how much is consumed (``unit``) until the batch reaches ``final``.
-        unit: what ``ramp`` and ``consumed`` count: ``"tokens"`` or ``"samples"``.
-        multiple_of: every size is a multiple of it (samples).
-
-    Raises:
-        LitCBSConfigError: a size or ``ramp`` that is not a positive int, ``final <= start``, ``start`` or
-            ``final`` not a multiple of ``multiple_of``, or an unknown ``unit``.
-
-    Examples:
+    Example:
         >>> schedule = ExponentialRamp(start=64, final=512, ramp=3_000_000, multiple_of=32)
         >>> [schedule.batch_size(tokens) for tokens in (0, 1_000_000, 2_000_000, 3_000_000)]
         [64, 128, 256, 512]
     """
 
     def __init__(self, start: int, final: int, ramp: int, unit: str = "tokens", multiple_of: int = 1):
-        _check_positive_int("start", start)
-        _check_positive_int("final", final)
-        _check_positive_int("multiple_of", multiple_of)
-        _check_ramp(ramp, unit)
+        _samples("start", start)
+        _samples("final", final)
+        _samples("multiple_of", multiple_of)
+        positive_int("ramp", ramp, f"{unit} over which the batch grows")
         if final <= start:
             raise LitCBSConfigError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
         for name, v in (("start", start), ("final", final)):
@@ -389,7 +275,7 @@ class ExponentialRamp(BatchSchedule):
                     f"or {(v // multiple_of + 1) * multiple_of}"
                 )
         self.start, self.final, self.ramp, self.multiple_of = start, final, ramp, multiple_of
-        self.unit = _check_unit(unit)
+        self.unit = _unit(unit)
 
     def batch_size(self, consumed: int) -> int:
         _check_consumed(consumed)
@@ -400,35 +286,17 @@ class ExponentialRamp(BatchSchedule):
         return min(self.final, max(self.start, rounded))
 
     def sizes(self, consumed: int = 0) -> list[int]:
-        # Sizes grow monotonically through every multiple between here and final.
         return list(range(self.batch_size(consumed), self.final + 1, self.multiple_of))
 
 
 class CBSAdaptive(BatchSchedule):
-    """Closed-loop batch warmup: double the batch when the measured CBS reaches ``factor`` x the batch.
+    """Closed loop (Merrill et al. 2025): double the batch, up to ``final``, once a CBS reading reaches
+    ``factor`` x the batch.
 
-    Merrill et al. 2025 (arXiv 2505.23971) double the batch, with the LR times sqrt(2),
-    once the CBS exceeds twice the current batch; they read the thresholds off a CBS curve by
-    hand. Here ``CBSProbeCallback`` calls ``observe`` with each measurement (the lower end of its
-    CBS interval, k* x B, in samples), and the schedule doubles at most once per measurement,
-    never past ``final``. ``batch_size(consumed)`` replays the recorded decisions, so it is a
-    deterministic function of consumed and survives a resume through ``state_dict``.
+    ``CBSProbeCallback`` calls ``observe`` with each reading; the decisions are replayed by ``batch_size``
+    and kept in ``state_dict``. At ``final`` the probe stops unless ``probe_after_final``.
 
-    Once the batch is at ``final`` no reading can change it, so the probe stops probing there
-    (``probe_after_final=True`` keeps measuring, e.g. to draw the CBS curve on).
-
-    Args:
-        start: the first global batch (samples).
-        final: the largest global batch (samples): ``start`` times a power of 2.
-        factor: the batch doubles once a CBS reading is at least ``factor`` x the batch (>= 1).
-        unit: what ``consumed`` counts: ``"tokens"`` or ``"samples"``.
-        probe_after_final: keep asking for readings once the batch is at ``final``.
-
-    Raises:
-        LitCBSConfigError: a size that is not a positive int, ``final < start``, ``final`` not ``start``
-            times a power of 2, ``factor < 1``, or an unknown ``unit``.
-
-    Examples:
+    Example:
         >>> schedule = CBSAdaptive(start=64, final=256)
         >>> schedule.observe(1000, cbs=100.0), schedule.observe(2000, cbs=130.0)  # 130 >= 2 x 64: double
         (False, True)
@@ -441,8 +309,8 @@ class CBSAdaptive(BatchSchedule):
     def __init__(
         self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False
     ):
-        _check_positive_int("start", start)
-        _check_positive_int("final", final)
+        _samples("start", start)
+        _samples("final", final)
         if final < start:
             raise LitCBSConfigError(f"final={final} must be >= start={start}")
         doublings = math.log2(final / start)
@@ -455,7 +323,7 @@ class CBSAdaptive(BatchSchedule):
             raise LitCBSConfigError(f"factor={factor} must be >= 1 (double once the CBS is factor x the batch)")
         self.start, self.final, self.factor = start, final, float(factor)
         self.probe_after_final = bool(probe_after_final)
-        self.unit = _check_unit(unit)
+        self.unit = _unit(unit)
         self.decisions: list[tuple[int, int]] = []  # (consumed, new global batch), in order
 
     def batch_size(self, consumed: int) -> int:
@@ -474,19 +342,11 @@ class CBSAdaptive(BatchSchedule):
         return sizes
 
     def wants_readings(self, consumed: int) -> bool:
-        """Whether a CBS reading at ``consumed`` could still move the batch (or ``probe_after_final``)."""
+        """Whether a reading at ``consumed`` could still move the batch (or ``probe_after_final``)."""
         return self.probe_after_final or self.batch_size(consumed) < self.final
 
     def observe(self, consumed: int, cbs: float) -> bool:
-        """Record a CBS measurement made at ``consumed``; return True if the batch doubles.
-
-        Args:
-            consumed: samples or tokens (``unit``) trained on when the reading was made.
-            cbs: the measured critical batch size (samples).
-
-        Returns:
-            Whether the batch doubles from ``consumed`` on.
-        """
+        """Record a CBS reading (samples) made at ``consumed``; True if the batch doubles from there."""
         current = self.batch_size(consumed)
         if cbs >= self.factor * current and current * 2 <= self.final:
             self.decisions.append((consumed, current * 2))
@@ -494,12 +354,10 @@ class CBSAdaptive(BatchSchedule):
         return False
 
     def withdraw_above(self, batch_size: int) -> None:
-        """Forget every decision that moved the batch above ``batch_size`` (samples): BatchWarmup's
-        guard reverted that increase, so the batch doubles again only on a new measurement."""
         self.decisions = [d for d in self.decisions if d[1] <= batch_size]
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"decisions": [list(d) for d in self.decisions]}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.decisions = [tuple(d) for d in state_dict["decisions"]]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.decisions = [(at, size) for at, size in state_dict["decisions"]]

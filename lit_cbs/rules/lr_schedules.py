@@ -1,33 +1,24 @@
-"""LR schedules indexed by tokens seen, so a batch-size change does not shift them.
-
-A step-indexed schedule (e.g. cosine over ``trainer.estimated_stepping_batches``) assumes a
-constant number of tokens per step; once the batch grows, each step covers more tokens and the
-schedule ends too late. Here a schedule is a multiplier of the base LR as a function of tokens
-(``schedule(tokens) -> float``), and ``TokenLRScheduler`` applies it as a regular PyTorch /
-Lightning LR scheduler. ``BatchWarmup`` feeds it the global token count before every step.
-"""
+"""LR multipliers indexed by tokens seen, so a batch change does not shift them, and ``TokenLRScheduler``."""
 
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
 from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
 
-__all__ = [
-    "CosineSchedule",
-    "OneCycle",
-    "StepDecay",
-    "TokenLRScheduler",
-    "WarmupStableDecay",
-]
+__all__ = ["CosineSchedule", "OneCycle", "StepDecay", "TokenLRScheduler", "WarmupStableDecay"]
 
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
 
-def _check_tokens(name: str, value, allow_zero: bool = True) -> int:
+def _check_tokens(name: str, value: Any, allow_zero: bool = True) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise LitCBSConfigError(f"{name}={value!r} must be an int number of tokens")
     if value < 0 or (value == 0 and not allow_zero):
@@ -42,8 +33,7 @@ def _check_ratio(name: str, value: float) -> float:
 
 
 def _check_warmup_ends_inside(warmup_tokens: int, total_tokens: int) -> None:
-    """Refuse a warmup longer than the run (the LR would never reach its base value); warn about one exactly
-    as long (it reaches it at the last token: the run trains, but never at the base LR)."""
+    """Refuse a warmup longer than the run; warn about one exactly as long (it never trains at the base LR)."""
     fix = f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
     if warmup_tokens > total_tokens:
         problem = f"warmup_tokens={warmup_tokens} exceeds total_tokens={total_tokens}: the LR never reaches its peak"
@@ -57,32 +47,23 @@ def _check_warmup_ends_inside(warmup_tokens: int, total_tokens: int) -> None:
         )
 
 
+class _Schedule:
+    """A multiplier of the base LR; its repr lists the arguments it was built with."""
+
+    def __repr__(self) -> str:
+        arguments = ", ".join(f"{name}={getattr(self, name)!r}" for name in inspect.signature(type(self)).parameters)
+        return f"{type(self).__name__}({arguments})"
+
+
 def _warmup(tokens: int, warmup_tokens: int) -> float:
     return 1.0 if tokens >= warmup_tokens else (tokens + 1) / (warmup_tokens + 1)
 
 
-class WarmupStableDecay:
-    """Linear warmup over ``warmup_tokens``, constant, then decay over the last ``decay_tokens``.
+class WarmupStableDecay(_Schedule):
+    """Linear warmup over ``warmup_tokens``, constant, then a decay (``decay_shape``: linear, cosine or 1 - sqrt)
+    to ``min_lr_ratio`` over the last ``decay_tokens`` of ``total_tokens``; ``decay_tokens=0``: no decay.
 
-    The multiplier falls from 1 to ``min_lr_ratio`` between ``total_tokens - decay_tokens`` and
-    ``total_tokens`` (``decay_shape``: linear, cosine or 1 - sqrt) and stays there afterwards.
-    ``decay_tokens=0`` gives warmup then constant (the stable phase the E(S) analysis uses). A warmup as
-    long as ``total_tokens`` warns (``LitCBSConfigWarning``): the run never trains at the base LR.
-
-    Calling the schedule with a token count returns the LR multiplier (unitless, a fraction of the base LR).
-
-    Args:
-        warmup_tokens: tokens over which the multiplier rises linearly to 1.
-        total_tokens: tokens in the whole run; the decay ends here.
-        decay_tokens: tokens of the final decay (0: none, warmup then constant).
-        min_lr_ratio: the multiplier at the end of the decay (a fraction of the base LR, in [0, 1]).
-        decay_shape: ``"linear"``, ``"cosine"`` or ``"sqrt"`` (1 - sqrt of the decay's progress).
-
-    Raises:
-        LitCBSConfigError: a negative token count, warmup + decay longer than the run, ``min_lr_ratio``
-            outside [0, 1], or an unknown ``decay_shape``.
-
-    Examples:
+    Example:
         >>> schedule = WarmupStableDecay(warmup_tokens=1000, total_tokens=10_000, decay_tokens=2000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 499, 1000, 8000, 9000, 10_000)]
         [0.001, 0.4995, 1.0, 1.0, 0.55, 0.1]
@@ -129,29 +110,11 @@ class WarmupStableDecay:
             remaining = 1.0 - math.sqrt(progress)
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * remaining
 
-    def __repr__(self) -> str:
-        return (
-            f"WarmupStableDecay(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
-            f"decay_tokens={self.decay_tokens}, min_lr_ratio={self.min_lr_ratio}, decay_shape={self.decay_shape!r})"
-        )
 
+class CosineSchedule(_Schedule):
+    """Linear warmup over ``warmup_tokens``, then a cosine from 1 to ``min_lr_ratio`` at ``total_tokens``.
 
-class CosineSchedule:
-    """Linear warmup over ``warmup_tokens``, then cosine from 1 to ``min_lr_ratio`` at ``total_tokens`` (a warmup
-    that leaves no tokens for it is refused).
-
-    Calling the schedule with a token count returns the LR multiplier (unitless, a fraction of the base LR).
-
-    Args:
-        warmup_tokens: tokens over which the multiplier rises linearly to 1.
-        total_tokens: tokens in the whole run, where the cosine reaches ``min_lr_ratio`` (and stays).
-        min_lr_ratio: the final multiplier (a fraction of the base LR, in [0, 1]).
-
-    Raises:
-        LitCBSConfigError: a negative token count, a warmup as long as the run or longer, or
-            ``min_lr_ratio`` outside [0, 1].
-
-    Examples:
+    Example:
         >>> schedule = CosineSchedule(warmup_tokens=1000, total_tokens=11_000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 1000, 6000, 11_000)]
         [0.001, 1.0, 0.55, 0.1]
@@ -173,39 +136,18 @@ class CosineSchedule:
         progress = min(1.0, (tokens - self.warmup_tokens) / (self.total_tokens - self.warmup_tokens))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
-    def __repr__(self) -> str:
-        return (
-            f"CosineSchedule(warmup_tokens={self.warmup_tokens}, total_tokens={self.total_tokens}, "
-            f"min_lr_ratio={self.min_lr_ratio})"
-        )
 
-
-class StepDecay:
+class StepDecay(_Schedule):
     """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
-    (tokens): 1 until the first, ``gamma`` until the second, ``gamma**2`` ... (``StepLR`` in tokens).
-    ``total_tokens`` is where the run ends (for ``lit_cbs.rules.batch_schedules.Seesaw``); a warmup as long
-    warns, a longer one is refused.
+    (tokens): ``StepLR`` in tokens. ``total_tokens`` is where the run ends (for ``Seesaw``).
 
-    Calling the schedule with a token count returns the LR multiplier (unitless, a fraction of the base LR).
-
-    Args:
-        warmup_tokens: tokens over which the multiplier rises linearly to 1.
-        milestones: token counts, strictly increasing from ``warmup_tokens`` on, where the multiplier is
-            multiplied by ``gamma``.
-        total_tokens: tokens in the whole run.
-        gamma: the factor at each milestone, in (0, 1).
-
-    Raises:
-        LitCBSConfigError: a negative token count, a warmup longer than the run, milestones that do not
-            strictly increase from the warmup's end, or ``gamma`` outside (0, 1).
-
-    Examples:
+    Example:
         >>> schedule = StepDecay(warmup_tokens=0, milestones=[4000, 8000], total_tokens=10_000, gamma=0.5)
         >>> [schedule(tokens) for tokens in (0, 3999, 4000, 8000)]
         [1.0, 1.0, 0.5, 0.25]
     """
 
-    def __init__(self, warmup_tokens: int, milestones, total_tokens: int, gamma: float = 0.5):
+    def __init__(self, warmup_tokens: int, milestones: Sequence[int], total_tokens: int, gamma: float = 0.5):
         self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
         self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
         _check_warmup_ends_inside(warmup_tokens, total_tokens)
@@ -223,38 +165,13 @@ class StepDecay:
             return _warmup(tokens, self.warmup_tokens)
         return self.gamma ** sum(tokens >= milestone for milestone in self.milestones)
 
-    def __repr__(self) -> str:
-        return (
-            f"StepDecay(warmup_tokens={self.warmup_tokens}, milestones={self.milestones}, "
-            f"total_tokens={self.total_tokens}, gamma={self.gamma})"
-        )
 
+class OneCycle(_Schedule):
+    """PyTorch's ``OneCycleLR`` curve as a multiplier of ``max_lr`` (set as the optimizer's ``lr``), for
+    ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (in tokens). Unlike ``OneCycleLR``, which writes
+    absolute LRs, it composes with BatchWarmup's LR rule; no momentum cycling. Arguments as ``OneCycleLR``'s.
 
-class OneCycle:
-    """PyTorch's ``OneCycleLR`` LR curve as a multiplier of ``max_lr``, for ``LambdaLR`` (indexed by
-    steps) or ``TokenLRScheduler`` (indexed by tokens).
-
-    ``OneCycleLR`` writes absolute LRs at every step, so a batch change cannot rescale it; the
-    optimizer's ``lr`` set to ``max_lr`` and ``LambdaLR(optimizer, OneCycle(total=...))`` give the
-    same LRs (without momentum cycling) and compose with ``BatchWarmup``. Arguments as in
-    ``OneCycleLR``; ``total`` is its ``total_steps`` (or a token count with ``TokenLRScheduler``).
-    Past ``total`` the multiplier stays at its final value.
-
-    Calling it with a step (or token) count returns the multiplier of ``max_lr`` (unitless).
-
-    Args:
-        total: OneCycleLR's ``total_steps``: steps (or tokens under ``TokenLRScheduler``) of the cycle.
-        pct_start: the fraction of ``total`` spent rising to the peak, in (0, 1).
-        anneal_strategy: ``"cos"`` or ``"linear"``.
-        div_factor: the initial LR is ``max_lr / div_factor``.
-        final_div_factor: the final LR is the initial one divided by this.
-        three_phase: OneCycleLR's third phase (back down to the initial LR before the final annealing).
-
-    Raises:
-        LitCBSConfigError: ``total`` not a positive int, ``pct_start`` outside (0, 1), an unknown
-            ``anneal_strategy``, or a division factor <= 0.
-
-    Examples:
+    Example:
         >>> schedule = OneCycle(total=100)
         >>> [round(schedule(step), 4) for step in (0, 29, 99)]
         [0.04, 1.0, 0.0]
@@ -304,32 +221,14 @@ class OneCycle:
             phase_start = phase_end
         raise AssertionError("the last phase always returns")  # pragma: no cover
 
-    def __repr__(self) -> str:
-        return (
-            f"OneCycle(total={self.total}, pct_start={self.pct_start}, anneal_strategy={self.anneal_strategy!r}, "
-            f"div_factor={self.div_factor}, final_div_factor={self.final_div_factor}, three_phase={self.three_phase})"
-        )
-
 
 class TokenLRScheduler(LambdaLR):
-    """``LambdaLR`` whose multiplier is ``schedule(tokens_seen)``: LR = base LR * ``schedule(tokens_seen)``.
+    """``LambdaLR`` with LR = base LR x ``schedule(tokens_seen)``; Lightning steps it with ``interval="step"``.
 
-    ``tokens_seen`` (global tokens trained on, all ranks) must be set before each ``step()``:
-    ``BatchWarmup`` does it, and ``BatchAccounting`` alone for a run with a fixed batch; a plain
-    PyTorch loop sets the attribute itself. Stepping without it raises rather than freezing the LR:
-    under Lightning at the first step, since a scheduler is not told of the Trainer's callbacks.
-    Lightning steps it with ``interval="step"``.
+    ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or
+    BatchAccounting do it, a plain loop sets it itself; stepping without it raises.
 
-    Args:
-        optimizer: the optimizer whose param groups' LRs it sets.
-        schedule: tokens -> LR multiplier (unitless), e.g. ``CosineSchedule``.
-        last_epoch: as for ``LambdaLR`` (-1: a new run).
-
-    Raises:
-        TypeError: ``schedule`` is not callable.
-        LitCBSConfigError: ``step()`` after the first without ``tokens_seen`` set.
-
-    Examples:
+    Example:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
         >>> scheduler = TokenLRScheduler(optimizer, CosineSchedule(warmup_tokens=0, total_tokens=1000))
@@ -340,18 +239,17 @@ class TokenLRScheduler(LambdaLR):
         0.0055
     """
 
-    def __init__(self, optimizer, schedule, last_epoch: int = -1):
+    def __init__(self, optimizer: Optimizer, schedule: Callable[[int], float], last_epoch: int = -1):
         if not callable(schedule):
             raise TypeError(f"schedule must be callable tokens -> LR multiplier, got {schedule!r}")
         self.schedule = schedule
         self.tokens_seen: int | None = None
         super().__init__(optimizer, self._multiplier, last_epoch)
 
-    def _multiplier(self, step: int) -> float:
-        """LambdaLR passes the step count; the multiplier follows the tokens instead."""
+    def _multiplier(self, step: int) -> float:  # LambdaLR passes the step; the multiplier follows the tokens
         return self.schedule(self.tokens_seen or 0)
 
-    def step(self, epoch=None):
+    def step(self, epoch: int | None = None) -> None:
         # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
         if self.last_epoch >= 0 and self.tokens_seen is None:
             raise LitCBSConfigError(
@@ -361,10 +259,9 @@ class TokenLRScheduler(LambdaLR):
             )
         super().step(epoch)
 
-    def state_dict(self) -> dict:
-        """The scheduler's counters without ``schedule`` (configuration, rebuilt with the scheduler),
-        so a checkpoint holds plain values only and loads with ``torch.load(weights_only=True)``."""
+    def state_dict(self) -> dict[str, Any]:
+        """Without ``schedule``, so the checkpoint loads with ``torch.load(weights_only=True)``."""
         return {key: value for key, value in super().state_dict().items() if key != "schedule"}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict({**state_dict, "schedule": self.schedule})

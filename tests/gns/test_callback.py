@@ -205,7 +205,8 @@ def test_ddp_matches_analytic_noise_scale(tmp_path):
 def test_the_noise_scale_pickles_for_ddp_spawn():
     """ddp_spawn pickles the Trainer and its callbacks into every child process (the fits here fork instead)."""
     gns = GradientNoiseScale(ema_decay=0.999, groups=HALVES)
-    assert pickle.loads(pickle.dumps(gns)).config == gns.config
+    copy = pickle.loads(pickle.dumps(gns))
+    assert (copy.ema_decay, copy.groups, copy.per_example_loss) == (0.999, HALVES, None)
 
 
 # ---------------------------------------------------------------------- CBS probe branches

@@ -19,7 +19,8 @@ from gns.regression import (
 from lightning.pytorch.loggers import CSVLogger
 
 from lit_cbs.analysis.curves import read_metrics_csv
-from lit_cbs.gns import GradientNoiseScale, block_groups
+from lit_cbs.gns import GradientNoiseScale
+from lit_cbs.gns.groups import block_groups
 from lit_cbs.models.decoder import layer_stacks
 from lit_cbs.recipes.run_report import group_noise_scale_figure, plot_run
 

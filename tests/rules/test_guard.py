@@ -14,7 +14,6 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from toys import GlobalOrderRegressionData, RegressionData, RegressionModule, mean_gradient, trainer_kwargs
 
-import lit_cbs
 from lit_cbs import (
     BatchWarmup,
     CBSAdaptive,
@@ -23,7 +22,7 @@ from lit_cbs import (
     PiecewiseBatch,
 )
 from lit_cbs._internals import should_accumulate
-from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore, fit_trend, loss_rise
+from lit_cbs.rules.guard import BatchGuard, RevertRestore, _loss_rise
 
 # 2 samples per step until 64 samples (32 steps), then 4: the guard fits the trend on samples (32, 64]
 # (16 steps), and with min_steps=8 judges the increase after 8 steps of 4, at 96 samples.
@@ -72,9 +71,7 @@ def rows_of(path) -> dict[int, dict[str, float]]:
 def test_trend_and_rise_of_points_on_a_line():
     fit = [(t, 3.0 - 0.5 * math.log(t)) for t in (10, 20, 30, 40)]
     window = [(t, 3.0 - 0.5 * math.log(t) + 0.2) for t in (50, 60)]
-    intercept, slope, spread = fit_trend(fit)
-    assert (intercept, slope, spread) == pytest.approx((3.0, -0.5, 0.0), abs=1e-12)
-    assert loss_rise(fit, window)[0] == pytest.approx(0.2, abs=1e-12)
+    assert _loss_rise(fit, window) == pytest.approx((0.2, 3.0, -0.5, 0.0), abs=1e-12)
 
 
 # ---------------------------------------------------------------- a forced spike
@@ -275,14 +272,16 @@ def test_bad_guard_settings_fail_at_construction(guard, match):
         BatchWarmup(SCHEDULE, guard=guard)
 
 
+def settings(guard: BatchGuard) -> tuple:
+    return guard.watch_span, guard.fit, guard.hold, guard.threshold, guard.noise_multiple, guard.min_threshold
+
+
 def test_guard_settings_read_from_a_dict_and_defaults():
     assert BatchGuard.from_setting(None) is None and BatchGuard.from_setting(False) is None
-    defaults = BatchGuard.from_setting(True).config
-    assert (defaults.watch_span, defaults.fit, defaults.hold, defaults.threshold) == (None, None, None, None)
-    assert (defaults.noise_multiple, defaults.min_threshold, defaults.min_steps) == (2.0, 0.05, 8)
-    assert BatchGuard.from_setting({"watch_span": 1_000, "threshold": 0.1}).config == GuardConfig(
-        watch_span=1_000, threshold=0.1
-    )
+    defaults = BatchGuard.from_setting(True)
+    assert settings(defaults) == (None, None, None, None, 2.0, 0.05) and defaults.min_steps == 8
+    from_dict = BatchGuard.from_setting({"watch_span": 1_000, "threshold": 0.1})
+    assert settings(from_dict) == settings(BatchGuard(watch_span=1_000, threshold=0.1))
 
 
 @pytest.mark.parametrize(
@@ -303,22 +302,15 @@ def test_guard_settings_read_from_a_dict_and_defaults():
         ({"min_steps": 2}, r"^guard.min_steps=2 must be >= 3 \(a line through 2 points has no residual spread\)$"),
     ],
 )
-def test_guard_config_names_the_field_it_refuses(settings, match):
+def test_the_guard_names_the_setting_it_refuses(settings, match):
     with pytest.raises(LitCBSConfigError, match=match):
-        GuardConfig(**settings)
+        BatchGuard(**settings)
 
 
-def test_a_guard_config_is_the_guard_setting_and_keyword_arguments_build_one():
-    config = lit_cbs.GuardConfig(watch_span=64, hold=100)
-    warmup = BatchWarmup(SCHEDULE, guard=config)
-    assert warmup.guard.config is config
-    assert (
-        BatchGuard(watch_span=64, hold=100).config
-        == config
-        == BatchGuard.from_setting({"watch_span": 64, "hold": 100}).config
-    )
-    with pytest.raises(TypeError, match=r"give config= or settings \(hold\), not both"):
-        BatchGuard(config, hold=5)
+@pytest.mark.parametrize("guard", [BatchGuard(), 0.5], ids=["a BatchGuard", "a number"])
+def test_guard_takes_true_or_a_dict_only(guard):
+    with pytest.raises(LitCBSConfigError, match=r"must be true, false, null, a dict of the settings watch_span, fit"):
+        BatchWarmup(SCHEDULE, guard=guard)
 
 
 def watched_guard() -> BatchGuard:
