@@ -1,8 +1,6 @@
-"""Token data: tokenizers, the embedded stdlib corpus, litdata preparation, the datamodule, the
-train loader whose micro-batches are cut from one global sample order (``GlobalOrderLoader``), and
-random tokens for speed and memory runs (``RandomTokenData``). The names load on first use, but for
-``prepare`` and ``resolve_data``: imported here, the function ``prepare`` is what ``lit_cbs.data.prepare``
-names from the start, not the module of the same name once something imports it."""
+"""Token data: tokenizers, the embedded stdlib corpus, litdata preparation, the datamodule, the global-order train
+loader and random tokens. ``prepare`` and ``resolve_data`` are imported eagerly, so that ``lit_cbs.data.prepare``
+is the function, not the module of the same name."""
 
 from typing import TYPE_CHECKING
 
@@ -22,7 +20,6 @@ _EXPORTS = {
 
 __all__ = sorted([*_EXPORTS, "prepare", "resolve_data"])
 
-# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
 if TYPE_CHECKING:
     from lit_cbs.data.corpus import stdlib_python_files as stdlib_python_files
     from lit_cbs.data.datamodule import TokenDataModule as TokenDataModule
