@@ -5,40 +5,6 @@ from __future__ import annotations
 
 import re
 
-__all__ = [
-    "ACCUMULATE",
-    "CBS_DETERMINED",
-    "CBS_ESTIMATE",
-    "CBS_K_STAR",
-    "CBS_LOWER",
-    "CBS_UPPER",
-    "FIT_SECONDS",
-    "GLOBAL_BATCH",
-    "GNS_B_SIMPLE",
-    "GNS_QUANTITIES",
-    "GRADIENT_CLIP_VAL",
-    "GUARD_REVERTS",
-    "GUARD_RISE",
-    "GUARD_THRESHOLD",
-    "LR",
-    "LR_FACTOR",
-    "MFU",
-    "MICRO_BATCH",
-    "PROBE_OVERHEAD",
-    "PROBE_TOKENS_SPENT",
-    "SAMPLES_SEEN",
-    "STEP",
-    "TOKENS_PER_S",
-    "TOKENS_SEEN",
-    "TRAIN_LOSS",
-    "VAL_LOSS",
-    "batch_setting",
-    "cbs_gap",
-    "cbs_gap_se",
-    "gns",
-    "gns_group",
-]
-
 # Lightning's step column of a CSVLogger file: the optimizer steps taken.
 STEP = "step"
 

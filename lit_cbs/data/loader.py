@@ -76,7 +76,7 @@ class _ByIndex(Dataset[Any]):
 
 
 class _IndexRuns:
-    """Micro-batches this rank yields this epoch at the current micro-batch size (those yielded included)."""
+    """A batch sampler over fixed index runs."""
 
     def __init__(self, runs: Callable[[], Iterator[list[int]]], count: int):
         self.runs, self.count = runs, count
