@@ -36,24 +36,7 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; ``eos_token`` (default: the first of
-    ``DEFAULT_EOS_TOKENS`` the vocabulary holds) separates documents.
-
-    Example:
-        A word-level tokenizer of four tokens, saved to a temporary folder:
-
-        >>> import pathlib, tempfile
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from lit_cbs.data import HFTokenizer
-        >>> vocab = {"</s>": 0, "[UNK]": 1, "hello": 2, "world": 3}
-        >>> words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     path = pathlib.Path(folder, "tokenizer.json")
-        ...     words.save(str(path))
-        ...     tokenizer = HFTokenizer(path)
-        >>> tokenizer.encode("hello world"), tokenizer.vocab_size, tokenizer.eos_id
-        ([2, 3], 4, 0)
-    """
+    ``DEFAULT_EOS_TOKENS`` the vocabulary holds) separates documents."""
 
     DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
