@@ -18,7 +18,7 @@ from lit_cbs.errors import LitCBSConfigError, positive_int
 __all__ = ["TokenDataModule"]
 
 
-def stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
+def _stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
     """Collate token blocks (stored as uint8/uint16/int32) into int64 ids."""
     return torch.from_numpy(np.stack(samples).astype(np.int64))
 
@@ -139,12 +139,12 @@ class TokenDataModule(LightningDataModule):
             shuffle=self.shuffle,
             seed=self.seed,
             num_workers=self.num_workers,
-            collate_fn=stack_as_int64,
+            collate_fn=_stack_as_int64,
             **(ranks or {}),
         )
 
     def val_dataloader(self) -> StreamingDataLoader:
         """The held-out split in order, in batches of the ``batch_size`` given at construction."""
         return StreamingDataLoader(
-            self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=stack_as_int64
+            self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=_stack_as_int64
         )

@@ -144,7 +144,7 @@ def _default_num_workers(pieces: Sequence[Piece]) -> int:
     return max(1, min(os.cpu_count() or 1, num_bytes // (8 * 2**20)))
 
 
-def read_token_count(split_dir: str | os.PathLike[str]) -> int:
+def _read_token_count(split_dir: str | os.PathLike[str]) -> int:
     """Tokens stored in a litdata TokensLoader folder, from its index.json."""
     with open(Path(split_dir, "index.json")) as f:
         return sum(chunk["dim"] for chunk in json.load(f)["chunks"])
@@ -167,7 +167,7 @@ def prepare(
         val_fraction: share of the source bytes held out, in (0, 1).
         num_workers: optimize processes (default: one per 8 MB of text, at most one per core).
         chunk_tokens: tokens per litdata chunk (a sample never crosses one).
-        fingerprint: recorded in the metadata (``source_fingerprint``).
+        fingerprint: recorded in the metadata (``_source_fingerprint``).
 
     Returns:
         The metadata written to ``output_dir``/lit_cbs.json.
@@ -228,15 +228,15 @@ def prepare(
         "val_fraction": val_fraction,
         "num_documents": len(files),
         "source_bytes": sum(os.path.getsize(f) for f in files),
-        "train_tokens": read_token_count(output_dir / "train"),
-        "val_tokens": read_token_count(output_dir / "val"),
+        "train_tokens": _read_token_count(output_dir / "train"),
+        "val_tokens": _read_token_count(output_dir / "val"),
         "source_fingerprint": fingerprint,
     }
     (output_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
     return metadata
 
 
-def source_fingerprint(
+def _source_fingerprint(
     files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
 ) -> str:
     """sha256 over what determines a preparation: each file's path, size and modification time (not its content),
@@ -273,7 +273,7 @@ def resolve_data(
     num_workers: int | None = None,
 ) -> Path:
     """The prepared folder to train on: ``path`` as is; else ``input_dir``'s text files, or (neither) the embedded
-    stdlib corpus, prepared on first use into ``cache_dir`` under a key from ``source_fingerprint``.
+    stdlib corpus, prepared on first use into ``cache_dir`` under a key from ``_source_fingerprint``.
 
     Args:
         path: a folder already prepared (by ``prepare`` or litgpt).
@@ -318,7 +318,7 @@ def resolve_data(
         files = stdlib_python_files()
         label = "stdlib"
     tokenizer_ = load_tokenizer(tokenizer)
-    fingerprint = source_fingerprint(files, tokenizer_, val_fraction, DEFAULT_CHUNK_TOKENS)
+    fingerprint = _source_fingerprint(files, tokenizer_, val_fraction, DEFAULT_CHUNK_TOKENS)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"{label}-{fingerprint[:16]}"
     if _is_prepared(target, fingerprint):
