@@ -1,45 +1,9 @@
-"""The names of the metrics lit_cbs logs, defined once: the callbacks and the model log under them, and the
-readers of ``metrics.csv`` (``lit_cbs.analysis.curves``, the run report, the benchmarks) read these columns.
-A name here is a column users see in their loggers; changing one changes their files. Pure: imports nothing.
-"""
+"""The names of the metrics lit_cbs logs, defined once for the writers and the readers of ``metrics.csv``.
+A name here is a column users see in their loggers: changing one changes their files."""
 
 from __future__ import annotations
 
 import re
-
-__all__ = [
-    "ACCUMULATE",
-    "CBS_DETERMINED",
-    "CBS_ESTIMATE",
-    "CBS_K_STAR",
-    "CBS_LOWER",
-    "CBS_UPPER",
-    "FIT_SECONDS",
-    "GLOBAL_BATCH",
-    "GNS_B_SIMPLE",
-    "GNS_QUANTITIES",
-    "GRADIENT_CLIP_VAL",
-    "GUARD_REVERTS",
-    "GUARD_RISE",
-    "GUARD_THRESHOLD",
-    "LR",
-    "LR_FACTOR",
-    "MFU",
-    "MICRO_BATCH",
-    "PROBE_OVERHEAD",
-    "PROBE_TOKENS_SPENT",
-    "SAMPLES_SEEN",
-    "STEP",
-    "TOKENS_PER_S",
-    "TOKENS_SEEN",
-    "TRAIN_LOSS",
-    "VAL_LOSS",
-    "batch_setting",
-    "cbs_gap",
-    "cbs_gap_se",
-    "gns",
-    "gns_group",
-]
 
 # Lightning's step column of a CSVLogger file: the optimizer steps taken.
 STEP = "step"
@@ -61,18 +25,7 @@ GUARD_THRESHOLD = "batch/guard_threshold"
 
 
 def batch_setting(key: str) -> str:
-    """An optimizer setting a rule moves at batch changes (``weight_decay``, ``beta2``), as BatchWarmup logs it.
-
-    Args:
-        key: the setting's key in the optimizer's param groups (``SettingRule.key``).
-
-    Returns:
-        The metric's name.
-
-    Examples:
-        >>> batch_setting("beta2")
-        'batch/beta2'
-    """
+    """An optimizer setting a rule moves at batch changes (``weight_decay``, ``beta2``), as BatchWarmup logs it."""
     return f"batch/{key}"
 
 
@@ -93,34 +46,12 @@ PROBE_TOKENS_SPENT = "probe/tokens_spent"  # branch tokens so far
 
 
 def cbs_gap(k: str) -> str:
-    """The loss of branch ``k`` ("2" for k = 2) minus the smallest k's, nats.
-
-    Args:
-        k: the branch's batch multiple, as a string ("2").
-
-    Returns:
-        The metric's name.
-
-    Examples:
-        >>> cbs_gap("2"), cbs_gap_se("2")
-        ('cbs/gap_k2', 'cbs/gap_se_k2')
-    """
+    """The loss of branch ``k`` ("2" for k = 2) minus the smallest k's, nats."""
     return f"cbs/gap_k{k}"
 
 
 def cbs_gap_se(k: str) -> str:
-    """The standard error of ``cbs_gap(k)``, nats.
-
-    Args:
-        k: the branch's batch multiple, as a string ("2").
-
-    Returns:
-        The metric's name.
-
-    Examples:
-        >>> cbs_gap_se("4")
-        'cbs/gap_se_k4'
-    """
+    """The standard error of ``cbs_gap(k)``, nats."""
     return f"cbs/gap_se_k{k}"
 
 
@@ -130,36 +61,13 @@ _GNS_GROUP = re.compile(r"gns/(.+)/(\w+)")
 
 
 def gns(quantity: str, group: str | None = None) -> str:
-    """``gns/<quantity>`` for the whole model, ``gns/<group>/<quantity>`` for a group of parameters.
-
-    Args:
-        quantity: one of ``GNS_QUANTITIES``: ``b_simple`` (samples), ``trace_sigma`` or ``grad_sq``.
-        group: the group of parameters, or None for the whole model.
-
-    Returns:
-        The metric's name.
-
-    Examples:
-        >>> gns("b_simple"), gns("grad_sq", group="block0")
-        ('gns/b_simple', 'gns/block0/grad_sq')
-    """
+    """``gns/<quantity>`` for the whole model, ``gns/<group>/<quantity>`` for a group of parameters; ``quantity`` is
+    one of ``GNS_QUANTITIES``."""
     return f"gns/{quantity}" if group is None else f"gns/{group}/{quantity}"
 
 
 def gns_group(name: str, quantity: str = "b_simple") -> str | None:
-    """The group whose ``quantity`` the metric ``name`` is (``gns(quantity, group)``); None for any other metric.
-
-    Args:
-        name: a metric's name (a ``metrics.csv`` column).
-        quantity: the GNS quantity looked for.
-
-    Returns:
-        The group's name, or None.
-
-    Examples:
-        >>> gns_group("gns/block0/b_simple"), gns_group("gns/b_simple"), gns_group("gns/block0/grad_sq")
-        ('block0', None, None)
-    """
+    """The group whose ``quantity`` the metric ``name`` is (``gns(quantity, group)``); None for any other metric."""
     match = _GNS_GROUP.fullmatch(name)
     return match[1] if match is not None and match[2] == quantity else None
 

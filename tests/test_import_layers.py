@@ -22,7 +22,7 @@ PACKAGE = Path(lit_cbs.__file__).parent
 LAYERS = [
     (
         "foundation",
-        ["lit_cbs", "lit_cbs._internals", "lit_cbs._lazy", "lit_cbs.errors", "lit_cbs.legacy", "lit_cbs.metrics"],
+        ["lit_cbs", "lit_cbs._internals", "lit_cbs._lazy", "lit_cbs.errors", "lit_cbs.metrics"],
     ),
     ("rules", ["lit_cbs.rules"]),
     ("the probe's reading", ["lit_cbs.probe.reading"]),

@@ -47,7 +47,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
-from lit_cbs import legacy
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.data.loader import GlobalOrderLoader
@@ -685,7 +684,6 @@ class BatchAccounting(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = legacy.accounting_state(state_dict)
         self.samples_seen = state_dict["samples_seen"]
         self.tokens_seen = state_dict["tokens_seen"]
         self.seq_len = self.seq_len or state_dict["seq_len"]

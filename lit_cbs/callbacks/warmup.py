@@ -48,7 +48,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs import legacy
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks import warmup_align as align
 from lit_cbs.callbacks import warmup_checks as checks
@@ -529,7 +528,6 @@ class BatchWarmup(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = True
-        state_dict, counts = legacy.warmup_state(state_dict)
         self.global_batch = state_dict["global_batch"]
         self.lr_factor = state_dict["lr_factor"]
         self.clip_factor = state_dict["clip_factor"]
@@ -545,8 +543,6 @@ class BatchWarmup(Callback):
                     "keeps none: resume with the checkpoint's schedule"
                 )
             self.schedule.load_state_dict(state_dict["schedule"])
-        if counts is not None and self.accounting is not None:  # a checkpoint from before BatchAccounting held them
-            self.accounting.load_state_dict(counts)
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self.accounting is not None:
             self._set_batch(self.global_batch, state_dict["micro_batch_size"], state_dict["accumulate"])

@@ -1,8 +1,6 @@
-"""Token data: tokenizers, the embedded stdlib corpus, litdata preparation, the datamodule, the
-train loader whose micro-batches are cut from one global sample order (``GlobalOrderLoader``), and
-random tokens for speed and memory runs (``RandomTokenData``). The names load on first use, but for
-``prepare`` and ``resolve_data``: imported here, the function ``prepare`` is what ``lit_cbs.data.prepare``
-names from the start, not the module of the same name once something imports it."""
+"""Token data: litdata preparation (of the embedded stdlib corpus by default), the datamodule, the global-order
+train loader, random tokens and the tokenizers. ``prepare`` is imported eagerly, so that ``lit_cbs.data.prepare``
+is the function, not the module of the same name."""
 
 from typing import TYPE_CHECKING
 
@@ -13,23 +11,18 @@ from lit_cbs.data.prepare import resolve_data as resolve_data
 _EXPORTS = {
     "ByteTokenizer": "lit_cbs.data.tokenizers",
     "GlobalOrderLoader": "lit_cbs.data.loader",
-    "HFTokenizer": "lit_cbs.data.tokenizers",
     "RandomTokenData": "lit_cbs.data.synthetic",
     "TokenDataModule": "lit_cbs.data.datamodule",
     "load_tokenizer": "lit_cbs.data.tokenizers",
-    "stdlib_python_files": "lit_cbs.data.corpus",
 }
 
 __all__ = sorted([*_EXPORTS, "prepare", "resolve_data"])
 
-# What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
 if TYPE_CHECKING:
-    from lit_cbs.data.corpus import stdlib_python_files as stdlib_python_files
     from lit_cbs.data.datamodule import TokenDataModule as TokenDataModule
     from lit_cbs.data.loader import GlobalOrderLoader as GlobalOrderLoader
     from lit_cbs.data.synthetic import RandomTokenData as RandomTokenData
     from lit_cbs.data.tokenizers import ByteTokenizer as ByteTokenizer
-    from lit_cbs.data.tokenizers import HFTokenizer as HFTokenizer
     from lit_cbs.data.tokenizers import load_tokenizer as load_tokenizer
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -1,38 +1,11 @@
-"""``GlobalOrderLoader``: micro-batches cut from one global sample order, so that the micro-batch can
-change between any two optimizer steps and a run resumes exactly on any number of ranks.
+"""``GlobalOrderLoader``: micro-batches cut from one global sample order, so that the micro-batch can change
+between any two optimizer steps and a run resumes exactly on any number of ranks.
 
-The order. Each epoch is one permutation of the dataset's samples, seeded by ``(seed, epoch)``
-alone: it does not depend on the number of ranks, the micro-batch or the accumulation. An optimizer
-step with a global batch of B samples trains on the next B samples of that order.
-
-The split. From the position P where the current micro-batch size m took effect, the samples are
-dealt to the W data-parallel ranks in runs of m: micro-batch k of rank r holds positions
-``P + (k W + r) m`` to ``P + (k W + r + 1) m - 1``. A step of N micro-batches per rank therefore takes,
-over all ranks, exactly the positions ``[P', P' + N m W)`` that follow the previous step, whatever
-m, N and W are, as long as ``B = m N W``.
-
-The tail. Where fewer than m W samples are left, the epoch's last round deals them to the ranks as
-evenly as can be, in rank order: each rank takes a run of t // W samples (t: the samples left), and
-ranks 0 to t % W - 1 one more. Every sample of every epoch thus trains exactly once, whatever m, the
-accumulation and W, and every rank yields the same number of micro-batches (DDP and FSDP run
-collectives in every backward). A rank whose share is empty (fewer samples left than ranks, which only
-a dataset whose size is no multiple of W leaves) yields a micro-batch of zero samples: the batch of
-one sample with every tensor (and numpy array) cut to zero rows along dim 0, so that it still runs
-the forward and backward passes the other ranks' collectives wait for. ``BatchAccounting`` checks,
-before training, that the module's ``training_step`` gives such a batch a finite loss.
-
-So the data position is one number, the samples consumed so far this epoch over all ranks
-(``position``, in the checkpoint). Changing m at a step boundary (``batch_size = ...``), or
-resuming on another number of ranks, regroups the samples from that position on: none is skipped or
-repeated, and every step still trains on the same samples as a run that never changed.
-
-Lightning's fit loop reads the loader as it reads a ``DataLoader``: ``len()`` (micro-batches this rank
-yields this epoch) keeps it from fetching ahead, so a new ``batch_size`` applies from the very next
-micro-batch; ``state_dict``/``load_state_dict`` carry the position through checkpoints; and
-``sampler.set_epoch`` (``sampler`` is the loader itself) moves it to the next epoch's order.
-Samples are read with a torch ``DataLoader`` (workers, ``collate_fn``, ``pin_memory``) over the
-index runs, restarted from the current position whenever the micro-batch changes; its worker seeds
-come from a generator of its own, so the global random streams are never drawn from.
+Each epoch's order is a permutation seeded by ``(seed, epoch)`` alone. From the position P where micro-batch m
+took effect, micro-batch k of rank r of W holds positions ``P + (k W + r) m`` to ``P + (k W + r + 1) m - 1``, so a
+step of ``B = m N W`` samples trains on the next B of the order, whatever m, N and W. An epoch's last round deals
+what is left as evenly as can be in rank order; an empty share is a micro-batch of zero rows, so the ranks'
+collectives still meet. The data position is one number, ``position`` (samples this epoch, all ranks).
 """
 
 from __future__ import annotations
@@ -51,9 +24,8 @@ from lit_cbs.errors import LitCBSConfigError, positive_int
 __all__ = ["GlobalOrderLoader"]
 
 
-def global_sample_count(dataset: Any) -> int:
-    """Samples in the whole dataset, over all ranks. A litdata ``StreamingDataset`` reports its own rank's
-    share as ``len()``; its ``region_of_interest`` (item ranges per chunk) gives the whole."""
+def _global_sample_count(dataset: Any) -> int:
+    """Samples in the whole dataset; litdata's ``StreamingDataset`` reports its rank's share as ``len()``."""
     regions = getattr(dataset, "region_of_interest", None)
     if regions:
         return int(sum(end - start for start, end in regions))
@@ -61,40 +33,37 @@ def global_sample_count(dataset: Any) -> int:
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The epoch's global order of sample indices: a permutation seeded by (seed, epoch) alone, or 0..n-1."""
+    """The epoch's order of sample indices: a permutation seeded by (seed, epoch) alone, or 0..n-1."""
     if not shuffle:
         return np.arange(num_samples, dtype=np.int64)
     return np.random.default_rng([seed, epoch]).permutation(num_samples).astype(np.int64, copy=False)
 
 
-def round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
-    """(offset, samples) of rank ``rank``'s run in a round of ``round_samples`` samples dealt to ``world``
-    ranks: runs in rank order, as equal as can be, the first ``round_samples % world`` ranks one sample more."""
+def _round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
+    """(offset, samples) of ``rank``'s run in a round of ``round_samples`` dealt to ``world`` ranks in rank order,
+    the first ``round_samples % world`` one sample more."""
     base, extra = divmod(round_samples, world)
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
-def rank_micro_batches(
+def _rank_micro_batches(
     order: np.ndarray, start: int, micro_batch_size: int, rank: int, world: int
 ) -> Iterator[list[int]]:
-    """The sample indices of each micro-batch rank ``rank`` of ``world`` reads from ``start`` on: rounds of
-    ``micro_batch_size`` samples per rank, dealt to the ranks in turn, up to the end of ``order``; the last
-    round, where fewer are left, by ``round_share`` (a rank's share may be empty: [])."""
+    """The sample indices of each micro-batch ``rank`` reads from ``start`` on; the last round by ``round_share``
+    (a share may be empty)."""
     stride = micro_batch_size * world
     for base in range(start, len(order), stride):
-        offset, samples = round_share(min(stride, len(order) - base), rank, world)
+        offset, samples = _round_share(min(stride, len(order) - base), rank, world)
         yield order[base + offset : base + offset + samples].tolist()
 
 
-def zero_rows(batch: Any) -> Any:
-    """``batch`` with every tensor and numpy array cut to its first zero rows (dim 0): a micro-batch of no
-    sample with the structure, dtypes and trailing shapes of a real one."""
+def _zero_rows(batch: Any) -> Any:
+    """``batch`` with every tensor and numpy array cut to zero rows: a micro-batch of no sample."""
     return tree_map(lambda leaf: leaf[:0] if isinstance(leaf, (torch.Tensor, np.ndarray)) else leaf, batch)
 
 
-class _ByIndex(Dataset):
-    """A dataset that is iterable-style to torch (litdata's StreamingDataset) read by index, which a
-    DataLoader with a batch sampler requires."""
+class _ByIndex(Dataset[Any]):
+    """An iterable-style dataset (litdata's) read by index, as a DataLoader with a batch sampler needs."""
 
     def __init__(self, dataset: Any, length: int):
         self.dataset, self.length = dataset, length
@@ -107,7 +76,7 @@ class _ByIndex(Dataset):
 
 
 class _IndexRuns:
-    """A batch sampler over fixed index runs (a torch DataLoader takes its index lists from it)."""
+    """A batch sampler over fixed index runs."""
 
     def __init__(self, runs: Callable[[], Iterator[list[int]]], count: int):
         self.runs, self.count = runs, count
@@ -122,33 +91,19 @@ class _IndexRuns:
 class GlobalOrderLoader:
     """Micro-batches of ``batch_size`` samples per rank from one global, world-size independent order.
 
+    Lightning reads it as a ``DataLoader``: ``len()`` keeps it from fetching ahead, so a new ``batch_size`` applies
+    from the next micro-batch; ``state_dict`` carries the position; ``sampler.set_epoch`` moves to the next order.
+    Worker seeds come from a generator of its own: no global random stream is drawn from.
+
     Args:
-        dataset: a map-style dataset (``__getitem__`` by index), e.g. a litdata ``StreamingDataset``.
-        batch_size: the micro-batch, samples per rank and forward pass; may be changed between any two
-            optimizer steps (``BatchWarmup`` does, with ``max_micro_batch_size``).
+        dataset: a map-style dataset, or litdata's ``StreamingDataset``.
+        batch_size: samples per rank and forward pass; may change between any two optimizer steps.
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
-        seed: the order's seed.
-        num_workers: as for ``torch.utils.data.DataLoader``.
-        collate_fn: as for ``torch.utils.data.DataLoader``.
-        pin_memory: as for ``torch.utils.data.DataLoader``.
-        num_replicas: the number of data-parallel ranks. Default: the default process group's
-            (torch.distributed), else 1. ``TokenDataModule`` passes the Lightning strategy's.
-        rank: this process's data-parallel rank. Default: the default process group's, else 0.
+        num_workers, collate_fn, pin_memory: as for ``torch.utils.data.DataLoader``.
+        num_replicas, rank: the data-parallel ranks and this one (both or neither); default: the default
+            process group's, else (1, 0).
 
-    Raises:
-        LitCBSConfigError: ``batch_size`` or ``num_replicas`` not an int >= 1, ``num_workers`` not an
-            int >= 0, only one of ``num_replicas`` and ``rank`` given, or ``rank`` outside
-            [0, ``num_replicas``).
-
-    Attributes:
-        epoch: the epoch whose order is read.
-        position: samples consumed this epoch, over all ranks (the data position).
-        micro_batches: micro-batches this rank has yielded this epoch.
-        last_samples, last_round_samples: samples in the micro-batch this rank yielded last, and in its
-            round over all ranks (fewer than ``batch_size`` and ``batch_size`` x ranks in an epoch's last
-            round); None before the first.
-
-    Examples:
+    Example:
         Rank 0 of 2 reads micro-batches of 2 samples from 12, in dataset order: rank 1 reads 2 and 3 beside its
         0 and 1. Set to 4 samples between two steps, it reads on from position 4, in runs of 4 (rank 1 takes 8 to 11):
 
@@ -170,13 +125,11 @@ class GlobalOrderLoader:
         >>> single = GlobalOrderLoader(list(range(10)), batch_size=4, seed=0)
         >>> [batch.tolist() for batch in single]
         [[4, 6, 2, 7], [3, 5, 9, 0], [8, 1]]
-        >>> single.state_dict()["position"], single.epoch
-        (10, 0)
     """
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         batch_size: int,
         shuffle: bool = True,
         seed: int = 0,
@@ -186,10 +139,10 @@ class GlobalOrderLoader:
         num_replicas: int | None = None,
         rank: int | None = None,
     ):
-        self.num_samples = global_sample_count(dataset)
+        self.num_samples = _global_sample_count(dataset)
         # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
         self.dataset = _ByIndex(dataset, self.num_samples) if isinstance(dataset, IterableDataset) else dataset
-        positive_int("batch_size", batch_size, "samples per rank")  # LitCBSConfigError unless an int >= 1
+        positive_int("batch_size", batch_size, "samples per rank")
         self._batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -202,67 +155,52 @@ class GlobalOrderLoader:
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
         self._replicas: tuple[int, int] | None = None
         if num_replicas is not None and rank is not None:  # both or neither (above)
-            positive_int("num_replicas", num_replicas, "ranks")  # LitCBSConfigError unless an int >= 1
+            positive_int("num_replicas", num_replicas, "ranks")
             self._replicas = (num_replicas, int(rank))
             if not 0 <= rank < num_replicas:
                 raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = 0
         self.position = 0
         self.micro_batches = 0
+        # Samples in the micro-batch this rank yielded last, and in its round over all ranks.
         self.last_samples: int | None = None
         self.last_round_samples: int | None = None
         self._exhausted = False
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
-        self._batches: Iterator | None = None  # the running read, from _run_start on
-        self._run_start = 0
+        self._batches: Iterator[Any] | None = None  # the running read
 
-    # ------------------------------------------------------------------ what Lightning and BatchWarmup set
     @property
     def batch_size(self) -> int:
-        """Samples per micro-batch and rank. Set between two optimizer steps, it applies from the next
-        micro-batch on, read from the position now.
-
-        Raises:
-            LitCBSConfigError: when set to other than an int >= 1.
-        """
+        """Samples per micro-batch and rank; set between two steps, it applies from the next micro-batch."""
         return self._batch_size
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
-        positive_int("batch_size", value, "samples per rank")  # LitCBSConfigError unless an int >= 1
+        positive_int("batch_size", value, "samples per rank")
         if value != self._batch_size:
             self._batch_size = value
             self._batches = None  # the next micro-batch is read from the position now, in runs of the new size
 
     @property
     def sampler(self) -> GlobalOrderLoader:
-        """Where Lightning looks for ``set_epoch`` at the start of every epoch."""
+        """Where Lightning looks for ``set_epoch``."""
         return self
 
     def set_epoch(self, epoch: int) -> None:
-        """Read ``epoch``'s order; from its start, unless the position is already in it (a resumed run).
-
-        Args:
-            epoch: the epoch (0-based) whose order to read; Lightning calls this at every epoch's start.
-        """
+        """Read ``epoch``'s order; from its start, unless the position is already in it (a resumed run)."""
         if epoch != self.epoch:
             self.epoch, self.position, self.micro_batches = epoch, 0, 0
             self._batches = None
         self._exhausted = False
 
     def topology(self) -> tuple[int, int]:
-        """The ranks the samples are dealt to.
-
-        Returns:
-            (data-parallel ranks, this rank): those given, else the default process group's, else (1, 0).
-        """
+        """(data-parallel ranks, this rank)."""
         if self._replicas is not None:
             return self._replicas
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             return torch.distributed.get_world_size(), torch.distributed.get_rank()
         return 1, 0
 
-    # ------------------------------------------------------------------ iteration
     def _remaining_micro_batches(self) -> int:
         world, _ = self.topology()
         return -(-(self.num_samples - self.position) // (self._batch_size * world))  # the last, short round included
@@ -271,23 +209,18 @@ class GlobalOrderLoader:
         """(samples of this rank, samples over all ranks) in the round read next."""
         world, rank = self.topology()
         round_samples = min(self._batch_size * world, self.num_samples - self.position)
-        return round_share(round_samples, rank, world)[1], round_samples
+        return _round_share(round_samples, rank, world)[1], round_samples
 
     @property
     def deals_unevenly(self) -> bool:
-        """Whether an epoch's last round can leave the ranks different numbers of samples, some perhaps none
-        (a micro-batch of zero samples): only where the dataset's size is no multiple of the ranks (every
-        round before it takes a multiple of them)."""
+        """Whether an epoch's last round can leave ranks different numbers of samples (the dataset's size is no
+        multiple of the ranks)."""
         world, _ = self.topology()
         return self.num_samples % world != 0
 
     def empty_batch(self) -> Any:
-        """A micro-batch of zero samples as the loader yields one, built from the dataset's first sample.
-
-        Returns:
-            The collated batch of the first sample with every tensor and numpy array cut to zero rows.
-        """
-        return zero_rows(self._collate([self.dataset[0]]))
+        """A micro-batch of zero samples, as the loader yields one."""
+        return _zero_rows(self._collate([self.dataset[0]]))
 
     def _collate(self, samples: list[Any]) -> Any:
         return (self.collate_fn or default_collate)(samples)
@@ -313,7 +246,7 @@ class GlobalOrderLoader:
             raise
         samples, round_samples = self._next_round()
         if samples == 0:
-            batch = zero_rows(batch)  # read one sample of the round for its structure (see _read_from_position)
+            batch = _zero_rows(batch)  # read one sample of the round for its structure (see _read_from_position)
         self.micro_batches += 1
         self.position += round_samples
         self.last_samples, self.last_round_samples = samples, round_samples
@@ -328,7 +261,7 @@ class GlobalOrderLoader:
         def index_runs() -> Iterator[list[int]]:
             # An empty share reads the round's first sample, which _next cuts to zero rows: collate_fn sees samples.
             rounds = range(start, len(order), micro * world)
-            for base, indices in zip(rounds, rank_micro_batches(order, start, micro, rank, world)):
+            for base, indices in zip(rounds, _rank_micro_batches(order, start, micro, rank, world)):
                 yield indices or [int(order[base])]
 
         runs = _IndexRuns(index_runs, self._remaining_micro_batches())
@@ -348,19 +281,8 @@ class GlobalOrderLoader:
         )
 
     def peek(self, count: int) -> list[Any]:
-        """The next ``count`` micro-batches this rank reads from its position on (into the next epochs' orders
-        where this one ends), leaving the loader where it is: the data a run at this micro-batch would train
-        on next (a CBS probe of a checkpoint reads its window this way).
-
-        Args:
-            count: micro-batches to read.
-
-        Returns:
-            The ``count`` micro-batches, in the order this rank would read them.
-
-        Raises:
-            LitCBSConfigError: the dataset makes no micro-batch at all (two epochs in a row yield none).
-        """
+        """The next ``count`` micro-batches this rank reads (into the next epochs), leaving the loader where it is;
+        LitCBSConfigError when the dataset makes none."""
         reader = copy.copy(self)
         reader._batches, reader._exhausted = None, False
         batches: list[Any] = []
@@ -379,10 +301,8 @@ class GlobalOrderLoader:
                 reader.set_epoch(reader.epoch + 1)
         return batches
 
-    # ------------------------------------------------------------------ checkpointing (Lightning's _Stateful)
     def state_dict(self) -> dict[str, Any]:
-        """The data position (epoch, samples consumed this epoch over all ranks, micro-batches this rank
-        yielded) and what the order depends on, for a checkpoint (Lightning saves it with the fit loop)."""
+        """The data position, and what the order depends on."""
         world, _ = self.topology()
         return {
             "epoch": self.epoch,
@@ -396,15 +316,8 @@ class GlobalOrderLoader:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Go on from a ``state_dict``'s position, on any number of ranks and at any micro-batch.
-
-        Args:
-            state_dict: what ``state_dict`` returned.
-
-        Raises:
-            LitCBSConfigError: the checkpoint read other data (``num_samples``) or another order (``seed``,
-                ``shuffle``).
-        """
+        """Go on from a ``state_dict``'s position, on any ranks and micro-batch; LitCBSConfigError for another
+        dataset size, seed or shuffle."""
         for name in ("num_samples", "seed", "shuffle"):
             if state_dict[name] != getattr(self, name):
                 raise LitCBSConfigError(

@@ -1,17 +1,9 @@
-"""Tokenize text files into litdata token chunks, and cache the result.
+"""Tokenize text files into litdata token chunks (``<folder>/train``, ``<folder>/val``, metadata in
+``<folder>/lit_cbs.json``), and cache the result.
 
-Layout of a prepared folder::
-
-    <folder>/train/index.json, chunk-*.bin   litdata chunks for TokensLoader
-    <folder>/val/index.json, chunk-*.bin
-    <folder>/lit_cbs.json                     metadata: tokenizer, vocab size, token counts, fingerprint
-
-Token stream: the files in the given order, each followed by the tokenizer's ``eos_id``
-(the NUL byte for the byte tokenizer), so the stream is ``doc1 EOS doc2 EOS ...``. Files are
-read as UTF-8 (invalid bytes become U+FFFD). Split: the last ``val_fraction`` of the source
-bytes is the validation set, cut at a UTF-8 character boundary, possibly inside a file; for
-the byte tokenizer this is the last ``val_fraction`` of the token stream (up to one EOS per
-document). Nothing is shuffled at this stage, so a preparation is reproducible.
+The token stream is the files in order, each followed by the tokenizer's ``eos_id``; the last ``val_fraction`` of
+the source bytes (cut at a UTF-8 character boundary) is the validation split. Nothing is shuffled here, so a
+preparation is reproducible.
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ import tempfile
 import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -41,10 +34,8 @@ METADATA_FILE = "lit_cbs.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 DEFAULT_CHUNK_TOKENS = 2**24
-# optimize starts a worker process and, in ordered mode, a helper process per worker. Under
-# spawn each re-imports torch, which takes longer than tokenizing the stdlib corpus; under fork
-# none does. The forked code is litdata's and _tokenize_piece, which stays in numpy (no torch
-# threads). Elsewhere (macOS) spawn: scripts that prepare data need `if __name__ == "__main__":`.
+# Under spawn each of optimize's processes re-imports torch, which takes longer than tokenizing the stdlib corpus;
+# the forked code (litdata's, _tokenize_piece) stays in numpy. macOS spawns: scripts need `if __name__ == "__main__"`.
 OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 
 Tokenizer = ByteTokenizer | HFTokenizer
@@ -66,7 +57,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.int32)
 
 
-def split_pieces(files: Sequence[str | os.PathLike], val_fraction: float) -> tuple[list[Piece], list[Piece]]:
+def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -> tuple[list[Piece], list[Piece]]:
     """Train and val pieces of ``files``: val is the last ``val_fraction`` of the bytes."""
     sizes = [os.path.getsize(f) for f in files]
     total = sum(sizes)
@@ -104,12 +95,9 @@ def _character_start(path: str, position: int) -> int:
 def _tokenize_piece(
     piece: Piece, tokenizer: Tokenizer, dtype: np.dtype, max_item_tokens: int, error_dir: str
 ) -> Iterator[np.ndarray]:
-    """litdata ``optimize`` fn: the piece's tokens (plus EOS at a document end), in items of at
-    most ``max_item_tokens`` tokens (a litdata item may not exceed a chunk).
-
-    A failure is written to ``error_dir`` for ``prepare`` to raise, not raised here: litdata
-    answers an exception by killing its worker, which orphans the worker's helper process.
-    """
+    """litdata ``optimize`` fn: the piece's tokens (and EOS at a document end) in items of at most
+    ``max_item_tokens``. A failure is written to ``error_dir`` rather than raised: litdata kills a worker that
+    raises, which orphans its helper process."""
     path, start, end, ends_document = piece
     try:
         with open(path, "rb") as f:
@@ -128,22 +116,14 @@ def _tokenize_piece(
 
 @contextlib.contextmanager
 def _isolated_optimize_run() -> Iterator[Path]:
-    """A private scratch folder for litdata's optimize; restores the multiprocessing start method
-    and the global random states.
-
-    optimize wipes its scratch folders (under the system temp dir by default) when it starts,
-    which breaks a concurrent preparation, and it sets the global start method to its own. It
-    also seeds Python's, numpy's and torch's (CPU and CUDA) global generators with a fixed 42: a
-    run that prepares its data after seeding would otherwise initialise its model from 42
-    instead of its own seed, unlike every later run, which finds the data prepared.
-    """
+    """A private scratch folder for litdata's optimize, which wipes the shared one and sets the global start
+    method; the start method and the global random states (which it seeds with 42) are restored after."""
     from lightning.pytorch.utilities.seed import isolate_rng
 
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
     scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
     previous_env = {name: os.environ.get(name) for name in scratch_vars}
-    # Where CUDA is available, isolate_rng starts it here to read its state: until CUDA starts,
-    # torch.manual_seed only queues a CUDA seed, and optimize's 42 would replace the user's.
+    # isolate_rng starts CUDA here to read its state: until then a CUDA seed is only queued, and 42 would replace it.
     with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch, isolate_rng():
         for name in scratch_vars:
             os.environ[name] = os.path.join(scratch, name.lower())
@@ -159,50 +139,40 @@ def _isolated_optimize_run() -> Iterator[Path]:
 
 
 def _default_num_workers(pieces: Sequence[Piece]) -> int:
-    # Byte tokenization runs at >10 MB/s in one process: more workers pay off only on large inputs
-    # or slow tokenizers. One per 8 MB of text, at most one per core.
+    # Byte tokenization runs at >10 MB/s in one process: one worker per 8 MB of text, at most one per core.
     num_bytes = sum(end - start for _, start, end, _ in pieces)
     return max(1, min(os.cpu_count() or 1, num_bytes // (8 * 2**20)))
 
 
-def read_token_count(split_dir: str | os.PathLike) -> int:
+def _read_token_count(split_dir: str | os.PathLike[str]) -> int:
     """Tokens stored in a litdata TokensLoader folder, from its index.json."""
     with open(Path(split_dir, "index.json")) as f:
         return sum(chunk["dim"] for chunk in json.load(f)["chunks"])
 
 
 def prepare(
-    files: Sequence[str | os.PathLike],
-    output_dir: str | os.PathLike,
+    files: Sequence[str | os.PathLike[str]],
+    output_dir: str | os.PathLike[str],
     tokenizer: Tokenizer,
     val_fraction: float = 0.01,
     num_workers: int | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     fingerprint: str | None = None,
-) -> dict:
-    """Tokenize ``files`` into ``output_dir``/train and /val (litdata TokensLoader chunks).
-
-    The global random generators (Python, numpy, torch) are left as they were.
+) -> dict[str, Any]:
+    """Tokenize ``files`` (one document each, in stream order) into ``output_dir``/train and /val; the global random
+    generators are left as they were.
 
     Args:
-        files: the text files, one document each, in the order of the token stream.
-        output_dir: the folder to write ``train/``, ``val/`` and ``lit_cbs.json`` into.
         tokenizer: a ``ByteTokenizer`` or ``HFTokenizer`` (``load_tokenizer``).
         val_fraction: share of the source bytes held out, in (0, 1).
         num_workers: optimize processes (default: one per 8 MB of text, at most one per core).
-        chunk_tokens: tokens per litdata chunk (TokensLoader samples never cross a chunk boundary,
-            so up to seq_len tokens per chunk go unused).
-        fingerprint: recorded in the metadata (see ``source_fingerprint``).
+        chunk_tokens: tokens per litdata chunk (a sample never crosses one).
+        fingerprint: recorded in the metadata (``_source_fingerprint``).
 
     Returns:
-        The metadata also written to ``output_dir``/lit_cbs.json (tokenizer, vocab_size, token counts
-        of each split, ...).
+        The metadata written to ``output_dir``/lit_cbs.json.
 
-    Raises:
-        ValueError: ``val_fraction`` outside (0, 1), no ``files``, or ``output_dir`` already holds a split.
-        RuntimeError: tokenizing a piece of the text failed (the message has the first error).
-
-    Examples:
+    Example:
         Preparing starts litdata's worker processes (seconds); what it refuses is checked first:
 
         >>> from lit_cbs.data import ByteTokenizer, prepare
@@ -210,10 +180,6 @@ def prepare(
         Traceback (most recent call last):
         ...
         ValueError: files is empty; give at least one text file to prepare
-        >>> prepare(["a.txt"], "unused", ByteTokenizer(), val_fraction=1.0)
-        Traceback (most recent call last):
-        ...
-        ValueError: val_fraction=1.0 must be in (0, 1): the share of the text held out
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
@@ -262,19 +228,19 @@ def prepare(
         "val_fraction": val_fraction,
         "num_documents": len(files),
         "source_bytes": sum(os.path.getsize(f) for f in files),
-        "train_tokens": read_token_count(output_dir / "train"),
-        "val_tokens": read_token_count(output_dir / "val"),
+        "train_tokens": _read_token_count(output_dir / "train"),
+        "val_tokens": _read_token_count(output_dir / "val"),
         "source_fingerprint": fingerprint,
     }
     (output_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
     return metadata
 
 
-def source_fingerprint(
-    files: Sequence[str | os.PathLike], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
+def _source_fingerprint(
+    files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
 ) -> str:
-    """sha256 over what determines a preparation: each file's path, size and modification time
-    (not its content, so checking a large corpus stays cheap), the tokenizer and the split."""
+    """sha256 over what determines a preparation: each file's path, size and modification time (not its content),
+    the tokenizer and the split."""
     stats = []
     for f in files:
         stat = os.stat(f)
@@ -283,7 +249,7 @@ def source_fingerprint(
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
-def read_metadata(data_dir: str | os.PathLike) -> dict | None:
+def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The lit_cbs.json of a prepared folder, or None for a folder prepared by other tools."""
     path = Path(data_dir, METADATA_FILE)
     return json.loads(path.read_text()) if path.is_file() else None
@@ -299,40 +265,24 @@ def text_files(input_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def resolve_data(
-    path: str | os.PathLike | None = None,
-    input_dir: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
-    tokenizer: str | os.PathLike = "bytes",
+    path: str | os.PathLike[str] | None = None,
+    input_dir: str | os.PathLike[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    tokenizer: str | os.PathLike[str] = "bytes",
     val_fraction: float = 0.01,
     num_workers: int | None = None,
 ) -> Path:
-    """The prepared folder (holding train/ and val/) to train on, preparing it if needed.
+    """The prepared folder to train on: ``path`` as is; else ``input_dir``'s text files, or (neither) the embedded
+    stdlib corpus, prepared on first use into ``cache_dir`` under a key from ``_source_fingerprint``.
 
     Args:
-        path: a folder already prepared (by ``prepare`` or litgpt); used as is.
-        input_dir: a folder of text files, prepared on first use into ``cache_dir`` under a key from
-            ``source_fingerprint``, so a changed source or tokenizer prepares afresh. Neither: the
-            embedded stdlib corpus, prepared once into ``cache_dir``.
-        cache_dir: where prepared folders are kept (default ``default_cache_dir()``).
-        tokenizer: ``"bytes"`` or a tokenizer.json path (``load_tokenizer``).
-        val_fraction: share of the text held out, in (0, 1).
-        num_workers: processes that prepare (``prepare``'s default when None).
+        path: a folder already prepared (by ``prepare`` or litgpt).
+        input_dir: a folder of text files.
+        cache_dir: where prepared folders are kept (default ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``).
+        tokenizer: ``"bytes"`` or a tokenizer.json path.
 
-    Returns:
-        The prepared folder.
-
-    Raises:
-        ValueError: both ``path`` and ``input_dir``, a ``path`` that is no prepared folder, an ``input_dir``
-            that is no folder or holds no files, or what ``prepare`` refuses.
-
-    Examples:
-        >>> import tempfile
+    Example:
         >>> from lit_cbs.data import resolve_data
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     resolve_data(input_dir=folder)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: data.input_dir='...' holds no files; put text files in it, or leave data.input_dir unset to ...
         >>> resolve_data(path="a", input_dir="b")
         Traceback (most recent call last):
         ...
@@ -368,7 +318,7 @@ def resolve_data(
         files = stdlib_python_files()
         label = "stdlib"
     tokenizer_ = load_tokenizer(tokenizer)
-    fingerprint = source_fingerprint(files, tokenizer_, val_fraction, DEFAULT_CHUNK_TOKENS)
+    fingerprint = _source_fingerprint(files, tokenizer_, val_fraction, DEFAULT_CHUNK_TOKENS)
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"{label}-{fingerprint[:16]}"
     if _is_prepared(target, fingerprint):

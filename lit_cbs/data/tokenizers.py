@@ -1,9 +1,5 @@
-"""Tokenizers: raw UTF-8 bytes by default, or a Hugging Face ``tokenizer.json``.
-
-Every tokenizer has ``name`` (recorded in a prepared dataset's metadata), ``vocab_size``
-(ids are in [0, vocab_size)), ``eos_id`` (the id written after each document) and
-``encode(text) -> list[int]`` / ``decode(ids) -> str``.
-"""
+"""Tokenizers: raw UTF-8 bytes by default, or a Hugging Face ``tokenizer.json``. Each has ``name`` (recorded in a
+prepared dataset's metadata), ``vocab_size``, ``eos_id`` (written after each document), ``encode`` and ``decode``."""
 
 from __future__ import annotations
 
@@ -14,11 +10,9 @@ __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte: vocabulary 256, no training, no files.
+    """One token per UTF-8 byte: vocabulary 256, documents separated by the NUL byte (id 0).
 
-    Documents are separated by the NUL byte (id 0), which does not occur in text files.
-
-    Examples:
+    Example:
         >>> from lit_cbs.data import ByteTokenizer
         >>> tokenizer = ByteTokenizer()
         >>> tokenizer.encode("hé!")  # "é" is two bytes in UTF-8
@@ -32,62 +26,21 @@ class ByteTokenizer:
     eos_id = 0
 
     def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text``, as ids in [0, 256).
-
-        Args:
-            text: the text to tokenize.
-
-        Returns:
-            One id per UTF-8 byte of ``text``.
-        """
+        """The UTF-8 bytes of ``text``."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        """The text of the bytes ``ids``; an invalid UTF-8 sequence decodes to U+FFFD.
-
-        Args:
-            ids: token ids, each in [0, 256).
-
-        Returns:
-            The decoded text.
-        """
+        """The text of the bytes ``ids`` (invalid UTF-8 decodes to U+FFFD)."""
         return bytes(ids).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json`` file.
-
-    ``eos_token`` names the document separator; by default the first of
-    ``<|endoftext|>``, ``</s>``, ``<eos>``, ``<|end_of_text|>`` that the vocabulary holds.
-
-    Args:
-        path: the ``tokenizer.json`` file.
-        eos_token: the end-of-document token (None: the first of ``DEFAULT_EOS_TOKENS`` in the vocabulary).
-
-    Raises:
-        ImportError: the ``tokenizers`` package is not installed (``pip install tokenizers``).
-        ValueError: ``path`` is not a file, or the vocabulary holds none of the end-of-document tokens.
-
-    Examples:
-        A word-level tokenizer of four tokens, saved to a temporary folder:
-
-        >>> import pathlib, tempfile
-        >>> from tokenizers import Tokenizer, models, pre_tokenizers
-        >>> from lit_cbs.data import HFTokenizer
-        >>> vocab = {"</s>": 0, "[UNK]": 1, "hello": 2, "world": 3}
-        >>> words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-        >>> words.pre_tokenizer = pre_tokenizers.Whitespace()
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     path = pathlib.Path(folder, "tokenizer.json")
-        ...     words.save(str(path))
-        ...     tokenizer = HFTokenizer(path)
-        >>> tokenizer.encode("hello world"), tokenizer.vocab_size, tokenizer.eos_id
-        ([2, 3], 4, 0)
-    """
+    """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; ``eos_token`` (default: the first of
+    ``DEFAULT_EOS_TOKENS`` the vocabulary holds) separates documents."""
 
     DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
-    def __init__(self, path: str | os.PathLike, eos_token: str | None = None):
+    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError as error:
@@ -114,48 +67,23 @@ class HFTokenizer:
             )
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, without the special tokens a template would add.
-
-        Args:
-            text: the text to tokenize.
-
-        Returns:
-            Its token ids, each in [0, ``vocab_size``).
-        """
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        """The ids of ``text``, without the special tokens a template would add."""
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
 
     def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, special tokens kept.
-
-        Args:
-            ids: token ids, each in [0, ``vocab_size``).
-
-        Returns:
-            The decoded text.
-        """
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+        """The text of ``ids``, special tokens kept."""
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
+        return text
 
 
-def load_tokenizer(spec: str | os.PathLike) -> ByteTokenizer | HFTokenizer:
-    """``"bytes"`` -> ByteTokenizer; anything else is read as the path of a tokenizer.json.
+def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+    """``"bytes"`` -> ``ByteTokenizer``; anything else is read as the path of a tokenizer.json.
 
-    Args:
-        spec: ``"bytes"``, or the path of a Hugging Face ``tokenizer.json``.
-
-    Returns:
-        A ``ByteTokenizer``, or an ``HFTokenizer`` of that file.
-
-    Raises:
-        ValueError: ``spec`` is neither ``"bytes"`` nor a file (``HFTokenizer`` has the other cases).
-
-    Examples:
+    Example:
         >>> from lit_cbs.data import load_tokenizer
         >>> load_tokenizer("bytes").vocab_size
         256
-        >>> load_tokenizer("no/such/tokenizer.json")
-        Traceback (most recent call last):
-        ...
-        ValueError: tokenizer file 'no/such/tokenizer.json' does not exist; give the path of a tokenizer.json
     """
     if str(spec) == "bytes":
         return ByteTokenizer()

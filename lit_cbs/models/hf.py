@@ -1,16 +1,9 @@
 """Hugging Face ``transformers`` causal LMs as lit_cbs decoders, built from a config (no weights downloaded).
 
-``hf_config({"model_type": "llama", "hidden_size": 64, ...})`` checks the fields against that
-model type's config class (a misspelt field is an error here, where ``transformers`` would keep it
-as an unused attribute) and ``HFDecoder(config)`` builds ``AutoModelForCausalLM.from_config(config)``
-behind the interface ``lit_cbs.models.lm.CausalLM`` trains through, the one ``lit_cbs.models.olmo.OLMo``
-has: ``forward(input_ids) -> logits``, ``blocks`` (the decoder layers, the unit FSDP2 shards,
-activation checkpointing recomputes and ``torch.compile`` compiles), ``reset_parameters()`` after
-a meta-device build (``transformers``' own ``init_weights``: its weight initialisation, and the
-rotary embedding's buffers recomputed), ``num_parameters()`` and ``flops_per_token(seq_len)``.
-
-``transformers`` is an optional dependency (``pip install -e ".[hf]"``); it is imported only here,
-when a config names a ``model_type``.
+``HFDecoder`` gives ``AutoModelForCausalLM.from_config(config)`` the interface ``CausalLM`` trains ``OLMo`` through:
+``forward(input_ids) -> logits``, ``blocks`` (the unit FSDP2 shards, activation checkpointing recomputes and
+``torch.compile`` compiles), ``reset_parameters()``, ``num_parameters()`` and ``flops_per_token(seq_len)``.
+``transformers`` (the [hf] extra) is imported only when a config names a ``model_type``.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ __all__ = ["HFDecoder", "hf_config"]
 HF_EXTRA = 'pip install -e ".[hf]"'
 
 
-def _transformers():
+def _transformers() -> Any:
     try:
         import transformers
     except ImportError as error:
@@ -42,19 +35,7 @@ def _transformers():
 
 
 def is_hf_config(config: Any) -> bool:
-    """True for a ``transformers`` model config (without importing transformers if it is not loaded).
-
-    Args:
-        config: anything.
-
-    Returns:
-        Whether it is a ``transformers`` ``PretrainedConfig``.
-
-    Examples:
-        >>> from lit_cbs.models import get_config
-        >>> is_hf_config(get_config("tiny")), is_hf_config({"model_type": "llama"})
-        (False, False)
-    """
+    """True for a ``transformers`` model config (without importing transformers)."""
     return any(
         cls.__name__ in ("PreTrainedConfig", "PretrainedConfig") and cls.__module__.startswith("transformers")
         for cls in type(config).__mro__
@@ -62,24 +43,9 @@ def is_hf_config(config: Any) -> bool:
 
 
 def hf_config(fields: Mapping[str, Any]) -> Any:
-    """The ``transformers`` config that ``{"model_type": name, **fields}`` describes.
-
-    ``model_type`` is any model type ``AutoModelForCausalLM`` builds (``llama``, ``olmo2``,
-    ``qwen2``, ``mistral``, ``gpt2``, ...); the other fields are that config class's, e.g.
-    ``LlamaConfig``'s ``hidden_size``, ``num_hidden_layers``; a field the class does not know, a
-    model type without a causal LM, or a missing ``transformers`` is a LitCBSConfigError.
-
-    Args:
-        fields: ``model_type`` and the config class's fields, e.g. ``{"model_type": "llama", "hidden_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 256}``.
-
-    Returns:
-        The ``transformers`` config.
-
-    Raises:
-        LitCBSConfigError: transformers is not installed, ``model_type`` is unknown or has no causal LM, or a
-            field is not the config class's.
-    """
+    """The ``transformers`` config ``{"model_type": name, **fields}`` describes, for any model type
+    ``AutoModelForCausalLM`` builds. LitCBSConfigError for a field the config class does not know (transformers
+    would keep it unused), a model type without a causal LM, or a missing ``transformers``."""
     transformers = _transformers()
     fields = dict(fields)
     model_type = fields.pop("model_type")
@@ -107,19 +73,8 @@ def hf_config(fields: Mapping[str, Any]) -> Any:
 
 
 class HFDecoder(nn.Module):
-    """A ``transformers`` causal LM built from ``config``, as the decoder ``lit_cbs.models.lm.CausalLM`` trains.
-
-    Its parameters are named ``lm.<the transformers model's own names>`` (e.g.
-    ``lm.model.layers.0.self_attn.q_proj.weight`` for Llama), so a state dict maps onto
-    ``AutoModelForCausalLM``'s by removing the ``lm.`` prefix.
-
-    Args:
-        config: a ``transformers`` config of a causal LM (``hf_config``).
-
-    Raises:
-        LitCBSConfigError: transformers is not installed, or the model holds no ``nn.ModuleList`` of its
-            ``num_hidden_layers`` decoder layers.
-    """
+    """A ``transformers`` causal LM built from ``config``, as the decoder ``CausalLM`` trains. Its parameters are
+    named ``lm.<the transformers model's names>``: drop the ``lm.`` prefix for ``AutoModelForCausalLM``'s state dict."""
 
     def __init__(self, config: Any):
         super().__init__()
@@ -131,41 +86,24 @@ class HFDecoder(nn.Module):
     @property
     def blocks(self) -> nn.ModuleList:
         """The decoder layers (``model.layers`` in Llama-like models, ``transformer.h`` in GPT-2)."""
-        return self.lm.get_submodule(self._layers_path)
+        layers: nn.ModuleList = self.lm.get_submodule(self._layers_path)
+        return layers
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (causal attention, positions 0..T-1, no cache).
-
-        A batch of no sample (an epoch's last micro-batch on a rank its share left none) still runs every
-        layer, so that sharded and data-parallel backward hooks fire on this rank as on the others:
-        ``transformers``' attention cannot reshape zero rows, so one padding row runs and none of its
-        logits is returned (their gradient is zero).
-
-        Args:
-            input_ids: token ids [B, T].
-
-        Returns:
-            Logits [B, T, vocab_size].
-        """
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (no cache). A batch of no sample runs one padding row
+        and returns none of it, so every layer's collectives fire on this rank as on the others."""
         if input_ids.shape[0] == 0:
-            return self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]), use_cache=False).logits[:0]
-        return self.lm(input_ids=input_ids, use_cache=False).logits
+            logits: torch.Tensor = self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]), use_cache=False).logits
+            return logits[:0]
+        logits = self.lm(input_ids=input_ids, use_cache=False).logits
+        return logits
 
     def reset_parameters(self) -> None:
-        """(Re-)initialise every weight and buffer the transformers way; call after ``to_empty()`` on a
-        model built on the meta device."""
+        """(Re-)initialise weights and buffers the transformers way, after ``to_empty()``."""
         self.lm.init_weights()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (a tied output head counted once); ``exclude_embeddings`` leaves out the
-        token (and position) embeddings and an untied output head.
-
-        Args:
-            exclude_embeddings: count only the non-embedding parameters.
-
-        Returns:
-            The count (elements).
-        """
+        """Number of parameters (a tied head once); ``exclude_embeddings`` leaves out embeddings and an untied head."""
         total = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             total -= sum(p.numel() for p in embedding_parameters(self))
@@ -175,16 +113,8 @@ class HFDecoder(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len`` tokens: 6 x the weights used in a matmul (every
-        ``nn.Linear``, the output head among them, once even if tied) + 12 x layers x attention width x
-        seq_len (PaLM's estimate, as ``OLMo.flops_per_token``).
-
-        Args:
-            seq_len: tokens per sequence.
-
-        Returns:
-            FLOPs per token.
-        """
+        """Training FLOPs per token at ``seq_len``: 6 x every ``nn.Linear`` weight (once if tied) + 12 x layers x
+        attention width x seq_len (PaLM's estimate, as ``OLMo.flops_per_token``)."""
         matmul_weights = sum(
             {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values()
         )
@@ -198,8 +128,7 @@ def _is_tied(lm: Any) -> bool:  # a transformers PreTrainedModel
 
 
 def _decoder_layers_path(lm: Any, config: Any) -> str:
-    """The path of the ``nn.ModuleList`` holding the ``num_hidden_layers`` decoder layers of ``lm``, a
-    ``transformers`` ``PreTrainedModel``."""
+    """The path of the ``nn.ModuleList`` of ``lm``'s ``num_hidden_layers`` decoder layers."""
     n_layers = config.num_hidden_layers
     for path in layer_stacks(lm):
         if len(lm.get_submodule(path)) == n_layers:

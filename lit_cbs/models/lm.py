@@ -1,28 +1,6 @@
-"""``CausalLM``: next-token training of a decoder as a LightningModule: lit_cbs's OLMo-style
-decoder, or a Hugging Face ``transformers`` causal LM built from its config.
-
-The model is built in ``configure_model``, so one module serves every strategy. Under Lightning's
-``ModelParallelStrategy`` (FSDP2) the decoder is built on the meta device, each block (decoder
-layer) and then the root is ``fully_shard``-ed over the data-parallel mesh, and only the shards are
-materialized and initialised; on one device or under DDP it is built directly.
-
-With ``ignore_index`` (a padding token id), targets equal to it do not count, and each optimizer
-step's gradient is the mean over every counted token of the step, however the step is split into
-micro-batches, accumulation and ranks (``lit_cbs.token_mean_loss``).
-
-Logged: ``train/loss`` (mean over the micro-batches of each optimizer step, all ranks, less the
-zero-sample one an epoch's last round can leave a rank (``GlobalOrderLoader``); per counted token with
-``ignore_index``),
-``val/loss`` (mean per token over the validation set), ``perf/tokens_per_s`` (all ranks, over the
-wall time of the last optimizer step, validation and a CBS probe's branches excluded) and, when
-the peak FLOP/s of a device is known, ``perf/mfu`` = model FLOP/s per device / peak, with FLOPs
-per token from the decoder's ``flops_per_token`` (PaLM's 6N + attention estimate, activation
-recomputation not counted).
-Both come from Lightning's ``lightning.fabric.utilities.throughput.Throughput``, updated once per
-optimizer step; the peak is ``peak_flops_per_device`` or else Lightning's ``get_available_flops``
-table for the device and precision (none on a CPU).
-The LR schedule is indexed by tokens (``lit_cbs.rules.lr_schedules``): the Trainer's
-``lit_cbs.callbacks.accounting.BatchAccounting`` (attached in ``setup``) feeds it the token count.
+"""``CausalLM``: next-token training of lit_cbs's OLMo-style decoder, or of a Hugging Face causal LM, as a
+LightningModule. The model is built in ``configure_model``: under ``ModelParallelStrategy`` on the meta device,
+``fully_shard``-ed per block then at the root (FSDP2), and only the shards are materialized and initialised.
 """
 
 from __future__ import annotations
@@ -32,7 +10,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -51,10 +29,13 @@ from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.models.token_loss import token_mean_loss
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 __all__ = ["CausalLM", "resolve_model_config"]
 
-OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
-REQUIRED_OLMO_FIELDS = tuple(
+_OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
+_REQUIRED_OLMO_FIELDS = tuple(
     field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
 )
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
@@ -72,32 +53,14 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_
 
 
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> OLMoConfig | Any:
-    """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes.
-
-    ``config`` is a preset name (``lit_cbs.models.PRESETS``), an ``OLMoConfig``, a ``transformers``
-    config, or a mapping: ``{"model_type": name, **fields}`` is a ``transformers`` config
-    (``lit_cbs.models.hf.hf_config``, e.g. ``{"model_type": "llama", "hidden_size": 64, ...}``);
-    ``{"preset": name, **fields}`` takes the preset and replaces the given fields (e.g.
-    ``{"preset": "olmo_1b", "n_layers": 4}``); a mapping without either gives every OLMoConfig field.
-
-    Args:
-        config: a preset name, an ``OLMoConfig``, a ``transformers`` config, or a mapping as above.
-
-    Returns:
-        ``config`` itself for a config; else a new ``OLMoConfig`` or ``transformers`` config.
+    """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes: a preset name, a config, or a
+    mapping: ``{"model_type": name, **fields}`` (a ``transformers`` config), ``{"preset": name, **fields}`` (the
+    preset with those fields replaced), or every required OLMoConfig field.
 
     Raises:
         TypeError: ``config`` is none of these.
         ValueError: a mapping with fields OLMoConfig lacks, or, without a preset, lacking some it needs.
         LitCBSConfigError: an unknown preset, or field values OLMoConfig refuses.
-
-    Examples:
-        >>> resolve_model_config({"preset": "tiny", "n_layers": 2}).n_layers
-        2
-        >>> resolve_model_config({"preset": "tiny", "layers": 2})
-        Traceback (most recent call last):
-        ...
-        ValueError: model config field(s) ['layers'] are not OLMoConfig fields; use preset or [...]
     """
     if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
@@ -112,13 +75,13 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
         return hf_config(config)
     fields = dict(config)
     preset = fields.pop("preset", None)
-    unknown = sorted(set(fields) - set(OLMO_FIELDS))
+    unknown = sorted(set(fields) - set(_OLMO_FIELDS))
     if unknown:
         raise ValueError(
-            f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(OLMO_FIELDS)}"
+            f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(_OLMO_FIELDS)}"
         )
     if preset is None:
-        missing = [name for name in REQUIRED_OLMO_FIELDS if name not in fields]
+        missing = [name for name in _REQUIRED_OLMO_FIELDS if name not in fields]
         if missing:
             raise ValueError(f"model config without a preset must give {missing}; or name a preset, e.g. preset: tiny")
         return OLMoConfig(**fields)
@@ -128,69 +91,39 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
 class CausalLM(pl.LightningModule):
     """Train a decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
+    Logs ``train/loss`` (the mean over each optimizer step's micro-batches and ranks, nats per token),
+    ``val/loss``, ``perf/tokens_per_s`` (all ranks, validation and probe branches excluded) and, where the
+    device's peak is known, ``perf/mfu``. The LR schedule is indexed by the tokens ``BatchAccounting`` counts.
+
     Args:
-        config: the model (see ``resolve_model_config``): preset name, OLMoConfig or mapping of its
-            fields for lit_cbs's OLMo-style decoder; a ``transformers`` config, or a mapping with
-            ``model_type``, for a Hugging Face causal LM (``lit_cbs.models.hf.HFDecoder``, built from
-            the config with fresh weights; ``pip install -e ".[hf]"``).
-        optimizer: parameter groups -> ``torch.optim.Optimizer``, e.g.
-            ``functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)`` (Hydra: ``_partial_: true``).
-            Its ``lr`` is the base LR, before the LR schedule's multiplier and BatchWarmup's factors;
-            its ``weight_decay`` applies to the weight matrices only (``parameter_groups``). Default:
-            AdamW, LR 3e-3, betas (0.9, 0.95), weight decay 0.1, eps 1e-8. Checked here by building
-            it on a stand-in parameter.
-        lr_schedule: tokens seen (global) -> LR multiplier, e.g. ``lit_cbs.rules.lr_schedules.WarmupStableDecay``;
-            None keeps the base LR.
-        activation_checkpointing: recompute each block's activations in the backward pass (less
-            memory, about a third more compute).
-        compile: compile each transformer block with ``torch.compile`` (regional compilation: the blocks
-            share one compiled graph), after activation checkpointing wraps them and before FSDP2 shards
-            them. A new micro-batch size compiles once more, then the graph takes any batch (torch's
-            automatic dynamic shapes); LR changes never recompile (the LR is not in the graph). A dict is
-            passed to ``torch.compile`` as its arguments, e.g. ``{"mode": "max-autotune"}``.
-        peak_flops_per_device: peak FLOP/s of one device at the training precision (e.g. 989e12 for
-            an H100/H200 SXM in dense bf16); None: Lightning's ``get_available_flops`` for the
-            device, and no ``perf/mfu`` where it knows none (CPUs, GPUs missing from its table).
-            Set it on an H200: Lightning's table does not match the name torch reports for it
-            and lists its sparse bf16 figure (2e15), twice the dense peak.
-        ignore_index: a token id (padding) whose positions as targets do not count: the loss is the
-            mean over the other targets, and each optimizer step's gradient the mean over every
-            counted token of the step (``lit_cbs.token_mean_loss``). None (default): every target
-            counts, as for packed full sequences.
+        config: a preset name, an ``OLMoConfig`` or a mapping of its fields; a ``transformers`` config, or a mapping
+            with ``model_type``, for a Hugging Face causal LM with fresh weights (the [hf] extra). See
+            ``resolve_model_config``.
+        optimizer: parameter groups -> ``torch.optim.Optimizer`` (Hydra: ``_partial_: true``). Its ``lr`` is the base
+            LR; its ``weight_decay`` applies to the weight matrices only. Default: OLMo's AdamW (``ADAMW``).
+        lr_schedule: tokens seen (global) -> LR multiplier; None keeps the base LR.
+        activation_checkpointing: recompute each block's activations in the backward pass.
+        peak_flops_per_device: peak FLOP/s of one device at the training precision (989e12 for an H100/H200 in
+            dense bf16); None: Lightning's table, which knows no CPU and lists an H200's sparse figure.
+        compile: ``torch.compile`` each block (a dict: its arguments), after activation checkpointing wraps
+            them and before FSDP2 shards them.
+        ignore_index: a padding token id whose targets do not count; each step's gradient is then the mean over
+            every counted token of the step (``token_mean_loss``). None: every target counts.
 
-    Raises:
-        LitCBSConfigError: ``ignore_index`` is not a token id of the model's vocabulary, ``compile`` is neither
-            a bool nor a mapping, ``peak_flops_per_device`` is not a positive number, or ``optimizer`` cannot
-            build a ``torch.optim.Optimizer`` from parameter groups.
-        TypeError: ``config`` is none of the forms above, or ``lr_schedule`` is not callable.
-        ValueError: a mapping ``config`` names fields OLMoConfig lacks, or lacks some without a preset.
-
-    Attributes:
-        config: the resolved model config (an ``OLMoConfig`` or a ``transformers`` config).
-        dims: the decoder's sizes (``lit_cbs.models.decoder.DecoderDims``), known before the model is built.
-
-    Examples:
-        A two-block OLMo-style decoder; its decoder is built by ``configure_model`` (Lightning calls it in
-        ``fit``), and a forward pass gives logits [batch, tokens, vocab_size]:
-
+    Example:
         >>> import math, torch
         >>> from lit_cbs.models import CausalLM
         >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "mlp_hidden": 32,
         ...                "context_length": 8, "tie_embeddings": True})
         >>> lm.num_parameters()  # tied embedding 32 x 16, and per block attention 4 x 16 x 16 + SwiGLU 3 x 16 x 32
         5632
-        >>> lm.dims.n_layers, lm.dims.head_dim
-        (2, 8)
         >>> _ = torch.manual_seed(0)
-        >>> lm.configure_model()
+        >>> lm.configure_model()  # Lightning calls it in fit
         >>> batch = torch.randint(0, 32, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens
         >>> lm(batch[:, :-1]).shape
         torch.Size([3, 8, 32])
         >>> abs(lm.probe_loss(batch).item() - math.log(32)) < 0.1  # freshly initialised: about ln(vocab_size) nats
         True
-
-        A padding id outside the vocabulary is refused:
-
         >>> CausalLM("tiny", ignore_index=256)
         Traceback (most recent call last):
         ...
@@ -217,7 +150,7 @@ class CausalLM(pl.LightningModule):
                 "fed to the model as input and not counted as a target), or None to count every target"
             )
         self.ignore_index = ignore_index
-        check_optimizer(optimizer)
+        _check_optimizer(optimizer)
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
         positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
@@ -259,9 +192,7 @@ class CausalLM(pl.LightningModule):
         return self.model
 
     def configure_model(self) -> None:
-        """Build the decoder (Lightning calls this in ``fit``; again, it keeps the one it built): sharded with
-        FSDP2 under ``ModelParallelStrategy``, its blocks wrapped for activation checkpointing and compiled
-        as the constructor asked."""
+        """Build the decoder once (Lightning calls this in every fit): sharded, checkpointed, compiled as asked."""
         if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
             return
         mesh = self._data_parallel_mesh()
@@ -282,13 +213,14 @@ class CausalLM(pl.LightningModule):
             model.reset_parameters()
         self.model = model
 
-    def _data_parallel_mesh(self):
+    def _data_parallel_mesh(self) -> DeviceMesh | None:
         """The mesh to shard over under ModelParallelStrategy, else None (no sharding)."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
             return None
         mesh = self.device_mesh
+        assert mesh is not None  # ModelParallelStrategy sets it before configure_model
         if mesh["tensor_parallel"].size() != 1:
             raise ValueError(
                 f"CausalLM shards with FSDP2 only, but the strategy's tensor_parallel_size is "
@@ -297,7 +229,7 @@ class CausalLM(pl.LightningModule):
             )
         return mesh["data_parallel"]
 
-    def _fully_shard(self, model: OLMo | HFDecoder, mesh) -> None:
+    def _fully_shard(self, model: OLMo | HFDecoder, mesh: DeviceMesh) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if self.trainer.precision == "bf16-mixed":
@@ -312,25 +244,9 @@ class CausalLM(pl.LightningModule):
         fully_shard(model, mesh=mesh, mp_policy=policy)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T].
-
-        Args:
-            input_ids: token ids [B, T], T at most the model's context length.
-
-        Returns:
-            The next-token logits [B, T, vocab_size] at each position.
-
-        Raises:
-            RuntimeError: the decoder is not built yet (``configure_model``).
-
-        Examples:
-            >>> import torch
-            >>> lm = CausalLM("tiny")
-            >>> lm.configure_model()
-            >>> lm(torch.zeros(2, 5, dtype=torch.long)).shape
-            torch.Size([2, 5, 256])
-        """
-        return self._decoder(input_ids)
+        """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
+        logits: torch.Tensor = self._decoder(input_ids)
+        return logits
 
     def _loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
@@ -394,12 +310,9 @@ class CausalLM(pl.LightningModule):
         if self._stretch_start is not None:
             self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
 
-    def on_train_batch_end(self, outputs, batch: torch.Tensor, batch_idx: int) -> None:
-        # Not lit_cbs._internals.should_accumulate, which the callbacks use: Lightning runs this hook after
-        # every callback's, and BatchWarmup's may just have changed accumulate_grad_batches (and the
-        # epoch's micro-batch count) at this step boundary, so the loop's own test would now misread the
-        # step just taken. The optimizer step count is fixed once the step is taken. (Probe branches
-        # call training_step and optimizer_step, never this hook.)
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        # Not _internals.should_accumulate: BatchWarmup's hook, which runs before this one, may just have changed
+        # the accumulation, so the loop's own test would misread the step just taken; the step count cannot.
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step
@@ -408,8 +321,7 @@ class CausalLM(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._steps += 1
-        # A CBS probe's branches run between the main run's steps: their time is not the main run's
-        # (branch_seconds counts from the fit's start; what ran before on_train_start is left out).
+        # A CBS probe's branches run between the main run's steps: their time is not the main run's.
         branch_seconds = BatchAccounting.attach(self.trainer).branch_seconds - self._branch_seconds_before
         throughput, stretch_start = self._throughput, self._stretch_start
         assert throughput is not None and stretch_start is not None  # set in on_train_start, which runs first
@@ -426,24 +338,7 @@ class CausalLM(pl.LightningModule):
             self.log(metrics.MFU, rates["device/mfu"], on_step=True, on_epoch=False)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's ``flops_per_token``).
-
-        Args:
-            seq_len: tokens per training sequence (inputs, without the extra target token).
-
-        Returns:
-            FLOPs of the forward and backward passes per token: 6 x the matmul weights + 12 x layers x d_model
-            x ``seq_len`` (PaLM's estimate), cached per ``seq_len``.
-
-        Raises:
-            RuntimeError: the decoder is not built yet (``configure_model``).
-
-        Examples:
-            >>> lm = CausalLM("tiny")
-            >>> lm.configure_model()
-            >>> lm.flops_per_token(128)  # 6 x 217,088 matmul weights (not the embedding) + 12 x 4 x 64 x 128
-            1695744
-        """
+        """Training FLOPs per token at ``seq_len`` tokens per sequence (the decoder's PaLM estimate), cached."""
         if seq_len not in self._flops_per_token:
             # Parameter counts of sharded (DTensor) parameters are global, so this holds under FSDP.
             self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
@@ -451,18 +346,7 @@ class CausalLM(pl.LightningModule):
 
     # ------------------------------------------------------------------ validation
     def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """The loss a CBS probe scores a branch by on a held-out batch (nats per token): the
-        training loss, without updating ``train_loss``.
-
-        Args:
-            batch: token ids [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
-
-        Returns:
-            The mean next-token cross-entropy over the batch's counted targets (nats per token), a scalar.
-
-        Raises:
-            RuntimeError: the decoder is not built yet (``configure_model``).
-        """
+        """The training loss of ``batch`` without updating ``train_loss``: what a CBS probe scores a branch by."""
         return self._loss(batch)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
@@ -472,21 +356,7 @@ class CausalLM(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """Two groups: the weight matrices, with the optimizer's weight decay; embeddings and
-        0/1-dimensional parameters (norms, biases), without.
-
-        Returns:
-            ``[{"params": weight matrices}, {"params": the rest, "weight_decay": 0.0}]``, for the optimizer.
-
-        Raises:
-            RuntimeError: the decoder is not built yet (``configure_model``).
-
-        Examples:
-            >>> lm = CausalLM("tiny")
-            >>> lm.configure_model()
-            >>> [len(group["params"]) for group in lm.parameter_groups()]  # 4 blocks x 7 matrices + head; embedding
-            [29, 1]
-        """
+        """The weight matrices, with the optimizer's weight decay; embeddings, norms and biases without."""
         decoder = self._decoder
         embedding_params = {id(param) for param in embedding_parameters(decoder)}
         decay: list[nn.Parameter] = []
@@ -495,7 +365,7 @@ class CausalLM(pl.LightningModule):
             (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
         return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
-    def configure_optimizers(self):
+    def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameter_groups())
         if self.lr_schedule is None:
             return optimizer
@@ -503,15 +373,7 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def num_parameters(self) -> int:
-        """Parameters of the model (built on the meta device if ``configure_model`` has not run).
-
-        Returns:
-            The number of parameters (elements; a tied output head counted once).
-
-        Examples:
-            >>> CausalLM("tiny").num_parameters()
-            233472
-        """
+        """Parameters of the model (built on the meta device before ``configure_model``); a tied head counted once."""
         if self.model is not None:
             return self.model.num_parameters()
         with torch.device("meta"):
@@ -523,25 +385,9 @@ def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
     return logits.float() if logits.element_size() < 4 else logits
 
 
-def check_optimizer(optimizer: OptimizerFactory) -> None:
-    """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups
-    shaped like ``CausalLM.parameter_groups`` (its own checks of its arguments run here, before training).
-
-    Args:
-        optimizer: parameter groups -> ``torch.optim.Optimizer``.
-
-    Raises:
-        LitCBSConfigError: ``optimizer`` is not callable, refuses its arguments (TypeError or ValueError), or
-            returns something else than an Optimizer.
-
-    Examples:
-        >>> import functools, torch
-        >>> check_optimizer(functools.partial(torch.optim.SGD, lr=0.1))
-        >>> check_optimizer(functools.partial(torch.optim.AdamW, lr=-1.0))
-        Traceback (most recent call last):
-        ...
-        lit_cbs.errors.LitCBSConfigError: optimizer AdamW(lr=-1.0) cannot be built: Invalid learning rate: -1.0
-    """
+def _check_optimizer(optimizer: OptimizerFactory) -> None:
+    """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups shaped like
+    ``CausalLM.parameter_groups`` (its own argument checks run here, before training)."""
     if not callable(optimizer):
         raise LitCBSConfigError(
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
@@ -554,27 +400,15 @@ def check_optimizer(optimizer: OptimizerFactory) -> None:
     try:
         built = optimizer(stand_ins)
     except (TypeError, ValueError) as error:
-        raise LitCBSConfigError(f"optimizer {describe_optimizer(optimizer)} cannot be built: {error}") from error
+        raise LitCBSConfigError(f"optimizer {_describe_optimizer(optimizer)} cannot be built: {error}") from error
     if not isinstance(built, torch.optim.Optimizer):
         raise LitCBSConfigError(
-            f"optimizer {describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
+            f"optimizer {_describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
         )
 
 
-def describe_optimizer(optimizer: OptimizerFactory) -> str:
-    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr.
-
-    Args:
-        optimizer: parameter groups -> ``torch.optim.Optimizer``.
-
-    Returns:
-        The description, for messages.
-
-    Examples:
-        >>> import functools, torch
-        >>> describe_optimizer(functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
-        'SGD(lr=0.1, momentum=0.9)'
-    """
+def _describe_optimizer(optimizer: OptimizerFactory) -> str:
+    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
     if not isinstance(optimizer, functools.partial):
         return repr(optimizer)
     arguments = [repr(arg) for arg in optimizer.args] + [

@@ -12,7 +12,6 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs import legacy
 from lit_cbs._internals import logging_step, should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.warmup import BatchWarmup
@@ -466,7 +465,7 @@ class CBSProbeCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take up the state ``state_dict`` made (any lit_cbs version's, ``lit_cbs.legacy.probe_state``); the side
+        """Take up the state ``state_dict`` made; the side
         jobs it lists are collected if this probe has ``side_jobs``, else dropped with a warning.
 
         Examples:
@@ -477,8 +476,6 @@ class CBSProbeCallback(Callback):
             >>> probe.probes_started
             2
         """
-        state_dict = legacy.probe_state(state_dict)
-        # The first readings carry no seq_len; the first batch tells it.
         self.engine.history = [ProbeReading.from_record(copy.deepcopy(reading)) for reading in state_dict["history"]]
         self.probes_started = state_dict["probes_started"]
         interrupted = state_dict["interrupted"]

@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 
-from lit_cbs import legacy
 from lit_cbs.rules.smoothing import ema
 
 __all__ = [
@@ -617,7 +616,6 @@ class ProbeReading:
     tokens_spent: int  # tokens trained in this probe's branches
     overhead: float  # all probes' branch tokens so far / tokens the main run trained on
     adaptive_batch: int | None = None  # the batch CBSAdaptive moved to on this reading, if any
-    # The first readings lack the fields below (lit_cbs.legacy); they load as judged by the means.
     determined: bool = True  # k* is decided at `confidence` (see the module docstring)
     confidence: float = 0.5  # one-sided confidence of the decision; 0.5 judges by the means alone
     loss_se: dict[str, float | None] = field(default_factory=dict)  # SE of L_k - L_base (base: smallest k)
@@ -637,8 +635,7 @@ class ProbeReading:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
-        """The reading ``record`` holds (a line of ``cbs_probe.jsonl``, an entry of the probe's checkpointed history),
-        as any lit_cbs version wrote it (``lit_cbs.legacy.probe_reading`` reads the old keys).
+        """The reading ``record`` holds (a line of ``cbs_probe.jsonl``, an entry of the probe's checkpointed history).
 
         Args:
             record: the reading's fields by name (``dataclasses.asdict`` of a reading, or a JSON line's object).
@@ -662,7 +659,7 @@ class ProbeReading:
             Traceback (most recent call last):
             ValueError: not a CBS probe reading: it lacks batch_size, ... and has unknown fields colour
         """
-        fields = legacy.probe_reading(record)
+        fields = dict(record)
         known = dataclasses.fields(cls)
         no_default = dataclasses.MISSING
         needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}

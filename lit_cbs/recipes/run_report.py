@@ -21,7 +21,6 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 
-from lit_cbs import legacy
 from lit_cbs.analysis.curves import (
     BATCH_COLUMN,
     GNS_COLUMN,
@@ -94,7 +93,7 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
 
 
 def read_batch_history(path: str | os.PathLike) -> dict:
-    """What ``write_batch_history`` wrote to ``path``, by this version or an earlier one (``lit_cbs.legacy``).
+    """What ``write_batch_history`` wrote to ``path``.
 
     Args:
         path: a ``batch_history.json``.
@@ -102,7 +101,7 @@ def read_batch_history(path: str | os.PathLike) -> dict:
     Returns:
         Its record, in this version's form (see ``write_batch_history``, whose example reads one back).
     """
-    return legacy.batch_history(json.loads(Path(path).read_text()))
+    return json.loads(Path(path).read_text())
 
 
 def group_noise_scale_figure(metrics: dict[str, tuple[np.ndarray, np.ndarray]], title: str = ""):

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from lit_cbs import legacy
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
 __all__ = ["BatchGuard", "GuardVerdict", "RevertRestore"]
@@ -273,7 +272,6 @@ class BatchGuard:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = legacy.guard_state(state_dict)
         self.verdicts = [GuardVerdict(**verdict) for verdict in state_dict["verdicts"]]
         self.reverts = state_dict["reverts"]
         self.hold_until = state_dict["hold_until"]

@@ -121,23 +121,6 @@ def test_counts_resume_from_a_checkpoint(tmp_path):
     assert trainer.global_step == 5 and accounting.samples_seen == 10 and accounting.tokens_seen == 60
 
 
-def test_a_checkpoint_with_the_counts_in_batch_warmups_state_resumes_with_them(tmp_path):
-    # The first checkpoints kept the counts in BatchWarmup's state: rewrite a checkpoint into that form.
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    fit(BatchWarmup(ConstantBatch(2)), checkpoint, max_steps=3, enable_checkpointing=True)
-    state = torch.load(tmp_path / "epoch=0-step=3.ckpt", weights_only=False)
-    callbacks = state["callbacks"]
-    counts = callbacks.pop("BatchAccounting")
-    callbacks[next(key for key in callbacks if key.startswith("BatchWarmup"))].update(counts)
-    torch.save(state, tmp_path / "v0.1.ckpt")
-
-    warmup = BatchWarmup(ConstantBatch(2))
-    pl.seed_everything(0, verbose=False)
-    trainer = pl.Trainer(callbacks=[warmup], **trainer_kwargs(max_steps=5))
-    trainer.fit(RegressionModule(), TokenData(n=48, batch_size=2), ckpt_path=tmp_path / "v0.1.ckpt")
-    assert warmup.samples_seen == 10 and warmup.tokens_seen == 60
-
-
 def test_check_divisible_names_the_setting_and_the_nearest_sizes():
     assert check_divisible(24, 4, 2) == 3
     with pytest.raises(

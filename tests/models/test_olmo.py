@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_cbs.models import PRESETS, Block, OLMo, OLMoConfig, get_config
-from lit_cbs.models.olmo import apply_rotary, rotary_cos_sin
+from lit_cbs.models import PRESETS, OLMo, OLMoConfig, get_config
+from lit_cbs.models.olmo import Block, apply_rotary, rotary_cos_sin
 
 
 def small_config(**changes) -> OLMoConfig:
