@@ -273,7 +273,7 @@ def seesaw_notes(result: dict, args) -> list[str]:
     """Where Seesaw's step savings come from: the shares of tokens its thresholds give each batch."""
     if not any(key in result["comparisons"] for key in SEESAWS):
         return []
-    from lit_cbs import CosineSchedule, Seesaw
+    from lit_cbs.rules import CosineSchedule, Seesaw
 
     cosine = CosineSchedule(round(262_144 * args.tokens / REFERENCE_TOKENS), args.tokens, min_lr_ratio=0.1)
     bounds = {cap: steps_bound(Seesaw(cosine, 16, cap), args.tokens) for cap in (64, 128, 2**20)}

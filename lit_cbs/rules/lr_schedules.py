@@ -254,8 +254,8 @@ class TokenLRScheduler(LambdaLR):
         if self.last_epoch >= 0 and self.tokens_seen is None:
             raise LitCBSConfigError(
                 "TokenLRScheduler.step() was called but tokens_seen was never set: add lit_cbs.BatchWarmup (a growing "
-                "batch) or lit_cbs.BatchAccounting(seq_len=...) (a fixed one) to the Trainer's callbacks, or set "
-                "scheduler.tokens_seen before each step in a loop of your own"
+                "batch) or lit_cbs.callbacks.BatchAccounting(seq_len=...) (a fixed one) to the Trainer's callbacks, "
+                "or set scheduler.tokens_seen before each step in a loop of your own"
             )
         super().step(epoch)
 

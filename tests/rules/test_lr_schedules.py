@@ -93,7 +93,7 @@ def test_token_scheduler_refuses_to_step_blind():
     optimizer.step()
     with pytest.raises(
         LitCBSConfigError,
-        match=r"add lit_cbs.BatchWarmup \(a growing batch\) or lit_cbs.BatchAccounting\(seq_len=...\)",
+        match=r"add lit_cbs.BatchWarmup \(a growing batch\) or lit_cbs.callbacks.BatchAccounting\(seq_len=...\)",
     ):
         scheduler.step()
 
@@ -102,7 +102,7 @@ def test_batch_accounting_alone_feeds_the_token_scheduler_of_a_fixed_batch_run()
     import lightning.pytorch as pl
     from toys import RegressionData, RegressionModule, trainer_kwargs
 
-    from lit_cbs import BatchAccounting
+    from lit_cbs.callbacks import BatchAccounting
 
     def schedule(tokens):
         return 1.0 - tokens / 1000
