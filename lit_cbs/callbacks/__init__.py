@@ -17,7 +17,7 @@ from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
     "BatchAccounting": "lit_cbs.callbacks.accounting",
-    "BatchChange": "lit_cbs.callbacks.batch_change",
+    "BatchChange": "lit_cbs.rules.warmup_core",
     "BatchWarmup": "lit_cbs.callbacks.warmup",
     "FinalStateCheckpoint": "lit_cbs.callbacks.checkpoint",
     "RunProgressBar": "lit_cbs.callbacks.progress",
@@ -29,10 +29,10 @@ __all__ = sorted(_EXPORTS)
 # What type checkers and editors see (`X as X`: exported); at run time each name loads on first use.
 if TYPE_CHECKING:
     from lit_cbs.callbacks.accounting import BatchAccounting as BatchAccounting
-    from lit_cbs.callbacks.batch_change import BatchChange as BatchChange
     from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint as FinalStateCheckpoint
     from lit_cbs.callbacks.progress import RunProgressBar as RunProgressBar
     from lit_cbs.callbacks.validation import TokenValidation as TokenValidation
     from lit_cbs.callbacks.warmup import BatchWarmup as BatchWarmup
+    from lit_cbs.rules.warmup_core import BatchChange as BatchChange
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
