@@ -53,7 +53,7 @@ from lit_cbs._internals import (
     set_last_saved_step,
     should_accumulate,
 )
-from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
+from lit_cbs.callbacks.accounting import mean_over_ranks, trainer_callbacks
 from lit_cbs.callbacks.checkpoint_files import atomic_saves, copy_checkpoint
 
 __all__ = ["FinalStateCheckpoint"]
@@ -91,6 +91,8 @@ class FinalStateCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
         self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
+        self.stop_signal: int | None = None  # a stop signal waiting for the next optimizer-step boundary
+        self.probe_window_step: int | None = None  # where the open CBS probe window began (``set_probe_window``)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Every checkpoint the Trainer writes appears only once complete (``checkpoint_files``)."""
@@ -100,11 +102,10 @@ class FinalStateCheckpoint(ModelCheckpoint):
     # ------------------------------------------------------------------ signals
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        accounting = BatchAccounting.attach(trainer)
-        accounting.stop_signal = None
-        if accounting.probe_window_step == trainer.global_step and self.save_last:
+        self.stop_signal = None
+        if self.probe_window_step == trainer.global_step and self.save_last:
             self._keep_resumed_checkpoint_as_last(trainer)
-        self._defer_stop_signals(trainer, accounting)
+        self._defer_stop_signals(trainer)
 
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
         """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
@@ -117,7 +118,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = str(target)
 
-    def _defer_stop_signals(self, trainer: pl.Trainer, accounting: BatchAccounting) -> None:
+    def _defer_stop_signals(self, trainer: pl.Trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; Lightning's stay
         signals = [signal.SIGTERM]
@@ -128,10 +129,10 @@ class FinalStateCheckpoint(ModelCheckpoint):
         for signum in signals:
             self._lightning_handlers[signum] = signal.getsignal(signum)
 
-            def record(received: int, frame: Any, accounting: BatchAccounting = accounting) -> None:
+            def record(received: int, frame: Any) -> None:
                 # SIGTERM wins over the requeue signal: the run stops either way.
-                if accounting.stop_signal != signal.SIGTERM:
-                    accounting.stop_signal = received
+                if self.stop_signal != signal.SIGTERM:
+                    self.stop_signal = received
 
             signal.signal(signum, record)
 
@@ -139,18 +140,17 @@ class FinalStateCheckpoint(ModelCheckpoint):
         """At a step boundary: if a stop signal arrived on any rank, hand it to Lightning on every rank."""
         if not self._lightning_handlers:
             return
-        accounting = BatchAccounting.attach(trainer)
-        pending = [float(accounting.stop_signal == signum) for signum in self._lightning_handlers]
+        pending = [float(self.stop_signal == signum) for signum in self._lightning_handlers]
         if trainer.world_size > 1:
             pending = mean_over_ranks(trainer, pending)
         arrived = [signum for signum, flag in zip(self._lightning_handlers, pending) if flag > 0]
         if not arrived:
             return
         signum = arrived[0]  # SIGTERM first
-        accounting.stop_signal = signum
+        self.stop_signal = signum
         self._restore_lightning_handlers()
         name = signal.Signals(signum).name
-        window = accounting.probe_window_step
+        window = self.probe_window_step
         inside = ""
         if window is not None:
             inside = f", inside the CBS probe whose window began at step {window}"
@@ -173,10 +173,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         """Make the checkpoint Lightning just saved at the requeue signal hold the open probe's start instead."""
         if hpc_path is not None and trainer.is_global_zero:
             copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
-            rank_zero_info(
-                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, "
-                "where the CBS probe began"
-            )
+            rank_zero_info(f"{Path(hpc_path).name} holds step {self.probe_window_step}, where the CBS probe began")
         trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
     def _restore_lightning_handlers(self) -> None:
@@ -210,7 +207,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     ) -> None:
         if should_accumulate(trainer):
             return
-        window = BatchAccounting.attach(trainer).probe_window_step
+        window = self.probe_window_step
         if window is None or window == trainer.global_step:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         elif self._saves_at(trainer.global_step) and self._skipped_in_window != window:
@@ -270,7 +267,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
                 "with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
             )
         where = "it" if saved == trainer.global_step else f"step {saved}"
-        window = BatchAccounting.attach(trainer).probe_window_step
+        window = self.probe_window_step
         if window is not None and saved == window != trainer.global_step:
             where += ", where the CBS probe in progress began (a resumed run redoes it)"
         return (
@@ -281,8 +278,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _save_final_state(self, trainer: pl.Trainer) -> None:
         if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
             return
-        accounting = BatchAccounting.attach(trainer)
-        if accounting.probe_window_step is not None and accounting.stop_signal is not None:
+        if self.probe_window_step is not None and self.stop_signal is not None:
             return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
         self._save_last_now(trainer)
 
@@ -297,6 +293,22 @@ class FinalStateCheckpoint(ModelCheckpoint):
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = path
+
+
+def _final_state_checkpoints(trainer: pl.Trainer) -> list[FinalStateCheckpoint]:
+    return [callback for callback in trainer_callbacks(trainer) if isinstance(callback, FinalStateCheckpoint)]
+
+
+def stop_signal(trainer: pl.Trainer) -> int | None:
+    """The stop signal a ``FinalStateCheckpoint`` holds for the next optimizer-step boundary, or None."""
+    return next((cb.stop_signal for cb in _final_state_checkpoints(trainer) if cb.stop_signal is not None), None)
+
+
+def set_probe_window(trainer: pl.Trainer, step: int | None) -> None:
+    """A CBS probe window began at optimizer ``step`` (None: it closed): a checkpoint inside it could not redo
+    the probe, so ``FinalStateCheckpoint`` keeps the window's start."""
+    for callback in _final_state_checkpoints(trainer):
+        callback.probe_window_step = step
 
 
 def _explain_sigterm(exception: SIGTERMException, message: str) -> None:

@@ -32,6 +32,7 @@ from lit_cbs.analysis.curves import (
     read_metrics_csv,
     tokens_at,
 )
+from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data import TokenDataModule
@@ -393,7 +394,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         raise RuntimeError(
             "run_summary: the BatchWarmup was not set up by a Trainer (no accounting); call it after fit"
         )
-    stop_signal = accounting.stop_signal
+    signum = stop_signal(trainer)
     summary = {
         "run_name": run_name,
         "tokens": accounting.tokens_seen,
@@ -418,7 +419,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
         "run_seconds": accounting.fit_seconds,
-        "stopped_by": signal.Signals(stop_signal).name if stop_signal else None,
+        "stopped_by": signal.Signals(signum).name if signum else None,
         "probe": None,
     }
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
