@@ -1,15 +1,4 @@
-"""The Lightning callbacks a user adds to ``Trainer(callbacks=[...])`` to change and count the batch.
-
-- ``warmup``: ``BatchWarmup``, which changes the global batch, the micro-batch and the LR by a schedule.
-- ``accounting``: ``BatchAccounting``, the batch's three factors and the samples/tokens trained on.
-- ``checkpoint``: ``FinalStateCheckpoint``, checkpoints that resume exactly, on any signal.
-- ``validation``: ``TokenValidation``, validation every so many tokens.
-- ``progress``: ``RunProgressBar``, a bar counting the run's real steps or tokens.
-- ``logs``: writing metrics and figures to the trainer's loggers.
-
-The CBS probe (``lit_cbs.probe``) and the noise scale (``lit_cbs.gns``) are callbacks too, in
-packages of their own because each has parts that are not.
-"""
+"""The Lightning callbacks that change and count the batch (the CBS probe and the noise scale have packages)."""
 
 from typing import TYPE_CHECKING
 

@@ -1,34 +1,4 @@
-"""``FinalStateCheckpoint``: Lightning's ModelCheckpoint for runs that stop at any time and resume exactly.
-
-What it adds to ModelCheckpoint, so that every checkpoint it leaves resumes to the run that was not
-interrupted:
-
-- **The final state.** ``last.ckpt`` is written again when training ends (``max_tokens``,
-  ``max_steps``, a stop signal), so it holds the step the run ended with, not the last multiple of
-  ``every_n_train_steps``. A run that stops inside an epoch (by ``max_tokens``, ``max_steps`` or a
-  stop signal) is saved right after its last step, while Lightning still counts the epoch as
-  unfinished: a run resumed from it, with a larger budget or on other ranks, goes on in that epoch,
-  at the loader's sample (saved when training ends, Lightning would count the epoch done and start
-  the next).
-- **Signals at step boundaries.** Lightning acts on SIGTERM after whichever micro-batch it arrives
-  in (a checkpoint there would lose the accumulated gradients), and its SLURM handler saves a
-  checkpoint from inside the signal handler, which may run in the middle of a CBS probe's branch.
-  From the start of training, SIGTERM and the SLURM requeue signal (``SLURMEnvironment.requeue_signal``,
-  SIGUSR1 by default) only record themselves. At the next optimizer-step boundary of the main run,
-  after every other callback has seen that step, the ranks agree on whether one arrived on any of
-  them, and Lightning's own handler is called on every rank at once, as if the signal had arrived
-  then: SIGTERM stops the run after saving ``last.ckpt``; the requeue signal saves Lightning's
-  ``hpc_ckpt_<n>.ckpt``, requeues the job and stops. No main-run step starts after the signal but
-  the one in progress; a probe branch in progress is abandoned at its next step, and the main
-  state is restored first.
-- **CBS probes.** A probe's reading needs the run's state where its window began. When a window
-  opens, ``last.ckpt`` is written there; periodic checkpoints that fall inside the window are not
-  written (said once per window); and a run stopped inside the probe (window or branches) keeps
-  ``last.ckpt`` (or the hpc checkpoint) at the window's start. A resumed run starts the probe again
-  at that very step and reads what the uninterrupted run reads, at the price of retraining the
-  window's main-run steps. Without ``save_last`` the stop saves the main state at its step, and
-  the resumed probe says where it was interrupted.
-"""
+"""``FinalStateCheckpoint``: Lightning's ModelCheckpoint for runs that stop at any time and resume exactly."""
 
 from __future__ import annotations
 
@@ -39,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -60,30 +30,21 @@ __all__ = ["FinalStateCheckpoint"]
 
 
 class FinalStateCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops
-    (see the module docstring). ``last.ckpt`` needs ``save_last=True``. ``enable_version_counter``
-    defaults to False: a job resumed in the same folder (a requeued SLURM job) overwrites ``last.ckpt``
-    instead of writing ``last-v1.ckpt`` beside a stale one.
+    """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops.
 
-    Args:
-        *args: ``ModelCheckpoint``'s positional arguments.
-        **kwargs: ``ModelCheckpoint``'s keyword arguments (``dirpath``, ``save_last``, ``every_n_train_steps``, ...).
-        enable_version_counter: as ``ModelCheckpoint``'s, but False by default.
+    ``last.ckpt`` (``save_last=True``) is written again when training ends, right after the last step. SIGTERM and
+    SLURM's requeue signal wait for the next optimizer-step boundary, where every rank hands them to Lightning at
+    once. While a CBS probe window is open, ``last.ckpt`` holds its start and periodic checkpoints inside it are
+    skipped, so a resumed run redoes the probe. ``enable_version_counter`` defaults to False: a requeued job
+    overwrites its ``last.ckpt``.
 
-    Raises:
-        lightning.fabric.utilities.exceptions.MisconfigurationException: what ``ModelCheckpoint`` refuses.
-
-    Examples:
+    Example:
         >>> import tempfile
         >>> from lit_cbs.callbacks import FinalStateCheckpoint
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=500)
         >>> checkpoint.save_last, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION
         (True, 'last.ckpt')
-        >>> FinalStateCheckpoint(every_n_train_steps=-1)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning.fabric.utilities.exceptions.MisconfigurationException: Invalid value for every_n_train_steps=-1. ...
     """
 
     def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
@@ -95,7 +56,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         self.probe_window_step: int | None = None  # where the open CBS probe window began (``set_probe_window``)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Every checkpoint the Trainer writes appears only once complete (``checkpoint_files``)."""
+        # Every checkpoint the Trainer writes appears only once complete (checkpoint_files).
         super().setup(trainer, pl_module, stage)
         atomic_saves(trainer.strategy)
 
@@ -108,8 +69,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         self._defer_stop_signals(trainer)
 
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
-        """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
-        is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
+        """A resumed run whose probe window opens at its first step: the checkpoint resumed is its start."""
         assert trainer.ckpt_path is not None  # the window's start was restored from the checkpoint resumed
         source, target = Path(trainer.ckpt_path), self._last_path()
         if trainer.is_global_zero and source.resolve() != target.resolve():
@@ -170,7 +130,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
             trainer.should_stop = True
 
     def _replace_with_probe_start(self, trainer: pl.Trainer, hpc_path: str | None) -> None:
-        """Make the checkpoint Lightning just saved at the requeue signal hold the open probe's start instead."""
+        """The checkpoint Lightning saved at the requeue signal holds the open probe's start instead."""
         if hpc_path is not None and trainer.is_global_zero:
             copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
             rank_zero_info(f"{Path(hpc_path).name} holds step {self.probe_window_step}, where the CBS probe began")
@@ -184,12 +144,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         self._lightning_handlers = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Lightning's, saying in one line what a run resumed into another folder keeps (its own
-        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded.
-
-        Args:
-            state_dict: what ``state_dict`` saved in the checkpoint.
-        """
+        """Lightning's, saying in one line that a run resumed into another folder saves there (not its warning)."""
         before = state_dict.get("dirpath", self.dirpath)
         if before == self.dirpath:
             super().load_state_dict(state_dict)
@@ -203,7 +158,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ saving
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if should_accumulate(trainer):
             return
@@ -312,8 +267,7 @@ def set_probe_window(trainer: pl.Trainer, step: int | None) -> None:
 
 
 def _explain_sigterm(exception: SIGTERMException, message: str) -> None:
-    """Give Lightning's ``SIGTERMException`` (a ``SystemExit`` raised without a message) ``message``: its
-    ``str()`` for a script that catches it, and, left uncaught, the line Python prints to stderr on its
-    way out (exit status 1, not the 0 of a bare ``SystemExit``, which a scheduler would read as done)."""
+    """Give Lightning's ``SIGTERMException`` (a bare ``SystemExit``) ``message``: the line Python prints on its way
+    out, and exit status 1, not the 0 a scheduler would read as done."""
     exception.args = (message,)
     exception.code = message

@@ -92,22 +92,12 @@ def _rule(argument: str, rule: Any, names: Iterable[str], tail: str = "") -> Sca
 
 
 def get_lr_rule(rule: str | Callable[[float], float] | ScalingRule) -> ScalingRule:
-    """The LR rule ``rule`` names ("sqrt", "linear", "none", "adam_sde"), or a callable ratio -> factor as one.
-
-    Example:
-        >>> round(get_lr_rule("sqrt").factor(2.0), 4), get_lr_rule("linear").factor(2.0)
-        (1.4142, 2.0)
-    """
+    """The LR rule ``rule`` names ("sqrt", "linear", "none", "adam_sde"), or a callable ratio -> factor as one."""
     return _rule("lr_rule", rule, LR_RULES)
 
 
 def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> ScalingRule | None:
-    """The gradient-clipping threshold's rule ("sqrt", "linear", a callable); None or "none": unchanged (None).
-
-    Example:
-        >>> get_clip_rule("linear").factor(2.0), get_clip_rule(None)
-        (2.0, None)
-    """
+    """The gradient-clipping threshold's rule ("sqrt", "linear", a callable); None or "none": unchanged (None)."""
     return None if rule is None or rule == "none" else _rule("clip_rule", rule, CLIP_RULES, ", or None")
 
 
@@ -167,16 +157,7 @@ def _scale_scheduler(scheduler: Any, factor: float) -> None:
 
 
 def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable[Any], factor: float) -> None:
-    """Multiply the LR by ``factor`` now and in everything the LR ``schedulers`` will compute from it.
-
-    Example:
-        >>> import torch
-        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.5)
-        >>> scale_learning_rate(optimizer, [scheduler], 2.0)
-        >>> optimizer.param_groups[0]["lr"], scheduler.base_lrs
-        (0.2, [0.2])
-    """
+    """Multiply the LR by ``factor`` now and in everything the LR ``schedulers`` will compute from it."""
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
         if "initial_lr" in group:
@@ -199,17 +180,7 @@ def restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, 
 class OptimizerRules:
     """Everything a batch change by ``ratio`` = new / old moves in an optimizer: the LR (``lr``; adam_sde also
     moves the betas and eps), the weight decay (``weight_decay_rule="timescale"``: lambda -> lambda k / f(k)) and
-    beta2 (``beta2_rule="half_life"``: beta2 -> beta2 ** k, never below ``beta2_floor``).
-
-    Example:
-        >>> import torch
-        >>> optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3, betas=(0.9, 0.99))
-        >>> rules = OptimizerRules.build(lr_rule="sqrt", weight_decay_rule="timescale", beta2_rule="half_life")
-        >>> round(rules.apply(optimizer, [], ratio=2.0), 4)  # the LR factor
-        1.4142
-        >>> {name: round(value, 4) for name, value in rules.values(optimizer).items()}
-        {'batch/weight_decay': 0.0141, 'batch/beta2': 0.9801}
-    """
+    beta2 (``beta2_rule="half_life"``: beta2 -> beta2 ** k, never below ``beta2_floor``)."""
 
     lr: ScalingRule
     weight_decay_rule: str | None = None
@@ -280,7 +251,7 @@ class OptimizerRules:
         """Setting ``key`` after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
         if key == "weight_decay":
             return value * ratio / lr_factor  # AdamW's timescale B / (eta lambda D) stays
-        moved = value**ratio  # beta2's half-life in tokens stays
+        moved = float(value**ratio)  # beta2's half-life in tokens stays
         return moved if self.beta2_floor is None else max(moved, min(value, self.beta2_floor))
 
     def _held(self, value: float, ratio: float) -> str | None:
@@ -319,7 +290,7 @@ class OptimizerRules:
 
     def max_ratio(self, optimizer: torch.optim.Optimizer) -> float:
         """adam_sde's largest batch ratio, one change or several compounded, that keeps every beta >= 0."""
-        return min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"])
+        return float(min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"]))
 
     def check(
         self,

@@ -28,7 +28,11 @@ def test_bar_counts_tokens_to_max_tokens_across_epochs():
     trainer = fit(bar, warmup)
     assert trainer.current_epoch >= 1 and warmup.accounting.tokens_seen >= 400
     progress = bar.train_progress_bar
-    assert (progress.n, progress.total, progress.unit) == (warmup.accounting.tokens_seen, warmup.accounting.tokens_seen, "tokens")
+    assert (progress.n, progress.total, progress.unit) == (
+        warmup.accounting.tokens_seen,
+        warmup.accounting.tokens_seen,
+        "tokens",
+    )
 
 
 def test_bar_counts_optimizer_steps_to_max_steps():
