@@ -27,12 +27,14 @@ __all__ = ["BatchAccounting"]
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     """The Trainer's callbacks, in the order Lightning calls them."""
-    return trainer.callbacks  # type: ignore[attr-defined,no-any-return]  # set by Lightning's CallbackConnector, undeclared on Trainer
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    return callbacks
 
 
 def trainer_datamodule(trainer: pl.Trainer) -> pl.LightningDataModule | None:
     """The datamodule given to ``trainer.fit``, or None."""
-    return trainer.datamodule  # type: ignore[attr-defined,no-any-return]  # set by Lightning's DataConnector, undeclared on Trainer
+    datamodule: pl.LightningDataModule | None = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    return datamodule
 
 
 def data_parallel_size(trainer: pl.Trainer) -> int:
@@ -52,9 +54,10 @@ def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
 def token_ids(batch: Any) -> torch.Tensor | None:
     """The token ids of a batch: its first 2-D integer tensor ([samples, tokens]), else None."""
     for leaf in tree_leaves(batch):
+        # Only integer tensors count: a float [batch, features] tensor has no tokens.
         integer = isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex())
-        if integer and leaf.ndim == 2 and leaf.dtype != torch.bool:
-            return leaf  # type: ignore[no-any-return]  # a Tensor: checked just above
+        if integer and isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and leaf.dtype != torch.bool:
+            return leaf
     return None
 
 

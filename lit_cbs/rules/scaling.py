@@ -268,7 +268,8 @@ class OptimizerRules:
     @staticmethod
     def get(key: str, group: dict[str, Any]) -> float:
         """Setting ``key`` of param group ``group``."""
-        return group["betas"][1] if key == "beta2" else group[key]  # type: ignore[no-any-return]
+        value: float = group["betas"][1] if key == "beta2" else group[key]
+        return value
 
     @staticmethod
     def _set(key: str, group: dict[str, Any], value: float) -> None:

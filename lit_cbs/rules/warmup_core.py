@@ -177,13 +177,7 @@ class WarmupCore:
         self, sizes: Iterable[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
     ) -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every rank (with
-        ``max_micro_batch_size``, of any size); also for a run's configuration before it starts.
-
-        Example:
-            >>> from lit_cbs.callbacks import BatchWarmup
-            >>> from lit_cbs.rules.batch_schedules import ConstantBatch
-            >>> BatchWarmup(ConstantBatch(64)).check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4)
-        """
+        ``max_micro_batch_size``, of any size); also for a run's configuration before it starts."""
         for size in sizes:
             check_divisible(
                 size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
@@ -239,23 +233,9 @@ class WarmupCore:
         ``change_factors``), after ``at`` = (optimizer step, epoch, samples seen, tokens seen); return its record."""
         assert self.global_batch is not None and self.micro_batch_size is not None and self.accumulate is not None
         requested = self._requested_at or (None, at[2], at[3])
-        change = BatchChange(
-            step=at[0],
-            epoch=at[1],
-            samples_seen=at[2],
-            tokens_seen=at[3],
-            old_global_batch=self.global_batch,
-            new_global_batch=new[0],
-            old_accumulate=self.accumulate,
-            new_accumulate=new[2],
-            old_micro_batch_size=self.micro_batch_size,
-            new_micro_batch_size=new[1],
-            lr_factor=change_factors[0],
-            requested_at_samples=requested[1],
-            requested_at_tokens=requested[2],
-            cause=cause,
-            clip_factor=change_factors[1],
-        )
+        old = (self.global_batch, self.accumulate, self.micro_batch_size)
+        lr, clip = change_factors
+        change = BatchChange(*at, old[0], new[0], old[1], new[2], old[2], new[1], lr, *requested[1:], cause, clip)
         self.history.append(change)
         self._requested_at = None
         self.lr_factor, self.clip_factor = factors
