@@ -19,7 +19,7 @@ from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.errors import positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule
 from lit_cbs.rules.guard import BatchGuard, GuardConfig, RevertRestore
-from lit_cbs.rules.scaling import BETA2_FLOOR, ScalingRule, optimizer_settings
+from lit_cbs.rules.scaling import BETA2_FLOOR, LRRule, ScalingRule, optimizer_settings
 from lit_cbs.rules.warmup_core import Batch, WarmupCore
 
 __all__ = ["BatchWarmup"]
@@ -71,7 +71,7 @@ class BatchWarmup(WarmupCore, Callback):
     def __init__(
         self,
         schedule: BatchSchedule,
-        lr_rule: str | Callable[[float], float] | ScalingRule = "sqrt",
+        lr_rule: str | Callable[[float], float] | LRRule = "sqrt",
         max_tokens: int | None = None,
         seq_len: int | None = None,
         max_micro_batch_size: int | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.optim import lr_scheduler as torch_sched
@@ -16,6 +16,7 @@ from lit_cbs.errors import LitCBSConfigError
 
 __all__ = [
     "BETA2_FLOOR",
+    "LRRule",
     "LR_RULES",
     "OptimizerRules",
     "ScalingRule",
@@ -61,6 +62,13 @@ class ScalingRule:
             )
         return factor
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class LRRule(ScalingRule):
+    """The LR's rule; adam_sde also moves the betas and eps."""
+
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
         """What the LR rule moves beside the LR: adam_sde's betas and eps."""
         if self.name == "adam_sde":
@@ -68,37 +76,34 @@ class ScalingRule:
                 group["betas"] = tuple(1.0 - ratio * (1.0 - b) for b in group["betas"])
                 group["eps"] = group["eps"] / math.sqrt(ratio)
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
+
+_Rule = TypeVar("_Rule", bound=ScalingRule)
 
 
-LRRule = ScalingRule  # the LR's rule
-
-
-def _rule(argument: str, rule: Any, names: Iterable[str], tail: str = "") -> ScalingRule:
-    if isinstance(rule, ScalingRule):
+def _rule(kind: type[_Rule], argument: str, rule: Any, names: Iterable[str], tail: str = "") -> _Rule:
+    if isinstance(rule, kind):
         return rule
     if isinstance(rule, str):
         if rule not in names:
             raise LitCBSConfigError(
                 f"{argument}={rule!r} is unknown; use one of {sorted(names)} or a callable ratio -> factor{tail}"
             )
-        return ScalingRule(rule, RATIO_FUNCTIONS.get(rule, math.sqrt))
+        return kind(rule, RATIO_FUNCTIONS.get(rule, math.sqrt))
     if callable(rule):
-        return ScalingRule(getattr(rule, "__name__", repr(rule)), rule)
+        return kind(getattr(rule, "__name__", repr(rule)), rule)
     raise LitCBSConfigError(
         f"{argument} must be one of {sorted(names)}, a callable ratio -> factor{tail}, got {rule!r}"
     )
 
 
-def get_lr_rule(rule: str | Callable[[float], float] | ScalingRule) -> ScalingRule:
+def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
     """The LR rule ``rule`` names ("sqrt", "linear", "none", "adam_sde"), or a callable ratio -> factor as one."""
-    return _rule("lr_rule", rule, LR_RULES)
+    return _rule(LRRule, "lr_rule", rule, LR_RULES)
 
 
 def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> ScalingRule | None:
     """The gradient-clipping threshold's rule ("sqrt", "linear", a callable); None or "none": unchanged (None)."""
-    return None if rule is None or rule == "none" else _rule("clip_rule", rule, CLIP_RULES, ", or None")
+    return None if rule is None or rule == "none" else _rule(ScalingRule, "clip_rule", rule, CLIP_RULES, ", or None")
 
 
 # Schedulers whose LR is base_lrs * f(step) or chained multiplicatively on the optimizer's current LR: scaling
@@ -182,7 +187,7 @@ class OptimizerRules:
     moves the betas and eps), the weight decay (``weight_decay_rule="timescale"``: lambda -> lambda k / f(k)) and
     beta2 (``beta2_rule="half_life"``: beta2 -> beta2 ** k, never below ``beta2_floor``)."""
 
-    lr: ScalingRule
+    lr: LRRule
     weight_decay_rule: str | None = None
     beta2_rule: str | None = None
     beta2_floor: float | None = None
@@ -191,7 +196,7 @@ class OptimizerRules:
     @classmethod
     def build(
         cls,
-        lr_rule: str | Callable[[float], float] | ScalingRule = "sqrt",
+        lr_rule: str | Callable[[float], float] | LRRule = "sqrt",
         weight_decay_rule: str | None = None,
         beta2_rule: str | None = None,
         beta2_floor: float | None = BETA2_FLOOR,

@@ -10,7 +10,7 @@ import torch
 
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
-from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules, ScalingRule, get_clip_rule
+from lit_cbs.rules.scaling import BETA2_FLOOR, LRRule, OptimizerRules, ScalingRule, get_clip_rule
 
 __all__ = ["BatchChange", "WarmupCore", "check_divisible"]
 
@@ -110,7 +110,7 @@ class WarmupCore:
     def __init__(
         self,
         schedule: BatchSchedule,
-        lr_rule: str | Callable[[float], float] | ScalingRule = "sqrt",
+        lr_rule: str | Callable[[float], float] | LRRule = "sqrt",
         max_micro_batch_size: int | None = None,
         clip_rule: str | Callable[[float], float] | ScalingRule | None = None,
         weight_decay_rule: str | None = None,
@@ -140,7 +140,7 @@ class WarmupCore:
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
 
     @property
-    def lr_rule(self) -> ScalingRule:
+    def lr_rule(self) -> LRRule:
         return self.rules.lr
 
     def start(self, micro_batch_size: int, data_parallel_size: int = 1) -> None:
