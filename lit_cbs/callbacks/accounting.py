@@ -154,6 +154,14 @@ class MicroBatchSetting:
             setattr(self.owner, self.name, value)
 
 
+def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
+    """The two settings by name, once each is None or a positive int, else LitCBSConfigError."""
+    return {
+        "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
+        "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
+    }
+
+
 class BatchAccounting(Callback):
     """The batch sizes and the samples and tokens trained on (all ranks), the one source every lit_cbs callback
     reads. ``attach(trainer)`` finds the Trainer's, or attaches one first among its callbacks, so a run needs none
@@ -180,7 +188,7 @@ class BatchAccounting(Callback):
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
-        settings = self.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
+        settings = _checked_settings(seq_len=seq_len, max_tokens=max_tokens)
         self.seq_len, self.max_tokens = settings["seq_len"], settings["max_tokens"]
         self.samples_seen = 0
         self.tokens_seen = 0
@@ -202,14 +210,6 @@ class BatchAccounting(Callback):
         self.checkpoint_data_parallel_size: int | None = None
         self.step_tokens = StepTokens()
 
-    @staticmethod
-    def checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
-        """The two settings by name, once each is None or a positive int, else LitCBSConfigError."""
-        return {
-            "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
-            "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
-        }
-
     @classmethod
     def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
         """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
@@ -227,7 +227,7 @@ class BatchAccounting(Callback):
             ]
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
-        for name, value in cls.checked_settings(**settings).items():
+        for name, value in _checked_settings(**settings).items():
             if value is None:
                 continue
             if getattr(accounting, name) not in (None, value):
