@@ -149,7 +149,7 @@ class BatchWarmup(WarmupCore, Callback):
         accounting.set_micro_batch_size(self.micro_batch_size)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        checks.check_optimizer_rules(trainer, self.rules, self.schedule, self.consumed, self._batch, self.guard)
+        checks.check_optimizer_rules(trainer, self, self.consumed, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         checks.check_adaptive_is_fed(self.schedule, trainer, resumed=self._restored)

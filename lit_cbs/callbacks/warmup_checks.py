@@ -27,6 +27,7 @@ from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseB
 from lit_cbs.rules.guard import BatchGuard
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules, ScalingRule
+from lit_cbs.rules.warmup_core import WarmupCore
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -98,22 +99,12 @@ def check_accumulation(trainer: pl.Trainer, accumulate: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- fit and train start
-def check_optimizer_rules(
-    trainer: pl.Trainer,
-    rules: OptimizerRules,
-    schedule: BatchSchedule,
-    consumed: int,
-    global_batch: int,
-    guard: BatchGuard | None,
-) -> None:
-    """The rules against the optimizers and LR schedulers for the changes to come from ``global_batch``; warnings
-    for rules that never act and for LR schedules indexed by optimizer steps, which the changes stretch."""
-    sizes = schedule.sizes(consumed)
-    ratios = [b / a for a, b in zip([global_batch] + sizes, sizes) if a != b]
+def check_optimizer_rules(trainer: pl.Trainer, warmup: WarmupCore, consumed: int, guard: BatchGuard | None) -> None:
+    """``WarmupCore.check_optimizers``; warnings for rules that never act and for LR schedules indexed by optimizer
+    steps, which the changes stretch."""
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-    who = f"BatchWarmup({rules.describe()})"
-    for optimizer in trainer.optimizers:
-        rules.check(optimizer, schedulers, ratios, who, compose=True)
+    ratios = warmup.check_optimizers(trainer.optimizers, schedulers, consumed)
+    rules, schedule, global_batch, who = warmup.rules, warmup.schedule, warmup.global_batch, warmup.who
     if not ratios:
         if rules.settings and guard is None:
             rank_zero_warn(

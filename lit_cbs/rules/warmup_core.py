@@ -197,6 +197,23 @@ class WarmupCore:
             self._requested_at = ((target, micro), samples_seen, tokens_seen)
         return target, micro, target // (micro * self.data_parallel_size)
 
+    @property
+    def who(self) -> str:
+        """The core as its messages name it: ``BatchWarmup(lr_rule=...)``."""
+        return f"BatchWarmup({self.rules.describe()})"
+
+    def check_optimizers(
+        self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], consumed: int
+    ) -> list[float]:
+        """Before training: LitCBSConfigError unless the rules apply to ``optimizers`` and their LR ``schedulers``
+        (OneCycleLR keeps absolute LRs: refused) at every change to come from ``consumed``; return their ratios."""
+        assert self.global_batch is not None  # start() set it
+        sizes = self.schedule.sizes(consumed)
+        ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
+        for optimizer in optimizers:
+            self.rules.check(optimizer, schedulers, ratios, self.who, compose=True)
+        return ratios
+
     @staticmethod
     def may_change(position: int, global_batch: int) -> bool:
         """Whether a step of ``global_batch`` samples may start after this optimizer step: where the samples

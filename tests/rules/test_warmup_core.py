@@ -88,3 +88,10 @@ def test_the_core_refuses_what_it_cannot_split():
         core.start(micro_batch_size=8)
     with pytest.raises(LitCBSConfigError, match="max_micro_batch_size=2 is smaller than"):
         WarmupCore(PiecewiseBatch(**SCHEDULE), max_micro_batch_size=2).start(micro_batch_size=4)
+    core = WarmupCore(PiecewiseBatch(**SCHEDULE), lr_rule="sqrt")
+    core.start(micro_batch_size=8)
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+    assert core.check_optimizers([optimizer], [], consumed=0) == [2.0, 3.0]  # 8 -> 16 -> 48
+    one_cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)
+    with pytest.raises(LitCBSConfigError, match=r"^BatchWarmup\(lr_rule='sqrt'\): OneCycleLR writes absolute LR"):
+        core.check_optimizers([optimizer], [one_cycle], consumed=0)
