@@ -180,7 +180,7 @@ def main() -> dict:
         "micro_batch_size": args.micro_batch_size,
         "batch_changes": [dataclasses.asdict(change) for change in warmup.history],
         "optimizer_steps": trainer.global_step,
-        "tokens_trained": warmup.tokens_seen,
+        "tokens_trained": warmup.accounting.tokens_seen,
         "timed_steps": f"{timer.steps[first] + 1}..{timer.steps[last]}",
         "tokens_per_s": tokens_per_s,
         "flops_per_token": flops_per_token,

@@ -103,12 +103,12 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         overrides, slurm_arguments = [], []
     optimizer = job.dict_container(cfg.model.optimizer, resolve=True) if cfg.model.get("optimizer") else {}
     start = {"weight_decay": optimizer.get("weight_decay"), "beta2": (optimizer.get("betas") or [None, None])[1]}
-    rules = [rule for rule in warmup.rules.settings if start[rule.key] is not None]  # the settings BatchWarmup moves
+    keys = [key for key in warmup.rules.settings if start[key] is not None]  # the settings BatchWarmup moves
 
     def settings(changes: list[tuple[float, float]]) -> dict[str, float]:  # a phase's, change by change as BatchWarmup
-        values = {rule.key: float(start[rule.key]) for rule in rules}
+        values = {key: float(start[key]) for key in keys}
         for ratio, lr_factor in changes:
-            values = {rule.key: rule.scaled(values[rule.key], ratio, lr_factor) for rule in rules}
+            values = {key: warmup.rules.scaled(key, values[key], ratio, lr_factor) for key in keys}
         return values
 
     return plan_run(
@@ -132,7 +132,7 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(map(shlex.quote, overrides)) or f'+recipe={cfg.run_name}'}",
         slurm_arguments=" ".join(map(shlex.quote, slurm_arguments)) or f"+recipe={cfg.run_name}",
-        settings=settings if rules else None,
+        settings=settings if keys else None,
     )
 
 

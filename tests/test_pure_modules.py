@@ -32,6 +32,7 @@ PURE_MODULES = [
     "lit_cbs.rules.lr_schedules",
     "lit_cbs.rules.scaling",
     "lit_cbs.rules.smoothing",
+    "lit_cbs.rules.warmup_core",
 ]
 
 BLOCKED = ("lightning", "lightning_fabric", "pytorch_lightning", "matplotlib")

@@ -1,36 +1,4 @@
-"""``BatchAccounting``: how large the batch is and how much the run has trained on.
-
-Every lit_cbs callback needs the same few numbers: the global batch (samples per optimizer step)
-= micro-batch (samples per rank) x accumulation (micro-batches per step) x data-parallel size,
-and the samples and tokens trained on so far. ``BatchAccounting`` is the one place that keeps
-them, counted from the batches the train loader actually yields. It also feeds the token count to
-``TokenLRScheduler``s, stops the run at a token budget, defers FSDP2's gradient
-reduce-scatter to the micro-batch that steps, and, for a module whose ``training_step`` returns
-``lit_cbs.token_mean_loss(...)``, turns the step's gradient into the mean over its tokens
-(``step_tokens``, a ``StepTokens``) before any other callback sees it.
-
-One instance serves a Trainer: ``BatchAccounting.attach(trainer)`` returns it, and attaches one the
-first time a callback (or ``CausalLM``) asks, so a run needs no accounting callback of its own:
-``callbacks=[CBSProbeCallback(...)]`` works on a fixed-batch run. Add ``BatchAccounting(...)``
-yourself only to give it ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Its hooks run
-before every other callback's, so they all read the counts including the current micro-batch.
-
-Only ``BatchWarmup`` changes the batch (``set_micro_batch_size`` and the Trainer's
-``accumulate_grad_batches``); everything else reads. A new micro-batch reaches the train loader at
-once when it is a ``GlobalOrderLoader`` (between two optimizer steps, mid-epoch); the accounting then
-tells Lightning's fit loop how many micro-batches the epoch has now.
-
-A CBS probe trains and evaluates its branches inside the Trainer, between the main run's steps,
-under ``with accounting.branching():``. Whatever measures the main run (the gradient noise scale,
-``CausalLM``'s tokens/s) reads ``in_branch`` to ignore the branches' gradients and
-``branch_seconds`` to leave their wall time out.
-
-Two more facts of the run live here because several callbacks act on them: ``probe_window_step``,
-the optimizer step where an open CBS probe window began (a checkpoint taken inside it could not
-redo the probe exactly), and ``stop_signal``, a stop signal that arrived and waits for the next
-optimizer-step boundary (``FinalStateCheckpoint`` defers SIGTERM and SLURM's requeue signal there; a
-probe branch aborts when it sees one).
-"""
+"""``BatchAccounting``: the batch's three factors and the samples and tokens a Trainer's run has trained on."""
 
 from __future__ import annotations
 
@@ -49,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
 from lit_cbs.callbacks.module_state import side_effects_undone
+from lit_cbs.callbacks.step_tokens import StepTokens
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
@@ -58,12 +27,14 @@ __all__ = ["BatchAccounting"]
 
 def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     """The Trainer's callbacks, in the order Lightning calls them."""
-    return trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's CallbackConnector, undeclared on Trainer
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    return callbacks
 
 
 def trainer_datamodule(trainer: pl.Trainer) -> pl.LightningDataModule | None:
     """The datamodule given to ``trainer.fit``, or None."""
-    return trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's DataConnector, undeclared on Trainer
+    datamodule: pl.LightningDataModule | None = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    return datamodule
 
 
 def data_parallel_size(trainer: pl.Trainer) -> int:
@@ -73,8 +44,7 @@ def data_parallel_size(trainer: pl.Trainer) -> int:
 
 
 def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
-    """``values`` averaged over all ranks (each rank's own on one process), so that a decision taken
-    from them (the probe's k*, the guard's verdict) is the same on every rank."""
+    """``values`` averaged over all ranks, so a decision taken from them is the same on every rank."""
     tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
     if trainer.world_size > 1:
         tensor = trainer.strategy.reduce(tensor, reduce_op="mean")
@@ -82,28 +52,17 @@ def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
 
 
 def token_ids(batch: Any) -> torch.Tensor | None:
-    """The token ids of a batch: its first 2-D integer tensor ([samples, tokens]), else None.
-
-    Only integer tensors count: a float [batch, features] tensor (tabular data, images) has no tokens.
-    """
+    """The token ids of a batch: its first 2-D integer tensor ([samples, tokens]), else None."""
     for leaf in tree_leaves(batch):
-        integer = isinstance(leaf, torch.Tensor) and not (
-            leaf.is_floating_point() or leaf.is_complex() or leaf.dtype == torch.bool
-        )
-        if integer and leaf.ndim == 2:
+        # Only integer tensors count: a float [batch, features] tensor has no tokens.
+        integer = isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex())
+        if integer and isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and leaf.dtype != torch.bool:
             return leaf
     return None
 
 
-def token_sequence_length(batch: Any) -> int | None:
-    """Tokens per sample of a batch of token ids: dim 1 of its first 2-D integer tensor, else None."""
-    ids = token_ids(batch)
-    return int(ids.shape[1]) if ids is not None else None
-
-
 def _say_inferred_seq_len(ids: torch.Tensor) -> None:
-    """Say the tokens per sample read off the width of the token ids ``ids``; warn where the width looks like
-    T + 1 (T a power of two, 8 or more): inputs and targets shifted by one in one tensor train on T each."""
+    """Say the tokens per sample read off ``ids``; warn at a width of T + 1 (T a power of two: inputs and targets)."""
     width, inputs = ids.shape[1], ids.shape[1] - 1
     dtype = str(ids.dtype).removeprefix("torch.")
     found = f"the width of the batch's first 2-D integer tensor ({dtype} {list(ids.shape)})"
@@ -121,8 +80,7 @@ def _say_inferred_seq_len(ids: torch.Tensor) -> None:
 
 
 def resizable_train_loader(trainer: pl.Trainer) -> GlobalOrderLoader | None:
-    """The fit's train loader if it can change its micro-batch between two optimizer steps and resume on
-    another number of ranks (a ``GlobalOrderLoader``), else None."""
+    """The fit's train loader if it is a ``GlobalOrderLoader`` (resizable between steps), else None."""
     loader = trainer.train_dataloader
     return loader if isinstance(loader, GlobalOrderLoader) else None
 
@@ -136,79 +94,23 @@ def loss_of(output: Any, hook: str = "training_step") -> torch.Tensor:
 
 
 def micro_batch_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
-    """The mean loss of the micro-batch ``on_train_batch_end`` was handed (detached), or None when its
-    ``training_step`` returned None (Lightning skipped it). Lightning hands the loss back divided by
-    the accumulation; this undoes that."""
+    """The detached mean loss of the micro-batch ``on_train_batch_end`` was handed (Lightning divided it by the
+    accumulation), or None when ``training_step`` returned None."""
     if outputs is None:
         return None
     return loss_of(outputs).detach() * trainer.accumulate_grad_batches
 
 
-def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
-    """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
-    LitCBSConfigError naming ``name``, the nearest valid sizes and the fix."""
-    unit = micro_batch_size * data_parallel
-    if global_batch % unit:
-        lower = global_batch // unit * unit
-        nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
-        other = (
-            f"a number of data-parallel ranks that divides {global_batch}"
-            if global_batch % data_parallel
-            else f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
-        )
-        raise LitCBSConfigError(
-            f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
-            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: "
-            f"set {name} to one of them, or use {other}"
-        )
-    return global_batch // unit
-
-
-class StepTokens:
-    """The counted tokens of the optimizer step under way (this rank's), for ``rescale``."""
-
-    def __init__(self) -> None:
-        self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
-
-    @property
-    def active(self) -> bool:
-        return self.count is not None
-
-    def add(self, loss_sum: torch.Tensor, tokens) -> torch.Tensor:
-        tokens = torch.as_tensor(tokens, device=loss_sum.device, dtype=torch.float64)
-        self.count = tokens if self.count is None else self.count + tokens
-        mean = loss_sum / tokens.clamp(min=1).to(loss_sum.dtype)
-        return loss_sum + (mean - loss_sum).detach()  # the value of the mean, the gradient of the sum
-
-    def rescale(self, trainer: pl.Trainer, optimizer: torch.optim.Optimizer, divisor: int) -> None:
-        """Turn the step's gradients, each micro-batch's sum / ``divisor`` averaged over the ranks,
-        into the sum over the step's tokens / their number (all ranks); then start a new step."""
-        if self.count is None:
-            return
-        count, self.count = self.count, None
-        total = float(trainer.strategy.reduce(count, reduce_op="sum")) if trainer.world_size > 1 else float(count)
-        if total == 0:
-            return  # every token of the step was masked: the gradient is zero already
-        scale = divisor * trainer.world_size / total
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for parameter in group["params"]:
-                    if parameter.grad is not None:
-                        parameter.grad.mul_(scale)
-
-
 @dataclasses.dataclass(frozen=True)
 class MicroBatchSetting:
-    """Where the micro-batch size (samples per rank) lives: the datamodule's or the module's
-    ``batch_size`` attribute, or the module's ``batch_size`` hparam, read when the train loader is built."""
+    """Where the micro-batch size lives: a ``batch_size`` of the datamodule, the module, its hparams or a loader."""
 
     owner: Any
     name: str = "batch_size"
 
     @classmethod
     def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
-        """The setting, or None if neither the datamodule, the module nor a loader given to
-        ``trainer.fit(train_dataloaders=...)`` has one."""
+        """The setting, or None if nothing has one."""
         datamodule = trainer_datamodule(trainer)
         if datamodule is not None and hasattr(datamodule, "batch_size"):
             return cls(datamodule)
@@ -223,7 +125,7 @@ class MicroBatchSetting:
 
     @classmethod
     def required(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
-        """The setting, or LitCBSConfigError saying where to put it (changing the batch needs it)."""
+        """The setting, or LitCBSConfigError saying where to put it."""
         setting = cls.find(trainer, pl_module)
         if setting is None:
             raise LitCBSConfigError(
@@ -252,59 +154,41 @@ class MicroBatchSetting:
             setattr(self.owner, self.name, value)
 
 
+def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
+    """The two settings by name, once each is None or a positive int, else LitCBSConfigError."""
+    return {
+        "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
+        "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
+    }
+
+
 class BatchAccounting(Callback):
-    """The batch sizes and the samples and tokens trained on, for every lit_cbs callback to read.
+    """The batch sizes and the samples and tokens trained on (all ranks), the one source every lit_cbs callback
+    reads. ``attach(trainer)`` finds the Trainer's, or attaches one first among its callbacks, so a run needs none
+    of its own; add it to give ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Only ``BatchWarmup``
+    changes the batch (``set_micro_batch_size`` and the Trainer's ``accumulate_grad_batches``).
+
+    Besides the counts it stops the run at ``max_tokens``, feeds ``TokenLRScheduler``s the tokens, and hosts two
+    hooks every run needs first: FSDP2's reduce-scatter deferred to the micro-batch that steps, and the rescale of
+    a step's gradient to the mean over its tokens (``step_tokens``, for ``lit_cbs.token_mean_loss``).
 
     Args:
-        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``,
-            else dim 1 of the first 2-D integer tensor (token ids) of the first batch. Data without
-            token ids (float features) has no tokens: ``tokens_seen`` stays 0.
-        max_tokens: stop training after the optimizer step that reaches this many tokens (all ranks).
+        seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``, else the width
+            of the first batch's token ids (its first 2-D integer tensor); data without token ids has no tokens.
+        max_tokens: stop after the optimizer step that reaches this many tokens (all ranks).
 
-    Read-only attributes (all counts global, over every data-parallel rank):
-        micro_batch_size: samples per micro-batch and rank.
-        accumulate: micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``).
-        data_parallel_size: ranks that read their own micro-batches.
-        global_batch: samples per optimizer step.
-        samples_seen, tokens_seen: trained on so far, including the current micro-batch.
-        in_branch: True while a CBS probe trains or evaluates branches (``branching``).
-        branch_seconds: wall seconds spent in ``branching`` since the fit started.
-        fit_seconds: wall seconds of training: since this fit started, plus those of the run a
-            checkpoint it resumed from had trained for (the time lost to an interruption is not counted).
-        tokens_at_fit_start, samples_at_fit_start: the counts this fit started from (a resumed run's).
-        probe_window_step: the optimizer step where the CBS probe window in progress began (None:
-            none is open); it stays set when a stop signal interrupted the probe.
-        stop_signal: the number of a stop signal waiting for the next optimizer-step boundary, or None.
-        checkpoint_data_parallel_size: the data-parallel size of the run the checkpoint came from.
-        step_tokens: the counted tokens of the step under way, from ``lit_cbs.token_mean_loss``.
-
-    Raises:
-        LitCBSConfigError: ``seq_len`` or ``max_tokens`` not None or an int >= 1; at the first batch,
-            ``max_tokens`` for data without token ids; at the first batch of an epoch or after a change,
-            a train loader that yields another micro-batch than the one set.
-
-    Examples:
-        Before a Trainer sets it up, it holds its settings and zero counts; ``max_tokens`` is reached
-        once the tokens seen pass it:
-
+    Example:
         >>> from lit_cbs.callbacks import BatchAccounting
         >>> accounting = BatchAccounting(seq_len=128, max_tokens=1_000_000)
-        >>> accounting.global_batch, accounting.accumulate, accounting.data_parallel_size, accounting.has_tokens
-        (None, 1, 1, True)
-        >>> accounting.budget_reached
-        False
-        >>> accounting.tokens_seen = 1_000_064
-        >>> accounting.budget_reached
-        True
-        >>> with accounting.branching():
+        >>> accounting.global_batch, accounting.accumulate, accounting.budget_reached
+        (None, 1, False)
+        >>> with accounting.branching():  # a CBS probe's work: what measures the main run ignores it
         ...     accounting.in_branch
         True
-        >>> accounting.in_branch
-        False
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
-        settings = self.checked_settings(seq_len=seq_len, max_tokens=max_tokens)
+        settings = _checked_settings(seq_len=seq_len, max_tokens=max_tokens)
         self.seq_len, self.max_tokens = settings["seq_len"], settings["max_tokens"]
         self.samples_seen = 0
         self.tokens_seen = 0
@@ -315,7 +199,7 @@ class BatchAccounting(Callback):
         self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
         self._seq_len_resolved = False
         self._token_schedulers: list[TokenLRScheduler] = []
-        self._fsdp_modules: list = []
+        self._fsdp_modules: list[Any] = []
         self._gradient_sync: bool | None = None
         self.in_branch = False
         self.branch_seconds = 0.0
@@ -324,73 +208,13 @@ class BatchAccounting(Callback):
         self.tokens_at_fit_start = 0
         self.samples_at_fit_start = 0
         self.checkpoint_data_parallel_size: int | None = None
-        self.probe_window_step: int | None = None
-        self.stop_signal: int | None = None
         self.step_tokens = StepTokens()
 
-    @staticmethod
-    def checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
-        """``{"seq_len": ..., "max_tokens": ...}`` once each is None or a positive int, else
-        LitCBSConfigError: for a callback that passes them on (``BatchWarmup``) to check at construction.
-
-        Args:
-            seq_len: tokens per sample, or None.
-            max_tokens: the token budget (all ranks), or None.
-
-        Returns:
-            The two settings by name.
-
-        Raises:
-            LitCBSConfigError: one is neither None nor an int >= 1.
-
-        Examples:
-            >>> from lit_cbs.callbacks import BatchAccounting
-            >>> BatchAccounting.checked_settings(seq_len=128)
-            {'seq_len': 128, 'max_tokens': None}
-            >>> BatchAccounting.checked_settings(max_tokens=-1)
-            Traceback (most recent call last):
-            ...
-            lit_cbs.errors.LitCBSConfigError: max_tokens=-1 must be a positive int or None (tokens)
-        """
-        return {
-            "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
-            "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
-        }
-
-    # ------------------------------------------------------------------ finding the trainer's accounting
     @classmethod
     def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
         """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
-        (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on the
-        accounting's behalf: set on it, or LitCBSConfigError if it already has another value.
-
-        Args:
-            trainer: the Trainer whose accounting to find or attach.
-            given_by: the callback that took ``settings``, named in the message of a conflict.
-            settings: ``seq_len`` (tokens per sample) and ``max_tokens`` (tokens, all ranks); None: not given.
-
-        Returns:
-            The Trainer's one ``BatchAccounting``, first among its callbacks.
-
-        Raises:
-            LitCBSConfigError: the Trainer has two, a setting is invalid, or it conflicts with the accounting's.
-
-        Examples:
-            The first call attaches one (first among the callbacks), later calls find it; a callback that took
-            another ``seq_len`` on its behalf is refused:
-
-            >>> import lightning.pytorch as pl
-            >>> from lit_cbs.callbacks import BatchAccounting
-            >>> trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
-            ...                      enable_progress_bar=False, enable_model_summary=False)
-            >>> accounting = BatchAccounting.attach(trainer, given_by="MyCallback", seq_len=64)
-            >>> BatchAccounting.attach(trainer) is accounting, trainer.callbacks[0] is accounting, accounting.seq_len
-            (True, True, 64)
-            >>> BatchAccounting.attach(trainer, given_by="MyCallback", seq_len=32)
-            Traceback (most recent call last):
-            ...
-            lit_cbs.errors.LitCBSConfigError: MyCallback(seq_len=32) conflicts with BatchAccounting(seq_len=64); ...
-        """
+        (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on its behalf:
+        set on it, or LitCBSConfigError if it already has another value."""
         callbacks = trainer_callbacks(trainer)
         found = [callback for callback in callbacks if isinstance(callback, cls)]
         if len(found) > 1:
@@ -403,7 +227,7 @@ class BatchAccounting(Callback):
             ]
         if accounting._trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
-        for name, value in cls.checked_settings(**settings).items():
+        for name, value in _checked_settings(**settings).items():
             if value is None:
                 continue
             if getattr(accounting, name) not in (None, value):
@@ -414,7 +238,6 @@ class BatchAccounting(Callback):
             setattr(accounting, name, value)
         return accounting
 
-    # ------------------------------------------------------------------ read-only view
     @property
     def trainer(self) -> pl.Trainer | None:
         """The Trainer whose fit this accounting counts (None before its setup)."""
@@ -444,8 +267,7 @@ class BatchAccounting(Callback):
 
     @property
     def fit_seconds(self) -> float:
-        """Wall-clock seconds of training (validation, probes, checkpoints included): since this
-        ``trainer.fit`` began, plus the checkpoint's own for a resumed run."""
+        """Wall seconds of training since this fit began (validation, probes included), plus a checkpoint's."""
         return self._seconds_before_fit + (
             time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
         )
@@ -462,8 +284,7 @@ class BatchAccounting(Callback):
 
     @contextlib.contextmanager
     def branching(self) -> Iterator[None]:
-        """Mark the work inside as a CBS probe's (``in_branch``) and add its wall seconds to
-        ``branch_seconds``, also when it raises. Nested use counts the time once."""
+        """Mark the work inside as a CBS probe's (``in_branch``), its wall seconds added to ``branch_seconds``."""
         if self.in_branch:
             yield
             return
@@ -485,21 +306,9 @@ class BatchAccounting(Callback):
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    # ------------------------------------------------------------------ the one writer: BatchWarmup
     def set_micro_batch_size(self, value: int) -> None:
-        """Set the micro-batch the train loader must yield: written to the datamodule's or module's
-        ``batch_size`` (read when a loader is built) and, during fit, to a ``GlobalOrderLoader``, which
-        yields it from the next micro-batch on. The next batch is checked against it: a loader that
-        yields another size stops training there.
-
-        Args:
-            value: samples per micro-batch and rank.
-
-        Raises:
-            RuntimeError: before setup.
-            LitCBSConfigError: nothing holds the micro-batch (no ``batch_size`` on the datamodule, the module
-                or its hparams), or a loader given to ``trainer.fit`` was built with another.
-        """
+        """Set the micro-batch (samples per rank) the train loader must yield: written where it is read when a
+        loader is built and, during fit, to a ``GlobalOrderLoader``, which yields it from the next micro-batch on."""
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
@@ -516,19 +325,11 @@ class BatchAccounting(Callback):
         if self._micro_batch_set:
             assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
             loader.batch_size = self._micro_batch_size
-        set_train_epoch_length(
-            trainer, len(loader)
-        )  # this epoch's micro-batches: those yielded, and those left at this size
+        set_train_epoch_length(trainer, len(loader))  # those yielded, and those left at this size
 
     def set_gradient_sync(self, sync: bool | None) -> None:
-        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False).
-
-        Lightning skips the all-reduce of accumulating micro-batches only for DDP; under FSDP2 the
-        reduce-scatter is deferred to the micro-batch that steps. None resets to syncing.
-
-        Args:
-            sync: whether the next backward reduces the gradients; None: reset to syncing.
-        """
+        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False; Lightning
+        skips the all-reduce of accumulating micro-batches only for DDP); None resets to syncing."""
         if sync is None:
             sync, self._gradient_sync = True, None
         if sync != self._gradient_sync:
@@ -567,9 +368,7 @@ class BatchAccounting(Callback):
 
         self._fsdp_modules = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
         self._gradient_sync = None
-        # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was
-        # restored, and checks the restored count against that length before the first batch; a run
-        # resumed at an epoch's end then moves the loader to the next epoch without on_train_epoch_start.
+        # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was restored.
         self._sync_loader(trainer)
         self._sync_at_next_batch = True
         loader = resizable_train_loader(trainer)
@@ -581,10 +380,8 @@ class BatchAccounting(Callback):
     def _check_zero_sample_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loader: GlobalOrderLoader
     ) -> None:
-        """An epoch's last micro-batch may hold no sample on some rank (``GlobalOrderLoader``); that rank
-        still runs the step's forward and backward. Try ``training_step`` once on such a batch, before
-        training, with its side effects undone: a loss that is not finite (a mean over no samples is
-        NaN) would reach every rank's gradient through the all-reduce."""
+        """Try ``training_step`` once, side effects undone, on a zero-sample batch (an epoch's last on some rank):
+        a loss that is not finite there would reach every rank's gradient through the all-reduce."""
         world = self.data_parallel_size
         batch = trainer.strategy.batch_to_device(loader.empty_batch())
         step_tokens = self.step_tokens.count
@@ -624,7 +421,7 @@ class BatchAccounting(Callback):
             self._seq_len_resolved = True
             ids = token_ids(batch) if self.seq_len is None else None
             if ids is not None:
-                self.seq_len = int(ids.shape[1])  # as token_sequence_length(batch)
+                self.seq_len = int(ids.shape[1])
                 _say_inferred_seq_len(ids)
             if self.seq_len is None and self.max_tokens is not None:
                 raise LitCBSConfigError(
@@ -643,9 +440,7 @@ class BatchAccounting(Callback):
             self.set_gradient_sync(not should_accumulate(trainer))
 
     def _check_micro_batch(self, trainer: pl.Trainer, micro: int, loader: GlobalOrderLoader | None) -> None:
-        """The first batch of an epoch, and the first after a change, must hold the micro-batch that was
-        set (with a ``GlobalOrderLoader``, this rank's share of an epoch's short last round): a loader that
-        ignores ``batch_size`` would make every count, the global batch and the LR rule silently wrong."""
+        """The first batch of an epoch, and after a change, must hold the micro-batch set: else every count is wrong."""
         if not self._micro_batch_set:
             # Nobody sets it: the loader says what it is, else its batches do.
             self._micro_batch_size = loader.batch_size if loader is not None else micro
@@ -663,12 +458,14 @@ class BatchAccounting(Callback):
             "BatchWarmup resizes between optimizer steps)"
         )
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         if not self.in_branch:  # a branch rescales its own steps (it divides by its own accumulation)
             self.step_tokens.rescale(trainer, optimizer, trainer.accumulate_grad_batches)
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.budget_reached and not should_accumulate(trainer):
             trainer.should_stop = True

@@ -1,34 +1,4 @@
-"""``FinalStateCheckpoint``: Lightning's ModelCheckpoint for runs that stop at any time and resume exactly.
-
-What it adds to ModelCheckpoint, so that every checkpoint it leaves resumes to the run that was not
-interrupted:
-
-- **The final state.** ``last.ckpt`` is written again when training ends (``max_tokens``,
-  ``max_steps``, a stop signal), so it holds the step the run ended with, not the last multiple of
-  ``every_n_train_steps``. A run that stops inside an epoch (by ``max_tokens``, ``max_steps`` or a
-  stop signal) is saved right after its last step, while Lightning still counts the epoch as
-  unfinished: a run resumed from it, with a larger budget or on other ranks, goes on in that epoch,
-  at the loader's sample (saved when training ends, Lightning would count the epoch done and start
-  the next).
-- **Signals at step boundaries.** Lightning acts on SIGTERM after whichever micro-batch it arrives
-  in (a checkpoint there would lose the accumulated gradients), and its SLURM handler saves a
-  checkpoint from inside the signal handler, which may run in the middle of a CBS probe's branch.
-  From the start of training, SIGTERM and the SLURM requeue signal (``SLURMEnvironment.requeue_signal``,
-  SIGUSR1 by default) only record themselves. At the next optimizer-step boundary of the main run,
-  after every other callback has seen that step, the ranks agree on whether one arrived on any of
-  them, and Lightning's own handler is called on every rank at once, as if the signal had arrived
-  then: SIGTERM stops the run after saving ``last.ckpt``; the requeue signal saves Lightning's
-  ``hpc_ckpt_<n>.ckpt``, requeues the job and stops. No main-run step starts after the signal but
-  the one in progress; a probe branch in progress is abandoned at its next step, and the main
-  state is restored first.
-- **CBS probes.** A probe's reading needs the run's state where its window began. When a window
-  opens, ``last.ckpt`` is written there; periodic checkpoints that fall inside the window are not
-  written (said once per window); and a run stopped inside the probe (window or branches) keeps
-  ``last.ckpt`` (or the hpc checkpoint) at the window's start. A resumed run starts the probe again
-  at that very step and reads what the uninterrupted run reads, at the price of retraining the
-  window's main-run steps. Without ``save_last`` the stop saves the main state at its step, and
-  the resumed probe says where it was interrupted.
-"""
+"""``FinalStateCheckpoint``: Lightning's ModelCheckpoint for runs that stop at any time and resume exactly."""
 
 from __future__ import annotations
 
@@ -39,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.plugins.environments import SLURMEnvironment
+from lightning.fabric.plugins.environments.slurm import SLURMEnvironment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -53,37 +23,28 @@ from lit_cbs._internals import (
     set_last_saved_step,
     should_accumulate,
 )
-from lit_cbs.callbacks.accounting import BatchAccounting, mean_over_ranks
+from lit_cbs.callbacks.accounting import mean_over_ranks, trainer_callbacks
 from lit_cbs.callbacks.checkpoint_files import atomic_saves, copy_checkpoint
 
 __all__ = ["FinalStateCheckpoint"]
 
 
 class FinalStateCheckpoint(ModelCheckpoint):
-    """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops
-    (see the module docstring). ``last.ckpt`` needs ``save_last=True``. ``enable_version_counter``
-    defaults to False: a job resumed in the same folder (a requeued SLURM job) overwrites ``last.ckpt``
-    instead of writing ``last-v1.ckpt`` beside a stale one.
+    """``ModelCheckpoint`` (same arguments) whose checkpoints resume exactly, however the run stops.
 
-    Args:
-        *args: ``ModelCheckpoint``'s positional arguments.
-        **kwargs: ``ModelCheckpoint``'s keyword arguments (``dirpath``, ``save_last``, ``every_n_train_steps``, ...).
-        enable_version_counter: as ``ModelCheckpoint``'s, but False by default.
+    ``last.ckpt`` (``save_last=True``) is written again when training ends, right after the last step. SIGTERM and
+    SLURM's requeue signal wait for the next optimizer-step boundary, where every rank hands them to Lightning at
+    once. While a CBS probe window is open, ``last.ckpt`` holds its start and periodic checkpoints inside it are
+    skipped, so a resumed run redoes the probe. ``enable_version_counter`` defaults to False: a requeued job
+    overwrites its ``last.ckpt``.
 
-    Raises:
-        lightning.fabric.utilities.exceptions.MisconfigurationException: what ``ModelCheckpoint`` refuses.
-
-    Examples:
+    Example:
         >>> import tempfile
         >>> from lit_cbs.callbacks import FinalStateCheckpoint
         >>> with tempfile.TemporaryDirectory() as folder:
         ...     checkpoint = FinalStateCheckpoint(dirpath=folder, save_last=True, every_n_train_steps=500)
         >>> checkpoint.save_last, checkpoint.CHECKPOINT_NAME_LAST + checkpoint.FILE_EXTENSION
         (True, 'last.ckpt')
-        >>> FinalStateCheckpoint(every_n_train_steps=-1)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        lightning.fabric.utilities.exceptions.MisconfigurationException: Invalid value for every_n_train_steps=-1. ...
     """
 
     def __init__(self, *args: Any, enable_version_counter: bool = False, **kwargs: Any):
@@ -91,24 +52,24 @@ class FinalStateCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._lightning_handlers: dict[int, Any] = {}  # signal -> Lightning's handler, called at a step boundary
         self._skipped_in_window: int | None = None  # the window whose skipped periodic checkpoint was said
+        self.stop_signal: int | None = None  # a stop signal waiting for the next optimizer-step boundary
+        self.probe_window_step: int | None = None  # where the open CBS probe window began (``set_probe_window``)
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Every checkpoint the Trainer writes appears only once complete (``checkpoint_files``)."""
+        # Every checkpoint the Trainer writes appears only once complete (checkpoint_files).
         super().setup(trainer, pl_module, stage)
         atomic_saves(trainer.strategy)
 
     # ------------------------------------------------------------------ signals
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        accounting = BatchAccounting.attach(trainer)
-        accounting.stop_signal = None
-        if accounting.probe_window_step == trainer.global_step and self.save_last:
+        self.stop_signal = None
+        if self.probe_window_step == trainer.global_step and self.save_last:
             self._keep_resumed_checkpoint_as_last(trainer)
-        self._defer_stop_signals(trainer, accounting)
+        self._defer_stop_signals(trainer)
 
     def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
-        """A resumed run that opens a CBS probe window at its first step: the checkpoint it resumed from
-        is that window's start, so it becomes ``last.ckpt`` (what a run stopped inside the probe resumes from)."""
+        """A resumed run whose probe window opens at its first step: the checkpoint resumed is its start."""
         assert trainer.ckpt_path is not None  # the window's start was restored from the checkpoint resumed
         source, target = Path(trainer.ckpt_path), self._last_path()
         if trainer.is_global_zero and source.resolve() != target.resolve():
@@ -117,7 +78,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         set_last_saved_step(self, trainer.global_step)
         self.last_model_path = str(target)
 
-    def _defer_stop_signals(self, trainer: pl.Trainer, accounting: BatchAccounting) -> None:
+    def _defer_stop_signals(self, trainer: pl.Trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; Lightning's stay
         signals = [signal.SIGTERM]
@@ -128,10 +89,10 @@ class FinalStateCheckpoint(ModelCheckpoint):
         for signum in signals:
             self._lightning_handlers[signum] = signal.getsignal(signum)
 
-            def record(received: int, frame: Any, accounting: BatchAccounting = accounting) -> None:
+            def record(received: int, frame: Any) -> None:
                 # SIGTERM wins over the requeue signal: the run stops either way.
-                if accounting.stop_signal != signal.SIGTERM:
-                    accounting.stop_signal = received
+                if self.stop_signal != signal.SIGTERM:
+                    self.stop_signal = received
 
             signal.signal(signum, record)
 
@@ -139,18 +100,17 @@ class FinalStateCheckpoint(ModelCheckpoint):
         """At a step boundary: if a stop signal arrived on any rank, hand it to Lightning on every rank."""
         if not self._lightning_handlers:
             return
-        accounting = BatchAccounting.attach(trainer)
-        pending = [float(accounting.stop_signal == signum) for signum in self._lightning_handlers]
+        pending = [float(self.stop_signal == signum) for signum in self._lightning_handlers]
         if trainer.world_size > 1:
             pending = mean_over_ranks(trainer, pending)
         arrived = [signum for signum, flag in zip(self._lightning_handlers, pending) if flag > 0]
         if not arrived:
             return
         signum = arrived[0]  # SIGTERM first
-        accounting.stop_signal = signum
+        self.stop_signal = signum
         self._restore_lightning_handlers()
         name = signal.Signals(signum).name
-        window = accounting.probe_window_step
+        window = self.probe_window_step
         inside = ""
         if window is not None:
             inside = f", inside the CBS probe whose window began at step {window}"
@@ -170,13 +130,10 @@ class FinalStateCheckpoint(ModelCheckpoint):
             trainer.should_stop = True
 
     def _replace_with_probe_start(self, trainer: pl.Trainer, hpc_path: str | None) -> None:
-        """Make the checkpoint Lightning just saved at the requeue signal hold the open probe's start instead."""
+        """The checkpoint Lightning saved at the requeue signal holds the open probe's start instead."""
         if hpc_path is not None and trainer.is_global_zero:
             copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
-            rank_zero_info(
-                f"{Path(hpc_path).name} holds step {BatchAccounting.attach(trainer).probe_window_step}, "
-                "where the CBS probe began"
-            )
+            rank_zero_info(f"{Path(hpc_path).name} holds step {self.probe_window_step}, where the CBS probe began")
         trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
     def _restore_lightning_handlers(self) -> None:
@@ -187,12 +144,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         self._lightning_handlers = {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Lightning's, saying in one line what a run resumed into another folder keeps (its own
-        checkpoints start there) instead of Lightning's warning that the top-k is not reloaded.
-
-        Args:
-            state_dict: what ``state_dict`` saved in the checkpoint.
-        """
+        """Lightning's, saying in one line that a run resumed into another folder saves there (not its warning)."""
         before = state_dict.get("dirpath", self.dirpath)
         if before == self.dirpath:
             super().load_state_dict(state_dict)
@@ -206,11 +158,11 @@ class FinalStateCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------ saving
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if should_accumulate(trainer):
             return
-        window = BatchAccounting.attach(trainer).probe_window_step
+        window = self.probe_window_step
         if window is None or window == trainer.global_step:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         elif self._saves_at(trainer.global_step) and self._skipped_in_window != window:
@@ -270,7 +222,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
                 "with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
             )
         where = "it" if saved == trainer.global_step else f"step {saved}"
-        window = BatchAccounting.attach(trainer).probe_window_step
+        window = self.probe_window_step
         if window is not None and saved == window != trainer.global_step:
             where += ", where the CBS probe in progress began (a resumed run redoes it)"
         return (
@@ -281,8 +233,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _save_final_state(self, trainer: pl.Trainer) -> None:
         if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
             return
-        accounting = BatchAccounting.attach(trainer)
-        if accounting.probe_window_step is not None and accounting.stop_signal is not None:
+        if self.probe_window_step is not None and self.stop_signal is not None:
             return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
         self._save_last_now(trainer)
 
@@ -299,9 +250,24 @@ class FinalStateCheckpoint(ModelCheckpoint):
         self.last_model_path = path
 
 
+def _final_state_checkpoints(trainer: pl.Trainer) -> list[FinalStateCheckpoint]:
+    return [callback for callback in trainer_callbacks(trainer) if isinstance(callback, FinalStateCheckpoint)]
+
+
+def stop_signal(trainer: pl.Trainer) -> int | None:
+    """The stop signal a ``FinalStateCheckpoint`` holds for the next optimizer-step boundary, or None."""
+    return next((cb.stop_signal for cb in _final_state_checkpoints(trainer) if cb.stop_signal is not None), None)
+
+
+def set_probe_window(trainer: pl.Trainer, step: int | None) -> None:
+    """A CBS probe window began at optimizer ``step`` (None: it closed): a checkpoint inside it could not redo
+    the probe, so ``FinalStateCheckpoint`` keeps the window's start."""
+    for callback in _final_state_checkpoints(trainer):
+        callback.probe_window_step = step
+
+
 def _explain_sigterm(exception: SIGTERMException, message: str) -> None:
-    """Give Lightning's ``SIGTERMException`` (a ``SystemExit`` raised without a message) ``message``: its
-    ``str()`` for a script that catches it, and, left uncaught, the line Python prints to stderr on its
-    way out (exit status 1, not the 0 of a bare ``SystemExit``, which a scheduler would read as done)."""
+    """Give Lightning's ``SIGTERMException`` (a bare ``SystemExit``) ``message``: the line Python prints on its way
+    out, and exit status 1, not the 0 a scheduler would read as done."""
     exception.args = (message,)
     exception.code = message

@@ -1,20 +1,6 @@
-"""Checkpoints that a kill cannot tear: written under a temporary name, moved into place once complete.
-
-A checkpoint is a file (``torch.save``'s zip archive) or, under FSDP2 with distributed checkpoints, a
-folder of shards (``torch.distributed.checkpoint``'s ``.metadata`` beside them, Lightning's ``meta.pt``).
-Lightning writes either straight to its final path, and replaces a folder by writing new shards over
-the old ones: a process killed meanwhile leaves a checkpoint that is missing pieces, or one that mixes
-two steps and still looks complete. ``atomic_saves(strategy)`` makes every save of a Trainer (periodic,
-``last.ckpt``, Lightning's ``hpc_ckpt_<n>.ckpt``, ``trainer.save_checkpoint``) write to
-``.<name>.partial`` beside its path, and only once every rank has finished, move it into place
-(``replace``): a reader finds the old checkpoint or the new one, never part of one.
-
-Moving a folder over an existing one takes two renames (the old one aside to ``.<name>.replaced``,
-the new one in). A kill between them leaves no checkpoint at the name for a moment; ``settle(folder)``
-finishes or undoes any such move, and is called before a checkpoint folder is read.
-``unreadable(path)`` says what is missing from a checkpoint (None when complete), and
-``newest_complete`` picks the newest complete checkpoint of a run to resume from.
-"""
+"""Checkpoints a kill cannot tear: written to ``.<name>.partial``, moved into place once complete on every rank.
+A folder (FSDP2's distributed checkpoint) moves in with two renames; ``settle`` finishes or undoes a move a kill
+interrupted."""
 
 from __future__ import annotations
 
@@ -26,8 +12,6 @@ import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
-
-__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
 
 PARTIAL = ".partial"  # suffix of a checkpoint being written: .<name>.partial
 REPLACED = ".replaced"  # suffix of the checkpoint a completed write is replacing: .<name>.replaced
@@ -67,12 +51,8 @@ def _sync_folder(folder: Path) -> None:
 
 
 def replace(partial: Path, target: Path) -> None:
-    """Move the complete checkpoint ``partial`` to ``target``, over whatever ``target`` holds.
-
-    A file over a file is one atomic ``os.replace``. Otherwise (a folder on either side) the old
-    checkpoint moves aside to ``.<name>.replaced`` first, the new one moves in, and the old one is
-    deleted; ``settle`` completes this after a kill between the steps.
-    """
+    """Move the complete checkpoint ``partial`` to ``target``: one ``os.replace`` for a file over a file, else the
+    old one aside to ``.<name>.replaced`` first (``settle`` completes this after a kill between the steps)."""
     aside = replaced_path(target)
     _remove(aside)  # left by a replacement a kill interrupted, its checkpoint since superseded
     if target.exists() and not (target.is_file() and partial.is_file()):
@@ -98,10 +78,7 @@ def _locked(folder: Path) -> Iterator[None]:
 
 
 def settle(folder: Path) -> None:
-    """Finish or undo the checkpoint moves a kill interrupted in ``folder``: a write that died before it
-    was complete is deleted, a replacement that died halfway is completed (the new checkpoint was
-    complete once the old one was moved aside), and an old checkpoint left aside is deleted. Safe to
-    call from every process of a job at once (they take turns); call it before any of them writes."""
+    """Finish or undo the checkpoint moves a kill interrupted in ``folder`` (a job's processes take turns)."""
     if not folder.is_dir():
         return
     with _locked(folder):
@@ -136,10 +113,7 @@ def copy_checkpoint(source: Path, target: Path) -> None:
 
 
 def unreadable(path: Path) -> str | None:
-    """What makes the checkpoint at ``path`` incomplete, in words, or None if it is complete: a file
-    must be a whole zip archive (``torch.save``'s format, whose index is written last); a distributed
-    checkpoint's folder must hold its ``.metadata``, Lightning's ``meta.pt`` and every byte the
-    metadata lists."""
+    """What makes the checkpoint at ``path`` incomplete, in words, or None if it is complete."""
     if not path.exists():
         return "it does not exist"
     if path.is_file():
@@ -161,9 +135,8 @@ def _whole_archive(path: Path) -> bool:
 
 
 def _missing_shard_bytes(folder: Path) -> str | None:
-    """The first shard file the distributed checkpoint's metadata lists that is missing or shorter than
-    the bytes it lists in it, or None."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """The first shard the metadata lists that is missing or short, or None."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     try:
         metadata = FileSystemReader(str(folder)).read_metadata()
@@ -197,10 +170,8 @@ def newest_complete(folders: Iterable[Path]) -> Path | None:
 
 
 def atomic_saves(strategy: Any) -> None:
-    """Make every checkpoint ``strategy`` saves to a local path appear there only once complete, on every
-    rank alike: written to ``.<name>.partial`` (all ranks, for a distributed checkpoint), then moved into
-    place by rank 0 (``replace``) after all ranks finished writing. Idempotent; remote paths
-    (``s3://``, ...) are written as before (their objects appear whole)."""
+    """Make every checkpoint ``strategy`` saves to a local path appear only once complete on every rank;
+    idempotent. Remote paths (``s3://``) are written as before (their objects appear whole)."""
     save = strategy.save_checkpoint
     if getattr(save, "writes_atomically", False):
         return

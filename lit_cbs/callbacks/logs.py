@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 
 from lit_cbs._internals import logging_step, logs_this_step
-
-__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
 
 
 def log_to_loggers(
@@ -18,15 +17,9 @@ def log_to_loggers(
     every_step: bool = False,
     step: int | None = None,
 ) -> None:
-    """Write ``metrics(trainer)`` straight to the trainer's loggers, in the row of the optimizer step
-    just taken, on logging steps only (``log_every_n_steps``) unless ``every_step`` (for rare events
-    that must not be lost between logging steps); call it after an optimizer step. ``step``: the row of an
-    earlier step instead (a side-job probe's reading, logged at the step its window ended).
-
-    This is what LearningRateMonitor does: ``self.log`` per metric and step goes through Lightning's
-    result collection, which costs more than the step of a small model can afford at every step.
-    ``metrics`` is called only when something is written.
-    """
+    """Write ``metrics(trainer)`` straight to the loggers in the row of the optimizer step just taken (``step``:
+    an earlier row), on logging steps only unless ``every_step``, as LearningRateMonitor does: ``self.log`` costs
+    more than a small model's step. ``metrics`` is called only when something is written."""
     if not trainer.loggers or not (every_step or logs_this_step(trainer)):
         return
     values = metrics(trainer)
@@ -35,10 +28,8 @@ def log_to_loggers(
         logger.log_metrics(values, step=step)
 
 
-def log_figures(loggers: Iterable, paths: Iterable[str | os.PathLike[str]], step: int) -> None:
-    """Send each PNG in ``paths`` (named by its file name, without ``.png``) to every logger that takes
-    images, at ``step``: TensorBoard as an image summary, MLflow as an artifact under ``figures/``,
-    W&B as an image. The CSV logger needs nothing: the PNGs are in the run folder beside metrics.csv."""
+def log_figures(loggers: Iterable[Any], paths: Iterable[str | os.PathLike[str]], step: int) -> None:
+    """Send each PNG in ``paths`` to every logger that takes images (TensorBoard, MLflow, W&B), at ``step``."""
     from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 
     files = [os.fspath(path) for path in paths]

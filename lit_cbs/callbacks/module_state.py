@@ -1,13 +1,10 @@
-"""Running the module's own code off the record: what it changes besides tensors is put back, and it logs nothing.
-
-The accounting tries ``training_step`` once on a zero-sample batch before training (``side_effects_undone``); a CBS
-probe keeps ``ModuleState`` in its snapshots and mutes logging while its branches train.
-"""
+"""Running the module's own code off the record: what it changes besides tensors is put back, it logs nothing."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -15,13 +12,9 @@ from torchmetrics import Metric
 
 from lit_cbs._internals import collect_rng_states, metric_update_count, set_metric_update_count, set_rng_states
 
-__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
-
 
 class ModuleState:
-    """What a step changes beside tensors: the module's torchmetrics states (and update counts),
-    the RNG streams of torch (CPU and CUDA), numpy and random, and its train/eval mode. Restored in
-    place, as often as needed."""
+    """What a step changes beside tensors: torchmetrics states, the RNG streams, the train/eval mode."""
 
     def __init__(self, pl_module: pl.LightningModule):
         self.metrics = [
@@ -42,7 +35,7 @@ class ModuleState:
 
 
 @contextlib.contextmanager
-def logging_muted(pl_module: pl.LightningModule):
+def logging_muted(pl_module: pl.LightningModule) -> Iterator[None]:
     """Branches call the user's steps; their self.log calls must not reach the main run's logs."""
     if "log" in vars(pl_module):  # already muted by an enclosing block
         yield
@@ -58,9 +51,8 @@ def logging_muted(pl_module: pl.LightningModule):
 
 
 @contextlib.contextmanager
-def side_effects_undone(pl_module: pl.LightningModule):
-    """Whatever runs inside leaves the module's torchmetrics states, the RNG streams and its
-    train/eval mode as they were (``ModuleState``), and logs nothing."""
+def side_effects_undone(pl_module: pl.LightningModule) -> Iterator[None]:
+    """Whatever runs inside leaves the ``ModuleState`` as it was and logs nothing."""
     saved = ModuleState(pl_module)
     try:
         with logging_muted(pl_module):

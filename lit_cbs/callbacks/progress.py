@@ -1,12 +1,4 @@
-"""``RunProgressBar``: Lightning's TQDMProgressBar counting what the run will really do.
-
-Lightning's bar counts the micro-batches of one epoch, but a run that BatchWarmup stops at
-``max_tokens`` ends wherever the budget runs out (the default job at 37% of its first epoch's bar),
-and with accumulation a micro-batch is not a step. This bar spans the whole run instead: tokens
-out of the token budget (``BatchWarmup``'s or ``BatchAccounting``'s ``max_tokens``), else
-optimizer steps out of ``Trainer(max_steps=...)``, and ends at 100%. Without either it is
-Lightning's bar.
-"""
+"""``RunProgressBar``: Lightning's TQDMProgressBar counting the whole run, in tokens or optimizer steps."""
 
 from __future__ import annotations
 
@@ -21,16 +13,11 @@ __all__ = ["RunProgressBar"]
 
 
 class RunProgressBar(TQDMProgressBar):
-    """One training bar for the whole run, in tokens (the token budget ``max_tokens``) or optimizer steps
-    (``max_steps``); same arguments as ``TQDMProgressBar`` (``refresh_rate`` in micro-batches).
+    """One training bar for the whole run, tokens out of ``max_tokens`` (``BatchAccounting``'s), else optimizer
+    steps out of ``max_steps``, else Lightning's; ``TQDMProgressBar``'s arguments (``refresh_rate`` in
+    micro-batches). Lightning's bar counts an epoch's micro-batches, though a run may stop anywhere in it.
 
-    Args:
-        refresh_rate: micro-batches between two redraws (0: no bar).
-        process_position: the bar's line, for several bars at once.
-        leave: keep the finished bar on screen.
-
-    Examples:
-        Before training (no ``BatchAccounting`` read yet) it counts optimizer steps out of ``max_steps``:
+    Example:
 
         >>> import types
         >>> from lit_cbs.callbacks import RunProgressBar
@@ -47,15 +34,7 @@ class RunProgressBar(TQDMProgressBar):
         self._micro_batches = 0
 
     def progress(self, trainer: pl.Trainer) -> tuple[int, int, str] | None:
-        """(done, total, unit) for the whole run, or None where Lightning's per-epoch count applies.
-
-        Args:
-            trainer: the Trainer whose run to count.
-
-        Returns:
-            (tokens seen, token budget, "tokens") with a ``max_tokens``, else (optimizer steps taken,
-            ``max_steps``, "steps") with a ``max_steps``, else None.
-        """
+        """(done, total, unit) for the whole run, or None where Lightning's per-epoch count applies."""
         accounting = self._accounting
         if accounting is not None and accounting.max_tokens is not None:
             # The last step may pass the budget: the bar then ends at what was trained.
@@ -72,9 +51,7 @@ class RunProgressBar(TQDMProgressBar):
         if progress is not None and not self.train_progress_bar.disable:
             # A resumed run starts part-way: tqdm's rate then counts from here, not from zero at time 0.
             self.train_progress_bar.initial = progress[0]
-            self.train_progress_bar.set_description(
-                f"Epoch {trainer.current_epoch}"
-            )  # no epoch start on a resume mid-epoch
+            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")  # no epoch start mid-epoch
         self._show(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -84,7 +61,7 @@ class RunProgressBar(TQDMProgressBar):
         self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self.progress(trainer) is None:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)

@@ -1,15 +1,8 @@
-"""``TokenValidation``: validate every so many tokens, however large the batch and the micro-batch.
-
-Lightning's ``val_check_interval`` counts micro-batches. When ``BatchWarmup`` grows the micro-batch,
-a micro-batch holds more tokens, so validation would come ever more rarely in tokens (and a run at
-another batch would validate at other token counts than its control). This callback decides
-instead, after each optimizer step of the main run: once ``tokens_seen`` (the Trainer's
-``BatchAccounting``) crosses a multiple of ``every_tokens``, the validation loop runs right after
-that step; the curves of runs at any batch share their token grid up to one step. Lightning still
-validates where it always does at the end (``max_tokens``, ``max_steps``, an early stop).
-"""
+"""``TokenValidation``: validate every so many tokens, however large the batch and the micro-batch."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -22,19 +15,11 @@ __all__ = ["TokenValidation"]
 
 
 class TokenValidation(Callback):
-    """Run the validation loop after the optimizer step that crosses each multiple of ``every_tokens``
-    (tokens seen, all ranks). Leave ``Trainer(val_check_interval=...)`` at its default (it is not used)
-    and ``check_val_every_n_epoch`` at None or 1.
+    """Run the validation loop after the optimizer step that crosses each multiple of ``every_tokens`` (tokens
+    seen, all ranks): Lightning's ``val_check_interval`` counts micro-batches, which grow with BatchWarmup. Leave
+    ``val_check_interval`` at its default and ``check_val_every_n_epoch`` at None or 1.
 
-    Args:
-        every_tokens: tokens (all ranks) between two validations.
-
-    Raises:
-        LitCBSConfigError: ``every_tokens`` not an int >= 1; at setup, a Trainer with its own
-            ``val_check_interval`` or a ``check_val_every_n_epoch`` other than None and 1; at the first
-            batch, batches without token ids.
-
-    Examples:
+    Example:
         >>> from lit_cbs.callbacks import TokenValidation
         >>> TokenValidation(every_tokens=1_000_000).every_tokens
         1000000
@@ -67,7 +52,6 @@ class TokenValidation(Callback):
         self._accounting = BatchAccounting.attach(trainer)
 
     def _counts(self) -> BatchAccounting:
-        """The Trainer's ``BatchAccounting``, attached in setup."""
         if self._accounting is None:
             raise RuntimeError(
                 "TokenValidation has no BatchAccounting: its setup(trainer, pl_module, 'fit') has not run"
@@ -78,7 +62,7 @@ class TokenValidation(Callback):
         self._tokens_at_last_step = self._counts().tokens_seen
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         accounting = self._counts()
         if not accounting.has_tokens:

@@ -1,25 +1,11 @@
-"""``BatchWarmup``'s checks of the run it is given: what it refuses (``LitCBSConfigError``, one line naming the
-setting and the fix) and what it warns about, each at the first hook that knows enough. Functions of the values
-they check, so that a check reads on its own; batches in samples, consumed counts global (all ranks).
-
-- ``setup``: the Trainer and its module (``check_trainer``), the clipping rule's threshold (``check_clip_rule``), a
-  ``CBSAdaptive`` nothing feeds (``check_adaptive_is_fed``), the micro-batch (``check_micro_batch``), the schedule's
-  batches against it and the ranks (``check_sizes``, also ``BatchWarmup.check_sizes`` and on a run resumed on other
-  ranks) and the Trainer's accumulation.
-- ``on_fit_start``: the optimizer rules against the optimizers and LR schedulers (``check_optimizer_rules``).
-- ``on_train_start``: a loader that cannot change its micro-batch (``check_loader_resizes``), one that splits its
-  samples by rank on a run resumed on other ranks (``check_loader_regroups``), and ``ModelCheckpoint``s that could
-  save inside an accumulation window (``warn_checkpoints_inside_accumulation``).
-- the first batch, where the accounting knows the tokens per sample: a schedule in tokens on data without tokens
-  (``check_token_data``), and the schedule's batches the run ends before (``warn_unreachable_batches``).
-- every optimizer step: a setting the rules move that something else wrote (``check_settings_kept``).
-"""
+"""What ``BatchWarmup`` refuses (``LitCBSConfigError``: the setting and the fix) and warns about, each at the first
+hook that knows enough. Batches in samples, counts global (all ranks)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import lightning.pytorch as pl
 import torch
@@ -31,29 +17,24 @@ from lit_cbs._internals import checkpoint_triggers
 from lit_cbs.callbacks.accounting import (
     BatchAccounting,
     MicroBatchSetting,
-    check_divisible,
     resizable_train_loader,
     trainer_callbacks,
 )
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
-from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
+from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch
 from lit_cbs.rules.guard import BatchGuard
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
 from lit_cbs.rules.scaling import OptimizerRules, ScalingRule
-
-__all__: list[str] = []  # internal: what other lit_cbs modules use, nothing a user calls
+from lit_cbs.rules.warmup_core import WarmupCore
 
 
 # ---------------------------------------------------------------------------------------------- setup
 def check_trainer(
     trainer: pl.Trainer, pl_module: pl.LightningModule, schedule: BatchSchedule, warmup_class: type[Callback]
 ) -> None:
-    """Refuse what would set the accumulation beside BatchWarmup: manual optimization in ``pl_module``, a second
-    BatchWarmup (``warmup_class``: passed in, as that module imports this one), Lightning's
-    ``GradientAccumulationScheduler``, and DeepSpeed, which fixes it at start, under a schedule that changes the
-    batch."""
+    """Refuse what would set the accumulation beside BatchWarmup (``warmup_class``, passed in: it imports this)."""
     require_automatic_optimization(pl_module, "BatchWarmup", "it changes accumulate_grad_batches")
     warmups = sum(isinstance(callback, warmup_class) for callback in trainer_callbacks(trainer))
     if warmups > 1:  # Lightning refuses two at Trainer(...); this is one added to trainer.callbacks later
@@ -81,9 +62,8 @@ def check_clip_rule(clip_rule: ScalingRule | None, trainer: pl.Trainer) -> None:
         )
 
 
-def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence, resumed: bool) -> TypeGuard[CBSAdaptive]:
-    """``BatchWarmup.lacks_a_feeder``: whether ``schedule`` is a ``CBSAdaptive`` that nothing among ``callbacks``
-    feeds readings (a resumed run may have none: after its last probe point the recorded decisions replay)."""
+def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence[Any], resumed: bool) -> TypeGuard[CBSAdaptive]:
+    """``BatchWarmup.lacks_a_feeder``."""
     return (
         isinstance(schedule, CBSAdaptive)
         and schedule.start < schedule.final
@@ -93,8 +73,7 @@ def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence, resumed: bool) 
 
 
 def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer, resumed: bool) -> None:
-    """Refuse a ``CBSAdaptive`` schedule that nothing feeds readings: its batch would never grow. Asked once the
-    Trainer restored any checkpoint (``resumed``: BatchWarmup's state came from one), before the first step."""
+    """Refuse a ``CBSAdaptive`` schedule that nothing feeds readings: its batch would never grow."""
     if lacks_a_feeder(schedule, trainer_callbacks(trainer), resumed=resumed):
         raise LitCBSConfigError(
             f"BatchWarmup's schedule is CBSAdaptive(start={schedule.start}, final={schedule.final}), which grows "
@@ -105,43 +84,9 @@ def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer, resumed:
         )
 
 
-def check_micro_batch(trainer: pl.Trainer, pl_module: pl.LightningModule, max_micro_batch_size: int | None) -> int:
-    """The micro-batch the run starts with (samples per rank: the datamodule's or module's ``batch_size``), which
-    must be an int >= 1 and not above ``max_micro_batch_size``."""
-    micro = MicroBatchSetting.required(trainer, pl_module).get()
-    positive_int("batch_size", micro, "the micro-batch, samples per rank")  # LitCBSConfigError unless an int >= 1
-    if max_micro_batch_size is not None and max_micro_batch_size < micro:
-        raise LitCBSConfigError(
-            f"max_micro_batch_size={max_micro_batch_size} is smaller than the datamodule's "
-            f"batch_size={micro}; raise it or lower the batch_size"
-        )
-    return micro
-
-
-def check_sizes(
-    sizes: list[int],
-    micro_batch_size: int,
-    data_parallel_size: int,
-    max_micro_batch_size: int | None,
-    name: str = "scheduled global batch",
-) -> None:
-    """``BatchWarmup.check_sizes``: LitCBSConfigError unless every global batch in ``sizes`` (samples per optimizer
-    step, all ranks) divides into micro-batches on every one of ``data_parallel_size`` ranks: of ``micro_batch_size``
-    (samples per rank), or with ``max_micro_batch_size`` (the micro-batch grows with the batch) of any size, so only
-    into the ranks. ``name``: what ``sizes`` are, in the message (``check_divisible``'s, naming the nearest sizes
-    that divide). Also for a run's configuration before its Trainer exists.
-
-    Examples:
-        >>> from lit_cbs.callbacks.warmup_checks import check_sizes
-        >>> check_sizes([64, 128], micro_batch_size=16, data_parallel_size=4, max_micro_batch_size=None)  # 16 x 1 x 4
-        >>> check_sizes([96], micro_batch_size=16, data_parallel_size=4, max_micro_batch_size=None)
-        Traceback (most recent call last):
-        ...
-        lit_cbs.errors.LitCBSConfigError: scheduled global batch 96 is not a multiple of micro-batch 16 x ...
-        >>> check_sizes([96], micro_batch_size=16, data_parallel_size=4, max_micro_batch_size=32)  # 24 x 1 x 4
-    """
-    for size in sizes:
-        check_divisible(size, micro_batch_size if max_micro_batch_size is None else 1, data_parallel_size, name)
+def micro_batch_setting(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """The micro-batch the run starts with: the datamodule's or module's ``batch_size`` (checked by the core)."""
+    return MicroBatchSetting.required(trainer, pl_module).get()
 
 
 def check_accumulation(trainer: pl.Trainer, accumulate: int) -> None:
@@ -154,32 +99,17 @@ def check_accumulation(trainer: pl.Trainer, accumulate: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- fit and train start
-def check_optimizer_rules(
-    trainer: pl.Trainer,
-    rules: OptimizerRules,
-    schedule: BatchSchedule,
-    consumed: int,
-    global_batch: int,
-    guard: BatchGuard | None,
-) -> None:
-    """The rules against the optimizers and LR schedulers, for the changes the schedule has to come from
-    ``global_batch`` at ``consumed`` (``OptimizerRules.check``); warnings for rules that never act and for LR
-    schedules indexed by optimizer steps, which the changes stretch."""
-    # A constant schedule the run already trains at has no change to come: the LR is never rescaled, so any
-    # optimizer and LR scheduler (OneCycleLR too) train exactly as without BatchWarmup. A constant schedule can
-    # still change the batch once, when a run resumes with another batch than its checkpoint's: that change is
-    # checked like any other.
-    sizes = schedule.sizes(consumed)
-    ratios = [b / a for a, b in zip([global_batch] + sizes, sizes) if a != b]
+def check_optimizer_rules(trainer: pl.Trainer, warmup: WarmupCore, consumed: int, guard: BatchGuard | None) -> None:
+    """``WarmupCore.check_optimizers``; warnings for rules that never act and for LR schedules indexed by optimizer
+    steps, which the changes stretch."""
     schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-    who = f"BatchWarmup({rules.describe()})"
-    for optimizer in trainer.optimizers:
-        rules.check(optimizer, schedulers, ratios, who, compose=True)
+    ratios = warmup.check_optimizers(trainer.optimizers, schedulers, consumed)
+    rules, schedule, global_batch, who = warmup.rules, warmup.schedule, warmup.global_batch, warmup.who
     if not ratios:
         if rules.settings and guard is None:
             rank_zero_warn(
                 f"{who}: the schedule {schedule!r} never changes the batch from {global_batch}, so "
-                f"{' and '.join(rule.argument for rule in rules.settings)} never act: give the optimizer the "
+                f"{' and '.join(f'{key}_rule' for key in rules.settings)} never act: give the optimizer the "
                 "settings for this batch yourself, or drop the rules"
             )
         return
@@ -202,8 +132,7 @@ def check_loader_resizes(
     micro_batch_size: int,
     max_micro_batch_size: int | None,
 ) -> None:
-    """A schedule whose micro-batch changes (``micros``: the micro-batches, samples per rank, of every batch the run
-    may still train at; ``micro_batch_size``: the one now) needs a loader that can change its batch between steps."""
+    """A micro-batch that changes (``micros``: those of every batch to come) needs a ``GlobalOrderLoader``."""
     if micros == {micro_batch_size}:
         return
     loader = resizable_train_loader(trainer)
@@ -224,8 +153,7 @@ def check_loader_resizes(
 
 
 def check_loader_regroups(trainer: pl.Trainer, before: int, ranks: int) -> GlobalOrderLoader:
-    """The train loader of a run resumed on ``ranks`` data-parallel ranks from a checkpoint of ``before``: one that
-    deals one sample order to any number of ranks, else refused (it would skip or repeat samples)."""
+    """The ``GlobalOrderLoader`` of a run resumed on ``ranks`` ranks from ``before``; another would skip or repeat."""
     loader = resizable_train_loader(trainer)
     if loader is None:
         raise LitCBSConfigError(
@@ -242,9 +170,8 @@ def warn_checkpoints_inside_accumulation(
     pl_module: pl.LightningModule,
     accumulations: set[int],
 ) -> None:
-    """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step (``accumulations``: the
-    micro-batches per step of every batch the run may train at): the accumulated gradient is not in the checkpoint,
-    so a run resumed from it trains a different step."""
+    """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step (``accumulations``:
+    those of every batch to come): the half-accumulated gradient is not in the checkpoint."""
     step = math.lcm(*accumulations)
     if step == 1:
         return
@@ -341,10 +268,8 @@ def warn_unreachable_batches(
     global_batch: int,
     samples_before_step: int | None,
 ) -> None:
-    """Warn, before the first step, about every global batch the schedule has to come that the run
-    ends before (by max_tokens, max_steps or max_epochs): those phases never train. The steps are
-    walked phase by phase from ``global_batch`` as BatchWarmup takes them (less its wait for an aligned step);
-    ``samples_before_step``: the samples seen after the last optimizer step (None: none was taken yet)."""
+    """Warn, before the first step, about every global batch to come that the run ends before (by max_tokens,
+    max_steps or max_epochs), walking the phases from ``global_batch`` as BatchWarmup takes them."""
     if isinstance(schedule, CBSAdaptive):
         return  # its batches come from readings, not from the consumed count
     seq_len = accounting.seq_len or 0  # 0 for data without tokens (has_tokens: seq_len is not None)
@@ -428,17 +353,20 @@ def _where_each_starts(schedule: BatchSchedule, sizes: list[int]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- every step
-def check_settings_kept(rules: OptimizerRules, settings_set: list[list[dict]], trainer: pl.Trainer, optimizer) -> None:
-    """LitCBSConfigError if something else (a callback, an LR scheduler, optimizer_step) wrote a setting the
-    ``rules`` move since BatchWarmup last did (``settings_set``: what it left in each optimizer's param groups):
-    the rule and the other writer would fight."""
+def check_settings_kept(
+    rules: OptimizerRules,
+    settings_set: list[list[dict[str, Any]]],
+    trainer: pl.Trainer,
+    optimizer: torch.optim.Optimizer,
+) -> None:
+    """Refuse a setting the ``rules`` move that something else wrote since BatchWarmup did (``settings_set``)."""
     index = next(i for i, candidate in enumerate(trainer.optimizers) if candidate is optimizer)
     for number, (group, saved) in enumerate(zip(optimizer.param_groups, settings_set[index])):
-        for rule in rules.settings:
-            now, then = rule.get(group), rule.get(saved)
+        for key in rules.settings:
+            now, then = rules.get(key, group), rules.get(key, saved)
             if now != then:
                 raise LitCBSConfigError(
-                    f"BatchWarmup({rule.argument}={rule.name!r}) set {rule.key}={then:.6g} in param group {number}, "
+                    f"BatchWarmup({key}_rule={rules.rule_name(key)!r}) set {key}={then:.6g} in param group {number}, "
                     f"but at step {trainer.global_step} it is {now:.6g}: something else writes it (a callback, an LR "
-                    f"scheduler or the module's optimizer_step); remove that writer or set {rule.argument}=None"
+                    f"scheduler or the module's optimizer_step); remove that writer or set {key}_rule=None"
                 )

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import block_ddp_gradient_sync, tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
+from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.module_state import logging_muted, side_effects_undone
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.limits import known
@@ -584,7 +585,7 @@ class BranchTrainer:
                 if isinstance(config.scheduler, TokenLRScheduler):
                     config.scheduler.tokens_seen = tokens
                 module.lr_scheduler_step(config.scheduler, None)
-            stopping = trainer.received_sigterm or self.accounting.stop_signal is not None
+            stopping = trainer.received_sigterm or stop_signal(trainer) is not None
             if strategy.reduce_boolean_decision(stopping, all=False):
                 raise ProbeAborted()
         # LightningOptimizer wraps the Optimizer Lightning's hook annotation names (zero_grad delegated to it)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs._internals import logging_step, should_accumulate
 from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
+from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import BranchTrainer, ProbeAborted, ProbeUnusable
@@ -243,7 +244,7 @@ class CBSProbeCallback(Callback):
             )
         except ProbeAborted:
             (point,) = recording
-            if accounting.stop_signal is None:  # else FinalStateCheckpoint says it with the stop, once
+            if stop_signal(trainer) is None:  # else FinalStateCheckpoint says it with the stop, once
                 rank_zero_warn(f"CBS probe at {point.tokens:,} tokens stopped by a signal; main state restored")
             self._interrupted = (point.tokens, point.step)
             self.engine.drop(point)
@@ -261,20 +262,19 @@ class CBSProbeCallback(Callback):
             self._start_probe(trainer, batch_idx)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        accounting = self._accounting
         if self._in_process is not None:
             for point in self.engine.recording():
-                if accounting.stop_signal is None:
+                if stop_signal(trainer) is None:
                     rank_zero_warn(f"CBS probe at {point.tokens:,} tokens dropped: training ended inside its window")
                 else:  # stopped by a signal: a resumed run redoes it (FinalStateCheckpoint keeps its start)
                     self._interrupted = (point.tokens, point.step)
                 self.engine.drop(point)
         if self._side is not None:
-            if self._side.pending and accounting.stop_signal is None:
+            if self._side.pending and stop_signal(trainer) is None:
                 self._wait_for_side_jobs()
             self._side.detach()
         why_not = self.engine.why_not_adapted()
-        if why_not is not None and accounting.stop_signal is None:
+        if why_not is not None and stop_signal(trainer) is None:
             rank_zero_warn(f"CBSAdaptive never grew the batch: {why_not}")
         self._draw(trainer)
 

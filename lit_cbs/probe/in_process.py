@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lit_cbs.callbacks.accounting import BatchAccounting
+from lit_cbs.callbacks.checkpoint import set_probe_window, stop_signal
 from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.probe.branch import BranchMeasurer, BranchTrainer, RecordedWindow
 from lit_cbs.probe.config import ProbeConfig
@@ -69,7 +70,7 @@ class InProcessRunner:
             interrupted_at_tokens=point.interrupted_at_tokens,
         )
         self._branches, self._trained, self._failed = self.branch_trainer(point.batch_size), [], []
-        accounting.probe_window_step = trainer.global_step
+        set_probe_window(trainer, trainer.global_step)
 
     def record_batch(self, batch: Any) -> None:
         """Keep a micro-batch the main run trains on inside the open window."""
@@ -115,5 +116,5 @@ class InProcessRunner:
 
     def close(self, point: ProbePoint) -> None:
         self.window, self._branches = None, None
-        if self.accounting.stop_signal is None and not self.trainer.received_sigterm:
-            self.accounting.probe_window_step = None  # else the run stops: its last checkpoint keeps the start
+        if stop_signal(self.trainer) is None and not self.trainer.received_sigterm:
+            set_probe_window(self.trainer, None)  # else the run stops: its last checkpoint keeps the start

@@ -31,6 +31,7 @@ from lit_cbs.analysis.curves import (
     read_metrics_csv,
     tokens_at,
 )
+from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data import TokenDataModule
@@ -80,8 +81,8 @@ def write_batch_history(path: str | os.PathLike, warmup: BatchWarmup) -> dict:
         "changes": [dataclasses.asdict(change) for change in warmup.history],
         "guard_verdicts": [dataclasses.asdict(verdict) for verdict in warmup.guard.verdicts] if warmup.guard else None,
         "final": {
-            "samples_seen": warmup.samples_seen,
-            "tokens_seen": warmup.tokens_seen,
+            "samples_seen": warmup.accounting.samples_seen if warmup.accounting else 0,
+            "tokens_seen": warmup.accounting.tokens_seen if warmup.accounting else 0,
             "global_batch": warmup.global_batch,
             "accumulate": warmup.accumulate,
             "micro_batch_size": warmup.micro_batch_size,
@@ -392,16 +393,16 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         raise RuntimeError(
             "run_summary: the BatchWarmup was not set up by a Trainer (no accounting); call it after fit"
         )
-    stop_signal = accounting.stop_signal
+    signum = stop_signal(trainer)
     summary = {
         "run_name": run_name,
-        "tokens": warmup.tokens_seen,
-        "tokens_this_fit": warmup.tokens_seen - accounting.tokens_at_fit_start,
+        "tokens": accounting.tokens_seen,
+        "tokens_this_fit": accounting.tokens_seen - accounting.tokens_at_fit_start,
         "optimizer_steps": trainer.global_step,
         "first_batch": warmup.history[0].old_global_batch if warmup.history else warmup.global_batch,
         "final_batch": warmup.global_batch,
         # Trainer.datamodule is set by Lightning's data connector, undeclared in its class
-        "seq_len": warmup.seq_len or trainer.datamodule.seq_len,  # type: ignore[attr-defined]
+        "seq_len": accounting.seq_len or trainer.datamodule.seq_len,  # type: ignore[attr-defined]
         "batch_changes": [
             {
                 "step": c.step,
@@ -417,7 +418,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
         "run_seconds": accounting.fit_seconds,
-        "stopped_by": signal.Signals(stop_signal).name if stop_signal else None,
+        "stopped_by": signal.Signals(signum).name if signum else None,
         "probe": None,
     }
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared

@@ -17,6 +17,7 @@ _EXPORTS = {
     "StepDecay": "lit_cbs.rules.lr_schedules",
     "TokenLRScheduler": "lit_cbs.rules.lr_schedules",
     "WarmupStableDecay": "lit_cbs.rules.lr_schedules",
+    "WarmupCore": "lit_cbs.rules.warmup_core",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -33,5 +34,6 @@ if TYPE_CHECKING:
     from lit_cbs.rules.lr_schedules import StepDecay as StepDecay
     from lit_cbs.rules.lr_schedules import TokenLRScheduler as TokenLRScheduler
     from lit_cbs.rules.lr_schedules import WarmupStableDecay as WarmupStableDecay
+    from lit_cbs.rules.warmup_core import WarmupCore as WarmupCore
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

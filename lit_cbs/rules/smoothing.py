@@ -1,36 +1,18 @@
-"""``ema``: the one exponential moving average of lit_cbs, over a series of losses (or any values) in logged order.
-
-The probe scores a branch by it (``evaluate="train_ema"``: the EMA of its step losses at the window's end) and the
-analysis smooths loss curves with it (``lit_cbs.analysis.curves.smooth``). numpy and scipy only.
-"""
+"""``ema``: the one exponential moving average of lit_cbs (the probe's train_ema score, the analysis' smoothing)."""
 
 from __future__ import annotations
 
 import numpy as np
 from scipy.signal import lfilter
 
-__all__ = [
-    "ema",
-]
+__all__ = ["ema"]
 
 
 def ema(values: np.ndarray, decay: float) -> np.ndarray:
-    """Exponential moving average s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0, in the unit of
-    ``values`` (nats for losses); ``decay`` is the previous average's weight per point, in [0, 1).
+    """s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0, in the unit of ``values``; ``decay`` in [0, 1).
+    It lags a trend by about decay / (1 - decay) points.
 
-    Lags a trend by about decay / (1 - decay) logged points, which shifts every crossing later.
-
-    Args:
-        values: the series, in logged order.
-        decay: the previous average's weight per point, in [0, 1) (0: no smoothing).
-
-    Returns:
-        The smoothed series, as long as ``values`` (float).
-
-    Raises:
-        ValueError: ``decay`` outside [0, 1).
-
-    Examples:
+    Example:
         >>> ema([4.0, 2.0, 2.0, 2.0], decay=0.5).tolist()
         [4.0, 3.0, 2.5, 2.25]
     """
@@ -39,5 +21,5 @@ def ema(values: np.ndarray, decay: float) -> np.ndarray:
     values = np.asarray(values, dtype=float)
     if not len(values):
         return values
-    smoothed, _ = lfilter([1.0 - decay], [1.0, -decay], values, zi=[decay * values[0]])
+    smoothed: np.ndarray = lfilter([1.0 - decay], [1.0, -decay], values, zi=[decay * values[0]])[0]
     return smoothed

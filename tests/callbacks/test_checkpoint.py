@@ -71,7 +71,7 @@ def test_resuming_from_the_final_state_trains_no_further_step(tmp_path):
     trainer = pl.Trainer(**trainer_kwargs(max_epochs=2, callbacks=[warmup]))
     resumed = RegressionModule()
     trainer.fit(resumed, datamodule=RegressionData(n=96, batch_size=2), ckpt_path=tmp_path / "last.ckpt")
-    assert trainer.global_step == 11 and not resumed.steps and warmup.tokens_seen == 44
+    assert trainer.global_step == 11 and not resumed.steps and warmup.accounting.tokens_seen == 44
     assert torch.equal(resumed.layer.weight, module.layer.weight)
 
 

@@ -26,9 +26,13 @@ def test_bar_counts_tokens_to_max_tokens_across_epochs():
     warmup = BatchWarmup(PiecewiseBatch([4, 8], [0, 120]), max_tokens=400, seq_len=3)
     bar = RunProgressBar(refresh_rate=5)
     trainer = fit(bar, warmup)
-    assert trainer.current_epoch >= 1 and warmup.tokens_seen >= 400
+    assert trainer.current_epoch >= 1 and warmup.accounting.tokens_seen >= 400
     progress = bar.train_progress_bar
-    assert (progress.n, progress.total, progress.unit) == (warmup.tokens_seen, warmup.tokens_seen, "tokens")
+    assert (progress.n, progress.total, progress.unit) == (
+        warmup.accounting.tokens_seen,
+        warmup.accounting.tokens_seen,
+        "tokens",
+    )
 
 
 def test_bar_counts_optimizer_steps_to_max_steps():

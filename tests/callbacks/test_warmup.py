@@ -82,7 +82,7 @@ def test_gradient_is_mean_over_exactly_the_scheduled_samples():
     assert set(sizes[-12:]) == {8}
     assert_exact_steps(module, data, warmup)
     assert [(c.old_global_batch, c.new_global_batch) for c in warmup.history] == [(2, 4), (4, 8)]
-    assert warmup.samples_seen == 192 and trainer.global_step == len(module.steps)
+    assert warmup.accounting.samples_seen == 192 and trainer.global_step == len(module.steps)
     # Every step after a change uses the new size: counts match history exactly.
     for number, step in enumerate(module.steps):
         assert len(step["indices"]) == size_in_effect(warmup, number)
@@ -152,7 +152,7 @@ def test_linear_ramp_matches_megatron_formula_on_a_trainer():
 def test_exponential_ramp_in_tokens_with_seq_len_argument():
     schedule = ExponentialRamp(start=2, final=8, ramp=300, unit="tokens", multiple_of=2)
     _, module, data, warmup = fit(schedule, n=96, seq_len=4)
-    assert warmup.tokens_seen == 96 * 4
+    assert warmup.accounting.tokens_seen == 96 * 4
     assert [c.new_global_batch for c in warmup.history] == [4, 6, 8]
     assert_exact_steps(module, data, warmup)
 
@@ -231,7 +231,7 @@ def test_every_sample_trains_once_per_epoch_however_the_micro_batch_ends_it():
     read = epochs_read(module)
     assert [read[epoch] for epoch in range(3)] == [data.epoch_order(epoch) for epoch in range(3)]
     assert Counter(i for indices in read.values() for i in indices) == Counter(list(range(100)) * 3)
-    assert warmup.samples_seen == 300 and warmup.accounting.samples_seen == 300
+    assert warmup.accounting.samples_seen == 300 and warmup.accounting.samples_seen == 300
     last_steps = [[s for s in module.steps if s["epoch"] == epoch][-1] for epoch in range(3)]
     assert [len(s["indices"]) for s in last_steps] == [4, 4, 4]  # 100 = 4 x 24 + 4: one micro-batch of 4
     assert [len(m) for m in module.micro_batches[-2:]] == [8, 4]
@@ -327,11 +327,11 @@ def test_resume_right_before_and_inside_an_epochs_short_last_step(tmp_path):
     # Right before it: bit for bit, the same samples in every step.
     before, before_warmup = run(ckpt_path=tmp_path / "step=4.ckpt")
     assert before.micro_batches == full.micro_batches[12:] and torch.equal(before.layer.weight, full.layer.weight)
-    assert before_warmup.samples_seen == full_warmup.samples_seen == 220
+    assert before_warmup.accounting.samples_seen == full_warmup.accounting.samples_seen == 220
     # Inside it, after its micro-batch of 8: the data goes on with the micro-batch of 6 (the half-accumulated
     # gradient is not in a checkpoint), then the next epoch; every sample of both epochs read once.
     inside, inside_warmup = run(ckpt_path=tmp_path / "inside.ckpt")
-    assert inside.micro_batches == full.micro_batches[13:] and inside_warmup.samples_seen == 220
+    assert inside.micro_batches == full.micro_batches[13:] and inside_warmup.accounting.samples_seen == 220
     read = full.micro_batches[:13] + inside.micro_batches
     assert Counter(i for micro_batch in read for i in micro_batch) == Counter(list(range(110)) * 2)
 
@@ -339,7 +339,7 @@ def test_resume_right_before_and_inside_an_epochs_short_last_step(tmp_path):
 def test_max_tokens_stops_training():
     trainer, module, _, warmup = fit(ConstantBatch(4), n=96, epochs=5, max_tokens=100, seq_len=4)
     # 4 samples x 4 tokens = 16 tokens per step: stops after the step that reaches 100 tokens.
-    assert warmup.tokens_seen == 112 and trainer.global_step == 7
+    assert warmup.accounting.tokens_seen == 112 and trainer.global_step == 7
 
 
 # ---------------------------------------------------------------- invariant 3: LR after changes
@@ -442,7 +442,7 @@ def test_resume_mid_warmup_matches_uninterrupted_run_bitwise(tmp_path):
             s["lr"] for s in full_module.steps[-len(resumed_module.steps) :]
         ]
         assert resumed_warmup.history == full_warmup.history  # no change applied twice
-        assert resumed_warmup.samples_seen == full_warmup.samples_seen
+        assert resumed_warmup.accounting.samples_seen == full_warmup.accounting.samples_seen
 
 
 # ---------------------------------------------------------------- invariant 6: bad configuration

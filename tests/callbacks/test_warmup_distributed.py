@@ -67,8 +67,8 @@ class SaveRecords(Callback):
         records = {
             "steps": steps,
             "history": warmup.state_dict()["history"],
-            "samples_seen": warmup.samples_seen,
-            "tokens_seen": warmup.tokens_seen,
+            "samples_seen": warmup.accounting.samples_seen,
+            "tokens_seen": warmup.accounting.tokens_seen,
             "global_step": trainer.global_step,
         }
         torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
@@ -374,8 +374,8 @@ class SaveMicroBatches(Callback):
             "micro_batches": pl_module.micro_batches,
             "epoch_ends": self.epoch_ends,
             "steps": [{key: s[key] for key in ("indices", "grad", "weight", "epoch")} for s in pl_module.steps],
-            "samples_seen": warmup.samples_seen,
-            "tokens_seen": warmup.tokens_seen,
+            "samples_seen": warmup.accounting.samples_seen,
+            "tokens_seen": warmup.accounting.tokens_seen,
         }
         torch.save(records, self.outdir / f"rank{trainer.global_rank}.pt")
 

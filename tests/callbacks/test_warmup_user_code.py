@@ -127,7 +127,11 @@ def test_float_features_are_not_tokens():
     warmup = BatchWarmup(ConstantBatch(4))
     data = RegressionData(n=48, batch_size=2)  # x: float [2, 4]
     trainer, _ = fit(warmup, data=data, enable_progress_bar=True)
-    assert warmup.seq_len is None and warmup.tokens_seen == 0 and warmup.samples_seen == 48
+    assert (
+        warmup.accounting.seq_len is None
+        and warmup.accounting.tokens_seen == 0
+        and warmup.accounting.samples_seen == 48
+    )
     assert "samples" in trainer.progress_bar_metrics and "tokens" not in trainer.progress_bar_metrics
 
 
@@ -136,7 +140,7 @@ def test_integer_token_ids_give_the_sequence_length():
     data.train_dataloader = lambda: DataLoader(TokenIds(), batch_size=2)
     warmup = BatchWarmup(ConstantBatch(4), max_tokens=96)
     trainer, _ = fit(warmup, data=data, enable_progress_bar=True)
-    assert warmup.seq_len == 6 and warmup.tokens_seen == 96 and trainer.global_step == 4
+    assert warmup.accounting.seq_len == 6 and warmup.accounting.tokens_seen == 96 and trainer.global_step == 4
     assert trainer.progress_bar_metrics["tokens"] == 96
 
 
@@ -155,7 +159,10 @@ def test_the_tokens_per_sample_read_off_the_data_are_said_and_a_width_of_t_plus_
     with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit(warmup, data=data, max_steps=2)
-    assert warmup.seq_len == (seq_len or width) and warmup.tokens_seen == 4 * warmup.seq_len
+    assert (
+        warmup.accounting.seq_len == (seq_len or width)
+        and warmup.accounting.tokens_seen == 4 * warmup.accounting.seq_len
+    )
     found = f"{width} tokens per sample, the width of the batch's first 2-D integer tensor (int64 [2, {width}])"
     warned = [str(warning.message) for warning in caught if "tokens per sample" in str(warning.message)]
     if said == "warning":

@@ -197,7 +197,7 @@ def test_no_window_starts_that_max_tokens_would_cut_short(caplog):
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.INFO):
         warnings.simplefilter("always")
         trainer.fit(RegressionModule(lr=0.05, optimizer="adam"), RegressionData(n=96, batch_size=2))
-    assert warmup.tokens_seen == 832
+    assert warmup.accounting.tokens_seen == 832
     assert [r.tokens for r in probe.history] == [160, 320, 480, 640]
     assert not [w for w in caught if "dropped" in str(w.message)]
     assert (

@@ -250,7 +250,7 @@ def test_a_recipe_trains_with_the_optimizer_it_swaps_in(text_folder, tmp_path):
     run.trainer.fit(run.model, datamodule=run.datamodule)
     (optimizer,) = run.trainer.optimizers
     assert isinstance(optimizer, torch.optim.SGD)
-    assert run.trainer.global_step == 2 + 2 and run.batch_warmup.tokens_seen == 6144  # 2 steps of 8, 2 of 16
+    assert run.trainer.global_step == 2 + 2 and run.batch_warmup.accounting.tokens_seen == 6144  # 2 steps of 8, 2 of 16
     assert job.trained_a_step(run.batch_warmup)  # a failure now would keep the run's folder
     metrics = read_metrics_csv(tmp_path / "run" / "metrics.csv")
     # The logged LR is SGD's 0.05 after the token warmup, times sqrt(2) after the batch doubled.

@@ -256,7 +256,7 @@ def test_batch_phases_match_a_real_batch_warmup_run():
     assert phases[1].start_tokens == warmup.history[0].tokens_seen == 24
     assert phases[0].optimizer_steps == warmup.history[0].step == 6
     assert sum(p.optimizer_steps for p in phases) == trainer.global_step == 6 + 5
-    assert phases[-1].end_tokens == warmup.tokens_seen == 64
+    assert phases[-1].end_tokens == warmup.accounting.tokens_seen == 64
     assert phases[1].lr_factor == pytest.approx(warmup.lr_factor) == pytest.approx(2**0.5)
 
 

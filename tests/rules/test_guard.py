@@ -231,7 +231,7 @@ class DoubleWhenTold(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         warmup = next(cb for cb in trainer.callbacks if isinstance(cb, BatchWarmup))
-        if self.at_samples and warmup.samples_seen >= self.at_samples[0] and not should_accumulate(trainer):
+        if self.at_samples and warmup.accounting.samples_seen >= self.at_samples[0] and not should_accumulate(trainer):
             self.at_samples.pop(0)
             warmup.schedule.observe(warmup.consumed, cbs=1_000.0)
 

@@ -47,7 +47,7 @@ ADAM_SDE = "CBSProbeCallback(lr_rule='adam_sde')"
 
 
 def test_adam_sde_names_the_largest_safe_ratio_for_each_ratio_on_its_own():
-    rule = get_lr_rule("adam_sde")
+    rule = OptimizerRules.build("adam_sde")
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, 0.95))
     assert rule.max_ratio(optimizer) == pytest.approx(10.0)  # 1 / (1 - 0.9); 0.95 allows 20
     message = (
@@ -55,23 +55,23 @@ def test_adam_sde_names_the_largest_safe_ratio_for_each_ratio_on_its_own():
         r"AdamW betas \(0.9, 0.95\) .* keep batch ratios <= 10, start from larger betas, or use lr_rule='sqrt'$"
     )
     with pytest.raises(LitCBSConfigError, match=message):
-        rule.check_ratios(optimizer, [], [1, 2, 4, 8, 16], ADAM_SDE)
+        rule.check(optimizer, [], [1, 2, 4, 8, 16], ADAM_SDE)
     # Each ratio on its own (a probe's branches all start from the same state): 2 x 4 x 8 = 64 is not reached.
-    rule.check_ratios(optimizer, [], [1, 2, 4, 8], ADAM_SDE)
-    rule.check_ratios(optimizer, [], [10], ADAM_SDE)  # the limit itself: beta1 becomes 0, still valid
+    rule.check(optimizer, [], [1, 2, 4, 8], ADAM_SDE)
+    rule.check(optimizer, [], [10], ADAM_SDE)  # the limit itself: beta1 becomes 0, still valid
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)  # checking changes nothing
     # Composed (BatchWarmup's changes one after another), the running product counts.
     with pytest.raises(LitCBSConfigError, match="the batch grows 16x over its changes is above 10"):
-        rule.check_ratios(optimizer, [], [2, 2, 2, 2], "BatchWarmup(lr_rule='adam_sde')", compose=True)
-    rule.check_ratios(optimizer, [], [2, 2, 2, 0.5, 2], "BatchWarmup(lr_rule='adam_sde')", compose=True)
+        rule.check(optimizer, [], [2, 2, 2, 2], "BatchWarmup(lr_rule='adam_sde')", compose=True)
+    rule.check(optimizer, [], [2, 2, 2, 0.5, 2], "BatchWarmup(lr_rule='adam_sde')", compose=True)
 
 
 def test_adam_sde_limit_is_the_smallest_over_param_groups():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "betas": (0.5, 0.999)}])
-    assert get_lr_rule("adam_sde").max_ratio(optimizer) == pytest.approx(2.0)
+    assert OptimizerRules.build("adam_sde").max_ratio(optimizer) == pytest.approx(2.0)
     with pytest.raises(LitCBSConfigError, match=r"batch ratio 4 is above 2, .*betas \(0.5, 0.999\), \(0.9, 0.999\)"):
-        get_lr_rule("adam_sde").check_ratios(optimizer, [], [4], ADAM_SDE)
+        OptimizerRules.build("adam_sde").check(optimizer, [], [4], ADAM_SDE)
 
 
 def test_adam_sde_refuses_an_optimizer_without_betas():
@@ -79,26 +79,33 @@ def test_adam_sde_refuses_an_optimizer_without_betas():
     with pytest.raises(
         LitCBSConfigError, match=r"^CBSProbeCallback\(lr_rule='adam_sde'\): .*needs an Adam-type optimizer"
     ):
-        get_lr_rule("adam_sde").check_ratios(optimizer, [], [2], ADAM_SDE)
+        OptimizerRules.build("adam_sde").check(optimizer, [], [2], ADAM_SDE)
 
 
 def test_plain_rules_have_no_ratio_limit():
     optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-    get_lr_rule("sqrt").check_ratios(optimizer, [], [1024], "CBSProbeCallback(lr_rule='sqrt')")
-    get_lr_rule("linear").check_ratios(optimizer, [], [1024, 1024], "BatchWarmup(lr_rule='linear')", compose=True)
+    OptimizerRules.build("sqrt").check(optimizer, [], [1024], "CBSProbeCallback(lr_rule='sqrt')")
+    OptimizerRules.build("linear").check(optimizer, [], [1024, 1024], "BatchWarmup(lr_rule='linear')", compose=True)
 
 
 def test_the_half_life_rule_keeps_beta2_at_its_floor():
     floored, free = (
-        OptimizerRules.build(beta2_rule="half_life").beta2,
-        OptimizerRules.build(beta2_rule="half_life", beta2_floor=None).beta2,
+        OptimizerRules.build(beta2_rule="half_life"),
+        OptimizerRules.build(beta2_rule="half_life", beta2_floor=None),
     )
-    assert floored.floor == 0.95 and floored.scaled(0.99, 2, 2**0.5) == 0.99**2  # above the floor: the rule alone
-    assert floored.scaled(0.95, 16, 4) == 0.95 and free.scaled(0.95, 16, 4) == 0.95**16  # 0.44 without a floor
-    assert floored.scaled(0.9, 2, 2**0.5) == 0.9  # already below the floor: it does not fall further, nor rise
-    assert floored.scaled(0.95, 0.5, 2**-0.5) == 0.95**0.5  # a smaller batch raises it as the rule says
-    assert floored.held(0.99, 2, 2**0.5) is None and free.held(0.95, 16, 4) is None
-    held = floored.held(0.95, 2, 2**0.5)
+    assert floored.beta2_floor == 0.95 and floored.scaled("beta2", 0.99, 2, 2**0.5) == 0.99**2  # the rule alone
+    assert floored.scaled("beta2", 0.95, 16, 4) == 0.95 and free.scaled("beta2", 0.95, 16, 4) == 0.95**16
+    assert floored.scaled("beta2", 0.9, 2, 2**0.5) == 0.9  # already below the floor: it does not fall further
+    assert floored.scaled("beta2", 0.95, 0.5, 2**-0.5) == 0.95**0.5  # a smaller batch raises it as the rule says
+    warnings = []
+    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, 0.99))
+    floored.apply(optimizer, [], 2, warn=warnings.append)  # 0.99 ** 2: above the floor, nothing said
+    free.apply(optimizer, [], 16, warn=warnings.append)  # no floor, nothing said
+    assert not warnings
+    optimizer.param_groups[0]["betas"] = (0.9, 0.95)
+    floored.apply(optimizer, [], 2, warn=warnings.append)
+    floored.apply(optimizer, [], 2, warn=warnings.append)  # said once
+    (held,) = warnings
     assert held.startswith("beta2_rule='half_life' would take beta2 from 0.95 to 0.9025 (0.95 ** 2), below")
     assert held.endswith("so it stays at 0.95; set beta2_floor lower (or None) to let it fall")
     # Part of the rule: a probe beside a BatchWarmup with another floor is refused (its rules' names differ).
@@ -117,10 +124,10 @@ def test_unsupported_scheduler_is_refused_at_every_ratio_that_changes_the_lr():
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, 0.95))
     one_cycle = sched.OneCycleLR(optimizer, max_lr=0.1, total_steps=100)
     with pytest.raises(LitCBSConfigError, match=r"^CBSProbeCallback\(lr_rule='sqrt'\): OneCycleLR writes absolute LR"):
-        get_lr_rule("sqrt").check_ratios(optimizer, [one_cycle], [1, 2], "CBSProbeCallback(lr_rule='sqrt')")
+        OptimizerRules.build("sqrt").check(optimizer, [one_cycle], [1, 2], "CBSProbeCallback(lr_rule='sqrt')")
     # A factor of 1 rescales nothing, so it composes with any scheduler.
-    get_lr_rule("sqrt").check_ratios(optimizer, [one_cycle], [1], "CBSProbeCallback(lr_rule='sqrt')")
-    get_lr_rule("none").check_ratios(optimizer, [one_cycle], [2, 4], "CBSProbeCallback(lr_rule='none')")
+    OptimizerRules.build("sqrt").check(optimizer, [one_cycle], [1], "CBSProbeCallback(lr_rule='sqrt')")
+    OptimizerRules.build("none").check(optimizer, [one_cycle], [2, 4], "CBSProbeCallback(lr_rule='none')")
 
 
 def _lrs(make_scheduler, scale_at=None, factor=1.0, steps=30):

@@ -1,0 +1,307 @@
+"""``WarmupCore``: batch-size warmup without a framework; ``BatchWarmup`` is its Lightning adapter."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
+from lit_cbs.rules.scaling import BETA2_FLOOR, LRRule, OptimizerRules, ScalingRule, get_clip_rule
+
+__all__ = ["BatchChange", "WarmupCore", "check_divisible"]
+
+
+def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
+    """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
+    LitCBSConfigError naming ``name``, the nearest valid sizes and the fix."""
+    unit = micro_batch_size * data_parallel
+    if global_batch % unit:
+        lower = global_batch // unit * unit
+        nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        other = (
+            f"a number of data-parallel ranks that divides {global_batch}"
+            if global_batch % data_parallel
+            else f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
+        )
+        raise LitCBSConfigError(
+            f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
+            f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: "
+            f"set {name} to one of them, or use {other}"
+        )
+    return global_batch // unit
+
+
+@dataclasses.dataclass
+class BatchChange:
+    """One applied change of the global batch (``BatchWarmup.history``). Batches in samples, counts global.
+
+    ``step``: optimizer steps taken before the new batch's first; ``samples_seen``/``tokens_seen``: trained on
+    before it; ``lr_factor``/``clip_factor``: this change's multipliers (a revert's undo the reverted change's);
+    ``requested_at_*``: where the schedule (or the guard) first asked for it, before an aligned step;
+    ``cause``: ``"schedule"``, or ``"guard"`` for a revert.
+
+    Example:
+        >>> from lit_cbs.callbacks import BatchChange
+        >>> change = BatchChange(
+        ...     step=100, epoch=0, samples_seen=6400, tokens_seen=819200, old_global_batch=64, new_global_batch=128,
+        ...     old_accumulate=2, new_accumulate=4, old_micro_batch_size=8, new_micro_batch_size=8,
+        ...     lr_factor=2**0.5, requested_at_samples=6400, requested_at_tokens=819200,
+        ... )
+        >>> change.new_global_batch // change.old_global_batch, round(change.lr_factor, 4), change.cause
+        (2, 1.4142, 'schedule')
+    """
+
+    step: int
+    epoch: int
+    samples_seen: int
+    tokens_seen: int
+    old_global_batch: int
+    new_global_batch: int
+    old_accumulate: int
+    new_accumulate: int
+    old_micro_batch_size: int
+    new_micro_batch_size: int
+    lr_factor: float
+    requested_at_samples: int
+    requested_at_tokens: int
+    cause: str = "schedule"
+    clip_factor: float = 1.0
+
+
+Batch = tuple[int, int, int]  # (global batch in samples, micro-batch in samples per rank, accumulation)
+
+
+class WarmupCore:
+    """The batch a schedule asks for, where it may start, and the optimizer moves at each change; no framework.
+
+    The driving loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank and step, and
+    after each optimizer step calls ``after_step``: a change applies only where the samples consumed this epoch
+    (``position``, all ranks) are a multiple of the new global batch, so every step averages exactly the scheduled
+    samples. Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its LR schedulers
+    keep it (``lr_factor`` is their product: a loop that writes the LR itself multiplies by it), and moves the
+    weight decay and beta2 by their rules (``lit_cbs.rules.scaling.OptimizerRules``).
+
+    Example:
+        A plain PyTorch loop, 8 samples per step until 32 were trained on, then 16:
+
+        >>> import torch
+        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
+        >>> from lit_cbs.rules.warmup_core import WarmupCore
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> core = WarmupCore(PiecewiseBatch([8, 16], [0, 32], unit="samples"), lr_rule="sqrt")
+        >>> core.start(micro_batch_size=8)
+        >>> samples = 0
+        >>> for step in range(1, 7):
+        ...     for _ in range(core.accumulate):
+        ...         (model(torch.randn(core.micro_batch_size, 4)).pow(2).mean() / core.accumulate).backward()
+        ...         samples += core.micro_batch_size
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+        ...     change = core.after_step([optimizer], step, samples_seen=samples)
+        >>> (core.history[0].step, core.global_batch, core.accumulate, round(optimizer.param_groups[0]["lr"], 4))
+        (4, 16, 2, 0.1414)
+    """
+
+    def __init__(
+        self,
+        schedule: BatchSchedule,
+        lr_rule: str | Callable[[float], float] | LRRule = "sqrt",
+        max_micro_batch_size: int | None = None,
+        clip_rule: str | Callable[[float], float] | ScalingRule | None = None,
+        weight_decay_rule: str | None = None,
+        beta2_rule: str | None = None,
+        beta2_floor: float | None = BETA2_FLOOR,
+    ):
+        if not isinstance(schedule, BatchSchedule):
+            raise LitCBSConfigError(
+                f"schedule must be a lit_cbs.rules.batch_schedules schedule (ConstantBatch, PiecewiseBatch, "
+                f"LinearRamp, ExponentialRamp, ...), got {schedule!r}"
+            )
+        self.schedule = schedule
+        self.rules = OptimizerRules.build(lr_rule, weight_decay_rule, beta2_rule, beta2_floor)
+        self.clip_rule = get_clip_rule(clip_rule)
+        self.max_micro_batch_size = positive_int(
+            "max_micro_batch_size", max_micro_batch_size, "samples per rank", optional=True
+        )
+        self.data_parallel_size = 1
+        # Kept here, not derived from the counts: a run resumed on other ranks splits the same global batch afresh.
+        self.global_batch: int | None = None
+        self.micro_batch_size: int | None = None
+        self.accumulate: int | None = None
+        self.lr_factor = 1.0  # product of all changes' LR factors
+        self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
+        self.history: list[BatchChange] = []
+        # ((global batch, micro-batch), samples, tokens) where the schedule first asked for the pending change
+        self._requested_at: tuple[tuple[int, int], int, int] | None = None
+
+    @property
+    def lr_rule(self) -> LRRule:
+        return self.rules.lr
+
+    def start(self, micro_batch_size: int, data_parallel_size: int = 1) -> None:
+        """Begin at the schedule's first batch on ``data_parallel_size`` ranks, ``micro_batch_size`` samples per
+        rank (with ``max_micro_batch_size``: the largest up to it that divides a rank's share)."""
+        positive_int("batch_size", micro_batch_size, "the micro-batch, samples per rank")
+        if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro_batch_size:
+            raise LitCBSConfigError(
+                f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
+                f"batch_size={micro_batch_size}; raise it or lower the batch_size"
+            )
+        self.data_parallel_size = data_parallel_size
+        self.check_sizes(self.schedule.sizes(0), micro_batch_size, data_parallel_size)
+        global_batch = self.schedule.batch_size(0)
+        if self.max_micro_batch_size is not None:
+            micro_batch_size = micro_batch_for(global_batch, data_parallel_size, self.max_micro_batch_size)
+        accumulate = check_divisible(global_batch, micro_batch_size, data_parallel_size)
+        self.global_batch, self.micro_batch_size, self.accumulate = global_batch, micro_batch_size, accumulate
+
+    def consumed_at(self, samples_seen: int, tokens_seen: int) -> int:
+        """What the schedule is indexed by: samples or tokens seen (all ranks)."""
+        return tokens_seen if self.schedule.unit == "tokens" else samples_seen
+
+    def micro_batch_for(self, global_batch: int) -> int:
+        """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share up to
+        ``max_micro_batch_size``; without it, the micro-batch now."""
+        if self.max_micro_batch_size is None:
+            if self.micro_batch_size is None:
+                raise RuntimeError("WarmupCore has no micro-batch before start()")
+            return self.micro_batch_size
+        return micro_batch_for(global_batch, self.data_parallel_size, self.max_micro_batch_size)
+
+    def check_sizes(
+        self, sizes: Iterable[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
+    ) -> None:
+        """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every rank (with
+        ``max_micro_batch_size``, of any size); also for a run's configuration before it starts."""
+        for size in sizes:
+            check_divisible(
+                size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
+            )
+
+    def wanted(self, samples_seen: int, tokens_seen: int, allowed: Callable[[int], int] | None = None) -> Batch | None:
+        """The batch the schedule asks for at these counts (``allowed``: a guard's say on it), or None when it is
+        the batch now; remembers where a change was first asked for."""
+        target = self.schedule.batch_size(self.consumed_at(samples_seen, tokens_seen))
+        if allowed is not None:
+            target = allowed(target)
+        micro = self.micro_batch_for(target)
+        if target == self.global_batch and micro == self.micro_batch_size:
+            self._requested_at = None
+            return None
+        if self._requested_at is None or self._requested_at[0] != (target, micro):
+            self._requested_at = ((target, micro), samples_seen, tokens_seen)
+        return target, micro, target // (micro * self.data_parallel_size)
+
+    @property
+    def who(self) -> str:
+        """The core as its messages name it: ``BatchWarmup(lr_rule=...)``."""
+        return f"BatchWarmup({self.rules.describe()})"
+
+    def check_optimizers(
+        self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], consumed: int
+    ) -> list[float]:
+        """Before training: LitCBSConfigError unless the rules apply to ``optimizers`` and their LR ``schedulers``
+        (OneCycleLR keeps absolute LRs: refused) at every change to come from ``consumed``; return their ratios."""
+        assert self.global_batch is not None  # start() set it
+        sizes = self.schedule.sizes(consumed)
+        ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
+        for optimizer in optimizers:
+            self.rules.check(optimizer, schedulers, ratios, self.who, compose=True)
+        return ratios
+
+    @staticmethod
+    def may_change(position: int, global_batch: int) -> bool:
+        """Whether a step of ``global_batch`` samples may start after this optimizer step: where the samples
+        consumed this epoch (``position``, all ranks) are a multiple of it (from B, at most B' / gcd(B, B') - 1
+        steps later). It depends on the samples alone, so runs on any number of ranks change on the same steps."""
+        return position % global_batch == 0
+
+    def scale(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        schedulers: Sequence[Any],
+        global_batch: int,
+        warn: Callable[[str], None] | None = None,
+    ) -> tuple[float, float]:
+        """Move the optimizers by the rules for a change to ``global_batch``; return its LR and clipping
+        factors (1 when only the micro-batch changes)."""
+        if global_batch == self.global_batch:
+            return 1.0, 1.0
+        assert self.global_batch is not None  # start() set it
+        ratio = global_batch / self.global_batch
+        for optimizer in optimizers:
+            self.rules.apply(optimizer, schedulers, ratio, warn=warn)
+        return self.rules.lr.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
+
+    def record(
+        self,
+        new: Batch,
+        change_factors: tuple[float, float],
+        factors: tuple[float, float],
+        at: tuple[int, int, int, int],
+        cause: str = "schedule",
+    ) -> BatchChange:
+        """Train at ``new`` from the next step on, with LR and clipping ``factors`` (this change's:
+        ``change_factors``), after ``at`` = (optimizer step, epoch, samples seen, tokens seen); return its record."""
+        assert self.global_batch is not None and self.micro_batch_size is not None and self.accumulate is not None
+        requested = self._requested_at or (None, at[2], at[3])
+        old = (self.global_batch, self.accumulate, self.micro_batch_size)
+        lr, clip = change_factors
+        change = BatchChange(*at, old[0], new[0], old[1], new[2], old[2], new[1], lr, *requested[1:], cause, clip)
+        self.history.append(change)
+        self._requested_at = None
+        self.lr_factor, self.clip_factor = factors
+        self.global_batch, self.micro_batch_size, self.accumulate = new
+        return change
+
+    def after_step(
+        self,
+        optimizers: Sequence[torch.optim.Optimizer],
+        step: int,
+        samples_seen: int,
+        tokens_seen: int = 0,
+        schedulers: Sequence[Any] = (),
+        position: int | None = None,
+        epoch: int = 0,
+    ) -> BatchChange | None:
+        """After optimizer step ``step`` (counts including it, all ranks): apply the change the schedule asks
+        for if one may start here (``position``: samples consumed this epoch, default ``samples_seen``)."""
+        new = self.wanted(samples_seen, tokens_seen)
+        if new is None or not self.may_change(samples_seen if position is None else position, new[0]):
+            return None
+        lr_change, clip_change = self.scale(optimizers, schedulers, new[0])
+        factors = (self.lr_factor * lr_change, self.clip_factor * clip_change)
+        return self.record(new, (lr_change, clip_change), factors, (step, epoch, samples_seen, tokens_seen))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "global_batch": self.global_batch,
+            "accumulate": self.accumulate,
+            "micro_batch_size": self.micro_batch_size,
+            "lr_factor": self.lr_factor,
+            "clip_factor": self.clip_factor,
+            "requested_at": self._requested_at,
+            "history": [dataclasses.asdict(change) for change in self.history],
+            # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
+            "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.global_batch = state_dict["global_batch"]
+        self.micro_batch_size, self.accumulate = state_dict["micro_batch_size"], state_dict["accumulate"]
+        self.lr_factor, self.clip_factor = state_dict["lr_factor"], state_dict["clip_factor"]
+        requested_at = state_dict["requested_at"]
+        self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
+        self.history = [BatchChange(**change) for change in state_dict["history"]]
+        if state_dict["schedule"] is not None:  # saved by a schedule with a state (CBSAdaptive)
+            if not hasattr(self.schedule, "load_state_dict"):
+                raise LitCBSConfigError(
+                    f"the checkpoint holds the state of a closed-loop batch schedule, but this run's {self.schedule!r} "
+                    "keeps none: resume with the checkpoint's schedule"
+                )
+            self.schedule.load_state_dict(state_dict["schedule"])
