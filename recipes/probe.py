@@ -33,8 +33,8 @@ from lit_cbs.callbacks.checkpoint_files import unreadable
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import ProbeConfig
 from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint
-from lit_cbs.recipes import job
-from lit_cbs.recipes.resolvers import register_resolvers
+from lit_cbs.run import job
+from lit_cbs.run.resolvers import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RUN_CONFIG = "resolved_config.yaml"

@@ -8,13 +8,13 @@
 
 ``plan=true`` prints what the run will need (steps per batch phase, memory per device, the CBS
 probe's host memory and tokens, wall time at an assumed MFU) and exits: no data, no accelerator,
-no training (lit_cbs.recipes.plan). The configuration is checked before any model is built; a bad
-setting ends the run with one line that names its Hydra key (lit_cbs.recipes.job; set
+no training (lit_cbs.run.plan). The configuration is checked before any model is built; a bad
+setting ends the run with one line that names its Hydra key (lit_cbs.run.job; set
 HYDRA_FULL_ERROR=1 for the traceback), and a run that ends before its first optimizer step takes back
 its run folder. Each run folder gets the resolved config
-(resolved_config.yaml), metrics.csv, checkpoints/ and what lit_cbs.recipes.run_report writes:
+(resolved_config.yaml), metrics.csv, checkpoints/ and what lit_cbs.run.run_report writes:
 batch_history.json, summary.json (also printed at the run's end) and the plots, which report.html
-(lit_cbs.recipes.report) embeds.
+(lit_cbs.run.report) embeds.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from omegaconf import DictConfig, OmegaConf
 from lit_cbs import CBSAdaptive, CBSProbeCallback
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.metrics import VAL_LOSS
-from lit_cbs.recipes import job
-from lit_cbs.recipes.plan import Limits, OptimizerState, RunPlan, plan_run
-from lit_cbs.recipes.report import write_report
-from lit_cbs.recipes.resolvers import devices_per_node, register_resolvers, remember_swept_keys
-from lit_cbs.recipes.run_report import Run, run_header, write_run_summary
+from lit_cbs.run import job
+from lit_cbs.run.plan import Limits, OptimizerState, RunPlan, plan_run
+from lit_cbs.run.report import write_report
+from lit_cbs.run.resolvers import devices_per_node, register_resolvers, remember_swept_keys
+from lit_cbs.run.run_report import Run, run_header, write_run_summary
 
 CONF = Path(__file__).resolve().parents[1] / "conf"  # hydra.main's config_path below
 

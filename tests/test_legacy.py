@@ -15,7 +15,7 @@ from toys import GlobalOrderRegressionData, RegressionModule, fit_quietly, train
 from lit_cbs import BatchWarmup, CBSProbeCallback, PiecewiseBatch, legacy
 from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.probe.reading import ProbeReading
-from lit_cbs.recipes.run_report import read_batch_history
+from lit_cbs.run.run_report import read_batch_history
 from lit_cbs.rules.guard import GuardVerdict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "0.1"
@@ -77,7 +77,7 @@ def test_the_checkpoint_holds_the_old_keys_it_is_read_through():
 def test_no_module_but_lit_cbs_legacy_spells_an_old_key():
     old = {*legacy.READING_KEYS, *legacy.VERDICT_KEYS, *legacy.WATCH_KEYS}
     trainer_setting = {"strategy"}  # the Trainer's own key, which these read from its config or report
-    trainer_readers = {"recipes/train.py", "lit_cbs/recipes/job.py", "benchmarks/gpu_check.py"}
+    trainer_readers = {"recipes/train.py", "lit_cbs/run/job.py", "benchmarks/gpu_check.py"}
     found = []
     for path in sorted([*ROOT.glob("lit_cbs/**/*.py"), *ROOT.glob("recipes/*.py"), *ROOT.glob("benchmarks/*.py")]):
         name = str(path.relative_to(ROOT))

@@ -24,8 +24,8 @@ from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, quiet_fit,
 from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale, LitCBSConfigError
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import CausalLM
-from lit_cbs.recipes.plan import ModelShape
-from lit_cbs.recipes.run_report import read_metrics_csv
+from lit_cbs.run.plan import ModelShape
+from lit_cbs.run.run_report import read_metrics_csv
 
 pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[hf]"')

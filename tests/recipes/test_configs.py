@@ -18,9 +18,9 @@ from recipe_runs import CONF, SHORT_RUN, compose_config, short_run, train
 
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
-from lit_cbs.recipes import job
-from lit_cbs.recipes.resolvers import RESOLVERS, register_resolvers
-from lit_cbs.recipes.run_report import batches_reached, read_metrics_csv, run_header
+from lit_cbs.run import job
+from lit_cbs.run.resolvers import RESOLVERS, register_resolvers
+from lit_cbs.run.run_report import batches_reached, read_metrics_csv, run_header
 
 RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
 OLMO_PARAMETERS = {"olmo_1b": 1.18e9, "olmo_7b": 6.89e9}  # the OLMo papers' sizes

@@ -1,4 +1,4 @@
-"""lit_cbs.recipes.job: each config group built under the key that sets it, so a constructor's error
+"""lit_cbs.run.job: each config group built under the key that sets it, so a constructor's error
 names the Hydra key the user typed, whatever group, nesting or default the argument comes through."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from recipe_runs import CONF, compose_config
 
 from lit_cbs import BatchWarmup, ConstantBatch
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.recipes import job
+from lit_cbs.run import job
 
 RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
 

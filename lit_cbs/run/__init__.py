@@ -5,7 +5,7 @@
 - ``job``: each config group built under the Hydra key that sets it, so an error names that key; loggers;
   the job's exit.
 - ``run_report``: the summary, batch history and plots a run leaves in its folder, and the line it starts with.
-- ``report``: one self-contained HTML page per run (``python -m lit_cbs.recipes.report RUN_DIR``).
+- ``report``: one self-contained HTML page per run (``python -m lit_cbs.run.report RUN_DIR``).
 """
 
 __all__: list[str] = []  # a namespace: each module says what it offers (its own __all__)

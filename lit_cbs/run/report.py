@@ -1,4 +1,4 @@
-"""One self-contained HTML page per run: ``python -m lit_cbs.recipes.report RUN_DIR`` (``recipes/train.py`` writes
+"""One self-contained HTML page per run: ``python -m lit_cbs.run.report RUN_DIR`` (``recipes/train.py`` writes
 it at the end of a run as ``report.html``).
 
 The page holds, as PNGs embedded in the file (readable offline, nothing fetched): the loss against
@@ -6,7 +6,7 @@ tokens and against wall-clock seconds, the global batch and LR schedule, the CBS
 brackets and error bars, the gradient noise scale, and tables of the run's summary, its batch
 changes and its CBS readings. Everything is read from what the run wrote: ``metrics.csv``,
 ``summary.json``, ``batch_history.json`` and ``cbs_probe.jsonl`` (those it has), and the figures: the PNGs
-the run drew into its folder (``lit_cbs.recipes.run_report.plot_run``, the probe's ``cbs_curve.png``) are
+the run drew into its folder (``lit_cbs.run.run_report.plot_run``, the probe's ``cbs_curve.png``) are
 embedded as they are. One the folder lacks (a run with ``plots=false``, a plain Trainer's run), or one older
 than the file it is drawn from (a run that went on after it was drawn), is drawn into the run folder first, so
 each figure is drawn once. A small script marks the page once every figure has loaded
@@ -29,7 +29,7 @@ from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.metrics import FIT_SECONDS
 from lit_cbs.probe.reading import read_readings
 from lit_cbs.probe.record import JSONL_FILE, PLOT_FILE
-from lit_cbs.recipes.run_report import RUN_FIGURES, read_batch_history, read_run_metrics, summary_rows
+from lit_cbs.run.run_report import RUN_FIGURES, read_batch_history, read_run_metrics, summary_rows
 
 __all__ = [
     "main",
@@ -251,7 +251,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """``python -m lit_cbs.recipes.report RUN_DIR [--out PATH]``: ``write_report``, then print the page's path.
+    """``python -m lit_cbs.run.report RUN_DIR [--out PATH]``: ``write_report``, then print the page's path.
 
     Args:
         argv: the command line's arguments; default ``sys.argv[1:]``.

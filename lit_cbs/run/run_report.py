@@ -38,7 +38,7 @@ from lit_cbs.data import TokenDataModule
 from lit_cbs.metrics import VAL_LOSS, gns_group
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.probe.callback import CBSProbeCallback
-from lit_cbs.recipes.plan import batch_phases
+from lit_cbs.run.plan import batch_phases
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive
 
 __all__: list[str] = []  # recipes/train.py and report.py write the run folder with these
@@ -308,7 +308,7 @@ class Run:
     model: CausalLM
     datamodule: TokenDataModule
     batch_warmup: BatchWarmup
-    ckpt_path: str | None = None  # the checkpoint trainer.fit resumes from (lit_cbs.recipes.job.resume_checkpoint)
+    ckpt_path: str | None = None  # the checkpoint trainer.fit resumes from (lit_cbs.run.job.resume_checkpoint)
 
 
 def batches_reached(schedule: BatchSchedule, max_tokens: int, seq_len: int) -> str:
@@ -561,7 +561,7 @@ def write_run_summary(
     plots: bool,
 ) -> tuple[dict, str]:
     """Write into ``output_dir`` batch_history.json, summary.json and, with ``plots`` and a metrics.csv
-    there, the plots (``plot_run``; also sent to the Trainer's loggers), which ``lit_cbs.recipes.report``'s
+    there, the plots (``plot_run``; also sent to the Trainer's loggers), which ``lit_cbs.run.report``'s
     report.html embeds; return the summary and the lines a run ends with: whether it finished,
     ``summary_text`` and where its outputs are.
 
