@@ -52,9 +52,9 @@ from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import ADAMW, COMPUTE_DTYPES, CausalLM
 from lit_cbs.probe import CBSProbeCallback
-from lit_cbs.run.plan import GIB, ModelShape, device_memory
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 from lit_cbs.rules.lr_schedules import WarmupStableDecay
+from lit_cbs.run.memory import GIB, ModelShape, device_memory
 
 
 def parse_args() -> argparse.Namespace:

@@ -15,8 +15,8 @@ from toys import GlobalOrderRegressionData, RegressionModule, fit_quietly, train
 from lit_cbs import BatchWarmup, CBSProbeCallback, PiecewiseBatch, legacy
 from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.probe.reading import ProbeReading
-from lit_cbs.run.run_report import read_batch_history
 from lit_cbs.rules.guard import GuardVerdict
+from lit_cbs.run.report import read_batch_history
 
 FIXTURES = Path(__file__).parent / "fixtures" / "0.1"
 ROOT = Path(__file__).resolve().parents[1]

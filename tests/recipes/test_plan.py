@@ -22,8 +22,9 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
-from lit_cbs.run.plan import ADAMW_STATE, GIB, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
 from lit_cbs.rules.batch_schedules import micro_batch_for
+from lit_cbs.run.memory import ADAMW_STATE, GIB, ModelShape, OptimizerState, device_memory
+from lit_cbs.run.plan import batch_phases, probe_plan
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
 COUNTABLE = OLMoConfig(

@@ -1,4 +1,4 @@
-"""What a run leaves in its folder (lit_cbs.run.run_report: summary.json and the lines a run ends with), and
+"""What a run leaves in its folder (lit_cbs.run.report: summary.json and the lines a run ends with), and
 ``python -m lit_cbs.run.report RUN_DIR``: one self-contained HTML page per run, opened in a real headless
 Chromium (Debian's package; `.ci/run` installs it where it can, and the test says why it skips otherwise)."""
 
@@ -23,9 +23,16 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.analysis.curves import read_metrics_csv
-from lit_cbs.run.report import WALL_CLOCK_FILE, write_report
+from lit_cbs.run.report import (
+    RUN_FIGURES,
+    WALL_CLOCK_FILE,
+    batch_lr_figure,
+    loss_figure,
+    summary_text,
+    write_report,
+    write_run_summary,
+)
 from lit_cbs.run.report import main as report_main
-from lit_cbs.run.run_report import RUN_FIGURES, batch_lr_figure, loss_figure, summary_text, write_run_summary
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
