@@ -18,7 +18,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
@@ -62,10 +62,11 @@ AUTO_RESUME = "auto"
 
 def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
     """BatchWarmup with the batch group's arguments (batch.schedule, batch.lr_rule, ...) and max_tokens."""
-    return instantiate_group(cfg, "batch", _target_="lit_cbs.BatchWarmup", max_tokens=cfg.max_tokens)
+    warmup: BatchWarmup = instantiate_group(cfg, "batch", _target_="lit_cbs.BatchWarmup", max_tokens=cfg.max_tokens)
+    return warmup
 
 
-def callbacks_of(cfg: DictConfig) -> list:
+def callbacks_of(cfg: DictConfig) -> list[pl.Callback]:
     """The callbacks of ``cfg.callbacks``, less any CBS probe whose first window ends past max_tokens: it
     would stop the run once the model is built, so warn now, naming its keys, and train without it."""
     kept = []
@@ -128,7 +129,7 @@ def _installed(package: str) -> bool:
         return False
 
 
-def loggers_of(cfg: DictConfig) -> list:
+def loggers_of(cfg: DictConfig) -> list[Logger]:
     """The loggers of ``cfg.logger``, before any data work (one whose package is missing stops here, naming
     the extra), and a CSV logger writing ``<output_dir>/metrics.csv``, added when none does: that file is the
     run's own record, which its summary, plots and report.html read, whatever else it logs to."""
@@ -148,7 +149,7 @@ def loggers_of(cfg: DictConfig) -> list:
     return loggers
 
 
-def finish_loggers(loggers: list) -> None:
+def finish_loggers(loggers: list[Logger]) -> None:
     """End each logger's run once the figures are in: W&B's (else a sweep's next job would log into it, and
     its record file is written after the process exits), TensorBoard's writer (reopened by the figures)."""
     for logger in loggers:
@@ -169,8 +170,10 @@ def checkpoint_folders(cfg: DictConfig) -> list[Path]:
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
-    """The checkpoint ``trainer.fit`` resumes from, by ``ckpt_path``:"""
-    given = cfg.ckpt_path
+    """The checkpoint ``trainer.fit`` resumes from, by ``ckpt_path``: ``auto``, the newest complete one in the run's
+    folders (none in a new run); ``null``, none; Lightning's names as they are; a path, once complete. A write a
+    kill interrupted in those folders is finished or undone first."""
+    given: str | None = cfg.ckpt_path
     if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
         return given
     folders = checkpoint_folders(cfg)

@@ -139,13 +139,13 @@ def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
             warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
-def instantiate_group(cfg: DictConfig, group: str, **kwargs):
+def instantiate_group(cfg: DictConfig, group: str, **kwargs: Any) -> Any:
     """``instantiate(cfg.<group>, **kwargs)``; a configuration error names the keys it is about."""
     with group_key(cfg, group):
         return instantiate(OmegaConf.select(cfg, group), **kwargs)
 
 
-def instantiate_named(cfg: DictConfig, what: str) -> dict:
+def instantiate_named(cfg: DictConfig, what: str) -> dict[str, Any]:
     """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), built, by name."""
     objects = {}
     for name, node in (cfg.get(what) or {}).items():
@@ -164,7 +164,7 @@ def name_the_run_keys(cfg: DictConfig, message: str) -> str:
     return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
 
 
-def model_config_of(cfg: DictConfig):
+def model_config_of(cfg: DictConfig) -> Any:
     """model.config as an OLMoConfig or a transformers config; its errors name the key."""
     with group_key(cfg, "model.config"):
         return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
@@ -279,7 +279,7 @@ def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictCo
         return compose(config_name, overrides=overrides)
 
 
-def _keys_of(node: dict, prefix: str = "") -> list[str]:
+def _keys_of(node: dict[str, Any], prefix: str = "") -> list[str]:
     """Every dotted key of a config container, nested ones included, less ``_target_`` and its kind."""
     keys = []
     for name, value in node.items():

@@ -165,7 +165,7 @@ def probe_plan(
     from lit_cbs.probe import max_branches
 
     config = probe.config
-    points = []
+    points: list[int] = []
     while (point := config.probe_point(len(points))) + config.span_tokens <= max_tokens:
         points.append(int(point))
     param_bytes, _ = precision_bytes(precision)
@@ -534,8 +534,8 @@ class RunPlan:
             )
             if timed:
                 seconds = self._seconds(phase.tokens, planned.ranks)
-                fixed = _duration(self._seconds(phase.tokens, self.processes))
-                row += f" {phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {fixed:>14}"
+                alone = _duration(self._seconds(phase.tokens, self.processes))
+                row += f" {phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {alone:>14}"
             lines.append(row)
         if timed:
             grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)

@@ -433,8 +433,10 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     probe_file = next(iter(sorted(run_dir.rglob(JSONL_FILE))), None)
     readings = read_readings(probe_file) if probe_file is not None else []
     name = summary.get("run_name", "")  # the figures' title
-    draw = {file: functools.partial(figure, title=name) for file, figure in RUN_FIGURES.items()}
-    draw[WALL_CLOCK_FILE] = wall_clock_figure
+    draw = {
+        file: functools.partial(figure, title=name)
+        for file, figure in {**RUN_FIGURES, WALL_CLOCK_FILE: wall_clock_figure}.items()
+    }
     figures = []
     for file, caption in CAPTIONS.items():
         path = run_dir / file
