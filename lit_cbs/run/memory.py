@@ -1,6 +1,7 @@
-"""Memory per device of a training step, counted as the training code allocates it: parameters, gradients and
-optimizer state (sharded by FSDP2), working buffers (gathered blocks, DDP's buckets, autocast's copies), and the
-activations autograd saves per block, from the model's meta-device build. Bytes; ``GIB`` converts."""
+"""What a run holds in memory, counted as the training code allocates it: per device, the parameters, gradients and
+optimizer state (sharded by FSDP2), working buffers (gathered blocks, DDP's buckets, autocast's copies) and the
+activations autograd saves per block, from the model's meta-device build; per rank in host memory, the CBS probe's
+snapshots and batches. Bytes; ``GIB`` converts."""
 
 from __future__ import annotations
 
@@ -187,3 +188,70 @@ def device_memory(
         saved = config.n_layers * block + outside
         extra = logits
     return DeviceMemory(parameters, parameters, optimizer_state, working, saved, extra)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    """What a CBSProbeCallback will cost; bytes per rank, in host memory."""
+
+    points: list[int]  # token counts of the probes whose span ends within max_tokens
+    snapshot_bytes: int  # the rank's parameters and optimizer state
+    window_bytes: int  # the recorded micro-batches of one probe's windows
+    heldout_bytes: int
+    max_branches: int
+    window_tokens: int
+    replicates: int = 1
+    snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
+    side_jobs: str | None = None  # the side jobs' launcher (their branches train elsewhere)
+    checkpoint_bytes: int = 0  # side jobs: the checkpoint each probe writes for its job (all ranks' shards)
+
+    @property
+    def host_bytes(self) -> int:
+        """Peak host memory per rank (side jobs: only the held-out batches the main run scores itself on)."""
+        if self.side_jobs is not None:
+            return self.heldout_bytes
+        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained in branches over the run, at most."""
+        return len(self.points) * self.max_branches * self.window_tokens * self.replicates
+
+
+def probe_plan(
+    probe: Any,
+    shape: ModelShape,
+    precision: str,
+    strategy: str,
+    data_parallel_size: int,
+    micro_batch: int,
+    val_micro_batch: int,
+    seq_len: int,
+    max_tokens: int,
+    optimizer: OptimizerState = ADAMW_STATE,
+) -> ProbePlan:
+    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
+    from lit_cbs.probe import max_branches
+
+    config = probe.config
+    points: list[int] = []
+    while (point := config.probe_point(len(points))) + config.span_tokens <= max_tokens:
+        points.append(int(point))
+    param_bytes, _ = precision_bytes(precision)
+    shards = data_parallel_size if strategy == "fsdp" else 1
+    local = math.ceil(shape.parameters / shards)
+    snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
+    sample_bytes = (seq_len + 1) * TOKEN_BYTES
+    branches = max_branches(config.search, len(config.multipliers))
+    return ProbePlan(
+        points=points,
+        snapshot_bytes=snapshot,
+        window_bytes=config.span_tokens // seq_len // data_parallel_size * sample_bytes,
+        heldout_bytes=config.heldout_batches * val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0,
+        max_branches=branches,
+        window_tokens=config.window_tokens,
+        replicates=config.replicates,
+        snapshots=2 + (branches if config.early_stop else 0),
+        side_jobs=type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None,
+        checkpoint_bytes=snapshot * shards,
+    )

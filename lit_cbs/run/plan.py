@@ -1,12 +1,11 @@
 """``plan=true``: what a run will need before it starts (no data, no accelerator): steps per batch phase, memory
-per device (``memory``), the CBS probe's cost and device-hours, wall time at an assumed MFU, and each phase on a
-cluster grown with the batch."""
+per device and the CBS probe's (``memory``), the probe's device-hours, wall time at an assumed MFU, and each phase
+on a cluster grown with the batch."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -14,12 +13,12 @@ from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
 from lit_cbs.run.memory import (
     ADAMW_STATE,
     GIB,
-    TOKEN_BYTES,
     DeviceMemory,
     ModelShape,
     OptimizerState,
+    ProbePlan,
     device_memory,
-    precision_bytes,
+    probe_plan,
 )
 
 __all__: list[str] = []  # users run it as `plan=true`
@@ -94,16 +93,12 @@ class ClusterPhase:
 
 
 def grow_cluster(
-    phases: list[BatchPhase],
-    ranks: int,
-    devices_per_node: int,
-    min_micro_batch_size: int,
-    max_devices: int | None,
-    micro_batch_for: Callable[[int, int], int],
+    phases: list[BatchPhase], ranks: int, devices_per_node: int, limits: Limits, micro_for: Callable[[int, int], int]
 ) -> list[ClusterPhase]:
     """Per phase after the first (which keeps ``ranks``), the fewest whole nodes whose ranks each take no larger
-    a share of a step than in the first phase, with micro-batches of at least ``min_micro_batch_size`` and at most
-    ``max_devices`` ranks. ``micro_batch_for(global batch, ranks)``."""
+    a share of a step than in the first phase, with micro-batches of at least ``limits.min_micro_batch_size`` and
+    at most ``limits.max_devices`` ranks. ``micro_for(global batch, ranks)``."""
+    min_micro_batch_size, max_devices = limits.min_micro_batch_size, limits.max_devices
     first_share = phases[0].global_batch / ranks
     planned: list[ClusterPhase] = []
     end_step = 0
@@ -112,80 +107,13 @@ def grow_cluster(
         candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
         if max_devices is not None:
             candidates = [w for w in candidates if w <= max_devices] or candidates[:1]
-        efficient = [w for w in candidates if micro_batch_for(batch, w) >= min_micro_batch_size] or candidates[:1]
+        efficient = [w for w in candidates if micro_for(batch, w) >= min_micro_batch_size] or candidates[:1]
         enough = [w for w in efficient if batch / w <= first_share]
         chosen = ranks if not planned else (enough[0] if enough else efficient[-1])
-        micro = micro_batch_for(batch, chosen)
+        micro = micro_for(batch, chosen)
         end_step += phase.optimizer_steps
         planned.append(ClusterPhase(phase, chosen, micro, batch // (micro * chosen), end_step))
     return planned
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbePlan:
-    """What a CBSProbeCallback will cost; bytes per rank, in host memory."""
-
-    points: list[int]  # token counts of the probes whose span ends within max_tokens
-    snapshot_bytes: int  # the rank's parameters and optimizer state
-    window_bytes: int  # the recorded micro-batches of one probe's windows
-    heldout_bytes: int
-    max_branches: int
-    window_tokens: int
-    replicates: int = 1
-    snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
-    side_jobs: str | None = None  # the side jobs' launcher (their branches train elsewhere)
-    checkpoint_bytes: int = 0  # side jobs: the checkpoint each probe writes for its job (all ranks' shards)
-
-    @property
-    def host_bytes(self) -> int:
-        """Peak host memory per rank (side jobs: only the held-out batches the main run scores itself on)."""
-        if self.side_jobs is not None:
-            return self.heldout_bytes
-        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
-
-    @property
-    def tokens(self) -> int:
-        """Tokens trained in branches over the run, at most."""
-        return len(self.points) * self.max_branches * self.window_tokens * self.replicates
-
-
-def probe_plan(
-    probe: Any,
-    shape: ModelShape,
-    precision: str,
-    strategy: str,
-    data_parallel_size: int,
-    micro_batch: int,
-    val_micro_batch: int,
-    seq_len: int,
-    max_tokens: int,
-    optimizer: OptimizerState = ADAMW_STATE,
-) -> ProbePlan:
-    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
-    from lit_cbs.probe import max_branches
-
-    config = probe.config
-    points: list[int] = []
-    while (point := config.probe_point(len(points))) + config.span_tokens <= max_tokens:
-        points.append(int(point))
-    param_bytes, _ = precision_bytes(precision)
-    shards = data_parallel_size if strategy == "fsdp" else 1
-    local = math.ceil(shape.parameters / shards)
-    snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
-    sample_bytes = (seq_len + 1) * TOKEN_BYTES
-    branches = max_branches(config.search, len(config.multipliers))
-    return ProbePlan(
-        points=points,
-        snapshot_bytes=snapshot,
-        window_bytes=config.span_tokens // seq_len // data_parallel_size * sample_bytes,
-        heldout_bytes=config.heldout_batches * val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0,
-        max_branches=branches,
-        window_tokens=config.window_tokens,
-        replicates=config.replicates,
-        snapshots=2 + (branches if config.early_stop else 0),
-        side_jobs=type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None,
-        checkpoint_bytes=snapshot * shards,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,15 +234,7 @@ class RunPlan:
         """The phases on a cluster grown with the batch (``grow_cluster``)."""
         if not self.phases:
             return None
-        limits = self.limits
-        return grow_cluster(
-            self.phases,
-            self.processes,
-            self.devices_per_node,
-            limits.min_micro_batch_size,
-            limits.max_devices,
-            self._micro_for,
-        )
+        return grow_cluster(self.phases, self.processes, self.devices_per_node, self.limits, self._micro_for)
 
     @property
     def processes(self) -> int:
@@ -445,7 +365,7 @@ class RunPlan:
             lines.append(
                 f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
             )
-        lines += ["", *self._probe_report(), "", *self._time_report(), *self._cluster_report()]
+        lines += ["", *self._probe_report(), "", *self._time_report(), *_cluster_report(self)]
         fits = "memory per device and host memory within plan_for's limits" if self.on_gpu else None
         fits = fits or "host memory within plan_for.host_memory_gib"
         lines += [f"WARNING: {w}" for w in self.warnings()] or [f"fits             {fits}"]
@@ -512,58 +432,59 @@ class RunPlan:
             )
         return lines
 
-    def _cluster_report(self) -> list[str]:
-        """Each phase on the ranks ``grow_cluster`` gives it, and the commands that move the run between them."""
-        if not self.cluster or len(self.cluster) < 2:
-            return []
-        per_node, timed = self.devices_per_node, self.on_gpu
-        cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
-        times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
-        lines = [
-            "",
-            "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
-            "of a step at the first phase's, "
-            f"micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
-            f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
-        ]
-        for planned in self.cluster:
-            phase = planned.phase
-            row = (
-                f"  {phase.start_tokens:>17,} {phase.global_batch:>7,} {planned.ranks:>6} "
-                f"{planned.micro_batch:>6} {planned.accumulate:>6}"
-            )
-            if timed:
-                seconds = self._seconds(phase.tokens, planned.ranks)
-                alone = _duration(self._seconds(phase.tokens, self.processes))
-                row += f" {phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {alone:>14}"
-            lines.append(row)
+
+def _cluster_report(plan: RunPlan) -> list[str]:
+    """Each phase on the ranks ``grow_cluster`` gives it, and the commands that move the run between them."""
+    if not plan.cluster or len(plan.cluster) < 2:
+        return []
+    per_node, timed = plan.devices_per_node, plan.on_gpu
+    cap = f", plan_for.max_devices={plan.limits.max_devices}" if plan.limits.max_devices else ""
+    times = f" {'tokens/s':>12} {'wall time':>12} {f'on {plan.processes} ranks':>14}" if timed else ""
+    lines = [
+        "",
+        "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
+        "of a step at the first phase's, "
+        f"micro-batch >= plan_for.min_micro_batch_size={plan.limits.min_micro_batch_size}{cap}",
+        f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
+    ]
+    for planned in plan.cluster:
+        phase = planned.phase
+        row = (
+            f"  {phase.start_tokens:>17,} {phase.global_batch:>7,} {planned.ranks:>6} "
+            f"{planned.micro_batch:>6} {planned.accumulate:>6}"
+        )
         if timed:
-            grown = sum(self._seconds(p.phase.tokens, p.ranks) for p in self.cluster)
-            fixed = sum(self._seconds(p.phase.tokens, self.processes) for p in self.cluster)
-            hours = sum(p.ranks * self._seconds(p.phase.tokens, p.ranks) for p in self.cluster) / 3600
-            lines.append(
-                f"  wall time {_duration(grown)} against {_duration(fixed)} on {self.processes} ranks throughout "
-                f"({fixed / grown:.2f}x sooner; {hours:,.0f} device-hours either way at the same MFU; "
-                "probes not counted)"
-            )
-        torchrun, sbatch = [], []
-        for index, planned in enumerate(self.cluster):
-            nodes = planned.ranks // per_node
-            resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
-            stop = f" trainer.max_steps={planned.end_step}" if index < len(self.cluster) - 1 else ""
-            after = " --dependency=afterok:<the previous job's id>" if index else ""
-            torchrun.append(
-                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} "
-                f"trainer.num_nodes={nodes}{stop} hydra.run.dir=outputs/{self.name}/phase{index + 1}{resume}"
-            )
-            sbatch.append(
-                f"    RUN_DIR=outputs/{self.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
-                f"{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
-            )
-        return [
-            *lines,
-            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
-            *torchrun,
-            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
-            *sbatch,
-        ]
+            seconds = plan._seconds(phase.tokens, planned.ranks)
+            alone = _duration(plan._seconds(phase.tokens, plan.processes))
+            row += f" {phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {alone:>14}"
+        lines.append(row)
+    if timed:
+        grown = sum(plan._seconds(p.phase.tokens, p.ranks) for p in plan.cluster)
+        fixed = sum(plan._seconds(p.phase.tokens, plan.processes) for p in plan.cluster)
+        hours = sum(p.ranks * plan._seconds(p.phase.tokens, p.ranks) for p in plan.cluster) / 3600
+        lines.append(
+            f"  wall time {_duration(grown)} against {_duration(fixed)} on {plan.processes} ranks throughout "
+            f"({fixed / grown:.2f}x sooner; {hours:,.0f} device-hours either way at the same MFU; "
+            "probes not counted)"
+        )
+    torchrun, sbatch = [], []
+    for index, planned in enumerate(plan.cluster):
+        nodes = planned.ranks // per_node
+        resume = f" ckpt_path=outputs/{plan.name}/phase{index}/checkpoints/last.ckpt" if index else ""
+        stop = f" trainer.max_steps={planned.end_step}" if index < len(plan.cluster) - 1 else ""
+        after = " --dependency=afterok:<the previous job's id>" if index else ""
+        torchrun.append(
+            f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {plan.command} "
+            f"trainer.num_nodes={nodes}{stop} hydra.run.dir=outputs/{plan.name}/phase{index + 1}{resume}"
+        )
+        sbatch.append(
+            f"    RUN_DIR=outputs/{plan.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
+            f"{after} recipes/slurm/train.sbatch {plan.slurm_arguments}{stop}{resume}"
+        )
+    return [
+        *lines,
+        "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
+        *torchrun,
+        "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
+        *sbatch,
+    ]

@@ -42,7 +42,6 @@ from lit_cbs.probe.record import JSONL_FILE, PLOT_FILE
 __all__ = ["main", "write_report"]
 
 Metrics = dict[str, tuple[np.ndarray, np.ndarray]]  # a CSVLogger's column -> (steps, values)
-REPORT_FILE = "report.html"
 WALL_CLOCK_FILE = "wall_clock.png"  # the page's own figure: the run draws none against wall-clock time
 
 
@@ -407,10 +406,6 @@ def _figure(path: Path, caption: str) -> str:
     )
 
 
-def _upper(cbs_upper: float | None) -> str:
-    return "open" if cbs_upper is None else f"{cbs_upper:g}"
-
-
 def _current(path: Path, source: Path) -> bool:
     """Whether the PNG at ``path`` shows ``source`` as it is now: it exists and is not older."""
     return path.is_file() and path.stat().st_mtime_ns >= source.stat().st_mtime_ns
@@ -470,16 +465,16 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ]
         parts.append("<h2>Batch changes</h2>" + _table(rows, header))
     if readings:
-        header = ["tokens", "batch", "k*", "CBS (samples)", "determined"]
         rows = [
-            [f"{r.tokens:,}", r.batch_size, f"{r.k_star:g}", f"[{r.cbs_lower:g}, {_upper(r.cbs_upper)}]"]
+            [f"{r.tokens:,}", r.batch_size, f"{r.k_star:g}"]
+            + [f"[{r.cbs_lower:g}, {'open' if r.cbs_upper is None else f'{r.cbs_upper:g}'}]"]
             + ["yes" if r.determined else "no"]
             for r in readings
         ]
-        parts.append("<h2>CBS readings</h2>" + _table(rows, header))
+        parts.append("<h2>CBS readings</h2>" + _table(rows, ["tokens", "batch", "k*", "CBS (samples)", "determined"]))
     title = html.escape(f"lit_cbs run: {summary.get('run_name', run_dir.name)}")
     page = PAGE.format(title=title, count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts))
-    out = Path(out) if out is not None else run_dir / REPORT_FILE
+    out = Path(out) if out is not None else run_dir / "report.html"
     out.write_text(page)
     return out
 
