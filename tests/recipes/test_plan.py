@@ -1,4 +1,4 @@
-"""lit_cbs.run.plan: memory counted by hand on a model small enough to count, against what torch really
+"""lit_cbs.run.plan and .memory: memory counted by hand on a model small enough to count, against what torch really
 allocates on the CPU (for AdamW and for the optimizers whose state it measures), the batch phases
 against a real BatchWarmup run, and train.py's plan of a recipe, which reads no data."""
 
