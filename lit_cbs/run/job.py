@@ -52,12 +52,7 @@ LOGGER_PACKAGES = {
     "MLFlowLogger": ("mlflow",),
     "WandbLogger": ("wandb",),
 }
-
-
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
-
-
-AUTO_RESUME = "auto"
 
 
 def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
@@ -179,7 +174,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     folders = checkpoint_folders(cfg)
     for folder in folders:
         settle(folder)
-    if given == AUTO_RESUME:
+    if given == "auto":
         found = newest_complete(folders)
         if found is not None:
             log.info(f"resuming from {found} (ckpt_path=auto: the newest complete checkpoint of this run folder)")
