@@ -154,16 +154,6 @@ def finish_loggers(loggers: list[Logger]) -> None:
             logger.experiment.close()
 
 
-def checkpoint_folders(cfg: DictConfig) -> list[Path]:
-    """Where a recipe run writes checkpoints: its checkpoint callback's folder, and the run folder (Lightning's
-    ``hpc_ckpt_<n>.ckpt`` at SLURM's requeue signal)."""
-    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint")
-    folders = [Path(cfg.output_dir)]
-    if checkpoint is not None and checkpoint.get("dirpath"):
-        folders.insert(0, Path(checkpoint.dirpath))
-    return folders
-
-
 def resume_checkpoint(cfg: DictConfig) -> str | None:
     """The checkpoint ``trainer.fit`` resumes from, by ``ckpt_path``: ``auto``, the newest complete one in the run's
     folders (none in a new run); ``null``, none; Lightning's names as they are; a path, once complete. A write a
@@ -171,7 +161,11 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     given: str | None = cfg.ckpt_path
     if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
         return given
-    folders = checkpoint_folders(cfg)
+    # The checkpoint callback's folder, and the run folder (Lightning's hpc_ckpt_<n>.ckpt at SLURM's requeue).
+    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint")
+    folders = [Path(cfg.output_dir)]
+    if checkpoint is not None and checkpoint.get("dirpath"):
+        folders.insert(0, Path(checkpoint.dirpath))
     for folder in folders:
         settle(folder)
     if given == "auto":
