@@ -52,9 +52,9 @@ from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import ADAMW, COMPUTE_DTYPES, CausalLM
 from lit_cbs.probe import CBSProbeCallback
-from lit_cbs.recipes.plan import GIB, ModelShape, device_memory
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 from lit_cbs.rules.lr_schedules import WarmupStableDecay
+from lit_cbs.run.memory import GIB, ModelShape, device_memory
 
 
 def parse_args() -> argparse.Namespace:
@@ -190,7 +190,7 @@ def main() -> dict:
         "last_logged_mfu": float(trainer.callback_metrics[metrics.MFU]),
         "last_train_loss": float(trainer.callback_metrics[metrics.TRAIN_LOSS]),
         "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if args.accelerator == "gpu" else None,
-        # What `plan=true` estimates for this run (lit_cbs.recipes.plan), to hold against the measured peak above.
+        # What `plan=true` estimates for this run (lit_cbs.run.plan), to hold against the measured peak above.
         "planned_memory_gib": device_memory(
             ModelShape.measure(model.config),
             args.micro_batch_size,

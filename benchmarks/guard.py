@@ -53,7 +53,7 @@ from benchmarks.common import (
 )
 from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
-from lit_cbs.recipes.run_report import read_batch_history
+from lit_cbs.run.report import read_batch_history
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens; --quick: 32)
 SEEDS = (1, 2)

@@ -33,8 +33,8 @@ from lit_cbs.callbacks.checkpoint_files import unreadable
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import ProbeConfig
 from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint
-from lit_cbs.recipes import job
-from lit_cbs.recipes.resolvers import register_resolvers
+from lit_cbs.run import job, keys
+from lit_cbs.run.resolvers import register_resolvers
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 RUN_CONFIG = "resolved_config.yaml"
@@ -77,13 +77,13 @@ def probe_settings(run_cfg: DictConfig, overrides: DictConfig) -> ProbeConfig:
     if node is None:
         default = OmegaConf.load(CONF / "callbacks" / "cbs_probe.yaml")
         node = OmegaConf.merge(run_cfg, {"callbacks": default}).callbacks.cbs_probe  # its ${batch.*} from the run
-    settings = job.dict_container(node, resolve=True)
+    settings = keys.dict_container(node, resolve=True)
     for key in ("_target_", "_convert_", *NOT_FOR_A_CHECKPOINT):
         settings.pop(key, None)
     settings.update(
-        {key: value for key, value in job.dict_container(overrides, resolve=False).items() if value is not None}
+        {key: value for key, value in keys.dict_container(overrides, resolve=False).items() if value is not None}
     )
-    with job.group_key(run_cfg, "probe"):
+    with keys.group_key(run_cfg, "probe"):
         return ProbeConfig(**settings)
 
 
@@ -95,9 +95,9 @@ def main(cfg: DictConfig) -> None:
         checkpoints, run = checkpoints_and_run(cfg.ckpt_path)
         run_cfg = cast(DictConfig, OmegaConf.load(run / RUN_CONFIG))  # the mapping recipes/train.py wrote
         config = probe_settings(run_cfg, cfg.probe)
-    except job.CONFIG_ERRORS as error:
+    except keys.CONFIG_ERRORS as error:
         job.remove_hydra_run_dir(earlier)
-        job.stop_on_config_error(error)
+        keys.stop_on_config_error(error)
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     log.info(f"CBS probes of {len(checkpoints)} checkpoint(s) of {run}; readings in {output_dir / 'cbs_probe.jsonl'}")
     readings = []

@@ -26,7 +26,7 @@ PURE_MODULES = [
     "lit_cbs.models.decoder",
     "lit_cbs.models.olmo",
     "lit_cbs.probe.reading",
-    "lit_cbs.recipes.plan",
+    "lit_cbs.run.plan",
     "lit_cbs.rules.batch_schedules",
     "lit_cbs.rules.guard",
     "lit_cbs.rules.lr_schedules",

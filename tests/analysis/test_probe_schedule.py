@@ -19,8 +19,8 @@ from toys import probe_reading
 from lit_cbs import BatchWarmup
 from lit_cbs.analysis import schedule_from_probe
 from lit_cbs.probe.reading import ProbeReading
-from lit_cbs.recipes.job import batch_warmup_of
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
+from lit_cbs.run.job import batch_warmup_of
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -46,7 +46,7 @@ def test_gpu_check_runs_on_cpu_compiled_and_imports_nothing_the_gpu_machine_lack
     # are not loaded.
     loaded = lit_cbs_modules[1:-1].split(", ")
     assert "'lit_cbs.data.synthetic'" in loaded
-    assert not any(name.startswith(("'lit_cbs.data.datamodule", "'lit_cbs.recipes.run_report")) for name in loaded)
+    assert not any(name.startswith(("'lit_cbs.data.datamodule", "'lit_cbs.run.report")) for name in loaded)
     result = json.loads(output.read_text())
     # The micro-batch stays 4 through the batch change, so the blocks compile once or twice (dynamic shapes), no more.
     assert result["compile"] is True and 1 <= result["compiled_graphs"] <= 2 and result["fused_adamw"] is False

@@ -126,7 +126,7 @@ def test_gpu_variant_composes_a_25m_model_with_thresholds_at_the_same_share(key,
     from hydra.core.global_hydra import GlobalHydra
     from hydra.utils import instantiate
 
-    from lit_cbs.recipes.resolvers import register_resolvers
+    from lit_cbs.run.resolvers import register_resolvers
 
     register_resolvers()
 

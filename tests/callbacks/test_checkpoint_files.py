@@ -15,7 +15,7 @@ from recipe_runs import compose_config
 
 from lit_cbs.callbacks.checkpoint_files import newest_complete, partial_path, replaced_path, settle, unreadable
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.recipes.job import resume_checkpoint
+from lit_cbs.run.job import resume_checkpoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kill_in_write.py"
 

@@ -22,7 +22,7 @@ from recipe_runs import train as train_script
 from signals import SignalAt
 
 from lit_cbs.callbacks.accounting import BatchAccounting
-from lit_cbs.recipes.run_report import run_summary, summary_text
+from lit_cbs.run.report import run_summary, summary_text
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

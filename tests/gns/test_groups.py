@@ -22,7 +22,7 @@ from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.gns import GradientNoiseScale
 from lit_cbs.gns.groups import block_groups
 from lit_cbs.models.decoder import layer_stacks
-from lit_cbs.recipes.run_report import group_noise_scale_figure, plot_run
+from lit_cbs.run.report import group_noise_scale_figure, plot_run
 
 
 def test_regex_groups_equal_optimizer_groups_and_add_up_to_the_whole_model(tmp_path):

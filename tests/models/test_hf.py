@@ -22,10 +22,10 @@ from recipe_runs import TORCHRUN_TRAIN, compose_config, train
 from toys import PaddedData, PaddedSequences, SaveFirstStepGradients, quiet_fit, trainer_kwargs
 
 from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale, LitCBSConfigError
+from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.models.lm import CausalLM
-from lit_cbs.recipes.plan import ModelShape
-from lit_cbs.recipes.run_report import read_metrics_csv
+from lit_cbs.run.memory import ModelShape
 
 pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers", reason='transformers is not installed: pip install -e ".[hf]"')

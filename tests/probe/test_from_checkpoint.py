@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import ProbeConfig
 from lit_cbs.probe.from_checkpoint import probe_checkpoint
-from lit_cbs.recipes import job
+from lit_cbs.run import job
 
 pytestmark = pytest.mark.slow
 # A recipe run of 8 optimizer steps of 128-token samples (batch 8, then 16 from 4,096 tokens), a checkpoint at every

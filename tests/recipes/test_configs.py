@@ -16,11 +16,12 @@ from lightning.pytorch.callbacks import LearningRateMonitor
 from omegaconf import OmegaConf
 from recipe_runs import CONF, SHORT_RUN, compose_config, short_run, train
 
+from lit_cbs.analysis.curves import read_metrics_csv
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
-from lit_cbs.recipes import job
-from lit_cbs.recipes.resolvers import RESOLVERS, register_resolvers
-from lit_cbs.recipes.run_report import batches_reached, read_metrics_csv, run_header
+from lit_cbs.run import job, keys
+from lit_cbs.run.job import batches_reached, run_header
+from lit_cbs.run.resolvers import RESOLVERS, register_resolvers
 
 RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
 OLMO_PARAMETERS = {"olmo_1b": 1.18e9, "olmo_7b": 6.89e9}  # the OLMo papers' sizes
@@ -83,7 +84,7 @@ def test_fsdp_world_size_scales_with_nodes():
 
 def test_extra_callback_option_composes():
     cfg = compose_config("callbacks=[default,lr_monitor]")
-    callbacks = job.instantiate_named(cfg, "callbacks")
+    callbacks = keys.instantiate_named(cfg, "callbacks")
     assert set(callbacks) == {
         "checkpoint",
         "progress_bar",
@@ -155,10 +156,10 @@ def text_folder(tmp_path_factory):
 )
 def test_bad_settings_stop_before_the_model(overrides, message):
     cfg = compose_config(*overrides)
-    with pytest.raises(job.CONFIG_ERRORS) as error:
+    with pytest.raises(keys.CONFIG_ERRORS) as error:
         train.build_run(cfg)
-    assert message in job.one_line(error.value)
-    assert "\n" not in job.one_line(error.value)
+    assert message in keys.one_line(error.value)
+    assert "\n" not in keys.one_line(error.value)
 
 
 @pytest.mark.parametrize("schedule", ["wsd", "step"])
@@ -280,7 +281,7 @@ def test_a_rule_the_optimizer_lacks_stops_before_the_first_step_naming_its_key(t
     cfg, run = short_run(text_folder, tmp_path, "optimizer=sgd", "batch.beta2_rule=half_life")
     with pytest.raises(LitCBSConfigError, match="param group 0 of SGD has no Adam betas") as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
-    named = job.name_the_run_keys(cfg, str(raised.value))
+    named = keys.name_the_run_keys(cfg, str(raised.value))
     assert "batch.beta2_rule='half_life'" in named and "set batch.beta2_rule=None" in named
     assert run.trainer.global_step == 0 and not job.trained_a_step(run.batch_warmup)  # so train.py removes its folder
 
@@ -326,7 +327,7 @@ def test_an_error_inside_fit_names_the_hydra_keys(text_folder, tmp_path):
     cfg, run = short_run(text_folder, tmp_path, "batch.clip_rule=sqrt", "trainer.gradient_clip_val=null")
     with pytest.raises(LitCBSConfigError) as raised:
         run.trainer.fit(run.model, datamodule=run.datamodule)
-    named = job.name_the_run_keys(cfg, str(raised.value))
+    named = keys.name_the_run_keys(cfg, str(raised.value))
     assert "batch.clip_rule='sqrt'" in named and "set trainer.gradient_clip_val" in named
     assert run.trainer.global_step == 0
 

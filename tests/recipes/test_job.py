@@ -1,4 +1,4 @@
-"""lit_cbs.recipes.job: each config group built under the key that sets it, so a constructor's error
+"""lit_cbs.run.keys: each config group built under the key that sets it, so a constructor's error
 names the Hydra key the user typed, whatever group, nesting or default the argument comes through."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from recipe_runs import CONF, compose_config
 
 from lit_cbs import BatchWarmup, ConstantBatch
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.recipes import job
+from lit_cbs.run import job, keys
 
 RECIPES = sorted(path.stem for path in (CONF / "recipe").glob("*.yaml"))
 
@@ -24,15 +24,15 @@ def test_batch_warmup_is_built_from_the_batch_group_alone(recipe):
 
 def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
     cfg = compose_config("batch=seesaw", "lr_schedule=cosine", "+recipe=olmo1b_warmup")
-    keys = job.setting_keys(cfg, "batch")
-    assert keys["lr_rule"] == ("batch.lr_rule", None)
-    assert keys["start"] == ("batch.schedule.start", None)  # nested: Seesaw's argument
-    assert keys["max_micro_batch_size"] == (
+    named = keys.setting_keys(cfg, "batch")
+    assert named["lr_rule"] == ("batch.lr_rule", None)
+    assert named["start"] == ("batch.schedule.start", None)  # nested: Seesaw's argument
+    assert named["max_micro_batch_size"] == (
         "batch.max_micro_batch_size",
         "data.batch_size",
     )  # a default from another key
-    assert keys["lr_schedule"] == ("lr_schedule", None) and keys["min_lr_ratio"] == ("lr_schedule.min_lr_ratio", None)
-    assert "_target_" not in keys
+    assert named["lr_schedule"] == ("lr_schedule", None) and named["min_lr_ratio"] == ("lr_schedule.min_lr_ratio", None)
+    assert "_target_" not in named
 
 
 @pytest.mark.parametrize(
@@ -53,7 +53,7 @@ def test_the_keys_of_a_group_follow_nesting_defaults_and_groups_taken_whole():
         ),
         (["batch.lr_rule=bogus"], job.batch_warmup_of, "batch.lr_rule='bogus' is unknown; use one of"),
         # a message that names no argument of the group is led by the group's key
-        (["model.config.preset=olmo_3b"], job.model_config_of, "model.config: unknown model preset 'olmo_3b'"),
+        (["model.config.preset=olmo_3b"], keys.model_config_of, "model.config: unknown model preset 'olmo_3b'"),
     ],
 )
 def test_a_group_error_names_the_key_the_user_typed(overrides, build, line):
@@ -65,7 +65,7 @@ def test_a_group_error_names_the_key_the_user_typed(overrides, build, line):
 
 def test_an_error_already_naming_its_key_is_left_as_it_is():
     cfg = compose_config("data.path=/nonexistent/tokens")
-    with pytest.raises(LitCBSConfigError) as raised, job.group_key(cfg, "data"):
+    with pytest.raises(LitCBSConfigError) as raised, keys.group_key(cfg, "data"):
         raise ValueError("data.path='/nonexistent/tokens' is not a folder")
     assert str(raised.value) == "data.path='/nonexistent/tokens' is not a folder"
 
@@ -76,12 +76,12 @@ def test_run_errors_name_the_trainers_batch_and_callback_keys():
         "clip_rule='sqrt' scales Trainer(gradient_clip_val=None), which sets none; "
         "set gradient_clip_val or clip_rule=None"
     )
-    assert job.name_the_run_keys(cfg, message) == (
+    assert keys.name_the_run_keys(cfg, message) == (
         "batch.clip_rule='sqrt' scales Trainer(trainer.gradient_clip_val=None), which sets none; "
         "set trainer.gradient_clip_val or batch.clip_rule=None"
     )
     # a plain word that is also an argument's name stays prose unless written as the argument
-    assert job.name_the_run_keys(cfg, "the unit of the schedule") == "the unit of the schedule"
+    assert keys.name_the_run_keys(cfg, "the unit of the schedule") == "the unit of the schedule"
 
 
 def test_a_second_batch_warmup_among_the_callbacks_is_refused():
@@ -137,13 +137,13 @@ def test_a_second_batch_warmup_among_the_callbacks_is_refused():
 )
 def test_a_key_the_configuration_lacks_is_named_with_its_fix_before_hydra_composes(argv, line):
     with pytest.raises(LitCBSConfigError) as raised:
-        job.check_command_line(CONF, argv)
+        keys.check_command_line(CONF, argv)
     assert str(raised.value).startswith(line) and "\n" not in str(raised.value)
 
 
 def test_a_command_line_of_known_keys_passes_the_check():
-    job.check_command_line(CONF, ["-m", "+recipe=tiny_small_batch,tiny_warmup", "max_tokens=65536", "seed=range(1,3)"])
-    job.check_command_line(CONF, ["+trainer.profiler=simple", "~callbacks.progress_bar", "hydra.run.dir=/tmp/x"])
+    keys.check_command_line(CONF, ["-m", "+recipe=tiny_small_batch,tiny_warmup", "max_tokens=65536", "seed=range(1,3)"])
+    keys.check_command_line(CONF, ["+trainer.profiler=simple", "~callbacks.progress_bar", "hydra.run.dir=/tmp/x"])
 
 
 def test_a_fit_that_failed_before_its_callbacks_were_set_up_trained_no_step():

@@ -1,4 +1,4 @@
-"""lit_cbs.recipes.plan: memory counted by hand on a model small enough to count, against what torch really
+"""lit_cbs.run.plan and .memory: memory counted by hand on a model small enough to count, against what torch really
 allocates on the CPU (for AdamW and for the optimizers whose state it measures), the batch phases
 against a real BatchWarmup run, and train.py's plan of a recipe, which reads no data."""
 
@@ -22,8 +22,9 @@ from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
-from lit_cbs.recipes.plan import ADAMW_STATE, GIB, ModelShape, OptimizerState, batch_phases, device_memory, probe_plan
 from lit_cbs.rules.batch_schedules import micro_batch_for
+from lit_cbs.run.memory import ADAMW_STATE, GIB, ModelShape, OptimizerState, device_memory
+from lit_cbs.run.plan import batch_phases, probe_plan
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
 COUNTABLE = OLMoConfig(

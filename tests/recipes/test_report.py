@@ -1,5 +1,5 @@
-"""What a run leaves in its folder (lit_cbs.recipes.run_report: summary.json and the lines a run ends with), and
-``python -m lit_cbs.recipes.report RUN_DIR``: one self-contained HTML page per run, opened in a real headless
+"""What a run leaves in its folder (lit_cbs.run.report: summary.json and the lines a run ends with), and
+``python -m lit_cbs.run.report RUN_DIR``: one self-contained HTML page per run, opened in a real headless
 Chromium (Debian's package; `.ci/run` installs it where it can, and the test says why it skips otherwise)."""
 
 from __future__ import annotations
@@ -23,9 +23,16 @@ from toys import RegressionData, RegressionModule, trainer_kwargs
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.analysis.curves import read_metrics_csv
-from lit_cbs.recipes.report import WALL_CLOCK_FILE, write_report
-from lit_cbs.recipes.report import main as report_main
-from lit_cbs.recipes.run_report import RUN_FIGURES, batch_lr_figure, loss_figure, summary_text, write_run_summary
+from lit_cbs.run.report import (
+    RUN_FIGURES,
+    WALL_CLOCK_FILE,
+    batch_lr_figure,
+    loss_figure,
+    summary_text,
+    write_report,
+    write_run_summary,
+)
+from lit_cbs.run.report import main as report_main
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -199,7 +206,7 @@ def test_a_page_of_a_run_without_plots_draws_them_once_into_its_folder(run_dir, 
     for name in [*RUN_FIGURES, WALL_CLOCK_FILE]:
         (folder / name).unlink(missing_ok=True)  # as the run left it (plots=false), before any page drew them
     written = pngs_written(monkeypatch)
-    report_main([str(folder)])  # python -m lit_cbs.recipes.report RUN_DIR
+    report_main([str(folder)])  # python -m lit_cbs.run.report RUN_DIR
     # cbs_curve.png is the probe's, drawn when the run ended.
     assert written == {"loss_vs_tokens.png": 1, "batch_lr_vs_tokens.png": 1, WALL_CLOCK_FILE: 1}
     assert all((folder / name).is_file() for name in written)

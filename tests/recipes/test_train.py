@@ -18,7 +18,8 @@ import torch
 from launch import run_forked, subprocess_env
 from recipe_runs import ROOT, TORCHRUN_TRAIN, TRAIN_SCRIPT
 
-from lit_cbs.recipes.run_report import read_metrics_csv, summary_text
+from lit_cbs.analysis.curves import read_metrics_csv
+from lit_cbs.run.report import summary_text
 
 TRAIN = str(TRAIN_SCRIPT)
 pytestmark = pytest.mark.slow

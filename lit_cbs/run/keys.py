@@ -1,0 +1,300 @@
+"""A setting's errors in one line that names the Hydra key the user typed (``batch.lr_rule='x'``), with the
+key its value comes from beside it (``lr_schedule.total_tokens=65536 (max_tokens)``), and the fix."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import inspect
+import logging
+import os
+import re
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
+from hydra.errors import ConfigCompositionException, HydraException, InstantiationException
+from hydra.types import RunMode
+from hydra.utils import get_object, instantiate
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, InterpolationResolutionError, OmegaConfBaseException
+
+from lit_cbs._internals import hydra_command_line
+from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
+from lit_cbs.models.lm import resolve_model_config
+
+__all__: list[str] = []  # recipes/ call these; users set the Hydra keys
+
+log = logging.getLogger("lit_cbs.train")
+
+# What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
+# Lightning, Hydra and OmegaConf raise for settings they refuse.
+CONFIG_ERRORS = (
+    LitCBSConfigError,
+    ValueError,
+    TypeError,
+    MisconfigurationException,
+    InstantiationException,
+    OmegaConfBaseException,
+)
+
+
+# ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
+_INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
+
+
+def one_line(error: BaseException) -> str:
+    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating,
+    OmegaConf prefixes those its resolvers raise)."""
+    while isinstance(error, InstantiationException) and error.__cause__ is not None:
+        error = error.__cause__
+    message = getattr(error, "msg", None) or str(error)
+    if isinstance(error, InterpolationResolutionError):
+        message = re.sub(r"^\w+ raised while resolving interpolation: ", "", message)
+    return " ".join(message.split())
+
+
+def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
+    """``OmegaConf.to_container(node, resolve=resolve)`` for a DictConfig ``node``: the plain dict it returns for
+    one, typed so (OmegaConf's annotation is the union of every container it can return)."""
+    return cast(dict[str, Any], OmegaConf.to_container(node, resolve=resolve))
+
+
+def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
+    """Argument name -> (the Hydra key that sets it, the key its value defaults to or None), for the
+    group at ``group`` and the groups nested in it, the outer name first: ``thresholds`` ->
+    ``batch.schedule.thresholds``; ``total_tokens`` -> ``lr_schedule.total_tokens``, from ``max_tokens``. A
+    group taken whole from another key (Seesaw's ``lr_schedule: ${lr_schedule}``) is named at that key."""
+    keys: dict[str, tuple[str, str | None]] = {}
+    node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
+    raw = dict_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
+    for name, value in raw.items():
+        match = _INTERPOLATION.match(value) if isinstance(value, str) else None
+        source = match.group(1) if match else None
+        key = f"{group}.{name}"
+        if source is not None and OmegaConf.is_dict(OmegaConf.select(cfg, source, throw_on_resolution_failure=False)):
+            key, source = source, None
+        if isinstance(value, dict) or key != f"{group}.{name}":
+            keys.update({inner: named for inner, named in setting_keys(cfg, key).items() if inner not in keys})
+        if not name.startswith("_"):
+            keys[name] = (key, source)
+    return keys
+
+
+def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
+    """``message`` with the arguments of ``groups`` it names written as the Hydra keys that set them, e.g.
+    ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``. An argument written with
+    its value or a field (``name=...``, ``guard.watch_span``) is named at every mention; one written bare
+    (``warmup_tokens + decay_tokens``) only in the message's first clause, which states the problem
+    (what follows a ``;`` is advice or a list of valid fields); a plain word such as ``unit`` only
+    where written as the argument."""
+    named: dict[str, tuple[str, str | None]] = {}
+    for group in groups:
+        for name, found in setting_keys(cfg, group).items():
+            named.setdefault(name, found)
+    problem = message.partition(";")[0]
+    for name in sorted(named, key=len, reverse=True):
+        key, source = named[name]
+        mention = rf"(?<![\w.]){re.escape(name)}\b"
+        with_value = re.search(rf"{mention}(\[\d+\])?[=.]\S", message) is not None
+        if not with_value and ("_" not in name or not re.search(mention, problem)):
+            continue
+        note = f" ({source})" if source is not None else ""
+
+        def keyed(m: re.Match[str], key: str = key, note: str = note) -> str:
+            return f"{key}{m.group(1) or ''}{note}"
+
+        first = re.sub(rf"{mention}(=[^\s;,)]+)?", keyed, message, count=1)
+        head, separator, rest = first.partition(";")
+        message = re.sub(mention, key, head) + separator + (re.sub(mention, key, rest) if with_value else rest)
+        problem = message.partition(";")[0]
+    return message
+
+
+@contextlib.contextmanager
+def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
+    """Build the group at ``group`` inside: a configuration error raised there becomes a LitCBSConfigError
+    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``; a LitCBSConfigWarning
+    raised there, once the group is built, one ``warning: ...`` line in the job's log naming them the same way."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LitCBSConfigWarning)
+        try:
+            yield
+        except CONFIG_ERRORS as error:
+            message = one_line(error)
+            named = name_the_keys(cfg, [group], message)
+            line = named if named != message or f"{group}." in message else f"{group}: {message}"
+            raise LitCBSConfigError(line) from error
+    for warning in caught:
+        if issubclass(warning.category, LitCBSConfigWarning):
+            # warnings.warn(text, category) records category(text): the message is the warning itself
+            log.warning(f"warning: {name_the_keys(cfg, [group], one_line(cast(Warning, warning.message)))}")
+        else:  # not ours: as it would have been shown
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+def instantiate_group(cfg: DictConfig, group: str, **kwargs: Any) -> Any:
+    """``instantiate(cfg.<group>, **kwargs)``; a configuration error names the keys it is about."""
+    with group_key(cfg, group):
+        return instantiate(OmegaConf.select(cfg, group), **kwargs)
+
+
+def instantiate_named(cfg: DictConfig, what: str) -> dict[str, Any]:
+    """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), built, by name."""
+    objects = {}
+    for name, node in (cfg.get(what) or {}).items():
+        if node is None:
+            continue
+        if "_target_" not in node:
+            raise LitCBSConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
+        objects[name] = instantiate_group(cfg, f"{what}.{name}")
+    return objects
+
+
+def name_the_run_keys(cfg: DictConfig, message: str) -> str:
+    """``message`` of an error raised inside ``trainer.fit`` (by a callback's setup, say) with the
+    Trainer's, BatchWarmup's and the callbacks' arguments written as their Hydra keys."""
+    callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
+    return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
+
+
+def model_config_of(cfg: DictConfig) -> Any:
+    """model.config as an OLMoConfig or a transformers config; its errors name the key."""
+    with group_key(cfg, "model.config"):
+        return resolve_model_config(OmegaConf.to_container(cfg.model.config, resolve=True))
+
+
+def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
+    """End the job with one line naming the setting (``line``, default the error's own). A single run
+    exits; in a multirun the job fails and Hydra goes on with the other jobs, then reports the failure
+    once they are done. With HYDRA_FULL_ERROR=1 the error itself is raised, with its traceback."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    line = line or one_line(error)
+    message = f"error: {line}"
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        log.error(message)
+        raise LitCBSConfigError(line) from None
+    for handler in logging.getLogger().handlers:  # train.log; the terminal gets it once, on stderr
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (), None))
+    raise SystemExit(message) from None
+
+
+def check_command_line(config_dir: Path, argv: list[str]) -> None:
+    """Refuse a command line that sets a key the composed configuration lacks, before Hydra composes the job (whose
+    own error advises ``+key=value``, which adds a key nothing reads when the key is a typo): LitCBSConfigError naming
+    the key to set instead (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
+    or, for an argument of a group's ``_target_`` the recipes leave at its default, the ``+`` that adds it. A
+    multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message,
+    when it composes the job."""
+    args = hydra_command_line(argv)
+    if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    try:
+        overrides = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
+        return
+    first_job = [_first_value(override) for override in overrides]
+    config_name = args.config_name or "config"
+    try:
+        _compose(config_dir, config_name, [line for line in first_job if line is not None])
+        return
+    except Exception as error:  # a missing key is OmegaConf's error under Hydra's; anything else is Hydra's to say
+        if not isinstance(error, ConfigCompositionException) or not isinstance(
+            error.__cause__, (ConfigAttributeError, ConfigKeyError)
+        ):
+            return
+        missing = error.__cause__.full_key  # the first part of the override's key the configuration lacks
+    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
+    if bad is None:
+        return
+    rest = [line for override, line in zip(overrides, first_job) if line is not None and override is not bad]
+    try:
+        cfg = _compose(config_dir, config_name, rest)
+    except Exception:  # another problem on the same command line: Hydra's message names it
+        return
+    line = bad.input_line
+    assert line is not None  # parsed from a command line: it has its line
+    raise LitCBSConfigError(f"{line}: {_fix_for_missing_key(cfg, bad.key_or_group, line)}")
+
+
+# Lightning Trainer arguments the recipes set another way: what to set instead (formatted with the config).
+REPLACED_TRAINER_KEYS = {
+    "trainer.val_check_interval": (
+        "the recipes validate by tokens, whatever the batch (Lightning's val_check_interval counts micro-batches, "
+        "which grow); set val_check_tokens=<tokens between validations> (now {val_check_tokens})"
+    ),
+    "trainer.accumulate_grad_batches": (
+        "BatchWarmup sets the accumulation from the global batch and the micro-batch; set the global batch "
+        "(batch.schedule, samples) and the micro-batch (data.batch_size; batch.max_micro_batch_size grows it)"
+    ),
+}
+
+
+def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
+    """What to do about ``line``, which sets ``key``, a key ``cfg`` lacks (the rest of the command line composed)."""
+    if key in REPLACED_TRAINER_KEYS:
+        now = OmegaConf.select(cfg, "val_check_tokens")
+        return REPLACED_TRAINER_KEYS[key].format(val_check_tokens=f"{now:,}" if isinstance(now, int) else now)
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    siblings = [str(name) for name in node if not str(name).startswith("_")] if OmegaConf.is_dict(node) else []
+    target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
+    if target and leaf in _arguments_of(target):
+        return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
+    keys = _keys_of(dict_container(cfg, resolve=False))
+    matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
+    matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
+    if not OmegaConf.is_dict(node):  # a typo in the path
+        matches += difflib.get_close_matches(key, keys, cutoff=0.85)
+    matches = list(dict.fromkeys(matches))[:3]
+    if not matches:
+        return (
+            f"this configuration has no key {key} (python recipes/train.py --cfg job prints them); +{line} adds it, "
+            "where the class it configures takes it"
+        )
+    listed = matches[0] if len(matches) == 1 else f"{', '.join(matches[:-1])} or {matches[-1]}"
+    return f"this configuration has no key {key}; did you mean {listed}?"
+
+
+def _first_value(override: Override) -> str | None:
+    """An override as the first job of a multirun sets it (None for a sweep that cannot be listed)."""
+    if not override.is_sweep_override():
+        return override.input_line
+    try:
+        return f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}"
+    except HydraException:
+        return None
+
+
+def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name, overrides=overrides)
+
+
+def _keys_of(node: dict[str, Any], prefix: str = "") -> list[str]:
+    """Every dotted key of a config container, nested ones included, less ``_target_`` and its kind."""
+    keys = []
+    for name, value in node.items():
+        if str(name).startswith("_"):
+            continue
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, dict):
+            keys += _keys_of(value, f"{prefix}{name}.")
+    return keys
+
+
+def _arguments_of(target: str) -> list[str]:
+    """The named arguments of the class or function at ``target`` (none where it cannot be imported)."""
+    try:
+        signature = inspect.signature(get_object(target))
+    except (ImportError, ValueError, TypeError, HydraException):
+        return []
+    return [name for name, parameter in signature.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD]

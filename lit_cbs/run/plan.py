@@ -1,0 +1,490 @@
+"""``plan=true``: what a run will need before it starts (no data, no accelerator): steps per batch phase, memory
+per device and the CBS probe's (``memory``), the probe's device-hours, wall time at an assumed MFU, and each phase
+on a cluster grown with the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
+from lit_cbs.run.memory import (
+    ADAMW_STATE,
+    GIB,
+    DeviceMemory,
+    ModelShape,
+    OptimizerState,
+    ProbePlan,
+    device_memory,
+    probe_plan,
+)
+
+__all__: list[str] = []  # users run it as `plan=true`
+
+Settings = Callable[[list[tuple[float, float]]], dict[str, float]]  # changes (batch ratio, LR factor) -> values
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPhase:
+    """A stretch of training at one global batch (samples); tokens are global."""
+
+    start_tokens: int
+    end_tokens: int
+    global_batch: int
+    micro_batch: int  # samples per rank per forward
+    accumulate: int
+    optimizer_steps: int
+    lr_factor: float  # product of the batch changes' LR factors so far
+
+    @property
+    def tokens(self) -> int:
+        """Tokens trained in the phase."""
+        return self.end_tokens - self.start_tokens
+
+
+def batch_phases(
+    schedule: BatchSchedule,
+    max_tokens: int,
+    seq_len: int,
+    micro_batch: int | Callable[[int], int],
+    data_parallel_size: int,
+    lr_factor: Callable[[float], float],
+) -> list[BatchPhase]:
+    """The run's phases, step by step as BatchWarmup takes them (one epoch): a change waits for the samples seen to
+    be a multiple of the new batch, and the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
+    samples per rank, or global batch -> micro-batch."""
+    micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
+    phases: list[BatchPhase] = []
+
+    def close(start: int, end: int, batch: int, steps: int, factor: float) -> None:
+        micro = micro_for(batch)
+        phases.append(BatchPhase(start, end, batch, micro, batch // (micro * data_parallel_size), steps, factor))
+
+    tokens = samples = steps = 0
+    batch: int | None = None
+    factor, start = 1.0, 0
+    while tokens < max_tokens:
+        new = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
+        if new != batch and (batch is None or samples % new == 0):
+            if batch is not None:
+                close(start, tokens, batch, steps, factor)
+                factor *= lr_factor(new / batch)
+            batch, start, steps = new, tokens, 0
+        assert batch is not None
+        tokens += batch * seq_len
+        samples += batch
+        steps += 1
+    if batch is not None:
+        close(start, tokens, batch, steps, factor)
+    return phases
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPhase:
+    """One batch phase on its own number of ranks (whole nodes)."""
+
+    phase: BatchPhase
+    ranks: int
+    micro_batch: int
+    accumulate: int
+    end_step: int  # optimizer steps taken when the phase ends (where the run stops to move)
+
+
+def grow_cluster(
+    phases: list[BatchPhase], ranks: int, devices_per_node: int, limits: Limits, micro_for: Callable[[int, int], int]
+) -> list[ClusterPhase]:
+    """Per phase after the first (which keeps ``ranks``), the fewest whole nodes whose ranks each take no larger
+    a share of a step than in the first phase, with micro-batches of at least ``limits.min_micro_batch_size`` and
+    at most ``limits.max_devices`` ranks. ``micro_for(global batch, ranks)``."""
+    min_micro_batch_size, max_devices = limits.min_micro_batch_size, limits.max_devices
+    first_share = phases[0].global_batch / ranks
+    planned: list[ClusterPhase] = []
+    end_step = 0
+    for phase in phases:
+        batch = phase.global_batch
+        candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
+        if max_devices is not None:
+            candidates = [w for w in candidates if w <= max_devices] or candidates[:1]
+        efficient = [w for w in candidates if micro_for(batch, w) >= min_micro_batch_size] or candidates[:1]
+        enough = [w for w in efficient if batch / w <= first_share]
+        chosen = ranks if not planned else (enough[0] if enough else efficient[-1])
+        micro = micro_for(batch, chosen)
+        end_step += phase.optimizer_steps
+        planned.append(ClusterPhase(phase, chosen, micro, batch // (micro * chosen), end_step))
+    return planned
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What the plan is checked against (``plan_for.*``): GiB per device and per node, MFU, peak FLOP/s."""
+
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float = 1024.0
+    mfu: float = 0.4
+    peak_flops_per_device: float = 989e12
+    min_micro_batch_size: int = 1  # growing the cluster: no rank's micro-batch below this (samples)
+    max_devices: int | None = None  # growing the cluster: at most this many ranks
+    checkpoint_gib_per_s: float = 1.0  # what one rank writes per second (side-job probes)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:,.1f} hours"
+    return f"{seconds / 60:,.1f} minutes"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """A run worked out before it starts from its settings; ``report()`` is what ``plan=true`` prints.
+    ``model_config``: an ``OLMoConfig`` or a transformers config; ``micro_batch``: the first, or with
+    ``max_micro_batch_size`` what BatchWarmup grows it to; ``probe_callback``: the run's CBSProbeCallback."""
+
+    name: str
+    model_config: Any
+    schedule: BatchSchedule
+    lr_factor: Callable[[float], float]  # the LR rule's: batch ratio new / old -> LR factor
+    max_tokens: int
+    seq_len: int
+    micro_batch: int
+    val_micro_batch: int
+    precision: str
+    strategy: str  # single, ddp or fsdp; all ranks data-parallel
+    accelerator: str
+    devices_per_node: int
+    num_nodes: int
+    activation_checkpointing: bool
+    probe_callback: Any = None
+    limits: Limits = Limits()
+    optimizer: OptimizerState = ADAMW_STATE
+    max_micro_batch_size: int | None = None
+    command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
+    slurm_arguments: str = ""  # its arguments for recipes/slurm/train.sbatch
+    settings: Settings | None = None  # the optimizer settings BatchWarmup moves, for the phase table
+
+    @functools.cached_property
+    def shape(self) -> ModelShape:
+        """The model's parameter counts."""
+        return ModelShape.measure(self.model_config)
+
+    def _micro_for(self, global_batch: int, ranks: int) -> int:
+        if self.max_micro_batch_size:
+            return micro_batch_for(global_batch, ranks, self.max_micro_batch_size)
+        return self.micro_batch
+
+    @functools.cached_property
+    def phases(self) -> list[BatchPhase]:
+        """The batch phases on the run's ranks."""
+        micro_for = functools.partial(lambda ranks, batch: self._micro_for(batch, ranks), self.processes)
+        return batch_phases(self.schedule, self.max_tokens, self.seq_len, micro_for, self.processes, self.lr_factor)
+
+    def _memory_at(self, micro: int, checkpointing: bool) -> DeviceMemory:
+        return device_memory(
+            self.shape,
+            micro,
+            self.seq_len,
+            self.precision,
+            self.strategy,
+            self.processes,
+            checkpointing,
+            self.optimizer,
+        )
+
+    @functools.cached_property
+    def memory(self) -> dict[bool, DeviceMemory]:
+        """Activation checkpointing on/off -> memory per device at the largest micro-batch."""
+        micro = max(p.micro_batch for p in self.phases) if self.phases else self.micro_batch
+        return {checkpointing: self._memory_at(micro, checkpointing) for checkpointing in (True, False)}
+
+    @functools.cached_property
+    def micro_batch_limit(self) -> int | None:
+        """On a GPU, the largest micro-batch whose step fits plan_for.gpu_memory_gib."""
+        limit = None
+        for micro in range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else []:
+            if self._memory_at(micro, self.activation_checkpointing).total > self.limits.gpu_memory_gib * GIB:
+                break  # memory grows with the micro-batch
+            limit = micro
+        return limit
+
+    @functools.cached_property
+    def probe(self) -> ProbePlan | None:
+        """The CBS probe's cost, or None without one."""
+        if self.probe_callback is None:
+            return None
+        return probe_plan(
+            self.probe_callback,
+            self.shape,
+            self.precision,
+            self.strategy,
+            self.processes,
+            self.micro_batch,
+            self.val_micro_batch,
+            self.seq_len,
+            self.max_tokens,
+            self.optimizer,
+        )
+
+    @functools.cached_property
+    def cluster(self) -> list[ClusterPhase] | None:
+        """The phases on a cluster grown with the batch (``grow_cluster``)."""
+        if not self.phases:
+            return None
+        return grow_cluster(self.phases, self.processes, self.devices_per_node, self.limits, self._micro_for)
+
+    @property
+    def processes(self) -> int:
+        """Ranks: devices per node x nodes."""
+        return self.devices_per_node * self.num_nodes
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the main run trains on (the last step may pass max_tokens)."""
+        return self.phases[-1].end_tokens if self.phases else 0
+
+    @property
+    def on_gpu(self) -> bool:
+        """Only on GPUs are wall times estimated and memory held against plan_for.gpu_memory_gib."""
+        return self.accelerator in ("gpu", "cuda")
+
+    @property
+    def wall_seconds(self) -> float:
+        """The main run's: it waits for in-process probes' branches, and for each side-job probe's checkpoint."""
+        paused = self.probe is not None and self.probe.side_jobs is None
+        seconds = self._seconds(
+            self.tokens + (self.probe.tokens if paused and self.probe is not None else 0), self.processes
+        )
+        return seconds + self.probe_checkpoint_seconds * (len(self.probe.points) if self.probe is not None else 0)
+
+    @property
+    def probe_checkpoint_seconds(self) -> float:
+        """Seconds a side-job probe point waits while each rank writes its share at plan_for.checkpoint_gib_per_s."""
+        if self.probe is None or self.probe.side_jobs is None:
+            return 0.0
+        return self.probe.snapshot_bytes / GIB / self.limits.checkpoint_gib_per_s
+
+    @property
+    def probe_device_hours(self) -> float:
+        """Device-hours of every probe's branches at the run's MFU, wherever they train."""
+        return self._seconds(self.probe.tokens, 1) / 3600 if self.probe is not None else 0.0
+
+    def _seconds(self, tokens: int, devices: int) -> float:
+        if not 0 < self.limits.mfu <= 1:
+            raise ValueError(f"mfu={self.limits.mfu} must be in (0, 1]")
+        flops = self.shape.flops_per_token(self.seq_len)
+        return flops * tokens / (self.limits.mfu * self.limits.peak_flops_per_device * devices)
+
+    def _settings_of(self, phase: BatchPhase) -> dict[str, float]:
+        if self.settings is None:
+            return {}
+        upto = self.phases[: self.phases.index(phase) + 1]
+        return self.settings(
+            [(new.global_batch / old.global_batch, new.lr_factor / old.lr_factor) for old, new in zip(upto, upto[1:])]
+        )
+
+    def warnings(self) -> list[str]:
+        """What does not fit plan_for's limits, each with what to change."""
+        found = []
+        needed = self.memory[self.activation_checkpointing].total / GIB
+        if self.on_gpu and needed > self.limits.gpu_memory_gib:
+            fixes = "lower data.batch_size"
+            if not self.activation_checkpointing and self.memory[True].total / GIB <= self.limits.gpu_memory_gib:
+                fixes = "set model.activation_checkpointing=true, or " + fixes
+            if self.strategy != "fsdp":
+                fixes += ", or shard with trainer=fsdp"
+            found.append(
+                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
+            )
+        if self.probe is not None:
+            per_node = self.probe.host_bytes * self.devices_per_node / GIB
+            if per_node > self.limits.host_memory_gib:
+                found.append(
+                    f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
+                    f"more than plan_for.host_memory_gib={self.limits.host_memory_gib:g}: use more nodes (FSDP2 shards "
+                    "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
+                )
+        return found
+
+    def report(self) -> str:
+        """The plan as ``plan=true`` prints it."""
+        c, limits = self.shape.config, self.limits
+        strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
+        columns = self._settings_of(self.phases[0]) if self.phases else {}
+        lines = [
+            f"lit_cbs plan: {self.name} (nothing trained, no data read)",
+            f"model            {c.n_layers} layers x d_model {c.d_model}, {self.shape.parameters:,} parameters, "
+            f"{self.shape.flops_per_token(self.seq_len):.3g} FLOPs per token (training) at {self.seq_len:,} tokens",
+            f"processes        {self.processes} ({self.num_nodes} node{'s' if self.num_nodes > 1 else ''} x "
+            f"{self.devices_per_node} {'GPU' if self.on_gpu else self.accelerator}), {strategy}, "
+            f"precision {self.precision}",
+            f"tokens           {self.tokens:,} in {sum(p.optimizer_steps for p in self.phases):,} optimizer steps "
+            f"(max_tokens={self.max_tokens:,})",
+            "",
+            "batch schedule   (global batch in samples of seq_len tokens; "
+            "accumulation = micro-batches per step per rank)",
+            f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
+            + "".join(f" {column:>{max(8, len(column))}}" for column in columns),
+        ]
+        for p in self.phases:
+            lines.append(
+                f"  {p.start_tokens:>17,} {p.tokens:>17,} {p.global_batch:>7,} {p.micro_batch:>6} {p.accumulate:>6} "
+                f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}"
+                + "".join(f" {value:>{max(8, len(column))}.4g}" for column, value in self._settings_of(p).items())
+            )
+        on, off = self.memory[True], self.memory[False]
+        micro = max(p.micro_batch for p in self.phases) if self.phases else 0  # the peak
+        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}
+        unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
+        lines += [
+            "",
+            f"memory per {'GPU' if self.on_gpu else 'device'} ({unit}) at micro-batch {micro} x "
+            f"{self.seq_len:,} tokens; activation checkpointing {'on' if self.activation_checkpointing else 'off'} "
+            "(model.activation_checkpointing)",
+            f"  {'':<24} {'AC on':>8} {'AC off':>8}",
+        ]
+        for label, field in [
+            ("parameters", "parameters"),
+            ("gradients", "gradients"),
+            (f"{self.optimizer.name} state", "optimizer_state"),
+            (working[self.strategy], "working_buffers"),
+            ("activations (saved)", "activations"),
+            ("activations (peak add)", "activation_peak_extra"),
+        ]:
+            lines.append(f"  {label:<24} {getattr(on, field) / size:>8.2f} {getattr(off, field) / size:>8.2f}")
+        lines.append(f"  {'total':<24} {on.total / size:>8.2f} {off.total / size:>8.2f}")
+        if self.on_gpu:
+            lines.append(
+                "  (plus CUDA context, communication buffers and fragmentation; limit "
+                f"plan_for.gpu_memory_gib={limits.gpu_memory_gib:g})"
+            )
+        else:
+            lines.append(
+                f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
+            )
+        lines += ["", *self._probe_report(), "", *self._time_report(), *_cluster_report(self)]
+        fits = "memory per device and host memory within plan_for's limits" if self.on_gpu else None
+        fits = fits or "host memory within plan_for.host_memory_gib"
+        lines += [f"WARNING: {w}" for w in self.warnings()] or [f"fits             {fits}"]
+        return "\n".join(lines)
+
+    def _probe_report(self) -> list[str]:
+        probe = self.probe
+        if probe is None:
+            return ["CBS probe        none"]
+        windows = f" on each of {probe.replicates} data windows" if probe.replicates > 1 else ""
+        lines = [
+            f"CBS probe        {len(probe.points)} probes fit (at {', '.join(f'{t:,}' for t in probe.points[:6])}"
+            f"{', ...' if len(probe.points) > 6 else ''} tokens), up to {probe.max_branches} branches of "
+            f"{probe.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
+            f"({probe.tokens / max(1, self.tokens):.1%} of training)"
+        ]
+        if probe.side_jobs is None:
+            return lines + [
+                f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: {probe.snapshots} snapshots of "
+                f"{probe.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
+                f"{probe.window_bytes / GIB:,.2f}, held-out {probe.heldout_bytes / GIB:,.2f}; "
+                f"{probe.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
+                f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})"
+            ]
+        hours = f"{self.probe_device_hours:,.0f} device-hours" if self.on_gpu else "their own devices"
+        write = self.probe_checkpoint_seconds
+        return lines + [
+            f"  as side jobs ({probe.side_jobs}): the branches train on {hours} beside the main run, "
+            "which does not wait for them; each probe writes a "
+            f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in), "
+            f"which the main run waits for: {_duration(write)} a probe point at "
+            f"plan_for.checkpoint_gib_per_s={self.limits.checkpoint_gib_per_s:g} per rank, "
+            f"{_duration(write * len(probe.points))} in all",
+            f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: the held-out batches the main run "
+            "scores its own window on (no snapshot, no recorded window)",
+        ]
+
+    def _time_report(self) -> list[str]:
+        if not self.on_gpu:
+            return [
+                f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
+                "plan_for.peak_flops_per_device)"
+            ]
+        seconds = self.wall_seconds
+        if self.probe is None:
+            pauses = ""
+        elif self.probe.side_jobs is not None:
+            writes = _duration(self.probe_checkpoint_seconds * len(self.probe.points))
+            pauses = f" (side-job probes pause it only for their checkpoints: {writes})"
+        else:
+            alone = self._seconds(self.tokens, self.processes)
+            pauses = f", of which the run waits {_duration(seconds - alone)} for its in-process probes"
+        lines = [
+            f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
+            f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device "
+            "(model.peak_flops_per_device, else plan_for.peak_flops_per_device), "
+            f"{self.processes * seconds / 3600:,.0f} device-hours{pauses}"
+        ]
+        if self.micro_batch_limit is not None:
+            lines.append(
+                f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
+                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: "
+                "each phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
+            )
+        return lines
+
+
+def _cluster_report(plan: RunPlan) -> list[str]:
+    """Each phase on the ranks ``grow_cluster`` gives it, and the commands that move the run between them."""
+    if not plan.cluster or len(plan.cluster) < 2:
+        return []
+    per_node, timed = plan.devices_per_node, plan.on_gpu
+    cap = f", plan_for.max_devices={plan.limits.max_devices}" if plan.limits.max_devices else ""
+    times = f" {'tokens/s':>12} {'wall time':>12} {f'on {plan.processes} ranks':>14}" if timed else ""
+    lines = [
+        "",
+        "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
+        "of a step at the first phase's, "
+        f"micro-batch >= plan_for.min_micro_batch_size={plan.limits.min_micro_batch_size}{cap}",
+        f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
+    ]
+    for planned in plan.cluster:
+        phase = planned.phase
+        row = (
+            f"  {phase.start_tokens:>17,} {phase.global_batch:>7,} {planned.ranks:>6} "
+            f"{planned.micro_batch:>6} {planned.accumulate:>6}"
+        )
+        if timed:
+            seconds = plan._seconds(phase.tokens, planned.ranks)
+            alone = _duration(plan._seconds(phase.tokens, plan.processes))
+            row += f" {phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {alone:>14}"
+        lines.append(row)
+    if timed:
+        grown = sum(plan._seconds(p.phase.tokens, p.ranks) for p in plan.cluster)
+        fixed = sum(plan._seconds(p.phase.tokens, plan.processes) for p in plan.cluster)
+        hours = sum(p.ranks * plan._seconds(p.phase.tokens, p.ranks) for p in plan.cluster) / 3600
+        lines.append(
+            f"  wall time {_duration(grown)} against {_duration(fixed)} on {plan.processes} ranks throughout "
+            f"({fixed / grown:.2f}x sooner; {hours:,.0f} device-hours either way at the same MFU; "
+            "probes not counted)"
+        )
+    torchrun, sbatch = [], []
+    for index, planned in enumerate(plan.cluster):
+        nodes = planned.ranks // per_node
+        resume = f" ckpt_path=outputs/{plan.name}/phase{index}/checkpoints/last.ckpt" if index else ""
+        stop = f" trainer.max_steps={planned.end_step}" if index < len(plan.cluster) - 1 else ""
+        after = " --dependency=afterok:<the previous job's id>" if index else ""
+        torchrun.append(
+            f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {plan.command} "
+            f"trainer.num_nodes={nodes}{stop} hydra.run.dir=outputs/{plan.name}/phase{index + 1}{resume}"
+        )
+        sbatch.append(
+            f"    RUN_DIR=outputs/{plan.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
+            f"{after} recipes/slurm/train.sbatch {plan.slurm_arguments}{stop}{resume}"
+        )
+    return [
+        *lines,
+        "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
+        *torchrun,
+        "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
+        *sbatch,
+    ]
