@@ -157,7 +157,7 @@ def supported_interval(
         ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
         ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0, "4": 3.1}, main_loss=3.0,
         ...         branches_trained=[2.0, 4.0], failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower,
-        ...         cbs_upper=cbs_upper, cbs_estimate=cbs_lower, tokens_spent=0, overhead=0.0)
+        ...         cbs_upper=cbs_upper, tokens_spent=0, overhead=0.0)
         >>> supported_interval(reading(10**8, 64, 128))  # no per-batch losses: its own bracket
         (64.0, 128.0)
     """
@@ -209,7 +209,7 @@ def brackets_from_records(
         ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
         ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0, "4": 3.1}, main_loss=3.0,
         ...         branches_trained=[2.0, 4.0], failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower,
-        ...         cbs_upper=cbs_upper, cbs_estimate=cbs_lower, tokens_spent=0, overhead=0.0)
+        ...         cbs_upper=cbs_upper, tokens_spent=0, overhead=0.0)
         >>> for bracket in brackets_from_records([reading(4 * 10**8, 128, None), reading(10**8, 64, 128)], run="a"):
         ...     print(bracket.tokens, bracket.lower, bracket.upper)
         100000000.0 64.0 128.0

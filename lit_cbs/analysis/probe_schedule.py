@@ -138,7 +138,7 @@ def schedule_from_probe(
         ...     return ProbeReading(
         ...         tokens=tokens, step=0, batch_size=32, seq_len=1024, window_tokens=10**6, search="grid",
         ...         evaluate="train_ema", losses={"1": 3.0, "2": 3.0}, main_loss=3.0, branches_trained=[2.0],
-        ...         failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower, cbs_upper=None, cbs_estimate=cbs_lower,
+        ...         failed=[], k_star=cbs_lower / 32, cbs_lower=cbs_lower, cbs_upper=None,
         ...         tokens_spent=0, overhead=0.0)
         >>> readings = [reading(10**8, 40), reading(4 * 10**8, 70), reading(8 * 10**8, 140)]
         >>> schedule = schedule_from_probe(readings, start=32, final=128)

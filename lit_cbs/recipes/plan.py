@@ -614,7 +614,7 @@ def probe_plan(
         >>> plan.snapshot_bytes  # fp32 weights and AdamW's two moments, 3 x 4 x 233,472, and 30 step counts
         2801784
     """
-    from lit_cbs.probe import max_branches
+    from lit_cbs.probe.reading import max_branches
 
     config = probe.config
     points = []

@@ -27,8 +27,8 @@ from typing import Any
 from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, tokens_at
 from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.metrics import FIT_SECONDS
+from lit_cbs.probe.callback import JSONL_FILE, PLOT_FILE
 from lit_cbs.probe.reading import read_readings
-from lit_cbs.probe.record import JSONL_FILE, PLOT_FILE
 from lit_cbs.recipes.run_report import RUN_FIGURES, read_batch_history, read_run_metrics, summary_rows
 
 __all__ = [

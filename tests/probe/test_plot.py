@@ -8,14 +8,8 @@ import matplotlib
 import pytest
 from toys import heldout_score
 
-from lit_cbs.probe import (
-    BranchScore,
-    DecisionRule,
-    ProbeReading,
-    difference,
-    plot_cbs_curve,
-)
-from lit_cbs.probe.plot import _gap_to_smaller, cbs_curve_figure
+from lit_cbs.probe.plot import _gap_to_smaller, cbs_curve_figure, plot_cbs_curve
+from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading, difference
 
 
 def decided(scores: dict[float, BranchScore], epsilon: float, confidence: float, tokens: int, **fields) -> ProbeReading:
