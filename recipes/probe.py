@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as recipes/train.py: see 
 
 import logging
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import hydra
 import lightning.pytorch as pl
@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lit_cbs.callbacks.checkpoint_files import unreadable
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe import ProbeConfig
+from lit_cbs.probe.engine import ProbeConfig
 from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint
 from lit_cbs.run import job, keys
 from lit_cbs.run.resolvers import register_resolvers
@@ -71,8 +71,9 @@ def checkpoints_and_run(ckpt_path: str) -> tuple[list[Path], Path]:
     return checkpoints, run
 
 
-def probe_settings(run_cfg: DictConfig, overrides: DictConfig) -> ProbeConfig:
-    """The run's probe settings (conf/callbacks/cbs_probe.yaml's if it had no probe), with the probe.* overrides."""
+def probe_settings(run_cfg: DictConfig, overrides: DictConfig) -> dict[str, Any]:
+    """The run's probe settings (conf/callbacks/cbs_probe.yaml's if it had no probe), with the probe.* overrides,
+    checked before any work."""
     node = (run_cfg.get("callbacks") or {}).get("cbs_probe")
     if node is None:
         default = OmegaConf.load(CONF / "callbacks" / "cbs_probe.yaml")
@@ -84,7 +85,8 @@ def probe_settings(run_cfg: DictConfig, overrides: DictConfig) -> ProbeConfig:
         {key: value for key, value in keys.dict_container(overrides, resolve=False).items() if value is not None}
     )
     with keys.group_key(run_cfg, "probe"):
-        return ProbeConfig(**settings)
+        ProbeConfig(**settings)
+    return settings
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="probe")
@@ -94,7 +96,7 @@ def main(cfg: DictConfig) -> None:
     try:
         checkpoints, run = checkpoints_and_run(cfg.ckpt_path)
         run_cfg = cast(DictConfig, OmegaConf.load(run / RUN_CONFIG))  # the mapping recipes/train.py wrote
-        config = probe_settings(run_cfg, cfg.probe)
+        settings = probe_settings(run_cfg, cfg.probe)
     except keys.CONFIG_ERRORS as error:
         job.remove_hydra_run_dir(earlier)
         keys.stop_on_config_error(error)
@@ -104,7 +106,7 @@ def main(cfg: DictConfig) -> None:
     for number, checkpoint in enumerate(checkpoints, 1):
         pl.seed_everything(int(run_cfg.seed), workers=True, verbose=False)
         parts = job.probe_parts(run_cfg, cfg.trainer.devices, cfg.trainer.num_nodes)
-        reading = probe_checkpoint(checkpoint, parts, config, output_dir=output_dir)
+        reading = probe_checkpoint(checkpoint, parts, output_dir=output_dir, **settings)
         readings.append(reading)
         log.info(
             f"[{number}/{len(checkpoints)}] {checkpoint.name}: step {reading.step:,}, {reading.tokens:,} tokens, batch "

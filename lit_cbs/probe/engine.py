@@ -1,35 +1,223 @@
-"""The probe engine: a probe point's life, written once, whatever trains its branches.
-
-A due point is planned (``start.plan_probe``) and opened (``ProbeEngine.open``: its runner starts); the main run's
-own window is recorded as k = 1 (``ProbeEngine.main_step``); the branches train where the runner trains them
-(``Runner``: in process, as side jobs, from a checkpoint) and their scores arrive (``ProbeEngine.poll``); the
-reading is decided (``ProbeEngine.reading``), recorded and fed to ``CBSAdaptive``. No Lightning here: the callback
-hands the engine the run's counts and a scorer of the main run's model. docs/design.md, "The probe engine".
-"""
+"""The probe engine, whatever trains the branches: the probe's settings (``ProbeConfig``) and a point's life from its
+start to its reading (``ProbeEngine``). No Lightning: the callback hands it the run's counts. docs/design.md, "The
+probe engine"."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
-from lit_cbs.probe.config import ProbeConfig
-from lit_cbs.probe.reading import BranchScore, ProbeReading
+from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
+from lit_cbs.probe.reading import (
+    EVALUATIONS,
+    SEARCHES,
+    BranchScore,
+    DecisionRule,
+    ProbeReading,
+)
 from lit_cbs.rules.batch_schedules import CBSAdaptive
+from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
 
-__all__ = ["ProbeEngine"]
+__all__: list[str] = []  # the probe's own parts: CBSProbeCallback and probe_checkpoint take these settings as keywords
+
+MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """The keyword arguments of ``CBSProbeCallback`` and ``probe_checkpoint`` (described there), checked once, each
+    refusal naming the field, the value and the fix; kept in a normal form (sorted float ``multipliers``, a sorted
+    ``early_stop`` list, a ``Path`` ``output_dir``)."""
+
+    every_tokens: int | None = None
+    at_tokens: Sequence[int] | None = None
+    geometric: tuple[int, float] | None = None
+    multipliers: Sequence[float] = (1, 2, 4, 8)
+    window_tokens: int = 1_000_000
+    epsilon: float = 0.01
+    confidence: float = 0.9
+    ema_alpha: float = 0.5
+    lr_rule: Any = "sqrt"
+    weight_decay_rule: str | None = None
+    beta2_rule: str | None = None
+    search: str = "grid"
+    evaluate: str = "train_ema"
+    heldout_batches: int = 8
+    cooldown_fraction: float = 0.0
+    early_stop: Sequence[float] | None = None
+    replicates: int = 1
+    max_overhead: float | None = None
+    snapshot_device: str = "cpu"
+    side_jobs: Any = None
+    output_dir: str | os.PathLike[str] | None = None
+    beta2_floor: float | None = BETA2_FLOOR
+    rules: OptimizerRules = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) > 1:
+            raise LitCBSConfigError(
+                "give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several"
+            )
+        positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
+        if self.at_tokens is not None:
+            at_tokens = sorted(int(t) for t in self.at_tokens)
+            if not at_tokens or at_tokens[0] <= 0:
+                raise LitCBSConfigError(f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
+            self._set("at_tokens", at_tokens)
+        if self.geometric is not None:
+            first, ratio = self.geometric
+            if not (first > 0 and ratio > 1):
+                raise LitCBSConfigError(f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
+            self._set("geometric", tuple(self.geometric))
+        multipliers = list(self.multipliers)
+        if not multipliers or any(
+            isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers
+        ):
+            raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
+        if len(set(multipliers)) != len(multipliers):
+            raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
+        if len(multipliers) < 2:
+            raise LitCBSConfigError(
+                f"multipliers={multipliers!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
+            )
+        if not 0.5 <= self.confidence < 1:
+            raise LitCBSConfigError(
+                f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)"
+            )
+        if not 0 <= self.cooldown_fraction < 1:
+            raise LitCBSConfigError(
+                f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)"
+            )
+        early_stop = sorted(float(f) for f in self.early_stop) if self.early_stop is not None else []
+        if not all(0 < f < 1 for f in early_stop):
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"
+            )
+        if early_stop and self.cooldown_fraction:
+            raise LitCBSConfigError(
+                "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
+            )
+        if not 0 <= self.epsilon < MAX_EPSILON:
+            raise LitCBSConfigError(
+                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger "
+                f"batch counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch "
+                "recovers and the reading means nothing"
+            )
+        if not 0 < self.ema_alpha <= 1:
+            raise LitCBSConfigError(f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
+        one_of("search", self.search, SEARCHES)
+        if self.search == "bisect" and 1 not in multipliers:
+            raise LitCBSConfigError("search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
+        if 1 not in multipliers:
+            raise LitCBSConfigError(
+                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss "
+                "of the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves "
+                "and says nothing about the run: include 1"
+            )
+        self._set("multipliers", sorted(float(k) for k in multipliers))
+        positive_int("window_tokens", self.window_tokens, "tokens")
+        for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha"):
+            self._set(name, float(getattr(self, name)))
+        self._set("early_stop", early_stop)
+        self._set(
+            "rules", OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule, self.beta2_floor)
+        )
+        one_of("evaluate", self.evaluate, EVALUATIONS)
+        positive_int("heldout_batches", self.heldout_batches, "validation batches")
+        positive_int("replicates", self.replicates, "data windows per measured k")
+        if self.replicates > 1 and self.evaluate != "heldout":
+            raise LitCBSConfigError(
+                f"replicates={self.replicates} compares each k on the same held-out batches across data windows: set "
+                "evaluate='heldout' (or replicates=1)"
+            )
+        if self.replicates > 1 and early_stop:
+            raise LitCBSConfigError(
+                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined "
+                "(a reading cut short has not trained its later windows): drop one"
+            )
+        self._set(
+            "max_overhead",
+            positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True),
+        )
+        self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
+        if self.side_jobs is not None:
+            from lit_cbs.probe.side_jobs.launchers import SideJobs  # with side jobs only: Lightning comes with them
+
+            if not isinstance(self.side_jobs, SideJobs):
+                raise LitCBSConfigError(
+                    f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
+                )
+            if not isinstance(self.lr_rule, str):
+                raise LitCBSConfigError(
+                    f"side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), "
+                    f"not {self.lr_rule!r} (or drop side_jobs)"
+                )
+            if early_stop:
+                raise LitCBSConfigError(
+                    f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; "
+                    "with side_jobs it never waits: drop early_stop (or side_jobs)"
+                )
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # a checked field in its normal form (the dataclass is frozen)
+
+    @property
+    def span_tokens(self) -> int:
+        """Tokens of the main run one probe records: ``replicates`` windows."""
+        return self.window_tokens * self.replicates
+
+    def probe_point(self, index: int) -> float:
+        """Tokens of the index-th probe point (0-based); inf where there is none."""
+        if self.every_tokens is not None:
+            return self.every_tokens * (index + 1)
+        if self.at_tokens is not None:
+            return self.at_tokens[index] if index < len(self.at_tokens) else math.inf
+        if self.geometric is None:  # a probe of a saved checkpoint probes at its step
+            return math.inf
+        first, ratio = self.geometric
+        return round(first * ratio**index)
+
+    def points_before(self, end_tokens: float, next_probe: int = 0) -> Iterator[float]:
+        """The probe points (tokens) from the ``next_probe``-th on that lie before ``end_tokens``."""
+        index = next_probe
+        while (point := self.probe_point(index)) < end_tokens:
+            yield point
+            index += 1
+
+    def check_inside_run(
+        self,
+        run_end_tokens: int,
+        limit: str,
+        *,
+        whole_span: bool = False,
+        next_probe: int = 0,
+        window_tokens: int | None = None,
+    ) -> None:
+        """Refuse a ``next_probe``-th point at or past the run's end (``run_end_tokens``, by ``limit``), or with
+        ``whole_span`` one whose ``replicates`` windows (of ``window_tokens`` where the caller knows them: whole
+        steps of the largest branch) end past it."""
+        point = self.probe_point(next_probe)
+        window = self.window_tokens if window_tokens is None else window_tokens
+        if whole_span and point + window * self.replicates > run_end_tokens:
+            windows = f"{self.replicates} x " if self.replicates > 1 else ""
+            rounded = f", {window:,} in whole steps of its largest branch" if window != self.window_tokens else ""
+            raise LitCBSConfigError(
+                f"the first probe ({point:,} tokens + {windows}window_tokens={self.window_tokens:,}{rounded}) "
+                f"ends past {limit}, so it never runs; probe earlier (every_tokens, at_tokens or geometric)"
+            )
+        if point >= run_end_tokens:
+            raise LitCBSConfigError(
+                f"no probe point lies inside the run: the first is at {point:,.0f} tokens but the run ends by "
+                f"{limit} at {run_end_tokens:,} tokens or sooner; probe earlier (every_tokens, at_tokens or geometric)"
+            )
 
 
 def score_to_json(score: BranchScore) -> dict[str, Any]:
-    """``score`` as JSON-able fields (a failed branch's loss, inf or NaN, as None).
-
-    Examples:
-        >>> score_to_json(BranchScore.heldout([2.0, 2.5]))
-        {'loss': 2.25, 'batch_losses': [2.0, 2.5], 'se': None, 'replicate_losses': []}
-        >>> score_from_json(score_to_json(BranchScore(float("nan")))).failed
-        True
-    """
+    """``score`` as JSON-able fields (a failed branch's loss as None)."""
     return {
         "loss": score.loss if math.isfinite(score.loss) else None,
         "batch_losses": list(score.batch_losses),
@@ -52,31 +240,31 @@ def score_from_json(content: dict[str, Any]) -> BranchScore:
 @dataclass
 class ProbePoint:
     """One probe point, from its start until its reading is recorded; JSON-able (a side job's point is in the main
-    run's checkpoint). Samples and tokens global (all ranks)."""
+    run's checkpoint). Samples and tokens global."""
 
-    index: int  # which probe point (0-based)
-    tokens: int  # tokens trained when its window began
-    step: int  # optimizer steps then
-    batch_size: int  # the main run's global batch B then (samples)
+    index: int
+    tokens: int  # when its window began
+    step: int
+    batch_size: int  # the main run's global batch B then
     seq_len: int
     multipliers: list[float]
     window_samples: int  # each replicate window
-    folder: str  # the point's files (a side job's job.json, start.ckpt, scores.json, logs); "" in process
-    main_baseline: bool  # the main run's own first window stands in for k = 1 there
+    folder: str  # a side job's files; "" in process
+    main_baseline: bool  # the main run's own first window stands in for k = 1
     window_end_samples: int  # samples_seen where the main run's first window ends
     interrupted_at_tokens: int | None = None
     replicates: int = 1
     main_end_samples: int | None = None  # samples_seen where the main run's part ends (None: with the first window)
     looks: list[int] = field(default_factory=list)  # samples_seen of early looks inside the first window
     main_step_losses: list[float] = field(default_factory=list)  # this rank's, over the window so far
-    main_score: dict[str, Any] | None = None  # k = 1's score (score_to_json) where the window (or a look) ended
-    window_end_step: int | None = None  # the optimizer step that ended the main run's window (or a look)
+    main_score: dict[str, Any] | None = None  # k = 1's (score_to_json) where the window (or a look) ended
+    window_end_step: int | None = None  # the optimizer step that ended the window (or a look)
     window_end_row: int | None = None  # the loggers' row of that step (where the reading is logged)
     main_changed_batch: bool = False  # the batch changed inside the window: k = 1 trains as a branch
-    window_done: bool = False  # the main run trained the first window
+    window_done: bool = False
     main_open: bool = True  # the main run still trains this point's part
     handle: dict[str, Any] | None = None  # the launcher's, while a side job runs
-    job_done: bool = False  # its side job wrote its scores
+    job_done: bool = False
     attempts: int = 0
     failures: list[str] = field(default_factory=list)  # why each failed attempt ended
 
@@ -85,8 +273,7 @@ class ProbePoint:
         return self.window_samples * self.seq_len
 
     def baseline(self) -> BranchScore | None:
-        """k = 1's score where the main run's own stands in for it (bisection without cooldown, the batch unchanged
-        over the window), else None: k = 1 trains as a branch."""
+        """k = 1's score where the main run's stands in for it (bisection, no cooldown, the batch unchanged)."""
         if not self.main_baseline or self.main_changed_batch or self.main_score is None:
             return None
         return score_from_json(self.main_score)
@@ -94,24 +281,24 @@ class ProbePoint:
 
 @dataclass
 class BranchOutcome:
-    """What a runner hands back for a point: each measured k's score, which ks trained and failed, their tokens."""
+    """A point's branches: each measured k's score, the ks trained (once per data window) and failed, the branch
+    tokens, the tokens of one window they trained on, and whether it is final (False: an early look)."""
 
     scores: dict[float, BranchScore]
-    trained: list[float]  # multipliers trained as branches, once per data window
+    trained: list[float]
     failed: list[float]
-    tokens_trained: int  # branch tokens (global)
-    window_tokens: int  # tokens of one window the branches trained on (fewer at an early look)
-    final: bool = True  # False: an early look, after which an undetermined reading lets the window go on
+    tokens_trained: int
+    window_tokens: int
+    final: bool = True
 
 
 class Runner(Protocol):
-    """Where a probe's branches train: ``start`` a point; ``step`` after each main-run optimizer step while the main
-    run trains the point's part (``samples_seen`` after the step); ``window_ended`` when the main run's own score of
-    the window (or of an early look) is in; ``poll`` the outcomes that arrived (a ``BranchOutcome``, or why the
-    point failed); ``close`` a point whose reading is recorded or that failed."""
+    """Where a probe's branches train: in process, as side jobs, from a checkpoint. ``step`` follows each main-run
+    optimizer step while the point's part trains; ``window_ended`` when the main run's score of the window (or a
+    look) is in; ``poll`` gives the outcomes (or why a point failed) that arrived."""
 
-    mode: str  # ProbeReading.mode of its readings: "in_process", "side_jobs" or "checkpoint"
-    late: bool  # its outcomes arrive after the main run's window ended (the reading records when)
+    mode: str  # ProbeReading.mode of its readings
+    late: bool  # its outcomes arrive after the main run's window ended
 
     def start(self, point: ProbePoint) -> None: ...
 
@@ -129,52 +316,14 @@ def _say_nothing(*_: Any) -> None:
 
 
 def _none_yet() -> int:
-    """The default count of what a schedule consumed and of the tokens seen."""
     return 0
 
 
 @dataclass
 class ProbeEngine:
     """A run's probe points: those open, the readings decided (``history``) and the points that failed.
-
-    Args:
-        config: the probe's settings.
-        runner: where the branches train.
-        on_reading: told each reading (and its point) once it is recorded: the callback logs and writes it.
-        on_failure: told each failed point's record (``tokens``, ``step``, ``reason``) once.
-        schedule: the run's ``CBSAdaptive``, which determined readings feed; ``consumed()`` counts in its unit.
-        tokens_seen: the main run's tokens so far (a late reading records where it arrived).
-
-    Examples:
-        A point at batch 16 whose k = 2 branch, trained elsewhere, recovers the main run's held-out loss: the reading
-        is determined, and ``CBSAdaptive`` doubles the batch where it arrives (here at 65,536 tokens).
-
-        >>> class Elsewhere:  # a runner whose branch scores are in as soon as the window ends
-        ...     mode, late, outcomes = "side_jobs", True, []
-        ...     def start(self, point): pass
-        ...     def step(self, point, samples_seen): pass
-        ...     def window_ended(self, point):
-        ...         k2 = BranchScore.heldout([2.001, 2.101, 2.199, 2.302])
-        ...         self.outcomes.append((point, BranchOutcome({2.0: k2}, [2.0], [], 16_384, 16_384)))
-        ...     def poll(self): outcomes, self.outcomes = self.outcomes, []; return outcomes
-        ...     def close(self, point): pass
-        >>> schedule = CBSAdaptive(start=16, final=64)
-        >>> engine = ProbeEngine(ProbeConfig(every_tokens=32_768, multipliers=[1, 2], epsilon=0.02,
-        ...     evaluate="heldout", search="bisect"), Elsewhere(), schedule=schedule,
-        ...     consumed=lambda: 65_536, tokens_seen=lambda: 65_536)
-        >>> engine.open(ProbePoint(index=0, tokens=32_768, step=16, batch_size=16, seq_len=128, multipliers=[1.0, 2.0],
-        ...     window_samples=128, folder="", main_baseline=True, window_end_samples=256 + 128))
-        >>> main_score = lambda point: BranchScore.heldout([2.0, 2.1, 2.2, 2.3])  # the main run's model, scored
-        >>> for step in range(17, 25):  # the main run's steps of 16 samples over the window
-        ...     engine.main_step(2.5, samples_seen=step * 16, global_batch=16, step=step, row=step, score=main_score)
-        >>> engine.poll()
-        >>> (reading,) = engine.history
-        >>> reading.bracket, reading.adaptive_batch, reading.arrived_at_tokens, schedule.batch_size(65_536)
-        ('[32, beyond the grid]', 32, 65536, 32)
-        >>> status = engine.status()
-        >>> status["read"], status["determined"], status["failed"], status["pending"], status["adaptive"]
-        (1, 1, [], [], {'decisions': [[65536, 32]], 'why_not': None})
-    """
+    ``on_reading``/``on_failure`` are told each once; determined readings feed ``schedule`` (a ``CBSAdaptive``,
+    counting ``consumed()``); ``tokens_seen()`` is where a late reading arrives."""
 
     config: ProbeConfig
     runner: Runner
@@ -193,7 +342,6 @@ class ProbeEngine:
         return sum(reading.tokens_spent for reading in self.history)
 
     def open(self, point: ProbePoint) -> None:
-        """Start ``point``: its runner starts, and the main run's next steps are its window."""
         self.points[point.index] = point
         self.runner.start(point)
 
@@ -210,9 +358,8 @@ class ProbeEngine:
         row: int | None,
         score: Callable[[ProbePoint], BranchScore],
     ) -> None:
-        """After a main-run optimizer step (its loss in nats; ``samples_seen`` and ``global_batch`` after it): each
-        open window takes the step; where a window or an early look ends, the main run's model is scored there
-        (``score``) and the runner told; then each runner steps (in process: trains where the main run's part ends)."""
+        """After a main-run optimizer step: each open window takes it; where a window or look ends the main run's
+        model is scored (``score``) and the runner told; then each runner steps."""
         for point in self.recording():
             if not point.window_done:
                 assert step_loss is not None, "every micro-batch of an open window's step returned its loss"
@@ -244,16 +391,20 @@ class ProbeEngine:
             self.on_reading(reading, point)
 
     def reading(self, point: ProbePoint, outcome: BranchOutcome) -> ProbeReading:
-        """The reading of ``point`` from its branches' ``outcome``: the k* rule, the CBS bracket, the costs.
-        ``overhead`` is the branch tokens of this reading and every earlier one over the main run's tokens at the
-        window's end: the same whichever runner trained the branches and whenever they reported."""
+        """The reading of ``point``; ``overhead``: the branch tokens of it and every earlier one over the main run's
+        tokens at the window's end, whichever runner trained them and whenever they reported."""
+        config = self.config
         earlier = sum(reading.tokens_spent for reading in self.history if reading.tokens < point.tokens)
         main = score_from_json(point.main_score) if point.main_score is not None else outcome.scores[1.0]
         main_tokens = point.tokens + outcome.window_tokens * point.replicates
-        return self.config.decide(
+        return ProbeReading.decide(
             outcome.scores,
+            DecisionRule(config.epsilon, config.confidence),
             point.multipliers,
             point.batch_size,
+            search=config.search,
+            evaluate=config.evaluate,
+            cooldown_fraction=config.cooldown_fraction,
             tokens=point.tokens,
             step=point.step,
             seq_len=point.seq_len,
@@ -271,7 +422,7 @@ class ProbeEngine:
         )
 
     def fail(self, point: ProbePoint, reason: str) -> None:
-        """``point`` gives no reading: recorded with ``reason`` (said whole, once)."""
+        """``point`` gives no reading: recorded with ``reason``."""
         self.points.pop(point.index, None)
         self.runner.close(point)
         failure = {"tokens": point.tokens, "step": point.step, "reason": reason}
@@ -284,16 +435,26 @@ class ProbeEngine:
         self.runner.close(point)
 
     def _feed(self, reading: ProbeReading) -> None:
-        """A determined reading tells ``CBSAdaptive`` the CBS lower bound; the batch it moves to is noted."""
         if self.schedule is None or not reading.determined:
             return
         consumed = self.consumed()
         if self.schedule.observe(consumed, reading.cbs_lower):
             reading.adaptive_batch = self.schedule.batch_size(consumed)
 
+    def adaptive_asks(self, batch_size: int) -> tuple[int | None, int | None]:
+        """What a ``CBSAdaptive`` says of a probe at ``batch_size`` now: the tokens of a reading at this batch still
+        out (it asks one question of a batch at a time), and its final batch where it is there (no reading moves it)."""
+        schedule = self.schedule
+        if schedule is None:
+            return None, None
+        if not schedule.wants_readings(self.consumed()):
+            return None, schedule.final
+        out = [point.tokens for point in self.points.values() if point.batch_size == batch_size]
+        return (out[0] if out else None), None
+
     def status(self) -> dict[str, Any]:
-        """How the probe points fared: readings (and how many determined), failures with their reasons, the points
-        still pending (tokens) and, with a ``CBSAdaptive``, its decisions and why it never moved if it did not."""
+        """Readings (and how many determined), failures, the points pending (tokens) and, with a ``CBSAdaptive``,
+        its decisions and why it never moved."""
         status: dict[str, Any] = {
             "read": len(self.history),
             "determined": sum(reading.determined for reading in self.history),
@@ -306,8 +467,7 @@ class ProbeEngine:
         return status
 
     def why_not_adapted(self) -> str | None:
-        """Why the ``CBSAdaptive`` the readings feed never moved, in words; None where there is none, it moved, or it
-        could not (its start is its final batch)."""
+        """Why the ``CBSAdaptive`` the readings feed never moved, in words; None where it moved or could not."""
         schedule = self.schedule
         if schedule is None or schedule.decisions or schedule.start >= schedule.final:
             return None

@@ -1,23 +1,9 @@
-"""The CBS at a saved checkpoint: a probe's branches trained from it, on the data the run trains next.
-
-A checkpoint holds everything a probe branch starts from (weights, optimizer and scheduler state, the batch
-and LR factor ``BatchWarmup`` reached, the token count) and, with a ``GlobalOrderLoader``, where the run is in
-its data: one position in a global sample order that does not depend on the number of ranks. So the window a
-probe at that step trains on is the run's next ``window_tokens`` (the tokens the run trained, or would have
-trained, after it), read again from the data instead of recorded as the run trains it.
-
-``probe_checkpoint`` resumes a ``Trainer.fit`` from the checkpoint with a ``CheckpointProbe`` callback, which at
-``on_train_start`` (everything restored, nothing trained) reads that window, trains the branches through the
-same ``BranchTrainer`` as the in-process probe, scores them on the run's held-out batches, decides with the
-same rule, error bars, replicates, search and early stop, and stops the fit before its first step. With the same
-seed and thread count a reading of the checkpoint at step S equals the in-process probe's at the probe point
-that starts at S. The same callback trains a side job's branches (``lit_cbs.probe.side_jobs``), where the main
-run's own window may stand in for k = 1.
-"""
+"""The CBS at a saved checkpoint: a probe's branches trained from it on the data the run trains next, read at the
+checkpoint's data position (a ``GlobalOrderLoader``), with the in-process probe's branch trainer, rule and search;
+the fit stops before its first step. The same callback trains a side job's branches."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import time
@@ -37,20 +23,11 @@ from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
-from lit_cbs.probe.branch import (
-    BranchMeasurer,
-    BranchTrainer,
-    RecordedWindow,
-    branch_micro_batch,
-    no_baseline,
-)
-from lit_cbs.probe.config import ProbeConfig
-from lit_cbs.probe.engine import BranchOutcome, ProbeEngine, ProbePoint
-from lit_cbs.probe.heldout import load_heldout_batches
-from lit_cbs.probe.limits import known
+from lit_cbs.probe.branch import BranchTrainer, RecordedWindow, TrainingSnapshot, known
+from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbeEngine, ProbePoint
+from lit_cbs.probe.in_process import BranchMeasurer, load_heldout_batches, no_baseline
+from lit_cbs.probe.plan import ProbePlan, ProbeRun, ProbeSkip, plan_probe
 from lit_cbs.probe.reading import BranchScore, ProbeReading, first_measured
-from lit_cbs.probe.snapshot import TrainingSnapshot
-from lit_cbs.probe.start import ProbePlan, ProbeSkip, plan_probe
 
 __all__ = ["CheckpointProbe", "RunParts", "probe_checkpoint"]
 
@@ -67,14 +44,11 @@ class RunParts:
 
     Args:
         model: the run's LightningModule, freshly built (its weights come from the checkpoint).
-        datamodule: the run's datamodule: its train loader must be a ``GlobalOrderLoader`` (the window is read
-            at the checkpoint's data position); its validation data gives the held-out batches.
-        trainer: ``lightning.Trainer`` keyword arguments as the run had them (``precision``, ``strategy``,
-            ``gradient_clip_val``, ``accelerator``, ``devices``, ...): branches train as the run trains.
-        callbacks: the run's ``BatchWarmup`` (or ``BatchAccounting``), as it was made for the run: branches
-            take its micro-batch rule and optimizer rules; its state comes from the checkpoint.
+        datamodule: the run's, with a ``GlobalOrderLoader`` train loader; its validation data gives held-out batches.
+        trainer: ``lightning.Trainer`` keyword arguments as the run had them (``precision``, ``strategy``, ...).
+        callbacks: the run's ``BatchWarmup`` (or ``BatchAccounting``), as made for the run.
 
-    Examples:
+    Example:
         >>> import lightning.pytorch as pl
         >>> parts = RunParts(pl.LightningModule(), trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0})
         >>> parts.datamodule, parts.trainer["precision"], parts.callbacks
@@ -88,27 +62,9 @@ class RunParts:
 
 
 class CheckpointProbe(Callback):
-    """Trains a probe's branches at the start of a fit resumed from a checkpoint, then stops the fit before its
-    first step (``probe_checkpoint`` and the side jobs of ``CBSProbeCallback`` use it).
-
-    Args:
-        config: the probe's settings.
-        plan: the window as the run planned it (a side job: the multipliers and window the main run chose at
-            its probe point); None: planned here at the checkpoint's batch (``plan_probe``).
-        baseline: the main run's own score over the first window, which stands in for k = 1 there (a side
-            job's); returns None where k = 1 trains as a branch.
-
-    Attributes:
-        reading: the reading, decided here (without ``plan``), else None.
-        scores: each measured k's score; ``measurer``: what was trained and what failed.
-        tokens_trained: branch tokens (global).
-        seconds: wall seconds the probe took at the fit's start.
-
-    Examples:
-        >>> probe = CheckpointProbe(ProbeConfig(multipliers=[1, 2, 4], window_tokens=65_536))
-        >>> probe.reading, probe.scores, probe.tokens_trained  # until a fit resumed from a checkpoint runs it
-        (None, {}, 0)
-    """
+    """Trains a probe's branches at the start of a fit resumed from a checkpoint, then stops the fit. ``plan``: the
+    window a side job's main run planned (None: planned here); ``baseline``: the main run's own k = 1 score over
+    the first window (a side job's). Without a plan it decides the ``reading``; else it keeps the ``scores``."""
 
     def __init__(
         self,
@@ -125,12 +81,7 @@ class CheckpointProbe(Callback):
         self._outcomes: list[tuple[ProbePoint, BranchOutcome | str]] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Before the checkpoint's loader state is put into the train loader, which Lightning refuses (with a
-        message about its own internals) for a loader that keeps no position.
-
-        Raises:
-            LitCBSConfigError: the train loader is not a ``GlobalOrderLoader``.
-        """
+        """Refuse a train loader that keeps no data position (before Lightning refuses it in its own words)."""
         loader = given_train_loader(trainer)
         if loader is None:
             # trainer.datamodule is set by Lightning's data connector, undeclared on Trainer
@@ -158,13 +109,10 @@ class CheckpointProbe(Callback):
                 "a CBS probe of a checkpoint counts its window in tokens, but the checkpoint's run counted none: give "
                 "seq_len=... to BatchWarmup or BatchAccounting (or the datamodule a `tokens_per_sample` attribute)"
             )
-        batch = known(accounting.global_batch, "BatchAccounting.global_batch")  # from the checkpoint
+        run = ProbeRun(self.config, accounting, warmup)
+        batch = run.global_batch()  # from the checkpoint
         micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
-
-        def micro_batch_for(k: float) -> int | None:
-            return branch_micro_batch(k, batch, accounting, warmup)
-
-        plan = self.plan or self._plan_here(accounting, micro_batch_for)
+        plan = self.plan or self._plan_here(accounting, run.micro_batch_for(batch))
         heldout = None
         if self.config.evaluate == "heldout":
             heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
@@ -175,8 +123,6 @@ class CheckpointProbe(Callback):
                 tokens=accounting.tokens_seen,
                 step=trainer.global_step,
                 batch_size=batch,
-                accumulate=accounting.accumulate,
-                micro_batch_size=micro,
                 data_parallel_size=world,
                 seq_len=seq_len,
                 multipliers=plan.multipliers,
@@ -186,17 +132,7 @@ class CheckpointProbe(Callback):
                 batches=batches,
                 early_stop_samples=plan.early_stop_samples,
             )
-            branches = BranchTrainer(
-                trainer,
-                pl_module,
-                accounting,
-                self.config.rules,
-                self.config.evaluate,
-                self.config.ema_alpha,
-                micro_batch_for=micro_batch_for,
-                heldout=heldout,
-                cooldown_fraction=self.config.cooldown_fraction,
-            )
+            branches = run.branch_trainer(trainer, pl_module, batch, heldout)
             try:
                 with logging_muted(pl_module):
                     self._measure(window, branches)
@@ -224,7 +160,7 @@ class CheckpointProbe(Callback):
         loader's position on; an epoch's short last micro-batch makes one more read necessary."""
         count = -(-samples // micro_batch_size)
         while True:
-            batches = loader.peek(count)
+            batches: list[Any] = loader.peek(count)
             if sum(extract_batch_size(batch) for batch in batches) >= samples:
                 return batches
             count += 1
@@ -276,80 +212,56 @@ class CheckpointProbe(Callback):
                 self.reading = engine.history[0]
                 return
 
-    # The runner the engine asks: the outcomes come from ``_measure``, at the fit's start.
+    # The runner the engine asks: the outcomes come from ``_measure``; no main run trains.
     mode = MODE
     late = False
 
     def start(self, point: ProbePoint) -> None:
-        """Nothing: the branches train at the fit's start."""
+        pass
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
-        """Nothing: no main run trains."""
+        pass
 
     def window_ended(self, point: ProbePoint) -> None:
-        """Nothing: no main run trains."""
+        pass
 
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
         outcomes, self._outcomes = self._outcomes, []
         return outcomes
 
     def close(self, point: ProbePoint) -> None:
-        """Nothing to clean up."""
+        pass
 
 
 def probe_checkpoint(
-    ckpt_path: str | Path,
-    parts: RunParts,
-    config: ProbeConfig | None = None,
-    *,
-    output_dir: str | Path | None = None,
-    **settings: Any,
+    ckpt_path: str | Path, parts: RunParts, *, output_dir: str | Path | None = None, **settings: Any
 ) -> ProbeReading:
-    """Measure the CBS at a saved checkpoint of a run, as the in-process probe measures it at that step.
+    """The CBS at a saved checkpoint (a ``.ckpt`` file or an FSDP2 checkpoint's folder), measured as the in-process
+    probe measures it at that step, on the ranks of ``parts.trainer``. ``settings``: ``CBSProbeCallback``'s keywords
+    (where to probe is the checkpoint's step). ``output_dir``: the reading is appended to its ``cbs_probe.jsonl``.
 
-    Args:
-        ckpt_path: the checkpoint (a ``.ckpt`` file, or an FSDP2 distributed checkpoint's folder, loaded on the
-            ranks of ``parts.trainer``, which need not be the run's).
-        parts: the run rebuilt: its module, datamodule (with a ``GlobalOrderLoader``), Trainer settings and
-            ``BatchWarmup`` (``RunParts``).
-        config: the probe's settings (``ProbeConfig``); where to probe is the checkpoint's step, so its
-            placement fields (``at_tokens``, ...) are not used. Or ``settings``: its fields as keywords.
-        output_dir: a folder whose ``cbs_probe.jsonl`` the reading is appended to (None: only returned).
-
-    Returns:
-        The reading (``mode="checkpoint"``).
-
-    Raises:
-        LitCBSConfigError: the settings cannot probe this checkpoint (no ``GlobalOrderLoader``, no token
-            count, fewer than two multipliers fit), or a setting is invalid, or both ``config`` and ``settings``.
-        RuntimeError: the fit stopped before the probe could train (no reading).
-
-    Examples:
+    Example:
         ``probe_checkpoint("run/checkpoints/step=608.ckpt", RunParts(MyModule(), MyData(), trainer={"precision":
-        "bf16-mixed", "gradient_clip_val": 1.0}, callbacks=[BatchWarmup(...)]), multipliers=(1, 2, 4, 8),
-        window_tokens=2_000_000, evaluate="heldout", search="bisect")``; a runnable one is in
-        docs/guides/probe_jobs.md. What it refuses before it loads anything:
+        "bf16-mixed"}, callbacks=[BatchWarmup(...)]), multipliers=(1, 2, 4, 8), window_tokens=2_000_000,
+        evaluate="heldout", search="bisect")`` (docs/guides/probe_jobs.md runs one). It refuses settings before
+        it loads anything:
 
         >>> import lightning.pytorch as pl
         >>> probe_checkpoint("step=608.ckpt", RunParts(pl.LightningModule()), multipliers=[2, 4])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         lit_cbs.errors.LitCBSConfigError: multipliers=[2, 4] has no k = 1: ...
     """
-    if config is not None and settings:
-        raise LitCBSConfigError("probe_checkpoint: give a ProbeConfig or its fields as keywords, not both")
-    config = config if config is not None else ProbeConfig(**settings)
-    probe = CheckpointProbe(config)
+    probe = CheckpointProbe(ProbeConfig(**settings))
     run_checkpoint_probe(ckpt_path, parts, probe)
     if probe.reading is None:
         raise RuntimeError("the checkpoint probe trained no branch (the fit stopped before its first hook)")
-    if output_dir is not None and probe.reading is not None:
+    if output_dir is not None:
         append_reading(Path(output_dir), probe.reading)
     return probe.reading
 
 
 def run_checkpoint_probe(ckpt_path: str | Path, parts: RunParts, probe: CheckpointProbe) -> pl.Trainer:
-    """Fit ``parts`` from ``ckpt_path`` with ``probe`` among its callbacks: the probe trains at the fit's start and
-    ends it; nothing is logged or checkpointed."""
+    """Fit ``parts`` from ``ckpt_path`` with ``probe``, which trains at the fit's start and ends it."""
     settings = {
         **parts.trainer,
         "enable_progress_bar": False,  # the probe trains no step of the run's: nothing to count
@@ -374,13 +286,12 @@ def append_reading(folder: Path, reading: ProbeReading) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "cbs_probe.jsonl"
     with path.open("a") as out:
-        out.write(json.dumps(dataclasses.asdict(reading)) + "\n")
+        out.write(json.dumps(reading.to_record()) + "\n")
     return path
 
 
 def checkpoint_step(path: Path) -> int:
-    """The optimizer step a checkpoint holds (its ``global_step``), read without loading its tensors (a
-    distributed checkpoint's from Lightning's ``meta.pt`` in its folder)."""
+    """The ``global_step`` a checkpoint holds, read without its tensors (from ``meta.pt`` in a distributed one)."""
     import torch
 
     source = path / "meta.pt" if path.is_dir() else path
@@ -388,8 +299,8 @@ def checkpoint_step(path: Path) -> int:
 
 
 def checkpoints_in_order(folder: Path, steps: Callable[[Path], int]) -> list[Path]:
-    """The complete checkpoints in ``folder`` (``*.ckpt`` files and distributed-checkpoint folders; ``last.ckpt``
-    and Lightning's ``hpc_ckpt_*`` left out, as they repeat a step), by step (``steps(path)``)."""
+    """The complete checkpoints in ``folder`` by step (``steps(path)``), less ``last.ckpt`` and ``hpc_ckpt_*``, which
+    repeat a step."""
     from lit_cbs.callbacks.checkpoint_files import checkpoint_candidates, unreadable
 
     found = [

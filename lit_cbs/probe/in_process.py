@@ -1,24 +1,148 @@
-"""The in-process runner: a point's branches trained inside the Trainer, from an in-memory copy of the state at the
-window's start, on the micro-batches the main run trained (``RecordedWindow``), while the main run waits."""
+"""The in-process runner: a point's branches trained inside the Trainer from an in-memory copy of the window's start,
+on the micro-batches the main run trained, while the main run waits; and what every runner shares: the search over
+k (``BranchMeasurer``) and the held-out batches."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from lightning_utilities.core.apply_func import apply_to_collection
 
+from lit_cbs._internals import collect_rng_states, prepare_val_dataloader, request_val_dataloaders, set_rng_states
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.callbacks.checkpoint import set_probe_window, stop_signal
 from lit_cbs.callbacks.module_state import logging_muted
-from lit_cbs.probe.branch import BranchMeasurer, BranchTrainer, RecordedWindow
-from lit_cbs.probe.config import ProbeConfig
-from lit_cbs.probe.engine import BranchOutcome, ProbePoint
-from lit_cbs.probe.limits import known
-from lit_cbs.probe.snapshot import TrainingSnapshot
+from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.probe.branch import BranchFailed, BranchTrainer, RecordedWindow, TrainingSnapshot
+from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint
+from lit_cbs.probe.reading import BranchScore, measure_losses
 
-__all__: list[str] = []  # the probe engine's own parts
+__all__: list[str] = []  # the probe's own parts
+
+
+def no_baseline() -> BranchScore | None:
+    """k = 1 has no score of the main run's to take: it trains as a branch."""
+    return None
+
+
+@dataclass
+class BranchMeasurer:
+    """The scores a probe's search asks for, each k over every replicate window: ``train(k, replicate=r)``, or for
+    k = 1's first window the main run's own score where ``baseline()`` gives one. A failed window fails k (not
+    recovered); ``trained`` and ``failed`` gather over measurers (an early look is measured again on more data)."""
+
+    train: Callable[..., BranchScore]  # train(k, replicate=r)
+    replicates: int
+    baseline: Callable[[], BranchScore | None] = no_baseline
+    trained: list[float] = field(default_factory=list)  # multipliers trained as branches, once per data window
+    failed: list[float] = field(default_factory=list)
+    measured: dict[float, BranchScore] = field(default_factory=dict)
+
+    def score(self, k: float) -> BranchScore:
+        """k's score over every replicate window (inf if one failed)."""
+        if k not in self.measured:
+            windows = []
+            for replicate in range(self.replicates):
+                if k in self.failed:
+                    break
+                windows.append(self._window(k, replicate))
+            self.measured[k] = BranchScore(math.inf) if k in self.failed else BranchScore.replicated(windows)
+        return self.measured[k]
+
+    def _window(self, k: float, replicate: int) -> BranchScore:
+        if k == 1.0 and replicate == 0:
+            main = self.baseline()
+            if main is not None:
+                return main
+        if replicate > 0 or k not in self.trained:
+            self.trained.append(k)
+        try:
+            return self.train(k, replicate=replicate)
+        except BranchFailed as error:
+            rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
+            self.failed.append(k)
+            return BranchScore(math.inf)
+
+    def scores(self, search: str, multipliers: Sequence[float], epsilon: float) -> dict[float, BranchScore]:
+        """The score of every k ``search`` ("grid" or "bisect") needs over ``multipliers`` (``measure_losses``)."""
+        return measure_losses(search, multipliers, self.score, epsilon)
+
+
+def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device | str) -> list[Any]:
+    """This rank's first ``count`` batches of the run's validation data, as Lightning's validation reads it during
+    ``fit``, detached, on ``device``; every RNG state (the loader's generators too) as it was. On every rank: the
+    empty-loader check is collective."""
+    states = collect_rng_states(include_cuda=torch.cuda.is_available())
+    try:
+        loader = _first_validation_loader(trainer)
+        batches = _read_untouched(loader, count, device)
+    finally:
+        set_rng_states(states)
+    if not trainer.strategy.reduce_boolean_decision(len(batches) > 0, all=True):
+        raise LitCBSConfigError(
+            "CBSProbeCallback(evaluate='heldout'): the first validation dataloader yielded no batch (on at least "
+            "one rank); give it data, at least one batch per rank, or use evaluate='train_ema'"
+        )
+    return batches
+
+
+def _first_validation_loader(trainer: pl.Trainer) -> Any:
+    """The first validation loader of the fit, as Lightning's validation loop reads it."""
+    loaders = (
+        trainer.val_dataloaders
+    )  # prepared by the validation loop; None while it is off (limit_val_batches=0, ...)
+    prepared = loaders is not None
+    if not prepared:
+        loaders = request_val_dataloaders(trainer)
+    if loaders is None:
+        flattened = []
+    else:
+        flattened = (
+            loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "sequential")
+        ).flattened
+    if not flattened:
+        raise LitCBSConfigError(
+            "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
+            "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
+            "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
+        )
+    return flattened[0] if prepared else prepare_val_dataloader(trainer, flattened[0])
+
+
+def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list[Any]:
+    """The first ``count`` batches of ``loader`` on ``device``; the loader's and its sampler's own
+    ``torch.Generator``s (which a shuffled or seeded loader advances) are put back afterwards."""
+    generators = {id(g): g for g in _loader_generators(loader)}.values()
+    saved = [(generator, generator.get_state()) for generator in generators]
+    try:
+        return [
+            move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device)
+            for batch in islice(loader, count)
+        ]
+    finally:
+        for generator, state in saved:
+            generator.set_state(state)
+
+
+def _loader_generators(loader: Any) -> list[torch.Generator]:
+    samplers = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    return [
+        sampler.generator for sampler in samplers if isinstance(getattr(sampler, "generator", None), torch.Generator)
+    ]
 
 
 class InProcessRunner:
@@ -43,7 +167,7 @@ class InProcessRunner:
         accounting: BatchAccounting,
         branch_trainer: Callable[[int], BranchTrainer],
     ) -> None:
-        """At setup: the run it trains in; ``branch_trainer(batch_size)`` makes the trainer of a point's branches."""
+        """At setup: the run it trains in, and the maker of a point's ``BranchTrainer`` at its batch."""
         self.trainer, self.pl_module, self.accounting = trainer, pl_module, accounting
         self.branch_trainer = branch_trainer
 
@@ -59,15 +183,12 @@ class InProcessRunner:
             tokens=point.tokens,
             step=point.step,
             batch_size=point.batch_size,
-            accumulate=accounting.accumulate,
-            micro_batch_size=known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size"),
             data_parallel_size=ranks,
             seq_len=point.seq_len,
             multipliers=point.multipliers,
             window_samples=point.window_samples,
             start=start,
             replicates=point.replicates,
-            interrupted_at_tokens=point.interrupted_at_tokens,
         )
         self._branches, self._trained, self._failed = self.branch_trainer(point.batch_size), [], []
         set_probe_window(trainer, trainer.global_step)
@@ -81,13 +202,8 @@ class InProcessRunner:
         """Nothing to hand over: the engine keeps the main run's score, which ``point.baseline`` gives."""
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
-        """Where the main run's part ends, or at an early look, train and score the branches over the window
-        recorded so far (the main state restored after), for ``poll``.
-
-        Raises:
-            ProbeAborted: a stop signal arrived inside a branch (the main state is restored).
-            ProbeUnusable: the run cannot be probed as it is.
-        """
+        """Where the main run's part ends, or at an early look, train and score the branches over the window recorded
+        so far (the main state restored after), for ``poll``; ``ProbeAborted`` on a stop signal."""
         window, branches = self.window, self._branches
         assert window is not None and branches is not None, "a point is open"
         final = window.complete

@@ -231,7 +231,7 @@ def probe_plan(
     optimizer: OptimizerState = ADAMW_STATE,
 ) -> ProbePlan:
     """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
-    from lit_cbs.probe import max_branches
+    from lit_cbs.probe.reading import max_branches
 
     config = probe.config
     points: list[int] = []

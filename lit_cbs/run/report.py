@@ -34,9 +34,8 @@ from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.metrics import FIT_SECONDS, VAL_LOSS, gns_group
-from lit_cbs.probe.callback import CBSProbeCallback
+from lit_cbs.probe.callback import JSONL_FILE, PLOT_FILE, CBSProbeCallback
 from lit_cbs.probe.reading import read_readings
-from lit_cbs.probe.record import JSONL_FILE, PLOT_FILE
 from lit_cbs.rules.warmup_core import BatchChange
 
 __all__ = ["main", "write_report"]

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import calibration
 from lit_cbs.analysis import brackets_from_records, forecast_cbs
-from lit_cbs.probe import BranchScore, difference
+from lit_cbs.probe.reading import BranchScore, difference
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,6 @@ regroup, cool down and check the LR as the run's steps would."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import lightning.pytorch as pl
@@ -48,7 +47,7 @@ def test_probe_leaves_main_run_untouched_and_k1_branch_reproduces_it(tmp_path):
         assert record.tokens_spent == 3 * record.window_tokens
         assert (record.batch_size, record.seq_len) == (4, SEQ)
     lines = (tmp_path / "cbs_probe.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == [dataclasses.asdict(r) for r in probe.history]
+    assert [json.loads(line) for line in lines] == [r.to_record() for r in probe.history]
     assert read_readings(tmp_path / "cbs_probe.jsonl") == probe.history
     assert (tmp_path / "cbs_curve.png").stat().st_size > 10_000
     assert probe.tokens_spent == sum(r.tokens_spent for r in probe.history)

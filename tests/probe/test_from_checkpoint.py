@@ -17,8 +17,7 @@ from recipe_runs import train as train_script
 from torch.utils.data import DataLoader
 
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe import ProbeConfig
-from lit_cbs.probe.from_checkpoint import probe_checkpoint
+from lit_cbs.probe import probe_checkpoint
 from lit_cbs.run import job
 
 pytestmark = pytest.mark.slow
@@ -69,12 +68,12 @@ def test_a_checkpoints_reading_equals_the_in_process_one_at_its_step(probed_run)
     first, second = in_process_readings(probed_run)
     assert (first["step"], second["step"]) == (2, 6) and first["batch_size"] == 8 and second["batch_size"] == 16
     cfg = run_config(probed_run)
-    config = ProbeConfig(multipliers=(1, 2), window_tokens=4096, epsilon=0.02, evaluate="heldout", heldout_batches=2,
-                         search="bisect")  # fmt: skip
+    settings = dict(multipliers=(1, 2), window_tokens=4096, epsilon=0.02, evaluate="heldout", heldout_batches=2,
+                    search="bisect")  # fmt: skip
     for expected in (first, second):
         pl.seed_everything(cfg.seed, workers=True)
         checkpoint = probed_run / "checkpoints" / f"step{expected['step']:07d}.ckpt"
-        reading = probe_checkpoint(checkpoint, job.probe_parts(cfg), config)
+        reading = probe_checkpoint(checkpoint, job.probe_parts(cfg), **settings)
         assert (reading.tokens, reading.step, reading.batch_size, reading.mode) == (
             expected["tokens"], expected["step"], expected["batch_size"], "checkpoint"
         )  # fmt: skip

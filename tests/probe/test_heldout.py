@@ -1,4 +1,4 @@
-"""load_heldout_batches (lit_cbs.probe.heldout): the held-out batches come from each source of
+"""load_heldout_batches (lit_cbs.probe.in_process): the held-out batches come from each source of
 validation data and reading them changes no random state; too few are said."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from toys import SEQ, IndexedRegression, RegressionData, RegressionModule, fit_q
 
 from lit_cbs import BatchWarmup, ConstantBatch
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe.heldout import load_heldout_batches
+from lit_cbs.probe.in_process import load_heldout_batches
 
 VALIDATION_OFF = {"limit_val_batches": 0, "num_sanity_val_steps": 0}  # nothing prepares the val loader
 

@@ -1,4 +1,4 @@
-"""run_end and the probe's points against the run's end (lit_cbs.probe.limits, ProbeConfig.check_inside_run)."""
+"""run_end and the probe's points against the run's end (lit_cbs.probe.plan, ProbeConfig.check_inside_run)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from toys import (
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, PiecewiseBatch
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe import ProbeConfig
-from lit_cbs.probe.limits import run_end
+from lit_cbs.probe.engine import ProbeConfig
+from lit_cbs.probe.plan import run_end
 
 SEQ_LEN = 4  # tokens per sample of TokenIds
 

@@ -15,7 +15,7 @@ from scipy import stats
 from toys import heldout_score
 
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
-from lit_cbs.probe import (
+from lit_cbs.probe.reading import (
     BranchScore,
     DecisionRule,
     ProbeReading,
@@ -114,7 +114,7 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     assert reading.losses == {"1": 3.0, "2": 3.004, "4": None}  # JSON has no inf: a failed branch is null
     assert reading.branch_steps == 8192 // (16 * 32) + 8192 // (32 * 32) + 8192 // (64 * 32)
     path = tmp_path / "cbs_probe.jsonl"
-    path.write_text(json.dumps(dataclasses.asdict(reading)) + "\n")
+    path.write_text(json.dumps(reading.to_record()) + "\n")
     assert read_readings(path) == [reading]
     # The record carries its seq_len, so another sequence length needs no measured_seq_len.
     assert schedule_from_probe(path, 16, seq_len=64).batch_size(4096) == 16

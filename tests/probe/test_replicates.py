@@ -16,10 +16,7 @@ from toys import (
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch
 from lit_cbs.callbacks.accounting import BatchAccounting
-from lit_cbs.probe import (
-    BranchScore,
-    difference,
-)
+from lit_cbs.probe.reading import BranchScore, difference
 
 
 class RecordsBranchSamples(RegressionModule):

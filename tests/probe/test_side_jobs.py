@@ -1,10 +1,9 @@
-"""Side-job probes (lit_cbs/probe/side_jobs/, launchers.py): branches trained by real processes from the probe's
+"""Side-job probes (lit_cbs/probe/side_jobs/): branches trained by real processes from the probe's
 checkpoint while the main run trains on as k = 1. The readings equal the in-process probe's, the main run is the
 run without a probe, failures are retried then recorded, and bad settings are refused before any branch trains."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -88,7 +87,7 @@ def test_side_job_readings_equal_the_in_process_ones_and_leave_the_main_run_alon
         )
         assert side.arrived_at_tokens >= side.tokens + side.window_tokens
     written = [json.loads(line) for line in (folder / "cbs_probe.jsonl").read_text().splitlines()]
-    assert written == [dataclasses.asdict(reading) for reading in probe.history]
+    assert written == [reading.to_record() for reading in probe.history]
     folders = sorted((folder / "cbs_probe_jobs").glob("probe*"))
     assert len(folders) == len(probe.history)
     assert all((folder / "scores.json").is_file() and not (folder / "start.ckpt").exists() for folder in folders)

@@ -1,4 +1,4 @@
-"""Whether a due probe starts, and on what (lit_cbs/probe/start.py), with numbers: the decision the in-process
+"""Whether a due probe starts, and on what (lit_cbs/probe/plan.py), with numbers: the decision the in-process
 probe, a side-job probe and a probe of a saved checkpoint all take. Tokens per sample 16 and a global batch of 8
 samples throughout; every multiplier's batch makes whole micro-batches unless a test says otherwise."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from lit_cbs.probe.config import ProbeConfig
-from lit_cbs.probe.start import EpochEnd, ProbePlan, ProbeSkip, plan_probe, usable_multipliers, window_at
+from lit_cbs.probe.engine import ProbeConfig
+from lit_cbs.probe.plan import EpochEnd, ProbePlan, ProbeSkip, plan_probe, usable_multipliers, window_at
 
 SEQ_LEN, BATCH = 16, 8
 

@@ -21,7 +21,8 @@ from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
-from lit_cbs.probe import CBSProbeCallback, TrainingSnapshot
+from lit_cbs.probe import CBSProbeCallback
+from lit_cbs.probe.branch import TrainingSnapshot
 from lit_cbs.rules.batch_schedules import micro_batch_for
 from lit_cbs.run.memory import ADAMW_STATE, GIB, ModelShape, OptimizerState, device_memory
 from lit_cbs.run.plan import batch_phases, probe_plan

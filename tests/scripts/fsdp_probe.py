@@ -24,7 +24,7 @@ from fsdp_warmup import FactoredRegression  # noqa: E402
 from toys import GlobalOrderRegressionData, trainer_kwargs  # noqa: E402
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, FinalStateCheckpoint  # noqa: E402
-from lit_cbs.probe import LocalLauncher, ProbeConfig, RunParts, SideJobs, probe_checkpoint  # noqa: E402
+from lit_cbs.probe import LocalLauncher, RunParts, SideJobs, probe_checkpoint  # noqa: E402
 
 # Global batch 8 (4 tokens a sample): a probe of k = 1, 2 from 64 tokens (after step 2) over 64 tokens of data.
 SETTINGS = dict(multipliers=(1, 2), window_tokens=64, evaluate="train_ema", search="grid")
@@ -58,7 +58,7 @@ def main(out: Path, what: str, ckpt: str | None, processes: int) -> None:
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            reading = probe_checkpoint(ckpt, run, ProbeConfig(**SETTINGS))
+            reading = probe_checkpoint(ckpt, run, **SETTINGS)
         result, rank = {"reading": reading}, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         torch.save(result, out / f"{what}.pt")

@@ -1,12 +1,6 @@
-"""The side-job runner: a probe point's branches trained by a job of their own while the main run trains on as k = 1.
-
-At a point the main run writes a checkpoint (the branches' start, with the data position of a ``GlobalOrderLoader``)
-and a job description into the point's folder, and a launcher starts ``python -m lit_cbs.probe.side_jobs JOB.json``
-(this package's ``__main__``): it rebuilds the run (``SideJobs.build``), trains the branches from the checkpoint on
-the run's next windows of data and writes their scores. With ``search="bisect"`` the main run's own first window
-stands in for k = 1: the main run writes its score there (``main_score.json``) when its window ends. The engine
-decides the reading when the scores are in. docs/design.md, "The probe engine", has the files and the failure rules.
-"""
+"""The side-job runner: a probe point's branches trained by a job of their own (``python -m lit_cbs.probe.side_jobs
+JOB.json``, started by a launcher) from the main run's checkpoint, while the main run trains on as k = 1.
+docs/design.md, "The probe engine", has the files and the failure rules."""
 
 from __future__ import annotations
 
@@ -26,15 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs.callbacks.accounting import resizable_train_loader
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe.config import ProbeConfig
-from lit_cbs.probe.engine import BranchOutcome, ProbePoint, score_from_json
+from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, score_from_json
 from lit_cbs.probe.from_checkpoint import RunParts
-from lit_cbs.probe.launchers import SideJobs
+from lit_cbs.probe.side_jobs.launchers import SideJobs
 
 JOBS_FOLDER = "cbs_probe_jobs"  # beside cbs_probe.jsonl: one folder per probe point
 JOB_FILE = "job.json"
@@ -54,18 +47,15 @@ __all__: list[str] = []  # the main run's side of side jobs, and the files they 
 
 
 def write_json(path: Path, content: Any) -> None:
-    """Write ``content`` as JSON to ``path`` atomically (a reader never sees half a file)."""
+    """``content`` as JSON in ``path``, atomically (a reader never sees half a file)."""
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(json.dumps(content, indent=1))
     os.replace(partial, path)
 
 
 def build_parts(build: str, build_args: dict[str, Any]) -> RunParts:
-    """The run's parts from ``SideJobs.build`` (``package.module:function``) called with ``build_args``.
-
-    Raises:
-        LitCBSConfigError: the build cannot be imported, fails, or gives no ``RunParts`` with a datamodule.
-    """
+    """The run's parts from ``SideJobs.build`` (``package.module:function``) called with ``build_args``;
+    ``LitCBSConfigError`` in one line where it cannot be imported, fails, or gives no ``RunParts`` with a datamodule."""
     module, _, function = build.partition(":")
     try:
         parts = getattr(importlib.import_module(module), function)(**build_args)
@@ -119,14 +109,7 @@ def job_outcome(content: dict[str, Any], point: ProbePoint) -> BranchOutcome:
 
 
 def failure_reason(failures: list[str]) -> str:
-    """Why a point's jobs failed, each reason said once, whole.
-
-    Examples:
-        >>> failure_reason(["exited with code 1: ValueError: x", "exited with code 1: ValueError: x"])
-        'side job failed 2 times, each: exited with code 1: ValueError: x'
-        >>> failure_reason(["was killed by signal 9", "exited with code 1: OSError: disk full"])
-        'side job failed 2 times: was killed by signal 9; exited with code 1: OSError: disk full'
-    """
+    """Why a point's jobs failed, each reason said once, whole."""
     counts = Counter(failures)
     if len(failures) == 1:
         return f"side job failed: {failures[0]}"
@@ -234,6 +217,11 @@ class SideJobRunner:
             self._start_queued()
         self.waits["checkpoint"] += time.perf_counter() - started
         self.waits["checkpoints"] += 1
+        rank_zero_info(
+            f"CBS probe at {point.tokens:,} tokens (batch {point.batch_size}): multipliers "
+            f"[{', '.join(f'{k:g}' for k in point.multipliers)}] handed to a side job ({point.folder}); "
+            "the main run trains on as k = 1"
+        )
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
         """Nothing: the job trains on its own."""
@@ -328,16 +316,25 @@ class SideJobRunner:
         )
         return None
 
-    def wait(self, poll: Callable[[], None], seconds: float) -> None:
-        """Training is over: ``poll`` (the engine's) until no point is pending or ``seconds`` passed, looking at
-        every call."""
+    def wait_at_end(self, poll: Callable[[], None]) -> None:
+        """Training is over: ``poll`` (the engine's) at every call until no point is pending, or for at most
+        ``SideJobs.wait_at_end`` minutes."""
+        waiting = ", ".join(f"{tokens:,}" for tokens in sorted(point.tokens for point in self.pending.values()))
+        minutes = self.settings.wait_at_end
+        rank_zero_info(f"CBS probes at {waiting} tokens: waiting up to {minutes:g} min for their side jobs")
         started = time.monotonic()
         self.every_call = True
-        while self.pending and time.monotonic() - started < seconds:
+        while self.pending and time.monotonic() - started < minutes * 60:
             poll()
             if self.pending:
                 time.sleep(0.25)
         self.waits["at_end"] += time.monotonic() - started
+        if self.pending:
+            left = ", ".join(f"{point.tokens:,}" for point in self.pending.values())
+            rank_zero_warn(
+                f"CBS probes at {left} tokens: their side jobs did not finish within side_jobs.wait_at_end; "
+                "they stay in last.ckpt: a run resumed from it collects them"
+            )
 
     def close(self, point: ProbePoint) -> None:
         """The point's reading is recorded (or it failed): its start checkpoint goes, unless ``keep_checkpoints``."""

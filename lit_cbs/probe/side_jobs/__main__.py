@@ -1,10 +1,6 @@
-"""A side job: ``python -m lit_cbs.probe.side_jobs JOB.json`` (the launcher starts it; ``lit_cbs.probe.side_jobs`` is
-the main run's side).
-
-It rebuilds the run (``SideJobs.build``), resumes it from the probe's checkpoint as a ``CheckpointProbe`` told the
-main run's plan, trains the branches and writes their scores to ``scores.json``. A program, like the recipes: it
-sits above the library it runs (docs/design.md, Architecture).
-"""
+"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: it rebuilds the run (``SideJobs.build``, a dotted
+function the job description names, with its JSON arguments), resumes it from the probe's checkpoint with the main
+run's plan, trains the branches and writes their scores to ``scores.json``."""
 
 from __future__ import annotations
 
@@ -19,13 +15,12 @@ from typing import Any
 
 import torch
 
-from lit_cbs.probe.branch import no_baseline
-from lit_cbs.probe.config import ProbeConfig
-from lit_cbs.probe.engine import score_from_json, score_to_json
+from lit_cbs.probe.engine import ProbeConfig, score_from_json, score_to_json
 from lit_cbs.probe.from_checkpoint import CheckpointProbe, run_checkpoint_probe
+from lit_cbs.probe.in_process import no_baseline
+from lit_cbs.probe.plan import ProbePlan
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.probe.side_jobs import build_parts, main_is_gone, write_json
-from lit_cbs.probe.start import ProbePlan
 
 
 class MainRunGone(RuntimeError):

@@ -1,8 +1,6 @@
-"""Where a CBS probe's side jobs run: ``LocalLauncher`` (processes on this machine, with their own thread
-count or GPUs) and ``SlurmLauncher`` (SLURM jobs through submitit, the engine of Hydra's SLURM launcher), and
-``SideJobs``, the probe's side-job settings. Pure Python (subprocess, and submitit when it submits): a launcher
-starts a Python command line and says whether it still runs; what the job does is ``lit_cbs.probe.side_jobs``.
-"""
+"""Where a CBS probe's side jobs run: ``LocalLauncher`` (processes on this machine) and ``SlurmLauncher`` (SLURM jobs
+through submitit), and ``SideJobs``, the probe's side-job settings. A launcher starts a Python command line and says
+whether it still runs; what the job does is ``lit_cbs.probe.side_jobs``."""
 
 from __future__ import annotations
 
@@ -26,87 +24,32 @@ __all__ = ["JobState", "Launcher", "LocalLauncher", "SideJobs", "SlurmLauncher"]
 
 @dataclass(frozen=True)
 class JobState:
-    """A side job seen from the main run: still ``running`` (or queued), or ended, with why (``reason``).
-
-    Args:
-        running: whether the job still runs (or waits in a queue).
-        reason: why it ended, in words (its exit status and last line of output); "" while it runs.
-
-    Examples:
-        A local job that prints a line and exits, asked about until it has ended:
-
-        >>> import tempfile, time
-        >>> from pathlib import Path
-        >>> launcher = LocalLauncher()
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     handle = launcher.submit(["-c", "print('scored k=2')"], Path(folder), "probe-1")
-        ...     while (state := launcher.state(handle)).running:
-        ...         time.sleep(0.05)
-        >>> state
-        JobState(running=False, reason='exited with code 0: scored k=2')
-    """
+    """A side job seen from the main run: still ``running`` (or queued), or ended, and why (its exit status and
+    last line of output)."""
 
     running: bool
     reason: str = ""
 
 
 class Launcher(Protocol):
-    """Starts side jobs and tells whether they still run. A handle is a JSON-able dict (it goes into the main
-    run's checkpoint, so a resumed run can ask about a job it did not start). ``max_running``: jobs at once
-    (None: no limit). ``LocalLauncher`` and ``SlurmLauncher`` are the two lit_cbs has; ``SideJobs`` takes any
-    object with these methods.
-
-    Examples:
-        A launcher of one's own (here one whose jobs have always ended) is given to ``SideJobs`` as the two are:
-
-        >>> class Finished:
-        ...     max_running = None
-        ...     def check(self): pass
-        ...     def submit(self, command, folder, name): return {"launcher": "finished", "name": name}
-        ...     def state(self, handle): return JobState(False, "exited with code 0")
-        ...     def cancel(self, handle): pass
-        >>> jobs = SideJobs(Finished(), build="my_project.parts:build_parts")
-        >>> jobs.launcher.state(jobs.launcher.submit(["-c", "pass"], Path("."), "probe-1"))
-        JobState(running=False, reason='exited with code 0')
-    """
+    """Starts side jobs and tells whether they still run (``LocalLauncher``, ``SlurmLauncher``, or any object with
+    these methods). A handle is a JSON-able dict (it goes into the main run's checkpoint, so a resumed run can ask
+    about a job it did not start); ``max_running``: jobs at once (None: no limit)."""
 
     max_running: int | None
 
     def check(self) -> None:
-        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start.
-
-        Raises:
-            LitCBSConfigError: no job could start.
-        """
+        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start."""
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Start ``command`` (a Python command line) as a job whose files go to ``folder``; return its handle.
-
-        Args:
-            command: the arguments after the interpreter.
-            folder: an existing folder for the job's files.
-            name: the job's name (its files are named after it).
-
-        Returns:
-            The job's handle, a JSON-able dict.
-        """
+        """Start ``command`` (the arguments after the interpreter) as a job whose files go to ``folder``, named
+        ``name``; return its handle."""
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job still runs.
-
-        Args:
-            handle: what ``submit`` returned (perhaps in an earlier main process).
-
-        Returns:
-            ``JobState(True)`` while it runs, else ``JobState(False, reason)``.
-        """
+        """Whether the job of ``handle`` (perhaps submitted by an earlier main process) still runs."""
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """Stop the job if it runs.
-
-        Args:
-            handle: what ``submit`` returned.
-        """
+        """Stop the job if it runs."""
 
 
 @dataclass(frozen=True)
@@ -114,19 +57,14 @@ class LocalLauncher:
     """Side jobs as processes on this machine.
 
     Args:
-        threads: torch (OpenMP) threads of each job (None: torch's default). On a CPU machine, give the main run
-            and the jobs their own cores: e.g. ``OMP_NUM_THREADS=1`` for the main run and ``threads=1`` here.
-        devices: ``CUDA_VISIBLE_DEVICES`` of each job (e.g. "7": the GPU the main run does not use); None: as
-            the main run's environment has it.
+        threads: torch threads of each job (None: torch's default); on a CPU machine give the main run and the jobs
+            their own cores (e.g. ``OMP_NUM_THREADS=1`` for the main run and ``threads=1`` here).
+        devices: ``CUDA_VISIBLE_DEVICES`` of each job (e.g. "7"; None: the main run's).
         timeout_min: a job running longer is stopped and counts as failed (None: no limit).
-        max_running: jobs that run at once; later probes' jobs wait their turn (None: no limit).
+        max_running: jobs at once; later probes' jobs wait their turn (None: no limit).
         python: the interpreter the jobs run (default: the main run's).
 
-    Raises:
-        LitCBSConfigError: ``threads`` or ``max_running`` is not a positive int or None, or ``timeout_min`` not a
-            finite number > 0 or None.
-
-    Examples:
+    Example:
         >>> LocalLauncher(threads=1, devices="7").max_running  # one job at a time, on GPU 7
         1
         >>> LocalLauncher(threads=0)
@@ -146,16 +84,7 @@ class LocalLauncher:
         positive_int("max_running", self.max_running, "jobs at once", optional=True)
 
     def check(self) -> None:
-        """Refuse an interpreter that cannot import ``lit_cbs.probe.side_jobs`` (it starts it once, briefly).
-
-        Raises:
-            LitCBSConfigError: no job could start; the message has the interpreter's last line of error.
-
-        Examples:
-            >>> LocalLauncher(python="/no/such/python").check()  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            lit_cbs.errors.LitCBSConfigError: LocalLauncher(python='/no/such/python') cannot start a side job (...
-        """
+        """Refuse an interpreter that cannot import ``lit_cbs.probe.side_jobs`` (started once, briefly)."""
         try:
             found = subprocess.run(
                 [self.python, "-c", "import lit_cbs.probe.side_jobs"], capture_output=True, text=True
@@ -170,17 +99,8 @@ class LocalLauncher:
             )
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Start ``python command...`` as a process in a session of its own, without the main run's process
-        group variables (``MASTER_ADDR``, ``RANK``, ...), its output appended to ``folder/name.log``.
-
-        Args:
-            command: the arguments after the interpreter, e.g. ``["-m", "lit_cbs.probe.side_jobs", "job.json"]``.
-            folder: an existing folder for the job's log.
-            name: the log's name, without ``.log``.
-
-        Returns:
-            The job's handle (JSON-able): ``launcher``, ``pid``, ``started`` (Unix seconds) and ``log``.
-        """
+        """``python command...`` in a session of its own (a signal to the main run does not reach it), without the
+        main run's process-group variables, its output appended to ``folder/name.log``."""
         env = job_environment()
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
@@ -196,16 +116,8 @@ class LocalLauncher:
         return {"launcher": "local", "pid": process.pid, "started": time.time(), "log": str(folder / f"{name}.log")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job of ``handle`` still runs (also one an earlier main process started); a job past
-        ``timeout_min`` is stopped here and reported ended.
-
-        Args:
-            handle: what ``submit`` returned.
-
-        Returns:
-            ``JobState(True)`` while it runs; else ``JobState(False, reason)``, the reason its exit code or signal
-            and the last line of its log.
-        """
+        """Whether the job still runs (also one an earlier main process started); one past ``timeout_min`` is
+        stopped here. An ended job's reason: its exit code or signal and the last line of its log."""
         process = _STARTED.get(handle["pid"])
         code: int | str | None  # the exit status; "unknown": not our child, and gone
         if process is not None:
@@ -221,16 +133,12 @@ class LocalLauncher:
         return JobState(False, _ended(code if isinstance(code, int) else None, handle.get("log")))
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """Kill the job's process group (SIGKILL); nothing if it has ended.
-
-        Args:
-            handle: what ``submit`` returned.
-        """
+        """Kill the job's process group (nothing if it has ended)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(handle["pid"], signal.SIGKILL)
 
 
-_STARTED: dict[int, subprocess.Popen] = {}  # the jobs this process started, by process id
+_STARTED: dict[int, subprocess.Popen[bytes]] = {}  # the jobs this process started, by process id
 
 # What the main run's launcher (torchrun, Lightning, SLURM's srun under it) tells its own ranks: a job that inherited
 # them would join the main run's process group, or take itself for one of its ranks.
@@ -284,26 +192,13 @@ def _ended(code: int | None, log: str | None) -> str:
 
 @dataclass(frozen=True)
 class SlurmLauncher:
-    """Side jobs as SLURM jobs, submitted through submitit (``pip install -e ".[slurm]"``). The settings are
-    those of Hydra's submitit launcher (``conf/hydra/launcher/slurm.yaml``): a job of ``nodes`` x
-    ``tasks_per_node`` processes, which Lightning's ``SLURMEnvironment`` turns into ranks.
+    """Side jobs as SLURM jobs through submitit (``pip install -e ".[slurm]"``), with the settings of Hydra's submitit
+    launcher: ``nodes`` x ``tasks_per_node`` processes, which Lightning's ``SLURMEnvironment`` makes ranks; the other
+    fields are sbatch's options of those names (``additional_parameters``: more, e.g. ``{"requeue": True}``).
+    ``timeout_min``: a job that reaches it counts as failed; ``max_running``: jobs submitted at once (None: SLURM
+    queues them).
 
-    Args:
-        partition: the partition (spare or preemptible capacity, e.g. one with a lower priority); None: the
-            cluster's default.
-        timeout_min: the job's time limit (minutes); a job that reaches it counts as failed.
-        nodes: as sbatch's option of that name.
-        tasks_per_node: as sbatch's option of that name.
-        gpus_per_node: as sbatch's option of that name.
-        cpus_per_task: as sbatch's option of that name.
-        mem_gb: as sbatch's option of that name.
-        account: as sbatch's option of that name.
-        additional_parameters: more sbatch options (e.g. ``{"requeue": True}`` to let SLURM requeue a
-            preempted job by itself).
-        max_running: jobs submitted at once; later probes' jobs wait their turn (None: SLURM queues them).
-        python: the interpreter the job runs (default: the main run's).
-
-    Examples:
+    Example:
         >>> launcher = SlurmLauncher(partition="spare", gpus_per_node=1, timeout_min=30)
         >>> launcher.nodes, launcher.tasks_per_node, launcher.max_running  # one process; SLURM queues the jobs
         (1, 1, None)
@@ -322,12 +217,7 @@ class SlurmLauncher:
     python: str = sys.executable
 
     def check(self) -> None:
-        """Refuse a machine where no SLURM job could start: submitit missing, no ``sbatch``, or a ``partition``
-        that ``sinfo`` does not list.
-
-        Raises:
-            LitCBSConfigError: the one line of what is missing, with the fix.
-        """
+        """Refuse a machine without submitit or ``sbatch``, or a ``partition`` ``sinfo`` does not list."""
         try:
             importlib.import_module("submitit")
         except ImportError:
@@ -367,16 +257,7 @@ class SlurmLauncher:
         return executor
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``).
-
-        Args:
-            command: the arguments after the interpreter.
-            folder: the job's folder.
-            name: the SLURM job name.
-
-        Returns:
-            The job's handle (JSON-able): ``launcher``, ``job_id`` and ``folder`` (submitit's).
-        """
+        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``)."""
         import submitit
 
         # sbatch passes on the environment it is called in (the job then adds SLURM's own): not the main run's group.
@@ -387,16 +268,8 @@ class SlurmLauncher:
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the SLURM job still runs or waits (pending, requeued, suspended, ...), from submitit's result
-        file, ``squeue`` and ``sacct``.
-
-        Args:
-            handle: what ``submit`` returned.
-
-        Returns:
-            ``JobState(True)`` while it runs or waits; else ``JobState(False, reason)``: "" for a command that
-            succeeded, else the last line of its error or the state SLURM ended it in.
-        """
+        """Whether the SLURM job still runs or waits (from submitit's result file, ``squeue`` and ``sacct``); an ended
+        one's reason: "" for a command that succeeded, else its last line of error or SLURM's end state."""
         import submitit
 
         job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
@@ -417,11 +290,7 @@ class SlurmLauncher:
         return JobState(False, f"SLURM job {handle['job_id']} ended {state}")
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """``scancel`` the job (nothing if it has ended).
-
-        Args:
-            handle: what ``submit`` returned.
-        """
+        """``scancel`` the job."""
         subprocess.run(["scancel", handle["job_id"]], capture_output=True)
 
 
@@ -435,29 +304,21 @@ def _squeue_state(job_id: str) -> str | None:
 
 @dataclass(frozen=True)
 class SideJobs:
-    """How ``CBSProbeCallback`` runs its branches as side jobs (``ProbeConfig.side_jobs``).
+    """How ``CBSProbeCallback(side_jobs=...)`` trains its branches as side jobs.
 
     Args:
         launcher: ``LocalLauncher(...)`` or ``SlurmLauncher(...)``.
-        build: how a job rebuilds the run: ``"package.module:function"``, a function returning
-            ``lit_cbs.probe.RunParts`` (the module, datamodule, Trainer settings and BatchWarmup as the run
-            has them), importable where the job runs; the main run calls it once at setup, dry (nothing trains),
-            so that a build that fails stops the run before its first step.
-        build_args: keyword arguments of ``build``, JSON-able (the recipes pass their run's configuration file).
-        retries: times a failed job is started again before the probe is recorded as failed.
-        keep_checkpoints: keep each probe's start checkpoint once its reading is recorded (by default it is
-            deleted then; the job folder keeps the job's description, log and scores).
-        wait_at_end: when training ends, wait for the readings still running (up to this many minutes; 0:
-            leave them, a resumed run or ``recipes/probe.py`` collects them).
-        look_seconds: the main run looks for finished jobs at most this often (seconds of its training), and
-            spends at most 1% of its time looking (a look asks the launcher about every job out: for SLURM,
-            ``squeue``; over several ranks, one broadcast); 0: after every optimizer step.
+        build: ``"package.module:function"`` returning the run's ``RunParts``, importable where the job runs; the
+            main run calls it once at setup (nothing trains), so a build that fails stops the run first.
+        build_args: its keyword arguments, JSON-able (the recipes pass their run's configuration file).
+        retries: times a failed job starts again before the probe is recorded as failed.
+        keep_checkpoints: keep each probe's start checkpoint once its reading is recorded.
+        wait_at_end: minutes to wait for the readings still out when training ends (0: a resumed run or
+            ``recipes/probe.py`` collects them).
+        look_seconds: look for finished jobs at most this often (seconds; at most 1% of the run's time; 0: every
+            optimizer step).
 
-    Raises:
-        LitCBSConfigError: ``launcher`` has no ``submit``, ``build`` is not "module:function", ``build_args`` is no
-            mapping, ``retries`` is not an int >= 0, or ``wait_at_end`` or ``look_seconds`` is negative.
-
-    Examples:
+    Example:
         >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
         >>> jobs.retries, jobs.wait_at_end  # restarts of a failed job; minutes waited at the end
         (2, 60.0)
