@@ -221,10 +221,9 @@ class BatchGuard:
         if threshold is None:
             threshold = max(self.noise_multiple * residual_std, self.min_threshold)
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
-        verdict = GuardVerdict(
-            *(watch.change, watch.old_global_batch, watch.new_global_batch, watch.consumed, consumed, rise),
-            *(threshold, residual_std, intercept, slope, len(fit), len(watched), reverted),
-        )
+        at_change = (watch.change, watch.old_global_batch, watch.new_global_batch, watch.consumed, consumed)
+        trend = (rise, threshold, residual_std, intercept, slope)
+        verdict = GuardVerdict(*at_change, *trend, len(fit), len(watched), reverted)
         self.verdicts.append(verdict)
         self._watch = None
         if reverted:
