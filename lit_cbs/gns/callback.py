@@ -36,46 +36,6 @@ class _LossOfBatch(torch.nn.Module):
         return self.loss(self.module, batch)
 
 
-class _PerExample:
-    """Per-example mode (Gray et al. 2024): per group, the sum of each sample's squared gradient norm."""
-
-    def __init__(
-        self,
-        module: torch.nn.Module,
-        loss: PerExampleLoss,
-        group_of: dict[torch.Tensor, int],
-        groups: int,
-        chunk_size: int | None,
-    ):
-        self.loss_module = _LossOfBatch(module, loss)
-        self.named_params = {f"module.{n}": p for n, p in module.named_parameters() if p in group_of}
-        self.group_of, self.groups, self.chunk_size = group_of, groups, chunk_size
-
-    def grad_sq(self, batch: Any, size: int, device: torch.device) -> torch.Tensor:
-        names = list(self.named_params)
-        params = {name: p.detach() for name, p in self.named_params.items()}
-        group_index = torch.tensor([self.group_of[self.named_params[n]] for n in names], device=device)
-
-        def sample_grad_sq(params: dict[str, torch.Tensor], sample: Any) -> torch.Tensor:
-            loss = lambda p: torch.func.functional_call(self.loss_module, p, (sample,), strict=False)  # noqa: E731
-            grads = torch.func.grad(loss)(params)
-            norms = torch.stack([squared_norm(grads[n]) for n in names])
-            return torch.zeros(self.groups, device=norms.device).index_add(0, group_index, norms)
-
-        def per_sample(leaf: Any) -> bool:
-            return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == size
-
-        # vmap over dim 0 of every per-sample tensor, each sample kept as a batch of one.
-        samples = tree_map(lambda leaf: leaf.unsqueeze(1) if per_sample(leaf) else leaf, batch)
-        in_dims = tree_map(lambda leaf: 0 if per_sample(leaf) else None, batch)
-        devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # dropout here must not move the training RNG streams
-            per_sample_sq = torch.func.vmap(
-                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.chunk_size
-            )(params, samples)
-        return per_sample_sq.sum(0)
-
-
 def _accumulates(trainer: pl.Trainer) -> bool:
     """Whether the Trainer, a BatchWarmup or a GradientAccumulationScheduler accumulates 2+ micro-batches."""
     from lit_cbs.callbacks.warmup import BatchWarmup
@@ -144,7 +104,8 @@ class GradientNoiseScale(Callback):
         self._restored_group_names: list[str | None] | None = None  # from a checkpoint, checked when the fit starts
         self._group_of: dict[torch.Tensor, int] = {}  # parameter -> index in group_names
         self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
-        self._examples: _PerExample | None = None
+        self._loss_module: _LossOfBatch | None = None  # per-example mode, once the fit starts
+        self._named_params: dict[str, torch.Tensor] = {}  # its trained parameters by functional_call name
         self._world_size, self._device = 1, torch.device("cpu")
         self._accounting: BatchAccounting | None = None  # the Trainer's: says when a CBS probe's branch runs
         self._said_unmeasured = False
@@ -193,8 +154,8 @@ class GradientNoiseScale(Callback):
             self._averages.to(self._device)
         self._restart_sums()
         if self.per_example_loss is not None:
-            groups, chunk_size = len(self.group_names), self.per_example_chunk_size
-            self._examples = _PerExample(pl_module, self.per_example_loss, self._group_of, groups, chunk_size)
+            self._loss_module = _LossOfBatch(pl_module, self.per_example_loss)
+            self._named_params = {f"module.{n}": p for n, p in pl_module.named_parameters() if p in self._group_of}
             return
         if not isinstance(trainer.strategy, DDPStrategy):
             return
@@ -216,8 +177,32 @@ class GradientNoiseScale(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._micro_batch_size = extract_batch_size(batch)
-        if self._examples is not None and self._micro_batch_size:
-            self._pending_small = self._examples.grad_sq(batch, self._micro_batch_size, self._device)
+        if self._loss_module is not None and self._micro_batch_size:
+            self._pending_small = self._per_example_grad_sq(self._loss_module, batch, self._micro_batch_size)
+
+    def _per_example_grad_sq(self, loss_module: _LossOfBatch, batch: Any, size: int) -> torch.Tensor:
+        """Per-example mode (Gray et al. 2024): per group, the sum of each sample's squared gradient norm."""
+        names, device = list(self._named_params), self._device
+        params = {name: p.detach() for name, p in self._named_params.items()}
+        group_index = torch.tensor([self._group_of[self._named_params[n]] for n in names], device=device)
+
+        def sample_grad_sq(params: dict[str, torch.Tensor], sample: Any) -> torch.Tensor:
+            loss = lambda p: torch.func.functional_call(loss_module, p, (sample,), strict=False)  # noqa: E731
+            grads = torch.func.grad(loss)(params)
+            norms = torch.stack([squared_norm(grads[n]) for n in names])
+            return torch.zeros(len(self.group_names), device=norms.device).index_add(0, group_index, norms)
+
+        def per_sample(leaf: Any) -> bool:
+            return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == size
+
+        # vmap over dim 0 of every per-sample tensor, each sample kept as a batch of one.
+        samples = tree_map(lambda leaf: leaf.unsqueeze(1) if per_sample(leaf) else leaf, batch)
+        in_dims = tree_map(lambda leaf: 0 if per_sample(leaf) else None, batch)
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):  # dropout here
+            per_sample_sq = torch.func.vmap(  # must not move the training RNG streams
+                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.per_example_chunk_size
+            )(params, samples)
+        return per_sample_sq.sum(0)
 
     @property
     def _in_branch(self) -> bool:  # a CBS probe's branch: its gradients, hooks and steps are not the main run's

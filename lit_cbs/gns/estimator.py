@@ -15,10 +15,7 @@ __all__: list[str] = []  # internal
 
 
 def two_batch_estimates(
-    small_grad_sq: torch.Tensor | float,
-    big_grad_sq: torch.Tensor | float,
-    small_batch_size: torch.Tensor | float,
-    big_batch_size: torch.Tensor | float,
+    small_grad_sq: Any, big_grad_sq: Any, small_batch_size: Any, big_batch_size: Any
 ) -> tuple[Any, Any]:
     """Unbiased ``(|G|^2, tr(Sigma))`` from squared gradient norms at two (effective) batch sizes in samples."""
     inv_small, inv_big = 1.0 / small_batch_size, 1.0 / big_batch_size
@@ -74,10 +71,7 @@ class StepSums:
         self.values[: self.groups] /= loss_scale**2
 
     def measurement(
-        self,
-        big_grad_sq: torch.Tensor,
-        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        averaged_over: int | None = None,
+        self, big_grad_sq: torch.Tensor, reduce: Callable[[Any], Any] | None = None, averaged_over: int | None = None
     ) -> NoiseMeasurement:
         """The step's measurement; ``reduce`` sums ``values`` over the ranks. ``averaged_over``: the micro-batches
         the step's gradient was divided among (accumulation x ranks), to rescale a step with fewer (an epoch's last)."""
@@ -117,9 +111,7 @@ class NoiseAverages:
     @property
     def b_simple(self) -> float | None:
         """The whole model's B_simple in samples (the bias correction cancels); None before any update."""
-        if not self.updates:
-            return None
-        return float(self.trace_sigma.sum() / self.grad_sq.sum())
+        return float(self.trace_sigma.sum() / self.grad_sq.sum()) if self.updates else None
 
     def metrics(self, group_names: Sequence[str | None]) -> dict[str, float]:
         """``gns/...`` for the whole model and ``gns/<group>/...`` per named group (None: the ungrouped rest)."""
