@@ -20,6 +20,8 @@ __all__: list[str] = []  # internal
 
 
 class WarmupGuard:
+    """Feeds ``guard`` each optimizer step's loss and acts on its verdicts."""
+
     def __init__(self, guard: BatchGuard):
         self.guard = guard
         # This step's micro-batch losses so far: their sum (on the loss's device: no host sync) and count.
@@ -68,11 +70,8 @@ class WarmupGuard:
             f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); "
             f"{outcome} samples"
         )
-        log_to_loggers(
-            trainer,
-            lambda _: {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold},
-            every_step=True,
-        )
+        logged = {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold}
+        log_to_loggers(trainer, lambda _: logged, every_step=True)
 
     @staticmethod
     def settings_before(trainer: pl.Trainer) -> list[list[dict[str, Any]]]:

@@ -270,8 +270,7 @@ class CBSAdaptive(BatchSchedule):
     def __init__(
         self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False
     ):
-        _samples("start", start)
-        _samples("final", final)
+        _samples("start", start), _samples("final", final)
         if final < start:
             raise LitCBSConfigError(f"final={final} must be >= start={start}")
         doublings = math.log2(final / start)

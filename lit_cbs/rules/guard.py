@@ -89,7 +89,6 @@ def _loss_rise(
 
 class BatchGuard:
     """Watch the training loss after each batch increase; revert the increase if the loss rises above its trend.
-
     ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments.
 
     Args:

@@ -207,17 +207,14 @@ class OneCycle(_Schedule):
 
 class TokenLRScheduler(LambdaLR):
     """``LambdaLR`` with LR = base LR x ``schedule(tokens_seen)``; Lightning steps it with ``interval="step"``.
-
-    ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or
-    BatchAccounting do it, a plain loop sets it itself; stepping without it raises.
+    ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or BatchAccounting
+    do it, a plain loop sets it itself.
 
     Example:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
         >>> scheduler = TokenLRScheduler(optimizer, CosineSchedule(warmup_tokens=0, total_tokens=1000))
-        >>> scheduler.tokens_seen = 500  # BatchWarmup sets it before every step
-        >>> optimizer.step()
-        >>> scheduler.step()
+        >>> scheduler.tokens_seen = 500; optimizer.step(); scheduler.step()
         >>> round(optimizer.param_groups[0]["lr"], 6)  # 0.01 x (0.1 + 0.9 x 0.5)
         0.0055
     """
@@ -233,7 +230,6 @@ class TokenLRScheduler(LambdaLR):
         return self.schedule(self.tokens_seen or 0)
 
     def step(self, epoch: int | None = None) -> None:
-        # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
         if self.last_epoch >= 0 and self.tokens_seen is None:
             raise LitCBSConfigError(
                 "TokenLRScheduler.step() was called but tokens_seen was never set: add lit_cbs.BatchWarmup (a growing "
