@@ -323,9 +323,7 @@ class GradientNoiseScale(Callback):
         if scaler is not None and not self._per_example:
             sums.unscale(scaler.get_scale())  # micro-batch gradients were read before unscaling
         reduce = (lambda values: trainer.strategy.reduce(values, reduce_op="sum")) if self._world_size > 1 else None
-        # A step cut short by the epoch's end is still divided by accumulate_grad_batches (and the ranks): the
-        # measurement rescales it to the mean over its micro-batches.
-        averaged_over = trainer.accumulate_grad_batches * self._world_size
+        averaged_over = trainer.accumulate_grad_batches * self._world_size  # also for a step the epoch cut short
         self.last_measurement = sums.measurement(big_grad_sq, reduce, averaged_over)
         if averages.update(self.last_measurement):  # not after an AMP overflow: the optimizer skips that step
             self._stepped = True
