@@ -1,5 +1,4 @@
-"""``BatchWarmup``'s side of its guard (``lit_cbs.rules.guard.BatchGuard``): it feeds the guard each step's loss and
-carries out its reverts."""
+"""``BatchWarmup``'s side of its guard (``lit_cbs.rules.guard.BatchGuard``): feeds it losses, carries out reverts."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ __all__: list[str] = []  # internal
 
 
 class WarmupGuard:
-    """Feeds ``guard`` the loss of each optimizer step and acts on its verdicts."""
+    """Feeds ``guard`` each optimizer step's loss and acts on its verdicts."""
 
     def __init__(self, guard: BatchGuard):
         self.guard = guard
@@ -62,31 +61,25 @@ class WarmupGuard:
     @staticmethod
     def _report(trainer: pl.Trainer, verdict: GuardVerdict, unit: str) -> None:
         outcome = (
-            f"reverting to {verdict.old_global_batch} samples"
-            if verdict.reverted
-            else f"keeping {verdict.new_global_batch} samples"
+            f"reverting to {verdict.old_global_batch}" if verdict.reverted else f"keeping {verdict.new_global_batch}"
         )
         rank_zero_info(
             f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
             f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
             f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.watch_steps} steps; threshold "
             f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); "
-            f"{outcome}"
+            f"{outcome} samples"
         )
-        log_to_loggers(
-            trainer,
-            lambda _: {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold},
-            every_step=True,
-        )
+        logged = {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold}
+        log_to_loggers(trainer, lambda _: logged, every_step=True)
 
     @staticmethod
     def settings_before(trainer: pl.Trainer) -> list[list[dict[str, Any]]]:
-        """Every optimizer's settings per param group, read before a change moves them: what its revert restores."""
+        """Every optimizer's settings per param group, before a change moves them."""
         return [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
 
     def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
-        """A scheduled change ``old`` -> ``new`` (samples): the guard watches an increase; a decrease ends the watch
-        it falls in."""
+        """The guard watches an increase ``old`` -> ``new`` (samples); a decrease ends the watch it falls in."""
         if new < old and self.guard.watching:
             self.guard.forget_watch()
         elif new > old and not self.guard.watch(index, consumed, old, new, restore):
@@ -101,9 +94,8 @@ class WarmupGuard:
     def revert(
         self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
     ) -> tuple[float, float, RevertRestore]:
-        """Carry out the guard's revert ``old`` -> ``new`` (samples): the optimizers go back to exactly their LR and
-        settings of before the increase, and ``schedule`` withdraws its batches above ``new`` (a closed loop must
-        ask again). Return the revert's LR and clipping factors and what the guard restores."""
+        """Carry out the revert ``old`` -> ``new`` (samples): the optimizers' LR and settings of before the increase,
+        ``schedule`` withdraws its batches above ``new``. Return the revert's LR and clipping factors, the restore."""
         restore = self.guard.mark_reverted(consumed)
         lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]

@@ -1,7 +1,4 @@
-"""``GradientNoiseScale``: the simple noise scale B_simple = tr(Sigma) / |G|^2 (``estimator``), measured online.
-
-The modes, what each costs and when to pick it: docs/guides/gns_cost.md.
-"""
+"""``GradientNoiseScale``: B_simple = tr(Sigma) / |G|^2 measured online. Modes and cost: docs/guides/gns_cost.md."""
 
 from __future__ import annotations
 
@@ -33,53 +30,10 @@ class _LossOfBatch(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, loss: PerExampleLoss):
         super().__init__()
-        self.module = module
-        self.loss = loss
+        self.module, self.loss = module, loss
 
     def forward(self, batch: Any) -> torch.Tensor:
         return self.loss(self.module, batch)
-
-
-class _PerExample:
-    """Per-example mode (Gray et al. 2024): per group, the sum of each sample's squared gradient norm, from
-    ``torch.func``."""
-
-    def __init__(
-        self,
-        pl_module: torch.nn.Module,
-        loss: PerExampleLoss,
-        group_of: dict[torch.Tensor, int],
-        groups: int,
-        chunk_size: int | None,
-    ):
-        self.loss_module = _LossOfBatch(pl_module, loss)
-        self.named_params = {f"module.{n}": p for n, p in pl_module.named_parameters() if p in group_of}
-        self.group_of, self.groups, self.chunk_size = group_of, groups, chunk_size
-
-    def grad_sq(self, batch: Any, size: int, device: torch.device) -> torch.Tensor:
-        names = list(self.named_params)
-        params = {name: p.detach() for name, p in self.named_params.items()}
-        group_index = torch.tensor([self.group_of[self.named_params[n]] for n in names], device=device)
-
-        def sample_grad_sq(params: dict[str, torch.Tensor], sample: Any) -> torch.Tensor:
-            grads = torch.func.grad(lambda p: torch.func.functional_call(self.loss_module, p, (sample,), strict=False))(
-                params
-            )
-            norms = torch.stack([squared_norm(grads[n]) for n in names])
-            return torch.zeros(self.groups, device=norms.device).index_add(0, group_index, norms)
-
-        def per_sample(leaf: Any) -> bool:
-            return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == size
-
-        # vmap over dim 0 of every per-sample tensor, each sample kept as a batch of one.
-        samples = tree_map(lambda leaf: leaf.unsqueeze(1) if per_sample(leaf) else leaf, batch)
-        in_dims = tree_map(lambda leaf: 0 if per_sample(leaf) else None, batch)
-        devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # dropout here must not move the training RNG streams
-            per_sample_sq = torch.func.vmap(
-                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.chunk_size
-            )(params, samples)
-        return per_sample_sq.sum(0)
 
 
 def _accumulates(trainer: pl.Trainer) -> bool:
@@ -103,28 +57,22 @@ def _accumulates(trainer: pl.Trainer) -> bool:
 class GradientNoiseScale(Callback):
     """Log the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), in samples.
 
-    The small batch is one micro-batch on one rank (gradient accumulation or DDP needed), or one sample with
-    ``per_example_loss``; the big batch is the optimizer step's global batch. Logged every ``log_every_n_steps``
-    from bias-corrected EMAs: ``gns/b_simple`` (samples), ``gns/trace_sigma``, ``gns/grad_sq``, and
-    ``gns/<group>/...`` per group. Under Adam it underestimates the CBS (Merrill et al. 2025): a monitor
-    next to ``CBSProbeCallback``. Modes and cost: docs/guides/gns_cost.md.
+    The small batch is one micro-batch on one rank (accumulation or DDP needed), or one sample with
+    ``per_example_loss``; the big batch is the step's global batch. Logs ``gns/b_simple``, ``gns/trace_sigma``,
+    ``gns/grad_sq`` (and ``gns/<group>/...``) from bias-corrected EMAs. Under Adam it underestimates the CBS
+    (Merrill et al. 2025): a monitor next to ``CBSProbeCallback``.
 
     Args:
         ema_decay: the EMAs' decay per measured optimizer step, in [0, 1).
         groups: also measure per group of parameters: ``"param_groups"``, ``"blocks"`` (one per transformer
             block and other module) or ``{group: regex}`` over ``named_parameters()`` names (``re.search``).
-        per_example_loss: ``(module, batch) -> loss`` of a micro-batch, without side effects: per-example mode,
-            called through ``torch.func.vmap`` on one-sample batches.
+        per_example_loss: ``(module, batch) -> loss`` of a micro-batch, without side effects: per-example mode.
         per_example_chunk_size: samples per ``vmap`` chunk in per-example mode (None: the whole micro-batch).
 
     Example:
         >>> callback = GradientNoiseScale(groups="blocks", ema_decay=0.95)  # Trainer(callbacks=[callback])
         >>> callback.groups, callback.b_simple, callback.num_updates
         ('blocks', None, 0)
-        >>> GradientNoiseScale(ema_decay=1.0)
-        Traceback (most recent call last):
-        ...
-        lit_cbs.errors.LitCBSConfigError: ema_decay=1.0 must be a float in [0, 1) (decay per optimizer step)
     """
 
     def __init__(
@@ -146,24 +94,21 @@ class GradientNoiseScale(Callback):
                 "per_example_chunk_size only applies to per-example mode: also pass per_example_loss"
             )
         compiled_groups(groups)
-        self.ema_decay = float(ema_decay)
-        self.groups = groups
-        self.per_example_loss = per_example_loss
-        self.per_example_chunk_size = per_example_chunk_size
+        self.ema_decay, self.groups = float(ema_decay), groups
+        self.per_example_loss, self.per_example_chunk_size = per_example_loss, per_example_chunk_size
         self._per_example = per_example_loss is not None
         self._stepped = False  # a step was measured and its metrics are not written yet
         self.last_measurement: NoiseMeasurement | None = None
         self._averages: NoiseAverages | None = None  # created when the fit starts, or by a checkpoint before
-
         self.group_names: list[str | None] = []
         self._restored_group_names: list[str | None] | None = None  # from a checkpoint, checked when the fit starts
         self._group_of: dict[torch.Tensor, int] = {}  # parameter -> index in group_names
         self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
-        self._examples: _PerExample | None = None  # per-example mode, once the fit starts
-        self._world_size = 1
-        self._device = torch.device("cpu")
+        self._loss_module: _LossOfBatch | None = None  # per-example mode, once the fit starts
+        self._named_params: dict[str, torch.Tensor] = {}  # its trained parameters by functional_call name
+        self._world_size, self._device = 1, torch.device("cpu")
         self._accounting: BatchAccounting | None = None  # the Trainer's: says when a CBS probe's branch runs
-        self._said_unmeasured = False  # a step it could not measure was reported
+        self._said_unmeasured = False
         # Since the last optimizer step (this rank): what its micro-batches add up to, and the gradient copies.
         self._sums: StepSums | None = None
         self._accumulated: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> copy of its accumulated .grad
@@ -201,24 +146,20 @@ class GradientNoiseScale(Callback):
             )
         (optimizer,) = trainer.optimizers  # automatic optimization: exactly one
         self.group_names, self._group_of = assign_groups(self.groups, optimizer, pl_module)
-        self._group_index = {}
-        self._device = pl_module.device
+        self._group_index, self._device = {}, pl_module.device
         if self._averages is None:
             self._averages = NoiseAverages.zeros(self.ema_decay, len(self.group_names), self._device)
         else:  # restored from a checkpoint before the strategy's setup
             self._check_restored_groups()
             self._averages.to(self._device)
         self._restart_sums()
-        per_example_loss = self.per_example_loss
-        if per_example_loss is not None:
-            self._examples = _PerExample(
-                pl_module, per_example_loss, self._group_of, len(self.group_names), self.per_example_chunk_size
-            )
-        elif isinstance(trainer.strategy, DDPStrategy):
-            # Lightning types the strategy's model as a Module; once the fit starts DDPStrategy has wrapped it.
-            self._register_comm_hook(cast(DistributedDataParallel, trainer.strategy.model))
-
-    def _register_comm_hook(self, model: DistributedDataParallel) -> None:
+        if self.per_example_loss is not None:
+            self._loss_module = _LossOfBatch(pl_module, self.per_example_loss)
+            self._named_params = {f"module.{n}": p for n, p in pl_module.named_parameters() if p in self._group_of}
+            return
+        if not isinstance(trainer.strategy, DDPStrategy):
+            return
+        model = cast(DistributedDataParallel, trainer.strategy.model)  # wrapped by DDPStrategy once the fit starts
         try:
             model.register_comm_hook(state=model.process_group, hook=self._comm_hook)
         except RuntimeError as error:
@@ -236,19 +177,40 @@ class GradientNoiseScale(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._micro_batch_size = extract_batch_size(batch)
-        if self._examples is not None and self._micro_batch_size:
-            self._pending_small = self._examples.grad_sq(batch, self._micro_batch_size, self._device)
+        if self._loss_module is not None and self._micro_batch_size:
+            self._pending_small = self._per_example_grad_sq(self._loss_module, batch, self._micro_batch_size)
+
+    def _per_example_grad_sq(self, loss_module: _LossOfBatch, batch: Any, size: int) -> torch.Tensor:
+        """Per-example mode (Gray et al. 2024): per group, the sum of each sample's squared gradient norm."""
+        names, device = list(self._named_params), self._device
+        params = {name: p.detach() for name, p in self._named_params.items()}
+        group_index = torch.tensor([self._group_of[self._named_params[n]] for n in names], device=device)
+
+        def sample_grad_sq(params: dict[str, torch.Tensor], sample: Any) -> torch.Tensor:
+            loss = lambda p: torch.func.functional_call(loss_module, p, (sample,), strict=False)  # noqa: E731
+            grads = torch.func.grad(loss)(params)
+            norms = torch.stack([squared_norm(grads[n]) for n in names])
+            return torch.zeros(len(self.group_names), device=norms.device).index_add(0, group_index, norms)
+
+        def per_sample(leaf: Any) -> bool:
+            return isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == size
+
+        # vmap over dim 0 of every per-sample tensor, each sample kept as a batch of one.
+        samples = tree_map(lambda leaf: leaf.unsqueeze(1) if per_sample(leaf) else leaf, batch)
+        in_dims = tree_map(lambda leaf: 0 if per_sample(leaf) else None, batch)
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):  # dropout here
+            per_sample_sq = torch.func.vmap(  # must not move the training RNG streams
+                sample_grad_sq, in_dims=(None, in_dims), randomness="different", chunk_size=self.per_example_chunk_size
+            )(params, samples)
+        return per_sample_sq.sum(0)
 
     @property
     def _in_branch(self) -> bool:  # a CBS probe's branch: its gradients, hooks and steps are not the main run's
         return self._accounting is not None and self._accounting.in_branch
 
-    def on_before_zero_grad(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        if self._in_branch:
-            return
-        self._held.clear()  # the accumulated gradient restarts from zero
+    def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not self._in_branch:
+            self._held.clear()  # the accumulated gradient restarts from zero
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._in_branch:
@@ -263,18 +225,15 @@ class GradientNoiseScale(Callback):
         assert sums is not None  # on_fit_start made them
         if not b:  # no sample (an epoch's last round left this rank none): no gradient of its own to measure
             self._hook_grad_sq = None
-            sums.add_micro_batch(b)
-            return
-        if self._per_example:
-            pending = self._pending_small
-            assert pending is not None  # on_train_batch_start measured this micro-batch (it has b > 0 samples)
-            sums.add_small_batches(pending, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
+        elif self._per_example:
+            assert self._pending_small is not None  # on_train_batch_start measured this micro-batch (b > 0 samples)
+            sums.add_small_batches(self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
         else:
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
             else:
-                more_follow = should_accumulate(trainer)
-                grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), keep=more_follow)
+                pairs = ((p, p.grad) for p in self._group_of)
+                grad_sq = self._micro_batch_grad_sq(pairs, keep=should_accumulate(trainer))
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
             sums.add_small_batches(grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
         sums.add_micro_batch(b)
@@ -283,7 +242,7 @@ class GradientNoiseScale(Callback):
         self, params_and_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], keep: bool
     ) -> torch.Tensor:
         """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
-        Fused ``_foreach_*`` kernels: per-parameter ones cost more than the arithmetic on a small model."""
+        Fused ``_foreach_*`` kernels, cheaper than per-parameter ones on a small model."""
         held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) with a copy from before this backward
         fresh: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) without: this step's first
         for param, grad in params_and_grads:
@@ -364,22 +323,17 @@ class GradientNoiseScale(Callback):
         if scaler is not None and not self._per_example:
             sums.unscale(scaler.get_scale())  # micro-batch gradients were read before unscaling
         reduce = (lambda values: trainer.strategy.reduce(values, reduce_op="sum")) if self._world_size > 1 else None
-        # A step cut short by the epoch's end is still divided by accumulate_grad_batches (and the ranks): the
-        # measurement rescales it to the mean over its micro-batches.
-        averaged_over = trainer.accumulate_grad_batches * self._world_size
+        averaged_over = trainer.accumulate_grad_batches * self._world_size  # also for a step the epoch cut short
         self.last_measurement = sums.measurement(big_grad_sq, reduce, averaged_over)
-        if not averages.update(self.last_measurement):
-            return  # an AMP overflow: the optimizer skips this step, the averages skip it too
-        self._stepped = True
+        if averages.update(self.last_measurement):  # not after an AMP overflow: the optimizer skips that step
+            self._stepped = True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        # After the optimizer step, so the row is the one Lightning and BatchWarmup write for this step.
-        if not self._stepped:
-            return
-        self._stepped = False
-        log_to_loggers(trainer, lambda _: self.metrics())
+        if self._stepped:  # after the optimizer step: the row Lightning and BatchWarmup write for this step
+            self._stepped = False
+            log_to_loggers(trainer, lambda _: self.metrics())
 
     def metrics(self) -> dict[str, float]:
         """The logged metrics' current values by name (empty before the first measured step)."""
@@ -400,8 +354,7 @@ class GradientNoiseScale(Callback):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        averages = self._averages
-        if averages is None:
+        if (averages := self._averages) is None:
             return {}
         return {
             "group_names": list(self.group_names),
@@ -416,9 +369,7 @@ class GradientNoiseScale(Callback):
         self._restored_group_names = list(state_dict["group_names"])
         if self.group_names:  # loaded after the fit started: check now
             self._check_restored_groups()
-        self._averages = NoiseAverages(
-            self.ema_decay,
-            state_dict["ema_grad_sq"].to(self._device, torch.float32),
-            state_dict["ema_trace_sigma"].to(self._device, torch.float32),
-            updates=state_dict["num_updates"],
+        grad_sq, trace_sigma = (
+            state_dict[key].to(self._device, torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma")
         )
+        self._averages = NoiseAverages(self.ema_decay, grad_sq, trace_sigma, state_dict["num_updates"])

@@ -1,9 +1,5 @@
-"""B_simple = tr(Sigma) / |G|^2 from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A).
-
-E|G_B|^2 = |G|^2 + tr(Sigma) / B, so two measured squared norms give unbiased |G|^2 and tr(Sigma). Both are noisy,
-so each gets its own bias-corrected EMA and B_simple is the ratio of the averages. Batches of unequal size enter
-through effective sizes 1 / E[1/b]. Everything is kept per group of parameters (one tensor entry per group).
-"""
+"""B_simple = tr(Sigma) / |G|^2 from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A),
+per group of parameters (one tensor entry each): the ratio of bias-corrected EMAs of the unbiased estimates."""
 
 from __future__ import annotations
 
@@ -19,10 +15,7 @@ __all__: list[str] = []  # internal
 
 
 def two_batch_estimates(
-    small_grad_sq: torch.Tensor | float,
-    big_grad_sq: torch.Tensor | float,
-    small_batch_size: torch.Tensor | float,
-    big_batch_size: torch.Tensor | float,
+    small_grad_sq: Any, big_grad_sq: Any, small_batch_size: Any, big_batch_size: Any
 ) -> tuple[Any, Any]:
     """Unbiased ``(|G|^2, tr(Sigma))`` from squared gradient norms at two (effective) batch sizes in samples."""
     inv_small, inv_big = 1.0 / small_batch_size, 1.0 / big_batch_size
@@ -42,8 +35,7 @@ def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclasses.dataclass
 class NoiseMeasurement:
-    """One optimizer step's measurement, one tensor entry per group (``GradientNoiseScale.group_names``).
-    Batch sizes are effective sizes in samples; ``grad_sq`` and ``trace_sigma`` the step's unbiased estimates."""
+    """One optimizer step's measurement per group; batch sizes are effective sizes (1 / E[1/b]) in samples."""
 
     small_grad_sq: torch.Tensor
     big_grad_sq: torch.Tensor
@@ -54,9 +46,8 @@ class NoiseMeasurement:
 
 
 class StepSums:
-    """What one optimizer step's micro-batches add up to on one rank, in one tensor so one all-reduce sums it:
-    per group the small batches' squared norms, then their count and sum of 1/b, then the micro-batches' count
-    and sum of 1/b (b in samples)."""
+    """One optimizer step's micro-batches on one rank, in one tensor for one all-reduce: per group the small
+    batches' squared norms, then their count and sum of 1/b, then the micro-batches' count and sum of 1/b."""
 
     def __init__(self, groups: int, device: torch.device):
         self.groups = groups
@@ -80,14 +71,10 @@ class StepSums:
         self.values[: self.groups] /= loss_scale**2
 
     def measurement(
-        self,
-        big_grad_sq: torch.Tensor,
-        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
-        averaged_over: int | None = None,
+        self, big_grad_sq: torch.Tensor, reduce: Callable[[Any], Any] | None = None, averaged_over: int | None = None
     ) -> NoiseMeasurement:
         """The step's measurement; ``reduce`` sums ``values`` over the ranks. ``averaged_over``: the micro-batches
-        the step's gradient was divided among (accumulation x ranks), so a step with fewer (an epoch's last)
-        is rescaled to the mean over the micro-batches counted here."""
+        the step's gradient was divided among (accumulation x ranks), to rescale a step with fewer (an epoch's last)."""
         values = self.values if reduce is None else reduce(self.values)
         small_count, small_inv_sum, micro_count, micro_inv_sum = values[self.groups :]
         if averaged_over is not None:
@@ -96,14 +83,8 @@ class StepSums:
         small_batch_size = small_count / small_inv_sum
         big_batch_size = micro_count**2 / micro_inv_sum
         grad_sq, trace_sigma = two_batch_estimates(small_grad_sq, big_grad_sq, small_batch_size, big_batch_size)
-        return NoiseMeasurement(
-            small_grad_sq=small_grad_sq,
-            big_grad_sq=big_grad_sq,
-            small_batch_size=float(small_batch_size),
-            big_batch_size=float(big_batch_size),
-            grad_sq=grad_sq,
-            trace_sigma=trace_sigma,
-        )
+        sizes = float(small_batch_size), float(big_batch_size)
+        return NoiseMeasurement(small_grad_sq, big_grad_sq, *sizes, grad_sq, trace_sigma)
 
 
 class NoiseAverages:
@@ -111,9 +92,7 @@ class NoiseAverages:
 
     def __init__(self, decay: float, grad_sq: torch.Tensor, trace_sigma: torch.Tensor, updates: int = 0):
         self.decay = decay
-        self.grad_sq = grad_sq  # not bias-corrected
-        self.trace_sigma = trace_sigma
-        self.updates = updates
+        self.grad_sq, self.trace_sigma, self.updates = grad_sq, trace_sigma, updates  # not bias-corrected
 
     @classmethod
     def zeros(cls, decay: float, groups: int, device: torch.device) -> NoiseAverages:
@@ -132,26 +111,22 @@ class NoiseAverages:
     @property
     def b_simple(self) -> float | None:
         """The whole model's B_simple in samples (the bias correction cancels); None before any update."""
-        if not self.updates:
-            return None
-        return float(self.trace_sigma.sum() / self.grad_sq.sum())
+        return float(self.trace_sigma.sum() / self.grad_sq.sum()) if self.updates else None
 
     def metrics(self, group_names: Sequence[str | None]) -> dict[str, float]:
         """``gns/...`` for the whole model and ``gns/<group>/...`` per named group (None: the ungrouped rest)."""
         if not self.updates:
             return {}
         correction = 1.0 - self.decay**self.updates  # bias correction of EMAs started at zero
-        grad_sq = self.grad_sq / correction
-        trace_sigma = self.trace_sigma / correction
+        grad_sq, trace_sigma = self.grad_sq / correction, self.trace_sigma / correction
         whole = torch.stack([trace_sigma.sum() / grad_sq.sum(), trace_sigma.sum(), grad_sq.sum()])
         per_group = torch.stack([trace_sigma / grad_sq, trace_sigma, grad_sq], dim=1)
         # One device-to-host copy for all of them, however many groups.
         model, *groups = torch.cat([whole[None], per_group]).tolist()
-        quantities = metrics.GNS_QUANTITIES
-        logged = {metrics.gns(quantity): value for quantity, value in zip(quantities, model)}
+        logged = {metrics.gns(quantity): value for quantity, value in zip(metrics.GNS_QUANTITIES, model)}
         for group, row in zip(group_names, groups):
             if group is not None:
-                logged.update({metrics.gns(quantity, group): value for quantity, value in zip(quantities, row)})
+                logged.update({metrics.gns(q, group): value for q, value in zip(metrics.GNS_QUANTITIES, row)})
         return logged
 
     def to(self, device: torch.device) -> NoiseAverages:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -14,18 +15,15 @@ from lit_cbs.models.decoder import layer_stacks
 __all__: list[str] = []  # internal
 
 GROUP_PRESETS = ("param_groups", "blocks")
-_SHOWN_NAMES = 6  # parameter names an error message lists
 
 
 def _some_names(names: list[str]) -> str:
-    shown = ", ".join(names[:_SHOWN_NAMES])
-    return f"{shown}, ... ({len(names)} in all)" if len(names) > _SHOWN_NAMES else shown
+    return ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
 
 
 def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
-    """``groups="blocks"``: {group: parameter names}, ``block<i>`` for the parameters under ``<stack>.<i>.`` of
-    the block stacks (``layer_stacks``; a later stack's blocks keep its path), and one group per other module,
-    named by its path below the first stack's parent (or below the path all names share)."""
+    """``groups="blocks"``: ``block<i>`` for the parameters under ``<stack>.<i>.`` (a later stack's blocks keep its
+    path), one group per other module, named by its path below the first stack's parent (or the names' shared path)."""
     if not stacks:
         raise LitCBSConfigError(
             "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one "
@@ -34,7 +32,8 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
         )
     parent = stacks[0].rpartition(".")[0]
     prefix = parent + "." if parent else ""
-    shared = _shared_prefix(names)
+    parts = [name.split(".")[:-1] for name in names]
+    shared = "".join(level[0] + "." for level in itertools.takewhile(lambda level: len(set(level)) == 1, zip(*parts)))
     patterns = [(stack, re.compile(rf"^{re.escape(stack)}\.(\d+)\.")) for stack in stacks]
     groups: dict[str, list[str]] = {}
     for name in names:
@@ -51,20 +50,8 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def _shared_prefix(names: list[str]) -> str:
-    """The longest dotted path (ending in ".") that starts every name."""
-    parts = [name.split(".")[:-1] for name in names]
-    shared = []
-    for level in zip(*parts):
-        if len(set(level)) > 1:
-            break
-        shared.append(level[0])
-    return ".".join(shared) + "." if shared else ""
-
-
 def regex_groups(patterns: Mapping[str, re.Pattern[str]], names: list[str]) -> dict[str, list[str]]:
-    """``groups={group: regex}``: {group: parameter names ``regex.search`` finds}; each group must find one,
-    no name may be in two, names in none count in the whole-model metrics only."""
+    """``groups={group: regex}``: the names ``regex.search`` finds; each group finds one, no name is in two."""
     groups: dict[str, list[str]] = {group: [] for group in patterns}
     for name in names:
         owners = [group for group, pattern in patterns.items() if pattern.search(name)]
@@ -111,8 +98,8 @@ def compiled_groups(groups: Any) -> dict[str, re.Pattern[str]] | None:
 def assign_groups(
     groups: str | Mapping[str, str] | None, optimizer: torch.optim.Optimizer, module: torch.nn.Module
 ) -> tuple[list[str | None], dict[torch.Tensor, int]]:
-    """The measured groups' names and each trained parameter's index among them; the name None stands for the
-    trained parameters in no group (without ``groups``: all of them), so the whole-model sums stay complete."""
+    """The measured groups' names and each trained parameter's index among them; the group None holds the
+    trained parameters in no group (without ``groups``: all), so the whole-model sums stay complete."""
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if groups == "param_groups":
         names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]

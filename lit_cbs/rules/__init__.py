@@ -1,5 +1,4 @@
-"""Pure rules, no Lightning: batch schedules, token-indexed LR schedules, how optimizer settings scale with the
-batch, the guard on increases, and the loss smoothing. The schedules load on first use."""
+"""Pure rules, no Lightning: batch and LR schedules, optimizer scaling, the guard, the loss smoothing."""
 
 from typing import TYPE_CHECKING
 

@@ -13,36 +13,32 @@ from lit_cbs.errors import LitCBSConfigError, one_of, positive_int
 __all__ = ["BatchSchedule", "CBSAdaptive", "ConstantBatch", "ExponentialRamp", "LinearRamp", "PiecewiseBatch", "Seesaw"]
 
 
-def _unit(unit: str) -> str:
-    return str(one_of("unit", unit, ("samples", "tokens")))
-
-
 def _samples(name: str, value: Any) -> int:
     return positive_int(name, value, "samples")
 
 
-def _check_consumed(consumed: float) -> None:
-    if consumed < 0:
-        raise ValueError(f"consumed={consumed} must be >= 0")
-
-
 def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_size: int) -> int:
-    """The largest divisor of a rank's share of ``global_batch`` up to ``max_micro_batch_size`` (samples):
-    the micro-batch BatchWarmup grows to; the accumulation makes up the rest."""
+    """The largest divisor of a rank's share of ``global_batch`` up to ``max_micro_batch_size`` (samples)."""
     share = global_batch // data_parallel_size
     return max(m for m in range(1, min(max_micro_batch_size, share) + 1) if share % m == 0)
 
 
 class BatchSchedule(ABC):
-    """Base of the schedules ``BatchWarmup(schedule=...)`` takes: ``unit`` ("samples" or "tokens", what
-    ``consumed`` counts), ``batch_size(consumed)`` and ``sizes(consumed)``, every size still to come,
-    ascending, which BatchWarmup checks before training."""
+    """Base of ``BatchWarmup(schedule=...)``: ``unit`` ("samples" or "tokens") is what ``consumed`` counts."""
 
     unit: str
 
-    @abstractmethod
+    def __init__(self, unit: str) -> None:
+        self.unit = str(one_of("unit", unit, ("samples", "tokens")))
+
     def batch_size(self, consumed: int) -> int:
         """Global batch (samples) once ``consumed`` samples or tokens were trained on."""
+        if consumed < 0:
+            raise ValueError(f"consumed={consumed} must be >= 0")
+        return self._batch_size(consumed)
+
+    @abstractmethod
+    def _batch_size(self, consumed: int) -> int: ...
 
     @abstractmethod
     def sizes(self, consumed: int = 0) -> list[int]:
@@ -65,17 +61,15 @@ class ConstantBatch(BatchSchedule):
     """The same global batch (samples) throughout: the control run, with BatchWarmup's logging.
 
     Example:
-        >>> schedule = ConstantBatch(256)
-        >>> schedule.batch_size(1_000_000), schedule.sizes(), schedule.is_constant
-        (256, [256], True)
+        >>> ConstantBatch(256).batch_size(1_000_000), ConstantBatch(256).is_constant
+        (256, True)
     """
 
     def __init__(self, batch_size: int, unit: str = "samples"):
         self.size = _samples("batch_size", batch_size)
-        self.unit = _unit(unit)
+        super().__init__(unit)
 
-    def batch_size(self, consumed: int) -> int:
-        _check_consumed(consumed)
+    def _batch_size(self, consumed: int) -> int:
         return self.size
 
     def sizes(self, consumed: int = 0) -> list[int]:
@@ -87,8 +81,6 @@ class PiecewiseBatch(BatchSchedule):
     ``unit``, starting at 0 and strictly increasing.
 
     Example:
-        Merrill et al. 2025's doubling schedule:
-
         >>> schedule = PiecewiseBatch([1024, 2048, 4096], [0, 168_000_000_000, 503_000_000_000])
         >>> schedule.batch_size(200_000_000_000), schedule.sizes(200_000_000_000)
         (2048, [2048, 4096])
@@ -115,34 +107,26 @@ class PiecewiseBatch(BatchSchedule):
                     f"thresholds must strictly increase, but thresholds[{i}]={thresholds[i]} <= "
                     f"thresholds[{i - 1}]={thresholds[i - 1]}"
                 )
-        self.batch_sizes = batch_sizes
-        self.thresholds = thresholds
-        self.unit = _unit(unit)
+        self.batch_sizes, self.thresholds = batch_sizes, thresholds
+        super().__init__(unit)
 
-    def batch_size(self, consumed: int) -> int:
-        _check_consumed(consumed)
+    def _batch_size(self, consumed: int) -> int:
         return self.batch_sizes[bisect.bisect_right(self.thresholds, consumed) - 1]
 
     def sizes(self, consumed: int = 0) -> list[int]:
-        start = bisect.bisect_right(self.thresholds, consumed) - 1
-        return sorted(set(self.batch_sizes[start:]))
+        return sorted(set(self.batch_sizes[bisect.bisect_right(self.thresholds, consumed) - 1 :]))
 
 
 class Seesaw(PiecewiseBatch):
     """Seesaw (Meterez et al. 2025): where ``lr_schedule`` (tokens -> LR multiplier) first falls to 1/factor,
     1/factor**2, ... of its peak after its warmup, the batch grows by ``factor``, from ``start`` up to
-    ``max_batch_size`` samples.
-
-    Run it under ``BatchWarmup(lr_rule="sqrt")`` with the same LR schedule (Adam; for SGD ``lr_rule="none"``).
-    ``total_tokens`` defaults to ``lr_schedule.total_tokens``.
+    ``max_batch_size`` samples. Run it under ``BatchWarmup(lr_rule="sqrt")`` with the same LR schedule (Adam;
+    for SGD ``lr_rule="none"``). ``total_tokens`` defaults to ``lr_schedule.total_tokens``.
 
     Example:
-        A cosine over 1M tokens falls to 1/2 of its peak at half the run, to 1/4 later:
-
         >>> from lit_cbs.rules.lr_schedules import CosineSchedule
-        >>> schedule = Seesaw(CosineSchedule(warmup_tokens=0, total_tokens=1_000_000), start=64, max_batch_size=256)
-        >>> schedule.batch_sizes, schedule.thresholds
-        ([64, 128, 256], [0, 535441, 732280])
+        >>> Seesaw(CosineSchedule(warmup_tokens=0, total_tokens=1_000_000), start=64, max_batch_size=256).thresholds
+        [0, 535441, 732280]
     """
 
     def __init__(
@@ -155,8 +139,7 @@ class Seesaw(PiecewiseBatch):
     ):
         if not callable(lr_schedule):
             raise LitCBSConfigError(f"lr_schedule must be callable tokens -> LR multiplier, got {lr_schedule!r}")
-        start = _samples("start", start)
-        max_batch_size = _samples("max_batch_size", max_batch_size)
+        start, max_batch_size = _samples("start", start), _samples("max_batch_size", max_batch_size)
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
             raise LitCBSConfigError(
                 f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)"
@@ -178,15 +161,16 @@ class Seesaw(PiecewiseBatch):
             )
         sizes, thresholds = [start], [0]
         size, level = start * factor, peak / factor
-        while size <= max_batch_size:
-            at = _first_token_at_or_below(lr_schedule, level, first, total)
-            if at is None:
-                break
-            if at == thresholds[-1]:  # a step decay past several levels at once: one larger growth
+        while size <= max_batch_size and lr_schedule(total) <= level:
+            low, high = first, total  # bisect for the first token count where the schedule is <= level
+            while low < high:
+                middle = (low + high) // 2
+                low, high = (middle + 1, high) if lr_schedule(middle) > level else (low, middle)
+            if low == thresholds[-1]:  # a step decay past several levels at once: one larger growth
                 sizes[-1] = size
             else:
                 sizes.append(size)
-                thresholds.append(at)
+                thresholds.append(low)
             size, level = size * factor, level / factor
         if len(sizes) == 1:
             raise LitCBSConfigError(
@@ -198,38 +182,26 @@ class Seesaw(PiecewiseBatch):
         self.lr_schedule, self.start, self.max_batch_size, self.factor = lr_schedule, start, max_batch_size, factor
 
 
-def _first_token_at_or_below(schedule: Callable[[int], float], level: float, low: int, high: int) -> int | None:
-    """The first token count in [low, high] where the non-increasing ``schedule`` is <= ``level``, or None."""
-    if schedule(high) > level:
-        return None
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (middle + 1, high) if schedule(middle) > level else (low, middle)
-    return low
+def _ramp_checks(start: int, final: int, ramp: int, unit: str, step: tuple[str, int]) -> None:
+    for name, value in (("start", start), ("final", final), step):
+        _samples(name, value)
+    positive_int("ramp", ramp, f"{unit} over which the batch grows")
+    if final <= start:
+        raise LitCBSConfigError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
 
 
 class LinearRamp(BatchSchedule):
     """Megatron-LM's ``--rampup-batch-size START INCR RAMP``: from ``start``, ``increment`` samples more at
-    each of the equal parts of ``ramp`` (``unit``), ``final`` after it; Megatron's float arithmetic, so
-    both switch at the same sample.
+    each of the equal parts of ``ramp`` (``unit``), ``final`` after it; Megatron's float arithmetic.
 
     Example:
         >>> schedule = LinearRamp(start=32, increment=32, ramp=3000, final=128)
         >>> [schedule.batch_size(consumed) for consumed in (0, 999, 1000, 2999, 3001)]
         [32, 32, 64, 96, 128]
-        >>> schedule.sizes()
-        [32, 64, 96, 128]
     """
 
     def __init__(self, start: int, increment: int, ramp: int, final: int, unit: str = "samples"):
-        _samples("start", start)
-        _samples("increment", increment)
-        _samples("final", final)
-        positive_int("ramp", ramp, f"{unit} over which the batch grows")
-        if final <= start:
-            raise LitCBSConfigError(
-                f"final={final} must be larger than start={start} for a ramp; use ConstantBatch otherwise"
-            )
+        _ramp_checks(start, final, ramp, unit, ("increment", increment))
         if (final - start) % increment:
             raise LitCBSConfigError(
                 f"final - start = {final - start} must be a multiple of increment={increment} (Megatron's rule); "
@@ -237,11 +209,10 @@ class LinearRamp(BatchSchedule):
                 f"{start + ((final - start) // increment + 1) * increment}"
             )
         self.start, self.increment, self.ramp, self.final = start, increment, ramp, final
-        self.unit = _unit(unit)
+        super().__init__(unit)
         self._per_increment = ramp / ((final - start) // increment)
 
-    def batch_size(self, consumed: int) -> int:
-        _check_consumed(consumed)
+    def _batch_size(self, consumed: int) -> int:
         if consumed > self.ramp:
             return self.final
         return self.start + int(consumed / self._per_increment) * self.increment
@@ -261,12 +232,7 @@ class ExponentialRamp(BatchSchedule):
     """
 
     def __init__(self, start: int, final: int, ramp: int, unit: str = "tokens", multiple_of: int = 1):
-        _samples("start", start)
-        _samples("final", final)
-        _samples("multiple_of", multiple_of)
-        positive_int("ramp", ramp, f"{unit} over which the batch grows")
-        if final <= start:
-            raise LitCBSConfigError(f"final={final} must be larger than start={start}; use ConstantBatch otherwise")
+        _ramp_checks(start, final, ramp, unit, ("multiple_of", multiple_of))
         for name, v in (("start", start), ("final", final)):
             if v % multiple_of:
                 raise LitCBSConfigError(
@@ -275,10 +241,9 @@ class ExponentialRamp(BatchSchedule):
                     f"or {(v // multiple_of + 1) * multiple_of}"
                 )
         self.start, self.final, self.ramp, self.multiple_of = start, final, ramp, multiple_of
-        self.unit = _unit(unit)
+        super().__init__(unit)
 
-    def batch_size(self, consumed: int) -> int:
-        _check_consumed(consumed)
+    def _batch_size(self, consumed: int) -> int:
         if consumed >= self.ramp:
             return self.final
         exact = self.start * (self.final / self.start) ** (consumed / self.ramp)
@@ -291,10 +256,8 @@ class ExponentialRamp(BatchSchedule):
 
 class CBSAdaptive(BatchSchedule):
     """Closed loop (Merrill et al. 2025): double the batch, up to ``final``, once a CBS reading reaches
-    ``factor`` x the batch.
-
-    ``CBSProbeCallback`` calls ``observe`` with each reading; the decisions are replayed by ``batch_size``
-    and kept in ``state_dict``. At ``final`` the probe stops unless ``probe_after_final``.
+    ``factor`` x the batch. ``CBSProbeCallback`` calls ``observe`` with each reading; the decisions are kept in
+    ``state_dict``. At ``final`` the probe stops unless ``probe_after_final``.
 
     Example:
         >>> schedule = CBSAdaptive(start=64, final=256)
@@ -302,15 +265,12 @@ class CBSAdaptive(BatchSchedule):
         (False, True)
         >>> schedule.batch_size(1999), schedule.batch_size(2000), schedule.sizes(2000)
         (64, 128, [128, 256])
-        >>> schedule.state_dict()
-        {'decisions': [[2000, 128]]}
     """
 
     def __init__(
         self, start: int, final: int, factor: float = 2.0, unit: str = "tokens", probe_after_final: bool = False
     ):
-        _samples("start", start)
-        _samples("final", final)
+        _samples("start", start), _samples("final", final)
         if final < start:
             raise LitCBSConfigError(f"final={final} must be >= start={start}")
         doublings = math.log2(final / start)
@@ -323,16 +283,11 @@ class CBSAdaptive(BatchSchedule):
             raise LitCBSConfigError(f"factor={factor} must be >= 1 (double once the CBS is factor x the batch)")
         self.start, self.final, self.factor = start, final, float(factor)
         self.probe_after_final = bool(probe_after_final)
-        self.unit = _unit(unit)
+        super().__init__(unit)
         self.decisions: list[tuple[int, int]] = []  # (consumed, new global batch), in order
 
-    def batch_size(self, consumed: int) -> int:
-        _check_consumed(consumed)
-        size = self.start
-        for at, new_size in self.decisions:
-            if consumed >= at:
-                size = new_size
-        return size
+    def _batch_size(self, consumed: int) -> int:
+        return next((size for at, size in reversed(self.decisions) if consumed >= at), self.start)
 
     def sizes(self, consumed: int = 0) -> list[int]:
         size, sizes = self.batch_size(consumed), []

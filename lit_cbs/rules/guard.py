@@ -1,10 +1,9 @@
 """``BatchGuard``: undo a batch increase after which the training loss rises above its trend (no Lightning).
-
-The rule, its defaults and why: docs/guides/guard.md. Spans count samples or tokens, the schedule's unit.
-"""
+The rule, its defaults and why: docs/guides/guard.md. Spans count samples or tokens, the schedule's unit."""
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import inspect
 import math
@@ -22,52 +21,54 @@ _SPAN = "samples or tokens, the schedule's unit"
 
 @dataclasses.dataclass
 class RevertRestore:
-    """What a revert of an increase puts back: BatchWarmup's state from just before it (factors unitless)."""
+    """What a revert puts back: BatchWarmup's ``lr_factor`` and ``clip_factor`` from just before the increase, the
+    increase's own factors (divided out of the LR schedulers), and per optimizer, per param group, its betas, eps
+    and weight decay (``lit_cbs.rules.scaling.optimizer_settings``; None in a checkpoint of the first guards)."""
 
-    lr_factor: float  # BatchWarmup.lr_factor then: the product of every earlier change's LR factor
-    clip_factor: float  # BatchWarmup.clip_factor then (gradient-clipping threshold)
-    lr_factor_of_change: float  # the increase's own LR factor, which the revert divides out of the LR schedulers
+    lr_factor: float
+    clip_factor: float
+    lr_factor_of_change: float
     clip_factor_of_change: float
-    # Per optimizer, per param group: betas, eps and weight decay (lit_cbs.rules.scaling.optimizer_settings);
-    # None where a checkpoint's watch holds none (the first guards kept no settings).
     optimizer_settings: list[list[dict[str, Any]]] | None = None
 
 
 @dataclasses.dataclass
 class _WatchedIncrease:
-    """An increase the guard watches, or has decided to revert."""
+    """An increase watched, or decided to be reverted: its index in BatchWarmup.history, the batches (samples),
+    ``consumed`` when applied; the fit's steps are those after ``fit_after``; judged at ``watch_until``."""
 
-    change: int  # its index in BatchWarmup.history
-    old_global_batch: int  # samples
-    new_global_batch: int  # samples
-    consumed: int  # when it was applied
-    fit_after: int  # the fit's steps are those after this, up to ``consumed``
-    watch_until: int  # judged once this much was consumed
+    change: int
+    old_global_batch: int
+    new_global_batch: int
+    consumed: int
+    fit_after: int
+    watch_until: int
     restore: RevertRestore
 
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> _WatchedIncrease:
-        state = dict(state)
-        restore = RevertRestore(**state.pop("restore"))
-        return cls(**state, restore=restore)
+
+def _load_watch(state: Mapping[str, Any] | None) -> _WatchedIncrease | None:
+    return None if state is None else _WatchedIncrease(**{**state, "restore": RevertRestore(**state["restore"])})
 
 
 @dataclasses.dataclass
 class GuardVerdict:
-    """The guard's judgement of one increase (``BatchWarmup.guard.verdicts``, ``batch_history.json``)."""
+    """The guard's judgement of one increase (``BatchWarmup.guard.verdicts``, ``batch_history.json``). Losses in
+    nats: ``rise`` is the mean loss over the ``watch_steps`` steps after the change above the trend
+    ``trend_intercept + trend_slope * ln(consumed)``, fitted to the ``fit_steps`` steps before it, around which the
+    per-step loss spread by ``residual_std``; ``reverted`` if ``rise`` exceeds ``threshold``."""
 
-    change: int  # index in BatchWarmup.history of the increase judged
-    old_global_batch: int  # samples
-    new_global_batch: int  # samples
+    change: int  # index in BatchWarmup.history
+    old_global_batch: int
+    new_global_batch: int
     consumed_at_change: int
     decided_at: int  # consumed when the watch span closed
-    rise: float  # nats: mean loss above the trend over the watch span's steps
-    threshold: float  # nats: the rise above which the increase is reverted
-    residual_std: float  # nats: spread of the per-step loss around the trend before the change
-    trend_intercept: float  # nats: the trend is trend_intercept + trend_slope * ln(consumed)
-    trend_slope: float  # nats per e-fold of consumed
+    rise: float
+    threshold: float
+    residual_std: float
+    trend_intercept: float
+    trend_slope: float
     fit_steps: int
-    watch_steps: int  # optimizer steps in the watch span
+    watch_steps: int
     reverted: bool
 
 
@@ -88,7 +89,6 @@ def _loss_rise(
 
 class BatchGuard:
     """Watch the training loss after each batch increase; revert the increase if the loss rises above its trend.
-
     ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments.
 
     Args:
@@ -140,17 +140,13 @@ class BatchGuard:
             return None
         if setting is True:
             return cls()
-        names = list(inspect.signature(cls).parameters)
+        names = ", ".join(inspect.signature(cls).parameters)
         if not isinstance(setting, Mapping):
-            raise LitCBSConfigError(
-                f"guard={setting!r} must be true, false, null, a dict of the settings {', '.join(names)}"
-            )
+            raise LitCBSConfigError(f"guard={setting!r} must be true, false, null, a dict of the settings {names}")
         settings = {str(key): value for key, value in setting.items()}
-        unknown = sorted(key for key in settings if key not in names)
+        unknown = sorted(set(settings) - set(inspect.signature(cls).parameters))
         if unknown:
-            raise LitCBSConfigError(
-                f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(names)}"
-            )
+            raise LitCBSConfigError(f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {names}")
         return cls(**settings)
 
     @property
@@ -182,10 +178,7 @@ class BatchGuard:
         keep_after = consumed - self._fit_span(consumed)
         if self._watch is not None:
             keep_after = min(keep_after, self._watch.fit_after)
-        drop = 0
-        while drop < len(self._steps) and self._steps[drop][0] <= keep_after:
-            drop += 1
-        del self._steps[:drop]
+        del self._steps[: bisect.bisect_right(self._steps, keep_after, key=lambda step: step[0])]
 
     def _fit_span(self, consumed: int) -> int:
         return self.fit if self.fit is not None else consumed // 2
@@ -223,27 +216,13 @@ class BatchGuard:
         fit = [(at, loss) for (at, _), loss in zip(fit, losses)]
         watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
         rise, intercept, slope, residual_std = _loss_rise(fit, watched)
-        threshold = (
-            self.threshold
-            if self.threshold is not None
-            else max(self.noise_multiple * residual_std, self.min_threshold)
-        )
+        threshold = self.threshold
+        if threshold is None:
+            threshold = max(self.noise_multiple * residual_std, self.min_threshold)
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
-        verdict = GuardVerdict(
-            change=watch.change,
-            old_global_batch=watch.old_global_batch,
-            new_global_batch=watch.new_global_batch,
-            consumed_at_change=watch.consumed,
-            decided_at=consumed,
-            rise=rise,
-            threshold=threshold,
-            residual_std=residual_std,
-            trend_intercept=intercept,
-            trend_slope=slope,
-            fit_steps=len(fit),
-            watch_steps=len(watched),
-            reverted=reverted,
-        )
+        at_change = (watch.change, watch.old_global_batch, watch.new_global_batch, watch.consumed, consumed)
+        trend = (rise, threshold, residual_std, intercept, slope)
+        verdict = GuardVerdict(*at_change, *trend, len(fit), len(watched), reverted)
         self.verdicts.append(verdict)
         self._watch = None
         if reverted:
@@ -262,21 +241,17 @@ class BatchGuard:
         return watch.restore
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "verdicts": [dataclasses.asdict(verdict) for verdict in self.verdicts],
-            "reverts": self.reverts,
-            "hold_until": self.hold_until,
-            "steps": [list(step) for step in self._steps],
-            "watch": None if self._watch is None else dataclasses.asdict(self._watch),
-            "revert": None if self._revert is None else dataclasses.asdict(self._revert),
+        watches = {
+            key: None if w is None else dataclasses.asdict(w)
+            for key, w in (("watch", self._watch), ("revert", self._revert))
         }
+        verdicts = [dataclasses.asdict(verdict) for verdict in self.verdicts]
+        steps = [list(step) for step in self._steps]
+        return {"verdicts": verdicts, "reverts": self.reverts, "hold_until": self.hold_until, "steps": steps, **watches}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.verdicts = [GuardVerdict(**verdict) for verdict in state_dict["verdicts"]]
         self.reverts = state_dict["reverts"]
         self.hold_until = state_dict["hold_until"]
         self._steps = [(at, loss) for at, loss in state_dict["steps"]]
-        self._watch, self._revert = (
-            None if state_dict[key] is None else _WatchedIncrease.from_state_dict(state_dict[key])
-            for key in ("watch", "revert")
-        )
+        self._watch, self._revert = _load_watch(state_dict["watch"]), _load_watch(state_dict["revert"])

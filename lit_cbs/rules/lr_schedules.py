@@ -11,14 +11,12 @@ from typing import Any
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning
+from lit_cbs.errors import LitCBSConfigError, LitCBSConfigWarning, one_of
 
 __all__ = ["CosineSchedule", "OneCycle", "StepDecay", "TokenLRScheduler", "WarmupStableDecay"]
 
-DECAY_SHAPES = ("linear", "cosine", "sqrt")
 
-
-def _check_tokens(name: str, value: Any, allow_zero: bool = True) -> int:
+def _tokens(name: str, value: Any, allow_zero: bool = True) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise LitCBSConfigError(f"{name}={value!r} must be an int number of tokens")
     if value < 0 or (value == 0 and not allow_zero):
@@ -26,37 +24,52 @@ def _check_tokens(name: str, value: Any, allow_zero: bool = True) -> int:
     return value
 
 
-def _check_ratio(name: str, value: float) -> float:
+def _ratio(value: float) -> float:
     if not 0.0 <= value <= 1.0:
-        raise LitCBSConfigError(f"{name}={value} must lie in [0, 1] (a fraction of the base LR)")
+        raise LitCBSConfigError(f"min_lr_ratio={value} must lie in [0, 1] (a fraction of the base LR)")
     return float(value)
-
-
-def _check_warmup_ends_inside(warmup_tokens: int, total_tokens: int) -> None:
-    """Refuse a warmup longer than the run; warn about one exactly as long (it never trains at the base LR)."""
-    fix = f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
-    if warmup_tokens > total_tokens:
-        problem = f"warmup_tokens={warmup_tokens} exceeds total_tokens={total_tokens}: the LR never reaches its peak"
-        raise LitCBSConfigError(f"{problem}; {fix}")
-    if warmup_tokens == total_tokens:
-        warnings.warn(
-            f"warmup_tokens={warmup_tokens} is the whole run (total_tokens={total_tokens}): the LR rises until "
-            f"the last token and never trains at its base value; {fix}",
-            LitCBSConfigWarning,
-            stacklevel=3,
-        )
 
 
 class _Schedule:
     """A multiplier of the base LR; its repr lists the arguments it was built with."""
 
+    warmup_tokens = 0
+
+    def _warmup_and_total(self, warmup_tokens: int, total_tokens: int, room_for: str | None = None) -> None:
+        """Check and set both: refuse a warmup longer than the run (or leaving no room ``room_for``), warn about
+        one exactly as long."""
+        self.warmup_tokens = _tokens("warmup_tokens", warmup_tokens)
+        self.total_tokens = _tokens("total_tokens", total_tokens, allow_zero=False)
+        fix = f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
+        if room_for is not None and warmup_tokens >= total_tokens:
+            raise LitCBSConfigError(
+                f"warmup_tokens={warmup_tokens} leaves no tokens of total_tokens={total_tokens} for the {room_for}; "
+                + fix
+            )
+        if warmup_tokens > total_tokens:
+            raise LitCBSConfigError(
+                f"warmup_tokens={warmup_tokens} exceeds total_tokens={total_tokens}: the LR never reaches its peak; "
+                + fix
+            )
+        if warmup_tokens == total_tokens:
+            warnings.warn(
+                f"warmup_tokens={warmup_tokens} is the whole run (total_tokens={total_tokens}): the LR rises until "
+                f"the last token and never trains at its base value; {fix}",
+                LitCBSConfigWarning,
+                stacklevel=3,
+            )
+
+    def __call__(self, tokens: int) -> float:
+        if tokens < self.warmup_tokens:
+            return (tokens + 1) / (self.warmup_tokens + 1)
+        return self._after_warmup(tokens)
+
+    def _after_warmup(self, tokens: int) -> float:
+        raise NotImplementedError
+
     def __repr__(self) -> str:
         arguments = ", ".join(f"{name}={getattr(self, name)!r}" for name in inspect.signature(type(self)).parameters)
         return f"{type(self).__name__}({arguments})"
-
-
-def _warmup(tokens: int, warmup_tokens: int) -> float:
-    return 1.0 if tokens >= warmup_tokens else (tokens + 1) / (warmup_tokens + 1)
 
 
 class WarmupStableDecay(_Schedule):
@@ -67,10 +80,6 @@ class WarmupStableDecay(_Schedule):
         >>> schedule = WarmupStableDecay(warmup_tokens=1000, total_tokens=10_000, decay_tokens=2000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 499, 1000, 8000, 9000, 10_000)]
         [0.001, 0.4995, 1.0, 1.0, 0.55, 0.1]
-        >>> WarmupStableDecay(warmup_tokens=5000, total_tokens=10_000, decay_tokens=6000)
-        Traceback (most recent call last):
-        ...
-        lit_cbs.errors.LitCBSConfigError: warmup_tokens + decay_tokens = 11000 exceeds total_tokens=10000; ...
     """
 
     def __init__(
@@ -81,23 +90,17 @@ class WarmupStableDecay(_Schedule):
         min_lr_ratio: float = 0.0,
         decay_shape: str = "linear",
     ):
-        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
-        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
-        self.decay_tokens = _check_tokens("decay_tokens", decay_tokens)
-        if warmup_tokens + decay_tokens > total_tokens:
+        self.decay_tokens = _tokens("decay_tokens", decay_tokens)
+        if _tokens("warmup_tokens", warmup_tokens) + decay_tokens > _tokens("total_tokens", total_tokens, False):
             raise LitCBSConfigError(
                 f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
                 "shorten the warmup or the decay, or lengthen total_tokens"
             )
-        _check_warmup_ends_inside(warmup_tokens, total_tokens)  # with no decay: a warmup as long as the run
-        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
-        if decay_shape not in DECAY_SHAPES:
-            raise LitCBSConfigError(f"decay_shape={decay_shape!r} is unknown; use one of {DECAY_SHAPES}")
-        self.decay_shape = decay_shape
+        self._warmup_and_total(warmup_tokens, total_tokens)  # with no decay: a warmup as long as the run
+        self.min_lr_ratio = _ratio(min_lr_ratio)
+        self.decay_shape = str(one_of("decay_shape", decay_shape, ("linear", "cosine", "sqrt")))
 
-    def __call__(self, tokens: int) -> float:
-        if tokens < self.warmup_tokens:
-            return _warmup(tokens, self.warmup_tokens)
+    def _after_warmup(self, tokens: int) -> float:
         decay_start = self.total_tokens - self.decay_tokens
         if self.decay_tokens == 0 or tokens < decay_start:
             return 1.0
@@ -121,18 +124,10 @@ class CosineSchedule(_Schedule):
     """
 
     def __init__(self, warmup_tokens: int, total_tokens: int, min_lr_ratio: float = 0.1):
-        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
-        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
-        if warmup_tokens >= total_tokens:  # the LR cannot fall to min_lr_ratio x its base value by total_tokens
-            raise LitCBSConfigError(
-                f"warmup_tokens={warmup_tokens} leaves no tokens of total_tokens={total_tokens} for the cosine decay; "
-                f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
-            )
-        self.min_lr_ratio = _check_ratio("min_lr_ratio", min_lr_ratio)
+        self._warmup_and_total(warmup_tokens, total_tokens, room_for="cosine decay")
+        self.min_lr_ratio = _ratio(min_lr_ratio)
 
-    def __call__(self, tokens: int) -> float:
-        if tokens < self.warmup_tokens:
-            return _warmup(tokens, self.warmup_tokens)
+    def _after_warmup(self, tokens: int) -> float:
         progress = min(1.0, (tokens - self.warmup_tokens) / (self.total_tokens - self.warmup_tokens))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
@@ -148,10 +143,8 @@ class StepDecay(_Schedule):
     """
 
     def __init__(self, warmup_tokens: int, milestones: Sequence[int], total_tokens: int, gamma: float = 0.5):
-        self.warmup_tokens = _check_tokens("warmup_tokens", warmup_tokens)
-        self.total_tokens = _check_tokens("total_tokens", total_tokens, allow_zero=False)
-        _check_warmup_ends_inside(warmup_tokens, total_tokens)
-        self.milestones = [_check_tokens(f"milestones[{i}]", m) for i, m in enumerate(milestones)]
+        self._warmup_and_total(warmup_tokens, total_tokens)
+        self.milestones = [_tokens(f"milestones[{i}]", m) for i, m in enumerate(milestones)]
         if self.milestones != sorted(set(self.milestones)) or (self.milestones and self.milestones[0] < warmup_tokens):
             raise LitCBSConfigError(
                 f"milestones={self.milestones} must strictly increase, from warmup_tokens={warmup_tokens} on"
@@ -160,20 +153,17 @@ class StepDecay(_Schedule):
             raise LitCBSConfigError(f"gamma={gamma} must lie in (0, 1) (the multiplier's factor at each milestone)")
         self.gamma = float(gamma)
 
-    def __call__(self, tokens: int) -> float:
-        if tokens < self.warmup_tokens:
-            return _warmup(tokens, self.warmup_tokens)
+    def _after_warmup(self, tokens: int) -> float:
         return self.gamma ** sum(tokens >= milestone for milestone in self.milestones)
 
 
 class OneCycle(_Schedule):
     """PyTorch's ``OneCycleLR`` curve as a multiplier of ``max_lr`` (set as the optimizer's ``lr``), for
-    ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (in tokens). Unlike ``OneCycleLR``, which writes
-    absolute LRs, it composes with BatchWarmup's LR rule; no momentum cycling. Arguments as ``OneCycleLR``'s.
+    ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (in tokens); it composes with BatchWarmup's LR
+    rule, ``OneCycleLR`` does not. No momentum cycling. Arguments as ``OneCycleLR``'s.
 
     Example:
-        >>> schedule = OneCycle(total=100)
-        >>> [round(schedule(step), 4) for step in (0, 29, 99)]
+        >>> [round(OneCycle(total=100)(step), 4) for step in (0, 29, 99)]
         [0.04, 1.0, 0.0]
     """
 
@@ -186,7 +176,7 @@ class OneCycle(_Schedule):
         final_div_factor: float = 1e4,
         three_phase: bool = False,
     ):
-        self.total = _check_tokens("total", total, allow_zero=False)
+        self.total = _tokens("total", total, allow_zero=False)
         if not 0.0 < pct_start < 1.0:
             raise LitCBSConfigError(f"pct_start={pct_start} must lie in (0, 1)")
         if anneal_strategy not in ("cos", "linear"):
@@ -195,46 +185,36 @@ class OneCycle(_Schedule):
             raise LitCBSConfigError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
         self.pct_start, self.anneal_strategy = pct_start, anneal_strategy
         self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
-        initial, peak = 1.0 / div_factor, 1.0
-        final = initial / final_div_factor
-        up_end = float(pct_start * total) - 1
-        if three_phase:  # (end step, start multiplier, end multiplier), as OneCycleLR's phases
-            self._phases = [
-                (up_end, initial, peak),
-                (float(2 * pct_start * total) - 2, peak, initial),
-                (total - 1, initial, final),
-            ]
+        initial = 1.0 / div_factor
+        up = (float(pct_start * total) - 1, initial, 1.0)  # (end step, start multiplier, end multiplier)
+        if three_phase:  # as OneCycleLR's phases
+            down = [(float(2 * pct_start * total) - 2, 1.0, initial), (total - 1, initial, initial / final_div_factor)]
         else:
-            self._phases = [(up_end, initial, peak), (total - 1, peak, final)]
-
-    def _anneal(self, start: float, end: float, progress: float) -> float:
-        if self.anneal_strategy == "cos":
-            return end + (start - end) / 2.0 * (math.cos(math.pi * progress) + 1)
-        return (end - start) * progress + start
+            down = [(total - 1, 1.0, initial / final_div_factor)]
+        self._phases = [up, *down]
 
     def __call__(self, step: int) -> float:
-        step = min(step, self.total - 1)
-        phase_start = 0.0
+        step, phase_start = min(step, self.total - 1), 0.0
         for number, (phase_end, start, end) in enumerate(self._phases):
             if step <= phase_end or number == len(self._phases) - 1:
-                return self._anneal(start, end, (step - phase_start) / (phase_end - phase_start))
+                progress = (step - phase_start) / (phase_end - phase_start)
+                if self.anneal_strategy == "cos":
+                    return end + (start - end) / 2.0 * (math.cos(math.pi * progress) + 1)
+                return (end - start) * progress + start
             phase_start = phase_end
         raise AssertionError("the last phase always returns")  # pragma: no cover
 
 
 class TokenLRScheduler(LambdaLR):
     """``LambdaLR`` with LR = base LR x ``schedule(tokens_seen)``; Lightning steps it with ``interval="step"``.
-
-    ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or
-    BatchAccounting do it, a plain loop sets it itself; stepping without it raises.
+    ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or BatchAccounting
+    do it, a plain loop sets it itself.
 
     Example:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
         >>> scheduler = TokenLRScheduler(optimizer, CosineSchedule(warmup_tokens=0, total_tokens=1000))
-        >>> scheduler.tokens_seen = 500  # BatchWarmup sets it before every step
-        >>> optimizer.step()
-        >>> scheduler.step()
+        >>> scheduler.tokens_seen = 500; optimizer.step(); scheduler.step()
         >>> round(optimizer.param_groups[0]["lr"], 6)  # 0.01 x (0.1 + 0.9 x 0.5)
         0.0055
     """
@@ -250,7 +230,6 @@ class TokenLRScheduler(LambdaLR):
         return self.schedule(self.tokens_seen or 0)
 
     def step(self, epoch: int | None = None) -> None:
-        # The constructor's own initial step runs at last_epoch == -1, before any token count exists.
         if self.last_epoch >= 0 and self.tokens_seen is None:
             raise LitCBSConfigError(
                 "TokenLRScheduler.step() was called but tokens_seen was never set: add lit_cbs.BatchWarmup (a growing "
