@@ -1,5 +1,5 @@
-"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn on
-matplotlib ``Figure`` objects through the Agg canvas: pyplot's global state is left alone, no display is needed."""
+"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn through
+the Agg canvas: pyplot's backend is left alone (a notebook keeps its own), no display is needed."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
 
 def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, leaving pyplot's
-    backend alone (a notebook keeps its own)."""
+    """Write ``figure`` as a PNG at ``path`` (its folder created) through the Agg canvas."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
@@ -35,20 +34,18 @@ def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def _log_log(ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float) -> None:
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=fontsize)
+    ax.legend(fontsize=8)
+
+
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
     """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
-    the WSD fit (solid) where it was made. Raises ValueError for no fits.
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.analysis.curves import Crossing
-        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
-        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_es([fit], f"{folder}/es.png").name
-        'es.png'
-    """
+    the WSD fit (solid) where it was made."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     figure = Figure(figsize=(7, 5))
@@ -63,12 +60,8 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> P
         if fit.wsd is not None:
             ax.plot(grid, fit.wsd.tokens(grid), "-", color=color, lw=1.5)
             ax.scatter([fit.wsd.s_opt], [fit.wsd.e_min], marker="*", s=120, color=color, edgecolor="k", zorder=4)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("optimizer steps S to reach the target")
-    ax.set_ylabel("tokens E to reach the target")
-    ax.set_title("E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)", fontsize=9)
-    ax.legend(fontsize=8)
+    title = "E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)"
+    _log_log(ax, "optimizer steps S to reach the target", "tokens E to reach the target", title, 9)
     return save_figure(figure, path)
 
 
@@ -79,22 +72,10 @@ def plot_batch_sizes(
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
-    """B_crit, B_min and B_opt against the target loss (left) and against E_min, the tokens at which the target is
-    reached (right), with the probe's brackets and each run's noise scale B_simple (samples) over tokens when given.
-    B_crit is filled where McCandlish's E(S) fits the runs within ``POOR_FIT``, hollow where not. ``compared``
-    (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each target to the left panel.
-    Raises ValueError for no fits, or probe or noise-scale data (samples) with fits in tokens per step.
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.analysis.curves import Crossing
-        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
-        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_batch_sizes([fit], f"{folder}/batch_sizes.png").name
-        'batch_sizes.png'
-    """
+    """B_crit, B_min and B_opt against the target loss (left) and against E_min (right), with the probe's brackets
+    and each run's noise scale B_simple over tokens when given; ``compared`` (``side_by_side``'s rows) adds the
+    noise scale and the probe's bracket at each target to the left panel. B_crit is hollow where McCandlish's E(S)
+    misses the runs by more than ``POOR_FIT``."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     unit = target_fits[0].unit
@@ -111,11 +92,19 @@ def plot_batch_sizes(
     mccandlish = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
     fits_well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
-    well = [m if ok else nan for m, ok in zip(mccandlish, fits_well)]
-    poorly = [nan if ok else m for m, ok in zip(mccandlish, fits_well)]  # drawn hollow
     series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
-        (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, well),
-        (f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})", "o:", {"markerfacecolor": "none"}, poorly),
+        (
+            f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
+            "o--",
+            {},
+            [m if ok else nan for m, ok in zip(mccandlish, fits_well)],
+        ),
+        (
+            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
+            "o:",
+            {"markerfacecolor": "none"},
+            [nan if ok else m for m, ok in zip(mccandlish, fits_well)],
+        ),
         ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
         ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
     ]
@@ -135,19 +124,23 @@ def plot_batch_sizes(
         top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
         nearest = "CBS probe bracket (reading nearest the target)" if i == 0 else None
         by_loss.vlines(target, reading.cbs_lower, top, color="k", lw=3, alpha=0.5, label=nearest)
-    if probe:
-        tokens = np.array([p.tokens for p in probe])
-        estimate = np.array([p.cbs_estimate for p in probe])
-        closed = np.array([p.cbs_upper is not None for p in probe])
-        lower = estimate - np.array([p.cbs_lower for p in probe])
-        upper = np.array([(p.cbs_upper if p.cbs_upper is not None else p.cbs_estimate) for p in probe]) - estimate
-        error = [lower[closed], upper[closed]]
-        by_tokens.errorbar(
-            tokens[closed], estimate[closed], yerr=error, fmt="D", color="k", capsize=3, label="CBS probe"
+    closed = [p for p in probe if p.cbs_upper is not None]
+    if closed:
+        estimate, lower, upper = (
+            np.array([getattr(p, k) for p in closed]) for k in ("cbs_estimate", "cbs_lower", "cbs_upper")
         )
-        if np.any(~closed):
-            open_lower = [p.cbs_lower for p, c in zip(probe, closed) if not c]
-            by_tokens.scatter(tokens[~closed], open_lower, marker="^", color="k", label="CBS probe (>= lower)")
+        error = [estimate - lower, upper - estimate]
+        by_tokens.errorbar(
+            [p.tokens for p in closed], estimate, yerr=error, fmt="D", color="k", capsize=3, label="CBS probe"
+        )
+    if open_ended := [p for p in probe if p.cbs_upper is None]:
+        by_tokens.scatter(
+            [p.tokens for p in open_ended],
+            [p.cbs_lower for p in open_ended],
+            marker="^",
+            color="k",
+            label="CBS probe (>= lower)",
+        )
     for i, run in enumerate(gns_runs):
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
@@ -171,7 +164,7 @@ def plot_forecast(
     noise_scale: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Path:
     """The brackets ``forecast`` was fitted on (dashed: undetermined; an arrow: no upper end), its curve and band
-    out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them. Log-log.
+    out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them.
 
     Example:
         >>> import tempfile
@@ -189,9 +182,8 @@ def plot_forecast(
     runs = sorted({b.run for b in brackets})
     colors = dict(zip(runs, colormaps["tab10"](np.arange(len(runs)) % 10)))
     for index, run in enumerate(runs):
-        members = [b for b in brackets if b.run == run]
         shift = 1.04 ** (index - (len(runs) - 1) / 2)  # runs read at the same tokens side by side
-        for number, bracket in enumerate(members):
+        for number, bracket in enumerate(b for b in brackets if b.run == run):
             top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
             x = bracket.tokens * shift
             style = "-" if bracket.determined else "--"
@@ -210,12 +202,8 @@ def plot_forecast(
         tokens, b_simple = (np.asarray(values, dtype=float) for values in noise_scale)
         keep = np.isfinite(b_simple) & (b_simple > 0) & (tokens > 0)
         ax.plot(tokens[keep], b_simple[keep], color="tab:purple", lw=1, label="noise scale B_simple")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens seen D")
-    ax.set_ylabel("critical batch size (samples)")
-    ax.set_title(textwrap.fill(forecast.describe(), 100), fontsize=7)  # matplotlib's wrap=True overflows a log axis
-    ax.legend(fontsize=8)
+    title = textwrap.fill(forecast.describe(), 100)  # matplotlib's wrap=True overflows a log axis
+    _log_log(ax, "tokens seen D", "critical batch size (samples)", title, 7)
     return save_figure(figure, path)
 
 
@@ -226,20 +214,7 @@ def plot_cbs_curve(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Path:
-    """``cbs_curve_figure`` as a PNG at ``path``: the probe's readings (``read_readings``) against tokens.
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
-        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
-        >>> where = dict(step=100, seq_len=128, window_tokens=262_144, search="grid", evaluate="train_ema",
-        ...     main_loss=3.1, branches_trained=[2, 4], failed=[], tokens_spent=524_288, overhead=0.52)
-        >>> history = [ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=t, **where)
-        ...     for t in (1_000_000, 2_000_000)]
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_cbs_curve(history, [], f"{folder}/cbs_curve.png", epsilon=0.01).name
-        'cbs_curve.png'
-    """
+    """``cbs_curve_figure`` as a PNG at ``path``."""
     return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
 
 

@@ -24,9 +24,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lit_cbs.analysis.curves import GNS_COLUMN, LOSS_COLUMN, METRICS_FILE, TOKENS_COLUMN, VAL_LOSS_COLUMN, tokens_at
+from lit_cbs.analysis.curves import METRICS_FILE, tokens_at
 from lit_cbs.callbacks.batch_change import BatchChange
 from lit_cbs.metrics import FIT_SECONDS
+from lit_cbs.metrics import GNS_B_SIMPLE as GNS_COLUMN
+from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
+from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
+from lit_cbs.metrics import VAL_LOSS as VAL_LOSS_COLUMN
 from lit_cbs.probe.reading import read_readings
 from lit_cbs.probe.record import JSONL_FILE, PLOT_FILE
 from lit_cbs.recipes.run_report import RUN_FIGURES, read_batch_history, read_run_metrics, summary_rows

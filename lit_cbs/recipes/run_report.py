@@ -21,20 +21,17 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 
-from lit_cbs.analysis.curves import (
-    BATCH_COLUMN,
-    GNS_COLUMN,
-    LOSS_COLUMN,
-    LR_COLUMN,
-    TOKENS_COLUMN,
-    VAL_LOSS_COLUMN,
-    read_metrics_csv,
-    tokens_at,
-)
+from lit_cbs.analysis.curves import read_metrics_csv, tokens_at
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data import TokenDataModule
+from lit_cbs.metrics import GLOBAL_BATCH as BATCH_COLUMN
+from lit_cbs.metrics import GNS_B_SIMPLE as GNS_COLUMN
+from lit_cbs.metrics import LR as LR_COLUMN
+from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
+from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
 from lit_cbs.metrics import VAL_LOSS, gns_group
+from lit_cbs.metrics import VAL_LOSS as VAL_LOSS_COLUMN
 from lit_cbs.models.lm import CausalLM
 from lit_cbs.probe.callback import CBSProbeCallback
 from lit_cbs.recipes.plan import batch_phases
