@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -248,50 +249,41 @@ def fit_targets(
     fits = []
     for target in sorted(crossings, reverse=True):
         points = tuple(crossings[target])
-        names = ", ".join(c.run for c in points) or "none"
+        names, at = ", ".join(c.run for c in points) or "none", f"target loss {target:g}"
         if len(points) < MCCANDLISH_MIN_RUNS:
             warnings.warn(
-                f"target loss {target:g}: only {len(points)} runs reach it ({names}); E(S) fits need at least "
+                f"{at}: only {len(points)} runs reach it ({names}); E(S) fits need at least "
                 f"{MCCANDLISH_MIN_RUNS}: left out"
             )
             continue
-        steps = [c.steps for c in points]
-        tokens = [c.tokens for c in points]
-        mccandlish = fit_mccandlish(steps, tokens)
+        steps, tokens = [c.steps for c in points], [c.tokens for c in points]
+        mccandlish, wsd = fit_mccandlish(steps, tokens), None
         if mccandlish.rms_log_residual > POOR_FIT:
             warnings.warn(
-                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} "
-                "(rms of log E); E(S) is probably not monotone (loss curves cross, as under a WSD schedule), "
-                "so B_crit is unreliable"
+                f"{at}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); E(S) is "
+                "probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
             )
-        wsd = None
         if len(points) < WSD_FREE_PARAMETERS:
             warnings.warn(
-                f"target loss {target:g}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has "
-                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: "
-                "B_min and B_opt left out"
+                f"{at}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has {WSD_FREE_PARAMETERS} "
+                f"free parameters and needs at least {WSD_FREE_PARAMETERS} runs: B_min and B_opt left out"
             )
         else:
             wsd = fit_wsd(steps, tokens)
             if wsd.rms_log_residual > POOR_FIT:
                 warnings.warn(
-                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} "
-                    "(rms of log E), so B_min and B_opt are unreliable"
+                    f"{at}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), so B_min and "
+                    "B_opt are unreliable"
                 )
-            thin = [part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2]
-            if thin:
+            if thin := [
+                part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2
+            ]:
                 warnings.warn(
-                    f"target loss {target:g}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) "
-                    f"(runs per part: {wsd.points_per_segment}); B_min and B_opt are poorly determined there"
+                    f"{at}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) (runs per part: "
+                    f"{wsd.points_per_segment}); B_min and B_opt are poorly determined there"
                 )
         fits.append(TargetFit(target, points, tokens_per_sample, mccandlish, wsd))
     return fits
-
-
-def _e_min(fit: TargetFit) -> float:
-    if fit.wsd is None:
-        raise RuntimeError(f"target loss {fit.target:g} has no WSD fit")
-    return fit.wsd.e_min
 
 
 def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
@@ -310,18 +302,19 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
             "mismatched units: B_opt is known only in tokens per step because the runs log no global batch in samples; "
             "log batch/global_size (BatchWarmup does) so the schedule can be given in samples"
         )
-    kept: list[TargetFit] = []
+    kept: list[tuple[float, TargetFit]] = []  # (E_min, fit)
     for fit in usable:
-        if kept and _e_min(fit) <= _e_min(kept[-1]):
+        e_min = fit.wsd.e_min if fit.wsd else math.nan
+        if kept and e_min <= kept[-1][0]:
             warnings.warn(
-                f"target loss {fit.target:g}: E_min {_e_min(fit):.4g} tokens is not above the previous target's "
-                f"({_e_min(kept[-1]):.4g}); target dropped from the schedule"
+                f"target loss {fit.target:g}: E_min {e_min:.4g} tokens is not above the previous target's "
+                f"({kept[-1][0]:.4g}); target dropped from the schedule"
             )
             continue
-        kept.append(fit)
+        kept.append((e_min, fit))
     sizes: list[int] = []
     thresholds: list[int] = []
-    for starts_at, fit in zip([0.0] + [_e_min(f) for f in kept[:-1]], kept):
+    for starts_at, (_, fit) in zip([0.0] + [e for e, _ in kept[:-1]], kept):
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
             warnings.warn(

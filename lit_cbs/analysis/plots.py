@@ -34,6 +34,15 @@ def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def _brackets(ax: Axes, at: Sequence[tuple[float, ProbeReading]], label: str, **style: Any) -> None:
+    """Each reading's CBS interval (samples) at x, a ^ above the lower end of one read at the top of its grid."""
+    if at:
+        tops = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for _, r in at]
+        ax.vlines([x for x, _ in at], [r.cbs_lower for _, r in at], tops, label=label, **style)
+    if open_ended := [(x, r.cbs_lower) for x, r in at if r.cbs_upper is None]:
+        ax.scatter(*zip(*open_ended), marker="^", color=style["color"], zorder=4)
+
+
 def _log_log(ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float) -> None:
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -89,21 +98,16 @@ def plot_batch_sizes(
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
     nan = (np.nan, np.nan)
-    mccandlish = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
-    fits_well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
+    crit = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
+    well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
     series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
-        (
-            f"B_crit (McCandlish, fits within {POOR_FIT:.0%})",
-            "o--",
-            {},
-            [m if ok else nan for m, ok in zip(mccandlish, fits_well)],
-        ),
+        (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, [c if w else nan for c, w in zip(crit, well)]),
         (
             f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
             "o:",
             {"markerfacecolor": "none"},
-            [nan if ok else m for m, ok in zip(mccandlish, fits_well)],
+            [nan if w else c for c, w in zip(crit, well)],
         ),
         ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
         ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
@@ -112,35 +116,16 @@ def plot_batch_sizes(
         sizes, tokens = np.array(points, dtype=float).T.copy()
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
-        if np.all(np.isnan(sizes)):
-            continue
-        by_loss.plot(targets, sizes, style, label=label, **marker)
-        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
+        if not np.all(np.isnan(sizes)):
+            by_loss.plot(targets, sizes, style, label=label, **marker)
+            by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
     rows = [row for row in compared if math.isfinite(row.b_simple)]
     if rows:
         median = "noise scale B_simple (median of runs at the target)"
         by_loss.plot([r.target for r in rows], [r.b_simple for r in rows], "x-", color="tab:gray", label=median)
-    for i, (target, reading) in enumerate([(row.target, row.probe) for row in compared if row.probe is not None]):
-        top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
-        nearest = "CBS probe bracket (reading nearest the target)" if i == 0 else None
-        by_loss.vlines(target, reading.cbs_lower, top, color="k", lw=3, alpha=0.5, label=nearest)
-    closed = [p for p in probe if p.cbs_upper is not None]
-    if closed:
-        estimate, lower, upper = (
-            np.array([getattr(p, k) for p in closed]) for k in ("cbs_estimate", "cbs_lower", "cbs_upper")
-        )
-        error = [estimate - lower, upper - estimate]
-        by_tokens.errorbar(
-            [p.tokens for p in closed], estimate, yerr=error, fmt="D", color="k", capsize=3, label="CBS probe"
-        )
-    if open_ended := [p for p in probe if p.cbs_upper is None]:
-        by_tokens.scatter(
-            [p.tokens for p in open_ended],
-            [p.cbs_lower for p in open_ended],
-            marker="^",
-            color="k",
-            label="CBS probe (>= lower)",
-        )
+    nearest = [(row.target, row.probe) for row in compared if row.probe is not None]
+    _brackets(by_loss, nearest, "CBS probe bracket (reading nearest the target)", color="k", lw=3, alpha=0.5)
+    _brackets(by_tokens, [(p.tokens, p) for p in probe], "CBS probe", color="k", lw=2)
     for i, run in enumerate(gns_runs):
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
@@ -230,20 +215,16 @@ def cbs_curve_figure(
     error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    styles = {True: dict(color="tab:blue", linestyles="solid"), False: dict(color="tab:gray", linestyles="dashed")}
-    for determined, style in styles.items():
+    for determined, color, line, label in (
+        (True, "tab:blue", "solid", "CBS interval [k* B, next k B]"),
+        (False, "tab:gray", "dashed", "undetermined reading"),
+    ):
         readings = [r for r in history if r.determined == determined]
-        if not readings:
-            continue
-        tokens = [r.tokens for r in readings]
-        upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
-        label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
-        top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
-        face = style["color"] if determined else "none"
-        top.scatter(tokens, [r.cbs_estimate for r in readings], zorder=3, color=style["color"], facecolors=face)
-    if open_ended := [r for r in history if r.cbs_upper is None]:
-        tokens, lower = [r.tokens for r in open_ended], [r.cbs_lower for r in open_ended]
-        top.scatter(tokens, lower, marker="^", color="tab:red", zorder=4, label="lower bound (top of grid)")
+        _brackets(top, [(r.tokens, r) for r in readings], label, color=color, linestyles=line, alpha=0.7)
+        face = color if determined else "none"
+        top.scatter(
+            [r.tokens for r in readings], [r.cbs_estimate for r in readings], zorder=3, color=color, facecolors=face
+        )
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
         xs: list[float] = [0]
