@@ -56,9 +56,7 @@ def _probe_at_target(fit: TargetFit, probe: Sequence[ProbeReading]) -> tuple[flo
 
 
 def side_by_side(
-    fits: Sequence[TargetFit],
-    runs: Sequence[RunCurve],
-    probe: Sequence[ProbeReading] = (),
+    fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Sequence[ProbeReading] = ()
 ) -> list[SideBySide]:
     """One ``SideBySide`` per fit: B_simple as the median over ``runs`` of its value where each reached the target;
     the ``probe`` reading nearest the tokens at which the run at the probe's batch reached it."""

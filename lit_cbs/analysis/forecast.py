@@ -5,6 +5,7 @@ posterior predictive band (docs/design.md); and a schedule following the band.""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -58,9 +59,7 @@ def _number(reading: ProbeReading, key: str, where: str, minimum: float = 0.0) -
 
 
 def supported_interval(
-    reading: ProbeReading,
-    where: str = "reading",
-    epsilon: float | None = None,
+    reading: ProbeReading, where: str = "reading", epsilon: float | None = None
 ) -> tuple[float, float]:
     """(lower, upper) samples where the CBS lies at the reading's confidence, judged again from its per-batch losses
     at its own epsilon (``epsilon``: for readings that hold none); without them, a determined reading's bracket, an
@@ -87,9 +86,7 @@ def supported_interval(
 
 
 def brackets_from_records(
-    readings: Iterable[ProbeReading],
-    run: str = "run",
-    epsilon: float | None = None,
+    readings: Iterable[ProbeReading], run: str = "run", epsilon: float | None = None
 ) -> list[Bracket]:
     """One ``Bracket`` per probe reading of one run, sorted by tokens; ``epsilon`` (nats) judges readings that do not
     hold theirs. Raises ValueError naming a bad reading, or for readings of different seq_len.
@@ -241,10 +238,7 @@ def _posterior_draws(
 ) -> np.ndarray:
     """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling from a Student t."""
     readings = _Readings.of(brackets, d0)
-
-    def log_posterior(params: np.ndarray) -> np.ndarray:
-        return readings.log_posterior(params, model)
-
+    log_posterior = functools.partial(readings.log_posterior, model=model)
     centre, shape = mode, _laplace_covariance(log_posterior, mode)
     for _ in range(3):
         proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
@@ -386,10 +380,9 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
     d0 = float(np.exp(np.mean(np.log([b.tokens for b in brackets]))))
     candidates = [m for m in MODELS if m == "power" or len(token_counts) >= 4]
     heldout = {m: _heldout(brackets, m, d0) for m in candidates}
-    if model != "auto":
-        chosen = model
-    else:  # the plateau's one more parameter must earn more than 1 in held-out log likelihood
-        chosen = "plateau" if heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN else "power"
+    # "auto": the plateau's one more parameter must earn more than PLATEAU_MARGIN in held-out log likelihood.
+    beats_power = heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN
+    chosen = model if model != "auto" else "plateau" if beats_power else "power"
     if chosen == "plateau" and "plateau" not in candidates:
         raise ValueError(f"model='plateau' needs readings at 4 or more token counts; these have {len(token_counts)}")
     params = _fit(brackets, chosen, d0)
