@@ -213,14 +213,6 @@ class TargetFit:
     def unit(self) -> str:
         return "tokens per step" if self.tokens_per_sample is None else "samples"
 
-    @property
-    def steps(self) -> np.ndarray:
-        return np.array([c.steps for c in self.crossings])
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return np.array([c.tokens for c in self.crossings])
-
     def _in_unit(self, tokens_per_step: float | None) -> float:
         if tokens_per_step is None:
             return float("nan")

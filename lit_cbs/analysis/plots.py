@@ -61,7 +61,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> P
     ax = figure.add_subplot()
     colors = colormaps["viridis"](np.linspace(0, 0.9, len(target_fits)))
     for fit, color in zip(target_fits, colors):
-        steps, tokens = fit.steps, fit.tokens
+        steps, tokens = np.array([c.steps for c in fit.crossings]), np.array([c.tokens for c in fit.crossings])
         ax.scatter(steps, tokens, color=color, label=f"loss {fit.target:.4g} ({len(steps)} runs)", zorder=3)
         grid = np.geomspace(steps.min() / 1.5, steps.max() * 1.5, 200)
         if fit.mccandlish is not None:
@@ -227,14 +227,9 @@ def cbs_curve_figure(
         )
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
-        xs: list[float] = [0]
-        ys = [start]
-        for change in batch_changes:
-            xs += [change.tokens_seen, change.tokens_seen]
-            ys += [ys[-1], change.new_global_batch]
-        xs.append(max(end_tokens or 0, max(r.tokens for r in history) * 1.05))
-        ys.append(ys[-1])
-        top.plot(xs, ys, color="tab:orange", label="global batch used")
+        xs = [0, *(c.tokens_seen for c in batch_changes), max(end_tokens or 0, max(r.tokens for r in history) * 1.05)]
+        ys = [start, *(c.new_global_batch for c in batch_changes)]
+        top.step(xs, [*ys, ys[-1]], where="post", color="tab:orange", label="global batch used")
     top.set_ylabel("batch size (samples)")
     top.set_yscale("log", base=2)
     top.set_title("Critical batch size by branched training")
