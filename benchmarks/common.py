@@ -113,8 +113,10 @@ def read_run(run_dir: Path, probes: bool = False, changes_batch: bool = False) -
     """A finished train.py run's summary.json plus its held-out loss curve (step, tokens, val_loss). With ``probes``
     or ``changes_batch``, the run is checked first (``check_run``): a run that did not do what it claims stops the
     benchmark before it writes anything."""
-    from lit_cbs.analysis.curves import TOKENS_COLUMN, VAL_LOSS_COLUMN, read_metrics_csv
+    from lit_cbs.analysis.curves import read_metrics_csv
     from lit_cbs.metrics import FIT_SECONDS
+    from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
+    from lit_cbs.metrics import VAL_LOSS as VAL_LOSS_COLUMN
 
     if probes or changes_batch:
         refuse_unless_checked(check_run(run_dir, probes=probes, changes_batch=changes_batch), run_dir.name)

@@ -51,8 +51,10 @@ from benchmarks.common import (
     train_command,
     train_unless_done,
 )
-from lit_cbs.analysis.curves import LOSS_COLUMN, TOKENS_COLUMN, read_metrics_csv, rolling_mean
+from lit_cbs.analysis.curves import read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
+from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
+from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
 from lit_cbs.run.report import read_batch_history
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens; --quick: 32)

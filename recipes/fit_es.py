@@ -26,29 +26,16 @@ import sys
 import warnings
 from pathlib import Path
 
-from lit_cbs.analysis import (
-    default_targets,
-    find_crossings,
-    fit_targets,
-    plot_batch_sizes,
-    plot_es,
-    propose_schedule,
-    read_readings,
-    read_sweep,
-    side_by_side,
-    side_by_side_markdown,
-    write_schedule_yaml,
-)
-from lit_cbs.analysis.curves import (
-    BATCH_COLUMN,
-    GNS_COLUMN,
-    LOSS_COLUMN,
-    METRICS_FILE,
-    STEP_COLUMN,
-    TOKENS_COLUMN,
-    check_units,
-)
-from lit_cbs.analysis.fits import POOR_FIT, WSD_FREE_PARAMETERS
+from lit_cbs.analysis import read_readings
+from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
+from lit_cbs.analysis.curves import METRICS_FILE, check_units, default_targets, find_crossings, read_sweep
+from lit_cbs.analysis.fits import POOR_FIT, WSD_FREE_PARAMETERS, fit_targets, propose_schedule, write_schedule_yaml
+from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
+from lit_cbs.metrics import GLOBAL_BATCH as BATCH_COLUMN
+from lit_cbs.metrics import GNS_B_SIMPLE as GNS_COLUMN
+from lit_cbs.metrics import STEP as STEP_COLUMN
+from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
+from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
 
 PROBE_FILE = "cbs_probe.jsonl"
 

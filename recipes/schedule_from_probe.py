@@ -37,16 +37,10 @@ from typing import cast
 
 from omegaconf import OmegaConf
 
-from lit_cbs.analysis import (
-    batch_group_yaml,
-    brackets_from_records,
-    forecast_cbs,
-    plot_forecast,
-    read_readings,
-    run_config_value,
-    schedule_from_probe,
-)
+from lit_cbs.analysis import brackets_from_records, forecast_cbs, plot_forecast, read_readings, schedule_from_probe
+from lit_cbs.analysis.fits import batch_group_yaml
 from lit_cbs.analysis.forecast import growth_exponent, noise_scale_over_tokens, schedule_from_forecast
+from lit_cbs.analysis.probe_schedule import run_config_value
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 from lit_cbs.rules.scaling import LR_RULES
 

@@ -84,8 +84,8 @@ def test_the_block_refuses_what_it_should():
 
 def test_the_analysis_package_loads_plotting_on_first_use():
     code = (
-        "import sys, lit_cbs.analysis as a; a.fit_targets; assert 'matplotlib' not in sys.modules; "
-        "a.plot_es; assert 'matplotlib' in sys.modules"
+        "import sys, lit_cbs.analysis as a; a.forecast_cbs; assert 'matplotlib' not in sys.modules; "
+        "a.plot_forecast; assert 'matplotlib' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=subprocess_env(), timeout=120)
 

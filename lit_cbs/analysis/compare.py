@@ -1,6 +1,5 @@
-"""The E(S) fits' B_crit, B_min and B_opt, the noise scale B_simple and the probe's CBS lined up by target loss:
-B_simple as the median over runs of its value where each run reached the target; the probe's reading nearest the
-tokens at which the sweep's run at the probe's batch reached it."""
+"""The E(S) fits' B_crit, B_min and B_opt, the runs' noise scale B_simple and the probe's CBS lined up by target
+loss."""
 
 from __future__ import annotations
 
@@ -57,31 +56,10 @@ def _probe_at_target(fit: TargetFit, probe: Sequence[ProbeReading]) -> tuple[flo
 
 
 def side_by_side(
-    fits: Sequence[TargetFit],
-    runs: Sequence[RunCurve],
-    probe: Sequence[ProbeReading] = (),
+    fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Sequence[ProbeReading] = ()
 ) -> list[SideBySide]:
-    """One ``SideBySide`` per fit (``fit_targets``), with the noise scale ``runs`` logged and the ``probe`` readings.
-    Raises ValueError for fits in tokens per step beside a noise scale or probe (samples).
-
-    Example:
-        One run, its noise scale rising from 40 to 120 samples over 4096 tokens, reaches loss 2.5 at 2560 tokens:
-
-        >>> import numpy as np
-        >>> from pathlib import Path
-        >>> from lit_cbs.analysis.curves import Crossing, RunCurve
-        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> run = RunCurve("b8", Path("metrics.csv"), steps=np.array([1.0, 4.0]), tokens=np.array([1024.0, 4096.0]),
-        ...                loss=np.array([4.0, 1.0]), tokens_per_step=1024.0, batch_size=8,
-        ...                gns_tokens=np.array([0.0, 4096.0]), gns=np.array([40.0, 120.0]))
-        >>> fit = TargetFit(2.5, (Crossing("b8", 2.5, 2.5, 2560.0, 1024.0, 8),), tokens_per_sample=128.0,
-        ...                 mccandlish=McCandlishFit(s_min=1.25, e_min=1280.0, rms_log_residual=0.0), wsd=None)
-        >>> rows = side_by_side([fit], [run])
-        >>> rows[0].b_crit, rows[0].b_simple  # 1024 tokens per step = 8 samples; 40 + 80 x 2560 / 4096
-        (8.0, 90.0)
-        >>> print(side_by_side_markdown(rows).splitlines()[-1])
-        | 2.5 | 8 | - | - | 90 (1) | - |
-    """
+    """One ``SideBySide`` per fit: B_simple as the median over ``runs`` of its value where each reached the target;
+    the ``probe`` reading nearest the tokens at which the run at the probe's batch reached it."""
     if fits and fits[0].unit != "samples" and (probe or any(len(run.gns) for run in runs)):
         raise ValueError(
             "mismatched units: the fits are in tokens per step but the noise scale and the probe's CBS are in samples; "
@@ -105,16 +83,7 @@ def _size(value: float, poor: bool = False) -> str:
 
 
 def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
-    """``rows`` as a markdown table (samples; * marks a fit that misses by over ``POOR_FIT``, noted below).
-
-    Example:
-        >>> import math
-        >>> from lit_cbs.analysis.compare import SideBySide
-        >>> row = SideBySide(2.5, b_crit=8.0, b_min=math.nan, b_opt=math.nan, b_simple=90.0, b_simple_runs=1,
-        ...                  probe_run_tokens=None, probe=None)
-        >>> print(side_by_side_markdown([row]).splitlines()[-1])
-        | 2.5 | 8 | - | - | 90 (1) | - |
-    """
+    """``rows`` as a markdown table (samples; * marks a fit that misses by over ``POOR_FIT``, noted below)."""
     lines = [
         "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) "
         "| probe CBS (at tokens; run reached target at) |",

@@ -1,6 +1,5 @@
-"""Loss curves of constant-batch runs read from their metrics CSVs, and the tokens E and steps S at which each
-reaches a target loss (McCandlish et al. 2018, arXiv 1812.06162; Zhou et al. 2026, arXiv 2601.05034). S is E over
-the run's constant tokens per step, so E / S is the run's global batch in tokens. numpy and scipy only."""
+"""Loss curves of constant-batch runs read from their metrics CSVs, and the tokens E and steps S (E over the run's
+tokens per step) at which each reaches a target loss."""
 
 from __future__ import annotations
 
@@ -17,25 +16,17 @@ import numpy as np
 from lit_cbs import metrics
 from lit_cbs.rules.smoothing import ema
 
-# The columns lit_cbs logs (BatchWarmup, CausalLM, GradientNoiseScale), named in lit_cbs.metrics, and Lightning's steps.
-TOKENS_COLUMN = metrics.TOKENS_SEEN
-STEP_COLUMN = metrics.STEP
-LOSS_COLUMN = metrics.TRAIN_LOSS
-VAL_LOSS_COLUMN = metrics.VAL_LOSS
-LR_COLUMN = metrics.LR
-BATCH_COLUMN = metrics.GLOBAL_BATCH
-GNS_COLUMN = metrics.GNS_B_SIMPLE
 METRICS_FILE = "metrics.csv"
-# Tokens per step may vary this much (relative) between logged rows before a run counts as not constant-batch.
-CONSTANT_BATCH_TOLERANCE = 0.01
+_TOLERANCE = 0.01  # relative spread of tokens per step (or tokens per sample) within which a run is constant-batch
 
+Series = dict[str, tuple[np.ndarray, np.ndarray]]  # metric -> (steps, values)
 PathLike = str | os.PathLike[str]
 
 
 @dataclass
 class RunCurve:
-    """One constant-batch run's loss curve: ``steps``, ``tokens`` (all ranks) and the unsmoothed ``loss`` per logged
-    point; ``batch_size`` in samples if logged; ``gns_tokens``, ``gns``: where B_simple (samples) was logged."""
+    """One constant-batch run's unsmoothed loss per logged point, with its ``steps`` and ``tokens`` (all ranks);
+    ``batch_size`` in samples if logged; ``gns``: the noise scale B_simple (samples) at ``gns_tokens``."""
 
     name: str
     path: Path
@@ -49,7 +40,6 @@ class RunCurve:
 
     @property
     def tokens_per_sample(self) -> float | None:
-        """Tokens per sample (the sequence length), if the batch column is logged."""
         return None if self.batch_size is None else self.tokens_per_step / self.batch_size
 
 
@@ -65,9 +55,8 @@ class Crossing:
     batch_size: int | None
 
 
-def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Each metric of a ``CSVLogger`` file as (steps, values), in file order, empty cells skipped and ``epoch`` left
-    out; each value is paired with its own row's step. Raises ValueError for a missing or non-numeric step."""
+def read_metrics_csv(path: PathLike, step_column: str = metrics.STEP) -> Series:
+    """Each metric of a ``CSVLogger`` file as (steps, values) in file order, empty cells and ``epoch`` left out."""
     series: dict[str, tuple[list[float], list[float]]] = {}
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
@@ -93,10 +82,9 @@ def read_metrics_csv(path: PathLike, step_column: str = STEP_COLUMN) -> dict[str
     return {name: (np.asarray(steps), np.asarray(values)) for name, (steps, values) in series.items()}
 
 
-def tokens_at(metrics: dict[str, tuple[np.ndarray, np.ndarray]], steps: np.ndarray) -> np.ndarray:
-    """Tokens seen at ``steps``, interpolated from ``read_metrics_csv``'s logged ``tokens_seen`` (exact at logged
-    steps)."""
-    logged_steps, tokens = metrics[TOKENS_COLUMN]
+def tokens_at(series: Series, steps: np.ndarray) -> np.ndarray:
+    """Tokens seen at ``steps``, interpolated from the logged ``tokens_seen`` (exact at logged steps)."""
+    logged_steps, tokens = series[metrics.TOKENS_SEEN]
     interpolated: np.ndarray = np.interp(steps, logged_steps, tokens)
     return interpolated
 
@@ -106,9 +94,8 @@ def _natural_key(path: Path) -> tuple[int, int, str]:
     return (0, int(head), path.name) if head.isdigit() else (1, 0, path.name)
 
 
-def _metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
-    """The one metrics CSV of a run: ``run`` itself if it is a file, else the only ``metrics_file`` under it."""
-    run = Path(run)
+def _metrics_file(run: Path, metrics_file: str) -> Path:
+    """``run`` itself if it is a file, else the only ``metrics_file`` under it."""
     if run.is_file():
         return run
     if not run.is_dir():
@@ -126,8 +113,8 @@ def _metrics_file(run: PathLike, metrics_file: str = METRICS_FILE) -> Path:
     return found[0]
 
 
-def _hydra_overrides(folder: Path) -> list[str]:
-    overrides = folder / ".hydra" / "overrides.yaml"
+def _hydra_overrides(run: Path) -> list[str]:
+    overrides = (run if run.is_dir() else run.parent) / ".hydra" / "overrides.yaml"
     if not overrides.is_file():
         return []
     import yaml
@@ -135,30 +122,33 @@ def _hydra_overrides(folder: Path) -> list[str]:
     return [str(item) for item in yaml.safe_load(overrides.read_text()) or []]
 
 
-def _run_label(folder: Path, common: Sequence[str] = ()) -> str:
-    own = [item for item in _hydra_overrides(folder) if item not in common and item not in folder.name]
+def _run_label(run: Path, common: Sequence[str] = ()) -> str:
+    folder = run if run.is_dir() else run.parent
+    own = [item for item in _hydra_overrides(run) if item not in common and item not in folder.name]
     return f"{folder.name} ({' '.join(own)})" if own else folder.name
+
+
+def _not_constant(name: str, spread: str) -> ValueError:
+    return ValueError(f"run {name} is not a constant-batch run: {spread}; E(S) fits need runs at one global batch")
 
 
 def read_run(
     run: PathLike,
     *,
     name: str | None = None,
-    loss_column: str = LOSS_COLUMN,
-    tokens_column: str = TOKENS_COLUMN,
-    step_column: str = STEP_COLUMN,
-    batch_column: str = BATCH_COLUMN,
-    gns_column: str = GNS_COLUMN,
+    loss_column: str = metrics.TRAIN_LOSS,
+    tokens_column: str = metrics.TOKENS_SEEN,
+    step_column: str = metrics.STEP,
+    batch_column: str = metrics.GLOBAL_BATCH,
+    gns_column: str = metrics.GNS_B_SIMPLE,
     metrics_file: str = METRICS_FILE,
 ) -> RunCurve:
-    """One constant-batch run's loss curve, sorted by tokens, from its folder (holding one ``metrics_file``) or its
-    CSV; ``name`` defaults to the folder's name with its Hydra overrides. Loss rows without a token count (e.g.
-    ``val/loss``) get their step's tokens from the constant tokens per step; a NaN loss ends the curve (warned).
-    Raises ValueError for a missing column, a token count that is NaN or decreases, fewer than two rows logging
-    tokens, or tokens per step (or the batch column) changing during the run."""
-    csv_path = _metrics_file(run, metrics_file)
-    run_path = Path(run)
-    name = name or _run_label(run_path.parent if run_path.is_file() else run_path)
+    """One constant-batch run's loss curve, sorted by tokens, from its folder or CSV; ``name`` defaults to the
+    folder's name with its Hydra overrides. Loss rows without a token count (``val/loss``) get their step's tokens
+    from the constant tokens per step; a NaN loss ends the curve (warned). Raises ValueError naming the run for a
+    missing column, token counts that are not finite or decrease, or tokens per step changing."""
+    csv_path = _metrics_file(Path(run), metrics_file)
+    name = name or _run_label(Path(run))
     series = read_metrics_csv(csv_path, step_column)
     for column, argument in ((tokens_column, "tokens_column"), (loss_column, "loss_column")):
         if column not in series:
@@ -168,40 +158,33 @@ def read_run(
             )
 
     token_steps, token_counts = series[tokens_column]
+    problem = ""
     if not np.all(np.isfinite(token_counts)):
         i = np.nonzero(~np.isfinite(token_counts))[0][0]
-        raise ValueError(
-            f"run {name}: {tokens_column}={token_counts[i]:g} at {step_column}={token_steps[i]:g} in {csv_path}; "
-            "token counts must be finite"
+        problem = (
+            f"{tokens_column}={token_counts[i]:g} at {step_column}={token_steps[i]:g}; token counts must be finite"
         )
-    decreasing = np.nonzero(np.diff(token_counts) < 0)[0]
-    if decreasing.size:
+    elif (decreasing := np.nonzero(np.diff(token_counts) < 0)[0]).size:
         i = decreasing[0]
-        raise ValueError(
-            f"run {name}: {tokens_column} decreases from {token_counts[i]:g} to {token_counts[i + 1]:g} "
-            f"at {step_column} {token_steps[i + 1]:g} in {csv_path} (a restarted run appending to the same CSV?); "
-            "give each run its own folder"
+        problem = (
+            f"{tokens_column} decreases from {token_counts[i]:g} to {token_counts[i + 1]:g} at {step_column} "
+            f"{token_steps[i + 1]:g} (a restarted run appending to the same CSV?); give each run its own folder"
         )
-    if len(np.unique(token_steps)) < 2:
-        raise ValueError(
-            f"run {name}: {tokens_column} is logged at fewer than 2 steps in {csv_path}; "
-            "the tokens per step are unknown"
-        )
-    if np.any(np.diff(token_steps) < 0):
-        raise ValueError(f"run {name}: {step_column} decreases in {csv_path}; give each run its own folder")
+    elif len(np.unique(token_steps)) < 2:
+        problem = f"{tokens_column} is logged at fewer than 2 steps; the tokens per step are unknown"
+    elif np.any(np.diff(token_steps) < 0):
+        problem = f"{step_column} decreases; give each run its own folder"
+    if problem:
+        raise ValueError(f"run {name}: {problem} ({csv_path})")
     tokens_per_step = (token_counts[-1] - token_counts[0]) / (token_steps[-1] - token_steps[0])
     advancing = np.diff(token_steps) > 0
     per_row = np.diff(token_counts)[advancing] / np.diff(token_steps)[advancing]
-    if tokens_per_step <= 0 or np.any(np.abs(per_row / tokens_per_step - 1) > CONSTANT_BATCH_TOLERANCE):
-        raise ValueError(
-            f"run {name} is not a constant-batch run: tokens per step range from {per_row.min():g} "
-            f"to {per_row.max():g}; E(S) fits need runs at one global batch"
-        )
+    if tokens_per_step <= 0 or np.any(np.abs(per_row / tokens_per_step - 1) > _TOLERANCE):
+        raise _not_constant(name, f"tokens per step range from {per_row.min():g} to {per_row.max():g}")
     tokens_at_step_zero = float(np.median(token_counts - tokens_per_step * token_steps))
     logged_tokens = dict(zip(token_steps.tolist(), token_counts.tolist()))
 
     def tokens_of(step: float) -> float:
-        """The tokens logged at ``step``; else (e.g. a ``val/loss`` step) from the constant tokens per step."""
         return float(logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step))
 
     loss_tokens, losses = [], []
@@ -220,20 +203,12 @@ def read_run(
     if batch_column in series:
         sizes = sorted(set(series[batch_column][1].tolist()))
         if len(sizes) > 1:
-            raise ValueError(
-                f"run {name} is not a constant-batch run: {batch_column} takes the values {sizes}; "
-                "E(S) fits need runs at one global batch"
-            )
+            raise _not_constant(name, f"{batch_column} takes the values {sizes}")
         batch_size = int(sizes[0])
-
-    gns_tokens, gns = [], []
-    for step, value in zip(*series.get(gns_column, ((), ()))):
-        if math.isfinite(value):
-            gns_tokens.append(tokens_of(step))
-            gns.append(value)
+    gns = [(tokens_of(step), value) for step, value in zip(*series.get(gns_column, ((), ()))) if math.isfinite(value)]
+    gns_tokens, gns_values = (np.asarray(column) for column in zip(*gns)) if gns else (np.empty(0), np.empty(0))
     steps, loss = tokens / tokens_per_step, np.asarray(losses)[order]
-    gns_at, gns_values = np.asarray(gns_tokens), np.asarray(gns)
-    return RunCurve(name, csv_path, steps, tokens, loss, float(tokens_per_step), batch_size, gns_at, gns_values)
+    return RunCurve(name, csv_path, steps, tokens, loss, float(tokens_per_step), batch_size, gns_tokens, gns_values)
 
 
 def read_sweep(
@@ -241,21 +216,7 @@ def read_sweep(
 ) -> list[RunCurve]:
     """Every run of a sweep (a Hydra multirun folder, or the runs' folders or CSVs) in job order, labelled by the
     overrides that differ between them; ``columns`` go to ``read_run``. Raises ValueError for no run, or runs that
-    disagree on tokens per sample.
-
-    Example:
-        >>> import tempfile
-        >>> from pathlib import Path
-        >>> sweep = tempfile.TemporaryDirectory()
-        >>> for job, batch in enumerate((8, 16)):  # a Hydra multirun: one numbered folder per job, as CSVLogger logs
-        ...     rows = ["step,tokens_seen,train/loss,batch/global_size"]
-        ...     rows += [f"{step},{(step + 1) * batch * 128},{4 - step * batch / 64},{batch}" for step in range(4)]
-        ...     Path(sweep.name, str(job)).mkdir()
-        ...     _ = Path(sweep.name, str(job), "metrics.csv").write_text(chr(10).join(rows))
-        >>> [(run.name, run.batch_size, run.tokens_per_step, run.loss.tolist()) for run in read_sweep(sweep.name)]
-        [('0', 8, 1024.0, [4.0, 3.875, 3.75, 3.625]), ('1', 16, 2048.0, [4.0, 3.75, 3.5, 3.25])]
-        >>> sweep.cleanup()
-    """
+    disagree on tokens per sample."""
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
         if not folder.is_dir():
@@ -270,23 +231,21 @@ def read_sweep(
         run_paths = [Path(p) for p in source]
         if not run_paths:
             raise ValueError("no runs given")
-    # Label runs by the overrides that differ between them (e.g. the batch size), not the shared ones.
-    overrides = [set(_hydra_overrides(p if p.is_dir() else p.parent)) for p in run_paths]
-    common = set.intersection(*overrides) if len(run_paths) > 1 else set()
-    names = [_run_label(p if p.is_dir() else p.parent, sorted(common)) for p in run_paths]
-    runs = [read_run(p, name=name, metrics_file=metrics_file, **columns) for p, name in zip(run_paths, names)]
+    overrides = [set(_hydra_overrides(p)) for p in run_paths]
+    common = sorted(set.intersection(*overrides)) if len(run_paths) > 1 else []
+    runs = [read_run(p, name=_run_label(p, common), metrics_file=metrics_file, **columns) for p in run_paths]
     check_units(runs)
     return runs
 
 
 def check_units(runs: Sequence[RunCurve]) -> float | None:
-    """The sweep's tokens per sample (sequence length), None if no run logs its batch in samples. Raises ValueError
-    where runs differ in it (tokens and samples counted inconsistently)."""
+    """The sweep's tokens per sample, None if no run logs its batch in samples. Raises ValueError where runs differ
+    in it (tokens and samples counted inconsistently)."""
     known = {run.name: run.tokens_per_sample for run in runs if run.tokens_per_sample is not None}
     if not known:
         return None
     values = list(known.values())
-    if max(values) > min(values) * (1 + CONSTANT_BATCH_TOLERANCE):
+    if max(values) > min(values) * (1 + _TOLERANCE):
         listed = ", ".join(f"{name}: {value:g}" for name, value in known.items())
         raise ValueError(
             "mismatched units: tokens per sample (tokens per step / global batch in samples) differ between runs "
@@ -314,8 +273,7 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
 
 
 def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, decay: float = 0.9) -> np.ndarray:
-    """``values`` smoothed by ``method``: "rolling" (``rolling_mean`` over ``window``), "ema" (with ``decay``) or
-    None (as floats)."""
+    """``values`` smoothed by ``method``: "rolling" (over ``window`` points), "ema" (with ``decay``) or None."""
     if method == "rolling":
         return rolling_mean(values, window)
     if method == "ema":
@@ -334,17 +292,7 @@ def find_crossings(
     decay: float = 0.9,
 ) -> dict[float, list[Crossing]]:
     """For each target loss (nats), where each run's loss, smoothed as ``smooth`` does, first reaches it. Runs that
-    never reach a target, or start below it (where it was crossed is unknown), are left out of it, warned by name.
-
-    Example:
-        >>> import numpy as np
-        >>> from pathlib import Path
-        >>> from lit_cbs.analysis.curves import RunCurve
-        >>> tokens = np.array([1024.0, 2048, 3072, 4096])
-        >>> run = RunCurve("b8", Path("metrics.csv"), tokens / 1024, tokens, np.array([4.0, 3, 2, 1]), 1024.0, 8)
-        >>> [(float(c.steps), c.tokens) for c in find_crossings([run], [2.5], smoothing=None)[2.5]]
-        [(2.5, 2560.0)]
-    """
+    never reach a target, or start below it, are left out of it, warned by name."""
     result: dict[float, list[Crossing]] = {float(t): [] for t in targets}
     never: dict[float, list[str]] = {float(t): [] for t in targets}
     for run in runs:
@@ -363,18 +311,12 @@ def find_crossings(
                 continue
             fraction = (smoothed[i - 1] - target) / (smoothed[i - 1] - smoothed[i])
             tokens = run.tokens[i - 1] + fraction * (run.tokens[i] - run.tokens[i - 1])
-            result[target].append(
-                Crossing(
-                    run.name, target, tokens / run.tokens_per_step, float(tokens), run.tokens_per_step, run.batch_size
-                )
-            )
+            steps = tokens / run.tokens_per_step
+            result[target].append(Crossing(run.name, target, steps, float(tokens), run.tokens_per_step, run.batch_size))
     for target, names in never.items():
-        if not names:
-            continue
-        if len(names) == len(runs):
-            warnings.warn(f"target loss {target:g}: no run reaches it: {'; '.join(names)}")
-        else:
-            warnings.warn(f"target loss {target:g}: left out runs that never reach it: {'; '.join(names)}")
+        if names:
+            which = "no run reaches it" if len(names) == len(runs) else "left out runs that never reach it"
+            warnings.warn(f"target loss {target:g}: {which}: {'; '.join(names)}")
     return result
 
 
@@ -388,18 +330,7 @@ def default_targets(
     decay: float = 0.9,
 ) -> list[float]:
     """``count`` target losses, highest first, evenly spaced from below the highest loss every run starts at down to
-    the lowest loss ``min_runs`` runs (or all) reach; ``smoothing``, ``window``, ``decay``: as for ``smooth``.
-    Raises ValueError for no runs, or curves that leave no range.
-
-    Example:
-        >>> import numpy as np
-        >>> from pathlib import Path
-        >>> from lit_cbs.analysis.curves import RunCurve
-        >>> tokens = np.array([1024.0, 2048, 3072, 4096])
-        >>> run = RunCurve("b8", Path("metrics.csv"), tokens / 1024, tokens, np.array([4.0, 3, 2, 1]), 1024.0, 8)
-        >>> default_targets([run], count=3, smoothing=None)
-        [3.0, 2.0, 1.0]
-    """
+    the lowest loss ``min_runs`` runs (or all) reach, smoothed as ``smooth`` does."""
     if not runs:
         raise ValueError("no runs to pick target losses from")
     curves = [smooth(run.loss, smoothing, window=window, decay=decay) for run in runs]

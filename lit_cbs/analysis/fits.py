@@ -1,13 +1,12 @@
-"""E(S) fits to the steps S and tokens E of constant-batch runs reaching one target loss: McCandlish et al. 2018
-(arXiv 1812.06162), E = E_min S / (S - S_min), B_crit = E_min / S_min; and Zhou et al. 2026 (arXiv 2601.05034) for
-the stable phase of a WSD schedule, E(S) hyperbolic below S_1, quadratic C (S - S_opt)^2 + E_min up to S_2, linear
-A_1 S + A_0 beyond, continuous at S_1 and S_2: B_min = A_1, B_opt = E_min / S_opt. Batch sizes in tokens per step;
-``TargetFit`` converts them to samples."""
+"""E(S) fits to the steps S and tokens E at which constant-batch runs reach a target loss: McCandlish et al. 2018
+(B_crit) and Zhou et al. 2026 for WSD schedules (B_min, B_opt); batch sizes in tokens per step, ``TargetFit``'s in
+samples. The batch schedule following B_opt, and its Hydra YAML."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -214,14 +213,6 @@ class TargetFit:
     def unit(self) -> str:
         return "tokens per step" if self.tokens_per_sample is None else "samples"
 
-    @property
-    def steps(self) -> np.ndarray:
-        return np.array([c.steps for c in self.crossings])
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return np.array([c.tokens for c in self.crossings])
-
     def _in_unit(self, tokens_per_step: float | None) -> float:
         if tokens_per_step is None:
             return float("nan")
@@ -229,17 +220,14 @@ class TargetFit:
 
     @property
     def b_crit(self) -> float:
-        """McCandlish et al.'s E_min / S_min, in ``unit``."""
         return self._in_unit(self.mccandlish.b_crit if self.mccandlish else None)
 
     @property
     def b_min(self) -> float:
-        """Zhou et al.'s A_1, in ``unit``."""
         return self._in_unit(self.wsd.b_min if self.wsd else None)
 
     @property
     def b_opt(self) -> float:
-        """Zhou et al.'s E_min / S_opt, in ``unit``."""
         return self._in_unit(self.wsd.b_opt if self.wsd else None)
 
 
@@ -249,66 +237,45 @@ def fit_targets(
     """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first; batch sizes
     in samples of ``tokens_per_sample`` tokens (None: in tokens per step). Warns, naming the target, where a fit
     lacks runs (McCandlish's needs 3, the WSD fit 8) or misses them by more than ``POOR_FIT`` (rms of log E), and
-    where a WSD part holds fewer than 2 runs.
-
-    Example:
-        >>> import warnings
-        >>> from lit_cbs.analysis.curves import Crossing
-        >>> points = [(1500, 3e8), (2000, 2e8), (3000, 1.5e8), (5000, 1.25e8)]  # (steps, tokens): B_crit 1e5 tokens
-        >>> crossings = [Crossing(f"run{i}", 2.5, s, e, e / s, int(e / s / 1000)) for i, (s, e) in enumerate(points)]
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     (fit,) = fit_targets({2.5: crossings}, tokens_per_sample=1000)
-        >>> round(fit.b_crit, 2), fit.wsd, str(caught[0].message)[:32]  # samples; 4 runs: too few for the WSD fit
-        (100.0, None, 'target loss 2.5: 4 runs reach it')
-    """
+    where a WSD part holds fewer than 2 runs."""
     fits = []
     for target in sorted(crossings, reverse=True):
         points = tuple(crossings[target])
-        names = ", ".join(c.run for c in points) or "none"
+        names, at = ", ".join(c.run for c in points) or "none", f"target loss {target:g}"
         if len(points) < MCCANDLISH_MIN_RUNS:
             warnings.warn(
-                f"target loss {target:g}: only {len(points)} runs reach it ({names}); E(S) fits need at least "
+                f"{at}: only {len(points)} runs reach it ({names}); E(S) fits need at least "
                 f"{MCCANDLISH_MIN_RUNS}: left out"
             )
             continue
-        steps = [c.steps for c in points]
-        tokens = [c.tokens for c in points]
-        mccandlish = fit_mccandlish(steps, tokens)
+        steps, tokens = [c.steps for c in points], [c.tokens for c in points]
+        mccandlish, wsd = fit_mccandlish(steps, tokens), None
         if mccandlish.rms_log_residual > POOR_FIT:
             warnings.warn(
-                f"target loss {target:g}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} "
-                "(rms of log E); E(S) is probably not monotone (loss curves cross, as under a WSD schedule), "
-                "so B_crit is unreliable"
+                f"{at}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); E(S) is "
+                "probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
             )
-        wsd = None
         if len(points) < WSD_FREE_PARAMETERS:
             warnings.warn(
-                f"target loss {target:g}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has "
-                f"{WSD_FREE_PARAMETERS} free parameters and needs at least {WSD_FREE_PARAMETERS} runs: "
-                "B_min and B_opt left out"
+                f"{at}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has {WSD_FREE_PARAMETERS} "
+                f"free parameters and needs at least {WSD_FREE_PARAMETERS} runs: B_min and B_opt left out"
             )
         else:
             wsd = fit_wsd(steps, tokens)
             if wsd.rms_log_residual > POOR_FIT:
                 warnings.warn(
-                    f"target loss {target:g}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} "
-                    "(rms of log E), so B_min and B_opt are unreliable"
+                    f"{at}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), so B_min and "
+                    "B_opt are unreliable"
                 )
-            thin = [part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2]
-            if thin:
+            if thin := [
+                part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2
+            ]:
                 warnings.warn(
-                    f"target loss {target:g}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) "
-                    f"(runs per part: {wsd.points_per_segment}); B_min and B_opt are poorly determined there"
+                    f"{at}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) (runs per part: "
+                    f"{wsd.points_per_segment}); B_min and B_opt are poorly determined there"
                 )
         fits.append(TargetFit(target, points, tokens_per_sample, mccandlish, wsd))
     return fits
-
-
-def _e_min(fit: TargetFit) -> float:
-    if fit.wsd is None:
-        raise RuntimeError(f"target loss {fit.target:g} has no WSD fit")
-    return fit.wsd.e_min
 
 
 def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
@@ -316,19 +283,7 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     (highest) target from the start, and of each next target from the previous target's E_min tokens on. Sizes are
     rounded to a multiple of ``multiple_of`` (micro-batch x world size) and never decrease (warned); a target whose
     E_min is not above the previous one's is dropped (warned). Raises ValueError where no target has a WSD fit, the
-    fits are in tokens per step, or ``multiple_of`` is not a positive int.
-
-    Example:
-        >>> import dataclasses
-        >>> from lit_cbs.analysis.fits import TargetFit, WSDFit
-        >>> law = WSDFit(s_min=1000, b_minus1=1e11, b_0=5.8e7, s_1=3000, c=2.0, s_opt=5000, e_min=1e8, s_2=8000,
-        ...              a_1=1e4, a_0=3.8e7, points_per_segment=(0, 0, 0), rms_log_residual=0.0)  # B_opt 20 samples
-        >>> fits = [TargetFit(3.0, (), 1000.0, None, law),
-        ...         TargetFit(2.5, (), 1000.0, None, dataclasses.replace(law, e_min=4e8, s_opt=10_000))]
-        >>> schedule = propose_schedule(fits, multiple_of=8)
-        >>> schedule.batch_sizes, schedule.thresholds  # 20 rounds to 16
-        ([16, 40], [0, 100000000])
-    """
+    fits are in tokens per step, or ``multiple_of`` is not a positive int."""
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
     usable = sorted((f for f in target_fits if f.wsd is not None), key=lambda f: f.target, reverse=True)
@@ -339,18 +294,19 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
             "mismatched units: B_opt is known only in tokens per step because the runs log no global batch in samples; "
             "log batch/global_size (BatchWarmup does) so the schedule can be given in samples"
         )
-    kept: list[TargetFit] = []
+    kept: list[tuple[float, TargetFit]] = []  # (E_min, fit)
     for fit in usable:
-        if kept and _e_min(fit) <= _e_min(kept[-1]):
+        e_min = fit.wsd.e_min if fit.wsd else math.nan
+        if kept and e_min <= kept[-1][0]:
             warnings.warn(
-                f"target loss {fit.target:g}: E_min {_e_min(fit):.4g} tokens is not above the previous target's "
-                f"({_e_min(kept[-1]):.4g}); target dropped from the schedule"
+                f"target loss {fit.target:g}: E_min {e_min:.4g} tokens is not above the previous target's "
+                f"({kept[-1][0]:.4g}); target dropped from the schedule"
             )
             continue
-        kept.append(fit)
+        kept.append((e_min, fit))
     sizes: list[int] = []
     thresholds: list[int] = []
-    for starts_at, fit in zip([0.0] + [_e_min(f) for f in kept[:-1]], kept):
+    for starts_at, (_, fit) in zip([0.0] + [e for e, _ in kept[:-1]], kept):
         size = max(multiple_of, int(round(fit.b_opt / multiple_of)) * multiple_of)
         if sizes and size < sizes[-1]:
             warnings.warn(
@@ -364,71 +320,37 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     return PiecewiseBatch(sizes, thresholds, unit="tokens")
 
 
-def _piecewise_lines(schedule: PiecewiseBatch, indent: str) -> list[str]:
-    return [
+def _schedule_yaml(schedule: PiecewiseBatch, comment: str, keys: Sequence[str], tail: Sequence[str] = ()) -> str:
+    """``schedule`` nested under ``keys``, ``comment`` on top as YAML comments, ``tail`` below."""
+    indent = "  " * len(keys)
+    lines = [f"# {line}" if line else "#" for line in comment.splitlines()]
+    lines += [f"{'  ' * depth}{key}:" for depth, key in enumerate(keys)]
+    lines += [
         f"{indent}_target_: {type(schedule).__module__}.{type(schedule).__qualname__}",
         f"{indent}batch_sizes: [{', '.join(str(b) for b in schedule.batch_sizes)}]",
         f"{indent}thresholds: [{', '.join(str(t) for t in schedule.thresholds)}]",
         f"{indent}unit: {schedule.unit}",
     ]
-
-
-def _comment_lines(comment: str) -> list[str]:
-    return [f"# {line}" if line else "#" for line in comment.splitlines()]
+    return "\n".join([*lines, *tail]) + "\n"
 
 
 def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
-    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule``, ``comment`` on top as YAML comments."""
-    lines = [
-        "# @package _global_",
-        *_comment_lines(comment),
-        "batch:",
-        "  schedule:",
-        *_piecewise_lines(schedule, "    "),
-    ]
-    return "\n".join(lines) + "\n"
+    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule``."""
+    return "# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule"))
 
 
 def batch_group_yaml(
     schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt", *, max_micro_batch_size: int | None
 ) -> str:
-    """A ``conf/batch/`` option (save as ``conf/batch/NAME.yaml``, select with ``batch=NAME``) running ``schedule``,
-    the LR following each change by ``lr_rule``. ``max_micro_batch_size`` (samples per rank; None: grow by
-    accumulation alone) is required: a schedule read off one run should keep its micro-batch growth.
-
-    Example:
-        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
-        >>> print(batch_group_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), max_micro_batch_size=16))
-        schedule:
-          _target_: lit_cbs.rules.batch_schedules.PiecewiseBatch
-          batch_sizes: [16, 40]
-          thresholds: [0, 100000000]
-          unit: tokens
-        lr_rule: sqrt
-        max_micro_batch_size: 16
-        <BLANKLINE>
-    """
-    lines = [
-        *_comment_lines(comment),
-        "schedule:",
-        *_piecewise_lines(schedule, "  "),
-        f"lr_rule: {lr_rule}",
-        f"max_micro_batch_size: {'null' if max_micro_batch_size is None else max_micro_batch_size}",
-    ]
-    return "\n".join(lines) + "\n"
+    """A ``conf/batch/`` option (select with ``batch=NAME``) running ``schedule``, the LR following each change by
+    ``lr_rule``. ``max_micro_batch_size`` (samples per rank; None: grow by accumulation alone) is required: a
+    schedule read off one run should keep its micro-batch growth."""
+    micro = "null" if max_micro_batch_size is None else max_micro_batch_size
+    return _schedule_yaml(schedule, comment, ("schedule",), [f"lr_rule: {lr_rule}", f"max_micro_batch_size: {micro}"])
 
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike[str], comment: str = "") -> Path:
-    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``).
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     path = write_schedule_yaml(PiecewiseBatch([16, 40], [0, 100_000_000]), f"{folder}/b_opt.yaml", "B_opt")
-        ...     path.read_text().splitlines()[:3]
-        ['# @package _global_', '# B_opt', 'batch:']
-    """
+    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``)."""
     path = Path(path)
     path.write_text(schedule_yaml(schedule, comment))
     return path

@@ -1,12 +1,11 @@
-"""A forecast of the critical batch size past the last probe: a curve CBS(D) fitted to the intervals probe readings
-bracket it in, treated as censored data: log CBS(D) = mu(D) + Normal(0, s), ``power`` CBS = a (D / D0)^b, or
-``plateau`` 1 / CBS = 1 / (a (D / D0)^b) + 1 / c. Weak priors: log s ~ Normal(log 0.15, 0.5), b ~ Normal(0, 1),
-log c ~ Normal(log of the largest lower end, 2), log a flat. The posterior is sampled by importance sampling from a
-Student t around its mode; the band is the posterior predictive ``coverage`` interval (docs/design.md)."""
+"""A forecast of the critical batch size past the last probe: a curve CBS(D), ``power`` a (D / D0)^b or ``plateau``
+1 / CBS = 1 / (a (D / D0)^b) + 1 / c, fitted to the intervals the readings bracket it in as censored data, with a
+posterior predictive band (docs/design.md); and a schedule following the band."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -16,7 +15,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 from scipy import optimize, special, stats
 
-from lit_cbs.analysis.curves import GNS_COLUMN, TOKENS_COLUMN, read_metrics_csv, tokens_at
+from lit_cbs import metrics
+from lit_cbs.analysis.curves import read_metrics_csv, tokens_at
+from lit_cbs.analysis.probe_schedule import check_growth, grow_batch
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import ProbeReading, judged_multipliers
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
@@ -40,12 +41,13 @@ MIN_SPAN = 4.0  # largest / smallest token count of the readings
 
 @dataclasses.dataclass(frozen=True)
 class Bracket:
-    """The CBS at ``tokens`` lies in [``lower``, ``upper``] samples (``upper`` inf: no upper end)."""
+    """The CBS at ``tokens`` lies in [``lower``, ``upper``] samples (``upper`` inf: no upper end); ``run``: the run
+    read (the model choice leaves runs out by it)."""
 
     tokens: float
     lower: float
     upper: float
-    run: str  # which run the reading came from (the model choice leaves runs out by it; plots colour by it)
+    run: str
     determined: bool = True
 
 
@@ -57,14 +59,11 @@ def _number(reading: ProbeReading, key: str, where: str, minimum: float = 0.0) -
 
 
 def supported_interval(
-    reading: ProbeReading,
-    where: str = "reading",
-    epsilon: float | None = None,
+    reading: ProbeReading, where: str = "reading", epsilon: float | None = None
 ) -> tuple[float, float]:
-    """(lower, upper) samples where the CBS lies at the reading's confidence: ``lower`` the largest k B within its
-    epsilon of every smaller k, ``upper`` the smallest k B beyond it (inf: none). From per-batch losses where the
-    reading has them, judged at its own epsilon (``epsilon``: for readings that hold none; else LitCBSConfigError);
-    without them, a determined reading's own bracket, an undetermined one's [smallest k B, inf)."""
+    """(lower, upper) samples where the CBS lies at the reading's confidence, judged again from its per-batch losses
+    at its own epsilon (``epsilon``: for readings that hold none); without them, a determined reading's bracket, an
+    undetermined one's [smallest k B, inf)."""
     batch = _number(reading, "batch_size", where)
     if not isinstance(reading.losses, dict) or not reading.losses:
         raise ValueError(f"{where}: losses={reading.losses!r} must map each multiplier to its loss")
@@ -87,13 +86,10 @@ def supported_interval(
 
 
 def brackets_from_records(
-    readings: Iterable[ProbeReading],
-    run: str = "run",
-    epsilon: float | None = None,
+    readings: Iterable[ProbeReading], run: str = "run", epsilon: float | None = None
 ) -> list[Bracket]:
-    """One ``Bracket`` per probe reading of one run (``supported_interval``; ``epsilon`` nats for readings without
-    their own), sorted by tokens. Raises ValueError naming a reading that is not a ``ProbeReading`` or lacks tokens,
-    batch size or losses, or readings of different seq_len.
+    """One ``Bracket`` per probe reading of one run, sorted by tokens; ``epsilon`` (nats) judges readings that do not
+    hold theirs. Raises ValueError naming a bad reading, or for readings of different seq_len.
 
     Example:
         >>> from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
@@ -240,12 +236,9 @@ def _laplace_covariance(
 def _posterior_draws(
     brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng: np.random.Generator
 ) -> np.ndarray:
-    """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling."""
+    """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling from a Student t."""
     readings = _Readings.of(brackets, d0)
-
-    def log_posterior(params: np.ndarray) -> np.ndarray:
-        return readings.log_posterior(params, model)
-
+    log_posterior = functools.partial(readings.log_posterior, model=model)
     centre, shape = mode, _laplace_covariance(log_posterior, mode)
     for _ in range(3):
         proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
@@ -265,8 +258,7 @@ def _posterior_draws(
 @dataclasses.dataclass(frozen=True)
 class CBSForecast:
     """A fitted CBS(D) curve and its band at ``coverage``. ``params``: the posterior's mode of log a, b, log s (and
-    log c), D in units of ``d0`` tokens, the CBS in samples; ``heldout_log_likelihood``: per model, of each left-out
-    run's (or reading's) brackets under the fit to the rest; ``band_draws``: the posterior draws the band mixes."""
+    log c), D in units of ``d0`` tokens, the CBS in samples; ``heldout_log_likelihood``: per model choice."""
 
     model: str
     params: tuple[float, ...]
@@ -278,7 +270,6 @@ class CBSForecast:
 
     @property
     def exponent(self) -> float:
-        """b: the power law's exponent in tokens."""
         return self.params[1]
 
     @property
@@ -288,7 +279,7 @@ class CBSForecast:
 
     @property
     def noise_scale(self) -> float:
-        """s: the spread of log CBS around the curve (one run's readings against the curve), at the posterior's mode."""
+        """s: the spread of log CBS around the curve, at the posterior's mode."""
         return math.exp(self.params[2])
 
     def predict(self, tokens: ArrayLike) -> np.ndarray:
@@ -298,8 +289,7 @@ class CBSForecast:
         return cbs
 
     def band(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
-        """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read there, quantiles
-        of the mixture over the posterior draws of each draw's Normal(curve, s)."""
+        """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read there."""
         log_d = np.log(np.atleast_1d(np.asarray(tokens, dtype=float)) / self.d0)
         curves = _curve(self.band_draws, log_d, self.model)  # [draws, D]
         spreads = np.exp(self.band_draws[:, 2])[:, None]
@@ -312,7 +302,7 @@ class CBSForecast:
         return bool(low[0] <= bracket.upper and high[0] >= bracket.lower)
 
     def describe(self) -> str:
-        """One line for logs and reports: the model, its readings, the curve, the spread and the band."""
+        """One line: the model, its readings, the curve, the spread and the band."""
         runs = sorted({b.run for b in self.brackets})
         shape = f"CBS = {math.exp(self.params[0]):.4g} x (D / {self.d0:.4g})^{self.exponent:.3f} samples"
         if self.model == "plateau":
@@ -354,9 +344,7 @@ def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
 def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: float = 0.8, seed: int = 0) -> CBSForecast:
     """CBS(D) fitted to ``brackets`` of one or more runs. ``model``: "power", "plateau" (readings at 4 or more token
     counts) or "auto": the plateau where its held-out log likelihood beats the power law's by ``PLATEAU_MARGIN``.
-    ``seed``: of the band's importance sampling. Raises ValueError for readings at fewer than 2 token counts or a
-    bad argument; warns where the readings cannot test the curve's shape (fewer than ``MIN_TOKEN_COUNTS`` token
-    counts, or a span under ``MIN_SPAN``).
+    ``seed``: of the band's sampling. Warns where the readings cannot test the curve's shape.
 
     Example:
         >>> from lit_cbs.analysis.forecast import Bracket
@@ -392,10 +380,9 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
     d0 = float(np.exp(np.mean(np.log([b.tokens for b in brackets]))))
     candidates = [m for m in MODELS if m == "power" or len(token_counts) >= 4]
     heldout = {m: _heldout(brackets, m, d0) for m in candidates}
-    if model != "auto":
-        chosen = model
-    else:  # the plateau's one more parameter must earn more than 1 in held-out log likelihood
-        chosen = "plateau" if heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN else "power"
+    # "auto": the plateau's one more parameter must earn more than PLATEAU_MARGIN in held-out log likelihood.
+    beats_power = heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN
+    chosen = model if model != "auto" else "plateau" if beats_power else "power"
     if chosen == "plateau" and "plateau" not in candidates:
         raise ValueError(f"model='plateau' needs readings at 4 or more token counts; these have {len(token_counts)}")
     params = _fit(brackets, chosen, d0)
@@ -422,15 +409,12 @@ def schedule_from_forecast(
     final: int | None = None,
     margin: float = 1.0,
 ) -> tuple[PiecewiseBatch, list[ForecastChange]]:
-    """(a token-indexed ``PiecewiseBatch``, its ``ForecastChange``s) up to ``until_tokens``: at D tokens the largest
-    ``start x factor**n`` (at most ``final``) with ``margin x batch`` at or below the band's lower edge, never
-    decreasing. Warns when ``until_tokens`` lies farther past the last reading than the readings span."""
+    """(a token-indexed ``PiecewiseBatch``, its changes) up to ``until_tokens``, following the band's lower edge as
+    ``schedule_from_probe`` follows readings. Warns when ``until_tokens`` lies farther past the last reading than
+    the readings span."""
     if not (isinstance(until_tokens, int) and until_tokens > 0):
         raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")
-    if not (isinstance(start, int) and start >= 1) or not (isinstance(factor, int) and factor >= 2):
-        raise ValueError(f"start={start!r} must be an int >= 1 and factor={factor!r} an int >= 2")
-    if not (isinstance(margin, (int, float)) and margin >= 1):
-        raise ValueError(f"margin={margin!r} must be a number >= 1")
+    check_growth(start, factor, margin)
     first, last = forecast.brackets[0].tokens, forecast.brackets[-1].tokens
     if until_tokens / last > last / first:
         reach = f"until_tokens={until_tokens:,} is {until_tokens / last:.1f}x past the last reading ({last:,.0f})"
@@ -440,34 +424,28 @@ def schedule_from_forecast(
         )
     grid = np.unique(np.geomspace(1, until_tokens, 2000).astype(np.int64))
     low, high = forecast.band(grid)
-    sizes, thresholds, changes = [start], [0], []
-    for tokens, lo, hi in zip(grid, low, high):
-        batch = sizes[-1]
-        while margin * batch * factor <= lo and (final is None or batch * factor <= final):
-            batch *= factor
-        if batch > sizes[-1]:
-            sizes.append(batch)
-            thresholds.append(int(tokens))
-            changes.append(ForecastChange(int(tokens), batch, float(lo), float(hi)))
+    changes = [
+        ForecastChange(int(grid[i]), batch, float(low[i]), float(high[i]))
+        for i, batch in grow_batch(low, start, factor, final, margin)
+    ]
+    sizes, thresholds = [start] + [c.batch for c in changes], [0] + [c.tokens for c in changes]
     return PiecewiseBatch(sizes, thresholds, unit="tokens"), changes
 
 
 def noise_scale_over_tokens(metrics_csv: str | os.PathLike[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, B_simple) where a run's metrics.csv logged ``gns/b_simple``. Raises ValueError naming a missing
-    column."""
+    """(tokens, B_simple) where a run's metrics.csv logged ``gns/b_simple``."""
     series = read_metrics_csv(metrics_csv)
-    for name in (GNS_COLUMN, TOKENS_COLUMN):
+    for name in (metrics.GNS_B_SIMPLE, metrics.TOKENS_SEEN):
         if name not in series:
             raise ValueError(
                 f"{metrics_csv} has no {name!r}; pass the metrics.csv of a run with GradientNoiseScale and BatchWarmup"
             )
-    steps, b_simple = series[GNS_COLUMN]
+    steps, b_simple = series[metrics.GNS_B_SIMPLE]
     return tokens_at(series, steps), np.asarray(b_simple, dtype=float)
 
 
 def growth_exponent(tokens: ArrayLike, values: ArrayLike) -> float:
-    """x in values ~ tokens^x: the least-squares slope of log(values) against log(tokens) over the positive finite
-    points. Raises ValueError for fewer than 2 token counts."""
+    """x in values ~ tokens^x: the least-squares slope of log(values) against log(tokens), positive finite points."""
     tokens, values = np.asarray(tokens, dtype=float), np.asarray(values, dtype=float)
     keep = np.isfinite(tokens) & np.isfinite(values) & (tokens > 0) & (values > 0)
     if len(set(tokens[keep])) < 2:

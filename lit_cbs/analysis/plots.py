@@ -1,5 +1,5 @@
-"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn on
-matplotlib ``Figure`` objects through the Agg canvas: pyplot's global state is left alone, no display is needed."""
+"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn through
+the Agg canvas: pyplot's backend is left alone (a notebook keeps its own), no display is needed."""
 
 from __future__ import annotations
 
@@ -25,8 +25,7 @@ from lit_cbs.probe.reading import ProbeReading, difference, one_sided_quantile
 
 
 def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``figure`` as a PNG at ``path`` (its folder is created) through the Agg canvas, leaving pyplot's
-    backend alone (a notebook keeps its own)."""
+    """Write ``figure`` as a PNG at ``path`` (its folder created) through the Agg canvas."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(figure)
@@ -35,27 +34,34 @@ def save_figure(figure: Figure, path: str | os.PathLike[str]) -> Path:
     return path
 
 
+def _brackets(ax: Axes, at: Sequence[tuple[float, ProbeReading]], label: str, **style: Any) -> None:
+    """Each reading's CBS interval (samples) at x, a ^ above the lower end of one read at the top of its grid."""
+    if at:
+        tops = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for _, r in at]
+        ax.vlines([x for x, _ in at], [r.cbs_lower for _, r in at], tops, label=label, **style)
+    if open_ended := [(x, r.cbs_lower) for x, r in at if r.cbs_upper is None]:
+        ax.scatter(*zip(*open_ended), marker="^", color=style["color"], zorder=4)
+
+
+def _log_log(ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float) -> None:
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=fontsize)
+    ax.legend(fontsize=8)
+
+
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
     """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
-    the WSD fit (solid) where it was made. Raises ValueError for no fits.
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.analysis.curves import Crossing
-        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
-        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_es([fit], f"{folder}/es.png").name
-        'es.png'
-    """
+    the WSD fit (solid) where it was made."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     figure = Figure(figsize=(7, 5))
     ax = figure.add_subplot()
     colors = colormaps["viridis"](np.linspace(0, 0.9, len(target_fits)))
     for fit, color in zip(target_fits, colors):
-        steps, tokens = fit.steps, fit.tokens
+        steps, tokens = np.array([c.steps for c in fit.crossings]), np.array([c.tokens for c in fit.crossings])
         ax.scatter(steps, tokens, color=color, label=f"loss {fit.target:.4g} ({len(steps)} runs)", zorder=3)
         grid = np.geomspace(steps.min() / 1.5, steps.max() * 1.5, 200)
         if fit.mccandlish is not None:
@@ -63,12 +69,8 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> P
         if fit.wsd is not None:
             ax.plot(grid, fit.wsd.tokens(grid), "-", color=color, lw=1.5)
             ax.scatter([fit.wsd.s_opt], [fit.wsd.e_min], marker="*", s=120, color=color, edgecolor="k", zorder=4)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("optimizer steps S to reach the target")
-    ax.set_ylabel("tokens E to reach the target")
-    ax.set_title("E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)", fontsize=9)
-    ax.legend(fontsize=8)
+    title = "E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)"
+    _log_log(ax, "optimizer steps S to reach the target", "tokens E to reach the target", title, 9)
     return save_figure(figure, path)
 
 
@@ -79,22 +81,10 @@ def plot_batch_sizes(
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
-    """B_crit, B_min and B_opt against the target loss (left) and against E_min, the tokens at which the target is
-    reached (right), with the probe's brackets and each run's noise scale B_simple (samples) over tokens when given.
-    B_crit is filled where McCandlish's E(S) fits the runs within ``POOR_FIT``, hollow where not. ``compared``
-    (``side_by_side``'s rows) adds the noise scale and the probe's bracket at each target to the left panel.
-    Raises ValueError for no fits, or probe or noise-scale data (samples) with fits in tokens per step.
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.analysis.curves import Crossing
-        >>> from lit_cbs.analysis.fits import McCandlishFit, TargetFit
-        >>> crossings = tuple(Crossing(f"run{s}", 2.5, s, 1e8 * s / (s - 1000), 1e5, 100) for s in (1500, 2000, 3000))
-        >>> fit = TargetFit(2.5, crossings, 1000.0, McCandlishFit(s_min=1000.0, e_min=1e8, rms_log_residual=0.0), None)
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_batch_sizes([fit], f"{folder}/batch_sizes.png").name
-        'batch_sizes.png'
-    """
+    """B_crit, B_min and B_opt against the target loss (left) and against E_min (right), with the probe's brackets
+    and each run's noise scale B_simple over tokens when given; ``compared`` (``side_by_side``'s rows) adds the
+    noise scale and the probe's bracket at each target to the left panel. B_crit is hollow where McCandlish's E(S)
+    misses the runs by more than ``POOR_FIT``."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     unit = target_fits[0].unit
@@ -108,14 +98,17 @@ def plot_batch_sizes(
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
     nan = (np.nan, np.nan)
-    mccandlish = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
-    fits_well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
+    crit = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
+    well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
-    well = [m if ok else nan for m, ok in zip(mccandlish, fits_well)]
-    poorly = [nan if ok else m for m, ok in zip(mccandlish, fits_well)]  # drawn hollow
     series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
-        (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, well),
-        (f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})", "o:", {"markerfacecolor": "none"}, poorly),
+        (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, [c if w else nan for c, w in zip(crit, well)]),
+        (
+            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
+            "o:",
+            {"markerfacecolor": "none"},
+            [nan if w else c for c, w in zip(crit, well)],
+        ),
         ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
         ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
     ]
@@ -123,31 +116,16 @@ def plot_batch_sizes(
         sizes, tokens = np.array(points, dtype=float).T.copy()
         sizes[~(sizes > 0)] = np.nan  # a fit that put B_min or E_min at its bound 0 has no place on log axes
         tokens[~(tokens > 0)] = np.nan
-        if np.all(np.isnan(sizes)):
-            continue
-        by_loss.plot(targets, sizes, style, label=label, **marker)
-        by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
+        if not np.all(np.isnan(sizes)):
+            by_loss.plot(targets, sizes, style, label=label, **marker)
+            by_tokens.plot(tokens, sizes, style, label=f"{label} at E_min", **marker)
     rows = [row for row in compared if math.isfinite(row.b_simple)]
     if rows:
         median = "noise scale B_simple (median of runs at the target)"
         by_loss.plot([r.target for r in rows], [r.b_simple for r in rows], "x-", color="tab:gray", label=median)
-    for i, (target, reading) in enumerate([(row.target, row.probe) for row in compared if row.probe is not None]):
-        top = reading.cbs_upper if reading.cbs_upper is not None else reading.cbs_lower * 2
-        nearest = "CBS probe bracket (reading nearest the target)" if i == 0 else None
-        by_loss.vlines(target, reading.cbs_lower, top, color="k", lw=3, alpha=0.5, label=nearest)
-    if probe:
-        tokens = np.array([p.tokens for p in probe])
-        estimate = np.array([p.cbs_estimate for p in probe])
-        closed = np.array([p.cbs_upper is not None for p in probe])
-        lower = estimate - np.array([p.cbs_lower for p in probe])
-        upper = np.array([(p.cbs_upper if p.cbs_upper is not None else p.cbs_estimate) for p in probe]) - estimate
-        error = [lower[closed], upper[closed]]
-        by_tokens.errorbar(
-            tokens[closed], estimate[closed], yerr=error, fmt="D", color="k", capsize=3, label="CBS probe"
-        )
-        if np.any(~closed):
-            open_lower = [p.cbs_lower for p, c in zip(probe, closed) if not c]
-            by_tokens.scatter(tokens[~closed], open_lower, marker="^", color="k", label="CBS probe (>= lower)")
+    nearest = [(row.target, row.probe) for row in compared if row.probe is not None]
+    _brackets(by_loss, nearest, "CBS probe bracket (reading nearest the target)", color="k", lw=3, alpha=0.5)
+    _brackets(by_tokens, [(p.tokens, p) for p in probe], "CBS probe", color="k", lw=2)
     for i, run in enumerate(gns_runs):
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
@@ -171,7 +149,7 @@ def plot_forecast(
     noise_scale: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> Path:
     """The brackets ``forecast`` was fitted on (dashed: undetermined; an arrow: no upper end), its curve and band
-    out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them. Log-log.
+    out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them.
 
     Example:
         >>> import tempfile
@@ -189,9 +167,8 @@ def plot_forecast(
     runs = sorted({b.run for b in brackets})
     colors = dict(zip(runs, colormaps["tab10"](np.arange(len(runs)) % 10)))
     for index, run in enumerate(runs):
-        members = [b for b in brackets if b.run == run]
         shift = 1.04 ** (index - (len(runs) - 1) / 2)  # runs read at the same tokens side by side
-        for number, bracket in enumerate(members):
+        for number, bracket in enumerate(b for b in brackets if b.run == run):
             top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
             x = bracket.tokens * shift
             style = "-" if bracket.determined else "--"
@@ -210,12 +187,8 @@ def plot_forecast(
         tokens, b_simple = (np.asarray(values, dtype=float) for values in noise_scale)
         keep = np.isfinite(b_simple) & (b_simple > 0) & (tokens > 0)
         ax.plot(tokens[keep], b_simple[keep], color="tab:purple", lw=1, label="noise scale B_simple")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("tokens seen D")
-    ax.set_ylabel("critical batch size (samples)")
-    ax.set_title(textwrap.fill(forecast.describe(), 100), fontsize=7)  # matplotlib's wrap=True overflows a log axis
-    ax.legend(fontsize=8)
+    title = textwrap.fill(forecast.describe(), 100)  # matplotlib's wrap=True overflows a log axis
+    _log_log(ax, "tokens seen D", "critical batch size (samples)", title, 7)
     return save_figure(figure, path)
 
 
@@ -226,20 +199,7 @@ def plot_cbs_curve(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Path:
-    """``cbs_curve_figure`` as a PNG at ``path``: the probe's readings (``read_readings``) against tokens.
-
-    Example:
-        >>> import tempfile
-        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule
-        >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
-        >>> where = dict(step=100, seq_len=128, window_tokens=262_144, search="grid", evaluate="train_ema",
-        ...     main_loss=3.1, branches_trained=[2, 4], failed=[], tokens_spent=524_288, overhead=0.52)
-        >>> history = [ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=t, **where)
-        ...     for t in (1_000_000, 2_000_000)]
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     plot_cbs_curve(history, [], f"{folder}/cbs_curve.png", epsilon=0.01).name
-        'cbs_curve.png'
-    """
+    """``cbs_curve_figure`` as a PNG at ``path``."""
     return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
 
 
@@ -255,30 +215,21 @@ def cbs_curve_figure(
     error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
-    styles = {True: dict(color="tab:blue", linestyles="solid"), False: dict(color="tab:gray", linestyles="dashed")}
-    for determined, style in styles.items():
+    for determined, color, line, label in (
+        (True, "tab:blue", "solid", "CBS interval [k* B, next k B]"),
+        (False, "tab:gray", "dashed", "undetermined reading"),
+    ):
         readings = [r for r in history if r.determined == determined]
-        if not readings:
-            continue
-        tokens = [r.tokens for r in readings]
-        upper = [r.cbs_upper if r.cbs_upper is not None else r.cbs_lower for r in readings]
-        label = "CBS interval [k* B, next k B]" if determined else "undetermined reading"
-        top.vlines(tokens, [r.cbs_lower for r in readings], upper, alpha=0.7, label=label, **style)
-        face = style["color"] if determined else "none"
-        top.scatter(tokens, [r.cbs_estimate for r in readings], zorder=3, color=style["color"], facecolors=face)
-    if open_ended := [r for r in history if r.cbs_upper is None]:
-        tokens, lower = [r.tokens for r in open_ended], [r.cbs_lower for r in open_ended]
-        top.scatter(tokens, lower, marker="^", color="tab:red", zorder=4, label="lower bound (top of grid)")
+        _brackets(top, [(r.tokens, r) for r in readings], label, color=color, linestyles=line, alpha=0.7)
+        face = color if determined else "none"
+        top.scatter(
+            [r.tokens for r in readings], [r.cbs_estimate for r in readings], zorder=3, color=color, facecolors=face
+        )
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
-        xs: list[float] = [0]
-        ys = [start]
-        for change in batch_changes:
-            xs += [change.tokens_seen, change.tokens_seen]
-            ys += [ys[-1], change.new_global_batch]
-        xs.append(max(end_tokens or 0, max(r.tokens for r in history) * 1.05))
-        ys.append(ys[-1])
-        top.plot(xs, ys, color="tab:orange", label="global batch used")
+        xs = [0, *(c.tokens_seen for c in batch_changes), max(end_tokens or 0, max(r.tokens for r in history) * 1.05)]
+        ys = [start, *(c.new_global_batch for c in batch_changes)]
+        top.step(xs, [*ys, ys[-1]], where="post", color="tab:orange", label="global batch used")
     top.set_ylabel("batch size (samples)")
     top.set_yscale("log", base=2)
     top.set_title("Critical batch size by branched training")

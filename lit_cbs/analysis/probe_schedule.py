@@ -1,12 +1,12 @@
-"""A batch-size warmup schedule read off a measured CBS curve (Merrill et al. 2025, arXiv 2505.23971: OLMo 1B and 7B
-share one, so a small model's curve can set a big one's warmup). Pure Python."""
+"""A batch-size warmup schedule read off a measured CBS curve (Merrill et al. 2025: a small model's curve can set a
+big one's warmup)."""
 
 from __future__ import annotations
 
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,24 +14,13 @@ from lit_cbs.probe.reading import ProbeReading, read_readings
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 PathLike = str | os.PathLike[str]
-# The configuration a recipe run saves in its folder, beside cbs_probe.jsonl: recipes/train.py's resolved
-# copy first, then the one Hydra writes (its interpolations resolved on reading).
+# What a recipe run saves beside cbs_probe.jsonl: train.py's resolved copy first, then Hydra's (resolved on reading).
 RUN_CONFIGS = ("resolved_config.yaml", ".hydra/config.yaml")
 
 
 def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
-    """(value, file) of the dotted ``key`` in the configuration the recipe run in ``run_dir`` saved (``RUN_CONFIGS``,
-    in that order); None where no file holds it or it cannot be resolved there.
-
-    Example:
-        >>> import tempfile
-        >>> from pathlib import Path
-        >>> with tempfile.TemporaryDirectory() as folder:
-        ...     _ = Path(folder, "resolved_config.yaml").write_text("callbacks: {cbs_probe: {epsilon: 0.01}}")
-        ...     value, path = run_config_value(folder, "callbacks.cbs_probe.epsilon")
-        ...     value, path.name, run_config_value(folder, "data.seq_len")
-        (0.01, 'resolved_config.yaml', None)
-    """
+    """(value, file) of the dotted ``key`` in the configuration the recipe run in ``run_dir`` saved (``RUN_CONFIGS``
+    in order); None where no file holds it or it cannot be resolved there."""
     from omegaconf import OmegaConf
     from omegaconf.errors import InterpolationResolutionError
 
@@ -65,6 +54,32 @@ def _check_count(name: str, value: object, minimum: int, meaning: str) -> int:
     return value
 
 
+def check_growth(start: int, factor: int, margin: float) -> None:
+    """Raise ValueError unless ``start`` >= 1 and ``factor`` >= 2 are ints and ``margin`` a number >= 1."""
+    _check_count("start", start, 1, "the first global batch, samples")
+    _check_count("factor", factor, 2, "the ratio between consecutive batch sizes; BatchWarmup needs a whole ratio")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
+        raise ValueError(
+            f"margin={margin!r} must be a number >= 1 (move to batch B only where the CBS lower bound >= margin x B)"
+        )
+
+
+def grow_batch(
+    bounds: Iterable[float], start: int, factor: int, final: int | None, margin: float
+) -> list[tuple[int, int]]:
+    """(index, batch) where the batch grows along ``bounds`` (CBS lower bounds, samples): from ``start`` the largest
+    ``start x factor**n`` (at most ``final``) with ``margin x batch`` at or below the bound, never decreasing."""
+    batch, changes = start, []
+    for index, bound in enumerate(bounds):
+        grown = batch
+        while margin * grown * factor <= bound and (final is None or grown * factor <= final):
+            grown *= factor
+        if grown > batch:
+            batch = grown
+            changes.append((index, batch))
+    return changes
+
+
 def schedule_from_probe(
     source: PathLike | Sequence[ProbeReading],
     start: int,
@@ -80,12 +95,8 @@ def schedule_from_probe(
     before t, never decreasing.
 
     Args:
-        source: a ``cbs_probe.jsonl`` path or its readings, in any order, of one or several runs (at one token count
-            the smallest lower bound counts); undetermined readings are skipped.
-        start: the first global batch (samples).
-        factor: the ratio between consecutive batch sizes, an int >= 2.
-        final: the largest global batch, ``start x factor**n``; None: no cap.
-        margin: >= 1; the batch moves to B only where the lower bound is at least ``margin x B``.
+        source: a ``cbs_probe.jsonl`` path or its readings, of one or several runs (at one token count the smallest
+            lower bound counts); undetermined readings are skipped.
         seq_len: the target run's tokens per sample; lower bounds convert through tokens (None: the measured run's).
         measured_seq_len: the measured run's, where ``seq_len`` is given and the readings lack theirs.
 
@@ -101,8 +112,7 @@ def schedule_from_probe(
         >>> schedule.batch_sizes, schedule.thresholds
         ([32, 64, 128], [0, 400000000, 800000000])
     """
-    _check_count("start", start, 1, "the first global batch, samples")
-    _check_count("factor", factor, 2, "the ratio between consecutive batch sizes; BatchWarmup needs a whole ratio")
+    check_growth(start, factor, margin)
     if final is not None:
         _check_count("final", final, start, f"the largest global batch, samples, at least start={start}")
         doublings = math.log(final / start, factor)
@@ -111,10 +121,6 @@ def schedule_from_probe(
             raise ValueError(
                 f"final={final} must be start={start} times a power of factor={factor}; nearest: {low} or {high}"
             )
-    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin >= 1:
-        raise ValueError(
-            f"margin={margin!r} must be a number >= 1 (move to batch B only where the CBS lower bound >= margin x B)"
-        )
     for name, value in (("seq_len", seq_len), ("measured_seq_len", measured_seq_len)):
         if value is not None:
             _check_count(name, value, 1, "tokens per sample")
@@ -127,13 +133,11 @@ def schedule_from_probe(
             raise ValueError("source holds no CBS probe reading; pass a cbs_probe.jsonl path or its readings")
 
     lowest_at: dict[float, float] = {}  # tokens -> smallest CBS lower bound read there, target samples
-    skipped = 0
     for index, reading in enumerate(readings):
         where = f"{name}[{index}]"
         if not isinstance(reading, ProbeReading):
             raise ValueError(f"{where}: {reading!r} is not a ProbeReading; read a cbs_probe.jsonl with read_readings")
         if not reading.determined:
-            skipped += 1
             continue
         tokens, lower = _number(reading, "tokens", where), _number(reading, "cbs_lower", where)
         read_at = reading.seq_len
@@ -150,17 +154,12 @@ def schedule_from_probe(
                 )
             lower = lower * measured / seq_len
         lowest_at[tokens] = min(lower, lowest_at.get(tokens, math.inf))
-    if skipped == len(readings):
+    if not any(reading.determined for reading in readings):
         warnings.warn(f"every reading in {name} is undetermined; the schedule stays at start={start}", stacklevel=2)
 
-    batch_sizes, thresholds = [start], [0]
-    for tokens in sorted(lowest_at):
-        batch = batch_sizes[-1]
-        while margin * batch * factor <= lowest_at[tokens] and (final is None or batch * factor <= final):
-            batch *= factor
-        if batch > batch_sizes[-1]:
-            batch_sizes.append(batch)
-            thresholds.append(int(tokens))
+    at = sorted(lowest_at)
+    changes = grow_batch((lowest_at[tokens] for tokens in at), start, factor, final, margin)
+    batch_sizes, thresholds = [start] + [batch for _, batch in changes], [0] + [int(at[i]) for i, _ in changes]
     if len(thresholds) > 1 and thresholds[1] == 0:  # a reading at 0 tokens sets the first batch itself
         batch_sizes, thresholds = batch_sizes[1:], thresholds[1:]
     return PiecewiseBatch(batch_sizes, thresholds, unit="tokens")

@@ -19,21 +19,11 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 
-from lit_cbs.analysis.curves import (
-    BATCH_COLUMN,
-    GNS_COLUMN,
-    LOSS_COLUMN,
-    LR_COLUMN,
-    METRICS_FILE,
-    TOKENS_COLUMN,
-    VAL_LOSS_COLUMN,
-    read_metrics_csv,
-    tokens_at,
-)
+from lit_cbs.analysis.curves import METRICS_FILE, read_metrics_csv, tokens_at
 from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
-from lit_cbs.metrics import FIT_SECONDS, VAL_LOSS, gns_group
+from lit_cbs.metrics import FIT_SECONDS, GLOBAL_BATCH, GNS_B_SIMPLE, LR, TOKENS_SEEN, TRAIN_LOSS, VAL_LOSS, gns_group
 from lit_cbs.probe.callback import JSONL_FILE, PLOT_FILE, CBSProbeCallback
 from lit_cbs.probe.reading import read_readings
 from lit_cbs.rules.warmup_core import BatchChange
@@ -246,7 +236,7 @@ def group_noise_scale_figure(metrics: Metrics, title: str = "") -> Any:
     ax = figure.add_subplot()
     for group, (steps, values) in groups:
         ax.plot(tokens_at(metrics, steps), values, lw=1, label=group)
-    steps, values = metrics[GNS_COLUMN]
+    steps, values = metrics[GNS_B_SIMPLE]
     ax.plot(tokens_at(metrics, steps), values, color="black", ls="--", lw=1.5, label="whole model")
     ax.set(xlabel="tokens seen", ylabel="B_simple (samples)", title=f"{title} gradient noise scale per group".strip())
     ax.legend(fontsize="small", ncol=1 + len(groups) // 8)
@@ -255,8 +245,8 @@ def group_noise_scale_figure(metrics: Metrics, title: str = "") -> Any:
 
 
 _LOSS_STYLES: dict[str, dict[str, Any]] = {
-    LOSS_COLUMN: dict(lw=0.8, alpha=0.6),
-    VAL_LOSS_COLUMN: dict(marker="o", lw=1.5),
+    TRAIN_LOSS: dict(lw=0.8, alpha=0.6),
+    VAL_LOSS: dict(marker="o", lw=1.5),
 }
 
 
@@ -265,8 +255,8 @@ def loss_figure(metrics: Metrics, title: str = "") -> Any:
     from matplotlib.figure import Figure
 
     batch_changes = []
-    if BATCH_COLUMN in metrics:
-        steps, sizes = metrics[BATCH_COLUMN]
+    if GLOBAL_BATCH in metrics:
+        steps, sizes = metrics[GLOBAL_BATCH]
         # A row holds its step's batch and the tokens seen after it: a change took effect after the step before.
         batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0] - 1))
     figure = Figure(figsize=(7, 4.5))
@@ -290,7 +280,7 @@ def batch_lr_figure(metrics: Metrics, title: str = "") -> Any:
 
     panels = [
         (name, label)
-        for name, label in ((BATCH_COLUMN, "global batch (samples)"), (LR_COLUMN, "learning rate"))
+        for name, label in ((GLOBAL_BATCH, "global batch (samples)"), (LR, "learning rate"))
         if name in metrics
     ]
     if not panels:
@@ -312,10 +302,10 @@ def wall_clock_figure(metrics: Metrics, title: str = "") -> Any:
     """The loss against seconds of training, and the noise scale (samples) against tokens; None without them."""
     from matplotlib.figure import Figure
 
-    if FIT_SECONDS not in metrics or not any(name in metrics for name in (LOSS_COLUMN, VAL_LOSS_COLUMN, GNS_COLUMN)):
+    if FIT_SECONDS not in metrics or not any(name in metrics for name in (TRAIN_LOSS, VAL_LOSS, GNS_B_SIMPLE)):
         return None
     seconds = dict(zip(*(column.tolist() for column in metrics[FIT_SECONDS])))
-    panels = [name for name in (GNS_COLUMN,) if name in metrics and TOKENS_COLUMN in metrics]
+    panels = [name for name in (GNS_B_SIMPLE,) if name in metrics and TOKENS_SEEN in metrics]
     figure = Figure(figsize=(7, 3.6 * (1 + len(panels))))
     axes = figure.subplots(1 + len(panels), 1, squeeze=False)[:, 0]
     for name, style in _LOSS_STYLES.items():
@@ -346,10 +336,8 @@ RUN_FIGURES: dict[str, Callable[..., Any]] = {
 def read_run_metrics(metrics_csv: str | os.PathLike[str]) -> Metrics:
     """A CSVLogger's file (``read_metrics_csv``); ValueError without ``tokens_seen``, which every figure needs."""
     metrics = read_metrics_csv(metrics_csv)
-    if TOKENS_COLUMN not in metrics:
-        raise ValueError(
-            f"{str(metrics_csv)!r} has no {TOKENS_COLUMN} column: add lit_cbs.BatchWarmup to the callbacks"
-        )
+    if TOKENS_SEEN not in metrics:
+        raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_SEEN} column: add lit_cbs.BatchWarmup to the callbacks")
     return metrics
 
 
@@ -439,7 +427,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             if figure is None:
                 continue
             save_figure(figure, path)
-        noise = "; the gradient noise scale against tokens" if file == WALL_CLOCK_FILE and GNS_COLUMN in metrics else ""
+        noise = (
+            "; the gradient noise scale against tokens" if file == WALL_CLOCK_FILE and GNS_B_SIMPLE in metrics else ""
+        )
         figures.append((path, caption + noise))
     if readings and probe_file is not None:
         curve = probe_file.parent / PLOT_FILE

@@ -10,7 +10,8 @@ from types import ModuleType
 import pytest
 from sweeps import SEQ_LEN, WSD_TARGETS, recorded, write_sweep
 
-from lit_cbs.analysis import find_crossings, fit_targets, read_sweep
+from lit_cbs.analysis.curves import find_crossings, read_sweep
+from lit_cbs.analysis.fits import fit_targets
 
 
 @pytest.fixture(scope="session")

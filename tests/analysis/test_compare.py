@@ -12,7 +12,10 @@ import pytest
 from sweeps import SEQ_LEN, WSD_TARGETS, recorded, write_sweep, wsd_crossing_steps
 from toys import probe_reading
 
-from lit_cbs.analysis import find_crossings, fit_targets, read_readings, read_sweep, side_by_side, side_by_side_markdown
+from lit_cbs.analysis import read_readings
+from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
+from lit_cbs.analysis.curves import find_crossings, read_sweep
+from lit_cbs.analysis.fits import fit_targets
 
 
 def noise_scale_of_loss(loss: float) -> float:

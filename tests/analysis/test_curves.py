@@ -20,8 +20,8 @@ from sweeps import (
     wsd_crossing_steps,
 )
 
-from lit_cbs.analysis import default_targets, find_crossings, fit_targets, read_sweep
-from lit_cbs.analysis.curves import ema, read_run, rolling_mean, smooth
+from lit_cbs.analysis.curves import default_targets, ema, find_crossings, read_run, read_sweep, rolling_mean, smooth
+from lit_cbs.analysis.fits import fit_targets
 
 
 def test_smoothing():

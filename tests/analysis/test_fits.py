@@ -20,8 +20,15 @@ from sweeps import (
     wsd_truth,
 )
 
-from lit_cbs.analysis import find_crossings, fit_targets, propose_schedule, read_sweep, write_schedule_yaml
-from lit_cbs.analysis.fits import fit_mccandlish, fit_wsd, schedule_yaml
+from lit_cbs.analysis.curves import find_crossings, read_sweep
+from lit_cbs.analysis.fits import (
+    fit_mccandlish,
+    fit_targets,
+    fit_wsd,
+    propose_schedule,
+    schedule_yaml,
+    write_schedule_yaml,
+)
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 

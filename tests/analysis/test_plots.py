@@ -6,7 +6,10 @@ import pytest
 from sweeps import WSD_TARGETS, recorded
 from toys import probe_reading
 
-from lit_cbs.analysis import find_crossings, fit_targets, plot_batch_sizes, plot_es, read_sweep, side_by_side
+from lit_cbs.analysis.compare import side_by_side
+from lit_cbs.analysis.curves import find_crossings, read_sweep
+from lit_cbs.analysis.fits import fit_targets
+from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
 
 
 def test_plots_are_written_as_png(wsd_sweep, wsd_fits, tmp_path):
