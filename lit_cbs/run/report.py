@@ -56,7 +56,8 @@ def write_batch_history(path: str | os.PathLike[str], warmup: BatchWarmup) -> di
 
 def read_batch_history(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What ``write_batch_history`` wrote."""
-    return json.loads(Path(path).read_text())
+    history: dict[str, Any] = json.loads(Path(path).read_text())
+    return history
 
 
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict[str, Any]:
