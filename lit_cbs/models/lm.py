@@ -1,7 +1,5 @@
 """``CausalLM``: next-token training of lit_cbs's OLMo-style decoder, or of a Hugging Face causal LM, as a
-LightningModule. The model is built in ``configure_model``: under ``ModelParallelStrategy`` on the meta device,
-``fully_shard``-ed per block then at the root (FSDP2), and only the shards are materialized and initialised.
-"""
+LightningModule; under ``ModelParallelStrategy`` built on the meta device and sharded with FSDP2."""
 
 from __future__ import annotations
 
@@ -55,13 +53,7 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> OLMoConfig | Any:
     """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes: a preset name, a config, or a
     mapping: ``{"model_type": name, **fields}`` (a ``transformers`` config), ``{"preset": name, **fields}`` (the
-    preset with those fields replaced), or every required OLMoConfig field.
-
-    Raises:
-        TypeError: ``config`` is none of these.
-        ValueError: a mapping with fields OLMoConfig lacks, or, without a preset, lacking some it needs.
-        LitCBSConfigError: an unknown preset, or field values OLMoConfig refuses.
-    """
+    preset with those fields replaced), or every required OLMoConfig field."""
     if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
     if isinstance(config, str):
@@ -91,24 +83,20 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
 class CausalLM(pl.LightningModule):
     """Train a decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
-    Logs ``train/loss`` (the mean over each optimizer step's micro-batches and ranks, nats per token),
-    ``val/loss``, ``perf/tokens_per_s`` (all ranks, validation and probe branches excluded) and, where the
-    device's peak is known, ``perf/mfu``. The LR schedule is indexed by the tokens ``BatchAccounting`` counts.
+    Logs ``train/loss`` (the step's mean, nats per token), ``val/loss``, ``perf/tokens_per_s`` (all ranks,
+    validation and probe branches excluded) and, where the device's peak is known, ``perf/mfu``.
 
     Args:
-        config: a preset name, an ``OLMoConfig`` or a mapping of its fields; a ``transformers`` config, or a mapping
-            with ``model_type``, for a Hugging Face causal LM with fresh weights (the [hf] extra). See
-            ``resolve_model_config``.
-        optimizer: parameter groups -> ``torch.optim.Optimizer`` (Hydra: ``_partial_: true``). Its ``lr`` is the base
-            LR; its ``weight_decay`` applies to the weight matrices only. Default: OLMo's AdamW (``ADAMW``).
+        config: see ``resolve_model_config``; a ``transformers`` config builds a Hugging Face causal LM with fresh
+            weights (the [hf] extra).
+        optimizer: parameter groups -> ``torch.optim.Optimizer`` (Hydra: ``_partial_: true``); its weight decay
+            applies to the weight matrices only. Default: OLMo's AdamW.
         lr_schedule: tokens seen (global) -> LR multiplier; None keeps the base LR.
-        activation_checkpointing: recompute each block's activations in the backward pass.
-        peak_flops_per_device: peak FLOP/s of one device at the training precision (989e12 for an H100/H200 in
-            dense bf16); None: Lightning's table, which knows no CPU and lists an H200's sparse figure.
-        compile: ``torch.compile`` each block (a dict: its arguments), after activation checkpointing wraps
-            them and before FSDP2 shards them.
+        peak_flops_per_device: FLOP/s of one device at the training precision (989e12 for an H100/H200 in dense
+            bf16); None: Lightning's table, which knows no CPU and lists an H200's sparse figure.
+        compile: ``torch.compile`` each block (a dict: its arguments).
         ignore_index: a padding token id whose targets do not count; each step's gradient is then the mean over
-            every counted token of the step (``token_mean_loss``). None: every target counts.
+            every counted token of the step (``token_mean_loss``).
 
     Example:
         >>> import math, torch
@@ -166,15 +154,11 @@ class CausalLM(pl.LightningModule):
         self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
 
         self.model: OLMo | HFDecoder | None = None  # built in configure_model
-        self.train_loss = MeanMetric()
-        self.val_loss = MeanMetric()
+        self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
-        self._throughput: Throughput | None = None  # from on_train_start
-        self._last_global_step = 0
-        self._steps = 0  # optimizer steps since on_train_start
-        self._samples = 0  # sequences this rank trained on since on_train_start
-        self._tokens = 0  # tokens this rank trained on since on_train_start
-        self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
+        # Since on_train_start: optimizer steps, and this rank's samples and tokens; its FLOPs since the last step.
+        self._last_global_step = self._steps = self._samples = self._tokens = self._step_flops = 0
+        self._throughput: Throughput | None = None
         self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
         self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
         self._branch_seconds_before = 0.0  # the accounting's branch_seconds at on_train_start
@@ -183,17 +167,15 @@ class CausalLM(pl.LightningModule):
         if stage == "fit":
             BatchAccounting.attach(self.trainer)  # counts the tokens the LR schedule is indexed by
 
-    # ------------------------------------------------------------------ model
     @property
     def _decoder(self) -> OLMo | HFDecoder:
-        """The decoder ``configure_model`` built."""
         if self.model is None:
             raise RuntimeError("CausalLM's decoder is not built yet: call configure_model() (Lightning does, in fit)")
         return self.model
 
     def configure_model(self) -> None:
         """Build the decoder once (Lightning calls this in every fit): sharded, checkpointed, compiled as asked."""
-        if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
+        if self.model is not None:
             return
         mesh = self._data_parallel_mesh()
         with torch.device("meta") if mesh is not None else nullcontext():
@@ -214,7 +196,6 @@ class CausalLM(pl.LightningModule):
         self.model = model
 
     def _data_parallel_mesh(self) -> DeviceMesh | None:
-        """The mesh to shard over under ModelParallelStrategy, else None (no sharding)."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -260,16 +241,13 @@ class CausalLM(pl.LightningModule):
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
-        ignore_index = self.ignore_index
-        assert ignore_index is not None  # called only with one (else _loss takes the mean itself)
-        logits = self._decoder(batch[:, :-1])
-        targets = batch[:, 1:].flatten()
-        loss_sum = F.cross_entropy(
-            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=ignore_index, reduction="sum"
-        )
-        return loss_sum, (targets != ignore_index).sum()
+        ignore_index, targets = self.ignore_index, batch[:, 1:].flatten()
+        assert ignore_index is not None  # else _loss takes the mean itself
+        logits = _at_least_float32(self._decoder(batch[:, :-1]).flatten(0, 1))
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum"), (
+            targets != ignore_index
+        ).sum()
 
-    # ------------------------------------------------------------------ training
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.ignore_index is None:
             loss = self._loss(batch)
@@ -344,7 +322,6 @@ class CausalLM(pl.LightningModule):
             self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
         return self._flops_per_token[seq_len]
 
-    # ------------------------------------------------------------------ validation
     def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The training loss of ``batch`` without updating ``train_loss``: what a CBS probe scores a branch by."""
         return self._loss(batch)
@@ -354,7 +331,6 @@ class CausalLM(pl.LightningModule):
         self.val_loss.update(self._loss(batch), weight=counted)
         self.log(metrics.VAL_LOSS, self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
-    # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
         """The weight matrices, with the optimizer's weight decay; embeddings, norms and biases without."""
         decoder = self._decoder
