@@ -1,5 +1,4 @@
-"""``RandomTokenData``: uniform random token batches, for runs that measure speed and memory, not learning (no
-litdata needed)."""
+"""``RandomTokenData``: uniform random token batches, for runs that measure speed and memory (no litdata)."""
 
 from __future__ import annotations
 
@@ -41,6 +40,5 @@ class RandomTokenData(pl.LightningDataModule):
         self.tokens = torch.randint(0, vocab_size, (samples, seq_len + 1), generator=generator)
 
     def train_dataloader(self) -> DataLoader[torch.Tensor]:
-        """Batches of ``batch_size`` samples in a fixed order, the incomplete last dropped."""
         # A tensor is a map-style dataset (__getitem__ and __len__ over dim 0), which torch's annotation omits.
         return DataLoader(self.tokens, batch_size=self.batch_size, drop_last=True)  # type: ignore[arg-type]

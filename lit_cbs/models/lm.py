@@ -32,18 +32,12 @@ if TYPE_CHECKING:
 
 __all__ = ["CausalLM", "resolve_model_config"]
 
-_OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
-_REQUIRED_OLMO_FIELDS = tuple(
-    field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
-)
+_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig)]
+_REQUIRED_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig) if f.default is dataclasses.MISSING]
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
-COMPUTE_DTYPES = {
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-    "64-true": torch.float64,
-}
+_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
+COMPUTE_DTYPES = {f"{p}-{mode}": dtype for p, dtype in _DTYPES.items() for mode in ("mixed", "true")}
+COMPUTE_DTYPES["64-true"] = torch.float64
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 # OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
@@ -69,9 +63,7 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
     preset = fields.pop("preset", None)
     unknown = sorted(set(fields) - set(_OLMO_FIELDS))
     if unknown:
-        raise ValueError(
-            f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(_OLMO_FIELDS)}"
-        )
+        raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {_OLMO_FIELDS}")
     if preset is None:
         missing = [name for name in _REQUIRED_OLMO_FIELDS if name not in fields]
         if missing:
@@ -142,26 +134,24 @@ class CausalLM(pl.LightningModule):
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
         positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
-        self.optimizer_factory = optimizer
-        self.lr_schedule = lr_schedule
-        self.activation_checkpointing = activation_checkpointing
-        self.peak_flops_per_device = peak_flops_per_device
+        self.optimizer_factory, self.lr_schedule = optimizer, lr_schedule
+        self.activation_checkpointing, self.peak_flops_per_device = activation_checkpointing, peak_flops_per_device
         if not isinstance(compile, (bool, Mapping)):
             raise LitCBSConfigError(f"compile={compile!r} must be true, false or a dict of torch.compile arguments")
         self.compile_options = dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
         # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
         self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
         self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
-
         self.model: OLMo | HFDecoder | None = None  # built in configure_model
         self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
         # Since on_train_start: optimizer steps, and this rank's samples and tokens; its FLOPs since the last step.
         self._last_global_step = self._steps = self._samples = self._tokens = self._step_flops = 0
         self._throughput: Throughput | None = None
-        self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
-        self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
-        self._branch_seconds_before = 0.0  # the accounting's branch_seconds at on_train_start
+        # Wall time trained before the current stretch (validation excluded), and the accounting's branch_seconds
+        # at on_train_start; perf_counter at the start of the current stretch.
+        self._training_seconds = self._branch_seconds_before = 0.0
+        self._stretch_start: float | None = None
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
