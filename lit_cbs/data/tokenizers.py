@@ -51,12 +51,9 @@ class HFTokenizer:
         self._tokenizer = Tokenizer.from_file(str(path))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         candidates = (eos_token,) if eos_token is not None else self.DEFAULT_EOS_TOKENS
-        for token in candidates:
-            token_id = self._tokenizer.token_to_id(token)
-            if token_id is not None:
-                self.eos_id = token_id
-                break
-        else:
+        ids = [self._tokenizer.token_to_id(token) for token in candidates]
+        self.eos_id: int = next((token_id for token_id in ids if token_id is not None), -1)
+        if self.eos_id < 0:
             raise ValueError(
                 f"{str(path)!r} has none of the tokens {list(candidates)}; "
                 "pass eos_token=<the tokenizer's end-of-document token>"

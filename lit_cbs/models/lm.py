@@ -359,25 +359,14 @@ def _check_optimizer(optimizer: OptimizerFactory) -> None:
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
             "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
         )
-    stand_ins: list[dict[str, Any]] = [
-        {"params": [nn.Parameter(torch.zeros(2, 2))]},
-        {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0},
-    ]
+    name = repr(optimizer)  # AdamW(lr=0.003, ...) for a functools.partial
+    if isinstance(optimizer, functools.partial):
+        arguments = [*map(repr, optimizer.args), *(f"{key}={value!r}" for key, value in optimizer.keywords.items())]
+        name = f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"
+    matrix, vector = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
     try:
-        built = optimizer(stand_ins)
+        built = optimizer([{"params": [matrix]}, {"params": [vector], "weight_decay": 0.0}])
     except (TypeError, ValueError) as error:
-        raise LitCBSConfigError(f"optimizer {_describe_optimizer(optimizer)} cannot be built: {error}") from error
+        raise LitCBSConfigError(f"optimizer {name} cannot be built: {error}") from error
     if not isinstance(built, torch.optim.Optimizer):
-        raise LitCBSConfigError(
-            f"optimizer {_describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
-        )
-
-
-def _describe_optimizer(optimizer: OptimizerFactory) -> str:
-    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
-    if not isinstance(optimizer, functools.partial):
-        return repr(optimizer)
-    arguments = [repr(arg) for arg in optimizer.args] + [
-        f"{name}={value!r}" for name, value in optimizer.keywords.items()
-    ]
-    return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"
+        raise LitCBSConfigError(f"optimizer {name} returned {type(built).__name__}, not a torch.optim.Optimizer")

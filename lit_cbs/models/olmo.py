@@ -76,7 +76,7 @@ class _TruncatedNormal:
     """Weights N(0, init_std) truncated at 3 std, drawn in ``reset_parameters`` (also after a meta-device build)."""
 
     init_std: float
-    weight: nn.Parameter
+    weight: torch.Tensor
 
     def reset_parameters(self) -> None:
         nn.init.trunc_normal_(self.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std)

@@ -26,8 +26,7 @@ def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens: 
 
         >>> import lightning.pytorch as pl, torch
         >>> module = pl.LightningModule()
-        >>> module.trainer = pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
-        ...                             enable_progress_bar=False, enable_model_summary=False)
+        >>> module.trainer = pl.Trainer(accelerator="cpu", logger=False)
         >>> loss_sum = torch.tensor(6.0, requires_grad=True)
         >>> loss = token_mean_loss(module, loss_sum, torch.tensor(4))
         >>> loss.item()
