@@ -30,10 +30,7 @@ class DecoderDims:
 def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
     """The ``DecoderDims`` of an ``OLMoConfig`` or a ``transformers`` config."""
     if isinstance(config, OLMoConfig):
-        c = config
-        return DecoderDims(
-            c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.head_dim, c.mlp_hidden, c.context_length, c.tie_embeddings
-        )
+        return DecoderDims(**{field.name: getattr(config, field.name) for field in dataclasses.fields(DecoderDims)})
     return hf_dims(config)
 
 

@@ -203,11 +203,9 @@ class CausalLM(pl.LightningModule):
     def _fully_shard(self, model: OLMo | HFDecoder, mesh: DeviceMesh) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if self.trainer.precision == "bf16-mixed":
-            # Gather and compute in bf16, reduce gradients in fp32; autocast covers the rest.
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        else:
-            policy = MixedPrecisionPolicy()
+        # bf16-mixed: gather and compute in bf16, reduce gradients in fp32 (param, reduce); autocast covers the rest.
+        bf16 = self.trainer.precision == "bf16-mixed"
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
         last = len(model.blocks) - 1
         for index, block in enumerate(model.blocks):
             # The last block's parameters are needed again right at the start of backward: keep them.
@@ -234,9 +232,8 @@ class CausalLM(pl.LightningModule):
         ignore_index, targets = self.ignore_index, batch[:, 1:].flatten()
         assert ignore_index is not None  # else _loss takes the mean itself
         logits = _at_least_float32(self._decoder(batch[:, :-1]).flatten(0, 1))
-        return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum"), (
-            targets != ignore_index
-        ).sum()
+        loss_sum = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
+        return loss_sum, (targets != ignore_index).sum()
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.ignore_index is None:
