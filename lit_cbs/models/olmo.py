@@ -45,10 +45,9 @@ class OLMoConfig:
                 f"head dim d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings; "
                 "change d_model or n_heads"
             )
-        if not self.rope_theta > 0:
-            raise LitCBSConfigError(f"rope_theta={self.rope_theta} must be > 0")
-        if not self.init_std > 0:
-            raise LitCBSConfigError(f"init_std={self.init_std} must be > 0")
+        for name in ("rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise LitCBSConfigError(f"{name}={getattr(self, name)} must be > 0")
 
     @property
     def head_dim(self) -> int:
