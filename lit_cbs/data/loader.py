@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from lit_cbs._internals import tree_map
 from lit_cbs.errors import LitCBSConfigError, positive_int
@@ -44,19 +44,6 @@ def _round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
 def _zero_rows(batch: Any) -> Any:
     """``batch`` with every tensor and numpy array cut to zero rows: a micro-batch of no sample."""
     return tree_map(lambda leaf: leaf[:0] if isinstance(leaf, (torch.Tensor, np.ndarray)) else leaf, batch)
-
-
-class _ByIndex(Dataset[Any]):
-    """An iterable-style dataset (litdata's) read by index, as a DataLoader with a batch sampler needs."""
-
-    def __init__(self, dataset: Any, length: int):
-        self.dataset, self.length = dataset, length
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-    def __len__(self) -> int:
-        return self.length
 
 
 class GlobalOrderLoader:
@@ -105,7 +92,7 @@ class GlobalOrderLoader:
     ):
         self.num_samples = _global_sample_count(dataset)
         # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
-        self.dataset = _ByIndex(dataset, self.num_samples) if isinstance(dataset, IterableDataset) else dataset
+        self.dataset = Subset(dataset, range(self.num_samples)) if isinstance(dataset, IterableDataset) else dataset
         positive_int("batch_size", batch_size, "samples per rank")
         self._batch_size = batch_size
         self.shuffle = bool(shuffle)
