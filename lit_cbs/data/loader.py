@@ -22,9 +22,7 @@ _END = object()  # a sentinel no batch is
 def _global_sample_count(dataset: Any) -> int:
     """Samples in the whole dataset; litdata's ``StreamingDataset`` reports its rank's share as ``len()``."""
     regions = getattr(dataset, "region_of_interest", None)
-    if regions:
-        return int(sum(end - start for start, end in regions))
-    return len(dataset)
+    return int(sum(end - start for start, end in regions)) if regions else len(dataset)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -54,7 +52,7 @@ class GlobalOrderLoader:
         dataset: a map-style dataset, or litdata's ``StreamingDataset``.
         batch_size: samples per rank and forward pass; may change between any two optimizer steps.
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
-        num_workers, collate_fn, pin_memory: as for ``torch.utils.data.DataLoader``.
+        num_workers, collate_fn: as for ``torch.utils.data.DataLoader``.
         num_replicas, rank: the data-parallel ranks and this one (both or neither); default: the default
             process group's, else (1, 0).
 
@@ -86,7 +84,6 @@ class GlobalOrderLoader:
         seed: int = 0,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
     ):
@@ -99,9 +96,7 @@ class GlobalOrderLoader:
         self.seed = int(seed)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise LitCBSConfigError(f"num_workers={num_workers!r} must be an int >= 0 (worker processes)")
-        self.num_workers = num_workers
-        self.collate_fn = collate_fn
-        self.pin_memory = pin_memory
+        self.num_workers, self.collate_fn = num_workers, collate_fn
         if (num_replicas is None) != (rank is None):
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
         self._replicas: tuple[int, int] | None = None
@@ -219,7 +214,6 @@ class GlobalOrderLoader:
                 batch_sampler=index_runs(),
                 num_workers=self.num_workers,
                 collate_fn=self.collate_fn,
-                pin_memory=self.pin_memory,
                 generator=generator,
             )
         )
