@@ -6,16 +6,6 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, cast, overload
 
-__all__ = [
-    "LitCBSConfigError",
-    "LitCBSConfigWarning",
-    "is_positive_int",
-    "one_of",
-    "positive_int",
-    "positive_number",
-    "require_automatic_optimization",
-]
-
 
 class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with, raised before training; the message names the setting and the fix.
