@@ -1,9 +1,5 @@
-"""Every private Lightning, torch, torchmetrics and Hydra attribute lit_cbs uses, each behind one named function.
-
-A release that moves one breaks this module alone: tests/test_internals.py resolves every path in
-``PRIVATE_ATTRIBUTES`` against the installed versions. Lightning is imported inside the functions, so the
-pure rules import this module without it.
-"""
+"""Every private Lightning, torch, torchmetrics and Hydra attribute lit_cbs uses, each behind one named function;
+tests/test_internals.py resolves every path in ``PRIVATE_ATTRIBUTES`` against the installed versions."""
 
 from __future__ import annotations
 
@@ -11,8 +7,6 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-# Re-exported for the modules that use them (listed in PRIVATE_ATTRIBUTES).
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as checkpoint_wrapper
 from torch.utils._pytree import tree_leaves as tree_leaves
 from torch.utils._pytree import tree_map as tree_map
@@ -23,8 +17,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
     from torchmetrics import Metric
 
-# What each function reaches, as dotted paths from a module or from a live object (trainer., model_checkpoint.,
-# metric., sequential_lr. or lr_scheduler.).
+# What each function reaches, as dotted paths from a module or a live object (trainer., model_checkpoint., ...).
 PRIVATE_ATTRIBUTES = {
     "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
     "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),
@@ -67,13 +60,11 @@ PRIVATE_ATTRIBUTES = {
 
 __all__ = [*PRIVATE_ATTRIBUTES, "PRIVATE_ATTRIBUTES"]
 
-# torch's fused multi-tensor kernels (what torch.optim's foreach implementations use).
 foreach_sub_ = torch._foreach_sub_
 foreach_copy_ = torch._foreach_copy_
 foreach_norm = torch._foreach_norm
 
 
-# ---------------------------------------------------------------------- Lightning's training loop
 def should_accumulate(trainer: pl.Trainer) -> bool:
     """True while the current micro-batch is not the last of its optimizer step."""
     return trainer.fit_loop.epoch_loop._should_accumulate()
@@ -90,9 +81,8 @@ def logs_this_step(trainer: pl.Trainer) -> bool:
 
 
 def set_train_epoch_length(trainer: pl.Trainer, micro_batches: int) -> None:
-    """Tell the fit loop this epoch has ``micro_batches`` micro-batches after all (the micro-batch changed
-    mid-epoch). It reads the length once per epoch into three places, and finds the epoch's last micro-batch
-    by the data fetcher's count against it."""
+    """Tell the fit loop, which reads the length once per epoch into three places, that this epoch has
+    ``micro_batches`` micro-batches after all."""
     trainer.fit_loop.max_batches = micro_batches
     combined_loader = trainer.fit_loop._combined_loader
     if combined_loader is not None and combined_loader.limits is not None:
@@ -106,8 +96,7 @@ def set_train_epoch_length(trainer: pl.Trainer, micro_batches: int) -> None:
 
 
 def set_validation_due(trainer: pl.Trainer, due: bool) -> None:
-    """Make the fit loop validate after this micro-batch, or not (it validates when its micro-batch count is a
-    multiple of ``trainer.val_check_batch``, read after every micro-batch)."""
+    """Make the fit loop validate after this micro-batch, or not (through ``val_check_batch``)."""
     loop = trainer.fit_loop.epoch_loop
     count = (loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx) + 1
     trainer.val_check_batch = count if due else count + 1
@@ -117,8 +106,7 @@ def shift_epoch_micro_batches(trainer: pl.Trainer, delta: int) -> None:
     """Add ``delta`` to the fit loop's micro-batch counts, so a step boundary falls where the accumulation says."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     fetcher = trainer.fit_loop._data_fetcher
-    # The fetcher counts what the progress counts inside the epoch; before the epoch loop starts (a resumed run's
-    # on_train_start) it is 0, and the loop adds the progress's count to it then.
+    # Before the epoch loop starts (a resumed run's on_train_start) the fetcher's count is 0; the loop adds it then.
     if fetcher is not None and fetcher.fetched == progress.current.ready:
         fetcher.fetched += delta
     progress.increment_by(delta, is_last_batch=progress.is_last_batch)
@@ -185,7 +173,6 @@ def hpc_checkpoint_path(trainer: pl.Trainer) -> str | None:
     return trainer._checkpoint_connector._hpc_resume_path
 
 
-# ---------------------------------------------------------------------- RNG and metric state
 def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
     """The torch, numpy and Python RNG states (and CUDA's), as Lightning checkpoints them."""
     from lightning.fabric.utilities.seed import _collect_rng_states
@@ -211,7 +198,6 @@ def set_metric_update_count(metric: Metric, count: int) -> None:
     metric._computed = None
 
 
-# ---------------------------------------------------------------------- LR schedulers
 def inner_schedulers(scheduler: Any) -> list[Any]:
     """The schedulers a ``SequentialLR`` or ``ChainedScheduler`` runs."""
     return list(scheduler._schedulers)
@@ -223,7 +209,6 @@ def scale_last_lr(scheduler: Any, factor: float) -> None:
         scheduler._last_lr = [lr * factor for lr in scheduler._last_lr]
 
 
-# ---------------------------------------------------------------------- Hydra
 def hydra_command_line(argv: list[str]) -> Any:
     """A Hydra app's command line as ``hydra.main`` reads it (an ``argparse.Namespace``; exits with its usage)."""
     from hydra._internal.utils import get_args_parser

@@ -10,8 +10,8 @@ from typing import Any
 def lazy_exports(
     package: str, exports: dict[str, str], module_globals: dict[str, Any]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """``__getattr__`` and ``__dir__`` for ``package`` that load each name in ``exports`` (name -> module) when it
-    is first read, so importing the package imports none of them."""
+    """``__getattr__`` and ``__dir__`` for ``package`` that import each name in ``exports`` (name -> module) when it
+    is first read."""
 
     def __getattr__(name: str) -> Any:
         if name in exports:

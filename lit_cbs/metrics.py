@@ -1,5 +1,4 @@
-"""The names of the metrics lit_cbs logs, defined once for the writers and the readers of ``metrics.csv``.
-A name here is a column users see in their loggers: changing one changes their files."""
+"""The names of the metrics lit_cbs logs, defined once for the writers and the readers of ``metrics.csv``."""
 
 from __future__ import annotations
 

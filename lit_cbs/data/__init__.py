@@ -1,6 +1,5 @@
-"""Token data: litdata preparation (of the embedded stdlib corpus by default), the datamodule, the global-order
-train loader, random tokens and the tokenizers. ``prepare`` is imported eagerly, so that ``lit_cbs.data.prepare``
-is the function, not the module of the same name."""
+"""Token data: litdata preparation, the datamodule, the global-order train loader, random tokens, the tokenizers.
+``prepare`` is imported eagerly, so that ``lit_cbs.data.prepare`` is the function, not the module."""
 
 from typing import TYPE_CHECKING
 

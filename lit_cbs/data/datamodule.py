@@ -25,15 +25,11 @@ def _stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
 
 class TokenDataModule(LightningDataModule):
     """Token batches [batch_size, seq_len + 1] (int64) from a prepared folder, a folder of text files, or (default)
-    the embedded stdlib corpus (``resolve_data``). The train loader is a ``GlobalOrderLoader`` over the whole split;
-    validation reads the held-out split in order, so ``limit_val_batches=N`` validates on the same N batches.
+    the embedded stdlib corpus (``resolve_data``): train through a ``GlobalOrderLoader``, validation in order.
 
     Args:
-        path: a folder already prepared (``train/`` and ``val/``, by ``prepare`` or litgpt).
-        input_dir: a folder of text files, prepared on first use into ``cache_dir``.
         seq_len: tokens the model reads per sample (a sample holds ``seq_len + 1`` ids).
         batch_size: the micro-batch, samples per rank; validation keeps the one given here.
-        seed: the train order's seed (one permutation of the split per epoch, from (seed, epoch)).
         tokenizer: ``"bytes"`` or a tokenizer.json path.
 
     Example:
@@ -43,10 +39,6 @@ class TokenDataModule(LightningDataModule):
         >>> data = TokenDataModule(seq_len=64, batch_size=8)
         >>> data.tokens_per_sample, data.vocab_size  # byte tokens
         (64, 256)
-        >>> data.check_context(32)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: data.seq_len=64 exceeds the model's context_length=32; set data.seq_len <= 32 or use a ...
     """
 
     def __init__(
@@ -67,23 +59,14 @@ class TokenDataModule(LightningDataModule):
         positive_int("data.batch_size", batch_size, "samples per device")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise LitCBSConfigError(f"data.num_workers={num_workers!r} must be an int >= 0 (worker processes)")
-        self.path = path
-        self.input_dir = input_dir
-        self.cache_dir = cache_dir
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.val_batch_size = batch_size
-        self.num_workers = num_workers
-        self.seed = seed
-        self.shuffle = shuffle
-        self.tokenizer = tokenizer
-        self.val_fraction = val_fraction
+        self.path, self.input_dir, self.cache_dir, self.tokenizer = path, input_dir, cache_dir, tokenizer
+        self.seq_len, self.batch_size, self.val_batch_size = seq_len, batch_size, batch_size
+        self.num_workers, self.seed, self.shuffle, self.val_fraction = num_workers, seed, shuffle, val_fraction
         self.train_dataset: StreamingDataset | None = None
         self.val_dataset: StreamingDataset | None = None
 
     @property
     def tokens_per_sample(self) -> int:
-        """Tokens each sample is trained on: ``seq_len``."""
         return self.seq_len
 
     @property
@@ -106,18 +89,15 @@ class TokenDataModule(LightningDataModule):
         return resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
 
     def prepare_data(self) -> None:
-        """Build the token cache (Lightning calls this on one process per node)."""
         self._data_dir()
 
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared splits (preparing them first if need be); ValueError where one is too small."""
         data_dir = self._data_dir()
-        # Read by index (GlobalOrderLoader orders and splits the samples), so litdata's own order is unused.
-        self.train_dataset = StreamingDataset(
-            str(data_dir / "train"), item_loader=TokensLoader(block_size=self.seq_len + 1)
-        )
-        self.val_dataset = StreamingDataset(
-            str(data_dir / "val"), item_loader=TokensLoader(block_size=self.seq_len + 1), shuffle=False
+        # In litdata's order (no shuffle): GlobalOrderLoader orders the train split, by index.
+        self.train_dataset, self.val_dataset = (
+            StreamingDataset(str(data_dir / split), item_loader=TokensLoader(block_size=self.seq_len + 1))
+            for split in ("train", "val")
         )
         for split, dataset, needed in (("train", self.train_dataset, self.batch_size), ("val", self.val_dataset, 1)):
             if len(dataset) < needed:
@@ -128,7 +108,6 @@ class TokenDataModule(LightningDataModule):
                 )
 
     def train_dataloader(self) -> GlobalOrderLoader:
-        """Micro-batches of ``batch_size`` samples per rank (``GlobalOrderLoader``)."""
         # Under Lightning, the strategy's data-parallel ranks (under tensor parallelism, not every process's).
         ranks = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
         if self.train_dataset is None:
@@ -144,7 +123,6 @@ class TokenDataModule(LightningDataModule):
         )
 
     def val_dataloader(self) -> StreamingDataLoader:
-        """The held-out split in order, in batches of the ``batch_size`` given at construction."""
         return StreamingDataLoader(
             self.val_dataset, batch_size=self.val_batch_size, num_workers=self.num_workers, collate_fn=_stack_as_int64
         )

@@ -1,12 +1,5 @@
 """``GlobalOrderLoader``: micro-batches cut from one global sample order, so that the micro-batch can change
-between any two optimizer steps and a run resumes exactly on any number of ranks.
-
-Each epoch's order is a permutation seeded by ``(seed, epoch)`` alone. From the position P where micro-batch m
-took effect, micro-batch k of rank r of W holds positions ``P + (k W + r) m`` to ``P + (k W + r + 1) m - 1``, so a
-step of ``B = m N W`` samples trains on the next B of the order, whatever m, N and W. An epoch's last round deals
-what is left as evenly as can be in rank order; an empty share is a micro-batch of zero rows, so the ranks'
-collectives still meet. The data position is one number, ``position`` (samples this epoch, all ranks).
-"""
+between any two optimizer steps and a run resumes exactly on any number of ranks."""
 
 from __future__ import annotations
 
@@ -16,20 +9,20 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, default_collate
 
 from lit_cbs._internals import tree_map
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
 __all__ = ["GlobalOrderLoader"]
 
+_END = object()  # a sentinel no batch is
+
 
 def _global_sample_count(dataset: Any) -> int:
     """Samples in the whole dataset; litdata's ``StreamingDataset`` reports its rank's share as ``len()``."""
     regions = getattr(dataset, "region_of_interest", None)
-    if regions:
-        return int(sum(end - start for start, end in regions))
-    return len(dataset)
+    return int(sum(end - start for start, end in regions)) if regions else len(dataset)
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
@@ -46,66 +39,25 @@ def _round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
     return rank * base + min(rank, extra), base + (rank < extra)
 
 
-def _rank_micro_batches(
-    order: np.ndarray, start: int, micro_batch_size: int, rank: int, world: int
-) -> Iterator[list[int]]:
-    """The sample indices of each micro-batch ``rank`` reads from ``start`` on; the last round by ``round_share``
-    (a share may be empty)."""
-    stride = micro_batch_size * world
-    for base in range(start, len(order), stride):
-        offset, samples = _round_share(min(stride, len(order) - base), rank, world)
-        yield order[base + offset : base + offset + samples].tolist()
-
-
 def _zero_rows(batch: Any) -> Any:
     """``batch`` with every tensor and numpy array cut to zero rows: a micro-batch of no sample."""
     return tree_map(lambda leaf: leaf[:0] if isinstance(leaf, (torch.Tensor, np.ndarray)) else leaf, batch)
 
 
-class _ByIndex(Dataset[Any]):
-    """An iterable-style dataset (litdata's) read by index, as a DataLoader with a batch sampler needs."""
-
-    def __init__(self, dataset: Any, length: int):
-        self.dataset, self.length = dataset, length
-
-    def __getitem__(self, index: int) -> Any:
-        return self.dataset[index]
-
-    def __len__(self) -> int:
-        return self.length
-
-
-class _IndexRuns:
-    """A batch sampler over fixed index runs."""
-
-    def __init__(self, runs: Callable[[], Iterator[list[int]]], count: int):
-        self.runs, self.count = runs, count
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return self.runs()
-
-    def __len__(self) -> int:
-        return self.count
-
-
 class GlobalOrderLoader:
-    """Micro-batches of ``batch_size`` samples per rank from one global, world-size independent order.
-
-    Lightning reads it as a ``DataLoader``: ``len()`` keeps it from fetching ahead, so a new ``batch_size`` applies
-    from the next micro-batch; ``state_dict`` carries the position; ``sampler.set_epoch`` moves to the next order.
-    Worker seeds come from a generator of its own: no global random stream is drawn from.
+    """Micro-batches of ``batch_size`` samples per rank from one global, world-size independent order; a new
+    ``batch_size`` applies from the next micro-batch, and ``state_dict`` carries the position.
 
     Args:
         dataset: a map-style dataset, or litdata's ``StreamingDataset``.
         batch_size: samples per rank and forward pass; may change between any two optimizer steps.
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
-        num_workers, collate_fn, pin_memory: as for ``torch.utils.data.DataLoader``.
+        num_workers, collate_fn: as for ``torch.utils.data.DataLoader``.
         num_replicas, rank: the data-parallel ranks and this one (both or neither); default: the default
             process group's, else (1, 0).
 
     Example:
-        Rank 0 of 2 reads micro-batches of 2 samples from 12, in dataset order: rank 1 reads 2 and 3 beside its
-        0 and 1. Set to 4 samples between two steps, it reads on from position 4, in runs of 4 (rank 1 takes 8 to 11):
+        Rank 0 of 2, in dataset order (rank 1 reads 2 and 3), then set to 4 samples (rank 1 takes 8 to 11):
 
         >>> import torch
         >>> from lit_cbs.data import GlobalOrderLoader
@@ -118,9 +70,6 @@ class GlobalOrderLoader:
         >>> loader.batch_size = 4
         >>> [batch.tolist() for batch in batches], loader.position, len(loader)
         ([[4, 5, 6, 7]], 12, 2)
-
-        The order of an epoch depends on ``(seed, epoch)`` alone, so a run on one rank trains on the same
-        samples, in the same steps:
 
         >>> single = GlobalOrderLoader(list(range(10)), batch_size=4, seed=0)
         >>> [batch.tolist() for batch in single]
@@ -135,22 +84,19 @@ class GlobalOrderLoader:
         seed: int = 0,
         num_workers: int = 0,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        pin_memory: bool = False,
         num_replicas: int | None = None,
         rank: int | None = None,
     ):
         self.num_samples = _global_sample_count(dataset)
         # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
-        self.dataset = _ByIndex(dataset, self.num_samples) if isinstance(dataset, IterableDataset) else dataset
+        self.dataset = Subset(dataset, range(self.num_samples)) if isinstance(dataset, IterableDataset) else dataset
         positive_int("batch_size", batch_size, "samples per rank")
         self._batch_size = batch_size
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise LitCBSConfigError(f"num_workers={num_workers!r} must be an int >= 0 (worker processes)")
-        self.num_workers = num_workers
-        self.collate_fn = collate_fn
-        self.pin_memory = pin_memory
+        self.num_workers, self.collate_fn = num_workers, collate_fn
         if (num_replicas is None) != (rank is None):
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
         self._replicas: tuple[int, int] | None = None
@@ -159,9 +105,7 @@ class GlobalOrderLoader:
             self._replicas = (num_replicas, int(rank))
             if not 0 <= rank < num_replicas:
                 raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
-        self.epoch = 0
-        self.position = 0
-        self.micro_batches = 0
+        self.epoch = self.position = self.micro_batches = 0
         # Samples in the micro-batch this rank yielded last, and in its round over all ranks.
         self.last_samples: int | None = None
         self.last_round_samples: int | None = None
@@ -189,8 +133,7 @@ class GlobalOrderLoader:
     def set_epoch(self, epoch: int) -> None:
         """Read ``epoch``'s order; from its start, unless the position is already in it (a resumed run)."""
         if epoch != self.epoch:
-            self.epoch, self.position, self.micro_batches = epoch, 0, 0
-            self._batches = None
+            self.epoch, self.position, self.micro_batches, self._batches = epoch, 0, 0, None
         self._exhausted = False
 
     def topology(self) -> tuple[int, int]:
@@ -220,10 +163,7 @@ class GlobalOrderLoader:
 
     def empty_batch(self) -> Any:
         """A micro-batch of zero samples, as the loader yields one."""
-        return _zero_rows(self._collate([self.dataset[0]]))
-
-    def _collate(self, samples: list[Any]) -> Any:
-        return (self.collate_fn or default_collate)(samples)
+        return _zero_rows((self.collate_fn or default_collate)([self.dataset[0]]))
 
     def __len__(self) -> int:
         """Micro-batches this rank yields this epoch at the current micro-batch size (those yielded included)."""
@@ -233,7 +173,7 @@ class GlobalOrderLoader:
         if self._exhausted:  # used outside Lightning, which calls set_epoch: the next epoch follows
             self.set_epoch(self.epoch + 1)
         self._batches = None
-        return _Iteration(self)
+        return iter(self._next, _END)  # ends where _next raises StopIteration; the position lives in the loader
 
     def _next(self) -> Any:
         if self._batches is None:
@@ -241,14 +181,12 @@ class GlobalOrderLoader:
         try:
             batch = next(self._batches)
         except StopIteration:
-            self._exhausted = True
-            self._batches = None
+            self._exhausted, self._batches = True, None
             raise
         samples, round_samples = self._next_round()
         if samples == 0:
             batch = _zero_rows(batch)  # read one sample of the round for its structure (see _read_from_position)
-        self.micro_batches += 1
-        self.position += round_samples
+        self.micro_batches, self.position = self.micro_batches + 1, self.position + round_samples
         self.last_samples, self.last_round_samples = samples, round_samples
         return batch
 
@@ -259,12 +197,13 @@ class GlobalOrderLoader:
         world, rank = self.topology()
 
         def index_runs() -> Iterator[list[int]]:
-            # An empty share reads the round's first sample, which _next cuts to zero rows: collate_fn sees samples.
-            rounds = range(start, len(order), micro * world)
-            for base, indices in zip(rounds, _rank_micro_batches(order, start, micro, rank, world)):
-                yield indices or [int(order[base])]
+            # Each rank's share of a round by _round_share; an empty share reads the round's first sample, which
+            # _next cuts to zero rows: collate_fn sees samples.
+            stride = micro * world
+            for base in range(start, len(order), stride):
+                offset, samples = _round_share(min(stride, len(order) - base), rank, world)
+                yield order[base + offset : base + offset + samples].tolist() or [int(order[base])]
 
-        runs = _IndexRuns(index_runs, self._remaining_micro_batches())
         # Worker seeds from a generator of the loader's own, so that no global random stream moves.
         generator = torch.Generator().manual_seed(
             int(np.random.default_rng([self.seed, self.epoch, start]).integers(2**62))
@@ -272,10 +211,9 @@ class GlobalOrderLoader:
         return iter(
             DataLoader(
                 self.dataset,
-                batch_sampler=runs,
+                batch_sampler=index_runs(),
                 num_workers=self.num_workers,
                 collate_fn=self.collate_fn,
-                pin_memory=self.pin_memory,
                 generator=generator,
             )
         )
@@ -324,24 +262,6 @@ class GlobalOrderLoader:
                     f"the checkpoint's train loader read {name}={state_dict[name]!r} but this one has "
                     f"{name}={getattr(self, name)!r}: resume on the same data and seed, or start afresh"
                 )
-        self.epoch, self.position, self.micro_batches = (
-            state_dict["epoch"],
-            state_dict["position"],
-            state_dict["micro_batches"],
-        )
-        self.last_samples = self.last_round_samples = None
-        self._batches = None
+        self.epoch, self.position, self.micro_batches = (state_dict[k] for k in ("epoch", "position", "micro_batches"))
+        self.last_samples = self.last_round_samples = self._batches = None
         self._exhausted = False
-
-
-class _Iteration:
-    """The iterator ``iter(loader)`` returns; the position lives in the loader."""
-
-    def __init__(self, loader: GlobalOrderLoader):
-        self.loader = loader
-
-    def __iter__(self) -> _Iteration:
-        return self
-
-    def __next__(self) -> Any:
-        return self.loader._next()

@@ -1,10 +1,5 @@
 """Tokenize text files into litdata token chunks (``<folder>/train``, ``<folder>/val``, metadata in
-``<folder>/lit_cbs.json``), and cache the result.
-
-The token stream is the files in order, each followed by the tokenizer's ``eos_id``; the last ``val_fraction`` of
-the source bytes (cut at a UTF-8 character boundary) is the validation split. Nothing is shuffled here, so a
-preparation is reproducible.
-"""
+``<folder>/lit_cbs.json``), and cache the result. Nothing is shuffled here, so a preparation is reproducible."""
 
 from __future__ import annotations
 
@@ -17,15 +12,15 @@ import multiprocessing
 import os
 import shutil
 import sys
+import sysconfig
 import tempfile
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lit_cbs.data.corpus import stdlib_python_files
 from lit_cbs.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["prepare", "resolve_data"]
@@ -50,15 +45,11 @@ def default_cache_dir() -> Path:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest integer dtype that holds every id below ``vocab_size``: 1 byte per token for bytes."""
-    if vocab_size <= 2**8:
-        return np.dtype(np.uint8)
-    if vocab_size <= 2**16:
-        return np.dtype(np.uint16)
-    return np.dtype(np.int32)
+    return np.dtype(np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16 else np.int32)
 
 
 def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -> tuple[list[Piece], list[Piece]]:
-    """Train and val pieces of ``files``: val is the last ``val_fraction`` of the bytes."""
+    """Train and val pieces of ``files``: val is the last ``val_fraction`` of the bytes (cut at a UTF-8 character)."""
     sizes = [os.path.getsize(f) for f in files]
     total = sum(sizes)
     if total == 0:
@@ -96,8 +87,7 @@ def _tokenize_piece(
     piece: Piece, tokenizer: Tokenizer, dtype: np.dtype, max_item_tokens: int, error_dir: str
 ) -> Iterator[np.ndarray]:
     """litdata ``optimize`` fn: the piece's tokens (and EOS at a document end) in items of at most
-    ``max_item_tokens``. A failure is written to ``error_dir`` rather than raised: litdata kills a worker that
-    raises, which orphans its helper process."""
+    ``max_item_tokens``. A failure goes to ``error_dir``: litdata kills a worker that raises, orphaning its helper."""
     path, start, end, ends_document = piece
     try:
         with open(path, "rb") as f:
@@ -116,8 +106,8 @@ def _tokenize_piece(
 
 @contextlib.contextmanager
 def _isolated_optimize_run() -> Iterator[Path]:
-    """A private scratch folder for litdata's optimize, which wipes the shared one and sets the global start
-    method; the start method and the global random states (which it seeds with 42) are restored after."""
+    """A private scratch folder for litdata's optimize (which wipes the shared one); the global start method and
+    random states (which it seeds with 42) are restored after."""
     from lightning.pytorch.utilities.seed import isolate_rng
 
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
@@ -159,27 +149,13 @@ def prepare(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``files`` (one document each, in stream order) into ``output_dir``/train and /val; the global random
-    generators are left as they were.
+    """Tokenize ``files`` (one document each, each followed by ``eos_id``) into ``output_dir``/train and /val, the
+    last ``val_fraction`` of the bytes held out; returns the metadata written to ``output_dir``/lit_cbs.json.
 
     Args:
-        tokenizer: a ``ByteTokenizer`` or ``HFTokenizer`` (``load_tokenizer``).
-        val_fraction: share of the source bytes held out, in (0, 1).
         num_workers: optimize processes (default: one per 8 MB of text, at most one per core).
         chunk_tokens: tokens per litdata chunk (a sample never crosses one).
         fingerprint: recorded in the metadata (``_source_fingerprint``).
-
-    Returns:
-        The metadata written to ``output_dir``/lit_cbs.json.
-
-    Example:
-        Preparing starts litdata's worker processes (seconds); what it refuses is checked first:
-
-        >>> from lit_cbs.data import ByteTokenizer, prepare
-        >>> prepare([], "unused", ByteTokenizer())
-        Traceback (most recent call last):
-        ...
-        ValueError: files is empty; give at least one text file to prepare
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
@@ -239,12 +215,8 @@ def prepare(
 def _source_fingerprint(
     files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
 ) -> str:
-    """sha256 over what determines a preparation: each file's path, size and modification time (not its content),
-    the tokenizer and the split."""
-    stats = []
-    for f in files:
-        stat = os.stat(f)
-        stats.append((str(Path(f).resolve()), stat.st_size, stat.st_mtime_ns))
+    """sha256 over each file's path, size and modification time (not its content), the tokenizer and the split."""
+    stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     key = [FORMAT_VERSION, tokenizer.name, tokenizer.vocab_size, tokenizer.eos_id, val_fraction, chunk_tokens, stats]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
@@ -255,13 +227,32 @@ def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _walk(root: str | os.PathLike[str], skip: Callable[[str], bool], keep: Callable[[str], bool]) -> list[Path]:
+    """The files under ``root`` that ``keep`` takes, outside the folders ``skip`` names; sorted by path."""
+    files: list[Path] = []
+    for directory, subdirs, names in os.walk(root):
+        subdirs[:] = [name for name in subdirs if not skip(name)]
+        files.extend(Path(directory, name) for name in names if keep(name))
+    return sorted(files)
+
+
 def text_files(input_dir: str | os.PathLike[str]) -> list[Path]:
     """Every file under ``input_dir``, recursively, skipping hidden files and folders; sorted."""
-    files: list[Path] = []
-    for directory, subdirs, names in os.walk(input_dir):
-        subdirs[:] = [name for name in subdirs if not name.startswith(".")]
-        files.extend(Path(directory, name) for name in names if not name.startswith("."))
-    return sorted(files)
+    return _walk(input_dir, lambda name: name.startswith("."), lambda name: not name.startswith("."))
+
+
+# The embedded default corpus: the standard library's own .py files (674 files, 11.35 MB with Python 3.11), without
+# tests, IDLE or installed packages. It ships with every interpreter.
+SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "idle_test", "site-packages", "__pycache__"})
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_python_files() -> list[Path]:
+    """The default corpus's files, sorted by path so the token stream is the same on every run."""
+    return _walk(stdlib_root(), SKIPPED_DIRS.__contains__, lambda name: name.endswith(".py"))
 
 
 def resolve_data(
@@ -272,22 +263,9 @@ def resolve_data(
     val_fraction: float = 0.01,
     num_workers: int | None = None,
 ) -> Path:
-    """The prepared folder to train on: ``path`` as is; else ``input_dir``'s text files, or (neither) the embedded
-    stdlib corpus, prepared on first use into ``cache_dir`` under a key from ``_source_fingerprint``.
-
-    Args:
-        path: a folder already prepared (by ``prepare`` or litgpt).
-        input_dir: a folder of text files.
-        cache_dir: where prepared folders are kept (default ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``).
-        tokenizer: ``"bytes"`` or a tokenizer.json path.
-
-    Example:
-        >>> from lit_cbs.data import resolve_data
-        >>> resolve_data(path="a", input_dir="b")
-        Traceback (most recent call last):
-        ...
-        ValueError: data.path='a' and data.input_dir='b' are both set; set only one
-    """
+    """The prepared folder to train on: ``path`` (prepared by ``prepare`` or litgpt) as is; else ``input_dir``'s text
+    files, or (neither) the embedded stdlib corpus, prepared on first use into ``cache_dir`` (default
+    ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key from ``_source_fingerprint``."""
     if path is not None and input_dir is not None:
         raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
     if path is not None:

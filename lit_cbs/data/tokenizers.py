@@ -1,5 +1,4 @@
-"""Tokenizers: raw UTF-8 bytes by default, or a Hugging Face ``tokenizer.json``. Each has ``name`` (recorded in a
-prepared dataset's metadata), ``vocab_size``, ``eos_id`` (written after each document), ``encode`` and ``decode``."""
+"""Tokenizers: raw UTF-8 bytes by default, or a Hugging Face ``tokenizer.json``."""
 
 from __future__ import annotations
 
@@ -26,17 +25,15 @@ class ByteTokenizer:
     eos_id = 0
 
     def encode(self, text: str) -> list[int]:
-        """The UTF-8 bytes of ``text``."""
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
-        """The text of the bytes ``ids`` (invalid UTF-8 decodes to U+FFFD)."""
         return bytes(ids).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; ``eos_token`` (default: the first of
-    ``DEFAULT_EOS_TOKENS`` the vocabulary holds) separates documents."""
+    ``DEFAULT_EOS_TOKENS`` it holds) separates documents."""
 
     DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
@@ -50,17 +47,13 @@ class HFTokenizer:
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"tokenizer file {str(path)!r} does not exist; give the path of a tokenizer.json")
-        self.path = path
-        self.name = str(path.resolve())
+        self.path, self.name = path, str(path.resolve())
         self._tokenizer = Tokenizer.from_file(str(path))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         candidates = (eos_token,) if eos_token is not None else self.DEFAULT_EOS_TOKENS
-        for token in candidates:
-            token_id = self._tokenizer.token_to_id(token)
-            if token_id is not None:
-                self.eos_id = token_id
-                break
-        else:
+        ids = [self._tokenizer.token_to_id(token) for token in candidates]
+        self.eos_id: int = next((token_id for token_id in ids if token_id is not None), -1)
+        if self.eos_id < 0:
             raise ValueError(
                 f"{str(path)!r} has none of the tokens {list(candidates)}; "
                 "pass eos_token=<the tokenizer's end-of-document token>"

@@ -11,8 +11,7 @@ __all__ = ["build_decoder"]
 
 
 def build_decoder(config: OLMoConfig | Any) -> OLMo | HFDecoder:
-    """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config, on the default
-    device (under ``torch.device("meta")`` without memory)."""
+    """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config."""
     if isinstance(config, OLMoConfig):
         return OLMo(config)
     return HFDecoder(config)

@@ -1,5 +1,5 @@
-"""What the two decoders (lit_cbs's ``OLMo``, a ``transformers`` model in ``HFDecoder``) have in common: their sizes
-under one set of names, and where their stacks of blocks and their embeddings are."""
+"""What the two decoders (``OLMo``, a ``transformers`` model in ``HFDecoder``) have in common: their sizes under
+one set of names, and where their stacks of blocks and their embeddings are."""
 
 from __future__ import annotations
 
@@ -30,16 +30,12 @@ class DecoderDims:
 def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
     """The ``DecoderDims`` of an ``OLMoConfig`` or a ``transformers`` config."""
     if isinstance(config, OLMoConfig):
-        c = config
-        return DecoderDims(
-            c.vocab_size, c.d_model, c.n_layers, c.n_heads, c.head_dim, c.mlp_hidden, c.context_length, c.tie_embeddings
-        )
+        return DecoderDims(**{field.name: getattr(config, field.name) for field in dataclasses.fields(DecoderDims)})
     return hf_dims(config)
 
 
 def hf_dims(config: Any) -> DecoderDims:
-    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; transformers aliases GPT-2's). Without
-    ``head_dim``: hidden_size / heads; without an MLP width: 4 x hidden_size."""
+    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; transformers aliases GPT-2's)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     return DecoderDims(
         vocab_size=config.vocab_size,
@@ -56,10 +52,7 @@ def hf_dims(config: Any) -> DecoderDims:
 def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:
     """The config as plain values (hyperparameters load with ``weights_only=True``) that ``resolve_model_config``
     reads back: every OLMoConfig field, or a ``transformers`` config's non-default fields and ``model_type``."""
-    if isinstance(config, OLMoConfig):
-        return dataclasses.asdict(config)
-    fields: dict[str, Any] = config.to_diff_dict()
-    return fields
+    return dataclasses.asdict(config) if isinstance(config, OLMoConfig) else dict(config.to_diff_dict())
 
 
 def layer_stacks(module: nn.Module) -> list[str]:

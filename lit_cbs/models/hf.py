@@ -1,10 +1,5 @@
-"""Hugging Face ``transformers`` causal LMs as lit_cbs decoders, built from a config (no weights downloaded).
-
-``HFDecoder`` gives ``AutoModelForCausalLM.from_config(config)`` the interface ``CausalLM`` trains ``OLMo`` through:
-``forward(input_ids) -> logits``, ``blocks`` (the unit FSDP2 shards, activation checkpointing recomputes and
-``torch.compile`` compiles), ``reset_parameters()``, ``num_parameters()`` and ``flops_per_token(seq_len)``.
-``transformers`` (the [hf] extra) is imported only when a config names a ``model_type``.
-"""
+"""Hugging Face ``transformers`` causal LMs built from a config (no weights downloaded), with the interface
+``CausalLM`` trains ``OLMo`` through. ``transformers`` (the [hf] extra) is imported only for a ``model_type``."""
 
 from __future__ import annotations
 
@@ -43,9 +38,8 @@ def is_hf_config(config: Any) -> bool:
 
 
 def hf_config(fields: Mapping[str, Any]) -> Any:
-    """The ``transformers`` config ``{"model_type": name, **fields}`` describes, for any model type
-    ``AutoModelForCausalLM`` builds. LitCBSConfigError for a field the config class does not know (transformers
-    would keep it unused), a model type without a causal LM, or a missing ``transformers``."""
+    """The ``transformers`` config ``{"model_type": name, **fields}`` describes; LitCBSConfigError for a field the
+    config class does not know, a model type without a causal LM, or a missing ``transformers``."""
     transformers = _transformers()
     fields = dict(fields)
     model_type = fields.pop("model_type")
@@ -73,8 +67,7 @@ def hf_config(fields: Mapping[str, Any]) -> Any:
 
 
 class HFDecoder(nn.Module):
-    """A ``transformers`` causal LM built from ``config``, as the decoder ``CausalLM`` trains. Its parameters are
-    named ``lm.<the transformers model's names>``: drop the ``lm.`` prefix for ``AutoModelForCausalLM``'s state dict."""
+    """A ``transformers`` causal LM built from ``config``; its parameters are named ``lm.<the model's names>``."""
 
     def __init__(self, config: Any):
         super().__init__()
@@ -85,13 +78,12 @@ class HFDecoder(nn.Module):
 
     @property
     def blocks(self) -> nn.ModuleList:
-        """The decoder layers (``model.layers`` in Llama-like models, ``transformer.h`` in GPT-2)."""
         layers: nn.ModuleList = self.lm.get_submodule(self._layers_path)
         return layers
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] for ``input_ids`` [B, T] (no cache). A batch of no sample runs one padding row
-        and returns none of it, so every layer's collectives fire on this rank as on the others."""
+        """Logits [B, T, vocab_size] (no cache); a batch of no sample runs one padding row, so that every layer's
+        collectives fire on this rank as on the others."""
         if input_ids.shape[0] == 0:
             logits: torch.Tensor = self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]), use_cache=False).logits
             return logits[:0]
@@ -99,7 +91,6 @@ class HFDecoder(nn.Module):
         return logits
 
     def reset_parameters(self) -> None:
-        """(Re-)initialise weights and buffers the transformers way, after ``to_empty()``."""
         self.lm.init_weights()
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
@@ -113,8 +104,7 @@ class HFDecoder(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len``: 6 x every ``nn.Linear`` weight (once if tied) + 12 x layers x
-        attention width x seq_len (PaLM's estimate, as ``OLMo.flops_per_token``)."""
+        """PaLM's training FLOPs per token, as ``OLMo.flops_per_token``, over every ``nn.Linear`` weight."""
         matmul_weights = sum(
             {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values()
         )
@@ -128,7 +118,6 @@ def _is_tied(lm: Any) -> bool:  # a transformers PreTrainedModel
 
 
 def _decoder_layers_path(lm: Any, config: Any) -> str:
-    """The path of the ``nn.ModuleList`` of ``lm``'s ``num_hidden_layers`` decoder layers."""
     n_layers = config.num_hidden_layers
     for path in layer_stacks(lm):
         if len(lm.get_submodule(path)) == n_layers:

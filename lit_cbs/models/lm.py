@@ -1,7 +1,5 @@
 """``CausalLM``: next-token training of lit_cbs's OLMo-style decoder, or of a Hugging Face causal LM, as a
-LightningModule. The model is built in ``configure_model``: under ``ModelParallelStrategy`` on the meta device,
-``fully_shard``-ed per block then at the root (FSDP2), and only the shards are materialized and initialised.
-"""
+LightningModule; under ``ModelParallelStrategy`` built on the meta device and sharded with FSDP2."""
 
 from __future__ import annotations
 
@@ -34,18 +32,12 @@ if TYPE_CHECKING:
 
 __all__ = ["CausalLM", "resolve_model_config"]
 
-_OLMO_FIELDS = tuple(field.name for field in dataclasses.fields(OLMoConfig))
-_REQUIRED_OLMO_FIELDS = tuple(
-    field.name for field in dataclasses.fields(OLMoConfig) if field.default is dataclasses.MISSING
-)
+_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig)]
+_REQUIRED_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig) if f.default is dataclasses.MISSING]
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
-COMPUTE_DTYPES = {
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-    "64-true": torch.float64,
-}
+_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
+COMPUTE_DTYPES = {f"{p}-{mode}": dtype for p, dtype in _DTYPES.items() for mode in ("mixed", "true")}
+COMPUTE_DTYPES["64-true"] = torch.float64
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 # OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
@@ -55,13 +47,7 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> OLMoConfig | Any:
     """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes: a preset name, a config, or a
     mapping: ``{"model_type": name, **fields}`` (a ``transformers`` config), ``{"preset": name, **fields}`` (the
-    preset with those fields replaced), or every required OLMoConfig field.
-
-    Raises:
-        TypeError: ``config`` is none of these.
-        ValueError: a mapping with fields OLMoConfig lacks, or, without a preset, lacking some it needs.
-        LitCBSConfigError: an unknown preset, or field values OLMoConfig refuses.
-    """
+    preset with those fields replaced), or every required OLMoConfig field."""
     if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
     if isinstance(config, str):
@@ -77,9 +63,7 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
     preset = fields.pop("preset", None)
     unknown = sorted(set(fields) - set(_OLMO_FIELDS))
     if unknown:
-        raise ValueError(
-            f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {list(_OLMO_FIELDS)}"
-        )
+        raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {_OLMO_FIELDS}")
     if preset is None:
         missing = [name for name in _REQUIRED_OLMO_FIELDS if name not in fields]
         if missing:
@@ -91,24 +75,20 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
 class CausalLM(pl.LightningModule):
     """Train a decoder on token batches [B, seq_len + 1] (inputs ``[:, :-1]``, targets ``[:, 1:]``).
 
-    Logs ``train/loss`` (the mean over each optimizer step's micro-batches and ranks, nats per token),
-    ``val/loss``, ``perf/tokens_per_s`` (all ranks, validation and probe branches excluded) and, where the
-    device's peak is known, ``perf/mfu``. The LR schedule is indexed by the tokens ``BatchAccounting`` counts.
+    Logs ``train/loss`` (the step's mean, nats per token), ``val/loss``, ``perf/tokens_per_s`` (all ranks,
+    validation and probe branches excluded) and, where the device's peak is known, ``perf/mfu``.
 
     Args:
-        config: a preset name, an ``OLMoConfig`` or a mapping of its fields; a ``transformers`` config, or a mapping
-            with ``model_type``, for a Hugging Face causal LM with fresh weights (the [hf] extra). See
-            ``resolve_model_config``.
-        optimizer: parameter groups -> ``torch.optim.Optimizer`` (Hydra: ``_partial_: true``). Its ``lr`` is the base
-            LR; its ``weight_decay`` applies to the weight matrices only. Default: OLMo's AdamW (``ADAMW``).
+        config: see ``resolve_model_config``; a ``transformers`` config builds a Hugging Face causal LM with fresh
+            weights (the [hf] extra).
+        optimizer: parameter groups -> ``torch.optim.Optimizer`` (Hydra: ``_partial_: true``); its weight decay
+            applies to the weight matrices only. Default: OLMo's AdamW.
         lr_schedule: tokens seen (global) -> LR multiplier; None keeps the base LR.
-        activation_checkpointing: recompute each block's activations in the backward pass.
-        peak_flops_per_device: peak FLOP/s of one device at the training precision (989e12 for an H100/H200 in
-            dense bf16); None: Lightning's table, which knows no CPU and lists an H200's sparse figure.
-        compile: ``torch.compile`` each block (a dict: its arguments), after activation checkpointing wraps
-            them and before FSDP2 shards them.
+        peak_flops_per_device: FLOP/s of one device at the training precision (989e12 for an H100/H200 in dense
+            bf16); None: Lightning's table, which knows no CPU and lists an H200's sparse figure.
+        compile: ``torch.compile`` each block (a dict: its arguments).
         ignore_index: a padding token id whose targets do not count; each step's gradient is then the mean over
-            every counted token of the step (``token_mean_loss``). None: every target counts.
+            every counted token of the step (``token_mean_loss``).
 
     Example:
         >>> import math, torch
@@ -124,10 +104,6 @@ class CausalLM(pl.LightningModule):
         torch.Size([3, 8, 32])
         >>> abs(lm.probe_loss(batch).item() - math.log(32)) < 0.1  # freshly initialised: about ln(vocab_size) nats
         True
-        >>> CausalLM("tiny", ignore_index=256)
-        Traceback (most recent call last):
-        ...
-        lit_cbs.errors.LitCBSConfigError: ignore_index=256 must be a token id in [0, 256) ...
     """
 
     def __init__(
@@ -154,46 +130,38 @@ class CausalLM(pl.LightningModule):
         if lr_schedule is not None and not callable(lr_schedule):
             raise TypeError(f"lr_schedule must be callable tokens -> LR multiplier, or None; got {lr_schedule!r}")
         positive_number("peak_flops_per_device", peak_flops_per_device, "FLOP/s of one device", optional=True)
-        self.optimizer_factory = optimizer
-        self.lr_schedule = lr_schedule
-        self.activation_checkpointing = activation_checkpointing
-        self.peak_flops_per_device = peak_flops_per_device
+        self.optimizer_factory, self.lr_schedule = optimizer, lr_schedule
+        self.activation_checkpointing, self.peak_flops_per_device = activation_checkpointing, peak_flops_per_device
         if not isinstance(compile, (bool, Mapping)):
             raise LitCBSConfigError(f"compile={compile!r} must be true, false or a dict of torch.compile arguments")
         self.compile_options = dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
         # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
         self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
         self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
-
         self.model: OLMo | HFDecoder | None = None  # built in configure_model
-        self.train_loss = MeanMetric()
-        self.val_loss = MeanMetric()
+        self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
-        self._throughput: Throughput | None = None  # from on_train_start
-        self._last_global_step = 0
-        self._steps = 0  # optimizer steps since on_train_start
-        self._samples = 0  # sequences this rank trained on since on_train_start
-        self._tokens = 0  # tokens this rank trained on since on_train_start
-        self._step_flops = 0  # this rank's model FLOPs since the last optimizer step
-        self._training_seconds = 0.0  # wall time trained before the current stretch (validation excluded)
-        self._stretch_start: float | None = None  # perf_counter at the start of the current stretch
-        self._branch_seconds_before = 0.0  # the accounting's branch_seconds at on_train_start
+        # Since on_train_start: optimizer steps, and this rank's samples and tokens; its FLOPs since the last step.
+        self._last_global_step = self._steps = self._samples = self._tokens = self._step_flops = 0
+        self._throughput: Throughput | None = None
+        # Wall time trained before the current stretch (validation excluded), and the accounting's branch_seconds
+        # at on_train_start; perf_counter at the start of the current stretch.
+        self._training_seconds = self._branch_seconds_before = 0.0
+        self._stretch_start: float | None = None
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
             BatchAccounting.attach(self.trainer)  # counts the tokens the LR schedule is indexed by
 
-    # ------------------------------------------------------------------ model
     @property
     def _decoder(self) -> OLMo | HFDecoder:
-        """The decoder ``configure_model`` built."""
         if self.model is None:
             raise RuntimeError("CausalLM's decoder is not built yet: call configure_model() (Lightning does, in fit)")
         return self.model
 
     def configure_model(self) -> None:
         """Build the decoder once (Lightning calls this in every fit): sharded, checkpointed, compiled as asked."""
-        if self.model is not None:  # Lightning calls this hook again for each fit/validate/test
+        if self.model is not None:
             return
         mesh = self._data_parallel_mesh()
         with torch.device("meta") if mesh is not None else nullcontext():
@@ -214,7 +182,6 @@ class CausalLM(pl.LightningModule):
         self.model = model
 
     def _data_parallel_mesh(self) -> DeviceMesh | None:
-        """The mesh to shard over under ModelParallelStrategy, else None (no sharding)."""
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -232,11 +199,9 @@ class CausalLM(pl.LightningModule):
     def _fully_shard(self, model: OLMo | HFDecoder, mesh: DeviceMesh) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if self.trainer.precision == "bf16-mixed":
-            # Gather and compute in bf16, reduce gradients in fp32; autocast covers the rest.
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        else:
-            policy = MixedPrecisionPolicy()
+        # bf16-mixed: gather and compute in bf16, reduce gradients in fp32 (param, reduce); autocast covers the rest.
+        bf16 = self.trainer.precision == "bf16-mixed"
+        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
         last = len(model.blocks) - 1
         for index, block in enumerate(model.blocks):
             # The last block's parameters are needed again right at the start of backward: keep them.
@@ -260,16 +225,12 @@ class CausalLM(pl.LightningModule):
 
     def _loss_sum(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Next-token cross-entropy summed over the targets that are not ``ignore_index`` (nats), and their number."""
-        ignore_index = self.ignore_index
-        assert ignore_index is not None  # called only with one (else _loss takes the mean itself)
-        logits = self._decoder(batch[:, :-1])
-        targets = batch[:, 1:].flatten()
-        loss_sum = F.cross_entropy(
-            _at_least_float32(logits.flatten(0, 1)), targets, ignore_index=ignore_index, reduction="sum"
-        )
+        ignore_index, targets = self.ignore_index, batch[:, 1:].flatten()
+        assert ignore_index is not None  # else _loss takes the mean itself
+        logits = _at_least_float32(self._decoder(batch[:, :-1]).flatten(0, 1))
+        loss_sum = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum")
         return loss_sum, (targets != ignore_index).sum()
 
-    # ------------------------------------------------------------------ training
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.ignore_index is None:
             loss = self._loss(batch)
@@ -344,7 +305,6 @@ class CausalLM(pl.LightningModule):
             self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
         return self._flops_per_token[seq_len]
 
-    # ------------------------------------------------------------------ validation
     def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
         """The training loss of ``batch`` without updating ``train_loss``: what a CBS probe scores a branch by."""
         return self._loss(batch)
@@ -354,7 +314,6 @@ class CausalLM(pl.LightningModule):
         self.val_loss.update(self._loss(batch), weight=counted)
         self.log(metrics.VAL_LOSS, self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
-    # ------------------------------------------------------------------ optimizer
     def parameter_groups(self) -> list[dict[str, Any]]:
         """The weight matrices, with the optimizer's weight decay; embeddings, norms and biases without."""
         decoder = self._decoder
@@ -393,25 +352,14 @@ def _check_optimizer(optimizer: OptimizerFactory) -> None:
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "
             "e.g. functools.partial(torch.optim.AdamW, lr=3e-3)"
         )
-    stand_ins: list[dict[str, Any]] = [
-        {"params": [nn.Parameter(torch.zeros(2, 2))]},
-        {"params": [nn.Parameter(torch.zeros(2))], "weight_decay": 0.0},
-    ]
+    name = repr(optimizer)  # AdamW(lr=0.003, ...) for a functools.partial
+    if isinstance(optimizer, functools.partial):
+        arguments = [*map(repr, optimizer.args), *(f"{key}={value!r}" for key, value in optimizer.keywords.items())]
+        name = f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"
+    matrix, vector = nn.Parameter(torch.zeros(2, 2)), nn.Parameter(torch.zeros(2))
     try:
-        built = optimizer(stand_ins)
+        built = optimizer([{"params": [matrix]}, {"params": [vector], "weight_decay": 0.0}])
     except (TypeError, ValueError) as error:
-        raise LitCBSConfigError(f"optimizer {_describe_optimizer(optimizer)} cannot be built: {error}") from error
+        raise LitCBSConfigError(f"optimizer {name} cannot be built: {error}") from error
     if not isinstance(built, torch.optim.Optimizer):
-        raise LitCBSConfigError(
-            f"optimizer {_describe_optimizer(optimizer)} returned {type(built).__name__}, not a torch.optim.Optimizer"
-        )
-
-
-def _describe_optimizer(optimizer: OptimizerFactory) -> str:
-    """``AdamW(lr=0.003, ...)`` for a ``functools.partial``; else the callable's repr."""
-    if not isinstance(optimizer, functools.partial):
-        return repr(optimizer)
-    arguments = [repr(arg) for arg in optimizer.args] + [
-        f"{name}={value!r}" for name, value in optimizer.keywords.items()
-    ]
-    return f"{getattr(optimizer.func, '__qualname__', repr(optimizer.func))}({', '.join(arguments)})"
+        raise LitCBSConfigError(f"optimizer {name} returned {type(built).__name__}, not a torch.optim.Optimizer")

@@ -1,14 +1,6 @@
-"""An OLMo-style decoder-only transformer (Groeneveld et al. 2024), readable top to bottom.
-
-Token embedding -> ``n_layers`` pre-norm blocks (attention with rotary embeddings, then a SwiGLU MLP) -> final
-norm -> logits. LayerNorms are non-parametric and no Linear has a bias. ``mlp_hidden`` is the gated width (OLMo's
-configs count gate + up, twice ours). Weights are N(0, ``init_std``) truncated at 3 std; the two projections into
-the residual stream use ``init_std / sqrt(2 n_layers)`` (GPT-2). Each layer's ``reset_parameters`` holds the rule,
-so a meta-device build is initialised alike after ``to_empty()``.
-
-``PRESETS``: ``tiny`` (233,472 parameters, the tiny workload's CPU model), ``tiny4x`` (868,352: twice tiny's
-width), ``olmo_1b`` and ``olmo_7b`` (1.177B and 6.888B, OLMo's shapes).
-"""
+"""An OLMo-style decoder-only transformer (Groeneveld et al. 2024): pre-norm blocks of rotary attention and a
+SwiGLU MLP, non-parametric LayerNorms, no biases. ``PRESETS``: ``tiny`` (233,472 parameters, the tiny workload's
+CPU model), ``tiny4x`` (twice tiny's width), ``olmo_1b`` and ``olmo_7b`` (OLMo's shapes)."""
 
 from __future__ import annotations
 
@@ -26,9 +18,7 @@ __all__ = ["OLMoConfig", "PRESETS", "get_config", "rotary_cos_sin", "Block", "OL
 
 @dataclass
 class OLMoConfig:
-    """Shape of an OLMo-style model: sizes in tokens (``vocab_size``, ``context_length``) and features; the head
-    dimension ``d_model / n_heads`` must be even (RoPE). ``rope_theta``: RoPE's base period; ``init_std``: the
-    weights' std. LitCBSConfigError on a shape the model cannot take."""
+    """Shape of an OLMo-style model; LitCBSConfigError on one the model cannot take (the head dim must be even)."""
 
     vocab_size: int
     d_model: int
@@ -55,45 +45,22 @@ class OLMoConfig:
                 f"head dim d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings; "
                 "change d_model or n_heads"
             )
-        if not self.rope_theta > 0:
-            raise LitCBSConfigError(f"rope_theta={self.rope_theta} must be > 0")
-        if not self.init_std > 0:
-            raise LitCBSConfigError(f"init_std={self.init_std} must be > 0")
+        for name in ("rope_theta", "init_std"):
+            if not getattr(self, name) > 0:
+                raise LitCBSConfigError(f"{name}={getattr(self, name)} must be > 0")
 
     @property
     def head_dim(self) -> int:
-        """Width of one attention head: d_model / n_heads."""
         return self.d_model // self.n_heads
 
 
+# vocab_size, d_model, n_layers, n_heads, mlp_hidden (tiny's: 4 d_model x 2/3 rounded up to a multiple of 16),
+# context_length, tie_embeddings. OLMo's vocabulary of 50,280 is padded to a multiple of 128.
 PRESETS: dict[str, OLMoConfig] = {
-    # mlp_hidden: 4 d_model x 2/3, rounded up to a multiple of 16.
-    "tiny": OLMoConfig(
-        vocab_size=256, d_model=64, n_layers=4, n_heads=4, mlp_hidden=176, context_length=128, tie_embeddings=False
-    ),
-    # Does a CBS curve measured on tiny carry to a larger model? Twice the width, the same depth, head and context.
-    "tiny4x": OLMoConfig(
-        vocab_size=256, d_model=128, n_layers=4, n_heads=8, mlp_hidden=352, context_length=128, tie_embeddings=False
-    ),
-    # OLMo's vocabulary of 50,280 padded to a multiple of 128.
-    "olmo_1b": OLMoConfig(
-        vocab_size=50304,
-        d_model=2048,
-        n_layers=16,
-        n_heads=16,
-        mlp_hidden=8192,
-        context_length=4096,
-        tie_embeddings=True,
-    ),
-    "olmo_7b": OLMoConfig(
-        vocab_size=50304,
-        d_model=4096,
-        n_layers=32,
-        n_heads=32,
-        mlp_hidden=11008,
-        context_length=4096,
-        tie_embeddings=False,
-    ),
+    "tiny": OLMoConfig(256, 64, 4, 4, 176, 128, False),
+    "tiny4x": OLMoConfig(256, 128, 4, 8, 352, 128, False),
+    "olmo_1b": OLMoConfig(50304, 2048, 16, 16, 8192, 4096, True),
+    "olmo_7b": OLMoConfig(50304, 4096, 32, 32, 11008, 4096, False),
 }
 
 
@@ -104,26 +71,26 @@ def get_config(name: str) -> OLMoConfig:
     return OLMoConfig(**vars(PRESETS[name]))
 
 
-class _TruncatedNormalLinear(nn.Linear):
-    """A bias-free Linear whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std."""
+class _TruncatedNormal:
+    """Weights N(0, init_std) truncated at 3 std, drawn in ``reset_parameters`` (also after a meta-device build)."""
 
+    init_std: float
+    weight: torch.Tensor
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std)
+
+
+class _TruncatedNormalLinear(_TruncatedNormal, nn.Linear):
     def __init__(self, in_features: int, out_features: int, init_std: float):
         self.init_std = init_std  # set first: nn.Linear.__init__ calls reset_parameters
         super().__init__(in_features, out_features, bias=False)
 
-    def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std)
 
-
-class _TruncatedNormalEmbedding(nn.Embedding):
-    """A token embedding whose ``reset_parameters`` draws N(0, init_std) truncated at 3 std."""
-
+class _TruncatedNormalEmbedding(_TruncatedNormal, nn.Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, init_std: float):
         self.init_std = init_std
         super().__init__(num_embeddings, embedding_dim)
-
-    def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std)
 
 
 def _layer_norm(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +102,7 @@ def _layer_norm(x: torch.Tensor) -> torch.Tensor:
 def rotary_cos_sin(
     seq_len: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each [seq_len, head_dim] float32, computed per forward (no buffer to
+    """cos and sin of the rotation angles, each [seq_len, head_dim] float32 (per forward: no buffer to
     re-materialise after a meta-device build)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
@@ -163,7 +130,6 @@ class Attention(nn.Module):
         self.out_proj = _TruncatedNormalLinear(d, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] -> [B, T, d_model]; position t attends to positions 0..t."""
         batch, seq_len, d = x.shape
 
         def split_heads(t: torch.Tensor) -> torch.Tensor:
@@ -188,7 +154,6 @@ class SwiGLU(nn.Module):
         self.down_proj = _TruncatedNormalLinear(h, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, d_model] -> [B, T, d_model]."""
         out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return out
 
@@ -202,7 +167,6 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The residual stream [B, T, d_model] after the block."""
         x = x + self.attention(_layer_norm(x), cos, sin)
         out: torch.Tensor = x + self.mlp(_layer_norm(x))
         return out
@@ -214,19 +178,16 @@ class OLMo(nn.Module):
     def __init__(self, config: OLMoConfig):
         super().__init__()
         self.config = config
-        self.embedding = _TruncatedNormalEmbedding(config.vocab_size, config.d_model, config.init_std)
+        std = config.init_std
+        self.embedding = _TruncatedNormalEmbedding(config.vocab_size, config.d_model, std)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         # Tied: logits use embedding.weight directly; a Parameter shared between modules breaks to_empty() and FSDP.
-        self.lm_head = (
-            None
-            if config.tie_embeddings
-            else _TruncatedNormalLinear(config.d_model, config.vocab_size, config.init_std)
-        )
+        self.lm_head = None if config.tie_embeddings else _TruncatedNormalLinear(config.d_model, config.vocab_size, std)
 
     def reset_parameters(self) -> None:
         """(Re-)initialise every weight; call after ``to_empty()`` on a model built on the meta device."""
         for module in self.modules():
-            if isinstance(module, (_TruncatedNormalLinear, _TruncatedNormalEmbedding)):
+            if isinstance(module, _TruncatedNormal):
                 module.reset_parameters()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

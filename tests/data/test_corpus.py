@@ -1,10 +1,9 @@
-"""lit_cbs.data.corpus: the standard library's Python files, the corpus a run prepares when given no data."""
+"""The standard library's Python files, the corpus a run prepares when given no data."""
 
 import pytest
 
 from lit_cbs.data import resolve_data
-from lit_cbs.data.corpus import SKIPPED_DIRS, stdlib_python_files, stdlib_root
-from lit_cbs.data.prepare import read_metadata
+from lit_cbs.data.prepare import SKIPPED_DIRS, read_metadata, stdlib_python_files, stdlib_root
 
 
 def test_default_corpus_is_the_stdlib_prepared_once(tmp_path):

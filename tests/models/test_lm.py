@@ -67,6 +67,7 @@ def test_bad_model_config(config, message):
         ),
         ({"optimizer": "adamw"}, "optimizer='adamw' must be a callable"),
         ({"peak_flops_per_device": 0}, "peak_flops_per_device"),
+        ({"ignore_index": 256}, r"ignore_index=256 must be a token id in \[0, 256\)"),
     ],
 )
 def test_bad_optimizer_settings(kwargs, message):
