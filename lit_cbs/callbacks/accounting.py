@@ -31,12 +31,6 @@ def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     return callbacks
 
 
-def trainer_datamodule(trainer: pl.Trainer) -> pl.LightningDataModule | None:
-    """The datamodule given to ``trainer.fit``, or None."""
-    datamodule: pl.LightningDataModule | None = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning, undeclared
-    return datamodule
-
-
 def data_parallel_size(trainer: pl.Trainer) -> int:
     """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
     kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
@@ -106,12 +100,10 @@ class MicroBatchSetting:
     """Where the micro-batch size lives: a ``batch_size`` of the datamodule, the module, its hparams or a loader."""
 
     owner: Any
-    name: str = "batch_size"
 
     @classmethod
     def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
-        """The setting, or None if nothing has one."""
-        datamodule = trainer_datamodule(trainer)
+        datamodule = getattr(trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "batch_size"):
             return cls(datamodule)
         if hasattr(pl_module, "batch_size"):
@@ -119,13 +111,10 @@ class MicroBatchSetting:
         if "batch_size" in getattr(pl_module, "hparams", {}):
             return cls(pl_module.hparams)
         loader = given_train_loader(trainer)
-        if isinstance(getattr(loader, "batch_size", None), int):
-            return cls(loader)
-        return None
+        return cls(loader) if isinstance(getattr(loader, "batch_size", None), int) else None
 
     @classmethod
     def required(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
-        """The setting, or LitCBSConfigError saying where to put it."""
         setting = cls.find(trainer, pl_module)
         if setting is None:
             raise LitCBSConfigError(
@@ -136,11 +125,11 @@ class MicroBatchSetting:
         return setting
 
     def get(self) -> Any:
-        return self.owner[self.name] if isinstance(self.owner, dict) else getattr(self.owner, self.name)
+        return self.owner["batch_size"] if isinstance(self.owner, dict) else self.owner.batch_size
 
     def set(self, value: int) -> None:
         if isinstance(self.owner, dict):  # the module's hparams
-            self.owner[self.name] = value
+            self.owner["batch_size"] = value
         elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
             if value != self.owner.batch_size:
                 raise LitCBSConfigError(
@@ -151,7 +140,7 @@ class MicroBatchSetting:
                     "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
                 )
         else:
-            setattr(self.owner, self.name, value)
+            self.owner.batch_size = value
 
 
 def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
@@ -192,8 +181,8 @@ class BatchAccounting(Callback):
         self.seq_len, self.max_tokens = settings["seq_len"], settings["max_tokens"]
         self.samples_seen = 0
         self.tokens_seen = 0
-        self._trainer: pl.Trainer | None = None
-        self._micro_batch_size: int | None = None
+        self.trainer: pl.Trainer | None = None  # whose fit this counts, from its setup on
+        self.micro_batch_size: int | None = None  # samples per micro-batch and rank (None: not known yet)
         self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
         self._check_next_batch = True  # the next batch is the first of an epoch, or the first after a change
         self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
@@ -225,7 +214,7 @@ class BatchAccounting(Callback):
             trainer.callbacks = [accounting] + [  # type: ignore[attr-defined]  # see trainer_callbacks
                 callback for callback in callbacks if callback is not accounting
             ]
-        if accounting._trainer is not trainer and trainer.lightning_module is not None:
+        if accounting.trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
         for name, value in _checked_settings(**settings).items():
             if value is None:
@@ -239,31 +228,21 @@ class BatchAccounting(Callback):
         return accounting
 
     @property
-    def trainer(self) -> pl.Trainer | None:
-        """The Trainer whose fit this accounting counts (None before its setup)."""
-        return self._trainer
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch and rank (None before the first batch if nothing says it)."""
-        return self._micro_batch_size
-
-    @property
     def accumulate(self) -> int:
         """Micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``; 1 before setup)."""
-        return self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return self.trainer.accumulate_grad_batches if self.trainer is not None else 1
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that read their own micro-batches (1 before setup)."""
-        return data_parallel_size(self._trainer) if self._trainer is not None else 1
+        return data_parallel_size(self.trainer) if self.trainer is not None else 1
 
     @property
     def global_batch(self) -> int | None:
         """Samples per optimizer step, all ranks (None while the micro-batch is unknown)."""
-        if self._micro_batch_size is None:
+        if self.micro_batch_size is None:
             return None
-        return self._micro_batch_size * self.accumulate * self.data_parallel_size
+        return self.micro_batch_size * self.accumulate * self.data_parallel_size
 
     @property
     def fit_seconds(self) -> float:
@@ -302,18 +281,18 @@ class BatchAccounting(Callback):
             self.branch_seconds += time.perf_counter() - start
 
     def _synchronize(self) -> None:
-        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
     def set_micro_batch_size(self, value: int) -> None:
         """Set the micro-batch (samples per rank) the train loader must yield: written where it is read when a
         loader is built and, during fit, to a ``GlobalOrderLoader``, which yields it from the next micro-batch on."""
-        trainer = self._trainer
+        trainer = self.trainer
         if trainer is None:
             raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
         MicroBatchSetting.required(trainer, trainer.lightning_module).set(value)
-        self._micro_batch_size = value
+        self.micro_batch_size = value
         self._micro_batch_set = True
         self._check_next_batch = True
         self._sync_loader(trainer)
@@ -323,8 +302,8 @@ class BatchAccounting(Callback):
         if loader is None:
             return
         if self._micro_batch_set:
-            assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
-            loader.batch_size = self._micro_batch_size
+            assert self.micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
+            loader.batch_size = self.micro_batch_size
         set_train_epoch_length(trainer, len(loader))  # those yielded, and those left at this size
 
     def set_gradient_sync(self, sync: bool | None) -> None:
@@ -339,12 +318,12 @@ class BatchAccounting(Callback):
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._trainer is trainer:
+        if stage != "fit" or self.trainer is trainer:
             return
-        self._trainer = trainer
+        self.trainer = trainer
         setting = MicroBatchSetting.find(trainer, pl_module)
         if setting is not None and not self._micro_batch_set and is_positive_int(setting.get()):
-            self._micro_batch_size = setting.get()
+            self.micro_batch_size = setting.get()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.branch_seconds = 0.0
@@ -355,7 +334,7 @@ class BatchAccounting(Callback):
             for config in trainer.lr_scheduler_configs
             if isinstance(config.scheduler, TokenLRScheduler)
         ]
-        datamodule = trainer_datamodule(trainer)
+        datamodule = getattr(trainer, "datamodule", None)
         if self.seq_len is None and datamodule is not None:
             for name in ("tokens_per_sample", "seq_len"):
                 value = getattr(datamodule, name, None)
@@ -443,16 +422,16 @@ class BatchAccounting(Callback):
         """The first batch of an epoch, and after a change, must hold the micro-batch set: else every count is wrong."""
         if not self._micro_batch_set:
             # Nobody sets it: the loader says what it is, else its batches do.
-            self._micro_batch_size = loader.batch_size if loader is not None else micro
+            self.micro_batch_size = loader.batch_size if loader is not None else micro
             return
-        if micro == (loader.last_samples if loader is not None else self._micro_batch_size):
+        if micro == (loader.last_samples if loader is not None else self.micro_batch_size):
             return
-        assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
-        if micro < self._micro_batch_size and trainer.num_training_batches == 1:
+        assert self.micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
+        if micro < self.micro_batch_size and trainer.num_training_batches == 1:
             return  # an epoch shorter than one micro-batch (drop_last=False)
-        where = "the datamodule's" if trainer_datamodule(trainer) is not None else "the LightningModule's"
+        where = "the datamodule's" if getattr(trainer, "datamodule", None) is not None else "the LightningModule's"
         raise LitCBSConfigError(
-            f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
+            f"BatchWarmup counts micro-batches of batch_size={self.micro_batch_size} samples, but the train "
             f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "
             f"from {where} `batch_size`, read when the loader is created (or lit_cbs.GlobalOrderLoader, which "
             "BatchWarmup resizes between optimizer steps)"

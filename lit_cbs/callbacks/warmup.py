@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cbs import metrics
 from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
-from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
+from lit_cbs.callbacks.accounting import BatchAccounting, MicroBatchSetting, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.errors import positive_int
@@ -117,8 +117,7 @@ class BatchWarmup(WarmupCore, Callback):
         return self.consumed_at(counts.samples_seen, counts.tokens_seen)
 
     def lacks_a_feeder(self, callbacks: list[Callback], resumed: bool) -> bool:
-        """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings (a
-        ``CBSProbeCallback``, or a callback with ``feeds_cbs_adaptive = True``); a resumed run may have none."""
+        """Whether nothing among ``callbacks`` feeds a ``CBSAdaptive`` schedule its readings."""
         return checks.lacks_a_feeder(self.schedule, callbacks, resumed)
 
     # ------------------------------------------------------------------ setup
@@ -131,7 +130,7 @@ class BatchWarmup(WarmupCore, Callback):
         checks.check_clip_rule(self.clip_rule, trainer)
         self._restored = False  # load_state_dict sets it again: Lightning restores a checkpoint after setup
         self._base_gradient_clip_val = trainer.gradient_clip_val
-        self.start(checks.micro_batch_setting(trainer, pl_module), accounting.data_parallel_size)
+        self.start(MicroBatchSetting.required(trainer, pl_module).get(), accounting.data_parallel_size)
         assert self.accumulate is not None  # start() set it
         checks.check_accumulation(trainer, self.accumulate)
         self._apply_batch()

@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader
 from toys import RegressionData, RegressionModule, trainer_kwargs
 
-from lit_cbs import BatchAccounting, BatchWarmup, ConstantBatch, GradientNoiseScale, PiecewiseBatch, TokenLRScheduler
+from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale, PiecewiseBatch, TokenLRScheduler
+from lit_cbs.callbacks import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.rules.warmup_core import check_divisible
 

@@ -29,14 +29,13 @@ from lit_cbs import (
     BatchWarmup,
     CBSAdaptive,
     ConstantBatch,
-    CosineSchedule,
     LinearRamp,
     PiecewiseBatch,
-    Seesaw,
     TokenLRScheduler,
     WarmupStableDecay,
 )
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.rules import CosineSchedule, Seesaw
 from lit_cbs.rules.batch_schedules import ExponentialRamp
 
 

@@ -31,7 +31,8 @@ from toys import (
     trainer_kwargs,
 )
 
-from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch, Seesaw, StepDecay
+from lit_cbs import BatchWarmup, ConstantBatch, PiecewiseBatch
+from lit_cbs.rules import Seesaw, StepDecay
 
 WORLD_SIZE = 2
 SAMPLES = 96  # per epoch, both ranks together

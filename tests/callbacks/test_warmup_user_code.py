@@ -14,8 +14,9 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 from toys import RegressionData, RegressionModule, TwoOptimizers, mean_gradient, trainer_kwargs
 
-from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, OneCycle, PiecewiseBatch
+from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, GradientNoiseScale, PiecewiseBatch
 from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.rules import OneCycle
 
 
 def fit(warmup, *, module=None, data=None, **trainer_args):
