@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs.callbacks.gradient_sync import GradientSync
 from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.callbacks.step_tokens import StepTokens
 from lit_cbs.data.loader import GlobalOrderLoader
@@ -88,8 +89,7 @@ def loss_of(output: Any, hook: str = "training_step") -> torch.Tensor:
 
 
 def micro_batch_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
-    """The detached mean loss of the micro-batch ``on_train_batch_end`` was handed (Lightning divided it by the
-    accumulation), or None when ``training_step`` returned None."""
+    """The detached mean loss of the micro-batch ``on_train_batch_end`` was handed, or None."""
     if outputs is None:
         return None
     return loss_of(outputs).detach() * trainer.accumulate_grad_batches
@@ -152,14 +152,13 @@ def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None)
 
 
 class BatchAccounting(Callback):
-    """The batch sizes and the samples and tokens trained on (all ranks), the one source every lit_cbs callback
-    reads. ``attach(trainer)`` finds the Trainer's, or attaches one first among its callbacks, so a run needs none
-    of its own; add it to give ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Only ``BatchWarmup``
-    changes the batch (``set_micro_batch_size`` and the Trainer's ``accumulate_grad_batches``).
+    """The batch sizes and the samples and tokens trained on (all ranks), which every lit_cbs callback reads.
+    ``attach(trainer)`` finds the Trainer's or attaches one, so add it only to give ``seq_len`` or ``max_tokens``
+    without a ``BatchWarmup``, the only callback that changes the batch.
 
-    Besides the counts it stops the run at ``max_tokens``, feeds ``TokenLRScheduler``s the tokens, and hosts two
-    hooks every run needs first: FSDP2's reduce-scatter deferred to the micro-batch that steps, and the rescale of
-    a step's gradient to the mean over its tokens (``step_tokens``, for ``lit_cbs.token_mean_loss``).
+    Besides the counts it stops the run at ``max_tokens`` and feeds ``TokenLRScheduler``s the tokens. Right after
+    itself it places the two callbacks whose hooks every run needs before the others': ``GradientSync`` (FSDP2)
+    and ``step_tokens`` (the gradient rescale of ``lit_cbs.token_mean_loss``).
 
     Args:
         seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``, else the width
@@ -188,8 +187,7 @@ class BatchAccounting(Callback):
         self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
         self._seq_len_resolved = False
         self._token_schedulers: list[TokenLRScheduler] = []
-        self._fsdp_modules: list[Any] = []
-        self._gradient_sync: bool | None = None
+        self._gradient_sync = GradientSync()
         self.in_branch = False
         self.branch_seconds = 0.0
         self._fit_start: float | None = None
@@ -197,23 +195,19 @@ class BatchAccounting(Callback):
         self.tokens_at_fit_start = 0
         self.samples_at_fit_start = 0
         self.checkpoint_data_parallel_size: int | None = None
-        self.step_tokens = StepTokens()
+        self.step_tokens = StepTokens(self)
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
-        """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
-        (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on its behalf:
-        set on it, or LitCBSConfigError if it already has another value."""
+        """The Trainer's accounting, attached first among its callbacks if it has none, with the ``settings`` a
+        callback named ``given_by`` took on its behalf (LitCBSConfigError if it already has others)."""
         callbacks = trainer_callbacks(trainer)
         found = [callback for callback in callbacks if isinstance(callback, cls)]
         if len(found) > 1:
             raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
         accounting = found[0] if found else cls()
-        if callbacks[:1] != [accounting]:
-            # A new list, not an insertion: Lightning may be iterating the old one (in setup).
-            trainer.callbacks = [accounting] + [  # type: ignore[attr-defined]  # see trainer_callbacks
-                callback for callback in callbacks if callback is not accounting
-            ]
+        if callbacks[:1] != [accounting]:  # (a CBS probe's branch hides all other callbacks)
+            accounting._lead(trainer)
         if accounting.trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
         for name, value in _checked_settings(**settings).items():
@@ -252,11 +246,6 @@ class BatchAccounting(Callback):
         )
 
     @property
-    def has_tokens(self) -> bool:
-        """Whether the data is token ids (so ``tokens_seen`` counts)."""
-        return self.seq_len is not None
-
-    @property
     def budget_reached(self) -> bool:
         """True once ``max_tokens`` were trained on."""
         return self.max_tokens is not None and self.tokens_seen >= self.max_tokens
@@ -286,8 +275,7 @@ class BatchAccounting(Callback):
             torch.cuda.synchronize(device)
 
     def set_micro_batch_size(self, value: int) -> None:
-        """Set the micro-batch (samples per rank) the train loader must yield: written where it is read when a
-        loader is built and, during fit, to a ``GlobalOrderLoader``, which yields it from the next micro-batch on."""
+        """Set the micro-batch (samples per rank) the train loader yields from the next micro-batch on."""
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
@@ -306,21 +294,25 @@ class BatchAccounting(Callback):
             loader.batch_size = self.micro_batch_size
         set_train_epoch_length(trainer, len(loader))  # those yielded, and those left at this size
 
+    def _lead(self, trainer: pl.Trainer) -> None:
+        """Put this accounting first among the Trainer's callbacks, its two companions right after it."""
+        first = [self, self._gradient_sync, self.step_tokens]
+        callbacks = trainer_callbacks(trainer)
+        if callbacks[:3] != first:
+            # A new list, not an insertion: Lightning may be iterating the old one (in setup).
+            rest = [callback for callback in callbacks if all(callback is not mine for mine in first)]
+            trainer.callbacks = first + rest  # type: ignore[attr-defined]  # see trainer_callbacks
+
     def set_gradient_sync(self, sync: bool | None) -> None:
-        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False; Lightning
-        skips the all-reduce of accumulating micro-batches only for DDP); None resets to syncing."""
-        if sync is None:
-            sync, self._gradient_sync = True, None
-        if sync != self._gradient_sync:
-            for module in self._fsdp_modules:
-                module.set_requires_gradient_sync(sync, recurse=False)
-            self._gradient_sync = sync
+        """``GradientSync.set`` (a CBS probe's branch reduces FSDP2 gradients on its steps' last micro-batch)."""
+        self._gradient_sync.set(sync)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit" or self.trainer is trainer:
             return
         self.trainer = trainer
+        self._lead(trainer)
         setting = MicroBatchSetting.find(trainer, pl_module)
         if setting is not None and not self._micro_batch_set and is_positive_int(setting.get()):
             self.micro_batch_size = setting.get()
@@ -343,10 +335,6 @@ class BatchAccounting(Callback):
                     break
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        self._fsdp_modules = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
-        self._gradient_sync = None
         # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was restored.
         self._sync_loader(trainer)
         self._sync_at_next_batch = True
@@ -415,8 +403,6 @@ class BatchAccounting(Callback):
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
             scheduler.tokens_seen = self.tokens_seen
-        if self._fsdp_modules:
-            self.set_gradient_sync(not should_accumulate(trainer))
 
     def _check_micro_batch(self, trainer: pl.Trainer, micro: int, loader: GlobalOrderLoader | None) -> None:
         """The first batch of an epoch, and after a change, must hold the micro-batch set: else every count is wrong."""
@@ -436,12 +422,6 @@ class BatchAccounting(Callback):
             f"from {where} `batch_size`, read when the loader is created (or lit_cbs.GlobalOrderLoader, which "
             "BatchWarmup resizes between optimizer steps)"
         )
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        if not self.in_branch:  # a branch rescales its own steps (it divides by its own accumulation)
-            self.step_tokens.rescale(trainer, optimizer, trainer.accumulate_grad_batches)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

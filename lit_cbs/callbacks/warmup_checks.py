@@ -13,11 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import checkpoint_triggers
-from lit_cbs.callbacks.accounting import (
-    BatchAccounting,
-    resizable_train_loader,
-    trainer_callbacks,
-)
+from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
@@ -199,7 +195,7 @@ def warn_checkpoints_inside_accumulation(
 
 def check_token_data(schedule: BatchSchedule, accounting: BatchAccounting) -> None:
     """A schedule in tokens needs token data (at the first batch, where the accounting has seen one)."""
-    if schedule.unit == "tokens" and not accounting.has_tokens:
+    if schedule.unit == "tokens" and accounting.seq_len is None:
         raise LitCBSConfigError(
             "BatchWarmup has schedule unit='tokens' but the batches hold no token ids (no 2-D integer "
             "tensor), so it cannot count tokens: use unit='samples' for such data, or pass "
