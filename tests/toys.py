@@ -337,7 +337,7 @@ def assert_same_main_run(a, b):
     assert [s["lr"] for s in module_a.steps] == [s["lr"] for s in module_b.steps]
     assert [len(s["indices"]) for s in module_a.steps] == [len(s["indices"]) for s in module_b.steps]
     assert trainer_a.global_step == trainer_b.global_step
-    assert warmup_a.tokens_seen == warmup_b.tokens_seen
+    assert warmup_a.accounting.tokens_seen == warmup_b.accounting.tokens_seen
 
 
 def read_csv(path) -> list[dict]:
