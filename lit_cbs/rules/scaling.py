@@ -65,8 +65,15 @@ class ScalingRule:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
+    def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
+        """What an LR rule moves beside the LR: adam_sde's betas and eps."""
+        if self.name == "adam_sde":
+            for group in optimizer.param_groups:
+                group["betas"] = tuple(1.0 - ratio * (1.0 - b) for b in group["betas"])
+                group["eps"] = group["eps"] / math.sqrt(ratio)
 
-LRRule = ScalingRule  # the LR's rule: adam_sde also moves the betas and eps (OptimizerRules.apply)
+
+LRRule = ScalingRule  # the LR's rule
 
 
 def _rule(argument: str, rule: Any, names: Iterable[str], tail: str = "") -> ScalingRule:
@@ -373,10 +380,7 @@ class OptimizerRules:
         beta2 floor holds, ``warn`` is called with why (once per rules)."""
         factor = self.lr.factor(ratio)
         scale_learning_rate(optimizer, schedulers, factor)
-        if self.lr.name == "adam_sde":
-            for group in optimizer.param_groups:
-                group["betas"] = tuple(1.0 - ratio * (1.0 - b) for b in group["betas"])
-                group["eps"] = group["eps"] / math.sqrt(ratio)
+        self.lr.adjust_optimizer(optimizer, ratio)
         for key in self.settings:
             for group in optimizer.param_groups:
                 value = float(self.get(key, group))
