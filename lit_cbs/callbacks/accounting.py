@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
 from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs.callbacks.gradient_sync import GradientSync
 from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.callbacks.step_tokens import StepTokens
 from lit_cbs.data.loader import GlobalOrderLoader
@@ -29,12 +30,6 @@ def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     """The Trainer's callbacks, in the order Lightning calls them."""
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
     return callbacks
-
-
-def trainer_datamodule(trainer: pl.Trainer) -> pl.LightningDataModule | None:
-    """The datamodule given to ``trainer.fit``, or None."""
-    datamodule: pl.LightningDataModule | None = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning, undeclared
-    return datamodule
 
 
 def data_parallel_size(trainer: pl.Trainer) -> int:
@@ -94,8 +89,7 @@ def loss_of(output: Any, hook: str = "training_step") -> torch.Tensor:
 
 
 def micro_batch_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
-    """The detached mean loss of the micro-batch ``on_train_batch_end`` was handed (Lightning divided it by the
-    accumulation), or None when ``training_step`` returned None."""
+    """The detached mean loss of the micro-batch ``on_train_batch_end`` was handed, or None."""
     if outputs is None:
         return None
     return loss_of(outputs).detach() * trainer.accumulate_grad_batches
@@ -106,12 +100,10 @@ class MicroBatchSetting:
     """Where the micro-batch size lives: a ``batch_size`` of the datamodule, the module, its hparams or a loader."""
 
     owner: Any
-    name: str = "batch_size"
 
     @classmethod
     def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
-        """The setting, or None if nothing has one."""
-        datamodule = trainer_datamodule(trainer)
+        datamodule = getattr(trainer, "datamodule", None)
         if datamodule is not None and hasattr(datamodule, "batch_size"):
             return cls(datamodule)
         if hasattr(pl_module, "batch_size"):
@@ -119,13 +111,10 @@ class MicroBatchSetting:
         if "batch_size" in getattr(pl_module, "hparams", {}):
             return cls(pl_module.hparams)
         loader = given_train_loader(trainer)
-        if isinstance(getattr(loader, "batch_size", None), int):
-            return cls(loader)
-        return None
+        return cls(loader) if isinstance(getattr(loader, "batch_size", None), int) else None
 
     @classmethod
     def required(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
-        """The setting, or LitCBSConfigError saying where to put it."""
         setting = cls.find(trainer, pl_module)
         if setting is None:
             raise LitCBSConfigError(
@@ -136,11 +125,11 @@ class MicroBatchSetting:
         return setting
 
     def get(self) -> Any:
-        return self.owner[self.name] if isinstance(self.owner, dict) else getattr(self.owner, self.name)
+        return self.owner["batch_size"] if isinstance(self.owner, dict) else self.owner.batch_size
 
     def set(self, value: int) -> None:
         if isinstance(self.owner, dict):  # the module's hparams
-            self.owner[self.name] = value
+            self.owner["batch_size"] = value
         elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
             if value != self.owner.batch_size:
                 raise LitCBSConfigError(
@@ -151,7 +140,7 @@ class MicroBatchSetting:
                     "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
                 )
         else:
-            setattr(self.owner, self.name, value)
+            self.owner.batch_size = value
 
 
 def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
@@ -163,14 +152,13 @@ def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None)
 
 
 class BatchAccounting(Callback):
-    """The batch sizes and the samples and tokens trained on (all ranks), the one source every lit_cbs callback
-    reads. ``attach(trainer)`` finds the Trainer's, or attaches one first among its callbacks, so a run needs none
-    of its own; add it to give ``seq_len`` or ``max_tokens`` without a ``BatchWarmup``. Only ``BatchWarmup``
-    changes the batch (``set_micro_batch_size`` and the Trainer's ``accumulate_grad_batches``).
+    """The batch sizes and the samples and tokens trained on (all ranks), which every lit_cbs callback reads.
+    ``attach(trainer)`` finds the Trainer's or attaches one, so add it only to give ``seq_len`` or ``max_tokens``
+    without a ``BatchWarmup``, the only callback that changes the batch.
 
-    Besides the counts it stops the run at ``max_tokens``, feeds ``TokenLRScheduler``s the tokens, and hosts two
-    hooks every run needs first: FSDP2's reduce-scatter deferred to the micro-batch that steps, and the rescale of
-    a step's gradient to the mean over its tokens (``step_tokens``, for ``lit_cbs.token_mean_loss``).
+    Besides the counts it stops the run at ``max_tokens`` and feeds ``TokenLRScheduler``s the tokens. Right after
+    itself it places the two callbacks whose hooks every run needs before the others': ``GradientSync`` (FSDP2)
+    and ``step_tokens`` (the gradient rescale of ``lit_cbs.token_mean_loss``).
 
     Args:
         seq_len: tokens per sample. Default: the datamodule's ``tokens_per_sample`` or ``seq_len``, else the width
@@ -192,15 +180,14 @@ class BatchAccounting(Callback):
         self.seq_len, self.max_tokens = settings["seq_len"], settings["max_tokens"]
         self.samples_seen = 0
         self.tokens_seen = 0
-        self._trainer: pl.Trainer | None = None
-        self._micro_batch_size: int | None = None
+        self.trainer: pl.Trainer | None = None  # whose fit this counts, from its setup on
+        self.micro_batch_size: int | None = None  # samples per micro-batch and rank (None: not known yet)
         self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
         self._check_next_batch = True  # the next batch is the first of an epoch, or the first after a change
         self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
         self._seq_len_resolved = False
         self._token_schedulers: list[TokenLRScheduler] = []
-        self._fsdp_modules: list[Any] = []
-        self._gradient_sync: bool | None = None
+        self._gradient_sync = GradientSync()
         self.in_branch = False
         self.branch_seconds = 0.0
         self._fit_start: float | None = None
@@ -208,24 +195,20 @@ class BatchAccounting(Callback):
         self.tokens_at_fit_start = 0
         self.samples_at_fit_start = 0
         self.checkpoint_data_parallel_size: int | None = None
-        self.step_tokens = StepTokens()
+        self.step_tokens = StepTokens(self)
 
     @classmethod
     def attach(cls, trainer: pl.Trainer, given_by: str | None = None, **settings: int | None) -> BatchAccounting:
-        """The Trainer's accounting, attached now (first among its callbacks) if it has none. ``settings``
-        (``seq_len``, ``max_tokens``; None: not given) are those a callback named ``given_by`` took on its behalf:
-        set on it, or LitCBSConfigError if it already has another value."""
+        """The Trainer's accounting, attached first among its callbacks if it has none, with the ``settings`` a
+        callback named ``given_by`` took on its behalf (LitCBSConfigError if it already has others)."""
         callbacks = trainer_callbacks(trainer)
         found = [callback for callback in callbacks if isinstance(callback, cls)]
         if len(found) > 1:
             raise LitCBSConfigError("the Trainer has more than one BatchAccounting callback; keep one")
         accounting = found[0] if found else cls()
-        if callbacks[:1] != [accounting]:
-            # A new list, not an insertion: Lightning may be iterating the old one (in setup).
-            trainer.callbacks = [accounting] + [  # type: ignore[attr-defined]  # see trainer_callbacks
-                callback for callback in callbacks if callback is not accounting
-            ]
-        if accounting._trainer is not trainer and trainer.lightning_module is not None:
+        if callbacks[:1] != [accounting]:  # (a CBS probe's branch hides all other callbacks)
+            accounting._lead(trainer)
+        if accounting.trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
         for name, value in _checked_settings(**settings).items():
             if value is None:
@@ -239,31 +222,21 @@ class BatchAccounting(Callback):
         return accounting
 
     @property
-    def trainer(self) -> pl.Trainer | None:
-        """The Trainer whose fit this accounting counts (None before its setup)."""
-        return self._trainer
-
-    @property
-    def micro_batch_size(self) -> int | None:
-        """Samples per micro-batch and rank (None before the first batch if nothing says it)."""
-        return self._micro_batch_size
-
-    @property
     def accumulate(self) -> int:
         """Micro-batches per optimizer step (the Trainer's ``accumulate_grad_batches``; 1 before setup)."""
-        return self._trainer.accumulate_grad_batches if self._trainer is not None else 1
+        return self.trainer.accumulate_grad_batches if self.trainer is not None else 1
 
     @property
     def data_parallel_size(self) -> int:
         """Ranks that read their own micro-batches (1 before setup)."""
-        return data_parallel_size(self._trainer) if self._trainer is not None else 1
+        return data_parallel_size(self.trainer) if self.trainer is not None else 1
 
     @property
     def global_batch(self) -> int | None:
         """Samples per optimizer step, all ranks (None while the micro-batch is unknown)."""
-        if self._micro_batch_size is None:
+        if self.micro_batch_size is None:
             return None
-        return self._micro_batch_size * self.accumulate * self.data_parallel_size
+        return self.micro_batch_size * self.accumulate * self.data_parallel_size
 
     @property
     def fit_seconds(self) -> float:
@@ -271,11 +244,6 @@ class BatchAccounting(Callback):
         return self._seconds_before_fit + (
             time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
         )
-
-    @property
-    def has_tokens(self) -> bool:
-        """Whether the data is token ids (so ``tokens_seen`` counts)."""
-        return self.seq_len is not None
 
     @property
     def budget_reached(self) -> bool:
@@ -302,18 +270,17 @@ class BatchAccounting(Callback):
             self.branch_seconds += time.perf_counter() - start
 
     def _synchronize(self) -> None:
-        device = self._trainer.strategy.root_device if self._trainer is not None else None
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
         if device is not None and device.type == "cuda":
             torch.cuda.synchronize(device)
 
     def set_micro_batch_size(self, value: int) -> None:
-        """Set the micro-batch (samples per rank) the train loader must yield: written where it is read when a
-        loader is built and, during fit, to a ``GlobalOrderLoader``, which yields it from the next micro-batch on."""
-        trainer = self._trainer
+        """Set the micro-batch (samples per rank) the train loader yields from the next micro-batch on."""
+        trainer = self.trainer
         if trainer is None:
             raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
         MicroBatchSetting.required(trainer, trainer.lightning_module).set(value)
-        self._micro_batch_size = value
+        self.micro_batch_size = value
         self._micro_batch_set = True
         self._check_next_batch = True
         self._sync_loader(trainer)
@@ -323,28 +290,32 @@ class BatchAccounting(Callback):
         if loader is None:
             return
         if self._micro_batch_set:
-            assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
-            loader.batch_size = self._micro_batch_size
+            assert self.micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
+            loader.batch_size = self.micro_batch_size
         set_train_epoch_length(trainer, len(loader))  # those yielded, and those left at this size
 
+    def _lead(self, trainer: pl.Trainer) -> None:
+        """Put this accounting first among the Trainer's callbacks, its two companions right after it."""
+        first = [self, self._gradient_sync, self.step_tokens]
+        callbacks = trainer_callbacks(trainer)
+        if callbacks[:3] != first:
+            # A new list, not an insertion: Lightning may be iterating the old one (in setup).
+            rest = [callback for callback in callbacks if all(callback is not mine for mine in first)]
+            trainer.callbacks = first + rest  # type: ignore[attr-defined]  # see trainer_callbacks
+
     def set_gradient_sync(self, sync: bool | None) -> None:
-        """Reduce FSDP2 gradients in the next backward (True) or keep accumulating locally (False; Lightning
-        skips the all-reduce of accumulating micro-batches only for DDP); None resets to syncing."""
-        if sync is None:
-            sync, self._gradient_sync = True, None
-        if sync != self._gradient_sync:
-            for module in self._fsdp_modules:
-                module.set_requires_gradient_sync(sync, recurse=False)
-            self._gradient_sync = sync
+        """``GradientSync.set`` (a CBS probe's branch reduces FSDP2 gradients on its steps' last micro-batch)."""
+        self._gradient_sync.set(sync)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit" or self._trainer is trainer:
+        if stage != "fit" or self.trainer is trainer:
             return
-        self._trainer = trainer
+        self.trainer = trainer
+        self._lead(trainer)
         setting = MicroBatchSetting.find(trainer, pl_module)
         if setting is not None and not self._micro_batch_set and is_positive_int(setting.get()):
-            self._micro_batch_size = setting.get()
+            self.micro_batch_size = setting.get()
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.branch_seconds = 0.0
@@ -355,7 +326,7 @@ class BatchAccounting(Callback):
             for config in trainer.lr_scheduler_configs
             if isinstance(config.scheduler, TokenLRScheduler)
         ]
-        datamodule = trainer_datamodule(trainer)
+        datamodule = getattr(trainer, "datamodule", None)
         if self.seq_len is None and datamodule is not None:
             for name in ("tokens_per_sample", "seq_len"):
                 value = getattr(datamodule, name, None)
@@ -364,10 +335,6 @@ class BatchAccounting(Callback):
                     break
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        self._fsdp_modules = [module for module in pl_module.modules() if isinstance(module, FSDPModule)]
-        self._gradient_sync = None
         # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was restored.
         self._sync_loader(trainer)
         self._sync_at_next_batch = True
@@ -436,33 +403,25 @@ class BatchAccounting(Callback):
         self.tokens_seen += samples * (self.seq_len or 0)
         for scheduler in self._token_schedulers:
             scheduler.tokens_seen = self.tokens_seen
-        if self._fsdp_modules:
-            self.set_gradient_sync(not should_accumulate(trainer))
 
     def _check_micro_batch(self, trainer: pl.Trainer, micro: int, loader: GlobalOrderLoader | None) -> None:
         """The first batch of an epoch, and after a change, must hold the micro-batch set: else every count is wrong."""
         if not self._micro_batch_set:
             # Nobody sets it: the loader says what it is, else its batches do.
-            self._micro_batch_size = loader.batch_size if loader is not None else micro
+            self.micro_batch_size = loader.batch_size if loader is not None else micro
             return
-        if micro == (loader.last_samples if loader is not None else self._micro_batch_size):
+        if micro == (loader.last_samples if loader is not None else self.micro_batch_size):
             return
-        assert self._micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
-        if micro < self._micro_batch_size and trainer.num_training_batches == 1:
+        assert self.micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
+        if micro < self.micro_batch_size and trainer.num_training_batches == 1:
             return  # an epoch shorter than one micro-batch (drop_last=False)
-        where = "the datamodule's" if trainer_datamodule(trainer) is not None else "the LightningModule's"
+        where = "the datamodule's" if getattr(trainer, "datamodule", None) is not None else "the LightningModule's"
         raise LitCBSConfigError(
-            f"BatchWarmup counts micro-batches of batch_size={self._micro_batch_size} samples, but the train "
+            f"BatchWarmup counts micro-batches of batch_size={self.micro_batch_size} samples, but the train "
             f"loader's batch holds {micro}: build train_dataloader() with DataLoader(..., batch_size=self.batch_size) "
             f"from {where} `batch_size`, read when the loader is created (or lit_cbs.GlobalOrderLoader, which "
             "BatchWarmup resizes between optimizer steps)"
         )
-
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
-    ) -> None:
-        if not self.in_branch:  # a branch rescales its own steps (it divides by its own accumulation)
-            self.step_tokens.rescale(trainer, optimizer, trainer.accumulate_grad_batches)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

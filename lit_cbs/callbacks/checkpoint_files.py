@@ -9,7 +9,7 @@ import fcntl
 import os
 import shutil
 import zipfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +37,13 @@ def _remove(path: Path) -> None:
 
 
 def _sync_folder(folder: Path) -> None:
-    """Make the renames in ``folder`` durable (a power cut after it keeps them)."""
-    try:
+    """Make the renames in ``folder`` durable (a power cut after it keeps them), where the platform can."""
+    with contextlib.suppress(OSError):
         descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:  # a platform or file system without directory descriptors
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def replace(partial: Path, target: Path) -> None:
@@ -66,23 +62,17 @@ def replace(partial: Path, target: Path) -> None:
         _sync_folder(target.parent)
 
 
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    """Hold a lock on ``folder`` itself: the processes of a job that start together settle it one at a time."""
+def settle(folder: Path) -> None:
+    """Finish or undo the checkpoint moves a kill interrupted in ``folder``; the processes of a job that start
+    together take turns (a lock on the folder)."""
+    if not folder.is_dir():
+        return
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
-        yield
+        _settle(folder)
     finally:
         os.close(descriptor)  # releases the lock
-
-
-def settle(folder: Path) -> None:
-    """Finish or undo the checkpoint moves a kill interrupted in ``folder`` (a job's processes take turns)."""
-    if not folder.is_dir():
-        return
-    with _locked(folder):
-        _settle(folder)
 
 
 def _settle(folder: Path) -> None:

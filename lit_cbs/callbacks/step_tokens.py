@@ -1,17 +1,26 @@
-"""``StepTokens``: the gradient of an optimizer step as the mean over its counted tokens (``token_mean_loss``)."""
+"""``StepTokens``: ``token_mean_loss``'s side of an optimizer step, its gradient made the mean over its tokens."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import Callback
 
 __all__: list[str] = []
 
 
-class StepTokens:
-    """The counted tokens of the optimizer step under way (this rank's), for ``rescale``."""
+class _Counts(Protocol):  # BatchAccounting
+    in_branch: bool
 
-    def __init__(self) -> None:
+
+class StepTokens(Callback):
+    """The counted tokens of the optimizer step under way (this rank's). ``BatchAccounting`` places it right
+    after itself, so the step's gradient is rescaled before any other callback sees it."""
+
+    def __init__(self, accounting: _Counts) -> None:
+        self._accounting = accounting  # a CBS probe's branch (in_branch) rescales its own steps
         self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
 
     @property
@@ -38,3 +47,9 @@ class StepTokens:
                 for parameter in group["params"]:
                     if parameter.grad is not None:
                         parameter.grad.mul_(scale)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if not self._accounting.in_branch:  # a branch divides by its own accumulation
+            self.rescale(trainer, optimizer, trainer.accumulate_grad_batches)

@@ -53,9 +53,7 @@ class TokenValidation(Callback):
 
     def _counts(self) -> BatchAccounting:
         if self._accounting is None:
-            raise RuntimeError(
-                "TokenValidation has no BatchAccounting: its setup(trainer, pl_module, 'fit') has not run"
-            )
+            raise RuntimeError("TokenValidation has no BatchAccounting: its setup(trainer, pl_module) has not run")
         return self._accounting
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -65,7 +63,7 @@ class TokenValidation(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         accounting = self._counts()
-        if not accounting.has_tokens:
+        if accounting.seq_len is None:
             raise LitCBSConfigError(
                 f"TokenValidation(every_tokens={self.every_tokens}) counts tokens, but the batches hold no token ids: "
                 "give seq_len=... to BatchAccounting or BatchWarmup, or validate with Trainer(val_check_interval=...)"

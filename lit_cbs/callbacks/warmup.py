@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cbs import metrics
 from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
-from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
+from lit_cbs.callbacks.accounting import BatchAccounting, MicroBatchSetting, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.errors import positive_int
@@ -32,22 +32,19 @@ def _warn(why: str) -> None:
 class BatchWarmup(WarmupCore, Callback):
     """Change the global batch size (and scale the LR) during training by ``schedule``.
 
-    global batch (samples) = micro-batch x ``accumulate`` x data-parallel size. At each change the micro-batch
-    becomes the largest that divides a rank's share up to ``max_micro_batch_size`` (without it, it stays the
-    datamodule's ``batch_size``), the accumulation makes up the rest, and the optimizers move by the rules. The
-    counts live in the Trainer's ``BatchAccounting`` (``accounting``).
+    global batch (samples) = micro-batch x ``accumulate`` x data-parallel size; the counts live in the Trainer's
+    ``BatchAccounting`` (``accounting``).
 
     Args:
         schedule: a ``lit_cbs.rules.batch_schedules`` schedule: samples or tokens consumed -> global batch.
         lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
-        max_tokens: the token budget (all ranks), handed to the Trainer's ``BatchAccounting``.
-        seq_len: tokens per sample, handed to the Trainer's ``BatchAccounting``.
+        max_tokens, seq_len: the token budget (all ranks) and tokens per sample, for the ``BatchAccounting``.
         max_micro_batch_size: grow the micro-batch (samples per rank) up to this before the accumulation; needs
             a ``lit_cbs.GlobalOrderLoader``. None: the micro-batch stays the datamodule's ``batch_size``.
         log_every_step: log ``batch/*``, the counts, ``fit_seconds`` and ``lr`` of each optimizer step to the
             trainer's loggers (at ``log_every_n_steps``), and the tokens (or samples) in the progress bar.
-        clip_rule: multiply ``Trainer(gradient_clip_val=...)`` by ``clip_rule(new / old)``: "sqrt", "linear",
-            or a callable. None: unchanged.
+        clip_rule: multiply ``Trainer(gradient_clip_val=...)`` by ``clip_rule(new / old)`` ("sqrt", "linear",
+            a callable).
         guard: revert an increase after which the training loss rises above its trend: True or a dict of
             ``BatchGuard``'s keyword arguments. None: no guard.
         weight_decay_rule: "timescale": weight decay x k / f(k) at a change by k with LR factor f(k).
@@ -113,12 +110,10 @@ class BatchWarmup(WarmupCore, Callback):
     @property
     def consumed(self) -> int:
         """What the schedule is indexed by: samples or tokens seen (all ranks)."""
-        counts = self._counts
-        return self.consumed_at(counts.samples_seen, counts.tokens_seen)
+        return self.consumed_at(self._counts.samples_seen, self._counts.tokens_seen)
 
     def lacks_a_feeder(self, callbacks: list[Callback], resumed: bool) -> bool:
-        """Whether the schedule is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings (a
-        ``CBSProbeCallback``, or a callback with ``feeds_cbs_adaptive = True``); a resumed run may have none."""
+        """Whether nothing among ``callbacks`` feeds a ``CBSAdaptive`` schedule its readings."""
         return checks.lacks_a_feeder(self.schedule, callbacks, resumed)
 
     # ------------------------------------------------------------------ setup
@@ -131,7 +126,7 @@ class BatchWarmup(WarmupCore, Callback):
         checks.check_clip_rule(self.clip_rule, trainer)
         self._restored = False  # load_state_dict sets it again: Lightning restores a checkpoint after setup
         self._base_gradient_clip_val = trainer.gradient_clip_val
-        self.start(checks.micro_batch_setting(trainer, pl_module), accounting.data_parallel_size)
+        self.start(MicroBatchSetting.required(trainer, pl_module).get(), accounting.data_parallel_size)
         assert self.accumulate is not None  # start() set it
         checks.check_accumulation(trainer, self.accumulate)
         self._apply_batch()
@@ -218,7 +213,7 @@ class BatchWarmup(WarmupCore, Callback):
             self._step_settings = self.rules.values(optimizer)
         self._step_lr = float(optimizer.param_groups[0]["lr"])  # for the row of the step about to be taken
 
-    def _remember_settings(self, trainer: pl.Trainer) -> None:
+    def _remember_settings(self, trainer: pl.Trainer) -> None:  # what the rules last left in each optimizer
         if self.rules.settings:
             self._settings_set = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
 
@@ -349,7 +344,7 @@ class BatchWarmup(WarmupCore, Callback):
             row[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
         if self.guard is not None:
             row[metrics.GUARD_REVERTS] = float(self.guard.reverts)
-        if not counts.has_tokens:
+        if counts.seq_len is None:
             del row[metrics.TOKENS_SEEN]
         return row
 

@@ -1,5 +1,4 @@
-"""What ``BatchWarmup`` refuses (``LitCBSConfigError``: the setting and the fix) and warns about, each at the first
-hook that knows enough. Batches in samples, counts global (all ranks)."""
+"""What ``BatchWarmup`` refuses (the setting and the fix) and warns about, each at the first hook that knows enough."""
 
 from __future__ import annotations
 
@@ -14,12 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs._internals import checkpoint_triggers
-from lit_cbs.callbacks.accounting import (
-    BatchAccounting,
-    MicroBatchSetting,
-    resizable_train_loader,
-    trainer_callbacks,
-)
+from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
@@ -30,7 +24,6 @@ from lit_cbs.rules.scaling import OptimizerRules, ScalingRule
 from lit_cbs.rules.warmup_core import WarmupCore
 
 
-# ---------------------------------------------------------------------------------------------- setup
 def check_trainer(
     trainer: pl.Trainer, pl_module: pl.LightningModule, schedule: BatchSchedule, warmup_class: type[Callback]
 ) -> None:
@@ -63,7 +56,8 @@ def check_clip_rule(clip_rule: ScalingRule | None, trainer: pl.Trainer) -> None:
 
 
 def lacks_a_feeder(schedule: BatchSchedule, callbacks: Sequence[Any], resumed: bool) -> TypeGuard[CBSAdaptive]:
-    """``BatchWarmup.lacks_a_feeder``."""
+    """Whether ``schedule`` is a ``CBSAdaptive`` that nothing among ``callbacks`` feeds readings (a
+    ``CBSProbeCallback``, or a callback with ``feeds_cbs_adaptive = True``); a resumed run may have none."""
     return (
         isinstance(schedule, CBSAdaptive)
         and schedule.start < schedule.final
@@ -84,11 +78,6 @@ def check_adaptive_is_fed(schedule: BatchSchedule, trainer: pl.Trainer, resumed:
         )
 
 
-def micro_batch_setting(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """The micro-batch the run starts with: the datamodule's or module's ``batch_size`` (checked by the core)."""
-    return MicroBatchSetting.required(trainer, pl_module).get()
-
-
 def check_accumulation(trainer: pl.Trainer, accumulate: int) -> None:
     """The Trainer's ``accumulate_grad_batches`` must be 1 or the ``accumulate`` BatchWarmup starts with."""
     if trainer.accumulate_grad_batches not in (1, accumulate):
@@ -98,7 +87,6 @@ def check_accumulation(trainer: pl.Trainer, accumulate: int) -> None:
         )
 
 
-# ---------------------------------------------------------------------------------------------- fit and train start
 def check_optimizer_rules(trainer: pl.Trainer, warmup: WarmupCore, consumed: int, guard: BatchGuard | None) -> None:
     """``WarmupCore.check_optimizers``; warnings for rules that never act and for LR schedules indexed by optimizer
     steps, which the changes stretch."""
@@ -126,12 +114,7 @@ def check_optimizer_rules(trainer: pl.Trainer, warmup: WarmupCore, consumed: int
             )
 
 
-def check_loader_resizes(
-    trainer: pl.Trainer,
-    micros: set[int],
-    micro_batch_size: int,
-    max_micro_batch_size: int | None,
-) -> None:
+def check_loader_resizes(trainer: pl.Trainer, micros: set[int], micro_batch_size: int, maximum: int | None) -> None:
     """A micro-batch that changes (``micros``: those of every batch to come) needs a ``GlobalOrderLoader``."""
     if micros == {micro_batch_size}:
         return
@@ -139,7 +122,7 @@ def check_loader_resizes(
     if loader is None:
         name = type(trainer.train_dataloader).__name__
         raise LitCBSConfigError(
-            f"BatchWarmup(max_micro_batch_size={max_micro_batch_size}) changes the micro-batch between "
+            f"BatchWarmup(max_micro_batch_size={maximum}) changes the micro-batch between "
             f"optimizer steps ({' -> '.join(map(str, sorted(micros)))} samples per rank), which the train loader "
             f"({name}) cannot do mid-epoch: build it with lit_cbs.GlobalOrderLoader(dataset, "
             "batch_size=self.batch_size, ...), or set max_micro_batch_size=None to grow the batch by accumulation"
@@ -147,7 +130,7 @@ def check_loader_resizes(
     if trainer.limit_train_batches != 1.0:
         raise LitCBSConfigError(
             f"Trainer(limit_train_batches={trainer.limit_train_batches}) counts micro-batches, whose size "
-            f"BatchWarmup(max_micro_batch_size={max_micro_batch_size}) changes: stop the run by max_tokens "
+            f"BatchWarmup(max_micro_batch_size={maximum}) changes: stop the run by max_tokens "
             "or max_steps instead"
         )
 
@@ -166,9 +149,7 @@ def check_loader_regroups(trainer: pl.Trainer, before: int, ranks: int) -> Globa
 
 
 def warn_checkpoints_inside_accumulation(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    accumulations: set[int],
+    trainer: pl.Trainer, pl_module: pl.LightningModule, accumulations: set[int]
 ) -> None:
     """Warn where a ModelCheckpoint can save between the micro-batches of one optimizer step (``accumulations``:
     those of every batch to come): the half-accumulated gradient is not in the checkpoint."""
@@ -212,10 +193,9 @@ def warn_checkpoints_inside_accumulation(
         )
 
 
-# ---------------------------------------------------------------------------------------------- the first batch
 def check_token_data(schedule: BatchSchedule, accounting: BatchAccounting) -> None:
     """A schedule in tokens needs token data (at the first batch, where the accounting has seen one)."""
-    if schedule.unit == "tokens" and not accounting.has_tokens:
+    if schedule.unit == "tokens" and accounting.seq_len is None:
         raise LitCBSConfigError(
             "BatchWarmup has schedule unit='tokens' but the batches hold no token ids (no 2-D integer "
             "tensor), so it cannot count tokens: use unit='samples' for such data, or pass "
@@ -254,13 +234,6 @@ def _run_limits(trainer: pl.Trainer, accounting: BatchAccounting, samples: int) 
     return limits
 
 
-def _steps_to(unit: str, left: int, batch: int, seq_len: int | None) -> int:
-    """Optimizer steps at ``batch`` until ``left`` of ``unit`` are trained (the run stops after the step that
-    reaches it)."""
-    per_step = {"steps": 1, "samples": batch, "tokens": batch * (seq_len or 0)}[unit]
-    return max(0, -(-left // per_step)) if per_step else 0
-
-
 def warn_unreachable_batches(
     trainer: pl.Trainer,
     schedule: BatchSchedule,
@@ -285,7 +258,8 @@ def warn_unreachable_batches(
     def steps_left(limit: tuple[str, str, int]) -> int:  # at ``batch``, until ``limit`` ends the run
         _, unit, left = limit
         used = steps_taken if unit == "steps" else {"samples": samples, "tokens": tokens}[unit] - start[unit]
-        return _steps_to(unit, left - used, batch, accounting.seq_len)
+        per_step = {"steps": 1, "samples": batch, "tokens": batch * seq_len}[unit]
+        return max(0, -(-(left - used) // per_step)) if per_step else 0
 
     while True:
         k_limit = min(steps_left(limit) for limit in limits)
@@ -301,7 +275,10 @@ def warn_unreachable_batches(
         return
     ending = min(limits, key=steps_left)[0]
     samples, tokens = samples + k_limit * batch, tokens + k_limit * batch * seq_len  # where the run ends
-    where = _where_each_starts(schedule, never)
+    where = ", ".join(map(str, never))
+    if isinstance(schedule, PiecewiseBatch):
+        starts = {size: at for at, size in zip(schedule.thresholds, schedule.batch_sizes)}
+        where = ", ".join(f"{size} (from {starts[size]:,} {schedule.unit})" for size in never)
     hint = ""
     if isinstance(schedule, PiecewiseBatch) and schedule.unit == "samples" and seq_len:
         thresholds = [t for t, size in zip(schedule.thresholds, schedule.batch_sizes) if size in never]
@@ -319,12 +296,7 @@ def warn_unreachable_batches(
 
 
 def _steps_until_change(
-    schedule: BatchSchedule,
-    samples: int,
-    tokens: int,
-    seq_len: int,
-    batch: int,
-    most: int,
+    schedule: BatchSchedule, samples: int, tokens: int, seq_len: int, batch: int, most: int
 ) -> int | None:
     """The fewest steps at ``batch`` after which the schedule asks for another batch, if at most ``most``
     (galloping, then bisecting: a schedule moves one way with what is consumed)."""
@@ -344,15 +316,6 @@ def _steps_until_change(
     return high
 
 
-def _where_each_starts(schedule: BatchSchedule, sizes: list[int]) -> str:
-    """The batches ``sizes``, each with where the schedule starts it (for a PiecewiseBatch)."""
-    if not isinstance(schedule, PiecewiseBatch):
-        return ", ".join(map(str, sizes))
-    starts = {size: at for at, size in zip(schedule.thresholds, schedule.batch_sizes)}
-    return ", ".join(f"{size} (from {starts[size]:,} {schedule.unit})" for size in sizes)
-
-
-# ---------------------------------------------------------------------------------------------- every step
 def check_settings_kept(
     rules: OptimizerRules,
     settings_set: list[list[dict[str, Any]]],

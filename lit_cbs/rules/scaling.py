@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch.optim import lr_scheduler as torch_sched
@@ -65,45 +65,41 @@ class ScalingRule:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
-
-class LRRule(ScalingRule):
-    """The LR's rule; adam_sde also moves the betas and eps."""
-
     def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
-        """What the LR rule moves beside the LR: adam_sde's betas and eps."""
+        """What an LR rule moves beside the LR: adam_sde's betas and eps."""
         if self.name == "adam_sde":
             for group in optimizer.param_groups:
                 group["betas"] = tuple(1.0 - ratio * (1.0 - b) for b in group["betas"])
                 group["eps"] = group["eps"] / math.sqrt(ratio)
 
 
-_Rule = TypeVar("_Rule", bound=ScalingRule)
+LRRule = ScalingRule  # the LR's rule
 
 
-def _rule(kind: type[_Rule], argument: str, rule: Any, names: Iterable[str], tail: str = "") -> _Rule:
-    if isinstance(rule, kind):
+def _rule(argument: str, rule: Any, names: Iterable[str], tail: str = "") -> ScalingRule:
+    if isinstance(rule, ScalingRule):
         return rule
     if isinstance(rule, str):
         if rule not in names:
             raise LitCBSConfigError(
                 f"{argument}={rule!r} is unknown; use one of {sorted(names)} or a callable ratio -> factor{tail}"
             )
-        return kind(rule, RATIO_FUNCTIONS.get(rule, math.sqrt))
+        return ScalingRule(rule, RATIO_FUNCTIONS.get(rule, math.sqrt))
     if callable(rule):
-        return kind(getattr(rule, "__name__", repr(rule)), rule)
+        return ScalingRule(getattr(rule, "__name__", repr(rule)), rule)
     raise LitCBSConfigError(
         f"{argument} must be one of {sorted(names)}, a callable ratio -> factor{tail}, got {rule!r}"
     )
 
 
-def get_lr_rule(rule: str | Callable[[float], float] | LRRule) -> LRRule:
+def get_lr_rule(rule: str | Callable[[float], float] | ScalingRule) -> ScalingRule:
     """The LR rule ``rule`` names ("sqrt", "linear", "none", "adam_sde"), or a callable ratio -> factor as one."""
-    return _rule(LRRule, "lr_rule", rule, LR_RULES)
+    return _rule("lr_rule", rule, LR_RULES)
 
 
 def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> ScalingRule | None:
     """The gradient-clipping threshold's rule ("sqrt", "linear", a callable); None or "none": unchanged (None)."""
-    return None if rule is None or rule == "none" else _rule(ScalingRule, "clip_rule", rule, CLIP_RULES, ", or None")
+    return None if rule is None or rule == "none" else _rule("clip_rule", rule, CLIP_RULES, ", or None")
 
 
 # Schedulers whose LR is base_lrs * f(step) or chained multiplicatively on the optimizer's current LR: scaling

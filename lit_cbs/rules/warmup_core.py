@@ -37,12 +37,8 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
 
 @dataclasses.dataclass
 class BatchChange:
-    """One applied change of the global batch (``BatchWarmup.history``). Batches in samples, counts global.
-
-    ``step``: optimizer steps taken before the new batch's first; ``samples_seen``/``tokens_seen``: trained on
-    before it; ``lr_factor``/``clip_factor``: this change's multipliers (a revert's undo the reverted change's);
-    ``requested_at_*``: where the schedule (or the guard) first asked for it, before an aligned step;
-    ``cause``: ``"schedule"``, or ``"guard"`` for a revert.
+    """One applied change of the global batch (``BatchWarmup.history``), after optimizer step ``step``; counts
+    before it, all ranks. ``requested_at_*``: where it was first asked for; ``cause``: "schedule" or "guard".
 
     Example:
         >>> from lit_cbs.callbacks import BatchChange
@@ -78,12 +74,8 @@ Batch = tuple[int, int, int]  # (global batch in samples, micro-batch in samples
 class WarmupCore:
     """The batch a schedule asks for, where it may start, and the optimizer moves at each change; no framework.
 
-    The driving loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank and step, and
-    after each optimizer step calls ``after_step``: a change applies only where the samples consumed this epoch
-    (``position``, all ranks) are a multiple of the new global batch, so every step averages exactly the scheduled
-    samples. Each change multiplies the LR by ``lr_rule(new / old)`` where the optimizer and its LR schedulers
-    keep it (``lr_factor`` is their product: a loop that writes the LR itself multiplies by it), and moves the
-    weight decay and beta2 by their rules (``lit_cbs.rules.scaling.OptimizerRules``).
+    The driving loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank and step and
+    calls ``after_step`` after each optimizer step. ``lr_factor`` is the product of the changes' LR factors.
 
     Example:
         A plain PyTorch loop, 8 samples per step until 32 were trained on, then 16:
@@ -144,8 +136,7 @@ class WarmupCore:
         return self.rules.lr
 
     def start(self, micro_batch_size: int, data_parallel_size: int = 1) -> None:
-        """Begin at the schedule's first batch on ``data_parallel_size`` ranks, ``micro_batch_size`` samples per
-        rank (with ``max_micro_batch_size``: the largest up to it that divides a rank's share)."""
+        """Begin at the schedule's first batch on ``data_parallel_size`` ranks, ``micro_batch_size`` samples each."""
         positive_int("batch_size", micro_batch_size, "the micro-batch, samples per rank")
         if self.max_micro_batch_size is not None and self.max_micro_batch_size < micro_batch_size:
             raise LitCBSConfigError(
@@ -166,7 +157,7 @@ class WarmupCore:
 
     def micro_batch_for(self, global_batch: int) -> int:
         """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share up to
-        ``max_micro_batch_size``; without it, the micro-batch now."""
+        ``max_micro_batch_size``, else the one now."""
         if self.max_micro_batch_size is None:
             if self.micro_batch_size is None:
                 raise RuntimeError("WarmupCore has no micro-batch before start()")
@@ -176,8 +167,7 @@ class WarmupCore:
     def check_sizes(
         self, sizes: Iterable[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
     ) -> None:
-        """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every rank (with
-        ``max_micro_batch_size``, of any size); also for a run's configuration before it starts."""
+        """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every rank."""
         for size in sizes:
             check_divisible(
                 size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
@@ -206,7 +196,7 @@ class WarmupCore:
         self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], consumed: int
     ) -> list[float]:
         """Before training: LitCBSConfigError unless the rules apply to ``optimizers`` and their LR ``schedulers``
-        (OneCycleLR keeps absolute LRs: refused) at every change to come from ``consumed``; return their ratios."""
+        at every change to come from ``consumed``; return the changes' ratios."""
         assert self.global_batch is not None  # start() set it
         sizes = self.schedule.sizes(consumed)
         ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
@@ -216,9 +206,8 @@ class WarmupCore:
 
     @staticmethod
     def may_change(position: int, global_batch: int) -> bool:
-        """Whether a step of ``global_batch`` samples may start after this optimizer step: where the samples
-        consumed this epoch (``position``, all ranks) are a multiple of it (from B, at most B' / gcd(B, B') - 1
-        steps later). It depends on the samples alone, so runs on any number of ranks change on the same steps."""
+        """Whether a step of ``global_batch`` samples may start where ``position`` samples (all ranks) of this
+        epoch were consumed: at a multiple of it, so every step averages exactly the scheduled samples."""
         return position % global_batch == 0
 
     def scale(
@@ -247,7 +236,7 @@ class WarmupCore:
         cause: str = "schedule",
     ) -> BatchChange:
         """Train at ``new`` from the next step on, with LR and clipping ``factors`` (this change's:
-        ``change_factors``), after ``at`` = (optimizer step, epoch, samples seen, tokens seen); return its record."""
+        ``change_factors``), after ``at`` = (step, epoch, samples seen, tokens seen); return its record."""
         assert self.global_batch is not None and self.micro_batch_size is not None and self.accumulate is not None
         requested = self._requested_at or (None, at[2], at[3])
         old = (self.global_batch, self.accumulate, self.micro_batch_size)
