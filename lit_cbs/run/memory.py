@@ -75,7 +75,7 @@ class OptimizerState:
     bytes_per_tensor: int
 
     @classmethod
-    def measure(cls, optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> OptimizerState:
+    def measure(cls, optimizer: Callable[[Any], torch.optim.Optimizer]) -> OptimizerState:
         """Counted after one step of ``optimizer`` (parameters -> Optimizer) on a 4 x 8 fp32 parameter."""
         parameter = torch.nn.Parameter(torch.zeros(4, 8))
         parameter.grad = torch.ones_like(parameter)
