@@ -208,7 +208,6 @@ def probe_plan(
     precision: str,
     strategy: str,
     data_parallel_size: int,
-    micro_batch: int,
     val_micro_batch: int,
     seq_len: int,
     max_tokens: int,

@@ -169,7 +169,7 @@ class RunPlan:
         """The CBS probe's cost, or None without one."""
         if self.probe_callback is None:
             return None
-        args = (self.precision, self.strategy, self.processes, self.micro_batch, self.val_micro_batch)
+        args = (self.precision, self.strategy, self.processes, self.val_micro_batch)
         return probe_plan(self.probe_callback, self.shape, *args, self.seq_len, self.max_tokens, self.optimizer)
 
     @functools.cached_property

@@ -183,17 +183,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         evaluate="heldout",
         heldout_batches=2,
     )
-    plan = probe_plan(
-        probe,
-        ModelShape.measure(config),
-        "32-true",
-        "single",
-        1,
-        micro_batch=4,
-        val_micro_batch=4,
-        seq_len=16,
-        max_tokens=1024,
-    )
+    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
     assert plan.snapshot_bytes == real
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
     assert plan.window_bytes == 256 // 16 * 17 * 8 and plan.heldout_bytes == 2 * 4 * 17 * 8
@@ -209,17 +199,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         heldout_batches=2,
         early_stop=[0.5],
     )
-    plan = probe_plan(
-        probe,
-        ModelShape.measure(config),
-        "32-true",
-        "single",
-        1,
-        micro_batch=4,
-        val_micro_batch=4,
-        seq_len=16,
-        max_tokens=1024,
-    )
+    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
     # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
     probe = CBSProbeCallback(
@@ -231,17 +211,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         heldout_batches=2,
         replicates=2,
     )
-    plan = probe_plan(
-        probe,
-        ModelShape.measure(config),
-        "32-true",
-        "single",
-        1,
-        micro_batch=4,
-        val_micro_batch=4,
-        seq_len=16,
-        max_tokens=1024,
-    )
+    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
     assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 
 
