@@ -1,6 +1,4 @@
-"""A recipe run built from its configuration, group by group (``keys.instantiate_group``), and its run folder:
-the checkpoint it resumes from, its loggers, the line it starts with, and a folder taken back when it trains
-nothing."""
+"""A recipe run built from its configuration, group by group (``keys.instantiate_group``), and its run folder."""
 
 from __future__ import annotations
 
@@ -62,8 +60,8 @@ def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
 
 
 def callbacks_of(cfg: DictConfig) -> list[pl.Callback]:
-    """The callbacks of ``cfg.callbacks``, less any CBS probe whose first window ends past max_tokens: it
-    would stop the run once the model is built, so warn now, naming its keys, and train without it."""
+    """The callbacks of ``cfg.callbacks``, less (with a warning naming its keys) any CBS probe whose first window
+    ends past max_tokens: it would stop the run once the model is built."""
     kept = []
     for name, callback in instantiate_named(cfg, "callbacks").items():
         if isinstance(callback, BatchWarmup):
@@ -83,10 +81,17 @@ def callbacks_of(cfg: DictConfig) -> list[pl.Callback]:
     return kept
 
 
+def _model_and_data(cfg: DictConfig) -> tuple[CausalLM, TokenDataModule]:
+    lr_schedule = instantiate_group(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
+    model = instantiate_group(cfg, "model", lr_schedule=lr_schedule)  # builds no weights (configure_model does)
+    datamodule = instantiate_group(cfg, "data")
+    datamodule.check_context(model.dims.context_length)
+    return model, datamodule
+
+
 def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | None = None) -> RunParts:
-    """A recipe run rebuilt from its configuration (``resolved_config.yaml``) for a CBS probe of one of its
-    checkpoints: its model, data, BatchWarmup and Trainer settings, none of its loggers or other callbacks, on
-    ``devices`` x ``num_nodes`` processes (default: the run's)."""
+    """A recipe run rebuilt from its configuration for a CBS probe of one of its checkpoints: model, data,
+    BatchWarmup and Trainer settings, on ``devices`` x ``num_nodes`` processes (default: the run's)."""
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     for key, value in (("devices", devices), ("num_nodes", num_nodes)):
@@ -95,10 +100,7 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     strategy = cfg.trainer.get("strategy")
     if OmegaConf.is_dict(strategy) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy"):
         strategy.data_parallel_size = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
-    lr_schedule = instantiate_group(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
-    model = instantiate_group(cfg, "model", lr_schedule=lr_schedule)
-    datamodule = instantiate_group(cfg, "data")
-    datamodule.check_context(model.dims.context_length)
+    model, datamodule = _model_and_data(cfg)
     settings = dict_container(cfg.trainer, resolve=True)
     for key in ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing"):
         settings.pop(key, None)
@@ -109,8 +111,7 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
 
 
 def probe_parts_of(config: str) -> RunParts:
-    """``probe_parts`` of the recipe run whose ``resolved_config.yaml`` is ``config``: the build the recipes give
-    their side jobs (``conf/side_jobs/``)."""
+    """``probe_parts`` of the run whose ``resolved_config.yaml`` is ``config`` (``conf/side_jobs/``'s build)."""
     recipe = OmegaConf.load(config)
     if not isinstance(recipe, DictConfig):
         raise LitCBSConfigError(f"{config} holds a list, not a recipe run's configuration (a mapping)")
@@ -125,9 +126,8 @@ def _installed(package: str) -> bool:
 
 
 def loggers_of(cfg: DictConfig) -> list[Logger]:
-    """The loggers of ``cfg.logger``, before any data work (one whose package is missing stops here, naming
-    the extra), and a CSV logger writing ``<output_dir>/metrics.csv``, added when none does: that file is the
-    run's own record, which its summary, plots and report.html read, whatever else it logs to."""
+    """The loggers of ``cfg.logger`` (one whose package is missing stops here, naming the extra), and a CSV logger
+    writing ``<output_dir>/metrics.csv`` when none does: the summary, plots and report.html read that file."""
     for name, node in (cfg.get("logger") or {}).items():
         target = str((node or {}).get("_target_", "")).rsplit(".", 1)[-1]
         packages = LOGGER_PACKAGES.get(target, ())
@@ -145,8 +145,7 @@ def loggers_of(cfg: DictConfig) -> list[Logger]:
 
 
 def finish_loggers(loggers: list[Logger]) -> None:
-    """End each logger's run once the figures are in: W&B's (else a sweep's next job would log into it, and
-    its record file is written after the process exits), TensorBoard's writer (reopened by the figures)."""
+    """End W&B's run (else a sweep's next job logs into it) and close TensorBoard's writer, once the figures are in."""
     for logger in loggers:
         if isinstance(logger, WandbLogger):
             logger.experiment.finish()
@@ -155,9 +154,8 @@ def finish_loggers(loggers: list[Logger]) -> None:
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
-    """The checkpoint ``trainer.fit`` resumes from, by ``ckpt_path``: ``auto``, the newest complete one in the run's
-    folders (none in a new run); ``null``, none; Lightning's names as they are; a path, once complete. A write a
-    kill interrupted in those folders is finished or undone first."""
+    """The checkpoint ``trainer.fit`` resumes from: ``ckpt_path=auto``, the newest complete one in the run's folders;
+    null, none; Lightning's names as they are; a path, once complete. Interrupted writes are settled first."""
     given: str | None = cfg.ckpt_path
     if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
         return given
@@ -185,7 +183,7 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
 
 
 def send_lightning_logs_to_the_job_log() -> None:
-    """Lightning's messages (and BatchWarmup's) go to Hydra's handlers, so ``train.log`` holds them too."""
+    """Lightning's messages go to Hydra's handlers, so ``train.log`` holds them too."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         lightning_logger = logging.getLogger(name)
         for handler in list(lightning_logger.handlers):
@@ -194,24 +192,18 @@ def send_lightning_logs_to_the_job_log() -> None:
 
 
 def _hydra_run() -> tuple[Path, Path] | None:
-    """(this job's run folder, the folder the job was started in) for a single Hydra run; None in a multirun
-    (a failed job's folder holds its error) or outside a Hydra job (composed by a script or a test)."""
-    try:
-        config = HydraConfig.get()
-    except ValueError:
+    """(run folder, start folder) on global rank 0 of a single Hydra run (a multirun's failed job keeps its folder)."""
+    if not HydraConfig.initialized() or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # set at import
         return None
-    if config.mode != RunMode.RUN:
-        return None
-    return Path(config.runtime.output_dir), Path(config.runtime.cwd)
+    config = HydraConfig.get()
+    return (Path(config.runtime.output_dir), Path(config.runtime.cwd)) if config.mode == RunMode.RUN else None
 
 
 def earlier_entries() -> frozenset[str]:
-    """The names in this job's run folder that it must leave in place if it trains nothing: none when the
-    folder holds only what Hydra wrote for this job (its config folder and the job log), else all of them,
-    Hydra's included (the folder of an earlier run, or of something else, given as ``hydra.run.dir``).
-    Called first thing in the job, before it writes anything."""
+    """What a job that trains nothing leaves in its run folder: nothing when it holds only Hydra's files for this
+    job, else everything (an earlier run's folder given as ``hydra.run.dir``). Called before the job writes."""
     run = _hydra_run()
-    if run is None or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # Lightning sets .rank at import
+    if run is None:
         return frozenset()
     run_dir, _ = run
     entries = frozenset(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else frozenset()
@@ -228,12 +220,10 @@ def _job_logs(run_dir: Path) -> list[logging.FileHandler]:
 
 
 def remove_hydra_run_dir(kept: frozenset[str]) -> None:
-    """Take back what a job that trained nothing (plan=true, a refused run) wrote into its run folder: every
-    entry but ``kept`` (``earlier_entries()``), Hydra's files and the job log included, then the folders left
-    empty, up to the folder the job was started in. Only on the process of global rank 0: the others share
-    the folder. Outside a single Hydra run it does nothing."""
+    """Take back what a job that trained nothing wrote into its run folder (all but ``kept``, Hydra's files and the
+    job log included), then the folders left empty, up to the one the job started in."""
     run = _hydra_run()
-    if run is None or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # Lightning sets .rank at import
+    if run is None:
         return
     run_dir, start = run
     for handler in _job_logs(run_dir):
@@ -255,9 +245,8 @@ def remove_hydra_run_dir(kept: frozenset[str]) -> None:
 
 
 def trained_a_step(warmup: BatchWarmup) -> bool:
-    """Whether this ``trainer.fit`` may have taken an optimizer step: it read a global batch of samples or more
-    since its ``on_fit_start`` (a fit that read less moved no parameter). A strategy that loads the checkpoint
-    after that hook (FSDP2's) counts a resumed run's earlier samples too: such a fit is taken to have trained."""
+    """Whether this ``trainer.fit`` may have taken an optimizer step: it read a global batch of samples or more since
+    ``on_fit_start`` (FSDP2, which loads the checkpoint after that hook, counts a resumed run's earlier ones too)."""
     accounting = warmup.accounting
     if accounting is None:
         return False  # the fit failed before setup: it read nothing, and its own error is the one to see
@@ -267,7 +256,7 @@ def trained_a_step(warmup: BatchWarmup) -> bool:
 
 @dataclasses.dataclass
 class Run:
-    """A recipe run's objects, built and checked, before ``trainer.fit``."""
+    """A recipe run's objects, built and checked."""
 
     trainer: pl.Trainer
     model: CausalLM
@@ -307,11 +296,7 @@ def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.P
 def plan_of(cfg: DictConfig) -> RunPlan:
     """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
     model_config = model_config_of(cfg)
-    if cfg.get("lr_schedule") is not None:
-        instantiate_group(cfg, "lr_schedule")  # its checks against max_tokens, as a run makes them
-    model = instantiate_group(cfg, "model")  # checks model.optimizer; builds no weights
-    datamodule = instantiate_group(cfg, "data")
-    datamodule.check_context(model.dims.context_length)
+    model, datamodule = _model_and_data(cfg)
     warmup = batch_warmup_of(cfg)
     probes = [
         callback for callback in instantiate_named(cfg, "callbacks").values() if isinstance(callback, CBSProbeCallback)
@@ -336,16 +321,6 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         slurm_arguments = [override for override in overrides if not override.startswith("trainer.devices=")]
     except ValueError:  # no Hydra job: composed by a script or a test
         overrides, slurm_arguments = [], []
-    optimizer = dict_container(cfg.model.optimizer, resolve=True) if cfg.model.get("optimizer") else {}
-    start = {"weight_decay": optimizer.get("weight_decay"), "beta2": (optimizer.get("betas") or [None, None])[1]}
-    keys = [key for key in warmup.rules.settings if start[key] is not None]  # the settings BatchWarmup moves
-
-    def settings(changes: list[tuple[float, float]]) -> dict[str, float]:  # a phase's, change by change as BatchWarmup
-        values = {key: float(start[key]) for key in keys}
-        for ratio, lr_factor in changes:
-            values = {key: warmup.rules.scaled(key, values[key], ratio, lr_factor) for key in keys}
-        return values
-
     return RunPlan(
         name=cfg.run_name,
         model_config=model_config,
@@ -367,13 +342,11 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(map(shlex.quote, overrides)) or f'+recipe={cfg.run_name}'}",
         slurm_arguments=" ".join(map(shlex.quote, slurm_arguments)) or f"+recipe={cfg.run_name}",
-        settings=settings if keys else None,
     )
 
 
 def build_run(cfg: DictConfig) -> Run:
-    """Check the configuration and build the run, each setting before the data work it would waste; the model's
-    weights are built in ``configure_model``, during fit."""
+    """Check the configuration and build the run, each setting before the data work it would waste."""
     if str(cfg.trainer.accelerator) in ("gpu", "cuda") and not torch.cuda.is_available():
         raise LitCBSConfigError(
             f"trainer.accelerator={cfg.trainer.accelerator} but this machine has no CUDA GPU; add plan=true to see "
@@ -388,11 +361,7 @@ def build_run(cfg: DictConfig) -> Run:
             "data.path=<folder prepared by lit_cbs.data.prepare>, or data.input_dir=<folder of text files> "
             "data.tokenizer=<tokenizer.json>"
         )
-    lr_schedule = instantiate_group(cfg, "lr_schedule") if cfg.get("lr_schedule") is not None else None
-    model = instantiate_group(cfg, "model", lr_schedule=lr_schedule)
-    datamodule = instantiate_group(cfg, "data")
-    datamodule.check_context(model.dims.context_length)
-
+    model, datamodule = _model_and_data(cfg)
     warmup = batch_warmup_of(cfg)
     callbacks = [warmup, *callbacks_of(cfg)]
     schedule = warmup.schedule

@@ -33,8 +33,7 @@ __all__: list[str] = []  # recipes/ call these; users set the Hydra keys
 
 log = logging.getLogger("lit_cbs.train")
 
-# What stops a run as a bad setting: lit_cbs's own LitCBSConfigError, and what torch,
-# Lightning, Hydra and OmegaConf raise for settings they refuse.
+# What stops a run as a bad setting: lit_cbs's own, and what torch, Lightning, Hydra and OmegaConf raise.
 CONFIG_ERRORS = (
     LitCBSConfigError,
     ValueError,
@@ -43,15 +42,12 @@ CONFIG_ERRORS = (
     InstantiationException,
     OmegaConfBaseException,
 )
-
-
 # ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
 _INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
 
 
 def one_line(error: BaseException) -> str:
-    """The message of a configuration error on one line (Hydra wraps errors raised while instantiating,
-    OmegaConf prefixes those its resolvers raise)."""
+    """A configuration error's message on one line, unwrapped from Hydra's and OmegaConf's."""
     while isinstance(error, InstantiationException) and error.__cause__ is not None:
         error = error.__cause__
     message = getattr(error, "msg", None) or str(error)
@@ -61,16 +57,13 @@ def one_line(error: BaseException) -> str:
 
 
 def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
-    """``OmegaConf.to_container(node, resolve=resolve)`` for a DictConfig ``node``: the plain dict it returns for
-    one, typed so (OmegaConf's annotation is the union of every container it can return)."""
+    """``OmegaConf.to_container`` of a DictConfig, typed as the dict it is."""
     return cast(dict[str, Any], OmegaConf.to_container(node, resolve=resolve))
 
 
 def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
-    """Argument name -> (the Hydra key that sets it, the key its value defaults to or None), for the
-    group at ``group`` and the groups nested in it, the outer name first: ``thresholds`` ->
-    ``batch.schedule.thresholds``; ``total_tokens`` -> ``lr_schedule.total_tokens``, from ``max_tokens``. A
-    group taken whole from another key (Seesaw's ``lr_schedule: ${lr_schedule}``) is named at that key."""
+    """Argument name -> (the Hydra key that sets it, the key its value is interpolated from or None), for ``group``
+    and the groups nested in it, outer names first; a group interpolated whole is named at its source key."""
     keys: dict[str, tuple[str, str | None]] = {}
     node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
     raw = dict_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
@@ -88,12 +81,9 @@ def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None
 
 
 def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
-    """``message`` with the arguments of ``groups`` it names written as the Hydra keys that set them, e.g.
-    ``total_tokens=65536`` -> ``lr_schedule.total_tokens=65536 (max_tokens)``. An argument written with
-    its value or a field (``name=...``, ``guard.watch_span``) is named at every mention; one written bare
-    (``warmup_tokens + decay_tokens``) only in the message's first clause, which states the problem
-    (what follows a ``;`` is advice or a list of valid fields); a plain word such as ``unit`` only
-    where written as the argument."""
+    """``message`` with the arguments of ``groups`` written as their Hydra keys (``total_tokens=65536`` ->
+    ``lr_schedule.total_tokens=65536 (max_tokens)``): everywhere when written with a value or field, bare (and
+    only with an underscore) in the first clause only, before the ``;`` that starts the advice."""
     named: dict[str, tuple[str, str | None]] = {}
     for group in groups:
         for name, found in setting_keys(cfg, group).items():
@@ -119,9 +109,8 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
 
 @contextlib.contextmanager
 def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
-    """Build the group at ``group`` inside: a configuration error raised there becomes a LitCBSConfigError
-    naming the Hydra keys of the arguments it names, or, naming none, led by ``group: ``; a LitCBSConfigWarning
-    raised there, once the group is built, one ``warning: ...`` line in the job's log naming them the same way."""
+    """Build ``group`` inside: a configuration error becomes a LitCBSConfigError naming its Hydra keys (else led by
+    ``group: ``); a LitCBSConfigWarning, a ``warning: ...`` line in the job's log named the same way."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LitCBSConfigWarning)
         try:
@@ -148,9 +137,7 @@ def instantiate_group(cfg: DictConfig, group: str, **kwargs: Any) -> Any:
 def instantiate_named(cfg: DictConfig, what: str) -> dict[str, Any]:
     """Every non-null entry of a dict of named configs (``callbacks``, ``logger``), built, by name."""
     objects = {}
-    for name, node in (cfg.get(what) or {}).items():
-        if node is None:
-            continue
+    for name, node in ((name, node) for name, node in (cfg.get(what) or {}).items() if node is not None):
         if "_target_" not in node:
             raise LitCBSConfigError(f"{what}.{name} has no _target_; give one, or set {what}.{name}=null to drop it")
         objects[name] = instantiate_group(cfg, f"{what}.{name}")
@@ -158,8 +145,8 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict[str, Any]:
 
 
 def name_the_run_keys(cfg: DictConfig, message: str) -> str:
-    """``message`` of an error raised inside ``trainer.fit`` (by a callback's setup, say) with the
-    Trainer's, BatchWarmup's and the callbacks' arguments written as their Hydra keys."""
+    """``message`` of an error raised inside ``trainer.fit``, with the Trainer's, BatchWarmup's and the callbacks'
+    arguments written as their Hydra keys."""
     callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
     return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
 
@@ -171,9 +158,8 @@ def model_config_of(cfg: DictConfig) -> Any:
 
 
 def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
-    """End the job with one line naming the setting (``line``, default the error's own). A single run
-    exits; in a multirun the job fails and Hydra goes on with the other jobs, then reports the failure
-    once they are done. With HYDRA_FULL_ERROR=1 the error itself is raised, with its traceback."""
+    """End the job with one ``error:`` line (``line``, default the error's own): a single run exits, a multirun's job
+    fails and Hydra goes on; HYDRA_FULL_ERROR=1 raises the error itself."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     line = line or one_line(error)
@@ -188,12 +174,10 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
 
 
 def check_command_line(config_dir: Path, argv: list[str]) -> None:
-    """Refuse a command line that sets a key the composed configuration lacks, before Hydra composes the job (whose
-    own error advises ``+key=value``, which adds a key nothing reads when the key is a typo): LitCBSConfigError naming
-    the key to set instead (``val_check_tokens`` for Lightning's ``val_check_interval``), the keys it is close to,
-    or, for an argument of a group's ``_target_`` the recipes leave at its default, the ``+`` that adds it. A
-    multirun is checked on its first job's values. Anything else Hydra refuses is left to Hydra's own message,
-    when it composes the job."""
+    """Refuse, before Hydra composes the job, a command line that sets a key the configuration lacks (Hydra would
+    advise ``+key=value``, which adds a typo nothing reads): LitCBSConfigError naming the key to set instead, the
+    keys it is close to, or the ``+`` for an argument of a ``_target_`` left at its default. A multirun is checked
+    on its first job; anything else is left to Hydra's own message."""
     args = hydra_command_line(argv)
     if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
         return
@@ -239,7 +223,6 @@ REPLACED_TRAINER_KEYS = {
 
 
 def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
-    """What to do about ``line``, which sets ``key``, a key ``cfg`` lacks (the rest of the command line composed)."""
     if key in REPLACED_TRAINER_KEYS:
         now = OmegaConf.select(cfg, "val_check_tokens")
         return REPLACED_TRAINER_KEYS[key].format(val_check_tokens=f"{now:,}" if isinstance(now, int) else now)
@@ -265,7 +248,6 @@ def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
 
 
 def _first_value(override: Override) -> str | None:
-    """An override as the first job of a multirun sets it (None for a sweep that cannot be listed)."""
     if not override.is_sweep_override():
         return override.input_line
     try:
@@ -280,19 +262,14 @@ def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictCo
 
 
 def _keys_of(node: dict[str, Any], prefix: str = "") -> list[str]:
-    """Every dotted key of a config container, nested ones included, less ``_target_`` and its kind."""
+    """Every dotted key of a config container, less ``_target_`` and its kind."""
     keys = []
-    for name, value in node.items():
-        if str(name).startswith("_"):
-            continue
-        keys.append(f"{prefix}{name}")
-        if isinstance(value, dict):
-            keys += _keys_of(value, f"{prefix}{name}.")
+    for name, value in ((str(name), value) for name, value in node.items() if not str(name).startswith("_")):
+        keys += [f"{prefix}{name}", *(_keys_of(value, f"{prefix}{name}.") if isinstance(value, dict) else [])]
     return keys
 
 
 def _arguments_of(target: str) -> list[str]:
-    """The named arguments of the class or function at ``target`` (none where it cannot be imported)."""
     try:
         signature = inspect.signature(get_object(target))
     except (ImportError, ValueError, TypeError, HydraException):

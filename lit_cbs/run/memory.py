@@ -1,7 +1,5 @@
-"""What a run holds in memory, counted as the training code allocates it: per device, the parameters, gradients and
-optimizer state (sharded by FSDP2), working buffers (gathered blocks, DDP's buckets, autocast's copies) and the
-activations autograd saves per block, from the model's meta-device build; per rank in host memory, the CBS probe's
-snapshots and batches. Bytes; ``GIB`` converts."""
+"""What a run holds in memory, in bytes, counted as the training code allocates it: per device (``device_memory``),
+and per rank in host memory for the CBS probe (``probe_plan``)."""
 
 from __future__ import annotations
 
@@ -22,17 +20,11 @@ __all__: list[str] = []  # users read it as plan=true's memory table
 GIB = 2**30
 TOKEN_BYTES = 8  # TokenDataModule batches are int64 token ids
 # precision -> (bytes per parameter element, bytes per activation element of the matmuls)
-PRECISIONS = {
-    "32-true": (4, 4),
-    "32": (4, 4),
-    "bf16-mixed": (4, 2),
-    "16-mixed": (4, 2),
-    "bf16-true": (2, 2),
-    "16-true": (2, 2),
-}
+PRECISIONS = {"32-true": (4, 4), "32": (4, 4), "bf16-mixed": (4, 2), "16-mixed": (4, 2), "bf16-true": (2, 2)}
+PRECISIONS["16-true"] = (2, 2)
 
 
-def precision_bytes(precision: str) -> tuple[int, int]:
+def _precision_bytes(precision: str) -> tuple[int, int]:
     if str(precision) not in PRECISIONS:
         raise ValueError(f"precision={precision!r} is not one the plan knows; use one of {list(PRECISIONS)}")
     return PRECISIONS[str(precision)]
@@ -52,7 +44,6 @@ class ModelShape:
 
     @classmethod
     def measure(cls, config: Any) -> ModelShape:
-        """The shape of the decoder an ``OLMoConfig`` or a transformers config describes."""
         with torch.device("meta"):
             model = build_decoder(config)
         dims = decoder_dims(config)
@@ -84,7 +75,7 @@ class OptimizerState:
     bytes_per_tensor: int
 
     @classmethod
-    def measure(cls, optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]) -> OptimizerState:
+    def measure(cls, optimizer: Callable[[Any], torch.optim.Optimizer]) -> OptimizerState:
         """Counted after one step of ``optimizer`` (parameters -> Optimizer) on a 4 x 8 fp32 parameter."""
         parameter = torch.nn.Parameter(torch.zeros(4, 8))
         parameter.grad = torch.ones_like(parameter)
@@ -116,14 +107,7 @@ class DeviceMemory:
     @property
     def total(self) -> int:
         """Bytes at the step's peak."""
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer_state
-            + self.working_buffers
-            + self.activations
-            + self.activation_peak_extra
-        )
+        return sum(dataclasses.astuple(self))
 
 
 def _block_bytes(config: DecoderDims, micro_batch: int, seq_len: int, act: int) -> int:
@@ -163,7 +147,7 @@ def device_memory(
         raise ValueError(f"strategy={strategy!r} must be one of ('single', 'ddp', 'fsdp')")
     if data_parallel_size < 1:
         raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
-    param_bytes, act = precision_bytes(precision)
+    param_bytes, act = _precision_bytes(precision)
     config = shape.config
     shards = data_parallel_size if strategy == "fsdp" else 1
     local = math.ceil(shape.parameters / shards)
@@ -224,7 +208,6 @@ def probe_plan(
     precision: str,
     strategy: str,
     data_parallel_size: int,
-    micro_batch: int,
     val_micro_batch: int,
     seq_len: int,
     max_tokens: int,
@@ -237,7 +220,7 @@ def probe_plan(
     points: list[int] = []
     while (point := config.probe_point(len(points))) + config.span_tokens <= max_tokens:
         points.append(int(point))
-    param_bytes, _ = precision_bytes(precision)
+    param_bytes, _ = _precision_bytes(precision)
     shards = data_parallel_size if strategy == "fsdp" else 1
     local = math.ceil(shape.parameters / shards)
     snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors

@@ -1,6 +1,5 @@
-"""``plan=true``: what a run will need before it starts (no data, no accelerator): steps per batch phase, memory
-per device and the CBS probe's (``memory``), the probe's device-hours, wall time at an assumed MFU, and each phase
-on a cluster grown with the batch."""
+"""``plan=true``: what a run will need before it starts (no data, no accelerator): its batch phases and steps,
+memory per device, the CBS probe's device-hours, wall time at an assumed MFU, and the phases on a grown cluster."""
 
 from __future__ import annotations
 
@@ -10,20 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
-from lit_cbs.run.memory import (
-    ADAMW_STATE,
-    GIB,
-    DeviceMemory,
-    ModelShape,
-    OptimizerState,
-    ProbePlan,
-    device_memory,
-    probe_plan,
-)
+from lit_cbs.run.memory import ADAMW_STATE, GIB, DeviceMemory, ModelShape, OptimizerState, ProbePlan, device_memory
+from lit_cbs.run.memory import probe_plan as probe_plan
 
 __all__: list[str] = []  # users run it as `plan=true`
-
-Settings = Callable[[list[tuple[float, float]]], dict[str, float]]  # changes (batch ratio, LR factor) -> values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +29,6 @@ class BatchPhase:
 
     @property
     def tokens(self) -> int:
-        """Tokens trained in the phase."""
         return self.end_tokens - self.start_tokens
 
 
@@ -53,7 +41,7 @@ def batch_phases(
     lr_factor: Callable[[float], float],
 ) -> list[BatchPhase]:
     """The run's phases, step by step as BatchWarmup takes them (one epoch): a change waits for the samples seen to
-    be a multiple of the new batch, and the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
+    be a multiple of the new batch; the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
     samples per rank, or global batch -> micro-batch."""
     micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
     phases: list[BatchPhase] = []
@@ -62,9 +50,9 @@ def batch_phases(
         micro = micro_for(batch)
         phases.append(BatchPhase(start, end, batch, micro, batch // (micro * data_parallel_size), steps, factor))
 
-    tokens = samples = steps = 0
+    tokens = samples = steps = start = 0
     batch: int | None = None
-    factor, start = 1.0, 0
+    factor = 1.0
     while tokens < max_tokens:
         new = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
         if new != batch and (batch is None or samples % new == 0):
@@ -92,30 +80,6 @@ class ClusterPhase:
     end_step: int  # optimizer steps taken when the phase ends (where the run stops to move)
 
 
-def grow_cluster(
-    phases: list[BatchPhase], ranks: int, devices_per_node: int, limits: Limits, micro_for: Callable[[int, int], int]
-) -> list[ClusterPhase]:
-    """Per phase after the first (which keeps ``ranks``), the fewest whole nodes whose ranks each take no larger
-    a share of a step than in the first phase, with micro-batches of at least ``limits.min_micro_batch_size`` and
-    at most ``limits.max_devices`` ranks. ``micro_for(global batch, ranks)``."""
-    min_micro_batch_size, max_devices = limits.min_micro_batch_size, limits.max_devices
-    first_share = phases[0].global_batch / ranks
-    planned: list[ClusterPhase] = []
-    end_step = 0
-    for phase in phases:
-        batch = phase.global_batch
-        candidates = [w for w in range(devices_per_node, batch + 1, devices_per_node) if batch % w == 0]
-        if max_devices is not None:
-            candidates = [w for w in candidates if w <= max_devices] or candidates[:1]
-        efficient = [w for w in candidates if micro_for(batch, w) >= min_micro_batch_size] or candidates[:1]
-        enough = [w for w in efficient if batch / w <= first_share]
-        chosen = ranks if not planned else (enough[0] if enough else efficient[-1])
-        micro = micro_for(batch, chosen)
-        end_step += phase.optimizer_steps
-        planned.append(ClusterPhase(phase, chosen, micro, batch // (micro * chosen), end_step))
-    return planned
-
-
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What the plan is checked against (``plan_for.*``): GiB per device and per node, MFU, peak FLOP/s."""
@@ -130,20 +94,16 @@ class Limits:
 
 
 def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:,.1f} s"
-    if seconds >= 2 * 86400:
-        return f"{seconds / 86400:,.1f} days"
-    if seconds >= 2 * 3600:
-        return f"{seconds / 3600:,.1f} hours"
-    return f"{seconds / 60:,.1f} minutes"
+    for unit, size in (("days", 86400), ("hours", 3600)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:,.1f} {unit}"
+    return f"{seconds:,.1f} s" if seconds < 120 else f"{seconds / 60:,.1f} minutes"
 
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """A run worked out before it starts from its settings; ``report()`` is what ``plan=true`` prints.
-    ``model_config``: an ``OLMoConfig`` or a transformers config; ``micro_batch``: the first, or with
-    ``max_micro_batch_size`` what BatchWarmup grows it to; ``probe_callback``: the run's CBSProbeCallback."""
+    """A run worked out from its settings; ``report()`` is what ``plan=true`` prints. ``model_config``: an
+    ``OLMoConfig`` or a transformers config; ``probe_callback``: the run's CBSProbeCallback."""
 
     name: str
     model_config: Any
@@ -162,14 +122,12 @@ class RunPlan:
     probe_callback: Any = None
     limits: Limits = Limits()
     optimizer: OptimizerState = ADAMW_STATE
-    max_micro_batch_size: int | None = None
+    max_micro_batch_size: int | None = None  # BatchWarmup grows the micro-batch up to it
     command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
     slurm_arguments: str = ""  # its arguments for recipes/slurm/train.sbatch
-    settings: Settings | None = None  # the optimizer settings BatchWarmup moves, for the phase table
 
     @functools.cached_property
     def shape(self) -> ModelShape:
-        """The model's parameter counts."""
         return ModelShape.measure(self.model_config)
 
     def _micro_for(self, global_batch: int, ranks: int) -> int:
@@ -184,22 +142,17 @@ class RunPlan:
         return batch_phases(self.schedule, self.max_tokens, self.seq_len, micro_for, self.processes, self.lr_factor)
 
     def _memory_at(self, micro: int, checkpointing: bool) -> DeviceMemory:
-        return device_memory(
-            self.shape,
-            micro,
-            self.seq_len,
-            self.precision,
-            self.strategy,
-            self.processes,
-            checkpointing,
-            self.optimizer,
-        )
+        args = (self.precision, self.strategy, self.processes, checkpointing, self.optimizer)
+        return device_memory(self.shape, micro, self.seq_len, *args)
+
+    @property
+    def peak_micro_batch(self) -> int:
+        return max(p.micro_batch for p in self.phases) if self.phases else self.micro_batch
 
     @functools.cached_property
     def memory(self) -> dict[bool, DeviceMemory]:
         """Activation checkpointing on/off -> memory per device at the largest micro-batch."""
-        micro = max(p.micro_batch for p in self.phases) if self.phases else self.micro_batch
-        return {checkpointing: self._memory_at(micro, checkpointing) for checkpointing in (True, False)}
+        return {checkpointing: self._memory_at(self.peak_micro_batch, checkpointing) for checkpointing in (True, False)}
 
     @functools.cached_property
     def micro_batch_limit(self) -> int | None:
@@ -216,29 +169,32 @@ class RunPlan:
         """The CBS probe's cost, or None without one."""
         if self.probe_callback is None:
             return None
-        return probe_plan(
-            self.probe_callback,
-            self.shape,
-            self.precision,
-            self.strategy,
-            self.processes,
-            self.micro_batch,
-            self.val_micro_batch,
-            self.seq_len,
-            self.max_tokens,
-            self.optimizer,
-        )
+        args = (self.precision, self.strategy, self.processes, self.val_micro_batch)
+        return probe_plan(self.probe_callback, self.shape, *args, self.seq_len, self.max_tokens, self.optimizer)
 
     @functools.cached_property
-    def cluster(self) -> list[ClusterPhase] | None:
-        """The phases on a cluster grown with the batch (``grow_cluster``)."""
-        if not self.phases:
-            return None
-        return grow_cluster(self.phases, self.processes, self.devices_per_node, self.limits, self._micro_for)
+    def cluster(self) -> list[ClusterPhase]:
+        """Per phase after the first (which keeps the run's ranks), the fewest whole nodes whose ranks each take no
+        larger a share of a step than in the first phase, with micro-batches of at least
+        ``plan_for.min_micro_batch_size`` and at most ``plan_for.max_devices`` ranks."""
+        per_node, cap = self.devices_per_node, self.limits.max_devices
+        planned: list[ClusterPhase] = []
+        for phase in self.phases:
+            batch = phase.global_batch
+            candidates = [w for w in range(per_node, batch + 1, per_node) if batch % w == 0]
+            candidates = [w for w in candidates if cap is None or w <= cap] or candidates[:1]
+            efficient = [
+                w for w in candidates if self._micro_for(batch, w) >= self.limits.min_micro_batch_size
+            ] or candidates[:1]
+            enough = [w for w in efficient if batch / w <= self.phases[0].global_batch / self.processes]
+            ranks = self.processes if not planned else (enough[0] if enough else efficient[-1])
+            micro = self._micro_for(batch, ranks)
+            end_step = (planned[-1].end_step if planned else 0) + phase.optimizer_steps
+            planned.append(ClusterPhase(phase, ranks, micro, batch // (micro * ranks), end_step))
+        return planned
 
     @property
     def processes(self) -> int:
-        """Ranks: devices per node x nodes."""
         return self.devices_per_node * self.num_nodes
 
     @property
@@ -254,11 +210,10 @@ class RunPlan:
     @property
     def wall_seconds(self) -> float:
         """The main run's: it waits for in-process probes' branches, and for each side-job probe's checkpoint."""
-        paused = self.probe is not None and self.probe.side_jobs is None
-        seconds = self._seconds(
-            self.tokens + (self.probe.tokens if paused and self.probe is not None else 0), self.processes
-        )
-        return seconds + self.probe_checkpoint_seconds * (len(self.probe.points) if self.probe is not None else 0)
+        probe = self.probe
+        paused = probe.tokens if probe is not None and probe.side_jobs is None else 0
+        points = len(probe.points) if probe is not None else 0
+        return self._seconds(self.tokens + paused, self.processes) + self.probe_checkpoint_seconds * points
 
     @property
     def probe_checkpoint_seconds(self) -> float:
@@ -278,42 +233,32 @@ class RunPlan:
         flops = self.shape.flops_per_token(self.seq_len)
         return flops * tokens / (self.limits.mfu * self.limits.peak_flops_per_device * devices)
 
-    def _settings_of(self, phase: BatchPhase) -> dict[str, float]:
-        if self.settings is None:
-            return {}
-        upto = self.phases[: self.phases.index(phase) + 1]
-        return self.settings(
-            [(new.global_batch / old.global_batch, new.lr_factor / old.lr_factor) for old, new in zip(upto, upto[1:])]
-        )
-
     def warnings(self) -> list[str]:
         """What does not fit plan_for's limits, each with what to change."""
-        found = []
+        found, limits = [], self.limits
         needed = self.memory[self.activation_checkpointing].total / GIB
-        if self.on_gpu and needed > self.limits.gpu_memory_gib:
+        if self.on_gpu and needed > limits.gpu_memory_gib:
             fixes = "lower data.batch_size"
-            if not self.activation_checkpointing and self.memory[True].total / GIB <= self.limits.gpu_memory_gib:
+            if not self.activation_checkpointing and self.memory[True].total / GIB <= limits.gpu_memory_gib:
                 fixes = "set model.activation_checkpointing=true, or " + fixes
-            if self.strategy != "fsdp":
-                fixes += ", or shard with trainer=fsdp"
+            fixes += ", or shard with trainer=fsdp" if self.strategy != "fsdp" else ""
+            limit = f"plan_for.gpu_memory_gib={limits.gpu_memory_gib:g}"
+            found.append(f"{needed:,.1f} GiB per GPU exceeds {limit}: {fixes}")
+        per_node = self.probe.host_bytes * self.devices_per_node / GIB if self.probe is not None else 0
+        if per_node > limits.host_memory_gib:
             found.append(
-                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: {fixes}"
+                f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
+                f"more than plan_for.host_memory_gib={limits.host_memory_gib:g}: use more nodes (FSDP2 shards "
+                "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
             )
-        if self.probe is not None:
-            per_node = self.probe.host_bytes * self.devices_per_node / GIB
-            if per_node > self.limits.host_memory_gib:
-                found.append(
-                    f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
-                    f"more than plan_for.host_memory_gib={self.limits.host_memory_gib:g}: use more nodes (FSDP2 shards "
-                    "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
-                )
         return found
 
     def report(self) -> str:
         """The plan as ``plan=true`` prints it."""
-        c, limits = self.shape.config, self.limits
+        c, on, off = self.shape.config, self.memory[True], self.memory[False]
         strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
-        columns = self._settings_of(self.phases[0]) if self.phases else {}
+        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}
+        unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         lines = [
             f"lit_cbs plan: {self.name} (nothing trained, no data read)",
             f"model            {c.n_layers} layers x d_model {c.d_model}, {self.shape.parameters:,} parameters, "
@@ -326,24 +271,16 @@ class RunPlan:
             "",
             "batch schedule   (global batch in samples of seq_len tokens; "
             "accumulation = micro-batches per step per rank)",
-            f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}"
-            + "".join(f" {column:>{max(8, len(column))}}" for column in columns),
-        ]
-        for p in self.phases:
-            lines.append(
+            f"  {'from tokens':>17} {'tokens':>17} {'global':>7} {'micro':>6} {'accum':>6} {'steps':>9} {'LR x':>6}",
+            *(
                 f"  {p.start_tokens:>17,} {p.tokens:>17,} {p.global_batch:>7,} {p.micro_batch:>6} {p.accumulate:>6} "
                 f"{p.optimizer_steps:>9,} {p.lr_factor:>6.3g}"
-                + "".join(f" {value:>{max(8, len(column))}.4g}" for column, value in self._settings_of(p).items())
-            )
-        on, off = self.memory[True], self.memory[False]
-        micro = max(p.micro_batch for p in self.phases) if self.phases else 0  # the peak
-        working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}
-        unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
-        lines += [
+                for p in self.phases
+            ),
             "",
-            f"memory per {'GPU' if self.on_gpu else 'device'} ({unit}) at micro-batch {micro} x "
-            f"{self.seq_len:,} tokens; activation checkpointing {'on' if self.activation_checkpointing else 'off'} "
-            "(model.activation_checkpointing)",
+            f"memory per {'GPU' if self.on_gpu else 'device'} ({unit}) at micro-batch "
+            f"{self.peak_micro_batch if self.phases else 0} x {self.seq_len:,} tokens; activation checkpointing "
+            f"{'on' if self.activation_checkpointing else 'off'} (model.activation_checkpointing)",
             f"  {'':<24} {'AC on':>8} {'AC off':>8}",
         ]
         for label, field in [
@@ -353,19 +290,16 @@ class RunPlan:
             (working[self.strategy], "working_buffers"),
             ("activations (saved)", "activations"),
             ("activations (peak add)", "activation_peak_extra"),
+            ("total", "total"),
         ]:
             lines.append(f"  {label:<24} {getattr(on, field) / size:>8.2f} {getattr(off, field) / size:>8.2f}")
-        lines.append(f"  {'total':<24} {on.total / size:>8.2f} {off.total / size:>8.2f}")
-        if self.on_gpu:
-            lines.append(
-                "  (plus CUDA context, communication buffers and fragmentation; limit "
-                f"plan_for.gpu_memory_gib={limits.gpu_memory_gib:g})"
-            )
-        else:
-            lines.append(
-                f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
-            )
-        lines += ["", *self._probe_report(), "", *self._time_report(), *_cluster_report(self)]
+        lines.append(
+            "  (plus CUDA context, communication buffers and fragmentation; limit "
+            f"plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g})"
+            if self.on_gpu
+            else f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
+        )
+        lines += ["", *self._probe_report(), "", *self._time_report(), *self._cluster_report()]
         fits = "memory per device and host memory within plan_for's limits" if self.on_gpu else None
         fits = fits or "host memory within plan_for.host_memory_gib"
         lines += [f"WARNING: {w}" for w in self.warnings()] or [f"fits             {fits}"]
@@ -409,15 +343,13 @@ class RunPlan:
                 f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
                 "plan_for.peak_flops_per_device)"
             ]
-        seconds = self.wall_seconds
-        if self.probe is None:
-            pauses = ""
-        elif self.probe.side_jobs is not None:
+        seconds, pauses = self.wall_seconds, ""
+        if self.probe is not None and self.probe.side_jobs is not None:
             writes = _duration(self.probe_checkpoint_seconds * len(self.probe.points))
             pauses = f" (side-job probes pause it only for their checkpoints: {writes})"
-        else:
-            alone = self._seconds(self.tokens, self.processes)
-            pauses = f", of which the run waits {_duration(seconds - alone)} for its in-process probes"
+        elif self.probe is not None:
+            waits = _duration(seconds - self._seconds(self.tokens, self.processes))
+            pauses = f", of which the run waits {waits} for its in-process probes"
         lines = [
             f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
             f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device "
@@ -432,59 +364,53 @@ class RunPlan:
             )
         return lines
 
-
-def _cluster_report(plan: RunPlan) -> list[str]:
-    """Each phase on the ranks ``grow_cluster`` gives it, and the commands that move the run between them."""
-    if not plan.cluster or len(plan.cluster) < 2:
-        return []
-    per_node, timed = plan.devices_per_node, plan.on_gpu
-    cap = f", plan_for.max_devices={plan.limits.max_devices}" if plan.limits.max_devices else ""
-    times = f" {'tokens/s':>12} {'wall time':>12} {f'on {plan.processes} ranks':>14}" if timed else ""
-    lines = [
-        "",
-        "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
-        "of a step at the first phase's, "
-        f"micro-batch >= plan_for.min_micro_batch_size={plan.limits.min_micro_batch_size}{cap}",
-        f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
-    ]
-    for planned in plan.cluster:
-        phase = planned.phase
-        row = (
-            f"  {phase.start_tokens:>17,} {phase.global_batch:>7,} {planned.ranks:>6} "
-            f"{planned.micro_batch:>6} {planned.accumulate:>6}"
-        )
+    def _cluster_report(self) -> list[str]:
+        """Each phase on the ranks ``cluster`` gives it, and the commands that move the run between them."""
+        if len(self.cluster) < 2:
+            return []
+        cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
+        timed = self.on_gpu
+        times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
+        lines = [
+            "",
+            "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
+            "of a step at the first phase's, "
+            f"micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
+            f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
+        ]
+        grown = [self._seconds(p.phase.tokens, p.ranks) for p in self.cluster]
+        fixed = [self._seconds(p.phase.tokens, self.processes) for p in self.cluster]
+        for p, seconds, alone in zip(self.cluster, grown, fixed):
+            row = f"  {p.phase.start_tokens:>17,} {p.phase.global_batch:>7,} {p.ranks:>6} {p.micro_batch:>6} "
+            row += f"{p.accumulate:>6}"
+            if timed:
+                row += f" {p.phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {_duration(alone):>14}"
+            lines.append(row)
         if timed:
-            seconds = plan._seconds(phase.tokens, planned.ranks)
-            alone = _duration(plan._seconds(phase.tokens, plan.processes))
-            row += f" {phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {alone:>14}"
-        lines.append(row)
-    if timed:
-        grown = sum(plan._seconds(p.phase.tokens, p.ranks) for p in plan.cluster)
-        fixed = sum(plan._seconds(p.phase.tokens, plan.processes) for p in plan.cluster)
-        hours = sum(p.ranks * plan._seconds(p.phase.tokens, p.ranks) for p in plan.cluster) / 3600
-        lines.append(
-            f"  wall time {_duration(grown)} against {_duration(fixed)} on {plan.processes} ranks throughout "
-            f"({fixed / grown:.2f}x sooner; {hours:,.0f} device-hours either way at the same MFU; "
-            "probes not counted)"
-        )
-    torchrun, sbatch = [], []
-    for index, planned in enumerate(plan.cluster):
-        nodes = planned.ranks // per_node
-        resume = f" ckpt_path=outputs/{plan.name}/phase{index}/checkpoints/last.ckpt" if index else ""
-        stop = f" trainer.max_steps={planned.end_step}" if index < len(plan.cluster) - 1 else ""
-        after = " --dependency=afterok:<the previous job's id>" if index else ""
-        torchrun.append(
-            f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {plan.command} "
-            f"trainer.num_nodes={nodes}{stop} hydra.run.dir=outputs/{plan.name}/phase{index + 1}{resume}"
-        )
-        sbatch.append(
-            f"    RUN_DIR=outputs/{plan.name}/phase{index + 1} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
-            f"{after} recipes/slurm/train.sbatch {plan.slurm_arguments}{stop}{resume}"
-        )
-    return [
-        *lines,
-        "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
-        *torchrun,
-        "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
-        *sbatch,
-    ]
+            hours = sum(p.ranks * seconds for p, seconds in zip(self.cluster, grown)) / 3600
+            lines.append(
+                f"  wall time {_duration(sum(grown))} against {_duration(sum(fixed))} on {self.processes} ranks "
+                f"throughout ({sum(fixed) / sum(grown):.2f}x sooner; {hours:,.0f} device-hours either way at the "
+                "same MFU; probes not counted)"
+            )
+        torchrun, sbatch = [], []
+        for index, p in enumerate(self.cluster):
+            nodes, run = p.ranks // self.devices_per_node, f"outputs/{self.name}/phase{index + 1}"
+            resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
+            stop = f" trainer.max_steps={p.end_step}" if index < len(self.cluster) - 1 else ""
+            after = " --dependency=afterok:<the previous job's id>" if index else ""
+            torchrun.append(
+                f"    torchrun --nnodes {nodes} --nproc_per_node {self.devices_per_node} {self.command} "
+                f"trainer.num_nodes={nodes}{stop} hydra.run.dir={run}{resume}"
+            )
+            sbatch.append(
+                f"    RUN_DIR={run} sbatch --nodes={nodes} --ntasks-per-node={self.devices_per_node}"
+                f"{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
+            )
+        return [
+            *lines,
+            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
+            *torchrun,
+            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
+            *sbatch,
+        ]

@@ -1,12 +1,11 @@
-"""What a run leaves in its folder: batch_history.json, summary.json, the plots, and report.html, one
-self-contained page of them (``python -m lit_cbs.run.report RUN_DIR``); matplotlib only where a figure is drawn."""
+"""What a run leaves in its folder: batch_history.json, summary.json, the plots, and report.html
+(``python -m lit_cbs.run.report RUN_DIR``)."""
 
 from __future__ import annotations
 
 import argparse
 import base64
 import dataclasses
-import functools
 import html
 import json
 import os
@@ -32,10 +31,14 @@ __all__ = ["main", "write_report"]
 
 Metrics = dict[str, tuple[np.ndarray, np.ndarray]]  # a CSVLogger's column -> (steps, values)
 WALL_CLOCK_FILE = "wall_clock.png"  # the page's own figure: the run draws none against wall-clock time
+# summary.json's batch change key -> BatchChange's field; a reading's keys are ProbeReading's fields
+_CHANGE_KEYS = dict(step="step", tokens="tokens_seen", old="old_global_batch", new="new_global_batch")
+_CHANGE_KEYS.update(lr_factor="lr_factor", micro_batch_size="new_micro_batch_size", accumulate="new_accumulate")
+_READING_KEYS = ("tokens", "batch_size", "k_star", "cbs_lower", "cbs_upper", "determined", "window_tokens")
 
 
 def write_batch_history(path: str | os.PathLike[str], warmup: BatchWarmup) -> dict[str, Any]:
-    """Write ``warmup``'s batch changes, guard verdicts and final counts as JSON to ``path``; return the record."""
+    """Write ``warmup``'s batch changes, guard verdicts and final counts as JSON to ``path``."""
     record = {
         "schedule": repr(warmup.schedule),
         "lr_rule": repr(warmup.lr_rule),
@@ -56,14 +59,13 @@ def write_batch_history(path: str | os.PathLike[str], warmup: BatchWarmup) -> di
 
 def read_batch_history(path: str | os.PathLike[str]) -> dict[str, Any]:
     """What ``write_batch_history`` wrote."""
-    history: dict[str, Any] = json.loads(Path(path).read_text())
-    return history
+    record: dict[str, Any] = json.loads(Path(path).read_text())
+    return record
 
 
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict[str, Any]:
-    """summary.json: tokens, optimizer steps, batch changes (samples), final val/loss and the probe's readings
-    and cost. ``fit_seconds``: this process's ``trainer.fit`` call, setup included; ``run_seconds``: every fit
-    of the run from its ``on_fit_start`` (the metrics' ``fit_seconds`` column)."""
+    """summary.json. ``fit_seconds``: this ``trainer.fit`` call, setup included (``run_seconds``: every fit of the
+    run from its ``on_fit_start``)."""
     val_loss = trainer.callback_metrics.get(VAL_LOSS)
     accounting = warmup.accounting
     if accounting is None:
@@ -80,18 +82,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         "final_batch": warmup.global_batch,
         # Trainer.datamodule is set by Lightning's data connector, undeclared in its class
         "seq_len": accounting.seq_len or trainer.datamodule.seq_len,  # type: ignore[attr-defined]
-        "batch_changes": [
-            {
-                "step": c.step,
-                "tokens": c.tokens_seen,
-                "old": c.old_global_batch,
-                "new": c.new_global_batch,
-                "lr_factor": c.lr_factor,
-                "micro_batch_size": c.new_micro_batch_size,
-                "accumulate": c.new_accumulate,
-            }
-            for c in warmup.history
-        ],
+        "batch_changes": [{key: getattr(c, field) for key, field in _CHANGE_KEYS.items()} for c in warmup.history],
         "final_val_loss": float(val_loss) if val_loss is not None else None,
         "fit_seconds": fit_seconds,
         "run_seconds": accounting.fit_seconds,
@@ -101,23 +92,11 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
     probes = [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)]
     if probes:
-        history = probes[0].history
-        status = probes[0].status()
+        history, status = probes[0].history, probes[0].status()
         summary["probe"] = {
             "tokens": probes[0].tokens_spent,
             "optimizer_steps": sum(reading.branch_steps for reading in history),
-            "readings": [
-                {
-                    "tokens": r.tokens,
-                    "batch_size": r.batch_size,
-                    "k_star": r.k_star,
-                    "cbs_lower": r.cbs_lower,
-                    "cbs_upper": r.cbs_upper,
-                    "determined": r.determined,
-                    "window_tokens": r.window_tokens,
-                }
-                for r in history
-            ],
+            "readings": [{key: getattr(r, key) for key in _READING_KEYS} for r in history],
             "points": {key: status[key] for key in ("read", "determined", "failed", "pending")},
             "adaptive": status.get("adaptive"),
             "side_jobs": status.get("side_jobs"),  # what the main run waited for its side jobs (seconds)
@@ -199,7 +178,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def summary_text(summary: dict[str, Any]) -> str:
-    """summary.json as the lines printed at the end of a run, one per ``summary_rows`` row."""
+    """summary.json as the lines a run ends with."""
     return "\n".join(f"{label:<17}{value}" for label, value in summary_rows(summary))
 
 
@@ -212,7 +191,7 @@ def write_run_summary(
     plots: bool,
 ) -> tuple[dict[str, Any], str]:
     """Write batch_history.json, summary.json and, with ``plots`` and a metrics.csv, the plots (also sent to the
-    Trainer's loggers); return the summary and the lines a run ends with."""
+    loggers); return the summary and the lines a run ends with."""
     output_dir = Path(output_dir)
     write_batch_history(output_dir / "batch_history.json", warmup)
     summary = run_summary(trainer, warmup, run_name, fit_seconds)
@@ -225,7 +204,7 @@ def write_run_summary(
 
 
 def group_noise_scale_figure(metrics: Metrics, title: str = "") -> Any:
-    """B_simple (samples) of each ``gns/<group>/b_simple`` and of the whole model against tokens; None without."""
+    """B_simple (samples) of each ``gns/<group>/b_simple`` and of the whole model against tokens."""
     from matplotlib.figure import Figure
 
     groups = [(group, metrics[name]) for name in metrics if (group := gns_group(name)) is not None]
@@ -276,7 +255,7 @@ def loss_figure(metrics: Metrics, title: str = "") -> Any:
 
 
 def batch_lr_figure(metrics: Metrics, title: str = "") -> Any:
-    """The global batch (samples) and the LR against tokens, a panel each; None when neither was logged."""
+    """The global batch (samples) and the LR against tokens, a panel each."""
     from matplotlib.figure import Figure
 
     panels = [
@@ -300,7 +279,7 @@ def batch_lr_figure(metrics: Metrics, title: str = "") -> Any:
 
 
 def wall_clock_figure(metrics: Metrics, title: str = "") -> Any:
-    """The loss against seconds of training, and the noise scale (samples) against tokens; None without them."""
+    """The loss against seconds of training, and the noise scale (samples) against tokens."""
     from matplotlib.figure import Figure
 
     if FIT_SECONDS not in metrics or not any(name in metrics for name in (TRAIN_LOSS, VAL_LOSS, GNS_B_SIMPLE)):
@@ -326,7 +305,7 @@ def wall_clock_figure(metrics: Metrics, title: str = "") -> Any:
     return figure
 
 
-# The PNGs a run writes into its folder, each drawn from a CSVLogger's metrics and a title (None: nothing to draw).
+# The PNGs a run writes into its folder: (metrics, title) -> a Figure, or None where there is nothing to draw.
 RUN_FIGURES: dict[str, Callable[..., Any]] = {
     "loss_vs_tokens.png": loss_figure,
     "batch_lr_vs_tokens.png": batch_lr_figure,
@@ -335,7 +314,7 @@ RUN_FIGURES: dict[str, Callable[..., Any]] = {
 
 
 def read_run_metrics(metrics_csv: str | os.PathLike[str]) -> Metrics:
-    """A CSVLogger's file (``read_metrics_csv``); ValueError without ``tokens_seen``, which every figure needs."""
+    """A CSVLogger's file; ValueError without ``tokens_seen``, which every figure needs."""
     metrics = read_metrics_csv(metrics_csv)
     if TOKENS_SEEN not in metrics:
         raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_SEEN} column: add lit_cbs.BatchWarmup to the callbacks")
@@ -395,13 +374,12 @@ def _figure(path: Path, caption: str) -> str:
 
 
 def _current(path: Path, source: Path) -> bool:
-    """Whether the PNG at ``path`` shows ``source`` as it is now: it exists and is not older."""
     return path.is_file() and path.stat().st_mtime_ns >= source.stat().st_mtime_ns
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the run's page (default ``RUN_DIR/report.html``) and return its path. A figure the folder lacks,
-    or holds older than the file it is drawn from, is drawn into it first; ValueError without a metrics.csv."""
+    """Write the run's page (default ``RUN_DIR/report.html``); figures missing or older than their source are drawn
+    first. ValueError without a metrics.csv."""
     from lit_cbs.analysis.plots import save_figure
     from lit_cbs.analysis.probe_schedule import run_config_value
 
@@ -410,21 +388,20 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if not metrics_csv.is_file():
         raise ValueError(f"{str(run_dir)!r} has no {METRICS_FILE}: give the folder of a run logged with the CSV logger")
     metrics = read_run_metrics(metrics_csv)
-    summary = json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").is_file() else {}
-    history = read_batch_history(run_dir / "batch_history.json") if (run_dir / "batch_history.json").is_file() else {}
+    summary, history = (
+        json.loads(f.read_text()) if f.is_file() else {}
+        for f in (run_dir / "summary.json", run_dir / "batch_history.json")
+    )
     changes = [BatchChange(**change) for change in history.get("changes", [])]
-    probe_file = next(iter(sorted(run_dir.rglob(JSONL_FILE))), None)
+    probe_file = min(run_dir.rglob(JSONL_FILE), default=None)
     readings = read_readings(probe_file) if probe_file is not None else []
     name = summary.get("run_name", "")  # the figures' title
-    draw = {
-        file: functools.partial(figure, title=name)
-        for file, figure in {**RUN_FIGURES, WALL_CLOCK_FILE: wall_clock_figure}.items()
-    }
+    draw = {**RUN_FIGURES, WALL_CLOCK_FILE: wall_clock_figure}
     figures = []
     for file, caption in CAPTIONS.items():
         path = run_dir / file
         if not _current(path, metrics_csv):
-            figure = draw[file](metrics)
+            figure = draw[file](metrics, name)
             if figure is None:
                 continue
             save_figure(figure, path)
@@ -470,7 +447,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """``python -m lit_cbs.run.report RUN_DIR [--out PATH]``: ``write_report``, then print the page's path."""
+    """``python -m lit_cbs.run.report RUN_DIR [--out PATH]``: ``write_report``; print the page's path."""
     parser = argparse.ArgumentParser(description="Write a run's self-contained HTML page (report.html).")
     parser.add_argument("run_dir", type=Path, help="a run folder (any with a CSVLogger's metrics.csv)")
     parser.add_argument("--out", type=Path, default=None, help="where to write it (default: RUN_DIR/report.html)")

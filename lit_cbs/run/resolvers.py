@@ -17,8 +17,7 @@ __all__ = ["register_resolvers"]
 
 
 def devices_per_node(devices: Any, needed_for: str) -> int:
-    """``trainer.devices`` as a count: a positive number (or its string) or a list of device ids;
-    else LitCBSConfigError naming the key. ``needed_for`` says what needs the count."""
+    """``trainer.devices`` (a positive number, its string, or a list of device ids) as a count."""
     if isinstance(devices, str) and devices.strip().isdigit():
         devices = int(devices)
     if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
@@ -37,8 +36,8 @@ def world_size(devices: Any, num_nodes: int | str) -> int:
 
 
 def scaled_lr(lr: float | str, batch_size: int | str, base_batch_size: int | str, rule: str = "sqrt") -> float:
-    """``lr`` tuned at ``base_batch_size`` samples, scaled to ``batch_size`` samples by an LR rule
-    (lit_cbs.rules.scaling): each run of a batch-size sweep gets the LR BatchWarmup would give that batch."""
+    """``lr`` tuned at ``base_batch_size`` samples, scaled to ``batch_size`` samples by an LR rule, as BatchWarmup
+    would scale it."""
     return float(lr) * get_lr_rule(rule).factor(float(batch_size) / float(base_batch_size))
 
 
@@ -46,7 +45,6 @@ SWEPT_KEYS = "LIT_CBS_SWEPT_KEYS"  # the keys a multirun's command line sweeps, 
 
 
 def swept_keys(arguments: list[str]) -> list[str]:
-    """The keys (or groups) a command line's overrides sweep (``batch.schedule.batch_size=8,16``)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = OverridesParser.create().parse_overrides([a for a in arguments if not a.startswith("-")])
@@ -54,15 +52,13 @@ def swept_keys(arguments: list[str]) -> list[str]:
 
 
 def remember_swept_keys(arguments: list[str]) -> None:
-    """Put the swept keys of this command line where a multirun's jobs find them: a job that runs in another process
-    (a SLURM job of Hydra's submitit launcher) has another command line, but this environment."""
+    """Put this command line's swept keys in the environment, for multirun jobs that run in other processes."""
     os.environ.setdefault(SWEPT_KEYS, ",".join(swept_keys(arguments)))
 
 
 def sweep_subdir(job_number: int | str, run_name: str, job_overrides: list[str]) -> str:
-    """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line
-    sweeps (``batch.schedule.batch_size=8,16`` -> ``..._batch.schedule.batch_size=16``). The recipe is
-    in ``run_name``; keys set to one value for every job would only lengthen every name."""
+    """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line sweeps
+    (``..._batch.schedule.batch_size=16``)."""
     remembered = os.environ.get(SWEPT_KEYS)
     swept = set(remembered.split(",") if remembered else swept_keys(sys.argv[1:]))
     own = [item for item in job_overrides if item.split("=", 1)[0].lstrip("+~") in swept - {"recipe"}]

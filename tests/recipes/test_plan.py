@@ -183,17 +183,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         evaluate="heldout",
         heldout_batches=2,
     )
-    plan = probe_plan(
-        probe,
-        ModelShape.measure(config),
-        "32-true",
-        "single",
-        1,
-        micro_batch=4,
-        val_micro_batch=4,
-        seq_len=16,
-        max_tokens=1024,
-    )
+    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
     assert plan.snapshot_bytes == real
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
     assert plan.window_bytes == 256 // 16 * 17 * 8 and plan.heldout_bytes == 2 * 4 * 17 * 8
@@ -209,17 +199,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         heldout_batches=2,
         early_stop=[0.5],
     )
-    plan = probe_plan(
-        probe,
-        ModelShape.measure(config),
-        "32-true",
-        "single",
-        1,
-        micro_batch=4,
-        val_micro_batch=4,
-        seq_len=16,
-        max_tokens=1024,
-    )
+    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
     # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
     probe = CBSProbeCallback(
@@ -231,17 +211,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         heldout_batches=2,
         replicates=2,
     )
-    plan = probe_plan(
-        probe,
-        ModelShape.measure(config),
-        "32-true",
-        "single",
-        1,
-        micro_batch=4,
-        val_micro_batch=4,
-        seq_len=16,
-        max_tokens=1024,
-    )
+    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
     assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 
 
@@ -359,40 +329,6 @@ def test_gpu_recipe_without_gpu_fails_before_data_work(tmp_path):
     ):
         train.build_run(cfg)
     assert not (tmp_path / "cache").exists()
-
-
-@pytest.mark.parametrize(
-    "floor, beta2s",
-    [
-        ("null", ["0.95", "0.9025", "0.8145"]),  # 0.95 ** (64 / 16)
-        ("0.85", ["0.95", "0.9025", "0.85"]),  # 0.9025 ** 2 = 0.8145 is below the floor
-        ("0.95", ["0.95", "0.95", "0.95"]),  # the default floor: AdamW's 0.95 stays
-    ],
-)
-def test_the_plan_gives_each_phases_weight_decay_and_beta2_as_the_rules_move_them(floor, beta2s):
-    cfg = compose_config(
-        "plan=true", "batch.weight_decay_rule=timescale", "batch.beta2_rule=half_life", f"batch.beta2_floor={floor}"
-    )
-    lines = train.plan_of(cfg).report().splitlines()
-    header = next(i for i, line in enumerate(lines) if "LR x" in line)
-    assert lines[header].split()[-2:] == ["weight_decay", "beta2"]
-    # 16 -> 32 -> 64 under the sqrt rule: AdamW's 0.1 x 2 / sqrt(2) per doubling.
-    assert [line.split()[-3:] for line in lines[header + 1 : header + 4]] == [
-        ["1", "0.1", beta2s[0]],
-        ["1.41", "0.1414", beta2s[1]],
-        ["2", "0.2", beta2s[2]],
-    ]
-    assert "weight_decay" not in train.plan_of(compose_config("plan=true")).report()
-
-
-def test_the_plan_moves_beta2_change_by_change_as_the_run_does():
-    # 16 -> 64 takes 0.95 to its floor (0.95 ** 4 = 0.8145 < 0.9); 64 -> 32 then starts from the floor: 0.9 ** 0.5.
-    cfg = compose_config(
-        "plan=true", "batch.beta2_rule=half_life", "batch.beta2_floor=0.9", "batch.schedule.batch_sizes=[16,64,32]"
-    )
-    lines = train.plan_of(cfg).report().splitlines()
-    header = next(i for i, line in enumerate(lines) if "LR x" in line)
-    assert [line.split()[-1] for line in lines[header + 1 : header + 4]] == ["0.95", "0.9", f"{0.9**0.5:.4g}"]
 
 
 def test_side_job_probes_are_planned_apart_from_the_run_that_does_not_wait_for_them():
