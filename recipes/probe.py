@@ -33,6 +33,7 @@ from lit_cbs.callbacks.checkpoint_files import unreadable
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.engine import ProbeConfig
 from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint
+from lit_cbs.probe.reading import ProbeReading
 from lit_cbs.run import job, keys
 from lit_cbs.run.resolvers import register_resolvers
 
@@ -118,7 +119,7 @@ def main(cfg: DictConfig) -> None:
         torch.distributed.destroy_process_group()
 
 
-def report(readings: list, output_dir: Path, forecast_to: int | None) -> None:
+def report(readings: list[ProbeReading], output_dir: Path, forecast_to: int | None) -> None:
     """cbs_curve.png of the readings; with three or more, the forecast through them (forecast.png)."""
     from lit_cbs.analysis import brackets_from_records, forecast_cbs, plot_forecast
     from lit_cbs.analysis.plots import plot_cbs_curve
