@@ -15,41 +15,19 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
-__all__ = ["JobState", "Launcher", "LocalLauncher", "SideJobs", "SlurmLauncher"]
+__all__ = ["JobState", "LocalLauncher", "SideJobs", "SlurmLauncher"]
 
 
 @dataclass(frozen=True)
 class JobState:
-    """A side job seen from the main run: still ``running`` (or queued), or ended, and why (its exit status and
-    last line of output)."""
+    """A side job seen from the main run: still ``running`` (or queued), or ended, and why."""
 
     running: bool
     reason: str = ""
-
-
-class Launcher(Protocol):
-    """Starts side jobs and tells whether they still run (``LocalLauncher``, ``SlurmLauncher``, or any object with
-    these methods). A handle is a JSON-able dict (it goes into the main run's checkpoint, so a resumed run can ask
-    about a job it did not start); ``max_running``: jobs at once (None: no limit)."""
-
-    max_running: int | None
-
-    def check(self) -> None:
-        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start."""
-
-    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Start ``command`` (the arguments after the interpreter) as a job whose files go to ``folder``, named
-        ``name``; return its handle."""
-
-    def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job of ``handle`` (perhaps submitted by an earlier main process) still runs."""
-
-    def cancel(self, handle: dict[str, Any]) -> None:
-        """Stop the job if it runs."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +77,7 @@ class LocalLauncher:
             )
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """``python command...`` in a session of its own (a signal to the main run does not reach it), without the
-        main run's process-group variables, its output appended to ``folder/name.log``."""
+        """``python command...`` in a session of its own, log in ``folder``, without the run's group."""
         env = job_environment()
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
@@ -116,8 +93,7 @@ class LocalLauncher:
         return {"launcher": "local", "pid": process.pid, "started": time.time(), "log": str(folder / f"{name}.log")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job still runs (also one an earlier main process started); one past ``timeout_min`` is
-        stopped here. An ended job's reason: its exit code or signal and the last line of its log."""
+        """Whether the job runs (stopped past ``timeout_min``); an ended one's status and last log line."""
         process = _STARTED.get(handle["pid"])
         code: int | str | None  # the exit status; "unknown": not our child, and gone
         if process is not None:
@@ -268,8 +244,7 @@ class SlurmLauncher:
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the SLURM job still runs or waits (from submitit's result file, ``squeue`` and ``sacct``); an ended
-        one's reason: "" for a command that succeeded, else its last line of error or SLURM's end state."""
+        """Whether the SLURM job runs or waits; an ended one's reason ("" when it succeeded)."""
         import submitit
 
         job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
@@ -295,8 +270,7 @@ class SlurmLauncher:
 
 
 def _squeue_state(job_id: str) -> str | None:
-    """The job's state as squeue shows it (recently ended jobs too), None if squeue does not list it (a cluster
-    without accounting forgets a finished job after MinJobAge)."""
+    """The job's state as squeue shows it; None where squeue does not list it."""
     found = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
     states = found.stdout.split()
     return states[0] if found.returncode == 0 and states else None
@@ -327,7 +301,7 @@ class SideJobs:
         lit_cbs.errors.LitCBSConfigError: side_jobs.build='parts.py' must be 'package.module:function' ...
     """
 
-    launcher: Any
+    launcher: Any  # LocalLauncher, SlurmLauncher or any object with their check, submit, state, cancel, max_running
     build: str
     retries: int = 2
     keep_checkpoints: bool = False
