@@ -302,7 +302,6 @@ class ProbeReading:
     branches_trained: list[float]  # in order, once per data window
     failed: list[float]  # branches that diverged, ran out of memory or raised
     k_star: float
-    cbs_lower: float  # k* B
     cbs_upper: float | None  # the next multiplier's batch; None at the top of the grid
     tokens_spent: int  # trained in this probe's branches
     overhead: float  # all probes' branch tokens so far / the main run's tokens
@@ -323,6 +322,11 @@ class ProbeReading:
     arrived_at_tokens: int | None = None  # side jobs: the main run's tokens when the reading arrived
 
     @property
+    def cbs_lower(self) -> float:
+        """k* B (samples)."""
+        return self.k_star * self.batch_size
+
+    @property
     def cbs_estimate(self) -> float:
         """The geometric mean of the bracket (samples); the lower bound at the top of the grid."""
         if self.cbs_upper is None:
@@ -330,9 +334,12 @@ class ProbeReading:
         return math.sqrt(self.cbs_lower * self.cbs_upper)
 
     def to_record(self) -> dict[str, Any]:
-        """The reading as ``cbs_probe.jsonl`` holds it: its fields, and ``cbs_estimate`` after ``cbs_upper``."""
+        """The reading as ``cbs_probe.jsonl`` holds it: its fields, and ``cbs_lower`` and ``cbs_estimate`` around
+        ``cbs_upper``."""
         record: dict[str, Any] = {}
         for key, value in dataclasses.asdict(self).items():
+            if key == "cbs_upper":
+                record["cbs_lower"] = self.cbs_lower
             record[key] = value
             if key == "cbs_upper":
                 record["cbs_estimate"] = self.cbs_estimate
@@ -341,7 +348,7 @@ class ProbeReading:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
         """The reading ``record`` holds (``to_record``'s, a line of ``cbs_probe.jsonl``)."""
-        fields = {key: value for key, value in record.items() if key != "cbs_estimate"}
+        fields = {key: value for key, value in record.items() if key not in ("cbs_lower", "cbs_estimate")}
         known = dataclasses.fields(cls)
         no_default = dataclasses.MISSING
         needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}
@@ -363,7 +370,7 @@ class ProbeReading:
     ) -> ProbeReading:
         """The k* rule on ``scores``, the CBS bracketed on ``multipliers`` x ``batch_size``."""
         decision = decide(scores, rule.epsilon, rule.confidence)
-        lower, upper, _ = cbs_interval(decision.k_star, multipliers, batch_size)
+        _, upper, _ = cbs_interval(decision.k_star, multipliers, batch_size)
         measured = sorted(scores.items())
         if any(s.replicate_losses for s in scores.values()):
             se_method = SE_REPLICATED
@@ -375,7 +382,6 @@ class ProbeReading:
             batch_size=batch_size,
             losses={f"{k:g}": (s.loss if not s.failed else None) for k, s in measured},
             k_star=decision.k_star,
-            cbs_lower=lower,
             cbs_upper=upper,
             determined=decision.determined,
             confidence=rule.confidence,
