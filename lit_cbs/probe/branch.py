@@ -1,7 +1,5 @@
-"""A probe branch: batch k*B trained from the window's start snapshot over the main run's recorded window, through
-the module's own hooks with every callback hidden, and scored as the main run's window is. A failure is agreed
-across ranks (out of memory fails the branch everywhere; any other exception aborts the probe everywhere).
-docs/design.md, "The probe", has the rest."""
+"""A probe branch: batch k*B trained from the window's start over the recorded window through the module's own hooks,
+every callback hidden; a failure is agreed across ranks (out of memory fails the branch, anything else the probe)."""
 
 from __future__ import annotations
 
@@ -440,7 +438,7 @@ class BranchTrainer:
             batch = move_data_to_device(batch, strategy.root_device)
             self.accounting.set_gradient_sync(last)
             with block_ddp_gradient_sync(strategy, block=not last):
-                loss = self._agreed(functools.partial(self._training_loss, batch, first + i))
+                loss = self._agreed(lambda: loss_of(strategy.training_step(batch, first + i)))  # noqa: B023 - called here
                 self._agreed(functools.partial(strategy.backward, loss / count, raw_optimizer))
             total += loss.detach()
         self.accounting.step_tokens.rescale(trainer, raw_optimizer, count)  # token_mean_loss
@@ -449,10 +447,6 @@ class BranchTrainer:
             raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
         step_losses.append(float(step_loss))
         return step_loss
-
-    def _training_loss(self, batch: Any, index: int) -> torch.Tensor:
-        """The module's training_step loss on one micro-batch, through the strategy's wrapped model."""
-        return loss_of(self.trainer.strategy.training_step(batch, index))
 
     @torch.no_grad()
     def _local_heldout_losses(self) -> list[float]:

@@ -1,6 +1,5 @@
-"""The probe engine, whatever trains the branches: the probe's settings (``ProbeConfig``) and a point's life from its
-start to its reading (``ProbeEngine``). No Lightning: the callback hands it the run's counts. docs/design.md, "The
-probe engine"."""
+"""The probe engine, whatever trains the branches: the settings (``ProbeConfig``) and a point's life from its start to
+its reading (``ProbeEngine``). No Lightning. docs/design.md, "The probe engine"."""
 
 from __future__ import annotations
 
@@ -335,25 +334,17 @@ class Runner(Protocol):
     def close(self, point: ProbePoint) -> None: ...
 
 
-def _say_nothing(*_: Any) -> None:
-    """The default listener of a reading or a failure."""
-
-
-def _none_yet() -> int:
-    return 0
-
-
 @dataclass
 class ProbeEngine:
     """A run's probe points: those open, the readings (``history``), the failures; readings feed ``schedule``."""
 
     config: ProbeConfig
     runner: Runner
-    on_reading: Callable[[ProbeReading, ProbePoint], None] = _say_nothing
-    on_failure: Callable[[dict[str, Any]], None] = _say_nothing
+    on_reading: Callable[[ProbeReading, ProbePoint], None] = lambda *_: None
+    on_failure: Callable[[dict[str, Any]], None] = lambda _: None
     schedule: CBSAdaptive | None = None
-    consumed: Callable[[], int] = _none_yet
-    tokens_seen: Callable[[], int] = _none_yet
+    consumed: Callable[[], int] = lambda: 0
+    tokens_seen: Callable[[], int] = lambda: 0
     history: list[ProbeReading] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # tokens, step, reason
     points: dict[int, ProbePoint] = field(default_factory=dict)  # open: no reading yet

@@ -1,6 +1,5 @@
-"""The CBS at a saved checkpoint: a probe's branches trained from it on the data the run trains next, read at the
-checkpoint's data position (a ``GlobalOrderLoader``), with the in-process probe's branch trainer, rule and search;
-the fit stops before its first step. The same callback trains a side job's branches."""
+"""The CBS at a saved checkpoint: branches trained from it on the run's next data (a ``GlobalOrderLoader``'s position),
+as in process; the fit stops before its first step. The same callback trains a side job's branches."""
 
 from __future__ import annotations
 
@@ -198,7 +197,9 @@ def probe_checkpoint(
     if probe.reading is None:
         raise RuntimeError("the checkpoint probe trained no branch (the fit stopped before its first hook)")
     if output_dir is not None:
-        append_reading(Path(output_dir), probe.reading)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with (Path(output_dir) / "cbs_probe.jsonl").open("a") as out:
+            out.write(json.dumps(probe.reading.to_record()) + "\n")
     return probe.reading
 
 
@@ -221,15 +222,6 @@ def run_checkpoint_probe(ckpt_path: str | Path, parts: RunParts, probe: Checkpoi
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint need to be provided")
         trainer.fit(parts.model, datamodule=parts.datamodule, ckpt_path=str(ckpt_path))
     return trainer
-
-
-def append_reading(folder: Path, reading: ProbeReading) -> Path:
-    """Append ``reading`` to ``folder``/cbs_probe.jsonl (created if missing); returns the file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "cbs_probe.jsonl"
-    with path.open("a") as out:
-        out.write(json.dumps(reading.to_record()) + "\n")
-    return path
 
 
 def checkpoint_step(path: Path) -> int:

@@ -1,6 +1,5 @@
-"""The in-process runner: a point's branches trained inside the Trainer from an in-memory copy of the window's start,
-on the micro-batches the main run trained, while the main run waits; and what every runner shares: the search over
-k (``measure_window``) and the held-out batches."""
+"""The in-process runner (the branches trained in the Trainer from an in-memory copy while the main run waits), and
+what every runner shares: the search over k (``measure_window``) and the held-out batches."""
 
 from __future__ import annotations
 
@@ -120,7 +119,13 @@ def _first_validation_loader(trainer: pl.Trainer) -> Any:
 
 def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list[Any]:
     """The first ``count`` batches of ``loader`` on ``device``, its ``torch.Generator``s put back."""
-    generators = {id(g): g for g in _loader_generators(loader)}.values()
+    samplers = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    found = [getattr(sampler, "generator", None) for sampler in samplers]
+    generators = {id(g): g for g in found if isinstance(g, torch.Generator)}.values()
     saved = [(generator, generator.get_state()) for generator in generators]
     try:
         return [
@@ -130,17 +135,6 @@ def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list
     finally:
         for generator, state in saved:
             generator.set_state(state)
-
-
-def _loader_generators(loader: Any) -> list[torch.Generator]:
-    samplers = [
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    ]
-    return [
-        sampler.generator for sampler in samplers if isinstance(getattr(sampler, "generator", None), torch.Generator)
-    ]
 
 
 class InProcessRunner:

@@ -1,6 +1,5 @@
-"""Where and on what a due probe starts: the window and multipliers at the run's batch (``plan_probe``, pure), where
-the run ends (``run_end``), and ``ProbeRun``, the run as the callback plans in it, with the checks of its first
-batch."""
+"""Where and on what a due probe starts: ``plan_probe`` (pure), where the run ends (``run_end``), and ``ProbeRun``, the
+run as the callback plans in it, with the checks of its first batch."""
 
 from __future__ import annotations
 

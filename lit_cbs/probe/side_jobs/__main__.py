@@ -1,6 +1,5 @@
-"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: it rebuilds the run (``SideJobs.build``, a dotted
-function the job description names, with its JSON arguments), resumes it from the probe's checkpoint with the main
-run's plan, trains the branches and writes their scores to ``scores.json``."""
+"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: the run rebuilt (``SideJobs.build``) and resumed from
+the probe's checkpoint, the branches trained on the main run's plan, their scores written to ``scores.json``."""
 
 from __future__ import annotations
 

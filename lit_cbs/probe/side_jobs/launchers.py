@@ -1,6 +1,5 @@
-"""Where a CBS probe's side jobs run: ``LocalLauncher`` (processes on this machine) and ``SlurmLauncher`` (SLURM jobs
-through submitit), and ``SideJobs``, the probe's side-job settings. A launcher starts a Python command line and says
-whether it still runs; what the job does is ``lit_cbs.probe.side_jobs``."""
+"""Where side jobs run: ``LocalLauncher`` (processes here), ``SlurmLauncher`` (SLURM through submitit), and
+``SideJobs``, the settings; a launcher starts a Python command line and says whether it still runs."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,16 +122,6 @@ RUN_GROUP_VARIABLES = (
 )  # fmt: skip
 
 
-@contextlib.contextmanager
-def _without(names: set[str]) -> Iterator[None]:
-    """``os.environ`` without ``names`` inside, as it was after."""
-    removed = {name: os.environ.pop(name) for name in names if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(removed)
-
-
 def job_environment() -> dict[str, str]:
     """This process's environment without the main run's process-group variables (and torchrun's TORCHELASTIC_*)."""
     return {
@@ -210,17 +198,10 @@ class SlurmLauncher:
                     "them); give one of the cluster's"
                 )
 
-    def _executor(self, folder: Path, name: str) -> Any:
+    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``)."""
         import submitit
 
-        executor = submitit.AutoExecutor(folder=folder / "slurm", cluster="slurm")
-        parameters: dict[str, Any] = {
-            "name": name,
-            "timeout_min": self.timeout_min,
-            "nodes": self.nodes,
-            "tasks_per_node": self.tasks_per_node,
-            "slurm_additional_parameters": dict(self.additional_parameters),
-        }
         optional = {
             "slurm_partition": self.partition,
             "gpus_per_node": self.gpus_per_node,
@@ -228,19 +209,22 @@ class SlurmLauncher:
             "mem_gb": self.mem_gb,
             "slurm_account": self.account,
         }
-        parameters.update({key: value for key, value in optional.items() if value is not None})
-        executor.update_parameters(**parameters)
-        return executor
-
-    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``)."""
-        import submitit
-
         # sbatch passes on the environment it is called in (the job then adds SLURM's own): not the main run's group.
-        with _without(set(os.environ) - set(job_environment())):
-            job = self._executor(folder, name).submit(
-                submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd())
+        kept = job_environment()
+        removed = {variable: os.environ.pop(variable) for variable in set(os.environ) - set(kept)}
+        try:
+            executor = submitit.AutoExecutor(folder=folder / "slurm", cluster="slurm")
+            executor.update_parameters(
+                name=name,
+                timeout_min=self.timeout_min,
+                nodes=self.nodes,
+                tasks_per_node=self.tasks_per_node,
+                slurm_additional_parameters=dict(self.additional_parameters),
+                **{key: value for key, value in optional.items() if value is not None},
             )
+            job = executor.submit(submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd()))
+        finally:
+            os.environ.update(removed)
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
@@ -255,7 +239,10 @@ class SlurmLauncher:
                 return JobState(False, "" if kind == "success" else (str(result).strip().splitlines() or [""])[-1])
             except Exception as error:  # noqa: BLE001 - being written while the job ends; a failure once it ended
                 unreadable = f"its result {job.paths.result_pickle} is unreadable ({type(error).__name__}: {error})"
-        state = _squeue_state(handle["job_id"]) or job.state
+        # squeue lists recently ended jobs too; a cluster without accounting forgets one after MinJobAge
+        found = subprocess.run(["squeue", "-h", "-j", handle["job_id"], "-o", "%T"], capture_output=True, text=True)
+        listed = found.stdout.split() if found.returncode == 0 else []
+        state = listed[0] if listed else job.state
         if state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING"):
             return JobState(True)
         if unreadable is not None:
@@ -267,13 +254,6 @@ class SlurmLauncher:
     def cancel(self, handle: dict[str, Any]) -> None:
         """``scancel`` the job."""
         subprocess.run(["scancel", handle["job_id"]], capture_output=True)
-
-
-def _squeue_state(job_id: str) -> str | None:
-    """The job's state as squeue shows it; None where squeue does not list it."""
-    found = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    states = found.stdout.split()
-    return states[0] if found.returncode == 0 and states else None
 
 
 @dataclass(frozen=True)
