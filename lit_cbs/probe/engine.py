@@ -334,17 +334,25 @@ class Runner(Protocol):
     def close(self, point: ProbePoint) -> None: ...
 
 
+def _say_nothing(*_: Any) -> None:
+    """The default listener of a reading or a failure (module functions: the callback pickles for ddp_spawn)."""
+
+
+def _none_yet() -> int:
+    return 0
+
+
 @dataclass
 class ProbeEngine:
     """A run's probe points: those open, the readings (``history``), the failures; readings feed ``schedule``."""
 
     config: ProbeConfig
     runner: Runner
-    on_reading: Callable[[ProbeReading, ProbePoint], None] = lambda *_: None
-    on_failure: Callable[[dict[str, Any]], None] = lambda _: None
+    on_reading: Callable[[ProbeReading, ProbePoint], None] = _say_nothing
+    on_failure: Callable[[dict[str, Any]], None] = _say_nothing
     schedule: CBSAdaptive | None = None
-    consumed: Callable[[], int] = lambda: 0
-    tokens_seen: Callable[[], int] = lambda: 0
+    consumed: Callable[[], int] = _none_yet
+    tokens_seen: Callable[[], int] = _none_yet
     history: list[ProbeReading] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # tokens, step, reason
     points: dict[int, ProbePoint] = field(default_factory=dict)  # open: no reading yet

@@ -120,19 +120,7 @@ class CheckpointProbe(Callback):
             heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
         samples_per_rank = plan.window_samples // world
         batches = self._read_window(loader, micro, samples_per_rank * self.config.replicates)
-        point = ProbePoint(
-            index=0,
-            tokens=accounting.tokens_seen,
-            step=trainer.global_step,
-            batch_size=batch,
-            seq_len=seq_len,
-            multipliers=plan.multipliers,
-            window_samples=plan.window_samples,
-            folder="",
-            main_baseline=False,
-            window_end_samples=0,
-            replicates=self.config.replicates,
-        )
+        point = run.point(0, plan, trainer.global_step, None, "")  # the window's start, as a main run's probe
         with accounting.branching():
             start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
             window = RecordedWindow.at(point, world, start, batches=batches, early_stop_samples=plan.early_stop_samples)
