@@ -363,7 +363,7 @@ def probe_reading(tokens: float, lower: float, upper: float | None, batch_size: 
     reading = dict(
         tokens=tokens, step=0, batch_size=batch_size, seq_len=128, window_tokens=8192, search="grid",
         evaluate="train_ema", losses={f"{k:g}": 3.0 for k in ks}, main_loss=3.0, branches_trained=ks, failed=[],
-        k_star=lower / batch_size, cbs_lower=lower, cbs_upper=upper, tokens_spent=8192 * len(ks),
+        k_star=lower / batch_size, cbs_upper=upper, tokens_spent=8192 * len(ks),
         overhead=0.1, epsilon=0.01,
     )  # fmt: skip
     return ProbeReading(**{**reading, **fields})

@@ -1,7 +1,5 @@
-"""A probe branch: batch k*B trained from the window's start snapshot over the main run's recorded window, through
-the module's own hooks with every callback hidden, and scored as the main run's window is. A failure is agreed
-across ranks (out of memory fails the branch everywhere; any other exception aborts the probe everywhere).
-docs/design.md, "The probe", has the rest."""
+"""A probe branch: batch k*B trained from the window's start over the recorded window through the module's own hooks,
+every callback hidden; a failure is agreed across ranks (out of memory fails the branch, anything else the probe)."""
 
 from __future__ import annotations
 
@@ -37,6 +35,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     from lit_cbs.callbacks.warmup import BatchWarmup
+    from lit_cbs.probe.engine import ProbePoint
 
 __all__: list[str] = []  # the probe's own parts
 
@@ -72,8 +71,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _reshard(pl_module: pl.LightningModule) -> None:
-    """FSDP2 parameters back in their sharded form (a forward without backward, the held-out loss, leaves modules
-    built with reshard_after_forward=False unsharded); snapshots copy and restore the shards."""
+    """FSDP2 parameters back in sharded form (a forward without backward leaves some unsharded)."""
     from torch.distributed.fsdp import FSDPModule
 
     for module in pl_module.modules():
@@ -88,9 +86,7 @@ def _copy_to(value: Any, device: torch.device) -> Any:
 
 
 class TrainingSnapshot:
-    """An in-memory copy of everything a training step changes, restored in place: parameters, buffers and
-    optimizer state rank-locally (FSDP2 shards stay shards), schedulers and the grad scaler by their state_dicts, the
-    RNG states and the module's torchmetrics states."""
+    """An in-memory copy of what a training step changes (rank-local: FSDP2 shards stay shards), restored in place."""
 
     def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: str | torch.device = "cpu"):
         self.device = torch.device(device)
@@ -117,8 +113,7 @@ class TrainingSnapshot:
 
     @torch.no_grad()
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Put the copied state back in place (the same tensors, so optimizers keep their references); optimizer
-        state a branch created is dropped and the gradients cleared. It can be restored again."""
+        """Put the copy back into the same tensors (optimizers keep their references); restorable again."""
         _reshard(pl_module)
         for live, saved in zip(self._module_tensors(pl_module), self.tensors):
             _local(live).copy_(saved)
@@ -156,8 +151,7 @@ class _ProbeLossModule(Protocol):
 
 
 def module_optimizer(pl_module: pl.LightningModule) -> LightningOptimizer:
-    """The module's optimizer as its ``optimizer_step`` receives it: one, under the automatic optimization a
-    probe requires (Lightning refuses more there)."""
+    """The module's one optimizer (automatic optimization), as its ``optimizer_step`` receives it."""
     optimizer = pl_module.optimizers()
     assert not isinstance(optimizer, list), "automatic optimization has a single optimizer"
     return optimizer
@@ -174,8 +168,7 @@ class BranchProgress:
 
 @dataclass
 class RecordedWindow:
-    """The main run's window since a probe point, as this rank trained it (samples global unless said, tokens global):
-    the snapshot every branch starts from, the micro-batches, and the branches kept at an early-stop point."""
+    """The main run's window since a probe point, as this rank trained it (samples global unless said)."""
 
     tokens: int  # at the window's start
     step: int  # optimizer steps at the window's start
@@ -190,6 +183,14 @@ class RecordedWindow:
     recorded_samples: int = 0  # per rank, in `batches`
     early_stop_samples: list[int] = field(default_factory=list)  # per rank, where the probe may end early
     progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to an early stop
+
+    @classmethod
+    def at(cls, point: ProbePoint, ranks: int, start: TrainingSnapshot, **more: Any) -> RecordedWindow:
+        """The window of ``point`` on ``ranks`` ranks from ``start``; ``more``: the other fields."""
+        return cls(
+            point.tokens, point.step, point.batch_size, ranks, point.seq_len, point.multipliers,
+            point.window_samples, start, point.replicates, **more,
+        )  # fmt: skip
 
     @property
     def samples_per_rank(self) -> int:
@@ -218,8 +219,7 @@ class RecordedWindow:
         self.recorded_samples += extract_batch_size(batch)
 
     def micro_batches(self, size: int, samples: int, offset: int = 0) -> list[Any]:
-        """``samples`` recorded samples (per rank) from the ``offset``-th on, in micro-batches of ``size``: the
-        recorded ones where they have that size, else cut anew along dim 0."""
+        """``samples`` recorded samples (per rank) from the ``offset``-th on, in micro-batches of ``size``."""
         needed = samples // size
         first, seen = 0, 0
         while seen < offset and first < len(self.batches):
@@ -241,8 +241,7 @@ class RecordedWindow:
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: torch.OutOfMemoryError; the CPU allocator's refusal (a plain RuntimeError, told by its
-    message); or a CUDA call out of memory outside the caching allocator (cuBLAS workspaces, NCCL buffers)."""
+    """An allocation failure: torch's, the CPU allocator's refusal, or CUDA out of memory in a library call."""
     message = str(error)
     return (
         isinstance(error, torch.OutOfMemoryError)
@@ -253,8 +252,7 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 @contextlib.contextmanager
 def callbacks_hidden(trainer: pl.Trainer) -> Iterator[None]:
-    """No callback hook runs inside (branch steps are not the run's) but ``BatchAccounting``'s, which does nothing in
-    a branch."""
+    """No callback hook runs inside (branch steps are not the run's) but ``BatchAccounting``'s."""
     # trainer.callbacks is set by Lightning's callback connector, undeclared on Trainer: hence the ignores
     callbacks = trainer.callbacks  # type: ignore[attr-defined]
     trainer.callbacks = [c for c in callbacks if isinstance(c, BatchAccounting)]  # type: ignore[attr-defined]
@@ -265,8 +263,7 @@ def callbacks_hidden(trainer: pl.Trainer) -> Iterator[None]:
 
 
 def cooldown_factor(step: int, steps: int, cooldown_steps: int) -> float:
-    """The LR factor of a branch's ``step`` of ``steps``: 1, then a linear decay over the last ``cooldown_steps``
-    (1 - 1/(c+1), ..., 1 - c/(c+1))."""
+    """The LR factor of a branch's ``step`` of ``steps``: 1, then linear decay over the last ``cooldown_steps``."""
     if step < steps - cooldown_steps:
         return 1.0
     return 1.0 - (step - (steps - cooldown_steps) + 1) / (cooldown_steps + 1)
@@ -274,8 +271,7 @@ def cooldown_factor(step: int, steps: int, cooldown_steps: int) -> float:
 
 @contextlib.contextmanager
 def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float) -> Iterator[None]:
-    """Every LR times ``factor`` for the one step inside (a branch's cooldown), then as it was; ``ProbeUnusable``
-    where the step wrote the LR itself."""
+    """Every LR times ``factor`` for the step inside; ``ProbeUnusable`` where the step wrote the LR itself."""
     saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -294,8 +290,7 @@ def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k
 
 
 class HeldoutLoss:
-    """The module's loss on one held-out batch: its ``probe_loss(batch)``, else its ``validation_step`` if that
-    returns a loss, else its ``training_step`` (the caller undoes their side effects)."""
+    """The loss on a held-out batch: ``probe_loss``, else ``validation_step``'s loss, else ``training_step``'s."""
 
     def __init__(self, pl_module: pl.LightningModule):
         self.pl_module = pl_module
@@ -320,8 +315,7 @@ class HeldoutLoss:
 
 @dataclass
 class BranchTrainer:
-    """Trains a probe's branches inside ``trainer`` and scores each as the main run's window: the EMA of its step
-    losses (``evaluate="train_ema"``) or its loss on each ``heldout`` batch, averaged over ranks (nats)."""
+    """Trains a probe's branches in ``trainer`` and scores each as the main run's window is scored (nats)."""
 
     trainer: pl.Trainer
     pl_module: pl.LightningModule
@@ -338,16 +332,13 @@ class BranchTrainer:
         self._heldout_loss = HeldoutLoss(self.pl_module)
 
     def score(self, step_losses: list[float]) -> BranchScore:
-        """The score (the same on every rank) of a window this rank trained with ``step_losses``, the model at its
-        end."""
+        """The score (alike on every rank) of a window trained with ``step_losses``, the model at its end."""
         if self.evaluate == "heldout":
             return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
         return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
 
     def loss(self, window: RecordedWindow, k: float, keep: bool = False, replicate: int = 0) -> BranchScore:
-        """Train batch k*B over the ``replicate``-th window recorded so far, from its start (or where this branch
-        stopped at an early stop; ``keep`` keeps its end state for that), and score it. ``BranchFailed``: it
-        diverged or ran out of memory on a rank; ``BranchError``: another rank raised; ``ProbeAborted``: a stop."""
+        """Train batch k*B over the ``replicate``-th window (``keep``: kept for an early look) and score it."""
         with callbacks_hidden(self.trainer):
             step_losses = self._train(window, k, keep, replicate)
             return self.score(step_losses)
@@ -427,8 +418,7 @@ class BranchTrainer:
         return step_losses
 
     def _step(self, step: int, first: int, batches: list[Any], step_losses: list[float]) -> None:
-        """One optimizer step through the module's hooks: ``optimizer_zero_grad``, then its ``optimizer_step``, whose
-        closure runs the step's micro-batches (``first``: the index of the first)."""
+        """One optimizer step through the module's ``optimizer_zero_grad`` and ``optimizer_step`` hooks."""
         trainer, module = self.trainer, self.pl_module
         optimizer = module_optimizer(module)  # the LightningOptimizer the module's optimizer_step receives
         closure = functools.partial(self._forward_backward, first, batches, step_losses)
@@ -438,8 +428,7 @@ class BranchTrainer:
         self._agreed(functools.partial(module.optimizer_step, trainer.current_epoch, step, optimizer, closure))
 
     def _forward_backward(self, first: int, batches: list[Any], step_losses: list[float]) -> torch.Tensor:
-        """A branch step's closure: each micro-batch's training_step and backward (gradients synchronised on the last),
-        the step's loss their mean (nats); a non-finite one on any rank fails the branch."""
+        """A branch step's closure over its micro-batches; ``BranchFailed`` on a non-finite loss."""
         trainer, strategy = self.trainer, self.trainer.strategy
         raw_optimizer = trainer.optimizers[0]
         count = len(batches)
@@ -449,7 +438,7 @@ class BranchTrainer:
             batch = move_data_to_device(batch, strategy.root_device)
             self.accounting.set_gradient_sync(last)
             with block_ddp_gradient_sync(strategy, block=not last):
-                loss = self._agreed(functools.partial(self._training_loss, batch, first + i))
+                loss = self._agreed(lambda: loss_of(strategy.training_step(batch, first + i)))  # noqa: B023 - called here
                 self._agreed(functools.partial(strategy.backward, loss / count, raw_optimizer))
             total += loss.detach()
         self.accounting.step_tokens.rescale(trainer, raw_optimizer, count)  # token_mean_loss
@@ -458,10 +447,6 @@ class BranchTrainer:
             raise BranchFailed(f"non-finite loss at branch step {len(step_losses)}")
         step_losses.append(float(step_loss))
         return step_loss
-
-    def _training_loss(self, batch: Any, index: int) -> torch.Tensor:
-        """The module's training_step loss on one micro-batch, through the strategy's wrapped model."""
-        return loss_of(self.trainer.strategy.training_step(batch, index))
 
     @torch.no_grad()
     def _local_heldout_losses(self) -> list[float]:
@@ -482,9 +467,7 @@ class BranchTrainer:
 def branch_micro_batch(
     k: float, batch_size: int, accounting: BatchAccounting, warmup: BatchWarmup | None
 ) -> int | None:
-    """Samples per rank in a micro-batch of branch k at the main batch ``batch_size`` (samples): the one
-    ``warmup`` would train batch k*B with (with ``max_micro_batch_size``), else the main run's; None where k*B is
-    no whole number of such micro-batches on every rank."""
+    """Samples per rank in branch k's micro-batch at main batch ``batch_size``; None where none fits."""
     branch, ranks = k * batch_size, accounting.data_parallel_size
     if abs(branch - round(branch)) > 1e-9 or round(branch) % ranks:
         return None

@@ -109,8 +109,7 @@ class CBSProbeCallback(Callback):
         return self.engine.tokens_spent
 
     def status(self) -> dict[str, Any]:
-        """How the probe points fared and, beside ``CBSAdaptive``, whether it acted; with side jobs, what the main run
-        waited for them."""
+        """How the probe points fared, whether a ``CBSAdaptive`` acted, what side jobs cost the main run."""
         status = self.engine.status()
         if self._side is not None:
             status["side_jobs"] = dict(self._side.waits)  # what the main run waited for its side jobs
@@ -123,8 +122,7 @@ class CBSProbeCallback(Callback):
         return self._run.accounting
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Attach the ``BatchAccounting``; refuse manual optimization, optimizer rules other than a changing
-        ``BatchWarmup``'s, and a side-job launcher or build that cannot work."""
+        """Attach the ``BatchAccounting``; refuse manual optimization, other rules, unusable side jobs."""
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "CBSProbeCallback", "it trains branches through it")
@@ -148,8 +146,7 @@ class CBSProbeCallback(Callback):
         self._run.check_rules_apply(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Refuse a first probe point past ``max_tokens``, load the held-out batches, resolve the output folder, and
-        start the probe a resumed run left due."""
+        """Refuse a point past ``max_tokens``, load held-out batches, start a probe left due."""
         run = self._run
         assert run is not None, "set up for the fit"
         self._resumed, self._deferred = trainer.global_step > 0, False
@@ -345,9 +342,7 @@ class CBSProbeCallback(Callback):
             log_figures(trainer.loggers, [path], trainer.global_step)
 
     def state_dict(self) -> dict[str, Any]:
-        """Readings, failures, probes started, branch tokens and the side jobs still out. A window in progress in
-        process cannot go on after a resume (its snapshot lives in memory): it is recorded as interrupted, and the
-        resumed run probes again at once (at the same step from the checkpoint of the window's start)."""
+        """Readings, failures, points started, side jobs out; an in-process window open is interrupted."""
         open_points = self.engine.recording() if self._in_process is not None else []
         open_window = (open_points[0].tokens, open_points[0].step) if open_points else self._interrupted
         return {
@@ -381,8 +376,7 @@ class CBSProbeCallback(Callback):
 def log_reading(
     trainer: pl.Trainer, reading: ProbeReading, tokens_spent: int, late: ProbePoint | None, tokens_seen: int
 ) -> None:
-    """Log ``reading``'s metrics and say it; ``tokens_spent``: the branch tokens of every reading so far. A ``late``
-    point's reading (a side job's) is logged on the row of the step that ended its window, and said to be late."""
+    """Log ``reading``'s metrics and say it; a ``late`` one on the row of the step that ended its window."""
     log_step = None
     if late is not None:
         assert late.window_end_step is not None, "a late reading comes after its window ended"

@@ -1,6 +1,5 @@
-"""The probe engine, whatever trains the branches: the probe's settings (``ProbeConfig``) and a point's life from its
-start to its reading (``ProbeEngine``). No Lightning: the callback hands it the run's counts. docs/design.md, "The
-probe engine"."""
+"""The probe engine, whatever trains the branches: the settings (``ProbeConfig``) and a point's life from its start to
+its reading (``ProbeEngine``). No Lightning. docs/design.md, "The probe engine"."""
 
 from __future__ import annotations
 
@@ -27,11 +26,15 @@ __all__: list[str] = []  # the probe's own parts: CBSProbeCallback and probe_che
 MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the loss
 
 
+def _require(ok: bool, refusal: str) -> None:
+    """``LitCBSConfigError(refusal)`` unless ``ok``."""
+    if not ok:
+        raise LitCBSConfigError(refusal)
+
+
 @dataclass(frozen=True)
 class ProbeConfig:
-    """The keyword arguments of ``CBSProbeCallback`` and ``probe_checkpoint`` (described there), checked once, each
-    refusal naming the field, the value and the fix; kept in a normal form (sorted float ``multipliers``, a sorted
-    ``early_stop`` list, a ``Path`` ``output_dir``)."""
+    """The keyword arguments of ``CBSProbeCallback`` and ``probe_checkpoint``, checked once, in a normal form."""
 
     every_tokens: int | None = None
     at_tokens: Sequence[int] | None = None
@@ -58,67 +61,60 @@ class ProbeConfig:
     rules: OptimizerRules = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.every_tokens, self.at_tokens, self.geometric)) > 1:
-            raise LitCBSConfigError(
-                "give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several"
-            )
+        where = (self.every_tokens, self.at_tokens, self.geometric)
+        _require(
+            sum(x is not None for x in where) <= 1,
+            "give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several",
+        )
         positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
         if self.at_tokens is not None:
             at_tokens = sorted(int(t) for t in self.at_tokens)
-            if not at_tokens or at_tokens[0] <= 0:
-                raise LitCBSConfigError(f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
+            ok = bool(at_tokens) and at_tokens[0] > 0
+            _require(ok, f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
             self._set("at_tokens", at_tokens)
         if self.geometric is not None:
             first, ratio = self.geometric
-            if not (first > 0 and ratio > 1):
-                raise LitCBSConfigError(f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
+            _require(first > 0 and ratio > 1, f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
             self._set("geometric", tuple(self.geometric))
-        multipliers = list(self.multipliers)
-        if not multipliers or any(
-            isinstance(k, bool) or not (isinstance(k, (int, float)) and k > 0) for k in multipliers
-        ):
-            raise LitCBSConfigError(f"multipliers={multipliers!r} must be a non-empty list of positive numbers")
-        if len(set(multipliers)) != len(multipliers):
-            raise LitCBSConfigError(f"multipliers={multipliers!r} has duplicates")
-        if len(multipliers) < 2:
-            raise LitCBSConfigError(
-                f"multipliers={multipliers!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
-            )
-        if not 0.5 <= self.confidence < 1:
-            raise LitCBSConfigError(
-                f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)"
-            )
-        if not 0 <= self.cooldown_fraction < 1:
-            raise LitCBSConfigError(
-                f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)"
-            )
+        ks = list(self.multipliers)
+        positive = all(not isinstance(k, bool) and isinstance(k, (int, float)) and k > 0 for k in ks)
+        _require(bool(ks) and positive, f"multipliers={ks!r} must be a non-empty list of positive numbers")
+        _require(len(set(ks)) == len(ks), f"multipliers={ks!r} has duplicates")
+        one = f"multipliers={ks!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
+        _require(len(ks) >= 2, one)
+        _require(
+            0.5 <= self.confidence < 1,
+            f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)",
+        )
+        _require(
+            0 <= self.cooldown_fraction < 1,
+            f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)",
+        )
         early_stop = sorted(float(f) for f in self.early_stop) if self.early_stop is not None else []
-        if not all(0 < f < 1 for f in early_stop):
-            raise LitCBSConfigError(
-                f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"
-            )
-        if early_stop and self.cooldown_fraction:
-            raise LitCBSConfigError(
-                "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"
-            )
-        if not 0 <= self.epsilon < MAX_EPSILON:
-            raise LitCBSConfigError(
-                f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger "
-                f"batch counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch "
-                "recovers and the reading means nothing"
-            )
-        if not 0 < self.ema_alpha <= 1:
-            raise LitCBSConfigError(f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)")
+        fractions = f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"
+        _require(all(0 < f < 1 for f in early_stop), fractions)
+        _require(
+            not (early_stop and self.cooldown_fraction),
+            "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one",
+        )
+        _require(
+            0 <= self.epsilon < MAX_EPSILON,
+            f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch "
+            f"counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and "
+            "the reading means nothing",
+        )
+        alpha = f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)"
+        _require(0 < self.ema_alpha <= 1, alpha)
         one_of("search", self.search, SEARCHES)
-        if self.search == "bisect" and 1 not in multipliers:
-            raise LitCBSConfigError("search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers")
-        if 1 not in multipliers:
-            raise LitCBSConfigError(
-                f"multipliers={multipliers!r} has no k = 1: a reading asks which larger batch k x B recovers the loss "
-                "of the run's own batch B within epsilon, so without k = 1 it compares the branches among themselves "
-                "and says nothing about the run: include 1"
-            )
-        self._set("multipliers", sorted(float(k) for k in multipliers))
+        bisect = "search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers"
+        _require(self.search != "bisect" or 1 in ks, bisect)
+        _require(
+            1 in ks,
+            f"multipliers={ks!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of the run's "
+            "own batch B within epsilon, so without k = 1 it compares the branches among themselves and says nothing "
+            "about the run: include 1",
+        )
+        self._set("multipliers", sorted(float(k) for k in ks))
         positive_int("window_tokens", self.window_tokens, "tokens")
         for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha"):
             self._set(name, float(getattr(self, name)))
@@ -128,39 +124,35 @@ class ProbeConfig:
         )
         one_of("evaluate", self.evaluate, EVALUATIONS)
         positive_int("heldout_batches", self.heldout_batches, "validation batches")
-        positive_int("replicates", self.replicates, "data windows per measured k")
-        if self.replicates > 1 and self.evaluate != "heldout":
-            raise LitCBSConfigError(
-                f"replicates={self.replicates} compares each k on the same held-out batches across data windows: set "
-                "evaluate='heldout' (or replicates=1)"
-            )
-        if self.replicates > 1 and early_stop:
-            raise LitCBSConfigError(
-                f"early_stop={early_stop!r} and replicates={self.replicates} cannot be combined "
-                "(a reading cut short has not trained its later windows): drop one"
-            )
-        self._set(
-            "max_overhead",
-            positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True),
+        replicates = positive_int("replicates", self.replicates, "data windows per measured k")
+        _require(
+            replicates == 1 or self.evaluate == "heldout",
+            f"replicates={replicates} compares each k on the same held-out batches across data windows: set "
+            "evaluate='heldout' (or replicates=1)",
         )
+        _require(
+            replicates == 1 or not early_stop,
+            f"early_stop={early_stop!r} and replicates={replicates} cannot be combined (a reading cut short has not "
+            "trained its later windows): drop one",
+        )
+        overhead = positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
+        self._set("max_overhead", overhead)
         self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
         if self.side_jobs is not None:
             from lit_cbs.probe.side_jobs.launchers import SideJobs  # with side jobs only: Lightning comes with them
 
-            if not isinstance(self.side_jobs, SideJobs):
-                raise LitCBSConfigError(
-                    f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
-                )
-            if not isinstance(self.lr_rule, str):
-                raise LitCBSConfigError(
-                    f"side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), "
-                    f"not {self.lr_rule!r} (or drop side_jobs)"
-                )
-            if early_stop:
-                raise LitCBSConfigError(
-                    f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; "
-                    "with side_jobs it never waits: drop early_stop (or side_jobs)"
-                )
+            jobs = f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
+            _require(isinstance(self.side_jobs, SideJobs), jobs)
+            _require(
+                isinstance(self.lr_rule, str),
+                f"side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), not "
+                f"{self.lr_rule!r} (or drop side_jobs)",
+            )
+            _require(
+                not early_stop,
+                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with "
+                "side_jobs it never waits: drop early_stop (or side_jobs)",
+            )
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # a checked field in its normal form (the dataclass is frozen)
@@ -197,9 +189,7 @@ class ProbeConfig:
         next_probe: int = 0,
         window_tokens: int | None = None,
     ) -> None:
-        """Refuse a ``next_probe``-th point at or past the run's end (``run_end_tokens``, by ``limit``), or with
-        ``whole_span`` one whose ``replicates`` windows (of ``window_tokens`` where the caller knows them: whole
-        steps of the largest branch) end past it."""
+        """Refuse a ``next_probe``-th point at or past the run's end (``whole_span``: its windows)."""
         point = self.probe_point(next_probe)
         window = self.window_tokens if window_tokens is None else window_tokens
         if whole_span and point + window * self.replicates > run_end_tokens:
@@ -239,8 +229,7 @@ def score_from_json(content: dict[str, Any]) -> BranchScore:
 
 @dataclass
 class ProbePoint:
-    """One probe point, from its start until its reading is recorded; JSON-able (a side job's point is in the main
-    run's checkpoint). Samples and tokens global."""
+    """One probe point from its start to its reading; JSON-able (a side job's is in the run's checkpoint)."""
 
     index: int
     tokens: int  # when its window began
@@ -281,8 +270,7 @@ class ProbePoint:
 
 @dataclass
 class BranchOutcome:
-    """A point's branches: each measured k's score, the ks trained (once per data window) and failed, the branch
-    tokens, the tokens of one window they trained on, and whether it is final (False: an early look)."""
+    """A point's branches: scores per k, the ks trained and failed, tokens; ``final`` False: an early look."""
 
     scores: dict[float, BranchScore]
     trained: list[float]
@@ -292,10 +280,45 @@ class BranchOutcome:
     final: bool = True
 
 
+def point_reading(
+    config: ProbeConfig,
+    point: ProbePoint,
+    outcome: BranchOutcome,
+    history: list[ProbeReading],
+    mode: str,
+    arrived_at_tokens: int | None,
+) -> ProbeReading:
+    """The reading of ``point``; its overhead counts every earlier reading's branch tokens in ``history``."""
+    earlier = sum(reading.tokens_spent for reading in history if reading.tokens < point.tokens)
+    main = score_from_json(point.main_score) if point.main_score is not None else outcome.scores[1.0]
+    main_tokens = point.tokens + outcome.window_tokens * point.replicates
+    return ProbeReading.decide(
+        outcome.scores,
+        DecisionRule(config.epsilon, config.confidence),
+        point.multipliers,
+        point.batch_size,
+        search=config.search,
+        evaluate=config.evaluate,
+        cooldown_fraction=config.cooldown_fraction,
+        tokens=point.tokens,
+        step=point.step,
+        seq_len=point.seq_len,
+        window_tokens=outcome.window_tokens,
+        main_loss=main.loss,
+        branches_trained=list(outcome.trained),
+        failed=list(outcome.failed),
+        tokens_spent=outcome.tokens_trained,
+        overhead=(earlier + outcome.tokens_trained) / max(1, main_tokens),
+        planned_window_tokens=point.window_tokens,
+        interrupted_at_tokens=point.interrupted_at_tokens,
+        replicates=point.replicates,
+        mode=mode,
+        arrived_at_tokens=arrived_at_tokens,
+    )
+
+
 class Runner(Protocol):
-    """Where a probe's branches train: in process, as side jobs, from a checkpoint. ``step`` follows each main-run
-    optimizer step while the point's part trains; ``window_ended`` when the main run's score of the window (or a
-    look) is in; ``poll`` gives the outcomes (or why a point failed) that arrived."""
+    """Where a point's branches train (in process, side jobs), told of its life by the engine."""
 
     mode: str  # ProbeReading.mode of its readings
     late: bool  # its outcomes arrive after the main run's window ended
@@ -312,7 +335,7 @@ class Runner(Protocol):
 
 
 def _say_nothing(*_: Any) -> None:
-    """The default listener of a reading or a failure."""
+    """The default listener of a reading or a failure (module functions: the callback pickles for ddp_spawn)."""
 
 
 def _none_yet() -> int:
@@ -321,9 +344,7 @@ def _none_yet() -> int:
 
 @dataclass
 class ProbeEngine:
-    """A run's probe points: those open, the readings decided (``history``) and the points that failed.
-    ``on_reading``/``on_failure`` are told each once; determined readings feed ``schedule`` (a ``CBSAdaptive``,
-    counting ``consumed()``); ``tokens_seen()`` is where a late reading arrives."""
+    """A run's probe points: those open, the readings (``history``), the failures; readings feed ``schedule``."""
 
     config: ProbeConfig
     runner: Runner
@@ -358,8 +379,7 @@ class ProbeEngine:
         row: int | None,
         score: Callable[[ProbePoint], BranchScore],
     ) -> None:
-        """After a main-run optimizer step: each open window takes it; where a window or look ends the main run's
-        model is scored (``score``) and the runner told; then each runner steps."""
+        """After a main-run step: open windows take it, are scored where they (or a look) end; runners step."""
         for point in self.recording():
             if not point.window_done:
                 assert step_loss is not None, "every micro-batch of an open window's step returned its loss"
@@ -380,7 +400,8 @@ class ProbeEngine:
             if isinstance(outcome, str):
                 self.fail(point, outcome)
                 continue
-            reading = self.reading(point, outcome)
+            arrived = self.tokens_seen() if self.runner.late else None
+            reading = point_reading(self.config, point, outcome, self.history, self.runner.mode, arrived)
             if not (outcome.final or reading.determined):
                 continue  # an early look the data do not decide: the window goes on
             del self.points[point.index]
@@ -389,37 +410,6 @@ class ProbeEngine:
             self.history.append(reading)
             self.history.sort(key=lambda reading: reading.tokens)  # late readings may arrive out of order
             self.on_reading(reading, point)
-
-    def reading(self, point: ProbePoint, outcome: BranchOutcome) -> ProbeReading:
-        """The reading of ``point``; ``overhead``: the branch tokens of it and every earlier one over the main run's
-        tokens at the window's end, whichever runner trained them and whenever they reported."""
-        config = self.config
-        earlier = sum(reading.tokens_spent for reading in self.history if reading.tokens < point.tokens)
-        main = score_from_json(point.main_score) if point.main_score is not None else outcome.scores[1.0]
-        main_tokens = point.tokens + outcome.window_tokens * point.replicates
-        return ProbeReading.decide(
-            outcome.scores,
-            DecisionRule(config.epsilon, config.confidence),
-            point.multipliers,
-            point.batch_size,
-            search=config.search,
-            evaluate=config.evaluate,
-            cooldown_fraction=config.cooldown_fraction,
-            tokens=point.tokens,
-            step=point.step,
-            seq_len=point.seq_len,
-            window_tokens=outcome.window_tokens,
-            main_loss=main.loss,
-            branches_trained=list(outcome.trained),
-            failed=list(outcome.failed),
-            tokens_spent=outcome.tokens_trained,
-            overhead=(earlier + outcome.tokens_trained) / max(1, main_tokens),
-            planned_window_tokens=point.window_tokens,
-            interrupted_at_tokens=point.interrupted_at_tokens,
-            replicates=point.replicates,
-            mode=self.runner.mode,
-            arrived_at_tokens=self.tokens_seen() if self.runner.late else None,
-        )
 
     def fail(self, point: ProbePoint, reason: str) -> None:
         """``point`` gives no reading: recorded with ``reason``."""
@@ -442,8 +432,7 @@ class ProbeEngine:
             reading.adaptive_batch = self.schedule.batch_size(consumed)
 
     def adaptive_asks(self, batch_size: int) -> tuple[int | None, int | None]:
-        """What a ``CBSAdaptive`` says of a probe at ``batch_size`` now: the tokens of a reading at this batch still
-        out (it asks one question of a batch at a time), and its final batch where it is there (no reading moves it)."""
+        """A ``CBSAdaptive``'s answer at ``batch_size``: (tokens of a reading out, its final batch)."""
         schedule = self.schedule
         if schedule is None:
             return None, None
@@ -453,8 +442,7 @@ class ProbeEngine:
         return (out[0] if out else None), None
 
     def status(self) -> dict[str, Any]:
-        """Readings (and how many determined), failures, the points pending (tokens) and, with a ``CBSAdaptive``,
-        its decisions and why it never moved."""
+        """Readings, how many determined, failures, points pending and a ``CBSAdaptive``'s decisions."""
         status: dict[str, Any] = {
             "read": len(self.history),
             "determined": sum(reading.determined for reading in self.history),

@@ -1,10 +1,8 @@
-"""The CBS at a saved checkpoint: a probe's branches trained from it on the data the run trains next, read at the
-checkpoint's data position (a ``GlobalOrderLoader``), with the in-process probe's branch trainer, rule and search;
-the fit stops before its first step. The same callback trains a side job's branches."""
+"""The CBS at a saved checkpoint: branches trained from it on the run's next data (a ``GlobalOrderLoader``'s position),
+as in process; the fit stops before its first step. The same callback trains a side job's branches."""
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 import warnings
@@ -24,10 +22,10 @@ from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import BranchTrainer, RecordedWindow, TrainingSnapshot, known
-from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbeEngine, ProbePoint
-from lit_cbs.probe.in_process import BranchMeasurer, load_heldout_batches, no_baseline
+from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, point_reading
+from lit_cbs.probe.in_process import load_heldout_batches, measure_window, no_baseline
 from lit_cbs.probe.plan import ProbePlan, ProbeRun, ProbeSkip, plan_probe
-from lit_cbs.probe.reading import BranchScore, ProbeReading, first_measured
+from lit_cbs.probe.reading import BranchScore, ProbeReading
 
 __all__ = ["CheckpointProbe", "RunParts", "probe_checkpoint"]
 
@@ -62,9 +60,7 @@ class RunParts:
 
 
 class CheckpointProbe(Callback):
-    """Trains a probe's branches at the start of a fit resumed from a checkpoint, then stops the fit. ``plan``: the
-    window a side job's main run planned (None: planned here); ``baseline``: the main run's own k = 1 score over
-    the first window (a side job's). Without a plan it decides the ``reading``; else it keeps the ``scores``."""
+    """Trains a probe's branches as a resumed fit starts, then stops it; ``plan``, ``baseline``: a side job's."""
 
     def __init__(
         self,
@@ -74,11 +70,8 @@ class CheckpointProbe(Callback):
     ):
         self.config, self.plan, self.baseline = config, plan, baseline
         self.reading: ProbeReading | None = None
-        self.scores: dict[float, BranchScore] = {}
-        self.measurer: BranchMeasurer | None = None
-        self.tokens_trained = 0
+        self.outcome: BranchOutcome | None = None  # the branches' (the last look's)
         self.seconds = 0.0
-        self._outcomes: list[tuple[ProbePoint, BranchOutcome | str]] = []
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse a train loader that keeps no data position (before Lightning refuses it in its own words)."""
@@ -112,52 +105,36 @@ class CheckpointProbe(Callback):
         run = ProbeRun(self.config, accounting, warmup)
         batch = run.global_batch()  # from the checkpoint
         micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
-        plan = self.plan or self._plan_here(accounting, run.micro_batch_for(batch))
+        plan = self.plan or plan_probe(
+            self.config,
+            tokens=accounting.tokens_seen,
+            batch_size=batch,
+            seq_len=seq_len,
+            data_parallel_size=world,
+            branch_micro_batch=run.micro_batch_for(batch),
+        )
+        if isinstance(plan, ProbeSkip):
+            raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
         heldout = None
         if self.config.evaluate == "heldout":
             heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
         samples_per_rank = plan.window_samples // world
         batches = self._read_window(loader, micro, samples_per_rank * self.config.replicates)
+        point = run.point(0, plan, trainer.global_step, None, "")  # the window's start, as a main run's probe
         with accounting.branching():
-            window = RecordedWindow(
-                tokens=accounting.tokens_seen,
-                step=trainer.global_step,
-                batch_size=batch,
-                data_parallel_size=world,
-                seq_len=seq_len,
-                multipliers=plan.multipliers,
-                window_samples=plan.window_samples,
-                start=TrainingSnapshot(trainer, pl_module, self.config.snapshot_device),
-                replicates=self.config.replicates,
-                batches=batches,
-                early_stop_samples=plan.early_stop_samples,
-            )
+            start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
+            window = RecordedWindow.at(point, world, start, batches=batches, early_stop_samples=plan.early_stop_samples)
             branches = run.branch_trainer(trainer, pl_module, batch, heldout)
             try:
                 with logging_muted(pl_module):
-                    self._measure(window, branches)
+                    self._measure(point, window, branches)
             finally:
                 window.start.restore(trainer, pl_module)
                 accounting.set_gradient_sync(None)
-        self.tokens_trained = branches.tokens_trained
-
-    def _plan_here(self, accounting: BatchAccounting, micro_batch_for: Callable[[float], int | None]) -> ProbePlan:
-        plan = plan_probe(
-            self.config,
-            tokens=accounting.tokens_seen,
-            batch_size=known(accounting.global_batch, "BatchAccounting.global_batch"),
-            seq_len=known(accounting.seq_len, "BatchAccounting.seq_len"),
-            data_parallel_size=accounting.data_parallel_size,
-            branch_micro_batch=micro_batch_for,
-        )
-        if isinstance(plan, ProbeSkip):
-            raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
-        return plan
 
     @staticmethod
     def _read_window(loader: Any, micro_batch_size: int, samples: int) -> list[Any]:
-        """This rank's next ``samples`` samples in micro-batches of ``micro_batch_size`` (the main run's), from the
-        loader's position on; an epoch's short last micro-batch makes one more read necessary."""
+        """This rank's next ``samples`` samples from the loader's position, in micro-batches."""
         count = -(-samples // micro_batch_size)
         while True:
             batches: list[Any] = loader.peek(count)
@@ -165,72 +142,24 @@ class CheckpointProbe(Callback):
                 return batches
             count += 1
 
-    def _measure(self, window: RecordedWindow, branches: BranchTrainer) -> None:
-        """Train and score the branches; without a plan from a main run, the engine decides the reading here, at
-        each early look first (the first determined reading ends the probe there)."""
+    def _measure(self, point: ProbePoint, window: RecordedWindow, branches: BranchTrainer) -> None:
+        """Train and score the branches; without a plan decide the reading, at each early look first."""
         per_rank = window.samples_per_rank
         stops = [*window.early_stop_samples, per_rank] if self.plan is None else [per_rank]
         trained: list[float] = []
         failed: list[float] = []
-        point = ProbePoint(
-            index=0,
-            tokens=window.tokens,
-            step=window.step,
-            batch_size=window.batch_size,
-            seq_len=window.seq_len,
-            multipliers=window.multipliers,
-            window_samples=window.window_samples,
-            folder="",
-            main_baseline=False,
-            window_end_samples=0,
-            replicates=window.replicates,
-        )
-        engine = ProbeEngine(self.config, self)
-        engine.points[0] = point
         for stop in stops:
             final = stop == per_rank
             window.recorded_samples = per_rank * window.replicates if final else stop
-            train = functools.partial(branches.loss, window, keep=not final)
-            self.measurer = BranchMeasurer(train, window.replicates, self.baseline, trained, failed)
-            for k in first_measured(self.config.search, window.multipliers):
-                if k != 1.0 or self.baseline is no_baseline:  # k = 1 may wait for the main run's window to end
-                    self.measurer.score(k)
-            self.scores = self.measurer.scores(self.config.search, window.multipliers, self.config.epsilon)
+            prefetch = self.baseline is not no_baseline  # k = 1 may wait for the main run's window to end
+            outcome = measure_window(self.config, window, branches, self.baseline, trained, failed, final, prefetch)
+            self.outcome = outcome
             if self.plan is not None:
                 return
-            window_tokens = window.tokens_of(min(window.recorded_samples, per_rank))
-            self._outcomes.append(
-                (
-                    point,
-                    BranchOutcome(
-                        self.scores, list(trained), list(failed), branches.tokens_trained, window_tokens, final
-                    ),
-                )
-            )
-            engine.poll()
-            if engine.history:
-                self.reading = engine.history[0]
+            reading = point_reading(self.config, point, outcome, [], MODE, None)
+            if final or reading.determined:
+                self.reading = reading
                 return
-
-    # The runner the engine asks: the outcomes come from ``_measure``; no main run trains.
-    mode = MODE
-    late = False
-
-    def start(self, point: ProbePoint) -> None:
-        pass
-
-    def step(self, point: ProbePoint, samples_seen: int) -> None:
-        pass
-
-    def window_ended(self, point: ProbePoint) -> None:
-        pass
-
-    def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
-        outcomes, self._outcomes = self._outcomes, []
-        return outcomes
-
-    def close(self, point: ProbePoint) -> None:
-        pass
 
 
 def probe_checkpoint(
@@ -256,7 +185,9 @@ def probe_checkpoint(
     if probe.reading is None:
         raise RuntimeError("the checkpoint probe trained no branch (the fit stopped before its first hook)")
     if output_dir is not None:
-        append_reading(Path(output_dir), probe.reading)
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with (Path(output_dir) / "cbs_probe.jsonl").open("a") as out:
+            out.write(json.dumps(probe.reading.to_record()) + "\n")
     return probe.reading
 
 
@@ -281,15 +212,6 @@ def run_checkpoint_probe(ckpt_path: str | Path, parts: RunParts, probe: Checkpoi
     return trainer
 
 
-def append_reading(folder: Path, reading: ProbeReading) -> Path:
-    """Append ``reading`` to ``folder``/cbs_probe.jsonl (created if missing); returns the file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "cbs_probe.jsonl"
-    with path.open("a") as out:
-        out.write(json.dumps(reading.to_record()) + "\n")
-    return path
-
-
 def checkpoint_step(path: Path) -> int:
     """The ``global_step`` a checkpoint holds, read without its tensors (from ``meta.pt`` in a distributed one)."""
     import torch
@@ -299,8 +221,7 @@ def checkpoint_step(path: Path) -> int:
 
 
 def checkpoints_in_order(folder: Path, steps: Callable[[Path], int]) -> list[Path]:
-    """The complete checkpoints in ``folder`` by step (``steps(path)``), less ``last.ckpt`` and ``hpc_ckpt_*``, which
-    repeat a step."""
+    """The complete checkpoints in ``folder`` by step, less ``last.ckpt`` and ``hpc_ckpt_*``."""
     from lit_cbs.callbacks.checkpoint_files import checkpoint_candidates, unreadable
 
     found = [

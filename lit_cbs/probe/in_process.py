@@ -1,13 +1,10 @@
-"""The in-process runner: a point's branches trained inside the Trainer from an in-memory copy of the window's start,
-on the micro-batches the main run trained, while the main run waits; and what every runner shares: the search over
-k (``BranchMeasurer``) and the held-out batches."""
+"""The in-process runner (the branches trained in the Trainer from an in-memory copy while the main run waits), and
+what every runner shares: the search over k (``measure_window``) and the held-out batches."""
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from itertools import islice
 from typing import Any
 
@@ -25,7 +22,7 @@ from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, RecordedWindow, TrainingSnapshot
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint
-from lit_cbs.probe.reading import BranchScore, measure_losses
+from lit_cbs.probe.reading import BranchScore, first_measured, measure_losses
 
 __all__: list[str] = []  # the probe's own parts
 
@@ -35,53 +32,54 @@ def no_baseline() -> BranchScore | None:
     return None
 
 
-@dataclass
-class BranchMeasurer:
-    """The scores a probe's search asks for, each k over every replicate window: ``train(k, replicate=r)``, or for
-    k = 1's first window the main run's own score where ``baseline()`` gives one. A failed window fails k (not
-    recovered); ``trained`` and ``failed`` gather over measurers (an early look is measured again on more data)."""
+def measure_window(
+    config: ProbeConfig,
+    window: RecordedWindow,
+    branches: BranchTrainer,
+    baseline: Callable[[], BranchScore | None],
+    trained: list[float],
+    failed: list[float],
+    final: bool,
+    prefetch: bool = False,
+) -> BranchOutcome:
+    """The branches' outcome over the window so far, each k over every replicate window (k = 1's first from
+    ``baseline()`` where it gives one); a failed window fails k. ``trained``/``failed`` gather over the looks;
+    ``prefetch``: the ks of ``first_measured`` but 1 first (a side job's k = 1 score may wait for the main run)."""
+    measured: dict[float, BranchScore] = {}
 
-    train: Callable[..., BranchScore]  # train(k, replicate=r)
-    replicates: int
-    baseline: Callable[[], BranchScore | None] = no_baseline
-    trained: list[float] = field(default_factory=list)  # multipliers trained as branches, once per data window
-    failed: list[float] = field(default_factory=list)
-    measured: dict[float, BranchScore] = field(default_factory=dict)
-
-    def score(self, k: float) -> BranchScore:
-        """k's score over every replicate window (inf if one failed)."""
-        if k not in self.measured:
-            windows = []
-            for replicate in range(self.replicates):
-                if k in self.failed:
-                    break
-                windows.append(self._window(k, replicate))
-            self.measured[k] = BranchScore(math.inf) if k in self.failed else BranchScore.replicated(windows)
-        return self.measured[k]
-
-    def _window(self, k: float, replicate: int) -> BranchScore:
-        if k == 1.0 and replicate == 0:
-            main = self.baseline()
-            if main is not None:
-                return main
-        if replicate > 0 or k not in self.trained:
-            self.trained.append(k)
+    def one_window(k: float, replicate: int) -> BranchScore:
+        main = baseline() if k == 1.0 and replicate == 0 else None
+        if main is not None:
+            return main
+        if replicate > 0 or k not in trained:
+            trained.append(k)
         try:
-            return self.train(k, replicate=replicate)
+            return branches.loss(window, k, keep=not final, replicate=replicate)
         except BranchFailed as error:
             rank_zero_warn(f"CBS probe branch k={k:g} failed ({error}); counted as not recovered")
-            self.failed.append(k)
+            failed.append(k)
             return BranchScore(math.inf)
 
-    def scores(self, search: str, multipliers: Sequence[float], epsilon: float) -> dict[float, BranchScore]:
-        """The score of every k ``search`` ("grid" or "bisect") needs over ``multipliers`` (``measure_losses``)."""
-        return measure_losses(search, multipliers, self.score, epsilon)
+    def score(k: float) -> BranchScore:
+        if k not in measured:
+            windows = []
+            for replicate in range(window.replicates):
+                if k in failed:
+                    break
+                windows.append(one_window(k, replicate))
+            measured[k] = BranchScore(math.inf) if k in failed else BranchScore.replicated(windows)
+        return measured[k]
+
+    for k in first_measured(config.search, window.multipliers) if prefetch else []:
+        if k != 1.0:
+            score(k)
+    scores = measure_losses(config.search, window.multipliers, score, config.epsilon)
+    window_tokens = window.tokens_of(min(window.recorded_samples, window.samples_per_rank))
+    return BranchOutcome(scores, list(trained), list(failed), branches.tokens_trained, window_tokens, final)
 
 
 def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device | str) -> list[Any]:
-    """This rank's first ``count`` batches of the run's validation data, as Lightning's validation reads it during
-    ``fit``, detached, on ``device``; every RNG state (the loader's generators too) as it was. On every rank: the
-    empty-loader check is collective."""
+    """This rank's first ``count`` validation batches as Lightning reads them, every RNG state kept."""
     states = collect_rng_states(include_cuda=torch.cuda.is_available())
     try:
         loader = _first_validation_loader(trainer)
@@ -120,9 +118,14 @@ def _first_validation_loader(trainer: pl.Trainer) -> Any:
 
 
 def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list[Any]:
-    """The first ``count`` batches of ``loader`` on ``device``; the loader's and its sampler's own
-    ``torch.Generator``s (which a shuffled or seeded loader advances) are put back afterwards."""
-    generators = {id(g): g for g in _loader_generators(loader)}.values()
+    """The first ``count`` batches of ``loader`` on ``device``, its ``torch.Generator``s put back."""
+    samplers = [
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ]
+    found = [getattr(sampler, "generator", None) for sampler in samplers]
+    generators = {id(g): g for g in found if isinstance(g, torch.Generator)}.values()
     saved = [(generator, generator.get_state()) for generator in generators]
     try:
         return [
@@ -134,20 +137,8 @@ def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list
             generator.set_state(state)
 
 
-def _loader_generators(loader: Any) -> list[torch.Generator]:
-    samplers = [
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    ]
-    return [
-        sampler.generator for sampler in samplers if isinstance(getattr(sampler, "generator", None), torch.Generator)
-    ]
-
-
 class InProcessRunner:
-    """Trains a point's branches where the main run's part ends (and at each early look), then restores the main
-    run's state: one point at a time."""
+    """Trains a point's branches where the main run's part (or a look) ends, one point at a time."""
 
     mode = "in_process"
     late = False
@@ -176,20 +167,8 @@ class InProcessRunner:
         with accounting.branching():  # the copy is probe work, not the main run's time
             start = TrainingSnapshot(trainer, self.pl_module, self.config.snapshot_device)
         ranks = accounting.data_parallel_size
-        self.window = RecordedWindow(
-            early_stop_samples=[
-                (look - point.window_end_samples + point.window_samples) // ranks for look in point.looks
-            ],
-            tokens=point.tokens,
-            step=point.step,
-            batch_size=point.batch_size,
-            data_parallel_size=ranks,
-            seq_len=point.seq_len,
-            multipliers=point.multipliers,
-            window_samples=point.window_samples,
-            start=start,
-            replicates=point.replicates,
-        )
+        looks = [(look - point.window_end_samples + point.window_samples) // ranks for look in point.looks]
+        self.window = RecordedWindow.at(point, ranks, start, early_stop_samples=looks)
         self._branches, self._trained, self._failed = self.branch_trainer(point.batch_size), [], []
         set_probe_window(trainer, trainer.global_step)
 
@@ -202,8 +181,7 @@ class InProcessRunner:
         """Nothing to hand over: the engine keeps the main run's score, which ``point.baseline`` gives."""
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
-        """Where the main run's part ends, or at an early look, train and score the branches over the window recorded
-        so far (the main state restored after), for ``poll``; ``ProbeAborted`` on a stop signal."""
+        """Where the part or a look ends, train and score the branches, then restore the main run."""
         window, branches = self.window, self._branches
         assert window is not None and branches is not None, "a point is open"
         final = window.complete
@@ -213,17 +191,13 @@ class InProcessRunner:
         with accounting.branching():  # probe work: not the main run's time or gradients
             after_window = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
             try:
-                train = functools.partial(branches.loss, window, keep=not final)
-                measurer = BranchMeasurer(train, window.replicates, point.baseline, self._trained, self._failed)
                 with logging_muted(pl_module):
-                    scores = measurer.scores(self.config.search, window.multipliers, self.config.epsilon)
+                    outcome = measure_window(
+                        self.config, window, branches, point.baseline, self._trained, self._failed, final
+                    )
             finally:
                 after_window.restore(trainer, pl_module)
                 accounting.set_gradient_sync(None)
-        window_tokens = window.tokens_of(min(window.recorded_samples, window.samples_per_rank))
-        outcome = BranchOutcome(
-            scores, list(self._trained), list(self._failed), branches.tokens_trained, window_tokens, final
-        )
         self._outcomes.append((point, outcome))
 
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:

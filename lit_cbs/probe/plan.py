@@ -1,6 +1,5 @@
-"""Where and on what a due probe starts: the window and multipliers at the run's batch (``plan_probe``, pure), where
-the run ends (``run_end``), and ``ProbeRun``, the run as the callback plans in it, with the checks of its first
-batch."""
+"""Where and on what a due probe starts: ``plan_probe`` (pure), where the run ends (``run_end``), and ``ProbeRun``, the
+run as the callback plans in it, with the checks of its first batch."""
 
 from __future__ import annotations
 
@@ -40,9 +39,7 @@ __all__: list[str] = []  # the probe's own parts
 
 @dataclass(frozen=True)
 class ProbePlan:
-    """What a probe that starts measures: the ks whose batch the micro-batches make and the window holds, the
-    samples of each window (global; whole steps of the largest branch), and samples per rank into the window where
-    the reading may be judged early."""
+    """What a starting probe measures: its ks, each window's samples, early looks (samples per rank)."""
 
     multipliers: list[float]
     window_samples: int
@@ -51,8 +48,7 @@ class ProbePlan:
 
 @dataclass(frozen=True)
 class ProbeSkip:
-    """A due probe that does not start, and why; ``stays_due``: a run resumed from this one's last checkpoint takes
-    it; ``warn``: a problem with the settings; ``next_epoch``: asked again after every step."""
+    """A due probe that does not start, and why (``stays_due``: a resumed run takes it)."""
 
     reason: str
     stays_due: bool = False
@@ -81,8 +77,7 @@ def usable_multipliers(
 def window_at(
     config: ProbeConfig, batch_size: int, seq_len: int, branch_micro_batch: Callable[[float], int | None]
 ) -> tuple[list[float], int]:
-    """The ks a probe at global batch ``batch_size`` trains and the samples of its window: ``window_tokens`` rounded
-    down to whole steps of its largest branch; 0 samples where fewer than two ks, or not k = 1, fit."""
+    """The ks a probe at ``batch_size`` trains, and its window (whole steps of the largest; 0: none fits)."""
     window_samples = config.window_tokens // seq_len
     ks = usable_multipliers(config.multipliers, batch_size, window_samples, branch_micro_batch)
     if len(ks) < 2 or 1.0 not in ks:
@@ -156,8 +151,7 @@ def plan_probe(
 
 @dataclass(frozen=True)
 class RunEnd:
-    """Where the run ends (tokens, global): no sooner than ``earliest`` at the batch in use, no later than ``latest``
-    at the largest batch it may reach; ``limit`` names the limit that ends it soonest. None: no known limit."""
+    """Where the run ends (tokens): at the batch in use, at the largest; ``limit`` names the soonest."""
 
     earliest: int | None
     latest: int | None
@@ -174,9 +168,7 @@ def run_end(
     micro_batches_into_step: int,
     largest_batch: int,
 ) -> RunEnd:
-    """The run's end by ``max_tokens``, ``max_steps`` or ``max_epochs``, from a training hook of the current
-    micro-batch: ``micro_batches_this_epoch`` read (this one included), ``micro_batches_into_step`` of them in the
-    step not yet taken."""
+    """The run's end by ``max_tokens``, ``max_steps`` or ``max_epochs``, from a hook of the current micro-batch."""
     seq_len = known(accounting.seq_len, "BatchAccounting.seq_len")
     micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
     global_batch = known(accounting.global_batch, "BatchAccounting.global_batch")
@@ -212,9 +204,7 @@ LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative t
 
 
 def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> str | None:
-    """What the module's own ``optimizer_step`` wrote as the LR, tried once on a copy of the run's state (every LR at
-    ``LR_TRIAL_FACTOR`` x its own, zero gradients, no callback), if it set one itself (no branch could then train at
-    lr_rule(k) x the LR); None otherwise. Everything it changed is put back."""
+    """The LR the module's own ``optimizer_step`` writes (tried on a copy), else None."""
     if not is_overridden("optimizer_step", pl_module):
         return None
     accounting = BatchAccounting.attach(trainer)
@@ -249,8 +239,7 @@ def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule,
 
 @dataclass
 class ProbeRun:
-    """The run as a probe plans in it: the Trainer's counts, the ``BatchWarmup`` whose schedule sets the batch at
-    each point (None: a fixed batch), and the checks of the probe's settings against the run."""
+    """The run as a probe plans in it: its counts, its ``BatchWarmup`` (None: fixed batch), the checks."""
 
     config: ProbeConfig
     accounting: BatchAccounting
@@ -400,9 +389,7 @@ class ProbeRun:
         return run_end(trainer, self.accounting, batch_idx + 1, into_step, self.largest_batch())
 
     def check_first_point(self, end: RunEnd, next_probe: int, resumed: bool, whole_span: bool = False) -> None:
-        """Refuse a fresh run whose next probe point lies at or past its latest end, or with ``whole_span`` (at the
-        first batch) whose window, at the batch the schedule gives there, ends past it; a resumed run past its last
-        point is told so and goes on."""
+        """Refuse a fresh run whose next point (or window) lies past its end; tell a resumed one."""
         if end.latest is None:
             return
         point = self.config.probe_point(next_probe)
@@ -430,8 +417,7 @@ class ProbeRun:
         rank_zero_info(f"CBSProbeCallback: no probe point is left in the rest of this run ({why})")
 
     def check_window(self, end: RunEnd, next_probe: int) -> None:
-        """Refuse a window that holds no step of the largest branch at a point the run still reaches (the next one
-        where no end is known), at the batch that probe would run at."""
+        """Refuse a window without a step of the largest branch at a point the run still reaches."""
         largest = max(self.config.multipliers)
         seq_len = self.seq_len()
         points = self.config.points_before(math.inf if end.latest is None else end.latest, next_probe)
@@ -448,9 +434,7 @@ class ProbeRun:
     def check_first_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, next_probe: int, resumed: bool
     ) -> None:
-        """At the first batch, where the accounting has seen what the loader yields: tokens per sample, an
-        optimizer_step that leaves the LR to the schedulers (tried once on a copy), a probe point inside the run, a
-        window that holds a step of the largest branch at every point still to come, and two multipliers that fit."""
+        """At the first batch: refuse no tokens, an LR-writing ``optimizer_step``, unfit points."""
         accounting = self.accounting
         if accounting.seq_len is None:
             raise LitCBSConfigError(

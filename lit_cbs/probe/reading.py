@@ -51,8 +51,7 @@ class BranchScore:
 
     @classmethod
     def replicated(cls, replicates: Sequence[BranchScore]) -> BranchScore:
-        """One k measured on several data windows, each scored on the same held-out batches: the mean over windows
-        and batches, each window's losses kept (``difference`` adds their spread); failed if any window failed."""
+        """One k over several data windows on the same held-out batches (failed if one failed)."""
         if len(replicates) == 1:
             return replicates[0]
         if any(score.failed for score in replicates):
@@ -65,8 +64,7 @@ class BranchScore:
 
     @classmethod
     def train_ema(cls, step_losses: Sequence[float], alpha: float) -> BranchScore:
-        """The EMA (weight ``alpha`` on the newest) of step losses at the last step, with an SE from their scatter:
-        mean((x_t - x_{t-1})^2) / 2 times the EMA's variance factor alpha / (2 - alpha); 3 or more steps."""
+        """The EMA of step losses at the last step, with an SE from their scatter (3 or more steps)."""
         loss = ema_last(step_losses, alpha)
         if len(step_losses) < 3 or not all(math.isfinite(x) for x in step_losses):
             return cls(loss)
@@ -82,8 +80,7 @@ class BranchScore:
 
 @dataclass(frozen=True)
 class Difference:
-    """L_k - L_j (nats), its SE (None: unknown), the degrees of freedom of its t quantile (inf: normal) and the
-    share of the SE from the spread between data windows (replicates only)."""
+    """L_k - L_j (nats), its SE (None: unknown), its t degrees of freedom, the windows' share of the SE."""
 
     mean: float
     se: float | None
@@ -113,9 +110,7 @@ def _variance(values: Sequence[float]) -> float:  # the sample variance
 
 
 def difference(a: BranchScore, b: BranchScore) -> Difference:
-    """L_a - L_b: paired over held-out batches where both have them (n - 1 degrees of freedom), else from the two
-    SEs (unpaired, normal). Replicated scores add the spread between windows, SE^2 = var_h / H + var_r / R, with
-    Welch-Satterthwaite's degrees of freedom (it errs on the wide side)."""
+    """L_a - L_b: paired over held-out batches, else unpaired; replicates add the windows' spread."""
     mean = a.loss - b.loss
     n = len(a.batch_losses)
     replicates = len(a.replicate_losses)
@@ -148,8 +143,7 @@ class DecisionRule:
 
 @dataclass(frozen=True)
 class Decision:
-    """k* on the mean losses, whether the data decide it, and per k the SE (nats) of L_k - L_base (base: the
-    smallest k; None for it and for a failed branch) and the windows' share of it (replicates only)."""
+    """k*, whether the data decide it, per k the SE of L_k - L_base and the windows' share of it."""
 
     k_star: float
     determined: bool
@@ -194,8 +188,7 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
 def judged_multipliers(
     scores: dict[float, BranchScore], epsilon: float, confidence: float
 ) -> tuple[list[float], list[float]]:
-    """(admissible, rejected): the finite ks within ``epsilon`` of every smaller finite k at ``confidence``, and the
-    ks beyond it of some smaller finite k (every failed branch)."""
+    """(admissible, rejected): ks within ``epsilon`` of every smaller finite k, and beyond one."""
     finite = sorted(k for k, s in scores.items() if not s.failed)
 
     def bounds(k: float, j: float) -> tuple[float, float]:
@@ -216,8 +209,7 @@ def is_admissible(losses: dict[float, float], k: float, epsilon: float) -> bool:
 
 
 def critical_multiplier(losses: dict[float, float], epsilon: float) -> float:
-    """k* = the largest k whose loss is within ``epsilon`` of every smaller k's; a failed branch (NaN or inf) is
-    never chosen and constrains no larger k; the smallest k if every branch failed."""
+    """k* = the largest k within ``epsilon`` of every smaller finite loss (the smallest if none)."""
     if not losses:
         raise ValueError("losses is empty: give at least one multiplier's loss")
     if epsilon < 0:
@@ -227,8 +219,7 @@ def critical_multiplier(losses: dict[float, float], epsilon: float) -> float:
 
 
 def cbs_interval(k_star: float, multipliers: Sequence[float], batch_size: int) -> tuple[float, float | None, float]:
-    """(lower, upper, estimate) in samples: [k* B, next k B] and their geometric mean; at the top of the grid upper
-    is None and the estimate the lower bound."""
+    """(lower, upper, estimate) in samples: [k* B, next k B], their geometric mean (upper None at top)."""
     lower = k_star * batch_size
     larger = [k for k in sorted(multipliers) if k > k_star]
     if not larger:
@@ -252,8 +243,7 @@ def ema_last(values: Sequence[float], alpha: float) -> float:
 def measure_losses(
     search: str, multipliers: Sequence[float], measure: Callable[[float], BranchScore], epsilon: float
 ) -> dict[float, BranchScore]:
-    """The score of each k the ``search`` needs, from ``measure(k)``: "grid" every k; "bisect" the smallest, then a
-    bisection of the rest for the largest admissible k on the mean losses (admissible ks assumed a prefix)."""
+    """The score of each k ``search`` needs: every k (grid), or bisection for the largest admissible."""
     ks = sorted(multipliers)
     if search == "grid":
         return {k: measure(k) for k in ks}
@@ -274,8 +264,7 @@ def _bisection_point(low: int, high: int) -> int:
 
 
 def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
-    """The ks ``measure_losses`` measures whatever their losses: every k for "grid"; for "bisect" the smallest and
-    the first midpoint (a side job trains these before the main run's k = 1 score arrives)."""
+    """The ks ``measure_losses`` measures whatever the losses (a side job's before k = 1's score)."""
     ks = sorted(multipliers)
     if search == "grid" or len(ks) < 2:
         return ks
@@ -313,7 +302,6 @@ class ProbeReading:
     branches_trained: list[float]  # in order, once per data window
     failed: list[float]  # branches that diverged, ran out of memory or raised
     k_star: float
-    cbs_lower: float  # k* B
     cbs_upper: float | None  # the next multiplier's batch; None at the top of the grid
     tokens_spent: int  # trained in this probe's branches
     overhead: float  # all probes' branch tokens so far / the main run's tokens
@@ -334,6 +322,11 @@ class ProbeReading:
     arrived_at_tokens: int | None = None  # side jobs: the main run's tokens when the reading arrived
 
     @property
+    def cbs_lower(self) -> float:
+        """k* B (samples)."""
+        return self.k_star * self.batch_size
+
+    @property
     def cbs_estimate(self) -> float:
         """The geometric mean of the bracket (samples); the lower bound at the top of the grid."""
         if self.cbs_upper is None:
@@ -341,9 +334,12 @@ class ProbeReading:
         return math.sqrt(self.cbs_lower * self.cbs_upper)
 
     def to_record(self) -> dict[str, Any]:
-        """The reading as ``cbs_probe.jsonl`` holds it: its fields, and ``cbs_estimate`` after ``cbs_upper``."""
+        """The reading as ``cbs_probe.jsonl`` holds it: its fields, and ``cbs_lower`` and ``cbs_estimate`` around
+        ``cbs_upper``."""
         record: dict[str, Any] = {}
         for key, value in dataclasses.asdict(self).items():
+            if key == "cbs_upper":
+                record["cbs_lower"] = self.cbs_lower
             record[key] = value
             if key == "cbs_upper":
                 record["cbs_estimate"] = self.cbs_estimate
@@ -352,7 +348,7 @@ class ProbeReading:
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
         """The reading ``record`` holds (``to_record``'s, a line of ``cbs_probe.jsonl``)."""
-        fields = {key: value for key, value in record.items() if key != "cbs_estimate"}
+        fields = {key: value for key, value in record.items() if key not in ("cbs_lower", "cbs_estimate")}
         known = dataclasses.fields(cls)
         no_default = dataclasses.MISSING
         needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}
@@ -372,10 +368,9 @@ class ProbeReading:
         batch_size: int,
         **fields: Any,
     ) -> ProbeReading:
-        """The k* rule on ``scores`` (per k), judged at ``rule.confidence``, the CBS bracketed on the grid
-        ``multipliers`` around batch ``batch_size`` (samples); ``fields``: the rest of the reading."""
+        """The k* rule on ``scores``, the CBS bracketed on ``multipliers`` x ``batch_size``."""
         decision = decide(scores, rule.epsilon, rule.confidence)
-        lower, upper, _ = cbs_interval(decision.k_star, multipliers, batch_size)
+        _, upper, _ = cbs_interval(decision.k_star, multipliers, batch_size)
         measured = sorted(scores.items())
         if any(s.replicate_losses for s in scores.values()):
             se_method = SE_REPLICATED
@@ -387,7 +382,6 @@ class ProbeReading:
             batch_size=batch_size,
             losses={f"{k:g}": (s.loss if not s.failed else None) for k, s in measured},
             k_star=decision.k_star,
-            cbs_lower=lower,
             cbs_upper=upper,
             determined=decision.determined,
             confidence=rule.confidence,
@@ -408,8 +402,7 @@ class ProbeReading:
         return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
 
     def scores(self) -> dict[float, BranchScore]:
-        """Each measured k's score again (per-window and per-batch held-out losses where it has them, else the loss
-        alone), for ``decide`` to judge anew."""
+        """Each measured k's score again (held-out losses where kept), for ``decide`` to judge anew."""
 
         def score(k: str, loss: float | None) -> BranchScore:
             if loss is None:

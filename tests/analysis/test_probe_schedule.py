@@ -127,12 +127,6 @@ def test_reads_a_jsonl_file(tmp_path):
             {},
             r"probe readings\[0\]: tokens=None is not a number >= 0; every determined probe reading needs tokens",
         ),
-        (
-            [reading(1, 4), reading(5, 4, cbs_lower=None)],
-            {},
-            r"probe readings\[1\]: cbs_lower=None is not a number >= 0; every determined probe reading needs cbs_lower",
-        ),
-        ([reading(1, 4, cbs_lower="64")], {}, r"cbs_lower='64' is not a number"),
         ([reading(1, 4)], {"start": 0}, r"start=0 must be an int >= 1"),
         ([reading(1, 4)], {"factor": 1}, r"factor=1 must be an int >= 2"),
         ([reading(1, 4)], {"factor": 1.5}, r"factor=1.5 must be an int >= 2"),

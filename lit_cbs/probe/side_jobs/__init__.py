@@ -54,8 +54,7 @@ def write_json(path: Path, content: Any) -> None:
 
 
 def build_parts(build: str, build_args: dict[str, Any]) -> RunParts:
-    """The run's parts from ``SideJobs.build`` (``package.module:function``) called with ``build_args``;
-    ``LitCBSConfigError`` in one line where it cannot be imported, fails, or gives no ``RunParts`` with a datamodule."""
+    """The run's parts from ``SideJobs.build``; a ``LitCBSConfigError`` in one line where it fails."""
     module, _, function = build.partition(":")
     try:
         parts = getattr(importlib.import_module(module), function)(**build_args)
@@ -72,8 +71,7 @@ def build_parts(build: str, build_args: dict[str, Any]) -> RunParts:
 
 
 def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_args: dict[str, Any]) -> dict[str, Any]:
-    """What a side job is told (``job.json``): the checkpoint, how to rebuild the run, the probe's settings, the
-    window the main run planned, and how to tell that the main run is gone."""
+    """What a side job is told (``job.json``): checkpoint, build, settings, plan, the main run."""
     settings = {
         name: getattr(config, name)
         for name in (
@@ -97,17 +95,6 @@ def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_ar
     }
 
 
-def job_outcome(content: dict[str, Any], point: ProbePoint) -> BranchOutcome:
-    """The outcome a job's ``scores.json`` holds."""
-    return BranchOutcome(
-        {float(k): score_from_json(score) for k, score in content["scores"].items()},
-        content["trained"],
-        content["failed"],
-        content["tokens_trained"],
-        point.window_tokens,
-    )
-
-
 def failure_reason(failures: list[str]) -> str:
     """Why a point's jobs failed, each reason said once, whole."""
     counts = Counter(failures)
@@ -120,9 +107,7 @@ def failure_reason(failures: list[str]) -> str:
 
 
 class SideJobRunner:
-    """The main run's side of side-job probes: each point's folder, checkpoint and job, the main run's own score over
-    its window, and what became of the job. Rank 0 writes the files and talks to the launcher; every rank learns an
-    outcome at the same optimizer step (a broadcast), so a reading acts on every rank alike."""
+    """The main run's side of side jobs: rank 0 writes files and asks the launcher; all ranks learn alike."""
 
     mode = "side_jobs"
     late = True
@@ -143,8 +128,7 @@ class SideJobRunner:
 
     # ------------------------------------------------------------------ before training
     def check(self, trainer: pl.Trainer, warmup: BatchWarmup | None) -> None:
-        """Refuse, on every rank alike and before any work, a launcher that cannot start a job and a build that fails
-        or rebuilds another run (the build is made here, dry: nothing is trained)."""
+        """Refuse, on every rank before any work, a launcher that cannot start or a build that differs."""
         problem = None
         if trainer.is_global_zero:
             try:
@@ -196,8 +180,7 @@ class SideJobRunner:
         return str(self.folder / f"probe{index:03d}_{tokens}tokens")
 
     def start(self, point: ProbePoint) -> None:
-        """Write the point's start checkpoint (every rank: a distributed checkpoint is written by all) and its job
-        description into a fresh folder, and start its job (or queue it behind the jobs running)."""
+        """Write the point's checkpoint (every rank) and job description; start (or queue) its job."""
         trainer = self.trainer
         assert trainer is not None, "attached at the fit's start"
         started = time.perf_counter()
@@ -248,10 +231,7 @@ class SideJobRunner:
                 running += 1
 
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
-        """The points whose outcome is in: (point, outcome) when its job wrote its scores and the main run's window
-        ended (the reading needs the main run's own score); (point, why) when its jobs failed ``retries`` + 1 times,
-        or twice alike. A failed job with retries left waits its turn to start again. Rank 0 looks, every
-        ``look_every`` calls (one per optimizer step); every rank gets the same answer."""
+        """The points whose outcome (or failure) is in; rank 0 looks every ``look_every`` calls."""
         trainer = self.trainer
         assert trainer is not None, "attached at the fit's start"
         self._steps_since_look += 1
@@ -269,9 +249,14 @@ class SideJobRunner:
             found, every = trainer.strategy.broadcast((found, every))
         self.look_every, self._steps_since_look = every, 0
         finished: list[tuple[ProbePoint, BranchOutcome | str]] = []
-        for index, outcome in found:
+        for index, content in found:
             point = self.pending.pop(index)
-            finished.append((point, outcome if isinstance(outcome, str) else job_outcome(outcome, point)))
+            if isinstance(content, str):  # why its jobs failed
+                finished.append((point, content))
+                continue
+            scores = {float(k): score_from_json(score) for k, score in content["scores"].items()}
+            trained, failed, tokens = content["trained"], content["failed"], content["tokens_trained"]
+            finished.append((point, BranchOutcome(scores, trained, failed, tokens, point.window_tokens)))
         if trainer.is_global_zero:
             self._start_queued()
         cost = time.perf_counter() - started
@@ -282,8 +267,7 @@ class SideJobRunner:
         return finished
 
     def _next_look_every(self, now: float) -> int:
-        """Optimizer steps until the next look: looks at most every ``look_seconds``, costing at most 1 / LOOK_SHARE of
-        the run's time, from the steps' pace and the last look's cost since the last look (rank 0)."""
+        """Steps to the next look: at most every ``look_seconds``, 1 / LOOK_SHARE of the time."""
         if self._last_look is None or self.every_call or not self.settings.look_seconds:
             return 1
         began, cost = self._last_look
@@ -317,8 +301,7 @@ class SideJobRunner:
         return None
 
     def wait_at_end(self, poll: Callable[[], None]) -> None:
-        """Training is over: ``poll`` (the engine's) at every call until no point is pending, or for at most
-        ``SideJobs.wait_at_end`` minutes."""
+        """``poll`` until no point is pending, at most ``SideJobs.wait_at_end`` minutes."""
         waiting = ", ".join(f"{tokens:,}" for tokens in sorted(point.tokens for point in self.pending.values()))
         minutes = self.settings.wait_at_end
         rank_zero_info(f"CBS probes at {waiting} tokens: waiting up to {minutes:g} min for their side jobs")
@@ -371,8 +354,7 @@ def _beat(path: Path, stop: threading.Event) -> None:
 
 
 def main_is_gone(main: dict[str, Any], now: float | None = None) -> str | None:
-    """Why a job's main run is gone (its process ended, on this host; no heartbeat for ``MAIN_SILENCE_SECONDS``),
-    or None while it lives."""
+    """Why a job's main run is gone (process ended, heartbeat silent), else None."""
     if main["host"] == socket.gethostname() and not Path(f"/proc/{main['pid']}").exists():
         return f"the main run (process {main['pid']}) has ended"
     heartbeat = Path(main["heartbeat"])

@@ -1,6 +1,5 @@
-"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: it rebuilds the run (``SideJobs.build``, a dotted
-function the job description names, with its JSON arguments), resumes it from the probe's checkpoint with the main
-run's plan, trains the branches and writes their scores to ``scores.json``."""
+"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: the run rebuilt (``SideJobs.build``) and resumed from
+the probe's checkpoint, the branches trained on the main run's plan, their scores written to ``scores.json``."""
 
 from __future__ import annotations
 
@@ -30,12 +29,7 @@ class MainRunGone(RuntimeError):
 def wait_for_main_score(
     path: Path, main: dict[str, Any], poll_seconds: float = 2.0
 ) -> Callable[[], BranchScore | None]:
-    """k = 1's first-window score from the main run (its ``main_score.json``), waited for when first asked; None
-    where the main run's batch changed inside the window (k = 1 then trains as a branch).
-
-    Raises:
-        MainRunGone: the main run ended (or was not heard from for a while) before writing its score.
-    """
+    """k = 1's score from the main run's ``main_score.json``, waited for; ``MainRunGone`` if it left."""
 
     def baseline() -> BranchScore | None:
         while not path.is_file():
@@ -63,16 +57,16 @@ def run_job(description: dict[str, Any]) -> None:
         description["checkpoint"], build_parts(description["build"], description["build_args"]), probe
     )
     if trainer.is_global_zero:
-        measurer = probe.measurer
-        assert measurer is not None, "the fit's start ran the probe, which made its measurer"
+        outcome = probe.outcome
+        assert outcome is not None, "the fit's start ran the probe"
         usage = resource.getrusage(resource.RUSAGE_SELF)
         write_json(
             Path(description["scores"]),
             {
-                "scores": {f"{k:g}": score_to_json(score) for k, score in probe.scores.items()},
-                "trained": measurer.trained,
-                "failed": measurer.failed,
-                "tokens_trained": probe.tokens_trained,
+                "scores": {f"{k:g}": score_to_json(score) for k, score in outcome.scores.items()},
+                "trained": outcome.trained,
+                "failed": outcome.failed,
+                "tokens_trained": outcome.tokens_trained,
                 "seconds": probe.seconds,  # the branches' training and scoring
                 "job_seconds": time.time() - started,  # from the job's start (after its imports) to here
                 "cpu_seconds": usage.ru_utime + usage.ru_stime,  # this process, imports included (rank 0)

@@ -1,6 +1,5 @@
-"""Where a CBS probe's side jobs run: ``LocalLauncher`` (processes on this machine) and ``SlurmLauncher`` (SLURM jobs
-through submitit), and ``SideJobs``, the probe's side-job settings. A launcher starts a Python command line and says
-whether it still runs; what the job does is ``lit_cbs.probe.side_jobs``."""
+"""Where side jobs run: ``LocalLauncher`` (processes here), ``SlurmLauncher`` (SLURM through submitit), and
+``SideJobs``, the settings; a launcher starts a Python command line and says whether it still runs."""
 
 from __future__ import annotations
 
@@ -12,44 +11,21 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 
-__all__ = ["JobState", "Launcher", "LocalLauncher", "SideJobs", "SlurmLauncher"]
+__all__ = ["JobState", "LocalLauncher", "SideJobs", "SlurmLauncher"]
 
 
 @dataclass(frozen=True)
 class JobState:
-    """A side job seen from the main run: still ``running`` (or queued), or ended, and why (its exit status and
-    last line of output)."""
+    """A side job seen from the main run: still ``running`` (or queued), or ended, and why."""
 
     running: bool
     reason: str = ""
-
-
-class Launcher(Protocol):
-    """Starts side jobs and tells whether they still run (``LocalLauncher``, ``SlurmLauncher``, or any object with
-    these methods). A handle is a JSON-able dict (it goes into the main run's checkpoint, so a resumed run can ask
-    about a job it did not start); ``max_running``: jobs at once (None: no limit)."""
-
-    max_running: int | None
-
-    def check(self) -> None:
-        """Raise ``LitCBSConfigError`` (one line, with the fix) if no job could start."""
-
-    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Start ``command`` (the arguments after the interpreter) as a job whose files go to ``folder``, named
-        ``name``; return its handle."""
-
-    def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job of ``handle`` (perhaps submitted by an earlier main process) still runs."""
-
-    def cancel(self, handle: dict[str, Any]) -> None:
-        """Stop the job if it runs."""
 
 
 @dataclass(frozen=True)
@@ -99,8 +75,7 @@ class LocalLauncher:
             )
 
     def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """``python command...`` in a session of its own (a signal to the main run does not reach it), without the
-        main run's process-group variables, its output appended to ``folder/name.log``."""
+        """``python command...`` in a session of its own, log in ``folder``, without the run's group."""
         env = job_environment()
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
@@ -116,8 +91,7 @@ class LocalLauncher:
         return {"launcher": "local", "pid": process.pid, "started": time.time(), "log": str(folder / f"{name}.log")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the job still runs (also one an earlier main process started); one past ``timeout_min`` is
-        stopped here. An ended job's reason: its exit code or signal and the last line of its log."""
+        """Whether the job runs (stopped past ``timeout_min``); an ended one's status and last log line."""
         process = _STARTED.get(handle["pid"])
         code: int | str | None  # the exit status; "unknown": not our child, and gone
         if process is not None:
@@ -146,16 +120,6 @@ RUN_GROUP_VARIABLES = (
     "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "ROLE_RANK",
     "ROLE_NAME", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
 )  # fmt: skip
-
-
-@contextlib.contextmanager
-def _without(names: set[str]) -> Iterator[None]:
-    """``os.environ`` without ``names`` inside, as it was after."""
-    removed = {name: os.environ.pop(name) for name in names if name in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(removed)
 
 
 def job_environment() -> dict[str, str]:
@@ -234,17 +198,10 @@ class SlurmLauncher:
                     "them); give one of the cluster's"
                 )
 
-    def _executor(self, folder: Path, name: str) -> Any:
+    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
+        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``)."""
         import submitit
 
-        executor = submitit.AutoExecutor(folder=folder / "slurm", cluster="slurm")
-        parameters: dict[str, Any] = {
-            "name": name,
-            "timeout_min": self.timeout_min,
-            "nodes": self.nodes,
-            "tasks_per_node": self.tasks_per_node,
-            "slurm_additional_parameters": dict(self.additional_parameters),
-        }
         optional = {
             "slurm_partition": self.partition,
             "gpus_per_node": self.gpus_per_node,
@@ -252,24 +209,26 @@ class SlurmLauncher:
             "mem_gb": self.mem_gb,
             "slurm_account": self.account,
         }
-        parameters.update({key: value for key, value in optional.items() if value is not None})
-        executor.update_parameters(**parameters)
-        return executor
-
-    def submit(self, command: list[str], folder: Path, name: str) -> dict[str, Any]:
-        """Submit ``python command...`` as a SLURM job (submitit's files in ``folder/slurm``)."""
-        import submitit
-
         # sbatch passes on the environment it is called in (the job then adds SLURM's own): not the main run's group.
-        with _without(set(os.environ) - set(job_environment())):
-            job = self._executor(folder, name).submit(
-                submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd())
+        kept = job_environment()
+        removed = {variable: os.environ.pop(variable) for variable in set(os.environ) - set(kept)}
+        try:
+            executor = submitit.AutoExecutor(folder=folder / "slurm", cluster="slurm")
+            executor.update_parameters(
+                name=name,
+                timeout_min=self.timeout_min,
+                nodes=self.nodes,
+                tasks_per_node=self.tasks_per_node,
+                slurm_additional_parameters=dict(self.additional_parameters),
+                **{key: value for key, value in optional.items() if value is not None},
             )
+            job = executor.submit(submitit.helpers.CommandFunction([self.python, *command], cwd=os.getcwd()))
+        finally:
+            os.environ.update(removed)
         return {"launcher": "slurm", "job_id": str(job.job_id), "folder": str(folder / "slurm")}
 
     def state(self, handle: dict[str, Any]) -> JobState:
-        """Whether the SLURM job still runs or waits (from submitit's result file, ``squeue`` and ``sacct``); an ended
-        one's reason: "" for a command that succeeded, else its last line of error or SLURM's end state."""
+        """Whether the SLURM job runs or waits; an ended one's reason ("" when it succeeded)."""
         import submitit
 
         job: submitit.SlurmJob[Any] = submitit.SlurmJob(folder=handle["folder"], job_id=handle["job_id"])
@@ -280,7 +239,10 @@ class SlurmLauncher:
                 return JobState(False, "" if kind == "success" else (str(result).strip().splitlines() or [""])[-1])
             except Exception as error:  # noqa: BLE001 - being written while the job ends; a failure once it ended
                 unreadable = f"its result {job.paths.result_pickle} is unreadable ({type(error).__name__}: {error})"
-        state = _squeue_state(handle["job_id"]) or job.state
+        # squeue lists recently ended jobs too; a cluster without accounting forgets one after MinJobAge
+        found = subprocess.run(["squeue", "-h", "-j", handle["job_id"], "-o", "%T"], capture_output=True, text=True)
+        listed = found.stdout.split() if found.returncode == 0 else []
+        state = listed[0] if listed else job.state
         if state in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "CONFIGURING", "SUSPENDED", "RESIZING"):
             return JobState(True)
         if unreadable is not None:
@@ -292,14 +254,6 @@ class SlurmLauncher:
     def cancel(self, handle: dict[str, Any]) -> None:
         """``scancel`` the job."""
         subprocess.run(["scancel", handle["job_id"]], capture_output=True)
-
-
-def _squeue_state(job_id: str) -> str | None:
-    """The job's state as squeue shows it (recently ended jobs too), None if squeue does not list it (a cluster
-    without accounting forgets a finished job after MinJobAge)."""
-    found = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-    states = found.stdout.split()
-    return states[0] if found.returncode == 0 and states else None
 
 
 @dataclass(frozen=True)
@@ -327,7 +281,7 @@ class SideJobs:
         lit_cbs.errors.LitCBSConfigError: side_jobs.build='parts.py' must be 'package.module:function' ...
     """
 
-    launcher: Any
+    launcher: Any  # LocalLauncher, SlurmLauncher or any object with their check, submit, state, cancel, max_running
     build: str
     retries: int = 2
     keep_checkpoints: bool = False
