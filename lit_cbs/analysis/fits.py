@@ -200,23 +200,16 @@ def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
 
 @dataclass(frozen=True)
 class TargetFit:
-    """Both fits for one target loss (None: not made; its batch sizes NaN), with batch sizes in samples, or in tokens
-    per step (``unit``) where ``tokens_per_sample`` is None."""
+    """Both fits for one target loss (None: not made; its batch sizes NaN), with batch sizes in samples."""
 
     target: float
     crossings: tuple[Crossing, ...]
-    tokens_per_sample: float | None
+    tokens_per_sample: float
     mccandlish: McCandlishFit | None
     wsd: WSDFit | None
 
-    @property
-    def unit(self) -> str:
-        return "tokens per step" if self.tokens_per_sample is None else "samples"
-
     def _in_unit(self, tokens_per_step: float | None) -> float:
-        if tokens_per_step is None:
-            return float("nan")
-        return tokens_per_step if self.tokens_per_sample is None else tokens_per_step / self.tokens_per_sample
+        return float("nan") if tokens_per_step is None else tokens_per_step / self.tokens_per_sample
 
     @property
     def b_crit(self) -> float:
@@ -231,11 +224,9 @@ class TargetFit:
         return self._in_unit(self.wsd.b_opt if self.wsd else None)
 
 
-def fit_targets(
-    crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float | None = None
-) -> list[TargetFit]:
+def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float) -> list[TargetFit]:
     """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first; batch sizes
-    in samples of ``tokens_per_sample`` tokens (None: in tokens per step). Warns, naming the target, where a fit
+    in samples of ``tokens_per_sample`` tokens. Warns, naming the target, where a fit
     lacks runs (McCandlish's needs 3, the WSD fit 8) or misses them by more than ``POOR_FIT`` (rms of log E), and
     where a WSD part holds fewer than 2 runs."""
     fits = []
@@ -282,18 +273,13 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     """A token-indexed schedule (samples) following B_opt (Zhou et al. 2026) as the loss falls: B_opt of the first
     (highest) target from the start, and of each next target from the previous target's E_min tokens on. Sizes are
     rounded to a multiple of ``multiple_of`` (micro-batch x world size) and never decrease (warned); a target whose
-    E_min is not above the previous one's is dropped (warned). Raises ValueError where no target has a WSD fit, the
-    fits are in tokens per step, or ``multiple_of`` is not a positive int."""
+    E_min is not above the previous one's is dropped (warned). Raises ValueError where no target has a WSD fit or
+    ``multiple_of`` is not a positive int."""
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
     usable = sorted((f for f in target_fits if f.wsd is not None), key=lambda f: f.target, reverse=True)
     if not usable:
         raise ValueError("no target loss has a WSD fit (B_opt): it needs at least 8 runs that reach the target")
-    if any(f.tokens_per_sample is None for f in usable):
-        raise ValueError(
-            "mismatched units: B_opt is known only in tokens per step because the runs log no global batch in samples; "
-            "log batch/global_size (BatchWarmup does) so the schedule can be given in samples"
-        )
     kept: list[tuple[float, TargetFit]] = []  # (E_min, fit)
     for fit in usable:
         e_min = fit.wsd.e_min if fit.wsd else math.nan

@@ -105,7 +105,7 @@ def test_sweep_pipeline_recovers_b_min_and_b_opt_per_target(wsd_fits):
     fits, messages = wsd_fits  # find_crossings on the unsmoothed sweep, then fit_targets in samples
     # Loss curves that cross make E(S) non-monotone, which McCandlish's hyperbola cannot follow.
     assert len(messages) == 3 and all("McCandlish's E(S) misses the runs" in m for m in messages)
-    assert [fit.target for fit in fits] == WSD_TARGETS and fits[0].unit == "samples"
+    assert [fit.target for fit in fits] == WSD_TARGETS
     for fit in fits:
         truth = wsd_truth(fit.target)
         errors = relative_errors(fit.wsd, truth, WSD_IDENTIFIED)
@@ -138,7 +138,7 @@ def test_fewer_than_three_runs_is_named_and_left_out(wsd_sweep):
     runs = read_sweep(wsd_sweep)[-2:]
     crossings = find_crossings(runs, [3.0], smoothing=None)
     with pytest.warns(UserWarning, match=r"target loss 3: only 2 runs reach it \(11_es_b5000 .*, 12_es_b10000 .*\)"):
-        assert fit_targets(crossings) == []
+        assert fit_targets(crossings, SEQ_LEN) == []
 
 
 def test_too_few_runs_for_the_wsd_fit_keep_mccandlish(wsd_sweep):
