@@ -85,8 +85,7 @@ def read_metrics_csv(path: PathLike) -> Series:
 def tokens_at(series: Series, steps: np.ndarray) -> np.ndarray:
     """Tokens seen at ``steps``, interpolated from the logged ``tokens_seen`` (exact at logged steps)."""
     logged_steps, tokens = series[metrics.TOKENS_SEEN]
-    interpolated: np.ndarray = np.interp(steps, logged_steps, tokens)
-    return interpolated
+    return np.asarray(np.interp(steps, logged_steps, tokens))
 
 
 def _natural_key(path: Path) -> tuple[int, int, str]:
@@ -261,8 +260,7 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     cumulative = np.concatenate([[0.0], np.cumsum(values)])
     index = np.arange(len(values))
     lo, hi = np.maximum(index - half, 0), np.minimum(index + half + 1, len(values))
-    means: np.ndarray = (cumulative[hi] - cumulative[lo]) / (hi - lo)
-    return means
+    return np.asarray((cumulative[hi] - cumulative[lo]) / (hi - lo))
 
 
 def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9) -> np.ndarray:

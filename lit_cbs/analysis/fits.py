@@ -75,8 +75,7 @@ def fit_mccandlish(steps: ArrayLike, tokens: ArrayLike) -> McCandlishFit:
 
     def log_residuals(x: np.ndarray) -> np.ndarray:
         e_min, s_min = np.exp(x[0]), x[1] * s_low
-        residuals: np.ndarray = np.log(tokens) - np.log(e_min * steps / (steps - s_min))
-        return residuals
+        return np.asarray(np.log(tokens) - np.log(e_min * steps / (steps - s_min)))
 
     result = least_squares(
         log_residuals, [np.log(e_start), s_start / s_low], bounds=([-np.inf, 0.0], [np.inf, 1 - 1e-9])
@@ -121,8 +120,7 @@ class WSDFit:
         quadratic = self.c * (steps - self.s_opt) ** 2 + self.e_min
         linear = self.a_1 * steps + self.a_0
         values = np.where(steps < self.s_1, hyperbolic, np.where(steps < self.s_2, quadratic, linear))
-        result: np.ndarray = np.where(steps > self.s_min, values, np.nan)
-        return result
+        return np.asarray(np.where(steps > self.s_min, values, np.nan))
 
 
 def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: float) -> np.ndarray:
@@ -320,11 +318,6 @@ def _schedule_yaml(schedule: PiecewiseBatch, comment: str, keys: Sequence[str], 
     return "\n".join([*lines, *tail]) + "\n"
 
 
-def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
-    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule``."""
-    return "# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule"))
-
-
 def batch_group_yaml(
     schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt", *, max_micro_batch_size: int | None
 ) -> str:
@@ -336,7 +329,8 @@ def batch_group_yaml(
 
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike[str], comment: str = "") -> Path:
-    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``)."""
+    """Write a Hydra recipe (``# @package _global_``) setting ``batch.schedule`` to ``path`` (e.g.
+    ``conf/recipe/my_schedule.yaml``)."""
     path = Path(path)
-    path.write_text(schedule_yaml(schedule, comment))
+    path.write_text("# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule")))
     return path

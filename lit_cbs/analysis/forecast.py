@@ -123,8 +123,7 @@ def brackets_from_records(
 def _columns(params: np.ndarray) -> np.ndarray:
     """The parameters, each against log D: numbers for one vector, [draws, 1] columns for a stack of them."""
     params = np.asarray(params, dtype=float)
-    columns: np.ndarray = params.T[..., None] if params.ndim > 1 else params
-    return columns
+    return np.asarray(params.T[..., None] if params.ndim > 1 else params)
 
 
 def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
@@ -133,8 +132,7 @@ def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
     power: np.ndarray = columns[0] + columns[1] * log_d
     if model == "power":
         return power
-    plateau: np.ndarray = -np.logaddexp(-power, -columns[3])  # 1 / CBS = 1 / power + 1 / c
-    return plateau
+    return np.asarray(-np.logaddexp(-power, -columns[3]))  # 1 / CBS = 1 / power + 1 / c
 
 
 def _log_likelihood(
@@ -146,8 +144,7 @@ def _log_likelihood(
     upper = special.log_ndtr((log_hi - mu) / scale)  # log Phi; log_hi = inf gives 0
     lower = special.log_ndtr((log_lo - mu) / scale)
     # log(exp(upper) - exp(lower)), kept finite where the two are close.
-    likelihood: np.ndarray = upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12)))
-    return likelihood
+    return np.asarray(upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12))))
 
 
 def _bounds(model: str) -> list[tuple[float | None, float | None]]:
@@ -165,8 +162,7 @@ def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray
         density = density - 0.5 * ((params[..., 3] - log_ceiling) / CEILING_PRIOR_SD) ** 2
     (_, b_high), (s_low, s_high) = _bounds(model)[1:3]
     inside = (np.abs(b) <= b_high) & (log_s >= s_low) & (log_s <= s_high)
-    prior: np.ndarray = np.where(inside, density, -np.inf)
-    return prior
+    return np.asarray(np.where(inside, density, -np.inf))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +183,7 @@ class _Readings:
     def log_posterior(self, params: np.ndarray, model: str) -> np.ndarray:
         """Summed log likelihood plus log prior (up to a constant), per parameter vector."""
         likelihood = np.sum(_log_likelihood(params, self.log_d, self.log_lo, self.log_hi, model), axis=-1)
-        posterior: np.ndarray = likelihood + _log_prior(params, model, self.log_ceiling)
-        return posterior
+        return np.asarray(likelihood + _log_prior(params, model, self.log_ceiling))
 
 
 def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
@@ -211,8 +206,7 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
         power = _fit(brackets, "power", d0)
         starts = [np.append(power, float(np.max(centre)) + shift) for shift in (-0.5, 0.5, 2.0)]
     results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=_bounds(model)) for x0 in starts]
-    mode: np.ndarray = min(results, key=lambda result: result.fun).x
-    return mode
+    return np.asarray(min(results, key=lambda result: result.fun).x)
 
 
 def _laplace_covariance(
@@ -229,8 +223,7 @@ def _laplace_covariance(
             costs = [-float(log_posterior(corner)) for corner in corners]
             hessian[i, j] = (costs[0] - costs[1] - costs[2] + costs[3]) / (4 * step * step)
     values, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
-    covariance: np.ndarray = (vectors / np.maximum(values, 1 / 9)) @ vectors.T
-    return covariance
+    return np.asarray((vectors / np.maximum(values, 1 / 9)) @ vectors.T)
 
 
 def _posterior_draws(
@@ -251,8 +244,7 @@ def _posterior_draws(
         # Too few proposals carry the weight: centre the next round on the weighted draws, a little wider.
         centre = weights @ draws
         shape = 1.5 * np.cov(draws.T, aweights=weights) + 1e-6 * np.eye(len(mode))
-    chosen: np.ndarray = draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)]
-    return chosen
+    return np.asarray(draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +277,7 @@ class CBSForecast:
     def predict(self, tokens: ArrayLike) -> np.ndarray:
         """The posterior mode's CBS (samples) at ``tokens``."""
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
-        cbs: np.ndarray = np.exp(_curve(np.asarray(self.params), log_d, self.model))
-        return cbs
+        return np.asarray(np.exp(_curve(np.asarray(self.params), log_d, self.model)))
 
     def band(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read there."""
@@ -322,8 +313,7 @@ def _mixture_quantile(means: np.ndarray, spreads: np.ndarray, q: float) -> np.nd
         mid = (low + high) / 2
         below = special.ndtr((mid - means) / spreads).mean(axis=0) < q
         low, high = np.where(below, mid, low), np.where(below, high, mid)
-    quantile: np.ndarray = (low + high) / 2
-    return quantile
+    return np.asarray((low + high) / 2)
 
 
 def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:

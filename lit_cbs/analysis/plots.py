@@ -1,5 +1,5 @@
-"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn through
-the Agg canvas: pyplot's backend is left alone (a notebook keeps its own), no display is needed."""
+"""PNG plots of the E(S) fits, their batch sizes, the CBS forecast and the probe's readings, through the Agg canvas
+(pyplot's backend left alone)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,14 @@ def _brackets(ax: Axes, at: Sequence[tuple[float, ProbeReading]], label: str, **
         ax.scatter(*zip(*open_ended), marker="^", color=style["color"], zorder=4)
 
 
-def _log_log(ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float) -> None:
-    ax.set_xscale("log")
+def _axes(
+    ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float = 9, legend: float = 8, x: str = "log"
+) -> None:
+    ax.set_xscale(x)
     ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=fontsize)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend)
 
 
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
@@ -70,7 +71,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> P
             ax.plot(grid, fit.wsd.tokens(grid), "-", color=color, lw=1.5)
             ax.scatter([fit.wsd.s_opt], [fit.wsd.e_min], marker="*", s=120, color=color, edgecolor="k", zorder=4)
     title = "E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)"
-    _log_log(ax, "optimizer steps S to reach the target", "tokens E to reach the target", title, 9)
+    _axes(ax, "optimizer steps S to reach the target", "tokens E to reach the target", title)
     return save_figure(figure, path)
 
 
@@ -95,14 +96,10 @@ def plot_batch_sizes(
     crit = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
     well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
+    hollow, poor = {"markerfacecolor": "none"}, f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})"
     series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
         (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, [c if w else nan for c, w in zip(crit, well)]),
-        (
-            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
-            "o:",
-            {"markerfacecolor": "none"},
-            [nan if w else c for c, w in zip(crit, well)],
-        ),
+        (poor, "o:", hollow, [nan if w else c for c, w in zip(crit, well)]),
         ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
         ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
     ]
@@ -124,15 +121,11 @@ def plot_batch_sizes(
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
     by_loss.invert_xaxis()  # training moves to lower losses
-    by_loss.set_xlabel("target loss (training goes right)")
-    by_tokens.set_xscale("log")
-    by_tokens.set_xlabel("tokens")
-    for ax in (by_loss, by_tokens):
-        ax.set_yscale("log")
-        ax.set_ylabel("batch size (samples)")
-        ax.legend(fontsize=7)
-    by_loss.set_title("batch sizes implied by the E(S) fits", fontsize=9)
-    by_tokens.set_title("over training: fits at E_min, probe CBS, gradient noise scale", fontsize=9)
+    size = "batch size (samples)"
+    _axes(
+        by_loss, "target loss (training goes right)", size, "batch sizes implied by the E(S) fits", legend=7, x="linear"
+    )
+    _axes(by_tokens, "tokens", size, "over training: fits at E_min, probe CBS, gradient noise scale", legend=7)
     return save_figure(figure, path)
 
 
@@ -182,7 +175,7 @@ def plot_forecast(
         keep = np.isfinite(b_simple) & (b_simple > 0) & (tokens > 0)
         ax.plot(tokens[keep], b_simple[keep], color="tab:purple", lw=1, label="noise scale B_simple")
     title = textwrap.fill(forecast.describe(), 100)  # matplotlib's wrap=True overflows a log axis
-    _log_log(ax, "tokens seen D", "critical batch size (samples)", title, 7)
+    _axes(ax, "tokens seen D", "critical batch size (samples)", title, fontsize=7)
     return save_figure(figure, path)
 
 
@@ -262,8 +255,7 @@ def cbs_curve_figure(
 
 
 def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[float]:
-    """The gap panel's ticks (nats): 0, +-epsilon and +-linthresh in its linear part, then 1, 2 and 5 x 10^n
-    out to ``reach`` on either side, so that a gap in the compressed part can be read too."""
+    """0, +-epsilon, +-linthresh, then +-1, 2 and 5 x 10^n out to ``reach`` (nats): compressed gaps stay readable."""
     magnitudes = {linthresh, *([epsilon] if epsilon else [])}
     decade = 10.0 ** math.floor(math.log10(linthresh))
     while decade <= reach:
@@ -275,9 +267,8 @@ def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[fl
 def _gap_limits(
     ax: Axes, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]
 ) -> tuple[float, float]:
-    """The gap panel's y range (nats): every error bar, 0 and epsilon inside with a tenth of the panel's
-    height to spare, and out to the ticks beyond the lowest and the highest gap, so that every gap lies
-    between two labelled ticks. ``drawn``: (gap, error bar) per point."""
+    """The gap panel's y range: every (gap, error bar) of ``drawn``, 0 and epsilon inside with a tenth to spare,
+    out to the ticks beyond the extreme gaps so that every gap lies between two labelled ticks."""
     low = min(0.0, *(gap - bar for gap, bar in drawn))
     high = max(0.0, epsilon or 0.0, *(gap + bar for gap, bar in drawn))
     scale = ax.yaxis.get_transform()
@@ -290,8 +281,7 @@ def _gap_limits(
 
 
 def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:
-    """(tokens, L_k - min of L_j over the measured j < k, its error bar at the reading's confidence)
-    for a reading that measured k and a smaller k; None otherwise."""
+    """(tokens, L_k - min of L_j over measured j < k, its error bar at the reading's confidence), or None."""
     losses = {float(j): loss for j, loss in reading.losses.items() if loss is not None}
     smaller = [j for j in losses if j < k]
     if k not in losses or not smaller:

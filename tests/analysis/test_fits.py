@@ -26,7 +26,6 @@ from lit_cbs.analysis.fits import (
     fit_targets,
     fit_wsd,
     propose_schedule,
-    schedule_yaml,
     write_schedule_yaml,
 )
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
@@ -170,7 +169,7 @@ def test_proposed_schedule_follows_b_opt_and_instantiates_from_yaml(wsd_fits, tm
         schedule.thresholds,
         "tokens",
     )
-    assert schedule_yaml(schedule) == text.replace("# from a test\n", "")
+    assert write_schedule_yaml(schedule, tmp_path / "plain.yaml").read_text() == text.replace("# from a test\n", "")
 
 
 def test_schedule_never_shrinks_and_merges_equal_sizes(wsd_fits):
