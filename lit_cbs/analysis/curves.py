@@ -138,10 +138,8 @@ def read_run(
     loss_column: str = metrics.TRAIN_LOSS,
     metrics_file: str = METRICS_FILE,
 ) -> RunCurve:
-    """One constant-batch run's loss curve, sorted by tokens, from its folder or CSV; ``name`` defaults to the
-    folder's name with its Hydra overrides. Loss rows without a token count (``val/loss``) get their step's tokens
-    from the constant tokens per step; a NaN loss ends the curve (warned). Raises ValueError naming the run for a
-    missing column, token counts that are not finite or decrease, or tokens per step changing."""
+    """One constant-batch run's loss curve by tokens, from its folder or CSV (``name``: the folder's, with its Hydra
+    overrides); a NaN loss ends it (warned). Raises ValueError naming the run for bad or non-constant counts."""
     csv_path = _metrics_file(Path(run), metrics_file)
     name = name or _run_label(Path(run))
     series = read_metrics_csv(csv_path)
@@ -212,8 +210,7 @@ def read_sweep(
     source: PathLike | Sequence[PathLike], metrics_file: str = METRICS_FILE, loss_column: str = metrics.TRAIN_LOSS
 ) -> list[RunCurve]:
     """Every run of a sweep (a Hydra multirun folder, or the runs' folders or CSVs) in job order, labelled by the
-    overrides that differ between them. Raises ValueError for no run, or runs that
-    disagree on tokens per sample."""
+    overrides that differ between them. Raises ValueError for no run, or runs disagreeing on tokens per sample."""
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
         if not folder.is_dir():

@@ -1,6 +1,5 @@
-"""E(S) fits to the steps S and tokens E at which constant-batch runs reach a target loss: McCandlish et al. 2018
-(B_crit) and Zhou et al. 2026 for WSD schedules (B_min, B_opt); batch sizes in tokens per step, ``TargetFit``'s in
-samples. The batch schedule following B_opt, and its Hydra YAML."""
+"""E(S) fits (McCandlish et al. 2018: B_crit; Zhou et al. 2026 for WSD: B_min, B_opt), batch sizes in tokens per
+step (``TargetFit``'s in samples); the batch schedule following B_opt, and its Hydra YAML."""
 
 from __future__ import annotations
 
@@ -138,10 +137,8 @@ def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: 
 
 
 def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
-    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs (its free parameters) by variable projection:
-    for S_min < min(S) and min(S) < S_1 < S_opt < S_2 < max(S), with a run in [S_1, S_2), B_-1, C, E_min and A_1 >= 0
-    follow from a non-negative least-squares fit of the relative residuals; the four positions are searched on a
-    grid and refined with Nelder-Mead. Raises ValueError for too few, non-positive or non-finite points."""
+    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs by variable projection: NNLS for B_-1, C, E_min,
+    A_1 given the four positions, which a grid and Nelder-Mead search. ValueError for too few or bad points."""
     steps, tokens = _points(steps, tokens, WSD_FREE_PARAMETERS, "fit_wsd")
     s_low, log_low, log_span = steps.min(), np.log(steps.min()), np.log(steps.max() / steps.min())
     if log_span <= 0:
@@ -223,10 +220,8 @@ class TargetFit:
 
 
 def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float) -> list[TargetFit]:
-    """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first; batch sizes
-    in samples of ``tokens_per_sample`` tokens. Warns, naming the target, where a fit
-    lacks runs (McCandlish's needs 3, the WSD fit 8) or misses them by more than ``POOR_FIT`` (rms of log E), and
-    where a WSD part holds fewer than 2 runs."""
+    """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first. Warns, naming
+    the target, where a fit lacks runs, misses them by over ``POOR_FIT`` or has a WSD part of under 2 runs."""
     fits = []
     for target in sorted(crossings, reverse=True):
         points = tuple(crossings[target])
@@ -268,11 +263,8 @@ def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample
 
 
 def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
-    """A token-indexed schedule (samples) following B_opt (Zhou et al. 2026) as the loss falls: B_opt of the first
-    (highest) target from the start, and of each next target from the previous target's E_min tokens on. Sizes are
-    rounded to a multiple of ``multiple_of`` (micro-batch x world size) and never decrease (warned); a target whose
-    E_min is not above the previous one's is dropped (warned). Raises ValueError where no target has a WSD fit or
-    ``multiple_of`` is not a positive int."""
+    """A token-indexed schedule of B_opt: the highest target's from the start, each next one's from the previous
+    target's E_min tokens on; rounded to ``multiple_of`` samples, never decreasing (warned)."""
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
     usable = sorted((f for f in target_fits if f.wsd is not None), key=lambda f: f.target, reverse=True)
@@ -321,9 +313,8 @@ def _schedule_yaml(schedule: PiecewiseBatch, comment: str, keys: Sequence[str], 
 def batch_group_yaml(
     schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt", *, max_micro_batch_size: int | None
 ) -> str:
-    """A ``conf/batch/`` option (select with ``batch=NAME``) running ``schedule``, the LR following each change by
-    ``lr_rule``. ``max_micro_batch_size`` (samples per rank; None: grow by accumulation alone) is required: a
-    schedule read off one run should keep its micro-batch growth."""
+    """A ``conf/batch/`` option running ``schedule`` with ``lr_rule``; ``max_micro_batch_size`` (None: accumulation
+    alone) is required so that a schedule read off one run keeps its micro-batch growth."""
     micro = "null" if max_micro_batch_size is None else max_micro_batch_size
     return _schedule_yaml(schedule, comment, ("schedule",), [f"lr_rule: {lr_rule}", f"max_micro_batch_size: {micro}"])
 

@@ -61,9 +61,8 @@ def _number(reading: ProbeReading, key: str, where: str, minimum: float = 0.0) -
 def supported_interval(
     reading: ProbeReading, where: str = "reading", epsilon: float | None = None
 ) -> tuple[float, float]:
-    """(lower, upper) samples where the CBS lies at the reading's confidence, judged again from its per-batch losses
-    at its own epsilon (``epsilon``: for readings that hold none); without them, a determined reading's bracket, an
-    undetermined one's [smallest k B, inf)."""
+    """(lower, upper) samples of the CBS, judged again from the per-batch losses at the reading's epsilon (else
+    ``epsilon``); without them its bracket, or [smallest k B, inf) if undetermined."""
     batch = _number(reading, "batch_size", where)
     if not isinstance(reading.losses, dict) or not reading.losses:
         raise ValueError(f"{where}: losses={reading.losses!r} must map each multiplier to its loss")
@@ -400,8 +399,7 @@ def schedule_from_forecast(
     margin: float = 1.0,
 ) -> tuple[PiecewiseBatch, list[ForecastChange]]:
     """(a token-indexed ``PiecewiseBatch``, its changes) up to ``until_tokens``, following the band's lower edge as
-    ``schedule_from_probe`` follows readings. Warns when ``until_tokens`` lies farther past the last reading than
-    the readings span."""
+    ``schedule_from_probe`` follows readings; warns when extrapolating farther than the readings span."""
     if not (isinstance(until_tokens, int) and until_tokens > 0):
         raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")
     check_growth(start, factor, margin)

@@ -82,10 +82,8 @@ def plot_batch_sizes(
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
-    """B_crit, B_min and B_opt against the target loss (left) and against E_min (right), with the probe's brackets
-    and each run's noise scale B_simple over tokens when given; ``compared`` (``side_by_side``'s rows) adds the
-    noise scale and the probe's bracket at each target to the left panel. B_crit is hollow where McCandlish's E(S)
-    misses the runs by more than ``POOR_FIT``."""
+    """B_crit, B_min and B_opt against the target loss (left; ``compared``: with ``side_by_side``'s noise scale and
+    bracket) and against E_min (right, with the probe's brackets and the runs' B_simple); hollow: a poor fit."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     gns_runs = [run for run in gns_runs if len(run.gns)]
@@ -196,10 +194,8 @@ def cbs_curve_figure(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Figure:
-    """Two panels against tokens seen: the CBS interval of each reading (samples; hollow and dashed where
-    undetermined) with the global batch the run used up to ``end_tokens``; and per multiplier k and reading,
-    L_k minus the lowest loss of a smaller k (nats), the quantity the k* rule holds against ``epsilon``, with an
-    error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
+    """Against tokens: each reading's CBS interval (dashed: undetermined) with the global batch used (BatchWarmup's
+    ``history``); and per k, L_k minus the lowest smaller-k loss with its confidence bar, against ``epsilon``."""
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     for determined, color, line, label in (
