@@ -204,18 +204,15 @@ def cbs_curve_figure(
     ):
         readings = [r for r in history if r.determined == determined]
         _brackets(top, [(r.tokens, r) for r in readings], label, color=color, linestyles=line, alpha=0.7)
-        face = color if determined else "none"
-        top.scatter(
-            [r.tokens for r in readings], [r.cbs_estimate for r in readings], zorder=3, color=color, facecolors=face
-        )
+        at = ([r.tokens for r in readings], [r.cbs_estimate for r in readings])
+        top.scatter(*at, zorder=3, color=color, facecolors=color if determined else "none")
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
         xs = [0, *(c.tokens_seen for c in batch_changes), max(end_tokens or 0, max(r.tokens for r in history) * 1.05)]
         ys = [start, *(c.new_global_batch for c in batch_changes)]
         top.step(xs, [*ys, ys[-1]], where="post", color="tab:orange", label="global batch used")
-    top.set_ylabel("batch size (samples)")
+    top.set(ylabel="batch size (samples)", title="Critical batch size by branched training")
     top.set_yscale("log", base=2)
-    top.set_title("Critical batch size by branched training")
     top.grid(alpha=0.3)
     top.legend(fontsize=8)
 
@@ -242,8 +239,7 @@ def cbs_curve_figure(
     # Plain numbers: symlog's default labels the linear threshold in scientific notation (4.82749x10^-2).
     bottom.yaxis.set_major_formatter(FuncFormatter(lambda value, position: f"{value:.3g}"))
     bottom.yaxis.set_minor_formatter(NullFormatter())
-    bottom.set_xlabel("tokens seen")
-    bottom.set_ylabel("L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
+    bottom.set(xlabel="tokens seen", ylabel="L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
     bottom.grid(alpha=0.3)
     if multipliers[1:]:
         bottom.legend(fontsize=8, ncols=2)
