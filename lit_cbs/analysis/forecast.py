@@ -164,36 +164,30 @@ def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray
     return np.asarray(np.where(inside, density, -np.inf))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Readings:
-    """Brackets as the likelihood reads them: log(D / D0), log lower, log upper, and the plateau prior's centre."""
+_Logs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
-    log_d: np.ndarray
-    log_lo: np.ndarray
-    log_hi: np.ndarray
-    log_ceiling: float
 
-    @classmethod
-    def of(cls, brackets: Sequence[Bracket], d0: float) -> _Readings:
-        log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
-        lower, upper = np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
-        return cls(log_d, lower, upper, float(lower.max()))
+def _logs(brackets: Sequence[Bracket], d0: float) -> _Logs:
+    """Brackets as the likelihood reads them: log(D / D0), log lower, log upper."""
+    log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
+    return log_d, np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
 
-    def log_posterior(self, params: np.ndarray, model: str) -> np.ndarray:
-        """Summed log likelihood plus log prior (up to a constant), per parameter vector."""
-        likelihood = np.sum(_log_likelihood(params, self.log_d, self.log_lo, self.log_hi, model), axis=-1)
-        return np.asarray(likelihood + _log_prior(params, model, self.log_ceiling))
+
+def _log_posterior(params: np.ndarray, logs: _Logs, model: str) -> np.ndarray:
+    """Summed log likelihood plus log prior (up to a constant; the plateau's centred on the largest lower end)."""
+    likelihood = np.sum(_log_likelihood(params, *logs, model), axis=-1)
+    return np.asarray(likelihood + _log_prior(params, model, float(logs[1].max())))
 
 
 def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
     """The posterior's mode (log a, b, log s[, log c]) for D in units of ``d0`` tokens."""
-    readings = _Readings.of(brackets, d0)
+    logs = _logs(brackets, d0)
 
     def loss(params: np.ndarray) -> float:
-        value = -float(readings.log_posterior(params, model))
+        value = -float(_log_posterior(params, logs, model))
         return value if math.isfinite(value) else 1e12
 
-    log_d, log_lo, log_hi = readings.log_d, readings.log_lo, readings.log_hi
+    log_d, log_lo, log_hi = logs
     upper = np.where(np.isfinite(log_hi), log_hi, log_lo + 2 * math.log(2))  # an open end's centre: twice its lower
     centre = (log_lo + upper) / 2
     slope = np.polyfit(log_d, centre, 1)[0] if len(set(log_d)) > 1 else 0.0
@@ -229,8 +223,7 @@ def _posterior_draws(
     brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng: np.random.Generator
 ) -> np.ndarray:
     """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling from a Student t."""
-    readings = _Readings.of(brackets, d0)
-    log_posterior = functools.partial(readings.log_posterior, model=model)
+    log_posterior = functools.partial(_log_posterior, logs=_logs(brackets, d0), model=model)
     centre, shape = mode, _laplace_covariance(log_posterior, mode)
     for _ in range(3):
         proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
@@ -325,8 +318,7 @@ def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
         if len({b.tokens for b in rest}) < 2:
             continue
         params = _fit(rest, model, d0)
-        held = _Readings.of(group, d0)
-        total += float(np.sum(_log_likelihood(params, held.log_d, held.log_lo, held.log_hi, model)))
+        total += float(np.sum(_log_likelihood(params, *_logs(group, d0), model)))
     return total
 
 
