@@ -28,7 +28,6 @@ class RunCurve:
     ``batch_size`` in samples; ``gns``: the noise scale B_simple (samples) at ``gns_tokens``."""
 
     name: str
-    path: Path
     steps: np.ndarray
     tokens: np.ndarray
     loss: np.ndarray
@@ -203,7 +202,7 @@ def read_run(
     ]
     gns_tokens, gns_values = (np.asarray(column) for column in zip(*gns)) if gns else (np.empty(0), np.empty(0))
     steps, loss = tokens / tokens_per_step, np.asarray(losses)[order]
-    return RunCurve(name, csv_path, steps, tokens, loss, float(tokens_per_step), int(sizes[0]), gns_tokens, gns_values)
+    return RunCurve(name, steps, tokens, loss, float(tokens_per_step), int(sizes[0]), gns_tokens, gns_values)
 
 
 def read_sweep(
