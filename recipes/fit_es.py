@@ -13,8 +13,8 @@ It writes into --out (default SWEEP/fit_es): es_fits.png (E vs S with the fits),
 (the batch sizes vs target loss and vs tokens, with the CBS probe's brackets and the runs'
 gradient noise scale where logged), fits.json (every fitted parameter) and schedule.yaml, a
 `# @package _global_` recipe whose PiecewiseBatch follows B_opt (copy it to conf/recipe/ and run
-`python recipes/train.py +recipe=NAME`). Batch sizes are in samples when the runs log
-batch/global_size, else in tokens per step. Bad input ends the run with one line naming it.
+`python recipes/train.py +recipe=NAME`). Batch sizes are in samples. Bad input ends the run with
+one line naming it.
 """
 
 from __future__ import annotations
@@ -31,10 +31,6 @@ from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
 from lit_cbs.analysis.curves import METRICS_FILE, check_units, default_targets, find_crossings, read_sweep
 from lit_cbs.analysis.fits import POOR_FIT, WSD_FREE_PARAMETERS, fit_targets, propose_schedule, write_schedule_yaml
 from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
-from lit_cbs.metrics import GLOBAL_BATCH as BATCH_COLUMN
-from lit_cbs.metrics import GNS_B_SIMPLE as GNS_COLUMN
-from lit_cbs.metrics import STEP as STEP_COLUMN
-from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
 from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
 
 PROBE_FILE = "cbs_probe.jsonl"
@@ -55,22 +51,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, help="output folder (default: SWEEP/fit_es, or ./fit_es for a list of runs)"
     )
     parser.add_argument("--loss-column", default=LOSS_COLUMN, help=f"loss column (default: {LOSS_COLUMN})")
-    parser.add_argument("--tokens-column", default=TOKENS_COLUMN, help=f"tokens-seen column (default: {TOKENS_COLUMN})")
-    parser.add_argument("--step-column", default=STEP_COLUMN, help=f"optimizer-step column (default: {STEP_COLUMN})")
-    parser.add_argument(
-        "--batch-column", default=BATCH_COLUMN, help=f"global batch column, samples (default: {BATCH_COLUMN})"
-    )
-    parser.add_argument("--gns-column", default=GNS_COLUMN, help=f"noise scale column, samples (default: {GNS_COLUMN})")
     parser.add_argument(
         "--metrics-file", default=METRICS_FILE, help=f"metrics CSV name in each run (default: {METRICS_FILE})"
     )
     parser.add_argument(
-        "--smoothing", choices=("rolling", "ema", "none"), default="rolling", help="loss smoothing (default: rolling)"
+        "--smoothing", choices=("rolling", "none"), default="rolling", help="loss smoothing (default: rolling)"
     )
     parser.add_argument(
         "--window", type=int, default=9, help="rolling: centered window, logged points, odd (default: 9)"
     )
-    parser.add_argument("--ema-decay", type=float, default=0.9, help="ema: decay per logged point (default: 0.9)")
     parser.add_argument(
         "--probe", type=Path, nargs="*", help=f"CBS probe JSONL files (default: every {PROBE_FILE} under SWEEP)"
     )
@@ -82,10 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def format_table(fits) -> str:
     """One row per target loss: B_crit, B_min, B_opt (nan: no fit) and how many runs reached it."""
-    lines = [
-        f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   "
-        f"(batch sizes in {fits[0].unit})"
-    ]
+    lines = [f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   (batch sizes in samples)"]
     poor = False
     for fit in fits:
         crit_mark = "*" if fit.mccandlish.rms_log_residual > POOR_FIT else " "
@@ -104,7 +90,7 @@ def fits_record(fits) -> list[dict]:
     return [
         {
             "target": fit.target,
-            "unit": fit.unit,
+            "unit": "samples",
             "tokens_per_sample": fit.tokens_per_sample,
             "b_crit": fit.b_crit,
             "b_min": fit.b_min,
@@ -119,19 +105,10 @@ def fits_record(fits) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    smoothing = dict(
-        smoothing=None if args.smoothing == "none" else args.smoothing, window=args.window, decay=args.ema_decay
-    )
-    columns = dict(
-        loss_column=args.loss_column,
-        tokens_column=args.tokens_column,
-        step_column=args.step_column,
-        batch_column=args.batch_column,
-        gns_column=args.gns_column,
-    )
+    smoothing = dict(smoothing=None if args.smoothing == "none" else args.smoothing, window=args.window)
     sweep_folder = args.sweep[0] if len(args.sweep) == 1 else None
     try:
-        runs = read_sweep(sweep_folder or args.sweep, metrics_file=args.metrics_file, **columns)
+        runs = read_sweep(sweep_folder or args.sweep, metrics_file=args.metrics_file, loss_column=args.loss_column)
         tokens_per_sample = check_units(runs)
         targets = args.targets or default_targets(runs, args.num_targets, WSD_FREE_PARAMETERS, **smoothing)
         fits = fit_targets(find_crossings(runs, targets, **smoothing), tokens_per_sample)

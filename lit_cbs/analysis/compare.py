@@ -60,11 +60,6 @@ def side_by_side(
 ) -> list[SideBySide]:
     """One ``SideBySide`` per fit: B_simple as the median over ``runs`` of its value where each reached the target;
     the ``probe`` reading nearest the tokens at which the run at the probe's batch reached it."""
-    if fits and fits[0].unit != "samples" and (probe or any(len(run.gns) for run in runs)):
-        raise ValueError(
-            "mismatched units: the fits are in tokens per step but the noise scale and the probe's CBS are in samples; "
-            "log batch/global_size in the sweep's runs (BatchWarmup does)"
-        )
     rows = []
     for fit in fits:
         b_simple, count = _noise_scale_at_target(fit, runs)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 
 from lit_cbs import metrics
-from lit_cbs.rules.smoothing import ema
 
 METRICS_FILE = "metrics.csv"
 _TOLERANCE = 0.01  # relative spread of tokens per step (or tokens per sample) within which a run is constant-batch
@@ -26,21 +25,20 @@ PathLike = str | os.PathLike[str]
 @dataclass
 class RunCurve:
     """One constant-batch run's unsmoothed loss per logged point, with its ``steps`` and ``tokens`` (all ranks);
-    ``batch_size`` in samples if logged; ``gns``: the noise scale B_simple (samples) at ``gns_tokens``."""
+    ``batch_size`` in samples; ``gns``: the noise scale B_simple (samples) at ``gns_tokens``."""
 
     name: str
-    path: Path
     steps: np.ndarray
     tokens: np.ndarray
     loss: np.ndarray
     tokens_per_step: float
-    batch_size: int | None = None
+    batch_size: int
     gns_tokens: np.ndarray = field(default_factory=lambda: np.empty(0))
     gns: np.ndarray = field(default_factory=lambda: np.empty(0))
 
     @property
-    def tokens_per_sample(self) -> float | None:
-        return None if self.batch_size is None else self.tokens_per_step / self.batch_size
+    def tokens_per_sample(self) -> float:
+        return self.tokens_per_step / self.batch_size
 
 
 @dataclass(frozen=True)
@@ -52,12 +50,13 @@ class Crossing:
     steps: float
     tokens: float
     tokens_per_step: float
-    batch_size: int | None
+    batch_size: int
 
 
-def read_metrics_csv(path: PathLike, step_column: str = metrics.STEP) -> Series:
+def read_metrics_csv(path: PathLike) -> Series:
     """Each metric of a ``CSVLogger`` file as (steps, values) in file order, empty cells and ``epoch`` left out."""
     series: dict[str, tuple[list[float], list[float]]] = {}
+    step_column = metrics.STEP
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         if step_column not in (reader.fieldnames or []):
@@ -85,8 +84,7 @@ def read_metrics_csv(path: PathLike, step_column: str = metrics.STEP) -> Series:
 def tokens_at(series: Series, steps: np.ndarray) -> np.ndarray:
     """Tokens seen at ``steps``, interpolated from the logged ``tokens_seen`` (exact at logged steps)."""
     logged_steps, tokens = series[metrics.TOKENS_SEEN]
-    interpolated: np.ndarray = np.interp(steps, logged_steps, tokens)
-    return interpolated
+    return np.asarray(np.interp(steps, logged_steps, tokens))
 
 
 def _natural_key(path: Path) -> tuple[int, int, str]:
@@ -137,24 +135,19 @@ def read_run(
     *,
     name: str | None = None,
     loss_column: str = metrics.TRAIN_LOSS,
-    tokens_column: str = metrics.TOKENS_SEEN,
-    step_column: str = metrics.STEP,
-    batch_column: str = metrics.GLOBAL_BATCH,
-    gns_column: str = metrics.GNS_B_SIMPLE,
     metrics_file: str = METRICS_FILE,
 ) -> RunCurve:
-    """One constant-batch run's loss curve, sorted by tokens, from its folder or CSV; ``name`` defaults to the
-    folder's name with its Hydra overrides. Loss rows without a token count (``val/loss``) get their step's tokens
-    from the constant tokens per step; a NaN loss ends the curve (warned). Raises ValueError naming the run for a
-    missing column, token counts that are not finite or decrease, or tokens per step changing."""
+    """One constant-batch run's loss curve by tokens, from its folder or CSV (``name``: the folder's, with its Hydra
+    overrides); a NaN loss ends it (warned). Raises ValueError naming the run for bad or non-constant counts."""
     csv_path = _metrics_file(Path(run), metrics_file)
     name = name or _run_label(Path(run))
-    series = read_metrics_csv(csv_path, step_column)
-    for column, argument in ((tokens_column, "tokens_column"), (loss_column, "loss_column")):
+    series = read_metrics_csv(csv_path)
+    tokens_column, step_column, batch_column = metrics.TOKENS_SEEN, metrics.STEP, metrics.GLOBAL_BATCH
+    for column in (loss_column, tokens_column, batch_column):
         if column not in series:
             raise ValueError(
-                f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)}); "
-                f"pass {argument}=..."
+                f"run {name}: {csv_path} has no {column!r} column (columns logged: {sorted(series)})"
+                + ("; pass loss_column=..." if column == loss_column else "; add lit_cbs.BatchWarmup to the callbacks")
             )
 
     token_steps, token_counts = series[tokens_column]
@@ -199,24 +192,24 @@ def read_run(
     order = np.argsort(loss_tokens, kind="stable")
     tokens = np.asarray(loss_tokens)[order]
 
-    batch_size = None
-    if batch_column in series:
-        sizes = sorted(set(series[batch_column][1].tolist()))
-        if len(sizes) > 1:
-            raise _not_constant(name, f"{batch_column} takes the values {sizes}")
-        batch_size = int(sizes[0])
-    gns = [(tokens_of(step), value) for step, value in zip(*series.get(gns_column, ((), ()))) if math.isfinite(value)]
+    sizes = sorted(set(series[batch_column][1].tolist()))
+    if len(sizes) > 1:
+        raise _not_constant(name, f"{batch_column} takes the values {sizes}")
+    gns = [
+        (tokens_of(step), value)
+        for step, value in zip(*series.get(metrics.GNS_B_SIMPLE, ((), ())))
+        if math.isfinite(value)
+    ]
     gns_tokens, gns_values = (np.asarray(column) for column in zip(*gns)) if gns else (np.empty(0), np.empty(0))
     steps, loss = tokens / tokens_per_step, np.asarray(losses)[order]
-    return RunCurve(name, csv_path, steps, tokens, loss, float(tokens_per_step), batch_size, gns_tokens, gns_values)
+    return RunCurve(name, steps, tokens, loss, float(tokens_per_step), int(sizes[0]), gns_tokens, gns_values)
 
 
 def read_sweep(
-    source: PathLike | Sequence[PathLike], metrics_file: str = METRICS_FILE, **columns: str
+    source: PathLike | Sequence[PathLike], metrics_file: str = METRICS_FILE, loss_column: str = metrics.TRAIN_LOSS
 ) -> list[RunCurve]:
     """Every run of a sweep (a Hydra multirun folder, or the runs' folders or CSVs) in job order, labelled by the
-    overrides that differ between them; ``columns`` go to ``read_run``. Raises ValueError for no run, or runs that
-    disagree on tokens per sample."""
+    overrides that differ between them. Raises ValueError for no run, or runs disagreeing on tokens per sample."""
     if isinstance(source, (str, os.PathLike)):
         folder = Path(source)
         if not folder.is_dir():
@@ -233,28 +226,23 @@ def read_sweep(
             raise ValueError("no runs given")
     overrides = [set(_hydra_overrides(p)) for p in run_paths]
     common = sorted(set.intersection(*overrides)) if len(run_paths) > 1 else []
-    runs = [read_run(p, name=_run_label(p, common), metrics_file=metrics_file, **columns) for p in run_paths]
+    runs = [
+        read_run(p, name=_run_label(p, common), metrics_file=metrics_file, loss_column=loss_column) for p in run_paths
+    ]
     check_units(runs)
     return runs
 
 
-def check_units(runs: Sequence[RunCurve]) -> float | None:
-    """The sweep's tokens per sample, None if no run logs its batch in samples. Raises ValueError where runs differ
-    in it (tokens and samples counted inconsistently)."""
-    known = {run.name: run.tokens_per_sample for run in runs if run.tokens_per_sample is not None}
-    if not known:
-        return None
+def check_units(runs: Sequence[RunCurve]) -> float:
+    """The sweep's tokens per sample. Raises ValueError where runs differ in it (tokens and samples counted
+    inconsistently)."""
+    known = {run.name: run.tokens_per_sample for run in runs}
     values = list(known.values())
     if max(values) > min(values) * (1 + _TOLERANCE):
         listed = ", ".join(f"{name}: {value:g}" for name, value in known.items())
         raise ValueError(
             "mismatched units: tokens per sample (tokens per step / global batch in samples) differ between runs "
             f"({listed}); every run must count tokens in tokens and its batch in samples of the same sequence length"
-        )
-    missing = [run.name for run in runs if run.tokens_per_sample is None]
-    if missing:
-        warnings.warn(
-            f"runs {missing} log no global batch in samples; assuming {values[0]:g} tokens per sample like the others"
         )
     return float(np.mean(values))
 
@@ -268,19 +256,16 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     cumulative = np.concatenate([[0.0], np.cumsum(values)])
     index = np.arange(len(values))
     lo, hi = np.maximum(index - half, 0), np.minimum(index + half + 1, len(values))
-    means: np.ndarray = (cumulative[hi] - cumulative[lo]) / (hi - lo)
-    return means
+    return np.asarray((cumulative[hi] - cumulative[lo]) / (hi - lo))
 
 
-def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9, decay: float = 0.9) -> np.ndarray:
-    """``values`` smoothed by ``method``: "rolling" (over ``window`` points), "ema" (with ``decay``) or None."""
+def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9) -> np.ndarray:
+    """``values`` smoothed by ``method``: "rolling" (over ``window`` points) or None."""
     if method == "rolling":
         return rolling_mean(values, window)
-    if method == "ema":
-        return ema(values, decay)
     if method is None:
         return np.asarray(values, dtype=float)
-    raise ValueError(f"smoothing method={method!r} is not supported; use 'rolling', 'ema' or None")
+    raise ValueError(f"smoothing method={method!r} is not supported; use 'rolling' or None")
 
 
 def find_crossings(
@@ -289,14 +274,13 @@ def find_crossings(
     *,
     smoothing: str | None = "rolling",
     window: int = 9,
-    decay: float = 0.9,
 ) -> dict[float, list[Crossing]]:
     """For each target loss (nats), where each run's loss, smoothed as ``smooth`` does, first reaches it. Runs that
     never reach a target, or start below it, are left out of it, warned by name."""
     result: dict[float, list[Crossing]] = {float(t): [] for t in targets}
     never: dict[float, list[str]] = {float(t): [] for t in targets}
     for run in runs:
-        smoothed = smooth(run.loss, smoothing, window=window, decay=decay)
+        smoothed = smooth(run.loss, smoothing, window)
         for target in result:
             reached = np.nonzero(smoothed <= target)[0]
             if not reached.size:
@@ -327,13 +311,12 @@ def default_targets(
     *,
     smoothing: str | None = "rolling",
     window: int = 9,
-    decay: float = 0.9,
 ) -> list[float]:
     """``count`` target losses, highest first, evenly spaced from below the highest loss every run starts at down to
     the lowest loss ``min_runs`` runs (or all) reach, smoothed as ``smooth`` does."""
     if not runs:
         raise ValueError("no runs to pick target losses from")
-    curves = [smooth(run.loss, smoothing, window=window, decay=decay) for run in runs]
+    curves = [smooth(run.loss, smoothing, window) for run in runs]
     start = min(curve[0] for curve in curves)
     lowest_reached = sorted(curve.min() for curve in curves)[min(min_runs, len(runs)) - 1]
     if not lowest_reached < start:

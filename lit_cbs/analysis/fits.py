@@ -1,6 +1,5 @@
-"""E(S) fits to the steps S and tokens E at which constant-batch runs reach a target loss: McCandlish et al. 2018
-(B_crit) and Zhou et al. 2026 for WSD schedules (B_min, B_opt); batch sizes in tokens per step, ``TargetFit``'s in
-samples. The batch schedule following B_opt, and its Hydra YAML."""
+"""E(S) fits (McCandlish et al. 2018: B_crit; Zhou et al. 2026 for WSD: B_min, B_opt), batch sizes in tokens per
+step (``TargetFit``'s in samples); the batch schedule following B_opt, and its Hydra YAML."""
 
 from __future__ import annotations
 
@@ -75,8 +74,7 @@ def fit_mccandlish(steps: ArrayLike, tokens: ArrayLike) -> McCandlishFit:
 
     def log_residuals(x: np.ndarray) -> np.ndarray:
         e_min, s_min = np.exp(x[0]), x[1] * s_low
-        residuals: np.ndarray = np.log(tokens) - np.log(e_min * steps / (steps - s_min))
-        return residuals
+        return np.asarray(np.log(tokens) - np.log(e_min * steps / (steps - s_min)))
 
     result = least_squares(
         log_residuals, [np.log(e_start), s_start / s_low], bounds=([-np.inf, 0.0], [np.inf, 1 - 1e-9])
@@ -121,8 +119,7 @@ class WSDFit:
         quadratic = self.c * (steps - self.s_opt) ** 2 + self.e_min
         linear = self.a_1 * steps + self.a_0
         values = np.where(steps < self.s_1, hyperbolic, np.where(steps < self.s_2, quadratic, linear))
-        result: np.ndarray = np.where(steps > self.s_min, values, np.nan)
-        return result
+        return np.asarray(np.where(steps > self.s_min, values, np.nan))
 
 
 def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: float) -> np.ndarray:
@@ -140,10 +137,8 @@ def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: 
 
 
 def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
-    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs (its free parameters) by variable projection:
-    for S_min < min(S) and min(S) < S_1 < S_opt < S_2 < max(S), with a run in [S_1, S_2), B_-1, C, E_min and A_1 >= 0
-    follow from a non-negative least-squares fit of the relative residuals; the four positions are searched on a
-    grid and refined with Nelder-Mead. Raises ValueError for too few, non-positive or non-finite points."""
+    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs by variable projection: NNLS for B_-1, C, E_min,
+    A_1 given the four positions, which a grid and Nelder-Mead search. ValueError for too few or bad points."""
     steps, tokens = _points(steps, tokens, WSD_FREE_PARAMETERS, "fit_wsd")
     s_low, log_low, log_span = steps.min(), np.log(steps.min()), np.log(steps.max() / steps.min())
     if log_span <= 0:
@@ -200,23 +195,16 @@ def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
 
 @dataclass(frozen=True)
 class TargetFit:
-    """Both fits for one target loss (None: not made; its batch sizes NaN), with batch sizes in samples, or in tokens
-    per step (``unit``) where ``tokens_per_sample`` is None."""
+    """Both fits for one target loss (None: not made; its batch sizes NaN), with batch sizes in samples."""
 
     target: float
     crossings: tuple[Crossing, ...]
-    tokens_per_sample: float | None
+    tokens_per_sample: float
     mccandlish: McCandlishFit | None
     wsd: WSDFit | None
 
-    @property
-    def unit(self) -> str:
-        return "tokens per step" if self.tokens_per_sample is None else "samples"
-
     def _in_unit(self, tokens_per_step: float | None) -> float:
-        if tokens_per_step is None:
-            return float("nan")
-        return tokens_per_step if self.tokens_per_sample is None else tokens_per_step / self.tokens_per_sample
+        return float("nan") if tokens_per_step is None else tokens_per_step / self.tokens_per_sample
 
     @property
     def b_crit(self) -> float:
@@ -231,13 +219,9 @@ class TargetFit:
         return self._in_unit(self.wsd.b_opt if self.wsd else None)
 
 
-def fit_targets(
-    crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float | None = None
-) -> list[TargetFit]:
-    """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first; batch sizes
-    in samples of ``tokens_per_sample`` tokens (None: in tokens per step). Warns, naming the target, where a fit
-    lacks runs (McCandlish's needs 3, the WSD fit 8) or misses them by more than ``POOR_FIT`` (rms of log E), and
-    where a WSD part holds fewer than 2 runs."""
+def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float) -> list[TargetFit]:
+    """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first. Warns, naming
+    the target, where a fit lacks runs, misses them by over ``POOR_FIT`` or has a WSD part of under 2 runs."""
     fits = []
     for target in sorted(crossings, reverse=True):
         points = tuple(crossings[target])
@@ -279,21 +263,13 @@ def fit_targets(
 
 
 def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> PiecewiseBatch:
-    """A token-indexed schedule (samples) following B_opt (Zhou et al. 2026) as the loss falls: B_opt of the first
-    (highest) target from the start, and of each next target from the previous target's E_min tokens on. Sizes are
-    rounded to a multiple of ``multiple_of`` (micro-batch x world size) and never decrease (warned); a target whose
-    E_min is not above the previous one's is dropped (warned). Raises ValueError where no target has a WSD fit, the
-    fits are in tokens per step, or ``multiple_of`` is not a positive int."""
+    """A token-indexed schedule of B_opt: the highest target's from the start, each next one's from the previous
+    target's E_min tokens on; rounded to ``multiple_of`` samples, never decreasing (warned)."""
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
     usable = sorted((f for f in target_fits if f.wsd is not None), key=lambda f: f.target, reverse=True)
     if not usable:
         raise ValueError("no target loss has a WSD fit (B_opt): it needs at least 8 runs that reach the target")
-    if any(f.tokens_per_sample is None for f in usable):
-        raise ValueError(
-            "mismatched units: B_opt is known only in tokens per step because the runs log no global batch in samples; "
-            "log batch/global_size (BatchWarmup does) so the schedule can be given in samples"
-        )
     kept: list[tuple[float, TargetFit]] = []  # (E_min, fit)
     for fit in usable:
         e_min = fit.wsd.e_min if fit.wsd else math.nan
@@ -334,23 +310,18 @@ def _schedule_yaml(schedule: PiecewiseBatch, comment: str, keys: Sequence[str], 
     return "\n".join([*lines, *tail]) + "\n"
 
 
-def schedule_yaml(schedule: PiecewiseBatch, comment: str = "") -> str:
-    """A Hydra recipe (``# @package _global_``) that sets ``batch.schedule``."""
-    return "# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule"))
-
-
 def batch_group_yaml(
     schedule: PiecewiseBatch, comment: str = "", lr_rule: str = "sqrt", *, max_micro_batch_size: int | None
 ) -> str:
-    """A ``conf/batch/`` option (select with ``batch=NAME``) running ``schedule``, the LR following each change by
-    ``lr_rule``. ``max_micro_batch_size`` (samples per rank; None: grow by accumulation alone) is required: a
-    schedule read off one run should keep its micro-batch growth."""
+    """A ``conf/batch/`` option running ``schedule`` with ``lr_rule``; ``max_micro_batch_size`` (None: accumulation
+    alone) is required so that a schedule read off one run keeps its micro-batch growth."""
     micro = "null" if max_micro_batch_size is None else max_micro_batch_size
     return _schedule_yaml(schedule, comment, ("schedule",), [f"lr_rule: {lr_rule}", f"max_micro_batch_size: {micro}"])
 
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike[str], comment: str = "") -> Path:
-    """Write ``schedule_yaml(schedule, comment)`` to ``path`` (e.g. ``conf/recipe/my_schedule.yaml``)."""
+    """Write a Hydra recipe (``# @package _global_``) setting ``batch.schedule`` to ``path`` (e.g.
+    ``conf/recipe/my_schedule.yaml``)."""
     path = Path(path)
-    path.write_text(schedule_yaml(schedule, comment))
+    path.write_text("# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule")))
     return path

@@ -61,9 +61,8 @@ def _number(reading: ProbeReading, key: str, where: str, minimum: float = 0.0) -
 def supported_interval(
     reading: ProbeReading, where: str = "reading", epsilon: float | None = None
 ) -> tuple[float, float]:
-    """(lower, upper) samples where the CBS lies at the reading's confidence, judged again from its per-batch losses
-    at its own epsilon (``epsilon``: for readings that hold none); without them, a determined reading's bracket, an
-    undetermined one's [smallest k B, inf)."""
+    """(lower, upper) samples of the CBS, judged again from the per-batch losses at the reading's epsilon (else
+    ``epsilon``); without them its bracket, or [smallest k B, inf) if undetermined."""
     batch = _number(reading, "batch_size", where)
     if not isinstance(reading.losses, dict) or not reading.losses:
         raise ValueError(f"{where}: losses={reading.losses!r} must map each multiplier to its loss")
@@ -123,8 +122,7 @@ def brackets_from_records(
 def _columns(params: np.ndarray) -> np.ndarray:
     """The parameters, each against log D: numbers for one vector, [draws, 1] columns for a stack of them."""
     params = np.asarray(params, dtype=float)
-    columns: np.ndarray = params.T[..., None] if params.ndim > 1 else params
-    return columns
+    return np.asarray(params.T[..., None] if params.ndim > 1 else params)
 
 
 def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
@@ -133,8 +131,7 @@ def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
     power: np.ndarray = columns[0] + columns[1] * log_d
     if model == "power":
         return power
-    plateau: np.ndarray = -np.logaddexp(-power, -columns[3])  # 1 / CBS = 1 / power + 1 / c
-    return plateau
+    return np.asarray(-np.logaddexp(-power, -columns[3]))  # 1 / CBS = 1 / power + 1 / c
 
 
 def _log_likelihood(
@@ -146,8 +143,7 @@ def _log_likelihood(
     upper = special.log_ndtr((log_hi - mu) / scale)  # log Phi; log_hi = inf gives 0
     lower = special.log_ndtr((log_lo - mu) / scale)
     # log(exp(upper) - exp(lower)), kept finite where the two are close.
-    likelihood: np.ndarray = upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12)))
-    return likelihood
+    return np.asarray(upper + np.log1p(-np.exp(np.minimum(lower - upper, -1e-12))))
 
 
 def _bounds(model: str) -> list[tuple[float | None, float | None]]:
@@ -165,41 +161,33 @@ def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray
         density = density - 0.5 * ((params[..., 3] - log_ceiling) / CEILING_PRIOR_SD) ** 2
     (_, b_high), (s_low, s_high) = _bounds(model)[1:3]
     inside = (np.abs(b) <= b_high) & (log_s >= s_low) & (log_s <= s_high)
-    prior: np.ndarray = np.where(inside, density, -np.inf)
-    return prior
+    return np.asarray(np.where(inside, density, -np.inf))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Readings:
-    """Brackets as the likelihood reads them: log(D / D0), log lower, log upper, and the plateau prior's centre."""
+_Logs = tuple[np.ndarray, np.ndarray, np.ndarray]
 
-    log_d: np.ndarray
-    log_lo: np.ndarray
-    log_hi: np.ndarray
-    log_ceiling: float
 
-    @classmethod
-    def of(cls, brackets: Sequence[Bracket], d0: float) -> _Readings:
-        log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
-        lower, upper = np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
-        return cls(log_d, lower, upper, float(lower.max()))
+def _logs(brackets: Sequence[Bracket], d0: float) -> _Logs:
+    """Brackets as the likelihood reads them: log(D / D0), log lower, log upper."""
+    log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
+    return log_d, np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
 
-    def log_posterior(self, params: np.ndarray, model: str) -> np.ndarray:
-        """Summed log likelihood plus log prior (up to a constant), per parameter vector."""
-        likelihood = np.sum(_log_likelihood(params, self.log_d, self.log_lo, self.log_hi, model), axis=-1)
-        posterior: np.ndarray = likelihood + _log_prior(params, model, self.log_ceiling)
-        return posterior
+
+def _log_posterior(params: np.ndarray, logs: _Logs, model: str) -> np.ndarray:
+    """Summed log likelihood plus log prior (up to a constant; the plateau's centred on the largest lower end)."""
+    likelihood = np.sum(_log_likelihood(params, *logs, model), axis=-1)
+    return np.asarray(likelihood + _log_prior(params, model, float(logs[1].max())))
 
 
 def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
     """The posterior's mode (log a, b, log s[, log c]) for D in units of ``d0`` tokens."""
-    readings = _Readings.of(brackets, d0)
+    logs = _logs(brackets, d0)
 
     def loss(params: np.ndarray) -> float:
-        value = -float(readings.log_posterior(params, model))
+        value = -float(_log_posterior(params, logs, model))
         return value if math.isfinite(value) else 1e12
 
-    log_d, log_lo, log_hi = readings.log_d, readings.log_lo, readings.log_hi
+    log_d, log_lo, log_hi = logs
     upper = np.where(np.isfinite(log_hi), log_hi, log_lo + 2 * math.log(2))  # an open end's centre: twice its lower
     centre = (log_lo + upper) / 2
     slope = np.polyfit(log_d, centre, 1)[0] if len(set(log_d)) > 1 else 0.0
@@ -211,8 +199,7 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
         power = _fit(brackets, "power", d0)
         starts = [np.append(power, float(np.max(centre)) + shift) for shift in (-0.5, 0.5, 2.0)]
     results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=_bounds(model)) for x0 in starts]
-    mode: np.ndarray = min(results, key=lambda result: result.fun).x
-    return mode
+    return np.asarray(min(results, key=lambda result: result.fun).x)
 
 
 def _laplace_covariance(
@@ -229,16 +216,14 @@ def _laplace_covariance(
             costs = [-float(log_posterior(corner)) for corner in corners]
             hessian[i, j] = (costs[0] - costs[1] - costs[2] + costs[3]) / (4 * step * step)
     values, vectors = np.linalg.eigh((hessian + hessian.T) / 2)
-    covariance: np.ndarray = (vectors / np.maximum(values, 1 / 9)) @ vectors.T
-    return covariance
+    return np.asarray((vectors / np.maximum(values, 1 / 9)) @ vectors.T)
 
 
 def _posterior_draws(
     brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng: np.random.Generator
 ) -> np.ndarray:
     """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling from a Student t."""
-    readings = _Readings.of(brackets, d0)
-    log_posterior = functools.partial(readings.log_posterior, model=model)
+    log_posterior = functools.partial(_log_posterior, logs=_logs(brackets, d0), model=model)
     centre, shape = mode, _laplace_covariance(log_posterior, mode)
     for _ in range(3):
         proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
@@ -251,8 +236,7 @@ def _posterior_draws(
         # Too few proposals carry the weight: centre the next round on the weighted draws, a little wider.
         centre = weights @ draws
         shape = 1.5 * np.cov(draws.T, aweights=weights) + 1e-6 * np.eye(len(mode))
-    chosen: np.ndarray = draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)]
-    return chosen
+    return np.asarray(draws[rng.choice(PROPOSALS, size=POSTERIOR_DRAWS, p=weights)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +269,7 @@ class CBSForecast:
     def predict(self, tokens: ArrayLike) -> np.ndarray:
         """The posterior mode's CBS (samples) at ``tokens``."""
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
-        cbs: np.ndarray = np.exp(_curve(np.asarray(self.params), log_d, self.model))
-        return cbs
+        return np.asarray(np.exp(_curve(np.asarray(self.params), log_d, self.model)))
 
     def band(self, tokens: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
         """(low, high) samples at ``tokens``: the ``coverage`` interval of the CBS a run would read there."""
@@ -322,8 +305,7 @@ def _mixture_quantile(means: np.ndarray, spreads: np.ndarray, q: float) -> np.nd
         mid = (low + high) / 2
         below = special.ndtr((mid - means) / spreads).mean(axis=0) < q
         low, high = np.where(below, mid, low), np.where(below, high, mid)
-    quantile: np.ndarray = (low + high) / 2
-    return quantile
+    return np.asarray((low + high) / 2)
 
 
 def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
@@ -336,8 +318,7 @@ def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
         if len({b.tokens for b in rest}) < 2:
             continue
         params = _fit(rest, model, d0)
-        held = _Readings.of(group, d0)
-        total += float(np.sum(_log_likelihood(params, held.log_d, held.log_lo, held.log_hi, model)))
+        total += float(np.sum(_log_likelihood(params, *_logs(group, d0), model)))
     return total
 
 
@@ -410,8 +391,7 @@ def schedule_from_forecast(
     margin: float = 1.0,
 ) -> tuple[PiecewiseBatch, list[ForecastChange]]:
     """(a token-indexed ``PiecewiseBatch``, its changes) up to ``until_tokens``, following the band's lower edge as
-    ``schedule_from_probe`` follows readings. Warns when ``until_tokens`` lies farther past the last reading than
-    the readings span."""
+    ``schedule_from_probe`` follows readings; warns when extrapolating farther than the readings span."""
     if not (isinstance(until_tokens, int) and until_tokens > 0):
         raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")
     check_growth(start, factor, margin)

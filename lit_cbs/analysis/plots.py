@@ -1,5 +1,5 @@
-"""PNG plots of the E(S) fits, the batch sizes they imply, the CBS forecast and the probe's readings, drawn through
-the Agg canvas: pyplot's backend is left alone (a notebook keeps its own), no display is needed."""
+"""PNG plots of the E(S) fits, their batch sizes, the CBS forecast and the probe's readings, through the Agg canvas
+(pyplot's backend left alone)."""
 
 from __future__ import annotations
 
@@ -43,13 +43,14 @@ def _brackets(ax: Axes, at: Sequence[tuple[float, ProbeReading]], label: str, **
         ax.scatter(*zip(*open_ended), marker="^", color=style["color"], zorder=4)
 
 
-def _log_log(ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float) -> None:
-    ax.set_xscale("log")
+def _axes(
+    ax: Axes, xlabel: str, ylabel: str, title: str, fontsize: float = 9, legend: float = 8, x: str = "log"
+) -> None:
+    ax.set_xscale(x)
     ax.set_yscale("log")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
     ax.set_title(title, fontsize=fontsize)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend)
 
 
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
@@ -70,7 +71,7 @@ def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> P
             ax.plot(grid, fit.wsd.tokens(grid), "-", color=color, lw=1.5)
             ax.scatter([fit.wsd.s_opt], [fit.wsd.e_min], marker="*", s=120, color=color, edgecolor="k", zorder=4)
     title = "E(S): McCandlish et al. 2018 (dashed), Zhou et al. 2026 WSD (solid, * = S_opt, E_min)"
-    _log_log(ax, "optimizer steps S to reach the target", "tokens E to reach the target", title, 9)
+    _axes(ax, "optimizer steps S to reach the target", "tokens E to reach the target", title)
     return save_figure(figure, path)
 
 
@@ -81,19 +82,11 @@ def plot_batch_sizes(
     gns_runs: Sequence[RunCurve] = (),
     compared: Sequence[SideBySide] = (),
 ) -> Path:
-    """B_crit, B_min and B_opt against the target loss (left) and against E_min (right), with the probe's brackets
-    and each run's noise scale B_simple over tokens when given; ``compared`` (``side_by_side``'s rows) adds the
-    noise scale and the probe's bracket at each target to the left panel. B_crit is hollow where McCandlish's E(S)
-    misses the runs by more than ``POOR_FIT``."""
+    """B_crit, B_min and B_opt against the target loss (left; ``compared``: with ``side_by_side``'s noise scale and
+    bracket) and against E_min (right, with the probe's brackets and the runs' B_simple); hollow: a poor fit."""
     if not target_fits:
         raise ValueError("no target fits to plot")
-    unit = target_fits[0].unit
     gns_runs = [run for run in gns_runs if len(run.gns)]
-    if unit != "samples" and (probe or gns_runs):
-        raise ValueError(
-            "mismatched units: the probe's CBS and the noise scale are in samples, but the fits are in tokens per step "
-            "because the runs log no global batch in samples; log batch/global_size"
-        )
     figure = Figure(figsize=(12, 5))
     by_loss, by_tokens = figure.subplots(1, 2)
     targets = np.array([f.target for f in target_fits])
@@ -101,14 +94,10 @@ def plot_batch_sizes(
     crit = [(f.b_crit, f.mccandlish.e_min) if f.mccandlish else nan for f in target_fits]
     well = [f.mccandlish is not None and f.mccandlish.rms_log_residual <= POOR_FIT for f in target_fits]
     wsd_e_min = [f.wsd.e_min if f.wsd else np.nan for f in target_fits]
+    hollow, poor = {"markerfacecolor": "none"}, f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})"
     series: list[tuple[str, str, dict[str, Any], list[tuple[float, float]]]] = [
         (f"B_crit (McCandlish, fits within {POOR_FIT:.0%})", "o--", {}, [c if w else nan for c, w in zip(crit, well)]),
-        (
-            f"B_crit (McCandlish, fits miss > {POOR_FIT:.0%})",
-            "o:",
-            {"markerfacecolor": "none"},
-            [nan if w else c for c, w in zip(crit, well)],
-        ),
+        (poor, "o:", hollow, [nan if w else c for c, w in zip(crit, well)]),
         ("B_min (WSD)", "v-", {}, [(f.b_min, e) for f, e in zip(target_fits, wsd_e_min)]),
         ("B_opt (WSD)", "s-", {}, [(f.b_opt, e) for f, e in zip(target_fits, wsd_e_min)]),
     ]
@@ -130,15 +119,11 @@ def plot_batch_sizes(
         run_label = f"gradient noise scale B_simple ({len(gns_runs)} runs)" if i == 0 else None
         by_tokens.plot(run.gns_tokens, run.gns, lw=0.8, alpha=0.6, color="tab:gray", label=run_label)
     by_loss.invert_xaxis()  # training moves to lower losses
-    by_loss.set_xlabel("target loss (training goes right)")
-    by_tokens.set_xscale("log")
-    by_tokens.set_xlabel("tokens")
-    for ax in (by_loss, by_tokens):
-        ax.set_yscale("log")
-        ax.set_ylabel(f"batch size ({unit})")
-        ax.legend(fontsize=7)
-    by_loss.set_title("batch sizes implied by the E(S) fits", fontsize=9)
-    by_tokens.set_title("over training: fits at E_min, probe CBS, gradient noise scale", fontsize=9)
+    size = "batch size (samples)"
+    _axes(
+        by_loss, "target loss (training goes right)", size, "batch sizes implied by the E(S) fits", legend=7, x="linear"
+    )
+    _axes(by_tokens, "tokens", size, "over training: fits at E_min, probe CBS, gradient noise scale", legend=7)
     return save_figure(figure, path)
 
 
@@ -188,7 +173,7 @@ def plot_forecast(
         keep = np.isfinite(b_simple) & (b_simple > 0) & (tokens > 0)
         ax.plot(tokens[keep], b_simple[keep], color="tab:purple", lw=1, label="noise scale B_simple")
     title = textwrap.fill(forecast.describe(), 100)  # matplotlib's wrap=True overflows a log axis
-    _log_log(ax, "tokens seen D", "critical batch size (samples)", title, 7)
+    _axes(ax, "tokens seen D", "critical batch size (samples)", title, fontsize=7)
     return save_figure(figure, path)
 
 
@@ -209,10 +194,8 @@ def cbs_curve_figure(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Figure:
-    """Two panels against tokens seen: the CBS interval of each reading (samples; hollow and dashed where
-    undetermined) with the global batch the run used up to ``end_tokens``; and per multiplier k and reading,
-    L_k minus the lowest loss of a smaller k (nats), the quantity the k* rule holds against ``epsilon``, with an
-    error bar at the reading's one-sided confidence. ``batch_changes``: BatchWarmup's ``history``."""
+    """Against tokens: each reading's CBS interval (dashed: undetermined) with the global batch used (BatchWarmup's
+    ``history``); and per k, L_k minus the lowest smaller-k loss with its confidence bar, against ``epsilon``."""
     figure = Figure(figsize=(7.5, 7))
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     for determined, color, line, label in (
@@ -221,18 +204,15 @@ def cbs_curve_figure(
     ):
         readings = [r for r in history if r.determined == determined]
         _brackets(top, [(r.tokens, r) for r in readings], label, color=color, linestyles=line, alpha=0.7)
-        face = color if determined else "none"
-        top.scatter(
-            [r.tokens for r in readings], [r.cbs_estimate for r in readings], zorder=3, color=color, facecolors=face
-        )
+        at = ([r.tokens for r in readings], [r.cbs_estimate for r in readings])
+        top.scatter(*at, zorder=3, color=color, facecolors=color if determined else "none")
     if history:
         start = history[0].batch_size if not batch_changes else batch_changes[0].old_global_batch
         xs = [0, *(c.tokens_seen for c in batch_changes), max(end_tokens or 0, max(r.tokens for r in history) * 1.05)]
         ys = [start, *(c.new_global_batch for c in batch_changes)]
         top.step(xs, [*ys, ys[-1]], where="post", color="tab:orange", label="global batch used")
-    top.set_ylabel("batch size (samples)")
+    top.set(ylabel="batch size (samples)", title="Critical batch size by branched training")
     top.set_yscale("log", base=2)
-    top.set_title("Critical batch size by branched training")
     top.grid(alpha=0.3)
     top.legend(fontsize=8)
 
@@ -259,8 +239,7 @@ def cbs_curve_figure(
     # Plain numbers: symlog's default labels the linear threshold in scientific notation (4.82749x10^-2).
     bottom.yaxis.set_major_formatter(FuncFormatter(lambda value, position: f"{value:.3g}"))
     bottom.yaxis.set_minor_formatter(NullFormatter())
-    bottom.set_xlabel("tokens seen")
-    bottom.set_ylabel("L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
+    bottom.set(xlabel="tokens seen", ylabel="L_k - lowest smaller-k loss (nats)\nbars: the confidence bound")
     bottom.grid(alpha=0.3)
     if multipliers[1:]:
         bottom.legend(fontsize=8, ncols=2)
@@ -268,8 +247,7 @@ def cbs_curve_figure(
 
 
 def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[float]:
-    """The gap panel's ticks (nats): 0, +-epsilon and +-linthresh in its linear part, then 1, 2 and 5 x 10^n
-    out to ``reach`` on either side, so that a gap in the compressed part can be read too."""
+    """0, +-epsilon, +-linthresh, then +-1, 2 and 5 x 10^n out to ``reach`` (nats): compressed gaps stay readable."""
     magnitudes = {linthresh, *([epsilon] if epsilon else [])}
     decade = 10.0 ** math.floor(math.log10(linthresh))
     while decade <= reach:
@@ -281,9 +259,8 @@ def _gap_ticks(linthresh: float, epsilon: float | None, reach: float) -> list[fl
 def _gap_limits(
     ax: Axes, ticks: list[float], epsilon: float | None, drawn: list[tuple[float, float]]
 ) -> tuple[float, float]:
-    """The gap panel's y range (nats): every error bar, 0 and epsilon inside with a tenth of the panel's
-    height to spare, and out to the ticks beyond the lowest and the highest gap, so that every gap lies
-    between two labelled ticks. ``drawn``: (gap, error bar) per point."""
+    """The gap panel's y range: every (gap, error bar) of ``drawn``, 0 and epsilon inside with a tenth to spare,
+    out to the ticks beyond the extreme gaps so that every gap lies between two labelled ticks."""
     low = min(0.0, *(gap - bar for gap, bar in drawn))
     high = max(0.0, epsilon or 0.0, *(gap + bar for gap, bar in drawn))
     scale = ax.yaxis.get_transform()
@@ -296,8 +273,7 @@ def _gap_limits(
 
 
 def _gap_to_smaller(reading: ProbeReading, k: float) -> tuple[float, float, float] | None:
-    """(tokens, L_k - min of L_j over the measured j < k, its error bar at the reading's confidence)
-    for a reading that measured k and a smaller k; None otherwise."""
+    """(tokens, L_k - min of L_j over measured j < k, its error bar at the reading's confidence), or None."""
     losses = {float(j): loss for j, loss in reading.losses.items() if loss is not None}
     smaller = [j for j in losses if j < k]
     if k not in losses or not smaller:

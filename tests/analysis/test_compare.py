@@ -59,11 +59,6 @@ def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path
     good = dataclasses.replace(rows[0], b_crit_poor=False)
     assert "*" not in side_by_side_markdown([good]) and "misses" not in side_by_side_markdown([good])
 
-    token_fits, _ = recorded(
-        lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=None)
-    )
-    with pytest.raises(ValueError, match="mismatched units"):
-        side_by_side(token_fits, runs, probe)
     no_noise_scale = read_sweep(write_sweep(tmp_path / "plain"))
     plain_fits, _ = recorded(
         lambda: fit_targets(find_crossings(no_noise_scale, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN)

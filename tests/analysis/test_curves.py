@@ -20,7 +20,7 @@ from sweeps import (
     wsd_crossing_steps,
 )
 
-from lit_cbs.analysis.curves import default_targets, ema, find_crossings, read_run, read_sweep, rolling_mean, smooth
+from lit_cbs.analysis.curves import default_targets, find_crossings, read_run, read_sweep, rolling_mean, smooth
 from lit_cbs.analysis.fits import fit_targets
 
 
@@ -28,8 +28,6 @@ def test_smoothing():
     ramp = np.arange(20.0)
     np.testing.assert_allclose(rolling_mean(ramp, 5)[2:-2], ramp[2:-2])  # centered: no lag on a line
     assert rolling_mean(ramp, 5)[0] == pytest.approx(1.0)  # (0 + 1 + 2) / 3 at the edge
-    np.testing.assert_allclose(ema(np.full(5, 2.0), 0.9), 2.0)
-    assert ema(np.array([0.0, 1.0]), 0.75)[1] == pytest.approx(0.25)
     np.testing.assert_array_equal(smooth(ramp, None), ramp)
     with pytest.raises(ValueError, match="odd"):
         rolling_mean(ramp, 4)
@@ -177,7 +175,7 @@ def test_target_no_run_reaches_is_named(wsd_sweep):
     with pytest.warns(UserWarning, match=r"target loss 1.5: no run reaches it: 0_es_b450 .*lowest smoothed loss"):
         crossings = find_crossings(runs, [1.5])
     with pytest.warns(UserWarning, match=r"target loss 1.5: only 0 runs reach it \(none\)"):
-        assert fit_targets(crossings) == []
+        assert fit_targets(crossings, SEQ_LEN) == []
 
 
 def test_sweep_folder_without_runs_is_refused(tmp_path):

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import pytest
-from sweeps import WSD_TARGETS, recorded
 from toys import probe_reading
 
 from lit_cbs.analysis.compare import side_by_side
-from lit_cbs.analysis.curves import find_crossings, read_sweep
-from lit_cbs.analysis.fits import fit_targets
+from lit_cbs.analysis.curves import read_sweep
 from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
 
 
@@ -26,11 +23,3 @@ def test_plots_are_written_as_png(wsd_sweep, wsd_fits, tmp_path):
     for path in plots:
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
-
-
-def test_plot_refuses_samples_overlay_on_token_units(wsd_sweep, tmp_path):
-    runs = read_sweep(wsd_sweep)
-    fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=None))
-    assert fits[0].unit == "tokens per step"
-    with pytest.raises(ValueError, match="mismatched units: the probe's CBS and the noise scale are in samples"):
-        plot_batch_sizes(fits, tmp_path / "b.png", gns_runs=runs)
