@@ -25,11 +25,19 @@ import json
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 from lit_cbs.analysis import read_readings
 from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
 from lit_cbs.analysis.curves import METRICS_FILE, check_units, default_targets, find_crossings, read_sweep
-from lit_cbs.analysis.fits import POOR_FIT, WSD_FREE_PARAMETERS, fit_targets, propose_schedule, write_schedule_yaml
+from lit_cbs.analysis.fits import (
+    POOR_FIT,
+    WSD_FREE_PARAMETERS,
+    TargetFit,
+    fit_targets,
+    propose_schedule,
+    write_schedule_yaml,
+)
 from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
 from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
 
@@ -69,12 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def format_table(fits) -> str:
+def format_table(fits: list[TargetFit]) -> str:
     """One row per target loss: B_crit, B_min, B_opt (nan: no fit) and how many runs reached it."""
     lines = [f"{'target loss':>11}  {'B_crit':>11}  {'B_min':>11} {'B_opt':>11} {'runs':>4}   (batch sizes in samples)"]
     poor = False
     for fit in fits:
-        crit_mark = "*" if fit.mccandlish.rms_log_residual > POOR_FIT else " "
+        crit_mark = "*" if fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT else " "
         wsd_mark = "*" if fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT else " "
         poor = poor or "*" in crit_mark + wsd_mark
         lines.append(
@@ -86,7 +94,7 @@ def format_table(fits) -> str:
     return "\n".join(lines)
 
 
-def fits_record(fits) -> list[dict]:
+def fits_record(fits: list[TargetFit]) -> list[dict[str, Any]]:
     return [
         {
             "target": fit.target,

@@ -42,6 +42,7 @@ from lit_cbs.analysis.fits import batch_group_yaml
 from lit_cbs.analysis.forecast import growth_exponent, noise_scale_over_tokens, schedule_from_forecast
 from lit_cbs.analysis.probe_schedule import run_config_value
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
+from lit_cbs.rules.batch_schedules import PiecewiseBatch
 from lit_cbs.rules.scaling import LR_RULES
 
 WARMUP_BATCH = Path(__file__).resolve().parents[1] / "conf" / "batch" / "warmup.yaml"  # the default micro-batch growth
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_batch_config(args: argparse.Namespace, schedule, comment: list[str], micro_batch: tuple[int | None, str]):
+def write_batch_config(
+    args: argparse.Namespace, schedule: PiecewiseBatch, comment: list[str], micro_batch: tuple[int | None, str]
+) -> None:
     """Write --out: the batch group running ``schedule``, its comment ``comment``, where its micro-batch growth
     came from (``micro_batch``: the value and that line) and how to use it."""
     value, source = micro_batch
