@@ -11,7 +11,7 @@ class LitCBSConfigError(ValueError, TypeError):
     """A setting lit_cbs cannot train with, raised before training; the message names the setting and the fix.
     Both a ValueError and a TypeError, so existing handlers of either catch it.
 
-    Example:
+    Examples:
         >>> positive_int("batch_size", 0, "samples")
         Traceback (most recent call last):
         ...

@@ -90,7 +90,7 @@ def brackets_from_records(
     """One ``Bracket`` per probe reading of one run, sorted by tokens; ``epsilon`` (nats) judges readings that do not
     hold theirs. Raises ValueError naming a bad reading, or for readings of different seq_len.
 
-    Example:
+    Examples:
         >>> from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
         >>> where = dict(step=0, seq_len=1024, window_tokens=10**6, search="grid", evaluate="train_ema", main_loss=3.0,
         ...              branches_trained=[2, 4], failed=[], tokens_spent=0, overhead=0.0)
@@ -327,7 +327,7 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
     counts) or "auto": the plateau where its held-out log likelihood beats the power law's by ``PLATEAU_MARGIN``.
     ``seed``: of the band's sampling. Warns where the readings cannot test the curve's shape.
 
-    Example:
+    Examples:
         >>> from lit_cbs.analysis.forecast import Bracket
         >>> brackets = [Bracket(tokens=d, lower=0.75 * cbs, upper=1.5 * cbs, run="run")  # CBS = 64 (D / 1e8)^0.5
         ...             for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256), (6.4e9, 512)]]

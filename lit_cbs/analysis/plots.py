@@ -136,7 +136,7 @@ def plot_forecast(
     """The brackets ``forecast`` was fitted on (dashed: undetermined; an arrow: no upper end), its curve and band
     out to ``tokens_to`` (default: the last reading), and ``noise_scale`` = (tokens, B_simple) beside them.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from lit_cbs.analysis.forecast import Bracket, forecast_cbs
         >>> brackets = [Bracket(d, 0.75 * cbs, 1.5 * cbs, "run") for d, cbs in [(1e8, 64), (4e8, 128), (1.6e9, 256)]]

@@ -100,7 +100,7 @@ def schedule_from_probe(
         seq_len: the target run's tokens per sample; lower bounds convert through tokens (None: the measured run's).
         measured_seq_len: the measured run's, where ``seq_len`` is given and the readings lack theirs.
 
-    Example:
+    Examples:
         >>> from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
         >>> where = dict(step=0, seq_len=1024, window_tokens=10**6, search="grid", evaluate="train_ema", main_loss=3.0,
         ...              branches_trained=[2, 4], failed=[], tokens_spent=0, overhead=0.0)

@@ -165,7 +165,7 @@ class BatchAccounting(Callback):
             of the first batch's token ids (its first 2-D integer tensor); data without token ids has no tokens.
         max_tokens: stop after the optimizer step that reaches this many tokens (all ranks).
 
-    Example:
+    Examples:
         >>> from lit_cbs.callbacks import BatchAccounting
         >>> accounting = BatchAccounting(seq_len=128, max_tokens=1_000_000)
         >>> accounting.global_batch, accounting.accumulate, accounting.budget_reached

@@ -38,7 +38,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     skipped, so a resumed run redoes the probe. ``enable_version_counter`` defaults to False: a requeued job
     overwrites its ``last.ckpt``.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from lit_cbs.callbacks import FinalStateCheckpoint
         >>> with tempfile.TemporaryDirectory() as folder:

@@ -17,8 +17,7 @@ class RunProgressBar(TQDMProgressBar):
     steps out of ``max_steps``, else Lightning's; ``TQDMProgressBar``'s arguments (``refresh_rate`` in
     micro-batches). Lightning's bar counts an epoch's micro-batches, though a run may stop anywhere in it.
 
-    Example:
-
+    Examples:
         >>> import types
         >>> from lit_cbs.callbacks import RunProgressBar
         >>> bar = RunProgressBar(refresh_rate=10)

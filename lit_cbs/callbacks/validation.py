@@ -19,7 +19,7 @@ class TokenValidation(Callback):
     seen, all ranks): Lightning's ``val_check_interval`` counts micro-batches, which grow with BatchWarmup. Leave
     ``val_check_interval`` at its default and ``check_val_every_n_epoch`` at None or 1.
 
-    Example:
+    Examples:
         >>> from lit_cbs.callbacks import TokenValidation
         >>> TokenValidation(every_tokens=1_000_000).every_tokens
         1000000

@@ -38,7 +38,8 @@ class BatchWarmup(WarmupCore, Callback):
     Args:
         schedule: a ``lit_cbs.rules.batch_schedules`` schedule: samples or tokens consumed -> global batch.
         lr_rule: "sqrt" (Adam), "linear" (SGD), "none", "adam_sde", or a callable ratio -> LR factor.
-        max_tokens, seq_len: the token budget (all ranks) and tokens per sample, for the ``BatchAccounting``.
+        max_tokens: the token budget (all ranks), for the ``BatchAccounting``.
+        seq_len: tokens per sample, for the ``BatchAccounting``.
         max_micro_batch_size: grow the micro-batch (samples per rank) up to this before the accumulation; needs
             a ``lit_cbs.GlobalOrderLoader``. None: the micro-batch stays the datamodule's ``batch_size``.
         log_every_step: log ``batch/*``, the counts, ``fit_seconds`` and ``lr`` of each optimizer step to the
@@ -51,7 +52,7 @@ class BatchWarmup(WarmupCore, Callback):
         beta2_rule: "half_life": beta2 -> beta2 ** k. Not with lr_rule="adam_sde".
         beta2_floor: the lowest beta2 the half_life rule moves to (None: no floor).
 
-    Example:
+    Examples:
         >>> from lit_cbs.callbacks import BatchWarmup
         >>> from lit_cbs.rules.batch_schedules import LinearRamp
         >>> warmup = BatchWarmup(

@@ -32,7 +32,7 @@ class TokenDataModule(LightningDataModule):
         batch_size: the micro-batch, samples per rank; validation keeps the one given here.
         tokenizer: ``"bytes"`` or a tokenizer.json path.
 
-    Example:
+    Examples:
         Nothing is read or prepared before ``prepare_data`` and ``setup`` (Lightning calls them):
 
         >>> from lit_cbs.data import TokenDataModule

@@ -52,11 +52,13 @@ class GlobalOrderLoader:
         dataset: a map-style dataset, or litdata's ``StreamingDataset``.
         batch_size: samples per rank and forward pass; may change between any two optimizer steps.
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
-        num_workers, collate_fn: as for ``torch.utils.data.DataLoader``.
-        num_replicas, rank: the data-parallel ranks and this one (both or neither); default: the default
-            process group's, else (1, 0).
+        num_workers: as for ``torch.utils.data.DataLoader``.
+        collate_fn: as for ``torch.utils.data.DataLoader``.
+        num_replicas: the data-parallel ranks, given with ``rank`` or not at all; default: the default process
+            group's, else 1.
+        rank: this rank; default: the default process group's, else 0.
 
-    Example:
+    Examples:
         Rank 0 of 2, in dataset order (rank 1 reads 2 and 3), then set to 4 samples (rank 1 takes 8 to 11):
 
         >>> import torch

@@ -15,7 +15,7 @@ class RandomTokenData(pl.LightningDataModule):
     """``samples`` sequences of ``seq_len + 1`` token ids uniform in [0, ``vocab_size``), seeded, in batches of
     ``batch_size`` (the micro-batch, read when the loader is built) in a fixed order, the incomplete last dropped.
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import RandomTokenData
         >>> data = RandomTokenData(vocab_size=50, seq_len=8, batch_size=4, samples=10)
         >>> batches = list(data.train_dataloader())

@@ -11,7 +11,7 @@ __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 class ByteTokenizer:
     """One token per UTF-8 byte: vocabulary 256, documents separated by the NUL byte (id 0).
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import ByteTokenizer
         >>> tokenizer = ByteTokenizer()
         >>> tokenizer.encode("hé!")  # "é" is two bytes in UTF-8
@@ -73,7 +73,7 @@ class HFTokenizer:
 def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
     """``"bytes"`` -> ``ByteTokenizer``; anything else is read as the path of a tokenizer.json.
 
-    Example:
+    Examples:
         >>> from lit_cbs.data import load_tokenizer
         >>> load_tokenizer("bytes").vocab_size
         256

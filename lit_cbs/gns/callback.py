@@ -69,7 +69,7 @@ class GradientNoiseScale(Callback):
         per_example_loss: ``(module, batch) -> loss`` of a micro-batch, without side effects: per-example mode.
         per_example_chunk_size: samples per ``vmap`` chunk in per-example mode (None: the whole micro-batch).
 
-    Example:
+    Examples:
         >>> callback = GradientNoiseScale(groups="blocks", ema_decay=0.95)  # Trainer(callbacks=[callback])
         >>> callback.groups, callback.b_simple, callback.num_updates
         ('blocks', None, 0)

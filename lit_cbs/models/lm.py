@@ -90,7 +90,7 @@ class CausalLM(pl.LightningModule):
         ignore_index: a padding token id whose targets do not count; each step's gradient is then the mean over
             every counted token of the step (``token_mean_loss``).
 
-    Example:
+    Examples:
         >>> import math, torch
         >>> from lit_cbs.models import CausalLM
         >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "mlp_hidden": 32,

@@ -21,7 +21,7 @@ def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens: 
             ``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")``.
         tokens: how many tokens ``loss_sum`` counts, e.g. ``(labels != -100).sum()``.
 
-    Example:
+    Examples:
         A micro-batch whose 4 counted tokens sum to 6 nats:
 
         >>> import lightning.pytorch as pl, torch

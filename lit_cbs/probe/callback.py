@@ -42,7 +42,7 @@ class CBSProbeCallback(Callback):
     Tokens are global (all ranks); the batches must hold token ids, or ``seq_len`` be given to ``BatchAccounting``.
     Every setting is checked when the callback is made (docs/guides/probe.md has the protocol).
 
-    Args:
+    Keyword Args:
         every_tokens: probe every this many tokens; or ``at_tokens``, at these; or ``geometric=(first_tokens,
             ratio)``, at first, first x ratio, ... tokens. One of the three.
         multipliers: the grid of k (batch k x B per branch), 1 among them.
@@ -63,7 +63,7 @@ class CBSProbeCallback(Callback):
         side_jobs: ``SideJobs``: the branches train as side jobs while the main run trains on (None: in process).
         output_dir: folder of ``cbs_probe.jsonl`` and ``cbs_curve.png`` (None: the logger's log_dir).
 
-    Example:
+    Examples:
         >>> probe = CBSProbeCallback(every_tokens=1_000_000, window_tokens=262_144, multipliers=[1, 2, 4])
         >>> probe.history, probe.tokens_spent, probe.status()
         ([], 0, {'read': 0, 'determined': 0, 'failed': [], 'pending': []})

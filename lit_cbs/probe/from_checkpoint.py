@@ -46,7 +46,7 @@ class RunParts:
         trainer: ``lightning.Trainer`` keyword arguments as the run had them (``precision``, ``strategy``, ...).
         callbacks: the run's ``BatchWarmup`` (or ``BatchAccounting``), as made for the run.
 
-    Example:
+    Examples:
         >>> import lightning.pytorch as pl
         >>> parts = RunParts(pl.LightningModule(), trainer={"precision": "bf16-mixed", "gradient_clip_val": 1.0})
         >>> parts.datamodule, parts.trainer["precision"], parts.callbacks
@@ -169,7 +169,7 @@ def probe_checkpoint(
     probe measures it at that step, on the ranks of ``parts.trainer``. ``settings``: ``CBSProbeCallback``'s keywords
     (where to probe is the checkpoint's step). ``output_dir``: the reading is appended to its ``cbs_probe.jsonl``.
 
-    Example:
+    Examples:
         ``probe_checkpoint("run/checkpoints/step=608.ckpt", RunParts(MyModule(), MyData(), trainer={"precision":
         "bf16-mixed"}, callbacks=[BatchWarmup(...)]), multipliers=(1, 2, 4, 8), window_tokens=2_000_000,
         evaluate="heldout", search="bisect")`` (docs/guides/probe_jobs.md runs one). It refuses settings before

@@ -32,7 +32,7 @@ class BranchScore:
     held-out batch (the same batches for every branch, so differences pair up), else the SE of ``loss`` alone;
     ``replicate_losses``: each replicate data window's ``batch_losses``.
 
-    Example:
+    Examples:
         >>> score = BranchScore.heldout([2.0, 2.2, 2.4])
         >>> round(score.loss, 4), score.batch_losses, score.failed, BranchScore(float("inf")).failed
         (2.2, (2.0, 2.2, 2.4), False, True)
@@ -156,7 +156,7 @@ def decide(scores: dict[float, BranchScore], epsilon: float, confidence: float) 
     ``epsilon`` nats of every smaller k with that confidence and every measured larger k beyond it (a failed branch
     is beyond by definition).
 
-    Example:
+    Examples:
         >>> scores = {
         ...     1: BranchScore.heldout([3.0, 3.1, 3.2]),
         ...     2: BranchScore.heldout([3.003, 3.104, 3.202]),  # within 0.01 nats of k = 1 on every batch
@@ -277,7 +277,7 @@ class ProbeReading:
     line (``to_record``). Tokens global (all ranks), batches and CBS bounds in samples, losses in nats. Only a
     ``determined`` reading says where the CBS is; CBSAdaptive ignores an undetermined one.
 
-    Example:
+    Examples:
         A probe at batch 256 whose k = 2 and 4 branches trained 262,144 tokens (``confidence=0.5``: the means decide):
 
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
@@ -427,7 +427,7 @@ def read_readings(path: str | os.PathLike[str]) -> list[ProbeReading]:
     """The readings of a ``cbs_probe.jsonl``, in file order (blank lines skipped); ValueError naming the file and
     line where it holds something else.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103)}  # nats
         >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2], 256, tokens=10**6, step=100,

@@ -60,7 +60,7 @@ class BatchSchedule(ABC):
 class ConstantBatch(BatchSchedule):
     """The same global batch (samples) throughout: the control run, with BatchWarmup's logging.
 
-    Example:
+    Examples:
         >>> ConstantBatch(256).batch_size(1_000_000), ConstantBatch(256).is_constant
         (256, True)
     """
@@ -80,7 +80,7 @@ class PiecewiseBatch(BatchSchedule):
     """``batch_sizes[i]`` samples from ``thresholds[i]`` consumed on (OLMo-core style); ``thresholds`` in
     ``unit``, starting at 0 and strictly increasing.
 
-    Example:
+    Examples:
         >>> schedule = PiecewiseBatch([1024, 2048, 4096], [0, 168_000_000_000, 503_000_000_000])
         >>> schedule.batch_size(200_000_000_000), schedule.sizes(200_000_000_000)
         (2048, [2048, 4096])
@@ -123,7 +123,7 @@ class Seesaw(PiecewiseBatch):
     ``max_batch_size`` samples. Run it under ``BatchWarmup(lr_rule="sqrt")`` with the same LR schedule (Adam;
     for SGD ``lr_rule="none"``). ``total_tokens`` defaults to ``lr_schedule.total_tokens``.
 
-    Example:
+    Examples:
         >>> from lit_cbs.rules.lr_schedules import CosineSchedule
         >>> Seesaw(CosineSchedule(warmup_tokens=0, total_tokens=1_000_000), start=64, max_batch_size=256).thresholds
         [0, 535441, 732280]
@@ -194,7 +194,7 @@ class LinearRamp(BatchSchedule):
     """Megatron-LM's ``--rampup-batch-size START INCR RAMP``: from ``start``, ``increment`` samples more at
     each of the equal parts of ``ramp`` (``unit``), ``final`` after it; Megatron's float arithmetic.
 
-    Example:
+    Examples:
         >>> schedule = LinearRamp(start=32, increment=32, ramp=3000, final=128)
         >>> [schedule.batch_size(consumed) for consumed in (0, 999, 1000, 2999, 3001)]
         [32, 32, 64, 96, 128]
@@ -225,7 +225,7 @@ class ExponentialRamp(BatchSchedule):
     """Geometric growth from ``start`` to ``final`` over ``ramp`` consumed: start * (final/start) **
     (consumed/ramp), rounded down to a multiple of ``multiple_of`` samples (micro-batch x world size).
 
-    Example:
+    Examples:
         >>> schedule = ExponentialRamp(start=64, final=512, ramp=3_000_000, multiple_of=32)
         >>> [schedule.batch_size(tokens) for tokens in (0, 1_000_000, 2_000_000, 3_000_000)]
         [64, 128, 256, 512]
@@ -259,7 +259,7 @@ class CBSAdaptive(BatchSchedule):
     ``factor`` x the batch. ``CBSProbeCallback`` calls ``observe`` with each reading; the decisions are kept in
     ``state_dict``. At ``final`` the probe stops unless ``probe_after_final``.
 
-    Example:
+    Examples:
         >>> schedule = CBSAdaptive(start=64, final=256)
         >>> schedule.observe(1000, cbs=100.0), schedule.observe(2000, cbs=130.0)  # 130 >= 2 x 64: double
         (False, True)

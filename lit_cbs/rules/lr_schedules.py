@@ -76,7 +76,7 @@ class WarmupStableDecay(_Schedule):
     """Linear warmup over ``warmup_tokens``, constant, then a decay (``decay_shape``: linear, cosine or 1 - sqrt)
     to ``min_lr_ratio`` over the last ``decay_tokens`` of ``total_tokens``; ``decay_tokens=0``: no decay.
 
-    Example:
+    Examples:
         >>> schedule = WarmupStableDecay(warmup_tokens=1000, total_tokens=10_000, decay_tokens=2000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 499, 1000, 8000, 9000, 10_000)]
         [0.001, 0.4995, 1.0, 1.0, 0.55, 0.1]
@@ -117,7 +117,7 @@ class WarmupStableDecay(_Schedule):
 class CosineSchedule(_Schedule):
     """Linear warmup over ``warmup_tokens``, then a cosine from 1 to ``min_lr_ratio`` at ``total_tokens``.
 
-    Example:
+    Examples:
         >>> schedule = CosineSchedule(warmup_tokens=1000, total_tokens=11_000, min_lr_ratio=0.1)
         >>> [round(schedule(tokens), 4) for tokens in (0, 1000, 6000, 11_000)]
         [0.001, 1.0, 0.55, 0.1]
@@ -136,7 +136,7 @@ class StepDecay(_Schedule):
     """Linear warmup over ``warmup_tokens``, then the multiplier times ``gamma`` at each of ``milestones``
     (tokens): ``StepLR`` in tokens. ``total_tokens`` is where the run ends (for ``Seesaw``).
 
-    Example:
+    Examples:
         >>> schedule = StepDecay(warmup_tokens=0, milestones=[4000, 8000], total_tokens=10_000, gamma=0.5)
         >>> [schedule(tokens) for tokens in (0, 3999, 4000, 8000)]
         [1.0, 1.0, 0.5, 0.25]
@@ -162,7 +162,7 @@ class OneCycle(_Schedule):
     ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (in tokens); it composes with BatchWarmup's LR
     rule, ``OneCycleLR`` does not. No momentum cycling. Arguments as ``OneCycleLR``'s.
 
-    Example:
+    Examples:
         >>> [round(OneCycle(total=100)(step), 4) for step in (0, 29, 99)]
         [0.04, 1.0, 0.0]
     """
@@ -210,7 +210,7 @@ class TokenLRScheduler(LambdaLR):
     ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or BatchAccounting
     do it, a plain loop sets it itself.
 
-    Example:
+    Examples:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
         >>> scheduler = TokenLRScheduler(optimizer, CosineSchedule(warmup_tokens=0, total_tokens=1000))

@@ -12,7 +12,7 @@ def ema(values: np.ndarray, decay: float) -> np.ndarray:
     """s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0, in the unit of ``values``; ``decay`` in [0, 1).
     It lags a trend by about decay / (1 - decay) points.
 
-    Example:
+    Examples:
         >>> ema([4.0, 2.0, 2.0, 2.0], decay=0.5).tolist()
         [4.0, 3.0, 2.5, 2.25]
     """

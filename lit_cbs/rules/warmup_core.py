@@ -40,7 +40,7 @@ class BatchChange:
     """One applied change of the global batch (``BatchWarmup.history``), after optimizer step ``step``; counts
     before it, all ranks. ``requested_at_*``: where it was first asked for; ``cause``: "schedule" or "guard".
 
-    Example:
+    Examples:
         >>> from lit_cbs.callbacks import BatchChange
         >>> change = BatchChange(
         ...     step=100, epoch=0, samples_seen=6400, tokens_seen=819200, old_global_batch=64, new_global_batch=128,
@@ -77,7 +77,7 @@ class WarmupCore:
     The driving loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank and step and
     calls ``after_step`` after each optimizer step. ``lr_factor`` is the product of the changes' LR factors.
 
-    Example:
+    Examples:
         A plain PyTorch loop, 8 samples per step until 32 were trained on, then 16:
 
         >>> import torch

@@ -40,7 +40,7 @@ class LocalLauncher:
         max_running: jobs at once; later probes' jobs wait their turn (None: no limit).
         python: the interpreter the jobs run (default: the main run's).
 
-    Example:
+    Examples:
         >>> LocalLauncher(threads=1, devices="7").max_running  # one job at a time, on GPU 7
         1
         >>> LocalLauncher(threads=0)
@@ -162,7 +162,7 @@ class SlurmLauncher:
     ``timeout_min``: a job that reaches it counts as failed; ``max_running``: jobs submitted at once (None: SLURM
     queues them).
 
-    Example:
+    Examples:
         >>> launcher = SlurmLauncher(partition="spare", gpus_per_node=1, timeout_min=30)
         >>> launcher.nodes, launcher.tasks_per_node, launcher.max_running  # one process; SLURM queues the jobs
         (1, 1, None)
@@ -272,7 +272,7 @@ class SideJobs:
         look_seconds: look for finished jobs at most this often (seconds; at most 1% of the run's time; 0: every
             optimizer step).
 
-    Example:
+    Examples:
         >>> jobs = SideJobs(LocalLauncher(threads=1), build="my_project.parts:build_parts")
         >>> jobs.retries, jobs.wait_at_end  # restarts of a failed job; minutes waited at the end
         (2, 60.0)
