@@ -35,7 +35,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -147,7 +146,7 @@ def train(key: str, seed: int, repeat: int, args) -> dict:
     run.update(key=key, seed=seed, repeat=repeat, run_dir=str(run_dir), problems=check_run(run_dir, **CHECKS[key]))
     run["side_jobs"] = side_job_seconds(run_dir) if key == "adaptive_side_jobs" else []
     probes = run_dir / "cbs_probe.jsonl"
-    run["readings"] = [dataclasses.asdict(r) for r in read_readings(probes)] if probes.exists() else []
+    run["readings"] = [r.to_record() for r in read_readings(probes)] if probes.exists() else []
     return run
 
 

@@ -145,6 +145,8 @@ def read_run(run_dir: Path, probes: bool = False, changes_batch: bool = False) -
 def json_default(value):
     """``json.dumps(..., default=json_default)`` for a benchmark's results: a record (a dataclass, such as a run's
     ``ProbeReading``) as its fields, a number of another type (numpy's) as a float, anything else as its text."""
+    if hasattr(value, "to_record"):  # a ProbeReading: also the fields it computes, as cbs_probe.jsonl holds it
+        return value.to_record()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return float(value) if isinstance(value, numbers.Number) else str(value)

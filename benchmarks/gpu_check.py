@@ -207,7 +207,7 @@ def main() -> dict:
         # Steps that contain probe branches are slow by design: leave them out of nothing, report them.
         gaps = timer.durations("wall")
         result["probe"] = {
-            "history": [dataclasses.asdict(r) for r in probe.history],
+            "history": [r.to_record() for r in probe.history],
             "k1_minus_main_loss": [r.losses["1"] - r.main_loss for r in probe.history],
             "slowest_step_s": max(gaps),
             "median_step_s": sorted(gaps)[len(gaps) // 2],
