@@ -122,7 +122,7 @@ def main(cfg: DictConfig) -> None:
 def report(readings: list[ProbeReading], output_dir: Path, forecast_to: int | None) -> None:
     """cbs_curve.png of the readings; with three or more, the forecast through them (forecast.png)."""
     from lit_cbs.analysis import brackets_from_records, forecast_cbs, plot_forecast
-    from lit_cbs.analysis.plots import plot_cbs_curve
+    from lit_cbs.probe.plot import plot_cbs_curve
 
     curve = plot_cbs_curve(readings, [], output_dir / "cbs_curve.png", epsilon=readings[-1].epsilon)
     log.info(f"the CBS curve: {curve}")

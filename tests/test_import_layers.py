@@ -22,12 +22,12 @@ PACKAGE = Path(lit_cbs.__file__).parent
 LAYERS = [
     (
         "foundation",
-        ["lit_cbs", "lit_cbs._internals", "lit_cbs._lazy", "lit_cbs.errors", "lit_cbs.metrics"],
+        ["lit_cbs", "lit_cbs._figures", "lit_cbs._internals", "lit_cbs._lazy", "lit_cbs.errors", "lit_cbs.metrics"],
     ),
     ("rules", ["lit_cbs.rules"]),
     ("the probe's reading", ["lit_cbs.probe.reading"]),
     ("analysis", ["lit_cbs.analysis"]),
-    ("plots", ["lit_cbs.analysis.plots"]),
+    ("plots", ["lit_cbs.analysis.plots", "lit_cbs.probe.plot"]),
     ("data", ["lit_cbs.data"]),
     ("callbacks", ["lit_cbs.callbacks"]),
     ("models", ["lit_cbs.models"]),

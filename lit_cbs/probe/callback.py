@@ -335,7 +335,7 @@ class CBSProbeCallback(Callback):
         if trainer.is_global_zero and self.history and self._output_dir is not None:
             warmup = self._run.warmup if self._run is not None else None
             changes = warmup.history if warmup is not None else []
-            from lit_cbs.analysis.plots import plot_cbs_curve  # matplotlib only where a curve is drawn
+            from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a curve is drawn
 
             tokens = self._accounting.tokens_seen
             path = plot_cbs_curve(self.history, changes, self._output_dir / PLOT_FILE, tokens, self.config.epsilon)

@@ -323,7 +323,7 @@ def read_run_metrics(metrics_csv: str | os.PathLike[str]) -> Metrics:
 
 def plot_run(metrics_csv: str | os.PathLike[str], output_dir: str | os.PathLike[str], title: str = "") -> list[Path]:
     """Write ``RUN_FIGURES`` of a CSVLogger's file into ``output_dir``; return the paths of those drawn."""
-    from lit_cbs.analysis.plots import save_figure
+    from lit_cbs._figures import save_figure
 
     metrics = read_run_metrics(metrics_csv)
     figures = {name: draw(metrics, title) for name, draw in RUN_FIGURES.items()}
@@ -380,7 +380,7 @@ def _current(path: Path, source: Path) -> bool:
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the run's page (default ``RUN_DIR/report.html``); figures missing or older than their source are drawn
     first. ValueError without a metrics.csv."""
-    from lit_cbs.analysis.plots import save_figure
+    from lit_cbs._figures import save_figure
     from lit_cbs.analysis.probe_schedule import run_config_value
 
     run_dir = Path(run_dir)
@@ -412,7 +412,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     if readings and probe_file is not None:
         curve = probe_file.parent / PLOT_FILE
         if not _current(curve, probe_file):
-            from lit_cbs.analysis.plots import plot_cbs_curve
+            from lit_cbs.probe.plot import plot_cbs_curve
 
             found = run_config_value(run_dir, "callbacks.cbs_probe.epsilon")  # the plot's tolerance line
             epsilon = float(found[0]) if found is not None and found[0] is not None else None

@@ -8,7 +8,7 @@ import matplotlib
 import pytest
 from toys import heldout_score
 
-from lit_cbs.analysis.plots import _gap_to_smaller, cbs_curve_figure, plot_cbs_curve
+from lit_cbs.probe.plot import _gap_to_smaller, cbs_curve_figure, plot_cbs_curve
 from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading, difference
 
 
