@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import inspect
 import math
 import warnings
@@ -30,7 +31,7 @@ def _ratio(value: float) -> float:
     return float(value)
 
 
-class _Schedule:
+class _Schedule(abc.ABC):
     """A multiplier of the base LR; its repr lists the arguments it was built with."""
 
     warmup_tokens = 0
@@ -64,8 +65,9 @@ class _Schedule:
             return (tokens + 1) / (self.warmup_tokens + 1)
         return self._after_warmup(tokens)
 
+    @abc.abstractmethod
     def _after_warmup(self, tokens: int) -> float:
-        raise NotImplementedError
+        """The multiplier once the warmup is over."""
 
     def __repr__(self) -> str:
         arguments = ", ".join(f"{name}={getattr(self, name)!r}" for name in inspect.signature(type(self)).parameters)
@@ -193,7 +195,7 @@ class OneCycle(_Schedule):
             down = [(total - 1, 1.0, initial / final_div_factor)]
         self._phases = [up, *down]
 
-    def __call__(self, step: int) -> float:
+    def _after_warmup(self, step: int) -> float:  # no warmup of its own: every step is a one-cycle phase's
         step, phase_start = min(step, self.total - 1), 0.0
         for number, (phase_end, start, end) in enumerate(self._phases):
             if step <= phase_end or number == len(self._phases) - 1:
