@@ -187,7 +187,7 @@ class BatchAccounting(Callback):
         self._sync_at_next_batch = False  # the first batch of a resumed run reads the loader's epoch length again
         self._seq_len_resolved = False
         self._token_schedulers: list[TokenLRScheduler] = []
-        self._gradient_sync = GradientSync()
+        self.gradient_sync = GradientSync()
         self.in_branch = False
         self.branch_seconds = 0.0
         self._fit_start: float | None = None
@@ -296,16 +296,12 @@ class BatchAccounting(Callback):
 
     def _lead(self, trainer: pl.Trainer) -> None:
         """Put this accounting first among the Trainer's callbacks, its two companions right after it."""
-        first = [self, self._gradient_sync, self.step_tokens]
+        first = [self, self.gradient_sync, self.step_tokens]
         callbacks = trainer_callbacks(trainer)
         if callbacks[:3] != first:
             # A new list, not an insertion: Lightning may be iterating the old one (in setup).
             rest = [callback for callback in callbacks if all(callback is not mine for mine in first)]
             trainer.callbacks = first + rest  # type: ignore[attr-defined]  # see trainer_callbacks
-
-    def set_gradient_sync(self, sync: bool | None) -> None:
-        """``GradientSync.set`` (a CBS probe's branch reduces FSDP2 gradients on its steps' last micro-batch)."""
-        self._gradient_sync.set(sync)
 
     # ------------------------------------------------------------------ hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

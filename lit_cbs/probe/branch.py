@@ -436,7 +436,7 @@ class BranchTrainer:
         for i, batch in enumerate(batches):
             last = i == count - 1
             batch = move_data_to_device(batch, strategy.root_device)
-            self.accounting.set_gradient_sync(last)
+            self.accounting.gradient_sync.set(last)
             with block_ddp_gradient_sync(strategy, block=not last):
                 loss = self._agreed(lambda: loss_of(strategy.training_step(batch, first + i)))  # noqa: B023 - called here
                 self._agreed(functools.partial(strategy.backward, loss / count, raw_optimizer))

@@ -130,7 +130,7 @@ class CheckpointProbe(Callback):
                     self._measure(point, window, branches)
             finally:
                 window.start.restore(trainer, pl_module)
-                accounting.set_gradient_sync(None)
+                accounting.gradient_sync.set(None)
 
     @staticmethod
     def _read_window(loader: Any, micro_batch_size: int, samples: int) -> list[Any]:

@@ -197,7 +197,7 @@ class InProcessRunner:
                     )
             finally:
                 after_window.restore(trainer, pl_module)
-                accounting.set_gradient_sync(None)
+                accounting.gradient_sync.set(None)
         self._outcomes.append((point, outcome))
 
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
