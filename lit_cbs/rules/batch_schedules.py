@@ -101,11 +101,10 @@ class PiecewiseBatch(BatchSchedule):
             raise LitCBSConfigError(
                 f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start"
             )
-        for i in range(1, len(thresholds)):
-            if not thresholds[i] > thresholds[i - 1]:
+        for i, (before, at) in enumerate(zip(thresholds, thresholds[1:]), start=1):
+            if not at > before:
                 raise LitCBSConfigError(
-                    f"thresholds must strictly increase, but thresholds[{i}]={thresholds[i]} <= "
-                    f"thresholds[{i - 1}]={thresholds[i - 1]}"
+                    f"thresholds must strictly increase, but thresholds[{i}]={at} <= thresholds[{i - 1}]={before}"
                 )
         self.batch_sizes, self.thresholds = batch_sizes, thresholds
         super().__init__(unit)
@@ -162,10 +161,8 @@ class Seesaw(PiecewiseBatch):
         sizes, thresholds = [start], [0]
         size, level = start * factor, peak / factor
         while size <= max_batch_size and lr_schedule(total) <= level:
-            low, high = first, total  # bisect for the first token count where the schedule is <= level
-            while low < high:
-                middle = (low + high) // 2
-                low, high = (middle + 1, high) if lr_schedule(middle) > level else (low, middle)
+            # The first token count where the schedule is <= level.
+            low = first + bisect.bisect_left(range(first, total), True, key=lambda tokens: lr_schedule(tokens) <= level)
             if low == thresholds[-1]:  # a step decay past several levels at once: one larger growth
                 sizes[-1] = size
             else:
@@ -290,11 +287,8 @@ class CBSAdaptive(BatchSchedule):
         return next((size for at, size in reversed(self.decisions) if consumed >= at), self.start)
 
     def sizes(self, consumed: int = 0) -> list[int]:
-        size, sizes = self.batch_size(consumed), []
-        while size <= self.final:
-            sizes.append(size)
-            size *= 2
-        return sizes
+        size = self.batch_size(consumed)
+        return [size * 2**i for i in range(round(math.log2(self.final / size)) + 1)]
 
     def wants_readings(self, consumed: int) -> bool:
         """Whether a reading at ``consumed`` could still move the batch (or ``probe_after_final``)."""

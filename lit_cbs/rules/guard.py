@@ -1,5 +1,4 @@
-"""``BatchGuard``: undo a batch increase after which the training loss rises above its trend (no Lightning).
-The rule, its defaults and why: docs/guides/guard.md. Spans count samples or tokens, the schedule's unit."""
+"""``BatchGuard``: undo a batch increase after which the training loss rises above its trend (docs/guides/guard.md)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ _SPAN = "samples or tokens, the schedule's unit"
 
 @dataclasses.dataclass
 class RevertRestore:
-    """What a revert puts back: BatchWarmup's ``lr_factor`` and ``clip_factor`` from just before the increase, the
-    increase's own factors (divided out of the LR schedulers), and per optimizer, per param group, its betas, eps
-    and weight decay (``lit_cbs.rules.scaling.optimizer_settings``; None in a checkpoint of the first guards)."""
+    """What a revert puts back: BatchWarmup's factors before the increase, the increase's own (divided out of the
+    LR schedulers), and each optimizer's ``lit_cbs.rules.scaling.optimizer_settings``."""
 
     lr_factor: float
     clip_factor: float
@@ -34,8 +32,7 @@ class RevertRestore:
 
 @dataclasses.dataclass
 class _WatchedIncrease:
-    """An increase watched, or decided to be reverted: its index in BatchWarmup.history, the batches (samples),
-    ``consumed`` when applied; the fit's steps are those after ``fit_after``; judged at ``watch_until``."""
+    """An increase watched or to be reverted: fit on steps those after ``fit_after``; judged at ``watch_until``."""
 
     change: int
     old_global_batch: int
@@ -46,16 +43,10 @@ class _WatchedIncrease:
     restore: RevertRestore
 
 
-def _load_watch(state: Mapping[str, Any] | None) -> _WatchedIncrease | None:
-    return None if state is None else _WatchedIncrease(**{**state, "restore": RevertRestore(**state["restore"])})
-
-
 @dataclasses.dataclass
 class GuardVerdict:
-    """The guard's judgement of one increase (``BatchWarmup.guard.verdicts``, ``batch_history.json``). Losses in
-    nats: ``rise`` is the mean loss over the ``watch_steps`` steps after the change above the trend
-    ``trend_intercept + trend_slope * ln(consumed)``, fitted to the ``fit_steps`` steps before it, around which the
-    per-step loss spread by ``residual_std``; ``reverted`` if ``rise`` exceeds ``threshold``."""
+    """The guard's judgement of one increase. ``rise`` (nats): the mean loss of the ``watch_steps`` steps after it
+    above the trend ``trend_intercept + trend_slope * ln(consumed)`` of the ``fit_steps`` steps before it."""
 
     change: int  # index in BatchWarmup.history
     old_global_batch: int
@@ -77,8 +68,7 @@ def _loss_rise(
 ) -> tuple[float, float, float, float]:
     """The ``window`` losses' mean distance above the least-squares trend ``a + b ln(consumed)`` of the ``fit``
     (consumed, loss) points (3 or more), then a, b and the residual standard deviation (n - 2 dof), in nats."""
-    log_consumed = np.log([consumed for consumed, _ in fit])
-    losses = np.array([loss for _, loss in fit])
+    log_consumed, losses = np.log([consumed for consumed, _ in fit]), np.array([loss for _, loss in fit])
     slope, intercept = np.polyfit(log_consumed, losses, 1)
     residuals = losses - (intercept + slope * log_consumed)
     intercept, slope = float(intercept), float(slope)
@@ -116,9 +106,7 @@ class BatchGuard:
         self.fit = positive_int("guard.fit", fit, _SPAN, optional=True)
         self.hold = positive_int("guard.hold", hold, _SPAN, optional=True)
         self.threshold = positive_number("guard.threshold", threshold, "nats of training loss", optional=True)
-        self.noise_multiple = positive_number(
-            "guard.noise_multiple", noise_multiple, "standard deviations of the per-step loss"
-        )
+        self.noise_multiple = positive_number("guard.noise_multiple", noise_multiple, "standard deviations of the loss")
         self.min_threshold = positive_number("guard.min_threshold", min_threshold, "nats of training loss")
         self.min_steps = positive_int("guard.min_steps", min_steps, "optimizer steps")
         if self.min_steps < 3:
@@ -155,12 +143,11 @@ class BatchGuard:
 
     @property
     def revert_to(self) -> int | None:
-        """The global batch (samples) a decided revert goes back to, until BatchWarmup applied it."""
+        """The global batch (samples) a decided revert goes back to, until applied."""
         return None if self._revert is None else self._revert.old_global_batch
 
     def allowed_batch(self, scheduled: int, current: int, consumed: int) -> int:
-        """The global batch to train with next: the schedule's, unless a revert is due, or an increase
-        must wait (an increase is watched, or a revert's hold is not over)."""
+        """The schedule's global batch, unless a revert is due or an increase must wait (watched, or held)."""
         if self._revert is not None:
             return self._revert.old_global_batch
         if scheduled > current and (self._watch is not None or consumed < self.hold_until):
@@ -189,8 +176,7 @@ class BatchGuard:
         """Watch the increase ``change`` (its index in the history) applied at ``consumed``; False if too few
         steps precede it to judge it."""
         fit_after = consumed - self._fit_span(consumed)
-        fit_steps = sum(1 for at, _ in self._steps if fit_after < at <= consumed)
-        if fit_steps < self.min_steps:
+        if sum(1 for at, _ in self._steps if fit_after < at <= consumed) < self.min_steps:
             return False
         watch_span = self.watch_span if self.watch_span is not None else max(1, consumed // 4)
         self._watch = _WatchedIncrease(
@@ -221,8 +207,9 @@ class BatchGuard:
             threshold = max(self.noise_multiple * residual_std, self.min_threshold)
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
         at_change = (watch.change, watch.old_global_batch, watch.new_global_batch, watch.consumed, consumed)
-        trend = (rise, threshold, residual_std, intercept, slope)
-        verdict = GuardVerdict(*at_change, *trend, len(fit), len(watched), reverted)
+        verdict = GuardVerdict(
+            *at_change, rise, threshold, residual_std, intercept, slope, len(fit), len(watched), reverted
+        )
         self.verdicts.append(verdict)
         self._watch = None
         if reverted:
@@ -241,17 +228,16 @@ class BatchGuard:
         return watch.restore
 
     def state_dict(self) -> dict[str, Any]:
-        watches = {
-            key: None if w is None else dataclasses.asdict(w)
-            for key, w in (("watch", self._watch), ("revert", self._revert))
-        }
+        watches = {key: w and dataclasses.asdict(w) for key, w in (("watch", self._watch), ("revert", self._revert))}
         verdicts = [dataclasses.asdict(verdict) for verdict in self.verdicts]
         steps = [list(step) for step in self._steps]
         return {"verdicts": verdicts, "reverts": self.reverts, "hold_until": self.hold_until, "steps": steps, **watches}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.verdicts = [GuardVerdict(**verdict) for verdict in state_dict["verdicts"]]
-        self.reverts = state_dict["reverts"]
-        self.hold_until = state_dict["hold_until"]
+        self.reverts, self.hold_until = state_dict["reverts"], state_dict["hold_until"]
         self._steps = [(at, loss) for at, loss in state_dict["steps"]]
-        self._watch, self._revert = _load_watch(state_dict["watch"]), _load_watch(state_dict["revert"])
+        self._watch, self._revert = (
+            None if w is None else _WatchedIncrease(**{**w, "restore": RevertRestore(**w["restore"])})
+            for w in (state_dict["watch"], state_dict["revert"])
+        )

@@ -14,16 +14,7 @@ from lit_cbs import metrics
 from lit_cbs._internals import inner_schedulers, scale_last_lr
 from lit_cbs.errors import LitCBSConfigError
 
-__all__ = [
-    "BETA2_FLOOR",
-    "LRRule",
-    "LR_RULES",
-    "OptimizerRules",
-    "ScalingRule",
-    "get_clip_rule",
-    "get_lr_rule",
-    "scale_learning_rate",
-]
+__all__ = ["BETA2_FLOOR", "LR_RULES", "OptimizerRules", "ScalingRule", "get_clip_rule", "get_lr_rule"]
 
 
 def _linear(ratio: float) -> float:
@@ -37,11 +28,8 @@ def _unchanged(ratio: float) -> float:
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
 RATIO_FUNCTIONS: dict[str, Callable[[float], float]] = {"sqrt": math.sqrt, "linear": _linear, "none": _unchanged}
 LR_RULES = ("adam_sde", *RATIO_FUNCTIONS)  # adam_sde: LR x sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k)
-CLIP_RULES = tuple(RATIO_FUNCTIONS)
 # The lowest beta2 the half_life rule moves Adam's beta2 to (docs/design.md, "Optimizer rules").
 BETA2_FLOOR = 0.95
-# Entries of a param group that the rules write beside the LR.
-SETTING_KEYS = ("betas", "eps", "weight_decay")
 
 
 class ScalingRule:
@@ -79,17 +67,17 @@ LRRule = ScalingRule  # the LR's rule
 def _rule(argument: str, rule: Any, names: Iterable[str], tail: str = "") -> ScalingRule:
     if isinstance(rule, ScalingRule):
         return rule
-    if isinstance(rule, str):
-        if rule not in names:
-            raise LitCBSConfigError(
-                f"{argument}={rule!r} is unknown; use one of {sorted(names)} or a callable ratio -> factor{tail}"
-            )
-        return ScalingRule(rule, RATIO_FUNCTIONS.get(rule, math.sqrt))
     if callable(rule):
         return ScalingRule(getattr(rule, "__name__", repr(rule)), rule)
-    raise LitCBSConfigError(
-        f"{argument} must be one of {sorted(names)}, a callable ratio -> factor{tail}, got {rule!r}"
-    )
+    if not isinstance(rule, str):
+        raise LitCBSConfigError(
+            f"{argument} must be one of {sorted(names)}, a callable ratio -> factor{tail}, got {rule!r}"
+        )
+    if rule not in names:
+        raise LitCBSConfigError(
+            f"{argument}={rule!r} is unknown; use one of {sorted(names)} or a callable ratio -> factor{tail}"
+        )
+    return ScalingRule(rule, RATIO_FUNCTIONS.get(rule, math.sqrt))
 
 
 def get_lr_rule(rule: str | Callable[[float], float] | ScalingRule) -> ScalingRule:
@@ -99,7 +87,7 @@ def get_lr_rule(rule: str | Callable[[float], float] | ScalingRule) -> ScalingRu
 
 def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> ScalingRule | None:
     """The gradient-clipping threshold's rule ("sqrt", "linear", a callable); None or "none": unchanged (None)."""
-    return None if rule is None or rule == "none" else _rule("clip_rule", rule, CLIP_RULES, ", or None")
+    return None if rule is None or rule == "none" else _rule("clip_rule", rule, RATIO_FUNCTIONS, ", or None")
 
 
 # Schedulers whose LR is base_lrs * f(step) or chained multiplicatively on the optimizer's current LR: scaling
@@ -125,29 +113,24 @@ def check_scheduler_supported(scheduler: Any, who: str) -> None:
     if isinstance(scheduler, _CONTAINERS):
         for inner in inner_schedulers(scheduler):
             check_scheduler_supported(inner, who)
-        return
-    if isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
-        return
-    supported = sorted(t.__name__ for t in _PROPORTIONAL + _CONTAINERS) + [
-        "lit_cbs.rules.lr_schedules.TokenLRScheduler"
-    ]
-    if isinstance(scheduler, torch_sched.OneCycleLR):
+    elif isinstance(scheduler, torch_sched.OneCycleLR):
         raise LitCBSConfigError(
             f"{who}: OneCycleLR writes absolute LR values that a batch change cannot rescale; for the same LR curve "
             "set the optimizer's lr to max_lr and use LambdaLR(optimizer, lit_cbs.rules.lr_schedules.OneCycle("
             f"total={scheduler.total_steps}, pct_start=..., div_factor=..., final_div_factor=...)) with your "
             "OneCycleLR arguments (momentum is not cycled)"
         )
-    raise LitCBSConfigError(
-        f"{who}: {type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
-        f"use one of {supported}"
-    )
+    elif not isinstance(scheduler, _PROPORTIONAL):  # TokenLRScheduler is a LambdaLR
+        supported = [t.__name__ for t in _PROPORTIONAL + _CONTAINERS]
+        raise LitCBSConfigError(
+            f"{who}: {type(scheduler).__name__} keeps absolute LR values that a batch change cannot rescale exactly; "
+            f"use one of {sorted(supported) + ['lit_cbs.rules.lr_schedules.TokenLRScheduler']}"
+        )
 
 
 def _scale_scheduler(scheduler: Any, factor: float) -> None:
-    if isinstance(scheduler, _CONTAINERS):
-        for inner in inner_schedulers(scheduler):
-            _scale_scheduler(inner, factor)
+    for inner in inner_schedulers(scheduler) if isinstance(scheduler, _CONTAINERS) else []:
+        _scale_scheduler(inner, factor)
     if hasattr(scheduler, "base_lrs"):
         scheduler.base_lrs = [lr * factor for lr in scheduler.base_lrs]
     scale_last_lr(scheduler, factor)
@@ -169,7 +152,8 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable[A
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
-    return [{key: group[key] for key in SETTING_KEYS if key in group} for group in optimizer.param_groups]
+    keys = ("betas", "eps", "weight_decay")
+    return [{key: group[key] for key in keys if key in group} for group in optimizer.param_groups]
 
 
 def restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
@@ -204,49 +188,39 @@ class OptimizerRules:
         ):
             if rule not in (None, "none", name):
                 raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {[name]} or None (unchanged)")
-        rules = cls(
-            get_lr_rule(lr_rule),
-            weight_decay_rule if weight_decay_rule != "none" else None,
-            beta2_rule if beta2_rule != "none" else None,
-        )
-        if rules.beta2_rule is not None:
-            floor = beta2_floor
-            if floor is not None and (
-                isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1
-            ):
-                raise LitCBSConfigError(
-                    f"beta2_floor={floor!r} must lie in (0, 1) (Adam's beta2), or be None for no floor"
-                )
-            rules.beta2_floor = None if floor is None else float(floor)
-            if rules.lr.name == "adam_sde":
-                raise LitCBSConfigError(
-                    "lr_rule='adam_sde' already moves beta2 (1 - beta2 -> k (1 - beta2)) and beta2_rule='half_life' "
-                    "would move it again: use lr_rule='sqrt' with beta2_rule='half_life', or beta2_rule=None"
-                )
-        return rules
+        lr = get_lr_rule(lr_rule)
+        weight_decay, beta2 = (None if rule == "none" else rule for rule in (weight_decay_rule, beta2_rule))
+        floor = beta2_floor
+        if (
+            beta2 is not None
+            and floor is not None
+            and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1)
+        ):
+            raise LitCBSConfigError(f"beta2_floor={floor!r} must lie in (0, 1) (Adam's beta2), or be None for no floor")
+        if beta2 is not None and lr.name == "adam_sde":
+            raise LitCBSConfigError(
+                "lr_rule='adam_sde' already moves beta2 (1 - beta2 -> k (1 - beta2)) and beta2_rule='half_life' "
+                "would move it again: use lr_rule='sqrt' with beta2_rule='half_life', or beta2_rule=None"
+            )
+        return cls(lr, weight_decay, beta2, None if beta2 is None or floor is None else float(floor))
 
     @property
     def settings(self) -> list[str]:
         """The settings moved beside the LR: ``"weight_decay"``, ``"beta2"`` (logged as ``batch/<key>``)."""
-        return [key for key, rule in (("weight_decay", self.weight_decay_rule), ("beta2", self.beta2_rule)) if rule]
+        return [key for key in ("weight_decay", "beta2") if self.rule_name(key)]
+
+    def rule_name(self, key: str) -> str | None:
+        return self.weight_decay_rule if key == "weight_decay" else self.beta2_rule
 
     def names(self) -> dict[str, str | float | None]:
         """The rules by the keyword arguments that name them (``beta2_floor`` with a beta2 rule)."""
-        names: dict[str, str | float | None] = {
-            "lr_rule": self.lr.name,
-            "weight_decay_rule": self.weight_decay_rule,
-            "beta2_rule": self.beta2_rule,
-        }
-        if self.beta2_rule is not None:
-            names["beta2_floor"] = self.beta2_floor
-        return names
+        names: dict[str, str | float | None] = {"lr_rule": self.lr.name, "weight_decay_rule": self.weight_decay_rule}
+        names["beta2_rule"] = self.beta2_rule
+        return names if self.beta2_rule is None else {**names, "beta2_floor": self.beta2_floor}
 
     def describe(self) -> str:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
         return ", ".join(f"{k}={v!r}" for k, v in self.names().items() if v is not None or k == "lr_rule")
-
-    def rule_name(self, key: str) -> str | None:
-        return self.weight_decay_rule if key == "weight_decay" else self.beta2_rule
 
     def scaled(self, key: str, value: float, ratio: float, lr_factor: float) -> float:
         """Setting ``key`` after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
@@ -255,30 +229,11 @@ class OptimizerRules:
         moved = float(value**ratio)  # beta2's half-life in tokens stays
         return moved if self.beta2_floor is None else max(moved, min(value, self.beta2_floor))
 
-    def _held(self, value: float, ratio: float) -> str | None:
-        """Why beta2 stays above where the rule alone takes it from ``value`` (its floor), or None."""
-        moved, kept = value**ratio, self.scaled("beta2", value, ratio, 1.0)
-        if kept == moved:
-            return None
-        return (
-            f"beta2_rule='half_life' would take beta2 from {value:.4g} to {moved:.4g} ({value:.4g} ** {ratio:g}), "
-            f"below beta2_floor={self.beta2_floor:g}, so it stays at {kept:.4g}; "
-            "set beta2_floor lower (or None) to let it fall"
-        )
-
     @staticmethod
     def get(key: str, group: dict[str, Any]) -> float:
         """Setting ``key`` of param group ``group``."""
         value: float = group["betas"][1] if key == "beta2" else group[key]
         return value
-
-    @staticmethod
-    def _set(key: str, group: dict[str, Any], value: float) -> None:
-        if key == "beta2":
-            beta1, _, *rest = group["betas"]
-            group["betas"] = (beta1, value, *rest)
-        else:
-            group[key] = value
 
     def value(self, key: str, optimizer: torch.optim.Optimizer) -> float:
         """Setting ``key`` now, as logged: the largest param group's weight decay, param group 0's beta2."""
@@ -289,10 +244,6 @@ class OptimizerRules:
     def values(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """The settings these rules move, by metric name (``batch/weight_decay``, ``batch/beta2``)."""
         return {metrics.batch_setting(key): self.value(key, optimizer) for key in self.settings}
-
-    def max_ratio(self, optimizer: torch.optim.Optimizer) -> float:
-        """adam_sde's largest batch ratio, one change or several compounded, that keeps every beta >= 0."""
-        return float(min(1.0 / (1.0 - beta) for group in optimizer.param_groups for beta in group["betas"]))
 
     def check(
         self,
@@ -315,23 +266,25 @@ class OptimizerRules:
             for key in self.settings:
                 self._check_setting(key, optimizer, who)
 
-    def _check_adam_sde(self, optimizer: torch.optim.Optimizer, ratios: list[float], who: str, compose: bool) -> None:
-        for i, group in enumerate(optimizer.param_groups):
+    @staticmethod
+    def _check_adam_sde(optimizer: torch.optim.Optimizer, ratios: list[float], who: str, compose: bool) -> None:
+        name, groups = type(optimizer).__name__, optimizer.param_groups
+        for i, group in enumerate(groups):
             if "betas" not in group or "eps" not in group:
                 raise LitCBSConfigError(
                     f"{who}: lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
-                    f"{type(optimizer).__name__} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
+                    f"{name} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
                 )
-        limit = self.max_ratio(optimizer)
+        # The largest batch ratio, one change or several compounded, that keeps every beta >= 0.
+        limit = float(min(1.0 / (1.0 - beta) for group in groups for beta in group["betas"]))
         total = 1.0
         for ratio in ratios:
             total = total * ratio if compose else ratio  # compounded: 1 - beta -> r1 r2 ... (1 - beta)
             if total > limit:
                 reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
-                betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in optimizer.param_groups}))
+                betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in groups}))
                 raise LitCBSConfigError(
-                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for "
-                    f"{type(optimizer).__name__} betas {betas} "
+                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {name} betas {betas} "
                     "(beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
                     f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
                 )
@@ -384,9 +337,16 @@ class OptimizerRules:
         for key in self.settings:
             for group in optimizer.param_groups:
                 value = float(self.get(key, group))
-                held = self._held(value, ratio) if key == "beta2" else None
-                if held is not None and warn is not None and not self.floor_said:
+                new = self.scaled(key, value, ratio, factor)
+                if key == "weight_decay":
+                    group[key] = new
+                    continue
+                group["betas"] = (group["betas"][0], new, *group["betas"][2:])
+                if new != value**ratio and warn is not None and not self.floor_said:
                     self.floor_said = True
-                    warn(held)
-                self._set(key, group, self.scaled(key, value, ratio, factor))
+                    warn(
+                        f"beta2_rule='half_life' would take beta2 from {value:.4g} to {value**ratio:.4g} "
+                        f"({value:.4g} ** {ratio:g}), below beta2_floor={self.beta2_floor:g}, so it stays at "
+                        f"{new:.4g}; set beta2_floor lower (or None) to let it fall"
+                    )
         return factor

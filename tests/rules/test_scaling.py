@@ -49,7 +49,6 @@ ADAM_SDE = "CBSProbeCallback(lr_rule='adam_sde')"
 def test_adam_sde_names_the_largest_safe_ratio_for_each_ratio_on_its_own():
     rule = OptimizerRules.build("adam_sde")
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, 0.95))
-    assert rule.max_ratio(optimizer) == pytest.approx(10.0)  # 1 / (1 - 0.9); 0.95 allows 20
     message = (
         r"^CBSProbeCallback\(lr_rule='adam_sde'\): batch ratio 16 is above 10, the largest safe batch ratio for "
         r"AdamW betas \(0.9, 0.95\) .* keep batch ratios <= 10, start from larger betas, or use lr_rule='sqrt'$"
@@ -69,7 +68,6 @@ def test_adam_sde_names_the_largest_safe_ratio_for_each_ratio_on_its_own():
 def test_adam_sde_limit_is_the_smallest_over_param_groups():
     model = torch.nn.Linear(2, 1)
     optimizer = torch.optim.Adam([{"params": [model.weight]}, {"params": [model.bias], "betas": (0.5, 0.999)}])
-    assert OptimizerRules.build("adam_sde").max_ratio(optimizer) == pytest.approx(2.0)
     with pytest.raises(LitCBSConfigError, match=r"batch ratio 4 is above 2, .*betas \(0.5, 0.999\), \(0.9, 0.999\)"):
         OptimizerRules.build("adam_sde").check(optimizer, [], [4], ADAM_SDE)
 
