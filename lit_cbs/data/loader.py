@@ -19,12 +19,6 @@ __all__ = ["GlobalOrderLoader"]
 _END = object()  # a sentinel no batch is
 
 
-def _global_sample_count(dataset: Any) -> int:
-    """Samples in the whole dataset; litdata's ``StreamingDataset`` reports its rank's share as ``len()``."""
-    regions = getattr(dataset, "region_of_interest", None)
-    return int(sum(end - start for start, end in regions)) if regions else len(dataset)
-
-
 def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     """The epoch's order of sample indices: a permutation seeded by (seed, epoch) alone, or 0..n-1."""
     if not shuffle:
@@ -52,11 +46,7 @@ class GlobalOrderLoader:
         dataset: a map-style dataset, or litdata's ``StreamingDataset``.
         batch_size: samples per rank and forward pass; may change between any two optimizer steps.
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
-        num_workers: as for ``torch.utils.data.DataLoader``.
-        collate_fn: as for ``torch.utils.data.DataLoader``.
-        num_replicas: the data-parallel ranks, given with ``rank`` or not at all; default: the default process
-            group's, else 1.
-        rank: this rank; default: the default process group's, else 0.
+        num_replicas, rank: the data-parallel ranks and this one, both or neither (the default process group's).
 
     Examples:
         Rank 0 of 2, in dataset order (rank 1 reads 2 and 3), then set to 4 samples (rank 1 takes 8 to 11):
@@ -72,10 +62,6 @@ class GlobalOrderLoader:
         >>> loader.batch_size = 4
         >>> [batch.tolist() for batch in batches], loader.position, len(loader)
         ([[4, 5, 6, 7]], 12, 2)
-
-        >>> single = GlobalOrderLoader(list(range(10)), batch_size=4, seed=0)
-        >>> [batch.tolist() for batch in single]
-        [[4, 6, 2, 7], [3, 5, 9, 0], [8, 1]]
     """
 
     def __init__(
@@ -89,13 +75,13 @@ class GlobalOrderLoader:
         num_replicas: int | None = None,
         rank: int | None = None,
     ):
-        self.num_samples = _global_sample_count(dataset)
+        # All samples: litdata's ``StreamingDataset`` reports its rank's share as ``len()``.
+        regions = getattr(dataset, "region_of_interest", None) or [(0, len(dataset))]  # type: ignore[arg-type]
+        self.num_samples = int(sum(end - start for start, end in regions))
         # Read by index: an iterable-style dataset that supports it (litdata's) through a map-style view.
         self.dataset = Subset(dataset, range(self.num_samples)) if isinstance(dataset, IterableDataset) else dataset
-        positive_int("batch_size", batch_size, "samples per rank")
-        self._batch_size = batch_size
-        self.shuffle = bool(shuffle)
-        self.seed = int(seed)
+        self._batch_size = positive_int("batch_size", batch_size, "samples per rank")
+        self.shuffle, self.seed = bool(shuffle), int(seed)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise LitCBSConfigError(f"num_workers={num_workers!r} must be an int >= 0 (worker processes)")
         self.num_workers, self.collate_fn = num_workers, collate_fn
@@ -103,14 +89,14 @@ class GlobalOrderLoader:
             raise LitCBSConfigError(f"give both num_replicas and rank, or neither (got {num_replicas!r} and {rank!r})")
         self._replicas: tuple[int, int] | None = None
         if num_replicas is not None and rank is not None:  # both or neither (above)
-            positive_int("num_replicas", num_replicas, "ranks")
-            self._replicas = (num_replicas, int(rank))
+            self._replicas = (positive_int("num_replicas", num_replicas, "ranks"), int(rank))
             if not 0 <= rank < num_replicas:
                 raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = self.position = self.micro_batches = 0
         # Samples in the micro-batch this rank yielded last, and in its round over all ranks.
-        self.last_samples: int | None = None
-        self.last_round_samples: int | None = None
+        self.last_samples: int | None
+        self.last_round_samples: int | None
+        self.last_samples = self.last_round_samples = None
         self._exhausted = False
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
         self._batches: Iterator[Any] | None = None  # the running read
@@ -146,16 +132,6 @@ class GlobalOrderLoader:
             return torch.distributed.get_world_size(), torch.distributed.get_rank()
         return 1, 0
 
-    def _remaining_micro_batches(self) -> int:
-        world, _ = self.topology()
-        return -(-(self.num_samples - self.position) // (self._batch_size * world))  # the last, short round included
-
-    def _next_round(self) -> tuple[int, int]:
-        """(samples of this rank, samples over all ranks) in the round read next."""
-        world, rank = self.topology()
-        round_samples = min(self._batch_size * world, self.num_samples - self.position)
-        return _round_share(round_samples, rank, world)[1], round_samples
-
     @property
     def deals_unevenly(self) -> bool:
         """Whether an epoch's last round can leave ranks different numbers of samples (the dataset's size is no
@@ -169,7 +145,8 @@ class GlobalOrderLoader:
 
     def __len__(self) -> int:
         """Micro-batches this rank yields this epoch at the current micro-batch size (those yielded included)."""
-        return self.micro_batches + self._remaining_micro_batches()
+        world, _ = self.topology()
+        return self.micro_batches - (-(self.num_samples - self.position) // (self._batch_size * world))
 
     def __iter__(self) -> Iterator[Any]:
         if self._exhausted:  # used outside Lightning, which calls set_epoch: the next epoch follows
@@ -185,7 +162,9 @@ class GlobalOrderLoader:
         except StopIteration:
             self._exhausted, self._batches = True, None
             raise
-        samples, round_samples = self._next_round()
+        world, rank = self.topology()
+        round_samples = min(self._batch_size * world, self.num_samples - self.position)
+        samples = _round_share(round_samples, rank, world)[1]
         if samples == 0:
             batch = _zero_rows(batch)  # read one sample of the round for its structure (see _read_from_position)
         self.micro_batches, self.position = self.micro_batches + 1, self.position + round_samples
@@ -243,15 +222,11 @@ class GlobalOrderLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The data position, and what the order depends on."""
-        world, _ = self.topology()
+        state = {key: getattr(self, key) for key in ("epoch", "position", "micro_batches", "num_samples", "seed")}
         return {
-            "epoch": self.epoch,
-            "position": self.position,
-            "micro_batches": self.micro_batches,
-            "num_samples": self.num_samples,
-            "seed": self.seed,
+            **state,
             "shuffle": self.shuffle,
-            "data_parallel_size": world,
+            "data_parallel_size": self.topology()[0],
             "batch_size": self._batch_size,
         }
 

@@ -1,5 +1,4 @@
-"""Tokenize text files into litdata token chunks (``<folder>/train``, ``<folder>/val``, metadata in
-``<folder>/lit_cbs.json``), and cache the result. Nothing is shuffled here, so a preparation is reproducible."""
+"""Tokenize text files into litdata token chunks (``train/``, ``val/``, ``lit_cbs.json``), in order, and cache them."""
 
 from __future__ import annotations
 
@@ -63,24 +62,20 @@ def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -
             train.append((path, 0, size, True))
         elif offset >= val_start:
             val.append((path, 0, size, True))
-        else:
-            cut = _character_start(path, val_start - offset)
+        else:  # the cut moves back to the first byte of the UTF-8 character it falls in
+            cut = val_start - offset
+            with open(path, "rb") as f:
+                f.seek(max(0, cut - 3))
+                window = f.read(cut - max(0, cut - 3) + 1)
+            index = len(window) - 1
+            while index > 0 and window[index] & 0xC0 == 0x80:  # 10xxxxxx: a continuation byte
+                index -= 1
+            cut -= len(window) - 1 - index
             if cut > 0:
                 train.append((path, 0, cut, False))
             val.append((path, cut, size, True))
         offset += size
     return train, val
-
-
-def _character_start(path: str, position: int) -> int:
-    """``position`` moved back to the first byte of the UTF-8 character it falls in."""
-    with open(path, "rb") as f:
-        f.seek(max(0, position - 3))
-        window = f.read(position - max(0, position - 3) + 1)
-    index = len(window) - 1
-    while index > 0 and window[index] & 0xC0 == 0x80:  # 10xxxxxx: a continuation byte
-        index -= 1
-    return position - (len(window) - 1 - index)
 
 
 def _tokenize_piece(
@@ -115,8 +110,7 @@ def _isolated_optimize_run() -> Iterator[Path]:
     previous_env = {name: os.environ.get(name) for name in scratch_vars}
     # isolate_rng starts CUDA here to read its state: until then a CUDA seed is only queued, and 42 would replace it.
     with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch, isolate_rng():
-        for name in scratch_vars:
-            os.environ[name] = os.path.join(scratch, name.lower())
+        os.environ.update({name: os.path.join(scratch, name.lower()) for name in scratch_vars})
         try:
             yield Path(scratch)
         finally:
@@ -126,18 +120,6 @@ def _isolated_optimize_run() -> Iterator[Path]:
                 else:
                     os.environ[name] = value
             multiprocessing.set_start_method(previous_start_method, force=True)
-
-
-def _default_num_workers(pieces: Sequence[Piece]) -> int:
-    # Byte tokenization runs at >10 MB/s in one process: one worker per 8 MB of text, at most one per core.
-    num_bytes = sum(end - start for _, start, end, _ in pieces)
-    return max(1, min(os.cpu_count() or 1, num_bytes // (8 * 2**20)))
-
-
-def _read_token_count(split_dir: str | os.PathLike[str]) -> int:
-    """Tokens stored in a litdata TokensLoader folder, from its index.json."""
-    with open(Path(split_dir, "index.json")) as f:
-        return sum(chunk["dim"] for chunk in json.load(f)["chunks"])
 
 
 def prepare(
@@ -155,7 +137,7 @@ def prepare(
     Args:
         num_workers: optimize processes (default: one per 8 MB of text, at most one per core).
         chunk_tokens: tokens per litdata chunk (a sample never crosses one).
-        fingerprint: recorded in the metadata (``_source_fingerprint``).
+        fingerprint: recorded in the metadata (``resolve_data``'s cache key).
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
@@ -177,13 +159,15 @@ def prepare(
             _tokenize_piece, tokenizer=tokenizer, dtype=dtype, max_item_tokens=chunk_tokens, error_dir=str(error_dir)
         )
         for split, split_pieces_ in pieces.items():
+            # Byte tokenization runs at >10 MB/s in one process: one worker per 8 MB of text, at most one per core.
+            num_bytes = sum(end - start for _, start, end, _ in split_pieces_)
             optimize(
                 fn=fn,
                 inputs=split_pieces_,
                 output_dir=str(output_dir / split),
                 chunk_size=chunk_tokens,
                 item_loader=TokensLoader(),
-                num_workers=num_workers or _default_num_workers(split_pieces_),
+                num_workers=num_workers or max(1, min(os.cpu_count() or 1, num_bytes // (8 * 2**20))),
                 # Static, in-order work slices: chunk order = token-stream order, on every run.
                 reorder_files=False,
                 keep_data_ordered=True,
@@ -204,21 +188,16 @@ def prepare(
         "val_fraction": val_fraction,
         "num_documents": len(files),
         "source_bytes": sum(os.path.getsize(f) for f in files),
-        "train_tokens": _read_token_count(output_dir / "train"),
-        "val_tokens": _read_token_count(output_dir / "val"),
+        **{f"{split}_tokens": _stored_tokens(output_dir / split) for split in SPLITS},
         "source_fingerprint": fingerprint,
     }
     (output_dir / METADATA_FILE).write_text(json.dumps(metadata, indent=2))
     return metadata
 
 
-def _source_fingerprint(
-    files: Sequence[str | os.PathLike[str]], tokenizer: Tokenizer, val_fraction: float, chunk_tokens: int
-) -> str:
-    """sha256 over each file's path, size and modification time (not its content), the tokenizer and the split."""
-    stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    key = [FORMAT_VERSION, tokenizer.name, tokenizer.vocab_size, tokenizer.eos_id, val_fraction, chunk_tokens, stats]
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+def _stored_tokens(split_dir: Path) -> int:
+    """Tokens in a litdata TokensLoader folder, from its index.json."""
+    return sum(chunk["dim"] for chunk in json.loads((split_dir / "index.json").read_text())["chunks"])
 
 
 def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -227,18 +206,18 @@ def read_metadata(data_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def _walk(root: str | os.PathLike[str], skip: Callable[[str], bool], keep: Callable[[str], bool]) -> list[Path]:
-    """The files under ``root`` that ``keep`` takes, outside the folders ``skip`` names; sorted by path."""
+def text_files(
+    root: str | os.PathLike[str],
+    skip: Callable[[str], bool] = lambda name: name.startswith("."),
+    keep: Callable[[str], bool] = lambda name: not name.startswith("."),
+) -> list[Path]:
+    """The files under ``root`` that ``keep`` takes (default: not hidden), outside the folders ``skip`` names
+    (default: hidden ones); sorted by path."""
     files: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [name for name in subdirs if not skip(name)]
         files.extend(Path(directory, name) for name in names if keep(name))
     return sorted(files)
-
-
-def text_files(input_dir: str | os.PathLike[str]) -> list[Path]:
-    """Every file under ``input_dir``, recursively, skipping hidden files and folders; sorted."""
-    return _walk(input_dir, lambda name: name.startswith("."), lambda name: not name.startswith("."))
 
 
 # The embedded default corpus: the standard library's own .py files (674 files, 11.35 MB with Python 3.11), without
@@ -252,7 +231,7 @@ def stdlib_root() -> Path:
 
 def stdlib_python_files() -> list[Path]:
     """The default corpus's files, sorted by path so the token stream is the same on every run."""
-    return _walk(stdlib_root(), SKIPPED_DIRS.__contains__, lambda name: name.endswith(".py"))
+    return text_files(stdlib_root(), SKIPPED_DIRS.__contains__, lambda name: name.endswith(".py"))
 
 
 def resolve_data(
@@ -265,7 +244,7 @@ def resolve_data(
 ) -> Path:
     """The prepared folder to train on: ``path`` (prepared by ``prepare`` or litgpt) as is; else ``input_dir``'s text
     files, or (neither) the embedded stdlib corpus, prepared on first use into ``cache_dir`` (default
-    ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key from ``_source_fingerprint``."""
+    ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key from the files' paths, sizes and mtimes."""
     if path is not None and input_dir is not None:
         raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
     if path is not None:
@@ -296,10 +275,19 @@ def resolve_data(
         files = stdlib_python_files()
         label = "stdlib"
     tokenizer_ = load_tokenizer(tokenizer)
-    fingerprint = _source_fingerprint(files, tokenizer_, val_fraction, DEFAULT_CHUNK_TOKENS)
+    stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    key = [
+        FORMAT_VERSION,
+        tokenizer_.name,
+        tokenizer_.vocab_size,
+        tokenizer_.eos_id,
+        val_fraction,
+        DEFAULT_CHUNK_TOKENS,
+    ]
+    fingerprint = hashlib.sha256(json.dumps([*key, stats]).encode()).hexdigest()
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache_dir / f"{label}-{fingerprint[:16]}"
-    if _is_prepared(target, fingerprint):
+    if (read_metadata(target) or {}).get("source_fingerprint") == fingerprint:
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Prepare beside the target and rename, so an interrupted run never looks like a cache hit.
@@ -309,14 +297,9 @@ def resolve_data(
         try:
             os.rename(staging, target)
         except OSError:  # target exists: another process finished first (keep it), or it is broken
-            if not _is_prepared(target, fingerprint):
+            if (read_metadata(target) or {}).get("source_fingerprint") != fingerprint:
                 shutil.rmtree(target)
                 os.rename(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
-
-def _is_prepared(data_dir: Path, fingerprint: str) -> bool:
-    metadata = read_metadata(data_dir)
-    return metadata is not None and metadata.get("source_fingerprint") == fingerprint

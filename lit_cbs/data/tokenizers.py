@@ -9,16 +9,7 @@ __all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
 
 
 class ByteTokenizer:
-    """One token per UTF-8 byte: vocabulary 256, documents separated by the NUL byte (id 0).
-
-    Examples:
-        >>> from lit_cbs.data import ByteTokenizer
-        >>> tokenizer = ByteTokenizer()
-        >>> tokenizer.encode("hé!")  # "é" is two bytes in UTF-8
-        [104, 195, 169, 33]
-        >>> tokenizer.decode([104, 195, 169, 33]), tokenizer.vocab_size, tokenizer.eos_id
-        ('hé!', 256, 0)
-    """
+    """One token per UTF-8 byte: vocabulary 256, documents separated by the NUL byte (id 0)."""
 
     name = "bytes"
     vocab_size = 256
@@ -33,7 +24,7 @@ class ByteTokenizer:
 
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; ``eos_token`` (default: the first of
-    ``DEFAULT_EOS_TOKENS`` it holds) separates documents."""
+    ``DEFAULT_EOS_TOKENS`` it holds) separates documents. Ids without the special tokens a template would add."""
 
     DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
@@ -60,24 +51,14 @@ class HFTokenizer:
             )
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, without the special tokens a template would add."""
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
     def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, special tokens kept."""
         text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
         return text
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
-    """``"bytes"`` -> ``ByteTokenizer``; anything else is read as the path of a tokenizer.json.
-
-    Examples:
-        >>> from lit_cbs.data import load_tokenizer
-        >>> load_tokenizer("bytes").vocab_size
-        256
-    """
-    if str(spec) == "bytes":
-        return ByteTokenizer()
-    return HFTokenizer(spec)
+    """``"bytes"`` -> ``ByteTokenizer``; anything else is read as the path of a tokenizer.json."""
+    return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)

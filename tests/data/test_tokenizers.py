@@ -4,9 +4,9 @@ import sys
 
 import pytest
 
-from lit_cbs.data import load_tokenizer, resolve_data
+from lit_cbs.data import resolve_data
 from lit_cbs.data.prepare import read_metadata
-from lit_cbs.data.tokenizers import HFTokenizer
+from lit_cbs.data.tokenizers import HFTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trip():
