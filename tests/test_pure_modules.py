@@ -22,7 +22,7 @@ PURE_MODULES = [
     "lit_cbs.errors",
     "lit_cbs.gns.estimator",
     "lit_cbs.gns.groups",
-    "lit_cbs.models.build",
+    "lit_cbs.models.hf",
     "lit_cbs.models.decoder",
     "lit_cbs.models.olmo",
     "lit_cbs.probe.reading",

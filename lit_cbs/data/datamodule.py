@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,7 +36,7 @@ class TokenDataModule(LightningDataModule):
 
         >>> from lit_cbs.data import TokenDataModule
         >>> data = TokenDataModule(seq_len=64, batch_size=8)
-        >>> data.tokens_per_sample, data.vocab_size  # byte tokens
+        >>> data.seq_len, data.vocab_size  # byte tokens
         (64, 256)
     """
 
@@ -66,16 +65,10 @@ class TokenDataModule(LightningDataModule):
         self.val_dataset: StreamingDataset | None = None
 
     @property
-    def tokens_per_sample(self) -> int:
-        return self.seq_len
-
-    @property
     def vocab_size(self) -> int:
         """Token ids lie in [0, vocab_size): a prepared folder's metadata, else the tokenizer's."""
         metadata = read_metadata(self.path) if self.path is not None else None
-        if metadata is not None:
-            return int(metadata["vocab_size"])
-        return load_tokenizer(self.tokenizer).vocab_size
+        return int(metadata["vocab_size"]) if metadata is not None else load_tokenizer(self.tokenizer).vocab_size
 
     def check_context(self, context_length: int) -> None:
         """ValueError if samples are longer than a model's ``context_length`` (tokens)."""
@@ -85,15 +78,12 @@ class TokenDataModule(LightningDataModule):
                 f"set data.seq_len <= {context_length} or use a model with a longer context"
             )
 
-    def _data_dir(self) -> Path:
-        return resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
-
     def prepare_data(self) -> None:
-        self._data_dir()
+        resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
 
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared splits (preparing them first if need be); ValueError where one is too small."""
-        data_dir = self._data_dir()
+        data_dir = resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
         # In litdata's order (no shuffle): GlobalOrderLoader orders the train split, by index.
         self.train_dataset, self.val_dataset = (
             StreamingDataset(str(data_dir / split), item_loader=TokensLoader(block_size=self.seq_len + 1))
@@ -110,8 +100,7 @@ class TokenDataModule(LightningDataModule):
     def train_dataloader(self) -> GlobalOrderLoader:
         # Under Lightning, the strategy's data-parallel ranks (under tensor parallelism, not every process's).
         ranks = self.trainer.distributed_sampler_kwargs if self.trainer is not None else None
-        if self.train_dataset is None:
-            raise RuntimeError("TokenDataModule.train_dataloader() before setup(): call setup('fit') first")
+        assert self.train_dataset is not None, "call setup('fit') first"
         return GlobalOrderLoader(
             self.train_dataset,
             batch_size=self.batch_size,

@@ -4,6 +4,7 @@ between any two optimizer steps and a run resumes exactly on any number of ranks
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -205,20 +206,17 @@ class GlobalOrderLoader:
         reader = copy.copy(self)
         reader._batches, reader._exhausted = None, False
         batches: list[Any] = []
-        empty_epochs = 0
-        while len(batches) < count:
-            try:
-                batches.append(reader._next())
-                empty_epochs = 0
-            except StopIteration:
-                empty_epochs += 1
-                if empty_epochs > 1:
-                    raise LitCBSConfigError(
-                        f"the dataset's {self.num_samples} samples make no micro-batch of {self._batch_size} samples "
-                        f"on each of {reader.topology()[0]} ranks"
-                    ) from None
-                reader.set_epoch(reader.epoch + 1)
-        return batches
+        while True:
+            read = list(itertools.islice(iter(reader._next, _END), count - len(batches)))
+            batches += read
+            if len(batches) == count:
+                return batches
+            if not read and reader.epoch != self.epoch:  # a whole epoch made none
+                raise LitCBSConfigError(
+                    f"the dataset's {self.num_samples} samples make no micro-batch of {self._batch_size} samples "
+                    f"on each of {reader.topology()[0]} ranks"
+                )
+            reader.set_epoch(reader.epoch + 1)
 
     def state_dict(self) -> dict[str, Any]:
         """The data position, and what the order depends on."""

@@ -64,13 +64,12 @@ def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -
             val.append((path, 0, size, True))
         else:  # the cut moves back to the first byte of the UTF-8 character it falls in
             cut = val_start - offset
+            first = max(0, cut - 3)
             with open(path, "rb") as f:
-                f.seek(max(0, cut - 3))
-                window = f.read(cut - max(0, cut - 3) + 1)
-            index = len(window) - 1
-            while index > 0 and window[index] & 0xC0 == 0x80:  # 10xxxxxx: a continuation byte
-                index -= 1
-            cut -= len(window) - 1 - index
+                f.seek(first)
+                window = f.read(cut - first + 1)
+            while cut > first and window[cut - first] & 0xC0 == 0x80:  # 10xxxxxx: a continuation byte
+                cut -= 1
             if cut > 0:
                 train.append((path, 0, cut, False))
             val.append((path, cut, size, True))

@@ -49,12 +49,6 @@ def hf_dims(config: Any) -> DecoderDims:
     )
 
 
-def config_as_dict(config: OLMoConfig | Any) -> dict[str, Any]:
-    """The config as plain values (hyperparameters load with ``weights_only=True``) that ``resolve_model_config``
-    reads back: every OLMoConfig field, or a ``transformers`` config's non-default fields and ``model_type``."""
-    return dataclasses.asdict(config) if isinstance(config, OLMoConfig) else dict(config.to_diff_dict())
-
-
 def layer_stacks(module: nn.Module) -> list[str]:
     """The paths of ``module``'s stacks of blocks: each ``nn.ModuleList`` of one class whose entries all hold
     parameters, outside any other such stack (``["model.blocks"]`` for ``CausalLM`` on OLMo). Found from the

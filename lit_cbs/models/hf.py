@@ -1,5 +1,5 @@
 """Hugging Face ``transformers`` causal LMs built from a config (no weights downloaded), with the interface
-``CausalLM`` trains ``OLMo`` through. ``transformers`` (the [hf] extra) is imported only for a ``model_type``."""
+``CausalLM`` trains ``OLMo`` through, and ``build_decoder``, which picks one of the two."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.models.decoder import embedding_parameters, hf_dims, layer_stacks
+from lit_cbs.models.decoder import hf_dims, layer_stacks
+from lit_cbs.models.olmo import OLMo, OLMoConfig
 
-__all__ = ["HFDecoder", "hf_config"]
+__all__ = ["HFDecoder", "build_decoder", "hf_config"]
 
 HF_EXTRA = 'pip install -e ".[hf]"'
 
@@ -74,7 +75,15 @@ class HFDecoder(nn.Module):
         transformers = _transformers()
         self.config = config
         self.lm = transformers.AutoModelForCausalLM.from_config(config)
-        self._layers_path = _decoder_layers_path(self.lm, config)
+        n_layers = config.num_hidden_layers
+        paths = [path for path in layer_stacks(self.lm) if len(self.lm.get_submodule(path)) == n_layers]
+        if not paths:
+            raise LitCBSConfigError(
+                f"{type(self.lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers "
+                "(num_hidden_layers), which lit_cbs shards, checkpoints and compiles one by one; use a decoder such "
+                "as llama, olmo2, qwen2 or gpt2"
+            )
+        self._layers_path = paths[0]
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -93,15 +102,9 @@ class HFDecoder(nn.Module):
     def reset_parameters(self) -> None:
         self.lm.init_weights()
 
-    def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        """Number of parameters (a tied head once); ``exclude_embeddings`` leaves out embeddings and an untied head."""
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            total -= sum(p.numel() for p in embedding_parameters(self))
-            head = self.lm.get_output_embeddings()
-            if head is not None and not _is_tied(self.lm):
-                total -= head.weight.numel()
-        return total
+    def num_parameters(self) -> int:
+        """Number of parameters (a tied head once)."""
+        return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int) -> int:
         """PaLM's training FLOPs per token, as ``OLMo.flops_per_token``, over every ``nn.Linear`` weight."""
@@ -112,17 +115,6 @@ class HFDecoder(nn.Module):
         return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 
 
-def _is_tied(lm: Any) -> bool:  # a transformers PreTrainedModel
-    head, embedding = lm.get_output_embeddings(), lm.get_input_embeddings()
-    return head is not None and head.weight is embedding.weight
-
-
-def _decoder_layers_path(lm: Any, config: Any) -> str:
-    n_layers = config.num_hidden_layers
-    for path in layer_stacks(lm):
-        if len(lm.get_submodule(path)) == n_layers:
-            return path
-    raise LitCBSConfigError(
-        f"{type(lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers (num_hidden_layers), which "
-        "lit_cbs shards, checkpoints and compiles one by one; use a decoder such as llama, olmo2, qwen2 or gpt2"
-    )
+def build_decoder(config: OLMoConfig | Any) -> OLMo | HFDecoder:
+    """``OLMo(config)`` for an ``OLMoConfig``, ``HFDecoder(config)`` for a ``transformers`` config."""
+    return OLMo(config) if isinstance(config, OLMoConfig) else HFDecoder(config)

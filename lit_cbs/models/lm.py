@@ -1,5 +1,5 @@
-"""``CausalLM``: next-token training of lit_cbs's OLMo-style decoder, or of a Hugging Face causal LM, as a
-LightningModule; under ``ModelParallelStrategy`` built on the meta device and sharded with FSDP2."""
+"""``CausalLM``: next-token training of the OLMo-style decoder or a Hugging Face causal LM (FSDP2 under
+``ModelParallelStrategy``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import functools
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -20,15 +20,11 @@ from torchmetrics import MeanMetric
 from lit_cbs import metrics
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
-from lit_cbs.models.build import build_decoder
-from lit_cbs.models.decoder import DecoderDims, config_as_dict, decoder_dims, embedding_parameters
-from lit_cbs.models.hf import HFDecoder, hf_config, is_hf_config
+from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
+from lit_cbs.models.hf import HFDecoder, build_decoder, hf_config, is_hf_config
 from lit_cbs.models.olmo import OLMo, OLMoConfig, get_config
 from lit_cbs.models.token_loss import token_mean_loss
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["CausalLM", "resolve_model_config"]
 
@@ -137,7 +133,9 @@ class CausalLM(pl.LightningModule):
         self.compile_options = dict(compile) if isinstance(compile, Mapping) else ({} if compile else None)
         # Callables stay out of the checkpoint's hyperparameters, which load with weights_only=True.
         self.save_hyperparameters(ignore=["optimizer", "lr_schedule"])
-        self.hparams["config"] = config_as_dict(self.config)  # reloadable without the preset table
+        # Plain values, reloadable without the preset table: the OLMoConfig, or a transformers config's non-defaults.
+        c = self.config
+        self.hparams["config"] = dataclasses.asdict(c) if isinstance(c, OLMoConfig) else dict(c.to_diff_dict())
         self.model: OLMo | HFDecoder | None = None  # built in configure_model
         self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
@@ -163,7 +161,18 @@ class CausalLM(pl.LightningModule):
         """Build the decoder once (Lightning calls this in every fit): sharded, checkpointed, compiled as asked."""
         if self.model is not None:
             return
-        mesh = self._data_parallel_mesh()
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        mesh = None
+        if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
+            assert self.device_mesh is not None  # ModelParallelStrategy sets it before configure_model
+            if self.device_mesh["tensor_parallel"].size() != 1:
+                raise ValueError(
+                    f"CausalLM shards with FSDP2 only, but the strategy's tensor_parallel_size is "
+                    f"{self.device_mesh['tensor_parallel'].size()}; set tensor_parallel_size=1 and data_parallel_size "
+                    "to the number of processes (trainer=fsdp does this)"
+                )
+            mesh = self.device_mesh["data_parallel"]
         with torch.device("meta") if mesh is not None else nullcontext():
             model = build_decoder(self.config)
         if self.activation_checkpointing:
@@ -175,46 +184,27 @@ class CausalLM(pl.LightningModule):
             for block in model.blocks:
                 block.compile(**self.compile_options)  # in place: parameter names and checkpoints stay as without
         if mesh is not None:
-            self._fully_shard(model, mesh)
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            # bf16-mixed: gather and compute in bf16, reduce gradients in fp32 (param, reduce); autocast the rest.
+            bf16 = self.trainer.precision == "bf16-mixed"
+            policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+            for index, block in enumerate(model.blocks):
+                # The last block's parameters are needed again right at the start of backward: keep them.
+                fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(model.blocks) - 1)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
             # Materialize only the local shards, then draw the initial weights into them.
             model.to_empty(device=self.trainer.strategy.root_device)
             model.reset_parameters()
         self.model = model
 
-    def _data_parallel_mesh(self) -> DeviceMesh | None:
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        if self._trainer is None or not isinstance(self.trainer.strategy, ModelParallelStrategy):
-            return None
-        mesh = self.device_mesh
-        assert mesh is not None  # ModelParallelStrategy sets it before configure_model
-        if mesh["tensor_parallel"].size() != 1:
-            raise ValueError(
-                f"CausalLM shards with FSDP2 only, but the strategy's tensor_parallel_size is "
-                f"{mesh['tensor_parallel'].size()}; set tensor_parallel_size=1 and data_parallel_size to the "
-                "number of processes (trainer=fsdp does this)"
-            )
-        return mesh["data_parallel"]
-
-    def _fully_shard(self, model: OLMo | HFDecoder, mesh: DeviceMesh) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # bf16-mixed: gather and compute in bf16, reduce gradients in fp32 (param, reduce); autocast covers the rest.
-        bf16 = self.trainer.precision == "bf16-mixed"
-        policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
-        last = len(model.blocks) - 1
-        for index, block in enumerate(model.blocks):
-            # The last block's parameters are needed again right at the start of backward: keep them.
-            fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=index < last)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab_size] for ``input_ids`` [B, T]."""
-        logits: torch.Tensor = self._decoder(input_ids)
-        return logits
+        return cast(torch.Tensor, self._decoder(input_ids))
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]."""
+    def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]; what a CBS probe
+        scores a branch by (``train_loss`` is updated in ``training_step`` only)."""
         if self.ignore_index is None:
             logits = self._decoder(batch[:, :-1])
             # A mean over no target is NaN; the sum over none is 0, with a zero gradient, for a zero-sample micro-batch.
@@ -233,7 +223,7 @@ class CausalLM(pl.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.ignore_index is None:
-            loss = self._loss(batch)
+            loss = self.probe_loss(batch)
             # A micro-batch of no sample (an epoch's last, on a rank its share left none) does not count.
             self.train_loss.update(loss.detach(), weight=float(len(batch) > 0))
             return loss
@@ -305,24 +295,18 @@ class CausalLM(pl.LightningModule):
             self._flops_per_token[seq_len] = self._decoder.flops_per_token(seq_len)
         return self._flops_per_token[seq_len]
 
-    def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """The training loss of ``batch`` without updating ``train_loss``: what a CBS probe scores a branch by."""
-        return self._loss(batch)
-
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         counted = batch[:, 1:].numel() if self.ignore_index is None else (batch[:, 1:] != self.ignore_index).sum()
-        self.val_loss.update(self._loss(batch), weight=counted)
+        self.val_loss.update(self.probe_loss(batch), weight=counted)
         self.log(metrics.VAL_LOSS, self.val_loss, on_step=False, on_epoch=True, prog_bar=True)
 
     def parameter_groups(self) -> list[dict[str, Any]]:
         """The weight matrices, with the optimizer's weight decay; embeddings, norms and biases without."""
-        decoder = self._decoder
-        embedding_params = {id(param) for param in embedding_parameters(decoder)}
-        decay: list[nn.Parameter] = []
-        no_decay: list[nn.Parameter] = []
-        for param in decoder.parameters():
-            (decay if param.ndim >= 2 and id(param) not in embedding_params else no_decay).append(param)
-        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        embeddings = {id(param) for param in embedding_parameters(self._decoder)}
+        groups: tuple[list[nn.Parameter], list[nn.Parameter]] = ([], [])  # (decayed, not)
+        for param in self._decoder.parameters():
+            groups[param.ndim < 2 or id(param) in embeddings].append(param)
+        return [{"params": groups[0]}, {"params": groups[1], "weight_decay": 0.0}]
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameter_groups())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn as nn
@@ -95,8 +96,7 @@ class _TruncatedNormalEmbedding(_TruncatedNormal, nn.Embedding):
 
 def _layer_norm(x: torch.Tensor) -> torch.Tensor:
     """Non-parametric LayerNorm over the last dimension."""
-    out: torch.Tensor = F.layer_norm(x, (x.shape[-1],), eps=1e-5)
-    return out
+    return F.layer_norm(x, (x.shape[-1],), eps=1e-5)
 
 
 def rotary_cos_sin(
@@ -139,8 +139,7 @@ class Attention(nn.Module):
         k = apply_rotary(split_heads(self.k_proj(x)), cos, sin)
         v = split_heads(self.v_proj(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out: torch.Tensor = self.out_proj(y.transpose(1, 2).reshape(batch, seq_len, d))
-        return out
+        return cast(torch.Tensor, self.out_proj(y.transpose(1, 2).reshape(batch, seq_len, d)))
 
 
 class SwiGLU(nn.Module):
@@ -154,8 +153,7 @@ class SwiGLU(nn.Module):
         self.down_proj = _TruncatedNormalLinear(h, d, std / math.sqrt(2 * config.n_layers))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
+        return cast(torch.Tensor, self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Block(nn.Module):
@@ -168,8 +166,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(_layer_norm(x), cos, sin)
-        out: torch.Tensor = x + self.mlp(_layer_norm(x))
-        return out
+        return cast(torch.Tensor, x + self.mlp(_layer_norm(x)))
 
 
 class OLMo(nn.Module):
@@ -205,8 +202,7 @@ class OLMo(nn.Module):
         x = _layer_norm(x)
         if self.lm_head is None:
             return F.linear(x, self.embedding.weight)
-        logits: torch.Tensor = self.lm_head(x)
-        return logits
+        return cast(torch.Tensor, self.lm_head(x))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters; ``exclude_embeddings`` leaves out the embedding and an untied head (Kaplan's count)."""

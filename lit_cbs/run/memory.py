@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 
-from lit_cbs.models.build import build_decoder
 from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
-from lit_cbs.models.hf import HFDecoder
+from lit_cbs.models.hf import HFDecoder, build_decoder
 from lit_cbs.models.olmo import OLMo
 
 __all__: list[str] = []  # users read it as plan=true's memory table

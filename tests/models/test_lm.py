@@ -95,7 +95,7 @@ def test_loss_is_next_token_cross_entropy():
     batch = torch.randint(0, 256, (3, 17))
     logits = module(batch[:, :-1])
     expected = F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
-    assert torch.allclose(module._loss(batch), expected)
+    assert torch.allclose(module.probe_loss(batch), expected)
 
 
 def test_activation_checkpointing_gives_the_same_gradients():
@@ -104,7 +104,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         torch.manual_seed(0)
         module = built(activation_checkpointing=checkpointing)
-        module._loss(batch).backward()
+        module.probe_loss(batch).backward()
         gradients.append([p.grad for p in module.model.parameters()])
     assert "CheckpointWrapper" in type(module.model.blocks[0]).__name__
     assert all(torch.allclose(a, b) for a, b in zip(*gradients))
