@@ -66,8 +66,7 @@ class GuardVerdict:
 def _loss_rise(
     fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, float]]
 ) -> tuple[float, float, float, float]:
-    """The ``window`` losses' mean distance above the least-squares trend ``a + b ln(consumed)`` of the ``fit``
-    (consumed, loss) points (3 or more), then a, b and the residual standard deviation (n - 2 dof), in nats."""
+    """The ``window`` losses' mean rise above the trend a + b ln(consumed) fitted to ``fit``; a, b, residual std."""
     log_consumed, losses = np.log([consumed for consumed, _ in fit]), np.array([loss for _, loss in fit])
     slope, intercept = np.polyfit(log_consumed, losses, 1)
     residuals = losses - (intercept + slope * log_consumed)
@@ -122,8 +121,7 @@ class BatchGuard:
 
     @classmethod
     def from_setting(cls, setting: bool | Mapping[str, Any] | None) -> BatchGuard | None:
-        """The guard for ``BatchWarmup(guard=setting)``: None or False for none, True for the defaults, or a
-        dict (or Hydra DictConfig) of the keyword arguments."""
+        """The guard for ``BatchWarmup(guard=...)``: None/False, True (the defaults) or a dict of the arguments."""
         if setting is None or setting is False:
             return None
         if setting is True:
@@ -173,8 +171,7 @@ class BatchGuard:
     def watch(
         self, change: int, consumed: int, old_global_batch: int, new_global_batch: int, restore: RevertRestore
     ) -> bool:
-        """Watch the increase ``change`` (its index in the history) applied at ``consumed``; False if too few
-        steps precede it to judge it."""
+        """Watch the increase ``change`` (history index) applied at ``consumed``; False if too few steps precede it."""
         fit_after = consumed - self._fit_span(consumed)
         if sum(1 for at, _ in self._steps if fit_after < at <= consumed) < self.min_steps:
             return False
@@ -189,8 +186,7 @@ class BatchGuard:
         self._watch = None
 
     def judge(self, consumed: int, mean_over_ranks: Callable[[list[float]], list[float]]) -> GuardVerdict | None:
-        """After a step: judge the watched increase if its span is complete (``mean_over_ranks`` averages a
-        list of floats over the ranks)."""
+        """After a step: judge the watched increase if its span is complete (losses averaged ``mean_over_ranks``)."""
         watch = self._watch
         if watch is None or consumed < watch.watch_until:
             return None
@@ -217,8 +213,7 @@ class BatchGuard:
         return verdict
 
     def mark_reverted(self, consumed: int) -> RevertRestore:
-        """The due revert was applied at ``consumed``: hold the next increase, leave the reverted span out of
-        later fits; return what to restore."""
+        """The due revert was applied at ``consumed``: hold the next increase; return what to restore."""
         watch, self._revert = self._revert, None
         if watch is None:
             raise RuntimeError("BatchGuard.mark_reverted: no revert is due (revert_to is None)")

@@ -25,33 +25,24 @@ def _tokens(name: str, value: Any, allow_zero: bool = True) -> int:
     return value
 
 
-def _ratio(value: float) -> float:
-    if not 0.0 <= value <= 1.0:
-        raise LitCBSConfigError(f"min_lr_ratio={value} must lie in [0, 1] (a fraction of the base LR)")
-    return float(value)
-
-
 class _Schedule(abc.ABC):
     """A multiplier of the base LR; its repr lists the arguments it was built with."""
 
     warmup_tokens = 0
 
-    def _warmup_and_total(self, warmup_tokens: int, total_tokens: int, room_for: str | None = None) -> None:
-        """Check and set both: refuse a warmup longer than the run (or leaving no room ``room_for``), warn about
-        one exactly as long."""
+    def _warmup_and_total(
+        self, warmup_tokens: int, total_tokens: int, room_for: str | None = None, min_lr_ratio: float | None = None
+    ) -> None:
+        """Set them, refusing a warmup longer than the run (or leaving no ``room_for``), warning at one as long."""
         self.warmup_tokens = _tokens("warmup_tokens", warmup_tokens)
         self.total_tokens = _tokens("total_tokens", total_tokens, allow_zero=False)
         fix = f"shorten the warmup (a tenth of the run: warmup_tokens={total_tokens // 10}) or lengthen total_tokens"
         if room_for is not None and warmup_tokens >= total_tokens:
-            raise LitCBSConfigError(
-                f"warmup_tokens={warmup_tokens} leaves no tokens of total_tokens={total_tokens} for the {room_for}; "
-                + fix
-            )
+            problem = f"leaves no tokens of total_tokens={total_tokens} for the {room_for};"
+            raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} {problem} {fix}")
         if warmup_tokens > total_tokens:
-            raise LitCBSConfigError(
-                f"warmup_tokens={warmup_tokens} exceeds total_tokens={total_tokens}: the LR never reaches its peak; "
-                + fix
-            )
+            problem = f"exceeds total_tokens={total_tokens}: the LR never reaches its peak;"
+            raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} {problem} {fix}")
         if warmup_tokens == total_tokens:
             warnings.warn(
                 f"warmup_tokens={warmup_tokens} is the whole run (total_tokens={total_tokens}): the LR rises until "
@@ -59,6 +50,10 @@ class _Schedule(abc.ABC):
                 LitCBSConfigWarning,
                 stacklevel=3,
             )
+        if min_lr_ratio is not None and not 0.0 <= min_lr_ratio <= 1.0:
+            raise LitCBSConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (a fraction of the base LR)")
+        if min_lr_ratio is not None:
+            self.min_lr_ratio = float(min_lr_ratio)
 
     def __call__(self, tokens: int) -> float:
         if tokens < self.warmup_tokens:
@@ -98,8 +93,7 @@ class WarmupStableDecay(_Schedule):
                 f"warmup_tokens + decay_tokens = {warmup_tokens + decay_tokens} exceeds total_tokens={total_tokens}; "
                 "shorten the warmup or the decay, or lengthen total_tokens"
             )
-        self._warmup_and_total(warmup_tokens, total_tokens)  # with no decay: a warmup as long as the run
-        self.min_lr_ratio = _ratio(min_lr_ratio)
+        self._warmup_and_total(warmup_tokens, total_tokens, min_lr_ratio=min_lr_ratio)  # with no decay: may be the run
         self.decay_shape = str(one_of("decay_shape", decay_shape, ("linear", "cosine", "sqrt")))
 
     def _after_warmup(self, tokens: int) -> float:
@@ -107,12 +101,11 @@ class WarmupStableDecay(_Schedule):
         if self.decay_tokens == 0 or tokens < decay_start:
             return 1.0
         progress = min(1.0, (tokens - decay_start) / self.decay_tokens)
-        if self.decay_shape == "linear":
-            remaining = 1.0 - progress
-        elif self.decay_shape == "cosine":
-            remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
-        else:
-            remaining = 1.0 - math.sqrt(progress)
+        remaining = {
+            "linear": 1.0 - progress,
+            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress)),
+            "sqrt": 1.0 - math.sqrt(progress),
+        }[self.decay_shape]
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * remaining
 
 
@@ -126,8 +119,7 @@ class CosineSchedule(_Schedule):
     """
 
     def __init__(self, warmup_tokens: int, total_tokens: int, min_lr_ratio: float = 0.1):
-        self._warmup_and_total(warmup_tokens, total_tokens, room_for="cosine decay")
-        self.min_lr_ratio = _ratio(min_lr_ratio)
+        self._warmup_and_total(warmup_tokens, total_tokens, room_for="cosine decay", min_lr_ratio=min_lr_ratio)
 
     def _after_warmup(self, tokens: int) -> float:
         progress = min(1.0, (tokens - self.warmup_tokens) / (self.total_tokens - self.warmup_tokens))

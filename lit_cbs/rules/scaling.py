@@ -108,8 +108,7 @@ _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
 
 def check_scheduler_supported(scheduler: Any, who: str) -> None:
-    """LitCBSConfigError, its message starting with ``who``, if ``scale_learning_rate`` cannot compose with
-    ``scheduler`` exactly."""
+    """LitCBSConfigError (from ``who``) if ``scale_learning_rate`` cannot compose with ``scheduler`` exactly."""
     if isinstance(scheduler, _CONTAINERS):
         for inner in inner_schedulers(scheduler):
             check_scheduler_supported(inner, who)
@@ -253,8 +252,7 @@ class OptimizerRules:
         who: str,
         compose: bool = False,
     ) -> None:
-        """Before training: LitCBSConfigError, its message starting with ``who``, unless every rule applies to
-        ``optimizer`` and its LR ``schedulers`` at each batch ratio in ``ratios``: each on its own (a probe's
+        """LitCBSConfigError (from ``who``) unless the rules apply at each of ``ratios``: each on its own (a probe's
         branches), or with ``compose`` one after another (BatchWarmup's changes)."""
         ratios = list(ratios)
         if any(self.lr.factor(ratio) != 1.0 for ratio in ratios):
@@ -329,8 +327,7 @@ class OptimizerRules:
         ratio: float,
         warn: Callable[[str], None] | None = None,
     ) -> float:
-        """Move every setting for a batch change by ``ratio``; return the LR factor applied. The first time the
-        beta2 floor holds, ``warn`` is called with why (once per rules)."""
+        """Move every setting for a change by ``ratio``; return the LR factor. ``warn``: the beta2 floor held (once)."""
         factor = self.lr.factor(ratio)
         scale_learning_rate(optimizer, schedulers, factor)
         self.lr.adjust_optimizer(optimizer, ratio)

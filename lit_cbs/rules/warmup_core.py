@@ -16,8 +16,7 @@ __all__ = ["BatchChange", "WarmupCore", "check_divisible"]
 
 
 def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int, name: str = "global batch") -> int:
-    """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or
-    LitCBSConfigError naming ``name``, the nearest valid sizes and the fix."""
+    """The accumulation (micro-batches per rank and step) that makes ``global_batch`` samples, or LitCBSConfigError."""
     unit = micro_batch_size * data_parallel
     if global_batch % unit:
         lower = global_batch // unit * unit
@@ -69,6 +68,7 @@ class BatchChange:
 
 
 Batch = tuple[int, int, int]  # (global batch in samples, micro-batch in samples per rank, accumulation)
+_STATE = ("global_batch", "accumulate", "micro_batch_size", "lr_factor", "clip_factor")  # in state_dict as they are
 
 
 class WarmupCore:
@@ -156,11 +156,9 @@ class WarmupCore:
         return tokens_seen if self.schedule.unit == "tokens" else samples_seen
 
     def micro_batch_for(self, global_batch: int) -> int:
-        """The micro-batch (samples per rank) for ``global_batch``: the largest divisor of a rank's share up to
-        ``max_micro_batch_size``, else the one now."""
+        """The micro-batch (samples per rank) for ``global_batch`` under ``max_micro_batch_size``, else the one now."""
         if self.max_micro_batch_size is None:
-            if self.micro_batch_size is None:
-                raise RuntimeError("WarmupCore has no micro-batch before start()")
+            assert self.micro_batch_size is not None  # start() set it
             return self.micro_batch_size
         return micro_batch_for(global_batch, self.data_parallel_size, self.max_micro_batch_size)
 
@@ -174,8 +172,7 @@ class WarmupCore:
             )
 
     def wanted(self, samples_seen: int, tokens_seen: int, allowed: Callable[[int], int] | None = None) -> Batch | None:
-        """The batch the schedule asks for at these counts (``allowed``: a guard's say on it), or None when it is
-        the batch now; remembers where a change was first asked for."""
+        """The batch the schedule (and ``allowed``, a guard) asks for at these counts, or None if it is the one now."""
         target = self.schedule.batch_size(self.consumed_at(samples_seen, tokens_seen))
         if allowed is not None:
             target = allowed(target)
@@ -195,8 +192,7 @@ class WarmupCore:
     def check_optimizers(
         self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], consumed: int
     ) -> list[float]:
-        """Before training: LitCBSConfigError unless the rules apply to ``optimizers`` and their LR ``schedulers``
-        at every change to come from ``consumed``; return the changes' ratios."""
+        """LitCBSConfigError unless the rules apply at every change to come from ``consumed``; the changes' ratios."""
         assert self.global_batch is not None  # start() set it
         sizes = self.schedule.sizes(consumed)
         ratios = [b / a for a, b in zip([self.global_batch] + sizes, sizes) if a != b]
@@ -206,8 +202,7 @@ class WarmupCore:
 
     @staticmethod
     def may_change(position: int, global_batch: int) -> bool:
-        """Whether a step of ``global_batch`` samples may start where ``position`` samples (all ranks) of this
-        epoch were consumed: at a multiple of it, so every step averages exactly the scheduled samples."""
+        """Whether a step of ``global_batch`` samples may start at ``position`` (samples of the epoch, all ranks)."""
         return position % global_batch == 0
 
     def scale(
@@ -217,8 +212,7 @@ class WarmupCore:
         global_batch: int,
         warn: Callable[[str], None] | None = None,
     ) -> tuple[float, float]:
-        """Move the optimizers by the rules for a change to ``global_batch``; return its LR and clipping
-        factors (1 when only the micro-batch changes)."""
+        """Move the optimizers for a change to ``global_batch``; its LR and clipping factors (1 if it is the same)."""
         if global_batch == self.global_batch:
             return 1.0, 1.0
         assert self.global_batch is not None  # start() set it
@@ -235,12 +229,10 @@ class WarmupCore:
         at: tuple[int, int, int, int],
         cause: str = "schedule",
     ) -> BatchChange:
-        """Train at ``new`` from the next step on, with LR and clipping ``factors`` (this change's:
-        ``change_factors``), after ``at`` = (step, epoch, samples seen, tokens seen); return its record."""
+        """Train at ``new`` from the step after ``at`` = (step, epoch, samples, tokens) with ``factors``; its record."""
         assert self.global_batch is not None and self.micro_batch_size is not None and self.accumulate is not None
         requested = self._requested_at or (None, at[2], at[3])
-        old = (self.global_batch, self.accumulate, self.micro_batch_size)
-        lr, clip = change_factors
+        old, (lr, clip) = (self.global_batch, self.accumulate, self.micro_batch_size), change_factors
         change = BatchChange(*at, old[0], new[0], old[1], new[2], old[2], new[1], lr, *requested[1:], cause, clip)
         self.history.append(change)
         self._requested_at = None
@@ -258,22 +250,18 @@ class WarmupCore:
         position: int | None = None,
         epoch: int = 0,
     ) -> BatchChange | None:
-        """After optimizer step ``step`` (counts including it, all ranks): apply the change the schedule asks
-        for if one may start here (``position``: samples consumed this epoch, default ``samples_seen``)."""
+        """After optimizer step ``step`` (counts all ranks'): apply a due change (``position``: samples this epoch)."""
         new = self.wanted(samples_seen, tokens_seen)
         if new is None or not self.may_change(samples_seen if position is None else position, new[0]):
             return None
-        lr_change, clip_change = self.scale(optimizers, schedulers, new[0])
-        factors = (self.lr_factor * lr_change, self.clip_factor * clip_change)
-        return self.record(new, (lr_change, clip_change), factors, (step, epoch, samples_seen, tokens_seen))
+        lr, clip = self.scale(optimizers, schedulers, new[0])
+        return self.record(
+            new, (lr, clip), (self.lr_factor * lr, self.clip_factor * clip), (step, epoch, samples_seen, tokens_seen)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "global_batch": self.global_batch,
-            "accumulate": self.accumulate,
-            "micro_batch_size": self.micro_batch_size,
-            "lr_factor": self.lr_factor,
-            "clip_factor": self.clip_factor,
+            **{key: getattr(self, key) for key in _STATE},
             "requested_at": self._requested_at,
             "history": [dataclasses.asdict(change) for change in self.history],
             # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
@@ -281,9 +269,8 @@ class WarmupCore:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.global_batch = state_dict["global_batch"]
-        self.micro_batch_size, self.accumulate = state_dict["micro_batch_size"], state_dict["accumulate"]
-        self.lr_factor, self.clip_factor = state_dict["lr_factor"], state_dict["clip_factor"]
+        for key in _STATE:
+            setattr(self, key, state_dict[key])
         requested_at = state_dict["requested_at"]
         self._requested_at = None if requested_at is None else (tuple(requested_at[0]), *requested_at[1:])
         self.history = [BatchChange(**change) for change in state_dict["history"]]
