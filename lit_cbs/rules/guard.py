@@ -215,8 +215,7 @@ class BatchGuard:
     def mark_reverted(self, consumed: int) -> RevertRestore:
         """The due revert was applied at ``consumed``: hold the next increase; return what to restore."""
         watch, self._revert = self._revert, None
-        if watch is None:
-            raise RuntimeError("BatchGuard.mark_reverted: no revert is due (revert_to is None)")
+        assert watch is not None, "no revert is due"
         self.reverts += 1
         self.hold_until = consumed + (self.hold if self.hold is not None else consumed)
         self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]

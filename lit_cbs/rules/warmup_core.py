@@ -41,11 +41,7 @@ class BatchChange:
 
     Examples:
         >>> from lit_cbs.callbacks import BatchChange
-        >>> change = BatchChange(
-        ...     step=100, epoch=0, samples_seen=6400, tokens_seen=819200, old_global_batch=64, new_global_batch=128,
-        ...     old_accumulate=2, new_accumulate=4, old_micro_batch_size=8, new_micro_batch_size=8,
-        ...     lr_factor=2**0.5, requested_at_samples=6400, requested_at_tokens=819200,
-        ... )
+        >>> change = BatchChange(100, 0, 6400, 819200, 64, 128, 2, 4, 8, 8, 2**0.5, 6400, 819200)
         >>> change.new_global_batch // change.old_global_batch, round(change.lr_factor, 4), change.cause
         (2, 1.4142, 'schedule')
     """
@@ -143,13 +139,11 @@ class WarmupCore:
                 f"max_micro_batch_size={self.max_micro_batch_size} is smaller than the datamodule's "
                 f"batch_size={micro_batch_size}; raise it or lower the batch_size"
             )
-        self.data_parallel_size = data_parallel_size
+        self.data_parallel_size, self.micro_batch_size = data_parallel_size, micro_batch_size
         self.check_sizes(self.schedule.sizes(0), micro_batch_size, data_parallel_size)
-        global_batch = self.schedule.batch_size(0)
-        if self.max_micro_batch_size is not None:
-            micro_batch_size = micro_batch_for(global_batch, data_parallel_size, self.max_micro_batch_size)
-        accumulate = check_divisible(global_batch, micro_batch_size, data_parallel_size)
-        self.global_batch, self.micro_batch_size, self.accumulate = global_batch, micro_batch_size, accumulate
+        self.global_batch = self.schedule.batch_size(0)
+        self.micro_batch_size = self.micro_batch_for(self.global_batch)
+        self.accumulate = check_divisible(self.global_batch, self.micro_batch_size, data_parallel_size)
 
     def consumed_at(self, samples_seen: int, tokens_seen: int) -> int:
         """What the schedule is indexed by: samples or tokens seen (all ranks)."""
