@@ -254,43 +254,33 @@ class OptimizerRules:
     ) -> None:
         """LitCBSConfigError (from ``who``) unless the rules apply at each of ``ratios``: each on its own (a probe's
         branches), or with ``compose`` one after another (BatchWarmup's changes)."""
-        ratios = list(ratios)
+        ratios, name, groups = list(ratios), type(optimizer).__name__, optimizer.param_groups
         if any(self.lr.factor(ratio) != 1.0 for ratio in ratios):
             for scheduler in schedulers:
                 check_scheduler_supported(scheduler, who)
         if ratios and self.lr.name == "adam_sde":
-            self._check_adam_sde(optimizer, ratios, who, compose)
-        if any(ratio != 1 for ratio in ratios):
-            for key in self.settings:
-                self._check_setting(key, optimizer, who)
-
-    @staticmethod
-    def _check_adam_sde(optimizer: torch.optim.Optimizer, ratios: list[float], who: str, compose: bool) -> None:
-        name, groups = type(optimizer).__name__, optimizer.param_groups
-        for i, group in enumerate(groups):
-            if "betas" not in group or "eps" not in group:
-                raise LitCBSConfigError(
-                    f"{who}: lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
-                    f"{name} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
-                )
-        # The largest batch ratio, one change or several compounded, that keeps every beta >= 0.
-        limit = float(min(1.0 / (1.0 - beta) for group in groups for beta in group["betas"]))
-        total = 1.0
-        for ratio in ratios:
-            total = total * ratio if compose else ratio  # compounded: 1 - beta -> r1 r2 ... (1 - beta)
-            if total > limit:
-                reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
-                betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in groups}))
-                raise LitCBSConfigError(
-                    f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {name} betas {betas} "
-                    "(beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
-                    f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
-                )
-
-    @staticmethod
-    def _check_setting(key: str, optimizer: torch.optim.Optimizer, who: str) -> None:
-        name, groups = type(optimizer).__name__, optimizer.param_groups
-        if key == "weight_decay":
+            for i, group in enumerate(groups):
+                if "betas" not in group or "eps" not in group:
+                    raise LitCBSConfigError(
+                        f"{who}: lr_rule='adam_sde' needs an Adam-type optimizer (param group {i} of "
+                        f"{name} has no 'betas'/'eps'); use lr_rule='sqrt' or 'linear'"
+                    )
+            # The largest batch ratio, one change or several compounded, that keeps every beta >= 0.
+            limit = float(min(1.0 / (1.0 - beta) for group in groups for beta in group["betas"]))
+            total = 1.0
+            for ratio in ratios:
+                total = total * ratio if compose else ratio  # compounded: 1 - beta -> r1 r2 ... (1 - beta)
+                if total > limit:
+                    reached = f"the batch grows {total:g}x over its changes" if compose else f"batch ratio {ratio:g}"
+                    betas = ", ".join(str(b) for b in sorted({tuple(group["betas"]) for group in groups}))
+                    raise LitCBSConfigError(
+                        f"{who}: {reached} is above {limit:.4g}, the largest safe batch ratio for {name} betas {betas} "
+                        "(beta becomes 1 - ratio x (1 - beta), which must stay >= 0): keep batch ratios "
+                        f"<= {limit:.4g}, start from larger betas, or use lr_rule='sqrt'"
+                    )
+        if all(ratio == 1 for ratio in ratios):
+            return
+        if self.weight_decay_rule is not None:
             if any("weight_decay" not in group for group in groups):
                 raise LitCBSConfigError(f"{who}: {name} has no weight_decay to scale; set weight_decay_rule=None")
             if not any(group["weight_decay"] for group in groups):
@@ -304,21 +294,21 @@ class OptimizerRules:
                     "decoupled decay whose timescale the rule keeps: use torch.optim.AdamW (or "
                     "Adam(decoupled_weight_decay=True)), or set weight_decay_rule=None"
                 )
-            return
-        for i, group in enumerate(groups):
-            betas = group.get("betas")
-            if betas is None or len(betas) < 2:
+        if self.beta2_rule is not None:
+            for i, group in enumerate(groups):
+                if group.get("betas") is None or len(group["betas"]) < 2:
+                    raise LitCBSConfigError(
+                        f"{who}: param group {i} of {name} has no Adam betas (beta1, beta2) to scale; "
+                        "set beta2_rule=None"
+                    )
+                if isinstance(group["betas"][1], torch.Tensor):
+                    raise LitCBSConfigError(
+                        f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None"
+                    )
+            if not any(group["betas"][1] for group in groups):
                 raise LitCBSConfigError(
-                    f"{who}: param group {i} of {name} has no Adam betas (beta1, beta2) to scale; set beta2_rule=None"
+                    f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None"
                 )
-            if isinstance(betas[1], torch.Tensor):
-                raise LitCBSConfigError(
-                    f"{who}: {name}'s beta2 is a tensor; give betas as floats, or set beta2_rule=None"
-                )
-        if not any(group["betas"][1] for group in groups):
-            raise LitCBSConfigError(
-                f"{who}: every param group of {name} has beta2=0, which the rule leaves 0; set beta2_rule=None"
-            )
 
     def apply(
         self,

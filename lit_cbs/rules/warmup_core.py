@@ -79,17 +79,13 @@ class WarmupCore:
         >>> import torch
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
         >>> from lit_cbs.rules.warmup_core import WarmupCore
-        >>> model = torch.nn.Linear(4, 1)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         >>> core = WarmupCore(PiecewiseBatch([8, 16], [0, 32], unit="samples"), lr_rule="sqrt")
         >>> core.start(micro_batch_size=8)
         >>> samples = 0
-        >>> for step in range(1, 7):
-        ...     for _ in range(core.accumulate):
-        ...         (model(torch.randn(core.micro_batch_size, 4)).pow(2).mean() / core.accumulate).backward()
-        ...         samples += core.micro_batch_size
+        >>> for step in range(1, 7):  # train core.accumulate micro-batches of core.micro_batch_size samples, then:
+        ...     samples += core.accumulate * core.micro_batch_size
         ...     optimizer.step()
-        ...     optimizer.zero_grad()
         ...     change = core.after_step([optimizer], step, samples_seen=samples)
         >>> (core.history[0].step, core.global_batch, core.accumulate, round(optimizer.param_groups[0]["lr"], 4))
         (4, 16, 2, 0.1414)
