@@ -75,16 +75,13 @@ class CausalLM(pl.LightningModule):
     validation and probe branches excluded) and, where the device's peak is known, ``perf/mfu``.
 
     Args:
-        config: see ``resolve_model_config``; a ``transformers`` config builds a Hugging Face causal LM with fresh
-            weights (the [hf] extra).
-        optimizer: parameter groups -> ``torch.optim.Optimizer`` (Hydra: ``_partial_: true``); its weight decay
-            applies to the weight matrices only. Default: OLMo's AdamW.
+        config: see ``resolve_model_config``; a ``transformers`` config (the [hf] extra) gets fresh weights.
+        optimizer: parameter groups -> optimizer (Hydra: ``_partial_: true``), its weight decay on the weight
+            matrices only. Default: OLMo's AdamW.
         lr_schedule: tokens seen (global) -> LR multiplier; None keeps the base LR.
-        peak_flops_per_device: FLOP/s of one device at the training precision (989e12 for an H100/H200 in dense
-            bf16); None: Lightning's table, which knows no CPU and lists an H200's sparse figure.
-        compile: ``torch.compile`` each block (a dict: its arguments).
-        ignore_index: a padding token id whose targets do not count; each step's gradient is then the mean over
-            every counted token of the step (``token_mean_loss``).
+        peak_flops_per_device: FLOP/s of one device at the training precision (989e12: an H100 in dense bf16);
+            None: Lightning's table.
+        ignore_index: a padding token id whose targets do not count (``token_mean_loss``).
 
     Examples:
         >>> import math, torch

@@ -41,9 +41,9 @@ class OLMoConfig:
                 f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
                 f"(d_model % n_heads = {self.d_model % self.n_heads})"
             )
-        if (self.d_model // self.n_heads) % 2:
+        if self.head_dim % 2:
             raise LitCBSConfigError(
-                f"head dim d_model / n_heads = {self.d_model // self.n_heads} must be even for rotary embeddings; "
+                f"head dim d_model / n_heads = {self.head_dim} must be even for rotary embeddings; "
                 "change d_model or n_heads"
             )
         for name in ("rope_theta", "init_std"):
@@ -131,13 +131,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, d = x.shape
-
-        def split_heads(t: torch.Tensor) -> torch.Tensor:
-            return t.view(batch, seq_len, self.n_heads, d // self.n_heads).transpose(1, 2)
-
-        q = apply_rotary(split_heads(self.q_proj(x)), cos, sin)
-        k = apply_rotary(split_heads(self.k_proj(x)), cos, sin)
-        v = split_heads(self.v_proj(x))
+        heads = [
+            p(x).view(batch, seq_len, self.n_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+        ]
+        q, k, v = apply_rotary(heads[0], cos, sin), apply_rotary(heads[1], cos, sin), heads[2]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return cast(torch.Tensor, self.out_proj(y.transpose(1, 2).reshape(batch, seq_len, d)))
 

@@ -32,7 +32,7 @@ class RevertRestore:
 
 @dataclasses.dataclass
 class _WatchedIncrease:
-    """An increase watched or to be reverted: fit on steps those after ``fit_after``; judged at ``watch_until``."""
+    """An increase watched or to be reverted: fit on the steps after ``fit_after``, judged at ``watch_until``."""
 
     change: int
     old_global_batch: int
@@ -80,14 +80,12 @@ class BatchGuard:
     """Watch the training loss after each batch increase; revert the increase if the loss rises above its trend.
     ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments.
 
-    Args:
-        watch_span: samples or tokens trained after an increase before it is judged (None: a quarter of what
-            was consumed before it).
-        fit: samples or tokens before the increase whose loss trend is extrapolated (None: half of what was
-            consumed before it).
-        hold: samples or tokens after a revert with no increase (None: as much as was consumed before the revert).
+    Args (spans in samples or tokens, the schedule's unit; None: relative to what was consumed before):
+        watch_span: trained after an increase before it is judged (None: a quarter).
+        fit: before the increase, whose loss trend is extrapolated (None: half).
+        hold: after a revert, with no increase (None: as much).
         threshold: nats of mean rise above the trend that revert (None: ``noise_multiple`` x the per-step loss's
-            standard deviation around the trend, at least ``min_threshold`` nats).
+            standard deviation around the trend, at least ``min_threshold``).
         min_steps: optimizer steps (>= 3) the fit and the watch span need at least.
     """
 
