@@ -1,5 +1,4 @@
-"""What the two decoders (``OLMo``, a ``transformers`` model in ``HFDecoder``) have in common: their sizes under
-one set of names, and where their stacks of blocks and their embeddings are."""
+"""What ``OLMo`` and ``HFDecoder`` have in common: their sizes under one set of names, their blocks, embeddings."""
 
 from __future__ import annotations
 
@@ -31,12 +30,7 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
     """The ``DecoderDims`` of an ``OLMoConfig`` or a ``transformers`` config."""
     if isinstance(config, OLMoConfig):
         return DecoderDims(**{field.name: getattr(config, field.name) for field in dataclasses.fields(DecoderDims)})
-    return hf_dims(config)
-
-
-def hf_dims(config: Any) -> DecoderDims:
-    """The ``DecoderDims`` of a ``transformers`` config (Llama's names; transformers aliases GPT-2's)."""
-    hidden, heads = config.hidden_size, config.num_attention_heads
+    hidden, heads = config.hidden_size, config.num_attention_heads  # Llama's names; transformers aliases GPT-2's
     return DecoderDims(
         vocab_size=config.vocab_size,
         d_model=hidden,

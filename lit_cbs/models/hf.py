@@ -1,5 +1,4 @@
-"""Hugging Face ``transformers`` causal LMs built from a config (no weights downloaded), with the interface
-``CausalLM`` trains ``OLMo`` through, and ``build_decoder``, which picks one of the two."""
+"""``HFDecoder``: a ``transformers`` causal LM built from a config, trained as ``OLMo`` is; ``build_decoder``."""
 
 from __future__ import annotations
 
@@ -11,12 +10,10 @@ import torch
 from torch import nn
 
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.models.decoder import hf_dims, layer_stacks
+from lit_cbs.models.decoder import decoder_dims, layer_stacks
 from lit_cbs.models.olmo import OLMo, OLMoConfig
 
 __all__ = ["HFDecoder", "build_decoder", "hf_config"]
-
-HF_EXTRA = 'pip install -e ".[hf]"'
 
 
 def _transformers() -> Any:
@@ -24,8 +21,8 @@ def _transformers() -> Any:
         import transformers
     except ImportError as error:
         raise LitCBSConfigError(
-            f"a model config with model_type builds a Hugging Face transformers model, but transformers is not "
-            f"installed: {HF_EXTRA} (or pip install transformers)"
+            "a model config with model_type builds a Hugging Face transformers model, but transformers is not "
+            'installed: pip install -e ".[hf]" (or pip install transformers)'
         ) from error
     return transformers
 
@@ -111,7 +108,7 @@ class HFDecoder(nn.Module):
         matmul_weights = sum(
             {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values()
         )
-        dims = hf_dims(self.config)
+        dims = decoder_dims(self.config)
         return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 
 

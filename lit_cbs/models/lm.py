@@ -31,8 +31,9 @@ __all__ = ["CausalLM", "resolve_model_config"]
 _OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig)]
 _REQUIRED_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig) if f.default is dataclasses.MISSING]
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
-_DTYPES = {"bf16": torch.bfloat16, "16": torch.float16}
-COMPUTE_DTYPES = {f"{p}-{mode}": dtype for p, dtype in _DTYPES.items() for mode in ("mixed", "true")}
+COMPUTE_DTYPES = {
+    f"{p}-{m}": t for p, t in (("bf16", torch.bfloat16), ("16", torch.float16)) for m in ("mixed", "true")
+}
 COMPUTE_DTYPES["64-true"] = torch.float64
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
@@ -93,8 +94,6 @@ class CausalLM(pl.LightningModule):
         >>> _ = torch.manual_seed(0)
         >>> lm.configure_model()  # Lightning calls it in fit
         >>> batch = torch.randint(0, 32, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens
-        >>> lm(batch[:, :-1]).shape
-        torch.Size([3, 8, 32])
         >>> abs(lm.probe_loss(batch).item() - math.log(32)) < 0.1  # freshly initialised: about ln(vocab_size) nats
         True
     """
@@ -136,13 +135,7 @@ class CausalLM(pl.LightningModule):
         self.model: OLMo | HFDecoder | None = None  # built in configure_model
         self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
         self._flops_per_token: dict[int, int] = {}  # seq_len -> training FLOPs per token
-        # Since on_train_start: optimizer steps, and this rank's samples and tokens; its FLOPs since the last step.
-        self._last_global_step = self._steps = self._samples = self._tokens = self._step_flops = 0
-        self._throughput: Throughput | None = None
-        # Wall time trained before the current stretch (validation excluded), and the accounting's branch_seconds
-        # at on_train_start; perf_counter at the start of the current stretch.
-        self._training_seconds = self._branch_seconds_before = 0.0
-        self._stretch_start: float | None = None
+        self._stretch_start: float | None = None  # perf_counter where the current stretch of training started
 
     def setup(self, stage: str) -> None:
         if stage == "fit":
@@ -243,6 +236,8 @@ class CausalLM(pl.LightningModule):
         # A window of 2 updates: each logged rate covers the last optimizer step alone.
         self._throughput = Throughput(available_flops=peak, world_size=self.trainer.world_size, window_size=2)
         self._last_global_step = self.trainer.global_step
+        # Since here: optimizer steps, and this rank's samples and tokens; its FLOPs since the last step; the wall
+        # time trained before the current stretch (validation excluded).
         self._steps = self._samples = self._tokens = self._step_flops = 0
         self._training_seconds = 0.0
         # A probe resumed inside its window starts in its own on_train_start, which Lightning calls before this one.
@@ -271,14 +266,13 @@ class CausalLM(pl.LightningModule):
         self._steps += 1
         # A CBS probe's branches run between the main run's steps: their time is not the main run's.
         branch_seconds = BatchAccounting.attach(self.trainer).branch_seconds - self._branch_seconds_before
-        throughput, stretch_start = self._throughput, self._stretch_start
-        assert throughput is not None and stretch_start is not None  # set in on_train_start, which runs first
-        seconds = self._training_seconds + time.perf_counter() - stretch_start - branch_seconds
-        throughput.update(
+        assert self._stretch_start is not None  # set in on_train_start, which runs first
+        seconds = self._training_seconds + time.perf_counter() - self._stretch_start - branch_seconds
+        self._throughput.update(
             time=seconds, batches=self._steps, samples=self._samples, lengths=self._tokens, flops=self._step_flops
         )
         self._step_flops = 0
-        rates = throughput.compute()
+        rates = self._throughput.compute()
         # Throughput's rates are per device; every rank trains micro-batches of the same shape.
         tokens_per_s = rates["device/items_per_sec"] * self.trainer.world_size
         self.log(metrics.TOKENS_PER_S, tokens_per_s, on_step=True, on_epoch=False, prog_bar=True)

@@ -1,6 +1,5 @@
-"""An OLMo-style decoder-only transformer (Groeneveld et al. 2024): pre-norm blocks of rotary attention and a
-SwiGLU MLP, non-parametric LayerNorms, no biases. ``PRESETS``: ``tiny`` (233,472 parameters, the tiny workload's
-CPU model), ``tiny4x`` (twice tiny's width), ``olmo_1b`` and ``olmo_7b`` (OLMo's shapes)."""
+"""An OLMo-style decoder (Groeneveld et al. 2024): pre-norm rotary attention and SwiGLU, non-parametric LayerNorms,
+no biases. ``PRESETS``: ``tiny`` (233,472 parameters, CPU), ``tiny4x`` (twice as wide), ``olmo_1b``, ``olmo_7b``."""
 
 from __future__ import annotations
 
@@ -102,8 +101,7 @@ def _layer_norm(x: torch.Tensor) -> torch.Tensor:
 def rotary_cos_sin(
     seq_len: int, head_dim: int, theta: float, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotation angles, each [seq_len, head_dim] float32 (per forward: no buffer to
-    re-materialise after a meta-device build)."""
+    """cos and sin of the rotation angles, each [seq_len, head_dim] float32 (per forward: no buffer to rebuild)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     angles = torch.cat((angles, angles), dim=-1)
