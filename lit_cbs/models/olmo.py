@@ -201,12 +201,8 @@ class OLMo(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters; ``exclude_embeddings`` leaves out the embedding and an untied head (Kaplan's count)."""
-        total = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            total -= self.embedding.weight.numel()
-            if self.lm_head is not None:
-                total -= self.lm_head.weight.numel()
-        return total
+        embeddings = [self.embedding, self.lm_head] if exclude_embeddings else []
+        return sum(p.numel() for p in self.parameters()) - sum(m.weight.numel() for m in embeddings if m is not None)
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token at ``seq_len``: PaLM's 6 N + 12 L d T (nanoGPT's MFU), N every matmul weight (the

@@ -98,9 +98,7 @@ class PiecewiseBatch(BatchSchedule):
         for i, b in enumerate(batch_sizes):
             _samples(f"batch_sizes[{i}]", b)
         if thresholds[0] != 0:
-            raise LitCBSConfigError(
-                f"thresholds[0]={thresholds[0]} must be 0: the first batch size applies from the start"
-            )
+            raise LitCBSConfigError(f"thresholds[0]={thresholds[0]} must be 0: the first size applies from the start")
         for i, (before, at) in enumerate(zip(thresholds, thresholds[1:]), start=1):
             if not at > before:
                 raise LitCBSConfigError(
@@ -140,9 +138,7 @@ class Seesaw(PiecewiseBatch):
             raise LitCBSConfigError(f"lr_schedule must be callable tokens -> LR multiplier, got {lr_schedule!r}")
         start, max_batch_size = _samples("start", start), _samples("max_batch_size", max_batch_size)
         if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
-            raise LitCBSConfigError(
-                f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR would halve)"
-            )
+            raise LitCBSConfigError(f"factor={factor!r} must be an int >= 2 (2: the batch doubles where the LR halves)")
         if max_batch_size < start * factor:
             raise LitCBSConfigError(
                 f"max_batch_size={max_batch_size} is below start x factor = {start * factor}, so the batch could never "
@@ -163,17 +159,13 @@ class Seesaw(PiecewiseBatch):
         while size <= max_batch_size and lr_schedule(total) <= level:
             # The first token count where the schedule is <= level.
             low = first + bisect.bisect_left(range(first, total), True, key=lambda tokens: lr_schedule(tokens) <= level)
-            if low == thresholds[-1]:  # a step decay past several levels at once: one larger growth
-                sizes[-1] = size
-            else:
-                sizes.append(size)
-                thresholds.append(low)
+            keep = len(sizes) - (low == thresholds[-1])  # a step decay past several levels at once: one larger growth
+            sizes, thresholds = [*sizes[:keep], size], [*thresholds[:keep], low]
             size, level = size * factor, level / factor
         if len(sizes) == 1:
             raise LitCBSConfigError(
-                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, "
-                "so Seesaw would never grow the batch: "
-                "give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
+                f"{lr_schedule!r} never falls to 1/{factor} of its peak before {total:,} tokens, so Seesaw would never "
+                "grow the batch: give an LR schedule that decays (lr_schedule=cosine, or wsd with decay_tokens > 0)"
             )
         super().__init__(sizes, thresholds, unit="tokens")
         self.lr_schedule, self.start, self.max_batch_size, self.factor = lr_schedule, start, max_batch_size, factor

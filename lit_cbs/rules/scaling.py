@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import lr_scheduler as torch_sched
@@ -189,19 +189,15 @@ class OptimizerRules:
                 raise LitCBSConfigError(f"{argument}={rule!r} is unknown; use one of {[name]} or None (unchanged)")
         lr = get_lr_rule(lr_rule)
         weight_decay, beta2 = (None if rule == "none" else rule for rule in (weight_decay_rule, beta2_rule))
-        floor = beta2_floor
-        if (
-            beta2 is not None
-            and floor is not None
-            and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1)
-        ):
+        floor = None if beta2 is None else beta2_floor
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < 1):
             raise LitCBSConfigError(f"beta2_floor={floor!r} must lie in (0, 1) (Adam's beta2), or be None for no floor")
         if beta2 is not None and lr.name == "adam_sde":
             raise LitCBSConfigError(
                 "lr_rule='adam_sde' already moves beta2 (1 - beta2 -> k (1 - beta2)) and beta2_rule='half_life' "
                 "would move it again: use lr_rule='sqrt' with beta2_rule='half_life', or beta2_rule=None"
             )
-        return cls(lr, weight_decay, beta2, None if beta2 is None or floor is None else float(floor))
+        return cls(lr, weight_decay, beta2, None if floor is None else float(floor))
 
     @property
     def settings(self) -> list[str]:
@@ -231,8 +227,7 @@ class OptimizerRules:
     @staticmethod
     def get(key: str, group: dict[str, Any]) -> float:
         """Setting ``key`` of param group ``group``."""
-        value: float = group["betas"][1] if key == "beta2" else group[key]
-        return value
+        return cast(float, group["betas"][1] if key == "beta2" else group[key])
 
     def value(self, key: str, optimizer: torch.optim.Optimizer) -> float:
         """Setting ``key`` now, as logged: the largest param group's weight decay, param group 0's beta2."""
