@@ -1,5 +1,4 @@
-"""``GlobalOrderLoader``: micro-batches cut from one global sample order, so that the micro-batch can change
-between any two optimizer steps and a run resumes exactly on any number of ranks."""
+"""``GlobalOrderLoader``: micro-batches cut from one global sample order (any micro-batch, any number of ranks)."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.nd
 
 
 def _round_share(round_samples: int, rank: int, world: int) -> tuple[int, int]:
-    """(offset, samples) of ``rank``'s run in a round of ``round_samples`` dealt to ``world`` ranks in rank order,
-    the first ``round_samples % world`` one sample more."""
+    """(offset, samples) of ``rank``'s share of a round dealt to ``world`` ranks in order, the first ones 1 more."""
     base, extra = divmod(round_samples, world)
     return rank * base + min(rank, extra), base + (rank < extra)
 
@@ -55,13 +53,11 @@ class GlobalOrderLoader:
         >>> import torch
         >>> from lit_cbs.data import GlobalOrderLoader
         >>> loader = GlobalOrderLoader(torch.arange(12), batch_size=2, shuffle=False, num_replicas=2, rank=0)
-        >>> len(loader)  # micro-batches this rank yields this epoch: 12 samples in rounds of 2 x 2 ranks
-        3
         >>> batches = iter(loader)
         >>> next(batches).tolist(), loader.position, loader.micro_batches
         ([0, 1], 4, 1)
         >>> loader.batch_size = 4
-        >>> [batch.tolist() for batch in batches], loader.position, len(loader)
+        >>> [batch.tolist() for batch in batches], loader.position, len(loader)  # len: micro-batches this epoch
         ([[4, 5, 6, 7]], 12, 2)
     """
 
@@ -95,9 +91,8 @@ class GlobalOrderLoader:
                 raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = self.position = self.micro_batches = 0
         # Samples in the micro-batch this rank yielded last, and in its round over all ranks.
-        self.last_samples: int | None
-        self.last_round_samples: int | None
-        self.last_samples = self.last_round_samples = None
+        self.last_samples: int | None = None
+        self.last_round_samples: int | None = None
         self._exhausted = False
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
         self._batches: Iterator[Any] | None = None  # the running read
@@ -135,8 +130,7 @@ class GlobalOrderLoader:
 
     @property
     def deals_unevenly(self) -> bool:
-        """Whether an epoch's last round can leave ranks different numbers of samples (the dataset's size is no
-        multiple of the ranks)."""
+        """Whether an epoch's last round can leave ranks different numbers of samples."""
         world, _ = self.topology()
         return self.num_samples % world != 0
 
@@ -201,8 +195,7 @@ class GlobalOrderLoader:
         )
 
     def peek(self, count: int) -> list[Any]:
-        """The next ``count`` micro-batches this rank reads (into the next epochs), leaving the loader where it is;
-        LitCBSConfigError when the dataset makes none."""
+        """The next ``count`` micro-batches this rank reads (into the next epochs), leaving the loader where it is."""
         reader = copy.copy(self)
         reader._batches, reader._exhausted = None, False
         batches: list[Any] = []
@@ -229,8 +222,7 @@ class GlobalOrderLoader:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Go on from a ``state_dict``'s position, on any ranks and micro-batch; LitCBSConfigError for another
-        dataset size, seed or shuffle."""
+        """Go on from a ``state_dict``'s position, on any ranks and micro-batch (the same data, seed and shuffle)."""
         for name in ("num_samples", "seed", "shuffle"):
             if state_dict[name] != getattr(self, name):
                 raise LitCBSConfigError(

@@ -37,11 +37,6 @@ Tokenizer = ByteTokenizer | HFTokenizer
 Piece = tuple[str, int, int, bool]
 
 
-def default_cache_dir() -> Path:
-    """``$LIT_CBS_CACHE`` if set, else ``~/.cache/lit_cbs``."""
-    return Path(os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs"))
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     """Smallest integer dtype that holds every id below ``vocab_size``: 1 byte per token for bytes."""
     return np.dtype(np.uint8 if vocab_size <= 2**8 else np.uint16 if vocab_size <= 2**16 else np.int32)
@@ -80,8 +75,8 @@ def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -
 def _tokenize_piece(
     piece: Piece, tokenizer: Tokenizer, dtype: np.dtype, max_item_tokens: int, error_dir: str
 ) -> Iterator[np.ndarray]:
-    """litdata ``optimize`` fn: the piece's tokens (and EOS at a document end) in items of at most
-    ``max_item_tokens``. A failure goes to ``error_dir``: litdata kills a worker that raises, orphaning its helper."""
+    """litdata ``optimize`` fn: the piece's tokens (and EOS at a document end) in items of ``max_item_tokens`` at most.
+    A failure goes to ``error_dir``: litdata kills a worker that raises, orphaning its helper."""
     path, start, end, ends_document = piece
     try:
         with open(path, "rb") as f:
@@ -100,8 +95,7 @@ def _tokenize_piece(
 
 @contextlib.contextmanager
 def _isolated_optimize_run() -> Iterator[Path]:
-    """A private scratch folder for litdata's optimize (which wipes the shared one); the global start method and
-    random states (which it seeds with 42) are restored after."""
+    """A scratch folder of its own for litdata's optimize; the start method and random states (seeded 42) restored."""
     from lightning.pytorch.utilities.seed import isolate_rng
 
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
@@ -113,11 +107,9 @@ def _isolated_optimize_run() -> Iterator[Path]:
         try:
             yield Path(scratch)
         finally:
-            for name, value in previous_env.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            os.environ.update({name: value for name, value in previous_env.items() if value is not None})
+            for name in [name for name, value in previous_env.items() if value is None]:
+                os.environ.pop(name, None)
             multiprocessing.set_start_method(previous_start_method, force=True)
 
 
@@ -131,13 +123,8 @@ def prepare(
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize ``files`` (one document each, each followed by ``eos_id``) into ``output_dir``/train and /val, the
-    last ``val_fraction`` of the bytes held out; returns the metadata written to ``output_dir``/lit_cbs.json.
-
-    Args:
-        num_workers: optimize processes (default: one per 8 MB of text, at most one per core).
-        chunk_tokens: tokens per litdata chunk (a sample never crosses one).
-        fingerprint: recorded in the metadata (``resolve_data``'s cache key).
-    """
+    last ``val_fraction`` of the bytes held out, in chunks of ``chunk_tokens``; returns the metadata written to
+    ``output_dir``/lit_cbs.json (``fingerprint``: ``resolve_data``'s cache key)."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
     if not files:
@@ -210,8 +197,7 @@ def text_files(
     skip: Callable[[str], bool] = lambda name: name.startswith("."),
     keep: Callable[[str], bool] = lambda name: not name.startswith("."),
 ) -> list[Path]:
-    """The files under ``root`` that ``keep`` takes (default: not hidden), outside the folders ``skip`` names
-    (default: hidden ones); sorted by path."""
+    """The files under ``root`` that ``keep`` takes, outside folders ``skip`` names (default: not hidden); sorted."""
     files: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [name for name in subdirs if not skip(name)]
@@ -271,8 +257,7 @@ def resolve_data(
             )
         label = Path(input_dir).resolve().name
     else:
-        files = stdlib_python_files()
-        label = "stdlib"
+        files, label = stdlib_python_files(), "stdlib"
     tokenizer_ = load_tokenizer(tokenizer)
     stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     key = [
@@ -284,7 +269,8 @@ def resolve_data(
         DEFAULT_CHUNK_TOKENS,
     ]
     fingerprint = hashlib.sha256(json.dumps([*key, stats]).encode()).hexdigest()
-    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    default_cache = os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs")
+    cache_dir = Path(cache_dir if cache_dir is not None else default_cache)
     target = cache_dir / f"{label}-{fingerprint[:16]}"
     if (read_metadata(target) or {}).get("source_fingerprint") == fingerprint:
         return target

@@ -42,8 +42,7 @@ class HFTokenizer:
         self._tokenizer = Tokenizer.from_file(str(path))
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         candidates = (eos_token,) if eos_token is not None else self.DEFAULT_EOS_TOKENS
-        ids = [self._tokenizer.token_to_id(token) for token in candidates]
-        self.eos_id: int = next((token_id for token_id in ids if token_id is not None), -1)
+        self.eos_id: int = next((i for i in map(self._tokenizer.token_to_id, candidates) if i is not None), -1)
         if self.eos_id < 0:
             raise ValueError(
                 f"{str(path)!r} has none of the tokens {list(candidates)}; "
@@ -51,12 +50,10 @@ class HFTokenizer:
             )
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
-        return ids
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
-        return text
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:

@@ -1,5 +1,4 @@
-"""The OLMo-style decoder and its presets, ``CausalLM`` (the LightningModule that trains it or a Hugging Face
-causal LM), and the token-mean loss."""
+"""The OLMo-style decoder and its presets, ``CausalLM`` (which trains it or a Hugging Face LM), the token-mean loss."""
 
 from typing import TYPE_CHECKING
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -36,8 +36,7 @@ def is_hf_config(config: Any) -> bool:
 
 
 def hf_config(fields: Mapping[str, Any]) -> Any:
-    """The ``transformers`` config ``{"model_type": name, **fields}`` describes; LitCBSConfigError for a field the
-    config class does not know, a model type without a causal LM, or a missing ``transformers``."""
+    """The ``transformers`` config ``{"model_type": name, **fields}`` describes, or LitCBSConfigError."""
     transformers = _transformers()
     fields = dict(fields)
     model_type = fields.pop("model_type")
@@ -84,17 +83,14 @@ class HFDecoder(nn.Module):
 
     @property
     def blocks(self) -> nn.ModuleList:
-        layers: nn.ModuleList = self.lm.get_submodule(self._layers_path)
-        return layers
+        return cast(nn.ModuleList, self.lm.get_submodule(self._layers_path))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab_size] (no cache); a batch of no sample runs one padding row, so that every layer's
         collectives fire on this rank as on the others."""
-        if input_ids.shape[0] == 0:
-            logits: torch.Tensor = self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]), use_cache=False).logits
-            return logits[:0]
-        logits = self.lm(input_ids=input_ids, use_cache=False).logits
-        return logits
+        empty = input_ids.shape[0] == 0
+        logits = self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]) if empty else input_ids, use_cache=False)
+        return cast(torch.Tensor, logits.logits[:0] if empty else logits.logits)
 
     def reset_parameters(self) -> None:
         self.lm.init_weights()

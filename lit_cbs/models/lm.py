@@ -193,8 +193,7 @@ class CausalLM(pl.LightningModule):
         return cast(torch.Tensor, self._decoder(input_ids))
 
     def probe_loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]; what a CBS probe
-        scores a branch by (``train_loss`` is updated in ``training_step`` only)."""
+        """Mean next-token cross-entropy (nats per counted token) of a batch [B, seq_len + 1]; a probe's score."""
         if self.ignore_index is None:
             logits = self._decoder(batch[:, :-1])
             # A mean over no target is NaN; the sum over none is 0, with a zero gradient, for a zero-sample micro-batch.
@@ -320,8 +319,7 @@ def _at_least_float32(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _check_optimizer(optimizer: OptimizerFactory) -> None:
-    """LitCBSConfigError unless ``optimizer`` builds a ``torch.optim.Optimizer`` from parameter groups shaped like
-    ``CausalLM.parameter_groups`` (its own argument checks run here, before training)."""
+    """LitCBSConfigError unless ``optimizer`` builds an optimizer from groups like ``CausalLM.parameter_groups``."""
     if not callable(optimizer):
         raise LitCBSConfigError(
             f"optimizer={optimizer!r} must be a callable parameter groups -> torch.optim.Optimizer, "

@@ -8,7 +8,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from litdata import StreamingDataset, TokensLoader
 
-from lit_cbs.data import TokenDataModule
+from lit_cbs.data import TokenDataModule, resolve_data
 from lit_cbs.data.prepare import read_metadata
 
 
@@ -43,7 +43,7 @@ def test_batches_are_int64_blocks_of_seq_len_plus_one(documents_datamodule, docu
     datamodule = documents_datamodule()
     batch = next(iter(datamodule.train_dataloader()))
     assert batch.shape == (4, 16) and batch.dtype == torch.int64
-    assert datamodule.tokens_per_sample == 15
+    assert datamodule.seq_len == 15
     assert datamodule.vocab_size == 256
     assert bytes(batch[0].tolist()) in documents_stream  # a contiguous slice of the token stream
 
@@ -105,7 +105,9 @@ def test_a_batch_draws_from_the_whole_split_not_from_neighbouring_samples(tmp_pa
     (numbers_dir / "lines.txt").write_text("".join(f"{index:07d}\n" for index in range(4000)))
     datamodule = make_datamodule(numbers_dir, tmp_path / "cache", val_fraction=0.05, batch_size=16)
     in_order = StreamingDataset(
-        str(datamodule._data_dir() / "train"), item_loader=TokensLoader(block_size=16), shuffle=False
+        str(resolve_data(input_dir=numbers_dir, cache_dir=tmp_path / "cache", val_fraction=0.05) / "train"),
+        item_loader=TokensLoader(block_size=16),
+        shuffle=False,
     )
     position = {bytes(np.asarray(sample, dtype=np.uint8)): index for index, sample in enumerate(in_order)}
     assert len(position) == len(in_order) > 1500

@@ -4,7 +4,6 @@ and bad inputs named."""
 import json
 import math
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -104,13 +103,15 @@ def test_prepare_reports_a_tokenizer_failure(tmp_path, documents_dir):
         prepare(text_files(documents_dir), tmp_path / "out", FailingTokenizer(), val_fraction=0.2)
 
 
-def test_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
-    from lit_cbs.data.prepare import default_cache_dir
-
-    monkeypatch.setenv("LIT_CBS_CACHE", str(tmp_path))
-    assert default_cache_dir() == tmp_path
+def test_the_default_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "doc.txt").write_text("some text\n" * 20)
+    monkeypatch.setenv("LIT_CBS_CACHE", str(tmp_path / "cache"))
+    assert resolve_data(input_dir=source, val_fraction=0.1).parent == tmp_path / "cache"
     monkeypatch.delenv("LIT_CBS_CACHE")
-    assert default_cache_dir() == Path.home() / ".cache" / "lit_cbs"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert resolve_data(input_dir=source, val_fraction=0.1).parent == tmp_path / "home" / ".cache" / "lit_cbs"
 
 
 def test_token_dtype_widens_with_the_vocabulary():
