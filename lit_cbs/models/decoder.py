@@ -44,9 +44,8 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
 
 
 def layer_stacks(module: nn.Module) -> list[str]:
-    """The paths of ``module``'s stacks of blocks: each ``nn.ModuleList`` of one class whose entries all hold
-    parameters, outside any other such stack (``["model.blocks"]`` for ``CausalLM`` on OLMo). Found from the
-    modules, not the names, so activation checkpointing, ``torch.compile`` and FSDP2 keep them."""
+    """The paths of ``module``'s stacks of blocks (``nn.ModuleList`` of one class, all with parameters, not nested):
+    found from the modules, not the names, so activation checkpointing, ``torch.compile`` and FSDP2 keep them."""
     stacks: list[str] = []
     for path, child in module.named_modules():
         if any(path.startswith(stack + ".") for stack in stacks):

@@ -68,9 +68,8 @@ class HFDecoder(nn.Module):
 
     def __init__(self, config: Any):
         super().__init__()
-        transformers = _transformers()
         self.config = config
-        self.lm = transformers.AutoModelForCausalLM.from_config(config)
+        self.lm = _transformers().AutoModelForCausalLM.from_config(config)
         n_layers = config.num_hidden_layers
         paths = [path for path in layer_stacks(self.lm) if len(self.lm.get_submodule(path)) == n_layers]
         if not paths:
@@ -101,11 +100,9 @@ class HFDecoder(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> int:
         """PaLM's training FLOPs per token, as ``OLMo.flops_per_token``, over every ``nn.Linear`` weight."""
-        matmul_weights = sum(
-            {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}.values()
-        )
+        weights = {id(m.weight): m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear)}  # tied: once
         dims = decoder_dims(self.config)
-        return 6 * matmul_weights + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
+        return 6 * sum(weights.values()) + 12 * dims.n_layers * dims.n_heads * dims.head_dim * seq_len
 
 
 def build_decoder(config: OLMoConfig | Any) -> OLMo | HFDecoder:

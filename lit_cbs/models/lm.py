@@ -87,14 +87,13 @@ class CausalLM(pl.LightningModule):
     Examples:
         >>> import math, torch
         >>> from lit_cbs.models import CausalLM
-        >>> lm = CausalLM({"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "mlp_hidden": 32,
-        ...                "context_length": 8, "tie_embeddings": True})
-        >>> lm.num_parameters()  # tied embedding 32 x 16, and per block attention 4 x 16 x 16 + SwiGLU 3 x 16 x 32
-        5632
+        >>> lm = CausalLM({"preset": "tiny", "n_layers": 1})
+        >>> lm.num_parameters()  # embedding, head: 2 x 256 x 64; attention: 4 x 64 x 64; SwiGLU: 3 x 64 x 176
+        82944
         >>> _ = torch.manual_seed(0)
         >>> lm.configure_model()  # Lightning calls it in fit
-        >>> batch = torch.randint(0, 32, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens
-        >>> abs(lm.probe_loss(batch).item() - math.log(32)) < 0.1  # freshly initialised: about ln(vocab_size) nats
+        >>> batch = torch.randint(0, 256, (3, 9))  # 3 sequences of seq_len + 1 = 9 tokens
+        >>> abs(lm.probe_loss(batch).item() - math.log(256)) < 0.1  # freshly initialised: about ln(vocab_size) nats
         True
     """
 
