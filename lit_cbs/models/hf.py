@@ -74,9 +74,8 @@ class HFDecoder(nn.Module):
         paths = [path for path in layer_stacks(self.lm) if len(self.lm.get_submodule(path)) == n_layers]
         if not paths:
             raise LitCBSConfigError(
-                f"{type(self.lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers "
-                "(num_hidden_layers), which lit_cbs shards, checkpoints and compiles one by one; use a decoder such "
-                "as llama, olmo2, qwen2 or gpt2"
+                f"{type(self.lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers (num_hidden_layers) "
+                "to shard, checkpoint and compile one by one; use a decoder such as llama, olmo2, qwen2 or gpt2"
             )
         self._layers_path = paths[0]
 

@@ -54,8 +54,7 @@ class OLMoConfig:
         return self.d_model // self.n_heads
 
 
-# vocab_size, d_model, n_layers, n_heads, mlp_hidden (tiny's: 4 d_model x 2/3 rounded up to a multiple of 16),
-# context_length, tie_embeddings. OLMo's vocabulary of 50,280 is padded to a multiple of 128.
+# tiny's mlp_hidden: 4 d_model x 2/3 rounded up to a multiple of 16; OLMo's vocabulary (50,280) padded to 128s.
 PRESETS: dict[str, OLMoConfig] = {
     "tiny": OLMoConfig(256, 64, 4, 4, 176, 128, False),
     "tiny4x": OLMoConfig(256, 128, 4, 8, 352, 128, False),
