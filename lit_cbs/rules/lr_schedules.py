@@ -18,10 +18,8 @@ __all__ = ["CosineSchedule", "OneCycle", "StepDecay", "TokenLRScheduler", "Warmu
 
 
 def _tokens(name: str, value: Any, allow_zero: bool = True) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LitCBSConfigError(f"{name}={value!r} must be an int number of tokens")
-    if value < 0 or (value == 0 and not allow_zero):
-        raise LitCBSConfigError(f"{name}={value} must be {'>= 0' if allow_zero else '> 0'} tokens")
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if allow_zero else 1):
+        raise LitCBSConfigError(f"{name}={value!r} must be an int >= {0 if allow_zero else 1} (tokens)")
     return value
 
 
@@ -44,15 +42,12 @@ class _Schedule(abc.ABC):
             problem = f"exceeds total_tokens={total_tokens}: the LR never reaches its peak;"
             raise LitCBSConfigError(f"warmup_tokens={warmup_tokens} {problem} {fix}")
         if warmup_tokens == total_tokens:
-            warnings.warn(
-                f"warmup_tokens={warmup_tokens} is the whole run (total_tokens={total_tokens}): the LR rises until "
-                f"the last token and never trains at its base value; {fix}",
-                LitCBSConfigWarning,
-                stacklevel=3,
-            )
-        if min_lr_ratio is not None and not 0.0 <= min_lr_ratio <= 1.0:
-            raise LitCBSConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (a fraction of the base LR)")
+            problem = "the LR rises until the last token and never trains at its base value"
+            message = f"warmup_tokens={warmup_tokens} is the whole run (total_tokens={total_tokens}): {problem}; {fix}"
+            warnings.warn(message, LitCBSConfigWarning, stacklevel=3)
         if min_lr_ratio is not None:
+            if not 0.0 <= min_lr_ratio <= 1.0:
+                raise LitCBSConfigError(f"min_lr_ratio={min_lr_ratio} must lie in [0, 1] (a fraction of the base LR)")
             self.min_lr_ratio = float(min_lr_ratio)
 
     def __call__(self, tokens: int) -> float:
@@ -188,15 +183,13 @@ class OneCycle(_Schedule):
         self._phases = [up, *down]
 
     def _after_warmup(self, step: int) -> float:  # no warmup of its own: every step is a one-cycle phase's
-        step, phase_start = min(step, self.total - 1), 0.0
-        for number, (phase_end, start, end) in enumerate(self._phases):
-            if step <= phase_end or number == len(self._phases) - 1:
-                progress = (step - phase_start) / (phase_end - phase_start)
-                if self.anneal_strategy == "cos":
-                    return end + (start - end) / 2.0 * (math.cos(math.pi * progress) + 1)
-                return (end - start) * progress + start
-            phase_start = phase_end
-        raise AssertionError("the last phase always returns")  # pragma: no cover
+        step, ends = min(step, self.total - 1), [phase[0] for phase in self._phases]
+        number = next((i for i, phase_end in enumerate(ends) if step <= phase_end), len(ends) - 1)
+        (phase_end, start, end), phase_start = self._phases[number], [0.0, *ends][number]
+        progress = (step - phase_start) / (phase_end - phase_start)
+        if self.anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * progress) + 1)
+        return (end - start) * progress + start
 
 
 class TokenLRScheduler(LambdaLR):
