@@ -196,9 +196,7 @@ class BatchGuard:
         fit = [(at, loss) for (at, _), loss in zip(fit, losses)]
         watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
         rise, intercept, slope, residual_std = _loss_rise(fit, watched)
-        threshold = self.threshold
-        if threshold is None:
-            threshold = max(self.noise_multiple * residual_std, self.min_threshold)
+        threshold = self.threshold or max(self.noise_multiple * residual_std, self.min_threshold)
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
         at_change = (watch.change, watch.old_global_batch, watch.new_global_batch, watch.consumed, consumed)
         verdict = GuardVerdict(

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import torch
+from torch.optim import Optimizer
 from torch.optim import lr_scheduler as torch_sched
 
 from lit_cbs import metrics
@@ -53,7 +54,7 @@ class ScalingRule:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
 
-    def adjust_optimizer(self, optimizer: torch.optim.Optimizer, ratio: float) -> None:
+    def adjust_optimizer(self, optimizer: Optimizer, ratio: float) -> None:
         """What an LR rule moves beside the LR: adam_sde's betas and eps."""
         if self.name == "adam_sde":
             for group in optimizer.param_groups:
@@ -139,7 +140,7 @@ def _scale_scheduler(scheduler: Any, factor: float) -> None:
         scheduler.min_lrs = [lr * factor for lr in scheduler.min_lrs]
 
 
-def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable[Any], factor: float) -> None:
+def scale_learning_rate(optimizer: Optimizer, schedulers: Iterable[Any], factor: float) -> None:
     """Multiply the LR by ``factor`` now and in everything the LR ``schedulers`` will compute from it."""
     for group in optimizer.param_groups:
         group["lr"] = group["lr"] * factor
@@ -149,13 +150,13 @@ def scale_learning_rate(optimizer: torch.optim.Optimizer, schedulers: Iterable[A
         _scale_scheduler(scheduler, factor)
 
 
-def optimizer_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+def optimizer_settings(optimizer: Optimizer) -> list[dict[str, Any]]:
     """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
     keys = ("betas", "eps", "weight_decay")
     return [{key: group[key] for key in keys if key in group} for group in optimizer.param_groups]
 
 
-def restore_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+def restore_settings(optimizer: Optimizer, settings: list[dict[str, Any]]) -> None:
     for group, saved in zip(optimizer.param_groups, settings):
         group.update({key: tuple(value) if key == "betas" else value for key, value in saved.items()})
 
@@ -229,23 +230,18 @@ class OptimizerRules:
         """Setting ``key`` of param group ``group``."""
         return cast(float, group["betas"][1] if key == "beta2" else group[key])
 
-    def value(self, key: str, optimizer: torch.optim.Optimizer) -> float:
+    def value(self, key: str, optimizer: Optimizer) -> float:
         """Setting ``key`` now, as logged: the largest param group's weight decay, param group 0's beta2."""
         if key == "weight_decay":
             return float(max(group["weight_decay"] for group in optimizer.param_groups))
         return float(self.get(key, optimizer.param_groups[0]))
 
-    def values(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    def values(self, optimizer: Optimizer) -> dict[str, float]:
         """The settings these rules move, by metric name (``batch/weight_decay``, ``batch/beta2``)."""
         return {metrics.batch_setting(key): self.value(key, optimizer) for key in self.settings}
 
     def check(
-        self,
-        optimizer: torch.optim.Optimizer,
-        schedulers: Iterable[Any],
-        ratios: Iterable[float],
-        who: str,
-        compose: bool = False,
+        self, optimizer: Optimizer, schedulers: Iterable[Any], ratios: Iterable[float], who: str, compose: bool = False
     ) -> None:
         """LitCBSConfigError (from ``who``) unless the rules apply at each of ``ratios``: each on its own (a probe's
         branches), or with ``compose`` one after another (BatchWarmup's changes)."""
@@ -306,11 +302,7 @@ class OptimizerRules:
                 )
 
     def apply(
-        self,
-        optimizer: torch.optim.Optimizer,
-        schedulers: Iterable[Any],
-        ratio: float,
-        warn: Callable[[str], None] | None = None,
+        self, optimizer: Optimizer, schedulers: Iterable[Any], ratio: float, warn: Callable[[str], None] | None = None
     ) -> float:
         """Move every setting for a change by ``ratio``; return the LR factor. ``warn``: the beta2 floor held (once)."""
         factor = self.lr.factor(ratio)

@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import torch
+from torch.optim import Optimizer
 
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
@@ -64,6 +64,8 @@ class BatchChange:
 
 
 Batch = tuple[int, int, int]  # (global batch in samples, micro-batch in samples per rank, accumulation)
+Factors = tuple[float, float]  # (LR, gradient-clipping threshold)
+Counts = tuple[int, int, int, int]  # (step, epoch, samples seen, tokens seen), all ranks
 _STATE = ("global_batch", "accumulate", "micro_batch_size", "lr_factor", "clip_factor")  # in state_dict as they are
 
 
@@ -156,10 +158,9 @@ class WarmupCore:
         self, sizes: Iterable[int], micro_batch_size: int, data_parallel_size: int, name: str = "scheduled global batch"
     ) -> None:
         """LitCBSConfigError unless every global batch in ``sizes`` divides into micro-batches on every rank."""
+        micro = micro_batch_size if self.max_micro_batch_size is None else 1
         for size in sizes:
-            check_divisible(
-                size, micro_batch_size if self.max_micro_batch_size is None else 1, data_parallel_size, name
-            )
+            check_divisible(size, micro, data_parallel_size, name)
 
     def wanted(self, samples_seen: int, tokens_seen: int, allowed: Callable[[int], int] | None = None) -> Batch | None:
         """The batch the schedule (and ``allowed``, a guard) asks for at these counts, or None if it is the one now."""
@@ -180,7 +181,7 @@ class WarmupCore:
         return f"BatchWarmup({self.rules.describe()})"
 
     def check_optimizers(
-        self, optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any], consumed: int
+        self, optimizers: Sequence[Optimizer], schedulers: Sequence[Any], consumed: int
     ) -> list[float]:
         """LitCBSConfigError unless the rules apply at every change to come from ``consumed``; the changes' ratios."""
         assert self.global_batch is not None  # start() set it
@@ -197,11 +198,11 @@ class WarmupCore:
 
     def scale(
         self,
-        optimizers: Sequence[torch.optim.Optimizer],
+        optimizers: Sequence[Optimizer],
         schedulers: Sequence[Any],
         global_batch: int,
         warn: Callable[[str], None] | None = None,
-    ) -> tuple[float, float]:
+    ) -> Factors:
         """Move the optimizers for a change to ``global_batch``; its LR and clipping factors (1 if it is the same)."""
         if global_batch == self.global_batch:
             return 1.0, 1.0
@@ -212,12 +213,7 @@ class WarmupCore:
         return self.rules.lr.factor(ratio), self.clip_rule.factor(ratio) if self.clip_rule is not None else 1.0
 
     def record(
-        self,
-        new: Batch,
-        change_factors: tuple[float, float],
-        factors: tuple[float, float],
-        at: tuple[int, int, int, int],
-        cause: str = "schedule",
+        self, new: Batch, change_factors: Factors, factors: Factors, at: Counts, cause: str = "schedule"
     ) -> BatchChange:
         """Train at ``new`` from the step after ``at`` = (step, epoch, samples, tokens) with ``factors``; its record."""
         assert self.global_batch is not None and self.micro_batch_size is not None and self.accumulate is not None
@@ -232,7 +228,7 @@ class WarmupCore:
 
     def after_step(
         self,
-        optimizers: Sequence[torch.optim.Optimizer],
+        optimizers: Sequence[Optimizer],
         step: int,
         samples_seen: int,
         tokens_seen: int = 0,
