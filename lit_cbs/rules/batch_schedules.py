@@ -115,10 +115,9 @@ class PiecewiseBatch(BatchSchedule):
 
 
 class Seesaw(PiecewiseBatch):
-    """Seesaw (Meterez et al. 2025): where ``lr_schedule`` (tokens -> LR multiplier) first falls to 1/factor,
-    1/factor**2, ... of its peak after its warmup, the batch grows by ``factor``, from ``start`` up to
-    ``max_batch_size`` samples. Run it under ``BatchWarmup(lr_rule="sqrt")`` with the same LR schedule (Adam;
-    for SGD ``lr_rule="none"``). ``total_tokens`` defaults to ``lr_schedule.total_tokens``.
+    """Seesaw (Meterez et al. 2025): the batch grows by ``factor`` (from ``start`` up to ``max_batch_size`` samples)
+    where ``lr_schedule`` (tokens -> LR multiplier) first falls to 1/factor, 1/factor**2, ... of its peak. Run it
+    under ``BatchWarmup(lr_rule="sqrt")`` (Adam; SGD: "none") with the same LR schedule.
 
     Examples:
         >>> from lit_cbs.rules.lr_schedules import CosineSchedule

@@ -120,10 +120,8 @@ class BatchGuard:
     @classmethod
     def from_setting(cls, setting: bool | Mapping[str, Any] | None) -> BatchGuard | None:
         """The guard for ``BatchWarmup(guard=...)``: None/False, True (the defaults) or a dict of the arguments."""
-        if setting is None or setting is False:
-            return None
-        if setting is True:
-            return cls()
+        if setting is None or isinstance(setting, bool):
+            return cls() if setting else None
         names = ", ".join(inspect.signature(cls).parameters)
         if not isinstance(setting, Mapping):
             raise LitCBSConfigError(f"guard={setting!r} must be true, false, null, a dict of the settings {names}")

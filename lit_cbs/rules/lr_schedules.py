@@ -193,9 +193,8 @@ class OneCycle(_Schedule):
 
 
 class TokenLRScheduler(LambdaLR):
-    """``LambdaLR`` with LR = base LR x ``schedule(tokens_seen)``; Lightning steps it with ``interval="step"``.
-    ``tokens_seen`` (global tokens trained on) must be set before each ``step()``: BatchWarmup or BatchAccounting
-    do it, a plain loop sets it itself.
+    """``LambdaLR`` with LR = base LR x ``schedule(tokens_seen)``; ``tokens_seen`` (global tokens trained on) is set
+    before each ``step()`` by BatchWarmup or BatchAccounting, or by a plain loop itself.
 
     Examples:
         >>> import torch

@@ -37,8 +37,7 @@ class ScalingRule:
     """A batch ratio (new / old global batch) -> a multiplier, of the LR or the gradient-clipping threshold."""
 
     def __init__(self, name: str, factor: Callable[[float], float]):
-        self.name = name
-        self._factor = factor
+        self.name, self._factor = name, factor
 
     def factor(self, ratio: float) -> float:
         """The multiplier (finite, > 0) for a change by ``ratio`` (> 0)."""

@@ -119,8 +119,7 @@ class WarmupCore:
         self.global_batch: int | None = None
         self.micro_batch_size: int | None = None
         self.accumulate: int | None = None
-        self.lr_factor = 1.0  # product of all changes' LR factors
-        self.clip_factor = 1.0  # product of all changes' clipping-threshold factors
+        self.lr_factor = self.clip_factor = 1.0  # products of all changes' LR and clipping-threshold factors
         self.history: list[BatchChange] = []
         # ((global batch, micro-batch), samples, tokens) where the schedule first asked for the pending change
         self._requested_at: tuple[tuple[int, int], int, int] | None = None
