@@ -6,7 +6,7 @@ import bisect
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -61,19 +61,6 @@ class GuardVerdict:
     fit_steps: int
     watch_steps: int
     reverted: bool
-
-
-def _loss_rise(
-    fit: Sequence[tuple[float, float]], window: Sequence[tuple[float, float]]
-) -> tuple[float, float, float, float]:
-    """The ``window`` losses' mean rise above the trend a + b ln(consumed) fitted to ``fit``; a, b, residual std."""
-    log_consumed, losses = np.log([consumed for consumed, _ in fit]), np.array([loss for _, loss in fit])
-    slope, intercept = np.polyfit(log_consumed, losses, 1)
-    residuals = losses - (intercept + slope * log_consumed)
-    intercept, slope = float(intercept), float(slope)
-    residual_std = float(np.sqrt(residuals @ residuals / (len(fit) - 2)))
-    rise = sum(loss - intercept - slope * math.log(consumed) for consumed, loss in window) / len(window)
-    return rise, intercept, slope, residual_std
 
 
 class BatchGuard:
@@ -193,7 +180,13 @@ class BatchGuard:
         losses = mean_over_ranks([loss for _, loss in fit + watched])
         fit = [(at, loss) for (at, _), loss in zip(fit, losses)]
         watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
-        rise, intercept, slope, residual_std = _loss_rise(fit, watched)
+        # The watched losses' mean rise above the least-squares trend a + b ln(consumed) of the fit's (nats).
+        log_consumed, fit_losses = np.log([at for at, _ in fit]), np.array([loss for _, loss in fit])
+        slope, intercept = np.polyfit(log_consumed, fit_losses, 1)
+        residuals = fit_losses - (intercept + slope * log_consumed)
+        intercept, slope = float(intercept), float(slope)
+        residual_std = float(np.sqrt(residuals @ residuals / (len(fit) - 2)))  # n - 2 degrees of freedom
+        rise = sum(loss - intercept - slope * math.log(at) for at, loss in watched) / len(watched)
         threshold = self.threshold or max(self.noise_multiple * residual_std, self.min_threshold)
         reverted = not rise <= threshold  # a non-finite loss counts as a rise
         at_change = (watch.change, watch.old_global_batch, watch.new_global_batch, watch.consumed, consumed)

@@ -22,7 +22,7 @@ from lit_cbs import (
     PiecewiseBatch,
 )
 from lit_cbs._internals import should_accumulate
-from lit_cbs.rules.guard import BatchGuard, RevertRestore, _loss_rise
+from lit_cbs.rules.guard import BatchGuard, RevertRestore
 
 # 2 samples per step until 64 samples (32 steps), then 4: the guard fits the trend on samples (32, 64]
 # (16 steps), and with min_steps=8 judges the increase after 8 steps of 4, at 96 samples.
@@ -69,9 +69,15 @@ def rows_of(path) -> dict[int, dict[str, float]]:
 
 # ---------------------------------------------------------------- the rule itself
 def test_trend_and_rise_of_points_on_a_line():
-    fit = [(t, 3.0 - 0.5 * math.log(t)) for t in (10, 20, 30, 40)]
-    window = [(t, 3.0 - 0.5 * math.log(t) + 0.2) for t in (50, 60)]
-    assert _loss_rise(fit, window) == pytest.approx((0.2, 3.0, -0.5, 0.0), abs=1e-12)
+    guard = BatchGuard(watch_span=30, fit=40, min_steps=3)
+    for t in (10, 20, 30, 40):
+        guard.record(t, 3.0 - 0.5 * math.log(t))
+    assert guard.watch(0, 40, 2, 4, RevertRestore(1.0, 1.0, 1.0, 1.0))
+    for t in (50, 60, 70):
+        guard.record(t, 3.0 - 0.5 * math.log(t) + 0.2)
+    verdict = guard.judge(70, lambda losses: losses)
+    trend = (verdict.rise, verdict.trend_intercept, verdict.trend_slope, verdict.residual_std)
+    assert trend == pytest.approx((0.2, 3.0, -0.5, 0.0), abs=1e-12) and verdict.fit_steps == 4
 
 
 # ---------------------------------------------------------------- a forced spike
