@@ -201,9 +201,7 @@ class LinearRamp(BatchSchedule):
         self._per_increment = ramp / ((final - start) // increment)
 
     def _batch_size(self, consumed: int) -> int:
-        if consumed > self.ramp:
-            return self.final
-        return self.start + int(consumed / self._per_increment) * self.increment
+        return self.final if consumed > self.ramp else self.start + int(consumed / self._per_increment) * self.increment
 
     def sizes(self, consumed: int = 0) -> list[int]:
         return list(range(self.batch_size(consumed), self.final + 1, self.increment))

@@ -149,7 +149,7 @@ class BatchGuard:
         del self._steps[: bisect.bisect_right(self._steps, keep_after, key=lambda step: step[0])]
 
     def _fit_span(self, consumed: int) -> int:
-        return self.fit if self.fit is not None else consumed // 2
+        return self.fit or consumed // 2
 
     def watch(
         self, change: int, consumed: int, old_global_batch: int, new_global_batch: int, restore: RevertRestore
@@ -158,10 +158,8 @@ class BatchGuard:
         fit_after = consumed - self._fit_span(consumed)
         if sum(1 for at, _ in self._steps if fit_after < at <= consumed) < self.min_steps:
             return False
-        watch_span = self.watch_span if self.watch_span is not None else max(1, consumed // 4)
-        self._watch = _WatchedIncrease(
-            change, old_global_batch, new_global_batch, consumed, fit_after, consumed + watch_span, restore
-        )
+        until = consumed + (self.watch_span or max(1, consumed // 4))
+        self._watch = _WatchedIncrease(change, old_global_batch, new_global_batch, consumed, fit_after, until, restore)
         return True
 
     def forget_watch(self) -> None:
@@ -204,7 +202,7 @@ class BatchGuard:
         watch, self._revert = self._revert, None
         assert watch is not None, "no revert is due"
         self.reverts += 1
-        self.hold_until = consumed + (self.hold if self.hold is not None else consumed)
+        self.hold_until = consumed + (self.hold or consumed)
         self._steps = [(at, loss) for at, loss in self._steps if at <= watch.consumed]
         return watch.restore
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 from scipy.signal import lfilter
 
@@ -16,5 +18,4 @@ def ema(values: np.ndarray, decay: float) -> np.ndarray:
     values = np.asarray(values, dtype=float)
     if not len(values):
         return values
-    smoothed: np.ndarray = lfilter([1.0 - decay], [1.0, -decay], values, zi=[decay * values[0]])[0]
-    return smoothed
+    return cast(np.ndarray, lfilter([1.0 - decay], [1.0, -decay], values, zi=[decay * values[0]])[0])

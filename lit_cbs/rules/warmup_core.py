@@ -76,13 +76,11 @@ class WarmupCore:
     calls ``after_step`` after each optimizer step. ``lr_factor`` is the product of the changes' LR factors.
 
     Examples:
-        A plain PyTorch loop, 8 samples per step until 32 were trained on, then 16:
-
         >>> import torch
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
         >>> from lit_cbs.rules.warmup_core import WarmupCore
         >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-        >>> core = WarmupCore(PiecewiseBatch([8, 16], [0, 32], unit="samples"), lr_rule="sqrt")
+        >>> core = WarmupCore(PiecewiseBatch([8, 16], [0, 32], unit="samples"), lr_rule="sqrt")  # 16 from 32 on
         >>> core.start(micro_batch_size=8)
         >>> samples = 0
         >>> for step in range(1, 7):  # train core.accumulate micro-batches of core.micro_batch_size samples, then:
