@@ -191,10 +191,10 @@ class LinearRamp(BatchSchedule):
     def __init__(self, start: int, increment: int, ramp: int, final: int, unit: str = "samples"):
         _ramp_checks(start, final, ramp, unit, ("increment", increment))
         if (final - start) % increment:
+            lower = start + (final - start) // increment * increment
             raise LitCBSConfigError(
                 f"final - start = {final - start} must be a multiple of increment={increment} (Megatron's rule); "
-                f"e.g. final={start + (final - start) // increment * increment} or "
-                f"{start + ((final - start) // increment + 1) * increment}"
+                f"e.g. final={lower} or {lower + increment}"
             )
         self.start, self.increment, self.ramp, self.final = start, increment, ramp, final
         super().__init__(unit)
@@ -221,10 +221,9 @@ class ExponentialRamp(BatchSchedule):
         _ramp_checks(start, final, ramp, unit, ("multiple_of", multiple_of))
         for name, v in (("start", start), ("final", final)):
             if v % multiple_of:
+                nearest = f"{v // multiple_of * multiple_of or multiple_of} or {(v // multiple_of + 1) * multiple_of}"
                 raise LitCBSConfigError(
-                    f"{name}={v} must be a multiple of multiple_of={multiple_of}; "
-                    f"nearest: {v // multiple_of * multiple_of or multiple_of} "
-                    f"or {(v // multiple_of + 1) * multiple_of}"
+                    f"{name}={v} must be a multiple of multiple_of={multiple_of}; nearest: {nearest}"
                 )
         self.start, self.final, self.ramp, self.multiple_of = start, final, ramp, multiple_of
         super().__init__(unit)

@@ -18,16 +18,12 @@ from lit_cbs.errors import LitCBSConfigError
 __all__ = ["BETA2_FLOOR", "LR_RULES", "OptimizerRules", "ScalingRule", "get_clip_rule", "get_lr_rule"]
 
 
-def _linear(ratio: float) -> float:
-    return ratio
-
-
 def _unchanged(ratio: float) -> float:
     return 1.0
 
 
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
-RATIO_FUNCTIONS: dict[str, Callable[[float], float]] = {"sqrt": math.sqrt, "linear": _linear, "none": _unchanged}
+RATIO_FUNCTIONS: dict[str, Callable[[float], float]] = {"sqrt": math.sqrt, "linear": float, "none": _unchanged}
 LR_RULES = ("adam_sde", *RATIO_FUNCTIONS)  # adam_sde: LR x sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k)
 # The lowest beta2 the half_life rule moves Adam's beta2 to (docs/design.md, "Optimizer rules").
 BETA2_FLOOR = 0.95

@@ -21,10 +21,9 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
     if global_batch % unit:
         lower = global_batch // unit * unit
         nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
+        share = f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
         other = (
-            f"a number of data-parallel ranks that divides {global_batch}"
-            if global_batch % data_parallel
-            else f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
+            f"a number of data-parallel ranks that divides {global_batch}" if global_batch % data_parallel else share
         )
         raise LitCBSConfigError(
             f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
