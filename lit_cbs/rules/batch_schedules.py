@@ -240,9 +240,8 @@ class ExponentialRamp(BatchSchedule):
 
 
 class CBSAdaptive(BatchSchedule):
-    """Closed loop (Merrill et al. 2025): double the batch, up to ``final``, once a CBS reading reaches
-    ``factor`` x the batch. ``CBSProbeCallback`` calls ``observe`` with each reading; the decisions are kept in
-    ``state_dict``. At ``final`` the probe stops unless ``probe_after_final``.
+    """Closed loop (Merrill et al. 2025): double the batch, up to ``final``, once a CBS reading (``observe``, from
+    ``CBSProbeCallback``) reaches ``factor`` x the batch; at ``final`` the probe stops unless ``probe_after_final``.
 
     Examples:
         >>> schedule = CBSAdaptive(start=64, final=256)

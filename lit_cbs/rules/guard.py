@@ -20,8 +20,7 @@ _SPAN = "samples or tokens, the schedule's unit"
 
 @dataclasses.dataclass
 class RevertRestore:
-    """What a revert puts back: BatchWarmup's factors before the increase, the increase's own (divided out of the
-    LR schedulers), and each optimizer's ``lit_cbs.rules.scaling.optimizer_settings``."""
+    """What a revert puts back: the factors before the increase, the increase's own, each optimizer's settings."""
 
     lr_factor: float
     clip_factor: float
@@ -32,8 +31,6 @@ class RevertRestore:
 
 @dataclasses.dataclass
 class _WatchedIncrease:
-    """An increase watched or to be reverted: fit on the steps after ``fit_after``, judged at ``watch_until``."""
-
     change: int
     old_global_batch: int
     new_global_batch: int

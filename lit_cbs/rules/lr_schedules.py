@@ -147,9 +147,8 @@ class StepDecay(_Schedule):
 
 
 class OneCycle(_Schedule):
-    """PyTorch's ``OneCycleLR`` curve as a multiplier of ``max_lr`` (set as the optimizer's ``lr``), for
-    ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (in tokens); it composes with BatchWarmup's LR
-    rule, ``OneCycleLR`` does not. No momentum cycling. Arguments as ``OneCycleLR``'s.
+    """``OneCycleLR``'s curve (its arguments, no momentum) as a multiplier of ``max_lr``, the optimizer's ``lr``, for
+    ``LambdaLR`` (``total`` in steps) or ``TokenLRScheduler`` (tokens): unlike ``OneCycleLR``, BatchWarmup can scale it.
 
     Examples:
         >>> [round(OneCycle(total=100)(step), 4) for step in (0, 29, 99)]
