@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -13,8 +14,7 @@ from lit_cbs.errors import LitCBSConfigError, one_of, positive_int
 __all__ = ["BatchSchedule", "CBSAdaptive", "ConstantBatch", "ExponentialRamp", "LinearRamp", "PiecewiseBatch", "Seesaw"]
 
 
-def _samples(name: str, value: Any) -> int:
-    return positive_int(name, value, "samples")
+_samples = functools.partial(positive_int, unit="samples")
 
 
 def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_size: int) -> int:
@@ -25,8 +25,6 @@ def micro_batch_for(global_batch: int, data_parallel_size: int, max_micro_batch_
 
 class BatchSchedule(ABC):
     """Base of ``BatchWarmup(schedule=...)``: ``unit`` ("samples" or "tokens") is what ``consumed`` counts."""
-
-    unit: str
 
     def __init__(self, unit: str) -> None:
         self.unit = str(one_of("unit", unit, ("samples", "tokens")))
@@ -156,7 +154,6 @@ class Seesaw(PiecewiseBatch):
         sizes, thresholds = [start], [0]
         size, level = start * factor, peak / factor
         while size <= max_batch_size and lr_schedule(total) <= level:
-            # The first token count where the schedule is <= level.
             low = first + bisect.bisect_left(range(first, total), True, key=lambda tokens: lr_schedule(tokens) <= level)
             keep = len(sizes) - (low == thresholds[-1])  # a step decay past several levels at once: one larger growth
             sizes, thresholds = [*sizes[:keep], size], [*thresholds[:keep], low]

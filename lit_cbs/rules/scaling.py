@@ -147,8 +147,7 @@ def scale_learning_rate(optimizer: Optimizer, schedulers: Iterable[Any], factor:
 
 def optimizer_settings(optimizer: Optimizer) -> list[dict[str, Any]]:
     """Each param group's betas, eps and weight decay (those it has): what ``restore_settings`` puts back."""
-    keys = ("betas", "eps", "weight_decay")
-    return [{key: group[key] for key in keys if key in group} for group in optimizer.param_groups]
+    return [{key: g[key] for key in ("betas", "eps", "weight_decay") if key in g} for g in optimizer.param_groups]
 
 
 def restore_settings(optimizer: Optimizer, settings: list[dict[str, Any]]) -> None:

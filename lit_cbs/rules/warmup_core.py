@@ -246,7 +246,6 @@ class WarmupCore:
             **{key: getattr(self, key) for key in _STATE},
             "requested_at": self._requested_at,
             "history": [dataclasses.asdict(change) for change in self.history],
-            # Closed-loop schedules (CBSAdaptive) carry decisions made during training.
             "schedule": self.schedule.state_dict() if hasattr(self.schedule, "state_dict") else None,
         }
 
