@@ -75,8 +75,7 @@ class ConstantBatch(BatchSchedule):
 
 
 class PiecewiseBatch(BatchSchedule):
-    """``batch_sizes[i]`` samples from ``thresholds[i]`` consumed on (OLMo-core style); ``thresholds`` in
-    ``unit``, starting at 0 and strictly increasing.
+    """``batch_sizes[i]`` samples from ``thresholds[i]`` (``unit``; 0, then increasing) consumed on (OLMo-core style).
 
     Examples:
         >>> schedule = PiecewiseBatch([1024, 2048, 4096], [0, 168_000_000_000, 503_000_000_000])
@@ -242,10 +241,8 @@ class CBSAdaptive(BatchSchedule):
 
     Examples:
         >>> schedule = CBSAdaptive(start=64, final=256)
-        >>> schedule.observe(1000, cbs=100.0), schedule.observe(2000, cbs=130.0)  # 130 >= 2 x 64: double
-        (False, True)
-        >>> schedule.batch_size(1999), schedule.batch_size(2000), schedule.sizes(2000)
-        (64, 128, [128, 256])
+        >>> schedule.observe(1000, cbs=100.0), schedule.observe(2000, cbs=130.0), schedule.sizes(2000)  # 130 >= 2 x 64
+        (False, True, [128, 256])
     """
 
     def __init__(

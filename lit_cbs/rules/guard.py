@@ -95,8 +95,7 @@ class BatchGuard:
                 f"guard.min_steps={self.min_steps} must be >= 3 (a line through 2 points has no residual spread)"
             )
         self.verdicts: list[GuardVerdict] = []
-        self.reverts = 0
-        self.hold_until = 0  # consumed before which no increase is made
+        self.reverts = self.hold_until = 0  # hold_until: consumed before which no increase is made
         self._steps: list[tuple[int, float]] = []  # (consumed after the step, its loss on this rank)
         self._watch: _WatchedIncrease | None = None  # the increase being watched
         self._revert: _WatchedIncrease | None = None  # the watched increase to be undone

@@ -23,9 +23,7 @@ def _tokens(name: str, value: Any, allow_zero: bool = True) -> int:
     return value
 
 
-class _Schedule(abc.ABC):
-    """A multiplier of the base LR; its repr lists the arguments it was built with."""
-
+class _Schedule(abc.ABC):  # a multiplier of the base LR; its repr lists the arguments it was built with
     warmup_tokens = 0
 
     def _warmup_and_total(
@@ -175,11 +173,9 @@ class OneCycle(_Schedule):
         self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
         initial = 1.0 / div_factor
         up = (float(pct_start * total) - 1, initial, 1.0)  # (end step, start multiplier, end multiplier)
-        if three_phase:  # as OneCycleLR's phases
-            down = [(float(2 * pct_start * total) - 2, 1.0, initial), (total - 1, initial, initial / final_div_factor)]
-        else:
-            down = [(total - 1, 1.0, initial / final_div_factor)]
-        self._phases = [up, *down]
+        middle = [(float(2 * pct_start * total) - 2, 1.0, initial)] if three_phase else []  # as OneCycleLR's phases
+        last = (total - 1, initial if three_phase else 1.0, initial / final_div_factor)
+        self._phases = [up, *middle, last]
 
     def _after_warmup(self, step: int) -> float:  # no warmup of its own: every step is a one-cycle phase's
         step, ends = min(step, self.total - 1), [phase[0] for phase in self._phases]

@@ -11,8 +11,7 @@ __all__ = ["ema"]
 
 
 def ema(values: np.ndarray, decay: float) -> np.ndarray:
-    """s_t = decay * s_(t-1) + (1 - decay) * x_t with s_0 = x_0, in the unit of ``values``; ``decay`` in [0, 1).
-    It lags a trend by about decay / (1 - decay) points."""
+    """s_t = decay * s_(t-1) + (1 - decay) * x_t, s_0 = x_0, ``decay`` in [0, 1): lags ~decay / (1 - decay) points."""
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay={decay} must be in [0, 1)")
     values = np.asarray(values, dtype=float)

@@ -71,8 +71,7 @@ _STATE = ("global_batch", "accumulate", "micro_batch_size", "lr_factor", "clip_f
 class WarmupCore:
     """The batch a schedule asks for, where it may start, and the optimizer moves at each change; no framework.
 
-    The driving loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank and step and
-    calls ``after_step`` after each optimizer step. ``lr_factor`` is the product of the changes' LR factors.
+    A loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank, then calls ``after_step``.
 
     Examples:
         >>> import torch
