@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
-from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
+from lit_cbs._internals import given_train_loader, should_accumulate, tree_leaves
 from lit_cbs.callbacks.gradient_sync import GradientSync
 from lit_cbs.callbacks.module_state import side_effects_undone
 from lit_cbs.callbacks.step_tokens import StepTokens
@@ -286,13 +286,23 @@ class BatchAccounting(Callback):
         self._sync_loader(trainer)
 
     def _sync_loader(self, trainer: pl.Trainer) -> None:
+        """Resize a ``GlobalOrderLoader`` to the micro-batch set, and tell the fit loop (which reads an epoch's
+        length once, into three places) its micro-batches: those yielded, and those left at this size."""
         loader = resizable_train_loader(trainer)
         if loader is None:
             return
         if self._micro_batch_set:
             assert self.micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
             loader.batch_size = self.micro_batch_size
-        set_train_epoch_length(trainer, len(loader))  # those yielded, and those left at this size
+        fit_loop, micro_batches = trainer.fit_loop, len(loader)
+        fit_loop.max_batches = micro_batches
+        combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+        if combined_loader is not None and combined_loader.limits is not None:
+            combined_loader.limits[:] = [micro_batches] * len(combined_loader.limits)  # the running iterator's list
+        if fetcher is not None and fetcher.length is not None:
+            fetcher.length = micro_batches
+            if fetcher.fetched >= micro_batches > 0:  # the micro-batch just fetched is the epoch's last after all
+                fetcher.done = fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
     def _lead(self, trainer: pl.Trainer) -> None:
         """Put this accounting first among the Trainer's callbacks, its two companions right after it."""

@@ -15,14 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_cbs._internals import (
-    checkpoint_every_n_train_steps,
-    cluster_environment,
-    hpc_checkpoint_path,
-    last_saved_step,
-    set_last_saved_step,
-    should_accumulate,
-)
+from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import mean_over_ranks, trainer_callbacks
 from lit_cbs.callbacks.checkpoint_files import atomic_saves, copy_checkpoint
 
@@ -75,14 +68,14 @@ class FinalStateCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and source.resolve() != target.resolve():
             copy_checkpoint(source, target)
         trainer.strategy.barrier("FinalStateCheckpoint.resumed")
-        set_last_saved_step(self, trainer.global_step)
+        self._last_global_step_saved = trainer.global_step
         self.last_model_path = str(target)
 
     def _defer_stop_signals(self, trainer: pl.Trainer) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; Lightning's stay
         signals = [signal.SIGTERM]
-        environment = cluster_environment(trainer)
+        environment = trainer._accelerator_connector.cluster_environment
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             assert environment.requeue_signal is not None  # SLURMEnvironment sets SIGUSR1 when auto_requeue
             signals.append(environment.requeue_signal)
@@ -126,7 +119,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
             handler(signum, None)
         if signum != signal.SIGTERM:  # the requeue signal: Lightning saved the hpc checkpoint and requeued
             if window is not None and self.save_last and Path(self.last_model_path or "").exists():
-                self._replace_with_probe_start(trainer, hpc_checkpoint_path(trainer))
+                self._replace_with_probe_start(trainer, trainer._checkpoint_connector._hpc_resume_path)
             trainer.should_stop = True
 
     def _replace_with_probe_start(self, trainer: pl.Trainer, hpc_path: str | None) -> None:
@@ -171,7 +164,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
                 f"FinalStateCheckpoint: no checkpoint at step {trainer.global_step}, inside the CBS probe window that "
                 f"began at step {window} (last.ckpt holds that step): the probe's reading needs the state of its start"
             )
-        if window == trainer.global_step and self.save_last and last_saved_step(self) != window:
+        if window == trainer.global_step and self.save_last and self._last_global_step_saved != window:
             self._save_last_now(trainer)
             rank_zero_info(
                 f"FinalStateCheckpoint: last.ckpt holds step {window}, where a CBS probe window begins: a run stopped "
@@ -185,7 +178,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
             self._save_final_state(trainer)
 
     def _saves_at(self, step: int) -> bool:
-        every = checkpoint_every_n_train_steps(self)
+        every = self._every_n_train_steps
         return every >= 1 and step % every == 0
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -205,7 +198,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         if trainer.training and should_accumulate(trainer):
             rank_zero_warn(
                 f"SIGTERM inside an accumulation window after step {trainer.global_step}: not checkpointed (resuming "
-                f"there would lose the window's gradients); last.ckpt holds step {last_saved_step(self)}"
+                f"there would lose the window's gradients); last.ckpt holds step {self._last_global_step_saved}"
             )
         elif trainer.training:  # not at the end of a validation inside the fit, which Lightning ends by raising it too
             self._save_final_state(trainer)
@@ -214,7 +207,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _sigterm_message(self, trainer: pl.Trainer) -> str:
         """One line: the step the run stopped after, the checkpoint that resumes it, and how."""
         stopped = f"SIGTERM: training stopped after optimizer step {trainer.global_step}"
-        saved = last_saved_step(self)
+        saved = self._last_global_step_saved
         if not self.save_last or not self.last_model_path or not Path(self.last_model_path).exists():
             return (
                 f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): "
@@ -231,7 +224,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
         )
 
     def _save_final_state(self, trainer: pl.Trainer) -> None:
-        if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
+        if not self.save_last or trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
             return
         if self.probe_window_step is not None and self.stop_signal is not None:
             return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
@@ -246,7 +239,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _save_last_now(self, trainer: pl.Trainer) -> None:
         path = str(self._last_path())
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
-        set_last_saved_step(self, trainer.global_step)
+        self._last_global_step_saved = trainer.global_step
         self.last_model_path = path
 
 

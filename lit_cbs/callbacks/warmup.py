@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs import metrics
-from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
+from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import BatchAccounting, MicroBatchSetting, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
@@ -254,11 +254,15 @@ class BatchWarmup(WarmupCore, Callback):
         """Round Lightning's count of this epoch's micro-batches, and a ``GlobalOrderLoader``'s, up to a multiple
         of ``accumulate``: Lightning steps on multiples of it, and the micro-batch (or the ranks) may have changed
         this epoch. With another loader the micro-batch is fixed, and ``may_change`` implies the count is one."""
-        behind = -trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
+        progress, fetcher = trainer.fit_loop.epoch_loop.batch_progress, trainer.fit_loop._data_fetcher
+        behind = -progress.current.ready % accumulate
         if behind:
             loader = resizable_train_loader(trainer)
             assert loader is not None
-            shift_epoch_micro_batches(trainer, behind)
+            # Before the epoch loop starts (a resumed run's on_train_start) the fetcher's count is 0; the loop adds it.
+            if fetcher is not None and fetcher.fetched == progress.current.ready:
+                fetcher.fetched += behind
+            progress.increment_by(behind, is_last_batch=progress.is_last_batch)
             loader.micro_batches += behind
 
     def _maybe_change(self, trainer: pl.Trainer, between_epochs: bool = False) -> None:

@@ -12,7 +12,6 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler,
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lit_cbs._internals import checkpoint_triggers
 from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.validation import TokenValidation
 from lit_cbs.data.loader import GlobalOrderLoader
@@ -169,7 +168,7 @@ def warn_checkpoints_inside_accumulation(
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint):
             continue
-        time_interval, every_n_epochs = checkpoint_triggers(callback)
+        time_interval, every_n_epochs = callback._train_time_interval, callback._every_n_epochs
         if time_interval is not None:
             reason = f"train_time_interval={time_interval} can fall on any micro-batch"
         elif (
