@@ -16,7 +16,7 @@ from lit_cbs.callbacks import warmup_checks as checks
 from lit_cbs.callbacks.accounting import BatchAccounting, MicroBatchSetting, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
-from lit_cbs.errors import positive_int
+from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule
 from lit_cbs.rules.guard import BatchGuard, RevertRestore
 from lit_cbs.rules.scaling import BETA2_FLOOR, LRRule, ScalingRule, optimizer_settings
@@ -121,15 +121,17 @@ class BatchWarmup(WarmupCore, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        checks.check_trainer(trainer, pl_module, self.schedule, BatchWarmup)
+        checks.check_trainer(trainer, pl_module, self, BatchWarmup)
         settings = {"seq_len": self.seq_len, "max_tokens": self.max_tokens}
         accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **settings)
-        checks.check_clip_rule(self.clip_rule, trainer)
         self._restored = False  # load_state_dict sets it again: Lightning restores a checkpoint after setup
         self._base_gradient_clip_val = trainer.gradient_clip_val
         self.start(MicroBatchSetting.required(trainer, pl_module).get(), accounting.data_parallel_size)
-        assert self.accumulate is not None  # start() set it
-        checks.check_accumulation(trainer, self.accumulate)
+        if trainer.accumulate_grad_batches not in (1, self.accumulate):
+            raise LitCBSConfigError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
+                f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
+            )
         self._apply_batch()
 
     def _apply_batch(self) -> None:
@@ -148,13 +150,13 @@ class BatchWarmup(WarmupCore, Callback):
         checks.check_optimizer_rules(trainer, self, self.consumed, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        checks.check_adaptive_is_fed(self.schedule, trainer, resumed=self._restored)
         accounting = self._counts
         self._samples_before_step = accounting.samples_seen
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         assert self.micro_batch_size is not None  # setup set it
         micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
-        checks.check_loader_resizes(trainer, micros, self.micro_batch_size, self.max_micro_batch_size)
+        maximum = self.max_micro_batch_size
+        checks.check_train_start(trainer, self.schedule, self._restored, micros, self.micro_batch_size, maximum)
         if accounting.checkpoint_data_parallel_size not in (None, accounting.data_parallel_size):
             self._regroup_for_new_ranks(trainer)
         ranks = accounting.data_parallel_size
@@ -201,9 +203,8 @@ class BatchWarmup(WarmupCore, Callback):
         # The accounting's hook ran first: it has resolved seq_len from this batch.
         if not self._token_settings_checked:
             self._token_settings_checked = True
-            checks.check_token_data(self.schedule, self._counts)
             before = self._samples_before_step
-            checks.warn_unreachable_batches(trainer, self.schedule, self._counts, self._batch, before)
+            checks.check_first_batch(trainer, self.schedule, self._counts, self._batch, before)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
