@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cbs import metrics
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
-from lit_cbs.callbacks.accounting import BatchAccounting, MicroBatchSetting, resizable_train_loader
+from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_owner, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.errors import LitCBSConfigError, positive_int
@@ -126,7 +126,7 @@ class BatchWarmup(WarmupCore, Callback):
         accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **settings)
         self._restored = False  # load_state_dict sets it again: Lightning restores a checkpoint after setup
         self._base_gradient_clip_val = trainer.gradient_clip_val
-        self.start(MicroBatchSetting.required(trainer, pl_module).get(), accounting.data_parallel_size)
+        self.start(micro_batch_owner(trainer, pl_module).batch_size, accounting.data_parallel_size)
         if trainer.accumulate_grad_batches not in (1, self.accumulate):
             raise LitCBSConfigError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
