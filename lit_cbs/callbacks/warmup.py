@@ -227,7 +227,11 @@ class BatchWarmup(WarmupCore, Callback):
         if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.log_every_step:  # before any change: this row is the step just taken
-            self._log_step(trainer, pl_module)
+            counts = self._counts  # the tokens (samples for data without tokens) in the progress bar
+            if trainer.progress_bar_callback is not None:
+                name, value = ("tokens", counts.tokens_seen) if counts.seq_len else ("samples", counts.samples_seen)
+                pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+            log_to_loggers(trainer, self._step_row)
         self._samples_before_step = self._counts.samples_seen
         if self._guarded is not None:
             self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self._counts.data_parallel_size)
@@ -241,15 +245,6 @@ class BatchWarmup(WarmupCore, Callback):
         self._maybe_change(trainer, between_epochs=True)
 
     # ------------------------------------------------------------------ changes
-    def _epoch_position(self, trainer: pl.Trainer) -> int:
-        """Samples consumed this epoch, all ranks."""
-        loader = resizable_train_loader(trainer)
-        if loader is not None:
-            return loader.position
-        assert self.micro_batch_size is not None  # setup set it
-        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return ready * self.micro_batch_size * self.data_parallel_size
-
     @staticmethod
     def _pad_epoch_to(trainer: pl.Trainer, accumulate: int) -> None:
         """Round Lightning's count of this epoch's micro-batches, and a ``GlobalOrderLoader``'s, up to a multiple
@@ -279,7 +274,13 @@ class BatchWarmup(WarmupCore, Callback):
         if new is None:
             return
         if not between_epochs:
-            if not self.may_change(self._epoch_position(trainer), new[0]):
+            loader = resizable_train_loader(trainer)
+            assert self.micro_batch_size is not None  # setup set it
+            ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            position = (
+                loader.position if loader is not None else ready * self.micro_batch_size * self.data_parallel_size
+            )
+            if not self.may_change(position, new[0]):  # position: samples consumed this epoch, all ranks
                 return
             self._pad_epoch_to(trainer, new[2])
         self._apply_change(trainer, new)
@@ -288,12 +289,12 @@ class BatchWarmup(WarmupCore, Callback):
         """Train at ``new`` from the next optimizer step on: move the optimizers' settings (or, for the guard's
         revert, put back those of before the increase), record the change, tell the guard, resize, say so."""
         guarded, counts, target = self._guarded, self._counts, new[0]
-        if guarded is not None and guarded.reverts_to(target):
+        if guarded is not None and guarded.guard.revert_to == target:
             revert = guarded.revert(trainer, self.schedule, self.lr_rule, self.consumed, self._batch, target)
             lr_change, clip_change, restore = revert
             factors, cause = (restore.lr_factor, restore.clip_factor), "guard"
         else:
-            settings_before = guarded.settings_before(trainer) if guarded is not None else None
+            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
             lr_change, clip_change = self.scale(trainer.optimizers, schedulers, target, warn=_warn)
             if guarded is not None:  # it watches an increase, keeping what a revert of it puts back
@@ -316,15 +317,6 @@ class BatchWarmup(WarmupCore, Callback):
         )
 
     # ------------------------------------------------------------------ logging
-    def _log_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Show the tokens (samples for data without tokens) in the progress bar, and write the row of the
-        optimizer step just taken to the loggers on a logging step (before any change: the row is that step's)."""
-        counts = self._counts
-        if trainer.progress_bar_callback is not None:
-            name, value = ("tokens", counts.tokens_seen) if counts.seq_len else ("samples", counts.samples_seen)
-            pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
-        log_to_loggers(trainer, self._step_row)
-
     def _step_row(self, trainer: pl.Trainer) -> dict[str, float]:
         """The row of the optimizer step just taken: the batch, accumulation and LR it trained with (an epoch's
         short last step: the samples and micro-batches it had), and the counts including it."""
@@ -356,17 +348,14 @@ class BatchWarmup(WarmupCore, Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "guard": self.guard.state_dict() if self.guard is not None else None,
-            "step_loss": self._guarded.step_loss() if self._guarded is not None else [0.0, 0],
-        }
+        guarded = self._guarded.state_dict() if self._guarded is not None else {"guard": None, "step_loss": [0.0, 0]}
+        return {**super().state_dict(), **guarded}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = True
         super().load_state_dict(state_dict)
-        if self._guarded is not None and state_dict["guard"] is not None:
-            self._guarded.load(state_dict["guard"], state_dict["step_loss"])
+        if self._guarded is not None:
+            self._guarded.load_state_dict(state_dict)
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self.accounting is not None:
             self._apply_batch()

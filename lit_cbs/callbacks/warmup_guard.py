@@ -13,8 +13,8 @@ from lit_cbs import metrics
 from lit_cbs.callbacks.accounting import mean_over_ranks, micro_batch_loss, resizable_train_loader
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.rules.batch_schedules import BatchSchedule
-from lit_cbs.rules.guard import BatchGuard, GuardVerdict, RevertRestore
-from lit_cbs.rules.scaling import LRRule, optimizer_settings, restore_settings, scale_learning_rate
+from lit_cbs.rules.guard import BatchGuard, RevertRestore
+from lit_cbs.rules.scaling import LRRule, restore_settings, scale_learning_rate
 
 __all__: list[str] = []  # internal
 
@@ -35,13 +35,14 @@ class WarmupGuard:
         self.loss_sum = self.loss_sum + loss
         self.micro_batches += 1
 
-    def step_loss(self) -> list[float | int]:
-        """For the checkpoint: [sum of the step under way's micro-batch losses (nats), their count]."""
-        return [float(self.loss_sum), self.micro_batches]
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's, and the step under way's [sum of micro-batch losses (nats), their count]."""
+        return {"guard": self.guard.state_dict(), "step_loss": [float(self.loss_sum), self.micro_batches]}
 
-    def load(self, guard_state: dict[str, Any], step_loss: list[Any]) -> None:
-        self.guard.load_state_dict(guard_state)
-        self.loss_sum, self.micro_batches = step_loss
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["guard"] is not None:
+            self.guard.load_state_dict(state_dict["guard"])
+            self.loss_sum, self.micro_batches = state_dict["step_loss"]
 
     def end_step(self, trainer: pl.Trainer, consumed: int, unit: str, data_parallel_size: int) -> None:
         """Give the guard the step's loss at ``consumed`` (``unit``: the schedule's) and let it judge."""
@@ -52,31 +53,21 @@ class WarmupGuard:
             assert loader.last_round_samples is not None  # the step's micro-batches came from it
             if loader.last_round_samples < data_parallel_size:
                 return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
-        if micro_batches:
-            self.guard.record(consumed, float(loss_sum) / micro_batches)
-            verdict = self.guard.judge(consumed, lambda values: mean_over_ranks(trainer, values))
-            if verdict is not None:
-                self._report(trainer, verdict, unit)
-
-    @staticmethod
-    def _report(trainer: pl.Trainer, verdict: GuardVerdict, unit: str) -> None:
-        outcome = (
-            f"reverting to {verdict.old_global_batch}" if verdict.reverted else f"keeping {verdict.new_global_batch}"
-        )
+        if not micro_batches:
+            return
+        self.guard.record(consumed, float(loss_sum) / micro_batches)
+        verdict = self.guard.judge(consumed, lambda values: mean_over_ranks(trainer, values))
+        if verdict is None:
+            return
+        v, kept = verdict, f"keeping {verdict.new_global_batch}"
         rank_zero_info(
-            f"BatchWarmup guard: over the {verdict.decided_at - verdict.consumed_at_change:,} {unit} after "
-            f"{verdict.old_global_batch} -> {verdict.new_global_batch} at {verdict.consumed_at_change:,} {unit}, the "
-            f"training loss was {verdict.rise:+.4f} nats from its trend ({verdict.watch_steps} steps; threshold "
-            f"{verdict.threshold:.4f}, loss noise {verdict.residual_std:.4f} over {verdict.fit_steps} steps before); "
-            f"{outcome} samples"
+            f"BatchWarmup guard: over the {v.decided_at - v.consumed_at_change:,} {unit} after {v.old_global_batch} "
+            f"-> {v.new_global_batch} at {v.consumed_at_change:,} {unit}, the training loss was {v.rise:+.4f} nats "
+            f"from its trend ({v.watch_steps} steps; threshold {v.threshold:.4f}, loss noise {v.residual_std:.4f} "
+            f"over {v.fit_steps} steps before); {f'reverting to {v.old_global_batch}' if v.reverted else kept} samples"
         )
         logged = {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold}
         log_to_loggers(trainer, lambda _: logged, every_step=True)
-
-    @staticmethod
-    def settings_before(trainer: pl.Trainer) -> list[list[dict[str, Any]]]:
-        """Every optimizer's settings per param group, before a change moves them."""
-        return [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
 
     def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
         """The guard watches an increase ``old`` -> ``new`` (samples); a decrease ends the watch it falls in."""
@@ -87,9 +78,6 @@ class WarmupGuard:
                 f"BatchWarmup guard: {old} -> {new} is not judged: fewer than "
                 f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
             )
-
-    def reverts_to(self, target: int) -> bool:
-        return self.guard.revert_to == target
 
     def revert(
         self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
