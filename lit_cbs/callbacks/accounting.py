@@ -15,9 +15,8 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
 from lit_cbs._internals import given_train_loader, should_accumulate, tree_leaves
-from lit_cbs.callbacks.gradient_sync import GradientSync
 from lit_cbs.callbacks.module_state import side_effects_undone
-from lit_cbs.callbacks.step_tokens import StepTokens
+from lit_cbs.callbacks.step_hooks import GradientSync, StepTokens
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
@@ -199,9 +198,7 @@ class BatchAccounting(Callback):
     @property
     def fit_seconds(self) -> float:
         """Wall seconds of training since this fit began (validation, probes included), plus a checkpoint's."""
-        return self._seconds_before_fit + (
-            time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
-        )
+        return self._seconds_before_fit + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
 
     @property
     def budget_reached(self) -> bool:
@@ -293,18 +290,12 @@ class BatchAccounting(Callback):
         self.branch_seconds = 0.0
         self._fit_start = time.perf_counter()
         self.tokens_at_fit_start, self.samples_at_fit_start = self.tokens_seen, self.samples_seen
-        self._token_schedulers = [
-            config.scheduler
-            for config in trainer.lr_scheduler_configs
-            if isinstance(config.scheduler, TokenLRScheduler)
-        ]
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self._token_schedulers = [scheduler for scheduler in schedulers if isinstance(scheduler, TokenLRScheduler)]
         datamodule = getattr(trainer, "datamodule", None)
-        if self.seq_len is None and datamodule is not None:
-            for name in ("tokens_per_sample", "seq_len"):
-                value = getattr(datamodule, name, None)
-                if is_positive_int(value):
-                    self.seq_len = value
-                    break
+        if self.seq_len is None:  # the datamodule's tokens_per_sample, else its seq_len
+            found = (getattr(datamodule, name, None) for name in ("tokens_per_sample", "seq_len"))
+            self.seq_len = next((value for value in found if is_positive_int(value)), None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was restored.

@@ -9,24 +9,33 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
 
 from lit_cbs import metrics
 from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
-from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_owner, resizable_train_loader
+from lit_cbs.callbacks.accounting import (
+    BatchAccounting,
+    mean_over_ranks,
+    micro_batch_loss,
+    micro_batch_owner,
+    resizable_train_loader,
+)
 from lit_cbs.callbacks.logs import log_to_loggers
-from lit_cbs.callbacks.warmup_guard import WarmupGuard
 from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule
 from lit_cbs.rules.guard import BatchGuard, RevertRestore
-from lit_cbs.rules.scaling import BETA2_FLOOR, LRRule, ScalingRule, optimizer_settings
+from lit_cbs.rules.scaling import (
+    BETA2_FLOOR,
+    LRRule,
+    ScalingRule,
+    optimizer_settings,
+    restore_settings,
+    scale_learning_rate,
+)
 from lit_cbs.rules.warmup_core import Batch, WarmupCore
 
 __all__ = ["BatchWarmup"]
-
-
-def _warn(why: str) -> None:
-    rank_zero_warn(f"BatchWarmup: {why}")
 
 
 class BatchWarmup(WarmupCore, Callback):
@@ -82,7 +91,7 @@ class BatchWarmup(WarmupCore, Callback):
     ):
         super().__init__(schedule, lr_rule, max_micro_batch_size, clip_rule, weight_decay_rule, beta2_rule, beta2_floor)
         self.guard = BatchGuard.from_setting(guard)
-        self._guarded = WarmupGuard(self.guard) if self.guard is not None else None
+        self._guarded = _WarmupGuard(self.guard) if self.guard is not None else None
         # The accounting's settings, taken on its behalf and handed to it in setup.
         self.seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
         self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
@@ -296,7 +305,9 @@ class BatchWarmup(WarmupCore, Callback):
         else:
             settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-            lr_change, clip_change = self.scale(trainer.optimizers, schedulers, target, warn=_warn)
+            lr_change, clip_change = self.scale(
+                trainer.optimizers, schedulers, target, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}")
+            )
             if guarded is not None:  # it watches an increase, keeping what a revert of it puts back
                 restore = RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before)
                 guarded.scheduled_change(len(self.history), self.consumed, self._batch, target, restore)
@@ -364,3 +375,81 @@ class BatchWarmup(WarmupCore, Callback):
 def _no_step_follows(trainer: pl.Trainer) -> bool:
     """True after the run's final optimizer step: a change there would be recorded and checkpointed unused."""
     return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
+
+
+class _WarmupGuard:
+    """BatchWarmup's side of its guard: feeds ``guard`` each optimizer step's loss and carries out its reverts."""
+
+    def __init__(self, guard: BatchGuard):
+        self.guard = guard
+        # This step's micro-batch losses so far: their sum (on the loss's device: no host sync) and count.
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.micro_batches = 0
+
+    def add_micro_batch(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
+        loss = micro_batch_loss(trainer, outputs)
+        if loss is None or extract_batch_size(batch) == 0:
+            return  # training_step returned None (Lightning skipped it), or a micro-batch of no sample
+        self.loss_sum = self.loss_sum + loss
+        self.micro_batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's, and the step under way's [sum of micro-batch losses (nats), their count]."""
+        return {"guard": self.guard.state_dict(), "step_loss": [float(self.loss_sum), self.micro_batches]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["guard"] is not None:
+            self.guard.load_state_dict(state_dict["guard"])
+            self.loss_sum, self.micro_batches = state_dict["step_loss"]
+
+    def end_step(self, trainer: pl.Trainer, consumed: int, unit: str, data_parallel_size: int) -> None:
+        """Give the guard the step's loss at ``consumed`` (``unit``: the schedule's) and let it judge."""
+        loss_sum, micro_batches = self.loss_sum, self.micro_batches
+        self.loss_sum, self.micro_batches = 0.0, 0
+        loader = resizable_train_loader(trainer)
+        if loader is not None:
+            assert loader.last_round_samples is not None  # the step's micro-batches came from it
+            if loader.last_round_samples < data_parallel_size:
+                return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
+        if not micro_batches:
+            return
+        self.guard.record(consumed, float(loss_sum) / micro_batches)
+        verdict = self.guard.judge(consumed, lambda values: mean_over_ranks(trainer, values))
+        if verdict is None:
+            return
+        v, kept = verdict, f"keeping {verdict.new_global_batch}"
+        rank_zero_info(
+            f"BatchWarmup guard: over the {v.decided_at - v.consumed_at_change:,} {unit} after {v.old_global_batch} "
+            f"-> {v.new_global_batch} at {v.consumed_at_change:,} {unit}, the training loss was {v.rise:+.4f} nats "
+            f"from its trend ({v.watch_steps} steps; threshold {v.threshold:.4f}, loss noise {v.residual_std:.4f} "
+            f"over {v.fit_steps} steps before); {f'reverting to {v.old_global_batch}' if v.reverted else kept} samples"
+        )
+        logged = {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold}
+        log_to_loggers(trainer, lambda _: logged, every_step=True)
+
+    def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
+        """The guard watches an increase ``old`` -> ``new`` (samples); a decrease ends the watch it falls in."""
+        if new < old and self.guard.watching:
+            self.guard.forget_watch()
+        elif new > old and not self.guard.watch(index, consumed, old, new, restore):
+            rank_zero_info(
+                f"BatchWarmup guard: {old} -> {new} is not judged: fewer than "
+                f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
+            )
+
+    def revert(
+        self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
+    ) -> tuple[float, float, RevertRestore]:
+        """Carry out the revert ``old`` -> ``new`` (samples): the optimizers' LR and settings of before the increase,
+        ``schedule`` withdraws its batches above ``new``. Return the revert's LR and clipping factors, the restore."""
+        restore = self.guard.mark_reverted(consumed)
+        lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for index, optimizer in enumerate(trainer.optimizers):
+            scale_learning_rate(optimizer, schedulers, lr_change)
+            if restore.optimizer_settings is not None:
+                restore_settings(optimizer, restore.optimizer_settings[index])
+            else:  # a watch from a checkpoint of the first guards kept no settings: undo adam_sde by the inverse ratio
+                lr_rule.adjust_optimizer(optimizer, new / old)
+        schedule.withdraw_above(new)
+        return lr_change, clip_change, restore
