@@ -130,15 +130,13 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's, saying in one line that a run resumed into another folder saves there (not its warning)."""
         before = state_dict.get("dirpath", self.dirpath)
-        if before == self.dirpath:
-            super().load_state_dict(state_dict)
-            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The dirpath has changed")
             super().load_state_dict(state_dict)
-        rank_zero_info(
-            f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}"
-        )
+        if before != self.dirpath:
+            rank_zero_info(
+                f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}"
+            )
 
     # ------------------------------------------------------------------ saving
     def on_train_batch_end(

@@ -119,8 +119,7 @@ def check_optimizer_rules(trainer: pl.Trainer, warmup: WarmupCore, consumed: int
 
 def check_loader_regroups(trainer: pl.Trainer, before: int, ranks: int) -> GlobalOrderLoader:
     """The ``GlobalOrderLoader`` of a run resumed on ``ranks`` ranks from ``before``; another would skip or repeat."""
-    loader = resizable_train_loader(trainer)
-    if loader is None:
+    if (loader := resizable_train_loader(trainer)) is None:
         raise LitCBSConfigError(
             f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
             f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
