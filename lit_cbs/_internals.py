@@ -1,5 +1,6 @@
 """Every private Lightning, torch, torchmetrics and Hydra attribute lit_cbs uses, behind one named function or
-listed under the module that reads it; tests/test_internals.py resolves every path in ``PRIVATE_ATTRIBUTES`` against the installed versions."""
+listed under the one module that reads it; tests/test_internals.py resolves every path in ``PRIVATE_ATTRIBUTES``
+against the installed versions."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.strategies import Strategy
 
-# What each function (or module) reaches, as dotted paths from a module or a live object (trainer., model_checkpoint., ...).
+# What each function (or module) reaches: dotted paths from a module or a live object (trainer., metric., ...).
 PRIVATE_ATTRIBUTES = {
     "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
     "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),

@@ -85,8 +85,7 @@ def test_private_attribute_still_exists(function, live_objects):
             resolve(path, roots)
         except (AttributeError, ModuleNotFoundError) as error:
             pytest.fail(
-                f"{where} reaches {path}, which is gone in {VERSIONS} ({error}); "
-                f"find where it moved and change {where}"
+                f"{where} reaches {path}, which is gone in {VERSIONS} ({error}); find where it moved and change {where}"
             )
 
 
