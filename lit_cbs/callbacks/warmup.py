@@ -151,7 +151,7 @@ class BatchWarmup(WarmupCore, Callback):
         trainer.accumulate_grad_batches = self.accumulate
         if self.clip_rule is not None:
             base = self._base_gradient_clip_val
-            assert base is not None  # check_clip_rule refuses a clip_rule without gradient_clip_val
+            assert base is not None  # check_trainer refuses a clip_rule without gradient_clip_val
             trainer.gradient_clip_val = base * self.clip_factor
         accounting.set_micro_batch_size(self.micro_batch_size)
 
@@ -349,7 +349,7 @@ class BatchWarmup(WarmupCore, Callback):
             row[metrics.LR] = self._step_lr
         row.update(self._step_settings)
         if self.clip_rule is not None:
-            assert trainer.gradient_clip_val is not None  # check_clip_rule refuses a clip_rule without one
+            assert trainer.gradient_clip_val is not None  # check_trainer refuses a clip_rule without one
             row[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
         if self.guard is not None:
             row[metrics.GUARD_REVERTS] = float(self.guard.reverts)
