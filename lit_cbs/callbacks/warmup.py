@@ -1,4 +1,4 @@
-"""``BatchWarmup``: the Lightning adapter of ``lit_cbs.rules.warmup_core.WarmupCore``."""
+"""``BatchWarmup``: the Lightning adapter of ``lit_cbs.rules.warmup_core.WarmupCore``, and its guard's side."""
 
 from __future__ import annotations
 
@@ -303,7 +303,7 @@ class BatchWarmup(WarmupCore, Callback):
             lr_change, clip_change, restore = revert
             factors, cause = (restore.lr_factor, restore.clip_factor), "guard"
         else:
-            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers]
+            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers] if guarded else None
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
             lr_change, clip_change = self.scale(
                 trainer.optimizers, schedulers, target, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}")
