@@ -1,5 +1,6 @@
-"""Every private Lightning, torch, torchmetrics and Hydra attribute lit_cbs uses, each behind one named function;
-tests/test_internals.py resolves every path in ``PRIVATE_ATTRIBUTES`` against the installed versions."""
+"""Every private Lightning, torch, torchmetrics and Hydra attribute lit_cbs uses, behind one named function or
+listed under the one module that reads it; tests/test_internals.py resolves every path in ``PRIVATE_ATTRIBUTES``
+against the installed versions."""
 
 from __future__ import annotations
 
@@ -13,30 +14,14 @@ from torch.utils._pytree import tree_map as tree_map
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import Strategy
-    from torchmetrics import Metric
 
-# What each function reaches, as dotted paths from a module or a live object (trainer., model_checkpoint., ...).
+# What each function (or module) reaches: dotted paths from a module or a live object (trainer., metric., ...).
 PRIVATE_ATTRIBUTES = {
     "should_accumulate": ("trainer.fit_loop.epoch_loop._should_accumulate",),
     "logging_step": ("trainer.fit_loop.epoch_loop._batches_that_stepped",),
-    "logs_this_step": ("trainer._logger_connector.should_update_logs",),
-    "set_train_epoch_length": (
-        "trainer.fit_loop.max_batches",
-        "trainer.fit_loop._combined_loader",
-        "trainer.fit_loop._data_fetcher",
-        "trainer.fit_loop.epoch_loop.batch_progress",
-    ),
-    "shift_epoch_micro_batches": ("trainer.fit_loop.epoch_loop.batch_progress", "trainer.fit_loop._data_fetcher"),
     "set_validation_due": ("trainer.val_check_batch", "trainer.fit_loop.epoch_loop.total_batch_idx"),
     "given_train_loader": ("trainer.fit_loop._data_source",),
-    "last_saved_step": ("model_checkpoint._last_global_step_saved",),
-    "set_last_saved_step": ("model_checkpoint._last_global_step_saved",),
-    "checkpoint_triggers": ("model_checkpoint._train_time_interval", "model_checkpoint._every_n_epochs"),
-    "checkpoint_every_n_train_steps": ("model_checkpoint._every_n_train_steps",),
-    "cluster_environment": ("trainer._accelerator_connector.cluster_environment",),
-    "hpc_checkpoint_path": ("trainer._checkpoint_connector._hpc_resume_path",),
     "collect_rng_states": ("lightning.fabric.utilities.seed._collect_rng_states",),
     "set_rng_states": ("lightning.fabric.utilities.seed._set_rng_states",),
     "block_ddp_gradient_sync": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
@@ -45,8 +30,6 @@ PRIVATE_ATTRIBUTES = {
         "lightning.pytorch.trainer.connectors.data_connector._request_dataloader",
     ),
     "prepare_val_dataloader": ("lightning.pytorch.trainer.connectors.data_connector._process_dataloader",),
-    "metric_update_count": ("metric._update_count",),
-    "set_metric_update_count": ("metric._update_count", "metric._computed"),
     "inner_schedulers": ("sequential_lr._schedulers",),
     "scale_last_lr": ("lr_scheduler._last_lr",),
     "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",),
@@ -56,9 +39,26 @@ PRIVATE_ATTRIBUTES = {
     "foreach_copy_": ("torch._foreach_copy_",),
     "foreach_norm": ("torch._foreach_norm",),
     "hydra_command_line": ("hydra._internal.utils.get_args_parser",),
+    # Read in place by the one module that needs each (a subclass's own attributes, or one line).
+    "lit_cbs.callbacks.accounting": (
+        "trainer.fit_loop.max_batches",
+        "trainer.fit_loop._combined_loader",
+        "trainer.fit_loop._data_fetcher",
+        "trainer.fit_loop.epoch_loop.batch_progress",
+    ),
+    "lit_cbs.callbacks.warmup": ("trainer.fit_loop.epoch_loop.batch_progress", "trainer.fit_loop._data_fetcher"),
+    "lit_cbs.callbacks.logs": ("trainer._logger_connector.should_update_logs",),
+    "lit_cbs.callbacks.module_state": ("metric._update_count", "metric._computed"),
+    "lit_cbs.callbacks.warmup_checks": ("model_checkpoint._train_time_interval", "model_checkpoint._every_n_epochs"),
+    "lit_cbs.callbacks.checkpoint": (
+        "model_checkpoint._last_global_step_saved",
+        "model_checkpoint._every_n_train_steps",
+        "trainer._accelerator_connector.cluster_environment",
+        "trainer._checkpoint_connector._hpc_resume_path",
+    ),
 }
 
-__all__ = [*PRIVATE_ATTRIBUTES, "PRIVATE_ATTRIBUTES"]
+__all__ = [*(name for name in PRIVATE_ATTRIBUTES if "." not in name), "PRIVATE_ATTRIBUTES"]
 
 foreach_sub_ = torch._foreach_sub_
 foreach_copy_ = torch._foreach_copy_
@@ -75,41 +75,11 @@ def logging_step(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-def logs_this_step(trainer: pl.Trainer) -> bool:
-    """Whether Lightning writes logs at this step (``log_every_n_steps``)."""
-    return trainer._logger_connector.should_update_logs
-
-
-def set_train_epoch_length(trainer: pl.Trainer, micro_batches: int) -> None:
-    """Tell the fit loop, which reads the length once per epoch into three places, that this epoch has
-    ``micro_batches`` micro-batches after all."""
-    trainer.fit_loop.max_batches = micro_batches
-    combined_loader = trainer.fit_loop._combined_loader
-    if combined_loader is not None and combined_loader.limits is not None:
-        # The running iterator shares the list.
-        combined_loader.limits[:] = [micro_batches] * len(combined_loader.limits)
-    fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is not None and fetcher.length is not None:
-        fetcher.length = micro_batches
-        if fetcher.fetched >= micro_batches > 0:  # the micro-batch just fetched is the epoch's last after all
-            fetcher.done = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = True
-
-
 def set_validation_due(trainer: pl.Trainer, due: bool) -> None:
     """Make the fit loop validate after this micro-batch, or not (through ``val_check_batch``)."""
     loop = trainer.fit_loop.epoch_loop
     count = (loop.total_batch_idx if trainer.check_val_every_n_epoch is None else loop.batch_idx) + 1
     trainer.val_check_batch = count if due else count + 1
-
-
-def shift_epoch_micro_batches(trainer: pl.Trainer, delta: int) -> None:
-    """Add ``delta`` to the fit loop's micro-batch counts, so a step boundary falls where the accumulation says."""
-    progress = trainer.fit_loop.epoch_loop.batch_progress
-    fetcher = trainer.fit_loop._data_fetcher
-    # Before the epoch loop starts (a resumed run's on_train_start) the fetcher's count is 0; the loop adds it then.
-    if fetcher is not None and fetcher.fetched == progress.current.ready:
-        fetcher.fetched += delta
-    progress.increment_by(delta, is_last_batch=progress.is_last_batch)
 
 
 def given_train_loader(trainer: pl.Trainer) -> Any:
@@ -143,36 +113,6 @@ def block_ddp_gradient_sync(strategy: Strategy, block: bool) -> AbstractContextM
     return _block_parallel_sync_behavior(strategy, block=block)
 
 
-def last_saved_step(checkpoint: ModelCheckpoint) -> int:
-    """The optimizer step a ``ModelCheckpoint`` last saved at (0: none yet)."""
-    return checkpoint._last_global_step_saved
-
-
-def set_last_saved_step(checkpoint: ModelCheckpoint, step: int) -> None:
-    """Tell a ``ModelCheckpoint`` that ``step`` is saved."""
-    checkpoint._last_global_step_saved = step
-
-
-def checkpoint_triggers(checkpoint: ModelCheckpoint) -> tuple[Any, int]:
-    """A ``ModelCheckpoint``'s resolved ``train_time_interval`` (None if unset) and ``every_n_epochs``."""
-    return checkpoint._train_time_interval, checkpoint._every_n_epochs
-
-
-def checkpoint_every_n_train_steps(checkpoint: ModelCheckpoint) -> int:
-    """A ``ModelCheckpoint``'s resolved ``every_n_train_steps`` (0: not by steps)."""
-    return checkpoint._every_n_train_steps
-
-
-def cluster_environment(trainer: pl.Trainer) -> Any:
-    """The cluster environment Lightning detected (``SLURMEnvironment`` on a SLURM job, ...)."""
-    return trainer._accelerator_connector.cluster_environment
-
-
-def hpc_checkpoint_path(trainer: pl.Trainer) -> str | None:
-    """The newest ``hpc_ckpt_<n>.ckpt`` in the default root dir (saved on SLURM's requeue signal), or None."""
-    return trainer._checkpoint_connector._hpc_resume_path
-
-
 def collect_rng_states(include_cuda: bool) -> dict[str, Any]:
     """The torch, numpy and Python RNG states (and CUDA's), as Lightning checkpoints them."""
     from lightning.fabric.utilities.seed import _collect_rng_states
@@ -185,17 +125,6 @@ def set_rng_states(states: dict[str, Any]) -> None:
     from lightning.fabric.utilities.seed import _set_rng_states
 
     _set_rng_states(states)
-
-
-def metric_update_count(metric: Metric) -> int:
-    """How many times a torchmetrics ``Metric`` was updated since its last reset."""
-    return metric._update_count
-
-
-def set_metric_update_count(metric: Metric, count: int) -> None:
-    """Set a ``Metric``'s update count after its states were restored, and drop its cached result."""
-    metric._update_count = count
-    metric._computed = None
 
 
 def inner_schedulers(scheduler: Any) -> list[Any]:

@@ -24,8 +24,7 @@ class LitCBSConfigWarning(UserWarning):
     setting and the fix."""
 
 
-def is_positive_int(value: Any) -> bool:
-    """True for an int >= 1 (a bool is not an int here)."""
+def is_positive_int(value: Any) -> bool:  # a bool is not an int here
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
@@ -87,16 +86,15 @@ def require_automatic_optimization(pl_module: Any, who: str, because: str) -> No
         else:
             del pl_module.configure_optimizers
         configured = configure()
-        optimizers = {id(leaf): leaf for leaf in tree_leaves(configured) if isinstance(leaf, torch.optim.Optimizer)}
-        if pl_module.automatic_optimization and len(optimizers) > 1:
-            names = ", ".join(type(optimizer).__name__ for optimizer in optimizers.values())
+        names = {id(o): type(o).__name__ for o in tree_leaves(configured) if isinstance(o, torch.optim.Optimizer)}
+        if pl_module.automatic_optimization and len(names) > 1:
             raise LitCBSConfigError(
-                f"configure_optimizers returned {len(optimizers)} optimizers ({names}), but {who} trains under "
-                "Lightning's automatic optimization, which steps one: give every parameter to one optimizer, a param "
-                "group per setting (AdamW([{'params': decay, 'weight_decay': 0.1}, {'params': no_decay, "
-                "'weight_decay': 0.0}])), whose groups lit_cbs's rules move alike"
+                f"configure_optimizers returned {len(names)} optimizers ({', '.join(names.values())}), but {who} "
+                "trains under Lightning's automatic optimization, which steps one: give every parameter to one "
+                "optimizer, a param group per setting (AdamW([{'params': decay, 'weight_decay': 0.1}, {'params': "
+                "no_decay, 'weight_decay': 0.0}])), whose groups lit_cbs's rules move alike"
             )
         return configured
 
-    vars(configure_one_optimizer)["lit_cbs_counts_optimizers"] = True  # the mark the getattr above reads
+    configure_one_optimizer.lit_cbs_counts_optimizers = True  # type: ignore[attr-defined]  # read above
     pl_module.configure_optimizers = configure_one_optimizer

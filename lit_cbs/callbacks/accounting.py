@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,10 +14,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.utils.data import DataLoader
 
-from lit_cbs._internals import given_train_loader, set_train_epoch_length, should_accumulate, tree_leaves
-from lit_cbs.callbacks.gradient_sync import GradientSync
+from lit_cbs._internals import given_train_loader, should_accumulate, tree_leaves
 from lit_cbs.callbacks.module_state import side_effects_undone
-from lit_cbs.callbacks.step_tokens import StepTokens
+from lit_cbs.callbacks.step_hooks import GradientSync, StepTokens
 from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, is_positive_int, positive_int
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
@@ -32,12 +30,6 @@ def trainer_callbacks(trainer: pl.Trainer) -> list[Callback]:
     return callbacks
 
 
-def data_parallel_size(trainer: pl.Trainer) -> int:
-    """Ranks that each read their own micro-batches (tensor-parallel ranks share one)."""
-    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
-    return int(kwargs["num_replicas"]) if kwargs else 1
-
-
 def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
     """``values`` averaged over all ranks, so a decision taken from them is the same on every rank."""
     tensor = torch.tensor(values, dtype=torch.float64, device=trainer.strategy.root_device)
@@ -46,18 +38,14 @@ def mean_over_ranks(trainer: pl.Trainer, values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def token_ids(batch: Any) -> torch.Tensor | None:
-    """The token ids of a batch: its first 2-D integer tensor ([samples, tokens]), else None."""
-    for leaf in tree_leaves(batch):
-        # Only integer tensors count: a float [batch, features] tensor has no tokens.
-        integer = isinstance(leaf, torch.Tensor) and not (leaf.is_floating_point() or leaf.is_complex())
-        if integer and isinstance(leaf, torch.Tensor) and leaf.ndim == 2 and leaf.dtype != torch.bool:
-            return leaf
-    return None
-
-
-def _say_inferred_seq_len(ids: torch.Tensor) -> None:
-    """Say the tokens per sample read off ``ids``; warn at a width of T + 1 (T a power of two: inputs and targets)."""
+def _infer_seq_len(batch: Any) -> int | None:
+    """The tokens per sample: the width of the batch's first 2-D integer tensor ([samples, tokens]; a float
+    [batch, features] tensor has no tokens), said; a warning at a width of T + 1 (T a power of two: inputs and
+    targets). None for a batch without one."""
+    leaves = [leaf for leaf in tree_leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.ndim == 2]
+    ids = next((x for x in leaves if not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)), None)
+    if ids is None:
+        return None
     width, inputs = ids.shape[1], ids.shape[1] - 1
     dtype = str(ids.dtype).removeprefix("torch.")
     found = f"the width of the batch's first 2-D integer tensor ({dtype} {list(ids.shape)})"
@@ -72,6 +60,7 @@ def _say_inferred_seq_len(ids: torch.Tensor) -> None:
             f"BatchAccounting: {width} tokens per sample, {found}; give seq_len=... (to BatchAccounting or "
             "BatchWarmup) if a sample trains on fewer"
         )
+    return width
 
 
 def resizable_train_loader(trainer: pl.Trainer) -> GlobalOrderLoader | None:
@@ -95,60 +84,29 @@ def micro_batch_loss(trainer: pl.Trainer, outputs: Any) -> torch.Tensor | None:
     return loss_of(outputs).detach() * trainer.accumulate_grad_batches
 
 
-@dataclasses.dataclass(frozen=True)
-class MicroBatchSetting:
-    """Where the micro-batch size lives: a ``batch_size`` of the datamodule, the module, its hparams or a loader."""
-
-    owner: Any
-
-    @classmethod
-    def find(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting | None:
-        datamodule = getattr(trainer, "datamodule", None)
-        if datamodule is not None and hasattr(datamodule, "batch_size"):
-            return cls(datamodule)
-        if hasattr(pl_module, "batch_size"):
-            return cls(pl_module)
-        if "batch_size" in getattr(pl_module, "hparams", {}):
-            return cls(pl_module.hparams)
-        loader = given_train_loader(trainer)
-        return cls(loader) if isinstance(getattr(loader, "batch_size", None), int) else None
-
-    @classmethod
-    def required(cls, trainer: pl.Trainer, pl_module: pl.LightningModule) -> MicroBatchSetting:
-        setting = cls.find(trainer, pl_module)
-        if setting is None:
-            raise LitCBSConfigError(
-                "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
-                "`batch_size` attribute that its train_dataloader uses, or pass a loader with a batch_size "
-                "(trainer.fit(train_dataloaders=...))"
-            )
-        return setting
-
-    def get(self) -> Any:
-        return self.owner["batch_size"] if isinstance(self.owner, dict) else self.owner.batch_size
-
-    def set(self, value: int) -> None:
-        if isinstance(self.owner, dict):  # the module's hparams
-            self.owner["batch_size"] = value
-        elif isinstance(self.owner, DataLoader):  # given to trainer.fit: its batch_size is fixed when it is built
-            if value != self.owner.batch_size:
-                raise LitCBSConfigError(
-                    f"BatchWarmup needs micro-batch {value}, but the train loader given to "
-                    f"trainer.fit(train_dataloaders=...) was built with batch_size={self.owner.batch_size}, "
-                    "which a DataLoader cannot change: pass a "
-                    "lit_cbs.GlobalOrderLoader (resized between steps), or a datamodule whose `batch_size` its "
-                    "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
-                )
-        else:
-            self.owner.batch_size = value
+def micro_batch_owner(trainer: pl.Trainer, pl_module: pl.LightningModule, required: bool = True) -> Any:
+    """What holds the micro-batch size as ``batch_size``: the datamodule, the module, its hparams or a loader given
+    to ``trainer.fit``; None (or, if ``required``, LitCBSConfigError) if none does."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if datamodule is not None and hasattr(datamodule, "batch_size"):
+        return datamodule
+    if hasattr(pl_module, "batch_size"):
+        return pl_module
+    if "batch_size" in getattr(pl_module, "hparams", {}):
+        return pl_module.hparams  # an AttributeDict: its items are attributes too
+    loader = given_train_loader(trainer)
+    if isinstance(getattr(loader, "batch_size", None), int):
+        return loader
+    if required:
+        raise LitCBSConfigError(
+            "BatchWarmup needs the micro-batch size: give the datamodule (or the LightningModule) a "
+            "`batch_size` attribute that its train_dataloader uses, or pass a loader with a batch_size "
+            "(trainer.fit(train_dataloaders=...))"
+        )
+    return None
 
 
-def _checked_settings(seq_len: int | None = None, max_tokens: int | None = None) -> dict[str, int | None]:
-    """The two settings by name, once each is None or a positive int, else LitCBSConfigError."""
-    return {
-        "seq_len": positive_int("seq_len", seq_len, "tokens per sample", optional=True),
-        "max_tokens": positive_int("max_tokens", max_tokens, "tokens", optional=True),
-    }
+_UNITS = {"seq_len": "tokens per sample", "max_tokens": "tokens"}  # of the settings a callback may take on its behalf
 
 
 class BatchAccounting(Callback):
@@ -176,10 +134,9 @@ class BatchAccounting(Callback):
     """
 
     def __init__(self, seq_len: int | None = None, max_tokens: int | None = None):
-        settings = _checked_settings(seq_len=seq_len, max_tokens=max_tokens)
-        self.seq_len, self.max_tokens = settings["seq_len"], settings["max_tokens"]
-        self.samples_seen = 0
-        self.tokens_seen = 0
+        self.seq_len = positive_int("seq_len", seq_len, _UNITS["seq_len"], optional=True)
+        self.max_tokens = positive_int("max_tokens", max_tokens, _UNITS["max_tokens"], optional=True)
+        self.samples_seen = self.tokens_seen = 0
         self.trainer: pl.Trainer | None = None  # whose fit this counts, from its setup on
         self.micro_batch_size: int | None = None  # samples per micro-batch and rank (None: not known yet)
         self._micro_batch_set = False  # a BatchWarmup sets it: the loader must then yield exactly that
@@ -192,8 +149,7 @@ class BatchAccounting(Callback):
         self.branch_seconds = 0.0
         self._fit_start: float | None = None
         self._seconds_before_fit = 0.0  # fit_seconds of the checkpoint resumed from
-        self.tokens_at_fit_start = 0
-        self.samples_at_fit_start = 0
+        self.tokens_at_fit_start = self.samples_at_fit_start = 0
         self.checkpoint_data_parallel_size: int | None = None
         self.step_tokens = StepTokens(self)
 
@@ -210,8 +166,8 @@ class BatchAccounting(Callback):
             accounting._lead(trainer)
         if accounting.trainer is not trainer and trainer.lightning_module is not None:
             accounting.setup(trainer, trainer.lightning_module, "fit")
-        for name, value in _checked_settings(**settings).items():
-            if value is None:
+        for name, value in settings.items():
+            if positive_int(name, value, _UNITS[name], optional=True) is None:
                 continue
             if getattr(accounting, name) not in (None, value):
                 raise LitCBSConfigError(
@@ -228,8 +184,9 @@ class BatchAccounting(Callback):
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that read their own micro-batches (1 before setup)."""
-        return data_parallel_size(self.trainer) if self.trainer is not None else 1
+        """Ranks that read their own micro-batches (tensor-parallel ranks share one; 1 before setup)."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+        return int(kwargs["num_replicas"]) if kwargs else 1
 
     @property
     def global_batch(self) -> int | None:
@@ -241,9 +198,7 @@ class BatchAccounting(Callback):
     @property
     def fit_seconds(self) -> float:
         """Wall seconds of training since this fit began (validation, probes included), plus a checkpoint's."""
-        return self._seconds_before_fit + (
-            time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
-        )
+        return self._seconds_before_fit + (time.perf_counter() - self._fit_start if self._fit_start else 0.0)
 
     @property
     def budget_reached(self) -> bool:
@@ -257,42 +212,60 @@ class BatchAccounting(Callback):
             yield
             return
         # Queued accelerator work belongs to whichever side launched it: wait for it at both ends.
-        self._synchronize()
+        device = self.trainer.strategy.root_device if self.trainer is not None else None
+        if cuda := device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
         start = time.perf_counter()
         self.in_branch = True
         main_step_tokens, self.step_tokens.count = self.step_tokens.count, None  # branches count their own steps'
         try:
             yield
         finally:
-            self._synchronize()
+            if cuda:
+                torch.cuda.synchronize(device)
             self.in_branch = False
             self.step_tokens.count = main_step_tokens
             self.branch_seconds += time.perf_counter() - start
-
-    def _synchronize(self) -> None:
-        device = self.trainer.strategy.root_device if self.trainer is not None else None
-        if device is not None and device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     def set_micro_batch_size(self, value: int) -> None:
         """Set the micro-batch (samples per rank) the train loader yields from the next micro-batch on."""
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
-        MicroBatchSetting.required(trainer, trainer.lightning_module).set(value)
+        owner = micro_batch_owner(trainer, trainer.lightning_module)
+        if not isinstance(owner, DataLoader):
+            owner.batch_size = value
+        elif value != owner.batch_size:  # given to trainer.fit: its batch_size is fixed when it is built
+            raise LitCBSConfigError(
+                f"BatchWarmup needs micro-batch {value}, but the train loader given to "
+                f"trainer.fit(train_dataloaders=...) was built with batch_size={owner.batch_size}, "
+                "which a DataLoader cannot change: pass a "
+                "lit_cbs.GlobalOrderLoader (resized between steps), or a datamodule whose `batch_size` its "
+                "train_dataloader reads, or set BatchWarmup(max_micro_batch_size=None) to grow by accumulation"
+            )
         self.micro_batch_size = value
         self._micro_batch_set = True
         self._check_next_batch = True
         self._sync_loader(trainer)
 
     def _sync_loader(self, trainer: pl.Trainer) -> None:
+        """Resize a ``GlobalOrderLoader`` to the micro-batch set, and tell the fit loop (which reads an epoch's
+        length once, into three places) its micro-batches: those yielded, and those left at this size."""
         loader = resizable_train_loader(trainer)
         if loader is None:
             return
         if self._micro_batch_set:
             assert self.micro_batch_size is not None  # set with _micro_batch_set, by set_micro_batch_size
             loader.batch_size = self.micro_batch_size
-        set_train_epoch_length(trainer, len(loader))  # those yielded, and those left at this size
+        fit_loop, micro_batches = trainer.fit_loop, len(loader)
+        fit_loop.max_batches = micro_batches
+        combined_loader, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+        if combined_loader is not None and combined_loader.limits is not None:
+            combined_loader.limits[:] = [micro_batches] * len(combined_loader.limits)  # the running iterator's list
+        if fetcher is not None and fetcher.length is not None:
+            fetcher.length = micro_batches
+            if fetcher.fetched >= micro_batches > 0:  # the micro-batch just fetched is the epoch's last after all
+                fetcher.done = fit_loop.epoch_loop.batch_progress.is_last_batch = True
 
     def _lead(self, trainer: pl.Trainer) -> None:
         """Put this accounting first among the Trainer's callbacks, its two companions right after it."""
@@ -309,26 +282,20 @@ class BatchAccounting(Callback):
             return
         self.trainer = trainer
         self._lead(trainer)
-        setting = MicroBatchSetting.find(trainer, pl_module)
-        if setting is not None and not self._micro_batch_set and is_positive_int(setting.get()):
-            self.micro_batch_size = setting.get()
+        owner = micro_batch_owner(trainer, pl_module, required=False)
+        if owner is not None and not self._micro_batch_set and is_positive_int(owner.batch_size):
+            self.micro_batch_size = owner.batch_size
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.branch_seconds = 0.0
         self._fit_start = time.perf_counter()
         self.tokens_at_fit_start, self.samples_at_fit_start = self.tokens_seen, self.samples_seen
-        self._token_schedulers = [
-            config.scheduler
-            for config in trainer.lr_scheduler_configs
-            if isinstance(config.scheduler, TokenLRScheduler)
-        ]
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self._token_schedulers = [scheduler for scheduler in schedulers if isinstance(scheduler, TokenLRScheduler)]
         datamodule = getattr(trainer, "datamodule", None)
-        if self.seq_len is None and datamodule is not None:
-            for name in ("tokens_per_sample", "seq_len"):
-                value = getattr(datamodule, name, None)
-                if is_positive_int(value):
-                    self.seq_len = value
-                    break
+        if self.seq_len is None:  # the datamodule's tokens_per_sample, else its seq_len
+            found = (getattr(datamodule, name, None) for name in ("tokens_per_sample", "seq_len"))
+            self.seq_len = next((value for value in found if is_positive_int(value)), None)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A resumed run: Lightning counted the epoch's micro-batches before the loader's position was restored.
@@ -382,10 +349,8 @@ class BatchAccounting(Callback):
             self._check_micro_batch(trainer, micro, loader)
         if not self._seq_len_resolved:
             self._seq_len_resolved = True
-            ids = token_ids(batch) if self.seq_len is None else None
-            if ids is not None:
-                self.seq_len = int(ids.shape[1])
-                _say_inferred_seq_len(ids)
+            if self.seq_len is None:
+                self.seq_len = _infer_seq_len(batch)
             if self.seq_len is None and self.max_tokens is not None:
                 raise LitCBSConfigError(
                     f"max_tokens={self.max_tokens} but the batches hold no token ids (no 2-D integer tensor), so "

@@ -15,14 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from lit_cbs._internals import (
-    checkpoint_every_n_train_steps,
-    cluster_environment,
-    hpc_checkpoint_path,
-    last_saved_step,
-    set_last_saved_step,
-    should_accumulate,
-)
+from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks.accounting import mean_over_ranks, trainer_callbacks
 from lit_cbs.callbacks.checkpoint_files import atomic_saves, copy_checkpoint
 
@@ -65,24 +58,17 @@ class FinalStateCheckpoint(ModelCheckpoint):
         super().on_train_start(trainer, pl_module)
         self.stop_signal = None
         if self.probe_window_step == trainer.global_step and self.save_last:
-            self._keep_resumed_checkpoint_as_last(trainer)
-        self._defer_stop_signals(trainer)
-
-    def _keep_resumed_checkpoint_as_last(self, trainer: pl.Trainer) -> None:
-        """A resumed run whose probe window opens at its first step: the checkpoint resumed is its start."""
-        assert trainer.ckpt_path is not None  # the window's start was restored from the checkpoint resumed
-        source, target = Path(trainer.ckpt_path), self._last_path()
-        if trainer.is_global_zero and source.resolve() != target.resolve():
-            copy_checkpoint(source, target)
-        trainer.strategy.barrier("FinalStateCheckpoint.resumed")
-        set_last_saved_step(self, trainer.global_step)
-        self.last_model_path = str(target)
-
-    def _defer_stop_signals(self, trainer: pl.Trainer) -> None:
+            # A resumed run whose probe window opens at its first step: the checkpoint resumed is its start.
+            assert trainer.ckpt_path is not None  # the window's start was restored from the checkpoint resumed
+            source, target = Path(trainer.ckpt_path), self._last_path()
+            if trainer.is_global_zero and source.resolve() != target.resolve():
+                copy_checkpoint(source, target)
+            trainer.strategy.barrier("FinalStateCheckpoint.resumed")
+            self._last_global_step_saved, self.last_model_path = trainer.global_step, str(target)
         if threading.current_thread() is not threading.main_thread():
             return  # signal handlers can only be set from the main thread; Lightning's stay
         signals = [signal.SIGTERM]
-        environment = cluster_environment(trainer)
+        environment = trainer._accelerator_connector.cluster_environment
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             assert environment.requeue_signal is not None  # SLURMEnvironment sets SIGUSR1 when auto_requeue
             signals.append(environment.requeue_signal)
@@ -126,15 +112,13 @@ class FinalStateCheckpoint(ModelCheckpoint):
             handler(signum, None)
         if signum != signal.SIGTERM:  # the requeue signal: Lightning saved the hpc checkpoint and requeued
             if window is not None and self.save_last and Path(self.last_model_path or "").exists():
-                self._replace_with_probe_start(trainer, hpc_checkpoint_path(trainer))
+                # The checkpoint Lightning saved at the requeue signal holds the open probe's start instead.
+                hpc_path = trainer._checkpoint_connector._hpc_resume_path
+                if hpc_path is not None and trainer.is_global_zero:
+                    copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
+                    rank_zero_info(f"{Path(hpc_path).name} holds step {window}, where the CBS probe began")
+                trainer.strategy.barrier("FinalStateCheckpoint.hpc")
             trainer.should_stop = True
-
-    def _replace_with_probe_start(self, trainer: pl.Trainer, hpc_path: str | None) -> None:
-        """The checkpoint Lightning saved at the requeue signal holds the open probe's start instead."""
-        if hpc_path is not None and trainer.is_global_zero:
-            copy_checkpoint(Path(self.last_model_path), Path(hpc_path))
-            rank_zero_info(f"{Path(hpc_path).name} holds step {self.probe_window_step}, where the CBS probe began")
-        trainer.strategy.barrier("FinalStateCheckpoint.hpc")
 
     def _restore_lightning_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -146,15 +130,13 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Lightning's, saying in one line that a run resumed into another folder saves there (not its warning)."""
         before = state_dict.get("dirpath", self.dirpath)
-        if before == self.dirpath:
-            super().load_state_dict(state_dict)
-            return
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The dirpath has changed")
             super().load_state_dict(state_dict)
-        rank_zero_info(
-            f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}"
-        )
+        if before != self.dirpath:
+            rank_zero_info(
+                f"FinalStateCheckpoint: resumed from a run that saved to {before}; this run saves to {self.dirpath}"
+            )
 
     # ------------------------------------------------------------------ saving
     def on_train_batch_end(
@@ -162,16 +144,16 @@ class FinalStateCheckpoint(ModelCheckpoint):
     ) -> None:
         if should_accumulate(trainer):
             return
-        window = self.probe_window_step
+        window, every = self.probe_window_step, self._every_n_train_steps
         if window is None or window == trainer.global_step:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        elif self._saves_at(trainer.global_step) and self._skipped_in_window != window:
+        elif every >= 1 and trainer.global_step % every == 0 and self._skipped_in_window != window:
             self._skipped_in_window = window
             rank_zero_info(
                 f"FinalStateCheckpoint: no checkpoint at step {trainer.global_step}, inside the CBS probe window that "
                 f"began at step {window} (last.ckpt holds that step): the probe's reading needs the state of its start"
             )
-        if window == trainer.global_step and self.save_last and last_saved_step(self) != window:
+        if window == trainer.global_step and self.save_last and self._last_global_step_saved != window:
             self._save_last_now(trainer)
             rank_zero_info(
                 f"FinalStateCheckpoint: last.ckpt holds step {window}, where a CBS probe window begins: a run stopped "
@@ -183,10 +165,6 @@ class FinalStateCheckpoint(ModelCheckpoint):
             # Lightning still counts the epoch unfinished (after the epoch's last step it would count the
             # epoch done but not start the next one's count of micro-batches, and a resumed run would skip it).
             self._save_final_state(trainer)
-
-    def _saves_at(self, step: int) -> bool:
-        every = checkpoint_every_n_train_steps(self)
-        return every >= 1 and step % every == 0
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_validation_end(trainer, pl_module)
@@ -205,33 +183,35 @@ class FinalStateCheckpoint(ModelCheckpoint):
         if trainer.training and should_accumulate(trainer):
             rank_zero_warn(
                 f"SIGTERM inside an accumulation window after step {trainer.global_step}: not checkpointed (resuming "
-                f"there would lose the window's gradients); last.ckpt holds step {last_saved_step(self)}"
+                f"there would lose the window's gradients); last.ckpt holds step {self._last_global_step_saved}"
             )
         elif trainer.training:  # not at the end of a validation inside the fit, which Lightning ends by raising it too
             self._save_final_state(trainer)
-        _explain_sigterm(exception, self._sigterm_message(trainer))
-
-    def _sigterm_message(self, trainer: pl.Trainer) -> str:
-        """One line: the step the run stopped after, the checkpoint that resumes it, and how."""
-        stopped = f"SIGTERM: training stopped after optimizer step {trainer.global_step}"
-        saved = last_saved_step(self)
+        # Lightning's SIGTERMException (a bare SystemExit) gets one line, the step the run stopped after and the
+        # checkpoint that resumes it, which Python prints on its way out, and exit status 1 (not a scheduler's done).
+        stopped, saved = (
+            f"SIGTERM: training stopped after optimizer step {trainer.global_step}",
+            self._last_global_step_saved,
+        )
         if not self.save_last or not self.last_model_path or not Path(self.last_model_path).exists():
-            return (
+            message = (
                 f"{stopped}; no last.ckpt (FinalStateCheckpoint(save_last=True) writes one at the stop): "
                 f"resume from the newest checkpoint in {self.dirpath} "
                 "with trainer.fit(model, datamodule, ckpt_path=<it>), if any"
             )
-        where = "it" if saved == trainer.global_step else f"step {saved}"
-        window = self.probe_window_step
-        if window is not None and saved == window != trainer.global_step:
-            where += ", where the CBS probe in progress began (a resumed run redoes it)"
-        return (
-            f"{stopped}; {self.last_model_path} holds {where}: resume with "
-            f"trainer.fit(model, datamodule, ckpt_path={self.last_model_path!r})"
-        )
+        else:
+            where = "it" if saved == trainer.global_step else f"step {saved}"
+            window = self.probe_window_step
+            if window is not None and saved == window != trainer.global_step:
+                where += ", where the CBS probe in progress began (a resumed run redoes it)"
+            message = (
+                f"{stopped}; {self.last_model_path} holds {where}: resume with "
+                f"trainer.fit(model, datamodule, ckpt_path={self.last_model_path!r})"
+            )
+        exception.args, exception.code = (message,), message
 
     def _save_final_state(self, trainer: pl.Trainer) -> None:
-        if not self.save_last or trainer.global_step == 0 or last_saved_step(self) == trainer.global_step:
+        if not self.save_last or trainer.global_step == 0 or self._last_global_step_saved == trainer.global_step:
             return
         if self.probe_window_step is not None and self.stop_signal is not None:
             return  # stopped inside a probe: last.ckpt keeps the window's start (said where the stop was delivered)
@@ -246,7 +226,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
     def _save_last_now(self, trainer: pl.Trainer) -> None:
         path = str(self._last_path())
         trainer.save_checkpoint(path, weights_only=self.save_weights_only)
-        set_last_saved_step(self, trainer.global_step)
+        self._last_global_step_saved = trainer.global_step
         self.last_model_path = path
 
 
@@ -264,10 +244,3 @@ def set_probe_window(trainer: pl.Trainer, step: int | None) -> None:
     the probe, so ``FinalStateCheckpoint`` keeps the window's start."""
     for callback in _final_state_checkpoints(trainer):
         callback.probe_window_step = step
-
-
-def _explain_sigterm(exception: SIGTERMException, message: str) -> None:
-    """Give Lightning's ``SIGTERMException`` (a bare ``SystemExit``) ``message``: the line Python prints on its way
-    out, and exit status 1, not the 0 a scheduler would read as done."""
-    exception.args = (message,)
-    exception.code = message

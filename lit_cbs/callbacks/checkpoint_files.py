@@ -70,35 +70,23 @@ def settle(folder: Path) -> None:
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
-        _settle(folder)
+        for aside in sorted(folder.glob(f".*{REPLACED}")):
+            target = folder / aside.name[1 : -len(REPLACED)]
+            if not target.exists():  # the new one if it was complete, else the old one
+                os.replace(partial if (partial := partial_path(target)).exists() else aside, target)
+            _remove(aside)
+        for partial in sorted(folder.glob(f".*{PARTIAL}")):
+            _remove(partial)  # no replacement under way: a write that did not finish
+        _sync_folder(folder)
     finally:
         os.close(descriptor)  # releases the lock
-
-
-def _settle(folder: Path) -> None:
-    for aside in sorted(folder.glob(f".*{REPLACED}")):
-        target = folder / aside.name[1 : -len(REPLACED)]
-        partial = partial_path(target)
-        if not target.exists() and partial.exists():
-            os.replace(partial, target)
-        elif not target.exists():
-            os.replace(aside, target)  # nothing to move in: keep the old one
-            continue
-        _remove(aside)
-    for partial in sorted(folder.glob(f".*{PARTIAL}")):
-        _remove(partial)  # no replacement under way: a write that did not finish
-    _sync_folder(folder)
 
 
 def copy_checkpoint(source: Path, target: Path) -> None:
     """Copy a checkpoint file, or a distributed checkpoint's folder, to ``target`` atomically."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = partial_path(target)
-    _remove(partial)
-    if source.is_dir():
-        shutil.copytree(source, partial)
-    else:
-        shutil.copyfile(source, partial)
+    _remove(partial := partial_path(target))
+    (shutil.copytree if source.is_dir() else shutil.copyfile)(source, partial)
     replace(partial, target)
 
 

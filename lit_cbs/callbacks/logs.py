@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lit_cbs._internals import logging_step, logs_this_step
+from lit_cbs._internals import logging_step
 
 
 def log_to_loggers(
@@ -20,7 +20,7 @@ def log_to_loggers(
     """Write ``metrics(trainer)`` straight to the loggers in the row of the optimizer step just taken (``step``:
     an earlier row), on logging steps only unless ``every_step``, as LearningRateMonitor does: ``self.log`` costs
     more than a small model's step. ``metrics`` is called only when something is written."""
-    if not trainer.loggers or not (every_step or logs_this_step(trainer)):
+    if not trainer.loggers or not (every_step or trainer._logger_connector.should_update_logs):
         return
     values = metrics(trainer)
     step = logging_step(trainer) if step is None else step

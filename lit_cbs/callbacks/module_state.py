@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import Metric
 
-from lit_cbs._internals import collect_rng_states, metric_update_count, set_metric_update_count, set_rng_states
+from lit_cbs._internals import collect_rng_states, set_rng_states
 
 
 class ModuleState:
@@ -18,7 +18,7 @@ class ModuleState:
 
     def __init__(self, pl_module: pl.LightningModule):
         self.metrics = [
-            (metric, copy.deepcopy(metric.metric_state), metric_update_count(metric))
+            (metric, copy.deepcopy(metric.metric_state), metric._update_count)
             for metric in pl_module.modules()
             if isinstance(metric, Metric)
         ]
@@ -30,7 +30,7 @@ class ModuleState:
         for metric, state, update_count in self.metrics:
             for name, value in state.items():
                 setattr(metric, name, copy.deepcopy(value))
-            set_metric_update_count(metric, update_count)
+            metric._update_count, metric._computed = update_count, None  # its cached result is stale
         pl_module.train(self.training)
 
 

@@ -56,8 +56,8 @@ class RunProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if self.progress(trainer) is None:
             super().on_train_epoch_start(trainer, *args)
-            return
-        self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
+        else:
+            self.train_progress_bar.set_description(f"Epoch {trainer.current_epoch}")
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -78,8 +78,7 @@ class RunProgressBar(TQDMProgressBar):
         super().on_train_end(trainer, pl_module)
 
     def _show(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        progress = self.progress(trainer)
-        bar = self.train_progress_bar
+        progress, bar = self.progress(trainer), self.train_progress_bar
         if progress is None or bar.disable:
             return
         done, total, unit = progress

@@ -51,18 +51,15 @@ class TokenValidation(Callback):
             )
         self._accounting = BatchAccounting.attach(trainer)
 
-    def _counts(self) -> BatchAccounting:
-        if self._accounting is None:
-            raise RuntimeError("TokenValidation has no BatchAccounting: its setup(trainer, pl_module) has not run")
-        return self._accounting
-
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._tokens_at_last_step = self._counts().tokens_seen
+        assert self._accounting is not None  # setup attached it
+        self._tokens_at_last_step = self._accounting.tokens_seen
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        accounting = self._counts()
+        accounting = self._accounting
+        assert accounting is not None  # setup attached it
         if accounting.seq_len is None:
             raise LitCBSConfigError(
                 f"TokenValidation(every_tokens={self.every_tokens}) counts tokens, but the batches hold no token ids: "

@@ -1,4 +1,4 @@
-"""``BatchWarmup``: the Lightning adapter of ``lit_cbs.rules.warmup_core.WarmupCore``."""
+"""``BatchWarmup``: the Lightning adapter of ``lit_cbs.rules.warmup_core.WarmupCore``, and its guard's side."""
 
 from __future__ import annotations
 
@@ -9,24 +9,33 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
 
 from lit_cbs import metrics
-from lit_cbs._internals import shift_epoch_micro_batches, should_accumulate
+from lit_cbs._internals import should_accumulate
 from lit_cbs.callbacks import warmup_checks as checks
-from lit_cbs.callbacks.accounting import BatchAccounting, MicroBatchSetting, resizable_train_loader
+from lit_cbs.callbacks.accounting import (
+    BatchAccounting,
+    mean_over_ranks,
+    micro_batch_loss,
+    micro_batch_owner,
+    resizable_train_loader,
+)
 from lit_cbs.callbacks.logs import log_to_loggers
-from lit_cbs.callbacks.warmup_guard import WarmupGuard
-from lit_cbs.errors import positive_int
+from lit_cbs.errors import LitCBSConfigError, positive_int
 from lit_cbs.rules.batch_schedules import BatchSchedule
 from lit_cbs.rules.guard import BatchGuard, RevertRestore
-from lit_cbs.rules.scaling import BETA2_FLOOR, LRRule, ScalingRule, optimizer_settings
+from lit_cbs.rules.scaling import (
+    BETA2_FLOOR,
+    LRRule,
+    ScalingRule,
+    optimizer_settings,
+    restore_settings,
+    scale_learning_rate,
+)
 from lit_cbs.rules.warmup_core import Batch, WarmupCore
 
 __all__ = ["BatchWarmup"]
-
-
-def _warn(why: str) -> None:
-    rank_zero_warn(f"BatchWarmup: {why}")
 
 
 class BatchWarmup(WarmupCore, Callback):
@@ -82,7 +91,7 @@ class BatchWarmup(WarmupCore, Callback):
     ):
         super().__init__(schedule, lr_rule, max_micro_batch_size, clip_rule, weight_decay_rule, beta2_rule, beta2_floor)
         self.guard = BatchGuard.from_setting(guard)
-        self._guarded = WarmupGuard(self.guard) if self.guard is not None else None
+        self._guarded = _WarmupGuard(self.guard) if self.guard is not None else None
         # The accounting's settings, taken on its behalf and handed to it in setup.
         self.seq_len = positive_int("seq_len", seq_len, "tokens per sample", optional=True)
         self.max_tokens = positive_int("max_tokens", max_tokens, "tokens", optional=True)
@@ -121,15 +130,17 @@ class BatchWarmup(WarmupCore, Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        checks.check_trainer(trainer, pl_module, self.schedule, BatchWarmup)
+        checks.check_trainer(trainer, pl_module, self, BatchWarmup)
         settings = {"seq_len": self.seq_len, "max_tokens": self.max_tokens}
         accounting = self.accounting = BatchAccounting.attach(trainer, "BatchWarmup", **settings)
-        checks.check_clip_rule(self.clip_rule, trainer)
         self._restored = False  # load_state_dict sets it again: Lightning restores a checkpoint after setup
         self._base_gradient_clip_val = trainer.gradient_clip_val
-        self.start(MicroBatchSetting.required(trainer, pl_module).get(), accounting.data_parallel_size)
-        assert self.accumulate is not None  # start() set it
-        checks.check_accumulation(trainer, self.accumulate)
+        self.start(micro_batch_owner(trainer, pl_module).batch_size, accounting.data_parallel_size)
+        if trainer.accumulate_grad_batches not in (1, self.accumulate):
+            raise LitCBSConfigError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) conflicts with BatchWarmup, "
+                f"whose schedule starts at accumulate={self.accumulate}; leave accumulate_grad_batches at 1"
+            )
         self._apply_batch()
 
     def _apply_batch(self) -> None:
@@ -140,7 +151,7 @@ class BatchWarmup(WarmupCore, Callback):
         trainer.accumulate_grad_batches = self.accumulate
         if self.clip_rule is not None:
             base = self._base_gradient_clip_val
-            assert base is not None  # check_clip_rule refuses a clip_rule without gradient_clip_val
+            assert base is not None  # check_trainer refuses a clip_rule without gradient_clip_val
             trainer.gradient_clip_val = base * self.clip_factor
         accounting.set_micro_batch_size(self.micro_batch_size)
 
@@ -148,13 +159,13 @@ class BatchWarmup(WarmupCore, Callback):
         checks.check_optimizer_rules(trainer, self, self.consumed, self.guard)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        checks.check_adaptive_is_fed(self.schedule, trainer, resumed=self._restored)
         accounting = self._counts
         self._samples_before_step = accounting.samples_seen
         self._remember_settings(trainer)  # a resumed run's come from the checkpoint's param groups
         assert self.micro_batch_size is not None  # setup set it
         micros = {self.micro_batch_for(size) for size in self._sizes_to_come()}
-        checks.check_loader_resizes(trainer, micros, self.micro_batch_size, self.max_micro_batch_size)
+        maximum = self.max_micro_batch_size
+        checks.check_train_start(trainer, self.schedule, self._restored, micros, self.micro_batch_size, maximum)
         if accounting.checkpoint_data_parallel_size not in (None, accounting.data_parallel_size):
             self._regroup_for_new_ranks(trainer)
         ranks = accounting.data_parallel_size
@@ -201,9 +212,8 @@ class BatchWarmup(WarmupCore, Callback):
         # The accounting's hook ran first: it has resolved seq_len from this batch.
         if not self._token_settings_checked:
             self._token_settings_checked = True
-            checks.check_token_data(self.schedule, self._counts)
             before = self._samples_before_step
-            checks.warn_unreachable_batches(trainer, self.schedule, self._counts, self._batch, before)
+            checks.check_first_batch(trainer, self.schedule, self._counts, self._batch, before)
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -226,7 +236,11 @@ class BatchWarmup(WarmupCore, Callback):
         if should_accumulate(trainer):
             return  # no optimizer step this batch
         if self.log_every_step:  # before any change: this row is the step just taken
-            self._log_step(trainer, pl_module)
+            counts = self._counts  # the tokens (samples for data without tokens) in the progress bar
+            if trainer.progress_bar_callback is not None:
+                name, value = ("tokens", counts.tokens_seen) if counts.seq_len else ("samples", counts.samples_seen)
+                pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
+            log_to_loggers(trainer, self._step_row)
         self._samples_before_step = self._counts.samples_seen
         if self._guarded is not None:
             self._guarded.end_step(trainer, self.consumed, self.schedule.unit, self._counts.data_parallel_size)
@@ -240,25 +254,20 @@ class BatchWarmup(WarmupCore, Callback):
         self._maybe_change(trainer, between_epochs=True)
 
     # ------------------------------------------------------------------ changes
-    def _epoch_position(self, trainer: pl.Trainer) -> int:
-        """Samples consumed this epoch, all ranks."""
-        loader = resizable_train_loader(trainer)
-        if loader is not None:
-            return loader.position
-        assert self.micro_batch_size is not None  # setup set it
-        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        return ready * self.micro_batch_size * self.data_parallel_size
-
     @staticmethod
     def _pad_epoch_to(trainer: pl.Trainer, accumulate: int) -> None:
         """Round Lightning's count of this epoch's micro-batches, and a ``GlobalOrderLoader``'s, up to a multiple
         of ``accumulate``: Lightning steps on multiples of it, and the micro-batch (or the ranks) may have changed
         this epoch. With another loader the micro-batch is fixed, and ``may_change`` implies the count is one."""
-        behind = -trainer.fit_loop.epoch_loop.batch_progress.current.ready % accumulate
+        progress, fetcher = trainer.fit_loop.epoch_loop.batch_progress, trainer.fit_loop._data_fetcher
+        behind = -progress.current.ready % accumulate
         if behind:
             loader = resizable_train_loader(trainer)
             assert loader is not None
-            shift_epoch_micro_batches(trainer, behind)
+            # Before the epoch loop starts (a resumed run's on_train_start) the fetcher's count is 0; the loop adds it.
+            if fetcher is not None and fetcher.fetched == progress.current.ready:
+                fetcher.fetched += behind
+            progress.increment_by(behind, is_last_batch=progress.is_last_batch)
             loader.micro_batches += behind
 
     def _maybe_change(self, trainer: pl.Trainer, between_epochs: bool = False) -> None:
@@ -274,7 +283,13 @@ class BatchWarmup(WarmupCore, Callback):
         if new is None:
             return
         if not between_epochs:
-            if not self.may_change(self._epoch_position(trainer), new[0]):
+            loader = resizable_train_loader(trainer)
+            assert self.micro_batch_size is not None  # setup set it
+            ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            position = (
+                loader.position if loader is not None else ready * self.micro_batch_size * self.data_parallel_size
+            )
+            if not self.may_change(position, new[0]):  # position: samples consumed this epoch, all ranks
                 return
             self._pad_epoch_to(trainer, new[2])
         self._apply_change(trainer, new)
@@ -283,14 +298,16 @@ class BatchWarmup(WarmupCore, Callback):
         """Train at ``new`` from the next optimizer step on: move the optimizers' settings (or, for the guard's
         revert, put back those of before the increase), record the change, tell the guard, resize, say so."""
         guarded, counts, target = self._guarded, self._counts, new[0]
-        if guarded is not None and guarded.reverts_to(target):
+        if guarded is not None and guarded.guard.revert_to == target:
             revert = guarded.revert(trainer, self.schedule, self.lr_rule, self.consumed, self._batch, target)
             lr_change, clip_change, restore = revert
             factors, cause = (restore.lr_factor, restore.clip_factor), "guard"
         else:
-            settings_before = guarded.settings_before(trainer) if guarded is not None else None
+            settings_before = [optimizer_settings(optimizer) for optimizer in trainer.optimizers] if guarded else None
             schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
-            lr_change, clip_change = self.scale(trainer.optimizers, schedulers, target, warn=_warn)
+            lr_change, clip_change = self.scale(
+                trainer.optimizers, schedulers, target, warn=lambda why: rank_zero_warn(f"BatchWarmup: {why}")
+            )
             if guarded is not None:  # it watches an increase, keeping what a revert of it puts back
                 restore = RevertRestore(self.lr_factor, self.clip_factor, lr_change, clip_change, settings_before)
                 guarded.scheduled_change(len(self.history), self.consumed, self._batch, target, restore)
@@ -311,15 +328,6 @@ class BatchWarmup(WarmupCore, Callback):
         )
 
     # ------------------------------------------------------------------ logging
-    def _log_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Show the tokens (samples for data without tokens) in the progress bar, and write the row of the
-        optimizer step just taken to the loggers on a logging step (before any change: the row is that step's)."""
-        counts = self._counts
-        if trainer.progress_bar_callback is not None:
-            name, value = ("tokens", counts.tokens_seen) if counts.seq_len else ("samples", counts.samples_seen)
-            pl_module.log(name, float(value), on_step=True, on_epoch=False, logger=False, prog_bar=True)
-        log_to_loggers(trainer, self._step_row)
-
     def _step_row(self, trainer: pl.Trainer) -> dict[str, float]:
         """The row of the optimizer step just taken: the batch, accumulation and LR it trained with (an epoch's
         short last step: the samples and micro-batches it had), and the counts including it."""
@@ -341,7 +349,7 @@ class BatchWarmup(WarmupCore, Callback):
             row[metrics.LR] = self._step_lr
         row.update(self._step_settings)
         if self.clip_rule is not None:
-            assert trainer.gradient_clip_val is not None  # check_clip_rule refuses a clip_rule without one
+            assert trainer.gradient_clip_val is not None  # check_trainer refuses a clip_rule without one
             row[metrics.GRADIENT_CLIP_VAL] = float(trainer.gradient_clip_val)
         if self.guard is not None:
             row[metrics.GUARD_REVERTS] = float(self.guard.reverts)
@@ -351,17 +359,14 @@ class BatchWarmup(WarmupCore, Callback):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        return {
-            **super().state_dict(),
-            "guard": self.guard.state_dict() if self.guard is not None else None,
-            "step_loss": self._guarded.step_loss() if self._guarded is not None else [0.0, 0],
-        }
+        guarded = self._guarded.state_dict() if self._guarded is not None else {"guard": None, "step_loss": [0.0, 0]}
+        return {**super().state_dict(), **guarded}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = True
         super().load_state_dict(state_dict)
-        if self._guarded is not None and state_dict["guard"] is not None:
-            self._guarded.load(state_dict["guard"], state_dict["step_loss"])
+        if self._guarded is not None:
+            self._guarded.load_state_dict(state_dict)
         # On resume Lightning calls setup first, then this: the checkpoint's accumulate and micro-batch win.
         if self.accounting is not None:
             self._apply_batch()
@@ -370,3 +375,81 @@ class BatchWarmup(WarmupCore, Callback):
 def _no_step_follows(trainer: pl.Trainer) -> bool:
     """True after the run's final optimizer step: a change there would be recorded and checkpointed unused."""
     return trainer.should_stop or (trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps)
+
+
+class _WarmupGuard:
+    """BatchWarmup's side of its guard: feeds ``guard`` each optimizer step's loss and carries out its reverts."""
+
+    def __init__(self, guard: BatchGuard):
+        self.guard = guard
+        # This step's micro-batch losses so far: their sum (on the loss's device: no host sync) and count.
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.micro_batches = 0
+
+    def add_micro_batch(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
+        loss = micro_batch_loss(trainer, outputs)
+        if loss is None or extract_batch_size(batch) == 0:
+            return  # training_step returned None (Lightning skipped it), or a micro-batch of no sample
+        self.loss_sum = self.loss_sum + loss
+        self.micro_batches += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's, and the step under way's [sum of micro-batch losses (nats), their count]."""
+        return {"guard": self.guard.state_dict(), "step_loss": [float(self.loss_sum), self.micro_batches]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if state_dict["guard"] is not None:
+            self.guard.load_state_dict(state_dict["guard"])
+            self.loss_sum, self.micro_batches = state_dict["step_loss"]
+
+    def end_step(self, trainer: pl.Trainer, consumed: int, unit: str, data_parallel_size: int) -> None:
+        """Give the guard the step's loss at ``consumed`` (``unit``: the schedule's) and let it judge."""
+        loss_sum, micro_batches = self.loss_sum, self.micro_batches
+        self.loss_sum, self.micro_batches = 0.0, 0
+        loader = resizable_train_loader(trainer)
+        if loader is not None:
+            assert loader.last_round_samples is not None  # the step's micro-batches came from it
+            if loader.last_round_samples < data_parallel_size:
+                return  # the epoch's last round left a rank no sample, so no loss: every rank leaves this step out
+        if not micro_batches:
+            return
+        self.guard.record(consumed, float(loss_sum) / micro_batches)
+        verdict = self.guard.judge(consumed, lambda values: mean_over_ranks(trainer, values))
+        if verdict is None:
+            return
+        v, kept = verdict, f"keeping {verdict.new_global_batch}"
+        rank_zero_info(
+            f"BatchWarmup guard: over the {v.decided_at - v.consumed_at_change:,} {unit} after {v.old_global_batch} "
+            f"-> {v.new_global_batch} at {v.consumed_at_change:,} {unit}, the training loss was {v.rise:+.4f} nats "
+            f"from its trend ({v.watch_steps} steps; threshold {v.threshold:.4f}, loss noise {v.residual_std:.4f} "
+            f"over {v.fit_steps} steps before); {f'reverting to {v.old_global_batch}' if v.reverted else kept} samples"
+        )
+        logged = {metrics.GUARD_RISE: verdict.rise, metrics.GUARD_THRESHOLD: verdict.threshold}
+        log_to_loggers(trainer, lambda _: logged, every_step=True)
+
+    def scheduled_change(self, index: int, consumed: int, old: int, new: int, restore: RevertRestore) -> None:
+        """The guard watches an increase ``old`` -> ``new`` (samples); a decrease ends the watch it falls in."""
+        if new < old and self.guard.watching:
+            self.guard.forget_watch()
+        elif new > old and not self.guard.watch(index, consumed, old, new, restore):
+            rank_zero_info(
+                f"BatchWarmup guard: {old} -> {new} is not judged: fewer than "
+                f"guard.min_steps={self.guard.min_steps} steps of loss before it to fit a trend to"
+            )
+
+    def revert(
+        self, trainer: pl.Trainer, schedule: BatchSchedule, lr_rule: LRRule, consumed: int, old: int, new: int
+    ) -> tuple[float, float, RevertRestore]:
+        """Carry out the revert ``old`` -> ``new`` (samples): the optimizers' LR and settings of before the increase,
+        ``schedule`` withdraws its batches above ``new``. Return the revert's LR and clipping factors, the restore."""
+        restore = self.guard.mark_reverted(consumed)
+        lr_change, clip_change = 1.0 / restore.lr_factor_of_change, 1.0 / restore.clip_factor_of_change
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        for index, optimizer in enumerate(trainer.optimizers):
+            scale_learning_rate(optimizer, schedulers, lr_change)
+            if restore.optimizer_settings is not None:
+                restore_settings(optimizer, restore.optimizer_settings[index])
+            else:  # a watch from a checkpoint of the first guards kept no settings: undo adam_sde by the inverse ratio
+                lr_rule.adjust_optimizer(optimizer, new / old)
+        schedule.withdraw_above(new)
+        return lr_change, clip_change, restore
