@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
+from lit_cbs import metrics
 from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.callbacks.logs import log_to_loggers
@@ -20,15 +21,13 @@ from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_op
 from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups, compiled_groups
 
-__all__ = ["GradientNoiseScale"]
-
 PerExampleLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
 class _LossOfBatch(torch.nn.Module):
     """``per_example_loss(module, batch)`` as a module, so ``torch.func.functional_call`` can swap its parameters."""
 
-    def __init__(self, module: torch.nn.Module, loss: PerExampleLoss):
+    def __init__(self, module: torch.nn.Module, loss: PerExampleLoss) -> None:
         super().__init__()
         self.module, self.loss = module, loss
 
@@ -40,18 +39,16 @@ def _accumulates(trainer: pl.Trainer) -> bool:
     """Whether the Trainer, a BatchWarmup or a GradientAccumulationScheduler accumulates 2+ micro-batches."""
     from lit_cbs.callbacks.warmup import BatchWarmup
 
-    if trainer.accumulate_grad_batches > 1:
-        return True
     ranks = BatchAccounting.attach(trainer).data_parallel_size
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
-        if isinstance(callback, BatchWarmup) and any(
-            size // (callback.micro_batch_for(size) * ranks) > 1 for size in callback.schedule.sizes(callback.consumed)
-        ):
-            return True
-        if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
-            return True
-    return False
+    # BatchWarmup: the accumulation it will use at each size to come (it grows the micro-batch first).
+    return trainer.accumulate_grad_batches > 1 or any(
+        (
+            isinstance(cb, BatchWarmup)
+            and any(s // (cb.micro_batch_for(s) * ranks) > 1 for s in cb.schedule.sizes(cb.consumed))
+        )
+        or (isinstance(cb, GradientAccumulationScheduler) and max(cb.scheduling.values()) > 1)
+        for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+    )
 
 
 class GradientNoiseScale(Callback):
@@ -81,7 +78,7 @@ class GradientNoiseScale(Callback):
         groups: str | Mapping[str, str] | None = None,
         per_example_loss: PerExampleLoss | None = None,
         per_example_chunk_size: int | None = None,
-    ):
+    ) -> None:
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
             raise LitCBSConfigError(f"ema_decay={ema_decay!r} must be a float in [0, 1) (decay per optimizer step)")
         if per_example_loss is not None and not callable(per_example_loss):
@@ -96,8 +93,7 @@ class GradientNoiseScale(Callback):
         compiled_groups(groups)
         self.ema_decay, self.groups = float(ema_decay), groups
         self.per_example_loss, self.per_example_chunk_size = per_example_loss, per_example_chunk_size
-        self._per_example = per_example_loss is not None
-        self._stepped = False  # a step was measured and its metrics are not written yet
+        self._stepped = self._said_unmeasured = False  # _stepped: a step was measured, its metrics not yet written
         self.last_measurement: NoiseMeasurement | None = None
         self._averages: NoiseAverages | None = None  # created when the fit starts, or by a checkpoint before
         self.group_names: list[str | None] = []
@@ -108,9 +104,8 @@ class GradientNoiseScale(Callback):
         self._named_params: dict[str, torch.Tensor] = {}  # its trained parameters by functional_call name
         self._world_size, self._device = 1, torch.device("cpu")
         self._accounting: BatchAccounting | None = None  # the Trainer's: says when a CBS probe's branch runs
-        self._said_unmeasured = False
         # Since the last optimizer step (this rank): what its micro-batches add up to, and the gradient copies.
-        self._sums: StepSums | None = None
+        self._sums = StepSums(0, self._device)
         self._accumulated: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> copy of its accumulated .grad
         self._held: set[torch.Tensor] = set()  # parameters whose copy holds this step's accumulated gradient
         self._micro_batch_size = 0
@@ -137,7 +132,7 @@ class GradientNoiseScale(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
         self._accounting = BatchAccounting.attach(trainer)
-        if not self._per_example and self._world_size == 1 and not _accumulates(trainer):
+        if self.per_example_loss is None and self._world_size == 1 and not _accumulates(trainer):
             raise LitCBSConfigError(
                 f"GradientNoiseScale needs two batch sizes, but accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches} on {self._world_size} process gives one: set "
@@ -148,10 +143,19 @@ class GradientNoiseScale(Callback):
         self.group_names, self._group_of = assign_groups(self.groups, optimizer, pl_module)
         self._group_index, self._device = {}, pl_module.device
         if self._averages is None:
-            self._averages = NoiseAverages.zeros(self.ema_decay, len(self.group_names), self._device)
-        else:  # restored from a checkpoint before the strategy's setup
-            self._check_restored_groups()
-            self._averages.to(self._device)
+            zeros = torch.zeros(len(self.group_names), device=self._device)
+            self._averages = NoiseAverages(self.ema_decay, zeros, zeros.clone())
+        else:  # restored from a checkpoint before the strategy's setup (single-device and DDP restore there)
+            if self._restored_group_names not in (None, self.group_names):
+                raise LitCBSConfigError(
+                    f"the checkpoint's GradientNoiseScale measured the groups {self._restored_group_names} but "
+                    f"groups={self.groups!r} gives {self.group_names} (None: the parameters in no group); resume with "
+                    "the groups the checkpoint was written with"
+                )
+            averages = self._averages
+            averages.grad_sq, averages.trace_sigma = (
+                t.to(self._device) for t in (averages.grad_sq, averages.trace_sigma)
+            )
         self._restart_sums()
         if self.per_example_loss is not None:
             self._loss_module = _LossOfBatch(pl_module, self.per_example_loss)
@@ -222,62 +226,53 @@ class GradientNoiseScale(Callback):
                 "rescales them: remove GradientNoiseScale, or return the micro-batch's mean loss"
             )
         b, sums = float(self._micro_batch_size), self._sums
-        assert sums is not None  # on_fit_start made them
         if not b:  # no sample (an epoch's last round left this rank none): no gradient of its own to measure
             self._hook_grad_sq = None
-        elif self._per_example:
+            sums.add(b)
+        elif self.per_example_loss is not None:
             assert self._pending_small is not None  # on_train_batch_start measured this micro-batch (b > 0 samples)
-            sums.add_small_batches(self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
+            sums.add(b, self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
         else:
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
             else:
-                pairs = ((p, p.grad) for p in self._group_of)
-                grad_sq = self._micro_batch_grad_sq(pairs, keep=should_accumulate(trainer))
+                grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), should_accumulate(trainer))
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
-            sums.add_small_batches(grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
-        sums.add_micro_batch(b)
+            sums.add(b, grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
 
     def _micro_batch_grad_sq(
         self, params_and_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], keep: bool
     ) -> torch.Tensor:
         """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
         Fused ``_foreach_*`` kernels, cheaper than per-parameter ones on a small model."""
-        held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) with a copy from before this backward
-        fresh: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) without: this step's first
-        for param, grad in params_and_grads:
-            if grad is not None:
-                (held if param in self._held else fresh).append((param, grad))
+        pairs = [(param, grad) for param, grad in params_and_grads if grad is not None]
+        held = [(param, grad) for param, grad in pairs if param in self._held]  # with a copy from before this backward
+        fresh = [(param, grad) for param, grad in pairs if param not in self._held]  # without: this step's first
         held_copies = [self._accumulated[param] for param, _ in held]
         if held:
             foreach_sub_(held_copies, [grad for _, grad in held])  # minus this micro-batch's contribution
-        grad_sq = self._group_squared_norms(
-            [param for param, _ in held] + [param for param, _ in fresh], held_copies + [grad for _, grad in fresh]
-        )
+        grad_sq = self._group_squared_norms([param for param, _ in held + fresh], held_copies + [g for _, g in fresh])
         if keep:
             if held:
                 foreach_copy_(held_copies, [grad for _, grad in held])
             for param, grad in fresh:
-                copy = self._accumulated.get(param)
-                if copy is None:
-                    self._accumulated[param] = grad.detach().clone()
+                if param in self._accumulated:
+                    self._accumulated[param].copy_(grad)
                 else:
-                    copy.copy_(grad)
-                self._held.add(param)
+                    self._accumulated[param] = grad.detach().clone()
+            self._held.update(param for param, _ in fresh)
         return grad_sq
 
     def _group_squared_norms(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per group, the summed squared norms of ``tensors`` (of ``params``), half precision reduced in float32."""
         grad_sq = torch.zeros(len(self.group_names), device=self._device)
-        half = [i for i, tensor in enumerate(tensors) if tensor.dtype in (torch.float16, torch.bfloat16)]
-        full = [i for i, tensor in enumerate(tensors) if tensor.dtype not in (torch.float16, torch.bfloat16)]
-        for indices, dtype in ((half, {"dtype": torch.float32}), (full, {})):
+        for half in (True, False):  # half precision first, as before
+            indices = [i for i, t in enumerate(tensors) if (t.dtype in (torch.float16, torch.bfloat16)) == half]
             if not indices:
                 continue
-            norms = foreach_norm([tensors[i] for i in indices], 2, **dtype)
+            norms = foreach_norm([tensors[i] for i in indices], 2, **({"dtype": torch.float32} if half else {}))
             key = tuple(id(params[i]) for i in indices)
-            index = self._group_index.get(key)
-            if index is None:
+            if (index := self._group_index.get(key)) is None:
                 index = torch.tensor([self._group_of[params[i]] for i in indices], device=self._device)
                 self._group_index[key] = index
             grad_sq.index_add_(0, index, torch.stack(norms).float().square())
@@ -301,9 +296,9 @@ class GradientNoiseScale(Callback):
         sums, averages = self._sums, self._averages
         if self._in_branch:
             return
-        assert sums is not None and averages is not None  # on_fit_start made them
+        assert averages is not None  # on_fit_start made them
         self._restart_sums()
-        if not self._per_example and self._world_size * sums.micro_batches < 2:
+        if self.per_example_loss is None and self._world_size * sums.micro_batches < 2:
             if not self._said_unmeasured:  # one micro-batch on one process: no second batch size this step
                 self._said_unmeasured = True
                 why = (
@@ -320,8 +315,8 @@ class GradientNoiseScale(Callback):
         with_grads = [(param, param.grad) for param in self._group_of if param.grad is not None]
         big_grad_sq = self._group_squared_norms([param for param, _ in with_grads], [grad for _, grad in with_grads])
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and not self._per_example:
-            sums.unscale(scaler.get_scale())  # micro-batch gradients were read before unscaling
+        if scaler is not None and self.per_example_loss is None:  # micro-batch gradients were read before unscaling
+            sums.values[: sums.groups] /= scaler.get_scale() ** 2
         reduce = (lambda values: trainer.strategy.reduce(values, reduce_op="sum")) if self._world_size > 1 else None
         averaged_over = trainer.accumulate_grad_batches * self._world_size  # also for a step the epoch cut short
         self.last_measurement = sums.measurement(big_grad_sq, reduce, averaged_over)
@@ -341,17 +336,8 @@ class GradientNoiseScale(Callback):
 
     @property
     def b_simple(self) -> float | None:
-        """The current B_simple in samples (None before the first measured step)."""
-        return None if self._averages is None else self._averages.b_simple
-
-    def _check_restored_groups(self) -> None:
-        restored = self._restored_group_names
-        if restored is not None and restored != self.group_names:
-            raise LitCBSConfigError(
-                f"the checkpoint's GradientNoiseScale measured the groups {restored} but groups={self.groups!r} "
-                f"gives {self.group_names} (None: the parameters in no group); resume with the groups the "
-                "checkpoint was written with"
-            )
+        """The current B_simple in samples, as logged (None before the first measured step)."""
+        return self.metrics().get(metrics.GNS_B_SIMPLE)
 
     def state_dict(self) -> dict[str, Any]:
         if (averages := self._averages) is None:
@@ -367,9 +353,5 @@ class GradientNoiseScale(Callback):
         if not state_dict:
             return
         self._restored_group_names = list(state_dict["group_names"])
-        if self.group_names:  # loaded after the fit started: check now
-            self._check_restored_groups()
-        grad_sq, trace_sigma = (
-            state_dict[key].to(self._device, torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma")
-        )
+        grad_sq, trace_sigma = (state_dict[key].to(torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma"))
         self._averages = NoiseAverages(self.ema_decay, grad_sq, trace_sigma, state_dict["num_updates"])

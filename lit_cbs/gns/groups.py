@@ -12,8 +12,6 @@ import torch
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.decoder import layer_stacks
 
-__all__: list[str] = []  # internal
-
 GROUP_PRESETS = ("param_groups", "blocks")
 
 
