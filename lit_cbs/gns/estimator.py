@@ -1,22 +1,20 @@
-"""B_simple = tr(Sigma) / |G|^2 from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A),
-per group of parameters (one tensor entry each): the ratio of bias-corrected EMAs of the unbiased estimates."""
+"""Unbiased |G|^2 and tr(Sigma) from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A), per
+group of parameters (one tensor entry each)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lit_cbs import metrics
-
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """|tensor|^2 as float32, half precision reduced in float32 so the norm is not rounded."""
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        return torch.linalg.vector_norm(tensor, dtype=torch.float32) ** 2
-    return torch.linalg.vector_norm(tensor).float() ** 2
+    half = tensor.dtype in (torch.float16, torch.bfloat16)
+    squared: torch.Tensor = torch.linalg.vector_norm(tensor, dtype=torch.float32 if half else None).float() ** 2
+    return squared
 
 
 @dataclasses.dataclass
@@ -71,37 +69,3 @@ class StepSums:
         grad_sq = (inv_small * big_grad_sq - inv_big * small_grad_sq) / (inv_small - inv_big)
         sizes = float(small_batch_size), float(big_batch_size)
         return NoiseMeasurement(small_grad_sq, big_grad_sq, *sizes, grad_sq, trace_sigma)
-
-
-class NoiseAverages:
-    """Per group, EMAs of |G|^2 and tr(Sigma) over measured steps (``decay`` per step), bias-corrected when read."""
-
-    def __init__(self, decay: float, grad_sq: torch.Tensor, trace_sigma: torch.Tensor, updates: int = 0):
-        self.decay = decay
-        self.grad_sq, self.trace_sigma, self.updates = grad_sq, trace_sigma, updates  # not bias-corrected
-
-    def update(self, measurement: NoiseMeasurement) -> bool:
-        """Average in a step's estimates; False (unchanged) if any is not finite, as after an AMP overflow."""
-        grad_sq, trace_sigma = measurement.grad_sq, measurement.trace_sigma
-        if not bool(torch.isfinite(grad_sq).all() & torch.isfinite(trace_sigma).all()):
-            return False
-        self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
-        self.trace_sigma = self.decay * self.trace_sigma + (1 - self.decay) * trace_sigma
-        self.updates += 1
-        return True
-
-    def metrics(self, group_names: Sequence[str | None]) -> dict[str, float]:
-        """``gns/...`` for the whole model and ``gns/<group>/...`` per named group (None: the ungrouped rest)."""
-        if not self.updates:
-            return {}
-        correction = 1.0 - self.decay**self.updates  # bias correction of EMAs started at zero
-        grad_sq, trace_sigma = self.grad_sq / correction, self.trace_sigma / correction
-        whole = torch.stack([trace_sigma.sum() / grad_sq.sum(), trace_sigma.sum(), grad_sq.sum()])
-        per_group = torch.stack([trace_sigma / grad_sq, trace_sigma, grad_sq], dim=1)
-        # One device-to-host copy for all of them, however many groups.
-        model, *groups = torch.cat([whole[None], per_group]).tolist()
-        logged = {metrics.gns(quantity): value for quantity, value in zip(metrics.GNS_QUANTITIES, model)}
-        for group, row in zip(group_names, groups):
-            if group is not None:
-                logged.update({metrics.gns(q, group): value for q, value in zip(metrics.GNS_QUANTITIES, row)})
-        return logged

@@ -1,4 +1,4 @@
-"""lit_cbs.gns.estimator: the two-batch estimates, the step sums and the averages."""
+"""lit_cbs.gns.estimator: the two-batch estimates and the step sums; GradientNoiseScale's averages of them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from gns.regression import (
     analytic_b_simple,
 )
 
-from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums
+from lit_cbs.gns import GradientNoiseScale
+from lit_cbs.gns.estimator import NoiseMeasurement, StepSums
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,15 +79,16 @@ def measurement_of(grad_sq: list[float], trace_sigma: list[float]) -> NoiseMeasu
 
 
 def test_averages_are_bias_corrected_skip_non_finite_steps_and_name_groups():
-    averages = NoiseAverages(0.5, torch.zeros(2), torch.zeros(2))
-    assert averages.metrics(["first", None]) == {}
-    assert averages.update(measurement_of([1.0, 3.0], [10.0, 30.0]))
-    assert not averages.update(measurement_of([math.inf, 3.0], [10.0, 30.0]))  # an overflow: unchanged
-    assert averages.update(measurement_of([2.0, 2.0], [40.0, 20.0]))
-    assert averages.updates == 2
+    averages = GradientNoiseScale(ema_decay=0.5)
+    averages.group_names, averages._ema = ["first", None], [torch.zeros(2), torch.zeros(2)]  # as the fit starts
+    assert averages.metrics() == {}
+    assert averages._average(measurement_of([1.0, 3.0], [10.0, 30.0]))
+    assert not averages._average(measurement_of([math.inf, 3.0], [10.0, 30.0]))  # an overflow: unchanged
+    assert averages._average(measurement_of([2.0, 2.0], [40.0, 20.0]))
+    assert averages.num_updates == 2
     # EMAs 0.5 * (0.5 * x1) + 0.5 * x2, divided by 1 - 0.5^2: the mean weighted 1:2.
     grad_sq, trace_sigma = [(1 + 2 * 2) / 3, (3 + 2 * 2) / 3], [(10 + 2 * 40) / 3, (30 + 2 * 20) / 3]
-    metrics = averages.metrics(["first", None])  # None: in the whole model only
+    metrics = averages.metrics()  # None: in the whole model only
     assert set(metrics) == {
         f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "trace_sigma", "grad_sq")
     }
@@ -95,7 +97,7 @@ def test_averages_are_bias_corrected_skip_non_finite_steps_and_name_groups():
     assert metrics["gns/grad_sq"] == pytest.approx(sum(grad_sq)) and metrics["gns/trace_sigma"] == pytest.approx(
         sum(trace_sigma)
     )
-    assert metrics["gns/b_simple"] == pytest.approx(sum(trace_sigma) / sum(grad_sq))
+    assert metrics["gns/b_simple"] == pytest.approx(sum(trace_sigma) / sum(grad_sq)) == averages.b_simple
 
 
 def test_the_math_and_the_grouping_import_without_lightning():
