@@ -1,4 +1,4 @@
-"""lit_cbs.analysis.compare: each target loss's B_crit, B_min and B_opt beside the runs' noise scale and the
+"""lit_cbs.analysis.fits.side_by_side: each target loss's B_crit, B_min and B_opt beside the runs' noise scale and the
 CBS probe's reading, on synthetic sweeps (tests/sweeps.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from sweeps import SEQ_LEN, WSD_TARGETS, recorded, write_sweep, wsd_crossing_ste
 from toys import probe_reading
 
 from lit_cbs.analysis import read_readings
-from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
 from lit_cbs.analysis.curves import find_crossings, read_sweep
-from lit_cbs.analysis.fits import fit_targets
+from lit_cbs.analysis.fits import fit_targets, side_by_side, side_by_side_markdown
 
 
 def noise_scale_of_loss(loss: float) -> float:
