@@ -114,7 +114,7 @@ def fits_record(fits: list[TargetFit]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    smoothing = dict(smoothing=None if args.smoothing == "none" else args.smoothing, window=args.window)
+    smoothing = dict(window=None if args.smoothing == "none" else args.window)
     sweep_folder = args.sweep[0] if len(args.sweep) == 1 else None
     try:
         runs = read_sweep(sweep_folder or args.sweep, metrics_file=args.metrics_file, loss_column=args.loss_column)

@@ -215,8 +215,7 @@ def read_sweep(
 
 
 def check_units(runs: Sequence[RunCurve]) -> float:
-    """The sweep's tokens per sample. Raises ValueError where runs differ in it (tokens and samples counted
-    inconsistently)."""
+    """The sweep's tokens per sample; ValueError where runs differ in it (tokens or samples counted otherwise)."""
     known = {run.name: run.tokens_per_sample for run in runs}
     values = list(known.values())
     if max(values) > min(values) * (1 + _TOLERANCE):
@@ -240,24 +239,15 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     return np.asarray((cumulative[hi] - cumulative[lo]) / (hi - lo))
 
 
-def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9) -> np.ndarray:
-    """``values`` smoothed by ``method``: "rolling" (over ``window`` points) or None."""
-    if method == "rolling":
-        return rolling_mean(values, window)
-    if method is None:
-        return np.asarray(values, dtype=float)
-    raise ValueError(f"smoothing method={method!r} is not supported; use 'rolling' or None")
-
-
 def find_crossings(
-    runs: Sequence[RunCurve], targets: Sequence[float], *, smoothing: str | None = "rolling", window: int = 9
+    runs: Sequence[RunCurve], targets: Sequence[float], *, window: int | None = 9
 ) -> dict[float, list[Crossing]]:
-    """For each target loss (nats), where each run's loss, smoothed as ``smooth`` does, first reaches it. Runs that
-    never reach a target, or start below it, are left out of it, warned by name."""
+    """For each target loss (nats), where each run's loss, smoothed over ``window`` logged points (None: not
+    smoothed), first reaches it. Runs that never reach a target, or start below it, are left out of it, warned."""
     result: dict[float, list[Crossing]] = {float(t): [] for t in targets}
     never: dict[float, list[str]] = {float(t): [] for t in targets}
     for run in runs:
-        smoothed = smooth(run.loss, smoothing, window)
+        smoothed = rolling_mean(run.loss, window) if window is not None else run.loss
         for target in result:
             reached = np.nonzero(smoothed <= target)[0]
             if not reached.size:
@@ -282,13 +272,13 @@ def find_crossings(
 
 
 def default_targets(
-    runs: Sequence[RunCurve], count: int = 6, min_runs: int = 8, *, smoothing: str | None = "rolling", window: int = 9
+    runs: Sequence[RunCurve], count: int = 6, min_runs: int = 8, *, window: int | None = 9
 ) -> list[float]:
     """``count`` target losses, highest first, evenly spaced from below the highest loss every run starts at down to
-    the lowest loss ``min_runs`` runs (or all) reach, smoothed as ``smooth`` does."""
+    the lowest loss ``min_runs`` runs (or all) reach, smoothed as ``find_crossings`` does."""
     if not runs:
         raise ValueError("no runs to pick target losses from")
-    curves = [smooth(run.loss, smoothing, window) for run in runs]
+    curves = [rolling_mean(run.loss, window) if window is not None else run.loss for run in runs]
     start = min(curve[0] for curve in curves)
     lowest_reached = sorted(curve.min() for curve in curves)[min(min_runs, len(runs)) - 1]
     if not lowest_reached < start:

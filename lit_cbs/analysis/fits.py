@@ -65,8 +65,7 @@ class McCandlishFit:
 
 
 def fit_mccandlish(steps: ArrayLike, tokens: ArrayLike) -> McCandlishFit:
-    """McCandlish et al.'s E(S) fitted to (steps, tokens) of 3 or more runs: least squares on log E, started from
-    the linear form E_min / E + S_min / S = 1. Raises ValueError for too few, non-positive or non-finite points."""
+    """McCandlish et al.'s E(S) fitted to (steps, tokens) of 3 or more runs, by least squares on log E."""
     steps, tokens = _points(steps, tokens, MCCANDLISH_MIN_RUNS, "fit_mccandlish")
     s_low = steps.min()
     (e_start, s_start), *_ = np.linalg.lstsq(np.column_stack([1 / tokens, 1 / steps]), np.ones(len(steps)), rcond=None)
@@ -138,8 +137,7 @@ def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: 
 
 
 def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
-    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs by variable projection: NNLS for B_-1, C, E_min,
-    A_1 given the four positions, which a grid and Nelder-Mead search. ValueError for too few or bad points."""
+    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs, by variable projection."""
     steps, tokens = _points(steps, tokens, WSD_FREE_PARAMETERS, "fit_wsd")
     s_low, log_low, log_span = steps.min(), np.log(steps.min()), np.log(steps.max() / steps.min())
     if log_span <= 0:
@@ -212,8 +210,7 @@ class TargetFit:
 
 
 def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float) -> list[TargetFit]:
-    """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first. Warns, naming
-    the target, where a fit lacks runs, misses them by over ``POOR_FIT`` or has a WSD part of under 2 runs."""
+    """Both fits per target loss reached by 3 or more runs, highest target first; warns where a fit is unreliable."""
     fits = []
     for target in sorted(crossings, reverse=True):
         points = tuple(crossings[target])
@@ -305,8 +302,7 @@ def batch_group_yaml(
 
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike[str], comment: str = "") -> Path:
-    """Write a Hydra recipe (``# @package _global_``) setting ``batch.schedule`` to ``path`` (e.g.
-    ``conf/recipe/my_schedule.yaml``)."""
+    """Write a Hydra recipe (``# @package _global_``) setting ``batch.schedule`` to ``path``."""
     path = Path(path)
     path.write_text("# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule")))
     return path

@@ -95,10 +95,8 @@ def brackets_from_records(
         >>> def reading(tokens, loss_at_4):  # k = 1, 2, 4 of B = 32 samples, judged by the mean losses alone
         ...     scores = {1: BranchScore(3.0), 2: BranchScore(3.0), 4: BranchScore(loss_at_4)}
         ...     return ProbeReading.decide(scores, DecisionRule(0.01, 0.5), [1, 2, 4], 32, tokens=tokens, **where)
-        >>> for bracket in brackets_from_records([reading(4 * 10**8, 3.0), reading(10**8, 3.1)], run="a"):
-        ...     print(bracket.tokens, bracket.lower, bracket.upper)
-        100000000.0 64.0 128.0
-        400000000.0 128.0 inf
+        >>> [(b.tokens, b.lower, b.upper) for b in brackets_from_records([reading(4e8, 3.0), reading(1e8, 3.1)])]
+        [(100000000.0, 64.0, 128.0), (400000000.0, 128.0, inf)]
     """
     brackets, seq_lens = [], set()
     for number, reading in enumerate(readings, start=1):
@@ -118,15 +116,10 @@ def brackets_from_records(
     return sorted(brackets, key=lambda b: b.tokens)
 
 
-def _columns(params: np.ndarray) -> np.ndarray:
-    """The parameters, each against log D: numbers for one vector, [draws, 1] columns for a stack of them."""
-    params = np.asarray(params, dtype=float)
-    return np.asarray(params.T[..., None] if params.ndim > 1 else params)
-
-
 def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
     """log CBS at log(D / D0): shaped as ``log_d`` for one parameter vector, [draws, *log_d.shape] for a stack."""
-    columns = _columns(params)
+    params = np.asarray(params, dtype=float)  # each parameter against log D: [draws, 1] columns for a stack
+    columns = params.T[..., None] if params.ndim > 1 else params
     power: np.ndarray = columns[0] + columns[1] * log_d
     if model == "power":
         return power
@@ -137,7 +130,7 @@ def _log_likelihood(
     params: np.ndarray, log_d: np.ndarray, log_lo: np.ndarray, log_hi: np.ndarray, model: str
 ) -> np.ndarray:
     """Per bracket (last axis): log P(log_lo < log CBS < log_hi) under Normal(curve, s)."""
-    scale = np.exp(_columns(params)[2])
+    scale = np.exp(np.asarray(params, dtype=float)[..., 2:3])  # s, as a column for a stack
     mu = _curve(params, log_d, model)
     upper = special.log_ndtr((log_hi - mu) / scale)  # log Phi; log_hi = inf gives 0
     lower = special.log_ndtr((log_lo - mu) / scale)
@@ -199,8 +192,7 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
 def _laplace_covariance(
     log_posterior: Callable[[np.ndarray], np.ndarray], mode: np.ndarray, step: float = 1e-3
 ) -> np.ndarray:
-    """The inverse of the negative log posterior's Hessian at ``mode`` (central differences), its
-    eigenvalues floored so that no direction gets a standard deviation above 3 (a flat likelihood)."""
+    """The inverse Hessian of -log posterior at ``mode``, no direction's standard deviation above 3."""
     size = len(mode)
     offsets = np.eye(size) * step
     hessian = np.empty((size, size))

@@ -33,8 +33,7 @@ def _axes(
 
 
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
-    """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
-    the WSD fit (solid) where it was made."""
+    """E (tokens) against S (steps) per target loss: the runs' crossings, McCandlish's fit and the WSD fit."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     figure = Figure(figsize=(7, 5))
