@@ -332,14 +332,13 @@ def side_by_side(
     the ``probe`` reading nearest the tokens at which the run at the probe's batch reached it."""
     by_name, rows = {run.name: run for run in runs}, []
     for fit in fits:
-        values = []
-        for crossing in fit.crossings:
-            if (run := by_name.get(crossing.run)) is None or len(run.gns) == 0:
-                continue
-            finite = np.isfinite(run.gns)
-            tokens, gns = run.gns_tokens[finite], run.gns[finite]
-            if len(tokens) and tokens[0] <= crossing.tokens <= tokens[-1]:
-                values.append(float(np.interp(crossing.tokens, tokens, gns)))
+        values = [  # B_simple where each run reached the target (read_run keeps its finite values)
+            float(np.interp(c.tokens, run.gns_tokens, run.gns))
+            for c in fit.crossings
+            if (run := by_name.get(c.run)) is not None
+            and run.gns.size
+            and run.gns_tokens[0] <= c.tokens <= run.gns_tokens[-1]
+        ]
         run_tokens, reading = None, None  # where the run at the probe's batch reached the target, the nearest reading
         for crossing in fit.crossings:
             if readings := [p for p in probe if p.batch_size == crossing.batch_size]:
