@@ -8,7 +8,7 @@ For each target loss it finds the tokens E and steps S every run needed (smoothe
 interpolation), fits both models, prints a table (target, B_crit, B_min, B_opt, runs used; the
 runs left out of a target are named in warnings) and, where the runs logged a noise scale or a
 probe file is given, the same targets side by side with the runs' median gradient noise scale at
-that loss and the CBS probe's reading nearest it (lit_cbs.analysis.compare; also side_by_side.md).
+that loss and the CBS probe's reading nearest it (lit_cbs.analysis.fits; also side_by_side.md).
 It writes into --out (default SWEEP/fit_es): es_fits.png (E vs S with the fits), batch_sizes.png
 (the batch sizes vs target loss and vs tokens, with the CBS probe's brackets and the runs'
 gradient noise scale where logged), fits.json (every fitted parameter) and schedule.yaml, a
@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from lit_cbs.analysis import read_readings
-from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
 from lit_cbs.analysis.curves import METRICS_FILE, check_units, default_targets, find_crossings, read_sweep
 from lit_cbs.analysis.fits import (
     POOR_FIT,
@@ -36,6 +35,8 @@ from lit_cbs.analysis.fits import (
     TargetFit,
     fit_targets,
     propose_schedule,
+    side_by_side,
+    side_by_side_markdown,
     write_schedule_yaml,
 )
 from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
@@ -113,7 +114,7 @@ def fits_record(fits: list[TargetFit]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    smoothing = dict(smoothing=None if args.smoothing == "none" else args.smoothing, window=args.window)
+    smoothing = dict(window=None if args.smoothing == "none" else args.window)
     sweep_folder = args.sweep[0] if len(args.sweep) == 1 else None
     try:
         runs = read_sweep(sweep_folder or args.sweep, metrics_file=args.metrics_file, loss_column=args.loss_column)

@@ -14,7 +14,6 @@ from launch import subprocess_env
 PURE_MODULES = [
     "lit_cbs",
     "lit_cbs.analysis",
-    "lit_cbs.analysis.compare",
     "lit_cbs.analysis.curves",
     "lit_cbs.analysis.fits",
     "lit_cbs.analysis.forecast",

@@ -1,6 +1,4 @@
-"""E(S) fits of constant-batch sweeps, schedules and a CBS forecast from probe readings, and their plots. The names
-below are what the guides use (the rest import from their modules); each loads on first use, and only ``plots``
-imports matplotlib."""
+"""E(S) fits, schedules and a CBS forecast from probe readings, and their plots (only ``plots`` imports matplotlib)."""
 
 from typing import TYPE_CHECKING
 

@@ -1,10 +1,8 @@
-"""Loss curves of constant-batch runs read from their metrics CSVs, and the tokens E and steps S (E over the run's
-tokens per step) at which each reaches a target loss."""
+"""Constant-batch runs' loss curves from their metrics CSVs; the tokens E and steps S at which each reaches a loss."""
 
 from __future__ import annotations
 
 import csv
-import math
 import os
 import warnings
 from collections.abc import Sequence
@@ -64,8 +62,7 @@ def read_metrics_csv(path: PathLike) -> Series:
                 f"{path} has no {step_column!r} column (columns: {reader.fieldnames}); is it a CSVLogger metrics file?"
             )
         for row in reader:
-            cells = {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell}
-            if not cells:
+            if not (cells := {name: cell for name, cell in row.items() if name not in (step_column, "epoch") and cell}):
                 continue
             try:
                 step = float(row[step_column])
@@ -87,19 +84,13 @@ def tokens_at(series: Series, steps: np.ndarray) -> np.ndarray:
     return np.asarray(np.interp(steps, logged_steps, tokens))
 
 
-def _natural_key(path: Path) -> tuple[int, int, str]:
-    head = path.name.split("_", 1)[0]
-    return (0, int(head), path.name) if head.isdigit() else (1, 0, path.name)
-
-
 def _metrics_file(run: Path, metrics_file: str) -> Path:
     """``run`` itself if it is a file, else the only ``metrics_file`` under it."""
     if run.is_file():
         return run
     if not run.is_dir():
         raise ValueError(f"run folder {run} does not exist")
-    found = sorted(run.rglob(metrics_file))
-    if not found:
+    if not (found := sorted(run.rglob(metrics_file))):
         raise ValueError(
             f"run folder {run} holds no {metrics_file}; pass metrics_file=... if the logger names it otherwise"
         )
@@ -112,12 +103,10 @@ def _metrics_file(run: Path, metrics_file: str) -> Path:
 
 
 def _hydra_overrides(run: Path) -> list[str]:
-    overrides = (run if run.is_dir() else run.parent) / ".hydra" / "overrides.yaml"
-    if not overrides.is_file():
-        return []
     import yaml
 
-    return [str(item) for item in yaml.safe_load(overrides.read_text()) or []]
+    overrides = (run if run.is_dir() else run.parent) / ".hydra" / "overrides.yaml"
+    return [str(item) for item in yaml.safe_load(overrides.read_text()) or []] if overrides.is_file() else []
 
 
 def _run_label(run: Path, common: Sequence[str] = ()) -> str:
@@ -131,11 +120,7 @@ def _not_constant(name: str, spread: str) -> ValueError:
 
 
 def read_run(
-    run: PathLike,
-    *,
-    name: str | None = None,
-    loss_column: str = metrics.TRAIN_LOSS,
-    metrics_file: str = METRICS_FILE,
+    run: PathLike, *, name: str | None = None, loss_column: str = metrics.TRAIN_LOSS, metrics_file: str = METRICS_FILE
 ) -> RunCurve:
     """One constant-batch run's loss curve by tokens, from its folder or CSV (``name``: the folder's, with its Hydra
     overrides); a NaN loss ends it (warned). Raises ValueError naming the run for bad or non-constant counts."""
@@ -152,8 +137,8 @@ def read_run(
 
     token_steps, token_counts = series[tokens_column]
     problem = ""
-    if not np.all(np.isfinite(token_counts)):
-        i = np.nonzero(~np.isfinite(token_counts))[0][0]
+    if (nonfinite := np.nonzero(~np.isfinite(token_counts))[0]).size:
+        i = nonfinite[0]
         problem = (
             f"{tokens_column}={token_counts[i]:g} at {step_column}={token_steps[i]:g}; token counts must be finite"
         )
@@ -180,29 +165,27 @@ def read_run(
     def tokens_of(step: float) -> float:
         return float(logged_tokens.get(step, tokens_at_step_zero + tokens_per_step * step))
 
-    loss_tokens, losses = [], []
-    for step, loss in zip(*series[loss_column]):
-        if not math.isfinite(loss):
-            warnings.warn(f"run {name}: {loss_column} is {loss} from {step_column} {step:g} on; its curve ends there")
-            break
-        loss_tokens.append(tokens_of(step))
-        losses.append(loss)
-    if not losses:
+    loss_steps, losses = series[loss_column]
+    if (nan := np.nonzero(~np.isfinite(losses))[0]).size:
+        i = nan[0]
+        warnings.warn(
+            f"run {name}: {loss_column} is {losses[i]} from {step_column} {loss_steps[i]:g} on; its curve ends there"
+        )
+        loss_steps, losses = loss_steps[:i], losses[:i]
+    if not len(losses):
         raise ValueError(f"run {name}: {csv_path} logs no finite {loss_column} values")
+    loss_tokens = [tokens_of(step) for step in loss_steps.tolist()]
     order = np.argsort(loss_tokens, kind="stable")
     tokens = np.asarray(loss_tokens)[order]
 
     sizes = sorted(set(series[batch_column][1].tolist()))
     if len(sizes) > 1:
         raise _not_constant(name, f"{batch_column} takes the values {sizes}")
-    gns = [
-        (tokens_of(step), value)
-        for step, value in zip(*series.get(metrics.GNS_B_SIMPLE, ((), ())))
-        if math.isfinite(value)
-    ]
-    gns_tokens, gns_values = (np.asarray(column) for column in zip(*gns)) if gns else (np.empty(0), np.empty(0))
-    steps, loss = tokens / tokens_per_step, np.asarray(losses)[order]
-    return RunCurve(name, steps, tokens, loss, float(tokens_per_step), int(sizes[0]), gns_tokens, gns_values)
+    gns_steps, gns = series.get(metrics.GNS_B_SIMPLE, (np.empty(0), np.empty(0)))
+    gns_steps, gns = gns_steps[np.isfinite(gns)], gns[np.isfinite(gns)]
+    gns_tokens = np.asarray([tokens_of(step) for step in gns_steps.tolist()], dtype=float)
+    steps, loss = tokens / tokens_per_step, losses[order]
+    return RunCurve(name, steps, tokens, loss, float(tokens_per_step), int(sizes[0]), gns_tokens, gns)
 
 
 def read_sweep(
@@ -214,16 +197,14 @@ def read_sweep(
         folder = Path(source)
         if not folder.is_dir():
             raise ValueError(f"sweep folder {folder} does not exist")
-        run_paths = sorted(
-            (p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.rglob(metrics_file))),
-            key=_natural_key,
+        found = (
+            p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and any(p.rglob(metrics_file))
         )
-        if not run_paths:
+        key = lambda p: (0, int(h), p.name) if (h := p.name.split("_", 1)[0]).isdigit() else (1, 0, p.name)  # noqa: E731
+        if not (run_paths := sorted(found, key=key)):
             raise ValueError(f"sweep folder {folder} has no subfolders holding a {metrics_file}")
-    else:
-        run_paths = [Path(p) for p in source]
-        if not run_paths:
-            raise ValueError("no runs given")
+    elif not (run_paths := [Path(p) for p in source]):
+        raise ValueError("no runs given")
     overrides = [set(_hydra_overrides(p)) for p in run_paths]
     common = sorted(set.intersection(*overrides)) if len(run_paths) > 1 else []
     runs = [
@@ -234,8 +215,7 @@ def read_sweep(
 
 
 def check_units(runs: Sequence[RunCurve]) -> float:
-    """The sweep's tokens per sample. Raises ValueError where runs differ in it (tokens and samples counted
-    inconsistently)."""
+    """The sweep's tokens per sample; ValueError where runs differ in it (tokens or samples counted otherwise)."""
     known = {run.name: run.tokens_per_sample for run in runs}
     values = list(known.values())
     if max(values) > min(values) * (1 + _TOLERANCE):
@@ -259,28 +239,15 @@ def rolling_mean(values: np.ndarray, window: int) -> np.ndarray:
     return np.asarray((cumulative[hi] - cumulative[lo]) / (hi - lo))
 
 
-def smooth(values: np.ndarray, method: str | None = "rolling", window: int = 9) -> np.ndarray:
-    """``values`` smoothed by ``method``: "rolling" (over ``window`` points) or None."""
-    if method == "rolling":
-        return rolling_mean(values, window)
-    if method is None:
-        return np.asarray(values, dtype=float)
-    raise ValueError(f"smoothing method={method!r} is not supported; use 'rolling' or None")
-
-
 def find_crossings(
-    runs: Sequence[RunCurve],
-    targets: Sequence[float],
-    *,
-    smoothing: str | None = "rolling",
-    window: int = 9,
+    runs: Sequence[RunCurve], targets: Sequence[float], *, window: int | None = 9
 ) -> dict[float, list[Crossing]]:
-    """For each target loss (nats), where each run's loss, smoothed as ``smooth`` does, first reaches it. Runs that
-    never reach a target, or start below it, are left out of it, warned by name."""
+    """For each target loss (nats), where each run's loss, smoothed over ``window`` logged points (None: not
+    smoothed), first reaches it. Runs that never reach a target, or start below it, are left out of it, warned."""
     result: dict[float, list[Crossing]] = {float(t): [] for t in targets}
     never: dict[float, list[str]] = {float(t): [] for t in targets}
     for run in runs:
-        smoothed = smooth(run.loss, smoothing, window)
+        smoothed = rolling_mean(run.loss, window) if window is not None else run.loss
         for target in result:
             reached = np.nonzero(smoothed <= target)[0]
             if not reached.size:
@@ -305,18 +272,13 @@ def find_crossings(
 
 
 def default_targets(
-    runs: Sequence[RunCurve],
-    count: int = 6,
-    min_runs: int = 8,
-    *,
-    smoothing: str | None = "rolling",
-    window: int = 9,
+    runs: Sequence[RunCurve], count: int = 6, min_runs: int = 8, *, window: int | None = 9
 ) -> list[float]:
     """``count`` target losses, highest first, evenly spaced from below the highest loss every run starts at down to
-    the lowest loss ``min_runs`` runs (or all) reach, smoothed as ``smooth`` does."""
+    the lowest loss ``min_runs`` runs (or all) reach, smoothed as ``find_crossings`` does."""
     if not runs:
         raise ValueError("no runs to pick target losses from")
-    curves = [smooth(run.loss, smoothing, window) for run in runs]
+    curves = [rolling_mean(run.loss, window) if window is not None else run.loss for run in runs]
     start = min(curve[0] for curve in curves)
     lowest_reached = sorted(curve.min() for curve in curves)[min(min_runs, len(runs)) - 1]
     if not lowest_reached < start:

@@ -1,5 +1,5 @@
 """E(S) fits (McCandlish et al. 2018: B_crit; Zhou et al. 2026 for WSD: B_min, B_opt), batch sizes in tokens per
-step (``TargetFit``'s in samples); the batch schedule following B_opt, and its Hydra YAML."""
+step (``TargetFit``'s in samples); the schedule following B_opt; the fits beside the noise scale and the probe."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from numpy.typing import ArrayLike
 from scipy.optimize import least_squares, minimize, nnls
 from scipy.special import expit, softmax
 
-from lit_cbs.analysis.curves import Crossing
+from lit_cbs.analysis.curves import Crossing, RunCurve
+from lit_cbs.probe.reading import ProbeReading
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
 
 MCCANDLISH_MIN_RUNS = 3
@@ -64,8 +65,7 @@ class McCandlishFit:
 
 
 def fit_mccandlish(steps: ArrayLike, tokens: ArrayLike) -> McCandlishFit:
-    """McCandlish et al.'s E(S) fitted to (steps, tokens) of 3 or more runs: least squares on log E, started from
-    the linear form E_min / E + S_min / S = 1. Raises ValueError for too few, non-positive or non-finite points."""
+    """McCandlish et al.'s E(S) fitted to (steps, tokens) of 3 or more runs, by least squares on log E."""
     steps, tokens = _points(steps, tokens, MCCANDLISH_MIN_RUNS, "fit_mccandlish")
     s_low = steps.min()
     (e_start, s_start), *_ = np.linalg.lstsq(np.column_stack([1 / tokens, 1 / steps]), np.ones(len(steps)), rcond=None)
@@ -137,8 +137,7 @@ def _wsd_design(steps: np.ndarray, s_min: float, s_1: float, s_opt: float, s_2: 
 
 
 def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
-    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs by variable projection: NNLS for B_-1, C, E_min,
-    A_1 given the four positions, which a grid and Nelder-Mead search. ValueError for too few or bad points."""
+    """Zhou et al.'s E(S) fitted to (steps, tokens) of 8 or more runs, by variable projection."""
     steps, tokens = _points(steps, tokens, WSD_FREE_PARAMETERS, "fit_wsd")
     s_low, log_low, log_span = steps.min(), np.log(steps.min()), np.log(steps.max() / steps.min())
     if log_span <= 0:
@@ -168,18 +167,12 @@ def fit_wsd(steps: ArrayLike, tokens: ArrayLike) -> WSDFit:
     starts = [
         start(s, t_1, t_opt, t_2) for s in (0.3, 0.7, 0.95) for t_1, t_opt, t_2 in itertools.combinations(t_grid, 3)
     ]
-    costs = [solve(u)[1] for u in starts]
-    best = None
-    for index in np.argsort(costs)[:4]:
-        result = minimize(
-            lambda u: solve(u)[1],
-            starts[index],
-            method="Nelder-Mead",
-            options={"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000},
-        )
-        if best is None or result.fun < best.fun:
-            best = result
-    assert best is not None  # the loop ran: there are 3 x 120 starts
+    options = {"xatol": 1e-7, "fatol": 1e-14, "maxiter": 4000}
+    results = [
+        minimize(lambda u: solve(u)[1], starts[i], method="Nelder-Mead", options=options)
+        for i in np.argsort([solve(u)[1] for u in starts])[:4]
+    ]
+    best = min(results, key=lambda result: result.fun)  # the first of the lowest, as the search went
     s_min, s_1, s_opt, s_2 = positions(best.x)
     (b_minus1, c, e_min, a_1), _ = solve(best.x)
     b_0 = c * (s_1 - s_opt) ** 2 + e_min - b_minus1 / (s_1 - s_min)
@@ -203,25 +196,21 @@ class TargetFit:
     mccandlish: McCandlishFit | None
     wsd: WSDFit | None
 
-    def _in_unit(self, tokens_per_step: float | None) -> float:
-        return float("nan") if tokens_per_step is None else tokens_per_step / self.tokens_per_sample
-
     @property
     def b_crit(self) -> float:
-        return self._in_unit(self.mccandlish.b_crit if self.mccandlish else None)
+        return self.mccandlish.b_crit / self.tokens_per_sample if self.mccandlish else math.nan
 
     @property
     def b_min(self) -> float:
-        return self._in_unit(self.wsd.b_min if self.wsd else None)
+        return self.wsd.b_min / self.tokens_per_sample if self.wsd else math.nan
 
     @property
     def b_opt(self) -> float:
-        return self._in_unit(self.wsd.b_opt if self.wsd else None)
+        return self.wsd.b_opt / self.tokens_per_sample if self.wsd else math.nan
 
 
 def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample: float) -> list[TargetFit]:
-    """Both fits per target loss (``find_crossings``) reached by 3 or more runs, highest target first. Warns, naming
-    the target, where a fit lacks runs, misses them by over ``POOR_FIT`` or has a WSD part of under 2 runs."""
+    """Both fits per target loss reached by 3 or more runs, highest target first; warns where a fit is unreliable."""
     fits = []
     for target in sorted(crossings, reverse=True):
         points = tuple(crossings[target])
@@ -233,31 +222,29 @@ def fit_targets(crossings: Mapping[float, Sequence[Crossing]], tokens_per_sample
             )
             continue
         steps, tokens = [c.steps for c in points], [c.tokens for c in points]
-        mccandlish, wsd = fit_mccandlish(steps, tokens), None
+        mccandlish = fit_mccandlish(steps, tokens)
+        wsd = fit_wsd(steps, tokens) if len(points) >= WSD_FREE_PARAMETERS else None
         if mccandlish.rms_log_residual > POOR_FIT:
             warnings.warn(
                 f"{at}: McCandlish's E(S) misses the runs by {mccandlish.rms_log_residual:.0%} (rms of log E); E(S) is "
                 "probably not monotone (loss curves cross, as under a WSD schedule), so B_crit is unreliable"
             )
-        if len(points) < WSD_FREE_PARAMETERS:
+        if wsd is None:
             warnings.warn(
                 f"{at}: {len(points)} runs reach it ({names}); the WSD fit (B_min, B_opt) has {WSD_FREE_PARAMETERS} "
                 f"free parameters and needs at least {WSD_FREE_PARAMETERS} runs: B_min and B_opt left out"
             )
-        else:
-            wsd = fit_wsd(steps, tokens)
-            if wsd.rms_log_residual > POOR_FIT:
-                warnings.warn(
-                    f"{at}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), so B_min and "
-                    "B_opt are unreliable"
-                )
-            if thin := [
-                part for part, n in zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment) if n < 2
-            ]:
-                warnings.warn(
-                    f"{at}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) (runs per part: "
-                    f"{wsd.points_per_segment}); B_min and B_opt are poorly determined there"
-                )
+        elif wsd.rms_log_residual > POOR_FIT:
+            warnings.warn(
+                f"{at}: the WSD E(S) misses the runs by {wsd.rms_log_residual:.0%} (rms of log E), so B_min and "
+                "B_opt are unreliable"
+            )
+        parts = zip(("hyperbolic", "quadratic", "linear"), wsd.points_per_segment if wsd else ())
+        if thin := [part for part, n in parts if n < 2]:
+            warnings.warn(
+                f"{at}: the WSD fit has fewer than 2 runs in its {' and '.join(thin)} part(s) (runs per part: "
+                f"{wsd and wsd.points_per_segment}); B_min and B_opt are poorly determined there"
+            )
         fits.append(TargetFit(target, points, tokens_per_sample, mccandlish, wsd))
     return fits
 
@@ -267,19 +254,17 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     target's E_min tokens on; rounded to ``multiple_of`` samples, never decreasing (warned)."""
     if isinstance(multiple_of, bool) or not isinstance(multiple_of, int) or multiple_of <= 0:
         raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (samples)")
-    usable = sorted((f for f in target_fits if f.wsd is not None), key=lambda f: f.target, reverse=True)
-    if not usable:
-        raise ValueError("no target loss has a WSD fit (B_opt): it needs at least 8 runs that reach the target")
-    kept: list[tuple[float, TargetFit]] = []  # (E_min, fit)
-    for fit in usable:
-        e_min = fit.wsd.e_min if fit.wsd else math.nan
-        if kept and e_min <= kept[-1][0]:
+    kept: list[tuple[float, TargetFit]] = []  # (E_min, fit) of the fits with B_opt, highest target first
+    for fit in sorted(target_fits, key=lambda f: f.target, reverse=True):
+        if fit.wsd is not None and kept and fit.wsd.e_min <= kept[-1][0]:
             warnings.warn(
-                f"target loss {fit.target:g}: E_min {e_min:.4g} tokens is not above the previous target's "
+                f"target loss {fit.target:g}: E_min {fit.wsd.e_min:.4g} tokens is not above the previous target's "
                 f"({kept[-1][0]:.4g}); target dropped from the schedule"
             )
-            continue
-        kept.append((e_min, fit))
+        elif fit.wsd is not None:
+            kept.append((fit.wsd.e_min, fit))
+    if not kept:
+        raise ValueError("no target loss has a WSD fit (B_opt): it needs at least 8 runs that reach the target")
     sizes: list[int] = []
     thresholds: list[int] = []
     for starts_at, (_, fit) in zip([0.0] + [e for e, _ in kept[:-1]], kept):
@@ -296,18 +281,16 @@ def propose_schedule(target_fits: Sequence[TargetFit], multiple_of: int = 1) -> 
     return PiecewiseBatch(sizes, thresholds, unit="tokens")
 
 
-def _schedule_yaml(schedule: PiecewiseBatch, comment: str, keys: Sequence[str], tail: Sequence[str] = ()) -> str:
+def _schedule_yaml(schedule: PiecewiseBatch, comment: str, keys: Sequence[str], **tail: object) -> str:
     """``schedule`` nested under ``keys``, ``comment`` on top as YAML comments, ``tail`` below."""
-    indent = "  " * len(keys)
-    lines = [f"# {line}" if line else "#" for line in comment.splitlines()]
-    lines += [f"{'  ' * depth}{key}:" for depth, key in enumerate(keys)]
-    lines += [
-        f"{indent}_target_: {type(schedule).__module__}.{type(schedule).__qualname__}",
-        f"{indent}batch_sizes: [{', '.join(str(b) for b in schedule.batch_sizes)}]",
-        f"{indent}thresholds: [{', '.join(str(t) for t in schedule.thresholds)}]",
-        f"{indent}unit: {schedule.unit}",
-    ]
-    return "\n".join([*lines, *tail]) + "\n"
+    import yaml
+
+    node: dict[str, object] = {"_target_": f"{type(schedule).__module__}.{type(schedule).__qualname__}"}
+    node |= {"batch_sizes": schedule.batch_sizes, "thresholds": schedule.thresholds, "unit": schedule.unit}
+    for key in reversed(keys):
+        node = {key: node}
+    comments = "".join(f"# {line}\n" if line else "#\n" for line in comment.splitlines())
+    return comments + str(yaml.safe_dump({**node, **tail}, sort_keys=False, default_flow_style=None, width=1000))
 
 
 def batch_group_yaml(
@@ -315,13 +298,82 @@ def batch_group_yaml(
 ) -> str:
     """A ``conf/batch/`` option running ``schedule`` with ``lr_rule``; ``max_micro_batch_size`` (None: accumulation
     alone) is required so that a schedule read off one run keeps its micro-batch growth."""
-    micro = "null" if max_micro_batch_size is None else max_micro_batch_size
-    return _schedule_yaml(schedule, comment, ("schedule",), [f"lr_rule: {lr_rule}", f"max_micro_batch_size: {micro}"])
+    return _schedule_yaml(schedule, comment, ("schedule",), lr_rule=lr_rule, max_micro_batch_size=max_micro_batch_size)
 
 
 def write_schedule_yaml(schedule: PiecewiseBatch, path: str | os.PathLike[str], comment: str = "") -> Path:
-    """Write a Hydra recipe (``# @package _global_``) setting ``batch.schedule`` to ``path`` (e.g.
-    ``conf/recipe/my_schedule.yaml``)."""
+    """Write a Hydra recipe (``# @package _global_``) setting ``batch.schedule`` to ``path``."""
     path = Path(path)
     path.write_text("# @package _global_\n" + _schedule_yaml(schedule, comment, ("batch", "schedule")))
     return path
+
+
+@dataclass(frozen=True)
+class SideBySide:
+    """One target loss; batch sizes in samples, NaN or None where nothing is known. ``probe_run_tokens``: where the
+    run at the probe's batch reached the target; ``b_crit_poor``, ``wsd_poor``: the fit misses by over ``POOR_FIT``."""
+
+    target: float
+    b_crit: float
+    b_min: float
+    b_opt: float
+    b_simple: float
+    b_simple_runs: int
+    probe_run_tokens: float | None
+    probe: ProbeReading | None
+    b_crit_poor: bool = False
+    wsd_poor: bool = False
+
+
+def side_by_side(
+    fits: Sequence[TargetFit], runs: Sequence[RunCurve], probe: Sequence[ProbeReading] = ()
+) -> list[SideBySide]:
+    """One ``SideBySide`` per fit: B_simple as the median over ``runs`` of its value where each reached the target;
+    the ``probe`` reading nearest the tokens at which the run at the probe's batch reached it."""
+    by_name, rows = {run.name: run for run in runs}, []
+    for fit in fits:
+        values = [  # B_simple where each run reached the target (read_run keeps its finite values)
+            float(np.interp(c.tokens, run.gns_tokens, run.gns))
+            for c in fit.crossings
+            if (run := by_name.get(c.run)) is not None
+            and run.gns.size
+            and run.gns_tokens[0] <= c.tokens <= run.gns_tokens[-1]
+        ]
+        run_tokens, reading = None, None  # where the run at the probe's batch reached the target, the nearest reading
+        for crossing in fit.crossings:
+            if readings := [p for p in probe if p.batch_size == crossing.batch_size]:
+                run_tokens = crossing.tokens
+                reading = min(readings, key=lambda p: abs(math.log(p.tokens / crossing.tokens)))
+                break
+        crit_poor = fit.mccandlish is not None and fit.mccandlish.rms_log_residual > POOR_FIT
+        wsd_poor = fit.wsd is not None and fit.wsd.rms_log_residual > POOR_FIT
+        b_simple = float(np.median(values)) if values else math.nan
+        sizes = (fit.b_crit, fit.b_min, fit.b_opt, b_simple)
+        rows.append(SideBySide(fit.target, *sizes, len(values), run_tokens, reading, crit_poor, wsd_poor))
+    return rows
+
+
+def side_by_side_markdown(rows: Sequence[SideBySide]) -> str:
+    """``rows`` as a markdown table (samples; * marks a fit that misses by over ``POOR_FIT``, noted below)."""
+
+    def size(value: float, poor: bool = False) -> str:
+        return f"{value:.3g}" + ("*" if poor else "") if math.isfinite(value) else "-"
+
+    lines = [
+        "| target loss | B_crit (McCandlish) | B_min (WSD) | B_opt (WSD) | B_simple (noise scale, runs) "
+        "| probe CBS (at tokens; run reached target at) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        probe = "-"
+        if row.probe is not None:
+            lower, upper = row.probe.cbs_lower, row.probe.cbs_upper
+            bracket = f"[{lower:g}, {upper:g}]" if upper is not None else f">= {lower:g}"
+            probe = f"{bracket} (at {row.probe.tokens:,.0f}; {row.probe_run_tokens:,.0f})"
+        lines.append(
+            f"| {row.target:.4g} | {size(row.b_crit, row.b_crit_poor)} | {size(row.b_min, row.wsd_poor)} "
+            f"| {size(row.b_opt, row.wsd_poor)} | {size(row.b_simple)} ({row.b_simple_runs}) | {probe} |"
+        )
+    if any(row.b_crit_poor or row.wsd_poor for row in rows):
+        lines += ["", f"\\* that E(S) fit misses the runs by more than {POOR_FIT:.0%} (rms of log E): unreliable"]
+    return "\n".join(lines)

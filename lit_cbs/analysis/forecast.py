@@ -1,6 +1,4 @@
-"""A forecast of the critical batch size past the last probe: a curve CBS(D), ``power`` a (D / D0)^b or ``plateau``
-1 / CBS = 1 / (a (D / D0)^b) + 1 / c, fitted to the intervals the readings bracket it in as censored data, with a
-posterior predictive band (docs/design.md); and a schedule following the band."""
+"""A CBS(D) curve fitted to the probe readings' brackets, its posterior predictive band and a schedule following it."""
 
 from __future__ import annotations
 
@@ -97,10 +95,8 @@ def brackets_from_records(
         >>> def reading(tokens, loss_at_4):  # k = 1, 2, 4 of B = 32 samples, judged by the mean losses alone
         ...     scores = {1: BranchScore(3.0), 2: BranchScore(3.0), 4: BranchScore(loss_at_4)}
         ...     return ProbeReading.decide(scores, DecisionRule(0.01, 0.5), [1, 2, 4], 32, tokens=tokens, **where)
-        >>> for bracket in brackets_from_records([reading(4 * 10**8, 3.0), reading(10**8, 3.1)], run="a"):
-        ...     print(bracket.tokens, bracket.lower, bracket.upper)
-        100000000.0 64.0 128.0
-        400000000.0 128.0 inf
+        >>> [(b.tokens, b.lower, b.upper) for b in brackets_from_records([reading(4e8, 3.0), reading(1e8, 3.1)])]
+        [(100000000.0, 64.0, 128.0), (400000000.0, 128.0, inf)]
     """
     brackets, seq_lens = [], set()
     for number, reading in enumerate(readings, start=1):
@@ -114,20 +110,16 @@ def brackets_from_records(
     if not brackets:
         raise ValueError(f"{run}: no probe reading; a forecast needs readings")
     if len(seq_lens) > 1:
-        mixed = sorted(map(str, seq_lens))
-        raise ValueError(f"{run}: readings of seq_len {mixed} mixed; fit one sequence length at a time")
+        raise ValueError(
+            f"{run}: readings of seq_len {sorted(map(str, seq_lens))} mixed; fit one sequence length at a time"
+        )
     return sorted(brackets, key=lambda b: b.tokens)
-
-
-def _columns(params: np.ndarray) -> np.ndarray:
-    """The parameters, each against log D: numbers for one vector, [draws, 1] columns for a stack of them."""
-    params = np.asarray(params, dtype=float)
-    return np.asarray(params.T[..., None] if params.ndim > 1 else params)
 
 
 def _curve(params: np.ndarray, log_d: np.ndarray, model: str) -> np.ndarray:
     """log CBS at log(D / D0): shaped as ``log_d`` for one parameter vector, [draws, *log_d.shape] for a stack."""
-    columns = _columns(params)
+    params = np.asarray(params, dtype=float)  # each parameter against log D: [draws, 1] columns for a stack
+    columns = params.T[..., None] if params.ndim > 1 else params
     power: np.ndarray = columns[0] + columns[1] * log_d
     if model == "power":
         return power
@@ -138,7 +130,7 @@ def _log_likelihood(
     params: np.ndarray, log_d: np.ndarray, log_lo: np.ndarray, log_hi: np.ndarray, model: str
 ) -> np.ndarray:
     """Per bracket (last axis): log P(log_lo < log CBS < log_hi) under Normal(curve, s)."""
-    scale = np.exp(_columns(params)[2])
+    scale = np.exp(np.asarray(params, dtype=float)[..., 2:3])  # s, as a column for a stack
     mu = _curve(params, log_d, model)
     upper = special.log_ndtr((log_hi - mu) / scale)  # log Phi; log_hi = inf gives 0
     lower = special.log_ndtr((log_lo - mu) / scale)
@@ -164,16 +156,13 @@ def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray
     return np.asarray(np.where(inside, density, -np.inf))
 
 
-_Logs = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-def _logs(brackets: Sequence[Bracket], d0: float) -> _Logs:
+def _logs(brackets: Sequence[Bracket], d0: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Brackets as the likelihood reads them: log(D / D0), log lower, log upper."""
     log_d = np.log(np.array([b.tokens for b in brackets]) / d0)
     return log_d, np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
 
 
-def _log_posterior(params: np.ndarray, logs: _Logs, model: str) -> np.ndarray:
+def _log_posterior(params: np.ndarray, logs: tuple[np.ndarray, np.ndarray, np.ndarray], model: str) -> np.ndarray:
     """Summed log likelihood plus log prior (up to a constant; the plateau's centred on the largest lower end)."""
     likelihood = np.sum(_log_likelihood(params, *logs, model), axis=-1)
     return np.asarray(likelihood + _log_prior(params, model, float(logs[1].max())))
@@ -193,11 +182,9 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
     slope = np.polyfit(log_d, centre, 1)[0] if len(set(log_d)) > 1 else 0.0
     slope = float(np.clip(slope, -EXPONENT_BOUND, EXPONENT_BOUND))
     line = np.array([float(np.mean(centre - slope * log_d)), slope, math.log(SPREAD_PRIOR_MEDIAN)])
-    if model == "power":
-        starts = [line]
-    else:  # from the power law's fit, with the ceiling near, at and above the largest reading
-        power = _fit(brackets, "power", d0)
-        starts = [np.append(power, float(np.max(centre)) + shift) for shift in (-0.5, 0.5, 2.0)]
+    # The plateau starts from the power law's fit, with the ceiling near, at and above the largest reading.
+    power = _fit(brackets, "power", d0) if model == "plateau" else line
+    starts = [line] if model == "power" else [np.append(power, float(np.max(centre)) + s) for s in (-0.5, 0.5, 2.0)]
     results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=_bounds(model)) for x0 in starts]
     return np.asarray(min(results, key=lambda result: result.fun).x)
 
@@ -205,8 +192,7 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
 def _laplace_covariance(
     log_posterior: Callable[[np.ndarray], np.ndarray], mode: np.ndarray, step: float = 1e-3
 ) -> np.ndarray:
-    """The inverse of the negative log posterior's Hessian at ``mode`` (central differences), its
-    eigenvalues floored so that no direction gets a standard deviation above 3 (a flat likelihood)."""
+    """The inverse Hessian of -log posterior at ``mode``, no direction's standard deviation above 3."""
     size = len(mode)
     offsets = np.eye(size) * step
     hessian = np.empty((size, size))
@@ -261,11 +247,6 @@ class CBSForecast:
         """c in samples for the plateau model; None for the power law."""
         return math.exp(self.params[3]) if self.model == "plateau" else None
 
-    @property
-    def noise_scale(self) -> float:
-        """s: the spread of log CBS around the curve, at the posterior's mode."""
-        return math.exp(self.params[2])
-
     def predict(self, tokens: ArrayLike) -> np.ndarray:
         """The posterior mode's CBS (samples) at ``tokens``."""
         log_d = np.log(np.asarray(tokens, dtype=float) / self.d0)
@@ -293,7 +274,7 @@ class CBSForecast:
         return (
             f"{self.model} fit to {len(self.brackets)} readings of {len(runs)} run(s) "
             f"({self.brackets[0].tokens:,.0f} to {self.brackets[-1].tokens:,.0f} tokens): {shape}; "
-            f"spread of log CBS {self.noise_scale:.3f}; {self.coverage:.0%} posterior predictive band"
+            f"spread of log CBS {math.exp(self.params[2]):.3f}; {self.coverage:.0%} posterior predictive band"
         )
 
 
@@ -340,9 +321,8 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
     if not 0 < coverage < 1:
         raise ValueError(f"coverage={coverage!r} must lie in (0, 1), e.g. 0.8")
     brackets = sorted(brackets, key=lambda b: b.tokens)
-    for bracket in brackets:
-        if not (bracket.tokens > 0 and 0 < bracket.lower < bracket.upper):
-            raise ValueError(f"{bracket}: needs tokens > 0 and 0 < lower < upper (upper inf for no upper end)")
+    if bad := [b for b in brackets if not (b.tokens > 0 and 0 < b.lower < b.upper)]:
+        raise ValueError(f"{bad[0]}: needs tokens > 0 and 0 < lower < upper (upper inf for no upper end)")
     token_counts = sorted({b.tokens for b in brackets})
     if len(token_counts) < 2:
         raise ValueError(f"readings at {len(token_counts)} token count(s); a curve in D needs readings at 2 or more")
@@ -350,9 +330,8 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
         raise ValueError(
             "no reading has an upper end (every CBS is beyond its probe's grid): nothing bounds the curve from above"
         )
-    span = token_counts[-1] / token_counts[0]
+    first, last, span = token_counts[0], token_counts[-1], token_counts[-1] / token_counts[0]
     if len(token_counts) < MIN_TOKEN_COUNTS or span < MIN_SPAN:
-        first, last = token_counts[0], token_counts[-1]
         readings = f"{len(token_counts)} token counts spanning {span:.1f}x ({first:,.0f} to {last:,.0f})"
         warnings.warn(
             f"forecast_cbs: readings at {readings} cannot test the curve's shape, so its band holds only if the CBS "

@@ -1,5 +1,4 @@
-"""PNG plots of the E(S) fits, their batch sizes, the CBS forecast and the probe's readings, through the Agg canvas
-(pyplot's backend left alone)."""
+"""PNG plots of the E(S) fits, their batch sizes and the CBS forecast, through the Agg canvas (pyplot left alone)."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from lit_cbs._figures import save_figure
-from lit_cbs.analysis.compare import SideBySide
 from lit_cbs.analysis.curves import RunCurve
-from lit_cbs.analysis.fits import POOR_FIT, TargetFit
+from lit_cbs.analysis.fits import POOR_FIT, SideBySide, TargetFit
 from lit_cbs.analysis.forecast import CBSForecast
 from lit_cbs.probe.plot import _brackets
 from lit_cbs.probe.reading import ProbeReading
@@ -35,8 +33,7 @@ def _axes(
 
 
 def plot_es(target_fits: Sequence[TargetFit], path: str | os.PathLike[str]) -> Path:
-    """E (tokens) against S (steps) per target loss, log-log: the runs' crossings, McCandlish's fit (dashed) and
-    the WSD fit (solid) where it was made."""
+    """E (tokens) against S (steps) per target loss: the runs' crossings, McCandlish's fit and the WSD fit."""
     if not target_fits:
         raise ValueError("no target fits to plot")
     figure = Figure(figsize=(7, 5))
@@ -135,13 +132,13 @@ def plot_forecast(
     for index, run in enumerate(runs):
         shift = 1.04 ** (index - (len(runs) - 1) / 2)  # runs read at the same tokens side by side
         for number, bracket in enumerate(b for b in brackets if b.run == run):
-            top = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2
-            x = bracket.tokens * shift
-            style = "-" if bracket.determined else "--"
-            ax.plot([x, x], [bracket.lower, top], style, color=colors[run], lw=2, label=run if number == 0 else None)
+            top, x = bracket.upper if math.isfinite(bracket.upper) else bracket.lower * 2, bracket.tokens * shift
+            style, label = "-" if bracket.determined else "--", run if number == 0 else None
+            ax.plot([x, x], [bracket.lower, top], style, color=colors[run], lw=2, label=label)
             if not math.isfinite(bracket.upper):
-                arrow = {"arrowstyle": "->", "color": colors[run]}
-                ax.annotate("", xy=(x, top * 1.3), xytext=(x, top), arrowprops=arrow)
+                ax.annotate(
+                    "", xy=(x, top * 1.3), xytext=(x, top), arrowprops={"arrowstyle": "->", "color": colors[run]}
+                )
     grid = np.geomspace(min(b.tokens for b in brackets) / 1.2, end * 1.2, 200)
     low, high = forecast.band(grid)
     ax.fill_between(grid, low, high, color="0.6", alpha=0.3, label=f"{forecast.coverage:.0%} band")

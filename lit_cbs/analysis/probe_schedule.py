@@ -1,5 +1,4 @@
-"""A batch-size warmup schedule read off a measured CBS curve (Merrill et al. 2025: a small model's curve can set a
-big one's warmup)."""
+"""A batch-size warmup schedule read off a measured CBS curve (Merrill et al. 2025)."""
 
 from __future__ import annotations
 
@@ -25,16 +24,12 @@ def run_config_value(run_dir: PathLike, key: str) -> tuple[Any, Path] | None:
     from omegaconf.errors import InterpolationResolutionError
 
     absent = object()
-    for name in RUN_CONFIGS:
-        path = Path(run_dir) / name
-        if not path.is_file():
-            continue
+    for path in (Path(run_dir) / name for name in RUN_CONFIGS if (Path(run_dir) / name).is_file()):
         try:
-            value = OmegaConf.select(OmegaConf.load(path), key, default=absent)
+            if (value := OmegaConf.select(OmegaConf.load(path), key, default=absent)) is not absent:
+                return value, path
         except InterpolationResolutionError:  # .hydra/config.yaml alone lacks train.py's resolvers
             continue
-        if value is not absent:
-            return value, path
     return None
 
 
@@ -48,10 +43,9 @@ def _number(reading: ProbeReading, key: str, where: str) -> float:
     return float(value)
 
 
-def _check_count(name: str, value: object, minimum: int, meaning: str) -> int:
+def _check_count(name: str, value: object, minimum: int, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum} ({meaning})")
-    return value
 
 
 def check_growth(start: int, factor: int, margin: float) -> None:
@@ -69,15 +63,14 @@ def grow_batch(
 ) -> list[tuple[int, int]]:
     """(index, batch) where the batch grows along ``bounds`` (CBS lower bounds, samples): from ``start`` the largest
     ``start x factor**n`` (at most ``final``) with ``margin x batch`` at or below the bound, never decreasing."""
-    batch, changes = start, []
+    changes = [(-1, start)]
     for index, bound in enumerate(bounds):
-        grown = batch
+        grown = changes[-1][1]
         while margin * grown * factor <= bound and (final is None or grown * factor <= final):
             grown *= factor
-        if grown > batch:
-            batch = grown
-            changes.append((index, batch))
-    return changes
+        if grown > changes[-1][1]:
+            changes.append((index, grown))
+    return changes[1:]
 
 
 def schedule_from_probe(
@@ -140,8 +133,7 @@ def schedule_from_probe(
         if not reading.determined:
             continue
         tokens, lower = _number(reading, "tokens", where), _number(reading, "cbs_lower", where)
-        read_at = reading.seq_len
-        if read_at is not None and measured_seq_len is not None and read_at != measured_seq_len:
+        if None not in (read_at := reading.seq_len, measured_seq_len) and read_at != measured_seq_len:
             raise ValueError(
                 f"{where}: seq_len={read_at} but measured_seq_len={measured_seq_len}; drop measured_seq_len or fix it"
             )

@@ -13,14 +13,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
+from lit_cbs import metrics
 from lit_cbs._internals import foreach_copy_, foreach_norm, foreach_sub_, should_accumulate, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.callbacks.logs import log_to_loggers
 from lit_cbs.errors import LitCBSConfigError, positive_int, require_automatic_optimization
-from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums, squared_norm
+from lit_cbs.gns.estimator import NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups, compiled_groups
-
-__all__ = ["GradientNoiseScale"]
 
 PerExampleLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
 
@@ -28,30 +27,12 @@ PerExampleLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
 class _LossOfBatch(torch.nn.Module):
     """``per_example_loss(module, batch)`` as a module, so ``torch.func.functional_call`` can swap its parameters."""
 
-    def __init__(self, module: torch.nn.Module, loss: PerExampleLoss):
+    def __init__(self, module: torch.nn.Module, loss: PerExampleLoss) -> None:
         super().__init__()
         self.module, self.loss = module, loss
 
     def forward(self, batch: Any) -> torch.Tensor:
         return self.loss(self.module, batch)
-
-
-def _accumulates(trainer: pl.Trainer) -> bool:
-    """Whether the Trainer, a BatchWarmup or a GradientAccumulationScheduler accumulates 2+ micro-batches."""
-    from lit_cbs.callbacks.warmup import BatchWarmup
-
-    if trainer.accumulate_grad_batches > 1:
-        return True
-    ranks = BatchAccounting.attach(trainer).data_parallel_size
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
-        # The accumulation BatchWarmup will use at each size to come (it grows the micro-batch first).
-        if isinstance(callback, BatchWarmup) and any(
-            size // (callback.micro_batch_for(size) * ranks) > 1 for size in callback.schedule.sizes(callback.consumed)
-        ):
-            return True
-        if isinstance(callback, GradientAccumulationScheduler) and max(callback.scheduling.values()) > 1:
-            return True
-    return False
 
 
 class GradientNoiseScale(Callback):
@@ -81,7 +62,7 @@ class GradientNoiseScale(Callback):
         groups: str | Mapping[str, str] | None = None,
         per_example_loss: PerExampleLoss | None = None,
         per_example_chunk_size: int | None = None,
-    ):
+    ) -> None:
         if isinstance(ema_decay, bool) or not isinstance(ema_decay, (int, float)) or not 0.0 <= ema_decay < 1.0:
             raise LitCBSConfigError(f"ema_decay={ema_decay!r} must be a float in [0, 1) (decay per optimizer step)")
         if per_example_loss is not None and not callable(per_example_loss):
@@ -96,31 +77,14 @@ class GradientNoiseScale(Callback):
         compiled_groups(groups)
         self.ema_decay, self.groups = float(ema_decay), groups
         self.per_example_loss, self.per_example_chunk_size = per_example_loss, per_example_chunk_size
-        self._per_example = per_example_loss is not None
-        self._stepped = False  # a step was measured and its metrics are not written yet
+        self._stepped = self._said_unmeasured = False  # _stepped: a step was measured, its metrics not yet written
         self.last_measurement: NoiseMeasurement | None = None
-        self._averages: NoiseAverages | None = None  # created when the fit starts, or by a checkpoint before
+        self.num_updates = 0  # optimizer steps measured so far
+        # Per group, EMAs of |G|^2 and tr(Sigma), bias-corrected when read: made when the fit starts or by a checkpoint.
+        self._ema: list[torch.Tensor] = []
         self.group_names: list[str | None] = []
         self._restored_group_names: list[str | None] | None = None  # from a checkpoint, checked when the fit starts
-        self._group_of: dict[torch.Tensor, int] = {}  # parameter -> index in group_names
-        self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
-        self._loss_module: _LossOfBatch | None = None  # per-example mode, once the fit starts
-        self._named_params: dict[str, torch.Tensor] = {}  # its trained parameters by functional_call name
-        self._world_size, self._device = 1, torch.device("cpu")
-        self._accounting: BatchAccounting | None = None  # the Trainer's: says when a CBS probe's branch runs
-        self._said_unmeasured = False
-        # Since the last optimizer step (this rank): what its micro-batches add up to, and the gradient copies.
-        self._sums: StepSums | None = None
-        self._accumulated: dict[torch.Tensor, torch.Tensor] = {}  # parameter -> copy of its accumulated .grad
-        self._held: set[torch.Tensor] = set()  # parameters whose copy holds this step's accumulated gradient
-        self._micro_batch_size = 0
-        self._pending_small: torch.Tensor | None = None  # per-example mode: squared norms summed per group
-        self._hook_grad_sq: torch.Tensor | None = None  # DDP hook: the syncing micro-batch's squared norms
-
-    @property
-    def num_updates(self) -> int:
-        """Optimizer steps measured so far."""
-        return 0 if self._averages is None else self._averages.updates
+        # The rest is set when the fit starts.
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -135,26 +99,46 @@ class GradientNoiseScale(Callback):
             )
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._world_size = trainer.world_size
+        # Says when a CBS probe's branch runs: its gradients, hooks and steps are not the main run's.
         self._accounting = BatchAccounting.attach(trainer)
-        if not self._per_example and self._world_size == 1 and not _accumulates(trainer):
-            raise LitCBSConfigError(
-                f"GradientNoiseScale needs two batch sizes, but accumulate_grad_batches="
-                f"{trainer.accumulate_grad_batches} on {self._world_size} process gives one: set "
-                "Trainer(accumulate_grad_batches=2 or more), train on 2+ DDP processes, or pass "
-                "per_example_loss=... for per-example mode (B_small = 1 sample)"
-            )
+        if self.per_example_loss is None and trainer.world_size == 1 and trainer.accumulate_grad_batches == 1:
+            from lit_cbs.callbacks.warmup import BatchWarmup
+
+            ranks = self._accounting.data_parallel_size  # BatchWarmup: the accumulation at each size to come
+            if not any(
+                (
+                    isinstance(cb, BatchWarmup)
+                    and any(s // (cb.micro_batch_for(s) * ranks) > 1 for s in cb.schedule.sizes(cb.consumed))
+                )
+                or (isinstance(cb, GradientAccumulationScheduler) and max(cb.scheduling.values()) > 1)
+                for cb in trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector
+            ):
+                raise LitCBSConfigError(
+                    "GradientNoiseScale needs two batch sizes, but accumulate_grad_batches=1 on 1 process gives one: "
+                    "set Trainer(accumulate_grad_batches=2 or more), train on 2+ DDP processes, or pass "
+                    "per_example_loss=... for per-example mode (B_small = 1 sample)"
+                )
         (optimizer,) = trainer.optimizers  # automatic optimization: exactly one
         self.group_names, self._group_of = assign_groups(self.groups, optimizer, pl_module)
-        self._group_index, self._device = {}, pl_module.device
-        if self._averages is None:
-            self._averages = NoiseAverages.zeros(self.ema_decay, len(self.group_names), self._device)
-        else:  # restored from a checkpoint before the strategy's setup
-            self._check_restored_groups()
-            self._averages.to(self._device)
-        self._restart_sums()
-        if self.per_example_loss is not None:
-            self._loss_module = _LossOfBatch(pl_module, self.per_example_loss)
+        self._device = pl_module.device
+        self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
+        # Since the last optimizer step (this rank): copies of the accumulated gradients, the parameters whose copy
+        # is current, and the syncing micro-batch's squared norms the DDP hook measured.
+        self._accumulated: dict[torch.Tensor, torch.Tensor] = {}
+        self._held: set[torch.Tensor] = set()
+        self._hook_grad_sq: torch.Tensor | None = None
+        self._pending_small: torch.Tensor | None = None  # per-example mode: squared norms summed per group
+        if self._restored_group_names not in (None, self.group_names):  # restored before this hook (single device, DDP)
+            raise LitCBSConfigError(
+                f"the checkpoint's GradientNoiseScale measured the groups {self._restored_group_names} but "
+                f"groups={self.groups!r} gives {self.group_names} (None: the parameters in no group); resume with "
+                "the groups the checkpoint was written with"
+            )
+        zeros = torch.zeros(len(self.group_names), device=self._device)
+        self._ema = [ema.to(self._device) for ema in self._ema] or [zeros, zeros.clone()]
+        self._sums = StepSums(len(self.group_names), self._device)  # this optimizer step's micro-batches
+        self._loss_module = None if self.per_example_loss is None else _LossOfBatch(pl_module, self.per_example_loss)
+        if self._loss_module is not None:  # its trained parameters by functional_call name
             self._named_params = {f"module.{n}": p for n, p in pl_module.named_parameters() if p in self._group_of}
             return
         if not isinstance(trainer.strategy, DDPStrategy):
@@ -168,10 +152,6 @@ class GradientNoiseScale(Callback):
                 "all-reduce, but one is already registered: remove DDPStrategy(ddp_comm_hook=...) or "
                 "GradientNoiseScale"
             ) from error
-
-    def _restart_sums(self) -> None:  # a new optimizer step: nothing summed, no gradient copy current
-        self._sums = StepSums(len(self.group_names), self._device)
-        self._held.clear()
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -204,80 +184,67 @@ class GradientNoiseScale(Callback):
             )(params, samples)
         return per_sample_sq.sum(0)
 
-    @property
-    def _in_branch(self) -> bool:  # a CBS probe's branch: its gradients, hooks and steps are not the main run's
-        return self._accounting is not None and self._accounting.in_branch
-
     def on_before_zero_grad(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if not self._in_branch:
+        if not self._accounting.in_branch:
             self._held.clear()  # the accumulated gradient restarts from zero
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._in_branch:
+        if self._accounting.in_branch:
             return
-        if self._accounting is not None and self._accounting.step_tokens.active:
+        if self._accounting.step_tokens.active:
             raise LitCBSConfigError(
                 "GradientNoiseScale measures each micro-batch's mean loss, but this training_step returns "
                 "lit_cbs.token_mean_loss(...), whose micro-batch gradients are sums over tokens until the step "
                 "rescales them: remove GradientNoiseScale, or return the micro-batch's mean loss"
             )
         b, sums = float(self._micro_batch_size), self._sums
-        assert sums is not None  # on_fit_start made them
         if not b:  # no sample (an epoch's last round left this rank none): no gradient of its own to measure
             self._hook_grad_sq = None
-        elif self._per_example:
+            sums.add(b)
+        elif self.per_example_loss is not None:
             assert self._pending_small is not None  # on_train_batch_start measured this micro-batch (b > 0 samples)
-            sums.add_small_batches(self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
+            sums.add(b, self._pending_small, count=b, inverse_size_sum=b)  # b samples, each a batch of 1
         else:
             if self._hook_grad_sq is not None:  # this backward all-reduced: the hook measured it before
                 grad_sq, self._hook_grad_sq = self._hook_grad_sq, None
             else:
-                pairs = ((p, p.grad) for p in self._group_of)
-                grad_sq = self._micro_batch_grad_sq(pairs, keep=should_accumulate(trainer))
+                grad_sq = self._micro_batch_grad_sq(((p, p.grad) for p in self._group_of), should_accumulate(trainer))
             # Lightning divided this micro-batch's loss by accumulate_grad_batches.
-            sums.add_small_batches(grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
-        sums.add_micro_batch(b)
+            sums.add(b, grad_sq * trainer.accumulate_grad_batches**2, count=1.0, inverse_size_sum=1.0 / b)
 
     def _micro_batch_grad_sq(
         self, params_and_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], keep: bool
     ) -> torch.Tensor:
         """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
         Fused ``_foreach_*`` kernels, cheaper than per-parameter ones on a small model."""
-        held: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) with a copy from before this backward
-        fresh: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, grad) without: this step's first
-        for param, grad in params_and_grads:
-            if grad is not None:
-                (held if param in self._held else fresh).append((param, grad))
+        pairs = [(param, grad) for param, grad in params_and_grads if grad is not None]
+        held = [(param, grad) for param, grad in pairs if param in self._held]  # with a copy from before this backward
+        fresh = [(param, grad) for param, grad in pairs if param not in self._held]  # without: this step's first
         held_copies = [self._accumulated[param] for param, _ in held]
         if held:
             foreach_sub_(held_copies, [grad for _, grad in held])  # minus this micro-batch's contribution
-        grad_sq = self._group_squared_norms(
-            [param for param, _ in held] + [param for param, _ in fresh], held_copies + [grad for _, grad in fresh]
-        )
+        grad_sq = self._group_squared_norms([param for param, _ in held + fresh], held_copies + [g for _, g in fresh])
         if keep:
             if held:
                 foreach_copy_(held_copies, [grad for _, grad in held])
             for param, grad in fresh:
-                copy = self._accumulated.get(param)
-                if copy is None:
-                    self._accumulated[param] = grad.detach().clone()
+                if param in self._accumulated:
+                    self._accumulated[param].copy_(grad)
                 else:
-                    copy.copy_(grad)
-                self._held.add(param)
+                    self._accumulated[param] = grad.detach().clone()
+            self._held.update(param for param, _ in fresh)
         return grad_sq
 
     def _group_squared_norms(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> torch.Tensor:
         """Per group, the summed squared norms of ``tensors`` (of ``params``), half precision reduced in float32."""
         grad_sq = torch.zeros(len(self.group_names), device=self._device)
-        half = [i for i, tensor in enumerate(tensors) if tensor.dtype in (torch.float16, torch.bfloat16)]
-        full = [i for i, tensor in enumerate(tensors) if tensor.dtype not in (torch.float16, torch.bfloat16)]
-        for indices, dtype in ((half, {"dtype": torch.float32}), (full, {})):
+        for half in (True, False):  # half precision first, as before
+            indices = [i for i, t in enumerate(tensors) if (t.dtype in (torch.float16, torch.bfloat16)) == half]
             if not indices:
                 continue
-            norms = foreach_norm([tensors[i] for i in indices], 2, **dtype)
+            norms = foreach_norm([tensors[i] for i in indices], 2, **({"dtype": torch.float32} if half else {}))
             key = tuple(id(params[i]) for i in indices)
-            index = self._group_index.get(key)
-            if index is None:
+            if (index := self._group_index.get(key)) is None:
                 index = torch.tensor([self._group_of[params[i]] for i in indices], device=self._device)
                 self._group_index[key] = index
             grad_sq.index_add_(0, index, torch.stack(norms).float().square())
@@ -288,7 +255,7 @@ class GradientNoiseScale(Callback):
         """DDP communication hook: measure this rank's last micro-batch in ``bucket``, then all-reduce."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        if self._in_branch:
+        if self._accounting.in_branch:
             return allreduce_hook(process_group, bucket)
         pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if p in self._group_of]
         grad_sq = self._micro_batch_grad_sq(pairs, keep=False)
@@ -298,12 +265,12 @@ class GradientNoiseScale(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        sums, averages = self._sums, self._averages
-        if self._in_branch:
+        sums = self._sums
+        if self._accounting.in_branch:
             return
-        assert sums is not None and averages is not None  # on_fit_start made them
-        self._restart_sums()
-        if not self._per_example and self._world_size * sums.micro_batches < 2:
+        self._sums = StepSums(len(self.group_names), self._device)  # a new optimizer step: nothing summed,
+        self._held.clear()  # no gradient copy current
+        if self.per_example_loss is None and trainer.world_size * sums.micro_batches < 2:
             if not self._said_unmeasured:  # one micro-batch on one process: no second batch size this step
                 self._said_unmeasured = True
                 why = (
@@ -320,13 +287,22 @@ class GradientNoiseScale(Callback):
         with_grads = [(param, param.grad) for param in self._group_of if param.grad is not None]
         big_grad_sq = self._group_squared_norms([param for param, _ in with_grads], [grad for _, grad in with_grads])
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if scaler is not None and not self._per_example:
-            sums.unscale(scaler.get_scale())  # micro-batch gradients were read before unscaling
-        reduce = (lambda values: trainer.strategy.reduce(values, reduce_op="sum")) if self._world_size > 1 else None
-        averaged_over = trainer.accumulate_grad_batches * self._world_size  # also for a step the epoch cut short
+        if scaler is not None and self.per_example_loss is None:  # micro-batch gradients were read before unscaling
+            sums.values[: sums.groups] /= scaler.get_scale() ** 2
+        reduce = (lambda values: trainer.strategy.reduce(values, reduce_op="sum")) if trainer.world_size > 1 else None
+        averaged_over = trainer.accumulate_grad_batches * trainer.world_size  # also for a step the epoch cut short
         self.last_measurement = sums.measurement(big_grad_sq, reduce, averaged_over)
-        if averages.update(self.last_measurement):  # not after an AMP overflow: the optimizer skips that step
-            self._stepped = True
+        self._stepped = self._average(self.last_measurement)
+
+    def _average(self, measured: NoiseMeasurement) -> bool:
+        """Average in a step's estimates; False (unchanged) if any is not finite, as after an AMP overflow (the
+        optimizer skips that step)."""
+        if not bool(torch.isfinite(measured.grad_sq).all() & torch.isfinite(measured.trace_sigma).all()):
+            return False
+        new, decay = (measured.grad_sq, measured.trace_sigma), self.ema_decay
+        self._ema = [decay * ema + (1 - decay) * value for ema, value in zip(self._ema, new)]
+        self.num_updates += 1
+        return True
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -336,40 +312,39 @@ class GradientNoiseScale(Callback):
             log_to_loggers(trainer, lambda _: self.metrics())
 
     def metrics(self) -> dict[str, float]:
-        """The logged metrics' current values by name (empty before the first measured step)."""
-        return {} if self._averages is None else self._averages.metrics(self.group_names)
+        """The logged metrics' current values by name (empty before the first measured step): ``gns/...`` for the
+        whole model and ``gns/<group>/...`` per named group (None: the ungrouped rest)."""
+        if not self.num_updates:
+            return {}
+        correction = 1.0 - self.ema_decay**self.num_updates  # bias correction of EMAs started at zero
+        grad_sq, trace_sigma = (ema / correction for ema in self._ema)
+        whole = torch.stack([trace_sigma.sum() / grad_sq.sum(), trace_sigma.sum(), grad_sq.sum()])
+        per_group = torch.stack([trace_sigma / grad_sq, trace_sigma, grad_sq], dim=1)
+        model, *groups = torch.cat([whole[None], per_group]).tolist()  # one device-to-host copy for all groups
+        logged = {metrics.gns(quantity): value for quantity, value in zip(metrics.GNS_QUANTITIES, model)}
+        for group, row in zip(self.group_names, groups):
+            if group is not None:
+                logged.update({metrics.gns(q, group): value for q, value in zip(metrics.GNS_QUANTITIES, row)})
+        return logged
 
     @property
     def b_simple(self) -> float | None:
-        """The current B_simple in samples (None before the first measured step)."""
-        return None if self._averages is None else self._averages.b_simple
-
-    def _check_restored_groups(self) -> None:
-        restored = self._restored_group_names
-        if restored is not None and restored != self.group_names:
-            raise LitCBSConfigError(
-                f"the checkpoint's GradientNoiseScale measured the groups {restored} but groups={self.groups!r} "
-                f"gives {self.group_names} (None: the parameters in no group); resume with the groups the "
-                "checkpoint was written with"
-            )
+        """The current B_simple in samples, as logged (None before the first measured step)."""
+        return self.metrics().get(metrics.GNS_B_SIMPLE)
 
     def state_dict(self) -> dict[str, Any]:
-        if (averages := self._averages) is None:
+        if not self._ema:
             return {}
+        grad_sq, trace_sigma = (ema.detach().cpu() for ema in self._ema)
         return {
             "group_names": list(self.group_names),
-            "num_updates": averages.updates,
-            "ema_grad_sq": averages.grad_sq.detach().cpu(),
-            "ema_trace_sigma": averages.trace_sigma.detach().cpu(),
+            "num_updates": self.num_updates,
+            "ema_grad_sq": grad_sq,
+            "ema_trace_sigma": trace_sigma,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not state_dict:
-            return
-        self._restored_group_names = list(state_dict["group_names"])
-        if self.group_names:  # loaded after the fit started: check now
-            self._check_restored_groups()
-        grad_sq, trace_sigma = (
-            state_dict[key].to(self._device, torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma")
-        )
-        self._averages = NoiseAverages(self.ema_decay, grad_sq, trace_sigma, state_dict["num_updates"])
+        if state_dict:
+            self._restored_group_names = list(state_dict["group_names"])
+            self._ema = [state_dict[key].to(torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma")]
+            self.num_updates = state_dict["num_updates"]

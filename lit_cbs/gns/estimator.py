@@ -1,35 +1,19 @@
-"""B_simple = tr(Sigma) / |G|^2 from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A),
-per group of parameters (one tensor entry each): the ratio of bias-corrected EMAs of the unbiased estimates."""
+"""Unbiased |G|^2 and tr(Sigma) from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A), per
+group of parameters (one tensor entry each)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lit_cbs import metrics
-
-__all__: list[str] = []  # internal
-
-
-def two_batch_estimates(
-    small_grad_sq: Any, big_grad_sq: Any, small_batch_size: Any, big_batch_size: Any
-) -> tuple[Any, Any]:
-    """Unbiased ``(|G|^2, tr(Sigma))`` from squared gradient norms at two (effective) batch sizes in samples."""
-    inv_small, inv_big = 1.0 / small_batch_size, 1.0 / big_batch_size
-    trace_sigma = (small_grad_sq - big_grad_sq) / (inv_small - inv_big)
-    grad_sq = (inv_small * big_grad_sq - inv_big * small_grad_sq) / (inv_small - inv_big)
-    return grad_sq, trace_sigma
-
 
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """|tensor|^2 as float32, half precision reduced in float32 so the norm is not rounded."""
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        squared: torch.Tensor = torch.linalg.vector_norm(tensor, dtype=torch.float32) ** 2
-    else:
-        squared = torch.linalg.vector_norm(tensor).float() ** 2
+    half = tensor.dtype in (torch.float16, torch.bfloat16)
+    squared: torch.Tensor = torch.linalg.vector_norm(tensor, dtype=torch.float32 if half else None).float() ** 2
     return squared
 
 
@@ -54,21 +38,19 @@ class StepSums:
         self.values = torch.zeros(groups + 4, device=device)
         self.micro_batches = 0
 
-    def add_small_batches(self, grad_sq: torch.Tensor, count: float, inverse_size_sum: float) -> None:
-        self.values[: self.groups] += grad_sq
-        self.values[self.groups] += count
-        self.values[self.groups + 1] += inverse_size_sum
-
-    def add_micro_batch(self, size: float) -> None:
-        """One micro-batch of ``size`` samples; one of none (an epoch's last round) counts on the host only."""
+    def add(
+        self, size: float, grad_sq: torch.Tensor | None = None, count: float = 0.0, inverse_size_sum: float = 0.0
+    ) -> None:
+        """A micro-batch of ``size`` samples (one of none, an epoch's last round, counts on the host only) and the
+        squared norms of its ``count`` small batches, whose sizes' inverses sum to ``inverse_size_sum``."""
+        if grad_sq is not None:
+            self.values[: self.groups] += grad_sq
+            self.values[self.groups] += count
+            self.values[self.groups + 1] += inverse_size_sum
         if size > 0:
             self.values[self.groups + 2] += 1.0
             self.values[self.groups + 3] += 1.0 / size
         self.micro_batches += 1
-
-    def unscale(self, loss_scale: float) -> None:
-        """Divide out the AMP loss scale the small-batch gradients were read under."""
-        self.values[: self.groups] /= loss_scale**2
 
     def measurement(
         self, big_grad_sq: torch.Tensor, reduce: Callable[[Any], Any] | None = None, averaged_over: int | None = None
@@ -80,55 +62,10 @@ class StepSums:
         if averaged_over is not None:
             big_grad_sq = big_grad_sq * (averaged_over / micro_count) ** 2
         small_grad_sq = values[: self.groups] / small_count
-        small_batch_size = small_count / small_inv_sum
-        big_batch_size = micro_count**2 / micro_inv_sum
-        grad_sq, trace_sigma = two_batch_estimates(small_grad_sq, big_grad_sq, small_batch_size, big_batch_size)
+        small_batch_size, big_batch_size = small_count / small_inv_sum, micro_count**2 / micro_inv_sum
+        # The unbiased (|G|^2, tr(Sigma)) from the expected squared norms |G|^2 + tr(Sigma) / b at the two sizes.
+        inv_small, inv_big = 1.0 / small_batch_size, 1.0 / big_batch_size
+        trace_sigma = (small_grad_sq - big_grad_sq) / (inv_small - inv_big)
+        grad_sq = (inv_small * big_grad_sq - inv_big * small_grad_sq) / (inv_small - inv_big)
         sizes = float(small_batch_size), float(big_batch_size)
         return NoiseMeasurement(small_grad_sq, big_grad_sq, *sizes, grad_sq, trace_sigma)
-
-
-class NoiseAverages:
-    """Per group, EMAs of |G|^2 and tr(Sigma) over measured steps (``decay`` per step), bias-corrected when read."""
-
-    def __init__(self, decay: float, grad_sq: torch.Tensor, trace_sigma: torch.Tensor, updates: int = 0):
-        self.decay = decay
-        self.grad_sq, self.trace_sigma, self.updates = grad_sq, trace_sigma, updates  # not bias-corrected
-
-    @classmethod
-    def zeros(cls, decay: float, groups: int, device: torch.device) -> NoiseAverages:
-        return cls(decay, torch.zeros(groups, device=device), torch.zeros(groups, device=device))
-
-    def update(self, measurement: NoiseMeasurement) -> bool:
-        """Average in a step's estimates; False (unchanged) if any is not finite, as after an AMP overflow."""
-        grad_sq, trace_sigma = measurement.grad_sq, measurement.trace_sigma
-        if not bool(torch.isfinite(grad_sq).all() & torch.isfinite(trace_sigma).all()):
-            return False
-        self.grad_sq = self.decay * self.grad_sq + (1 - self.decay) * grad_sq
-        self.trace_sigma = self.decay * self.trace_sigma + (1 - self.decay) * trace_sigma
-        self.updates += 1
-        return True
-
-    @property
-    def b_simple(self) -> float | None:
-        """The whole model's B_simple in samples (the bias correction cancels); None before any update."""
-        return float(self.trace_sigma.sum() / self.grad_sq.sum()) if self.updates else None
-
-    def metrics(self, group_names: Sequence[str | None]) -> dict[str, float]:
-        """``gns/...`` for the whole model and ``gns/<group>/...`` per named group (None: the ungrouped rest)."""
-        if not self.updates:
-            return {}
-        correction = 1.0 - self.decay**self.updates  # bias correction of EMAs started at zero
-        grad_sq, trace_sigma = self.grad_sq / correction, self.trace_sigma / correction
-        whole = torch.stack([trace_sigma.sum() / grad_sq.sum(), trace_sigma.sum(), grad_sq.sum()])
-        per_group = torch.stack([trace_sigma / grad_sq, trace_sigma, grad_sq], dim=1)
-        # One device-to-host copy for all of them, however many groups.
-        model, *groups = torch.cat([whole[None], per_group]).tolist()
-        logged = {metrics.gns(quantity): value for quantity, value in zip(metrics.GNS_QUANTITIES, model)}
-        for group, row in zip(group_names, groups):
-            if group is not None:
-                logged.update({metrics.gns(q, group): value for q, value in zip(metrics.GNS_QUANTITIES, row)})
-        return logged
-
-    def to(self, device: torch.device) -> NoiseAverages:
-        self.grad_sq, self.trace_sigma = self.grad_sq.to(device), self.trace_sigma.to(device)
-        return self

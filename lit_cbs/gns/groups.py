@@ -12,8 +12,6 @@ import torch
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.decoder import layer_stacks
 
-__all__: list[str] = []  # internal
-
 GROUP_PRESETS = ("param_groups", "blocks")
 
 
@@ -52,24 +50,20 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
 
 def regex_groups(patterns: Mapping[str, re.Pattern[str]], names: list[str]) -> dict[str, list[str]]:
     """``groups={group: regex}``: the names ``regex.search`` finds; each group finds one, no name is in two."""
-    groups: dict[str, list[str]] = {group: [] for group in patterns}
+    groups = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
     for name in names:
-        owners = [group for group, pattern in patterns.items() if pattern.search(name)]
-        if len(owners) > 1:
+        if len(owners := [group for group, members in groups.items() if name in members]) > 1:
             raise LitCBSConfigError(
                 f"parameter {name!r} is matched by groups {owners} ("
                 + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
                 + "); a parameter may be in one group only: "
                 "make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
             )
-        for group in owners:
-            groups[group].append(name)
-    for group, members in groups.items():
-        if not members:
-            raise LitCBSConfigError(
-                f"groups[{group!r}]={patterns[group].pattern!r} matches none of the trained parameters "
-                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
-            )
+    if empty := [group for group, members in groups.items() if not members]:
+        raise LitCBSConfigError(
+            f"groups[{empty[0]!r}]={patterns[empty[0]].pattern!r} matches none of the trained parameters "
+            f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
+        )
     return groups
 
 
@@ -103,14 +97,13 @@ def assign_groups(
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if groups == "param_groups":
         names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
-        repeated = sorted({name for name in names if names.count(name) > 1})
-        if repeated:
+        if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise LitCBSConfigError(
                 f"groups='param_groups' names each group by its optimizer parameter group's 'name', but {repeated} "
                 "name more than one group: give the parameter groups distinct names"
             )
-        group_of = {p: i for i, group in enumerate(optimizer.param_groups) for p in group["params"] if p.requires_grad}
-        return names, group_of
+        group_of: dict[torch.Tensor, int] = {p: i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        return names, {p: i for p, i in group_of.items() if p.requires_grad}
     if groups is None:
         return [None], dict.fromkeys(trained, 0)
     trained_ids = {id(p) for p in trained}
@@ -119,9 +112,7 @@ def assign_groups(
     if groups == "blocks":
         members = block_groups(names, layer_stacks(module))
     else:
-        patterns = compiled_groups(groups)
-        assert patterns is not None  # a dict of regexes here: compiled_groups returns None for None and the presets
-        members = regex_groups(patterns, names)
+        members = regex_groups(compiled_groups(groups) or {}, names)  # a dict of regexes here
     group_names: list[str | None] = list(members)
     group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
     if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete

@@ -24,7 +24,7 @@ def wsd_sweep(tmp_path_factory) -> Path:
 def wsd_fits(wsd_sweep):
     """(the TargetFits of WSD_TARGETS in samples, the messages of the warnings fitting raised) on the unsmoothed
     sweep."""
-    crossings, _ = recorded(find_crossings, read_sweep(wsd_sweep), WSD_TARGETS, smoothing=None)
+    crossings, _ = recorded(find_crossings, read_sweep(wsd_sweep), WSD_TARGETS, window=None)
     return recorded(fit_targets, crossings, tokens_per_sample=SEQ_LEN)
 
 

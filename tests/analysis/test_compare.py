@@ -1,4 +1,4 @@
-"""lit_cbs.analysis.compare: each target loss's B_crit, B_min and B_opt beside the runs' noise scale and the
+"""lit_cbs.analysis.fits.side_by_side: each target loss's B_crit, B_min and B_opt beside the runs' noise scale and the
 CBS probe's reading, on synthetic sweeps (tests/sweeps.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from sweeps import SEQ_LEN, WSD_TARGETS, recorded, write_sweep, wsd_crossing_ste
 from toys import probe_reading
 
 from lit_cbs.analysis import read_readings
-from lit_cbs.analysis.compare import side_by_side, side_by_side_markdown
 from lit_cbs.analysis.curves import find_crossings, read_sweep
-from lit_cbs.analysis.fits import fit_targets
+from lit_cbs.analysis.fits import fit_targets, side_by_side, side_by_side_markdown
 
 
 def noise_scale_of_loss(loss: float) -> float:
@@ -27,9 +26,7 @@ def noise_scale_of_loss(loss: float) -> float:
 def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path):
     sweep = write_sweep(tmp_path / "sweep", gns=noise_scale_of_loss)
     runs = read_sweep(sweep)
-    fits, _ = recorded(
-        lambda: fit_targets(find_crossings(runs, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN)
-    )
+    fits, _ = recorded(lambda: fit_targets(find_crossings(runs, WSD_TARGETS, window=None), tokens_per_sample=SEQ_LEN))
     # The run at batch 1000 reaches each target at these tokens; readings at 0.5x, 1.1x and 3x of the
     # first, and one at another batch size.
     reach = {t: float(wsd_crossing_steps(1000 * SEQ_LEN, np.array([t]))[0]) * 1000 * SEQ_LEN for t in WSD_TARGETS}
@@ -61,7 +58,7 @@ def test_side_by_side_lines_up_noise_scale_and_probe_by_the_target_loss(tmp_path
 
     no_noise_scale = read_sweep(write_sweep(tmp_path / "plain"))
     plain_fits, _ = recorded(
-        lambda: fit_targets(find_crossings(no_noise_scale, WSD_TARGETS, smoothing=None), tokens_per_sample=SEQ_LEN)
+        lambda: fit_targets(find_crossings(no_noise_scale, WSD_TARGETS, window=None), tokens_per_sample=SEQ_LEN)
     )
     (row, *_) = side_by_side(plain_fits, no_noise_scale)
     assert math.isnan(row.b_simple) and row.b_simple_runs == 0 and row.probe is None

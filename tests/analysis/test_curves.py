@@ -20,7 +20,7 @@ from sweeps import (
     wsd_crossing_steps,
 )
 
-from lit_cbs.analysis.curves import default_targets, find_crossings, read_run, read_sweep, rolling_mean, smooth
+from lit_cbs.analysis.curves import default_targets, find_crossings, read_run, read_sweep, rolling_mean
 from lit_cbs.analysis.fits import fit_targets
 
 
@@ -28,11 +28,8 @@ def test_smoothing():
     ramp = np.arange(20.0)
     np.testing.assert_allclose(rolling_mean(ramp, 5)[2:-2], ramp[2:-2])  # centered: no lag on a line
     assert rolling_mean(ramp, 5)[0] == pytest.approx(1.0)  # (0 + 1 + 2) / 3 at the edge
-    np.testing.assert_array_equal(smooth(ramp, None), ramp)
     with pytest.raises(ValueError, match="odd"):
         rolling_mean(ramp, 4)
-    with pytest.raises(ValueError, match="smoothing method='median'"):
-        smooth(ramp, "median")
 
 
 def test_read_sweep_finds_runs_in_order_with_labels_and_units(wsd_sweep):
@@ -58,7 +55,7 @@ def test_val_loss_rows_get_tokens_from_their_step(wsd_sweep):
 
 def test_crossings_match_the_generating_curves_and_name_runs_that_never_reach(wsd_sweep):
     runs = read_sweep(wsd_sweep)
-    crossings, messages = recorded(find_crossings, runs, WSD_TARGETS, smoothing=None)
+    crossings, messages = recorded(find_crossings, runs, WSD_TARGETS, window=None)
     assert [m.split(" (batch")[0] for m in messages] == [
         "target loss 2.9: left out runs that never reach it: 0_es_b450",
         "target loss 2.8: left out runs that never reach it: 0_es_b450",
@@ -85,7 +82,7 @@ def test_smoothed_noisy_curves_still_give_the_crossings(tmp_path):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-    crossings = find_crossings(read_sweep(folder), [3.0], smoothing="rolling", window=21)
+    crossings = find_crossings(read_sweep(folder), [3.0], window=21)
     for point in crossings[3.0]:
         expected = mccandlish_crossing_steps(point.tokens_per_step, np.array([3.0]))[0]
         assert point.steps == pytest.approx(expected, rel=0.03)

@@ -120,7 +120,7 @@ def test_sweep_pipeline_recovers_b_min_and_b_opt_per_target(wsd_fits):
 def test_mccandlish_sweep_pipeline_recovers_b_crit(tmp_path):
     batches = [500, 700, 1000, 1500, 2000, 4000, 8000, 16000]
     runs = read_sweep(write_sweep(tmp_path, batches, mccandlish_crossing_steps))
-    fits, messages = recorded(fit_targets, find_crossings(runs, [3.0, 2.8], smoothing=None), tokens_per_sample=SEQ_LEN)
+    fits, messages = recorded(fit_targets, find_crossings(runs, [3.0, 2.8], window=None), tokens_per_sample=SEQ_LEN)
     # A monotone hyperbola has no quadratic or linear part: the WSD fit says B_min and B_opt are poorly determined.
     assert len(messages) == 2 and all(
         "the WSD fit has fewer than 2 runs in its quadratic and linear part(s)" in m for m in messages
@@ -135,14 +135,14 @@ def test_mccandlish_sweep_pipeline_recovers_b_crit(tmp_path):
 
 def test_fewer_than_three_runs_is_named_and_left_out(wsd_sweep):
     runs = read_sweep(wsd_sweep)[-2:]
-    crossings = find_crossings(runs, [3.0], smoothing=None)
+    crossings = find_crossings(runs, [3.0], window=None)
     with pytest.warns(UserWarning, match=r"target loss 3: only 2 runs reach it \(11_es_b5000 .*, 12_es_b10000 .*\)"):
         assert fit_targets(crossings, SEQ_LEN) == []
 
 
 def test_too_few_runs_for_the_wsd_fit_keep_mccandlish(wsd_sweep):
     runs = read_sweep(wsd_sweep)[-5:]
-    (fit,), messages = recorded(fit_targets, find_crossings(runs, [3.0], smoothing=None), tokens_per_sample=SEQ_LEN)
+    (fit,), messages = recorded(fit_targets, find_crossings(runs, [3.0], window=None), tokens_per_sample=SEQ_LEN)
     assert any(re.match("target loss 3: 5 runs reach it .* needs at least 8 runs", m) for m in messages)
     assert fit.wsd is None and math.isnan(fit.b_opt) and fit.b_crit > 0
     with pytest.raises(ValueError, match="no target loss has a WSD fit"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from toys import probe_reading
 
-from lit_cbs.analysis.compare import side_by_side
 from lit_cbs.analysis.curves import read_sweep
+from lit_cbs.analysis.fits import side_by_side
 from lit_cbs.analysis.plots import plot_batch_sizes, plot_es
 
 

@@ -1,4 +1,4 @@
-"""lit_cbs.gns.estimator: the two-batch estimates, the step sums and the averages."""
+"""lit_cbs.gns.estimator: the two-batch estimates and the step sums; GradientNoiseScale's averages of them."""
 
 from __future__ import annotations
 
@@ -17,15 +17,10 @@ from gns.regression import (
     analytic_b_simple,
 )
 
-from lit_cbs.gns.estimator import NoiseAverages, NoiseMeasurement, StepSums, two_batch_estimates
+from lit_cbs.gns import GradientNoiseScale
+from lit_cbs.gns.estimator import NoiseMeasurement, StepSums
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def test_two_batch_estimates_invert_the_expected_norms():
-    grad_sq, trace_sigma, small, big = 3.0, 45.0, 4.0, 32.0
-    estimated = two_batch_estimates(grad_sq + trace_sigma / small, grad_sq + trace_sigma / big, small, big)
-    assert estimated == pytest.approx((grad_sq, trace_sigma))
 
 
 def test_analytic_b_simple_matches_formula():
@@ -38,8 +33,7 @@ def test_step_sums_of_unequal_micro_batches_use_effective_sizes():
     grad_sq, trace_sigma, sizes = 3.0, 45.0, (8.0, 5.0)
     sums = StepSums(groups=1, device=torch.device("cpu"))
     for size in sizes:
-        sums.add_small_batches(torch.tensor([grad_sq + trace_sigma / size]), count=1.0, inverse_size_sum=1.0 / size)
-        sums.add_micro_batch(size)
+        sums.add(size, torch.tensor([grad_sq + trace_sigma / size]), count=1.0, inverse_size_sum=1.0 / size)
     big_batch_size = len(sizes) ** 2 / sum(1 / size for size in sizes)  # the mean of the two gradients
     measurement = sums.measurement(torch.tensor([grad_sq + trace_sigma / big_batch_size]))
     assert sums.micro_batches == 2
@@ -50,9 +44,8 @@ def test_step_sums_of_unequal_micro_batches_use_effective_sizes():
     )
     # An AMP loss scale of 4 on the small-batch gradients is divided out (their squares by 16); a reduce sums ranks.
     scaled = StepSums(groups=1, device=torch.device("cpu"))
-    scaled.add_small_batches(torch.tensor([16.0 * (grad_sq + trace_sigma / 8)]), count=1.0, inverse_size_sum=1 / 8)
-    scaled.add_micro_batch(8.0)
-    scaled.unscale(4.0)
+    scaled.add(8.0, torch.tensor([16.0 * (grad_sq + trace_sigma / 8)]), count=1.0, inverse_size_sum=1 / 8)
+    scaled.values[:1] /= 4.0**2  # the callback divides out the AMP loss scale
     doubled = scaled.measurement(torch.tensor([grad_sq + trace_sigma / 16]), reduce=lambda values: 2 * values)
     assert (doubled.small_batch_size, doubled.big_batch_size) == (8.0, 16.0)
     assert float(doubled.grad_sq) == pytest.approx(grad_sq) and float(doubled.trace_sigma) == pytest.approx(trace_sigma)
@@ -65,11 +58,8 @@ def test_a_micro_batch_of_no_sample_leaves_the_sizes_and_the_step_mean_to_the_ot
     ranks = [StepSums(groups=1, device=torch.device("cpu")) for _ in range(2)]
     for sums, rank_sizes in zip(ranks, ((8.0, 5.0), (8.0, 0.0))):
         for size in rank_sizes:
-            if size:
-                sums.add_small_batches(
-                    torch.tensor([grad_sq + trace_sigma / size]), count=1.0, inverse_size_sum=1.0 / size
-                )
-            sums.add_micro_batch(size)
+            small = torch.tensor([grad_sq + trace_sigma / size]) if size else None
+            sums.add(size, small, count=1.0, inverse_size_sum=1.0 / size if size else 0.0)
     assert [sums.micro_batches for sums in ranks] == [2, 2]  # counted alike on every rank
     big_batch_size = len(sizes) ** 2 / sum(1 / size for size in sizes)
     divided = (3 / 4) ** 2 * (grad_sq + trace_sigma / big_batch_size)  # the mean of 3 gradients, divided by 4
@@ -89,15 +79,16 @@ def measurement_of(grad_sq: list[float], trace_sigma: list[float]) -> NoiseMeasu
 
 
 def test_averages_are_bias_corrected_skip_non_finite_steps_and_name_groups():
-    averages = NoiseAverages.zeros(decay=0.5, groups=2, device=torch.device("cpu"))
-    assert averages.metrics(["first", None]) == {} and averages.b_simple is None
-    assert averages.update(measurement_of([1.0, 3.0], [10.0, 30.0]))
-    assert not averages.update(measurement_of([math.inf, 3.0], [10.0, 30.0]))  # an overflow: unchanged
-    assert averages.update(measurement_of([2.0, 2.0], [40.0, 20.0]))
-    assert averages.updates == 2
+    averages = GradientNoiseScale(ema_decay=0.5)
+    averages.group_names, averages._ema = ["first", None], [torch.zeros(2), torch.zeros(2)]  # as the fit starts
+    assert averages.metrics() == {}
+    assert averages._average(measurement_of([1.0, 3.0], [10.0, 30.0]))
+    assert not averages._average(measurement_of([math.inf, 3.0], [10.0, 30.0]))  # an overflow: unchanged
+    assert averages._average(measurement_of([2.0, 2.0], [40.0, 20.0]))
+    assert averages.num_updates == 2
     # EMAs 0.5 * (0.5 * x1) + 0.5 * x2, divided by 1 - 0.5^2: the mean weighted 1:2.
     grad_sq, trace_sigma = [(1 + 2 * 2) / 3, (3 + 2 * 2) / 3], [(10 + 2 * 40) / 3, (30 + 2 * 20) / 3]
-    metrics = averages.metrics(["first", None])  # None: in the whole model only
+    metrics = averages.metrics()  # None: in the whole model only
     assert set(metrics) == {
         f"gns/{group}{m}" for group in ("", "first/") for m in ("b_simple", "trace_sigma", "grad_sq")
     }
