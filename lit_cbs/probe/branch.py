@@ -1,5 +1,4 @@
-"""A probe branch: batch k*B trained from the window's start over the recorded window through the module's own hooks,
-every callback hidden; a failure is agreed across ranks (out of memory fails the branch, anything else the probe)."""
+"""A probe branch: batch k*B trained from the window's start over the recorded window through the module's hooks."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
@@ -58,11 +57,15 @@ class ProbeAborted(Exception):
 
 
 class ProbeUnusable(Exception):
-    """The run cannot be probed as it is (its ``optimizer_step`` writes the LR a branch must train at)."""
+    """The run cannot be probed: its ``optimizer_step`` writes the LR a branch must train at (``written``: which)."""
 
-
-class BranchError(RuntimeError):
-    """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere)."""
+    def __init__(self, written: str):
+        super().__init__(
+            f"the module's optimizer_step set the learning rate inside a probe branch ({written}), so no branch trains "
+            "at lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, TokenLRScheduler) "
+            "instead of writing param_groups in optimizer_step"
+        )
+        self.written = written
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -142,12 +145,6 @@ class TrainingSnapshot:
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
         self.module_state.restore(pl_module)
-
-
-class _ProbeLossModule(Protocol):
-    """A module with the optional ``probe_loss(batch)`` hook ``HeldoutLoss`` prefers."""
-
-    def probe_loss(self, batch: Any) -> Any: ...
 
 
 def module_optimizer(pl_module: pl.LightningModule) -> LightningOptimizer:
@@ -240,16 +237,6 @@ class RecordedWindow:
         ]
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: torch's, the CPU allocator's refusal, or CUDA out of memory in a library call."""
-    message = str(error)
-    return (
-        isinstance(error, torch.OutOfMemoryError)
-        or "DefaultCPUAllocator: can't allocate memory" in message
-        or "CUDA error: out of memory" in message
-    )
-
-
 @contextlib.contextmanager
 def callbacks_hidden(trainer: pl.Trainer) -> Iterator[None]:
     """No callback hook runs inside (branch steps are not the run's) but ``BatchAccounting``'s."""
@@ -270,8 +257,9 @@ def cooldown_factor(step: int, steps: int, cooldown_steps: int) -> float:
 
 
 @contextlib.contextmanager
-def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float) -> Iterator[None]:
-    """Every LR times ``factor`` for the step inside; ``ProbeUnusable`` where the step wrote the LR itself."""
+def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float | None) -> Iterator[None]:
+    """Every LR times ``factor`` for the step inside (of branch ``k``; None: a trial); ``ProbeUnusable`` where the step
+    wrote the LR itself."""
     saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -280,37 +268,9 @@ def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k
     for optimizer, lrs in zip(optimizers, saved):
         for group, lr in zip(optimizer.param_groups, lrs):
             if group["lr"] != lr * factor:
-                raise ProbeUnusable(
-                    f"the module's optimizer_step set the learning rate inside a probe branch "
-                    f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * factor:.4g}), so no branch trains at "
-                    "lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, "
-                    "TokenLRScheduler) instead of writing param_groups in optimizer_step"
-                )
+                where = "it was given" if k is None else f"the k={k:g} branch trains at"
+                raise ProbeUnusable(f"{group['lr']:.4g} where {where} {lr * factor:.4g}")
             group["lr"] = lr
-
-
-class HeldoutLoss:
-    """The loss on a held-out batch: ``probe_loss``, else ``validation_step``'s loss, else ``training_step``'s."""
-
-    def __init__(self, pl_module: pl.LightningModule):
-        self.pl_module = pl_module
-        if callable(getattr(pl_module, "probe_loss", None)):
-            self.hook = "probe_loss"
-        elif is_overridden("validation_step", pl_module):
-            self.hook = "validation_step"
-        else:
-            self.hook = "training_step"
-
-    def __call__(self, batch: Any, index: int) -> torch.Tensor:
-        module = self.pl_module
-        if self.hook == "probe_loss":
-            return loss_of(cast(_ProbeLossModule, module).probe_loss(batch), "probe_loss")
-        if self.hook == "validation_step":
-            output = module.validation_step(batch, index)
-            if isinstance(output, torch.Tensor) or (isinstance(output, dict) and "loss" in output):
-                return loss_of(output, "validation_step")
-            self.hook = "training_step"  # it returns no loss: its training_step is the loss
-        return loss_of(module.training_step(batch, index))
 
 
 @dataclass
@@ -327,9 +287,7 @@ class BranchTrainer:
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
     cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
     tokens_trained: int = 0  # tokens (global) of every branch step taken so far
-
-    def __post_init__(self) -> None:
-        self._heldout_loss = HeldoutLoss(self.pl_module)
+    _validation_loss: bool = True  # validation_step returns a loss (else training_step's is the held-out loss)
 
     def score(self, step_losses: list[float]) -> BranchScore:
         """The score (alike on every rank) of a window trained with ``step_losses``, the model at its end."""
@@ -353,17 +311,19 @@ class BranchTrainer:
             raise
         except Exception as caught:  # noqa: BLE001 - every exception is agreed, then raised again
             error = caught
-        flags = mean_over_ranks(
-            self.trainer,
-            [
-                float(error is not None and is_out_of_memory(error)),
-                float(error is not None and not is_out_of_memory(error)),
-            ],
+        # An allocation failure (torch's, the CPU allocator's, CUDA's in a library call) fails the branch.
+        oom = error is not None and (
+            isinstance(error, torch.OutOfMemoryError)
+            or any(
+                text in str(error)
+                for text in ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
+            )
         )
+        flags = mean_over_ranks(self.trainer, [float(oom), float(error is not None and not oom)])
         if flags[1] > 0:
             if error is not None:
                 raise error
-            raise BranchError("another rank raised inside a CBS probe branch (its log has the error); probe aborted")
+            raise RuntimeError("another rank raised inside a CBS probe branch (its log has the error); probe aborted")
         if flags[0] > 0:
             raise BranchFailed("out of memory") from error
         return cast("T", result)
@@ -462,6 +422,18 @@ class BranchTrainer:
                 batch = trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(batch))
                 losses.append(float(self._heldout_loss(batch, i)))
         return losses
+
+    def _heldout_loss(self, batch: Any, index: int) -> torch.Tensor:
+        """``probe_loss``, else ``validation_step``'s loss, else ``training_step``'s."""
+        module = self.pl_module
+        if callable(probe_loss := getattr(module, "probe_loss", None)):
+            return loss_of(probe_loss(batch), "probe_loss")
+        if self._validation_loss and is_overridden("validation_step", module):
+            output = module.validation_step(batch, index)
+            if isinstance(output, torch.Tensor) or (isinstance(output, dict) and "loss" in output):
+                return loss_of(output, "validation_step")
+            self._validation_loss = False  # it returns no loss: its training_step is the loss
+        return loss_of(module.training_step(batch, index))
 
 
 def branch_micro_batch(

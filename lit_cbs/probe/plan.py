@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +20,12 @@ from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import (
     BranchTrainer,
+    ProbeUnusable,
     TrainingSnapshot,
     branch_micro_batch,
     callbacks_hidden,
     known,
+    lr_scaled_for_step,
     module_optimizer,
 )
 from lit_cbs.probe.engine import ProbeConfig, ProbePoint
@@ -64,22 +66,13 @@ class EpochEnd:
     position: int
 
 
-def usable_multipliers(
-    multipliers: Sequence[float],
-    batch_size: int,
-    window_samples: int,
-    branch_micro_batch: Callable[[float], int | None],
-) -> list[float]:
-    """The ks whose batch k*B is whole micro-batches on every rank and fits in ``window_samples``."""
-    return [k for k in multipliers if branch_micro_batch(k) is not None and k * batch_size <= window_samples]
-
-
 def window_at(
     config: ProbeConfig, batch_size: int, seq_len: int, branch_micro_batch: Callable[[float], int | None]
 ) -> tuple[list[float], int]:
-    """The ks a probe at ``batch_size`` trains, and its window (whole steps of the largest; 0: none fits)."""
+    """The ks a probe at ``batch_size`` trains (k*B whole micro-batches on every rank, inside the window), and its
+    window (whole steps of the largest; 0: none fits)."""
     window_samples = config.window_tokens // seq_len
-    ks = usable_multipliers(config.multipliers, batch_size, window_samples, branch_micro_batch)
+    ks = [k for k in config.multipliers if branch_micro_batch(k) is not None and k * batch_size <= window_samples]
     if len(ks) < 2 or 1.0 not in ks:
         return ks, 0
     largest = max(ks) * batch_size
@@ -157,9 +150,6 @@ class RunEnd:
     latest: int | None
     limit: str | None
 
-    def describe(self) -> str:
-        return f"{self.limit}, at {self.earliest:,} tokens" if self.limit else "no known limit"
-
 
 def run_end(
     trainer: pl.Trainer,
@@ -200,41 +190,35 @@ def run_end(
     return RunEnd(ends[limit][0], min(latest for _, latest in ends.values()), limit)
 
 
-LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative to the run's
-
-
-def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> str | None:
-    """The LR the module's own ``optimizer_step`` writes (tried on a copy), else None."""
+def check_optimizer_step_lr(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+    """Refuse a module whose own ``optimizer_step`` writes the LR, tried once on a copy at half the run's LRs."""
     if not is_overridden("optimizer_step", pl_module):
-        return None
-    accounting = BatchAccounting.attach(trainer)
+        return
     snapshot = TrainingSnapshot(trainer, pl_module, "cpu")
-    saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
     parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
     gradients = [parameter.grad for parameter in parameters]
-    written = None
     try:
         for parameter in parameters:
             parameter.grad = torch.zeros_like(parameter)  # every optimizer steps on them (some refuse none at all)
-        for optimizer, lrs in zip(trainer.optimizers, saved):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr * LR_TRIAL_FACTOR
-        with accounting.branching(), callbacks_hidden(trainer), logging_muted(pl_module):
-            pl_module.optimizer_step(
-                trainer.current_epoch,
-                batch_idx,
-                module_optimizer(pl_module),
-                lambda: torch.zeros((), device=trainer.strategy.root_device),
-            )
-        for optimizer, lrs in zip(trainer.optimizers, saved):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                if written is None and group["lr"] != lr * LR_TRIAL_FACTOR:
-                    written = f"{group['lr']:.4g} where it was given {lr * LR_TRIAL_FACTOR:.4g}"
+        with (
+            lr_scaled_for_step(trainer.optimizers, 0.5, None),
+            BatchAccounting.attach(trainer).branching(),
+            callbacks_hidden(trainer),
+            logging_muted(pl_module),
+        ):
+            zero_loss = functools.partial(torch.zeros, (), device=trainer.strategy.root_device)
+            pl_module.optimizer_step(trainer.current_epoch, batch_idx, module_optimizer(pl_module), zero_loss)
+    except ProbeUnusable as error:
+        raise LitCBSConfigError(
+            f"CBSProbeCallback: the module's optimizer_step sets the learning rate itself ({error.written}, tried once "
+            "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set the LR "
+            "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
+            "optimizer_step, or drop the probe"
+        ) from None
     finally:
         snapshot.restore(trainer, pl_module)  # the param groups too: the LRs are the run's again
         for parameter, gradient in zip(parameters, gradients):
             parameter.grad = gradient
-    return written
 
 
 @dataclass
@@ -343,7 +327,7 @@ class ProbeRun:
             data_parallel_size=accounting.data_parallel_size,
             branch_micro_batch=self.micro_batch_for(batch_size),
             run_end_tokens=end.earliest,
-            run_end=f"the run's end ({end.describe()})",
+            run_end=f"the run's end ({f'{end.limit}, at {end.earliest:,} tokens' if end.limit else 'no known limit'})",
             tokens_spent=tokens_spent,
             main_span_tokens=self.config.window_tokens if side_jobs else None,
             adaptive_final=adaptive_final,
@@ -443,14 +427,7 @@ class ProbeRun:
                 "`tokens_per_sample` attribute)"
             )
         batch = self.global_batch()
-        written = optimizer_step_writes_lr(trainer, pl_module, batch_idx)
-        if written is not None:
-            raise LitCBSConfigError(
-                f"CBSProbeCallback: the module's optimizer_step sets the learning rate itself ({written}, tried once "
-                "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set "
-                "the LR with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups "
-                "in optimizer_step, or drop the probe"
-            )
+        check_optimizer_step_lr(trainer, pl_module, batch_idx)
         end = self.end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
         self.check_first_point(end, next_probe, resumed, whole_span=True)
         self.check_window(end, next_probe)
