@@ -165,38 +165,24 @@ class BranchProgress:
 
 @dataclass
 class RecordedWindow:
-    """The main run's window since a probe point, as this rank trained it (samples global unless said)."""
+    """The main run's window since ``point``, as this rank trained it (samples global unless said)."""
 
-    tokens: int  # at the window's start
-    step: int  # optimizer steps at the window's start
-    batch_size: int  # the global batch B
+    point: ProbePoint  # its batch, multipliers, window (whole steps of the largest branch) and replicates
     data_parallel_size: int
-    seq_len: int
-    multipliers: list[float]  # the ks whose batch k*B fits this window
-    window_samples: int  # every branch trains on (whole steps of the largest branch)
-    start: TrainingSnapshot
-    replicates: int = 1  # disjoint windows of window_samples one after the other, each trained from `start`
+    start: TrainingSnapshot  # each of `replicates` disjoint windows one after the other trains from here
     batches: list[Any] = field(default_factory=list)  # micro-batches as the main run trained on them
     recorded_samples: int = 0  # per rank, in `batches`
     early_stop_samples: list[int] = field(default_factory=list)  # per rank, where the probe may end early
     progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to an early stop
 
-    @classmethod
-    def at(cls, point: ProbePoint, ranks: int, start: TrainingSnapshot, **more: Any) -> RecordedWindow:
-        """The window of ``point`` on ``ranks`` ranks from ``start``; ``more``: the other fields."""
-        return cls(
-            point.tokens, point.step, point.batch_size, ranks, point.seq_len, point.multipliers,
-            point.window_samples, start, point.replicates, **more,
-        )  # fmt: skip
-
     @property
     def samples_per_rank(self) -> int:
         """Samples of one replicate's window on each rank."""
-        return self.window_samples // self.data_parallel_size
+        return self.point.window_samples // self.data_parallel_size
 
     @property
     def complete(self) -> bool:
-        return self.recorded_samples >= self.samples_per_rank * self.replicates
+        return self.recorded_samples >= self.samples_per_rank * self.point.replicates
 
     @property
     def at_early_stop(self) -> bool:
@@ -204,11 +190,11 @@ class RecordedWindow:
 
     def tokens_of(self, samples_per_rank: int) -> int:
         """Tokens (global) in ``samples_per_rank`` samples of every rank."""
-        return samples_per_rank * self.data_parallel_size * self.seq_len
+        return samples_per_rank * self.data_parallel_size * self.point.seq_len
 
     def step_samples(self, k: float) -> int:
         """Samples per rank in one step of batch k*B."""
-        return round(k * self.batch_size) // self.data_parallel_size
+        return round(k * self.point.batch_size) // self.data_parallel_size
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
         """Keep a micro-batch the main run trains on, detached, on ``device``."""
@@ -353,7 +339,7 @@ class BranchTrainer:
         cooldown_steps = round(self.cooldown_fraction * steps)
         tokens_per_step = window.tokens_of(step_samples)
         first_step = progress.steps if progress is not None else 0
-        tokens = window.tokens + first_step * tokens_per_step
+        tokens = window.point.tokens + first_step * tokens_per_step
         step_losses: list[float] = list(progress.step_losses) if progress is not None else []
         module.train()
         for step in range(first_step, steps):

@@ -1,6 +1,4 @@
-"""``CBSProbeCallback``: the probe engine in a Lightning Trainer. Its hooks hand the engine the main run's steps and
-counts (``BatchAccounting``); a runner trains the branches in process or as side jobs; each reading is logged, said
-and written to ``cbs_probe.jsonl`` (rewritten from the history, so a resumed run never writes one twice)."""
+"""``CBSProbeCallback``: the probe engine in a Lightning Trainer, its readings logged and written to cbs_probe.jsonl."""
 
 from __future__ import annotations
 
@@ -377,7 +375,6 @@ def log_reading(
     trainer: pl.Trainer, reading: ProbeReading, tokens_spent: int, late: ProbePoint | None, tokens_seen: int
 ) -> None:
     """Log ``reading``'s metrics and say it; a ``late`` one on the row of the step that ended its window."""
-    log_step = None
     if late is not None:
         assert late.window_end_step is not None, "a late reading comes after its window ended"
         rank_zero_info(
@@ -385,7 +382,6 @@ def log_reading(
             f"({trainer.global_step - late.window_end_step} steps, "
             f"{tokens_seen - late.tokens - late.window_tokens:,} tokens after the main run's window ended)"
         )
-        log_step = late.window_end_row
     logged = {
         metrics.CBS_LOWER: float(reading.cbs_lower),
         metrics.CBS_ESTIMATE: float(reading.cbs_estimate),
@@ -397,29 +393,20 @@ def log_reading(
     if reading.cbs_upper is not None:
         logged[metrics.CBS_UPPER] = float(reading.cbs_upper)
     base = min(reading.losses, key=float)
-    base_loss = reading.losses[base]
+    base_loss, said = reading.losses[base], []
     for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
+        se, windows = reading.loss_se.get(k), reading.replicate_se.get(k)
         if k != base and loss is not None and base_loss is not None:
             logged[metrics.cbs_gap(k)] = float(loss - base_loss)
-            gap_se = reading.loss_se.get(k)
-            if gap_se is not None:
-                logged[metrics.cbs_gap_se(k)] = float(gap_se)
-    log_to_loggers(trainer, lambda _: logged, every_step=True, step=log_step)
-
-    def gap(k: str) -> str:
-        se = reading.loss_se.get(k)
-        if se is None:
-            return ""
-        windows = reading.replicate_se.get(k)
+            if se is not None:
+                logged[metrics.cbs_gap_se(k)] = float(se)
         spread = f"; from the spread between data windows alone {windows:.4f}" if windows is not None else ""
-        return f" (SE of the difference from k={base}: {se:.4f}{spread})"
-
-    losses = ", ".join(
-        f"k={k}: " + (f"{v:.4f}{gap(k)}" if v is not None else "failed") for k, v in reading.losses.items()
-    )
+        gap = f" (SE of the difference from k={base}: {se:.4f}{spread})" if se is not None else ""
+        said.append(f"k={k}: " + (f"{loss:.4f}{gap}" if loss is not None else "failed"))
+    log_to_loggers(trainer, lambda _: logged, every_step=True, step=late.window_end_row if late is not None else None)
     rank_zero_info(
         f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
-        f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {losses}; "
+        f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {', '.join(said)}; "
         f"{reading.tokens_spent:,} branch tokens"
         + (f" over {reading.replicates} data windows" if reading.replicates > 1 else "")
         + f"; probe overhead {reading.overhead:.2f}"

@@ -117,11 +117,11 @@ class ProbeConfig:
         overhead = positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
         rules = OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule, self.beta2_floor)
         output_dir = Path(self.output_dir) if self.output_dir is not None else None
-        normal = {
+        normal: dict[str, Any] = dict(multipliers=sorted(float(k) for k in ks), early_stop=early_stop, rules=rules)
+        normal |= dict(at_tokens=at_tokens, geometric=geometric, max_overhead=overhead, output_dir=output_dir)
+        normal |= {
             name: float(getattr(self, name)) for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha")
         }
-        normal |= dict(multipliers=sorted(float(k) for k in ks), early_stop=early_stop, max_overhead=overhead)
-        normal |= dict(at_tokens=at_tokens, geometric=geometric, rules=rules, output_dir=output_dir)
         for name, value in normal.items():
             object.__setattr__(self, name, value)  # a checked field in its normal form (the dataclass is frozen)
         if self.side_jobs is not None:

@@ -123,7 +123,7 @@ class CheckpointProbe(Callback):
         point = run.point(0, plan, trainer.global_step, None, "")  # the window's start, as a main run's probe
         with accounting.branching():
             start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
-            window = RecordedWindow.at(point, world, start, batches=batches, early_stop_samples=plan.early_stop_samples)
+            window = RecordedWindow(point, world, start, batches, early_stop_samples=plan.early_stop_samples)
             branches = run.branch_trainer(trainer, pl_module, batch, heldout)
             try:
                 with logging_muted(pl_module):
@@ -150,7 +150,7 @@ class CheckpointProbe(Callback):
         failed: list[float] = []
         for stop in stops:
             final = stop == per_rank
-            window.recorded_samples = per_rank * window.replicates if final else stop
+            window.recorded_samples = per_rank * window.point.replicates if final else stop
             prefetch = self.baseline is not no_baseline  # k = 1 may wait for the main run's window to end
             outcome = measure_window(self.config, window, branches, self.baseline, trained, failed, final, prefetch)
             self.outcome = outcome

@@ -63,17 +63,17 @@ def measure_window(
     def score(k: float) -> BranchScore:
         if k not in measured:
             windows = []
-            for replicate in range(window.replicates):
+            for replicate in range(window.point.replicates):
                 if k in failed:
                     break
                 windows.append(one_window(k, replicate))
             measured[k] = BranchScore(math.inf) if k in failed else BranchScore.replicated(windows)
         return measured[k]
 
-    for k in first_measured(config.search, window.multipliers) if prefetch else []:
+    for k in first_measured(config.search, window.point.multipliers) if prefetch else []:
         if k != 1.0:
             score(k)
-    scores = measure_losses(config.search, window.multipliers, score, config.epsilon)
+    scores = measure_losses(config.search, window.point.multipliers, score, config.epsilon)
     window_tokens = window.tokens_of(min(window.recorded_samples, window.samples_per_rank))
     return BranchOutcome(scores, list(trained), list(failed), branches.tokens_trained, window_tokens, final)
 
@@ -168,7 +168,7 @@ class InProcessRunner:
             start = TrainingSnapshot(trainer, self.pl_module, self.config.snapshot_device)
         ranks = accounting.data_parallel_size
         looks = [(look - point.window_end_samples + point.window_samples) // ranks for look in point.looks]
-        self.window = RecordedWindow.at(point, ranks, start, early_stop_samples=looks)
+        self.window = RecordedWindow(point, ranks, start, early_stop_samples=looks)
         self._branches, self._trained, self._failed = self.branch_trainer(point.batch_size), [], []
         set_probe_window(trainer, trainer.global_step)
 

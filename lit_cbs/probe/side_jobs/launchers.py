@@ -290,25 +290,19 @@ class SideJobs:
     look_seconds: float = 2.0
 
     def __post_init__(self) -> None:
-        if not hasattr(self.launcher, "submit"):
-            raise LitCBSConfigError(
-                f"side_jobs.launcher={self.launcher!r} is not a launcher: give LocalLauncher(...) or SlurmLauncher(...)"
-            )
         module, _, function = self.build.partition(":")
-        if not (module and function.isidentifier()):
-            raise LitCBSConfigError(
-                f"side_jobs.build={self.build!r} must be 'package.module:function' (a function that returns "
-                "lit_cbs.probe.RunParts)"
-            )
-        if not isinstance(self.build_args, dict):
-            raise LitCBSConfigError(f"side_jobs.build_args={self.build_args!r} must be a mapping of keyword arguments")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise LitCBSConfigError(
-                f"side_jobs.retries={self.retries!r} must be an int >= 0 (times a failed job restarts)"
-            )
-        if not self.wait_at_end >= 0:
-            raise LitCBSConfigError(f"side_jobs.wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)")
-        if not self.look_seconds >= 0:
-            raise LitCBSConfigError(
-                f"side_jobs.look_seconds={self.look_seconds!r} must be >= 0 (seconds; 0: after every step)"
-            )
+        for ok, refusal in (
+            (hasattr(self.launcher, "submit"),
+             f"launcher={self.launcher!r} is not a launcher: give LocalLauncher(...) or SlurmLauncher(...)"),
+            (module and function.isidentifier(),
+             f"build={self.build!r} must be 'package.module:function' (a function that returns "
+             "lit_cbs.probe.RunParts)"),
+            (isinstance(self.build_args, dict),
+             f"build_args={self.build_args!r} must be a mapping of keyword arguments"),
+            (not isinstance(self.retries, bool) and isinstance(self.retries, int) and self.retries >= 0,
+             f"retries={self.retries!r} must be an int >= 0 (times a failed job restarts)"),
+            (self.wait_at_end >= 0, f"wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)"),
+            (self.look_seconds >= 0, f"look_seconds={self.look_seconds!r} must be >= 0 (seconds; 0: after every step)"),
+        ):  # fmt: skip
+            if not ok:
+                raise LitCBSConfigError(f"side_jobs.{refusal}")
