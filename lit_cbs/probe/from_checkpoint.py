@@ -1,5 +1,4 @@
-"""The CBS at a saved checkpoint: branches trained from it on the run's next data (a ``GlobalOrderLoader``'s position),
-as in process; the fit stops before its first step. The same callback trains a side job's branches."""
+"""The CBS at a saved checkpoint (``probe_checkpoint``), and a side job's branches: trained as a resumed fit starts."""
 
 from __future__ import annotations
 
@@ -23,17 +22,13 @@ from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import BranchTrainer, RecordedWindow, TrainingSnapshot, known
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, point_reading
-from lit_cbs.probe.in_process import load_heldout_batches, measure_window, no_baseline
+from lit_cbs.probe.in_process import measure_window, no_baseline
 from lit_cbs.probe.plan import ProbePlan, ProbeRun, ProbeSkip, plan_probe
 from lit_cbs.probe.reading import BranchScore, ProbeReading
 
 __all__ = ["CheckpointProbe", "RunParts", "probe_checkpoint"]
 
 MODE = "checkpoint"  # ProbeReading.mode of a reading taken from a saved checkpoint
-NO_DATA_POSITION = (
-    "a CBS probe of a checkpoint reads the run's next window of data from the checkpoint's data position, which only "
-    "a lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one"
-)
 
 
 @dataclass
@@ -80,7 +75,10 @@ class CheckpointProbe(Callback):
             # trainer.datamodule is set by Lightning's data connector, undeclared on Trainer
             loader = (trainer.datamodule or pl_module).train_dataloader()  # type: ignore[attr-defined]
         if not isinstance(loader, GlobalOrderLoader):
-            raise LitCBSConfigError(NO_DATA_POSITION)
+            raise LitCBSConfigError(
+                "a CBS probe of a checkpoint reads the run's next window of data from the checkpoint's data position, "
+                "which only a lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one"
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         started = time.perf_counter()
@@ -115,9 +113,7 @@ class CheckpointProbe(Callback):
         )
         if isinstance(plan, ProbeSkip):
             raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
-        heldout = None
-        if self.config.evaluate == "heldout":
-            heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
+        heldout = run.heldout(trainer)
         samples_per_rank = plan.window_samples // world
         batches = self._read_window(loader, micro, samples_per_rank * self.config.replicates)
         point = run.point(0, plan, trainer.global_step, None, "")  # the window's start, as a main run's probe

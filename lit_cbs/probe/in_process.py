@@ -1,5 +1,4 @@
-"""The in-process runner (the branches trained in the Trainer from an in-memory copy while the main run waits), and
-what every runner shares: the search over k (``measure_window``) and the held-out batches."""
+"""The in-process runner, and what every runner shares: the search over k (``measure_window``), the held-out batches."""
 
 from __future__ import annotations
 
@@ -96,18 +95,12 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
 
 def _first_validation_loader(trainer: pl.Trainer) -> Any:
     """The first validation loader of the fit, as Lightning's validation loop reads it."""
-    loaders = (
-        trainer.val_dataloaders
-    )  # prepared by the validation loop; None while it is off (limit_val_batches=0, ...)
+    loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off (limit_val_batches=0)
     prepared = loaders is not None
-    if not prepared:
-        loaders = request_val_dataloaders(trainer)
-    if loaders is None:
-        flattened = []
-    else:
-        flattened = (
-            loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "sequential")
-        ).flattened
+    loaders = loaders if prepared else request_val_dataloaders(trainer)
+    if loaders is not None and not isinstance(loaders, CombinedLoader):
+        loaders = CombinedLoader(loaders, "sequential")
+    flattened = loaders.flattened if loaders is not None else []
     if not flattened:
         raise LitCBSConfigError(
             "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
@@ -177,8 +170,8 @@ class InProcessRunner:
         if self.window is not None:
             self.window.record_batch(batch, self.config.snapshot_device)
 
-    def window_ended(self, point: ProbePoint) -> None:
-        """Nothing to hand over: the engine keeps the main run's score, which ``point.baseline`` gives."""
+    def window_ended(self, point: ProbePoint) -> None:  # the engine keeps the main run's score (point.baseline)
+        pass
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
         """Where the part or a look ends, train and score the branches, then restore the main run."""
