@@ -69,7 +69,6 @@ class ProbeUnusable(Exception):
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a tensor (a DTensor's shard under FSDP2)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -177,7 +176,6 @@ class RecordedWindow:
 
     @property
     def samples_per_rank(self) -> int:
-        """Samples of one replicate's window on each rank."""
         return self.point.window_samples // self.data_parallel_size
 
     @property
@@ -189,15 +187,12 @@ class RecordedWindow:
         return self.recorded_samples in self.early_stop_samples
 
     def tokens_of(self, samples_per_rank: int) -> int:
-        """Tokens (global) in ``samples_per_rank`` samples of every rank."""
         return samples_per_rank * self.data_parallel_size * self.point.seq_len
 
     def step_samples(self, k: float) -> int:
-        """Samples per rank in one step of batch k*B."""
         return round(k * self.point.batch_size) // self.data_parallel_size
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
-        """Keep a micro-batch the main run trains on, detached, on ``device``."""
         self.batches.append(move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device))
         self.recorded_samples += extract_batch_size(batch)
 
@@ -364,7 +359,6 @@ class BranchTrainer:
         return step_losses
 
     def _step(self, step: int, first: int, batches: list[Any], step_losses: list[float]) -> None:
-        """One optimizer step through the module's ``optimizer_zero_grad`` and ``optimizer_step`` hooks."""
         trainer, module = self.trainer, self.pl_module
         optimizer = module_optimizer(module)  # the LightningOptimizer the module's optimizer_step receives
         closure = functools.partial(self._forward_backward, first, batches, step_losses)

@@ -103,7 +103,6 @@ class CBSProbeCallback(Callback):
 
     @property
     def tokens_spent(self) -> int:
-        """Tokens trained in branches so far (all ranks)."""
         return self.engine.tokens_spent
 
     def status(self) -> dict[str, Any]:
@@ -329,7 +328,6 @@ class CBSProbeCallback(Callback):
         path.write_text("".join(json.dumps(reading.to_record()) + "\n" for reading in self.history))
 
     def _draw(self, trainer: pl.Trainer) -> None:
-        """cbs_curve.png of the readings so far (rank 0)."""
         if trainer.is_global_zero and self.history and self._output_dir is not None:
             warmup = self._run.warmup if self._run is not None else None
             changes = warmup.history if warmup is not None else []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -141,7 +141,6 @@ class ProbeConfig:
 
     @property
     def span_tokens(self) -> int:
-        """Tokens of the main run one probe records: ``replicates`` windows."""
         return self.window_tokens * self.replicates
 
     def probe_point(self, index: int) -> float:
@@ -154,13 +153,6 @@ class ProbeConfig:
             return math.inf
         first, ratio = self.geometric
         return round(first * ratio**index)
-
-    def points_before(self, end_tokens: float, next_probe: int = 0) -> Iterator[float]:
-        """The probe points (tokens) from the ``next_probe``-th on that lie before ``end_tokens``."""
-        index = next_probe
-        while (point := self.probe_point(index)) < end_tokens:
-            yield point
-            index += 1
 
     def check_inside_run(
         self,
@@ -331,7 +323,6 @@ class ProbeEngine:
 
     @property
     def tokens_spent(self) -> int:
-        """Branch tokens (global) of the readings recorded."""
         return sum(reading.tokens_spent for reading in self.history)
 
     def open(self, point: ProbePoint) -> None:
@@ -339,7 +330,6 @@ class ProbeEngine:
         self.runner.start(point)
 
     def recording(self) -> list[ProbePoint]:
-        """The points whose part of the main run is still being trained."""
         return [point for point in self.points.values() if point.main_open]
 
     def main_step(
@@ -384,7 +374,6 @@ class ProbeEngine:
             self.on_reading(reading, point)
 
     def fail(self, point: ProbePoint, reason: str) -> None:
-        """``point`` gives no reading: recorded with ``reason``."""
         self.points.pop(point.index, None)
         self.runner.close(point)
         failure = {"tokens": point.tokens, "step": point.step, "reason": reason}
@@ -392,7 +381,6 @@ class ProbeEngine:
         self.on_failure(failure)
 
     def drop(self, point: ProbePoint) -> None:
-        """``point`` ends with neither a reading nor a failure (the run stopped inside its window)."""
         self.points.pop(point.index, None)
         self.runner.close(point)
 

@@ -27,7 +27,6 @@ __all__: list[str] = []  # the probe's own parts
 
 
 def no_baseline() -> BranchScore | None:
-    """k = 1 has no score of the main run's to take: it trains as a branch."""
     return None
 
 
@@ -166,7 +165,6 @@ class InProcessRunner:
         set_probe_window(trainer, trainer.global_step)
 
     def record_batch(self, batch: Any) -> None:
-        """Keep a micro-batch the main run trains on inside the open window."""
         if self.window is not None:
             self.window.record_batch(batch, self.config.snapshot_device)
 

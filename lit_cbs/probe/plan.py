@@ -259,7 +259,6 @@ class ProbeRun:
         return known(self.accounting.global_batch, "BatchAccounting.global_batch")
 
     def largest_batch(self) -> int:
-        """The largest global batch (samples) the run's schedule may reach."""
         return max(self.warmup.schedule.sizes() if self.warmup is not None else [self.global_batch()])
 
     def micro_batch_for(self, batch_size: int) -> Callable[[float], int | None]:
@@ -369,7 +368,6 @@ class ProbeRun:
         )
 
     def end(self, trainer: pl.Trainer, batch_idx: int, into_step: int) -> RunEnd:
-        """Where the run ends; ``into_step``: micro-batches of the step not yet taken, counted already."""
         return run_end(trainer, self.accounting, batch_idx + 1, into_step, self.largest_batch())
 
     def check_first_point(self, end: RunEnd, next_probe: int, resumed: bool, whole_span: bool = False) -> None:
@@ -404,7 +402,10 @@ class ProbeRun:
         """Refuse a window without a step of the largest branch at a point the run still reaches."""
         largest = max(self.config.multipliers)
         seq_len = self.seq_len()
-        points = self.config.points_before(math.inf if end.latest is None else end.latest, next_probe)
+        end_tokens = math.inf if end.latest is None else end.latest
+        points = itertools.takewhile(
+            lambda point: point < end_tokens, map(self.config.probe_point, itertools.count(next_probe))
+        )
         for point in itertools.islice(points, 1) if end.latest is None else points:
             batch = self.batch_at(point)
             largest_step = largest * batch * seq_len

@@ -40,7 +40,6 @@ class BranchScore:
 
     @classmethod
     def heldout(cls, batch_losses: Sequence[float]) -> BranchScore:
-        """The mean of per-batch held-out losses (nats)."""
         values = tuple(float(x) for x in batch_losses)
         return cls(sum(values) / len(values), values)
 
@@ -69,7 +68,6 @@ class BranchScore:
 
     @property
     def failed(self) -> bool:
-        """The branch diverged, ran out of memory or raised: its loss is not finite."""
         return not math.isfinite(self.loss)
 
 
@@ -297,7 +295,6 @@ class ProbeReading:
 
     @property
     def cbs_lower(self) -> float:
-        """k* B (samples)."""
         return self.k_star * self.batch_size
 
     @property

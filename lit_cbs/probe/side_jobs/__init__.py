@@ -169,7 +169,6 @@ class SideJobRunner:
             threading.Thread(target=_beat, args=(self.folder / HEARTBEAT_FILE, self._heartbeat), daemon=True).start()
 
     def detach(self) -> None:
-        """The fit ended: the heartbeat stops (a job still waiting for this run's score stops after a while)."""
         if self._heartbeat is not None:
             self._heartbeat.set()
             self._heartbeat = None
@@ -335,18 +334,15 @@ class SideJobRunner:
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> list[ProbePoint]:
         """The points a checkpoint left pending, to be collected (or their jobs started again) from the next step."""
-        points = []
-        for item in state:
-            point = ProbePoint(**item)
+        points = [ProbePoint(**item) for item in state]
+        for point in points:
             point.window_done = point.window_done or point.main_score is not None
             point.main_open = point.main_open and point.main_score is None
-            points.append(point)
         self.pending = {point.index: point for point in points}
         return points
 
 
 def _beat(path: Path, stop: threading.Event) -> None:
-    """Touch ``path`` every ``HEARTBEAT_SECONDS`` until ``stop`` is set (the main run's heartbeat)."""
     while not stop.is_set():
         with contextlib.suppress(OSError):
             path.touch()

@@ -44,7 +44,6 @@ def wait_for_main_score(
 
 
 def run_job(description: dict[str, Any]) -> None:
-    """Train the branches ``description`` asks for and write their scores (the side job's whole work)."""
     started = time.time()
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
@@ -76,7 +75,6 @@ def run_job(description: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lit_cbs.probe.side_jobs JOB.json``: a side job."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m lit_cbs.probe.side_jobs JOB.json")

@@ -107,7 +107,6 @@ class LocalLauncher:
         return JobState(False, _ended(code if isinstance(code, int) else None, handle.get("log")))
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """Kill the job's process group (nothing if it has ended)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(handle["pid"], signal.SIGKILL)
 
@@ -252,7 +251,6 @@ class SlurmLauncher:
         return JobState(False, f"SLURM job {handle['job_id']} ended {state}")
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """``scancel`` the job."""
         subprocess.run(["scancel", handle["job_id"]], capture_output=True)
 
 
