@@ -113,10 +113,14 @@ class CBSProbeCallback(Callback):
         return status
 
     @property
-    def _accounting(self) -> BatchAccounting:
+    def _set_up(self) -> ProbeRun:
         if self._run is None:
             raise RuntimeError("CBSProbeCallback has no BatchAccounting: it was not set up for a fit (Trainer.fit)")
-        return self._run.accounting
+        return self._run
+
+    @property
+    def _accounting(self) -> BatchAccounting:
+        return self._set_up.accounting
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Attach the ``BatchAccounting``; refuse manual optimization, other rules, unusable side jobs."""
@@ -139,13 +143,11 @@ class CBSProbeCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before any data is read: refuse an optimizer or scheduler the rules cannot move at some k."""
-        assert self._run is not None, "set up for the fit"
-        self._run.check_rules_apply(trainer)
+        self._set_up.check_rules_apply(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse a point past ``max_tokens``, load held-out batches, start a probe left due."""
-        run = self._run
-        assert run is not None, "set up for the fit"
+        run = self._set_up
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = run.accounting.max_tokens
         if max_tokens is not None and not self._resumed:  # before any data is read; max_steps, max_epochs later
@@ -173,8 +175,7 @@ class CBSProbeCallback(Callback):
     ) -> None:
         if not self._batch_checked:
             self._batch_checked = True
-            assert self._run is not None, "set up for the fit"
-            self._run.check_first_batch(trainer, pl_module, batch_idx, self.probes_started, self._resumed)
+            self._set_up.check_first_batch(trainer, pl_module, batch_idx, self.probes_started, self._resumed)
         if self._in_process is not None:
             self._in_process.record_batch(batch)
 
@@ -243,8 +244,8 @@ class CBSProbeCallback(Callback):
         return accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
 
     def _branch_trainer(self, batch_size: int) -> BranchTrainer:
-        trainer, run = self._accounting.trainer, self._run
-        assert trainer is not None and run is not None, "set up for the fit"
+        trainer, run = self._accounting.trainer, self._set_up
+        assert trainer is not None, "set up for the fit"
         return run.branch_trainer(trainer, trainer.lightning_module, batch_size, self._heldout)
 
     def _score_main(self, point: ProbePoint) -> BranchScore:
@@ -256,8 +257,7 @@ class CBSProbeCallback(Callback):
             return scorer.score(point.main_step_losses)
 
     def _start_probe(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        run, accounting = self._run, self._accounting
-        assert run is not None, "set up for the fit"
+        run, accounting = self._set_up, self._accounting
         tokens = accounting.tokens_seen
         interrupted, self._interrupted = self._interrupted, None
         run.say_redone(interrupted, trainer.global_step)

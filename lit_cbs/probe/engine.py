@@ -1,5 +1,4 @@
-"""The probe engine, whatever trains the branches: the settings (``ProbeConfig``) and a point's life from its start to
-its reading (``ProbeEngine``). No Lightning. docs/design.md, "The probe engine"."""
+"""The probe engine: its settings (``ProbeConfig``) and a point's life to its reading (``ProbeEngine``)."""
 
 from __future__ import annotations
 
@@ -261,12 +260,8 @@ def point_reading(
         DecisionRule(config.epsilon, config.confidence),
         point.multipliers,
         point.batch_size,
-        search=config.search,
-        evaluate=config.evaluate,
-        cooldown_fraction=config.cooldown_fraction,
-        tokens=point.tokens,
-        step=point.step,
-        seq_len=point.seq_len,
+        **{name: getattr(config, name) for name in ("search", "evaluate", "cooldown_fraction")},
+        **{name: getattr(point, name) for name in ("tokens", "step", "seq_len", "interrupted_at_tokens", "replicates")},
         window_tokens=outcome.window_tokens,
         main_loss=main.loss,
         branches_trained=list(outcome.trained),
@@ -274,8 +269,6 @@ def point_reading(
         tokens_spent=outcome.tokens_trained,
         overhead=(earlier + outcome.tokens_trained) / max(1, main_tokens),
         planned_window_tokens=point.window_tokens,
-        interrupted_at_tokens=point.interrupted_at_tokens,
-        replicates=point.replicates,
         mode=mode,
         arrived_at_tokens=arrived_at_tokens,
     )

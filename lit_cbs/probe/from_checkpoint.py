@@ -93,16 +93,8 @@ class CheckpointProbe(Callback):
         accounting = BatchAccounting.attach(trainer)
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
         warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
-        loader = resizable_train_loader(trainer)
-        seq_len, world = accounting.seq_len, accounting.data_parallel_size
-        if seq_len is None:
-            raise LitCBSConfigError(
-                "a CBS probe of a checkpoint counts its window in tokens, but the checkpoint's run counted none: give "
-                "seq_len=... to BatchWarmup or BatchAccounting (or the datamodule a `tokens_per_sample` attribute)"
-            )
-        run = ProbeRun(self.config, accounting, warmup)
-        batch = run.global_batch()  # from the checkpoint
-        micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
+        run, world = ProbeRun(self.config, accounting, warmup), accounting.data_parallel_size
+        seq_len, batch = run.seq_len(), run.global_batch()  # from the checkpoint
         plan = self.plan or plan_probe(
             self.config,
             tokens=accounting.tokens_seen,
@@ -114,8 +106,11 @@ class CheckpointProbe(Callback):
         if isinstance(plan, ProbeSkip):
             raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
         heldout = run.heldout(trainer)
-        samples_per_rank = plan.window_samples // world
-        batches = self._read_window(loader, micro, samples_per_rank * self.config.replicates)
+        loader, samples = resizable_train_loader(trainer), plan.window_samples // world * self.config.replicates
+        assert loader is not None, "on_fit_start refused a loader without a data position"
+        count = -(-samples // known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size"))
+        while sum(map(extract_batch_size, batches := loader.peek(count))) < samples:  # this rank's next samples
+            count += 1
         point = run.point(0, plan, trainer.global_step, None, "")  # the window's start, as a main run's probe
         with accounting.branching():
             start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
@@ -127,16 +122,6 @@ class CheckpointProbe(Callback):
             finally:
                 window.start.restore(trainer, pl_module)
                 accounting.gradient_sync.set(None)
-
-    @staticmethod
-    def _read_window(loader: Any, micro_batch_size: int, samples: int) -> list[Any]:
-        """This rank's next ``samples`` samples from the loader's position, in micro-batches."""
-        count = -(-samples // micro_batch_size)
-        while True:
-            batches: list[Any] = loader.peek(count)
-            if sum(extract_batch_size(batch) for batch in batches) >= samples:
-                return batches
-            count += 1
 
     def _measure(self, point: ProbePoint, window: RecordedWindow, branches: BranchTrainer) -> None:
         """Train and score the branches; without a plan decide the reading, at each early look first."""

@@ -1,5 +1,4 @@
-"""Where and on what a due probe starts: ``plan_probe`` (pure), where the run ends (``run_end``), and ``ProbeRun``, the
-run as the callback plans in it, with the checks of its first batch."""
+"""Where and on what a due probe starts (``plan_probe``), where the run ends, and the checks of the first batch."""
 
 from __future__ import annotations
 
@@ -253,7 +252,13 @@ class ProbeRun:
             rules.check(optimizer, schedulers, ratios, who)
 
     def seq_len(self) -> int:
-        return known(self.accounting.seq_len, "BatchAccounting.seq_len")
+        if self.accounting.seq_len is None:
+            raise LitCBSConfigError(
+                "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
+                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
+                "`tokens_per_sample` attribute)"
+            )
+        return self.accounting.seq_len
 
     def global_batch(self) -> int:
         return known(self.accounting.global_batch, "BatchAccounting.global_batch")
@@ -386,17 +391,12 @@ class ProbeRun:
                 end.latest, end.limit, whole_span=window is not None, next_probe=next_probe, window_tokens=window
             )
             return
-        if point < end.latest:
-            return
-        if math.isinf(point):
-            at_tokens = self.config.at_tokens
-            assert at_tokens is not None, "only at_tokens run out of probe points"
-            why = f"the last of at_tokens is at {at_tokens[-1]:,}"
-        else:
-            why = (
+        if point >= end.latest:
+            past = (
                 f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} at {end.latest:,} tokens or sooner"
             )
-        rank_zero_info(f"CBSProbeCallback: no probe point is left in the rest of this run ({why})")
+            why = f"the last of at_tokens is at {(self.config.at_tokens or [0])[-1]:,}" if math.isinf(point) else past
+            rank_zero_info(f"CBSProbeCallback: no probe point is left in the rest of this run ({why})")
 
     def check_window(self, end: RunEnd, next_probe: int) -> None:
         """Refuse a window without a step of the largest branch at a point the run still reaches."""
@@ -420,14 +420,8 @@ class ProbeRun:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, next_probe: int, resumed: bool
     ) -> None:
         """At the first batch: refuse no tokens, an LR-writing ``optimizer_step``, unfit points."""
-        accounting = self.accounting
-        if accounting.seq_len is None:
-            raise LitCBSConfigError(
-                "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
-                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
-                "`tokens_per_sample` attribute)"
-            )
-        batch = self.global_batch()
+        accounting, batch = self.accounting, self.global_batch()
+        self.seq_len()  # refuses batches without tokens
         check_optimizer_step_lr(trainer, pl_module, batch_idx)
         end = self.end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
         self.check_first_point(end, next_probe, resumed, whole_span=True)

@@ -1,5 +1,4 @@
-"""The k* rule of the CBS probe (Merrill et al. 2025, arXiv 2505.23971), its standard errors and ``ProbeReading``, the
-one record of a probe; pure Python, no Lightning. docs/design.md, "The probe", has the statistics."""
+"""The k* rule of the CBS probe (arXiv 2505.23971), its standard errors and ``ProbeReading``; no Lightning."""
 
 from __future__ import annotations
 
@@ -25,13 +24,7 @@ EVALUATIONS = ("train_ema", "heldout")
 class BranchScore:
     """One branch's loss (nats; inf or NaN: it failed) and what its uncertainty is made from: its loss on each
     held-out batch (the same batches for every branch, so differences pair up), else the SE of ``loss`` alone;
-    ``replicate_losses``: each replicate data window's ``batch_losses``.
-
-    Examples:
-        >>> score = BranchScore.heldout([2.0, 2.2, 2.4])
-        >>> round(score.loss, 4), score.batch_losses, score.failed, BranchScore(float("inf")).failed
-        (2.2, (2.0, 2.2, 2.4), False, True)
-    """
+    ``replicate_losses``: each replicate data window's ``batch_losses``."""
 
     loss: float
     batch_losses: tuple[float, ...] = ()

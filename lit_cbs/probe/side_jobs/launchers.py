@@ -1,5 +1,4 @@
-"""Where side jobs run: ``LocalLauncher`` (processes here), ``SlurmLauncher`` (SLURM through submitit), and
-``SideJobs``, the settings; a launcher starts a Python command line and says whether it still runs."""
+"""Where side jobs run (``LocalLauncher``, ``SlurmLauncher``) and how (``SideJobs``)."""
 
 from __future__ import annotations
 
@@ -93,18 +92,20 @@ class LocalLauncher:
     def state(self, handle: dict[str, Any]) -> JobState:
         """Whether the job runs (stopped past ``timeout_min``); an ended one's status and last log line."""
         process = _STARTED.get(handle["pid"])
-        code: int | str | None  # the exit status; "unknown": not our child, and gone
-        if process is not None:
-            code = process.poll()
-        else:  # started by an earlier main process: alive while /proc says it is still that job
-            code = None if _alive(handle["pid"]) else "unknown"
-        if code is None:
+        code = process.poll() if process is not None else None  # None for a job of an earlier main process too
+        running = code is None if process is not None else _alive(handle["pid"])  # theirs: while /proc says it is
+        if running:
             if self.timeout_min is not None and time.time() - handle["started"] > 60 * self.timeout_min:
                 self.cancel(handle)
                 return JobState(False, f"ran past timeout_min={self.timeout_min:g}")
             return JobState(True)
         _STARTED.pop(handle["pid"], None)
-        return JobState(False, _ended(code if isinstance(code, int) else None, handle.get("log")))
+        what = "ended (started by an earlier main process)"
+        if code is not None:
+            what = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        log = Path(handle.get("log") or "")
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
+        return JobState(False, what + (f": {lines[-1].strip()}" if lines else ""))
 
     def cancel(self, handle: dict[str, Any]) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -137,20 +138,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return "lit_cbs.probe.side_jobs" in command
-
-
-def _ended(code: int | None, log: str | None) -> str:
-    """Why a job that wrote no result ended: its exit code and the last line of its log."""
-    what = (
-        "ended (started by an earlier main process)"
-        if code is None
-        else (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-    )
-    last = ""
-    if log is not None and Path(log).is_file():
-        lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
-        last = f": {lines[-1].strip()}" if lines else ""
-    return f"{what}{last}"
 
 
 @dataclass(frozen=True)
