@@ -239,8 +239,7 @@ def cooldown_factor(step: int, steps: int, cooldown_steps: int) -> float:
 
 @contextlib.contextmanager
 def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float | None) -> Iterator[None]:
-    """Every LR times ``factor`` for the step inside (of branch ``k``; None: a trial); ``ProbeUnusable`` where the step
-    wrote the LR itself."""
+    """Every LR times ``factor`` for branch ``k``'s step (None: a trial); ``ProbeUnusable`` where it wrote the LR."""
     saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
     for optimizer in optimizers:
         for group in optimizer.param_groups:

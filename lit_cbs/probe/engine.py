@@ -359,16 +359,14 @@ class ProbeEngine:
             reading = point_reading(self.config, point, outcome, self.history, self.runner.mode, arrived)
             if not (outcome.final or reading.determined):
                 continue  # an early look the data do not decide: the window goes on
-            del self.points[point.index]
-            self.runner.close(point)
+            self.drop(point)
             self._feed(reading)
             self.history.append(reading)
             self.history.sort(key=lambda reading: reading.tokens)  # late readings may arrive out of order
             self.on_reading(reading, point)
 
     def fail(self, point: ProbePoint, reason: str) -> None:
-        self.points.pop(point.index, None)
-        self.runner.close(point)
+        self.drop(point)
         failure = {"tokens": point.tokens, "step": point.step, "reason": reason}
         self.failures.append(failure)
         self.on_failure(failure)

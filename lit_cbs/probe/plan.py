@@ -68,8 +68,7 @@ class EpochEnd:
 def window_at(
     config: ProbeConfig, batch_size: int, seq_len: int, branch_micro_batch: Callable[[float], int | None]
 ) -> tuple[list[float], int]:
-    """The ks a probe at ``batch_size`` trains (k*B whole micro-batches on every rank, inside the window), and its
-    window (whole steps of the largest; 0: none fits)."""
+    """The ks a probe at ``batch_size`` trains, and its window (whole steps of the largest; 0: none fits)."""
     window_samples = config.window_tokens // seq_len
     ks = [k for k in config.multipliers if branch_micro_batch(k) is not None and k * batch_size <= window_samples]
     if len(ks) < 2 or 1.0 not in ks:
@@ -94,10 +93,8 @@ def plan_probe(
     epoch_end: EpochEnd | None = None,
     largest_batch: int | None = None,
 ) -> ProbePlan | ProbeSkip:
-    """The probe due at ``tokens`` on a run at global batch ``batch_size``, or why it is skipped. ``run_end_tokens``:
-    where the run ends at the earliest (``run_end`` names it); ``main_span_tokens``: the main run's tokens the probe
-    records (None: ``replicates`` windows); ``adaptive_final``: a ``CBSAdaptive`` at its final batch;
-    ``largest_batch``: the largest batch the run may reach inside the window."""
+    """The probe due at ``tokens`` at global batch ``batch_size``, or why it is skipped; ``main_span_tokens``: the main
+    run's tokens it records (None: ``replicates`` windows); ``largest_batch``: the largest the run may reach in it."""
     if adaptive_final is not None:
         return ProbeSkip(
             f"CBSAdaptive is at its final batch {adaptive_final}, where no reading can move it "

@@ -298,29 +298,21 @@ class ProbeReading:
         return math.sqrt(self.cbs_lower * self.cbs_upper)
 
     def to_record(self) -> dict[str, Any]:
-        """The reading as ``cbs_probe.jsonl`` holds it: its fields, and ``cbs_lower`` and ``cbs_estimate`` around
-        ``cbs_upper``."""
-        record: dict[str, Any] = {}
-        for key, value in dataclasses.asdict(self).items():
-            if key == "cbs_upper":
-                record["cbs_lower"] = self.cbs_lower
-            record[key] = value
-            if key == "cbs_upper":
-                record["cbs_estimate"] = self.cbs_estimate
-        return record
+        """The reading as a line of ``cbs_probe.jsonl``: its fields, cbs_lower and cbs_estimate around cbs_upper."""
+        items = list(dataclasses.asdict(self).items())
+        at = [key for key, _ in items].index("cbs_upper")
+        derived = [("cbs_lower", self.cbs_lower), items[at], ("cbs_estimate", self.cbs_estimate)]
+        return dict(items[:at] + derived + items[at + 1 :])
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
         """The reading ``record`` holds (``to_record``'s, a line of ``cbs_probe.jsonl``)."""
         fields = {key: value for key, value in record.items() if key not in ("cbs_lower", "cbs_estimate")}
-        known = dataclasses.fields(cls)
-        no_default = dataclasses.MISSING
-        needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}
-        missing, unknown = sorted(needed - fields.keys()), sorted(fields.keys() - {f.name for f in known})
-        if missing or unknown:
-            lacks = f"lacks {', '.join(missing)}" if missing else ""
-            extra = f"has unknown fields {', '.join(unknown)}" if unknown else ""
-            raise ValueError(f"not a CBS probe reading: it {' and '.join(filter(None, (lacks, extra)))}")
+        known, none = dataclasses.fields(cls), dataclasses.MISSING
+        missing = sorted({f.name for f in known if f.default is none and f.default_factory is none} - fields.keys())
+        wrong = (("lacks", missing), ("has unknown fields", sorted(fields.keys() - {f.name for f in known})))
+        if said := [f"{what} {', '.join(names)}" for what, names in wrong if names]:
+            raise ValueError(f"not a CBS probe reading: it {' and '.join(said)}")
         return cls(**fields)
 
     @classmethod
