@@ -28,13 +28,12 @@ from lit_cbs.callbacks.module_state import ModuleState, side_effects_undone
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
-from lit_cbs.rules.scaling import OptimizerRules
 
 if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     from lit_cbs.callbacks.warmup import BatchWarmup
-    from lit_cbs.probe.engine import ProbePoint
+    from lit_cbs.probe.engine import ProbeConfig, ProbePoint
 
 __all__: list[str] = []  # the probe's own parts
 
@@ -260,20 +259,17 @@ class BranchTrainer:
     trainer: pl.Trainer
     pl_module: pl.LightningModule
     accounting: BatchAccounting
-    rules: OptimizerRules  # how the LR (and weight decay, betas) move for batch ratio k
-    evaluate: str
-    ema_alpha: float  # weight of the newest step loss in the EMA
+    config: ProbeConfig  # its rules (how the optimizer moves for batch ratio k), evaluate, ema_alpha, cooldown
     micro_batch_for: Callable[[float], int | None]  # samples per rank in a micro-batch of branch k (None: none fits)
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
-    cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
     tokens_trained: int = 0  # tokens (global) of every branch step taken so far
     _validation_loss: bool = True  # validation_step returns a loss (else training_step's is the held-out loss)
 
     def score(self, step_losses: list[float]) -> BranchScore:
         """The score (alike on every rank) of a window trained with ``step_losses``, the model at its end."""
-        if self.evaluate == "heldout":
+        if self.config.evaluate == "heldout":
             return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
-        return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
+        return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.config.ema_alpha)
 
     def loss(self, window: RecordedWindow, k: float, keep: bool = False, replicate: int = 0) -> BranchScore:
         """Train batch k*B over the ``replicate``-th window (``keep``: kept for an early look) and score it."""
@@ -320,7 +316,7 @@ class BranchTrainer:
         else:
             window.start.restore(trainer, module)
             for opt in trainer.optimizers:
-                self.rules.apply(
+                self.config.rules.apply(
                     opt,
                     [c.scheduler for c in trainer.lr_scheduler_configs],
                     k,
@@ -330,7 +326,7 @@ class BranchTrainer:
         offset = replicate * window.samples_per_rank
         steps = min(window.recorded_samples - offset, window.samples_per_rank) // step_samples
         batches = window.micro_batches(micro, steps * step_samples, offset)
-        cooldown_steps = round(self.cooldown_fraction * steps)
+        cooldown_steps = round(self.config.cooldown_fraction * steps)
         tokens_per_step = window.tokens_of(step_samples)
         first_step = progress.steps if progress is not None else 0
         tokens = window.point.tokens + first_step * tokens_per_step

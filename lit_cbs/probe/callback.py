@@ -162,11 +162,8 @@ class CBSProbeCallback(Callback):
         if self._side is not None:
             assert self._output_dir is not None, "refused above"
             self._side.attach(trainer, self._output_dir)
-        if (
-            self._resumed
-            and not run.accounting.budget_reached
-            and run.accounting.tokens_seen >= self.config.probe_point(self.probes_started)
-        ):
+        due = run.accounting.tokens_seen >= self.config.probe_point(self.probes_started)
+        if self._resumed and due and not run.accounting.budget_reached:
             # Resumed where a probe was due (or inside a stopped one): it starts here, as it did after this step.
             self._start_probe(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1)
 

@@ -296,15 +296,7 @@ class ProbeRun:
     ) -> BranchTrainer:
         """Trains and scores branches at the main batch ``batch_size`` (and the main run's own window)."""
         return BranchTrainer(
-            trainer,
-            pl_module,
-            self.accounting,
-            self.config.rules,
-            self.config.evaluate,
-            self.config.ema_alpha,
-            micro_batch_for=self.micro_batch_for(batch_size),
-            heldout=heldout,
-            cooldown_fraction=self.config.cooldown_fraction,
+            trainer, pl_module, self.accounting, self.config, self.micro_batch_for(batch_size), heldout
         )
 
     def plan(
