@@ -169,17 +169,15 @@ def run_end(
             step_start + steps_left * global_batch * seq_len,
             step_start + steps_left * max(largest_batch, global_batch) * seq_len,
         )
-    per_epoch = trainer.num_training_batches
-    loader = resizable_train_loader(trainer)
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and loader is not None:
-        # Its epochs train every sample, the last round short: count samples, not micro-batches.
-        left = (trainer.max_epochs - trainer.current_epoch) * loader.num_samples - loader.position
-        tokens = accounting.tokens_seen + left * seq_len
-        ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
-    elif trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(per_epoch):
-        batches_left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
-        tokens = accounting.tokens_seen + int(batches_left) * per_micro_batch
-        ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
+    epochs, per_epoch, loader = trainer.max_epochs, trainer.num_training_batches, resizable_train_loader(trainer)
+    if epochs is not None and epochs >= 0 and (loader is not None or math.isfinite(per_epoch)):
+        if loader is not None:  # its epochs train every sample, the last round short: count samples
+            left = (epochs - trainer.current_epoch) * loader.num_samples - loader.position
+            tokens = accounting.tokens_seen + left * seq_len
+        else:
+            batches_left = (epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
+            tokens = accounting.tokens_seen + int(batches_left) * per_micro_batch
+        ends[f"max_epochs={epochs}"] = (tokens, tokens)
     if not ends:
         return RunEnd(None, None, None)
     limit = min(ends, key=lambda name: ends[name][0])
