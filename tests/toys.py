@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from lit_cbs import BatchWarmup, CBSProbeCallback, ConstantBatch, token_mean_loss
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.data.loader import GlobalOrderLoader, epoch_order
-from lit_cbs.probe import BranchScore, ProbeReading
+from lit_cbs.probe.reading import BranchScore, ProbeReading
 
 DIM = 4
 

@@ -1,14 +1,10 @@
-"""Measure the critical batch size (CBS) online by branched training (Merrill et al. 2025, arXiv 2505.23971):
-``CBSProbeCallback`` in a Trainer, ``probe_checkpoint`` at a saved checkpoint, side jobs (``SideJobs`` with a
-``LocalLauncher`` or ``SlurmLauncher``), and the readings they write (``read_readings``, ``ProbeReading``, ``decide``).
-The names load on first use (PEP 562), so ``lit_cbs.probe.reading`` does not pay for Lightning."""
+"""Measure the critical batch size online by branched training (arXiv 2505.23971); names load on first use."""
 
 from typing import TYPE_CHECKING
 
 from lit_cbs._lazy import lazy_exports
 
 _EXPORTS = {
-    "BranchScore": "lit_cbs.probe.reading",
     "CBSProbeCallback": "lit_cbs.probe.callback",
     "LocalLauncher": "lit_cbs.probe.side_jobs.launchers",
     "ProbeReading": "lit_cbs.probe.reading",
@@ -27,7 +23,6 @@ if TYPE_CHECKING:
     from lit_cbs.probe.callback import CBSProbeCallback as CBSProbeCallback
     from lit_cbs.probe.from_checkpoint import RunParts as RunParts
     from lit_cbs.probe.from_checkpoint import probe_checkpoint as probe_checkpoint
-    from lit_cbs.probe.reading import BranchScore as BranchScore
     from lit_cbs.probe.reading import ProbeReading as ProbeReading
     from lit_cbs.probe.reading import decide as decide
     from lit_cbs.probe.reading import read_readings as read_readings

@@ -1,5 +1,4 @@
-"""A probe branch: batch k*B trained from the window's start over the recorded window through the module's own hooks,
-every callback hidden; a failure is agreed across ranks (out of memory fails the branch, anything else the probe)."""
+"""A probe branch: batch k*B trained from the window's start over the recorded window through the module's hooks."""
 
 from __future__ import annotations
 
@@ -8,7 +7,7 @@ import copy
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
@@ -29,13 +28,12 @@ from lit_cbs.callbacks.module_state import ModuleState, side_effects_undone
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.rules.lr_schedules import TokenLRScheduler
-from lit_cbs.rules.scaling import OptimizerRules
 
 if TYPE_CHECKING:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     from lit_cbs.callbacks.warmup import BatchWarmup
-    from lit_cbs.probe.engine import ProbePoint
+    from lit_cbs.probe.engine import ProbeConfig, ProbePoint
 
 __all__: list[str] = []  # the probe's own parts
 
@@ -58,15 +56,18 @@ class ProbeAborted(Exception):
 
 
 class ProbeUnusable(Exception):
-    """The run cannot be probed as it is (its ``optimizer_step`` writes the LR a branch must train at)."""
+    """The run cannot be probed: its ``optimizer_step`` writes the LR a branch must train at (``written``: which)."""
 
-
-class BranchError(RuntimeError):
-    """Another rank raised inside a probe branch; this rank stops with it (the probe is aborted everywhere)."""
+    def __init__(self, written: str):
+        super().__init__(
+            f"the module's optimizer_step set the learning rate inside a probe branch ({written}), so no branch trains "
+            "at lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, TokenLRScheduler) "
+            "instead of writing param_groups in optimizer_step"
+        )
+        self.written = written
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank-local storage of a tensor (a DTensor's shard under FSDP2)."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -144,12 +145,6 @@ class TrainingSnapshot:
         self.module_state.restore(pl_module)
 
 
-class _ProbeLossModule(Protocol):
-    """A module with the optional ``probe_loss(batch)`` hook ``HeldoutLoss`` prefers."""
-
-    def probe_loss(self, batch: Any) -> Any: ...
-
-
 def module_optimizer(pl_module: pl.LightningModule) -> LightningOptimizer:
     """The module's one optimizer (automatic optimization), as its ``optimizer_step`` receives it."""
     optimizer = pl_module.optimizers()
@@ -168,53 +163,35 @@ class BranchProgress:
 
 @dataclass
 class RecordedWindow:
-    """The main run's window since a probe point, as this rank trained it (samples global unless said)."""
+    """The main run's window since ``point``, as this rank trained it (samples global unless said)."""
 
-    tokens: int  # at the window's start
-    step: int  # optimizer steps at the window's start
-    batch_size: int  # the global batch B
+    point: ProbePoint  # its batch, multipliers, window (whole steps of the largest branch) and replicates
     data_parallel_size: int
-    seq_len: int
-    multipliers: list[float]  # the ks whose batch k*B fits this window
-    window_samples: int  # every branch trains on (whole steps of the largest branch)
-    start: TrainingSnapshot
-    replicates: int = 1  # disjoint windows of window_samples one after the other, each trained from `start`
+    start: TrainingSnapshot  # each of `replicates` disjoint windows one after the other trains from here
     batches: list[Any] = field(default_factory=list)  # micro-batches as the main run trained on them
     recorded_samples: int = 0  # per rank, in `batches`
     early_stop_samples: list[int] = field(default_factory=list)  # per rank, where the probe may end early
     progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to an early stop
 
-    @classmethod
-    def at(cls, point: ProbePoint, ranks: int, start: TrainingSnapshot, **more: Any) -> RecordedWindow:
-        """The window of ``point`` on ``ranks`` ranks from ``start``; ``more``: the other fields."""
-        return cls(
-            point.tokens, point.step, point.batch_size, ranks, point.seq_len, point.multipliers,
-            point.window_samples, start, point.replicates, **more,
-        )  # fmt: skip
-
     @property
     def samples_per_rank(self) -> int:
-        """Samples of one replicate's window on each rank."""
-        return self.window_samples // self.data_parallel_size
+        return self.point.window_samples // self.data_parallel_size
 
     @property
     def complete(self) -> bool:
-        return self.recorded_samples >= self.samples_per_rank * self.replicates
+        return self.recorded_samples >= self.samples_per_rank * self.point.replicates
 
     @property
     def at_early_stop(self) -> bool:
         return self.recorded_samples in self.early_stop_samples
 
     def tokens_of(self, samples_per_rank: int) -> int:
-        """Tokens (global) in ``samples_per_rank`` samples of every rank."""
-        return samples_per_rank * self.data_parallel_size * self.seq_len
+        return samples_per_rank * self.data_parallel_size * self.point.seq_len
 
     def step_samples(self, k: float) -> int:
-        """Samples per rank in one step of batch k*B."""
-        return round(k * self.batch_size) // self.data_parallel_size
+        return round(k * self.point.batch_size) // self.data_parallel_size
 
     def record_batch(self, batch: Any, device: str | torch.device) -> None:
-        """Keep a micro-batch the main run trains on, detached, on ``device``."""
         self.batches.append(move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device))
         self.recorded_samples += extract_batch_size(batch)
 
@@ -240,16 +217,6 @@ class RecordedWindow:
         ]
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """An allocation failure: torch's, the CPU allocator's refusal, or CUDA out of memory in a library call."""
-    message = str(error)
-    return (
-        isinstance(error, torch.OutOfMemoryError)
-        or "DefaultCPUAllocator: can't allocate memory" in message
-        or "CUDA error: out of memory" in message
-    )
-
-
 @contextlib.contextmanager
 def callbacks_hidden(trainer: pl.Trainer) -> Iterator[None]:
     """No callback hook runs inside (branch steps are not the run's) but ``BatchAccounting``'s."""
@@ -270,8 +237,8 @@ def cooldown_factor(step: int, steps: int, cooldown_steps: int) -> float:
 
 
 @contextlib.contextmanager
-def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float) -> Iterator[None]:
-    """Every LR times ``factor`` for the step inside; ``ProbeUnusable`` where the step wrote the LR itself."""
+def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k: float | None) -> Iterator[None]:
+    """Every LR times ``factor`` for branch ``k``'s step (None: a trial); ``ProbeUnusable`` where it wrote the LR."""
     saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in optimizers]
     for optimizer in optimizers:
         for group in optimizer.param_groups:
@@ -280,37 +247,9 @@ def lr_scaled_for_step(optimizers: list[torch.optim.Optimizer], factor: float, k
     for optimizer, lrs in zip(optimizers, saved):
         for group, lr in zip(optimizer.param_groups, lrs):
             if group["lr"] != lr * factor:
-                raise ProbeUnusable(
-                    f"the module's optimizer_step set the learning rate inside a probe branch "
-                    f"({group['lr']:.4g} where the k={k:g} branch trains at {lr * factor:.4g}), so no branch trains at "
-                    "lr_rule(k) x the run's LR: set the LR with an LR scheduler (configure_optimizers, "
-                    "TokenLRScheduler) instead of writing param_groups in optimizer_step"
-                )
+                where = "it was given" if k is None else f"the k={k:g} branch trains at"
+                raise ProbeUnusable(f"{group['lr']:.4g} where {where} {lr * factor:.4g}")
             group["lr"] = lr
-
-
-class HeldoutLoss:
-    """The loss on a held-out batch: ``probe_loss``, else ``validation_step``'s loss, else ``training_step``'s."""
-
-    def __init__(self, pl_module: pl.LightningModule):
-        self.pl_module = pl_module
-        if callable(getattr(pl_module, "probe_loss", None)):
-            self.hook = "probe_loss"
-        elif is_overridden("validation_step", pl_module):
-            self.hook = "validation_step"
-        else:
-            self.hook = "training_step"
-
-    def __call__(self, batch: Any, index: int) -> torch.Tensor:
-        module = self.pl_module
-        if self.hook == "probe_loss":
-            return loss_of(cast(_ProbeLossModule, module).probe_loss(batch), "probe_loss")
-        if self.hook == "validation_step":
-            output = module.validation_step(batch, index)
-            if isinstance(output, torch.Tensor) or (isinstance(output, dict) and "loss" in output):
-                return loss_of(output, "validation_step")
-            self.hook = "training_step"  # it returns no loss: its training_step is the loss
-        return loss_of(module.training_step(batch, index))
 
 
 @dataclass
@@ -320,22 +259,17 @@ class BranchTrainer:
     trainer: pl.Trainer
     pl_module: pl.LightningModule
     accounting: BatchAccounting
-    rules: OptimizerRules  # how the LR (and weight decay, betas) move for batch ratio k
-    evaluate: str
-    ema_alpha: float  # weight of the newest step loss in the EMA
+    config: ProbeConfig  # its rules (how the optimizer moves for batch ratio k), evaluate, ema_alpha, cooldown
     micro_batch_for: Callable[[float], int | None]  # samples per rank in a micro-batch of branch k (None: none fits)
     heldout: list[Any] | None = None  # held-out batches for evaluate="heldout"
-    cooldown_fraction: float = 0.0  # share of a branch's last steps over which its LR decays towards 0
     tokens_trained: int = 0  # tokens (global) of every branch step taken so far
-
-    def __post_init__(self) -> None:
-        self._heldout_loss = HeldoutLoss(self.pl_module)
+    _validation_loss: bool = True  # validation_step returns a loss (else training_step's is the held-out loss)
 
     def score(self, step_losses: list[float]) -> BranchScore:
         """The score (alike on every rank) of a window trained with ``step_losses``, the model at its end."""
-        if self.evaluate == "heldout":
+        if self.config.evaluate == "heldout":
             return BranchScore.heldout(mean_over_ranks(self.trainer, self._agreed(self._local_heldout_losses)))
-        return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.ema_alpha)
+        return BranchScore.train_ema(mean_over_ranks(self.trainer, step_losses), self.config.ema_alpha)
 
     def loss(self, window: RecordedWindow, k: float, keep: bool = False, replicate: int = 0) -> BranchScore:
         """Train batch k*B over the ``replicate``-th window (``keep``: kept for an early look) and score it."""
@@ -353,17 +287,19 @@ class BranchTrainer:
             raise
         except Exception as caught:  # noqa: BLE001 - every exception is agreed, then raised again
             error = caught
-        flags = mean_over_ranks(
-            self.trainer,
-            [
-                float(error is not None and is_out_of_memory(error)),
-                float(error is not None and not is_out_of_memory(error)),
-            ],
+        # An allocation failure (torch's, the CPU allocator's, CUDA's in a library call) fails the branch.
+        oom = error is not None and (
+            isinstance(error, torch.OutOfMemoryError)
+            or any(
+                text in str(error)
+                for text in ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory")
+            )
         )
+        flags = mean_over_ranks(self.trainer, [float(oom), float(error is not None and not oom)])
         if flags[1] > 0:
             if error is not None:
                 raise error
-            raise BranchError("another rank raised inside a CBS probe branch (its log has the error); probe aborted")
+            raise RuntimeError("another rank raised inside a CBS probe branch (its log has the error); probe aborted")
         if flags[0] > 0:
             raise BranchFailed("out of memory") from error
         return cast("T", result)
@@ -380,7 +316,7 @@ class BranchTrainer:
         else:
             window.start.restore(trainer, module)
             for opt in trainer.optimizers:
-                self.rules.apply(
+                self.config.rules.apply(
                     opt,
                     [c.scheduler for c in trainer.lr_scheduler_configs],
                     k,
@@ -390,10 +326,10 @@ class BranchTrainer:
         offset = replicate * window.samples_per_rank
         steps = min(window.recorded_samples - offset, window.samples_per_rank) // step_samples
         batches = window.micro_batches(micro, steps * step_samples, offset)
-        cooldown_steps = round(self.cooldown_fraction * steps)
+        cooldown_steps = round(self.config.cooldown_fraction * steps)
         tokens_per_step = window.tokens_of(step_samples)
         first_step = progress.steps if progress is not None else 0
-        tokens = window.tokens + first_step * tokens_per_step
+        tokens = window.point.tokens + first_step * tokens_per_step
         step_losses: list[float] = list(progress.step_losses) if progress is not None else []
         module.train()
         for step in range(first_step, steps):
@@ -418,7 +354,6 @@ class BranchTrainer:
         return step_losses
 
     def _step(self, step: int, first: int, batches: list[Any], step_losses: list[float]) -> None:
-        """One optimizer step through the module's ``optimizer_zero_grad`` and ``optimizer_step`` hooks."""
         trainer, module = self.trainer, self.pl_module
         optimizer = module_optimizer(module)  # the LightningOptimizer the module's optimizer_step receives
         closure = functools.partial(self._forward_backward, first, batches, step_losses)
@@ -462,6 +397,18 @@ class BranchTrainer:
                 batch = trainer.strategy.batch_to_device(trainer.precision_plugin.convert_input(batch))
                 losses.append(float(self._heldout_loss(batch, i)))
         return losses
+
+    def _heldout_loss(self, batch: Any, index: int) -> torch.Tensor:
+        """``probe_loss``, else ``validation_step``'s loss, else ``training_step``'s."""
+        module = self.pl_module
+        if callable(probe_loss := getattr(module, "probe_loss", None)):
+            return loss_of(probe_loss(batch), "probe_loss")
+        if self._validation_loss and is_overridden("validation_step", module):
+            output = module.validation_step(batch, index)
+            if isinstance(output, torch.Tensor) or (isinstance(output, dict) and "loss" in output):
+                return loss_of(output, "validation_step")
+            self._validation_loss = False  # it returns no loss: its training_step is the loss
+        return loss_of(module.training_step(batch, index))
 
 
 def branch_micro_batch(

@@ -1,6 +1,4 @@
-"""``CBSProbeCallback``: the probe engine in a Lightning Trainer. Its hooks hand the engine the main run's steps and
-counts (``BatchAccounting``); a runner trains the branches in process or as side jobs; each reading is logged, said
-and written to ``cbs_probe.jsonl`` (rewritten from the history, so a resumed run never writes one twice)."""
+"""``CBSProbeCallback``: the probe engine in a Lightning Trainer, its readings logged and written to cbs_probe.jsonl."""
 
 from __future__ import annotations
 
@@ -105,7 +103,6 @@ class CBSProbeCallback(Callback):
 
     @property
     def tokens_spent(self) -> int:
-        """Tokens trained in branches so far (all ranks)."""
         return self.engine.tokens_spent
 
     def status(self) -> dict[str, Any]:
@@ -116,10 +113,14 @@ class CBSProbeCallback(Callback):
         return status
 
     @property
-    def _accounting(self) -> BatchAccounting:
+    def _set_up(self) -> ProbeRun:
         if self._run is None:
             raise RuntimeError("CBSProbeCallback has no BatchAccounting: it was not set up for a fit (Trainer.fit)")
-        return self._run.accounting
+        return self._run
+
+    @property
+    def _accounting(self) -> BatchAccounting:
+        return self._set_up.accounting
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Attach the ``BatchAccounting``; refuse manual optimization, other rules, unusable side jobs."""
@@ -142,13 +143,11 @@ class CBSProbeCallback(Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Before any data is read: refuse an optimizer or scheduler the rules cannot move at some k."""
-        assert self._run is not None, "set up for the fit"
-        self._run.check_rules_apply(trainer)
+        self._set_up.check_rules_apply(trainer)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Refuse a point past ``max_tokens``, load held-out batches, start a probe left due."""
-        run = self._run
-        assert run is not None, "set up for the fit"
+        run = self._set_up
         self._resumed, self._deferred = trainer.global_step > 0, False
         max_tokens = run.accounting.max_tokens
         if max_tokens is not None and not self._resumed:  # before any data is read; max_steps, max_epochs later
@@ -163,11 +162,8 @@ class CBSProbeCallback(Callback):
         if self._side is not None:
             assert self._output_dir is not None, "refused above"
             self._side.attach(trainer, self._output_dir)
-        if (
-            self._resumed
-            and not run.accounting.budget_reached
-            and run.accounting.tokens_seen >= self.config.probe_point(self.probes_started)
-        ):
+        due = run.accounting.tokens_seen >= self.config.probe_point(self.probes_started)
+        if self._resumed and due and not run.accounting.budget_reached:
             # Resumed where a probe was due (or inside a stopped one): it starts here, as it did after this step.
             self._start_probe(trainer, trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1)
 
@@ -176,8 +172,7 @@ class CBSProbeCallback(Callback):
     ) -> None:
         if not self._batch_checked:
             self._batch_checked = True
-            assert self._run is not None, "set up for the fit"
-            self._run.check_first_batch(trainer, pl_module, batch_idx, self.probes_started, self._resumed)
+            self._set_up.check_first_batch(trainer, pl_module, batch_idx, self.probes_started, self._resumed)
         if self._in_process is not None:
             self._in_process.record_batch(batch)
 
@@ -246,8 +241,8 @@ class CBSProbeCallback(Callback):
         return accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
 
     def _branch_trainer(self, batch_size: int) -> BranchTrainer:
-        trainer, run = self._accounting.trainer, self._run
-        assert trainer is not None and run is not None, "set up for the fit"
+        trainer, run = self._accounting.trainer, self._set_up
+        assert trainer is not None, "set up for the fit"
         return run.branch_trainer(trainer, trainer.lightning_module, batch_size, self._heldout)
 
     def _score_main(self, point: ProbePoint) -> BranchScore:
@@ -259,8 +254,7 @@ class CBSProbeCallback(Callback):
             return scorer.score(point.main_step_losses)
 
     def _start_probe(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        run, accounting = self._run, self._accounting
-        assert run is not None, "set up for the fit"
+        run, accounting = self._set_up, self._accounting
         tokens = accounting.tokens_seen
         interrupted, self._interrupted = self._interrupted, None
         run.say_redone(interrupted, trainer.global_step)
@@ -331,7 +325,6 @@ class CBSProbeCallback(Callback):
         path.write_text("".join(json.dumps(reading.to_record()) + "\n" for reading in self.history))
 
     def _draw(self, trainer: pl.Trainer) -> None:
-        """cbs_curve.png of the readings so far (rank 0)."""
         if trainer.is_global_zero and self.history and self._output_dir is not None:
             warmup = self._run.warmup if self._run is not None else None
             changes = warmup.history if warmup is not None else []
@@ -377,7 +370,6 @@ def log_reading(
     trainer: pl.Trainer, reading: ProbeReading, tokens_spent: int, late: ProbePoint | None, tokens_seen: int
 ) -> None:
     """Log ``reading``'s metrics and say it; a ``late`` one on the row of the step that ended its window."""
-    log_step = None
     if late is not None:
         assert late.window_end_step is not None, "a late reading comes after its window ended"
         rank_zero_info(
@@ -385,7 +377,6 @@ def log_reading(
             f"({trainer.global_step - late.window_end_step} steps, "
             f"{tokens_seen - late.tokens - late.window_tokens:,} tokens after the main run's window ended)"
         )
-        log_step = late.window_end_row
     logged = {
         metrics.CBS_LOWER: float(reading.cbs_lower),
         metrics.CBS_ESTIMATE: float(reading.cbs_estimate),
@@ -397,29 +388,20 @@ def log_reading(
     if reading.cbs_upper is not None:
         logged[metrics.CBS_UPPER] = float(reading.cbs_upper)
     base = min(reading.losses, key=float)
-    base_loss = reading.losses[base]
+    base_loss, said = reading.losses[base], []
     for k, loss in reading.losses.items():  # each branch's loss gap to the smallest k, and its standard error
+        se, windows = reading.loss_se.get(k), reading.replicate_se.get(k)
         if k != base and loss is not None and base_loss is not None:
             logged[metrics.cbs_gap(k)] = float(loss - base_loss)
-            gap_se = reading.loss_se.get(k)
-            if gap_se is not None:
-                logged[metrics.cbs_gap_se(k)] = float(gap_se)
-    log_to_loggers(trainer, lambda _: logged, every_step=True, step=log_step)
-
-    def gap(k: str) -> str:
-        se = reading.loss_se.get(k)
-        if se is None:
-            return ""
-        windows = reading.replicate_se.get(k)
+            if se is not None:
+                logged[metrics.cbs_gap_se(k)] = float(se)
         spread = f"; from the spread between data windows alone {windows:.4f}" if windows is not None else ""
-        return f" (SE of the difference from k={base}: {se:.4f}{spread})"
-
-    losses = ", ".join(
-        f"k={k}: " + (f"{v:.4f}{gap(k)}" if v is not None else "failed") for k, v in reading.losses.items()
-    )
+        gap = f" (SE of the difference from k={base}: {se:.4f}{spread})" if se is not None else ""
+        said.append(f"k={k}: " + (f"{loss:.4f}{gap}" if loss is not None else "failed"))
+    log_to_loggers(trainer, lambda _: logged, every_step=True, step=late.window_end_row if late is not None else None)
     rank_zero_info(
         f"CBS probe at {reading.tokens:,} tokens (batch {reading.batch_size}): k*={reading.k_star:g}, "
-        f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {losses}; "
+        f"CBS in {reading.bracket} samples at {reading.confidence * 100:g}% confidence; {', '.join(said)}; "
         f"{reading.tokens_spent:,} branch tokens"
         + (f" over {reading.replicates} data windows" if reading.replicates > 1 else "")
         + f"; probe overhead {reading.overhead:.2f}"

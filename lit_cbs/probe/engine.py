@@ -1,11 +1,11 @@
-"""The probe engine, whatever trains the branches: the settings (``ProbeConfig``) and a point's life from its start to
-its reading (``ProbeEngine``). No Lightning. docs/design.md, "The probe engine"."""
+"""The probe engine: its settings (``ProbeConfig``) and a point's life to its reading (``ProbeEngine``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,7 +27,6 @@ MAX_EPSILON = 0.5  # nats: a tolerance this wide lets every batch "recover" the 
 
 
 def _require(ok: bool, refusal: str) -> None:
-    """``LitCBSConfigError(refusal)`` unless ``ok``."""
     if not ok:
         raise LitCBSConfigError(refusal)
 
@@ -67,99 +66,80 @@ class ProbeConfig:
             "give one of every_tokens, at_tokens or geometric=(first_tokens, ratio), not several",
         )
         positive_int("every_tokens", self.every_tokens, "tokens", optional=True)
-        if self.at_tokens is not None:
-            at_tokens = sorted(int(t) for t in self.at_tokens)
-            ok = bool(at_tokens) and at_tokens[0] > 0
-            _require(ok, f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts")
-            self._set("at_tokens", at_tokens)
-        if self.geometric is not None:
-            first, ratio = self.geometric
-            _require(first > 0 and ratio > 1, f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1")
-            self._set("geometric", tuple(self.geometric))
+        at_tokens = sorted(int(t) for t in self.at_tokens) if self.at_tokens is not None else None
+        geometric = tuple(self.geometric) if self.geometric is not None else None
         ks = list(self.multipliers)
-        positive = all(not isinstance(k, bool) and isinstance(k, (int, float)) and k > 0 for k in ks)
-        _require(bool(ks) and positive, f"multipliers={ks!r} must be a non-empty list of positive numbers")
-        _require(len(set(ks)) == len(ks), f"multipliers={ks!r} has duplicates")
-        one = f"multipliers={ks!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"
-        _require(len(ks) >= 2, one)
-        _require(
-            0.5 <= self.confidence < 1,
-            f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)",
-        )
-        _require(
-            0 <= self.cooldown_fraction < 1,
-            f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)",
-        )
-        early_stop = sorted(float(f) for f in self.early_stop) if self.early_stop is not None else []
-        fractions = f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"
-        _require(all(0 < f < 1 for f in early_stop), fractions)
-        _require(
-            not (early_stop and self.cooldown_fraction),
-            "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one",
-        )
-        _require(
-            0 <= self.epsilon < MAX_EPSILON,
-            f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch "
-            f"counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers and "
-            "the reading means nothing",
-        )
-        alpha = f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)"
-        _require(0 < self.ema_alpha <= 1, alpha)
-        one_of("search", self.search, SEARCHES)
-        bisect = "search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers"
-        _require(self.search != "bisect" or 1 in ks, bisect)
-        _require(
-            1 in ks,
-            f"multipliers={ks!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of the run's "
-            "own batch B within epsilon, so without k = 1 it compares the branches among themselves and says nothing "
-            "about the run: include 1",
-        )
-        self._set("multipliers", sorted(float(k) for k in ks))
-        positive_int("window_tokens", self.window_tokens, "tokens")
-        for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha"):
-            self._set(name, float(getattr(self, name)))
-        self._set("early_stop", early_stop)
-        self._set(
-            "rules", OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule, self.beta2_floor)
-        )
-        one_of("evaluate", self.evaluate, EVALUATIONS)
-        positive_int("heldout_batches", self.heldout_batches, "validation batches")
+        early_stop = sorted(float(f) for f in self.early_stop or ())
         replicates = positive_int("replicates", self.replicates, "data windows per measured k")
-        _require(
-            replicates == 1 or self.evaluate == "heldout",
-            f"replicates={replicates} compares each k on the same held-out batches across data windows: set "
-            "evaluate='heldout' (or replicates=1)",
-        )
-        _require(
-            replicates == 1 or not early_stop,
-            f"early_stop={early_stop!r} and replicates={replicates} cannot be combined (a reading cut short has not "
-            "trained its later windows): drop one",
-        )
+        one_of("search", self.search, SEARCHES)
+        one_of("evaluate", self.evaluate, EVALUATIONS)
+        for ok, refusal in (
+            (at_tokens is None or (at_tokens and at_tokens[0] > 0),
+             f"at_tokens={at_tokens!r} must be a non-empty list of positive token counts"),
+            (geometric is None or (geometric[0] > 0 and geometric[1] > 1),
+             f"geometric={self.geometric!r} needs first_tokens > 0 and ratio > 1"),
+            (ks and all(not isinstance(k, bool) and isinstance(k, (int, float)) and k > 0 for k in ks),
+             f"multipliers={ks!r} must be a non-empty list of positive numbers"),
+            (len(set(ks)) == len(ks), f"multipliers={ks!r} has duplicates"),
+            (len(ks) >= 2,
+             f"multipliers={ks!r} has one batch size, which brackets no CBS: give at least two, e.g. [1, 2]"),
+            (0.5 <= self.confidence < 1,
+             f"confidence={self.confidence} must lie in [0.5, 1) (0.9: 90% one-sided; 0.5: the means alone)"),
+            (0 <= self.cooldown_fraction < 1,
+             f"cooldown_fraction={self.cooldown_fraction} must lie in [0, 1) (share of a branch's steps)"),
+            (all(0 < f < 1 for f in early_stop),
+             f"early_stop={early_stop!r} must be fractions of the window in (0, 1), e.g. [0.25, 0.5]"),
+            (not (early_stop and self.cooldown_fraction),
+             "early_stop and cooldown_fraction cannot be combined (a branch cut short has not cooled down): drop one"),
+            (0 <= self.epsilon < MAX_EPSILON,
+             f"epsilon={self.epsilon} must lie in [0, {MAX_EPSILON}) nats: the tolerance within which a larger batch "
+             f"counts as recovering the loss (the paper: 0.01); at {MAX_EPSILON} nats or more every batch recovers "
+             "and the reading means nothing"),
+            (0 < self.ema_alpha <= 1,
+             f"ema_alpha={self.ema_alpha} must lie in (0, 1] (weight of the newest step loss)"),
+            (self.search != "bisect" or 1 in ks,
+             "search='bisect' uses the main run as the k=1 baseline: include 1 in multipliers"),
+            (1 in ks,
+             f"multipliers={ks!r} has no k = 1: a reading asks which larger batch k x B recovers the loss of the "
+             "run's own batch B within epsilon, so without k = 1 it compares the branches among themselves and says "
+             "nothing about the run: include 1"),
+            (replicates == 1 or self.evaluate == "heldout",
+             f"replicates={replicates} compares each k on the same held-out batches across data windows: set "
+             "evaluate='heldout' (or replicates=1)"),
+            (replicates == 1 or not early_stop,
+             f"early_stop={early_stop!r} and replicates={replicates} cannot be combined (a reading cut short has not "
+             "trained its later windows): drop one"),
+        ):  # fmt: skip
+            _require(bool(ok), refusal)
+        positive_int("window_tokens", self.window_tokens, "tokens")
+        positive_int("heldout_batches", self.heldout_batches, "validation batches")
         overhead = positive_number("max_overhead", self.max_overhead, "probe tokens / training tokens", optional=True)
-        self._set("max_overhead", overhead)
-        self._set("output_dir", Path(self.output_dir) if self.output_dir is not None else None)
+        rules = OptimizerRules.build(self.lr_rule, self.weight_decay_rule, self.beta2_rule, self.beta2_floor)
+        output_dir = Path(self.output_dir) if self.output_dir is not None else None
+        normal: dict[str, Any] = dict(multipliers=sorted(float(k) for k in ks), early_stop=early_stop, rules=rules)
+        normal |= dict(at_tokens=at_tokens, geometric=geometric, max_overhead=overhead, output_dir=output_dir)
+        normal |= {
+            name: float(getattr(self, name)) for name in ("epsilon", "confidence", "cooldown_fraction", "ema_alpha")
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)  # a checked field in its normal form (the dataclass is frozen)
         if self.side_jobs is not None:
             from lit_cbs.probe.side_jobs.launchers import SideJobs  # with side jobs only: Lightning comes with them
 
-            jobs = f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"
-            _require(isinstance(self.side_jobs, SideJobs), jobs)
-            _require(
-                isinstance(self.lr_rule, str),
-                f"side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), not "
-                f"{self.lr_rule!r} (or drop side_jobs)",
-            )
-            _require(
-                not early_stop,
-                f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with "
-                "side_jobs it never waits: drop early_stop (or side_jobs)",
-            )
-
-    def _set(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)  # a checked field in its normal form (the dataclass is frozen)
+            for ok, refusal in (
+                (isinstance(self.side_jobs, SideJobs),
+                 f"side_jobs={self.side_jobs!r} must be a lit_cbs.probe.SideJobs (or None: in process)"),
+                (isinstance(self.lr_rule, str),
+                 "side jobs rebuild the probe's rules by name: give lr_rule as a name ('sqrt', 'linear', ...), not "
+                 f"{self.lr_rule!r} (or drop side_jobs)"),
+                (not early_stop,
+                 f"early_stop={early_stop!r} ends a probe's window early so that the main run waits less; with "
+                 "side_jobs it never waits: drop early_stop (or side_jobs)"),
+            ):  # fmt: skip
+                _require(ok, refusal)
 
     @property
     def span_tokens(self) -> int:
-        """Tokens of the main run one probe records: ``replicates`` windows."""
         return self.window_tokens * self.replicates
 
     def probe_point(self, index: int) -> float:
@@ -172,13 +152,6 @@ class ProbeConfig:
             return math.inf
         first, ratio = self.geometric
         return round(first * ratio**index)
-
-    def points_before(self, end_tokens: float, next_probe: int = 0) -> Iterator[float]:
-        """The probe points (tokens) from the ``next_probe``-th on that lie before ``end_tokens``."""
-        index = next_probe
-        while (point := self.probe_point(index)) < end_tokens:
-            yield point
-            index += 1
 
     def check_inside_run(
         self,
@@ -208,23 +181,13 @@ class ProbeConfig:
 
 def score_to_json(score: BranchScore) -> dict[str, Any]:
     """``score`` as JSON-able fields (a failed branch's loss as None)."""
-    return {
-        "loss": score.loss if math.isfinite(score.loss) else None,
-        "batch_losses": list(score.batch_losses),
-        "se": score.se,
-        "replicate_losses": [list(window) for window in score.replicate_losses],
-    }
+    return {**dataclasses.asdict(score), "loss": score.loss if math.isfinite(score.loss) else None}
 
 
 def score_from_json(content: dict[str, Any]) -> BranchScore:
     """The score ``score_to_json`` wrote; a None loss reads back as inf (a failed branch)."""
-    loss = content["loss"]
-    return BranchScore(
-        math.inf if loss is None else float(loss),
-        tuple(content["batch_losses"]),
-        content["se"],
-        tuple(tuple(window) for window in content["replicate_losses"]),
-    )
+    loss, batch_losses, se, windows = (content[name] for name in ("loss", "batch_losses", "se", "replicate_losses"))
+    return BranchScore(math.inf if loss is None else float(loss), tuple(batch_losses), se, tuple(map(tuple, windows)))
 
 
 @dataclass
@@ -297,12 +260,8 @@ def point_reading(
         DecisionRule(config.epsilon, config.confidence),
         point.multipliers,
         point.batch_size,
-        search=config.search,
-        evaluate=config.evaluate,
-        cooldown_fraction=config.cooldown_fraction,
-        tokens=point.tokens,
-        step=point.step,
-        seq_len=point.seq_len,
+        **{name: getattr(config, name) for name in ("search", "evaluate", "cooldown_fraction")},
+        **{name: getattr(point, name) for name in ("tokens", "step", "seq_len", "interrupted_at_tokens", "replicates")},
         window_tokens=outcome.window_tokens,
         main_loss=main.loss,
         branches_trained=list(outcome.trained),
@@ -310,8 +269,6 @@ def point_reading(
         tokens_spent=outcome.tokens_trained,
         overhead=(earlier + outcome.tokens_trained) / max(1, main_tokens),
         planned_window_tokens=point.window_tokens,
-        interrupted_at_tokens=point.interrupted_at_tokens,
-        replicates=point.replicates,
         mode=mode,
         arrived_at_tokens=arrived_at_tokens,
     )
@@ -359,7 +316,6 @@ class ProbeEngine:
 
     @property
     def tokens_spent(self) -> int:
-        """Branch tokens (global) of the readings recorded."""
         return sum(reading.tokens_spent for reading in self.history)
 
     def open(self, point: ProbePoint) -> None:
@@ -367,7 +323,6 @@ class ProbeEngine:
         self.runner.start(point)
 
     def recording(self) -> list[ProbePoint]:
-        """The points whose part of the main run is still being trained."""
         return [point for point in self.points.values() if point.main_open]
 
     def main_step(
@@ -404,23 +359,19 @@ class ProbeEngine:
             reading = point_reading(self.config, point, outcome, self.history, self.runner.mode, arrived)
             if not (outcome.final or reading.determined):
                 continue  # an early look the data do not decide: the window goes on
-            del self.points[point.index]
-            self.runner.close(point)
+            self.drop(point)
             self._feed(reading)
             self.history.append(reading)
             self.history.sort(key=lambda reading: reading.tokens)  # late readings may arrive out of order
             self.on_reading(reading, point)
 
     def fail(self, point: ProbePoint, reason: str) -> None:
-        """``point`` gives no reading: recorded with ``reason``."""
-        self.points.pop(point.index, None)
-        self.runner.close(point)
+        self.drop(point)
         failure = {"tokens": point.tokens, "step": point.step, "reason": reason}
         self.failures.append(failure)
         self.on_failure(failure)
 
     def drop(self, point: ProbePoint) -> None:
-        """``point`` ends with neither a reading nor a failure (the run stopped inside its window)."""
         self.points.pop(point.index, None)
         self.runner.close(point)
 

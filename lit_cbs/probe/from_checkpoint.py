@@ -1,5 +1,4 @@
-"""The CBS at a saved checkpoint: branches trained from it on the run's next data (a ``GlobalOrderLoader``'s position),
-as in process; the fit stops before its first step. The same callback trains a side job's branches."""
+"""The CBS at a saved checkpoint (``probe_checkpoint``), and a side job's branches: trained as a resumed fit starts."""
 
 from __future__ import annotations
 
@@ -23,17 +22,13 @@ from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import BranchTrainer, RecordedWindow, TrainingSnapshot, known
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, point_reading
-from lit_cbs.probe.in_process import load_heldout_batches, measure_window, no_baseline
+from lit_cbs.probe.in_process import measure_window, no_baseline
 from lit_cbs.probe.plan import ProbePlan, ProbeRun, ProbeSkip, plan_probe
 from lit_cbs.probe.reading import BranchScore, ProbeReading
 
 __all__ = ["CheckpointProbe", "RunParts", "probe_checkpoint"]
 
 MODE = "checkpoint"  # ProbeReading.mode of a reading taken from a saved checkpoint
-NO_DATA_POSITION = (
-    "a CBS probe of a checkpoint reads the run's next window of data from the checkpoint's data position, which only "
-    "a lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one"
-)
 
 
 @dataclass
@@ -80,7 +75,10 @@ class CheckpointProbe(Callback):
             # trainer.datamodule is set by Lightning's data connector, undeclared on Trainer
             loader = (trainer.datamodule or pl_module).train_dataloader()  # type: ignore[attr-defined]
         if not isinstance(loader, GlobalOrderLoader):
-            raise LitCBSConfigError(NO_DATA_POSITION)
+            raise LitCBSConfigError(
+                "a CBS probe of a checkpoint reads the run's next window of data from the checkpoint's data position, "
+                "which only a lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one"
+            )
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         started = time.perf_counter()
@@ -95,16 +93,8 @@ class CheckpointProbe(Callback):
         accounting = BatchAccounting.attach(trainer)
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
         warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
-        loader = resizable_train_loader(trainer)
-        seq_len, world = accounting.seq_len, accounting.data_parallel_size
-        if seq_len is None:
-            raise LitCBSConfigError(
-                "a CBS probe of a checkpoint counts its window in tokens, but the checkpoint's run counted none: give "
-                "seq_len=... to BatchWarmup or BatchAccounting (or the datamodule a `tokens_per_sample` attribute)"
-            )
-        run = ProbeRun(self.config, accounting, warmup)
-        batch = run.global_batch()  # from the checkpoint
-        micro = known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size")
+        run, world = ProbeRun(self.config, accounting, warmup), accounting.data_parallel_size
+        seq_len, batch = run.seq_len(), run.global_batch()  # from the checkpoint
         plan = self.plan or plan_probe(
             self.config,
             tokens=accounting.tokens_seen,
@@ -115,15 +105,16 @@ class CheckpointProbe(Callback):
         )
         if isinstance(plan, ProbeSkip):
             raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
-        heldout = None
-        if self.config.evaluate == "heldout":
-            heldout = load_heldout_batches(trainer, self.config.heldout_batches, self.config.snapshot_device)
-        samples_per_rank = plan.window_samples // world
-        batches = self._read_window(loader, micro, samples_per_rank * self.config.replicates)
+        heldout = run.heldout(trainer)
+        loader, samples = resizable_train_loader(trainer), plan.window_samples // world * self.config.replicates
+        assert loader is not None, "on_fit_start refused a loader without a data position"
+        count = -(-samples // known(accounting.micro_batch_size, "BatchAccounting.micro_batch_size"))
+        while sum(map(extract_batch_size, batches := loader.peek(count))) < samples:  # this rank's next samples
+            count += 1
         point = run.point(0, plan, trainer.global_step, None, "")  # the window's start, as a main run's probe
         with accounting.branching():
             start = TrainingSnapshot(trainer, pl_module, self.config.snapshot_device)
-            window = RecordedWindow.at(point, world, start, batches=batches, early_stop_samples=plan.early_stop_samples)
+            window = RecordedWindow(point, world, start, batches, early_stop_samples=plan.early_stop_samples)
             branches = run.branch_trainer(trainer, pl_module, batch, heldout)
             try:
                 with logging_muted(pl_module):
@@ -131,16 +122,6 @@ class CheckpointProbe(Callback):
             finally:
                 window.start.restore(trainer, pl_module)
                 accounting.gradient_sync.set(None)
-
-    @staticmethod
-    def _read_window(loader: Any, micro_batch_size: int, samples: int) -> list[Any]:
-        """This rank's next ``samples`` samples from the loader's position, in micro-batches."""
-        count = -(-samples // micro_batch_size)
-        while True:
-            batches: list[Any] = loader.peek(count)
-            if sum(extract_batch_size(batch) for batch in batches) >= samples:
-                return batches
-            count += 1
 
     def _measure(self, point: ProbePoint, window: RecordedWindow, branches: BranchTrainer) -> None:
         """Train and score the branches; without a plan decide the reading, at each early look first."""
@@ -150,7 +131,7 @@ class CheckpointProbe(Callback):
         failed: list[float] = []
         for stop in stops:
             final = stop == per_rank
-            window.recorded_samples = per_rank * window.replicates if final else stop
+            window.recorded_samples = per_rank * window.point.replicates if final else stop
             prefetch = self.baseline is not no_baseline  # k = 1 may wait for the main run's window to end
             outcome = measure_window(self.config, window, branches, self.baseline, trained, failed, final, prefetch)
             self.outcome = outcome

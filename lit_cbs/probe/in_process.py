@@ -1,5 +1,4 @@
-"""The in-process runner (the branches trained in the Trainer from an in-memory copy while the main run waits), and
-what every runner shares: the search over k (``measure_window``) and the held-out batches."""
+"""The in-process runner, and what every runner shares: the search over k (``measure_window``), the held-out batches."""
 
 from __future__ import annotations
 
@@ -28,7 +27,6 @@ __all__: list[str] = []  # the probe's own parts
 
 
 def no_baseline() -> BranchScore | None:
-    """k = 1 has no score of the main run's to take: it trains as a branch."""
     return None
 
 
@@ -63,17 +61,17 @@ def measure_window(
     def score(k: float) -> BranchScore:
         if k not in measured:
             windows = []
-            for replicate in range(window.replicates):
+            for replicate in range(window.point.replicates):
                 if k in failed:
                     break
                 windows.append(one_window(k, replicate))
             measured[k] = BranchScore(math.inf) if k in failed else BranchScore.replicated(windows)
         return measured[k]
 
-    for k in first_measured(config.search, window.multipliers) if prefetch else []:
+    for k in first_measured(config.search, window.point.multipliers) if prefetch else []:
         if k != 1.0:
             score(k)
-    scores = measure_losses(config.search, window.multipliers, score, config.epsilon)
+    scores = measure_losses(config.search, window.point.multipliers, score, config.epsilon)
     window_tokens = window.tokens_of(min(window.recorded_samples, window.samples_per_rank))
     return BranchOutcome(scores, list(trained), list(failed), branches.tokens_trained, window_tokens, final)
 
@@ -96,18 +94,12 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
 
 def _first_validation_loader(trainer: pl.Trainer) -> Any:
     """The first validation loader of the fit, as Lightning's validation loop reads it."""
-    loaders = (
-        trainer.val_dataloaders
-    )  # prepared by the validation loop; None while it is off (limit_val_batches=0, ...)
+    loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off (limit_val_batches=0)
     prepared = loaders is not None
-    if not prepared:
-        loaders = request_val_dataloaders(trainer)
-    if loaders is None:
-        flattened = []
-    else:
-        flattened = (
-            loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "sequential")
-        ).flattened
+    loaders = loaders if prepared else request_val_dataloaders(trainer)
+    if loaders is not None and not isinstance(loaders, CombinedLoader):
+        loaders = CombinedLoader(loaders, "sequential")
+    flattened = loaders.flattened if loaders is not None else []
     if not flattened:
         raise LitCBSConfigError(
             "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
@@ -168,17 +160,16 @@ class InProcessRunner:
             start = TrainingSnapshot(trainer, self.pl_module, self.config.snapshot_device)
         ranks = accounting.data_parallel_size
         looks = [(look - point.window_end_samples + point.window_samples) // ranks for look in point.looks]
-        self.window = RecordedWindow.at(point, ranks, start, early_stop_samples=looks)
+        self.window = RecordedWindow(point, ranks, start, early_stop_samples=looks)
         self._branches, self._trained, self._failed = self.branch_trainer(point.batch_size), [], []
         set_probe_window(trainer, trainer.global_step)
 
     def record_batch(self, batch: Any) -> None:
-        """Keep a micro-batch the main run trains on inside the open window."""
         if self.window is not None:
             self.window.record_batch(batch, self.config.snapshot_device)
 
-    def window_ended(self, point: ProbePoint) -> None:
-        """Nothing to hand over: the engine keeps the main run's score, which ``point.baseline`` gives."""
+    def window_ended(self, point: ProbePoint) -> None:  # the engine keeps the main run's score (point.baseline)
+        pass
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
         """Where the part or a look ends, train and score the branches, then restore the main run."""

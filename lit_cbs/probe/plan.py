@@ -1,12 +1,11 @@
-"""Where and on what a due probe starts: ``plan_probe`` (pure), where the run ends (``run_end``), and ``ProbeRun``, the
-run as the callback plans in it, with the checks of its first batch."""
+"""Where and on what a due probe starts (``plan_probe``), where the run ends, and the checks of the first batch."""
 
 from __future__ import annotations
 
 import functools
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,10 +19,12 @@ from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import (
     BranchTrainer,
+    ProbeUnusable,
     TrainingSnapshot,
     branch_micro_batch,
     callbacks_hidden,
     known,
+    lr_scaled_for_step,
     module_optimizer,
 )
 from lit_cbs.probe.engine import ProbeConfig, ProbePoint
@@ -64,22 +65,12 @@ class EpochEnd:
     position: int
 
 
-def usable_multipliers(
-    multipliers: Sequence[float],
-    batch_size: int,
-    window_samples: int,
-    branch_micro_batch: Callable[[float], int | None],
-) -> list[float]:
-    """The ks whose batch k*B is whole micro-batches on every rank and fits in ``window_samples``."""
-    return [k for k in multipliers if branch_micro_batch(k) is not None and k * batch_size <= window_samples]
-
-
 def window_at(
     config: ProbeConfig, batch_size: int, seq_len: int, branch_micro_batch: Callable[[float], int | None]
 ) -> tuple[list[float], int]:
     """The ks a probe at ``batch_size`` trains, and its window (whole steps of the largest; 0: none fits)."""
     window_samples = config.window_tokens // seq_len
-    ks = usable_multipliers(config.multipliers, batch_size, window_samples, branch_micro_batch)
+    ks = [k for k in config.multipliers if branch_micro_batch(k) is not None and k * batch_size <= window_samples]
     if len(ks) < 2 or 1.0 not in ks:
         return ks, 0
     largest = max(ks) * batch_size
@@ -102,10 +93,8 @@ def plan_probe(
     epoch_end: EpochEnd | None = None,
     largest_batch: int | None = None,
 ) -> ProbePlan | ProbeSkip:
-    """The probe due at ``tokens`` on a run at global batch ``batch_size``, or why it is skipped. ``run_end_tokens``:
-    where the run ends at the earliest (``run_end`` names it); ``main_span_tokens``: the main run's tokens the probe
-    records (None: ``replicates`` windows); ``adaptive_final``: a ``CBSAdaptive`` at its final batch;
-    ``largest_batch``: the largest batch the run may reach inside the window."""
+    """The probe due at ``tokens`` at global batch ``batch_size``, or why it is skipped; ``main_span_tokens``: the main
+    run's tokens it records (None: ``replicates`` windows); ``largest_batch``: the largest the run may reach in it."""
     if adaptive_final is not None:
         return ProbeSkip(
             f"CBSAdaptive is at its final batch {adaptive_final}, where no reading can move it "
@@ -157,9 +146,6 @@ class RunEnd:
     latest: int | None
     limit: str | None
 
-    def describe(self) -> str:
-        return f"{self.limit}, at {self.earliest:,} tokens" if self.limit else "no known limit"
-
 
 def run_end(
     trainer: pl.Trainer,
@@ -183,58 +169,50 @@ def run_end(
             step_start + steps_left * global_batch * seq_len,
             step_start + steps_left * max(largest_batch, global_batch) * seq_len,
         )
-    per_epoch = trainer.num_training_batches
-    loader = resizable_train_loader(trainer)
-    if trainer.max_epochs is not None and trainer.max_epochs >= 0 and loader is not None:
-        # Its epochs train every sample, the last round short: count samples, not micro-batches.
-        left = (trainer.max_epochs - trainer.current_epoch) * loader.num_samples - loader.position
-        tokens = accounting.tokens_seen + left * seq_len
-        ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
-    elif trainer.max_epochs is not None and trainer.max_epochs >= 0 and math.isfinite(per_epoch):
-        batches_left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
-        tokens = accounting.tokens_seen + int(batches_left) * per_micro_batch
-        ends[f"max_epochs={trainer.max_epochs}"] = (tokens, tokens)
+    epochs, per_epoch, loader = trainer.max_epochs, trainer.num_training_batches, resizable_train_loader(trainer)
+    if epochs is not None and epochs >= 0 and (loader is not None or math.isfinite(per_epoch)):
+        if loader is not None:  # its epochs train every sample, the last round short: count samples
+            left = (epochs - trainer.current_epoch) * loader.num_samples - loader.position
+            tokens = accounting.tokens_seen + left * seq_len
+        else:
+            batches_left = (epochs - trainer.current_epoch) * per_epoch - micro_batches_this_epoch
+            tokens = accounting.tokens_seen + int(batches_left) * per_micro_batch
+        ends[f"max_epochs={epochs}"] = (tokens, tokens)
     if not ends:
         return RunEnd(None, None, None)
     limit = min(ends, key=lambda name: ends[name][0])
     return RunEnd(ends[limit][0], min(latest for _, latest in ends.values()), limit)
 
 
-LR_TRIAL_FACTOR = 0.5  # the LRs an optimizer_step trial starts from, relative to the run's
-
-
-def optimizer_step_writes_lr(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> str | None:
-    """The LR the module's own ``optimizer_step`` writes (tried on a copy), else None."""
+def check_optimizer_step_lr(trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int) -> None:
+    """Refuse a module whose own ``optimizer_step`` writes the LR, tried once on a copy at half the run's LRs."""
     if not is_overridden("optimizer_step", pl_module):
-        return None
-    accounting = BatchAccounting.attach(trainer)
+        return
     snapshot = TrainingSnapshot(trainer, pl_module, "cpu")
-    saved = [[group["lr"] for group in optimizer.param_groups] for optimizer in trainer.optimizers]
     parameters = [parameter for parameter in pl_module.parameters() if parameter.requires_grad]
     gradients = [parameter.grad for parameter in parameters]
-    written = None
     try:
         for parameter in parameters:
             parameter.grad = torch.zeros_like(parameter)  # every optimizer steps on them (some refuse none at all)
-        for optimizer, lrs in zip(trainer.optimizers, saved):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                group["lr"] = lr * LR_TRIAL_FACTOR
-        with accounting.branching(), callbacks_hidden(trainer), logging_muted(pl_module):
-            pl_module.optimizer_step(
-                trainer.current_epoch,
-                batch_idx,
-                module_optimizer(pl_module),
-                lambda: torch.zeros((), device=trainer.strategy.root_device),
-            )
-        for optimizer, lrs in zip(trainer.optimizers, saved):
-            for group, lr in zip(optimizer.param_groups, lrs):
-                if written is None and group["lr"] != lr * LR_TRIAL_FACTOR:
-                    written = f"{group['lr']:.4g} where it was given {lr * LR_TRIAL_FACTOR:.4g}"
+        with (
+            lr_scaled_for_step(trainer.optimizers, 0.5, None),
+            BatchAccounting.attach(trainer).branching(),
+            callbacks_hidden(trainer),
+            logging_muted(pl_module),
+        ):
+            zero_loss = functools.partial(torch.zeros, (), device=trainer.strategy.root_device)
+            pl_module.optimizer_step(trainer.current_epoch, batch_idx, module_optimizer(pl_module), zero_loss)
+    except ProbeUnusable as error:
+        raise LitCBSConfigError(
+            f"CBSProbeCallback: the module's optimizer_step sets the learning rate itself ({error.written}, tried once "
+            "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set the LR "
+            "with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups in "
+            "optimizer_step, or drop the probe"
+        ) from None
     finally:
         snapshot.restore(trainer, pl_module)  # the param groups too: the LRs are the run's again
         for parameter, gradient in zip(parameters, gradients):
             parameter.grad = gradient
-    return written
 
 
 @dataclass
@@ -269,13 +247,18 @@ class ProbeRun:
             rules.check(optimizer, schedulers, ratios, who)
 
     def seq_len(self) -> int:
-        return known(self.accounting.seq_len, "BatchAccounting.seq_len")
+        if self.accounting.seq_len is None:
+            raise LitCBSConfigError(
+                "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
+                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
+                "`tokens_per_sample` attribute)"
+            )
+        return self.accounting.seq_len
 
     def global_batch(self) -> int:
         return known(self.accounting.global_batch, "BatchAccounting.global_batch")
 
     def largest_batch(self) -> int:
-        """The largest global batch (samples) the run's schedule may reach."""
         return max(self.warmup.schedule.sizes() if self.warmup is not None else [self.global_batch()])
 
     def micro_batch_for(self, batch_size: int) -> Callable[[float], int | None]:
@@ -311,15 +294,7 @@ class ProbeRun:
     ) -> BranchTrainer:
         """Trains and scores branches at the main batch ``batch_size`` (and the main run's own window)."""
         return BranchTrainer(
-            trainer,
-            pl_module,
-            self.accounting,
-            self.config.rules,
-            self.config.evaluate,
-            self.config.ema_alpha,
-            micro_batch_for=self.micro_batch_for(batch_size),
-            heldout=heldout,
-            cooldown_fraction=self.config.cooldown_fraction,
+            trainer, pl_module, self.accounting, self.config, self.micro_batch_for(batch_size), heldout
         )
 
     def plan(
@@ -343,7 +318,7 @@ class ProbeRun:
             data_parallel_size=accounting.data_parallel_size,
             branch_micro_batch=self.micro_batch_for(batch_size),
             run_end_tokens=end.earliest,
-            run_end=f"the run's end ({end.describe()})",
+            run_end=f"the run's end ({f'{end.limit}, at {end.earliest:,} tokens' if end.limit else 'no known limit'})",
             tokens_spent=tokens_spent,
             main_span_tokens=self.config.window_tokens if side_jobs else None,
             adaptive_final=adaptive_final,
@@ -385,7 +360,6 @@ class ProbeRun:
         )
 
     def end(self, trainer: pl.Trainer, batch_idx: int, into_step: int) -> RunEnd:
-        """Where the run ends; ``into_step``: micro-batches of the step not yet taken, counted already."""
         return run_end(trainer, self.accounting, batch_idx + 1, into_step, self.largest_batch())
 
     def check_first_point(self, end: RunEnd, next_probe: int, resumed: bool, whole_span: bool = False) -> None:
@@ -404,23 +378,21 @@ class ProbeRun:
                 end.latest, end.limit, whole_span=window is not None, next_probe=next_probe, window_tokens=window
             )
             return
-        if point < end.latest:
-            return
-        if math.isinf(point):
-            at_tokens = self.config.at_tokens
-            assert at_tokens is not None, "only at_tokens run out of probe points"
-            why = f"the last of at_tokens is at {at_tokens[-1]:,}"
-        else:
-            why = (
+        if point >= end.latest:
+            past = (
                 f"the next, at {point:,.0f} tokens, lies past its end by {end.limit} at {end.latest:,} tokens or sooner"
             )
-        rank_zero_info(f"CBSProbeCallback: no probe point is left in the rest of this run ({why})")
+            why = f"the last of at_tokens is at {(self.config.at_tokens or [0])[-1]:,}" if math.isinf(point) else past
+            rank_zero_info(f"CBSProbeCallback: no probe point is left in the rest of this run ({why})")
 
     def check_window(self, end: RunEnd, next_probe: int) -> None:
         """Refuse a window without a step of the largest branch at a point the run still reaches."""
         largest = max(self.config.multipliers)
         seq_len = self.seq_len()
-        points = self.config.points_before(math.inf if end.latest is None else end.latest, next_probe)
+        end_tokens = math.inf if end.latest is None else end.latest
+        points = itertools.takewhile(
+            lambda point: point < end_tokens, map(self.config.probe_point, itertools.count(next_probe))
+        )
         for point in itertools.islice(points, 1) if end.latest is None else points:
             batch = self.batch_at(point)
             largest_step = largest * batch * seq_len
@@ -435,22 +407,9 @@ class ProbeRun:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, next_probe: int, resumed: bool
     ) -> None:
         """At the first batch: refuse no tokens, an LR-writing ``optimizer_step``, unfit points."""
-        accounting = self.accounting
-        if accounting.seq_len is None:
-            raise LitCBSConfigError(
-                "CBSProbeCallback places probes and windows in tokens, but the batches hold no token ids (no 2-D "
-                "integer tensor): give seq_len=... to BatchAccounting or BatchWarmup (or the datamodule a "
-                "`tokens_per_sample` attribute)"
-            )
-        batch = self.global_batch()
-        written = optimizer_step_writes_lr(trainer, pl_module, batch_idx)
-        if written is not None:
-            raise LitCBSConfigError(
-                f"CBSProbeCallback: the module's optimizer_step sets the learning rate itself ({written}, tried once "
-                "on a copy of the run's state), so no probe branch could train at lr_rule(k) x the run's LR: set "
-                "the LR with an LR scheduler (configure_optimizers, TokenLRScheduler) instead of writing param_groups "
-                "in optimizer_step, or drop the probe"
-            )
+        accounting, batch = self.accounting, self.global_batch()
+        self.seq_len()  # refuses batches without tokens
+        check_optimizer_step_lr(trainer, pl_module, batch_idx)
         end = self.end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
         self.check_first_point(end, next_probe, resumed, whole_span=True)
         self.check_window(end, next_probe)

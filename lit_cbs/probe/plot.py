@@ -33,7 +33,6 @@ def plot_cbs_curve(
     end_tokens: float | None = None,
     epsilon: float | None = None,
 ) -> Path:
-    """``cbs_curve_figure`` as a PNG at ``path``."""
     return save_figure(cbs_curve_figure(history, batch_changes, end_tokens, epsilon), path)
 
 

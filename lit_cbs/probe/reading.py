@@ -1,5 +1,4 @@
-"""The k* rule of the CBS probe (Merrill et al. 2025, arXiv 2505.23971), its standard errors and ``ProbeReading``, the
-one record of a probe; pure Python, no Lightning. docs/design.md, "The probe", has the statistics."""
+"""The k* rule of the CBS probe (arXiv 2505.23971), its standard errors and ``ProbeReading``; no Lightning."""
 
 from __future__ import annotations
 
@@ -19,24 +18,13 @@ __all__ = ["BranchScore", "DecisionRule", "ProbeReading", "decide", "read_readin
 
 SEARCHES = ("grid", "bisect")
 EVALUATIONS = ("train_ema", "heldout")
-# How a reading's standard errors were made (ProbeReading.se_method).
-SE_PAIRED = "paired held-out batches"
-SE_REPLICATED = "paired held-out batches and replicate data windows"
-SE_STEP_SCATTER = "step-loss scatter (unpaired, approximate)"
-SE_NONE = "none"
 
 
 @dataclass(frozen=True)
 class BranchScore:
     """One branch's loss (nats; inf or NaN: it failed) and what its uncertainty is made from: its loss on each
     held-out batch (the same batches for every branch, so differences pair up), else the SE of ``loss`` alone;
-    ``replicate_losses``: each replicate data window's ``batch_losses``.
-
-    Examples:
-        >>> score = BranchScore.heldout([2.0, 2.2, 2.4])
-        >>> round(score.loss, 4), score.batch_losses, score.failed, BranchScore(float("inf")).failed
-        (2.2, (2.0, 2.2, 2.4), False, True)
-    """
+    ``replicate_losses``: each replicate data window's ``batch_losses``."""
 
     loss: float
     batch_losses: tuple[float, ...] = ()
@@ -45,7 +33,6 @@ class BranchScore:
 
     @classmethod
     def heldout(cls, batch_losses: Sequence[float]) -> BranchScore:
-        """The mean of per-batch held-out losses (nats)."""
         values = tuple(float(x) for x in batch_losses)
         return cls(sum(values) / len(values), values)
 
@@ -65,7 +52,7 @@ class BranchScore:
     @classmethod
     def train_ema(cls, step_losses: Sequence[float], alpha: float) -> BranchScore:
         """The EMA of step losses at the last step, with an SE from their scatter (3 or more steps)."""
-        loss = ema_last(step_losses, alpha)
+        loss = float(ema(np.asarray(step_losses, dtype=float), decay=1.0 - alpha)[-1]) if len(step_losses) else math.nan
         if len(step_losses) < 3 or not all(math.isfinite(x) for x in step_losses):
             return cls(loss)
         steps = [b - a for a, b in zip(step_losses, step_losses[1:])]
@@ -74,7 +61,6 @@ class BranchScore:
 
     @property
     def failed(self) -> bool:
-        """The branch diverged, ran out of memory or raised: its loss is not finite."""
         return not math.isfinite(self.loss)
 
 
@@ -218,26 +204,9 @@ def critical_multiplier(losses: dict[float, float], epsilon: float) -> float:
     return admissible[-1] if admissible else min(losses)
 
 
-def cbs_interval(k_star: float, multipliers: Sequence[float], batch_size: int) -> tuple[float, float | None, float]:
-    """(lower, upper, estimate) in samples: [k* B, next k B], their geometric mean (upper None at top)."""
-    lower = k_star * batch_size
-    larger = [k for k in sorted(multipliers) if k > k_star]
-    if not larger:
-        return lower, None, lower
-    upper = larger[0] * batch_size
-    return lower, upper, math.sqrt(lower * upper)
-
-
 def max_branches(search: str, multipliers: int) -> int:
     """Branches one probe trains at most: every k for "grid"; for "bisect" 1 + ceil(log2(multipliers))."""
     return multipliers if search == "grid" else 1 + math.ceil(math.log2(max(2, multipliers)))
-
-
-def ema_last(values: Sequence[float], alpha: float) -> float:
-    """The EMA (weight ``alpha`` on the newest value) of ``values`` at its last element; NaN if empty."""
-    if not len(values):
-        return math.nan
-    return float(ema(np.asarray(values, dtype=float), decay=1.0 - alpha)[-1])
 
 
 def measure_losses(
@@ -250,7 +219,7 @@ def measure_losses(
     scores = {ks[0]: measure(ks[0])}
     low, high = 0, len(ks) - 1  # ks[low] is admissible; k* lies in ks[low..high]
     while low < high:
-        mid = _bisection_point(low, high)
+        mid = (low + high + 1) // 2
         scores[ks[mid]] = measure(ks[mid])
         if is_admissible({k: s.loss for k, s in scores.items()}, ks[mid], epsilon):
             low = mid
@@ -259,16 +228,12 @@ def measure_losses(
     return scores
 
 
-def _bisection_point(low: int, high: int) -> int:
-    return (low + high + 1) // 2
-
-
 def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
     """The ks ``measure_losses`` measures whatever the losses (a side job's before k = 1's score)."""
     ks = sorted(multipliers)
     if search == "grid" or len(ks) < 2:
         return ks
-    return [ks[0], ks[_bisection_point(0, len(ks) - 1)]]
+    return [ks[0], ks[len(ks) // 2]]  # measure_losses's first bisection point
 
 
 @dataclass
@@ -309,7 +274,7 @@ class ProbeReading:
     determined: bool = True  # k* is decided at `confidence`
     confidence: float = 0.5
     loss_se: dict[str, float | None] = field(default_factory=dict)  # SE of L_k - L_base (base: the smallest k)
-    se_method: str = SE_NONE
+    se_method: str = "none"  # how loss_se was made
     batch_losses: dict[str, list[float]] = field(default_factory=dict)  # per k, per held-out batch
     cooldown_fraction: float = 0.0  # share of each branch's steps over which its LR decayed to 0
     planned_window_tokens: int | None = None  # the window before an early stop
@@ -323,7 +288,6 @@ class ProbeReading:
 
     @property
     def cbs_lower(self) -> float:
-        """k* B (samples)."""
         return self.k_star * self.batch_size
 
     @property
@@ -334,29 +298,21 @@ class ProbeReading:
         return math.sqrt(self.cbs_lower * self.cbs_upper)
 
     def to_record(self) -> dict[str, Any]:
-        """The reading as ``cbs_probe.jsonl`` holds it: its fields, and ``cbs_lower`` and ``cbs_estimate`` around
-        ``cbs_upper``."""
-        record: dict[str, Any] = {}
-        for key, value in dataclasses.asdict(self).items():
-            if key == "cbs_upper":
-                record["cbs_lower"] = self.cbs_lower
-            record[key] = value
-            if key == "cbs_upper":
-                record["cbs_estimate"] = self.cbs_estimate
-        return record
+        """The reading as a line of ``cbs_probe.jsonl``: its fields, cbs_lower and cbs_estimate around cbs_upper."""
+        items = list(dataclasses.asdict(self).items())
+        at = [key for key, _ in items].index("cbs_upper")
+        derived = [("cbs_lower", self.cbs_lower), items[at], ("cbs_estimate", self.cbs_estimate)]
+        return dict(items[:at] + derived + items[at + 1 :])
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
         """The reading ``record`` holds (``to_record``'s, a line of ``cbs_probe.jsonl``)."""
         fields = {key: value for key, value in record.items() if key not in ("cbs_lower", "cbs_estimate")}
-        known = dataclasses.fields(cls)
-        no_default = dataclasses.MISSING
-        needed = {f.name for f in known if f.default is no_default and f.default_factory is no_default}
-        missing, unknown = sorted(needed - fields.keys()), sorted(fields.keys() - {f.name for f in known})
-        if missing or unknown:
-            lacks = f"lacks {', '.join(missing)}" if missing else ""
-            extra = f"has unknown fields {', '.join(unknown)}" if unknown else ""
-            raise ValueError(f"not a CBS probe reading: it {' and '.join(filter(None, (lacks, extra)))}")
+        known, none = dataclasses.fields(cls), dataclasses.MISSING
+        missing = sorted({f.name for f in known if f.default is none and f.default_factory is none} - fields.keys())
+        wrong = (("lacks", missing), ("has unknown fields", sorted(fields.keys() - {f.name for f in known})))
+        if said := [f"{what} {', '.join(names)}" for what, names in wrong if names]:
+            raise ValueError(f"not a CBS probe reading: it {' and '.join(said)}")
         return cls(**fields)
 
     @classmethod
@@ -370,19 +326,20 @@ class ProbeReading:
     ) -> ProbeReading:
         """The k* rule on ``scores``, the CBS bracketed on ``multipliers`` x ``batch_size``."""
         decision = decide(scores, rule.epsilon, rule.confidence)
-        _, upper, _ = cbs_interval(decision.k_star, multipliers, batch_size)
         measured = sorted(scores.items())
         if any(s.replicate_losses for s in scores.values()):
-            se_method = SE_REPLICATED
+            se_method = "paired held-out batches and replicate data windows"
         elif any(s.batch_losses for s in scores.values()):
-            se_method = SE_PAIRED
+            se_method = "paired held-out batches"
         else:
-            se_method = SE_STEP_SCATTER if any(s.se is not None for s in scores.values()) else SE_NONE
+            se_method = (
+                "step-loss scatter (unpaired, approximate)" if any(s.se is not None for _, s in measured) else "none"
+            )
         return cls(
             batch_size=batch_size,
             losses={f"{k:g}": (s.loss if not s.failed else None) for k, s in measured},
             k_star=decision.k_star,
-            cbs_upper=upper,
+            cbs_upper=next((k * batch_size for k in sorted(multipliers) if k > decision.k_star), None),
             determined=decision.determined,
             confidence=rule.confidence,
             loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},

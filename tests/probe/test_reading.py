@@ -19,11 +19,9 @@ from lit_cbs.probe.reading import (
     BranchScore,
     DecisionRule,
     ProbeReading,
-    cbs_interval,
     critical_multiplier,
     decide,
     difference,
-    ema_last,
     max_branches,
     measure_losses,
     read_readings,
@@ -48,15 +46,9 @@ def test_critical_multiplier_on_hand_made_tables(losses, epsilon, expected):
     assert critical_multiplier(losses, epsilon) == expected
 
 
-def test_cbs_interval_and_geometric_mean():
-    assert cbs_interval(2, [1, 2, 4, 8], 16) == (32, 64, math.sqrt(32 * 64))
-    assert cbs_interval(8, [1, 2, 4, 8], 16) == (128, None, 128)  # top of the grid: a lower bound
-    assert cbs_interval(0.25, [0.25, 0.5, 1], 16) == (4, 8, math.sqrt(32))
-
-
 def test_ema_matches_the_paper_alpha():
-    assert ema_last([4.0, 2.0, 1.0], 0.5) == pytest.approx(0.5 * 1 + 0.5 * (0.5 * 2 + 0.5 * 4))
-    assert ema_last([4.0, 2.0], 1.0) == 2.0
+    assert BranchScore.train_ema([4.0, 2.0, 1.0], 0.5).loss == pytest.approx(0.5 * 1 + 0.5 * (0.5 * 2 + 0.5 * 4))
+    assert BranchScore.train_ema([4.0, 2.0], 1.0).loss == 2.0
 
 
 def test_critical_multiplier_refuses_bad_input():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lit_cbs.probe.engine import ProbeConfig
-from lit_cbs.probe.plan import EpochEnd, ProbePlan, ProbeSkip, plan_probe, usable_multipliers, window_at
+from lit_cbs.probe.plan import EpochEnd, ProbePlan, ProbeSkip, plan_probe, window_at
 
 SEQ_LEN, BATCH = 16, 8
 
@@ -37,7 +37,8 @@ def test_the_window_is_whole_steps_of_the_largest_branch():
 
 def test_a_multiplier_is_measured_where_its_batch_makes_micro_batches_and_fits_the_window():
     # k = 2 makes no whole micro-batch here; k = 8 (64 samples) does not fit a window of 40.
-    assert usable_multipliers([1, 2, 4, 8], BATCH, 40, lambda k: None if k == 2 else BATCH) == [1, 4]
+    config = ProbeConfig(multipliers=(1, 2, 4, 8), window_tokens=40 * SEQ_LEN)
+    assert window_at(config, BATCH, SEQ_LEN, lambda k: None if k == 2 else BATCH)[0] == [1, 4]
 
 
 @pytest.mark.parametrize(

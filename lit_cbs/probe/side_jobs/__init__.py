@@ -1,6 +1,4 @@
-"""The side-job runner: a probe point's branches trained by a job of their own (``python -m lit_cbs.probe.side_jobs
-JOB.json``, started by a launcher) from the main run's checkpoint, while the main run trains on as k = 1.
-docs/design.md, "The probe engine", has the files and the failure rules."""
+"""The side-job runner: a point's branches trained by a job of their own from the main run's checkpoint."""
 
 from __future__ import annotations
 
@@ -86,24 +84,11 @@ def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_ar
         "build": build,
         "build_args": build_args,
         "config": settings,
-        "multipliers": point.multipliers,
-        "window_samples": point.window_samples,
-        "main_baseline": point.main_baseline,
+        **{name: getattr(point, name) for name in ("multipliers", "window_samples", "main_baseline")},
         "main_score": str(folder / MAIN_SCORE_FILE),
         "scores": str(folder / SCORES_FILE),
         "main": {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": str(folder.parent / HEARTBEAT_FILE)},
     }
-
-
-def failure_reason(failures: list[str]) -> str:
-    """Why a point's jobs failed, each reason said once, whole."""
-    counts = Counter(failures)
-    if len(failures) == 1:
-        return f"side job failed: {failures[0]}"
-    if len(counts) == 1:
-        return f"side job failed {len(failures)} times, each: {failures[0]}"
-    said = "; ".join(reason if n == 1 else f"({n} times) {reason}" for reason, n in counts.items())
-    return f"side job failed {len(failures)} times: {said}"
 
 
 class SideJobRunner:
@@ -126,7 +111,6 @@ class SideJobRunner:
         self._last_look: tuple[float, float] | None = None  # (when it began, what it cost), rank 0's clock
         self.every_call = False  # training ended: look at every call
 
-    # ------------------------------------------------------------------ before training
     def check(self, trainer: pl.Trainer, warmup: BatchWarmup | None) -> None:
         """Refuse, on every rank before any work, a launcher that cannot start or a build that differs."""
         problem = None
@@ -169,22 +153,22 @@ class SideJobRunner:
             threading.Thread(target=_beat, args=(self.folder / HEARTBEAT_FILE, self._heartbeat), daemon=True).start()
 
     def detach(self) -> None:
-        """The fit ended: the heartbeat stops (a job still waiting for this run's score stops after a while)."""
         if self._heartbeat is not None:
             self._heartbeat.set()
             self._heartbeat = None
 
-    # ------------------------------------------------------------------ a point
+    @property
+    def _trainer(self) -> pl.Trainer:
+        assert self.trainer is not None, "attached at the fit's start"
+        return self.trainer
+
     def folder_for(self, index: int, tokens: int) -> str:
         assert self.folder is not None, "attached at the fit's start"
         return str(self.folder / f"probe{index:03d}_{tokens}tokens")
 
     def start(self, point: ProbePoint) -> None:
         """Write the point's checkpoint (every rank) and job description; start (or queue) its job."""
-        trainer = self.trainer
-        assert trainer is not None, "attached at the fit's start"
-        started = time.perf_counter()
-        folder = Path(point.folder)
+        trainer, started, folder = self._trainer, time.perf_counter(), Path(point.folder)
         if trainer.is_global_zero:
             if folder.exists():  # from a timeline this run's resume left behind
                 shutil.rmtree(folder)
@@ -206,14 +190,12 @@ class SideJobRunner:
             "the main run trains on as k = 1"
         )
 
-    def step(self, point: ProbePoint, samples_seen: int) -> None:
-        """Nothing: the job trains on its own."""
+    def step(self, point: ProbePoint, samples_seen: int) -> None:  # the job trains on its own
+        pass
 
     def window_ended(self, point: ProbePoint) -> None:
         """The main run's score over the window is in: a job bisecting from it may go on."""
-        trainer = self.trainer
-        assert trainer is not None, "attached at the fit's start"
-        if trainer.is_global_zero:
+        if self._trainer.is_global_zero:
             content = {"score": point.main_score, "changed_batch": point.main_changed_batch}
             write_json(Path(point.folder) / MAIN_SCORE_FILE, content)
 
@@ -232,18 +214,14 @@ class SideJobRunner:
 
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
         """The points whose outcome (or failure) is in; rank 0 looks every ``look_every`` calls."""
-        trainer = self.trainer
-        assert trainer is not None, "attached at the fit's start"
+        trainer = self._trainer
         self._steps_since_look += 1
         if not (self.every_call or self._steps_since_look >= self.look_every):
             return []
         started = time.perf_counter()
         found: list[tuple[int, dict[str, Any] | str]] = []
         if trainer.is_global_zero:
-            for point in self.pending.values():
-                outcome = self._outcome(point)
-                if outcome is not None:
-                    found.append((point.index, outcome))
+            found = [(point.index, out) for point in self.pending.values() if (out := self._outcome(point)) is not None]
         every = self._next_look_every(started) if trainer.is_global_zero else 1
         if trainer.world_size > 1:
             found, every = trainer.strategy.broadcast((found, every))
@@ -290,10 +268,12 @@ class SideJobRunner:
         point.handle = None
         point.failures.append(state.reason or "ended without writing its scores")
         repeated = len(point.failures) >= 2 and point.failures[-1] == point.failures[-2]
-        if point.attempts > self.settings.retries or repeated:
-            return failure_reason(point.failures) + (
-                "; not started again after the same error twice" if repeated else ""
-            )
+        if point.attempts > self.settings.retries or repeated:  # each reason said once, whole
+            failures, counts = point.failures, Counter(point.failures)
+            each = "; ".join(reason if n == 1 else f"({n} times) {reason}" for reason, n in counts.items())
+            said = f", each: {failures[0]}" if len(counts) == 1 else f": {each}"
+            said = f": {failures[0]}" if len(failures) == 1 else f" {len(failures)} times{said}"
+            return f"side job failed{said}" + ("; not started again after the same error twice" if repeated else "")
         rank_zero_info(
             f"CBS probe at {point.tokens:,} tokens: side job attempt {point.attempts} {point.failures[-1]}; "
             f"it starts again ({point.attempts} of {self.settings.retries + 1} attempts)"
@@ -335,18 +315,15 @@ class SideJobRunner:
 
     def load_state_dict(self, state: list[dict[str, Any]]) -> list[ProbePoint]:
         """The points a checkpoint left pending, to be collected (or their jobs started again) from the next step."""
-        points = []
-        for item in state:
-            point = ProbePoint(**item)
+        points = [ProbePoint(**item) for item in state]
+        for point in points:
             point.window_done = point.window_done or point.main_score is not None
             point.main_open = point.main_open and point.main_score is None
-            points.append(point)
         self.pending = {point.index: point for point in points}
         return points
 
 
 def _beat(path: Path, stop: threading.Event) -> None:
-    """Touch ``path`` every ``HEARTBEAT_SECONDS`` until ``stop`` is set (the main run's heartbeat)."""
     while not stop.is_set():
         with contextlib.suppress(OSError):
             path.touch()

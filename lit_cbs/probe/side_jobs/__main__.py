@@ -1,5 +1,4 @@
-"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: the run rebuilt (``SideJobs.build``) and resumed from
-the probe's checkpoint, the branches trained on the main run's plan, their scores written to ``scores.json``."""
+"""A side job, ``python -m lit_cbs.probe.side_jobs JOB.json``: branches from a checkpoint, scores to a file."""
 
 from __future__ import annotations
 
@@ -8,7 +7,6 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,33 +24,25 @@ class MainRunGone(RuntimeError):
     """The main run whose score a bisecting job waits for has ended or gone silent: nobody waits for this job."""
 
 
-def wait_for_main_score(
-    path: Path, main: dict[str, Any], poll_seconds: float = 2.0
-) -> Callable[[], BranchScore | None]:
-    """k = 1's score from the main run's ``main_score.json``, waited for; ``MainRunGone`` if it left."""
-
-    def baseline() -> BranchScore | None:
-        while not path.is_file():
-            gone = main_is_gone(main)
-            if gone is not None:
-                raise MainRunGone(f"{gone} before its score over the window was written ({path.name}): no one waits")
-            time.sleep(poll_seconds)
-        content = json.loads(path.read_text())
-        return None if content["changed_batch"] else score_from_json(content["score"])
-
-    return baseline
-
-
 def run_job(description: dict[str, Any]) -> None:
-    """Train the branches ``description`` asks for and write their scores (the side job's whole work)."""
     started = time.time()
     if os.environ.get("OMP_NUM_THREADS"):
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     config = ProbeConfig(**description["config"])
     plan = ProbePlan(description["multipliers"], description["window_samples"], [])
-    main_score = Path(description["main_score"])
-    baseline = wait_for_main_score(main_score, description["main"]) if description["main_baseline"] else no_baseline
-    probe = CheckpointProbe(config, plan, baseline)
+    main_score, main = Path(description["main_score"]), description["main"]
+
+    def main_baseline() -> BranchScore | None:  # k = 1's score from the main run's main_score.json, waited for
+        while not main_score.is_file():
+            if (gone := main_is_gone(main)) is not None:
+                raise MainRunGone(
+                    f"{gone} before its score over the window was written ({main_score.name}): no one waits"
+                )
+            time.sleep(2.0)
+        content = json.loads(main_score.read_text())
+        return None if content["changed_batch"] else score_from_json(content["score"])
+
+    probe = CheckpointProbe(config, plan, main_baseline if description["main_baseline"] else no_baseline)
     trainer = run_checkpoint_probe(
         description["checkpoint"], build_parts(description["build"], description["build_args"]), probe
     )
@@ -75,13 +65,7 @@ def run_job(description: dict[str, Any]) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lit_cbs.probe.side_jobs JOB.json``: a side job."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        raise SystemExit("usage: python -m lit_cbs.probe.side_jobs JOB.json")
-    run_job(json.loads(Path(args[0]).read_text()))
-
-
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m lit_cbs.probe.side_jobs JOB.json")
+    run_job(json.loads(Path(sys.argv[1]).read_text()))

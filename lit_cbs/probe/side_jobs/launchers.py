@@ -1,5 +1,4 @@
-"""Where side jobs run: ``LocalLauncher`` (processes here), ``SlurmLauncher`` (SLURM through submitit), and
-``SideJobs``, the settings; a launcher starts a Python command line and says whether it still runs."""
+"""Where side jobs run (``LocalLauncher``, ``SlurmLauncher``) and how (``SideJobs``)."""
 
 from __future__ import annotations
 
@@ -93,21 +92,22 @@ class LocalLauncher:
     def state(self, handle: dict[str, Any]) -> JobState:
         """Whether the job runs (stopped past ``timeout_min``); an ended one's status and last log line."""
         process = _STARTED.get(handle["pid"])
-        code: int | str | None  # the exit status; "unknown": not our child, and gone
-        if process is not None:
-            code = process.poll()
-        else:  # started by an earlier main process: alive while /proc says it is still that job
-            code = None if _alive(handle["pid"]) else "unknown"
-        if code is None:
+        code = process.poll() if process is not None else None  # None for a job of an earlier main process too
+        running = code is None if process is not None else _alive(handle["pid"])  # theirs: while /proc says it is
+        if running:
             if self.timeout_min is not None and time.time() - handle["started"] > 60 * self.timeout_min:
                 self.cancel(handle)
                 return JobState(False, f"ran past timeout_min={self.timeout_min:g}")
             return JobState(True)
         _STARTED.pop(handle["pid"], None)
-        return JobState(False, _ended(code if isinstance(code, int) else None, handle.get("log")))
+        what = "ended (started by an earlier main process)"
+        if code is not None:
+            what = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        log = Path(handle.get("log") or "")
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()] if log.is_file() else []
+        return JobState(False, what + (f": {lines[-1].strip()}" if lines else ""))
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """Kill the job's process group (nothing if it has ended)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(handle["pid"], signal.SIGKILL)
 
@@ -138,20 +138,6 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return "lit_cbs.probe.side_jobs" in command
-
-
-def _ended(code: int | None, log: str | None) -> str:
-    """Why a job that wrote no result ended: its exit code and the last line of its log."""
-    what = (
-        "ended (started by an earlier main process)"
-        if code is None
-        else (f"was killed by signal {-code}" if code < 0 else f"exited with code {code}")
-    )
-    last = ""
-    if log is not None and Path(log).is_file():
-        lines = [line for line in Path(log).read_text(errors="replace").splitlines() if line.strip()]
-        last = f": {lines[-1].strip()}" if lines else ""
-    return f"{what}{last}"
 
 
 @dataclass(frozen=True)
@@ -252,7 +238,6 @@ class SlurmLauncher:
         return JobState(False, f"SLURM job {handle['job_id']} ended {state}")
 
     def cancel(self, handle: dict[str, Any]) -> None:
-        """``scancel`` the job."""
         subprocess.run(["scancel", handle["job_id"]], capture_output=True)
 
 
@@ -290,25 +275,19 @@ class SideJobs:
     look_seconds: float = 2.0
 
     def __post_init__(self) -> None:
-        if not hasattr(self.launcher, "submit"):
-            raise LitCBSConfigError(
-                f"side_jobs.launcher={self.launcher!r} is not a launcher: give LocalLauncher(...) or SlurmLauncher(...)"
-            )
         module, _, function = self.build.partition(":")
-        if not (module and function.isidentifier()):
-            raise LitCBSConfigError(
-                f"side_jobs.build={self.build!r} must be 'package.module:function' (a function that returns "
-                "lit_cbs.probe.RunParts)"
-            )
-        if not isinstance(self.build_args, dict):
-            raise LitCBSConfigError(f"side_jobs.build_args={self.build_args!r} must be a mapping of keyword arguments")
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            raise LitCBSConfigError(
-                f"side_jobs.retries={self.retries!r} must be an int >= 0 (times a failed job restarts)"
-            )
-        if not self.wait_at_end >= 0:
-            raise LitCBSConfigError(f"side_jobs.wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)")
-        if not self.look_seconds >= 0:
-            raise LitCBSConfigError(
-                f"side_jobs.look_seconds={self.look_seconds!r} must be >= 0 (seconds; 0: after every step)"
-            )
+        for ok, refusal in (
+            (hasattr(self.launcher, "submit"),
+             f"launcher={self.launcher!r} is not a launcher: give LocalLauncher(...) or SlurmLauncher(...)"),
+            (module and function.isidentifier(),
+             f"build={self.build!r} must be 'package.module:function' (a function that returns "
+             "lit_cbs.probe.RunParts)"),
+            (isinstance(self.build_args, dict),
+             f"build_args={self.build_args!r} must be a mapping of keyword arguments"),
+            (not isinstance(self.retries, bool) and isinstance(self.retries, int) and self.retries >= 0,
+             f"retries={self.retries!r} must be an int >= 0 (times a failed job restarts)"),
+            (self.wait_at_end >= 0, f"wait_at_end={self.wait_at_end!r} must be >= 0 (minutes)"),
+            (self.look_seconds >= 0, f"look_seconds={self.look_seconds!r} must be >= 0 (seconds; 0: after every step)"),
+        ):  # fmt: skip
+            if not ok:
+                raise LitCBSConfigError(f"side_jobs.{refusal}")
