@@ -37,7 +37,7 @@ from lit_cbs.run.keys import (
     name_the_keys,
 )
 from lit_cbs.run.memory import OptimizerState
-from lit_cbs.run.plan import Limits, RunPlan, batch_phases
+from lit_cbs.run.plan import RunPlan, batch_phases
 from lit_cbs.run.resolvers import devices_per_node
 
 __all__: list[str] = []  # recipes/ call these; users set the Hydra keys
@@ -337,11 +337,11 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         num_nodes=num_nodes,
         activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
         probe_callback=probes[0] if probes else None,
-        limits=Limits(**limits),
         optimizer=OptimizerState.measure(model.optimizer_factory),
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(map(shlex.quote, overrides)) or f'+recipe={cfg.run_name}'}",
         slurm_arguments=" ".join(map(shlex.quote, slurm_arguments)) or f"+recipe={cfg.run_name}",
+        **limits,
     )
 
 
