@@ -1,5 +1,4 @@
-"""Bytes a run holds, counted as the training code allocates them: per device (``device_memory``) and per rank in
-host memory for the CBS probe (``probe_plan``)."""
+"""Bytes a run holds, counted as the training code allocates them: per device, and per rank for the CBS probe."""
 
 from __future__ import annotations
 
@@ -165,39 +164,3 @@ class ProbePlan:
     def tokens(self) -> int:
         """Tokens trained in branches over the run, at most."""
         return len(self.points) * self.max_branches * self.window_tokens * self.replicates
-
-
-def probe_plan(
-    probe: Any,
-    shape: ModelShape,
-    precision: str,
-    strategy: str,
-    data_parallel_size: int,
-    val_micro_batch: int,
-    seq_len: int,
-    max_tokens: int,
-    optimizer: OptimizerState = ADAMW_STATE,
-) -> ProbePlan:
-    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
-    from lit_cbs.probe.reading import max_branches
-
-    config = probe.config
-    points: list[int] = []
-    while (point := config.probe_point(len(points))) + config.span_tokens <= max_tokens:
-        points.append(int(point))
-    shards = data_parallel_size if strategy == "fsdp" else 1
-    _, parameters, optimizer_state = shape.state_bytes(precision, shards, optimizer)
-    sample_bytes = (seq_len + 1) * TOKEN_BYTES
-    branches = max_branches(config.search, len(config.multipliers))
-    return ProbePlan(
-        points=points,
-        snapshot_bytes=parameters + optimizer_state,
-        window_bytes=config.span_tokens // seq_len // data_parallel_size * sample_bytes,
-        heldout_bytes=config.heldout_batches * val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0,
-        max_branches=branches,
-        window_tokens=config.window_tokens,
-        replicates=config.replicates,
-        snapshots=2 + (branches if config.early_stop else 0),
-        side_jobs=type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None,
-        checkpoint_bytes=(parameters + optimizer_state) * shards,
-    )

@@ -1,5 +1,4 @@
-"""``plan=true``: what a run will need before it starts (no data, no accelerator): its batch phases and steps,
-memory per device, the CBS probe's device-hours, wall time at an assumed MFU, and the phases on a grown cluster."""
+"""``plan=true``: a run's batch phases, memory per device, CBS probe cost, wall time and grown cluster, unstarted."""
 
 from __future__ import annotations
 
@@ -9,8 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
-from lit_cbs.run.memory import ADAMW_STATE, GIB, DeviceMemory, ModelShape, OptimizerState, ProbePlan, device_memory
-from lit_cbs.run.memory import probe_plan as probe_plan
+from lit_cbs.run.memory import ADAMW_STATE, GIB, TOKEN_BYTES, DeviceMemory, ModelShape, OptimizerState, ProbePlan
+from lit_cbs.run.memory import device_memory
 
 __all__: list[str] = []  # users run it as `plan=true`
 
@@ -132,8 +131,8 @@ class RunPlan:
         return self.micro_batch
 
     def _memory_at(self, micro: int, checkpointing: bool) -> DeviceMemory:
-        args = (self.precision, self.strategy, self.processes, checkpointing, self.optimizer)
-        return device_memory(self.shape, micro, self.seq_len, *args)
+        run = (self.precision, self.strategy, self.processes, checkpointing, self.optimizer)
+        return device_memory(self.shape, micro, self.seq_len, *run)
 
     @functools.cached_property
     def phases(self) -> list[BatchPhase]:
@@ -163,10 +162,24 @@ class RunPlan:
 
     @functools.cached_property
     def probe(self) -> ProbePlan | None:
+        from lit_cbs.probe.reading import max_branches
+
         if self.probe_callback is None:
             return None
-        args = (self.precision, self.strategy, self.processes, self.val_micro_batch)
-        return probe_plan(self.probe_callback, self.shape, *args, self.seq_len, self.max_tokens, self.optimizer)
+        config, seq_len, ranks = self.probe_callback.config, self.seq_len, self.processes
+        points: list[int] = []
+        while (point := config.probe_point(len(points))) + config.span_tokens <= self.max_tokens:
+            points.append(int(point))
+        shards = ranks if self.strategy == "fsdp" else 1
+        _, parameters, optimizer_state = self.shape.state_bytes(self.precision, shards, self.optimizer)
+        sample_bytes, branches = (seq_len + 1) * TOKEN_BYTES, max_branches(config.search, len(config.multipliers))
+        heldout = config.heldout_batches * self.val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0
+        snapshots = 2 + (branches if config.early_stop else 0)
+        side_jobs = type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None
+        window = config.span_tokens // seq_len // ranks * sample_bytes
+        snapshot = parameters + optimizer_state
+        args = (branches, config.window_tokens, config.replicates, snapshots, side_jobs, snapshot * shards)
+        return ProbePlan(points, snapshot, window, heldout, *args)
 
     @functools.cached_property
     def cluster(self) -> list[BatchPhase]:
@@ -179,9 +192,8 @@ class RunPlan:
             batch = phase.global_batch
             candidates = [w for w in range(per_node, batch + 1, per_node) if batch % w == 0]
             candidates = [w for w in candidates if cap is None or w <= cap] or candidates[:1]
-            efficient = [w for w in candidates if self._micro_for(batch, w) >= self.min_micro_batch_size] or candidates[
-                :1
-            ]
+            efficient = [w for w in candidates if self._micro_for(batch, w) >= self.min_micro_batch_size]
+            efficient = efficient or candidates[:1]
             enough = [w for w in efficient if batch / w <= self.phases[0].global_batch / self.processes]
             ranks = self.processes if not planned else (enough[0] if enough else efficient[-1])
             micro, end_step = self._micro_for(batch, ranks), end_step + phase.optimizer_steps
