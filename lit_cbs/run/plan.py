@@ -46,29 +46,20 @@ def batch_phases(
     be a multiple of the new batch; the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
     samples per rank, or global batch -> micro-batch."""
     micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
-    phases: list[BatchPhase] = []
-
-    def close(start: int, end: int, batch: int, steps: int, factor: float) -> None:
-        micro = micro_for(batch)
-        phases.append(BatchPhase(start, end, batch, micro, batch // (micro * data_parallel_size), steps, factor))
-
-    tokens = samples = steps = start = 0
-    batch: int | None = None
-    factor = 1.0
+    spans: list[list[Any]] = []  # [start tokens, global batch, optimizer steps, LR factor]
+    tokens = samples = 0
     while tokens < max_tokens:
         new = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
-        if new != batch and (batch is None or samples % new == 0):
-            if batch is not None:
-                close(start, tokens, batch, steps, factor)
-                factor *= lr_factor(new / batch)
-            batch, start, steps = new, tokens, 0
-        assert batch is not None
-        tokens += batch * seq_len
-        samples += batch
-        steps += 1
-    if batch is not None:
-        close(start, tokens, batch, steps, factor)
-    return phases
+        if not spans or (new != spans[-1][1] and samples % new == 0):
+            spans.append([tokens, new, 0, spans[-1][3] * lr_factor(new / spans[-1][1]) if spans else 1.0])
+        spans[-1][2] += 1
+        tokens, samples = tokens + spans[-1][1] * seq_len, samples + spans[-1][1]
+    ends = [span[0] for span in spans[1:]] + [tokens]
+    return [
+        BatchPhase(start, end, batch, micro, batch // (micro * data_parallel_size), steps, factor)
+        for (start, batch, steps, factor), end in zip(spans, ends)
+        for micro in [micro_for(batch)]
+    ]
 
 
 def _duration(seconds: float) -> str:
