@@ -136,31 +136,3 @@ def device_memory(
     else:
         saved, extra = config.n_layers * block + outside, logits
     return DeviceMemory(parameters, parameters, optimizer_state, working, saved, extra)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbePlan:
-    """What a CBSProbeCallback will cost; bytes per rank, in host memory."""
-
-    points: list[int]  # token counts of the probes whose span ends within max_tokens
-    snapshot_bytes: int  # the rank's parameters and optimizer state
-    window_bytes: int  # the recorded micro-batches of one probe's windows
-    heldout_bytes: int
-    max_branches: int
-    window_tokens: int
-    replicates: int
-    snapshots: int  # held at once: the window's start, the main run after it, one per branch with early_stop
-    side_jobs: str | None  # the side jobs' launcher (their branches train elsewhere)
-    checkpoint_bytes: int  # side jobs: the checkpoint each probe writes for its job (all ranks' shards)
-
-    @property
-    def host_bytes(self) -> int:
-        """Peak host memory per rank (side jobs: only the held-out batches the main run scores itself on)."""
-        if self.side_jobs is not None:
-            return self.heldout_bytes
-        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
-
-    @property
-    def tokens(self) -> int:
-        """Tokens trained in branches over the run, at most."""
-        return len(self.points) * self.max_branches * self.window_tokens * self.replicates

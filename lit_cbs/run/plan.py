@@ -8,16 +8,14 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
-from lit_cbs.run.memory import ADAMW_STATE, GIB, TOKEN_BYTES, DeviceMemory, ModelShape, OptimizerState, ProbePlan
-from lit_cbs.run.memory import device_memory
+from lit_cbs.run.memory import ADAMW_STATE, GIB, TOKEN_BYTES, DeviceMemory, ModelShape, OptimizerState, device_memory
 
 __all__: list[str] = []  # users run it as `plan=true`
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchPhase:
-    """A stretch of training at one global batch (samples); tokens are global. On a grown cluster (``ranks``
-    given), ``end_step`` is the optimizer steps taken when the phase ends, where the run stops to move."""
+    """A stretch of training at one global batch (samples); tokens are global."""
 
     start_tokens: int
     end_tokens: int
@@ -26,8 +24,8 @@ class BatchPhase:
     accumulate: int
     optimizer_steps: int
     lr_factor: float  # product of the batch changes' LR factors so far
-    ranks: int = 0
-    end_step: int = 0
+    ranks: int = 0  # on a grown cluster (RunPlan.cluster)
+    end_step: int = 0  # there: optimizer steps taken when the phase ends, where the run stops to move
 
     @property
     def tokens(self) -> int:
@@ -62,6 +60,27 @@ def batch_phases(
     ]
 
 
+@dataclasses.dataclass(frozen=True)
+class ProbeCost:
+    """What a CBSProbeCallback will cost; bytes per rank, in host memory."""
+
+    points: list[int]  # token counts of the probes whose span ends within max_tokens
+    snapshot_bytes: int  # the rank's parameters and optimizer state
+    window_bytes: int  # the recorded micro-batches of one probe's windows
+    heldout_bytes: int
+    max_branches: int
+    snapshots: int  # held at once: the window's start, the main run after it, one per branch with early_stop
+    side_jobs: str | None  # the side jobs' launcher (their branches train elsewhere)
+    tokens: int  # trained in branches over the run, at most
+
+    @property
+    def host_bytes(self) -> int:
+        """Peak host memory per rank (side jobs: only the held-out batches the main run scores itself on)."""
+        if self.side_jobs is not None:
+            return self.heldout_bytes
+        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
+
+
 def _duration(seconds: float) -> str:
     for unit, size in (("days", 86400), ("hours", 3600)):
         if seconds >= 2 * size:
@@ -71,11 +90,10 @@ def _duration(seconds: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """A run worked out from its settings; ``report()`` is what ``plan=true`` prints. ``model_config``: an
-    ``OLMoConfig`` or a transformers config; ``probe_callback``: the run's CBSProbeCallback."""
+    """A run worked out from its settings; ``report()`` is what ``plan=true`` prints."""
 
     name: str
-    model_config: Any
+    model_config: Any  # an OLMoConfig or a transformers config
     schedule: BatchSchedule
     lr_factor: Callable[[float], float]  # the LR rule's: batch ratio new / old -> LR factor
     max_tokens: int
@@ -88,7 +106,7 @@ class RunPlan:
     devices_per_node: int
     num_nodes: int
     activation_checkpointing: bool
-    probe_callback: Any = None
+    probe_callback: Any = None  # the run's CBSProbeCallback
     optimizer: OptimizerState = ADAMW_STATE
     max_micro_batch_size: int | None = None  # BatchWarmup grows the micro-batch up to it
     command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
@@ -112,6 +130,11 @@ class RunPlan:
         return self.devices_per_node * self.num_nodes
 
     @property
+    def _shards(self) -> int:
+        """The ranks FSDP2 shards the model state over."""
+        return self.processes if self.strategy == "fsdp" else 1
+
+    @property
     def on_gpu(self) -> bool:
         """Only on GPUs are wall times estimated and memory held against plan_for.gpu_memory_gib."""
         return self.accelerator in ("gpu", "cuda")
@@ -127,7 +150,7 @@ class RunPlan:
 
     @functools.cached_property
     def phases(self) -> list[BatchPhase]:
-        micro_for = functools.partial(lambda ranks, batch: self._micro_for(batch, ranks), self.processes)
+        micro_for = functools.partial(self._micro_for, ranks=self.processes)
         return batch_phases(self.schedule, self.max_tokens, self.seq_len, micro_for, self.processes, self.lr_factor)
 
     @property
@@ -152,25 +175,23 @@ class RunPlan:
         return limit
 
     @functools.cached_property
-    def probe(self) -> ProbePlan | None:
+    def probe(self) -> ProbeCost | None:
         from lit_cbs.probe.reading import max_branches
 
         if self.probe_callback is None:
             return None
-        config, seq_len, ranks = self.probe_callback.config, self.seq_len, self.processes
+        config, sample_bytes = self.probe_callback.config, (self.seq_len + 1) * TOKEN_BYTES
         points: list[int] = []
         while (point := config.probe_point(len(points))) + config.span_tokens <= self.max_tokens:
             points.append(int(point))
-        shards = ranks if self.strategy == "fsdp" else 1
-        _, parameters, optimizer_state = self.shape.state_bytes(self.precision, shards, self.optimizer)
-        sample_bytes, branches = (seq_len + 1) * TOKEN_BYTES, max_branches(config.search, len(config.multipliers))
+        _, parameters, optimizer_state = self.shape.state_bytes(self.precision, self._shards, self.optimizer)
+        branches = max_branches(config.search, len(config.multipliers))
         heldout = config.heldout_batches * self.val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0
-        snapshots = 2 + (branches if config.early_stop else 0)
+        window = config.span_tokens // self.seq_len // self.processes * sample_bytes
         side_jobs = type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None
-        window = config.span_tokens // seq_len // ranks * sample_bytes
-        snapshot = parameters + optimizer_state
-        args = (branches, config.window_tokens, config.replicates, snapshots, side_jobs, snapshot * shards)
-        return ProbePlan(points, snapshot, window, heldout, *args)
+        tokens = len(points) * branches * config.window_tokens * config.replicates
+        snapshots = 2 + (branches if config.early_stop else 0)
+        return ProbeCost(points, parameters + optimizer_state, window, heldout, branches, snapshots, side_jobs, tokens)
 
     @functools.cached_property
     def cluster(self) -> list[BatchPhase]:
@@ -218,33 +239,13 @@ class RunPlan:
         flops = self.shape.model.flops_per_token(self.seq_len)
         return flops * tokens / (self.mfu * self.peak_flops_per_device * devices)
 
-    def warnings(self) -> list[str]:
-        """What does not fit plan_for's limits, each with what to change."""
-        found = []
-        needed = self.memory[self.activation_checkpointing].total / GIB
-        if self.on_gpu and needed > self.gpu_memory_gib:
-            fixes = "lower data.batch_size"
-            if not self.activation_checkpointing and self.memory[True].total / GIB <= self.gpu_memory_gib:
-                fixes = "set model.activation_checkpointing=true, or " + fixes
-            fixes += ", or shard with trainer=fsdp" if self.strategy != "fsdp" else ""
-            limit = f"plan_for.gpu_memory_gib={self.gpu_memory_gib:g}"
-            found.append(f"{needed:,.1f} GiB per GPU exceeds {limit}: {fixes}")
-        per_node = self.probe.host_bytes * self.devices_per_node / GIB if self.probe is not None else 0
-        if per_node > self.host_memory_gib:
-            found.append(
-                f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
-                f"more than plan_for.host_memory_gib={self.host_memory_gib:g}: use more nodes (FSDP2 shards "
-                "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
-            )
-        return found
-
     def report(self) -> str:
         """The plan as ``plan=true`` prints it."""
         c, on, off, flops = self.shape.config, self.memory[True], self.memory[False], self.shape.model.flops_per_token
         strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
         working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
-        device = "GPU" if self.on_gpu else "device"
+        device, warnings = "GPU" if self.on_gpu else "device", []
         lines = [
             f"lit_cbs plan: {self.name} (nothing trained, no data read)",
             f"model            {c.n_layers} layers x d_model {c.d_model}, {self.shape.parameters:,} parameters, "
@@ -313,20 +314,35 @@ class RunPlan:
                 "each phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
             )
         lines += self._cluster_report()
+        needed = self.memory[self.activation_checkpointing].total / GIB
+        if self.on_gpu and needed > self.gpu_memory_gib:  # what does not fit plan_for's limits, with what to change
+            fixes = "lower data.batch_size" + (", or shard with trainer=fsdp" if self.strategy != "fsdp" else "")
+            if not self.activation_checkpointing and self.memory[True].total / GIB <= self.gpu_memory_gib:
+                fixes = "set model.activation_checkpointing=true, or " + fixes
+            warnings.append(
+                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.gpu_memory_gib:g}: {fixes}"
+            )
+        per_node = self.probe.host_bytes * self.devices_per_node / GIB if self.probe is not None else 0
+        if per_node > self.host_memory_gib:
+            warnings.append(
+                f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
+                f"more than plan_for.host_memory_gib={self.host_memory_gib:g}: use more nodes (FSDP2 shards "
+                "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
+            )
         fits = "memory per device and host memory within plan_for's limits" if self.on_gpu else None
         fits = fits or "host memory within plan_for.host_memory_gib"
-        lines += [f"WARNING: {w}" for w in self.warnings()] or [f"fits             {fits}"]
-        return "\n".join(lines)
+        return "\n".join(lines + ([f"WARNING: {w}" for w in warnings] or [f"fits             {fits}"]))
 
     def _probe_report(self) -> list[str]:
         probe = self.probe
         if probe is None:
             return ["CBS probe        none"]
-        windows = f" on each of {probe.replicates} data windows" if probe.replicates > 1 else ""
+        config = self.probe_callback.config
+        windows = f" on each of {config.replicates} data windows" if config.replicates > 1 else ""
         lines = [
             f"CBS probe        {len(probe.points)} probes fit (at {', '.join(f'{t:,}' for t in probe.points[:6])}"
             f"{', ...' if len(probe.points) > 6 else ''} tokens), up to {probe.max_branches} branches of "
-            f"{probe.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
+            f"{config.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
             f"({probe.tokens / max(1, self.tokens):.1%} of training)"
         ]
         if probe.side_jobs is None:
@@ -341,8 +357,8 @@ class RunPlan:
         write = self.probe_checkpoint_seconds
         return lines + [
             f"  as side jobs ({probe.side_jobs}): the branches train on {hours} beside the main run, "
-            "which does not wait for them; each probe writes a "
-            f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in), "
+            f"which does not wait for them; each probe writes a {probe.snapshot_bytes * self._shards / GIB:,.2f} GiB "
+            "checkpoint for its job (deleted once its reading is in), "
             f"which the main run waits for: {_duration(write)} a probe point at "
             f"plan_for.checkpoint_gib_per_s={self.checkpoint_gib_per_s:g} per rank, "
             f"{_duration(write * len(probe.points))} in all",
