@@ -34,14 +34,8 @@ __all__: list[str] = []  # recipes/ call these; users set the Hydra keys
 log = logging.getLogger("lit_cbs.train")
 
 # What stops a run as a bad setting: lit_cbs's own, and what torch, Lightning, Hydra and OmegaConf raise.
-CONFIG_ERRORS = (
-    LitCBSConfigError,
-    ValueError,
-    TypeError,
-    MisconfigurationException,
-    InstantiationException,
-    OmegaConfBaseException,
-)
+CONFIG_ERRORS: tuple[type[Exception], ...] = (LitCBSConfigError, ValueError, TypeError, MisconfigurationException)
+CONFIG_ERRORS += (InstantiationException, OmegaConfBaseException)
 # ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
 _INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
 

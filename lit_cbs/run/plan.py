@@ -244,6 +244,8 @@ class RunPlan:
         c, on, off, flops = self.shape.config, self.memory[True], self.memory[False], self.shape.model.flops_per_token
         strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
         working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}
+        labels = ["parameters", "gradients", f"{self.optimizer.name} state", working[self.strategy]]
+        labels += ["activations (saved)", "activations (peak add)", "total"]  # DeviceMemory's fields, then the total
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
         device, warnings = "GPU" if self.on_gpu else "device", []
         lines = [
@@ -270,15 +272,10 @@ class RunPlan:
             "(model.activation_checkpointing)",
             f"  {'':<24} {'AC on':>8} {'AC off':>8}",
             *(
-                f"  {label:<24} {getattr(on, field) / size:>8.2f} {getattr(off, field) / size:>8.2f}"
-                for label, field in [
-                    *((name, name) for name in ("parameters", "gradients")),
-                    (f"{self.optimizer.name} state", "optimizer_state"),
-                    (working[self.strategy], "working_buffers"),
-                    ("activations (saved)", "activations"),
-                    ("activations (peak add)", "activation_peak_extra"),
-                    ("total", "total"),
-                ]
+                f"  {label:<24} {with_ac / size:>8.2f} {without / size:>8.2f}"
+                for label, with_ac, without in zip(
+                    labels, [*dataclasses.astuple(on), on.total], [*dataclasses.astuple(off), off.total]
+                )
             ),
             "  (plus CUDA context, communication buffers and fragmentation; limit "
             f"plan_for.gpu_memory_gib={self.gpu_memory_gib:g})"

@@ -166,12 +166,8 @@ def write_run_summary(
         "changes": [dataclasses.asdict(change) for change in warmup.history],
         "guard_verdicts": [dataclasses.asdict(verdict) for verdict in warmup.guard.verdicts] if warmup.guard else None,
         "final": {
-            "samples_seen": accounting.samples_seen if accounting else 0,
-            "tokens_seen": accounting.tokens_seen if accounting else 0,
-            "global_batch": warmup.global_batch,
-            "accumulate": warmup.accumulate,
-            "micro_batch_size": warmup.micro_batch_size,
-            "lr_factor": warmup.lr_factor,
+            **{name: getattr(accounting, name) if accounting else 0 for name in ("samples_seen", "tokens_seen")},
+            **{name: getattr(warmup, name) for name in ("global_batch", "accumulate", "micro_batch_size", "lr_factor")},
         },
     }
     (output_dir / "batch_history.json").write_text(json.dumps(history, indent=2))
@@ -298,12 +294,9 @@ def plot_run(metrics_csv: str | os.PathLike[str], output_dir: str | os.PathLike[
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>
-body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
-figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }}
-table {{ border-collapse: collapse; margin: 1em 0; }} \
-td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
-</style></head>
+<style>body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }} table {{ border-collapse: collapse; \
+margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}</style></head>
 <body data-figures="{count}">
 <h1>{title}</h1>
 {body}
