@@ -158,10 +158,8 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
         return given
     # The checkpoint callback's folder, and the run folder (Lightning's hpc_ckpt_<n>.ckpt at SLURM's requeue).
-    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint")
-    folders = [Path(cfg.output_dir)]
-    if checkpoint is not None and checkpoint.get("dirpath"):
-        folders.insert(0, Path(checkpoint.dirpath))
+    dirpath = ((cfg.get("callbacks") or {}).get("checkpoint") or {}).get("dirpath")
+    folders = [Path(dirpath), Path(cfg.output_dir)] if dirpath else [Path(cfg.output_dir)]
     for folder in folders:
         settle(folder)
     if given == "auto":

@@ -72,13 +72,7 @@ class ProbeCost:
     snapshots: int  # held at once: the window's start, the main run after it, one per branch with early_stop
     side_jobs: str | None  # the side jobs' launcher (their branches train elsewhere)
     tokens: int  # trained in branches over the run, at most
-
-    @property
-    def host_bytes(self) -> int:
-        """Peak host memory per rank (side jobs: only the held-out batches the main run scores itself on)."""
-        if self.side_jobs is not None:
-            return self.heldout_bytes
-        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
+    host_bytes: int  # at the peak (side jobs: only the held-out batches the main run scores itself on)
 
 
 def _duration(seconds: float) -> str:
@@ -190,8 +184,9 @@ class RunPlan:
         window = config.span_tokens // self.seq_len // self.processes * sample_bytes
         side_jobs = type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None
         tokens = len(points) * branches * config.window_tokens * config.replicates
-        snapshots = 2 + (branches if config.early_stop else 0)
-        return ProbeCost(points, parameters + optimizer_state, window, heldout, branches, snapshots, side_jobs, tokens)
+        snapshot, snapshots = parameters + optimizer_state, 2 + (branches if config.early_stop else 0)
+        host = heldout if side_jobs is not None else snapshots * snapshot + window + heldout
+        return ProbeCost(points, snapshot, window, heldout, branches, snapshots, side_jobs, tokens, host)
 
     @functools.cached_property
     def cluster(self) -> list[BatchPhase]:

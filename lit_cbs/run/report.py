@@ -41,10 +41,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     """summary.json. ``fit_seconds``: this ``trainer.fit`` call, setup included (``run_seconds``: every fit of the
     run from its ``on_fit_start``)."""
     val_loss, accounting, signum = trainer.callback_metrics.get(VAL_LOSS), warmup.accounting, stop_signal(trainer)
-    if accounting is None:
-        raise RuntimeError(
-            "run_summary: the BatchWarmup was not set up by a Trainer (no accounting); call it after fit"
-        )
+    assert accounting is not None, "run_summary: call it after fit, once the Trainer has set the BatchWarmup up"
     summary: dict[str, Any] = {
         "run_name": run_name,
         "tokens": accounting.tokens_seen,
