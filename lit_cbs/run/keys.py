@@ -1,5 +1,4 @@
-"""A setting's errors in one line that names the Hydra key the user typed (``batch.lr_rule='x'``), with the
-key its value comes from beside it (``lr_schedule.total_tokens=65536 (max_tokens)``), and the fix."""
+"""A setting's errors in one line naming the Hydra key typed, the key its value comes from, and the fix."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a run leaves in its folder: batch_history.json, summary.json, the plots, and report.html
-(``python -m lit_cbs.run.report RUN_DIR``)."""
+"""What a run leaves in its folder: batch_history.json, summary.json, the plots, report.html (``-m`` RUN_DIR)."""
 
 from __future__ import annotations
 
