@@ -55,7 +55,6 @@ from lit_cbs.analysis.curves import read_metrics_csv, rolling_mean
 from lit_cbs.analysis.plots import save_figure
 from lit_cbs.metrics import TOKENS_SEEN as TOKENS_COLUMN
 from lit_cbs.metrics import TRAIN_LOSS as LOSS_COLUMN
-from lit_cbs.run.report import read_batch_history
 
 SMALL, LARGE = 16, 128  # global batches (samples of 128 tokens; --quick: 32)
 SEEDS = (1, 2)
@@ -144,7 +143,7 @@ def train(run: Run, settings: Settings, out: Path, threads: int) -> dict:
 
 def load(run: Run, out: Path) -> dict:
     run_dir = out / run.key
-    history = read_batch_history(run_dir / "batch_history.json")
+    history = json.loads((run_dir / "batch_history.json").read_text())
     result = {
         **read_run(run_dir, changes_batch=run.config in ("premature", "guarded")),  # the premature increase happened
         **asdict(run),

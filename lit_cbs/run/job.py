@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import logging
@@ -9,6 +10,7 @@ import os
 import shlex
 import shutil
 from pathlib import Path
+from typing import cast
 
 import lightning.pytorch as pl
 import torch
@@ -37,7 +39,7 @@ from lit_cbs.run.keys import (
     name_the_keys,
 )
 from lit_cbs.run.memory import OptimizerState
-from lit_cbs.run.plan import Limits, RunPlan, batch_phases
+from lit_cbs.run.plan import RunPlan, batch_phases
 from lit_cbs.run.resolvers import devices_per_node
 
 __all__: list[str] = []  # recipes/ call these; users set the Hydra keys
@@ -45,18 +47,15 @@ __all__: list[str] = []  # recipes/ call these; users set the Hydra keys
 log = logging.getLogger("lit_cbs.train")
 
 # The packages Lightning's loggers need (any one of them), for a one-line error that names the extra.
-LOGGER_PACKAGES = {
-    "TensorBoardLogger": ("tensorboard", "tensorboardX"),
-    "MLFlowLogger": ("mlflow",),
-    "WandbLogger": ("wandb",),
-}
+LOGGER_PACKAGES = {"TensorBoardLogger": ("tensorboard", "tensorboardX"), "MLFlowLogger": ("mlflow",)}
+LOGGER_PACKAGES["WandbLogger"] = ("wandb",)
+_SIZES = "global batch (batch.schedule)"  # what BatchWarmup.check_sizes names
 LIGHTNING_CHECKPOINT_NAMES = ("last", "best", "hpc", "registry")  # resolved by Trainer.fit itself
 
 
 def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
     """BatchWarmup with the batch group's arguments (batch.schedule, batch.lr_rule, ...) and max_tokens."""
-    warmup: BatchWarmup = instantiate_group(cfg, "batch", _target_="lit_cbs.BatchWarmup", max_tokens=cfg.max_tokens)
-    return warmup
+    return cast(BatchWarmup, instantiate_group(cfg, "batch", _target_="lit_cbs.BatchWarmup", max_tokens=cfg.max_tokens))
 
 
 def callbacks_of(cfg: DictConfig) -> list[pl.Callback]:
@@ -119,10 +118,9 @@ def probe_parts_of(config: str) -> RunParts:
 
 
 def _installed(package: str) -> bool:
-    try:
+    with contextlib.suppress(ValueError):  # ValueError: in sys.modules as None, its import blocked
         return importlib.util.find_spec(package) is not None
-    except ValueError:  # in sys.modules as None: its import is blocked
-        return False
+    return False
 
 
 def loggers_of(cfg: DictConfig) -> list[Logger]:
@@ -160,10 +158,8 @@ def resume_checkpoint(cfg: DictConfig) -> str | None:
     if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
         return given
     # The checkpoint callback's folder, and the run folder (Lightning's hpc_ckpt_<n>.ckpt at SLURM's requeue).
-    checkpoint = (cfg.get("callbacks") or {}).get("checkpoint")
-    folders = [Path(cfg.output_dir)]
-    if checkpoint is not None and checkpoint.get("dirpath"):
-        folders.insert(0, Path(checkpoint.dirpath))
+    dirpath = ((cfg.get("callbacks") or {}).get("checkpoint") or {}).get("dirpath")
+    folders = [Path(dirpath), Path(cfg.output_dir)] if dirpath else [Path(cfg.output_dir)]
     for folder in folders:
         settle(folder)
     if given == "auto":
@@ -191,54 +187,42 @@ def send_lightning_logs_to_the_job_log() -> None:
         lightning_logger.propagate = True
 
 
-def _hydra_run() -> tuple[Path, Path] | None:
-    """(run folder, start folder) on global rank 0 of a single Hydra run (a multirun's failed job keeps its folder)."""
+def _hydra_run() -> tuple[Path, Path, list[logging.FileHandler]] | None:
+    """(run folder, start folder, the job's log handlers) on global rank 0 of a single Hydra run (a multirun's
+    failed job keeps its folder)."""
     if not HydraConfig.initialized() or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # set at import
         return None
     config = HydraConfig.get()
-    return (Path(config.runtime.output_dir), Path(config.runtime.cwd)) if config.mode == RunMode.RUN else None
+    run_dir = Path(config.runtime.output_dir)
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    logs = [handler for handler in handlers if Path(handler.baseFilename).parent == run_dir]
+    return (run_dir, Path(config.runtime.cwd), logs) if config.mode == RunMode.RUN else None
 
 
 def earlier_entries() -> frozenset[str]:
     """What a job that trains nothing leaves in its run folder: nothing when it holds only Hydra's files for this
     job, else everything (an earlier run's folder given as ``hydra.run.dir``). Called before the job writes."""
-    run = _hydra_run()
-    if run is None:
+    if (run := _hydra_run()) is None or not run[0].is_dir():
         return frozenset()
-    run_dir, _ = run
-    entries = frozenset(entry.name for entry in run_dir.iterdir()) if run_dir.is_dir() else frozenset()
-    hydra_own = {Path(handler.baseFilename).name for handler in _job_logs(run_dir)} | {HydraConfig.get().output_subdir}
+    entries = frozenset(entry.name for entry in run[0].iterdir())
+    hydra_own = {Path(handler.baseFilename).name for handler in run[2]} | {HydraConfig.get().output_subdir}
     return frozenset() if entries <= hydra_own else entries
-
-
-def _job_logs(run_dir: Path) -> list[logging.FileHandler]:
-    return [
-        handler
-        for handler in logging.getLogger().handlers
-        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).parent == run_dir
-    ]
 
 
 def remove_hydra_run_dir(kept: frozenset[str]) -> None:
     """Take back what a job that trained nothing wrote into its run folder (all but ``kept``, Hydra's files and the
     job log included), then the folders left empty, up to the one the job started in."""
-    run = _hydra_run()
-    if run is None:
+    if (run := _hydra_run()) is None:
         return
-    run_dir, start = run
-    for handler in _job_logs(run_dir):
+    run_dir, start, logs = run
+    for handler in logs:
         if Path(handler.baseFilename).name not in kept:
             handler.close()
             logging.getLogger().removeHandler(handler)
     for entry in run_dir.iterdir() if run_dir.is_dir() else []:
-        if entry.name in kept:
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        else:
-            entry.unlink(missing_ok=True)
-    start = start.resolve()
-    folder = run_dir.resolve()
+        if entry.name not in kept:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink(missing_ok=True)
+    start, folder = start.resolve(), run_dir.resolve()
     while folder != start and start in folder.parents and folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()
         folder = folder.parent
@@ -298,20 +282,13 @@ def plan_of(cfg: DictConfig) -> RunPlan:
     model_config = model_config_of(cfg)
     model, datamodule = _model_and_data(cfg)
     warmup = batch_warmup_of(cfg)
-    probes = [
-        callback for callback in instantiate_named(cfg, "callbacks").values() if isinstance(callback, CBSProbeCallback)
-    ]
+    probes = [probe for probe in instantiate_named(cfg, "callbacks").values() if isinstance(probe, CBSProbeCallback)]
     devices = devices_per_node(cfg.trainer.devices, "plan=true sizes the run from it")
     num_nodes = int(cfg.trainer.num_nodes)
-    warmup.check_sizes(
-        warmup.schedule.sizes(0), datamodule.batch_size, devices * num_nodes, "global batch (batch.schedule)"
-    )
+    warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, devices * num_nodes, _SIZES)
     strategy = cfg.trainer.get("strategy", "auto")
     target = str(strategy.get("_target_", "")) if OmegaConf.is_dict(strategy) else str(strategy)
-    if target.endswith(("ModelParallelStrategy", "FSDPStrategy")) or target.startswith("fsdp"):
-        kind = "fsdp"
-    else:
-        kind = "ddp" if devices * num_nodes > 1 else "single"
+    fsdp = target.endswith(("ModelParallelStrategy", "FSDPStrategy")) or target.startswith("fsdp")
     limits = dict_container(cfg.plan_for, resolve=True)
     if cfg.model.get("peak_flops_per_device"):
         limits["peak_flops_per_device"] = float(cfg.model.peak_flops_per_device)
@@ -331,17 +308,17 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         micro_batch=datamodule.batch_size,
         val_micro_batch=datamodule.val_batch_size,
         precision=str(cfg.trainer.precision),
-        strategy=kind,
+        strategy="fsdp" if fsdp else "ddp" if devices * num_nodes > 1 else "single",
         accelerator=str(cfg.trainer.accelerator),
         devices_per_node=devices,
         num_nodes=num_nodes,
         activation_checkpointing=bool(cfg.model.get("activation_checkpointing", False)),
         probe_callback=probes[0] if probes else None,
-        limits=Limits(**limits),
         optimizer=OptimizerState.measure(model.optimizer_factory),
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(map(shlex.quote, overrides)) or f'+recipe={cfg.run_name}'}",
         slurm_arguments=" ".join(map(shlex.quote, slurm_arguments)) or f"+recipe={cfg.run_name}",
+        **limits,
     )
 
 
@@ -375,9 +352,7 @@ def build_run(cfg: DictConfig) -> Run:
     if not cfg.trainer.get("enable_progress_bar", True):  # the switch a user reaches for turns lit_cbs's bar off too
         callbacks = [callback for callback in callbacks if not isinstance(callback, ProgressBar)]
     trainer = instantiate_group(cfg, "trainer", callbacks=callbacks, logger=loggers_of(cfg))
-    warmup.check_sizes(
-        warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, "global batch (batch.schedule)"
-    )
+    warmup.check_sizes(warmup.schedule.sizes(0), datamodule.batch_size, trainer.world_size, _SIZES)
 
     # One process per node tokenizes a new source; Lightning's prepare_data in fit is then a cache hit.
     if trainer.local_rank == 0:

@@ -1,5 +1,4 @@
-"""A setting's errors in one line that names the Hydra key the user typed (``batch.lr_rule='x'``), with the
-key its value comes from beside it (``lr_schedule.total_tokens=65536 (max_tokens)``), and the fix."""
+"""A setting's errors in one line naming the Hydra key typed, the key its value comes from, and the fix."""
 
 from __future__ import annotations
 
@@ -34,14 +33,8 @@ __all__: list[str] = []  # recipes/ call these; users set the Hydra keys
 log = logging.getLogger("lit_cbs.train")
 
 # What stops a run as a bad setting: lit_cbs's own, and what torch, Lightning, Hydra and OmegaConf raise.
-CONFIG_ERRORS = (
-    LitCBSConfigError,
-    ValueError,
-    TypeError,
-    MisconfigurationException,
-    InstantiationException,
-    OmegaConfBaseException,
-)
+CONFIG_ERRORS: tuple[type[Exception], ...] = (LitCBSConfigError, ValueError, TypeError, MisconfigurationException)
+CONFIG_ERRORS += (InstantiationException, OmegaConfBaseException)
 # ``${max_tokens}`` or ``${oc.select:data.batch_size,null}``: the key a value is taken from.
 _INTERPOLATION = re.compile(r"^\$\{(?:oc\.select:)?([\w.]+)(?:,[^}]*)?\}$")
 
@@ -179,16 +172,21 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
     keys it is close to, or the ``+`` for an argument of a ``_target_`` left at its default. A multirun is checked
     on its first job; anything else is left to Hydra's own message."""
     args = hydra_command_line(argv)
-    if args.config_path or args.config_dir or args.help or args.hydra_help or args.info or args.shell_completion:
+    if any((args.config_path, args.config_dir, args.help, args.hydra_help, args.info, args.shell_completion)):
         return
     try:
         overrides = OverridesParser.create().parse_overrides(args.overrides)
     except HydraException:
         return
     first_job = [_first_value(override) for override in overrides]
-    config_name = args.config_name or "config"
+
+    def composed(less: Override | None = None) -> DictConfig:
+        lines = [line for override, line in zip(overrides, first_job) if line is not None and override is not less]
+        with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+            return compose(args.config_name or "config", overrides=lines)
+
     try:
-        _compose(config_dir, config_name, [line for line in first_job if line is not None])
+        composed()
         return
     except Exception as error:  # a missing key is OmegaConf's error under Hydra's; anything else is Hydra's to say
         if not isinstance(error, ConfigCompositionException) or not isinstance(
@@ -199,13 +197,11 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
     bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
     if bad is None:
         return
-    rest = [line for override, line in zip(overrides, first_job) if line is not None and override is not bad]
-    try:
-        cfg = _compose(config_dir, config_name, rest)
-    except Exception:  # another problem on the same command line: Hydra's message names it
+    try:  # without it: another problem on the same command line is Hydra's to name
+        cfg = composed(bad)
+    except Exception:
         return
-    line = bad.input_line
-    assert line is not None  # parsed from a command line: it has its line
+    line = str(bad.input_line)
     raise LitCBSConfigError(f"{line}: {_fix_for_missing_key(cfg, bad.key_or_group, line)}")
 
 
@@ -254,11 +250,6 @@ def _first_value(override: Override) -> str | None:
         return f"{override.get_key_element()}={next(iter(override.sweep_string_iterator()))}"
     except HydraException:
         return None
-
-
-def _compose(config_dir: Path, config_name: str, overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
-        return compose(config_name, overrides=overrides)
 
 
 def _keys_of(node: dict[str, Any], prefix: str = "") -> list[str]:

@@ -1,5 +1,4 @@
-"""What a run holds in memory, in bytes, counted as the training code allocates it: per device (``device_memory``),
-and per rank in host memory for the CBS probe (``probe_plan``)."""
+"""Bytes a run holds, counted as the training code allocates them: per device, and per rank for the CBS probe."""
 
 from __future__ import annotations
 
@@ -23,12 +22,6 @@ PRECISIONS = {"32-true": (4, 4), "32": (4, 4), "bf16-mixed": (4, 2), "16-mixed":
 PRECISIONS["16-true"] = (2, 2)
 
 
-def _precision_bytes(precision: str) -> tuple[int, int]:
-    if str(precision) not in PRECISIONS:
-        raise ValueError(f"precision={precision!r} is not one the plan knows; use one of {list(PRECISIONS)}")
-    return PRECISIONS[str(precision)]
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """Parameter counts (elements) of a decoder, read from its meta-device build."""
@@ -45,23 +38,20 @@ class ModelShape:
     def measure(cls, config: Any) -> ModelShape:
         with torch.device("meta"):
             model = build_decoder(config)
-        dims = decoder_dims(config)
+        dims, total = decoder_dims(config), model.num_parameters()
         block = sum(p.numel() for p in model.blocks[0].parameters())
-        embeddings = sum(p.numel() for p in embedding_parameters(model))
-        total = model.num_parameters()
-        return cls(
-            config=dims,
-            parameters=total,
-            parameter_tensors=len(list(model.parameters())),
-            block_parameters=block,
-            root_parameters=total - dims.n_layers * block,
-            autocast_weights=total - (0 if dims.tie_embeddings else embeddings),
-            model=model,
-        )
+        embeddings = 0 if dims.tie_embeddings else sum(p.numel() for p in embedding_parameters(model))
+        tensors = len(list(model.parameters()))
+        return cls(dims, total, tensors, block, total - dims.n_layers * block, total - embeddings, model)
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (6N + attention)."""
-        return self.model.flops_per_token(seq_len)
+    def state_bytes(self, precision: str, shards: int, optimizer: OptimizerState) -> tuple[int, int, int]:
+        """(bytes per parameter element, one shard's parameter bytes, its optimizer state's bytes)."""
+        if str(precision) not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not one the plan knows; use one of {list(PRECISIONS)}")
+        param_bytes = PRECISIONS[str(precision)][0]
+        parameters = math.ceil(self.parameters / shards) * param_bytes
+        state = optimizer.per_element * parameters + optimizer.bytes_per_tensor * self.parameter_tensors
+        return param_bytes, parameters, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +71,9 @@ class OptimizerState:
         built = optimizer([parameter])
         built.step()
         state = [value for value in built.state[parameter].values() if isinstance(value, torch.Tensor)]
-        like_parameter = [value for value in state if value.numel() == parameter.numel()]
-        return cls(
-            name=type(built).__name__,
-            per_element=sum(value.element_size() for value in like_parameter) // parameter.element_size(),
-            bytes_per_tensor=sum(value.nbytes for value in state if value.numel() != parameter.numel()),
-        )
+        like = [value.element_size() for value in state if value.numel() == parameter.numel()]
+        others = sum(value.nbytes for value in state if value.numel() != parameter.numel())
+        return cls(type(built).__name__, sum(like) // parameter.element_size(), others)
 
 
 ADAMW_STATE = OptimizerState("AdamW", per_element=2, bytes_per_tensor=4)  # exp_avg, exp_avg_sq; an fp32 step
@@ -105,29 +92,7 @@ class DeviceMemory:
 
     @property
     def total(self) -> int:
-        """Bytes at the step's peak."""
         return sum(dataclasses.astuple(self))
-
-
-def _block_bytes(config: DecoderDims, micro_batch: int, seq_len: int, act: int) -> int:
-    """Bytes one block saves for backward: 8 d_model- and 4 mlp_hidden-wide vectors per token (autocast: the
-    residual stream fp32, the rest low precision, each matmul its own cast of its input), LayerNorm statistics
-    and attention's log-sum-exp per head in fp32."""
-    tokens = micro_batch * seq_len
-    d, f = config.d_model, config.mlp_hidden
-    small = 4 * (4 * tokens + config.n_heads * tokens)
-    if act == 4:
-        return 4 * tokens * (8 * d + 4 * f) + small
-    return 4 * tokens * 2 * d + act * tokens * (9 * d + 4 * f) + small
-
-
-def _outside_bytes(config: DecoderDims, micro_batch: int, seq_len: int, act: int) -> int:
-    """Bytes saved outside the blocks: ids and targets, RoPE's cos and sin, the final LayerNorm, the log-softmax."""
-    tokens = micro_batch * seq_len
-    ids = TOKEN_BYTES * micro_batch * (seq_len + 1) + TOKEN_BYTES * tokens
-    rope = 2 * 4 * seq_len * config.head_dim
-    final_norm = 4 * tokens * config.d_model + 4 * 2 * tokens + act * tokens * config.d_model
-    return ids + rope + final_norm + 4 * tokens * config.vocab_size + 4  # + the loss scalar
 
 
 def device_memory(
@@ -142,16 +107,10 @@ def device_memory(
 ) -> DeviceMemory:
     """Peak bytes per device of a training step. ``strategy``: ``single``, ``ddp`` or ``fsdp`` (FSDP2 shards the
     model state over ``data_parallel_size`` and gathers the root and up to three blocks)."""
-    if strategy not in ("single", "ddp", "fsdp"):
-        raise ValueError(f"strategy={strategy!r} must be one of ('single', 'ddp', 'fsdp')")
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
-    param_bytes, act = _precision_bytes(precision)
-    config = shape.config
+    config, tokens = shape.config, micro_batch * seq_len
     shards = data_parallel_size if strategy == "fsdp" else 1
-    local = math.ceil(shape.parameters / shards)
-    parameters = local * param_bytes
-    optimizer_state = optimizer.per_element * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
+    param_bytes, parameters, optimizer_state = shape.state_bytes(precision, shards, optimizer)
+    act = PRECISIONS[str(precision)][1]
     if strategy == "fsdp":
         gathered = (shape.root_parameters + min(3, config.n_layers) * shape.block_parameters) * act
         # One rank gathers nothing, but still casts to the low-precision parameter dtype.
@@ -161,79 +120,18 @@ def device_memory(
         if act < param_bytes:  # autocast's copies; with checkpointing, of one block's weights at a time
             recomputed = (config.n_layers - 1) * shape.block_parameters if activation_checkpointing else 0
             working += (shape.autocast_weights - recomputed) * act
-    block = _block_bytes(config, micro_batch, seq_len, act)
-    outside = _outside_bytes(config, micro_batch, seq_len, act)
-    logits = micro_batch * seq_len * config.vocab_size * (act + 4)
+    # A block saves 8 d_model- and 4 mlp_hidden-wide vectors per token (autocast: the residual stream fp32, the rest
+    # low precision, each matmul its own cast of its input), LayerNorm statistics and attention's log-sum-exp per
+    # head in fp32.
+    d, f = config.d_model, config.mlp_hidden
+    block = 4 * (4 * tokens + config.n_heads * tokens)
+    block += 4 * tokens * (8 * d + 4 * f) if act == 4 else 4 * tokens * 2 * d + act * tokens * (9 * d + 4 * f)
+    # Outside the blocks: ids and targets, RoPE's cos and sin, the final LayerNorm, the log-softmax, the loss.
+    outside = TOKEN_BYTES * micro_batch * (seq_len + 1) + TOKEN_BYTES * tokens + 2 * 4 * seq_len * config.head_dim
+    outside += 4 * tokens * d + 4 * 2 * tokens + act * tokens * d + 4 * tokens * config.vocab_size + 4
+    logits = tokens * config.vocab_size * (act + 4)
     if activation_checkpointing:  # a block keeps its fp32 input; backward recomputes one block at a time
-        saved = config.n_layers * 4 * micro_batch * seq_len * config.d_model + outside
-        extra = block + logits
+        saved, extra = config.n_layers * 4 * tokens * d + outside, block + logits
     else:
-        saved = config.n_layers * block + outside
-        extra = logits
+        saved, extra = config.n_layers * block + outside, logits
     return DeviceMemory(parameters, parameters, optimizer_state, working, saved, extra)
-
-
-@dataclasses.dataclass(frozen=True)
-class ProbePlan:
-    """What a CBSProbeCallback will cost; bytes per rank, in host memory."""
-
-    points: list[int]  # token counts of the probes whose span ends within max_tokens
-    snapshot_bytes: int  # the rank's parameters and optimizer state
-    window_bytes: int  # the recorded micro-batches of one probe's windows
-    heldout_bytes: int
-    max_branches: int
-    window_tokens: int
-    replicates: int = 1
-    snapshots: int = 2  # held at once: the window's start, the main run after it, one per branch with early_stop
-    side_jobs: str | None = None  # the side jobs' launcher (their branches train elsewhere)
-    checkpoint_bytes: int = 0  # side jobs: the checkpoint each probe writes for its job (all ranks' shards)
-
-    @property
-    def host_bytes(self) -> int:
-        """Peak host memory per rank (side jobs: only the held-out batches the main run scores itself on)."""
-        if self.side_jobs is not None:
-            return self.heldout_bytes
-        return self.snapshots * self.snapshot_bytes + self.window_bytes + self.heldout_bytes
-
-    @property
-    def tokens(self) -> int:
-        """Tokens trained in branches over the run, at most."""
-        return len(self.points) * self.max_branches * self.window_tokens * self.replicates
-
-
-def probe_plan(
-    probe: Any,
-    shape: ModelShape,
-    precision: str,
-    strategy: str,
-    data_parallel_size: int,
-    val_micro_batch: int,
-    seq_len: int,
-    max_tokens: int,
-    optimizer: OptimizerState = ADAMW_STATE,
-) -> ProbePlan:
-    """The cost of ``probe`` (a ``CBSProbeCallback``) on this run."""
-    from lit_cbs.probe.reading import max_branches
-
-    config = probe.config
-    points: list[int] = []
-    while (point := config.probe_point(len(points))) + config.span_tokens <= max_tokens:
-        points.append(int(point))
-    param_bytes, _ = _precision_bytes(precision)
-    shards = data_parallel_size if strategy == "fsdp" else 1
-    local = math.ceil(shape.parameters / shards)
-    snapshot = (1 + optimizer.per_element) * local * param_bytes + optimizer.bytes_per_tensor * shape.parameter_tensors
-    sample_bytes = (seq_len + 1) * TOKEN_BYTES
-    branches = max_branches(config.search, len(config.multipliers))
-    return ProbePlan(
-        points=points,
-        snapshot_bytes=snapshot,
-        window_bytes=config.span_tokens // seq_len // data_parallel_size * sample_bytes,
-        heldout_bytes=config.heldout_batches * val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0,
-        max_branches=branches,
-        window_tokens=config.window_tokens,
-        replicates=config.replicates,
-        snapshots=2 + (branches if config.early_stop else 0),
-        side_jobs=type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None,
-        checkpoint_bytes=snapshot * shards,
-    )

@@ -1,5 +1,4 @@
-"""``plan=true``: what a run will need before it starts (no data, no accelerator): its batch phases and steps,
-memory per device, the CBS probe's device-hours, wall time at an assumed MFU, and the phases on a grown cluster."""
+"""``plan=true``: a run's batch phases, memory per device, CBS probe cost, wall time and grown cluster, unstarted."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lit_cbs.rules.batch_schedules import BatchSchedule, micro_batch_for
-from lit_cbs.run.memory import ADAMW_STATE, GIB, DeviceMemory, ModelShape, OptimizerState, ProbePlan, device_memory
-from lit_cbs.run.memory import probe_plan as probe_plan
+from lit_cbs.run.memory import ADAMW_STATE, GIB, TOKEN_BYTES, DeviceMemory, ModelShape, OptimizerState, device_memory
 
 __all__: list[str] = []  # users run it as `plan=true`
 
@@ -26,6 +24,8 @@ class BatchPhase:
     accumulate: int
     optimizer_steps: int
     lr_factor: float  # product of the batch changes' LR factors so far
+    ranks: int = 0  # on a grown cluster (RunPlan.cluster)
+    end_step: int = 0  # there: optimizer steps taken when the phase ends, where the run stops to move
 
     @property
     def tokens(self) -> int:
@@ -44,53 +44,35 @@ def batch_phases(
     be a multiple of the new batch; the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
     samples per rank, or global batch -> micro-batch."""
     micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
-    phases: list[BatchPhase] = []
-
-    def close(start: int, end: int, batch: int, steps: int, factor: float) -> None:
-        micro = micro_for(batch)
-        phases.append(BatchPhase(start, end, batch, micro, batch // (micro * data_parallel_size), steps, factor))
-
-    tokens = samples = steps = start = 0
-    batch: int | None = None
-    factor = 1.0
+    spans: list[list[Any]] = []  # [start tokens, global batch, optimizer steps, LR factor]
+    tokens = samples = 0
     while tokens < max_tokens:
         new = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
-        if new != batch and (batch is None or samples % new == 0):
-            if batch is not None:
-                close(start, tokens, batch, steps, factor)
-                factor *= lr_factor(new / batch)
-            batch, start, steps = new, tokens, 0
-        assert batch is not None
-        tokens += batch * seq_len
-        samples += batch
-        steps += 1
-    if batch is not None:
-        close(start, tokens, batch, steps, factor)
-    return phases
+        if not spans or (new != spans[-1][1] and samples % new == 0):
+            spans.append([tokens, new, 0, spans[-1][3] * lr_factor(new / spans[-1][1]) if spans else 1.0])
+        spans[-1][2] += 1
+        tokens, samples = tokens + spans[-1][1] * seq_len, samples + spans[-1][1]
+    ends = [span[0] for span in spans[1:]] + [tokens]
+    return [
+        BatchPhase(start, end, batch, micro, batch // (micro * data_parallel_size), steps, factor)
+        for (start, batch, steps, factor), end in zip(spans, ends)
+        for micro in [micro_for(batch)]
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterPhase:
-    """One batch phase on its own number of ranks (whole nodes)."""
+class ProbeCost:
+    """What a CBSProbeCallback will cost; bytes per rank, in host memory."""
 
-    phase: BatchPhase
-    ranks: int
-    micro_batch: int
-    accumulate: int
-    end_step: int  # optimizer steps taken when the phase ends (where the run stops to move)
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What the plan is checked against (``plan_for.*``): GiB per device and per node, MFU, peak FLOP/s."""
-
-    gpu_memory_gib: float = 80.0
-    host_memory_gib: float = 1024.0
-    mfu: float = 0.4
-    peak_flops_per_device: float = 989e12
-    min_micro_batch_size: int = 1  # growing the cluster: no rank's micro-batch below this (samples)
-    max_devices: int | None = None  # growing the cluster: at most this many ranks
-    checkpoint_gib_per_s: float = 1.0  # what one rank writes per second (side-job probes)
+    points: list[int]  # token counts of the probes whose span ends within max_tokens
+    snapshot_bytes: int  # the rank's parameters and optimizer state
+    window_bytes: int  # the recorded micro-batches of one probe's windows
+    heldout_bytes: int
+    max_branches: int
+    snapshots: int  # held at once: the window's start, the main run after it, one per branch with early_stop
+    side_jobs: str | None  # the side jobs' launcher (their branches train elsewhere)
+    tokens: int  # trained in branches over the run, at most
+    host_bytes: int  # at the peak (side jobs: only the held-out batches the main run scores itself on)
 
 
 def _duration(seconds: float) -> str:
@@ -102,11 +84,10 @@ def _duration(seconds: float) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RunPlan:
-    """A run worked out from its settings; ``report()`` is what ``plan=true`` prints. ``model_config``: an
-    ``OLMoConfig`` or a transformers config; ``probe_callback``: the run's CBSProbeCallback."""
+    """A run worked out from its settings; ``report()`` is what ``plan=true`` prints."""
 
     name: str
-    model_config: Any
+    model_config: Any  # an OLMoConfig or a transformers config
     schedule: BatchSchedule
     lr_factor: Callable[[float], float]  # the LR rule's: batch ratio new / old -> LR factor
     max_tokens: int
@@ -119,93 +100,113 @@ class RunPlan:
     devices_per_node: int
     num_nodes: int
     activation_checkpointing: bool
-    probe_callback: Any = None
-    limits: Limits = Limits()
+    probe_callback: Any = None  # the run's CBSProbeCallback
     optimizer: OptimizerState = ADAMW_STATE
     max_micro_batch_size: int | None = None  # BatchWarmup grows the micro-batch up to it
     command: str = "recipes/train.py"  # the run's command line, for the commands that move it between clusters
     slurm_arguments: str = ""  # its arguments for recipes/slurm/train.sbatch
+    # What the plan is checked against (plan_for.*): GiB per GPU and per node, MFU, peak FLOP/s, the grown cluster's
+    # smallest micro-batch (samples) and most ranks, what one rank writes per second (side-job probes' checkpoints).
+    gpu_memory_gib: float = 80.0
+    host_memory_gib: float = 1024.0
+    mfu: float = 0.4
+    peak_flops_per_device: float = 989e12
+    min_micro_batch_size: int = 1
+    max_devices: int | None = None
+    checkpoint_gib_per_s: float = 1.0
 
     @functools.cached_property
     def shape(self) -> ModelShape:
         return ModelShape.measure(self.model_config)
-
-    def _micro_for(self, global_batch: int, ranks: int) -> int:
-        if self.max_micro_batch_size:
-            return micro_batch_for(global_batch, ranks, self.max_micro_batch_size)
-        return self.micro_batch
-
-    @functools.cached_property
-    def phases(self) -> list[BatchPhase]:
-        """The batch phases on the run's ranks."""
-        micro_for = functools.partial(lambda ranks, batch: self._micro_for(batch, ranks), self.processes)
-        return batch_phases(self.schedule, self.max_tokens, self.seq_len, micro_for, self.processes, self.lr_factor)
-
-    def _memory_at(self, micro: int, checkpointing: bool) -> DeviceMemory:
-        args = (self.precision, self.strategy, self.processes, checkpointing, self.optimizer)
-        return device_memory(self.shape, micro, self.seq_len, *args)
-
-    @property
-    def peak_micro_batch(self) -> int:
-        return max(p.micro_batch for p in self.phases) if self.phases else self.micro_batch
-
-    @functools.cached_property
-    def memory(self) -> dict[bool, DeviceMemory]:
-        """Activation checkpointing on/off -> memory per device at the largest micro-batch."""
-        return {checkpointing: self._memory_at(self.peak_micro_batch, checkpointing) for checkpointing in (True, False)}
-
-    @functools.cached_property
-    def micro_batch_limit(self) -> int | None:
-        """On a GPU, the largest micro-batch whose step fits plan_for.gpu_memory_gib."""
-        limit = None
-        for micro in range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else []:
-            if self._memory_at(micro, self.activation_checkpointing).total > self.limits.gpu_memory_gib * GIB:
-                break  # memory grows with the micro-batch
-            limit = micro
-        return limit
-
-    @functools.cached_property
-    def probe(self) -> ProbePlan | None:
-        """The CBS probe's cost, or None without one."""
-        if self.probe_callback is None:
-            return None
-        args = (self.precision, self.strategy, self.processes, self.val_micro_batch)
-        return probe_plan(self.probe_callback, self.shape, *args, self.seq_len, self.max_tokens, self.optimizer)
-
-    @functools.cached_property
-    def cluster(self) -> list[ClusterPhase]:
-        """Per phase after the first (which keeps the run's ranks), the fewest whole nodes whose ranks each take no
-        larger a share of a step than in the first phase, with micro-batches of at least
-        ``plan_for.min_micro_batch_size`` and at most ``plan_for.max_devices`` ranks."""
-        per_node, cap = self.devices_per_node, self.limits.max_devices
-        planned: list[ClusterPhase] = []
-        for phase in self.phases:
-            batch = phase.global_batch
-            candidates = [w for w in range(per_node, batch + 1, per_node) if batch % w == 0]
-            candidates = [w for w in candidates if cap is None or w <= cap] or candidates[:1]
-            efficient = [
-                w for w in candidates if self._micro_for(batch, w) >= self.limits.min_micro_batch_size
-            ] or candidates[:1]
-            enough = [w for w in efficient if batch / w <= self.phases[0].global_batch / self.processes]
-            ranks = self.processes if not planned else (enough[0] if enough else efficient[-1])
-            micro = self._micro_for(batch, ranks)
-            end_step = (planned[-1].end_step if planned else 0) + phase.optimizer_steps
-            planned.append(ClusterPhase(phase, ranks, micro, batch // (micro * ranks), end_step))
-        return planned
 
     @property
     def processes(self) -> int:
         return self.devices_per_node * self.num_nodes
 
     @property
-    def tokens(self) -> int:
-        """Tokens the main run trains on (the last step may pass max_tokens)."""
-        return self.phases[-1].end_tokens if self.phases else 0
+    def _shards(self) -> int:
+        """The ranks FSDP2 shards the model state over."""
+        return self.processes if self.strategy == "fsdp" else 1
 
     @property
     def on_gpu(self) -> bool:
         """Only on GPUs are wall times estimated and memory held against plan_for.gpu_memory_gib."""
         return self.accelerator in ("gpu", "cuda")
+
+    def _micro_for(self, global_batch: int, ranks: int) -> int:
+        if self.max_micro_batch_size:
+            return micro_batch_for(global_batch, ranks, self.max_micro_batch_size)
+        return self.micro_batch
+
+    def _memory_at(self, micro: int, checkpointing: bool) -> DeviceMemory:
+        run = (self.precision, self.strategy, self.processes, checkpointing, self.optimizer)
+        return device_memory(self.shape, micro, self.seq_len, *run)
+
+    @functools.cached_property
+    def phases(self) -> list[BatchPhase]:
+        micro_for = functools.partial(self._micro_for, ranks=self.processes)
+        return batch_phases(self.schedule, self.max_tokens, self.seq_len, micro_for, self.processes, self.lr_factor)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the main run trains on (the last step may pass max_tokens)."""
+        return self.phases[-1].end_tokens if self.phases else 0
+
+    @functools.cached_property
+    def memory(self) -> dict[bool, DeviceMemory]:
+        """Activation checkpointing on/off -> memory per device at the largest micro-batch."""
+        micro = max((p.micro_batch for p in self.phases), default=self.micro_batch)
+        return {checkpointing: self._memory_at(micro, checkpointing) for checkpointing in (True, False)}
+
+    @functools.cached_property
+    def micro_batch_limit(self) -> int | None:
+        """On a GPU, the largest micro-batch whose step fits plan_for.gpu_memory_gib."""
+        limit = None
+        for micro in range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else []:
+            if self._memory_at(micro, self.activation_checkpointing).total > self.gpu_memory_gib * GIB:
+                break  # memory grows with the micro-batch
+            limit = micro
+        return limit
+
+    @functools.cached_property
+    def probe(self) -> ProbeCost | None:
+        from lit_cbs.probe.reading import max_branches
+
+        if self.probe_callback is None:
+            return None
+        config, sample_bytes = self.probe_callback.config, (self.seq_len + 1) * TOKEN_BYTES
+        points: list[int] = []
+        while (point := config.probe_point(len(points))) + config.span_tokens <= self.max_tokens:
+            points.append(int(point))
+        _, parameters, optimizer_state = self.shape.state_bytes(self.precision, self._shards, self.optimizer)
+        branches = max_branches(config.search, len(config.multipliers))
+        heldout = config.heldout_batches * self.val_micro_batch * sample_bytes if config.evaluate == "heldout" else 0
+        window = config.span_tokens // self.seq_len // self.processes * sample_bytes
+        side_jobs = type(config.side_jobs.launcher).__name__ if config.side_jobs is not None else None
+        tokens = len(points) * branches * config.window_tokens * config.replicates
+        snapshot, snapshots = parameters + optimizer_state, 2 + (branches if config.early_stop else 0)
+        host = heldout if side_jobs is not None else snapshots * snapshot + window + heldout
+        return ProbeCost(points, snapshot, window, heldout, branches, snapshots, side_jobs, tokens, host)
+
+    @functools.cached_property
+    def cluster(self) -> list[BatchPhase]:
+        """Each phase (``ranks``, ``end_step`` set) on the fewest whole nodes whose ranks each take no larger a share
+        of a step than in the first phase (which keeps the run's ranks), with micro-batches of at least
+        ``plan_for.min_micro_batch_size`` and at most ``plan_for.max_devices`` ranks."""
+        per_node, cap, end_step = self.devices_per_node, self.max_devices, 0
+        planned: list[BatchPhase] = []
+        for phase in self.phases:
+            batch = phase.global_batch
+            candidates = [w for w in range(per_node, batch + 1, per_node) if batch % w == 0]
+            candidates = [w for w in candidates if cap is None or w <= cap] or candidates[:1]
+            efficient = [w for w in candidates if self._micro_for(batch, w) >= self.min_micro_batch_size]
+            efficient = efficient or candidates[:1]
+            enough = [w for w in efficient if batch / w <= self.phases[0].global_batch / self.processes]
+            ranks = self.processes if not planned else (enough[0] if enough else efficient[-1])
+            micro, end_step = self._micro_for(batch, ranks), end_step + phase.optimizer_steps
+            grown = dict(micro_batch=micro, accumulate=batch // (micro * ranks), ranks=ranks, end_step=end_step)
+            planned.append(dataclasses.replace(phase, **grown))
+        return planned
 
     @property
     def wall_seconds(self) -> float:
@@ -220,7 +221,7 @@ class RunPlan:
         """Seconds a side-job probe point waits while each rank writes its share at plan_for.checkpoint_gib_per_s."""
         if self.probe is None or self.probe.side_jobs is None:
             return 0.0
-        return self.probe.snapshot_bytes / GIB / self.limits.checkpoint_gib_per_s
+        return self.probe.snapshot_bytes / GIB / self.checkpoint_gib_per_s
 
     @property
     def probe_device_hours(self) -> float:
@@ -228,41 +229,24 @@ class RunPlan:
         return self._seconds(self.probe.tokens, 1) / 3600 if self.probe is not None else 0.0
 
     def _seconds(self, tokens: int, devices: int) -> float:
-        if not 0 < self.limits.mfu <= 1:
-            raise ValueError(f"mfu={self.limits.mfu} must be in (0, 1]")
-        flops = self.shape.flops_per_token(self.seq_len)
-        return flops * tokens / (self.limits.mfu * self.limits.peak_flops_per_device * devices)
-
-    def warnings(self) -> list[str]:
-        """What does not fit plan_for's limits, each with what to change."""
-        found, limits = [], self.limits
-        needed = self.memory[self.activation_checkpointing].total / GIB
-        if self.on_gpu and needed > limits.gpu_memory_gib:
-            fixes = "lower data.batch_size"
-            if not self.activation_checkpointing and self.memory[True].total / GIB <= limits.gpu_memory_gib:
-                fixes = "set model.activation_checkpointing=true, or " + fixes
-            fixes += ", or shard with trainer=fsdp" if self.strategy != "fsdp" else ""
-            limit = f"plan_for.gpu_memory_gib={limits.gpu_memory_gib:g}"
-            found.append(f"{needed:,.1f} GiB per GPU exceeds {limit}: {fixes}")
-        per_node = self.probe.host_bytes * self.devices_per_node / GIB if self.probe is not None else 0
-        if per_node > limits.host_memory_gib:
-            found.append(
-                f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
-                f"more than plan_for.host_memory_gib={limits.host_memory_gib:g}: use more nodes (FSDP2 shards "
-                "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
-            )
-        return found
+        if not 0 < self.mfu <= 1:
+            raise ValueError(f"mfu={self.mfu} must be in (0, 1]")
+        flops = self.shape.model.flops_per_token(self.seq_len)
+        return flops * tokens / (self.mfu * self.peak_flops_per_device * devices)
 
     def report(self) -> str:
         """The plan as ``plan=true`` prints it."""
-        c, on, off = self.shape.config, self.memory[True], self.memory[False]
+        c, on, off, flops = self.shape.config, self.memory[True], self.memory[False], self.shape.model.flops_per_token
         strategy = {"fsdp": f"FSDP2 over {self.processes} ranks", "ddp": "DDP", "single": "one process"}[self.strategy]
         working = {"fsdp": "gathered params, grads", "ddp": "DDP grad buckets", "single": "autocast copies"}
+        labels = ["parameters", "gradients", f"{self.optimizer.name} state", working[self.strategy]]
+        labels += ["activations (saved)", "activations (peak add)", "total"]  # DeviceMemory's fields, then the total
         unit, size = ("GiB", GIB) if off.total >= GIB else ("MiB", 2**20)
+        device, warnings = "GPU" if self.on_gpu else "device", []
         lines = [
             f"lit_cbs plan: {self.name} (nothing trained, no data read)",
             f"model            {c.n_layers} layers x d_model {c.d_model}, {self.shape.parameters:,} parameters, "
-            f"{self.shape.flops_per_token(self.seq_len):.3g} FLOPs per token (training) at {self.seq_len:,} tokens",
+            f"{flops(self.seq_len):.3g} FLOPs per token (training) at {self.seq_len:,} tokens",
             f"processes        {self.processes} ({self.num_nodes} node{'s' if self.num_nodes > 1 else ''} x "
             f"{self.devices_per_node} {'GPU' if self.on_gpu else self.accelerator}), {strategy}, "
             f"precision {self.precision}",
@@ -278,42 +262,79 @@ class RunPlan:
                 for p in self.phases
             ),
             "",
-            f"memory per {'GPU' if self.on_gpu else 'device'} ({unit}) at micro-batch "
-            f"{self.peak_micro_batch if self.phases else 0} x {self.seq_len:,} tokens; activation checkpointing "
-            f"{'on' if self.activation_checkpointing else 'off'} (model.activation_checkpointing)",
+            f"memory per {device} ({unit}) at micro-batch {max((p.micro_batch for p in self.phases), default=0)} x "
+            f"{self.seq_len:,} tokens; activation checkpointing {'on' if self.activation_checkpointing else 'off'} "
+            "(model.activation_checkpointing)",
             f"  {'':<24} {'AC on':>8} {'AC off':>8}",
-        ]
-        for label, field in [
-            ("parameters", "parameters"),
-            ("gradients", "gradients"),
-            (f"{self.optimizer.name} state", "optimizer_state"),
-            (working[self.strategy], "working_buffers"),
-            ("activations (saved)", "activations"),
-            ("activations (peak add)", "activation_peak_extra"),
-            ("total", "total"),
-        ]:
-            lines.append(f"  {label:<24} {getattr(on, field) / size:>8.2f} {getattr(off, field) / size:>8.2f}")
-        lines.append(
+            *(
+                f"  {label:<24} {with_ac / size:>8.2f} {without / size:>8.2f}"
+                for label, with_ac, without in zip(
+                    labels, [*dataclasses.astuple(on), on.total], [*dataclasses.astuple(off), off.total]
+                )
+            ),
             "  (plus CUDA context, communication buffers and fragmentation; limit "
-            f"plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g})"
+            f"plan_for.gpu_memory_gib={self.gpu_memory_gib:g})"
             if self.on_gpu
-            else f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)"
-        )
-        lines += ["", *self._probe_report(), "", *self._time_report(), *self._cluster_report()]
+            else f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)",
+            "",
+            *self._probe_report(),
+            "",
+        ]
+        if not self.on_gpu:
+            lines.append(
+                f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
+                "plan_for.peak_flops_per_device)"
+            )
+        else:
+            seconds, pauses, probe = self.wall_seconds, "", self.probe
+            if probe is not None and probe.side_jobs is not None:
+                writes = _duration(self.probe_checkpoint_seconds * len(probe.points))
+                pauses = f" (side-job probes pause it only for their checkpoints: {writes})"
+            elif probe is not None:
+                waits = _duration(seconds - self._seconds(self.tokens, self.processes))
+                pauses = f", of which the run waits {waits} for its in-process probes"
+            lines.append(
+                f"wall time        {_duration(seconds)} at MFU {self.mfu:.0%} (plan_for.mfu) of "
+                f"{self.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device "
+                "(model.peak_flops_per_device, else plan_for.peak_flops_per_device), "
+                f"{self.processes * seconds / 3600:,.0f} device-hours{pauses}"
+            )
+        if self.micro_batch_limit is not None:
+            lines.append(
+                f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.gpu_memory_gib:g}: "
+                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: "
+                "each phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
+            )
+        lines += self._cluster_report()
+        needed = self.memory[self.activation_checkpointing].total / GIB
+        if self.on_gpu and needed > self.gpu_memory_gib:  # what does not fit plan_for's limits, with what to change
+            fixes = "lower data.batch_size" + (", or shard with trainer=fsdp" if self.strategy != "fsdp" else "")
+            if not self.activation_checkpointing and self.memory[True].total / GIB <= self.gpu_memory_gib:
+                fixes = "set model.activation_checkpointing=true, or " + fixes
+            warnings.append(
+                f"{needed:,.1f} GiB per GPU exceeds plan_for.gpu_memory_gib={self.gpu_memory_gib:g}: {fixes}"
+            )
+        per_node = self.probe.host_bytes * self.devices_per_node / GIB if self.probe is not None else 0
+        if per_node > self.host_memory_gib:
+            warnings.append(
+                f"the CBS probe holds {per_node:,.1f} GiB of host memory per node ({self.devices_per_node} ranks), "
+                f"more than plan_for.host_memory_gib={self.host_memory_gib:g}: use more nodes (FSDP2 shards "
+                "the snapshots), a smaller callbacks.cbs_probe.window_tokens, or snapshot_device=cuda"
+            )
         fits = "memory per device and host memory within plan_for's limits" if self.on_gpu else None
         fits = fits or "host memory within plan_for.host_memory_gib"
-        lines += [f"WARNING: {w}" for w in self.warnings()] or [f"fits             {fits}"]
-        return "\n".join(lines)
+        return "\n".join(lines + ([f"WARNING: {w}" for w in warnings] or [f"fits             {fits}"]))
 
     def _probe_report(self) -> list[str]:
         probe = self.probe
         if probe is None:
             return ["CBS probe        none"]
-        windows = f" on each of {probe.replicates} data windows" if probe.replicates > 1 else ""
+        config = self.probe_callback.config
+        windows = f" on each of {config.replicates} data windows" if config.replicates > 1 else ""
         lines = [
             f"CBS probe        {len(probe.points)} probes fit (at {', '.join(f'{t:,}' for t in probe.points[:6])}"
             f"{', ...' if len(probe.points) > 6 else ''} tokens), up to {probe.max_branches} branches of "
-            f"{probe.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
+            f"{config.window_tokens:,} tokens each{windows}: up to {probe.tokens:,} tokens "
             f"({probe.tokens / max(1, self.tokens):.1%} of training)"
         ]
         if probe.side_jobs is None:
@@ -322,70 +343,41 @@ class RunPlan:
                 f"{probe.snapshot_bytes / GIB:,.2f} (weights + {self.optimizer.name} state), window batches "
                 f"{probe.window_bytes / GIB:,.2f}, held-out {probe.heldout_bytes / GIB:,.2f}; "
                 f"{probe.host_bytes * self.devices_per_node / GIB:,.1f} GiB per node "
-                f"(limit plan_for.host_memory_gib={self.limits.host_memory_gib:g})"
+                f"(limit plan_for.host_memory_gib={self.host_memory_gib:g})"
             ]
         hours = f"{self.probe_device_hours:,.0f} device-hours" if self.on_gpu else "their own devices"
         write = self.probe_checkpoint_seconds
         return lines + [
             f"  as side jobs ({probe.side_jobs}): the branches train on {hours} beside the main run, "
-            "which does not wait for them; each probe writes a "
-            f"{probe.checkpoint_bytes / GIB:,.2f} GiB checkpoint for its job (deleted once its reading is in), "
+            f"which does not wait for them; each probe writes a {probe.snapshot_bytes * self._shards / GIB:,.2f} GiB "
+            "checkpoint for its job (deleted once its reading is in), "
             f"which the main run waits for: {_duration(write)} a probe point at "
-            f"plan_for.checkpoint_gib_per_s={self.limits.checkpoint_gib_per_s:g} per rank, "
+            f"plan_for.checkpoint_gib_per_s={self.checkpoint_gib_per_s:g} per rank, "
             f"{_duration(write * len(probe.points))} in all",
             f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: the held-out batches the main run "
             "scores its own window on (no snapshot, no recorded window)",
         ]
 
-    def _time_report(self) -> list[str]:
-        if not self.on_gpu:
-            return [
-                f"wall time        not estimated on {self.accelerator} (the estimate assumes a GPU's peak FLOP/s, "
-                "plan_for.peak_flops_per_device)"
-            ]
-        seconds, pauses = self.wall_seconds, ""
-        if self.probe is not None and self.probe.side_jobs is not None:
-            writes = _duration(self.probe_checkpoint_seconds * len(self.probe.points))
-            pauses = f" (side-job probes pause it only for their checkpoints: {writes})"
-        elif self.probe is not None:
-            waits = _duration(seconds - self._seconds(self.tokens, self.processes))
-            pauses = f", of which the run waits {waits} for its in-process probes"
-        lines = [
-            f"wall time        {_duration(seconds)} at MFU {self.limits.mfu:.0%} (plan_for.mfu) of "
-            f"{self.limits.peak_flops_per_device / 1e12:,.0f} TFLOP/s per device "
-            "(model.peak_flops_per_device, else plan_for.peak_flops_per_device), "
-            f"{self.processes * seconds / 3600:,.0f} device-hours{pauses}"
-        ]
-        if self.micro_batch_limit is not None:
-            lines.append(
-                f"micro-batch      the largest that fits plan_for.gpu_memory_gib={self.limits.gpu_memory_gib:g}: "
-                f"{self.micro_batch_limit} samples per device (batch.max_micro_batch_size={self.micro_batch_limit}: "
-                "each phase then trains at the largest divisor of a rank's share up to it, the accumulation after)"
-            )
-        return lines
-
     def _cluster_report(self) -> list[str]:
         """Each phase on the ranks ``cluster`` gives it, and the commands that move the run between them."""
         if len(self.cluster) < 2:
             return []
-        cap = f", plan_for.max_devices={self.limits.max_devices}" if self.limits.max_devices else ""
-        timed = self.on_gpu
+        cap = f", plan_for.max_devices={self.max_devices}" if self.max_devices else ""
+        timed, per_node = self.on_gpu, self.devices_per_node
         times = f" {'tokens/s':>12} {'wall time':>12} {f'on {self.processes} ranks':>14}" if timed else ""
         lines = [
             "",
             "growing the cluster with the batch: each phase on the fewest whole nodes that keep a rank's share "
             "of a step at the first phase's, "
-            f"micro-batch >= plan_for.min_micro_batch_size={self.limits.min_micro_batch_size}{cap}",
+            f"micro-batch >= plan_for.min_micro_batch_size={self.min_micro_batch_size}{cap}",
             f"  {'from tokens':>17} {'global':>7} {'ranks':>6} {'micro':>6} {'accum':>6}{times}",
         ]
-        grown = [self._seconds(p.phase.tokens, p.ranks) for p in self.cluster]
-        fixed = [self._seconds(p.phase.tokens, self.processes) for p in self.cluster]
+        grown = [self._seconds(p.tokens, p.ranks) for p in self.cluster]
+        fixed = [self._seconds(p.tokens, self.processes) for p in self.cluster]
         for p, seconds, alone in zip(self.cluster, grown, fixed):
-            row = f"  {p.phase.start_tokens:>17,} {p.phase.global_batch:>7,} {p.ranks:>6} {p.micro_batch:>6} "
-            row += f"{p.accumulate:>6}"
-            if timed:
-                row += f" {p.phase.tokens / seconds:>12,.0f} {_duration(seconds):>12} {_duration(alone):>14}"
-            lines.append(row)
+            row = f"  {p.start_tokens:>17,} {p.global_batch:>7,} {p.ranks:>6} {p.micro_batch:>6} {p.accumulate:>6}"
+            timing = f" {p.tokens / seconds:>12,.0f} {_duration(seconds):>12} {_duration(alone):>14}"
+            lines.append(row + (timing if timed else ""))
         if timed:
             hours = sum(p.ranks * seconds for p, seconds in zip(self.cluster, grown)) / 3600
             lines.append(
@@ -395,16 +387,16 @@ class RunPlan:
             )
         torchrun, sbatch = [], []
         for index, p in enumerate(self.cluster):
-            nodes, run = p.ranks // self.devices_per_node, f"outputs/{self.name}/phase{index + 1}"
+            nodes, run = p.ranks // per_node, f"outputs/{self.name}/phase{index + 1}"
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={p.end_step}" if index < len(self.cluster) - 1 else ""
             after = " --dependency=afterok:<the previous job's id>" if index else ""
             torchrun.append(
-                f"    torchrun --nnodes {nodes} --nproc_per_node {self.devices_per_node} {self.command} "
+                f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} "
                 f"trainer.num_nodes={nodes}{stop} hydra.run.dir={run}{resume}"
             )
             sbatch.append(
-                f"    RUN_DIR={run} sbatch --nodes={nodes} --ntasks-per-node={self.devices_per_node}"
+                f"    RUN_DIR={run} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
                 f"{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
             )
         return [

@@ -1,5 +1,4 @@
-"""What a run leaves in its folder: batch_history.json, summary.json, the plots, and report.html
-(``python -m lit_cbs.run.report RUN_DIR``)."""
+"""What a run leaves in its folder: batch_history.json, summary.json, the plots, report.html (``-m`` RUN_DIR)."""
 
 from __future__ import annotations
 
@@ -37,42 +36,11 @@ _CHANGE_KEYS.update(lr_factor="lr_factor", micro_batch_size="new_micro_batch_siz
 _READING_KEYS = ("tokens", "batch_size", "k_star", "cbs_lower", "cbs_upper", "determined", "window_tokens")
 
 
-def write_batch_history(path: str | os.PathLike[str], warmup: BatchWarmup) -> dict[str, Any]:
-    """Write ``warmup``'s batch changes, guard verdicts and final counts as JSON to ``path``."""
-    record = {
-        "schedule": repr(warmup.schedule),
-        "lr_rule": repr(warmup.lr_rule),
-        "changes": [dataclasses.asdict(change) for change in warmup.history],
-        "guard_verdicts": [dataclasses.asdict(verdict) for verdict in warmup.guard.verdicts] if warmup.guard else None,
-        "final": {
-            "samples_seen": warmup.accounting.samples_seen if warmup.accounting else 0,
-            "tokens_seen": warmup.accounting.tokens_seen if warmup.accounting else 0,
-            "global_batch": warmup.global_batch,
-            "accumulate": warmup.accumulate,
-            "micro_batch_size": warmup.micro_batch_size,
-            "lr_factor": warmup.lr_factor,
-        },
-    }
-    Path(path).write_text(json.dumps(record, indent=2))
-    return record
-
-
-def read_batch_history(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """What ``write_batch_history`` wrote."""
-    record: dict[str, Any] = json.loads(Path(path).read_text())
-    return record
-
-
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict[str, Any]:
     """summary.json. ``fit_seconds``: this ``trainer.fit`` call, setup included (``run_seconds``: every fit of the
     run from its ``on_fit_start``)."""
-    val_loss = trainer.callback_metrics.get(VAL_LOSS)
-    accounting = warmup.accounting
-    if accounting is None:
-        raise RuntimeError(
-            "run_summary: the BatchWarmup was not set up by a Trainer (no accounting); call it after fit"
-        )
-    signum = stop_signal(trainer)
+    val_loss, accounting, signum = trainer.callback_metrics.get(VAL_LOSS), warmup.accounting, stop_signal(trainer)
+    assert accounting is not None, "run_summary: call it after fit, once the Trainer has set the BatchWarmup up"
     summary: dict[str, Any] = {
         "run_name": run_name,
         "tokens": accounting.tokens_seen,
@@ -90,11 +58,10 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         "probe": None,
     }
     callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
-    probes = [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)]
-    if probes:
-        history, status = probes[0].history, probes[0].status()
+    for probe in [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)][:1]:
+        history, status = probe.history, probe.status()
         summary["probe"] = {
-            "tokens": probes[0].tokens_spent,
+            "tokens": probe.tokens_spent,
             "optimizer_steps": sum(reading.branch_steps for reading in history),
             "readings": [{key: getattr(r, key) for key in _READING_KEYS} for r in history],
             "points": {key: status[key] for key in ("read", "determined", "failed", "pending")},
@@ -131,14 +98,11 @@ def _probe_rows(probe: dict[str, Any], tokens: int, rows: list[tuple[str, str]])
         rows.insert(0 if failed or pending else 4 if probe["readings"] else 3, ("probe points", said))
     waits = probe.get("side_jobs")
     if waits:
-        rows.insert(
-            [label for label, _ in rows].index("wall time") + 1,
-            (
-                "side-job waits",
-                f"{waits['checkpoint']:.1f} s writing {waits['checkpoints']} checkpoint(s), {waits['poll']:.1f} s in "
-                f"{waits['polls']:,} looks for results, {waits['at_end']:.1f} s for the last readings at the end",
-            ),
+        said = (
+            f"{waits['checkpoint']:.1f} s writing {waits['checkpoints']} checkpoint(s), {waits['poll']:.1f} s in "
+            f"{waits['polls']:,} looks for results, {waits['at_end']:.1f} s for the last readings at the end"
         )
+        rows.insert([label for label, _ in rows].index("wall time") + 1, ("side-job waits", said))
     adaptive = probe.get("adaptive")
     if adaptive and adaptive["why_not"]:
         rows.insert(0, ("CBSAdaptive", f"NEVER GREW THE BATCH: {adaptive['why_not']}"))
@@ -153,12 +117,10 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         f"micro {c['micro_batch_size']} x accumulate {c['accumulate']}, LR x{c['lr_factor']:.3g})"
         for c in summary["batch_changes"]
     )
-    val_loss = summary["final_val_loss"]
-    seconds, this_fit = summary["fit_seconds"], summary["tokens_this_fit"]
+    val_loss, seconds, this_fit = summary["final_val_loss"], summary["fit_seconds"], summary["tokens_this_fit"]
     resumed = this_fit != tokens
-    throughput = f"{this_fit / seconds:,.0f} tokens/s over this fit" + (
-        f", which trained {this_fit:,} of them" if resumed else ""
-    )
+    throughput = f"{this_fit / seconds:,.0f} tokens/s over this fit"
+    throughput += f", which trained {this_fit:,} of them" if resumed else ""
     wall = f"{seconds:,.1f} s (trainer.fit, setup included)"
     if resumed:  # every fit of the run counted without its setup
         wall += f"; {summary['run_seconds']:,.1f} s over the whole run, every fit counted without its setup"
@@ -190,10 +152,21 @@ def write_run_summary(
     fit_seconds: float,
     plots: bool,
 ) -> tuple[dict[str, Any], str]:
-    """Write batch_history.json, summary.json and, with ``plots`` and a metrics.csv, the plots (also sent to the
-    loggers); return the summary and the lines a run ends with."""
-    output_dir = Path(output_dir)
-    write_batch_history(output_dir / "batch_history.json", warmup)
+    """Write batch_history.json (the batch changes, guard verdicts and final counts), summary.json and, with
+    ``plots`` and a metrics.csv, the plots (also sent to the loggers); return the summary and the lines a run
+    ends with."""
+    output_dir, accounting = Path(output_dir), warmup.accounting
+    history = {
+        "schedule": repr(warmup.schedule),
+        "lr_rule": repr(warmup.lr_rule),
+        "changes": [dataclasses.asdict(change) for change in warmup.history],
+        "guard_verdicts": [dataclasses.asdict(verdict) for verdict in warmup.guard.verdicts] if warmup.guard else None,
+        "final": {
+            **{name: getattr(accounting, name) if accounting else 0 for name in ("samples_seen", "tokens_seen")},
+            **{name: getattr(warmup, name) for name in ("global_batch", "accumulate", "micro_batch_size", "lr_factor")},
+        },
+    }
+    (output_dir / "batch_history.json").write_text(json.dumps(history, indent=2))
     summary = run_summary(trainer, warmup, run_name, fit_seconds)
     (output_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     metrics_csv = output_dir / METRICS_FILE
@@ -203,75 +176,67 @@ def write_run_summary(
     return summary, f"lit_cbs: {run_name} {ending}\n{summary_text(summary)}\noutputs          {output_dir}"
 
 
-def group_noise_scale_figure(metrics: Metrics, title: str = "") -> Any:
-    """B_simple (samples) of each ``gns/<group>/b_simple`` and of the whole model against tokens."""
+def _axes(panels: int, height: float, **kwargs: Any) -> tuple[Any, Any]:
+    """A matplotlib Figure 7 inches wide with ``panels`` axes one above the other, ``height`` inches each."""
     from matplotlib.figure import Figure
 
+    figure = Figure(figsize=(7, height * panels))
+    return figure, figure.subplots(panels, 1, squeeze=False, **kwargs)[:, 0]
+
+
+def _losses(ax: Any, metrics: Metrics, at: Callable[[np.ndarray, np.ndarray], tuple[Any, Any]], xlabel: str) -> None:
+    """train/loss and val/loss (nats per token) on ``ax``, at ``at(steps, values)``."""
+    for name, style in ((TRAIN_LOSS, dict(lw=0.8, alpha=0.6)), (VAL_LOSS, dict(marker="o", lw=1.5))):
+        if name in metrics:
+            ax.plot(*at(*metrics[name]), label=name, **style)
+    ax.set(xlabel=xlabel, ylabel="loss (nats per token)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    ax.grid(alpha=0.3)
+
+
+def group_noise_scale_figure(metrics: Metrics, title: str = "") -> Any:
+    """B_simple (samples) of each ``gns/<group>/b_simple`` and of the whole model against tokens."""
     groups = [(group, metrics[name]) for name in metrics if (group := gns_group(name)) is not None]
     if not groups:
         return None
     # In number order (block2 before block10): CSVLogger sorts its columns as text.
     groups.sort(key=lambda group: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", group[0])])
-    figure = Figure(figsize=(7, 4.5))
-    ax = figure.add_subplot()
-    for group, (steps, values) in groups:
-        ax.plot(tokens_at(metrics, steps), values, lw=1, label=group)
-    steps, values = metrics[GNS_B_SIMPLE]
-    ax.plot(tokens_at(metrics, steps), values, color="black", ls="--", lw=1.5, label="whole model")
+    figure, (ax,) = _axes(1, 4.5)
+    for group, (steps, values) in [*groups, ("whole model", metrics[GNS_B_SIMPLE])]:
+        style = dict(color="black", ls="--", lw=1.5) if group == "whole model" else dict(lw=1)
+        ax.plot(tokens_at(metrics, steps), values, label=group, **style)
     ax.set(xlabel="tokens seen", ylabel="B_simple (samples)", title=f"{title} gradient noise scale per group".strip())
     ax.legend(fontsize="small", ncol=1 + len(groups) // 8)
     ax.grid(alpha=0.3)
     return figure
 
 
-_LOSS_STYLES: dict[str, dict[str, Any]] = {
-    TRAIN_LOSS: dict(lw=0.8, alpha=0.6),
-    VAL_LOSS: dict(marker="o", lw=1.5),
-}
-
-
 def loss_figure(metrics: Metrics, title: str = "") -> Any:
     """train/loss and val/loss (nats per token) against tokens, dotted where the global batch changed."""
-    from matplotlib.figure import Figure
-
-    batch_changes = []
+    figure, (ax,) = _axes(1, 4.5)
+    _losses(ax, metrics, lambda steps, values: (tokens_at(metrics, steps), values), "tokens seen")
     if GLOBAL_BATCH in metrics:
         steps, sizes = metrics[GLOBAL_BATCH]
         # A row holds its step's batch and the tokens seen after it: a change took effect after the step before.
-        batch_changes = list(tokens_at(metrics, steps[1:][np.diff(sizes) != 0] - 1))
-    figure = Figure(figsize=(7, 4.5))
-    ax = figure.add_subplot()
-    for name, style in _LOSS_STYLES.items():
-        if name in metrics:
-            steps, values = metrics[name]
-            ax.plot(tokens_at(metrics, steps), values, label=name, **style)
-    for tokens in batch_changes:
-        ax.axvline(tokens, color="gray", ls=":", lw=1)
-    ax.set(xlabel="tokens seen", ylabel="loss (nats per token)", title=f"{title} loss".strip())
-    if ax.get_legend_handles_labels()[0]:  # the batch-change lines have no label
-        ax.legend()
-    ax.grid(alpha=0.3)
+        for tokens in tokens_at(metrics, steps[1:][np.diff(sizes) != 0] - 1):
+            ax.axvline(tokens, color="gray", ls=":", lw=1)
+    ax.set_title(f"{title} loss".strip())
     return figure
 
 
 def batch_lr_figure(metrics: Metrics, title: str = "") -> Any:
     """The global batch (samples) and the LR against tokens, a panel each."""
-    from matplotlib.figure import Figure
-
-    panels = [
-        (name, label)
-        for name, label in ((GLOBAL_BATCH, "global batch (samples)"), (LR, "learning rate"))
-        if name in metrics
-    ]
+    labels = {GLOBAL_BATCH: "global batch (samples)", LR: "learning rate"}
+    panels = [name for name in labels if name in metrics]
     if not panels:
         return None
-    figure = Figure(figsize=(7, 2.6 * len(panels)))
-    axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (name, label) in zip(axes, panels):
+    figure, axes = _axes(len(panels), 2.6, sharex=True)
+    for ax, name in zip(axes, panels):
         steps, values = metrics[name]
         # Row i's value held over the tokens its step trained on, from the tokens seen after step i - 1 (0 first).
         ax.step(np.concatenate([[0.0], tokens_at(metrics, steps)]), np.concatenate([values[:1], values]), where="pre")
-        ax.set_ylabel(label)
+        ax.set_ylabel(labels[name])
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("tokens seen")
     axes[0].set_title(f"{title} batch size and LR".strip())
@@ -280,28 +245,22 @@ def batch_lr_figure(metrics: Metrics, title: str = "") -> Any:
 
 def wall_clock_figure(metrics: Metrics, title: str = "") -> Any:
     """The loss against seconds of training, and the noise scale (samples) against tokens."""
-    from matplotlib.figure import Figure
-
     if FIT_SECONDS not in metrics or not any(name in metrics for name in (TRAIN_LOSS, VAL_LOSS, GNS_B_SIMPLE)):
         return None
     seconds = dict(zip(*(column.tolist() for column in metrics[FIT_SECONDS])))
-    panels = [name for name in (GNS_B_SIMPLE,) if name in metrics and TOKENS_SEEN in metrics]
-    figure = Figure(figsize=(7, 3.6 * (1 + len(panels))))
-    axes = figure.subplots(1 + len(panels), 1, squeeze=False)[:, 0]
-    for name, style in _LOSS_STYLES.items():
-        if name in metrics:
-            steps, values = metrics[name]
-            pairs = [(seconds[step], value) for step, value in zip(steps.tolist(), values.tolist()) if step in seconds]
-            axes[0].plot([p[0] for p in pairs], [p[1] for p in pairs], label=name, **style)
-    axes[0].set(xlabel="wall-clock seconds of training", ylabel="loss (nats per token)")
-    if axes[0].lines:
-        axes[0].legend()
-    axes[0].grid(alpha=0.3)
-    for axis, name in zip(axes[1:], panels):
-        steps, values = metrics[name]
-        axis.plot(tokens_at(metrics, steps), values)
-        axis.set(xlabel="tokens seen", ylabel="gradient noise scale B_simple (samples)", yscale="log")
-        axis.grid(alpha=0.3)
+    noise = GNS_B_SIMPLE in metrics and TOKENS_SEEN in metrics
+    figure, axes = _axes(1 + noise, 3.6)
+
+    def at_seconds(steps: np.ndarray, values: np.ndarray) -> tuple[list[float], list[float]]:
+        pairs = [(seconds[step], value) for step, value in zip(steps.tolist(), values.tolist()) if step in seconds]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    _losses(axes[0], metrics, at_seconds, "wall-clock seconds of training")
+    if noise:
+        steps, values = metrics[GNS_B_SIMPLE]
+        axes[1].plot(tokens_at(metrics, steps), values)
+        axes[1].set(xlabel="tokens seen", ylabel="gradient noise scale B_simple (samples)", yscale="log")
+        axes[1].grid(alpha=0.3)
     return figure
 
 
@@ -313,8 +272,7 @@ RUN_FIGURES: dict[str, Callable[..., Any]] = {
 }
 
 
-def read_run_metrics(metrics_csv: str | os.PathLike[str]) -> Metrics:
-    """A CSVLogger's file; ValueError without ``tokens_seen``, which every figure needs."""
+def _read_metrics(metrics_csv: str | os.PathLike[str]) -> Metrics:
     metrics = read_metrics_csv(metrics_csv)
     if TOKENS_SEEN not in metrics:
         raise ValueError(f"{str(metrics_csv)!r} has no {TOKENS_SEEN} column: add lit_cbs.BatchWarmup to the callbacks")
@@ -325,19 +283,16 @@ def plot_run(metrics_csv: str | os.PathLike[str], output_dir: str | os.PathLike[
     """Write ``RUN_FIGURES`` of a CSVLogger's file into ``output_dir``; return the paths of those drawn."""
     from lit_cbs._figures import save_figure
 
-    metrics = read_run_metrics(metrics_csv)
+    metrics = _read_metrics(metrics_csv)
     figures = {name: draw(metrics, title) for name, draw in RUN_FIGURES.items()}
     return [save_figure(figure, Path(output_dir) / name) for name, figure in figures.items() if figure is not None]
 
 
 PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
-<style>
-body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
-figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }}
-table {{ border-collapse: collapse; margin: 1em 0; }} \
-td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}
-</style></head>
+<style>body {{ font-family: sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; border: 1px solid #ddd; }} table {{ border-collapse: collapse; \
+margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }}</style></head>
 <body data-figures="{count}">
 <h1>{title}</h1>
 {body}
@@ -351,26 +306,20 @@ window.addEventListener("load", function () {{
 </script>
 </body></html>
 """
+# report.html's figures, in order: file -> caption
 CAPTIONS = {
     "loss_vs_tokens.png": "Loss against tokens (dotted: batch changes)",
     WALL_CLOCK_FILE: "Loss against wall-clock seconds",
     "batch_lr_vs_tokens.png": "Global batch and LR against tokens",
     "gns_groups_vs_tokens.png": "Noise scale per group of parameters",
+    PLOT_FILE: "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars",
 }
 
 
-def _table(rows: list[list[Any]] | list[tuple[str, str]], header: list[str] | None = None) -> str:
-    cells = "".join(f"<th>{html.escape(str(name))}</th>" for name in header) if header else ""
+def _table(title: str, rows: list[list[Any]] | list[tuple[str, str]], header: tuple[str, ...] = ()) -> str:
+    cells = "".join(f"<th>{html.escape(str(name))}</th>" for name in header)
     lines = "".join("<tr>" + "".join(f"<td>{html.escape(str(value))}</td>" for value in row) + "</tr>" for row in rows)
-    return f"<table>{f'<tr>{cells}</tr>' if cells else ''}{lines}</table>"
-
-
-def _figure(path: Path, caption: str) -> str:
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return (
-        f'<figure><img alt="{html.escape(caption)}" src="data:image/png;base64,{data}">'
-        f"<figcaption>{html.escape(caption)}</figcaption></figure>"
-    )
+    return f"<h2>{title}</h2><table>{f'<tr>{cells}</tr>' if cells else ''}{lines}</table>"
 
 
 def _current(path: Path, source: Path) -> bool:
@@ -382,12 +331,13 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     first. ValueError without a metrics.csv."""
     from lit_cbs._figures import save_figure
     from lit_cbs.analysis.probe_schedule import run_config_value
+    from lit_cbs.probe.plot import plot_cbs_curve
 
     run_dir = Path(run_dir)
     metrics_csv = run_dir / METRICS_FILE
     if not metrics_csv.is_file():
         raise ValueError(f"{str(run_dir)!r} has no {METRICS_FILE}: give the folder of a run logged with the CSV logger")
-    metrics = read_run_metrics(metrics_csv)
+    metrics = _read_metrics(metrics_csv)
     summary, history = (
         json.loads(f.read_text()) if f.is_file() else {}
         for f in (run_dir / "summary.json", run_dir / "batch_history.json")
@@ -395,42 +345,36 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     changes = [BatchChange(**change) for change in history.get("changes", [])]
     probe_file = min(run_dir.rglob(JSONL_FILE), default=None)
     readings = read_readings(probe_file) if probe_file is not None else []
-    name = summary.get("run_name", "")  # the figures' title
     draw = {**RUN_FIGURES, WALL_CLOCK_FILE: wall_clock_figure}
-    figures = []
+    parts = [_table("Summary", summary_rows(summary))] if summary else []
     for file, caption in CAPTIONS.items():
         path = run_dir / file
-        if not _current(path, metrics_csv):
-            figure = draw[file](metrics, name)
+        if file == PLOT_FILE:  # the CBS curve, beside the probe's readings
+            if not readings or probe_file is None:
+                continue
+            path = probe_file.parent / PLOT_FILE
+            if not _current(path, probe_file):
+                found = run_config_value(run_dir, "callbacks.cbs_probe.epsilon")  # the plot's tolerance line
+                epsilon = float(found[0]) if found is not None and found[0] is not None else None
+                plot_cbs_curve(readings, changes, path, summary.get("tokens"), epsilon)
+        elif not _current(path, metrics_csv):
+            figure = draw[file](metrics, summary.get("run_name", ""))
             if figure is None:
                 continue
             save_figure(figure, path)
-        noise = (
-            "; the gradient noise scale against tokens" if file == WALL_CLOCK_FILE and GNS_B_SIMPLE in metrics else ""
-        )
-        figures.append((path, caption + noise))
-    if readings and probe_file is not None:
-        curve = probe_file.parent / PLOT_FILE
-        if not _current(curve, probe_file):
-            from lit_cbs.probe.plot import plot_cbs_curve
-
-            found = run_config_value(run_dir, "callbacks.cbs_probe.epsilon")  # the plot's tolerance line
-            epsilon = float(found[0]) if found is not None and found[0] is not None else None
-            plot_cbs_curve(readings, changes, curve, summary.get("tokens"), epsilon)
-        figures.append(
-            (curve, "CBS readings: brackets [k* B, next k B] (hollow: undetermined), and the loss gaps with error bars")
-        )
-    parts = [_figure(path, caption) for path, caption in figures]
-    if summary:
-        parts.insert(0, "<h2>Summary</h2>" + _table(summary_rows(summary)))
+        if file == WALL_CLOCK_FILE and GNS_B_SIMPLE in metrics:
+            caption += "; the gradient noise scale against tokens"
+        data, caption = base64.b64encode(path.read_bytes()).decode("ascii"), html.escape(caption)
+        image = f'<img alt="{caption}" src="data:image/png;base64,{data}">'
+        parts.append(f"<figure>{image}<figcaption>{caption}</figcaption></figure>")
     if changes:
-        header = ["after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause"]
+        header = ("after step", "tokens", "global batch", "micro x accumulate", "LR x", "cause")
         rows = [
             [c.step, f"{c.tokens_seen:,}", f"{c.old_global_batch} -> {c.new_global_batch}"]
             + [f"{c.new_micro_batch_size} x {c.new_accumulate}", f"{c.lr_factor:.4g}", c.cause]
             for c in changes
         ]
-        parts.append("<h2>Batch changes</h2>" + _table(rows, header))
+        parts.append(_table("Batch changes", rows, header))
     if readings:
         rows = [
             [f"{r.tokens:,}", r.batch_size, f"{r.k_star:g}"]
@@ -438,7 +382,7 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
             + ["yes" if r.determined else "no"]
             for r in readings
         ]
-        parts.append("<h2>CBS readings</h2>" + _table(rows, ["tokens", "batch", "k*", "CBS (samples)", "determined"]))
+        parts.append(_table("CBS readings", rows, ("tokens", "batch", "k*", "CBS (samples)", "determined")))
     title = html.escape(f"lit_cbs run: {summary.get('run_name', run_dir.name)}")
     page = PAGE.format(title=title, count=sum(part.startswith("<figure") for part in parts), body="\n".join(parts))
     out = Path(out) if out is not None else run_dir / "report.html"

@@ -25,7 +25,7 @@ from lit_cbs.probe import CBSProbeCallback
 from lit_cbs.probe.branch import TrainingSnapshot
 from lit_cbs.rules.batch_schedules import micro_batch_for
 from lit_cbs.run.memory import ADAMW_STATE, GIB, ModelShape, OptimizerState, device_memory
-from lit_cbs.run.plan import batch_phases, probe_plan
+from lit_cbs.run.plan import RunPlan, batch_phases
 
 # vocab 8, d_model 4, one block, 2 heads (head dim 2), SwiGLU width 8, untied head.
 COUNTABLE = OLMoConfig(
@@ -166,6 +166,12 @@ class Snapshot(pl.Callback):
             self.snapshot = TrainingSnapshot(trainer, pl_module, "cpu")
 
 
+def probe_plan(probe, config, max_tokens=1024):
+    """The plan of ``probe`` on a one-process fp32 run of ``config`` at 16 tokens, micro-batch 4."""
+    schedule, args = PiecewiseBatch([4], [0]), ("32-true", "single", "cpu", 1, 1, False, probe)
+    return RunPlan("probe", config, schedule, float, max_tokens, 16, 4, 4, *args).probe
+
+
 def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
     config = get_config("tiny")
     snapshot = Snapshot()
@@ -183,7 +189,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         evaluate="heldout",
         heldout_batches=2,
     )
-    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
+    plan = probe_plan(probe, config)
     assert plan.snapshot_bytes == real
     assert plan.points == [64, 640]  # 640 + 256 <= 1,024; a window must end inside the run
     assert plan.window_bytes == 256 // 16 * 17 * 8 and plan.heldout_bytes == 2 * 4 * 17 * 8
@@ -199,7 +205,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         heldout_batches=2,
         early_stop=[0.5],
     )
-    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
+    plan = probe_plan(probe, config)
     assert plan.snapshots == 2 + 3 and plan.host_bytes == 5 * real + plan.window_bytes + plan.heldout_bytes
     # With replicate windows a probe records twice the window and trains every branch twice; 640 + 2 x 256 > 1,024.
     probe = CBSProbeCallback(
@@ -211,7 +217,7 @@ def test_probe_snapshot_matches_a_real_snapshot(tmp_path):
         heldout_batches=2,
         replicates=2,
     )
-    plan = probe_plan(probe, ModelShape.measure(config), "32-true", "single", 1, 4, seq_len=16, max_tokens=1024)
+    plan = probe_plan(probe, config)
     assert plan.points == [64] and plan.window_bytes == 2 * 256 // 16 * 17 * 8 and plan.tokens == 1 * 3 * 256 * 2
 
 
