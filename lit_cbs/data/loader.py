@@ -213,13 +213,10 @@ class GlobalOrderLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The data position, and what the order depends on."""
-        state = {key: getattr(self, key) for key in ("epoch", "position", "micro_batches", "num_samples", "seed")}
-        return {
-            **state,
-            "shuffle": self.shuffle,
-            "data_parallel_size": self.topology()[0],
-            "batch_size": self._batch_size,
+        state = {
+            key: getattr(self, key) for key in ("epoch", "position", "micro_batches", "num_samples", "seed", "shuffle")
         }
+        return {**state, "data_parallel_size": self.topology()[0], "batch_size": self._batch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Go on from a ``state_dict``'s position, on any ranks and micro-batch (the same data, seed and shuffle)."""

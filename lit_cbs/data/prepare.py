@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -100,16 +101,12 @@ def _isolated_optimize_run() -> Iterator[Path]:
 
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
     scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
-    previous_env = {name: os.environ.get(name) for name in scratch_vars}
     # isolate_rng starts CUDA here to read its state: until then a CUDA seed is only queued, and 42 would replace it.
     with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch, isolate_rng():
-        os.environ.update({name: os.path.join(scratch, name.lower()) for name in scratch_vars})
         try:
-            yield Path(scratch)
+            with mock.patch.dict(os.environ, {name: os.path.join(scratch, name.lower()) for name in scratch_vars}):
+                yield Path(scratch)
         finally:
-            os.environ.update({name: value for name, value in previous_env.items() if value is not None})
-            for name in [name for name, value in previous_env.items() if value is None]:
-                os.environ.pop(name, None)
             multiprocessing.set_start_method(previous_start_method, force=True)
 
 
@@ -258,16 +255,9 @@ def resolve_data(
         label = Path(input_dir).resolve().name
     else:
         files, label = stdlib_python_files(), "stdlib"
-    tokenizer_ = load_tokenizer(tokenizer)
+    loaded = load_tokenizer(tokenizer)
     stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    key = [
-        FORMAT_VERSION,
-        tokenizer_.name,
-        tokenizer_.vocab_size,
-        tokenizer_.eos_id,
-        val_fraction,
-        DEFAULT_CHUNK_TOKENS,
-    ]
+    key = [FORMAT_VERSION, loaded.name, loaded.vocab_size, loaded.eos_id, val_fraction, DEFAULT_CHUNK_TOKENS]
     fingerprint = hashlib.sha256(json.dumps([*key, stats]).encode()).hexdigest()
     default_cache = os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs")
     cache_dir = Path(cache_dir if cache_dir is not None else default_cache)
@@ -278,7 +268,7 @@ def resolve_data(
     # Prepare beside the target and rename, so an interrupted run never looks like a cache hit.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
-        prepare(files, staging, tokenizer_, val_fraction, num_workers=num_workers, fingerprint=fingerprint)
+        prepare(files, staging, loaded, val_fraction, num_workers=num_workers, fingerprint=fingerprint)
         try:
             os.rename(staging, target)
         except OSError:  # target exists: another process finished first (keep it), or it is broken

@@ -22,6 +22,7 @@ from lit_cbs.gns.estimator import NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups, compiled_groups
 
 PerExampleLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
+_EMA_KEYS = ("ema_grad_sq", "ema_trace_sigma")  # the EMAs of |G|^2 and tr(Sigma) in a checkpoint
 
 
 class _LossOfBatch(torch.nn.Module):
@@ -84,7 +85,6 @@ class GradientNoiseScale(Callback):
         self._ema: list[torch.Tensor] = []
         self.group_names: list[str | None] = []
         self._restored_group_names: list[str | None] | None = None  # from a checkpoint, checked when the fit starts
-        # The rest is set when the fit starts.
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -335,16 +335,11 @@ class GradientNoiseScale(Callback):
     def state_dict(self) -> dict[str, Any]:
         if not self._ema:
             return {}
-        grad_sq, trace_sigma = (ema.detach().cpu() for ema in self._ema)
-        return {
-            "group_names": list(self.group_names),
-            "num_updates": self.num_updates,
-            "ema_grad_sq": grad_sq,
-            "ema_trace_sigma": trace_sigma,
-        }
+        emas = {key: ema.detach().cpu() for key, ema in zip(_EMA_KEYS, self._ema)}
+        return {"group_names": list(self.group_names), "num_updates": self.num_updates, **emas}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._restored_group_names = list(state_dict["group_names"])
-            self._ema = [state_dict[key].to(torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma")]
+            self._ema = [state_dict[key].to(torch.float32) for key in _EMA_KEYS]
             self.num_updates = state_dict["num_updates"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -13,8 +13,7 @@ import torch
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """|tensor|^2 as float32, half precision reduced in float32 so the norm is not rounded."""
     half = tensor.dtype in (torch.float16, torch.bfloat16)
-    squared: torch.Tensor = torch.linalg.vector_norm(tensor, dtype=torch.float32 if half else None).float() ** 2
-    return squared
+    return cast(torch.Tensor, torch.linalg.vector_norm(tensor, dtype=torch.float32 if half else None).float() ** 2)
 
 
 @dataclasses.dataclass

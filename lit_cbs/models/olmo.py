@@ -36,10 +36,7 @@ class OLMoConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise LitCBSConfigError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.d_model % self.n_heads:
-            raise LitCBSConfigError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
-                f"(d_model % n_heads = {self.d_model % self.n_heads})"
-            )
+            raise LitCBSConfigError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise LitCBSConfigError(
                 f"head dim d_model / n_heads = {self.head_dim} must be even for rotary embeddings; "

@@ -105,14 +105,12 @@ class BatchGuard:
         """The guard for ``BatchWarmup(guard=...)``: None/False, True (the defaults) or a dict of the arguments."""
         if setting is None or isinstance(setting, bool):
             return cls() if setting else None
-        names = ", ".join(inspect.signature(cls).parameters)
+        names = ", ".join(parameters := inspect.signature(cls).parameters)
         if not isinstance(setting, Mapping):
             raise LitCBSConfigError(f"guard={setting!r} must be true, false, null, a dict of the settings {names}")
-        settings = {str(key): value for key, value in setting.items()}
-        unknown = sorted(set(settings) - set(inspect.signature(cls).parameters))
-        if unknown:
+        if unknown := sorted(set(map(str, setting)) - set(parameters)):
             raise LitCBSConfigError(f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {names}")
-        return cls(**settings)
+        return cls(**{str(key): value for key, value in setting.items()})
 
     @property
     def watching(self) -> bool:

@@ -204,20 +204,12 @@ class OptimizerRules:
 
     def names(self) -> dict[str, str | float | None]:
         """The rules by the keyword arguments that name them (``beta2_floor`` with a beta2 rule)."""
-        names: dict[str, str | float | None] = {"lr_rule": self.lr.name, "weight_decay_rule": self.weight_decay_rule}
-        names["beta2_rule"] = self.beta2_rule
+        names = {"lr_rule": self.lr.name, "weight_decay_rule": self.weight_decay_rule, "beta2_rule": self.beta2_rule}
         return names if self.beta2_rule is None else {**names, "beta2_floor": self.beta2_floor}
 
     def describe(self) -> str:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
         return ", ".join(f"{k}={v!r}" for k, v in self.names().items() if v is not None or k == "lr_rule")
-
-    def scaled(self, key: str, value: float, ratio: float, lr_factor: float) -> float:
-        """Setting ``key`` after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
-        if key == "weight_decay":
-            return value * ratio / lr_factor  # AdamW's timescale B / (eta lambda D) stays
-        moved = float(value**ratio)  # beta2's half-life in tokens stays
-        return moved if self.beta2_floor is None else max(moved, min(value, self.beta2_floor))
 
     @staticmethod
     def get(key: str, group: dict[str, Any]) -> float:
@@ -305,12 +297,13 @@ class OptimizerRules:
         for key in self.settings:
             for group in optimizer.param_groups:
                 value = float(self.get(key, group))
-                new = self.scaled(key, value, ratio, factor)
                 if key == "weight_decay":
-                    group[key] = new
+                    group[key] = value * ratio / factor  # AdamW's timescale B / (eta lambda D) stays
                     continue
+                moved = float(value**ratio)  # beta2's half-life in tokens stays
+                new = moved if self.beta2_floor is None else max(moved, min(value, self.beta2_floor))
                 group["betas"] = (group["betas"][0], new, *group["betas"][2:])
-                if new != value**ratio and warn is not None and not self.floor_said:
+                if new != moved and warn is not None and not self.floor_said:
                     self.floor_said = True
                     warn(
                         f"beta2_rule='half_life' would take beta2 from {value:.4g} to {value**ratio:.4g} "
