@@ -1,4 +1,5 @@
-"""Tokenize text files into litdata token chunks (``train/``, ``val/``, ``lit_cbs.json``), in order, and cache them."""
+"""Tokenize text files (raw UTF-8 bytes, or a Hugging Face ``tokenizer.json``) into litdata token chunks (``train/``,
+``val/``, ``lit_cbs.json``), in order, and cache them."""
 
 from __future__ import annotations
 
@@ -21,8 +22,6 @@ from unittest import mock
 
 import numpy as np
 
-from lit_cbs.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
-
 __all__ = ["prepare", "resolve_data"]
 
 METADATA_FILE = "lit_cbs.json"
@@ -33,9 +32,58 @@ DEFAULT_CHUNK_TOKENS = 2**24
 # the forked code (litdata's, _tokenize_piece) stays in numpy. macOS spawns: scripts need `if __name__ == "__main__"`.
 OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 
-Tokenizer = ByteTokenizer | HFTokenizer
 # (path, first byte, end byte, whether the piece ends its document)
 Piece = tuple[str, int, int, bool]
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: vocabulary 256, documents separated by the NUL byte (id 0)."""
+
+    name = "bytes"
+    vocab_size = 256
+    eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; ``eos_token`` (default: the first of
+    ``DEFAULT_EOS_TOKENS`` it holds) separates documents. Ids without the special tokens a template would add."""
+
+    DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None):
+        try:
+            import tokenizers
+        except ImportError as error:
+            raise ImportError(
+                f"HFTokenizer({str(path)!r}) needs the Hugging Face tokenizers package: pip install tokenizers"
+            ) from error
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"tokenizer file {str(path)!r} does not exist; give the path of a tokenizer.json")
+        self.path, self.name = path, str(path.resolve())
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        candidates = (eos_token,) if eos_token is not None else self.DEFAULT_EOS_TOKENS
+        self.eos_id: int = next((i for i in map(self._tokenizer.token_to_id, candidates) if i is not None), -1)
+        if self.eos_id < 0:
+            raise ValueError(
+                f"{str(path)!r} has none of the tokens {list(candidates)}; "
+                "pass eos_token=<the tokenizer's end-of-document token>"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+    """``"bytes"`` -> ``ByteTokenizer``; anything else is read as the path of a tokenizer.json."""
+    return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

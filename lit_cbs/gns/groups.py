@@ -48,25 +48,6 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     return groups
 
 
-def regex_groups(patterns: Mapping[str, re.Pattern[str]], names: list[str]) -> dict[str, list[str]]:
-    """``groups={group: regex}``: the names ``regex.search`` finds; each group finds one, no name is in two."""
-    groups = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
-    for name in names:
-        if len(owners := [group for group, members in groups.items() if name in members]) > 1:
-            raise LitCBSConfigError(
-                f"parameter {name!r} is matched by groups {owners} ("
-                + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
-                + "); a parameter may be in one group only: "
-                "make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
-            )
-    if empty := [group for group, members in groups.items() if not members]:
-        raise LitCBSConfigError(
-            f"groups[{empty[0]!r}]={patterns[empty[0]].pattern!r} matches none of the trained parameters "
-            f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
-        )
-    return groups
-
-
 def compiled_groups(groups: Any) -> dict[str, re.Pattern[str]] | None:
     """The ``groups`` argument checked: {group: compiled regex} for a dict, None for None or a preset."""
     if groups is None or (isinstance(groups, str) and groups in GROUP_PRESETS):
@@ -111,8 +92,22 @@ def assign_groups(
     names = list(by_name)
     if groups == "blocks":
         members = block_groups(names, layer_stacks(module))
-    else:
-        members = regex_groups(compiled_groups(groups) or {}, names)  # a dict of regexes here
+    else:  # {group: regex}: each finds a name (re.search), no name is in two
+        patterns = compiled_groups(groups) or {}
+        members = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
+        for name in names:
+            if len(owners := [group for group, found in members.items() if name in found]) > 1:
+                raise LitCBSConfigError(
+                    f"parameter {name!r} is matched by groups {owners} ("
+                    + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
+                    + "); a parameter may be in one group only: "
+                    "make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
+                )
+        if empty := [group for group, found in members.items() if not found]:
+            raise LitCBSConfigError(
+                f"groups[{empty[0]!r}]={patterns[empty[0]].pattern!r} matches none of the trained parameters "
+                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
+            )
     group_names: list[str | None] = list(members)
     group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
     if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete

@@ -174,9 +174,8 @@ class BatchGuard:
         watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
         # The watched losses' mean rise above the least-squares trend a + b ln(consumed) of the fit's (nats).
         log_consumed, fit_losses = np.log([at for at, _ in fit]), np.array([loss for _, loss in fit])
-        slope, intercept = np.polyfit(log_consumed, fit_losses, 1)
+        slope, intercept = map(float, np.polyfit(log_consumed, fit_losses, 1))
         residuals = fit_losses - (intercept + slope * log_consumed)
-        intercept, slope = float(intercept), float(slope)
         residual_std = float(np.sqrt(residuals @ residuals / (len(fit) - 2)))  # n - 2 degrees of freedom
         rise = sum(loss - intercept - slope * math.log(at) for at, loss in watched) / len(watched)
         threshold = self.threshold or max(self.noise_multiple * residual_std, self.min_threshold)

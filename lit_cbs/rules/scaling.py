@@ -204,7 +204,8 @@ class OptimizerRules:
 
     def names(self) -> dict[str, str | float | None]:
         """The rules by the keyword arguments that name them (``beta2_floor`` with a beta2 rule)."""
-        names = {"lr_rule": self.lr.name, "weight_decay_rule": self.weight_decay_rule, "beta2_rule": self.beta2_rule}
+        names: dict[str, str | float | None] = {"lr_rule": self.lr.name, "weight_decay_rule": self.weight_decay_rule}
+        names["beta2_rule"] = self.beta2_rule
         return names if self.beta2_rule is None else {**names, "beta2_floor": self.beta2_floor}
 
     def describe(self) -> str:
