@@ -173,8 +173,7 @@ class GlobalOrderLoader:
         world, rank = self.topology()
 
         def index_runs() -> Iterator[list[int]]:
-            # Each rank's share of a round by _round_share; an empty share reads the round's first sample, which
-            # _next cuts to zero rows: collate_fn sees samples.
+            # An empty share reads the round's first sample (collate_fn sees samples), which _next cuts to zero rows.
             stride = micro * world
             for base in range(start, len(order), stride):
                 offset, samples = _round_share(min(stride, len(order) - base), rank, world)

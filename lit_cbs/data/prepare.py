@@ -1,5 +1,4 @@
-"""Tokenize text files (raw UTF-8 bytes, or a Hugging Face ``tokenizer.json``) into litdata token chunks (``train/``,
-``val/``, ``lit_cbs.json``), in order, and cache them."""
+"""The tokenizers, and text files tokenized in order into litdata chunks (``train/``, ``val/``), cached."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ METADATA_FILE = "lit_cbs.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 DEFAULT_CHUNK_TOKENS = 2**24
-# Under spawn each of optimize's processes re-imports torch, which takes longer than tokenizing the stdlib corpus;
-# the forked code (litdata's, _tokenize_piece) stays in numpy. macOS spawns: scripts need `if __name__ == "__main__"`.
+# Spawned workers re-import torch, slower than tokenizing the stdlib corpus; forked ones run numpy code only.
 OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 
 # (path, first byte, end byte, whether the piece ends its document)
@@ -48,8 +46,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizers`` tokenizer from a ``tokenizer.json``; ``eos_token`` (default: the first of
-    ``DEFAULT_EOS_TOKENS`` it holds) separates documents. Ids without the special tokens a template would add."""
+    """A Hugging Face ``tokenizer.json`` (no template tokens); ``eos_token`` (or a default it holds) ends documents."""
 
     DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
@@ -124,8 +121,7 @@ def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -
 def _tokenize_piece(
     piece: Piece, tokenizer: Tokenizer, dtype: np.dtype, max_item_tokens: int, error_dir: str
 ) -> Iterator[np.ndarray]:
-    """litdata ``optimize`` fn: the piece's tokens (and EOS at a document end) in items of ``max_item_tokens`` at most.
-    A failure goes to ``error_dir``: litdata kills a worker that raises, orphaning its helper."""
+    """litdata ``optimize`` fn: the piece's tokens (EOS at a document end); a failure goes to ``error_dir``."""
     path, start, end, ends_document = piece
     try:
         with open(path, "rb") as f:
@@ -167,9 +163,8 @@ def prepare(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``files`` (one document each, each followed by ``eos_id``) into ``output_dir``/train and /val, the
-    last ``val_fraction`` of the bytes held out, in chunks of ``chunk_tokens``; returns the metadata written to
-    ``output_dir``/lit_cbs.json (``fingerprint``: ``resolve_data``'s cache key)."""
+    """Tokenize ``files`` (a document each) into ``output_dir``/train and /val (the last ``val_fraction`` of the
+    bytes) in chunks of ``chunk_tokens``; returns the metadata written to ``output_dir``/lit_cbs.json."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
     if not files:
@@ -205,8 +200,7 @@ def prepare(
                 start_method=OPTIMIZE_START_METHOD,
                 verbose=False,
             )
-            errors = sorted(error_dir.iterdir())
-            if errors:
+            if errors := sorted(error_dir.iterdir()):
                 raise RuntimeError(
                     f"tokenizing failed for {len(errors)} piece(s) of the text; the first: {errors[0].read_text()}"
                 )
@@ -250,8 +244,7 @@ def text_files(
     return sorted(files)
 
 
-# The embedded default corpus: the standard library's own .py files (674 files, 11.35 MB with Python 3.11), without
-# tests, IDLE or installed packages. It ships with every interpreter.
+# The default corpus: the stdlib's .py files (674, 11.35 MB on Python 3.11), without tests, IDLE or packages.
 SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "idle_test", "site-packages", "__pycache__"})
 
 
@@ -272,9 +265,8 @@ def resolve_data(
     val_fraction: float = 0.01,
     num_workers: int | None = None,
 ) -> Path:
-    """The prepared folder to train on: ``path`` (prepared by ``prepare`` or litgpt) as is; else ``input_dir``'s text
-    files, or (neither) the embedded stdlib corpus, prepared on first use into ``cache_dir`` (default
-    ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key from the files' paths, sizes and mtimes."""
+    """The prepared folder: ``path`` as is; else ``input_dir``'s text files or the stdlib corpus, prepared once into
+    ``cache_dir`` (default ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key of the files' stats."""
     if path is not None and input_dir is not None:
         raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
     if path is not None:
@@ -284,8 +276,7 @@ def resolve_data(
                 f"data.path={str(path)!r} is not a folder; point it at a prepared dataset (train/ and val/ with "
                 "index.json) or set data.input_dir to a folder of text files instead"
             )
-        missing = [f"{split}/index.json" for split in SPLITS if not (path / split / "index.json").is_file()]
-        if missing:
+        if missing := [f"{split}/index.json" for split in SPLITS if not (path / split / "index.json").is_file()]:
             raise ValueError(
                 f"data.path={str(path)!r} has no litdata index {', '.join(missing)}; point it at a folder written by "
                 "lit_cbs.data.prepare, or set data.input_dir to a folder of text files to prepare one"
@@ -294,8 +285,7 @@ def resolve_data(
     if input_dir is not None:
         if not Path(input_dir).is_dir():
             raise ValueError(f"data.input_dir={str(input_dir)!r} is not a folder; give a folder of text files")
-        files = text_files(input_dir)
-        if not files:
+        if not (files := text_files(input_dir)):
             raise ValueError(
                 f"data.input_dir={str(input_dir)!r} holds no files; put text files in it, "
                 "or leave data.input_dir unset to train on the embedded stdlib corpus"

@@ -35,8 +35,7 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     patterns = [(stack, re.compile(rf"^{re.escape(stack)}\.(\d+)\.")) for stack in stacks]
     groups: dict[str, list[str]] = {}
     for name in names:
-        match = next(((stack, found) for stack, pattern in patterns if (found := pattern.match(name))), None)
-        if match:
+        if match := next(((stack, found) for stack, pattern in patterns if (found := pattern.match(name))), None):
             stack, found = match
             group = f"block{found.group(1)}"
             if stack != stacks[0]:
@@ -73,8 +72,7 @@ def compiled_groups(groups: Any) -> dict[str, re.Pattern[str]] | None:
 def assign_groups(
     groups: str | Mapping[str, str] | None, optimizer: torch.optim.Optimizer, module: torch.nn.Module
 ) -> tuple[list[str | None], dict[torch.Tensor, int]]:
-    """The measured groups' names and each trained parameter's index among them; the group None holds the
-    trained parameters in no group (without ``groups``: all), so the whole-model sums stay complete."""
+    """The groups' names and each trained parameter's group index; the group None holds those in no group."""
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if groups == "param_groups":
         names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]

@@ -62,16 +62,8 @@ class GuardVerdict:
 
 class BatchGuard:
     """Watch the training loss after each batch increase; revert the increase if the loss rises above its trend.
-    ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments.
-
-    Args (spans in samples or tokens, the schedule's unit; None: relative to what was consumed before):
-        watch_span: trained after an increase before it is judged (None: a quarter).
-        fit: before the increase, whose loss trend is extrapolated (None: half).
-        hold: after a revert, with no increase (None: as much).
-        threshold: nats of mean rise above the trend that revert (None: ``noise_multiple`` x the per-step loss's
-            standard deviation around the trend, at least ``min_threshold``).
-        min_steps: optimizer steps (>= 3) the fit and the watch span need at least.
-    """
+    ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments; the
+    spans count the schedule's unit (samples or tokens). Settings and defaults: docs/guides/guard.md."""
 
     def __init__(
         self,

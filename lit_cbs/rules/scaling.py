@@ -86,8 +86,7 @@ def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> 
     return None if rule is None or rule == "none" else _rule("clip_rule", rule, RATIO_FUNCTIONS, ", or None")
 
 
-# Schedulers whose LR is base_lrs * f(step) or chained multiplicatively on the optimizer's current LR: scaling
-# the group LR, base_lrs and absolute floors by a factor scales every later LR by exactly that factor.
+# LR = base_lrs * f(step), or chained on the current LR: scaling the LRs and floors scales every later LR exactly.
 _PROPORTIONAL = (
     torch_sched.LambdaLR,
     torch_sched.MultiplicativeLR,
@@ -157,9 +156,8 @@ def restore_settings(optimizer: Optimizer, settings: list[dict[str, Any]]) -> No
 
 @dataclasses.dataclass
 class OptimizerRules:
-    """Everything a batch change by ``ratio`` = new / old moves in an optimizer: the LR (``lr``; adam_sde also
-    moves the betas and eps), the weight decay (``weight_decay_rule="timescale"``: lambda -> lambda k / f(k)) and
-    beta2 (``beta2_rule="half_life"``: beta2 -> beta2 ** k, never below ``beta2_floor``)."""
+    """What a batch change by ``ratio`` k = new / old moves in an optimizer: the LR, the weight decay ("timescale":
+    lambda -> lambda k / f(k)) and beta2 ("half_life": beta2 -> beta2 ** k, not below ``beta2_floor``)."""
 
     lr: LRRule
     weight_decay_rule: str | None = None
@@ -230,8 +228,7 @@ class OptimizerRules:
     def check(
         self, optimizer: Optimizer, schedulers: Iterable[Any], ratios: Iterable[float], who: str, compose: bool = False
     ) -> None:
-        """LitCBSConfigError (from ``who``) unless the rules apply at each of ``ratios``: each on its own (a probe's
-        branches), or with ``compose`` one after another (BatchWarmup's changes)."""
+        """LitCBSConfigError (from ``who``) unless the rules apply at each ratio, alone or (``compose``) in turn."""
         ratios, name, groups = list(ratios), type(optimizer).__name__, optimizer.param_groups
         if any(self.lr.factor(ratio) != 1.0 for ratio in ratios):
             for scheduler in schedulers:
