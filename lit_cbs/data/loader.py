@@ -90,9 +90,8 @@ class GlobalOrderLoader:
             if not 0 <= rank < num_replicas:
                 raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = self.position = self.micro_batches = 0
-        # Samples in the micro-batch this rank yielded last, and in its round over all ranks.
-        self.last_samples: int | None = None
-        self.last_round_samples: int | None = None
+        self.last_samples: int | None = None  # in the micro-batch this rank yielded last
+        self.last_round_samples: int | None = None  # in that micro-batch's round over all ranks
         self._exhausted = False
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
         self._batches: Iterator[Any] | None = None  # the running read

@@ -30,8 +30,7 @@ DEFAULT_CHUNK_TOKENS = 2**24
 # Spawned workers re-import torch, slower than tokenizing the stdlib corpus; forked ones run numpy code only.
 OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 
-# (path, first byte, end byte, whether the piece ends its document)
-Piece = tuple[str, int, int, bool]
+Piece = tuple[str, int, int, bool]  # (path, first byte, end byte, whether the piece ends its document)
 
 
 class ByteTokenizer:

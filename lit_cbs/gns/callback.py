@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_cbs import metrics
@@ -87,10 +88,9 @@ class GradientNoiseScale(Callback):
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "GradientNoiseScale", "it reads Lightning's gradient accumulation")
-        strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise LitCBSConfigError(
-                f"GradientNoiseScale supports single-device and DDP strategies, got {type(strategy).__name__}: "
+                f"GradientNoiseScale supports single-device and DDP strategies, got {type(trainer.strategy).__name__}: "
                 "it reads whole local gradients, which sharded strategies (FSDP, DeepSpeed, model parallel) split "
                 "across ranks; use strategy='ddp' or a single device"
             )
@@ -248,8 +248,6 @@ class GradientNoiseScale(Callback):
     # Unannotated: DDP compares the annotations with dist.GradBucket, and this module's are strings.
     def _comm_hook(self, process_group, bucket):  # type: ignore[no-untyped-def, unused-ignore]
         """DDP communication hook: measure this rank's last micro-batch in ``bucket``, then all-reduce."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         if self._accounting.in_branch:
             return allreduce_hook(process_group, bucket)
         pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if p in self._group_of]

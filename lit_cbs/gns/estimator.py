@@ -28,8 +28,7 @@ class NoiseMeasurement:
 
 
 class StepSums:
-    """One optimizer step's micro-batches on one rank, in one tensor for one all-reduce: per group the small
-    batches' squared norms, then their count and sum of 1/b, then the micro-batches' count and sum of 1/b."""
+    """A step's micro-batches on one rank, one tensor: small squared norms per group, counts and sums of 1/b."""
 
     def __init__(self, groups: int, device: torch.device):
         self.groups = groups

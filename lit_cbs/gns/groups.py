@@ -20,8 +20,7 @@ def _some_names(names: list[str]) -> str:
 
 
 def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
-    """``groups="blocks"``: ``block<i>`` for the parameters under ``<stack>.<i>.`` (a later stack's blocks keep its
-    path), one group per other module, named by its path below the first stack's parent (or the names' shared path)."""
+    """``groups="blocks"``: ``block<i>`` per block of a stack (a later stack's prefixed), else a group per module."""
     if not stacks:
         raise LitCBSConfigError(
             "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one "

@@ -13,10 +13,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_cbs import metrics
+from lit_cbs._internals import checkpoint_wrapper
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
@@ -30,10 +32,9 @@ __all__ = ["CausalLM", "resolve_model_config"]
 _OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig)]
 _REQUIRED_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig) if f.default is dataclasses.MISSING]
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
-COMPUTE_DTYPES = {
+COMPUTE_DTYPES = {"64-true": torch.float64} | {
     f"{p}-{m}": t for p, t in (("bf16", torch.bfloat16), ("16", torch.float16)) for m in ("mixed", "true")
 }
-COMPUTE_DTYPES["64-true"] = torch.float64
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 # OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
@@ -146,8 +147,6 @@ class CausalLM(pl.LightningModule):
         """Build the decoder once (Lightning calls this in every fit): sharded, checkpointed, compiled as asked."""
         if self.model is not None:
             return
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         mesh = None
         if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
             assert self.device_mesh is not None  # ModelParallelStrategy sets it before configure_model
@@ -161,8 +160,6 @@ class CausalLM(pl.LightningModule):
         with torch.device("meta") if mesh is not None else nullcontext():
             model = build_decoder(self.config)
         if self.activation_checkpointing:
-            from lit_cbs._internals import checkpoint_wrapper
-
             for index, block in enumerate(model.blocks):
                 model.blocks[index] = checkpoint_wrapper(block)
         if self.compile_options is not None:

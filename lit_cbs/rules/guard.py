@@ -42,8 +42,7 @@ class _WatchedIncrease:
 
 @dataclasses.dataclass
 class GuardVerdict:
-    """The guard's judgement of one increase. ``rise`` (nats): the mean loss of the ``watch_steps`` steps after it
-    above the trend ``trend_intercept + trend_slope * ln(consumed)`` of the ``fit_steps`` steps before it."""
+    """The guard's judgement of one increase; ``rise``: nats of mean loss after it above the fit's trend a + b ln(n)."""
 
     change: int  # index in BatchWarmup.history
     old_global_batch: int

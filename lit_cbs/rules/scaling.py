@@ -25,8 +25,7 @@ def _unchanged(ratio: float) -> float:
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
 RATIO_FUNCTIONS: dict[str, Callable[[float], float]] = {"sqrt": math.sqrt, "linear": float, "none": _unchanged}
 LR_RULES = ("adam_sde", *RATIO_FUNCTIONS)  # adam_sde: LR x sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k)
-# The lowest beta2 the half_life rule moves Adam's beta2 to (docs/design.md, "Optimizer rules").
-BETA2_FLOOR = 0.95
+BETA2_FLOOR = 0.95  # the lowest beta2 the half_life rule moves Adam's beta2 to (docs/design.md, "Optimizer rules")
 
 
 class ScalingRule:
@@ -87,17 +86,10 @@ def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> 
 
 
 # LR = base_lrs * f(step), or chained on the current LR: scaling the LRs and floors scales every later LR exactly.
-_PROPORTIONAL = (
-    torch_sched.LambdaLR,
-    torch_sched.MultiplicativeLR,
-    torch_sched.StepLR,
-    torch_sched.MultiStepLR,
-    torch_sched.ConstantLR,
-    torch_sched.LinearLR,
-    torch_sched.ExponentialLR,
-    torch_sched.PolynomialLR,
-    torch_sched.CosineAnnealingLR,
-    torch_sched.ReduceLROnPlateau,
+_PROPORTIONAL = tuple(
+    getattr(torch_sched, name)
+    for name in ("LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR")
+    + ("PolynomialLR", "CosineAnnealingLR", "ReduceLROnPlateau")
 )
 _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
