@@ -69,8 +69,6 @@ _STATE = ("global_batch", "accumulate", "micro_batch_size", "lr_factor", "clip_f
 class WarmupCore:
     """The batch a schedule asks for, where it may start, and the optimizer moves at each change; no framework.
 
-    A loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank, then calls ``after_step``.
-
     Examples:
         >>> import torch
         >>> from lit_cbs.rules.batch_schedules import PiecewiseBatch
