@@ -10,8 +10,7 @@ from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from lit_cbs.data.loader import GlobalOrderLoader
-from lit_cbs.data.prepare import read_metadata, resolve_data
-from lit_cbs.data.tokenizers import load_tokenizer
+from lit_cbs.data.prepare import load_tokenizer, read_metadata, resolve_data
 from lit_cbs.errors import LitCBSConfigError, positive_int
 
 __all__ = ["TokenDataModule"]

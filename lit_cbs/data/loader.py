@@ -90,9 +90,8 @@ class GlobalOrderLoader:
             if not 0 <= rank < num_replicas:
                 raise LitCBSConfigError(f"rank={rank} must lie in [0, num_replicas={num_replicas})")
         self.epoch = self.position = self.micro_batches = 0
-        # Samples in the micro-batch this rank yielded last, and in its round over all ranks.
-        self.last_samples: int | None = None
-        self.last_round_samples: int | None = None
+        self.last_samples: int | None = None  # in the micro-batch this rank yielded last
+        self.last_round_samples: int | None = None  # in that micro-batch's round over all ranks
         self._exhausted = False
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order) of the epoch last read
         self._batches: Iterator[Any] | None = None  # the running read
@@ -173,8 +172,7 @@ class GlobalOrderLoader:
         world, rank = self.topology()
 
         def index_runs() -> Iterator[list[int]]:
-            # Each rank's share of a round by _round_share; an empty share reads the round's first sample, which
-            # _next cuts to zero rows: collate_fn sees samples.
+            # An empty share reads the round's first sample (collate_fn sees samples), which _next cuts to zero rows.
             stride = micro * world
             for base in range(start, len(order), stride):
                 offset, samples = _round_share(min(stride, len(order) - base), rank, world)
@@ -213,13 +211,10 @@ class GlobalOrderLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The data position, and what the order depends on."""
-        state = {key: getattr(self, key) for key in ("epoch", "position", "micro_batches", "num_samples", "seed")}
-        return {
-            **state,
-            "shuffle": self.shuffle,
-            "data_parallel_size": self.topology()[0],
-            "batch_size": self._batch_size,
+        state = {
+            key: getattr(self, key) for key in ("epoch", "position", "micro_batches", "num_samples", "seed", "shuffle")
         }
+        return {**state, "data_parallel_size": self.topology()[0], "batch_size": self._batch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Go on from a ``state_dict``'s position, on any ranks and micro-batch (the same data, seed and shuffle)."""

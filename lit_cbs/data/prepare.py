@@ -1,4 +1,4 @@
-"""Tokenize text files into litdata token chunks (``train/``, ``val/``, ``lit_cbs.json``), in order, and cache them."""
+"""The tokenizers, and text files tokenized in order into litdata chunks (``train/``, ``val/``), cached."""
 
 from __future__ import annotations
 
@@ -17,10 +17,9 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
-
-from lit_cbs.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = ["prepare", "resolve_data"]
 
@@ -28,13 +27,59 @@ METADATA_FILE = "lit_cbs.json"
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 DEFAULT_CHUNK_TOKENS = 2**24
-# Under spawn each of optimize's processes re-imports torch, which takes longer than tokenizing the stdlib corpus;
-# the forked code (litdata's, _tokenize_piece) stays in numpy. macOS spawns: scripts need `if __name__ == "__main__"`.
+# Spawned workers re-import torch, slower than tokenizing the stdlib corpus; forked ones run numpy code only.
 OPTIMIZE_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 
+Piece = tuple[str, int, int, bool]  # (path, first byte, end byte, whether the piece ends its document)
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: vocabulary 256, documents separated by the NUL byte (id 0)."""
+
+    name = "bytes"
+    vocab_size = 256
+    eos_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (no template tokens); ``eos_token`` (or a default it holds) ends documents."""
+
+    DEFAULT_EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+
+    def __init__(self, path: str | os.PathLike[str], eos_token: str | None = None):
+        try:
+            import tokenizers
+        except ImportError as error:
+            raise ImportError(
+                f"HFTokenizer({str(path)!r}) needs the Hugging Face tokenizers package: pip install tokenizers"
+            ) from error
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"tokenizer file {str(path)!r} does not exist; give the path of a tokenizer.json")
+        self.path, self.name = path, str(path.resolve())
+        self._tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        candidates = (eos_token,) if eos_token is not None else self.DEFAULT_EOS_TOKENS
+        self.eos_id: int = next((i for i in map(self._tokenizer.token_to_id, candidates) if i is not None), -1)
+        if self.eos_id < 0:
+            raise ValueError(
+                f"{str(path)!r} has none of the tokens {list(candidates)}; "
+                "pass eos_token=<the tokenizer's end-of-document token>"
+            )
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def load_tokenizer(spec: str | os.PathLike[str]) -> ByteTokenizer | HFTokenizer:
+    """``"bytes"`` -> ``ByteTokenizer``; anything else is read as the path of a tokenizer.json."""
+    return ByteTokenizer() if str(spec) == "bytes" else HFTokenizer(spec)
+
+
 Tokenizer = ByteTokenizer | HFTokenizer
-# (path, first byte, end byte, whether the piece ends its document)
-Piece = tuple[str, int, int, bool]
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -75,8 +120,7 @@ def split_pieces(files: Sequence[str | os.PathLike[str]], val_fraction: float) -
 def _tokenize_piece(
     piece: Piece, tokenizer: Tokenizer, dtype: np.dtype, max_item_tokens: int, error_dir: str
 ) -> Iterator[np.ndarray]:
-    """litdata ``optimize`` fn: the piece's tokens (and EOS at a document end) in items of ``max_item_tokens`` at most.
-    A failure goes to ``error_dir``: litdata kills a worker that raises, orphaning its helper."""
+    """litdata ``optimize`` fn: the piece's tokens (EOS at a document end); a failure goes to ``error_dir``."""
     path, start, end, ends_document = piece
     try:
         with open(path, "rb") as f:
@@ -100,16 +144,12 @@ def _isolated_optimize_run() -> Iterator[Path]:
 
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
     scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
-    previous_env = {name: os.environ.get(name) for name in scratch_vars}
     # isolate_rng starts CUDA here to read its state: until then a CUDA seed is only queued, and 42 would replace it.
     with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch, isolate_rng():
-        os.environ.update({name: os.path.join(scratch, name.lower()) for name in scratch_vars})
         try:
-            yield Path(scratch)
+            with mock.patch.dict(os.environ, {name: os.path.join(scratch, name.lower()) for name in scratch_vars}):
+                yield Path(scratch)
         finally:
-            os.environ.update({name: value for name, value in previous_env.items() if value is not None})
-            for name in [name for name, value in previous_env.items() if value is None]:
-                os.environ.pop(name, None)
             multiprocessing.set_start_method(previous_start_method, force=True)
 
 
@@ -122,9 +162,8 @@ def prepare(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """Tokenize ``files`` (one document each, each followed by ``eos_id``) into ``output_dir``/train and /val, the
-    last ``val_fraction`` of the bytes held out, in chunks of ``chunk_tokens``; returns the metadata written to
-    ``output_dir``/lit_cbs.json (``fingerprint``: ``resolve_data``'s cache key)."""
+    """Tokenize ``files`` (a document each) into ``output_dir``/train and /val (the last ``val_fraction`` of the
+    bytes) in chunks of ``chunk_tokens``; returns the metadata written to ``output_dir``/lit_cbs.json."""
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction={val_fraction} must be in (0, 1): the share of the text held out")
     if not files:
@@ -160,8 +199,7 @@ def prepare(
                 start_method=OPTIMIZE_START_METHOD,
                 verbose=False,
             )
-            errors = sorted(error_dir.iterdir())
-            if errors:
+            if errors := sorted(error_dir.iterdir()):
                 raise RuntimeError(
                     f"tokenizing failed for {len(errors)} piece(s) of the text; the first: {errors[0].read_text()}"
                 )
@@ -205,8 +243,7 @@ def text_files(
     return sorted(files)
 
 
-# The embedded default corpus: the standard library's own .py files (674 files, 11.35 MB with Python 3.11), without
-# tests, IDLE or installed packages. It ships with every interpreter.
+# The default corpus: the stdlib's .py files (674, 11.35 MB on Python 3.11), without tests, IDLE or packages.
 SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "idle_test", "site-packages", "__pycache__"})
 
 
@@ -227,9 +264,8 @@ def resolve_data(
     val_fraction: float = 0.01,
     num_workers: int | None = None,
 ) -> Path:
-    """The prepared folder to train on: ``path`` (prepared by ``prepare`` or litgpt) as is; else ``input_dir``'s text
-    files, or (neither) the embedded stdlib corpus, prepared on first use into ``cache_dir`` (default
-    ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key from the files' paths, sizes and mtimes."""
+    """The prepared folder: ``path`` as is; else ``input_dir``'s text files or the stdlib corpus, prepared once into
+    ``cache_dir`` (default ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key of the files' stats."""
     if path is not None and input_dir is not None:
         raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
     if path is not None:
@@ -239,8 +275,7 @@ def resolve_data(
                 f"data.path={str(path)!r} is not a folder; point it at a prepared dataset (train/ and val/ with "
                 "index.json) or set data.input_dir to a folder of text files instead"
             )
-        missing = [f"{split}/index.json" for split in SPLITS if not (path / split / "index.json").is_file()]
-        if missing:
+        if missing := [f"{split}/index.json" for split in SPLITS if not (path / split / "index.json").is_file()]:
             raise ValueError(
                 f"data.path={str(path)!r} has no litdata index {', '.join(missing)}; point it at a folder written by "
                 "lit_cbs.data.prepare, or set data.input_dir to a folder of text files to prepare one"
@@ -249,8 +284,7 @@ def resolve_data(
     if input_dir is not None:
         if not Path(input_dir).is_dir():
             raise ValueError(f"data.input_dir={str(input_dir)!r} is not a folder; give a folder of text files")
-        files = text_files(input_dir)
-        if not files:
+        if not (files := text_files(input_dir)):
             raise ValueError(
                 f"data.input_dir={str(input_dir)!r} holds no files; put text files in it, "
                 "or leave data.input_dir unset to train on the embedded stdlib corpus"
@@ -258,16 +292,9 @@ def resolve_data(
         label = Path(input_dir).resolve().name
     else:
         files, label = stdlib_python_files(), "stdlib"
-    tokenizer_ = load_tokenizer(tokenizer)
+    loaded = load_tokenizer(tokenizer)
     stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
-    key = [
-        FORMAT_VERSION,
-        tokenizer_.name,
-        tokenizer_.vocab_size,
-        tokenizer_.eos_id,
-        val_fraction,
-        DEFAULT_CHUNK_TOKENS,
-    ]
+    key = [FORMAT_VERSION, loaded.name, loaded.vocab_size, loaded.eos_id, val_fraction, DEFAULT_CHUNK_TOKENS]
     fingerprint = hashlib.sha256(json.dumps([*key, stats]).encode()).hexdigest()
     default_cache = os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs")
     cache_dir = Path(cache_dir if cache_dir is not None else default_cache)
@@ -278,7 +305,7 @@ def resolve_data(
     # Prepare beside the target and rename, so an interrupted run never looks like a cache hit.
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=cache_dir))
     try:
-        prepare(files, staging, tokenizer_, val_fraction, num_workers=num_workers, fingerprint=fingerprint)
+        prepare(files, staging, loaded, val_fraction, num_workers=num_workers, fingerprint=fingerprint)
         try:
             os.rename(staging, target)
         except OSError:  # target exists: another process finished first (keep it), or it is broken

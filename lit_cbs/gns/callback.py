@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback, GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from lit_cbs import metrics
@@ -22,6 +23,7 @@ from lit_cbs.gns.estimator import NoiseMeasurement, StepSums, squared_norm
 from lit_cbs.gns.groups import assign_groups, compiled_groups
 
 PerExampleLoss = Callable[[torch.nn.Module, Any], torch.Tensor]
+_EMA_KEYS = ("ema_grad_sq", "ema_trace_sigma")  # the EMAs of |G|^2 and tr(Sigma) in a checkpoint
 
 
 class _LossOfBatch(torch.nn.Module):
@@ -38,15 +40,12 @@ class _LossOfBatch(torch.nn.Module):
 class GradientNoiseScale(Callback):
     """Log the gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al. 2018), in samples.
 
-    The small batch is one micro-batch on one rank (accumulation or DDP needed), or one sample with
-    ``per_example_loss``; the big batch is the step's global batch. Logs ``gns/b_simple``, ``gns/trace_sigma``,
-    ``gns/grad_sq`` (and ``gns/<group>/...``) from bias-corrected EMAs. Under Adam it underestimates the CBS
-    (Merrill et al. 2025): a monitor next to ``CBSProbeCallback``.
+    Logs ``gns/b_simple``, ``gns/trace_sigma``, ``gns/grad_sq`` (and ``gns/<group>/...``) from bias-corrected
+    EMAs; a monitor, not the CBS (docs/guides/gns.md).
 
     Args:
         ema_decay: the EMAs' decay per measured optimizer step, in [0, 1).
-        groups: also measure per group of parameters: ``"param_groups"``, ``"blocks"`` (one per transformer
-            block and other module) or ``{group: regex}`` over ``named_parameters()`` names (``re.search``).
+        groups: also per group of parameters: ``"param_groups"``, ``"blocks"`` or ``{group: regex}``.
         per_example_loss: ``(module, batch) -> loss`` of a micro-batch, without side effects: per-example mode.
         per_example_chunk_size: samples per ``vmap`` chunk in per-example mode (None: the whole micro-batch).
 
@@ -84,16 +83,14 @@ class GradientNoiseScale(Callback):
         self._ema: list[torch.Tensor] = []
         self.group_names: list[str | None] = []
         self._restored_group_names: list[str | None] | None = None  # from a checkpoint, checked when the fit starts
-        # The rest is set when the fit starts.
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         require_automatic_optimization(pl_module, "GradientNoiseScale", "it reads Lightning's gradient accumulation")
-        strategy = trainer.strategy
-        if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)):
             raise LitCBSConfigError(
-                f"GradientNoiseScale supports single-device and DDP strategies, got {type(strategy).__name__}: "
+                f"GradientNoiseScale supports single-device and DDP strategies, got {type(trainer.strategy).__name__}: "
                 "it reads whole local gradients, which sharded strategies (FSDP, DeepSpeed, model parallel) split "
                 "across ranks; use strategy='ddp' or a single device"
             )
@@ -122,8 +119,7 @@ class GradientNoiseScale(Callback):
         self.group_names, self._group_of = assign_groups(self.groups, optimizer, pl_module)
         self._device = pl_module.device
         self._group_index: dict[tuple[int, ...], torch.Tensor] = {}  # ids of parameters -> their group indices
-        # Since the last optimizer step (this rank): copies of the accumulated gradients, the parameters whose copy
-        # is current, and the syncing micro-batch's squared norms the DDP hook measured.
+        # Since the last step (this rank): accumulated gradients' copies, whose are current, the DDP hook's norms.
         self._accumulated: dict[torch.Tensor, torch.Tensor] = {}
         self._held: set[torch.Tensor] = set()
         self._hook_grad_sq: torch.Tensor | None = None
@@ -215,8 +211,7 @@ class GradientNoiseScale(Callback):
     def _micro_batch_grad_sq(
         self, params_and_grads: Iterable[tuple[torch.Tensor, torch.Tensor | None]], keep: bool
     ) -> torch.Tensor:
-        """Squared norm per group of (accumulated gradient - its copy before this backward); keep: update the copy.
-        Fused ``_foreach_*`` kernels, cheaper than per-parameter ones on a small model."""
+        """Per group, |accumulated gradient - its copy before this backward|^2 (fused); keep: update the copy."""
         pairs = [(param, grad) for param, grad in params_and_grads if grad is not None]
         held = [(param, grad) for param, grad in pairs if param in self._held]  # with a copy from before this backward
         fresh = [(param, grad) for param, grad in pairs if param not in self._held]  # without: this step's first
@@ -253,8 +248,6 @@ class GradientNoiseScale(Callback):
     # Unannotated: DDP compares the annotations with dist.GradBucket, and this module's are strings.
     def _comm_hook(self, process_group, bucket):  # type: ignore[no-untyped-def, unused-ignore]
         """DDP communication hook: measure this rank's last micro-batch in ``bucket``, then all-reduce."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         if self._accounting.in_branch:
             return allreduce_hook(process_group, bucket)
         pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if p in self._group_of]
@@ -295,8 +288,7 @@ class GradientNoiseScale(Callback):
         self._stepped = self._average(self.last_measurement)
 
     def _average(self, measured: NoiseMeasurement) -> bool:
-        """Average in a step's estimates; False (unchanged) if any is not finite, as after an AMP overflow (the
-        optimizer skips that step)."""
+        """Average in a step's estimates; False (unchanged) if one is not finite (an AMP overflow: a skipped step)."""
         if not bool(torch.isfinite(measured.grad_sq).all() & torch.isfinite(measured.trace_sigma).all()):
             return False
         new, decay = (measured.grad_sq, measured.trace_sigma), self.ema_decay
@@ -312,8 +304,7 @@ class GradientNoiseScale(Callback):
             log_to_loggers(trainer, lambda _: self.metrics())
 
     def metrics(self) -> dict[str, float]:
-        """The logged metrics' current values by name (empty before the first measured step): ``gns/...`` for the
-        whole model and ``gns/<group>/...`` per named group (None: the ungrouped rest)."""
+        """The logged values by name: ``gns/...`` (whole model), ``gns/<group>/...`` per named group; {} before any."""
         if not self.num_updates:
             return {}
         correction = 1.0 - self.ema_decay**self.num_updates  # bias correction of EMAs started at zero
@@ -335,16 +326,11 @@ class GradientNoiseScale(Callback):
     def state_dict(self) -> dict[str, Any]:
         if not self._ema:
             return {}
-        grad_sq, trace_sigma = (ema.detach().cpu() for ema in self._ema)
-        return {
-            "group_names": list(self.group_names),
-            "num_updates": self.num_updates,
-            "ema_grad_sq": grad_sq,
-            "ema_trace_sigma": trace_sigma,
-        }
+        emas = {key: ema.detach().cpu() for key, ema in zip(_EMA_KEYS, self._ema)}
+        return {"group_names": list(self.group_names), "num_updates": self.num_updates, **emas}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if state_dict:
             self._restored_group_names = list(state_dict["group_names"])
-            self._ema = [state_dict[key].to(torch.float32) for key in ("ema_grad_sq", "ema_trace_sigma")]
+            self._ema = [state_dict[key].to(torch.float32) for key in _EMA_KEYS]
             self.num_updates = state_dict["num_updates"]

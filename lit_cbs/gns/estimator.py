@@ -1,11 +1,10 @@
-"""Unbiased |G|^2 and tr(Sigma) from squared gradient norms at two batch sizes (McCandlish et al. 2018, app. A), per
-group of parameters (one tensor entry each)."""
+"""Unbiased |G|^2 and tr(Sigma) per parameter group from squared norms at two batch sizes (McCandlish 2018, A)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -13,8 +12,7 @@ import torch
 def squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """|tensor|^2 as float32, half precision reduced in float32 so the norm is not rounded."""
     half = tensor.dtype in (torch.float16, torch.bfloat16)
-    squared: torch.Tensor = torch.linalg.vector_norm(tensor, dtype=torch.float32 if half else None).float() ** 2
-    return squared
+    return cast(torch.Tensor, torch.linalg.vector_norm(tensor, dtype=torch.float32 if half else None).float() ** 2)
 
 
 @dataclasses.dataclass
@@ -30,8 +28,7 @@ class NoiseMeasurement:
 
 
 class StepSums:
-    """One optimizer step's micro-batches on one rank, in one tensor for one all-reduce: per group the small
-    batches' squared norms, then their count and sum of 1/b, then the micro-batches' count and sum of 1/b."""
+    """A step's micro-batches on one rank, one tensor: small squared norms per group, counts and sums of 1/b."""
 
     def __init__(self, groups: int, device: torch.device):
         self.groups = groups
@@ -41,8 +38,7 @@ class StepSums:
     def add(
         self, size: float, grad_sq: torch.Tensor | None = None, count: float = 0.0, inverse_size_sum: float = 0.0
     ) -> None:
-        """A micro-batch of ``size`` samples (one of none, an epoch's last round, counts on the host only) and the
-        squared norms of its ``count`` small batches, whose sizes' inverses sum to ``inverse_size_sum``."""
+        """A micro-batch of ``size`` samples (0: host count only) and its ``count`` small batches' squared norms."""
         if grad_sq is not None:
             self.values[: self.groups] += grad_sq
             self.values[self.groups] += count
@@ -55,8 +51,7 @@ class StepSums:
     def measurement(
         self, big_grad_sq: torch.Tensor, reduce: Callable[[Any], Any] | None = None, averaged_over: int | None = None
     ) -> NoiseMeasurement:
-        """The step's measurement; ``reduce`` sums ``values`` over the ranks. ``averaged_over``: the micro-batches
-        the step's gradient was divided among (accumulation x ranks), to rescale a step with fewer (an epoch's last)."""
+        """The step's measurement; ``reduce`` sums over ranks; ``averaged_over``: micro-batches the gradient divides."""
         values = self.values if reduce is None else reduce(self.values)
         small_count, small_inv_sum, micro_count, micro_inv_sum = values[self.groups :]
         if averaged_over is not None:

@@ -20,8 +20,7 @@ def _some_names(names: list[str]) -> str:
 
 
 def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
-    """``groups="blocks"``: ``block<i>`` for the parameters under ``<stack>.<i>.`` (a later stack's blocks keep its
-    path), one group per other module, named by its path below the first stack's parent (or the names' shared path)."""
+    """``groups="blocks"``: ``block<i>`` per block of a stack (a later stack's prefixed), else a group per module."""
     if not stacks:
         raise LitCBSConfigError(
             "groups='blocks' looks for the model's stack of transformer blocks (an nn.ModuleList of modules of one "
@@ -35,8 +34,7 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
     patterns = [(stack, re.compile(rf"^{re.escape(stack)}\.(\d+)\.")) for stack in stacks]
     groups: dict[str, list[str]] = {}
     for name in names:
-        match = next(((stack, found) for stack, pattern in patterns if (found := pattern.match(name))), None)
-        if match:
+        if match := next(((stack, found) for stack, pattern in patterns if (found := pattern.match(name))), None):
             stack, found = match
             group = f"block{found.group(1)}"
             if stack != stacks[0]:
@@ -45,25 +43,6 @@ def block_groups(names: list[str], stacks: list[str]) -> dict[str, list[str]]:
             relative = name.removeprefix(prefix) if name.startswith(prefix) else name.removeprefix(shared)
             group = relative.rpartition(".")[0] or relative  # the module's path; a parameter of the root: its own name
         groups.setdefault(group, []).append(name)
-    return groups
-
-
-def regex_groups(patterns: Mapping[str, re.Pattern[str]], names: list[str]) -> dict[str, list[str]]:
-    """``groups={group: regex}``: the names ``regex.search`` finds; each group finds one, no name is in two."""
-    groups = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
-    for name in names:
-        if len(owners := [group for group, members in groups.items() if name in members]) > 1:
-            raise LitCBSConfigError(
-                f"parameter {name!r} is matched by groups {owners} ("
-                + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
-                + "); a parameter may be in one group only: "
-                "make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
-            )
-    if empty := [group for group, members in groups.items() if not members]:
-        raise LitCBSConfigError(
-            f"groups[{empty[0]!r}]={patterns[empty[0]].pattern!r} matches none of the trained parameters "
-            f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
-        )
     return groups
 
 
@@ -92,8 +71,7 @@ def compiled_groups(groups: Any) -> dict[str, re.Pattern[str]] | None:
 def assign_groups(
     groups: str | Mapping[str, str] | None, optimizer: torch.optim.Optimizer, module: torch.nn.Module
 ) -> tuple[list[str | None], dict[torch.Tensor, int]]:
-    """The measured groups' names and each trained parameter's index among them; the group None holds the
-    trained parameters in no group (without ``groups``: all), so the whole-model sums stay complete."""
+    """The groups' names and each trained parameter's group index; the group None holds those in no group."""
     trained = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
     if groups == "param_groups":
         names = [group.get("name", f"pg{i}") for i, group in enumerate(optimizer.param_groups)]
@@ -111,8 +89,22 @@ def assign_groups(
     names = list(by_name)
     if groups == "blocks":
         members = block_groups(names, layer_stacks(module))
-    else:
-        members = regex_groups(compiled_groups(groups) or {}, names)  # a dict of regexes here
+    else:  # {group: regex}: each finds a name (re.search), no name is in two
+        patterns = compiled_groups(groups) or {}
+        members = {group: [name for name in names if pattern.search(name)] for group, pattern in patterns.items()}
+        for name in names:
+            if len(owners := [group for group, found in members.items() if name in found]) > 1:
+                raise LitCBSConfigError(
+                    f"parameter {name!r} is matched by groups {owners} ("
+                    + ", ".join(f"{group}={patterns[group].pattern!r}" for group in owners)
+                    + "); a parameter may be in one group only: "
+                    "make the regexes disjoint (e.g. anchor them with '^' or '\\.')"
+                )
+        if empty := [group for group, found in members.items() if not found]:
+            raise LitCBSConfigError(
+                f"groups[{empty[0]!r}]={patterns[empty[0]].pattern!r} matches none of the trained parameters "
+                f"({_some_names(names)}); fix the regex (matched with re.search) or remove the group"
+            )
     group_names: list[str | None] = list(members)
     group_of = {by_name[name]: i for i, group in enumerate(members.values()) for name in group}
     if len(group_of) < len(trained):  # parameters in no group keep the whole-model sums complete

@@ -44,8 +44,7 @@ def decoder_dims(config: OLMoConfig | Any) -> DecoderDims:
 
 
 def layer_stacks(module: nn.Module) -> list[str]:
-    """The paths of ``module``'s stacks of blocks (``nn.ModuleList`` of one class, all with parameters, not nested):
-    found from the modules, not the names, so activation checkpointing, ``torch.compile`` and FSDP2 keep them."""
+    """Paths of ``module``'s stacks of blocks (a ``ModuleList`` of one class, with parameters), found by type."""
     stacks: list[str] = []
     for path, child in module.named_modules():
         if any(path.startswith(stack + ".") for stack in stacks):

@@ -54,8 +54,7 @@ def hf_config(fields: Mapping[str, Any]) -> Any:
             "use a decoder such as llama, olmo2, qwen2, mistral or gpt2"
         )
     known = set(config_class().to_dict()) | set(config_class.attribute_map)
-    unknown = sorted(set(fields) - known)
-    if unknown:
+    if unknown := sorted(set(fields) - known):
         raise LitCBSConfigError(
             f"field(s) {unknown} are not {config_class.__name__} fields (transformers would keep them unused); "
             f"its fields include {', '.join(sorted(name for name in known if not name.startswith('_'))[:24])}, ..."
@@ -71,8 +70,7 @@ class HFDecoder(nn.Module):
         self.config = config
         self.lm = _transformers().AutoModelForCausalLM.from_config(config)
         n_layers = config.num_hidden_layers
-        paths = [path for path in layer_stacks(self.lm) if len(self.lm.get_submodule(path)) == n_layers]
-        if not paths:
+        if not (paths := [path for path in layer_stacks(self.lm) if len(self.lm.get_submodule(path)) == n_layers]):
             raise LitCBSConfigError(
                 f"{type(self.lm).__name__} holds no nn.ModuleList of its {n_layers} decoder layers (num_hidden_layers) "
                 "to shard, checkpoint and compile one by one; use a decoder such as llama, olmo2, qwen2 or gpt2"
@@ -84,8 +82,7 @@ class HFDecoder(nn.Module):
         return cast(nn.ModuleList, self.lm.get_submodule(self._layers_path))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, vocab_size] (no cache); a batch of no sample runs one padding row, so that every layer's
-        collectives fire on this rank as on the others."""
+        """Logits [B, T, vocab_size]; a batch of no sample runs one padding row, so every layer's collectives fire."""
         empty = input_ids.shape[0] == 0
         logits = self.lm(input_ids=input_ids.new_zeros(1, input_ids.shape[1]) if empty else input_ids, use_cache=False)
         return cast(torch.Tensor, logits.logits[:0] if empty else logits.logits)

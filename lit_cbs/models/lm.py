@@ -1,5 +1,4 @@
-"""``CausalLM``: next-token training of the OLMo-style decoder or a Hugging Face causal LM (FSDP2 under
-``ModelParallelStrategy``)."""
+"""``CausalLM``: next-token training of the OLMo-style decoder or a Hugging Face causal LM, FSDP2-sharded."""
 
 from __future__ import annotations
 
@@ -14,10 +13,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torchmetrics import MeanMetric
 
 from lit_cbs import metrics
+from lit_cbs._internals import checkpoint_wrapper
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.models.decoder import DecoderDims, decoder_dims, embedding_parameters
@@ -31,10 +32,9 @@ __all__ = ["CausalLM", "resolve_model_config"]
 _OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig)]
 _REQUIRED_OLMO_FIELDS = [f.name for f in dataclasses.fields(OLMoConfig) if f.default is dataclasses.MISSING]
 # Trainer precision -> the dtype its matmuls run in, for Lightning's table of peak FLOP/s.
-COMPUTE_DTYPES = {
+COMPUTE_DTYPES = {"64-true": torch.float64} | {
     f"{p}-{m}": t for p, t in (("bf16", torch.bfloat16), ("16", torch.float16)) for m in ("mixed", "true")
 }
-COMPUTE_DTYPES["64-true"] = torch.float64
 
 OptimizerFactory = Callable[[Iterable[dict[str, Any]]], torch.optim.Optimizer]
 # OLMo's AdamW: betas (0.9, 0.95); the weight decay applies to the weight matrices only (parameter_groups).
@@ -42,9 +42,8 @@ ADAMW = functools.partial(torch.optim.AdamW, lr=3e-3, betas=(0.9, 0.95), weight_
 
 
 def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> OLMoConfig | Any:
-    """The ``OLMoConfig`` or ``transformers`` config that ``config`` describes: a preset name, a config, or a
-    mapping: ``{"model_type": name, **fields}`` (a ``transformers`` config), ``{"preset": name, **fields}`` (the
-    preset with those fields replaced), or every required OLMoConfig field."""
+    """The ``OLMoConfig`` or ``transformers`` config of a preset name, a config, or a mapping: ``{"model_type": name,
+    **fields}``, ``{"preset": name, **fields}`` (those fields replaced), or every required OLMoConfig field."""
     if isinstance(config, OLMoConfig) or is_hf_config(config):
         return config
     if isinstance(config, str):
@@ -58,12 +57,10 @@ def resolve_model_config(config: str | OLMoConfig | Mapping[str, Any] | Any) -> 
         return hf_config(config)
     fields = dict(config)
     preset = fields.pop("preset", None)
-    unknown = sorted(set(fields) - set(_OLMO_FIELDS))
-    if unknown:
+    if unknown := sorted(set(fields) - set(_OLMO_FIELDS)):
         raise ValueError(f"model config field(s) {unknown} are not OLMoConfig fields; use preset or {_OLMO_FIELDS}")
     if preset is None:
-        missing = [name for name in _REQUIRED_OLMO_FIELDS if name not in fields]
-        if missing:
+        if missing := [name for name in _REQUIRED_OLMO_FIELDS if name not in fields]:
             raise ValueError(f"model config without a preset must give {missing}; or name a preset, e.g. preset: tiny")
         return OLMoConfig(**fields)
     return dataclasses.replace(get_config(preset), **fields)
@@ -150,8 +147,6 @@ class CausalLM(pl.LightningModule):
         """Build the decoder once (Lightning calls this in every fit): sharded, checkpointed, compiled as asked."""
         if self.model is not None:
             return
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
         mesh = None
         if self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy):
             assert self.device_mesh is not None  # ModelParallelStrategy sets it before configure_model
@@ -165,8 +160,6 @@ class CausalLM(pl.LightningModule):
         with torch.device("meta") if mesh is not None else nullcontext():
             model = build_decoder(self.config)
         if self.activation_checkpointing:
-            from lit_cbs._internals import checkpoint_wrapper
-
             for index, block in enumerate(model.blocks):
                 model.blocks[index] = checkpoint_wrapper(block)
         if self.compile_options is not None:
@@ -234,8 +227,7 @@ class CausalLM(pl.LightningModule):
         # A window of 2 updates: each logged rate covers the last optimizer step alone.
         self._throughput = Throughput(available_flops=peak, world_size=self.trainer.world_size, window_size=2)
         self._last_global_step = self.trainer.global_step
-        # Since here: optimizer steps, and this rank's samples and tokens; its FLOPs since the last step; the wall
-        # time trained before the current stretch (validation excluded).
+        # Steps, this rank's samples and tokens since here; its FLOPs since the last step; seconds trained before.
         self._steps = self._samples = self._tokens = self._step_flops = 0
         self._training_seconds = 0.0
         # A probe resumed inside its window starts in its own on_train_start, which Lightning calls before this one.
@@ -252,8 +244,7 @@ class CausalLM(pl.LightningModule):
             self._stretch_start = time.perf_counter()  # validation time does not count as training throughput
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        # Not _internals.should_accumulate: BatchWarmup's hook, which runs before this one, may just have changed
-        # the accumulation, so the loop's own test would misread the step just taken; the step count cannot.
+        # The step count, not should_accumulate: BatchWarmup's hook, run before, may just have changed the accumulation.
         if self.trainer.global_step == self._last_global_step:
             return  # accumulating: no optimizer step after this micro-batch
         self._last_global_step = self.trainer.global_step

@@ -1,5 +1,4 @@
-"""An OLMo-style decoder (Groeneveld et al. 2024): pre-norm rotary attention and SwiGLU, non-parametric LayerNorms,
-no biases. ``PRESETS``: ``tiny`` (233,472 parameters, CPU), ``tiny4x`` (twice as wide), ``olmo_1b``, ``olmo_7b``."""
+"""An OLMo-style decoder (Groeneveld et al. 2024), no biases, and its ``PRESETS`` (``tiny``: 233,472 parameters)."""
 
 from __future__ import annotations
 
@@ -36,15 +35,9 @@ class OLMoConfig:
         if not isinstance(self.tie_embeddings, bool):
             raise LitCBSConfigError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
         if self.d_model % self.n_heads:
-            raise LitCBSConfigError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
-                f"(d_model % n_heads = {self.d_model % self.n_heads})"
-            )
+            raise LitCBSConfigError(f"d_model={self.d_model} must be divisible by n_heads={self.n_heads}")
         if self.head_dim % 2:
-            raise LitCBSConfigError(
-                f"head dim d_model / n_heads = {self.head_dim} must be even for rotary embeddings; "
-                "change d_model or n_heads"
-            )
+            raise LitCBSConfigError(f"head dim d_model/n_heads = {self.head_dim} must be even (rotary embeddings)")
         for name in ("rope_theta", "init_std"):
             if not getattr(self, name) > 0:
                 raise LitCBSConfigError(f"{name}={getattr(self, name)} must be > 0")
@@ -204,8 +197,7 @@ class OLMo(nn.Module):
         return sum(p.numel() for p in self.parameters()) - sum(m.weight.numel() for m in embeddings if m is not None)
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token at ``seq_len``: PaLM's 6 N + 12 L d T (nanoGPT's MFU), N every matmul weight (the
-        output projection's, tied or not; the embedding lookup is free), causal masking not discounted."""
+        """Training FLOPs per token at ``seq_len``: PaLM's 6 N + 12 L d T, N every matmul weight (the head's too)."""
         c = self.config
         matmul_weights = self.num_parameters(exclude_embeddings=True) + c.vocab_size * c.d_model
         return 6 * matmul_weights + 12 * c.n_layers * c.d_model * seq_len

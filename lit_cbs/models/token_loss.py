@@ -11,10 +11,9 @@ __all__ = ["token_mean_loss"]
 
 
 def token_mean_loss(module: pl.LightningModule, loss_sum: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
-    """What ``training_step`` returns so that each optimizer step's gradient is the mean over every counted token of
-    the step, however it is split into micro-batches and ranks: the micro-batch's mean, with ``loss_sum``'s gradient
-    rescaled at the step. ``loss_sum`` (nats) sums the loss over the ``tokens`` it counts, e.g.
-    ``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` and ``(labels != -100).sum()``.
+    """What ``training_step`` returns so that each step's gradient is the mean over every counted token of the step,
+    however it is split into micro-batches and ranks. ``loss_sum`` (nats) sums the loss over the ``tokens`` it counts,
+    e.g. ``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` and ``(labels != -100).sum()``.
 
     Examples:
         >>> import lightning.pytorch as pl, torch

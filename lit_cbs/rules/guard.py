@@ -42,8 +42,7 @@ class _WatchedIncrease:
 
 @dataclasses.dataclass
 class GuardVerdict:
-    """The guard's judgement of one increase. ``rise`` (nats): the mean loss of the ``watch_steps`` steps after it
-    above the trend ``trend_intercept + trend_slope * ln(consumed)`` of the ``fit_steps`` steps before it."""
+    """The guard's judgement of one increase; ``rise``: nats of mean loss after it above the fit's trend a + b ln(n)."""
 
     change: int  # index in BatchWarmup.history
     old_global_batch: int
@@ -62,16 +61,8 @@ class GuardVerdict:
 
 class BatchGuard:
     """Watch the training loss after each batch increase; revert the increase if the loss rises above its trend.
-    ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments.
-
-    Args (spans in samples or tokens, the schedule's unit; None: relative to what was consumed before):
-        watch_span: trained after an increase before it is judged (None: a quarter).
-        fit: before the increase, whose loss trend is extrapolated (None: half).
-        hold: after a revert, with no increase (None: as much).
-        threshold: nats of mean rise above the trend that revert (None: ``noise_multiple`` x the per-step loss's
-            standard deviation around the trend, at least ``min_threshold``).
-        min_steps: optimizer steps (>= 3) the fit and the watch span need at least.
-    """
+    ``BatchWarmup(guard=True)`` builds one with the defaults, ``guard={...}`` with these keyword arguments; the
+    spans count the schedule's unit (samples or tokens). Settings and defaults: docs/guides/guard.md."""
 
     def __init__(
         self,
@@ -105,14 +96,12 @@ class BatchGuard:
         """The guard for ``BatchWarmup(guard=...)``: None/False, True (the defaults) or a dict of the arguments."""
         if setting is None or isinstance(setting, bool):
             return cls() if setting else None
-        names = ", ".join(inspect.signature(cls).parameters)
+        names = ", ".join(parameters := inspect.signature(cls).parameters)
         if not isinstance(setting, Mapping):
             raise LitCBSConfigError(f"guard={setting!r} must be true, false, null, a dict of the settings {names}")
-        settings = {str(key): value for key, value in setting.items()}
-        unknown = sorted(set(settings) - set(inspect.signature(cls).parameters))
-        if unknown:
+        if unknown := sorted(set(map(str, setting)) - set(parameters)):
             raise LitCBSConfigError(f"guard has unknown setting(s) {', '.join(unknown)}; the settings are {names}")
-        return cls(**settings)
+        return cls(**{str(key): value for key, value in setting.items()})
 
     @property
     def watching(self) -> bool:
@@ -176,9 +165,8 @@ class BatchGuard:
         watched = [(at, loss) for (at, _), loss in zip(watched, losses[len(fit) :])]
         # The watched losses' mean rise above the least-squares trend a + b ln(consumed) of the fit's (nats).
         log_consumed, fit_losses = np.log([at for at, _ in fit]), np.array([loss for _, loss in fit])
-        slope, intercept = np.polyfit(log_consumed, fit_losses, 1)
+        slope, intercept = map(float, np.polyfit(log_consumed, fit_losses, 1))
         residuals = fit_losses - (intercept + slope * log_consumed)
-        intercept, slope = float(intercept), float(slope)
         residual_std = float(np.sqrt(residuals @ residuals / (len(fit) - 2)))  # n - 2 degrees of freedom
         rise = sum(loss - intercept - slope * math.log(at) for at, loss in watched) / len(watched)
         threshold = self.threshold or max(self.noise_multiple * residual_std, self.min_threshold)

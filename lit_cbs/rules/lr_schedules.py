@@ -165,10 +165,9 @@ class OneCycle(_Schedule):
         self.total = _tokens("total", total, allow_zero=False)
         if not 0.0 < pct_start < 1.0:
             raise LitCBSConfigError(f"pct_start={pct_start} must lie in (0, 1)")
-        if anneal_strategy not in ("cos", "linear"):
-            raise LitCBSConfigError(f"anneal_strategy={anneal_strategy!r} must be 'cos' or 'linear'")
         if div_factor <= 0 or final_div_factor <= 0:
             raise LitCBSConfigError(f"div_factor={div_factor} and final_div_factor={final_div_factor} must be > 0")
+        one_of("anneal_strategy", anneal_strategy, ("cos", "linear"))
         self.pct_start, self.anneal_strategy = pct_start, anneal_strategy
         self.div_factor, self.final_div_factor, self.three_phase = div_factor, final_div_factor, three_phase
         initial = 1.0 / div_factor

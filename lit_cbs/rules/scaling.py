@@ -25,8 +25,7 @@ def _unchanged(ratio: float) -> float:
 # Module-level functions, not lambdas, so rules pickle (ddp_spawn, checkpoints of callbacks).
 RATIO_FUNCTIONS: dict[str, Callable[[float], float]] = {"sqrt": math.sqrt, "linear": float, "none": _unchanged}
 LR_RULES = ("adam_sde", *RATIO_FUNCTIONS)  # adam_sde: LR x sqrt(k), 1 - beta -> k (1 - beta), eps -> eps / sqrt(k)
-# The lowest beta2 the half_life rule moves Adam's beta2 to (docs/design.md, "Optimizer rules").
-BETA2_FLOOR = 0.95
+BETA2_FLOOR = 0.95  # the lowest beta2 the half_life rule moves Adam's beta2 to (docs/design.md, "Optimizer rules")
 
 
 class ScalingRule:
@@ -86,19 +85,11 @@ def get_clip_rule(rule: str | Callable[[float], float] | ScalingRule | None) -> 
     return None if rule is None or rule == "none" else _rule("clip_rule", rule, RATIO_FUNCTIONS, ", or None")
 
 
-# Schedulers whose LR is base_lrs * f(step) or chained multiplicatively on the optimizer's current LR: scaling
-# the group LR, base_lrs and absolute floors by a factor scales every later LR by exactly that factor.
-_PROPORTIONAL = (
-    torch_sched.LambdaLR,
-    torch_sched.MultiplicativeLR,
-    torch_sched.StepLR,
-    torch_sched.MultiStepLR,
-    torch_sched.ConstantLR,
-    torch_sched.LinearLR,
-    torch_sched.ExponentialLR,
-    torch_sched.PolynomialLR,
-    torch_sched.CosineAnnealingLR,
-    torch_sched.ReduceLROnPlateau,
+# LR = base_lrs * f(step), or chained on the current LR: scaling the LRs and floors scales every later LR exactly.
+_PROPORTIONAL = tuple(
+    getattr(torch_sched, name)
+    for name in ("LambdaLR", "MultiplicativeLR", "StepLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR")
+    + ("PolynomialLR", "CosineAnnealingLR", "ReduceLROnPlateau")
 )
 _CONTAINERS = (torch_sched.SequentialLR, torch_sched.ChainedScheduler)
 
@@ -157,9 +148,8 @@ def restore_settings(optimizer: Optimizer, settings: list[dict[str, Any]]) -> No
 
 @dataclasses.dataclass
 class OptimizerRules:
-    """Everything a batch change by ``ratio`` = new / old moves in an optimizer: the LR (``lr``; adam_sde also
-    moves the betas and eps), the weight decay (``weight_decay_rule="timescale"``: lambda -> lambda k / f(k)) and
-    beta2 (``beta2_rule="half_life"``: beta2 -> beta2 ** k, never below ``beta2_floor``)."""
+    """What a batch change by ``ratio`` k = new / old moves in an optimizer: the LR, the weight decay ("timescale":
+    lambda -> lambda k / f(k)) and beta2 ("half_life": beta2 -> beta2 ** k, not below ``beta2_floor``)."""
 
     lr: LRRule
     weight_decay_rule: str | None = None
@@ -212,13 +202,6 @@ class OptimizerRules:
         """The rules as keyword arguments, for messages (the LR rule always, the others when given)."""
         return ", ".join(f"{k}={v!r}" for k, v in self.names().items() if v is not None or k == "lr_rule")
 
-    def scaled(self, key: str, value: float, ratio: float, lr_factor: float) -> float:
-        """Setting ``key`` after a change by ``ratio`` with LR factor ``lr_factor``, from ``value``."""
-        if key == "weight_decay":
-            return value * ratio / lr_factor  # AdamW's timescale B / (eta lambda D) stays
-        moved = float(value**ratio)  # beta2's half-life in tokens stays
-        return moved if self.beta2_floor is None else max(moved, min(value, self.beta2_floor))
-
     @staticmethod
     def get(key: str, group: dict[str, Any]) -> float:
         """Setting ``key`` of param group ``group``."""
@@ -237,8 +220,7 @@ class OptimizerRules:
     def check(
         self, optimizer: Optimizer, schedulers: Iterable[Any], ratios: Iterable[float], who: str, compose: bool = False
     ) -> None:
-        """LitCBSConfigError (from ``who``) unless the rules apply at each of ``ratios``: each on its own (a probe's
-        branches), or with ``compose`` one after another (BatchWarmup's changes)."""
+        """LitCBSConfigError (from ``who``) unless the rules apply at each ratio, alone or (``compose``) in turn."""
         ratios, name, groups = list(ratios), type(optimizer).__name__, optimizer.param_groups
         if any(self.lr.factor(ratio) != 1.0 for ratio in ratios):
             for scheduler in schedulers:
@@ -305,12 +287,13 @@ class OptimizerRules:
         for key in self.settings:
             for group in optimizer.param_groups:
                 value = float(self.get(key, group))
-                new = self.scaled(key, value, ratio, factor)
                 if key == "weight_decay":
-                    group[key] = new
+                    group[key] = value * ratio / factor  # AdamW's timescale B / (eta lambda D) stays
                     continue
+                moved = float(value**ratio)  # beta2's half-life in tokens stays
+                new = moved if self.beta2_floor is None else max(moved, min(value, self.beta2_floor))
                 group["betas"] = (group["betas"][0], new, *group["betas"][2:])
-                if new != value**ratio and warn is not None and not self.floor_said:
+                if new != moved and warn is not None and not self.floor_said:
                     self.floor_said = True
                     warn(
                         f"beta2_rule='half_life' would take beta2 from {value:.4g} to {value**ratio:.4g} "

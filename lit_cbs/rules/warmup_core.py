@@ -22,13 +22,11 @@ def check_divisible(global_batch: int, micro_batch_size: int, data_parallel: int
         lower = global_batch // unit * unit
         nearest = f"{lower} or {lower + unit}" if lower > 0 else f"{unit}"
         share = f"a micro-batch (batch_size) that divides {global_batch // data_parallel} (a rank's share)"
-        other = (
-            f"a number of data-parallel ranks that divides {global_batch}" if global_batch % data_parallel else share
-        )
+        ranks = f"a number of data-parallel ranks that divides {global_batch}"
         raise LitCBSConfigError(
             f"{name} {global_batch} is not a multiple of micro-batch {micro_batch_size} x data-parallel size "
             f"{data_parallel} = {unit} samples; nearest valid sizes: {nearest}: "
-            f"set {name} to one of them, or use {other}"
+            f"set {name} to one of them, or use {ranks if global_batch % data_parallel else share}"
         )
     return global_batch // unit
 
@@ -70,8 +68,6 @@ _STATE = ("global_batch", "accumulate", "micro_batch_size", "lr_factor", "clip_f
 
 class WarmupCore:
     """The batch a schedule asks for, where it may start, and the optimizer moves at each change; no framework.
-
-    A loop trains ``accumulate`` micro-batches of ``micro_batch_size`` samples per rank, then calls ``after_step``.
 
     Examples:
         >>> import torch

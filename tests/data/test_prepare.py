@@ -11,8 +11,7 @@ import torch
 from lightning.pytorch import seed_everything
 
 from lit_cbs.data import resolve_data
-from lit_cbs.data.prepare import prepare, read_metadata, split_pieces, text_files
-from lit_cbs.data.tokenizers import ByteTokenizer
+from lit_cbs.data.prepare import ByteTokenizer, prepare, read_metadata, split_pieces, text_files
 
 
 def test_the_package_export_prepare_is_the_function_after_its_module_loaded():

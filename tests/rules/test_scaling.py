@@ -91,10 +91,16 @@ def test_the_half_life_rule_keeps_beta2_at_its_floor():
         OptimizerRules.build(beta2_rule="half_life"),
         OptimizerRules.build(beta2_rule="half_life", beta2_floor=None),
     )
-    assert floored.beta2_floor == 0.95 and floored.scaled("beta2", 0.99, 2, 2**0.5) == 0.99**2  # the rule alone
-    assert floored.scaled("beta2", 0.95, 16, 4) == 0.95 and free.scaled("beta2", 0.95, 16, 4) == 0.95**16
-    assert floored.scaled("beta2", 0.9, 2, 2**0.5) == 0.9  # already below the floor: it does not fall further
-    assert floored.scaled("beta2", 0.95, 0.5, 2**-0.5) == 0.95**0.5  # a smaller batch raises it as the rule says
+
+    def beta2_after(rules, beta2, ratio):
+        optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, beta2))
+        rules.apply(optimizer, [], ratio)
+        return optimizer.param_groups[0]["betas"][1]
+
+    assert floored.beta2_floor == 0.95 and beta2_after(floored, 0.99, 2) == 0.99**2  # the rule alone
+    assert beta2_after(floored, 0.95, 16) == 0.95 and beta2_after(free, 0.95, 16) == 0.95**16
+    assert beta2_after(floored, 0.9, 2) == 0.9  # already below the floor: it does not fall further
+    assert beta2_after(floored, 0.95, 0.5) == 0.95**0.5  # a smaller batch raises it as the rule says
     warnings = []
     optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), betas=(0.9, 0.99))
     floored.apply(optimizer, [], 2, warn=warnings.append)  # 0.99 ** 2: above the floor, nothing said
