@@ -17,7 +17,6 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 
@@ -144,12 +143,18 @@ def _isolated_optimize_run() -> Iterator[Path]:
 
     previous_start_method = multiprocessing.get_start_method(allow_none=True)
     scratch_vars = ("DATA_OPTIMIZER_CACHE_FOLDER", "DATA_OPTIMIZER_DATA_CACHE_FOLDER")
+    previous_env = {name: os.environ.get(name) for name in scratch_vars}
     # isolate_rng starts CUDA here to read its state: until then a CUDA seed is only queued, and 42 would replace it.
     with tempfile.TemporaryDirectory(prefix="lit_cbs-optimize-") as scratch, isolate_rng():
+        os.environ.update({name: os.path.join(scratch, name.lower()) for name in scratch_vars})
         try:
-            with mock.patch.dict(os.environ, {name: os.path.join(scratch, name.lower()) for name in scratch_vars}):
-                yield Path(scratch)
+            yield Path(scratch)
         finally:
+            for name, value in previous_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             multiprocessing.set_start_method(previous_start_method, force=True)
 
 
