@@ -55,8 +55,7 @@ def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
 
 
 def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
-    """Argument name -> (the Hydra key that sets it, the key its value is interpolated from or None), for ``group``
-    and the groups nested in it, outer names first; a group interpolated whole is named at its source key."""
+    """Argument name of ``group`` (and groups nested in it) -> (its Hydra key, the key it is interpolated from)."""
     keys: dict[str, tuple[str, str | None]] = {}
     node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
     raw = dict_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
@@ -74,9 +73,7 @@ def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None
 
 
 def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
-    """``message`` with the arguments of ``groups`` written as their Hydra keys (``total_tokens=65536`` ->
-    ``lr_schedule.total_tokens=65536 (max_tokens)``): everywhere when written with a value or field, bare (and
-    only with an underscore) in the first clause only, before the ``;`` that starts the advice."""
+    """``message`` with the arguments of ``groups`` written as their Hydra keys."""
     named: dict[str, tuple[str, str | None]] = {}
     for group in groups:
         for name, found in setting_keys(cfg, group).items():
@@ -102,8 +99,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
 
 @contextlib.contextmanager
 def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
-    """Build ``group`` inside: a configuration error becomes a LitCBSConfigError naming its Hydra keys (else led by
-    ``group: ``); a LitCBSConfigWarning, a ``warning: ...`` line in the job's log named the same way."""
+    """Build ``group`` inside: its config errors and LitCBSConfigWarnings name their Hydra keys."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LitCBSConfigWarning)
         try:
@@ -138,8 +134,7 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict[str, Any]:
 
 
 def name_the_run_keys(cfg: DictConfig, message: str) -> str:
-    """``message`` of an error raised inside ``trainer.fit``, with the Trainer's, BatchWarmup's and the callbacks'
-    arguments written as their Hydra keys."""
+    """``message`` with the Trainer's, BatchWarmup's and the callbacks' arguments as their Hydra keys."""
     callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
     return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
 
@@ -151,8 +146,7 @@ def model_config_of(cfg: DictConfig) -> Any:
 
 
 def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
-    """End the job with one ``error:`` line (``line``, default the error's own): a single run exits, a multirun's job
-    fails and Hydra goes on; HYDRA_FULL_ERROR=1 raises the error itself."""
+    """End the job with one ``error:`` line (HYDRA_FULL_ERROR=1 raises the error itself)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     line = line or one_line(error)
@@ -167,10 +161,7 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
 
 
 def check_command_line(config_dir: Path, argv: list[str]) -> None:
-    """Refuse, before Hydra composes the job, a command line that sets a key the configuration lacks (Hydra would
-    advise ``+key=value``, which adds a typo nothing reads): LitCBSConfigError naming the key to set instead, the
-    keys it is close to, or the ``+`` for an argument of a ``_target_`` left at its default. A multirun is checked
-    on its first job; anything else is left to Hydra's own message."""
+    """Refuse, before Hydra composes the job, a command-line key the configuration lacks, naming the fix."""
     args = hydra_command_line(argv)
     if any((args.config_path, args.config_dir, args.help, args.hydra_help, args.info, args.shell_completion)):
         return

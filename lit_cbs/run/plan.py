@@ -40,9 +40,7 @@ def batch_phases(
     data_parallel_size: int,
     lr_factor: Callable[[float], float],
 ) -> list[BatchPhase]:
-    """The run's phases, step by step as BatchWarmup takes them (one epoch): a change waits for the samples seen to
-    be a multiple of the new batch; the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
-    samples per rank, or global batch -> micro-batch."""
+    """The run's phases, step by step as BatchWarmup takes them (one epoch)."""
     micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
     spans: list[list[Any]] = []  # [start tokens, global batch, optimizer steps, LR factor]
     tokens = samples = 0
@@ -190,9 +188,7 @@ class RunPlan:
 
     @functools.cached_property
     def cluster(self) -> list[BatchPhase]:
-        """Each phase (``ranks``, ``end_step`` set) on the fewest whole nodes whose ranks each take no larger a share
-        of a step than in the first phase (which keeps the run's ranks), with micro-batches of at least
-        ``plan_for.min_micro_batch_size`` and at most ``plan_for.max_devices`` ranks."""
+        """Each phase on the fewest whole nodes that keep a rank's share of a step (``ranks``, ``end_step`` set)."""
         per_node, cap, end_step = self.devices_per_node, self.max_devices, 0
         planned: list[BatchPhase] = []
         for phase in self.phases:

@@ -37,8 +37,7 @@ _READING_KEYS = ("tokens", "batch_size", "k_star", "cbs_lower", "cbs_upper", "de
 
 
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict[str, Any]:
-    """summary.json. ``fit_seconds``: this ``trainer.fit`` call, setup included (``run_seconds``: every fit of the
-    run from its ``on_fit_start``)."""
+    """summary.json (``fit_seconds``: this ``trainer.fit`` call, setup included)."""
     val_loss, accounting, signum = trainer.callback_metrics.get(VAL_LOSS), warmup.accounting, stop_signal(trainer)
     assert accounting is not None, "run_summary: call it after fit, once the Trainer has set the BatchWarmup up"
     summary: dict[str, Any] = {
@@ -143,9 +142,7 @@ def write_run_summary(
     fit_seconds: float,
     plots: bool,
 ) -> tuple[dict[str, Any], str]:
-    """Write batch_history.json (the batch changes, guard verdicts and final counts), summary.json and, with
-    ``plots`` and a metrics.csv, the plots (also sent to the loggers); return the summary and the lines a run
-    ends with."""
+    """Write batch_history.json, summary.json and the plots; return the summary and the closing lines."""
     output_dir, accounting = Path(output_dir), warmup.accounting
     history = {
         "schedule": repr(warmup.schedule),
@@ -318,8 +315,7 @@ def _current(path: Path, source: Path) -> bool:
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the run's page (default ``RUN_DIR/report.html``); figures missing or older than their source are drawn
-    first. ValueError without a metrics.csv."""
+    """Write the run's page (default ``RUN_DIR/report.html``), drawing figures missing or stale."""
     from lit_cbs._figures import save_figure
     from lit_cbs.analysis.probe_schedule import run_config_value
     from lit_cbs.probe.plot import plot_cbs_curve
