@@ -178,8 +178,7 @@ def send_lightning_logs_to_the_job_log() -> None:
     """Lightning's messages go to Hydra's handlers, so ``train.log`` holds them too."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         lightning_logger = logging.getLogger(name)
-        for handler in list(lightning_logger.handlers):
-            lightning_logger.removeHandler(handler)
+        lightning_logger.handlers.clear()
         lightning_logger.propagate = True
 
 

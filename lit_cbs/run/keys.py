@@ -86,11 +86,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
         if not with_value and ("_" not in name or not re.search(mention, problem)):
             continue
         note = f" ({source})" if source is not None else ""
-
-        def keyed(m: re.Match[str], key: str = key, note: str = note) -> str:
-            return f"{key}{m.group(1) or ''}{note}"
-
-        first = re.sub(rf"{mention}(=[^\s;,)]+)?", keyed, message, count=1)
+        first = re.sub(rf"{mention}(=[^\s;,)]+)?", rf"{key}\g<1>{note}", message, count=1)
         head, separator, rest = first.partition(";")
         message = re.sub(mention, key, head) + separator + (re.sub(mention, key, rest) if with_value else rest)
         problem = message.partition(";")[0]

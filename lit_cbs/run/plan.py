@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -159,12 +160,9 @@ class RunPlan:
     @functools.cached_property
     def micro_batch_limit(self) -> int | None:
         """On a GPU, the largest micro-batch whose step fits plan_for.gpu_memory_gib."""
-        limit = None
-        for micro in range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else []:
-            if self._memory_at(micro, self.activation_checkpointing).total > self.gpu_memory_gib * GIB:
-                break  # memory grows with the micro-batch
-            limit = micro
-        return limit
+        sizes = range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else range(0)
+        limit, checkpointing = self.gpu_memory_gib * GIB, self.activation_checkpointing  # memory grows with micro
+        return max(itertools.takewhile(lambda m: self._memory_at(m, checkpointing).total <= limit, sizes), default=None)
 
     @functools.cached_property
     def probe(self) -> ProbeCost | None:
