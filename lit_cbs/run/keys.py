@@ -213,8 +213,10 @@ def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     siblings = [str(name) for name in node if not str(name).startswith("_")] if OmegaConf.is_dict(node) else []
     target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
-    if target and leaf in _arguments_of(target):
-        return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
+    with contextlib.suppress(ImportError, ValueError, TypeError, HydraException):  # not a class or function: no
+        argument = inspect.signature(get_object(target)).parameters.get(leaf) if target else None
+        if argument is not None and argument.kind is not argument.VAR_KEYWORD:
+            return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
     keys = _keys_of(dict_container(cfg, resolve=False))
     matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
     matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
@@ -245,11 +247,3 @@ def _keys_of(node: dict[str, Any], prefix: str = "") -> list[str]:
     for name, value in ((str(name), value) for name, value in node.items() if not str(name).startswith("_")):
         keys += [f"{prefix}{name}", *(_keys_of(value, f"{prefix}{name}.") if isinstance(value, dict) else [])]
     return keys
-
-
-def _arguments_of(target: str) -> list[str]:
-    try:
-        signature = inspect.signature(get_object(target))
-    except (ImportError, ValueError, TypeError, HydraException):
-        return []
-    return [name for name, parameter in signature.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD]
