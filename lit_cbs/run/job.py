@@ -222,11 +222,8 @@ def remove_hydra_run_dir(kept: frozenset[str]) -> None:
 
 def trained_a_step(warmup: BatchWarmup) -> bool:
     """Whether this ``trainer.fit`` read a global batch of samples since ``on_fit_start``."""
-    accounting = warmup.accounting
-    if accounting is None:
-        return False  # the fit failed before setup: it read nothing, and its own error is the one to see
-    batch = accounting.global_batch
-    return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch
+    a = warmup.accounting  # None: the fit failed before setup, read nothing, and its own error is the one to see
+    return a is not None and a.global_batch is not None and a.samples_seen - a.samples_at_fit_start >= a.global_batch
 
 
 @dataclasses.dataclass

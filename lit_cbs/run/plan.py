@@ -379,13 +379,18 @@ class RunPlan:
                 f"throughout ({sum(fixed) / sum(grown):.2f}x sooner; {hours:,.0f} device-hours either way at the "
                 "same MFU; probes not counted)"
             )
-        torchrun, sbatch = [], []
+        lines.append(
+            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:"
+        )
+        sbatch = [
+            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):"
+        ]
         for index, p in enumerate(self.cluster):
             nodes, run = p.ranks // per_node, f"outputs/{self.name}/phase{index + 1}"
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={p.end_step}" if index < len(self.cluster) - 1 else ""
             after = " --dependency=afterok:<the previous job's id>" if index else ""
-            torchrun.append(
+            lines.append(
                 f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} "
                 f"trainer.num_nodes={nodes}{stop} hydra.run.dir={run}{resume}"
             )
@@ -393,10 +398,4 @@ class RunPlan:
                 f"    RUN_DIR={run} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
                 f"{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
             )
-        return [
-            *lines,
-            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
-            *torchrun,
-            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
-            *sbatch,
-        ]
+        return lines + sbatch
