@@ -76,8 +76,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
     """``message`` with the arguments of ``groups`` written as their Hydra keys."""
     named: dict[str, tuple[str, str | None]] = {}
     for group in groups:
-        for name, found in setting_keys(cfg, group).items():
-            named.setdefault(name, found)
+        named |= {name: found for name, found in setting_keys(cfg, group).items() if name not in named}
     problem = message.partition(";")[0]
     for name in sorted(named, key=len, reverse=True):
         key, source = named[name]
@@ -176,12 +175,11 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
         composed()
         return
     except Exception as error:  # a missing key is OmegaConf's error under Hydra's; anything else is Hydra's to say
-        if not isinstance(error, ConfigCompositionException) or not isinstance(
-            error.__cause__, (ConfigAttributeError, ConfigKeyError)
-        ):
+        missing = error.__cause__ if isinstance(error, ConfigCompositionException) else None
+        if not isinstance(missing, (ConfigAttributeError, ConfigKeyError)):
             return
-        missing = error.__cause__.full_key  # the first part of the override's key the configuration lacks
-    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
+    # missing.full_key: the first part of the override's key the configuration lacks
+    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing.full_key}.")), None)
     if bad is None:
         return
     try:  # without it: another problem on the same command line is Hydra's to name
