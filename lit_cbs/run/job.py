@@ -98,9 +98,8 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     if OmegaConf.is_dict(strategy) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy"):
         strategy.data_parallel_size = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     model, datamodule = _model_and_data(cfg)
-    settings = dict_container(cfg.trainer, resolve=True)
-    for key in ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing"):
-        settings.pop(key, None)
+    dropped = ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing")
+    settings = {key: value for key, value in dict_container(cfg.trainer, resolve=True).items() if key not in dropped}
     if isinstance(settings.get("strategy"), dict):
         with group_key(cfg, "trainer.strategy"):
             settings["strategy"] = instantiate(cfg.trainer.strategy)
