@@ -59,8 +59,7 @@ def batch_warmup_of(cfg: DictConfig) -> BatchWarmup:
 
 
 def callbacks_of(cfg: DictConfig) -> list[pl.Callback]:
-    """The callbacks of ``cfg.callbacks``, less (with a warning naming its keys) any CBS probe whose first window
-    ends past max_tokens: it would stop the run once the model is built."""
+    """``cfg.callbacks``, less (with a warning) any CBS probe whose first window ends past max_tokens."""
     kept = []
     for name, callback in instantiate_named(cfg, "callbacks").items():
         if isinstance(callback, BatchWarmup):
@@ -89,8 +88,7 @@ def _model_and_data(cfg: DictConfig) -> tuple[CausalLM, TokenDataModule]:
 
 
 def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | None = None) -> RunParts:
-    """A recipe run rebuilt from its configuration for a CBS probe of one of its checkpoints: model, data,
-    BatchWarmup and Trainer settings, on ``devices`` x ``num_nodes`` processes (default: the run's)."""
+    """The run's model, data, BatchWarmup and Trainer settings for a CBS probe of its checkpoint."""
     cfg = cfg.copy()
     OmegaConf.set_struct(cfg, False)
     for key, value in (("devices", devices), ("num_nodes", num_nodes)):
@@ -100,9 +98,8 @@ def probe_parts(cfg: DictConfig, devices: int | None = None, num_nodes: int | No
     if OmegaConf.is_dict(strategy) and str(strategy.get("_target_", "")).endswith("ModelParallelStrategy"):
         strategy.data_parallel_size = int(cfg.trainer.devices) * int(cfg.trainer.num_nodes)
     model, datamodule = _model_and_data(cfg)
-    settings = dict_container(cfg.trainer, resolve=True)
-    for key in ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing"):
-        settings.pop(key, None)
+    dropped = ("_target_", "callbacks", "logger", "default_root_dir", "enable_checkpointing")
+    settings = {key: value for key, value in dict_container(cfg.trainer, resolve=True).items() if key not in dropped}
     if isinstance(settings.get("strategy"), dict):
         with group_key(cfg, "trainer.strategy"):
             settings["strategy"] = instantiate(cfg.trainer.strategy)
@@ -124,8 +121,7 @@ def _installed(package: str) -> bool:
 
 
 def loggers_of(cfg: DictConfig) -> list[Logger]:
-    """The loggers of ``cfg.logger`` (one whose package is missing stops here, naming the extra), and a CSV logger
-    writing ``<output_dir>/metrics.csv`` when none does: the summary, plots and report.html read that file."""
+    """``cfg.logger``'s loggers, with a CSV logger writing ``<output_dir>/metrics.csv`` if none does."""
     for name, node in (cfg.get("logger") or {}).items():
         target = str((node or {}).get("_target_", "")).rsplit(".", 1)[-1]
         packages = LOGGER_PACKAGES.get(target, ())
@@ -152,8 +148,7 @@ def finish_loggers(loggers: list[Logger]) -> None:
 
 
 def resume_checkpoint(cfg: DictConfig) -> str | None:
-    """The checkpoint ``trainer.fit`` resumes from: ``ckpt_path=auto``, the newest complete one in the run's folders;
-    null, none; Lightning's names as they are; a path, once complete. Interrupted writes are settled first."""
+    """The checkpoint ``trainer.fit`` resumes from (``ckpt_path=auto``: the newest complete one)."""
     given: str | None = cfg.ckpt_path
     if given is None or given in LIGHTNING_CHECKPOINT_NAMES:
         return given
@@ -182,14 +177,12 @@ def send_lightning_logs_to_the_job_log() -> None:
     """Lightning's messages go to Hydra's handlers, so ``train.log`` holds them too."""
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         lightning_logger = logging.getLogger(name)
-        for handler in list(lightning_logger.handlers):
-            lightning_logger.removeHandler(handler)
+        lightning_logger.handlers.clear()
         lightning_logger.propagate = True
 
 
 def _hydra_run() -> tuple[Path, Path, list[logging.FileHandler]] | None:
-    """(run folder, start folder, the job's log handlers) on global rank 0 of a single Hydra run (a multirun's
-    failed job keeps its folder)."""
+    """(run folder, start folder, the job's log handlers) on rank 0 of a single Hydra run, else None."""
     if not HydraConfig.initialized() or rank_zero_only.rank != 0:  # type: ignore[attr-defined]  # set at import
         return None
     config = HydraConfig.get()
@@ -200,8 +193,7 @@ def _hydra_run() -> tuple[Path, Path, list[logging.FileHandler]] | None:
 
 
 def earlier_entries() -> frozenset[str]:
-    """What a job that trains nothing leaves in its run folder: nothing when it holds only Hydra's files for this
-    job, else everything (an earlier run's folder given as ``hydra.run.dir``). Called before the job writes."""
+    """What a job that trains nothing keeps of its run folder: all of an earlier run's, else nothing."""
     if (run := _hydra_run()) is None or not run[0].is_dir():
         return frozenset()
     entries = frozenset(entry.name for entry in run[0].iterdir())
@@ -210,8 +202,7 @@ def earlier_entries() -> frozenset[str]:
 
 
 def remove_hydra_run_dir(kept: frozenset[str]) -> None:
-    """Take back what a job that trained nothing wrote into its run folder (all but ``kept``, Hydra's files and the
-    job log included), then the folders left empty, up to the one the job started in."""
+    """Remove what a job that trained nothing wrote (all but ``kept``), and the folders left empty."""
     if (run := _hydra_run()) is None:
         return
     run_dir, start, logs = run
@@ -229,13 +220,9 @@ def remove_hydra_run_dir(kept: frozenset[str]) -> None:
 
 
 def trained_a_step(warmup: BatchWarmup) -> bool:
-    """Whether this ``trainer.fit`` may have taken an optimizer step: it read a global batch of samples or more since
-    ``on_fit_start`` (FSDP2, which loads the checkpoint after that hook, counts a resumed run's earlier ones too)."""
-    accounting = warmup.accounting
-    if accounting is None:
-        return False  # the fit failed before setup: it read nothing, and its own error is the one to see
-    batch = accounting.global_batch
-    return batch is not None and accounting.samples_seen - accounting.samples_at_fit_start >= batch
+    """Whether this ``trainer.fit`` read a global batch of samples since ``on_fit_start``."""
+    a = warmup.accounting  # None: the fit failed before setup, read nothing, and its own error is the one to see
+    return a is not None and a.global_batch is not None and a.samples_seen - a.samples_at_fit_start >= a.global_batch
 
 
 @dataclasses.dataclass

@@ -55,8 +55,7 @@ def dict_container(node: DictConfig, resolve: bool) -> dict[str, Any]:
 
 
 def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None]]:
-    """Argument name -> (the Hydra key that sets it, the key its value is interpolated from or None), for ``group``
-    and the groups nested in it, outer names first; a group interpolated whole is named at its source key."""
+    """Argument name of ``group`` (and groups nested in it) -> (its Hydra key, the key it is interpolated from)."""
     keys: dict[str, tuple[str, str | None]] = {}
     node = OmegaConf.select(cfg, group, throw_on_resolution_failure=False)
     raw = dict_container(node, resolve=False) if OmegaConf.is_dict(node) else {}
@@ -74,13 +73,10 @@ def setting_keys(cfg: DictConfig, group: str) -> dict[str, tuple[str, str | None
 
 
 def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
-    """``message`` with the arguments of ``groups`` written as their Hydra keys (``total_tokens=65536`` ->
-    ``lr_schedule.total_tokens=65536 (max_tokens)``): everywhere when written with a value or field, bare (and
-    only with an underscore) in the first clause only, before the ``;`` that starts the advice."""
+    """``message`` with the arguments of ``groups`` written as their Hydra keys."""
     named: dict[str, tuple[str, str | None]] = {}
     for group in groups:
-        for name, found in setting_keys(cfg, group).items():
-            named.setdefault(name, found)
+        named |= {name: found for name, found in setting_keys(cfg, group).items() if name not in named}
     problem = message.partition(";")[0]
     for name in sorted(named, key=len, reverse=True):
         key, source = named[name]
@@ -89,11 +85,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
         if not with_value and ("_" not in name or not re.search(mention, problem)):
             continue
         note = f" ({source})" if source is not None else ""
-
-        def keyed(m: re.Match[str], key: str = key, note: str = note) -> str:
-            return f"{key}{m.group(1) or ''}{note}"
-
-        first = re.sub(rf"{mention}(=[^\s;,)]+)?", keyed, message, count=1)
+        first = re.sub(rf"{mention}(=[^\s;,)]+)?", rf"{key}\g<1>{note}", message, count=1)
         head, separator, rest = first.partition(";")
         message = re.sub(mention, key, head) + separator + (re.sub(mention, key, rest) if with_value else rest)
         problem = message.partition(";")[0]
@@ -102,8 +94,7 @@ def name_the_keys(cfg: DictConfig, groups: Iterable[str], message: str) -> str:
 
 @contextlib.contextmanager
 def group_key(cfg: DictConfig, group: str) -> Iterator[None]:
-    """Build ``group`` inside: a configuration error becomes a LitCBSConfigError naming its Hydra keys (else led by
-    ``group: ``); a LitCBSConfigWarning, a ``warning: ...`` line in the job's log named the same way."""
+    """Build ``group`` inside: its config errors and LitCBSConfigWarnings name their Hydra keys."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", LitCBSConfigWarning)
         try:
@@ -138,8 +129,7 @@ def instantiate_named(cfg: DictConfig, what: str) -> dict[str, Any]:
 
 
 def name_the_run_keys(cfg: DictConfig, message: str) -> str:
-    """``message`` of an error raised inside ``trainer.fit``, with the Trainer's, BatchWarmup's and the callbacks'
-    arguments written as their Hydra keys."""
+    """``message`` with the Trainer's, BatchWarmup's and the callbacks' arguments as their Hydra keys."""
     callbacks = [f"callbacks.{name}" for name, node in (cfg.callbacks or {}).items() if node is not None]
     return name_the_keys(cfg, ["trainer", "batch", *callbacks], message)
 
@@ -151,8 +141,7 @@ def model_config_of(cfg: DictConfig) -> Any:
 
 
 def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
-    """End the job with one ``error:`` line (``line``, default the error's own): a single run exits, a multirun's job
-    fails and Hydra goes on; HYDRA_FULL_ERROR=1 raises the error itself."""
+    """End the job with one ``error:`` line (HYDRA_FULL_ERROR=1 raises the error itself)."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     line = line or one_line(error)
@@ -167,10 +156,7 @@ def stop_on_config_error(error: BaseException, line: str | None = None) -> None:
 
 
 def check_command_line(config_dir: Path, argv: list[str]) -> None:
-    """Refuse, before Hydra composes the job, a command line that sets a key the configuration lacks (Hydra would
-    advise ``+key=value``, which adds a typo nothing reads): LitCBSConfigError naming the key to set instead, the
-    keys it is close to, or the ``+`` for an argument of a ``_target_`` left at its default. A multirun is checked
-    on its first job; anything else is left to Hydra's own message."""
+    """Refuse, before Hydra composes the job, a command-line key the configuration lacks, naming the fix."""
     args = hydra_command_line(argv)
     if any((args.config_path, args.config_dir, args.help, args.hydra_help, args.info, args.shell_completion)):
         return
@@ -189,12 +175,11 @@ def check_command_line(config_dir: Path, argv: list[str]) -> None:
         composed()
         return
     except Exception as error:  # a missing key is OmegaConf's error under Hydra's; anything else is Hydra's to say
-        if not isinstance(error, ConfigCompositionException) or not isinstance(
-            error.__cause__, (ConfigAttributeError, ConfigKeyError)
-        ):
+        missing = error.__cause__ if isinstance(error, ConfigCompositionException) else None
+        if not isinstance(missing, (ConfigAttributeError, ConfigKeyError)):
             return
-        missing = error.__cause__.full_key  # the first part of the override's key the configuration lacks
-    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing}.")), None)
+    # missing.full_key: the first part of the override's key the configuration lacks
+    bad = next((o for o in overrides if f"{o.key_or_group}.".startswith(f"{missing.full_key}.")), None)
     if bad is None:
         return
     try:  # without it: another problem on the same command line is Hydra's to name
@@ -226,8 +211,10 @@ def _fix_for_missing_key(cfg: DictConfig, key: str, line: str) -> str:
     node = OmegaConf.select(cfg, parent) if parent else cfg
     siblings = [str(name) for name in node if not str(name).startswith("_")] if OmegaConf.is_dict(node) else []
     target = str(node.get("_target_", "")) if OmegaConf.is_dict(node) else ""
-    if target and leaf in _arguments_of(target):
-        return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
+    with contextlib.suppress(ImportError, ValueError, TypeError, HydraException):  # not a class or function: no
+        argument = inspect.signature(get_object(target)).parameters.get(leaf) if target else None
+        if argument is not None and argument.kind is not argument.VAR_KEYWORD:
+            return f"the recipes leave {target.rsplit('.', 1)[-1]}({leaf}) at its default; add +{line}"
     keys = _keys_of(dict_container(cfg, resolve=False))
     matches = [f"{parent}.{name}" if parent else name for name in difflib.get_close_matches(leaf, siblings, cutoff=0.8)]
     matches += [other for other in keys if other.rpartition(".")[2] == leaf]  # the same name in another group
@@ -258,11 +245,3 @@ def _keys_of(node: dict[str, Any], prefix: str = "") -> list[str]:
     for name, value in ((str(name), value) for name, value in node.items() if not str(name).startswith("_")):
         keys += [f"{prefix}{name}", *(_keys_of(value, f"{prefix}{name}.") if isinstance(value, dict) else [])]
     return keys
-
-
-def _arguments_of(target: str) -> list[str]:
-    try:
-        signature = inspect.signature(get_object(target))
-    except (ImportError, ValueError, TypeError, HydraException):
-        return []
-    return [name for name, parameter in signature.parameters.items() if parameter.kind is not parameter.VAR_KEYWORD]

@@ -56,8 +56,7 @@ class ModelShape:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerState:
-    """What an optimizer keeps per parameter tensor: ``per_element`` tensors the parameter's size and dtype, and
-    ``bytes_per_tensor`` bytes besides (a step count)."""
+    """Per parameter tensor: ``per_element`` tensors of its size and dtype, and ``bytes_per_tensor`` bytes."""
 
     name: str
     per_element: int
@@ -105,8 +104,7 @@ def device_memory(
     activation_checkpointing: bool,
     optimizer: OptimizerState = ADAMW_STATE,
 ) -> DeviceMemory:
-    """Peak bytes per device of a training step. ``strategy``: ``single``, ``ddp`` or ``fsdp`` (FSDP2 shards the
-    model state over ``data_parallel_size`` and gathers the root and up to three blocks)."""
+    """Peak bytes per device of a training step (``strategy``: single, ddp or fsdp)."""
     config, tokens = shape.config, micro_batch * seq_len
     shards = data_parallel_size if strategy == "fsdp" else 1
     param_bytes, parameters, optimizer_state = shape.state_bytes(precision, shards, optimizer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,9 +41,7 @@ def batch_phases(
     data_parallel_size: int,
     lr_factor: Callable[[float], float],
 ) -> list[BatchPhase]:
-    """The run's phases, step by step as BatchWarmup takes them (one epoch): a change waits for the samples seen to
-    be a multiple of the new batch; the run stops after the step that reaches ``max_tokens``. ``micro_batch``:
-    samples per rank, or global batch -> micro-batch."""
+    """The run's phases, step by step as BatchWarmup takes them (one epoch)."""
     micro_for = micro_batch if callable(micro_batch) else (lambda global_batch: micro_batch)
     spans: list[list[Any]] = []  # [start tokens, global batch, optimizer steps, LR factor]
     tokens = samples = 0
@@ -161,12 +160,9 @@ class RunPlan:
     @functools.cached_property
     def micro_batch_limit(self) -> int | None:
         """On a GPU, the largest micro-batch whose step fits plan_for.gpu_memory_gib."""
-        limit = None
-        for micro in range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else []:
-            if self._memory_at(micro, self.activation_checkpointing).total > self.gpu_memory_gib * GIB:
-                break  # memory grows with the micro-batch
-            limit = micro
-        return limit
+        sizes = range(1, max(self.schedule.sizes()) // self.processes + 1) if self.on_gpu else range(0)
+        limit, checkpointing = self.gpu_memory_gib * GIB, self.activation_checkpointing  # memory grows with micro
+        return max(itertools.takewhile(lambda m: self._memory_at(m, checkpointing).total <= limit, sizes), default=None)
 
     @functools.cached_property
     def probe(self) -> ProbeCost | None:
@@ -190,9 +186,7 @@ class RunPlan:
 
     @functools.cached_property
     def cluster(self) -> list[BatchPhase]:
-        """Each phase (``ranks``, ``end_step`` set) on the fewest whole nodes whose ranks each take no larger a share
-        of a step than in the first phase (which keeps the run's ranks), with micro-batches of at least
-        ``plan_for.min_micro_batch_size`` and at most ``plan_for.max_devices`` ranks."""
+        """Each phase on the fewest whole nodes that keep a rank's share of a step (``ranks``, ``end_step`` set)."""
         per_node, cap, end_step = self.devices_per_node, self.max_devices, 0
         planned: list[BatchPhase] = []
         for phase in self.phases:
@@ -385,13 +379,18 @@ class RunPlan:
                 f"throughout ({sum(fixed) / sum(grown):.2f}x sooner; {hours:,.0f} device-hours either way at the "
                 "same MFU; probes not counted)"
             )
-        torchrun, sbatch = [], []
+        lines.append(
+            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:"
+        )
+        sbatch = [
+            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):"
+        ]
         for index, p in enumerate(self.cluster):
             nodes, run = p.ranks // per_node, f"outputs/{self.name}/phase{index + 1}"
             resume = f" ckpt_path=outputs/{self.name}/phase{index}/checkpoints/last.ckpt" if index else ""
             stop = f" trainer.max_steps={p.end_step}" if index < len(self.cluster) - 1 else ""
             after = " --dependency=afterok:<the previous job's id>" if index else ""
-            torchrun.append(
+            lines.append(
                 f"    torchrun --nnodes {nodes} --nproc_per_node {per_node} {self.command} "
                 f"trainer.num_nodes={nodes}{stop} hydra.run.dir={run}{resume}"
             )
@@ -399,10 +398,4 @@ class RunPlan:
                 f"    RUN_DIR={run} sbatch --nodes={nodes} --ntasks-per-node={per_node}"
                 f"{after} recipes/slurm/train.sbatch {self.slurm_arguments}{stop}{resume}"
             )
-        return [
-            *lines,
-            "  stop each phase where the batch grows (trainer.max_steps) and resume the run on the next phase's nodes:",
-            *torchrun,
-            "  or as SLURM jobs, each after the one before (recipes/slurm/train.sbatch sets the nodes and devices):",
-            *sbatch,
-        ]
+        return lines + sbatch

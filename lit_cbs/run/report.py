@@ -37,8 +37,7 @@ _READING_KEYS = ("tokens", "batch_size", "k_star", "cbs_lower", "cbs_upper", "de
 
 
 def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_seconds: float) -> dict[str, Any]:
-    """summary.json. ``fit_seconds``: this ``trainer.fit`` call, setup included (``run_seconds``: every fit of the
-    run from its ``on_fit_start``)."""
+    """summary.json (``fit_seconds``: this ``trainer.fit`` call, setup included)."""
     val_loss, accounting, signum = trainer.callback_metrics.get(VAL_LOSS), warmup.accounting, stop_signal(trainer)
     assert accounting is not None, "run_summary: call it after fit, once the Trainer has set the BatchWarmup up"
     summary: dict[str, Any] = {
@@ -71,41 +70,8 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
     return summary
 
 
-def _probe_rows(probe: dict[str, Any], tokens: int, rows: list[tuple[str, str]]) -> None:
-    """Insert the probe's rows (readings, points, side-job waits, CBSAdaptive's) into ``rows``."""
-    if probe["readings"]:
-        readings = "; ".join(
-            (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
-            + f" at {r['tokens']:,} tokens, "
-            + ("determined" if r["determined"] else "undetermined")
-            for r in probe["readings"]
-        )
-        share = probe["tokens"] / tokens
-        cost = f"{probe['tokens']:,} tokens ({share:.0%} of training) in {probe['optimizer_steps']:,} optimizer steps"
-        rows.insert(3, ("CBS (samples)", f"{readings}; probes trained {cost}"))
-    points = probe.get("points")
-    if points:
-        failed, pending = points["failed"], points["pending"]
-        said = (
-            f"{points['read']} read ({points['determined']} determined), {len(failed)} failed, {len(pending)} pending"
-        )
-        if failed:
-            reasons = "; ".join(dict.fromkeys(failure["reason"] for failure in failed))
-            at = ", ".join(f"{failure['tokens']:,}" for failure in failed)
-            said += f". FAILED at {at} tokens: {reasons}"
-        if pending:
-            said += f". Pending at {', '.join(f'{tokens:,}' for tokens in pending)} tokens (last.ckpt collects them)"
-        rows.insert(0 if failed or pending else 4 if probe["readings"] else 3, ("probe points", said))
-    waits = probe.get("side_jobs")
-    if waits:
-        said = (
-            f"{waits['checkpoint']:.1f} s writing {waits['checkpoints']} checkpoint(s), {waits['poll']:.1f} s in "
-            f"{waits['polls']:,} looks for results, {waits['at_end']:.1f} s for the last readings at the end"
-        )
-        rows.insert([label for label, _ in rows].index("wall time") + 1, ("side-job waits", said))
-    adaptive = probe.get("adaptive")
-    if adaptive and adaptive["why_not"]:
-        rows.insert(0, ("CBSAdaptive", f"NEVER GREW THE BATCH: {adaptive['why_not']}"))
+_waits = "{checkpoint:.1f} s writing {checkpoints} checkpoint(s), {poll:.1f} s in {polls:,} looks for results, "
+_waits += "{at_end:.1f} s for the last readings at the end"
 
 
 def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -124,19 +90,43 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     wall = f"{seconds:,.1f} s (trainer.fit, setup included)"
     if resumed:  # every fit of the run counted without its setup
         wall += f"; {summary['run_seconds']:,.1f} s over the whole run, every fit counted without its setup"
-    rows = [
+    probe = summary["probe"] or {}
+    readings, points, waits, adaptive = (probe.get(key) for key in ("readings", "points", "side_jobs", "adaptive"))
+    cbs = points_said = None
+    if readings:
+        cbs = "; ".join(
+            (f"[{r['cbs_lower']:g}, {r['cbs_upper']:g}]" if r["cbs_upper"] is not None else f">= {r['cbs_lower']:g}")
+            + f" at {r['tokens']:,} tokens, "
+            + ("determined" if r["determined"] else "undetermined")
+            for r in readings
+        )
+        cost = f"{probe['tokens']:,} tokens ({probe['tokens'] / tokens:.0%} of training)"
+        cbs += f"; probes trained {cost} in {probe['optimizer_steps']:,} optimizer steps"
+    failed, pending = (points[key] if points else [] for key in ("failed", "pending"))
+    if points:
+        points_said = f"{points['read']} read ({points['determined']} determined), {len(failed)} failed, "
+        points_said += f"{len(pending)} pending"
+        if failed:
+            reasons = "; ".join(dict.fromkeys(failure["reason"] for failure in failed))
+            at = ", ".join(f"{failure['tokens']:,}" for failure in failed)
+            points_said += f". FAILED at {at} tokens: {reasons}"
+        if pending:
+            points_said += f". Pending at {', '.join(f'{t:,}' for t in pending)} tokens (last.ckpt collects them)"
+    stopped, resume = summary.get("stopped_by"), "resume from checkpoints/last.ckpt (ckpt_path=...)"
+    rows = [  # the troubles first
+        ("CBSAdaptive", adaptive and adaptive["why_not"] and f"NEVER GREW THE BATCH: {adaptive['why_not']}"),
+        ("probe points", points_said if failed or pending else None),
         ("tokens", f"{tokens:,} ({throughput})"),
         ("optimizer steps", f"{steps:,} ({fewer:.0%} fewer than at the starting batch {first})"),
         ("batch changes", changes or "none"),
+        ("CBS (samples)", cbs),
+        ("probe points", None if failed or pending else points_said),
         ("final val/loss", f"{val_loss:.4f} nats per token" if val_loss is not None else "(not evaluated)"),
         ("wall time", wall),
+        ("side-job waits", waits and _waits.format(**waits)),
+        ("stopped by", stopped and f"{stopped} after step {steps:,}: {resume}"),
     ]
-    if summary.get("stopped_by"):
-        resume = "resume from checkpoints/last.ckpt (ckpt_path=...)"
-        rows.append(("stopped by", f"{summary['stopped_by']} after step {steps:,}: {resume}"))
-    if summary["probe"]:
-        _probe_rows(summary["probe"], tokens, rows)
-    return rows
+    return [(label, value) for label, value in rows if value]
 
 
 def summary_text(summary: dict[str, Any]) -> str:
@@ -152,9 +142,7 @@ def write_run_summary(
     fit_seconds: float,
     plots: bool,
 ) -> tuple[dict[str, Any], str]:
-    """Write batch_history.json (the batch changes, guard verdicts and final counts), summary.json and, with
-    ``plots`` and a metrics.csv, the plots (also sent to the loggers); return the summary and the lines a run
-    ends with."""
+    """Write batch_history.json, summary.json and the plots; return the summary and the closing lines."""
     output_dir, accounting = Path(output_dir), warmup.accounting
     history = {
         "schedule": repr(warmup.schedule),
@@ -327,8 +315,7 @@ def _current(path: Path, source: Path) -> bool:
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Write the run's page (default ``RUN_DIR/report.html``); figures missing or older than their source are drawn
-    first. ValueError without a metrics.csv."""
+    """Write the run's page (default ``RUN_DIR/report.html``), drawing figures missing or stale."""
     from lit_cbs._figures import save_figure
     from lit_cbs.analysis.probe_schedule import run_config_value
     from lit_cbs.probe.plot import plot_cbs_curve

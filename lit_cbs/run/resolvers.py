@@ -36,8 +36,7 @@ def world_size(devices: Any, num_nodes: int | str) -> int:
 
 
 def scaled_lr(lr: float | str, batch_size: int | str, base_batch_size: int | str, rule: str = "sqrt") -> float:
-    """``lr`` tuned at ``base_batch_size`` samples, scaled to ``batch_size`` samples by an LR rule, as BatchWarmup
-    would scale it."""
+    """``lr`` tuned at ``base_batch_size`` samples, scaled to ``batch_size`` by an LR rule."""
     return float(lr) * get_lr_rule(rule).factor(float(batch_size) / float(base_batch_size))
 
 
@@ -57,8 +56,7 @@ def remember_swept_keys(arguments: list[str]) -> None:
 
 
 def sweep_subdir(job_number: int | str, run_name: str, job_overrides: list[str]) -> str:
-    """A multirun job's folder: ``<n>_<run_name>``, then the job's values of the keys the command line sweeps
-    (``..._batch.schedule.batch_size=16``)."""
+    """A multirun job's folder: ``<n>_<run_name>`` and its values of the swept keys."""
     remembered = os.environ.get(SWEPT_KEYS)
     swept = set(remembered.split(",") if remembered else swept_keys(sys.argv[1:]))
     own = [item for item in job_overrides if item.split("=", 1)[0].lstrip("+~") in swept - {"recipe"}]
