@@ -122,7 +122,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, d = x.shape
         heads = [
-            p(x).view(batch, seq_len, self.n_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj)
+            p(x).view(batch, seq_len, self.n_heads, d // self.n_heads).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
         ]
         q, k, v = apply_rotary(heads[0], cos, sin), apply_rotary(heads[1], cos, sin), heads[2]
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)

@@ -31,6 +31,15 @@ def built(**kwargs) -> CausalLM:
     return module
 
 
+def test_a_micro_batch_of_no_sample_gives_a_finite_loss_and_a_zero_gradient():
+    # Under DDP an epoch's last micro-batch can hold no sample on one rank, which still runs its step.
+    module = built(config="tiny")
+    loss = module.training_step(torch.zeros(0, 9, dtype=torch.long), 0)
+    assert loss.item() == 0.0
+    loss.backward()
+    assert all(p.grad is not None and not p.grad.any() for p in module.parameters())
+
+
 def test_model_config_forms():
     assert resolve_model_config("tiny") == get_config("tiny")
     assert resolve_model_config({"preset": "olmo_1b", "n_layers": 2}).n_layers == 2
