@@ -4,7 +4,6 @@ against the installed versions."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,7 +13,6 @@ from torch.utils._pytree import tree_map as tree_map
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import Strategy
 
 # What each function (or module) reaches: dotted paths from a module or a live object (trainer., metric., ...).
 PRIVATE_ATTRIBUTES = {
@@ -24,12 +22,10 @@ PRIVATE_ATTRIBUTES = {
     "given_train_loader": ("trainer.fit_loop._data_source",),
     "collect_rng_states": ("lightning.fabric.utilities.seed._collect_rng_states",),
     "set_rng_states": ("lightning.fabric.utilities.seed._set_rng_states",),
-    "block_ddp_gradient_sync": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
     "request_val_dataloaders": (
         "trainer.fit_loop.epoch_loop.val_loop._data_source",
         "lightning.pytorch.trainer.connectors.data_connector._request_dataloader",
     ),
-    "prepare_val_dataloader": ("lightning.pytorch.trainer.connectors.data_connector._process_dataloader",),
     "inner_schedulers": ("sequential_lr._schedulers",),
     "scale_last_lr": ("lr_scheduler._last_lr",),
     "checkpoint_wrapper": ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",),
@@ -40,6 +36,8 @@ PRIVATE_ATTRIBUTES = {
     "foreach_norm": ("torch._foreach_norm",),
     "hydra_command_line": ("hydra._internal.utils.get_args_parser",),
     # Read in place by the one module that needs each (a subclass's own attributes, or one line).
+    "lit_cbs.probe.branch": ("lightning.pytorch.loops.utilities._block_parallel_sync_behavior",),
+    "lit_cbs.probe.in_process": ("lightning.pytorch.trainer.connectors.data_connector._process_dataloader",),
     "lit_cbs.callbacks.accounting": (
         "trainer.fit_loop.max_batches",
         "trainer.fit_loop._combined_loader",
@@ -96,21 +94,6 @@ def request_val_dataloaders(trainer: pl.Trainer) -> Any:
     from lightning.pytorch.trainer.connectors.data_connector import _request_dataloader
 
     return _request_dataloader(source) if source.is_defined() else None
-
-
-def prepare_val_dataloader(trainer: pl.Trainer, dataloader: Any) -> Any:
-    """``dataloader`` as Lightning's validation reads it during fit (under DDP, with a DistributedSampler)."""
-    from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
-    from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-
-    return _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, dataloader)
-
-
-def block_ddp_gradient_sync(strategy: Strategy, block: bool) -> AbstractContextManager[Any]:
-    """Context in which DDP's backward does not all-reduce gradients (``block=True``); a no-op elsewhere."""
-    from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
-
-    return _block_parallel_sync_behavior(strategy, block=block)
 
 
 def collect_rng_states(include_cuda: bool) -> dict[str, Any]:

@@ -230,8 +230,7 @@ class BatchAccounting(Callback):
     def set_micro_batch_size(self, value: int) -> None:
         """Set the micro-batch (samples per rank) the train loader yields from the next micro-batch on."""
         trainer = self.trainer
-        if trainer is None:
-            raise RuntimeError("BatchAccounting.set_micro_batch_size before its setup(trainer, pl_module, 'fit')")
+        assert trainer is not None  # BatchWarmup sets it from its setup on, after this one's
         owner = micro_batch_owner(trainer, trainer.lightning_module)
         if not isinstance(owner, DataLoader):
             owner.batch_size = value

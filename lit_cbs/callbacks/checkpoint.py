@@ -95,18 +95,16 @@ class FinalStateCheckpoint(ModelCheckpoint):
         signum = arrived[0]  # SIGTERM first
         self.stop_signal = signum
         self._restore_lightning_handlers()
-        name = signal.Signals(signum).name
-        window = self.probe_window_step
-        inside = ""
+        window, inside = self.probe_window_step, ""
         if window is not None:
-            inside = f", inside the CBS probe whose window began at step {window}"
-            if self.save_last:
-                retrained = trainer.global_step - window
-                inside += (
-                    f": last.ckpt holds step {window}, so a resumed run redoes the probe there ({retrained} main-run "
-                    f"step{'s are' if retrained != 1 else ' is'} retrained)"
-                )
-        rank_zero_info(f"{name}: stopping after step {trainer.global_step}{inside}")
+            retrained = trainer.global_step - window
+            inside = f", inside the CBS probe whose window began at step {window}" + (
+                f": last.ckpt holds step {window}, so a resumed run redoes the probe there ({retrained} main-run "
+                f"step{'s are' if retrained != 1 else ' is'} retrained)"
+                if self.save_last
+                else ""
+            )
+        rank_zero_info(f"{signal.Signals(signum).name}: stopping after step {trainer.global_step}{inside}")
         handler = signal.getsignal(signum)
         if callable(handler):
             handler(signum, None)
@@ -219,8 +217,7 @@ class FinalStateCheckpoint(ModelCheckpoint):
 
     def _last_path(self) -> Path:
         """Where ``last.ckpt`` goes, in ``dirpath`` (which ``ModelCheckpoint.setup`` resolves)."""
-        if self.dirpath is None:
-            raise RuntimeError("FinalStateCheckpoint has no dirpath: its setup(trainer, pl_module, 'fit') has not run")
+        assert self.dirpath is not None  # set by setup
         return Path(self.dirpath) / f"{self.CHECKPOINT_NAME_LAST}{self.FILE_EXTENSION}"
 
     def _save_last_now(self, trainer: pl.Trainer) -> None:

@@ -3,7 +3,7 @@ others': ``GradientSync`` (FSDP2) and ``StepTokens`` (``token_mean_loss``'s side
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,21 +42,13 @@ class GradientSync(Callback):
             self.set(not should_accumulate(trainer))
 
 
-class _Counts(Protocol):  # BatchAccounting
-    in_branch: bool
-
-
 class StepTokens(Callback):
     """The counted tokens of the optimizer step under way (this rank's). ``BatchAccounting`` places it right
     after itself, so the step's gradient is rescaled before any other callback sees it."""
 
-    def __init__(self, accounting: _Counts) -> None:
+    def __init__(self, accounting: Any) -> None:  # BatchAccounting, which imports this
         self._accounting = accounting  # a CBS probe's branch (in_branch) rescales its own steps
         self.count: torch.Tensor | None = None  # None: no micro-batch of this step used token_mean_loss
-
-    @property
-    def active(self) -> bool:
-        return self.count is not None
 
     def add(self, loss_sum: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
         tokens = torch.as_tensor(tokens, device=loss_sum.device, dtype=torch.float64)

@@ -191,7 +191,13 @@ class BatchWarmup(WarmupCore, Callback):
         before = accounting.checkpoint_data_parallel_size
         assert before is not None and self.micro_batch_size is not None
         ranks = self.data_parallel_size = accounting.data_parallel_size
-        loader = checks.check_loader_regroups(trainer, before, ranks)
+        if (loader := resizable_train_loader(trainer)) is None:  # another loader would skip or repeat samples
+            raise LitCBSConfigError(
+                f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
+                f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
+                f"skip or repeat samples; build it with lit_cbs.GlobalOrderLoader (one order for any number of "
+                f"ranks), or resume on {before} ranks"
+            )
         self.check_sizes(self._sizes_to_come(), self.micro_batch_size, ranks, name=f"global batch on {ranks} ranks")
         old = (self.micro_batch_size, self.accumulate)
         micro = self.micro_batch_for(self._batch)

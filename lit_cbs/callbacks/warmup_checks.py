@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from typing import Any, TypeGuard
@@ -14,7 +15,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.validation import TokenValidation
-from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive, PiecewiseBatch
 from lit_cbs.rules.guard import BatchGuard
@@ -117,18 +117,6 @@ def check_optimizer_rules(trainer: pl.Trainer, warmup: WarmupCore, consumed: int
             )
 
 
-def check_loader_regroups(trainer: pl.Trainer, before: int, ranks: int) -> GlobalOrderLoader:
-    """The ``GlobalOrderLoader`` of a run resumed on ``ranks`` ranks from ``before``; another would skip or repeat."""
-    if (loader := resizable_train_loader(trainer)) is None:
-        raise LitCBSConfigError(
-            f"the checkpoint was trained on {before} data-parallel ranks and this run has {ranks}: the train "
-            f"loader ({type(trainer.train_dataloader).__name__}) splits its samples by rank, so going on would "
-            f"skip or repeat samples; build it with lit_cbs.GlobalOrderLoader (one order for any number of "
-            f"ranks), or resume on {before} ranks"
-        )
-    return loader
-
-
 def warn_checkpoints_inside_accumulation(
     trainer: pl.Trainer, pl_module: pl.LightningModule, accumulations: set[int]
 ) -> None:
@@ -180,49 +168,38 @@ def check_first_batch(
         )
     if isinstance(schedule, CBSAdaptive):
         return  # its batches come from readings, not from the consumed count
-    seq_len = accounting.seq_len or 0  # 0 for data without tokens
-    samples_seen, tokens_seen = accounting.samples_seen, accounting.tokens_seen
-    samples = samples_before_step if samples_before_step is not None else samples_seen
-    tokens = tokens_seen - (samples_seen - samples) * seq_len
-    limits = _run_limits(trainer, accounting, samples)  # (setting, unit, amount left)
-    if not limits:
+    seq_len, unit = accounting.seq_len or 0, schedule.unit  # 0 for data without tokens
+    samples = samples_before_step if samples_before_step is not None else accounting.samples_seen
+    start = {"samples": samples, "tokens": accounting.tokens_seen - (accounting.samples_seen - samples) * seq_len}
+    if not (limits := _run_limits(trainer, accounting, samples)):  # (setting, unit, amount left)
         return
-    batch, reached, steps_taken = global_batch, {global_batch}, 0
-    start = {"samples": samples, "tokens": tokens}
+    batch, reached, used = global_batch, {global_batch}, {"steps": 0, "samples": 0, "tokens": 0}
 
-    def steps_left(limit: tuple[str, str, int]) -> int:  # at ``batch``, until ``limit`` ends the run
-        _, unit, left = limit
-        used = steps_taken if unit == "steps" else {"samples": samples, "tokens": tokens}[unit] - start[unit]
-        per_step = {"steps": 1, "samples": batch, "tokens": batch * seq_len}[unit]
-        return max(0, -(-(left - used) // per_step)) if per_step else 0
+    def changed(steps: int) -> bool:  # whether the schedule asks for another batch after ``steps`` more at ``batch``
+        return schedule.batch_size(start[unit] + used[unit] + steps * per[unit]) != batch
 
-    def changed(steps: int) -> bool:  # whether the schedule asks for another batch after ``steps`` at ``batch``
-        consumed = tokens + steps * batch * seq_len if schedule.unit == "tokens" else samples + steps * batch
-        return schedule.batch_size(consumed) != batch
-
-    while (k_limit := min(steps_left(limit) for limit in limits)) and changed(k_limit):
-        # The fewest steps to a change (galloping, then bisecting: a schedule moves one way with what is consumed).
-        low, high = 0, 1
-        while high < k_limit and not changed(high):
-            low, high = high, min(2 * high, k_limit)
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (low, middle) if changed(middle) else (middle, high)
-        samples, tokens, steps_taken = samples + high * batch, tokens + high * batch * seq_len, steps_taken + high
-        batch = schedule.batch_size(tokens if schedule.unit == "tokens" else samples)
+    while True:
+        per = {"steps": 1, "samples": batch, "tokens": batch * seq_len}
+        left = [max(0, -(-(amount - used[u]) // per[u])) for _, u, amount in limits]  # steps at ``batch``
+        if not ((k := min(left)) and changed(k)):
+            break
+        # The fewest steps to a change (a schedule moves one way with what is consumed).
+        high = bisect.bisect_left(range(1, k + 1), True, key=changed) + 1
+        used = {name: count + high * per[name] for name, count in used.items()}
+        batch = schedule.batch_size(start[unit] + used[unit])
         reached.add(batch)
-    consumed = tokens_seen if schedule.unit == "tokens" else samples_seen
+    consumed = accounting.tokens_seen if unit == "tokens" else accounting.samples_seen
     never = [size for size in schedule.sizes(consumed) if size not in reached]
     if not never:
         return
-    ending = min(limits, key=steps_left)[0]
-    samples, tokens = samples + k_limit * batch, tokens + k_limit * batch * seq_len  # where the run ends
+    ending = limits[left.index(k)][0]
+    samples, tokens = (start[name] + used[name] + k * per[name] for name in ("samples", "tokens"))  # where it ends
     where, hint = ", ".join(map(str, never)), ""
     if isinstance(schedule, PiecewiseBatch):
         starts = dict(zip(schedule.batch_sizes, schedule.thresholds))
-        where = ", ".join(f"{size} (from {starts[size]:,} {schedule.unit})" for size in never)
+        where = ", ".join(f"{size} (from {starts[size]:,} {unit})" for size in never)
         thresholds = [t for t, size in zip(schedule.thresholds, schedule.batch_sizes) if size in never]
-        if schedule.unit == "samples" and seq_len and thresholds and thresholds[0] <= tokens:
+        if unit == "samples" and seq_len and thresholds and thresholds[0] <= tokens:
             hint = (
                 "; its thresholds are in samples (unit='samples'), but read as tokens they fall inside the run: "
                 "did you mean unit='tokens'?"
@@ -244,17 +221,12 @@ def _run_limits(trainer: pl.Trainer, accounting: BatchAccounting, samples: int) 
     if trainer.max_steps is not None and trainer.max_steps >= 0:
         limits.append((f"Trainer(max_steps={trainer.max_steps:,})", "steps", trainer.max_steps - trainer.global_step))
     if trainer.max_epochs is not None and trainer.max_epochs >= 0:
-        loader, ranks, micro = (
-            resizable_train_loader(trainer),
-            accounting.data_parallel_size,
-            accounting.micro_batch_size,
-        )
-        if loader is not None:
+        micro = (accounting.micro_batch_size or 0) * accounting.data_parallel_size  # read off the first batch
+        if (loader := resizable_train_loader(trainer)) is not None:
             per_epoch, this_epoch = loader.num_samples, loader.position
         elif isinstance(trainer.num_training_batches, int):
-            assert micro is not None  # the accounting has read the first batch's
-            per_epoch = trainer.num_training_batches * micro * ranks
-            this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready * micro * ranks
+            per_epoch = trainer.num_training_batches * micro
+            this_epoch = trainer.fit_loop.epoch_loop.batch_progress.current.ready * micro
         else:
             return limits  # an iterable of unknown length
         left = (trainer.max_epochs - trainer.current_epoch) * per_epoch - this_epoch + (samples_seen - samples)

@@ -187,7 +187,7 @@ class GradientNoiseScale(Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._accounting.in_branch:
             return
-        if self._accounting.step_tokens.active:
+        if self._accounting.step_tokens.count is not None:
             raise LitCBSConfigError(
                 "GradientNoiseScale measures each micro-batch's mean loss, but this training_step returns "
                 "lit_cbs.token_mean_loss(...), whose micro-batch gradients are sums over tokens until the step "

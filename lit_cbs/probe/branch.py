@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.loops.utilities import _block_parallel_sync_behavior
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 
 from lit_cbs._internals import (
-    block_ddp_gradient_sync,
     tree_leaves,
     tree_map,
 )
@@ -372,7 +372,7 @@ class BranchTrainer:
             last = i == count - 1
             batch = move_data_to_device(batch, strategy.root_device)
             self.accounting.gradient_sync.set(last)
-            with block_ddp_gradient_sync(strategy, block=not last):
+            with _block_parallel_sync_behavior(strategy, block=not last):
                 loss = self._agreed(lambda: loss_of(strategy.training_step(batch, first + i)))  # noqa: B023 - called here
                 self._agreed(functools.partial(strategy.backward, loss / count, raw_optimizer))
             total += loss.detach()

@@ -10,11 +10,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.pytorch.trainer.connectors.data_connector import _process_dataloader
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lit_cbs._internals import collect_rng_states, prepare_val_dataloader, request_val_dataloaders, set_rng_states
+from lit_cbs._internals import collect_rng_states, request_val_dataloaders, set_rng_states
 from lit_cbs.callbacks.accounting import BatchAccounting
 from lit_cbs.callbacks.checkpoint import set_probe_window, stop_signal
 from lit_cbs.callbacks.module_state import logging_muted
@@ -106,7 +108,11 @@ def _first_validation_loader(trainer: pl.Trainer) -> Any:
             "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
             "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
         )
-    return flattened[0] if prepared else prepare_val_dataloader(trainer, flattened[0])
+    return (
+        flattened[0]
+        if prepared
+        else _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, flattened[0])
+    )
 
 
 def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list[Any]:
