@@ -138,7 +138,9 @@ class CBSProbeCallback(Callback):
             self._in_process.attach(trainer, pl_module, accounting, self._branch_trainer)
         schedule = warmup.schedule if warmup is not None else None
         self.engine.schedule = schedule if isinstance(schedule, CBSAdaptive) else None
-        self.engine.consumed = self._consumed
+        if self.engine.schedule is not None:
+            unit = self.engine.schedule.unit
+            self.engine.consumed = lambda: accounting.tokens_seen if unit == "tokens" else accounting.samples_seen
         self.engine.tokens_seen = lambda: accounting.tokens_seen
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -234,11 +236,6 @@ class CBSProbeCallback(Callback):
         if why_not is not None and stop_signal(trainer) is None:
             rank_zero_warn(f"CBSAdaptive never grew the batch: {why_not}")
         self._draw(trainer)
-
-    def _consumed(self) -> int:
-        schedule, accounting = self.engine.schedule, self._accounting
-        assert schedule is not None, "asked only with a CBSAdaptive schedule"
-        return accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
 
     def _branch_trainer(self, batch_size: int) -> BranchTrainer:
         trainer, run = self._accounting.trainer, self._set_up

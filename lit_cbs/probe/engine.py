@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.probe.reading import (
@@ -20,6 +20,10 @@ from lit_cbs.probe.reading import (
 )
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
+
+if TYPE_CHECKING:
+    from lit_cbs.probe.in_process import InProcessRunner
+    from lit_cbs.probe.side_jobs import SideJobRunner
 
 __all__: list[str] = []  # the probe's own parts: CBSProbeCallback and probe_checkpoint take these settings as keywords
 
@@ -274,42 +278,17 @@ def point_reading(
     )
 
 
-class Runner(Protocol):
-    """Where a point's branches train (in process, side jobs), told of its life by the engine."""
-
-    mode: str  # ProbeReading.mode of its readings
-    late: bool  # its outcomes arrive after the main run's window ended
-
-    def start(self, point: ProbePoint) -> None: ...
-
-    def step(self, point: ProbePoint, samples_seen: int) -> None: ...
-
-    def window_ended(self, point: ProbePoint) -> None: ...
-
-    def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]: ...
-
-    def close(self, point: ProbePoint) -> None: ...
-
-
-def _say_nothing(*_: Any) -> None:
-    """The default listener of a reading or a failure (module functions: the callback pickles for ddp_spawn)."""
-
-
-def _none_yet() -> int:
-    return 0
-
-
 @dataclass
 class ProbeEngine:
     """A run's probe points: those open, the readings (``history``), the failures; readings feed ``schedule``."""
 
     config: ProbeConfig
-    runner: Runner
-    on_reading: Callable[[ProbeReading, ProbePoint], None] = _say_nothing
-    on_failure: Callable[[dict[str, Any]], None] = _say_nothing
+    runner: InProcessRunner | SideJobRunner  # where the branches train; told of each point's life
+    on_reading: Callable[[ProbeReading, ProbePoint], None]
+    on_failure: Callable[[dict[str, Any]], None]
     schedule: CBSAdaptive | None = None
-    consumed: Callable[[], int] = _none_yet
-    tokens_seen: Callable[[], int] = _none_yet
+    consumed: Callable[[], int] = int  # what the schedule counts; tokens seen (both 0 before the fit)
+    tokens_seen: Callable[[], int] = int
     history: list[ProbeReading] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # tokens, step, reason
     points: dict[int, ProbePoint] = field(default_factory=dict)  # open: no reading yet

@@ -94,15 +94,8 @@ class CheckpointProbe(Callback):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
         warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
         run, world = ProbeRun(self.config, accounting, warmup), accounting.data_parallel_size
-        seq_len, batch = run.seq_len(), run.global_batch()  # from the checkpoint
-        plan = self.plan or plan_probe(
-            self.config,
-            tokens=accounting.tokens_seen,
-            batch_size=batch,
-            seq_len=seq_len,
-            data_parallel_size=world,
-            branch_micro_batch=run.micro_batch_for(batch),
-        )
+        batch = run.global_batch()  # from the checkpoint
+        plan = self.plan or plan_probe(run)
         if isinstance(plan, ProbeSkip):
             raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
         heldout = run.heldout(trainer)
