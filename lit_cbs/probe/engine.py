@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
 from lit_cbs.probe.reading import (
@@ -20,10 +20,6 @@ from lit_cbs.probe.reading import (
 )
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
-
-if TYPE_CHECKING:
-    from lit_cbs.probe.in_process import InProcessRunner
-    from lit_cbs.probe.side_jobs import SideJobRunner
 
 __all__: list[str] = []  # the probe's own parts: CBSProbeCallback and probe_checkpoint take these settings as keywords
 
@@ -278,12 +274,25 @@ def point_reading(
     )
 
 
+class Runner(Protocol):
+    """Where a point's branches train (in process, side jobs), told of its life by the engine."""
+
+    mode: str  # ProbeReading.mode of its readings
+    late: bool  # its outcomes arrive after the main run's window ended
+
+    def start(self, point: ProbePoint) -> None: ...
+    def step(self, point: ProbePoint, samples_seen: int) -> None: ...
+    def window_ended(self, point: ProbePoint) -> None: ...
+    def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]: ...
+    def close(self, point: ProbePoint) -> None: ...
+
+
 @dataclass
 class ProbeEngine:
     """A run's probe points: those open, the readings (``history``), the failures; readings feed ``schedule``."""
 
     config: ProbeConfig
-    runner: InProcessRunner | SideJobRunner  # where the branches train; told of each point's life
+    runner: Runner
     on_reading: Callable[[ProbeReading, ProbePoint], None]
     on_failure: Callable[[dict[str, Any]], None]
     schedule: CBSAdaptive | None = None
