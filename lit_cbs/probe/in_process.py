@@ -77,12 +77,35 @@ def measure_window(
 
 
 def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device | str) -> list[Any]:
-    """This rank's first ``count`` validation batches as Lightning reads them, every RNG state kept."""
+    """This rank's first ``count`` batches of the fit's first validation loader as Lightning reads them, every RNG
+    state (and the loader's ``torch.Generator``s) kept."""
     states = collect_rng_states(include_cuda=torch.cuda.is_available())
+    saved: list[tuple[torch.Generator, torch.Tensor]] = []
     try:
-        loader = _first_validation_loader(trainer)
-        batches = _read_untouched(loader, count, device)
+        loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off
+        prepared = loaders is not None
+        loaders = loaders if prepared else request_val_dataloaders(trainer)
+        if loaders is not None and not isinstance(loaders, CombinedLoader):
+            loaders = CombinedLoader(loaders, "sequential")
+        flattened = loaders.flattened if loaders is not None else []
+        if not flattened:
+            raise LitCBSConfigError(
+                "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
+                "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
+                "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
+            )
+        loader = flattened[0] if prepared else prepare_val_dataloader(trainer, flattened[0])
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        samplers = (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+        found = [getattr(sampler, "generator", None) for sampler in samplers]
+        saved = [(g, g.get_state()) for g in {id(g): g for g in found if isinstance(g, torch.Generator)}.values()]
+        batches = [
+            move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device)
+            for batch in islice(loader, count)
+        ]
     finally:
+        for generator, state in saved:
+            generator.set_state(state)
         set_rng_states(states)
     if not trainer.strategy.reduce_boolean_decision(len(batches) > 0, all=True):
         raise LitCBSConfigError(
@@ -90,43 +113,6 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
             "one rank); give it data, at least one batch per rank, or use evaluate='train_ema'"
         )
     return batches
-
-
-def _first_validation_loader(trainer: pl.Trainer) -> Any:
-    """The first validation loader of the fit, as Lightning's validation loop reads it."""
-    loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off (limit_val_batches=0)
-    prepared = loaders is not None
-    loaders = loaders if prepared else request_val_dataloaders(trainer)
-    if loaders is not None and not isinstance(loaders, CombinedLoader):
-        loaders = CombinedLoader(loaders, "sequential")
-    flattened = loaders.flattened if loaders is not None else []
-    if not flattened:
-        raise LitCBSConfigError(
-            "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
-            "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
-            "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
-        )
-    return flattened[0] if prepared else prepare_val_dataloader(trainer, flattened[0])
-
-
-def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list[Any]:
-    """The first ``count`` batches of ``loader`` on ``device``, its ``torch.Generator``s put back."""
-    samplers = [
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    ]
-    found = [getattr(sampler, "generator", None) for sampler in samplers]
-    generators = {id(g): g for g in found if isinstance(g, torch.Generator)}.values()
-    saved = [(generator, generator.get_state()) for generator in generators]
-    try:
-        return [
-            move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device)
-            for batch in islice(loader, count)
-        ]
-    finally:
-        for generator, state in saved:
-            generator.set_state(state)
 
 
 class InProcessRunner:

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
 from lit_cbs.callbacks.module_state import logging_muted
+from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import (
     BranchTrainer,
@@ -57,14 +58,6 @@ class ProbeSkip:
     next_epoch: bool = False
 
 
-@dataclass(frozen=True)
-class EpochEnd:
-    """The samples (global) of an epoch whose last round leaves the ranks different numbers, and its position."""
-
-    samples: int
-    position: int
-
-
 def window_at(
     config: ProbeConfig, batch_size: int, seq_len: int, branch_micro_batch: Callable[[float], int | None]
 ) -> tuple[list[float], int]:
@@ -84,10 +77,11 @@ def plan_probe(
     tokens_spent: int = 0,
     main_span_tokens: int | None = None,
     adaptive_final: int | None = None,
-    epoch_end: EpochEnd | None = None,
+    uneven_loader: GlobalOrderLoader | None = None,
 ) -> ProbePlan | ProbeSkip:
     """The probe due now at the run's global batch, or why it is skipped; ``main_span_tokens``: the main run's tokens
-    it records (None: ``replicates`` windows)."""
+    it records (None: ``replicates`` windows); ``uneven_loader``: one whose epoch's last round leaves the ranks
+    different numbers of samples."""
     config, tokens, batch_size, seq_len = run.config, run.accounting.tokens_seen, run.global_batch(), run.seq_len()
     data_parallel_size = run.accounting.data_parallel_size
     if adaptive_final is not None:
@@ -112,18 +106,19 @@ def plan_probe(
         overhead = (tokens_spent + expected) / max(1, tokens + window_tokens * config.replicates)
         if overhead > config.max_overhead:
             return ProbeSkip(f"it would bring probe overhead to {overhead:.2f} > max_overhead={config.max_overhead}")
-    if epoch_end is not None:
+    if uneven_loader is not None:
         # Each rank records its own micro-batches and the branches need as many on every rank, so a window stays
         # clear of an epoch's last round; the main run may change its batch inside it and pass it by a step.
         reach = window_samples * config.replicates + max(batch_size, run.largest_batch())
         uneven = f"leave the {data_parallel_size} ranks different numbers of samples"
-        if reach > epoch_end.samples:
+        epoch_samples = uneven_loader.num_samples
+        if reach > epoch_samples:
             return ProbeSkip(
-                f"its window and a step ({reach:,} samples) do not fit in an epoch of {epoch_end.samples:,} samples, "
+                f"its window and a step ({reach:,} samples) do not fit in an epoch of {epoch_samples:,} samples, "
                 f"whose last micro-batches {uneven}: shorten window_tokens",
                 warn=True,
             )
-        if epoch_end.position + reach > epoch_end.samples:
+        if uneven_loader.position + reach > epoch_samples:
             return ProbeSkip(f"its window would reach this epoch's last micro-batches, which {uneven}", next_epoch=True)
     largest_step = round(largest) // data_parallel_size  # samples per rank
     length = window_samples // data_parallel_size
@@ -218,16 +213,6 @@ class ProbeRun:
     accounting: BatchAccounting
     warmup: BatchWarmup | None
 
-    def check_rules_match(self) -> None:
-        """Beside a BatchWarmup whose batch changes the rules must be its own (branch k x B is the run grown k-fold)."""
-        warmup, rules = self.warmup, self.config.rules
-        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != rules.names():
-            raise LitCBSConfigError(
-                f"CBSProbeCallback({rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
-                "differently at a batch change, so a branch at k x B would not train as the run does after growing "
-                "its batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
-            )
-
     def check_rules_apply(self, trainer: pl.Trainer) -> None:
         """Every k's rules must apply to the optimizer and its schedulers."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
@@ -297,25 +282,14 @@ class ProbeRun:
     ) -> ProbePlan | ProbeSkip:
         """``plan_probe`` for the point due right after this step (side jobs record one window of the main run)."""
         loader = resizable_train_loader(trainer)
-        uneven = loader is not None and loader.deals_unevenly
         return plan_probe(
             self,
             end=self.end(trainer, batch_idx, into_step=0),
             tokens_spent=tokens_spent,
             main_span_tokens=self.config.window_tokens if side_jobs else None,
             adaptive_final=adaptive_final,
-            epoch_end=EpochEnd(loader.num_samples, loader.position) if loader is not None and uneven else None,
+            uneven_loader=loader if loader is not None and loader.deals_unevenly else None,
         )
-
-    def say_redone(self, interrupted: tuple[int, int] | None, step: int) -> None:
-        """Warn where a stopped probe (its window began at ``interrupted``: tokens, step) is redone elsewhere."""
-        tokens = self.accounting.tokens_seen
-        if interrupted is not None and interrupted != (tokens, step):
-            rank_zero_warn(
-                f"CBS probe whose window began at {interrupted[0]:,} tokens (step {interrupted[1]}) was stopped and is "
-                f"redone at {tokens:,} tokens (step {step}), where this run resumed: its reading says so "
-                "(interrupted_at_tokens). Resuming from the checkpoint of the probe's start redoes it where it began"
-            )
 
     def point(
         self, index: int, plan: ProbePlan, step: int, interrupted: tuple[int, int] | None, folder: str

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from lit_cbs.probe.engine import ProbeConfig
-from lit_cbs.probe.plan import EpochEnd, ProbePlan, ProbeSkip, RunEnd, plan_probe, window_at
+from lit_cbs.probe.plan import ProbePlan, ProbeSkip, RunEnd, plan_probe, window_at
 
 SEQ_LEN, BATCH = 16, 8
 
@@ -114,7 +114,12 @@ def test_a_window_stays_clear_of_an_uneven_epoch_end():
     uneven = "leave the 2 ranks different numbers of samples"
 
     def at(samples: int, position: int) -> ProbePlan | ProbeSkip:
-        return plan(config, data_parallel_size=2, epoch_end=EpochEnd(samples, position), largest_batch=16)
+        return plan(
+            config,
+            data_parallel_size=2,
+            uneven_loader=SimpleNamespace(num_samples=samples, position=position),
+            largest_batch=16,
+        )
 
     too_long = "its window and a step (272 samples) do not fit in an epoch of 271 samples"
     assert at(271, 0) == ProbeSkip(f"{too_long}, whose last micro-batches {uneven}: shorten window_tokens", warn=True)
