@@ -169,14 +169,6 @@ class RecordedWindow:
     def samples_per_rank(self) -> int:
         return self.point.window_samples // self.data_parallel_size
 
-    @property
-    def complete(self) -> bool:
-        return self.recorded_samples >= self.samples_per_rank * self.point.replicates
-
-    @property
-    def at_early_stop(self) -> bool:
-        return self.recorded_samples in self.early_stop_samples
-
     def tokens_of(self, samples_per_rank: int) -> int:
         return samples_per_rank * self.data_parallel_size * self.point.seq_len
 

@@ -21,20 +21,16 @@ from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, RecordedWindow, TrainingSnapshot
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint
-from lit_cbs.probe.reading import BranchScore, first_measured, measure_losses
+from lit_cbs.probe.reading import BranchScore, measure_losses
 
 __all__: list[str] = []  # the probe's own parts
-
-
-def no_baseline() -> BranchScore | None:
-    return None
 
 
 def measure_window(
     config: ProbeConfig,
     window: RecordedWindow,
     branches: BranchTrainer,
-    baseline: Callable[[], BranchScore | None],
+    baseline: Callable[[], BranchScore | None] | None,
     trained: list[float],
     failed: list[float],
     final: bool,
@@ -42,11 +38,12 @@ def measure_window(
 ) -> BranchOutcome:
     """The branches' outcome over the window so far, each k over every replicate window (k = 1's first from
     ``baseline()`` where it gives one); a failed window fails k. ``trained``/``failed`` gather over the looks;
-    ``prefetch``: the ks of ``first_measured`` but 1 first (a side job's k = 1 score may wait for the main run)."""
+    ``prefetch``: the ks the search measures whatever the losses but 1 first (a side job's k = 1 score may wait for
+    the main run)."""
     measured: dict[float, BranchScore] = {}
 
     def one_window(k: float, replicate: int) -> BranchScore:
-        main = baseline() if k == 1.0 and replicate == 0 else None
+        main = baseline() if baseline is not None and k == 1.0 and replicate == 0 else None
         if main is not None:
             return main
         if replicate > 0 or k not in trained:
@@ -68,7 +65,9 @@ def measure_window(
             measured[k] = BranchScore(math.inf) if k in failed else BranchScore.replicated(windows)
         return measured[k]
 
-    for k in first_measured(config.search, window.point.multipliers) if prefetch else []:
+    ks = sorted(window.point.multipliers)
+    first = ks if config.search == "grid" or len(ks) < 2 else [ks[0], ks[len(ks) // 2]]  # bisection's first point
+    for k in first if prefetch else []:
         if k != 1.0:
             score(k)
     scores = measure_losses(config.search, window.point.multipliers, score, config.epsilon)
@@ -161,8 +160,8 @@ class InProcessRunner:
         """Where the part or a look ends, train and score the branches, then restore the main run."""
         window, branches = self.window, self._branches
         assert window is not None and branches is not None, "a point is open"
-        final = window.complete
-        if not (final or window.at_early_stop):
+        final = window.recorded_samples >= window.samples_per_rank * point.replicates
+        if not (final or window.recorded_samples in window.early_stop_samples):
             return
         trainer, pl_module, accounting = self.trainer, self.pl_module, self.accounting
         with accounting.branching():  # probe work: not the main run's time or gradients
