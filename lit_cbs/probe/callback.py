@@ -137,7 +137,7 @@ class CBSProbeCallback(Callback):
         if self._side is not None:
             self._side.check(trainer, warmup)
         if self._in_process is not None:
-            self._in_process.attach(trainer, pl_module, accounting, self._branch_trainer)
+            self._in_process.attach(trainer, accounting, self._branch_trainer)
         schedule = warmup.schedule if warmup is not None else None
         self.engine.schedule = schedule if isinstance(schedule, CBSAdaptive) else None
         if self.engine.schedule is not None:

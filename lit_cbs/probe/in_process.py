@@ -129,14 +129,10 @@ class InProcessRunner:
         self._outcomes: list[tuple[ProbePoint, BranchOutcome | str]] = []
 
     def attach(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        accounting: BatchAccounting,
-        branch_trainer: Callable[[int], BranchTrainer],
+        self, trainer: pl.Trainer, accounting: BatchAccounting, branch_trainer: Callable[[int], BranchTrainer]
     ) -> None:
         """At setup: the run it trains in, and the maker of a point's ``BranchTrainer`` at its batch."""
-        self.trainer, self.pl_module, self.accounting = trainer, pl_module, accounting
+        self.trainer, self.pl_module, self.accounting = trainer, trainer.lightning_module, accounting
         self.branch_trainer = branch_trainer
 
     def start(self, point: ProbePoint) -> None:
