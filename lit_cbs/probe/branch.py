@@ -153,15 +153,6 @@ def module_optimizer(pl_module: pl.LightningModule) -> LightningOptimizer:
 
 
 @dataclass
-class BranchProgress:
-    """A branch trained over the first ``steps`` steps of a window, kept to train on from there (early stop)."""
-
-    state: TrainingSnapshot  # the branch's training state after `steps` steps
-    step_losses: list[float]  # this rank's, one per step
-    steps: int
-
-
-@dataclass
 class RecordedWindow:
     """The main run's window since ``point``, as this rank trained it (samples global unless said)."""
 
@@ -171,19 +162,12 @@ class RecordedWindow:
     batches: list[Any] = field(default_factory=list)  # micro-batches as the main run trained on them
     recorded_samples: int = 0  # per rank, in `batches`
     early_stop_samples: list[int] = field(default_factory=list)  # per rank, where the probe may end early
-    progress: dict[float, BranchProgress] = field(default_factory=dict)  # branches trained up to an early stop
+    # per k trained up to an early stop: its training state, this rank's step losses, steps taken
+    progress: dict[float, tuple[TrainingSnapshot, list[float], int]] = field(default_factory=dict)
 
     @property
     def samples_per_rank(self) -> int:
         return self.point.window_samples // self.data_parallel_size
-
-    @property
-    def complete(self) -> bool:
-        return self.recorded_samples >= self.samples_per_rank * self.point.replicates
-
-    @property
-    def at_early_stop(self) -> bool:
-        return self.recorded_samples in self.early_stop_samples
 
     def tokens_of(self, samples_per_rank: int) -> int:
         return samples_per_rank * self.data_parallel_size * self.point.seq_len
@@ -310,9 +294,9 @@ class BranchTrainer:
         step_samples, micro = window.step_samples(k), self.micro_batch_for(k)
         assert micro is not None, "only multipliers whose batch is whole micro-batches train"
         micro_per_step = step_samples // micro
-        progress = window.progress.pop(k, None)
-        if progress is not None:
-            progress.state.restore(trainer, module)
+        state, step_losses, first_step = window.progress.pop(k, (None, [], 0))
+        if state is not None:
+            state.restore(trainer, module)
         else:
             window.start.restore(trainer, module)
             for opt in trainer.optimizers:
@@ -328,9 +312,7 @@ class BranchTrainer:
         batches = window.micro_batches(micro, steps * step_samples, offset)
         cooldown_steps = round(self.config.cooldown_fraction * steps)
         tokens_per_step = window.tokens_of(step_samples)
-        first_step = progress.steps if progress is not None else 0
         tokens = window.point.tokens + first_step * tokens_per_step
-        step_losses: list[float] = list(progress.step_losses) if progress is not None else []
         module.train()
         for step in range(first_step, steps):
             first = step * micro_per_step
@@ -348,9 +330,7 @@ class BranchTrainer:
         # LightningOptimizer wraps the Optimizer Lightning's hook annotation names (zero_grad delegated to it)
         module.optimizer_zero_grad(trainer.current_epoch, steps, module_optimizer(module))  # type: ignore[arg-type]
         if keep:
-            window.progress[k] = BranchProgress(
-                TrainingSnapshot(trainer, module, window.start.device), step_losses, steps
-            )
+            window.progress[k] = (TrainingSnapshot(trainer, module, window.start.device), step_losses, steps)
         return step_losses
 
     def _step(self, step: int, first: int, batches: list[Any], step_losses: list[float]) -> None:

@@ -118,10 +118,6 @@ class CBSProbeCallback(Callback):
             raise RuntimeError("CBSProbeCallback has no BatchAccounting: it was not set up for a fit (Trainer.fit)")
         return self._run
 
-    @property
-    def _accounting(self) -> BatchAccounting:
-        return self._set_up.accounting
-
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Attach the ``BatchAccounting``; refuse manual optimization, other rules, unusable side jobs."""
         if stage != "fit":
@@ -131,14 +127,22 @@ class CBSProbeCallback(Callback):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
         warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
         self._run = ProbeRun(self.config, accounting, warmup)
-        self._run.check_rules_match()
+        rules = self.config.rules  # beside a BatchWarmup whose batch changes, branch k x B is the run grown k-fold
+        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != rules.names():
+            raise LitCBSConfigError(
+                f"CBSProbeCallback({rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
+                "differently at a batch change, so a branch at k x B would not train as the run does after growing "
+                "its batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
+            )
         if self._side is not None:
             self._side.check(trainer, warmup)
         if self._in_process is not None:
-            self._in_process.attach(trainer, pl_module, accounting, self._branch_trainer)
+            self._in_process.attach(trainer, accounting, self._branch_trainer)
         schedule = warmup.schedule if warmup is not None else None
         self.engine.schedule = schedule if isinstance(schedule, CBSAdaptive) else None
-        self.engine.consumed = self._consumed
+        if self.engine.schedule is not None:
+            unit = self.engine.schedule.unit
+            self.engine.consumed = lambda: accounting.tokens_seen if unit == "tokens" else accounting.samples_seen
         self.engine.tokens_seen = lambda: accounting.tokens_seen
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -189,7 +193,7 @@ class CBSProbeCallback(Callback):
             return
         step_loss = sum(self._micro_losses) / len(self._micro_losses) if self._micro_losses else None
         self._micro_losses = []
-        accounting = self._accounting
+        accounting = self._set_up.accounting
         try:
             self.engine.main_step(
                 step_loss,
@@ -235,29 +239,29 @@ class CBSProbeCallback(Callback):
             rank_zero_warn(f"CBSAdaptive never grew the batch: {why_not}")
         self._draw(trainer)
 
-    def _consumed(self) -> int:
-        schedule, accounting = self.engine.schedule, self._accounting
-        assert schedule is not None, "asked only with a CBSAdaptive schedule"
-        return accounting.tokens_seen if schedule.unit == "tokens" else accounting.samples_seen
-
     def _branch_trainer(self, batch_size: int) -> BranchTrainer:
-        trainer, run = self._accounting.trainer, self._set_up
+        trainer, run = self._set_up.accounting.trainer, self._set_up
         assert trainer is not None, "set up for the fit"
         return run.branch_trainer(trainer, trainer.lightning_module, batch_size, self._heldout)
 
     def _score_main(self, point: ProbePoint) -> BranchScore:
         scorer = self._scorer
-        trainer = self._accounting.trainer
+        trainer = self._set_up.accounting.trainer
         if scorer is None or scorer.trainer is not trainer or scorer.pl_module is not trainer.lightning_module:
             self._scorer = scorer = self._branch_trainer(point.batch_size)
-        with self._accounting.branching():  # probe work: not the main run's time
+        with self._set_up.accounting.branching():  # probe work: not the main run's time
             return scorer.score(point.main_step_losses)
 
     def _start_probe(self, trainer: pl.Trainer, batch_idx: int) -> None:
-        run, accounting = self._set_up, self._accounting
+        run, accounting = self._set_up, self._set_up.accounting
         tokens = accounting.tokens_seen
         interrupted, self._interrupted = self._interrupted, None
-        run.say_redone(interrupted, trainer.global_step)
+        if interrupted is not None and interrupted != (tokens, trainer.global_step):
+            rank_zero_warn(
+                f"CBS probe whose window began at {interrupted[0]:,} tokens (step {interrupted[1]}) was stopped and is "
+                f"redone at {tokens:,} tokens (step {trainer.global_step}), where this run resumed: its reading says "
+                "so (interrupted_at_tokens). Resuming from the checkpoint of the probe's start redoes it where it began"
+            )
         index = self.probes_started
         self.probes_started += 1
         while self.config.probe_point(self.probes_started) <= tokens:
@@ -298,10 +302,10 @@ class CBSProbeCallback(Callback):
 
     def _said_reading(self, reading: ProbeReading, point: ProbePoint) -> None:
         """A reading is recorded: said, logged (on the row of the step that ended its window), written, drawn."""
-        trainer = self._accounting.trainer
+        trainer = self._set_up.accounting.trainer
         assert trainer is not None, "set up for the fit"
         late = self.engine.runner.late
-        log_reading(trainer, reading, self.tokens_spent, point if late else None, self._accounting.tokens_seen)
+        log_reading(trainer, reading, self.tokens_spent, point if late else None, self._set_up.accounting.tokens_seen)
         if trainer.is_global_zero and self._output_dir is not None:
             self._write_history()
         if self.engine.schedule is not None:
@@ -330,7 +334,7 @@ class CBSProbeCallback(Callback):
             changes = warmup.history if warmup is not None else []
             from lit_cbs.probe.plot import plot_cbs_curve  # matplotlib only where a curve is drawn
 
-            tokens = self._accounting.tokens_seen
+            tokens = self._set_up.accounting.tokens_seen
             path = plot_cbs_curve(self.history, changes, self._output_dir / PLOT_FILE, tokens, self.config.epsilon)
             log_figures(trainer.loggers, [path], trainer.global_step)
 

@@ -281,22 +281,10 @@ class Runner(Protocol):
     late: bool  # its outcomes arrive after the main run's window ended
 
     def start(self, point: ProbePoint) -> None: ...
-
     def step(self, point: ProbePoint, samples_seen: int) -> None: ...
-
     def window_ended(self, point: ProbePoint) -> None: ...
-
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]: ...
-
     def close(self, point: ProbePoint) -> None: ...
-
-
-def _say_nothing(*_: Any) -> None:
-    """The default listener of a reading or a failure (module functions: the callback pickles for ddp_spawn)."""
-
-
-def _none_yet() -> int:
-    return 0
 
 
 @dataclass
@@ -305,11 +293,11 @@ class ProbeEngine:
 
     config: ProbeConfig
     runner: Runner
-    on_reading: Callable[[ProbeReading, ProbePoint], None] = _say_nothing
-    on_failure: Callable[[dict[str, Any]], None] = _say_nothing
+    on_reading: Callable[[ProbeReading, ProbePoint], None]
+    on_failure: Callable[[dict[str, Any]], None]
     schedule: CBSAdaptive | None = None
-    consumed: Callable[[], int] = _none_yet
-    tokens_seen: Callable[[], int] = _none_yet
+    consumed: Callable[[], int] = int  # what the schedule counts; tokens seen (both 0 before the fit)
+    tokens_seen: Callable[[], int] = int
     history: list[ProbeReading] = field(default_factory=list)
     failures: list[dict[str, Any]] = field(default_factory=list)  # tokens, step, reason
     points: dict[int, ProbePoint] = field(default_factory=dict)  # open: no reading yet

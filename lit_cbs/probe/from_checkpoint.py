@@ -22,7 +22,7 @@ from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError, require_automatic_optimization
 from lit_cbs.probe.branch import BranchTrainer, RecordedWindow, TrainingSnapshot, known
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, point_reading
-from lit_cbs.probe.in_process import measure_window, no_baseline
+from lit_cbs.probe.in_process import measure_window
 from lit_cbs.probe.plan import ProbePlan, ProbeRun, ProbeSkip, plan_probe
 from lit_cbs.probe.reading import BranchScore, ProbeReading
 
@@ -61,7 +61,7 @@ class CheckpointProbe(Callback):
         self,
         config: ProbeConfig,
         plan: ProbePlan | None = None,
-        baseline: Callable[[], BranchScore | None] = no_baseline,
+        baseline: Callable[[], BranchScore | None] | None = None,
     ):
         self.config, self.plan, self.baseline = config, plan, baseline
         self.reading: ProbeReading | None = None
@@ -94,15 +94,8 @@ class CheckpointProbe(Callback):
         callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
         warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
         run, world = ProbeRun(self.config, accounting, warmup), accounting.data_parallel_size
-        seq_len, batch = run.seq_len(), run.global_batch()  # from the checkpoint
-        plan = self.plan or plan_probe(
-            self.config,
-            tokens=accounting.tokens_seen,
-            batch_size=batch,
-            seq_len=seq_len,
-            data_parallel_size=world,
-            branch_micro_batch=run.micro_batch_for(batch),
-        )
+        batch = run.global_batch()  # from the checkpoint
+        plan = self.plan or plan_probe(run)
         if isinstance(plan, ProbeSkip):
             raise LitCBSConfigError(f"this checkpoint cannot be probed with these settings: {plan.reason}")
         heldout = run.heldout(trainer)
@@ -132,7 +125,7 @@ class CheckpointProbe(Callback):
         for stop in stops:
             final = stop == per_rank
             window.recorded_samples = per_rank * window.point.replicates if final else stop
-            prefetch = self.baseline is not no_baseline  # k = 1 may wait for the main run's window to end
+            prefetch = self.baseline is not None  # k = 1 may wait for the main run's window to end
             outcome = measure_window(self.config, window, branches, self.baseline, trained, failed, final, prefetch)
             self.outcome = outcome
             if self.plan is not None:

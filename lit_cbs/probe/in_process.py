@@ -23,20 +23,16 @@ from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, RecordedWindow, TrainingSnapshot
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint
-from lit_cbs.probe.reading import BranchScore, first_measured, measure_losses
+from lit_cbs.probe.reading import BranchScore, measure_losses
 
 __all__: list[str] = []  # the probe's own parts
-
-
-def no_baseline() -> BranchScore | None:
-    return None
 
 
 def measure_window(
     config: ProbeConfig,
     window: RecordedWindow,
     branches: BranchTrainer,
-    baseline: Callable[[], BranchScore | None],
+    baseline: Callable[[], BranchScore | None] | None,
     trained: list[float],
     failed: list[float],
     final: bool,
@@ -44,11 +40,12 @@ def measure_window(
 ) -> BranchOutcome:
     """The branches' outcome over the window so far, each k over every replicate window (k = 1's first from
     ``baseline()`` where it gives one); a failed window fails k. ``trained``/``failed`` gather over the looks;
-    ``prefetch``: the ks of ``first_measured`` but 1 first (a side job's k = 1 score may wait for the main run)."""
+    ``prefetch``: the ks the search measures whatever the losses but 1 first (a side job's k = 1 score may wait for
+    the main run)."""
     measured: dict[float, BranchScore] = {}
 
     def one_window(k: float, replicate: int) -> BranchScore:
-        main = baseline() if k == 1.0 and replicate == 0 else None
+        main = baseline() if baseline is not None and k == 1.0 and replicate == 0 else None
         if main is not None:
             return main
         if replicate > 0 or k not in trained:
@@ -70,7 +67,9 @@ def measure_window(
             measured[k] = BranchScore(math.inf) if k in failed else BranchScore.replicated(windows)
         return measured[k]
 
-    for k in first_measured(config.search, window.point.multipliers) if prefetch else []:
+    ks = sorted(window.point.multipliers)
+    first = ks if config.search == "grid" or len(ks) < 2 else [ks[0], ks[len(ks) // 2]]  # bisection's first point
+    for k in first if prefetch else []:
         if k != 1.0:
             score(k)
     scores = measure_losses(config.search, window.point.multipliers, score, config.epsilon)
@@ -79,12 +78,39 @@ def measure_window(
 
 
 def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device | str) -> list[Any]:
-    """This rank's first ``count`` validation batches as Lightning reads them, every RNG state kept."""
+    """This rank's first ``count`` batches of the fit's first validation loader as Lightning reads them, every RNG
+    state (and the loader's ``torch.Generator``s) kept."""
     states = collect_rng_states(include_cuda=torch.cuda.is_available())
+    saved: list[tuple[torch.Generator, torch.Tensor]] = []
     try:
-        loader = _first_validation_loader(trainer)
-        batches = _read_untouched(loader, count, device)
+        loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off
+        prepared = loaders is not None
+        loaders = loaders if prepared else request_val_dataloaders(trainer)
+        if loaders is not None and not isinstance(loaders, CombinedLoader):
+            loaders = CombinedLoader(loaders, "sequential")
+        flattened = loaders.flattened if loaders is not None else []
+        if not flattened:
+            raise LitCBSConfigError(
+                "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
+                "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
+                "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
+            )
+        loader: Any = (
+            flattened[0]
+            if prepared
+            else _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, flattened[0])
+        )
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        samplers = (loader, getattr(loader, "sampler", None), getattr(batch_sampler, "sampler", None))
+        found = [getattr(sampler, "generator", None) for sampler in samplers]
+        saved = [(g, g.get_state()) for g in {id(g): g for g in found if isinstance(g, torch.Generator)}.values()]
+        batches = [
+            move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device)
+            for batch in islice(loader, count)
+        ]
     finally:
+        for generator, state in saved:
+            generator.set_state(state)
         set_rng_states(states)
     if not trainer.strategy.reduce_boolean_decision(len(batches) > 0, all=True):
         raise LitCBSConfigError(
@@ -92,47 +118,6 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
             "one rank); give it data, at least one batch per rank, or use evaluate='train_ema'"
         )
     return batches
-
-
-def _first_validation_loader(trainer: pl.Trainer) -> Any:
-    """The first validation loader of the fit, as Lightning's validation loop reads it."""
-    loaders = trainer.val_dataloaders  # prepared by the validation loop; None while it is off (limit_val_batches=0)
-    prepared = loaders is not None
-    loaders = loaders if prepared else request_val_dataloaders(trainer)
-    if loaders is not None and not isinstance(loaders, CombinedLoader):
-        loaders = CombinedLoader(loaders, "sequential")
-    flattened = loaders.flattened if loaders is not None else []
-    if not flattened:
-        raise LitCBSConfigError(
-            "CBSProbeCallback(evaluate='heldout') scores branches on validation data, but the Trainer has none: "
-            "give the datamodule (or the LightningModule) a `val_dataloader()` or pass "
-            "`trainer.fit(..., val_dataloaders=...)`; or use evaluate='train_ema'"
-        )
-    return (
-        flattened[0]
-        if prepared
-        else _process_dataloader(trainer, TrainerFn.FITTING, RunningStage.VALIDATING, flattened[0])
-    )
-
-
-def _read_untouched(loader: Any, count: int, device: torch.device | str) -> list[Any]:
-    """The first ``count`` batches of ``loader`` on ``device``, its ``torch.Generator``s put back."""
-    samplers = [
-        loader,
-        getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
-    ]
-    found = [getattr(sampler, "generator", None) for sampler in samplers]
-    generators = {id(g): g for g in found if isinstance(g, torch.Generator)}.values()
-    saved = [(generator, generator.get_state()) for generator in generators]
-    try:
-        return [
-            move_data_to_device(apply_to_collection(batch, torch.Tensor, torch.Tensor.detach), device)
-            for batch in islice(loader, count)
-        ]
-    finally:
-        for generator, state in saved:
-            generator.set_state(state)
 
 
 class InProcessRunner:
@@ -150,14 +135,10 @@ class InProcessRunner:
         self._outcomes: list[tuple[ProbePoint, BranchOutcome | str]] = []
 
     def attach(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        accounting: BatchAccounting,
-        branch_trainer: Callable[[int], BranchTrainer],
+        self, trainer: pl.Trainer, accounting: BatchAccounting, branch_trainer: Callable[[int], BranchTrainer]
     ) -> None:
         """At setup: the run it trains in, and the maker of a point's ``BranchTrainer`` at its batch."""
-        self.trainer, self.pl_module, self.accounting = trainer, pl_module, accounting
+        self.trainer, self.pl_module, self.accounting = trainer, trainer.lightning_module, accounting
         self.branch_trainer = branch_trainer
 
     def start(self, point: ProbePoint) -> None:
@@ -181,8 +162,8 @@ class InProcessRunner:
         """Where the part or a look ends, train and score the branches, then restore the main run."""
         window, branches = self.window, self._branches
         assert window is not None and branches is not None, "a point is open"
-        final = window.complete
-        if not (final or window.at_early_stop):
+        final = window.recorded_samples >= window.samples_per_rank * point.replicates
+        if not (final or window.recorded_samples in window.early_stop_samples):
             return
         trainer, pl_module, accounting = self.trainer, self.pl_module, self.accounting
         with accounting.branching():  # probe work: not the main run's time or gradients

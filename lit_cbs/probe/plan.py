@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
 from lit_cbs.callbacks.module_state import logging_muted
+from lit_cbs.data.loader import GlobalOrderLoader
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import (
     BranchTrainer,
@@ -57,14 +58,6 @@ class ProbeSkip:
     next_epoch: bool = False
 
 
-@dataclass(frozen=True)
-class EpochEnd:
-    """The samples (global) of an epoch whose last round leaves the ranks different numbers, and its position."""
-
-    samples: int
-    position: int
-
-
 def window_at(
     config: ProbeConfig, batch_size: int, seq_len: int, branch_micro_batch: Callable[[float], int | None]
 ) -> tuple[list[float], int]:
@@ -78,38 +71,34 @@ def window_at(
 
 
 def plan_probe(
-    config: ProbeConfig,
+    run: ProbeRun,
     *,
-    tokens: int,
-    batch_size: int,
-    seq_len: int,
-    data_parallel_size: int,
-    branch_micro_batch: Callable[[float], int | None],
-    run_end_tokens: int | None = None,
-    run_end: str = "the run's end",
+    end: RunEnd | None = None,
     tokens_spent: int = 0,
     main_span_tokens: int | None = None,
     adaptive_final: int | None = None,
-    epoch_end: EpochEnd | None = None,
-    largest_batch: int | None = None,
+    uneven_loader: GlobalOrderLoader | None = None,
 ) -> ProbePlan | ProbeSkip:
-    """The probe due at ``tokens`` at global batch ``batch_size``, or why it is skipped; ``main_span_tokens``: the main
-    run's tokens it records (None: ``replicates`` windows); ``largest_batch``: the largest the run may reach in it."""
+    """The probe due now at the run's global batch, or why it is skipped; ``main_span_tokens``: the main run's tokens
+    it records (None: ``replicates`` windows); ``uneven_loader``: one whose epoch's last round leaves the ranks
+    different numbers of samples."""
+    config, tokens, batch_size, seq_len = run.config, run.accounting.tokens_seen, run.global_batch(), run.seq_len()
+    data_parallel_size = run.accounting.data_parallel_size
     if adaptive_final is not None:
         return ProbeSkip(
             f"CBSAdaptive is at its final batch {adaptive_final}, where no reading can move it "
             "(CBSAdaptive(probe_after_final=True) keeps probing)"
         )
-    ks, window_samples = window_at(config, batch_size, seq_len, branch_micro_batch)
+    ks, window_samples = window_at(config, batch_size, seq_len, run.micro_batch_for(batch_size))
     if not window_samples:
         return ProbeSkip(f"fewer than two multipliers, k = 1 among them, fit batch {batch_size}", warn=True)
     largest = max(ks) * batch_size
     window_tokens = window_samples * seq_len
     span = window_tokens * config.replicates if main_span_tokens is None else min(main_span_tokens, window_tokens)
-    if run_end_tokens is not None and tokens + span > run_end_tokens:
+    if end is not None and end.earliest is not None and tokens + span > end.earliest:
         return ProbeSkip(
-            f"its window of {span:,} tokens would end past {run_end}; a run resumed from this one's last checkpoint "
-            "starts it there",
+            f"its window of {span:,} tokens would end past the run's end ({end.limit}, at {end.earliest:,} tokens); "
+            "a run resumed from this one's last checkpoint starts it there",
             stays_due=True,
         )
     if config.max_overhead is not None:
@@ -117,18 +106,19 @@ def plan_probe(
         overhead = (tokens_spent + expected) / max(1, tokens + window_tokens * config.replicates)
         if overhead > config.max_overhead:
             return ProbeSkip(f"it would bring probe overhead to {overhead:.2f} > max_overhead={config.max_overhead}")
-    if epoch_end is not None:
+    if uneven_loader is not None:
         # Each rank records its own micro-batches and the branches need as many on every rank, so a window stays
         # clear of an epoch's last round; the main run may change its batch inside it and pass it by a step.
-        reach = window_samples * config.replicates + max(batch_size, largest_batch or batch_size)
+        reach = window_samples * config.replicates + max(batch_size, run.largest_batch())
         uneven = f"leave the {data_parallel_size} ranks different numbers of samples"
-        if reach > epoch_end.samples:
+        epoch_samples = uneven_loader.num_samples
+        if reach > epoch_samples:
             return ProbeSkip(
-                f"its window and a step ({reach:,} samples) do not fit in an epoch of {epoch_end.samples:,} samples, "
+                f"its window and a step ({reach:,} samples) do not fit in an epoch of {epoch_samples:,} samples, "
                 f"whose last micro-batches {uneven}: shorten window_tokens",
                 warn=True,
             )
-        if epoch_end.position + reach > epoch_end.samples:
+        if uneven_loader.position + reach > epoch_samples:
             return ProbeSkip(f"its window would reach this epoch's last micro-batches, which {uneven}", next_epoch=True)
     largest_step = round(largest) // data_parallel_size  # samples per rank
     length = window_samples // data_parallel_size
@@ -223,16 +213,6 @@ class ProbeRun:
     accounting: BatchAccounting
     warmup: BatchWarmup | None
 
-    def check_rules_match(self) -> None:
-        """Beside a BatchWarmup whose batch changes the rules must be its own (branch k x B is the run grown k-fold)."""
-        warmup, rules = self.warmup, self.config.rules
-        if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != rules.names():
-            raise LitCBSConfigError(
-                f"CBSProbeCallback({rules.describe()}) and BatchWarmup({warmup.rules.describe()}) move the optimizer "
-                "differently at a batch change, so a branch at k x B would not train as the run does after growing "
-                "its batch k-fold: give both the same lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
-            )
-
     def check_rules_apply(self, trainer: pl.Trainer) -> None:
         """Every k's rules must apply to the optimizer and its schedulers."""
         schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
@@ -298,43 +278,18 @@ class ProbeRun:
         )
 
     def plan(
-        self,
-        trainer: pl.Trainer,
-        batch_idx: int,
-        tokens_spent: int,
-        side_jobs: bool,
-        adaptive_final: int | None,
+        self, trainer: pl.Trainer, batch_idx: int, tokens_spent: int, side_jobs: bool, adaptive_final: int | None
     ) -> ProbePlan | ProbeSkip:
         """``plan_probe`` for the point due right after this step (side jobs record one window of the main run)."""
-        accounting, batch_size = self.accounting, self.global_batch()
         loader = resizable_train_loader(trainer)
-        uneven = loader is not None and loader.deals_unevenly
-        end = self.end(trainer, batch_idx, into_step=0)
         return plan_probe(
-            self.config,
-            tokens=accounting.tokens_seen,
-            batch_size=batch_size,
-            seq_len=self.seq_len(),
-            data_parallel_size=accounting.data_parallel_size,
-            branch_micro_batch=self.micro_batch_for(batch_size),
-            run_end_tokens=end.earliest,
-            run_end=f"the run's end ({f'{end.limit}, at {end.earliest:,} tokens' if end.limit else 'no known limit'})",
+            self,
+            end=self.end(trainer, batch_idx, into_step=0),
             tokens_spent=tokens_spent,
             main_span_tokens=self.config.window_tokens if side_jobs else None,
             adaptive_final=adaptive_final,
-            epoch_end=EpochEnd(loader.num_samples, loader.position) if loader is not None and uneven else None,
-            largest_batch=self.largest_batch(),
+            uneven_loader=loader if loader is not None and loader.deals_unevenly else None,
         )
-
-    def say_redone(self, interrupted: tuple[int, int] | None, step: int) -> None:
-        """Warn where a stopped probe (its window began at ``interrupted``: tokens, step) is redone elsewhere."""
-        tokens = self.accounting.tokens_seen
-        if interrupted is not None and interrupted != (tokens, step):
-            rank_zero_warn(
-                f"CBS probe whose window began at {interrupted[0]:,} tokens (step {interrupted[1]}) was stopped and is "
-                f"redone at {tokens:,} tokens (step {step}), where this run resumed: its reading says so "
-                "(interrupted_at_tokens). Resuming from the checkpoint of the probe's start redoes it where it began"
-            )
 
     def point(
         self, index: int, plan: ProbePlan, step: int, interrupted: tuple[int, int] | None, folder: str
@@ -385,24 +340,6 @@ class ProbeRun:
             why = f"the last of at_tokens is at {(self.config.at_tokens or [0])[-1]:,}" if math.isinf(point) else past
             rank_zero_info(f"CBSProbeCallback: no probe point is left in the rest of this run ({why})")
 
-    def check_window(self, end: RunEnd, next_probe: int) -> None:
-        """Refuse a window without a step of the largest branch at a point the run still reaches."""
-        largest = max(self.config.multipliers)
-        seq_len = self.seq_len()
-        end_tokens = math.inf if end.latest is None else end.latest
-        points = itertools.takewhile(
-            lambda point: point < end_tokens, map(self.config.probe_point, itertools.count(next_probe))
-        )
-        for point in itertools.islice(points, 1) if end.latest is None else points:
-            batch = self.batch_at(point)
-            largest_step = largest * batch * seq_len
-            if self.config.window_tokens < largest_step:
-                raise LitCBSConfigError(
-                    f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
-                    f"(k={largest:g} x batch {batch} x {seq_len} tokens = {largest_step:g}) "
-                    f"at the probe at {point:,.0f} tokens; raise window_tokens or drop the largest multipliers"
-                )
-
     def check_first_batch(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch_idx: int, next_probe: int, resumed: bool
     ) -> None:
@@ -412,7 +349,18 @@ class ProbeRun:
         check_optimizer_step_lr(trainer, pl_module, batch_idx)
         end = self.end(trainer, batch_idx, into_step=batch_idx % accounting.accumulate + 1)
         self.check_first_point(end, next_probe, resumed, whole_span=True)
-        self.check_window(end, next_probe)
+        # Refuse a window without a step of the largest branch at a point the run still reaches.
+        config, seq_len, end_tokens = self.config, self.seq_len(), math.inf if end.latest is None else end.latest
+        largest = max(config.multipliers)
+        points = itertools.takewhile(lambda at: at < end_tokens, map(config.probe_point, itertools.count(next_probe)))
+        for point in itertools.islice(points, 1) if end.latest is None else points:
+            largest_step = largest * (batch := self.batch_at(point)) * seq_len
+            if self.config.window_tokens < largest_step:
+                raise LitCBSConfigError(
+                    f"window_tokens={self.config.window_tokens} is smaller than one step of the largest branch "
+                    f"(k={largest:g} x batch {batch} x {seq_len} tokens = {largest_step:g}) "
+                    f"at the probe at {point:,.0f} tokens; raise window_tokens or drop the largest multipliers"
+                )
         sizes = self.warmup.schedule.sizes(self.warmup.consumed) if self.warmup is not None else [batch]
         fitting = max(
             len([k for k in self.config.multipliers if self.micro_batch_for(size)(k) is not None]) for size in sizes

@@ -97,23 +97,20 @@ def _variance(values: Sequence[float]) -> float:  # the sample variance
 
 def difference(a: BranchScore, b: BranchScore) -> Difference:
     """L_a - L_b: paired over held-out batches, else unpaired; replicates add the windows' spread."""
-    mean = a.loss - b.loss
-    n = len(a.batch_losses)
-    replicates = len(a.replicate_losses)
+    mean, n, replicates = a.loss - b.loss, len(a.batch_losses), len(a.replicate_losses)
+    paired = [x - y for x, y in zip(a.batch_losses, b.batch_losses)]
     if replicates >= 2 and replicates == len(b.replicate_losses) and n >= 2 and n == len(b.batch_losses):
         window_means = [
             sum(x - y for x, y in zip(wa, wb)) / n for wa, wb in zip(a.replicate_losses, b.replicate_losses)
         ]
-        batch_part = _variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n
+        batch_part = _variance(paired) / n
         window_part = _variance(window_means) / replicates
         total = batch_part + window_part
         parts = batch_part**2 / (n - 1) + window_part**2 / (replicates - 1)
         dof = total**2 / parts if parts > 0 else math.inf
         return Difference(mean, math.sqrt(total), dof, math.sqrt(window_part))
     if n >= 2 and n == len(b.batch_losses):
-        return Difference(
-            mean, math.sqrt(_variance([x - y for x, y in zip(a.batch_losses, b.batch_losses)]) / n), n - 1
-        )
+        return Difference(mean, math.sqrt(_variance(paired) / n), n - 1)
     if a.se is not None and b.se is not None:
         return Difference(mean, math.hypot(a.se, b.se))
     return Difference(mean, None)
@@ -226,14 +223,6 @@ def measure_losses(
         else:
             high = mid - 1
     return scores
-
-
-def first_measured(search: str, multipliers: Sequence[float]) -> list[float]:
-    """The ks ``measure_losses`` measures whatever the losses (a side job's before k = 1's score)."""
-    ks = sorted(multipliers)
-    if search == "grid" or len(ks) < 2:
-        return ks
-    return [ks[0], ks[len(ks) // 2]]  # measure_losses's first bisection point
 
 
 @dataclass

@@ -4,10 +4,12 @@ samples throughout; every multiplier's batch makes whole micro-batches unless a 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from lit_cbs.probe.engine import ProbeConfig
-from lit_cbs.probe.plan import EpochEnd, ProbePlan, ProbeSkip, plan_probe, window_at
+from lit_cbs.probe.plan import ProbePlan, ProbeSkip, RunEnd, plan_probe, window_at
 
 SEQ_LEN, BATCH = 16, 8
 
@@ -17,15 +19,20 @@ def fits(k: float) -> int:
 
 
 def plan(config: ProbeConfig, tokens: int = 1024, data_parallel_size: int = 1, **run) -> ProbePlan | ProbeSkip:
-    return plan_probe(
-        config,
-        tokens=tokens,
-        batch_size=BATCH,
-        seq_len=SEQ_LEN,
-        data_parallel_size=data_parallel_size,
-        branch_micro_batch=run.pop("branch_micro_batch", fits),
-        **run,
+    """plan_probe at batch BATCH in a run with these counts (``largest_batch``: the run's largest batch)."""
+    micro_batch, largest = run.pop("branch_micro_batch", fits), run.pop("largest_batch", BATCH)
+    if "run_end_tokens" in run:
+        end = run.pop("run_end_tokens")
+        run["end"] = RunEnd(end, end, f"max_tokens={end}")
+    probe_run = SimpleNamespace(
+        config=config,
+        accounting=SimpleNamespace(tokens_seen=tokens, data_parallel_size=data_parallel_size),
+        global_batch=lambda: BATCH,
+        seq_len=lambda: SEQ_LEN,
+        micro_batch_for=lambda batch: micro_batch,
+        largest_batch=lambda: largest,
     )
+    return plan_probe(probe_run, **run)
 
 
 def test_the_window_is_whole_steps_of_the_largest_branch():
@@ -54,10 +61,9 @@ def test_a_probe_where_fewer_than_two_multipliers_fit_is_skipped_with_a_warning(
 
 def test_a_window_past_the_run_end_stays_due_for_a_resumed_run():
     config = ProbeConfig(multipliers=(1, 2, 4), window_tokens=4096)  # 256 samples: exactly 4,096 tokens
-    end = "the run's end (max_tokens=5,119)"
-    assert plan(config, run_end_tokens=5119, run_end=end) == ProbeSkip(
-        "its window of 4,096 tokens would end past the run's end (max_tokens=5,119); a run resumed from this one's "
-        "last checkpoint starts it there",
+    assert plan(config, run_end_tokens=5119) == ProbeSkip(
+        "its window of 4,096 tokens would end past the run's end (max_tokens=5119, at 5,119 tokens); a run resumed "
+        "from this one's last checkpoint starts it there",
         stays_due=True,
     )
     assert isinstance(plan(config, run_end_tokens=5120), ProbePlan)  # 1,024 + 4,096: it ends where the run ends
@@ -108,7 +114,12 @@ def test_a_window_stays_clear_of_an_uneven_epoch_end():
     uneven = "leave the 2 ranks different numbers of samples"
 
     def at(samples: int, position: int) -> ProbePlan | ProbeSkip:
-        return plan(config, data_parallel_size=2, epoch_end=EpochEnd(samples, position), largest_batch=16)
+        return plan(
+            config,
+            data_parallel_size=2,
+            uneven_loader=SimpleNamespace(num_samples=samples, position=position),
+            largest_batch=16,
+        )
 
     too_long = "its window and a step (272 samples) do not fit in an epoch of 271 samples"
     assert at(271, 0) == ProbeSkip(f"{too_long}, whose last micro-batches {uneven}: shorten window_tokens", warn=True)

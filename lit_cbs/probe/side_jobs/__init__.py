@@ -117,25 +117,23 @@ class SideJobRunner:
         if trainer.is_global_zero:
             try:
                 self.settings.launcher.check()
-                self._check_build(warmup)
+                parts = build_parts(self.settings.build, self.settings.build_args)
+                theirs = next((c for c in parts.callbacks if isinstance(c, BatchWarmup)), None)
+                if (
+                    warmup is not None
+                    and not warmup.schedule.is_constant
+                    and (theirs is None or theirs.rules.names() != warmup.rules.names())
+                ):
+                    what = "no BatchWarmup" if theirs is None else f"BatchWarmup({theirs.rules.describe()})"
+                    raise LitCBSConfigError(
+                        f"side_jobs.build={self.settings.build!r} rebuilds the run with {what}, but the run's is "
+                        f"BatchWarmup({warmup.rules.describe()}): a job's branches would not move the optimizer as "
+                        "the run does; give the build the run's BatchWarmup"
+                    )
             except LitCBSConfigError as error:
                 problem = str(error)
-        problem = trainer.strategy.broadcast(problem)
-        if problem is not None:
+        if (problem := trainer.strategy.broadcast(problem)) is not None:
             raise LitCBSConfigError(problem)
-
-    def _check_build(self, warmup: BatchWarmup | None) -> None:
-        parts = build_parts(self.settings.build, self.settings.build_args)
-        theirs = next((c for c in parts.callbacks if isinstance(c, BatchWarmup)), None)
-        if warmup is None or warmup.schedule.is_constant:
-            return
-        if theirs is None or theirs.rules.names() != warmup.rules.names():
-            what = "no BatchWarmup" if theirs is None else f"BatchWarmup({theirs.rules.describe()})"
-            raise LitCBSConfigError(
-                f"side_jobs.build={self.settings.build!r} rebuilds the run with {what}, but the run's is "
-                f"BatchWarmup({warmup.rules.describe()}): a job's branches would not move the optimizer as the run "
-                "does; give the build the run's BatchWarmup"
-            )
 
     def attach(self, trainer: pl.Trainer, output_dir: Path) -> None:
         """At the fit's start: the run's folder, the loader's data position, and the heartbeat jobs watch."""
@@ -175,12 +173,11 @@ class SideJobRunner:
             folder.mkdir(parents=True)
         trainer.strategy.barrier("SideJobRunner.start")
         trainer.save_checkpoint(folder / CHECKPOINT_NAME, weights_only=False)
+        self.pending[point.index] = point
         if trainer.is_global_zero:
             write_json(
                 folder / JOB_FILE, job_description(point, self.config, self.settings.build, self.settings.build_args)
             )
-        self.pending[point.index] = point
-        if trainer.is_global_zero:
             self._start_queued()
         self.waits["checkpoint"] += time.perf_counter() - started
         self.waits["checkpoints"] += 1

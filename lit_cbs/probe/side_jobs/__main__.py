@@ -14,7 +14,6 @@ import torch
 
 from lit_cbs.probe.engine import ProbeConfig, score_from_json, score_to_json
 from lit_cbs.probe.from_checkpoint import CheckpointProbe, run_checkpoint_probe
-from lit_cbs.probe.in_process import no_baseline
 from lit_cbs.probe.plan import ProbePlan
 from lit_cbs.probe.reading import BranchScore
 from lit_cbs.probe.side_jobs import build_parts, main_is_gone, write_json
@@ -42,7 +41,7 @@ def run_job(description: dict[str, Any]) -> None:
         content = json.loads(main_score.read_text())
         return None if content["changed_batch"] else score_from_json(content["score"])
 
-    probe = CheckpointProbe(config, plan, main_baseline if description["main_baseline"] else no_baseline)
+    probe = CheckpointProbe(config, plan, main_baseline if description["main_baseline"] else None)
     trainer = run_checkpoint_probe(
         description["checkpoint"], build_parts(description["build"], description["build_args"]), probe
     )

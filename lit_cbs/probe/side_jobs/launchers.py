@@ -93,7 +93,11 @@ class LocalLauncher:
         """Whether the job runs (stopped past ``timeout_min``); an ended one's status and last log line."""
         process = _STARTED.get(handle["pid"])
         code = process.poll() if process is not None else None  # None for a job of an earlier main process too
-        running = code is None if process is not None else _alive(handle["pid"])  # theirs: while /proc says it is
+        running = process is not None and code is None
+        if process is None:  # an earlier main process's: running while /proc names it a side job (not a reused pid)
+            cmdline = Path(f"/proc/{handle['pid']}/cmdline")
+            with contextlib.suppress(OSError):
+                running = "lit_cbs.probe.side_jobs" in cmdline.read_bytes().decode(errors="replace")
         if running:
             if self.timeout_min is not None and time.time() - handle["started"] > 60 * self.timeout_min:
                 self.cancel(handle)
@@ -129,15 +133,6 @@ def job_environment() -> dict[str, str]:
         for name, value in os.environ.items()
         if name not in RUN_GROUP_VARIABLES and not name.startswith("TORCHELASTIC_")
     }
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is still a side job (not a new process that reuses its number)."""
-    try:
-        command = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return "lit_cbs.probe.side_jobs" in command
 
 
 @dataclass(frozen=True)
