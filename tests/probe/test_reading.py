@@ -108,6 +108,25 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     path = tmp_path / "cbs_probe.jsonl"
     path.write_text(json.dumps(reading.to_record()) + "\n")
     assert read_readings(path) == [reading]
+    # k* at the top of the grid bounds the CBS from below only; the estimate is that bound.
+    scores = {1.0: BranchScore(3.0), 2.0: BranchScore(3.004), 4.0: BranchScore(3.006)}
+    context = {k: v for k, v in dataclasses.asdict(reading).items() if k in ("tokens", "step", "seq_len")}
+    top = ProbeReading.decide(
+        scores,
+        DecisionRule(0.01, 0.5),
+        [1.0, 2.0, 4.0],
+        16,
+        **context,
+        window_tokens=8192,
+        search="grid",
+        evaluate="train_ema",
+        main_loss=3.0,
+        branches_trained=[1.0, 2.0, 4.0],
+        failed=[],
+        tokens_spent=3 * 8192,
+        overhead=0.5,
+    )
+    assert (top.k_star, top.cbs_lower, top.cbs_upper, top.cbs_estimate) == (4.0, 64, None, 64)
     # The record carries its seq_len, so another sequence length needs no measured_seq_len.
     assert schedule_from_probe(path, 16, seq_len=64).batch_size(4096) == 16
     assert schedule_from_probe(path, 16, seq_len=16).batch_size(4096) == 64
