@@ -45,7 +45,8 @@ class GlobalOrderLoader:
         dataset: a map-style dataset, or litdata's ``StreamingDataset``.
         batch_size: samples per rank and forward pass; may change between any two optimizer steps.
         shuffle: permute the samples each epoch, seeded by ``(seed, epoch)``; False: dataset order.
-        num_replicas, rank: the data-parallel ranks and this one, both or neither (the default process group's).
+        num_replicas: the data-parallel ranks, given with ``rank`` or neither (the default process group's).
+        rank: this rank.
 
     Examples:
         Rank 0 of 2, in dataset order (rank 1 reads 2 and 3), then set to 4 samples (rank 1 takes 8 to 11):
