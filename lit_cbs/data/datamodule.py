@@ -10,8 +10,8 @@ from lightning.pytorch import LightningDataModule
 from litdata import StreamingDataLoader, StreamingDataset, TokensLoader
 
 from lit_cbs.data.loader import GlobalOrderLoader
-from lit_cbs.data.prepare import load_tokenizer, read_metadata, resolve_data
-from lit_cbs.errors import LitCBSConfigError, positive_int
+from lit_cbs.data.prepare import CORPORA, kjv_source, load_tokenizer, read_metadata, resolve_data
+from lit_cbs.errors import LitCBSConfigError, one_of, positive_int
 
 __all__ = ["TokenDataModule"]
 
@@ -23,7 +23,8 @@ def _stack_as_int64(samples: list[np.ndarray]) -> torch.Tensor:
 
 class TokenDataModule(LightningDataModule):
     """Token batches [batch_size, seq_len + 1] (int64) from a prepared folder, a folder of text files, or (default)
-    the embedded stdlib corpus (``resolve_data``): train through a ``GlobalOrderLoader``, validation in order.
+    an embedded ``corpus`` (``"stdlib"``, the default, or ``"kjv"``; ``resolve_data``): train through a
+    ``GlobalOrderLoader``, validation in order.
 
     Args:
         seq_len: tokens the model reads per sample (a sample holds ``seq_len + 1`` ids).
@@ -51,8 +52,13 @@ class TokenDataModule(LightningDataModule):
         shuffle: bool = True,
         tokenizer: str | os.PathLike[str] = "bytes",
         val_fraction: float = 0.01,
+        corpus: str = "stdlib",
     ):
         super().__init__()
+        if one_of("data.corpus", corpus, tuple(CORPORA)) != "stdlib" and (path, input_dir) != (None, None):
+            raise LitCBSConfigError(f"data.corpus={corpus!r} is read when data.path and data.input_dir are unset")
+        if corpus == "kjv":
+            kjv_source()  # refuses a missing package now, not when the data is prepared
         positive_int("data.seq_len", seq_len, "tokens per sample")
         positive_int("data.batch_size", batch_size, "samples per device")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
@@ -60,6 +66,7 @@ class TokenDataModule(LightningDataModule):
         self.path, self.input_dir, self.cache_dir, self.tokenizer = path, input_dir, cache_dir, tokenizer
         self.seq_len, self.batch_size, self.val_batch_size = seq_len, batch_size, batch_size
         self.num_workers, self.seed, self.shuffle, self.val_fraction = num_workers, seed, shuffle, val_fraction
+        self.corpus = corpus
         self.train_dataset: StreamingDataset | None = None
         self.val_dataset: StreamingDataset | None = None
 
@@ -78,11 +85,13 @@ class TokenDataModule(LightningDataModule):
             )
 
     def prepare_data(self) -> None:
-        resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
+        resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction, corpus=self.corpus)
 
     def setup(self, stage: str | None = None) -> None:
         """Open the prepared splits (preparing them first if need be); ValueError where one is too small."""
-        data_dir = resolve_data(self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction)
+        data_dir = resolve_data(
+            self.path, self.input_dir, self.cache_dir, self.tokenizer, self.val_fraction, corpus=self.corpus
+        )
         # In litdata's order (no shuffle): GlobalOrderLoader orders the train split, by index.
         self.train_dataset, self.val_dataset = (
             StreamingDataset(str(data_dir / split), item_loader=TokensLoader(block_size=self.seq_len + 1))

