@@ -196,7 +196,7 @@ def checkpoint_step(path: Path) -> int:
 
 def checkpoints_in_order(folder: Path, steps: Callable[[Path], int]) -> list[Path]:
     """The complete checkpoints in ``folder`` by step, less ``last.ckpt`` and ``hpc_ckpt_*``."""
-    from lit_cbs.callbacks.checkpoint_files import checkpoint_candidates, unreadable
+    from lit_cbs.callbacks.checkpoint import checkpoint_candidates, unreadable
 
     found = [
         path
