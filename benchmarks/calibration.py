@@ -66,7 +66,7 @@ from benchmarks.common import (
 from benchmarks.probe_repeat import command_of, probe_points, reading_at
 from benchmarks.transfer import probe_file
 from lit_cbs.analysis.forecast import supported_interval
-from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading, read_readings
+from lit_cbs.probe.reading import BranchScore, ProbeReading, read_readings
 
 SEEDS = (1, 2, 3, 1234)
 GOALS = {"agreement_steps": 1, "median_held": 0.85, "forecast_covered": 0.80}
@@ -151,7 +151,8 @@ def first_window(reading: ProbeReading, multipliers: list[float]) -> ProbeReadin
     kept += ("overhead",)
     return ProbeReading.decide(
         scores,
-        DecisionRule(reading.epsilon, reading.confidence),
+        reading.epsilon,
+        reading.confidence,
         multipliers,
         reading.batch_size,
         branches_trained=sorted(set(reading.branches_trained)),

@@ -29,7 +29,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from lit_cbs.callbacks.checkpoint_files import unreadable
+from lit_cbs.callbacks.checkpoint import unreadable
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.engine import ProbeConfig
 from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint

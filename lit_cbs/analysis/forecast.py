@@ -89,12 +89,12 @@ def brackets_from_records(
     hold theirs. Raises ValueError naming a bad reading, or for readings of different seq_len.
 
     Examples:
-        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
+        >>> from lit_cbs.probe.reading import BranchScore, ProbeReading
         >>> where = dict(step=0, seq_len=1024, window_tokens=10**6, search="grid", evaluate="train_ema", main_loss=3.0,
         ...              branches_trained=[2, 4], failed=[], tokens_spent=0, overhead=0.0)
         >>> def reading(tokens, loss_at_4):  # k = 1, 2, 4 of B = 32 samples, judged by the mean losses alone
         ...     scores = {1: BranchScore(3.0), 2: BranchScore(3.0), 4: BranchScore(loss_at_4)}
-        ...     return ProbeReading.decide(scores, DecisionRule(0.01, 0.5), [1, 2, 4], 32, tokens=tokens, **where)
+        ...     return ProbeReading.decide(scores, 0.01, 0.5, [1, 2, 4], 32, tokens=tokens, **where)
         >>> [(b.tokens, b.lower, b.upper) for b in brackets_from_records([reading(4e8, 3.0), reading(1e8, 3.1)])]
         [(100000000.0, 64.0, 128.0), (400000000.0, 128.0, inf)]
     """

@@ -94,12 +94,12 @@ def schedule_from_probe(
         measured_seq_len: the measured run's, where ``seq_len`` is given and the readings lack theirs.
 
     Examples:
-        >>> from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
+        >>> from lit_cbs.probe.reading import BranchScore, ProbeReading
         >>> where = dict(step=0, seq_len=1024, window_tokens=10**6, search="grid", evaluate="train_ema", main_loss=3.0,
         ...              branches_trained=[2, 4], failed=[], tokens_spent=0, overhead=0.0)
         >>> def reading(tokens, loss_at_2, loss_at_4):  # k = 1, 2, 4 of B = 32 samples
         ...     scores = {1: BranchScore(3.0), 2: BranchScore(loss_at_2), 4: BranchScore(loss_at_4)}
-        ...     return ProbeReading.decide(scores, DecisionRule(0.01, 0.5), [1, 2, 4], 32, tokens=tokens, **where)
+        ...     return ProbeReading.decide(scores, 0.01, 0.5, [1, 2, 4], 32, tokens=tokens, **where)
         >>> readings = [reading(10**8, 3.1, 3.1), reading(4 * 10**8, 3.0, 3.1), reading(8 * 10**8, 3.0, 3.0)]
         >>> schedule = schedule_from_probe(readings, start=32, final=128)  # CBS lower bounds 32, 64, 128
         >>> schedule.batch_sizes, schedule.thresholds

@@ -18,10 +18,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 
-from lit_cbs._internals import (
-    tree_leaves,
-    tree_map,
-)
+from lit_cbs._internals import tree_leaves, tree_map
 from lit_cbs.callbacks.accounting import BatchAccounting, loss_of, mean_over_ranks
 from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.module_state import ModuleState, side_effects_undone

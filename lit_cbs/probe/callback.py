@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lit_cbs import metrics
 from lit_cbs._internals import logging_step, should_accumulate
-from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader
+from lit_cbs.callbacks.accounting import BatchAccounting, micro_batch_loss, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.logs import log_figures, log_to_loggers
 from lit_cbs.callbacks.warmup import BatchWarmup
@@ -124,8 +124,7 @@ class CBSProbeCallback(Callback):
             return
         require_automatic_optimization(pl_module, "CBSProbeCallback", "it trains branches through it")
         accounting = BatchAccounting.attach(trainer)
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
-        warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
+        warmup = next((c for c in trainer_callbacks(trainer) if isinstance(c, BatchWarmup)), None)
         self._run = ProbeRun(self.config, accounting, warmup)
         rules = self.config.rules  # beside a BatchWarmup whose batch changes, branch k x B is the run grown k-fold
         if warmup is not None and not warmup.schedule.is_constant and warmup.rules.names() != rules.names():

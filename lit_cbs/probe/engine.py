@@ -11,13 +11,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lit_cbs.errors import LitCBSConfigError, one_of, positive_int, positive_number
-from lit_cbs.probe.reading import (
-    EVALUATIONS,
-    SEARCHES,
-    BranchScore,
-    DecisionRule,
-    ProbeReading,
-)
+from lit_cbs.probe.reading import EVALUATIONS, SEARCHES, BranchScore, ProbeReading
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 from lit_cbs.rules.scaling import BETA2_FLOOR, OptimizerRules
 
@@ -257,7 +251,8 @@ def point_reading(
     main_tokens = point.tokens + outcome.window_tokens * point.replicates
     return ProbeReading.decide(
         outcome.scores,
-        DecisionRule(config.epsilon, config.confidence),
+        config.epsilon,
+        config.confidence,
         point.multipliers,
         point.batch_size,
         **{name: getattr(config, name) for name in ("search", "evaluate", "cooldown_fraction")},

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.data import extract_batch_size
 
 from lit_cbs._internals import given_train_loader
-from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader
+from lit_cbs.callbacks.accounting import BatchAccounting, resizable_train_loader, trainer_callbacks
 from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data.loader import GlobalOrderLoader
@@ -91,8 +91,7 @@ class CheckpointProbe(Callback):
     def _probe(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         require_automatic_optimization(pl_module, "a CBS probe of a checkpoint", "it trains branches through it")
         accounting = BatchAccounting.attach(trainer)
-        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
-        warmup = next((callback for callback in callbacks if isinstance(callback, BatchWarmup)), None)
+        warmup = next((c for c in trainer_callbacks(trainer) if isinstance(c, BatchWarmup)), None)
         run, world = ProbeRun(self.config, accounting, warmup), accounting.data_parallel_size
         batch = run.global_batch()  # from the checkpoint
         plan = self.plan or plan_probe(run)
@@ -196,7 +195,7 @@ def checkpoint_step(path: Path) -> int:
 
 def checkpoints_in_order(folder: Path, steps: Callable[[Path], int]) -> list[Path]:
     """The complete checkpoints in ``folder`` by step, less ``last.ckpt`` and ``hpc_ckpt_*``."""
-    from lit_cbs.callbacks.checkpoint_files import checkpoint_candidates, unreadable
+    from lit_cbs.callbacks.checkpoint import checkpoint_candidates, unreadable
 
     found = [
         path

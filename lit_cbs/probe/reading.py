@@ -14,7 +14,7 @@ import numpy as np
 
 from lit_cbs.rules.smoothing import ema
 
-__all__ = ["BranchScore", "DecisionRule", "ProbeReading", "decide", "read_readings"]
+__all__ = ["BranchScore", "ProbeReading", "decide", "read_readings"]
 
 SEARCHES = ("grid", "bisect")
 EVALUATIONS = ("train_ema", "heldout")
@@ -114,14 +114,6 @@ def difference(a: BranchScore, b: BranchScore) -> Difference:
     if a.se is not None and b.se is not None:
         return Difference(mean, math.hypot(a.se, b.se))
     return Difference(mean, None)
-
-
-@dataclass(frozen=True)
-class DecisionRule:
-    """The k* rule's tolerance ``epsilon`` (nats) and one-sided ``confidence`` in [0.5, 1) (0.5: the means alone)."""
-
-    epsilon: float = 0.01
-    confidence: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -235,7 +227,7 @@ class ProbeReading:
         A probe at batch 256 whose k = 2 and 4 branches trained 262,144 tokens (``confidence=0.5``: the means decide):
 
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103), 4: BranchScore(3.15)}  # nats
-        >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2, 4], 256, tokens=10**6,
+        >>> reading = ProbeReading.decide(scores, 0.01, 0.5, [1, 2, 4], 256, tokens=10**6,
         ...     step=100, seq_len=128, window_tokens=262144, search="grid", evaluate="train_ema", main_loss=3.1,
         ...     branches_trained=[2, 4], failed=[], tokens_spent=524288, overhead=0.52)
         >>> reading.k_star, reading.bracket, round(reading.cbs_estimate, 1), reading.branch_steps
@@ -308,37 +300,35 @@ class ProbeReading:
     def decide(
         cls,
         scores: dict[float, BranchScore],
-        rule: DecisionRule,
+        epsilon: float,
+        confidence: float,
         multipliers: Sequence[float],
         batch_size: int,
         **fields: Any,
     ) -> ProbeReading:
-        """The k* rule on ``scores``, the CBS bracketed on ``multipliers`` x ``batch_size``."""
-        decision = decide(scores, rule.epsilon, rule.confidence)
+        """The k* rule (``decide``) on ``scores``, the CBS bracketed on ``multipliers`` x ``batch_size``."""
+        decision = decide(scores, epsilon, confidence)
         measured = sorted(scores.items())
-        if any(s.replicate_losses for s in scores.values()):
-            se_method = "paired held-out batches and replicate data windows"
-        elif any(s.batch_losses for s in scores.values()):
-            se_method = "paired held-out batches"
-        else:
-            se_method = (
-                "step-loss scatter (unpaired, approximate)" if any(s.se is not None for _, s in measured) else "none"
-            )
+        methods = {
+            "paired held-out batches and replicate data windows": any(s.replicate_losses for _, s in measured),
+            "paired held-out batches": any(s.batch_losses for _, s in measured),
+            "step-loss scatter (unpaired, approximate)": any(s.se is not None for _, s in measured),
+        }
         return cls(
             batch_size=batch_size,
             losses={f"{k:g}": (s.loss if not s.failed else None) for k, s in measured},
             k_star=decision.k_star,
             cbs_upper=next((k * batch_size for k in sorted(multipliers) if k > decision.k_star), None),
             determined=decision.determined,
-            confidence=rule.confidence,
+            confidence=confidence,
             loss_se={f"{k:g}": se for k, se in decision.loss_se.items()},
-            se_method=se_method,
+            se_method=next((method for method, made in methods.items() if made), "none"),
             batch_losses={f"{k:g}": list(s.batch_losses) for k, s in measured if s.batch_losses},
             replicate_se={f"{k:g}": se for k, se in decision.replicate_se.items()},
             replicate_batch_losses={
                 f"{k:g}": [list(w) for w in s.replicate_losses] for k, s in measured if s.replicate_losses
             },
-            epsilon=rule.epsilon,
+            epsilon=epsilon,
             **fields,
         )
 
@@ -376,7 +366,7 @@ def read_readings(path: str | os.PathLike[str]) -> list[ProbeReading]:
     Examples:
         >>> import os, tempfile
         >>> scores = {1: BranchScore(3.1), 2: BranchScore(3.103)}  # nats
-        >>> reading = ProbeReading.decide(scores, DecisionRule(confidence=0.5), [1, 2], 256, tokens=10**6, step=100,
+        >>> reading = ProbeReading.decide(scores, 0.01, 0.5, [1, 2], 256, tokens=10**6, step=100,
         ...     seq_len=128, window_tokens=262144, search="grid", evaluate="train_ema", main_loss=3.1,
         ...     branches_trained=[2], failed=[], tokens_spent=262144, overhead=0.26)
         >>> folder = tempfile.TemporaryDirectory()

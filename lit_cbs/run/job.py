@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from lit_cbs.callbacks.checkpoint_files import newest_complete, settle, unreadable
+from lit_cbs.callbacks.checkpoint import newest_complete, settle, unreadable
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.data import TokenDataModule
 from lit_cbs.errors import LitCBSConfigError

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import numpy as np
 
 from lit_cbs.analysis.curves import METRICS_FILE, read_metrics_csv, tokens_at
+from lit_cbs.callbacks.accounting import trainer_callbacks
 from lit_cbs.callbacks.checkpoint import stop_signal
 from lit_cbs.callbacks.logs import log_figures
 from lit_cbs.callbacks.warmup import BatchWarmup
@@ -56,8 +57,7 @@ def run_summary(trainer: pl.Trainer, warmup: BatchWarmup, run_name: str, fit_sec
         "stopped_by": signal.Signals(signum).name if signum else None,
         "probe": None,
     }
-    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
-    for probe in [callback for callback in callbacks if isinstance(callback, CBSProbeCallback)][:1]:
+    for probe in [c for c in trainer_callbacks(trainer) if isinstance(c, CBSProbeCallback)][:1]:
         history, status = probe.history, probe.status()
         summary["probe"] = {
             "tokens": probe.tokens_spent,

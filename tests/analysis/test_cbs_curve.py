@@ -9,7 +9,7 @@ import pytest
 from toys import heldout_score
 
 from lit_cbs.probe.plot import _gap_to_smaller, cbs_curve_figure, plot_cbs_curve
-from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading, difference
+from lit_cbs.probe.reading import BranchScore, ProbeReading, difference
 
 
 def decided(scores: dict[float, BranchScore], epsilon: float, confidence: float, tokens: int, **fields) -> ProbeReading:
@@ -19,7 +19,8 @@ def decided(scores: dict[float, BranchScore], epsilon: float, confidence: float,
     fields = {"window_tokens": 128, "evaluate": "train_ema", "tokens_spent": 384, **fields}
     return ProbeReading.decide(
         scores,
-        DecisionRule(epsilon, confidence),
+        epsilon,
+        confidence,
         grid,
         8,
         tokens=tokens,

@@ -34,7 +34,7 @@ from lit_cbs.analysis.forecast import (
 from lit_cbs.data.synthetic import RandomTokenData
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.models.lm import CausalLM
-from lit_cbs.probe.reading import BranchScore, DecisionRule, ProbeReading
+from lit_cbs.probe.reading import BranchScore, ProbeReading
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,7 +143,8 @@ def reading(batch_losses: dict[float, list[float]], confidence=0.9, epsilon=0.01
     scores = {k: BranchScore.heldout(losses) for k, losses in batch_losses.items()}
     return ProbeReading.decide(
         scores,
-        DecisionRule(epsilon, confidence),
+        epsilon,
+        confidence,
         sorted(batch_losses),
         16,
         tokens=65536,

@@ -1,4 +1,4 @@
-"""Checkpoints a kill cannot tear (lit_cbs/callbacks/checkpoint_files.py): runs SIGKILLed inside their checkpoint
+"""Checkpoints a kill cannot tear (lit_cbs/callbacks/checkpoint.py): runs SIGKILLed inside their checkpoint
 writes resume from a complete checkpoint and end bitwise where the uninterrupted run ends; a torn checkpoint given
 to resume from is refused in one line naming the newest complete one."""
 
@@ -13,7 +13,7 @@ import torch
 from launch import run_forked
 from recipe_runs import compose_config
 
-from lit_cbs.callbacks.checkpoint_files import newest_complete, partial_path, replaced_path, settle, unreadable
+from lit_cbs.callbacks.checkpoint import newest_complete, partial_path, replaced_path, settle, unreadable
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.run.job import resume_checkpoint
 

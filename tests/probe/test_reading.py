@@ -17,7 +17,6 @@ from toys import heldout_score
 from lit_cbs.analysis.probe_schedule import schedule_from_probe
 from lit_cbs.probe.reading import (
     BranchScore,
-    DecisionRule,
     ProbeReading,
     critical_multiplier,
     decide,
@@ -86,7 +85,8 @@ def test_bisect_finds_the_grid_answer_on_monotone_tables(table):
 def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     reading = ProbeReading.decide(
         {1.0: BranchScore(3.0), 2.0: BranchScore(3.004), 4.0: BranchScore(math.inf)},
-        DecisionRule(0.01, 0.5),
+        0.01,
+        0.5,
         [1.0, 2.0, 4.0],
         16,
         tokens=4096,
@@ -113,7 +113,8 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
     context = {k: v for k, v in dataclasses.asdict(reading).items() if k in ("tokens", "step", "seq_len")}
     top = ProbeReading.decide(
         scores,
-        DecisionRule(0.01, 0.5),
+        0.01,
+        0.5,
         [1.0, 2.0, 4.0],
         16,
         **context,
@@ -204,7 +205,8 @@ def test_failed_branches_are_surely_beyond_and_the_record_keeps_the_se(tmp_path)
     scores = {1.0: heldout_score(3.0, 0.001), 2.0: heldout_score(3.001, 0.001, seed=2), 4.0: BranchScore(math.inf)}
     reading = ProbeReading.decide(
         scores,
-        DecisionRule(0.02, 0.9),
+        0.02,
+        0.9,
         [1.0, 2.0, 4.0],
         8,
         tokens=0,
@@ -291,7 +293,8 @@ def test_records_keep_each_window_and_are_judged_anew_alike():
     )
     reading = ProbeReading.decide(
         scores,
-        DecisionRule(0.02, 0.9),
+        0.02,
+        0.9,
         [1, 2, 4],
         16,
         tokens=0,
@@ -329,7 +332,8 @@ def test_the_forecast_reads_a_replicated_record_as_its_probe_judged_it():
     scores = {1.0: windows(0.0, 0.0), 2.0: windows(0.005, 0.065), 4.0: windows(0.2, 0.2)}
     reading = ProbeReading.decide(
         scores,
-        DecisionRule(0.02, 0.9),
+        0.02,
+        0.9,
         [1, 2, 4],
         16,
         tokens=1024,

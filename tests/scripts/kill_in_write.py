@@ -34,8 +34,7 @@ from fsdp_warmup import FactoredRegression  # noqa: E402
 from toys import GlobalOrderRegressionData, RegressionModule, trainer_kwargs  # noqa: E402
 
 from lit_cbs import BatchWarmup, CBSProbeCallback, PiecewiseBatch  # noqa: E402
-from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint  # noqa: E402
-from lit_cbs.callbacks.checkpoint_files import newest_complete  # noqa: E402
+from lit_cbs.callbacks.checkpoint import FinalStateCheckpoint, newest_complete  # noqa: E402
 
 
 def written_path(event: str, args: tuple) -> str | None:
