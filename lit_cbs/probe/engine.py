@@ -270,16 +270,22 @@ def point_reading(
 
 
 class Runner(Protocol):
-    """Where a point's branches train (in process, side jobs), told of its life by the engine."""
+    """Where a point's branches train, told of its life by the engine; ``step``, ``window_ended``: no-ops here."""
 
     mode: str  # ProbeReading.mode of its readings
     late: bool  # its outcomes arrive after the main run's window ended
 
     def start(self, point: ProbePoint) -> None: ...
-    def step(self, point: ProbePoint, samples_seen: int) -> None: ...
-    def window_ended(self, point: ProbePoint) -> None: ...
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]: ...
     def close(self, point: ProbePoint) -> None: ...
+
+    def step(self, point: ProbePoint, samples_seen: int) -> None:
+        """After each main-run step of the point's window (side jobs train on their own)."""
+        return None
+
+    def window_ended(self, point: ProbePoint) -> None:
+        """The main run's score over the window is in (the engine keeps it, ``point.baseline``)."""
+        return None
 
 
 @dataclass

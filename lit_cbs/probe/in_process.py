@@ -22,7 +22,7 @@ from lit_cbs.callbacks.checkpoint import set_probe_window, stop_signal
 from lit_cbs.callbacks.module_state import logging_muted
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.branch import BranchFailed, BranchTrainer, RecordedWindow, TrainingSnapshot
-from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint
+from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, Runner
 from lit_cbs.probe.reading import BranchScore, measure_losses
 
 __all__: list[str] = []  # the probe's own parts
@@ -120,7 +120,7 @@ def load_heldout_batches(trainer: pl.Trainer, count: int, device: torch.device |
     return batches
 
 
-class InProcessRunner:
+class InProcessRunner(Runner):
     """Trains a point's branches where the main run's part (or a look) ends, one point at a time."""
 
     mode = "in_process"
@@ -154,9 +154,6 @@ class InProcessRunner:
     def record_batch(self, batch: Any) -> None:
         if self.window is not None:
             self.window.record_batch(batch, self.config.snapshot_device)
-
-    def window_ended(self, point: ProbePoint) -> None:  # the engine keeps the main run's score (point.baseline)
-        pass
 
     def step(self, point: ProbePoint, samples_seen: int) -> None:
         """Where the part or a look ends, train and score the branches, then restore the main run."""

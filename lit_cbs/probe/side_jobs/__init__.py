@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lit_cbs.callbacks.accounting import resizable_train_loader
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError
-from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, score_from_json
+from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, Runner, score_from_json
 from lit_cbs.probe.from_checkpoint import RunParts
 from lit_cbs.probe.side_jobs.launchers import SideJobs
 
@@ -91,7 +91,7 @@ def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_ar
     }
 
 
-class SideJobRunner:
+class SideJobRunner(Runner):
     """The main run's side of side jobs: rank 0 writes files and asks the launcher; all ranks learn alike."""
 
     mode = "side_jobs"
@@ -186,9 +186,6 @@ class SideJobRunner:
             f"[{', '.join(f'{k:g}' for k in point.multipliers)}] handed to a side job ({point.folder}); "
             "the main run trains on as k = 1"
         )
-
-    def step(self, point: ProbePoint, samples_seen: int) -> None:  # the job trains on its own
-        pass
 
     def window_ended(self, point: ProbePoint) -> None:
         """The main run's score over the window is in: a job bisecting from it may go on."""
