@@ -77,3 +77,15 @@ class WaitForSideJobs(pl.Callback):
                 return
             time.sleep(0.2)
         raise TimeoutError(f"side jobs still running {self.timeout:g} s after step {self.step}")
+
+
+class PauseAfter(pl.Callback):
+    """Sleeps ``seconds`` after each main-run optimizer step in ``steps``: a side job's time limit then runs out
+    before the run's next step, however fast its steps are."""
+
+    def __init__(self, steps: list[int], seconds: float):
+        self.steps, self.seconds = list(steps), seconds
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step in self.steps:
+            time.sleep(self.seconds)

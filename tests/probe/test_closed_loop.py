@@ -141,7 +141,9 @@ def test_the_adaptive_recipe_grows_its_batch_on_side_job_readings(prepared, tmp_
 
 @pytest.mark.slow
 def test_a_run_whose_probes_failed_says_so_in_the_first_lines_of_its_summary(prepared, tmp_path):
-    # Every job runs past its time limit (0.6 s): each probe point fails, and the adaptive schedule never acts.
+    # Every job runs past its time limit (0.6 s): each probe point fails, and the adaptive schedule never acts. The
+    # run pauses 1 s inside each window (steps 12 and 20), so a job's failure is in before the next point, which a
+    # reading still out at the same batch would skip (on an idle machine 8 steps take less than 0.6 s).
     _, summary, stdout = recipe_run(
         tmp_path / "run",
         prepared,
@@ -149,6 +151,7 @@ def test_a_run_whose_probes_failed_says_so_in_the_first_lines_of_its_summary(pre
         "side_jobs.launcher.timeout_min=0.01",
         "side_jobs.retries=0",
         "side_jobs.look_seconds=0",
+        "+callbacks.pause={_target_: side_job_toys.PauseAfter, steps: [12, 20], seconds: 1.0}",
     )
     points = summary["probe"]["points"]
     assert points["read"] == 0 and len(points["failed"]) == 3 and points["pending"] == []  # at 16k, 32k and 49k tokens
