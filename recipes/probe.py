@@ -3,6 +3,7 @@
     python recipes/probe.py ckpt_path=outputs/tiny_warmup/<date>/checkpoints/step0000608.ckpt
     python recipes/probe.py ckpt_path=outputs/tiny_warmup/<date>/checkpoints     # every checkpoint: the CBS curve
     python recipes/probe.py ckpt_path=... probe.multipliers=[1,2,4,8] probe.replicates=2 trainer.devices=2
+    python recipes/probe.py ckpt_path=outputs/tiny_warmup/<date>/checkpoints window_fraction=0.125
 
 The run is rebuilt from the ``resolved_config.yaml`` that recipes/train.py wrote in its run folder (beside
 ``checkpoints/``). From each checkpoint the probe trains the k = 1 baseline and the branches on the run's next
@@ -10,7 +11,9 @@ window of data, in the run's own order, scores them on the run's held-out batche
 probe does (lit_cbs.probe.probe_checkpoint): the same seed and thread count give the reading the run's own probe
 would have taken at that step. Each reading is appended to ``cbs_probe.jsonl`` in this job's folder; at the end
 ``cbs_curve.png`` draws them, and from three readings on the curve fitted through them is forecast
-(``forecast.png``). A distributed (FSDP2) checkpoint is loaded on this job's processes (``trainer.devices``).
+(``forecast.png``). ``window_fraction`` sizes each checkpoint's window by the tokens it holds (at least
+``probe.window_tokens``), so that a curve's early and late readings look as far ahead relative to the run. A
+distributed (FSDP2) checkpoint is loaded on this job's processes (``trainer.devices``).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lit_cbs.callbacks.checkpoint import unreadable
-from lit_cbs.errors import LitCBSConfigError
+from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.probe.engine import ProbeConfig
 from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint
 from lit_cbs.probe.reading import ProbeReading
@@ -98,6 +101,7 @@ def main(cfg: DictConfig) -> None:
         checkpoints, run = checkpoints_and_run(cfg.ckpt_path)
         run_cfg = cast(DictConfig, OmegaConf.load(run / RUN_CONFIG))  # the mapping recipes/train.py wrote
         settings = probe_settings(run_cfg, cfg.probe)
+        positive_number("window_fraction", cfg.window_fraction, "of each checkpoint's tokens", optional=True)
     except keys.CONFIG_ERRORS as error:
         job.remove_hydra_run_dir(earlier)
         keys.stop_on_config_error(error)
@@ -107,7 +111,10 @@ def main(cfg: DictConfig) -> None:
     for number, checkpoint in enumerate(checkpoints, 1):
         pl.seed_everything(int(run_cfg.seed), workers=True, verbose=False)
         parts = job.probe_parts(run_cfg, cfg.trainer.devices, cfg.trainer.num_nodes)
-        reading = probe_checkpoint(checkpoint, parts, output_dir=output_dir, **settings)
+        window = settings["window_tokens"]
+        if cfg.window_fraction is not None:
+            window = max(window, round(cfg.window_fraction * checkpoint_tokens(checkpoint)))
+        reading = probe_checkpoint(checkpoint, parts, output_dir=output_dir, **{**settings, "window_tokens": window})
         readings.append(reading)
         log.info(
             f"[{number}/{len(checkpoints)}] {checkpoint.name}: step {reading.step:,}, {reading.tokens:,} tokens, batch "
@@ -117,6 +124,16 @@ def main(cfg: DictConfig) -> None:
         report(readings, output_dir, cfg.forecast_to)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def checkpoint_tokens(path: Path) -> int:
+    """The tokens (all ranks) a recipe run had trained when it saved ``path``, read without its tensors."""
+    source = path / "meta.pt" if path.is_dir() else path
+    states = torch.load(source, map_location="cpu", mmap=True, weights_only=False).get("callbacks", {})
+    seen = [state["tokens_seen"] for state in states.values() if isinstance(state, dict) and "tokens_seen" in state]
+    if not seen:
+        raise LitCBSConfigError(f"window_fraction: {path} holds no tokens_seen (not a recipe run's checkpoint?)")
+    return int(seen[0])
 
 
 def report(readings: list[ProbeReading], output_dir: Path, forecast_to: int | None) -> None:

@@ -93,11 +93,18 @@ def test_recipes_probe_py_reads_a_folder_of_checkpoints_and_draws_the_curve(prob
     out = tmp_path / "probes"
     result = run_forked(
         ROOT / "recipes" / "probe.py", f"ckpt_path={probed_run / 'checkpoints'}", "probe.multipliers=[1,2]",
-        f"hydra.run.dir={out}", capture_output=True, timeout=600, cwd=tmp_path,
+        "window_fraction=1.0", f"hydra.run.dir={out}", capture_output=True, timeout=600, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     readings = [json.loads(line) for line in (out / "cbs_probe.jsonl").read_text().splitlines()]
     assert [r["step"] for r in readings] == [1, 2, 5, 6, 8]  # every checkpoint (none inside a window), in order
+    # Each window as many tokens as the checkpoint holds (at least the run's callbacks.cbs_probe.window_tokens), in
+    # whole steps of its largest branch (k = 2).
+    largest = [2 * r["batch_size"] * 128 for r in readings]
+    assert [r["window_tokens"] for r in readings] == [
+        max(4096, r["tokens"]) // step * step for r, step in zip(readings, largest)
+    ]
+    assert readings[-1]["window_tokens"] == 12288
     assert all(r["mode"] == "checkpoint" and set(r["losses"]) <= {"1", "2"} for r in readings)
     assert (out / "cbs_curve.png").is_file() and (out / "forecast.png").is_file()
     assert "[5/5] step0000008.ckpt: step 8, 12,288 tokens, batch 16" in result.stdout + result.stderr
