@@ -24,6 +24,19 @@ configuration beside the probe files (resolved_config.yaml, or .hydra/config.yam
 of conf/batch/warmup.yaml; the file's comment says which. Records written before probe records stored
 their epsilon are read at the run's callbacks.cbs_probe.epsilon from the same configuration, or
 --epsilon. Bad input ends the run with one line naming it; a warning is one line too.
+
+A CBS law over model sizes (lit_cbs.analysis.law, docs/guides/cbs_law.md) plans a run no probe has seen:
+--fit-law LAW.json fits one to the files (one run each, --params N of each; --corpus names each's data) and
+--law LAW.json --target-params N --target-tokens D gives the schedule of a run of N parameters over D tokens
+(following the lower edge of the law's --coverage band) and the probe points worth checking it at.
+
+    python recipes/schedule_from_probe.py small/cbs_probe.jsonl big/cbs_probe.jsonl --params 66560 233472 \
+        --fit-law law.json
+    python recipes/schedule_from_probe.py --law law.json --target-params 852000 --target-tokens 16000000 \
+        --seq-len 128 --start 4 --out conf/batch/from_law.yaml
+
+Files may hold readings measured elsewhere, one JSON object a line: {"tokens": 2e9, "cbs_lower": 1024,
+"cbs_upper": 2048} (samples; cbs_upper null for no upper end), optionally "determined", "seq_len", "epsilon".
 """
 
 from __future__ import annotations
@@ -40,6 +53,7 @@ from omegaconf import OmegaConf
 from lit_cbs.analysis import brackets_from_records, forecast_cbs, plot_forecast, read_readings, schedule_from_probe
 from lit_cbs.analysis.fits import batch_group_yaml
 from lit_cbs.analysis.forecast import growth_exponent, noise_scale_over_tokens, schedule_from_forecast
+from lit_cbs.analysis.law import CBSLaw, fit_law, law_points, schedule_from_law
 from lit_cbs.analysis.probe_schedule import run_config_value
 from lit_cbs.errors import LitCBSConfigError, positive_int, positive_number
 from lit_cbs.rules.batch_schedules import PiecewiseBatch
@@ -52,8 +66,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("probe", nargs="+", type=Path, help="cbs_probe.jsonl files written by CBSProbeCallback")
-    parser.add_argument("--start", type=int, required=True, help="the target run's first global batch, samples")
+    parser.add_argument("probe", nargs="*", type=Path, help="cbs_probe.jsonl files (CBSProbeCallback's or others)")
+    parser.add_argument("--start", type=int, help="the target run's first global batch, samples")
     parser.add_argument("--factor", type=int, default=2, help="ratio between consecutive batch sizes (default: 2)")
     parser.add_argument(
         "--final", type=int, help="the largest global batch, samples: start x factor^n (default: no cap)"
@@ -76,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=sorted(LR_RULES),
         help="batch.lr_rule: LR factor per batch change (default: sqrt)",
     )
-    parser.add_argument("--out", type=Path, required=True, help="the config to write, e.g. conf/batch/measured.yaml")
+    parser.add_argument("--out", type=Path, help="the config to write, e.g. conf/batch/measured.yaml")
     parser.add_argument(
         "--max-micro-batch-size",
         type=int,
@@ -104,12 +118,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=Path,
         help="--forecast-to: a metrics.csv with gns/b_simple: its growth beside the CBS's, and on the plot",
     )
+    law = parser.add_argument_group("a CBS law over model sizes")
+    law.add_argument("--fit-law", type=Path, help="fit a law to the files and write it here (JSON)")
+    law.add_argument("--params", type=float, nargs="+", help="--fit-law: each file's model size, parameters")
+    law.add_argument("--corpus", nargs="+", help="--fit-law: each file's corpus name (default: one corpus)")
+    law.add_argument("--law", type=Path, help="schedule the target run from this law (--fit-law's file)")
+    law.add_argument("--target-params", type=float, help="--law: the target model's parameters")
+    law.add_argument("--target-tokens", type=int, help="--law: the target run's budget, tokens")
     return parser.parse_args(argv)
+
+
+def check_modes(args: argparse.Namespace) -> None:
+    """One line for what the chosen mode lacks or should not have, before any work."""
+    if args.fit_law is not None:
+        if not args.probe or args.params is None or len(args.params) != len(args.probe):
+            raise ValueError("--fit-law needs the probe files and --params with one model size (parameters) each")
+        if args.corpus is not None and len(args.corpus) != len(args.probe):
+            raise ValueError(f"--corpus names {len(args.corpus)} corpora for {len(args.probe)} files: one each")
+        return
+    if args.law is not None:
+        if args.probe:
+            raise ValueError("--law schedules from the law alone: leave out the probe files (or fit with --fit-law)")
+        if args.target_params is None or args.target_tokens is None or args.seq_len is None:
+            raise ValueError("--law needs --target-params N, --target-tokens D and --seq-len (the target run's)")
+    elif not args.probe:
+        raise ValueError("give cbs_probe.jsonl files, or --law LAW.json for a run no probe has seen")
+    if args.start is None or args.out is None:
+        raise ValueError("--start (the first global batch, samples) and --out (the config to write) are needed")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_modes(args)
+        if args.fit_law is not None:
+            return fit_law_to_files(args)
         if args.out.suffix != ".yaml":
             raise ValueError(f"--out {args.out} must end in .yaml (Hydra reads conf/batch/NAME.yaml as batch=NAME)")
         if args.forecast_to is not None and args.seq_len is not None:
@@ -120,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         positive_int("--max-micro-batch-size", args.max_micro_batch_size, "samples per rank", optional=True)
         positive_number("--epsilon", args.epsilon, "nats", optional=True)
         micro_batch = micro_batch_growth(args)
+        if args.law is not None:
+            return write_from_law(args, micro_batch)
         readings = [reading for path in args.probe for reading in read_readings(path)]
         if args.forecast_to is not None:
             return write_forecast(args, micro_batch)
@@ -178,6 +223,39 @@ def micro_batch_growth(args: argparse.Namespace) -> tuple[int | None, str]:
         return value, f"max_micro_batch_size {'null' if value is None else value}: the measured run's {key} ({file})."
     value = OmegaConf.load(WARMUP_BATCH).max_micro_batch_size
     return value, f"max_micro_batch_size {value}: the default of conf/batch/warmup.yaml (no run configuration found)."
+
+
+def fit_law_to_files(args: argparse.Namespace) -> int:
+    """--fit-law: the law in the tokens through every file's readings (with a size term where sizes differ)."""
+    corpora = args.corpus or ["corpus"] * len(args.probe)
+    points = [
+        point
+        for path, params, corpus in zip(args.probe, args.params, corpora)
+        for point in law_points(read_readings(path), params, corpus, str(path), epsilon=args.epsilon)
+    ]
+    law = fit_law(points, size_term=len(set(args.params)) > 1)
+    law.save(args.fit_law)
+    print(f"{law.describe()}; wrote {args.fit_law}")
+    return 0
+
+
+def write_from_law(args: argparse.Namespace, micro_batch: tuple[int | None, str]) -> int:
+    """--law: the target run's schedule along the law's band, and the probe points that would check it."""
+    law = CBSLaw.load(args.law)
+    schedule, changes = schedule_from_law(
+        law, args.target_params, args.target_tokens, args.start, args.seq_len,
+        factor=args.factor, final=args.final, margin=args.margin, coverage=args.coverage,
+    )  # fmt: skip
+    points = ", ".join(f"{c.tokens:,}" for c in changes) or "none (the batch never grows)"
+    comment = [
+        f"Batch size warmup from the CBS law {args.law} by recipes/schedule_from_probe.py for",
+        f"{args.target_params:,.0f} parameters over {args.target_tokens:,} tokens at seq_len {args.seq_len}:",
+        f"{law.describe()}. The batch follows the lower edge of its {args.coverage:.0%} band.",
+        f"Probe points worth checking it at: {points}.",
+    ]
+    write_batch_config(args, schedule, comment, micro_batch)
+    print(f"{schedule}; wrote {args.out}\nprobe points worth checking it at (tokens): {points}")
+    return 0
 
 
 def write_forecast(args: argparse.Namespace, micro_batch: tuple[int | None, str]) -> int:

@@ -60,8 +60,10 @@ def supported_interval(
     reading: ProbeReading, where: str = "reading", epsilon: float | None = None
 ) -> tuple[float, float]:
     """(lower, upper) samples of the CBS, judged again from the per-batch losses at the reading's epsilon (else
-    ``epsilon``); without them its bracket, or [smallest k B, inf) if undetermined."""
+    ``epsilon``); without them its bracket, or [smallest k B, inf) if undetermined; one measured elsewhere: its own."""
     batch = _number(reading, "batch_size", where)
+    if reading.mode == "elsewhere":
+        return batch, math.inf if reading.cbs_upper is None else float(reading.cbs_upper)
     if not isinstance(reading.losses, dict) or not reading.losses:
         raise ValueError(f"{where}: losses={reading.losses!r} must map each multiplier to its loss")
     ks = sorted(float(k) for k in reading.losses)
@@ -143,11 +145,11 @@ def _bounds(model: str) -> list[tuple[float | None, float | None]]:
     return [(None, None), (-EXPONENT_BOUND, EXPONENT_BOUND), spread] + ([(None, None)] if model == "plateau" else [])
 
 
-def _log_prior(params: np.ndarray, model: str, log_ceiling: float) -> np.ndarray:
+def _log_prior(params: np.ndarray, model: str, log_ceiling: float, spread_median: float) -> np.ndarray:
     """The weak priors' log density (up to a constant) of each parameter vector; -inf outside ``_bounds``."""
     params = np.asarray(params, dtype=float)
     b, log_s = params[..., 1], params[..., 2]
-    spread = (log_s - math.log(SPREAD_PRIOR_MEDIAN)) / SPREAD_PRIOR_SD
+    spread = (log_s - math.log(spread_median)) / SPREAD_PRIOR_SD
     density = -0.5 * spread**2 - 0.5 * (b / EXPONENT_PRIOR_SD) ** 2
     if model == "plateau":
         density = density - 0.5 * ((params[..., 3] - log_ceiling) / CEILING_PRIOR_SD) ** 2
@@ -162,18 +164,20 @@ def _logs(brackets: Sequence[Bracket], d0: float) -> tuple[np.ndarray, np.ndarra
     return log_d, np.log([b.lower for b in brackets]), np.log([b.upper for b in brackets])
 
 
-def _log_posterior(params: np.ndarray, logs: tuple[np.ndarray, np.ndarray, np.ndarray], model: str) -> np.ndarray:
+def _log_posterior(
+    params: np.ndarray, logs: tuple[np.ndarray, np.ndarray, np.ndarray], model: str, spread_median: float
+) -> np.ndarray:
     """Summed log likelihood plus log prior (up to a constant; the plateau's centred on the largest lower end)."""
     likelihood = np.sum(_log_likelihood(params, *logs, model), axis=-1)
-    return np.asarray(likelihood + _log_prior(params, model, float(logs[1].max())))
+    return np.asarray(likelihood + _log_prior(params, model, float(logs[1].max()), spread_median))
 
 
-def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
+def _fit(brackets: Sequence[Bracket], model: str, d0: float, spread_median: float) -> np.ndarray:
     """The posterior's mode (log a, b, log s[, log c]) for D in units of ``d0`` tokens."""
     logs = _logs(brackets, d0)
 
     def loss(params: np.ndarray) -> float:
-        value = -float(_log_posterior(params, logs, model))
+        value = -float(_log_posterior(params, logs, model, spread_median))
         return value if math.isfinite(value) else 1e12
 
     log_d, log_lo, log_hi = logs
@@ -181,9 +185,9 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float) -> np.ndarray:
     centre = (log_lo + upper) / 2
     slope = np.polyfit(log_d, centre, 1)[0] if len(set(log_d)) > 1 else 0.0
     slope = float(np.clip(slope, -EXPONENT_BOUND, EXPONENT_BOUND))
-    line = np.array([float(np.mean(centre - slope * log_d)), slope, math.log(SPREAD_PRIOR_MEDIAN)])
+    line = np.array([float(np.mean(centre - slope * log_d)), slope, math.log(spread_median)])
     # The plateau starts from the power law's fit, with the ceiling near, at and above the largest reading.
-    power = _fit(brackets, "power", d0) if model == "plateau" else line
+    power = _fit(brackets, "power", d0, spread_median) if model == "plateau" else line
     starts = [line] if model == "power" else [np.append(power, float(np.max(centre)) + s) for s in (-0.5, 0.5, 2.0)]
     results = [optimize.minimize(loss, x0, method="L-BFGS-B", bounds=_bounds(model)) for x0 in starts]
     return np.asarray(min(results, key=lambda result: result.fun).x)
@@ -206,10 +210,17 @@ def _laplace_covariance(
 
 
 def _posterior_draws(
-    brackets: Sequence[Bracket], model: str, d0: float, mode: np.ndarray, rng: np.random.Generator
+    brackets: Sequence[Bracket],
+    model: str,
+    d0: float,
+    mode: np.ndarray,
+    rng: np.random.Generator,
+    spread_median: float = SPREAD_PRIOR_MEDIAN,
 ) -> np.ndarray:
     """``POSTERIOR_DRAWS`` parameter vectors from the posterior, by importance sampling from a Student t."""
-    log_posterior = functools.partial(_log_posterior, logs=_logs(brackets, d0), model=model)
+    log_posterior = functools.partial(
+        _log_posterior, logs=_logs(brackets, d0), model=model, spread_median=spread_median
+    )
     centre, shape = mode, _laplace_covariance(log_posterior, mode)
     for _ in range(3):
         proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
@@ -289,7 +300,7 @@ def _mixture_quantile(means: np.ndarray, spreads: np.ndarray, q: float) -> np.nd
     return np.asarray((low + high) / 2)
 
 
-def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
+def _heldout(brackets: Sequence[Bracket], model: str, d0: float, spread_median: float) -> float:
     """Summed log likelihood of each left-out group (a run, or with one run a reading) under the fit to the rest."""
     runs = sorted({b.run for b in brackets})
     groups = [[b for b in brackets if b.run == run] for run in runs] if len(runs) > 1 else [[b] for b in brackets]
@@ -298,15 +309,22 @@ def _heldout(brackets: Sequence[Bracket], model: str, d0: float) -> float:
         rest = [b for b in brackets if b not in group]
         if len({b.tokens for b in rest}) < 2:
             continue
-        params = _fit(rest, model, d0)
+        params = _fit(rest, model, d0, spread_median)
         total += float(np.sum(_log_likelihood(params, *_logs(group, d0), model)))
     return total
 
 
-def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: float = 0.8, seed: int = 0) -> CBSForecast:
+def forecast_cbs(
+    brackets: Sequence[Bracket],
+    model: str = "auto",
+    coverage: float = 0.8,
+    seed: int = 0,
+    spread_prior: float = SPREAD_PRIOR_MEDIAN,
+) -> CBSForecast:
     """CBS(D) fitted to ``brackets`` of one or more runs. ``model``: "power", "plateau" (readings at 4 or more token
     counts) or "auto": the plateau where its held-out log likelihood beats the power law's by ``PLATEAU_MARGIN``.
-    ``seed``: of the band's sampling. Warns where the readings cannot test the curve's shape.
+    ``seed``: of the band's sampling; ``spread_prior``: the prior's median spread of log CBS (fitted on other runs).
+    Warns where the readings cannot test the curve's shape.
 
     Examples:
         >>> from lit_cbs.analysis.forecast import Bracket
@@ -339,14 +357,14 @@ def forecast_cbs(brackets: Sequence[Bracket], model: str = "auto", coverage: flo
         )
     d0 = float(np.exp(np.mean(np.log([b.tokens for b in brackets]))))
     candidates = [m for m in MODELS if m == "power" or len(token_counts) >= 4]
-    heldout = {m: _heldout(brackets, m, d0) for m in candidates}
+    heldout = {m: _heldout(brackets, m, d0, spread_prior) for m in candidates}
     # "auto": the plateau's one more parameter must earn more than PLATEAU_MARGIN in held-out log likelihood.
     beats_power = heldout.get("plateau", -math.inf) > heldout["power"] + PLATEAU_MARGIN
     chosen = model if model != "auto" else "plateau" if beats_power else "power"
     if chosen == "plateau" and "plateau" not in candidates:
         raise ValueError(f"model='plateau' needs readings at 4 or more token counts; these have {len(token_counts)}")
-    params = _fit(brackets, chosen, d0)
-    draws = _posterior_draws(brackets, chosen, d0, params, np.random.default_rng(seed))
+    params = _fit(brackets, chosen, d0, spread_prior)
+    draws = _posterior_draws(brackets, chosen, d0, params, np.random.default_rng(seed), spread_prior)
     return CBSForecast(chosen, tuple(float(p) for p in params), d0, coverage, tuple(brackets), heldout, draws)
 
 
@@ -371,9 +389,7 @@ def schedule_from_forecast(
 ) -> tuple[PiecewiseBatch, list[ForecastChange]]:
     """(a token-indexed ``PiecewiseBatch``, its changes) up to ``until_tokens``, following the band's lower edge as
     ``schedule_from_probe`` follows readings; warns when extrapolating farther than the readings span."""
-    if not (isinstance(until_tokens, int) and until_tokens > 0):
-        raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")
-    check_growth(start, factor, margin)
+    followed = follow_band(forecast.band, start, until_tokens, factor=factor, final=final, margin=margin)
     first, last = forecast.brackets[0].tokens, forecast.brackets[-1].tokens
     if until_tokens / last > last / first:
         reach = f"until_tokens={until_tokens:,} is {until_tokens / last:.1f}x past the last reading ({last:,.0f})"
@@ -381,8 +397,24 @@ def schedule_from_forecast(
             f"schedule_from_forecast: {reach}, farther than the readings span ({last / first:.1f}x): the band assumes "
             "the curve keeps its fitted shape that far; probe later in the run, or forecast a shorter one"
         )
+    return followed
+
+
+def follow_band(
+    band: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]],
+    start: int,
+    until_tokens: int,
+    *,
+    factor: int = 2,
+    final: int | None = None,
+    margin: float = 1.0,
+) -> tuple[PiecewiseBatch, list[ForecastChange]]:
+    """The schedule (and its changes) whose batch follows the lower edge of ``band`` (tokens -> samples)."""
+    if not (isinstance(until_tokens, int) and until_tokens > 0):
+        raise ValueError(f"until_tokens={until_tokens!r} must be a positive int (the run's budget, tokens)")
+    check_growth(start, factor, margin)
     grid = np.unique(np.geomspace(1, until_tokens, 2000).astype(np.int64))
-    low, high = forecast.band(grid)
+    low, high = band(grid)
     changes = [
         ForecastChange(int(grid[i]), batch, float(low[i]), float(high[i]))
         for i, batch in grow_batch(low, start, factor, final, margin)

@@ -12,11 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from lit_cbs.errors import positive_int, positive_number
 from lit_cbs.rules.smoothing import ema
 
 __all__ = ["BranchScore", "ProbeReading", "decide", "read_readings"]
 
 SEARCHES = ("grid", "bisect")
+# A reading measured elsewhere (a paper's numbers, an own sweep): its required and optional fields.
+MINIMAL = (("tokens", "cbs_lower", "cbs_upper"), ("determined", "seq_len", "epsilon"))
 EVALUATIONS = ("train_ema", "heldout")
 
 
@@ -239,7 +242,7 @@ class ProbeReading:
     tokens: int  # when the window started
     step: int  # optimizer steps when the window started
     batch_size: int  # the main run's global batch B over the window
-    seq_len: int  # tokens per sample
+    seq_len: int | None  # tokens per sample (None: a reading measured elsewhere that does not say)
     window_tokens: int  # every branch trained on
     search: str  # "grid" or "bisect"
     evaluate: str  # "train_ema" or "heldout"
@@ -264,7 +267,7 @@ class ProbeReading:
     replicates: int = 1  # disjoint data windows each k trained on
     replicate_se: dict[str, float] = field(default_factory=dict)  # the windows' share of loss_se
     replicate_batch_losses: dict[str, list[list[float]]] = field(default_factory=dict)  # per k, window, batch
-    mode: str = "in_process"  # where the branches trained: "in_process", "side_jobs" or "checkpoint"
+    mode: str = "in_process"  # where the branches trained: "in_process", "side_jobs", "checkpoint"; or "elsewhere"
     arrived_at_tokens: int | None = None  # side jobs: the main run's tokens when the reading arrived
 
     @property
@@ -287,7 +290,20 @@ class ProbeReading:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ProbeReading:
-        """The reading ``record`` holds (``to_record``'s, a line of ``cbs_probe.jsonl``)."""
+        """The reading ``record`` holds: ``to_record``'s (a line of ``cbs_probe.jsonl``), or one measured elsewhere
+        (``MINIMAL``: no ``losses``), held as a bracket [cbs_lower, cbs_upper] read at k* = 1.
+
+        Examples:
+            >>> reading = ProbeReading.from_record({"tokens": 2e9, "cbs_lower": 1024, "cbs_upper": 2048})
+            >>> reading.bracket, reading.mode
+            ('[1024, 2048]', 'elsewhere')
+            >>> ProbeReading.from_record({"tokens": 2e9, "cbs_lower": 1024})
+            Traceback (most recent call last):
+            ValueError: not a CBS reading: it lacks cbs_upper (one measured elsewhere holds tokens, cbs_lower and \
+cbs_upper (null: no upper end); it may hold determined, seq_len and epsilon)
+        """
+        if "losses" not in record:
+            return cls._measured_elsewhere(record)
         fields = {key: value for key, value in record.items() if key not in ("cbs_lower", "cbs_estimate")}
         known, none = dataclasses.fields(cls), dataclasses.MISSING
         missing = sorted({f.name for f in known if f.default is none and f.default_factory is none} - fields.keys())
@@ -295,6 +311,33 @@ class ProbeReading:
         if said := [f"{what} {', '.join(names)}" for what, names in wrong if names]:
             raise ValueError(f"not a CBS probe reading: it {' and '.join(said)}")
         return cls(**fields)
+
+    @classmethod
+    def _measured_elsewhere(cls, record: Mapping[str, Any]) -> ProbeReading:
+        required, optional = MINIMAL
+        unknown = sorted(record.keys() - {*required, *optional, "cbs_estimate"})  # cbs_estimate: derived, dropped
+        lacks = sorted(set(required) - record.keys())
+        wrong = (("lacks", lacks), ("has unknown fields", unknown))
+        if said := [f"{what} {', '.join(names)}" for what, names in wrong if names]:
+            raise ValueError(
+                f"not a CBS reading: it {' and '.join(said)} (one measured elsewhere holds tokens, cbs_lower and "
+                "cbs_upper (null: no upper end); it may hold determined, seq_len and epsilon)"
+            )
+        tokens, lower, upper = (record[key] for key in required)
+        for key, value in (("tokens", tokens), ("cbs_lower", lower), ("cbs_upper", upper)):
+            if not (value is None and key == "cbs_upper"):
+                positive_number(key, value, "tokens" if key == "tokens" else "samples")
+        if upper is not None and upper <= lower:
+            raise ValueError(f"cbs_upper={upper} must be above cbs_lower={lower} (samples), or null for no upper end")
+        if not isinstance(determined := record.get("determined", True), bool):
+            raise ValueError(f"determined={determined!r} must be true or false")
+        positive_int("seq_len", seq_len := record.get("seq_len"), "tokens per sample", optional=True)
+        positive_number("epsilon", epsilon := record.get("epsilon"), "nats", optional=True)
+        return cls(
+            tokens=tokens, step=0, batch_size=lower, seq_len=seq_len, window_tokens=0, search="elsewhere",
+            evaluate="elsewhere", losses={}, main_loss=math.nan, branches_trained=[], failed=[], k_star=1,
+            cbs_upper=upper, tokens_spent=0, overhead=0.0, determined=determined, epsilon=epsilon, mode="elsewhere",
+        )  # fmt: skip
 
     @classmethod
     def decide(
@@ -335,7 +378,8 @@ class ProbeReading:
     @property
     def branch_steps(self) -> int:
         """Optimizer steps the branches trained (window_tokens / (k B seq_len) for each k trained)."""
-        return sum(round(self.window_tokens / (k * self.batch_size * self.seq_len)) for k in self.branches_trained)
+        per_step = self.batch_size * (self.seq_len or 0)  # none trained for a reading measured elsewhere
+        return sum(round(self.window_tokens / (k * per_step)) for k in self.branches_trained)
 
     def scores(self) -> dict[float, BranchScore]:
         """Each measured k's score again (held-out losses where kept), for ``decide`` to judge anew."""

@@ -266,6 +266,14 @@ def run_header(run: Run, run_name: str, accelerator: str, output_dir: str | os.P
 
 def plan_of(cfg: DictConfig) -> RunPlan:
     """The run's plan from its configuration alone: no data, no accelerator, no model weights."""
+    law = None
+    if cfg.plan_for.get("law") is not None:
+        from lit_cbs.analysis.law import CBSLaw  # scipy: only for a plan that asks
+
+        try:
+            law = CBSLaw.load(cfg.plan_for.law)
+        except ValueError as error:
+            raise LitCBSConfigError(f"plan_for.law: {error}") from None
     model_config = model_config_of(cfg)
     model, datamodule = _model_and_data(cfg)
     warmup = batch_warmup_of(cfg)
@@ -305,7 +313,8 @@ def plan_of(cfg: DictConfig) -> RunPlan:
         max_micro_batch_size=warmup.max_micro_batch_size,
         command=f"recipes/train.py {' '.join(map(shlex.quote, overrides)) or f'+recipe={cfg.run_name}'}",
         slurm_arguments=" ".join(map(shlex.quote, slurm_arguments)) or f"+recipe={cfg.run_name}",
-        **limits,
+        corpus=cfg.data.get("corpus"),
+        **{**limits, "law": law},
     )
 
 

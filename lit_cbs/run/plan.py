@@ -113,6 +113,8 @@ class RunPlan:
     min_micro_batch_size: int = 1
     max_devices: int | None = None
     checkpoint_gib_per_s: float = 1.0
+    law: Any = None  # a CBSLaw (plan_for.law): the schedule it gives this run
+    corpus: str | None = None  # data.corpus: the law's intercept for it (None: the law's corpora pooled)
 
     @functools.cached_property
     def shape(self) -> ModelShape:
@@ -272,6 +274,7 @@ class RunPlan:
             else f"  (host memory of each process on {self.accelerator}; plan_for.gpu_memory_gib applies to GPUs only)",
             "",
             *self._probe_report(),
+            *self._law_report(),
             "",
         ]
         if not self.on_gpu:
@@ -350,6 +353,26 @@ class RunPlan:
             f"{_duration(write * len(probe.points))} in all",
             f"  host memory per rank {probe.host_bytes / GIB:,.2f} GiB: the held-out batches the main run "
             "scores its own window on (no snapshot, no recorded window)",
+        ]
+
+    def _law_report(self) -> list[str]:
+        """The schedule plan_for.law gives this run (its size and budget), from the first batch to the largest."""
+        if self.law is None:
+            return []
+        from lit_cbs.analysis.law import schedule_from_law
+
+        sizes = [p.global_batch for p in self.phases]
+        corpus = self.corpus if self.corpus in self.law.corpora else None
+        schedule, changes = schedule_from_law(
+            self.law, self.shape.parameters, self.max_tokens, sizes[0], self.seq_len, final=max(sizes), corpus=corpus
+        )
+        return [
+            f"CBS law          plan_for.law: {self.law.describe()}",
+            f"  for {self.shape.parameters:,} parameters on {corpus or 'the law corpora pooled'}, along the lower "
+            f"edge of its 80% band from {sizes[0]} to at most {max(sizes)} samples: "
+            f"batch.schedule.batch_sizes={schedule.batch_sizes} batch.schedule.thresholds={schedule.thresholds}",
+            "  probe points worth checking it at (tokens, before each increase): "
+            + (", ".join(f"{c.tokens:,}" for c in changes) or "none: the batch never grows"),
         ]
 
     def _cluster_report(self) -> list[str]:

@@ -135,9 +135,12 @@ def test_reading_applies_the_rule_and_writes_the_jsonl_readers_read(tmp_path):
 
 def test_a_line_that_is_no_reading_is_named_with_what_it_lacks(tmp_path):
     path = tmp_path / "cbs_probe.jsonl"
-    path.write_text('{"tokens": 10, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}\n')
+    path.write_text('{"tokens": 10, "losses": {"1": 3.1}, "cbs_lower": 4, "cbs_upper": 8, "cbs_estimate": 5.7}\n')
     lacks = r"cbs_probe.jsonl:1: not a CBS probe reading: it lacks batch_size, branches_trained"
     with pytest.raises(ValueError, match=lacks):
+        read_readings(path)
+    path.write_text('{"tokens": 10, "cbs_lower": 4, "cbs_estimate": 5.7}\n')  # no losses: one measured elsewhere
+    with pytest.raises(ValueError, match=r"cbs_probe.jsonl:1: not a CBS reading: it lacks cbs_upper \(one measured"):
         read_readings(path)
     path.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match=r"cbs_probe.jsonl:1: '\[1, 2\]' is not a probe reading"):
