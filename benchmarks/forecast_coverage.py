@@ -1,13 +1,12 @@
 """Does the CBS forecast's band hold what it says? Its coverage on real probe readings cut short, and on
 simulated curves whose truth is known (``lit_cbs.analysis.forecast_cbs``, the 80% band).
 
-(a) Real readings. ``REAL_RUNS`` holds every run of the tiny workload whose readings this
-repository's documentation reports (docs/RESULTS.md, docs/benchmarks/cbs_probe.md): each reading as
-the interval a forecast is fitted to, its bracket where it is determined, and the 90% interval the
-page gives where it is not; an undetermined reading whose interval no page gives is left out (its
-interval is not known). For each run and each n from 2 to its number of readings - 1: fit on its
-first n readings, and count the later readings whose interval the band overlaps
-(``CBSForecast.covers``), and the fits that warned that the readings cannot test the curve's shape.
+(a) Real readings, read from run files (``--runs``: the run folders of ``benchmarks.cbs_law`` by default): each
+reading as the interval its data support (``brackets_from_records``). Each run is fitted on its first half of
+readings and each later reading is counted once: covered where the band overlaps its interval
+(``CBSForecast.covers``). The prior's median spread of log CBS for a run is fitted outside it: the median spread of
+the whole curves of the runs on the other corpus (``data.corpus`` of their saved configuration), of every other
+run where all share one.
 
 (b) Simulations with a known curve: CBS(D) = a (D / 65,536)^b samples, its place on the factor-2
 grid random (a = 16 x 2^u, u uniform in [0, 1)). A run reads log CBS(D) + Normal(0, s) (natural log of samples) at
@@ -22,7 +21,8 @@ simulated run, the same runs for every n. Output: the tables on stdout; with ``-
 Usage::
 
     python -m benchmarks.forecast_coverage                                   # 200 runs per scenario and n
-    python -m benchmarks.forecast_coverage --markdown docs/RESULTS.md --plot docs/forecast_coverage.png
+    python -m benchmarks.forecast_coverage --runs /work/bench/cbs_law/runs/* --markdown docs/RESULTS.md \
+        --plot docs/forecast_coverage.png
     python -m benchmarks.forecast_coverage --seeds 20                        # a quick look
 """
 
@@ -45,57 +45,16 @@ from pathlib import Path
 
 import numpy as np
 
-from lit_cbs.analysis.forecast import Bracket, CBSForecast, forecast_cbs
+from benchmarks.common import ROOT
+from lit_cbs.analysis.forecast import SPREAD_PRIOR_MEDIAN, Bracket, CBSForecast, brackets_from_records, forecast_cbs
+from lit_cbs.analysis.probe_schedule import run_config_value
+from lit_cbs.probe import read_readings
 
 COVERAGE = 0.8
 GRID = 2.0 ** np.arange(16)  # the batches a probe brackets with, samples
 PROBE_TOKENS = 65_536 * 2.0 ** np.arange(6)  # tiny_cbs_curve's probe points
 FIT_SIZES = (2, 3, 4)  # readings a simulated forecast is fitted on
 INF = math.inf
-
-# (tokens, lower, upper samples, determined) per reading; the source says where the page reports them.
-REAL_RUNS: dict[str, tuple[str, list[tuple[int, float, float, bool]]]] = {
-    **{
-        f"tiny_cbs_curve seed {seed}": (
-            "docs/RESULTS.md, calibration: two windows, 90% intervals",
-            [(65_536, 16, 32, True), (1_116_160, *middle), (2_166_784, *last)],
-        )
-        for seed, middle, last in (
-            (1, (16, 256, False), (128, 256, True)),
-            (2, (64, 256, False), (64, 256, False)),
-            (3, (64, 256, False), (128, 256, True)),
-            (1234, (128, 256, True), (128, 256, True)),
-        )
-    },
-    "tiny_cbs_curve seed 1234, one window": (
-        "docs/benchmarks/cbs_probe.md, the curve",
-        [(65_536, 16, 32, True), (591_872, 16, 32, True), (1_118_208, 64, 128, True), (2_097_152, 128, 256, True)],
-    ),
-    "tiny_cbs_curve seed 1, one window": (
-        "docs/benchmarks/cbs_probe.md, R-curve, 1 thread (1,118,208: undetermined)",
-        [(65_536, 16, 32, True), (591_872, 64, 128, True), (2_097_152, 128, 256, True)],
-    ),
-    "tiny_cbs_curve seed 2, one window": (
-        "docs/benchmarks/cbs_probe.md, R-curve, 1 thread (591,872: undetermined)",
-        [(65_536, 16, 32, True), (1_118_208, 128, 256, True), (2_097_152, 128, 256, True)],
-    ),
-    "transfer tiny seed 1": (
-        "docs/RESULTS.md, transfer (593,920: undetermined) and calibration (2,097,152)",
-        [(65_536, 16, 32, True), (329_728, 16, 32, True), (1_048_576, 64, 128, True), (2_097_152, 64, INF, False)],
-    ),
-    "transfer tiny seed 2": (
-        "docs/RESULTS.md, transfer (329,728 and 593,920: undetermined)",
-        [(65_536, 16, 32, True), (1_048_576, 64, 128, True), (2_097_152, 64, 128, True)],
-    ),
-    "transfer tiny4x seed 1": (
-        "docs/RESULTS.md, transfer (2,097,152: undetermined)",
-        [(65_536, 16, 32, True), (329_728, 32, 64, True), (593_920, 64, 128, True), (1_048_576, 64, 128, True)],
-    ),
-    "transfer tiny4x seed 2": (
-        "docs/RESULTS.md, transfer (329,728 and 593,920: undetermined)",
-        [(65_536, 16, 32, True), (1_048_576, 64, 128, True), (2_097_152, 64, 128, True)],
-    ),
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,36 +73,46 @@ SCENARIOS = (
 )
 
 
-def real_brackets(name: str) -> list[Bracket]:
-    """The readings of ``REAL_RUNS[name]`` as brackets, in tokens order."""
-    return [Bracket(float(t), float(lo), float(hi), name, determined) for t, lo, hi, determined in REAL_RUNS[name][1]]
+def run_brackets(run: Path) -> list[Bracket]:
+    """The readings of a run folder (its probe/cbs_probe.jsonl, as benchmarks.cbs_law writes them, or its
+    cbs_probe.jsonl) as the intervals the data support, in tokens order."""
+    path = next((f for f in (run / "probe" / "cbs_probe.jsonl", run / "cbs_probe.jsonl") if f.is_file()), None)
+    if path is None:
+        raise SystemExit(f"forecast_coverage: {run} holds no cbs_probe.jsonl (nor probe/cbs_probe.jsonl)")
+    return brackets_from_records(read_readings(path), run=run.name)
 
 
-def fitted(brackets: Sequence[Bracket]) -> tuple[CBSForecast, bool]:
+def fitted(brackets: Sequence[Bracket], spread_prior: float = SPREAD_PRIOR_MEDIAN) -> tuple[CBSForecast, bool]:
     """The forecast fitted to ``brackets`` at COVERAGE, and whether it warned (that is counted, not shown)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        forecast = forecast_cbs(brackets, coverage=COVERAGE)
+        forecast = forecast_cbs(brackets, coverage=COVERAGE, spread_prior=spread_prior)
     return forecast, bool(caught)
 
 
-def truncated_real_runs() -> list[dict]:
-    """One row per real run and n: fitted on its first n readings, the later ones' intervals and the band there."""
+def truncated_real_runs(runs: Sequence[Path]) -> list[dict]:
+    """One row per run: fitted on its first half of readings under a spread prior fitted on the runs of the other
+    corpora (every other run where all share one), the later readings each once, with the band there."""
+    brackets = {run: run_brackets(run) for run in runs}
+    corpus = {run: (run_config_value(run, "data.corpus") or ("runs",))[0] for run in runs}
+    spread = {run: math.exp(fitted(brackets[run])[0].params[2]) for run in runs}  # each run's whole curve
     rows = []
-    for name in REAL_RUNS:
-        brackets = real_brackets(name)
-        for n in range(2, len(brackets)):
-            forecast, warned = fitted(brackets[:n])
-            later = [
-                {
-                    "tokens": b.tokens,
-                    "interval": [b.lower, b.upper],
-                    "band": [float(x[0]) for x in forecast.band(b.tokens)],
-                    "covered": forecast.covers(b),
-                }
-                for b in brackets[n:]
-            ]
-            rows.append({"run": name, "fitted": n, "warned": warned, "later": later})
+    for run in runs:
+        outside = [r for r in runs if corpus[r] != corpus[run]] or [r for r in runs if r != run]
+        prior = float(np.median([spread[r] for r in outside])) if outside else SPREAD_PRIOR_MEDIAN
+        n = len(brackets[run]) // 2
+        forecast, warned = fitted(brackets[run][:n], prior)
+        later = [
+            {
+                "tokens": b.tokens,
+                "interval": [b.lower, b.upper],
+                "determined": b.determined,
+                "band": [float(x[0]) for x in forecast.band(b.tokens)],
+                "covered": forecast.covers(b),
+            }
+            for b in brackets[run][n:]
+        ]
+        rows.append({"run": run.name, "fitted": n, "prior": prior, "warned": warned, "later": later})
     return rows
 
 
@@ -192,6 +161,7 @@ def markdown(real: list[dict], simulated: dict[str, dict[int, dict]], command: s
     scenario, simulated_coverage) as tables, with the ``command`` that measured them."""
     checked = [point for row in real for point in row["later"]]
     covered = sum(point["covered"] for point in checked)
+    determined = [point for point in checked if point["determined"]]
     lines = [
         "## Does the forecast's band hold what it says?",
         "",
@@ -201,23 +171,29 @@ def markdown(real: list[dict], simulated: dict[str, dict[int, dict]], command: s
         "",
         "### Real readings cut short",
         "",
-        "Each run fitted on its first n readings (intervals as the pages report them; an undetermined reading "
-        "whose interval no page gives is left out); covered: the band overlaps the later reading's interval.",
+        "Each run's readings read from its cbs_probe.jsonl, each as the interval its data support (a determined "
+        "reading's bracket, an undetermined one's wider interval); the forecast fitted on the run's first half of "
+        "readings, with the prior's median spread fitted on the runs of the other corpus (the median of their "
+        "whole curves' spreads), and each later reading counted once; covered: the band overlaps its interval "
+        "(`?`: undetermined).",
         "",
-        "| run | fitted on | warned | later reading: interval -> band (samples) |",
-        "|---|---|---|---|",
+        "| run | fitted on | prior spread | warned | later reading: interval -> band (samples) |",
+        "|---|---|---|---|---|",
     ]
     for row in real:
         later = "; ".join(
             f"{p['tokens']:,.0f}: [{p['interval'][0]:g}, {p['interval'][1]:g}] -> "
-            f"[{p['band'][0]:.0f}, {p['band'][1]:.0f}]{'' if p['covered'] else ' **missed**'}"
+            f"[{p['band'][0]:.3g}, {p['band'][1]:.3g}]{'' if p['determined'] else ' ?'}"
+            f"{'' if p['covered'] else ' **missed**'}"
             for p in row["later"]
         )
-        lines.append(f"| {row['run']} | first {row['fitted']} | {'yes' if row['warned'] else 'no'} | {later} |")
+        warned = "yes" if row["warned"] else "no"
+        lines.append(f"| {row['run']} | first {row['fitted']} | {row['prior']:.3f} | {warned} | {later} |")
     missed_unwarned = sum(not p["covered"] for row in real if not row["warned"] for p in row["later"])
     lines += [
         "",
-        f"Covered: {covered} of {len(checked)} later readings; every miss without a warning: {missed_unwarned}.",
+        f"Covered: {covered} of {len(checked)} later readings; of the determined ones "
+        f"{sum(p['covered'] for p in determined)} of {len(determined)}; misses without a warning: {missed_unwarned}.",
         "",
         f"### Simulated curves ({seeds} runs per row)",
         "",
@@ -238,8 +214,8 @@ def markdown(real: list[dict], simulated: dict[str, dict[int, dict]], command: s
     return "\n".join(lines)
 
 
-def plot_coverage(real: list[dict], simulated: dict[str, dict[int, dict]], path: Path) -> Path:
-    """Left: the run whose flat start a power law cannot see past, fitted on its first 2 and 3 readings;
+def plot_coverage(real: list[dict], simulated: dict[str, dict[int, dict]], runs: Sequence[Path], path: Path) -> Path:
+    """Left: the first run a band missed (else the first run), fitted on its first half and all but its last;
     right: the simulated share of values read that the band held, against n, beside the nominal coverage."""
     from matplotlib.figure import Figure
 
@@ -247,11 +223,11 @@ def plot_coverage(real: list[dict], simulated: dict[str, dict[int, dict]], path:
 
     figure = Figure(figsize=(11, 4.5))
     curve, shares = figure.subplots(1, 2)
-    name = "tiny_cbs_curve seed 1234, one window"
-    brackets = real_brackets(name)
+    row = next((r for r in real if not all(p["covered"] for p in r["later"])), real[0])
+    name, brackets = row["run"], run_brackets(runs[[run.name for run in runs].index(row["run"])])
     grid = np.geomspace(brackets[0].tokens / 1.2, brackets[-1].tokens * 1.2, 100)
-    for n, color in ((2, "tab:orange"), (3, "tab:blue")):
-        forecast, _ = fitted(brackets[:n])
+    for n, color in ((row["fitted"], "tab:orange"), (len(brackets) - 1, "tab:blue")):
+        forecast, _ = fitted(brackets[:n], row["prior"])
         low, high = forecast.band(grid)
         label = f"{COVERAGE:.0%} band, fitted on the first {n}"
         curve.fill_between(grid, low, high, color=color, alpha=0.25, label=label)
@@ -259,7 +235,7 @@ def plot_coverage(real: list[dict], simulated: dict[str, dict[int, dict]], path:
     for b in brackets:
         curve.plot([b.tokens, b.tokens], [b.lower, b.upper], "k-", lw=2)
     curve.set(xscale="log", yscale="log", xlabel="tokens seen D", ylabel="CBS (samples)")
-    curve.set_title(f"{name}:\nfitted on 2 readings it warns; the later ones (black) grow past that band", fontsize=9)
+    curve.set_title(f"{name}: the bands from its first {row['fitted']} and {len(brackets) - 1} readings", fontsize=9)
     curve.legend(fontsize=8)
     for scenario, by_n in simulated.items():
         sizes = list(by_n)
@@ -274,19 +250,25 @@ def plot_coverage(real: list[dict], simulated: dict[str, dict[int, dict]], path:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=200, help="simulated runs per scenario and n (default 200)")
+    parser.add_argument(
+        "--runs", type=Path, nargs="+", help="run folders with readings (default: outputs/cbs_law/runs/*)"
+    )
     parser.add_argument("--markdown", type=Path, help="write its section of this file (docs/RESULTS.md)")
     parser.add_argument("--plot", type=Path, help="write the figure here (e.g. docs/forecast_coverage.png)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds {args.seeds} must be at least 1")
-    real = truncated_real_runs()
+    runs = args.runs or sorted((ROOT / "outputs" / "cbs_law" / "runs").glob("*"))
+    if not runs:
+        parser.error("no runs with readings: pass --runs RUN_DIR ... (python -m benchmarks.cbs_law writes them)")
+    real = truncated_real_runs(runs)
     simulated = {scenario.name: simulated_coverage(scenario, args.seeds) for scenario in SCENARIOS}
     command = " ".join(["python -m benchmarks.forecast_coverage", *argv])
     text = markdown(real, simulated, command, args.seeds, args.plot)
     print(text)
     if args.plot is not None:
-        plot_coverage(real, simulated, args.plot)
+        plot_coverage(real, simulated, runs, args.plot)
     if args.markdown is not None:
         from benchmarks.common import replace_section
 

@@ -20,7 +20,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger
 from toys import trainer_kwargs
 
-from benchmarks.forecast_coverage import SCENARIOS, real_brackets, simulated_coverage, simulated_run
+from benchmarks.forecast_coverage import SCENARIOS, simulated_coverage, simulated_run
 from lit_cbs import BatchWarmup, ConstantBatch, GradientNoiseScale
 from lit_cbs.analysis.forecast import (
     Bracket,
@@ -37,6 +37,11 @@ from lit_cbs.models.lm import CausalLM
 from lit_cbs.probe.reading import BranchScore, ProbeReading
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+# Two runs' readings (tokens, bracket in samples), as docs/benchmarks/cbs_probe.md and the transfer benchmark gave them.
+FLAT_START = [(65_536, 16, 32), (591_872, 16, 32), (1_118_208, 64, 128), (2_097_152, 128, 256)]  # tiny_cbs_curve
+GROWING = [(65_536, 16, 32), (329_728, 32, 64), (593_920, 64, 128), (1_048_576, 64, 128)]  # tiny4x, seed 1
 
 
 def simulated_brackets(cbs, tokens, runs: int, spread: float, seed: int) -> list[Bracket]:
@@ -93,14 +98,14 @@ def test_two_readings_of_one_run_warn_and_the_band_widens_past_them():
     # tiny_cbs_curve's first two readings, both [16, 32] (65,536 and 591,872 tokens): a curve through two
     # brackets is not tested by them, and the forecast says so. The run then read [64, 128] and [128, 256],
     # where the band the forecast had before (a bootstrap of the two, its spread at its floor) said [20, 26].
-    flat = real_brackets("tiny_cbs_curve seed 1234, one window")
+    flat = [Bracket(t, lo, hi, "curve") for t, lo, hi in FLAT_START]
     with pytest.warns(UserWarning, match=r"readings at 2 token counts spanning 9.0x .* cannot test the curve's shape"):
         forecast = forecast_cbs(flat[:2])
     low, high = forecast.band([b.tokens for b in flat[2:]])
     low_there, high_there = forecast.band(flat[1].tokens)  # at the last reading
     assert np.all(high / low > 2.5) and np.all(high / low > high_there / low_there)
     # tiny4x's first two readings, [16, 32] then [32, 64] at 329,728 tokens: the band holds its two later readings.
-    growing = real_brackets("transfer tiny4x seed 1")
+    growing = [Bracket(t, lo, hi, "tiny4x") for t, lo, hi in GROWING]
     with pytest.warns(UserWarning, match="cannot test the curve's shape"):
         forecast = forecast_cbs(growing[:2])
     assert [forecast.covers(b) for b in growing[2:]] == [True, True]
