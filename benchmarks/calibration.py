@@ -55,6 +55,7 @@ from omegaconf import OmegaConf
 
 from benchmarks.common import (
     check_run,
+    git_commit,
     json_default,
     machine,
     recipe_benchmark_arguments,
@@ -337,7 +338,7 @@ def markdown(
         "## Are the probe's readings calibrated across runs?",
         "",
         f"Command: `python -m benchmarks.calibration {' '.join(args.argv)}`".rstrip()
-        + f" ({args.date}; {machine(os.getloadavg())}).",
+        + f" at commit {git_commit()} ({args.date}; {machine(os.getloadavg())}).",
         "",
         __doc__.split("\n\n")[1].replace("\n", " "),
         "",
