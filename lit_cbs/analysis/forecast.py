@@ -193,7 +193,7 @@ def _fit(brackets: Sequence[Bracket], model: str, d0: float, spread_median: floa
     return np.asarray(min(results, key=lambda result: result.fun).x)
 
 
-def _laplace_covariance(
+def laplace_covariance(
     log_posterior: Callable[[np.ndarray], np.ndarray], mode: np.ndarray, step: float = 1e-3
 ) -> np.ndarray:
     """The inverse Hessian of -log posterior at ``mode``, no direction's standard deviation above 3."""
@@ -221,7 +221,7 @@ def _posterior_draws(
     log_posterior = functools.partial(
         _log_posterior, logs=_logs(brackets, d0), model=model, spread_median=spread_median
     )
-    centre, shape = mode, _laplace_covariance(log_posterior, mode)
+    centre, shape = mode, laplace_covariance(log_posterior, mode)
     for _ in range(3):
         proposal = stats.multivariate_t(loc=centre, shape=shape, df=4)
         draws = proposal.rvs(size=PROPOSALS, random_state=rng)

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 from scipy import optimize, special, stats
@@ -17,6 +17,7 @@ from lit_cbs.analysis.forecast import (
     SPREAD_PRIOR_SD,
     ForecastChange,
     follow_band,
+    laplace_covariance,
     supported_interval,
 )
 from lit_cbs.probe.reading import ProbeReading
@@ -171,17 +172,6 @@ def _x(point: LawPoint, covariate: str) -> float:
     return point.loss
 
 
-def _hessian(f: Callable[[np.ndarray], float], x: np.ndarray, step: float = 1e-4) -> np.ndarray:
-    """Central differences of ``f`` at ``x``."""
-    n, h = len(x), np.zeros((len(x), len(x)))
-    for i in range(n):
-        for j in range(i, n):
-            e_i, e_j = np.eye(n)[i] * step, np.eye(n)[j] * step
-            value = (f(x + e_i + e_j) - f(x + e_i - e_j) - f(x - e_i + e_j) + f(x - e_i - e_j)) / (4 * step * step)
-            h[i, j] = h[j, i] = value
-    return h
-
-
 def fit_law(points: Sequence[LawPoint], covariate: str = "tokens", size_term: bool = True) -> CBSLaw:
     """The law on ``points`` most likely given that each reading's interval holds log CBS ~ Normal(mean, spread), under
     the forecast's weak prior on the spread (readings that all fit their intervals leave it at no width otherwise).
@@ -228,7 +218,9 @@ def fit_law(points: Sequence[LawPoint], covariate: str = "tokens", size_term: bo
     start[: len(corpora)] = np.log(np.sqrt(np.array([p.lower for p in points]) * 2)).mean()
     bounds = [(None, None)] * columns + [tuple(math.log(b) for b in SPREAD_BOUNDS)]
     best = optimize.minimize(negative_log_likelihood, start, method="L-BFGS-B", bounds=bounds)
-    covariance = np.linalg.pinv(_hessian(negative_log_likelihood, best.x))[:columns, :columns]
+    covariance = laplace_covariance(lambda theta: np.asarray(-negative_log_likelihood(theta)), best.x)[
+        :columns, :columns
+    ]
     if not size_term:  # c = 0 exactly: no variance
         covariance = np.pad(covariance, ((0, 1), (0, 1)))
     coef = np.append(best.x[:columns], 0.0) if not size_term else best.x[:columns]
