@@ -30,7 +30,8 @@ SPREAD_BOUNDS = (0.01, 5.0)  # of log CBS
 @dataclasses.dataclass(frozen=True)
 class LawPoint:
     """One reading for a law: the CBS in [lower, upper] tokens (upper inf: no upper end) at ``tokens`` D of a run of
-    ``params`` N on ``corpus``; ``loss``: the run's held-out loss there (nats; None: not measured)."""
+    ``params`` N on ``corpus``; ``loss``: the run's held-out loss there (nats; None: not measured). ``floor``: the
+    probe read k* at its smallest k, which bounds the CBS from above only (``lower`` is 0)."""
 
     tokens: float
     lower: float
@@ -40,6 +41,7 @@ class LawPoint:
     run: str
     loss: float | None = None
     determined: bool = True
+    floor: bool = False
 
 
 def law_points(
@@ -52,13 +54,14 @@ def law_points(
     epsilon: float | None = None,
 ) -> list[LawPoint]:
     """The ``LawPoint`` of each reading of one run: its interval in tokens (samples x seq_len, the reading's else
-    ``seq_len``), its loss the k = 1 branch's (held-out, at the window's end) where measured.
+    ``seq_len``; from 0 where the probe's k* is its smallest k), its loss the k = 1 branch's (held-out, at the window's
+    end) where measured.
 
     Examples:
         >>> reading = ProbeReading.from_record({"tokens": 65536, "cbs_lower": 8, "cbs_upper": 16, "seq_len": 128})
         >>> law_points([reading], params=233472)[0]
         LawPoint(tokens=65536.0, lower=1024.0, upper=2048.0, params=233472, corpus='corpus', run='run', loss=None, \
-determined=True)
+determined=True, floor=False)
     """
     points = []
     for number, reading in enumerate(readings, 1):
@@ -70,10 +73,11 @@ determined=True)
             )
         lower, upper = supported_interval(reading, where, epsilon)
         loss = (reading.losses or {}).get("1")
+        floor = reading.mode != "elsewhere" and lower <= min(float(k) for k in reading.losses) * reading.batch_size
         points.append(
             LawPoint(
-                float(reading.tokens), lower * per_sample, upper * per_sample, params, corpus, run,
-                None if loss is None or not math.isfinite(loss) else float(loss), reading.determined,
+                float(reading.tokens), 0.0 if floor else lower * per_sample, upper * per_sample, params, corpus, run,
+                None if loss is None or not math.isfinite(loss) else float(loss), reading.determined, floor,
             )
         )  # fmt: skip
     return points
@@ -197,13 +201,19 @@ def fit_law(points: Sequence[LawPoint], covariate: str = "tokens", size_term: bo
     sizes = sorted({p.params for p in points})
     if size_term and len(sizes) < 2:
         raise ValueError(f"every reading is of one size ({sizes[0]:g} parameters); fit with size_term=False")
+    if size_term and all(len({p.params for p in points if p.corpus == c}) < 2 for c in corpora):
+        raise ValueError(
+            "each corpus was read at one size, so the size term and the corpora's intercepts cannot be told apart: "
+            "read two sizes on one corpus, or fit with size_term=False"
+        )
     x = np.array([_x(p, covariate) for p in points])
     x0, n0 = float(np.exp(np.log(x).mean())), float(np.exp(np.log(sizes).mean()))
     rows = np.zeros((len(points), len(corpora) + 2))
     for i, p in enumerate(points):
         rows[i, corpora.index(p.corpus)] = 1.0
         rows[i, -2], rows[i, -1] = math.log(x[i] / x0), math.log(p.params / n0) if size_term else 0.0
-    low = np.log([p.lower for p in points])
+    with np.errstate(divide="ignore"):  # a reading at the floor of its grid: from log 0 = -inf
+        low = np.log([p.lower for p in points])
     high = np.log([p.upper for p in points])
     columns = len(corpora) + (2 if size_term else 1)
 
@@ -215,7 +225,9 @@ def fit_law(points: Sequence[LawPoint], covariate: str = "tokens", size_term: bo
         return float(-np.log(np.maximum(mass, 1e-300)).sum() + prior)
 
     start = np.zeros(columns + 1)
-    start[: len(corpora)] = np.log(np.sqrt(np.array([p.lower for p in points]) * 2)).mean()
+    middles = [p.upper / 2 if p.lower == 0 else 2 * p.lower if math.isinf(p.upper) else math.sqrt(p.lower * p.upper)
+               for p in points]  # fmt: skip
+    start[: len(corpora)] = np.log([m for m in middles if 0 < m < math.inf]).mean()
     bounds = [(None, None)] * columns + [tuple(math.log(b) for b in SPREAD_BOUNDS)]
     best = optimize.minimize(negative_log_likelihood, start, method="L-BFGS-B", bounds=bounds)
     covariance = laplace_covariance(lambda theta: np.asarray(-negative_log_likelihood(theta)), best.x)[

@@ -81,6 +81,9 @@ def test_corpora_get_their_own_intercept_and_an_unseen_corpus_a_wider_band(tmp_p
     assert a[1][0] < unseen[1][0] and unseen[0][0] < b[0][0]  # pooled: between the two, and wider
     law.save(tmp_path / "law.json")
     assert CBSLaw.load(tmp_path / "law.json") == law
+    one_size_each = [p for p in points if (p.corpus, p.params) in {("a", 66_560), ("b", 233_472)}]
+    with pytest.raises(ValueError, match="each corpus was read at one size, so the size term and the corpora's"):
+        fit_law(one_size_each)
     with pytest.raises(ValueError, match="corpus='c' is not one of the law's"):
         law.band([1e6], 233_472, 0.9, "c")
     (tmp_path / "broken.json").write_text('{"covariate": "tokens"}')
