@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 import pytest
-from recipe_runs import compose_config, train
+from recipe_runs import ROOT, compose_config, train
 
 from lit_cbs.analysis import brackets_from_records, schedule_from_probe
 from lit_cbs.analysis.law import CBSLaw, LawPoint, fit_law, law_points, schedule_from_law
@@ -200,3 +200,13 @@ def test_a_hand_written_file_gives_a_schedule_and_through_a_fitted_law_a_plan(tm
         + ", ".join(f"{c.tokens:,}" for c in changes)
         in report
     )
+
+
+def test_the_law_fitted_on_the_tiny_workload_plans_the_default_job(tmp_path):
+    # docs/cbs_law.json: benchmarks.cbs_law's law in the tokens (docs/RESULTS.md), for plan_for.law.
+    shipped = ROOT / "docs" / "cbs_law.json"
+    law = CBSLaw.load(shipped)
+    assert (law.covariate, law.corpora, law.size_term) == ("tokens", ("kjv", "stdlib"), True)
+    report = train.plan_of(compose_config("plan=true", f"plan_for.law={shipped}")).report()
+    schedule, _ = schedule_from_law(law, 233_472, 4_194_304, 16, SEQ_LEN, final=64, corpus="stdlib")
+    assert "for 233,472 parameters on stdlib" in report and f"batch_sizes={schedule.batch_sizes}" in report
