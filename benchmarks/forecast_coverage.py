@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, git_commit
 from lit_cbs.analysis.forecast import SPREAD_PRIOR_MEDIAN, Bracket, CBSForecast, brackets_from_records, forecast_cbs
 from lit_cbs.analysis.probe_schedule import run_config_value
 from lit_cbs.probe import read_readings
@@ -165,7 +165,7 @@ def markdown(real: list[dict], simulated: dict[str, dict[int, dict]], command: s
     lines = [
         "## Does the forecast's band hold what it says?",
         "",
-        f"Command: `{command}` ({datetime.date.today().isoformat()}). "
+        f"Command: `{command}` at commit {git_commit()} ({datetime.date.today().isoformat()}). "
         f"The {COVERAGE:.0%} posterior predictive band of `forecast_cbs`; its method and the priors are in "
         "lit_cbs/analysis/forecast.py and [science.md](science.md).",
         "",
