@@ -274,6 +274,10 @@ def plan_of(cfg: DictConfig) -> RunPlan:
             law = CBSLaw.load(cfg.plan_for.law)
         except ValueError as error:
             raise LitCBSConfigError(f"plan_for.law: {error}") from None
+        if law.covariate != "tokens":
+            raise LitCBSConfigError(
+                f"plan_for.law={cfg.plan_for.law} is a law in the {law.covariate}; a plan needs one in the tokens"
+            )
     model_config = model_config_of(cfg)
     model, datamodule = _model_and_data(cfg)
     warmup = batch_warmup_of(cfg)

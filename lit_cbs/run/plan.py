@@ -368,7 +368,7 @@ class RunPlan:
         )
         return [
             f"CBS law          plan_for.law: {self.law.describe()}",
-            f"  for {self.shape.parameters:,} parameters on {corpus or 'the law corpora pooled'}, along the lower "
+            f"  for {self.shape.parameters:,} parameters on {corpus or 'its corpora pooled'}, along the lower "
             f"edge of its 80% band from {sizes[0]} to at most {max(sizes)} samples: "
             f"batch.schedule.batch_sizes={schedule.batch_sizes} batch.schedule.thresholds={schedule.thresholds}",
             "  probe points worth checking it at (tokens, before each increase): "

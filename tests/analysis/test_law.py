@@ -14,6 +14,7 @@ from recipe_runs import ROOT, compose_config, train
 
 from lit_cbs.analysis import brackets_from_records, schedule_from_probe
 from lit_cbs.analysis.law import CBSLaw, LawPoint, fit_law, law_points, schedule_from_law
+from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe import read_readings
 
 SEQ_LEN = 128
@@ -210,3 +211,6 @@ def test_the_law_fitted_on_the_tiny_workload_plans_the_default_job(tmp_path):
     report = train.plan_of(compose_config("plan=true", f"plan_for.law={shipped}")).report()
     schedule, _ = schedule_from_law(law, 233_472, 4_194_304, 16, SEQ_LEN, final=64, corpus="stdlib")
     assert "for 233,472 parameters on stdlib" in report and f"batch_sizes={schedule.batch_sizes}" in report
+    fit_law(simulated("loss"), "loss").save(tmp_path / "in_loss.json")  # a law in the loss plans no schedule
+    with pytest.raises(LitCBSConfigError, match=r"^plan_for.law=.*in_loss.json is a law in the loss; a plan needs"):
+        train.plan_of(compose_config("plan=true", f"plan_for.law={tmp_path / 'in_loss.json'}"))
