@@ -28,11 +28,12 @@ their epsilon are read at the run's callbacks.cbs_probe.epsilon from the same co
 A CBS law over model sizes (lit_cbs.analysis.law, docs/guides/cbs_law.md) plans a run no probe has seen:
 --fit-law LAW.json fits one to the files (one run each, --params N of each; --corpus names each's data) and
 --law LAW.json --target-params N --target-tokens D gives the schedule of a run of N parameters over D tokens
-(following the lower edge of the law's --coverage band) and the probe points worth checking it at.
+(following the lower edge of the law's --coverage band; --corpus: the intercept of one of the law's corpora, else
+their mean with their spread) and the probe points worth checking it at.
 
     python recipes/schedule_from_probe.py small/cbs_probe.jsonl big/cbs_probe.jsonl --params 66560 233472 \
         --fit-law law.json
-    python recipes/schedule_from_probe.py --law law.json --target-params 852000 --target-tokens 16000000 \
+    python recipes/schedule_from_probe.py --law law.json --target-params 868352 --target-tokens 16000000 \
         --seq-len 128 --start 4 --out conf/batch/from_law.yaml
 
 Files may hold readings measured elsewhere, one JSON object a line: {"tokens": 2e9, "cbs_lower": 1024,
@@ -121,7 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     law = parser.add_argument_group("a CBS law over model sizes")
     law.add_argument("--fit-law", type=Path, help="fit a law to the files and write it here (JSON)")
     law.add_argument("--params", type=float, nargs="+", help="--fit-law: each file's model size, parameters")
-    law.add_argument("--corpus", nargs="+", help="--fit-law: each file's corpus name (default: one corpus)")
+    law.add_argument(
+        "--corpus", nargs="+", help="--fit-law: each file's corpus name (default: one corpus); --law: the target's"
+    )
     law.add_argument("--law", type=Path, help="schedule the target run from this law (--fit-law's file)")
     law.add_argument("--target-params", type=float, help="--law: the target model's parameters")
     law.add_argument("--target-tokens", type=int, help="--law: the target run's budget, tokens")
@@ -141,6 +144,8 @@ def check_modes(args: argparse.Namespace) -> None:
             raise ValueError("--law schedules from the law alone: leave out the probe files (or fit with --fit-law)")
         if args.target_params is None or args.target_tokens is None or args.seq_len is None:
             raise ValueError("--law needs --target-params N, --target-tokens D and --seq-len (the target run's)")
+        if args.forecast_to is not None or (args.corpus is not None and len(args.corpus) != 1):
+            raise ValueError("--law takes no --forecast-to (--target-tokens is the budget) and at most one --corpus")
     elif not args.probe:
         raise ValueError("give cbs_probe.jsonl files, or --law LAW.json for a run no probe has seen")
     if args.start is None or args.out is None:
@@ -245,6 +250,7 @@ def write_from_law(args: argparse.Namespace, micro_batch: tuple[int | None, str]
     schedule, changes = schedule_from_law(
         law, args.target_params, args.target_tokens, args.start, args.seq_len,
         factor=args.factor, final=args.final, margin=args.margin, coverage=args.coverage,
+        corpus=args.corpus[0] if args.corpus else None,
     )  # fmt: skip
     points = ", ".join(f"{c.tokens:,}" for c in changes) or "none (the batch never grows)"
     comment = [

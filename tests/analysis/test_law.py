@@ -185,6 +185,8 @@ def test_a_hand_written_file_gives_a_schedule_and_through_a_fitted_law_a_plan(tm
         f"probe points worth checking it at (tokens): {', '.join(f'{c.tokens:,}' for c in changes)}"
         in capsys.readouterr().out
     )
+    assert command.main([*target, "--corpus", "web", "--start", "8", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "corpus='web' is not one of the law's ['corpus']" in capsys.readouterr().err
     assert command.main([*target, str(paper), "--start", "8", "--out", str(tmp_path / "x.yaml")]) == 2
     assert capsys.readouterr().err.strip() == (
         "schedule_from_probe.py: --law schedules from the law alone: leave out the probe files (or fit with --fit-law)"
