@@ -87,6 +87,7 @@ determined=True, floor=False)
 class CBSLaw:
     """log CBS (tokens) = a[corpus] + b log(x / x0) + c log(N / n0), spread ``spread``, where x is D (tokens) or the
     loss (nats); ``covariance`` of (a..., b, c) at the fit (Laplace). ``size_term`` False: c is 0.
+    ``log_likelihood``: at the fit, with the spread's prior (the same in every fit, so differences compare laws).
 
     Examples:
         A law saved by ``benchmarks.cbs_law`` (or ``recipes/schedule_from_probe.py --fit-law``), written by hand here:
