@@ -313,11 +313,11 @@ def analyse(study: Study, results: list[dict], draws: int) -> dict:
     other = next(c for c in gain if c != collapse)
     # The same without the first point, where the fitted sizes read at the floor of the grid.
     later = [p for p in points if p.tokens > study.point_tokens[0]]
-    without_first = {
-        c: {"size_slope": fit_law(later, c).size_slope, "gain": fit_law(later, c).log_likelihood
-            - fit_law(later, c, size_term=False).log_likelihood}
-        for c in fits
-    }  # fmt: skip
+    without_first = {}
+    for covariate in fits:
+        law = fit_law(later, covariate)
+        gain_later = law.log_likelihood - fit_law(later, covariate, size_term=False).log_likelihood
+        without_first[covariate] = {"size_slope": law.size_slope, "gain": gain_later}
     per_corpus = bootstrap(fitted, "tokens", draws, per_corpus=True)
     exponents = {
         corpus: {
