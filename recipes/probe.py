@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from lit_cbs.callbacks.checkpoint import unreadable
 from lit_cbs.errors import LitCBSConfigError, positive_number
 from lit_cbs.probe.engine import ProbeConfig
-from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoints_in_order, probe_checkpoint
+from lit_cbs.probe.from_checkpoint import checkpoint_step, checkpoint_tokens, checkpoints_in_order, probe_checkpoint
 from lit_cbs.probe.reading import ProbeReading
 from lit_cbs.run import job, keys
 from lit_cbs.run.resolvers import register_resolvers
@@ -113,7 +113,11 @@ def main(cfg: DictConfig) -> None:
         parts = job.probe_parts(run_cfg, cfg.trainer.devices, cfg.trainer.num_nodes)
         window = settings["window_tokens"]
         if cfg.window_fraction is not None:
-            window = max(window, round(cfg.window_fraction * checkpoint_tokens(checkpoint)))
+            if (tokens := checkpoint_tokens(checkpoint)) is None:
+                raise LitCBSConfigError(
+                    f"window_fraction: {checkpoint} holds no tokens_seen (not a recipe run's checkpoint?)"
+                )
+            window = max(window, round(cfg.window_fraction * tokens))
         reading = probe_checkpoint(checkpoint, parts, output_dir=output_dir, **{**settings, "window_tokens": window})
         readings.append(reading)
         log.info(
@@ -124,16 +128,6 @@ def main(cfg: DictConfig) -> None:
         report(readings, output_dir, cfg.forecast_to)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
-
-
-def checkpoint_tokens(path: Path) -> int:
-    """The tokens (all ranks) a recipe run had trained when it saved ``path``, read without its tensors."""
-    source = path / "meta.pt" if path.is_dir() else path
-    states = torch.load(source, map_location="cpu", mmap=True, weights_only=False).get("callbacks", {})
-    seen = [state["tokens_seen"] for state in states.values() if isinstance(state, dict) and "tokens_seen" in state]
-    if not seen:
-        raise LitCBSConfigError(f"window_fraction: {path} holds no tokens_seen (not a recipe run's checkpoint?)")
-    return int(seen[0])
 
 
 def report(readings: list[ProbeReading], output_dir: Path, forecast_to: int | None) -> None:

@@ -185,12 +185,24 @@ def run_checkpoint_probe(ckpt_path: str | Path, parts: RunParts, probe: Checkpoi
     return trainer
 
 
-def checkpoint_step(path: Path) -> int:
-    """The ``global_step`` a checkpoint holds, read without its tensors (from ``meta.pt`` in a distributed one)."""
+def _checkpoint_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's contents read without its tensors (``meta.pt`` of a distributed one)."""
     import torch
 
     source = path / "meta.pt" if path.is_dir() else path
-    return int(torch.load(source, map_location="cpu", mmap=True, weights_only=False)["global_step"])
+    return dict(torch.load(source, map_location="cpu", mmap=True, weights_only=False))
+
+
+def checkpoint_step(path: Path) -> int:
+    """The ``global_step`` a checkpoint holds, read without its tensors (from ``meta.pt`` in a distributed one)."""
+    return int(_checkpoint_meta(path)["global_step"])
+
+
+def checkpoint_tokens(path: Path) -> int | None:
+    """The tokens (all ranks) a run had trained when it saved ``path`` (BatchAccounting's), or None."""
+    states = _checkpoint_meta(path).get("callbacks", {})
+    seen = [state["tokens_seen"] for state in states.values() if isinstance(state, dict) and "tokens_seen" in state]
+    return int(seen[0]) if seen else None
 
 
 def checkpoints_in_order(folder: Path, steps: Callable[[Path], int]) -> list[Path]:
