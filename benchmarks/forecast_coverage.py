@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import ROOT, git_commit
+from benchmarks.common import ROOT, check_run, git_commit, refuse_unless_checked
 from lit_cbs.analysis.forecast import SPREAD_PRIOR_MEDIAN, Bracket, CBSForecast, brackets_from_records, forecast_cbs
 from lit_cbs.analysis.probe_schedule import run_config_value
 from lit_cbs.probe import read_readings
@@ -79,7 +79,12 @@ def run_brackets(run: Path) -> list[Bracket]:
     path = next((f for f in (run / "probe" / "cbs_probe.jsonl", run / "cbs_probe.jsonl") if f.is_file()), None)
     if path is None:
         raise SystemExit(f"forecast_coverage: {run} holds no cbs_probe.jsonl (nor probe/cbs_probe.jsonl)")
-    return brackets_from_records(read_readings(path), run=run.name)
+    readings = read_readings(path)
+    # A recipe run (summary.json) must have finished with no failed probe, and no reading may hold a failed branch.
+    problems = check_run(run) if (run / "summary.json").is_file() else []
+    problems += [f"{path}: branches {r.failed} failed at {r.tokens:,} tokens" for r in readings if r.failed]
+    refuse_unless_checked(problems, "forecast_coverage")
+    return brackets_from_records(readings, run=run.name)
 
 
 def fitted(brackets: Sequence[Bracket], spread_prior: float = SPREAD_PRIOR_MEDIAN) -> tuple[CBSForecast, bool]:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from benchmarks import forecast_coverage
 
 
@@ -47,3 +49,15 @@ def test_forecast_coverage_counts_each_later_reading_once_with_a_prior_fitted_ou
     text = markdown.read_text()
     assert "<!-- forecast_coverage:start -->" in text and "Covered: " in text and "of 9 later readings" in text
     assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_run_whose_probe_failed_is_refused_before_anything_is_written(tmp_path):
+    run = write_run(tmp_path / "a_s1", "a", [(32768 * 2**i, 2**i, 2 ** (i + 1)) for i in range(4)])
+    (run / "summary.json").write_text("{}")
+    (run / "train.log").write_text("CBS probe at 65,536 tokens failed: the side job ran out of memory\n")
+    markdown = tmp_path / "RESULTS.md"
+    with pytest.raises(
+        SystemExit, match=r"(?s)forecast_coverage: no table written: .*CBS probe at 65,536 tokens failed"
+    ):
+        forecast_coverage.main(["--runs", str(run), "--seeds", "1", "--markdown", str(markdown)])
+    assert not markdown.exists()
