@@ -23,7 +23,7 @@ from lit_cbs.probe.engine import ProbeConfig, ProbeEngine, ProbePoint
 from lit_cbs.probe.in_process import InProcessRunner
 from lit_cbs.probe.plan import ProbeRun, ProbeSkip, RunEnd
 from lit_cbs.probe.reading import BranchScore, ProbeReading
-from lit_cbs.probe.side_jobs import SideJobRunner
+from lit_cbs.probe.side_jobs import SideJobRunner, TrainerHost
 from lit_cbs.rules.batch_schedules import CBSAdaptive
 
 __all__ = ["CBSProbeCallback"]
@@ -164,7 +164,13 @@ class CBSProbeCallback(Callback):
             self._write_history()
         if self._side is not None:
             assert self._output_dir is not None, "refused above"
-            self._side.attach(trainer, self._output_dir)
+            if resizable_train_loader(trainer) is None:
+                raise LitCBSConfigError(
+                    "CBSProbeCallback(side_jobs=...) hands each probe's window to a job as a data position, which "
+                    "only a lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one, or drop side_jobs "
+                    "(in-process probing records the window as the run trains it)"
+                )
+            self._side.attach(TrainerHost(trainer, self._side.settings), self._output_dir)
         due = run.accounting.tokens_seen >= self.config.probe_point(self.probes_started)
         if self._resumed and due and not run.accounting.budget_reached:
             # Resumed where a probe was due (or inside a stopped one): it starts here, as it did after this step.

@@ -40,6 +40,8 @@ class RunParts:
         datamodule: the run's, with a ``GlobalOrderLoader`` train loader; its validation data gives held-out batches.
         trainer: ``lightning.Trainer`` keyword arguments as the run had them (``precision``, ``strategy``, ...).
         callbacks: the run's ``BatchWarmup`` (or ``BatchAccounting``), as made for the run.
+        lightning_checkpoint: False where the checkpoint is another loop's, which ``callbacks`` restore at the fit's
+            start (``lit_cbs.litgpt``): the fit then starts from no Lightning checkpoint.
 
     Examples:
         >>> import lightning.pytorch as pl
@@ -52,6 +54,7 @@ class RunParts:
     datamodule: pl.LightningDataModule | None = None
     trainer: dict[str, Any] = field(default_factory=dict)
     callbacks: list[Callback] = field(default_factory=list)
+    lightning_checkpoint: bool = True
 
 
 class CheckpointProbe(Callback):
@@ -181,7 +184,8 @@ def run_checkpoint_probe(ckpt_path: str | Path, parts: RunParts, probe: Checkpoi
     with warnings.catch_warnings():
         # The run's other callbacks (its probe, its checkpointing) are not needed to train branches.
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint need to be provided")
-        trainer.fit(parts.model, datamodule=parts.datamodule, ckpt_path=str(ckpt_path))
+        resume = str(ckpt_path) if parts.lightning_checkpoint else None
+        trainer.fit(parts.model, datamodule=parts.datamodule, ckpt_path=resume)
     return trainer
 
 

@@ -15,12 +15,11 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lit_cbs.callbacks.accounting import resizable_train_loader
 from lit_cbs.callbacks.warmup import BatchWarmup
 from lit_cbs.errors import LitCBSConfigError
 from lit_cbs.probe.engine import BranchOutcome, ProbeConfig, ProbePoint, Runner, score_from_json
@@ -68,7 +67,45 @@ def build_parts(build: str, build_args: dict[str, Any]) -> RunParts:
     return parts
 
 
-def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_args: dict[str, Any]) -> dict[str, Any]:
+class Host(Protocol):
+    """The main run's loop as its side jobs need it: ranks, a barrier and a broadcast, the point's checkpoint."""
+
+    is_global_zero: bool
+    world_size: int
+
+    def barrier(self) -> None: ...
+    def broadcast(self, obj: Any) -> Any: ...
+    def checkpoint(self, folder: Path) -> Path: ...  # where the point's checkpoint goes in its folder
+    def save(self, path: Path) -> None: ...  # on every rank
+    def build(self, folder: Path) -> tuple[str, dict[str, Any]]: ...  # the job's build target and its arguments
+
+
+class TrainerHost:
+    """A Lightning Trainer as a side job's ``Host``: ``start.ckpt``, rebuilt by ``SideJobs.build``."""
+
+    def __init__(self, trainer: pl.Trainer, settings: SideJobs):
+        self.trainer, self.settings = trainer, settings
+        self.is_global_zero, self.world_size = trainer.is_global_zero, trainer.world_size
+
+    def barrier(self) -> None:
+        self.trainer.strategy.barrier("SideJobRunner")
+
+    def broadcast(self, obj: Any) -> Any:
+        return self.trainer.strategy.broadcast(obj)
+
+    def checkpoint(self, folder: Path) -> Path:
+        return folder / CHECKPOINT_NAME
+
+    def save(self, path: Path) -> None:
+        self.trainer.save_checkpoint(path, weights_only=False)
+
+    def build(self, folder: Path) -> tuple[str, dict[str, Any]]:
+        return self.settings.build, self.settings.build_args
+
+
+def job_description(
+    point: ProbePoint, config: ProbeConfig, checkpoint: Path, build: str, build_args: dict[str, Any]
+) -> dict[str, Any]:
     """What a side job is told (``job.json``): checkpoint, build, settings, plan, the main run."""
     settings = {
         name: getattr(config, name)
@@ -80,7 +117,7 @@ def job_description(point: ProbePoint, config: ProbeConfig, build: str, build_ar
     }  # fmt: skip
     folder = Path(point.folder)
     return {
-        "checkpoint": str(folder / CHECKPOINT_NAME),
+        "checkpoint": str(checkpoint),
         "build": build,
         "build_args": build_args,
         "config": settings,
@@ -99,7 +136,7 @@ class SideJobRunner(Runner):
 
     def __init__(self, settings: SideJobs, config: ProbeConfig):
         self.settings, self.config = settings, config
-        self.trainer: pl.Trainer | None = None
+        self.host: Host | None = None
         self.folder: Path | None = None  # JOBS_FOLDER of the run
         self.pending: dict[int, ProbePoint] = {}  # points started whose outcome is not taken
         self._heartbeat: threading.Event | None = None
@@ -135,17 +172,11 @@ class SideJobRunner(Runner):
         if (problem := trainer.strategy.broadcast(problem)) is not None:
             raise LitCBSConfigError(problem)
 
-    def attach(self, trainer: pl.Trainer, output_dir: Path) -> None:
-        """At the fit's start: the run's folder, the loader's data position, and the heartbeat jobs watch."""
-        if resizable_train_loader(trainer) is None:
-            raise LitCBSConfigError(
-                "CBSProbeCallback(side_jobs=...) hands each probe's window to a job as a data position, which only a "
-                "lit_cbs.GlobalOrderLoader train loader keeps: give the datamodule one, or drop side_jobs (in-process "
-                "probing records the window as the run trains it)"
-            )
-        self.trainer, self.folder = trainer, output_dir / JOBS_FOLDER
+    def attach(self, host: Host, output_dir: Path) -> None:
+        """At the fit's start: the run's folder, and the heartbeat jobs watch."""
+        self.host, self.folder = host, output_dir / JOBS_FOLDER
         self.look_every, self._steps_since_look, self._last_look, self.every_call = 1, 0, None, False
-        if trainer.is_global_zero and self._heartbeat is None:
+        if host.is_global_zero and self._heartbeat is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._heartbeat = threading.Event()
             threading.Thread(target=_beat, args=(self.folder / HEARTBEAT_FILE, self._heartbeat), daemon=True).start()
@@ -156,9 +187,9 @@ class SideJobRunner(Runner):
             self._heartbeat = None
 
     @property
-    def _trainer(self) -> pl.Trainer:
-        assert self.trainer is not None, "attached at the fit's start"
-        return self.trainer
+    def _host(self) -> Host:
+        assert self.host is not None, "attached at the fit's start"
+        return self.host
 
     def folder_for(self, index: int, tokens: int) -> str:
         assert self.folder is not None, "attached at the fit's start"
@@ -166,18 +197,17 @@ class SideJobRunner(Runner):
 
     def start(self, point: ProbePoint) -> None:
         """Write the point's checkpoint (every rank) and job description; start (or queue) its job."""
-        trainer, started, folder = self._trainer, time.perf_counter(), Path(point.folder)
-        if trainer.is_global_zero:
+        host, started, folder = self._host, time.perf_counter(), Path(point.folder)
+        if host.is_global_zero:
             if folder.exists():  # from a timeline this run's resume left behind
                 shutil.rmtree(folder)
             folder.mkdir(parents=True)
-        trainer.strategy.barrier("SideJobRunner.start")
-        trainer.save_checkpoint(folder / CHECKPOINT_NAME, weights_only=False)
+        host.barrier()
+        checkpoint = host.checkpoint(folder)
+        host.save(checkpoint)
         self.pending[point.index] = point
-        if trainer.is_global_zero:
-            write_json(
-                folder / JOB_FILE, job_description(point, self.config, self.settings.build, self.settings.build_args)
-            )
+        if host.is_global_zero:
+            write_json(folder / JOB_FILE, job_description(point, self.config, checkpoint, *host.build(folder)))
             self._start_queued()
         self.waits["checkpoint"] += time.perf_counter() - started
         self.waits["checkpoints"] += 1
@@ -189,7 +219,7 @@ class SideJobRunner(Runner):
 
     def window_ended(self, point: ProbePoint) -> None:
         """The main run's score over the window is in: a job bisecting from it may go on."""
-        if self._trainer.is_global_zero:
+        if self._host.is_global_zero:
             content = {"score": point.main_score, "changed_batch": point.main_changed_batch}
             write_json(Path(point.folder) / MAIN_SCORE_FILE, content)
 
@@ -208,17 +238,17 @@ class SideJobRunner(Runner):
 
     def poll(self) -> list[tuple[ProbePoint, BranchOutcome | str]]:
         """The points whose outcome (or failure) is in; rank 0 looks every ``look_every`` calls."""
-        trainer = self._trainer
+        host = self._host
         self._steps_since_look += 1
         if not (self.every_call or self._steps_since_look >= self.look_every):
             return []
         started = time.perf_counter()
         found: list[tuple[int, dict[str, Any] | str]] = []
-        if trainer.is_global_zero:
+        if host.is_global_zero:
             found = [(point.index, out) for point in self.pending.values() if (out := self._outcome(point)) is not None]
-        every = self._next_look_every(started) if trainer.is_global_zero else 1
-        if trainer.world_size > 1:
-            found, every = trainer.strategy.broadcast((found, every))
+        every = self._next_look_every(started) if host.is_global_zero else 1
+        if host.world_size > 1:
+            found, every = host.broadcast((found, every))
         self.look_every, self._steps_since_look = every, 0
         finished: list[tuple[ProbePoint, BranchOutcome | str]] = []
         for index, content in found:
@@ -229,7 +259,7 @@ class SideJobRunner(Runner):
             scores = {float(k): score_from_json(score) for k, score in content["scores"].items()}
             trained, failed, tokens = content["trained"], content["failed"], content["tokens_trained"]
             finished.append((point, BranchOutcome(scores, trained, failed, tokens, point.window_tokens)))
-        if trainer.is_global_zero:
+        if host.is_global_zero:
             self._start_queued()
         cost = time.perf_counter() - started
         self._last_look = (started, cost)
@@ -253,7 +283,9 @@ class SideJobRunner(Runner):
             if point.handle is not None and self.settings.launcher.state(point.handle).running:
                 return None  # its scores are written and it is ending: taken once it ended (no process left over)
             point.handle, point.job_done = None, True
-            return json.loads(scores.read_text()) if point.main_score is not None and not point.main_open else None
+            # Taken once the main run's part of the window is trained (and its score is in, where it stands for k = 1).
+            ready = not point.main_open and (point.main_score is not None or not point.main_baseline)
+            return json.loads(scores.read_text()) if ready else None
         if point.handle is None:  # waiting its turn
             return None
         state = self.settings.launcher.state(point.handle)
@@ -295,10 +327,10 @@ class SideJobRunner(Runner):
 
     def close(self, point: ProbePoint) -> None:
         """The point's reading is recorded (or it failed): its start checkpoint goes, unless ``keep_checkpoints``."""
-        trainer = self.trainer
+        host = self.host
         self.pending.pop(point.index, None)
-        checkpoint = Path(point.folder) / CHECKPOINT_NAME
-        if trainer is not None and trainer.is_global_zero and not self.settings.keep_checkpoints:
+        if host is not None and host.is_global_zero and not self.settings.keep_checkpoints:
+            checkpoint = host.checkpoint(Path(point.folder))
             if checkpoint.is_dir():
                 shutil.rmtree(checkpoint)
             else:
