@@ -32,7 +32,7 @@ LAYERS = [
     ("callbacks", ["lit_cbs.callbacks"]),
     ("models", ["lit_cbs.models"]),
     ("measurements", ["lit_cbs.probe", "lit_cbs.gns"]),
-    ("programs", ["lit_cbs.run"]),
+    ("programs", ["lit_cbs.run", "lit_cbs.litgpt"]),
 ]
 
 
