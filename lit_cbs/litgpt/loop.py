@@ -28,8 +28,8 @@ HISTORY_FILE = "batch_history.json"
 
 
 class DDPInstead:
-    """Where ``litgpt pretrain`` makes its FSDP strategy (beyond one device), "ddp" (``strategy: ddp``); its
-    ``isinstance`` checks then take the run for what it is, not FSDP."""
+    """LitGPT's ``FSDPStrategy`` under ``strategy: ddp``: where ``litgpt pretrain`` makes one (beyond one device) it
+    gets "ddp", and its ``isinstance`` checks see no FSDP."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         return "ddp"
@@ -94,8 +94,8 @@ class LitGPTRun:
             )
         if probe is not None and core.rules.names() != probe.rules.names():
             raise LitCBSConfigError(
-                f"probe({probe.rules.describe()}) and the run's {core.who} move the optimizer differently at a "
-                "batch change: give the probe the run's lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
+                f"probe({probe.rules.describe()}) and the run ({core.rules.describe()}) move the optimizer differently "
+                "at a batch change: give the probe the run's lr_rule, weight_decay_rule, beta2_rule and beta2_floor"
             )
         if strategy not in (None, "ddp"):
             raise LitCBSConfigError(
@@ -288,9 +288,9 @@ class LitGPTRun:
         )
         if samples < self.facts["max_iters"] * self.facts["micro_batch_size"] * self.facts["world_size"]:
             self.core.after_step([optimizer], step, samples, tokens, position=samples)  # not after the last step
-        if self.probes is not None:
-            assert batch is not None, "started"
-            self.probes.after_step(step, samples, tokens, batch, self.facts)
+        if self.probes is not None:  # a point opened now measures the batch the run trains next
+            assert self.core.global_batch is not None, "started"
+            self.probes.after_step(step, samples, tokens, self.core.global_batch, self.facts)
 
     def save(self, path: Path) -> None:
         """A LitGPT checkpoint of the step just taken, as litgpt's own save after it writes it."""
