@@ -21,7 +21,7 @@ import yaml
 pytest.importorskip("litgpt")
 from litgpt.pretrain import get_lr  # noqa: E402
 
-from lit_cbs.litgpt.__main__ import main  # noqa: E402
+from lit_cbs.litgpt.__main__ import CONFIG_VARIABLE, main  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -231,6 +231,7 @@ def test_settings_litgpt_cannot_train_are_refused_naming_its_flag(
     workspace: Path, monkeypatch: pytest.MonkeyPatch, argument: str, said: str
 ) -> None:
     monkeypatch.chdir(workspace)
+    monkeypatch.delenv(CONFIG_VARIABLE, raising=False)  # main() exports it for other devices' processes: undone after
     lit_cbs = lit_cbs_config(workspace, "warmup", schedule=SCHEDULE)
     config = litgpt_config(workspace, "refused", 16384)
     with pytest.raises(SystemExit, match=said.replace(".", r"\.").replace("[", r"\[")):
@@ -238,7 +239,8 @@ def test_settings_litgpt_cannot_train_are_refused_naming_its_flag(
     assert not (workspace / "refused" / "final").exists()
 
 
-def test_a_lit_cbs_config_is_checked_before_litgpt_starts(workspace: Path) -> None:
+def test_a_lit_cbs_config_is_checked_before_litgpt_starts(workspace: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CONFIG_VARIABLE, raising=False)
     bad = lit_cbs_config(workspace, "bad", schedule=SCHEDULE, probe={"every_tokens": 4096})
     with pytest.raises(SystemExit, match="probe.side_jobs is missing"):
         main(["pretrain", "--lit_cbs", str(bad)])
@@ -291,6 +293,7 @@ def test_a_probe_of_a_checkpoint_trains_on_the_rows_the_run_trains_next(
 
     monkeypatch.setattr(litgpt_pretrain, "CycleIterator", Watched)
     monkeypatch.chdir(workspace)
+    monkeypatch.delenv(CONFIG_VARIABLE, raising=False)
     checkpoint = reference / "step-00000018" / "lit_model.pth"
     parts = checkpoint_parts(checkpoint)
     assert parts.datamodule is not None
