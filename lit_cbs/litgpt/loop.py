@@ -196,6 +196,7 @@ class LitGPTRun:
             "micro_batch_size": micro,
             "seq_len": seq,
             "max_iters": max_iters,
+            "max_tokens": train.max_tokens,
             "min_lr": train.min_lr,
             "max_norm": train.max_norm,
         }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +10,7 @@ from typing import Any
 
 from lit_cbs import metrics
 from lit_cbs.probe.engine import ProbeConfig, ProbeEngine, ProbePoint
-from lit_cbs.probe.plan import window_at
+from lit_cbs.probe.plan import ProbeSkip, RunEnd, plan_at
 from lit_cbs.probe.reading import ProbeReading
 from lit_cbs.probe.side_jobs import Host, SideJobRunner
 from lit_cbs.rules.batch_schedules import BatchSchedule, CBSAdaptive
@@ -30,7 +29,8 @@ class LitGPTProbes:
     def __init__(self, config: ProbeConfig, schedule: BatchSchedule, counts: Callable[[], tuple[int, int]]):
         assert config.side_jobs is not None, "LitGPTRun refuses a probe without side jobs"
         self.config, self.probes_started = config, 0
-        self.runner = SideJobRunner(dataclasses.replace(config.side_jobs, build=BUILD), config)
+        self.deferred = False  # a due point the run's end would cut: left to a resumed run
+        self.runner = SideJobRunner(config.side_jobs, config)  # its jobs' build: FabricHost's, from the checkpoints
         adaptive = schedule if isinstance(schedule, CBSAdaptive) else None
         self.engine = ProbeEngine(config, self.runner, self._said_reading, self._said_failure, adaptive)
         self.engine.consumed = lambda: counts()[0 if schedule.unit == "samples" else 1]
@@ -49,25 +49,37 @@ class LitGPTProbes:
         """Take the readings that arrived; open a point that is due (or say why it is skipped)."""
         config, engine = self.config, self.engine
         engine.poll()
-        if tokens < config.probe_point(self.probes_started):
+        if self.deferred or tokens < config.probe_point(self.probes_started):
             return
         index = self.probes_started
         while config.probe_point(self.probes_started) <= tokens:
             self.probes_started += 1
         out, final = engine.adaptive_asks(batch)
-        unit = facts["micro_batch_size"] * facts["world_size"]
-        ks, window = window_at(config, batch, facts["seq_len"], lambda k: None if k * batch % unit else unit)
-        why = None
         if out is not None:
-            why = f"the reading at {out:,} tokens, at this batch ({batch}), is still out"
-        elif final is not None:
-            why = f"CBSAdaptive is at its final batch {final}, where no reading can move it"
-        elif not window:
-            why = f"fewer than two multipliers, k = 1 among them, fit batch {batch}"
-        elif samples + window * config.replicates > facts["max_iters"] * unit:
-            why = "its window would end past the run's end (--train.max_tokens)"
-        if why is not None:
-            self.fabric.print(f"CBS probe at {tokens:,} tokens skipped: {why}")
+            self.fabric.print(
+                f"CBS probe at {tokens:,} tokens skipped: the reading at {out:,} tokens, at this batch ({batch}), is "
+                "still out"
+            )
+            return
+        unit, budget = facts["micro_batch_size"] * facts["world_size"], facts["max_tokens"]
+        end = RunEnd(facts["max_iters"] * unit * facts["seq_len"], None, f"--train.max_tokens={budget}")
+        plan = plan_at(
+            config,
+            tokens,
+            batch,
+            facts["seq_len"],
+            facts["world_size"],
+            lambda k: None if k * batch % unit else facts["micro_batch_size"],  # the batch grows by accumulation
+            end=end,
+            tokens_spent=engine.tokens_spent,
+            adaptive_final=final,
+        )
+        if isinstance(plan, ProbeSkip):
+            if plan.stays_due:  # a run resumed from this one's last checkpoint (with a larger budget) takes it
+                self.probes_started, self.deferred = index, True
+            self.fabric.print(
+                f"CBS probe at {tokens:,} tokens {'not started' if plan.stays_due else 'skipped'}: {plan.reason}"
+            )
             return
         point = ProbePoint(
             index=index,
@@ -75,11 +87,11 @@ class LitGPTProbes:
             step=step,
             batch_size=batch,
             seq_len=facts["seq_len"],
-            multipliers=ks,
-            window_samples=window,
+            multipliers=plan.multipliers,
+            window_samples=plan.window_samples,
             folder=self.runner.folder_for(index, tokens),
             main_baseline=False,  # the job trains k = 1 too: litgpt's loop scores no window of its own
-            window_end_samples=samples + window * config.replicates,
+            window_end_samples=samples + plan.window_samples * config.replicates,
             replicates=config.replicates,
             window_done=True,
             main_open=False,

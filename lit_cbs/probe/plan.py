@@ -82,14 +82,44 @@ def plan_probe(
     """The probe due now at the run's global batch, or why it is skipped; ``main_span_tokens``: the main run's tokens
     it records (None: ``replicates`` windows); ``uneven_loader``: one whose epoch's last round leaves the ranks
     different numbers of samples."""
-    config, tokens, batch_size, seq_len = run.config, run.accounting.tokens_seen, run.global_batch(), run.seq_len()
-    data_parallel_size = run.accounting.data_parallel_size
+    batch_size = run.global_batch()
+    return plan_at(
+        run.config,
+        run.accounting.tokens_seen,
+        batch_size,
+        run.seq_len(),
+        run.accounting.data_parallel_size,
+        run.micro_batch_for(batch_size),
+        end=end,
+        tokens_spent=tokens_spent,
+        main_span_tokens=main_span_tokens,
+        adaptive_final=adaptive_final,
+        uneven_at=(uneven_loader, run.largest_batch()) if uneven_loader is not None else None,
+    )
+
+
+def plan_at(
+    config: ProbeConfig,
+    tokens: int,
+    batch_size: int,
+    seq_len: int,
+    data_parallel_size: int,
+    branch_micro_batch: Callable[[float], int | None],
+    *,
+    end: RunEnd | None = None,
+    tokens_spent: int = 0,
+    main_span_tokens: int | None = None,
+    adaptive_final: int | None = None,
+    uneven_at: tuple[GlobalOrderLoader, int] | None = None,
+) -> ProbePlan | ProbeSkip:
+    """``plan_probe`` of any loop, from its numbers: ``tokens`` trained, the global batch, ``branch_micro_batch`` (k
+    -> samples per rank, None where k x B does not divide), ``uneven_at``: (the uneven loader, the largest batch)."""
     if adaptive_final is not None:
         return ProbeSkip(
             f"CBSAdaptive is at its final batch {adaptive_final}, where no reading can move it "
             "(CBSAdaptive(probe_after_final=True) keeps probing)"
         )
-    ks, window_samples = window_at(config, batch_size, seq_len, run.micro_batch_for(batch_size))
+    ks, window_samples = window_at(config, batch_size, seq_len, branch_micro_batch)
     if not window_samples:
         return ProbeSkip(f"fewer than two multipliers, k = 1 among them, fit batch {batch_size}", warn=True)
     largest = max(ks) * batch_size
@@ -106,10 +136,11 @@ def plan_probe(
         overhead = (tokens_spent + expected) / max(1, tokens + window_tokens * config.replicates)
         if overhead > config.max_overhead:
             return ProbeSkip(f"it would bring probe overhead to {overhead:.2f} > max_overhead={config.max_overhead}")
-    if uneven_loader is not None:
+    if uneven_at is not None:
         # Each rank records its own micro-batches and the branches need as many on every rank, so a window stays
         # clear of an epoch's last round; the main run may change its batch inside it and pass it by a step.
-        reach = window_samples * config.replicates + max(batch_size, run.largest_batch())
+        uneven_loader, largest_batch = uneven_at
+        reach = window_samples * config.replicates + max(batch_size, largest_batch)
         uneven = f"leave the {data_parallel_size} ranks different numbers of samples"
         epoch_samples = uneven_loader.num_samples
         if reach > epoch_samples:
