@@ -157,8 +157,8 @@ def _in_folder(folder: str, build: Callable[[], Any]) -> Any:
         os.chdir(here)
 
 
-def _data(hyperparameters: dict[str, Any], micro_batch_size: int, seq_len: int) -> tuple[Any, Any, Any]:
-    """The run's LitGPT data module (as ``hyperparameters.yaml`` names it), connected and set up; its loaders."""
+def _loaders(hyperparameters: dict[str, Any], micro_batch_size: int, seq_len: int) -> tuple[Any, Any]:
+    """The train and validation loaders of the run's LitGPT data module (as ``hyperparameters.yaml`` names it)."""
     from jsonargparse import ArgumentParser
     from litgpt.data import DataModule
 
@@ -167,7 +167,7 @@ def _data(hyperparameters: dict[str, Any], micro_batch_size: int, seq_len: int) 
     data = parser.instantiate_classes(parser.parse_object({"data": hyperparameters["data"]})).data
     data.connect(None, batch_size=micro_batch_size, max_seq_length=seq_len)
     data.setup()
-    return data, data.train_dataloader(), data.val_dataloader()
+    return data.train_dataloader(), data.val_dataloader()
 
 
 def checkpoint_parts(checkpoint: str | os.PathLike[str]) -> RunParts:
@@ -195,7 +195,7 @@ def checkpoint_parts(checkpoint: str | os.PathLike[str]) -> RunParts:
     micro, seq = run["micro_batch_size"], run["seq_len"]
     iters = int(saved["iter_num"])
     rows = max(1, (run["max_iters"] - iters) * micro)  # what the run has left to train, read as it is asked for
-    _, train, val = _in_folder(run["cwd"], functools.partial(_data, hyperparameters, micro, seq))
+    train, val = _in_folder(run["cwd"], functools.partial(_loaders, hyperparameters, micro, seq))
     train.load_state_dict(saved["train_dataloader"])
     schedule = functools.partial(
         litgpt_lr,
